@@ -1,0 +1,117 @@
+"""Writing an engine artifact directory (layout in runtime/artifact.py).
+
+The artifact is assembled in a sibling temporary directory and moved into place only when complete,
+so a failed build never leaves a half-written artifact or destroys the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import socket
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from builder import __version__
+from builder.checkpoint import Checkpoint
+from builder.recipe import Recipe
+from builder.report import render_reports
+from passes import PassRecord
+from passes.ir import Graph
+from runtime.artifact import (FORMAT_NAME, FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS,
+                              file_sha256, manifest_digest)
+
+
+def _versions() -> dict[str, str]:
+    import transformers
+
+    return {"toolchain": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def write_artifact(recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
+                   started_at: str, start: float, timings: dict[str, float]) -> Path:
+    out = Path(recipe.output_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.building"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        _write_contents(tmp, recipe, ckpt, graph, records, started_at, start, timings)
+        if out.exists():
+            old = out.parent / f".{out.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
+                    started_at: str, start: float, timings: dict[str, float]) -> None:
+    (tmp / GRAPH).write_text(graph.to_json())
+    tensors = {name: t.contiguous() for name, t in graph.params.items()}
+    save_file(tensors, tmp / WEIGHTS, metadata={"format": FORMAT_NAME})
+    tok_dir = tmp / TOKENIZER_DIR
+    tok_dir.mkdir()
+    for f in ckpt.tokenizer_files():
+        shutil.copy2(f, tok_dir / f.name)
+
+    verify = next((r.details for r in records if r.name == "verify"), None)
+    manifest: dict[str, Any] = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "name": recipe.name,
+        "versions": _versions(),
+        "recipe": recipe.resolved(),
+        "recipe_sha256": recipe.sha256(),
+        "source": {
+            "checkpoint": str(ckpt.path),
+            "model_type": ckpt.model_type,
+            "config": ckpt.config_dict,
+            "files": ckpt.file_hashes(),
+        },
+        "model": {**graph.meta, "dtype": recipe.model.dtype, "num_parameters": graph.num_params()},
+        "runtime": recipe.runtime.model_dump(mode="json"),
+        "graph": {"file": GRAPH, "ir_version": graph.version, "num_nodes": len(graph.nodes),
+                  "ops": graph.count_ops()},
+        "weights": {"files": [WEIGHTS], "num_tensors": len(tensors),
+                    "bytes": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "build": {
+            "started_at": started_at,
+            "host": socket.gethostname(),
+            "platform": platform.platform(),
+            "timings_s": timings,
+            "passes": [asdict(r) for r in records],
+            "verify": verify,
+        },
+        "reports": {"markdown": "report.md", "html": "report.html"},
+    }
+    manifest["build"]["duration_s"] = round(time.perf_counter() - start, 3)
+    manifest["files"] = _file_table(tmp)  # report sizes need the weight files' sizes
+    for name, text in render_reports(manifest, graph).items():
+        (tmp / name).write_text(text)
+    manifest["files"] = _file_table(tmp)
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def _file_table(root: Path) -> dict[str, dict[str, Any]]:
+    table = {}
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and f.name != MANIFEST:
+            table[f.relative_to(root).as_posix()] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+    return table

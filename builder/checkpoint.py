@@ -1,0 +1,142 @@
+"""Reading a local Hugging Face checkpoint directory: config, safetensors weights, tokenizer files.
+
+Weights are read with safetensors only; a checkpoint that ships only pickled weights
+(``pytorch_model.bin``) is refused rather than unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint directory is missing, incomplete, corrupt or of an unsupported kind."""
+
+
+@dataclass
+class Checkpoint:
+    """A verified local checkpoint: where its files are and what they hold."""
+
+    path: Path
+    config_dict: dict
+    weight_files: list[Path]  # safetensors files, in name order
+    weight_map: dict[str, Path]  # tensor name -> file
+
+    @property
+    def model_type(self) -> str:
+        return self.config_dict.get("model_type", "")
+
+    def hf_config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.path / f for f in TOKENIZER_FILES if (self.path / f).is_file()]
+
+    def file_hashes(self) -> dict[str, str]:
+        """sha256 of config, weight and tokenizer files, for the manifest."""
+        files = [self.path / "config.json", *self.weight_files, *self.tokenizer_files()]
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            files.append(index)
+        return {f.name: _sha256(f) for f in files}
+
+    def load_tensors(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Read the named tensors (cast to ``dtype`` if floating point)."""
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self.weight_map:
+                raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint's weight files")
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in file_names:
+                        t = f.get_tensor(name)
+                        out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: cannot read tensor data ({e}); the file is corrupt or truncated, "
+                                      f"download the checkpoint again") from e
+        return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Check a checkpoint directory and index its weights; raises CheckpointError saying what is wrong."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        hint = (f" {str(path)!r} looks like a model hub id: this toolchain never downloads; download the "
+                f"checkpoint first (e.g. `huggingface-cli download {path} --local-dir models/NAME`) and point "
+                f"model.checkpoint at that directory" if _looks_like_hub_id(str(path))
+                else " download the checkpoint first and point model.checkpoint at its local directory")
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist;{hint}")
+    if not p.is_dir():
+        raise CheckpointError(f"checkpoint {str(p)!r} is not a directory; expected a Hugging Face model directory "
+                              f"with config.json and *.safetensors")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{p} has no config.json; expected a Hugging Face model directory")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_FAMILIES:
+        raise CheckpointError(f"{cfg_file}: model_type {model_type!r} is not supported; supported families: "
+                              f"{', '.join(SUPPORTED_FAMILIES)}")
+    weight_files, weight_map = _index_weights(p)
+    return Checkpoint(p, config, weight_files, weight_map)
+
+
+def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
+    index = p / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from e
+        files = sorted({p / f for f in mapping.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{p}: shards named in {INDEX_FILE} are missing: {', '.join(missing)}")
+    else:
+        files = sorted(p.glob("*.safetensors"))
+        if not files:
+            pickles = [f.name for f in p.glob("*.bin")] + [f.name for f in p.glob("*.pt")]
+            extra = (f" (found {', '.join(pickles)}: pickled weights are never loaded; convert them to "
+                     f"safetensors first)" if pickles else "")
+            raise CheckpointError(f"{p} has no *.safetensors weight files{extra}")
+    weight_map: dict[Path, Path] = {}
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as handle:
+                for name in handle.keys():
+                    weight_map[name] = f
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e}); download the checkpoint again") from e
+    return files, weight_map

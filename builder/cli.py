@@ -1,0 +1,148 @@
+"""`builder`: build, inspect and run engine artifacts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Turn a Hugging Face checkpoint into a self-contained engine artifact, and run it.")
+
+
+def _setup_logging(quiet: bool) -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, format="%(message)s",
+                        datefmt="[%X]", handlers=[RichHandler(show_path=False, markup=False)], force=True)
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code=1)
+
+
+@app.command()
+def build(
+    recipe: Path = typer.Argument(..., help="recipe YAML"),
+    set_: list[str] = typer.Option([], "--set", help="override a recipe key: --set runtime.max_seq_len=4096"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings and errors"),
+) -> None:
+    """Build an engine artifact from a recipe."""
+    _setup_logging(quiet)
+    from builder.checkpoint import CheckpointError
+    from builder.pipeline import BuildError, build as run_build
+    from builder.recipe import RecipeError, load_recipe
+    from passes import GraphError, PassError
+    from passes.lift import LiftError
+
+    try:
+        r = load_recipe(recipe, set_)
+        result = run_build(r)
+    except (RecipeError, CheckpointError, BuildError, LiftError, PassError, GraphError) as e:
+        _fail(str(e))
+    typer.echo(f"artifact: {result.output_dir} ({result.seconds:.1f}s); report: {result.output_dir / 'report.html'}")
+
+
+@app.command()
+def generate(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    prompt: str = typer.Option(..., "--prompt", "-p"),
+    max_tokens: int = typer.Option(64, "--max-tokens"),
+    temperature: float = typer.Option(0.0, help="0 = greedy"),
+    top_k: int = typer.Option(0, "--top-k"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    seed: Optional[int] = typer.Option(None),
+    stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
+    chat: bool = typer.Option(False, "--chat", help="send the prompt as a user message through the chat template"),
+    device: str = typer.Option("cpu"),
+    stats: bool = typer.Option(False, "--stats", help="print timing to stderr"),
+) -> None:
+    """Generate text from an artifact (streams to stdout)."""
+    _setup_logging(True)
+    from runtime import ArtifactError, Engine, RequestError, SamplingParams
+    from runtime.sampling import SamplingError
+    from runtime.tokenizer import TokenizerError
+
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                seed=seed, stop=list(stop))
+        engine = Engine.load(artifact, device=device)
+        ids = (engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}]), add_special_tokens=False) if chat else prompt)
+        if not chat:
+            sys.stdout.write(prompt)
+        stream = engine.stream(ids, params)
+        while True:
+            try:
+                sys.stdout.write(next(stream))
+                sys.stdout.flush()
+            except StopIteration as done:
+                result = done.value
+                break
+    except (ArtifactError, RequestError, SamplingError, TokenizerError) as e:
+        _fail(str(e))
+    sys.stdout.write("\n")
+    if stats:
+        typer.echo(f"[{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} generated, "
+                   f"finish={result.finish_reason}, prefill {result.prefill_s * 1e3:.1f} ms, "
+                   f"decode {result.decode_tokens_per_s:.1f} tok/s]", err=True)
+
+
+@app.command()
+def inspect(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    graph: bool = typer.Option(False, "--graph", help="print the whole graph IR"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest as JSON"),
+) -> None:
+    """Show an artifact's manifest, graph summary, sizes and build report location."""
+    from runtime.artifact import ArtifactError, open_artifact
+
+    try:
+        a = open_artifact(artifact)
+    except ArtifactError as e:
+        _fail(str(e))
+    m = a.manifest
+    if as_json:
+        typer.echo(json.dumps(m, indent=1))
+        return
+    model = m["model"]
+    total = sum(f["bytes"] for f in m["files"].values())
+    lines = [
+        f"artifact      {artifact}  (format v{m['format_version']}, integrity verified)",
+        f"name          {m['name']}",
+        f"source        {m['source']['checkpoint']}  ({model['architecture']})",
+        f"model         {model['num_layers']} layers, hidden {model['hidden_size']}, heads "
+        f"{model['num_attention_heads']}/{model['num_key_value_heads']} kv, head_dim {model['head_dim']}, "
+        f"vocab {model['vocab_size']}, {model['num_parameters'] / 1e6:.2f}M params, {model['dtype']}",
+        f"runtime       " + ", ".join(f"{k}={v}" for k, v in m["runtime"].items()),
+        f"graph         IR v{m['graph']['ir_version']}, {m['graph']['num_nodes']} nodes: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(m["graph"]["ops"].items())),
+        f"passes        " + " -> ".join(p["name"] for p in m["build"]["passes"]),
+    ]
+    v = m["build"].get("verify")
+    lines.append(f"verify        max |logit err| {v['max_abs_logit_err']:.3g} (atol {v['atol']:g}), top-1 agreement "
+                 f"{v['top1_agreement']:.4f}" if v else "verify        not run")
+    lines.append(f"built         {m['build']['started_at']} on {m['build']['host']} in {m['build']['duration_s']:.2f}s; "
+                 f"toolchain {m['versions']['toolchain']}, torch {m['versions']['torch']}")
+    lines.append(f"size          {total / 2**20:.2f} MiB in {len(m['files'])} files")
+    for f, info in m["files"].items():
+        lines.append(f"  {info['bytes'] / 2**20:10.2f} MiB  {f}")
+    lines.append(f"report        {artifact / m['reports']['html']}  ({m['reports']['markdown']})")
+    typer.echo("\n".join(lines))
+    if graph:
+        typer.echo(a.graph and _graph_text(a.graph))
+
+
+def _graph_text(graph: dict) -> str:
+    from passes.ir import Graph
+
+    return str(Graph.from_dict(graph))
+
+
+if __name__ == "__main__":
+    app()

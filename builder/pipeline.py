@@ -1,0 +1,127 @@
+"""The build: checkpoint -> traced graph -> passes -> artifact.
+
+    recipe ──► open_checkpoint ──► trace (meta) ──► attach weights ──► passes ──► write_artifact
+                                                                      (verify runs the graph
+                                                                       against the HF model)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from builder.artifact import write_artifact
+from builder.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from builder.recipe import Recipe
+from passes import PassContext, PassRecord, run_passes
+from passes.ir import Graph
+from passes.trace import trace
+from runtime.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger("builder")
+
+
+class BuildError(RuntimeError):
+    """The build cannot go on; the message says why and what to change."""
+
+
+@dataclass
+class BuildResult:
+    output_dir: Path
+    graph: Graph
+    records: list[PassRecord]
+    seconds: float
+
+
+def resolve_passes(recipe: Recipe) -> list[str]:
+    """The ordered pass list this recipe runs (validated against the registry at recipe load)."""
+    return list(recipe.passes)
+
+
+def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``.
+
+    A tied weight is traced under one of its names (e.g. ``lm_head.weight``) while the checkpoint
+    may store it under another (``model.embed_tokens.weight``); aliases come from the model itself.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, p in meta_model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    alias_of = {n: names for names in aliases.values() for n in names}
+    wanted: dict[str, str] = {}  # graph name -> checkpoint name
+    for name, t in graph.params.items():
+        if not t.is_meta:
+            continue
+        stored = next((a for a in alias_of.get(name, [name]) if a in ckpt.weight_map), None)
+        if stored is None:
+            raise CheckpointError(f"{ckpt.path}: weight {name!r} (or an alias of it) is missing from the "
+                                  f"safetensors files; the checkpoint is incomplete")
+        wanted[name] = stored
+    tensors = ckpt.load_tensors(sorted(set(wanted.values())), dtype)
+    for name, stored in wanted.items():
+        expected = tuple(graph.params[name].shape)
+        if tuple(tensors[stored].shape) != expected:
+            raise CheckpointError(f"{ckpt.path}: tensor {stored!r} has shape {tuple(tensors[stored].shape)}, "
+                                  f"config.json implies {expected}")
+        graph.params[name] = tensors[stored]
+
+
+def reference_model(ckpt: Checkpoint, dtype: torch.dtype):
+    """The Hugging Face model with its real weights (safetensors only), for the verify pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True, use_safetensors=True)
+    model.eval()
+
+    @torch.inference_mode()
+    def logits(token_ids: list[int]) -> torch.Tensor:
+        return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+
+    return logits
+
+
+def build(recipe: Recipe) -> BuildResult:
+    """Run the whole build for ``recipe``; the artifact appears in ``recipe.output_dir`` only if it succeeds."""
+    start = time.perf_counter()
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    dtype = getattr(torch, recipe.model.dtype)
+    if recipe.quantization.algo != "none":
+        raise BuildError(f"quantization.algo {recipe.quantization.algo!r} is not available in this toolchain "
+                         f"version yet; use 'none'")
+    ckpt = open_checkpoint(recipe.model.checkpoint)
+    try:
+        tokenizer = Tokenizer.from_dir(ckpt.path)
+    except TokenizerError as e:
+        raise CheckpointError(f"{ckpt.path}: {e}; an artifact must carry its tokenizer") from e
+    config = ckpt.hf_config()
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos and recipe.runtime.max_seq_len > max_pos:
+        raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
+                         f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
+
+    t = time.perf_counter()
+    graph, meta_model = trace(config, recipe.runtime.max_seq_len)
+    trace_s = time.perf_counter() - t
+    t = time.perf_counter()
+    attach_weights(graph, ckpt, meta_model, dtype)
+    load_s = time.perf_counter() - t
+    log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
+
+    names = resolve_passes(recipe)
+    ctx = PassContext(verify_atol=recipe.verify_atol())
+    if "verify" in names:
+        ctx.reference = reference_model(ckpt, dtype)
+        ctx.verify_prompts = [tokenizer.encode(p) for p in recipe.verify.prompts]
+    graph, records = run_passes(graph, names, ctx)
+
+    timings = {"trace_s": trace_s, "load_weights_s": load_s,
+               "passes_s": sum(r.seconds for r in records)}
+    out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings)
+    seconds = time.perf_counter() - start
+    log.info("built %s in %.1fs", out, seconds)
+    return BuildResult(out, graph, records, seconds)

@@ -1,0 +1,178 @@
+"""The build recipe: YAML validated once, at load, into typed models that reject unknown keys.
+
+Errors name the key's path, the bad value and what is allowed, e.g.
+``quantization.algo: 'awk' is not one of awq, gptq, smoothquant, fp8, int8_wo, none``.
+Relative paths in a recipe are relative to the directory ``builder`` runs in.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DEFAULT_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce", "verify"]
+DEFAULT_VERIFY_PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import os\nimport sys\n\n\nclass Config:\n",
+    "The quick brown fox jumps over the lazy dog.",
+]
+# Default verify tolerance (max |logit difference|) per build dtype.
+DEFAULT_ATOL = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2.5e-1}
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be read or does not validate; the message lists every problem."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Strict):
+    checkpoint: str = Field(description="local Hugging Face checkpoint directory")
+    dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
+
+
+class VerifySection(_Strict):
+    prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_VERIFY_PROMPTS), min_length=1)
+    atol: Optional[float] = Field(default=None, gt=0, description="max |logit error|; default per dtype")
+
+
+class RuntimeSection(_Strict):
+    max_batch_size: int = Field(default=8, ge=1)
+    max_seq_len: int = Field(default=2048, ge=2)
+    max_num_tokens: int = Field(default=2048, ge=1, description="most tokens in one forward step")
+    tokens_per_block: int = Field(default=16, ge=1)
+    kv_cache_dtype: Literal["auto"] = "auto"
+
+    @model_validator(mode="after")
+    def _block_size_power_of_two(self) -> RuntimeSection:
+        if self.tokens_per_block & (self.tokens_per_block - 1):
+            raise ValueError(f"tokens_per_block {self.tokens_per_block} is not a power of two (e.g. 16, 32, 64)")
+        return self
+
+
+class QuantizationSection(_Strict):
+    algo: Literal["awq", "gptq", "smoothquant", "fp8", "int8_wo", "none"] = "none"
+
+
+class Recipe(_Strict):
+    name: Optional[str] = None
+    model: ModelSection
+    output_dir: str
+    passes: list[str] = Field(default_factory=lambda: list(DEFAULT_PASSES))
+    verify: VerifySection = Field(default_factory=VerifySection)
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection)
+    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+
+    @model_validator(mode="after")
+    def _known_passes(self) -> Recipe:
+        from passes import PASSES
+
+        for i, name in enumerate(self.passes):
+            if name not in PASSES:
+                raise ValueError(f"passes[{i}]: {name!r} is not a known pass; known: {', '.join(PASSES)}")
+        return self
+
+    def verify_atol(self) -> float:
+        return self.verify.atol if self.verify.atol is not None else DEFAULT_ATOL[self.model.dtype]
+
+    def resolved(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def sha256(self) -> str:
+        body = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(body).hexdigest()
+
+
+# --- loading ---------------------------------------------------------------------------------
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override (``key.path=value``) and validate a recipe file."""
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"recipe {str(p)!r} does not exist")
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{p}: not valid YAML ({e})") from e
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{p}: a recipe is a YAML mapping at the top level, got {type(raw).__name__}")
+    for item in overrides or []:
+        apply_override(raw, item)
+    raw.setdefault("name", p.stem)
+    return validate_recipe(raw, source=str(p))
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """Set ``a.b.c=value`` in the raw recipe; the value is parsed as YAML (so 8, true, [a, b] work)."""
+    if "=" not in item:
+        raise RecipeError(f"--set {item!r}: expected key.path=value")
+    key, _, text = item.partition("=")
+    parts = [k for k in key.strip().split(".")]
+    if not all(parts):
+        raise RecipeError(f"--set {item!r}: empty key in path {key!r}")
+    node = raw
+    for k in parts[:-1]:
+        child = node.setdefault(k, {})
+        if not isinstance(child, dict):
+            raise RecipeError(f"--set {item!r}: {k!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
+    try:
+        return Recipe.model_validate(raw)
+    except ValidationError as e:
+        lines = [format_error(err) for err in e.errors()]
+        raise RecipeError(f"{source}: invalid recipe:\n  " + "\n  ".join(lines)) from None
+
+
+def _loc(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top>"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    """The pydantic model that owns the key at ``loc`` (to list allowed keys)."""
+    model: Any = Recipe
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def format_error(err: dict) -> str:
+    loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
+    path = _loc(loc)
+    if kind == "extra_forbidden":
+        model = _model_at(loc)
+        allowed = list(model.model_fields) if model else []
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return f"{path}: unknown key{hint}; allowed here: {', '.join(allowed)}"
+    if kind == "literal_error":
+        expected = err.get("ctx", {}).get("expected", "")
+        options = expected.replace("'", "").replace(" or ", ", ")
+        return f"{path}: {value!r} is not one of {options}"
+    if kind == "missing":
+        return f"{path}: required key is missing"
+    if kind == "value_error":
+        msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        return f"{path}: {msg}" if loc else msg
+    return f"{path}: {value!r}: {err['msg'].lower()}"

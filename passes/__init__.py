@@ -1,0 +1,8 @@
+"""Graph IR and passes. Importing this package registers every pass."""
+
+from passes import dce, fuse_add_rms_norm, fuse_silu_mul, merge_gate_up, merge_qkv, verify  # noqa: F401
+from passes.base import PASSES, Pass, PassContext, PassError, PassRecord, PassResult, run_passes
+from passes.ir import IR_VERSION, Graph, GraphError, Node
+
+__all__ = ["IR_VERSION", "PASSES", "Graph", "GraphError", "Node", "Pass", "PassContext", "PassError",
+           "PassRecord", "PassResult", "run_passes"]

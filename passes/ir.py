@@ -1,0 +1,235 @@
+"""The project's graph IR: a flat, typed list of coarse ops over per-token tensors.
+
+Every value in the graph is a 2-D tensor ``[num_tokens, features]``: all sequences of a batch are
+packed along the token axis, so an op never sees batch or padding structure. Ops that care about
+heads (rope, attention, per-head norms) carry ``num_heads`` / ``head_dim`` attributes and view their
+input as ``[num_tokens, num_heads, head_dim]`` themselves. Which tokens belong to which sequence,
+their positions and their KV cache are the executor's business, passed beside the graph.
+
+The graph is serialized to JSON (``graph.json`` in an artifact); weights are referenced by name and
+stored separately (safetensors). See ``passes/README.md`` for the invariants passes must keep.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+IR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """What an op consumes and produces; used to check a graph's structure."""
+
+    num_inputs: tuple[int, int]  # (min, max) number of value inputs
+    weights: tuple[str, ...] = ()  # required weight roles
+    optional_weights: tuple[str, ...] = ()
+    required_attrs: tuple[str, ...] = ()
+    doc: str = ""
+
+
+# The op set. The runtime's executor implements every op named here (``runtime/ops.py``).
+OPS: dict[str, OpSpec] = {
+    "embedding": OpSpec((1, 1), ("weight",), doc="token ids [T] -> rows of the table [T, hidden]"),
+    "rms_norm": OpSpec(
+        (1, 1), (), ("weight",), ("eps",),
+        doc="x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), computed in fp32; "
+            "per head of size head_dim when that attr is set",
+    ),
+    "fused_add_rms_norm": OpSpec(
+        (2, 2), (), ("weight",), ("eps",),
+        doc="(x, residual) -> (rms_norm(x + residual), x + residual)",
+    ),
+    "linear": OpSpec(
+        (1, 1), ("weight",), ("bias",), ("in_features", "out_features"),
+        doc="x @ weight.T + bias; with split_sizes, the output is split along features into outputs",
+    ),
+    "rope": OpSpec(
+        (2, 2), ("inv_freq",), (), ("head_dim", "num_heads"),
+        doc="(x, positions) -> x rotated (rotate-half layout), cos/sin from inv_freq * attention_scaling",
+    ),
+    "attention": OpSpec(
+        (3, 3), (), (), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
+        doc="causal attention of q over the KV cache of layer `layer` after appending k, v",
+    ),
+    "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu"),
+    "silu_mul": OpSpec((1, 2), (), (), (), doc="silu(gate) * up; with one input, its two halves"),
+    "elementwise": OpSpec((1, 2), (), (), ("fn",), doc="fn in add, mul (two inputs) or scale (attr value)"),
+    "lm_head": OpSpec((1, 1), ("weight",), ("bias",), (), doc="logits for the rows the executor selects"),
+}
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+ELEMENTWISE = ("add", "mul", "scale")
+
+
+class GraphError(ValueError):
+    """A graph that breaks the IR's invariants, or a serialized graph that cannot be read."""
+
+
+@dataclass
+class Node:
+    """One op application. Values are named SSA-style; each is written by exactly one node."""
+
+    op: str
+    inputs: list[str]
+    outputs: list[str]
+    weights: dict[str, str] = field(default_factory=dict)  # role -> tensor name in Graph.params
+    attrs: dict[str, Any] = field(default_factory=dict)
+    source: str = ""  # module path in the source model this node was lifted from
+
+    def __str__(self) -> str:
+        outs = ", ".join(f"%{o}" for o in self.outputs)
+        args = [f"%{i}" for i in self.inputs] + [f"{r}=@{w}" for r, w in self.weights.items()]
+        attrs = ", ".join(f"{k}={_fmt_attr(v)}" for k, v in self.attrs.items())
+        text = f"{outs} = {self.op}({', '.join(args)})"
+        if attrs:
+            text += f" {{{attrs}}}"
+        if self.source:
+            text += f"  # {self.source}"
+        return text
+
+
+def _fmt_attr(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass
+class Graph:
+    """A model as an ordered list of nodes plus the weights they reference.
+
+    ``params`` maps weight names to tensors. During a build they are real (or meta, right after
+    tracing); serialization writes only their shapes and dtypes, the values go to safetensors.
+    """
+
+    nodes: list[Node]
+    inputs: list[str]  # graph inputs, always ["input_ids", "positions"]
+    outputs: list[str]  # graph outputs, ["logits"]
+    params: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)  # model dimensions and source family
+    version: int = IR_VERSION
+
+    # --- queries -------------------------------------------------------------------------
+    def producers(self) -> dict[str, Node]:
+        """Value name -> the node that writes it."""
+        return {out: n for n in self.nodes for out in n.outputs}
+
+    def users(self) -> dict[str, list[Node]]:
+        """Value name -> nodes that read it, in graph order."""
+        table: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for i in n.inputs:
+                table.setdefault(i, []).append(n)
+        return table
+
+    def count_ops(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for n in self.nodes:
+            counts[n.op] = counts.get(n.op, 0) + 1
+        return counts
+
+    def num_params(self) -> int:
+        return sum(t.numel() for t in self.params.values())
+
+    # --- invariants ----------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise GraphError if the graph breaks an invariant (see passes/README.md)."""
+        defined = set(self.inputs)
+        for n in self.nodes:
+            spec = OPS.get(n.op)
+            if spec is None:
+                raise GraphError(f"node {n}: unknown op {n.op!r}; known ops: {', '.join(OPS)}")
+            lo, hi = spec.num_inputs
+            if not lo <= len(n.inputs) <= hi:
+                raise GraphError(f"node {n}: {n.op} takes {lo}..{hi} inputs, got {len(n.inputs)}")
+            for i in n.inputs:
+                if i not in defined:
+                    raise GraphError(f"node {n}: input %{i} is not defined before use")
+            for role in spec.weights:
+                if role not in n.weights:
+                    raise GraphError(f"node {n}: {n.op} needs weight {role!r}")
+            for role, name in n.weights.items():
+                if role not in spec.weights + spec.optional_weights:
+                    raise GraphError(f"node {n}: {n.op} has no weight role {role!r}")
+                if name not in self.params:
+                    raise GraphError(f"node {n}: weight @{name} is not in the graph's params")
+            for a in spec.required_attrs:
+                if a not in n.attrs:
+                    raise GraphError(f"node {n}: {n.op} needs attribute {a!r}")
+            for o in n.outputs:
+                if o in defined:
+                    raise GraphError(f"node {n}: value %{o} is written twice")
+                defined.add(o)
+        for o in self.outputs:
+            if o not in defined:
+                raise GraphError(f"graph output %{o} is never written")
+
+    # --- serialization -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ir_version": self.version,
+            "inputs": list(self.inputs),
+            "outputs": list(self.outputs),
+            "meta": self.meta,
+            "params": {
+                name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                for name, t in self.params.items()
+            },
+            "nodes": [asdict(n) for n in self.nodes],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], params: dict[str, torch.Tensor] | None = None) -> Graph:
+        """Rebuild a graph; without ``params``, weights are meta tensors of the recorded shapes."""
+        version = data.get("ir_version")
+        if version != IR_VERSION:
+            raise GraphError(f"graph IR version {version!r} is not supported (this toolchain reads {IR_VERSION})")
+        if params is None:
+            params = {
+                name: torch.empty(info["shape"], dtype=getattr(torch, info["dtype"]), device="meta")
+                for name, info in data["params"].items()
+            }
+        nodes = [Node(**n) for n in data["nodes"]]
+        graph = cls(nodes, list(data["inputs"]), list(data["outputs"]), params, dict(data.get("meta", {})))
+        graph.check()
+        return graph
+
+    def __str__(self) -> str:
+        head = (
+            f"graph v{self.version} ({len(self.nodes)} nodes, {len(self.params)} weights, "
+            f"{self.num_params() / 1e6:.2f}M parameters)\n"
+            f"  inputs: {', '.join('%' + i for i in self.inputs)}\n"
+        )
+        body = "".join(f"  {n}\n" for n in self.nodes)
+        return head + body + f"  return {', '.join('%' + o for o in self.outputs)}\n"
+
+    def summary(self) -> str:
+        """One line per op kind with its count, for logs and `builder inspect`."""
+        return ", ".join(f"{op} x{c}" for op, c in sorted(self.count_ops().items()))
+
+
+class NameGen:
+    """Fresh value names: ``prefix``, ``prefix_1``, ``prefix_2``... unique within one graph."""
+
+    def __init__(self, taken: set[str] | None = None) -> None:
+        self.taken = set(taken or ())
+
+    def __call__(self, prefix: str) -> str:
+        name, k = prefix, 0
+        while name in self.taken:
+            k += 1
+            name = f"{prefix}_{k}"
+        self.taken.add(name)
+        return name
+
+    @classmethod
+    def for_graph(cls, graph: Graph) -> NameGen:
+        return cls({o for n in graph.nodes for o in n.outputs} | set(graph.inputs))

@@ -1,0 +1,48 @@
+"""verify: run the graph on a few prompts and compare its logits with the source model's."""
+
+from __future__ import annotations
+
+import torch
+
+from passes.base import Pass, PassContext, PassError, PassResult, register
+from passes.ir import Graph
+from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.kv_cache import KVLayout, SequenceKV
+
+
+def run_graph(graph: Graph, prompts: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
+    """Logits [len(prompt), vocab] for each prompt, from the runtime's executor over this graph."""
+    executor = Executor(graph.to_dict(), graph.params)
+    attn = [n for n in graph.nodes if n.op == "attention"]
+    layout = KVLayout([n.attrs["num_kv_heads"] for n in attn], [n.attrs["head_dim"] for n in attn], executor.dtype)
+    outs = []
+    for ids in prompts:
+        kv = SequenceKV(layout, len(ids), device)
+        inp = StepInput(torch.tensor(ids, device=device), torch.arange(len(ids), device=device),
+                        [SeqSlice(kv, 0, len(ids))])
+        outs.append(executor.forward(inp))
+    return outs
+
+
+@register
+class Verify(Pass):
+    """Fail the build if the graph's logits differ from the source model's by more than the tolerance."""
+
+    name = "verify"
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        if ctx.reference is None or not ctx.verify_prompts:
+            raise PassError("verify needs the source model and at least one prompt")
+        max_err, agree, total = 0.0, 0, 0
+        for ids, ours in zip(ctx.verify_prompts, run_graph(graph, ctx.verify_prompts)):
+            ref = ctx.reference(ids)
+            max_err = max(max_err, (ours - ref).abs().max().item())
+            agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+            total += len(ids)
+        details = {"max_abs_logit_err": max_err, "atol": ctx.verify_atol, "top1_agreement": agree / total,
+                   "num_prompts": len(ctx.verify_prompts), "num_tokens": total}
+        if not max_err <= ctx.verify_atol:
+            raise PassError(f"verify: logits differ from the source model by up to {max_err:.3g} "
+                            f"(tolerance {ctx.verify_atol:g}, top-1 agreement {agree}/{total}); "
+                            f"the graph does not compute what the checkpoint does")
+        return PassResult(graph, len(ctx.verify_prompts), 0, details)

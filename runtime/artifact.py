@@ -1,0 +1,130 @@
+"""The engine artifact on disk: its layout, and loading it with integrity checks.
+
+    artifacts/<name>/
+      manifest.json          format version, toolchain, resolved recipe, source hashes, dims,
+                             sha256 and size of every other file, and its own hash
+      graph.json             the graph IR (ops, attributes, weight names)
+      weights.safetensors    every weight the graph names
+      tokenizer/             tokenizer.json, tokenizer_config.json, ...
+      report.md, report.html the build report
+
+The manifest's ``manifest_sha256`` is the sha256 of the manifest's canonical JSON without that key,
+so an edited manifest is refused as surely as an edited weight file. This guards against corruption
+and tampering by mistake; it is not a signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+FORMAT_NAME = "llm-builder-engine"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPH = "graph.json"
+WEIGHTS = "weights.safetensors"
+TOKENIZER_DIR = "tokenizer"
+
+
+class ArtifactError(RuntimeError):
+    """The artifact is missing, of another format version, truncated, or modified since it was built."""
+
+
+def canonical_json(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """The hash a manifest records of itself (computed with the ``manifest_sha256`` key left out)."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return hashlib.sha256(canonical_json(body)).hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+@dataclass
+class Artifact:
+    """A verified artifact: manifest, graph and the path of its files."""
+
+    path: Path
+    manifest: dict[str, Any]
+    graph: dict[str, Any]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / TOKENIZER_DIR
+
+    def load_weights(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = {}
+        for name in self.manifest["weights"]["files"]:
+            try:
+                weights.update(load_file(self.path / name, device=str(device)))
+            except (SafetensorError, OSError) as e:
+                raise ArtifactError(f"{self.path / name}: cannot read weights ({e})") from e
+        missing = sorted(set(self.graph["params"]) - set(weights))
+        if missing:
+            raise ArtifactError(f"{self.path}: weights named by graph.json are missing: {', '.join(missing[:5])}")
+        return weights
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
+    if not path.is_dir():
+        raise ArtifactError(f"{path} is not a directory; build an artifact with `builder build RECIPE`")
+    if not file.is_file():
+        raise ArtifactError(f"{path} has no {MANIFEST}; it is not an engine artifact (or its build did not finish)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{file} is not valid JSON ({e}); the artifact is corrupt, rebuild it") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ArtifactError(f"{file} is not a manifest of format {FORMAT_NAME!r}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(f"{file}: artifact format version {version!r} is not supported by this runtime "
+                            f"(it reads version {FORMAT_VERSION}); rebuild the artifact with a matching toolchain")
+    recorded = manifest.get("manifest_sha256")
+    if recorded != manifest_digest(manifest):
+        raise ArtifactError(f"{file} was modified after the build (its manifest_sha256 does not match its "
+                            f"contents); rebuild the artifact")
+    return manifest
+
+
+def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True) -> None:
+    """Every file the manifest lists exists with its recorded size (and sha256)."""
+    for rel, info in manifest["files"].items():
+        file = path / rel
+        if not file.is_file():
+            raise ArtifactError(f"{file} is missing (listed in the manifest)")
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            raise ArtifactError(f"{file} is truncated or modified: {size} bytes, the manifest records "
+                                f"{info['bytes']}; rebuild or re-copy the artifact")
+        if check_hashes and file_sha256(file) != info["sha256"]:
+            raise ArtifactError(f"{file} was modified after the build (sha256 does not match the manifest); "
+                                f"rebuild or re-copy the artifact")
+
+
+def open_artifact(path: str | Path, check_hashes: bool = True) -> Artifact:
+    """Read and verify an artifact directory; raises ArtifactError naming what is wrong."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    verify_files(path, manifest, check_hashes)
+    try:
+        graph = json.loads((path / manifest["graph"]["file"]).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path / GRAPH} is not valid JSON ({e})") from e
+    return Artifact(path, manifest, graph)

@@ -1,0 +1,177 @@
+"""Offline generation over a loaded artifact: prefill, then decode with a KV cache.
+
+    engine = Engine.load("artifacts/quickstart")
+    out = engine.generate("def fibonacci(n):", SamplingParams(max_tokens=64))
+
+One request at a time here; the serving scheduler drives the same ``Executor`` with many.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from runtime.artifact import Artifact, open_artifact
+from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.sampling import SamplingParams, make_generator, sample
+from runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (prompt too long, empty prompt...)."""
+
+
+@dataclass
+class Generation:
+    """The result of one request."""
+
+    text: str  # generated text (stop string excluded)
+    token_ids: list[int]  # generated token ids
+    prompt_token_ids: list[int]
+    finish_reason: str  # "stop" (eos, stop token or stop string) or "length"
+    prefill_s: float = 0.0  # time to first token
+    decode_s: float = 0.0  # time for the remaining tokens
+    logprobs: list[float] = field(default_factory=list)  # log p of each generated token
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / self.decode_s if self.decode_s > 0 and n > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RuntimeLimits:
+    """Limits the artifact was built for (recipe's runtime section)."""
+
+    max_batch_size: int
+    max_seq_len: int
+    max_num_tokens: int  # most tokens in one forward step; longer prompts prefill in chunks
+    tokens_per_block: int
+
+
+class Engine:
+    """An artifact loaded for generation on one device."""
+
+    def __init__(self, artifact: Artifact, executor: Executor, tokenizer: Tokenizer,
+                 device: torch.device) -> None:
+        self.artifact = artifact
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.device = device
+        manifest = artifact.manifest
+        self.limits = RuntimeLimits(**{k: manifest["runtime"][k] for k in
+                                       ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block")})
+        kv_layers = manifest["model"]["kv_layers"]
+        self.kv_layout = KVLayout([l["num_kv_heads"] for l in kv_layers], [l["head_dim"] for l in kv_layers],
+                                  executor.dtype)
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True) -> Engine:
+        """Verify and load an artifact directory (raises ArtifactError if it is modified or truncated)."""
+        start = time.perf_counter()
+        device = torch.device(device)
+        artifact = open_artifact(path, check_hashes=check_hashes)
+        executor = Executor(artifact.graph, artifact.load_weights(device))
+        tokenizer = Tokenizer.from_dir(artifact.tokenizer_dir)
+        log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
+        return cls(artifact, executor, tokenizer, device)
+
+    # --- forward helpers ---------------------------------------------------------------------
+    def _new_cache(self, num_tokens: int) -> SequenceKV:
+        return SequenceKV(self.kv_layout, num_tokens, self.device)
+
+    def _run(self, kv: SequenceKV, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
+        """Feed ``token_ids`` at positions start.. in chunks of max_num_tokens; returns logits."""
+        outs = []
+        step = self.limits.max_num_tokens
+        for lo in range(0, len(token_ids), step):
+            chunk = token_ids[lo:lo + step]
+            ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
+            positions = torch.arange(start + lo, start + lo + len(chunk), device=self.device)
+            last = torch.tensor([len(chunk) - 1], device=self.device)
+            inp = StepInput(ids, positions, [SeqSlice(kv, start + lo, len(chunk))], None if all_logits else last)
+            outs.append(self.executor.forward(inp))
+            kv.num_tokens = start + lo + len(chunk)
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of ``token_ids`` ([num_tokens, vocab], fp32), as one sequence."""
+        self._check_prompt(token_ids, 0)
+        return self._run(self._new_cache(len(token_ids)), token_ids, 0, all_logits=True)
+
+    def _check_prompt(self, token_ids: list[int], max_tokens: int) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        if len(token_ids) >= self.limits.max_seq_len:
+            raise RequestError(f"the prompt has {len(token_ids)} tokens; this engine's max_seq_len is "
+                               f"{self.limits.max_seq_len} (prompt plus at least one generated token)")
+
+    # --- generation --------------------------------------------------------------------------
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield generated text piece by piece; the final Generation is the generator's return value."""
+        params = params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, params.max_tokens)
+        total = min(self.limits.max_seq_len, len(prompt_ids) + params.max_tokens)
+        kv = self._new_cache(total)
+        generator = make_generator(params.seed, self.device)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids)
+        stops = StopChecker(params.stop)
+        eos = set() if params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        stop_ids = eos | set(params.stop_token_ids)
+
+        t0 = time.perf_counter()
+        logits = self._run(kv, prompt_ids, 0, all_logits=False)  # [1, vocab]
+        prefill_s = time.perf_counter() - t0
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        text, emitted, finish = "", 0, "length"
+        while True:
+            token = int(sample(logits, [params], [generator])[0])
+            logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
+            out_ids.append(token)
+            if token in stop_ids:
+                finish = "stop"
+                break
+            text += detok.push(token)
+            cut, safe = stops.check(text)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                break
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+            if len(out_ids) >= params.max_tokens or kv.num_tokens + 1 > total:
+                break
+            logits = self._run(kv, [token], kv.num_tokens, all_logits=False)
+        if finish == "length":
+            text += detok.flush()
+            cut, _ = stops.check(text)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+        if len(text) > emitted:
+            yield text[emitted:]
+        decode_s = time.perf_counter() - t0 - prefill_s
+        return Generation(text, out_ids, prompt_ids, finish, prefill_s, decode_s, logprobs)
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Generation:
+        """Generate to completion and return the text and token ids."""
+        it = self.stream(prompt, params)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None) -> Generation:
+        """Render ``messages`` with the checkpoint's chat template, then generate."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(self.tokenizer.encode(prompt, add_special_tokens=False), params)

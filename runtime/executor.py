@@ -1,0 +1,206 @@
+"""Runs an artifact's graph over a packed batch of tokens.
+
+The graph (``graph.json``) is compiled once into a list of closures, one per node, each bound to its
+weights and attributes. A step runs them in order over ``[num_tokens, features]`` tensors; the
+attention op is the only one that sees sequence boundaries, through ``StepInput.seqs``.
+
+    packed tokens:  | seq 0: num_new_0 | seq 1: num_new_1 | ... |
+    positions:      | c0, c0+1, ...    | c1, c1+1, ...    | ... |   (c_i = tokens already cached)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from runtime import ops
+from runtime.kv_cache import SequenceKV
+
+GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
+
+
+class GraphFormatError(ValueError):
+    """graph.json is malformed, of another IR version, or uses an op this runtime lacks."""
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's share of a step."""
+
+    kv: SequenceKV  # its cache; the step appends num_new tokens after num_context
+    num_context: int  # tokens already in the cache before this step
+    num_new: int  # tokens of this sequence packed into the step
+
+
+@dataclass
+class StepInput:
+    """Everything a forward step needs besides the weights."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64, sequences packed back to back
+    positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
+    seqs: list[SeqSlice]  # in packing order; sum(num_new) == num_tokens
+    logits_indices: torch.Tensor | None = None  # [num_selected] rows to compute logits for; None = all
+
+
+@dataclass
+class _Step:
+    """Per-step scratch shared by the nodes (rotary tables are computed once per step)."""
+
+    inp: StepInput
+    rope_cache: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+Kernel = Callable[[list[torch.Tensor], _Step], tuple[torch.Tensor, ...]]
+
+
+class Executor:
+    """A compiled graph bound to its weights on one device."""
+
+    def __init__(self, graph: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+        if graph.get("ir_version") != GRAPH_IR_VERSION:
+            raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this "
+                                   f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
+        self.graph = graph
+        self.params = params
+        self.dtype = next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
+        self.outputs: list[str] = graph["outputs"]
+        self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
+        nodes = graph["nodes"]
+        last_use: dict[str, int] = {}
+        for i, node in enumerate(nodes):
+            for name in node["inputs"]:
+                last_use[name] = i
+        for i, node in enumerate(nodes):
+            compile_fn = _COMPILERS.get(node["op"])
+            if compile_fn is None:
+                raise GraphFormatError(f"op {node['op']!r} (from {node.get('source') or 'unknown'}) is not "
+                                       f"implemented by this runtime; known: {', '.join(_COMPILERS)}")
+            weights = {role: params[name] for role, name in node.get("weights", {}).items()}
+            kernel = compile_fn(weights, node.get("attrs", {}), self)
+            dead = [n for n in node["inputs"] if last_use.get(n) == i and n not in self.outputs]
+            self._program.append((kernel, node["inputs"], node["outputs"], sorted(set(dead))))
+        self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
+
+    @torch.inference_mode()
+    def forward(self, inp: StepInput) -> torch.Tensor:
+        """Run one step; returns logits [num_selected, vocab] in fp32."""
+        env: dict[str, torch.Tensor] = {"input_ids": inp.input_ids, "positions": inp.positions}
+        step = _Step(inp, {})
+        for kernel, ins, outs, dead in self._program:
+            results = kernel([env[n] for n in ins], step)
+            for name, value in zip(outs, results):
+                env[name] = value
+            for name in dead:
+                env.pop(name, None)
+        return env[self.outputs[0]]
+
+
+# --- per-op compilers: (weights, attrs, executor) -> kernel ------------------------------------
+def _embedding(w, attrs, ex) -> Kernel:
+    table = w["weight"]
+    return lambda xs, step: (F.embedding(xs[0], table),)
+
+
+def _rms_norm(w, attrs, ex) -> Kernel:
+    weight, eps = w.get("weight"), attrs["eps"]
+    head_dim, offset = attrs.get("head_dim"), attrs.get("weight_offset", 0.0)
+    return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
+
+
+def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
+    weight, eps, offset = w.get("weight"), attrs["eps"], attrs.get("weight_offset", 0.0)
+    return lambda xs, step: ops.fused_add_rms_norm(xs[0], xs[1], weight, eps, offset)
+
+
+def _linear(w, attrs, ex) -> Kernel:
+    weight, bias = w["weight"], w.get("bias")
+    split = attrs.get("split_sizes")
+    if split:
+        return lambda xs, step: ops.linear(xs[0], weight, bias).split(split, dim=-1)
+    return lambda xs, step: (ops.linear(xs[0], weight, bias),)
+
+
+def _rope(w, attrs, ex) -> Kernel:
+    inv_freq = w["inv_freq"].float()
+    key = str(id(w["inv_freq"]))
+    num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
+
+    def kernel(xs, step):
+        x, positions = xs
+        tables = step.rope_cache.get(key)
+        if tables is None:
+            tables = step.rope_cache[key] = ops.rope_tables(positions, inv_freq, scaling, x.dtype)
+        return (ops.rope(x, *tables, num_heads, head_dim),)
+
+    return kernel
+
+
+def _attention(w, attrs, ex) -> Kernel:
+    layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
+    head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
+
+    def kernel(xs, step):
+        q, k, v = xs  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
+        q = q.view(-1, num_heads, head_dim)
+        k = k.view(-1, num_kv, head_dim)
+        v = v.view(-1, num_kv, head_dim)
+        outs, start = [], 0
+        for s in step.inp.seqs:
+            end = start + s.num_new
+            s.kv.append(layer, s.num_context, k[start:end], v[start:end])
+            k_all, v_all = s.kv.view(layer, s.num_context + s.num_new)
+            outs.append(ops.attention_one(q[start:end], k_all, v_all, s.num_context, scale, window))
+            start = end
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0),)
+
+    return kernel
+
+
+def _activation(w, attrs, ex) -> Kernel:
+    fn = attrs["fn"]
+    return lambda xs, step: (ops.activation(xs[0], fn),)
+
+
+def _silu_mul(w, attrs, ex) -> Kernel:
+    return lambda xs, step: (ops.silu_mul(*xs),)
+
+
+def _elementwise(w, attrs, ex) -> Kernel:
+    fn = attrs["fn"]
+    if fn == "add":
+        return lambda xs, step: (xs[0] + xs[1],)
+    if fn == "mul":
+        return lambda xs, step: (xs[0] * xs[1],)
+    if fn == "scale":
+        value = attrs["value"]
+        return lambda xs, step: (xs[0] * value,)
+    raise GraphFormatError(f"elementwise fn {fn!r} is not one of add, mul, scale")
+
+
+def _lm_head(w, attrs, ex) -> Kernel:
+    weight, bias = w["weight"], w.get("bias")
+
+    def kernel(xs, step):
+        x = xs[0]
+        if step.inp.logits_indices is not None:
+            x = x.index_select(0, step.inp.logits_indices)
+        return (ops.linear(x, weight, bias).float(),)
+
+    return kernel
+
+
+_COMPILERS: dict[str, Callable[..., Kernel]] = {
+    "embedding": _embedding,
+    "rms_norm": _rms_norm,
+    "fused_add_rms_norm": _fused_add_rms_norm,
+    "linear": _linear,
+    "rope": _rope,
+    "attention": _attention,
+    "activation": _activation,
+    "silu_mul": _silu_mul,
+    "elementwise": _elementwise,
+    "lm_head": _lm_head,
+}

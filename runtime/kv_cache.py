@@ -1,0 +1,55 @@
+"""KV cache storage the executor's attention reads and appends to.
+
+``SequenceKV`` is one sequence's cache, contiguous per layer. The executor only uses
+``append`` and ``view``, so a paged cache (block tables over a shared block pool) can take its
+place without touching the ops.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CacheFullError(RuntimeError):
+    """A sequence grew past the capacity its cache was allocated with."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-layer KV shapes, from the artifact's manifest."""
+
+    num_kv_heads: list[int]  # per layer
+    head_dim: list[int]  # per layer
+    dtype: torch.dtype
+
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return sum(2 * h * d * elem for h, d in zip(self.num_kv_heads, self.head_dim))
+
+
+class SequenceKV:
+    """One sequence's keys and values, preallocated to ``capacity`` tokens."""
+
+    def __init__(self, layout: KVLayout, capacity: int, device: torch.device | str = "cpu") -> None:
+        self.capacity = capacity
+        self.num_tokens = 0  # tokens whose K/V are stored (all layers agree after a full step)
+        # k[layer]: [capacity, num_kv_heads, head_dim]
+        self.k = [torch.empty(capacity, h, d, dtype=layout.dtype, device=device)
+                  for h, d in zip(layout.num_kv_heads, layout.head_dim)]
+        self.v = [torch.empty_like(t) for t in self.k]
+
+    def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k, v: [num_new, num_kv_heads, head_dim], written at positions [start, start + num_new)
+        end = start + k.shape[0]
+        if end > self.capacity:
+            raise CacheFullError(f"sequence needs {end} cache slots, capacity is {self.capacity}")
+        self.k[layer][start:end] = k
+        self.v[layer][start:end] = v
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer][:end], self.v[layer][:end]
+
+    def truncate(self, num_tokens: int) -> None:
+        self.num_tokens = min(self.num_tokens, num_tokens)

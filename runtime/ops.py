@@ -1,0 +1,98 @@
+"""Torch implementations of the IR's ops, as the executor runs them.
+
+Each function takes the node's input tensors (``[num_tokens, features]``), its weights and its
+attributes. Numerics follow the source models: norms in fp32 then cast back, rotary tables in fp32
+cast to the activation dtype, attention in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, head_dim: int | None = None,
+             weight_offset: float = 0.0) -> torch.Tensor:
+    # x: [num_tokens, features]; with head_dim, normalised per head of that size
+    shape = x.shape
+    if head_dim:
+        x = x.view(shape[0], -1, head_dim)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = h.to(x.dtype)
+    if weight is not None:
+        out = (weight + weight_offset) * out if weight_offset else weight * out
+    return out.reshape(shape)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                       weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return rms_norm(total, weight, eps, None, weight_offset), total
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [num_tokens, head_dim] for the rotate-half layout."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    # x: [num_tokens, num_heads * head_dim]; cos, sin: [num_tokens, head_dim]
+    xh = x.view(x.shape[0], num_heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-xh[..., half:], xh[..., :half]), dim=-1)
+    out = xh * cos[:, None, :] + rotated * sin[:, None, :]
+    return out.reshape(x.shape)
+
+
+def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int, scale: float,
+                  sliding_window: int | None) -> torch.Tensor:
+    """Causal attention of one sequence's new queries over its whole cache.
+
+    q: [num_new, num_heads, head_dim]; k, v: [num_context + num_new, num_kv_heads, head_dim].
+    Query i sits at position num_context + i and sees keys at positions <= its own (and, with a
+    sliding window, > its own - window).
+    """
+    num_new, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    qh = q.transpose(0, 1)  # [num_heads, num_new, head_dim]
+    kh = k.transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
+    vh = v.transpose(0, 1)
+    if num_kv != num_heads:
+        kh = kh.repeat_interleave(num_heads // num_kv, dim=0)
+        vh = vh.repeat_interleave(num_heads // num_kv, dim=0)
+    if num_context == 0 and not sliding_window:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        q_pos = torch.arange(num_context, num_context + num_new, device=q.device)[:, None]
+        k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask &= k_pos > q_pos - sliding_window
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).reshape(num_new, num_heads * head_dim)
+
+
+def activation(x: torch.Tensor, fn: str) -> torch.Tensor:
+    if fn == "silu":
+        return F.silu(x)
+    if fn == "gelu":
+        return F.gelu(x)
+    if fn == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if fn == "relu":
+        return F.relu(x)
+    raise ValueError(f"unknown activation {fn!r}")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    if up is None:  # gate: [num_tokens, 2 * intermediate], the two halves side by side
+        gate, up = gate.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,125 @@
+"""Shared fixtures: tiny Hugging Face checkpoints of each supported family, made on the fly.
+
+Each checkpoint is a real ``save_pretrained`` directory (config.json, model.safetensors, tokenizer
+files) with seeded random weights, including the norm weights (which HF initialises to ones and
+would hide a norm applied in the wrong place).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CORPUS = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "import os\nimport sys\n\nclass Config:\n    \"\"\"Settings read from the environment.\"\"\"\n",
+    "The quick brown fox jumps over the lazy dog. Zwölf Boxkämpfer jagen Viktor quer über den Sylter Deich.",
+    "for i in range(10):\n    print(i, i * i)\n",
+]
+
+
+def save_tokenizer(path: Path, vocab_size: int = 320) -> int:
+    """Train a tiny byte-level BPE tokenizer into ``path``; returns its vocabulary size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    bos = tok.token_to_id("<|bos|>")
+    tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                       special_tokens=[("<|bos|>", bos)])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+        "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE, "model_max_length": 512,
+    }))
+    return tok.get_vocab_size()
+
+
+def tiny_config(family: str, vocab_size: int, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if family == "llama":
+        common.update(tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, rope_theta=500000.0)
+        cls = LlamaConfig
+    elif family == "mistral":
+        common.update(sliding_window=None)
+        cls = MistralConfig
+    elif family == "qwen2":
+        cls = Qwen2Config  # q/k/v projections carry biases
+    elif family == "qwen3":
+        common.update(head_dim=24)  # head_dim != hidden / heads, plus per-head q/k norms
+        cls = Qwen3Config
+    else:
+        raise ValueError(family)
+    common.update(overrides)
+    return cls(**common)
+
+
+def make_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny seeded checkpoint of ``family`` (weights in fp32) with a tokenizer to ``path``."""
+    from transformers import AutoModelForCausalLM
+
+    vocab = save_tokenizer(path)
+    config = tiny_config(family, vocab, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms and biases: random, not ones/zeros
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """One tiny checkpoint per supported family, shared by the session."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: make_checkpoint(root / f, f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+def hf_logits(path: Path, token_ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0]
+
+
+def build_artifact(checkpoint: Path, out: Path, dtype: str = "float32", **runtime) -> Path:
+    """Build an artifact from ``checkpoint`` with the default passes (verify included)."""
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    recipe = validate_recipe({
+        "name": out.name, "model": {"checkpoint": str(checkpoint), "dtype": dtype}, "output_dir": str(out),
+        "runtime": {"max_seq_len": 256, "max_num_tokens": 64, **runtime},
+    })
+    return build(recipe).output_dir
+
+
+@pytest.fixture(scope="session")
+def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """One built artifact per family."""
+    root = tmp_path_factory.mktemp("artifacts")
+    return {f: build_artifact(p, root / f) for f, p in checkpoints.items()}

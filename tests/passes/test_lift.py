@@ -1,0 +1,84 @@
+"""Tracing HF models into the IR: structure per family, serialization, unknown ops."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import FAMILIES, make_checkpoint, tiny_config
+from passes.ir import Graph
+from passes.lift import LiftError
+from passes.trace import trace
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trace_structure(family):
+    config = tiny_config(family, 320)
+    graph, _ = trace(config, 256)
+    ops = graph.count_ops()
+    layers = config.num_hidden_layers
+    assert ops["attention"] == layers
+    assert ops["rope"] == 2 * layers
+    assert ops["linear"] == 7 * layers
+    assert ops["embedding"] == 1 and ops["lm_head"] == 1
+    per_head_norms = 2 * layers if family == "qwen3" else 0
+    assert ops["rms_norm"] == 2 * layers + 1 + per_head_norms
+    attn = [n for n in graph.nodes if n.op == "attention"]
+    assert [n.attrs["layer"] for n in attn] == list(range(layers))
+    assert attn[0].attrs["num_heads"] == 4 and attn[0].attrs["num_kv_heads"] == 2
+    head_dim = 24 if family == "qwen3" else 16
+    assert attn[0].attrs["head_dim"] == head_dim
+    q_proj = next(n for n in graph.nodes if n.source.endswith("layers.0.self_attn.q_proj"))
+    assert ("bias" in q_proj.weights) == (family == "qwen2")
+    assert graph.meta["num_layers"] == layers and graph.meta["vocab_size"] == 320
+
+
+def test_tied_embeddings_share_one_weight():
+    graph, _ = trace(tiny_config("llama", 320), 256)
+    embed = next(n for n in graph.nodes if n.op == "embedding")
+    head = next(n for n in graph.nodes if n.op == "lm_head")
+    assert embed.weights["weight"] == head.weights["weight"]
+
+
+def test_llama3_rope_scaling_is_applied():
+    """The inv_freq table follows the config's llama3 rope_scaling (formula written out here)."""
+    import math
+
+    import torch
+
+    graph, _ = trace(tiny_config("llama", 320), 256)
+    inv_freq = graph.params["model.rotary_emb.inv_freq"]
+    plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    factor, low, high, orig = 8.0, 1.0, 4.0, 64
+    expected = []
+    for f in plain.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < orig / high:
+            expected.append(f)
+        elif wavelen > orig / low:
+            expected.append(f / factor)
+        else:
+            smooth = (orig / wavelen - low) / (high - low)
+            expected.append((1 - smooth) * f / factor + smooth * f)
+    assert torch.allclose(inv_freq.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5)
+    assert not torch.allclose(inv_freq.double(), plain)
+
+
+def test_graph_serialization_round_trip():
+    graph, _ = trace(tiny_config("qwen3", 320), 256)
+    again = Graph.from_dict(graph.to_dict())
+    assert str(again) == str(graph)
+    assert again.to_dict() == graph.to_dict()
+
+
+def test_graph_prints_readably():
+    graph, _ = trace(tiny_config("mistral", 320), 256)
+    text = str(graph)
+    assert "attention(%" in text and "num_kv_heads=2" in text and "# model.layers.1.self_attn" in text
+
+
+def test_unknown_op_names_op_and_module():
+    config = tiny_config("llama", 320, hidden_act="tanh")
+    with pytest.raises(LiftError) as e:
+        trace(config, 256)
+    assert "aten.tanh" in str(e.value)
+    assert "model.layers.0.mlp.act_fn" in str(e.value)
