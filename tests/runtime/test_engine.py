@@ -12,12 +12,15 @@ from runtime.kv_cache import SequenceKV
 
 
 def _hf_greedy(path, prompt_ids, n):
+    """Greedy tokens from the HF model, re-running the whole sequence each step (no cache)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt_ids):]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

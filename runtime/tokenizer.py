@@ -1,0 +1,362 @@
+"""Text <-> token ids for the runtime: encoding, decoding, chat templates and streaming detokenization.
+
+Built directly on the ``tokenizers`` library and ``jinja2`` so a production install needs nothing else.
+The files read are the ones a checkpoint ships with:
+
+    tokenizer.json           required: the vocabulary, normalizer, pre-tokenizer, post-processor, decoder
+    tokenizer_config.json    optional: special tokens, chat_template, add_bos_token
+    special_tokens_map.json  optional: special tokens, when tokenizer_config.json does not name them
+    chat_template.jinja      optional: the chat template; takes priority over tokenizer_config.json's
+    generation_config.json   optional: eos_token_id (int or list), extra ids that end generation
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.utils
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _Backend
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# Named special tokens a chat template may refer to (``{{ bos_token }}`` and so on).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequence
+# Prompt tokens decoded in front of the first generated tokens, so that a leading space the decoder
+# strips at the start of a text (SentencePiece-style) is kept when it continues the prompt.
+DETOK_CONTEXT_TOKENS = 5
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded, or input it cannot handle (bad chat messages, no chat template)."""
+
+
+# --- loading helpers ------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any] | None:
+    """Read an optional JSON object file; None when absent, TokenizerError naming the file when corrupt."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TokenizerError(f"{path}: cannot read it as JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as written in config files: a plain string or an AddedToken dict with "content"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _pick_chat_template(value: Any) -> str | None:
+    """tokenizer_config's chat_template: a string, or a list of {name, template} of which we use "default"."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        template = named.get("default")
+        return template if isinstance(template, str) else None
+    return None
+
+
+def _eos_ids_from_generation_config(path: Path) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list of ints); [] when absent."""
+    config = _read_json(path)
+    if not config or config.get("eos_token_id") is None:
+        return []
+    value = config["eos_token_id"]
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise TokenizerError(f"{path}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
+    return list(ids)
+
+
+# --- chat template environment ----------------------------------------------------------------------
+class _GenerationTag(jinja2.ext.Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` (used by templates to mark assistant text) and
+    renders its body unchanged, so such templates compile here too."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """``namespace()`` for templates, refusing underscore-prefixed names so templates cannot reach internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # same signature trick as jinja2's Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates may not set {name!r} on a namespace")
+
+
+def _raise_exception(message: str) -> None:
+    """Templates call ``raise_exception(msg)`` to reject conversations they cannot format."""
+    raise TokenizerError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    """Templates call ``strftime_now(fmt)`` to put today's date in a system prompt."""
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """JSON without HTML escaping (jinja2's own ``tojson`` escapes ``<``, ``>``, ``&``, ``'``)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_chat_template(source: str) -> jinja2.Template:
+    """Compile an (untrusted) chat template in a sandbox with the globals and filters templates expect."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["namespace"] = _TemplateNamespace
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise TokenizerError(f"the chat template does not compile: {e}") from e
+
+
+def _validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Messages must be a list of dicts with str ``role`` and ``content``; returns copies without None values
+    (templates test ``'key' in message`` rather than for None)."""
+    if not isinstance(messages, (list, tuple)):
+        raise TokenizerError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    clean = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TokenizerError(f"messages[{i}] must be a dict with 'role' and 'content', "
+                                 f"got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise TokenizerError(f"messages[{i}] needs a string {key!r}, got {message.get(key)!r}")
+        clean.append({k: v for k, v in message.items() if v is not None})
+    return clean
+
+
+# --- the tokenizer ----------------------------------------------------------------------------------
+class Tokenizer:
+    """A checkpoint's tokenizer: encode/decode through ``tokenizers``, chat templates through ``jinja2``."""
+
+    def __init__(self, backend: _Backend, *, special_tokens: dict[str, str] | None = None,
+                 chat_template: str | None = None, add_bos_token: bool = False,
+                 extra_eos_token_ids: list[int] | None = None) -> None:
+        self._backend = backend
+        self.special_tokens = dict(special_tokens or {})  # e.g. {"bos_token": "<s>", "eos_token": "</s>"}
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self.bos_token: str | None = self.special_tokens.get("bos_token")
+        self.eos_token: str | None = self.special_tokens.get("eos_token")
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id: int | None = self._id_of(self.bos_token)
+        self.pad_token_id: int | None = self._id_of(self.special_tokens.get("pad_token"))
+        eos = [self._id_of(self.eos_token)] + list(extra_eos_token_ids or [])
+        self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load the tokenizer files of a checkpoint (or artifact) directory; see the module docstring."""
+        path = Path(path)
+        backend = cls._load_backend(path / TOKENIZER_FILE)
+        config = _read_json(path / CONFIG_FILE) or {}
+        special_map = _read_json(path / SPECIAL_TOKENS_MAP_FILE) or {}
+        special = {}
+        for name in SPECIAL_TOKEN_NAMES:
+            token = _token_content(config.get(name)) or _token_content(special_map.get(name))
+            if token is not None:
+                special[name] = token
+        template_file = path / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+        else:
+            chat_template = _pick_chat_template(config.get("chat_template"))
+        return cls(backend, special_tokens=special, chat_template=chat_template,
+                   add_bos_token=config.get("add_bos_token") is True,
+                   extra_eos_token_ids=_eos_ids_from_generation_config(path / GENERATION_CONFIG_FILE))
+
+    @staticmethod
+    def _load_backend(file: Path) -> _Backend:
+        if not file.is_file():
+            raise TokenizerError(f"{file}: no such file; a tokenizer directory needs {TOKENIZER_FILE}")
+        try:
+            return _Backend.from_file(str(file))
+        except Exception as e:  # the tokenizers library raises a bare Exception on bad files
+            raise TokenizerError(f"{file}: not a valid tokenizer file ({e})") from e
+
+    def _id_of(self, token: str | None) -> int | None:
+        """The id of a special token string; None when unset or not in the vocabulary."""
+        return None if token is None else self._backend.token_to_id(token)
+
+    # --- ids ------------------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``. With special tokens, the post-processor adds them (BOS for most models);
+        if the config asks for BOS and the post-processor did not add it, it is prepended here."""
+        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
+                and (not ids or ids[0] != self.bos_token_id)):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``; special tokens (BOS, EOS, chat markers) are left out unless asked for."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of one id (the raw token, e.g. ``Ġworld``), for debugging and reports."""
+        return self._backend.id_to_token(token_id)
+
+    # --- chat -----------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
+        """Render ``messages`` with the checkpoint's chat template into the prompt text the model was tuned on.
+
+        ``extra`` is passed to the template as variables (e.g. ``tools=[...]``) and overrides the defaults.
+        The result already holds the template's special tokens, so encode it with ``add_special_tokens=False``.
+        """
+        if self.chat_template is None:
+            raise TokenizerError("this checkpoint has no chat template (neither tokenizer_config.json's "
+                                 "chat_template nor chat_template.jinja); send a plain prompt instead")
+        clean = _validate_messages(messages)
+        if self._template is None:
+            self._template = _compile_chat_template(self.chat_template)
+        variables = {**self.special_tokens, "tools": None, "documents": None, **extra,
+                     "messages": clean, "add_generation_prompt": add_generation_prompt}
+        try:
+            return self._template.render(**variables)
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"the chat template failed to render: {e}") from e
+
+
+# --- streaming ----------------------------------------------------------------------------------------
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces; never emits a broken UTF-8 character, and the
+    concatenation of all pieces equals ``tokenizer.decode(all generated ids)``.
+
+    Decoding ids one at a time is wrong in two ways: byte-level BPE splits one character over several
+    tokens (each alone decodes to U+FFFD), and SentencePiece-style decoders drop the leading space of
+    the first token of a text. So we keep two offsets into the ids: ``prefix`` (start of a window of
+    already-emitted tokens decoded for context) and ``read`` (end of what was emitted). Each push
+    decodes ``ids[prefix:read]`` and ``ids[prefix:]`` and emits the difference, holding it back while it
+    ends with U+FFFD (a character still incomplete).
+
+    With ``prompt_ids``, the last few prompt tokens are the first context window, so a leading space
+    of the first generated token is kept: it separates the continuation from the prompt. (That is the
+    one place where the pieces can differ from ``decode(generated)``, which strips it.)
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
+                 skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        context = list(prompt_ids or [])[-DETOK_CONTEXT_TOKENS:]
+        if self._decode(context).endswith(REPLACEMENT_CHAR):
+            context = []  # the prompt ends mid-character: its text is no clean prefix to diff against
+        self._ids: list[int] = context  # context tokens, then generated ones
+        self._num_context = len(context)
+        self._prefix = 0  # start of the decode window
+        self._read = len(context)  # ids[:read] are emitted
+        self._emitted: list[str] = []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
+
+    def _pending(self) -> str:
+        """Text of the not yet emitted ids, decoded in the context of the last emitted window."""
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        return self._decode(self._ids[self._prefix:])[len(prefix_text):]
+
+    def _advance(self, piece: str) -> str:
+        self._emitted.append(piece)
+        self._prefix, self._read = self._read, len(self._ids)
+        return piece
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The generated ids pushed so far (not the prompt)."""
+        return self._ids[self._num_context:]
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far plus what is pending (which may end in an incomplete character)."""
+        return "".join(self._emitted) + self._pending()
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; returns the text it made stable (often "", e.g. mid-character)."""
+        self._ids.append(int(token_id))
+        piece = self._pending()
+        if not piece or piece.endswith(REPLACEMENT_CHAR):
+            return ""
+        return self._advance(piece)
+
+    def flush(self) -> str:
+        """The held-back remainder at the end of generation (as decode() would render it)."""
+        piece = self._pending()
+        return self._advance(piece) if piece else ""
+
+
+class StopChecker:
+    """Finds stop strings in generated text across token boundaries.
+
+    The caller appends each new piece of text and asks ``check``; text that might be the start of a stop
+    string is not yet safe to show, since the next token may complete the stop string."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in dict.fromkeys(stop) if s]  # empty strings would match everywhere
+
+    def check(self, text: str) -> tuple[int | None, int]:
+        """Returns (where the earliest stop string starts in ``text`` or None, how many leading characters
+        of ``text`` are safe to emit). Without a match, the safe count is ``len(text)`` minus the longest
+        suffix of ``text`` that is a proper prefix of some stop string; with one, it is the match index."""
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            cut = min(hits)
+            return cut, cut
+        return None, len(text) - self._held_back(text)
+
+    def _held_back(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:k]):
+                    longest = k
+                    break
+        return longest

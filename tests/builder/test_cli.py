@@ -1,0 +1,76 @@
+"""The CLI end to end on the bundled model: build the quickstart recipe, generate, inspect."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from builder.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "quickstart"
+    res = runner.invoke(app, ["build", str(ROOT / "recipes/quickstart.yaml"), "--quiet",
+                              "--set", f"output_dir={out}",
+                              "--set", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_build_writes_a_complete_artifact(quickstart):
+    m = json.loads((quickstart / "manifest.json").read_text())
+    assert m["build"]["verify"]["max_abs_logit_err"] <= 1e-4
+    assert [p["name"] for p in m["build"]["passes"]] == ["merge_qkv", "merge_gate_up", "fuse_silu_mul",
+                                                         "fuse_add_rms_norm", "dce", "verify"]
+    html = (quickstart / "report.html").read_text()
+    assert "Build report" in html and "merge_qkv" in html and "passed" in html
+    assert "fused_add_rms_norm" in (quickstart / "report.md").read_text()
+
+
+def test_generate_prints_text(quickstart):
+    res = runner.invoke(app, ["generate", str(quickstart), "--prompt", "def fibonacci(n):", "--max-tokens", "32"])
+    assert res.exit_code == 0, res.output
+    assert res.output.startswith("def fibonacci(n):")
+    assert len(res.output.strip()) > len("def fibonacci(n):") + 10
+
+
+def test_inspect_shows_manifest_and_report(quickstart):
+    res = runner.invoke(app, ["inspect", str(quickstart)])
+    assert res.exit_code == 0, res.output
+    for needle in ("integrity verified", "LlamaForCausalLM", "merge_qkv -> merge_gate_up", "report.html",
+                   "weights.safetensors", "max |logit err|"):
+        assert needle in res.output
+    res = runner.invoke(app, ["inspect", str(quickstart), "--graph"])
+    assert "attention(%" in res.output
+
+
+def test_bad_recipe_and_missing_checkpoint_exit_with_message(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  checkpoint: nowhere/model\noutput_dir: o\nquantization:\n  algo: awk\n")
+    res = runner.invoke(app, ["build", str(bad)])
+    assert res.exit_code == 1
+    assert "quantization.algo: 'awk' is not one of awq, gptq, smoothquant, fp8, int8_wo, none" in res.output
+    res = runner.invoke(app, ["build", str(bad), "--set", "quantization.algo=none", "--quiet"])
+    assert res.exit_code == 1 and "does not exist" in res.output and "download" in res.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_failed_build_keeps_previous_artifact(quickstart, monkeypatch):
+    """A build that fails verification leaves the existing artifact untouched."""
+    import passes.verify
+
+    real = passes.verify.run_graph
+    monkeypatch.setattr(passes.verify, "run_graph", lambda g, p: [x + 0.01 for x in real(g, p)])
+    before = (quickstart / "manifest.json").read_bytes()
+    res = runner.invoke(app, ["build", str(ROOT / "recipes/quickstart.yaml"), "--quiet",
+                              "--set", f"output_dir={quickstart}",
+                              "--set", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"])
+    assert res.exit_code == 1 and "logits differ" in res.output
+    assert (quickstart / "manifest.json").read_bytes() == before

@@ -1,0 +1,342 @@
+"""runtime.tokenizer against a real tokenizer trained on the fly, with transformers as the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+from runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer, TokenizerError
+
+SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>"]
+CORPUS = [
+    "def greet(name):\n    return f'hello {name}'\n",
+    "The quick brown fox jumps over the lazy dog.\n",
+    "for i in range(10):\n    print(i, i * i)\n",
+    "Grüße aus Köln, naïve café, señor.",
+    "你好世界。今天天气很好。",
+    "emoji: 🙂 🚀 ✨",
+]
+# Exercises what real templates use: bos/eos variables, tools, tojson (non-ASCII and HTML kept as is,
+# indent), namespace, loop controls, {% generation %}, trim_blocks/lstrip_blocks whitespace handling.
+CHAT_TEMPLATE = """{{ bos_token }}
+{% if tools %}
+<|system|>
+Tools: {{ tools | tojson(indent=2) }}
+{% endif %}
+{% set ns = namespace(turns=0) %}
+{% for m in messages %}
+    {% if m['role'] == 'system' and not loop.first %}
+        {{ raise_exception('the system message must come first') }}
+    {% endif %}
+    {% if m['role'] == 'note' %}{% continue %}{% endif %}
+    {% set ns.turns = ns.turns + 1 %}
+<|{{ m['role'] }}|>
+    {% if m['role'] == 'assistant' %}
+{% generation %}{{ m['content'] | trim }}{{ eos_token }}{% endgeneration %}
+    {% else %}
+{{ m['content'] | trim }} {{ {'turn': ns.turns, 'text': m['content']} | tojson }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+<|assistant|>
+{% endif %}"""
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Héllo <b>wörld</b> & 你好 🙂"},
+    {"role": "note", "content": "skipped by the template"},
+    {"role": "assistant", "content": "  Hi \"there\"  "},
+    {"role": "user", "content": "Again?"},
+]
+MULTIBYTE_TEXT = "Grüße aus Köln 🙂🚀 你好世界, naïve café ✨ señor! 日本語 Ωμέγα"
+PYSTDLIB = Path(__file__).resolve().parents[2] / "models" / "pystdlib-llama"
+
+
+def train_backend(post_processor: bool) -> Backend:
+    """A small byte-level BPE: multi-byte characters end up split over several tokens."""
+    tok = Backend(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=330, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    if post_processor:
+        bos = tok.token_to_id("<|bos|>")
+        tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", pair="<|bos|> $A <|bos|> $B",
+                                                           special_tokens=[("<|bos|>", bos)])
+    return tok
+
+
+def write_tokenizer(path: Path, *, post_processor: bool = True, **config) -> Path:
+    """Save tokenizer.json and tokenizer_config.json (entries in ``config`` override the defaults)."""
+    path.mkdir(parents=True, exist_ok=True)
+    train_backend(post_processor).save(str(path / "tokenizer.json"))
+    full = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>",
+            "eos_token": {"__type": "AddedToken", "content": "<|eos|>", "special": True}, "pad_token": "<|pad|>",
+            "chat_template": CHAT_TEMPLATE, "model_max_length": 512, **config}
+    (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in full.items() if v is not None}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tok_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tok(tok_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+# --- loading, encode, decode ------------------------------------------------------------------------
+def test_special_ids_and_vocab_size(tok, hf_tok):
+    assert tok.bos_token_id == hf_tok.bos_token_id == SPECIAL.index("<|bos|>")
+    assert tok.eos_token_ids == [hf_tok.eos_token_id] == [SPECIAL.index("<|eos|>")]
+    assert tok.vocab_size == len(hf_tok)
+
+
+def test_round_trip_and_matches_reference_ids(tok, hf_tok):
+    for text in CORPUS + [MULTIBYTE_TEXT, "unseen wörds ∑ and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢"]:
+        ids = tok.encode(text)
+        assert ids == hf_tok.encode(text)
+        assert ids[0] == tok.bos_token_id
+        assert tok.decode(ids) == text
+        assert tok.decode(ids, skip_special_tokens=False) == "<|bos|>" + text
+        assert tok.encode(text, add_special_tokens=False) == ids[1:]
+
+
+def test_bos_prepended_when_config_asks_and_post_processor_does_not(tmp_path):
+    plain = Tokenizer.from_dir(write_tokenizer(tmp_path / "plain", post_processor=False))
+    asks = Tokenizer.from_dir(write_tokenizer(tmp_path / "asks", post_processor=False, add_bos_token=True))
+    both = Tokenizer.from_dir(write_tokenizer(tmp_path / "both", add_bos_token=True))
+    text = "hello world"
+    body = plain.encode(text)
+    assert body[0] != plain.bos_token_id  # no post-processor, no add_bos_token: nothing added
+    assert asks.encode(text) == [asks.bos_token_id] + body
+    assert asks.encode(text, add_special_tokens=False) == body
+    assert both.encode(text) == [both.bos_token_id] + body  # added once, not twice
+
+
+def test_generation_config_extends_eos_ids(tmp_path):
+    path = write_tokenizer(tmp_path / "t")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5, 7]}))
+    assert Tokenizer.from_dir(path).eos_token_ids == [1, 5, 7]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 4}))
+    assert Tokenizer.from_dir(path).eos_token_ids == [1, 4]
+
+
+def test_missing_or_corrupt_files_are_named(tmp_path):
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
+        Tokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
+        Tokenizer.from_dir(tmp_path)
+    path = write_tokenizer(tmp_path / "t")
+    (path / "tokenizer_config.json").write_text("[oops")
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json"):
+        Tokenizer.from_dir(path)
+
+
+def test_config_is_optional(tmp_path):
+    path = write_tokenizer(tmp_path / "t")
+    (path / "tokenizer_config.json").unlink()
+    tok = Tokenizer.from_dir(path)
+    assert tok.bos_token_id is None and tok.eos_token_ids == []
+    assert tok.decode(tok.encode("hello")) == "hello"
+    with pytest.raises(TokenizerError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# --- chat templates ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_matches_reference(tok, hf_tok, add_generation_prompt):
+    ours = tok.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt)
+    ref = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=add_generation_prompt, tokenize=False)
+    assert ours == ref
+    assert "<b>wörld</b> & 你好 🙂" in ours.split("{")[1]  # tojson kept HTML and non-ASCII as is
+    assert ours.endswith("<|assistant|>\n") == add_generation_prompt
+
+
+def test_chat_template_with_tools_matches_reference(tok, hf_tok):
+    tools = [{"type": "function", "function": {"name": "wetter", "description": "Temperatur in °C <jetzt>",
+                                               "parameters": {"type": "object", "properties": {}}}}]
+    ours = tok.apply_chat_template(MESSAGES[:2], tools=tools)
+    assert ours == hf_tok.apply_chat_template(MESSAGES[:2], tools=tools, tokenize=False,
+                                              add_generation_prompt=True)
+    assert json.dumps(tools, indent=2, ensure_ascii=False) in ours
+
+
+def test_chat_template_list_form_uses_default(tmp_path):
+    templates = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "DEFAULT"}]
+    tok = Tokenizer.from_dir(write_tokenizer(tmp_path / "t", chat_template=templates))
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "DEFAULT"
+
+
+def test_chat_template_file_takes_priority(tmp_path):
+    path = write_tokenizer(tmp_path / "t")
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    assert Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+
+
+def test_template_raise_exception_is_tokenizer_error(tok):
+    bad_order = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+    with pytest.raises(TokenizerError, match="system message must come first"):
+        tok.apply_chat_template(bad_order)
+
+
+@pytest.mark.parametrize("messages, index", [
+    ([{"role": "user", "content": "ok"}, "not a dict"], 1),
+    ([{"role": "user"}], 0),
+    ([{"role": "user", "content": "ok"}, {"role": "user", "content": "ok"}, {"role": 3, "content": "x"}], 2),
+    ([{"role": "user", "content": ["a", "list"]}], 0),
+])
+def test_bad_messages_name_the_index(tok, messages, index):
+    with pytest.raises(TokenizerError, match=rf"messages\[{index}\]"):
+        tok.apply_chat_template(messages)
+
+
+def test_messages_must_be_a_list(tok):
+    with pytest.raises(TokenizerError, match="list"):
+        tok.apply_chat_template({"role": "user", "content": "hi"})
+
+
+def test_template_cannot_escape_sandbox(tmp_path):
+    path = write_tokenizer(tmp_path / "t", chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+# --- incremental detokenization ---------------------------------------------------------------------
+def stream(tok: Tokenizer, ids: list[int], prompt_ids: list[int] | None = None,
+           skip_special_tokens: bool = True) -> tuple[list[str], str]:
+    """Push ``ids`` one by one; returns the pieces from push() and what flush() returned."""
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=skip_special_tokens)
+    pieces = [detok.push(i) for i in ids]
+    return pieces, detok.flush()
+
+
+def test_multibyte_characters_split_over_tokens(tok):
+    ids = tok.encode(MULTIBYTE_TEXT, add_special_tokens=False)
+    # The test is only meaningful if some characters really span several tokens.
+    assert sum("\ufffd" in tok.decode([i]) for i in ids) >= 5
+    pieces, rest = stream(tok, ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert rest == ""  # the text ends with a complete character: nothing held back at the end
+    assert "".join(pieces) == tok.decode(ids) == MULTIBYTE_TEXT
+    assert sum(p != "" for p in pieces) > len(MULTIBYTE_TEXT) // 3  # streamed, not all at the end
+
+
+def test_detokenizer_with_prompt_context_and_specials(tok):
+    prompt = tok.encode("Grüße 🙂")
+    generated = tok.encode(" aus 你好 ✨", add_special_tokens=False) + [tok.eos_token_ids[0]]
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.push(i) for i in generated]
+    assert "".join(pieces) + detok.flush() == tok.decode(generated) == " aus 你好 ✨"
+    assert detok.token_ids == generated
+    assert detok.text == " aus 你好 ✨"
+    pieces, rest = stream(tok, generated, skip_special_tokens=False)
+    assert "".join(pieces) + rest == " aus 你好 ✨<|eos|>"
+
+
+def test_incomplete_character_is_held_until_flush(tok):
+    ids = tok.encode("ok 🚀", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tok)
+    emitted = "".join(detok.push(i) for i in ids[:cut])
+    # "ok" is out; the rest (the broken emoji, maybe with the space its token carries) is held back
+    assert "\ufffd" not in emitted and emitted.startswith("ok") and tok.decode(ids[:cut]).startswith(emitted)
+    assert detok.text == tok.decode(ids[:cut])  # pending text is visible, ending in U+FFFD
+    assert emitted + detok.flush() == tok.decode(ids[:cut])  # flush gives what decode() gives
+
+
+def sentencepiece_style() -> Tokenizer:
+    """A word-level tokenizer with Metaspace (``▁`` for space) pre-tokenizer and decoder, as SentencePiece
+    models have: decoding drops the leading space of the first token of a text."""
+    vocab = {"<unk>": 0, "<s>": 1, "▁Hello": 2, "▁world": 3, "▁again": 4, "!": 5}
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    return Tokenizer(backend, special_tokens={"bos_token": "<s>"})
+
+
+def test_sentencepiece_leading_space_is_kept():
+    tok = sentencepiece_style()
+    assert tok.decode([3]) == "world"  # decoding one token alone loses its space
+    assert tok.decode([2, 3, 4]) == "Hello world again"
+    pieces, rest = stream(tok, [3, 4, 5], prompt_ids=[2])
+    assert pieces == [" world", " again", "!"] and rest == ""
+    pieces, rest = stream(tok, [2, 3, 4, 5])  # no prompt: equals decode() exactly
+    assert "".join(pieces) + rest == tok.decode([2, 3, 4, 5]) == "Hello world again!"
+
+
+@pytest.mark.skipif(not (PYSTDLIB / "tokenizer.json").is_file(), reason="bundled model not present")
+def test_bundled_tokenizer_against_reference():
+    from transformers import AutoTokenizer
+
+    ours, ref = Tokenizer.from_dir(PYSTDLIB), AutoTokenizer.from_pretrained(str(PYSTDLIB))
+    text = "import os\n\ndef main() -> None:\n    print('héllo ✨')\n"
+    assert ours.encode(text) == ref.encode(text)
+    ids = ours.encode(text, add_special_tokens=False)
+    pieces, rest = stream(ours, ids)
+    assert "".join(pieces) + rest == ours.decode(ids)
+    if ours.chat_template is not None:
+        msgs = [{"role": "user", "content": "Write hello world."}]
+        assert ours.apply_chat_template(msgs) == ref.apply_chat_template(msgs, tokenize=False,
+                                                                         add_generation_prompt=True)
+
+
+# --- stop strings -----------------------------------------------------------------------------------
+def test_stop_string_split_over_three_tokens():
+    checker = StopChecker(["STOP"])
+    text = ""
+    results = []
+    for piece in ["Hello ", "ST", "O", "P", " more"]:
+        text += piece
+        results.append(checker.check(text))
+    assert results[0] == (None, 6)
+    assert results[1] == (None, 6)  # "ST" could start "STOP": held back
+    assert results[2] == (None, 6)  # "STO" too
+    assert results[3] == (6, 6)  # complete: cut where it starts
+    assert results[4] == (6, 6)
+
+
+def test_partial_prefix_released_when_it_does_not_continue():
+    checker = StopChecker(["STOP", "\n\n"])
+    assert checker.check("a ST") == (None, 2)
+    assert checker.check("a STX") == (None, 5)
+    assert checker.check("a\n") == (None, 1)
+    assert checker.check("S") == (None, 0)
+    assert checker.check("") == (None, 0)
+
+
+def test_earliest_stop_wins_and_longest_holdback():
+    checker = StopChecker(["world", "lo w", ""])
+    assert checker.check("hello world") == (3, 3)
+    checker = StopChecker(["abcd", "bcX"])
+    assert checker.check("xxabc") == (None, 2)  # "abc" (prefix of abcd) is longer than "bc"
+    assert StopChecker([]).check("anything") == (None, 8)
+
+
+def test_stop_checker_over_real_token_stream(tok):
+    text = "print(i)\n### end\nmore"
+    ids = tok.encode(text, add_special_tokens=False)
+    checker, detok = StopChecker(["\n###"]), IncrementalDetokenizer(tok)
+    out, emitted, cut = "", 0, None
+    for i in ids:
+        out += detok.push(i)
+        cut, safe = checker.check(out)
+        if cut is not None:
+            break
+        assert "\n#" not in out[emitted:safe] and out[:safe] == "print(i)"[:safe]
+        emitted = max(emitted, safe)
+    assert cut == len("print(i)") and out[:cut] == "print(i)"
