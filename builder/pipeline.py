@@ -68,6 +68,7 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, 
             raise CheckpointError(f"{ckpt.path}: tensor {stored!r} has shape {tuple(tensors[stored].shape)}, "
                                   f"config.json implies {expected}")
         graph.params[name] = tensors[stored]
+    graph.meta["dtype"] = str(dtype).removeprefix("torch.")
 
 
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype):

@@ -33,10 +33,13 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 # --------------------------------------------------------------------------
 # Constants shared with the tests
@@ -358,7 +361,7 @@ class TrainSpec:
     """Optimisation settings. ``max_steps`` is fixed so the default run is reproducible."""
 
     seed: int = 1234
-    max_steps: int = 600
+    max_steps: int = 500
     time_budget_min: float | None = None
     batch_size: int = 16
     seq_len: int = 256
@@ -384,7 +387,7 @@ class TrainResult:
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
 
 
-def build_model(spec: ModelSpec, vocab_size: int) -> "LlamaForCausalLM":  # noqa: F821
+def build_model(spec: ModelSpec, vocab_size: int) -> LlamaForCausalLM:
     """Create a freshly initialised ``LlamaForCausalLM`` with tied embeddings and GQA."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -406,17 +409,16 @@ def build_model(spec: ModelSpec, vocab_size: int) -> "LlamaForCausalLM":  # noqa
     return LlamaForCausalLM(config)
 
 
-def lr_factor(progress: float, warmup_fraction: float, min_ratio: float) -> float:
-    """Learning-rate multiplier: linear warmup, then cosine decay to ``min_ratio``.
+def lr_factor(step: int, warmup_steps: int, progress: float, min_ratio: float) -> float:
+    """Learning-rate multiplier: linear warmup over ``warmup_steps``, then cosine decay to ``min_ratio``.
 
-    ``progress`` runs from 0 to 1 over the whole run (by steps, or by elapsed
-    time in a time-budgeted run).
+    ``progress`` (0 to 1) is how far the run is through its decay phase: by
+    steps in the default run, by elapsed time in a time-budgeted run.
     """
+    if step <= warmup_steps:
+        return step / max(warmup_steps, 1)
     progress = min(max(progress, 0.0), 1.0)
-    if progress < warmup_fraction:
-        return progress / warmup_fraction
-    decay = (progress - warmup_fraction) / max(1.0 - warmup_fraction, 1e-9)
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * decay))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def make_optimizer(model: torch.nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -441,6 +443,16 @@ def batch_order(n_windows: int, batch_size: int, steps: int, seed: int) -> list[
     return batches
 
 
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float) -> float:
+    """One optimizer step of next-token prediction on ``batch``; returns the batch loss."""
+    loss = model(input_ids=batch, labels=batch).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    return loss.item()
+
+
 def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) -> TrainResult:
     """Run the training loop and return the measured loss curve and time.
 
@@ -450,7 +462,6 @@ def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) 
     optimizer = make_optimizer(model, spec)
     batches = batch_order(windows.size(0), spec.batch_size, spec.max_steps, spec.seed)
     budget_s = spec.time_budget_min * 60.0 if spec.time_budget_min else None
-    warmup_fraction = spec.warmup_steps / spec.max_steps
     model.train()
     curve: list[tuple[int, float]] = []
     recent: list[float] = []
@@ -462,16 +473,13 @@ def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) 
         if budget_s is not None and elapsed >= budget_s:
             step -= 1
             break
-        progress = elapsed / budget_s if budget_s else (step - 1) / spec.max_steps
+        if budget_s is not None:
+            progress = elapsed / budget_s
+        else:
+            progress = (step - spec.warmup_steps) / max(spec.max_steps - spec.warmup_steps, 1)
         for group in optimizer.param_groups:
-            group["lr"] = spec.peak_lr * lr_factor(progress, warmup_fraction, spec.min_lr_ratio)
-        x = windows[idx]
-        loss = model(input_ids=x, labels=x).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-        optimizer.step()
-        loss_value = loss.item()
+            group["lr"] = spec.peak_lr * lr_factor(step, spec.warmup_steps, progress, spec.min_lr_ratio)
+        loss_value = train_step(model, optimizer, windows[idx], spec.grad_clip)
         recent = (recent + [loss_value])[-spec.log_every :]
         if step % spec.log_every == 0 or step == 1 or step == len(batches):
             curve.append((step, round(sum(recent) / len(recent), 4)))
@@ -482,6 +490,8 @@ def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) 
                 flush=True,
             )
     train_seconds = time.perf_counter() - start
+    if recent and (not curve or curve[-1][0] != step):
+        curve.append((step, round(sum(recent) / len(recent), 4)))
     model.eval()
     return TrainResult(
         steps=step,
@@ -665,7 +675,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("models/pystdlib-llama"), help="output checkpoint directory")
     p.add_argument("--seed", type=int, default=TrainSpec.seed)
-    p.add_argument("--max-steps", type=int, default=TrainSpec.max_steps, help="optimizer steps (fixed by default)")
+    p.add_argument("--max-steps", type=int, default=TrainSpec.max_steps, help="optimizer steps; also the cap of a time-budgeted run")
     p.add_argument(
         "--time-budget-min",
         type=float,
@@ -697,6 +707,7 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Path) -> str:
         pad_token_id=model.config.pad_token_id,
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
+    (out_dir / "model.safetensors").chmod(0o644)
     model.to(torch.float32)
     return str(dtype).replace("torch.", "")
 

@@ -32,6 +32,7 @@ class PassContext:
     verify_prompts: list[list[int]] = field(default_factory=list)  # token ids the verify pass runs
     verify_atol: float = 1e-4  # max |logit difference| allowed by the verify pass
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-pass options from the recipe
+    calibration: list[list[int]] = field(default_factory=list)  # token windows for calibrating passes
 
 
 @dataclass

@@ -21,6 +21,17 @@ import torch
 IR_VERSION = 1
 
 
+# Quantized linear weights: the `quant` attr's scheme says which roles a linear carries instead of `weight`.
+QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
+    "none": ("weight",),
+    "w4a16": ("qweight", "scales", "zeros"),  # 4-bit codes packed 2 per byte, per-group scale and zero
+    "w8a16": ("qweight", "scales", "zeros"),  # 8-bit codes, per-group (or per-channel) scale and zero
+    "w8a8_int8": ("qweight", "weight_scale"),  # int8 weight per channel; activations int8 (+ input_scale if static)
+    "fp8": ("qweight", "weight_scale"),  # e4m3 weight per tensor/channel; activations e4m3 (+ input_scale if static)
+}
+QUANT_ROLES = ("qweight", "scales", "zeros", "weight_scale", "input_scale")
+
+
 @dataclass(frozen=True)
 class OpSpec:
     """What an op consumes and produces; used to check a graph's structure."""
@@ -45,8 +56,9 @@ OPS: dict[str, OpSpec] = {
         doc="(x, residual) -> (rms_norm(x + residual), x + residual)",
     ),
     "linear": OpSpec(
-        (1, 1), ("weight",), ("bias",), ("in_features", "out_features"),
-        doc="x @ weight.T + bias; with split_sizes, the output is split along features into outputs",
+        (1, 1), (), ("weight", "bias") + QUANT_ROLES, ("in_features", "out_features"),
+        doc="x @ weight.T + bias; with split_sizes, the output is split along features into outputs; "
+            "with a `quant` attr, the weight is stored quantized (see QUANT_SCHEMES)",
     ),
     "rope": OpSpec(
         (2, 2), ("inv_freq",), (), ("head_dim", "num_heads"),
@@ -161,6 +173,13 @@ class Graph:
             for a in spec.required_attrs:
                 if a not in n.attrs:
                     raise GraphError(f"node {n}: {n.op} needs attribute {a!r}")
+            if n.op == "linear":
+                scheme = n.attrs.get("quant", {}).get("scheme", "none")
+                if scheme not in QUANT_SCHEMES:
+                    raise GraphError(f"node {n}: unknown quant scheme {scheme!r}; known: {', '.join(QUANT_SCHEMES)}")
+                for role in QUANT_SCHEMES[scheme]:
+                    if role not in n.weights:
+                        raise GraphError(f"node {n}: a {scheme} linear needs weight {role!r}")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

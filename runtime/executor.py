@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from runtime import ops
 from runtime.kv_cache import SequenceKV
+from runtime.quant import make_quant_linear
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 
@@ -65,7 +66,8 @@ class Executor:
                                    f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
         self.graph = graph
         self.params = params
-        self.dtype = next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
+        self.dtype = getattr(torch, graph.get("meta", {}).get("dtype", "")) if graph.get("meta", {}).get("dtype") \
+            else next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
         self.outputs: list[str] = graph["outputs"]
         self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
         nodes = graph["nodes"]
@@ -87,15 +89,35 @@ class Executor:
     @torch.inference_mode()
     def forward(self, inp: StepInput) -> torch.Tensor:
         """Run one step; returns logits [num_selected, vocab] in fp32."""
-        env: dict[str, torch.Tensor] = {"input_ids": inp.input_ids, "positions": inp.positions}
-        step = _Step(inp, {})
-        for kernel, ins, outs, dead in self._program:
-            results = kernel([env[n] for n in ins], step)
-            for name, value in zip(outs, results):
+        env = self.start(inp)
+        self.run_nodes(env, 0, len(self._program))
+        return env[self.outputs[0]]
+
+    def start(self, inp: StepInput) -> dict[str, Any]:
+        """A fresh environment for running nodes over ``inp`` (see ``run_nodes``)."""
+        return {"input_ids": inp.input_ids, "positions": inp.positions, _STEP: _Step(inp, {})}
+
+    @torch.inference_mode()
+    def run_nodes(self, env: dict[str, Any], start: int, end: int, observer: Observer | None = None) -> None:
+        """Run nodes [start, end) in ``env``, in place. ``observer(index, inputs)`` sees each node's inputs.
+
+        Used whole by ``forward``; in ranges by calibration, which carries ``env`` across ranges.
+        Values dead after ``end`` are dropped as usual.
+        """
+        step = env[_STEP]
+        for i in range(start, end):
+            kernel, ins, outs, dead = self._program[i]
+            args = [env[n] for n in ins]
+            if observer is not None:
+                observer(i, args)
+            for name, value in zip(outs, kernel(args, step)):
                 env[name] = value
             for name in dead:
                 env.pop(name, None)
-        return env[self.outputs[0]]
+
+
+_STEP = "__step__"
+Observer = Callable[[int, list[torch.Tensor]], None]
 
 
 # --- per-op compilers: (weights, attrs, executor) -> kernel ------------------------------------
@@ -116,11 +138,16 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 
 
 def _linear(w, attrs, ex) -> Kernel:
-    weight, bias = w["weight"], w.get("bias")
+    quant = attrs.get("quant")
+    if quant:
+        fn = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
+    else:
+        weight, bias = w["weight"], w.get("bias")
+        fn = lambda x: ops.linear(x, weight, bias)  # noqa: E731
     split = attrs.get("split_sizes")
     if split:
-        return lambda xs, step: ops.linear(xs[0], weight, bias).split(split, dim=-1)
-    return lambda xs, step: (ops.linear(xs[0], weight, bias),)
+        return lambda xs, step: fn(xs[0]).split(split, dim=-1)
+    return lambda xs, step: (fn(xs[0]),)
 
 
 def _rope(w, attrs, ex) -> Kernel:

@@ -32,13 +32,23 @@ class KVLayout:
 class SequenceKV:
     """One sequence's keys and values, preallocated to ``capacity`` tokens."""
 
-    def __init__(self, layout: KVLayout, capacity: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, capacity: int, device: torch.device | str = "cpu",
+                 layers: set[int] | None = None) -> None:
         self.capacity = capacity
         self.num_tokens = 0  # tokens whose K/V are stored (all layers agree after a full step)
-        # k[layer]: [capacity, num_kv_heads, head_dim]
+        # k[layer]: [capacity, num_kv_heads, head_dim]; only ``layers`` are allocated when given
         self.k = [torch.empty(capacity, h, d, dtype=layout.dtype, device=device)
-                  for h, d in zip(layout.num_kv_heads, layout.head_dim)]
-        self.v = [torch.empty_like(t) for t in self.k]
+                  if layers is None or i in layers else None
+                  for i, (h, d) in enumerate(zip(layout.num_kv_heads, layout.head_dim))]
+        self.v = [torch.empty_like(t) if t is not None else None for t in self.k]
+
+    def allocate_layer(self, layer: int, layout: KVLayout, device: torch.device | str = "cpu") -> None:
+        self.k[layer] = torch.empty(self.capacity, layout.num_kv_heads[layer], layout.head_dim[layer],
+                                    dtype=layout.dtype, device=device)
+        self.v[layer] = torch.empty_like(self.k[layer])
+
+    def free_layer(self, layer: int) -> None:
+        self.k[layer] = self.v[layer] = None
 
     def append(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: [num_new, num_kv_heads, head_dim], written at positions [start, start + num_new)

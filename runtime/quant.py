@@ -1,0 +1,93 @@
+"""Quantized linear layers as the runtime executes them (torch references; GPU kernels in kernels/).
+
+Storage conventions (written by the quantization passes, see passes/README.md):
+- w4a16 / w8a16: ``qweight`` unsigned codes (4-bit packed two per byte, low nibble = even input
+  index), ``scales`` [out, num_groups], ``zeros`` [out, num_groups] integer codes;
+  w = (q - zero) * scale.
+- w8a8_int8: ``qweight`` int8 [out, in], ``weight_scale`` fp32 [out]; activations quantized to
+  int8 per token (dynamic) or with the calibrated per-tensor ``input_scale`` (static); scale = amax / 127.
+- fp8: ``qweight`` float8_e4m3fn [out, in], ``weight_scale`` fp32 [out] or [1]; activations e4m3 per
+  token (dynamic) or with ``input_scale`` (static); scale = amax / 448.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    # packed: [out, in / 2] uint8 -> codes [out, in] uint8
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                      group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    codes = unpack_int4(qweight) if bits == 4 else qweight
+    out_f, in_f = codes.shape
+    g = in_f if group_size == -1 else group_size
+    w = codes.view(out_f, in_f // g, g).float() - zeros.float()[:, :, None]
+    return (w * scales.float()[:, :, None]).reshape(out_f, in_f).to(dtype)
+
+
+def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [num_tokens, in] -> (int8 codes, scale [num_tokens, 1] or [1, 1])."""
+    if input_scale is None:
+        scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / INT8_MAX
+    else:
+        scale = input_scale.float().reshape(1, 1)
+    q = (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if input_scale is None:
+        scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    else:
+        scale = input_scale.float().reshape(1, 1)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def _int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    # xq: [m, k] int8, wq: [n, k] int8 -> [m, n] int32 (exact)
+    if xq.is_cuda and xq.shape[0] > 16:
+        return torch._int_mm(xq, wq.t())
+    return xq.to(torch.int32) @ wq.t().to(torch.int32)
+
+
+def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict,
+                      dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes)."""
+    bias = w.get("bias")
+    if scheme in ("w4a16", "w8a16"):
+        weight = dequantize_weight(w["qweight"], w["scales"], w["zeros"], quant["bits"], quant["group_size"], dtype)
+        return lambda x: F.linear(x, weight, bias)
+    input_scale = w.get("input_scale")
+    w_scale = w["weight_scale"].float().reshape(1, -1)
+    if scheme == "w8a8_int8":
+        wq = w["qweight"]
+
+        def int8_linear(x: torch.Tensor) -> torch.Tensor:
+            xq, x_scale = quantize_activation_int8(x, input_scale)
+            y = _int8_matmul(xq, wq).float() * x_scale * w_scale
+            return (y + bias.float() if bias is not None else y).to(x.dtype)
+
+        return int8_linear
+    if scheme == "fp8":
+        w_deq = w["qweight"].float()
+
+        def fp8_linear(x: torch.Tensor) -> torch.Tensor:
+            xq, x_scale = quantize_activation_fp8(x, input_scale)
+            y = (xq.float() @ w_deq.t()) * x_scale * w_scale
+            return (y + bias.float() if bias is not None else y).to(x.dtype)
+
+        return fp8_linear
+    raise ValueError(f"unknown quant scheme {scheme!r}")
