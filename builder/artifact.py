@@ -36,7 +36,9 @@ def _versions() -> dict[str, str]:
 
 
 def write_artifact(recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
-                   started_at: str, start: float, timings: dict[str, float]) -> Path:
+                   started_at: str, start: float, timings: dict[str, float],
+                   extra: dict[str, Any] | None = None) -> Path:
+    """Write the artifact; ``extra`` adds manifest sections (calibration, gates)."""
     out = Path(recipe.output_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.building"
@@ -44,7 +46,7 @@ def write_artifact(recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        _write_contents(tmp, recipe, ckpt, graph, records, started_at, start, timings)
+        _write_contents(tmp, recipe, ckpt, graph, records, started_at, start, timings, extra or {})
         if out.exists():
             old = out.parent / f".{out.name}.old"
             if old.exists():
@@ -61,7 +63,7 @@ def write_artifact(recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list
 
 
 def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
-                    started_at: str, start: float, timings: dict[str, float]) -> None:
+                    started_at: str, start: float, timings: dict[str, float], extra: dict[str, Any]) -> None:
     (tmp / GRAPH).write_text(graph.to_json())
     tensors = {name: t.contiguous() for name, t in graph.params.items()}
     save_file(tensors, tmp / WEIGHTS, metadata={"format": FORMAT_NAME})
@@ -99,6 +101,7 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
             "verify": verify,
         },
         "reports": {"markdown": "report.md", "html": "report.html"},
+        "quantization": {"algo": recipe.quantization.algo, **extra},
     }
     manifest["build"]["duration_s"] = round(time.perf_counter() - start, 3)
     manifest["files"] = _file_table(tmp)  # report sizes need the weight files' sizes

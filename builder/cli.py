@@ -35,6 +35,7 @@ def build(
     """Build an engine artifact from a recipe."""
     _setup_logging(quiet)
     from builder.checkpoint import CheckpointError
+    from builder.calibration import DataError
     from builder.pipeline import BuildError, build as run_build
     from builder.recipe import RecipeError, load_recipe
     from passes import GraphError, PassError
@@ -43,7 +44,7 @@ def build(
     try:
         r = load_recipe(recipe, set_)
         result = run_build(r)
-    except (RecipeError, CheckpointError, BuildError, LiftError, PassError, GraphError) as e:
+    except (RecipeError, CheckpointError, DataError, BuildError, LiftError, PassError, GraphError) as e:
         _fail(str(e))
     typer.echo(f"artifact: {result.output_dir} ({result.seconds:.1f}s); report: {result.output_dir / 'report.html'}")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from builder.artifact import write_artifact
+from builder.calibration import DEFAULT_CALIBRATION, TokenData, token_windows
 from builder.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from builder.recipe import Recipe
 from passes import PassContext, PassRecord, run_passes
@@ -29,6 +30,10 @@ class BuildError(RuntimeError):
     """The build cannot go on; the message says why and what to change."""
 
 
+class GateFailure(BuildError):
+    """The quantized graph regressed past the recipe's quality thresholds: the build is blocked."""
+
+
 @dataclass
 class BuildResult:
     output_dir: Path
@@ -37,9 +42,21 @@ class BuildResult:
     seconds: float
 
 
-def resolve_passes(recipe: Recipe) -> list[str]:
-    """The ordered pass list this recipe runs (validated against the registry at recipe load)."""
-    return list(recipe.passes)
+def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
+    """The ordered passes this recipe runs: (graph passes, quantization passes).
+
+    Graph passes (fusions, verify) run on the full-precision graph; verify compares it with the HF
+    model. Quantization runs after, on the verified graph, which stays as the gates' baseline.
+    """
+    quant = [] if recipe.quantization.algo == "none" else [recipe.quantization.algo, "dce"]
+    return list(recipe.passes), quant
+
+
+def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
+    c = recipe.calibration
+    path = Path(c.dataset) if c.dataset else DEFAULT_CALIBRATION
+    return token_windows(path, lambda t: tokenizer.encode(t, add_special_tokens=False), c.num_samples,
+                         c.seq_len, c.seed, c.text_field)
 
 
 def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -91,9 +108,6 @@ def build(recipe: Recipe) -> BuildResult:
     start = time.perf_counter()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     dtype = getattr(torch, recipe.model.dtype)
-    if recipe.quantization.algo != "none":
-        raise BuildError(f"quantization.algo {recipe.quantization.algo!r} is not available in this toolchain "
-                         f"version yet; use 'none'")
     ckpt = open_checkpoint(recipe.model.checkpoint)
     try:
         tokenizer = Tokenizer.from_dir(ckpt.path)
@@ -113,16 +127,35 @@ def build(recipe: Recipe) -> BuildResult:
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
 
-    names = resolve_passes(recipe)
+    names, quant_names = resolve_passes(recipe)
     ctx = PassContext(verify_atol=recipe.verify_atol())
     if "verify" in names:
         ctx.reference = reference_model(ckpt, dtype)
         ctx.verify_prompts = [tokenizer.encode(p) for p in recipe.verify.prompts]
     graph, records = run_passes(graph, names, ctx)
+    timings = {"trace_s": trace_s, "load_weights_s": load_s, "passes_s": sum(r.seconds for r in records)}
 
-    timings = {"trace_s": trace_s, "load_weights_s": load_s,
-               "passes_s": sum(r.seconds for r in records)}
-    out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings)
+    extra: dict = {}
+    if quant_names:
+        baseline = graph.copy()
+        t = time.perf_counter()
+        calib = calibration_data(recipe, tokenizer)
+        ctx.calibration = calib.windows
+        ctx.options[recipe.quantization.algo] = recipe.quantization.method_options()
+        graph, quant_records = run_passes(graph, quant_names, ctx)
+        records += quant_records
+        timings["quantization_s"] = time.perf_counter() - t
+        extra["calibration"] = calib.manifest()
+        if recipe.gates.enabled:
+            from builder.quality import run_gates
+
+            t = time.perf_counter()
+            report = run_gates(recipe, baseline, graph, tokenizer)
+            timings["gates_s"] = time.perf_counter() - t
+            extra["gates"] = report.to_dict()
+            if not report.passed:
+                raise GateFailure(f"quality gates failed for {recipe.name}:\n{report.table()}")
+    out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings, extra)
     seconds = time.perf_counter() - start
     log.info("built %s in %.1fs", out, seconds)
     return BuildResult(out, graph, records, seconds)

@@ -8,6 +8,7 @@ Relative paths in a recipe are relative to the directory ``builder`` runs in.
 from __future__ import annotations
 
 import difflib
+import re
 import hashlib
 import json
 from pathlib import Path
@@ -58,8 +59,71 @@ class RuntimeSection(_Strict):
         return self
 
 
+# Which quantization options each algorithm reads; setting another one is an error.
+ALGO_OPTIONS: dict[str, set[str]] = {
+    "none": set(),
+    "int8_wo": set(),
+    "fp8": {"activations", "weight_granularity"},
+    "smoothquant": {"activations", "alpha"},
+    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
+    "awq": {"group_size", "n_grid"},
+}
+COMMON_OPTIONS = {"algo", "targets", "ignore"}
+
+
 class QuantizationSection(_Strict):
     algo: Literal["awq", "gptq", "smoothquant", "fp8", "int8_wo", "none"] = "none"
+    targets: list[str] = Field(default_factory=list, description="module paths or re:regex; empty = all linears")
+    ignore: list[str] = Field(default_factory=list, description="module paths or re:regex kept unquantized")
+    bits: Optional[Literal[4, 8]] = None  # gptq (default 4); awq is always 4
+    group_size: Optional[int] = None  # awq/gptq (default 128); -1 = per output channel
+    symmetric: Optional[bool] = None  # gptq (default False)
+    act_order: Optional[bool] = None  # gptq (default False); uses static groups
+    damp: Optional[float] = Field(default=None, gt=0, lt=1)  # gptq (default 0.01)
+    block_size: Optional[int] = Field(default=None, ge=1)  # gptq (default 128)
+    n_grid: Optional[int] = Field(default=None, ge=2)  # awq (default 20)
+    alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
+    activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)
+    weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
+
+    @model_validator(mode="after")
+    def _options_fit_algo(self) -> QuantizationSection:
+        allowed = ALGO_OPTIONS[self.algo]
+        for key in type(self).model_fields:
+            if key in COMMON_OPTIONS or getattr(self, key) is None:
+                continue
+            if key not in allowed:
+                raise ValueError(f"{key}: does not apply to algo {self.algo!r}; "
+                                 f"{self.algo} reads: {', '.join(sorted(allowed | COMMON_OPTIONS)) }")
+        if self.group_size is not None and self.group_size != -1 and self.group_size < 1:
+            raise ValueError(f"group_size: {self.group_size} must be -1 (per channel) or >= 1")
+        return self
+
+    def method_options(self) -> dict[str, Any]:
+        """Options passed to the quantization pass: the ones set, plus targets/ignore."""
+        return {k: v for k, v in self.model_dump().items() if v is not None and k != "algo"}
+
+
+class CalibrationSection(_Strict):
+    dataset: Optional[str] = Field(default=None, description=".txt or .jsonl (with a text field); "
+                                   "default: the calibration set shipped with the repo")
+    text_field: str = "text"
+    num_samples: int = Field(default=64, ge=1)
+    seq_len: int = Field(default=256, ge=8)
+    seed: int = 0
+
+
+class GatesSection(_Strict):
+    enabled: bool = True
+    eval_dataset: Optional[str] = Field(default=None, description="held-out text; default: shipped eval text")
+    num_positions: int = Field(default=4096, ge=1)
+    window: int = Field(default=256, ge=8)
+    max_kl: Optional[float] = Field(default=None, ge=0)
+    min_top1_agreement: Optional[float] = Field(default=None, ge=0, le=1)
+    max_ppl_ratio: Optional[float] = Field(default=None, ge=1)
+    min_greedy_agreement: Optional[float] = Field(default=None, ge=0, le=1)
+    greedy_tokens: int = Field(default=16, ge=1)
+    needle_context_len: Optional[int] = Field(default=None, ge=32, description="0/None = no needle check")
 
 
 class Recipe(_Strict):
@@ -70,6 +134,8 @@ class Recipe(_Strict):
     verify: VerifySection = Field(default_factory=VerifySection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
     quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    calibration: CalibrationSection = Field(default_factory=CalibrationSection)
+    gates: GatesSection = Field(default_factory=GatesSection)
 
     @model_validator(mode="after")
     def _known_passes(self) -> Recipe:
@@ -174,5 +240,7 @@ def format_error(err: dict) -> str:
         return f"{path}: required key is missing"
     if kind == "value_error":
         msg = str(err.get("ctx", {}).get("error", err["msg"]))
+        if loc and re.match(r"^\w+: ", msg):  # the message names a key inside this section
+            return f"{path}.{msg}"
         return f"{path}: {msg}" if loc else msg
     return f"{path}: {value!r}: {err['msg'].lower()}"

@@ -148,6 +148,14 @@ class Graph:
     def num_params(self) -> int:
         return sum(t.numel() for t in self.params.values())
 
+    def copy(self) -> Graph:
+        """A copy whose nodes and tables can be changed freely; tensors are shared (passes never
+        modify a tensor in place, they put a new one in ``params``)."""
+        import copy
+
+        return Graph(copy.deepcopy(self.nodes), list(self.inputs), list(self.outputs), dict(self.params),
+                     copy.deepcopy(self.meta), self.version)
+
     # --- invariants ----------------------------------------------------------------------
     def check(self) -> None:
         """Raise GraphError if the graph breaks an invariant (see passes/README.md)."""

@@ -1,0 +1,55 @@
+"""fp8: FP8 E4M3 weights and activations (W8A8), e.g. for Hopper tensor cores.
+
+Weights: scale = amax / 448 per tensor (default) or per output channel; codes are
+``float8_e4m3fn`` (max 448). Activations: dynamic per-token scales at run time (default), or a
+static per-tensor ``input_scale = amax / 448`` calibrated on the calibration set (max over all tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from passes.base import PassError, register
+from passes.ir import Graph, Node
+from passes.quantize import QuantMethod, replace_weight
+
+FP8_MAX = 448.0
+
+
+def quantize_fp8_weight(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in] -> (e4m3 codes [out, in], fp32 scale [out] or [1])."""
+    w = w.float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None] if per_channel else w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+@register
+class FP8(QuantMethod):
+    """Quantize linears to FP8 E4M3 weights with per-tensor/per-channel scales and FP8 activations."""
+
+    name = "fp8"
+    scheme = "fp8"
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.per_channel = options.get("weight_granularity", "tensor") == "channel"
+        self.static = options.get("activations", "dynamic") == "static"
+        self.needs_calibration = self.static
+
+    def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
+        amax = x.detach().abs().amax().float()
+        self.stats[index] = torch.maximum(self.stats[index], amax) if index in self.stats else amax
+
+    def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
+        q, scale = quantize_fp8_weight(graph.params[node.weights["weight"]], self.per_channel)
+        tensors = {"qweight": q, "weight_scale": scale}
+        if self.static:
+            if stats is None:
+                raise PassError(f"fp8: no calibration statistics reached {node.source}")
+            tensors["input_scale"] = (stats.clamp(min=1e-12) / FP8_MAX).reshape(1)
+        replace_weight(graph, node, self.scheme, tensors, {
+            "activations": "static" if self.static else "dynamic",
+            "weight_granularity": "channel" if self.per_channel else "tensor"})

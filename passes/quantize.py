@@ -1,0 +1,193 @@
+"""The lifecycle every quantization method shares, and layer-by-layer calibration.
+
+    validate ─► select targets ─► for each segment of the graph (one decoder layer's worth):
+                                    attach observer ─► run calibration tokens ─► remove observer
+                                    apply the method to the segment's targets
+                                    re-run the segment with the quantized weights (feeds the next)
+            ─► check that every target was quantized
+
+A segment ends after each attention node, so it holds one layer's o_proj/MLP and the next layer's
+q/k/v. Only the values live across a segment boundary (the residual stream) are kept per
+calibration window, so peak memory is one layer's activations for the calibration set plus the
+weights, never the whole model's activations. Later segments are calibrated on the outputs of the
+already-quantized earlier ones, as GPTQ prescribes.
+
+Target selection: every ``linear`` node (never ``embedding`` or ``lm_head``, kept in high precision),
+minus the recipe's ``ignore`` list; ``targets`` restricts to names or ``re:`` regexes. Names are the
+node's source module path (``model.layers.3.mlp.down_proj``; a merged node has its parent's path
+and matches if any member matches).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from passes.base import Pass, PassContext, PassError, PassResult
+from passes.ir import Graph, Node
+from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.kv_cache import KVLayout, SequenceKV
+
+log = logging.getLogger("passes.quantize")
+
+
+@dataclass
+class Segment:
+    start: int  # first node index
+    end: int  # one past the last node index
+    attention_layers: list[int]  # KV layers written inside the segment
+
+
+def segments(graph: Graph) -> list[Segment]:
+    """Cut the node list right after each attention node."""
+    cuts = [i + 1 for i, n in enumerate(graph.nodes) if n.op == "attention"]
+    bounds = [0] + cuts + ([len(graph.nodes)] if not cuts or cuts[-1] < len(graph.nodes) else [])
+    out = []
+    for a, b in zip(bounds, bounds[1:]):
+        layers = [n.attrs["layer"] for n in graph.nodes[a:b] if n.op == "attention"]
+        out.append(Segment(a, b, layers))
+    return out
+
+
+def member_names(node: Node) -> list[str]:
+    """Module paths a linear answers to: its source, and for a merged node each member's path."""
+    names = [node.source]
+    weight = node.weights.get("weight", "")
+    if "+" in weight:
+        parent, leaves = weight.rsplit(".", 2)[0], weight.rsplit(".", 2)[1]
+        names += [f"{parent}.{leaf}" for leaf in leaves.split("+")]
+    return names
+
+
+def _matches(patterns: list[str], names: list[str]) -> bool:
+    for p in patterns:
+        for name in names:
+            if p.startswith("re:"):
+                if re.search(p[3:], name):
+                    return True
+            elif name == p or name.endswith("." + p):
+                return True
+    return False
+
+
+@dataclass
+class QuantSettings:
+    """Options every method understands (from the recipe's quantization section)."""
+
+    targets: list[str] = field(default_factory=list)  # empty = every linear
+    ignore: list[str] = field(default_factory=list)
+    options: dict[str, Any] = field(default_factory=dict)  # method-specific
+
+
+class QuantMethod(Pass):
+    """Base class: subclasses implement ``validate_node``, ``observe`` and ``quantize_node``."""
+
+    needs_calibration = True
+    scheme = ""  # the IR quant scheme this method writes
+
+    def __init__(self) -> None:
+        self.settings = QuantSettings()
+        self.stats: dict[int, Any] = {}  # node index -> accumulated statistics
+
+    # --- hooks for subclasses --------------------------------------------------------------
+    def configure(self, options: dict[str, Any]) -> None:
+        """Read method options (called once, before validation)."""
+
+    def validate_node(self, graph: Graph, node: Node) -> None:
+        """Raise PassError if ``node`` cannot be quantized with these settings."""
+
+    def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
+        """Accumulate statistics of a target's input ``x`` [num_tokens, in_features]."""
+
+    def apply_segment(self, graph: Graph, targets: list[int]) -> None:
+        """Quantize the targets of one segment (indices into graph.nodes), using ``self.stats``."""
+        for i in targets:
+            self.quantize_node(graph, graph.nodes[i], self.stats.get(i))
+
+    def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
+        raise NotImplementedError
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def select(self, graph: Graph) -> list[int]:
+        chosen = []
+        for i, n in enumerate(graph.nodes):
+            if n.op != "linear" or "quant" in n.attrs:
+                continue
+            names = member_names(n)
+            if self.settings.targets and not _matches(self.settings.targets, names):
+                continue
+            if _matches(self.settings.ignore, names):
+                continue
+            chosen.append(i)
+        return chosen
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        opts = dict(ctx.options.get(self.name, {}))
+        self.settings = QuantSettings(opts.pop("targets", []), opts.pop("ignore", []), opts)
+        self.configure(opts)
+        targets = self.select(graph)
+        for i in targets:
+            self.validate_node(graph, graph.nodes[i])
+        if self.needs_calibration:
+            if not ctx.calibration:
+                raise PassError(f"{self.name} needs calibration data and none was given")
+            self._calibrate_and_apply(graph, targets, ctx.calibration)
+        else:
+            self.apply_segment(graph, targets)
+        left = [graph.nodes[i].source for i in targets if graph.nodes[i].attrs.get("quant") is None]
+        if left:
+            raise PassError(f"{self.name}: these linears were selected but not quantized: {', '.join(left[:5])}")
+        return PassResult(graph, len(targets), len(targets), self.summary(graph, targets))
+
+    def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        return {"scheme": self.scheme, "num_linears": len(targets)}
+
+    def _calibrate_and_apply(self, graph: Graph, targets: list[int], windows: list[list[int]]) -> None:
+        wanted = set(targets)
+        attn = [n for n in graph.nodes if n.op == "attention"]
+        dtype = getattr(torch, graph.meta.get("dtype", "float32"))
+        layout = KVLayout([n.attrs["num_kv_heads"] for n in attn], [n.attrs["head_dim"] for n in attn], dtype)
+        executor = Executor(graph.to_dict(), graph.params)
+        caches = [SequenceKV(layout, len(w), layers=set()) for w in windows]
+        envs = [executor.start(StepInput(torch.tensor(w), torch.arange(len(w)), [SeqSlice(kv, 0, len(w))]))
+                for w, kv in zip(windows, caches)]
+
+        def observer(index: int, inputs: list[torch.Tensor]) -> None:
+            if index in wanted:
+                self.observe(index, graph.nodes[index], inputs[0])
+
+        for seg in segments(graph):
+            seg_targets = [i for i in targets if seg.start <= i < seg.end]
+            for kv in caches:
+                for layer in seg.attention_layers:
+                    kv.allocate_layer(layer, layout)
+            if seg_targets:
+                for env in envs:  # statistics pass over a copy: the env must stay at the segment start
+                    executor.run_nodes(dict(env), seg.start, seg.end, observer)
+                self.apply_segment(graph, seg_targets)
+                self.stats.clear()
+                executor = Executor(graph.to_dict(), graph.params)
+            for env in envs:  # propagate through the (now quantized) segment
+                executor.run_nodes(env, seg.start, seg.end)
+            for kv in caches:
+                for layer in seg.attention_layers:
+                    kv.free_layer(layer)
+            log.debug("%s: segment %d..%d done (%d targets)", self.name, seg.start, seg.end, len(seg_targets))
+
+
+def replace_weight(graph: Graph, node: Node, scheme: str, tensors: dict[str, torch.Tensor],
+                   quant: dict[str, Any]) -> None:
+    """Swap a linear's ``weight`` for quantized tensors named ``<weight name minus .weight>.<role>``."""
+    base = node.weights["weight"].removesuffix(".weight")
+    old = node.weights.pop("weight")
+    for role, t in tensors.items():
+        name = f"{base}.{role}"
+        graph.params[name] = t
+        node.weights[role] = name
+    node.attrs["quant"] = {"scheme": scheme, **quant}
+    if not any(old in n.weights.values() for n in graph.nodes):
+        graph.params.pop(old, None)

@@ -1,0 +1,96 @@
+"""smoothquant: W8A8 INT8 with activation outliers migrated into the weights.
+
+SmoothQuant (Xiao et al., 2023, "SmoothQuant: Accurate and Efficient Post-Training Quantization for
+Large Language Models"; reference mit-han-lab/smoothquant). For linears fed by an RMSNorm (q/k/v
+and gate/up), per input channel j:
+
+    s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)        (alpha = 0.5 by default)
+
+X is divided by s (folded into the norm's weight) and W's column j multiplied by s_j, which leaves
+X W^T unchanged while flattening activation outliers. max|W_j| is taken over every linear reading
+the same normed input. Linears not fed by a norm (o_proj, down_proj) are quantized without smoothing.
+
+Weights: per output channel, symmetric, scale = amax / 127 (not 127.5), codes in [-127, 127].
+Activations: per-token dynamic scales (default), or a static per-tensor ``input_scale`` =
+max|X / s| / 127 over the calibration set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from passes.base import PassError, register
+from passes.ir import Graph, Node
+from passes.quantize import QuantMethod, replace_weight
+
+INT8_MAX = 127.0
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in] -> (int8 codes [out, in], fp32 scale [out]); scale = amax / 127."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / INT8_MAX
+    return (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """s: [in] from the activations' per-channel max |x| and the group's weights [out_i, in]."""
+    w_max = torch.stack([w.float().abs().amax(dim=0) for w in weights]).amax(dim=0)
+    s = act_max.float().clamp(min=1e-5).pow(alpha) / w_max.clamp(min=1e-5).pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+@register
+class SmoothQuant(QuantMethod):
+    """Smooth activation outliers into the weights, then quantize linears to INT8 weights and activations."""
+
+    name = "smoothquant"
+    scheme = "w8a8_int8"
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.alpha = float(options.get("alpha", 0.5))
+        self.static = options.get("activations", "dynamic") == "static"
+        self.num_smoothed = 0
+
+    def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
+        amax = x.detach().abs().float().amax(dim=0)  # [in]
+        self.stats[index] = torch.maximum(self.stats[index], amax) if index in self.stats else amax
+
+    def apply_segment(self, graph: Graph, targets: list[int]) -> None:
+        producers = graph.producers()
+        groups: dict[str, list[int]] = {}
+        for i in targets:
+            groups.setdefault(graph.nodes[i].inputs[0], []).append(i)
+        for value, members in groups.items():
+            if any(i not in self.stats for i in members):
+                raise PassError(f"smoothquant: no calibration statistics reached {graph.nodes[members[0]].source}")
+            act_max = torch.stack([self.stats[i] for i in members]).amax(dim=0)
+            norm = producers.get(value)
+            smooth = (norm is not None and norm.op in ("rms_norm", "fused_add_rms_norm")
+                      and norm.outputs[0] == value and "weight" in norm.weights and not norm.attrs.get("head_dim"))
+            s = None
+            if smooth:
+                weights = [graph.params[graph.nodes[i].weights["weight"]] for i in members]
+                s = smoothing_scales(act_max, weights, self.alpha)
+                name = norm.weights["weight"]
+                graph.params[name] = (graph.params[name].float() / s).to(graph.params[name].dtype)
+                self.num_smoothed += 1
+            for i in members:
+                self._quantize(graph, graph.nodes[i], s, act_max)
+
+    def _quantize(self, graph: Graph, node: Node, s: torch.Tensor | None, act_max: torch.Tensor) -> None:
+        w = graph.params[node.weights["weight"]].float()
+        if s is not None:
+            w = w * s[None, :]
+            act_max = act_max / s
+        q, scale = quantize_int8_per_channel(w)
+        tensors = {"qweight": q, "weight_scale": scale}
+        if self.static:
+            tensors["input_scale"] = (act_max.amax().clamp(min=1e-8) / INT8_MAX).reshape(1)
+        replace_weight(graph, node, self.scheme, tensors,
+                       {"activations": "static" if self.static else "dynamic", "smoothed": s is not None})
+
+    def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        return {**super().summary(graph, targets), "alpha": self.alpha, "smoothed_groups": self.num_smoothed}
