@@ -50,6 +50,39 @@ def build(
 
 
 @app.command()
+def gate(
+    artifact: Path = typer.Argument(..., help="artifact directory to judge"),
+    baseline: Path = typer.Option(..., "--baseline", help="unquantized checkpoint directory or artifact"),
+    eval_dataset: Optional[Path] = typer.Option(None, help=".txt/.jsonl held-out text (default: shipped eval text)"),
+    num_positions: Optional[int] = typer.Option(None, help="evaluation positions (default: the recipe's)"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    quiet: bool = typer.Option(False, "--quiet", "-q"),
+) -> None:
+    """Run the quality gates of an artifact against a baseline; exit 1 if a gate fails."""
+    _setup_logging(quiet)
+    from builder.calibration import DataError
+    from builder.checkpoint import CheckpointError
+    from builder.gates import GateError
+    from builder.quality import gate_artifact
+    from builder.recipe import GatesSection
+    from runtime.artifact import ArtifactError, open_artifact
+
+    try:
+        manifest = open_artifact(artifact).manifest
+        section = GatesSection.model_validate(manifest["recipe"].get("gates", {}))
+        if eval_dataset is not None:
+            section.eval_dataset = str(eval_dataset)
+        if num_positions is not None:
+            section.num_positions = num_positions
+        report = gate_artifact(artifact, baseline, section)
+    except (ArtifactError, CheckpointError, DataError, GateError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else report.table())
+    if not report.passed:
+        raise typer.Exit(code=1)
+
+
+@app.command()
 def generate(
     artifact: Path = typer.Argument(..., help="artifact directory"),
     prompt: str = typer.Option(..., "--prompt", "-p"),

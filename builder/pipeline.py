@@ -17,6 +17,7 @@ import torch
 from builder.artifact import write_artifact
 from builder.calibration import DEFAULT_CALIBRATION, TokenData, token_windows
 from builder.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from builder.quality import run_gates
 from builder.recipe import Recipe
 from passes import PassContext, PassRecord, run_passes
 from passes.ir import Graph
@@ -91,7 +92,9 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, 
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype):
     """The Hugging Face model with its real weights (safetensors only), for the verify pass."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype, attn_implementation="sdpa",
                                                  local_files_only=True, use_safetensors=True)
     model.eval()
@@ -147,8 +150,6 @@ def build(recipe: Recipe) -> BuildResult:
         timings["quantization_s"] = time.perf_counter() - t
         extra["calibration"] = calib.manifest()
         if recipe.gates.enabled:
-            from builder.quality import run_gates
-
             t = time.perf_counter()
             report = run_gates(recipe, baseline, graph, tokenizer)
             timings["gates_s"] = time.perf_counter() - t
