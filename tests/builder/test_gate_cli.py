@@ -1,0 +1,60 @@
+"""Quantized builds as a deploy gate: calibration recorded, gates run, a regression blocks the build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from builder.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+FAST = ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
+        "gates.needle_context_len=null", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}", "--quiet"]
+
+
+def _build(recipe: str, out: Path, *sets: str):
+    args = ["build", str(ROOT / "recipes" / recipe), "--set", f"output_dir={out}"]
+    for s in [*FAST[:-1], *sets]:
+        args += ["--set", s]
+    return runner.invoke(app, args + ["--quiet"])
+
+
+@pytest.fixture(scope="module")
+def smoothquant_artifact(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sq") / "sq"
+    res = _build("quickstart-smoothquant.yaml", out)
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def test_manifest_records_calibration_and_gates(smoothquant_artifact):
+    m = json.loads((smoothquant_artifact / "manifest.json").read_text())
+    q = m["quantization"]
+    assert q["algo"] == "smoothquant"
+    assert q["calibration"]["num_samples"] == 8 and q["calibration"]["seed"] == 0
+    assert len(q["calibration"]["sha256"]) == 64
+    assert q["gates"]["passed"] and q["gates"]["num_positions"] >= 1024
+    names = {g["name"] for g in q["gates"]["metrics"]}
+    assert names == {"kl", "top1_agreement", "ppl_ratio", "greedy_agreement"}
+    assert "Quality gates against the unquantized model" in (smoothquant_artifact / "report.md").read_text()
+
+
+def test_gate_command_against_checkpoint(smoothquant_artifact):
+    res = runner.invoke(app, ["gate", str(smoothquant_artifact), "--baseline", str(ROOT / "models/pystdlib-llama"),
+                              "--num-positions", "512", "--json", "--quiet"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output)
+    kl = next(g for g in report["metrics"] if g["name"] == "kl")
+    assert report["passed"] and 0 < kl["value"] < 0.03
+
+
+def test_regression_blocks_the_build(tmp_path):
+    out = tmp_path / "blocked"
+    res = _build("quickstart-fp8.yaml", out, "gates.max_kl=1e-9")
+    assert res.exit_code == 1
+    assert "quality gates failed" in res.output and "kl" in res.output and "FAIL" in res.output
+    assert not out.exists()
