@@ -101,7 +101,8 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
             "verify": verify,
         },
         "reports": {"markdown": "report.md", "html": "report.html"},
-        "quantization": {"algo": recipe.quantization.algo, **extra},
+        "quantization": {"algo": recipe.quantization.algo, "kv_cache_dtype": recipe.runtime.kv_cache_dtype,
+                         **extra},
     }
     manifest["build"]["duration_s"] = round(time.perf_counter() - start, 3)
     manifest["files"] = _file_table(tmp)  # report sizes need the weight files' sizes

@@ -162,11 +162,11 @@ def inspect(
     lines.append(f"verify        max |logit err| {v['max_abs_logit_err']:.3g} (atol {v['atol']:g}), top-1 agreement "
                  f"{v['top1_agreement']:.4f}" if v else "verify        not run")
     q = m.get("quantization", {})
-    if q.get("algo", "none") != "none":
+    if q.get("calibration") or q.get("gates"):
         g = q.get("gates")
         gate_text = ("gates " + ("PASSED" if g["passed"] else "FAILED") + ": " + ", ".join(
             f"{x['name']}={x['value']:.4g}" for x in g["metrics"])) if g else "gates not run"
-        lines.append(f"quantization  {q['algo']}; {gate_text}")
+        lines.append(f"quantization  {q['algo']}, KV cache {q.get('kv_cache_dtype', 'auto')}; {gate_text}")
     lines.append(f"built         {m['build']['started_at']} on {m['build']['host']} in {m['build']['duration_s']:.2f}s; "
                  f"toolchain {m['versions']['toolchain']}, torch {m['versions']['torch']}")
     lines.append(f"size          {total / 2**20:.2f} MiB in {len(m['files'])} files")

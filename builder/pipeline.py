@@ -49,8 +49,10 @@ def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
     Graph passes (fusions, verify) run on the full-precision graph; verify compares it with the HF
     model. Quantization runs after, on the verified graph, which stays as the gates' baseline.
     """
-    quant = [] if recipe.quantization.algo == "none" else [recipe.quantization.algo, "dce"]
-    return list(recipe.passes), quant
+    quant = [] if recipe.quantization.algo == "none" else [recipe.quantization.algo]
+    if recipe.runtime.kv_cache_dtype != "auto":
+        quant.append("kv_cache_quant")
+    return list(recipe.passes), quant + ["dce"] if quant else []
 
 
 def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
@@ -145,6 +147,7 @@ def build(recipe: Recipe) -> BuildResult:
         calib = calibration_data(recipe, tokenizer)
         ctx.calibration = calib.windows
         ctx.options[recipe.quantization.algo] = recipe.quantization.method_options()
+        ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
         graph, quant_records = run_passes(graph, quant_names, ctx)
         records += quant_records
         timings["quantization_s"] = time.perf_counter() - t

@@ -18,7 +18,7 @@ from builder.gates import DEFAULT_THRESHOLDS, GateReport, GateThresholds, compar
 from builder.recipe import GatesSection
 from passes.ir import Graph
 from runtime.executor import Executor, SeqSlice, StepInput
-from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.kv_cache import SequenceKV
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("builder.gates")
@@ -29,9 +29,7 @@ class GraphModel:
 
     def __init__(self, graph: Graph) -> None:
         self.executor = Executor(graph.to_dict(), graph.params)
-        attn = [n for n in graph.nodes if n.op == "attention"]
-        self.layout = KVLayout([n.attrs["num_kv_heads"] for n in attn], [n.attrs["head_dim"] for n in attn],
-                               self.executor.dtype)
+        self.layout = self.executor.kv_layout()
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         kv = SequenceKV(self.layout, len(ids))
@@ -80,8 +78,16 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
     return report
 
 
+def gate_method(algo: str, kv_cache_dtype: str) -> str:
+    """Which default thresholds apply: the weight method's, else the KV cache's."""
+    if algo != "none":
+        return algo
+    return f"kv_{kv_cache_dtype}" if kv_cache_dtype in ("fp8", "int8") else "none"
+
+
 def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer) -> GateReport:
-    return compare_graphs(recipe.quantization.algo, recipe.gates, baseline, candidate, tokenizer)
+    method = gate_method(recipe.quantization.algo, recipe.runtime.kv_cache_dtype)
+    return compare_graphs(method, recipe.gates, baseline, candidate, tokenizer)
 
 
 def load_graph(path: Path, dtype: str | None = None) -> tuple[Graph, dict | None]:
@@ -106,7 +112,8 @@ def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None =
     from runtime.artifact import open_artifact
 
     manifest = open_artifact(artifact).manifest
-    algo = manifest.get("quantization", {}).get("algo", "none")
+    algo = gate_method(manifest.get("quantization", {}).get("algo", "none"),
+                       manifest["runtime"].get("kv_cache_dtype", "auto"))
     if section is None:
         section = GatesSection.model_validate(manifest["recipe"].get("gates", {}))
     candidate, _ = load_graph(artifact)

@@ -50,7 +50,7 @@ class RuntimeSection(_Strict):
     max_seq_len: int = Field(default=2048, ge=2)
     max_num_tokens: int = Field(default=2048, ge=1, description="most tokens in one forward step")
     tokens_per_block: int = Field(default=16, ge=1)
-    kv_cache_dtype: Literal["auto"] = "auto"
+    kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"  # auto = the model dtype; fp8/int8 are calibrated
 
     @model_validator(mode="after")
     def _block_size_power_of_two(self) -> RuntimeSection:

@@ -7,3 +7,4 @@ from passes.ir import IR_VERSION, Graph, GraphError, Node
 __all__ = ["IR_VERSION", "PASSES", "Graph", "GraphError", "Node", "Pass", "PassContext", "PassError",
            "PassRecord", "PassResult", "run_passes"]
 from passes import fp8, smoothquant  # noqa: E402,F401  quantization methods register themselves
+from passes import kv_cache_quant  # noqa: E402,F401

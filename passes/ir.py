@@ -65,8 +65,9 @@ OPS: dict[str, OpSpec] = {
         doc="(x, positions) -> x rotated (rotate-half layout), cos/sin from inv_freq * attention_scaling",
     ),
     "attention": OpSpec(
-        (3, 3), (), (), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
-        doc="causal attention of q over the KV cache of layer `layer` after appending k, v",
+        (3, 3), (), ("k_scale", "v_scale"), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
+        doc="causal attention of q over the KV cache of layer `layer` after appending k, v; with a "
+            "`kv_cache_dtype` attr (fp8, int8) the cache stores k / k_scale and v / v_scale",
     ),
     "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu"),
     "silu_mul": OpSpec((1, 2), (), (), (), doc="silu(gate) * up; with one input, its two halves"),

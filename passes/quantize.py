@@ -30,7 +30,7 @@ import torch
 from passes.base import Pass, PassContext, PassError, PassResult
 from passes.ir import Graph, Node
 from runtime.executor import Executor, SeqSlice, StepInput
-from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.kv_cache import SequenceKV
 
 log = logging.getLogger("passes.quantize")
 
@@ -103,6 +103,13 @@ class QuantMethod(Pass):
     def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
         """Accumulate statistics of a target's input ``x`` [num_tokens, in_features]."""
 
+    def observe_inputs(self, index: int, node: Node, inputs: list[torch.Tensor]) -> None:
+        """All of a target's inputs; linear methods only need the first."""
+        self.observe(index, node, inputs[0])
+
+    def is_applied(self, node: Node) -> bool:
+        return node.attrs.get("quant") is not None
+
     def apply_segment(self, graph: Graph, targets: list[int]) -> None:
         """Quantize the targets of one segment (indices into graph.nodes), using ``self.stats``."""
         for i in targets:
@@ -138,7 +145,7 @@ class QuantMethod(Pass):
             self._calibrate_and_apply(graph, targets, ctx.calibration)
         else:
             self.apply_segment(graph, targets)
-        left = [graph.nodes[i].source for i in targets if graph.nodes[i].attrs.get("quant") is None]
+        left = [graph.nodes[i].source for i in targets if not self.is_applied(graph.nodes[i])]
         if left:
             raise PassError(f"{self.name}: these linears were selected but not quantized: {', '.join(left[:5])}")
         return PassResult(graph, len(targets), len(targets), self.summary(graph, targets))
@@ -148,17 +155,15 @@ class QuantMethod(Pass):
 
     def _calibrate_and_apply(self, graph: Graph, targets: list[int], windows: list[list[int]]) -> None:
         wanted = set(targets)
-        attn = [n for n in graph.nodes if n.op == "attention"]
-        dtype = getattr(torch, graph.meta.get("dtype", "float32"))
-        layout = KVLayout([n.attrs["num_kv_heads"] for n in attn], [n.attrs["head_dim"] for n in attn], dtype)
         executor = Executor(graph.to_dict(), graph.params)
+        layout = executor.kv_layout()
         caches = [SequenceKV(layout, len(w), layers=set()) for w in windows]
         envs = [executor.start(StepInput(torch.tensor(w), torch.arange(len(w)), [SeqSlice(kv, 0, len(w))]))
                 for w, kv in zip(windows, caches)]
 
         def observer(index: int, inputs: list[torch.Tensor]) -> None:
             if index in wanted:
-                self.observe(index, graph.nodes[index], inputs[0])
+                self.observe_inputs(index, graph.nodes[index], inputs)
 
         for seg in segments(graph):
             seg_targets = [i for i in targets if seg.start <= i < seg.end]

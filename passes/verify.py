@@ -7,14 +7,13 @@ import torch
 from passes.base import Pass, PassContext, PassError, PassResult, register
 from passes.ir import Graph
 from runtime.executor import Executor, SeqSlice, StepInput
-from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.kv_cache import SequenceKV
 
 
 def run_graph(graph: Graph, prompts: list[list[int]], device: str = "cpu") -> list[torch.Tensor]:
     """Logits [len(prompt), vocab] for each prompt, from the runtime's executor over this graph."""
     executor = Executor(graph.to_dict(), graph.params)
-    attn = [n for n in graph.nodes if n.op == "attention"]
-    layout = KVLayout([n.attrs["num_kv_heads"] for n in attn], [n.attrs["head_dim"] for n in attn], executor.dtype)
+    layout = executor.kv_layout()
     outs = []
     for ids in prompts:
         kv = SequenceKV(layout, len(ids), device)

@@ -18,7 +18,7 @@ import torch
 
 from runtime.artifact import Artifact, open_artifact
 from runtime.executor import Executor, SeqSlice, StepInput
-from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.kv_cache import SequenceKV
 from runtime.sampling import SamplingParams, make_generator, sample
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
@@ -69,9 +69,7 @@ class Engine:
         manifest = artifact.manifest
         self.limits = RuntimeLimits(**{k: manifest["runtime"][k] for k in
                                        ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block")})
-        kv_layers = manifest["model"]["kv_layers"]
-        self.kv_layout = KVLayout([l["num_kv_heads"] for l in kv_layers], [l["head_dim"] for l in kv_layers],
-                                  executor.dtype)
+        self.kv_layout = executor.kv_layout()
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True) -> Engine:

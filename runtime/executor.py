@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import ops
-from runtime.kv_cache import SequenceKV
+from runtime.kv_cache import KVLayout, SequenceKV
 from runtime.quant import make_quant_linear
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
@@ -85,6 +85,15 @@ class Executor:
             dead = [n for n in node["inputs"] if last_use.get(n) == i and n not in self.outputs]
             self._program.append((kernel, node["inputs"], node["outputs"], sorted(set(dead))))
         self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
+        kinds = [n["attrs"].get("kv_cache_dtype") for n in nodes if n["op"] == "attention"]
+        self.kv_dtypes = tuple(KV_STORAGE[k] if k else self.dtype for k in kinds)  # per layer
+
+    def kv_layout(self) -> KVLayout:
+        """Per-layer KV shapes and storage dtypes."""
+        attn = [n["attrs"] for n in self.graph["nodes"] if n["op"] == "attention"]
+        uniform = len(set(self.kv_dtypes)) <= 1
+        return KVLayout([a["num_kv_heads"] for a in attn], [a["head_dim"] for a in attn],
+                        self.kv_dtypes[0] if self.kv_dtypes else self.dtype, None if uniform else self.kv_dtypes)
 
     @torch.inference_mode()
     def forward(self, inp: StepInput) -> torch.Tensor:
@@ -117,6 +126,7 @@ class Executor:
 
 
 _STEP = "__step__"
+KV_STORAGE = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 Observer = Callable[[int, list[torch.Tensor]], None]
 
 
@@ -168,22 +178,38 @@ def _rope(w, attrs, ex) -> Kernel:
 def _attention(w, attrs, ex) -> Kernel:
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
+    store, load = _kv_codec(attrs.get("kv_cache_dtype"), w.get("k_scale"), w.get("v_scale"), ex.dtype)
 
     def kernel(xs, step):
         q, k, v = xs  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
-        k = k.view(-1, num_kv, head_dim)
-        v = v.view(-1, num_kv, head_dim)
+        k, v = store(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim))
         outs, start = [], 0
         for s in step.inp.seqs:
             end = start + s.num_new
             s.kv.append(layer, s.num_context, k[start:end], v[start:end])
-            k_all, v_all = s.kv.view(layer, s.num_context + s.num_new)
+            k_all, v_all = load(*s.kv.view(layer, s.num_context + s.num_new))
             outs.append(ops.attention_one(q[start:end], k_all, v_all, s.num_context, scale, window))
             start = end
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0),)
 
     return kernel
+
+
+def _kv_codec(kind: str | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, dtype: torch.dtype):
+    """(store, load) for a layer's cache: identity, or quantize with the calibrated per-layer scales."""
+    if kind is None:
+        return (lambda k, v: (k, v)), (lambda k, v: (k, v))
+    qmax = {"fp8": 448.0, "int8": 127.0}[kind]
+    storage = KV_STORAGE[kind]
+    ks, vs = k_scale.float(), v_scale.float()
+
+    def quant(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        y = (x.float() / s).clamp(-qmax, qmax)
+        return (y.round() if kind == "int8" else y).to(storage)
+
+    return ((lambda k, v: (quant(k, ks), quant(v, vs))),
+            (lambda k, v: ((k.float() * ks).to(dtype), (v.float() * vs).to(dtype))))
 
 
 def _activation(w, attrs, ex) -> Kernel:

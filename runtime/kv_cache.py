@@ -22,11 +22,15 @@ class KVLayout:
 
     num_kv_heads: list[int]  # per layer
     head_dim: list[int]  # per layer
-    dtype: torch.dtype
+    dtype: torch.dtype  # storage dtype of every layer not listed in layer_dtypes
+    layer_dtypes: tuple[torch.dtype, ...] | None = None  # per-layer storage dtypes, when they differ
+
+    def dtype_of(self, layer: int) -> torch.dtype:
+        return self.layer_dtypes[layer] if self.layer_dtypes else self.dtype
 
     def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return sum(2 * h * d * elem for h, d in zip(self.num_kv_heads, self.head_dim))
+        return sum(2 * h * d * torch.empty((), dtype=self.dtype_of(i)).element_size()
+                   for i, (h, d) in enumerate(zip(self.num_kv_heads, self.head_dim)))
 
 
 class SequenceKV:
@@ -37,14 +41,14 @@ class SequenceKV:
         self.capacity = capacity
         self.num_tokens = 0  # tokens whose K/V are stored (all layers agree after a full step)
         # k[layer]: [capacity, num_kv_heads, head_dim]; only ``layers`` are allocated when given
-        self.k = [torch.empty(capacity, h, d, dtype=layout.dtype, device=device)
+        self.k = [torch.empty(capacity, h, d, dtype=layout.dtype_of(i), device=device)
                   if layers is None or i in layers else None
                   for i, (h, d) in enumerate(zip(layout.num_kv_heads, layout.head_dim))]
         self.v = [torch.empty_like(t) if t is not None else None for t in self.k]
 
     def allocate_layer(self, layer: int, layout: KVLayout, device: torch.device | str = "cpu") -> None:
         self.k[layer] = torch.empty(self.capacity, layout.num_kv_heads[layer], layout.head_dim[layer],
-                                    dtype=layout.dtype, device=device)
+                                    dtype=layout.dtype_of(layer), device=device)
         self.v[layer] = torch.empty_like(self.k[layer])
 
     def free_layer(self, layer: int) -> None:

@@ -109,3 +109,21 @@ def test_calibration_file_errors(tmp_path):
     ok.write_text("x" * 1000)
     a, b = token_windows(ok, enc, 4, 16, 7), token_windows(ok, enc, 4, 16, 7)
     assert a.windows == b.windows and len(a.windows) == 4 and a.sha256 == b.sha256
+
+
+@pytest.mark.parametrize("kind,storage", [("fp8", torch.float8_e4m3fn), ("int8", torch.int8)])
+def test_kv_cache_quant(base_graph, kind, storage):
+    from runtime.executor import Executor
+
+    graph, records = run_passes(base_graph.copy(), ["kv_cache_quant"],
+                                PassContext(calibration=_calib(), options={"kv_cache_quant": {"kv_cache_dtype": kind}}))
+    attn = [n for n in graph.nodes if n.op == "attention"]
+    assert records[0].matched == len(attn) == 2
+    assert all(n.attrs["kv_cache_dtype"] == kind and {"k_scale", "v_scale"} <= set(n.weights) for n in attn)
+    scales = [graph.params[n.weights["k_scale"]].item() for n in attn]
+    assert all(s > 0 for s in scales) and scales[0] != scales[1]  # calibrated per layer
+    layout = Executor(graph.to_dict(), graph.params).kv_layout()
+    assert layout.dtype == storage
+    assert layout.bytes_per_token() * 4 == Executor(base_graph.to_dict(), base_graph.params).kv_layout().bytes_per_token()
+    err = _rel_err(graph, base_graph, _calib(3, 40, seed=5))
+    assert 0 < err < 0.1, f"kv {kind}: relative logit error {err:.4f}"
