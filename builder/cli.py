@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -21,9 +22,33 @@ def _setup_logging(quiet: bool) -> None:
                         datefmt="[%X]", handlers=[RichHandler(show_path=False, markup=False)], force=True)
 
 
-def _fail(message: str) -> None:
+EXIT_ERROR = 1  # bad recipe, checkpoint, data or artifact; a build that could not finish
+EXIT_GATE_FAILED = 3  # the build finished but a quality gate failed: the artifact is marked gate-failed
+
+
+def _fail(message: str, code: int = EXIT_ERROR) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code=1)
+    raise typer.Exit(code=code)
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool):
+    """A rich progress bar fed by passes' progress(task, done, total) calls; silent with --quiet."""
+    if quiet:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  transient=False) as bar:
+        tasks: dict[str, int] = {}
+
+        def update(task: str, done: int, total: int) -> None:
+            if task not in tasks:
+                tasks[task] = bar.add_task(task, total=total)
+            bar.update(tasks[task], completed=done, total=total)
+
+        yield update
 
 
 @app.command()
@@ -41,9 +66,14 @@ def build(
     from passes import GraphError, PassError
     from passes.lift import LiftError
 
+    from builder.pipeline import GateFailure
+
     try:
         r = load_recipe(recipe, set_)
-        result = run_build(r)
+        with _progress(quiet) as progress:
+            result = run_build(r, progress)
+    except GateFailure as e:
+        _fail(str(e), EXIT_GATE_FAILED)
     except (RecipeError, CheckpointError, DataError, BuildError, LiftError, PassError, GraphError) as e:
         _fail(str(e))
     typer.echo(f"artifact: {result.output_dir} ({result.seconds:.1f}s); report: {result.output_dir / 'report.html'}")
@@ -94,6 +124,7 @@ def generate(
     stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
     chat: bool = typer.Option(False, "--chat", help="send the prompt as a user message through the chat template"),
     device: str = typer.Option("cpu"),
+    allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="load an artifact that failed its gates"),
     stats: bool = typer.Option(False, "--stats", help="print timing to stderr"),
 ) -> None:
     """Generate text from an artifact (streams to stdout)."""
@@ -105,7 +136,7 @@ def generate(
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                 seed=seed, stop=list(stop))
-        engine = Engine.load(artifact, device=device)
+        engine = Engine.load(artifact, device=device, allow_failed_gate=allow_failed_gate)
         ids = (engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}]), add_special_tokens=False) if chat else prompt)
         if not chat:

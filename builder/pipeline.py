@@ -20,6 +20,7 @@ from builder.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from builder.quality import run_gates
 from builder.recipe import Recipe
 from passes import PassContext, PassRecord, run_passes
+from passes.base import Progress
 from passes.ir import Graph
 from passes.trace import trace
 from runtime.tokenizer import Tokenizer, TokenizerError
@@ -108,7 +109,15 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype):
     return logits
 
 
-def build(recipe: Recipe) -> BuildResult:
+def worst_layers(records: list[PassRecord], n: int = 5) -> list[tuple[str, float]]:
+    """The quantized linears with the largest relative output error on calibration data."""
+    errors: dict[str, float] = {}
+    for r in records:
+        errors.update(r.details.get("layer_errors", {}))
+    return sorted(errors.items(), key=lambda kv: -kv[1])[:n]
+
+
+def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     """Run the whole build for ``recipe``; the artifact appears in ``recipe.output_dir`` only if it succeeds."""
     start = time.perf_counter()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -133,7 +142,7 @@ def build(recipe: Recipe) -> BuildResult:
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
 
     names, quant_names = resolve_passes(recipe)
-    ctx = PassContext(verify_atol=recipe.verify_atol())
+    ctx = PassContext(verify_atol=recipe.verify_atol(), progress=progress)
     if "verify" in names:
         ctx.reference = reference_model(ckpt, dtype)
         ctx.verify_prompts = [tokenizer.encode(p) for p in recipe.verify.prompts]
@@ -157,9 +166,15 @@ def build(recipe: Recipe) -> BuildResult:
             report = run_gates(recipe, baseline, graph, tokenizer)
             timings["gates_s"] = time.perf_counter() - t
             extra["gates"] = report.to_dict()
-            if not report.passed:
-                raise GateFailure(f"quality gates failed for {recipe.name}:\n{report.table()}")
+            extra["gates"]["worst_layers"] = worst_layers(records)
     out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings, extra)
+    gates = extra.get("gates")
+    if gates and not gates["passed"]:
+        worst = "\n".join(f"  {name}: relative output error {err:.4g}" for name, err in gates["worst_layers"])
+        raise GateFailure(f"quality gates failed for {recipe.name}: {', '.join(gates['failed'])}\n"
+                          f"{report.table()}\nlayers with the largest error on calibration data:\n{worst}\n"
+                          f"the artifact was written to {out} and marked gate-failed; the runtime refuses it "
+                          f"unless told --allow-failed-gate")
     seconds = time.perf_counter() - start
     log.info("built %s in %.1fs", out, seconds)
     return BuildResult(out, graph, records, seconds)

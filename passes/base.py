@@ -17,6 +17,7 @@ import torch
 from passes.ir import Graph
 
 log = logging.getLogger("passes")
+Progress = Callable[[str, int, int], None]
 
 
 class PassError(RuntimeError):
@@ -33,6 +34,7 @@ class PassContext:
     verify_atol: float = 1e-4  # max |logit difference| allowed by the verify pass
     options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per-pass options from the recipe
     calibration: list[list[int]] = field(default_factory=list)  # token windows for calibrating passes
+    progress: Progress | None = None  # progress(task, done, total) for long passes; None = silent
 
 
 @dataclass

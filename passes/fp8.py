@@ -13,7 +13,7 @@ import torch
 
 from passes.base import PassError, register
 from passes.ir import Graph, Node
-from passes.quantize import QuantMethod, replace_weight
+from passes.quantize import QuantMethod
 
 FP8_MAX = 448.0
 
@@ -50,6 +50,6 @@ class FP8(QuantMethod):
             if stats is None:
                 raise PassError(f"fp8: no calibration statistics reached {node.source}")
             tensors["input_scale"] = (stats.clamp(min=1e-12) / FP8_MAX).reshape(1)
-        replace_weight(graph, node, self.scheme, tensors, {
+        self.replace_weight(graph, node, self.scheme, tensors, {
             "activations": "static" if self.static else "dynamic",
             "weight_granularity": "channel" if self.per_channel else "tensor"})

@@ -27,9 +27,12 @@ from typing import Any
 
 import torch
 
-from passes.base import Pass, PassContext, PassError, PassResult
+from passes.base import Pass, PassContext, PassError, PassResult, Progress
 from passes.ir import Graph, Node
-from runtime.executor import Executor, SeqSlice, StepInput
+import torch.nn.functional as F
+
+from runtime.executor import Executor, Observer, SeqSlice, StepInput
+from runtime.quant import make_quant_linear
 from runtime.kv_cache import SequenceKV
 
 log = logging.getLogger("passes.quantize")
@@ -92,6 +95,8 @@ class QuantMethod(Pass):
     def __init__(self) -> None:
         self.settings = QuantSettings()
         self.stats: dict[int, Any] = {}  # node index -> accumulated statistics
+        self.references: dict[int, torch.Tensor] = {}  # id(node) -> float weight the quantized one stands for
+        self.errors: dict[str, list[float]] = {}  # node source -> [sum sq error, sum sq reference]
 
     # --- hooks for subclasses --------------------------------------------------------------
     def configure(self, options: dict[str, Any]) -> None:
@@ -139,10 +144,10 @@ class QuantMethod(Pass):
         targets = self.select(graph)
         for i in targets:
             self.validate_node(graph, graph.nodes[i])
-        if self.needs_calibration:
-            if not ctx.calibration:
-                raise PassError(f"{self.name} needs calibration data and none was given")
-            self._calibrate_and_apply(graph, targets, ctx.calibration)
+        if self.needs_calibration and not ctx.calibration:
+            raise PassError(f"{self.name} needs calibration data and none was given")
+        if ctx.calibration:  # also measures each quantized linear's output error on that data
+            self._calibrate_and_apply(graph, targets, ctx.calibration, ctx.progress)
         else:
             self.apply_segment(graph, targets)
         left = [graph.nodes[i].source for i in targets if not self.is_applied(graph.nodes[i])]
@@ -151,9 +156,47 @@ class QuantMethod(Pass):
         return PassResult(graph, len(targets), len(targets), self.summary(graph, targets))
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
-        return {"scheme": self.scheme, "num_linears": len(targets)}
+        out: dict[str, Any] = {"scheme": self.scheme, "num_linears": len(targets)}
+        if self.errors:
+            out["layer_errors"] = self.layer_errors()
+        return out
 
-    def _calibrate_and_apply(self, graph: Graph, targets: list[int], windows: list[list[int]]) -> None:
+    def layer_errors(self) -> dict[str, float]:
+        """Relative output error ||x Wq^T - x W^T|| / ||x W^T|| per quantized linear, worst first."""
+        rel = {k: (e / r) ** 0.5 if r > 0 else 0.0 for k, (e, r) in self.errors.items()}
+        return dict(sorted(rel.items(), key=lambda kv: -kv[1]))
+
+    def replace_weight(self, graph: Graph, node: Node, scheme: str, tensors: dict[str, torch.Tensor],
+                       quant: dict[str, Any], reference: torch.Tensor | None = None) -> None:
+        """Swap a linear's weight for quantized tensors; ``reference`` is the float weight they stand
+        for on the node's (possibly rescaled) input, for the per-layer error report."""
+        self.references[id(node)] = reference if reference is not None else graph.params[node.weights["weight"]]
+        replace_weight(graph, node, scheme, tensors, quant)
+
+    def _error_observer(self, graph: Graph, seg_targets: list[int]) -> Observer:
+        fns = {}
+        for i in seg_targets:
+            node = graph.nodes[i]
+            ref = self.references.pop(id(node), None)
+            if ref is None or "quant" not in node.attrs:
+                continue
+            w = {r: graph.params[n] for r, n in node.weights.items() if r != "bias"}
+            fn = make_quant_linear(node.attrs["quant"]["scheme"], w, node.attrs["quant"], torch.float32)
+            fns[i] = (node.source, ref.float(), fn)
+
+        def observe(index: int, inputs: list[torch.Tensor]) -> None:
+            if index in fns:
+                source, ref, fn = fns[index]
+                x = inputs[0].float()
+                y_ref = F.linear(x, ref)
+                err = self.errors.setdefault(source, [0.0, 0.0])
+                err[0] += float((fn(x).float() - y_ref).pow(2).sum())
+                err[1] += float(y_ref.pow(2).sum())
+
+        return observe
+
+    def _calibrate_and_apply(self, graph: Graph, targets: list[int], windows: list[list[int]],
+                             progress: Progress | None = None) -> None:
         wanted = set(targets)
         executor = Executor(graph.to_dict(), graph.params)
         layout = executor.kv_layout()
@@ -165,7 +208,8 @@ class QuantMethod(Pass):
             if index in wanted:
                 self.observe_inputs(index, graph.nodes[index], inputs)
 
-        for seg in segments(graph):
+        segs = segments(graph)
+        for k, seg in enumerate(segs):
             seg_targets = [i for i in targets if seg.start <= i < seg.end]
             for kv in caches:
                 for layer in seg.attention_layers:
@@ -176,12 +220,14 @@ class QuantMethod(Pass):
                 self.apply_segment(graph, seg_targets)
                 self.stats.clear()
                 executor = Executor(graph.to_dict(), graph.params)
+            errors = self._error_observer(graph, seg_targets) if seg_targets else None
             for env in envs:  # propagate through the (now quantized) segment
-                executor.run_nodes(env, seg.start, seg.end)
+                executor.run_nodes(env, seg.start, seg.end, errors)
             for kv in caches:
                 for layer in seg.attention_layers:
                     kv.free_layer(layer)
-            log.debug("%s: segment %d..%d done (%d targets)", self.name, seg.start, seg.end, len(seg_targets))
+            if progress is not None:
+                progress(f"{self.name}: calibrating layer by layer", k + 1, len(segs))
 
 
 def replace_weight(graph: Graph, node: Node, scheme: str, tensors: dict[str, torch.Tensor],

@@ -23,7 +23,7 @@ import torch
 
 from passes.base import PassError, register
 from passes.ir import Graph, Node
-from passes.quantize import QuantMethod, replace_weight
+from passes.quantize import QuantMethod
 
 INT8_MAX = 127.0
 
@@ -89,8 +89,9 @@ class SmoothQuant(QuantMethod):
         tensors = {"qweight": q, "weight_scale": scale}
         if self.static:
             tensors["input_scale"] = (act_max.amax().clamp(min=1e-8) / INT8_MAX).reshape(1)
-        replace_weight(graph, node, self.scheme, tensors,
-                       {"activations": "static" if self.static else "dynamic", "smoothed": s is not None})
+        self.replace_weight(graph, node, self.scheme, tensors,
+                       {"activations": "static" if self.static else "dynamic", "smoothed": s is not None},
+                            reference=w)
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         return {**super().summary(graph, targets), "alpha": self.alpha, "smoothed_groups": self.num_smoothed}

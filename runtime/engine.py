@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from runtime.artifact import Artifact, open_artifact
+from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.sampling import SamplingParams, make_generator, sample
@@ -72,11 +72,17 @@ class Engine:
         self.kv_layout = executor.kv_layout()
 
     @classmethod
-    def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True) -> Engine:
-        """Verify and load an artifact directory (raises ArtifactError if it is modified or truncated)."""
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True,
+             allow_failed_gate: bool = False) -> Engine:
+        """Verify and load an artifact directory (raises ArtifactError if it is modified or truncated,
+        or if it failed its quality gates and ``allow_failed_gate`` is not set)."""
         start = time.perf_counter()
         device = torch.device(device)
         artifact = open_artifact(path, check_hashes=check_hashes)
+        gates = artifact.manifest.get("quantization", {}).get("gates")
+        if gates and not gates.get("passed", True) and not allow_failed_gate:
+            raise ArtifactError(f"{path} failed its quality gates ({', '.join(gates.get('failed', []))}) when it "
+                                f"was built; load it anyway with allow_failed_gate=True (--allow-failed-gate)")
         executor = Executor(artifact.graph, artifact.load_weights(device))
         tokenizer = Tokenizer.from_dir(artifact.tokenizer_dir)
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)

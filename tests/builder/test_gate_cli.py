@@ -53,8 +53,20 @@ def test_gate_command_against_checkpoint(smoothquant_artifact):
 
 
 def test_regression_blocks_the_build(tmp_path):
+    from runtime import ArtifactError, Engine
+
     out = tmp_path / "blocked"
     res = _build("quickstart-fp8.yaml", out, "gates.max_kl=1e-9")
-    assert res.exit_code == 1
-    assert "quality gates failed" in res.output and "kl" in res.output and "FAIL" in res.output
-    assert not out.exists()
+    assert res.exit_code == 3  # EXIT_GATE_FAILED, documented in the README
+    assert "quality gates failed for quickstart-fp8: kl" in res.output and "FAIL" in res.output
+    assert "layers with the largest error on calibration data" in res.output and "model.layers." in res.output
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["quantization"]["gates"]["passed"] is False and m["quantization"]["gates"]["failed"] == ["kl"]
+    assert "FAILED" in (out / "report.md").read_text()
+    with pytest.raises(ArtifactError, match="failed its quality gates"):
+        Engine.load(out)
+    Engine.load(out, allow_failed_gate=True)
+    res = runner.invoke(app, ["generate", str(out), "--prompt", "def", "--max-tokens", "4"])
+    assert res.exit_code == 1 and "--allow-failed-gate" in res.output
+    res = runner.invoke(app, ["generate", str(out), "--prompt", "def", "--max-tokens", "4", "--allow-failed-gate"])
+    assert res.exit_code == 0, res.output
