@@ -64,7 +64,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "none": set(),
     "int8_wo": set(),
     "fp8": {"activations", "weight_granularity"},
-    "smoothquant": {"activations", "alpha"},
+    "smoothquant": {"activations", "alpha", "smoothing"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
     "awq": {"group_size", "n_grid"},
 }
@@ -83,6 +83,7 @@ class QuantizationSection(_Strict):
     block_size: Optional[int] = Field(default=None, ge=1)  # gptq (default 128)
     n_grid: Optional[int] = Field(default=None, ge=2)  # awq (default 20)
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
+    smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)
     weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
 

@@ -51,6 +51,7 @@ class SmoothQuant(QuantMethod):
 
     def configure(self, options: dict[str, Any]) -> None:
         self.alpha = float(options.get("alpha", 0.5))
+        self.smoothing = bool(options.get("smoothing", True))
         self.static = options.get("activations", "dynamic") == "static"
         self.num_smoothed = 0
 
@@ -68,7 +69,7 @@ class SmoothQuant(QuantMethod):
                 raise PassError(f"smoothquant: no calibration statistics reached {graph.nodes[members[0]].source}")
             act_max = torch.stack([self.stats[i] for i in members]).amax(dim=0)
             norm = producers.get(value)
-            smooth = (norm is not None and norm.op in ("rms_norm", "fused_add_rms_norm")
+            smooth = (self.smoothing and norm is not None and norm.op in ("rms_norm", "fused_add_rms_norm")
                       and norm.outputs[0] == value and "weight" in norm.weights and not norm.attrs.get("head_dim"))
             s = None
             if smooth:

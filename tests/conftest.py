@@ -123,3 +123,33 @@ def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
     """One built artifact per family."""
     root = tmp_path_factory.mktemp("artifacts")
     return {f: build_artifact(p, root / f) for f, p in checkpoints.items()}
+
+
+BUNDLED = Path(__file__).resolve().parents[1] / "models" / "pystdlib-llama"
+
+
+def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 0) -> Path:
+    """The bundled model with fixed-channel activation outliers, computing the same function.
+
+    Every RMSNorm gain is multiplied by ``factor`` on a few channels and the matching input columns
+    of the linears that norm feeds are divided by ``factor``: fp32 logits are unchanged, but the
+    normed activations now carry the channel outliers of large real models.
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(BUNDLED, dst)
+    tensors = load_file(BUNDLED / "model.safetensors")
+    hidden = tensors["model.norm.weight"].shape[0]
+    channels = torch.randperm(hidden, generator=torch.Generator().manual_seed(seed))[:num_channels]
+    feeds = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+    layers = {k.split(".")[2] for k in tensors if k.startswith("model.layers.")}
+    for i in layers:
+        for norm, linears in feeds.items():
+            tensors[f"model.layers.{i}.{norm}.weight"][channels] *= factor
+            for lin in linears:
+                tensors[f"model.layers.{i}.{lin}.weight"][:, channels] /= factor
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
