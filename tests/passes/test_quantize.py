@@ -46,6 +46,7 @@ def _quantize(base, algo, **options):
     ("fp8", {}, "fp8", 0.15),  # e4m3 keeps 3 mantissa bits: ~4% per element, compounding
     ("fp8", {"activations": "static", "weight_granularity": "channel"}, "fp8", 0.15),
     ("smoothquant", {}, "w8a8_int8", 0.03),
+    ("int8_wo", {}, "w8a16", 0.02),
     ("smoothquant", {"activations": "static", "alpha": 0.8}, "w8a8_int8", 0.06),
 ])
 def test_w8a8_methods(base_graph, algo, options, scheme, bound):
@@ -57,6 +58,8 @@ def test_w8a8_methods(base_graph, algo, options, scheme, bound):
     assert graph.params[head.weights["weight"]].dtype == torch.float32
     static = options.get("activations") == "static"
     assert all(("input_scale" in n.weights) == static for n in linears)
+    errors = records[0].details["layer_errors"]  # measured on the calibration windows
+    assert len(errors) == len(linears) and all(0 < e < bound for e in errors.values())
     assert not any(k.endswith("proj.weight") for k in graph.params)  # dce dropped the float weights
     prompts = _calib(3, 40, seed=9)
     err = _rel_err(graph, base_graph, prompts)
