@@ -167,6 +167,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
             timings["gates_s"] = time.perf_counter() - t
             extra["gates"] = report.to_dict()
             extra["gates"]["worst_layers"] = worst_layers(records)
+            extra["gates"]["baseline_cache"] = getattr(report, "baseline_cache", None)
     out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings, extra)
     gates = extra.get("gates")
     if gates and not gates["passed"]:

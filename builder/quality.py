@@ -6,12 +6,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from builder.calibration import DEFAULT_EVAL, token_stream, read_texts
 from builder.gates import DEFAULT_THRESHOLDS, GateReport, GateThresholds, compare, make_eval_set, text_needle, thresholds_for
@@ -50,6 +54,62 @@ class GraphModel:
         return out
 
 
+def graph_digest(graph: Graph) -> str:
+    """Content hash of a graph: its IR and every weight's bytes."""
+    h = hashlib.sha256(graph.to_json().encode())
+    for name in sorted(graph.params):
+        t = graph.params[name].detach().contiguous().cpu()
+        h.update(name.encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLM_BUILDER_CACHE", Path.home() / ".cache" / "llm-builder")) / "baselines"
+
+
+class CachedModel:
+    """A baseline's logits and greedy outputs, memoised on disk by the graph's content hash, so a
+    second gated build of the same checkpoint (same dtype, same eval text) recomputes nothing."""
+
+    def __init__(self, model: GraphModel, digest: str) -> None:
+        self.model = model
+        self.file = cache_dir() / f"{digest}.safetensors"
+        self.entries: dict[str, torch.Tensor] = {}
+        self.hits = self.misses = 0
+        if self.file.is_file():
+            try:
+                self.entries = load_file(self.file)
+            except (SafetensorError, OSError) as e:  # a damaged cache is recomputed, never trusted
+                log.warning("ignoring unreadable baseline cache %s (%s)", self.file, e)
+
+    def _key(self, kind: str, ids: list[int], n: int = 0) -> str:
+        return hashlib.sha256(f"{kind}:{n}:{','.join(map(str, ids))}".encode()).hexdigest()
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        return self._get(self._key("logits", ids), lambda: self.model.logits(ids))
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        out = self._get(self._key("greedy", prompt, n), lambda: torch.tensor(self.model.greedy(prompt, n)))
+        return out.tolist()
+
+    def _get(self, key: str, compute) -> torch.Tensor:
+        if key in self.entries:
+            self.hits += 1
+            return self.entries[key]
+        self.misses += 1
+        value = compute().contiguous()
+        self.entries[key] = value
+        return value
+
+    def save(self) -> None:
+        if self.misses:
+            self.file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.file.with_suffix(".tmp")
+            save_file(self.entries, tmp)
+            tmp.replace(self.file)
+
+
 def thresholds(algo: str, section: GatesSection) -> GateThresholds:
     overrides: dict[str, Any] = {k: getattr(section, k) for k in
                                  ("max_kl", "min_top1_agreement", "max_ppl_ratio", "min_greedy_agreement")
@@ -71,10 +131,13 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
     if section.needle_context_len:
         filler = "".join(read_texts(path)[0])[:20000]
         needle = text_needle(encode, filler, section.needle_context_len)
-    base, cand = GraphModel(baseline), GraphModel(candidate)
+    base, cand = CachedModel(GraphModel(baseline), graph_digest(baseline)), GraphModel(candidate)
     report = compare(base.logits, cand.logits, eval_set, thresholds(algo, section),
                      base.greedy, cand.greedy, needle)
-    log.info("quality gates (%s) on %s:\n%s", algo, path, report.table())
+    base.save()
+    report.baseline_cache = {"file": str(base.file), "hits": base.hits, "misses": base.misses}
+    log.info("quality gates (%s) on %s (baseline cache: %d hits, %d computed):\n%s", algo, path,
+             base.hits, base.misses, report.table())
     return report
 
 

@@ -43,13 +43,19 @@ def test_manifest_records_calibration_and_gates(smoothquant_artifact):
     assert "Quality gates against the unquantized model" in (smoothquant_artifact / "report.md").read_text()
 
 
-def test_gate_command_against_checkpoint(smoothquant_artifact):
-    res = runner.invoke(app, ["gate", str(smoothquant_artifact), "--baseline", str(ROOT / "models/pystdlib-llama"),
-                              "--num-positions", "512", "--json", "--quiet"])
+def test_gate_command_against_checkpoint(smoothquant_artifact, tmp_path, monkeypatch):
+    monkeypatch.setenv("LLM_BUILDER_CACHE", str(tmp_path / "cache"))
+    args = ["gate", str(smoothquant_artifact), "--baseline", str(ROOT / "models/pystdlib-llama"),
+            "--num-positions", "512", "--json", "--quiet"]
+    res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     report = json.loads(res.output)
     kl = next(g for g in report["metrics"] if g["name"] == "kl")
     assert report["passed"] and 0 < kl["value"] < 0.03
+    assert report["baseline_cache"]["hits"] == 0 and report["baseline_cache"]["misses"] > 0
+    again = json.loads(runner.invoke(app, args).output)  # the baseline comes from the cache this time
+    assert again["baseline_cache"]["misses"] == 0 and again["baseline_cache"]["hits"] > 0
+    assert again["metrics"] == report["metrics"]
 
 
 def test_regression_blocks_the_build(tmp_path):
