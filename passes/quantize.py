@@ -242,3 +242,12 @@ def replace_weight(graph: Graph, node: Node, scheme: str, tensors: dict[str, tor
     node.attrs["quant"] = {"scheme": scheme, **quant}
     if not any(old in n.weights.values() for n in graph.nodes):
         graph.params.pop(old, None)
+
+
+def check_group_size(node: Node, group_size: int, method: str) -> None:
+    """Grouped weight quantization needs groups that tile the input dimension exactly."""
+    in_f = node.attrs["in_features"]
+    if group_size != -1 and in_f % group_size:
+        options = [g for g in (256, 128, 64, 32, 16) if in_f % g == 0]
+        raise PassError(f"{method}: {node.source} has in_features {in_f}, not divisible by group_size "
+                        f"{group_size}; use {', '.join(map(str, options)) or 'a divisor of it'} or -1 (per channel)")
