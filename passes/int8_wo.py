@@ -10,19 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from passes.base import register
 from passes.ir import Graph, Node
+from passes.quant_math import QuantConfig, quantize_groups
 from passes.quantize import QuantMethod
 
-
-def quantize_w8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w: [out, in] -> (codes uint8 [out, in], scales fp32 [out, 1], zeros uint8 [out, 1])."""
-    w = w.float()
-    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-8)
-    codes = ((w / scale).round().clamp(-127, 127) + 128).to(torch.uint8)
-    return codes, scale, torch.full_like(scale, 128, dtype=torch.uint8)
+PER_CHANNEL_INT8 = QuantConfig(bits=8, group_size=-1, symmetric=True)
 
 
 @register
@@ -34,6 +27,6 @@ class Int8WeightOnly(QuantMethod):
     needs_calibration = False
 
     def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
-        codes, scales, zeros = quantize_w8_per_channel(graph.params[node.weights["weight"]])
+        codes, scales, zeros = quantize_groups(graph.params[node.weights["weight"]], PER_CHANNEL_INT8)
         self.replace_weight(graph, node, self.scheme, {"qweight": codes, "scales": scales, "zeros": zeros},
                             {"bits": 8, "group_size": -1})
