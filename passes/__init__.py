@@ -9,3 +9,4 @@ __all__ = ["IR_VERSION", "PASSES", "Graph", "GraphError", "Node", "Pass", "PassC
 from passes import fp8, smoothquant  # noqa: E402,F401  quantization methods register themselves
 from passes import kv_cache_quant  # noqa: E402,F401
 from passes import int8_wo  # noqa: E402,F401
+from passes import awq, gptq  # noqa: E402,F401

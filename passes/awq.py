@@ -1,0 +1,267 @@
+"""AWQ: activation-aware weight quantization, the search half (pure torch).
+
+Lin, Tang, Tang, Yang, Chen, Wang, Xiao, Dang, Gan, Han (2023), "AWQ: Activation-aware Weight
+Quantization for LLM Compression and Acceleration"; reference implementation mit-han-lab/llm-awq
+(``awq/quantize/auto_scale.py``, ``auto_clip.py``, ``quantizer.py``).
+
+A few input channels carry much larger activations than the rest, and the weights reading them
+matter most. AWQ protects them by scaling, not by keeping them in high precision: for a group of
+linears reading the same input x, with s > 0 per input channel,
+
+    y = x W^T = (x / s) (W * s)^T       and only W * s is quantized,
+
+so a salient channel's weights are scaled up and lose relatively less to rounding. The scale is
+searched, not solved: ``s = mean|x|^alpha`` (normalised by ``sqrt(max(s) * min(s))``), with alpha on a
+grid of ``n_grid = 20`` points ``{0, 0.05, ..., 0.95}``, keeping the alpha whose fake-quantized block
+output is closest (MSE) to the unquantized output (:func:`search_scale`). alpha = 0 gives s = 1,
+plain round-to-nearest. Then, on the scaled weights and inputs, a per-(row, group) max-value clip
+is searched (:func:`search_clip`): thresholds ``(1 - i / n_grid) * max|w|`` for
+``i < n_grid * max_shrink`` (``n_grid = 20``, ``max_shrink = 0.5``: ratios 1.0 ... 0.55), measured on
+``n_sample_tokens = 512`` tokens (a fixed stride over the calibration tokens, as the reference:
+every ``n // 512``-th token), picking per group the threshold with the least output error.
+
+Defaults (paper §5.1 / the reference): INT4 weights, group size 128, asymmetric with zero points
+(the project's convention, ``passes/quant_math.py``, whose asymmetric range always contains 0 where
+the reference's spans [min, max]).
+
+The caller applies the results: it folds ``1 / s`` into the op producing x (a norm's weight, the
+previous linear's output rows), multiplies each W_j's input columns by s, divides the recorded
+inputs by s before :func:`search_clip` (as the reference does), clips with :func:`apply_clip`, and
+quantizes (``quant_math.quantize_groups``). Everything here is deterministic and fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from passes.base import PassError, register
+from passes.ir import Graph, Node
+from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
+from passes.quantize import QuantMethod, check_group_size
+
+__all__ = ["activation_stat", "search_scale", "search_clip", "apply_clip"]
+
+
+def activation_stat(x: Tensor) -> Tensor:
+    """x: ``[num_tokens, in]`` (leading dims flattened) -> mean |x| per input channel, fp32 ``[in]``."""
+    return x.detach().reshape(-1, x.shape[-1]).float().abs().mean(dim=0)
+
+
+@torch.no_grad()
+def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, list[Tensor]], Tensor],
+                 cfg: QuantConfig, n_grid: int = 20) -> tuple[Tensor, float, list[float]]:
+    """Grid-search the per-input-channel scale ``s = mean|x|^alpha`` for the linears ``weights``.
+
+    ``x``: ``[num_tokens, in]``, the input every W_j (``[out_j, in]``) reads. ``block_fn(x, weights)``
+    computes the output of the block the linears feed (e.g. their concatenated outputs); it is
+    called with fp32 tensors, first with the original weights, then once per alpha with
+    ``fake_quant(W_j * s) / s``. Returns ``(best_scale fp32 [in], best_alpha, losses)``, where
+    ``losses[i]`` is the output MSE for ``alpha = i / n_grid`` (``losses[0]`` is plain RTN).
+    """
+    if n_grid < 1:
+        raise ValueError(f"n_grid must be >= 1, got {n_grid}")
+    if not weights:
+        raise ValueError("search_scale needs at least one weight")
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    in_f = x.shape[1]
+    ws = [w.detach().float() for w in weights]
+    for w in ws:
+        if w.dim() != 2 or w.shape[1] != in_f:
+            raise ValueError(f"weight of shape {tuple(w.shape)} does not read inputs of {in_f} features")
+        group_size_for(in_f, cfg.group_size)
+    org_out = block_fn(x, ws).float()
+    x_mean = activation_stat(x)
+
+    losses: list[float] = []
+    best_loss, best_alpha, best_scale = math.inf, None, None
+    for i in range(n_grid):
+        alpha = i / n_grid
+        s = x_mean.pow(alpha).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        qws = [fake_quantize_groups(w * s, cfg) / s for w in ws]
+        out = block_fn(x, qws).float()
+        loss = (org_out - out).pow(2).mean().item()
+        losses.append(loss)
+        if loss < best_loss:
+            best_loss, best_alpha, best_scale = loss, alpha, s
+    if best_scale is None:
+        raise ValueError(f"search_scale: no finite loss on the grid ({losses}); inf/NaN in x or the weights?")
+    return best_scale.clone(), best_alpha, losses
+
+
+@torch.no_grad()
+def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, max_shrink: float = 0.5,
+                n_sample_tokens: int = 512, oc_batch: int = 256) -> Tensor:
+    """Search a max-value clip per (output row, group) of ``weight`` ``[out, in]``.
+
+    For each ratio ``1 - i / n_grid`` with ``i < n_grid * max_shrink`` (i = 0, no clipping, is always
+    tried), every group is clamped to ``+-ratio * max|w_group|``, fake-quantized, and its partial
+    output ``x_group . w_group`` on the sampled tokens compared (MSE over tokens) with the
+    unquantized one; each (row, group) keeps its best threshold. ``x``: ``[num_tokens, in]``, already
+    divided by the AWQ scale if one was applied. Returns thresholds fp32 ``[out, n_groups]`` for
+    :func:`apply_clip`. Output rows are processed ``oc_batch`` at a time to bound memory.
+    """
+    if n_grid < 1 or n_sample_tokens < 1 or oc_batch < 1:
+        raise ValueError(f"n_grid ({n_grid}), n_sample_tokens ({n_sample_tokens}) and oc_batch ({oc_batch}) "
+                         "must be >= 1")
+    if not 0 <= max_shrink <= 1:
+        raise ValueError(f"max_shrink must lie in [0, 1], got {max_shrink}")
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    out_f, in_f = weight.shape
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    if x.shape[1] != in_f:
+        raise ValueError(f"inputs of {x.shape[1]} features do not match the weight's input dim {in_f}")
+    if x.shape[0] == 0:
+        raise ValueError("search_clip needs at least one calibration token")
+    g = group_size_for(in_f, cfg.group_size)
+    ng = in_f // g
+
+    step = max(1, x.shape[0] // n_sample_tokens)
+    xs = x[::step].reshape(-1, ng, g).permute(1, 0, 2)  # [ng, t, g]
+    n_steps = max(1, math.ceil(n_grid * max_shrink - 1e-9))
+
+    w_all = weight.detach().float().reshape(out_f, ng, g)
+    best_all = []
+    for o1 in range(0, out_f, oc_batch):
+        w = w_all[o1:o1 + oc_batch]  # [ob, ng, g]
+        ob = w.shape[0]
+        org_max = w.abs().amax(dim=-1, keepdim=True)  # [ob, ng, 1]
+        org_out = torch.bmm(xs, w.permute(1, 2, 0))  # [ng, t, ob]
+        best_max = org_max.clone()
+        min_err = torch.full_like(org_max, math.inf)
+        for i in range(n_steps):
+            max_val = org_max * (1 - i / n_grid)
+            cur = torch.maximum(torch.minimum(w, max_val), -max_val)
+            q = fake_quantize_groups(cur.reshape(ob, in_f), cfg).reshape(ob, ng, g)
+            out = torch.bmm(xs, q.permute(1, 2, 0))  # [ng, t, ob]
+            err = (out - org_out).pow(2).mean(dim=1).t().unsqueeze(-1)  # [ob, ng, 1]
+            better = err < min_err
+            min_err = torch.where(better, err, min_err)
+            best_max = torch.where(better, max_val, best_max)
+        best_all.append(best_max.squeeze(-1))
+    return torch.cat(best_all, dim=0)
+
+
+def apply_clip(weight: Tensor, max_val: Tensor, group_size: int) -> Tensor:
+    """Clamp each (row, group) of ``weight`` ``[out, in]`` to ``+-max_val[row, group]``; fp32 ``[out, in]``."""
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    out_f, in_f = weight.shape
+    g = group_size_for(in_f, group_size)
+    if tuple(max_val.shape) != (out_f, in_f // g):
+        raise ValueError(f"max_val shape {tuple(max_val.shape)} does not match weight {tuple(weight.shape)} "
+                         f"with group_size {group_size} (expected {(out_f, in_f // g)})")
+    w = weight.float().reshape(out_f, in_f // g, g)
+    t = max_val.float().to(w.device).unsqueeze(-1)
+    return torch.maximum(torch.minimum(w, t), -t).reshape(out_f, in_f)
+
+
+# --------------------------------------------------------------------------------------------
+# The pass
+# --------------------------------------------------------------------------------------------
+MAX_TOKENS_KEPT = 4096  # calibration tokens kept per linear input for the searches (seeded subsample)
+
+
+@register
+class AWQ(QuantMethod):
+    """Quantize linear weights to 4 bits (asymmetric, grouped) after AWQ's activation-aware scaling and clipping."""
+
+    name = "awq"
+    scheme = "w4a16"
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.cfg = QuantConfig(bits=4, group_size=int(options.get("group_size", 128)), symmetric=False)
+        self.n_grid = int(options.get("n_grid", 20))
+        self.alphas: dict[str, float] = {}
+
+    def validate_node(self, graph: Graph, node: Node) -> None:
+        check_group_size(node, self.cfg.group_size, self.name)
+
+    def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
+        kept = self.stats.setdefault(index, [])
+        kept.append(x.detach().float().reshape(-1, x.shape[-1]))
+
+    def _inputs(self, index: int) -> torch.Tensor:
+        x = torch.cat(self.stats[index])
+        if x.shape[0] > MAX_TOKENS_KEPT:
+            x = x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(0))[:MAX_TOKENS_KEPT]]
+        return x
+
+    def apply_segment(self, graph: Graph, targets: list[int]) -> None:
+        """Scale every group of the segment first (on float weights), then clip and quantize each linear."""
+        producers = graph.producers()
+        groups: dict[str, list[int]] = {}
+        for i in targets:
+            groups.setdefault(graph.nodes[i].inputs[0], []).append(i)
+        inputs: dict[int, torch.Tensor] = {}
+        for value, members in groups.items():
+            if any(i not in self.stats for i in members):
+                raise PassError(f"awq: no calibration statistics reached {graph.nodes[members[0]].source}")
+            x = self._inputs(members[0])
+            s = self._scale_group(graph, producers.get(value), value, members, x)
+            for i in members:
+                inputs[i] = x / s if s is not None else x
+        for i in targets:
+            self._clip_and_quantize(graph, graph.nodes[i], inputs[i])
+
+    def _scale_group(self, graph: Graph, producer: Node | None, value: str, members: list[int],
+                     x: torch.Tensor) -> torch.Tensor | None:
+        """Search s for a group and fold it into whatever produced its input; None if nothing can absorb it."""
+        fold = _fold_target(producer, value)
+        if fold is None:
+            return None
+        weights = [graph.params[graph.nodes[i].weights["weight"]].float() for i in members]
+        s, alpha, _ = search_scale(x, weights, lambda xx, ws: torch.cat([xx @ w.T for w in ws], dim=-1),
+                                   self.cfg, self.n_grid)
+        self.alphas[graph.nodes[members[0]].source] = alpha
+        fold(graph, s)
+        for i, w in zip(members, weights):
+            name = graph.nodes[i].weights["weight"]
+            graph.params[name] = (w * s[None, :]).to(graph.params[name].dtype)
+        return s
+
+    def _clip_and_quantize(self, graph: Graph, node: Node, x: torch.Tensor) -> None:
+        w = graph.params[node.weights["weight"]].float()
+        clipped = apply_clip(w, search_clip(x, w, self.cfg), self.cfg.group_size)
+        codes, scales, zeros = quantize_groups(clipped, self.cfg)
+        self.replace_weight(graph, node, self.scheme, {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros},
+                            {"bits": 4, "group_size": self.cfg.group_size, "symmetric": False}, reference=w)
+
+    def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        return {**super().summary(graph, targets), "group_size": self.cfg.group_size,
+                "scaled_groups": len(self.alphas),
+                "mean_alpha": sum(self.alphas.values()) / len(self.alphas) if self.alphas else 0.0}
+
+
+def _fold_target(producer: Node | None, value: str):
+    """How to divide a group's input by s: through the norm's gain, or the rows of the linear whose
+    output feeds silu_mul's `up` half. None where nothing upstream can absorb it (e.g. attention)."""
+    if producer is None:
+        return None
+    if (producer.op in ("rms_norm", "fused_add_rms_norm") and producer.outputs[0] == value
+            and "weight" in producer.weights and not producer.attrs.get("head_dim")):
+        def fold_norm(graph: Graph, s: torch.Tensor) -> None:
+            name = producer.weights["weight"]
+            graph.params[name] = (graph.params[name].float() / s).to(graph.params[name].dtype)
+        return fold_norm
+    if producer.op == "silu_mul" and len(producer.inputs) == 1:
+        gate_up = producer.inputs[0]
+
+        def fold_up(graph: Graph, s: torch.Tensor) -> None:
+            lin = graph.producers()[gate_up]
+            assert "quant" not in lin.attrs, "awq scales a segment before quantizing any of it"
+            name = lin.weights["weight"]
+            w = graph.params[name].float()
+            half = w.shape[0] // 2
+            w = torch.cat([w[:half], w[half:] / s[:, None]])  # up rows: silu(g) * (u / s)
+            graph.params[name] = w.to(graph.params[name].dtype)
+            if "bias" in lin.weights:
+                b = graph.params[lin.weights["bias"]].float()
+                graph.params[lin.weights["bias"]] = torch.cat([b[:half], b[half:] / s]).to(b.dtype)
+        return fold_up
+    return None

@@ -1,0 +1,253 @@
+"""GPTQ: one-shot weight quantization with second-order error compensation (pure torch).
+
+Frantar, Ashkboos, Hoefler, Alistarh (2022), "GPTQ: Accurate Post-Training Quantization for
+Generative Pre-trained Transformers"; reference implementation IST-DASLab/gptq (``gptq.py``).
+
+For a linear ``y = x W^T`` with calibration inputs X, GPTQ minimises ``||X W_hat^T - X W^T||^2`` row
+by row. With the Hessian of that objective ``H = 2 X^T X / n`` (averaged over the n calibration
+tokens), columns are quantized one at a time in a fixed order; after column i is rounded, its error
+is spread over the not-yet-quantized columns through the inverse Hessian (the OBS update)::
+
+    for each column i (in processing order):
+        q_i   = quant(w_i)                       w_i: the error-updated column, all rows at once
+        e_i   = (w_i - q_i) / U[i, i]            U = upper Cholesky factor of H^-1
+        w_j  -= e_i * U[i, j]   for j > i        loss_i = (w_i - q_i)^2 / U[i, i]^2 / 2
+
+Defaults (as the reference): dampening ``damp = 0.01`` x mean(diag(H)) added to the diagonal;
+``H^-1`` by Cholesky, then the *upper* Cholesky factor of ``H^-1`` (numerically stable and what the
+updates need); lazy batch updates in blocks of ``block_size = 128`` columns (errors are applied to
+the columns beyond the block once per block); dead inputs (``H[i, i] == 0``, an input that was
+always zero) get ``H[i, i] = 1`` and ``W[:, i] = 0``.
+
+Groups: scale/zero of a group are computed (quant_math convention) on the error-updated weights
+at the moment processing reaches the group's first column, so later groups see earlier groups'
+error compensation (the exact current weights are used even when a group starts inside a block).
+Per channel (``group_size = -1``) the parameters come from the whole weight, up front.
+
+Act-order (optional): columns are processed by descending ``diag(H)`` (most active inputs first).
+Only *static groups* are supported with it: all group parameters are computed up front on the
+(dead-zeroed) original weight, in original column order, and each column uses its original
+group's parameters, so the stored layout is the plain ``[out, n_groups]`` one with no ``g_idx``;
+the permutation is undone at the end. ``static_groups`` only matters with ``act_order``: without
+act-order, groups are contiguous in processing order and always use the error-updated weights.
+
+This module is pure tensor math: the caller accumulates H (:class:`HessianAccumulator`) from the
+linear's inputs and stores the :class:`GPTQResult`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from passes.base import PassError, register
+from passes.ir import Graph, Node
+from passes.quant_math import (QuantConfig, compute_qparams, dequantize, dequantize_groups, group_size_for,
+                               pack_int4, quantize)
+from passes.quantize import QuantMethod, check_group_size
+
+__all__ = ["HessianAccumulator", "GPTQResult", "NotPositiveDefiniteError", "gptq_quantize"]
+
+
+class NotPositiveDefiniteError(ValueError):
+    """The (dampened) Hessian is not positive definite."""
+
+
+class HessianAccumulator:
+    """Running average of ``2 x^T x`` over every calibration token seen, in fp32."""
+
+    def __init__(self, in_features: int):
+        if in_features < 1:
+            raise ValueError(f"in_features must be >= 1, got {in_features}")
+        self.in_features = in_features
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32)
+        self._n = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n
+
+    def add(self, x: Tensor) -> None:
+        """x: ``[num_tokens, in_features]`` (leading dims are flattened), any float dtype."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs with {self.in_features} features, got shape {tuple(x.shape)}")
+        x = x.detach().reshape(-1, self.in_features)
+        m = x.shape[0]
+        if m == 0:
+            return
+        if self.H.device != x.device:
+            self.H = self.H.to(x.device)
+        # H_new = (n H_old + 2 x^T x) / (n + m), written as the reference does.
+        self.H *= self._n / (self._n + m)
+        self._n += m
+        x = x.float() * math.sqrt(2.0 / self._n)
+        self.H += x.t() @ x
+
+
+@dataclass
+class GPTQResult:
+    codes: Tensor  # uint8 [out, in]
+    scales: Tensor  # fp32 [out, n_groups]
+    zeros: Tensor  # uint8 [out, n_groups]
+    loss: float  # sum over columns of the GPTQ objective's per-column losses (as the reference reports)
+    w_hat: Tensor  # fp32 [out, in], the dequantized weight
+
+
+def _inverse_cholesky_upper(H: Tensor, damp: float) -> Tensor:
+    """Upper Cholesky factor of (H + damp * mean(diag H) * I)^-1."""
+    n = H.shape[0]
+    diag = torch.arange(n, device=H.device)
+    H[diag, diag] += damp * torch.mean(torch.diag(H))
+    hint = (f"the Hessian ({n}x{n}) is not positive definite even with damp={damp}: "
+            "calibrate on more (or more varied) tokens, or use a larger damp")
+    L, info = torch.linalg.cholesky_ex(H)
+    if int(info) != 0:
+        raise NotPositiveDefiniteError(hint)
+    Hinv = torch.cholesky_inverse(L)
+    U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+    if int(info) != 0 or not torch.isfinite(U).all():
+        raise NotPositiveDefiniteError(hint)
+    return U
+
+
+@torch.no_grad()
+def gptq_quantize(weight: Tensor, H: Tensor, cfg: QuantConfig, *, block_size: int = 128, damp: float = 0.01,
+                  act_order: bool = False, static_groups: bool = True) -> GPTQResult:
+    """Quantize ``weight`` ``[out, in]`` with GPTQ given the input Hessian ``H`` ``[in, in]``.
+
+    Neither argument is modified. Raises ``ValueError`` on bad shapes or options and
+    :class:`NotPositiveDefiniteError` (a ``ValueError``) when the Cholesky factorisation fails.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    out_f, in_f = weight.shape
+    if tuple(H.shape) != (in_f, in_f):
+        raise ValueError(f"Hessian shape {tuple(H.shape)} does not match the weight's input dim {in_f}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not damp >= 0:
+        raise ValueError(f"damp must be >= 0, got {damp}")
+    if act_order and not static_groups:
+        raise ValueError("act_order is only supported with static groups (static_groups=True): the storage "
+                         "layout has no g_idx for columns whose group changes with the permutation")
+    g = group_size_for(in_f, cfg.group_size)
+    ng = in_f // g
+    per_channel = ng == 1
+
+    W = weight.detach().float().clone()
+    H = H.detach().float().clone().to(W.device)
+    if not torch.isfinite(H).all():
+        raise ValueError("the Hessian has non-finite entries (inf/NaN in the calibration activations?)")
+    if not torch.isfinite(W).all():
+        raise ValueError("the weight has non-finite entries")
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+
+    scales = torch.empty(out_f, ng, dtype=torch.float32, device=W.device)
+    zeros = torch.empty(out_f, ng, dtype=torch.float32, device=W.device)
+    precomputed = per_channel or act_order  # all group params known before the loop
+    if precomputed:
+        for k in range(ng):
+            s, z = compute_qparams(W[:, k * g:(k + 1) * g], cfg)
+            scales[:, k], zeros[:, k] = s[:, 0], z[:, 0]
+
+    perm = None
+    if act_order:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        W = W[:, perm]
+        H = H[perm][:, perm]
+        group_of = (perm // g).tolist()  # processing position -> original group
+    else:
+        group_of = [j // g for j in range(in_f)]
+
+    Hinv = _inverse_cholesky_upper(H, damp)
+    del H
+
+    Q = torch.zeros_like(W)  # codes, in processing order
+    losses = torch.zeros(out_f, dtype=torch.float64, device=W.device)
+
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            if not precomputed and j % g == 0:
+                # The group's current weights: inside the block from W1; beyond it, W plus the
+                # block's pending (lazy) update from the columns already quantized.
+                end = j + g
+                cur = W1[:, i:min(end, i2) - i1]
+                if end > i2:
+                    rest = W[:, i2:end] - Err1 @ Hinv[i1:i2, i2:end]
+                    cur = torch.cat([cur, rest], dim=1)
+                s, z = compute_qparams(cur, cfg)
+                scales[:, j // g], zeros[:, j // g] = s[:, 0], z[:, 0]
+            k = group_of[j]
+            s, z = scales[:, k], zeros[:, k]
+            w = W1[:, i]
+            d = Hinv1[i, i]
+            q = quantize(w, s, z, cfg.bits)
+            Q[:, j] = q
+            diff = w - dequantize(q, s, z)
+            losses += (diff * diff / (d * d) / 2).double()
+            err = diff / d
+            W1[:, i:] -= err[:, None] @ Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+
+    if perm is not None:
+        Q = Q[:, torch.argsort(perm)]
+    codes = Q.to(torch.uint8)
+    zeros_u8 = zeros.to(torch.uint8)
+    w_hat = dequantize_groups(codes, scales, zeros_u8, g)
+    return GPTQResult(codes=codes, scales=scales, zeros=zeros_u8, loss=float(losses.sum()), w_hat=w_hat)
+
+
+# --------------------------------------------------------------------------------------------
+# The pass
+# --------------------------------------------------------------------------------------------
+@register
+class GPTQ(QuantMethod):
+    """Quantize linear weights to 4 or 8 bits with GPTQ's Hessian-aware error compensation."""
+
+    name = "gptq"
+
+    def configure(self, options: dict[str, Any]) -> None:
+        self.cfg = QuantConfig(bits=int(options.get("bits", 4)), group_size=int(options.get("group_size", 128)),
+                               symmetric=bool(options.get("symmetric", False)))
+        self.scheme = "w4a16" if self.cfg.bits == 4 else "w8a16"
+        self.block_size = int(options.get("block_size", 128))
+        self.damp = float(options.get("damp", 0.01))
+        self.act_order = bool(options.get("act_order", False))
+        self.total_loss = 0.0
+
+    def validate_node(self, graph: Graph, node: Node) -> None:
+        check_group_size(node, self.cfg.group_size, self.name)
+
+    def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
+        if index not in self.stats:
+            self.stats[index] = HessianAccumulator(x.shape[-1])
+        self.stats[index].add(x)
+
+    def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
+        if stats is None or stats.num_tokens == 0:
+            raise PassError(f"gptq: no calibration tokens reached {node.source}")
+        w = graph.params[node.weights["weight"]]
+        res = gptq_quantize(w, stats.H, self.cfg, block_size=self.block_size, damp=self.damp,
+                            act_order=self.act_order, static_groups=True)
+        self.total_loss += float(res.loss)
+        codes = pack_int4(res.codes) if self.cfg.bits == 4 else res.codes
+        self.replace_weight(graph, node, self.scheme, {"qweight": codes, "scales": res.scales, "zeros": res.zeros},
+                            {"bits": self.cfg.bits, "group_size": self.cfg.group_size,
+                             "symmetric": self.cfg.symmetric, "act_order": self.act_order}, reference=w)
+
+    def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        return {**super().summary(graph, targets), "bits": self.cfg.bits, "group_size": self.cfg.group_size,
+                "gptq_loss": self.total_loss}

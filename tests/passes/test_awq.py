@@ -1,0 +1,134 @@
+"""AWQ's searches (passes/awq.py) on small synthetic blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from passes.awq import activation_stat, apply_clip, search_clip, search_scale
+from passes.quant_math import QuantConfig, fake_quantize_groups
+
+IN, TOKENS = 128, 384
+OUTLIERS = [3, 17, 60, 99]
+CFG = QuantConfig(bits=4, group_size=32, symmetric=False)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _x(seed=0):
+    x = torch.randn(TOKENS, IN, generator=_gen(seed))
+    x[:, OUTLIERS] *= 25.0  # a few salient input channels
+    return x
+
+
+def _weights(seed=1):
+    g = _gen(seed)
+    return [torch.randn(64, IN, generator=g), torch.randn(32, IN, generator=g)]
+
+
+def concat_block(x, ws):
+    return torch.cat([x @ w.t() for w in ws], dim=1)
+
+
+def _mse(a, b):
+    return (a - b).pow(2).mean().item()
+
+
+def test_activation_stat():
+    x = _x(2)
+    stat = activation_stat(x.to(torch.bfloat16))
+    assert stat.dtype == torch.float32 and stat.shape == (IN,)
+    ref = torch.tensor([x[:, j].to(torch.bfloat16).float().abs().mean().item() for j in range(IN)])
+    torch.testing.assert_close(stat, ref, rtol=1e-5, atol=1e-6)
+    assert stat[OUTLIERS].min() > 10 * stat.median()
+    # leading dims are flattened
+    torch.testing.assert_close(activation_stat(x.reshape(3, TOKENS // 3, IN)), activation_stat(x))
+
+
+def test_search_scale_protects_salient_channels():
+    x, ws = _x(3), _weights(4)
+    scale, alpha, losses = search_scale(x, ws, concat_block, CFG)
+    assert len(losses) == 20 and all(l > 0 for l in losses)
+    assert scale.shape == (IN,) and scale.dtype == torch.float32 and (scale > 0).all()
+    assert alpha > 0
+    assert losses[round(alpha * 20)] == min(losses)
+    # the returned scale is x_mean^alpha normalised by sqrt(max * min)
+    s = activation_stat(x).pow(alpha).clamp(min=1e-4)
+    torch.testing.assert_close(scale, s / (s.max() * s.min()).sqrt())
+    assert scale[OUTLIERS].min() > scale.median()
+
+    ref = concat_block(x, ws)
+    rtn = _mse(concat_block(x, [fake_quantize_groups(w, CFG) for w in ws]), ref)
+    awq = _mse(concat_block(x, [fake_quantize_groups(w * scale, CFG) / scale for w in ws]), ref)
+    assert losses[0] == pytest.approx(rtn, rel=1e-5)  # alpha = 0 is plain round to nearest
+    assert awq == pytest.approx(min(losses), rel=1e-5)
+    assert awq < 0.8 * rtn, (awq, rtn)
+
+
+def test_search_scale_block_fn_sees_the_candidate_weights():
+    # A block that only reads the first linear: the search must score through block_fn.
+    x, ws = _x(5), _weights(6)
+    calls = []
+
+    def first_only(x_, ws_):
+        calls.append([w.clone() for w in ws_])
+        return x_ @ ws_[0].t()
+
+    _, _, losses = search_scale(x, ws, first_only, CFG, n_grid=5)
+    assert len(losses) == 5 and len(calls) == 6
+    assert torch.equal(calls[0][0], ws[0])  # the unquantized reference comes first
+    assert not torch.equal(calls[1][0], ws[0])
+    torch.testing.assert_close(calls[1][0], fake_quantize_groups(ws[0], CFG))
+
+
+def _group_err(x, w, w_hat, g):
+    """Per (row, group) MSE over tokens of the group's partial output."""
+    xg = x.reshape(x.shape[0], -1, g)
+    d = torch.einsum("tng,ong->otn", xg, w.reshape(w.shape[0], -1, g) - w_hat.reshape(w.shape[0], -1, g))
+    return d.pow(2).mean(dim=1)  # [out, n_groups]
+
+
+def test_search_clip_never_increases_the_sampled_error():
+    g = _gen(7)
+    x = _x(8)
+    w = torch.randn(40, IN, generator=g)
+    w[torch.rand(40, IN, generator=g) < 0.02] *= 6  # a few weight outliers make clipping worthwhile
+    t = search_clip(x, w, CFG, oc_batch=16)  # 40 rows: batches of 16, 16 and 8
+    assert t.shape == (40, IN // 32) and t.dtype == torch.float32
+    org_max = w.reshape(40, -1, 32).abs().amax(-1)
+    assert (t <= org_max).all() and (t >= 0.55 * org_max * (1 - 1e-6)).all()
+    assert (t < org_max).any()  # some groups do clip
+
+    no_clip = _group_err(x, w, fake_quantize_groups(w, CFG), 32)
+    clipped = _group_err(x, w, fake_quantize_groups(apply_clip(w, t, 32), CFG), 32)
+    assert (clipped <= no_clip * (1 + 1e-5)).all()
+    assert clipped.sum() < no_clip.sum()
+    # and each group's threshold is the best of the 10 candidates
+    for i in range(10):
+        cand = apply_clip(w, org_max * (1 - i / 20), 32)
+        err = _group_err(x, w, fake_quantize_groups(cand, CFG), 32)
+        assert (clipped <= err * (1 + 1e-4) + 1e-6).all()
+
+
+def test_search_clip_samples_tokens_with_a_stride():
+    x = _x(9).repeat(4, 1)  # 1536 tokens -> every 3rd token is used
+    w = torch.randn(8, IN, generator=_gen(10))
+    torch.testing.assert_close(search_clip(x, w, CFG), search_clip(x[::3], w, CFG))
+    assert torch.equal(search_clip(x, w, CFG), search_clip(x, w, CFG))  # deterministic
+
+
+def test_apply_clip_clamps_per_group():
+    g = _gen(11)
+    w = torch.randn(6, 64, generator=g)
+    t = torch.rand(6, 4, generator=g) + 0.2
+    out = apply_clip(w, t, 16)
+    ref = w.clone()
+    for r in range(6):
+        for k in range(4):
+            ref[r, k * 16:(k + 1) * 16] = w[r, k * 16:(k + 1) * 16].clamp(-t[r, k].item(), t[r, k].item())
+    assert torch.equal(out, ref)
+    assert not torch.equal(out, w)
+    with pytest.raises(ValueError):
+        apply_clip(w, t, 32)

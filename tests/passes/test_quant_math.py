@@ -1,0 +1,160 @@
+"""The shared integer quantization convention (passes/quant_math.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from passes.quant_math import (QuantConfig, compute_qparams, dequantize, dequantize_groups, fake_quantize_groups,
+                               pack_int4, quantize, quantize_groups, unpack_int4)
+
+CONFIGS = [QuantConfig(bits=b, group_size=gs, symmetric=sym)
+           for b in (4, 8) for gs in (32, -1) for sym in (False, True)]
+
+
+def _w(out=16, inp=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=g)
+    w[3] += 2.0  # an all-positive-ish row: the asymmetric range must still contain 0
+    w[5, :64] = -torch.rand(64, generator=g) - 0.1  # an all-negative group
+    return w
+
+
+def _ref_params(wg: torch.Tensor, bits: int, sym: bool):
+    """Independent per-group parameters straight from the documented formulas (wg: [rows, g])."""
+    if sym:
+        scale = wg.abs().max(dim=1).values / (2 ** (bits - 1) - 1)
+        zero = torch.full_like(scale, 2 ** (bits - 1))
+    else:
+        lo = torch.minimum(wg.min(dim=1).values, torch.zeros(wg.shape[0]))
+        hi = torch.maximum(wg.max(dim=1).values, torch.zeros(wg.shape[0]))
+        scale = (hi - lo) / (2 ** bits - 1)
+        zero = torch.round(-lo / scale).clamp(0, 2 ** bits - 1)
+    return scale, zero
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"b{c.bits}-g{c.group_size}-{'sym' if c.symmetric else 'asym'}")
+def test_round_trip_error_bound(cfg):
+    w = _w()
+    codes, scales, zeros = quantize_groups(w, cfg)
+    g = w.shape[1] if cfg.group_size == -1 else cfg.group_size
+    ng = w.shape[1] // g
+    assert codes.dtype == torch.uint8 and zeros.dtype == torch.uint8 and scales.dtype == torch.float32
+    assert codes.shape == w.shape and scales.shape == (w.shape[0], ng) == zeros.shape
+    assert int(codes.max()) <= 2 ** cfg.bits - 1
+    ref_scale, ref_zero = _ref_params(w.reshape(-1, g), cfg.bits, cfg.symmetric)
+    torch.testing.assert_close(scales.reshape(-1), ref_scale, rtol=1e-6, atol=0)
+    assert torch.equal(zeros.reshape(-1).float(), ref_zero)
+    w_hat = dequantize_groups(codes, scales, zeros, cfg.group_size)
+    per_elem_scale = scales.repeat_interleave(g, dim=1)
+    assert ((w - w_hat).abs() <= per_elem_scale / 2 * (1 + 1e-5)).all()
+    torch.testing.assert_close(fake_quantize_groups(w, cfg), w_hat, rtol=0, atol=1e-6)
+    if cfg.symmetric:
+        assert (zeros == 2 ** (cfg.bits - 1)).all()
+    else:
+        # the group's extremes (or zero) map to the code range ends
+        assert (codes.reshape(-1, g).amax(1) == 2 ** cfg.bits - 1).logical_or(
+            codes.reshape(-1, g).amin(1) == 0).all()
+
+
+def test_compute_qparams_on_a_slice_matches_groups():
+    cfg = QuantConfig(bits=4, group_size=32)
+    w = _w()
+    _, scales, zeros = quantize_groups(w, cfg)
+    s, z = compute_qparams(w[:, 64:96], cfg)
+    assert s.shape == (w.shape[0], 1) and z.shape == (w.shape[0], 1)
+    torch.testing.assert_close(s[:, 0], scales[:, 2])
+    assert torch.equal(z[:, 0], zeros[:, 2].float())
+    q = quantize(w[:, 64:96], s, z, 4)
+    assert torch.equal(q.to(torch.uint8), quantize_groups(w, cfg)[0][:, 64:96])
+    torch.testing.assert_close(dequantize(q, s, z), fake_quantize_groups(w, cfg)[:, 64:96])
+
+
+def test_int8_symmetric_uses_amax_over_127():
+    w = torch.tensor([[2.54, -1.0, 0.5, 2.525, 0.0, -2.54, 0.314, 1.1]])
+    codes, scales, zeros = quantize_groups(w, QuantConfig(bits=8, group_size=-1, symmetric=True))
+    scale = torch.tensor(2.54) / 127  # amax / 127, not amax / 127.5
+    assert scales.item() == scale.item()
+    assert zeros.item() == 128
+    # 2.525 / (2.54 / 127) = 126.25 -> 126; with amax / 127.5 it would be 126.74 -> 127
+    assert codes.tolist() == [[255, 78, 153, 254, 128, 1, 128 + 16, 128 + 55]]
+    w_hat = dequantize_groups(codes, scales, zeros, -1)
+    assert w_hat[0, 0].item() == pytest.approx(2.54, rel=1e-6) and w_hat[0, 5].item() == pytest.approx(-2.54, rel=1e-6)
+
+
+def test_int4_symmetric_uses_amax_over_7():
+    w = torch.tensor([[0.7, -0.36, 0.1, -0.7, 0.0, 0.26, 0.44, 0.04]])
+    codes, scales, zeros = quantize_groups(w, QuantConfig(bits=4, group_size=8, symmetric=True))
+    assert scales.item() == (torch.tensor(0.7) / 7).item()
+    assert zeros.item() == 8
+    # 0.7->7, -0.36->-3.6->-4, 0.1->1, -0.7->-7, 0->0, 0.26->2.6->3, 0.44->4.4->4, 0.04->0.4->0
+    assert codes.tolist() == [[15, 4, 9, 1, 8, 11, 12, 8]]
+
+
+def test_all_zero_group_gives_no_nan():
+    w = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    w[1, 32:] = 0
+    w[2] = 0
+    for sym in (False, True):
+        cfg = QuantConfig(bits=4, group_size=32, symmetric=sym)
+        codes, scales, zeros = quantize_groups(w, cfg)
+        assert torch.isfinite(scales).all() and (scales > 0).all()
+        w_hat = dequantize_groups(codes, scales, zeros, 32)
+        assert torch.isfinite(w_hat).all()
+        assert (w_hat[1, 32:] == 0).all() and (w_hat[2] == 0).all()
+        assert torch.isfinite(fake_quantize_groups(w, cfg)).all()
+
+
+def test_pack_unpack_exact_inverse_and_layout():
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8)
+    packed = pack_int4(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (8, 32)
+    assert torch.equal(unpack_int4(packed), codes)
+    # low nibble = even input index
+    hand = pack_int4(torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8))
+    assert hand.tolist() == [[0x21, 0x0F]]
+    # the runtime reads the same layout
+    from runtime.quant import unpack_int4 as runtime_unpack
+    assert torch.equal(runtime_unpack(packed), codes)
+
+
+def test_pack_rejects_bad_input():
+    with pytest.raises(ValueError):
+        pack_int4(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError):
+        pack_int4(torch.full((2, 4), 16, dtype=torch.uint8))
+
+
+def test_dequantize_matches_runtime():
+    from runtime.quant import dequantize_weight
+    w = _w()
+    for gs in (32, -1):
+        codes, scales, zeros = quantize_groups(w, QuantConfig(bits=4, group_size=gs))
+        ours = dequantize_groups(codes, scales, zeros, gs)
+        theirs = dequantize_weight(pack_int4(codes), scales, zeros, 4, gs, torch.float32)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_per_channel_is_one_group_over_the_row():
+    w = _w()
+    cfg = QuantConfig(bits=4, group_size=-1)
+    _, scales, zeros = quantize_groups(w, cfg)
+    assert scales.shape == (w.shape[0], 1)
+    ref_scale, ref_zero = _ref_params(w, 4, False)
+    torch.testing.assert_close(scales[:, 0], ref_scale, rtol=1e-6, atol=0)
+    assert torch.equal(zeros[:, 0].float(), ref_zero)
+    # differs from grouped quantization
+    assert not torch.equal(fake_quantize_groups(w, cfg), fake_quantize_groups(w, QuantConfig(bits=4, group_size=32)))
+
+
+def test_bad_group_size():
+    w = torch.randn(4, 96)
+    with pytest.raises(ValueError, match=r"96.*64|64.*96"):
+        quantize_groups(w, QuantConfig(group_size=64))
+    with pytest.raises(ValueError, match=r"96.*64|64.*96"):
+        fake_quantize_groups(w, QuantConfig(group_size=64))
+    with pytest.raises(ValueError):
+        QuantConfig(group_size=0)
+    with pytest.raises(ValueError):
+        QuantConfig(bits=3)
