@@ -1,0 +1,36 @@
+"""Every shipped recipe builds the bundled model, and its artifact loads and generates."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from builder.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p.name for p in (ROOT / "recipes").glob("*.yaml"))
+runner = CliRunner()
+
+
+def test_there_is_a_recipe_per_method():
+    assert {"quickstart.yaml", "quickstart-awq.yaml", "quickstart-gptq.yaml", "quickstart-smoothquant.yaml",
+            "quickstart-fp8.yaml", "quickstart-int8_wo.yaml"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_builds_loads_and_generates(recipe, tmp_path):
+    out = tmp_path / "a"
+    sets = [f"output_dir={out}", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"]
+    if recipe != "quickstart.yaml":
+        sets += ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
+                 "gates.needle_context_len=null"]
+    args = ["build", str(ROOT / "recipes" / recipe), "--quiet"]
+    for s in sets:
+        args += ["--set", s]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["generate", str(out), "--prompt", "import os\n", "--max-tokens", "8"])
+    assert res.exit_code == 0, res.output
+    assert len(res.output.strip()) > len("import os")
