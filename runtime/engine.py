@@ -108,10 +108,10 @@ class Engine:
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([num_tokens, vocab], fp32), as one sequence."""
-        self._check_prompt(token_ids, 0)
+        self._check_prompt(token_ids)
         return self._run(self._new_cache(len(token_ids)), token_ids, 0, all_logits=True)
 
-    def _check_prompt(self, token_ids: list[int], max_tokens: int) -> None:
+    def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise RequestError("the prompt is empty")
         if len(token_ids) >= self.limits.max_seq_len:
@@ -123,7 +123,7 @@ class Engine:
         """Yield generated text piece by piece; the final Generation is the generator's return value."""
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(prompt_ids, params.max_tokens)
+        self._check_prompt(prompt_ids)
         total = min(self.limits.max_seq_len, len(prompt_ids) + params.max_tokens)
         kv = self._new_cache(total)
         generator = make_generator(params.seed, self.device)
