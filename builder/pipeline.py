@@ -134,7 +134,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
 
     t = time.perf_counter()
-    graph, meta_model = trace(config, recipe.runtime.max_seq_len)
+    graph, meta_model = trace(config)
     trace_s = time.perf_counter() - t
     t = time.perf_counter()
     attach_weights(graph, ckpt, meta_model, dtype)

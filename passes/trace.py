@@ -31,10 +31,12 @@ def build_meta_model(config) -> torch.nn.Module:
     return model
 
 
-def export_model(model: torch.nn.Module, max_seq_len: int) -> torch.export.ExportedProgram:
+def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
     """torch.export ``model(input_ids) -> logits`` with a dynamic number of tokens."""
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
-    seq = torch.export.Dim("num_tokens", min=2, max=max(max_seq_len - 1, 3))
+    # DYNAMIC rather than a named Dim with a range: some modeling code adds guards (e.g. min(a*T, b*T))
+    # that hold for every length but that a ranged Dim's constraint check cannot prove, and refuses.
+    seq = torch.export.Dim.DYNAMIC
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return torch.export.export(
@@ -65,11 +67,11 @@ def rotary_tables(model: torch.nn.Module):
     return table
 
 
-def trace(config, max_seq_len: int = 4096) -> tuple[Graph, torch.nn.Module]:
+def trace(config) -> tuple[Graph, torch.nn.Module]:
     """Config -> IR graph whose params are meta tensors (rotary tables are real), plus the meta model."""
     model = build_meta_model(config)
     start = time.perf_counter()
-    exported = export_model(model, min(max_seq_len, getattr(config, "max_position_embeddings", max_seq_len)))
+    exported = export_model(model)
     graph = lift(exported, LiftContext(model=model, rotary=rotary_tables(model)))
     graph.meta.update(model_meta(config, graph))
     log.info("traced %s in %.2fs: %s", type(model).__name__, time.perf_counter() - start, graph.summary())

@@ -13,7 +13,7 @@ from passes.trace import trace
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trace_structure(family):
     config = tiny_config(family, 320)
-    graph, _ = trace(config, 256)
+    graph, _ = trace(config)
     ops = graph.count_ops()
     layers = config.num_hidden_layers
     assert ops["attention"] == layers
@@ -33,7 +33,7 @@ def test_trace_structure(family):
 
 
 def test_tied_embeddings_share_one_weight():
-    graph, _ = trace(tiny_config("llama", 320), 256)
+    graph, _ = trace(tiny_config("llama", 320))
     embed = next(n for n in graph.nodes if n.op == "embedding")
     head = next(n for n in graph.nodes if n.op == "lm_head")
     assert embed.weights["weight"] == head.weights["weight"]
@@ -45,7 +45,7 @@ def test_llama3_rope_scaling_is_applied():
 
     import torch
 
-    graph, _ = trace(tiny_config("llama", 320), 256)
+    graph, _ = trace(tiny_config("llama", 320))
     inv_freq = graph.params["model.rotary_emb.inv_freq"]
     plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float64) / 16))
     factor, low, high, orig = 8.0, 1.0, 4.0, 64
@@ -64,14 +64,14 @@ def test_llama3_rope_scaling_is_applied():
 
 
 def test_graph_serialization_round_trip():
-    graph, _ = trace(tiny_config("qwen3", 320), 256)
+    graph, _ = trace(tiny_config("qwen3", 320))
     again = Graph.from_dict(graph.to_dict())
     assert str(again) == str(graph)
     assert again.to_dict() == graph.to_dict()
 
 
 def test_graph_prints_readably():
-    graph, _ = trace(tiny_config("mistral", 320), 256)
+    graph, _ = trace(tiny_config("mistral", 320))
     text = str(graph)
     assert "attention(%" in text and "num_kv_heads=2" in text and "# model.layers.1.self_attn" in text
 
@@ -79,6 +79,6 @@ def test_graph_prints_readably():
 def test_unknown_op_names_op_and_module():
     config = tiny_config("llama", 320, hidden_act="tanh")
     with pytest.raises(LiftError) as e:
-        trace(config, 256)
+        trace(config)
     assert "aten.tanh" in str(e.value)
     assert "model.layers.0.mlp.act_fn" in str(e.value)

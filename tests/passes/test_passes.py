@@ -18,7 +18,7 @@ LAYERS = 2
 
 def _real_graph(path):
     ckpt = open_checkpoint(path)
-    graph, meta_model = trace(ckpt.hf_config(), 256)
+    graph, meta_model = trace(ckpt.hf_config())
     attach_weights(graph, ckpt, meta_model, torch.float32)
     return graph
 

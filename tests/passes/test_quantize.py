@@ -19,7 +19,7 @@ FUSED = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dc
 @pytest.fixture(scope="module")
 def base_graph(checkpoints):
     ckpt = open_checkpoint(checkpoints["qwen2"])  # biases on q/k/v exercise the quantized bias path
-    graph, meta_model = trace(ckpt.hf_config(), 256)
+    graph, meta_model = trace(ckpt.hf_config())
     attach_weights(graph, ckpt, meta_model, torch.float32)
     graph, _ = run_passes(graph, FUSED, PassContext())
     return graph

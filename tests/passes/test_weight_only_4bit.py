@@ -27,7 +27,7 @@ GROUP = 64
 def setup(tmp_path_factory):
     path = make_outlier_variant(tmp_path_factory.mktemp("w4") / "ckpt")
     ckpt = open_checkpoint(path)
-    graph, meta_model = trace(ckpt.hf_config(), 1024)
+    graph, meta_model = trace(ckpt.hf_config())
     attach_weights(graph, ckpt, meta_model, torch.float32)
     graph, _ = run_passes(graph, GRAPH_PASSES, PassContext())
     tok = Tokenizer.from_dir(path)
