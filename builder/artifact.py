@@ -101,7 +101,7 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
             "verify": verify,
         },
         "reports": {"markdown": "report.md", "html": "report.html"},
-        "quantization": {"algo": recipe.quantization.algo, "kv_cache_dtype": recipe.runtime.kv_cache_dtype,
+        "quantization": {"algo": recipe.quant_algo(), "kv_cache_dtype": recipe.runtime.kv_cache_dtype,
                          **extra},
     }
     manifest["build"]["duration_s"] = round(time.perf_counter() - start, 3)

@@ -50,7 +50,7 @@ def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
     Graph passes (fusions, verify) run on the full-precision graph; verify compares it with the HF
     model. Quantization runs after, on the verified graph, which stays as the gates' baseline.
     """
-    quant = [] if recipe.quantization.algo == "none" else [recipe.quantization.algo]
+    quant = [q.algo for q in recipe.quant_sections()]
     if recipe.runtime.kv_cache_dtype != "auto":
         quant.append("kv_cache_quant")
     return list(recipe.passes), quant + ["dce"] if quant else []
@@ -155,7 +155,8 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         t = time.perf_counter()
         calib = calibration_data(recipe, tokenizer)
         ctx.calibration = calib.windows
-        ctx.options[recipe.quantization.algo] = recipe.quantization.method_options()
+        for q in recipe.quant_sections():
+            ctx.options[q.algo] = q.method_options()
         ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
         graph, quant_records = run_passes(graph, quant_names, ctx)
         records += quant_records

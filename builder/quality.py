@@ -144,12 +144,12 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
 def gate_method(algo: str, kv_cache_dtype: str) -> str:
     """Which default thresholds apply: the weight method's, else the KV cache's."""
     if algo != "none":
-        return algo
+        return algo.split("+")[0]
     return f"kv_{kv_cache_dtype}" if kv_cache_dtype in ("fp8", "int8") else "none"
 
 
 def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer) -> GateReport:
-    method = gate_method(recipe.quantization.algo, recipe.runtime.kv_cache_dtype)
+    method = gate_method(recipe.quant_algo(), recipe.runtime.kv_cache_dtype)
     return compare_graphs(method, recipe.gates, baseline, candidate, tokenizer)
 
 

@@ -12,7 +12,7 @@ import re
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -134,7 +134,9 @@ class Recipe(_Strict):
     passes: list[str] = Field(default_factory=lambda: list(DEFAULT_PASSES))
     verify: VerifySection = Field(default_factory=VerifySection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
-    quantization: QuantizationSection = Field(default_factory=QuantizationSection)
+    # One method, or a list applied in order to different layer groups (by their targets / ignore):
+    # a linear quantized by an earlier entry is not selected by a later one.
+    quantization: Union[QuantizationSection, list[QuantizationSection]] = Field(default_factory=QuantizationSection)
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     gates: GatesSection = Field(default_factory=GatesSection)
 
@@ -146,6 +148,23 @@ class Recipe(_Strict):
             if name not in PASSES:
                 raise ValueError(f"passes[{i}]: {name!r} is not a known pass; known: {', '.join(PASSES)}")
         return self
+
+    @model_validator(mode="after")
+    def _distinct_methods(self) -> Recipe:
+        if isinstance(self.quantization, list):
+            algos = [q.algo for q in self.quantization]
+            if not algos or "none" in algos or len(set(algos)) != len(algos):
+                raise ValueError(f"quantization: a list needs distinct methods other than 'none', got {algos}")
+        return self
+
+    def quant_sections(self) -> list[QuantizationSection]:
+        """The quantization methods to run, in order (empty when none)."""
+        sections = self.quantization if isinstance(self.quantization, list) else [self.quantization]
+        return [q for q in sections if q.algo != "none"]
+
+    def quant_algo(self) -> str:
+        """'none', a method, or methods joined with '+' (the first one's gate thresholds apply)."""
+        return "+".join(q.algo for q in self.quant_sections()) or "none"
 
     def verify_atol(self) -> float:
         return self.verify.atol if self.verify.atol is not None else DEFAULT_ATOL[self.model.dtype]
@@ -197,8 +216,26 @@ def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
     try:
         return Recipe.model_validate(raw)
     except ValidationError as e:
-        lines = [format_error(err) for err in e.errors()]
+        lines = [format_error(err) for err in _matching_branch(e.errors(), raw)]
         raise RecipeError(f"{source}: invalid recipe:\n  " + "\n  ".join(lines)) from None
+
+
+def _matching_branch(errors: list[dict], raw: dict) -> list[dict]:
+    """For a key that takes one section or a list of them, keep the errors of the form the recipe
+    used, with pydantic's union-branch tags removed from the key path."""
+    out = []
+    for err in errors:
+        loc = list(err["loc"])
+        tags = [i for i, part in enumerate(loc) if isinstance(part, str) and "[" in part]
+        if tags:
+            i = tags[0]
+            value = raw.get(loc[0]) if i == 1 else None
+            is_list_branch = loc[i].startswith("list[")
+            if isinstance(value, list) != is_list_branch:
+                continue
+            del loc[i]
+        out.append({**err, "loc": tuple(loc)})
+    return out
 
 
 def _loc(loc: tuple) -> str:

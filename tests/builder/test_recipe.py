@@ -67,3 +67,13 @@ def test_not_yaml_and_missing_file(tmp_path):
         _load(tmp_path, "model: [unclosed\n")
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_mixed_methods_list(tmp_path):
+    r = _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n    targets: ['re:mlp']\n  - algo: int8_wo\n")
+    assert [q.algo for q in r.quant_sections()] == ["gptq", "int8_wo"] and r.quant_algo() == "gptq+int8_wo"
+    with pytest.raises(RecipeError, match="a list needs distinct methods"):
+        _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n  - algo: gptq\n")
+    with pytest.raises(RecipeError, match=r"quantization\[1\]\.algo: 'awk' is not one of"):
+        _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n  - algo: awk\n")
+    assert _load(tmp_path, BASE).quant_sections() == []
