@@ -33,6 +33,7 @@ quantizes (``quant_math.quantize_groups``). Everything here is deterministic and
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -42,6 +43,8 @@ from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
 from passes.quantize import QuantMethod, check_group_size
+from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.kv_cache import SequenceKV
 
 __all__ = ["activation_stat", "search_scale", "search_clip", "apply_clip"]
 
@@ -165,6 +168,73 @@ def apply_clip(weight: Tensor, max_val: Tensor, group_size: int) -> Tensor:
 # The pass
 # --------------------------------------------------------------------------------------------
 MAX_TOKENS_KEPT = 4096  # calibration tokens kept per linear input for the searches (seeded subsample)
+MAX_BLOCK_WINDOWS = 16  # calibration windows run through a block per scale candidate
+
+
+class BlockRunner:
+    """The output of the block a group of linears feeds, as AWQ's scale search minimises it.
+
+    The block runs from the group's linears to the next linear that reads their results: for q/k/v
+    that is (per-head norms, RoPE, attention, o_proj), for gate/up (silu_mul, down_proj). It is run
+    per calibration window with the runtime's executor, so attention sees real sequences and
+    positions. Called as ``block(x, weights)`` by ``search_scale`` with candidate weights.
+    """
+
+    def __init__(self, graph: Graph, members: list[int], value: str, start: int, end: int,
+                 windows: list[torch.Tensor]) -> None:
+        self.graph, self.members, self.value = graph, members, value
+        self.nodes = graph.nodes[start:end + 1]
+        self.output = graph.nodes[end].outputs[0]
+        self.lengths = [w.shape[0] for w in windows]
+        self.x = torch.cat(windows)
+        self.layers = {n.attrs["layer"] for n in self.nodes if n.op == "attention"}
+        full = Executor(graph.to_dict(), graph.params)
+        self.layout = full.kv_layout()
+
+    @classmethod
+    def for_group(cls, graph: Graph, members: list[int], value: str,
+                  windows: list[torch.Tensor]) -> BlockRunner | None:
+        end = _block_end(graph, members)
+        if end is None or not windows:
+            return None
+        start = min(members)
+        produced = {o for n in graph.nodes[start:end + 1] for o in n.outputs}
+        needed = {i for n in graph.nodes[start:end + 1] for i in n.inputs} - produced
+        if not needed <= {value, "positions"}:
+            return None
+        return cls(graph, members, value, start, end, windows)
+
+    def __call__(self, x: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+        params = dict(self.graph.params)
+        for i, w in zip(self.members, weights):
+            params[self.graph.nodes[i].weights["weight"]] = w.to(params[self.graph.nodes[i].weights["weight"]].dtype)
+        sub = {"ir_version": self.graph.version, "outputs": [self.output], "meta": self.graph.meta,
+               "nodes": [asdict(n) for n in self.nodes]}
+        ex = Executor(sub, params)
+        outs, offset = [], 0
+        for n in self.lengths:
+            kv = SequenceKV(self.layout, n, layers=self.layers)
+            env = ex.start(StepInput(torch.empty(0, dtype=torch.long), torch.arange(n), [SeqSlice(kv, 0, n)]))
+            env[self.value] = x[offset:offset + n].to(ex.dtype)
+            offset += n
+            ex.run_nodes(env, 0, len(self.nodes))
+            outs.append(env[self.output].float())
+        return torch.cat(outs)
+
+
+def _block_end(graph: Graph, members: list[int]) -> int | None:
+    """Index of the first linear downstream of the group, if reached before a residual add or norm."""
+    frontier = {o for i in members for o in graph.nodes[i].outputs}
+    for j in range(max(members) + 1, len(graph.nodes)):
+        n = graph.nodes[j]
+        if not any(i in frontier for i in n.inputs) or j in members:
+            continue
+        if n.op == "linear":
+            return j
+        if n.op in ("fused_add_rms_norm", "lm_head", "elementwise") or (n.op == "rms_norm" and not n.attrs.get("head_dim")):
+            return None
+        frontier.update(n.outputs)
+    return None
 
 
 @register
@@ -178,6 +248,7 @@ class AWQ(QuantMethod):
         self.cfg = QuantConfig(bits=4, group_size=int(options.get("group_size", 128)), symmetric=False)
         self.n_grid = int(options.get("n_grid", 20))
         self.alphas: dict[str, float] = {}
+        self.block_objective: dict[str, bool] = {}  # group -> scale searched on the whole block's output
 
     def validate_node(self, graph: Graph, node: Node) -> None:
         check_group_size(node, self.cfg.group_size, self.name)
@@ -216,9 +287,14 @@ class AWQ(QuantMethod):
         if fold is None:
             return None
         weights = [graph.params[graph.nodes[i].weights["weight"]].float() for i in members]
-        s, alpha, _ = search_scale(x, weights, lambda xx, ws: torch.cat([xx @ w.T for w in ws], dim=-1),
-                                   self.cfg, self.n_grid)
+        block = BlockRunner.for_group(graph, members, value, self.stats[members[0]][:MAX_BLOCK_WINDOWS])
+        if block is not None:
+            s, alpha, _ = search_scale(block.x, weights, block, self.cfg, self.n_grid)
+        else:  # the group feeds no block we can run alone (e.g. down_proj): its own outputs
+            s, alpha, _ = search_scale(x, weights, lambda xx, ws: torch.cat([xx @ w.T for w in ws], dim=-1),
+                                       self.cfg, self.n_grid)
         self.alphas[graph.nodes[members[0]].source] = alpha
+        self.block_objective[graph.nodes[members[0]].source] = block is not None
         fold(graph, s)
         for i, w in zip(members, weights):
             name = graph.nodes[i].weights["weight"]
@@ -234,7 +310,7 @@ class AWQ(QuantMethod):
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         return {**super().summary(graph, targets), "group_size": self.cfg.group_size,
-                "scaled_groups": len(self.alphas),
+                "scaled_groups": len(self.alphas), "block_objective_groups": sum(self.block_objective.values()),
                 "mean_alpha": sum(self.alphas.values()) / len(self.alphas) if self.alphas else 0.0}
 
 

@@ -60,6 +60,8 @@ def test_beats_round_to_nearest(setup, algo):
     linears = [n for n in quantized.nodes if n.op == "linear"]
     assert all(n.attrs["quant"]["scheme"] == "w4a16" and n.attrs["quant"]["group_size"] == GROUP for n in linears)
     assert all(quantized.params[n.weights["qweight"]].shape[1] * 2 == n.attrs["in_features"] for n in linears)
+    if algo == "awq":  # q/k/v and gate/up scales were searched on their whole block's output
+        assert records[0].details["block_objective_groups"] == 8
     kl_method, kl_rtn = _kl(graph, quantized, eval_set), _kl(graph, _rtn(graph), eval_set)
     assert 0 < kl_method < kl_rtn, f"{algo}: KL {kl_method:.5f} vs round-to-nearest {kl_rtn:.5f}"
 
@@ -70,3 +72,25 @@ def test_bad_group_size_is_an_actionable_error(setup):
 
     with pytest.raises(PassError, match="in_features 704, not divisible by group_size 128; use 64, 32, 16"):
         run_passes(graph.copy(), ["gptq"], PassContext(calibration=calib, options={"gptq": {"group_size": 128}}))
+
+
+def test_awq_block_runner_reproduces_the_attention_block(setup):
+    """The block AWQ's scale search scores (q/k/v -> rope -> attention -> o_proj) equals the graph's own."""
+    from passes.awq import BlockRunner
+    from runtime.executor import Executor, SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+
+    graph, calib, _ = setup
+    qkv = next(i for i, n in enumerate(graph.nodes) if n.op == "linear" and len(n.outputs) == 3)
+    o_proj = next(i for i, n in enumerate(graph.nodes) if i > qkv and n.op == "linear")
+    ex = Executor(graph.to_dict(), graph.params)
+    seen: dict[int, torch.Tensor] = {}
+    ids = calib[0][:64]
+    env = ex.start(StepInput(torch.tensor(ids), torch.arange(len(ids)),
+                             [SeqSlice(SequenceKV(ex.kv_layout(), len(ids)), 0, len(ids))]))
+    ex.run_nodes(env, 0, o_proj + 2, lambda i, xs: seen.__setitem__(i, xs[0]))
+    block = BlockRunner.for_group(graph, [qkv], graph.nodes[qkv].inputs[0], [seen[qkv]])
+    assert block is not None and block.output == graph.nodes[o_proj].outputs[0]
+    weight = graph.params[graph.nodes[qkv].weights["weight"]]
+    expected = torch.nn.functional.linear(seen[o_proj], graph.params[graph.nodes[o_proj].weights["weight"]])
+    assert torch.allclose(block(block.x, [weight]), expected, atol=1e-5)
