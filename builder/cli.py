@@ -185,10 +185,10 @@ def inspect(
         f"model         {model['num_layers']} layers, hidden {model['hidden_size']}, heads "
         f"{model['num_attention_heads']}/{model['num_key_value_heads']} kv, head_dim {model['head_dim']}, "
         f"vocab {model['vocab_size']}, {model['num_parameters'] / 1e6:.2f}M params, {model['dtype']}",
-        f"runtime       " + ", ".join(f"{k}={v}" for k, v in m["runtime"].items()),
+        "runtime       " + ", ".join(f"{k}={v}" for k, v in m["runtime"].items()),
         f"graph         IR v{m['graph']['ir_version']}, {m['graph']['num_nodes']} nodes: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(m["graph"]["ops"].items())),
-        f"passes        " + " -> ".join(p["name"] for p in m["build"]["passes"]),
+        "passes        " + " -> ".join(p["name"] for p in m["build"]["passes"]),
     ]
     v = m["build"].get("verify")
     lines.append(f"verify        max |logit err| {v['max_abs_logit_err']:.3g} (atol {v['atol']:g}), top-1 agreement "

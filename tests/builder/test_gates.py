@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from builder.gates import (DEFAULT_THRESHOLDS, EvalSet, GateError, GateThresholds, NeedleCheck, compare,
+from builder.gates import (DEFAULT_THRESHOLDS, EvalSet, GateError, GateThresholds, compare,
                            make_eval_set, text_needle, thresholds_for)
 
 VOCAB, DIM, WINDOW = 64, 32, 128

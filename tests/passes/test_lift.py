@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FAMILIES, make_checkpoint, tiny_config
+from conftest import FAMILIES, tiny_config
 from passes.ir import Graph
 from passes.lift import LiftError
 from passes.trace import trace
