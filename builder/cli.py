@@ -107,8 +107,7 @@ def gate(
         report = gate_artifact(artifact, baseline, section)
     except (ArtifactError, CheckpointError, DataError, GateError) as e:
         _fail(str(e))
-    data = {**report.to_dict(), "baseline_cache": getattr(report, "baseline_cache", None)}
-    typer.echo(json.dumps(data, indent=1) if as_json else report.table())
+    typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else report.table())
     if not report.passed:
         raise typer.Exit(code=1)
 

@@ -114,6 +114,7 @@ class GateReport:
     metrics: list[MetricResult]
     num_positions: int
     per_window: list[float] = field(default_factory=list)  # mean KL of each window, in eval-set order
+    baseline_cache: Optional[dict[str, Any]] = None  # where the baseline's results came from, if cached
 
     @property
     def passed(self) -> bool:
@@ -136,7 +137,8 @@ class GateReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "failed": self.failed, "num_positions": self.num_positions,
-                "metrics": [asdict(m) for m in self.metrics], "per_window_kl": list(self.per_window)}
+                "metrics": [asdict(m) for m in self.metrics], "per_window_kl": list(self.per_window),
+                "baseline_cache": self.baseline_cache}
 
     def table(self) -> str:
         """Aligned text table for logs, with a summary line naming the failed metrics."""

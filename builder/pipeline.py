@@ -118,7 +118,11 @@ def worst_layers(records: list[PassRecord], n: int = 5) -> list[tuple[str, float
 
 
 def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
-    """Run the whole build for ``recipe``; the artifact appears in ``recipe.output_dir`` only if it succeeds."""
+    """Run the whole build for ``recipe``.
+
+    A build that cannot finish writes nothing (the previous artifact stays). A build whose quality
+    gates fail writes the artifact marked gate-failed, then raises GateFailure.
+    """
     start = time.perf_counter()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     dtype = getattr(torch, recipe.model.dtype)
@@ -168,7 +172,6 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
             timings["gates_s"] = time.perf_counter() - t
             extra["gates"] = report.to_dict()
             extra["gates"]["worst_layers"] = worst_layers(records)
-            extra["gates"]["baseline_cache"] = getattr(report, "baseline_cache", None)
     out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings, extra)
     gates = extra.get("gates")
     if gates and not gates["passed"]:

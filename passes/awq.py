@@ -43,7 +43,7 @@ from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
 from passes.quantize import QuantMethod, check_group_size
-from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.executor import Executor, SeqSlice, StepInput, kv_layout_of
 from runtime.kv_cache import SequenceKV
 
 __all__ = ["activation_stat", "search_scale", "search_clip", "apply_clip"]
@@ -188,8 +188,8 @@ class BlockRunner:
         self.lengths = [w.shape[0] for w in windows]
         self.x = torch.cat(windows)
         self.layers = {n.attrs["layer"] for n in self.nodes if n.op == "attention"}
-        full = Executor(graph.to_dict(), graph.params)
-        self.layout = full.kv_layout()
+        # the whole model's layout: the block's attention indexes the cache by its global layer
+        self.layout = kv_layout_of([asdict(n) for n in graph.nodes], getattr(torch, graph.meta.get("dtype", "float32")))
 
     @classmethod
     def for_group(cls, graph: Graph, members: list[int], value: str,

@@ -85,15 +85,10 @@ class Executor:
             dead = [n for n in node["inputs"] if last_use.get(n) == i and n not in self.outputs]
             self._program.append((kernel, node["inputs"], node["outputs"], sorted(set(dead))))
         self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
-        kinds = [n["attrs"].get("kv_cache_dtype") for n in nodes if n["op"] == "attention"]
-        self.kv_dtypes = tuple(KV_STORAGE[k] if k else self.dtype for k in kinds)  # per layer
 
     def kv_layout(self) -> KVLayout:
         """Per-layer KV shapes and storage dtypes."""
-        attn = [n["attrs"] for n in self.graph["nodes"] if n["op"] == "attention"]
-        uniform = len(set(self.kv_dtypes)) <= 1
-        return KVLayout([a["num_kv_heads"] for a in attn], [a["head_dim"] for a in attn],
-                        self.kv_dtypes[0] if self.kv_dtypes else self.dtype, None if uniform else self.kv_dtypes)
+        return kv_layout_of(self.graph["nodes"], self.dtype)
 
     @torch.inference_mode()
     def forward(self, inp: StepInput) -> torch.Tensor:
@@ -123,6 +118,15 @@ class Executor:
                 env[name] = value
             for name in dead:
                 env.pop(name, None)
+
+
+def kv_layout_of(nodes: list[dict[str, Any]], dtype: torch.dtype) -> KVLayout:
+    """KV shapes and storage dtypes of a graph's attention layers (``dtype`` where not quantized)."""
+    attn = [n["attrs"] for n in nodes if n["op"] == "attention"]
+    dtypes = tuple(KV_STORAGE[a["kv_cache_dtype"]] if a.get("kv_cache_dtype") else dtype for a in attn)
+    uniform = len(set(dtypes)) <= 1
+    return KVLayout([a["num_kv_heads"] for a in attn], [a["head_dim"] for a in attn],
+                    dtypes[0] if dtypes else dtype, None if uniform else dtypes)
 
 
 _STEP = "__step__"
