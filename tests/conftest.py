@@ -128,6 +128,13 @@ def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "pystdlib-llama"
 
 
+@pytest.fixture(scope="session")
+def bundled_artifact(tmp_path_factory) -> Path:
+    """The bundled model built fp32 with small serving limits (8 sequences, 512 tokens, 64-token steps)."""
+    return build_artifact(BUNDLED, tmp_path_factory.mktemp("bundled") / "pystdlib", max_batch_size=8,
+                          max_seq_len=512, max_num_tokens=64)
+
+
 def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 0) -> Path:
     """The bundled model with fixed-channel activation outliers, computing the same function.
 

@@ -1,0 +1,188 @@
+"""The serving engine driven from asyncio: one thread runs steps, coroutines await their requests.
+
+    engine thread:  loop { take new requests from the inbox; step(); hand each delta to its request's
+                           asyncio.Queue on the event loop }   (sleeps while there is nothing to do)
+    event loop:     async for out in async_engine.generate(prompt_ids, params): ...
+
+Admission happens in ``generate`` before anything is queued: a request that can never run raises
+RequestError, and one that finds the waiting queue full raises QueueFullError at once (the server
+answers 429), so a burst never queues without bound. A consumer that stops iterating (client
+disconnect, cancellation) aborts its request; the engine frees its blocks at the start of the next
+step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from runtime.engine import RequestError
+from runtime.outputs import EngineStats, RequestOutput
+from runtime.sampling import SamplingParams
+from runtime.scheduler import QueueFullError
+from runtime.serving import ServingEngine
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "QueueFullError", "RequestError"]
+
+
+@dataclass
+class _Submission:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    timeout_s: float | None
+    arrival_time: float
+    outputs: asyncio.Queue  # RequestOutput deltas, on the submitting event loop
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncEngine:
+    """A ServingEngine stepping in a background thread, with an async per-request stream."""
+
+    def __init__(self, engine: ServingEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
+        self._num_inbox = 0  # submissions not yet taken by the engine thread (guarded by _admit)
+        self._admit = threading.Lock()
+        self._streams: dict[str, _Submission] = {}  # engine thread only
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errored: BaseException | None = None  # set if the step loop died
+
+    # --- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and stepping (what /health reports)."""
+        return self._thread is not None and self._thread.is_alive() and self.errored is None
+
+    def stats(self) -> EngineStats:
+        stats = self.engine.stats()
+        stats.num_waiting += self._num_inbox
+        return stats
+
+    # --- requests --------------------------------------------------------------------------------
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request could never run on this engine."""
+        sc = self.engine.scheduler_config
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_token_ids) >= sc.max_seq_len:
+            raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_seq_len is "
+                               f"{sc.max_seq_len} (prompt plus at least one generated token)")
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       request_id: str | None = None, timeout_s: float | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas until it finishes. Raises RequestError or QueueFullError before
+        the first delta if the request is refused. Closing the iterator early aborts the request."""
+        if not self.ready:
+            raise RuntimeError("the engine is not running")
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        sub = _Submission(request_id, list(prompt_token_ids), params, timeout_s,
+                          time.monotonic() if arrival_time is None else arrival_time, asyncio.Queue(), loop)
+        with self._admit:
+            scheduler = self.engine.scheduler
+            num_new_waiting = scheduler._num_new_waiting + self._num_inbox
+            if num_new_waiting >= scheduler.config.max_waiting:
+                raise QueueFullError(f"{num_new_waiting} requests are already waiting "
+                                     f"(max_waiting {scheduler.config.max_waiting})")
+            self._num_inbox += 1
+            self._inbox.put(sub)
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                out = await sub.outputs.get()
+                if isinstance(out, BaseException):
+                    finished = True
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._wake.set()
+
+    # --- the engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._take_inbox()
+            if not engine.has_unfinished:
+                self._wake.wait(0.1)  # also wakes for deadlines of nothing: cheap
+                self._wake.clear()
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+                log.exception("engine step failed; failing %d requests", engine.scheduler.num_unfinished)
+                outputs = engine.finish_all("error", f"the engine step failed: {type(e).__name__}: {e}")
+            self._dispatch(outputs)
+        self._dispatch(engine.finish_all("abort", "the server is shutting down"))
+        self._fail_all(RuntimeError("the engine shut down"))
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                sub = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self.engine.add_request(sub.prompt_token_ids, sub.params, request_id=sub.request_id,
+                                        timeout_s=sub.timeout_s, arrival_time=sub.arrival_time)
+            except (RequestError, QueueFullError, ValueError) as e:
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, e)
+            else:
+                self._streams[sub.request_id] = sub
+            finally:
+                with self._admit:
+                    self._num_inbox -= 1
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            sub = self._streams.get(out.request_id)
+            if sub is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            try:
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
+            except RuntimeError:  # its event loop is closed: nobody is listening
+                pass
+
+    def _fail_all(self, error: BaseException) -> None:
+        for sub in self._streams.values():
+            try:
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, error)
+            except RuntimeError:
+                pass
+        self._streams.clear()

@@ -1,0 +1,108 @@
+"""The start-up memory plan: weights + workspace + KV pool, and how many KV blocks that makes.
+
+    device budget (CUDA: total memory x gpu_memory_utilization; CPU: the weights, the workspace and
+                   the KV byte budget given)
+    |<- weights ->|<- workspace: peak activations of one full step ->|<- KV pool: num_blocks blocks ->|
+                                                                        each block: tokens_per_block
+                                                                        tokens x all layers x (K + V)
+
+On CUDA the workspace is measured by a profiling step of ``max_num_batched_tokens`` tokens, and memory
+held outside this process's allocator (the CUDA context, other processes) is subtracted too; on CPU
+it is estimated from the graph's widest activation. A plan whose pool cannot hold one request of
+``max_seq_len`` tokens is refused at start-up with the figures, not discovered under load.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from runtime.kv_cache import KVLayout
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: the CPU path has no device total to take a fraction of
+
+
+class MemoryPlanError(RuntimeError):
+    """The budget cannot hold the weights, the workspace and one max_seq_len request's KV cache."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where the device memory goes; ``num_blocks`` is what the block pool is built with."""
+
+    device: str
+    budget_bytes: int  # what the plan may use in all
+    weights_bytes: int  # the artifact's tensors as loaded
+    workspace_bytes: int  # activations of the largest step (measured on CUDA, estimated on CPU)
+    other_bytes: int  # held outside this allocator (CUDA context, other processes); 0 on CPU
+    block_size: int  # tokens per block
+    bytes_per_block: int  # all layers, K and V
+    num_blocks: int
+    max_seq_len: int
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one request of max_seq_len tokens needs."""
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
+    def max_concurrency(self) -> float:
+        """How many max_seq_len requests the pool holds at once."""
+        return self.num_blocks / self.blocks_per_seq
+
+    def describe(self) -> str:
+        return (f"memory plan on {self.device}: budget {self.budget_bytes / MiB:.1f} MiB = weights "
+                f"{self.weights_bytes / MiB:.1f} MiB + workspace {self.workspace_bytes / MiB:.1f} MiB + other "
+                f"{self.other_bytes / MiB:.1f} MiB + KV cache {self.kv_cache_bytes / MiB:.1f} MiB "
+                f"({self.num_blocks} blocks x {self.block_size} tokens = {self.num_blocks * self.block_size} "
+                f"tokens; max concurrency at max_seq_len {self.max_seq_len}: {self.max_concurrency:.2f})")
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def plan_kv_blocks(*, device: str, budget_bytes: int, weights_bytes: int, workspace_bytes: int,
+                   other_bytes: int, layout: KVLayout, block_size: int, max_seq_len: int) -> MemoryPlan:
+    """Give what is left of ``budget_bytes`` after weights, workspace and other to KV blocks; raises
+    MemoryPlanError if that is less than one max_seq_len request needs."""
+    bytes_per_block = layout.bytes_per_token() * block_size
+    kv_bytes = budget_bytes - weights_bytes - workspace_bytes - other_bytes
+    num_blocks = max(0, kv_bytes // bytes_per_block) if bytes_per_block else 0
+    plan = MemoryPlan(device, int(budget_bytes), int(weights_bytes), int(workspace_bytes), int(other_bytes),
+                      block_size, int(bytes_per_block), int(num_blocks), max_seq_len)
+    if num_blocks < plan.blocks_per_seq:
+        need = plan.blocks_per_seq * bytes_per_block
+        raise MemoryPlanError(
+            f"the KV cache gets {max(kv_bytes, 0) / MiB:.1f} MiB ({num_blocks} blocks of {block_size} tokens) but "
+            f"one request of max_seq_len {max_seq_len} needs {plan.blocks_per_seq} blocks ({need / MiB:.1f} MiB); "
+            f"{plan.describe()}. Raise gpu_memory_utilization (or the CPU KV budget, --kv-cache-memory), "
+            f"or lower max_seq_len")
+    return plan
+
+
+def estimate_workspace_bytes(graph: dict, max_num_batched_tokens: int, max_num_seqs: int,
+                             dtype: torch.dtype) -> int:
+    """A CPU-side estimate of one step's activation peak: a few tensors of the widest activation over
+    the batch's tokens, the attention gather of one sequence, and fp32 logits for every sequence."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    widest = max((n["attrs"].get("out_features", 0) for n in graph["nodes"] if n["op"] == "linear"), default=0)
+    vocab = int(graph.get("meta", {}).get("vocab_size", 0))
+    return int(4 * max_num_batched_tokens * widest * itemsize + 4 * max_num_seqs * vocab)
+
+
+def cuda_budget(device: torch.device, gpu_memory_utilization: float) -> tuple[int, int]:
+    """(budget bytes, bytes held outside this process's torch allocator) on a CUDA device."""
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    other = max(0, total - free - reserved)
+    return int(total * gpu_memory_utilization), int(other)

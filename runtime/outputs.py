@@ -1,0 +1,54 @@
+"""What the serving engine hands back per request and step, and what it reports about itself.
+
+These cross the boundary from the engine's step loop (one thread) to the server (the event loop), so
+they are plain values: no tensors, no references into the scheduler's state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token's log-probability, with the most likely alternatives at that position."""
+
+    token_id: int
+    logprob: float  # log p(token) under the model's raw distribution (before penalties/temperature)
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), most likely first; len == requested top-n
+
+
+@dataclass
+class RequestOutput:
+    """A delta: what one request produced in one engine step (streamed), plus its totals so far."""
+
+    request_id: str
+    text: str  # new text made stable this step (may be "", e.g. mid-character or held back by a stop string)
+    token_ids: list[int]  # new token ids this step
+    logprobs: list[TokenLogprob] | None  # one per new token if the request asked for logprobs, else None
+    finished: bool
+    finish_reason: str | None  # when finished: "stop", "length", "abort", "timeout" or "error"
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated so far, including this step's
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    error: str | None = None  # with finish_reason "error" or "timeout": what happened
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for /metrics and logs."""
+
+    num_running: int  # requests in the running batch
+    num_waiting: int  # admitted requests not yet running (including preempted ones)
+    kv_usage: float  # fraction of KV blocks in use, 0..1
+    num_blocks: int  # KV blocks in the pool
+    num_free_blocks: int
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_cache_hits: int  # of those, tokens found (cumulative)
+    num_preemptions: int  # cumulative
+    num_steps: int  # cumulative engine steps that ran the model
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

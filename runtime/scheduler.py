@@ -1,0 +1,276 @@
+"""Iteration-level scheduling (continuous batching): which requests run in the next step, and how many
+of their tokens.
+
+Layers, each knowing only its own things:
+
+    Scheduler        budgets and policy: token and sequence budgets, admission, preemption
+    KVCacheManager   requests -> block tables, prefix-cache lookups (runtime.kv_manager)
+    BlockPool        blocks, reference counts, LRU free queue (runtime.block_pool)
+
+One step, built by ``schedule``:
+
+    1. running requests with one token pending (decodes), oldest first
+    2. running requests with more pending (a prompt being prefilled in chunks, or a preempted request
+       recomputing), oldest first, each taking what is left of the token budget
+    3. waiting requests, oldest first, while there is token budget, a free sequence slot, and KV blocks;
+       the last one admitted may get only a chunk of its prompt (chunked prefill)
+
+    packed step: | decode | decode | ... | prefill chunk | prefill chunk | new prompt (or its chunk) |
+                 |<----------------- at most max_num_batched_tokens tokens ------------------------->|
+
+When a running request cannot get a block, the most recently admitted running request not yet
+scheduled in this step is preempted: its blocks are freed (its full blocks stay in the prefix cache
+until evicted) and it goes back to the front of the waiting queue with its generated tokens, to be
+recomputed later - usually mostly from the prefix cache. No request is admitted in a step that
+preempted, so a preempted request is never overtaken.
+
+NOTE (write before read): prefix-cache blocks are registered when allocated, before the step writes
+them, so a request admitted in this step can hit blocks another request of the same step is filling.
+The pack order is the scheduling order, and a hit always refers to a block allocated earlier in it (or
+in an earlier step). The executor's attention writes each sequence's new K/V before the sequences
+after it in the pack read the cache, so the hit reads computed values.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv_manager import KVCacheManager
+from runtime.sampling import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is full: the request is rejected at once (HTTP 429)."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, not holding blocks (new, or preempted)
+    RUNNING = "running"  # holds blocks; in the running batch
+    FINISHED = "finished"
+
+
+@dataclass
+class SchedulerConfig:
+    """Budgets of the scheduler."""
+
+    max_num_seqs: int  # most requests in the running batch
+    max_num_batched_tokens: int  # most tokens in one step (decodes + prefill chunks)
+    max_seq_len: int  # most tokens of one request, prompt plus generated
+    max_waiting: int = 256  # most new requests queued; past it, add_request raises QueueFullError
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the scheduler sees it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() after which the request is aborted (timeout)
+    token_ids: list[int] = field(init=False)  # prompt, then generated tokens
+    num_computed_tokens: int = 0  # leading token_ids whose K/V are in the cache
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    order: int = field(default_factory=lambda: next(_ids))  # admission order, for stable tie-breaks
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet in the cache: 1 for a decode, more for a prefill or recompute."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+@dataclass
+class ScheduledSeq:
+    """One request's share of a step."""
+
+    request: Request
+    num_context: int  # tokens already in its cache; this step feeds token_ids[num_context:num_context + num_new]
+    num_new: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last known token, so its logits give the next token."""
+        return self.num_context + self.num_new == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """What the next step runs."""
+
+    seqs: list[ScheduledSeq]  # in packing order
+    preempted: list[Request]  # requests preempted while building this step (now waiting)
+    num_batched_tokens: int  # sum of num_new
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Decides each step's batch within the budgets; owns the waiting queue and the running batch."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order
+        self._requests: dict[str, Request] = {}
+        self.num_preemptions = 0  # cumulative
+        self._num_new_waiting = 0  # waiting requests that never ran (bounded by max_waiting)
+
+    # --- requests ------------------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def get(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
+
+    @property
+    def has_capacity(self) -> bool:
+        """Whether ``add_request`` would accept one more request now."""
+        return self._num_new_waiting < self.config.max_waiting
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raises QueueFullError if the waiting queue is full, ValueError if the
+        request can never run (too long for max_seq_len) or its id is in use."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.config.max_seq_len:
+            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; max_seq_len is "
+                             f"{self.config.max_seq_len} (prompt plus at least one generated token)")
+        num_blocks = -(-min(self.config.max_seq_len, request.num_prompt_tokens + request.params.max_tokens)
+                       // self.kv.block_size)
+        if num_blocks > self.kv.pool.num_blocks:
+            raise ValueError(f"the request needs up to {num_blocks} KV blocks; the pool has "
+                             f"{self.kv.pool.num_blocks}")
+        if not self.has_capacity:
+            raise QueueFullError(f"{self._num_new_waiting} requests are already waiting "
+                                 f"(max_waiting {self.config.max_waiting})")
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+        self._num_new_waiting += 1
+
+    def finish_request(self, request_id: str) -> Request | None:
+        """Remove a request (done, aborted or timed out) and free its blocks now. Unknown ids: None."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+            if request.num_cached_tokens < 0:
+                self._num_new_waiting -= 1
+        request.status = RequestStatus.FINISHED
+        self.kv.free(request_id)
+        return request
+
+    # --- a step --------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step (see the module docstring for the order). Allocates the KV slots of
+        every scheduled token; ``update`` must follow once the step has run."""
+        budget = self.config.max_num_batched_tokens
+        seqs: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+        preempted: list[Request] = []
+
+        decodes = [r for r in self.running if r.num_pending == 1]
+        prefills = [r for r in self.running if r.num_pending > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_pending, budget)
+            while self.kv.allocate_slots(request.request_id, request.token_ids, num_new) is None:
+                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new))
+            scheduled.add(id(request))
+            budget -= num_new
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed, num_computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
+            num_new = min(request.num_tokens - num_computed, budget)
+            if self.kv.allocate_slots(request.request_id, request.token_ids, num_new, computed) is None:
+                break  # not enough free blocks: wait for running requests to finish
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_computed
+                self._num_new_waiting -= 1
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seqs.append(ScheduledSeq(request, num_computed, num_new))
+            scheduled.add(id(request))
+            budget -= num_new
+
+        return SchedulerOutput(seqs, preempted, self.config.max_num_batched_tokens - budget)
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and put it at the front of the waiting queue, to recompute later."""
+        self.running.remove(request)
+        self.kv.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        """Record that the step ran: scheduled tokens are computed, and each request that sampled gets
+        its new token appended (``sampled``: request id -> token id)."""
+        for seq in output.seqs:
+            request = seq.request
+            request.num_computed_tokens = seq.num_context + seq.num_new
+            token = sampled.get(request.request_id)
+            if token is not None:
+                request.token_ids.append(token)

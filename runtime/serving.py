@@ -1,0 +1,330 @@
+"""The serving engine: many requests on one model, one iteration-level step at a time.
+
+    engine = ServingEngine.load("artifacts/quickstart", config=ServingConfig())
+    engine.add_request([...prompt ids...], SamplingParams(max_tokens=32), request_id="a")
+    while engine.has_unfinished:
+        for out in engine.step(): ...   # RequestOutput deltas
+
+A step: drop aborted and timed-out requests (their blocks are free before anything else runs), ask
+the scheduler for the batch, pack it into one ``StepInput`` over the paged KV cache, run the graph,
+sample the requests whose step reached their last token, then detokenize, check stop conditions and
+free the blocks of finished requests. Thread-safety: ``abort`` may be called from any thread; the
+rest belongs to the thread that calls ``step`` (``runtime.async_engine`` runs it in its own thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from runtime.block_pool import BlockPool
+from runtime.engine import Engine, RequestError
+from runtime.executor import SeqSlice, StepInput
+from runtime.kv_manager import KVCacheManager
+from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget, estimate_workspace_bytes,
+                            plan_kv_blocks, tensor_bytes)
+from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
+from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
+from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample
+from runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.tokenizer import IncrementalDetokenizer, StopChecker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingConfig:
+    """Serving settings. None means the artifact's value (its recipe's runtime section)."""
+
+    max_num_seqs: int | None = None  # running batch size; default: the artifact's max_batch_size
+    max_num_batched_tokens: int | None = None  # tokens per step; default: the artifact's max_num_tokens
+    max_seq_len: int | None = None  # may lower the artifact's, not raise it
+    max_waiting: int = 256  # bounded admission queue; past it requests are rejected (429)
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device the plan may use
+    kv_cache_bytes: int | None = None  # explicit KV pool size in bytes (CPU default: 1 GiB)
+    num_blocks: int | None = None  # explicit number of KV blocks (tests, benchmarks); overrides the bytes
+    request_timeout_s: float | None = None  # default per-request deadline, from arrival; None = none
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} is not in (0, 1]")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "kv_cache_bytes", "num_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass
+class _Track:
+    """Per-request text state: detokenizer, stop strings, RNG, and what has been emitted."""
+
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    text: str = ""  # generated text so far (stop string excluded once found)
+    num_emitted: int = 0  # characters of text already handed out
+    num_tokens_emitted: int = 0  # token ids already handed out
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class ServingEngine:
+    """An artifact served with continuous batching over a paged KV cache."""
+
+    def __init__(self, engine: Engine, config: ServingConfig | None = None) -> None:
+        config = config or ServingConfig()
+        self.engine = engine  # the offline engine: artifact, executor, tokenizer
+        self.executor, self.tokenizer, self.device = engine.executor, engine.tokenizer, engine.device
+        limits = engine.limits
+        if config.max_seq_len is not None and config.max_seq_len > limits.max_seq_len:
+            raise ValueError(f"max_seq_len {config.max_seq_len} is above the artifact's {limits.max_seq_len}")
+        self.config = config
+        self.scheduler_config = SchedulerConfig(
+            max_num_seqs=config.max_num_seqs or limits.max_batch_size,
+            max_num_batched_tokens=config.max_num_batched_tokens or limits.max_num_tokens,
+            max_seq_len=config.max_seq_len or limits.max_seq_len,
+            max_waiting=config.max_waiting)
+        self.block_size = limits.tokens_per_block
+        self.memory_plan = self._plan_memory()
+        log.info(self.memory_plan.describe())
+        layout = engine.kv_layout
+        self.storage = PagedKVStorage(layout, self.memory_plan.num_blocks, self.block_size, self.device)
+        dtypes = tuple(str(layout.dtype_of(i)) for i in range(len(layout.num_kv_heads)))
+        self.kv = KVCacheManager(BlockPool(self.memory_plan.num_blocks), self.block_size,
+                                 config.enable_prefix_caching, hash_extra=dtypes)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self._tracks: dict[str, _Track] = {}
+        self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
+        self.num_steps = 0
+
+    @classmethod
+    def load(cls, path: str | Path, device: str | torch.device = "cpu", config: ServingConfig | None = None, *,
+             check_hashes: bool = True, allow_failed_gate: bool = False) -> ServingEngine:
+        """Verify and load an artifact (see ``Engine.load``), then plan memory and build the KV pool."""
+        return cls(Engine.load(path, device, check_hashes=check_hashes, allow_failed_gate=allow_failed_gate),
+                   config)
+
+    # --- memory --------------------------------------------------------------------------------
+    def _plan_memory(self) -> MemoryPlan:
+        cfg, sc = self.config, self.scheduler_config
+        layout = self.engine.kv_layout
+        weights = tensor_bytes(self.executor.params.values())
+        common = dict(layout=layout, block_size=self.block_size, max_seq_len=sc.max_seq_len)
+        per_block = layout.bytes_per_token() * self.block_size
+        if cfg.num_blocks is not None or self.device.type != "cuda":
+            workspace = estimate_workspace_bytes(self.executor.graph, sc.max_num_batched_tokens, sc.max_num_seqs,
+                                                 self.executor.dtype)
+            kv_bytes = (cfg.num_blocks * per_block if cfg.num_blocks is not None
+                        else cfg.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+            return plan_kv_blocks(device=str(self.device), budget_bytes=weights + workspace + kv_bytes,
+                                  weights_bytes=weights, workspace_bytes=workspace, other_bytes=0, **common)
+        workspace = self._profile_cuda_workspace()
+        budget, other = cuda_budget(self.device, cfg.gpu_memory_utilization)
+        if cfg.kv_cache_bytes is not None:
+            budget = min(budget, weights + workspace + other + cfg.kv_cache_bytes)
+        return plan_kv_blocks(device=str(self.device), budget_bytes=budget, weights_bytes=weights,
+                              workspace_bytes=workspace, other_bytes=other, **common)
+
+    def _profile_cuda_workspace(self) -> int:
+        """Peak activation bytes of one step of max_num_batched_tokens tokens over random ids."""
+        sc = self.scheduler_config
+        num_tokens = min(sc.max_num_batched_tokens, sc.max_seq_len)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 2))
+        ids = torch.randint(0, vocab, (num_tokens,), device=self.device)
+        kv = self.engine._new_cache(num_tokens)
+        positions = torch.arange(num_tokens, device=self.device)
+        logits_rows = torch.arange(min(sc.max_num_seqs, num_tokens), device=self.device)
+        self.executor.forward(StepInput(ids, positions, [SeqSlice(kv, 0, num_tokens)], logits_rows))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del kv
+        torch.cuda.empty_cache()
+        return int(peak)
+
+    # --- requests ------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._aborts)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, timeout_s: float | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Raises RequestError for a request that can never run
+        (empty, too long, bad token ids) and QueueFullError when the waiting queue is full."""
+        params = params or SamplingParams()
+        request_id = request_id or uuid.uuid4().hex
+        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
+        if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
+        now = time.monotonic() if arrival_time is None else arrival_time
+        timeout = timeout_s if timeout_s is not None else self.config.request_timeout_s
+        request = Request(request_id, list(prompt_token_ids), params, arrival_time=now,
+                          deadline=None if timeout is None else now + timeout)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        self._tracks[request_id] = _Track(
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids), StopChecker(params.stop),
+            eos | frozenset(params.stop_token_ids), make_generator(params.seed, self.device))
+        return request_id
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        """Stop a request (client gone, cancelled): its blocks are freed at the start of the next step.
+        Safe from any thread; unknown or finished ids are ignored."""
+        self._aborts.append((request_id, reason))
+
+    def stats(self) -> EngineStats:
+        pool, kv_stats = self.kv.pool, self.kv.stats
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           kv_usage=pool.usage, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
+                           prefix_cache_queries=kv_stats.queries, prefix_cache_hits=kv_stats.hits,
+                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+
+    # --- a step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns a delta for every request that produced tokens or finished."""
+        outputs = self._reap()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return outputs
+        inp, sampling = self._prepare(sched)
+        logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
+        self.num_steps += 1
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        if sampling:
+            tracks = [self._tracks[r.request_id] for r in sampling]
+            token_ids = sample(logits, [r.params for r in sampling], [t.generator for t in tracks],
+                               prompt_ids=[r.prompt_token_ids for r in sampling],
+                               output_ids=[r.output_token_ids for r in sampling])
+            wanted = [r.params.logprobs for r in sampling]
+            if any(n is not None for n in wanted):
+                logprobs = compute_logprobs(logits, token_ids, wanted)
+            tokens = token_ids.tolist()
+        self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
+        for i, (request, token) in enumerate(zip(sampling, tokens)):
+            outputs.append(self._emit(request, token, logprobs[i] if logprobs else None))
+        return outputs
+
+    def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
+        """Pack the scheduled sequences into one step over the paged cache."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSlice] = []
+        logits_rows: list[int] = []
+        sampling: list[Request] = []
+        for seq in sched.seqs:
+            request, start, n = seq.request, seq.num_context, seq.num_new
+            ids.extend(request.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            kv = PagedSequenceKV(self.storage, self.kv.block_table(request.request_id), start)
+            seqs.append(SeqSlice(kv, start, n))
+            if seq.samples:
+                logits_rows.append(len(ids) - 1)
+                sampling.append(request)
+        device = self.device
+        inp = StepInput(torch.tensor(ids, dtype=torch.long, device=device),
+                        torch.tensor(positions, dtype=torch.long, device=device), seqs,
+                        torch.tensor(logits_rows, dtype=torch.long, device=device))
+        return inp, sampling
+
+    def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        """Detokenize the new token, check stop conditions, and finish the request if it is done."""
+        track = self._tracks[request.request_id]
+        if logprob is not None:
+            track.logprobs.append(logprob)
+        finish: str | None = None
+        if token in track.stop_ids:
+            finish = "stop"
+        else:
+            track.text += track.detok.push(token)
+            cut, _ = track.stops.check(track.text)
+            if cut is not None:
+                track.text, finish = track.text[:cut], "stop"
+        if finish is None and (request.num_output_tokens >= request.params.max_tokens
+                               or request.num_tokens >= self.scheduler_config.max_seq_len):
+            finish = "length"
+            track.text += track.detok.flush()
+            cut, _ = track.stops.check(track.text)
+            if cut is not None:
+                track.text, finish = track.text[:cut], "stop"
+        return self._delta(request, track, finish)
+
+    def _delta(self, request: Request, track: _Track, finish: str | None, error: str | None = None) -> RequestOutput:
+        """What the request produced since its last delta; finishing frees its blocks now."""
+        safe = len(track.text) if finish else track.stops.check(track.text)[1]
+        text = track.text[track.num_emitted:safe] if safe > track.num_emitted else ""
+        track.num_emitted = max(track.num_emitted, safe)
+        new_ids = request.output_token_ids[track.num_tokens_emitted:]
+        new_lps = track.logprobs[track.num_tokens_emitted:] if request.params.logprobs is not None else None
+        track.num_tokens_emitted = request.num_output_tokens
+        if finish:
+            self.scheduler.finish_request(request.request_id)
+            del self._tracks[request.request_id]
+        return RequestOutput(request.request_id, text, new_ids, new_lps, finish is not None, finish,
+                             request.num_prompt_tokens, request.num_output_tokens,
+                             max(request.num_cached_tokens, 0), error)
+
+    def _reap(self) -> list[RequestOutput]:
+        """Finish aborted and timed-out requests, freeing their blocks before the step is scheduled."""
+        outputs = []
+        while self._aborts:
+            request_id, reason = self._aborts.popleft()
+            request = self.scheduler.get(request_id)
+            if request is not None:
+                outputs.append(self._delta(request, self._tracks[request_id], reason))
+        now = time.monotonic()
+        for request in [r for r in list(self.scheduler.running) + list(self.scheduler.waiting)
+                        if r.deadline is not None and now > r.deadline]:
+            outputs.append(self._delta(request, self._tracks[request.request_id], "timeout",
+                                       f"the request did not finish within its timeout "
+                                       f"({request.deadline - request.arrival_time:.1f}s)"))
+        return outputs
+
+    def finish_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
+        """Finish every request now (engine failure, shutdown); returns their final deltas."""
+        self._aborts.clear()
+        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return [self._delta(r, self._tracks[r.request_id], reason, error) for r in requests]
+
+    # --- offline use -----------------------------------------------------------------------------
+    def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+            ) -> list[RequestOutput]:
+        """Run ``prompts`` together to completion; returns one RequestOutput per prompt holding all its
+        text, token ids and logprobs (in prompt order). Admits as many as the waiting queue takes
+        and the rest as room frees up."""
+        plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = [f"run-{uuid.uuid4().hex[:8]}-{i}" for i in range(len(prompts))]
+        results = {i: RequestOutput(i, "", [], None, False, None, len(p), 0) for i, p in zip(ids, prompts)}
+        queued, num_done = 0, 0
+        while num_done < len(prompts):
+            while queued < len(prompts) and self.scheduler.has_capacity:
+                self.add_request(prompts[queued], plist[queued], request_id=ids[queued])
+                queued += 1
+            for out in self.step():
+                acc = results[out.request_id]
+                acc.text += out.text
+                acc.token_ids += out.token_ids
+                if out.logprobs is not None:
+                    acc.logprobs = (acc.logprobs or []) + out.logprobs
+                acc.finished, acc.finish_reason, acc.error = out.finished, out.finish_reason, out.error
+                acc.num_output_tokens, acc.num_cached_tokens = out.num_output_tokens, out.num_cached_tokens
+                num_done += out.finished
+        return [results[i] for i in ids]

@@ -1,0 +1,183 @@
+"""ServingEngine on the bundled model: batched results equal one-at-a-time results (chunked prefill,
+preemption, shared prefixes included), seeds, aborts, timeouts, stop conditions, the memory plan."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from runtime import Engine, SamplingParams
+from runtime.engine import RequestError
+from runtime.memory import MemoryPlanError
+from runtime.scheduler import QueueFullError
+from runtime.serving import ServingConfig, ServingEngine
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\nclass Config:\n    \"\"\"Settings.\"\"\"\n",
+    "    def __init__(self, name, value=None):\n        self.name = name\n        self.value = value\n" * 3,
+    "for i in range(10):\n",
+    "    def read(self, path):\n        with open(path) as f:\n            return f.read()\n" * 4,
+]
+
+
+@pytest.fixture(scope="module")
+def engine(bundled_artifact) -> Engine:
+    return Engine.load(bundled_artifact)
+
+
+def _serving(engine: Engine, **config) -> ServingEngine:
+    return ServingEngine(engine, ServingConfig(**config))
+
+
+def _assert_no_leaks(s: ServingEngine) -> None:
+    assert s.scheduler.num_unfinished == 0
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+    assert s.kv.num_requests == 0
+
+
+def _assert_same_greedy(engine: Engine, prompt: list[int], got, ref) -> None:
+    """Greedy tokens must be equal; if they differ, the reference's top two logits at the first
+    difference must be a near-tie (batched and one-at-a-time matmuls round differently)."""
+    if got.token_ids == ref.token_ids:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got.token_ids, ref.token_ids)) if a != b)
+    logits = engine.logits(prompt + ref.token_ids[:i])[-1]
+    top2 = torch.topk(logits, 2).values
+    assert float(top2[0] - top2[1]) < 1e-4, f"diverged at generated token {i} without a tie"
+
+
+def test_batched_equals_one_at_a_time_with_chunking_and_preemption(engine):
+    # 16-token blocks; 14 blocks (224 slots) cannot hold all five requests at once, so the scheduler must
+    # preempt; prompts longer than 64 tokens are prefilled in chunks across steps.
+    s = _serving(engine, num_blocks=14, max_seq_len=192, max_num_batched_tokens=64, max_num_seqs=4)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert max(len(p) for p in prompts) > 64, "a prompt must need chunked prefill"
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
+    outs = s.run(prompts, params)
+    assert s.scheduler.num_preemptions > 0, "the pool was meant to force preemption"
+    for prompt, out in zip(prompts, outs):
+        ref = engine.generate(prompt, params)
+        assert out.finish_reason == "length" and len(out.token_ids) == 40
+        _assert_same_greedy(engine, prompt, out, ref)
+        if out.token_ids == ref.token_ids:
+            assert out.text == ref.text
+            got = torch.tensor([lp.logprob for lp in out.logprobs])
+            assert torch.allclose(got, torch.tensor(ref.logprobs), atol=1e-4)
+    _assert_no_leaks(s)
+
+
+def test_shared_prefixes_in_one_step_and_across_steps(engine):
+    s = _serving(engine, num_blocks=64, max_num_batched_tokens=256)
+    head = engine.tokenizer.encode(PROMPTS[2])  # 60+ tokens: several full blocks
+    prompts = [head + engine.tokenizer.encode(tail, add_special_tokens=False)
+               for tail in ("    def size(self):", "    def name(self):", "\n\nclass Other:")]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    outs = s.run(prompts, params)  # admitted in one step: the later two hit blocks the first is filling
+    assert [o.num_cached_tokens for o in outs][1:] == [len(head) // 16 * 16] * 2
+    for prompt, out in zip(prompts, outs):
+        _assert_same_greedy(engine, prompt, out, engine.generate(prompt, params))
+    again = s.run(prompts[:1], params)[0]  # a later request: served from the (now free) cached blocks
+    assert again.num_cached_tokens == (len(prompts[0]) - 1) // 16 * 16
+    assert again.token_ids == outs[0].token_ids
+    assert s.stats().prefix_cache_hits > 0
+    _assert_no_leaks(s)
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine):
+    s = _serving(engine, num_blocks=64)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    seeded = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = s.run([prompts[0]], seeded)[0]
+    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    together = s.run(prompts, [seeded, others, others])[0]
+    assert together.token_ids == alone.token_ids
+    assert engine.generate(prompts[0], seeded).token_ids == alone.token_ids
+    _assert_no_leaks(s)
+
+
+def test_stop_conditions(engine):
+    s = _serving(engine, num_blocks=64, max_seq_len=64)
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    free = s.run([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert len(free.text) > 4
+    stop = free.text[2:5]  # a string the greedy continuation is known to produce
+    out = s.run([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and stop not in out.text and out.text == free.text[:free.text.index(stop)]
+    tok = free.token_ids[5]
+    out = s.run([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop_token_ids=[tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == free.token_ids[:free.token_ids.index(tok) + 1]
+    capped = s.run([prompt], SamplingParams(max_tokens=200, ignore_eos=True))[0]  # max_seq_len 64 caps it
+    assert capped.finish_reason == "length" and len(prompt) + len(capped.token_ids) == 64
+    _assert_no_leaks(s)
+
+
+def test_abort_frees_blocks_at_the_next_step(engine):
+    s = _serving(engine, num_blocks=64)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    s.add_request(prompts[0], SamplingParams(max_tokens=50, ignore_eos=True), request_id="keep")
+    s.add_request(prompts[1], SamplingParams(max_tokens=50, ignore_eos=True), request_id="drop")
+    s.step()
+    held = len(s.kv.block_table("drop"))
+    free_before = s.kv.pool.num_free
+    s.abort("drop")
+    s.abort("unknown")  # ignored
+    outs = s.step()
+    dropped = [o for o in outs if o.request_id == "drop"]
+    assert len(dropped) == 1 and dropped[0].finished and dropped[0].finish_reason == "abort"
+    assert "drop" not in s.kv
+    # "keep" may have taken one more block for its new token in the same step
+    assert s.kv.pool.num_free >= free_before + held - 1
+    while s.has_unfinished:
+        s.step()
+    _assert_no_leaks(s)
+
+
+def test_timeout_finishes_the_request(engine):
+    s = _serving(engine, num_blocks=64, request_timeout_s=0.05)
+    s.add_request(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_tokens=400, ignore_eos=True),
+                  request_id="slow")
+    outs = []
+    deadline = time.monotonic() + 30
+    while s.has_unfinished and time.monotonic() < deadline:
+        outs += s.step()
+    final = [o for o in outs if o.finished]
+    assert len(final) == 1 and final[0].finish_reason == "timeout" and "timeout" in final[0].error
+    _assert_no_leaks(s)
+
+
+def test_bad_requests_change_nothing(engine):
+    s = _serving(engine, num_blocks=40, max_waiting=1, max_seq_len=256)
+    with pytest.raises(RequestError, match="max_seq_len is 256"):
+        s.add_request(list(range(5, 261)))
+    with pytest.raises(RequestError, match="empty"):
+        s.add_request([])
+    with pytest.raises(RequestError, match=r"\[0, 4096\)"):
+        s.add_request([1, 2, 99999])
+    s.add_request([1, 2, 3], SamplingParams(max_tokens=2), request_id="one")
+    with pytest.raises(QueueFullError):
+        s.add_request([1, 2, 3])
+    assert s.scheduler.num_unfinished == 1
+    s.run([])  # nothing to add: runs nothing
+    while s.has_unfinished:
+        s.step()
+    _assert_no_leaks(s)
+
+
+def test_memory_plan(engine):
+    layout = engine.kv_layout
+    # per block: 16 tokens x layers x (K + V) x kv_heads x head_dim x 4 bytes (fp32)
+    per_block = 16 * sum(2 * h * d * 4 for h, d in zip(layout.num_kv_heads, layout.head_dim))
+    s = _serving(engine, kv_cache_bytes=100 * per_block + 5)
+    plan = s.memory_plan
+    assert plan.bytes_per_block == per_block and plan.num_blocks == 100
+    assert s.kv.pool.num_blocks == 100 and s.storage.bytes() == 100 * per_block
+    assert plan.max_concurrency == pytest.approx(100 / (512 / 16))
+    assert "100 blocks" in plan.describe()
+    with pytest.raises(MemoryPlanError, match="max_seq_len 512 needs 32 blocks"):
+        _serving(engine, kv_cache_bytes=31 * per_block)
+    assert _serving(engine, num_blocks=8, max_seq_len=128).kv.pool.num_blocks == 8
+    with pytest.raises(ValueError, match="above the artifact's 512"):
+        _serving(engine, max_seq_len=1024)
