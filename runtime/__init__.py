@@ -14,6 +14,10 @@ _EXPORTS = {
     "Generation": "runtime.engine",
     "RequestError": "runtime.engine",
     "SamplingParams": "runtime.sampling",
+    "ServingConfig": "runtime.serving",
+    "ServingEngine": "runtime.serving",
+    "AsyncEngine": "runtime.async_engine",
+    "RequestOutput": "runtime.outputs",
 }
 __all__ = list(_EXPORTS)
 

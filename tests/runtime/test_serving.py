@@ -181,3 +181,26 @@ def test_memory_plan(engine):
     assert _serving(engine, num_blocks=8, max_seq_len=128).kv.pool.num_blocks == 8
     with pytest.raises(ValueError, match="above the artifact's 512"):
         _serving(engine, max_seq_len=1024)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_kv_cache_pages_like_the_contiguous_cache(checkpoints, tmp_path, kind):
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    recipe = validate_recipe({
+        "model": {"checkpoint": str(checkpoints["llama"])}, "output_dir": str(tmp_path / kind),
+        "runtime": {"max_seq_len": 256, "max_num_tokens": 32, "kv_cache_dtype": kind},
+        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+    engine = Engine.load(build(recipe).output_dir)
+    storage = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kind]
+    s = _serving(engine, num_blocks=24)
+    assert all(t.dtype == storage for t in s.storage.k + s.storage.v)
+    prompts = [engine.tokenizer.encode(PROMPTS[i]) for i in (0, 1, 3)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=0)
+    for prompt, out in zip(prompts, s.run(prompts, params)):
+        ref = engine.generate(prompt, params)
+        assert out.token_ids == ref.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        assert torch.allclose(got, torch.tensor(ref.logprobs), atol=1e-4)
+    _assert_no_leaks(s)
