@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
-from runtime.sampling import SamplingParams, make_generator, sample
+from runtime.outputs import TokenLogprob
+from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ class Generation:
     finish_reason: str  # "stop" (eos, stop token or stop string) or "length"
     prefill_s: float = 0.0  # time to first token
     decode_s: float = 0.0  # time for the remaining tokens
-    logprobs: list[float] = field(default_factory=list)  # log p of each generated token
+    logprobs: list[float] = field(default_factory=list)  # log p of each generated token (raw logits)
+    # with params.logprobs set: each generated token's logprob and its params.logprobs most likely alternatives
+    top_logprobs: list[TokenLogprob] | None = None
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -137,10 +140,16 @@ class Engine:
         prefill_s = time.perf_counter() - t0
         out_ids: list[int] = []
         logprobs: list[float] = []
+        top_logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        num_top = 0 if params.logprobs is None else params.logprobs
         text, emitted, finish = "", 0, "length"
         while True:
-            token = int(sample(logits, [params], [generator])[0])
-            logprobs.append(float(torch.log_softmax(logits[0], -1)[token]))
+            tokens = sample(logits, [params], [generator], [prompt_ids], [out_ids])  # tokens: [1]
+            entry = compute_logprobs(logits, tokens, [num_top])[0]
+            token = entry.token_id
+            logprobs.append(entry.logprob)
+            if top_logprobs is not None:
+                top_logprobs.append(entry)
             out_ids.append(token)
             if token in stop_ids:
                 finish = "stop"
@@ -164,7 +173,7 @@ class Engine:
         if len(text) > emitted:
             yield text[emitted:]
         decode_s = time.perf_counter() - t0 - prefill_s
-        return Generation(text, out_ids, prompt_ids, finish, prefill_s, decode_s, logprobs)
+        return Generation(text, out_ids, prompt_ids, finish, prefill_s, decode_s, logprobs, top_logprobs)
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None) -> Generation:
         """Generate to completion and return the text and token ids."""

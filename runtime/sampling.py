@@ -1,20 +1,29 @@
-"""Choosing the next token from logits: greedy, or temperature / top-k / top-p / min-p sampling.
+"""Choosing the next token from logits, and reporting its log-probability.
 
-Filtering is vectorized over the batch (per-row k, p and min-p are tensors); only the final draw loops
-over rows, because each row draws with its own generator. That is what makes a seeded request
-reproducible whatever else shares its batch.
+Per row, in order: penalties (repetition over the prompt and the output so far; presence and frequency
+over the output), then greedy argmax, or temperature / top-k / top-p / min-p and a draw. Logprobs are
+reported separately, of the model's raw logits (before penalties and temperature), as OpenAI does.
+
+Penalties and filtering are vectorized over the batch (per-row penalties, k, p and min-p are tensors);
+only the final draw loops over rows, because each row draws with its own generator. Every step is
+row-wise, which is what makes a seeded request reproducible whatever else shares its batch.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from runtime.outputs import TokenLogprob
+
 # Temperatures below this act as greedy: dividing logits by a tiny temperature overflows fp32.
 MIN_TEMPERATURE = 1e-5
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
+MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
+MAX_ABS_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 
 
 class SamplingError(ValueError):
@@ -42,6 +51,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # generation ends before any of these strings
     stop_token_ids: list[int] = field(default_factory=list)  # generation ends on any of these ids
     ignore_eos: bool = False  # keep going past the tokenizer's EOS ids (benchmarks)
+    # > 0; 1 -> off. Tokens in the prompt or the output so far: logit > 0 divided by it, <= 0 multiplied (CTRL)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per time a token has been generated
+    logprobs: int | None = None  # None -> off; n -> the sampled token's logprob and the n most likely (n <= 20)
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with a message naming the field, the value and what is allowed."""
@@ -57,6 +71,15 @@ class SamplingParams:
         self._require("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
                       and all(_is_int(i) and i >= 0 for i in self.stop_token_ids), "a list of ints >= 0")
         self._require("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")
+        self._require("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+                      "a number > 0 (1 means off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            self._require(name, _is_number(value) and abs(value) <= MAX_ABS_PENALTY,
+                          f"in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]")
+        self._require("logprobs", self.logprobs is None
+                      or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                      f"None or an int in [0, {MAX_LOGPROBS}]")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
 
     def _require(self, name: str, ok: bool, allowed: str) -> None:
@@ -71,6 +94,11 @@ class SamplingParams:
         """Whether this request takes the argmax (no randomness, no generator needed)."""
         return self.temperature < MIN_TEMPERATURE
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is on (and so sampling this request needs its token history)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A generator seeded for one request on ``device``; None (the global RNG) when there is no seed."""
@@ -81,21 +109,32 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+           prompt_ids: list[Sequence[int]] | None = None,
+           output_ids: list[Sequence[int]] | None = None) -> torch.Tensor:
     """Pick the next token of each sequence.
 
     logits: [num_seqs, vocab] (any float dtype); returns ids [num_seqs] (int64, same device).
-    Greedy rows take the argmax. Sampled rows: fp32 logits / temperature, then top-k, then top-p
-    (smallest set whose cumulative probability >= top_p, always keeping the top token), then min-p,
-    then one draw with that row's generator. A row's token depends only on its own logits, params
-    and generator, never on the other rows.
+    prompt_ids / output_ids: each sequence's prompt and generated tokens so far; required (both) when
+    any row has a penalty, ignored otherwise.
+    Penalties first (see ``apply_penalties``), on greedy rows too. Greedy rows then take the argmax.
+    Sampled rows: fp32 logits / temperature, then top-k, then top-p (smallest set whose cumulative
+    probability >= top_p, always keeping the top token), then min-p, then one draw with that row's
+    generator. A row's token depends only on its own logits, params, history and generator, never on
+    the other rows.
     """
     num_seqs = logits.shape[0]
     if len(params) != num_seqs or len(generators) != num_seqs:
         raise ValueError(f"sample: {num_seqs} rows of logits but {len(params)} params "
                          f"and {len(generators)} generators")
     logits = logits.float()  # logits: [num_seqs, vocab]
+    if any(p.has_penalties for p in params):
+        missing = [name for name, ids in (("prompt_ids", prompt_ids), ("output_ids", output_ids)) if ids is None]
+        if missing:
+            rows = [i for i, p in enumerate(params) if p.has_penalties]
+            raise ValueError(f"sample: rows {rows} have penalties, which need each sequence's token history; "
+                             f"pass {' and '.join(missing)}")
+        logits = apply_penalties(logits, params, prompt_ids, output_ids)
     out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
@@ -106,6 +145,93 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     for j, i in enumerate(rows):
         out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     return out
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_ids: list[Sequence[int]],
+                    output_ids: list[Sequence[int]]) -> torch.Tensor:
+    """Logits after each row's repetition, presence and frequency penalties, as fp32.
+
+    logits: [num_seqs, vocab]; prompt_ids / output_ids: one token sequence per row. Per row, in order:
+      repetition (HF / CTRL): every token in the prompt or the output, logit > 0 -> logit / penalty,
+                              logit <= 0 -> logit * penalty;
+      presence and frequency (OpenAI), over the output only:
+                              logit -= presence * (count > 0) + frequency * count.
+    Rows whose penalties are all off come back bit-identical. The input is never modified; when no row
+    has a penalty it is returned as is (cast to fp32).
+    """
+    num_seqs = logits.shape[0]
+    if len(params) != num_seqs or len(prompt_ids) != num_seqs or len(output_ids) != num_seqs:
+        raise ValueError(f"apply_penalties: {num_seqs} rows of logits but {len(params)} params, "
+                         f"{len(prompt_ids)} prompts and {len(output_ids)} outputs")
+    logits = logits.float()
+    rows = [i for i, p in enumerate(params) if p.has_penalties]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    chosen = [params[i] for i in rows]
+    row_index = torch.tensor(rows, device=device)  # row_index: [num_penalized]
+    penalized = logits.index_select(0, row_index)  # penalized: [num_penalized, vocab]
+    output_counts = _token_counts([output_ids[i] for i in rows], vocab, device)  # [num_penalized, vocab]
+
+    if any(p.repetition_penalty != 1.0 for p in chosen):
+        # A penalized row with repetition_penalty 1 passes through unchanged: x / 1 and x * 1 are exact.
+        prompt_counts = _token_counts([prompt_ids[i] if p.repetition_penalty != 1.0 else ()
+                                       for i, p in zip(rows, chosen)], vocab, device)
+        seen = (prompt_counts + output_counts) > 0  # seen: [num_penalized, vocab]
+        repetition = torch.tensor([p.repetition_penalty for p in chosen], device=device)[:, None]
+        scaled = torch.where(penalized > 0, penalized / repetition, penalized * repetition)
+        penalized = torch.where(seen, scaled, penalized)
+    presence = torch.tensor([p.presence_penalty for p in chosen], device=device)[:, None]  # [num_penalized, 1]
+    frequency = torch.tensor([p.frequency_penalty for p in chosen], device=device)[:, None]
+    penalized = penalized - presence * (output_counts > 0) - frequency * output_counts
+    return logits.index_copy(0, row_index, penalized)
+
+
+def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """How often each token occurs in each row's ids: [rows, vocab] fp32 (exact up to 2**24).
+
+    One scatter_add over the ids padded to the longest row; padding adds 0 (to token 0)."""
+    width = max((len(ids) for ids in token_ids), default=0)
+    counts = torch.zeros(len(token_ids), vocab, device=device)
+    if width == 0:
+        return counts
+    padded = torch.tensor([list(ids) + [0] * (width - len(ids)) for ids in token_ids], dtype=torch.long,
+                          device=device)  # padded: [rows, width]
+    lengths = torch.tensor([len(ids) for ids in token_ids], device=device)  # lengths: [rows]
+    real = (torch.arange(width, device=device)[None, :] < lengths[:, None]).float()  # real: [rows, width]
+    return counts.scatter_add_(1, padded, real)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                     num_top: list[int | None]) -> list[TokenLogprob | None]:
+    """Each asking row's chosen token's logprob and its ``num_top`` most likely alternatives.
+
+    logits: [num_seqs, vocab], the model's raw logits (before penalties and temperature); token_ids:
+    [num_seqs], the tokens chosen from them; num_top: per row, None (no logprobs: that row gets None) or
+    how many alternatives to list (0 -> just the chosen token's logprob). One log_softmax (fp32) and one
+    topk over the asking rows, one copy to the host.
+    """
+    num_seqs = logits.shape[0]
+    if token_ids.shape != (num_seqs,) or len(num_top) != num_seqs:
+        raise ValueError(f"compute_logprobs: {num_seqs} rows of logits but token_ids of shape "
+                         f"{tuple(token_ids.shape)} and {len(num_top)} num_top")
+    result: list[TokenLogprob | None] = [None] * num_seqs
+    rows = [i for i, n in enumerate(num_top) if n is not None]
+    if not rows:
+        return result
+    row_index = torch.tensor(rows, device=logits.device)  # row_index: [num_asked]
+    logprobs = torch.log_softmax(logits.index_select(0, row_index).float(), dim=-1)  # [num_asked, vocab]
+    tokens = token_ids.to(logits.device).index_select(0, row_index)  # tokens: [num_asked]
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]  # chosen: [num_asked]
+    k = min(max(num_top[i] for i in rows), logprobs.shape[-1])
+    top_logprobs, top_ids = torch.topk(logprobs, k, dim=-1)  # both: [num_asked, k], most likely first
+    tokens_host, chosen_host = tokens.tolist(), chosen.tolist()
+    top_logprobs_host, top_ids_host = top_logprobs.tolist(), top_ids.tolist()
+    for j, i in enumerate(rows):
+        n = num_top[i]
+        result[i] = TokenLogprob(tokens_host[j], chosen_host[j],
+                                 tuple(zip(top_ids_host[j][:n], top_logprobs_host[j][:n])))
+    return result
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The engine against the Hugging Face model: greedy generation, chunked prefill, packed batches."""
+"""The engine against the Hugging Face model: greedy generation, chunked prefill, packed batches; penalties
+and logprobs against the engine's own full-sequence logits."""
 
 from __future__ import annotations
 
@@ -73,6 +74,45 @@ def test_stop_string_and_seeded_sampling(artifacts):
     assert greedy.text.startswith(stopped.text)
     p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
     assert engine.generate("import", p).token_ids == engine.generate("import", p).token_ids
+
+
+def num_repeats(token_ids: list[int]) -> int:
+    return len(token_ids) - len(set(token_ids))
+
+
+def test_repetition_penalty_reduces_repeats(artifacts):
+    """Each greedy token is the argmax of the penalized logits at its position (recomputed as one
+    sequence, penalties written plainly); the tiny model loops without the penalty and not with it."""
+    engine = Engine.load(artifacts["qwen3"])
+    prompt = engine.tokenizer.encode("def fibonacci(n):")
+    plain = engine.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True)).token_ids
+    penalty = 3.0
+    ours = engine.generate(prompt, SamplingParams(max_tokens=40, ignore_eos=True, repetition_penalty=penalty))
+    assert num_repeats(plain) >= 20 and num_repeats(ours.token_ids) < num_repeats(plain) // 4
+    logits = engine.logits(prompt + ours.token_ids[:-1])[len(prompt) - 1:]  # logits: [40, vocab]
+    for step, token in enumerate(ours.token_ids):
+        row = logits[step].clone()
+        for seen in set(prompt + ours.token_ids[:step]):
+            row[seen] = row[seen] / penalty if row[seen] > 0 else row[seen] * penalty
+        assert token == int(row.argmax()), f"step {step}"
+
+
+def test_logprobs_with_alternatives(artifacts):
+    engine = Engine.load(artifacts["llama"])
+    prompt = engine.tokenizer.encode("import")
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True, logprobs=3)
+    out = engine.generate(prompt, params)
+    reference = torch.log_softmax(engine.logits(prompt + out.token_ids[:-1])[len(prompt) - 1:], dim=-1)
+    assert len(out.top_logprobs) == len(out.token_ids) == 12
+    assert out.logprobs == [entry.logprob for entry in out.top_logprobs]
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.top_logprobs)):
+        assert entry.token_id == token
+        assert abs(entry.logprob - float(reference[step, token])) < 1e-4
+        assert [t for t, _ in entry.top] == reference[step].topk(3).indices.tolist()
+        for alternative, logprob in entry.top:
+            assert abs(logprob - float(reference[step, alternative])) < 1e-4
+    assert any(entry.top[0][0] != entry.token_id for entry in out.top_logprobs)  # sampled, not always the top
+    assert engine.generate(prompt, SamplingParams(max_tokens=2, ignore_eos=True)).top_logprobs is None
 
 
 def test_prompt_too_long(artifacts):

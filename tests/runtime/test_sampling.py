@@ -1,11 +1,13 @@
-"""runtime.sampling: greedy, filtering against straightforward per-row references, seeds, distributions."""
+"""runtime.sampling: greedy, filtering and penalties against straightforward per-row references, seeds,
+distributions, logprobs."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from runtime.sampling import SamplingError, SamplingParams, _filtered_probs, make_generator, sample
+from runtime.sampling import (MAX_LOGPROBS, SamplingError, SamplingParams, _filtered_probs, apply_penalties,
+                              compute_logprobs, make_generator, sample)
 
 VOCAB = 64
 
@@ -77,21 +79,34 @@ def test_mixed_batch_greedy_rows_unaffected():
 
 
 # --- seeds --------------------------------------------------------------------------------------------
-def run_steps(row_logits: list[torch.Tensor], params: SamplingParams, others: int, other_seed: int) -> list[int]:
+OTHER_PENALTIES = [{}, {"repetition_penalty": 1.7}, {"presence_penalty": 1.0, "frequency_penalty": -0.6}]
+
+
+def run_steps(row_logits: list[torch.Tensor], params: SamplingParams, others: int, other_seed: int,
+              prompt: list[int] | None = None) -> list[int]:
     """Sample one seeded request for several steps while ``others`` different requests share its batch
-    (placed before and after it); returns the request's tokens."""
+    (placed before and after it); returns the request's tokens. With a ``prompt``, every row passes its
+    token history (each its own prompt and outputs) and some of the others carry penalties too."""
     g = make_generator(params.seed, "cpu")
-    other_params = [SamplingParams(temperature=1.3, top_k=5 + i, top_p=0.7, seed=other_seed + i)
-                    for i in range(others)]
+    penalties = [{}] if prompt is None else OTHER_PENALTIES
+    other_params = [SamplingParams(temperature=1.3, top_k=5 + i, top_p=0.7, seed=other_seed + i,
+                                   **penalties[i % len(penalties)]) for i in range(others)]
     other_gens = [make_generator(p.seed, "cpu") for p in other_params]
+    other_prompts = torch.randint(0, VOCAB, (others, 12), generator=torch.Generator().manual_seed(other_seed))
+    half = others // 2
+    plist = other_params[:half] + [params] + other_params[half:]
+    glist = other_gens[:half] + [g] + other_gens[half:]
+    prompts = other_prompts[:half].tolist() + [prompt] + other_prompts[half:].tolist()
+    outputs: list[list[int]] = [[] for _ in plist]  # in batch order
     tokens = []
     for step, logits in enumerate(row_logits):
         noise = random_logits(others, seed=1000 * other_seed + step)  # noise: [others, vocab]
-        half = others // 2
         batch = torch.cat([noise[:half], logits[None, :], noise[half:]])  # batch: [others + 1, vocab]
-        plist = other_params[:half] + [params] + other_params[half:]
-        glist = other_gens[:half] + [g] + other_gens[half:]
-        tokens.append(int(sample(batch, plist, glist)[half]))
+        histories = {} if prompt is None else {"prompt_ids": prompts, "output_ids": outputs}
+        out = sample(batch, plist, glist, **histories).tolist()
+        for row, token in enumerate(out):
+            outputs[row].append(token)
+        tokens.append(out[half])
     return tokens
 
 
@@ -104,6 +119,22 @@ def test_seed_reproducible_and_independent_of_batch():
     assert alone == run_steps(steps, params, others=6, other_seed=99)
     other_seed = run_steps(steps, SamplingParams(temperature=1.0, top_p=0.95, min_p=0.01, seed=4321), 0, 0)
     assert alone != other_seed
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_p=0.95, seed=1234, repetition_penalty=1.8),
+    SamplingParams(temperature=0.9, seed=99, presence_penalty=1.5, frequency_penalty=0.5),
+    SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0),  # greedy
+], ids=["repetition", "presence-frequency", "greedy"])
+def test_penalized_request_independent_of_batch(params):
+    """With penalties, a request's tokens depend on its own history only, not on its neighbours'."""
+    steps = list(random_logits(30, seed=6, scale=0.7))
+    prompt = [3, 5, 5, 8, 13, 21]
+    alone = run_steps(steps, params, others=0, other_seed=0, prompt=prompt)
+    assert alone == run_steps(steps, params, others=3, other_seed=7, prompt=prompt)
+    assert alone == run_steps(steps, params, others=6, other_seed=99, prompt=prompt)
+    unpenalized = SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=params.seed)
+    assert alone != run_steps(steps, unpenalized, others=0, other_seed=0, prompt=prompt)
 
 
 def test_unseeded_rows_use_global_rng():
@@ -184,6 +215,143 @@ def test_top_p_keeps_top_token_even_if_it_alone_exceeds_p():
     assert set(draw(logits, SamplingParams(temperature=1.0, top_p=0.5), 200).tolist()) == {17}
 
 
+# --- penalties ----------------------------------------------------------------------------------------
+def reference_penalties(logits: torch.Tensor, p: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Per-row reference for the penalties, written plainly (in double). logits: [vocab] -> [vocab]."""
+    out = logits.double().tolist()
+    for token in set(prompt) | set(output):
+        out[token] = out[token] / p.repetition_penalty if out[token] > 0 else out[token] * p.repetition_penalty
+    for token in set(output):
+        out[token] -= p.presence_penalty + p.frequency_penalty * output.count(token)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+PENALTY_CASES = [
+    SamplingParams(repetition_penalty=1.6),
+    SamplingParams(repetition_penalty=0.7),  # < 1 favours repeats
+    SamplingParams(presence_penalty=1.5),
+    SamplingParams(frequency_penalty=0.8),
+    SamplingParams(presence_penalty=-2.0, frequency_penalty=2.0),
+    SamplingParams(temperature=0.8, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=-0.4),
+]
+
+
+def random_history(length: int, seed: int, high: int = 20) -> list[int]:
+    """Ids from a small range, so that tokens repeat (and frequency counts exceed 1)."""
+    return torch.randint(0, high, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_penalties_match_per_row_reference():
+    rows = len(PENALTY_CASES)
+    logits = random_logits(rows, seed=50)  # logits: [rows, vocab]
+    prompts = [random_history(3 + 4 * i, seed=i) for i in range(rows)]
+    outputs = [random_history(5 * i, seed=100 + i) for i in range(rows)]  # row 0: no output yet
+    assert any(len(set(o)) < len(o) for o in outputs)  # duplicates are exercised
+    before = logits.clone()
+    ours = apply_penalties(logits, PENALTY_CASES, prompts, outputs)
+    assert ours.dtype == torch.float32 and torch.equal(logits, before)  # the input is left alone
+    for row, params in enumerate(PENALTY_CASES):
+        ref = reference_penalties(logits[row], params, prompts[row], outputs[row])
+        torch.testing.assert_close(ours[row].double(), ref, atol=1e-5, rtol=1e-6)
+        assert not torch.equal(ours[row], logits[row]), f"row {row}: the penalty changed nothing"
+
+
+def test_presence_and_frequency_ignore_the_prompt():
+    logits = random_logits(1, seed=51)
+    params = [SamplingParams(presence_penalty=1.0, frequency_penalty=1.0)]
+    out = apply_penalties(logits, params, [[4, 4, 9]], [[]])
+    assert torch.equal(out, logits)
+    out = apply_penalties(logits, params, [[4, 4, 9]], [[9, 9]])
+    assert float(out[0, 9]) == pytest.approx(float(logits[0, 9]) - 3.0, abs=1e-6)  # 1 presence + 2 frequency
+    assert out[0, 4] == logits[0, 4]
+
+
+def test_rows_without_penalties_are_bit_identical():
+    params = [SamplingParams(), SamplingParams(repetition_penalty=1.5), SamplingParams(temperature=0.7, top_k=3),
+              SamplingParams(frequency_penalty=0.3), SamplingParams(presence_penalty=0.0)]
+    logits = random_logits(len(params), seed=52).to(torch.bfloat16)
+    prompts = [random_history(8, seed=i) for i in range(len(params))]
+    outputs = [random_history(6, seed=10 + i) for i in range(len(params))]
+    out = apply_penalties(logits, params, prompts, outputs)
+    for row in (0, 2, 4):
+        assert torch.equal(out[row], logits[row].float())
+    for row in (1, 3):
+        assert not torch.equal(out[row], logits[row].float())
+
+
+def test_no_penalties_returns_the_logits_without_work():
+    logits = random_logits(3, seed=53)
+    assert apply_penalties(logits, [SamplingParams()] * 3, [[1]] * 3, [[2]] * 3) is logits
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=10.0),
+    SamplingParams(presence_penalty=2.0, frequency_penalty=2.0),
+    SamplingParams(temperature=1.0, top_k=1, seed=0, repetition_penalty=10.0),  # penalties come before filters
+], ids=["greedy-repetition", "greedy-presence-frequency", "top-k-1-repetition"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["positive", "negative"])
+def test_penalty_moves_the_argmax(params, sign):
+    """The top tokens have been generated: the penalty must hand the choice to a token that has not."""
+    logits = random_logits(1, seed=54)[0].abs() * sign + 0.1 * sign  # all logits > 0, or all < 0
+    top = logits.topk(2).indices.tolist()  # the two most likely tokens, generated (twice and once)
+    output = [top[0], top[0], top[1]]
+    expected = int(reference_penalties(logits, params, [], output).argmax())
+    assert expected not in top
+    out = sample(logits[None], [params], [make_generator(params.seed, "cpu")], [[]], [output])
+    assert int(out[0]) == expected
+
+
+@pytest.mark.parametrize("given, missing", [({}, "prompt_ids and output_ids"),
+                                            ({"prompt_ids": [[1]]}, "pass output_ids"),
+                                            ({"output_ids": [[1]]}, "pass prompt_ids")])
+def test_penalties_need_histories(given, missing):
+    params = [SamplingParams(), SamplingParams(presence_penalty=0.5)]
+    given = {k: v * 2 for k, v in given.items()}
+    with pytest.raises(ValueError, match=rf"rows \[1\] have penalties.*{missing}$"):
+        sample(random_logits(2, seed=55), params, [None, None], **given)
+
+
+def test_histories_must_match_the_batch():
+    with pytest.raises(ValueError, match="2 rows of logits but 2 params, 1 prompts and 2 outputs"):
+        apply_penalties(random_logits(2), [SamplingParams(repetition_penalty=1.2)] * 2, [[1]], [[1], [2]])
+
+
+# --- logprobs -----------------------------------------------------------------------------------------
+def test_logprobs_match_log_softmax_reference():
+    num_top = [3, None, 0, MAX_LOGPROBS, 1, None]
+    logits = random_logits(len(num_top), seed=60)  # logits: [rows, vocab]
+    tokens = torch.randint(0, VOCAB, (len(num_top),), generator=torch.Generator().manual_seed(61))
+    ours = compute_logprobs(logits, tokens, num_top)
+    assert len(ours) == len(num_top)
+    for row, n in enumerate(num_top):
+        if n is None:
+            assert ours[row] is None
+            continue
+        ref = torch.log_softmax(logits[row].double(), dim=-1)  # ref: [vocab]
+        entry = ours[row]
+        assert entry.token_id == int(tokens[row])
+        assert abs(entry.logprob - float(ref[tokens[row]])) < 1e-5
+        assert len(entry.top) == n
+        ids = [t for t, _ in entry.top]
+        assert ids == torch.argsort(ref, descending=True)[:n].tolist()  # most likely first
+        for token, logprob in entry.top:
+            assert isinstance(token, int) and abs(logprob - float(ref[token])) < 1e-5
+
+
+def test_logprobs_are_of_the_raw_logits_in_fp32():
+    logits = random_logits(2, seed=62).to(torch.float16)
+    tokens = torch.tensor([5, 9])
+    ours = compute_logprobs(logits, tokens, [2, 2])
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    for row in range(2):
+        assert ours[row].logprob == pytest.approx(float(ref[row, tokens[row]]), abs=1e-6)
+        assert ours[row].top[0] == (int(ref[row].argmax()), pytest.approx(float(ref[row].max()), abs=1e-6))
+
+
+def test_logprobs_none_for_every_row():
+    assert compute_logprobs(random_logits(3), torch.tensor([0, 1, 2]), [None] * 3) == [None, None, None]
+
+
 # --- distribution -------------------------------------------------------------------------------------
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's statistic of observed ``counts`` against expected ``probs`` (both [vocab])."""
@@ -235,6 +403,18 @@ def test_empirical_distribution_after_filters_matches_reference():
     ("stop", ["ok", ""], "list of non-empty strings"),
     ("stop_token_ids", [3, -1], "list of ints"),
     ("ignore_eos", "yes", "True or False"),
+    ("repetition_penalty", 0.0, "a number > 0"),
+    ("repetition_penalty", -1.2, "a number > 0"),
+    ("repetition_penalty", float("inf"), "a number > 0"),
+    ("presence_penalty", 2.5, "in [-2, 2]"),
+    ("presence_penalty", -2.01, "in [-2, 2]"),
+    ("presence_penalty", "1", "in [-2, 2]"),
+    ("frequency_penalty", 3, "in [-2, 2]"),
+    ("frequency_penalty", float("nan"), "in [-2, 2]"),
+    ("logprobs", -1, "None or an int in [0, 20]"),
+    ("logprobs", MAX_LOGPROBS + 1, "None or an int in [0, 20]"),
+    ("logprobs", 2.0, "None or an int in [0, 20]"),
+    ("logprobs", True, "None or an int in [0, 20]"),
 ])
 def test_invalid_params_name_the_field(field, value, allowed):
     with pytest.raises(SamplingError) as info:
@@ -252,6 +432,18 @@ def test_valid_params_accepted():
     p = SamplingParams(max_tokens=1, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0,
                        stop=("a", "b"), stop_token_ids=(1, 2), ignore_eos=True)
     assert p.stop == ["a", "b"] and p.stop_token_ids == [1, 2]
+    assert not p.has_penalties and p.logprobs is None
+
+
+@pytest.mark.parametrize("kwargs", [{"repetition_penalty": 0.01}, {"presence_penalty": -2},
+                                    {"frequency_penalty": 2.0}])
+def test_boundary_penalties_accepted(kwargs):
+    assert SamplingParams(**kwargs).has_penalties
+
+
+@pytest.mark.parametrize("logprobs", [0, MAX_LOGPROBS])
+def test_boundary_logprobs_accepted(logprobs):
+    assert SamplingParams(logprobs=logprobs).logprobs == logprobs
 
 
 def test_batch_size_mismatch_is_an_error():
