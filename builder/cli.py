@@ -159,6 +159,45 @@ def generate(
 
 
 @app.command()
+def serve(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    host: str = typer.Option("127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network"),
+    port: int = typer.Option(8000),
+    api_key: str | None = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 "
+                                       "routes (default: $LLM_BUILDER_API_KEY, else none)"),
+    device: str = typer.Option("cpu"),
+    served_model_name: str | None = typer.Option(None, help="model id clients send (default: the artifact's name)"),
+    max_num_seqs: int | None = typer.Option(None, help="requests in the running batch (default: the artifact's)"),
+    max_num_batched_tokens: int | None = typer.Option(None, help="tokens per engine step (default: the artifact's)"),
+    max_seq_len: int | None = typer.Option(None, help="prompt plus output; may only lower the artifact's"),
+    max_waiting: int = typer.Option(256, help="queued requests; past it requests get 429"),
+    kv_cache_memory: str | None = typer.Option(None, help="KV pool size, e.g. 512MiB (CPU default 1GiB)"),
+    num_blocks: int | None = typer.Option(None, help="exact number of KV blocks"),
+    gpu_memory_utilization: float = typer.Option(0.9, help="CUDA: fraction of device memory to use"),
+    request_timeout: float | None = typer.Option(None, help="per-request deadline in seconds"),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
+    allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="serve an artifact that failed its gates"),
+    log_level: str = typer.Option("info", help="debug | info | warning | error"),
+) -> None:
+    """Serve an artifact over HTTP: OpenAI-compatible /v1 API, /health, Prometheus /metrics."""
+    from runtime.serve import main as serve_main
+
+    argv = [str(artifact), "--host", host, "--port", str(port), "--device", device, "--max-waiting", str(max_waiting),
+            "--gpu-memory-utilization", str(gpu_memory_utilization), "--log-level", log_level]
+    options = {"--api-key": api_key, "--served-model-name": served_model_name, "--max-num-seqs": max_num_seqs,
+               "--max-num-batched-tokens": max_num_batched_tokens, "--max-seq-len": max_seq_len,
+               "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout}
+    argv += [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]
+    argv += [flag for flag, on in (("--no-prefix-caching", no_prefix_caching),
+                                   ("--allow-failed-gate", allow_failed_gate)) if on]
+    try:
+        code = serve_main(argv)
+    except SystemExit as e:  # argparse rejected a value
+        code = e.code if isinstance(e.code, int) else EXIT_ERROR
+    raise typer.Exit(code=code)
+
+
+@app.command()
 def inspect(
     artifact: Path = typer.Argument(..., help="artifact directory"),
     graph: bool = typer.Option(False, "--graph", help="print the whole graph IR"),

@@ -74,3 +74,23 @@ def test_failed_build_keeps_previous_artifact(quickstart, monkeypatch):
                               "--set", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"])
     assert res.exit_code == 1 and "logits differ" in res.output
     assert (quickstart / "manifest.json").read_bytes() == before
+
+
+def test_serve_delegates_to_the_runtime_server(monkeypatch, tmp_path):
+    import runtime.serve
+
+    seen = []
+    monkeypatch.setattr(runtime.serve, "main", lambda argv: seen.append(argv) or 0)
+    res = runner.invoke(app, ["serve", str(tmp_path), "--port", "9001", "--api-key", "k", "--max-num-seqs", "4",
+                              "--kv-cache-memory", "512MiB", "--no-prefix-caching", "--request-timeout", "2.5"])
+    assert res.exit_code == 0, res.output
+    args = runtime.serve.build_parser().parse_args(seen[0])
+    assert (args.artifact, args.host, args.port, args.api_key) == (str(tmp_path), "127.0.0.1", 9001, "k")
+    assert (args.max_num_seqs, args.kv_cache_memory, args.no_prefix_caching, args.request_timeout) == (
+        4, 512 << 20, True, 2.5)
+    assert (args.max_num_batched_tokens, args.num_blocks, args.allow_failed_gate) == (None, None, False)
+
+
+def test_serve_missing_artifact_exits_1(tmp_path):
+    res = runner.invoke(app, ["serve", str(tmp_path / "missing")])
+    assert res.exit_code == 1 and "missing" in res.output

@@ -1,0 +1,134 @@
+"""The server's Prometheus metrics, each app in a registry of its own.
+
+Latencies are measured in the server, per request, from its arrival at the HTTP handler:
+
+    arrival ──prefill──> first token delta ──> delta ──> ... ──> last delta
+    |<------ TTFT ------>|<-- ITL -->|                              |
+    |<------------------------ end-to-end latency ----------------->|
+
+A delta carrying k tokens after a gap of t seconds counts as k inter-token latencies of t / k. Tokens
+that arrive together with the first one add no inter-token latency.
+
+Engine state (running and waiting requests, KV cache usage, prefix-cache hit rate, preemptions) is
+read from ``engine.stats()`` when /metrics is scraped, so it is never stale and costs nothing per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from runtime.outputs import EngineStats, RequestOutput
+
+# How a request to a generation route ended: the engine's finish reasons, then the server's refusals.
+OUTCOMES = ("stop", "length", "abort", "timeout", "error", "rejected", "invalid")  # rejected: 429; invalid: other 4xx
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine's stats at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("llm_num_requests_running", "Requests in the running batch.", value=s.num_running)
+        yield GaugeMetricFamily("llm_num_requests_waiting", "Admitted requests waiting to run (preempted included).",
+                                value=s.num_waiting)
+        yield GaugeMetricFamily("llm_kv_cache_usage_perc", "KV cache blocks in use, percent.", value=100.0 * s.kv_usage)
+        yield GaugeMetricFamily("llm_kv_cache_num_blocks", "KV cache blocks in the pool.", value=s.num_blocks)
+        yield GaugeMetricFamily("llm_prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache / prompt tokens looked up, since start.",
+                                value=s.prefix_cache_hit_rate)
+        yield CounterMetricFamily("llm_num_preemptions", "Requests preempted (blocks freed, recomputed later).",
+                                  value=s.num_preemptions)
+        yield CounterMetricFamily("llm_engine_steps", "Engine steps that ran the model.", value=s.num_steps)
+
+
+class ServerMetrics:
+    """The metrics of one server app; ``render`` is what /metrics returns."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("llm_time_to_first_token_seconds", "Request arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("llm_inter_token_latency_seconds", "Time between generated tokens, per token.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("llm_e2e_request_latency_seconds", "Request arrival to its last token or error.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter("llm_requests", "Requests to the generation routes, by how they ended.",
+                                ["outcome"], registry=r)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # every outcome is exported from the start, at 0
+        self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of requests that ran.", registry=r)
+        self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens.", registry=r)
+        r.register(_EngineCollector(stats))
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def refused(self, outcome: str) -> None:
+        """Count a request refused before it reached the engine ("rejected" or "invalid")."""
+        assert outcome in ("rejected", "invalid"), outcome
+        self.requests.labels(outcome).inc()
+
+    def track(self, arrival_time: float) -> RequestTracker:
+        return RequestTracker(self, arrival_time)
+
+
+class RequestTracker:
+    """Latencies and token counts of one request admitted to the engine; ``finish`` exactly once."""
+
+    def __init__(self, metrics: ServerMetrics, arrival_time: float) -> None:
+        self.metrics = metrics
+        self.arrival_time = arrival_time  # time.monotonic() when the handler got the request
+        self.last_token_time: float | None = None
+        self.num_prompt_tokens = 0
+        self.finished = False
+
+    def delta(self, out: RequestOutput, now: float | None = None) -> None:
+        """Record one delta from the engine."""
+        now = time.monotonic() if now is None else now
+        self.num_prompt_tokens = out.num_prompt_tokens
+        num_tokens = len(out.token_ids)
+        if num_tokens == 0:
+            return
+        m = self.metrics
+        m.generation_tokens.inc(num_tokens)
+        if self.last_token_time is None:
+            m.ttft.observe(now - self.arrival_time)
+        else:
+            gap = (now - self.last_token_time) / num_tokens
+            for _ in range(num_tokens):
+                m.itl.observe(gap)
+        self.last_token_time = now
+
+    def finish(self, outcome: str, now: float | None = None) -> None:
+        """Record how the request ended (a finish reason of OUTCOMES); later calls are ignored."""
+        if self.finished:
+            return
+        assert outcome in OUTCOMES, outcome
+        self.finished = True
+        now = time.monotonic() if now is None else now
+        m = self.metrics
+        m.e2e.observe(now - self.arrival_time)
+        m.requests.labels(outcome).inc()
+        m.prompt_tokens.inc(self.num_prompt_tokens)

@@ -1,0 +1,157 @@
+"""``python -m runtime.serve ARTIFACT``: serve an artifact over HTTP (OpenAI-compatible API, /metrics).
+
+    python -m runtime.serve artifacts/quickstart --port 8000 --max-num-seqs 8 --kv-cache-memory 512MiB
+
+Binds to 127.0.0.1 unless told otherwise; on any other address without an API key it warns loudly,
+since anyone who can reach the port can then use the model. The API key comes from ``--api-key`` or
+the environment variable LLM_BUILDER_API_KEY. SIGINT (Ctrl-C) and SIGTERM shut down gracefully:
+requests in flight get GRACEFUL_SHUTDOWN_S seconds to finish. Exit codes: 0 after Ctrl-C (after
+SIGTERM the process ends by that signal, as uvicorn re-raises it for process managers), 1 when the
+artifact cannot be loaded or its memory plan does not fit, 2 for bad options.
+Needs only the runtime's dependencies (``pip install "llm-builder[runtime]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable
+from typing import Any
+
+API_KEY_ENV = "LLM_BUILDER_API_KEY"
+GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, how long requests in flight may finish before they are aborted
+
+log = logging.getLogger("runtime.serve")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: ``1073741824``, ``512MiB``, ``1.5GiB``, ``2GB`` (KB/MB/GB are powers of 1000;
+    K/M/G and KiB/MiB/GiB powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m and m[2].lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count; write e.g. 536870912, 512MiB or 2GiB")
+    value = int(float(m[1]) * _UNITS[unit])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    return value
+
+
+def _positive(kind: type) -> Callable[[str], Any]:
+    """An argparse type: a number of ``kind`` > 0."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n int' if kind is int else ' number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+        return value
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.split("\n\n")[0].strip("`"),
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("artifact", help="artifact directory (built by `builder build`)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the artifact's name)")
+    g = p.add_argument_group("serving limits (default: the artifact's runtime section)")
+    g.add_argument("--max-num-seqs", type=_positive(int), default=None, help="requests in the running batch")
+    g.add_argument("--max-num-batched-tokens", type=_positive(int), default=None, help="tokens per engine step")
+    g.add_argument("--max-seq-len", type=_positive(int), default=None, help="prompt plus output; may only lower it")
+    g.add_argument("--max-waiting", type=_positive(int), default=256,
+                   help="queued requests; past it requests get 429 with Retry-After")
+    g.add_argument("--request-timeout", type=_positive(float), default=None, metavar="SECONDS",
+                   help="per-request deadline from admission (504 / an error event past it); default none")
+    m = p.add_argument_group("KV cache memory")
+    m.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="KV pool size, e.g. 512MiB (CPU default 1GiB; on CUDA a cap under the utilization budget)")
+    m.add_argument("--num-blocks", type=_positive(int), default=None, help="exact number of KV blocks (overrides bytes)")
+    m.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.9,
+                   help="CUDA: fraction of device memory for weights, workspace and KV cache")
+    m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact that failed its quality gates")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` keeps the server on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: assume it can be reached from elsewhere
+        return False
+
+
+def _warn_if_exposed(host: str, port: int, api_key: str | None) -> None:
+    if api_key is None and not is_loopback(host):
+        banner = "!" * 100
+        log.warning("%s\nserving on %s:%d WITHOUT AN API KEY: anyone who can reach this address can use the model "
+                    "and its compute.\nPass --api-key KEY or set %s, or bind to 127.0.0.1.\n%s",
+                    banner, host, port, API_KEY_ENV, banner)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    _warn_if_exposed(args.host, args.port, api_key)
+
+    import torch
+    import uvicorn
+
+    from runtime.artifact import ArtifactError
+    from runtime.async_engine import AsyncEngine
+    from runtime.memory import MemoryPlanError
+    from runtime.server import create_app
+    from runtime.serving import ServingConfig, ServingEngine
+    from runtime.tokenizer import TokenizerError
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+        return 1
+    try:
+        config = ServingConfig(
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_seq_len=args.max_seq_len, max_waiting=args.max_waiting,
+            enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
+            kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout)
+        serving = ServingEngine.load(args.artifact, device=args.device, config=config,
+                                     allow_failed_gate=args.allow_failed_gate)
+    except (ArtifactError, TokenizerError, MemoryPlanError, ValueError) as e:
+        print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
+        return 1
+    model_name = args.served_model_name or serving.engine.artifact.manifest["name"]
+    sc = serving.scheduler_config
+    log.info("serving %r as %r on %s: max_num_seqs %d, max_num_batched_tokens %d, max_seq_len %d, max_waiting %d, "
+             "prefix caching %s, request timeout %s", args.artifact, model_name, serving.device, sc.max_num_seqs,
+             sc.max_num_batched_tokens, sc.max_seq_len, sc.max_waiting, "on" if config.enable_prefix_caching else "off",
+             f"{args.request_timeout:g}s" if args.request_timeout else "none")
+    app = create_app(AsyncEngine(serving), model_name, api_key)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

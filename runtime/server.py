@@ -1,0 +1,721 @@
+"""The OpenAI-compatible HTTP server: an ASGI app over an ``AsyncEngine``.
+
+    app = create_app(AsyncEngine(ServingEngine.load(path)), model_name="pystdlib", api_key=None)
+
+Routes:
+
+    GET  /health                200 {"status": "ok"} once the model is loaded and the engine is stepping, else 503
+    GET  /metrics               Prometheus text format (runtime.metrics); no API key
+    GET  /v1/models             the one served model, with its max_model_len
+    POST /v1/completions        prompt: a string, a list of token ids, or a one-element list of either
+    POST /v1/chat/completions   messages rendered with the checkpoint's chat template
+
+``stream: true`` answers with server-sent events (``data: {json}`` chunks, then ``data: [DONE]``);
+``stream_options: {"include_usage": true}`` adds a usage chunk before ``[DONE]``.
+
+Policies:
+
+- Request bodies are JSON objects, whatever the Content-Type header says, validated strictly: a string
+  where a number belongs is an error, not converted.
+- Unknown request fields are ignored, as other OpenAI-compatible servers do, so clients that send newer
+  OpenAI fields keep working. OpenAI fields this server knows but does not implement (``n``,
+  ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``tools``, ``tool_choice``,
+  ``response_format`` other than text) are rejected with 400 naming the field when they ask for
+  anything but the default.
+- ``max_tokens`` (chat: also ``max_completion_tokens``, which wins) must fit: prompt plus max_tokens
+  at most max_seq_len, else 400 (``context_length_exceeded``). When absent it is what is left of
+  max_seq_len after the prompt, capped at DEFAULT_MAX_TOKENS (256) so a request that forgot it does
+  not hold a sequence slot for the whole context.
+- Errors are OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``:
+
+      400 invalid_request_error   malformed JSON, body not UTF-8, wrong types, bad values (the
+                                  SamplingError message), empty or too long prompt, empty messages,
+                                  unsupported fields, prompt + max_tokens over max_seq_len
+      401 authentication_error    missing or wrong ``Authorization: Bearer <key>`` on a /v1 route
+                                  (when the app has an API key)
+      404 not_found_error         a model name other than the served one; unknown routes
+      405 invalid_request_error   a known route with the wrong method
+      413 invalid_request_error   a body over MAX_BODY_BYTES
+      429 rate_limit_error        the engine's waiting queue is full; ``Retry-After`` says when to retry
+      500 server_error            the engine failed the request (never for bad input)
+      503 server_error            the engine is not running or is shutting down
+      504 timeout_error           the request did not finish within the server's request timeout
+
+  A request fails as a whole before its first byte is sent (so a streamed request can still get a
+  4xx/429). Once a stream has started, a timeout or engine failure sends ``data: {"error": {...}}``
+  (the body a non-streamed request would have got) and then ``data: [DONE]``.
+- Timeouts are the engine's per-request deadline (``ServingConfig.request_timeout_s``,
+  ``--request-timeout``), counted from admission: 504 for a non-streamed request (its partial text is
+  dropped), an error event for a streamed one.
+- A client that disconnects, mid-stream or while waiting for a non-streamed answer, aborts its request:
+  the engine frees its KV blocks within a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from runtime.async_engine import AsyncEngine
+from runtime.engine import RequestError
+from runtime.metrics import RequestTracker, ServerMetrics
+from runtime.outputs import RequestOutput, TokenLogprob
+from runtime.sampling import SamplingError, SamplingParams
+from runtime.scheduler import QueueFullError
+from runtime.tokenizer import Tokenizer, TokenizerError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256  # max_tokens when a request leaves it out (and the context has room)
+MAX_BODY_BYTES = 16 << 20  # larger request bodies are refused (413) before any parsing or tokenizing
+RETRY_AFTER_S = 1  # what a 429 tells the client to wait
+DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # whose refusals count in llm_requests_total
+
+T = TypeVar("T")
+
+__all__ = ["DEFAULT_MAX_TOKENS", "APIError", "create_app"]
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# --- request bodies ---------------------------------------------------------------------------------
+class _Body(BaseModel):
+    """Strict types, unknown fields ignored (see the module docstring)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationBody(_Body):
+    """Fields common to both generation routes; None means the SamplingParams default."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # OpenAI fields that are not implemented: only their defaults are accepted
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    # field -> the values that mean "not asked for"; anything else is refused
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"n": (None, 1), "logit_bias": (None, {})}
+
+    def check_supported(self) -> None:
+        for name, allowed in self.UNSUPPORTED.items():
+            if getattr(self, name) not in allowed:
+                raise _invalid(f"{name}: {getattr(self, name)!r} is not supported by this server "
+                               f"(leave it out or send {allowed[-1]!r})", param=name, code="unsupported_parameter")
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields this request sets (max_tokens and logprobs are resolved apart)."""
+        names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+                 "repetition_penalty", "presence_penalty", "frequency_penalty")
+        fields = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+        if self.stop is not None:
+            fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        return fields
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionBody(_GenerationBody):
+    prompt: Any = None  # str | list[int] | [str] | [list[int]]: checked by _completion_prompt_ids
+    logprobs: int | None = None  # top alternatives per token, 0..20 (OpenAI allows 0..5)
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_GenerationBody.UNSUPPORTED, "best_of": (None, 1),
+                                               "echo": (None, False), "suffix": (None, "")}
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_GenerationBody):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_GenerationBody.UNSUPPORTED, "tools": (None, []),
+                                               "tool_choice": (None, "auto", "none"),
+                                               "response_format": (None, {"type": "text"})}
+
+
+async def _read_body(request: Request) -> bytes:
+    """The request body, refused (413) past MAX_BODY_BYTES without reading the rest."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(raw: bytes, model: type[_Body]) -> Any:
+    """A JSON object body validated into ``model``; 400 naming the first bad field."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _invalid(f"the request body is not valid UTF-8 (byte {e.start}); send a UTF-8 JSON object",
+                       code="invalid_json") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
+
+
+def _validation_error(errors: list[dict]) -> APIError:
+    """The first of pydantic's (or FastAPI's) validation errors as an OpenAI 400."""
+    first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
+    if first["type"] in ("json_invalid", "json_type"):
+        detail = first.get("ctx", {}).get("error") or first["msg"]
+        return _invalid(f"the request body is not valid JSON: {detail}", code="invalid_json")
+    loc = [str(p) for p in first["loc"] if p != "body"]
+    if not loc and first["type"] in ("model_type", "model_attributes_type", "dict_type"):
+        return _invalid("the request body must be a JSON object", code="invalid_json")
+    param = loc[0] if loc else None
+    # union members show up as type names in the location: keep field names and list indices only
+    path = ".".join(p for p in loc if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|\d+", p))
+    return _invalid(f"{path or 'body'}: {first['msg']}", param=param, code="invalid_type"
+                    if first["type"].endswith("_type") else "invalid_value")
+
+
+# --- prompts and parameters -------------------------------------------------------------------------
+def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
+    """Token ids of a completions prompt: a string (encoded with BOS), token ids, or a one-element list."""
+    if prompt is None:
+        raise _invalid("prompt is required", param="prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _invalid("prompt is empty", param="prompt")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt:
+            raise _invalid("prompt is empty", param="prompt")
+        return list(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise _invalid(f"prompt: a batch of {len(prompt)} prompts is not supported; send one request per prompt",
+                       param="prompt", code="unsupported_parameter")
+    raise _invalid("prompt must be a string, a list of token ids, or a one-element list of either",
+                   param="prompt", code="invalid_type")
+
+
+def _message_dict(i: int, message: ChatMessage) -> dict[str, str]:
+    content = message.content
+    if isinstance(content, list):
+        bad = [p.type for p in content if p.type != "text" or p.text is None]
+        if bad:
+            raise _invalid(f"messages[{i}].content: only text parts are supported, got {bad[0]!r}",
+                           param="messages", code="unsupported_parameter")
+        content = "".join(p.text for p in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
+    """The conversation rendered with the checkpoint's chat template, then encoded (the template holds
+    the special tokens, so none are added)."""
+    if not messages:
+        raise _invalid("messages is empty; send at least one message", param="messages")
+    try:
+        text = tokenizer.apply_chat_template([_message_dict(i, m) for i, m in enumerate(messages)],
+                                             add_generation_prompt=True)
+    except TokenizerError as e:
+        raise _invalid(str(e), param="messages") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _sampling_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None, num_prompt: int,
+                     max_seq_len: int, param_names: dict[str, str]) -> SamplingParams:
+    """SamplingParams of a request whose prompt has ``num_prompt`` tokens; 400 naming the bad field.
+
+    ``param_names`` maps SamplingParams field names to the request's where they differ."""
+    room = max_seq_len - num_prompt
+    try:
+        params = SamplingParams(max_tokens=min(DEFAULT_MAX_TOKENS, room) if max_tokens is None else max_tokens,
+                                logprobs=logprobs, **fields)
+    except SamplingError as e:
+        field = str(e).split(":", 1)[0]
+        raise _invalid(str(e), param=param_names.get(field, field), code="invalid_value") from None
+    if params.max_tokens > room:
+        name = param_names.get("max_tokens", "max_tokens")
+        raise _invalid(f"{name} {params.max_tokens} does not fit: this model's max_seq_len is {max_seq_len} tokens "
+                       f"and the prompt has {num_prompt}; ask for at most {room}", param=name,
+                       code="context_length_exceeded")
+    return params
+
+
+def _check_prompt_len(num_prompt: int, max_seq_len: int, param: str) -> None:
+    if num_prompt >= max_seq_len:
+        raise _invalid(f"the prompt has {num_prompt} tokens; this model's max_seq_len is {max_seq_len} "
+                       f"(prompt plus at least one generated token)", param=param, code="context_length_exceeded")
+
+
+# --- logprobs -----------------------------------------------------------------------------------------
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable stand-in character of each byte -> the byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL = _byte_level_decoder()
+
+
+class TokenText:
+    """Text and UTF-8 bytes of single tokens, as logprobs show them (cached per token id).
+
+    A token that is part of a multi-byte character has no text of its own; OpenAI shows it as
+    ``bytes:\\xe2\\x80`` and its ``bytes`` are the exact ones (from the byte-level alphabet or a
+    ``<0xNN>`` byte-fallback token)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, str, list[int]]:
+        """(label for logprobs, decoded text for offsets, UTF-8 bytes)."""
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._describe(token_id)
+        return hit
+
+    def _describe(self, token_id: int) -> tuple[str, str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        raw = self.tokenizer.id_to_token(token_id) or ""
+        if "\ufffd" not in text:
+            if raw.startswith("\u2581") and not text.startswith(" "):  # SentencePiece: the decoder drops it
+                text = " " + text
+            return text, text, list(text.encode("utf-8"))
+        if m := _BYTE_FALLBACK.fullmatch(raw):
+            data = bytes([int(m[1], 16)])
+        elif raw and all(c in _BYTE_LEVEL for c in raw):
+            data = bytes(_BYTE_LEVEL[c] for c in raw)
+        else:
+            data = text.encode("utf-8")
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data), text, list(data)
+
+
+def _completion_logprobs(entries: list[TokenLogprob], token_text: TokenText, offset: int) -> tuple[dict, int]:
+    """OpenAI's completions logprobs object for ``entries``, text offsets from ``offset``; and the offset after."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        label, text, _ = token_text(entry.token_id)
+        tokens.append(label)
+        token_logprobs.append(entry.logprob)
+        alternatives: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            alternatives.setdefault(token_text(token_id)[0], logprob)  # two ids may render alike: keep the likelier
+        top.append(alternatives)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}, offset
+
+
+def _chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict:
+    """OpenAI's chat logprobs object for ``entries``."""
+    def item(token_id: int, logprob: float) -> dict:
+        label, _, data = token_text(token_id)
+        return {"token": label, "logprob": logprob, "bytes": data}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]}
+                        for e in entries]}
+
+
+# --- responses -------------------------------------------------------------------------------------------
+def _usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class _Call:
+    """One generation request on its way through the server."""
+
+    chat: bool  # /v1/chat/completions (else /v1/completions)
+    request_id: str  # also the response id: cmpl-... or chatcmpl-...
+    created: int  # unix seconds
+    model: str
+    want_logprobs: bool
+    include_usage: bool
+    token_text: TokenText
+    tracker: RequestTracker
+    text_offset: int = 0  # completions logprobs: characters of text so far
+
+    def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if not self.want_logprobs or entries is None:
+            return None
+        if self.chat:
+            return _chat_logprobs(entries, self.token_text)
+        result, self.text_offset = _completion_logprobs(entries, self.token_text, self.text_offset)
+        return result
+
+    def envelope(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.request_id, "object": kind, "created": self.created, "model": self.model}
+
+    def response(self, outs: list[RequestOutput]) -> dict:
+        """The non-streamed response from all the request's deltas."""
+        last = outs[-1]
+        text = "".join(o.text for o in outs)
+        entries = [e for o in outs for e in (o.logprobs or [])]
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self.logprobs(entries)
+        choice["finish_reason"] = last.finish_reason
+        return {**self.envelope(False), "choices": [choice], "usage": _usage(last)}
+
+    def chunk(self, text: str | None, entries: list[TokenLogprob] | None, finish_reason: str | None,
+              role: bool = False) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice["logprobs"] = self.logprobs(entries)
+        choice["finish_reason"] = finish_reason
+        body = {**self.envelope(True), "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, last: RequestOutput) -> dict:
+        return {**self.envelope(True), "choices": [], "usage": _usage(last)}
+
+
+def _finish_error(out: RequestOutput) -> APIError:
+    """The error a request that did not finish normally (timeout, error, abort) is answered with."""
+    if out.finish_reason == "timeout":
+        return APIError(504, out.error or "the request timed out", type="timeout_error", code="request_timeout")
+    if out.finish_reason == "abort":
+        return APIError(503, out.error or "the request was aborted", type="server_error", code="aborted")
+    return APIError(500, out.error or "the engine failed the request", type="server_error", code="engine_error")
+
+
+class _ClientGone(Exception):
+    """The client disconnected while the server was waiting for the engine."""
+
+
+async def _until_disconnect(http_request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise _ClientGone. Cancelling work
+    that is iterating the engine's stream closes it, which aborts the request."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await http_request.is_disconnected():
+                raise _ClientGone
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # let it finish unwinding (and aborting) before we go on
+
+
+async def _drain(stream: AsyncIterator[RequestOutput], tracker: RequestTracker) -> list[RequestOutput]:
+    outs = []
+    async for out in stream:
+        tracker.delta(out)
+        outs.append(out)
+    return outs
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose generator is closed however the response ends, so a client that
+    disconnects mid-stream aborts its request at once rather than when the generator is collected."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+# --- the app -------------------------------------------------------------------------------------------
+class _Handlers:
+    """What the routes do, for one app over one engine."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.tokenizer = engine.tokenizer
+        self.max_seq_len = engine.engine.scheduler_config.max_seq_len
+        self.metrics = ServerMetrics(engine.stats)
+        self.token_text = TokenText(self.tokenizer)
+        self.created = int(time.time())
+
+    # --- checks and errors ---
+    def error_response(self, request: Request, error: APIError) -> JSONResponse:
+        if request.url.path in GENERATION_PATHS and 400 <= error.status < 500:
+            self.metrics.refused("rejected" if error.status == 429 else "invalid")
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    def check_api_key(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key")
+
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    # --- routes ---
+    async def health(self) -> JSONResponse:
+        if self.engine.ready:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(APIError(503, "the engine is not running", type="server_error").body(), status_code=503)
+
+    async def prometheus(self) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "llm-builder", "max_model_len": self.max_seq_len}]}
+
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        body: CompletionBody = _parse(await _read_body(request), CompletionBody)
+        self._check_model(body.model)
+        body.check_supported()
+        ids = _completion_prompt_ids(body.prompt, self.tokenizer)
+        _check_prompt_len(len(ids), self.max_seq_len, "prompt")
+        params = _sampling_params(body.sampling_fields(), body.max_tokens, body.logprobs, len(ids),
+                                  self.max_seq_len, {})
+        return await self._serve(request, False, ids, params, body, arrival)
+
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic()
+        body: ChatBody = _parse(await _read_body(request), ChatBody)
+        self._check_model(body.model)
+        body.check_supported()
+        if body.top_logprobs is not None and not body.logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", param="top_logprobs")
+        ids = _chat_prompt_ids(body.messages, self.tokenizer)
+        _check_prompt_len(len(ids), self.max_seq_len, "messages")
+        max_tokens, names = body.max_tokens, {"logprobs": "top_logprobs"}
+        if body.max_completion_tokens is not None:
+            max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body.sampling_fields(), max_tokens, logprobs, len(ids), self.max_seq_len, names)
+        return await self._serve(request, True, ids, params, body, arrival)
+
+    # --- one generation request ---
+    async def _serve(self, http_request: Request, chat: bool, ids: list[int], params: SamplingParams,
+                     body: _GenerationBody, arrival: float) -> Response:
+        """Submit the request and wait for its first delta, so a refusal is still an HTTP error; then
+        answer with the whole result or a stream."""
+        call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
+                     self.model_name, params.logprobs is not None, body.include_usage, self.token_text,
+                     self.metrics.track(arrival))
+        stream = self.engine.generate(ids, params, request_id=call.request_id)
+        try:
+            first = await _until_disconnect(http_request, stream.__anext__())
+        except QueueFullError as e:
+            raise APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RequestError as e:
+            raise _invalid(str(e), param="messages" if chat else "prompt") from None
+        except _ClientGone:
+            call.tracker.finish("abort")
+            return Response(status_code=499)
+        except RuntimeError as e:  # the engine is not running (starting, shut down, its step loop died)
+            raise _unavailable(e) from None
+        if body.stream:
+            return _EventStream(self._events(call, first, stream))
+        return await self._complete(http_request, call, first, stream)
+
+    async def _complete(self, http_request: Request, call: _Call, first: RequestOutput,
+                        stream: AsyncIterator[RequestOutput]) -> Response:
+        call.tracker.delta(first)
+        try:
+            outs = [first] + (await _until_disconnect(http_request, _drain(stream, call.tracker))
+                              if not first.finished else [])
+        except _ClientGone:
+            call.tracker.finish("abort")
+            return Response(status_code=499)
+        except RuntimeError as e:  # the engine shut down under the request
+            call.tracker.finish("error")
+            raise _unavailable(e) from None
+        last = outs[-1]
+        call.tracker.finish(last.finish_reason)
+        if last.finish_reason not in ("stop", "length"):
+            raise _finish_error(last)
+        return JSONResponse(call.response(outs))
+
+    async def _events(self, call: _Call, first: RequestOutput,
+                      stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        """The SSE body: a chunk per delta with text (or logprobs), the finish reason on the last one,
+        usage if asked; an error event if the request ended otherwise; then [DONE]."""
+        out = first
+        try:
+            if call.chat:
+                yield _sse(call.chunk("", None, None, role=True))
+            while True:
+                call.tracker.delta(out)
+                done = out.finished and out.finish_reason in ("stop", "length")
+                if out.text or (out.token_ids and call.want_logprobs) or done:
+                    yield _sse(call.chunk(out.text or (None if call.chat else ""), out.logprobs,
+                                          out.finish_reason if done else None))
+                if out.finished:
+                    break
+                out = await stream.__anext__()
+            call.tracker.finish(out.finish_reason)
+            if done and call.include_usage:
+                yield _sse(call.usage_chunk(out))
+            elif not done:
+                yield _sse(_finish_error(out).body())
+        except RuntimeError as e:  # the engine shut down mid-stream: tell the client, then end the stream
+            call.tracker.finish("error")
+            yield _sse(_unavailable(e).body())
+        finally:
+            await stream.aclose()  # a no-op once finished; else it aborts the request (client gone)
+            call.tracker.finish("abort")  # a no-op once finished
+        yield _sse("[DONE]")
+
+
+def _unavailable(e: Exception) -> APIError:
+    return APIError(503, f"the engine is not available: {e}", type="server_error", code="engine_unavailable")
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
+    down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes."""
+    h = _Handlers(engine, model_name, api_key)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        log.info("serving %s (max_seq_len %d)%s", model_name, h.max_seq_len, "" if api_key else ", no API key")
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="llm-builder runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.engine, app.state.metrics = engine, h.metrics
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return h.error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)  # FastAPI's own validation: 400, not 422
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return h.error_response(request, _validation_error(list(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)  # unknown routes, wrong methods
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = (f"no route {request.method} {request.url.path}" if exc.status_code == 404
+                   else f"{request.method} {request.url.path}: {exc.detail}")
+        return h.error_response(request, APIError(exc.status_code, message, type=kind, headers=exc.headers))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return h.error_response(request, APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+    auth = [Depends(h.check_api_key)]
+    app.add_api_route("/health", h.health, methods=["GET"])
+    app.add_api_route("/metrics", h.prometheus, methods=["GET"])
+    app.add_api_route("/v1/models", h.models, methods=["GET"], dependencies=auth)
+    app.add_api_route("/v1/completions", h.completions, methods=["POST"], dependencies=auth)
+    app.add_api_route("/v1/chat/completions", h.chat_completions, methods=["POST"], dependencies=auth)
+    return app

@@ -1,0 +1,662 @@
+"""The OpenAI-compatible server over real HTTP: uvicorn on a free loopback port, httpx as the client.
+
+Results are compared with the offline engine (``Engine.generate`` / ``Engine.chat``) loaded apart from
+the server; every test that sends work ends by checking that the server's KV pool is whole again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from runtime import Engine, SamplingParams
+from runtime.async_engine import AsyncEngine
+from runtime.server import create_app
+from runtime.serving import ServingConfig, ServingEngine
+
+MODEL = "pystdlib"
+API_KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Server:
+    url: str
+    serving: ServingEngine  # the engine behind the app, to check its KV pool
+
+    def client(self, timeout: float = 30) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=AUTH, timeout=timeout)
+
+    def async_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=AUTH, timeout=30)
+
+    def wait_idle(self, timeout: float = 5.0) -> None:
+        """Wait until no request is left in the engine; then every KV block must be free."""
+        pool, scheduler = self.serving.kv.pool, self.serving.scheduler
+        deadline = time.monotonic() + timeout
+        while scheduler.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.num_unfinished == 0, f"{scheduler.num_unfinished} requests still in the engine"
+        assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
+
+
+@contextlib.contextmanager
+def run_server(artifact: Path, config: ServingConfig, api_key: str | None = API_KEY):
+    """A uvicorn server in a background thread on a free loopback port, until the block exits."""
+    serving = ServingEngine.load(artifact, config=config)
+    app = create_app(AsyncEngine(serving), MODEL, api_key=api_key)
+    # IPPROTO_TCP explicitly: asyncio turns Nagle off only on sockets whose proto says TCP, and with Nagle
+    # on, every response after the first on a connection waits ~40 ms for a delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not become healthy"
+            time.sleep(0.05)
+        yield Server(url, serving)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    assert not thread.is_alive(), "the server did not shut down"
+
+
+@pytest.fixture(scope="module")
+def offline(bundled_artifact) -> Engine:
+    return Engine.load(bundled_artifact)
+
+
+@pytest.fixture(scope="module")
+def server(bundled_artifact):
+    with run_server(bundled_artifact, ServingConfig(num_blocks=64, max_num_seqs=8)) as s:
+        yield s
+
+
+# --- helpers --------------------------------------------------------------------------------------------
+def read_events(lines) -> tuple[list[dict], bool]:
+    """The JSON events of an SSE body and whether it ended with [DONE] (and nothing after it)."""
+    events, done = [], False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        assert not done, "data after [DONE]"
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+        else:
+            events.append(json.loads(data))
+    return events, done
+
+
+def streamed(client: httpx.Client, path: str, body: dict) -> tuple[list[dict], bool]:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return read_events(r.iter_lines())
+
+
+def joined_text(chunks: list[dict], chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content") or "") if chat else (lambda c: c["text"])
+    return "".join(key(c) for e in chunks for c in e["choices"])
+
+
+def finish_reasons(chunks: list[dict]) -> list[str]:
+    return [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"] is not None]
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = ...) -> dict:
+    """The response is an OpenAI error with this status (and param, when given)."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if param is not ...:
+        assert body["error"]["param"] == param, body
+    return body["error"]
+
+
+def usage_of(offline_result) -> dict:
+    n_prompt, n_out = len(offline_result.prompt_token_ids), len(offline_result.token_ids)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def metric_samples(client: httpx.Client) -> dict[tuple[str, tuple], float]:
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+# --- 1. concurrent requests equal the offline engine ------------------------------------------------------
+COMPLETION_CASES = [("def fibonacci(n):", 24), ("import os\nimport sys\n", 9), ("class Config:\n    ", 40)]
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+def test_concurrent_streamed_and_whole_requests_equal_offline(server, offline):
+    greedy = {"temperature": 0, "ignore_eos": True}
+    requests = []  # (path, body, stream, expected offline Generation)
+    for prompt, n in COMPLETION_CASES:
+        ref = offline.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        for stream in (False, True):
+            requests.append(("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": n, **greedy},
+                             stream, ref))
+    ids = offline.tokenizer.encode("def main():")
+    ref = offline.generate(ids, SamplingParams(max_tokens=12, ignore_eos=True))
+    requests.append(("/v1/completions", {"prompt": ids, "max_tokens": 12, **greedy}, True, ref))
+    requests.append(("/v1/completions", {"prompt": [ids], "max_tokens": 12, **greedy}, False, ref))
+    ref = offline.chat(CHAT, SamplingParams(max_tokens=20, ignore_eos=True))
+    for stream in (False, True):
+        requests.append(("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_completion_tokens": 20,
+                                                  **greedy}, stream, ref))
+
+    async def send(client, path, body, stream):
+        if not stream:
+            r = await client.post(path, json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        async with client.stream("POST", path, json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            return read_events([line async for line in r.aiter_lines()])
+
+    async def main():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(send(client, p, b, s) for p, b, s, _ in requests))
+
+    results = asyncio.run(main())
+    for (path, body, stream, ref), result in zip(requests, results):
+        chat = path.endswith("chat/completions")
+        if stream:
+            events, done = result
+            assert done, "the stream did not end with [DONE]"
+            *chunks, usage = events
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            assert all(e["object"] == kind and e["model"] == MODEL for e in events)
+            assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("chatcmpl-" if chat else "cmpl-")
+            assert joined_text(chunks, chat) == ref.text
+            assert finish_reasons(chunks) == [ref.finish_reason] and chunks[-1]["choices"][0]["finish_reason"]
+            if chat:
+                assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+            assert usage["choices"] == [] and {k: usage["usage"][k] for k in usage_of(ref)} == usage_of(ref)
+            assert all(e["usage"] is None for e in chunks)
+        else:
+            assert result["id"].startswith("chatcmpl-" if chat else "cmpl-") and result["model"] == MODEL
+            assert result["object"] == ("chat.completion" if chat else "text_completion")
+            assert isinstance(result["created"], int)
+            (choice,) = result["choices"]
+            text = choice["message"]["content"] if chat else choice["text"]
+            if chat:
+                assert choice["message"]["role"] == "assistant"
+            assert text == ref.text and choice["finish_reason"] == ref.finish_reason == "length"
+            assert {k: result["usage"][k] for k in usage_of(ref)} == usage_of(ref)
+            assert 0 <= result["usage"]["prompt_tokens_details"]["cached_tokens"] <= result["usage"]["prompt_tokens"]
+    server.wait_idle()
+
+
+def test_default_max_tokens_is_capped_and_fits_the_context(server, offline):
+    with server.client() as client:
+        short = client.post("/v1/completions", json={"prompt": "def f():", "ignore_eos": True})
+        ids = offline.tokenizer.encode("x = 1\n" * 200)[:500]  # 12 tokens of room before max_seq_len 512
+        long = client.post("/v1/completions", json={"prompt": ids, "ignore_eos": True})
+    assert short.json()["usage"]["completion_tokens"] == 256
+    assert long.json()["usage"]["completion_tokens"] == 512 - 500
+    assert long.json()["choices"][0]["finish_reason"] == "length"
+    server.wait_idle()
+
+
+# --- 2. seeded sampling is reproducible, alone or in a batch ----------------------------------------------
+def test_seeded_sampling_is_reproducible_under_concurrency(server, offline):
+    body = {"prompt": "def parse(text):", "max_tokens": 24, "temperature": 0.8, "seed": 123, "ignore_eos": True}
+    others = [{"prompt": p, "max_tokens": 24, "temperature": 1.0, "ignore_eos": True}
+              for p in ("import re\n", "for i in range(10):", "class A:")]
+    with server.client() as client:
+        alone = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+
+    async def main():
+        async with server.async_client() as client:
+            rs = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in [body, *others, body]))
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    texts = asyncio.run(main())
+    ref = offline.generate("def parse(text):", SamplingParams(max_tokens=24, temperature=0.8, seed=123,
+                                                              ignore_eos=True))
+    assert alone == texts[0] == texts[-1] == ref.text
+    other_seed = offline.generate("def parse(text):", SamplingParams(max_tokens=24, temperature=0.8, seed=124,
+                                                                     ignore_eos=True))
+    assert other_seed.text != ref.text  # the seed matters: the equalities above are not vacuous
+    server.wait_idle()
+
+
+# --- 3. logprobs ------------------------------------------------------------------------------------------
+def test_completion_logprobs(server, offline):
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 10, "logprobs": 3, "ignore_eos": True}
+    ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3))
+    with server.client() as client:
+        whole = client.post("/v1/completions", json=body).json()
+        chunks, done = streamed(client, "/v1/completions", body)
+    lp = whole["choices"][0]["logprobs"]
+    assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == 10
+    assert lp["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+    for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert logprob <= 0 and len(top) == 3
+        values = list(top.values())
+        assert values == sorted(values, reverse=True) and all(v <= 0 for v in values)
+        assert next(iter(top)) == token and values[0] == pytest.approx(logprob)  # greedy: the likeliest
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert "".join(lp["tokens"]) == whole["choices"][0]["text"]  # ASCII code: every token has its own text
+    assert done
+    merged = {k: [x for e in chunks for c in e["choices"] if c["logprobs"] for x in c["logprobs"][k]] for k in lp}
+    assert merged == lp
+    server.wait_idle()
+
+
+def test_chat_logprobs(server, offline):
+    body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    ref = offline.chat(CHAT, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2))
+    with server.client() as client:
+        whole = client.post("/v1/chat/completions", json=body).json()
+        chunks, _ = streamed(client, "/v1/chat/completions", body)
+        plain = client.post("/v1/chat/completions", json={**body, "logprobs": False, "top_logprobs": None}).json()
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == 8
+    assert [e["logprob"] for e in content] == pytest.approx(ref.logprobs, abs=1e-4)
+    for entry in content:
+        assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"} and entry["logprob"] <= 0
+        assert bytes(entry["bytes"]).decode("utf-8") == entry["token"]
+        top = entry["top_logprobs"]
+        assert len(top) == 2 and top[0]["logprob"] >= top[1]["logprob"]
+        assert top[0]["token"] == entry["token"] and top[0]["logprob"] == pytest.approx(entry["logprob"])
+    streamed_content = [x for e in chunks for c in e["choices"] if c["logprobs"] for x in c["logprobs"]["content"]]
+    assert streamed_content == content
+    assert plain["choices"][0]["logprobs"] is None
+    server.wait_idle()
+
+
+# --- 4. stop strings ------------------------------------------------------------------------------------------
+def _stop_across_tokens(offline: Engine, prompt: str, n: int) -> tuple[str, str]:
+    """A 4-character stop string of the greedy continuation that starts in one token and ends in the next,
+    and the text before its first occurrence."""
+    tok = offline.tokenizer
+    ref = offline.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+    prompt_ids = tok.encode(prompt)
+    base = len(tok.decode(prompt_ids))
+    ends = [len(tok.decode(prompt_ids + ref.token_ids[:i])) - base for i in range(1, n + 1)]
+    full = tok.decode(prompt_ids + ref.token_ids)[base:]
+    assert full == ref.text
+    for end in ends[2:]:
+        stop = full[end - 2:end + 2]
+        if len(stop) == 4 and full.find(stop) == end - 2 and stop.strip() and end - 2 not in ends:
+            return stop, full[:end - 2]
+    raise AssertionError("no stop string across a token boundary in the reference text")
+
+
+@pytest.mark.parametrize("as_list", [False, True])
+def test_stop_string_across_token_boundaries(server, offline, as_list):
+    stop, before = _stop_across_tokens(offline, "def fibonacci(n):", 40)
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 40, "ignore_eos": True, "stop": [stop] if as_list else stop}
+    with server.client() as client:
+        whole = client.post("/v1/completions", json=body).json()
+        chunks, done = streamed(client, "/v1/completions", body)
+    choice = whole["choices"][0]
+    assert stop not in choice["text"] and choice["text"] == before and choice["finish_reason"] == "stop"
+    assert joined_text(chunks, False) == before and finish_reasons(chunks) == ["stop"] and done
+    assert offline.generate("def fibonacci(n):", SamplingParams(max_tokens=40, ignore_eos=True, stop=[stop])).text \
+        == before
+    server.wait_idle()
+
+
+# --- 5. bad input -----------------------------------------------------------------------------------------------
+LONG_IDS = [100] * 600  # over max_seq_len 512
+BAD_REQUESTS = [
+    # (id, path, body (dict -> JSON, bytes -> raw), status, param)
+    ("malformed json", "/v1/completions", b'{"prompt": "def",', 400, None),
+    ("invalid utf-8", "/v1/completions", b'{"prompt": "\xff\xfe def"}', 400, None),
+    ("not an object", "/v1/completions", b'["def"]', 400, None),
+    ("empty body", "/v1/chat/completions", b"", 400, None),
+    ("max_tokens string", "/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens float", "/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("prompt number", "/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("prompt mixed list", "/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("prompt batch", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("messages string", "/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("image part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("stream string", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("temperature string", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("stop list of ints", "/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
+    ("max_tokens -1", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens 0", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("max_tokens huge", "/v1/completions", {"prompt": "x", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("max_tokens past context", "/v1/completions", {"prompt": [100] * 500, "max_tokens": 13}, 400, "max_tokens"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG_IDS}, 400, "prompt"),
+    ("prompt text too long", "/v1/completions", {"prompt": "x = 1\n" * 400}, 400, "prompt"),
+    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 400}]}, 400,
+     "messages"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("token id out of vocabulary", "/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
+    ("temperature -1", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("top_p 0", "/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ("presence_penalty 3", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("logprobs 21", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("top_logprobs 21", "/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400,
+     "top_logprobs"),
+    ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400,
+     "top_logprobs"),
+    ("n 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("best_of 2", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+    ("unknown chat model", "/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_gets_an_openai_error(server, path, body, status, param):
+    with server.client() as client:
+        if isinstance(body, bytes):
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+        else:
+            r = client.post(path, json=body)
+        error = assert_error(r, status, param)
+        if status == 400:
+            assert error["type"] == "invalid_request_error"
+        if param in ("temperature", "top_p", "logprobs", "presence_penalty") and isinstance(body, dict):
+            assert error["message"].startswith(param)  # SamplingError's message, naming the field
+    server.wait_idle()
+
+
+def test_unknown_routes_methods_and_fields(server):
+    with server.client() as client:
+        assert_error(client.get("/v1/nope"), 404)
+        assert_error(client.get("/nope"), 404)
+        assert_error(client.get("/v1/completions"), 405)
+        # unknown fields are ignored (OpenAI-compatible servers' policy); known OpenAI defaults are accepted
+        r = client.post("/v1/completions", json={"prompt": "def", "max_tokens": 3, "frobnicate": {"x": 1},
+                                                 "n": 1, "echo": False, "user": "u1"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        # no Content-Type at all (curl -d sends form encoding): the body is still read as JSON
+        r = client.post("/v1/completions", content=b'{"prompt": "def", "max_tokens": 2}',
+                        headers={"Content-Type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200
+    server.wait_idle()
+
+
+def test_server_is_healthy_after_bad_requests(server, offline):
+    with server.client() as client:
+        for _, path, body, _, _ in BAD_REQUESTS:
+            client.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
+        assert client.get("/health").json() == {"status": "ok"}
+        r = client.post("/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 8, "ignore_eos": True})
+    assert r.status_code == 200
+    ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=8, ignore_eos=True))
+    assert r.json()["choices"][0]["text"] == ref.text
+    server.wait_idle()
+
+
+# --- 6. API key ------------------------------------------------------------------------------------------------
+ROUTES = [("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "def", "max_tokens": 2}),
+          ("POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 2})]
+
+
+@pytest.mark.parametrize("method, path, body", ROUTES, ids=[r[1] for r in ROUTES])
+def test_api_key_is_required_on_v1_routes(server, method, path, body):
+    wrong = [{}, {"Authorization": "Bearer nope"}, {"Authorization": API_KEY},
+             {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}]
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for headers in wrong:
+            error = assert_error(client.request(method, path, json=body, headers=headers), 401)
+            assert error["type"] == "authentication_error"
+        assert_error(client.request(method, path, content=b"{bad json", headers={}), 401)  # auth comes first
+        r = client.request(method, path, json=body, headers=AUTH)
+        assert r.status_code == 200, r.text
+        assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
+    server.wait_idle()
+
+
+def test_models_lists_the_served_model(server):
+    with server.client() as client:
+        body = client.get("/v1/models").json()
+    assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
+    assert body["data"][0]["object"] == "model" and body["data"][0]["max_model_len"] == 512
+
+
+# --- 7. metrics --------------------------------------------------------------------------------------------------
+def test_metrics_count_what_was_served(server):
+    with server.client() as client:
+        before = metric_samples(client)
+        usages = [client.post("/v1/completions", json={"prompt": p, "max_tokens": n, "ignore_eos": True}).json()["usage"]
+                  for p, n in COMPLETION_CASES]
+        chunks, _ = streamed(client, "/v1/chat/completions",
+                             {"messages": CHAT, "max_tokens": 7, "ignore_eos": True,
+                              "stream_options": {"include_usage": True}})
+        usages.append(chunks[-1]["usage"])
+        shared = "import os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n" * 2
+        for _ in range(2):  # the second finds the first's full blocks in the prefix cache
+            usages.append(client.post("/v1/completions", json={"prompt": shared, "max_tokens": 3,
+                                                                 "ignore_eos": True}).json()["usage"])
+        assert client.post("/v1/completions", json={"prompt": "x", "temperature": -1}).status_code == 400
+        assert client.post("/v1/completions", json={"model": "other", "prompt": "x"}).status_code == 404
+        after = metric_samples(client)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after[key] - before.get(key, 0.0)
+
+    num_tokens = [u["completion_tokens"] for u in usages]
+    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] >= 16 > usages[-2]["prompt_tokens_details"][
+        "cached_tokens"]
+    assert delta("llm_requests_total", outcome="length") == 6
+    assert delta("llm_requests_total", outcome="invalid") == 2
+    for outcome in ("stop", "abort", "timeout", "error", "rejected"):
+        assert delta("llm_requests_total", outcome=outcome) == 0
+    assert delta("llm_generation_tokens_total") == sum(num_tokens)
+    assert delta("llm_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
+    assert delta("llm_time_to_first_token_seconds_count") == 6
+    assert delta("llm_e2e_request_latency_seconds_count") == 6
+    assert delta("llm_inter_token_latency_seconds_count") == sum(n - 1 for n in num_tokens)  # one token per step
+    assert 0 < delta("llm_time_to_first_token_seconds_sum") < delta("llm_e2e_request_latency_seconds_sum")
+    assert delta("llm_inter_token_latency_seconds_sum") > 0
+    assert after[("llm_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] >= 6
+    assert after[("llm_num_requests_running", ())] == 0 and after[("llm_num_requests_waiting", ())] == 0
+    assert 0 <= after[("llm_kv_cache_usage_perc", ())] <= 100
+    assert after[("llm_kv_cache_num_blocks", ())] == server.serving.kv.pool.num_blocks
+    assert 0 < after[("llm_prefix_cache_hit_rate", ())] <= 1
+    assert after[("llm_num_preemptions_total", ())] >= 0
+    server.wait_idle()
+
+
+# --- 8. client disconnects ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_client_disconnect_aborts_and_frees_blocks(server, stream):
+    body = {"prompt": "def main():", "max_tokens": 480, "ignore_eos": True, "stream": stream}
+    scheduler = server.serving.scheduler
+    with server.client() as client:
+        aborted_before = metric_samples(client)[("llm_requests_total", (("outcome", "abort"),))]
+    if stream:
+        with server.client() as client, client.stream("POST", "/v1/completions", json=body) as r:
+            events = (line for line in r.iter_lines() if line)
+            for _ in range(3):
+                assert next(events).startswith("data: {")
+            assert scheduler.num_unfinished == 1  # still generating when the client goes away
+    else:
+        with server.client(timeout=0.3) as client, pytest.raises(httpx.ReadTimeout):
+            client.post("/v1/completions", json=body)
+    server.wait_idle(timeout=3.0)  # long before the 480 tokens would have been generated
+    with server.client() as client:
+        assert metric_samples(client)[("llm_requests_total", (("outcome", "abort"),))] == aborted_before + 1
+
+
+# --- timeouts ----------------------------------------------------------------------------------------------------
+def test_request_timeout(bundled_artifact):
+    config = ServingConfig(num_blocks=64, request_timeout_s=0.3)
+    long = {"max_tokens": 480, "ignore_eos": True}  # seconds of work at a few ms per step
+    with run_server(bundled_artifact, config) as s, s.client() as client:
+        error = assert_error(client.post("/v1/completions", json={"prompt": "def main():", **long}), 504, None)
+        assert error["type"] == "timeout_error" and error["code"] == "request_timeout"
+        chunks, done = streamed(client, "/v1/chat/completions", {"messages": CHAT, **long})
+        assert done and chunks[-1]["error"]["code"] == "request_timeout"
+        assert all("error" not in e for e in chunks[:-1]) and joined_text(chunks[:-1], True)
+        assert finish_reasons(chunks[:-1]) == []
+        assert metric_samples(client)[("llm_requests_total", (("outcome", "timeout"),))] == 2
+        s.wait_idle()
+
+
+# --- 9. load: a burst against a small queue ---------------------------------------------------------------------
+def test_burst_gets_429_not_a_hang(bundled_artifact):
+    num_requests, max_tokens = 24, 16
+    config = ServingConfig(num_blocks=64, max_num_seqs=2, max_waiting=2)
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, float | None, int | None, str | None]:
+        body = {"prompt": f"def task_{i}(x):", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return r.status_code, None, None, r.headers.get("retry-after")
+            ttft, lines = None, []
+            async for line in r.aiter_lines():
+                if ttft is None and line:
+                    ttft = time.perf_counter() - start  # the first chunk: sent once the first token is out
+                lines.append(line)
+        events, done = read_events(lines)
+        assert done
+        return 200, ttft, events[-1]["usage"]["completion_tokens"], None
+
+    async def burst(url: str):
+        limits = httpx.Limits(max_connections=num_requests)
+        async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30, limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(num_requests))), 60)
+
+    with run_server(bundled_artifact, config) as s:
+        start = time.perf_counter()
+        results = asyncio.run(burst(s.url))
+        elapsed = time.perf_counter() - start
+        ok = [r for r in results if r[0] == 200]
+        refused = [r for r in results if r[0] == 429]
+        assert len(ok) + len(refused) == num_requests, [r[0] for r in results]
+        assert ok and refused
+        assert all(r[3] is not None and int(r[3]) >= 1 for r in refused)
+        assert all(r[2] == max_tokens for r in ok)
+        ttfts = sorted(r[1] for r in ok)
+        p99 = ttfts[min(len(ttfts) - 1, round(0.99 * (len(ttfts) - 1)))]
+        print(f"\nburst of {num_requests} streamed requests (max_num_seqs 2, max_waiting 2, {max_tokens} tokens): "
+              f"{len(ok)} served, {len(refused)} got 429, {len(ok) / elapsed:.1f} requests/s served, "
+              f"{len(ok) * max_tokens / elapsed:.0f} tokens/s, client TTFT p50 {statistics.median(ttfts) * 1e3:.1f} ms "
+              f"p99 {p99 * 1e3:.1f} ms, {elapsed:.2f} s")
+        s.wait_idle()
+        with s.client() as client:
+            assert client.get("/health").status_code == 200
+            assert client.post("/v1/completions", json={"prompt": "def", "max_tokens": 4}).status_code == 200
+            samples = metric_samples(client)
+        assert samples[("llm_requests_total", (("outcome", "rejected"),))] == len(refused)
+        s.wait_idle()
+
+
+# --- 10. the command line ----------------------------------------------------------------------------------------
+def _serve(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime.serve", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env=env, check=False, **kwargs)
+
+
+def test_serve_cli_help_and_errors(bundled_artifact, tmp_path):
+    res = _serve("--help")
+    assert res.returncode == 0 and "--api-key" in res.stdout and "--kv-cache-memory" in res.stdout
+    missing = tmp_path / "no-such-artifact"
+    env = {k: v for k, v in os.environ.items() if k != "LLM_BUILDER_API_KEY"}
+    res = _serve(str(missing), env=env)
+    assert res.returncode == 1 and "error:" in res.stderr and str(missing) in res.stderr
+    assert "WITHOUT AN API KEY" not in res.stderr  # loopback by default
+    res = _serve(str(missing), "--host", "0.0.0.0", env=env)  # warns before loading (and never binds here)
+    assert res.returncode == 1 and "WITHOUT AN API KEY" in res.stderr
+    res = _serve(str(missing), "--host", "0.0.0.0", "--api-key", "k", env=env)
+    assert res.returncode == 1 and "WITHOUT AN API KEY" not in res.stderr
+    res = _serve(str(bundled_artifact), "--num-blocks", "1")  # one request of 512 tokens needs 32 blocks
+    assert res.returncode == 1 and "needs 32 blocks" in res.stderr
+    res = _serve(str(bundled_artifact), "--kv-cache-memory", "lots")
+    assert res.returncode == 2 and "byte count" in res.stderr
+
+
+def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "LLM_BUILDER_API_KEY": "env-key"}
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", str(bundled_artifact), "--port", str(port),
+                             "--num-blocks", "40", "--served-model-name", "m"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "runtime.serve did not come up"
+            time.sleep(0.1)
+        assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "def"}).status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "def", "max_tokens": 3},
+                       headers={"Authorization": "Bearer env-key"}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: a graceful shutdown and exit 0
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    assert "memory plan on cpu" in out and "40 blocks" in out
+    from runtime.serve import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+
+
+def test_server_needs_no_build_packages(tmp_path):
+    """The server and its command line load with builder/passes/transformers unimportable."""
+    code = f"""
+import sys
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('builder', 'passes', 'transformers', 'onnx', 'modelopt'):
+            raise ImportError('blocked: ' + name)
+sys.meta_path.insert(0, Block())
+import runtime.server, runtime.metrics
+from runtime.serve import main
+sys.exit(main([{str(tmp_path / 'missing')!r}]))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         check=False)
+    assert res.returncode == 1 and "error: cannot serve" in res.stderr and "blocked" not in res.stderr, res.stderr
