@@ -513,7 +513,7 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     module = _attention_module(ctx.model, source)
-    sliding_window = getattr(module, "sliding_window", None) if module is not None else None
+    sliding_window = _sliding_window(module)
     attrs = {
         "layer": st.num_attention, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "scale": float(scale),
@@ -523,6 +523,24 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     st.num_attention += 1
     out = _emit(st, "attention", [q.value, k.value, v.value], "attn", source, attrs=attrs)
     return Tok(out, _layout_of(fx_node))
+
+
+def _sliding_window(module: Any) -> int | None:
+    """The attention module's sliding window: its own attribute where the model sets one, else from the
+    config (per layer through ``layer_types`` where present; Mistral keeps it only in its config)."""
+    if module is None:
+        return None
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    if config is None or not getattr(config, "sliding_window", None):
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer is not None:
+        return config.sliding_window if layer_types[layer] == "sliding_attention" else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return config.sliding_window
 
 
 def _attention_module(model: torch.nn.Module, path: str) -> torch.nn.Module | None:

@@ -82,3 +82,21 @@ def test_unknown_op_names_op_and_module():
         trace(config)
     assert "aten.tanh" in str(e.value)
     assert "model.layers.0.mlp.act_fn" in str(e.value)
+
+
+def test_mistral_sliding_window_comes_from_the_config(tmp_path):
+    """transformers keeps Mistral's window only in the config (no module attribute): the lift must find it,
+    and logits past the window must match HF."""
+    import torch
+
+    from conftest import build_artifact, hf_logits, make_checkpoint
+    from runtime import Engine
+
+    graph, _ = trace(tiny_config("mistral", 320, sliding_window=8))
+    assert [n.attrs.get("sliding_window") for n in graph.nodes if n.op == "attention"] == [8, 8]
+    assert all("sliding_window" not in n.attrs
+               for n in trace(tiny_config("llama", 320))[0].nodes if n.op == "attention")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "mistral", sliding_window=8)
+    engine = Engine.load(build_artifact(ckpt, tmp_path / "art"))
+    ids = torch.randint(3, 320, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert (engine.logits(ids) - hf_logits(ckpt, ids)).abs().max() < 1e-4
