@@ -8,6 +8,7 @@ One request at a time here; the serving scheduler drives the same ``Executor`` w
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import Iterator
@@ -76,9 +77,10 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True,
-             allow_failed_gate: bool = False) -> Engine:
+             allow_failed_gate: bool = False, use_kernels: bool | None = None) -> Engine:
         """Verify and load an artifact directory (raises ArtifactError if it is modified or truncated,
-        or if it failed its quality gates and ``allow_failed_gate`` is not set)."""
+        or if it failed its quality gates and ``allow_failed_gate`` is not set). ``use_kernels``: run
+        the Triton kernels (default: on CUDA when triton is installed; see ``Executor``)."""
         start = time.perf_counter()
         device = torch.device(device)
         artifact = open_artifact(path, check_hashes=check_hashes)
@@ -86,7 +88,9 @@ class Engine:
         if gates and not gates.get("passed", True) and not allow_failed_gate:
             raise ArtifactError(f"{path} failed its quality gates ({', '.join(gates.get('failed', []))}) when it "
                                 f"was built; load it anyway with allow_failed_gate=True (--allow-failed-gate)")
-        executor = Executor(artifact.graph, artifact.load_weights(device))
+        if use_kernels is None:
+            use_kernels = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels)
         tokenizer = Tokenizer.from_dir(artifact.tokenizer_dir)
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
         return cls(artifact, executor, tokenizer, device)

@@ -37,6 +37,21 @@ class SeqSlice:
 
 
 @dataclass
+class PagedAttentionMetadata:
+    """The step's sequences over a paged KV cache as batched tensors, for the fused attention kernels
+    (``kernels.paged_attention``). Built by the serving engine; fixed-shape for a CUDA-graph bucket."""
+
+    k_caches: list[torch.Tensor]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot of each new token; -1 = padding
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded
+    seq_lens: torch.Tensor  # [num_seqs] int32: context + new tokens
+    context_lens: torch.Tensor  # [num_seqs] int32: tokens cached before this step
+    cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: packed row offsets of each sequence's new tokens
+    decode_only: bool  # every sequence has exactly one new token (the decode kernel applies)
+
+
+@dataclass
 class StepInput:
     """Everything a forward step needs besides the weights."""
 
@@ -44,6 +59,7 @@ class StepInput:
     positions: torch.Tensor  # [num_tokens] int64, position of each token in its sequence
     seqs: list[SeqSlice]  # in packing order; sum(num_new) == num_tokens
     logits_indices: torch.Tensor | None = None  # [num_selected] rows to compute logits for; None = all
+    paged: PagedAttentionMetadata | None = None  # set: attention runs the fused kernels over it
 
 
 @dataclass
@@ -60,7 +76,7 @@ Kernel = Callable[[list[torch.Tensor], _Step], tuple[torch.Tensor, ...]]
 class Executor:
     """A compiled graph bound to its weights on one device."""
 
-    def __init__(self, graph: dict[str, Any], params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, graph: dict[str, Any], params: dict[str, torch.Tensor], use_kernels: bool = False) -> None:
         if graph.get("ir_version") != GRAPH_IR_VERSION:
             raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this "
                                    f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
@@ -69,18 +85,25 @@ class Executor:
         self.dtype = getattr(torch, graph.get("meta", {}).get("dtype", "")) if graph.get("meta", {}).get("dtype") \
             else next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
         self.outputs: list[str] = graph["outputs"]
+        # Triton kernels (``kernels/``) for attention over a paged cache, norms, RoPE, SwiGLU and W4A16/W8A16
+        # GEMMs; otherwise the torch reference ops. On for CUDA by default (Engine.load); on CPU only
+        # under TRITON_INTERPRET=1 (tests).
+        self.use_kernels = use_kernels
         self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
         nodes = graph["nodes"]
         last_use: dict[str, int] = {}
+        self._num_consumers: dict[str, int] = {}
         for i, node in enumerate(nodes):
             for name in node["inputs"]:
                 last_use[name] = i
+                self._num_consumers[name] = self._num_consumers.get(name, 0) + 1
         for i, node in enumerate(nodes):
             compile_fn = _COMPILERS.get(node["op"])
             if compile_fn is None:
                 raise GraphFormatError(f"op {node['op']!r} (from {node.get('source') or 'unknown'}) is not "
                                        f"implemented by this runtime; known: {', '.join(_COMPILERS)}")
             weights = {role: params[name] for role, name in node.get("weights", {}).items()}
+            self._node = node
             kernel = compile_fn(weights, node.get("attrs", {}), self)
             dead = [n for n in node["inputs"] if last_use.get(n) == i and n not in self.outputs]
             self._program.append((kernel, node["inputs"], node["outputs"], sorted(set(dead))))
@@ -143,17 +166,26 @@ def _embedding(w, attrs, ex) -> Kernel:
 def _rms_norm(w, attrs, ex) -> Kernel:
     weight, eps = w.get("weight"), attrs["eps"]
     head_dim, offset = attrs.get("head_dim"), attrs.get("weight_offset", 0.0)
+    if ex.use_kernels:
+        from kernels.fused_norm import rms_norm
+
+        return lambda xs, step: (rms_norm(xs[0], weight, eps, offset, head_dim),)
     return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
 
 
 def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
     weight, eps, offset = w.get("weight"), attrs["eps"], attrs.get("weight_offset", 0.0)
-    return lambda xs, step: ops.fused_add_rms_norm(xs[0], xs[1], weight, eps, offset)
+    fn = ops.fused_add_rms_norm
+    if ex.use_kernels:
+        from kernels.fused_norm import fused_add_rms_norm as fn
+    return lambda xs, step: fn(xs[0], xs[1], weight, eps, offset)
 
 
 def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
-    if quant:
+    if quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
+        fn = _kernel_weight_only_linear(w, quant)
+    elif quant:
         fn = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
     else:
         weight, bias = w["weight"], w.get("bias")
@@ -164,10 +196,32 @@ def _linear(w, attrs, ex) -> Kernel:
     return lambda xs, step: (fn(xs[0]),)
 
 
+def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tensor]:
+    """W4A16/W8A16 through the Triton GEMM that dequantizes in registers (packed weights stay packed)."""
+    from kernels.w4a16_gemm import w4a16_linear
+
+    qweight, scales, zeros, bias = w["qweight"], w["scales"], w["zeros"], w.get("bias")
+    bits = quant["bits"]
+    in_features = qweight.shape[1] * (2 if bits == 4 else 1)
+    group = in_features if quant["group_size"] == -1 else quant["group_size"]
+    return lambda x: w4a16_linear(x, qweight, scales, zeros, group, bias, bits=bits)
+
+
 def _rope(w, attrs, ex) -> Kernel:
     inv_freq = w["inv_freq"].float()
     key = str(id(w["inv_freq"]))
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
+    if ex.use_kernels:
+        from kernels.rope import apply_rope_
+
+        # in place when this node is the only reader of its input (q/k fresh from the QKV projection)
+        exclusive = ex._num_consumers.get(ex._node["inputs"][0], 0) == 1
+
+        def rope_kernel(xs, step):
+            x, positions = xs
+            return (apply_rope_(x if exclusive else x.clone(), positions, inv_freq, num_heads, head_dim, scaling),)
+
+        return rope_kernel
 
     def kernel(xs, step):
         x, positions = xs
@@ -184,7 +238,11 @@ def _attention(w, attrs, ex) -> Kernel:
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
     store, load = _kv_codec(attrs.get("kv_cache_dtype"), w.get("k_scale"), w.get("v_scale"), ex.dtype)
 
+    paged = _paged_attention(w, attrs) if ex.use_kernels else None  # None: a head_dim the kernels lack
+
     def kernel(xs, step):
+        if step.inp.paged is not None and paged is not None:
+            return paged(xs, step.inp.paged)
         q, k, v = xs  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
         k, v = store(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim))
@@ -198,6 +256,36 @@ def _attention(w, attrs, ex) -> Kernel:
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0),)
 
     return kernel
+
+
+def _paged_attention(w, attrs) -> Callable[[list[torch.Tensor], PagedAttentionMetadata], tuple] | None:
+    """Attention through the Triton kernels: write the step's K/V into the paged cache (quantizing for
+    FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables."""
+    from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, paged_decode_attention, paged_prefill_attention,
+                                         write_kv_cache)
+
+    layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
+    head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return None
+    k_scale = w["k_scale"].float().reshape(1) if "k_scale" in w else None
+    v_scale = w["v_scale"].float().reshape(1) if "v_scale" in w else None
+
+    def run(xs, md: PagedAttentionMetadata):
+        q, k, v = xs  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
+        q = q.view(-1, num_heads, head_dim)
+        kc, vc = md.k_caches[layer], md.v_caches[layer]
+        write_kv_cache(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), kc, vc, md.slot_mapping,
+                       k_scale=k_scale, v_scale=v_scale)
+        if md.decode_only:
+            out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
+                                         v_scale=v_scale, sliding_window=window)
+        else:
+            out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
+                                          k_scale=k_scale, v_scale=v_scale, sliding_window=window)
+        return (out.view(-1, num_heads * head_dim),)
+
+    return run
 
 
 def _kv_codec(kind: str | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, dtype: torch.dtype):
@@ -222,6 +310,10 @@ def _activation(w, attrs, ex) -> Kernel:
 
 
 def _silu_mul(w, attrs, ex) -> Kernel:
+    if ex.use_kernels:
+        from kernels.activation import silu_mul
+
+        return lambda xs, step: (silu_mul(*xs),)
     return lambda xs, step: (ops.silu_mul(*xs),)
 
 

@@ -25,7 +25,7 @@ import torch
 
 from runtime.block_pool import BlockPool
 from runtime.engine import Engine, RequestError
-from runtime.executor import SeqSlice, StepInput
+from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_manager import KVCacheManager
 from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget, estimate_workspace_bytes,
                             plan_kv_blocks, tensor_bytes)
@@ -108,10 +108,11 @@ class ServingEngine:
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", config: ServingConfig | None = None, *,
-             check_hashes: bool = True, allow_failed_gate: bool = False) -> ServingEngine:
+             check_hashes: bool = True, allow_failed_gate: bool = False,
+             use_kernels: bool | None = None) -> ServingEngine:
         """Verify and load an artifact (see ``Engine.load``), then plan memory and build the KV pool."""
-        return cls(Engine.load(path, device, check_hashes=check_hashes, allow_failed_gate=allow_failed_gate),
-                   config)
+        return cls(Engine.load(path, device, check_hashes=check_hashes, allow_failed_gate=allow_failed_gate,
+                               use_kernels=use_kernels), config)
 
     # --- memory --------------------------------------------------------------------------------
     def _plan_memory(self) -> MemoryPlan:
@@ -241,7 +242,30 @@ class ServingEngine:
         inp = StepInput(torch.tensor(ids, dtype=torch.long, device=device),
                         torch.tensor(positions, dtype=torch.long, device=device), seqs,
                         torch.tensor(logits_rows, dtype=torch.long, device=device))
+        if self.executor.use_kernels:
+            inp.paged = self._paged_metadata(sched)
         return inp, sampling
+
+    def _paged_metadata(self, sched: SchedulerOutput) -> PagedAttentionMetadata:
+        """Block tables, slots and lengths of the step as tensors, for the fused attention kernels."""
+        bs = self.block_size
+        tables = [self.kv.block_table(q.request.request_id) for q in sched.seqs]
+        width = max(len(t) for t in tables)
+        slots: list[int] = []
+        for q, table in zip(sched.seqs, tables):
+            slots.extend(table[p // bs] * bs + p % bs for p in range(q.num_context, q.num_context + q.num_new))
+        cu = [0]
+        for q in sched.seqs:
+            cu.append(cu[-1] + q.num_new)
+
+        def i32(values):
+            return torch.tensor(values, dtype=torch.int32, device=self.device)
+
+        return PagedAttentionMetadata(
+            self.storage.k, self.storage.v, torch.tensor(slots, dtype=torch.long, device=self.device),
+            i32([t + [0] * (width - len(t)) for t in tables]),
+            i32([q.num_context + q.num_new for q in sched.seqs]), i32([q.num_context for q in sched.seqs]),
+            i32(cu), all(q.num_new == 1 for q in sched.seqs))
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Detokenize the new token, check stop conditions, and finish the request if it is done."""
