@@ -176,6 +176,7 @@ def serve(
     gpu_memory_utilization: float = typer.Option(0.9, help="CUDA: fraction of device memory to use"),
     request_timeout: float | None = typer.Option(None, help="per-request deadline in seconds"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="decode eagerly (debugging)"),
     allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="serve an artifact that failed its gates"),
     log_level: str = typer.Option("info", help="debug | info | warning | error"),
 ) -> None:
@@ -188,7 +189,7 @@ def serve(
                "--max-num-batched-tokens": max_num_batched_tokens, "--max-seq-len": max_seq_len,
                "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout}
     argv += [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]
-    argv += [flag for flag, on in (("--no-prefix-caching", no_prefix_caching),
+    argv += [flag for flag, on in (("--no-prefix-caching", no_prefix_caching), ("--no-cuda-graphs", no_cuda_graphs),
                                    ("--allow-failed-gate", allow_failed_gate)) if on]
     try:
         code = serve_main(argv)
@@ -252,6 +253,74 @@ def _graph_text(graph: dict) -> str:
     from passes.ir import Graph
 
     return str(Graph.from_dict(graph))
+
+
+
+
+bench_app = typer.Typer(no_args_is_help=True, help="Latency and throughput benchmarks of an artifact.")
+app.add_typer(bench_app, name="bench")
+
+
+def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: Optional[int],
+                  max_num_batched_tokens: Optional[int], no_cuda_graphs: bool):
+    from builder.bench import load_for_bench
+    from runtime.artifact import ArtifactError
+    from runtime.memory import MemoryPlanError
+
+    try:
+        return load_for_bench(str(artifact), device, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
+                              max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs)
+    except (ArtifactError, MemoryPlanError, ValueError) as e:
+        _fail(f"cannot load {artifact}: {e}")
+
+
+@bench_app.command("latency")
+def bench_latency(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    device: str = typer.Option("cuda", help="cuda | cpu"),
+    input_len: list[int] = typer.Option([128], help="prompt lengths (repeat the option for several)"),
+    output_len: int = typer.Option(128, help="tokens generated per repeat"),
+    repeats: int = typer.Option(3, help="median over this many runs"),
+    max_seq_len: Optional[int] = typer.Option(None, help="lower the artifact's max_seq_len (smaller KV tables)"),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="prefill chunk (default: the artifact's)"),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="append the results as JSON lines to this file"),
+) -> None:
+    """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline."""
+    from builder.bench import latency, report
+
+    _setup_logging(False)
+    engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
+    report([latency(engine, n, output_len, repeats) for n in input_len], json_out)
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    artifact: Path = typer.Argument(..., help="artifact directory"),
+    device: str = typer.Option("cuda", help="cuda | cpu"),
+    input_len: int = typer.Option(128),
+    output_len: int = typer.Option(128),
+    concurrency: list[int] = typer.Option([64], help="max_num_seqs values to sweep (repeat the option)"),
+    num_prompts: Optional[int] = typer.Option(None, help="requests per point (default: 4 x concurrency)"),
+    max_seq_len: Optional[int] = typer.Option(None),
+    max_num_batched_tokens: Optional[int] = typer.Option(None),
+    no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    json_out: Optional[str] = typer.Option(None, "--json"),
+) -> None:
+    """Output tokens/s of many requests submitted at once, at each concurrency."""
+    from builder.bench import report, throughput
+
+    _setup_logging(False)
+    results = []
+    for c in concurrency:
+        engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
+        results.append(throughput(engine, input_len, output_len, num_prompts or 4 * c))
+        del engine
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+    report(results, json_out)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.9,
                    help="CUDA: fraction of device memory for weights, workspace and KV cache")
     m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
     p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact that failed its quality gates")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -132,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
             max_seq_len=args.max_seq_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
-            kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout)
+            kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout,
+            cuda_graphs=not args.no_cuda_graphs)
         serving = ServingEngine.load(args.artifact, device=args.device, config=config,
                                      allow_failed_gate=args.allow_failed_gate)
     except (ArtifactError, TokenizerError, MemoryPlanError, ValueError) as e:

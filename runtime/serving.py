@@ -51,6 +51,7 @@ class ServingConfig:
     kv_cache_bytes: int | None = None  # explicit KV pool size in bytes (CPU default: 1 GiB)
     num_blocks: int | None = None  # explicit number of KV blocks (tests, benchmarks); overrides the bytes
     request_timeout_s: float | None = None  # default per-request deadline, from arrival; None = none
+    cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA with kernels only); off to debug
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -102,6 +103,12 @@ class ServingEngine:
         self.kv = KVCacheManager(BlockPool(self.memory_plan.num_blocks), self.block_size,
                                  config.enable_prefix_caching, hash_extra=dtypes)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
+        self.graphs = None
+        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
+            from runtime.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
+                                       self.scheduler_config.max_seq_len)
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self.num_steps = 0
@@ -203,8 +210,13 @@ class ServingEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return outputs
-        inp, sampling = self._prepare(sched)
-        logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
+        if self.graphs is not None and all(q.num_new == 1 for q in sched.seqs) \
+                and self.graphs.bucket_for(len(sched.seqs)) is not None:
+            sampling = [q.request for q in sched.seqs]  # a one-token step always reaches the last token
+            logits = self._replay(sched)
+        else:
+            inp, sampling = self._prepare(sched)
+            logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
         self.num_steps += 1
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
@@ -245,6 +257,19 @@ class ServingEngine:
         if self.executor.use_kernels:
             inp.paged = self._paged_metadata(sched)
         return inp, sampling
+
+    def _replay(self, sched: SchedulerOutput) -> torch.Tensor:
+        """A decode-only step through its captured CUDA graph."""
+        bs = self.block_size
+        ids, positions, slots, tables, lens = [], [], [], [], []
+        for q in sched.seqs:
+            p, table = q.num_context, self.kv.block_table(q.request.request_id)
+            ids.append(q.request.token_ids[p])
+            positions.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+            tables.append(table)
+            lens.append(p + 1)
+        return self.graphs.run(ids, positions, slots, tables, lens)
 
     def _paged_metadata(self, sched: SchedulerOutput) -> PagedAttentionMetadata:
         """Block tables, slots and lengths of the step as tensors, for the fused attention kernels."""
