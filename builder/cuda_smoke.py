@@ -15,6 +15,10 @@ import time
 import torch
 
 from runtime import Engine, SamplingParams
+from runtime.serving import ServingConfig, ServingEngine
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n", "    def __init__(self, name):\n",
+           "for i in range(10):\n"]
 
 
 def check(path: str, num_tokens: int = 64) -> str:
@@ -35,9 +39,33 @@ def check(path: str, num_tokens: int = 64) -> str:
             f"{g.decode_tokens_per_s:.0f} | {time.perf_counter() - t:.2f} s |")
 
 
+def check_serving(path: str, num_tokens: int = 64) -> str:
+    """The serving engine on CUDA (Triton kernels, paged cache, CUDA-graph decode) against the CPU
+    offline engine on the torch reference ops: greedy tokens of a batch of prompts, and batch-1 decode."""
+    from builder.bench import latency
+
+    cpu = Engine.load(path, device="cpu")
+    params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+    prompts = [cpu.tokenizer.encode(p) for p in PROMPTS]
+    rows = []
+    for graphs in (True, False):
+        srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=8, cuda_graphs=graphs))
+        outs = srv.run(prompts, params)
+        agree = sum(sum(x == y for x, y in zip(o.token_ids, cpu.generate(p, params).token_ids))
+                    for p, o in zip(prompts, outs))
+        lat = latency(srv, 64, 128, repeats=3)
+        rows.append(f"| {path} | kernels, graphs {'on' if graphs else 'off'} | {agree}/{num_tokens * len(prompts)} | "
+                    f"{lat.decode_tok_s:.0f} | {lat.ttft_ms:.1f} ms |")
+    return "\n".join(rows)
+
+
 if __name__ == "__main__":
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
     print("| artifact | greedy tokens equal (CPU vs CUDA) | max abs logit diff | CPU decode tok/s | CUDA decode tok/s | CUDA 64 tokens |")
     print("| --- | --- | --- | --- | --- | --- |")
     for p in sys.argv[1:]:
         print(check(p), flush=True)
+    print("\n| artifact | serving path | greedy tokens equal to CPU | batch-1 decode tok/s | TTFT (64 tokens) |")
+    print("| --- | --- | --- | --- | --- |")
+    for p in sys.argv[1:]:
+        print(check_serving(p), flush=True)

@@ -198,13 +198,13 @@ def _linear(w, attrs, ex) -> Kernel:
 
 def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton GEMM that dequantizes in registers (packed weights stay packed)."""
-    from kernels.w4a16_gemm import w4a16_linear
+    from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
-    qweight, scales, zeros, bias = w["qweight"], w["scales"], w["zeros"], w.get("bias")
-    bits = quant["bits"]
+    qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
-    return lambda x: w4a16_linear(x, qweight, scales, zeros, group, bias, bits=bits)
+    packed = repack_w4a16(qweight, w["scales"], w["zeros"], group, bits)  # K-major: coalesced loads, once
+    return lambda x: w4a16_linear(x, bias=bias, **packed)
 
 
 def _rope(w, attrs, ex) -> Kernel:

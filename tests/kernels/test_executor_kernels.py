@@ -42,3 +42,21 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
         got = torch.tensor([lp.logprob for lp in out.logprobs])
         assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("algo", ["gptq", "int8_wo"])
+def test_weight_only_linears_on_the_gemm_kernel(tmp_path, algo):
+    """W4A16 / W8A16 artifacts: the executor runs the Triton GEMM on the repacked weights."""
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
+    quant = {"algo": algo, "group_size": 16} if algo == "gptq" else {"algo": algo}
+    recipe = validate_recipe({
+        "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quant,
+        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+    path = build(recipe).output_dir
+    ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
+    ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert (fused.logits(ids) - ref.logits(ids)).abs().max() < 1e-3

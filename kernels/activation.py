@@ -1,0 +1,67 @@
+"""SiLU-and-multiply for the merged gate/up projection, with the runtime's numerics.
+
+Semantics are ``runtime/ops.silu_mul`` (the reference): for ``gate_up`` [num_tokens, 2 * I] the first
+half of each row is the gate, the second the up projection, and
+
+    out = to_dtype(silu(gate)) * up            [num_tokens, I], silu in fp32
+
+(the silu is rounded to the activation dtype before the product, as torch's ``F.silu(gate) * up`` does).
+Separate ``gate`` and ``up`` tensors are accepted too, as ``ops.silu_mul`` accepts them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime import ops
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, num_cols,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    e = tl.exp(-tl.abs(g))  # in (0, 1]: no overflow for large |g|
+    sigmoid = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    silu = (g * sigmoid).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (silu * u).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I])."""
+    if not (gate_up.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        raise RuntimeError("silu_mul runs on CUDA tensors (or under TRITON_INTERPRET=1); use runtime.ops on the CPU")
+    if up is None:
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up {tuple(gate_up.shape)} is not [num_tokens, 2 * intermediate]")
+        gate, up = gate_up.chunk(2, dim=-1)
+    else:
+        gate = gate_up
+        if gate.shape != up.shape or gate.dim() != 2:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must be the same [num_tokens, I]")
+    if gate.dtype != up.dtype:
+        raise ValueError(f"gate and up dtypes differ ({gate.dtype}, {up.dtype})")
+    gate = gate if gate.stride(-1) == 1 else gate.contiguous()
+    up = up if up.stride(-1) == 1 else up.contiguous()
+    num_tokens, num_cols = gate.shape
+    out = torch.empty((num_tokens, num_cols), dtype=gate.dtype, device=gate.device)
+    if out.numel() == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(num_cols))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
+    return out
+
+
+def ref_silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    return ops.silu_mul(gate_up, up)

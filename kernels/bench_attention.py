@@ -1,0 +1,310 @@
+"""GPU check and benchmark of the paged-attention kernels: ``python -m kernels.bench_attention``.
+
+1. Correctness against the ``ref_*`` functions of ``kernels/paged_attention.py`` with fresh random
+   inputs: a sweep of small cases over what the CPU interpreter tests cannot reach (tensor-core
+   bf16/fp16 matmuls, hardware fp8 casts), then every benchmark shape (Llama-3-8B attention: 32 heads,
+   8 kv heads, head_dim 128, block 16).
+2. Timing with CUDA events (warmup, median of ``--iters``) of a CUDA-graph replay (GPU time; the
+   capture also proves the call never syncs with the host) and of the eager call (which adds Python
+   and Triton launch overhead). Decode at batch 1/8/64 x context 128/2048/8192 with bf16 and fp8
+   caches, reported as achieved bandwidth (bytes of K/V, queries, outputs and block-table entries
+   per second); prefill of 2048 tokens as attention TFLOP/s (4 * head_dim flops per visible
+   (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors.
+
+Exits 1 when any correctness check fails (the timing still prints), 2 without a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from kernels.paged_attention import (
+    KV_QMAX,
+    _decode_num_splits,
+    paged_decode_attention,
+    paged_prefill_attention,
+    quantize_kv,
+    ref_paged_decode_attention,
+    ref_paged_prefill_attention,
+    ref_write_kv_cache,
+    write_kv_cache,
+)
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "int8": torch.int8}
+TOL = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}  # atol = rtol
+
+
+@dataclass
+class Paged:
+    """A filled paged cache and the tables that address it."""
+
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, a random permutation of the blocks
+    k_scale: torch.Tensor | None  # fp32 [1] for quantized caches
+    v_scale: torch.Tensor | None
+
+
+def make_paged(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+               kv_dtype: torch.dtype, gen: torch.Generator) -> Paged:
+    max_blocks = max(1, max(-(-n // block_size) for n in lens))
+    num_blocks = len(lens) * max_blocks + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    v = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    k_scale = v_scale = None
+    if kv_dtype in KV_QMAX:
+        qmax = KV_QMAX[kv_dtype]
+        k_scale = (k.float().abs().amax() / qmax).reshape(1)
+        v_scale = (v.float().abs().amax() / qmax).reshape(1)
+        k, v = quantize_kv(k, k_scale, kv_dtype), quantize_kv(v, v_scale, kv_dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda")[:len(lens) * max_blocks]
+    tables = perm.view(len(lens), max_blocks).to(torch.int32)
+    return Paged(k, v, tables, k_scale, v_scale)
+
+
+def close(out: torch.Tensor, expected: torch.Tensor) -> tuple[bool, float]:
+    tol = TOL[out.dtype]
+    err = (out.float() - expected.float()).abs().max().item()
+    ok = bool(torch.isfinite(out.float()).all()) and torch.allclose(out.float(), expected.float(), atol=tol, rtol=tol)
+    return ok, err
+
+
+def check_decode(lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, gen, window=None, num_splits=None):
+    p = make_paged(lens, num_kv_heads, head_dim, BLOCK_SIZE, dtype, kv_dtype, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen, device="cuda", dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+    kw = {"k_scale": p.k_scale, "v_scale": p.v_scale, "sliding_window": window}
+    out = paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale, num_splits=num_splits, **kw)
+    expected = ref_paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale, **kw)
+    return close(out, expected)
+
+
+def check_prefill(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, gen, window=None):
+    p = make_paged([c + n for c, n in zip(ctx_lens, q_lens)], num_kv_heads, head_dim, BLOCK_SIZE, dtype, kv_dtype, gen)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen, device="cuda", dtype=dtype)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    scale = head_dim ** -0.5
+    kw = {"k_scale": p.k_scale, "v_scale": p.v_scale, "sliding_window": window}
+    out = paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, **kw)
+    expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, **kw)
+    return close(out, expected)
+
+
+def check_write(num_tokens, num_kv_heads, head_dim, dtype, kv_dtype, gen):
+    """write_kv_cache must store exactly what the reference stores (same bits)."""
+    num_blocks = -(-num_tokens // BLOCK_SIZE) + 4
+    k = 3 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device="cuda", dtype=dtype)
+    v = 3 * torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen, device="cuda", dtype=dtype)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device="cuda")[:num_tokens]
+    slots[::7] = -1  # padding tokens are skipped
+    scales = (k.float().abs().amax() / 448, v.float().abs().amax() / 300) if kv_dtype in KV_QMAX else (None, None)
+    caches = [torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen, device="cuda").to(kv_dtype)
+              for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    write_kv_cache(k, v, *caches, slots, k_scale=scales[0], v_scale=scales[1])
+    ref_write_kv_cache(k, v, *expected, slots, k_scale=scales[0], v_scale=scales[1])
+    same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(caches, expected))
+    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(caches, expected))
+    return same, err
+
+
+def sweep(gen) -> list[tuple[str, bool, float]]:
+    """Small cases over dtypes, group sizes, head dims, windows and split counts (a rotation, not the
+    full product, to keep the number of compiled variants small)."""
+    results = []
+    lens = [1, 17, 300, 1000, 64]
+    heads = ((8, 8), (8, 2), (8, 1), (32, 8))
+    combos = [(dtype, kv) for dtype in (torch.float32, torch.float16, torch.bfloat16)
+              for kv in (dtype, torch.float8_e4m3fn, torch.int8)]
+    for i, (dtype, kv_dtype) in enumerate(combos):
+        num_heads, num_kv_heads = heads[i % len(heads)]
+        head_dim = (32, 64, 128)[i % 3]
+        name = f"{_name(dtype)}/{_name(kv_dtype)} h{num_heads}/{num_kv_heads} d{head_dim}"
+        for window, splits in ((None, 1), (None, 5), (100, None), (100, 3)):
+            ok, err = check_decode(lens, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, gen,
+                                   window=window, num_splits=splits)
+            results.append((f"decode {name} window={window} splits={splits}", ok, err))
+        for window in (None, 100):
+            ok, err = check_prefill([1, 70, 200, 0, 129], [0, 0, 300, 5, 64], num_heads, num_kv_heads,
+                                    head_dim, dtype, kv_dtype, gen, window=window)
+            results.append((f"prefill {name} window={window}", ok, err))
+        ok, err = check_write(300, num_kv_heads, head_dim, dtype, kv_dtype, gen)
+        results.append((f"write_kv_cache {_name(dtype)}->{_name(kv_dtype)}", ok, err))
+    return results
+
+
+def time_ms(fn, warmup: int, iters: int) -> float:
+    """Median milliseconds of ``fn`` between CUDA events, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def timings(fn, args) -> tuple[float, float]:
+    """(graph, eager) median milliseconds. The call is captured in a CUDA graph (which fails on a host
+    sync) and its replay timed: GPU time, as the runtime's graphed steps see it. Eager adds the Python
+    and Triton launch overhead."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, args.warmup, args.iters), time_ms(fn, args.warmup, args.iters)
+
+
+def bench_decode(batch, context, kv_name, gen, args, failures) -> str:
+    kv_dtype = KV_DTYPES[kv_name]
+    lens = [max(1, context - (i % 7)) for i in range(batch)]  # ragged, mostly not multiples of the block
+    p = make_paged(lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, kv_dtype, gen)
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+
+    def run():
+        return paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale,
+                                      k_scale=p.k_scale, v_scale=p.v_scale)
+
+    expected = ref_paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale,
+                                              k_scale=p.k_scale, v_scale=p.v_scale)
+    ok, err = close(run(), expected)
+    if not ok:
+        failures.append(f"decode batch={batch} context={context} kv={kv_name}: max err {err:.3g}")
+    ms, eager_ms = timings(run, args)
+    kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
+    other = 2 * q.numel() * q.element_size() + sum(-(-n // BLOCK_SIZE) for n in lens) * 4
+    splits = _decode_num_splits(batch, NUM_KV_HEADS, p.block_tables.shape[1] * BLOCK_SIZE, q.device)
+    return (f"| decode | {kv_name} | {batch} | {context} | {splits} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
+            f"{(kv_bytes + other) / ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
+
+
+def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
+    kv_dtype = KV_DTYPES[kv_name]
+    p = make_paged([c + n for c, n in zip(ctx_lens, q_lens)], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16,
+                   kv_dtype, gen)
+    q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+
+    def run():
+        return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
+                                       k_scale=p.k_scale, v_scale=p.v_scale)
+
+    expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
+                                               k_scale=p.k_scale, v_scale=p.v_scale)
+    ok, err = close(run(), expected)
+    shape = f"{len(q_lens)}x{q_lens[0]} new, ctx {ctx_lens[0]}"
+    if not ok:
+        failures.append(f"prefill {shape} kv={kv_name}: max err {err:.3g}")
+    ms, eager_ms = timings(run, args)
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, ctx_lens))  # visible (query, key) pairs
+    flops = 4 * NUM_HEADS * HEAD_DIM * pairs
+    rows = [(f"| prefill | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
+             f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")]
+    if kv_name == "bf16" and len(set(ctx_lens)) == 1 and len(set(q_lens)) == 1:
+        rows.append(_sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args))
+    return rows
+
+
+def _sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args) -> str:
+    """torch SDPA (flash) on the same keys gathered to contiguous tensors: a baseline, not a check."""
+    n, c = q_lens[0], ctx_lens[0]
+    pos = torch.arange(c + n, device="cuda")
+    ks = torch.stack([p.k_cache[t.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE] for t in p.block_tables])
+    vs = torch.stack([p.v_cache[t.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE] for t in p.block_tables])
+    qs = q.view(len(q_lens), n, NUM_HEADS, HEAD_DIM).transpose(1, 2)
+    ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
+    if c == 0:
+        kw = {"is_causal": True}
+    else:
+        kw = {"attn_mask": pos[None, :] <= (c + torch.arange(n, device="cuda"))[:, None]}
+
+    def run():
+        return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale, enable_gqa=True, **kw)
+
+    ms, eager_ms = timings(run, args)
+    return (f"| sdpa, contiguous K/V (baseline) | bf16 | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
+            f"{flops / ms / 1e9:6.1f} TFLOP/s | - |")
+
+
+def _name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
+            torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[dtype]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-sweep", action="store_true", help="skip the small-shape correctness sweep")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("kernels.bench_attention needs a CUDA device", file=sys.stderr)
+        return 2
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}")
+    failures: list[str] = []
+
+    if not args.skip_sweep:
+        results = sweep(gen)
+        failures += [f"{name}: max err {err:.3g}" for name, ok, err in results if not ok]
+        print(f"correctness sweep: {sum(ok for _, ok, _ in results)}/{len(results)} cases pass")
+
+    for kv_name in ("bf16", "fp8"):
+        ok, err = check_write(2048, NUM_KV_HEADS, HEAD_DIM, torch.bfloat16, KV_DTYPES[kv_name], gen)
+        print(f"write_kv_cache 2048 tokens -> {kv_name}: {'exact' if ok else f'MISMATCH (max err {err:.3g})'}")
+        if not ok:
+            failures.append(f"write_kv_cache -> {kv_name}")
+
+    print(f"\nLlama-3-8B attention: {NUM_HEADS} heads, {NUM_KV_HEADS} kv heads, head_dim {HEAD_DIM}, "
+          f"block {BLOCK_SIZE}, bf16 queries; median of {args.iters} after {args.warmup} warmup\n")
+    print("| kernel | kv | batch | context | splits | graph us | eager us | bandwidth (graph) | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for kv_name in ("bf16", "fp8"):
+        for batch in (1, 8, 64):
+            for context in (128, 2048, 8192):
+                print(bench_decode(batch, context, kv_name, gen, args, failures), flush=True)
+                torch.cuda.empty_cache()
+
+    print("\n| kernel | kv | shape | graph us | eager us | throughput (graph) | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for kv_name in ("bf16", "fp8"):
+        for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4)):
+            for row in bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures):
+                print(row, flush=True)
+
+    if failures:
+        print(f"\n{len(failures)} correctness failure(s):", *failures, sep="\n  ", file=sys.stderr)
+        return 1
+    print("\nall correctness checks passed")
+    return 0
+
+
+def _triton_version() -> str:
+    import triton
+    return triton.__version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

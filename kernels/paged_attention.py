@@ -1,0 +1,646 @@
+"""Paged-attention Triton kernels over the runtime's block-table KV cache.
+
+Three entry points, each tested against its plain-torch twin at the end of this file (``ref_*``,
+written plainly: gather each sequence's K/V through its block table, dequantize, fp32 softmax):
+
+- ``write_kv_cache``: scatter new K/V rows into their cache slots, quantizing for fp8/int8 caches.
+- ``paged_decode_attention``: one query token per sequence (split-KV flash-decoding).
+- ``paged_prefill_attention``: packed variable-length causal prefill, chunked prefill included.
+
+Cache layout (``runtime/paged_kv.py``):
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]   (model dtype, fp8 e4m3 or int8)
+    position p of sequence i  ->  block block_tables[i, p // block_size], row p % block_size
+    real value = stored.float() * k_scale   (per-layer fp32 scalar; quantized caches only)
+
+NOTE: the kernels never synchronise with the host (no ``.item()``, no per-sequence Python loops): grid
+sizes come from tensor shapes only, so a step can be captured in a CUDA graph. Scales are read on the
+device; pass them as tensors (a Python float is accepted and copied to the device on each call).
+
+Numerics: scores, softmax statistics and accumulators are fp32; the two matmuls take operands in the
+query's dtype (bf16/fp16 tensor cores, fp32 with IEEE precision for fp32 queries) with fp32
+accumulation. Quantized K/V are fed to the matmuls as stored (fp8 and int8 values are exact in
+bf16/fp16) and their scales are folded into the score scale and the output.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (32, 64, 128)
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}  # cache storage dtype -> QUANT code in the kernels
+
+# Decode split heuristic (``_decode_num_splits``).
+_MIN_KEYS_PER_SPLIT = 256  # below this a split's partial result costs more to merge than it saves
+_MAX_SPLITS = 32
+_LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: larger than any position
+
+
+# --- device helpers ---------------------------------------------------------------------------------
+@triton.jit
+def _mma(a, b, FP32: tl.constexpr):
+    """a @ b accumulated in fp32. FP32: fp32 operands at IEEE precision (fp32 models, and the CPU
+    interpreter, whose bf16/fp16 dot is wrong); otherwise tensor cores on the operands' dtype."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, FP32: tl.constexpr):
+    """Fold one tile into the running (max, sum, acc). s: [R, N] log2-domain scores (-inf where
+    masked); v: [N, D] in the compute dtype, zero where masked. m_i starts finite, so no NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _rint_nonneg(a):
+    """Round a >= 0 (< 2**31) to the nearest integer, ties to even, as torch.round does."""
+    t = a.to(tl.int32)  # truncation == floor for a >= 0
+    frac = a - t.to(tl.float32)  # exact
+    up = (frac > 0.5) | ((frac == 0.5) & ((t & 1) == 1))
+    return (t + up.to(tl.int32)).to(tl.float32)
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """Round |y| <= 448 to the nearest float8 e4m3 value (ties to even), in fp32 arithmetic.
+
+    The final cast to fp8 is then exact, so the result does not depend on the backend's conversion
+    rounding (the interpreter truncates). Binade [2^e, 2^(e+1)) has step 2^(e-3); below 2^-6 the
+    subnormals have the fixed step 2^-9.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    up = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2^(3 - e)
+    down = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
+    r = _rint_nonneg(tl.abs(y) * up) * down
+    # y's sign bit onto r (-0.0 stays -0.0, as in torch)
+    return (r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quantize(x, scale_ptr, QUANT: tl.constexpr):
+    """x (QUANT 1: fp8, 2: int8) in storage arithmetic, as runtime/executor.py ``_kv_codec``: fp8:
+    clamp(x / s, +-448) rounded to e4m3; int8: round(clamp(x / s, +-127)). fp32 values on the storage
+    grid; the division is IEEE (Triton's ``/`` is not correctly rounded on NVIDIA)."""
+    y = tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr) + tl.zeros_like(x).to(tl.float32))
+    if QUANT == 1:
+        r = _round_to_e4m3(tl.minimum(tl.maximum(y, -448.0), 448.0))
+    else:
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        r = _rint_nonneg(tl.abs(y))
+        r = tl.where(y < 0, -r, r)
+    return r
+
+
+# --- write_kv_cache ---------------------------------------------------------------------------------
+@triton.jit
+def _write_kv_kernel(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads,
+        stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
+        BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+    # grid: (num_tokens,); one program writes all kv heads of one token
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    offs_h = tl.arange(0, HEADS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_h < num_kv_heads)[:, None]
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct \
+        + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(k_ptr + token * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    if QUANT != 0:
+        k = _quantize(k, k_scale_ptr, QUANT)
+        v = _quantize(v, v_scale_ptr, QUANT)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | float | None = None,
+                   v_scale: torch.Tensor | float | None = None) -> None:
+    """Scatter ``k, v: [num_tokens, num_kv_heads, head_dim]`` into the caches' flat slots, in place.
+
+    slot_mapping: [num_tokens] int32/int64, slot = block_id * block_size + offset; a negative slot is a
+    padding token and is skipped. fp8/int8 caches are quantized with ``k_scale``/``v_scale`` exactly as
+    ``runtime.executor._kv_codec`` does (``quantize_kv``).
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    assert v.shape == k.shape, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ"
+    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    quant = _QUANT.get(k_cache.dtype, 0)
+    k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, k.device)
+    _write_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t, num_kv_heads,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
+        BLOCK_SIZE=k_cache.shape[1], HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        QUANT=quant, num_warps=4)
+
+
+# --- decode -----------------------------------------------------------------------------------------
+@triton.jit
+def _paged_decode_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
+        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+        qk_scale, window, num_splits,
+        stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr):
+    # grid: (num_seqs, num_kv_heads, num_splits). One program: the GROUP query heads sharing one kv
+    # head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's key tiles.
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys [lo, seq_len)
+
+    # this split's key tiles: an equal share of the tiles overlapping [lo, seq_len)
+    first_tile = lo // BLOCK_N
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
+    q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+    if FP32:
+        q = q.to(tl.float32)
+    if QUANT != 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        pos = tile * BLOCK_N + offs_n
+        valid = (pos >= lo) & (pos < seq_len)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        # masked lanes are left unloaded (garbage): masked out of s and zeroed in v below
+        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
+        s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+        v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+
+    if QUANT != 0:
+        acc = acc * tl.load(v_scale_ptr)
+    if SPLIT:
+        part = (seq * num_heads + head) * num_splits + split  # [GROUP_PAD] rows of [.., num_splits, ..]
+        tl.store(part_m_ptr + part, m_i, mask=g_mask)
+        tl.store(part_l_ptr + part, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+    else:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence gets zeros
+        tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_os, stride_oh,
+                         HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    # grid: (num_seqs, num_heads). Log-sum-exp merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    part = (seq * tl.num_programs(1) + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # empty splits: m = -1e30, l = 0, acc = 0
+    denom = tl.sum(l_s * w, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                           k_scale: torch.Tensor | float | None = None,
+                           v_scale: torch.Tensor | float | None = None,
+                           sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new query per sequence over its paged cache; returns ``out`` like ``q``.
+
+    q: [num_seqs, num_heads, head_dim], query i at position seq_lens[i] - 1 (its K/V already written);
+    block_tables: [num_seqs, max_blocks] int32 (padded); seq_lens: [num_seqs] int32 (0: output zeros).
+    num_splits: key splits per sequence (flash-decoding); None picks one from shapes alone
+    (``_decode_num_splits``). Any value gives the same result up to fp32 rounding.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs)
+    assert seq_lens.shape == (num_seqs,), f"seq_lens {tuple(seq_lens.shape)} != ({num_seqs},)"
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    block_size = k_cache.shape[1]
+    if num_splits is None:
+        num_splits = _decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    q = _last_dim_contiguous(q)
+    group = num_heads // num_kv_heads
+    block_n, num_warps, num_stages = _decode_config(k_cache.dtype)
+    k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
+    split = num_splits > 1
+    if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)]
+        part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l,
+        scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
+        FP32=_fp32_dot(q.dtype), SPLIT=split, num_warps=num_warps, num_stages=num_stages)
+    if split:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_acc, part_m, part_l, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def _decode_config(cache_dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for decode: keys per iteration (several cache blocks), measured
+    best on an H100 for Llama-3-8B shapes (``kernels/bench_attention.py``)."""
+    if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
+        return 64, 4, 2
+    if cache_dtype == torch.float32:
+        return 64, 4, 2
+    return 128, 4, 3
+
+
+def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Key splits per sequence for decode, from shapes only (no host sync; stable for CUDA graphs).
+
+    One program per (sequence, kv head) leaves most SMs idle at small batch; splitting each sequence's
+    keys over more programs fills them. Heuristic: aim for two waves of programs over the SMs, but give
+    every split at least ``_MIN_KEYS_PER_SPLIT`` keys of the table's capacity (``max_context`` =
+    max_blocks * block_size: the real lengths are on the device) and use at most ``_MAX_SPLITS``.
+    Each sequence's own tiles are shared out; a split beyond a short sequence's tiles exits at once.
+    """
+    programs = num_seqs * num_kv_heads
+    wanted = -(-2 * _num_sms(device) // programs)
+    by_length = max(1, max_context // _MIN_KEYS_PER_SPLIT)
+    return max(1, min(wanted, by_length, _MAX_SPLITS))
+
+
+# --- prefill ----------------------------------------------------------------------------------------
+@triton.jit
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
+    """The sequence owning flat query tile ``tile``: the last i with cu[i] // BLOCK_M + i <= tile.
+
+    Sequence i's tiles start at cu[i] // BLOCK_M + i: room for its cdiv(len_i, BLOCK_M) tiles plus at
+    most one spare, and num_tokens // BLOCK_M + num_seqs tiles in all, a bound known from shapes.
+    """
+    lo = tile * 0
+    hi = lo + num_seqs
+    while lo < hi:  # binary search over [lo, hi)
+        mid = (lo + hi) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
+                      qk_scale, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr):
+    """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile. MASKED: the tile may
+    hold keys past the sequence, after a query (causal) or before its window; else all are visible."""
+    pos = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        in_seq = pos < kv_len
+        block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+    row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+    if MASKED:  # masked lanes stay unloaded (garbage): masked out of s and zeroed in v
+        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=in_seq[None, :])  # [HEAD_DIM, BLOCK_N]
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=in_seq[:, None])  # [BLOCK_N, HEAD_DIM]
+        v = tl.where(in_seq[:, None], v.to(q.dtype), 0.0)
+    else:
+        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None])
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :]).to(q.dtype)
+    s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+    if MASKED:
+        visible = in_seq[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+    return _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        k_scale_ptr, v_scale_ptr, out_ptr, qk_scale, window, num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr):
+    # grid: (num_tokens // BLOCK_M + num_seqs, num_heads). Program (t, h): flat query tile t (BLOCK_M
+    # rows of one sequence, ``_find_seq``) for head h, over every key its rows can see.
+    tile = tl.program_id(0)
+    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_M)
+    if seq < 0:  # only when cu_seqlens_q[0] > 0: rows before it belong to no sequence
+        return
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    m_start = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M  # first row of the tile within the sequence
+    if m_start >= q_len:  # a spare tile
+        return
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    context = tl.load(context_lens_ptr + seq)
+    kv_len = context + q_len
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < q_len
+    q_pos = context + offs_m  # absolute positions of the tile's queries
+    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)
+    if FP32:
+        q = q.to(tl.float32)
+    if QUANT != 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+
+    # Key tiles [a, hi) in three runs: [a, b) and [c, hi) need masks, [b, c) is visible to every row:
+    #   a: first tile holding a key the first query sees (window); hi: past the last query's position
+    #   b: first tile past every row's window start;  c: end of the tiles before the first query
+    first_pos = context + m_start
+    last_pos = context + tl.minimum(m_start + BLOCK_M, q_len) - 1
+    a = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
+    hi = last_pos + 1
+    b = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, a), hi)
+    c = tl.maximum(tl.minimum(((first_pos + 1) // BLOCK_N) * BLOCK_N, hi), b)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in range(a, b, BLOCK_N):
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                          kv_head, kv_len, window, qk_scale, stride_cb, stride_ct, stride_ch,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32)
+    for start in range(b, c, BLOCK_N):
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                          kv_head, kv_len, window, qk_scale, stride_cb, stride_ct, stride_ch,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32)
+    for start in range(c, hi, BLOCK_N):
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                          kv_head, kv_len, window, qk_scale, stride_cb, stride_ct, stride_ch,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32)
+
+    if QUANT != 0:
+        acc = acc * tl.load(v_scale_ptr)
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, *, k_scale: torch.Tensor | float | None = None,
+                            v_scale: torch.Tensor | float | None = None,
+                            sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over their paged caches; returns ``out`` like ``q``.
+
+    q: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
+    (cu_seqlens_q: [num_seqs + 1] int32, starting at 0, ending at num_tokens) at positions
+    context_lens[i] + j (context_lens: [num_seqs] int32; > 0 for a chunked prefill). Their K/V are
+    already written to the cache, so every key, old or new, is read through block_tables:
+    [num_seqs, max_blocks] int32. Rows past cu_seqlens_q[-1] (padding) are left unwritten.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = context_lens.shape[0]
+    _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs)
+    assert cu_seqlens_q.shape == (num_seqs + 1,), \
+        f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} != ({num_seqs + 1},) for {num_seqs} sequences"
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    q = _last_dim_contiguous(q)
+    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype)
+    k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
+    _paged_prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t, out,
+        scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def _prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill, measured on an H100 (Llama-3-8B shapes,
+    ``kernels/bench_attention.py``: 64x64 within 10% of the best of 128x64, 128x128 and 64x32 at every
+    shape, and the best with short sequences). fp32 runs its matmuls on CUDA cores: smaller tiles."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 2
+    return 64, 64, 4, 2
+
+
+# --- shared host-side helpers ----------------------------------------------------------------------
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported by the paged-attention kernels; "
+                         f"supported: {', '.join(map(str, SUPPORTED_HEAD_DIMS))}")
+    assert k_cache.dim() == 4 and k_cache.shape[2:] == (num_kv_heads, head_dim), \
+        f"k_cache {tuple(k_cache.shape)} is not [num_blocks, block_size, {num_kv_heads}, {head_dim}]"
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype, \
+        f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} != k_cache {tuple(k_cache.shape)} {k_cache.dtype}"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, \
+        f"k/v caches need equal strides and contiguous rows: {k_cache.stride()}, {v_cache.stride()}"
+
+
+def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, num_seqs: int) -> None:
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    if q.dtype not in QUERY_DTYPES:
+        raise ValueError(f"query dtype {q.dtype} is not one of {', '.join(map(str, QUERY_DTYPES))}")
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    assert num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+    assert k_cache.dtype in (q.dtype, *_QUANT), \
+        f"cache dtype {k_cache.dtype} is neither the query dtype {q.dtype} nor fp8 e4m3 / int8"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1, \
+        f"block_tables {tuple(block_tables.shape)} is not a row-contiguous [{num_seqs}, max_blocks] table"
+
+
+def _scales(cache: torch.Tensor, k_scale, v_scale, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Device fp32 scalars for the kernels; placeholders (never read) for an unquantized cache."""
+    if cache.dtype not in _QUANT:
+        return cache, cache
+    if k_scale is None or v_scale is None:
+        raise ValueError(f"a {cache.dtype} KV cache needs k_scale and v_scale")
+
+    def as_tensor(s) -> torch.Tensor:
+        t = torch.as_tensor(s, dtype=torch.float32, device=device).reshape(-1)
+        assert t.numel() == 1, f"KV scales are per-layer scalars, got {t.numel()} values"
+        return t
+
+    return as_tensor(k_scale), as_tensor(v_scale)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _fp32_dot(dtype: torch.dtype) -> bool:
+    """Run the matmuls in fp32: for fp32 inputs, and always under TRITON_INTERPRET (whose bf16/fp16
+    ``tl.dot`` and fp32->bf16 casts are inexact); tested numerics therefore match within tolerance."""
+    return dtype == torch.float32 or _interpreted()
+
+
+def _interpreted() -> bool:
+    """Whether the kernels were built for the interpreter (TRITON_INTERPRET=1 at import time)."""
+    return not isinstance(_paged_decode_kernel, triton.runtime.JITFunction)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# --- plain-torch references (what the kernels are tested against) ---------------------------------
+# largest finite magnitude of each quantized KV storage dtype (runtime/executor.py ``_kv_codec``)
+KV_QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in the cache's storage ``dtype``: divide by the per-layer scale, clamp, round (int8), cast."""
+    if dtype not in KV_QMAX:
+        return x.to(dtype)
+    qmax = KV_QMAX[dtype]
+    y = (x.float() / torch.as_tensor(scale, dtype=torch.float32, device=x.device)).clamp(-qmax, qmax)
+    return (y.round() if dtype == torch.int8 else y).to(dtype)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | float | None) -> torch.Tensor:
+    """Stored cache rows as fp32 values."""
+    if x.dtype not in KV_QMAX:
+        return x.float()
+    return x.float() * torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+
+
+def ref_write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | float | None = None,
+                       v_scale: torch.Tensor | float | None = None) -> None:
+    """Write rows ``k, v: [num_tokens, num_kv_heads, head_dim]`` to flat slots of the caches, in place.
+
+    slot = block_id * block_size + offset; a negative slot (a padding token) is skipped.
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_slots = k_cache.view(-1, *k_cache.shape[2:])
+    v_slots = v_cache.view(-1, *v_cache.shape[2:])
+    k_slots[slots] = quantize_kv(k[keep], k_scale, k_cache.dtype)
+    v_slots[slots] = quantize_kv(v[keep], v_scale, v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
+              scale: torch.Tensor | float | None) -> torch.Tensor:
+    """Positions [0, num_tokens) of one sequence as fp32 [num_tokens, num_kv_heads, head_dim]."""
+    pos = torch.arange(num_tokens, device=cache.device)
+    blocks = block_table.long()[pos // cache.shape[1]]
+    return dequantize_kv(cache[blocks, pos % cache.shape[1]], scale)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           sliding_window: int | None) -> torch.Tensor:
+    """Masked attention in fp32 over one sequence's gathered keys (key j sits at position j).
+
+    q: [num_q, num_heads, head_dim] at positions ``q_pos: [num_q]``; k, v: [num_keys, num_kv_heads, head_dim].
+    Query at position p sees keys at positions <= p and, with a sliding window, > p - window
+    (``runtime.ops.attention_one``). Returns fp32 [num_q, num_heads, head_dim].
+    """
+    group = q.shape[1] // k.shape[1]
+    kh = k.float().repeat_interleave(group, dim=1)  # [num_keys, num_heads, head_dim]
+    vh = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kh) * scale
+    k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if sliding_window:
+        mask &= k_pos > q_pos[:, None] - sliding_window
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, vh)
+
+
+def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
+                               k_scale: torch.Tensor | float | None = None,
+                               v_scale: torch.Tensor | float | None = None,
+                               sliding_window: int | None = None) -> torch.Tensor:
+    """One query per sequence at position seq_lens[i] - 1 over its cached keys; like ``q``.
+
+    q: [num_seqs, num_heads, head_dim]; a sequence of length 0 gets zeros.
+    """
+    out = torch.zeros_like(q)
+    for i, n in enumerate(seq_lens.tolist()):
+        if n == 0:
+            continue
+        k = gather_kv(k_cache, block_tables[i], n, k_scale)
+        v = gather_kv(v_cache, block_tables[i], n, v_scale)
+        q_pos = torch.tensor([n - 1], device=q.device)
+        out[i] = attend(q[i:i + 1], k, v, q_pos, scale, sliding_window)[0].to(q.dtype)
+    return out
+
+
+def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                                context_lens: torch.Tensor, scale: float, *,
+                                k_scale: torch.Tensor | float | None = None,
+                                v_scale: torch.Tensor | float | None = None,
+                                sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of packed new tokens over their sequences' cached keys; like ``q``.
+
+    q: [num_tokens, num_heads, head_dim]; sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] sit at
+    positions context_lens[i] + j, and their own K/V are already in the cache.
+    """
+    out = torch.empty_like(q)
+    cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
+    for i in range(len(ctx)):
+        start, end = cu[i], cu[i + 1]
+        if end == start:
+            continue
+        num_keys = ctx[i] + end - start
+        k = gather_kv(k_cache, block_tables[i], num_keys, k_scale)
+        v = gather_kv(v_cache, block_tables[i], num_keys, v_scale)
+        q_pos = torch.arange(ctx[i], num_keys, device=q.device)
+        out[start:end] = attend(q[start:end], k, v, q_pos, scale, sliding_window).to(q.dtype)
+    return out

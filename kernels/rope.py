@@ -1,0 +1,92 @@
+"""Rotary position embedding, in place, with cos/sin computed in the kernel from the positions.
+
+Semantics are ``runtime/ops.rope_tables`` + ``runtime/ops.rope`` (the reference), rotate-half layout:
+
+    angle[t, i] = fp32(positions[t]) * inv_freq[i]                  i < head_dim / 2
+    cos, sin    = to_dtype(cos(angle) * attention_scaling), to_dtype(sin(angle) * attention_scaling)
+    x[t, h, :half], x[t, h, half:] = x1 * cos - x2 * sin,  x2 * cos + x1 * sin
+
+No tables are materialised. The angle is reduced to [-pi, pi] (Cody-Waite, 2*pi split in three) before
+``tl.cos`` / ``tl.sin``, so accuracy does not depend on how the backend handles large arguments
+(positions in the thousands give angles in the thousands of radians).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from runtime import ops
+
+_INV_TWO_PI = 0.15915493667125702
+# 2*pi = _TWO_PI_HI + _TWO_PI_MID + _TWO_PI_LO; HI and MID have 9 significant bits, so k * HI and
+# k * MID are exact in fp32 for k < 2**15 (angles below ~2e5 rad).
+_TWO_PI_HI = 6.28125
+_TWO_PI_MID = 0.001934051513671875
+_TWO_PI_LO = 1.2556658930407139e-06
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_xt, num_heads, scaling,
+                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                 INV_TWO_PI: tl.constexpr, TWO_PI_HI: tl.constexpr, TWO_PI_MID: tl.constexpr,
+                 TWO_PI_LO: tl.constexpr):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HALF
+    mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
+
+    # angle: [BLOCK_D], >= 0 (positions and inverse frequencies are non-negative)
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + offs_d, mask=mask_d, other=0.0)
+    k = (angle * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round to nearest (angle >= 0)
+    r = ((angle - k * TWO_PI_HI) - k * TWO_PI_MID) - k * TWO_PI_LO
+    dtype = x_ptr.dtype.element_ty
+    cos = (tl.cos(r) * scaling).to(dtype).to(tl.float32)[None, :]  # the reference's tables are in x's dtype
+    sin = (tl.sin(r) * scaling).to(dtype).to(tl.float32)[None, :]
+
+    ptrs = x_ptr + t * stride_xt + offs_h[:, None] * HEAD_DIM + offs_d[None, :]  # first halves
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
+                head_dim: int, attention_scaling: float = 1.0) -> torch.Tensor:
+    """Rotate ``x`` [num_tokens, num_heads * head_dim] in place (rows may be strided); returns ``x``.
+
+    positions: [num_tokens] integer; inv_freq: [head_dim / 2] fp32.
+    """
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        raise RuntimeError("apply_rope_ runs on CUDA tensors (or under TRITON_INTERPRET=1); use runtime.ops on the CPU")
+    if head_dim % 2 or x.dim() != 2 or x.shape[1] != num_heads * head_dim:
+        raise ValueError(f"x {tuple(x.shape)} is not [num_tokens, num_heads * head_dim] = [*, {num_heads} * "
+                         f"{head_dim}] with an even head_dim")
+    if x.stride(1) != 1:
+        raise ValueError("apply_rope_ writes in place and needs x's features contiguous (x.stride(1) == 1)")
+    if tuple(positions.shape) != (x.shape[0],) or tuple(inv_freq.shape) != (head_dim // 2,):
+        raise ValueError(f"positions {tuple(positions.shape)} / inv_freq {tuple(inv_freq.shape)} do not match "
+                         f"{x.shape[0]} tokens and head_dim {head_dim} (expected [{head_dim // 2}] frequencies)")
+    num_tokens = x.shape[0]
+    if num_tokens == 0:
+        return x
+    half = head_dim // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(num_heads), max(4096 // block_d, 1))
+    grid = (num_tokens, triton.cdiv(num_heads, block_h))
+    _rope_kernel[grid](x, positions, inv_freq.float(), x.stride(0), num_heads, float(attention_scaling),
+                       HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
+                       INV_TWO_PI=_INV_TWO_PI, TWO_PI_HI=_TWO_PI_HI, TWO_PI_MID=_TWO_PI_MID,
+                       TWO_PI_LO=_TWO_PI_LO, num_warps=4)
+    return x
+
+
+def ref_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int, head_dim: int,
+             attention_scaling: float = 1.0) -> torch.Tensor:
+    """Reference (out of place): the runtime's tables and rotation."""
+    cos, sin = ops.rope_tables(positions, inv_freq.float(), attention_scaling, x.dtype)
+    return ops.rope(x, cos, sin, num_heads, head_dim)

@@ -1,0 +1,140 @@
+"""RMSNorm, residual-add RMSNorm, RoPE and SiLU-mul Triton kernels against the runtime's torch ops,
+under the Triton interpreter on CPU."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+
+from kernels.activation import ref_silu_mul, silu_mul
+from kernels.fused_norm import (
+    fused_add_rms_norm,
+    ref_fused_add_rms_norm,
+    ref_rms_norm,
+    rms_norm,
+)
+from kernels.rope import apply_rope_, ref_rope
+
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16: a few rounding steps (the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest,
+# and a norm rounds up to three times: the new residual, the normed row, the product with the gain)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
+
+
+def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + shift).to(dtype)
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = TOL[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+# --- norms ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hidden", [96, 200, 64])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(hidden, weight_offset, dtype):
+    x = _randn(7, hidden, dtype=dtype, seed=hidden, scale=3.0, shift=0.5)
+    weight = _randn(hidden, dtype=dtype, seed=1, scale=0.2, shift=0.0 if weight_offset else 1.0)
+    _assert_close(rms_norm(x, weight, 1e-6, weight_offset), ref_rms_norm(x, weight, 1e-6, weight_offset))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_and_without_weight(dtype):
+    x = _randn(5, 4 * 24, dtype=dtype, seed=2, scale=2.0)
+    weight = _randn(24, dtype=dtype, seed=3, scale=0.2, shift=1.0)
+    _assert_close(rms_norm(x, weight, 1e-5, head_dim=24), ref_rms_norm(x, weight, 1e-5, head_dim=24))
+    _assert_close(rms_norm(x, None, 1e-5), ref_rms_norm(x, None, 1e-5))
+
+
+def test_rms_norm_strided_rows():
+    qkv = _randn(6, 96 + 64, dtype=torch.float32, seed=4)
+    k = qkv[:, 96:]  # a split of a merged projection: row stride 160
+    weight = _randn(64, dtype=torch.float32, seed=5, shift=1.0)
+    _assert_close(rms_norm(k, weight, 1e-6), ref_rms_norm(k, weight, 1e-6))
+
+
+@pytest.mark.parametrize("hidden", [96, 200])
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(hidden, weight_offset, dtype):
+    x = _randn(9, hidden, dtype=dtype, seed=hidden + 1, scale=2.0)
+    residual = _randn(9, hidden, dtype=dtype, seed=hidden + 2, scale=4.0, shift=-0.3)
+    weight = _randn(hidden, dtype=dtype, seed=6, scale=0.2, shift=0.0 if weight_offset else 1.0)
+    normed, total = fused_add_rms_norm(x, residual, weight, 1e-6, weight_offset)
+    ref_normed, ref_total = ref_fused_add_rms_norm(x, residual, weight, 1e-6, weight_offset)
+    if dtype == torch.float32:
+        assert torch.equal(total, ref_total)  # the new residual is x + residual, as torch computes it
+    else:
+        _assert_close(total, ref_total)  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest)
+    _assert_close(normed, ref_normed)
+    assert not torch.equal(normed, total)  # the outputs are not swapped
+
+
+# --- rope -------------------------------------------------------------------------------------------
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+POSITIONS = [0, 1, 2, 17, 130, 1023, 4097, 5000, 32767]
+
+
+@pytest.mark.parametrize("num_heads,head_dim,theta,scaling", [(2, 32, 10000.0, 1.0), (8, 64, 500000.0, 1.0),
+                                                              (8, 32, 10000.0, 0.75), (2, 64, 1e6, 1.0)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place(num_heads, head_dim, theta, scaling, dtype):
+    positions = torch.tensor(POSITIONS, dtype=torch.int64)
+    x = _randn(len(POSITIONS), num_heads * head_dim, dtype=dtype, seed=num_heads + head_dim)
+    inv_freq = _inv_freq(head_dim, theta)
+    expected = ref_rope(x, positions, inv_freq, num_heads, head_dim, scaling)
+    before = x.clone()
+    out = apply_rope_(x, positions, inv_freq, num_heads, head_dim, scaling)
+    assert out.data_ptr() == x.data_ptr()
+    assert not torch.equal(x[1:], before[1:])  # written in place (position 0 is the identity at scaling 1)
+    _assert_close(x, expected)
+
+
+def test_rope_on_a_split_view_leaves_the_rest():
+    num_heads, head_dim = 2, 32
+    qkv = _randn(5, 3 * num_heads * head_dim, dtype=torch.float32, seed=7)
+    positions = torch.tensor([3, 4, 5, 6000, 7000])
+    inv_freq = _inv_freq(head_dim, 10000.0)
+    k = qkv[:, num_heads * head_dim: 2 * num_heads * head_dim]  # row stride 3 * 64
+    expected = ref_rope(k, positions, inv_freq, num_heads, head_dim)
+    before = qkv.clone()
+    apply_rope_(k, positions, inv_freq, num_heads, head_dim)
+    _assert_close(qkv[:, num_heads * head_dim: 2 * num_heads * head_dim], expected)
+    assert torch.equal(qkv[:, : num_heads * head_dim], before[:, : num_heads * head_dim])
+    assert torch.equal(qkv[:, 2 * num_heads * head_dim:], before[:, 2 * num_heads * head_dim:])
+
+
+def test_rope_rejects_bad_shapes():
+    x = torch.randn(3, 64)
+    with pytest.raises(ValueError, match="num_heads \\* head_dim"):
+        apply_rope_(x, torch.arange(3), _inv_freq(32, 1e4), 3, 32)
+    with pytest.raises(ValueError, match="inv_freq"):
+        apply_rope_(x, torch.arange(3), _inv_freq(64, 1e4), 2, 32)
+
+
+# --- silu_mul ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("intermediate", [96, 200, 1500])  # 1500: more than one column block
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(intermediate, dtype):
+    gate_up = _randn(4, 2 * intermediate, dtype=dtype, seed=intermediate, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -20.0, 30.0], dtype=dtype)  # saturated sigmoid
+    _assert_close(silu_mul(gate_up), ref_silu_mul(gate_up))
+
+
+def test_silu_mul_separate_gate_and_up():
+    gate = _randn(3, 200, dtype=torch.bfloat16, seed=8, scale=3.0)
+    up = _randn(3, 200, dtype=torch.bfloat16, seed=9)
+    out = silu_mul(gate, up)
+    _assert_close(out, ref_silu_mul(gate, up))
+    assert not torch.allclose(out.float(), ref_silu_mul(up, gate).float(), atol=1e-2)  # gate is the first

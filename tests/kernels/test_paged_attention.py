@@ -1,0 +1,283 @@
+"""Paged-attention Triton kernels against their torch references, under the Triton interpreter on CPU.
+
+The references (``ref_*`` in ``kernels/paged_attention.py``) are themselves checked against the
+runtime's ``ops.attention_one`` and ``executor._kv_codec``. Caches are random, block tables shuffled,
+and every slot no sequence owns is poisoned (NaN; 127 for int8), so a kernel that reads past a
+sequence or through a padding table entry fails.
+
+NOTE: Triton picks interpreter or compiler when a kernel is decorated, i.e. when
+``kernels.paged_attention`` is first imported. The variable is set here before that import; if the
+module was imported earlier in this process without it, it is reloaded (and on a machine where the
+kernels were compiled for CUDA on purpose, TRITON_INTERPRET=0, the same tests run on the GPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+
+from kernels import paged_attention as pa
+from runtime import ops
+from runtime.executor import _kv_codec
+
+if not pa._interpreted() and os.environ["TRITON_INTERPRET"] == "1":
+    pa = importlib.reload(pa)  # imported before TRITON_INTERPRET was set: build the kernels again
+if pa._interpreted():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+FP8, INT8 = torch.float8_e4m3fn, torch.int8
+
+
+# --- fixtures -----------------------------------------------------------------------------------------
+def _paged(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+           kv_dtype: torch.dtype, gen: torch.Generator):
+    """(k_cache, v_cache, block_tables, k_scale, v_scale) holding sequences of ``lens`` tokens.
+
+    Blocks are a random permutation; each table row is padded with one more column pointing at a
+    spare block; all slots past each sequence's length and all spare blocks are poisoned.
+    """
+    blocks_per_seq = [-(-n // block_size) for n in lens]
+    max_blocks = max(blocks_per_seq) + 1
+    num_blocks = sum(blocks_per_seq) + 2
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    spare, rows, start = ids[-1], [], 0
+    for nb in blocks_per_seq:
+        rows.append(ids[start:start + nb] + [spare] * (max_blocks - nb))
+        start += nb
+    assert any(b - a != 1 for row in rows for a, b in itertools.pairwise(row)), "want non-contiguous tables"
+    owned = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for row, n in zip(rows, lens):
+        pos = torch.arange(n)
+        owned[torch.tensor(row)[pos // block_size], pos % block_size] = True
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(shape, generator=gen) * 2
+    v = torch.randn(shape, generator=gen)
+    k_scale = v_scale = None
+    if kv_dtype in pa.KV_QMAX:
+        qmax = pa.KV_QMAX[kv_dtype]
+        k_scale = (k[owned].abs().amax() / qmax).reshape(1)
+        v_scale = float(v[owned].abs().amax() / qmax)  # a Python float is accepted too
+    # poison: NaN survives the fp8 cast; int8 has no NaN, so its largest value
+    poison = 127 * max(k_scale.item(), v_scale) if kv_dtype == INT8 else float("nan")
+    k[~owned], v[~owned] = poison, poison
+    k, v = pa.quantize_kv(k, k_scale, kv_dtype), pa.quantize_kv(v, v_scale, kv_dtype)
+    tables = torch.tensor(rows, dtype=torch.int32)
+    to = (lambda t: t.to(DEVICE) if isinstance(t, torch.Tensor) else t)
+    return to(k), to(v), to(tables), to(k_scale), v_scale
+
+
+def _assert_close(out: torch.Tensor, expected: torch.Tensor) -> None:
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    assert torch.isfinite(out.float()).all(), "the kernel read a poisoned slot"
+    tol = TOL[out.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def _int32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
+
+
+# --- the references against the runtime ----------------------------------------------------------------
+@pytest.mark.parametrize("num_kv_heads, context, window", [(4, 0, None), (2, 9, None), (1, 9, 5), (2, 0, 6)])
+def test_reference_prefill_matches_attention_one(num_kv_heads, context, window):
+    """One sequence on a contiguous cache (block table 0, 1, 2, ...) equals ops.attention_one."""
+    gen = torch.Generator().manual_seed(0)
+    num_new, num_heads, head_dim, block_size = 7, 4, 16, 4
+    n = context + num_new
+    q = torch.randn(num_new, num_heads, head_dim, generator=gen)
+    k_all = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    v_all = torch.randn(n, num_kv_heads, head_dim, generator=gen)
+    num_blocks = -(-n // block_size)
+    k_cache = torch.zeros(num_blocks * block_size, num_kv_heads, head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    k_cache[:n], v_cache[:n] = k_all, v_all
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    out = pa.ref_paged_prefill_attention(
+        q, k_cache.view(num_blocks, block_size, num_kv_heads, head_dim),
+        v_cache.view(num_blocks, block_size, num_kv_heads, head_dim), table,
+        torch.tensor([0, num_new]), torch.tensor([context]), 0.3, sliding_window=window)
+    expected = ops.attention_one(q, k_all, v_all, context, 0.3, window)
+    torch.testing.assert_close(out.reshape(num_new, -1), expected, atol=1e-5, rtol=1e-5)
+
+    decode = pa.ref_paged_decode_attention(
+        q[-1:], k_cache.view(num_blocks, block_size, num_kv_heads, head_dim),
+        v_cache.view(num_blocks, block_size, num_kv_heads, head_dim), table, torch.tensor([n]), 0.3,
+        sliding_window=window)
+    torch.testing.assert_close(decode.reshape(1, -1), expected[-1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind, dtype", [("fp8", FP8), ("int8", INT8)])
+def test_reference_quantization_matches_kv_codec(kind, dtype):
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(40, 2, 16, generator=gen) * 3
+    v = torch.randn(40, 2, 16, generator=gen)
+    k_scale, v_scale = torch.tensor(0.011), torch.tensor(0.004)  # some values saturate
+    store, _ = _kv_codec(kind, k_scale, v_scale, torch.float32)
+    want_k, want_v = store(k, v)
+    k_cache = torch.zeros(10, 4, 2, 16, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    pa.ref_write_kv_cache(k, v, k_cache, v_cache, torch.arange(40), k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(k_cache.view(40, 2, 16).view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(40, 2, 16).view(torch.uint8), want_v.view(torch.uint8))
+
+
+# --- write_kv_cache --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float32, FP8), (torch.bfloat16, FP8), (torch.float32, INT8)])
+def test_write_kv_cache_matches_reference(dtype, kv_dtype):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, num_kv_heads, head_dim, num_blocks, block_size = 13, 3, 32, 8, 4
+    # k, v: strided views of one packed projection, as the executor hands them over
+    kv = (torch.randn(num_tokens, 2 * num_kv_heads * head_dim + 8, generator=gen) * 3).to(dtype)
+    k = kv[:, :num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = kv[:, num_kv_heads * head_dim:2 * num_kv_heads * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[4] = -1  # a padding token: skipped
+    scales = (torch.tensor([0.013]), 0.0071) if kv_dtype in pa.KV_QMAX else (None, None)
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+              for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    pa.ref_write_kv_cache(k, v, *expected, slots, k_scale=scales[0], v_scale=scales[1])
+    got = [c.clone().to(DEVICE) for c in caches]
+    pa.write_kv_cache(k.to(DEVICE), v.to(DEVICE), *got, slots.to(DEVICE),
+                      k_scale=scales[0].to(DEVICE) if scales[0] is not None else None, v_scale=scales[1])
+    for g, e, c in zip(got, expected, caches):
+        assert not torch.equal(e.view(torch.uint8), c.view(torch.uint8)), "the write changed nothing"
+        assert torch.equal(g.cpu().view(torch.uint8), e.view(torch.uint8))
+
+
+def test_write_kv_cache_rounding_edge_cases():
+    """fp8: every e4m3 value, the midpoints between neighbours (ties go to even) and the floats just
+    either side, subnormals, saturation, -0.0; int8: ties at x.5 of both parities and saturation."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mids, mids.nextafter(torch.tensor(1e9)), mids.nextafter(torch.tensor(-1e9)),
+                   torch.tensor([500.0, -1e4, -0.0, 1e-7, -1e-7]), torch.arange(-130.0, 130.0, 0.5)])
+    x = x[: x.numel() // 32 * 32].view(-1, 1, 32)
+    slots = torch.arange(x.shape[0])
+    for kv_dtype in (FP8, INT8):
+        expected = [torch.zeros(x.shape[0], 1, 1, 32, dtype=kv_dtype) for _ in range(2)]
+        pa.ref_write_kv_cache(x, -x, *expected, slots, k_scale=1.0, v_scale=1.0)
+        got = [e.new_zeros(e.shape).to(DEVICE) for e in expected]
+        pa.write_kv_cache(x.to(DEVICE), -x.to(DEVICE), *got, slots.to(DEVICE), k_scale=1.0, v_scale=1.0)
+        for g, e in zip(got, expected):
+            assert torch.equal(g.cpu().view(torch.uint8), e.view(torch.uint8)), kv_dtype
+
+
+# --- decode ----------------------------------------------------------------------------------------------
+DECODE_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, sliding_window)
+    pytest.param(8, 8, 32, torch.float32, torch.float32, None, id="mha-d32-fp32"),
+    pytest.param(8, 2, 64, torch.float32, torch.float32, None, id="gqa4-d64-fp32"),
+    pytest.param(8, 1, 32, torch.float32, torch.float32, 20, id="gqa8-d32-fp32-window"),
+    pytest.param(8, 2, 32, torch.bfloat16, torch.bfloat16, None, id="gqa4-d32-bf16"),
+    pytest.param(8, 1, 64, torch.bfloat16, torch.bfloat16, 37, id="gqa8-d64-bf16-window"),
+    pytest.param(8, 2, 32, torch.float32, FP8, None, id="gqa4-d32-fp32-fp8kv"),
+    pytest.param(8, 8, 64, torch.bfloat16, FP8, 20, id="mha-d64-bf16-fp8kv-window"),
+    pytest.param(8, 2, 64, torch.float32, INT8, None, id="gqa4-d64-fp32-int8kv"),
+    pytest.param(8, 1, 32, torch.bfloat16, INT8, None, id="gqa8-d32-bf16-int8kv"),
+]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window", DECODE_CASES)
+def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
+    """Lengths 1, short, block multiples and not, and past one 128-key tile; one and several splits
+    (the third split of the longest sequence is empty) agree with the reference and each other."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [1, 7, 16, 45, 300]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, num_kv_heads, head_dim, 8, dtype, kv_dtype, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), head_dim ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
+    expected = pa.ref_paged_decode_attention(*args, **kw)
+    one = pa.paged_decode_attention(*args, num_splits=1, **kw)
+    _assert_close(one, expected)
+    several = pa.paged_decode_attention(*args, num_splits=3, **kw)
+    _assert_close(several, expected)
+    torch.testing.assert_close(several.float(), one.float(), atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
+
+
+def test_decode_empty_sequence_gives_zeros_and_auto_splits():
+    """A padding sequence (length 0) yields zeros; num_splits=None runs (one split on CPU)."""
+    gen = torch.Generator().manual_seed(4)
+    lens = [9, 0, 3]
+    k_cache, v_cache, tables, _, _ = _paged([max(n, 1) for n in lens], 2, 32, 4, torch.float32, torch.float32, gen)
+    q = torch.randn(3, 4, 32, generator=gen).to(DEVICE)
+    for num_splits in (None, 2):
+        out = pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), 0.2, num_splits=num_splits)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        _assert_close(out, pa.ref_paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), 0.2))
+
+
+def test_decode_split_heuristic(monkeypatch):
+    """About two waves of programs over the SMs, each split >= 256 keys of the table, at most 32."""
+    monkeypatch.setattr(pa, "_num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert pa._decode_num_splits(1, 8, 8192, cuda) == 32  # one sequence: split across the whole GPU
+    assert pa._decode_num_splits(8, 8, 2048, cuda) == 5  # ceil(264 / 64) programs per (seq, kv head)
+    assert pa._decode_num_splits(8, 8, 512, cuda) == 2  # short tables: >= 256 keys per split
+    assert pa._decode_num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
+    assert pa._decode_num_splits(1, 1, 1 << 20, cuda) == 32  # capped
+
+
+# --- prefill ---------------------------------------------------------------------------------------------
+PREFILL_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, sliding_window)
+    pytest.param(8, 8, 32, torch.float32, torch.float32, None, id="mha-d32-fp32"),
+    pytest.param(8, 2, 64, torch.float32, torch.float32, 19, id="gqa4-d64-fp32-window"),
+    pytest.param(8, 1, 32, torch.bfloat16, torch.bfloat16, None, id="gqa8-d32-bf16"),
+    pytest.param(8, 2, 32, torch.bfloat16, FP8, 40, id="gqa4-d32-bf16-fp8kv-window"),
+    pytest.param(8, 8, 32, torch.float32, INT8, None, id="mha-d32-fp32-int8kv"),
+]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window", PREFILL_CASES)
+def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
+    """Fresh prompts (context 0) and chunks after a cached context, query lengths across and off the
+    64-row tile, a sequence with no new tokens; q is a strided view of a packed projection."""
+    gen = torch.Generator().manual_seed(5)
+    q_lens, ctx_lens = [70, 1, 5, 0, 33], [0, 37, 0, 12, 100]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, num_kv_heads, head_dim, 8, dtype, kv_dtype, gen)
+    num_tokens = sum(q_lens)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype).to(DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), head_dim ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
+    _assert_close(pa.paged_prefill_attention(*args, **kw), pa.ref_paged_prefill_attention(*args, **kw))
+
+
+def test_prefill_of_one_token_equals_decode():
+    gen = torch.Generator().manual_seed(6)
+    lens = [5, 19, 1]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 4, torch.float32, FP8, gen)
+    q = torch.randn(3, 8, 32, generator=gen).to(DEVICE)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": 4}
+    decode = pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), 0.2, num_splits=2, **kw)
+    prefill = pa.paged_prefill_attention(q, k_cache, v_cache, tables, _int32([0, 1, 2, 3]),
+                                         _int32([n - 1 for n in lens]), 0.2, **kw)
+    torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
+
+
+# --- argument checks -------------------------------------------------------------------------------------
+def test_rejects_unsupported_arguments():
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, tables, _, _ = _paged([4], 2, 32, 4, torch.float32, FP8, gen)
+    q = torch.randn(1, 4, 32, generator=gen).to(DEVICE)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32([4]), 0.2)
+    odd = torch.zeros(2, 4, 2, 48, device=DEVICE)
+    with pytest.raises(ValueError, match="head_dim 48 is not supported"):
+        pa.paged_decode_attention(torch.zeros(1, 4, 48, device=DEVICE), odd, odd, tables, _int32([4]), 0.2)
