@@ -19,7 +19,7 @@ for part in $parts; do
     8b)
       t0=$(date +%s)
       python3 -m builder.make_checkpoint --preset llama3-8b --out checkpoints/llama3-8b-random 2>&1 | tail -1
-      python3 -m builder.cli build recipes/bench-llama3-8b-bf16.yaml --quiet 2>&1 | tail -3
+      python3 -m builder.cli build recipes/bench/llama3-8b-bf16.yaml --quiet 2>&1 | tail -3
       echo "checkpoint + build: $(( $(date +%s) - t0 )) s"
       python3 -m builder.cli bench latency artifacts/llama3-8b-bf16 --input-len 128 --input-len 2048 \
         --output-len 128 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'

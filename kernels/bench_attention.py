@@ -53,19 +53,23 @@ class Paged:
 
 def make_paged(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                kv_dtype: torch.dtype, gen: torch.Generator) -> Paged:
+    """Random K/V in shuffled blocks for sequences of ``lens`` tokens; the few blocks no table lists
+    are NaN (int8: saturated), so a kernel reading through a wrong block id fails the check."""
     max_blocks = max(1, max(-(-n // block_size) for n in lens))
     num_blocks = len(lens) * max_blocks + 3
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     v = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen, device="cuda")
+    tables = perm[:len(lens) * max_blocks].view(len(lens), max_blocks).to(torch.int32)
     k_scale = v_scale = None
     if kv_dtype in KV_QMAX:
         qmax = KV_QMAX[kv_dtype]
         k_scale = (k.float().abs().amax() / qmax).reshape(1)
         v_scale = (v.float().abs().amax() / qmax).reshape(1)
-        k, v = quantize_kv(k, k_scale, kv_dtype), quantize_kv(v, v_scale, kv_dtype)
-    perm = torch.randperm(num_blocks, generator=gen, device="cuda")[:len(lens) * max_blocks]
-    tables = perm.view(len(lens), max_blocks).to(torch.int32)
+    spare = perm[len(lens) * max_blocks:]
+    k[spare] = v[spare] = float("nan") if kv_dtype != torch.int8 else float(k.abs().amax()) * 1e3
+    k, v = quantize_kv(k, k_scale, kv_dtype), quantize_kv(v, v_scale, kv_dtype)
     return Paged(k, v, tables, k_scale, v_scale)
 
 

@@ -5,15 +5,16 @@ runtime's ``ops.attention_one`` and ``executor._kv_codec``. Caches are random, b
 and every slot no sequence owns is poisoned (NaN; 127 for int8), so a kernel that reads past a
 sequence or through a padding table entry fails.
 
-NOTE: Triton picks interpreter or compiler when a kernel is decorated, i.e. when
-``kernels.paged_attention`` is first imported. The variable is set here before that import; if the
-module was imported earlier in this process without it, it is reloaded (and on a machine where the
-kernels were compiled for CUDA on purpose, TRITON_INTERPRET=0, the same tests run on the GPU).
+NOTE: Triton (3.x) picks interpreter or compiler for each ``@triton.jit`` function when it is
+decorated: its own library functions (``tl.cdiv``, ...) when ``triton`` is first imported, ours when
+``kernels.paged_attention`` is. So TRITON_INTERPRET=1 is set here before either import, and takes
+effect only if nothing in this process imported triton earlier (nothing the suite collects before
+this module does). If that happened, reloading our module cannot help (triton's functions stay
+compiled): the tests then run on CUDA when there is one, and are skipped otherwise.
 """
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import os
 
@@ -21,19 +22,20 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 
 import pytest
 import torch
+import triton
 
 from kernels import paged_attention as pa
 from runtime import ops
 from runtime.executor import _kv_codec
 
-if not pa._interpreted() and os.environ["TRITON_INTERPRET"] == "1":
-    pa = importlib.reload(pa)  # imported before TRITON_INTERPRET was set: build the kernels again
-if pa._interpreted():
+_TRITON_INTERPRETED = not isinstance(triton.language.cdiv, triton.runtime.JITFunction)
+if pa._interpreted() and _TRITON_INTERPRETED:
     DEVICE = "cpu"
-elif torch.cuda.is_available():
-    DEVICE = "cuda"
+elif not pa._interpreted() and torch.cuda.is_available():
+    DEVICE = "cuda"  # compiled kernels (TRITON_INTERPRET=0, or triton imported before it was set)
 else:
-    pytest.skip("Triton kernels need TRITON_INTERPRET=1 or a CUDA device", allow_module_level=True)
+    pytest.skip("triton was imported before TRITON_INTERPRET=1 was set, and there is no CUDA device: run "
+                "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
