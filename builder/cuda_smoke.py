@@ -49,13 +49,16 @@ def check_serving(path: str, num_tokens: int = 64) -> str:
     prompts = [cpu.tokenizer.encode(p) for p in PROMPTS]
     rows = []
     for graphs in (True, False):
-        srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=8, cuda_graphs=graphs))
+        srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=8, cuda_graphs=graphs,
+                                                             kv_cache_bytes=256 << 20))
         outs = srv.run(prompts, params)
         agree = sum(sum(x == y for x, y in zip(o.token_ids, cpu.generate(p, params).token_ids))
                     for p, o in zip(prompts, outs))
         lat = latency(srv, 64, 128, repeats=3)
         rows.append(f"| {path} | kernels, graphs {'on' if graphs else 'off'} | {agree}/{num_tokens * len(prompts)} | "
                     f"{lat.decode_tok_s:.0f} | {lat.ttft_ms:.1f} ms |")
+        del srv
+        torch.cuda.empty_cache()
     return "\n".join(rows)
 
 

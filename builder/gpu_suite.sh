@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: kernel checks at real shapes, the bundled model on the CUDA serving path, then the
 # Llama-3-8B-shaped bf16 benchmarks. Results go to $OUT (or ./gpu-results). Usage:
-#   bash builder/gpu_suite.sh [kernels|smoke|8b]...   (default: all three)
+#   bash builder/gpu_suite.sh [kernels|smoke|8b|hf]...   (default: kernels smoke 8b)
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -25,5 +25,9 @@ for part in $parts; do
         --output-len 128 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'
       python3 -m builder.cli bench throughput artifacts/llama3-8b-bf16 --input-len 128 --output-len 128 \
         --concurrency 16 --concurrency 64 --concurrency 256 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{' ;;
+    hf)
+      [ -d checkpoints/llama3-8b-random ] || python3 -m builder.make_checkpoint --preset llama3-8b --out checkpoints/llama3-8b-random
+      python3 -m builder.bench_hf checkpoints/llama3-8b-random 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
+      python3 -m builder.bench_hf checkpoints/llama3-8b-random --compile 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl" ;;
   esac
 done
