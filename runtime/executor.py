@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from runtime import ops
 from runtime.kv_cache import KVLayout, SequenceKV
-from runtime.quant import make_quant_linear
+from runtime.quant import make_fp8_scaled_mm_linear, make_quant_linear
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 
@@ -185,6 +185,9 @@ def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
     if quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
         fn = _kernel_weight_only_linear(w, quant)
+    elif quant and quant["scheme"] == "fp8" and ex.use_kernels and w["qweight"].is_cuda \
+            and ex.dtype in (torch.bfloat16, torch.float16):
+        fn = make_fp8_scaled_mm_linear(w)
     elif quant:
         fn = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
     else:
