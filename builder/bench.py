@@ -124,7 +124,10 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
     device = engine.device
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
     prompts = _random_prompts(num_prompts, input_len, vocab, seed)
-    engine.run(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm up
+    # warm up with a full wave of other prompts: Triton compiles a kernel once per specialisation (argument
+    # divisibility), and the prefill chunks of a wave reach shapes a single prompt does not
+    concurrency = engine.scheduler_config.max_num_seqs
+    engine.run(_random_prompts(concurrency, input_len, vocab, seed + 1), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.kv.pool.reset_prefix_cache()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
