@@ -147,8 +147,9 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
 def load_for_bench(artifact: str, device: str, *, max_num_seqs: int, max_seq_len: int | None,
                    max_num_batched_tokens: int | None, cuda_graphs: bool, check_hashes: bool = False,
                    gpu_memory_utilization: float = 0.9) -> ServingEngine:
-    config = ServingConfig(max_num_seqs=max_num_seqs, max_seq_len=max_seq_len, max_num_batched_tokens=max_num_batched_tokens,
-                           cuda_graphs=cuda_graphs, max_waiting=1 << 20, gpu_memory_utilization=gpu_memory_utilization)
+    config = ServingConfig(max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
+                           max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
+                           max_waiting=1 << 20, gpu_memory_utilization=gpu_memory_utilization)
     return ServingEngine.load(artifact, device, config, check_hashes=check_hashes, allow_failed_gate=True)
 
 

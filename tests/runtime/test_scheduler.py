@@ -74,7 +74,7 @@ def test_max_num_seqs_bounds_the_running_batch():
 
 def test_preempts_the_newest_request_and_recomputes_it_from_the_prefix_cache():
     s = _scheduler(5)
-    a = _add(s, "a", list(range(10, 18)))  # 8 tokens: blocks 0, 1
+    _add(s, "a", list(range(10, 18)))  # 8 tokens: blocks 0, 1
     c = _add(s, "c", list(range(50, 59)))  # 9 tokens: blocks 2, 3 (full, cached) and 4 (one token)
     assert _step(s) == [("a", 0, 8), ("c", 0, 9)]
     assert s.kv.block_table("a") == [0, 1] and s.kv.block_table("c") == [2, 3, 4]
