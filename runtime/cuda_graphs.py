@@ -91,14 +91,14 @@ class DecodeGraphs:
         assert b is not None, f"{n} sequences exceed the largest captured bucket {self.buckets[-1]}"
         pad = b - n
         host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.long)
-        table = torch.zeros(b, self.max_blocks, dtype=torch.int32)
-        for i, t in enumerate(tables):
-            table[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+        # only the columns in use: entries past a sequence's length are never read (seq_lens bounds the kernel)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
         lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32)
         self.input_ids[:b].copy_(host[0], non_blocking=True)
         self.positions[:b].copy_(host[1], non_blocking=True)
         self.slot_mapping[:b].copy_(host[2], non_blocking=True)
-        self.block_tables[:b].copy_(table, non_blocking=True)
+        self.block_tables[:b, :width].copy_(table, non_blocking=True)
         self.seq_lens[:b].copy_(lens, non_blocking=True)
         self.context_lens[:b].copy_(lens - 1, non_blocking=True)
         graph, logits = self._graphs[b]
