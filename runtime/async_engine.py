@@ -30,7 +30,11 @@ from runtime.serving import ServingEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "QueueFullError", "RequestError"]
+__all__ = ["AsyncEngine", "EngineNotRunning", "QueueFullError", "RequestError"]
+
+
+class EngineNotRunning(RuntimeError):
+    """The engine is not stepping (not started yet, shut down, or its step loop died)."""
 
 
 @dataclass
@@ -98,7 +102,7 @@ class AsyncEngine:
         """Stream a request's deltas until it finishes. Raises RequestError or QueueFullError before
         the first delta if the request is refused. Closing the iterator early aborts the request."""
         if not self.ready:
-            raise RuntimeError("the engine is not running")
+            raise EngineNotRunning("the engine is not running")
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -148,7 +152,7 @@ class AsyncEngine:
                 outputs = engine.finish_all("error", f"the engine step failed: {type(e).__name__}: {e}")
             self._dispatch(outputs)
         self._dispatch(engine.finish_all("abort", "the server is shutting down"))
-        self._fail_all(RuntimeError("the engine shut down"))
+        self._fail_all(EngineNotRunning("the engine shut down"))
 
     def _take_inbox(self) -> None:
         while True:

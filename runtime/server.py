@@ -72,7 +72,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from runtime.async_engine import AsyncEngine
+from runtime.async_engine import AsyncEngine, EngineNotRunning
 from runtime.engine import RequestError
 from runtime.metrics import RequestTracker, ServerMetrics
 from runtime.outputs import RequestOutput, TokenLogprob
@@ -616,7 +616,7 @@ class _Handlers:
         except _ClientGone:
             call.tracker.finish("abort")
             return Response(status_code=499)
-        except RuntimeError as e:  # the engine is not running (starting, shut down, its step loop died)
+        except EngineNotRunning as e:  # starting, shut down, or its step loop died
             raise _unavailable(e) from None
         if body.stream:
             return _EventStream(self._events(call, first, stream))
@@ -631,7 +631,7 @@ class _Handlers:
         except _ClientGone:
             call.tracker.finish("abort")
             return Response(status_code=499)
-        except RuntimeError as e:  # the engine shut down under the request
+        except EngineNotRunning as e:  # the engine shut down under the request
             call.tracker.finish("error")
             raise _unavailable(e) from None
         last = outs[-1]
@@ -662,7 +662,7 @@ class _Handlers:
                 yield _sse(call.usage_chunk(out))
             elif not done:
                 yield _sse(_finish_error(out).body())
-        except RuntimeError as e:  # the engine shut down mid-stream: tell the client, then end the stream
+        except EngineNotRunning as e:  # the engine shut down mid-stream: tell the client, then end the stream
             call.tracker.finish("error")
             yield _sse(_unavailable(e).body())
         finally:
