@@ -133,7 +133,7 @@ class KVCacheManager:
     # --- allocation --------------------------------------------------------------------------
     def allocate_slots(self, request_id: str, token_ids: Sequence[int], num_new_tokens: int,
                        computed_blocks: list[KVBlock] | None = None, *, num_lookahead_tokens: int = 0,
-                       extra: tuple = ()) -> list[KVBlock] | None:
+                       extra: tuple = (), count_stats: bool = True) -> list[KVBlock] | None:
         """Give the request slots for ``num_new_tokens`` more tokens; returns the newly allocated
         blocks (possibly none), or None - with no state changed - if the pool has too few free blocks.
 
@@ -154,6 +154,8 @@ class KVCacheManager:
         registered in the prefix cache when prefix caching is on - before the step has actually
         written them, as the scheduler assumes scheduled tokens get computed. Lookahead slots are
         never cached. ``extra`` (see ``get_computed_blocks``) is fixed at the request's first call.
+        ``count_stats=False`` keeps a re-admission (a preempted request's recompute) out of the prefix-cache
+        statistics, which count each request once.
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0:
             raise ValueError(f"negative token counts: num_new_tokens={num_new_tokens}, "
@@ -192,7 +194,7 @@ class KVCacheManager:
         assert new_blocks is not None  # checked above
         if state is None:
             state = self._requests[request_id] = _Request(extra=req_extra, block_hashes=hashes)
-            if self.enable_prefix_caching:
+            if self.enable_prefix_caching and count_stats:
                 self.stats.requests += 1
                 self.stats.queries += len(token_ids)
                 self.stats.hits += num_computed

@@ -240,7 +240,8 @@ class Scheduler:
             request = self.waiting[0]
             computed, num_computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
             num_new = min(request.num_tokens - num_computed, budget)
-            if self.kv.allocate_slots(request.request_id, request.token_ids, num_new, computed) is None:
+            if self.kv.allocate_slots(request.request_id, request.token_ids, num_new, computed,
+                                      count_stats=request.num_cached_tokens < 0) is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
             if request.num_cached_tokens < 0:

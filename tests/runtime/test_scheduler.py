@@ -98,6 +98,8 @@ def test_preempts_the_newest_request_and_recomputes_it_from_the_prefix_cache():
     assert s.kv.block_table("c") == [2, 3, 4]
     assert c.output_token_ids == [7, 7]
     assert c.num_cached_tokens == 0  # reported for its first admission, not the recompute
+    stats = s.kv.stats  # each request counted once: the recompute's 8 cache hits are not prefix-cache hits
+    assert (stats.requests, stats.queries, stats.hits) == (2, 8 + 9, 0)
     _finish_all(s)
 
 
