@@ -89,12 +89,7 @@ class AsyncEngine:
     # --- requests --------------------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request could never run on this engine."""
-        sc = self.engine.scheduler_config
-        if not prompt_token_ids:
-            raise RequestError("the prompt is empty")
-        if len(prompt_token_ids) >= sc.max_seq_len:
-            raise RequestError(f"the prompt has {len(prompt_token_ids)} tokens; this model's max_seq_len is "
-                               f"{sc.max_seq_len} (prompt plus at least one generated token)")
+        self.engine.check_request(prompt_token_ids, params)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, timeout_s: float | None = None,

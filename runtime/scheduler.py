@@ -169,21 +169,25 @@ class Scheduler:
         """Whether ``add_request`` would accept one more request now."""
         return self._num_new_waiting < self.config.max_waiting
 
+    def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError if a request of this shape could never run (empty, too long for max_seq_len, more
+        KV blocks than the pool has). Reads only fixed configuration, so any thread may call it."""
+        if num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if num_prompt_tokens >= self.config.max_seq_len:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens; max_seq_len is "
+                             f"{self.config.max_seq_len} (prompt plus at least one generated token)")
+        num_blocks = -(-min(self.config.max_seq_len, num_prompt_tokens + max_tokens) // self.kv.block_size)
+        if num_blocks > self.kv.pool.num_blocks:
+            raise ValueError(f"the request needs up to {num_blocks} KV blocks; the pool has "
+                             f"{self.kv.pool.num_blocks}")
+
     def add_request(self, request: Request) -> None:
         """Queue a new request; raises QueueFullError if the waiting queue is full, ValueError if the
         request can never run (too long for max_seq_len) or its id is in use."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if not request.prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if request.num_prompt_tokens >= self.config.max_seq_len:
-            raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; max_seq_len is "
-                             f"{self.config.max_seq_len} (prompt plus at least one generated token)")
-        num_blocks = -(-min(self.config.max_seq_len, request.num_prompt_tokens + request.params.max_tokens)
-                       // self.kv.block_size)
-        if num_blocks > self.kv.pool.num_blocks:
-            raise ValueError(f"the request needs up to {num_blocks} KV blocks; the pool has "
-                             f"{self.kv.pool.num_blocks}")
+        self.check(len(request.prompt_token_ids), request.params.max_tokens)
         if not self.has_capacity:
             raise QueueFullError(f"{self._num_new_waiting} requests are already waiting "
                                  f"(max_waiting {self.config.max_waiting})")

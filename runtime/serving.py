@@ -174,9 +174,7 @@ class ServingEngine:
         (empty, too long, bad token ids) and QueueFullError when the waiting queue is full."""
         params = params or SamplingParams()
         request_id = request_id or uuid.uuid4().hex
-        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
-        if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
+        self.check_request(prompt_token_ids, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         timeout = timeout_s if timeout_s is not None else self.config.request_timeout_s
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=now,
@@ -190,6 +188,17 @@ class ServingEngine:
             IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids), StopChecker(params.stop),
             eos | frozenset(params.stop_token_ids), make_generator(params.seed, self.device))
         return request_id
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise RequestError if the request could never run here (empty, too long, token ids outside the
+        vocabulary, larger than the KV pool). Reads only fixed state: safe from any thread."""
+        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
+        if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
+        try:
+            self.scheduler.check(len(prompt_token_ids), params.max_tokens)
+        except ValueError as e:
+            raise RequestError(str(e)) from e
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Stop a request (client gone, cancelled): its blocks are freed at the start of the next step.
