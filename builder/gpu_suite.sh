@@ -1,46 +1,82 @@
 #!/usr/bin/env bash
-# One device call: kernel checks at real shapes, the bundled model on the CUDA serving path, then the
-# Llama-3-8B-shaped bf16 benchmarks. Results go to $OUT (or ./gpu-results). Usage:
-#   bash builder/gpu_suite.sh [kernels|smoke|8b|8b-fp8|hf|hf-compile]...   (default: kernels smoke 8b)
+# GPU checks and benchmarks, in parts, for device calls. Results go to $OUT (or ./gpu-results). Usage:
+#   bash builder/gpu_suite.sh PART...
+# parts:
+#   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
+#   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
+#   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
+#   calib          bundled AWQ / SmoothQuant builds calibrated on the GPU; gate figures vs the CPU-built ones
+#   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq sq: checkpoint, build, kernel check, latency,
+#                  throughput (128/128 sweep, 2048/128, 128/2048)
+#   profile-PREC   torch.profiler of prefill and decode steps of PREC at concurrency 64
+#   hf | hf-compile  the Hugging Face baseline on the same checkpoint
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
-parts=${*:-kernels smoke 8b}
+CKPT=checkpoints/llama3-8b-random
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
-for part in $parts; do
+
+ckpt() { [ -d $CKPT ] || python3 -m builder.make_checkpoint --preset llama3-8b --out $CKPT 2>&1 | tail -1; }
+artifact() {  # build artifacts/llama3-8b-$1 once
+  ckpt
+  if [ ! -d artifacts/llama3-8b-$1 ]; then
+    t0=$(date +%s)
+    python3 -m builder.cli build recipes/bench/llama3-8b-$1.yaml --quiet 2>&1 | tail -3
+    echo "{\"build\": \"llama3-8b-$1\", \"seconds\": $(( $(date +%s) - t0 ))}" | tee -a "$OUT/bench_8b.jsonl"
+  fi
+}
+bench() { python3 -m builder.cli bench "$@" --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'; }
+
+for part in "$@"; do
+  echo "=== $part $(date +%T)"
   case $part in
     kernels)
-      python3 -m kernels.bench_attention 2>&1 | tee "$OUT/bench_attention.txt"
-      python3 -m kernels.bench_gemm 2>&1 | tee "$OUT/bench_gemm.txt" ;;
+      python3 -m kernels.bench_attention 2>&1 | tee "$OUT/bench_attention.txt" | tail -n 25
+      python3 -m kernels.bench_gemm 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 40
+      python3 -m kernels.bench_w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
+    w8a8-sweep)
+      python3 -m kernels.bench_w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
     smoke)
       python3 -m builder.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-fp8 \
-        2>&1 | grep -v Warning | tee "$OUT/cuda_smoke.txt" ;;
-    8b)
-      t0=$(date +%s)
-      python3 -m builder.make_checkpoint --preset llama3-8b --out checkpoints/llama3-8b-random 2>&1 | tail -1
-      python3 -m builder.cli build recipes/bench/llama3-8b-bf16.yaml --quiet 2>&1 | tail -3
-      echo "checkpoint + build: $(( $(date +%s) - t0 )) s"
-      python3 -m builder.cli bench latency artifacts/llama3-8b-bf16 --input-len 128 --input-len 2048 \
-        --output-len 128 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'
-      python3 -m builder.cli bench throughput artifacts/llama3-8b-bf16 --input-len 128 --output-len 128 \
-        --concurrency 16 --concurrency 64 --concurrency 256 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{' ;;
-    8b-fp8)
-      [ -d checkpoints/llama3-8b-random ] || python3 -m builder.make_checkpoint --preset llama3-8b --out checkpoints/llama3-8b-random 2>&1 | tail -1
-      t0=$(date +%s)
-      python3 -m builder.cli build recipes/bench/llama3-8b-fp8.yaml --quiet 2>&1 | tail -3
-      echo "fp8 build: $(( $(date +%s) - t0 )) s"
-      python3 -m builder.check_kernels artifacts/llama3-8b-fp8 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
-      python3 -m builder.cli bench latency artifacts/llama3-8b-fp8 --input-len 128 --input-len 2048 \
-        --output-len 128 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'
-      python3 -m builder.cli bench throughput artifacts/llama3-8b-fp8 --input-len 128 --output-len 128 \
-        --concurrency 64 --concurrency 256 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'
-      python3 -m builder.cli bench throughput artifacts/llama3-8b-fp8 --input-len 2048 --output-len 128 \
-        --concurrency 32 --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{' ;;
+        artifacts/quickstart-smoothquant 2>&1 | grep -v Warning | tee "$OUT/cuda_smoke.txt" ;;
+    calib)
+      for algo in awq smoothquant; do
+        t0=$(date +%s)
+        python3 -m builder.cli build recipes/quickstart-$algo.yaml --quiet --set calibration.device=cuda \
+          --set output_dir=artifacts/quickstart-$algo-gpucal 2>&1 | tail -2
+        echo "$algo built with GPU calibration in $(( $(date +%s) - t0 )) s"
+        python3 - "$algo" <<'PY' | tee -a "$OUT/calib.txt"
+import json, sys
+algo = sys.argv[1]
+for tag, path in (("cpu", f"artifacts/quickstart-{algo}"), ("cuda", f"artifacts/quickstart-{algo}-gpucal")):
+    m = json.load(open(f"{path}/manifest.json"))
+    g = m["quantization"].get("gates") or {}
+    metrics = {r["name"]: round(r["value"], 5) for r in g.get("metrics", [])}
+    print(json.dumps({"algo": algo, "calibrated_on": tag, "passed": g.get("passed"), **metrics,
+                      "quantization_s": round(m["build"]["timings_s"].get("quantization_s", -1), 1)}))
+PY
+      done ;;
+    8b-*)
+      prec=${part#8b-}
+      artifact "$prec"
+      python3 -m builder.check_kernels artifacts/llama3-8b-$prec 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
+      bench latency artifacts/llama3-8b-$prec --input-len 128 --input-len 2048 --output-len 128
+      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 128 \
+        --concurrency 64 --concurrency 128 --concurrency 256
+      bench throughput artifacts/llama3-8b-$prec --input-len 2048 --output-len 128 --concurrency 64
+      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 --concurrency 256 \
+        --num-prompts 256 ;;
+    profile-*)
+      prec=${part#profile-}
+      artifact "$prec"
+      python3 -m builder.profile_step artifacts/llama3-8b-$prec --concurrency 64 2>&1 | tee "$OUT/profile_$prec.txt" \
+        | grep -E '^\{|Self CUDA|^-|^ *[a-zA-Z_:]' | head -n 90 ;;
     hf|hf-compile)
-      [ -d checkpoints/llama3-8b-random ] || python3 -m builder.make_checkpoint --preset llama3-8b --out checkpoints/llama3-8b-random
-      [ "$part" = hf ] && python3 -m builder.bench_hf checkpoints/llama3-8b-random 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
-      python3 -m builder.bench_hf checkpoints/llama3-8b-random --compile > "$OUT/hf_compile.log" 2>&1
+      ckpt
+      [ "$part" = hf ] && python3 -m builder.bench_hf $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
+      python3 -m builder.bench_hf $CKPT --compile > "$OUT/hf_compile.log" 2>&1
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
+    *) echo "unknown part $part" ;;
   esac
 done

@@ -114,7 +114,17 @@ def make_checkpoint(out: str | Path, shape: LlamaShape, *, dtype: torch.dtype = 
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     write_tokenizer(out, shape.vocab_size)
+    write_calibration_text(out / "calibration.jsonl", shape.vocab_size, seed)
     return out
+
+
+def write_calibration_text(path: Path, vocab_size: int, seed: int, num_texts: int = 64, words: int = 512) -> None:
+    """Calibration text for the random model: lines of random vocabulary words (every token is a real id,
+    not ``<unk>``), so calibrating passes see varied activations. Quality figures of a random model mean
+    nothing; this only makes quantized builds of it run their full calibration."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(3, vocab_size, (num_texts, words), generator=g).tolist()
+    path.write_text("".join(json.dumps({"text": " ".join(f"t{i}" for i in row)}) + "\n" for row in ids))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,6 +63,15 @@ def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
                          c.seq_len, c.seed, c.text_field)
 
 
+def calibration_device(choice: str) -> torch.device:
+    """The device the quantization passes run on: ``auto`` takes the GPU when there is one."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise BuildError("calibration.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(choice)
+
+
 def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``.
 
@@ -162,10 +171,18 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         for q in recipe.quant_sections():
             ctx.options[q.algo] = q.method_options()
         ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
-        graph, quant_records = run_passes(graph, quant_names, ctx)
+        device = calibration_device(recipe.calibration.device)
+        log.info("quantization passes run on %s", device)
+        graph.params = {k: v.to(device) for k, v in graph.params.items()}
+        try:
+            graph, quant_records = run_passes(graph, quant_names, ctx)
+        finally:  # the artifact writer and the gates read host tensors
+            graph.params = {k: v.cpu() for k, v in graph.params.items()}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         records += quant_records
         timings["quantization_s"] = time.perf_counter() - t
-        extra["calibration"] = calib.manifest()
+        extra["calibration"] = {**calib.manifest(), "device": str(device)}
         if recipe.gates.enabled:
             t = time.perf_counter()
             report = run_gates(recipe, baseline, graph, tokenizer)

@@ -112,6 +112,8 @@ class CalibrationSection(_Strict):
     num_samples: int = Field(default=64, ge=1)
     seq_len: int = Field(default=256, ge=8)
     seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="where calibrating passes run; auto = cuda when available, else cpu")
 
 
 class GatesSection(_Strict):

@@ -213,8 +213,9 @@ class BlockRunner:
         ex = Executor(sub, params)
         outs, offset = [], 0
         for n in self.lengths:
-            kv = SequenceKV(self.layout, n, layers=self.layers)
-            env = ex.start(StepInput(torch.empty(0, dtype=torch.long), torch.arange(n), [SeqSlice(kv, 0, n)]))
+            kv = SequenceKV(self.layout, n, ex.device, layers=self.layers)
+            env = ex.start(StepInput(torch.empty(0, dtype=torch.long, device=ex.device),
+                                     torch.arange(n, device=ex.device), [SeqSlice(kv, 0, n)]))
             env[self.value] = x[offset:offset + n].to(ex.dtype)
             offset += n
             ex.run_nodes(env, 0, len(self.nodes))

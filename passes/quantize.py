@@ -200,9 +200,10 @@ class QuantMethod(Pass):
         wanted = set(targets)
         executor = Executor(graph.to_dict(), graph.params)
         layout = executor.kv_layout()
-        caches = [SequenceKV(layout, len(w), layers=set()) for w in windows]
-        envs = [executor.start(StepInput(torch.tensor(w), torch.arange(len(w)), [SeqSlice(kv, 0, len(w))]))
-                for w, kv in zip(windows, caches)]
+        device = executor.device  # calibration runs where the weights are (the pipeline's choice)
+        caches = [SequenceKV(layout, len(w), device, layers=set()) for w in windows]
+        envs = [executor.start(StepInput(torch.tensor(w, device=device), torch.arange(len(w), device=device),
+                                         [SeqSlice(kv, 0, len(w))])) for w, kv in zip(windows, caches)]
 
         def observer(index: int, inputs: list[torch.Tensor]) -> None:
             if index in wanted:
@@ -213,7 +214,7 @@ class QuantMethod(Pass):
             seg_targets = [i for i in targets if seg.start <= i < seg.end]
             for kv in caches:
                 for layer in seg.attention_layers:
-                    kv.allocate_layer(layer, layout)
+                    kv.allocate_layer(layer, layout, device)
             if seg_targets:
                 for env in envs:  # statistics pass over a copy: the env must stay at the segment start
                     executor.run_nodes(dict(env), seg.start, seg.end, observer)

@@ -85,6 +85,7 @@ class Executor:
         self.dtype = getattr(torch, graph.get("meta", {}).get("dtype", "")) if graph.get("meta", {}).get("dtype") \
             else next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
         self.outputs: list[str] = graph["outputs"]
+        self.device = next((t.device for t in params.values()), torch.device("cpu"))  # where the weights live
         # Triton kernels (``kernels/``) for attention over a paged cache, norms, RoPE, SwiGLU and W4A16/W8A16
         # GEMMs; otherwise the torch reference ops. On for CUDA by default (Engine.load); on CPU only
         # under TRITON_INTERPRET=1 (tests).
@@ -185,9 +186,8 @@ def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
     if quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
         fn = _kernel_weight_only_linear(w, quant)
-    elif quant and quant["scheme"] == "fp8" and ex.use_kernels and w["qweight"].is_cuda \
-            and ex.dtype in (torch.bfloat16, torch.float16):
-        fn = make_fp8_scaled_mm_linear(w)
+    elif quant and ex.use_kernels and quant["scheme"] in ("fp8", "w8a8_int8"):
+        fn = _kernel_w8a8_linear(w, quant, ex)
     elif quant:
         fn = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
     else:
@@ -197,6 +197,26 @@ def _linear(w, attrs, ex) -> Kernel:
     if split:
         return lambda xs, step: fn(xs[0]).split(split, dim=-1)
     return lambda xs, step: (fn(xs[0]),)
+
+
+def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
+    """FP8 / INT8 W8A8: up to ``FUSED_MAX_ROWS`` tokens (decode, small batches) the Triton GEMM with the
+    activation quantization fused in; more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16,
+    ``_int_mm`` inside the reference INT8 path), where the separate quantization is amortised."""
+    from kernels.w8a8_gemm import FUSED_MAX_ROWS, w8a8_linear
+
+    if quant["scheme"] == "fp8" and w["qweight"].is_cuda and ex.dtype in (torch.bfloat16, torch.float16):
+        large = make_fp8_scaled_mm_linear(w)
+    else:
+        large = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
+    qweight, w_scale, input_scale, bias = w["qweight"], w["weight_scale"], w.get("input_scale"), w.get("bias")
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:  # shapes only: no sync, the same inside a CUDA graph
+            return w8a8_linear(x, qweight, w_scale, input_scale, bias)
+        return large(x)
+
+    return linear
 
 
 def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -24,3 +24,19 @@ def test_tiny_preset_builds_and_matches_hf(tmp_path):
     assert ref.std() > 0.01  # random weights, not a degenerate model
     assert (ours - ref).abs().max() < 1e-4
     assert engine.tokenizer.encode("t5 t6 t7", add_special_tokens=False) == [5, 6, 7]
+
+
+def test_calibration_text_is_real_vocabulary(tmp_path):
+    """Quantized builds of the random model calibrate on its calibration.jsonl: random real ids, no <unk>."""
+    from tokenizers import Tokenizer
+
+    from builder.make_checkpoint import write_calibration_text, write_tokenizer
+
+    write_tokenizer(tmp_path, 500)
+    write_calibration_text(tmp_path / "calibration.jsonl", 500, seed=0, num_texts=3, words=40)
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    lines = (tmp_path / "calibration.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    ids = [tok.encode(json.loads(line)["text"], add_special_tokens=False).ids for line in lines]
+    assert all(len(row) == 40 and min(row) >= 3 and max(row) < 500 for row in ids)
+    assert len({i for row in ids for i in row}) > 60  # varied, not one repeated token

@@ -44,14 +44,17 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
-@pytest.mark.parametrize("algo", ["gptq", "int8_wo"])
-def test_weight_only_linears_on_the_gemm_kernel(tmp_path, algo):
-    """W4A16 / W8A16 artifacts: the executor runs the Triton GEMM on the repacked weights."""
+@pytest.mark.parametrize("algo", ["gptq", "int8_wo", "smoothquant", "fp8"])
+def test_quantized_linears_on_the_gemm_kernels(tmp_path, algo):
+    """W4A16 / W8A16 artifacts run the Triton GEMM on the repacked weights; W8A8 INT8 / FP8 ones the GEMM
+    with the activation quantization fused in (every step here has at most FUSED_MAX_ROWS tokens)."""
     from builder.pipeline import build
     from builder.recipe import validate_recipe
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
-    quant = {"algo": algo, "group_size": 16} if algo == "gptq" else {"algo": algo}
+    quant = {"gptq": {"algo": "gptq", "group_size": 16}, "int8_wo": {"algo": "int8_wo"},
+             "smoothquant": {"algo": "smoothquant"},
+             "fp8": {"algo": "fp8", "weight_granularity": "channel"}}[algo]
     recipe = validate_recipe({
         "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quant,

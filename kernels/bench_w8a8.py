@@ -1,0 +1,136 @@
+"""GPU check and benchmark of the W8A8 GEMM (FP8 and INT8, fused activation quantization).
+
+    python -m kernels.bench_w8a8            # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
+    python -m kernels.bench_w8a8 --sweep    # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+
+Weights: fresh random bf16 weights quantized by the passes (per-channel FP8 E4M3 / INT8). Each
+``w8a8_linear`` output is checked against ``ref_w8a8_linear`` (the runtime's reference linear) on fresh
+random bf16 activations with an outlier channel, then timed against cuBLAS on the same shape: the bf16
+``F.linear`` of the unquantized weight, ``torch._scaled_mm`` after a torch per-token quantization (FP8;
+the runtime's large-M path) and ``torch._int_mm`` likewise (INT8, M > 16 only). Times are CUDA-graph
+replay medians cycling through weight copies larger than L2 (``kernels.bench_gemm.time_us``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
+
+from kernels.bench_gemm import SHAPES, time_us
+from kernels.w8a8_gemm import W8A8Config, default_config, ref_w8a8_linear, w8a8_linear
+from runtime.quant import make_fp8_scaled_mm_linear, quantize_activation_int8
+
+ROWS = (1, 4, 16, 32, 64)
+COPIES_BYTES = 256 << 20  # weight copies cycled per timing: past the 50 MiB L2
+
+
+def _quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from passes.fp8 import quantize_fp8_weight
+    from passes.smoothquant import quantize_int8_per_channel
+
+    return quantize_fp8_weight(w, True) if kind == "fp8" else quantize_int8_per_channel(w)
+
+
+def _int_mm_linear(qweight: torch.Tensor, w_scale: torch.Tensor):
+    wt = qweight.t()
+
+    def fn(x):
+        xq, xs = quantize_activation_int8(x, None)
+        return (torch._int_mm(xq, wt).float() * xs * w_scale).to(x.dtype)
+
+    return fn
+
+
+def candidate_configs(m: int) -> list[W8A8Config]:
+    bm = max(16, 1 << (m - 1).bit_length())
+    out = []
+    for bn in (32, 64, 128):
+        for bk in (128, 256, 512):
+            for warps in (4, 8):
+                for stages in (3, 4, 5):
+                    if bm * bk * 2 + bk * bn > 64 * 1024:  # one stage's tiles; stay inside shared memory
+                        continue
+                    out.append(W8A8Config(min(bm, 64), bn, bk, num_warps=warps, num_stages=stages))
+    return out
+
+
+def bench(kind: str, sweep: bool) -> list[str]:
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"\nW8A8 {kind}: times in us (CUDA graphs, weights rotated past L2); rel.err vs the reference linear")
+    print(f"{'shape':>8} {'M':>4} | {'triton':>8} {'cublas8':>8} {'bf16':>8} | {'GB/s':>6} | rel.err  config")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+        qweight, w_scale = _quantize(w.float(), kind)
+        num_copies = max(2, COPIES_BYTES // qweight.numel())
+        copies = [(qweight.clone(), w_scale.clone()) for _ in range(num_copies)]
+        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
+        for m in ROWS:
+            x = torch.randn(m, k, generator=gen, device="cuda") * 2
+            x[:, 7] *= 40
+            x = x.to(torch.bfloat16)
+            y = w8a8_linear(x, qweight, w_scale)
+            ref = ref_w8a8_linear(x, qweight, w_scale)
+            err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            if not err < 5e-3:
+                failures.append(f"{kind} {name} M={m}: rel.err {err:.3g}")
+            t = time_us([lambda q=q, s=s: w8a8_linear(x, q, s) for q, s in copies])
+            if kind == "fp8":
+                fns = [make_fp8_scaled_mm_linear({"qweight": q, "weight_scale": s}) for q, s in copies]
+                t_cublas = time_us([lambda f=f: f(x) for f in fns])
+            elif m > 16:
+                fns = [_int_mm_linear(q, s) for q, s in copies]
+                t_cublas = time_us([lambda f=f: f(x) for f in fns])
+            else:
+                t_cublas = float("nan")
+            t_bf16 = time_us([lambda wb=wb: F.linear(x, wb) for wb in wbs])
+            gbs = (qweight.numel() + 4 * n) / t / 1e3
+            cfg = default_config(m, x.device)
+            print(f"{name:>8} {m:>4} | {t:8.1f} {t_cublas:8.1f} {t_bf16:8.1f} | {gbs:6.0f} | {err:.1e}  "
+                  f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}")
+            if sweep:
+                _sweep(kind, name, m, x, ref, copies)
+        del copies, wbs
+        torch.cuda.empty_cache()
+    return failures
+
+
+def _sweep(kind: str, name: str, m: int, x: torch.Tensor, ref: torch.Tensor, copies) -> None:
+    results = []
+    for cfg in candidate_configs(m):
+        try:
+            y = w8a8_linear(x, copies[0][0], copies[0][1], config=cfg)
+            if ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item() > 5e-3:
+                continue
+            results.append((time_us([lambda q=q, s=s: w8a8_linear(x, q, s, config=cfg) for q, s in copies], 10), cfg))
+        except (OutOfResources, CompilationError):
+            continue
+    for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
+        print(f"{'':>8} {'':>4}   sweep {t:8.1f} us  {cfg}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
+    parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_w8a8 needs a CUDA GPU", file=sys.stderr)
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    failures = []
+    for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):
+        failures += bench(kind, args.sweep)
+    for f in failures:
+        print(f"FAIL {f}", file=sys.stderr)
+    print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,240 @@
+"""W8A8 GEMM (INT8 and FP8 E4M3) with the activation quantization fused in, for small batches.
+
+``y = (quant(x) @ qweight.T) * x_scale * weight_scale + bias`` with x in fp16/bf16/fp32 and y in x's
+dtype, the arithmetic of the reference ``w8a8_int8`` / ``fp8`` paths of ``runtime.quant.make_quant_linear``:
+
+    x_scale  dynamic: per token (row), max|x_row| / QMAX (floored at 1e-8 for int8, 1e-12 for fp8);
+             static: the calibrated ``input_scale`` [1]
+    quant    int8: round-half-even(x / x_scale) clamped to +-127;  fp8: x / x_scale clamped to +-448,
+             rounded to E4M3 (round-half-even)
+    qweight  int8 or float8_e4m3fn [N, K] (as the passes write it), weight_scale fp32 [N] or [1]
+    acc      int8: exact int32;  fp8: fp32 tensor-core accumulation
+
+Decode is memory-bound: a separate activation-quantization kernel costs a launch and a round trip of
+x through HBM per linear, and cuBLAS's FP8/INT8 GEMMs are tuned for large M (``torch._int_mm`` needs
+M > 16; ``torch._scaled_mm`` at M = 1 runs at ~1/6 of the bf16 GEMV's speed on H100). Here each program
+first reads its rows of x once over all of K for the per-token max (x is a few KiB per row and stays in
+L1/L2), then walks its K range: quantize the x step in registers, ``tl.dot`` it against the 1-byte
+weight tile. Small M leaves few output tiles, so K is split across programs whose scaled fp32 partial
+sums a second kernel adds with the bias (as in ``kernels.w4a16_gemm``). From ``FUSED_MAX_ROWS`` rows on
+the runtime uses cuBLAS (``_scaled_mm`` / ``_int_mm``), compute-bound territory where it wins.
+
+NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion of the interpreter rounds wrongly (it can
+lose an exponent step), so the interpreter path rounds to E4M3 in fp32 arithmetic (``_round_e4m3``) and
+multiplies in fp32; the GPU path converts with the hardware's round-to-nearest-even and multiplies FP8
+on tensor cores. Both give the reference's quantized values; ``python -m builder.check_kernels`` checks
+the GPU path at real shapes. No host synchronisation: grids come from shapes (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.w4a16_gemm import _auto_split_k, _split_k_reduce_kernel
+
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+W_DTYPES = (torch.int8, torch.float8_e4m3fn)
+FUSED_MAX_ROWS = 64  # the runtime sends more rows than this to cuBLAS
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class W8A8Config:
+    """One launch configuration."""
+
+    block_m: int  # rows of x per tile (>= 16: tl.dot's minimum)
+    block_n: int  # output features per tile
+    block_k: int  # input features per K step (>= 32 for 1-byte dots)
+    split_k: int = 0  # programs sharing one tile's K range; 0 = from the tile count and the SM count
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+_CUDA_CONFIGS: list[tuple[int, W8A8Config]] = [
+    (16, W8A8Config(16, 64, 256, num_warps=4, num_stages=4)),
+    (32, W8A8Config(32, 64, 256, num_warps=4, num_stages=4)),
+    (1 << 62, W8A8Config(64, 128, 128, num_warps=4, num_stages=4)),
+]
+_INTERPRETER_CONFIG = W8A8Config(16, 32, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
+
+
+def default_config(num_rows: int, device: torch.device) -> W8A8Config:
+    if _interpreting() or device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+_MAGIC = 12582912.0  # 1.5 * 2^23: (v + MAGIC) - MAGIC rounds |v| < 2^22 to an integer, ties to even
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest E4M3 value, ties to even, as fp32. E4M3 has 3 mantissa
+    bits and a smallest normal exponent of -6 (below it, subnormals with the same spacing 2^-9)."""
+    e = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(e, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(max(e, -6) - 3)
+    return ((v / ulp + _MAGIC) - _MAGIC) * ulp
+
+
+@triton.jit
+def _w8a8_gemm_kernel(
+    x_ptr, w_ptr, ws_ptr, is_ptr, bias_ptr, out_ptr,
+    M, N, K, k_steps_per_split,
+    stride_xm, stride_wn,
+    stride_om, stride_os,  # out: y [M, N] (stride_os unused), or partial sums [SPLIT_K, M, N] fp32
+    INT8: tl.constexpr, STATIC: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
+    pid_n = (pid % num_pid_in_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    if INT8:
+        qmax = 127.0
+        eps = 1e-8
+    else:
+        qmax = 448.0
+        eps = 1e-12
+
+    # x_scale: [BLOCK_M] per-token scales (dynamic: this tile's rows read once over all of K)
+    if STATIC:
+        x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(is_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+        x_scale = tl.maximum(amax, eps) / qmax
+
+    if INT8:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first_step = pid_k * k_steps_per_split
+    num_steps = min(k_steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
+    for step in range(num_steps):
+        offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -qmax), qmax)  # [BLOCK_M, BLOCK_K]
+        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        if INT8:
+            acc = tl.dot(((v + _MAGIC) - _MAGIC).to(tl.int8), w, acc)
+        elif EMULATE_FP8:
+            acc = tl.dot(_round_e4m3(v), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(v.to(tl.float8e4nv), w, acc)
+
+    if PER_CHANNEL:
+        w_scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
+    else:
+        w_scale = tl.zeros((BLOCK_N,), dtype=tl.float32) + tl.load(ws_ptr)
+    y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask_out)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask_out)
+
+
+# --- entry points ----------------------------------------------------------------------------------
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+                config: W8A8Config | None = None) -> torch.Tensor:
+    """W8A8 linear (INT8 when ``qweight`` is int8, FP8 when float8_e4m3fn); see the module docstring.
+
+    x: [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype. ``input_scale`` None = dynamic per-token
+    activation scales, else the static scale [1]. Runs the fused kernel at any M (``config`` forces one
+    configuration); the runtime sends at most ``FUSED_MAX_ROWS`` rows here.
+    """
+    if x.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("w8a8_linear needs a CUDA tensor (or TRITON_INTERPRET=1 for the CPU interpreter)")
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
+    if qweight.dtype not in W_DTYPES or qweight.dim() != 2:
+        raise ValueError(f"qweight must be a 2-D int8 or float8_e4m3fn [N, K] tensor, got {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    n, k = qweight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, qweight {k}")
+    if weight_scale.numel() not in (1, n):
+        raise ValueError(f"weight_scale has {weight_scale.numel()} values; expected 1 or {n}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {n} output features")
+    if qweight.stride(1) != 1:
+        qweight = qweight.contiguous()
+    x2 = x.reshape(-1, k)  # x2: [M, K]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    num_rows = x2.shape[0]
+    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return y.reshape(*x.shape[:-1], n)
+    cfg = config or default_config(num_rows, x.device)
+    num_tiles = triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    num_k_steps = triton.cdiv(k, cfg.block_k)
+    split_k = cfg.split_k or _auto_split_k(num_tiles, num_k_steps, x.device)
+    steps_per_split = triton.cdiv(num_k_steps, split_k)
+    split_k = triton.cdiv(num_k_steps, steps_per_split)  # no empty splits
+    if split_k > 1:
+        out = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=x.device)
+        stride_om, stride_os = out.stride(1), out.stride(0)
+    else:
+        out, stride_om, stride_os = y, y.stride(0), 0
+    ws = weight_scale.reshape(-1).float()
+    is_arg = input_scale.reshape(-1).float() if input_scale is not None else ws  # never read unless STATIC
+    bias_arg = bias if bias is not None else y
+    int8 = qweight.dtype == torch.int8
+    _w8a8_gemm_kernel[(num_tiles, split_k)](
+        x2, qweight, ws, is_arg, bias_arg, out, num_rows, n, k, steps_per_split,
+        x2.stride(0), qweight.stride(0), stride_om, stride_os,
+        INT8=int8, STATIC=input_scale is not None, PER_CHANNEL=ws.numel() == n and n > 1,
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, EMULATE_FP8=_interpreting() and not int8,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split_k > 1:
+        block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(y.numel(), block),)](
+            out, bias_arg, y, n, y.numel(), SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def ref_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch reference: the runtime's reference ``w8a8_int8`` / ``fp8`` linear."""
+    from runtime.quant import make_quant_linear
+
+    scheme = "w8a8_int8" if qweight.dtype == torch.int8 else "fp8"
+    w = {"qweight": qweight, "weight_scale": weight_scale}
+    if input_scale is not None:
+        w["input_scale"] = input_scale
+    if bias is not None:
+        w["bias"] = bias
+    return make_quant_linear(scheme, w, {}, x.dtype)(x)

@@ -1,0 +1,96 @@
+"""The W8A8 (INT8 / FP8) Triton GEMM with fused activation quantization against the runtime's reference
+linear, under the Triton interpreter on CPU. Weights are the passes' own quantized outputs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.w8a8_gemm import W8A8Config, _round_e4m3, ref_w8a8_linear, w8a8_linear
+from passes.fp8 import quantize_fp8_weight
+from passes.smoothquant import quantize_int8_per_channel
+
+
+def _weights(kind: str, n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[: n // 3] *= 4  # rows with different ranges: per-channel scales differ
+    if kind == "int8":
+        return quantize_int8_per_channel(w)
+    return quantize_fp8_weight(w, per_channel)
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    x[:, 3] *= 30  # an outlier channel, as real activations have
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("m,k,n", [(1, 96, 48), (5, 80, 40), (33, 64, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference_dynamic(kind, m, k, n, dtype):
+    seed = m * 1000 + k + n
+    qweight, w_scale = _weights(kind, n, k, per_channel=True, seed=seed)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    x = _x(m, k, dtype, seed + 2)
+    y = w8a8_linear(x, qweight, w_scale, bias=bias)
+    ref = ref_w8a8_linear(x, qweight, w_scale, bias=bias)
+    assert y.dtype == dtype and y.shape == (m, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    else:  # the reference rounds the same fp32 result to bf16; allow one bf16 ulp
+        torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_static_scale_and_split_k(kind):
+    """Static (calibrated) activation scale with saturation, fp8's per-tensor weight scale, forced split-K."""
+    m, k, n = 3, 128, 40
+    qweight, w_scale = _weights(kind, n, k, per_channel=kind == "int8", seed=7)
+    assert w_scale.numel() == (n if kind == "int8" else 1)
+    x = _x(m, k, torch.float32, 8)
+    input_scale = torch.tensor([x.abs().max().item() / 100])  # some values saturate: clamping is exercised
+    cfg = W8A8Config(16, 16, 32, split_k=2, group_m=2, num_warps=1, num_stages=1)
+    y = w8a8_linear(x, qweight, w_scale, input_scale=input_scale, config=cfg)
+    ref = ref_w8a8_linear(x, qweight, w_scale, input_scale=input_scale)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_bad_inputs_are_named():
+    qweight, w_scale = _weights("fp8", 16, 32, True, 0)
+    with pytest.raises(ValueError, match="input features"):
+        w8a8_linear(torch.randn(2, 31), qweight, w_scale)
+    with pytest.raises(ValueError, match="weight_scale"):
+        w8a8_linear(torch.randn(2, 32), qweight, w_scale[:3])
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        w8a8_linear(torch.randn(2, 32), qweight.float(), w_scale)
+
+
+@triton.jit
+def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    v = tl.load(v_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, _round_e4m3(v), mask=offs < n)
+
+
+def test_fp8_rounding_emulation_matches_torch_everywhere():
+    """Every finite E4M3 value, the midpoints between neighbours (ties to even) and random values in
+    between round exactly as torch's float8_e4m3fn conversion does."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.unique(codes[codes.isfinite() & (codes.abs() <= 448)])
+    mids = (grid[1:] + grid[:-1]) / 2
+    rand = (torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 2 - 1) * 448
+    tiny = torch.randn(512, generator=torch.Generator().manual_seed(1)) * 2.0 ** -8  # subnormal range
+    v = torch.cat([grid, mids, rand, tiny]).contiguous()
+    out = torch.empty_like(v)
+    _round_kernel[(triton.cdiv(v.numel(), 256),)](v, out, v.numel(), BLOCK=256)
+    expected = v.to(torch.float8_e4m3fn).float()
+    assert torch.equal(out, expected), (v[out != expected][:5], out[out != expected][:5])
