@@ -255,6 +255,26 @@ def _graph_text(graph: dict) -> str:
     return str(Graph.from_dict(graph))
 
 
+@app.command()
+def compare(
+    artifacts: list[Path] = typer.Argument(..., help="artifact directories built from one checkpoint"),
+    output: Path = typer.Option(..., "--output", "-o", help="HTML report to write; the Markdown (.md) and its "
+                                "plots (.svg) go beside it"),
+    bench: list[str] = typer.Option([], "--bench", help="[ARTIFACT=]FILE.json from `builder bench serve|latency|"
+                                    "throughput --json`; without ARTIFACT= matched by the file's model field"),
+    quality_metric: str = typer.Option("kl", help="gate metric used as quality for the plots and Pareto sets"),
+    top_layers: int = typer.Option(5, help="per-layer error hot spots shown per artifact"),
+) -> None:
+    """Side-by-side report of artifacts of one model: recipe differences, sizes, gates, hot spots, benchmarks."""
+    from builder.compare import CompareError, compare as run_compare, write_reports
+
+    try:
+        written = write_reports(run_compare(artifacts, bench, quality_metric, top_layers), output)
+    except CompareError as e:
+        _fail(str(e))
+    typer.echo("wrote " + ", ".join(str(p) for p in written))
+
+
 
 
 bench_app = typer.Typer(no_args_is_help=True, help="Latency and throughput benchmarks of an artifact.")
@@ -321,6 +341,55 @@ def bench_throughput(
 
             torch.cuda.empty_cache()
     report(results, json_out)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    url: str = typer.Option("http://127.0.0.1:8000", help="base URL of a running OpenAI-compatible server"),
+    model: Optional[str] = typer.Option(None, help="model id (default: the first of GET /v1/models)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="bearer key (default: $LLM_BUILDER_API_KEY, "
+                                          "else $OPENAI_API_KEY, else none)"),
+    endpoint: str = typer.Option("completions", help="completions | chat"),
+    concurrency: Optional[int] = typer.Option(None, help="most requests in flight (default: 1 without "
+                                              "--request-rate, no cap with it)"),
+    request_rate: Optional[float] = typer.Option(None, help="Poisson arrivals per second (seeded)"),
+    num_requests: Optional[int] = typer.Option(None, help="requests to send (default: each dataset line once, "
+                                               "or 100 random prompts; none with only --duration)"),
+    duration: Optional[float] = typer.Option(None, help="seconds after which no new request is sent"),
+    dataset: Optional[Path] = typer.Option(None, help="JSONL prompts: {\"prompt\": str, \"max_tokens\": int}"),
+    tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json, or a checkpoint or artifact directory"),
+    input_len: int = typer.Option(128, help="random prompts: prompt tokens"),
+    output_len: int = typer.Option(128, help="max_tokens of random prompts and of dataset lines without one"),
+    range_ratio: float = typer.Option(0.0, help="random lengths vary uniformly by +/- this fraction"),
+    prompt_format: Optional[str] = typer.Option(None, help="random prompts: ids | text (default: ids; chat: text)"),
+    no_ignore_eos: bool = typer.Option(False, "--no-ignore-eos", help="do not send ignore_eos: true"),
+    slo: list[str] = typer.Option([], "--slo", help="goodput SLO in ms, ttft|tpot|e2e=MS (repeatable)"),
+    seed: int = typer.Option(0, help="seed of random prompts and arrivals"),
+    timeout: float = typer.Option(600.0, help="seconds per request from its send; bounds the wait for requests "
+                                  "in flight at the end"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as one JSON object"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
+) -> None:
+    """Benchmark a running OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput, goodput."""
+    from builder.bench_serve import BenchError, ServeBenchConfig, print_report, run, write_json
+
+    try:
+        config = ServeBenchConfig(
+            url=url, model=model, api_key=api_key, endpoint=endpoint, concurrency=concurrency,
+            request_rate=request_rate, num_requests=num_requests, duration=duration,
+            dataset=dataset and str(dataset), tokenizer=tokenizer and str(tokenizer), input_len=input_len,
+            output_len=output_len, range_ratio=range_ratio, prompt_format=prompt_format,
+            ignore_eos=not no_ignore_eos, slos=list(slo), seed=seed, timeout=timeout)
+        with _progress(quiet) as progress:
+            result = run(config, progress)
+        summary = result.summary()
+        print_report(result, summary)
+        if json_out is not None:
+            write_json(summary, json_out)
+    except BenchError as e:
+        _fail(str(e))
+    if not summary["completed"]:
+        _fail(f"no request completed ({', '.join(f'{k}: {v}' for k, v in summary['failed'].items())})")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def default_config(num_rows: int, device: torch.device) -> W8A8Config:
 
 
 # --- kernels ---------------------------------------------------------------------------------------
-_MAGIC = 12582912.0  # 1.5 * 2^23: (v + MAGIC) - MAGIC rounds |v| < 2^22 to an integer, ties to even
+_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2^23: (v + MAGIC) - MAGIC rounds |v| < 2^22 to an integer, ties to even
 
 
 @triton.jit
