@@ -59,10 +59,12 @@ class W8A8Config:
     num_stages: int = 4
 
 
+# Picked by M: the first row whose bound is >= M. Tuned with ``python -m kernels.bench_w8a8 --sweep`` on
+# H100 (FP8, Llama-3-8B shapes; docs/BENCHMARKS.md).
 _CUDA_CONFIGS: list[tuple[int, W8A8Config]] = [
-    (16, W8A8Config(16, 64, 256, num_warps=4, num_stages=4)),
-    (32, W8A8Config(32, 64, 256, num_warps=4, num_stages=4)),
-    (1 << 62, W8A8Config(64, 128, 128, num_warps=4, num_stages=4)),
+    (16, W8A8Config(16, 128, 128, num_warps=8, num_stages=3)),
+    (32, W8A8Config(32, 128, 256, num_warps=4, num_stages=3)),
+    (1 << 62, W8A8Config(64, 128, 128, num_warps=4, num_stages=3)),
 ]
 _INTERPRETER_CONFIG = W8A8Config(16, 32, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
 
@@ -143,11 +145,12 @@ def _w8a8_gemm_kernel(
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if INT8:
-            acc = tl.dot(((v + _MAGIC) - _MAGIC).to(tl.int8), w, acc)
+            acc = tl.dot(((v + _MAGIC) - _MAGIC).to(tl.int8), w, acc, out_dtype=tl.int32)
         elif EMULATE_FP8:
             acc = tl.dot(_round_e4m3(v), w.to(tl.float32), acc, input_precision="ieee")
         else:
-            acc = tl.dot(v.to(tl.float8e4nv), w, acc)
+            # Hopper's FP8 MMA accumulates in reduced precision; promote into fp32 once per K step
+            acc = tl.dot(v.to(tl.float8e4nv), w, acc, max_num_imprecise_acc=BLOCK_K)
 
     if PER_CHANNEL:
         w_scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)

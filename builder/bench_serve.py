@@ -1,0 +1,638 @@
+"""Benchmark client for a running OpenAI-compatible server (``builder bench serve``): ours, vLLM, or any other.
+
+    builder serve artifacts/quickstart --port 8000 &
+    builder bench serve --url http://127.0.0.1:8000 --tokenizer artifacts/quickstart \\
+        --input-len 128 --output-len 128 --num-requests 200 --concurrency 16 --json serve.json
+    builder bench serve --dataset prompts.jsonl --request-rate 4 --duration 60 --concurrency 32 \\
+        --slo ttft=500 --slo tpot=50
+
+Load: at most ``--concurrency`` requests in flight (default 1 without ``--request-rate``), or Poisson
+arrivals at ``--request-rate`` req/s, optionally capped by ``--concurrency``. Arrival k (from 0) is sent
+at t_k = g_0 + ... + g_{k-1} seconds after the start (t_0 = 0), where the gaps g_i are successive
+``random.Random(seed).expovariate(rate)`` draws. A run ends after ``--num-requests`` requests and/or
+after ``--duration`` seconds: with a rate, exactly the arrivals with t_k < duration are sent (fewer only
+when a concurrency cap holds one back past the duration); without one, no request is sent after it.
+Requests in flight are then awaited, each for at most ``--timeout`` seconds from its send. Neither bound
+given: each dataset line once, or 100 random prompts.
+
+Prompts: ``--dataset file.jsonl`` (one object per line: ``prompt`` (string), optional ``max_tokens`` or
+``output_len``, default ``--output-len``; cycled in order when more requests are asked for), or random
+token ids (``--input-len``, ``--output-len``, each varied uniformly by +/- ``--range-ratio``, seeded),
+which need ``--tokenizer`` (a tokenizer.json, a directory holding one, or one of our artifact
+directories) for exact token counts. They are sent as token ids (``prompt: [ids]``; /v1/completions of
+our server and vLLM) or, with ``--prompt-format text`` and always for ``--endpoint chat``, decoded text.
+
+Every request streams (``stream: true``, ``stream_options: {"include_usage": true}``), asks for greedy
+decoding and ``ignore_eos: true`` (a vLLM extension our server supports; ``--no-ignore-eos`` drops it).
+Output tokens come from the usage chunk, else the number of streamed chunks that carried text; prompt
+tokens from the usage chunk, else the client's own count.
+
+Metrics (docs ANCHORS "Serving metrics", as ``vllm bench serve`` defines them), in milliseconds:
+
+    TTFT  first chunk with text - request send time (queueing and prefill included)
+    ITL   gaps between consecutive chunks with text, pooled over requests (a chunk may carry several
+          tokens when the server coalesces them; then its gap covers them all)
+    TPOT  per request, (E2E - TTFT) / (output_tokens - 1); requests of one output token have none
+    E2E   end of the stream (``data: [DONE]``) - request send time
+
+Each is reported as mean, p50, p90, p95, p99 (linear interpolation between order statistics, as numpy's
+default). Throughput is over wall-clock time, from the first send to the last request's end: completed
+requests/s, output tokens/s, (prompt + output) tokens/s. Goodput for ``--slo ttft=500 --slo tpot=50
+--slo e2e=2000`` (ms): requests that met every SLO given (value <= bound; a request with no TPOT meets
+a TPOT SLO), as req/s over the same wall-clock time and as a fraction of the requests sent.
+
+Failed requests are counted by kind and left out of every latency and token figure: ``http_<status>``
+(``http_429`` when the server's queue is full), ``timeout``, ``connection``, ``stream_error`` (an error
+event inside the stream), ``bad_response`` (not an SSE stream, bad JSON, no ``[DONE]``), ``no_tokens``.
+
+``--json PATH`` writes one object: kind "bench_serve", version 1, url, model, endpoint, started_at,
+config, duration_s, num_requests (sent), completed, failed {kind: count}, request_throughput,
+output_token_throughput, total_token_throughput, total_input_tokens, total_output_tokens, ttft_ms,
+tpot_ms, itl_ms, e2e_ms ({mean, p50, p90, p95, p99}, null values when there is no sample) and goodput
+(null, or {slos_ms, request_throughput, fraction}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+from urllib.parse import urlparse
+
+import httpx
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PROMPT_FORMATS = ("ids", "text")
+SLO_NAMES = ("ttft", "tpot", "e2e")
+PERCENTILES = (50, 90, 95, 99)
+DEFAULT_NUM_RANDOM_REQUESTS = 100
+API_KEY_ENV = ("LLM_BUILDER_API_KEY", "OPENAI_API_KEY")  # looked up in this order when --api-key is absent
+
+Progress = Callable[[str, int, Optional[int]], None]  # (task, done, total or None when open-ended)
+
+
+class BenchError(ValueError):
+    """Bad benchmark input or an unusable server: the message says what was wrong and what is allowed."""
+
+
+@dataclass
+class ServeBenchConfig:
+    """The settings of one run, as given on the command line (``None``: the documented default)."""
+
+    url: str = "http://127.0.0.1:8000"  # server base URL; a trailing /v1 is accepted
+    model: Optional[str] = None  # None: the first id of GET /v1/models
+    api_key: Optional[str] = None  # None: $LLM_BUILDER_API_KEY, else $OPENAI_API_KEY, else no key
+    endpoint: str = "completions"  # completions | chat
+    concurrency: Optional[int] = None  # most requests in flight; None: 1 without a rate, no cap with one
+    request_rate: Optional[float] = None  # Poisson arrivals per second; None: send as slots free up
+    num_requests: Optional[int] = None  # requests to send
+    duration: Optional[float] = None  # seconds after which no new request is sent
+    dataset: Optional[str] = None  # JSONL prompts; None: random token ids
+    tokenizer: Optional[str] = None  # tokenizer.json, or a directory with one (or with tokenizer/tokenizer.json)
+    input_len: int = 128  # random prompts: tokens per prompt
+    output_len: int = 128  # max_tokens of random prompts, and of dataset lines that give none
+    range_ratio: float = 0.0  # random lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
+    prompt_format: Optional[str] = None  # random prompts: ids | text; None: ids for completions, text for chat
+    ignore_eos: bool = True
+    slos: list[str] = field(default_factory=list)  # "ttft=500" (ms), as given to --slo
+    seed: int = 0  # prompts and arrivals
+    timeout: float = 600.0  # seconds per request, from its send
+
+    def __post_init__(self) -> None:
+        if self.endpoint not in ENDPOINTS:
+            raise BenchError(f"--endpoint {self.endpoint!r} is not one of {', '.join(ENDPOINTS)}")
+        if self.prompt_format is not None and self.prompt_format not in PROMPT_FORMATS:
+            raise BenchError(f"--prompt-format {self.prompt_format!r} is not one of {', '.join(PROMPT_FORMATS)}")
+        if self.endpoint == "chat" and self.prompt_format == "ids":
+            raise BenchError("--endpoint chat sends messages, which are text: use --prompt-format text (or leave "
+                             "it out)")
+        for name in ("concurrency", "num_requests", "input_len", "output_len"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise BenchError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        for name in ("request_rate", "duration", "timeout"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise BenchError(f"--{name.replace('_', '-')} must be a positive number of "
+                                 f"{'requests/s' if name == 'request_rate' else 'seconds'}, got {value}")
+        if not 0 <= self.range_ratio < 1:
+            raise BenchError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
+        parsed = urlparse(self.url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise BenchError(f"--url {self.url!r} is not an http(s) base URL such as http://127.0.0.1:8000")
+        parse_slos(self.slos)
+
+    @property
+    def base_url(self) -> str:
+        url = self.url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    @property
+    def format(self) -> str:
+        return self.prompt_format or ("text" if self.endpoint == "chat" else "ids")
+
+    def resolved_api_key(self) -> Optional[str]:
+        if self.api_key:
+            return self.api_key
+        return next((os.environ[name] for name in API_KEY_ENV if os.environ.get(name)), None)
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["api_key"] = "<set>" if self.resolved_api_key() else None  # never write the key itself
+        return out
+
+
+def parse_slos(specs: list[str]) -> dict[str, float]:
+    """``["ttft=500", "tpot=50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds)."""
+    slos: dict[str, float] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        name = name.strip().lower()
+        try:
+            ms = float(value) if sep else math.nan
+        except ValueError:
+            ms = math.nan
+        if name not in SLO_NAMES or not (ms > 0 and math.isfinite(ms)):
+            raise BenchError(f"--slo {spec!r}: expected NAME=MILLISECONDS with NAME one of {', '.join(SLO_NAMES)} "
+                             "and a positive number, e.g. --slo ttft=500 --slo tpot=50")
+        if name in slos:
+            raise BenchError(f"--slo {name} is given twice")
+        slos[name] = ms
+    return slos
+
+
+# --- prompts ---------------------------------------------------------------------------------------------
+@dataclass
+class Prompt:
+    prompt: str | list[int]  # text, or token ids (completions only)
+    num_tokens: Optional[int]  # the client's count of prompt tokens; None when unknown
+    max_tokens: int  # output tokens asked for
+
+
+def load_tokenizer(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from a tokenizer.json, a directory holding one, or an artifact directory."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    candidates = [p] if p.is_file() else [p / "tokenizer.json", p / "tokenizer" / "tokenizer.json"]
+    file = next((c for c in candidates if c.is_file()), None)
+    if file is None:
+        raise BenchError(f"--tokenizer {path}: no tokenizer.json there; give a tokenizer.json file, a directory "
+                         "holding one (a Hugging Face checkpoint), or an artifact directory")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the tokenizers library raises plain Exceptions on a bad file
+        raise BenchError(f"--tokenizer {file}: cannot load it with the tokenizers library: {e}") from None
+
+
+def load_dataset(path: str | Path, default_max_tokens: int) -> list[Prompt]:
+    """Prompts of a JSONL file: one object per line with ``prompt`` and optional ``max_tokens``/``output_len``."""
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BenchError(f"--dataset {path}: cannot read it: {e}") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--dataset {path} line {number}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise BenchError(f"{where}: not JSON ({e.msg}); each line must be an object such as "
+                             '{"prompt": "...", "max_tokens": 128}') from None
+        if not isinstance(row, dict):
+            raise BenchError(f"{where}: a JSON {type(row).__name__}, expected an object with a \"prompt\" string")
+        prompt = row.get("prompt")
+        if not isinstance(prompt, str) or not prompt:
+            raise BenchError(f"{where}: \"prompt\" must be a non-empty string, got {prompt!r:.60}")
+        lengths = {k: row[k] for k in ("max_tokens", "output_len") if row.get(k) is not None}
+        for k, v in lengths.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise BenchError(f"{where}: \"{k}\" must be an integer >= 1, got {v!r}")
+        if len(set(lengths.values())) > 1:
+            raise BenchError(f"{where}: \"max_tokens\" {lengths['max_tokens']} and \"output_len\" "
+                             f"{lengths['output_len']} disagree; give one")
+        prompts.append(Prompt(prompt, None, next(iter(lengths.values()), default_max_tokens)))
+    if not prompts:
+        raise BenchError(f"--dataset {path}: no prompts in it (empty, or only blank lines)")
+    return prompts
+
+
+def _draw_len(rng: random.Random, length: int, ratio: float) -> int:
+    return max(1, rng.randint(int(length * (1 - ratio)), int(length * (1 + ratio))))
+
+
+def random_prompts(tokenizer, config: ServeBenchConfig) -> Iterator[Prompt]:
+    """Endless seeded prompts of random non-special token ids, of exact lengths when sent as ids.
+
+    As text, the ids are decoded and the text re-encoded (without special tokens), trimming or adding
+    ids until it encodes to the drawn length or a few tries pass; ``num_tokens`` is that encoded length.
+    """
+    added = set(tokenizer.get_added_tokens_decoder())
+    vocab = [i for i in range(tokenizer.get_vocab_size(with_added_tokens=True)) if i not in added]
+    rng = random.Random(config.seed)
+    while True:
+        num_in = _draw_len(rng, config.input_len, config.range_ratio)
+        num_out = _draw_len(rng, config.output_len, config.range_ratio)
+        ids = [rng.choice(vocab) for _ in range(num_in)]
+        if config.format == "ids":
+            yield Prompt(ids, num_in, num_out)
+            continue
+        for _ in range(8):
+            text = tokenizer.decode(ids)
+            encoded = tokenizer.encode(text, add_special_tokens=False).ids
+            if len(encoded) == num_in:
+                break
+            ids = encoded[:num_in] + [rng.choice(vocab) for _ in range(num_in - len(encoded))]
+        yield Prompt(text, len(encoded), num_out)
+
+
+def _prompts(config: ServeBenchConfig, tokenizer) -> tuple[Iterator[Prompt], Optional[int]]:
+    """The prompt stream and the number of requests to send (None: until --duration)."""
+    if config.dataset is not None:
+        rows = load_dataset(config.dataset, config.output_len)
+        if tokenizer is not None:
+            for row in rows:
+                row.num_tokens = len(tokenizer.encode(row.prompt).ids)
+        default = len(rows)
+        source: Iterator[Prompt] = itertools.cycle(rows)
+    else:
+        if tokenizer is None:
+            raise BenchError("random prompts need --tokenizer (a tokenizer.json, a directory holding one, or an "
+                             "artifact directory) to make prompts of exact token counts; or give prompts with "
+                             "--dataset FILE.jsonl")
+        default = DEFAULT_NUM_RANDOM_REQUESTS
+        source = random_prompts(tokenizer, config)
+    num = config.num_requests if config.num_requests is not None else (None if config.duration else default)
+    return source, num
+
+
+# --- the client ------------------------------------------------------------------------------------------
+@dataclass
+class RequestRecord:
+    """One request as the client saw it; times are seconds since the benchmark started (perf_counter)."""
+
+    index: int  # send order
+    max_tokens: int  # output tokens asked for
+    num_prompt_tokens: Optional[int]  # usage.prompt_tokens, else the client's count; None when unknown
+    send_s: float = math.nan  # just before the request went out
+    chunk_s: list[float] = field(default_factory=list)  # arrival of each streamed chunk that carried text
+    end_s: float = math.nan  # the stream's [DONE], or the failure
+    num_output_tokens: int = 0  # usage.completion_tokens, else len(chunk_s)
+    error: Optional[str] = None  # failure kind (see the module docstring); None: completed
+    message: str = ""  # the failure's detail
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class _Failed(Exception):
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-shaped error body, else the body's start."""
+    text = body.decode("utf-8", errors="replace")
+    try:
+        error = json.loads(text).get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+    except (ValueError, AttributeError):
+        pass
+    return text[:200]
+
+
+def _request_body(config: ServeBenchConfig, model: str, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                            "temperature": 0.0}
+    if config.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": prompt.prompt}]
+        body["max_completion_tokens"] = prompt.max_tokens
+    else:
+        body["prompt"] = prompt.prompt
+        body["max_tokens"] = prompt.max_tokens
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _chunk_text(event: dict, chat: bool) -> str:
+    choices = event.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return ""
+    if chat:
+        delta = choices[0].get("delta") or {}
+        return delta.get("content") or delta.get("reasoning_content") or ""
+    return choices[0].get("text") or ""
+
+
+async def _stream(client: httpx.AsyncClient, path: str, body: dict, record: RequestRecord, clock: Callable[[], float],
+                  chat: bool) -> None:
+    """Send one streamed request and fill ``record`` from its events; raises _Failed."""
+    usage = None
+    async with client.stream("POST", path, json=body) as r:
+        if r.status_code != 200:
+            raise _Failed(f"http_{r.status_code}", _error_message(await r.aread()))
+        if not r.headers.get("content-type", "").startswith("text/event-stream"):
+            raise _Failed("bad_response", f"expected a text/event-stream, got {r.headers.get('content-type')!r}")
+        done = False
+        async for line in r.aiter_lines():
+            now = clock()
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, event: lines
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            try:
+                event = json.loads(data)
+            except ValueError:
+                raise _Failed("bad_response", f"an event that is not JSON: {data[:100]!r}") from None
+            if not isinstance(event, dict):
+                raise _Failed("bad_response", f"an event that is not an object: {data[:100]!r}")
+            if event.get("error"):
+                raise _Failed("stream_error", _error_message(json.dumps(event).encode()))
+            if _chunk_text(event, chat):
+                record.chunk_s.append(now)
+            if event.get("usage"):
+                usage = event["usage"]
+    record.end_s = clock()
+    if not done:
+        raise _Failed("bad_response", "the stream ended without data: [DONE]")
+    if not record.chunk_s:
+        raise _Failed("no_tokens", "the stream carried no text")
+    record.num_output_tokens = len(record.chunk_s)
+    if usage:
+        record.num_output_tokens = int(usage.get("completion_tokens") or record.num_output_tokens)
+        if usage.get("prompt_tokens") is not None:
+            record.num_prompt_tokens = int(usage["prompt_tokens"])
+
+
+async def _send(client: httpx.AsyncClient, config: ServeBenchConfig, model: str, prompt: Prompt, record: RequestRecord,
+                clock: Callable[[], float]) -> None:
+    """One request, within --timeout; a failure lands in ``record.error``, never raises."""
+    path = ENDPOINTS[config.endpoint]
+    body = _request_body(config, model, prompt)
+    record.send_s = clock()
+    try:
+        await asyncio.wait_for(_stream(client, path, body, record, clock, config.endpoint == "chat"), config.timeout)
+    except _Failed as e:
+        record.error, record.message = e.kind, str(e)
+    except (asyncio.TimeoutError, httpx.TimeoutException):
+        record.error, record.message = "timeout", f"no complete answer within --timeout {config.timeout:g} s"
+    except httpx.TransportError as e:
+        record.error, record.message = "connection", f"{type(e).__name__}: {e}"
+    except httpx.HTTPError as e:  # e.g. a body that does not decode
+        record.error, record.message = "bad_response", f"{type(e).__name__}: {e}"
+    if record.error is not None:
+        record.end_s = clock()
+
+
+def poisson_arrivals(rate: float, seed: int) -> Iterator[float]:
+    """Send times in seconds from the start: 0, then cumulative ``Random(seed).expovariate(rate)`` gaps."""
+    rng, t = random.Random(seed), 0.0
+    while True:
+        yield t
+        t += rng.expovariate(rate)
+
+
+async def _discover_model(client: httpx.AsyncClient, config: ServeBenchConfig) -> tuple[str, Optional[int]]:
+    """The model to ask for and its max_model_len when the server says; checks the server is there."""
+    url = f"{config.base_url}/v1/models"
+    try:
+        r = await client.get("/v1/models", timeout=min(config.timeout, 30.0))
+    except httpx.TransportError as e:
+        raise BenchError(f"cannot reach {url} ({type(e).__name__}: {e}); is the server running, and is --url "
+                         "its base URL (e.g. http://127.0.0.1:8000)?") from None
+    if r.status_code in (401, 403):
+        raise BenchError(f"GET {url} answered {r.status_code} ({_error_message(r.content)}); pass the server's "
+                         f"key with --api-key or ${API_KEY_ENV[0]} / ${API_KEY_ENV[1]}")
+    models: dict[str, Optional[int]] = {}
+    if r.status_code == 200:
+        try:
+            models = {m["id"]: m.get("max_model_len") for m in r.json()["data"]}
+        except (ValueError, KeyError, TypeError):
+            models = {}
+    if config.model is not None:
+        if models and config.model not in models:
+            raise BenchError(f"--model {config.model!r} is not served at {config.base_url}; it serves: "
+                             f"{', '.join(models)}")
+        return config.model, models.get(config.model)
+    if not models:
+        raise BenchError(f"GET {url} answered {r.status_code} without a model list; name the model with --model")
+    name = next(iter(models))
+    return name, models[name]
+
+
+def _check_fits(config: ServeBenchConfig, max_model_len: Optional[int]) -> None:
+    if config.dataset is not None or not max_model_len:
+        return
+    longest = int(config.input_len * (1 + config.range_ratio)) + int(config.output_len * (1 + config.range_ratio))
+    if longest > max_model_len:
+        raise BenchError(f"random prompts of up to {longest} tokens (input + output, with --range-ratio) do not fit "
+                         f"the server's max_model_len {max_model_len}; lower --input-len/--output-len")
+
+
+@dataclass
+class BenchResult:
+    config: ServeBenchConfig
+    model: str
+    started_at: str  # ISO 8601, UTC
+    duration_s: float  # first send to the last request's end
+    records: list[RequestRecord]  # in send order
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON object (schema in the module docstring)."""
+        return {"kind": "bench_serve", "version": 1, "url": self.config.base_url, "model": self.model,
+                "endpoint": self.config.endpoint, "started_at": self.started_at, "config": self.config.to_json(),
+                **summarize(self.records, self.duration_s, parse_slos(self.config.slos))}
+
+
+async def _run(config: ServeBenchConfig, progress: Optional[Progress],
+               transport: Optional[httpx.AsyncBaseTransport]) -> BenchResult:
+    tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+    prompts, num_requests = _prompts(config, tokenizer)
+    key = config.resolved_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # queue in the server, not here
+    async with httpx.AsyncClient(base_url=config.base_url, headers=headers, limits=limits, transport=transport,
+                                 timeout=httpx.Timeout(config.timeout, connect=min(config.timeout, 30.0))) as client:
+        model, max_model_len = await _discover_model(client, config)
+        _check_fits(config, max_model_len)
+        rate, cap = config.request_rate, config.concurrency
+        if rate is None and cap is None:
+            cap = 1
+        arrivals = poisson_arrivals(rate, config.seed) if rate is not None else itertools.repeat(0.0)
+        total = num_requests
+        if total is None and rate is not None:  # duration only: the arrivals before it
+            total = sum(1 for _ in itertools.takewhile(lambda t: t < config.duration,
+                                                       poisson_arrivals(rate, config.seed)))
+        slots = asyncio.Semaphore(cap) if cap is not None else None
+        records: list[RequestRecord] = []
+        tasks: list[asyncio.Task] = []
+        num_done = 0
+
+        def finished(_: asyncio.Task) -> None:
+            nonlocal num_done
+            num_done += 1
+            if slots is not None:
+                slots.release()
+            if progress is not None:
+                progress("requests", num_done, total)
+
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        start = time.perf_counter()
+
+        def clock() -> float:
+            return time.perf_counter() - start
+
+        if progress is not None:
+            progress("requests", 0, total)
+        for index, arrival in enumerate(arrivals):
+            if num_requests is not None and index >= num_requests:
+                break
+            if config.duration is not None and arrival >= config.duration:
+                break
+            if arrival > clock():
+                await asyncio.sleep(arrival - clock())
+            if slots is not None:
+                await slots.acquire()
+            # a Poisson schedule without a cap is judged by its send times alone (reproducible counts)
+            if config.duration is not None and clock() >= config.duration and (rate is None or slots is not None):
+                if slots is not None:
+                    slots.release()
+                break
+            prompt = next(prompts)
+            record = RequestRecord(index, prompt.max_tokens, prompt.num_tokens)
+            records.append(record)
+            task = asyncio.create_task(_send(client, config, model, prompt, record, clock))
+            task.add_done_callback(finished)
+            tasks.append(task)
+        if progress is not None and total is None:  # open-ended until now: the count is known
+            total = len(tasks)
+            progress("requests", num_done, total)
+        await asyncio.gather(*tasks)
+        duration = clock()
+    return BenchResult(config, model, started_at, duration, records)
+
+
+def run(config: ServeBenchConfig, progress: Optional[Progress] = None,
+        transport: Optional[httpx.AsyncBaseTransport] = None) -> BenchResult:
+    """Run the benchmark against ``config.url``; raises BenchError on bad input or an unusable server."""
+    return asyncio.run(_run(config, progress, transport))
+
+
+# --- metrics ---------------------------------------------------------------------------------------------
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile, interpolating linearly between order statistics (numpy's default)."""
+    assert values, "percentile of no values"
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def stats(values: list[float]) -> dict[str, Optional[float]]:
+    """mean, p50, p90, p95, p99 of ``values``; all None when there are none."""
+    if not values:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    return {"mean": sum(values) / len(values), **{f"p{q}": percentile(values, q) for q in PERCENTILES}}
+
+
+def request_latencies_ms(r: RequestRecord) -> dict[str, Optional[float]]:
+    """TTFT, TPOT and E2E of one completed request, in ms (TPOT None for a single output token)."""
+    ttft = (r.chunk_s[0] - r.send_s) * 1e3
+    e2e = (r.end_s - r.send_s) * 1e3
+    tpot = (e2e - ttft) / (r.num_output_tokens - 1) if r.num_output_tokens > 1 else None
+    return {"ttft": ttft, "tpot": tpot, "e2e": e2e}
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slos_ms: dict[str, float]) -> dict[str, Any]:
+    """Counts, throughputs, latency statistics and goodput of a run (failed requests only counted)."""
+    done = [r for r in records if r.ok]
+    failed: dict[str, int] = {}
+    for r in records:
+        if not r.ok:
+            failed[r.error] = failed.get(r.error, 0) + 1
+    per_request = [request_latencies_ms(r) for r in done]
+    itl = [(b - a) * 1e3 for r in done for a, b in zip(r.chunk_s, r.chunk_s[1:])]
+    num_in = sum(r.num_prompt_tokens or 0 for r in done)
+    num_out = sum(r.num_output_tokens for r in done)
+    rate = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    goodput = None
+    if slos_ms:
+        num_good = sum(all(m[name] is None or m[name] <= bound for name, bound in slos_ms.items())
+                       for m in per_request)
+        goodput = {"slos_ms": dict(slos_ms), "request_throughput": rate(num_good),
+                   "fraction": num_good / len(records) if records else 0.0}
+    return {
+        "duration_s": duration_s, "num_requests": len(records), "completed": len(done), "failed": failed,
+        "request_throughput": rate(len(done)), "output_token_throughput": rate(num_out),
+        "total_token_throughput": rate(num_in + num_out), "total_input_tokens": num_in,
+        "total_output_tokens": num_out,
+        "ttft_ms": stats([m["ttft"] for m in per_request]),
+        "tpot_ms": stats([m["tpot"] for m in per_request if m["tpot"] is not None]),
+        "itl_ms": stats(itl), "e2e_ms": stats([m["e2e"] for m in per_request]),
+        "goodput": goodput,
+    }
+
+
+# --- output ----------------------------------------------------------------------------------------------
+def write_json(summary: dict[str, Any], path: str | Path) -> None:
+    try:
+        Path(path).write_text(json.dumps(summary, indent=1) + "\n")
+    except OSError as e:
+        raise BenchError(f"--json {path}: cannot write it: {e}") from None
+
+
+def print_report(result: BenchResult, summary: dict[str, Any]) -> None:
+    """The run as rich tables on stdout, with the first message of each failure kind."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    s = summary
+    head = Table(title=f"{s['model']} at {s['url']}{ENDPOINTS[s['endpoint']]}", show_header=False,
+                 title_justify="left")
+    head.add_column(style="bold")
+    head.add_column()
+    failed = ", ".join(f"{k} {v}" for k, v in sorted(s["failed"].items())) or "0"
+    head.add_row("requests", f"{s['num_requests']} sent, {s['completed']} completed, failed: {failed}")
+    head.add_row("duration", f"{s['duration_s']:.2f} s")
+    head.add_row("throughput", f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output "
+                 f"tok/s, {s['total_token_throughput']:.1f} total tok/s")
+    head.add_row("tokens", f"{s['total_input_tokens']} input, {s['total_output_tokens']} output")
+    if s["goodput"] is not None:
+        g = s["goodput"]
+        bounds = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slos_ms"].items())
+        head.add_row("goodput", f"{g['request_throughput']:.2f} req/s, {g['fraction']:.1%} of requests ({bounds})")
+    table = Table(title="latency (ms)", title_justify="left")
+    table.add_column("metric")
+    for column in ("mean", *(f"p{q}" for q in PERCENTILES)):
+        table.add_column(column, justify="right")
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms")):
+        table.add_row(name, *("-" if v is None else f"{v:.2f}" for v in s[key].values()))
+    console = Console()
+    console.print(head)
+    console.print(table)
+    seen = set()
+    for r in result.records:
+        if not r.ok and r.error not in seen:
+            seen.add(r.error)
+            console.print(Text.assemble((r.error, "red"), f": {r.message}"))

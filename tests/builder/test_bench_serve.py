@@ -1,0 +1,352 @@
+"""`builder bench serve` against our real server (uvicorn on a free loopback port, bundled model), plus the
+metric math on hand-made timestamps and the failure kinds on a mock transport.
+
+Expected figures are computed here from the raw per-request timestamps the benchmark returns (with
+``statistics``), never by calling the module's own metric functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from typer.testing import CliRunner
+
+from builder.bench_serve import BenchError, RequestRecord, ServeBenchConfig, parse_slos, run, summarize
+from builder.cli import app
+from runtime.async_engine import AsyncEngine
+from runtime.server import create_app
+from runtime.serving import ServingConfig, ServingEngine
+
+API_KEY = "bench-key-1"
+STAT_KEYS = {"mean", "p50", "p90", "p95", "p99"}
+SUMMARY_KEYS = {"kind", "version", "url", "model", "endpoint", "started_at", "config", "duration_s", "num_requests",
+                "completed", "failed", "request_throughput", "output_token_throughput", "total_token_throughput",
+                "total_input_tokens", "total_output_tokens", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "goodput"}
+
+
+@contextlib.contextmanager
+def serve(artifact: Path, config: ServingConfig, api_key: str | None = API_KEY):
+    """Our server in a background thread on a free loopback port, until the block exits; yields its URL."""
+    app_ = create_app(AsyncEngine(ServingEngine.load(artifact, config=config)), "pystdlib", api_key=api_key)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP proto: Nagle off
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app_, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not become healthy"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def url(bundled_artifact):
+    with serve(bundled_artifact, ServingConfig(num_blocks=128, max_num_seqs=8)) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_artifact) -> str:
+    return str(bundled_artifact)  # an artifact directory: tokenizer/tokenizer.json inside
+
+
+def config(url: str, **kw) -> ServeBenchConfig:
+    return ServeBenchConfig(url=url, api_key=API_KEY, **kw)
+
+
+@pytest.fixture(scope="module")
+def fixed(url, tokenizer):
+    """6 random 16-token prompts, 8 output tokens each, 2 in flight."""
+    return run(config(url, tokenizer=tokenizer, num_requests=6, concurrency=2, input_len=16, output_len=8,
+                      slos=["ttft=1e7", "tpot=1e7", "e2e=1e7"]))
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def inclusive_quantiles(values: list[float]) -> dict[str, float]:
+    """mean and p50/p90/p95/p99 by the statistics module (inclusive method = linear interpolation)."""
+    cuts = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
+    return {"mean": statistics.fmean(values), "p50": cuts[49], "p90": cuts[89], "p95": cuts[94], "p99": cuts[98]}
+
+
+# --- metric math on hand-made timestamps -----------------------------------------------------------------
+def test_metric_math_by_hand():
+    records = [
+        # sent at 0: text chunks at 100, 150, 250 ms, [DONE] at 300 ms, 3 output tokens
+        RequestRecord(0, 3, 10, send_s=0.0, chunk_s=[0.1, 0.15, 0.25], end_s=0.3, num_output_tokens=3),
+        # usage says 4 output tokens in 2 chunks (the server coalesced some)
+        RequestRecord(1, 4, 20, send_s=1.0, chunk_s=[1.2, 1.3], end_s=1.3, num_output_tokens=4),
+        # one output token: no TPOT, no ITL
+        RequestRecord(2, 1, 30, send_s=0.5, chunk_s=[0.55], end_s=0.6, num_output_tokens=1),
+        RequestRecord(3, 8, 40, send_s=0.2, end_s=0.21, error="http_429", message="busy"),
+        RequestRecord(4, 8, 50, send_s=0.3, chunk_s=[0.4], end_s=1.9, error="timeout"),
+    ]
+    s = summarize(records, 2.0, {"ttft": 150.0, "tpot": 50.0})
+    assert (s["num_requests"], s["completed"], s["failed"]) == (5, 3, {"http_429": 1, "timeout": 1})
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (60, 8)
+    assert s["request_throughput"] == pytest.approx(1.5)  # 3 completed / 2 s
+    assert s["output_token_throughput"] == pytest.approx(4.0)  # 8 / 2
+    assert s["total_token_throughput"] == pytest.approx(34.0)  # (60 + 8) / 2
+    # TTFT 100, 200, 50 -> sorted 50, 100, 200; p90 sits at 1.8 between ranks: 100 + 0.8 * 100
+    assert s["ttft_ms"] == pytest.approx({"mean": 350 / 3, "p50": 100, "p90": 180, "p95": 190, "p99": 198})
+    # TPOT (300 - 100) / 2 = 100 and (300 - 200) / 3 = 33.3; the one-token request has none
+    assert s["tpot_ms"] == pytest.approx({"mean": 200 / 3, "p50": 200 / 3, "p90": 100 / 3 + 0.9 * 200 / 3,
+                                          "p95": 100 / 3 + 0.95 * 200 / 3, "p99": 100 / 3 + 0.99 * 200 / 3})
+    # ITL 50, 100 (request 0) and 100 (request 1), pooled
+    assert s["itl_ms"] == pytest.approx({"mean": 250 / 3, "p50": 100, "p90": 100, "p95": 100, "p99": 100})
+    # E2E 300, 300, 100
+    assert s["e2e_ms"] == pytest.approx({"mean": 700 / 3, "p50": 300, "p90": 300, "p95": 300, "p99": 300})
+    # only request 2 meets TTFT <= 150 and TPOT <= 50 (it has no TPOT); fraction of the 5 sent
+    assert s["goodput"]["slos_ms"] == {"ttft": 150.0, "tpot": 50.0}
+    assert (s["goodput"]["request_throughput"], s["goodput"]["fraction"]) == pytest.approx((0.5, 0.2))
+    assert summarize(records, 2.0, {})["goodput"] is None
+    empty = summarize(records[3:], 1.0, {"e2e": 1.0})
+    assert empty["completed"] == 0 and empty["ttft_ms"] == dict.fromkeys(STAT_KEYS)
+    assert empty["goodput"]["fraction"] == 0.0
+
+
+def test_parse_slos():
+    assert parse_slos(["ttft=500", "TPOT=50.5", "e2e=2e3"]) == {"ttft": 500.0, "tpot": 50.5, "e2e": 2000.0}
+    for bad in ("ttft", "ttft=", "ttft=-1", "itl=5", "ttft=fast", "ttft=inf"):
+        with pytest.raises(BenchError, match=r"NAME=MILLISECONDS with NAME one of ttft, tpot, e2e"):
+            parse_slos([bad])
+    with pytest.raises(BenchError, match="given twice"):
+        parse_slos(["ttft=1", "ttft=2"])
+
+
+# --- against the real server -----------------------------------------------------------------------------
+def test_fixed_concurrency_counts_and_tokens(fixed):
+    s = fixed.summary()
+    assert (s["num_requests"], s["completed"], s["failed"]) == (6, 6, {})
+    assert s["model"] == "pystdlib" and s["endpoint"] == "completions"
+    for r in fixed.records:
+        assert r.ok, r.message
+        assert r.num_output_tokens == 8  # ignore_eos: exactly max_tokens
+        assert r.num_prompt_tokens == 16  # token-id prompts: no BOS added
+        assert 1 <= len(r.chunk_s) <= 8
+        assert r.send_s < r.chunk_s[0] and r.chunk_s == sorted(r.chunk_s) and r.chunk_s[-1] <= r.end_s
+    assert (s["total_input_tokens"], s["total_output_tokens"]) == (96, 48)
+    # never more than 2 requests in flight: at any send, at most 1 other request is between send and end
+    for r in fixed.records:
+        assert sum(o.send_s <= r.send_s < o.end_s for o in fixed.records if o is not r) <= 1
+    last_end = max(r.end_s for r in fixed.records)
+    assert last_end <= fixed.duration_s < last_end + 0.5
+    assert s["request_throughput"] == pytest.approx(6 / fixed.duration_s)
+    assert s["output_token_throughput"] == pytest.approx(48 / fixed.duration_s)
+    assert s["total_token_throughput"] == pytest.approx(144 / fixed.duration_s)
+
+
+def test_latency_stats_match_the_raw_timestamps(fixed):
+    s = fixed.summary()
+    recs = fixed.records
+    ttft = [(r.chunk_s[0] - r.send_s) * 1e3 for r in recs]
+    e2e = [(r.end_s - r.send_s) * 1e3 for r in recs]
+    tpot = [(b - a) / 7 for a, b in zip(ttft, e2e)]  # 8 output tokens each
+    itl = [(b - a) * 1e3 for r in recs for a, b in zip(r.chunk_s, r.chunk_s[1:])]
+    for key, raw in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl), ("e2e_ms", e2e)):
+        got = s[key]
+        assert set(got) == STAT_KEYS
+        assert got == pytest.approx(inclusive_quantiles(raw), rel=1e-9, abs=1e-9), key
+        assert min(raw) <= got["p50"] <= got["p90"] <= got["p95"] <= got["p99"] <= max(raw), key
+    assert all(t > 0 for t in ttft + itl)
+
+
+def test_goodput(fixed):
+    s = fixed.summary()
+    assert s["goodput"] == {"slos_ms": {"ttft": 1e7, "tpot": 1e7, "e2e": 1e7},
+                            "request_throughput": s["request_throughput"], "fraction": 1.0}
+    impossible = summarize(fixed.records, fixed.duration_s, {"ttft": 1e-6})["goodput"]
+    assert impossible["request_throughput"] == 0 and impossible["fraction"] == 0
+    # a TTFT bound between the fastest and the slowest request keeps exactly those at or under it
+    ttft = sorted((r.chunk_s[0] - r.send_s) * 1e3 for r in fixed.records)
+    half = summarize(fixed.records, fixed.duration_s, {"ttft": ttft[2]})["goodput"]
+    assert half["fraction"] == pytest.approx(sum(t <= ttft[2] for t in ttft) / 6)
+
+
+def test_poisson_arrivals_follow_the_seeded_schedule(url, tokenizer):
+    rate, duration, seed = 40.0, 0.25, 7
+    rng, t, schedule = random.Random(seed), 0.0, []
+    while t < duration:  # documented: first at 0, then cumulative expovariate(rate) gaps
+        schedule.append(t)
+        t += rng.expovariate(rate)
+    result = run(config(url, tokenizer=tokenizer, request_rate=rate, duration=duration, seed=seed, input_len=8,
+                        output_len=4))
+    assert len(result.records) == len(schedule) == result.summary()["num_requests"]
+    assert result.summary()["completed"] == len(schedule)
+    for r, planned in zip(result.records, schedule):
+        assert r.send_s >= planned - 1e-6
+    capped = run(config(url, tokenizer=tokenizer, request_rate=1000.0, num_requests=5, concurrency=1, input_len=8,
+                        output_len=4))
+    assert capped.summary()["completed"] == 5
+    for a, b in zip(capped.records, capped.records[1:]):  # a cap of 1: each waits for the one before
+        assert b.send_s >= a.end_s
+
+
+def test_cli_dataset_json_and_table(url, tmp_path):
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"prompt": "def fibonacci(n):", "max_tokens": 4}\n\n'
+                       '{"prompt": "import os\\n", "output_len": 6}\n{"prompt": "class Config:"}\n')
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["bench", "serve", "--url", url + "/v1", "--api-key", API_KEY, "--dataset",
+                                   str(dataset), "--output-len", "5", "--concurrency", "3", "--slo", "ttft=0.001",
+                                   "--json", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    for text in ("TTFT", "TPOT", "ITL", "E2E", "p99", "goodput", "3 completed"):
+        assert text in res.output
+    s = json.loads(out.read_text())
+    assert set(s) == SUMMARY_KEYS
+    assert (s["kind"], s["version"], s["url"], s["endpoint"]) == ("bench_serve", 1, url, "completions")
+    assert (s["num_requests"], s["completed"], s["failed"], s["total_output_tokens"]) == (3, 3, {}, 4 + 6 + 5)
+    assert s["total_input_tokens"] > 0  # from the usage chunks
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        assert set(s[key]) == STAT_KEYS
+    assert s["goodput"] == {"slos_ms": {"ttft": 0.001}, "request_throughput": 0.0, "fraction": 0.0}
+    assert s["config"]["concurrency"] == 3 and s["config"]["slos"] == ["ttft=0.001"]
+    assert s["config"]["api_key"] == "<set>" and API_KEY not in out.read_text()
+    assert s["started_at"].endswith("+00:00")
+
+
+def test_chat_endpoint_text_prompts(url, tokenizer):
+    result = run(config(url, endpoint="chat", tokenizer=tokenizer, num_requests=2, concurrency=2, input_len=8,
+                        output_len=5))
+    assert [r.num_output_tokens for r in result.records] == [5, 5]
+    assert all(r.ok and r.num_prompt_tokens > 8 for r in result.records)  # the chat template adds tokens
+
+
+def test_http_errors_are_counted_and_left_out(url, tmp_path):
+    dataset = tmp_path / "mixed.jsonl"
+    dataset.write_text('{"prompt": "x = 1", "max_tokens": 3}\n{"prompt": "y = 2", "max_tokens": 100000}\n')
+    result = run(config(url, dataset=str(dataset), concurrency=2))
+    s = result.summary()
+    assert (s["completed"], s["failed"], s["total_output_tokens"]) == (1, {"http_400": 1}, 3)
+    bad = result.records[1]
+    assert bad.error == "http_400" and "max_tokens" in bad.message
+    good = result.records[0]
+    assert s["e2e_ms"]["mean"] == pytest.approx((good.end_s - good.send_s) * 1e3)
+
+
+def test_queue_full_is_reported_as_429(bundled_artifact, tokenizer):
+    with serve(bundled_artifact, ServingConfig(num_blocks=64, max_num_seqs=1, max_waiting=1), api_key=None) as u:
+        result = run(ServeBenchConfig(url=u, tokenizer=tokenizer, num_requests=6, concurrency=6, input_len=8,
+                                      output_len=16))
+    s = result.summary()
+    assert s["failed"].get("http_429", 0) >= 1 and set(s["failed"]) == {"http_429"}
+    assert s["completed"] + s["failed"]["http_429"] == 6 and s["completed"] >= 1
+    assert all("busy" in r.message for r in result.records if not r.ok)
+
+
+def _mock(handler) -> httpx.MockTransport:
+    def route(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 64}]})
+        return handler(request)
+    return httpx.MockTransport(route)
+
+
+SSE = {"content-type": "text/event-stream"}
+
+
+@pytest.mark.parametrize("response, kind, message", [
+    (httpx.Response(500, json={"error": {"message": "engine failed"}}), "http_500", "engine failed"),
+    (httpx.Response(200, headers=SSE, text='data: {"choices": [{"text": "a"}]}\n\n'
+                    'data: {"error": {"message": "the request timed out"}}\n\ndata: [DONE]\n\n'),
+     "stream_error", "timed out"),
+    (httpx.Response(200, headers=SSE, text='data: {"choices": [{"text": "a"}]}\n\n'), "bad_response", "[DONE]"),
+    (httpx.Response(200, headers=SSE, text="data: {not json\n\n"), "bad_response", "not JSON"),
+    (httpx.Response(200, json={"choices": []}), "bad_response", "text/event-stream"),
+    (httpx.Response(200, headers=SSE, text='data: {"choices": [{"text": ""}]}\n\ndata: [DONE]\n\n'),
+     "no_tokens", "no text"),
+])
+def test_failure_kinds(tmp_path, response, kind, message):
+    dataset = tmp_path / "one.jsonl"
+    dataset.write_text('{"prompt": "x", "max_tokens": 2}\n')
+    result = run(ServeBenchConfig(url="http://bench.invalid", dataset=str(dataset)),
+                 transport=_mock(lambda request: response))
+    (r,) = result.records
+    assert r.error == kind and message in r.message
+    assert result.summary()["failed"] == {kind: 1} and result.summary()["ttft_ms"]["mean"] is None
+
+
+def test_chunk_count_when_there_is_no_usage(tmp_path):
+    body = "".join(f'data: {{"choices": [{{"text": "{t}"}}]}}\n\n' for t in "abc") + "data: [DONE]\n\n"
+    dataset = tmp_path / "one.jsonl"
+    dataset.write_text('{"prompt": "x", "max_tokens": 3}\n')
+    result = run(ServeBenchConfig(url="http://bench.invalid", dataset=str(dataset)),
+                 transport=_mock(lambda request: httpx.Response(200, headers=SSE, text=body)))
+    (r,) = result.records
+    assert r.ok and r.num_output_tokens == 3 and len(r.chunk_s) == 3 and r.num_prompt_tokens is None
+
+
+# --- bad input -------------------------------------------------------------------------------------------
+def cli(*args: str):
+    return CliRunner().invoke(app, ["bench", "serve", "--quiet", *args])
+
+
+def test_unreachable_url_is_a_clear_error(tokenizer):
+    dead = closed_port_url()
+    res = cli("--url", dead, "--tokenizer", tokenizer, "--num-requests", "1")
+    assert res.exit_code == 1
+    assert f"cannot reach {dead}/v1/models" in res.output and "--url" in res.output
+    res = cli("--url", "localhost:8000", "--tokenizer", tokenizer)
+    assert res.exit_code == 1 and "is not an http(s) base URL" in res.output
+
+
+def test_bad_jsonl_names_the_line(tmp_path, url):
+    dataset = tmp_path / "bad.jsonl"
+    cases = {
+        '{"prompt": "ok"}\n\n{"prompt": "ok", \n': r"line 3: not JSON",
+        '{"prompt": "ok"}\n["prompt"]\n': r"line 2: a JSON list, expected an object",
+        '{"text": "no prompt key"}\n': r"line 1: \"prompt\" must be a non-empty string",
+        '{"prompt": "ok", "max_tokens": 0}\n': r"line 1: \"max_tokens\" must be an integer >= 1, got 0",
+        '{"prompt": "ok", "max_tokens": 4, "output_len": 5}\n': r"line 1: .* disagree",
+        "\n\n": r"no prompts in it",
+    }
+    for text, pattern in cases.items():
+        dataset.write_text(text)
+        with pytest.raises(BenchError, match=pattern):
+            run(config(url, dataset=str(dataset)))
+    res = cli("--url", url, "--api-key", API_KEY, "--dataset", str(tmp_path / "missing.jsonl"))
+    assert res.exit_code == 1 and "missing.jsonl: cannot read it" in res.output
+
+
+def test_bad_options_say_what_is_allowed(url, tokenizer, tmp_path):
+    cases = [
+        (["--slo", "ttft:500"], "expected NAME=MILLISECONDS with NAME one of ttft, tpot, e2e"),
+        ([], "random prompts need --tokenizer"),
+        (["--tokenizer", str(tmp_path)], "no tokenizer.json there"),
+        (["--tokenizer", tokenizer, "--endpoint", "embeddings"], "is not one of completions, chat"),
+        (["--tokenizer", tokenizer, "--endpoint", "chat", "--prompt-format", "ids"], "use --prompt-format text"),
+        (["--tokenizer", tokenizer, "--range-ratio", "1.5"], "--range-ratio must be in [0, 1)"),
+        (["--tokenizer", tokenizer, "--request-rate", "0"], "--request-rate must be a positive number"),
+        (["--tokenizer", tokenizer, "--input-len", "600"], "do not fit the server's max_model_len 512"),
+        (["--tokenizer", tokenizer, "--model", "other"], "'other' is not served at"),
+    ]
+    for args, message in cases:
+        res = cli("--url", url, "--api-key", API_KEY, *args)
+        assert res.exit_code == 1 and message in res.output, (args, res.output)
+    res = cli("--url", url, "--api-key", "wrong", "--tokenizer", tokenizer)
+    assert res.exit_code == 1 and "answered 401" in res.output and "--api-key" in res.output

@@ -1,0 +1,342 @@
+"""`builder compare`: a report over three real builds of the bundled model (fp32, fp8, gptq).
+
+Every expected value is read back from the artifacts' manifests (or computed here from them), never
+copied from a report.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from builder.cli import app
+from builder.compare import pareto_front, read_bench_file
+from builder.pipeline import GateFailure, build
+from builder.recipe import load_recipe
+from runtime.artifact import manifest_digest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
+        "gates.needle_context_len=null"]
+# directory -> (recipe, overrides). fp8's top-1 threshold is set out of reach so one gate FAILs.
+BUILDS = {
+    "fp32": ("quickstart.yaml", []),
+    "fp8": ("quickstart-fp8.yaml", FAST + ["gates.min_top1_agreement=0.999"]),
+    "gptq": ("quickstart-gptq.yaml", FAST),
+}
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compare")
+    out = {}
+    for key, (recipe, sets) in BUILDS.items():
+        sets = [f"output_dir={root / key}", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}", *sets]
+        try:
+            build(load_recipe(ROOT / "recipes" / recipe, sets))
+        except GateFailure:
+            assert key == "fp8", f"{key} was expected to pass its gates"
+        out[key] = root / key
+    return out
+
+
+@pytest.fixture(scope="module")
+def manifests(built) -> dict[str, dict]:
+    return {k: json.loads((p / "manifest.json").read_text()) for k, p in built.items()}
+
+
+def serve_result(model: str) -> dict:
+    """A `builder bench serve --json` object (schema of builder/bench_serve.py) with distinct figures."""
+    def pct(base: float) -> dict:
+        return {"mean": base * 1.1, "p50": base, "p90": base * 1.7, "p95": base * 2.1, "p99": base * 3.3}
+
+    return {"kind": "bench_serve", "version": 1, "url": "http://127.0.0.1:8123", "model": model,
+            "endpoint": "completions", "started_at": "2026-11-21T20:00:00Z", "config": {"concurrency": 8},
+            "duration_s": 12.5, "num_requests": 64, "completed": 63, "failed": {"timeout": 1},
+            "request_throughput": 5.04, "output_token_throughput": 645.125, "total_token_throughput": 1290.25,
+            "total_input_tokens": 8064, "total_output_tokens": 8064, "ttft_ms": pct(41.75), "tpot_ms": pct(11.125),
+            "itl_ms": pct(10.875), "e2e_ms": pct(1453.5),
+            "goodput": {"slos_ms": {"ttft": 200.0}, "request_throughput": 4.8, "fraction": 0.9375}}
+
+
+LATENCY_LINE = {"device": "cpu", "input_len": 96, "output_len": 32, "ttft_ms": 23.625, "decode_tok_s": 187.375,
+                "weight_bytes": 1, "kv_bytes_per_token": 1, "bandwidth_gb_s": 9.5, "roofline_tok_s": 1400.0,
+                "roofline_pct": 13.375, "peak_memory_gib": 0.25}
+
+
+@pytest.fixture(scope="module")
+def report(built, manifests, tmp_path_factory) -> dict[str, str]:
+    d = tmp_path_factory.mktemp("report")
+    serve = d / "serve.json"
+    serve.write_text(json.dumps(serve_result(manifests["gptq"]["name"])))  # matched by its "model" field
+    latency = d / "latency.jsonl"
+    latency.write_text(json.dumps(LATENCY_LINE) + "\n")
+    out = d / "out" / "report.html"
+    args = ["compare", *(str(built[k]) for k in BUILDS), "--bench", str(serve),
+            "--bench", f"{manifests['fp8']['name']}={latency}", "-o", str(out)]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    return {"html": out.read_text(), "md": out.with_suffix(".md").read_text(), "dir": str(out.parent)}
+
+
+def html_section(html: str, anchor: str) -> str:
+    start = html.index(f'<h2 id="{anchor}">')
+    end = html.find("<h2", start + 1)
+    return html[start:end if end > 0 else len(html)]
+
+
+def md_section(md: str, title: str) -> str:
+    start = md.index(f"\n## {title}")
+    end = md.find("\n## ", start + 1)
+    return md[start:end if end > 0 else len(md)]
+
+
+def html_row(section: str, label: str) -> list[str]:
+    """The cells after the row header ``label`` (tags stripped)."""
+    row = re.search(r"<tr><th class=\"row\">(?:<code>)?" + re.escape(label) + r"(?:</code>)?</th>(.*?)</tr>",
+                    section, re.S)
+    assert row, f"no row {label!r}"
+    return [re.sub(r"<[^>]+>", "", c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row.group(1), re.S)]
+
+
+def md_header(section: str) -> str:
+    return next(ln for ln in section.splitlines() if ln.startswith("| |"))
+
+
+def md_row(section: str, label: str) -> list[str]:
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip().strip("|").split(" | ")][1:]
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
+        out.update(flat(v, key) if isinstance(v, dict) else {key: v})
+    return out
+
+
+def quality(m: dict) -> float:
+    """Mean KL against the unquantized model; the unquantized artifact is that model (KL 0)."""
+    gates = m["quantization"].get("gates")
+    return next(x["value"] for x in gates["metrics"] if x["name"] == "kl") if gates else 0.0
+
+
+def expected_pareto(points: dict[str, tuple[float, float]]) -> set[str]:
+    return {k for k, p in points.items()
+            if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for o, q in points.items() if o != k)}
+
+
+# ---------------------------------------------------------------- content
+
+
+def test_every_artifact_is_named(report, manifests):
+    for m in manifests.values():
+        assert f">{m['name']}" in html_section(report["html"], "summary")
+        assert f" {m['name']}" in md_header(md_section(report["md"], "Summary"))
+
+
+def test_recipe_differences_only_and_highlighted(report, manifests):
+    recipes = [flat({k: v for k, v in m["recipe"].items() if k not in ("name", "output_dir")})
+               for m in manifests.values()]
+    keys = set().union(*recipes)
+    differ = {k for k in keys if len({json.dumps(r.get(k)) for r in recipes}) > 1}
+    same = keys - differ
+    assert {"quantization.algo", "calibration.num_samples"} <= differ and "runtime.max_seq_len" in same
+    html, md = html_section(report["html"], "recipe"), md_section(report["md"], "Recipe differences")
+    for k in differ:
+        assert f"<code>{k}</code>" in html and f"| `{k}` |" in md
+    for k in same:
+        assert f"<code>{k}</code>" not in html and f"`{k}`" not in md
+    # fp32's algo is the first column; the fp8 and gptq values differ from it and are highlighted
+    row = re.search(r"<code>quantization\.algo</code></th>(.*?)</tr>", html, re.S).group(1)
+    assert re.findall(r'<td class="(\w+)"', row) == ["same", "diff", "diff"]
+    assert md_row(md, "`quantization.algo`") == ["`none`", f"**`{manifests['fp8']['quantization']['algo']}`**",
+                                                 f"**`{manifests['gptq']['quantization']['algo']}`**"]
+
+
+def test_gate_metrics_values_and_pass_fail(report, manifests):
+    html, md = html_section(report["html"], "gates"), md_section(report["md"], "Quality gates")
+    assert not manifests["fp8"]["quantization"]["gates"]["passed"]  # the fixture made one gate fail
+    for col, key in enumerate(BUILDS):
+        gates = manifests[key]["quantization"].get("gates")
+        if gates is None:
+            assert html_row(html, "kl")[col] == "reference" and md_row(md, "kl")[col] == "reference"
+            continue
+        for g in gates["metrics"]:
+            status = "PASS" if g["passed"] else "FAIL"
+            for cell in (html_row(html, g["name"])[col], md_row(md, g["name"])[col]):
+                assert cell.startswith(f"{g['value']:.4g} ") and f"{g['threshold']:.4g}" in cell, cell
+                assert cell.endswith(status), cell
+        overall = md_row(md, "overall")[col]
+        assert overall.startswith("PASSED" if gates["passed"] else "FAILED: " + ", ".join(gates["failed"]))
+
+
+def test_pareto_mark_on_the_expected_artifacts(report, manifests):
+    points = {k: (m["weights"]["bytes"], quality(m)) for k, m in manifests.items()}
+    optimal = expected_pareto(points)
+    header = re.search(r"<thead><tr><th></th>(.*?)</tr></thead>", html_section(report["html"], "summary")).group(1)
+    cells = re.findall(r"<th class=\"artifact[^\"]*\">(.*?)</th>", header)
+    header_md = md_header(md_section(report["md"], "Summary"))
+    for key, cell in zip(BUILDS, cells):
+        name = manifests[key]["name"]
+        assert cell.startswith(name)
+        assert ("★" in cell) == (key in optimal), (key, optimal, points)
+        assert (f"{name} ★ |" in header_md) == (key in optimal)
+        assert md_row(md_section(report["md"], "Summary"), "Pareto: size vs kl")[list(BUILDS).index(key)] == (
+            "★ optimal" if key in optimal else "dominated")
+
+
+def test_sizes_bits_per_weight_and_times(report, manifests):
+    md = md_section(report["md"], "Summary")
+    num_params = manifests["fp32"]["model"]["num_parameters"]  # fp32 stores every parameter unpacked
+    for col, key in enumerate(BUILDS):
+        m = manifests[key]
+        assert md_row(md, "bits/weight, overall")[col] == f"{m['weights']['bytes'] * 8 / num_params:.2f}"
+        assert md_row(md, "weights")[col] == f"{m['weights']['bytes'] / 2**20:,.2f} MiB"
+        assert md_row(md, "build time (s)")[col] == f"{m['build']['duration_s']:.1f}"
+        quant_s = m["build"]["timings_s"].get("quantization_s")
+        assert md_row(md, "calibration + quantization (s)")[col] == ("—" if quant_s is None else f"{quant_s:.1f}")
+    assert md_row(md, "bits/weight, overall")[0] == "32.00"
+    assert md_row(md, "bits/weight, quantized linears")[0] == "— (none)"
+    assert md_row(md, "bits/weight, quantized linears")[2].startswith("4.")  # 4-bit plus group scales/zeros
+
+
+def test_per_layer_hot_spots(report, manifests):
+    html, md = html_section(report["html"], "hot-spots"), md_section(report["md"], "Per-layer error hot spots")
+    for col, key in enumerate(BUILDS):
+        for name, err in manifests[key]["quantization"].get("gates", {}).get("worst_layers", [])[:3]:
+            assert html_row(html, name)[col] == f"{err:.4g}"
+            assert md_row(md, f"`{name}`")[col] == f"**{err:.4g}**"  # in this artifact's top 5
+
+
+def test_plots_embedded_and_nothing_fetched(report):
+    html = report["html"]
+    assert html.count("<svg") == 3  # quality vs size, quality vs throughput, latency percentiles
+    assert "<script" not in html and "<link" not in html and "@import" not in html
+    assert not re.search(r"(?:src|href)\s*=\s*[\"']?\s*(?:https?:)?//", html)
+    assert not re.search(r"url\(\s*[\"']?\s*(?:https?:)?//", html)
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", report["md"])
+    assert len(images) == 3
+    for name in images:
+        svg = (Path(report["dir"]) / name).read_text()
+        assert "<svg" in svg and "</svg>" in svg
+
+
+def test_bench_figures_shown(report, manifests):
+    html, md = html_section(report["html"], "bench"), md_section(report["md"], "Benchmarks")
+    serve = serve_result(manifests["gptq"]["name"])
+    for text in (html, md):
+        assert manifests["gptq"]["name"] in text
+        for value in (serve["output_token_throughput"], serve["ttft_ms"]["p99"], serve["tpot_ms"]["p50"],
+                      serve["e2e_ms"]["p95"], serve["goodput"]["fraction"]):
+            assert f"{value:.4g}" in text, value
+        for value in (LATENCY_LINE["decode_tok_s"], LATENCY_LINE["ttft_ms"], LATENCY_LINE["roofline_pct"]):
+            assert f"{value:.4g}" in text, value
+    # the served artifact is the only one with a throughput figure, so the only throughput-Pareto point
+    assert md_row(md_section(report["md"], "Summary"), "Pareto: throughput vs kl") == ["—", "—", "★ optimal"]
+
+
+def test_quality_vs_throughput_pareto(built, manifests, tmp_path):
+    """Each artifact served at a chosen rate: the worst-KL artifact, given the lowest rate, is dominated."""
+    by_kl = sorted(BUILDS, key=lambda k: quality(manifests[k]))
+    rates = dict(zip(by_kl, (500.0, 600.0, 100.0)))  # best KL slower than the second; the worst KL slowest
+    args = ["compare", *(str(built[k]) for k in BUILDS), "-o", str(tmp_path / "r.html")]
+    for k in BUILDS:
+        f = tmp_path / f"{k}.json"
+        f.write_text(json.dumps({**serve_result(manifests[k]["name"]), "output_token_throughput": rates[k]}))
+        args += ["--bench", f"{built[k]}={f}"]  # attached by directory path this time
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    optimal = expected_pareto({k: (-rates[k], quality(manifests[k])) for k in BUILDS})
+    assert by_kl[-1] not in optimal
+    row = md_row(md_section((tmp_path / "r.md").read_text(), "Summary"), "Pareto: throughput vs kl")
+    assert row == ["★ optimal" if k in optimal else "dominated" for k in BUILDS]
+
+
+# ---------------------------------------------------------------- errors
+
+
+def compare_fails(args: list[str], *expected: str) -> None:
+    res = runner.invoke(app, ["compare", *args])
+    assert res.exit_code == 1, res.output
+    for text in expected:
+        assert text in res.output, res.output
+
+
+def test_missing_or_invalid_artifact(built, tmp_path):
+    out = str(tmp_path / "r.html")
+    compare_fails([str(built["fp32"]), str(tmp_path / "nope"), "-o", out], str(tmp_path / "nope"),
+                  "is not a directory")
+    (tmp_path / "empty").mkdir()
+    compare_fails([str(built["fp32"]), str(tmp_path / "empty"), "-o", out], "has no manifest.json")
+    compare_fails([str(built["fp32"]), "-o", out], "at least two artifacts")
+    compare_fails([str(built["fp32"]), str(built["fp32"]), "-o", out], "given twice")
+    assert not (tmp_path / "r.html").exists()
+
+
+def test_artifacts_of_different_models_are_refused(built, manifests, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(built["fp32"], other)
+    m = json.loads((other / "manifest.json").read_text())
+    m["source"]["files"]["model.safetensors"] = "0" * 64  # as if built from other weights
+    m["manifest_sha256"] = manifest_digest(m)
+    (other / "manifest.json").write_text(json.dumps(m))
+    compare_fails([str(built["gptq"]), str(other), "-o", str(tmp_path / "r.html")], "different models",
+                  "model.safetensors")
+
+
+def test_bench_file_errors(built, manifests, tmp_path):
+    arts = [str(built["fp32"]), str(built["gptq"])]
+    out = ["-o", str(tmp_path / "r.html")]
+    compare_fails([*arts, "--bench", str(tmp_path / "missing.json"), *out], "missing.json does not exist")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json\n")
+    compare_fails([*arts, "--bench", str(bad), *out], "bad.json line 1: not JSON")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"hello": 1}))
+    compare_fails([*arts, "--bench", str(other), *out], "not a `builder bench` result")
+    stranger = tmp_path / "stranger.json"
+    stranger.write_text(json.dumps(serve_result("some-other-model")))
+    compare_fails([*arts, "--bench", str(stranger), *out], "'some-other-model' matches none",
+                  manifests["fp32"]["name"], manifests["gptq"]["name"])
+    compare_fails([*arts, "--bench", f"nobody={stranger}", *out], "no artifact is named 'nobody'",
+                  manifests["gptq"]["name"])
+    latency = tmp_path / "latency.jsonl"
+    latency.write_text(json.dumps(LATENCY_LINE) + "\n")
+    compare_fails([*arts, "--bench", str(latency), *out], "no \"model\" field", f"ARTIFACT={latency}")
+    v2 = tmp_path / "v2.json"
+    v2.write_text(json.dumps({**serve_result(manifests["gptq"]["name"]), "version": 2}))
+    compare_fails([*arts, "--bench", str(v2), *out], "version 2 is not supported")
+
+
+def test_option_errors(built, tmp_path):
+    arts = [str(built["fp32"]), str(built["gptq"])]
+    compare_fails([*arts, "-o", str(tmp_path / "r.md")], "name the HTML file")
+    compare_fails([*arts, "--quality-metric", "bleu", "-o", str(tmp_path / "r.html")], "'bleu'", "kl")
+
+
+# ---------------------------------------------------------------- units
+
+
+def test_pareto_front():
+    points = [(1.0, 5.0), (2.0, 2.0), (3.0, 3.0), (2.0, 2.0), (5.0, 0.0), None, (1.0, 6.0)]
+    # (3, 3) is dominated by (2, 2); (1, 6) by (1, 5); equal points do not dominate each other
+    assert pareto_front(points) == [True, True, False, True, True, False, False]
+
+
+def test_bench_json_lines_are_classified(tmp_path):
+    f = tmp_path / "b.jsonl"
+    throughput = {"device": "cpu", "input_len": 8, "output_len": 8, "num_prompts": 4, "concurrency": 2,
+                  "output_tok_s": 50.0, "total_tok_s": 100.0, "elapsed_s": 1.0, "num_preemptions": 0,
+                  "peak_memory_gib": 0.1}
+    f.write_text(json.dumps(LATENCY_LINE) + "\n\n" + json.dumps(throughput) + "\n")
+    records = read_bench_file(f)
+    assert [r.kind for r in records] == ["latency", "throughput"]
+    assert [r.throughput for r in records] == [LATENCY_LINE["decode_tok_s"], throughput["output_tok_s"]]
