@@ -12,12 +12,14 @@ dtype, the arithmetic of the reference ``w8a8_int8`` / ``fp8`` paths of ``runtim
 
 Decode is memory-bound: a separate activation-quantization kernel costs a launch and a round trip of
 x through HBM per linear, and cuBLAS's FP8/INT8 GEMMs are tuned for large M (``torch._int_mm`` needs
-M > 16; ``torch._scaled_mm`` at M = 1 runs at ~1/6 of the bf16 GEMV's speed on H100). Here each program
-first reads its rows of x once over all of K for the per-token max (x is a few KiB per row and stays in
-L1/L2), then walks its K range: quantize the x step in registers, ``tl.dot`` it against the 1-byte
-weight tile. Small M leaves few output tiles, so K is split across programs whose scaled fp32 partial
-sums a second kernel adds with the bias (as in ``kernels.w4a16_gemm``). From ``FUSED_MAX_ROWS`` rows on
-the runtime uses cuBLAS (``_scaled_mm`` / ``_int_mm``), compute-bound territory where it wins.
+M > 16; ``torch._scaled_mm`` at M = 1 takes ~2x the time of the bf16 GEMV on H100). Here, up to
+``FUSED_SCALE_MAX_ROWS`` rows, each program first reads its rows of x once over all of K for the per-token
+max (a few KiB per row, from L1/L2); with more rows the per-token scales are computed once beforehand
+(re-reading 32+ rows per program costs as much L2 traffic as the weights). Then each program walks its K
+range: quantize the x step in registers (IEEE division and round-half-even: the reference's codes),
+``tl.dot`` it against the 1-byte weight tile. Small M leaves few output tiles, so K is split across
+programs whose scaled fp32 partial sums a second kernel adds with the bias (as in ``kernels.w4a16_gemm``).
+From ``FUSED_MAX_ROWS`` rows on the runtime uses cuBLAS (``_scaled_mm`` / ``_int_mm``).
 
 NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion of the interpreter rounds wrongly (it can
 lose an exponent step), so the interpreter path rounds to E4M3 in fp32 arithmetic (``_round_e4m3``) and
@@ -40,6 +42,8 @@ from kernels.w4a16_gemm import _auto_split_k, _split_k_reduce_kernel
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W_DTYPES = (torch.int8, torch.float8_e4m3fn)
 FUSED_MAX_ROWS = 64  # the runtime sends more rows than this to cuBLAS
+FUSED_SCALE_MAX_ROWS = 16  # above this, per-token scales are computed once before the GEMM
+_SCALES_FUSED, _SCALES_PER_ROW, _SCALES_STATIC = 0, 1, 2  # SCALE_MODE of the kernel
 
 
 def _interpreting() -> bool:
@@ -64,7 +68,9 @@ class W8A8Config:
 _CUDA_CONFIGS: list[tuple[int, W8A8Config]] = [
     (16, W8A8Config(16, 128, 128, num_warps=8, num_stages=3)),
     (32, W8A8Config(32, 128, 256, num_warps=4, num_stages=3)),
-    (1 << 62, W8A8Config(64, 128, 128, num_warps=4, num_stages=3)),
+    # 32-row tiles at 64 rows too: 64-row FP8 tiles take Hopper's wgmma path, whose reduced-precision
+    # accumulation measured 0.5-0.7% off the reference; grouped order shares each weight tile via L2
+    (1 << 62, W8A8Config(32, 128, 256, num_warps=4, num_stages=3)),
 ]
 _INTERPRETER_CONFIG = W8A8Config(16, 32, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
 
@@ -90,11 +96,11 @@ def _round_e4m3(v):
 
 @triton.jit
 def _w8a8_gemm_kernel(
-    x_ptr, w_ptr, ws_ptr, is_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, ws_ptr, xs_ptr, bias_ptr, out_ptr,
     M, N, K, k_steps_per_split,
     stride_xm, stride_wn,
     stride_om, stride_os,  # out: y [M, N] (stride_os unused), or partial sums [SPLIT_K, M, N] fp32
-    INT8: tl.constexpr, STATIC: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INT8: tl.constexpr, SCALE_MODE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -120,16 +126,19 @@ def _w8a8_gemm_kernel(
         qmax = 448.0
         eps = 1e-12
 
-    # x_scale: [BLOCK_M] per-token scales (dynamic: this tile's rows read once over all of K)
-    if STATIC:
-        x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(is_ptr).to(tl.float32)
-    else:
+    # x_scale: [BLOCK_M] per-token scales: computed here from this tile's rows, read over all of K
+    # (_SCALES_FUSED), given per row (_SCALES_PER_ROW), or the static calibrated scale (_SCALES_STATIC)
+    if SCALE_MODE == 0:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        x_scale = tl.maximum(amax, eps) / qmax
+        x_scale = tl.math.div_rn(tl.maximum(amax, eps), qmax)
+    elif SCALE_MODE == 1:
+        x_scale = tl.load(xs_ptr + offs_m, mask=mask_m, other=1.0)
+    else:
+        x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
 
     if INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -141,7 +150,8 @@ def _w8a8_gemm_kernel(
         offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -qmax), qmax)  # [BLOCK_M, BLOCK_K]
+        # IEEE division (Triton's ``/`` is approximate): the same codes as the torch reference
+        v = tl.minimum(tl.maximum(tl.math.div_rn(a.to(tl.float32), x_scale[:, None]), -qmax), qmax)
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if INT8:
@@ -212,13 +222,19 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     else:
         out, stride_om, stride_os = y, y.stride(0), 0
     ws = weight_scale.reshape(-1).float()
-    is_arg = input_scale.reshape(-1).float() if input_scale is not None else ws  # never read unless STATIC
+    if input_scale is not None:
+        mode, xs = _SCALES_STATIC, input_scale.reshape(-1).float()
+    elif num_rows > FUSED_SCALE_MAX_ROWS:  # one pass over x here beats each program re-reading all its rows
+        qmax, eps = (127.0, 1e-8) if qweight.dtype == torch.int8 else (448.0, 1e-12)
+        mode, xs = _SCALES_PER_ROW, x2.abs().amax(-1).float().clamp(min=eps) / qmax  # xs: [M]
+    else:
+        mode, xs = _SCALES_FUSED, ws  # xs never read
     bias_arg = bias if bias is not None else y
     int8 = qweight.dtype == torch.int8
     _w8a8_gemm_kernel[(num_tiles, split_k)](
-        x2, qweight, ws, is_arg, bias_arg, out, num_rows, n, k, steps_per_split,
+        x2, qweight, ws, xs, bias_arg, out, num_rows, n, k, steps_per_split,
         x2.stride(0), qweight.stride(0), stride_om, stride_os,
-        INT8=int8, STATIC=input_scale is not None, PER_CHANNEL=ws.numel() == n and n > 1,
+        INT8=int8, SCALE_MODE=mode, PER_CHANNEL=ws.numel() == n and n > 1,
         HAS_BIAS=bias is not None, SPLIT_K=split_k, EMULATE_FP8=_interpreting() and not int8,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
