@@ -10,16 +10,14 @@ dtype, the arithmetic of the reference ``w8a8_int8`` / ``fp8`` paths of ``runtim
     qweight  int8 or float8_e4m3fn [N, K] (as the passes write it), weight_scale fp32 [N] or [1]
     acc      int8: exact int32;  fp8: fp32 tensor-core accumulation
 
-Decode is memory-bound: a separate activation-quantization kernel costs a launch and a round trip of
+Decode is memory-bound: a separate activation-quantization kernel costs launches and a round trip of
 x through HBM per linear, and cuBLAS's FP8/INT8 GEMMs are tuned for large M (``torch._int_mm`` needs
-M > 16; ``torch._scaled_mm`` at M = 1 takes ~2x the time of the bf16 GEMV on H100). Here, up to
-``FUSED_SCALE_MAX_ROWS`` rows, each program first reads its rows of x once over all of K for the per-token
-max (a few KiB per row, from L1/L2); with more rows the per-token scales are computed once beforehand
-(re-reading 32+ rows per program costs as much L2 traffic as the weights). Then each program walks its K
-range: quantize the x step in registers (IEEE division and round-half-even: the reference's codes),
-``tl.dot`` it against the 1-byte weight tile. Small M leaves few output tiles, so K is split across
-programs whose scaled fp32 partial sums a second kernel adds with the bias (as in ``kernels.w4a16_gemm``).
-From ``FUSED_MAX_ROWS`` rows on the runtime uses cuBLAS (``_scaled_mm`` / ``_int_mm``).
+M > 16; ``torch._scaled_mm`` at M = 1 takes ~2x the time of the bf16 GEMV on H100). Here each program
+first reads its rows of x once over all of K for the per-token max (a few KiB per row, from L1/L2), then
+walks its K range: quantize the x step in registers, ``tl.dot`` it against the 1-byte weight tile. Small
+M leaves few output tiles, so K is split across programs whose scaled fp32 partial sums a second kernel
+adds with the bias (as in ``kernels.w4a16_gemm``). From ``FUSED_MAX_ROWS`` rows on the runtime uses cuBLAS
+(``_scaled_mm`` / ``_int_mm``).
 
 NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion of the interpreter rounds wrongly (it can
 lose an exponent step), so the interpreter path rounds to E4M3 in fp32 arithmetic (``_round_e4m3``) and
@@ -41,9 +39,10 @@ from kernels.w4a16_gemm import _auto_split_k, _split_k_reduce_kernel
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W_DTYPES = (torch.int8, torch.float8_e4m3fn)
-FUSED_MAX_ROWS = 64  # the runtime sends more rows than this to cuBLAS
-FUSED_SCALE_MAX_ROWS = 16  # above this, per-token scales are computed once before the GEMM
-_SCALES_FUSED, _SCALES_PER_ROW, _SCALES_STATIC = 0, 1, 2  # SCALE_MODE of the kernel
+# The runtime sends more rows than this to cuBLAS: at 32-64 rows each program re-reads all its rows of x
+# for the per-token max and re-quantizes them per output tile, and cuBLAS wins (docs/BENCHMARKS.md)
+FUSED_MAX_ROWS = 16
+_SCALES_FUSED, _SCALES_STATIC = 0, 2  # SCALE_MODE of the kernel
 
 
 def _interpreting() -> bool:
@@ -70,7 +69,7 @@ _CUDA_CONFIGS: list[tuple[int, W8A8Config]] = [
     (32, W8A8Config(32, 128, 256, num_warps=4, num_stages=3)),
     # 32-row tiles at 64 rows too: 64-row FP8 tiles take Hopper's wgmma path, whose reduced-precision
     # accumulation measured 0.5-0.7% off the reference; grouped order shares each weight tile via L2
-    (1 << 62, W8A8Config(32, 128, 256, num_warps=4, num_stages=3)),
+    (1 << 62, W8A8Config(32, 128, 256, num_warps=4, num_stages=3)),  # (benchmarks; the runtime stops at 16)
 ]
 _INTERPRETER_CONFIG = W8A8Config(16, 32, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
 
@@ -126,17 +125,15 @@ def _w8a8_gemm_kernel(
         qmax = 448.0
         eps = 1e-12
 
-    # x_scale: [BLOCK_M] per-token scales: computed here from this tile's rows, read over all of K
-    # (_SCALES_FUSED), given per row (_SCALES_PER_ROW), or the static calibrated scale (_SCALES_STATIC)
+    # x_scale: [BLOCK_M] per-token scales computed here from this tile's rows, read over all of K
+    # (_SCALES_FUSED), or the static calibrated scale (_SCALES_STATIC)
     if SCALE_MODE == 0:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-        x_scale = tl.math.div_rn(tl.maximum(amax, eps), qmax)
-    elif SCALE_MODE == 1:
-        x_scale = tl.load(xs_ptr + offs_m, mask=mask_m, other=1.0)
+        x_scale = tl.maximum(amax, eps) / qmax
     else:
         x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
 
@@ -150,8 +147,9 @@ def _w8a8_gemm_kernel(
         offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        # IEEE division (Triton's ``/`` is approximate): the same codes as the torch reference
-        v = tl.minimum(tl.maximum(tl.math.div_rn(a.to(tl.float32), x_scale[:, None]), -qmax), qmax)
+        # Triton's fp32 ``/`` is the fast approximate division (IEEE div_rn measured 1.5x slower here): a
+        # value within an ulp of a rounding boundary can get the neighbouring code
+        v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -qmax), qmax)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if INT8:
@@ -224,9 +222,6 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     ws = weight_scale.reshape(-1).float()
     if input_scale is not None:
         mode, xs = _SCALES_STATIC, input_scale.reshape(-1).float()
-    elif num_rows > FUSED_SCALE_MAX_ROWS:  # one pass over x here beats each program re-reading all its rows
-        qmax, eps = (127.0, 1e-8) if qweight.dtype == torch.int8 else (448.0, 1e-12)
-        mode, xs = _SCALES_PER_ROW, x2.abs().amax(-1).float().clamp(min=eps) / qmax  # xs: [M]
     else:
         mode, xs = _SCALES_FUSED, ws  # xs never read
     bias_arg = bias if bias is not None else y
