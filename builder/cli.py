@@ -80,6 +80,59 @@ def build(
 
 
 @app.command()
+def plan(
+    source: Path = typer.Argument(..., help="recipe YAML, or a checkpoint directory (only its config.json is read)"),
+    gpu_memory: Optional[str] = typer.Option(None, help="memory of one GPU: 80GiB, 80GB, 81920MiB "
+                                             "(default: the recipe's target, else 80GiB)"),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, help="fraction the runtime may use "
+                                                           "(default: the recipe's target, else 0.9)"),
+    tp_size: Optional[int] = typer.Option(None, help="tensor-parallel ranks (default: the recipe's, else 1)"),
+    vocab_parallel: Optional[bool] = typer.Option(None, "--vocab-parallel/--no-vocab-parallel",
+                                                  help="embedding/lm_head split over the ranks (default: the "
+                                                  "recipe's, else replicated)"),
+    dtype: Optional[str] = typer.Option(None, help="model dtype: float32 | bfloat16 | float16"),
+    quant: Optional[str] = typer.Option(None, help="none | awq | gptq | fp8 | int8_wo | smoothquant"),
+    group_size: Optional[int] = typer.Option(None, help="awq / gptq group size (-1 = per channel)"),
+    bits: Optional[int] = typer.Option(None, help="gptq bits: 4 | 8"),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto (the model dtype) | fp8 | int8"),
+    max_seq_len: Optional[int] = typer.Option(None),
+    max_batch_size: Optional[int] = typer.Option(None),
+    max_num_tokens: Optional[int] = typer.Option(None),
+    set_: list[str] = typer.Option([], "--set", help="override a recipe key: --set runtime.tokens_per_block=32"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write the plan as JSON to this file; '-' prints "
+                                           "it on stdout instead of the table"),
+) -> None:
+    """Memory plan from config.json: weights and KV bytes per rank, KV pool, max concurrency, and whether it fits.
+
+    The precision and serving options override the recipe's (for a checkpoint directory: the recipe
+    defaults, bfloat16 and no quantization). Exits 0 whenever a plan was made, fitting or not.
+    """
+    from builder.plan import PlanError, load_plan_input, make_plan, parse_memory, render, write_json
+    from builder.recipe import RecipeError
+
+    options = {"model.dtype": dtype, "quantization.algo": quant, "quantization.group_size": group_size,
+               "quantization.bits": bits, "runtime.kv_cache_dtype": kv_cache_dtype, "runtime.max_seq_len": max_seq_len,
+               "runtime.max_batch_size": max_batch_size, "runtime.max_num_tokens": max_num_tokens}
+    overrides = [f"{key}={value}" for key, value in options.items() if value is not None] + list(set_)
+    try:
+        memory = None
+        if gpu_memory is not None:
+            try:
+                memory = parse_memory(gpu_memory)
+            except PlanError as e:
+                raise PlanError(f"--gpu-memory {e}") from None
+        result = make_plan(load_plan_input(source, overrides), tp_size=tp_size, gpu_memory=memory,
+                           gpu_memory_utilization=gpu_memory_utilization, vocab_parallel=vocab_parallel,
+                           source=str(source))
+        if json_out != "-":
+            render(result)
+        if json_out is not None:
+            write_json(result, json_out)
+    except (PlanError, RecipeError) as e:
+        _fail(str(e))
+
+
+@app.command()
 def gate(
     artifact: Path = typer.Argument(..., help="artifact directory to judge"),
     baseline: Path = typer.Option(..., "--baseline", help="unquantized checkpoint directory or artifact"),

@@ -22,6 +22,7 @@ from builder.recipe import Recipe
 from passes import PassContext, PassRecord, run_passes
 from passes.base import Progress
 from passes.ir import Graph
+from passes.shard import check_tp_size
 from passes.trace import trace
 from runtime.tokenizer import Tokenizer, TokenizerError
 
@@ -54,6 +55,11 @@ def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
     if recipe.runtime.kv_cache_dtype != "auto":
         quant.append("kv_cache_quant")
     return list(recipe.passes), quant + ["dce"] if quant else []
+
+
+def parallel_passes(recipe: Recipe) -> list[str]:
+    """Passes that run last, on the final (quantized, gated) graph: ``shard`` when tp_size > 1."""
+    return ["shard"] if recipe.parallel.tp_size > 1 else []
 
 
 def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
@@ -130,12 +136,20 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     """Run the whole build for ``recipe``.
 
     A build that cannot finish writes nothing (the previous artifact stays). A build whose quality
-    gates fail writes the artifact marked gate-failed, then raises GateFailure.
+    gates fail writes the artifact marked gate-failed, then raises GateFailure. With a ``target``
+    section the memory plan (builder/plan.py) runs first: a plan that does not fit warns, or fails
+    the build before anything is loaded when ``target.fail_if_not_fit`` is true.
     """
     start = time.perf_counter()
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     dtype = getattr(torch, recipe.model.dtype)
     ckpt = open_checkpoint(recipe.model.checkpoint)
+    from builder.plan import check_target  # plans memory against recipe.target (from config.json) and logs it
+
+    if (problem := check_target(recipe)) is not None:
+        if recipe.target.fail_if_not_fit:
+            raise BuildError(f"{problem}\nnothing was built (target.fail_if_not_fit is true)")
+        log.warning("%s", problem)
     try:
         tokenizer = Tokenizer.from_dir(ckpt.path)
     except TokenizerError as e:
@@ -153,6 +167,8 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     attach_weights(graph, ckpt, meta_model, dtype)
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
+    par = recipe.parallel
+    check_tp_size(graph, par.tp_size, par.vocab_parallel)  # a bad tp_size stops the build before calibration
 
     names, quant_names = resolve_passes(recipe)
     ctx = PassContext(verify_atol=recipe.verify_atol(), progress=progress)
@@ -189,6 +205,10 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
             timings["gates_s"] = time.perf_counter() - t
             extra["gates"] = report.to_dict()
             extra["gates"]["worst_layers"] = worst_layers(records)
+    if shard_names := parallel_passes(recipe):  # per-rank weights are cut while writing, one tensor at a time
+        ctx.options["shard"] = {"tp_size": par.tp_size, "vocab_parallel": par.vocab_parallel}
+        graph, shard_records = run_passes(graph, shard_names, ctx)
+        records += shard_records
     out = write_artifact(recipe, ckpt, graph, records, started_at, start, timings, extra)
     gates = extra.get("gates")
     if gates and not gates["passed"]:

@@ -129,6 +129,39 @@ class GatesSection(_Strict):
     needle_context_len: Optional[int] = Field(default=None, ge=32, description="0/None = no needle check")
 
 
+class TargetSection(_Strict):
+    """The GPU the artifact is meant for: `builder build` plans its memory first (builder/plan.py)."""
+
+    gpu_memory: str = Field(default="80GiB", description="memory of one GPU: 80GiB, 80GB (powers of 1000), 81920MiB")
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1, description="fraction of it the runtime may use")
+    fail_if_not_fit: bool = Field(default=False, description="a plan that does not fit fails the build (else warns)")
+
+    @model_validator(mode="after")
+    def _memory_parses(self) -> TargetSection:
+        from builder.plan import PlanError, parse_memory
+
+        try:
+            parse_memory(self.gpu_memory)
+        except PlanError as e:
+            raise ValueError(f"gpu_memory: {e}") from None
+        return self
+
+
+class ParallelSection(_Strict):
+    tp_size: int = Field(default=1, ge=1, description="tensor-parallel ranks: GPUs of one host the artifact runs on")
+    vocab_parallel: bool = False  # split the embedding and lm_head by vocabulary too (default: replicated)
+    gpus_per_node: Optional[int] = Field(default=None, ge=1, description="GPUs of the runtime host; when set, "
+                                         "tp_size may not exceed it")
+
+    @model_validator(mode="after")
+    def _fits_host(self) -> ParallelSection:
+        if self.gpus_per_node is not None and self.tp_size > self.gpus_per_node:
+            ok = [t for t in (1, 2, 4, 8) if t <= self.gpus_per_node]
+            raise ValueError(f"tp_size: {self.tp_size} is more than the runtime host's gpus_per_node "
+                             f"{self.gpus_per_node}; one rank runs per GPU, pick {' or '.join(map(str, ok))}")
+        return self
+
+
 class Recipe(_Strict):
     name: Optional[str] = None
     model: ModelSection
@@ -141,6 +174,8 @@ class Recipe(_Strict):
     quantization: Union[QuantizationSection, list[QuantizationSection]] = Field(default_factory=QuantizationSection)
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     gates: GatesSection = Field(default_factory=GatesSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)  # tensor parallelism (tp_size)
+    target: Optional[TargetSection] = Field(default=None, description="the GPU to plan for; none = no plan at build")
 
     @model_validator(mode="after")
     def _known_passes(self) -> Recipe:
@@ -149,6 +184,9 @@ class Recipe(_Strict):
         for i, name in enumerate(self.passes):
             if name not in PASSES:
                 raise ValueError(f"passes[{i}]: {name!r} is not a known pass; known: {', '.join(PASSES)}")
+            if name == "shard":
+                raise ValueError(f"passes[{i}]: 'shard' runs last, after quantization, when parallel.tp_size > 1; "
+                                 f"set parallel.tp_size instead of listing it")
         return self
 
     @model_validator(mode="after")
@@ -256,10 +294,14 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
         field = model.model_fields.get(part)
         if field is None:
             return None
-        ann = field.annotation
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+        # an optional section or a one-or-list section (Optional[X], Union[X, list[X]]) lists X's keys
+        from typing import get_args
+
+        options = [a for a in (field.annotation, *get_args(field.annotation))
+                   if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not options:
             return None
-        model = ann
+        model = options[0]
     return model
 
 

@@ -10,3 +10,4 @@ from passes import fp8, smoothquant  # noqa: E402,F401  quantization methods reg
 from passes import kv_cache_quant  # noqa: E402,F401
 from passes import int8_wo  # noqa: E402,F401
 from passes import awq, gptq  # noqa: E402,F401
+from passes import shard  # noqa: E402,F401  tensor parallelism, run last (builder/pipeline.py)

@@ -73,10 +73,55 @@ OPS: dict[str, OpSpec] = {
     "silu_mul": OpSpec((1, 2), (), (), (), doc="silu(gate) * up; with one input, its two halves"),
     "elementwise": OpSpec((1, 2), (), (), ("fn",), doc="fn in add, mul (two inputs) or scale (attr value)"),
     "lm_head": OpSpec((1, 1), ("weight",), ("bias",), (), doc="logits for the rows the executor selects"),
+    # Tensor parallelism (written by the `shard` pass): collectives over the tp_size ranks of the default
+    # process group; identity when tp_size is 1.
+    "all_reduce": OpSpec(
+        (1, 1), (), ("bias",), ("tp_size",),
+        doc="sum of x over the tensor-parallel ranks, then + bias (held by every rank, added once)",
+    ),
+    "all_gather": OpSpec(
+        (1, 1), (), (), ("tp_size",),
+        doc="every rank's x concatenated along features in rank order (vocab-parallel logits)",
+    ),
 }
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 ELEMENTWISE = ("add", "mul", "scale")
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Indices [start, stop) of a full tensor along ``dim``: one piece of a rank's shard."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+@dataclass
+class ShardedWeights:
+    """Where each tensor-parallel rank's tensors come from (set by the ``shard`` pass).
+
+    A rank's tensor ``name`` is its slices of ``full[name]`` concatenated along their dim (a plain
+    view when there is one slice; the whole tensor when there is none: replicated). Nothing is
+    copied until ``tensor`` is asked for one rank's tensor, so all ranks together cost one copy of
+    the model, and the artifact writer materializes one tensor at a time.
+    """
+
+    tp_size: int
+    full: dict[str, torch.Tensor]  # the unsharded tensors, by weight name
+    slices: dict[str, list[tuple[Slice, ...]]]  # name -> per rank: its pieces of full[name]; () = replicated
+
+    def tensor(self, name: str, rank: int) -> torch.Tensor:
+        full, pieces = self.full[name], self.slices[name][rank]
+        if not pieces:
+            return full
+        parts = [full.narrow(s.dim, s.start, s.stop - s.start) for s in pieces]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=pieces[0].dim)
+
+    def num_params(self) -> int:
+        """Parameters of the unsharded model."""
+        return sum(t.numel() for t in self.full.values())
 
 
 class GraphError(ValueError):
@@ -126,6 +171,9 @@ class Graph:
     params: dict[str, torch.Tensor]
     meta: dict[str, Any] = field(default_factory=dict)  # model dimensions and source family
     version: int = IR_VERSION
+    # Set by the `shard` pass (tp_size > 1): nodes and ``params`` (meta tensors) then describe one rank, and
+    # each rank's real tensors come from here. Not serialized: the artifact writer writes one file per rank.
+    shards: ShardedWeights | None = None
 
     # --- queries -------------------------------------------------------------------------
     def producers(self) -> dict[str, Node]:
@@ -155,7 +203,7 @@ class Graph:
         import copy
 
         return Graph(copy.deepcopy(self.nodes), list(self.inputs), list(self.outputs), dict(self.params),
-                     copy.deepcopy(self.meta), self.version)
+                     copy.deepcopy(self.meta), self.version, self.shards)
 
     # --- invariants ----------------------------------------------------------------------
     def check(self) -> None:

@@ -4,7 +4,8 @@
       manifest.json          format version, toolchain, resolved recipe, source hashes, dims,
                              sha256 and size of every other file, and its own hash
       graph.json             the graph IR (ops, attributes, weight names)
-      weights.safetensors    every weight the graph names
+      weights.safetensors    every weight the graph names (tp_size 1), or
+      weights-rank{r}.safetensors   rank r's shard of every weight (tp_size > 1; manifest: tensor_parallel)
       tokenizer/             tokenizer.json, tokenizer_config.json, ...
       report.md, report.html the build report
 
@@ -31,6 +32,11 @@ MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
+
+
+def rank_weights_file(rank: int) -> str:
+    """The weight file of tensor-parallel rank ``rank``."""
+    return f"weights-rank{rank}.safetensors"
 
 
 class ArtifactError(RuntimeError):
@@ -67,9 +73,21 @@ class Artifact:
     def tokenizer_dir(self) -> Path:
         return self.path / TOKENIZER_DIR
 
-    def load_weights(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks the artifact is sharded for (1: one weight file, one device)."""
+        return int(self.manifest.get("tensor_parallel", {}).get("tp_size", 1))
+
+    def load_weights(self, device: torch.device | str = "cpu", rank: int | None = None) -> dict[str, torch.Tensor]:
+        """Every weight, or with ``rank`` (required when tp_size > 1) only that rank's file."""
+        files = self.manifest["weights"]["files"]
+        if self.tp_size > 1:
+            if rank is None or not 0 <= rank < self.tp_size:
+                raise ArtifactError(f"{self.path} is sharded for tp_size {self.tp_size}: load one rank's weights "
+                                    f"(rank 0..{self.tp_size - 1}), or run it with Engine.load, which starts the ranks")
+            files = [self.manifest["weights"]["ranks"][rank]["file"]]
         weights: dict[str, torch.Tensor] = {}
-        for name in self.manifest["weights"]["files"]:
+        for name in files:
             try:
                 weights.update(load_file(self.path / name, device=str(device)))
             except (SafetensorError, OSError) as e:
@@ -103,8 +121,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True) -> None:
-    """Every file the manifest lists exists with its recorded size (and sha256)."""
+def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True,
+                 skip_hashes: frozenset[str] = frozenset()) -> None:
+    """Every file the manifest lists exists with its recorded size (and sha256, except ``skip_hashes``)."""
     for rel, info in manifest["files"].items():
         file = path / rel
         if not file.is_file():
@@ -113,16 +132,19 @@ def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True
         if size != info["bytes"]:
             raise ArtifactError(f"{file} is truncated or modified: {size} bytes, the manifest records "
                                 f"{info['bytes']}; rebuild or re-copy the artifact")
-        if check_hashes and file_sha256(file) != info["sha256"]:
+        if check_hashes and rel not in skip_hashes and file_sha256(file) != info["sha256"]:
             raise ArtifactError(f"{file} was modified after the build (sha256 does not match the manifest); "
                                 f"rebuild or re-copy the artifact")
 
 
-def open_artifact(path: str | Path, check_hashes: bool = True) -> Artifact:
-    """Read and verify an artifact directory; raises ArtifactError naming what is wrong."""
+def open_artifact(path: str | Path, check_hashes: bool = True, rank: int | None = None) -> Artifact:
+    """Read and verify an artifact directory; raises ArtifactError naming what is wrong. With ``rank``
+    (a tensor-parallel worker), other ranks' weight files are only size-checked: their ranks hash them."""
     path = Path(path)
     manifest = read_manifest(path)
-    verify_files(path, manifest, check_hashes)
+    others = frozenset(r["file"] for r in manifest["weights"].get("ranks", []) if r["rank"] != rank) \
+        if rank is not None else frozenset()
+    verify_files(path, manifest, check_hashes, others)
     try:
         graph = json.loads((path / manifest["graph"]["file"]).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -79,7 +79,8 @@ class AsyncEngine:
     @property
     def ready(self) -> bool:
         """Loaded and stepping (what /health reports)."""
-        return self._thread is not None and self._thread.is_alive() and self.errored is None
+        return (self._thread is not None and self._thread.is_alive() and self.errored is None
+                and self.engine.failure is None)
 
     def stats(self) -> EngineStats:
         stats = self.engine.stats()
@@ -135,6 +136,11 @@ class AsyncEngine:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            if engine.failure is not None:  # a dead tensor-parallel rank: nothing can run any more
+                self.errored = engine.failure
+                self._dispatch(engine.finish_all("error", str(engine.failure)))
+                self._fail_all(EngineNotRunning(str(engine.failure)))
+                return
             self._take_inbox()
             if not engine.has_unfinished:
                 self._wake.wait(0.1)  # also wakes for deadlines of nothing: cheap

@@ -83,17 +83,31 @@ class Engine:
         the Triton kernels (default: on CUDA when triton is installed; see ``Executor``)."""
         start = time.perf_counter()
         device = torch.device(device)
-        artifact = open_artifact(path, check_hashes=check_hashes)
+        from runtime.tensor_parallel import torchrun_rank
+
+        # a sharded artifact's other weight files are hashed by the ranks that load them
+        artifact = open_artifact(path, check_hashes=check_hashes, rank=torchrun_rank() or 0)
         gates = artifact.manifest.get("quantization", {}).get("gates")
         if gates and not gates.get("passed", True) and not allow_failed_gate:
             raise ArtifactError(f"{path} failed its quality gates ({', '.join(gates.get('failed', []))}) when it "
                                 f"was built; load it anyway with allow_failed_gate=True (--allow-failed-gate)")
         if use_kernels is None:
             use_kernels = device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels)
+        if artifact.tp_size > 1:  # starts the other ranks; this process is rank 0 (see runtime/tensor_parallel.py)
+            from runtime import tensor_parallel
+
+            executor = tensor_parallel.start(artifact, device, use_kernels, check_hashes)
+        else:
+            executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels)
         tokenizer = Tokenizer.from_dir(artifact.tokenizer_dir)
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
         return cls(artifact, executor, tokenizer, device)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's worker ranks and leave their process group (no-op for one rank)."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
 
     # --- forward helpers ---------------------------------------------------------------------
     def _new_cache(self, num_tokens: int) -> SequenceKV:

@@ -161,6 +161,8 @@ Observer = Callable[[int, list[torch.Tensor]], None]
 # --- per-op compilers: (weights, attrs, executor) -> kernel ------------------------------------
 def _embedding(w, attrs, ex) -> Kernel:
     table = w["weight"]
+    if attrs.get("vocab_parallel"):
+        return _vocab_parallel_embedding(table)
     return lambda xs, step: (F.embedding(xs[0], table),)
 
 
@@ -364,6 +366,69 @@ def _lm_head(w, attrs, ex) -> Kernel:
     return kernel
 
 
+# --- tensor parallelism: collectives over the default process group (runtime/tensor_parallel.py) ------
+def _group_size(tp_size: int) -> None:
+    """A sharded graph runs only in a process group of its tp_size (else its partial sums stay partial)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world != tp_size:
+        raise GraphFormatError(f"this graph is sharded for tp_size {tp_size} but runs in a process group of {world} "
+                               f"rank(s); load the artifact with Engine.load, which starts its ranks")
+
+
+def _all_reduce(w, attrs, ex) -> Kernel:
+    bias, tp_size = w.get("bias"), attrs["tp_size"]
+    if tp_size == 1:
+        return lambda xs, step: (xs[0] if bias is None else xs[0] + bias,)
+    import torch.distributed as dist
+
+    _group_size(tp_size)
+    upcast = dist.get_backend() == "gloo"  # CPU: sum 16-bit partials in fp32 (gloo's 16-bit sums are slow)
+
+    def kernel(xs, step):
+        x = xs[0]  # [num_tokens, features]: this rank's partial sum (the row-parallel linear's fresh output)
+        y = x.float() if upcast and x.dtype != torch.float32 else x
+        dist.all_reduce(y)
+        y = y.to(x.dtype)
+        return (y if bias is None else y + bias,)
+
+    return kernel
+
+
+def _all_gather(w, attrs, ex) -> Kernel:
+    tp_size = attrs["tp_size"]
+    if tp_size == 1:
+        return lambda xs, step: (xs[0],)
+    import torch.distributed as dist
+
+    _group_size(tp_size)
+
+    def kernel(xs, step):
+        x = xs[0].contiguous()  # [num_rows, features / tp_size]
+        parts = [torch.empty_like(x) for _ in range(tp_size)]
+        dist.all_gather(parts, x)
+        return (torch.cat(parts, dim=-1),)
+
+    return kernel
+
+
+def _vocab_parallel_embedding(table: torch.Tensor) -> Kernel:
+    """This rank's rows of the table ([vocab / tp_size, hidden]); ids of other ranks' rows give zeros, and
+    the all_reduce after the node sums the ranks' lookups."""
+    import torch.distributed as dist
+
+    rows = table.shape[0]
+    start = rows * (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
+
+    def kernel(xs, step):
+        ids = xs[0] - start
+        outside = (ids < 0) | (ids >= rows)
+        return (F.embedding(ids.clamp(0, rows - 1), table).masked_fill(outside[:, None], 0),)
+
+    return kernel
+
+
 _COMPILERS: dict[str, Callable[..., Kernel]] = {
     "embedding": _embedding,
     "rms_norm": _rms_norm,
@@ -375,4 +440,6 @@ _COMPILERS: dict[str, Callable[..., Kernel]] = {
     "silu_mul": _silu_mul,
     "elementwise": _elementwise,
     "lm_head": _lm_head,
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
 }

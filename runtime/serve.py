@@ -9,6 +9,10 @@ requests in flight get GRACEFUL_SHUTDOWN_S seconds to finish. Exit codes: 0 afte
 SIGTERM the process ends by that signal, as uvicorn re-raises it for process managers), 1 when the
 artifact cannot be loaded or its memory plan does not fit, 2 for bad options.
 Needs only the runtime's dependencies (``pip install "llm-builder[runtime]"``).
+
+A tensor-parallel artifact (built with ``parallel.tp_size: N``) starts its N - 1 worker ranks itself, one
+per GPU after ``--device``'s; or launch it as ``torchrun --nproc-per-node N -m runtime.serve ARTIFACT``:
+rank 0 serves HTTP, the other ranks only run steps. A rank that dies turns /health to 503.
 """
 
 from __future__ import annotations
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
         pass
+    finally:
+        serving.close()  # a tensor-parallel artifact's worker ranks
     return 0
 
 

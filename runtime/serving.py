@@ -104,7 +104,8 @@ class ServingEngine:
                                  config.enable_prefix_caching, hash_extra=dtypes)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
+        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels \
+                and getattr(self.executor, "tp_size", 1) == 1:  # tensor-parallel steps run eagerly
             from runtime.cuda_graphs import DecodeGraphs
 
             self.graphs = DecodeGraphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
@@ -120,6 +121,15 @@ class ServingEngine:
         """Verify and load an artifact (see ``Engine.load``), then plan memory and build the KV pool."""
         return cls(Engine.load(path, device, check_hashes=check_hashes, allow_failed_gate=allow_failed_gate,
                                use_kernels=use_kernels), config)
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Why this engine can never step again (a tensor-parallel rank died), or None."""
+        return getattr(self.executor, "failure", None)
+
+    def close(self) -> None:
+        """Release what outlives the object: a tensor-parallel engine's worker ranks (see Engine.close)."""
+        self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
     def _plan_memory(self) -> MemoryPlan:
