@@ -7,7 +7,8 @@ Weights: fresh random bf16 weights quantized by the passes (per-channel FP8 E4M3
 ``w8a8_linear`` output is checked against ``ref_w8a8_linear`` (the runtime's reference linear) on fresh
 random bf16 activations with an outlier channel, then timed against cuBLAS on the same shape: the bf16
 ``F.linear`` of the unquantized weight, ``torch._scaled_mm`` after a torch per-token quantization (FP8;
-the runtime's large-M path) and ``torch._int_mm`` likewise (INT8, M > 16 only). Times are CUDA-graph
+the runtime's large-M path before ``quantize_rows``; ``+qrows``: with the one-kernel quantization the runtime
+now uses) and ``torch._int_mm`` likewise (INT8, M > 16 only). Times are CUDA-graph
 replay medians cycling through weight copies larger than L2 (``kernels.bench_gemm.time_us``).
 """
 
@@ -22,7 +23,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from kernels.bench_gemm import SHAPES, time_us
-from kernels.w8a8_gemm import W8A8Config, default_config, ref_w8a8_linear, w8a8_linear
+from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
 from runtime.quant import make_fp8_scaled_mm_linear, quantize_activation_int8
 
 ROWS = (1, 4, 16, 32)  # the runtime sends at most FUSED_MAX_ROWS (16) rows to the fused kernel
@@ -63,7 +64,8 @@ def bench(kind: str, sweep: bool) -> list[str]:
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"\nW8A8 {kind}: times in us (CUDA graphs, weights rotated past L2); rel.err vs the reference linear")
-    print(f"{'shape':>8} {'M':>4} | {'triton':>8} {'cublas8':>8} {'bf16':>8} | {'GB/s':>6} | rel.err  config")
+    print(f"{'shape':>8} {'M':>4} | {'triton':>8} {'cublas8':>8} {'+qrows':>8} {'bf16':>8} | {'GB/s':>6} | "
+          "rel.err  config")
     for name, k, n in SHAPES:
         w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
         qweight, w_scale = _quantize(w.float(), kind)
@@ -85,15 +87,23 @@ def bench(kind: str, sweep: bool) -> list[str]:
             if kind == "fp8":
                 fns = [make_fp8_scaled_mm_linear({"qweight": q, "weight_scale": s}) for q, s in copies]
                 t_cublas = time_us([lambda f=f: f(x) for f in fns])
+                def qrows(x2):
+                    return quantize_rows(x2, torch.float8_e4m3fn)
+
+                fused_q = [make_fp8_scaled_mm_linear({"qweight": q, "weight_scale": s}, qrows) for q, s in copies]
+                t_cublas_q = time_us([lambda f=f: f(x) for f in fused_q])
             elif m > 16:
                 fns = [_int_mm_linear(q, s) for q, s in copies]
                 t_cublas = time_us([lambda f=f: f(x) for f in fns])
             else:
                 t_cublas = float("nan")
+            if kind != "fp8":
+                t_cublas_q = float("nan")
             t_bf16 = time_us([lambda wb=wb: F.linear(x, wb) for wb in wbs])
             gbs = (qweight.numel() + 4 * n) / t / 1e3
             cfg = default_config(m, x.device)
-            print(f"{name:>8} {m:>4} | {t:8.1f} {t_cublas:8.1f} {t_bf16:8.1f} | {gbs:6.0f} | {err:.1e}  "
+            print(f"{name:>8} {m:>4} | {t:8.1f} {t_cublas:8.1f} {t_cublas_q:8.1f} {t_bf16:8.1f} | {gbs:6.0f} | "
+                  f"{err:.1e}  "
                   f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}")
             if sweep:
                 _sweep(kind, name, m, x, ref, copies)

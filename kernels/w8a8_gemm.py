@@ -240,6 +240,58 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     return y.reshape(*x.shape[:-1], n)
 
 
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl.constexpr,
+                          EMULATE_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per row: the row's max over K, then its codes; x: [M, K] -> q: [M, K], s: [M] fp32
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    if INT8:
+        qmax = 127.0
+        eps = 1e-8
+    else:
+        qmax = 448.0
+        eps = 1e-12
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, axis=0), eps) / qmax
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32) / scale
+        v = tl.minimum(tl.maximum(v, -qmax), qmax)
+        if INT8:
+            code = ((v + _MAGIC) - _MAGIC).to(tl.int8)
+        elif EMULATE_FP8:
+            code = _round_e4m3(v).to(q_ptr.dtype.element_ty)
+        else:
+            code = v.to(tl.float8e4nv)
+        tl.store(q_ptr + row * stride_qm + offs, code, mask=offs < K)
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token quantization in one kernel (torch's takes six): x [M, K] -> (codes [M, K] in
+    ``dtype`` (int8 or float8_e4m3fn), scales [M, 1] fp32), the reference's ``quantize_activation_*``
+    arithmetic (up to the fast division's rare neighbouring code). Feeds ``_scaled_mm`` / ``_int_mm`` above
+    ``FUSED_MAX_ROWS`` rows."""
+    if dtype not in W_DTYPES:
+        raise ValueError(f"quantize_rows: dtype {dtype} is not int8 or float8_e4m3fn")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows: expected x [M, K], got shape {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    num_rows, k = x.shape
+    q = torch.empty((num_rows, k), dtype=dtype, device=x.device)
+    scales = torch.empty((num_rows, 1), dtype=torch.float32, device=x.device)
+    if num_rows:
+        block = 32 if _interpreting() else 1024
+        _quantize_rows_kernel[(num_rows,)](x, q, scales, k, x.stride(0), q.stride(0), INT8=dtype == torch.int8,
+                                           EMULATE_FP8=_interpreting(), BLOCK_K=block, num_warps=4)
+    return q, scales
+
+
 def ref_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference: the runtime's reference ``w8a8_int8`` / ``fp8`` linear."""

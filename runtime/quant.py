@@ -64,10 +64,15 @@ def _int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return (xq.to(torch.float64) @ wq.t().to(torch.float64)).to(torch.int32)
 
 
-def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [M, K] -> (codes, scales [M, 1])
+
+
+def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | None = None
+                              ) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 W8A8 on Hopper tensor cores: ``torch._scaled_mm`` with row-wise scales (per-token activation
     scales x per-channel weight scales, a per-tensor scale broadcast to every row/column), bf16/fp16 out.
-    Same arithmetic as the reference ``fp8`` path of ``make_quant_linear``, with fp32 accumulation."""
+    Same arithmetic as the reference ``fp8`` path of ``make_quant_linear``, with fp32 accumulation.
+    ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops."""
     wq_t = w["qweight"].t()  # [in, out] column-major view of the row-major [out, in] weight, as cuBLASLt wants
     out_features = wq_t.shape[1]
     w_scale = w["weight_scale"].float().reshape(1, -1).expand(1, out_features).contiguous()  # [1, out]
@@ -75,7 +80,10 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor]) -> Callable[[torch.Ten
 
     def fp8_linear(x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
-        xq, x_scale = quantize_activation_fp8(x2, input_scale)
+        if quantize is not None and input_scale is None:
+            xq, x_scale = quantize(x2)
+        else:
+            xq, x_scale = quantize_activation_fp8(x2, input_scale)
         x_scale = x_scale.expand(x2.shape[0], 1).contiguous()  # [num_tokens, 1]
         y = torch._scaled_mm(xq, wq_t, scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
         if bias is not None:
@@ -83,6 +91,21 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor]) -> Callable[[torch.Ten
         return y.reshape(*x.shape[:-1], out_features)
 
     return fp8_linear
+
+
+def make_int8_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize) -> Callable[[torch.Tensor], torch.Tensor]:
+    """INT8 W8A8 with dynamic per-token scales from ``quantize`` (a fused kernel): the reference
+    ``w8a8_int8`` arithmetic (exact int32 products, ``torch._int_mm`` on CUDA above 16 rows)."""
+    wq, w_scale, bias = w["qweight"], w["weight_scale"].float().reshape(1, -1), w.get("bias")
+
+    def int8_linear(x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+        xq, x_scale = quantize(x2)
+        y = _int8_matmul(xq, wq).float() * x_scale * w_scale
+        y = (y + bias.float() if bias is not None else y).to(x.dtype)
+        return y.reshape(*x.shape[:-1], wq.shape[0])
+
+    return int8_linear
 
 
 def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict,

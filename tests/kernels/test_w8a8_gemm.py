@@ -94,3 +94,23 @@ def test_fp8_rounding_emulation_matches_torch_everywhere():
     _round_kernel[(triton.cdiv(v.numel(), 256),)](v, out, v.numel(), BLOCK=256)
     expected = v.to(torch.float8_e4m3fn).float()
     assert torch.equal(out, expected), (v[out != expected][:5], out[out != expected][:5])
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows_matches_the_reference_quantization(dtype, x_dtype):
+    """The one-kernel per-token quantization (feeding _scaled_mm / _int_mm above 16 rows) gives the
+    reference's codes and scales: K not a multiple of the block, an all-zero row (the scale floor)."""
+    from kernels.w8a8_gemm import quantize_rows
+    from runtime.quant import quantize_activation_fp8, quantize_activation_int8
+
+    x = _x(7, 100, x_dtype, seed=11)
+    x[4] = 0
+    q, s = quantize_rows(x, dtype)
+    ref = quantize_activation_int8 if dtype == torch.int8 else quantize_activation_fp8
+    q_ref, s_ref = ref(x, None)
+    assert q.dtype == dtype and s.shape == (7, 1)
+    assert torch.equal(s, s_ref)
+    assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
+        quantize_rows(x, torch.float16)
