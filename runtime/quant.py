@@ -93,21 +93,6 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
     return fp8_linear
 
 
-def make_int8_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize) -> Callable[[torch.Tensor], torch.Tensor]:
-    """INT8 W8A8 with dynamic per-token scales from ``quantize`` (a fused kernel): the reference
-    ``w8a8_int8`` arithmetic (exact int32 products, ``torch._int_mm`` on CUDA above 16 rows)."""
-    wq, w_scale, bias = w["qweight"], w["weight_scale"].float().reshape(1, -1), w.get("bias")
-
-    def int8_linear(x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
-        xq, x_scale = quantize(x2)
-        y = _int8_matmul(xq, wq).float() * x_scale * w_scale
-        y = (y + bias.float() if bias is not None else y).to(x.dtype)
-        return y.reshape(*x.shape[:-1], wq.shape[0])
-
-    return int8_linear
-
-
 def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict,
                       dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes)."""
