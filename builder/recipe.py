@@ -249,7 +249,12 @@ def apply_override(raw: dict, item: str) -> None:
         if not isinstance(child, dict):
             raise RecipeError(f"--set {item!r}: {k!r} is not a section")
         node = child
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as e:
+        problem = str(e).splitlines()[0]
+        raise RecipeError(f"--set {item!r}: the value {text!r} is not valid YAML ({problem}); a string with "
+                          f"backslashes goes in single quotes, e.g. {key}='re:layers\\.0\\.'") from None
 
 
 def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:

@@ -11,7 +11,7 @@ from passes.ir import Graph
 
 def _env() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.PackageLoader("builder", "templates"),
-                             autoescape=jinja2.select_autoescape(["html"]), trim_blocks=True, lstrip_blocks=True)
+                             autoescape=jinja2.select_autoescape(["html", "html.j2"]), trim_blocks=True, lstrip_blocks=True)
     env.filters["mib"] = lambda n: f"{n / 2**20:,.2f} MiB"
     env.filters["g"] = lambda x: f"{x:.4g}" if isinstance(x, float) else x
     return env

@@ -94,3 +94,15 @@ def test_serve_delegates_to_the_runtime_server(monkeypatch, tmp_path):
 def test_serve_missing_artifact_exits_1(tmp_path):
     res = runner.invoke(app, ["serve", str(tmp_path / "missing")])
     assert res.exit_code == 1 and "missing" in res.output
+
+
+def test_html_report_escapes_manifest_text(quickstart):
+    """Names and paths from the recipe reach the HTML report escaped, never as markup."""
+    from builder.report import render_reports
+    from passes.ir import Graph
+
+    m = json.loads((quickstart / "manifest.json").read_text())
+    m["name"] = "<script>alert(1)</script>"
+    graph = Graph.from_dict(json.loads((quickstart / "graph.json").read_text()))
+    html = render_reports(m, graph)["report.html"]
+    assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html

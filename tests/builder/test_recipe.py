@@ -60,6 +60,8 @@ def test_set_overrides(tmp_path):
         _load(tmp_path, BASE, ["runtime.max_seqlen=4096"])
     with pytest.raises(RecipeError, match="expected key.path=value"):
         _load(tmp_path, BASE, ["runtime.max_seq_len"])
+    with pytest.raises(RecipeError, match=r"the value .* is not valid YAML \(while scanning a double-quoted"):
+        _load(tmp_path, BASE, ['quantization.ignore="re:layers\\.0\\."'])
 
 
 def test_not_yaml_and_missing_file(tmp_path):
