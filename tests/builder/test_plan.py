@@ -238,3 +238,27 @@ def test_build_fails_before_writing_when_the_target_is_too_small(tmp_path):
     assert "nothing was built" in str(e.value) and not out.exists()
     res = runner.invoke(app, ["build", str(recipe), "--quiet"])
     assert res.exit_code == 1 and "does not fit its target" in res.output and not out.exists()
+
+
+TP_CASES = {  # name -> (family, quantization, vocab_parallel)
+    "llama-fp32-tp2": ("llama", {"algo": "none"}, False),
+    "llama-gptq4-tp2-vocab": ("llama", {"algo": "gptq", "group_size": 8}, True),  # 56 = 112 / 2 per rank
+    "qwen2-int8_wo-tp2": ("qwen2", {"algo": "int8_wo"}, False),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TP_CASES))
+def test_plan_matches_each_rank_of_a_tensor_parallel_artifact(tmp_path, case):
+    """Weights per rank from the planner equal every rank file's tensors, byte for byte."""
+    family, quantization, vocab_parallel = TP_CASES[case]
+    recipe = validate_recipe({
+        "name": case, "model": {"checkpoint": str(make_checkpoint(tmp_path / "ckpt", family)), "dtype": "float32"},
+        "output_dir": str(tmp_path / "art"), "passes": ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "dce"],
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quantization,
+        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False},
+        "parallel": {"tp_size": 2, "vocab_parallel": vocab_parallel}})
+    plan = make_plan(recipe)
+    path = build(recipe).output_dir
+    ranks = [sum(t.numel() * t.element_size() for t in load_file(path / f"weights-rank{r}.safetensors").values())
+             for r in range(2)]
+    assert ranks[0] == ranks[1] == plan.weights_bytes, (plan.weights_breakdown, ranks)
