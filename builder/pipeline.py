@@ -18,6 +18,7 @@ from builder.artifact import write_artifact
 from builder.calibration import DEFAULT_CALIBRATION, TokenData, token_windows
 from builder.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from builder.quality import run_gates
+from builder.plan import check_target
 from builder.recipe import Recipe
 from passes import PassContext, PassRecord, run_passes
 from passes.base import Progress
@@ -144,9 +145,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     dtype = getattr(torch, recipe.model.dtype)
     ckpt = open_checkpoint(recipe.model.checkpoint)
-    from builder.plan import check_target  # plans memory against recipe.target (from config.json) and logs it
-
-    if (problem := check_target(recipe)) is not None:
+    if (problem := check_target(recipe)) is not None:  # memory plan against recipe.target, from config.json
         if recipe.target.fail_if_not_fit:
             raise BuildError(f"{problem}\nnothing was built (target.fail_if_not_fit is true)")
         log.warning("%s", problem)

@@ -112,8 +112,43 @@ def _auto_split_k(num_tiles: int, num_k_steps: int, device: torch.device) -> int
     return max(split, 1)
 
 
+def split_k_plan(y: torch.Tensor, k: int, block_m: int, block_n: int, block_k: int, split_k: int):
+    """Grid and output of a split-K launch writing y [M, N]: (num_tiles, split_k, K steps per split, out,
+    stride_om, stride_os). ``split_k`` 0 = auto; no split is left empty. With more than one split, ``out`` is
+    a [split_k, M, N] fp32 buffer of partial sums for ``reduce_split_k``; else y itself."""
+    num_rows, n = y.shape
+    num_tiles = triton.cdiv(num_rows, block_m) * triton.cdiv(n, block_n)
+    num_k_steps = triton.cdiv(k, block_k)
+    split_k = split_k or _auto_split_k(num_tiles, num_k_steps, y.device)
+    steps_per_split = triton.cdiv(num_k_steps, split_k)
+    split_k = triton.cdiv(num_k_steps, steps_per_split)
+    if split_k > 1:
+        out = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=y.device)
+        return num_tiles, split_k, steps_per_split, out, out.stride(1), out.stride(0)
+    return num_tiles, 1, steps_per_split, y, y.stride(0), 0
+
+
+def reduce_split_k(partial: torch.Tensor, bias: torch.Tensor, y: torch.Tensor, split_k: int, has_bias: bool) -> None:
+    """y = sum of the [split_k, M, N] fp32 partial sums (+ bias), in y's dtype."""
+    block = 1024
+    _split_k_reduce_kernel[(triton.cdiv(y.numel(), block),)](
+        partial, bias, y, y.shape[1], y.numel(), SPLIT_K=split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4)
+
+
 # --- kernels ---------------------------------------------------------------------------------------
 _DOT_NATIVE, _DOT_TF32, _DOT_IEEE = 0, 1, 2  # DOT modes of _mma
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(tile row, tile column) of program ``pid`` in grouped order: GROUP_M tile rows share each column
+    of weight tiles while it is in L2."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
+    return first_pid_m + (pid % num_pid_in_group) % group_rows, (pid % num_pid_in_group) // group_rows
 
 
 @triton.jit
@@ -184,16 +219,8 @@ def _w4a16_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # grouped tile order: GROUP_M tile rows share each column of weight tiles while it is in L2
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -408,16 +435,8 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
     cfg = config or default_config(num_rows, x.device, x.dtype)
     assert cfg.block_m >= 16 and cfg.block_k >= 32, f"{cfg}: tl.dot needs block_m >= 16 and block_k / 2 >= 16"
-    num_tiles = triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(w.out_features, cfg.block_n)
-    num_k_steps = triton.cdiv(w.in_features, cfg.block_k)
-    split_k = cfg.split_k or _auto_split_k(num_tiles, num_k_steps, x.device)
-    steps_per_split = triton.cdiv(num_k_steps, split_k)
-    split_k = triton.cdiv(num_k_steps, steps_per_split)  # no empty splits
-    if split_k > 1:
-        out = torch.empty((split_k, num_rows, w.out_features), dtype=torch.float32, device=x.device)
-        stride_om, stride_os = out.stride(1), out.stride(0)
-    else:
-        out, stride_om, stride_os = y, y.stride(0), 0
+    num_tiles, split_k, steps_per_split, out, stride_om, stride_os = split_k_plan(
+        y, w.in_features, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k)
     bias_arg = bias if bias is not None else y  # never read without HAS_BIAS
     if x.dtype == torch.float32:
         dot = _DOT_IEEE
@@ -437,10 +456,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
              "num_stages": cfg.num_stages}
     _w4a16_gemm_kernel[(num_tiles, split_k)](*args, **flags, DOT=dot, BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m)
     if split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(y.numel(), block),)](
-            out, bias_arg, y, w.out_features, y.numel(), SPLIT_K=split_k, HAS_BIAS=bias is not None,
-            BLOCK=block, num_warps=4)
+        reduce_split_k(out, bias_arg, y, split_k, bias is not None)
     return y.reshape(*x.shape[:-1], w.out_features)
 
 

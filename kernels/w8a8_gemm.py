@@ -35,14 +35,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemm import _auto_split_k, _split_k_reduce_kernel
+from kernels.w4a16_gemm import grouped_tile, reduce_split_k, split_k_plan
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # The runtime sends more rows than this to cuBLAS: at 32-64 rows each program re-reads all its rows of x
 # for the per-token max and re-quantizes them per output tile, and cuBLAS wins (docs/BENCHMARKS.md)
 FUSED_MAX_ROWS = 16
-_SCALES_FUSED, _SCALES_STATIC = 0, 2  # SCALE_MODE of the kernel
 
 
 def _interpreting() -> bool:
@@ -94,40 +93,37 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _qrange(INT8: tl.constexpr):
+    """(largest code, floor of the per-token max): the reference's ``quantize_activation_int8/fp8``."""
+    if INT8:
+        return 127.0, 1e-8
+    else:
+        return 448.0, 1e-12
+
+
+@triton.jit
 def _w8a8_gemm_kernel(
     x_ptr, w_ptr, ws_ptr, xs_ptr, bias_ptr, out_ptr,
     M, N, K, k_steps_per_split,
     stride_xm, stride_wn,
     stride_om, stride_os,  # out: y [M, N] (stride_os unused), or partial sums [SPLIT_K, M, N] fp32
-    INT8: tl.constexpr, SCALE_MODE: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INT8: tl.constexpr, STATIC: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // num_pid_in_group) * GROUP_M
-    group_rows = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % num_pid_in_group) % group_rows
-    pid_n = (pid % num_pid_in_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    if INT8:
-        qmax = 127.0
-        eps = 1e-8
-    else:
-        qmax = 448.0
-        eps = 1e-12
+    qmax, eps = _qrange(INT8)
 
-    # x_scale: [BLOCK_M] per-token scales computed here from this tile's rows, read over all of K
-    # (_SCALES_FUSED), or the static calibrated scale (_SCALES_STATIC)
-    if SCALE_MODE == 0:
+    # x_scale: [BLOCK_M] per-token scales computed here from this tile's rows, read over all of K, or the
+    # static calibrated scale
+    if not STATIC:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -209,34 +205,21 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
     if num_rows == 0:
         return y.reshape(*x.shape[:-1], n)
     cfg = config or default_config(num_rows, x.device)
-    num_tiles = triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(n, cfg.block_n)
-    num_k_steps = triton.cdiv(k, cfg.block_k)
-    split_k = cfg.split_k or _auto_split_k(num_tiles, num_k_steps, x.device)
-    steps_per_split = triton.cdiv(num_k_steps, split_k)
-    split_k = triton.cdiv(num_k_steps, steps_per_split)  # no empty splits
-    if split_k > 1:
-        out = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=x.device)
-        stride_om, stride_os = out.stride(1), out.stride(0)
-    else:
-        out, stride_om, stride_os = y, y.stride(0), 0
+    num_tiles, split_k, steps_per_split, out, stride_om, stride_os = split_k_plan(
+        y, k, cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k)
     ws = weight_scale.reshape(-1).float()
-    if input_scale is not None:
-        mode, xs = _SCALES_STATIC, input_scale.reshape(-1).float()
-    else:
-        mode, xs = _SCALES_FUSED, ws  # xs never read
+    xs = input_scale.reshape(-1).float() if input_scale is not None else ws  # ws: never read unless STATIC
     bias_arg = bias if bias is not None else y
     int8 = qweight.dtype == torch.int8
     _w8a8_gemm_kernel[(num_tiles, split_k)](
         x2, qweight, ws, xs, bias_arg, out, num_rows, n, k, steps_per_split,
         x2.stride(0), qweight.stride(0), stride_om, stride_os,
-        INT8=int8, SCALE_MODE=mode, PER_CHANNEL=ws.numel() == n and n > 1,
+        INT8=int8, STATIC=input_scale is not None, PER_CHANNEL=ws.numel() == n and n > 1,
         HAS_BIAS=bias is not None, SPLIT_K=split_k, EMULATE_FP8=_interpreting() and not int8,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split_k > 1:
-        block = 1024
-        _split_k_reduce_kernel[(triton.cdiv(y.numel(), block),)](
-            out, bias_arg, y, n, y.numel(), SPLIT_K=split_k, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4)
+        reduce_split_k(out, bias_arg, y, split_k, bias is not None)
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -246,12 +229,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl
     # one program per row: the row's max over K, then its codes; x: [M, K] -> q: [M, K], s: [M] fp32
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
-    if INT8:
-        qmax = 127.0
-        eps = 1e-8
-    else:
-        qmax = 448.0
-        eps = 1e-12
+    qmax, eps = _qrange(INT8)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
