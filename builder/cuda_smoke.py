@@ -47,18 +47,23 @@ def check_serving(path: str, num_tokens: int = 64) -> str:
     cpu = Engine.load(path, device="cpu")
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
     prompts = [cpu.tokenizer.encode(p) for p in PROMPTS]
-    rows = []
+    seeded = [SamplingParams(max_tokens=num_tokens, ignore_eos=True, temperature=0.8, top_p=0.95, seed=i)
+              for i in range(len(prompts))]
+    rows, sampled = [], []
     for graphs in (True, False):
         srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=8, cuda_graphs=graphs,
                                                              kv_cache_bytes=256 << 20))
-        outs = srv.run(prompts, params)
+        outs = srv.run(prompts, params)  # with graphs: the overlapped decode pipeline
         agree = sum(sum(x == y for x, y in zip(o.token_ids, cpu.generate(p, params).token_ids))
                     for p, o in zip(prompts, outs))
+        sampled.append([o.token_ids for o in srv.run(prompts, seeded)])
         lat = latency(srv, 64, 128, repeats=3)
         rows.append(f"| {path} | kernels, graphs {'on' if graphs else 'off'} | {agree}/{num_tokens * len(prompts)} | "
                     f"{lat.decode_tok_s:.0f} | {lat.ttft_ms:.1f} ms |")
         del srv
         torch.cuda.empty_cache()
+    same = sum(sum(x == y for x, y in zip(a, b)) for a, b in zip(*sampled))
+    rows.append(f"| {path} | seeded sampling, graphs on vs off | {same}/{num_tokens * len(prompts)} equal | | |")
     return "\n".join(rows)
 
 

@@ -8,7 +8,8 @@
 #   calib          bundled AWQ / SmoothQuant builds calibrated on the GPU; gate figures vs the CPU-built ones
 #   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq sq: checkpoint, build, kernel check, latency,
 #                  throughput (128/128 sweep, 2048/128, 128/2048)
-#   profile-PREC   torch.profiler of prefill and decode steps of PREC at concurrency 64
+#   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
+#                  (default 64)
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
@@ -70,8 +71,10 @@ PY
     profile-*)
       prec=${part#profile-}
       artifact "$prec"
-      python3 -m builder.profile_step artifacts/llama3-8b-$prec --concurrency 64 2>&1 | tee "$OUT/profile_$prec.txt" \
-        | grep -E '^\{|Self CUDA|^-|^ *[a-zA-Z_:]' | head -n 90 ;;
+      for c in ${PROFILE_CONCURRENCY:-64}; do
+        python3 -m builder.profile_step artifacts/llama3-8b-$prec --concurrency $c 2>&1 \
+          | tee "$OUT/profile_${prec}_c$c.txt" | grep -E '^\{|Self CUDA|^-|^ *[a-zA-Z_:]' | head -n 60
+      done ;;
     hf|hf-compile)
       ckpt
       [ "$part" = hf ] && python3 -m builder.bench_hf $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"

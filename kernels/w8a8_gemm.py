@@ -253,7 +253,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     """Dynamic per-token quantization in one kernel (torch's takes six): x [M, K] -> (codes [M, K] in
     ``dtype`` (int8 or float8_e4m3fn), scales [M, 1] fp32), the reference's ``quantize_activation_*``
     arithmetic (up to the fast division's rare neighbouring code). Meant to feed ``_scaled_mm`` / ``_int_mm``
-    above ``FUSED_MAX_ROWS`` rows; timed by ``kernels.bench_w8a8`` (``+qrows``) before the runtime uses it."""
+    above ``FUSED_MAX_ROWS`` rows (the executor's W8A8 path); timed by ``kernels.bench_w8a8`` (``+qrows``)."""
     if dtype not in W_DTYPES:
         raise ValueError(f"quantize_rows: dtype {dtype} is not int8 or float8_e4m3fn")
     if x.dim() != 2:

@@ -22,6 +22,7 @@ under another hash) raises, since it means a bookkeeping bug.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from dataclasses import dataclass, field
@@ -49,8 +50,19 @@ def hash_block(parent_hash: BlockHash | None, token_ids: Iterable[int], extra: t
         h.update(b"\x01" + struct.pack("<Q", len(parent_hash)) + bytes(parent_hash))
     ids = [int(t) for t in token_ids]
     h.update(struct.pack(f"<Q{len(ids)}q", len(ids), *ids))
-    h.update(_encode(tuple(extra)))
+    extra = tuple(extra)
+    try:
+        h.update(_encode_extra(extra))
+    except TypeError:  # unhashable parts (lists): encode without the memo
+        h.update(_encode(extra))
     return h.digest()
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_extra(extra: tuple) -> bytes:
+    """``_encode(extra)``, memoised: a request's extra (one KV dtype per layer, ...) is the same for every
+    block it hashes, and encoding it dominated the hash of a block."""
+    return _encode(extra)
 
 
 def _encode(value) -> bytes:

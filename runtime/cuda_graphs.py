@@ -52,6 +52,12 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(top, dtype=torch.long, device=device)
         self.storage = storage
+        # pinned host staging, two sets used in turn (see run): [positions, slots, ids], [seq_lens, context_lens],
+        # block tables
+        self._staging = [(torch.zeros(3, top, dtype=torch.long).pin_memory(),
+                          torch.zeros(2, top, dtype=torch.int32).pin_memory(),
+                          torch.zeros(top, self.max_blocks, dtype=torch.int32).pin_memory()) for _ in range(2)]
+        self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
@@ -82,25 +88,39 @@ class DecodeGraphs:
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            seq_lens: list[int]) -> torch.Tensor:
-        """Replay the decode step for len(input_ids) sequences; returns their logits [n, vocab] (a view of
-        the graph's output buffer, valid until the next replay)."""
-        n = len(input_ids)
+    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        """Replay the decode step for len(positions) sequences; returns their logits [n, vocab] (a view of
+        the graph's output buffer, valid until the next replay). ``input_ids``: host ids, or a device tensor
+        (the tokens the previous step sampled, not yet read by the host: see ServingEngine's overlap).
+
+        Inputs travel through pinned staging buffers, two of them used in turn: the copies are queued
+        behind the work already on the stream and the host never waits for them; the engine reads each
+        step's tokens before it launches the step after next, so a buffer is never refilled while its
+        copy may still be pending."""
+        n = len(positions)
         b = self.bucket_for(n)
         assert b is not None, f"{n} sequences exceed the largest captured bucket {self.buckets[-1]}"
         pad = b - n
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.long)
+        on_device = isinstance(input_ids, torch.Tensor)
+        longs, ints, tabs = self._staging[self._turn]
+        self._turn ^= 1
+        longs[:, :b] = torch.tensor([positions + [0] * pad, slots + [-1] * pad,
+                                     [0] * b if on_device else input_ids + [0] * pad], dtype=torch.long)
+        ints[:, :b] = torch.tensor([[p + 1 for p in positions] + [1] * pad, positions + [0] * pad], dtype=torch.int32)
         # only the columns in use: entries past a sequence's length are never read (seq_lens bounds the kernel)
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad, dtype=torch.int32)
-        lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32)
-        self.input_ids[:b].copy_(host[0], non_blocking=True)
-        self.positions[:b].copy_(host[1], non_blocking=True)
-        self.slot_mapping[:b].copy_(host[2], non_blocking=True)
-        self.block_tables[:b, :width].copy_(table, non_blocking=True)
-        self.seq_lens[:b].copy_(lens, non_blocking=True)
-        self.context_lens[:b].copy_(lens - 1, non_blocking=True)
+        tabs[:b, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad,
+                                        dtype=torch.int32)
+        if on_device:
+            self.input_ids[:n].copy_(input_ids)  # device to device, after the step that sampled them
+        else:
+            self.input_ids[:b].copy_(longs[2, :b], non_blocking=True)
+        self.positions[:b].copy_(longs[0, :b], non_blocking=True)
+        self.slot_mapping[:b].copy_(longs[1, :b], non_blocking=True)
+        self.seq_lens[:b].copy_(ints[0, :b], non_blocking=True)
+        self.context_lens[:b].copy_(ints[1, :b], non_blocking=True)
+        self.block_tables[:b, :width].copy_(tabs[:b, :width], non_blocking=True)
         graph, logits = self._graphs[b]
         graph.replay()
         return logits[:n]

@@ -204,16 +204,19 @@ def _linear(w, attrs, ex) -> Kernel:
 def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 / INT8 W8A8: up to ``FUSED_MAX_ROWS`` tokens (decode, small batches) the Triton GEMM with the
     activation quantization fused in; more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16,
-    ``_int_mm`` inside the reference INT8 path) after the torch per-token quantization (see the NOTE)."""
-    from kernels.w8a8_gemm import FUSED_MAX_ROWS, w8a8_linear
+    ``_int_mm`` for INT8) after ``quantize_rows``, one kernel for the dynamic per-token quantization
+    (torch's takes six)."""
+    from kernels.w8a8_gemm import FUSED_MAX_ROWS, quantize_rows, w8a8_linear
 
-    # NOTE: kernels.w8a8_gemm.quantize_rows (one kernel for the per-token quantization in front of cuBLAS,
-    # six torch ops here) passes its interpreter tests but is not yet compiled/timed on a GPU; it replaces
-    # the torch quantization below once `python -m kernels.bench_w8a8` has measured it (+qrows column).
+    storage = w["qweight"].dtype
+
+    def quantize(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_rows(x2, storage)
+
     if quant["scheme"] == "fp8" and w["qweight"].is_cuda and ex.dtype in (torch.bfloat16, torch.float16):
-        large = make_fp8_scaled_mm_linear(w)
+        large = make_fp8_scaled_mm_linear(w, quantize)
     else:
-        large = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
+        large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
     qweight, w_scale, input_scale, bias = w["qweight"], w["weight_scale"], w.get("input_scale"), w.get("bias")
 
     def linear(x: torch.Tensor) -> torch.Tensor:

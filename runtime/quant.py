@@ -93,9 +93,10 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
     return fp8_linear
 
 
-def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict,
-                      dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes)."""
+def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtype: torch.dtype,
+                      quantize: Quantize | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes). ``quantize``: the
+    dynamic per-token activation quantization of the W8A8 schemes (a fused kernel); default the torch ops."""
     bias = w.get("bias")
     if scheme in ("w4a16", "w8a16"):
         weight = dequantize_weight(w["qweight"], w["scales"], w["zeros"], quant["bits"], quant["group_size"], dtype)
@@ -106,7 +107,10 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict,
         wq = w["qweight"]
 
         def int8_linear(x: torch.Tensor) -> torch.Tensor:
-            xq, x_scale = quantize_activation_int8(x, input_scale)
+            if quantize is not None and input_scale is None and x.dim() == 2:
+                xq, x_scale = quantize(x)
+            else:
+                xq, x_scale = quantize_activation_int8(x, input_scale)
             y = _int8_matmul(xq, wq).float() * x_scale * w_scale
             return (y + bias.float() if bias is not None else y).to(x.dtype)
 
@@ -115,7 +119,10 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict,
         w_deq = w["qweight"].float()
 
         def fp8_linear(x: torch.Tensor) -> torch.Tensor:
-            xq, x_scale = quantize_activation_fp8(x, input_scale)
+            if quantize is not None and input_scale is None and x.dim() == 2:
+                xq, x_scale = quantize(x)
+            else:
+                xq, x_scale = quantize_activation_fp8(x, input_scale)
             y = (xq.float() @ w_deq.t()) * x_scale * w_scale
             return (y + bias.float() if bias is not None else y).to(x.dtype)
 

@@ -32,7 +32,7 @@ from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget,
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample
-from runtime.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,14 @@ class _Track:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
+@dataclass
+class _InFlight:
+    """A decode step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``)."""
+
+    sched: SchedulerOutput  # one-token decodes, every one sampling
+    tokens: torch.Tensor  # [num_seqs] int64 on the device
+
+
 class ServingEngine:
     """An artifact served with continuous batching over a paged KV cache."""
 
@@ -112,6 +120,7 @@ class ServingEngine:
                                        self.scheduler_config.max_seq_len)
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
+        self._inflight: _InFlight | None = None  # a launched decode step not yet read back (overlap)
         self.num_steps = 0
 
     @classmethod
@@ -175,7 +184,7 @@ class ServingEngine:
     # --- requests ------------------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._aborts)
+        return self.scheduler.num_unfinished > 0 or bool(self._aborts) or self._inflight is not None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout_s: float | None = None,
@@ -224,8 +233,26 @@ class ServingEngine:
 
     # --- a step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns a delta for every request that produced tokens or finished."""
+        """Run one iteration; returns a delta for every request that produced tokens or finished.
+
+        Decode steps over CUDA graphs overlap the host with the GPU: a graph step is launched and left in
+        flight, and the next call launches the step after it - fed with the tokens the first one sampled,
+        still on the device - before it reads those tokens back, detokenizes and emits them. So the host's
+        per-step work (scheduling, detokenization, stop checks, packing the next step) runs while the GPU
+        computes, and a decode step's deltas come back one call later. A request that stops on a token
+        (EOS, a stop string) has had one more step launched by then: its result is discarded and its blocks
+        freed. Length limits are known ahead and never overrun. The pipeline drains to the synchronous path
+        whenever the batch would change: requests waiting for a free sequence slot, a running request not in
+        the step (chunked prefill), a KV block shortage, or a request asking for logprobs or penalties
+        (both read the host's token history of the step before).
+        """
         outputs = self._reap()
+        if self._inflight is not None:
+            previous = self._inflight
+            self._inflight = self._launch_next(previous)
+            outputs += self._complete(previous)
+            if self._inflight is not None:
+                return outputs
         sched = self.scheduler.schedule()
         if sched.empty:
             return outputs
@@ -233,6 +260,10 @@ class ServingEngine:
                 and self.graphs.bucket_for(len(sched.seqs)) is not None:
             sampling = [q.request for q in sched.seqs]  # a one-token step always reaches the last token
             logits = self._replay(sched)
+            if self._overlappable(sampling):
+                self._inflight = _InFlight(sched, self._sample(logits, sampling))
+                self.num_steps += 1
+                return outputs
         else:
             inp, sampling = self._prepare(sched)
             logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
@@ -240,10 +271,7 @@ class ServingEngine:
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         if sampling:
-            tracks = [self._tracks[r.request_id] for r in sampling]
-            token_ids = sample(logits, [r.params for r in sampling], [t.generator for t in tracks],
-                               prompt_ids=[r.prompt_token_ids for r in sampling],
-                               output_ids=[r.output_token_ids for r in sampling])
+            token_ids = self._sample(logits, sampling)
             wanted = [r.params.logprobs for r in sampling]
             if any(n is not None for n in wanted):
                 logprobs = compute_logprobs(logits, token_ids, wanted)
@@ -253,6 +281,76 @@ class ServingEngine:
             outputs.append(self._emit(request, token, logprobs[i] if logprobs else None))
         return outputs
 
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> torch.Tensor:
+        """Each request's next token, on the logits' device (no host sync)."""
+        return sample(logits, [r.params for r in sampling], [self._tracks[r.request_id].generator for r in sampling],
+                      prompt_ids=[r.prompt_token_ids for r in sampling],
+                      output_ids=[r.output_token_ids for r in sampling])
+
+    @staticmethod
+    def _overlappable(requests: list[Request]) -> bool:
+        """Whether a step of these requests may run ahead of the host (see ``step``)."""
+        return not any(r.params.has_penalties or r.params.logprobs is not None for r in requests)
+
+    def _launch_next(self, previous: _InFlight) -> _InFlight | None:
+        """Launch the decode step after ``previous`` (still in flight) for the requests that continue,
+        or return None where the batch must change first (see ``step``). Each continuing request's next
+        KV slot is reserved as a lookahead slot (its token is not known yet) and committed once
+        ``previous`` is read back."""
+        scheduler = self.scheduler
+        if scheduler.waiting and len(scheduler.running) < self.scheduler_config.max_num_seqs:
+            return None  # admit the waiting requests
+        in_step = {id(q.request) for q in previous.sched.seqs}
+        if any(id(r) not in in_step for r in scheduler.running):
+            return None
+        max_seq_len = self.scheduler_config.max_seq_len
+        rows: list[int] = []
+        seqs: list[ScheduledSeq] = []
+        for i, q in enumerate(previous.sched.seqs):
+            request = q.request
+            if request.status is not RequestStatus.RUNNING:  # aborted or timed out since
+                continue
+            # the token in flight is the request's last when it reaches max_tokens or max_seq_len
+            if request.num_output_tokens + 1 >= request.params.max_tokens or request.num_tokens + 1 >= max_seq_len:
+                continue
+            if self.kv.allocate_slots(request.request_id, request.token_ids, 0, num_lookahead_tokens=1) is None:
+                return None  # out of blocks: the synchronous path preempts
+            rows.append(i)
+            seqs.append(ScheduledSeq(request, request.num_tokens, 1))
+        if not seqs:
+            return None
+        sched = SchedulerOutput(seqs, [], len(seqs))
+        ids = previous.tokens
+        if len(rows) < len(previous.sched.seqs):
+            ids = ids.index_select(0, torch.tensor(rows, device=ids.device))
+        logits = self._replay(sched, ids)
+        self.num_steps += 1
+        return _InFlight(sched, self._sample(logits, [q.request for q in seqs]))
+
+    def _complete(self, step: _InFlight) -> list[RequestOutput]:
+        """Read back an in-flight step's tokens (waiting for that step only), record and emit them, and
+        commit the KV slot reserved for the step launched after it."""
+        tokens = step.tokens.tolist()
+        live = [(q.request, t) for q, t in zip(step.sched.seqs, tokens)
+                if q.request.status is RequestStatus.RUNNING]
+        self.scheduler.update(step.sched, {r.request_id: t for r, t in live})
+        outputs = [self._emit(request, token, None) for request, token in live]
+        if self._inflight is not None:
+            for q in self._inflight.sched.seqs:
+                request = q.request
+                if request.status is RequestStatus.RUNNING:  # its reserved slot now holds a known token
+                    committed = self.kv.allocate_slots(request.request_id, request.token_ids, 1)
+                    assert committed is not None, "a reserved lookahead slot needs no new block"
+            if not any(q.request.status is RequestStatus.RUNNING for q in self._inflight.sched.seqs):
+                self._drop_inflight()  # every request in it has finished: nothing left to read
+        return outputs
+
+    def _drop_inflight(self) -> None:
+        """Forget the in-flight step, after waiting for it: DecodeGraphs refills a staging buffer two launches
+        later on the promise that the step before was read back (see DecodeGraphs.run)."""
+        if self._inflight is not None:
+            self._inflight.tokens.cpu()
+            self._inflight = None
     def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
         """Pack the scheduled sequences into one step over the paged cache."""
         ids: list[int] = []
@@ -277,18 +375,19 @@ class ServingEngine:
             inp.paged = self._paged_metadata(sched)
         return inp, sampling
 
-    def _replay(self, sched: SchedulerOutput) -> torch.Tensor:
-        """A decode-only step through its captured CUDA graph."""
+    def _replay(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode-only step through its captured CUDA graph. ``input_ids``: the step's tokens on the device
+        (sampled by the step in flight), else read from the requests."""
         bs = self.block_size
-        ids, positions, slots, tables, lens = [], [], [], [], []
+        ids, positions, slots, tables = [], [], [], []
         for q in sched.seqs:
             p, table = q.num_context, self.kv.block_table(q.request.request_id)
-            ids.append(q.request.token_ids[p])
+            if input_ids is None:
+                ids.append(q.request.token_ids[p])
             positions.append(p)
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
-            lens.append(p + 1)
-        return self.graphs.run(ids, positions, slots, tables, lens)
+        return self.graphs.run(ids if input_ids is None else input_ids, positions, slots, tables)
 
     def _paged_metadata(self, sched: SchedulerOutput) -> PagedAttentionMetadata:
         """Block tables, slots and lengths of the step as tensors, for the fused attention kernels."""
@@ -367,6 +466,7 @@ class ServingEngine:
     def finish_all(self, reason: str, error: str | None = None) -> list[RequestOutput]:
         """Finish every request now (engine failure, shutdown); returns their final deltas."""
         self._aborts.clear()
+        self._drop_inflight()  # its tokens go with the requests
         requests = list(self.scheduler.running) + list(self.scheduler.waiting)
         return [self._delta(r, self._tracks[r.request_id], reason, error) for r in requests]
 

@@ -46,8 +46,8 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
 
 @pytest.mark.parametrize("algo", ["gptq", "int8_wo", "smoothquant", "fp8"])
 def test_quantized_linears_on_the_gemm_kernels(tmp_path, algo):
-    """W4A16 / W8A16 artifacts run the Triton GEMM on the repacked weights; W8A8 INT8 / FP8 ones the GEMM
-    with the activation quantization fused in (every step here has at most FUSED_MAX_ROWS tokens)."""
+    """W4A16 / W8A16 artifacts run the Triton GEMM on the repacked weights; W8A8 INT8 / FP8 ones quantize the
+    20-token step (above FUSED_MAX_ROWS) with ``quantize_rows`` before the matmul."""
     from builder.pipeline import build
     from builder.recipe import validate_recipe
 
