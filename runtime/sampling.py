@@ -109,6 +109,16 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
+def to_device(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without a host sync: CUDA copies from pageable memory may
+    wait for the stream (which would stall the overlapped decode pipeline), so the list goes through pinned
+    memory and a non-blocking copy."""
+    t = torch.tensor(values)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            prompt_ids: list[Sequence[int]] | None = None,
            output_ids: list[Sequence[int]] | None = None) -> torch.Tensor:
@@ -139,7 +149,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return out
-    row_index = torch.tensor(rows, device=logits.device)  # row_index: [num_sampled]
+    row_index = to_device(rows, logits.device)  # row_index: [num_sampled]
     chosen = [params[i] for i in rows]
     probs = _filtered_probs(logits.index_select(0, row_index), chosen)  # probs: [num_sampled, vocab]
     for j, i in enumerate(rows):
@@ -241,13 +251,13 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     resulting keep-mask is scattered back so the draw happens in vocabulary order, which keeps a row's
     result the same whether or not its batch needed sorting."""
     device, vocab = logits.device, logits.shape[-1]
-    temperature = torch.tensor([p.temperature for p in params], device=device)  # [rows]
+    temperature = to_device([p.temperature for p in params], device)  # [rows]
     logits = logits / temperature[:, None]  # logits: [rows, vocab]
     if all(p.top_k == 0 and p.top_p >= 1 and p.min_p == 0 for p in params):
         return torch.softmax(logits, dim=-1)
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)  # [rows]
-    top_p = torch.tensor([p.top_p for p in params], device=device)  # [rows]
-    min_p = torch.tensor([p.min_p for p in params], device=device)  # [rows]
+    top_k = to_device([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device)  # [rows]
+    top_p = to_device([p.top_p for p in params], device)  # [rows]
+    min_p = to_device([p.min_p for p in params], device)  # [rows]
 
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # both: [rows, vocab]
     keep = _top_k_mask(top_k, vocab)  # keep: [rows, vocab], in sorted order

@@ -31,7 +31,7 @@ from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget,
                             plan_kv_blocks, tensor_bytes)
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
-from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample
+from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample, to_device
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -83,7 +83,27 @@ class _InFlight:
     """A decode step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``)."""
 
     sched: SchedulerOutput  # one-token decodes, every one sampling
-    tokens: torch.Tensor  # [num_seqs] int64 on the device
+    tokens: torch.Tensor  # [num_seqs] int64 on the device: the next step's input ids
+    host_tokens: torch.Tensor  # the same, copied to pinned host memory once the step is done
+    done: torch.cuda.Event | None  # recorded after that copy (None on the CPU, where the copy is synchronous)
+
+    @classmethod
+    def launched(cls, sched: SchedulerOutput, tokens: torch.Tensor) -> _InFlight:
+        """Queue the copy of the sampled tokens to the host right behind the step. Reading them later
+        waits for this event only; ``tokens.tolist()`` would wait for everything queued since, the next
+        step included."""
+        if not tokens.is_cuda:
+            return cls(sched, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return cls(sched, tokens, host, done)
+
+    def read(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens.tolist()
 
 
 class ServingEngine:
@@ -261,7 +281,7 @@ class ServingEngine:
             sampling = [q.request for q in sched.seqs]  # a one-token step always reaches the last token
             logits = self._replay(sched)
             if self._overlappable(sampling):
-                self._inflight = _InFlight(sched, self._sample(logits, sampling))
+                self._inflight = _InFlight.launched(sched, self._sample(logits, sampling))
                 self.num_steps += 1
                 return outputs
         else:
@@ -322,15 +342,15 @@ class ServingEngine:
         sched = SchedulerOutput(seqs, [], len(seqs))
         ids = previous.tokens
         if len(rows) < len(previous.sched.seqs):
-            ids = ids.index_select(0, torch.tensor(rows, device=ids.device))
+            ids = ids.index_select(0, to_device(rows, ids.device))
         logits = self._replay(sched, ids)
         self.num_steps += 1
-        return _InFlight(sched, self._sample(logits, [q.request for q in seqs]))
+        return _InFlight.launched(sched, self._sample(logits, [q.request for q in seqs]))
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Read back an in-flight step's tokens (waiting for that step only), record and emit them, and
         commit the KV slot reserved for the step launched after it."""
-        tokens = step.tokens.tolist()
+        tokens = step.read()
         live = [(q.request, t) for q, t in zip(step.sched.seqs, tokens)
                 if q.request.status is RequestStatus.RUNNING]
         self.scheduler.update(step.sched, {r.request_id: t for r, t in live})
@@ -349,7 +369,7 @@ class ServingEngine:
         """Forget the in-flight step, after waiting for it: DecodeGraphs refills a staging buffer two launches
         later on the promise that the step before was read back (see DecodeGraphs.run)."""
         if self._inflight is not None:
-            self._inflight.tokens.cpu()
+            self._inflight.read()
             self._inflight = None
     def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
         """Pack the scheduled sequences into one step over the paged cache."""
