@@ -54,6 +54,10 @@ class ThroughputResult:
     elapsed_s: float
     num_preemptions: int
     peak_memory_gib: float
+    num_steps: int = 0
+    decode_steps: int = 0  # steps that left a CUDA-graph decode step in flight (the overlapped pipeline)
+    decode_s: float = 0.0  # wall time inside those steps
+    other_s: float = 0.0  # wall time inside every other step (prefill-bearing, draining, eager)
 
 
 def _sync(device: torch.device) -> None:
@@ -132,16 +136,33 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     preempted = engine.scheduler.num_preemptions
+    steps = engine.num_steps
+    split = {"decode": [0, 0.0], "other": [0, 0.0]}
+    step = engine.step
+
+    def timed_step():  # where the wall time goes: overlapped decode steps vs the rest
+        t = time.perf_counter()
+        out = step()
+        kind = "decode" if engine._inflight is not None else "other"
+        split[kind][0] += 1
+        split[kind][1] += time.perf_counter() - t
+        return out
+
+    engine.step = timed_step
     _sync(device)
     t0 = time.perf_counter()
-    outs = engine.run(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    try:
+        outs = engine.run(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    finally:
+        del engine.step
     _sync(device)
     elapsed = time.perf_counter() - t0
     generated = sum(len(o.token_ids) for o in outs)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return ThroughputResult(str(device), input_len, output_len, num_prompts, engine.scheduler_config.max_num_seqs,
                             generated / elapsed, (generated + input_len * num_prompts) / elapsed, elapsed,
-                            engine.scheduler.num_preemptions - preempted, peak)
+                            engine.scheduler.num_preemptions - preempted, peak, engine.num_steps - steps,
+                            split["decode"][0], split["decode"][1], split["other"][1])
 
 
 def load_for_bench(artifact: str, device: str, *, max_num_seqs: int, max_seq_len: int | None,

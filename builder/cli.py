@@ -364,7 +364,10 @@ def bench_latency(
 
     _setup_logging(False)
     engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
-    report([latency(engine, n, output_len, repeats) for n in input_len], json_out)
+    try:
+        report([latency(engine, n, output_len, repeats) for n in input_len], json_out)
+    finally:
+        engine.close()  # a tensor-parallel engine's worker ranks
 
 
 @bench_app.command("throughput")
@@ -387,7 +390,10 @@ def bench_throughput(
     results = []
     for c in concurrency:
         engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
-        results.append(throughput(engine, input_len, output_len, num_prompts or 4 * c))
+        try:
+            results.append(throughput(engine, input_len, output_len, num_prompts or 4 * c))
+        finally:
+            engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
         del engine
         if device == "cuda":
             import torch

@@ -11,6 +11,8 @@
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64)
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
+#   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput, TP=1 also with
+#                  eager steps (TP steps run eagerly)
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -80,6 +82,19 @@ PY
       [ "$part" = hf ] && python3 -m builder.bench_hf $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
       python3 -m builder.bench_hf $CKPT --compile > "$OUT/hf_compile.log" 2>&1
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
+    tp-8b)
+      ckpt
+      for a in bf16 bf16-tp2; do
+        [ -d artifacts/llama3-8b-$a ] || python3 -m builder.cli build recipes/bench/llama3-8b-$a.yaml --quiet 2>&1 \
+          | tail -1 &
+      done
+      wait
+      for a in bf16 bf16-tp2; do
+        bench latency artifacts/llama3-8b-$a --input-len 128 --output-len 128
+        bench throughput artifacts/llama3-8b-$a --input-len 128 --output-len 128 --concurrency 64
+      done
+      bench latency artifacts/llama3-8b-bf16 --input-len 128 --output-len 128 --no-cuda-graphs
+      bench throughput artifacts/llama3-8b-bf16 --input-len 128 --output-len 128 --concurrency 64 --no-cuda-graphs ;;
     *) echo "unknown part $part" ;;
   esac
 done
