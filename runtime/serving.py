@@ -132,14 +132,12 @@ class ServingEngine:
                                  config.enable_prefix_caching, hash_extra=dtypes)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
+        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels \
+                and getattr(self.executor, "tp_size", 1) == 1:  # tensor-parallel steps run eagerly
             from runtime.cuda_graphs import DecodeGraphs
 
-            graphs = DecodeGraphs
-            if getattr(self.executor, "tp_size", 1) > 1:  # every rank captures and replays its shard's step
-                from runtime.tensor_parallel import TPDecodeGraphs as graphs
-            self.graphs = graphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
-                                 self.scheduler_config.max_seq_len)
+            self.graphs = DecodeGraphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
+                                       self.scheduler_config.max_seq_len)
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back (overlap)

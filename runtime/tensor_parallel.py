@@ -103,17 +103,13 @@ _PACKED = ("input_ids", "positions", "logits_indices", "slot_mapping", "block_ta
 class StepMessage:
     """What rank 0 broadcasts before each step (pickled); the step's integer tensors follow as one tensor."""
 
-    kind: str  # "step", "graphs" (capture the decode graphs), "replay" (a decode graph), "heartbeat" or "stop"
+    kind: str  # "step", "heartbeat" or "stop"
     tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, dtype), packed order
     # per sequence: (num_context, num_new, kv) where kv is ("paged", block table) or ("seq", cache id, capacity)
     seqs: list[tuple] = field(default_factory=list)
     paged_pool: tuple[int, int] | None = None  # (num_blocks, block_size) of rank 0's paged KV storage
     decode_only: bool = False  # paged metadata: every sequence has one new token
     freed: list[int] = field(default_factory=list)  # ids of contiguous caches rank 0 has dropped
-    graphs: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_seq_len) of rank 0's DecodeGraphs
-    # "replay": (input ids or None, positions, slots, block tables) as DecodeGraphs.run takes them; None ids:
-    # they are on rank 0's device (sampled by the step in flight) and follow as a broadcast int64 tensor
-    replay: tuple | None = None
 
 
 def _pack(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[list, torch.Tensor | None]:
@@ -185,23 +181,15 @@ class TPExecutor:
     @torch.inference_mode()
     def forward(self, inp: StepInput) -> torch.Tensor:
         """Run one step on every rank; returns rank 0's logits [num_selected, vocab] fp32."""
-        def step() -> torch.Tensor:
-            msg, packed = self._message(inp)
-            _broadcast(msg, packed, self.spec)
-            return self.local.forward(inp)
-
-        return self.locked(step, "a step")
-
-    def locked(self, fn, what: str):
-        """Run ``fn`` (which talks to the workers) holding the group; any failure fails the engine, since
-        the ranks' collectives no longer line up after it."""
         with self._lock:
             if self.failure is not None:
                 raise self.failure
+            msg, packed = self._message(inp)
             try:
-                return fn()
-            except Exception as e:
-                raise self._fail(self._dead_workers() or f"{what} failed on rank 0 ({type(e).__name__}: {e})") from e
+                _broadcast(msg, packed, self.spec)
+                return self.local.forward(inp)
+            except Exception as e:  # the ranks' collectives no longer line up: nothing can run after this
+                raise self._fail(self._dead_workers() or f"a step failed on rank 0 ({type(e).__name__}: {e})") from e
             finally:
                 self._last_sent = time.monotonic()
 
@@ -294,43 +282,6 @@ class TPExecutor:
             t.join(1.0)
 
 
-class TPDecodeGraphs:
-    """Decode steps in CUDA graphs on every rank (DecodeGraphs' interface, for ServingEngine on rank 0).
-
-    Each rank captures its own shard's decode step for the same buckets, in the same order, warm-up steps
-    included, so the collectives line up: the warm-ups run them, the captures record them as NCCL kernels.
-    A replay sends the step's host inputs to the workers (one small message; the input ids, when they are
-    still on rank 0's GPU, follow as an NCCL broadcast that stays on the stream) and every rank replays its
-    graph, the recorded all_reduces meeting across ranks."""
-
-    def __init__(self, executor: TPExecutor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int) -> None:
-        from runtime.cuda_graphs import DecodeGraphs
-
-        self.executor = executor
-        msg = StepMessage("graphs", paged_pool=(storage.num_blocks, storage.block_size),
-                          graphs=(max_num_seqs, max_seq_len))
-        self.local = executor.locked(lambda: (_broadcast(msg, None, executor.spec),
-                                              DecodeGraphs(executor.local, storage, max_num_seqs, max_seq_len))[1],
-                                     "capturing the decode CUDA graphs")
-        self.buckets = self.local.buckets
-
-    def bucket_for(self, num_seqs: int) -> int | None:
-        return self.local.bucket_for(num_seqs)
-
-    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
-            tables: list[list[int]]) -> torch.Tensor:
-        on_device = isinstance(input_ids, torch.Tensor)
-        msg = StepMessage("replay", replay=(None if on_device else list(input_ids), positions, slots, tables))
-
-        def replay() -> torch.Tensor:
-            _broadcast(msg, None, self.executor.spec)
-            if on_device:
-                dist.broadcast(input_ids.contiguous(), src=0)
-            return self.local.run(input_ids, positions, slots, tables)
-
-        return self.executor.locked(replay, "a decode graph replay")
-
-
 def _close_at_exit(ref: weakref.ref) -> None:
     executor = ref()
     if executor is not None:
@@ -354,33 +305,16 @@ class _WorkerState:
         self.executor, self.spec = executor, spec
         self.layout = executor.kv_layout()
         self.storage: PagedKVStorage | None = None
-        self.graphs = None  # DecodeGraphs, once rank 0 asks for them
         self.caches: dict[int, SequenceKV] = {}
         # with a replicated lm_head no worker needs logits; vocab-parallel logits are gathered by every rank
         self.no_logits = not any(n["op"] == "all_gather" for n in executor.graph["nodes"])
 
-    def _paged_storage(self, pool: tuple[int, int] | None) -> None:
-        if pool is not None and (self.storage is None or (self.storage.num_blocks, self.storage.block_size) != pool):
-            self.storage = PagedKVStorage(self.layout, *pool, self.spec.device)
-            self.graphs = None  # captured over the old storage
-
-    def capture_graphs(self, msg: StepMessage) -> None:
-        from runtime.cuda_graphs import DecodeGraphs
-
-        self._paged_storage(msg.paged_pool)
-        self.graphs = DecodeGraphs(self.executor, self.storage, *msg.graphs)
-
-    def replay(self, msg: StepMessage) -> None:
-        input_ids, positions, slots, tables = msg.replay
-        if input_ids is None:  # on rank 0's GPU: they follow as a tensor
-            input_ids = torch.empty(len(positions), dtype=torch.long, device=self.spec.device)
-            dist.broadcast(input_ids, src=0)
-        self.graphs.run(input_ids, positions, slots, tables)
-
     def step_input(self, msg: StepMessage, t: dict[str, torch.Tensor]) -> StepInput:
         for cache_id in msg.freed:
             self.caches.pop(cache_id, None)
-        self._paged_storage(msg.paged_pool)
+        if msg.paged_pool is not None and (self.storage is None or
+                                           (self.storage.num_blocks, self.storage.block_size) != msg.paged_pool):
+            self.storage = PagedKVStorage(self.layout, *msg.paged_pool, self.spec.device)
         seqs = []
         for num_context, num_new, kv in msg.seqs:
             if kv[0] == "paged":
@@ -413,10 +347,6 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
             return 0
         if msg.kind == "step":
             executor.forward(state.step_input(msg, tensors))
-        elif msg.kind == "graphs":
-            state.capture_graphs(msg)
-        elif msg.kind == "replay":
-            state.replay(msg)
 
 
 def _init_group(spec: RankSpec, store=None) -> None:
