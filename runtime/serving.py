@@ -457,14 +457,15 @@ class ServingEngine:
         safe = len(track.text) if finish else track.stops.check(track.text)[1]
         text = track.text[track.num_emitted:safe] if safe > track.num_emitted else ""
         track.num_emitted = max(track.num_emitted, safe)
-        new_ids = request.output_token_ids[track.num_tokens_emitted:]
+        num_output = request.num_output_tokens
+        new_ids = request.token_ids[request.num_prompt_tokens + track.num_tokens_emitted:]
         new_lps = track.logprobs[track.num_tokens_emitted:] if request.params.logprobs is not None else None
-        track.num_tokens_emitted = request.num_output_tokens
+        track.num_tokens_emitted = num_output
         if finish:
             self.scheduler.finish_request(request.request_id)
             del self._tracks[request.request_id]
         return RequestOutput(request.request_id, text, new_ids, new_lps, finish is not None, finish,
-                             request.num_prompt_tokens, request.num_output_tokens,
+                             request.num_prompt_tokens, num_output,
                              max(request.num_cached_tokens, 0), error)
 
     def _reap(self) -> list[RequestOutput]:

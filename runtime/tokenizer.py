@@ -293,6 +293,7 @@ class IncrementalDetokenizer:
         self._num_context = len(context)
         self._prefix = 0  # start of the decode window
         self._read = len(context)  # ids[:read] are emitted
+        self._prefix_len: int | None = None  # len(decode(ids[prefix:read])), cached until the window moves
         self._emitted: list[str] = []
 
     def _decode(self, ids: list[int]) -> str:
@@ -300,12 +301,14 @@ class IncrementalDetokenizer:
 
     def _pending(self) -> str:
         """Text of the not yet emitted ids, decoded in the context of the last emitted window."""
-        prefix_text = self._decode(self._ids[self._prefix:self._read])
-        return self._decode(self._ids[self._prefix:])[len(prefix_text):]
+        if self._prefix_len is None:  # the window's text changes only when it moves (``_advance``)
+            self._prefix_len = len(self._decode(self._ids[self._prefix:self._read]))
+        return self._decode(self._ids[self._prefix:])[self._prefix_len:]
 
     def _advance(self, piece: str) -> str:
         self._emitted.append(piece)
         self._prefix, self._read = self._read, len(self._ids)
+        self._prefix_len = None
         return piece
 
     @property
@@ -345,6 +348,8 @@ class StopChecker:
         """Returns (where the earliest stop string starts in ``text`` or None, how many leading characters
         of ``text`` are safe to emit). Without a match, the safe count is ``len(text)`` minus the longest
         suffix of ``text`` that is a proper prefix of some stop string; with one, it is the match index."""
+        if not self.stop:
+            return None, len(text)
         hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
         if hits:
             cut = min(hits)
