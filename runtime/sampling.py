@@ -5,7 +5,8 @@ over the output), then greedy argmax, or temperature / top-k / top-p / min-p and
 reported separately, of the model's raw logits (before penalties and temperature), as OpenAI does.
 
 Penalties and filtering are vectorized over the batch (per-row penalties, k, p and min-p are tensors);
-only the final draw loops over rows, because each row draws with its own generator. Every step is
+only the final draw of seeded rows loops over rows, because each draws with its own generator (unseeded
+rows share one draw from the global RNG). Every step is
 row-wise, which is what makes a seeded request reproducible whatever else shares its batch.
 """
 
@@ -152,8 +153,16 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     row_index = to_device(rows, logits.device)  # row_index: [num_sampled]
     chosen = [params[i] for i in rows]
     probs = _filtered_probs(logits.index_select(0, row_index), chosen)  # probs: [num_sampled, vocab]
-    for j, i in enumerate(rows):
-        out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
+    if len(unseeded) == len(rows):  # one draw for the whole batch from the global RNG
+        out[row_index] = torch.multinomial(probs, 1)[:, 0]
+        return out
+    for j, i in enumerate(rows):  # a seeded row draws from its own generator, whatever shares its batch
+        if generators[i] is not None:
+            out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if unseeded:
+        index = to_device(unseeded, logits.device)
+        out[row_index[index]] = torch.multinomial(probs.index_select(0, index), 1)[:, 0]
     return out
 
 

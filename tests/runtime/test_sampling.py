@@ -385,6 +385,27 @@ def test_empirical_distribution_after_filters_matches_reference():
     assert chi_square(counts[support], ref[support]) < 35.0  # above P=0.001 critical values for dof <= 11
 
 
+def test_unseeded_rows_drawn_together_follow_the_filtered_distribution_beside_seeded_and_greedy_rows():
+    # unseeded rows share one multinomial over the batch; seeded rows keep their own draws, greedy their argmax
+    n = 6000
+    params = SamplingParams(temperature=0.8, top_k=12, top_p=0.85, min_p=0.05)
+    seeded = SamplingParams(temperature=1.0, seed=9)
+    logits = random_logits(1, seed=31, scale=1.0)[0]
+    other = random_logits(2, seed=32, scale=1.0)
+    rows = torch.cat([other[:1], logits[None].expand(n, -1), other[1:]])  # [seeded, n unseeded, greedy]
+    plist = [seeded] + [params] * n + [SamplingParams()]
+    torch.manual_seed(4)
+    out = sample(rows, plist, [make_generator(9, "cpu")] + [None] * (n + 1))
+    alone = sample(other[:1], [seeded], [make_generator(9, "cpu")])
+    assert out[0] == alone[0]
+    assert out[-1] == torch.argmax(other[1])
+    ref = reference_allowed(logits, params)
+    support = ref > 0
+    counts = torch.bincount(out[1:-1], minlength=VOCAB)
+    assert counts[~support].sum() == 0
+    assert chi_square(counts[support], ref[support]) < 35.0
+
+
 # --- parameter validation -----------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value, allowed", [
     ("max_tokens", 0, ">= 1"),
