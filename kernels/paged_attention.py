@@ -156,7 +156,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 
 # --- decode -----------------------------------------------------------------------------------------
-@triton.jit
+# Step-varying integers (sequence counts, splits, the block-table width) are not specialized: Triton would
+# compile a new variant whenever one became 1 or a multiple of 16, mid-serving (seconds per compile).
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
         out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
@@ -223,7 +225,7 @@ def _paged_decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_os, stride_oh,
                          HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
     # grid: (num_seqs, num_heads). Log-sum-exp merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
@@ -362,7 +364,7 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
     return _online_softmax_step(s, v, m_i, l_i, acc, FP32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         k_scale_ptr, v_scale_ptr, out_ptr, qk_scale, window, num_seqs,
