@@ -369,8 +369,11 @@ class ServingEngine:
         """Forget the in-flight step, after waiting for it: DecodeGraphs refills a staging buffer two launches
         later on the promise that the step before was read back (see DecodeGraphs.run)."""
         if self._inflight is not None:
-            self._inflight.read()
-            self._inflight = None
+            step, self._inflight = self._inflight, None
+            try:
+                step.read()
+            except Exception as e:  # a failed device (finish_all after an error) must not fail the cleanup
+                log.warning("dropping the in-flight decode step: %s", e)
     def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
         """Pack the scheduled sequences into one step over the paged cache."""
         ids: list[int] = []
