@@ -7,7 +7,9 @@ would hide a norm applied in the wrong place).
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,38 @@ def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4,
                 tensors[f"model.layers.{i}.{lin}.weight"][:, channels] /= factor
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+@contextlib.contextmanager
+def serve_app(app) -> Iterator[str]:
+    """Serve an ASGI app with uvicorn in a background thread on a free loopback port until the block exits;
+    yields its URL once /health answers 200, and checks the server shut down afterwards."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    # IPPROTO_TCP explicitly: asyncio turns Nagle off only on sockets whose proto says TCP, and with Nagle
+    # on, every response after the first on a connection waits ~40 ms for a delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert time.monotonic() < deadline and thread.is_alive(), "the server did not become healthy"
+            time.sleep(0.05)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    assert not thread.is_alive(), "the server did not shut down"

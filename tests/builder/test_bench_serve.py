@@ -12,15 +12,13 @@ import json
 import random
 import socket
 import statistics
-import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from typer.testing import CliRunner
 
+from conftest import serve_app
 from builder.bench_serve import BenchError, RequestRecord, ServeBenchConfig, parse_slos, run, summarize
 from builder.cli import app
 from runtime.async_engine import AsyncEngine
@@ -37,26 +35,9 @@ SUMMARY_KEYS = {"kind", "version", "url", "model", "endpoint", "started_at", "co
 @contextlib.contextmanager
 def serve(artifact: Path, config: ServingConfig, api_key: str | None = API_KEY):
     """Our server in a background thread on a free loopback port, until the block exits; yields its URL."""
-    app_ = create_app(AsyncEngine(ServingEngine.load(artifact, config=config)), "pystdlib", api_key=api_key)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP proto: Nagle off
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app_, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not become healthy"
-            time.sleep(0.05)
+    with serve_app(create_app(AsyncEngine(ServingEngine.load(artifact, config=config)), "pystdlib",
+                              api_key=api_key)) as url:
         yield url
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 @pytest.fixture(scope="module")

@@ -15,16 +15,15 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import serve_app
 from runtime import Engine, SamplingParams
 from runtime.async_engine import AsyncEngine
 from runtime.server import create_app
@@ -61,29 +60,8 @@ class Server:
 def run_server(artifact: Path, config: ServingConfig, api_key: str | None = API_KEY):
     """A uvicorn server in a background thread on a free loopback port, until the block exits."""
     serving = ServingEngine.load(artifact, config=config)
-    app = create_app(AsyncEngine(serving), MODEL, api_key=api_key)
-    # IPPROTO_TCP explicitly: asyncio turns Nagle off only on sockets whose proto says TCP, and with Nagle
-    # on, every response after the first on a connection waits ~40 ms for a delayed ACK
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert time.monotonic() < deadline and thread.is_alive(), "the server did not become healthy"
-            time.sleep(0.05)
+    with serve_app(create_app(AsyncEngine(serving), MODEL, api_key=api_key)) as url:
         yield Server(url, serving)
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-    assert not thread.is_alive(), "the server did not shut down"
 
 
 @pytest.fixture(scope="module")
