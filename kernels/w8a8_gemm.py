@@ -28,24 +28,19 @@ the GPU path at real shapes. No host synchronisation: grids come from shapes (CU
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemm import grouped_tile, reduce_split_k, split_k_plan
+from kernels.w4a16_gemm import _interpreting, grouped_tile, reduce_split_k, split_k_plan
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W_DTYPES = (torch.int8, torch.float8_e4m3fn)
 # The runtime sends more rows than this to cuBLAS: at 32-64 rows each program re-reads all its rows of x
 # for the per-token max and re-quantizes them per output tile, and cuBLAS wins (docs/BENCHMARKS.md)
 FUSED_MAX_ROWS = 16
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @dataclass(frozen=True)
