@@ -302,9 +302,13 @@ class ServingEngine:
         return outputs
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> torch.Tensor:
-        """Each request's next token, on the logits' device (no host sync)."""
-        return sample(logits, [r.params for r in sampling], [self._tracks[r.request_id].generator for r in sampling],
-                      prompt_ids=[r.prompt_token_ids for r in sampling],
+        """Each request's next token, on the logits' device (no host sync). Token histories (a copy of each
+        request's output so far) are built only when a penalty needs them."""
+        params = [r.params for r in sampling]
+        generators = [self._tracks[r.request_id].generator for r in sampling]
+        if not any(p.has_penalties for p in params):
+            return sample(logits, params, generators)
+        return sample(logits, params, generators, prompt_ids=[r.prompt_token_ids for r in sampling],
                       output_ids=[r.output_token_ids for r in sampling])
 
     @staticmethod
