@@ -5,8 +5,8 @@
 Loads each artifact with the offline engine (a tp_size > 1 artifact starts its other ranks: NCCL on
 cuda:0..N-1, gloo on CPU), generates 64 greedy tokens for four prompts, runs one fresh random prompt for
 logits, and prints the agreement and each engine's batch-1 decode rate. Then the same prompts through the
-serving engine (paged KV cache; tensor-parallel steps run eagerly), one batch, greedy tokens compared with
-the offline one-rank engine's.
+serving engine (paged KV cache; on CUDA the decode steps in CUDA graphs on every rank, overlapped with the
+host), one batch, greedy tokens compared with the offline one-rank engine's.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ class DecodeGraphs:
     """CUDA graphs of the decode step for every bucket up to ``max_num_seqs``."""
 
     def __init__(self, executor: Executor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture_error_mode: str = "global") -> None:
         self.executor = executor
+        self.capture_error_mode = capture_error_mode
         device = storage.device
         self.buckets = sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs})
         top = self.buckets[-1]
@@ -80,10 +81,23 @@ class DecodeGraphs:
             for _ in range(2):  # warm up: autotuning and lazy initialisation happen outside the capture
                 self.executor.forward(inp)
         torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()  # nothing of the warm-up (collectives included) still pending at capture
+        log.debug("capturing the decode step for batch size %d", b)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
             logits = self.executor.forward(inp)
         return graph, logits
+
+    def close(self) -> None:
+        """Destroy the graphs now (idempotent). Graphs that recorded NCCL collectives (tensor parallelism)
+        hold resources of the communicator: leaving the process group waits for them, so they must go first."""
+        try:
+            torch.cuda.synchronize(self.storage.device)
+        except RuntimeError as e:  # a failed device: the graphs still go
+            log.warning("closing the decode graphs: %s", e)
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return next((b for b in self.buckets if b >= num_seqs), None)

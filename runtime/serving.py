@@ -132,12 +132,14 @@ class ServingEngine:
                                  config.enable_prefix_caching, hash_extra=dtypes)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.graphs = None
-        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels \
-                and getattr(self.executor, "tp_size", 1) == 1:  # tensor-parallel steps run eagerly
+        if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
             from runtime.cuda_graphs import DecodeGraphs
 
-            self.graphs = DecodeGraphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
-                                       self.scheduler_config.max_seq_len)
+            graphs = DecodeGraphs
+            if getattr(self.executor, "tp_size", 1) > 1:  # every rank captures and replays its shard's step
+                from runtime.tensor_parallel import TPDecodeGraphs as graphs
+            self.graphs = graphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
+                                 self.scheduler_config.max_seq_len)
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back (overlap)
@@ -157,7 +159,12 @@ class ServingEngine:
         return getattr(self.executor, "failure", None)
 
     def close(self) -> None:
-        """Release what outlives the object: a tensor-parallel engine's worker ranks (see Engine.close)."""
+        """Release what outlives the object: the decode CUDA graphs and a tensor-parallel engine's worker
+        ranks (see Engine.close). The engine cannot step afterwards."""
+        if self.graphs is not None:
+            self._drop_inflight()
+            self.graphs.close()  # before the ranks leave the process group: the graphs hold NCCL resources
+            self.graphs = None
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------

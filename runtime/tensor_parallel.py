@@ -26,6 +26,7 @@ tears the whole group down when a rank dies.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import itertools
 import logging
 import multiprocessing.connection
@@ -49,7 +50,11 @@ from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 log = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("LLM_BUILDER_TP_TIMEOUT_S", "120"))  # a step's wait for the slowest rank
+# debugging a hang: every rank prints all its threads' Python stacks to stderr every this many seconds
+STACKS_ENV = "LLM_BUILDER_TP_STACKS_S"
 HEARTBEAT_S = 5.0  # idle rank 0 pings the workers this often (well under the timeout)
+# graph captures with NCCL kernels: other threads (ProcessGroupNCCL's watchdog) may query CUDA meanwhile
+CAPTURE_MODE = os.environ.get("LLM_BUILDER_TP_CAPTURE_MODE", "thread_local")
 START_TIMEOUT_S = float(os.environ.get("LLM_BUILDER_TP_START_TIMEOUT_S", "900"))  # workers' start and weight load
 
 
@@ -103,13 +108,17 @@ _PACKED = ("input_ids", "positions", "logits_indices", "slot_mapping", "block_ta
 class StepMessage:
     """What rank 0 broadcasts before each step (pickled); the step's integer tensors follow as one tensor."""
 
-    kind: str  # "step", "heartbeat" or "stop"
+    kind: str  # "step", "graphs" (capture the decode graphs), "replay" (a decode graph), "heartbeat" or "stop"
     tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, dtype), packed order
     # per sequence: (num_context, num_new, kv) where kv is ("paged", block table) or ("seq", cache id, capacity)
     seqs: list[tuple] = field(default_factory=list)
     paged_pool: tuple[int, int] | None = None  # (num_blocks, block_size) of rank 0's paged KV storage
     decode_only: bool = False  # paged metadata: every sequence has one new token
     freed: list[int] = field(default_factory=list)  # ids of contiguous caches rank 0 has dropped
+    graphs: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_seq_len) of rank 0's DecodeGraphs
+    # "replay": (input ids or None, positions, slots, block tables) as DecodeGraphs.run takes them; None ids:
+    # they are on rank 0's device (sampled by the step in flight) and follow as a broadcast int64 tensor
+    replay: tuple | None = None
 
 
 def _pack(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[list, torch.Tensor | None]:
@@ -181,15 +190,23 @@ class TPExecutor:
     @torch.inference_mode()
     def forward(self, inp: StepInput) -> torch.Tensor:
         """Run one step on every rank; returns rank 0's logits [num_selected, vocab] fp32."""
+        def step() -> torch.Tensor:
+            msg, packed = self._message(inp)
+            _broadcast(msg, packed, self.spec)
+            return self.local.forward(inp)
+
+        return self.locked(step, "a step")
+
+    def locked(self, fn, what: str):
+        """Run ``fn`` (which talks to the workers) holding the group; any failure fails the engine, since
+        the ranks' collectives no longer line up after it."""
         with self._lock:
             if self.failure is not None:
                 raise self.failure
-            msg, packed = self._message(inp)
             try:
-                _broadcast(msg, packed, self.spec)
-                return self.local.forward(inp)
-            except Exception as e:  # the ranks' collectives no longer line up: nothing can run after this
-                raise self._fail(self._dead_workers() or f"a step failed on rank 0 ({type(e).__name__}: {e})") from e
+                return fn()
+            except Exception as e:
+                raise self._fail(self._dead_workers() or f"{what} failed on rank 0 ({type(e).__name__}: {e})") from e
             finally:
                 self._last_sent = time.monotonic()
 
@@ -277,9 +294,61 @@ class TPExecutor:
                 p.terminate()
                 p.join(timeout)
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy_group(timeout)
         for t in self._threads:
             t.join(1.0)
+
+
+def _destroy_group(timeout: float) -> None:
+    """Leave the process group, giving up after ``timeout`` seconds: NCCL's teardown can wait forever on
+    resources still held elsewhere, and closing an engine must not hang (the group is then left as is)."""
+    t = threading.Thread(target=dist.destroy_process_group, name="tp-destroy-group", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        log.warning("leaving the tensor-parallel process group did not finish in %.0f s; left behind", timeout)
+
+
+class TPDecodeGraphs:
+    """Decode steps in CUDA graphs on every rank (DecodeGraphs' interface, for ServingEngine on rank 0).
+
+    Each rank captures its own shard's decode step for the same buckets, in the same order, warm-up steps
+    included, so the collectives line up: the warm-ups run them, the captures record them as NCCL kernels.
+    A replay sends the step's host inputs to the workers (one small message; the input ids, when they are
+    still on rank 0's GPU, follow as an NCCL broadcast that stays on the stream) and every rank replays its
+    graph, the recorded all_reduces meeting across ranks."""
+
+    def __init__(self, executor: TPExecutor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int) -> None:
+        from runtime.cuda_graphs import DecodeGraphs
+
+        self.executor = executor
+        msg = StepMessage("graphs", paged_pool=(storage.num_blocks, storage.block_size),
+                          graphs=(max_num_seqs, max_seq_len))
+        self.local = executor.locked(lambda: (_broadcast(msg, None, executor.spec),
+                                              DecodeGraphs(executor.local, storage, max_num_seqs, max_seq_len,
+                                                           capture_error_mode=CAPTURE_MODE))[1],
+                                     "capturing the decode CUDA graphs")
+        self.buckets = self.local.buckets
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        return self.local.bucket_for(num_seqs)
+
+    def close(self) -> None:
+        """Rank 0's graphs; the workers destroy theirs when told to stop."""
+        self.local.close()
+
+    def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
+            tables: list[list[int]]) -> torch.Tensor:
+        on_device = isinstance(input_ids, torch.Tensor)
+        msg = StepMessage("replay", replay=(None if on_device else list(input_ids), positions, slots, tables))
+
+        def replay() -> torch.Tensor:
+            _broadcast(msg, None, self.executor.spec)
+            if on_device:
+                dist.broadcast(input_ids.contiguous(), src=0)
+            return self.local.run(input_ids, positions, slots, tables)
+
+        return self.executor.locked(replay, "a decode graph replay")
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -305,16 +374,33 @@ class _WorkerState:
         self.executor, self.spec = executor, spec
         self.layout = executor.kv_layout()
         self.storage: PagedKVStorage | None = None
+        self.graphs = None  # DecodeGraphs, once rank 0 asks for them
         self.caches: dict[int, SequenceKV] = {}
         # with a replicated lm_head no worker needs logits; vocab-parallel logits are gathered by every rank
         self.no_logits = not any(n["op"] == "all_gather" for n in executor.graph["nodes"])
 
+    def _paged_storage(self, pool: tuple[int, int] | None) -> None:
+        if pool is not None and (self.storage is None or (self.storage.num_blocks, self.storage.block_size) != pool):
+            self.storage = PagedKVStorage(self.layout, *pool, self.spec.device)
+            self.graphs = None  # captured over the old storage
+
+    def capture_graphs(self, msg: StepMessage) -> None:
+        from runtime.cuda_graphs import DecodeGraphs
+
+        self._paged_storage(msg.paged_pool)
+        self.graphs = DecodeGraphs(self.executor, self.storage, *msg.graphs, capture_error_mode=CAPTURE_MODE)
+
+    def replay(self, msg: StepMessage) -> None:
+        input_ids, positions, slots, tables = msg.replay
+        if input_ids is None:  # on rank 0's GPU: they follow as a tensor
+            input_ids = torch.empty(len(positions), dtype=torch.long, device=self.spec.device)
+            dist.broadcast(input_ids, src=0)
+        self.graphs.run(input_ids, positions, slots, tables)
+
     def step_input(self, msg: StepMessage, t: dict[str, torch.Tensor]) -> StepInput:
         for cache_id in msg.freed:
             self.caches.pop(cache_id, None)
-        if msg.paged_pool is not None and (self.storage is None or
-                                           (self.storage.num_blocks, self.storage.block_size) != msg.paged_pool):
-            self.storage = PagedKVStorage(self.layout, *msg.paged_pool, self.spec.device)
+        self._paged_storage(msg.paged_pool)
         seqs = []
         for num_context, num_new, kv in msg.seqs:
             if kv[0] == "paged":
@@ -344,12 +430,24 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
             log.error("tensor-parallel rank %d lost rank 0 (%s: %s); exiting", spec.rank, type(e).__name__, e)
             return 1
         if msg.kind == "stop":
+            if state.graphs is not None:  # before leaving the process group: they hold NCCL resources
+                state.graphs.close()
             return 0
         if msg.kind == "step":
             executor.forward(state.step_input(msg, tensors))
+        elif msg.kind == "graphs":
+            state.capture_graphs(msg)
+        elif msg.kind == "replay":
+            state.replay(msg)
+
+
+def _dump_stacks_periodically() -> None:
+    if seconds := float(os.environ.get(STACKS_ENV) or 0):
+        faulthandler.dump_traceback_later(seconds, repeat=True)
 
 
 def _init_group(spec: RankSpec, store=None) -> None:
+    _dump_stacks_periodically()
     if spec.device.type == "cuda":
         torch.cuda.set_device(spec.device)
     kwargs = {"store": store} if store is not None else {"init_method": "env://"}
@@ -378,7 +476,7 @@ def _worker_main(rank: int, tp_size: int, device: str, path: str, port: int, che
         raise
     store.set(f"tp/ready/{rank}", "ok")
     code = serve_steps(executor, spec)
-    dist.destroy_process_group()
+    _destroy_group(10.0)
     raise SystemExit(code)
 
 
@@ -464,6 +562,6 @@ def _join_torchrun(artifact: Artifact, device: torch.device, rank: int, use_kern
     if rank == 0:
         return TPExecutor(executor, spec)
     code = serve_steps(executor, spec)
-    dist.destroy_process_group()
+    _destroy_group(10.0)
     raise SystemExit(code)
 

@@ -19,7 +19,7 @@ from runtime.serving import ServingConfig, ServingEngine
 
 
 class EagerGraphs:
-    """DecodeGraphs' interface (bucket_for, run), running the one-token-per-sequence step eagerly."""
+    """DecodeGraphs' interface (bucket_for, run, close), running the one-token-per-sequence step eagerly."""
 
     def __init__(self, serving: ServingEngine, max_bucket: int) -> None:
         self.serving, self.max_bucket = serving, max_bucket
@@ -28,6 +28,9 @@ class EagerGraphs:
 
     def bucket_for(self, num_seqs: int) -> int | None:
         return num_seqs if num_seqs <= self.max_bucket else None
+
+    def close(self) -> None:
+        self.closed = True
 
     def run(self, input_ids, positions, slots, tables) -> torch.Tensor:
         s = self.serving
@@ -165,3 +168,16 @@ def test_finish_all_drops_the_step_in_flight(engine):
     assert len(outs) == 2 and all(o.finished for o in outs)
     assert not s.has_unfinished
     _assert_no_leaks(s)
+
+
+def test_close_drops_the_step_in_flight_and_destroys_the_graphs(engine):
+    # graphs that recorded NCCL collectives must be destroyed before a tensor-parallel engine leaves its group
+    _, s, graphs = _pair(engine, num_blocks=64, max_num_seqs=4, max_seq_len=128)
+    for p in _prompts(engine, 2, seed=6):
+        s.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(5):
+        s.step()
+    assert s._inflight is not None
+    s.close()
+    assert s._inflight is None and s.graphs is None and getattr(graphs, "closed", False)
+    s.close()  # twice is fine
