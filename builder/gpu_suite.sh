@@ -7,12 +7,13 @@
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
 #   calib          bundled AWQ / SmoothQuant builds calibrated on the GPU; gate figures vs the CPU-built ones
 #   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq sq: checkpoint, build, kernel check, latency,
-#                  throughput (128/128 sweep, 2048/128, 128/2048)
+#                  throughput (128/128 at each concurrency of $THROUGHPUT_CONCURRENCY, default 64 128 256;
+#                  2048/128, 128/2048)
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
-#                  (default 64)
+#                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
-#   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput, TP=1 also with
-#                  eager steps (TP steps run eagerly)
+#   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput at concurrency 64,
+#                  with CUDA-graph decode and eager (TP_EAGER= skips eager); TP_ARTIFACTS="bf16-tp2": TP=2 only
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -65,8 +66,8 @@ PY
       artifact "$prec"
       python3 -m builder.check_kernels artifacts/llama3-8b-$prec 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
       bench latency artifacts/llama3-8b-$prec --input-len 128 --input-len 2048 --output-len 128
-      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 128 \
-        --concurrency 64 --concurrency 128 --concurrency 256
+      sweep=""; for c in ${THROUGHPUT_CONCURRENCY:-64 128 256}; do sweep="$sweep --concurrency $c"; done
+      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $sweep
       bench throughput artifacts/llama3-8b-$prec --input-len 2048 --output-len 128 --concurrency 64
       bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 --concurrency 256 \
         --num-prompts 256 ;;
@@ -74,7 +75,8 @@ PY
       prec=${part#profile-}
       artifact "$prec"
       for c in ${PROFILE_CONCURRENCY:-64}; do
-        python3 -m builder.profile_step artifacts/llama3-8b-$prec --concurrency $c 2>&1 \
+        python3 -m builder.profile_step artifacts/llama3-8b-$prec --concurrency $c \
+          --input-len ${PROFILE_INPUT_LEN:-128} 2>&1 \
           | tee "$OUT/profile_${prec}_c$c.txt" | grep -E '^\{|Self CUDA|^-|^ *[a-zA-Z_:]' | head -n 60
       done ;;
     hf|hf-compile)
@@ -84,17 +86,19 @@ PY
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
     tp-8b)
       ckpt
-      for a in bf16 bf16-tp2; do
+      for a in ${TP_ARTIFACTS:-bf16 bf16-tp2}; do
         [ -d artifacts/llama3-8b-$a ] || python3 -m builder.cli build recipes/bench/llama3-8b-$a.yaml --quiet 2>&1 \
           | tail -1 &
       done
       wait
-      for a in bf16 bf16-tp2; do
+      for a in ${TP_ARTIFACTS:-bf16 bf16-tp2}; do
         bench latency artifacts/llama3-8b-$a --input-len 128 --output-len 128
         bench throughput artifacts/llama3-8b-$a --input-len 128 --output-len 128 --concurrency 64
-      done
-      bench latency artifacts/llama3-8b-bf16 --input-len 128 --output-len 128 --no-cuda-graphs
-      bench throughput artifacts/llama3-8b-bf16 --input-len 128 --output-len 128 --concurrency 64 --no-cuda-graphs ;;
+        if [ -n "${TP_EAGER-1}" ]; then
+          bench latency artifacts/llama3-8b-$a --input-len 128 --output-len 128 --no-cuda-graphs
+          bench throughput artifacts/llama3-8b-$a --input-len 128 --output-len 128 --concurrency 64 --no-cuda-graphs
+        fi
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done
