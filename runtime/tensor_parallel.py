@@ -288,13 +288,13 @@ class TPExecutor:
                 log.warning("could not tell the tensor-parallel workers to stop (%s); terminating them", e)
             finally:
                 self._lock.release()
+        if dist.is_initialized():  # while the workers leave too: NCCL's teardown waits for every rank
+            _destroy_group(timeout)
         for p in self._workers:
             p.join(timeout)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout)
-        if dist.is_initialized():
-            _destroy_group(timeout)
         for t in self._threads:
             t.join(1.0)
 
