@@ -1,7 +1,8 @@
 """GPU benchmark and correctness check of the w4a16 GEMM and the elementwise kernels.
 
-    python -m kernels.bench_gemm            # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
-    python -m kernels.bench_gemm --sweep    # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+    python -m kernels.bench_gemm              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
+    python -m kernels.bench_gemm --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+    python -m kernels.bench_gemm --gemv-sweep # the GEMV table only, with candidate GemvConfigs per shape and M
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -10,6 +11,10 @@ the runtime runs today) and (b) the reference dequantize + fp32 matmul.
 Times are CUDA-event medians over CUDA-graph replays (no launch overhead), cycling through enough
 weight copies that each call reads from HBM, not L2. Reported: microseconds, GB/s of weight bytes
 (packed codes + scales + zeros) for M <= 32, TFLOP/s otherwise.
+
+GEMV: ``kernels.gemv.w4a16_gemv`` at M = 1, 2, 4 on the same shapes (checked against ``ref_w4a16_linear``),
+timed the same way next to ``w4a16_linear`` (the GEMM the runtime used before) and bf16 ``F.linear``; TB/s of
+weight bytes. ``--gemv-sweep`` times candidate ``GemvConfig``s (to tune ``kernels.gemv._W4A16_CUDA_CONFIGS``).
 
 Elementwise: rms_norm, fused_add_rms_norm, apply_rope_ and silu_mul against ``runtime.ops`` at
 [2048, 4096] and [1, 4096].
@@ -35,6 +40,7 @@ from kernels.fused_norm import (
     ref_rms_norm,
     rms_norm,
 )
+from kernels.gemv import GemvConfig, default_gemv_config, w4a16_gemv
 from kernels.rope import apply_rope_, ref_rope
 from kernels.w4a16_gemm import (
     DEQUANT_MIN_ROWS,
@@ -49,6 +55,7 @@ from runtime.quant import dequantize_weight
 # (name, K, N): Llama-3-8B, hidden 4096, 32 query / 8 KV heads of 128, intermediate 14336
 SHAPES = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
 ROWS = [1, 8, 32, 64, 128, 512, 2048]
+GEMV_ROWS = [1, 2, 4]
 GROUP_SIZE = 128
 DTYPE = torch.bfloat16
 ROTATE_BYTES = 256 << 20  # weights read per graph replay: well beyond the 50 MB L2
@@ -205,6 +212,68 @@ def bench_gemm(sweep: bool) -> list[str]:
     return failures
 
 
+def gemv_candidates() -> list[GemvConfig]:
+    """GEMV configs the --gemv-sweep tries (block_n, block_k, split_k, num_warps, num_stages): tile shapes around
+    the default, pipeline depth, a few fixed K splits, and the second-kernel reduction."""
+    rows = [(128, 256, 0, 4, 3), (128, 128, 0, 4, 3), (256, 128, 0, 4, 3), (128, 128, 0, 2, 4), (128, 512, 0, 4, 3),
+            (256, 256, 0, 8, 3), (128, 256, 0, 4, 2), (128, 256, 0, 4, 4), (128, 256, 4, 4, 3), (128, 256, 16, 4, 3)]
+    return ([GemvConfig(bn, bk, split_k=s, num_warps=w, num_stages=st) for bn, bk, s, w, st in rows]
+            + [GemvConfig(128, 256, num_warps=4, num_stages=3, reduce_in_kernel=False)])
+
+
+def _bench_gemv_rows(name: str, m: int, w: _ShapeWeights, gen: torch.Generator, sweep: bool) -> list[str]:
+    failures = []
+    n, k = w.bf16[0].shape
+    x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
+    ref = ref_w4a16_linear(x, **w.row_major[0])
+    ok, err = _close(w4a16_gemv(x, **w.k_major[0]), ref)
+    if not ok:
+        failures.append(f"gemv {name} M={m}: max rel err {err:.2e}")
+    t_gemv = time_us([lambda p=p: w4a16_gemv(x, **p) for p in w.k_major])
+    t_gemm = time_us(_gemm_fns(x, w.k_major))
+    t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in w.bf16])
+    tbs = w.weight_bytes / t_gemv / 1e6
+    print(f"{name:>8} {m:3d} {k:6d} {n:6d} | {t_gemv:8.1f} {t_gemm:8.1f} {t_bf16:8.1f} | {tbs:6.2f} "
+          f"{w.weight_bytes / t_gemm / 1e6:6.2f} {n * k * 2 / t_bf16 / 1e6:6.2f} | {err:.1e}  "
+          f"{default_gemv_config('w4a16', m, x.device)}")
+    if sweep:
+        failures += _gemv_sweep(name, x, ref, w)
+    return failures
+
+
+def _gemv_sweep(name: str, x: torch.Tensor, ref: torch.Tensor, w: _ShapeWeights) -> list[str]:
+    """Time the candidate GEMV configs for this shape and M; print the three fastest."""
+    failures, results = [], []
+    for cand in gemv_candidates():
+        try:
+            ok, err = _close(w4a16_gemv(x, **w.k_major[0], config=cand), ref)
+            if not ok:
+                failures.append(f"gemv {name} M={x.shape[0]} {cand}: max rel err {err:.2e}")
+                continue
+            results.append((time_us([lambda p=p: w4a16_gemv(x, **p, config=cand) for p in w.k_major]), cand))
+        except (OutOfResources, CompilationError) as e:  # too much shared memory / registers: skip it
+            print(f"{'':>8} sweep {cand}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    for t, cand in sorted(results, key=lambda r: r[0])[:3]:
+        print(f"{'':>8} sweep {t:8.1f} us {w.weight_bytes / t / 1e6:6.2f} TB/s  {cand}")
+    return failures
+
+
+def bench_gemv(sweep: bool) -> list[str]:
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    print(f"\nw4a16 GEMV (kernels.gemv), group_size {GROUP_SIZE}, {DTYPE}; times in us (CUDA graphs, weights "
+          "rotated past L2); TB/s of weight bytes (bf16: of the bf16 weight)")
+    print(f"{'shape':>8} {'M':>3} {'K':>6} {'N':>6} | {'gemv':>8} {'gemm':>8} {'bf16':>8} | {'gemv':>6} {'gemm':>6} "
+          f"{'bf16':>6} | rel.err  config")
+    for name, k, n in SHAPES:
+        weights = _make_weights(n, k, gen)
+        for m in GEMV_ROWS:
+            failures += _bench_gemv_rows(name, m, weights, gen, sweep)
+        del weights
+        torch.cuda.empty_cache()
+    return failures
+
+
 def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
     failures = []
     hidden, num_heads, head_dim = 4096, 32, 128
@@ -242,6 +311,8 @@ def bench_elementwise() -> list[str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="only the GEMV table, timing candidate GEMV configs per shape and M")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -249,9 +320,12 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    failures = bench_gemm(args.sweep)
-    if not args.skip_elementwise:
-        failures += bench_elementwise()
+    if args.gemv_sweep:
+        failures = bench_gemv(sweep=True)
+    else:
+        failures = bench_gemm(args.sweep) + bench_gemv(sweep=False)
+        if not args.skip_elementwise:
+            failures += bench_elementwise()
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)
     print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")

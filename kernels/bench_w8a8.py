@@ -1,7 +1,8 @@
 """GPU check and benchmark of the W8A8 GEMM (FP8 and INT8, fused activation quantization).
 
-    python -m kernels.bench_w8a8            # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
-    python -m kernels.bench_w8a8 --sweep    # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+    python -m kernels.bench_w8a8              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
+    python -m kernels.bench_w8a8 --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+    python -m kernels.bench_w8a8 --gemv-sweep # the GEMV tables only, with candidate GemvConfigs per shape and M
 
 Weights: fresh random bf16 weights quantized by the passes (per-channel FP8 E4M3 / INT8). Each
 ``w8a8_linear`` output is checked against ``ref_w8a8_linear`` (the runtime's reference linear) on fresh
@@ -10,6 +11,10 @@ random bf16 activations with an outlier channel, then timed against cuBLAS on th
 the runtime's large-M path before ``quantize_rows``; ``+qrows``: with the one-kernel quantization the runtime
 now uses) and ``torch._int_mm`` likewise (INT8, M > 16 only). Times are CUDA-graph
 replay medians cycling through weight copies larger than L2 (``kernels.bench_gemm.time_us``).
+
+GEMV: ``kernels.gemv.w8a8_gemv`` at M = 1, 2, 4 (dynamic per-token scales), checked the same way and timed next
+to ``w8a8_linear`` and the bf16 ``F.linear``; TB/s of weight bytes (codes + scales). ``--gemv-sweep`` times
+candidate ``GemvConfig``s (to tune ``kernels.gemv._W8A8_CUDA_CONFIGS``).
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from kernels.bench_gemm import SHAPES, time_us
+from kernels.gemv import GemvConfig, default_gemv_config, w8a8_gemv
 from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
 from runtime.quant import make_fp8_scaled_mm_linear, quantize_activation_int8
 
 ROWS = (1, 4, 16, 32)  # the runtime sends at most FUSED_MAX_ROWS (16) rows to the fused kernel
+GEMV_ROWS = (1, 2, 4)
+REL_TOL = 1.5e-2  # see bench(): a few bf16 ulps of the output's max; a bug is O(1)
 COPIES_BYTES = 256 << 20  # weight copies cycled per timing: past the 50 MiB L2
 
 
@@ -81,7 +89,7 @@ def bench(kind: str, sweep: bool) -> list[str]:
             err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
             # bf16 output, and the kernel's fast fp32 division can give an activation the neighbouring
             # code (one E4M3 step is 6-12%): a few bf16 ulps of the output's max; a bug is O(1)
-            if not err < 1.5e-2:
+            if not err < REL_TOL:
                 failures.append(f"{kind} {name} M={m}: rel.err {err:.3g}")
             t = time_us([lambda q=q, s=s: w8a8_linear(x, q, s) for q, s in copies])
             if kind == "fp8":
@@ -117,7 +125,7 @@ def _sweep(kind: str, name: str, m: int, x: torch.Tensor, ref: torch.Tensor, cop
     for cfg in candidate_configs(m):
         try:
             y = w8a8_linear(x, copies[0][0], copies[0][1], config=cfg)
-            if ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item() > 1.5e-2:
+            if ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item() > REL_TOL:
                 continue
             results.append((time_us([lambda q=q, s=s: w8a8_linear(x, q, s, config=cfg) for q, s in copies], 10), cfg))
         except (OutOfResources, CompilationError):
@@ -126,9 +134,78 @@ def _sweep(kind: str, name: str, m: int, x: torch.Tensor, ref: torch.Tensor, cop
         print(f"{'':>8} {'':>4}   sweep {t:8.1f} us  {cfg}")
 
 
+def _x(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(m, k, generator=gen, device="cuda") * 2
+    x[:, 7] *= 40  # an outlier channel
+    return x.to(torch.bfloat16)
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def gemv_candidates() -> list[GemvConfig]:
+    """GEMV configs the --gemv-sweep tries (block_n, block_k, split_k, num_warps, num_stages)."""
+    rows = [(128, 128, 0, 4, 3), (64, 128, 0, 4, 3), (128, 256, 0, 4, 3), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
+            (256, 128, 0, 8, 3), (128, 128, 0, 4, 4), (128, 64, 0, 4, 4), (128, 128, 4, 4, 3), (128, 128, 16, 4, 3)]
+    return ([GemvConfig(bn, bk, split_k=s, num_warps=w, num_stages=st) for bn, bk, s, w, st in rows]
+            + [GemvConfig(128, 128, num_warps=4, num_stages=3, reduce_in_kernel=False)])
+
+
+def bench_gemv(kind: str, sweep: bool) -> list[str]:
+    """w8a8_gemv at GEMV_ROWS rows: checked against the reference linear, timed next to w8a8_linear and bf16."""
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print(f"\nW8A8 {kind} GEMV (kernels.gemv): times in us (CUDA graphs, weights rotated past L2); TB/s of weight "
+          "bytes (bf16: of the bf16 weight)")
+    print(f"{'shape':>8} {'M':>3} | {'gemv':>8} {'gemm':>8} {'bf16':>8} | {'gemv':>6} {'gemm':>6} {'bf16':>6} | "
+          "rel.err  config")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+        qweight, w_scale = _quantize(w.float(), kind)
+        weight_bytes = qweight.numel() + 4 * w_scale.numel()
+        copies = [(qweight.clone(), w_scale.clone()) for _ in range(max(2, COPIES_BYTES // qweight.numel()))]
+        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
+        for m in GEMV_ROWS:
+            x = _x(m, k, gen)
+            ref = ref_w8a8_linear(x, qweight, w_scale)
+            err = _rel_err(w8a8_gemv(x, qweight, w_scale), ref)
+            if not err < REL_TOL:
+                failures.append(f"{kind} gemv {name} M={m}: rel.err {err:.3g}")
+            t = time_us([lambda q=q, s=s: w8a8_gemv(x, q, s) for q, s in copies])
+            t_gemm = time_us([lambda q=q, s=s: w8a8_linear(x, q, s) for q, s in copies])
+            t_bf16 = time_us([lambda wb=wb: F.linear(x, wb) for wb in wbs])
+            print(f"{name:>8} {m:>3} | {t:8.1f} {t_gemm:8.1f} {t_bf16:8.1f} | {weight_bytes / t / 1e6:6.2f} "
+                  f"{weight_bytes / t_gemm / 1e6:6.2f} {2 * w.numel() / t_bf16 / 1e6:6.2f} | {err:.1e}  "
+                  f"{default_gemv_config('w8a8', m, x.device)}")
+            if sweep:
+                failures += _gemv_sweep(kind, name, x, ref, copies, weight_bytes)
+        del copies, wbs
+        torch.cuda.empty_cache()
+    return failures
+
+
+def _gemv_sweep(kind: str, name: str, x: torch.Tensor, ref: torch.Tensor, copies, weight_bytes: int) -> list[str]:
+    failures, results = [], []
+    for cfg in gemv_candidates():
+        try:
+            err = _rel_err(w8a8_gemv(x, copies[0][0], copies[0][1], config=cfg), ref)
+            if not err < REL_TOL:
+                failures.append(f"{kind} gemv {name} M={x.shape[0]} {cfg}: rel.err {err:.3g}")
+                continue
+            results.append((time_us([lambda q=q, s=s: w8a8_gemv(x, q, s, config=cfg) for q, s in copies], 10), cfg))
+        except (OutOfResources, CompilationError) as e:
+            print(f"{'':>8} {'':>3}   sweep {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
+        print(f"{'':>8} {'':>3}   sweep {t:8.1f} us {weight_bytes / t / 1e6:6.2f} TB/s  {cfg}")
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help="only the GEMV tables, timing candidate GEMV configs per shape and M")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -137,7 +214,9 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
     for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):
-        failures += bench(kind, args.sweep)
+        if not args.gemv_sweep:
+            failures += bench(kind, args.sweep)
+        failures += bench_gemv(kind, args.gemv_sweep)
     for f in failures:
         print(f"FAIL {f}", file=sys.stderr)
     print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")

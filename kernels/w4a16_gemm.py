@@ -29,7 +29,8 @@ a second small kernel adds, with the bias (deterministic, no atomics). Configura
 from ``_CUDA_CONFIGS`` (tuned with ``python -m kernels.bench_gemm --sweep`` on H100 and H200).
 
 From ``DEQUANT_MIN_ROWS`` rows on (prefill), the weight is dequantized into a temporary bf16/fp16
-[N, K] (``dequantize_w4a16``) and multiplied by cuBLAS, which beats the fused kernel there.
+[N, K] (``dequantize_w4a16``) and multiplied by cuBLAS, which beats the fused kernel there. Up to
+``kernels.gemv.GEMV_MAX_ROWS`` rows the runtime uses the GEMV kernel (``kernels.gemv.w4a16_gemv``) instead.
 
 NOTE: no host synchronisation: grids and splits come from shapes only (CUDA-graph capturable).
 """
@@ -387,6 +388,23 @@ def _check_device(t: torch.Tensor) -> None:
                            "use runtime.quant on the CPU")
 
 
+def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  bias: torch.Tensor | None, bits: int, layout: str) -> tuple[_Weights, torch.Tensor]:
+    """Validates a linear's inputs (user-facing errors); returns the weights and x as [M, K] with unit stride
+    along K."""
+    _check_device(x)
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
+    w = _weights(qweight, scales, zeros, group_size, bits, layout)
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} "
+                         f"(qweight {tuple(qweight.shape)}, {layout} layout, {bits} bits)")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    x2 = x.reshape(-1, w.in_features)  # x2: [M, K]
+    return w, (x2 if x2.stride(-1) == 1 else x2.contiguous())
+
+
 def dequantize_w4a16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                      dtype: torch.dtype, *, bits: int = 4, layout: str = "passes") -> torch.Tensor:
     """The weight ``(q - zero) * scale`` [N, K] in ``dtype``, stored K-major (a view of a contiguous
@@ -413,18 +431,7 @@ def w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     dequantized into a temporary and multiplied by cuBLAS; ``config`` forces the fused kernel with that
     configuration (benchmarks and tests).
     """
-    _check_device(x)
-    if x.dtype not in X_DTYPES:
-        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
-    w = _weights(qweight, scales, zeros, group_size, bits, layout)
-    if x.shape[-1] != w.in_features:
-        raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} "
-                         f"(qweight {tuple(qweight.shape)}, {layout} layout, {bits} bits)")
-    if bias is not None and tuple(bias.shape) != (w.out_features,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
-    x2 = x.reshape(-1, w.in_features)  # x2: [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    w, x2 = _check_inputs(x, qweight, scales, zeros, group_size, bias, bits, layout)
     num_rows = x2.shape[0]
     if config is None and num_rows >= DEQUANT_MIN_ROWS:
         w_deq = dequantize_w4a16(w.qweight, w.scales, w.zeros, group_size, x.dtype, bits=bits, layout=layout)

@@ -17,7 +17,7 @@ first reads its rows of x once over all of K for the per-token max (a few KiB pe
 walks its K range: quantize the x step in registers, ``tl.dot`` it against the 1-byte weight tile. Small
 M leaves few output tiles, so K is split across programs whose scaled fp32 partial sums a second kernel
 adds with the bias (as in ``kernels.w4a16_gemm``). From ``FUSED_MAX_ROWS`` rows on the runtime uses cuBLAS
-(``_scaled_mm`` / ``_int_mm``).
+(``_scaled_mm`` / ``_int_mm``); up to ``kernels.gemv.GEMV_MAX_ROWS`` the GEMV kernel (``kernels.gemv.w8a8_gemv``).
 
 NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion of the interpreter rounds wrongly (it can
 lose an exponent step), so the interpreter path rounds to E4M3 in fp32 arithmetic (``_round_e4m3``) and
@@ -167,17 +167,12 @@ def _w8a8_gemm_kernel(
 
 
 # --- entry points ----------------------------------------------------------------------------------
-def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-                config: W8A8Config | None = None) -> torch.Tensor:
-    """W8A8 linear (INT8 when ``qweight`` is int8, FP8 when float8_e4m3fn); see the module docstring.
-
-    x: [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype. ``input_scale`` None = dynamic per-token
-    activation scales, else the static scale [1]. Runs the fused kernel at any M (``config`` forces one
-    configuration); the runtime sends at most ``FUSED_MAX_ROWS`` rows here.
-    """
+def _check_inputs(name: str, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validates a W8A8 linear's inputs (user-facing errors, naming the entry point ``name``); returns qweight
+    [N, K] and x as [M, K], both with unit stride along K."""
     if x.device.type != "cuda" and not _interpreting():
-        raise RuntimeError("w8a8_linear needs a CUDA tensor (or TRITON_INTERPRET=1 for the CPU interpreter)")
+        raise RuntimeError(f"{name} needs a CUDA tensor (or TRITON_INTERPRET=1 for the CPU interpreter)")
     if x.dtype not in X_DTYPES:
         raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
     if qweight.dtype not in W_DTYPES or qweight.dim() != 2:
@@ -190,12 +185,22 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
         raise ValueError(f"weight_scale has {weight_scale.numel()} values; expected 1 or {n}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {n} output features")
-    if qweight.stride(1) != 1:
-        qweight = qweight.contiguous()
     x2 = x.reshape(-1, k)  # x2: [M, K]
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    num_rows = x2.shape[0]
+    return (qweight if qweight.stride(1) == 1 else qweight.contiguous(),
+            x2 if x2.stride(-1) == 1 else x2.contiguous())
+
+
+def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
+                config: W8A8Config | None = None) -> torch.Tensor:
+    """W8A8 linear (INT8 when ``qweight`` is int8, FP8 when float8_e4m3fn); see the module docstring.
+
+    x: [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype. ``input_scale`` None = dynamic per-token
+    activation scales, else the static scale [1]. Runs the fused kernel at any M (``config`` forces one
+    configuration); the runtime sends at most ``FUSED_MAX_ROWS`` rows here.
+    """
+    qweight, x2 = _check_inputs("w8a8_linear", x, qweight, weight_scale, bias)
+    (n, k), num_rows = qweight.shape, x2.shape[0]
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y.reshape(*x.shape[:-1], n)

@@ -202,10 +202,11 @@ def _linear(w, attrs, ex) -> Kernel:
 
 
 def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
-    """FP8 / INT8 W8A8: up to ``FUSED_MAX_ROWS`` tokens (decode, small batches) the Triton GEMM with the
-    activation quantization fused in; more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16,
-    ``_int_mm`` for INT8) after ``quantize_rows``, one kernel for the dynamic per-token quantization
-    (torch's takes six)."""
+    """FP8 / INT8 W8A8: up to ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
+    ``GEMV_ENABLED``), up to ``FUSED_MAX_ROWS`` the Triton GEMM, both with the activation quantization fused in;
+    more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
+    ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six)."""
+    from kernels import gemv
     from kernels.w8a8_gemm import FUSED_MAX_ROWS, quantize_rows, w8a8_linear
 
     storage = w["qweight"].dtype
@@ -220,7 +221,10 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     qweight, w_scale, input_scale, bias = w["qweight"], w["weight_scale"], w.get("input_scale"), w.get("bias")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:  # shapes only: no sync, the same inside a CUDA graph
+        # shapes only: no sync, the same inside a CUDA graph
+        if gemv.GEMV_ENABLED and x.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
+            return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias)
+        if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
             return w8a8_linear(x, qweight, w_scale, input_scale, bias)
         return large(x)
 
@@ -228,14 +232,22 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tensor]:
-    """W4A16/W8A16 through the Triton GEMM that dequantizes in registers (packed weights stay packed)."""
+    """W4A16/W8A16 through the Triton kernels that dequantize in registers (packed weights stay packed): the GEMV
+    up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while ``GEMV_ENABLED``), else the GEMM."""
+    from kernels import gemv
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
     packed = repack_w4a16(qweight, w["scales"], w["zeros"], group, bits)  # K-major: coalesced loads, once
-    return lambda x: w4a16_linear(x, bias=bias, **packed)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if gemv.GEMV_ENABLED and x.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:  # shapes only, as above
+            return gemv.w4a16_gemv(x, bias=bias, **packed)
+        return w4a16_linear(x, bias=bias, **packed)
+
+    return linear
 
 
 def _rope(w, attrs, ex) -> Kernel:

@@ -45,9 +45,13 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
 
 
 @pytest.mark.parametrize("algo", ["gptq", "int8_wo", "smoothquant", "fp8"])
-def test_quantized_linears_on_the_gemm_kernels(tmp_path, algo):
+def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
     """W4A16 / W8A16 artifacts run the Triton GEMM on the repacked weights; W8A8 INT8 / FP8 ones quantize the
-    20-token step (above FUSED_MAX_ROWS) with ``quantize_rows`` before the matmul."""
+    20-token step (above FUSED_MAX_ROWS) with ``quantize_rows`` before the matmul. Steps of up to
+    ``GEMV_RUNTIME_MAX_ROWS`` tokens run the GEMV kernels (``kernels.gemv``), or the GEMMs with ``GEMV_ENABLED``
+    off."""
+    from kernels import gemv
+
     from builder.pipeline import build
     from builder.recipe import validate_recipe
 
@@ -63,3 +67,23 @@ def test_quantized_linears_on_the_gemm_kernels(tmp_path, algo):
     ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
     ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     assert (fused.logits(ids) - ref.logits(ids)).abs().max() < 1e-3
+
+    num_quantized = sum(1 for n in fused.executor.graph["nodes"] if n["op"] == "linear" and n["attrs"].get("quant"))
+    assert num_quantized > 0
+    gemv_name = "w4a16_gemv" if algo in ("gptq", "int8_wo") else "w8a8_gemv"
+    calls, real = [], getattr(gemv, gemv_name)
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv, gemv_name, spy)
+    for enabled, runtime_rows in ((True, 1), (True, 4), (False, 4)):
+        monkeypatch.setattr(gemv, "GEMV_ENABLED", enabled)
+        monkeypatch.setattr(gemv, "GEMV_RUNTIME_MAX_ROWS", runtime_rows)
+        for num_tokens in (1, 3):
+            assert (fused.logits(ids[:num_tokens]) - ref.logits(ids[:num_tokens])).abs().max() < 1e-3
+        # each quantized linear ran the GEMV once per step of at most runtime_rows rows; none with the switch off
+        expected = [1] * num_quantized + ([3] * num_quantized if runtime_rows >= 3 else [])
+        assert calls == (expected if enabled else []), calls
+        calls.clear()
