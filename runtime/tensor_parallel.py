@@ -21,6 +21,12 @@ that fails or waits past COLLECTIVE_TIMEOUT_S (a hung rank), fails the engine th
 broken step the ranks' collectives no longer line up. While idle, rank 0 sends a heartbeat every
 HEARTBEAT_S so the workers' wait for the next step never reaches that timeout. Under torchrun, its agent
 tears the whole group down when a rank dies.
+
+CUDA graphs (TPDecodeGraphs): every rank captures its shard's decode step for the same buckets in lockstep
+and replays it when rank 0 broadcasts a "replay" message; the all_reduces are NCCL kernels inside the
+graphs. No collective timeout covers those kernels: if a worker dies during a replay, rank 0's GPU waits in
+the graph, and the engine thread with it, but the sentinel thread still marks the engine failed (health
+503, the log line). The graphs hold NCCL resources, so they are destroyed before the group is left.
 """
 
 from __future__ import annotations
