@@ -180,21 +180,34 @@ def _bench_rows(name: str, m: int, w: _ShapeWeights, gen: torch.Generator, sweep
     return failures
 
 
+def sweep_configs(label: str, candidates: list, check: Callable[[object], tuple[bool, float]],
+                  timed: Callable[[object], list[Callable[[], object]]], *, indent: str = f"{'':>8} ",
+                  weight_bytes: int | None = None, reps: int = 20) -> list[str]:
+    """Try each candidate config: ``check(cfg)`` -> (matches the reference, max rel err), then time the calls
+    ``timed(cfg)`` (one per rotated weight copy); print the three fastest (with TB/s of ``weight_bytes`` when
+    given). Returns the mismatches; configs that do not compile (shared memory, registers) are printed and
+    skipped."""
+    failures, results = [], []
+    for cfg in candidates:
+        try:
+            ok, err = check(cfg)
+            if not ok:
+                failures.append(f"{label} {cfg}: max rel err {err:.2e}")
+                continue
+            results.append((time_us(timed(cfg), reps), cfg))
+        except (OutOfResources, CompilationError) as e:  # too much shared memory / registers: skip it
+            print(f"{indent}sweep {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+    for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
+        rate = f" {weight_bytes / t / 1e6:6.2f} TB/s" if weight_bytes else ""
+        print(f"{indent}sweep {t:8.1f} us{rate}  {cfg}")
+    return failures
+
+
 def _sweep(name: str, x: torch.Tensor, ref: torch.Tensor, w: _ShapeWeights) -> list[str]:
     """Time the candidate configs for this shape; print the three fastest."""
-    failures, results = [], []
-    for cand in candidate_configs(x.shape[0]):
-        try:
-            ok, err = _close(_gemm_fns(x, w.k_major[:1], cand)[0](), ref)
-            if not ok:
-                failures.append(f"gemm {name} M={x.shape[0]} {cand}: max rel err {err:.2e}")
-                continue
-            results.append((time_us(_gemm_fns(x, w.k_major, cand)), cand))
-        except (OutOfResources, CompilationError) as e:  # too much shared memory / registers: skip it
-            print(f"{'':>8} sweep {cand}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    for t, cand in sorted(results, key=lambda r: r[0])[:3]:
-        print(f"{'':>8} sweep {t:8.1f} us  {cand}")
-    return failures
+    return sweep_configs(f"gemm {name} M={x.shape[0]}", candidate_configs(x.shape[0]),
+                         lambda cand: _close(_gemm_fns(x, w.k_major[:1], cand)[0](), ref),
+                         lambda cand: _gemm_fns(x, w.k_major, cand))
 
 
 def bench_gemm(sweep: bool) -> list[str]:
@@ -243,19 +256,10 @@ def _bench_gemv_rows(name: str, m: int, w: _ShapeWeights, gen: torch.Generator, 
 
 def _gemv_sweep(name: str, x: torch.Tensor, ref: torch.Tensor, w: _ShapeWeights) -> list[str]:
     """Time the candidate GEMV configs for this shape and M; print the three fastest."""
-    failures, results = [], []
-    for cand in gemv_candidates():
-        try:
-            ok, err = _close(w4a16_gemv(x, **w.k_major[0], config=cand), ref)
-            if not ok:
-                failures.append(f"gemv {name} M={x.shape[0]} {cand}: max rel err {err:.2e}")
-                continue
-            results.append((time_us([lambda p=p: w4a16_gemv(x, **p, config=cand) for p in w.k_major]), cand))
-        except (OutOfResources, CompilationError) as e:  # too much shared memory / registers: skip it
-            print(f"{'':>8} sweep {cand}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    for t, cand in sorted(results, key=lambda r: r[0])[:3]:
-        print(f"{'':>8} sweep {t:8.1f} us {w.weight_bytes / t / 1e6:6.2f} TB/s  {cand}")
-    return failures
+    return sweep_configs(f"gemv {name} M={x.shape[0]}", gemv_candidates(),
+                         lambda cand: _close(w4a16_gemv(x, **w.k_major[0], config=cand), ref),
+                         lambda cand: [lambda p=p: w4a16_gemv(x, **p, config=cand) for p in w.k_major],
+                         weight_bytes=w.weight_bytes)
 
 
 def bench_gemv(sweep: bool) -> list[str]:

@@ -24,10 +24,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from triton.compiler.errors import CompilationError
-from triton.runtime.errors import OutOfResources
 
-from kernels.bench_gemm import SHAPES, time_us
+from kernels.bench_gemm import SHAPES, sweep_configs, time_us
 from kernels.gemv import GemvConfig, default_gemv_config, w8a8_gemv
 from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
 from runtime.quant import make_fp8_scaled_mm_linear, quantize_activation_int8
@@ -121,17 +119,11 @@ def bench(kind: str, sweep: bool) -> list[str]:
 
 
 def _sweep(kind: str, name: str, m: int, x: torch.Tensor, ref: torch.Tensor, copies) -> None:
-    results = []
-    for cfg in candidate_configs(m):
-        try:
-            y = w8a8_linear(x, copies[0][0], copies[0][1], config=cfg)
-            if ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item() > REL_TOL:
-                continue
-            results.append((time_us([lambda q=q, s=s: w8a8_linear(x, q, s, config=cfg) for q, s in copies], 10), cfg))
-        except (OutOfResources, CompilationError):
-            continue
-    for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
-        print(f"{'':>8} {'':>4}   sweep {t:8.1f} us  {cfg}")
+    # configs that miss the reference are left out of the ranking (the default config's check is bench()'s)
+    sweep_configs(f"{kind} {name} M={m}", candidate_configs(m), lambda cfg: _check(
+                  w8a8_linear(x, copies[0][0], copies[0][1], config=cfg), ref),
+                  lambda cfg: [lambda q=q, s=s: w8a8_linear(x, q, s, config=cfg) for q, s in copies],
+                  indent=f"{'':>8} {'':>4}   ", reps=10)
 
 
 def _x(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -142,6 +134,11 @@ def _x(m: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
+    err = _rel_err(y, ref)
+    return err < REL_TOL, err
 
 
 def gemv_candidates() -> list[GemvConfig]:
@@ -186,19 +183,10 @@ def bench_gemv(kind: str, sweep: bool) -> list[str]:
 
 
 def _gemv_sweep(kind: str, name: str, x: torch.Tensor, ref: torch.Tensor, copies, weight_bytes: int) -> list[str]:
-    failures, results = [], []
-    for cfg in gemv_candidates():
-        try:
-            err = _rel_err(w8a8_gemv(x, copies[0][0], copies[0][1], config=cfg), ref)
-            if not err < REL_TOL:
-                failures.append(f"{kind} gemv {name} M={x.shape[0]} {cfg}: rel.err {err:.3g}")
-                continue
-            results.append((time_us([lambda q=q, s=s: w8a8_gemv(x, q, s, config=cfg) for q, s in copies], 10), cfg))
-        except (OutOfResources, CompilationError) as e:
-            print(f"{'':>8} {'':>3}   sweep {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
-        print(f"{'':>8} {'':>3}   sweep {t:8.1f} us {weight_bytes / t / 1e6:6.2f} TB/s  {cfg}")
-    return failures
+    return sweep_configs(f"{kind} gemv {name} M={x.shape[0]}", gemv_candidates(), lambda cfg: _check(
+                         w8a8_gemv(x, copies[0][0], copies[0][1], config=cfg), ref),
+                         lambda cfg: [lambda q=q, s=s: w8a8_gemv(x, q, s, config=cfg) for q, s in copies],
+                         indent=f"{'':>8} {'':>3}   ", weight_bytes=weight_bytes, reps=10)
 
 
 def main() -> int:

@@ -157,13 +157,19 @@ def test_logprobs_and_penalties_run_synchronously(engine):
     _assert_no_leaks(overlapped)
 
 
-def test_finish_all_drops_the_step_in_flight(engine):
-    _, s, _ = _pair(engine, num_blocks=64, max_num_seqs=4, max_seq_len=128)
-    for p in _prompts(engine, 2, seed=5):
+def _in_flight(engine: Engine, seed: int) -> tuple[ServingEngine, EagerGraphs]:
+    """An overlapped engine five steps into two 50-token requests, a decode step in flight."""
+    _, s, graphs = _pair(engine, num_blocks=64, max_num_seqs=4, max_seq_len=128)
+    for p in _prompts(engine, 2, seed=seed):
         s.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
     for _ in range(5):
         s.step()
     assert s._inflight is not None
+    return s, graphs
+
+
+def test_finish_all_drops_the_step_in_flight(engine):
+    s, _ = _in_flight(engine, seed=5)
     outs = s.finish_all("abort", "shutting down")
     assert len(outs) == 2 and all(o.finished for o in outs)
     assert not s.has_unfinished
@@ -172,12 +178,7 @@ def test_finish_all_drops_the_step_in_flight(engine):
 
 def test_close_drops_the_step_in_flight_and_destroys_the_graphs(engine):
     # graphs that recorded NCCL collectives must be destroyed before a tensor-parallel engine leaves its group
-    _, s, graphs = _pair(engine, num_blocks=64, max_num_seqs=4, max_seq_len=128)
-    for p in _prompts(engine, 2, seed=6):
-        s.add_request(p, SamplingParams(max_tokens=50, ignore_eos=True))
-    for _ in range(5):
-        s.step()
-    assert s._inflight is not None
+    s, graphs = _in_flight(engine, seed=6)
     s.close()
     assert s._inflight is None and s.graphs is None and getattr(graphs, "closed", False)
     s.close()  # twice is fine
