@@ -12,10 +12,10 @@ import re
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce", "verify"]
 DEFAULT_VERIFY_PROMPTS = [
@@ -32,11 +32,23 @@ class RecipeError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # strict: YAML's true is not the number 1, 128.0 is not a whole number, "8" is not a number
+    # (a float field still takes a whole number: 1 for 1.0)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
+
+
+def _not_blank(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must not be empty")
+    return value
+
+
+NonBlank = Annotated[str, AfterValidator(_not_blank)]
+
 
 
 class ModelSection(_Strict):
-    checkpoint: str = Field(description="local Hugging Face checkpoint directory")
+    checkpoint: NonBlank = Field(description="local Hugging Face checkpoint directory")
     dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"
 
 
@@ -106,9 +118,9 @@ class QuantizationSection(_Strict):
 
 
 class CalibrationSection(_Strict):
-    dataset: Optional[str] = Field(default=None, description=".txt or .jsonl (with a text field); "
+    dataset: Optional[NonBlank] = Field(default=None, description=".txt or .jsonl (with a text field); "
                                    "default: the calibration set shipped with the repo")
-    text_field: str = "text"
+    text_field: NonBlank = "text"
     num_samples: int = Field(default=64, ge=1)
     seq_len: int = Field(default=256, ge=8)
     seed: int = 0
@@ -118,7 +130,7 @@ class CalibrationSection(_Strict):
 
 class GatesSection(_Strict):
     enabled: bool = True
-    eval_dataset: Optional[str] = Field(default=None, description="held-out text; default: shipped eval text")
+    eval_dataset: Optional[NonBlank] = Field(default=None, description="held-out text; default: shipped eval text")
     num_positions: int = Field(default=4096, ge=1)
     window: int = Field(default=256, ge=8)
     max_kl: Optional[float] = Field(default=None, ge=0)
@@ -163,9 +175,9 @@ class ParallelSection(_Strict):
 
 
 class Recipe(_Strict):
-    name: Optional[str] = None
+    name: Optional[NonBlank] = None
     model: ModelSection
-    output_dir: str
+    output_dir: NonBlank
     passes: list[str] = Field(default_factory=lambda: list(DEFAULT_PASSES))
     verify: VerifySection = Field(default_factory=VerifySection)
     runtime: RuntimeSection = Field(default_factory=RuntimeSection)
@@ -218,15 +230,69 @@ class Recipe(_Strict):
 
 
 # --- loading ---------------------------------------------------------------------------------
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override (``key.path=value``) and validate a recipe file."""
-    p = Path(path)
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = key in first_line
+            except TypeError:  # an unhashable key: the safe loader reports it
+                continue
+            if seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice in one mapping (first on line {first_line[key]}); "
+                    f"YAML would keep only the last, so merge the two", key_node.start_mark)
+            first_line[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  a SafeLoader subclass
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error on one line: where, what, and the construct it happened in."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        return where + (e.problem or "") + (f" ({e.context})" if e.context else "")
+    if isinstance(e, yaml.reader.ReaderError):
+        return f"character #x{e.character:04x} at offset {e.position} is not allowed ({e.reason})"
+    return " ".join(str(e).split())
+
+
+def read_recipe_text(p: Path) -> str:
+    """The recipe file's text; raises RecipeError for a missing path, a directory or non-UTF-8 bytes."""
+    if p.is_dir():
+        raise RecipeError(f"recipe {str(p)!r} is a directory; pass the recipe YAML file itself")
     if not p.is_file():
         raise RecipeError(f"recipe {str(p)!r} does not exist")
     try:
-        raw = yaml.safe_load(p.read_text())
+        data = p.read_bytes()
+    except OSError as e:
+        raise RecipeError(f"recipe {str(p)!r} cannot be read ({e.strerror})") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise RecipeError(f"{p}: the file is UTF-16 text; save it as UTF-8 (a recipe is UTF-8 YAML)")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{p}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); a recipe is "
+                          f"a YAML text file saved as UTF-8") from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override (``key.path=value``) and validate a recipe file."""
+    p = Path(path)
+    text = read_recipe_text(p)
+    try:
+        raw = _parse_yaml(text)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{p}: not valid YAML ({e})") from e
+        raise RecipeError(f"{p}: not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise RecipeError(f"{p}: a recipe is a YAML mapping at the top level, got {type(raw).__name__}")
     for item in overrides or []:
@@ -250,7 +316,7 @@ def apply_override(raw: dict, item: str) -> None:
             raise RecipeError(f"--set {item!r}: {k!r} is not a section")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+        node[parts[-1]] = _parse_yaml(text) if text.strip() else ""
     except yaml.YAMLError as e:
         problem = str(e).splitlines()[0]
         raise RecipeError(f"--set {item!r}: the value {text!r} is not valid YAML ({problem}); a string with "
@@ -262,6 +328,8 @@ def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
         return Recipe.model_validate(raw)
     except ValidationError as e:
         lines = [format_error(err) for err in _matching_branch(e.errors(), raw)]
+        if len(lines) == 1:
+            raise RecipeError(f"{source}: invalid recipe: {lines[0]}") from None
         raise RecipeError(f"{source}: invalid recipe:\n  " + "\n  ".join(lines)) from None
 
 
@@ -330,4 +398,36 @@ def format_error(err: dict) -> str:
         if loc and re.match(r"^\w+: ", msg):  # the message names a key inside this section
             return f"{path}.{msg}"
         return f"{path}: {msg}" if loc else msg
+    if kind in _EXPECTED_TYPE and value is None:
+        return f"{path}: has no value; expected {_EXPECTED_TYPE[kind]}"
+    if kind in _EXPECTED_TYPE:
+        return f"{path}: {_shown(value)} is {_kind_of(value)}; expected {_EXPECTED_TYPE[kind]}{_type_hint(value)}"
     return f"{path}: {value!r}: {err['msg'].lower()}"
+
+
+# What a key of each type takes, by pydantic's error type.
+_EXPECTED_TYPE = {"int_type": "a whole number", "float_type": "a number", "bool_type": "true or false",
+                  "string_type": "a string", "list_type": "a list, e.g. [a, b]",
+                  "model_type": "a section (indented key: value lines)", "dict_type": "a section (key: value lines)"}
+
+
+def _shown(value: Any) -> str:
+    """A value as it reads in YAML."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind_of(value: Any) -> str:
+    kinds = [(bool, "a boolean"), (int, "a whole number"), (float, "a decimal number"), (str, "a string"),
+             (list, "a list"), (dict, "a section")]
+    return next((kind for t, kind in kinds if isinstance(value, t)), type(value).__name__)
+
+
+def _type_hint(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return f" (write {int(value)})"
+    if isinstance(value, str) and re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*", value):
+        return " (drop the quotes)"
+    return ""

@@ -79,3 +79,65 @@ def test_mixed_methods_list(tmp_path):
     with pytest.raises(RecipeError, match=r"quantization\[1\]\.algo: 'awk' is not one of"):
         _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n  - algo: awk\n")
     assert _load(tmp_path, BASE).quant_sections() == []
+
+
+@pytest.mark.parametrize("data, message", [
+    (BASE.encode("utf-16"), "the file is UTF-16 text; save it as UTF-8"),
+    (b"\x80\x81\xffmodel: x\n", "not UTF-8 text (byte 0x80 at offset 0)"),
+    (b"model: \x00\n", "not valid YAML: character #x0000 at offset 7 is not allowed"),
+], ids=["utf-16", "binary", "nul"])
+def test_unreadable_recipe_bytes(tmp_path, data, message):
+    p = tmp_path / "r.yaml"
+    p.write_bytes(data)
+    with pytest.raises(RecipeError) as e:
+        load_recipe(p)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_recipe_path_is_a_directory(tmp_path):
+    with pytest.raises(RecipeError, match="is a directory; pass the recipe YAML file itself"):
+        load_recipe(tmp_path)
+
+
+def test_duplicate_key_names_key_and_lines(tmp_path):
+    with pytest.raises(RecipeError, match=r"line 7, column 1: key 'runtime' appears twice in one mapping "
+                                          r"\(first on line 5\)"):
+        _load(tmp_path, BASE + "runtime:\n  max_seq_len: 8\nruntime:\n  max_batch_size: 2\n")
+    with pytest.raises(RecipeError, match=r"line 7, column 3: key 'max_seq_len' appears twice"):
+        _load(tmp_path, BASE + "runtime:\n  max_seq_len: 8\n  max_seq_len: 16\n")
+    with pytest.raises(RecipeError, match="key 'a' appears twice"):
+        _load(tmp_path, BASE, ["verify.prompts=[x]", "calibration={a: 1, a: 2}"])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("runtime:\n  max_seq_len: true\n", "runtime.max_seq_len: true is a boolean; expected a whole number"),
+    ("runtime:\n  max_seq_len: '128'\n", "runtime.max_seq_len: '128' is a string; expected a whole number "
+                                         "(drop the quotes)"),
+    ("runtime:\n  max_batch_size: 8.0\n", "runtime.max_batch_size: 8.0 is a decimal number; expected a whole "
+                                          "number (write 8)"),
+    ("quantization:\n  algo: gptq\n  group_size: 64.5\n", "quantization.group_size: 64.5 is a decimal number"),
+    ("quantization:\n  algo: smoothquant\n  alpha: '0.5'\n", "quantization.alpha: '0.5' is a string; "
+                                                             "expected a number"),
+    ("gates:\n  enabled: 1\n", "gates.enabled: 1 is a whole number; expected true or false"),
+    ("target:\n  gpu_memory: 80\n", "target.gpu_memory: 80 is a whole number; expected a string"),
+    ("passes: dce\n", "passes: 'dce' is a string; expected a list"),
+    ("runtime: 5\n", "runtime: 5 is a whole number; expected a section"),
+    ("calibration:\n  seed: null\n", "calibration.seed: has no value; expected a whole number"),
+])
+def test_wrong_types_are_not_coerced(tmp_path, text, message):
+    with pytest.raises(RecipeError) as e:
+        _load(tmp_path, BASE + text)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_float_fields_take_whole_numbers(tmp_path):
+    r = _load(tmp_path, BASE + "verify:\n  atol: 1\ntarget:\n  gpu_memory_utilization: 1\n")
+    assert r.verify.atol == 1.0 and r.target.gpu_memory_utilization == 1.0
+
+
+def test_empty_paths_are_refused(tmp_path):
+    with pytest.raises(RecipeError, match="output_dir: must not be empty"):
+        _load(tmp_path, "model:\n  checkpoint: ckpt\noutput_dir: ''\n")
+    with pytest.raises(RecipeError, match="model.checkpoint: must not be empty"):
+        _load(tmp_path, "model:\n  checkpoint: ' '\noutput_dir: out\n")
+
