@@ -46,6 +46,21 @@ def _not_blank(value: str) -> str:
 NonBlank = Annotated[str, AfterValidator(_not_blank)]
 
 
+def _module_pattern(value: str) -> str:
+    """A module path, or ``re:`` and a regular expression, checked to compile."""
+    if not value.strip():
+        raise ValueError("must not be empty; give a module path (model.layers.0.mlp.down_proj) or re:REGEX")
+    if value.startswith("re:"):
+        try:
+            re.compile(value[3:])
+        except re.error as e:
+            raise ValueError(f"{value!r} is not a valid regular expression ({e}); after 're:' comes a Python "
+                             f"regex, e.g. 're:layers\\.0\\.'") from None
+    return value
+
+
+ModulePattern = Annotated[str, AfterValidator(_module_pattern)]
+
 
 class ModelSection(_Strict):
     checkpoint: NonBlank = Field(description="local Hugging Face checkpoint directory")
@@ -85,8 +100,9 @@ COMMON_OPTIONS = {"algo", "targets", "ignore"}
 
 class QuantizationSection(_Strict):
     algo: Literal["awq", "gptq", "smoothquant", "fp8", "int8_wo", "none"] = "none"
-    targets: list[str] = Field(default_factory=list, description="module paths or re:regex; empty = all linears")
-    ignore: list[str] = Field(default_factory=list, description="module paths or re:regex kept unquantized")
+    targets: list[ModulePattern] = Field(default_factory=list, description="module paths or re:regex; "
+                                         "empty = all linears")
+    ignore: list[ModulePattern] = Field(default_factory=list, description="module paths or re:regex kept unquantized")
     bits: Optional[Literal[4, 8]] = None  # gptq (default 4); awq is always 4
     group_size: Optional[int] = None  # awq/gptq (default 128); -1 = per output channel
     symmetric: Optional[bool] = None  # gptq (default False)

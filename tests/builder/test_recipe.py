@@ -141,3 +141,15 @@ def test_empty_paths_are_refused(tmp_path):
     with pytest.raises(RecipeError, match="model.checkpoint: must not be empty"):
         _load(tmp_path, "model:\n  checkpoint: ' '\noutput_dir: out\n")
 
+
+@pytest.mark.parametrize("text, message", [
+    ("quantization:\n  algo: int8_wo\n  ignore: ['re:[unclosed']\n",
+     "quantization.ignore[0]: 're:[unclosed' is not a valid regular expression (unterminated character set"),
+    ("quantization:\n  - algo: int8_wo\n  - algo: gptq\n    targets: [mlp, 're:(a']\n",
+     "quantization[1].targets[1]: 're:(a' is not a valid regular expression (missing )"),
+    ("quantization:\n  algo: fp8\n  targets: ['']\n", "quantization.targets[0]: must not be empty"),
+])
+def test_bad_module_patterns_fail_at_load(tmp_path, text, message):
+    with pytest.raises(RecipeError) as e:
+        _load(tmp_path, BASE + text)
+    assert message in str(e.value)
