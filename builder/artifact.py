@@ -1,12 +1,20 @@
 """Writing an engine artifact directory (layout in runtime/artifact.py).
 
 The artifact is assembled in a sibling temporary directory and moved into place only when complete,
-so a failed build never leaves a half-written artifact or destroys the previous one.
+so a failed build never leaves a half-written artifact or destroys the previous one:
+
+    out/             the previous artifact, an empty directory, or nothing (anything else is refused)
+    .out.building/   the new artifact while it is written          } both carry TEMP_MARKER while they are
+    .out.old/        the previous artifact while it is swapped out }  ours; only such directories are deleted
+
+User data is never deleted: ``output_dir`` is replaced only when it is a previous artifact (its
+manifest.json names the format) or empty, and the sibling temporaries only when they carry the marker.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import shutil
 import socket
@@ -28,6 +36,12 @@ from passes.ir import Graph
 from runtime.artifact import (FORMAT_NAME, FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS,
                               file_sha256, manifest_digest, rank_weights_file)
 
+TEMP_MARKER = ".llm-builder-temporary"  # in a directory this module made and may delete
+
+
+class OutputDirError(RuntimeError):
+    """``output_dir`` (or a sibling the build stages in) holds something that is not ours to replace."""
+
 
 def _versions() -> dict[str, str]:
     import transformers
@@ -36,31 +50,132 @@ def _versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+def temp_dirs(out: Path) -> tuple[Path, Path]:
+    """The sibling directories a build of ``out`` stages in: (new artifact being written, previous one)."""
+    return out.parent / f".{out.name}.building", out.parent / f".{out.name}.old"
+
+
+def is_artifact_dir(path: Path) -> bool:
+    """A real directory whose manifest.json parses and names the artifact format (content not verified)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT_NAME
+
+
+def is_replaceable(out: Path) -> bool:
+    """A build may put its artifact at ``out``: nothing is there, an empty directory, or a previous artifact."""
+    if out.is_symlink():
+        return False
+    if not out.exists():
+        return True
+    return out.is_dir() and (is_artifact_dir(out) or not any(out.iterdir()))
+
+
+def _is_ours(path: Path) -> bool:
+    return not path.is_symlink() and path.is_dir() and (path / TEMP_MARKER).is_file()
+
+
+def _listing(path: Path, limit: int = 3) -> str:
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def check_output_dir(out: Path) -> None:
+    """Raise OutputDirError unless a build may write ``out``: it is absent, an empty directory or a
+    previous artifact, and its staging siblings are absent or ours."""
+    overwrite = "or pass --overwrite to `builder build` to replace it"
+    parent = next((p for p in out.absolute().parents if p.exists() or p.is_symlink()), None)
+    if parent is not None and not parent.is_dir():
+        raise OutputDirError(f"output_dir {out}: {parent} is a file, not a directory; choose another output_dir")
+    if out.is_symlink():
+        raise OutputDirError(f"output_dir {out} is a symbolic link (to {os.readlink(out)}); set output_dir to a "
+                             f"real path, remove the link, {overwrite} (the link, not its target)")
+    if out.exists() and not out.is_dir():
+        raise OutputDirError(f"output_dir {out} is a file, not a directory: choose another output_dir, move the "
+                             f"file away, {overwrite}")
+    if not is_replaceable(out):
+        raise OutputDirError(f"output_dir {out} exists and is not an llm-builder artifact (no {MANIFEST} of format "
+                             f"{FORMAT_NAME!r}; it holds {_listing(out)}); the build replaces only a previous "
+                             f"artifact or an empty directory: choose another output_dir, empty it, {overwrite}")
+    for tmp in temp_dirs(out):
+        if (tmp.exists() or tmp.is_symlink()) and not _is_ours(tmp):
+            raise OutputDirError(f"{tmp} exists but was not made by `builder build` (it has no {TEMP_MARKER} "
+                                 f"file); the build stages output_dir {out} there and would delete it: rename it, "
+                                 f"or remove it if it is left over from an interrupted build")
+
+
+def remove_output_dir(out: Path) -> None:
+    """Delete whatever ``out`` is (a link itself, not its target): what ``--overwrite`` does before a build."""
+    if out.is_symlink() or out.is_file():
+        out.unlink()
+    elif out.is_dir():
+        shutil.rmtree(out)
+
+
+def _mark(path: Path) -> None:
+    (path / TEMP_MARKER).write_text("made by `builder build`; deleted by it when the build moves on\n")
+
+
+def _remove_ours(path: Path) -> None:
+    """Delete a staging directory this module made; its marker goes last, so an interrupted removal
+    leaves a directory that is still recognisably ours."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    assert _is_ours(path), f"{path} is not a directory made by the build"
+    for child in path.iterdir():
+        if child.name == TEMP_MARKER:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+    (path / TEMP_MARKER).unlink()
+    path.rmdir()
+
+
 def write_artifact(recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
                    started_at: str, start: float, timings: dict[str, float],
                    extra: dict[str, Any] | None = None) -> Path:
-    """Write the artifact; ``extra`` adds manifest sections (calibration, gates)."""
+    """Write the artifact; ``extra`` adds manifest sections (calibration, gates). Raises OutputDirError
+    (before writing, and again before the swap) when ``output_dir`` holds something not ours to replace."""
     out = Path(recipe.output_dir)
+    check_output_dir(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.building"
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp, old = temp_dirs(out)
+    _remove_ours(tmp)
     tmp.mkdir()
+    _mark(tmp)
     try:
         _write_contents(tmp, recipe, ckpt, graph, records, started_at, start, timings, extra or {})
-        if out.exists():
-            old = out.parent / f".{out.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
+        check_output_dir(out)  # it may have changed while the build ran
+        _swap_in(tmp, out, old)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if _is_ours(tmp):
+            _remove_ours(tmp)
         raise
+    (out / TEMP_MARKER).unlink()
     return out
+
+
+def _swap_in(tmp: Path, out: Path, old: Path) -> None:
+    """Move the finished ``tmp`` to ``out``, replacing (and then deleting) a previous artifact there."""
+    if not out.exists():
+        tmp.rename(out)
+        return
+    _remove_ours(old)
+    out.rename(old)
+    _mark(old)
+    try:
+        tmp.rename(out)
+    except BaseException:
+        old.rename(out)
+        (out / TEMP_MARKER).unlink()
+        raise
+    _remove_ours(old)
 
 
 def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
@@ -173,6 +288,6 @@ def _write_tensor(f, name: str, t: torch.Tensor, spec: torch.Tensor) -> None:
 def _file_table(root: Path) -> dict[str, dict[str, Any]]:
     table = {}
     for f in sorted(root.rglob("*")):
-        if f.is_file() and f.name != MANIFEST:
+        if f.is_file() and f.name != MANIFEST and f != root / TEMP_MARKER:
             table[f.relative_to(root).as_posix()] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
     return table

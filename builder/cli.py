@@ -56,9 +56,13 @@ def build(
     recipe: Path = typer.Argument(..., help="recipe YAML"),
     set_: list[str] = typer.Option([], "--set", help="override a recipe key: --set runtime.max_seq_len=4096"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="only warnings and errors"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="delete output_dir before building even when it is "
+                                   "not a previous artifact (a file, a link, a directory of other files); "
+                                   "a failed build does not bring it back"),
 ) -> None:
     """Build an engine artifact from a recipe."""
     _setup_logging(quiet)
+    from builder.artifact import OutputDirError, check_output_dir, is_replaceable, remove_output_dir
     from builder.checkpoint import CheckpointError
     from builder.calibration import DataError
     from builder.pipeline import BuildError, build as run_build
@@ -70,11 +74,17 @@ def build(
 
     try:
         r = load_recipe(recipe, set_)
+        out = Path(r.output_dir)
+        if overwrite and not is_replaceable(out):
+            logging.getLogger("builder").warning("--overwrite: deleting %s", out)
+            remove_output_dir(out)
+        check_output_dir(out)  # before the build spends any time
         with _progress(quiet) as progress:
             result = run_build(r, progress)
     except GateFailure as e:
         _fail(str(e), EXIT_GATE_FAILED)
-    except (RecipeError, CheckpointError, DataError, BuildError, LiftError, PassError, GraphError) as e:
+    except (RecipeError, CheckpointError, DataError, BuildError, LiftError, PassError, GraphError,
+            OutputDirError) as e:
         _fail(str(e))
     typer.echo(f"artifact: {result.output_dir} ({result.seconds:.1f}s); report: {result.output_dir / 'report.html'}")
 
