@@ -20,7 +20,7 @@ from builder.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from builder.quality import run_gates
 from builder.plan import check_target
 from builder.recipe import Recipe
-from passes import PassContext, PassRecord, run_passes
+from passes import PASSES, PassContext, PassRecord, run_passes
 from passes.base import Progress
 from passes.ir import Graph
 from passes.shard import check_tp_size
@@ -61,6 +61,20 @@ def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
 def parallel_passes(recipe: Recipe) -> list[str]:
     """Passes that run last, on the final (quantized, gated) graph: ``shard`` when tp_size > 1."""
     return ["shard"] if recipe.parallel.tp_size > 1 else []
+
+
+def check_quantization(recipe: Recipe, graph: Graph) -> None:
+    """Fail before any pass runs when a quantization section cannot apply to the traced graph: it
+    selects no linear, or a selected linear does not fit its options (e.g. group_size).
+
+    The quantization pass checks again on the graph it gets (after merges, and after earlier
+    sections); a section that selects nothing here selects nothing there either.
+    """
+    is_list = isinstance(recipe.quantization, list)
+    for i, q in enumerate(recipe.quantization if is_list else [recipe.quantization]):
+        if q.algo != "none":
+            key = f"quantization[{i}]" if is_list else "quantization"
+            PASSES[q.algo]().prepare(graph, q.method_options(), f"{key} (algo {q.algo})", warn=False)
 
 
 def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
@@ -162,6 +176,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     t = time.perf_counter()
     graph, meta_model = trace(config)
     trace_s = time.perf_counter() - t
+    check_quantization(recipe, graph)  # before weights are read or any pass runs
     t = time.perf_counter()
     attach_weights(graph, ckpt, meta_model, dtype)
     load_s = time.perf_counter() - t

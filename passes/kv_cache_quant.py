@@ -32,7 +32,7 @@ class KVCacheQuant(QuantMethod):
             raise PassError(f"kv_cache_quant: kv_cache_dtype {self.dtype!r} is not one of fp8, int8")
         self.scheme = f"kv_{self.dtype}"
 
-    def select(self, graph: Graph) -> list[int]:
+    def select(self, graph: Graph, section: str, warn: bool = True) -> list[int]:
         return [i for i, n in enumerate(graph.nodes) if n.op == "attention" and "kv_cache_dtype" not in n.attrs]
 
     def observe_inputs(self, index: int, node: Node, inputs: list[torch.Tensor]) -> None:

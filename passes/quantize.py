@@ -15,7 +15,8 @@ already-quantized earlier ones, as GPTQ prescribes.
 Target selection: every ``linear`` node (never ``embedding`` or ``lm_head``, kept in high precision),
 minus the recipe's ``ignore`` list; ``targets`` restricts to names or ``re:`` regexes. Names are the
 node's source module path (``model.layers.3.mlp.down_proj``; a merged node has its parent's path
-and matches if any member matches).
+and matches if any member matches). A section that selects no linear is an error, before any
+calibration; a targets or ignore pattern that matches no linear at all is a warning.
 """
 
 from __future__ import annotations
@@ -77,6 +78,39 @@ def _matches(patterns: list[str], names: list[str]) -> bool:
     return False
 
 
+def select_linears(graph: Graph, targets: list[str], ignore: list[str], section: str,
+                   warn: bool = True) -> list[int]:
+    """Indices of the linear nodes a quantization section selects: ``targets`` (empty = all) minus
+    ``ignore``, minus linears an earlier section quantized.
+
+    A section that selects nothing is a PassError naming its patterns; with ``warn``, a pattern that
+    matches no linear at all is logged as a warning.
+    """
+    linears = [(i, member_names(n)) for i, n in enumerate(graph.nodes) if n.op == "linear"]
+    targeted = [(i, names) for i, names in linears if not targets or _matches(targets, names)]
+    kept = [(i, names) for i, names in targeted if not _matches(ignore, names)]
+    chosen = [i for i, _ in kept if "quant" not in graph.nodes[i].attrs]
+    example = linears[0][1][-1] if linears else "model.layers.0.mlp.down_proj"
+    if warn:
+        for key, patterns in (("targets", targets), ("ignore", ignore)):
+            for pattern in patterns:
+                if not any(_matches([pattern], names) for _, names in linears):
+                    log.warning("%s: %s pattern %r matches no linear (names look like %r)", section, key,
+                                pattern, example)
+    if chosen:
+        return chosen
+    if not linears:
+        why = "the graph has no linear layers"
+    elif not targeted:
+        why = f"targets {targets} match none of the {len(linears)} linears (names look like {example!r})"
+    elif not kept:
+        why = (f"ignore {ignore} excludes every linear that targets {targets} match" if targets
+               else f"ignore {ignore} excludes all {len(linears)} linears")
+    else:
+        why = f"the {len(kept)} linears it matches were already quantized by an earlier section"
+    raise PassError(f"{section} selects no linear: {why}; fix its targets/ignore or remove the section")
+
+
 @dataclass
 class QuantSettings:
     """Options every method understands (from the recipe's quantization section)."""
@@ -124,26 +158,27 @@ class QuantMethod(Pass):
         raise NotImplementedError
 
     # --- lifecycle -------------------------------------------------------------------------
-    def select(self, graph: Graph) -> list[int]:
-        chosen = []
-        for i, n in enumerate(graph.nodes):
-            if n.op != "linear" or "quant" in n.attrs:
-                continue
-            names = member_names(n)
-            if self.settings.targets and not _matches(self.settings.targets, names):
-                continue
-            if _matches(self.settings.ignore, names):
-                continue
-            chosen.append(i)
-        return chosen
+    def select(self, graph: Graph, section: str, warn: bool = True) -> list[int]:
+        """The nodes to quantize; ``section`` names the recipe section in errors."""
+        return select_linears(graph, self.settings.targets, self.settings.ignore, section, warn)
 
-    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
-        opts = dict(ctx.options.get(self.name, {}))
+    def prepare(self, graph: Graph, options: dict[str, Any], section: str | None = None,
+                warn: bool = True) -> list[int]:
+        """Read the options, select the targets and validate each: all that can fail before calibration.
+
+        The builder also calls it on the freshly traced graph, so a section that cannot apply stops
+        the build before any pass runs.
+        """
+        opts = dict(options)
         self.settings = QuantSettings(opts.pop("targets", []), opts.pop("ignore", []), opts)
         self.configure(opts)
-        targets = self.select(graph)
+        targets = self.select(graph, section or f"the {self.name} quantization section", warn)
         for i in targets:
             self.validate_node(graph, graph.nodes[i])
+        return targets
+
+    def run(self, graph: Graph, ctx: PassContext) -> PassResult:
+        targets = self.prepare(graph, ctx.options.get(self.name, {}))
         if self.needs_calibration and not ctx.calibration:
             raise PassError(f"{self.name} needs calibration data and none was given")
         if ctx.calibration:  # also measures each quantized linear's output error on that data

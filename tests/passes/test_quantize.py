@@ -130,3 +130,33 @@ def test_kv_cache_quant(base_graph, kind, storage):
     assert layout.bytes_per_token() * 4 == Executor(base_graph.to_dict(), base_graph.params).kv_layout().bytes_per_token()
     err = _rel_err(graph, base_graph, _calib(3, 40, seed=5))
     assert 0 < err < 0.1, f"kv {kind}: relative logit error {err:.4f}"
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"targets": ["re:nothing"]}, r"the int8_wo quantization section selects no linear: "
+                                  r"targets \['re:nothing'\] match none of the 8 linears "
+                                  r"\(names look like 'model.layers.0.self_attn.v_proj'\)"),
+    ({"ignore": ["re:proj"]}, r"ignore \['re:proj'\] excludes all 8 linears"),
+    ({"targets": ["re:mlp"], "ignore": ["re:layers"]}, r"ignore \['re:layers'\] excludes every linear that "
+                                                       r"targets \['re:mlp'\] match"),
+])
+def test_selecting_nothing_is_an_error(base_graph, options, message):
+    with pytest.raises(PassError, match=message):
+        run_passes(base_graph.copy(), ["int8_wo"], PassContext(options={"int8_wo": options}))
+
+
+def test_section_after_one_that_took_every_linear(base_graph):
+    ctx = PassContext(calibration=_calib(), options={"int8_wo": {}, "fp8": {}})
+    with pytest.raises(PassError, match="the fp8 quantization section selects no linear: the 8 linears it "
+                                        "matches were already quantized by an earlier section"):
+        run_passes(base_graph.copy(), ["int8_wo", "fp8"], ctx)
+
+
+def test_pattern_matching_nothing_warns(base_graph, caplog):
+    with caplog.at_level("WARNING", logger="passes.quantize"):
+        _, records = run_passes(base_graph.copy(), ["int8_wo"], PassContext(
+            options={"int8_wo": {"targets": ["re:mlp", "re:typo_proj"], "ignore": ["model.layers.9.mlp"]}}))
+    assert records[0].matched == 4  # gate_up and down of both layers
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("targets pattern 're:typo_proj' matches no linear" in m for m in warned), warned
+    assert any("ignore pattern 'model.layers.9.mlp' matches no linear" in m for m in warned), warned
