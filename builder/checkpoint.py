@@ -1,7 +1,9 @@
 """Reading a local Hugging Face checkpoint directory: config, safetensors weights, tokenizer files.
 
 Weights are read with safetensors only; a checkpoint that ships only pickled weights
-(``pytorch_model.bin``) is refused rather than unpickled.
+(``pytorch_model.bin``) is refused rather than unpickled. Checkpoints that are already quantized
+(a ``quantization_config`` in config.json, float8 or integer weight tensors) are refused too: their
+codes would be read as plain floats and their scales dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FLOAT_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Checkpoint tensors no model weight stands for, safe to leave unread: rotary tables (recomputed from the config).
+UNREAD_OK_SUFFIXES = ("rotary_emb.inv_freq",)
+QUANTIZE_INSTEAD = ("build from the unquantized (bf16/fp16/fp32) checkpoint and quantize with the recipe's "
+                    "quantization section (algo: awq, gptq, smoothquant, fp8 or int8_wo)")
 
 
 class CheckpointError(RuntimeError):
@@ -54,7 +61,11 @@ class Checkpoint:
         return {f.name: _sha256(f) for f in files}
 
     def load_tensors(self, names: list[str], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Read the named tensors (cast to ``dtype`` if floating point)."""
+        """Read the named tensors; with ``dtype`` they are float weights, cast to it.
+
+        A float weight stored as float8 or integers is a quantized code, not a value: it is refused
+        rather than cast (its scales would be lost).
+        """
         by_file: dict[Path, list[str]] = {}
         for name in names:
             if name not in self.weight_map:
@@ -66,7 +77,12 @@ class Checkpoint:
                 with safe_open(file, framework="pt") as f:
                     for name in file_names:
                         t = f.get_tensor(name)
-                        out[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+                        if dtype is not None and t.dtype not in FLOAT_WEIGHT_DTYPES:
+                            raise CheckpointError(
+                                f"{file}: tensor {name!r} is stored as {str(t.dtype).removeprefix('torch.')} where "
+                                f"a floating-point weight is expected: the checkpoint holds quantized weights, "
+                                f"which are not imported; {QUANTIZE_INSTEAD}")
+                        out[name] = t.to(dtype) if dtype is not None else t
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: cannot read tensor data ({e}); the file is corrupt or truncated, "
                                       f"download the checkpoint again") from e
@@ -102,25 +118,43 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     if not cfg_file.is_file():
         raise CheckpointError(f"{p} has no config.json; expected a Hugging Face model directory")
     try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON ({e})") from e
+        config = json.loads(cfg_file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON ({e}); download the checkpoint again") from e
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_file} holds a JSON {type(config).__name__}, not an object of model settings; "
+                              f"download the checkpoint again")
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_FAMILIES:
         raise CheckpointError(f"{cfg_file}: model_type {model_type!r} is not supported; supported families: "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
+    _refuse_quantized(cfg_file, config)
     weight_files, weight_map = _index_weights(p)
     return Checkpoint(p, config, weight_files, weight_map)
+
+
+def _refuse_quantized(cfg_file: Path, config: dict) -> None:
+    """A checkpoint already quantized by another tool is not imported (its weights are codes plus scales)."""
+    for key in ("quantization_config", "compression_config"):
+        section = config.get(key)
+        if section is None:
+            continue
+        method = (section.get("quant_method") or section.get("format") or "unknown") if isinstance(section, dict) \
+            else "unknown"
+        raise CheckpointError(f"{cfg_file}: the checkpoint is already quantized ({key}.quant_method {method!r}); "
+                              f"pre-quantized checkpoints are not imported: {QUANTIZE_INSTEAD}")
 
 
 def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     index = p / INDEX_FILE
     if index.is_file():
         try:
-            mapping = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from e
-        files = sorted({p / f for f in mapping.values()})
+            mapping = json.loads(index.read_bytes())["weight_map"]
+            files = sorted({p / f for f in mapping.values()})
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index (expected a JSON object whose "
+                                  f"weight_map maps tensor names to shard files; {type(e).__name__}: {e}); "
+                                  f"download the checkpoint again") from e
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{p}: shards named in {INDEX_FILE} are missing: {', '.join(missing)}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -60,3 +61,86 @@ def test_unsupported_family(tmp_path):
     (d / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(CheckpointError, match="model_type 'gpt2' is not supported; supported families: llama"):
         open_checkpoint(d)
+
+
+@pytest.mark.parametrize("key, method", [
+    ("quantization_config", "gptq"), ("quantization_config", "awq"), ("quantization_config", "fp8"),
+    ("quantization_config", "compressed-tensors"), ("compression_config", None),
+])
+def test_pre_quantized_checkpoint_is_refused(tmp_path, checkpoints, key, method):
+    d = shutil.copytree(checkpoints["llama"], tmp_path / "quantized")
+    config = json.loads((d / "config.json").read_text())
+    config[key] = {"quant_method": method, "bits": 4} if method else {"format": "float-quantized"}
+    (d / "config.json").write_text(json.dumps(config))
+    shown = method or "float-quantized"
+    with pytest.raises(CheckpointError, match=rf"the checkpoint is already quantized \({key}\.quant_method "
+                                              rf"'{shown}'\); pre-quantized checkpoints are not imported: build "
+                                              rf"from the unquantized"):
+        open_checkpoint(d)
+
+
+def _fp8_checkpoint(src, dst, with_scales: bool):
+    """``src`` with its layers' linear weights stored as float8 codes (and per-tensor scales), the way
+    FP8 checkpoints store them, but with no quantization_config left in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    for name in [n for n in tensors if "_proj.weight" in n]:
+        w = tensors[name]
+        scale = w.abs().amax() / 448.0
+        tensors[name] = (w / scale).to(torch.float8_e4m3fn)
+        if with_scales:
+            tensors[name.removesuffix("weight") + "weight_scale"] = scale.reshape(1)
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def _attach(path):
+    from builder.pipeline import attach_weights
+    from passes.trace import trace
+
+    ckpt = open_checkpoint(path)
+    graph, meta_model = trace(ckpt.hf_config())
+    attach_weights(graph, ckpt, meta_model, torch.float32)
+    return graph
+
+
+def test_unread_checkpoint_tensors_are_refused(tmp_path, checkpoints):
+    d = _fp8_checkpoint(checkpoints["llama"], tmp_path / "fp8", with_scales=True)
+    with pytest.raises(CheckpointError, match=r"14 checkpoint tensors are read by no weight of the llama model: "
+                                              r"model\.layers\.0\.mlp\.down_proj\.weight_scale, .* and 8 more; a "
+                                              r"checkpoint with extra tensors \(quantization scales, adapters\)"):
+        _attach(d)
+
+
+def test_float8_weights_are_not_cast(tmp_path, checkpoints):
+    d = _fp8_checkpoint(checkpoints["llama"], tmp_path / "fp8", with_scales=False)
+    with pytest.raises(CheckpointError, match=r"tensor 'model\.layers\.0\.mlp\.down_proj\.weight' is stored as "
+                                              r"float8_e4m3fn where a floating-point weight is expected"):
+        _attach(d)
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert open_checkpoint(d).load_tensors([name])[name].dtype == torch.float8_e4m3fn  # raw reads stay raw
+
+
+def test_integer_weights_are_not_cast(tmp_path, checkpoints):
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(checkpoints["qwen2"], tmp_path / "packed")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"], dtype=torch.int32)
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is stored as int32 where a floating-point"):
+        open_checkpoint(d).load_tensors(["model.norm.weight"], torch.float32)
+
+
+def test_tied_weight_stored_under_both_names_and_rotary_tables_are_read(tmp_path, checkpoints):
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(checkpoints["llama"], tmp_path / "both")  # llama fixtures tie lm_head to the embedding
+    tensors = load_file(d / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # older checkpoints carry these
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    graph = _attach(d)
+    assert not any(t.is_meta for t in graph.params.values())
