@@ -129,8 +129,36 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_file}: model_type {model_type!r} is not supported; supported families: "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
     _refuse_quantized(cfg_file, config)
+    _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))
     weight_files, weight_map = _index_weights(p)
     return Checkpoint(p, config, weight_files, weight_map)
+
+
+def tokenizer_size(tokenizer_json: dict) -> int:
+    """One past the largest token id in a tokenizer.json: its model's vocabulary plus its added tokens."""
+    model = tokenizer_json.get("model")
+    vocab = (model.get("vocab") if isinstance(model, dict) else None) or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))  # Unigram: a list
+    ids += [t.get("id") for t in tokenizer_json.get("added_tokens") or [] if isinstance(t, dict)]
+    return max((i for i in ids if isinstance(i, int)), default=-1) + 1
+
+
+def _check_tokenizer_fits(tokenizer_file: Path, vocab_size: object) -> None:
+    """A tokenizer whose ids reach past the model's embedding rows would index out of it.
+
+    A tokenizer.json that does not parse is left to the tokenizer loader, which says what is wrong.
+    """
+    if not tokenizer_file.is_file() or not isinstance(vocab_size, int):
+        return
+    try:
+        data = json.loads(tokenizer_file.read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return
+    size = tokenizer_size(data) if isinstance(data, dict) else 0
+    if size > vocab_size:
+        raise CheckpointError(f"{tokenizer_file}: the tokenizer has {size} tokens (ids 0..{size - 1}, added tokens "
+                              f"included) but config.json vocab_size is {vocab_size}: ids from {vocab_size} on have "
+                              f"no embedding row; use the tokenizer that came with this model")
 
 
 def _refuse_quantized(cfg_file: Path, config: dict) -> None:

@@ -67,8 +67,35 @@ def rotary_tables(model: torch.nn.Module):
     return table
 
 
+def rope_types(config) -> list[str]:
+    """The rotary variants a config asks for.
+
+    transformers 5 keeps them in ``rope_parameters``, older configs in ``rope_scaling`` (``type`` or
+    ``rope_type``); either may also map each layer type to its own parameters.
+    """
+    found = []
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if not isinstance(params, dict) or not params:
+            continue
+        per_layer_type = all(isinstance(v, dict) for v in params.values())
+        for p in params.values() if per_layer_type else [params]:
+            found.append(p.get("rope_type") or p.get("type") or "default")
+    return found
+
+
+def check_rope(config) -> None:
+    """Refuse, before tracing, rotary variants whose frequencies change with the sequence length."""
+    for rope_type in rope_types(config):
+        if rope_type not in STATIC_ROPE_TYPES:
+            raise LiftError(f"rope_type {rope_type!r} (config.json rope_parameters / rope_scaling) is not supported: "
+                            f"its frequencies depend on the sequence length, and the runtime precomputes them; "
+                            f"supported: {', '.join(STATIC_ROPE_TYPES)}")
+
+
 def trace(config) -> tuple[Graph, torch.nn.Module]:
     """Config -> IR graph whose params are meta tensors (rotary tables are real), plus the meta model."""
+    check_rope(config)
     model = build_meta_model(config)
     start = time.perf_counter()
     exported = export_model(model)

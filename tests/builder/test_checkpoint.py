@@ -144,3 +144,23 @@ def test_tied_weight_stored_under_both_names_and_rotary_tables_are_read(tmp_path
     save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
     graph = _attach(d)
     assert not any(t.is_meta for t in graph.params.values())
+
+
+def test_tokenizer_larger_than_the_vocabulary(tmp_path, checkpoints):
+    d = shutil.copytree(checkpoints["mistral"], tmp_path / "small-vocab")
+    config = json.loads((d / "config.json").read_text())
+    config["vocab_size"] = 300  # the fixtures' tokenizers have 320 tokens
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"tokenizer.json: the tokenizer has 320 tokens \(ids 0\.\.319, added "
+                                              r"tokens included\) but config.json vocab_size is 300"):
+        open_checkpoint(d)
+    tokenizer = json.loads((d / "tokenizer.json").read_text())
+    tokenizer["added_tokens"].append({**tokenizer["added_tokens"][0], "id": 400, "content": "<|extra|>"})
+    (d / "tokenizer.json").write_text(json.dumps(tokenizer))
+    config["vocab_size"] = 352  # padded past the base vocabulary, but not past the added token
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"the tokenizer has 401 tokens .* vocab_size is 352"):
+        open_checkpoint(d)
+    config["vocab_size"] = 401
+    (d / "config.json").write_text(json.dumps(config))
+    assert open_checkpoint(d).config_dict["vocab_size"] == 401

@@ -100,3 +100,32 @@ def test_mistral_sliding_window_comes_from_the_config(tmp_path):
     engine = Engine.load(build_artifact(ckpt, tmp_path / "art"))
     ids = torch.randint(3, 320, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     assert (engine.logits(ids) - hf_logits(ckpt, ids)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("family, overrides, rope_type", [
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
+    ("qwen2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}, "dynamic"),
+    ("mistral", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "dynamic"),  # the older key
+    ("qwen3", {"rope_parameters": {"rope_type": "longrope", "factor": 2.0, "rope_theta": 1e4,
+                                   "short_factor": [1.0] * 12, "long_factor": [2.0] * 12}}, "longrope"),
+])
+def test_length_dependent_rope_is_refused_before_tracing(family, overrides, rope_type, monkeypatch):
+    import passes.trace
+
+    monkeypatch.setattr(passes.trace, "export_model", lambda model: pytest.fail("traced before the rope check"))
+    with pytest.raises(LiftError, match=rf"rope_type '{rope_type}' \(config.json rope_parameters / rope_scaling\) "
+                                        rf"is not supported: .*; supported: default, linear, llama3, yarn"):
+        trace(tiny_config(family, 320, **overrides))
+
+
+def test_rope_types_read_every_form():
+    from types import SimpleNamespace
+
+    from passes.trace import rope_types
+
+    per_layer_type = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                      "sliding_attention": {"rope_type": "dynamic", "factor": 4.0}}
+    assert rope_types(SimpleNamespace(rope_parameters=per_layer_type)) == ["default", "dynamic"]
+    assert rope_types(SimpleNamespace(rope_scaling={"type": "linear", "factor": 2.0})) == ["linear"]
+    assert rope_types(SimpleNamespace(rope_parameters=None, rope_scaling=None)) == []
+    assert rope_types(tiny_config("llama", 320)) == ["llama3", "llama3"]  # transformers 5 keeps both keys
