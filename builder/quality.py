@@ -174,12 +174,13 @@ def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None =
     """Gate a built artifact against a baseline checkpoint or artifact of the same model."""
     from runtime.artifact import open_artifact
 
-    manifest = open_artifact(artifact).manifest
+    art = open_artifact(artifact)
+    manifest = art.manifest
     algo = gate_method(manifest.get("quantization", {}).get("algo", "none"),
                        manifest["runtime"].get("kv_cache_dtype", "auto"))
     if section is None:
         section = GatesSection.model_validate(manifest["recipe"].get("gates", {}))
     candidate, _ = load_graph(artifact)
     base, _ = load_graph(baseline, manifest["model"]["dtype"])
-    tokenizer = Tokenizer.from_dir(artifact / "tokenizer")
+    tokenizer = art.load_tokenizer()
     return compare_graphs(algo, section, base, candidate, tokenizer)

@@ -12,6 +12,9 @@
 The manifest's ``manifest_sha256`` is the sha256 of the manifest's canonical JSON without that key,
 so an edited manifest is refused as surely as an edited weight file. This guards against corruption
 and tampering by mistake; it is not a signature.
+
+NOTE: the runtime reads only files the manifest lists (``Artifact.file``), each verified against its
+size and sha256; a file added to the directory afterwards is ignored, whatever its name.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from runtime.tokenizer import Tokenizer
 
 FORMAT_NAME = "llm-builder-engine"
 FORMAT_VERSION = 1
@@ -73,6 +78,24 @@ class Artifact:
     def tokenizer_dir(self) -> Path:
         return self.path / TOKENIZER_DIR
 
+    def file(self, rel: str) -> Path | None:
+        """The path of ``rel`` (posix, relative to the artifact) when the manifest lists it, else None:
+        a file the manifest does not list was not verified, so it is never read."""
+        return self.path / rel if rel in self.manifest["files"] else None
+
+    def has(self, rel: str) -> bool:
+        """Whether the manifest lists ``rel`` (and so the runtime may read it)."""
+        return self.file(rel) is not None
+
+    def listed_in(self, folder: str) -> frozenset[str]:
+        """The listed files under ``folder``, as paths relative to it."""
+        prefix = folder.rstrip("/") + "/"
+        return frozenset(rel.removeprefix(prefix) for rel in self.manifest["files"] if rel.startswith(prefix))
+
+    def load_tokenizer(self) -> Tokenizer:
+        """The tokenizer, from the listed files of ``tokenizer/`` only."""
+        return Tokenizer.from_dir(self.tokenizer_dir, files=self.listed_in(TOKENIZER_DIR))
+
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks the artifact is sharded for (1: one weight file, one device)."""
@@ -88,8 +111,11 @@ class Artifact:
             files = [self.manifest["weights"]["ranks"][rank]["file"]]
         weights: dict[str, torch.Tensor] = {}
         for name in files:
+            file = self.file(name)
+            if file is None:
+                raise ArtifactError(f"{self.path}: weight file {name} is not listed in the manifest's files")
             try:
-                weights.update(load_file(self.path / name, device=str(device)))
+                weights.update(load_file(file, device=str(device)))
             except (SafetensorError, OSError) as e:
                 raise ArtifactError(f"{self.path / name}: cannot read weights ({e})") from e
         missing = sorted(set(self.graph["params"]) - set(weights))

@@ -8,12 +8,16 @@ The files read are the ones a checkpoint ships with:
     special_tokens_map.json  optional: special tokens, when tokenizer_config.json does not name them
     chat_template.jinja      optional: the chat template; takes priority over tokenizer_config.json's
     generation_config.json   optional: eos_token_id (int or list), extra ids that end generation
+
+From an artifact, only the files its manifest lists are read (``from_dir(..., files=...)``); any other
+file in the directory is ignored, as if absent.
 """
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +48,9 @@ class TokenizerError(ValueError):
 
 
 # --- loading helpers ------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _read_json(path: Path | None) -> dict[str, Any] | None:
     """Read an optional JSON object file; None when absent, TokenizerError naming the file when corrupt."""
-    if not path.is_file():
+    if path is None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -77,7 +81,7 @@ def _pick_chat_template(value: Any) -> str | None:
     return None
 
 
-def _eos_ids_from_generation_config(path: Path) -> list[int]:
+def _eos_ids_from_generation_config(path: Path | None) -> list[int]:
     """generation_config.json's eos_token_id (an int or a list of ints); [] when absent."""
     config = _read_json(path)
     if not config or config.get("eos_token_id") is None:
@@ -193,30 +197,37 @@ class Tokenizer:
         self._template: jinja2.Template | None = None
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "Tokenizer":
-        """Load the tokenizer files of a checkpoint (or artifact) directory; see the module docstring."""
+    def from_dir(cls, path: str | Path, files: Collection[str] | None = None) -> "Tokenizer":
+        """Load the tokenizer files of a directory; see the module docstring. ``files``: the names in it that
+        may be read (an artifact's listed files), others count as absent; None: any (a checkpoint)."""
         path = Path(path)
-        backend = cls._load_backend(path / TOKENIZER_FILE)
-        config = _read_json(path / CONFIG_FILE) or {}
-        special_map = _read_json(path / SPECIAL_TOKENS_MAP_FILE) or {}
+
+        def find(name: str) -> Path | None:
+            file = path / name
+            return file if (files is None or name in files) and file.is_file() else None
+
+        if (tokenizer_file := find(TOKENIZER_FILE)) is None:
+            listed = "" if files is None else " listed in the artifact's manifest"
+            raise TokenizerError(f"{path / TOKENIZER_FILE}: no such file{listed}; a tokenizer directory needs "
+                                 f"{TOKENIZER_FILE}")
+        backend = cls._load_backend(tokenizer_file)
+        config = _read_json(find(CONFIG_FILE)) or {}
+        special_map = _read_json(find(SPECIAL_TOKENS_MAP_FILE)) or {}
         special = {}
         for name in SPECIAL_TOKEN_NAMES:
             token = _token_content(config.get(name)) or _token_content(special_map.get(name))
             if token is not None:
                 special[name] = token
-        template_file = path / CHAT_TEMPLATE_FILE
-        if template_file.is_file():
+        if (template_file := find(CHAT_TEMPLATE_FILE)) is not None:
             chat_template = template_file.read_text(encoding="utf-8")
         else:
             chat_template = _pick_chat_template(config.get("chat_template"))
         return cls(backend, special_tokens=special, chat_template=chat_template,
                    add_bos_token=config.get("add_bos_token") is True,
-                   extra_eos_token_ids=_eos_ids_from_generation_config(path / GENERATION_CONFIG_FILE))
+                   extra_eos_token_ids=_eos_ids_from_generation_config(find(GENERATION_CONFIG_FILE)))
 
     @staticmethod
     def _load_backend(file: Path) -> _Backend:
-        if not file.is_file():
-            raise TokenizerError(f"{file}: no such file; a tokenizer directory needs {TOKENIZER_FILE}")
         try:
             return _Backend.from_file(str(file))
         except Exception as e:  # the tokenizers library raises a bare Exception on bad files

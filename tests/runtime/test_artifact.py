@@ -1,4 +1,5 @@
-"""Artifact integrity: a modified, truncated or re-versioned artifact is refused with a clear error."""
+"""Artifact integrity: a modified, truncated or re-versioned artifact is refused with a clear error; files
+added to an artifact are never read."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import json
 import shutil
 
 import pytest
+from safetensors.torch import load_file, save
 
-from runtime import ArtifactError, Engine
+from runtime import ArtifactError, Engine, SamplingParams
 from runtime.artifact import MANIFEST, manifest_digest
+from runtime.tokenizer import Tokenizer
 
 
 @pytest.fixture
@@ -80,3 +83,59 @@ def test_missing_file_and_not_an_artifact(artifact_copy, tmp_path):
     (tmp_path / "bad" / MANIFEST).write_text("{not json")
     with pytest.raises(ArtifactError, match="not valid JSON"):
         Engine.load(tmp_path / "bad")
+
+
+def _scaled_weights(path):
+    """The artifact's weights times 3: read in place of (or over) the real ones, they change every token."""
+    return save({k: v * 3 for k, v in load_file(path / "weights.safetensors").items()})
+
+
+EVIL_TEMPLATE = "{% for m in messages %}<|assistant|>{{ m['content'] | upper }}{% endfor %}"
+# files the tokenizer or the weight loader could read, with contents that change the output if read
+PLANTED = {
+    "tokenizer/chat_template.jinja": lambda path: EVIL_TEMPLATE,
+    "tokenizer/tokenizer_config.json": lambda path: json.dumps({
+        "chat_template": EVIL_TEMPLATE, "eos_token": "<|end|>", "bos_token": "<|user|>", "add_bos_token": True}),
+    "tokenizer/special_tokens_map.json": lambda path: json.dumps({"eos_token": "<|end|>", "sep_token": "<|user|>"}),
+    "tokenizer/generation_config.json": lambda path: json.dumps({"eos_token_id": [3, 4]}),
+    "tokenizer/added_tokens.json": lambda path: json.dumps({"<|evil|>": 320}),
+    "weights-rank1.safetensors": _scaled_weights,
+    "weights-rank0.safetensors": _scaled_weights,
+    "model.safetensors": _scaled_weights,
+}
+
+
+def _unlist(path, rel):
+    """Take ``rel`` out of the artifact (file and manifest entry), as a build without it would have."""
+    (path / rel).unlink()
+    m = json.loads((path / MANIFEST).read_text())
+    del m["files"][rel]
+    m["manifest_sha256"] = manifest_digest(m)
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+def _observe(path):
+    """What the artifact's files decide: chat prompt ids, greedy tokens, special and EOS ids."""
+    engine = Engine.load(path)
+    tok = engine.tokenizer
+    chat = engine.chat([{"role": "user", "content": "def f(n):"}], SamplingParams(max_tokens=6, ignore_eos=True)) \
+        if tok.chat_template is not None else None
+    greedy = engine.generate("def fibonacci(n):", SamplingParams(max_tokens=6, ignore_eos=True))
+    return {"chat_prompt": chat and chat.prompt_token_ids, "chat_tokens": chat and chat.token_ids,
+            "prompt": greedy.prompt_token_ids, "tokens": greedy.token_ids, "eos": tok.eos_token_ids,
+            "bos": tok.bos_token_id, "special": tok.special_tokens}
+
+
+@pytest.mark.parametrize("rel", PLANTED)
+def test_unlisted_files_do_not_change_the_output(artifact_copy, rel):
+    """A file the manifest does not list is never read, whatever its name; listed ones are unlisted first."""
+    if (artifact_copy / rel).exists():
+        _unlist(artifact_copy, rel)
+    before = _observe(artifact_copy)
+    content = PLANTED[rel](artifact_copy)
+    (artifact_copy / rel).write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert _observe(artifact_copy) == before
+    if rel.startswith("tokenizer/") and rel != "tokenizer/added_tokens.json":  # read, it would change the output
+        probed = Tokenizer.from_dir(artifact_copy / "tokenizer")
+        assert (probed.chat_template, probed.eos_token_ids, probed.special_tokens) != (
+            Engine.load(artifact_copy).tokenizer.chat_template, before["eos"], before["special"])

@@ -188,6 +188,23 @@ def test_chat_template_file_takes_priority(tmp_path):
     assert Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
 
 
+def test_only_the_allowed_files_are_read(tmp_path):
+    """From an artifact, files not in ``files`` (its manifest's list) are ignored as if absent."""
+    path = write_tokenizer(tmp_path / "t")
+    (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    (path / "special_tokens_map.json").write_text(json.dumps({"sep_token": "<|user|>"}))
+    everything = Tokenizer.from_dir(path)
+    assert everything.eos_token_ids == [1, 5] and everything.special_tokens["sep_token"] == "<|user|>"
+    listed = Tokenizer.from_dir(path, files={"tokenizer.json", "tokenizer_config.json"})
+    assert listed.chat_template == CHAT_TEMPLATE and not listed.apply_chat_template(MESSAGES[:2]).endswith("!")
+    assert listed.eos_token_ids == [1] and "sep_token" not in listed.special_tokens
+    bare = Tokenizer.from_dir(path, files={"tokenizer.json"})
+    assert bare.chat_template is None and bare.eos_token_ids == [] and bare.special_tokens == {}
+    with pytest.raises(TokenizerError, match="tokenizer.json: no such file listed"):
+        Tokenizer.from_dir(path, files={"tokenizer_config.json"})
+
+
 def test_template_raise_exception_is_tokenizer_error(tok):
     bad_order = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
     with pytest.raises(TokenizerError, match="system message must come first"):
