@@ -11,7 +11,8 @@
 
 The manifest's ``manifest_sha256`` is the sha256 of the manifest's canonical JSON without that key,
 so an edited manifest is refused as surely as an edited weight file. This guards against corruption
-and tampering by mistake; it is not a signature.
+and tampering by mistake; it is not a signature. A manifest's values are checked too (runtime/manifest.py:
+types, ranges, agreement with graph.json and the weight headers), since a re-hashed one may hold anything.
 
 NOTE: the runtime reads only files the manifest lists (``Artifact.file``), each verified against its
 size and sha256; a file added to the directory afterwards is ignored, whatever its name.
@@ -26,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from runtime.tokenizer import Tokenizer
+from runtime.manifest import ManifestError, check_graph, check_manifest, check_weight_header
+from runtime.tokenizer import TOKENIZER_FILE, Tokenizer
 
 FORMAT_NAME = "llm-builder-engine"
 FORMAT_VERSION = 1
@@ -99,7 +101,7 @@ class Artifact:
     @property
     def tp_size(self) -> int:
         """Tensor-parallel ranks the artifact is sharded for (1: one weight file, one device)."""
-        return int(self.manifest.get("tensor_parallel", {}).get("tp_size", 1))
+        return self.manifest["tensor_parallel"]["tp_size"]
 
     def load_weights(self, device: torch.device | str = "cpu", rank: int | None = None) -> dict[str, torch.Tensor]:
         """Every weight, or with ``rank`` (required when tp_size > 1) only that rank's file."""
@@ -153,7 +155,7 @@ def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True
     for rel, info in manifest["files"].items():
         file = path / rel
         if not file.is_file():
-            raise ArtifactError(f"{file} is missing (listed in the manifest)")
+            raise ArtifactError(f"{file} is missing (listed in the manifest); rebuild or re-copy the artifact")
         size = file.stat().st_size
         if size != info["bytes"]:
             raise ArtifactError(f"{file} is truncated or modified: {size} bytes, the manifest records "
@@ -163,16 +165,51 @@ def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True
                                 f"rebuild or re-copy the artifact")
 
 
+def _weight_header(file: Path) -> dict[str, tuple[str, list[int]]]:
+    """A safetensors file's tensors as name -> (dtype, shape), from its header alone."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            slices = {name: f.get_slice(name) for name in f.keys()}
+            return {name: (s.get_dtype(), s.get_shape()) for name, s in slices.items()}
+    except (SafetensorError, OSError) as e:
+        raise ArtifactError(f"{file}: cannot read its safetensors header ({e}); rebuild the artifact") from e
+
+
 def open_artifact(path: str | Path, check_hashes: bool = True, rank: int | None = None) -> Artifact:
     """Read and verify an artifact directory; raises ArtifactError naming what is wrong. With ``rank``
     (a tensor-parallel worker), other ranks' weight files are only size-checked: their ranks hash them."""
     path = Path(path)
     manifest = read_manifest(path)
+    _checked(path / MANIFEST, check_manifest, manifest, {"the tokenizer": f"{TOKENIZER_DIR}/{TOKENIZER_FILE}"})
     others = frozenset(r["file"] for r in manifest["weights"].get("ranks", []) if r["rank"] != rank) \
         if rank is not None else frozenset()
     verify_files(path, manifest, check_hashes, others)
+    graph_file = path / manifest["graph"]["file"]
     try:
-        graph = json.loads((path / manifest["graph"]["file"]).read_text())
+        graph = json.loads(graph_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{path / GRAPH} is not valid JSON ({e})") from e
+        raise ArtifactError(f"{graph_file} is not valid JSON ({e}); rebuild the artifact") from e
+    _checked(path / MANIFEST, check_graph, manifest, graph)
+    _checked(path, _check_weight_headers, path, manifest, graph)
     return Artifact(path, manifest, graph)
+
+
+def _check_weight_headers(path: Path, manifest: dict[str, Any], graph: dict[str, Any]) -> None:
+    """Every weight file holds tensors of graph.json's shapes and dtypes: each rank's file all of them
+    (tp_size > 1), else the files together."""
+    files, sharded = manifest["weights"]["files"], manifest["tensor_parallel"]["tp_size"] > 1
+    union: dict[str, tuple[str, list[int]]] = {}
+    for name in files:
+        header = _weight_header(path / name)
+        check_weight_header(name, header, graph["params"], complete=sharded)
+        union.update(header)
+    check_weight_header(" + ".join(files), union, graph["params"], complete=True)
+
+
+def _checked(where: Path, check, *args: Any) -> None:
+    """Run one of runtime/manifest.py's checks; its ManifestError becomes an ArtifactError naming ``where``."""
+    try:
+        check(*args)
+    except ManifestError as e:
+        raise ArtifactError(f"{where}: {e}; the artifact was edited after the build or written by a faulty "
+                            f"toolchain: rebuild it with `builder build`") from e

@@ -1,0 +1,292 @@
+"""The manifest's schema, checked when an artifact is opened, before any of its values is used.
+
+A matching ``manifest_sha256`` proves only that the manifest was not edited without re-hashing it, so
+its values are checked here on their own: against the schema (``SCHEMA``: each key the runtime and
+`builder inspect` read, with its type and range), against each other (limits within the model's, every
+file the runtime reads listed with its hash), against graph.json (model dims, KV layout, tensor-parallel
+section) and against the weight files' safetensors headers (every tensor graph.json names, with its
+shape and dtype). Each check raises ManifestError naming the key, its value and what is allowed.
+
+Paths in ``SCHEMA`` are dotted keys; ``[]`` stands for every item of a list, e.g.
+``model.kv_layers[].head_dim``. A key's parent always has its own row above it, so a child is only
+looked at when its parent is present (a parent that may be absent is ``optional``).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Any
+
+MISSING = object()  # a key the manifest does not have
+
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# model dims recorded both in the manifest's ``model`` section and in graph.json's ``meta``
+MODEL_DIMS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "max_position_embeddings")
+# safetensors' dtype names -> graph.json's (torch's)
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+class ManifestError(ValueError):
+    """A manifest value of the wrong type or range, or one that disagrees with graph.json or the weights."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a value must be: ``test(value)`` holds; ``allowed`` says it in words for the error."""
+
+    test: Callable[[Any], bool]
+    allowed: str
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def int_at_least(low: int) -> Rule:
+    return Rule(lambda v: _is_int(v) and v >= low, f"an integer >= {low}")
+
+
+def one_of(*values: str) -> Rule:
+    return Rule(lambda v: v in values, "one of " + ", ".join(values))
+
+
+def optional(rule: Rule) -> Rule:
+    return Rule(lambda v: v is MISSING or v is None or rule.test(v), f"{rule.allowed}, null or absent")
+
+
+POSITIVE = int_at_least(1)
+COUNT = int_at_least(0)
+NAME = Rule(lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")
+TEXT = Rule(lambda v: isinstance(v, str), "a string")
+NUMBER = Rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number")
+BOOL = Rule(lambda v: isinstance(v, bool), "true or false")
+OBJECT = Rule(lambda v: isinstance(v, dict), "a JSON object")
+ARRAY = Rule(lambda v: isinstance(v, list), "a JSON array")
+POWER_OF_TWO = Rule(lambda v: _is_int(v) and v >= 1 and v & (v - 1) == 0, "a power of two >= 1 (e.g. 16, 32, 64)")
+SHA256 = Rule(lambda v: isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v) is not None,
+              "64 lowercase hex digits")
+FINITE = Rule(lambda v: NUMBER.test(v) and math.isfinite(v), "a finite number")
+
+SCHEMA: list[tuple[str, Rule]] = [
+    ("name", NAME),
+    ("versions", OBJECT), ("versions.toolchain", TEXT), ("versions.torch", TEXT),
+    ("recipe", OBJECT),
+    ("source", OBJECT), ("source.checkpoint", TEXT), ("source.config", OBJECT), ("source.files", OBJECT),
+    ("model", OBJECT), ("model.architecture", NAME), ("model.model_type", NAME),
+    *((f"model.{dim}", POSITIVE) for dim in MODEL_DIMS),
+    ("model.kv_layers", ARRAY), ("model.kv_layers[]", OBJECT),
+    ("model.kv_layers[].num_kv_heads", POSITIVE), ("model.kv_layers[].head_dim", POSITIVE),
+    ("model.dtype", one_of(*MODEL_DTYPES)), ("model.num_parameters", COUNT),
+    ("runtime", OBJECT),
+    ("runtime.max_batch_size", POSITIVE),
+    ("runtime.max_seq_len", int_at_least(2)),
+    ("runtime.max_num_tokens", POSITIVE),
+    ("runtime.tokens_per_block", POWER_OF_TWO),
+    ("runtime.kv_cache_dtype", one_of(*KV_CACHE_DTYPES)),
+    ("graph", OBJECT), ("graph.file", NAME), ("graph.ir_version", POSITIVE), ("graph.num_nodes", POSITIVE),
+    ("graph.ops", OBJECT),
+    ("weights", OBJECT), ("weights.files", ARRAY), ("weights.files[]", NAME),
+    ("weights.num_tensors", COUNT), ("weights.bytes", COUNT),
+    ("weights.ranks", optional(ARRAY)), ("weights.ranks[]", OBJECT),
+    ("weights.ranks[].rank", COUNT), ("weights.ranks[].file", NAME),
+    ("tensor_parallel", OBJECT), ("tensor_parallel.tp_size", POSITIVE),
+    ("build", OBJECT), ("build.started_at", TEXT), ("build.host", TEXT), ("build.duration_s", FINITE),
+    ("build.passes", ARRAY), ("build.passes[]", OBJECT), ("build.passes[].name", NAME),
+    ("build.verify", optional(OBJECT)), ("build.verify.max_abs_logit_err", NUMBER), ("build.verify.atol", NUMBER),
+    ("build.verify.top1_agreement", NUMBER),
+    ("reports", OBJECT), ("reports.markdown", NAME), ("reports.html", NAME),
+    ("quantization", OBJECT), ("quantization.algo", NAME), ("quantization.kv_cache_dtype", one_of(*KV_CACHE_DTYPES)),
+    ("quantization.gates", optional(OBJECT)), ("quantization.gates.passed", BOOL),
+    ("quantization.gates.failed", ARRAY), ("quantization.gates.failed[]", NAME),
+    ("quantization.gates.metrics", ARRAY), ("quantization.gates.metrics[]", OBJECT),
+    ("quantization.gates.metrics[].name", NAME), ("quantization.gates.metrics[].value", NUMBER),
+    ("files", OBJECT),
+]
+
+
+def _values(data: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(concrete key, value) for each value ``path`` names; MISSING for an absent last key. Nothing
+    when a parent is absent or not a container (its own row reports that)."""
+    found = [("", data)]
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        key, each = part.removesuffix("[]"), part.endswith("[]")
+        last = i == len(parts) - 1
+        step = []
+        for where, value in found:
+            if not isinstance(value, dict) or (key not in value and not last):
+                continue
+            where = f"{where}.{key}" if where else key
+            value = value.get(key, MISSING)
+            if not each:
+                step.append((where, value))
+            elif isinstance(value, list):
+                step.extend((f"{where}[{j}]", item) for j, item in enumerate(value))
+        found = step
+    return iter(found)
+
+
+def _show(value: Any) -> str:
+    return "missing" if value is MISSING else repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+
+
+def _fail(key: str, value: Any, allowed: str) -> ManifestError:
+    return ManifestError(f"{key} is {_show(value)}; allowed: {allowed}")
+
+
+def _is_safe_relative(rel: str) -> bool:
+    """A path inside the artifact: relative, posix, no ``..`` or empty parts."""
+    p = PurePosixPath(rel)
+    return (rel != "" and "\\" not in rel and not p.is_absolute() and p.as_posix() == rel
+            and all(part not in ("", ".", "..") for part in p.parts))
+
+
+def check_manifest(manifest: dict[str, Any], required: dict[str, str]) -> None:
+    """The schema, the file table, and the values' agreement with each other. ``required``: files that
+    must be listed besides graph.json and the weights (what needs them -> path)."""
+    for path, rule in SCHEMA:
+        for key, value in _values(manifest, path):
+            if not rule.test(value):
+                raise _fail(key, value, rule.allowed)
+    _check_files(manifest, required)
+    _check_weights(manifest)
+    model, runtime = manifest["model"], manifest["runtime"]
+    if runtime["max_seq_len"] > model["max_position_embeddings"]:
+        raise _fail("runtime.max_seq_len", runtime["max_seq_len"],
+                    f"at most the model's max_position_embeddings ({model['max_position_embeddings']})")
+    if len(model["kv_layers"]) != model["num_layers"]:
+        raise ManifestError(f"model.kv_layers has {len(model['kv_layers'])} entries; allowed: one per layer "
+                            f"(model.num_layers is {model['num_layers']})")
+    if manifest["quantization"]["kv_cache_dtype"] != runtime["kv_cache_dtype"]:
+        raise _fail("quantization.kv_cache_dtype", manifest["quantization"]["kv_cache_dtype"],
+                    f"the same as runtime.kv_cache_dtype ({runtime['kv_cache_dtype']!r})")
+
+
+def _check_files(manifest: dict[str, Any], required: dict[str, str]) -> None:
+    files = manifest["files"]
+    for rel, info in files.items():
+        if not _is_safe_relative(rel):
+            raise _fail("files", rel, "paths relative to the artifact directory, without '..' or backslashes")
+        if not isinstance(info, dict):
+            raise _fail(f"files[{rel!r}]", info, "a JSON object with bytes and sha256")
+        for field, rule in (("bytes", COUNT), ("sha256", SHA256)):
+            if not rule.test(info.get(field, MISSING)):
+                raise _fail(f"files[{rel!r}].{field}", info.get(field, MISSING), rule.allowed)
+    needed = {"graph.file": [manifest["graph"]["file"]], "weights.files": manifest["weights"]["files"],
+              **{what: [rel] for what, rel in required.items()}}
+    for key, names in needed.items():
+        for name in names:
+            if name not in files:
+                raise ManifestError(f"files does not list {name!r} ({key}); every file the runtime reads must be "
+                                    f"listed with its sha256")
+
+
+def _check_weights(manifest: dict[str, Any]) -> None:
+    weights, tp_size = manifest["weights"], manifest["tensor_parallel"]["tp_size"]
+    names = weights["files"]
+    if not names:
+        raise _fail("weights.files", names, "at least one weight file")
+    if len(set(names)) != len(names):
+        raise _fail("weights.files", names, "each file once")
+    ranks = weights.get("ranks")
+    if tp_size == 1:
+        if ranks is not None:
+            raise ManifestError(f"weights.ranks has {len(ranks)} entries; allowed: none when "
+                                f"tensor_parallel.tp_size is 1")
+        return
+    if ranks is None or len(ranks) != tp_size:
+        raise ManifestError(f"weights.ranks has {0 if ranks is None else len(ranks)} entries; allowed: one per "
+                            f"rank (tensor_parallel.tp_size is {tp_size})")
+    for i, r in enumerate(ranks):
+        if r["rank"] != i:
+            raise _fail(f"weights.ranks[{i}].rank", r["rank"], f"{i} (ranks in order)")
+    if names != [r["file"] for r in ranks]:
+        raise _fail("weights.files", names, f"the ranks' files in rank order ({[r['file'] for r in ranks]})")
+    if weights.get("tp_size", tp_size) != tp_size:
+        raise _fail("weights.tp_size", weights["tp_size"], f"tensor_parallel.tp_size ({tp_size})")
+
+
+def check_graph(manifest: dict[str, Any], graph: Any) -> None:
+    """graph.json's structure, and its dims, KV layout and tensor-parallel section against the manifest's."""
+    if not isinstance(graph, dict):
+        raise _fail("graph.json", type(graph).__name__, "a JSON object")
+    for key, rule in (("ir_version", POSITIVE), ("meta", OBJECT), ("params", OBJECT), ("nodes", ARRAY)):
+        if not rule.test(graph.get(key, MISSING)):
+            raise _fail(f"graph.json {key}", graph.get(key, MISSING), rule.allowed)
+    for key, recorded in (("ir_version", graph["ir_version"]), ("num_nodes", len(graph["nodes"]))):
+        if manifest["graph"][key] != recorded:
+            raise _fail(f"graph.{key}", manifest["graph"][key], f"graph.json's {recorded!r}")
+    for name, info in graph["params"].items():
+        if not (isinstance(info, dict) and isinstance(info.get("shape"), list)
+                and all(COUNT.test(d) for d in info["shape"]) and info.get("dtype") in SAFETENSORS_DTYPES.values()):
+            raise _fail(f"graph.json params[{name!r}]", info, "{shape: [non-negative ints], dtype: a torch dtype name}")
+    if not all(isinstance(n, dict) and isinstance(n.get("attrs", {}), dict) and isinstance(n.get("weights", {}), dict)
+               for n in graph["nodes"]):
+        raise ManifestError("graph.json nodes must be JSON objects with attrs and weights objects")
+    model, meta, tp = manifest["model"], graph["meta"], manifest["tensor_parallel"]
+    for key in ("architecture", "model_type", "dtype", *MODEL_DIMS, "kv_layers"):
+        if key in meta and meta[key] != model[key]:
+            raise _fail(f"model.{key}", model[key], f"graph.json's {meta[key]!r}")
+    if tp != meta.get("tensor_parallel", {"tp_size": 1}):
+        raise _fail("tensor_parallel", tp, f"graph.json's {meta.get('tensor_parallel', {'tp_size': 1})!r}")
+    _check_layers(manifest, graph["nodes"])
+    _check_embedding(manifest, graph)
+
+
+def _check_layers(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> None:
+    """Each attention node against model.kv_layers (per rank: tensor_parallel's head counts)."""
+    model, tp, kv_dtype = manifest["model"], manifest["tensor_parallel"], manifest["runtime"]["kv_cache_dtype"]
+    attention = [n.get("attrs", {}) for n in nodes if n.get("op") == "attention"]
+    if len(attention) != model["num_layers"]:
+        raise _fail("model.num_layers", model["num_layers"], f"graph.json's {len(attention)} attention layers")
+    for i, (attrs, layer) in enumerate(zip(attention, model["kv_layers"])):
+        expected = {"head_dim": layer["head_dim"]}
+        if tp["tp_size"] == 1:
+            expected.update(num_heads=model["num_attention_heads"], num_kv_heads=layer["num_kv_heads"])
+        else:
+            expected.update(num_heads=tp.get("num_heads_per_rank"), num_kv_heads=tp.get("num_kv_heads_per_rank"))
+        for key, want in expected.items():
+            if attrs.get(key) != want:
+                source = f"model.kv_layers[{i}].{key}" if key != "num_heads" else "model.num_attention_heads"
+                raise ManifestError(f"{source} ({want!r}) disagrees with graph.json's attention layer {i} "
+                                    f"({key} {attrs.get(key)!r})")
+        if attrs.get("kv_cache_dtype", "auto") != kv_dtype:
+            raise _fail("runtime.kv_cache_dtype", kv_dtype,
+                        f"graph.json's attention layer {i} KV cache dtype ({attrs.get('kv_cache_dtype', 'auto')!r})")
+
+
+def _check_embedding(manifest: dict[str, Any], graph: dict[str, Any]) -> None:
+    """The embedding table's shape is [vocab_size (per rank with vocab_parallel), hidden_size]."""
+    model, tp = manifest["model"], manifest["tensor_parallel"]
+    for node in graph["nodes"]:
+        if node.get("op") != "embedding" or "weight" not in node.get("weights", {}):
+            continue
+        info = graph["params"].get(node["weights"]["weight"])
+        vocab = model["vocab_size"] // tp["tp_size"] if tp.get("vocab_parallel") else model["vocab_size"]
+        if info is None or info["shape"] != [vocab, model["hidden_size"]]:
+            raise ManifestError(f"model.vocab_size {model['vocab_size']} and model.hidden_size "
+                                f"{model['hidden_size']} disagree with the embedding table's shape "
+                                f"{None if info is None else info['shape']} in graph.json")
+
+
+def check_weight_header(file: str, header: dict[str, tuple[str, list[int]]], params: dict[str, Any],
+                        complete: bool) -> None:
+    """A weight file's tensors (name -> (safetensors dtype, shape)) against graph.json's ``params``;
+    ``complete``: the file must hold every one of them (a rank's file), not only some."""
+    for name, (dtype, shape) in header.items():
+        info = params.get(name)
+        if info is None:
+            raise ManifestError(f"{file} holds tensor {name!r}, which graph.json does not name")
+        if SAFETENSORS_DTYPES.get(dtype) != info["dtype"] or list(shape) != info["shape"]:
+            raise ManifestError(f"{file}: tensor {name!r} is {dtype} {list(shape)}; graph.json records "
+                                f"{info['dtype']} {info['shape']}")
+    if complete and (missing := sorted(set(params) - set(header))):
+        raise ManifestError(f"{file} lacks tensors graph.json names: {', '.join(missing[:5])}")
