@@ -47,7 +47,13 @@ class Checkpoint:
     def hf_config(self):
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path, local_files_only=True)
+        try:
+            return AutoConfig.from_pretrained(self.path, local_files_only=True)
+        except Exception as e:  # transformers' validation raises many kinds (ValueError, TypeError, its own)
+            problem = " ".join(str(e).split())
+            raise CheckpointError(f"{self.path / 'config.json'}: transformers cannot read this {self.model_type} config "
+                                  f"({type(e).__name__}: {problem}); the config is corrupt or from a newer "
+                                  f"transformers, download the checkpoint again") from e
 
     def tokenizer_files(self) -> list[Path]:
         return [self.path / f for f in TOKENIZER_FILES if (self.path / f).is_file()]
@@ -129,9 +135,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_file}: model_type {model_type!r} is not supported; supported families: "
                               f"{', '.join(SUPPORTED_FAMILIES)}")
     _refuse_quantized(cfg_file, config)
+    _check_dimensions(cfg_file, config)
     _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))
     weight_files, weight_map = _index_weights(p)
     return Checkpoint(p, config, weight_files, weight_map)
+
+
+# Model sizes in config.json, checked when present (a key left out takes the family's default).
+DIMENSIONS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _check_dimensions(cfg_file: Path, config: dict) -> None:
+    """The sizes the model is built from: positive whole numbers, heads that group evenly."""
+    for key in DIMENSIONS:
+        value = config.get(key)
+        if value is None and key in ("num_key_value_heads", "head_dim"):  # null: derived from the heads
+            continue
+        if key in config and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointError(f"{cfg_file}: {key} is {json.dumps(value)}, expected a positive whole number; "
+                                  f"the config is corrupt, download the checkpoint again")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise CheckpointError(f"{cfg_file}: num_key_value_heads {kv_heads} does not divide num_attention_heads "
+                              f"{heads}; the config is corrupt, download the checkpoint again")
+    hidden = config.get("hidden_size")
+    if heads and hidden and not config.get("head_dim") and hidden % heads:
+        raise CheckpointError(f"{cfg_file}: num_attention_heads {heads} does not divide hidden_size {hidden} and "
+                              f"no head_dim is given; the config is corrupt, download the checkpoint again")
 
 
 def tokenizer_size(tokenizer_json: dict) -> int:
@@ -143,12 +174,12 @@ def tokenizer_size(tokenizer_json: dict) -> int:
     return max((i for i in ids if isinstance(i, int)), default=-1) + 1
 
 
-def _check_tokenizer_fits(tokenizer_file: Path, vocab_size: object) -> None:
+def _check_tokenizer_fits(tokenizer_file: Path, vocab_size: int | None) -> None:
     """A tokenizer whose ids reach past the model's embedding rows would index out of it.
 
     A tokenizer.json that does not parse is left to the tokenizer loader, which says what is wrong.
     """
-    if not tokenizer_file.is_file() or not isinstance(vocab_size, int):
+    if not tokenizer_file.is_file() or vocab_size is None:
         return
     try:
         data = json.loads(tokenizer_file.read_bytes())
@@ -191,7 +222,7 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
         if not files:
             pickles = [f.name for f in p.glob("*.bin")] + [f.name for f in p.glob("*.pt")]
             extra = (f" (found {', '.join(pickles)}: pickled weights are never loaded; convert them to "
-                     f"safetensors first)" if pickles else "")
+                     f"safetensors first)" if pickles else "; download the model's *.safetensors files into it")
             raise CheckpointError(f"{p} has no *.safetensors weight files{extra}")
     weight_map: dict[Path, Path] = {}
     for f in files:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from builder.artifact import write_artifact
-from builder.calibration import DEFAULT_CALIBRATION, TokenData, token_windows
+from builder.calibration import DEFAULT_CALIBRATION, DataError, TokenData, read_texts, token_windows
 from builder.checkpoint import QUANTIZE_INSTEAD, UNREAD_OK_SUFFIXES, Checkpoint, CheckpointError, open_checkpoint
 from builder.quality import run_gates
 from builder.plan import check_target
@@ -80,8 +80,20 @@ def check_quantization(recipe: Recipe, graph: Graph) -> None:
 def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
     c = recipe.calibration
     path = Path(c.dataset) if c.dataset else DEFAULT_CALIBRATION
-    return token_windows(path, lambda t: tokenizer.encode(t, add_special_tokens=False), c.num_samples,
-                         c.seq_len, c.seed, c.text_field)
+    try:
+        return token_windows(path, lambda t: tokenizer.encode(t, add_special_tokens=False), c.num_samples,
+                             c.seq_len, c.seed, c.text_field)
+    except DataError as e:
+        raise DataError(f"{'calibration.dataset' if c.dataset else 'calibration'}: {e}") from None
+
+
+def check_eval_data(recipe: Recipe) -> None:
+    """The gates' held-out text is readable (checked before the build spends time on the model)."""
+    if recipe.gates.enabled and recipe.gates.eval_dataset:
+        try:
+            read_texts(Path(recipe.gates.eval_dataset))
+        except DataError as e:
+            raise DataError(f"gates.eval_dataset: {e}") from None
 
 
 def calibration_device(choice: str) -> torch.device:
@@ -119,8 +131,9 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module) 
     unread = sorted(n for n in ckpt.weight_map if n not in read and not n.endswith(UNREAD_OK_SUFFIXES))
     if unread:
         shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
-        raise CheckpointError(f"{ckpt.path}: {len(unread)} checkpoint tensors are read by no weight of the "
-                              f"{ckpt.model_type} model: {shown}; a checkpoint with extra tensors (quantization "
+        count = "1 checkpoint tensor is" if len(unread) == 1 else f"{len(unread)} checkpoint tensors are"
+        raise CheckpointError(f"{ckpt.path}: {count} read by no weight of the {ckpt.model_type} model: {shown}; "
+                              f"a checkpoint with extra tensors (quantization "
                               f"scales, adapters) is not imported: {QUANTIZE_INSTEAD}")
     return wanted
 
@@ -177,30 +190,38 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     ckpt = open_checkpoint(recipe.model.checkpoint)
     if (problem := check_target(recipe)) is not None:  # memory plan against recipe.target, from config.json
         if recipe.target.fail_if_not_fit:
-            raise BuildError(f"{problem}\nnothing was built (target.fail_if_not_fit is true)")
+            raise BuildError(f"{problem}; nothing was built (target.fail_if_not_fit is true)")
         log.warning("%s", problem)
     try:
         tokenizer = Tokenizer.from_dir(ckpt.path)
     except TokenizerError as e:
-        raise CheckpointError(f"{ckpt.path}: {e}; an artifact must carry its tokenizer") from e
+        where = "" if str(ckpt.path) in str(e) else f"{ckpt.path}: "
+        raise CheckpointError(f"{where}{e}; an artifact must carry its tokenizer") from e
     config = ckpt.hf_config()
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos and recipe.runtime.max_seq_len > max_pos:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
+    names, quant_names = resolve_passes(recipe)
+    if quant_names:  # data problems surface before any model work
+        device = calibration_device(recipe.calibration.device)
+        t = time.perf_counter()
+        calib = calibration_data(recipe, tokenizer)
+        calib_s = time.perf_counter() - t
+        check_eval_data(recipe)
 
     t = time.perf_counter()
     graph, meta_model = trace(config)
     trace_s = time.perf_counter() - t
-    check_quantization(recipe, graph)  # before weights are read or any pass runs
+    par = recipe.parallel
+    # structure and shapes only: a section or tp_size that cannot apply stops the build before any weight is read
+    check_quantization(recipe, graph)
+    check_tp_size(graph, par.tp_size, par.vocab_parallel)
     t = time.perf_counter()
     attach_weights(graph, ckpt, meta_model, dtype)
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
-    par = recipe.parallel
-    check_tp_size(graph, par.tp_size, par.vocab_parallel)  # a bad tp_size stops the build before calibration
 
-    names, quant_names = resolve_passes(recipe)
     ctx = PassContext(verify_atol=recipe.verify_atol(), progress=progress)
     if "verify" in names:
         ctx.reference = reference_model(ckpt, dtype)
@@ -212,12 +233,10 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if quant_names:
         baseline = graph.copy()
         t = time.perf_counter()
-        calib = calibration_data(recipe, tokenizer)
         ctx.calibration = calib.windows
         for q in recipe.quant_sections():
             ctx.options[q.algo] = q.method_options()
         ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
-        device = calibration_device(recipe.calibration.device)
         log.info("quantization passes run on %s", device)
         graph.params = {k: v.to(device) for k, v in graph.params.items()}
         try:
@@ -227,7 +246,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         records += quant_records
-        timings["quantization_s"] = time.perf_counter() - t
+        timings["quantization_s"] = calib_s + time.perf_counter() - t  # reading the calibration data included
         extra["calibration"] = {**calib.manifest(), "device": str(device)}
         if recipe.gates.enabled:
             t = time.perf_counter()

@@ -54,7 +54,7 @@ def _module_pattern(value: str) -> str:
         try:
             re.compile(value[3:])
         except re.error as e:
-            raise ValueError(f"{value!r} is not a valid regular expression ({e}); after 're:' comes a Python "
+            raise ValueError(f"'{value}' is not a valid regular expression ({e}); after 're:' comes a Python "
                              f"regex, e.g. 're:layers\\.0\\.'") from None
     return value
 
@@ -276,7 +276,10 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     if isinstance(e, yaml.MarkedYAMLError):
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        return where + (e.problem or "") + (f" ({e.context})" if e.context else "")
+        context = e.context or ""
+        if e.context and e.context_mark and e.context_mark is not mark:
+            context += f" that starts on line {e.context_mark.line + 1}, column {e.context_mark.column + 1}"
+        return where + (e.problem or "") + (f" ({context})" if context else "")
     if isinstance(e, yaml.reader.ReaderError):
         return f"character #x{e.character:04x} at offset {e.position} is not allowed ({e.reason})"
     return " ".join(str(e).split())
@@ -309,8 +312,11 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raw = _parse_yaml(text)
     except yaml.YAMLError as e:
         raise RecipeError(f"{p}: not valid YAML: {_yaml_problem(e)}") from None
+    if raw is None:
+        raise RecipeError(f"{p} is empty; a recipe is a YAML mapping with at least model.checkpoint and output_dir")
     if not isinstance(raw, dict):
-        raise RecipeError(f"{p}: a recipe is a YAML mapping at the top level, got {type(raw).__name__}")
+        raise RecipeError(f"{p}: a recipe is a YAML mapping of keys (model:, output_dir:, ...) at the top level, "
+                          f"got {_kind_of(raw)}")
     for item in overrides or []:
         apply_override(raw, item)
     raw.setdefault("name", p.stem)

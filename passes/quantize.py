@@ -78,6 +78,11 @@ def _matches(patterns: list[str], names: list[str]) -> bool:
     return False
 
 
+def _shown(patterns: list[str]) -> str:
+    """Patterns as the recipe spells them (repr would double a regex's backslashes)."""
+    return "[" + ", ".join(f"'{p}'" for p in patterns) + "]"
+
+
 def select_linears(graph: Graph, targets: list[str], ignore: list[str], section: str,
                    warn: bool = True) -> list[int]:
     """Indices of the linear nodes a quantization section selects: ``targets`` (empty = all) minus
@@ -95,17 +100,17 @@ def select_linears(graph: Graph, targets: list[str], ignore: list[str], section:
         for key, patterns in (("targets", targets), ("ignore", ignore)):
             for pattern in patterns:
                 if not any(_matches([pattern], names) for _, names in linears):
-                    log.warning("%s: %s pattern %r matches no linear (names look like %r)", section, key,
+                    log.warning("%s: %s pattern '%s' matches no linear (names look like %r)", section, key,
                                 pattern, example)
     if chosen:
         return chosen
     if not linears:
         why = "the graph has no linear layers"
     elif not targeted:
-        why = f"targets {targets} match none of the {len(linears)} linears (names look like {example!r})"
+        why = f"targets {_shown(targets)} match none of the {len(linears)} linears (names look like {example!r})"
     elif not kept:
-        why = (f"ignore {ignore} excludes every linear that targets {targets} match" if targets
-               else f"ignore {ignore} excludes all {len(linears)} linears")
+        why = (f"ignore {_shown(ignore)} excludes every linear that targets {_shown(targets)} match" if targets
+               else f"ignore {_shown(ignore)} excludes all {len(linears)} linears")
     else:
         why = f"the {len(kept)} linears it matches were already quantized by an earlier section"
     raise PassError(f"{section} selects no linear: {why}; fix its targets/ignore or remove the section")
