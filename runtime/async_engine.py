@@ -146,9 +146,11 @@ class AsyncEngine:
                 self._wake.wait(0.1)  # also wakes for deadlines of nothing: cheap
                 self._wake.clear()
                 continue
+            # a failure that belongs to one request finishes it alone inside ``step``; what raises here is the
+            # shared step (scheduling, the forward pass, the device)
             try:
                 outputs = engine.step()
-            except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+            except Exception as e:  # fail the requests in flight, keep serving
                 log.exception("engine step failed; failing %d requests", engine.scheduler.num_unfinished)
                 outputs = engine.finish_all("error", f"the engine step failed: {type(e).__name__}: {e}")
             self._dispatch(outputs)
@@ -166,6 +168,12 @@ class AsyncEngine:
                                         timeout_s=sub.timeout_s, arrival_time=sub.arrival_time)
             except (RequestError, QueueFullError, ValueError) as e:
                 sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, e)
+            except Exception as e:  # e.g. the detokenizer rejects this prompt: this request fails alone
+                log.exception("admitting request %s failed", sub.request_id)
+                error = f"the engine could not admit the request: {type(e).__name__}: {e}"
+                failed = RequestOutput(sub.request_id, "", [], None, True, "error", len(sub.prompt_token_ids), 0,
+                                       error=error)
+                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, failed)
             else:
                 self._streams[sub.request_id] = sub
             finally:

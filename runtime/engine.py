@@ -21,7 +21,7 @@ from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.outputs import TokenLogprob
-from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample
+from runtime.sampling import INVALID_TOKEN, SamplingParams, compute_logprobs, make_generator, sample
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,9 @@ class Engine:
         text, emitted, finish = "", 0, "length"
         while True:
             tokens = sample(logits, [params], [generator], [prompt_ids], [out_ids])  # tokens: [1]
+            if int(tokens[0]) == INVALID_TOKEN:
+                raise RuntimeError(f"sampling failed after {len(out_ids)} tokens: the model's logits gave no valid "
+                                   f"token distribution (NaN or inf after penalties and temperature)")
             entry = compute_logprobs(logits, tokens, [num_top])[0]
             token = entry.token_id
             logprobs.append(entry.logprob)

@@ -8,6 +8,12 @@ Penalties and filtering are vectorized over the batch (per-row penalties, k, p a
 only the final draw of seeded rows loops over rows, because each draws with its own generator (unseeded
 rows share one draw from the global RNG). Every step is
 row-wise, which is what makes a seeded request reproducible whatever else shares its batch.
+
+Numerics: everything runs in fp32; the parameters' ranges keep every accepted value finite through the
+math (see their bounds below), penalized logits are clamped, and the top token always survives the
+filters. A row whose logits give no distribution anyway (NaN or +inf from the model, nothing finite)
+comes back as INVALID_TOKEN instead of raising, found on the device without a host sync, so that the
+caller fails that row's request alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ from runtime.outputs import TokenLogprob
 
 # Temperatures below this act as greedy: dividing logits by a tiny temperature overflows fp32.
 MIN_TEMPERATURE = 1e-5
+# At 100 a realistic logit spread (tens) is flattened to within a few percent of uniform; higher values change
+# nothing a client could want, and past fp32's range (3.4e38) they would turn into inf.
+MAX_TEMPERATURE = 100.0
+# A seen token's logit is divided or multiplied by the repetition penalty: at the bounds it moves by a factor
+# of 100, which already makes a repeat certain or impossible for any model's logits. Further out the factor adds
+# nothing but overflow (1e-38 turns a logit of 1 into inf in fp32) and divisions by denormals. vLLM and HF only
+# ask for > 0; this range is what is meaningful.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# Penalized logits are clamped to +-LOGIT_LIMIT, so that dividing them by MIN_TEMPERATURE stays finite in fp32.
+LOGIT_LIMIT = 1e30
+INVALID_TOKEN = -1  # what ``sample`` returns for a row whose logits give no valid distribution
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
@@ -44,15 +61,16 @@ class SamplingParams:
     """How one request picks its tokens and when it stops."""
 
     max_tokens: int = 64  # number of new tokens, >= 1
-    temperature: float = 0.0  # 0 -> greedy (argmax); must be >= 0
+    temperature: float = 0.0  # in [0, MAX_TEMPERATURE]; 0 (or below MIN_TEMPERATURE) -> greedy (argmax)
     top_k: int = 0  # 0 -> off; else keep the k most likely tokens
-    top_p: float = 1.0  # in (0, 1]: keep the smallest set of tokens whose probability reaches top_p
+    top_p: float = 1.0  # in (0, 1]: keep the smallest set of tokens whose probability reaches top_p (>= 1 token)
     min_p: float = 0.0  # in [0, 1): drop tokens less likely than min_p times the most likely one
     seed: int | None = None  # per-request reproducibility, independent of batch composition
     stop: list[str] = field(default_factory=list)  # generation ends before any of these strings
     stop_token_ids: list[int] = field(default_factory=list)  # generation ends on any of these ids
     ignore_eos: bool = False  # keep going past the tokenizer's EOS ids (benchmarks)
-    # > 0; 1 -> off. Tokens in the prompt or the output so far: logit > 0 divided by it, <= 0 multiplied (CTRL)
+    # in [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]; 1 -> off. Tokens in the prompt or the output so far:
+    # logit > 0 divided by it, <= 0 multiplied (CTRL)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per time a token has been generated
@@ -61,10 +79,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         """Reject out-of-range values with a message naming the field, the value and what is allowed."""
         self._require("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
-        self._require("temperature", _is_number(self.temperature) and self.temperature >= 0, "a number >= 0")
+        self._require("temperature", _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
+                      f"in [0, {MAX_TEMPERATURE:g}]; 0 and anything below {MIN_TEMPERATURE:g} decode greedily")
         self._require("top_k", _is_int(self.top_k) and self.top_k >= 0, "an int >= 0 (0 means off)")
-        self._require("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]")
-        self._require("min_p", _is_number(self.min_p) and 0 <= self.min_p < 1, "in [0, 1)")
+        self._require("top_p", _is_number(self.top_p) and 0 < self.top_p <= 1,
+                      "in (0, 1]; 1 keeps every token, and the most likely token is always kept, so any top_p "
+                      "below its probability samples only it")
+        self._require("min_p", _is_number(self.min_p) and 0 <= self.min_p < 1,
+                      "in [0, 1); 0 is off, larger values drop more of the unlikely tokens")
         self._require("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
                       f"None or an int in [0, {MAX_SEED}]")
         self._require("stop", isinstance(self.stop, (list, tuple))
@@ -72,8 +94,10 @@ class SamplingParams:
         self._require("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
                       and all(_is_int(i) and i >= 0 for i in self.stop_token_ids), "a list of ints >= 0")
         self._require("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")
-        self._require("repetition_penalty", _is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-                      "a number > 0 (1 means off)")
+        self._require("repetition_penalty", _is_number(self.repetition_penalty)
+                      and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                      f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]; 1 is off, > 1 discourages "
+                      f"repeats and < 1 encourages them (at the bounds a seen token is already certain or excluded)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             self._require(name, _is_number(value) and abs(value) <= MAX_ABS_PENALTY,
@@ -133,6 +157,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     probability >= top_p, always keeping the top token), then min-p, then one draw with that row's
     generator. A row's token depends only on its own logits, params, history and generator, never on
     the other rows.
+    A row with no valid distribution (a greedy row with a NaN logit; a sampled row whose probabilities
+    are NaN: NaN or +inf logits, or none finite) gets INVALID_TOKEN, and the other rows are drawn exactly
+    as without it. The check runs on the device: reading the result stays the caller's only sync.
     """
     num_seqs = logits.shape[0]
     if len(params) != num_seqs or len(generators) != num_seqs:
@@ -148,21 +175,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
     out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return out
-    row_index = to_device(rows, logits.device)  # row_index: [num_sampled]
-    chosen = [params[i] for i in rows]
-    probs = _filtered_probs(logits.index_select(0, row_index), chosen)  # probs: [num_sampled, vocab]
-    unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-    if len(unseeded) == len(rows):  # one draw for the whole batch from the global RNG
-        out[row_index] = torch.multinomial(probs, 1)[:, 0]
-        return out
-    for j, i in enumerate(rows):  # a seeded row draws from its own generator, whatever shares its batch
-        if generators[i] is not None:
-            out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    if len(rows) < num_seqs:  # greedy rows: the argmax of a row holding NaN is meaningless
+        invalid = torch.isnan(logits).any(dim=-1)  # invalid: [num_seqs]
+    else:
+        invalid = torch.zeros(num_seqs, dtype=torch.bool, device=logits.device)
+    if rows:
+        row_index = to_device(rows, logits.device)  # row_index: [num_sampled]
+        probs = _filtered_probs(logits.index_select(0, row_index), [params[i] for i in rows])  # [num_sampled, vocab]
+        no_distribution = torch.isnan(probs).any(dim=-1)  # [num_sampled]
+        invalid[row_index] = no_distribution
+        # such a row draws from uniform weights instead (multinomial rejects NaN), then reads INVALID_TOKEN
+        probs = probs.masked_fill(no_distribution[:, None], 1.0)
+        out[row_index] = _draw(probs, [generators[i] for i in rows])
+    return out.masked_fill(invalid, INVALID_TOKEN)
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of ``probs`` ([rows, vocab], valid weights): a seeded row draws from its own generator,
+    whatever shares its batch; the unseeded rows share one draw from the global RNG. Returns [rows] int64."""
+    unseeded = [j for j, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        return torch.multinomial(probs, 1)[:, 0]
+    out = torch.empty(len(generators), dtype=torch.long, device=probs.device)
+    for j, g in enumerate(generators):
+        if g is not None:
+            out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
     if unseeded:
-        index = to_device(unseeded, logits.device)
-        out[row_index[index]] = torch.multinomial(probs.index_select(0, index), 1)[:, 0]
+        index = to_device(unseeded, probs.device)
+        out[index] = torch.multinomial(probs.index_select(0, index), 1)[:, 0]
     return out
 
 
@@ -175,8 +215,9 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
                               logit <= 0 -> logit * penalty;
       presence and frequency (OpenAI), over the output only:
                               logit -= presence * (count > 0) + frequency * count.
-    Rows whose penalties are all off come back bit-identical. The input is never modified; when no row
-    has a penalty it is returned as is (cast to fp32).
+    Rows whose penalties are all off come back bit-identical. Penalized rows are clamped to
+    +-LOGIT_LIMIT (NaN stays NaN, for ``sample`` to find). The input is never modified; when no row has a
+    penalty it is returned as is (cast to fp32).
     """
     num_seqs = logits.shape[0]
     if len(params) != num_seqs or len(prompt_ids) != num_seqs or len(output_ids) != num_seqs:
@@ -203,7 +244,7 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
     presence = torch.tensor([p.presence_penalty for p in chosen], device=device)[:, None]  # [num_penalized, 1]
     frequency = torch.tensor([p.frequency_penalty for p in chosen], device=device)[:, None]
     penalized = penalized - presence * (output_counts > 0) - frequency * output_counts
-    return logits.index_copy(0, row_index, penalized)
+    return logits.index_copy(0, row_index, penalized.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
 
 
 def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -286,11 +327,12 @@ def _top_k_mask(top_k: torch.Tensor, vocab: int) -> torch.Tensor:
 
 def _top_p_mask(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Keep the smallest prefix whose cumulative probability reaches top_p: a token stays if the mass before
-    it is still below top_p. The top token always stays (the mass before it is exactly 0 < top_p);
-    top_p == 1 keeps everything, so fp32 rounding of the cumulative sum cannot drop rare tokens.
-    sorted_probs: [rows, vocab] descending; top_p: [rows] -> mask [rows, vocab]."""
+    it is still below top_p. The top token always stays (explicitly: a top_p below fp32's smallest number
+    reads 0 on the device); top_p == 1 keeps everything, so fp32 rounding of the cumulative sum cannot drop
+    rare tokens. sorted_probs: [rows, vocab] descending; top_p: [rows] -> mask [rows, vocab]."""
     mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass_before: [rows, vocab]
-    return (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    first = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device) == 0  # first: [vocab]
+    return (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | first[None, :]
 
 
 def _min_p_mask(sorted_probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

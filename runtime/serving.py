@@ -10,6 +10,12 @@ the scheduler for the batch, pack it into one ``StepInput`` over the paged KV ca
 sample the requests whose step reached their last token, then detokenize, check stop conditions and
 free the blocks of finished requests. Thread-safety: ``abort`` may be called from any thread; the
 rest belongs to the thread that calls ``step`` (``runtime.async_engine`` runs it in its own thread).
+
+Failures: what belongs to one request - its sampling, logprobs, detokenization, stop check - finishes
+that request alone with finish_reason "error" and a message, and the rest of the batch goes on. A
+batched call that raises is retried row by row (only then: the hot path does no per-row work), and a
+row the sampler finds without a valid distribution comes back as INVALID_TOKEN. Only a failure of the
+shared step (scheduling, the forward pass) raises out of ``step``.
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget,
                             plan_kv_blocks, tensor_bytes)
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
-from runtime.sampling import SamplingParams, compute_logprobs, make_generator, sample, to_device
+from runtime.sampling import INVALID_TOKEN, SamplingParams, compute_logprobs, make_generator, sample, to_device
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
+
+INVALID_ROW_ERROR = ("sampling failed: the model's logits for this request gave no valid token distribution "
+                     "(NaN or inf after penalties and temperature)")
 
 
 @dataclass
@@ -83,22 +92,24 @@ class _InFlight:
     """A decode step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``)."""
 
     sched: SchedulerOutput  # one-token decodes, every one sampling
-    tokens: torch.Tensor  # [num_seqs] int64 on the device: the next step's input ids
+    tokens: torch.Tensor  # [num_seqs] int64 on the device: the next step's input ids (INVALID_TOKEN: failed row)
     host_tokens: torch.Tensor  # the same, copied to pinned host memory once the step is done
     done: torch.cuda.Event | None  # recorded after that copy (None on the CPU, where the copy is synchronous)
+    errors: dict[str, str]  # request id -> why its sampling raised (its row holds INVALID_TOKEN)
 
     @classmethod
-    def launched(cls, sched: SchedulerOutput, tokens: torch.Tensor) -> _InFlight:
+    def launched(cls, sched: SchedulerOutput, sampled: tuple[torch.Tensor, dict[str, str]]) -> _InFlight:
         """Queue the copy of the sampled tokens to the host right behind the step. Reading them later
         waits for this event only; ``tokens.tolist()`` would wait for everything queued since, the next
         step included."""
+        tokens, errors = sampled
         if not tokens.is_cuda:
-            return cls(sched, tokens, tokens, None)
+            return cls(sched, tokens, tokens, None, errors)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return cls(sched, tokens, host, done)
+        return cls(sched, tokens, host, done, errors)
 
     def read(self) -> list[int]:
         if self.done is not None:
@@ -225,14 +236,14 @@ class ServingEngine:
         timeout = timeout_s if timeout_s is not None else self.config.request_timeout_s
         request = Request(request_id, list(prompt_token_ids), params, arrival_time=now,
                           deadline=None if timeout is None else now + timeout)
-        try:
+        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        track = _Track(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids), StopChecker(params.stop),
+                       eos | frozenset(params.stop_token_ids), make_generator(params.seed, self.device))
+        try:  # the track first: a request the scheduler holds always has one
             self.scheduler.add_request(request)
         except ValueError as e:
             raise RequestError(str(e)) from e
-        eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
-        self._tracks[request_id] = _Track(
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids), StopChecker(params.stop),
-            eos | frozenset(params.stop_token_ids), make_generator(params.seed, self.device))
+        self._tracks[request_id] = track
         return request_id
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -295,28 +306,98 @@ class ServingEngine:
             inp, sampling = self._prepare(sched)
             logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
         self.num_steps += 1
-        tokens: list[int] = []
-        logprobs: list[TokenLogprob | None] = []
-        if sampling:
-            token_ids = self._sample(logits, sampling)
-            wanted = [r.params.logprobs for r in sampling]
-            if any(n is not None for n in wanted):
-                logprobs = compute_logprobs(logits, token_ids, wanted)
-            tokens = token_ids.tolist()
-        self.scheduler.update(sched, {r.request_id: t for r, t in zip(sampling, tokens)})
-        for i, (request, token) in enumerate(zip(sampling, tokens)):
-            outputs.append(self._emit(request, token, logprobs[i] if logprobs else None))
-        return outputs
+        if not sampling:
+            self.scheduler.update(sched, {})
+            return outputs
+        token_ids, errors = self._sample(logits, sampling)
+        tokens = token_ids.tolist()
+        wanted = [r.params.logprobs if t != INVALID_TOKEN else None for r, t in zip(sampling, tokens)]
+        logprobs = self._logprobs(logits, token_ids, wanted, sampling, errors)
+        return outputs + self._record(sched, list(zip(sampling, tokens, logprobs)), errors)
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> torch.Tensor:
-        """Each request's next token, on the logits' device (no host sync). Token histories (a copy of each
-        request's output so far) are built only when a penalty needs them."""
-        params = [r.params for r in sampling]
+    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, dict[str, str]]:
+        """Each request's next token, on the logits' device (no host sync), and why sampling failed for the
+        requests it raised for (their rows hold INVALID_TOKEN, as do rows without a valid distribution).
+        A batched call that raises is retried row by row, each seeded row from its generator's state
+        before the batched call, so the others keep the tokens they would have drawn."""
         generators = [self._tracks[r.request_id].generator for r in sampling]
+        states = [g.get_state() if g is not None else None for g in generators]
+        try:
+            return self._sample_rows(logits, sampling, generators), {}
+        except Exception as e:  # one request's parameters or history, or the device: find out row by row
+            log.warning("sampling a batch of %d failed (%s: %s); retrying row by row", len(sampling),
+                        type(e).__name__, e)
+        rows: list[torch.Tensor] = []
+        errors: dict[str, str] = {}
+        for i, (request, generator, state) in enumerate(zip(sampling, generators, states)):
+            if generator is not None:
+                generator.set_state(state)
+            try:
+                rows.append(self._sample_rows(logits[i:i + 1], [request], [generator]))
+            except Exception as e:
+                errors[request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
+                rows.append(torch.full((1,), INVALID_TOKEN, dtype=torch.long, device=logits.device))
+        return torch.cat(rows), errors
+
+    @staticmethod
+    def _sample_rows(logits: torch.Tensor, sampling: list[Request],
+                     generators: list[torch.Generator | None]) -> torch.Tensor:
+        """``sample`` over these requests' rows. Token histories (a copy of each request's output so far) are
+        built only when a penalty needs them."""
+        params = [r.params for r in sampling]
         if not any(p.has_penalties for p in params):
             return sample(logits, params, generators)
         return sample(logits, params, generators, prompt_ids=[r.prompt_token_ids for r in sampling],
                       output_ids=[r.output_token_ids for r in sampling])
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], sampling: list[Request],
+                  errors: dict[str, str]) -> list[TokenLogprob | None]:
+        """The logprobs of the rows that want them (see ``compute_logprobs``). A batched call that raises is
+        retried row by row; a row that still fails records its request's error in ``errors``."""
+        if all(n is None for n in wanted):
+            return [None] * len(wanted)
+        try:
+            return compute_logprobs(logits, token_ids, wanted)
+        except Exception as e:
+            log.warning("logprobs of a batch of %d failed (%s: %s); retrying row by row", len(wanted),
+                        type(e).__name__, e)
+        result: list[TokenLogprob | None] = [None] * len(wanted)
+        for i, (n, request) in enumerate(zip(wanted, sampling)):
+            if n is None:
+                continue
+            try:
+                result[i] = compute_logprobs(logits[i:i + 1], token_ids[i:i + 1], [n])[0]
+            except Exception as e:
+                errors[request.request_id] = f"computing logprobs failed: {type(e).__name__}: {e}"
+        return result
+
+    def _record(self, sched: SchedulerOutput, rows: list[tuple[Request, int, TokenLogprob | None]],
+                errors: dict[str, str]) -> list[RequestOutput]:
+        """Record a step: append each request's sampled token and emit its delta. A request whose own
+        sampling or logprobs failed (INVALID_TOKEN, or listed in ``errors``) gets no token and finishes
+        with an error, as does one whose detokenization or stop check raises; the others go on."""
+        failed = {r.request_id for r, t, _ in rows if t == INVALID_TOKEN or r.request_id in errors}
+        self.scheduler.update(sched, {r.request_id: t for r, t, _ in rows if r.request_id not in failed})
+        outputs = []
+        for request, token, logprob in rows:
+            if request.request_id in failed:
+                outputs.append(self._fail(request, errors.get(request.request_id, INVALID_ROW_ERROR)))
+                continue
+            try:
+                outputs.append(self._emit(request, token, logprob))
+            except Exception as e:
+                log.exception("request %s: emitting token %d failed", request.request_id, token)
+                outputs.append(self._fail(request, f"detokenizing or checking the stop conditions of token {token} "
+                                                   f"failed: {type(e).__name__}: {e}"))
+        return outputs
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """Finish one request with finish_reason "error" (a failure that belongs to it alone)."""
+        log.error("request %s failed: %s", request.request_id, error)
+        track = self._tracks.get(request.request_id)
+        assert track is not None, f"request {request.request_id} failed after it finished"
+        return self._delta(request, track, "error", error)
 
     @staticmethod
     def _overlappable(requests: list[Request]) -> bool:
@@ -351,7 +432,9 @@ class ServingEngine:
         if not seqs:
             return None
         sched = SchedulerOutput(seqs, [], len(seqs))
-        ids = previous.tokens
+        # a failed row's INVALID_TOKEN must not index the embedding: it computes from token 0 instead, and
+        # the request is finished (its result discarded) once ``previous`` is read back
+        ids = previous.tokens.clamp(min=0)
         if len(rows) < len(previous.sched.seqs):
             ids = ids.index_select(0, to_device(rows, ids.device))
         logits = self._replay(sched, ids)
@@ -362,10 +445,9 @@ class ServingEngine:
         """Read back an in-flight step's tokens (waiting for that step only), record and emit them, and
         commit the KV slot reserved for the step launched after it."""
         tokens = step.read()
-        live = [(q.request, t) for q, t in zip(step.sched.seqs, tokens)
+        live = [(q.request, t, None) for q, t in zip(step.sched.seqs, tokens)
                 if q.request.status is RequestStatus.RUNNING]
-        self.scheduler.update(step.sched, {r.request_id: t for r, t in live})
-        outputs = [self._emit(request, token, None) for request, token in live]
+        outputs = self._record(step.sched, live, step.errors)
         if self._inflight is not None:
             for q in self._inflight.sched.seqs:
                 request = q.request

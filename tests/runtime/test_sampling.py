@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.sampling import (MAX_LOGPROBS, SamplingError, SamplingParams, _filtered_probs, apply_penalties,
+from runtime.sampling import (INVALID_TOKEN, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, MIN_TEMPERATURE,
+                              MIN_REPETITION_PENALTY, SamplingError, SamplingParams, _filtered_probs, apply_penalties,
                               compute_logprobs, make_generator, sample)
 
 VOCAB = 64
@@ -410,8 +411,9 @@ def test_unseeded_rows_drawn_together_follow_the_filtered_distribution_beside_se
 @pytest.mark.parametrize("field, value, allowed", [
     ("max_tokens", 0, ">= 1"),
     ("max_tokens", 2.5, ">= 1"),
-    ("temperature", -0.1, ">= 0"),
-    ("temperature", float("nan"), ">= 0"),
+    ("temperature", -0.1, "in [0, 100]"),
+    ("temperature", float("nan"), "in [0, 100]"),
+    ("temperature", 1e300, "in [0, 100]"),
     ("top_k", -1, ">= 0"),
     ("top_k", 1.5, ">= 0"),
     ("top_p", 1.5, "(0, 1]"),
@@ -424,9 +426,12 @@ def test_unseeded_rows_drawn_together_follow_the_filtered_distribution_beside_se
     ("stop", ["ok", ""], "list of non-empty strings"),
     ("stop_token_ids", [3, -1], "list of ints"),
     ("ignore_eos", "yes", "True or False"),
-    ("repetition_penalty", 0.0, "a number > 0"),
-    ("repetition_penalty", -1.2, "a number > 0"),
-    ("repetition_penalty", float("inf"), "a number > 0"),
+    ("repetition_penalty", 0.0, "in [0.01, 100]"),
+    ("repetition_penalty", -1.2, "in [0.01, 100]"),
+    ("repetition_penalty", float("inf"), "in [0.01, 100]"),
+    ("repetition_penalty", 1e-38, "in [0.01, 100]"),
+    ("repetition_penalty", 1e-300, "in [0.01, 100]"),
+    ("repetition_penalty", 100.5, "in [0.01, 100]"),
     ("presence_penalty", 2.5, "in [-2, 2]"),
     ("presence_penalty", -2.01, "in [-2, 2]"),
     ("presence_penalty", "1", "in [-2, 2]"),
@@ -445,8 +450,16 @@ def test_invalid_params_name_the_field(field, value, allowed):
 
 
 def test_sampling_error_is_value_error_and_example_message():
-    with pytest.raises(ValueError, match=r"^top_p: 1\.5 is not in \(0, 1\]$"):
+    with pytest.raises(ValueError, match=r"^top_p: 1\.5 is not in \(0, 1\]; "):
         SamplingParams(top_p=1.5)
+
+
+@pytest.mark.parametrize("field, meaning", [("temperature", "below 1e-05 decode greedily"),
+                                            ("top_p", "the most likely token is always kept"),
+                                            ("min_p", "0 is off"), ("repetition_penalty", "1 is off")])
+def test_range_errors_say_what_the_smallest_values_mean(field, meaning):
+    with pytest.raises(SamplingError, match=meaning):
+        SamplingParams(**{field: -1.0})
 
 
 def test_valid_params_accepted():
@@ -456,7 +469,8 @@ def test_valid_params_accepted():
     assert not p.has_penalties and p.logprobs is None
 
 
-@pytest.mark.parametrize("kwargs", [{"repetition_penalty": 0.01}, {"presence_penalty": -2},
+@pytest.mark.parametrize("kwargs", [{"repetition_penalty": MIN_REPETITION_PENALTY},
+                                    {"repetition_penalty": MAX_REPETITION_PENALTY}, {"presence_penalty": -2},
                                     {"frequency_penalty": 2.0}])
 def test_boundary_penalties_accepted(kwargs):
     assert SamplingParams(**kwargs).has_penalties
@@ -470,3 +484,73 @@ def test_boundary_logprobs_accepted(logprobs):
 def test_batch_size_mismatch_is_an_error():
     with pytest.raises(ValueError, match="2 rows"):
         sample(random_logits(2), [SamplingParams()], [None])
+
+
+# --- numerical safety: any accepted value samples a real token; a broken row fails alone -------------------
+EXTREME_CASES = [
+    SamplingParams(temperature=1.0, repetition_penalty=MIN_REPETITION_PENALTY),
+    SamplingParams(temperature=MIN_TEMPERATURE, repetition_penalty=MAX_REPETITION_PENALTY),
+    SamplingParams(temperature=MAX_TEMPERATURE, repetition_penalty=MIN_REPETITION_PENALTY),
+    SamplingParams(temperature=1.0, top_p=1e-300),  # 0 in fp32: the top token must still be kept
+    SamplingParams(temperature=1.0, top_p=5e-324, min_p=1 - 1e-16),
+    SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY),  # greedy
+]
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e4, 1e30], ids=["plain", "large", "huge"])
+def test_extreme_accepted_params_sample_a_real_token(scale):
+    rows = len(EXTREME_CASES)
+    logits = random_logits(rows, seed=60) * scale
+    history = [list(range(VOCAB))] * rows  # every token has been seen: the repetition penalty applies to all
+    out = sample(logits, EXTREME_CASES, [make_generator(i, "cpu") for i in range(rows)], history, [[]] * rows)
+    assert ((out >= 0) & (out < VOCAB)).all(), out
+
+
+def test_tiny_top_p_samples_the_top_token():
+    logits = random_logits(4, seed=61)
+    params = [SamplingParams(temperature=1.0, top_p=p, seed=0) for p in (1e-300, 1e-46, 5e-324, 1e-6)]
+    out = sample(logits, params, [make_generator(0, "cpu")] * 4)
+    assert torch.equal(out, logits.argmax(-1))
+
+
+BAD_ROWS = {"nan": lambda row: row.fill_(float("nan")),
+            "one-nan": lambda row: row.index_fill_(0, torch.tensor([3]), float("nan")),
+            "+inf": lambda row: row.index_fill_(0, torch.tensor([5]), float("inf")),
+            "all-inf": lambda row: row.fill_(float("-inf"))}
+
+
+BAD_ROW_PARAMS = {"seeded": SamplingParams(temperature=0.9, seed=3), "unseeded": SamplingParams(temperature=1.0),
+                  "filtered": SamplingParams(temperature=1.0, top_p=0.8, top_k=5, min_p=0.05),
+                  "penalized": SamplingParams(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.5)}
+
+
+# a penalized row's logits are clamped (+inf becomes a certain token, all -inf a uniform row): only NaN stays invalid
+@pytest.mark.parametrize("bad, kind", [(b, k) for b in BAD_ROWS for k in BAD_ROW_PARAMS
+                                       if k != "penalized" or "nan" in b])
+def test_a_row_without_a_distribution_is_invalid_alone(bad, kind):
+    """A row whose logits give no distribution (NaN, +inf, nothing finite) comes back as INVALID_TOKEN, without a
+    host sync or an exception; the other rows get exactly the tokens they get without it."""
+    bad_params = BAD_ROW_PARAMS[kind]
+    healthy = [SamplingParams(), SamplingParams(temperature=0.8, seed=11), SamplingParams(temperature=1.2, top_k=7),
+               SamplingParams(temperature=1.0, top_p=0.9, seed=12, repetition_penalty=1.5)]
+    logits = random_logits(len(healthy) + 1, seed=62)
+    BAD_ROWS[bad](logits[2])
+    params = healthy[:2] + [bad_params] + healthy[2:]
+    seeds = [None, 11, bad_params.seed, None, 12]
+    history = [[1, 2, 3]] * len(params)
+    torch.manual_seed(5)
+    out = sample(logits, params, [make_generator(s, "cpu") for s in seeds], history, history).tolist()
+    keep = [0, 1, 3, 4]
+    torch.manual_seed(5)
+    ref = sample(logits[keep], [params[i] for i in keep], [make_generator(seeds[i], "cpu") for i in keep],
+                 history[:4], history[:4]).tolist()
+    assert out[2] == INVALID_TOKEN
+    assert [out[i] for i in keep] == ref
+
+
+@pytest.mark.parametrize("bad", ["nan", "one-nan"])
+def test_a_greedy_row_with_nan_logits_is_invalid(bad):
+    logits = random_logits(3, seed=63)
+    BAD_ROWS[bad](logits[1])
+    out = sample(logits, [SamplingParams()] * 3, [None] * 3)
+    assert out.tolist() == [int(logits[0].argmax()), INVALID_TOKEN, int(logits[2].argmax())]

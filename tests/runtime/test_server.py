@@ -344,6 +344,12 @@ BAD_REQUESTS = [
     ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("token id out of vocabulary", "/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
     ("temperature -1", "/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("temperature 1e300", "/v1/completions", {"prompt": "x", "temperature": 1e300}, 400, "temperature"),
+    # overflowed the logits and failed every request in flight with a 500
+    ("repetition_penalty 1e-38", "/v1/completions", {"prompt": "x", "temperature": 1.0, "repetition_penalty": 1e-38},
+     400, "repetition_penalty"),
+    ("repetition_penalty 1e-300", "/v1/chat/completions",
+     {"messages": CHAT, "temperature": 1.0, "repetition_penalty": 1e-300}, 400, "repetition_penalty"),
     ("top_p 0", "/v1/chat/completions", {"messages": CHAT, "top_p": 0}, 400, "top_p"),
     ("presence_penalty 3", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("logprobs 21", "/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
@@ -371,7 +377,8 @@ def test_bad_request_gets_an_openai_error(server, path, body, status, param):
         error = assert_error(r, status, param)
         if status == 400:
             assert error["type"] == "invalid_request_error"
-        if param in ("temperature", "top_p", "logprobs", "presence_penalty") and isinstance(body, dict):
+        if param in ("temperature", "top_p", "logprobs", "presence_penalty", "repetition_penalty") \
+                and isinstance(body, dict):
             assert error["message"].startswith(param)  # SamplingError's message, naming the field
     server.wait_idle()
 
