@@ -4,11 +4,11 @@
                            asyncio.Queue on the event loop }   (sleeps while there is nothing to do)
     event loop:     async for out in async_engine.generate(prompt_ids, params): ...
 
-Admission happens in ``generate`` before anything is queued: a request that can never run raises
-RequestError, and one that finds the waiting queue full raises QueueFullError at once (the server
-answers 429), so a burst never queues without bound. A consumer that stops iterating (client
-disconnect, cancellation) aborts its request; the engine frees its blocks at the start of the next
-step.
+Admission is decided synchronously by ``submit`` before anything is queued: a request that can never
+run raises RequestError, and one that finds the waiting queue full raises QueueFullError at once (the
+server answers 429), so a burst never queues without bound and the server knows the answer before it
+starts a response. A consumer that stops iterating (client disconnect, cancellation) and closes its
+stream aborts its request; the engine frees its blocks at the start of the next step.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from runtime.serving import ServingEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineNotRunning", "QueueFullError", "RequestError"]
+__all__ = ["AsyncEngine", "EngineNotRunning", "QueueFullError", "RequestError", "RequestStream"]
 
 
 class EngineNotRunning(RuntimeError):
@@ -46,6 +46,36 @@ class _Submission:
     arrival_time: float
     outputs: asyncio.Queue  # RequestOutput deltas, on the submitting event loop
     loop: asyncio.AbstractEventLoop
+
+
+class RequestStream:
+    """One submitted request's deltas, as an async iterator that ends after the finishing delta. Waiting for
+    the next delta may be cancelled (a timeout) without losing it. Closing the stream before the finishing
+    delta aborts the request."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._outputs = outputs  # RequestOutput deltas, or the exception that refused the request
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        out = await self._outputs.get()  # cancellation-safe: asyncio.Queue drops no item for a cancelled get
+        if isinstance(out, BaseException):
+            self._finished = True
+            raise out
+        self._finished = out.finished
+        return out
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -92,18 +122,19 @@ class AsyncEngine:
         """Raise RequestError if the request could never run on this engine."""
         self.engine.check_request(prompt_token_ids, params)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, timeout_s: float | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas until it finishes. Raises RequestError or QueueFullError before
-        the first delta if the request is refused. Closing the iterator early aborts the request."""
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+               timeout_s: float | None = None, arrival_time: float | None = None) -> RequestStream:
+        """Queue a request for the engine thread and return its stream; call from the event loop. Raises
+        at once (nothing queued) EngineNotRunning, RequestError for a request that can never run, or
+        QueueFullError when the waiting queue is full. The caller must iterate the stream to its end or
+        close it."""
         if not self.ready:
             raise EngineNotRunning("the engine is not running")
         self.validate(prompt_token_ids, params)
         request_id = request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
         sub = _Submission(request_id, list(prompt_token_ids), params, timeout_s,
-                          time.monotonic() if arrival_time is None else arrival_time, asyncio.Queue(), loop)
+                          time.monotonic() if arrival_time is None else arrival_time, asyncio.Queue(),
+                          asyncio.get_running_loop())
         with self._admit:
             scheduler = self.engine.scheduler
             num_new_waiting = scheduler._num_new_waiting + self._num_inbox
@@ -113,20 +144,21 @@ class AsyncEngine:
             self._num_inbox += 1
             self._inbox.put(sub)
         self._wake.set()
-        finished = False
+        return RequestStream(self, request_id, sub.outputs)
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       request_id: str | None = None, timeout_s: float | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas until it finishes (``submit``, iterated). Raises RequestError or
+        QueueFullError before the first delta if the request is refused. Closing the iterator early
+        aborts the request."""
+        stream = self.submit(prompt_token_ids, params, request_id=request_id, timeout_s=timeout_s,
+                             arrival_time=arrival_time)
         try:
-            while True:
-                out = await sub.outputs.get()
-                if isinstance(out, BaseException):
-                    finished = True
-                    raise out
-                finished = out.finished
+            async for out in stream:
                 yield out
-                if finished:
-                    return
         finally:
-            if not finished:
-                self.abort(request_id)
+            await stream.aclose()
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -41,9 +41,12 @@ Policies:
       503 server_error            the engine is not running or is shutting down
       504 timeout_error           the request did not finish within the server's request timeout
 
-  A request fails as a whole before its first byte is sent (so a streamed request can still get a
-  4xx/429). Once a stream has started, a timeout or engine failure sends ``data: {"error": {...}}``
-  (the body a non-streamed request would have got) and then ``data: [DONE]``.
+  Refusals are decided when the request is submitted, before any byte is sent, so a streamed request
+  still gets a plain 4xx/429/503. A streamed request that is accepted gets its response headers at
+  once, even while it waits in the queue, and an SSE comment (``: keep-alive``) every
+  SSE_KEEPALIVE_S seconds without a delta, so clients with short read timeouts do not give up. Once a
+  stream has started, a timeout or engine failure sends ``data: {"error": {...}}`` (the body a
+  non-streamed request would have got) and then ``data: [DONE]``.
 - Timeouts are the engine's per-request deadline (``ServingConfig.request_timeout_s``,
   ``--request-timeout``), counted from admission: 504 for a non-streamed request (its partial text is
   dropped), an error event for a streamed one.
@@ -72,7 +75,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from runtime.async_engine import AsyncEngine, EngineNotRunning
+from runtime.async_engine import AsyncEngine, EngineNotRunning, RequestStream
 from runtime.engine import RequestError
 from runtime.metrics import RequestTracker, ServerMetrics
 from runtime.outputs import RequestOutput, TokenLogprob
@@ -86,6 +89,8 @@ DEFAULT_MAX_TOKENS = 256  # max_tokens when a request leaves it out (and the con
 MAX_BODY_BYTES = 16 << 20  # larger request bodies are refused (413) before any parsing or tokenizing
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
+SSE_KEEPALIVE_S = 5.0  # a streamed request without a delta for this long (queued, prefilling) gets a comment line
+SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, read timeouts and proxies see traffic
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")  # whose refusals count in llm_requests_total
 
 T = TypeVar("T")
@@ -500,7 +505,7 @@ async def _until_disconnect(http_request: Request, work: Awaitable[T]) -> T:
             await asyncio.wait({task})  # let it finish unwinding (and aborting) before we go on
 
 
-async def _drain(stream: AsyncIterator[RequestOutput], tracker: RequestTracker) -> list[RequestOutput]:
+async def _drain(stream: RequestStream, tracker: RequestTracker) -> list[RequestOutput]:
     outs = []
     async for out in stream:
         tracker.delta(out)
@@ -527,8 +532,9 @@ class _EventStream(StreamingResponse):
 class _Handlers:
     """What the routes do, for one app over one engine."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, sse_keepalive_s: float) -> None:
         self.engine = engine
+        self.sse_keepalive_s = sse_keepalive_s
         self.model_name = model_name
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
@@ -600,55 +606,56 @@ class _Handlers:
     # --- one generation request ---
     async def _serve(self, http_request: Request, chat: bool, ids: list[int], params: SamplingParams,
                      body: _GenerationBody, arrival: float) -> Response:
-        """Submit the request and wait for its first delta, so a refusal is still an HTTP error; then
-        answer with the whole result or a stream."""
+        """Submit the request (a refusal is decided here, so it is still a plain HTTP error); then answer
+        with the whole result, or start the stream at once."""
         call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
                      self.model_name, params.logprobs is not None, body.include_usage, self.token_text,
                      self.metrics.track(arrival))
-        stream = self.engine.generate(ids, params, request_id=call.request_id)
         try:
-            first = await _until_disconnect(http_request, stream.__anext__())
-        except QueueFullError as e:
-            raise APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except RequestError as e:
-            raise _invalid(str(e), param="messages" if chat else "prompt") from None
-        except _ClientGone:
-            call.tracker.finish("abort")
-            return Response(status_code=499)
+            stream = self.engine.submit(ids, params, request_id=call.request_id)
+        except (QueueFullError, RequestError) as e:
+            raise _refusal(e, chat) from None
         except EngineNotRunning as e:  # starting, shut down, or its step loop died
             raise _unavailable(e) from None
         if body.stream:
-            return _EventStream(self._events(call, first, stream))
-        return await self._complete(http_request, call, first, stream)
+            return _EventStream(self._events(call, stream))
+        return await self._complete(http_request, call, stream)
 
-    async def _complete(self, http_request: Request, call: _Call, first: RequestOutput,
-                        stream: AsyncIterator[RequestOutput]) -> Response:
-        call.tracker.delta(first)
+    async def _complete(self, http_request: Request, call: _Call, stream: RequestStream) -> Response:
         try:
-            outs = [first] + (await _until_disconnect(http_request, _drain(stream, call.tracker))
-                              if not first.finished else [])
+            outs = await _until_disconnect(http_request, _drain(stream, call.tracker))
         except _ClientGone:
             call.tracker.finish("abort")
             return Response(status_code=499)
+        except (QueueFullError, RequestError) as e:  # refused by the engine thread after all (a race)
+            raise _refusal(e, call.chat) from None
         except EngineNotRunning as e:  # the engine shut down under the request
             call.tracker.finish("error")
             raise _unavailable(e) from None
+        finally:
+            await stream.aclose()  # a no-op once finished; else it aborts the request
         last = outs[-1]
         call.tracker.finish(last.finish_reason)
         if last.finish_reason not in ("stop", "length"):
             raise _finish_error(last)
         return JSONResponse(call.response(outs))
 
-    async def _events(self, call: _Call, first: RequestOutput,
-                      stream: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
-        """The SSE body: a chunk per delta with text (or logprobs), the finish reason on the last one,
-        usage if asked; an error event if the request ended otherwise; then [DONE]."""
-        out = first
+    async def _events(self, call: _Call, stream: RequestStream) -> AsyncIterator[str]:
+        """The SSE body: a keep-alive comment while no delta comes (queued, prefilling), a chunk per delta
+        with text (or logprobs), the finish reason on the last one, usage if asked; an error event if the
+        request ended otherwise; then [DONE]."""
         try:
             if call.chat:
                 yield _sse(call.chunk("", None, None, role=True))
+            else:
+                yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
             while True:
+                try:
+                    async with asyncio.timeout(self.sse_keepalive_s):
+                        out = await stream.__anext__()  # a timeout cancels the wait only: no delta is lost
+                except TimeoutError:
+                    yield SSE_KEEPALIVE
+                    continue
                 call.tracker.delta(out)
                 done = out.finished and out.finish_reason in ("stop", "length")
                 if out.text or (out.token_ids and call.want_logprobs) or done:
@@ -656,12 +663,14 @@ class _Handlers:
                                           out.finish_reason if done else None))
                 if out.finished:
                     break
-                out = await stream.__anext__()
             call.tracker.finish(out.finish_reason)
             if done and call.include_usage:
                 yield _sse(call.usage_chunk(out))
             elif not done:
                 yield _sse(_finish_error(out).body())
+        except (QueueFullError, RequestError) as e:  # refused by the engine thread after all (a race)
+            call.tracker.finish("rejected" if isinstance(e, QueueFullError) else "invalid")
+            yield _sse(_refusal(e, call.chat).body())
         except EngineNotRunning as e:  # the engine shut down mid-stream: tell the client, then end the stream
             call.tracker.finish("error")
             yield _sse(_unavailable(e).body())
@@ -675,10 +684,22 @@ def _unavailable(e: Exception) -> APIError:
     return APIError(503, f"the engine is not available: {e}", type="server_error", code="engine_unavailable")
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def _refusal(e: QueueFullError | RequestError, chat: bool) -> APIError:
+    """A request the engine refused: 429 when its queue is full, else 400."""
+    if isinstance(e, QueueFullError):
+        return APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return _invalid(str(e), param="messages" if chat else "prompt")
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,
+               sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
     """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
-    down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes."""
-    h = _Handlers(engine, model_name, api_key)
+    down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes.
+    ``sse_keepalive_s``: how long a stream goes without a delta before it gets a keep-alive comment."""
+    if not sse_keepalive_s > 0:
+        raise ValueError(f"sse_keepalive_s must be > 0, got {sse_keepalive_s}")
+    h = _Handlers(engine, model_name, api_key, sse_keepalive_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

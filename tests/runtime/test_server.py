@@ -77,10 +77,11 @@ def server(bundled_artifact):
 
 # --- helpers --------------------------------------------------------------------------------------------
 def read_events(lines) -> tuple[list[dict], bool]:
-    """The JSON events of an SSE body and whether it ended with [DONE] (and nothing after it)."""
+    """The JSON events of an SSE body and whether it ended with [DONE] (and nothing after it). Comment lines
+    (keep-alives) are skipped, as SSE clients do."""
     events, done = [], False
     for line in lines:
-        if not line:
+        if not line or line.startswith(":"):
             continue
         assert line.startswith("data: "), line
         assert not done, "data after [DONE]"
@@ -492,7 +493,7 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
         aborted_before = metric_samples(client)[("llm_requests_total", (("outcome", "abort"),))]
     if stream:
         with server.client() as client, client.stream("POST", "/v1/completions", json=body) as r:
-            events = (line for line in r.iter_lines() if line)
+            events = (line for line in r.iter_lines() if line and not line.startswith(":"))
             for _ in range(3):
                 assert next(events).startswith("data: {")
             assert scheduler.num_unfinished == 1  # still generating when the client goes away
@@ -519,6 +520,40 @@ def test_request_timeout(bundled_artifact):
         s.wait_idle()
 
 
+# --- queued streams --------------------------------------------------------------------------------------------
+def test_a_queued_stream_gets_its_headers_and_keep_alives_at_once(bundled_artifact):
+    """A streamed request that waits for a sequence slot is answered at once (headers, then SSE comments), so a
+    client with a short read timeout does not give up; refusals are still plain HTTP errors."""
+    config = ServingConfig(num_blocks=64, max_num_seqs=1, max_waiting=1)
+    serving = ServingEngine.load(bundled_artifact, config=config)
+    engine = AsyncEngine(serving)
+    long = {"prompt": "def main():", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    with serve_app(create_app(engine, MODEL, api_key=API_KEY, sse_keepalive_s=0.05)) as url:
+        s = Server(url, serving)
+        with s.client() as busy_client, busy_client.stream("POST", "/v1/completions", json=long) as busy:
+            busy_lines = busy.iter_lines()  # kept: a collected iterator closes the connection (an abort)
+            assert next(line for line in busy_lines if line.startswith("data: "))  # it holds the only slot
+            queued_body = {"prompt": "def add(a, b):", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                           "stream": True}
+            with s.client(timeout=2) as client, client.stream("POST", "/v1/completions", json=queued_body) as queued:
+                assert queued.status_code == 200
+                assert queued.headers["content-type"].startswith("text/event-stream")
+                lines = queued.iter_lines()
+                assert [next(lines) for _ in range(4)] == [": keep-alive", "", ": keep-alive", ""]
+                stats = engine.stats()
+                assert (stats.num_running, stats.num_waiting) == (1, 1), "the request was meant to be queued"
+                # a refusal is decided at submission: a plain HTTP error, not a stream
+                assert_error(client.post("/v1/completions", json={**queued_body, "temperature": -1}), 400,
+                             "temperature")
+                full = client.post("/v1/completions", json=queued_body)
+                assert_error(full, 429)
+                assert full.headers["retry-after"] == "1"
+                busy.close()  # the client goes away: its request is aborted and the queued one admitted
+                events, done = read_events(lines)
+        assert done and finish_reasons(events) == ["length"] and joined_text(events, False)
+        s.wait_idle()
+
+
 # --- 9. load: a burst against a small queue ---------------------------------------------------------------------
 def test_burst_gets_429_not_a_hang(bundled_artifact):
     num_requests, max_tokens = 24, 16
@@ -534,7 +569,7 @@ def test_burst_gets_429_not_a_hang(bundled_artifact):
                 return r.status_code, None, None, r.headers.get("retry-after")
             ttft, lines = None, []
             async for line in r.aiter_lines():
-                if ttft is None and line:
+                if ttft is None and line.startswith("data: "):
                     ttft = time.perf_counter() - start  # the first chunk: sent once the first token is out
                 lines.append(line)
         events, done = read_events(lines)
