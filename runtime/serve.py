@@ -4,10 +4,11 @@
 
 Binds to 127.0.0.1 unless told otherwise; on any other address without an API key it warns loudly,
 since anyone who can reach the port can then use the model. The API key comes from ``--api-key`` or
-the environment variable LLM_BUILDER_API_KEY. SIGINT (Ctrl-C) and SIGTERM shut down gracefully:
-requests in flight get GRACEFUL_SHUTDOWN_S seconds to finish. Exit codes: 0 after Ctrl-C (after
-SIGTERM the process ends by that signal, as uvicorn re-raises it for process managers), 1 when the
-artifact cannot be loaded or its memory plan does not fit, 2 for bad options.
+the environment variable LLM_BUILDER_API_KEY; an empty (or blank) key is an error, not "no key". SIGINT
+(Ctrl-C) and SIGTERM shut down gracefully: requests in flight get GRACEFUL_SHUTDOWN_S seconds to
+finish. Exit codes: 0 after Ctrl-C (after SIGTERM the process ends by that signal, as uvicorn re-raises
+it for process managers), 1 when the API key is empty or the artifact cannot be loaded or its memory
+plan does not fit, 2 for bad options.
 Needs only the runtime's dependencies (``pip install "llm-builder[runtime]"``).
 
 A tensor-parallel artifact (built with ``parallel.tp_size: N``) starts its N - 1 worker ranks itself, one
@@ -117,7 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         force=True)
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():  # an empty key must not quietly turn authentication off
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        print(f"error: {source} is empty; give a non-empty key to require one, or leave out --api-key and unset "
+              f"{API_KEY_ENV} to serve without a key", file=sys.stderr)
+        return 1
     _warn_if_exposed(args.host, args.port, api_key)
 
     import torch

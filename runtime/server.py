@@ -32,7 +32,7 @@ Policies:
                                   SamplingError message), empty or too long prompt, empty messages,
                                   unsupported fields, prompt + max_tokens over max_seq_len
       401 authentication_error    missing or wrong ``Authorization: Bearer <key>`` on a /v1 route
-                                  (when the app has an API key)
+                                  (when the app has an API key); with ``WWW-Authenticate: Bearer``
       404 not_found_error         a model name other than the served one; unknown routes
       405 invalid_request_error   a known route with the wrong method
       413 invalid_request_error   a body over MAX_BODY_BYTES
@@ -555,7 +555,7 @@ class _Handlers:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>'",
-                           type="authentication_error", code="invalid_api_key")
+                           type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     def _check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -697,6 +697,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
     down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes.
     ``sse_keepalive_s``: how long a stream goes without a delta before it gets a keep-alive comment."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError(f"api_key {api_key!r} is empty: it would let every request in; pass a non-empty key, "
+                         f"or None to serve without one")
     if not sse_keepalive_s > 0:
         raise ValueError(f"sse_keepalive_s must be > 0, got {sse_keepalive_s}")
     h = _Handlers(engine, model_name, api_key, sse_keepalive_s)

@@ -423,13 +423,28 @@ def test_api_key_is_required_on_v1_routes(server, method, path, body):
              {"Authorization": f"Basic {API_KEY}"}, {"Authorization": f"Bearer {API_KEY}x"}]
     with httpx.Client(base_url=server.url, timeout=30) as client:
         for headers in wrong:
-            error = assert_error(client.request(method, path, json=body, headers=headers), 401)
-            assert error["type"] == "authentication_error"
+            r = client.request(method, path, json=body, headers=headers)
+            assert assert_error(r, 401)["type"] == "authentication_error"
+            assert r.headers["www-authenticate"] == "Bearer"
         assert_error(client.request(method, path, content=b"{bad json", headers={}), 401)  # auth comes first
         r = client.request(method, path, json=body, headers=AUTH)
         assert r.status_code == 200, r.text
         assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     server.wait_idle()
+
+
+@pytest.mark.parametrize("key", ["", "   ", "\t\n"], ids=["empty", "spaces", "blank"])
+def test_an_empty_api_key_is_an_error_not_no_key(server, key, tmp_path):
+    with pytest.raises(ValueError, match="api_key .* is empty"):
+        create_app(AsyncEngine(server.serving), MODEL, api_key=key)
+    missing = str(tmp_path / "no-such-artifact")  # the key is checked first: nothing is loaded
+    env = {k: v for k, v in os.environ.items() if k != "LLM_BUILDER_API_KEY"}
+    res = _serve(missing, "--api-key", key, env=env)
+    assert res.returncode == 1 and "error: --api-key is empty" in res.stderr, res.stderr
+    res = _serve(missing, env={**env, "LLM_BUILDER_API_KEY": key})
+    assert res.returncode == 1 and "error: $LLM_BUILDER_API_KEY is empty" in res.stderr, res.stderr
+    res = _serve(missing, "--api-key", "k", env={**env, "LLM_BUILDER_API_KEY": key})  # the option wins
+    assert res.returncode == 1 and "cannot serve" in res.stderr
 
 
 def test_models_lists_the_served_model(server):
