@@ -7,6 +7,7 @@ Routes:
     GET  /health                200 {"status": "ok"} once the model is loaded and the engine is stepping, else 503
     GET  /metrics               Prometheus text format (runtime.metrics); no API key
     GET  /v1/models             the one served model, with its max_model_len
+    GET  /openapi.json          the OpenAPI 3.1 schema: request bodies, responses, errors; no API key
     POST /v1/completions        prompt: a string, a list of token ids, or a one-element list of either
     POST /v1/chat/completions   messages rendered with the checkpoint's chat template
 
@@ -66,12 +67,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -172,8 +174,28 @@ class _GenerationBody(_Body):
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
 
+# what a completions prompt may be, for the schema (the route checks it itself, with its own messages)
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                            {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                            {"type": "array", "items": {"type": "array", "items": {"type": "integer"}},
+                             "minItems": 1, "maxItems": 1}],
+                  "description": "text, token ids, or a one-element list of either"}
+
+
+def _prompt_is_required(schema: dict[str, Any]) -> None:
+    """The schema says what the route requires: a prompt (its Python default None only lets the route name
+    a missing prompt in its own message)."""
+    schema["required"] = ["prompt"]
+    schema["properties"]["prompt"].pop("default", None)
+
+
 class CompletionBody(_GenerationBody):
-    prompt: Any = None  # str | list[int] | [str] | [list[int]]: checked by _completion_prompt_ids
+    """POST /v1/completions; None means the default (see the module docstring)."""
+
+    model_config = ConfigDict(json_schema_extra=_prompt_is_required)
+
+    # str | list[int] | [str] | [list[int]]: checked by _completion_prompt_ids
+    prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None
     logprobs: int | None = None  # top alternatives per token, 0..20 (OpenAI allows 0..5)
     best_of: int | None = None
     echo: bool | None = None
@@ -195,6 +217,8 @@ class ChatMessage(_Body):
 
 
 class ChatBody(_GenerationBody):
+    """POST /v1/chat/completions; None means the default (see the module docstring)."""
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
@@ -206,6 +230,137 @@ class ChatBody(_GenerationBody):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_GenerationBody.UNSUPPORTED, "tools": (None, []),
                                                "tool_choice": (None, "auto", "none"),
                                                "response_format": (None, {"type": "text"})}
+
+
+# --- response bodies (the routes build them as dicts; these models document them in /openapi.json) ----------
+class ErrorDetail(BaseModel):
+    message: str  # what was wrong and what is allowed
+    type: str  # invalid_request_error, authentication_error, not_found_error, rate_limit_error, server_error...
+    param: str | None = None  # the request field at fault
+    code: str | None = None  # e.g. invalid_value, context_length_exceeded, queue_full, request_timeout
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: every error response has it."""
+
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None  # tokens, token_logprobs, top_logprobs, text_offset
+    finish_reason: str | None  # stop or length
+
+
+class CompletionResponse(BaseModel):
+    """The whole answer of POST /v1/completions (``stream: true``: text_completion chunks as server-sent events)."""
+
+    id: str
+    object: str  # text_completion
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: str  # assistant
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: dict[str, Any] | None  # content: [{token, logprob, bytes, top_logprobs}]
+    finish_reason: str | None  # stop or length
+
+
+class ChatCompletionResponse(BaseModel):
+    """The whole answer of POST /v1/chat/completions (``stream: true``: chat.completion.chunk server-sent events)."""
+
+    id: str
+    object: str  # chat.completion
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: str  # model
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: str  # list
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: str  # ok
+
+
+_ERRORS = {400: "the request is malformed, has wrong types or out-of-range values, or asks for an unsupported field",
+           401: "missing or wrong API key", 404: "another model than the served one",
+           413: f"the request body is larger than {MAX_BODY_BYTES} bytes",
+           429: "the waiting queue is full; Retry-After says when to retry",
+           500: "the engine failed the request", 503: "the engine is not running",
+           504: "the request did not finish within the server's request timeout"}
+
+
+def _error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorResponse, "description": _ERRORS[status]} for status in statuses}
+
+
+def _generation_responses(model: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
+    """A generation route's documented responses: the whole answer, the event stream, and every error."""
+    stream = {"schema": {"type": "string", "description": f"server-sent events: 'data: {{{chunk}}}' lines, "
+                                                          f"then 'data: [DONE]'; ': keep-alive' comments"}}
+    return {200: {"model": model, "description": "the answer, or its stream with stream: true",
+                  "content": {"text/event-stream": stream}},
+            **_error_responses(400, 401, 404, 413, 429, 500, 503, 504)}
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """openapi_extra declaring ``model`` as the request body: the routes read and validate the body themselves
+    (strictly, with OpenAI-shaped errors), so FastAPI does not see it."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+_BEARER = {"security": [{"bearer": []}]}  # openapi_extra of the routes that need the API key
+
+
+def _openapi(app: FastAPI, bodies: tuple[type[BaseModel], ...], secured: bool) -> dict[str, Any]:
+    """The app's OpenAPI document, with the request body models (and the models they use) as components, and
+    the bearer scheme the /v1 routes name when ``secured`` (the app has an API key)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        for model in bodies:
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(body.pop("$defs", {}))
+            schemas[model.__name__] = body
+        if secured:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _read_body(request: Request) -> bytes:
@@ -737,9 +892,21 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         return h.error_response(request, APIError(500, f"internal error: {type(exc).__name__}", type="server_error"))
 
     auth = [Depends(h.check_api_key)]
-    app.add_api_route("/health", h.health, methods=["GET"])
-    app.add_api_route("/metrics", h.prometheus, methods=["GET"])
-    app.add_api_route("/v1/models", h.models, methods=["GET"], dependencies=auth)
-    app.add_api_route("/v1/completions", h.completions, methods=["POST"], dependencies=auth)
-    app.add_api_route("/v1/chat/completions", h.chat_completions, methods=["POST"], dependencies=auth)
+    bearer = _BEARER if api_key is not None else {}
+    app.add_api_route("/health", h.health, methods=["GET"], response_model=None,
+                      responses={200: {"model": HealthResponse, "description": "the engine is stepping"},
+                                 **_error_responses(503)})
+    app.add_api_route("/metrics", h.prometheus, methods=["GET"], response_class=PlainTextResponse,
+                      responses={200: {"description": "Prometheus text format (all llm_*)"}})
+    app.add_api_route("/v1/models", h.models, methods=["GET"], dependencies=auth, response_model=None,
+                      responses={200: {"model": ModelList, "description": "the served model"},
+                                 **_error_responses(401)}, openapi_extra=bearer or None)
+    app.add_api_route("/v1/completions", h.completions, methods=["POST"], dependencies=auth, response_model=None,
+                      responses=_generation_responses(CompletionResponse, "text_completion"),
+                      openapi_extra={**_json_body(CompletionBody), **bearer})
+    app.add_api_route("/v1/chat/completions", h.chat_completions, methods=["POST"], dependencies=auth,
+                      response_model=None, responses=_generation_responses(ChatCompletionResponse,
+                                                                           "chat.completion.chunk"),
+                      openapi_extra={**_json_body(ChatBody), **bearer})
+    app.openapi = lambda: _openapi(app, (CompletionBody, ChatBody), api_key is not None)
     return app

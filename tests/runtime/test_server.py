@@ -447,6 +447,62 @@ def test_an_empty_api_key_is_an_error_not_no_key(server, key, tmp_path):
     assert res.returncode == 1 and "cannot serve" in res.stderr
 
 
+# --- the OpenAPI schema ------------------------------------------------------------------------------------------
+def _refs(node) -> list[str]:
+    """Every $ref in a JSON document."""
+    if isinstance(node, dict):
+        return ([node["$ref"]] if "$ref" in node else []) + [r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def test_openapi_documents_bodies_responses_and_metrics(server):
+    with server.client() as client:
+        r = client.get("/openapi.json")
+    assert r.status_code == 200
+    spec = r.json()
+    schemas = spec["components"]["schemas"]
+    for ref in _refs(spec):
+        assert ref.startswith("#/components/schemas/") and ref.split("/")[-1] in schemas, f"dangling {ref}"
+
+    def resolve(schema: dict) -> dict:
+        return schemas[schema["$ref"].split("/")[-1]] if "$ref" in schema else schema
+
+    def error_schema(response: dict) -> dict:
+        error = resolve(resolve(response["content"]["application/json"]["schema"])["properties"]["error"])
+        assert set(error["properties"]) == {"message", "type", "param", "code"}
+        return error
+
+    routes = [("/v1/completions", {"prompt", "max_tokens", "temperature", "top_p", "stream", "logprobs"}, "prompt"),
+              ("/v1/chat/completions", {"messages", "max_completion_tokens", "temperature", "top_logprobs"},
+               "messages")]
+    for path, fields, required in routes:
+        op = spec["paths"][path]["post"]
+        body = op["requestBody"]
+        assert body["required"] is True
+        schema = resolve(body["content"]["application/json"]["schema"])
+        assert fields <= set(schema["properties"]) and required in schema["required"], schema
+        responses = op["responses"]
+        assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+        for status in set(responses) - {"200"}:
+            error_schema(responses[status])
+        ok = responses["200"]["content"]
+        assert "choices" in resolve(ok["application/json"]["schema"])["properties"]
+        assert ok["text/event-stream"]["schema"]["type"] == "string"
+    assert "data" in resolve(spec["paths"]["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]
+                             ["schema"])["properties"]
+    error_schema(spec["paths"]["/v1/models"]["get"]["responses"]["401"])
+    error_schema(spec["paths"]["/health"]["get"]["responses"]["503"])
+    assert spec["components"]["securitySchemes"]["bearer"] == {"type": "http", "scheme": "bearer"}
+    assert all(spec["paths"][p][m]["security"] == [{"bearer": []}] for p, m in
+               [("/v1/models", "get"), ("/v1/completions", "post"), ("/v1/chat/completions", "post")])
+    metrics = spec["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert list(metrics) == ["text/plain"] and metrics["text/plain"]["schema"]["type"] == "string"
+    validator = pytest.importorskip("openapi_spec_validator")
+    validator.validate(spec)
+
+
 def test_models_lists_the_served_model(server):
     with server.client() as client:
         body = client.get("/v1/models").json()
