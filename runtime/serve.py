@@ -157,7 +157,12 @@ def main(argv: list[str] | None = None) -> int:
              "prefix caching %s, request timeout %s", args.artifact, model_name, serving.device, sc.max_num_seqs,
              sc.max_num_batched_tokens, sc.max_seq_len, sc.max_waiting, "on" if config.enable_prefix_caching else "off",
              f"{args.request_timeout:g}s" if args.request_timeout else "none")
-    app = create_app(AsyncEngine(serving), model_name, api_key)
+    try:
+        app = create_app(AsyncEngine(serving), model_name, api_key)
+    except ValueError as e:  # the checkpoint's generation_config.json sets a sampling default not allowed
+        print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
+        serving.close()
+        return 1
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

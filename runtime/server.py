@@ -23,6 +23,11 @@ Policies:
   ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``tools``, ``tool_choice``,
   ``response_format`` other than text) are rejected with 400 naming the field when they ask for
   anything but the default.
+- Sampling fields a request leaves out take the checkpoint's defaults from its generation_config.json
+  (``<artifact>/tokenizer/generation_config.json``: temperature, top_p, top_k, min_p,
+  repetition_penalty, the fields vLLM takes, only those the file sets; see runtime.generation_config),
+  else OpenAI's: temperature 1.0 and top_p 1.0, so a request without ``temperature`` samples. Send
+  ``temperature: 0`` for greedy decoding. The file's values are checked when the app is created.
 - ``max_tokens`` (chat: also ``max_completion_tokens``, which wins) must fit: prompt plus max_tokens
   at most max_seq_len, else 400 (``context_length_exceeded``). When absent it is what is left of
   max_seq_len after the prompt, capped at DEFAULT_MAX_TOKENS (256) so a request that forgot it does
@@ -77,17 +82,21 @@ from pydantic import BaseModel, ConfigDict, ValidationError, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from runtime.artifact import TOKENIZER_DIR
 from runtime.async_engine import AsyncEngine, EngineNotRunning, RequestStream
 from runtime.engine import RequestError
+from runtime.generation_config import sampling_defaults
 from runtime.metrics import RequestTracker, ServerMetrics
 from runtime.outputs import RequestOutput, TokenLogprob
 from runtime.sampling import SamplingError, SamplingParams
 from runtime.scheduler import QueueFullError
-from runtime.tokenizer import Tokenizer, TokenizerError
+from runtime.tokenizer import GENERATION_CONFIG_FILE, Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256  # max_tokens when a request leaves it out (and the context has room)
+# sampling fields a request leaves out, where the checkpoint's generation_config.json does not set them
+OPENAI_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0}
 MAX_BODY_BYTES = 16 << 20  # larger request bodies are refused (413) before any parsing or tokenizing
 RETRY_AFTER_S = 1  # what a 429 tells the client to wait
 DISCONNECT_POLL_S = 0.25  # how often a non-streamed request checks whether its client is still there
@@ -129,7 +138,7 @@ class StreamOptions(_Body):
 
 
 class _GenerationBody(_Body):
-    """Fields common to both generation routes; None means the SamplingParams default."""
+    """Fields common to both generation routes; None means the default (the checkpoint's, else OpenAI's)."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -453,14 +462,15 @@ def _chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[
 
 
 def _sampling_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None, num_prompt: int,
-                     max_seq_len: int, param_names: dict[str, str]) -> SamplingParams:
+                     max_seq_len: int, param_names: dict[str, str], defaults: dict[str, Any]) -> SamplingParams:
     """SamplingParams of a request whose prompt has ``num_prompt`` tokens; 400 naming the bad field.
 
-    ``param_names`` maps SamplingParams field names to the request's where they differ."""
+    ``fields``: the sampling fields the request sets, over ``defaults``. ``param_names`` maps
+    SamplingParams field names to the request's where they differ."""
     room = max_seq_len - num_prompt
     try:
         params = SamplingParams(max_tokens=min(DEFAULT_MAX_TOKENS, room) if max_tokens is None else max_tokens,
-                                logprobs=logprobs, **fields)
+                                logprobs=logprobs, **{**defaults, **fields})
     except SamplingError as e:
         field = str(e).split(":", 1)[0]
         raise _invalid(str(e), param=param_names.get(field, field), code="invalid_value") from None
@@ -689,6 +699,10 @@ class _Handlers:
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, sse_keepalive_s: float) -> None:
         self.engine = engine
+        artifact = engine.engine.engine.artifact
+        # sampling fields a request leaves out (checked now: a bad file stops the start-up, not requests)
+        self.sampling_defaults = {**OPENAI_SAMPLING_DEFAULTS, **sampling_defaults(
+            artifact.file(f"{TOKENIZER_DIR}/{GENERATION_CONFIG_FILE}"))}
         self.sse_keepalive_s = sse_keepalive_s
         self.model_name = model_name
         self.api_key = api_key
@@ -739,7 +753,7 @@ class _Handlers:
         ids = _completion_prompt_ids(body.prompt, self.tokenizer)
         _check_prompt_len(len(ids), self.max_seq_len, "prompt")
         params = _sampling_params(body.sampling_fields(), body.max_tokens, body.logprobs, len(ids),
-                                  self.max_seq_len, {})
+                                  self.max_seq_len, {}, self.sampling_defaults)
         return await self._serve(request, False, ids, params, body, arrival)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -755,7 +769,8 @@ class _Handlers:
         if body.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body.sampling_fields(), max_tokens, logprobs, len(ids), self.max_seq_len, names)
+        params = _sampling_params(body.sampling_fields(), max_tokens, logprobs, len(ids), self.max_seq_len, names,
+                                  self.sampling_defaults)
         return await self._serve(request, True, ids, params, body, arrival)
 
     # --- one generation request ---
@@ -851,7 +866,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
     """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
     down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes.
-    ``sse_keepalive_s``: how long a stream goes without a delta before it gets a keep-alive comment."""
+    ``sse_keepalive_s``: how long a stream goes without a delta before it gets a keep-alive comment.
+    Raises ValueError for an empty key, and GenerationConfigError (a ValueError) when the artifact's
+    generation_config.json sets a sampling default that is not allowed."""
     if api_key is not None and not api_key.strip():
         raise ValueError(f"api_key {api_key!r} is empty: it would let every request in; pass a non-empty key, "
                          f"or None to serve without one")
@@ -862,7 +879,8 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
-        log.info("serving %s (max_seq_len %d)%s", model_name, h.max_seq_len, "" if api_key else ", no API key")
+        log.info("serving %s (max_seq_len %d)%s; sampling defaults %s", model_name, h.max_seq_len,
+                 "" if api_key else ", no API key", h.sampling_defaults)
         try:
             yield
         finally:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -23,9 +24,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import serve_app
+from conftest import BUNDLED, build_artifact, serve_app
 from runtime import Engine, SamplingParams
 from runtime.async_engine import AsyncEngine
+from runtime.generation_config import GenerationConfigError
 from runtime.server import create_app
 from runtime.serving import ServingConfig, ServingEngine
 
@@ -232,9 +234,84 @@ def test_seeded_sampling_is_reproducible_under_concurrency(server, offline):
     server.wait_idle()
 
 
+# --- sampling defaults: the checkpoint's generation_config.json, else OpenAI's ---------------------------------
+CHECKPOINT_DEFAULTS = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05}
+
+
+@pytest.fixture(scope="module")
+def tuned_artifact(tmp_path_factory) -> Path:
+    """The bundled model, built from a checkpoint whose generation_config.json sets sampling defaults."""
+    checkpoint = tmp_path_factory.mktemp("tuned") / "pystdlib"
+    shutil.copytree(BUNDLED, checkpoint)
+    config = json.loads((checkpoint / "generation_config.json").read_text())
+    (checkpoint / "generation_config.json").write_text(json.dumps({**config, "do_sample": True, **CHECKPOINT_DEFAULTS}))
+    return build_artifact(checkpoint, checkpoint.parent / "artifact", max_batch_size=8, max_seq_len=512,
+                          max_num_tokens=64)
+
+
+def test_omitted_sampling_fields_take_openai_defaults(server, offline):
+    """The bundled checkpoint sets no sampling defaults: a request without temperature samples at 1.0."""
+    prompt, n = "def parse(text):", 24
+    with server.client() as client:
+        text = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": n, "seed": 5,
+                                                    "ignore_eos": True}).json()["choices"][0]["text"]
+        chat = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": n, "seed": 5,
+                                                         "ignore_eos": True}).json()["choices"][0]["message"]["content"]
+    sampled = SamplingParams(max_tokens=n, temperature=1.0, top_p=1.0, seed=5, ignore_eos=True)
+    assert text == offline.generate(prompt, sampled).text and chat == offline.chat(CHAT, sampled).text
+    greedy = SamplingParams(max_tokens=n, ignore_eos=True)
+    assert text != offline.generate(prompt, greedy).text and chat != offline.chat(CHAT, greedy).text
+    server.wait_idle()
+
+
+def test_omitted_sampling_fields_take_the_checkpoint_defaults(tuned_artifact):
+    prompt, n = "def parse(text):", 24
+    offline = Engine.load(tuned_artifact)
+    with run_server(tuned_artifact, ServingConfig(num_blocks=64)) as s, s.client() as client:
+        body = {"prompt": prompt, "max_tokens": n, "seed": 5, "ignore_eos": True}
+        defaulted = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        chosen = client.post("/v1/completions", json={**body, "temperature": 0}).json()["choices"][0]["text"]
+        s.wait_idle()
+    ref = offline.generate(prompt, SamplingParams(max_tokens=n, seed=5, ignore_eos=True, **CHECKPOINT_DEFAULTS))
+    assert defaulted == ref.text
+    # the defaults matter: OpenAI's or greedy decoding give other text
+    assert ref.text != offline.generate(prompt, SamplingParams(max_tokens=n, seed=5, ignore_eos=True,
+                                                               temperature=1.0)).text
+    assert ref.text != offline.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)).text
+    # what the request sets wins; what it leaves out (here the repetition penalty) still comes from the file
+    assert chosen == offline.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True,
+                                                             repetition_penalty=1.05)).text
+    assert chosen != offline.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True)).text
+
+
+def test_a_bad_generation_config_stops_the_start_up(server, bundled_artifact, tmp_path, monkeypatch):
+    """A sampling default the server could not use fails the start-up (exit 1), never a request."""
+    bad = tmp_path / "generation_config.json"
+    bad.write_text('{"eos_token_id": 1, "temperature": "x"}')
+    artifact = server.serving.engine.artifact
+    real = artifact.file
+    monkeypatch.setattr(artifact, "file", lambda rel: bad if rel.endswith("/generation_config.json") else real(rel))
+    with pytest.raises(GenerationConfigError, match=r"generation_config.json: temperature: 'x' is not in \[0, 100\]"):
+        create_app(AsyncEngine(server.serving), MODEL)
+    code = f"""
+import sys
+from pathlib import Path
+import runtime.artifact
+real = runtime.artifact.Artifact.file
+runtime.artifact.Artifact.file = lambda self, rel: Path({str(bad)!r}) if rel.endswith('/generation_config.json') \
+    else real(self, rel)
+from runtime.serve import main
+sys.exit(main([{str(bundled_artifact)!r}, '--num-blocks', '40']))
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         check=False)
+    assert res.returncode == 1 and "error: cannot serve" in res.stderr and "temperature: 'x'" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 # --- 3. logprobs ------------------------------------------------------------------------------------------
 def test_completion_logprobs(server, offline):
-    body = {"prompt": "def fibonacci(n):", "max_tokens": 10, "logprobs": 3, "ignore_eos": True}
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 10, "logprobs": 3, "temperature": 0, "ignore_eos": True}
     ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3))
     with server.client() as client:
         whole = client.post("/v1/completions", json=body).json()
@@ -257,7 +334,8 @@ def test_completion_logprobs(server, offline):
 
 
 def test_chat_logprobs(server, offline):
-    body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2, "temperature": 0,
+            "ignore_eos": True}
     ref = offline.chat(CHAT, SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2))
     with server.client() as client:
         whole = client.post("/v1/chat/completions", json=body).json()
@@ -299,7 +377,8 @@ def _stop_across_tokens(offline: Engine, prompt: str, n: int) -> tuple[str, str]
 @pytest.mark.parametrize("as_list", [False, True])
 def test_stop_string_across_token_boundaries(server, offline, as_list):
     stop, before = _stop_across_tokens(offline, "def fibonacci(n):", 40)
-    body = {"prompt": "def fibonacci(n):", "max_tokens": 40, "ignore_eos": True, "stop": [stop] if as_list else stop}
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stop": [stop] if as_list else stop}
     with server.client() as client:
         whole = client.post("/v1/completions", json=body).json()
         chunks, done = streamed(client, "/v1/completions", body)
@@ -405,7 +484,8 @@ def test_server_is_healthy_after_bad_requests(server, offline):
         for _, path, body, _, _ in BAD_REQUESTS:
             client.post(path, **({"content": body} if isinstance(body, bytes) else {"json": body}))
         assert client.get("/health").json() == {"status": "ok"}
-        r = client.post("/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 8, "ignore_eos": True})
+        r = client.post("/v1/completions", json={"prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0,
+                                                 "ignore_eos": True})
     assert r.status_code == 200
     ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=8, ignore_eos=True))
     assert r.json()["choices"][0]["text"] == ref.text
