@@ -175,6 +175,20 @@ def gate(
         raise typer.Exit(code=1)
 
 
+DEVICE_HELP = "auto (CUDA when this machine has it, else the CPU), cpu, cuda or cuda:N"
+
+
+def _device_option(value: str) -> str:
+    """Check --device against this machine at once: an unknown name or a missing GPU is a usage error."""
+    from runtime.engine import DeviceError, resolve_device
+
+    try:
+        resolve_device(value)
+    except DeviceError as e:
+        raise typer.BadParameter(str(e)) from None
+    return value
+
+
 @app.command()
 def generate(
     artifact: Path = typer.Argument(..., help="artifact directory"),
@@ -186,7 +200,7 @@ def generate(
     seed: Optional[int] = typer.Option(None),
     stop: list[str] = typer.Option([], "--stop", help="stop string (repeatable)"),
     chat: bool = typer.Option(False, "--chat", help="send the prompt as a user message through the chat template"),
-    device: str = typer.Option("cpu"),
+    device: str = typer.Option("auto", help=DEVICE_HELP, callback=_device_option),
     allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="load an artifact that failed its gates"),
     stats: bool = typer.Option(False, "--stats", help="print timing to stderr"),
 ) -> None:
@@ -228,7 +242,7 @@ def serve(
     port: int = typer.Option(8000),
     api_key: str | None = typer.Option(None, "--api-key", help="require 'Authorization: Bearer KEY' on /v1 "
                                        "routes (default: $LLM_BUILDER_API_KEY, else none)"),
-    device: str = typer.Option("cpu"),
+    device: str = typer.Option("auto", help=DEVICE_HELP),
     served_model_name: str | None = typer.Option(None, help="model id clients send (default: the artifact's name)"),
     max_num_seqs: int | None = typer.Option(None, help="requests in the running batch (default: the artifact's)"),
     max_num_batched_tokens: int | None = typer.Option(None, help="tokens per engine step (default: the artifact's)"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,39 @@ log = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A request the engine cannot serve as asked (prompt too long, empty prompt...)."""
+
+
+class DeviceError(ValueError):
+    """A device name that is unknown, or names a device this machine does not have."""
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """The device to run on. "auto": CUDA when this machine has it, else the CPU (logged either way);
+    "cpu", "cuda" and "cuda:N" as named, checked against the machine. Raises DeviceError naming what is
+    wrong and what to pass instead."""
+    name = str(device).strip()
+    if name == "auto":
+        if torch.cuda.is_available():
+            log.info("device auto: CUDA is available, using cuda")
+            return torch.device("cuda")
+        log.info("device auto: CUDA is not available, using the CPU")
+        return torch.device("cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    m = re.fullmatch(r"cuda(?::(\d+))?", name)
+    if m is None:
+        raise DeviceError(f"device {name!r} is not one of auto, cpu, cuda, cuda:N (N a CUDA device index)")
+    if not torch.cuda.is_available():
+        build = "" if torch.version.cuda else ", a build without CUDA"
+        raise DeviceError(f"device {name!r}: CUDA is not available on this machine (torch {torch.__version__}{build}); "
+                          f"use cpu, or auto to take CUDA only where there is one")
+    if m[1] is None:
+        return torch.device("cuda")
+    index, count = int(m[1]), torch.cuda.device_count()
+    if index >= count:
+        raise DeviceError(f"device {name!r}: this machine has {count} CUDA device{'s' if count != 1 else ''} "
+                          f"(cuda:0 to cuda:{count - 1})")
+    return torch.device("cuda", index)
 
 
 @dataclass
@@ -79,10 +113,12 @@ class Engine:
     def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True,
              allow_failed_gate: bool = False, use_kernels: bool | None = None) -> Engine:
         """Verify and load an artifact directory (raises ArtifactError if it is modified or truncated,
-        or if it failed its quality gates and ``allow_failed_gate`` is not set). ``use_kernels``: run
-        the Triton kernels (default: on CUDA when triton is installed; see ``Executor``)."""
+        or if it failed its quality gates and ``allow_failed_gate`` is not set). ``device``: see
+        ``resolve_device`` ("auto" takes CUDA where there is one; DeviceError for a device this machine
+        does not have). ``use_kernels``: run the Triton kernels (default: on CUDA when triton is
+        installed; see ``Executor``)."""
         start = time.perf_counter()
-        device = torch.device(device)
+        device = resolve_device(device)
         from runtime.tensor_parallel import torchrun_rank
 
         # a sharded artifact's other weight files are hashed by the ranks that load them

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", help="auto (CUDA when this machine has it, else the CPU), cpu, cuda "
+                                                   "or cuda:N")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the artifact's name)")
     g = p.add_argument_group("serving limits (default: the artifact's runtime section)")
     g.add_argument("--max-num-seqs", type=_positive(int), default=None, help="requests in the running batch")
@@ -126,18 +127,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     _warn_if_exposed(args.host, args.port, api_key)
 
-    import torch
     import uvicorn
 
     from runtime.artifact import ArtifactError
     from runtime.async_engine import AsyncEngine
+    from runtime.engine import DeviceError, resolve_device
     from runtime.memory import MemoryPlanError
     from runtime.server import create_app
     from runtime.serving import ServingConfig, ServingEngine
     from runtime.tokenizer import TokenizerError
 
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {args.device}: CUDA is not available on this machine", file=sys.stderr)
+    try:
+        device = resolve_device(args.device)
+    except DeviceError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     try:
         config = ServingConfig(
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout,
             cuda_graphs=not args.no_cuda_graphs)
-        serving = ServingEngine.load(args.artifact, device=args.device, config=config,
+        serving = ServingEngine.load(args.artifact, device=device, config=config,
                                      allow_failed_gate=args.allow_failed_gate)
     except (ArtifactError, TokenizerError, MemoryPlanError, ValueError) as e:
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)

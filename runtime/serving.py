@@ -160,7 +160,8 @@ class ServingEngine:
     def load(cls, path: str | Path, device: str | torch.device = "cpu", config: ServingConfig | None = None, *,
              check_hashes: bool = True, allow_failed_gate: bool = False,
              use_kernels: bool | None = None) -> ServingEngine:
-        """Verify and load an artifact (see ``Engine.load``), then plan memory and build the KV pool."""
+        """Verify and load an artifact (see ``Engine.load``; ``device`` goes through ``resolve_device``),
+        then plan memory and build the KV pool."""
         return cls(Engine.load(path, device, check_hashes=check_hashes, allow_failed_gate=allow_failed_gate,
                                use_kernels=use_kernels), config)
 

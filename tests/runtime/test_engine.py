@@ -3,11 +3,14 @@ and logprobs against the engine's own full-sequence logits."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from conftest import FAMILIES, hf_logits
 from runtime import Engine, RequestError, SamplingParams
+from runtime.engine import DeviceError, resolve_device
 from runtime.executor import SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 
@@ -127,3 +130,55 @@ def test_chat_template(artifacts):
     rendered = engine.tokenizer.apply_chat_template([{"role": "user", "content": "hello"}])
     assert rendered == "<|user|>\nhello<|end|>\n<|assistant|>\n"
     assert out.prompt_token_ids == engine.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+# --- devices ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def no_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """This machine as one with two GPUs, as far as resolving a device name goes (nothing is loaded)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_auto_is_the_cpu_without_cuda_and_says_so(no_cuda, caplog):
+    with caplog.at_level(logging.INFO, logger="runtime.engine"):
+        assert resolve_device("auto") == torch.device("cpu")
+    assert "device auto: CUDA is not available, using the CPU" in caplog.text
+
+
+def test_auto_is_cuda_where_there_is_one(two_gpus, caplog):
+    with caplog.at_level(logging.INFO, logger="runtime.engine"):
+        assert resolve_device("auto") == torch.device("cuda")
+    assert "device auto: CUDA is available, using cuda" in caplog.text
+    assert resolve_device() == torch.device("cuda")
+    assert resolve_device("cuda") == torch.device("cuda") and resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("name, machine, message", [
+    ("cuda", "no_cuda", "device 'cuda': CUDA is not available on this machine"),
+    ("cuda:0", "no_cuda", "device 'cuda:0': CUDA is not available on this machine"),
+    ("cuda:2", "two_gpus", "device 'cuda:2': this machine has 2 CUDA devices (cuda:0 to cuda:1)"),
+    ("gpu", "two_gpus", "device 'gpu' is not one of auto, cpu, cuda, cuda:N"),
+    ("cuda:x", "two_gpus", "device 'cuda:x' is not one of auto, cpu, cuda, cuda:N"),
+    ("", "no_cuda", "device '' is not one of auto, cpu, cuda, cuda:N"),
+])
+def test_a_device_this_machine_does_not_have_is_an_error(request, name, machine, message):
+    request.getfixturevalue(machine)
+    with pytest.raises(DeviceError) as info:
+        resolve_device(name)
+    assert str(info.value).startswith(message)
+
+
+def test_engine_load_resolves_the_device(artifacts, no_cuda, caplog):
+    with caplog.at_level(logging.INFO, logger="runtime.engine"):
+        assert Engine.load(artifacts["llama"], device="auto").device == torch.device("cpu")
+    assert "using the CPU" in caplog.text
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        Engine.load(artifacts["llama"], device="cuda")

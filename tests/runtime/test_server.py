@@ -779,6 +779,12 @@ def test_serve_cli_help_and_errors(bundled_artifact, tmp_path):
     assert res.returncode == 1 and "needs 32 blocks" in res.stderr
     res = _serve(str(bundled_artifact), "--kv-cache-memory", "lots")
     assert res.returncode == 2 and "byte count" in res.stderr
+    res = _serve(str(bundled_artifact), "--device", "gpu")
+    assert res.returncode == 1 and "error: device 'gpu' is not one of auto, cpu, cuda, cuda:N" in res.stderr
+    assert "Traceback" not in res.stderr
+    from runtime.serve import build_parser
+
+    assert build_parser().parse_args(["x"]).device == "auto"
 
 
 def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
@@ -809,10 +815,17 @@ def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
     assert proc.returncode == 0, out
     assert "Traceback" not in out
     assert "memory plan on cpu" in out and "40 blocks" in out
+    assert torch_has_cuda() or "device auto: CUDA is not available, using the CPU" in out  # the default, logged
     from runtime.serve import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+
+
+def torch_has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_server_needs_no_build_packages(tmp_path):
