@@ -158,8 +158,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     generator. A row's token depends only on its own logits, params, history and generator, never on
     the other rows.
     A row with no valid distribution (a greedy row with a NaN logit; a sampled row whose probabilities
-    are NaN: NaN or +inf logits, or none finite) gets INVALID_TOKEN, and the other rows are drawn exactly
-    as without it. The check runs on the device: reading the result stays the caller's only sync.
+    are NaN: NaN or +inf logits, or none finite) gets INVALID_TOKEN, and the other rows are drawn as
+    without it (seeded rows exactly). The check runs on the device: reading the result stays the caller's
+    only sync.
     """
     num_seqs = logits.shape[0]
     if len(params) != num_seqs or len(generators) != num_seqs:
@@ -185,7 +186,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         no_distribution = torch.isnan(probs).any(dim=-1)  # [num_sampled]
         invalid[row_index] = no_distribution
         # such a row draws from uniform weights instead (multinomial rejects NaN), then reads INVALID_TOKEN
-        probs = probs.masked_fill(no_distribution[:, None], 1.0)
+        probs.masked_fill_(no_distribution[:, None], 1.0)
         out[row_index] = _draw(probs, [generators[i] for i in rows])
     return out.masked_fill(invalid, INVALID_TOKEN)
 
