@@ -267,6 +267,11 @@ class _RecipeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.1 (PyYAML) reads 1e-9 as a string: it wants a dot in the mantissa. Read it as YAML 1.2 does.
+_RecipeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506  a SafeLoader subclass
 

@@ -153,3 +153,9 @@ def test_bad_module_patterns_fail_at_load(tmp_path, text, message):
     with pytest.raises(RecipeError) as e:
         _load(tmp_path, BASE + text)
     assert message in str(e.value)
+
+
+def test_exponent_numbers_are_numbers(tmp_path):
+    """1e-9 is a number in a recipe and in --set (YAML 1.1 would read it as a string, which strict types refuse)."""
+    r = _load(tmp_path, BASE + "verify:\n  atol: 1e-3\n", ["gates.max_kl=1e-9"])
+    assert r.verify.atol == 1e-3 and r.gates.max_kl == 1e-9
