@@ -191,7 +191,7 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
     manifest: dict[str, Any] = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
-        "name": recipe.name,
+        "name": recipe.name or Path(recipe.output_dir).name,  # a recipe given as a dict may have none
         "versions": _versions(),
         "recipe": recipe.resolved(),
         "recipe_sha256": recipe.sha256(),

@@ -203,13 +203,6 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
     names, quant_names = resolve_passes(recipe)
-    if quant_names:  # data problems surface before any model work
-        device = calibration_device(recipe.calibration.device)
-        t = time.perf_counter()
-        calib = calibration_data(recipe, tokenizer)
-        calib_s = time.perf_counter() - t
-        check_eval_data(recipe)
-
     t = time.perf_counter()
     graph, meta_model = trace(config)
     trace_s = time.perf_counter() - t
@@ -217,6 +210,12 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     # structure and shapes only: a section or tp_size that cannot apply stops the build before any weight is read
     check_quantization(recipe, graph)
     check_tp_size(graph, par.tp_size, par.vocab_parallel)
+    if quant_names:  # data problems, too, surface before the weights are read and any pass runs
+        device = calibration_device(recipe.calibration.device)
+        t = time.perf_counter()
+        calib = calibration_data(recipe, tokenizer)
+        calib_s = time.perf_counter() - t
+        check_eval_data(recipe)
     t = time.perf_counter()
     attach_weights(graph, ckpt, meta_model, dtype)
     load_s = time.perf_counter() - t
