@@ -360,7 +360,7 @@ app.add_typer(bench_app, name="bench")
 
 def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: Optional[int],
                   max_num_batched_tokens: Optional[int], no_cuda_graphs: bool):
-    from builder.bench import load_for_bench
+    from builder.bench.offline import load_for_bench
     from runtime.artifact import ArtifactError
     from runtime.memory import MemoryPlanError
 
@@ -384,7 +384,7 @@ def bench_latency(
     json_out: Optional[str] = typer.Option(None, "--json", help="append the results as JSON lines to this file"),
 ) -> None:
     """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline."""
-    from builder.bench import latency, report
+    from builder.bench.offline import latency, report
 
     _setup_logging(False)
     engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
@@ -408,7 +408,7 @@ def bench_throughput(
     json_out: Optional[str] = typer.Option(None, "--json"),
 ) -> None:
     """Output tokens/s of many requests submitted at once, at each concurrency."""
-    from builder.bench import report, throughput
+    from builder.bench.offline import report, throughput
 
     _setup_logging(False)
     results = []
@@ -454,7 +454,7 @@ def bench_serve(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Benchmark a running OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput, goodput."""
-    from builder.bench_serve import BenchError, ServeBenchConfig, print_report, run, write_json
+    from builder.bench.serve import BenchError, ServeBenchConfig, print_report, run, write_json
 
     try:
         config = ServeBenchConfig(

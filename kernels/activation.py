@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime import ops
+from kernels import torch_ops as ops
 
 _BLOCK = 1024
 
@@ -40,7 +40,7 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_o
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I])."""
     if not (gate_up.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
-        raise RuntimeError("silu_mul runs on CUDA tensors (or under TRITON_INTERPRET=1); use runtime.ops on the CPU")
+        raise RuntimeError("silu_mul runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops on the CPU")
     if up is None:
         if gate_up.dim() != 2 or gate_up.shape[1] % 2:
             raise ValueError(f"gate_up {tuple(gate_up.shape)} is not [num_tokens, 2 * intermediate]")

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime import ops
+from kernels import torch_ops as ops
 
 
 @triton.jit
@@ -58,7 +58,7 @@ def _num_warps(block: int) -> int:
 def _check_device(x: torch.Tensor) -> None:
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         raise RuntimeError("the Triton norms run on CUDA tensors (or under TRITON_INTERPRET=1); "
-                           "use runtime.ops on the CPU")
+                           "use kernels.torch_ops on the CPU")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

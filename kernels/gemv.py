@@ -58,7 +58,7 @@ float8e4nv conversion is wrong (``kernels.w8a8_gemm``), so the interpreter round
 ``_round_e4m3``; the GPU converts with the hardware's round-to-nearest-even.
 
 Configurations (``GemvConfig``) are picked by the number of rows from per-kernel tables, to be tuned with
-``python -m kernels.bench_gemm --gemv-sweep`` and ``python -m kernels.bench_w8a8 --gemv-sweep``.
+``python -m kernels.bench.gemm --gemv-sweep`` and ``python -m kernels.bench.w8a8 --gemv-sweep``.
 ``GEMV_ENABLED`` switches the runtime's use of these kernels (``runtime/executor.py``), which sends them at
 most ``GEMV_RUNTIME_MAX_ROWS`` rows (one: measured faster there only).
 """

@@ -294,7 +294,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def _decode_config(cache_dtype: torch.dtype) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for decode: keys per iteration (several cache blocks), measured
-    best on an H100 for Llama-3-8B shapes (``kernels/bench_attention.py``)."""
+    best on an H100 for Llama-3-8B shapes (``kernels/bench/attention.py``)."""
     if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
         return 64, 4, 2
     if cache_dtype == torch.float32:
@@ -468,7 +468,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def _prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill, measured on an H100 (Llama-3-8B shapes,
-    ``kernels/bench_attention.py``: 64x64 within 10% of the best of 128x64, 128x128 and 64x32 at every
+    ``kernels/bench/attention.py``: 64x64 within 10% of the best of 128x64, 128x128 and 64x32 at every
     shape, and the best with short sequences). fp32 runs its matmuls on CUDA cores: smaller tiles."""
     if dtype == torch.float32:
         return 32, 32, 4, 2
@@ -589,7 +589,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
 
     q: [num_q, num_heads, head_dim] at positions ``q_pos: [num_q]``; k, v: [num_keys, num_kv_heads, head_dim].
     Query at position p sees keys at positions <= p and, with a sliding window, > p - window
-    (``runtime.ops.attention_one``). Returns fp32 [num_q, num_heads, head_dim].
+    (``kernels.torch_ops.attention_one``). Returns fp32 [num_q, num_heads, head_dim].
     """
     group = q.shape[1] // k.shape[1]
     kh = k.float().repeat_interleave(group, dim=1)  # [num_keys, num_heads, head_dim]

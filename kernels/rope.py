@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime import ops
+from kernels import torch_ops as ops
 
 _INV_TWO_PI = 0.15915493667125702
 # 2*pi = _TWO_PI_HI + _TWO_PI_MID + _TWO_PI_LO; HI and MID have 9 significant bits, so k * HI and
@@ -62,7 +62,7 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     positions: [num_tokens] integer; inv_freq: [head_dim / 2] fp32.
     """
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
-        raise RuntimeError("apply_rope_ runs on CUDA tensors (or under TRITON_INTERPRET=1); use runtime.ops on the CPU")
+        raise RuntimeError("apply_rope_ runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops on the CPU")
     if head_dim % 2 or x.dim() != 2 or x.shape[1] != num_heads * head_dim:
         raise ValueError(f"x {tuple(x.shape)} is not [num_tokens, num_heads * head_dim] = [*, {num_heads} * "
                          f"{head_dim}] with an even head_dim")

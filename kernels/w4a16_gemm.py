@@ -26,7 +26,7 @@ dequantize in fp32 with the group's scale and zero (one per column when the step
 else gathered per (k, n)), and ``tl.dot`` low and high nibbles into the fp32 accumulator. At small M
 few tiles fill few SMs, so the K loop is split across programs (``split_k``) whose fp32 partial sums
 a second small kernel adds, with the bias (deterministic, no atomics). Configurations are picked by M
-from ``_CUDA_CONFIGS`` (tuned with ``python -m kernels.bench_gemm --sweep`` on H100 and H200).
+from ``_CUDA_CONFIGS`` (tuned with ``python -m kernels.bench.gemm --sweep`` on H100 and H200).
 
 From ``DEQUANT_MIN_ROWS`` rows on (prefill), the weight is dequantized into a temporary bf16/fp16
 [N, K] (``dequantize_w4a16``) and multiplied by cuBLAS, which beats the fused kernel there. Up to
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from runtime.quant import dequantize_weight, unpack_int4
+from kernels.torch_quant import dequantize_weight, unpack_int4
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAYOUTS = ("passes", "k_major")
@@ -297,7 +297,7 @@ def _split_k_reduce_kernel(part_ptr, bias_ptr, y_ptr, N, num_out, SPLIT_K: tl.co
 @triton.jit
 def _dequant_store(out_ptr, q, s_ptr, z_ptr, row_k, offs_n, mask, N, group_size, stride_sz,
                    K_MAJOR: tl.constexpr):
-    # out: W^T [K, N]; rows row_k get (q - zero) * scale, exactly as runtime.quant computes it
+    # out: W^T [K, N]; rows row_k get (q - zero) * scale, exactly as kernels.torch_quant computes it
     g = row_k // group_size
     if K_MAJOR:
         off = g[:, None] * stride_sz + offs_n[None, :]
@@ -385,7 +385,7 @@ def _weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g
 def _check_device(t: torch.Tensor) -> None:
     if not (t.is_cuda or _interpreting()):
         raise RuntimeError("the w4a16 kernels run on CUDA tensors (or under TRITON_INTERPRET=1); "
-                           "use runtime.quant on the CPU")
+                           "use kernels.torch_quant on the CPU")
 
 
 def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -408,7 +408,7 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def dequantize_w4a16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                      dtype: torch.dtype, *, bits: int = 4, layout: str = "passes") -> torch.Tensor:
     """The weight ``(q - zero) * scale`` [N, K] in ``dtype``, stored K-major (a view of a contiguous
-    [K, N]); bitwise what ``runtime.quant.dequantize_weight`` computes."""
+    [K, N]); bitwise what ``kernels.torch_quant.dequantize_weight`` computes."""
     _check_device(qweight)
     w = _weights(qweight, scales, zeros, group_size, bits, layout)
     out = torch.empty((w.in_features, w.out_features), dtype=dtype, device=qweight.device)  # W^T
@@ -508,7 +508,7 @@ def unrepack_w4a16(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 def ref_w4a16_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      group_size: int, bias: torch.Tensor | None = None, *, bits: int = 4,
                      layout: str = "passes") -> torch.Tensor:
-    """Reference: dequantize exactly as ``runtime/quant.py`` does, matmul (and bias) in fp32, cast to x's dtype."""
+    """Reference: dequantize exactly as ``kernels/torch_quant.py`` does, matmul (and bias) in fp32, cast to x's dtype."""
     qweight, scales, zeros = unrepack_w4a16(qweight, scales, zeros, group_size, bits, layout)
     w = dequantize_weight(qweight, scales, zeros, bits, group_size, torch.float32)  # w: [N, K]
     y = x.float() @ w.t()

@@ -1,7 +1,7 @@
 """W8A8 GEMM (INT8 and FP8 E4M3) with the activation quantization fused in, for small batches.
 
 ``y = (quant(x) @ qweight.T) * x_scale * weight_scale + bias`` with x in fp16/bf16/fp32 and y in x's
-dtype, the arithmetic of the reference ``w8a8_int8`` / ``fp8`` paths of ``runtime.quant.make_quant_linear``:
+dtype, the arithmetic of the reference ``w8a8_int8`` / ``fp8`` paths of ``kernels.torch_quant.make_quant_linear``:
 
     x_scale  dynamic: per token (row), max|x_row| / QMAX (floored at 1e-8 for int8, 1e-12 for fp8);
              static: the calibrated ``input_scale`` [1]
@@ -22,7 +22,7 @@ adds with the bias (as in ``kernels.w4a16_gemm``). From ``FUSED_MAX_ROWS`` rows 
 NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion of the interpreter rounds wrongly (it can
 lose an exponent step), so the interpreter path rounds to E4M3 in fp32 arithmetic (``_round_e4m3``) and
 multiplies in fp32; the GPU path converts with the hardware's round-to-nearest-even and multiplies FP8
-on tensor cores. Both give the reference's quantized values; ``python -m builder.check_kernels`` checks
+on tensor cores. Both give the reference's quantized values; ``python -m builder.devtools.check_kernels`` checks
 the GPU path at real shapes. No host synchronisation: grids come from shapes (CUDA-graph capturable).
 """
 
@@ -56,7 +56,7 @@ class W8A8Config:
     num_stages: int = 4
 
 
-# Picked by M: the first row whose bound is >= M. Tuned with ``python -m kernels.bench_w8a8 --sweep`` on
+# Picked by M: the first row whose bound is >= M. Tuned with ``python -m kernels.bench.w8a8 --sweep`` on
 # H100 (FP8, Llama-3-8B shapes; docs/BENCHMARKS.md).
 _CUDA_CONFIGS: list[tuple[int, W8A8Config]] = [
     (16, W8A8Config(16, 128, 128, num_warps=8, num_stages=3)),
@@ -253,7 +253,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     """Dynamic per-token quantization in one kernel (torch's takes six): x [M, K] -> (codes [M, K] in
     ``dtype`` (int8 or float8_e4m3fn), scales [M, 1] fp32), the reference's ``quantize_activation_*``
     arithmetic (up to the fast division's rare neighbouring code). Meant to feed ``_scaled_mm`` / ``_int_mm``
-    above ``FUSED_MAX_ROWS`` rows (the executor's W8A8 path); timed by ``kernels.bench_w8a8`` (``+qrows``)."""
+    above ``FUSED_MAX_ROWS`` rows (the executor's W8A8 path); timed by ``kernels.bench.w8a8`` (``+qrows``)."""
     if dtype not in W_DTYPES:
         raise ValueError(f"quantize_rows: dtype {dtype} is not int8 or float8_e4m3fn")
     if x.dim() != 2:
@@ -273,7 +273,7 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 def ref_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference: the runtime's reference ``w8a8_int8`` / ``fp8`` linear."""
-    from runtime.quant import make_quant_linear
+    from kernels.torch_quant import make_quant_linear
 
     scheme = "w8a8_int8" if qweight.dtype == torch.int8 else "fp8"
     w = {"qweight": qweight, "weight_scale": weight_scale}

@@ -43,7 +43,7 @@ class OpSpec:
     doc: str = ""
 
 
-# The op set. The runtime's executor implements every op named here (``runtime/ops.py``).
+# The op set. The runtime's executor implements every op named here (``kernels/torch_ops.py``).
 OPS: dict[str, OpSpec] = {
     "embedding": OpSpec((1, 1), ("weight",), doc="token ids [T] -> rows of the table [T, hidden]"),
     "rms_norm": OpSpec(

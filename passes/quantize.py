@@ -33,7 +33,7 @@ from passes.ir import Graph, Node
 import torch.nn.functional as F
 
 from runtime.executor import Executor, Observer, SeqSlice, StepInput
-from runtime.quant import make_quant_linear
+from kernels.torch_quant import make_quant_linear
 from runtime.kv_cache import SequenceKV
 
 log = logging.getLogger("passes.quantize")

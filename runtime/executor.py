@@ -16,9 +16,9 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from runtime import ops
+from kernels import torch_ops as ops
 from runtime.kv_cache import KVLayout, SequenceKV
-from runtime.quant import make_fp8_scaled_mm_linear, make_quant_linear
+from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from builder.train_bundled import (
+from builder.devtools.train_bundled import (
     SPECIAL_TOKENS,
     SPLIT_CALIBRATION,
     SPLIT_EVAL,

@@ -52,7 +52,7 @@ def manifests(built) -> dict[str, dict]:
 
 
 def serve_result(model: str) -> dict:
-    """A `builder bench serve --json` object (schema of builder/bench_serve.py) with distinct figures."""
+    """A `builder bench serve --json` object (schema of builder/bench/serve.py) with distinct figures."""
     def pct(base: float) -> dict:
         return {"mean": base * 1.1, "p50": base, "p90": base * 1.7, "p95": base * 2.1, "p99": base * 3.3}
 

@@ -24,7 +24,7 @@ from kernels.w4a16_gemm import (
     w4a16_linear,
 )
 from passes.quant_math import QuantConfig, pack_int4, quantize_groups, unpack_int4
-from runtime.quant import dequantize_weight
+from kernels.torch_quant import dequantize_weight
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 

@@ -25,7 +25,7 @@ import torch
 import triton
 
 from kernels import paged_attention as pa
-from runtime import ops
+from kernels import torch_ops as ops
 from runtime.executor import _kv_codec
 
 _TRITON_INTERPRETED = not isinstance(triton.language.cdiv, triton.runtime.JITFunction)

@@ -102,7 +102,7 @@ def test_quantize_rows_matches_the_reference_quantization(dtype, x_dtype):
     """The one-kernel per-token quantization (feeding _scaled_mm / _int_mm above 16 rows) gives the
     reference's codes and scales: K not a multiple of the block, an all-zero row (the scale floor)."""
     from kernels.w8a8_gemm import quantize_rows
-    from runtime.quant import quantize_activation_fp8, quantize_activation_int8
+    from kernels.torch_quant import quantize_activation_fp8, quantize_activation_int8
 
     x = _x(7, 100, x_dtype, seed=11)
     x[4] = 0

@@ -115,7 +115,7 @@ def test_pack_unpack_exact_inverse_and_layout():
     hand = pack_int4(torch.tensor([[1, 2, 15, 0]], dtype=torch.uint8))
     assert hand.tolist() == [[0x21, 0x0F]]
     # the runtime reads the same layout
-    from runtime.quant import unpack_int4 as runtime_unpack
+    from kernels.torch_quant import unpack_int4 as runtime_unpack
     assert torch.equal(runtime_unpack(packed), codes)
 
 
@@ -127,7 +127,7 @@ def test_pack_rejects_bad_input():
 
 
 def test_dequantize_matches_runtime():
-    from runtime.quant import dequantize_weight
+    from kernels.torch_quant import dequantize_weight
     w = _w()
     for gs in (32, -1):
         codes, scales, zeros = quantize_groups(w, QuantConfig(bits=4, group_size=gs))

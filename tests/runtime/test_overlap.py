@@ -4,7 +4,7 @@ overrun, stop tokens discard the step already in flight, aborts in the middle, p
 
 CUDA graphs need a GPU, so the pipeline runs here over a stand-in with DecodeGraphs' interface that
 executes the same decode step eagerly on the CPU (feeding it the device-side token tensor, as the real
-graphs do). The real graphs are checked on the GPU by builder.cuda_smoke.
+graphs do). The real graphs are checked on the GPU by builder.devtools.cuda_smoke.
 """
 
 from __future__ import annotations

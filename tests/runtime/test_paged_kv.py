@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import ops
+from kernels import torch_ops as ops
 from runtime.block_pool import BlockPool
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import CacheFullError, KVLayout, SequenceKV

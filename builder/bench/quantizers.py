@@ -19,11 +19,11 @@ Both sides calibrate on the same 64 x 256 token windows: ``--dump-windows DIR`` 
 eval windows as JSON, and ``--emit-independent-script PATH`` writes the llm-compressor script that
 reads them (run it in its own virtualenv; see docs/QUANTIZATION_COMPARISON.md)::
 
-    python -m builder.bench_quantizers --dump-windows /tmp/qbench
-    python -m builder.bench_quantizers --emit-independent-script /tmp/qbench/lc_quantize.py
+    python -m builder.bench.quantizers --dump-windows /tmp/qbench
+    python -m builder.bench.quantizers --emit-independent-script /tmp/qbench/lc_quantize.py
     /tmp/lc-venv/bin/python /tmp/qbench/lc_quantize.py --model models/pystdlib-llama \\
         --windows /tmp/qbench/calib_windows.json --eval-windows /tmp/qbench/eval_windows.json --out /tmp/qbench/lc
-    python -m builder.bench_quantizers --independent-dir /tmp/qbench/lc
+    python -m builder.bench.quantizers --independent-dir /tmp/qbench/lc
 """
 
 from __future__ import annotations
@@ -334,7 +334,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m builder.bench_quantizers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m builder.bench.quantizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--independent-dir", type=Path, help="the independent tool's output: one sub-directory per method")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/qbench/ours"), help="where our artifacts are built")
     ap.add_argument("--methods", default=",".join(METHODS))
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     print("independent environment:", json.dumps(indep_versions) if indep_versions else "(no versions.json)")
     print("ours built with: load_recipe('recipes/quickstart-<method>.yaml', "
           f"{OVERRIDES + ['output_dir=' + str(args.work_dir) + '/<method>']}) -> builder.pipeline.build")
-    print("command:", "python -m builder.bench_quantizers " + " ".join(sys.argv[1:] if argv is None else argv))
+    print("command:", "python -m builder.bench.quantizers " + " ".join(sys.argv[1:] if argv is None else argv))
     if args.json:
         args.json.write_text(json.dumps({"date": started, "cpu": cpu_name(), "main": versions_main(),
                                          "independent": indep_versions, "rows": rows}, indent=1))

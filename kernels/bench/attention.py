@@ -1,4 +1,4 @@
-"""GPU check and benchmark of the paged-attention kernels: ``python -m kernels.bench_attention``.
+"""GPU check and benchmark of the paged-attention kernels: ``python -m kernels.bench.attention``.
 
 1. Correctness against the ``ref_*`` functions of ``kernels/paged_attention.py`` with fresh random
    inputs: a sweep of small cases over what the CPU interpreter tests cannot reach (tensor-core
@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-sweep", action="store_true", help="skip the small-shape correctness sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("kernels.bench_attention needs a CUDA device", file=sys.stderr)
+        print("kernels.bench.attention needs a CUDA device", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}")

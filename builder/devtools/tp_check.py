@@ -1,6 +1,6 @@
 """Check a tensor-parallel artifact against its one-rank build: same greedy tokens, logits within tolerance.
 
-    python -m builder.tp_check artifacts/quickstart artifacts/quickstart-tp2 [--device cuda]
+    python -m builder.devtools.tp_check artifacts/quickstart artifacts/quickstart-tp2 [--device cuda]
 
 Loads each artifact with the offline engine (a tp_size > 1 artifact starts its other ranks: NCCL on
 cuda:0..N-1, gloo on CPU), generates 64 greedy tokens for four prompts, runs one fresh random prompt for

@@ -1,4 +1,4 @@
-"""builder.make_checkpoint: a random Llama-shaped checkpoint that HF, the builder and the runtime all load."""
+"""builder.devtools.make_checkpoint: a random Llama-shaped checkpoint that HF, the builder and the runtime all load."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import torch
 
 from conftest import build_artifact, hf_logits
-from builder.make_checkpoint import PRESETS, main
+from builder.devtools.make_checkpoint import PRESETS, main
 from runtime import Engine
 
 
@@ -30,7 +30,7 @@ def test_calibration_text_is_real_vocabulary(tmp_path):
     """Quantized builds of the random model calibrate on its calibration.jsonl: random real ids, no <unk>."""
     from tokenizers import Tokenizer
 
-    from builder.make_checkpoint import write_calibration_text, write_tokenizer
+    from builder.devtools.make_checkpoint import write_calibration_text, write_tokenizer
 
     write_tokenizer(tmp_path, 500)
     write_calibration_text(tmp_path / "calibration.jsonl", 500, seed=0, num_texts=3, words=40)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks, in parts, for device calls. Results go to $OUT (or ./gpu-results). Usage:
-#   bash builder/gpu_suite.sh PART...
+#   bash builder/devtools/gpu_suite.sh PART...
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
@@ -21,7 +21,7 @@ CKPT=checkpoints/llama3-8b-random
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 
-ckpt() { [ -d $CKPT ] || python3 -m builder.make_checkpoint --preset llama3-8b --out $CKPT 2>&1 | tail -1; }
+ckpt() { [ -d $CKPT ] || python3 -m builder.devtools.make_checkpoint --preset llama3-8b --out $CKPT 2>&1 | tail -1; }
 artifact() {  # build artifacts/llama3-8b-$1 once
   ckpt
   if [ ! -d artifacts/llama3-8b-$1 ]; then
@@ -36,13 +36,13 @@ for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
     kernels)
-      python3 -m kernels.bench_attention 2>&1 | tee "$OUT/bench_attention.txt" | tail -n 25
-      python3 -m kernels.bench_gemm 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 40
-      python3 -m kernels.bench_w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
+      python3 -m kernels.bench.attention 2>&1 | tee "$OUT/bench_attention.txt" | tail -n 25
+      python3 -m kernels.bench.gemm 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 40
+      python3 -m kernels.bench.w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
     w8a8-sweep)
-      python3 -m kernels.bench_w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
+      python3 -m kernels.bench.w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
     smoke)
-      python3 -m builder.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-fp8 \
+      python3 -m builder.devtools.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-fp8 \
         artifacts/quickstart-smoothquant 2>&1 | grep -v Warning | tee "$OUT/cuda_smoke.txt" ;;
     calib)
       for algo in awq smoothquant; do
@@ -64,7 +64,7 @@ PY
     8b-*)
       prec=${part#8b-}
       artifact "$prec"
-      python3 -m builder.check_kernels artifacts/llama3-8b-$prec 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
+      python3 -m builder.devtools.check_kernels artifacts/llama3-8b-$prec 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
       bench latency artifacts/llama3-8b-$prec --input-len 128 --input-len 2048 --output-len 128
       sweep=""; for c in ${THROUGHPUT_CONCURRENCY:-64 128 256}; do sweep="$sweep --concurrency $c"; done
       bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $sweep
@@ -75,14 +75,14 @@ PY
       prec=${part#profile-}
       artifact "$prec"
       for c in ${PROFILE_CONCURRENCY:-64}; do
-        python3 -m builder.profile_step artifacts/llama3-8b-$prec --concurrency $c \
+        python3 -m builder.bench.profile_step artifacts/llama3-8b-$prec --concurrency $c \
           --input-len ${PROFILE_INPUT_LEN:-128} 2>&1 \
           | tee "$OUT/profile_${prec}_c$c.txt" | grep -E '^\{|Self CUDA|^-|^ *[a-zA-Z_:]' | head -n 60
       done ;;
     hf|hf-compile)
       ckpt
-      [ "$part" = hf ] && python3 -m builder.bench_hf $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
-      python3 -m builder.bench_hf $CKPT --compile > "$OUT/hf_compile.log" 2>&1
+      [ "$part" = hf ] && python3 -m builder.bench.hf_baseline $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
+      python3 -m builder.bench.hf_baseline $CKPT --compile > "$OUT/hf_compile.log" 2>&1
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
     tp-8b)
       ckpt

@@ -1,4 +1,5 @@
-"""Torch implementations of the IR's ops, as the executor runs them.
+"""Torch implementations of the IR's ops: what the runtime's executor runs on the CPU, and the reference
+the Triton kernels of this package are tested against.
 
 Each function takes the node's input tensors (``[num_tokens, features]``), its weights and its
 attributes. Numerics follow the source models: norms in fp32 then cast back, rotary tables in fp32

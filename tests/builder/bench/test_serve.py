@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import serve_app
-from builder.bench_serve import BenchError, RequestRecord, ServeBenchConfig, parse_slos, run, summarize
+from builder.bench.serve import BenchError, RequestRecord, ServeBenchConfig, parse_slos, run, summarize
 from builder.cli import app
 from runtime.async_engine import AsyncEngine
 from runtime.server import create_app

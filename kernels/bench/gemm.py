@@ -1,8 +1,8 @@
 """GPU benchmark and correctness check of the w4a16 GEMM and the elementwise kernels.
 
-    python -m kernels.bench_gemm              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
-    python -m kernels.bench_gemm --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
-    python -m kernels.bench_gemm --gemv-sweep # the GEMV table only, with candidate GemvConfigs per shape and M
+    python -m kernels.bench.gemm              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
+    python -m kernels.bench.gemm --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+    python -m kernels.bench.gemm --gemv-sweep # the GEMV table only, with candidate GemvConfigs per shape and M
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -16,7 +16,7 @@ GEMV: ``kernels.gemv.w4a16_gemv`` at M = 1, 2, 4 on the same shapes (checked aga
 timed the same way next to ``w4a16_linear`` (the GEMM the runtime used before) and bf16 ``F.linear``; TB/s of
 weight bytes. ``--gemv-sweep`` times candidate ``GemvConfig``s (to tune ``kernels.gemv._W4A16_CUDA_CONFIGS``).
 
-Elementwise: rms_norm, fused_add_rms_norm, apply_rope_ and silu_mul against ``runtime.ops`` at
+Elementwise: rms_norm, fused_add_rms_norm, apply_rope_ and silu_mul against ``kernels.torch_ops`` at
 [2048, 4096] and [1, 4096].
 """
 
@@ -50,7 +50,7 @@ from kernels.w4a16_gemm import (
     repack_w4a16,
     w4a16_linear,
 )
-from runtime.quant import dequantize_weight
+from kernels.torch_quant import dequantize_weight
 
 # (name, K, N): Llama-3-8B, hidden 4096, 32 query / 8 KV heads of 128, intermediate 14336
 SHAPES = [("qkv", 4096, 6144), ("o_proj", 4096, 4096), ("gate_up", 4096, 28672), ("down", 14336, 4096)]
@@ -307,7 +307,7 @@ def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
 
 def bench_elementwise() -> list[str]:
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print("\nelementwise kernels vs runtime.ops (torch), bf16; times in us (CUDA graphs)")
+    print("\nelementwise kernels vs kernels.torch_ops (torch), bf16; times in us (CUDA graphs)")
     print(f"{'op':>20} {'tokens':>6} | {'triton':>8} {'torch':>8} | rel.err")
     return [f for t in (2048, 1) for f in _bench_elementwise_rows(t, gen)]
 

@@ -1,6 +1,6 @@
 """The Hugging Face transformers baseline for ``builder bench latency``: the same checkpoint, batch 1.
 
-    python -m builder.bench_hf CHECKPOINT [--input-len 128] [--output-len 128] [--compile]
+    python -m builder.bench.hf_baseline CHECKPOINT [--input-len 128] [--output-len 128] [--compile]
 
 Eager: ``model.generate`` with the default dynamic cache. ``--compile``: a static cache, with which
 ``generate`` compiles the decoding forward (torch.compile, CUDA graphs), the fastest stock setup.

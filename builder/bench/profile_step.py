@@ -1,6 +1,6 @@
 """Where a serving step's time goes: torch.profiler over steady-state steps of a throughput run.
 
-    python -m builder.profile_step artifacts/llama3-8b-fp8 --concurrency 64 --input-len 128 [--steps 20]
+    python -m builder.bench.profile_step artifacts/llama3-8b-fp8 --concurrency 64 --input-len 128 [--steps 20]
 
 Fills the engine with ``concurrency`` random prompts, runs until every request is decoding, then
 profiles ``--steps`` decode steps (and, separately, the prefill-bearing steps of a fresh wave). Prints,
@@ -20,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from builder.bench import _random_prompts, load_for_bench
+from builder.bench.offline import _random_prompts, load_for_bench
 from runtime import SamplingParams
 
 

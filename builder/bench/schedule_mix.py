@@ -3,10 +3,10 @@ the model's forward is replaced by random logits (scheduling does not depend on 
 ignored), and each step is counted as decode-only (CUDA-graph eligible, overlapped on the GPU),
 prefill-only or mixed, with its tokens.
 
-    python -m builder.schedule_mix artifacts/quickstart --concurrency 256 --input-len 128 --output-len 128 \\
+    python -m builder.bench.schedule_mix artifacts/quickstart --concurrency 256 --input-len 128 --output-len 128 \\
         --max-num-batched-tokens 8192
 
-Multiply the counts by per-step times from ``builder.profile_step`` on the GPU to see where a throughput
+Multiply the counts by per-step times from ``builder.bench.profile_step`` on the GPU to see where a throughput
 run's wall time should go. Any artifact works (only its tokenizer limits and KV layout are used).
 """
 
@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from builder.bench import _random_prompts
+from builder.bench.offline import _random_prompts
 from runtime.sampling import SamplingParams
 from runtime.serving import ServingConfig, ServingEngine
 

@@ -1,8 +1,8 @@
 """GPU check and benchmark of the W8A8 GEMM (FP8 and INT8, fused activation quantization).
 
-    python -m kernels.bench_w8a8              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
-    python -m kernels.bench_w8a8 --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
-    python -m kernels.bench_w8a8 --gemv-sweep # the GEMV tables only, with candidate GemvConfigs per shape and M
+    python -m kernels.bench.w8a8              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
+    python -m kernels.bench.w8a8 --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
+    python -m kernels.bench.w8a8 --gemv-sweep # the GEMV tables only, with candidate GemvConfigs per shape and M
 
 Weights: fresh random bf16 weights quantized by the passes (per-channel FP8 E4M3 / INT8). Each
 ``w8a8_linear`` output is checked against ``ref_w8a8_linear`` (the runtime's reference linear) on fresh
@@ -10,7 +10,7 @@ random bf16 activations with an outlier channel, then timed against cuBLAS on th
 ``F.linear`` of the unquantized weight, ``torch._scaled_mm`` after a torch per-token quantization (FP8;
 the runtime's large-M path before ``quantize_rows``; ``+qrows``: with the one-kernel quantization the runtime
 now uses) and ``torch._int_mm`` likewise (INT8, M > 16 only). Times are CUDA-graph
-replay medians cycling through weight copies larger than L2 (``kernels.bench_gemm.time_us``).
+replay medians cycling through weight copies larger than L2 (``kernels.bench.gemm.time_us``).
 
 GEMV: ``kernels.gemv.w8a8_gemv`` at M = 1, 2, 4 (dynamic per-token scales), checked the same way and timed next
 to ``w8a8_linear`` and the bf16 ``F.linear``; TB/s of weight bytes (codes + scales). ``--gemv-sweep`` times
@@ -25,10 +25,11 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels.bench_gemm import SHAPES, sweep_configs, time_us
+from kernels.bench.gemm import SHAPES, sweep_configs, time_us
 from kernels.gemv import GemvConfig, default_gemv_config, w8a8_gemv
 from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
-from runtime.quant import make_fp8_scaled_mm_linear, quantize_activation_int8
+from kernels.torch_quant import (make_fp8_scaled_mm_linear, quantize_activation_int8, quantize_weight_fp8,
+                                 quantize_weight_int8)
 
 ROWS = (1, 4, 16, 32)  # the runtime sends at most FUSED_MAX_ROWS (16) rows to the fused kernel
 GEMV_ROWS = (1, 2, 4)
@@ -37,10 +38,7 @@ COPIES_BYTES = 256 << 20  # weight copies cycled per timing: past the 50 MiB L2
 
 
 def _quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    from passes.fp8 import quantize_fp8_weight
-    from passes.smoothquant import quantize_int8_per_channel
-
-    return quantize_fp8_weight(w, True) if kind == "fp8" else quantize_int8_per_channel(w)
+    return quantize_weight_fp8(w, True) if kind == "fp8" else quantize_weight_int8(w)
 
 
 def _int_mm_linear(qweight: torch.Tensor, w_scale: torch.Tensor):

@@ -1,6 +1,6 @@
 """Check that artifacts built on the CPU generate the same greedy tokens on CUDA, and time decode.
 
-    python -m builder.cuda_smoke artifacts/quickstart artifacts/quickstart-awq ...
+    python -m builder.devtools.cuda_smoke artifacts/quickstart artifacts/quickstart-awq ...
 
 Prints, per artifact: whether CPU and CUDA greedy tokens agree, the max |logit difference| on a
 fresh random prompt, and batch-1 decode tokens/s on each device (the bundled model is tiny, so
@@ -42,7 +42,7 @@ def check(path: str, num_tokens: int = 64) -> str:
 def check_serving(path: str, num_tokens: int = 64) -> str:
     """The serving engine on CUDA (Triton kernels, paged cache, CUDA-graph decode) against the CPU
     offline engine on the torch reference ops: greedy tokens of a batch of prompts, and batch-1 decode."""
-    from builder.bench import latency
+    from builder.bench.offline import latency
 
     cpu = Engine.load(path, device="cpu")
     params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)

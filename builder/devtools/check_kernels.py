@@ -1,6 +1,6 @@
 """Check an artifact on CUDA: the executor on the Triton/cuBLASLt kernels against its torch reference ops.
 
-    python -m builder.check_kernels artifacts/llama3-8b-fp8 [--tokens 32]
+    python -m builder.devtools.check_kernels artifacts/llama3-8b-fp8 [--tokens 32]
 
 Loads the artifact twice on the GPU (``use_kernels`` on and off), runs the same fresh random prompt
 through both and prints the max absolute and relative logit difference and the top-1 agreement.
@@ -19,7 +19,7 @@ from runtime import Engine
 def check_fp8_linear(shapes=((1, 4096, 6144), (16, 4096, 28672), (256, 14336, 4096))) -> None:
     """The _scaled_mm FP8 linear against the reference FP8 linear on fresh random bf16 inputs, and its time
     against a bf16 F.linear of the same shape."""
-    from runtime.quant import make_fp8_scaled_mm_linear, make_quant_linear
+    from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear
 
     g = torch.Generator(device="cuda").manual_seed(0)
     for m, k, n in shapes:

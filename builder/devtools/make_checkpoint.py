@@ -1,6 +1,6 @@
 """Write a Llama-shaped Hugging Face checkpoint with random weights, for benchmarks.
 
-    python -m builder.make_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random --device cuda
+    python -m builder.devtools.make_checkpoint --preset llama3-8b --out /tmp/llama3-8b-random --device cuda
 
 Speed does not depend on weight values, so benchmarks at a real model's shape need no download: this
 writes ``config.json``, sharded ``model-*.safetensors`` with their index, and a word-level tokenizer

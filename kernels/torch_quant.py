@@ -1,4 +1,5 @@
-"""Quantized linear layers as the runtime executes them (torch references; GPU kernels in kernels/).
+"""Quantized linear layers in plain torch: what the runtime runs on the CPU, and the reference the GEMM and
+GEMV kernels of this package are tested against.
 
 Storage conventions (written by the quantization passes, see passes/README.md):
 - w4a16 / w8a16: ``qweight`` unsigned codes (4-bit packed two per byte, low nibble = even input
@@ -35,6 +36,22 @@ def dequantize_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.
     g = in_f if group_size == -1 else group_size
     w = codes.view(out_f, in_f // g, g).float() - zeros.float()[:, :, None]
     return (w * scales.float()[:, :, None]).reshape(out_f, in_f).to(dtype)
+
+
+def quantize_weight_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in] -> (e4m3 codes [out, in], fp32 scale [out] or [1]); scale = amax / 448."""
+    w = w.float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
+    scale = amax.clamp(min=1e-12) / FP8_MAX
+    q = (w / scale[:, None] if per_channel else w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w: [out, in] -> (int8 codes [out, in], fp32 scale [out]); per output channel, scale = amax / 127."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-8) / INT8_MAX
+    return (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
