@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -382,16 +383,56 @@ def bench_latency(
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="prefill chunk (default: the artifact's)"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     json_out: Optional[str] = typer.Option(None, "--json", help="append the results as JSON lines to this file"),
+    baseline: Optional[Path] = typer.Option(None, help="checkpoint the artifact was built from: also time the "
+                                            "stock-PyTorch baseline (torch.compile) on it and print the ratio"),
+    baseline_quant: Optional[str] = typer.Option(None, help="bf16 | int8wo | int4 (default: the stock "
+                                                 "counterpart of the artifact's precision)"),
+    record: Optional[Path] = typer.Option(None, help="append the figures to this record (docs/benchmarks.jsonl)"),
 ) -> None:
     """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline."""
     from builder.bench.offline import latency, report
+    from builder.bench.record import STOCK_QUANT, append_figures, precision_of
+    from builder.bench.stock_torch import QUANT_MODES, StockModelError, run_stock_baseline
 
     _setup_logging(False)
+    if baseline_quant is not None and baseline_quant not in QUANT_MODES:
+        _fail(f"--baseline-quant {baseline_quant!r} is not one of {', '.join(QUANT_MODES)}")
     engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
     try:
-        report([latency(engine, n, output_len, repeats) for n in input_len], json_out)
+        results = [latency(engine, n, output_len, repeats) for n in input_len]
+        precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
     finally:
         engine.close()  # a tensor-parallel engine's worker ranks
+    del engine
+    report(results, json_out)
+    figures = []
+    for r in results:
+        suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
+        figures += [(f"decode_b1_{precision}{suffix}", r.decode_tok_s, "tok/s"),
+                    (f"ttft_{r.input_len}_{precision}", r.ttft_ms, "ms")]
+    if baseline is not None:
+        quant = baseline_quant or STOCK_QUANT.get(precision, "bf16")
+        if device == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # our KV pool and weights are gone; the baseline gets the device
+        for r in results:
+            try:
+                stock = run_stock_baseline(baseline, quant, r.input_len, output_len, device, repeats)
+            except StockModelError as e:
+                _fail(str(e))
+            typer.echo(json.dumps({**stock, "ours_decode_tok_s": round(r.decode_tok_s, 2),
+                                   "ratio": round(r.decode_tok_s / stock["decode_tok_s"], 3)}))
+            suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
+            figures += [(f"baseline_decode_b1_{precision}{suffix}", stock["decode_tok_s"], "tok/s"),
+                        (f"baseline_ttft_{r.input_len}_{precision}", stock["ttft_ms"], "ms")]
+    if record is not None:
+        command = ["builder", "bench", "latency", str(artifact), "--device", device, "--output-len", str(output_len),
+                   "--repeats", str(repeats), *[a for n in input_len for a in ("--input-len", str(n))]]
+        for flag, value in (("--baseline", baseline), ("--baseline-quant", baseline_quant),
+                            ("--max-seq-len", max_seq_len), ("--max-num-batched-tokens", max_num_batched_tokens)):
+            command += [flag, str(value)] if value is not None else []
+        append_figures(record, figures, device, shlex.join(command + (["--no-cuda-graphs"] if no_cuda_graphs else [])))
 
 
 @bench_app.command("throughput")

@@ -1,0 +1,68 @@
+"""Benchmark figures as lines of a JSON-lines record (``docs/benchmarks.jsonl``): one line per figure,
+
+    {"figure": "decode_b1_bf16", "value": 156.6, "unit": "tok/s", "device": "NVIDIA H100 80GB HBM3",
+     "versions": {"torch": ..., "triton": ..., "toolchain": ...}, "command": "builder bench latency ...",
+     "date": "2026-11-23T12:00:00+00:00"}
+
+appended by the benchmark commands (``--record PATH``); the latest line of a figure is its current value.
+Figure names: ``decode_b1_{precision}`` (tok/s), ``ttft_{input_len}_{precision}`` (ms), and
+``baseline_<name>`` for the stock-PyTorch baseline's figure measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from builder import __version__
+
+# The precision a figure is named after, by the scheme most of an artifact's linears use.
+SCHEME_PRECISION = {"w4a16": "int4", "w8a16": "int8wo", "w8a8_int8": "int8", "fp8": "fp8"}
+DTYPE_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+# The stock-PyTorch mode a precision is compared with (no stock FP8 or W8A8 path: 8-bit weights, bf16 math).
+STOCK_QUANT = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "int4": "int4", "int8wo": "int8wo",
+               "int8": "int8wo", "fp8": "int8wo"}
+
+
+def precision_of(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """bf16, fp8, int4, int8wo, int8 (W8A8): what most of the artifact's linears run in."""
+    schemes = Counter((n.get("attrs", {}).get("quant") or {}).get("scheme", "none")
+                      for n in graph["nodes"] if n["op"] == "linear")
+    scheme = schemes.most_common(1)[0][0] if schemes else "none"
+    if scheme == "none":
+        return DTYPE_PRECISION.get(manifest["model"]["dtype"], manifest["model"]["dtype"])
+    return SCHEME_PRECISION.get(scheme, scheme)
+
+
+def device_name(device: torch.device | str) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def versions() -> dict[str, str]:
+    out = {"toolchain": __version__, "torch": torch.__version__, "python": platform.python_version()}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def append_figures(path: str | Path, figures: list[tuple[str, float, str]], device: torch.device | str,
+                   command: str) -> None:
+    """Append (name, value, unit) figures measured on ``device`` by ``command`` (the command line to rerun)."""
+    common = {"device": device_name(device), "versions": versions(), "command": command,
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    with open(path, "a") as f:
+        for name, value, unit in figures:
+            f.write(json.dumps({"figure": name, "value": round(value, 3), "unit": unit, **common}) + "\n")
