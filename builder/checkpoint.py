@@ -12,9 +12,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+if TYPE_CHECKING:
+    from passes.ir import Graph
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -233,3 +237,49 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: not a readable safetensors file ({e}); download the checkpoint again") from e
     return files, weight_map
+
+
+def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module) -> dict[str, str]:
+    """Which checkpoint tensor each of the graph's weights is read from (graph name -> checkpoint name).
+
+    A tied weight is traced under one of its names (e.g. ``lm_head.weight``) while the checkpoint
+    may store it under another (``model.embed_tokens.weight``); aliases come from the model itself.
+    Every checkpoint tensor must be read by some weight (or be an alias of one): a tensor nothing
+    reads, such as a ``weight_scale``, means the graph would compute something else than the checkpoint.
+    """
+    aliases: dict[int, list[str]] = {}
+    for name, p in meta_model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    alias_of = {n: names for names in aliases.values() for n in names}
+    wanted: dict[str, str] = {}  # graph name -> checkpoint name
+    read: set[str] = set()
+    for name, t in graph.params.items():
+        if not t.is_meta:
+            continue
+        stored = next((a for a in alias_of.get(name, [name]) if a in ckpt.weight_map), None)
+        if stored is None:
+            raise CheckpointError(f"{ckpt.path}: weight {name!r} (or an alias of it) is missing from the "
+                                  f"safetensors files; the checkpoint is incomplete")
+        wanted[name] = stored
+        read.update(alias_of.get(name, [name]))
+    unread = sorted(n for n in ckpt.weight_map if n not in read and not n.endswith(UNREAD_OK_SUFFIXES))
+    if unread:
+        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        count = "1 checkpoint tensor is" if len(unread) == 1 else f"{len(unread)} checkpoint tensors are"
+        raise CheckpointError(f"{ckpt.path}: {count} read by no weight of the {ckpt.model_type} model: {shown}; "
+                              f"a checkpoint with extra tensors (quantization "
+                              f"scales, adapters) is not imported: {QUANTIZE_INSTEAD}")
+    return wanted
+
+
+def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``."""
+    wanted = weight_sources(graph, ckpt, meta_model)
+    tensors = ckpt.load_tensors(sorted(set(wanted.values())), dtype)
+    for name, stored in wanted.items():
+        expected = tuple(graph.params[name].shape)
+        if tuple(tensors[stored].shape) != expected:
+            raise CheckpointError(f"{ckpt.path}: tensor {stored!r} has shape {tuple(tensors[stored].shape)}, "
+                                  f"config.json implies {expected}")
+        graph.params[name] = tensors[stored]
+    graph.meta["dtype"] = str(dtype).removeprefix("torch.")

@@ -16,7 +16,7 @@ import torch
 
 from builder.artifact import write_artifact
 from builder.calibration import DEFAULT_CALIBRATION, DataError, TokenData, read_texts, token_windows
-from builder.checkpoint import QUANTIZE_INSTEAD, UNREAD_OK_SUFFIXES, Checkpoint, CheckpointError, open_checkpoint
+from builder.checkpoint import Checkpoint, CheckpointError, attach_weights, open_checkpoint
 from builder.quality import run_gates
 from builder.plan import check_target
 from builder.recipe import Recipe
@@ -103,52 +103,6 @@ def calibration_device(choice: str) -> torch.device:
     if choice == "auto":
         choice = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(choice)
-
-
-def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module) -> dict[str, str]:
-    """Which checkpoint tensor each of the graph's weights is read from (graph name -> checkpoint name).
-
-    A tied weight is traced under one of its names (e.g. ``lm_head.weight``) while the checkpoint
-    may store it under another (``model.embed_tokens.weight``); aliases come from the model itself.
-    Every checkpoint tensor must be read by some weight (or be an alias of one): a tensor nothing
-    reads, such as a ``weight_scale``, means the graph would compute something else than the checkpoint.
-    """
-    aliases: dict[int, list[str]] = {}
-    for name, p in meta_model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(name)
-    alias_of = {n: names for names in aliases.values() for n in names}
-    wanted: dict[str, str] = {}  # graph name -> checkpoint name
-    read: set[str] = set()
-    for name, t in graph.params.items():
-        if not t.is_meta:
-            continue
-        stored = next((a for a in alias_of.get(name, [name]) if a in ckpt.weight_map), None)
-        if stored is None:
-            raise CheckpointError(f"{ckpt.path}: weight {name!r} (or an alias of it) is missing from the "
-                                  f"safetensors files; the checkpoint is incomplete")
-        wanted[name] = stored
-        read.update(alias_of.get(name, [name]))
-    unread = sorted(n for n in ckpt.weight_map if n not in read and not n.endswith(UNREAD_OK_SUFFIXES))
-    if unread:
-        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
-        count = "1 checkpoint tensor is" if len(unread) == 1 else f"{len(unread)} checkpoint tensors are"
-        raise CheckpointError(f"{ckpt.path}: {count} read by no weight of the {ckpt.model_type} model: {shown}; "
-                              f"a checkpoint with extra tensors (quantization "
-                              f"scales, adapters) is not imported: {QUANTIZE_INSTEAD}")
-    return wanted
-
-
-def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``."""
-    wanted = weight_sources(graph, ckpt, meta_model)
-    tensors = ckpt.load_tensors(sorted(set(wanted.values())), dtype)
-    for name, stored in wanted.items():
-        expected = tuple(graph.params[name].shape)
-        if tuple(tensors[stored].shape) != expected:
-            raise CheckpointError(f"{ckpt.path}: tensor {stored!r} has shape {tuple(tensors[stored].shape)}, "
-                                  f"config.json implies {expected}")
-        graph.params[name] = tensors[stored]
-    graph.meta["dtype"] = str(dtype).removeprefix("torch.")
 
 
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype):

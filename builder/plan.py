@@ -59,13 +59,11 @@ class PlanError(ValueError):
 # --- inputs ------------------------------------------------------------------------------------
 def parse_memory(text: str) -> int:
     """Bytes in ``80GiB``, ``80GB`` (powers of 1000), ``81920MiB`` or a plain byte count."""
-    import argparse
-
-    from runtime.serve import parse_bytes
+    from runtime.memory import parse_bytes
 
     try:
         return parse_bytes(str(text))
-    except argparse.ArgumentTypeError as e:
+    except ValueError as e:
         raise PlanError(str(e)) from None
 
 

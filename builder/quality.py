@@ -160,8 +160,7 @@ def load_graph(path: Path, dtype: str | None = None) -> tuple[Graph, dict | None
     if (path / MANIFEST).is_file():
         art = open_artifact(path)
         return Graph.from_dict(art.graph, art.load_weights()), art.manifest
-    from builder.checkpoint import open_checkpoint
-    from builder.pipeline import attach_weights
+    from builder.checkpoint import attach_weights, open_checkpoint
     from passes.trace import trace
 
     ckpt = open_checkpoint(path)

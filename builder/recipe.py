@@ -166,11 +166,11 @@ class TargetSection(_Strict):
 
     @model_validator(mode="after")
     def _memory_parses(self) -> TargetSection:
-        from builder.plan import PlanError, parse_memory
+        from runtime.memory import parse_bytes
 
         try:
-            parse_memory(self.gpu_memory)
-        except PlanError as e:
+            parse_bytes(self.gpu_memory)
+        except ValueError as e:
             raise ValueError(f"gpu_memory: {e}") from None
         return self
 

@@ -1,6 +1,6 @@
 """SiLU-and-multiply for the merged gate/up projection, with the runtime's numerics.
 
-Semantics are ``runtime/ops.silu_mul`` (the reference): for ``gate_up`` [num_tokens, 2 * I] the first
+Semantics are ``kernels/torch_ops.silu_mul`` (the reference): for ``gate_up`` [num_tokens, 2 * I] the first
 half of each row is the gate, the second the up projection, and
 
     out = to_dtype(silu(gate)) * up            [num_tokens, I], silu in fp32

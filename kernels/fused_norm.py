@@ -1,6 +1,6 @@
 """RMSNorm and residual-add + RMSNorm, one row per program, with the runtime's numerics.
 
-Semantics are ``runtime/ops.rms_norm`` / ``runtime/ops.fused_add_rms_norm`` (the references):
+Semantics are ``kernels/torch_ops.rms_norm`` / ``kernels/torch_ops.fused_add_rms_norm`` (the references):
 
     total  = x + residual                          (rounded to the activation dtype: it is the new residual)
     normed = weight' * to_dtype(total * rsqrt(mean(total^2) + eps))      (fp32 statistics)

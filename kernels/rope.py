@@ -1,6 +1,6 @@
 """Rotary position embedding, in place, with cos/sin computed in the kernel from the positions.
 
-Semantics are ``runtime/ops.rope_tables`` + ``runtime/ops.rope`` (the reference), rotate-half layout:
+Semantics are ``kernels/torch_ops.rope_tables`` + ``kernels/torch_ops.rope`` (the reference), rotate-half layout:
 
     angle[t, i] = fp32(positions[t]) * inv_freq[i]                  i < head_dim / 2
     cos, sin    = to_dtype(cos(angle) * attention_scaling), to_dtype(sin(angle) * attention_scaling)

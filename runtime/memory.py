@@ -15,6 +15,7 @@ it is estimated from the graph's widest activation. A plan whose pool cannot hol
 from __future__ import annotations
 
 import logging
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,23 @@ import torch
 from runtime.kv_cache import KVLayout
 
 log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: ``1073741824``, ``512MiB``, ``1.5GiB``, ``2GB`` (KB/MB/GB are powers of 1000;
+    K/M/G and KiB/MiB/GiB powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
+    unit = m and m[2].lower()
+    if not m or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a byte count; write e.g. 536870912, 512MiB or 2GiB")
+    value = int(float(m[1]) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"{text!r} is less than one byte")
+    return value
+
 
 MiB = 1 << 20
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: the CPU path has no device total to take a fraction of

@@ -32,21 +32,14 @@ GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, how long requests in flight may finish b
 
 log = logging.getLogger("runtime.serve")
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+def _byte_count(text: str) -> int:
+    """An argparse type: ``runtime.memory.parse_bytes`` with its message kept."""
+    from runtime.memory import parse_bytes  # imports torch: not for --help
 
-
-def parse_bytes(text: str) -> int:
-    """A byte count: ``1073741824``, ``512MiB``, ``1.5GiB``, ``2GB`` (KB/MB/GB are powers of 1000;
-    K/M/G and KiB/MiB/GiB powers of 1024)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*", text)
-    unit = m and m[2].lower()
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count; write e.g. 536870912, 512MiB or 2GiB")
-    value = int(float(m[1]) * _UNITS[unit])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
-    return value
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(kind: type) -> Callable[[str], Any]:
@@ -84,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=_positive(float), default=None, metavar="SECONDS",
                    help="per-request deadline from admission (504 / an error event past it); default none")
     m = p.add_argument_group("KV cache memory")
-    m.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+    m.add_argument("--kv-cache-memory", type=_byte_count, default=None, metavar="BYTES",
                    help="KV pool size, e.g. 512MiB (CPU default 1GiB; on CUDA a cap under the utilization budget)")
     m.add_argument("--num-blocks", type=_positive(int), default=None, help="exact number of KV blocks (overrides bytes)")
     m.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.9,

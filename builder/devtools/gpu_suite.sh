@@ -4,11 +4,15 @@
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
+#   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, FP8, SmoothQuant)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
 #   calib          bundled AWQ / SmoothQuant builds calibrated on the GPU; gate figures vs the CPU-built ones
 #   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq sq: checkpoint, build, kernel check, latency,
 #                  throughput (128/128 at each concurrency of $THROUGHPUT_CONCURRENCY, default 64 128 256;
 #                  2048/128, 128/2048)
+#   b1-PREC        Llama-3-8B shape, batch-1 latency (128 in / 128 out) beside the stock-PyTorch baseline of the same
+#                  precision (builder/bench/stock_torch.py), both recorded in $OUT/benchmarks.jsonl
+#   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
@@ -41,6 +45,10 @@ for part in "$@"; do
       python3 -m kernels.bench.w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
     w8a8-sweep)
       python3 -m kernels.bench.w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
+    quickstart)
+      for r in "" -gptq -fp8 -smoothquant; do
+        [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2
+      done ;;
     smoke)
       python3 -m builder.devtools.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-fp8 \
         artifacts/quickstart-smoothquant 2>&1 | grep -v Warning | tee "$OUT/cuda_smoke.txt" ;;
@@ -71,6 +79,14 @@ PY
       bench throughput artifacts/llama3-8b-$prec --input-len 2048 --output-len 128 --concurrency 64
       bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 --concurrency 256 \
         --num-prompts 256 ;;
+    b1-*)
+      prec=${part#b1-}
+      artifact "$prec"
+      python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 \
+        --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | grep '^{' ;;
+    stock-*)
+      ckpt
+      python3 -m builder.bench.stock_torch $CKPT --quant ${part#stock-} 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl" ;;
     profile-*)
       prec=${part#profile-}
       artifact "$prec"

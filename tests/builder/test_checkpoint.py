@@ -97,7 +97,7 @@ def _fp8_checkpoint(src, dst, with_scales: bool):
 
 
 def _attach(path):
-    from builder.pipeline import attach_weights
+    from builder.checkpoint import attach_weights
     from passes.trace import trace
 
     ckpt = open_checkpoint(path)

@@ -68,7 +68,7 @@ def test_rank_files_are_written_one_tensor_at_a_time(checkpoints, tmp_path, monk
 
     from builder.artifact import _write_weights
     from builder.checkpoint import open_checkpoint
-    from builder.pipeline import attach_weights
+    from builder.checkpoint import attach_weights
     from passes import PassContext, run_passes
     from passes.ir import ShardedWeights
     from passes.trace import trace

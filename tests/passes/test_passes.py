@@ -7,7 +7,7 @@ import torch
 
 from conftest import FAMILIES, hf_logits
 from builder.checkpoint import open_checkpoint
-from builder.pipeline import attach_weights
+from builder.checkpoint import attach_weights
 from passes import PASSES, PassContext, PassError, run_passes
 from passes.trace import trace
 from passes.verify import run_graph

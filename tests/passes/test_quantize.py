@@ -7,7 +7,7 @@ import torch
 
 from builder.calibration import DataError, token_windows
 from builder.checkpoint import open_checkpoint
-from builder.pipeline import attach_weights
+from builder.checkpoint import attach_weights
 from passes import PassContext, PassError, run_passes
 from passes.smoothquant import smoothing_scales
 from passes.trace import trace

@@ -12,7 +12,7 @@ import torch
 
 from conftest import make_checkpoint
 from builder.checkpoint import open_checkpoint
-from builder.pipeline import attach_weights
+from builder.checkpoint import attach_weights
 from passes import PassContext, PassError, run_passes
 from passes.ir import Graph
 from passes.shard import check_tp_size

@@ -11,7 +11,7 @@ import torch
 from builder.calibration import DEFAULT_CALIBRATION, DEFAULT_EVAL, token_stream, token_windows
 from builder.checkpoint import open_checkpoint
 from builder.gates import GateThresholds, compare, make_eval_set
-from builder.pipeline import attach_weights
+from builder.checkpoint import attach_weights
 from builder.quality import GraphModel
 from conftest import make_outlier_variant
 from passes import PassContext, run_passes
