@@ -410,6 +410,7 @@ def bench_latency(
         suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
         figures += [(f"decode_b1_{precision}{suffix}", r.decode_tok_s, "tok/s"),
                     (f"ttft_{r.input_len}_{precision}", r.ttft_ms, "ms")]
+    failure = None
     if baseline is not None:
         quant = baseline_quant or STOCK_QUANT.get(precision, "bf16")
         if device == "cuda":
@@ -420,7 +421,8 @@ def bench_latency(
             try:
                 stock = run_stock_baseline(baseline, quant, r.input_len, output_len, device, repeats)
             except StockModelError as e:
-                _fail(str(e))
+                failure = str(e)  # our figures are still recorded
+                break
             typer.echo(json.dumps({**stock, "ours_decode_tok_s": round(r.decode_tok_s, 2),
                                    "ratio": round(r.decode_tok_s / stock["decode_tok_s"], 3)}))
             suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
@@ -433,6 +435,8 @@ def bench_latency(
                             ("--max-seq-len", max_seq_len), ("--max-num-batched-tokens", max_num_batched_tokens)):
             command += [flag, str(value)] if value is not None else []
         append_figures(record, figures, device, shlex.join(command + (["--no-cuda-graphs"] if no_cuda_graphs else [])))
+    if failure is not None:
+        _fail(failure)
 
 
 @bench_app.command("throughput")

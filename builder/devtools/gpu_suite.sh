@@ -83,10 +83,11 @@ PY
       prec=${part#b1-}
       artifact "$prec"
       python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 \
-        --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | grep '^{' ;;
+        --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" | grep '^{' ;;
     stock-*)
       ckpt
-      python3 -m builder.bench.stock_torch $CKPT --quant ${part#stock-} 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl" ;;
+      python3 -m builder.bench.stock_torch $CKPT --quant ${part#stock-} 2>&1 | tee "$OUT/stock_${part#stock-}.log" \
+        | grep '^{' | tee -a "$OUT/bench_8b.jsonl" ;;
     profile-*)
       prec=${part#profile-}
       artifact "$prec"
