@@ -11,20 +11,10 @@ from typing import Any
 
 import torch
 
+from kernels.torch_quant import FP8_MAX, quantize_weight_fp8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quantize import QuantMethod
-
-FP8_MAX = 448.0
-
-
-def quantize_fp8_weight(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [out, in] -> (e4m3 codes [out, in], fp32 scale [out] or [1])."""
-    w = w.float()
-    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().reshape(1)
-    scale = amax.clamp(min=1e-12) / FP8_MAX
-    q = (w / scale[:, None] if per_channel else w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
 
 
 @register
@@ -44,7 +34,7 @@ class FP8(QuantMethod):
         self.stats[index] = torch.maximum(self.stats[index], amax) if index in self.stats else amax
 
     def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
-        q, scale = quantize_fp8_weight(graph.params[node.weights["weight"]], self.per_channel)
+        q, scale = quantize_weight_fp8(graph.params[node.weights["weight"]], self.per_channel)
         tensors = {"qweight": q, "weight_scale": scale}
         if self.static:
             if stats is None:

@@ -21,18 +21,10 @@ from typing import Any
 
 import torch
 
+from kernels.torch_quant import INT8_MAX, quantize_weight_int8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quantize import QuantMethod
-
-INT8_MAX = 127.0
-
-
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w: [out, in] -> (int8 codes [out, in], fp32 scale [out]); scale = amax / 127."""
-    w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-8) / INT8_MAX
-    return (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -86,7 +78,7 @@ class SmoothQuant(QuantMethod):
         if s is not None:
             w = w * s[None, :]
             act_max = act_max / s
-        q, scale = quantize_int8_per_channel(w)
+        q, scale = quantize_weight_int8(w)
         tensors = {"qweight": q, "weight_scale": scale}
         if self.static:
             tensors["input_scale"] = (act_max.amax().clamp(min=1e-8) / INT8_MAX).reshape(1)

@@ -18,9 +18,8 @@ from kernels import gemv
 from kernels.gemv import GEMV_MAX_ROWS, GemvConfig, w4a16_gemv, w8a8_gemv
 from kernels.w4a16_gemm import ref_w4a16_linear, repack_w4a16
 from kernels.w8a8_gemm import ref_w8a8_linear
-from passes.fp8 import quantize_fp8_weight
 from passes.quant_math import QuantConfig, pack_int4, quantize_groups
-from passes.smoothquant import quantize_int8_per_channel
+from kernels.torch_quant import quantize_weight_fp8, quantize_weight_int8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
@@ -98,7 +97,7 @@ def _w8a8_weights(kind: str, n: int, k: int, per_channel: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     w[: n // 3] *= 4  # rows with different ranges: per-channel scales differ
-    return quantize_int8_per_channel(w) if kind == "int8" else quantize_fp8_weight(w, per_channel)
+    return quantize_weight_int8(w) if kind == "int8" else quantize_weight_fp8(w, per_channel)
 
 
 def _check_w8a8(kind: str, m_shape: tuple[int, ...], n: int, k: int, dtype: torch.dtype, static: bool, bias: bool,

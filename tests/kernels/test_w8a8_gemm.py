@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.w8a8_gemm import W8A8Config, _round_e4m3, ref_w8a8_linear, w8a8_linear
-from passes.fp8 import quantize_fp8_weight
-from passes.smoothquant import quantize_int8_per_channel
+from kernels.torch_quant import quantize_weight_fp8, quantize_weight_int8
 
 
 def _weights(kind: str, n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,8 +21,8 @@ def _weights(kind: str, n: int, k: int, per_channel: bool, seed: int) -> tuple[t
     w = torch.randn(n, k, generator=g) * 0.05
     w[: n // 3] *= 4  # rows with different ranges: per-channel scales differ
     if kind == "int8":
-        return quantize_int8_per_channel(w)
-    return quantize_fp8_weight(w, per_channel)
+        return quantize_weight_int8(w)
+    return quantize_weight_fp8(w, per_channel)
 
 
 def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
