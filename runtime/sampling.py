@@ -177,7 +177,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_seqs:  # greedy rows: the argmax of a row holding NaN is meaningless
-        invalid = torch.isnan(logits).any(dim=-1)  # invalid: [num_seqs]
+        # argmax propagates NaN (it picks a NaN when the row has one): one gather, not a pass over the vocab
+        invalid = torch.isnan(logits.gather(1, out[:, None])[:, 0])  # invalid: [num_seqs]
     else:
         invalid = torch.zeros(num_seqs, dtype=torch.bool, device=logits.device)
     if rows:

@@ -107,17 +107,16 @@ class Int8WeightOnlyLinear(nn.Module):
 
 
 def quantize_int4_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit groups in tinygemm's convention: w ~= (q - 8) * scale + zero.
+    """Asymmetric 4-bit groups (the passes' round-to-nearest) in tinygemm's convention:
+    w ~= (q - 8) * scale + zero, so tinygemm's float zero is (8 - integer zero) * scale.
 
     Returns codes [out, in] int32 in [0, 15] and scales_and_zeros [in / group_size, out, 2] (bf16)."""
-    out_f, in_f = weight.shape
-    w = weight.float().view(out_f, in_f // group_size, group_size)
-    lo, hi = w.amin(dim=-1), w.amax(dim=-1)  # [out, groups]
-    scale = ((hi - lo) / 15).clamp(min=1e-6)
-    zero = lo + 8 * scale
-    codes = ((w - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(out_f, in_f)
-    scales_and_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return codes, scales_and_zeros
+    from passes.quant_math import QuantConfig, quantize_groups
+
+    codes, scale, zero = quantize_groups(weight, QuantConfig(bits=4, group_size=group_size))  # scale: [out, groups]
+    offset = (8 - zero.float()) * scale
+    scales_and_zeros = torch.stack((scale, offset), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return codes.to(torch.int32), scales_and_zeros
 
 
 class Int4TinygemmLinear(nn.Module):
