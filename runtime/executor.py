@@ -373,13 +373,21 @@ def _elementwise(w, attrs, ex) -> Kernel:
 
 
 def _lm_head(w, attrs, ex) -> Kernel:
-    weight, bias = w["weight"], w.get("bias")
+    """Logits [num_selected, vocab] fp32 of the rows ``logits_indices`` selects (all rows when None), so
+    decode and chunked prefill skip the vocabulary-wide GEMM for rows nobody samples. The GEMM is a
+    linear's, compiled by ``_linear``: a quantized lm_head (``quant`` attr, recipe
+    ``quantization.lm_head``) runs the same W4A16/W8A16/W8A8 kernels or torch references as the linears."""
+    quant = attrs.get("quant")
+    linear = _linear(w, {"quant": quant} if quant else {}, ex)
+    num_rows = (w["weight"] if "weight" in w else w["qweight"]).shape[0]  # vocab (this rank's share)
 
     def kernel(xs, step):
-        x = xs[0]
+        x = xs[0]  # [num_tokens, hidden]
         if step.inp.logits_indices is not None:
             x = x.index_select(0, step.inp.logits_indices)
-        return (ops.linear(x, weight, bias).float(),)
+        if x.shape[0] == 0:  # a tensor-parallel worker asks for none: no GEMM launch over zero rows
+            return (x.new_empty(0, num_rows, dtype=torch.float32),)
+        return (linear([x], step)[0].float(),)
 
     return kernel
 
