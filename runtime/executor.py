@@ -232,14 +232,26 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tensor]:
-    """W4A16/W8A16 through the Triton kernels that dequantize in registers (packed weights stay packed): the GEMV
-    up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while ``GEMV_ENABLED``), else the GEMM."""
-    from kernels import gemv
+    """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). Where
+    ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel up to
+    ``MMA_RUNTIME_MAX_ROWS`` tokens, beyond that the weight dequantized into a temporary for cuBLAS (prefill).
+    Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
+    ``GEMV_ENABLED``), else the GEMM."""
+    from kernels import gemv, w4a16_mma
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
+    if w4a16_mma.MMA_ENABLED and w4a16_mma.supports(bits, group, in_features):
+        packed = w4a16_mma.repack_mma(qweight, w["scales"], w["zeros"], group, bits)  # once, at load
+
+        def mma_linear(x: torch.Tensor) -> torch.Tensor:
+            if x.numel() <= w4a16_mma.MMA_RUNTIME_MAX_ROWS * x.shape[-1]:  # shapes only: no sync, graph-safe
+                return w4a16_mma.w4a16_mma(x, bias=bias, **packed)
+            return F.linear(x, w4a16_mma.dequantize_mma(**packed, dtype=x.dtype), bias)
+
+        return mma_linear
     packed = repack_w4a16(qweight, w["scales"], w["zeros"], group, bits)  # K-major: coalesced loads, once
 
     def linear(x: torch.Tensor) -> torch.Tensor:

@@ -49,8 +49,9 @@ def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
     """W4A16 / W8A16 artifacts run the Triton GEMM on the repacked weights; W8A8 INT8 / FP8 ones quantize the
     20-token step (above FUSED_MAX_ROWS) with ``quantize_rows`` before the matmul. Steps of up to
     ``GEMV_RUNTIME_MAX_ROWS`` tokens run the GEMV kernels (``kernels.gemv``), or the GEMMs with ``GEMV_ENABLED``
-    off."""
-    from kernels import gemv
+    off. (The weight-only ones on the GEMV / GEMM path: ``kernels.w4a16_mma`` off, as for group sizes it does not
+    take; its own path is tested below.)"""
+    from kernels import gemv, w4a16_mma
 
     from builder.pipeline import build
     from builder.recipe import validate_recipe
@@ -64,6 +65,7 @@ def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quant,
         "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
     path = build(recipe).output_dir
+    monkeypatch.setattr(w4a16_mma, "MMA_ENABLED", False)  # read when the engine loads (repacks) the weights
     ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
     ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(2)).tolist()
     assert (fused.logits(ids) - ref.logits(ids)).abs().max() < 1e-3
@@ -87,3 +89,48 @@ def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
         expected = [1] * num_quantized + ([3] * num_quantized if runtime_rows >= 3 else [])
         assert calls == (expected if enabled else []), calls
         calls.clear()
+
+
+@pytest.mark.parametrize("algo", ["gptq", "int8_wo"])
+def test_weight_only_linears_on_the_mma_kernel(tmp_path, monkeypatch, algo):
+    """Where ``kernels.w4a16_mma`` takes the group size, W4A16 / W8A16 linears are repacked to its layout at load:
+    steps of up to ``MMA_RUNTIME_MAX_ROWS`` tokens run its tensor-core kernel, longer ones the weight dequantized
+    from that layout for a matmul; both equal the reference path."""
+    from kernels import gemv, w4a16_mma
+
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"], intermediate_size=128)  # groups of 32
+    quant = {"gptq": {"algo": "gptq", "group_size": 32}, "int8_wo": {"algo": "int8_wo"}}[algo]
+    recipe = validate_recipe({
+        "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quant,
+        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+    path = build(recipe).output_dir
+    ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
+    num_quantized = sum(1 for n in fused.executor.graph["nodes"] if n["op"] == "linear" and n["attrs"].get("quant"))
+    assert num_quantized > 0
+    calls, real = [], w4a16_mma.w4a16_mma
+    dequantized, real_dequantize = [], w4a16_mma.dequantize_mma
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    def spy_dequantize(*args, **kwargs):
+        dequantized.append(1)
+        return real_dequantize(*args, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the GEMV ran on weights repacked for the mma kernel")
+
+    monkeypatch.setattr(w4a16_mma, "w4a16_mma", spy)
+    monkeypatch.setattr(w4a16_mma, "dequantize_mma", spy_dequantize)
+    monkeypatch.setattr(gemv, "w4a16_gemv", never)
+    monkeypatch.setattr(w4a16_mma, "MMA_RUNTIME_MAX_ROWS", 16)
+    ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    for num_tokens in (1, 5, 20):
+        assert (fused.logits(ids[:num_tokens]) - ref.logits(ids[:num_tokens])).abs().max() < 1e-3
+    assert calls == [1] * num_quantized + [5] * num_quantized, calls
+    assert len(dequantized) == num_quantized  # the 20-token step

@@ -1,0 +1,421 @@
+"""Weight-only quantized linears (W4A16, W8A16) for decode-sized batches on tensor cores, with no per-weight
+dequantization arithmetic.
+
+``y = x @ ((q - zero) * scale).T + bias`` on :func:`repack_mma`'s layout ("mma"), rows of codes contiguous over K
+so that each thread's 16-byte load already holds pairs of consecutive input features, the order the MMA's
+operand fragments take (a K-major byte tile would need a byte-wise shuffle through shared memory)::
+
+    4 bits: qweight uint8 [N, K/2] in chunks of P bytes per row (P = pair_span: a power of 2 that divides
+            the group size / 2 and K / 2, at most 64): byte [n, c*P + i] = q[n, 2cP + i] | q[n, 2cP + P + i] << 4
+            (the low nibbles are the chunk's first P input features, the high nibbles the next P)
+    8 bits: qweight uint8 [N, K] = q[n, k]  (the passes' own layout)
+    scales  fp32 [G, N], zeros uint8 [G, N]  (per group, contiguous over n)
+
+At 1-16 rows of x a linear is bound by the weight bytes read; at 3 TB/s an H100 issues about 10 instructions
+per weight byte, and dequantizing each code in fp32 (``(q - zero) * scale``: unpack, convert, FMA) before the
+multiply-add spends most of them (``kernels.gemv``: ~9 per byte at one row, ~1.35 TB/s). Here a code costs only
+its unpacking. Within one quantization group the scale and zero are constants of the column, so
+
+    sum_k x[m, k] (q[n, k] - z[n]) s[n] = s[n] * (sum_k x[m, k] (q[n, k] + OFF) - (z[n] + OFF) * sum_k x[m, k])
+
+and the inner sum is a plain tensor-core product of x with the codes offset by OFF, exact in the MMA's fp32
+accumulation (codes are small integers, exact in bf16). Each K step of a program is one chunk, inside one group::
+
+    bytes [BLOCK_N, P] ── unpack ──► lo, hi: codes + OFF (bf16 [BLOCK_N, P] each)
+    acc += s * (x[:, 2cP : 2cP + P] @ lo.T + x[:, 2cP + P : 2cP + 2P] @ hi.T) - s * (z + OFF) * sum(x[:, 2cP : 2cP + 2P])
+
+4-bit codes become ``128 + q`` bf16 by ORing the nibble into the mantissa of 128.0 (OFF = 128): in PTX, per 4
+packed bytes 2 byte permutes, 2 shifts and 4 LOPs make 8 bf16 codes (``_UNPACK_BF16_PTX``), 2 instructions per
+weight byte (~6.5 per byte for the whole K loop at sm_90, from ~9 for the GEMV); 8-bit codes are ``q - 128``
+(OFF = -128). With one group per output channel (``group_size == K``) the raw products accumulate over the
+whole K range and the correction runs once, at the end. :func:`dequantize_mma` turns the layout back into a
+[N, K] weight for cuBLAS at prefill sizes.
+
+At small N the BLOCK_N tiles are too few for the SMs, so K is split across programs whose fp32 partial sums
+the tile's last program adds in split order (deterministic) in the same launch, as ``kernels.gemv`` does (its
+tile counters, and its NOTE on concurrency and CUDA-graph capture, apply here).
+
+NOTE: under TRITON_INTERPRET (and for fp16 / fp32 x) the codes are converted with plain integer and float ops,
+and the interpreter multiplies in fp32 at IEEE precision (its bf16 dot is wrong); fp32 x always takes the IEEE
+dot (exact codes, fp32 x: the reference's precision). No host synchronisation: grids and splits come from
+shapes only (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gemv import _split_plan, _tile_counters
+from kernels.torch_quant import unpack_int4
+from kernels.w4a16_gemm import X_DTYPES, _check_device, _interpreting
+
+LAYOUT = "mma"
+MMA_MAX_ROWS = 256  # rows of x the kernel takes
+MMA_ENABLED = True  # the runtime repacks weight-only linears to this layout where supports() (runtime/executor.py)
+MMA_RUNTIME_MAX_ROWS = 64  # the runtime sends this many rows here; more to dequantize_mma + cuBLAS
+MAX_PAIR_SPAN = 64  # bytes per row of a 4-bit chunk (a K step): 128 input features, one group of 128
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """One launch configuration of :func:`w4a16_mma`."""
+
+    block_n: int  # output features per program (power of 2, >= 16)
+    block_m: int = 16  # rows of x per tile (power of 2, >= 16: tl.dot's minimum)
+    block_r: int = 64  # 8 bits: bytes per row per K step (shrunk to fit the group size); 4 bits: the pair span
+    split_k: int = 0  # programs sharing one tile's K range; 0 = from the tile count and the SM count
+    num_warps: int = 4
+    num_stages: int = 2
+    ptx_unpack: bool = True  # bf16 x on the GPU: 4-bit codes unpacked in PTX (else plain Triton integer ops)
+    reduce_in_kernel: bool = True  # read by kernels.gemv._split_plan: the last program adds the partials
+
+
+# Picked by rows of x: the first row whose bound is >= M.
+_CUDA_CONFIGS: list[tuple[int, MmaConfig]] = [
+    (16, MmaConfig(128, 16, num_warps=4, num_stages=2)),
+    (32, MmaConfig(128, 32, num_warps=4, num_stages=2)),
+    (64, MmaConfig(128, 64, num_warps=4, num_stages=2)),
+    (MMA_MAX_ROWS, MmaConfig(128, 128, num_warps=8, num_stages=2)),
+]
+_INTERPRETER_CONFIG = MmaConfig(32, 16, 16, split_k=1, num_warps=1, num_stages=1)
+_MIN_BLOCK = 16  # tl.dot's minimum along every dimension
+
+
+def default_mma_config(num_rows: int, device: torch.device) -> MmaConfig:
+    """The table's configuration for ``num_rows`` rows of x."""
+    if _interpreting() or device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    return next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
+
+
+def _largest_step(limit: int, *multiples_of: int) -> int | None:
+    """The largest power of 2 in [16, limit] dividing every ``multiples_of``, else None."""
+    r = 1 << (max(limit, 1).bit_length() - 1)
+    while r >= _MIN_BLOCK:
+        if all(m % r == 0 for m in multiples_of):
+            return r
+        r //= 2
+    return None
+
+
+def pair_span(group_size: int, in_features: int) -> int | None:
+    """The 4-bit layout's chunk width in bytes for this group size (-1: one group), or None when no chunk of
+    at least 16 bytes lies inside one group (the kernel does not take such weights)."""
+    g = in_features if group_size == -1 else group_size
+    if g % 2 or in_features % g:
+        return None
+    return _largest_step(MAX_PAIR_SPAN, g // 2, in_features // 2)
+
+
+def supports(bits: int, group_size: int, in_features: int) -> bool:
+    """Whether :func:`repack_mma` and :func:`w4a16_mma` take weights of this shape (else use ``kernels.gemv`` /
+    ``kernels.w4a16_gemm``)."""
+    g = in_features if group_size == -1 else group_size
+    if bits == 4:
+        return pair_span(group_size, in_features) is not None
+    return bits == 8 and in_features % g == 0 and _largest_step(MAX_PAIR_SPAN, g, in_features) is not None
+
+
+# --- layout ----------------------------------------------------------------------------------------
+def repack_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               bits: int = 4) -> dict[str, torch.Tensor | int | str]:
+    """The passes' layout (``qweight`` [N, K/2] / [N, K], ``scales`` / ``zeros`` [N, G]) -> the "mma" layout
+    (module docstring), as keyword arguments of :func:`w4a16_mma` and :func:`dequantize_mma`. Done once, at load;
+    :func:`unrepack_mma` inverts it."""
+    if bits not in (4, 8):
+        raise ValueError(f"bits {bits} is not supported (4 for w4a16, 8 for w8a16)")
+    if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise ValueError(f"expected qweight uint8, scales fp32, zeros uint8; got {qweight.dtype}, {scales.dtype}, "
+                         f"{zeros.dtype}")
+    n, cols = qweight.shape
+    k = cols * (8 // bits)
+    if not supports(bits, group_size, k):
+        raise ValueError(f"the mma layout takes no {bits}-bit weights with group_size {group_size} and {k} input "
+                         "features (it needs K steps of >= 16 bytes inside one group)")
+    num_groups = k // (k if group_size == -1 else group_size)
+    if tuple(scales.shape) != (n, num_groups) or tuple(zeros.shape) != (n, num_groups):
+        raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match qweight "
+                         f"{tuple(qweight.shape)} with group_size {group_size} (expected {(n, num_groups)})")
+    span = 0
+    if bits == 4:
+        span = pair_span(group_size, k)
+        codes = unpack_int4(qweight).reshape(n, k // (2 * span), 2, span)  # [N, chunks, lo/hi, P]
+        packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    else:
+        packed = qweight.contiguous()
+    return {"qweight": packed, "scales": scales.t().contiguous(), "zeros": zeros.t().contiguous(),
+            "group_size": group_size, "bits": bits, "layout": LAYOUT, "pair_span": span}
+
+
+def unrepack_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int = 4,
+                 layout: str = LAYOUT, pair_span: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scales, zeros) of the "mma" layout -> the passes' layout (the inverse of :func:`repack_mma`)."""
+    if bits == 4:
+        n, half = qweight.shape
+        chunks = qweight.reshape(n, half // pair_span, 1, pair_span)
+        codes = torch.cat((chunks & 0x0F, chunks >> 4), dim=2).reshape(n, 2 * half)  # [N, K]
+        qweight = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return qweight.contiguous(), scales.t().contiguous(), zeros.t().contiguous()
+
+
+@dataclass
+class _MmaWeights:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    out_features: int  # N
+    in_features: int  # K
+    group_size: int  # -1 resolved to K
+    step: int  # bytes per row per K step: the pair span (4 bits), a power of 2 inside one group (8 bits)
+
+
+def _mma_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
+                 layout: str, pair_span: int, block_r: int = MAX_PAIR_SPAN) -> _MmaWeights:
+    """Validates :func:`repack_mma`'s output (user-facing errors)."""
+    if layout != LAYOUT:
+        raise ValueError(f"w4a16_mma / dequantize_mma take the {LAYOUT!r} layout (kernels.w4a16_mma.repack_mma), "
+                         f"not {layout!r}")
+    if bits not in (4, 8) or qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        raise ValueError(f"expected 4 or 8 bits and a 2-D uint8 qweight, got {bits} bits, {qweight.dtype} "
+                         f"{tuple(qweight.shape)}")
+    n, cols = qweight.shape
+    k = cols * (8 // bits)
+    g = k if group_size == -1 else group_size
+    if not supports(bits, group_size, k) or (bits == 4 and pair_span != globals()["pair_span"](group_size, k)):
+        raise ValueError(f"qweight {tuple(qweight.shape)} with group_size {group_size} and pair_span {pair_span} is "
+                         f"not repack_mma's {bits}-bit layout")
+    if tuple(scales.shape) != (k // g, n) or tuple(zeros.shape) != (k // g, n) or scales.dtype != torch.float32 \
+            or zeros.dtype != torch.uint8:
+        raise ValueError(f"scales {scales.dtype} {tuple(scales.shape)} / zeros {zeros.dtype} {tuple(zeros.shape)} "
+                         f"do not match: expected fp32 / uint8 {(k // g, n)}")
+    step = pair_span if bits == 4 else _largest_step(block_r, g, k)
+    return _MmaWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, g, step)
+
+
+# --- kernels ---------------------------------------------------------------------------------------
+# Per 4 packed bytes b0..b3 (one register): spread bytes 0,1 (2,3) into the two halves of a register (prmt),
+# keep each half's low nibble (high: after a 4-bit shift) and OR in the bits of bf16 128.0 (lop3 0xea = a & b | c):
+# two bf16 128 + q per register, element i of the outputs from byte i.
+_UNPACK_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, s0, s1, zero;
+mov.b32 zero, 0;
+prmt.b32 t0, $4, zero, 0x4140;
+prmt.b32 t1, $4, zero, 0x4342;
+lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xea;
+shr.u32 s0, t0, 4;
+shr.u32 s1, t1, 4;
+lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xea;
+}
+""")
+
+
+@triton.jit
+def _codes(b, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """uint8 bytes -> (low codes + 128, high codes + 128) for 4 bits, (q - 128, q - 128) for 8 bits, in DOT_DTYPE
+    (exact: small integers)."""
+    if BITS == 4:
+        if PTX:
+            return tl.inline_asm_elementwise(_UNPACK_BF16_PTX, "=r,=r,=r,=r,r", [b],
+                                             dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        else:
+            q = b.to(tl.int32)
+            return ((q & 0xF) + 128).to(tl.float32).to(DOT_DTYPE), ((q >> 4) + 128).to(tl.float32).to(DOT_DTYPE)
+    else:
+        v = (b.to(tl.int32) - 128).to(tl.float32).to(DOT_DTYPE)
+        return v, v
+
+
+@triton.jit
+def _dot(a, w_t, IEEE: tl.constexpr):
+    """a @ w_t.T from a zero accumulator: tensor cores on the operands' dtype, or fp32 at IEEE precision."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), tl.trans(w_t.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(w_t))
+
+
+@triton.jit
+def _group_consts(s_ptr, z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
+    """(scale, scale * (zero + OFF)) of group g per column, fp32 [1, BLOCK_N]."""
+    if EVEN_N:
+        s = tl.load(s_ptr + g * stride_sz + offs_n)
+        z = tl.load(z_ptr + g * stride_sz + offs_n)
+    else:
+        s = tl.load(s_ptr + g * stride_sz + offs_n, mask=mask_n, other=0.0)
+        z = tl.load(z_ptr + g * stride_sz + offs_n, mask=mask_n, other=0)
+    return s[None, :], (s * (z.to(tl.float32) + OFF))[None, :]
+
+
+@triton.jit
+def _w4a16_mma_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
+    M, N, K, group_size, steps_per_split, split_k,
+    stride_xm, stride_qw, stride_sz,
+    BITS: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+    PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    # x: [M, K] -> y: [M, N] contiguous; grid (N tiles, split_k, M tiles). A K step is BLOCK_R bytes of each row
+    # of the tile: 4 bits, one chunk (codes 2 * r0 .. 2 * r0 + 2 * BLOCK_R); 8 bits, codes r0 .. r0 + BLOCK_R.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    OFF: tl.constexpr = 128.0 if BITS == 4 else -128.0
+    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
+    offs_r = tl.arange(0, BLOCK_R)
+    x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = qw_ptr + offs_n[:, None] * stride_qw
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # ONE_GROUP: uncorrected products over the split
+    xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    first_step = pid_k * steps_per_split
+    num_steps = min(steps_per_split, (K * BITS // 8) // BLOCK_R - first_step)
+    for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
+        r0 = (first_step + step) * BLOCK_R
+        if EVEN_N:
+            b = tl.load(w_rows + (r0 + offs_r)[None, :])
+        else:
+            b = tl.load(w_rows + (r0 + offs_r)[None, :], mask=mask_n[:, None], other=0)
+        lo, hi = _codes(b, BITS, DOT_DTYPE, PTX)  # [BLOCK_N, BLOCK_R] each
+        k0 = r0 * (8 // BITS)  # the step's first input feature
+        x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+        if BITS == 4:
+            x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+            prod = _dot(x_lo, lo, IEEE) + _dot(x_hi, hi, IEEE)
+            xs = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
+        else:
+            prod = _dot(x_lo, lo, IEEE)
+            xs = tl.sum(x_lo.to(tl.float32), axis=1)
+        if ONE_GROUP:
+            raw += prod
+            xsum += xs
+        else:
+            s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+            acc += s * prod - c * xs[:, None]
+    if ONE_GROUP:
+        s, c = _group_consts(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        acc = s * raw - c * xsum[:, None]
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    out = offs_m[:, None] * N + offs_n[None, :]
+    if not SPLIT:
+        _store_tile(y_ptr + out, acc, bias_ptr, offs_n, mask_n, mask, HAS_BIAS)
+    else:
+        tl.store(part_ptr + pid_k * M * N + out, acc, mask=mask)
+        # count this program in on the tile's counter (acquire-release, GPU scope) after all its threads stored
+        # their partials; the last of the split_k programs sees them all and finishes the tile
+        counter = counter_ptr + pid_m * tl.num_programs(0) + pid_n
+        tl.debug_barrier()
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == split_k - 1:
+            tl.store(counter, 0)  # zero again for the next launch
+            tot = tl.load(part_ptr + out, mask=mask, other=0.0, cache_modifier=".cg")  # split order: deterministic
+            for i in range(1, split_k):
+                tot += tl.load(part_ptr + i * M * N + out, mask=mask, other=0.0, cache_modifier=".cg")
+            _store_tile(y_ptr + out, tot, bias_ptr, offs_n, mask_n, mask, HAS_BIAS)
+
+
+@triton.jit
+def _store_tile(y_ptrs, acc, bias_ptr, offs_n, mask_n, mask, HAS_BIAS: tl.constexpr):
+    """y = acc (fp32) + bias, in y's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dequant_mma_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_qw, stride_sz,
+                        BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    # out [N, K] = (q - zero) * scale in out's dtype; grid (N tiles, K steps of BLOCK_R bytes per row)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_n < N)[:, None]
+    r0 = tl.program_id(1) * BLOCK_R
+    offs_r = tl.arange(0, BLOCK_R)
+    q = tl.load(qw_ptr + offs_n[:, None] * stride_qw + (r0 + offs_r)[None, :], mask=mask, other=0).to(tl.int32)
+    k0 = r0 * (8 // BITS)
+    g = k0 // group_size
+    s = tl.load(s_ptr + g * stride_sz + offs_n, mask=offs_n < N, other=0.0)[:, None]
+    z = tl.load(z_ptr + g * stride_sz + offs_n, mask=offs_n < N, other=0).to(tl.int32)[:, None]
+    rows = out_ptr + offs_n[:, None] * K
+    if BITS == 4:
+        tl.store(rows + (k0 + offs_r)[None, :], (((q & 0xF) - z).to(tl.float32) * s).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(rows + (k0 + BLOCK_R + offs_r)[None, :],
+                 (((q >> 4) - z).to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(rows + (k0 + offs_r)[None, :], ((q - z).to(tl.float32) * s).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --- host side -------------------------------------------------------------------------------------
+def dequantize_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT, pair_span: int = 0) -> torch.Tensor:
+    """The weight ``(q - zero) * scale`` [N, K] in ``dtype`` from :func:`repack_mma`'s layout (fp32 product
+    rounded once, as ``kernels.torch_quant.dequantize_weight``)."""
+    _check_device(qweight)
+    w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span)
+    out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
+    block_n = 64
+    _dequant_mma_kernel[(triton.cdiv(w.out_features, block_n), w.in_features * bits // 8 // w.step)](
+        w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, w.group_size, w.qweight.stride(0),
+        w.scales.stride(0), BITS=bits, BLOCK_N=block_n, BLOCK_R=w.step, num_warps=4)
+    return out
+
+
+def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT, pair_span: int = 0,
+              config: MmaConfig | None = None) -> torch.Tensor:
+    """``x @ ((q - zero) * scale).T + bias`` for at most ``MMA_MAX_ROWS`` rows of x, on :func:`repack_mma`'s
+    weights (``w4a16_mma(x, **repacked)``); 4 or 8 bits.
+
+    x: [..., K] fp16/bf16/fp32 -> y: [..., N] in x's dtype (fp32 sums, as ``ref_w4a16_linear``). ``config``
+    forces a configuration (benchmarks and tests).
+    """
+    _check_device(x)
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    num_rows = x2.shape[0]
+    cfg = config or default_mma_config(num_rows, x.device)
+    w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, cfg.block_r)
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} (qweight "
+                         f"{tuple(qweight.shape)}, {bits} bits)")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    if num_rows > MMA_MAX_ROWS:
+        raise ValueError(f"w4a16_mma takes at most MMA_MAX_ROWS = {MMA_MAX_ROWS} rows of x, got {num_rows} "
+                         f"(x {tuple(x.shape)}); use dequantize_mma and a matmul for more")
+    for name in ("block_n", "block_m"):
+        value = getattr(cfg, name)
+        assert value >= _MIN_BLOCK and value & (value - 1) == 0, f"{cfg}: {name} must be a power of 2 >= 16"
+    n = w.out_features
+    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return y.reshape(*x.shape[:-1], n)
+
+    num_steps = w.in_features * bits // 8 // w.step
+    m_tiles = triton.cdiv(num_rows, cfg.block_m)
+    plan = _split_plan(y, num_steps, cfg, torch.float32)
+    if plan.split_k > 1 and m_tiles > 1:  # one counter per (M tile, N tile)
+        plan.counters = _tile_counters(y.device, m_tiles * plan.grid[0])
+    pure = _interpreting() or not x.is_cuda
+    _w4a16_mma_kernel[(plan.grid[0], plan.split_k, m_tiles)](
+        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, plan.part, plan.counters,
+        num_rows, n, w.in_features, w.group_size, plan.steps_per_split, plan.split_k,
+        x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
+        BITS=bits, ONE_GROUP=w.group_size == w.in_features, HAS_BIAS=bias is not None, SPLIT=plan.split_k > 1,
+        PTX=cfg.ptx_unpack and not pure and x.dtype == torch.bfloat16, IEEE=pure or x.dtype == torch.float32,
+        EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step,
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+    return y.reshape(*x.shape[:-1], n)
