@@ -218,7 +218,7 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
         },
         "reports": {"markdown": "report.md", "html": "report.html"},
         "quantization": {"algo": recipe.quant_algo(), "kv_cache_dtype": recipe.runtime.kv_cache_dtype,
-                         **extra},
+                         "lm_head": lm_head_scheme(graph), **extra},
     }
     manifest["build"]["duration_s"] = round(time.perf_counter() - start, 3)
     manifest["files"] = _file_table(tmp)  # report sizes need the weight files' sizes
@@ -227,6 +227,13 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
     manifest["files"] = _file_table(tmp)
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def lm_head_scheme(graph: Graph) -> str:
+    """The lm_head's storage scheme (``none``: the model dtype), as graph.json's lm_head node records it;
+    the runtime checks the manifest's copy against graph.json."""
+    head = next(n for n in graph.nodes if n.op == "lm_head")
+    return head.attrs.get("quant", {}).get("scheme", "none")
 
 
 def _write_weights(tmp: Path, graph: Graph) -> dict[str, Any]:

@@ -315,7 +315,9 @@ def inspect(
         g = q.get("gates")
         gate_text = ("gates " + ("PASSED" if g["passed"] else "FAILED") + ": " + ", ".join(
             f"{x['name']}={x['value']:.4g}" for x in g["metrics"])) if g else "gates not run"
-        lines.append(f"quantization  {q['algo']}, KV cache {q.get('kv_cache_dtype', 'auto')}; {gate_text}")
+        head = q.get("lm_head", "none")
+        head_text = f"lm_head {head}" if head != "none" else f"lm_head {model['dtype']}"
+        lines.append(f"quantization  {q['algo']}, {head_text}, KV cache {q.get('kv_cache_dtype', 'auto')}; {gate_text}")
     lines.append(f"built         {m['build']['started_at']} on {m['build']['host']} in {m['build']['duration_s']:.2f}s; "
                  f"toolchain {m['versions']['toolchain']}, torch {m['versions']['torch']}")
     lines.append(f"size          {total / 2**20:.2f} MiB in {len(m['files'])} files")

@@ -5,8 +5,9 @@ then renders one self-contained HTML report (plots inline as SVG, no scripts, fo
 network) and a Markdown twin whose plots are sibling SVG files:
 
     recipe differences   only the resolved-recipe keys whose values differ (name/output_dir left out)
-    sizes                artifact bytes, weight bytes, bits per weight of the quantized linears
-                         (their tensors' bytes x 8 / in_features x out_features) and overall
+    sizes                artifact bytes, weight bytes, bits per weight of the quantized linears, a
+                         quantized lm_head included (their tensors' bytes x 8 / in_features x
+                         out_features) and overall
                          (weight bytes x 8 / parameters, quantized linears counted unpacked)
     gates                every gate metric with its threshold and pass/fail
     hot spots            the linears with the largest relative output error on calibration data
@@ -59,8 +60,9 @@ class Sizes:
     num_parameters: int  # logical parameters: quantized linears counted as in_features x out_features
     num_linears: int  # linear ops in the graph (lm_head not included)
     num_quantized_linears: int
-    quantized_linear_bytes: int  # qweight, scales, zeros, ... of the quantized linears
+    quantized_linear_bytes: int  # qweight, scales, zeros, ... of the quantized linears (and a quantized lm_head)
     quantized_linear_parameters: int
+    lm_head_quantized: bool = False  # quantization.lm_head: counted in the quantized bytes and parameters
 
     @property
     def bpw_quantized(self) -> float | None:
@@ -195,7 +197,8 @@ def weight_sizes(path: Path, manifest: dict[str, Any], graph: dict[str, Any]) ->
     params = graph["params"]  # name -> {"shape", "dtype"}
     nbytes = {n: numel(p["shape"]) * getattr(torch, p["dtype"]).itemsize for n, p in params.items()}
     linears = [n for n in graph["nodes"] if n["op"] == "linear"]
-    quantized = [n for n in linears if n["attrs"].get("quant")]
+    heads = [n for n in graph["nodes"] if n["op"] == "lm_head" and n["attrs"].get("quant")]
+    quantized = [n for n in linears if n["attrs"].get("quant")] + heads
     quant_tensors = {t for n in quantized for t in n["weights"].values()}
     quant_params = sum(n["attrs"]["in_features"] * n["attrs"]["out_features"]
                        + (numel(params[n["weights"]["bias"]]["shape"]) if "bias" in n["weights"] else 0)
@@ -206,9 +209,10 @@ def weight_sizes(path: Path, manifest: dict[str, Any], graph: dict[str, Any]) ->
         weights_bytes=manifest["weights"]["bytes"],
         num_parameters=quant_params + other_params,
         num_linears=len(linears),
-        num_quantized_linears=len(quantized),
+        num_quantized_linears=len(quantized) - len(heads),
         quantized_linear_bytes=sum(nbytes[t] for t in quant_tensors),
         quantized_linear_parameters=quant_params,
+        lm_head_quantized=bool(heads),
     )
 
 

@@ -15,7 +15,9 @@ What is exact and what is not:
   fp32 per-layer KV scales. At tp_size 1 this is the artifact's tensor bytes exactly (tested). Under
   tensor parallelism the split assumed is Megatron's: q/k/v/gate/up split by output rows, o/down by
   input columns, KV heads replicated when tp_size > num_key_value_heads, norms replicated, embedding and
-  lm_head replicated unless ``vocab_parallel``.
+  lm_head replicated unless ``vocab_parallel``. A quantized lm_head (``quantization.lm_head``) is counted
+  as a linear [vocab rows, hidden] of its section's scheme; a tied one then no longer shares the
+  embedding table, which stays in the model dtype beside it.
 - KV bytes per token: exact, 2 x layers x KV heads per rank x head_dim x element size (fp8/int8 KV: 1 B;
   their per-layer scales are two fp32 numbers a layer, counted with the weights).
 - workspace: an ESTIMATE, the runtime's CPU formula (``runtime/memory.py`` estimate_workspace_bytes):
@@ -306,7 +308,7 @@ class Plan:
     num_parameters: int  # whole model, unquantized
     weights_bytes: int  # per rank, as stored (see weights_breakdown)
     weights_breakdown: dict[str, int]  # embedding, lm_head, linears, norms, rope, kv_scales: bytes per rank
-    quantized_linears: dict[str, int]  # method -> how many linear nodes of the graph it quantizes
+    quantized_linears: dict[str, int]  # method -> how many linear nodes of the graph it quantizes (lm_head apart)
     kv_heads_per_rank: int
     kv_bytes_per_token: int  # per rank, all layers, K and V
     budget_bytes: int  # gpu_memory x gpu_memory_utilization
@@ -318,6 +320,7 @@ class Plan:
     fits: bool
     verdict: str  # one sentence: fits with N requests, or what does not fit and what to change
     notes: list[str] = field(default_factory=list)
+    lm_head_quantization: Optional[str] = None  # the method that quantizes the lm_head; None: model dtype
 
     @property
     def kv_pool_tokens(self) -> int:
@@ -391,9 +394,15 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
     table = vocab_rows * shape.hidden_size * itemsize
     per_layer_norms = 2 * shape.hidden_size + (2 * shape.head_dim if shape.qk_norm else 0)
     kv_quantized = s.kv_cache_dtype != "auto"
+    head_section = next((q for q in sections if q.lm_head), None)
+    if head_section is not None:  # its own quantized copy, tied or not
+        head = LinearNode("lm_head", ("lm_head",), shape.hidden_size, (vocab_rows,), False)
+        head_bytes = linear_bytes(head, head_section, itemsize, tp)
+    else:
+        head_bytes = 0 if shape.tie_word_embeddings else table  # a tied lm_head is the embedding table
     breakdown = {
         "embedding": table,
-        "lm_head": 0 if shape.tie_word_embeddings else table,  # a tied lm_head is the embedding table
+        "lm_head": head_bytes,
         "linears": sum(linear_bytes(n, m, itemsize, tp) for n, m in zip(nodes, methods)),
         "norms": (shape.num_layers * per_layer_norms + shape.hidden_size) * itemsize,
         "rope": shape.head_dim // 2 * 4,  # inv_freq, fp32, one table shared by the layers
@@ -443,6 +452,8 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
     if shape.max_position_embeddings and s.max_seq_len > shape.max_position_embeddings:
         notes.append(f"max_seq_len {s.max_seq_len} exceeds the model's max_position_embeddings "
                      f"{shape.max_position_embeddings}: `builder build` refuses this recipe")
+    if head_section is not None and shape.tie_word_embeddings:
+        notes.append(f"lm_head quantized ({head_section.algo}): untied from the embedding, which stays in {s.dtype}")
     if kv_quantized:
         notes.append(f"{s.kv_cache_dtype} KV cache: 1 B per element; its per-layer scales "
                      f"({breakdown['kv_scales']} B) are negligible and counted with the weights")
@@ -455,7 +466,8 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
                 weights_bytes=weights, weights_breakdown=breakdown, quantized_linears=quantized,
                 kv_heads_per_rank=kv_heads, kv_bytes_per_token=kv_per_token, budget_bytes=budget,
                 workspace_bytes=workspace, workspace_formula=formula, kv_pool_bytes=pool, num_blocks=int(num_blocks),
-                concurrency=concurrency, fits=fits, verdict=verdict, notes=notes)
+                concurrency=concurrency, fits=fits, verdict=verdict, notes=notes,
+                lm_head_quantization=head_section.algo if head_section is not None else None)
 
 
 # --- entry points: checkpoint directories, the CLI, the build -------------------------------------
@@ -522,7 +534,8 @@ def render(plan: Plan, console=None) -> None:
                  f"{m.model_type}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads}/"
                  f"{m.num_kv_heads} kv, head_dim {m.head_dim}, intermediate {m.intermediate_size}, vocab "
                  f"{m.vocab_size}{', tied' if m.tie_word_embeddings else ''}")
-    head.add_row("precision", s.dtype, f"quantization {quant}; KV cache {kv_dtype}")
+    lm_head = plan.lm_head_quantization or s.dtype
+    head.add_row("precision", s.dtype, f"quantization {quant}; lm_head {lm_head}; KV cache {kv_dtype}")
     b = plan.weights_breakdown
     parts = ", ".join(f"{k} {_size(v)}" for k, v in b.items() if v)
     head.add_row("weights per rank", _size(plan.weights_bytes),

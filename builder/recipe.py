@@ -95,7 +95,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
     "awq": {"group_size", "n_grid"},
 }
-COMMON_OPTIONS = {"algo", "targets", "ignore"}
+COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
 
 class QuantizationSection(_Strict):
@@ -114,9 +114,15 @@ class QuantizationSection(_Strict):
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)
     weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
+    # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
+    # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.
+    lm_head: bool = False
 
     @model_validator(mode="after")
     def _options_fit_algo(self) -> QuantizationSection:
+        if self.lm_head and self.algo == "none":
+            raise ValueError("lm_head: true needs a quantization method; algo is 'none' (pick awq, gptq, smoothquant, "
+                             "fp8 or int8_wo, or set lm_head: false)")
         allowed = ALGO_OPTIONS[self.algo]
         for key in type(self).model_fields:
             if key in COMMON_OPTIONS or getattr(self, key) is None:
@@ -129,7 +135,7 @@ class QuantizationSection(_Strict):
         return self
 
     def method_options(self) -> dict[str, Any]:
-        """Options passed to the quantization pass: the ones set, plus targets/ignore."""
+        """Options passed to the quantization pass: the ones set, plus targets/ignore/lm_head."""
         return {k: v for k, v in self.model_dump().items() if v is not None and k != "algo"}
 
 
@@ -223,6 +229,10 @@ class Recipe(_Strict):
             algos = [q.algo for q in self.quantization]
             if not algos or "none" in algos or len(set(algos)) != len(algos):
                 raise ValueError(f"quantization: a list needs distinct methods other than 'none', got {algos}")
+            heads = [i for i, q in enumerate(self.quantization) if q.lm_head]
+            if len(heads) > 1:
+                raise ValueError(f"quantization: lm_head: true in sections {', '.join(map(str, heads))}; the lm_head is "
+                                 f"quantized once, so set it in one section only")
         return self
 
     def quant_sections(self) -> list[QuantizationSection]:

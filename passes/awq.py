@@ -27,11 +27,15 @@ the reference's spans [min, max]).
 The caller applies the results: it folds ``1 / s`` into the op producing x (a norm's weight, the
 previous linear's output rows), multiplies each W_j's input columns by s, divides the recorded
 inputs by s before :func:`search_clip` (as the reference does), clips with :func:`apply_clip`, and
-quantizes (``quant_math.quantize_groups``). Everything here is deterministic and fp32.
+quantizes (``quant_math.quantize_groups``). Everything here is deterministic and fp32. A norm absorbs
+s only when the group's linears are its sole readers; a group whose input nothing can absorb is
+quantized without scaling (round to nearest, clip search kept). With ``lm_head: true`` the lm_head is
+such a group of its own, fed by the final norm, its scale searched on the logits.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import asdict
 from typing import Any, Callable
@@ -42,11 +46,13 @@ from torch import Tensor
 from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
-from passes.quantize import QuantMethod, check_group_size
+from passes.quantize import QuantMethod, check_group_size, norm_can_absorb
 from runtime.executor import Executor, SeqSlice, StepInput, kv_layout_of
 from runtime.kv_cache import SequenceKV
 
 __all__ = ["activation_stat", "search_scale", "search_clip", "apply_clip"]
+
+log = logging.getLogger("passes.awq")
 
 
 def activation_stat(x: Tensor) -> Tensor:
@@ -252,7 +258,7 @@ class AWQ(QuantMethod):
         self.block_objective: dict[str, bool] = {}  # group -> scale searched on the whole block's output
 
     def validate_node(self, graph: Graph, node: Node) -> None:
-        check_group_size(node, self.cfg.group_size, self.name)
+        check_group_size(graph, node, self.cfg.group_size, self.name)
 
     def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
         kept = self.stats.setdefault(index, [])
@@ -283,9 +289,15 @@ class AWQ(QuantMethod):
 
     def _scale_group(self, graph: Graph, producer: Node | None, value: str, members: list[int],
                      x: torch.Tensor) -> torch.Tensor | None:
-        """Search s for a group and fold it into whatever produced its input; None if nothing can absorb it."""
-        fold = _fold_target(producer, value)
+        """Search s for a group and fold it into whatever produced its input; None if nothing can absorb it.
+
+        The lm_head's group is the lm_head alone, fed by the final norm: s folds into that norm's gain
+        and is searched on the logits themselves (no block follows)."""
+        fold = _fold_target(graph, producer, value, members)
         if fold is None:
+            if any(graph.nodes[i].op == "lm_head" for i in members):
+                log.warning("awq: the lm_head's input (%%%s) comes from no norm that can absorb a scale; the lm_head "
+                            "is quantized without AWQ scaling (round to nearest, clip search kept)", value)
             return None
         weights = [graph.params[graph.nodes[i].weights["weight"]].float() for i in members]
         block = BlockRunner.for_group(graph, members, value, self.stats[members[0]][:MAX_BLOCK_WINDOWS])
@@ -315,13 +327,12 @@ class AWQ(QuantMethod):
                 "mean_alpha": sum(self.alphas.values()) / len(self.alphas) if self.alphas else 0.0}
 
 
-def _fold_target(producer: Node | None, value: str):
+def _fold_target(graph: Graph, producer: Node | None, value: str, members: list[int]):
     """How to divide a group's input by s: through the norm's gain, or the rows of the linear whose
     output feeds silu_mul's `up` half. None where nothing upstream can absorb it (e.g. attention)."""
     if producer is None:
         return None
-    if (producer.op in ("rms_norm", "fused_add_rms_norm") and producer.outputs[0] == value
-            and "weight" in producer.weights and not producer.attrs.get("head_dim")):
+    if norm_can_absorb(graph, producer, value, members):
         def fold_norm(graph: Graph, s: torch.Tensor) -> None:
             name = producer.weights["weight"]
             graph.params[name] = (graph.params[name].float() / s).to(graph.params[name].dtype)

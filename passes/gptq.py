@@ -229,7 +229,7 @@ class GPTQ(QuantMethod):
         self.total_loss = 0.0
 
     def validate_node(self, graph: Graph, node: Node) -> None:
-        check_group_size(node, self.cfg.group_size, self.name)
+        check_group_size(graph, node, self.cfg.group_size, self.name)
 
     def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
         if index not in self.stats:

@@ -72,7 +72,11 @@ OPS: dict[str, OpSpec] = {
     "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu"),
     "silu_mul": OpSpec((1, 2), (), (), (), doc="silu(gate) * up; with one input, its two halves"),
     "elementwise": OpSpec((1, 2), (), (), ("fn",), doc="fn in add, mul (two inputs) or scale (attr value)"),
-    "lm_head": OpSpec((1, 1), ("weight",), ("bias",), (), doc="logits for the rows the executor selects"),
+    "lm_head": OpSpec(
+        (1, 1), (), ("weight", "bias") + QUANT_ROLES, (),
+        doc="logits (x @ weight.T + bias) for the rows the executor selects; with a `quant` attr (recipe "
+            "quantization.lm_head), stored quantized like a linear, with in_features / out_features",
+    ),
     # Tensor parallelism (written by the `shard` pass): collectives over the tp_size ranks of the default
     # process group; identity when tp_size is 1.
     "all_reduce": OpSpec(
@@ -230,13 +234,13 @@ class Graph:
             for a in spec.required_attrs:
                 if a not in n.attrs:
                     raise GraphError(f"node {n}: {n.op} needs attribute {a!r}")
-            if n.op == "linear":
+            if n.op in ("linear", "lm_head"):  # a plain one needs `weight`, a quantized one its scheme's roles
                 scheme = n.attrs.get("quant", {}).get("scheme", "none")
                 if scheme not in QUANT_SCHEMES:
                     raise GraphError(f"node {n}: unknown quant scheme {scheme!r}; known: {', '.join(QUANT_SCHEMES)}")
                 for role in QUANT_SCHEMES[scheme]:
                     if role not in n.weights:
-                        raise GraphError(f"node {n}: a {scheme} linear needs weight {role!r}")
+                        raise GraphError(f"node {n}: a {scheme} {n.op} needs weight {role!r}")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

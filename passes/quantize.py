@@ -12,11 +12,18 @@ calibration window, so peak memory is one layer's activations for the calibratio
 weights, never the whole model's activations. Later segments are calibrated on the outputs of the
 already-quantized earlier ones, as GPTQ prescribes.
 
-Target selection: every ``linear`` node (never ``embedding`` or ``lm_head``, kept in high precision),
-minus the recipe's ``ignore`` list; ``targets`` restricts to names or ``re:`` regexes. Names are the
-node's source module path (``model.layers.3.mlp.down_proj``; a merged node has its parent's path
-and matches if any member matches). A section that selects no linear is an error, before any
-calibration; a targets or ignore pattern that matches no linear at all is a warning.
+Target selection: every ``linear`` node, minus the recipe's ``ignore`` list; ``targets`` restricts
+to names or ``re:`` regexes. Names are the node's source module path (``model.layers.3.mlp.down_proj``;
+a merged node has its parent's path and matches if any member matches). A section that selects no
+linear is an error, before any calibration; a targets or ignore pattern that matches no linear at all
+is a warning. The ``embedding`` is never quantized. The ``lm_head`` is quantized only when the section
+says ``lm_head: true`` (targets / ignore do not reach it; such a section may select no linear and
+quantize the lm_head alone): it is calibrated like a linear (its inputs are the final norm's outputs)
+and stored in the method's scheme with ``in_features`` / ``out_features`` attrs, as a linear is.
+
+Tied embeddings: the lm_head and the embedding then read one tensor. Quantizing the lm_head unties
+them first (:func:`untie`): the embedding keeps the float table, the lm_head gets its own quantized
+copy, so the artifact stores both (the float table and the codes of the copy).
 """
 
 from __future__ import annotations
@@ -84,12 +91,12 @@ def _shown(patterns: list[str]) -> str:
 
 
 def select_linears(graph: Graph, targets: list[str], ignore: list[str], section: str,
-                   warn: bool = True) -> list[int]:
+                   warn: bool = True, allow_empty: bool = False) -> list[int]:
     """Indices of the linear nodes a quantization section selects: ``targets`` (empty = all) minus
     ``ignore``, minus linears an earlier section quantized.
 
-    A section that selects nothing is a PassError naming its patterns; with ``warn``, a pattern that
-    matches no linear at all is logged as a warning.
+    A section that selects nothing is a PassError naming its patterns, unless ``allow_empty`` (it
+    quantizes the lm_head); with ``warn``, a pattern that matches no linear at all is logged as a warning.
     """
     linears = [(i, member_names(n)) for i, n in enumerate(graph.nodes) if n.op == "linear"]
     targeted = [(i, names) for i, names in linears if not targets or _matches(targets, names)]
@@ -102,7 +109,7 @@ def select_linears(graph: Graph, targets: list[str], ignore: list[str], section:
                 if not any(_matches([pattern], names) for _, names in linears):
                     log.warning("%s: %s pattern '%s' matches no linear (names look like %r)", section, key,
                                 pattern, example)
-    if chosen:
+    if chosen or allow_empty:
         return chosen
     if not linears:
         why = "the graph has no linear layers"
@@ -123,6 +130,7 @@ class QuantSettings:
     targets: list[str] = field(default_factory=list)  # empty = every linear
     ignore: list[str] = field(default_factory=list)
     options: dict[str, Any] = field(default_factory=dict)  # method-specific
+    lm_head: bool = False  # also quantize the lm_head (targets / ignore do not apply to it)
 
 
 class QuantMethod(Pass):
@@ -165,7 +173,10 @@ class QuantMethod(Pass):
     # --- lifecycle -------------------------------------------------------------------------
     def select(self, graph: Graph, section: str, warn: bool = True) -> list[int]:
         """The nodes to quantize; ``section`` names the recipe section in errors."""
-        return select_linears(graph, self.settings.targets, self.settings.ignore, section, warn)
+        head = select_lm_head(graph, section) if self.settings.lm_head else None
+        linears = select_linears(graph, self.settings.targets, self.settings.ignore, section, warn,
+                                 allow_empty=head is not None)
+        return linears + ([head] if head is not None else [])
 
     def prepare(self, graph: Graph, options: dict[str, Any], section: str | None = None,
                 warn: bool = True) -> list[int]:
@@ -175,7 +186,8 @@ class QuantMethod(Pass):
         the build before any pass runs.
         """
         opts = dict(options)
-        self.settings = QuantSettings(opts.pop("targets", []), opts.pop("ignore", []), opts)
+        self.settings = QuantSettings(opts.pop("targets", []), opts.pop("ignore", []), opts,
+                                      bool(opts.pop("lm_head", False)))
         self.configure(opts)
         targets = self.select(graph, section or f"the {self.name} quantization section", warn)
         for i in targets:
@@ -186,6 +198,10 @@ class QuantMethod(Pass):
         targets = self.prepare(graph, ctx.options.get(self.name, {}))
         if self.needs_calibration and not ctx.calibration:
             raise PassError(f"{self.name} needs calibration data and none was given")
+        for i in targets:
+            if graph.nodes[i].op == "lm_head" and untie(graph, graph.nodes[i]):
+                log.info("%s: the lm_head shares its weight with the embedding; untied: the embedding keeps the "
+                         "%s table, the lm_head gets its own quantized copy", self.name, graph.meta.get("dtype", "float"))
         if ctx.calibration:  # also measures each quantized linear's output error on that data
             self._calibrate_and_apply(graph, targets, ctx.calibration, ctx.progress)
         else:
@@ -196,7 +212,10 @@ class QuantMethod(Pass):
         return PassResult(graph, len(targets), len(targets), self.summary(graph, targets))
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = {"scheme": self.scheme, "num_linears": len(targets)}
+        linears = [i for i in targets if graph.nodes[i].op == "linear"]
+        out: dict[str, Any] = {"scheme": self.scheme, "num_linears": len(linears)}
+        if len(linears) < len(targets):
+            out["lm_head"] = True
         if self.errors:
             out["layer_errors"] = self.layer_errors()
         return out
@@ -273,8 +292,12 @@ class QuantMethod(Pass):
 
 def replace_weight(graph: Graph, node: Node, scheme: str, tensors: dict[str, torch.Tensor],
                    quant: dict[str, Any]) -> None:
-    """Swap a linear's ``weight`` for quantized tensors named ``<weight name minus .weight>.<role>``."""
+    """Swap a linear's (or the lm_head's) ``weight`` for quantized tensors named ``<weight name minus
+    .weight>.<role>``. An lm_head also records its shape as a linear does: its codes no longer show it."""
     base = node.weights["weight"].removesuffix(".weight")
+    if node.op == "lm_head":
+        out_f, in_f = graph.params[node.weights["weight"]].shape
+        node.attrs.update(in_features=int(in_f), out_features=int(out_f))
     old = node.weights.pop("weight")
     for role, t in tensors.items():
         name = f"{base}.{role}"
@@ -285,9 +308,57 @@ def replace_weight(graph: Graph, node: Node, scheme: str, tensors: dict[str, tor
         graph.params.pop(old, None)
 
 
-def check_group_size(node: Node, group_size: int, method: str) -> None:
+def select_lm_head(graph: Graph, section: str) -> int:
+    """Index of the lm_head node a section with ``lm_head: true`` quantizes."""
+    heads = [i for i, n in enumerate(graph.nodes) if n.op == "lm_head"]
+    assert len(heads) == 1, f"a graph has exactly one lm_head, found {len(heads)}"
+    if "quant" in graph.nodes[heads[0]].attrs:
+        raise PassError(f"{section} sets lm_head: true but an earlier section already quantized the lm_head; "
+                        f"set it in one section only")
+    return heads[0]
+
+
+def in_features(graph: Graph, node: Node) -> int:
+    """A linear's input features; an unquantized lm_head shows them only in its weight's shape."""
+    if "in_features" in node.attrs:
+        return node.attrs["in_features"]
+    return int(graph.params[node.weights["weight"]].shape[1])
+
+
+def untie(graph: Graph, node: Node) -> bool:
+    """Give ``node`` (the lm_head) a weight of its own when another node reads the same tensor (tied
+    embeddings); False when nothing shared it. Names follow the modules: the one whose name the tied
+    tensor carries keeps it, the others get ``<their source>.weight``. The tensor itself is shared
+    until a pass replaces one side (passes never modify a tensor in place)."""
+    name = node.weights["weight"]
+    others = [n for n in graph.nodes if n is not node and name in n.weights.values()]
+    if not others:
+        return False
+    movers = others if name == f"{node.source}.weight" else [node]
+    for n in movers:
+        own = f"{n.source}.weight"
+        assert own not in graph.params, f"cannot untie {name}: {own} is already a weight of the graph"
+        graph.params[own] = graph.params[name]
+        n.weights = {role: own if w == name else w for role, w in n.weights.items()}
+    return True
+
+
+def norm_can_absorb(graph: Graph, producer: Node | None, value: str, members: list[int]) -> bool:
+    """Whether ``value`` (the input of the linears ``members``) comes from an RMSNorm whose gain can
+    absorb a per-channel 1 / s (AWQ's and SmoothQuant's scales): a whole-vector norm with a weight and
+    no ``weight_offset`` (the gain would be weight + offset), read by the members alone (any other
+    reader would see x / s too)."""
+    if (producer is None or producer.op not in ("rms_norm", "fused_add_rms_norm") or producer.outputs[0] != value
+            or "weight" not in producer.weights or producer.attrs.get("head_dim")
+            or producer.attrs.get("weight_offset")):
+        return False
+    wanted = {id(graph.nodes[i]) for i in members}
+    return all(id(n) in wanted for n in graph.users().get(value, []))
+
+
+def check_group_size(graph: Graph, node: Node, group_size: int, method: str) -> None:
     """Grouped weight quantization needs groups that tile the input dimension exactly."""
-    in_f = node.attrs["in_features"]
+    in_f = in_features(graph, node)
     if group_size != -1 and in_f % group_size:
         options = [g for g in (256, 128, 64, 32, 16) if in_f % g == 0]
         raise PassError(f"{method}: {node.source} has in_features {in_f}, not divisible by group_size "

@@ -4,7 +4,9 @@
                  norm ─► gate/up (column: by intermediate features) ─► silu·mul ─► down_proj (row) ─► all_reduce
     norms, residual adds and rope tables are replicated; so are the embedding and lm_head, unless
     ``vocab_parallel``: then both are split by vocabulary rows (masked lookup + all_reduce; partial
-    logits + all_gather).
+    logits + all_gather). A quantized lm_head is split the same way: its codes and per-row scales / zero
+    points by rows, per-tensor weight and input scales replicated; each rank's logits are exact since
+    every rank sees the whole input row (dynamic per-token activation scales agree across ranks).
 
 Heads: rank r holds q heads [r*H/tp, (r+1)*H/tp). KV heads: KV/tp per rank when tp <= KV; when tp > KV
 each rank holds the one kv head its q heads read (kv head r*KV // tp), replicated on tp/KV ranks.
@@ -195,6 +197,11 @@ def _check_split_values(graph: Graph, m: _Match) -> None:
         split.update(n.outputs)
 
 
+def _vocab_rows(graph: Graph, node: Node) -> int:
+    """Vocabulary rows of the embedding table or the lm_head (plain, or quantized: its codes' rows)."""
+    return int(graph.params[node.weights["weight" if "weight" in node.weights else "qweight"]].shape[0])
+
+
 def _divisors_ok(tp_size: int, graph: Graph, m: _Match, vocab_parallel: bool) -> str | None:
     """Why ``tp_size`` cannot split this graph, or None."""
     for attn in m.attention:
@@ -213,7 +220,7 @@ def _divisors_ok(tp_size: int, graph: Graph, m: _Match, vocab_parallel: bool) ->
     if vocab_parallel:
         for n in graph.nodes:
             if n.op in ("embedding", "lm_head"):
-                rows = graph.params[n.weights["weight"]].shape[0]
+                rows = _vocab_rows(graph, n)
                 if rows % tp_size:
                     return (f"tp_size {tp_size} does not divide the vocabulary size {rows} of {n.op} {n.source}; "
                             f"set parallel.vocab_parallel: false (replicated embedding and lm_head)")
@@ -357,10 +364,15 @@ class Shard(Pass):
             for n in graph.nodes:
                 if n.op not in ("embedding", "lm_head"):
                     continue
-                for w in n.weights.values():
-                    assign(w, [(Slice(0, a, b),) for a, b in even_ranges(graph.params[w].shape[0], tp_size)], n.source)
+                rows = _vocab_rows(graph, n)
+                for role, w in n.weights.items():
+                    per_row = role != "input_scale" and graph.params[w].shape[0] == rows
+                    ranges = [(Slice(0, a, b),) for a, b in even_ranges(rows, tp_size)]
+                    assign(w, ranges if per_row else None, n.source)  # per-tensor scales: replicated
                 if n.op == "embedding":
                     n.attrs["vocab_parallel"] = True
+                if "out_features" in n.attrs:  # a quantized lm_head records its shape per rank, as linears do
+                    n.attrs["out_features"] = rows // tp_size
                 collective(n, RULES[n.op].collective)
 
         graph.nodes = [x for n in graph.nodes for x in ((n, after[id(n)]) if id(n) in after else (n,))]

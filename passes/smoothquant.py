@@ -9,6 +9,8 @@ and gate/up), per input channel j:
 X is divided by s (folded into the norm's weight) and W's column j multiplied by s_j, which leaves
 X W^T unchanged while flattening activation outliers. max|W_j| is taken over every linear reading
 the same normed input. Linears not fed by a norm (o_proj, down_proj) are quantized without smoothing.
+With ``lm_head: true`` the lm_head is smoothed the same way into the final norm (it is that norm's only
+reader); where no norm can absorb the scales it is quantized without smoothing, with a warning.
 
 Weights: per output channel, symmetric, scale = amax / 127 (not 127.5), codes in [-127, 127].
 Activations: per-token dynamic scales (default), or a static per-tensor ``input_scale`` =
@@ -17,6 +19,7 @@ max|X / s| / 127 over the calibration set.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -24,7 +27,9 @@ import torch
 from kernels.torch_quant import INT8_MAX, quantize_weight_int8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
-from passes.quantize import QuantMethod
+from passes.quantize import QuantMethod, norm_can_absorb
+
+log = logging.getLogger("passes.smoothquant")
 
 
 def smoothing_scales(act_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -61,8 +66,10 @@ class SmoothQuant(QuantMethod):
                 raise PassError(f"smoothquant: no calibration statistics reached {graph.nodes[members[0]].source}")
             act_max = torch.stack([self.stats[i] for i in members]).amax(dim=0)
             norm = producers.get(value)
-            smooth = (self.smoothing and norm is not None and norm.op in ("rms_norm", "fused_add_rms_norm")
-                      and norm.outputs[0] == value and "weight" in norm.weights and not norm.attrs.get("head_dim"))
+            smooth = self.smoothing and norm_can_absorb(graph, norm, value, members)
+            if self.smoothing and not smooth and any(graph.nodes[i].op == "lm_head" for i in members):
+                log.warning("smoothquant: the lm_head's input (%%%s) comes from no norm that can absorb the smoothing "
+                            "scales; the lm_head is quantized to W8A8 INT8 without smoothing", value)
             s = None
             if smooth:
                 weights = [graph.params[graph.nodes[i].weights["weight"]] for i in members]

@@ -4,7 +4,8 @@ A matching ``manifest_sha256`` proves only that the manifest was not edited with
 its values are checked here on their own: against the schema (``SCHEMA``: each key the runtime and
 `builder inspect` read, with its type and range), against each other (limits within the model's, every
 file the runtime reads listed with its hash), against graph.json (model dims, KV layout, tensor-parallel
-section) and against the weight files' safetensors headers (every tensor graph.json names, with its
+section, each quantized node's scheme and weights, the lm_head's scheme as ``quantization.lm_head``
+records it) and against the weight files' safetensors headers (every tensor graph.json names, with its
 shape and dtype). Each check raises ManifestError naming the key, its value and what is allowed.
 
 Paths in ``SCHEMA`` are dotted keys; ``[]`` stands for every item of a list, e.g.
@@ -28,6 +29,17 @@ KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 # model dims recorded both in the manifest's ``model`` section and in graph.json's ``meta``
 MODEL_DIMS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
               "max_position_embeddings")
+# The weight roles a linear or lm_head node carries for each storage scheme its ``quant`` attr names ("none": not
+# quantized); passes/ir.py QUANT_SCHEMES writes them, kernels/torch_quant.py executes them.
+QUANT_WEIGHTS = {
+    "none": ("weight",),
+    "w4a16": ("qweight", "scales", "zeros"),
+    "w8a16": ("qweight", "scales", "zeros"),
+    "w8a8_int8": ("qweight", "weight_scale"),
+    "fp8": ("qweight", "weight_scale"),
+}
+QUANTIZABLE_OPS = ("linear", "lm_head")
+WEIGHT_ONLY_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size")}  # the quant attrs they read
 # safetensors' dtype names -> graph.json's (torch's)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -104,6 +116,7 @@ SCHEMA: list[tuple[str, Rule]] = [
     ("build.verify.top1_agreement", NUMBER),
     ("reports", OBJECT), ("reports.markdown", NAME), ("reports.html", NAME),
     ("quantization", OBJECT), ("quantization.algo", NAME), ("quantization.kv_cache_dtype", one_of(*KV_CACHE_DTYPES)),
+    ("quantization.lm_head", optional(one_of(*QUANT_WEIGHTS))),  # absent: a toolchain that never quantized it
     ("quantization.gates", optional(OBJECT)), ("quantization.gates.passed", BOOL),
     ("quantization.gates.failed", ARRAY), ("quantization.gates.failed[]", NAME),
     ("quantization.gates.metrics", ARRAY), ("quantization.gates.metrics[]", OBJECT),
@@ -239,6 +252,7 @@ def check_graph(manifest: dict[str, Any], graph: Any) -> None:
         raise _fail("tensor_parallel", tp, f"graph.json's {meta.get('tensor_parallel', {'tp_size': 1})!r}")
     _check_layers(manifest, graph["nodes"])
     _check_embedding(manifest, graph)
+    _check_quantized(manifest, graph["nodes"])
 
 
 def _check_layers(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> None:
@@ -275,6 +289,47 @@ def _check_embedding(manifest: dict[str, Any], graph: dict[str, Any]) -> None:
             raise ManifestError(f"model.vocab_size {model['vocab_size']} and model.hidden_size "
                                 f"{model['hidden_size']} disagree with the embedding table's shape "
                                 f"{None if info is None else info['shape']} in graph.json")
+
+
+def _check_quantized(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> None:
+    """Each linear / lm_head carries the weight roles of its storage scheme, only those ops are quantized,
+    and the lm_head's scheme is the one ``quantization.lm_head`` records, its shape the model's."""
+    for node in nodes:
+        op, attrs, where = node.get("op"), node.get("attrs", {}), node.get("source") or node.get("op")
+        quant = attrs.get("quant")
+        if quant is not None and op not in QUANTIZABLE_OPS:
+            raise ManifestError(f"graph.json {op} node {where} has a quant attr; only {' and '.join(QUANTIZABLE_OPS)} "
+                                f"nodes are stored quantized")
+        if op not in QUANTIZABLE_OPS:
+            continue
+        scheme = "none" if quant is None else quant.get("scheme") if isinstance(quant, dict) else quant
+        if quant is not None and (not isinstance(quant, dict) or scheme not in QUANT_WEIGHTS or scheme == "none"):
+            raise ManifestError(f"graph.json {op} {where}: quant scheme {scheme!r} is not one this runtime executes; "
+                                f"allowed: {', '.join(s for s in QUANT_WEIGHTS if s != 'none')}")
+        missing = [r for r in QUANT_WEIGHTS[scheme] if r not in node.get("weights", {})]
+        missing += [a for a in WEIGHT_ONLY_ATTRS.get(scheme, ()) if a not in quant]
+        if missing:
+            raise ManifestError(f"graph.json {op} {where}: a {scheme} {op} needs {', '.join(missing)}")
+        if op == "lm_head":
+            _check_lm_head(manifest, attrs, scheme)
+
+
+def _check_lm_head(manifest: dict[str, Any], attrs: dict[str, Any], scheme: str) -> None:
+    recorded = manifest["quantization"].get("lm_head", MISSING)
+    if recorded is not MISSING and recorded != scheme:
+        raise _fail("quantization.lm_head", recorded, f"graph.json's lm_head scheme ({scheme!r})")
+    if scheme == "none":
+        return
+    if recorded is MISSING:
+        raise _fail("quantization.lm_head", recorded, f"graph.json's lm_head scheme ({scheme!r}): the lm_head is "
+                                                      f"quantized")
+    model, tp = manifest["model"], manifest["tensor_parallel"]
+    vocab = model["vocab_size"] // tp["tp_size"] if tp.get("vocab_parallel") else model["vocab_size"]
+    shape = (attrs.get("out_features"), attrs.get("in_features"))
+    if shape != (vocab, model["hidden_size"]):
+        raise ManifestError(f"model.vocab_size {model['vocab_size']} and model.hidden_size {model['hidden_size']} "
+                            f"disagree with the quantized lm_head's out_features x in_features {shape[0]} x {shape[1]} "
+                            f"in graph.json")
 
 
 def check_weight_header(file: str, header: dict[str, tuple[str, list[int]]], params: dict[str, Any],

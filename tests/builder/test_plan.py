@@ -17,6 +17,7 @@ from builder.plan import (CUDA_CONTEXT_BYTES, PlanError, check_target, load_plan
                           recipe_for_checkpoint)
 from builder.recipe import RecipeError, validate_recipe
 from conftest import BUNDLED, make_checkpoint
+from runtime.artifact import open_artifact
 
 runner = CliRunner()
 GiB = 1 << 30
@@ -145,6 +146,8 @@ QUANTIZED = {  # family -> quantization section(s) and KV cache dtype
     "mistral-smoothquant": ("mistral", {"algo": "smoothquant", "activations": "static"}, "int8"),
     "llama-gptq8-ignore": ("llama", {"algo": "gptq", "bits": 8, "group_size": 16, "ignore": ["re:layers\\.1\\."]},
                            "auto"),
+    # lm_head: true on a tied checkpoint: the float embedding table plus the lm_head's own W4A16 copy
+    "llama-awq-lm_head": ("llama", {"algo": "awq", "group_size": 16, "lm_head": True}, "auto"),
 }
 
 
@@ -168,6 +171,8 @@ def test_plan_matches_quantized_artifacts(tmp_path, case):
     assert plan.kv_bytes_per_token == engine.executor.kv_layout().bytes_per_token()
     quantized = [n for n in engine.executor.graph["nodes"] if n["op"] == "linear" and n["attrs"].get("quant")]
     assert sum(plan.quantized_linears.values()) == len(quantized) > 0
+    head = next(n for n in engine.executor.graph["nodes"] if n["op"] == "lm_head")
+    assert (plan.lm_head_quantization is not None) == ("quant" in head["attrs"])
 
 
 # --- CLI, errors, and the build's check ----------------------------------------------------------
@@ -244,6 +249,8 @@ TP_CASES = {  # name -> (family, quantization, vocab_parallel)
     "llama-fp32-tp2": ("llama", {"algo": "none"}, False),
     "llama-gptq4-tp2-vocab": ("llama", {"algo": "gptq", "group_size": 8}, True),  # 56 = 112 / 2 per rank
     "qwen2-int8_wo-tp2": ("qwen2", {"algo": "int8_wo"}, False),
+    # a quantized lm_head split by vocabulary: per-tensor weight and input scales whole on each rank
+    "qwen2-fp8-lm_head-tp2-vocab": ("qwen2", {"algo": "fp8", "activations": "static", "lm_head": True}, True),
 }
 
 
@@ -262,3 +269,4 @@ def test_plan_matches_each_rank_of_a_tensor_parallel_artifact(tmp_path, case):
     ranks = [sum(t.numel() * t.element_size() for t in load_file(path / f"weights-rank{r}.safetensors").values())
              for r in range(2)]
     assert ranks[0] == ranks[1] == plan.weights_bytes, (plan.weights_breakdown, ranks)
+    open_artifact(path)  # the manifest's checks accept what the build wrote (a quantized lm_head's per-rank shape)

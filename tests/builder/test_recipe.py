@@ -159,3 +159,21 @@ def test_exponent_numbers_are_numbers(tmp_path):
     """1e-9 is a number in a recipe and in --set (YAML 1.1 would read it as a string, which strict types refuse)."""
     r = _load(tmp_path, BASE + "verify:\n  atol: 1e-3\n", ["gates.max_kl=1e-9"])
     assert r.verify.atol == 1e-3 and r.gates.max_kl == 1e-9
+
+
+def test_lm_head_option(tmp_path):
+    """quantization.lm_head: off by default, a strict bool, only with a method, in one section of a list."""
+    r = _load(tmp_path, BASE + "quantization:\n  algo: awq\n")
+    assert r.quantization.lm_head is False and r.quantization.method_options()["lm_head"] is False
+    r = _load(tmp_path, BASE + "quantization:\n  algo: awq\n  lm_head: true\n")
+    assert r.quantization.method_options()["lm_head"] is True
+    for value, kind in (("'yes'", "'yes' is a string"), ("1", "1 is a whole number"), ("null", "has no value")):
+        with pytest.raises(RecipeError) as e:
+            _load(tmp_path, BASE + f"quantization:\n  algo: fp8\n  lm_head: {value}\n")
+        assert f"quantization.lm_head: {kind}" in str(e.value) and "expected true or false" in str(e.value)
+    with pytest.raises(RecipeError, match=r"quantization\[1\]\.lm_head: 'true' is a string; expected true or false"):
+        _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n  - algo: int8_wo\n    lm_head: 'true'\n")
+    with pytest.raises(RecipeError, match="quantization.lm_head: true needs a quantization method; algo is 'none'"):
+        _load(tmp_path, BASE, ["quantization.lm_head=true"])
+    with pytest.raises(RecipeError, match="lm_head: true in sections 0, 1; .* set it in one section only"):
+        _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n    lm_head: true\n  - algo: fp8\n    lm_head: true\n")
