@@ -43,7 +43,7 @@ shapes only (CUDA-graph capturable).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -56,7 +56,7 @@ from kernels.w4a16_gemm import X_DTYPES, _check_device, _interpreting
 LAYOUT = "mma"
 MMA_MAX_ROWS = 256  # rows of x the kernel takes
 MMA_ENABLED = True  # the runtime repacks weight-only linears to this layout where supports() (runtime/executor.py)
-MMA_RUNTIME_MAX_ROWS = 64  # the runtime sends this many rows here; more to dequantize_mma + cuBLAS
+MMA_RUNTIME_MAX_ROWS = 16  # the runtime sends this many rows here; more to dequantize_mma + cuBLAS
 MAX_PAIR_SPAN = 64  # bytes per row of a 4-bit chunk (a K step): 128 input features, one group of 128
 
 
@@ -67,29 +67,37 @@ class MmaConfig:
     block_n: int  # output features per program (power of 2, >= 16)
     block_m: int = 16  # rows of x per tile (power of 2, >= 16: tl.dot's minimum)
     block_r: int = 64  # 8 bits: bytes per row per K step (shrunk to fit the group size); 4 bits: the pair span
+    chunks: int = 1  # chunks per K step (1 or 2; 1 where the K range has an odd number of them)
     split_k: int = 0  # programs sharing one tile's K range; 0 = from the tile count and the SM count
     num_warps: int = 4
     num_stages: int = 2
+    dequant: bool = False  # dequantize each code (scale and zero per weight) and accumulate in the MMA: for many rows
     ptx_unpack: bool = True  # bf16 x on the GPU: 4-bit codes unpacked in PTX (else plain Triton integer ops)
     reduce_in_kernel: bool = True  # read by kernels.gemv._split_plan: the last program adds the partials
 
 
-# Picked by rows of x: the first row whose bound is >= M.
+# Picked by rows of x: the first row whose bound is >= M; wide layers (N >= _WIDE_N) take 256-column tiles up to 16
+# rows. Up to 16 rows: the fastest of ``python -m kernels.bench.gemm --mma-sweep`` on an H100 across the
+# Llama-3-8B shapes (docs/BENCHMARKS.md); beyond, the dequantizing variant (one MMA tile of rows).
 _CUDA_CONFIGS: list[tuple[int, MmaConfig]] = [
-    (16, MmaConfig(128, 16, num_warps=4, num_stages=2)),
-    (32, MmaConfig(128, 32, num_warps=4, num_stages=2)),
-    (64, MmaConfig(128, 64, num_warps=4, num_stages=2)),
-    (MMA_MAX_ROWS, MmaConfig(128, 128, num_warps=8, num_stages=2)),
+    (16, MmaConfig(128, 16, num_warps=4, num_stages=1)),
+    (32, MmaConfig(128, 32, dequant=True, num_warps=4, num_stages=3)),
+    (64, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=3)),
+    (MMA_MAX_ROWS, MmaConfig(128, 128, dequant=True, num_warps=8, num_stages=3)),
 ]
+_WIDE_N = 16384
 _INTERPRETER_CONFIG = MmaConfig(32, 16, 16, split_k=1, num_warps=1, num_stages=1)
 _MIN_BLOCK = 16  # tl.dot's minimum along every dimension
 
 
-def default_mma_config(num_rows: int, device: torch.device) -> MmaConfig:
-    """The table's configuration for ``num_rows`` rows of x."""
+def default_mma_config(num_rows: int, device: torch.device, out_features: int = 0) -> MmaConfig:
+    """The table's configuration for ``num_rows`` rows of x and ``out_features`` columns."""
     if _interpreting() or device.type != "cuda":
         return _INTERPRETER_CONFIG
-    return next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
+    cfg = next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
+    if out_features >= _WIDE_N and not cfg.dequant:
+        cfg = replace(cfg, block_n=256)
+    return cfg
 
 
 def _largest_step(limit: int, *multiples_of: int) -> int | None:
@@ -242,6 +250,15 @@ def _dot(a, w_t, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(a, w_t, acc, IEEE: tl.constexpr):
+    """acc + a @ w_t.T (as ``_dot``)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), tl.trans(w_t.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, tl.trans(w_t), acc)
+
+
+@triton.jit
 def _group_consts(s_ptr, z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
     """(scale, scale * (zero + OFF)) of group g per column, fp32 [1, BLOCK_N]."""
     if EVEN_N:
@@ -254,21 +271,64 @@ def _group_consts(s_ptr, z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr,
 
 
 @triton.jit
+def _load_chunk(w_rows, cols, mask_n, EVEN_N: tl.constexpr):
+    """The tile's bytes at columns ``cols`` of qweight: [BLOCK_N, BLOCK_R] uint8."""
+    if EVEN_N:
+        return tl.load(w_rows + cols[None, :])
+    else:
+        return tl.load(w_rows + cols[None, :], mask=mask_n[:, None], other=0)
+
+
+@triton.jit
+def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n, group_size, stride_sz,
+           BITS: tl.constexpr, ONE_GROUP: tl.constexpr, PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
+           BLOCK_R: tl.constexpr, DEQUANT: tl.constexpr):
+    """One chunk's products added in: (acc, raw, xsum) updated. ``b``: its bytes, from qweight column r0."""
+    OFF: tl.constexpr = 128.0 if BITS == 4 else -128.0
+    lo, hi = _codes(b, BITS, x_rows.dtype.element_ty, PTX)  # [BLOCK_N, BLOCK_R] each
+    k0 = r0 * (8 // BITS)  # the chunk's first input feature
+    x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+    if DEQUANT:  # many rows: dequantize the codes once (in x's dtype) and accumulate on the tensor cores
+        s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        s_col = tl.reshape(s, (s.shape[1], 1))
+        c_col = tl.reshape(c, (c.shape[1], 1))
+        acc = _dot_acc(x_lo, (lo.to(tl.float32) * s_col - c_col).to(x_lo.dtype), acc, IEEE)
+        if BITS == 4:
+            x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+            acc = _dot_acc(x_hi, (hi.to(tl.float32) * s_col - c_col).to(x_lo.dtype), acc, IEEE)
+        return acc, raw, xsum
+    if BITS == 4:
+        x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+        prod = _dot(x_lo, lo, IEEE) + _dot(x_hi, hi, IEEE)
+        xs = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
+    else:
+        prod = _dot(x_lo, lo, IEEE)
+        xs = tl.sum(x_lo.to(tl.float32), axis=1)
+    if ONE_GROUP:
+        raw += prod
+        xsum += xs
+    else:
+        s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        acc += s * prod - c * xs[:, None]
+    return acc, raw, xsum
+
+
+@triton.jit
 def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
     M, N, K, group_size, steps_per_split, split_k,
     stride_xm, stride_qw, stride_sz,
     BITS: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
+    DEQUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # x: [M, K] -> y: [M, N] contiguous; grid (N tiles, split_k, M tiles). A K step is BLOCK_R bytes of each row
-    # of the tile: 4 bits, one chunk (codes 2 * r0 .. 2 * r0 + 2 * BLOCK_R); 8 bits, codes r0 .. r0 + BLOCK_R.
+    # x: [M, K] -> y: [M, N] contiguous; grid (N tiles, split_k, M tiles). A K step is CHUNKS chunks of BLOCK_R
+    # bytes of each row of the tile: 4 bits, codes 2 * r0 .. 2 * r0 + 2 * BLOCK_R per chunk; 8 bits, r0 .. r0 + BLOCK_R.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     OFF: tl.constexpr = 128.0 if BITS == 4 else -128.0
-    DOT_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -280,30 +340,18 @@ def _w4a16_mma_kernel(
     raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # ONE_GROUP: uncorrected products over the split
     xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     first_step = pid_k * steps_per_split
-    num_steps = min(steps_per_split, (K * BITS // 8) // BLOCK_R - first_step)
+    num_steps = min(steps_per_split, (K * BITS // 8) // (BLOCK_R * CHUNKS) - first_step)
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
-        r0 = (first_step + step) * BLOCK_R
-        if EVEN_N:
-            b = tl.load(w_rows + (r0 + offs_r)[None, :])
-        else:
-            b = tl.load(w_rows + (r0 + offs_r)[None, :], mask=mask_n[:, None], other=0)
-        lo, hi = _codes(b, BITS, DOT_DTYPE, PTX)  # [BLOCK_N, BLOCK_R] each
-        k0 = r0 * (8 // BITS)  # the step's first input feature
-        x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-        if BITS == 4:
-            x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-            prod = _dot(x_lo, lo, IEEE) + _dot(x_hi, hi, IEEE)
-            xs = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
-        else:
-            prod = _dot(x_lo, lo, IEEE)
-            xs = tl.sum(x_lo.to(tl.float32), axis=1)
-        if ONE_GROUP:
-            raw += prod
-            xsum += xs
-        else:
-            s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
-            acc += s * prod - c * xs[:, None]
-    if ONE_GROUP:
+        r0 = (first_step + step) * (BLOCK_R * CHUNKS)
+        b0 = _load_chunk(w_rows, r0 + offs_r, mask_n, EVEN_N)
+        if CHUNKS == 2:  # both chunks' loads in flight before either is used
+            b1 = _load_chunk(w_rows, r0 + BLOCK_R + offs_r, mask_n, EVEN_N)
+        acc, raw, xsum = _chunk(acc, raw, xsum, b0, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n,
+                                group_size, stride_sz, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT)
+        if CHUNKS == 2:
+            acc, raw, xsum = _chunk(acc, raw, xsum, b1, r0 + BLOCK_R, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n,
+                                    mask_n, group_size, stride_sz, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT)
+    if ONE_GROUP and not DEQUANT:
         s, c = _group_consts(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
         acc = s * raw - c * xsum[:, None]
 
@@ -386,7 +434,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     num_rows = x2.shape[0]
-    cfg = config or default_mma_config(num_rows, x.device)
+    cfg = config or default_mma_config(num_rows, x.device, qweight.shape[0])
     w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, cfg.block_r)
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} (qweight "
@@ -404,7 +452,9 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if num_rows == 0:
         return y.reshape(*x.shape[:-1], n)
 
-    num_steps = w.in_features * bits // 8 // w.step
+    num_chunks = w.in_features * bits // 8 // w.step
+    chunks = cfg.chunks if cfg.chunks in (1, 2) and num_chunks % cfg.chunks == 0 else 1
+    num_steps = num_chunks // chunks
     m_tiles = triton.cdiv(num_rows, cfg.block_m)
     plan = _split_plan(y, num_steps, cfg, torch.float32)
     if plan.split_k > 1 and m_tiles > 1:  # one counter per (M tile, N tile)
@@ -416,6 +466,6 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
         BITS=bits, ONE_GROUP=w.group_size == w.in_features, HAS_BIAS=bias is not None, SPLIT=plan.split_k > 1,
         PTX=cfg.ptx_unpack and not pure and x.dtype == torch.bfloat16, IEEE=pure or x.dtype == torch.float32,
-        EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step,
+        EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step, CHUNKS=chunks, DEQUANT=cfg.dequant,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y.reshape(*x.shape[:-1], n)

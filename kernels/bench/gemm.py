@@ -3,6 +3,8 @@
     python -m kernels.bench.gemm              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
     python -m kernels.bench.gemm --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
     python -m kernels.bench.gemm --gemv-sweep # the GEMV table only, with candidate GemvConfigs per shape and M
+    python -m kernels.bench.gemm --mma        # the tensor-core W4A16 / W8A16 kernel (kernels.w4a16_mma) table only
+    python -m kernels.bench.gemm --mma-sweep  # that table with candidate MmaConfigs per shape at M = 1 and 16
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -15,6 +17,11 @@ weight copies that each call reads from HBM, not L2. Reported: microseconds, GB/
 GEMV: ``kernels.gemv.w4a16_gemv`` at M = 1, 2, 4 on the same shapes (checked against ``ref_w4a16_linear``),
 timed the same way next to ``w4a16_linear`` (the GEMM the runtime used before) and bf16 ``F.linear``; TB/s of
 weight bytes. ``--gemv-sweep`` times candidate ``GemvConfig``s (to tune ``kernels.gemv._W4A16_CUDA_CONFIGS``).
+
+MMA: ``kernels.w4a16_mma.w4a16_mma`` on :func:`repack_mma`'s layout at M = 1 ... 256 (4 bits, group 128; and 8
+bits per channel, the int8 weight-only scheme), checked against ``ref_w4a16_linear``, timed next to the path the
+runtime took before it (GEMV at M = 1, else the GEMM below 256 rows), ``dequantize_mma`` + cuBLAS, and bf16
+``F.linear``; TB/s of weight bytes.
 
 Elementwise: rms_norm, fused_add_rms_norm, apply_rope_ and silu_mul against ``kernels.torch_ops`` at
 [2048, 4096] and [1, 4096].
@@ -41,6 +48,7 @@ from kernels.fused_norm import (
     rms_norm,
 )
 from kernels.gemv import GemvConfig, default_gemv_config, w4a16_gemv
+from kernels.w4a16_mma import MmaConfig, default_mma_config, dequantize_mma, repack_mma, w4a16_mma
 from kernels.rope import apply_rope_, ref_rope
 from kernels.w4a16_gemm import (
     DEQUANT_MIN_ROWS,
@@ -278,6 +286,91 @@ def bench_gemv(sweep: bool) -> list[str]:
     return failures
 
 
+MMA_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MMA_SWEEP_ROWS = [1, 16]
+
+
+def mma_candidates(m: int) -> list[MmaConfig]:
+    """MmaConfigs the --mma-sweep tries (block_n, block_r, num_warps, num_stages, split_k, ptx_unpack)."""
+    bm = min(max(16, 1 << (m - 1).bit_length()), 128)
+    if m > 16:  # the dequantizing variant: (block_n, block_m, num_warps, num_stages)
+        rows = [(128, bm, 4, 3), (128, bm, 4, 2), (128, bm, 8, 3), (64, bm, 4, 3), (256, bm, 8, 3), (128, 64, 4, 3),
+                (128, 32, 4, 3), (64, 64, 4, 4)]
+        return [MmaConfig(bn, b, dequant=True, num_warps=w, num_stages=st) for bn, b, w, st in rows]
+    rows = [(128, 1, 4, 2, 0), (128, 1, 4, 1, 0), (128, 1, 4, 3, 0), (256, 1, 4, 2, 0), (256, 1, 4, 1, 0),
+            (256, 1, 8, 2, 0), (256, 1, 8, 3, 0), (128, 2, 4, 1, 0), (128, 2, 4, 2, 0), (128, 2, 4, 3, 0),
+            (256, 2, 4, 1, 0), (256, 2, 4, 2, 0), (256, 2, 8, 2, 0), (256, 2, 8, 3, 0), (512, 1, 8, 2, 0),
+            (512, 2, 8, 1, 0), (128, 2, 2, 2, 0), (64, 2, 2, 2, 0), (128, 1, 4, 2, 32), (256, 2, 4, 2, 8)]
+    return [MmaConfig(bn, bm, chunks=ch, split_k=sk, num_warps=w, num_stages=st) for bn, ch, w, st, sk in rows]
+
+
+def random_w8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random 8-bit codes, per-channel scales and the fixed zero point 128 (the int8 weight-only scheme)."""
+    qweight = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen, device="cuda")
+    scales = torch.rand(n, 1, generator=gen, device="cuda") * 0.002 + 0.0002
+    return qweight, scales, torch.full((n, 1), 128, dtype=torch.uint8, device="cuda")
+
+
+def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator, sweep: bool,
+                     rows: list[int]) -> list[str]:
+    failures = []
+    group = GROUP_SIZE if bits == 4 else -1
+    make = random_w4a16 if bits == 4 else random_w8
+    first = make(n, k, gen)
+    weight_bytes = sum(t.numel() * t.element_size() for t in first)
+    triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
+    passes = [{"qweight": q, "scales": s, "zeros": z, "group_size": group, "bits": bits, "layout": "passes"}
+              for q, s, z in triples]
+    mma = [repack_mma(q, s, z, group, bits) for q, s, z in triples]
+    k_major = [repack_w4a16(q, s, z, group, bits) for q, s, z in triples]
+    bf16 = [dequantize_weight(q, s, z, bits, group, DTYPE) for q, s, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
+    for m in rows:
+        x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
+        ref = ref_w4a16_linear(x, **passes[0])
+        ok, err = _close(w4a16_mma(x, **mma[0]), ref)
+        ok_d, err_d = _close(F.linear(x, dequantize_mma(**mma[0], dtype=DTYPE)), ref)
+        if not ok:
+            failures.append(f"mma {bits}-bit {name} M={m}: max rel err {err:.2e}")
+        if not ok_d:
+            failures.append(f"dequantize_mma {bits}-bit {name} M={m}: max rel err {err_d:.2e}")
+        t_mma = time_us([lambda p=p: w4a16_mma(x, **p) for p in mma])
+        if m == 1:
+            before = time_us([lambda p=p: w4a16_gemv(x, **p) for p in k_major])
+        elif m < DEQUANT_MIN_ROWS:
+            before = time_us([lambda p=p: w4a16_linear(x, **p) for p in k_major])
+        else:
+            before = float("nan")
+        t_deq = time_us([lambda p=p: F.linear(x, dequantize_mma(**p, dtype=DTYPE)) for p in mma[:4]])
+        t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
+        print(f"{name:>8} {bits:2d} {m:4d} {k:6d} {n:6d} | {t_mma:8.1f} {before:8.1f} {t_deq:8.1f} {t_bf16:8.1f} | "
+              f"{weight_bytes / t_mma / 1e6:6.2f} {n * k * 2 / t_bf16 / 1e6:6.2f} | {max(err, err_d):.1e}  "
+              f"{default_mma_config(m, x.device, n)}")
+        if sweep and m in MMA_SWEEP_ROWS:
+            failures += sweep_configs(f"mma {bits}-bit {name} M={m}", mma_candidates(m),
+                                      lambda cand: _close(w4a16_mma(x, **mma[0], config=cand), ref),
+                                      lambda cand: [lambda p=p: w4a16_mma(x, **p, config=cand) for p in mma],
+                                      weight_bytes=weight_bytes)
+    return failures
+
+
+def bench_mma(sweep: bool, shapes: list[str] | None = None, rows: list[int] | None = None,
+              bits_list: list[int] | None = None) -> list[str]:
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    print(f"\nW4A16 (group {GROUP_SIZE}) / W8A16 (per channel) on tensor cores (kernels.w4a16_mma), {DTYPE}; times in "
+          "us (CUDA graphs, weights rotated past L2); 'before': the runtime's previous path (GEMV at M = 1, the GEMM "
+          "below 256 rows); TB/s of weight bytes (bf16: of the bf16 weight)")
+    print(f"{'shape':>8} {'b':>2} {'M':>4} {'K':>6} {'N':>6} | {'mma':>8} {'before':>8} {'deq+mm':>8} {'bf16':>8} | "
+          f"{'mma':>6} {'bf16':>6} | rel.err  config")
+    for bits in bits_list or (4, 8):
+        for name, k, n in SHAPES:
+            if shapes and name not in shapes:
+                continue
+            failures += _bench_mma_shape(name, k, n, bits, gen, sweep, rows or MMA_ROWS)
+            torch.cuda.empty_cache()
+    return failures
+
+
 def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
     failures = []
     hidden, num_heads, head_dim = 4096, 32, 128
@@ -317,6 +410,12 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="only the GEMV table, timing candidate GEMV configs per shape and M")
+    parser.add_argument("--mma", action="store_true", help="only the tensor-core W4A16 / W8A16 table")
+    parser.add_argument("--mma-sweep", action="store_true",
+                        help="the tensor-core table, timing candidate MmaConfigs per shape at M = 1 and 16")
+    parser.add_argument("--shapes", nargs="*", help="--mma / --mma-sweep: only these shapes (qkv o_proj gate_up down)")
+    parser.add_argument("--rows", nargs="*", type=int, help="--mma / --mma-sweep: only these M")
+    parser.add_argument("--bits", nargs="*", type=int, help="--mma / --mma-sweep: only these widths (4 8)")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -326,6 +425,9 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.gemv_sweep:
         failures = bench_gemv(sweep=True)
+    elif args.mma or args.mma_sweep:
+        failures = bench_mma(sweep=args.mma_sweep, shapes=args.shapes, rows=args.rows,
+                             bits_list=args.bits)
     else:
         failures = bench_gemm(args.sweep) + bench_gemv(sweep=False)
         if not args.skip_elementwise:

@@ -1,0 +1,112 @@
+"""The tensor-core W4A16 / W8A16 kernel (``kernels/w4a16_mma.py``) against the torch reference, under the Triton
+interpreter on CPU: its layout round-trips, its dequantization equals the passes' bit for bit, and its products
+match ``ref_w4a16_linear`` for every path (per-step correction, one group per channel, the dequantizing variant,
+two chunks per step, K splits, several M tiles), on fresh seeded random weights and inputs."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+
+from kernels.torch_quant import dequantize_weight
+from kernels.w4a16_gemm import ref_w4a16_linear
+from kernels.w4a16_mma import (
+    MmaConfig,
+    dequantize_mma,
+    pair_span,
+    repack_mma,
+    supports,
+    unrepack_mma,
+    w4a16_mma,
+)
+from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+
+
+def _weights(n: int, k: int, group_size: int, bits: int, seed: int) -> dict:
+    """The passes' quantized weights of a random [n, k] matrix, as keyword arguments of ref_w4a16_linear."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, : k // 4] += 0.03  # groups off-centre: zero points vary
+    codes, scales, zeros = quantize_groups(w, QuantConfig(bits=bits, group_size=group_size, symmetric=False))
+    return {"qweight": pack_int4(codes) if bits == 4 else codes, "scales": scales, "zeros": zeros,
+            "group_size": group_size, "bits": bits, "layout": "passes"}
+
+
+def _check(m: int, n: int, k: int, group_size: int, bits: int, dtype: torch.dtype, bias: bool, seed: int,
+           config: MmaConfig | None = None) -> None:
+    passes = _weights(n, k, group_size, bits, seed)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = (torch.randn(m, k, generator=g) * 2).to(dtype)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    y, ref = w4a16_mma(x, **packed, bias=b, config=config), ref_w4a16_linear(x, **passes, bias=b)
+    assert y.dtype == ref.dtype and y.shape == ref.shape
+    tol = TOL[dtype]
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+SPLIT2 = MmaConfig(32, 16, 16, split_k=2, num_warps=1, num_stages=1)
+CASES = [  # (m, n, k, group_size, bits, dtype, bias, config)
+    (1, 64, 128, 32, 4, torch.float32, True, None),  # pair span 16: per-step correction
+    (3, 48, 256, 64, 4, torch.bfloat16, False, None),  # ragged N tile (48 of 32-wide tiles)
+    (5, 64, 128, -1, 4, torch.float16, True, None),  # one group per channel: corrected once, at the end
+    (2, 32, 64, 32, 8, torch.float32, True, None),
+    (4, 40, 128, -1, 8, torch.bfloat16, True, MmaConfig(32, 16, 16, split_k=3, num_warps=1, num_stages=1)),
+    (17, 64, 256, 128, 4, torch.float32, False, SPLIT2),  # two M tiles, each with its own split counters
+    (3, 64, 512, 128, 4, torch.float32, True, MmaConfig(32, 16, 16, chunks=2, split_k=2, num_warps=1, num_stages=1)),
+    (3, 64, 384, 128, 4, torch.float32, True, MmaConfig(32, 16, 16, chunks=2, num_warps=1, num_stages=1)),  # odd
+    (20, 64, 512, 128, 4, torch.bfloat16, True, MmaConfig(32, 16, 16, dequant=True, split_k=2, num_warps=1,
+                                                          num_stages=1)),
+    (20, 64, 256, -1, 8, torch.float32, False, MmaConfig(32, 32, 16, dequant=True, num_warps=1, num_stages=1)),
+]
+
+
+@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", CASES)
+def test_mma_matches_the_reference(m, n, k, group_size, bits, dtype, bias, config):
+    _check(m, n, k, group_size, bits, dtype, bias, seed=m * 31 + n + k + group_size, config=config)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (4, -1), (8, 64), (8, -1)])
+def test_layout_round_trips_and_dequantizes_exactly(bits, group_size):
+    passes = _weights(48, 256, group_size, bits, seed=7)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    assert packed["layout"] == "mma" and packed["qweight"].shape == passes["qweight"].shape
+    for got, want in zip(unrepack_mma(**packed), (passes["qweight"], passes["scales"], passes["zeros"])):
+        assert torch.equal(got, want)
+    want = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits, group_size, torch.float32)
+    assert torch.equal(dequantize_mma(**packed, dtype=torch.float32), want)
+
+
+def test_chunk_pairs_lie_in_one_group():
+    """A 4-bit chunk's low nibbles are its first pair_span input features, the high nibbles the next ones."""
+    passes = _weights(4, 256, 64, 4, seed=3)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 64, 4)
+    span = packed["pair_span"]
+    assert span == pair_span(64, 256) == 32
+    codes = torch.stack((passes["qweight"] & 0xF, passes["qweight"] >> 4), 2).reshape(4, 256)  # q[n, k]
+    first = packed["qweight"][:, :span]
+    assert torch.equal(first & 0xF, codes[:, :span]) and torch.equal(first >> 4, codes[:, span: 2 * span])
+
+
+def test_shapes_it_does_not_take_are_refused():
+    assert not supports(4, 16, 256)  # a chunk of 8 bytes: below tl.dot's 16
+    assert supports(4, 32, 256) and supports(8, -1, 4096) and not supports(8, 8, 256)
+    passes = _weights(32, 64, 16, 4, seed=1)
+    with pytest.raises(ValueError, match="group_size 16"):
+        repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 16, 4)
+    passes = _weights(32, 64, 32, 4, seed=1)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 32, 4)
+    with pytest.raises(ValueError, match="'mma' layout"):
+        w4a16_mma(torch.randn(1, 64), **{**packed, "layout": "k_major"})
+    with pytest.raises(ValueError, match="pair_span"):
+        w4a16_mma(torch.randn(1, 64), **{**packed, "pair_span": 8})
+    with pytest.raises(ValueError, match="input features"):
+        w4a16_mma(torch.randn(1, 32), **packed)
+    with pytest.raises(ValueError, match="MMA_MAX_ROWS"):
+        w4a16_mma(torch.randn(257, 64), **packed)
