@@ -55,6 +55,7 @@ from kernels.w4a16_gemm import X_DTYPES, _check_device, _interpreting
 
 LAYOUT = "mma"
 MMA_MAX_ROWS = 256  # rows of x the kernel takes
+MMA_TILED = True  # repack_mma's default: each program's K step contiguous in memory (tile_width)
 MMA_ENABLED = True  # the runtime repacks weight-only linears to this layout where supports() (runtime/executor.py)
 MMA_RUNTIME_MAX_ROWS = 16  # the runtime sends this many rows here; more to dequantize_mma + cuBLAS
 MAX_PAIR_SPAN = 64  # bytes per row of a 4-bit chunk (a K step): 128 input features, one group of 128
@@ -66,7 +67,6 @@ class MmaConfig:
 
     block_n: int  # output features per program (power of 2, >= 16)
     block_m: int = 16  # rows of x per tile (power of 2, >= 16: tl.dot's minimum)
-    block_r: int = 64  # 8 bits: bytes per row per K step (shrunk to fit the group size); 4 bits: the pair span
     chunks: int = 1  # chunks per K step (1 or 2; 1 where the K range has an odd number of them)
     split_k: int = 0  # programs sharing one tile's K range; 0 = from the tile count and the SM count
     num_warps: int = 4
@@ -86,7 +86,7 @@ _CUDA_CONFIGS: list[tuple[int, MmaConfig]] = [
     (MMA_MAX_ROWS, MmaConfig(128, 128, dequant=True, num_warps=8, num_stages=3)),
 ]
 _WIDE_N = 16384
-_INTERPRETER_CONFIG = MmaConfig(32, 16, 16, split_k=1, num_warps=1, num_stages=1)
+_INTERPRETER_CONFIG = MmaConfig(32, 16, split_k=1, num_warps=1, num_stages=1)
 _MIN_BLOCK = 16  # tl.dot's minimum along every dimension
 
 
@@ -119,21 +119,36 @@ def pair_span(group_size: int, in_features: int) -> int | None:
     return _largest_step(MAX_PAIR_SPAN, g // 2, in_features // 2)
 
 
+def chunk_width(bits: int, group_size: int, in_features: int) -> int | None:
+    """Bytes per row of one K step (a chunk) for these weights: 4 bits, :func:`pair_span`; 8 bits, the largest
+    power of 2 up to MAX_PAIR_SPAN inside one group; None when the kernel does not take them."""
+    if bits == 4:
+        return pair_span(group_size, in_features)
+    g = in_features if group_size == -1 else group_size
+    return _largest_step(MAX_PAIR_SPAN, g, in_features) if bits == 8 and in_features % g == 0 else None
+
+
+def tile_width(out_features: int) -> int:
+    """The N tile of the tiled layout (and of the kernel's programs) for a layer of ``out_features``: 0 (untiled)
+    when no power-of-2 tile divides it."""
+    t = 256 if out_features >= _WIDE_N else 128
+    while t >= _MIN_BLOCK and out_features % t:
+        t //= 2
+    return t if t >= _MIN_BLOCK else 0
+
+
 def supports(bits: int, group_size: int, in_features: int) -> bool:
     """Whether :func:`repack_mma` and :func:`w4a16_mma` take weights of this shape (else use ``kernels.gemv`` /
     ``kernels.w4a16_gemm``)."""
-    g = in_features if group_size == -1 else group_size
-    if bits == 4:
-        return pair_span(group_size, in_features) is not None
-    return bits == 8 and in_features % g == 0 and _largest_step(MAX_PAIR_SPAN, g, in_features) is not None
+    return bits in (4, 8) and chunk_width(bits, group_size, in_features) is not None
 
 
 # --- layout ----------------------------------------------------------------------------------------
 def repack_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               bits: int = 4) -> dict[str, torch.Tensor | int | str]:
+               bits: int = 4, tiled: bool | None = None) -> dict[str, torch.Tensor | int | str]:
     """The passes' layout (``qweight`` [N, K/2] / [N, K], ``scales`` / ``zeros`` [N, G]) -> the "mma" layout
     (module docstring), as keyword arguments of :func:`w4a16_mma` and :func:`dequantize_mma`. Done once, at load;
-    :func:`unrepack_mma` inverts it."""
+    :func:`unrepack_mma` inverts it. ``tiled`` (default ``MMA_TILED``): each program's K step is contiguous."""
     if bits not in (4, 8):
         raise ValueError(f"bits {bits} is not supported (4 for w4a16, 8 for w8a16)")
     if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or scales.dtype != torch.float32:
@@ -148,20 +163,26 @@ def repack_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
     if tuple(scales.shape) != (n, num_groups) or tuple(zeros.shape) != (n, num_groups):
         raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match qweight "
                          f"{tuple(qweight.shape)} with group_size {group_size} (expected {(n, num_groups)})")
-    span = 0
+    span = chunk_width(bits, group_size, k)
     if bits == 4:
-        span = pair_span(group_size, k)
         codes = unpack_int4(qweight).reshape(n, k // (2 * span), 2, span)  # [N, chunks, lo/hi, P]
-        packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        packed = (codes[:, :, 0] | (codes[:, :, 1] << 4)).reshape(n, k // 2)
     else:
-        packed = qweight.contiguous()
-    return {"qweight": packed, "scales": scales.t().contiguous(), "zeros": zeros.t().contiguous(),
-            "group_size": group_size, "bits": bits, "layout": LAYOUT, "pair_span": span}
+        packed = qweight
+    tile = tile_width(n) if (MMA_TILED if tiled is None else tiled) else 0
+    if tile:  # [N / T, T, chunks, P] -> [N / T, chunks, T, P]
+        packed = packed.reshape(n // tile, tile, cols // span, span).transpose(1, 2).reshape(n, cols)
+    return {"qweight": packed.contiguous(), "scales": scales.t().contiguous(), "zeros": zeros.t().contiguous(),
+            "group_size": group_size, "bits": bits, "layout": LAYOUT, "pair_span": span, "tile_n": tile}
 
 
 def unrepack_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int = 4,
-                 layout: str = LAYOUT, pair_span: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 layout: str = LAYOUT, pair_span: int = 0,
+                 tile_n: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight, scales, zeros) of the "mma" layout -> the passes' layout (the inverse of :func:`repack_mma`)."""
+    n, cols = qweight.shape
+    if tile_n:
+        qweight = qweight.reshape(n // tile_n, cols // pair_span, tile_n, pair_span).transpose(1, 2).reshape(n, cols)
     if bits == 4:
         n, half = qweight.shape
         chunks = qweight.reshape(n, half // pair_span, 1, pair_span)
@@ -178,11 +199,18 @@ class _MmaWeights:
     out_features: int  # N
     in_features: int  # K
     group_size: int  # -1 resolved to K
-    step: int  # bytes per row per K step: the pair span (4 bits), a power of 2 inside one group (8 bits)
+    step: int  # bytes per row of a chunk (a K step)
+    tile_n: int  # the tiled layout's N tile (0: rows of K/2 or K bytes)
+
+    @property
+    def strides(self) -> tuple[int, int]:
+        """(bytes between a tile's rows, bytes between its chunks)."""
+        cols = self.qweight.shape[1]
+        return (self.step, self.tile_n * self.step) if self.tile_n else (cols, self.step)
 
 
 def _mma_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
-                 layout: str, pair_span: int, block_r: int = MAX_PAIR_SPAN) -> _MmaWeights:
+                 layout: str, pair_span: int, tile_n: int) -> _MmaWeights:
     """Validates :func:`repack_mma`'s output (user-facing errors)."""
     if layout != LAYOUT:
         raise ValueError(f"w4a16_mma / dequantize_mma take the {LAYOUT!r} layout (kernels.w4a16_mma.repack_mma), "
@@ -193,15 +221,15 @@ def _mma_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     n, cols = qweight.shape
     k = cols * (8 // bits)
     g = k if group_size == -1 else group_size
-    if not supports(bits, group_size, k) or (bits == 4 and pair_span != globals()["pair_span"](group_size, k)):
-        raise ValueError(f"qweight {tuple(qweight.shape)} with group_size {group_size} and pair_span {pair_span} is "
-                         f"not repack_mma's {bits}-bit layout")
+    if not supports(bits, group_size, k) or pair_span != chunk_width(bits, group_size, k) \
+            or tile_n not in (0, tile_width(n)):
+        raise ValueError(f"qweight {tuple(qweight.shape)} with group_size {group_size}, pair_span {pair_span} and "
+                         f"tile_n {tile_n} is not repack_mma's {bits}-bit layout")
     if tuple(scales.shape) != (k // g, n) or tuple(zeros.shape) != (k // g, n) or scales.dtype != torch.float32 \
             or zeros.dtype != torch.uint8:
         raise ValueError(f"scales {scales.dtype} {tuple(scales.shape)} / zeros {zeros.dtype} {tuple(zeros.shape)} "
                          f"do not match: expected fp32 / uint8 {(k // g, n)}")
-    step = pair_span if bits == 4 else _largest_step(block_r, g, k)
-    return _MmaWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, g, step)
+    return _MmaWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, g, pair_span, tile_n)
 
 
 # --- kernels ---------------------------------------------------------------------------------------
@@ -317,7 +345,7 @@ def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, 
 def _w4a16_mma_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
     M, N, K, group_size, steps_per_split, split_k,
-    stride_xm, stride_qw, stride_sz,
+    stride_xm, stride_row, stride_chunk, stride_sz,
     BITS: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
@@ -335,17 +363,19 @@ def _w4a16_mma_kernel(
     mask_m = offs_m < M
     offs_r = tl.arange(0, BLOCK_R)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = qw_ptr + offs_n[:, None] * stride_qw
+    # this tile's rows: its first byte is the same in both layouts (N tiles of BLOCK_N whole rows)
+    w_rows = qw_ptr + pid_n * BLOCK_N * (K * BITS // 8) + tl.arange(0, BLOCK_N)[:, None] * stride_row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # ONE_GROUP: uncorrected products over the split
     xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     first_step = pid_k * steps_per_split
     num_steps = min(steps_per_split, (K * BITS // 8) // (BLOCK_R * CHUNKS) - first_step)
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
-        r0 = (first_step + step) * (BLOCK_R * CHUNKS)
-        b0 = _load_chunk(w_rows, r0 + offs_r, mask_n, EVEN_N)
+        c0 = (first_step + step) * CHUNKS
+        r0 = c0 * BLOCK_R
+        b0 = _load_chunk(w_rows, c0 * stride_chunk + offs_r, mask_n, EVEN_N)
         if CHUNKS == 2:  # both chunks' loads in flight before either is used
-            b1 = _load_chunk(w_rows, r0 + BLOCK_R + offs_r, mask_n, EVEN_N)
+            b1 = _load_chunk(w_rows, (c0 + 1) * stride_chunk + offs_r, mask_n, EVEN_N)
         acc, raw, xsum = _chunk(acc, raw, xsum, b0, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n,
                                 group_size, stride_sz, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT)
         if CHUNKS == 2:
@@ -382,14 +412,15 @@ def _store_tile(y_ptrs, acc, bias_ptr, offs_n, mask_n, mask, HAS_BIAS: tl.conste
 
 
 @triton.jit
-def _dequant_mma_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_qw, stride_sz,
+def _dequant_mma_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_row, stride_chunk, stride_sz,
                         BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
     # out [N, K] = (q - zero) * scale in out's dtype; grid (N tiles, K steps of BLOCK_R bytes per row)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_n < N)[:, None]
     r0 = tl.program_id(1) * BLOCK_R
     offs_r = tl.arange(0, BLOCK_R)
-    q = tl.load(qw_ptr + offs_n[:, None] * stride_qw + (r0 + offs_r)[None, :], mask=mask, other=0).to(tl.int32)
+    rows = qw_ptr + tl.program_id(0) * BLOCK_N * (K * BITS // 8) + tl.arange(0, BLOCK_N)[:, None] * stride_row
+    q = tl.load(rows + (tl.program_id(1) * stride_chunk + offs_r)[None, :], mask=mask, other=0).to(tl.int32)
     k0 = r0 * (8 // BITS)
     g = k0 // group_size
     s = tl.load(s_ptr + g * stride_sz + offs_n, mask=offs_n < N, other=0.0)[:, None]
@@ -406,22 +437,23 @@ def _dequant_mma_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_
 
 # --- host side -------------------------------------------------------------------------------------
 def dequantize_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                   dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT, pair_span: int = 0) -> torch.Tensor:
+                   dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT, pair_span: int = 0,
+                   tile_n: int = 0) -> torch.Tensor:
     """The weight ``(q - zero) * scale`` [N, K] in ``dtype`` from :func:`repack_mma`'s layout (fp32 product
     rounded once, as ``kernels.torch_quant.dequantize_weight``)."""
     _check_device(qweight)
-    w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span)
+    w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, tile_n)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
-    block_n = 64
+    block_n = w.tile_n or 64
     _dequant_mma_kernel[(triton.cdiv(w.out_features, block_n), w.in_features * bits // 8 // w.step)](
-        w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, w.group_size, w.qweight.stride(0),
+        w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, w.group_size, *w.strides,
         w.scales.stride(0), BITS=bits, BLOCK_N=block_n, BLOCK_R=w.step, num_warps=4)
     return out
 
 
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT, pair_span: int = 0,
-              config: MmaConfig | None = None) -> torch.Tensor:
+              tile_n: int = 0, config: MmaConfig | None = None) -> torch.Tensor:
     """``x @ ((q - zero) * scale).T + bias`` for at most ``MMA_MAX_ROWS`` rows of x, on :func:`repack_mma`'s
     weights (``w4a16_mma(x, **repacked)``); 4 or 8 bits.
 
@@ -435,7 +467,9 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     num_rows = x2.shape[0]
     cfg = config or default_mma_config(num_rows, x.device, qweight.shape[0])
-    w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, cfg.block_r)
+    w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, tile_n)
+    if w.tile_n:  # the layout's tiles are the programs' tiles
+        cfg = replace(cfg, block_n=w.tile_n)
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} (qweight "
                          f"{tuple(qweight.shape)}, {bits} bits)")
@@ -463,7 +497,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     _w4a16_mma_kernel[(plan.grid[0], plan.split_k, m_tiles)](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, plan.part, plan.counters,
         num_rows, n, w.in_features, w.group_size, plan.steps_per_split, plan.split_k,
-        x2.stride(0), w.qweight.stride(0), w.scales.stride(0),
+        x2.stride(0), *w.strides, w.scales.stride(0),
         BITS=bits, ONE_GROUP=w.group_size == w.in_features, HAS_BIAS=bias is not None, SPLIT=plan.split_k > 1,
         PTX=cfg.ptx_unpack and not pure and x.dtype == torch.bfloat16, IEEE=pure or x.dtype == torch.float32,
         EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step, CHUNKS=chunks, DEQUANT=cfg.dequant,

@@ -321,7 +321,8 @@ def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator,
     triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
     passes = [{"qweight": q, "scales": s, "zeros": z, "group_size": group, "bits": bits, "layout": "passes"}
               for q, s, z in triples]
-    mma = [repack_mma(q, s, z, group, bits) for q, s, z in triples]
+    mma = [repack_mma(q, s, z, group, bits, tiled=True) for q, s, z in triples]
+    untiled = [repack_mma(q, s, z, group, bits, tiled=False) for q, s, z in triples]
     k_major = [repack_w4a16(q, s, z, group, bits) for q, s, z in triples]
     bf16 = [dequantize_weight(q, s, z, bits, group, DTYPE) for q, s, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
     for m in rows:
@@ -334,6 +335,12 @@ def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator,
         if not ok_d:
             failures.append(f"dequantize_mma {bits}-bit {name} M={m}: max rel err {err_d:.2e}")
         t_mma = time_us([lambda p=p: w4a16_mma(x, **p) for p in mma])
+        t_flat = float("nan")
+        if m in MMA_SWEEP_ROWS:
+            ok_u, err_u = _close(w4a16_mma(x, **untiled[0]), ref)
+            if not ok_u:
+                failures.append(f"mma untiled {bits}-bit {name} M={m}: max rel err {err_u:.2e}")
+            t_flat = time_us([lambda p=p: w4a16_mma(x, **p) for p in untiled])
         if m == 1:
             before = time_us([lambda p=p: w4a16_gemv(x, **p) for p in k_major])
         elif m < DEQUANT_MIN_ROWS:
@@ -342,7 +349,8 @@ def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator,
             before = float("nan")
         t_deq = time_us([lambda p=p: F.linear(x, dequantize_mma(**p, dtype=DTYPE)) for p in mma[:4]])
         t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
-        print(f"{name:>8} {bits:2d} {m:4d} {k:6d} {n:6d} | {t_mma:8.1f} {before:8.1f} {t_deq:8.1f} {t_bf16:8.1f} | "
+        print(f"{name:>8} {bits:2d} {m:4d} {k:6d} {n:6d} | {t_mma:8.1f} {t_flat:8.1f} {before:8.1f} {t_deq:8.1f} "
+              f"{t_bf16:8.1f} | "
               f"{weight_bytes / t_mma / 1e6:6.2f} {n * k * 2 / t_bf16 / 1e6:6.2f} | {max(err, err_d):.1e}  "
               f"{default_mma_config(m, x.device, n)}")
         if sweep and m in MMA_SWEEP_ROWS:
@@ -359,8 +367,10 @@ def bench_mma(sweep: bool, shapes: list[str] | None = None, rows: list[int] | No
     gen = torch.Generator(device="cuda").manual_seed(3)
     print(f"\nW4A16 (group {GROUP_SIZE}) / W8A16 (per channel) on tensor cores (kernels.w4a16_mma), {DTYPE}; times in "
           "us (CUDA graphs, weights rotated past L2); 'before': the runtime's previous path (GEMV at M = 1, the GEMM "
-          "below 256 rows); TB/s of weight bytes (bf16: of the bf16 weight)")
-    print(f"{'shape':>8} {'b':>2} {'M':>4} {'K':>6} {'N':>6} | {'mma':>8} {'before':>8} {'deq+mm':>8} {'bf16':>8} | "
+          "below 256 rows); 'untiled': the mma kernel on rows of K/2 bytes (M = 1, 16); TB/s of weight bytes (bf16: of "
+          "the bf16 weight)")
+    print(f"{'shape':>8} {'b':>2} {'M':>4} {'K':>6} {'N':>6} | {'mma':>8} {'untiled':>8} {'before':>8} {'deq+mm':>8} "
+          f"{'bf16':>8} | "
           f"{'mma':>6} {'bf16':>6} | rel.err  config")
     for bits in bits_list or (4, 8):
         for name, k, n in SHAPES:

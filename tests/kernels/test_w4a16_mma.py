@@ -39,9 +39,9 @@ def _weights(n: int, k: int, group_size: int, bits: int, seed: int) -> dict:
 
 
 def _check(m: int, n: int, k: int, group_size: int, bits: int, dtype: torch.dtype, bias: bool, seed: int,
-           config: MmaConfig | None = None) -> None:
+           config: MmaConfig | None = None, tiled: bool | None = None) -> None:
     passes = _weights(n, k, group_size, bits, seed)
-    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits, tiled=tiled)
     g = torch.Generator().manual_seed(seed + 1)
     x = (torch.randn(m, k, generator=g) * 2).to(dtype)
     b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
@@ -51,19 +51,19 @@ def _check(m: int, n: int, k: int, group_size: int, bits: int, dtype: torch.dtyp
     torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
 
 
-SPLIT2 = MmaConfig(32, 16, 16, split_k=2, num_warps=1, num_stages=1)
+SPLIT2 = MmaConfig(32, 16, split_k=2, num_warps=1, num_stages=1)
 CASES = [  # (m, n, k, group_size, bits, dtype, bias, config)
     (1, 64, 128, 32, 4, torch.float32, True, None),  # pair span 16: per-step correction
     (3, 48, 256, 64, 4, torch.bfloat16, False, None),  # ragged N tile (48 of 32-wide tiles)
     (5, 64, 128, -1, 4, torch.float16, True, None),  # one group per channel: corrected once, at the end
     (2, 32, 64, 32, 8, torch.float32, True, None),
-    (4, 40, 128, -1, 8, torch.bfloat16, True, MmaConfig(32, 16, 16, split_k=3, num_warps=1, num_stages=1)),
+    (4, 40, 128, -1, 8, torch.bfloat16, True, MmaConfig(32, 16, split_k=3, num_warps=1, num_stages=1)),
     (17, 64, 256, 128, 4, torch.float32, False, SPLIT2),  # two M tiles, each with its own split counters
-    (3, 64, 512, 128, 4, torch.float32, True, MmaConfig(32, 16, 16, chunks=2, split_k=2, num_warps=1, num_stages=1)),
-    (3, 64, 384, 128, 4, torch.float32, True, MmaConfig(32, 16, 16, chunks=2, num_warps=1, num_stages=1)),  # odd
-    (20, 64, 512, 128, 4, torch.bfloat16, True, MmaConfig(32, 16, 16, dequant=True, split_k=2, num_warps=1,
+    (3, 64, 512, 128, 4, torch.float32, True, MmaConfig(32, 16, chunks=2, split_k=2, num_warps=1, num_stages=1)),
+    (3, 64, 384, 128, 4, torch.float32, True, MmaConfig(32, 16, chunks=2, num_warps=1, num_stages=1)),  # odd
+    (20, 64, 512, 128, 4, torch.bfloat16, True, MmaConfig(32, 16, dequant=True, split_k=2, num_warps=1,
                                                           num_stages=1)),
-    (20, 64, 256, -1, 8, torch.float32, False, MmaConfig(32, 32, 16, dequant=True, num_warps=1, num_stages=1)),
+    (20, 64, 256, -1, 8, torch.float32, False, MmaConfig(32, 32, dequant=True, num_warps=1, num_stages=1)),
 ]
 
 
@@ -72,21 +72,39 @@ def test_mma_matches_the_reference(m, n, k, group_size, bits, dtype, bias, confi
     _check(m, n, k, group_size, bits, dtype, bias, seed=m * 31 + n + k + group_size, config=config)
 
 
+@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", [CASES[i] for i in (0, 3, 6, 8)])
+def test_mma_matches_the_reference_untiled(m, n, k, group_size, bits, dtype, bias, config):
+    """The same kernel on the untiled layout (rows of K/2 or K bytes)."""
+    _check(m, n, k, group_size, bits, dtype, bias, seed=m * 17 + n + k, config=config, tiled=False)
+
+
+@pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (4, -1), (8, 64), (8, -1)])
-def test_layout_round_trips_and_dequantizes_exactly(bits, group_size):
+def test_layout_round_trips_and_dequantizes_exactly(bits, group_size, tiled):
     passes = _weights(48, 256, group_size, bits, seed=7)
-    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits, tiled=tiled)
     assert packed["layout"] == "mma" and packed["qweight"].shape == passes["qweight"].shape
+    assert packed["tile_n"] == (16 if tiled else 0)  # 48 columns: tiles of 16
     for got, want in zip(unrepack_mma(**packed), (passes["qweight"], passes["scales"], passes["zeros"])):
         assert torch.equal(got, want)
     want = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits, group_size, torch.float32)
     assert torch.equal(dequantize_mma(**packed, dtype=torch.float32), want)
 
 
+def test_tiles_are_contiguous():
+    """Tiled, one program's K step (tile_n rows x pair_span bytes) is one contiguous block of qweight."""
+    passes = _weights(64, 256, 128, 4, seed=5)
+    flat = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 128, 4, tiled=False)["qweight"]
+    tiled = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 128, 4, tiled=True)
+    t, p = tiled["tile_n"], tiled["pair_span"]
+    assert (t, p) == (64, 64)
+    assert torch.equal(tiled["qweight"].reshape(-1)[t * p: 2 * t * p].reshape(t, p), flat[:t, p: 2 * p])
+
+
 def test_chunk_pairs_lie_in_one_group():
     """A 4-bit chunk's low nibbles are its first pair_span input features, the high nibbles the next ones."""
     passes = _weights(4, 256, 64, 4, seed=3)
-    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 64, 4)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], 64, 4, tiled=False)
     span = packed["pair_span"]
     assert span == pair_span(64, 256) == 32
     codes = torch.stack((passes["qweight"] & 0xF, passes["qweight"] >> 4), 2).reshape(4, 256)  # q[n, k]
@@ -106,6 +124,8 @@ def test_shapes_it_does_not_take_are_refused():
         w4a16_mma(torch.randn(1, 64), **{**packed, "layout": "k_major"})
     with pytest.raises(ValueError, match="pair_span"):
         w4a16_mma(torch.randn(1, 64), **{**packed, "pair_span": 8})
+    with pytest.raises(ValueError, match="tile_n"):
+        w4a16_mma(torch.randn(1, 64), **{**packed, "tile_n": 64})
     with pytest.raises(ValueError, match="input features"):
         w4a16_mma(torch.randn(1, 32), **packed)
     with pytest.raises(ValueError, match="MMA_MAX_ROWS"):
