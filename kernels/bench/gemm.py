@@ -4,7 +4,7 @@
     python -m kernels.bench.gemm --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
     python -m kernels.bench.gemm --gemv-sweep # the GEMV table only, with candidate GemvConfigs per shape and M
     python -m kernels.bench.gemm --mma        # the tensor-core W4A16 / W8A16 kernel (kernels.w4a16_mma) table only
-    python -m kernels.bench.gemm --mma-sweep  # that table with candidate MmaConfigs per shape at M = 1 and 16
+    python -m kernels.bench.gemm --mma-sweep  # that table with candidate MmaConfigs per shape at M = 1 ... 128
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -287,7 +287,7 @@ def bench_gemv(sweep: bool) -> list[str]:
 
 
 MMA_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-MMA_SWEEP_ROWS = [1, 16]
+MMA_SWEEP_ROWS = [1, 16, 32, 64, 128]
 
 
 def mma_candidates(m: int) -> list[MmaConfig]:
@@ -367,7 +367,7 @@ def bench_mma(sweep: bool, shapes: list[str] | None = None, rows: list[int] | No
     gen = torch.Generator(device="cuda").manual_seed(3)
     print(f"\nW4A16 (group {GROUP_SIZE}) / W8A16 (per channel) on tensor cores (kernels.w4a16_mma), {DTYPE}; times in "
           "us (CUDA graphs, weights rotated past L2); 'before': the runtime's previous path (GEMV at M = 1, the GEMM "
-          "below 256 rows); 'untiled': the mma kernel on rows of K/2 bytes (M = 1, 16); TB/s of weight bytes (bf16: of "
+          "below 256 rows); 'untiled': the mma kernel on rows of K/2 bytes (M = 1 ... 128); TB/s of weight bytes (bf16: of "
           "the bf16 weight)")
     print(f"{'shape':>8} {'b':>2} {'M':>4} {'K':>6} {'N':>6} | {'mma':>8} {'untiled':>8} {'before':>8} {'deq+mm':>8} "
           f"{'bf16':>8} | "
@@ -422,7 +422,7 @@ def main() -> int:
                         help="only the GEMV table, timing candidate GEMV configs per shape and M")
     parser.add_argument("--mma", action="store_true", help="only the tensor-core W4A16 / W8A16 table")
     parser.add_argument("--mma-sweep", action="store_true",
-                        help="the tensor-core table, timing candidate MmaConfigs per shape at M = 1 and 16")
+                        help="the tensor-core table, timing candidate MmaConfigs per shape at M = 1, 16, 32, 64, 128")
     parser.add_argument("--shapes", nargs="*", help="--mma / --mma-sweep: only these shapes (qkv o_proj gate_up down)")
     parser.add_argument("--rows", nargs="*", type=int, help="--mma / --mma-sweep: only these M")
     parser.add_argument("--bits", nargs="*", type=int, help="--mma / --mma-sweep: only these widths (4 8)")
