@@ -361,6 +361,14 @@ bench_app = typer.Typer(no_args_is_help=True, help="Latency and throughput bench
 app.add_typer(bench_app, name="bench")
 
 
+def _empty_cuda_cache(device: str) -> None:
+    """Give the memory of a closed engine back to the device before the next engine or process takes it."""
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: Optional[int],
                   max_num_batched_tokens: Optional[int], no_cuda_graphs: bool):
     from builder.bench.offline import load_for_bench
@@ -372,6 +380,18 @@ def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: O
                               max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs)
     except (ArtifactError, MemoryPlanError, ValueError) as e:
         _fail(f"cannot load {artifact}: {e}")
+
+
+def _batch_size(value: str) -> int:
+    """One --batch-size value: a whole number of 1 or more."""
+    try:
+        size = int(value)
+    except ValueError:
+        size = 0
+    if size < 1:
+        raise typer.BadParameter(f"{value!r} is not a batch size: give whole numbers of 1 or more, one per option "
+                                 f"(--batch-size 2 --batch-size 4)")
+    return size
 
 
 @bench_app.command("latency")
@@ -390,15 +410,24 @@ def bench_latency(
     baseline_quant: Optional[str] = typer.Option(None, help="bf16 | int8wo | int4 (default: the stock "
                                                  "counterpart of the artifact's precision)"),
     record: Optional[Path] = typer.Option(None, help="append the figures to this record (docs/benchmarks.jsonl)"),
+    batch_size: list[int] = typer.Option([], help="also the decode step time with this many prompts decoded "
+                                         "together (repeat the option: --batch-size 2 --batch-size 4; whole "
+                                         "numbers >= 1)", parser=_batch_size),
 ) -> None:
-    """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline."""
-    from builder.bench.offline import latency, report
+    """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline;
+    with --batch-size, the decode step time at each batch size too."""
+    from builder.bench.offline import decode_steps, latency, report, step_table
     from builder.bench.record import STOCK_QUANT, append_figures, precision_of
     from builder.bench.stock_torch import QUANT_MODES, StockModelError, run_stock_baseline
+    from runtime.engine import RequestError
 
     _setup_logging(False)
     if baseline_quant is not None and baseline_quant not in QUANT_MODES:
         _fail(f"--baseline-quant {baseline_quant!r} is not one of {', '.join(QUANT_MODES)}")
+    batch_size = sorted(set(batch_size))
+    if batch_size and output_len < 4:
+        _fail(f"--output-len {output_len}: --batch-size needs at least 4 (the decode step figure leaves out the "
+              f"prefill, the first decode step and the last)")
     engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
     try:
         results = [latency(engine, n, output_len, repeats) for n in input_len]
@@ -406,33 +435,63 @@ def bench_latency(
     finally:
         engine.close()  # a tensor-parallel engine's worker ranks
     del engine
-    report(results, json_out)
+    steps, failure = [], None
+    if batch_size:  # an engine of its own, so the batch-1 figures stay those of a max_num_seqs 1 engine
+        _empty_cuda_cache(device)
+        engine = _bench_engine(artifact, device, max(batch_size), max_seq_len, max_num_batched_tokens,
+                               no_cuda_graphs)
+        try:
+            for n in input_len:
+                for b in batch_size:
+                    steps.append(decode_steps(engine, b, n, output_len, repeats))
+        except (RequestError, RuntimeError) as e:  # the figures measured so far are still recorded
+            failure = f"decode step at batch {b}, {n}-token prompts: {e}"
+        finally:
+            engine.close()
+        del engine
+    report(results + steps, json_out)
     figures = []
     for r in results:
         suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
         figures += [(f"decode_b1_{precision}{suffix}", r.decode_tok_s, "tok/s"),
                     (f"ttft_{r.input_len}_{precision}", r.ttft_ms, "ms")]
-    failure = None
+    for r in steps:
+        suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
+        figures.append((f"decode_step_b{r.batch_size}_{precision}{suffix}", r.decode_step_ms, "ms"))
+    baseline_step_ms: dict[tuple[int, int], float] = {}
     if baseline is not None:
         quant = baseline_quant or STOCK_QUANT.get(precision, "bf16")
-        if device == "cuda":
-            import torch
-
-            torch.cuda.empty_cache()  # our KV pool and weights are gone; the baseline gets the device
+        _empty_cuda_cache(device)  # our KV pool and weights are gone; the baseline gets the device
         for r in results:
             try:
                 stock = run_stock_baseline(baseline, quant, r.input_len, output_len, device, repeats)
             except StockModelError as e:
-                failure = str(e)  # our figures are still recorded
+                failure = failure or str(e)  # our figures are still recorded
                 break
             typer.echo(json.dumps({**stock, "ours_decode_tok_s": round(r.decode_tok_s, 2),
                                    "ratio": round(r.decode_tok_s / stock["decode_tok_s"], 3)}))
             suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
             figures += [(f"baseline_decode_b1_{precision}{suffix}", stock["decode_tok_s"], "tok/s"),
                         (f"baseline_ttft_{r.input_len}_{precision}", stock["ttft_ms"], "ms")]
+        for r in steps:
+            try:
+                stock = run_stock_baseline(baseline, quant, r.input_len, output_len, device, repeats,
+                                           batch_size=r.batch_size)
+            except StockModelError as e:
+                failure = failure or str(e)
+                break
+            typer.echo(json.dumps({**stock, "ours_decode_step_ms": round(r.decode_step_ms, 3),
+                                   "ratio": round(stock["decode_step_ms"] / r.decode_step_ms, 3)}))
+            baseline_step_ms[r.batch_size, r.input_len] = stock["decode_step_ms"]
+            suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
+            figures.append((f"baseline_decode_step_b{r.batch_size}_{precision}{suffix}", stock["decode_step_ms"],
+                            "ms"))
+    if steps:
+        typer.echo(step_table(steps, baseline_step_ms))
     if record is not None:
         command = ["builder", "bench", "latency", str(artifact), "--device", device, "--output-len", str(output_len),
-                   "--repeats", str(repeats), *[a for n in input_len for a in ("--input-len", str(n))]]
+                   "--repeats", str(repeats), *[a for n in input_len for a in ("--input-len", str(n))],
+                   *[a for b in batch_size for a in ("--batch-size", str(b))]]
         for flag, value in (("--baseline", baseline), ("--baseline-quant", baseline_quant),
                             ("--max-seq-len", max_seq_len), ("--max-num-batched-tokens", max_num_batched_tokens)):
             command += [flag, str(value)] if value is not None else []

@@ -401,7 +401,9 @@ def read_bench_file(path: Path) -> list[BenchRecord]:
                                        f"of `builder bench serve|latency|throughput --json`") from e
     if not objects:
         raise CompareError(f"bench file {path} is empty")
-    return [_bench_record(path, i, obj) for i, obj in enumerate(objects, 1)]
+    # `bench latency --batch-size` lines (decode step times) are no throughput figure of the artifact: skipped
+    return [_bench_record(path, i, obj) for i, obj in enumerate(objects, 1)
+            if not (isinstance(obj, dict) and "decode_step_ms" in obj)]
 
 
 def _bench_record(path: Path, index: int, obj: Any) -> BenchRecord:

@@ -5,6 +5,10 @@
                 each decode step reads every weight once plus the KV cache so far, so
                 roofline tok/s = measured bandwidth / (weight bytes + mean KV bytes per step);
                 the bandwidth is measured in the same run (a device-to-device copy).
+    decode step  batch N (``bench latency --batch-size N``): N prompts of --input-len random tokens admitted
+                together, then decoded together for --output-len steps (greedy, EOS ignored); the median wall
+                time of one decode step of all N over the steady-state steps (prefill and the first decode
+                step left out), and N / that as tokens/s.
     throughput  --num-prompts requests of --input-len random tokens, --output-len tokens each (EOS
                 ignored), all submitted at once to the serving engine with max_num_seqs = --concurrency;
                 output tokens/s from the first admission to the last token.
@@ -15,14 +19,18 @@ dict (``--json`` writes them too); nothing here asserts a target.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 
 from runtime.memory import tensor_bytes
+from runtime.outputs import RequestOutput
 from runtime.sampling import SamplingParams
 from runtime.serving import ServingConfig, ServingEngine
 
@@ -39,6 +47,18 @@ class LatencyResult:
     bandwidth_gb_s: float  # measured device-to-device copy
     roofline_tok_s: float
     roofline_pct: float
+    peak_memory_gib: float
+
+
+@dataclass
+class DecodeStepResult:
+    device: str
+    batch_size: int  # sequences decoded together in every measured step
+    input_len: int
+    output_len: int
+    decode_step_ms: float  # median wall time of one decode step over the steady-state steps of every repeat
+    tok_s: float  # batch_size tokens per decode_step_ms
+    num_steps: int  # steady-state steps the median is over
     peak_memory_gib: float
 
 
@@ -63,6 +83,43 @@ class ThroughputResult:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@dataclass
+class StepTiming:
+    """One ``engine.step()`` call, on the host's clock (``time.perf_counter``)."""
+
+    start: float
+    end: float
+    overlapped: bool  # it left a CUDA-graph decode step in flight (the overlapped pipeline)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@contextlib.contextmanager
+def timed_steps(engine: ServingEngine) -> Iterator[list[StepTiming]]:
+    """Time every ``engine.step()`` call made inside the block, whoever makes it (``engine.run`` included);
+    yields the list the timings are appended to.
+
+    NOTE: a step call returns once its tokens are on the host (the CPU path and the eager CUDA path copy
+    them synchronously; an overlapped call waits on the CUDA event of the step it reads back), so the
+    time between two calls' ends is the time between two steps' results, GPU work included."""
+    timings: list[StepTiming] = []
+    step = engine.step
+
+    def timed_step() -> list[RequestOutput]:
+        start = time.perf_counter()
+        out = step()
+        timings.append(StepTiming(start, time.perf_counter(), engine._inflight is not None))
+        return out
+
+    engine.step = timed_step
+    try:
+        yield timings
+    finally:
+        del engine.step
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float:
@@ -123,6 +180,98 @@ def latency(engine: ServingEngine, input_len: int = 128, output_len: int = 128, 
                          kv_per_token, bandwidth / 1e9, roofline, 100 * decode / roofline, peak)
 
 
+def steady_step_seconds(calls: list[tuple[float, list[RequestOutput]]], num_seqs: int) -> list[float]:
+    """The wall time of every steady-state decode step among ``calls``: (end time, outputs) of each
+    ``step()`` call, in order, of ``num_seqs`` requests decoded together and nothing else.
+
+    A call is a full decode call when it hands every request exactly one token, finishes none, and each
+    request had its first token (the prefill's) before it. A step's time is the time between the ends of
+    two consecutive full decode calls, so the prefill steps, chunked or mixed steps, the first decode step
+    (the first full call has no full call before it) and the finishing call are all left out:
+
+        call      prefill  launch  decode 1  decode 2  decode 3  ...  last (finishes)
+        tokens    1 each   none    2nd each  3rd each  4th each       last each
+        measured  -        -       -         yes       yes            -
+
+    (the call that only launches the first CUDA-graph step exists with the overlapped pipeline alone)."""
+    seconds: list[float] = []
+    num_tokens: Counter[str] = Counter()  # tokens each request had before the call
+    previous_end: float | None = None  # end of the call before, when that was a full decode call
+    for end, outputs in calls:
+        got: Counter[str] = Counter()
+        for o in outputs:
+            got[o.request_id] += len(o.token_ids)
+        full = (len(got) == num_seqs and set(got.values()) == {1} and not any(o.finished for o in outputs)
+                and all(num_tokens[r] >= 1 for r in got))
+        if full and previous_end is not None:
+            seconds.append(end - previous_end)
+        previous_end = end if full else None
+        num_tokens.update(got)
+    return seconds
+
+
+def decode_steps(engine: ServingEngine, batch_size: int, input_len: int = 128, output_len: int = 128,
+                 repeats: int = 3, seed: int = 0) -> DecodeStepResult:
+    """Decode step time at ``batch_size``: that many random prompts are admitted together (all added before
+    the first step), prefilled, then decoded together for ``output_len`` tokens (greedy, EOS ignored); the
+    figure is the median over every repeat's steady-state steps (see ``steady_step_seconds``).
+
+    The engine's max_num_seqs must be at least ``batch_size``: on CUDA every measured step is then one
+    replay of the decode graph of the smallest captured bucket >= ``batch_size``."""
+    max_num_seqs = engine.scheduler_config.max_num_seqs
+    if not 1 <= batch_size <= max_num_seqs:
+        raise ValueError(f"batch size {batch_size} is not in [1, max_num_seqs {max_num_seqs}]: the sequences "
+                         f"would not decode in one step")
+    if output_len < 4:
+        raise ValueError(f"output_len {output_len}: a decode step figure needs at least 4 tokens (the prefill's, "
+                         f"the first decode step's, a steady-state step's and the last, which is not timed)")
+    device = engine.device
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    prompts = _random_prompts(batch_size, input_len, vocab, seed)
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    # warm up at this batch size: the prefill of batch_size prompts and this bucket's decode (compiles, autotunes)
+    engine.run(_random_prompts(batch_size, input_len, vocab, seed + 1), SamplingParams(max_tokens=4, ignore_eos=True))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds: list[float] = []
+    for r in range(repeats):
+        engine.kv.pool.reset_prefix_cache()  # every repeat prefills from scratch
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=f"step-b{batch_size}-{r}-{i}")
+        outputs: list[list[RequestOutput]] = []
+        _sync(device)
+        with timed_steps(engine) as timings:
+            while engine.has_unfinished:
+                outputs.append(engine.step())
+        _sync(device)
+        seconds += steady_step_seconds([(t.end, o) for t, o in zip(timings, outputs)], batch_size)
+    if not seconds:
+        raise RuntimeError(f"no decode step of all {batch_size} sequences together was measured (preempted? "
+                           f"{engine.scheduler.num_preemptions} preemptions so far)")
+    step = statistics.median(seconds)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    return DecodeStepResult(str(device), batch_size, input_len, output_len, step * 1e3, batch_size / step,
+                            len(seconds), peak)
+
+
+def step_table(results: list[DecodeStepResult], baseline_ms: dict[tuple[int, int], float] | None = None) -> str:
+    """Decode step figures as a text table, one block per prompt length; ``baseline_ms``: the stock-PyTorch
+    baseline's ms per step by (batch_size, input_len). ratio = baseline ms / ours (above 1: ours is faster,
+    the same sense as the batch-1 ratio of tokens/s)."""
+    baseline_ms = baseline_ms or {}
+    lines = []
+    for input_len in dict.fromkeys(r.input_len for r in results):
+        rows = [r for r in results if r.input_len == input_len]
+        lines += [f"decode step, {input_len}-token prompts, {rows[0].output_len} tokens out "
+                  f"(median over steady-state steps)",
+                  f"{'batch':>5}  {'ms/step':>9}  {'tok/s':>9}  {'baseline ms/step':>16}  {'ratio':>6}"]
+        for r in rows:
+            base = baseline_ms.get((r.batch_size, input_len))
+            lines.append(f"{r.batch_size:>5}  {r.decode_step_ms:>9.3f}  {r.tok_s:>9.1f}  "
+                         + (f"{base:>16.3f}  {base / r.decode_step_ms:>6.2f}" if base else f"{'-':>16}  {'-':>6}"))
+    return "\n".join(lines)
+
+
 def throughput(engine: ServingEngine, input_len: int, output_len: int, num_prompts: int,
                seed: int = 0) -> ThroughputResult:
     device = engine.device
@@ -137,32 +286,20 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
         torch.cuda.reset_peak_memory_stats(device)
     preempted = engine.scheduler.num_preemptions
     steps = engine.num_steps
-    split = {"decode": [0, 0.0], "other": [0, 0.0]}
-    step = engine.step
-
-    def timed_step():  # where the wall time goes: overlapped decode steps vs the rest
-        t = time.perf_counter()
-        out = step()
-        kind = "decode" if engine._inflight is not None else "other"
-        split[kind][0] += 1
-        split[kind][1] += time.perf_counter() - t
-        return out
-
-    engine.step = timed_step
     _sync(device)
     t0 = time.perf_counter()
-    try:
+    with timed_steps(engine) as timings:  # where the wall time goes: overlapped decode steps vs the rest
         outs = engine.run(prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
-    finally:
-        del engine.step
     _sync(device)
     elapsed = time.perf_counter() - t0
+    decode = [t.seconds for t in timings if t.overlapped]
+    other = [t.seconds for t in timings if not t.overlapped]
     generated = sum(len(o.token_ids) for o in outs)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return ThroughputResult(str(device), input_len, output_len, num_prompts, engine.scheduler_config.max_num_seqs,
                             generated / elapsed, (generated + input_len * num_prompts) / elapsed, elapsed,
                             engine.scheduler.num_preemptions - preempted, peak, engine.num_steps - steps,
-                            split["decode"][0], split["decode"][1], split["other"][1])
+                            len(decode), sum(decode, 0.0), sum(other, 0.0))
 
 
 def load_for_bench(artifact: str, device: str, *, max_num_seqs: int, max_seq_len: int | None,

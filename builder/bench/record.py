@@ -5,8 +5,10 @@
      "date": "2026-11-23T12:00:00+00:00"}
 
 appended by the benchmark commands (``--record PATH``); the latest line of a figure is its current value.
-Figure names: ``decode_b1_{precision}`` (tok/s), ``ttft_{input_len}_{precision}`` (ms), and
-``baseline_<name>`` for the stock-PyTorch baseline's figure measured in the same run.
+Figure names: ``decode_b1_{precision}`` (tok/s), ``ttft_{input_len}_{precision}`` (ms),
+``decode_step_b{N}_{precision}`` (ms per decode step of N sequences decoded together), an ``_in{input_len}``
+suffix on the decode figures when the prompts are not 128 tokens, and ``baseline_<name>`` for the
+stock-PyTorch baseline's figure measured in the same run.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The stock-PyTorch baseline: what a user gets without this toolchain, on the same checkpoint at batch 1.
+"""The stock-PyTorch baseline: what a user gets without this toolchain, on the same checkpoint.
 
     python -m builder.bench.stock_torch CHECKPOINT [--quant bf16|int8wo|int4] [--input-len 128] [--output-len 128]
+                                                   [--batch-size N]
 
 A plain Llama written in PyTorch (embedding, RMSNorm, RoPE, grouped-query SDPA over a static KV cache,
 SwiGLU MLP), its weights read from the checkpoint's safetensors, the one-token decode step compiled with
@@ -12,8 +13,11 @@ Linears, every one but the lm_head, which stays in the model dtype as in the run
     int8wo   int8 weights with one bf16 scale per output channel, dequantized inside the compiled matmul
     int4     asymmetric 4-bit groups of 128 on PyTorch's tinygemm kernel (``aten._weight_int4pack_mm``)
 
-Decode tokens/s = (output_len - 1) / (time of the decode steps after the first token); TTFT is the
-prefill plus the first token. Prints one JSON line.
+Batch 1 (the default): decode tokens/s = (output_len - 1) / (time of the decode steps after the first
+token); TTFT is the prefill plus the first token. Batch N > 1: N random prompts of input_len tokens in a
+static KV cache of N rows, prefilled together and decoded together; the figure is the median wall time of
+one decode step (each step synchronized) over every step but the first, and N / that as tokens/s. One batch
+size per process: each compiles its own graphs. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -175,7 +179,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Layer(nn.Module):
-    def __init__(self, shape: LlamaShape, w: dict[str, torch.Tensor], quant: str, max_seq_len: int) -> None:
+    def __init__(self, shape: LlamaShape, w: dict[str, torch.Tensor], quant: str, max_seq_len: int,
+                 batch_size: int = 1) -> None:
         super().__init__()
         self.shape = shape
         self.input_norm = RMSNorm(w["input_layernorm.weight"], shape.rms_norm_eps)
@@ -186,37 +191,40 @@ class Layer(nn.Module):
         self.gate_up = make_linear(torch.cat((w["mlp.gate_proj.weight"], w["mlp.up_proj.weight"])), quant)
         self.down = make_linear(w["mlp.down_proj.weight"], quant)
         dtype, device = w["input_layernorm.weight"].dtype, w["input_layernorm.weight"].device
-        cache = (1, shape.num_kv_heads, max_seq_len, shape.head_dim)
+        cache = (batch_size, shape.num_kv_heads, max_seq_len, shape.head_dim)
         self.register_buffer("k_cache", torch.zeros(cache, dtype=dtype, device=device))
         self.register_buffer("v_cache", torch.zeros(cache, dtype=dtype, device=device))
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor) -> torch.Tensor:
-        # x: [1, tokens, hidden]; pos: [tokens]; mask: [tokens, max_seq_len] bool
-        s, n = self.shape, x.shape[1]
+        # x: [batch, tokens, hidden] (batch = the cache's rows); pos: [tokens], the same for every row;
+        # mask: [tokens, max_seq_len] bool
+        s, (b, n) = self.shape, x.shape[:2]
         q, k, v = self.qkv(self.input_norm(x)).split(
             [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim], dim=-1)
-        q = apply_rope(q.view(1, n, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)
-        k = apply_rope(k.view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)
-        self.k_cache.index_copy_(2, pos, k)
-        self.v_cache.index_copy_(2, pos, v.view(1, n, s.num_kv_heads, s.head_dim).transpose(1, 2))
+        q = apply_rope(q.view(b, n, s.num_heads, s.head_dim).transpose(1, 2), cos, sin)
+        k = apply_rope(k.view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2), cos, sin)
+        self.k_cache.index_copy_(2, pos, k)  # k_cache: [batch, kv_heads, max_seq_len, head_dim]
+        self.v_cache.index_copy_(2, pos, v.view(b, n, s.num_kv_heads, s.head_dim).transpose(1, 2))
         attn = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask[None, None],
                                               enable_gqa=True)
-        x = x + self.o(attn.transpose(1, 2).reshape(1, n, s.num_heads * s.head_dim))
+        x = x + self.o(attn.transpose(1, 2).reshape(b, n, s.num_heads * s.head_dim))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
 
 class StockLlama(nn.Module):
-    """A Llama over a static KV cache of ``max_seq_len`` positions, batch 1."""
+    """A Llama over a static KV cache of ``batch_size`` rows of ``max_seq_len`` positions; every forward runs
+    all the rows, at the same positions."""
 
-    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], quant: str, max_seq_len: int) -> None:
+    def __init__(self, shape: LlamaShape, weights: dict[str, torch.Tensor], quant: str, max_seq_len: int,
+                 batch_size: int = 1) -> None:
         super().__init__()
-        self.shape, self.max_seq_len = shape, max_seq_len
+        self.shape, self.max_seq_len, self.batch_size = shape, max_seq_len, batch_size
         self.embed = nn.Parameter(weights["model.embed_tokens.weight"], requires_grad=False)
         self.layers = nn.ModuleList(
             Layer(shape, {k.removeprefix(f"model.layers.{i}."): v for k, v in weights.items()
-                          if k.startswith(f"model.layers.{i}.")}, quant, max_seq_len)
+                          if k.startswith(f"model.layers.{i}.")}, quant, max_seq_len, batch_size)
             for i in range(shape.num_layers))
         self.norm = RMSNorm(weights["model.norm.weight"], shape.rms_norm_eps)
         head = weights["model.embed_tokens.weight"] if shape.tie_word_embeddings else weights["lm_head.weight"]
@@ -229,7 +237,7 @@ class StockLlama(nn.Module):
         self.register_buffer("causal", torch.ones(max_seq_len, max_seq_len, dtype=torch.bool, device=device).tril())
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """ids: [1, tokens], pos: [tokens] -> logits of the last token [1, vocab] (fp32)."""
+        """ids: [batch, tokens], pos: [tokens] -> logits of each row's last token [batch, vocab] (fp32)."""
         x = F.embedding(ids, self.embed)
         cos, sin, mask = self.cos[pos], self.sin[pos], self.causal[pos]
         for layer in self.layers:
@@ -251,20 +259,23 @@ def read_weights(checkpoint: Path, dtype: torch.dtype, device: str) -> dict[str,
 
 
 def load_stock_model(checkpoint: str | Path, quant: str = "bf16", device: str = "cuda",
-                     max_seq_len: int = 512, dtype: torch.dtype = torch.bfloat16) -> StockLlama:
+                     max_seq_len: int = 512, dtype: torch.dtype = torch.bfloat16, batch_size: int = 1) -> StockLlama:
     checkpoint = Path(checkpoint)
     shape = LlamaShape.from_config(json.loads((checkpoint / "config.json").read_text()))
     with torch.device(device):
-        return StockLlama(shape, read_weights(checkpoint, dtype, device), quant, max_seq_len).eval()
+        return StockLlama(shape, read_weights(checkpoint, dtype, device), quant, max_seq_len, batch_size).eval()
 
 
 # --- the benchmark ---------------------------------------------------------------------------------
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1, keepdim=True)  # [1, 1]
+    return logits.argmax(dim=-1, keepdim=True)  # [batch, 1]
 
 
-def generate(model: StockLlama, prefill, decode, prompt: torch.Tensor, num_new: int) -> tuple[list[float], torch.Tensor]:
-    """Greedy tokens after ``prompt`` [1, n]; returns the wall time at each token and the tokens [num_new]."""
+def generate(model: StockLlama, prefill, decode, prompt: torch.Tensor, num_new: int, *,
+             time_steps: bool = False) -> tuple[list[float], torch.Tensor]:
+    """Greedy tokens after ``prompt`` [batch, n] (the model's batch_size rows); returns wall times and the
+    tokens [batch, num_new]. The times are taken after the first token and after the last; with
+    ``time_steps``, after the first token and after every decode step, each step synchronized."""
     n = prompt.shape[1]
     times, tokens = [], []
     token = _greedy(prefill(prompt, torch.arange(n, device=prompt.device)))
@@ -275,9 +286,13 @@ def generate(model: StockLlama, prefill, decode, prompt: torch.Tensor, num_new: 
         pos = torch.tensor([n + i], device=prompt.device)
         token = _greedy(decode(token.clone(), pos))  # clone: a CUDA-graph output is overwritten next replay
         tokens.append(token)
-    torch.cuda.synchronize() if prompt.is_cuda else None
-    times.append(time.perf_counter())
-    return times, torch.cat(tokens).view(-1)
+        if time_steps:
+            torch.cuda.synchronize() if prompt.is_cuda else None
+            times.append(time.perf_counter())
+    if not time_steps:
+        torch.cuda.synchronize() if prompt.is_cuda else None
+        times.append(time.perf_counter())
+    return times, torch.cat(tokens, dim=1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,20 +302,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (1: TTFT and tok/s; "
+                        "N > 1: the decode step time)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-compile", action="store_true", help="eager (checking on the CPU)")
     args = parser.parse_args(argv)
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: a batch is 1 or more prompts")
+    if args.batch_size > 1 and args.output_len < 3:
+        parser.error(f"--output-len {args.output_len}: a decode step figure needs at least 3 tokens (the first "
+                     f"decode step is left out)")
 
-    model = load_stock_model(args.checkpoint, args.quant, args.device, args.input_len + args.output_len)
+    model = load_stock_model(args.checkpoint, args.quant, args.device, args.input_len + args.output_len,
+                             batch_size=args.batch_size)
     prefill = decode = model
     if not args.no_compile:
         prefill = torch.compile(model, dynamic=False)
         decode = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, model.shape.vocab_size, (1, args.input_len), generator=g).to(args.device)
+    prompt = torch.randint(3, model.shape.vocab_size, (args.batch_size, args.input_len), generator=g).to(args.device)
     with torch.inference_mode():
         for _ in range(2):  # warm up: compiles, captures the CUDA graphs
             generate(model, prefill, decode, prompt, args.output_len)
+        if args.batch_size > 1:
+            print(json.dumps(_decode_step_figures(args, model, prefill, decode, prompt)))
+            return 0
         ttfts, rates = [], []
         for _ in range(args.repeats):
             if prompt.is_cuda:
@@ -316,18 +342,34 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _decode_step_figures(args: argparse.Namespace, model: StockLlama, prefill, decode, prompt: torch.Tensor) -> dict:
+    """The median decode step over ``args.repeats`` runs at batch ``args.batch_size``, the first step of each
+    left out (as the runtime's figure leaves it out)."""
+    seconds = []
+    for _ in range(args.repeats):
+        times, _ = generate(model, prefill, decode, prompt, args.output_len, time_steps=True)
+        seconds += [end - start for start, end in zip(times[1:-1], times[2:])]  # decode step 2 onwards
+    step = statistics.median(seconds)
+    return {"baseline": f"stock-torch-{args.quant}", "batch_size": args.batch_size, "input_len": args.input_len,
+            "output_len": args.output_len, "decode_step_ms": round(step * 1e3, 3),
+            "decode_tok_s": round(args.batch_size / step, 2), "torch": torch.__version__,
+            "compiled": not args.no_compile}
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
 
 
 def run_stock_baseline(checkpoint: str | Path, quant: str, input_len: int, output_len: int,
-                       device: str = "cuda", repeats: int = 3, timeout_s: float = 1800) -> dict:
+                       device: str = "cuda", repeats: int = 3, timeout_s: float = 1800, batch_size: int = 1) -> dict:
     """Run the baseline in a fresh process (its own compile caches and memory) and return its JSON line."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "builder.bench.stock_torch", str(checkpoint), "--quant", quant, "--input-len",
            str(input_len), "--output-len", str(output_len), "--repeats", str(repeats), "--device", device]
+    if batch_size != 1:
+        cmd += ["--batch-size", str(batch_size)]
     if not str(device).startswith("cuda"):
         cmd.append("--no-compile")  # the CPU check runs eagerly
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)

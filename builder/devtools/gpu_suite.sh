@@ -7,11 +7,15 @@
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, FP8, SmoothQuant)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
 #   calib          bundled AWQ / SmoothQuant builds calibrated on the GPU; gate figures vs the CPU-built ones
-#   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq sq: checkpoint, build, kernel check, latency,
-#                  throughput (128/128 at each concurrency of $THROUGHPUT_CONCURRENCY, default 64 128 256;
-#                  2048/128, 128/2048)
-#   b1-PREC        Llama-3-8B shape, batch-1 latency (128 in / 128 out) beside the stock-PyTorch baseline of the same
-#                  precision (builder/bench/stock_torch.py), both recorded in $OUT/benchmarks.jsonl
+#   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq gptq sq int8wo (recipes/bench/llama3-8b-PREC.yaml):
+#                  checkpoint, build, kernel check, latency, throughput (128/128 at each concurrency of
+#                  $THROUGHPUT_CONCURRENCY, default 64 128 256; 2048/128, 128/2048)
+#   b1-PREC        Llama-3-8B shape (PREC as for 8b-PREC), 128 in / 128 out: batch-1 latency and the decode step time
+#                  at each batch size of $STEP_BATCH_SIZES (default 2 4 8 16; empty: batch 1 only), each beside the
+#                  stock-PyTorch baseline (builder/bench/stock_torch.py) of the artifact's precision: bf16 for bf16,
+#                  int4 for awq and gptq, int8wo for int8wo, fp8 and sq (record.STOCK_QUANT); every figure recorded
+#                  in $OUT/benchmarks.jsonl (decode_b1_*, ttft_128_*, decode_step_bN_*, baseline_*), the log with
+#                  the decode step table in $OUT/b1_PREC.log. The baseline compiles once per batch size.
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
@@ -82,8 +86,10 @@ PY
     b1-*)
       prec=${part#b1-}
       artifact "$prec"
-      python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 \
-        --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" | grep '^{' ;;
+      steps=""; for b in ${STEP_BATCH_SIZES-2 4 8 16}; do steps="$steps --batch-size $b"; done
+      python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps \
+        --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" \
+        | grep -E '^\{|^decode step|^batch|^ +[0-9]' ;;
     stock-*)
       ckpt
       python3 -m builder.bench.stock_torch $CKPT --quant ${part#stock-} 2>&1 | tee "$OUT/stock_${part#stock-}.log" \

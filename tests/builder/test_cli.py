@@ -106,3 +106,20 @@ def test_html_report_escapes_manifest_text(quickstart):
     graph = Graph.from_dict(json.loads((quickstart / "graph.json").read_text()))
     html = render_reports(m, graph)["report.html"]
     assert "<script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "2.5", "four"])
+def test_bench_latency_refuses_bad_batch_sizes(value, tmp_path):
+    """Refused while parsing, before any artifact is read: the message names the option, the value and what
+    is allowed."""
+    res = runner.invoke(app, ["bench", "latency", str(tmp_path / "missing"), "--device", "cpu",
+                              "--batch-size", "2", "--batch-size", value])
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.replace("│", " ").split())  # the error box wraps lines
+    assert f"Invalid value for '--batch-size': '{value}' is not a batch size: give whole numbers of 1 or more" in text
+
+
+def test_bench_latency_batch_sizes_need_four_output_tokens(tmp_path):
+    res = runner.invoke(app, ["bench", "latency", str(tmp_path / "missing"), "--device", "cpu", "--batch-size", "2",
+                              "--output-len", "3"])
+    assert res.exit_code == 1 and "--output-len 3: --batch-size needs at least 4" in res.output, res.output

@@ -336,7 +336,9 @@ def test_bench_json_lines_are_classified(tmp_path):
     throughput = {"device": "cpu", "input_len": 8, "output_len": 8, "num_prompts": 4, "concurrency": 2,
                   "output_tok_s": 50.0, "total_tok_s": 100.0, "elapsed_s": 1.0, "num_preemptions": 0,
                   "peak_memory_gib": 0.1}
-    f.write_text(json.dumps(LATENCY_LINE) + "\n\n" + json.dumps(throughput) + "\n")
+    step = {"device": "cpu", "batch_size": 4, "input_len": 8, "output_len": 8, "decode_step_ms": 2.5, "tok_s": 1600.0,
+            "num_steps": 5, "peak_memory_gib": 0.1}  # bench latency --batch-size: no throughput figure, skipped
+    f.write_text(json.dumps(LATENCY_LINE) + "\n\n" + json.dumps(step) + "\n" + json.dumps(throughput) + "\n")
     records = read_bench_file(f)
     assert [r.kind for r in records] == ["latency", "throughput"]
     assert [r.throughput for r in records] == [LATENCY_LINE["decode_tok_s"], throughput["output_tok_s"]]

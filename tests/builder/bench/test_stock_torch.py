@@ -1,5 +1,6 @@
-"""The stock-PyTorch baseline computes the model it claims to: logits equal Hugging Face's, its int8 and int4
-linears stay close to the float model, and its command prints one JSON line."""
+"""The stock-PyTorch baseline computes the model it claims to: logits equal Hugging Face's, greedy tokens too at
+batch 1 and per row at batch N, its int8 and int4 linears stay close to the float model, and its command prints
+one JSON line."""
 
 from __future__ import annotations
 
@@ -97,7 +98,31 @@ def test_greedy_generation_equals_hugging_face(llama):
         _, tokens = generate(model, model, model, prompt, 8)
         hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
         ref = hf.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 6:]
-    assert tokens.tolist() == ref.tolist()
+    assert tokens[0].tolist() == ref.tolist()
+
+
+def _hf_greedy(hf, prompt: torch.Tensor, num_new: int) -> list[int]:
+    """HF's greedy continuation of ``prompt`` [n], EOS included (generate's min_new_tokens would mask it)."""
+    ids = prompt[None]
+    for _ in range(num_new):
+        ids = torch.cat((ids, hf(ids).logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_batched_greedy_generation_equals_hugging_face_per_row(llama):
+    """Batch N: N prompts in a static cache of N rows, decoded together; each row's tokens are HF's for that
+    prompt alone, and with time_steps every decode step is timed."""
+    from transformers import AutoModelForCausalLM
+
+    model = load_stock_model(llama, "bf16", "cpu", 32, torch.float32, batch_size=3)
+    prompts = torch.tensor([_ids(6, model.shape.vocab_size, seed) for seed in (7, 8, 9)])
+    with torch.inference_mode():
+        times, tokens = generate(model, model, model, prompts, 8, time_steps=True)
+        hf = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+        refs = [_hf_greedy(hf, row, 8) for row in prompts]
+    assert tokens.shape == (3, 8) and len(times) == 8  # after the prefill's token, then after each decode step
+    assert tokens.tolist() == refs
+    assert len({tuple(r) for r in refs}) == 3  # the rows differ: a row mix-up would show
 
 
 def test_command_prints_one_json_line(llama, capsys):
@@ -105,6 +130,22 @@ def test_command_prints_one_json_line(llama, capsys):
                  "--repeats", "1", "--quant", "int8wo"]) == 0
     result = json.loads(capsys.readouterr().out.strip())
     assert result["baseline"] == "stock-torch-int8wo" and result["decode_tok_s"] > 0 and result["ttft_ms"] > 0
+
+
+def test_command_at_batch_n_prints_the_decode_step(llama, capsys):
+    assert main([str(llama), "--device", "cpu", "--no-compile", "--input-len", "8", "--output-len", "5",
+                 "--repeats", "1", "--quant", "int4", "--batch-size", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip())
+    assert result["baseline"] == "stock-torch-int4" and result["batch_size"] == 3 and result["decode_step_ms"] > 0
+    assert result["decode_tok_s"] == pytest.approx(3e3 / result["decode_step_ms"], rel=1e-2)
+
+
+@pytest.mark.parametrize("argv, message", [(["--batch-size", "0"], "--batch-size 0"),
+                                           (["--batch-size", "2", "--output-len", "2"], "--output-len 2")])
+def test_command_refuses_bad_batch_settings(llama, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main([str(llama), "--device", "cpu", "--no-compile", *argv])
+    assert message in capsys.readouterr().err
 
 
 def test_refuses_other_families(tmp_path):

@@ -1,0 +1,110 @@
+"""`builder bench latency --batch-size N`: the decode step time of N sequences decoded together, which steps it
+counts, and the figures it records beside the stock-PyTorch baseline's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from builder.bench.offline import decode_steps, load_for_bench, steady_step_seconds
+from runtime.outputs import RequestOutput
+
+
+def _out(request_id: str, num_tokens: int = 1, finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id, "", [7] * num_tokens, None, finished, "length" if finished else None, 4, 0)
+
+
+def test_steady_steps_leave_out_prefill_first_decode_and_last():
+    # overlapped pipeline: prefill, a call that only launches the first graph step, then one token per call
+    calls = [(1.0, [_out("a"), _out("b")]),  # prefill: first tokens
+             (1.5, []),  # launches decode step 1
+             (3.0, [_out("a"), _out("b")]),  # decode step 1's tokens: not measured
+             (5.0, [_out("a"), _out("b")]),  # decode step 2: 2.0
+             (8.0, [_out("b"), _out("a")]),  # decode step 3: 3.0
+             (9.0, [_out("a", finished=True), _out("b", finished=True)])]  # last: not measured
+    assert steady_step_seconds(calls, 2) == [2.0, 3.0]
+
+
+def test_steady_steps_need_every_sequence_in_the_step():
+    calls = [(1.0, [_out("a")]),  # a's prefill
+             (2.0, [_out("a"), _out("b")]),  # mixed: a decodes, b's prefill ends
+             (4.0, [_out("a"), _out("b")]),  # b's first decode step
+             (5.0, [_out("a")]),  # b left out of the step
+             (7.0, [_out("a"), _out("b")]),  # full, but the call before was not
+             (10.0, [_out("a"), _out("b")]),  # measured: 3.0
+             (11.0, [_out("a", 2), _out("b")]),  # two tokens for a: not one step
+             (12.0, [_out("a"), _out("b")])]
+    assert steady_step_seconds(calls, 2) == [3.0]
+    assert steady_step_seconds(calls[:6], 3) == []  # a third request never got a token
+
+
+def test_decode_steps_run_every_sequence_together(artifacts):
+    engine = load_for_bench(str(artifacts["llama"]), "cpu", max_num_seqs=4, max_seq_len=None,
+                            max_num_batched_tokens=None, cuda_graphs=True)
+    try:
+        for batch_size in (2, 4):
+            before = engine.num_steps
+            r = decode_steps(engine, batch_size, input_len=8, output_len=6, repeats=1)
+            # warm-up (prefill + 3 decode steps), then one prefill and 5 decode steps of all the sequences:
+            # a sequence outside a step would add steps
+            assert engine.num_steps - before == 4 + 6
+            assert (r.batch_size, r.input_len, r.output_len, r.num_steps) == (batch_size, 8, 6, 3)
+            assert r.decode_step_ms > 0 and r.tok_s == pytest.approx(batch_size * 1e3 / r.decode_step_ms)
+        with pytest.raises(ValueError, match="max_num_seqs 4"):
+            decode_steps(engine, 5, input_len=8, output_len=6)
+    finally:
+        engine.close()
+
+
+def test_bench_latency_records_decode_step_figures_beside_the_baseline(artifacts, checkpoints, tmp_path):
+    from typer.testing import CliRunner
+
+    from builder.cli import app
+
+    record, results = tmp_path / "benchmarks.jsonl", tmp_path / "results.jsonl"
+    res = CliRunner().invoke(app, ["bench", "latency", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8",
+                                   "--output-len", "5", "--repeats", "1", "--batch-size", "2", "--batch-size", "2",
+                                   "--baseline", str(checkpoints["llama"]), "--record", str(record),
+                                   "--json", str(results)])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [(x["figure"], x["unit"]) for x in lines] == [
+        ("decode_b1_fp32_in8", "tok/s"), ("ttft_8_fp32", "ms"),
+        ("decode_step_b2_fp32_in8", "ms"),  # a batch size given twice is measured once
+        ("baseline_decode_b1_fp32_in8", "tok/s"), ("baseline_ttft_8_fp32", "ms"),
+        ("baseline_decode_step_b2_fp32_in8", "ms")]
+    assert all(x["value"] > 0 and x["command"].endswith("--batch-size 2 --baseline " + str(checkpoints["llama"]))
+               for x in lines)
+    stock = [json.loads(line) for line in res.output.splitlines() if line.startswith('{"baseline"')]
+    assert [s.get("batch_size") for s in stock] == [None, 2]
+    assert stock[1]["ratio"] == pytest.approx(stock[1]["decode_step_ms"] / stock[1]["ours_decode_step_ms"], rel=1e-2)
+    ours = {x["figure"]: x["value"] for x in lines}
+    table = res.output[res.output.index("decode step, 8-token prompts"):].splitlines()
+    assert table[1].split() == ["batch", "ms/step", "tok/s", "baseline", "ms/step", "ratio"]
+    row = [float(v) for v in table[2].split()]
+    assert row[:2] == [2, pytest.approx(ours["decode_step_b2_fp32_in8"], abs=1e-3)]
+    assert row[3:] == [pytest.approx(ours["baseline_decode_step_b2_fp32_in8"], abs=1e-3),
+                       pytest.approx(ours["baseline_decode_step_b2_fp32_in8"] / ours["decode_step_b2_fp32_in8"],
+                                     abs=0.01)]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r.get("batch_size") for r in rows] == [None, 2]  # --json: the batch-1 row, then one per batch size
+
+
+def test_bench_latency_records_batch_1_figures_when_a_decode_step_run_fails(artifacts, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import builder.bench.offline
+    from builder.cli import app
+
+    def fail(engine, batch_size, *args):
+        raise RuntimeError("no decode step of all 2 sequences together was measured")
+
+    monkeypatch.setattr(builder.bench.offline, "decode_steps", fail)
+    record = tmp_path / "benchmarks.jsonl"
+    res = CliRunner().invoke(app, ["bench", "latency", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8",
+                                   "--output-len", "4", "--repeats", "1", "--batch-size", "2", "--record", str(record)])
+    assert res.exit_code == 1
+    assert "error: decode step at batch 2, 8-token prompts: no decode step of all 2" in res.output
+    assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == ["decode_b1_fp32_in8",
+                                                                                       "ttft_8_fp32"]
