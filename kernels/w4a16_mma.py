@@ -57,7 +57,7 @@ LAYOUT = "mma"
 MMA_MAX_ROWS = 256  # rows of x the kernel takes
 MMA_TILED = True  # repack_mma's default: each program's K step contiguous in memory (tile_width)
 MMA_ENABLED = True  # the runtime repacks weight-only linears to this layout where supports() (runtime/executor.py)
-MMA_RUNTIME_MAX_ROWS = 16  # the runtime sends this many rows here; more to dequantize_mma + cuBLAS
+MMA_RUNTIME_MAX_ROWS = 128  # the runtime sends this many rows here; more to dequantize_mma + cuBLAS
 MAX_PAIR_SPAN = 64  # bytes per row of a 4-bit chunk (a K step): 128 input features, one group of 128
 
 
@@ -76,13 +76,14 @@ class MmaConfig:
     reduce_in_kernel: bool = True  # read by kernels.gemv._split_plan: the last program adds the partials
 
 
-# Picked by rows of x: the first row whose bound is >= M; wide layers (N >= _WIDE_N) take 256-column tiles up to 16
-# rows. Up to 16 rows: the fastest of ``python -m kernels.bench.gemm --mma-sweep`` on an H100 across the
-# Llama-3-8B shapes (docs/BENCHMARKS.md); beyond, the dequantizing variant (one MMA tile of rows).
+# Picked by rows of x: the first row whose bound is >= M. The fastest of ``python -m kernels.bench.gemm --mma-sweep``
+# on an H100 across the Llama-3-8B shapes (tiled layout; docs/BENCHMARKS.md). Up to 16 rows the correcting kernel
+# (4 bits: one pipeline stage, three for wide layers, N >= _WIDE_N; 8 bits: two chunks per step, three stages);
+# beyond, the dequantizing variant.
 _CUDA_CONFIGS: list[tuple[int, MmaConfig]] = [
     (16, MmaConfig(128, 16, num_warps=4, num_stages=1)),
-    (32, MmaConfig(128, 32, dequant=True, num_warps=4, num_stages=3)),
-    (64, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=3)),
+    (32, MmaConfig(128, 32, dequant=True, num_warps=4, num_stages=2)),
+    (128, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=2)),
     (MMA_MAX_ROWS, MmaConfig(128, 128, dequant=True, num_warps=8, num_stages=3)),
 ]
 _WIDE_N = 16384
@@ -90,13 +91,16 @@ _INTERPRETER_CONFIG = MmaConfig(32, 16, split_k=1, num_warps=1, num_stages=1)
 _MIN_BLOCK = 16  # tl.dot's minimum along every dimension
 
 
-def default_mma_config(num_rows: int, device: torch.device, out_features: int = 0) -> MmaConfig:
-    """The table's configuration for ``num_rows`` rows of x and ``out_features`` columns."""
+def default_mma_config(num_rows: int, device: torch.device, out_features: int = 0, bits: int = 4) -> MmaConfig:
+    """The table's configuration for ``num_rows`` rows of x, ``out_features`` columns and ``bits``-bit codes
+    (block_n is the layout's tile on tiled weights)."""
     if _interpreting() or device.type != "cuda":
         return _INTERPRETER_CONFIG
     cfg = next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
-    if out_features >= _WIDE_N and not cfg.dequant:
-        cfg = replace(cfg, block_n=256)
+    if not cfg.dequant and bits == 8:
+        cfg = replace(cfg, chunks=2, num_stages=3)
+    elif not cfg.dequant and out_features >= _WIDE_N:
+        cfg = replace(cfg, num_stages=3)
     return cfg
 
 
@@ -466,7 +470,7 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     num_rows = x2.shape[0]
-    cfg = config or default_mma_config(num_rows, x.device, qweight.shape[0])
+    cfg = config or default_mma_config(num_rows, x.device, qweight.shape[0], bits)
     w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, tile_n)
     if w.tile_n:  # the layout's tiles are the programs' tiles
         cfg = replace(cfg, block_n=w.tile_n)

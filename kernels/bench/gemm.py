@@ -352,7 +352,7 @@ def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator,
         print(f"{name:>8} {bits:2d} {m:4d} {k:6d} {n:6d} | {t_mma:8.1f} {t_flat:8.1f} {before:8.1f} {t_deq:8.1f} "
               f"{t_bf16:8.1f} | "
               f"{weight_bytes / t_mma / 1e6:6.2f} {n * k * 2 / t_bf16 / 1e6:6.2f} | {max(err, err_d):.1e}  "
-              f"{default_mma_config(m, x.device, n)}")
+              f"{default_mma_config(m, x.device, n, bits)}")
         if sweep and m in MMA_SWEEP_ROWS:
             failures += sweep_configs(f"mma {bits}-bit {name} M={m}", mma_candidates(m),
                                       lambda cand: _close(w4a16_mma(x, **mma[0], config=cand), ref),
