@@ -6,7 +6,10 @@
 A plain Llama written in PyTorch (embedding, RMSNorm, RoPE, grouped-query SDPA over a static KV cache,
 SwiGLU MLP), its weights read from the checkpoint's safetensors, the one-token decode step compiled with
 ``torch.compile(mode="reduce-overhead")`` (Inductor plus CUDA graphs) and the prefill with
-``torch.compile`` as well: the recipe of gpt-fast, the fastest setup a PyTorch user writes by hand.
+``torch.compile`` as well, with gpt-fast's Inductor settings (``INDUCTOR_SETTINGS``: coordinate-descent tuning,
+which also makes Inductor turn a one-row matmul into a fused multiply-and-reduce kernel, so the int8 weights are
+dequantized inside it instead of materialized in bf16 every step): the recipe of gpt-fast, the fastest setup a
+PyTorch user writes by hand.
 Linears, every one but the lm_head, which stays in the model dtype as in the runtime's int4 artifacts:
 
     bf16     ``F.linear`` on the checkpoint's weights in bfloat16
@@ -36,6 +39,9 @@ from safetensors import safe_open
 from torch import nn
 
 QUANT_MODES = ("bf16", "int8wo", "int4")
+# gpt-fast's (generate.py). Without coordinate-descent tuning Inductor keeps the int8 weight-only matmul as a bf16
+# copy of the weights plus cuBLAS: 15.3 tok/s for the Llama-3-8B shape at batch 1 on an H100 (docs/BENCHMARKS.md)
+INDUCTOR_SETTINGS = {"coordinate_descent_tuning": True, "fx_graph_cache": True}
 INT4_GROUP_SIZE = 128
 INT4_INNER_K_TILES = 8  # tinygemm's packing for the CUDA kernel
 
@@ -317,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                              batch_size=args.batch_size)
     prefill = decode = model
     if not args.no_compile:
+        import torch._inductor.config as inductor_config
+
+        for name, value in INDUCTOR_SETTINGS.items():
+            setattr(inductor_config, name, value)
         prefill = torch.compile(model, dynamic=False)
         decode = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     g = torch.Generator().manual_seed(0)
