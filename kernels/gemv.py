@@ -60,7 +60,8 @@ float8e4nv conversion is wrong (``kernels.w8a8_gemm``), so the interpreter round
 Configurations (``GemvConfig``) are picked by the number of rows from per-kernel tables, to be tuned with
 ``python -m kernels.bench.gemm --gemv-sweep`` and ``python -m kernels.bench.w8a8 --gemv-sweep``.
 ``GEMV_ENABLED`` switches the runtime's use of these kernels (``runtime/executor.py``), which sends them at
-most ``GEMV_RUNTIME_MAX_ROWS`` rows (one: measured faster there only).
+most ``GEMV_RUNTIME_MAX_ROWS`` rows (one: measured faster there only); W4A16 / W8A16 weights go to
+``kernels.w4a16_mma`` instead wherever it takes their group size (faster at 1-16 rows, session 7).
 """
 
 from __future__ import annotations
