@@ -437,18 +437,26 @@ def bench_latency(
     del engine
     steps, failure = [], None
     if batch_size:  # an engine of its own, so the batch-1 figures stay those of a max_num_seqs 1 engine
+        from builder.bench.offline import load_for_bench
+        from runtime.artifact import ArtifactError
+        from runtime.memory import MemoryPlanError
+
         _empty_cuda_cache(device)
-        engine = _bench_engine(artifact, device, max(batch_size), max_seq_len, max_num_batched_tokens,
-                               no_cuda_graphs)
-        try:
-            for n in input_len:
-                for b in batch_size:
-                    steps.append(decode_steps(engine, b, n, output_len, repeats))
-        except (RequestError, RuntimeError) as e:  # the figures measured so far are still recorded
-            failure = f"decode step at batch {b}, {n}-token prompts: {e}"
-        finally:
-            engine.close()
-        del engine
+        try:  # a failure here (e.g. no memory plan for max(batch_size) sequences) keeps the batch-1 figures
+            engine = load_for_bench(str(artifact), device, max_num_seqs=max(batch_size), max_seq_len=max_seq_len,
+                                    max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs)
+        except (ArtifactError, MemoryPlanError, ValueError, RuntimeError) as e:
+            failure, engine = f"cannot load {artifact} for batch {max(batch_size)}: {e}", None
+        if engine is not None:
+            try:
+                for n in input_len:
+                    for b in batch_size:
+                        steps.append(decode_steps(engine, b, n, output_len, repeats))
+            except (RequestError, RuntimeError) as e:  # the figures measured so far are still recorded
+                failure = f"decode step at batch {b}, {n}-token prompts: {e}"
+            finally:
+                engine.close()
+            del engine
     report(results + steps, json_out)
     figures = []
     for r in results:

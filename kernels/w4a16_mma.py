@@ -35,10 +35,14 @@ At small N the BLOCK_N tiles are too few for the SMs, so K is split across progr
 the tile's last program adds in split order (deterministic) in the same launch, as ``kernels.gemv`` does (its
 tile counters, and its NOTE on concurrency and CUDA-graph capture, apply here).
 
+The correction subtracts two sums about 128 / |q - zero| times larger than the result: for bf16 / fp16 x the
+error stays within the output's rounding, for fp32 x (reference-precision artifacts) it would not (relative 6e-4
+at K = 4096, one group), so fp32 x always takes the dequantizing variant, which forms ``(q - zero) * scale`` in
+fp32 exactly as the reference does and multiplies at IEEE precision.
+
 NOTE: under TRITON_INTERPRET (and for fp16 / fp32 x) the codes are converted with plain integer and float ops,
-and the interpreter multiplies in fp32 at IEEE precision (its bf16 dot is wrong); fp32 x always takes the IEEE
-dot (exact codes, fp32 x: the reference's precision). No host synchronisation: grids and splits come from
-shapes only (CUDA-graph capturable).
+and the interpreter multiplies in fp32 at IEEE precision (its bf16 dot is wrong). No host synchronisation:
+grids and splits come from shapes only (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -233,6 +237,9 @@ def _mma_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
             or zeros.dtype != torch.uint8:
         raise ValueError(f"scales {scales.dtype} {tuple(scales.shape)} / zeros {zeros.dtype} {tuple(zeros.shape)} "
                          f"do not match: expected fp32 / uint8 {(k // g, n)}")
+    if n * k >= 2**31:  # the kernels index weights and outputs [N, K] with 32-bit offsets
+        raise ValueError(f"qweight {tuple(qweight.shape)}: {n} x {k} weights are more than the kernels' 32-bit "
+                         "offsets address")
     return _MmaWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, g, pair_span, tile_n)
 
 
@@ -291,6 +298,16 @@ def _dot_acc(a, w_t, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _zero_plus(z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
+    """zero + OFF of group g per column, fp32 [1, BLOCK_N] (the code's offset: code - this = q - zero, exact)."""
+    if EVEN_N:
+        z = tl.load(z_ptr + g * stride_sz + offs_n)
+    else:
+        z = tl.load(z_ptr + g * stride_sz + offs_n, mask=mask_n, other=0)
+    return (z.to(tl.float32) + OFF)[None, :]
+
+
+@triton.jit
 def _group_consts(s_ptr, z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
     """(scale, scale * (zero + OFF)) of group g per column, fp32 [1, BLOCK_N]."""
     if EVEN_N:
@@ -320,14 +337,15 @@ def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, 
     lo, hi = _codes(b, BITS, x_rows.dtype.element_ty, PTX)  # [BLOCK_N, BLOCK_R] each
     k0 = r0 * (8 // BITS)  # the chunk's first input feature
     x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-    if DEQUANT:  # many rows: dequantize the codes once (in x's dtype) and accumulate on the tensor cores
+    if DEQUANT:  # dequantize each code as the reference does ((q - zero) * scale in fp32), then the MMA
         s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
         s_col = tl.reshape(s, (s.shape[1], 1))
-        c_col = tl.reshape(c, (c.shape[1], 1))
-        acc = _dot_acc(x_lo, (lo.to(tl.float32) * s_col - c_col).to(x_lo.dtype), acc, IEEE)
+        zoff = tl.reshape(_zero_plus(z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N),
+                          (s.shape[1], 1))
+        acc = _dot_acc(x_lo, ((lo.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
         if BITS == 4:
             x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-            acc = _dot_acc(x_hi, (hi.to(tl.float32) * s_col - c_col).to(x_lo.dtype), acc, IEEE)
+            acc = _dot_acc(x_hi, ((hi.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
         return acc, raw, xsum
     if BITS == 4:
         x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
@@ -474,6 +492,8 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     w = _mma_weights(qweight, scales, zeros, group_size, bits, layout, pair_span, tile_n)
     if w.tile_n:  # the layout's tiles are the programs' tiles
         cfg = replace(cfg, block_n=w.tile_n)
+    if x.dtype == torch.float32:  # the correction's two large sums would cancel below fp32's reference precision
+        cfg = replace(cfg, dequant=True)
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} (qweight "
                          f"{tuple(qweight.shape)}, {bits} bits)")

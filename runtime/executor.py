@@ -187,7 +187,7 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
     if quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
-        fn = _kernel_weight_only_linear(w, quant)
+        fn = _kernel_weight_only_linear(w, quant, lm_head=attrs.get("lm_head", False))
     elif quant and ex.use_kernels and quant["scheme"] in ("fp8", "w8a8_int8"):
         fn = _kernel_w8a8_linear(w, quant, ex)
     elif quant:
@@ -214,11 +214,16 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     def quantize(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_rows(x2, storage)
 
-    if quant["scheme"] == "fp8" and w["qweight"].is_cuda and ex.dtype in (torch.bfloat16, torch.float16):
+    qweight, w_scale, input_scale, bias = w["qweight"], w["weight_scale"], w.get("input_scale"), w.get("bias")
+    # cuBLAS's _scaled_mm takes weights whose dimensions are multiples of 16, _int_mm multiples of 8: a quantized
+    # lm_head over a vocabulary such as 32001 is not, and runs the Triton GEMM at every size instead
+    align = 16 if quant["scheme"] == "fp8" else 8
+    if qweight.shape[0] % align or qweight.shape[1] % align:
+        large = lambda x: w8a8_linear(x, qweight, w_scale, input_scale, bias)  # noqa: E731
+    elif quant["scheme"] == "fp8" and w["qweight"].is_cuda and ex.dtype in (torch.bfloat16, torch.float16):
         large = make_fp8_scaled_mm_linear(w, quantize)
     else:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
-    qweight, w_scale, input_scale, bias = w["qweight"], w["weight_scale"], w.get("input_scale"), w.get("bias")
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         # shapes only: no sync, the same inside a CUDA graph
@@ -231,10 +236,11 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     return linear
 
 
-def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tensor]:
+def _kernel_weight_only_linear(w, quant, lm_head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). Where
     ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel up to
     ``MMA_RUNTIME_MAX_ROWS`` tokens, beyond that the weight dequantized into a temporary for cuBLAS (prefill).
+    An lm_head is never dequantized (a [vocab, hidden] temporary per step): more rows run the kernel in slices.
     Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
     ``GEMV_ENABLED``), else the GEMM."""
     from kernels import gemv, w4a16_mma
@@ -249,6 +255,11 @@ def _kernel_weight_only_linear(w, quant) -> Callable[[torch.Tensor], torch.Tenso
         def mma_linear(x: torch.Tensor) -> torch.Tensor:
             if x.numel() <= w4a16_mma.MMA_RUNTIME_MAX_ROWS * x.shape[-1]:  # shapes only: no sync, graph-safe
                 return w4a16_mma.w4a16_mma(x, bias=bias, **packed)
+            if lm_head:
+                x2, step = x.reshape(-1, x.shape[-1]), w4a16_mma.MMA_MAX_ROWS
+                y = torch.cat([w4a16_mma.w4a16_mma(x2[i: i + step], bias=bias, **packed)
+                               for i in range(0, x2.shape[0], step)])
+                return y.reshape(*x.shape[:-1], y.shape[-1])
             return F.linear(x, w4a16_mma.dequantize_mma(**packed, dtype=x.dtype), bias)
 
         return mma_linear
@@ -390,7 +401,7 @@ def _lm_head(w, attrs, ex) -> Kernel:
     linear's, compiled by ``_linear``: a quantized lm_head (``quant`` attr, recipe
     ``quantization.lm_head``) runs the same W4A16/W8A16/W8A8 kernels or torch references as the linears."""
     quant = attrs.get("quant")
-    linear = _linear(w, {"quant": quant} if quant else {}, ex)
+    linear = _linear(w, {"quant": quant, "lm_head": True} if quant else {}, ex)
     num_rows = (w["weight"] if "weight" in w else w["qweight"]).shape[0]  # vocab (this rank's share)
 
     def kernel(xs, step):

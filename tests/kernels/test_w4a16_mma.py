@@ -52,15 +52,17 @@ def _check(m: int, n: int, k: int, group_size: int, bits: int, dtype: torch.dtyp
 
 
 SPLIT2 = MmaConfig(32, 16, split_k=2, num_warps=1, num_stages=1)
-CASES = [  # (m, n, k, group_size, bits, dtype, bias, config)
-    (1, 64, 128, 32, 4, torch.float32, True, None),  # pair span 16: per-step correction
+CASES = [  # (m, n, k, group_size, bits, dtype, bias, config); fp32 x always takes the dequantizing variant
+    (1, 64, 128, 32, 4, torch.float16, True, None),  # pair span 16: per-step correction
     (3, 48, 256, 64, 4, torch.bfloat16, False, None),  # ragged N tile (48 of 32-wide tiles)
     (5, 64, 128, -1, 4, torch.float16, True, None),  # one group per channel: corrected once, at the end
-    (2, 32, 64, 32, 8, torch.float32, True, None),
+    (2, 32, 64, 32, 8, torch.float16, True, None),
     (4, 40, 128, -1, 8, torch.bfloat16, True, MmaConfig(32, 16, split_k=3, num_warps=1, num_stages=1)),
-    (17, 64, 256, 128, 4, torch.float32, False, SPLIT2),  # two M tiles, each with its own split counters
-    (3, 64, 512, 128, 4, torch.float32, True, MmaConfig(32, 16, chunks=2, split_k=2, num_warps=1, num_stages=1)),
+    (17, 64, 256, 128, 4, torch.bfloat16, False, SPLIT2),  # two M tiles, each with its own split counters
+    (3, 64, 512, 128, 4, torch.float16, True, MmaConfig(32, 16, chunks=2, split_k=2, num_warps=1, num_stages=1)),
     (3, 64, 384, 128, 4, torch.float32, True, MmaConfig(32, 16, chunks=2, num_warps=1, num_stages=1)),  # odd
+    (1, 64, 128, 32, 4, torch.float32, True, None),
+    (17, 64, 256, -1, 8, torch.float32, False, SPLIT2),
     (20, 64, 512, 128, 4, torch.bfloat16, True, MmaConfig(32, 16, dequant=True, split_k=2, num_warps=1,
                                                           num_stages=1)),
     (20, 64, 256, -1, 8, torch.float32, False, MmaConfig(32, 32, dequant=True, num_warps=1, num_stages=1)),
@@ -72,7 +74,7 @@ def test_mma_matches_the_reference(m, n, k, group_size, bits, dtype, bias, confi
     _check(m, n, k, group_size, bits, dtype, bias, seed=m * 31 + n + k + group_size, config=config)
 
 
-@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", [CASES[i] for i in (0, 3, 6, 8)])
+@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", [CASES[i] for i in (0, 3, 6, 8, 11)])
 def test_mma_matches_the_reference_untiled(m, n, k, group_size, bits, dtype, bias, config):
     """The same kernel on the untiled layout (rows of K/2 or K bytes)."""
     _check(m, n, k, group_size, bits, dtype, bias, seed=m * 17 + n + k, config=config, tiled=False)
@@ -89,6 +91,20 @@ def test_layout_round_trips_and_dequantizes_exactly(bits, group_size, tiled):
         assert torch.equal(got, want)
     want = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits, group_size, torch.float32)
     assert torch.equal(dequantize_mma(**packed, dtype=torch.float32), want)
+
+
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_fp32_keeps_the_references_precision(group_size):
+    """fp32 x (reference-precision artifacts) at K = 4096 with a positive mean, against a float64 reference: the
+    per-group correction would cancel two sums ~100x the result (relative error ~6e-4); fp32 takes the
+    dequantizing variant, within fp32's own rounding."""
+    passes = _weights(32, 4096, group_size, 4, seed=11)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, 4)
+    x = torch.rand(1, 4096, generator=torch.Generator().manual_seed(12)) + 0.5
+    w = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], 4, group_size, torch.float64)
+    want = x.double() @ w.t()
+    err = ((w4a16_mma(x, **packed).double() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-5, err
 
 
 def test_tiles_are_contiguous():

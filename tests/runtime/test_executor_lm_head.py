@@ -1,6 +1,6 @@
-"""The executor's lm_head, quantized (`quantization.lm_head`): the Triton kernel path (W4A16 GEMV / GEMM, W8A8
-INT8 and FP8) equals the torch reference path on the rows ``logits_indices`` selects; zero rows launch
-nothing. On CPU the kernels run under TRITON_INTERPRET=1."""
+"""The executor's lm_head, quantized (`quantization.lm_head`): the Triton kernel path (W4A16 on the tensor-core
+kernel where it takes the group size, else the GEMV / GEMM; W8A8 INT8 and FP8) equals the torch reference path on
+the rows ``logits_indices`` selects; zero rows launch nothing. On CPU the kernels run under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def graph(checkpoints):
 
 
 @pytest.mark.parametrize("algo,options,machinery", [
-    ("gptq", {"group_size": 16}, "_kernel_weight_only_linear"),
+    ("gptq", {"group_size": 16}, "_kernel_weight_only_linear"),  # the K-major GEMV / GEMM
+    ("gptq", {"group_size": 32}, "_kernel_weight_only_linear"),  # kernels.w4a16_mma
     ("smoothquant", {}, "_kernel_w8a8_linear"),
     ("fp8", {"weight_granularity": "channel"}, "_kernel_w8a8_linear"),
 ])
@@ -43,11 +44,20 @@ def test_quantized_lm_head_on_the_kernels(graph, monkeypatch, algo, options, mac
     quantized, _ = run_passes(graph.copy(), [algo, "dce"], ctx)
     built, real = [], getattr(executor, machinery)
 
-    def spy(w, *args):
+    def spy(w, *args, **kwargs):
         built.append(w["qweight"].shape[0])
-        return real(w, *args)
+        return real(w, *args, **kwargs)
+
+    def never(*args, **kwargs):
+        raise AssertionError("a quantized lm_head was dequantized into a [vocab, hidden] temporary")
+
+    from kernels import w4a16_mma
 
     monkeypatch.setattr(executor, machinery, spy)
+    # past MMA_RUNTIME_MAX_ROWS an lm_head runs the kernel in slices of MMA_MAX_ROWS rows, never dequantized
+    monkeypatch.setattr(w4a16_mma, "MMA_RUNTIME_MAX_ROWS", 4)
+    monkeypatch.setattr(w4a16_mma, "MMA_MAX_ROWS", 8)
+    monkeypatch.setattr(w4a16_mma, "dequantize_mma", never)
     ref, fused = Executor(quantized.to_dict(), quantized.params), Executor(quantized.to_dict(), quantized.params,
                                                                             use_kernels=True)
     vocab = quantized.meta["vocab_size"]
@@ -66,3 +76,30 @@ def test_quantized_lm_head_on_the_kernels(graph, monkeypatch, algo, options, mac
         assert got.shape == want.shape == (len(rows), vocab) and got.dtype == torch.float32
         if rows:
             assert torch.allclose(got, want, atol=1e-4 * want.abs().max()), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "w8a8_int8"])
+def test_w8a8_rows_past_the_fused_kernel_with_unaligned_outputs(monkeypatch, scheme):
+    """cuBLAS's _scaled_mm / _int_mm take no weight dimension that is not a multiple of 16 / 8 (a vocabulary of 32001
+    tokens): such a W8A8 linear runs the Triton GEMM past FUSED_MAX_ROWS rows too, and equals the reference."""
+    from kernels import w8a8_gemm
+    from kernels.torch_quant import make_quant_linear, quantize_weight_fp8, quantize_weight_int8
+    from runtime import executor
+
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(36, 64, generator=g) * 0.1  # 36 outputs: not a multiple of 8 (nor 16)
+    codes, scale = quantize_weight_fp8(weight, True) if scheme == "fp8" else quantize_weight_int8(weight)
+    w, quant = {"qweight": codes, "weight_scale": scale}, {"scheme": scheme}
+    calls, real = [], w8a8_gemm.w8a8_linear
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(w8a8_gemm, "w8a8_linear", spy)
+    linear = executor._kernel_w8a8_linear(w, quant, type("Ex", (), {"dtype": torch.float32})())
+    x = torch.randn(w8a8_gemm.FUSED_MAX_ROWS + 4, 64, generator=g)
+    want = make_quant_linear(scheme, w, quant, torch.float32)(x)
+    got = linear(x)
+    assert calls == [x.shape[0]]
+    assert torch.allclose(got, want, atol=2e-2 * want.abs().max()), (got - want).abs().max()

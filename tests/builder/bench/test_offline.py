@@ -108,3 +108,29 @@ def test_bench_latency_records_batch_1_figures_when_a_decode_step_run_fails(arti
     assert "error: decode step at batch 2, 8-token prompts: no decode step of all 2" in res.output
     assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == ["decode_b1_fp32_in8",
                                                                                        "ttft_8_fp32"]
+
+
+def test_bench_latency_records_batch_1_figures_when_the_batch_engine_cannot_load(artifacts, tmp_path, monkeypatch):
+    """The batch-N engine is a second load (max_num_seqs = the largest N): when it fails (no memory plan, out of
+    memory), the batch-1 figures already measured are still recorded."""
+    from typer.testing import CliRunner
+
+    import builder.bench.offline
+    from builder.cli import app
+    from runtime.memory import MemoryPlanError
+
+    real = builder.bench.offline.load_for_bench
+
+    def load(artifact, device, *, max_num_seqs, **kwargs):
+        if max_num_seqs > 1:
+            raise MemoryPlanError("no KV cache for 2 sequences in this budget")
+        return real(artifact, device, max_num_seqs=max_num_seqs, **kwargs)
+
+    monkeypatch.setattr(builder.bench.offline, "load_for_bench", load)
+    record = tmp_path / "benchmarks.jsonl"
+    res = CliRunner().invoke(app, ["bench", "latency", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8",
+                                   "--output-len", "4", "--repeats", "1", "--batch-size", "2", "--record", str(record)])
+    assert res.exit_code == 1
+    assert "for batch 2: no KV cache for 2 sequences" in res.output
+    assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == ["decode_b1_fp32_in8",
+                                                                                       "ttft_8_fp32"]
