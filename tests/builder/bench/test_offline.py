@@ -91,32 +91,37 @@ def test_bench_latency_records_decode_step_figures_beside_the_baseline(artifacts
     assert [r.get("batch_size") for r in rows] == [None, 2]  # --json: the batch-1 row, then one per batch size
 
 
-def test_bench_latency_records_batch_1_figures_when_a_decode_step_run_fails(artifacts, tmp_path, monkeypatch):
+def _latency_batch_2_fails(artifacts, record):
+    """``bench latency --batch-size 2 --record`` on the CPU, expected to fail in its batch-2 part: the result,
+    after checking that it exited 1 with the batch-1 figures recorded."""
     from typer.testing import CliRunner
 
-    import builder.bench.offline
     from builder.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "latency", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8",
+                                   "--output-len", "4", "--repeats", "1", "--batch-size", "2", "--record", str(record)])
+    assert res.exit_code == 1
+    assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == ["decode_b1_fp32_in8",
+                                                                                       "ttft_8_fp32"]
+    return res
+
+
+def test_bench_latency_records_batch_1_figures_when_a_decode_step_run_fails(artifacts, tmp_path, monkeypatch):
+    import builder.bench.offline
 
     def fail(engine, batch_size, *args):
         raise RuntimeError("no decode step of all 2 sequences together was measured")
 
     monkeypatch.setattr(builder.bench.offline, "decode_steps", fail)
     record = tmp_path / "benchmarks.jsonl"
-    res = CliRunner().invoke(app, ["bench", "latency", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8",
-                                   "--output-len", "4", "--repeats", "1", "--batch-size", "2", "--record", str(record)])
-    assert res.exit_code == 1
+    res = _latency_batch_2_fails(artifacts, record)
     assert "error: decode step at batch 2, 8-token prompts: no decode step of all 2" in res.output
-    assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == ["decode_b1_fp32_in8",
-                                                                                       "ttft_8_fp32"]
 
 
 def test_bench_latency_records_batch_1_figures_when_the_batch_engine_cannot_load(artifacts, tmp_path, monkeypatch):
     """The batch-N engine is a second load (max_num_seqs = the largest N): when it fails (no memory plan, out of
     memory), the batch-1 figures already measured are still recorded."""
-    from typer.testing import CliRunner
-
     import builder.bench.offline
-    from builder.cli import app
     from runtime.memory import MemoryPlanError
 
     real = builder.bench.offline.load_for_bench
@@ -128,9 +133,5 @@ def test_bench_latency_records_batch_1_figures_when_the_batch_engine_cannot_load
 
     monkeypatch.setattr(builder.bench.offline, "load_for_bench", load)
     record = tmp_path / "benchmarks.jsonl"
-    res = CliRunner().invoke(app, ["bench", "latency", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8",
-                                   "--output-len", "4", "--repeats", "1", "--batch-size", "2", "--record", str(record)])
-    assert res.exit_code == 1
+    res = _latency_batch_2_fails(artifacts, record)
     assert "for batch 2: no KV cache for 2 sequences" in res.output
-    assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == ["decode_b1_fp32_in8",
-                                                                                       "ttft_8_fp32"]
