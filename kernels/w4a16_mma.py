@@ -3,13 +3,16 @@ dequantization arithmetic.
 
 ``y = x @ ((q - zero) * scale).T + bias`` on :func:`repack_mma`'s layout ("mma"), rows of codes contiguous over K
 so that each thread's 16-byte load already holds pairs of consecutive input features, the order the MMA's
-operand fragments take (a K-major byte tile would need a byte-wise shuffle through shared memory)::
+operand fragments take (a K-major byte tile would need a byte-wise shuffle through shared memory). A row is cut
+into chunks of P bytes (``pair_span``: a power of 2 up to 64 inside one group; one K step of the kernel)::
 
-    4 bits: qweight uint8 [N, K/2] in chunks of P bytes per row (P = pair_span: a power of 2 that divides
-            the group size / 2 and K / 2, at most 64): byte [n, c*P + i] = q[n, 2cP + i] | q[n, 2cP + P + i] << 4
+    4 bits: qweight uint8 [N, K/2]: chunk c of row n holds q[n, 2cP + i] | q[n, 2cP + P + i] << 4, i < P
             (the low nibbles are the chunk's first P input features, the high nibbles the next P)
-    8 bits: qweight uint8 [N, K] = q[n, k]  (the passes' own layout)
+    8 bits: qweight uint8 [N, K]: chunk c of row n holds q[n, cP + i]
     scales  fp32 [G, N], zeros uint8 [G, N]  (per group, contiguous over n)
+
+    tiled (``tile_n`` T > 0, the default where a power-of-2 T divides N): [N/T, chunks, T, P], so each
+    program's K step (its T rows' chunk c) is one contiguous block of T * P bytes; untiled (T = 0): [N, chunks, P]
 
 At 1-16 rows of x a linear is bound by the weight bytes read; at 3 TB/s an H100 issues about 10 instructions
 per weight byte, and dequantizing each code in fp32 (``(q - zero) * scale``: unpack, convert, FMA) before the
@@ -26,10 +29,14 @@ accumulation (codes are small integers, exact in bf16). Each K step of a program
 
 4-bit codes become ``128 + q`` bf16 by ORing the nibble into the mantissa of 128.0 (OFF = 128): in PTX, per 4
 packed bytes 2 byte permutes, 2 shifts and 4 LOPs make 8 bf16 codes (``_UNPACK_BF16_PTX``), 2 instructions per
-weight byte (~6.5 per byte for the whole K loop at sm_90, from ~9 for the GEMV); 8-bit codes are ``q - 128``
-(OFF = -128). With one group per output channel (``group_size == K``) the raw products accumulate over the
-whole K range and the correction runs once, at the end. :func:`dequantize_mma` turns the layout back into a
-[N, K] weight for cuBLAS at prefill sizes.
+weight byte (7.4 per byte for the whole one-row K loop on sm_90 with Triton 3.6, from 9.2 for the GEMV); 8-bit
+codes are ``q - 128`` (OFF = -128). With one group per output channel (``group_size == K``) the raw products
+accumulate over the whole K range and the correction runs once, at the end. From 17 rows the dequantizing
+variant (``MmaConfig.dequant``) forms each weight in registers and accumulates in the MMA instead: the
+correction's cost grows with the rows. :func:`dequantize_mma` turns the layout back into a [N, K] weight for
+cuBLAS at prefill sizes. On an H100 at Llama-3-8B shapes the one-row W4A16 linears reach 1.1-1.6 TB/s, 19% less
+time per layer than the GEMV, and hold that time to 16 rows (docs/BENCHMARKS.md, session 7): latency-bound
+(registers limit the programs per SM), not issue-bound.
 
 At small N the BLOCK_N tiles are too few for the SMs, so K is split across programs whose fp32 partial sums
 the tile's last program adds in split order (deterministic) in the same launch, as ``kernels.gemv`` does (its
