@@ -90,14 +90,17 @@ class MmaConfig:
 # Picked by rows of x: the first row whose bound is >= M. The fastest of ``python -m kernels.bench.gemm --mma-sweep``
 # on an H100 across the Llama-3-8B shapes (tiled layout; docs/BENCHMARKS.md). Up to 16 rows the correcting kernel
 # (4 bits: one pipeline stage, three for wide layers, N >= _WIDE_N; 8 bits: two chunks per step, three stages);
-# beyond, the dequantizing variant.
+# beyond, the dequantizing variant (128-row tiles for wide layers past 64 rows).
 _CUDA_CONFIGS: list[tuple[int, MmaConfig]] = [
     (16, MmaConfig(128, 16, num_warps=4, num_stages=1)),
     (32, MmaConfig(128, 32, dequant=True, num_warps=4, num_stages=2)),
-    (128, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=2)),
+    (64, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=2)),
+    (128, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=3)),
     (MMA_MAX_ROWS, MmaConfig(128, 128, dequant=True, num_warps=8, num_stages=3)),
 ]
 _WIDE_N = 16384
+_LONG_K = 8192
+_KERNEL_ALWAYS_ROWS = 64  # up to here the kernel beats dequantize + cuBLAS on every shape measured
 _INTERPRETER_CONFIG = MmaConfig(32, 16, split_k=1, num_warps=1, num_stages=1)
 _MIN_BLOCK = 16  # tl.dot's minimum along every dimension
 
@@ -112,7 +115,19 @@ def default_mma_config(num_rows: int, device: torch.device, out_features: int = 
         cfg = replace(cfg, chunks=2, num_stages=3)
     elif not cfg.dequant and out_features >= _WIDE_N:
         cfg = replace(cfg, num_stages=3)
+    elif _KERNEL_ALWAYS_ROWS < num_rows <= 128 and out_features >= _WIDE_N:
+        cfg = MmaConfig(128, 128, dequant=True, num_warps=8, num_stages=3)
     return cfg
+
+
+def prefers_kernel(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether :func:`w4a16_mma` beats :func:`dequantize_mma` + cuBLAS for this many rows of a [N, K] linear.
+    Measured on an H100 at Llama-3-8B shapes (docs/BENCHMARKS.md, session 7): up to 64 rows everywhere; at 128
+    rows on wide (N >= 16384: gate_up 156 vs 216 µs) and long-K (K >= 8192: down 99 vs 116 µs) layers only
+    (qkv 62 vs 48, o_proj 57 vs 30 µs); past MMA_RUNTIME_MAX_ROWS never."""
+    if num_rows <= _KERNEL_ALWAYS_ROWS:
+        return True
+    return num_rows <= MMA_RUNTIME_MAX_ROWS and (out_features >= _WIDE_N or in_features >= _LONG_K)
 
 
 def _largest_step(limit: int, *multiples_of: int) -> int | None:

@@ -238,8 +238,8 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def _kernel_weight_only_linear(w, quant, lm_head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). Where
-    ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel up to
-    ``MMA_RUNTIME_MAX_ROWS`` tokens, beyond that the weight dequantized into a temporary for cuBLAS (prefill).
+    ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel where it is
+    the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into a temporary for cuBLAS.
     An lm_head is never dequantized (a [vocab, hidden] temporary per step): more rows run the kernel in slices.
     Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
     ``GEMV_ENABLED``), else the GEMM."""
@@ -252,10 +252,12 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False) -> Callable[[tor
     if w4a16_mma.MMA_ENABLED and w4a16_mma.supports(bits, group, in_features):
         packed = w4a16_mma.repack_mma(qweight, w["scales"], w["zeros"], group, bits)  # once, at load
 
+        out_features = qweight.shape[0]
+
         def mma_linear(x: torch.Tensor) -> torch.Tensor:
-            if x.numel() <= w4a16_mma.MMA_RUNTIME_MAX_ROWS * x.shape[-1]:  # shapes only: no sync, graph-safe
+            if w4a16_mma.prefers_kernel(x.numel() // x.shape[-1], out_features, in_features):  # shapes only
                 return w4a16_mma.w4a16_mma(x, bias=bias, **packed)
-            if lm_head:
+            if lm_head:  # never a [vocab, hidden] temporary
                 x2, step = x.reshape(-1, x.shape[-1]), w4a16_mma.MMA_MAX_ROWS
                 y = torch.cat([w4a16_mma.w4a16_mma(x2[i: i + step], bias=bias, **packed)
                                for i in range(0, x2.shape[0], step)])

@@ -128,9 +128,28 @@ def test_weight_only_linears_on_the_mma_kernel(tmp_path, monkeypatch, algo):
     monkeypatch.setattr(w4a16_mma, "w4a16_mma", spy)
     monkeypatch.setattr(w4a16_mma, "dequantize_mma", spy_dequantize)
     monkeypatch.setattr(gemv, "w4a16_gemv", never)
+    # the kernel up to _KERNEL_ALWAYS_ROWS rows; up to MMA_RUNTIME_MAX_ROWS on wide / long-K layers only
+    monkeypatch.setattr(w4a16_mma, "_KERNEL_ALWAYS_ROWS", 4)
     monkeypatch.setattr(w4a16_mma, "MMA_RUNTIME_MAX_ROWS", 16)
     ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     for num_tokens in (1, 5, 20):
         assert (fused.logits(ids[:num_tokens]) - ref.logits(ids[:num_tokens])).abs().max() < 1e-3
-    assert calls == [1] * num_quantized + [5] * num_quantized, calls
-    assert len(dequantized) == num_quantized  # the 20-token step
+    assert calls == [1] * num_quantized, calls  # 5 and 20 rows: no layer of this model is wide or long-K
+    assert len(dequantized) == 2 * num_quantized
+    calls.clear()
+    monkeypatch.setattr(w4a16_mma, "_LONG_K", 1)  # every layer is long-K now: 5 rows take the kernel, 20 do not
+    assert (fused.logits(ids[:5]) - ref.logits(ids[:5])).abs().max() < 1e-3
+    assert (fused.logits(ids) - ref.logits(ids)).abs().max() < 1e-3
+    assert calls == [5] * num_quantized, calls
+
+
+def test_kernel_or_dequantize_by_the_measured_crossover():
+    """``prefers_kernel`` at Llama-3-8B shapes: the kernel up to 64 rows; at 65-128 rows for gate_up (wide) and
+    down (long K) only; dequantize + cuBLAS past MMA_RUNTIME_MAX_ROWS."""
+    from kernels.w4a16_mma import MMA_RUNTIME_MAX_ROWS, prefers_kernel
+
+    qkv, o_proj, gate_up, down = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)
+    for rows in (1, 16, 64):
+        assert all(prefers_kernel(rows, n, k) for n, k in (qkv, o_proj, gate_up, down))
+    assert [prefers_kernel(128, n, k) for n, k in (qkv, o_proj, gate_up, down)] == [False, False, True, True]
+    assert not prefers_kernel(MMA_RUNTIME_MAX_ROWS + 1, *gate_up)
