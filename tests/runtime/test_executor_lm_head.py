@@ -55,6 +55,7 @@ def test_quantized_lm_head_on_the_kernels(graph, monkeypatch, algo, options, mac
 
     monkeypatch.setattr(executor, machinery, spy)
     # past MMA_RUNTIME_MAX_ROWS an lm_head runs the kernel in slices of MMA_MAX_ROWS rows, never dequantized
+    monkeypatch.setattr(w4a16_mma, "_KERNEL_ALWAYS_ROWS", 4)
     monkeypatch.setattr(w4a16_mma, "MMA_RUNTIME_MAX_ROWS", 4)
     monkeypatch.setattr(w4a16_mma, "MMA_MAX_ROWS", 8)
     monkeypatch.setattr(w4a16_mma, "dequantize_mma", never)
