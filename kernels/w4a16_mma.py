@@ -302,17 +302,8 @@ def _codes(b, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, w_t, IEEE: tl.constexpr):
-    """a @ w_t.T from a zero accumulator: tensor cores on the operands' dtype, or fp32 at IEEE precision."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), tl.trans(w_t.to(tl.float32)), input_precision="ieee")
-    else:
-        return tl.dot(a, tl.trans(w_t))
-
-
-@triton.jit
-def _dot_acc(a, w_t, acc, IEEE: tl.constexpr):
-    """acc + a @ w_t.T (as ``_dot``)."""
+def _dot(a, w_t, acc, IEEE: tl.constexpr):
+    """acc + a @ w_t.T (acc None: from zero): tensor cores on the operands' dtype, or fp32 at IEEE precision."""
     if IEEE:
         return tl.dot(a.to(tl.float32), tl.trans(w_t.to(tl.float32)), acc, input_precision="ieee")
     else:
@@ -320,25 +311,15 @@ def _dot_acc(a, w_t, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _zero_plus(z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
-    """zero + OFF of group g per column, fp32 [1, BLOCK_N] (the code's offset: code - this = q - zero, exact)."""
-    if EVEN_N:
-        z = tl.load(z_ptr + g * stride_sz + offs_n)
-    else:
-        z = tl.load(z_ptr + g * stride_sz + offs_n, mask=mask_n, other=0)
-    return (z.to(tl.float32) + OFF)[None, :]
-
-
-@triton.jit
-def _group_consts(s_ptr, z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
-    """(scale, scale * (zero + OFF)) of group g per column, fp32 [1, BLOCK_N]."""
+def _group_params(s_ptr, z_ptr, g, offs_n, mask_n, stride_sz, OFF: tl.constexpr, EVEN_N: tl.constexpr):
+    """(scale, zero + OFF) of group g per column, fp32 [1, BLOCK_N]: code - (zero + OFF) = q - zero, exactly."""
     if EVEN_N:
         s = tl.load(s_ptr + g * stride_sz + offs_n)
         z = tl.load(z_ptr + g * stride_sz + offs_n)
     else:
         s = tl.load(s_ptr + g * stride_sz + offs_n, mask=mask_n, other=0.0)
         z = tl.load(z_ptr + g * stride_sz + offs_n, mask=mask_n, other=0)
-    return s[None, :], (s * (z.to(tl.float32) + OFF))[None, :]
+    return s[None, :], (z.to(tl.float32) + OFF)[None, :]
 
 
 @triton.jit
@@ -360,28 +341,27 @@ def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, 
     k0 = r0 * (8 // BITS)  # the chunk's first input feature
     x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
     if DEQUANT:  # dequantize each code as the reference does ((q - zero) * scale in fp32), then the MMA
-        s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        s, zoff = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
         s_col = tl.reshape(s, (s.shape[1], 1))
-        zoff = tl.reshape(_zero_plus(z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N),
-                          (s.shape[1], 1))
-        acc = _dot_acc(x_lo, ((lo.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
+        zoff = tl.reshape(zoff, (s.shape[1], 1))
+        acc = _dot(x_lo, ((lo.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
         if BITS == 4:
             x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-            acc = _dot_acc(x_hi, ((hi.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
+            acc = _dot(x_hi, ((hi.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
         return acc, raw, xsum
     if BITS == 4:
         x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-        prod = _dot(x_lo, lo, IEEE) + _dot(x_hi, hi, IEEE)
+        prod = _dot(x_lo, lo, None, IEEE) + _dot(x_hi, hi, None, IEEE)
         xs = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
     else:
-        prod = _dot(x_lo, lo, IEEE)
+        prod = _dot(x_lo, lo, None, IEEE)
         xs = tl.sum(x_lo.to(tl.float32), axis=1)
     if ONE_GROUP:
         raw += prod
         xsum += xs
     else:
-        s, c = _group_consts(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
-        acc += s * prod - c * xs[:, None]
+        s, zoff = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        acc += s * prod - (s * zoff) * xs[:, None]
     return acc, raw, xsum
 
 
@@ -426,8 +406,8 @@ def _w4a16_mma_kernel(
             acc, raw, xsum = _chunk(acc, raw, xsum, b1, r0 + BLOCK_R, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n,
                                     mask_n, group_size, stride_sz, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT)
     if ONE_GROUP and not DEQUANT:
-        s, c = _group_consts(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
-        acc = s * raw - c * xsum[:, None]
+        s, zoff = _group_params(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        acc = s * raw - (s * zoff) * xsum[:, None]
 
     mask = mask_m[:, None] & mask_n[None, :]
     out = offs_m[:, None] * N + offs_n[None, :]
