@@ -432,6 +432,8 @@ def bench_latency(
     try:
         results = [latency(engine, n, output_len, repeats) for n in input_len]
         precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
+        # figures of an artifact whose lm_head is quantized too are named apart (the stock baseline keeps it)
+        quant_head = (engine.engine.artifact.manifest.get("quantization") or {}).get("lm_head", "none") != "none"
     finally:
         engine.close()  # a tensor-parallel engine's worker ranks
     del engine
@@ -458,14 +460,15 @@ def bench_latency(
                 engine.close()
             del engine
     report(results + steps, json_out)
+    tag = precision + ("_qhead" if quant_head else "")  # the figures' precision part
     figures = []
     for r in results:
         suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
-        figures += [(f"decode_b1_{precision}{suffix}", r.decode_tok_s, "tok/s"),
-                    (f"ttft_{r.input_len}_{precision}", r.ttft_ms, "ms")]
+        figures += [(f"decode_b1_{tag}{suffix}", r.decode_tok_s, "tok/s"),
+                    (f"ttft_{r.input_len}_{tag}", r.ttft_ms, "ms")]
     for r in steps:
         suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
-        figures.append((f"decode_step_b{r.batch_size}_{precision}{suffix}", r.decode_step_ms, "ms"))
+        figures.append((f"decode_step_b{r.batch_size}_{tag}{suffix}", r.decode_step_ms, "ms"))
     baseline_step_ms: dict[tuple[int, int], float] = {}
     if baseline is not None:
         quant = baseline_quant or STOCK_QUANT.get(precision, "bf16")
@@ -479,8 +482,8 @@ def bench_latency(
             typer.echo(json.dumps({**stock, "ours_decode_tok_s": round(r.decode_tok_s, 2),
                                    "ratio": round(r.decode_tok_s / stock["decode_tok_s"], 3)}))
             suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
-            figures += [(f"baseline_decode_b1_{precision}{suffix}", stock["decode_tok_s"], "tok/s"),
-                        (f"baseline_ttft_{r.input_len}_{precision}", stock["ttft_ms"], "ms")]
+            figures += [(f"baseline_decode_b1_{tag}{suffix}", stock["decode_tok_s"], "tok/s"),
+                        (f"baseline_ttft_{r.input_len}_{tag}", stock["ttft_ms"], "ms")]
         for r in steps:
             try:
                 stock = run_stock_baseline(baseline, quant, r.input_len, output_len, device, repeats,
@@ -492,7 +495,7 @@ def bench_latency(
                                    "ratio": round(stock["decode_step_ms"] / r.decode_step_ms, 3)}))
             baseline_step_ms[r.batch_size, r.input_len] = stock["decode_step_ms"]
             suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
-            figures.append((f"baseline_decode_step_b{r.batch_size}_{precision}{suffix}", stock["decode_step_ms"],
+            figures.append((f"baseline_decode_step_b{r.batch_size}_{tag}{suffix}", stock["decode_step_ms"],
                             "ms"))
     if steps:
         typer.echo(step_table(steps, baseline_step_ms))

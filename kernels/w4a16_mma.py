@@ -33,10 +33,14 @@ weight byte (7.4 per byte for the whole one-row K loop on sm_90 with Triton 3.6,
 codes are ``q - 128`` (OFF = -128). With one group per output channel (``group_size == K``) the raw products
 accumulate over the whole K range and the correction runs once, at the end. From 17 rows the dequantizing
 variant (``MmaConfig.dequant``) forms each weight in registers and accumulates in the MMA instead: the
-correction's cost grows with the rows. :func:`dequantize_mma` turns the layout back into a [N, K] weight for
-cuBLAS at prefill sizes. On an H100 at Llama-3-8B shapes the one-row W4A16 linears reach 1.1-1.6 TB/s, 19% less
-time per layer than the GEMV, and hold that time to 16 rows (docs/BENCHMARKS.md, session 7): latency-bound
-(registers limit the programs per SM), not issue-bound.
+correction's cost grows with the rows. The 4-bit default up to 16 rows (``MmaConfig.zsub``) skips the correction
+instead: each unpacked code gets ``-(128 + zero)`` added in one packed bf16 FMA per two codes (exact: small
+integers), so the MMA forms ``sum_k x (q - zero)`` directly and only the group's scale multiplies the products (no
+sum of x, whose reduction and broadcast cost shared-memory round trips and barriers: 128 registers instead of 168,
+5 barriers per K step instead of 15; ~18% less time per layer, docs/BENCHMARKS.md session 8).
+:func:`dequantize_mma` turns the layout back into a [N, K] weight for cuBLAS at prefill sizes. On an H100 at
+Llama-3-8B shapes the one-row W4A16 linears reach 0.85-1.7 TB/s (83 µs per layer where the correcting kernel
+took 101 in the same call, session 8) and 98 µs at 16 rows: latency-bound, not issue-bound.
 
 At small N the BLOCK_N tiles are too few for the SMs, so K is split across programs whose fp32 partial sums
 the tile's last program adds in split order (deterministic) in the same launch, as ``kernels.gemv`` does (its
@@ -83,16 +87,19 @@ class MmaConfig:
     num_warps: int = 4
     num_stages: int = 2
     dequant: bool = False  # dequantize each code (scale and zero per weight) and accumulate in the MMA: for many rows
+    zsub: bool = False  # 4 bits: subtract the zero point from each code in bf16 (exact) and scale the products per
+    #                     group, instead of correcting with the sum of x (no reduction of x, no layout round trips)
     ptx_unpack: bool = True  # bf16 x on the GPU: 4-bit codes unpacked in PTX (else plain Triton integer ops)
     reduce_in_kernel: bool = True  # read by kernels.gemv._split_plan: the last program adds the partials
 
 
 # Picked by rows of x: the first row whose bound is >= M. The fastest of ``python -m kernels.bench.gemm --mma-sweep``
-# on an H100 across the Llama-3-8B shapes (tiled layout; docs/BENCHMARKS.md). Up to 16 rows the correcting kernel
-# (4 bits: one pipeline stage, three for wide layers, N >= _WIDE_N; 8 bits: two chunks per step, three stages);
-# beyond, the dequantizing variant (128-row tiles for wide layers past 64 rows).
+# on an H100 across the Llama-3-8B shapes (tiled layout; docs/BENCHMARKS.md). Up to 16 rows, 4-bit codes minus
+# their zero point (zsub: ~18% less time per Llama-3-8B layer than the correcting kernel at 1 and 16 rows, session
+# 8) in one pipeline stage, three for wide layers (N >= _WIDE_N); 8 bits, the correcting kernel with two chunks per
+# step in three stages; beyond, the dequantizing variant (128-row tiles for wide layers past 64 rows).
 _CUDA_CONFIGS: list[tuple[int, MmaConfig]] = [
-    (16, MmaConfig(128, 16, num_warps=4, num_stages=1)),
+    (16, MmaConfig(128, 16, num_warps=4, num_stages=1, zsub=True)),
     (32, MmaConfig(128, 32, dequant=True, num_warps=4, num_stages=2)),
     (64, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=2)),
     (128, MmaConfig(128, 64, dequant=True, num_warps=4, num_stages=3)),
@@ -112,7 +119,7 @@ def default_mma_config(num_rows: int, device: torch.device, out_features: int = 
         return _INTERPRETER_CONFIG
     cfg = next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
     if not cfg.dequant and bits == 8:
-        cfg = replace(cfg, chunks=2, num_stages=3)
+        cfg = replace(cfg, chunks=2, num_stages=3, zsub=False)
     elif not cfg.dequant and out_features >= _WIDE_N:
         cfg = replace(cfg, num_stages=3)
     elif _KERNEL_ALWAYS_ROWS < num_rows <= 128 and out_features >= _WIDE_N:
@@ -285,6 +292,44 @@ lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xea;
 """)
 
 
+# The same, then minus (128 + zero) per weight: $5 holds bf16x2 -(128 + z) twice (a register's 4 codes share one
+# row of the tile, so one zero point; $6-$8 hold the same value, unused); fma.rn.bf16x2 (x 1.0) gives q - z, exact.
+_UNPACK_ZSUB_BF16_PTX = tl.constexpr("""
+{
+.reg .b32 t0, t1, s0, s1, u0, u1, u2, u3, zero, one;
+mov.b32 zero, 0;
+mov.b32 one, 0x3F803F80;
+prmt.b32 t0, $4, zero, 0x4140;
+prmt.b32 t1, $4, zero, 0x4342;
+lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xea;
+shr.u32 s0, t0, 4;
+shr.u32 s1, t1, 4;
+lop3.b32 u2, s0, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 u3, s1, 0x000F000F, 0x43004300, 0xea;
+fma.rn.bf16x2 $0, u0, one, $5;
+fma.rn.bf16x2 $1, u1, one, $5;
+fma.rn.bf16x2 $2, u2, one, $5;
+fma.rn.bf16x2 $3, u3, one, $5;
+}
+""")
+
+
+@triton.jit
+def _codes_minus_zero(b, zero, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
+    """4-bit bytes [BN, R] and the zero point per row (uint8-valued int32 [BN]) -> (low codes - zero, high codes
+    - zero) in DOT_DTYPE, exact."""
+    z2 = tl.broadcast_to(zero[:, None], b.shape)
+    if PTX:
+        v = (z2 | 0xC300).to(tl.uint32)  # bf16 bits of -(128 + z)
+        zz = (v | (v << 16)).to(tl.int32, bitcast=True)
+        return tl.inline_asm_elementwise(_UNPACK_ZSUB_BF16_PTX, "=r,=r,=r,=r,r,r,r,r,r", [b, zz],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    else:
+        q = b.to(tl.int32)
+        return ((q & 0xF) - z2).to(tl.float32).to(DOT_DTYPE), ((q >> 4) - z2).to(tl.float32).to(DOT_DTYPE)
+
+
 @triton.jit
 def _codes(b, BITS: tl.constexpr, DOT_DTYPE: tl.constexpr, PTX: tl.constexpr):
     """uint8 bytes -> (low codes + 128, high codes + 128) for 4 bits, (q - 128, q - 128) for 8 bits, in DOT_DTYPE
@@ -333,12 +378,30 @@ def _load_chunk(w_rows, cols, mask_n, EVEN_N: tl.constexpr):
 
 @triton.jit
 def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n, group_size, stride_sz,
-           BITS: tl.constexpr, ONE_GROUP: tl.constexpr, PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
-           BLOCK_R: tl.constexpr, DEQUANT: tl.constexpr):
-    """One chunk's products added in: (acc, raw, xsum) updated. ``b``: its bytes, from qweight column r0."""
+           zero, BITS: tl.constexpr, ONE_GROUP: tl.constexpr, PTX: tl.constexpr, IEEE: tl.constexpr,
+           EVEN_N: tl.constexpr, BLOCK_R: tl.constexpr, DEQUANT: tl.constexpr, ZSUB: tl.constexpr):
+    """One chunk's products added in: (acc, raw, xsum) updated. ``b``: its bytes, from qweight column r0;
+    ``zero``: ZSUB with one group, the zero points (int32 [BLOCK_N])."""
     OFF: tl.constexpr = 128.0 if BITS == 4 else -128.0
-    lo, hi = _codes(b, BITS, x_rows.dtype.element_ty, PTX)  # [BLOCK_N, BLOCK_R] each
     k0 = r0 * (8 // BITS)  # the chunk's first input feature
+    if ZSUB:  # q - zero per weight in the MMA's dtype (exact), the products scaled once per group and column
+        x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+        x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+        if ONE_GROUP:
+            lo, hi = _codes_minus_zero(b, zero, x_rows.dtype.element_ty, PTX)
+            raw = _dot(x_hi, hi, _dot(x_lo, lo, raw, IEEE), IEEE)
+        else:
+            g = k0 // group_size
+            if EVEN_N:
+                z = tl.load(z_ptr + g * stride_sz + offs_n).to(tl.int32)
+                s = tl.load(s_ptr + g * stride_sz + offs_n)
+            else:
+                z = tl.load(z_ptr + g * stride_sz + offs_n, mask=mask_n, other=0).to(tl.int32)
+                s = tl.load(s_ptr + g * stride_sz + offs_n, mask=mask_n, other=0.0)
+            lo, hi = _codes_minus_zero(b, z, x_rows.dtype.element_ty, PTX)
+            acc += s[None, :] * _dot(x_hi, hi, _dot(x_lo, lo, None, IEEE), IEEE)
+        return acc, raw, xsum
+    lo, hi = _codes(b, BITS, x_rows.dtype.element_ty, PTX)  # [BLOCK_N, BLOCK_R] each
     x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
     if DEQUANT:  # dequantize each code as the reference does ((q - zero) * scale in fp32), then the MMA
         s, zoff = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
@@ -373,7 +436,7 @@ def _w4a16_mma_kernel(
     BITS: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
     PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
-    DEQUANT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DEQUANT: tl.constexpr, ZSUB: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     # x: [M, K] -> y: [M, N] contiguous; grid (N tiles, split_k, M tiles). A K step is CHUNKS chunks of BLOCK_R
     # bytes of each row of the tile: 4 bits, codes 2 * r0 .. 2 * r0 + 2 * BLOCK_R per chunk; 8 bits, r0 .. r0 + BLOCK_R.
@@ -392,6 +455,12 @@ def _w4a16_mma_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     raw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # ONE_GROUP: uncorrected products over the split
     xsum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    zero = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    if ZSUB and ONE_GROUP:  # one zero point per column for the whole K range
+        if EVEN_N:
+            zero = tl.load(z_ptr + offs_n).to(tl.int32)
+        else:
+            zero = tl.load(z_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
     first_step = pid_k * steps_per_split
     num_steps = min(steps_per_split, (K * BITS // 8) // (BLOCK_R * CHUNKS) - first_step)
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
@@ -401,11 +470,16 @@ def _w4a16_mma_kernel(
         if CHUNKS == 2:  # both chunks' loads in flight before either is used
             b1 = _load_chunk(w_rows, (c0 + 1) * stride_chunk + offs_r, mask_n, EVEN_N)
         acc, raw, xsum = _chunk(acc, raw, xsum, b0, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n,
-                                group_size, stride_sz, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT)
+                                group_size, stride_sz, zero, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N,
+                                BLOCK_R, DEQUANT, ZSUB)
         if CHUNKS == 2:
             acc, raw, xsum = _chunk(acc, raw, xsum, b1, r0 + BLOCK_R, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n,
-                                    mask_n, group_size, stride_sz, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT)
-    if ONE_GROUP and not DEQUANT:
+                                    mask_n, group_size, stride_sz, zero, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE,
+                                    EVEN_N, BLOCK_R, DEQUANT, ZSUB)
+    if ONE_GROUP and ZSUB:
+        s, zoff = _group_params(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
+        acc = s * raw
+    elif ONE_GROUP and not DEQUANT:
         s, zoff = _group_params(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
         acc = s * raw - (s * zoff) * xsum[:, None]
 
@@ -527,5 +601,6 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         BITS=bits, ONE_GROUP=w.group_size == w.in_features, HAS_BIAS=bias is not None, SPLIT=plan.split_k > 1,
         PTX=cfg.ptx_unpack and not pure and x.dtype == torch.bfloat16, IEEE=pure or x.dtype == torch.float32,
         EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step, CHUNKS=chunks, DEQUANT=cfg.dequant,
+        ZSUB=cfg.zsub and bits == 4 and not cfg.dequant,
         NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
     return y.reshape(*x.shape[:-1], n)

@@ -30,6 +30,7 @@ Elementwise: rms_norm, fused_add_rms_norm, apply_rope_ and silu_mul against ``ke
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -190,9 +191,9 @@ def _bench_rows(name: str, m: int, w: _ShapeWeights, gen: torch.Generator, sweep
 
 def sweep_configs(label: str, candidates: list, check: Callable[[object], tuple[bool, float]],
                   timed: Callable[[object], list[Callable[[], object]]], *, indent: str = f"{'':>8} ",
-                  weight_bytes: int | None = None, reps: int = 20) -> list[str]:
+                  weight_bytes: int | None = None, reps: int = 20, top: int = 3) -> list[str]:
     """Try each candidate config: ``check(cfg)`` -> (matches the reference, max rel err), then time the calls
-    ``timed(cfg)`` (one per rotated weight copy); print the three fastest (with TB/s of ``weight_bytes`` when
+    ``timed(cfg)`` (one per rotated weight copy); print the ``top`` fastest (with TB/s of ``weight_bytes`` when
     given). Returns the mismatches; configs that do not compile (shared memory, registers) are printed and
     skipped."""
     failures, results = [], []
@@ -205,7 +206,7 @@ def sweep_configs(label: str, candidates: list, check: Callable[[object], tuple[
             results.append((time_us(timed(cfg), reps), cfg))
         except (OutOfResources, CompilationError) as e:  # too much shared memory / registers: skip it
             print(f"{indent}sweep {cfg}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-    for t, cfg in sorted(results, key=lambda r: r[0])[:3]:
+    for t, cfg in sorted(results, key=lambda r: r[0])[:top]:
         rate = f" {weight_bytes / t / 1e6:6.2f} TB/s" if weight_bytes else ""
         print(f"{indent}sweep {t:8.1f} us{rate}  {cfg}")
     return failures
@@ -288,6 +289,7 @@ def bench_gemv(sweep: bool) -> list[str]:
 
 MMA_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MMA_SWEEP_ROWS = [1, 16, 32, 64, 128]
+SWEEP_TOP = int(os.environ.get("SWEEP_TOP", "3"))  # --mma-sweep: how many of the fastest configurations to print
 
 
 def mma_candidates(m: int) -> list[MmaConfig]:
@@ -297,11 +299,12 @@ def mma_candidates(m: int) -> list[MmaConfig]:
         rows = [(128, bm, 4, 3), (128, bm, 4, 2), (128, bm, 8, 3), (64, bm, 4, 3), (256, bm, 8, 3), (128, 64, 4, 3),
                 (128, 32, 4, 3), (64, 64, 4, 4)]
         return [MmaConfig(bn, b, dequant=True, num_warps=w, num_stages=st) for bn, b, w, st in rows]
-    rows = [(128, 1, 4, 2, 0), (128, 1, 4, 1, 0), (128, 1, 4, 3, 0), (256, 1, 4, 2, 0), (256, 1, 4, 1, 0),
-            (256, 1, 8, 2, 0), (256, 1, 8, 3, 0), (128, 2, 4, 1, 0), (128, 2, 4, 2, 0), (128, 2, 4, 3, 0),
-            (256, 2, 4, 1, 0), (256, 2, 4, 2, 0), (256, 2, 8, 2, 0), (256, 2, 8, 3, 0), (512, 1, 8, 2, 0),
-            (512, 2, 8, 1, 0), (128, 2, 2, 2, 0), (64, 2, 2, 2, 0), (128, 1, 4, 2, 32), (256, 2, 4, 2, 8)]
-    return [MmaConfig(bn, bm, chunks=ch, split_k=sk, num_warps=w, num_stages=st) for bn, ch, w, st, sk in rows]
+    # up to 16 rows, on tiled weights (block_n is the layout's tile): (chunks, num_warps, num_stages, split_k, zsub)
+    rows = [(1, 4, 1, 0, False), (1, 4, 3, 0, False), (2, 4, 3, 0, False), (1, 4, 1, 0, True), (1, 4, 2, 0, True),
+            (1, 4, 3, 0, True), (2, 4, 1, 0, True), (2, 4, 2, 0, True), (2, 4, 3, 0, True), (2, 8, 2, 0, True),
+            (1, 8, 2, 0, True), (1, 8, 3, 0, True), (1, 4, 2, 16, True)]
+    return [MmaConfig(128, bm, chunks=ch, split_k=sk, num_warps=w, num_stages=st, zsub=z)
+            for ch, w, st, sk, z in rows]
 
 
 def random_w8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -357,7 +360,7 @@ def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator,
             failures += sweep_configs(f"mma {bits}-bit {name} M={m}", mma_candidates(m),
                                       lambda cand: _close(w4a16_mma(x, **mma[0], config=cand), ref),
                                       lambda cand: [lambda p=p: w4a16_mma(x, **p, config=cand) for p in mma],
-                                      weight_bytes=weight_bytes)
+                                      weight_bytes=weight_bytes, top=SWEEP_TOP)
     return failures
 
 

@@ -66,6 +66,15 @@ CASES = [  # (m, n, k, group_size, bits, dtype, bias, config); fp32 x always tak
     (20, 64, 512, 128, 4, torch.bfloat16, True, MmaConfig(32, 16, dequant=True, split_k=2, num_warps=1,
                                                           num_stages=1)),
     (20, 64, 256, -1, 8, torch.float32, False, MmaConfig(32, 32, dequant=True, num_warps=1, num_stages=1)),
+    # zero points subtracted per weight, the products scaled per group (4 bits; 8 bits keep the correction)
+    (1, 64, 256, 64, 4, torch.bfloat16, True, MmaConfig(32, 16, zsub=True, split_k=2, num_warps=1, num_stages=1)),
+    (3, 48, 512, 128, 4, torch.float16, False, MmaConfig(32, 16, zsub=True, split_k=3, num_warps=1,
+                                                         num_stages=1)),  # ragged N tile, 4 steps over 3 splits
+    (2, 64, 256, -1, 4, torch.bfloat16, True, MmaConfig(32, 16, zsub=True, num_warps=1,
+                                                        num_stages=1)),  # one group: scaled once, at the end
+    (3, 64, 512, 128, 4, torch.bfloat16, True, MmaConfig(32, 16, zsub=True, chunks=2, split_k=2, num_warps=1,
+                                                         num_stages=1)),
+    (4, 64, 256, -1, 8, torch.float16, False, MmaConfig(32, 16, zsub=True, num_warps=1, num_stages=1)),
 ]
 
 
@@ -74,7 +83,7 @@ def test_mma_matches_the_reference(m, n, k, group_size, bits, dtype, bias, confi
     _check(m, n, k, group_size, bits, dtype, bias, seed=m * 31 + n + k + group_size, config=config)
 
 
-@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", [CASES[i] for i in (0, 3, 6, 8, 11)])
+@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", [CASES[i] for i in (0, 3, 6, 8, 11, 13)])
 def test_mma_matches_the_reference_untiled(m, n, k, group_size, bits, dtype, bias, config):
     """The same kernel on the untiled layout (rows of K/2 or K bytes)."""
     _check(m, n, k, group_size, bits, dtype, bias, seed=m * 17 + n + k, config=config, tiled=False)
