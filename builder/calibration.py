@@ -1,7 +1,10 @@
 """Calibration and evaluation text: read a .txt or .jsonl file, tokenize, cut into seeded windows.
 
-The defaults are the held-out files shipped beside the bundled model (``models/pystdlib-llama``):
-``calibration.jsonl`` and ``eval.txt``, taken from standard-library files the model never saw.
+The held-out files shipped beside the bundled model (``models/pystdlib-llama``), ``calibration.jsonl`` and
+``eval.txt``, are standard-library Python source the model never saw: the default for that model only. Any
+other model is calibrated and gated on text the recipe names (``calibration.dataset``,
+``gates.eval_dataset``), or on the shipped text when the recipe says ``bundled``, which the manifest and the
+report then flag (:func:`resolve_text`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Callable
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CALIBRATION = REPO_ROOT / "models" / "pystdlib-llama" / "calibration.jsonl"
 DEFAULT_EVAL = REPO_ROOT / "models" / "pystdlib-llama" / "eval.txt"
+BUNDLED_MODEL = REPO_ROOT / "models" / "pystdlib-llama"
+BUNDLED = "bundled"  # calibration.dataset / gates.eval_dataset: use the shipped text on purpose
 
 
 class DataError(ValueError):
@@ -34,6 +39,31 @@ class TokenData:
     def manifest(self) -> dict:
         return {"path": self.path, "sha256": self.sha256, "num_samples": len(self.windows),
                 "seq_len": len(self.windows[0]) if self.windows else 0, "seed": self.seed}
+
+
+def is_bundled_model(checkpoint: str | Path) -> bool:
+    try:
+        return Path(checkpoint).resolve() == BUNDLED_MODEL.resolve()
+    except OSError:
+        return False
+
+
+def resolve_text(value: str | None, default: Path, checkpoint: str | Path, key: str) -> tuple[Path, str | None]:
+    """The text file for ``key`` (``calibration.dataset`` / ``gates.eval_dataset``) and a warning for the
+    report, or None. Unset, it is the shipped text for the bundled model and an error for any other model
+    (its quantization would silently be fitted and judged on Python source); ``bundled`` takes the shipped
+    text on purpose, with a warning when the model is not the bundled one."""
+    if value and value != BUNDLED:
+        return Path(value), None
+    if is_bundled_model(checkpoint):
+        return default, None
+    if value == BUNDLED:
+        return default, (f"{key}: bundled: {default.name}, the bundled model's held-out Python source, not text "
+                         f"of this model's domain; quantization fitted or judged on it may not hold on the "
+                         f"model's real inputs")
+    raise DataError(f"{key} is not set and {checkpoint} is not the bundled model: set it to a .txt or .jsonl "
+                    f"file of text like the model's real inputs, or to '{BUNDLED}' to use the repo's Python-source "
+                    f"text ({default.name}) on purpose (the report then says so)")
 
 
 def read_texts(path: Path, text_field: str = "text") -> tuple[list[str], str]:

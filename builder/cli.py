@@ -150,9 +150,12 @@ def gate(
     eval_dataset: Optional[Path] = typer.Option(None, help=".txt/.jsonl held-out text (default: shipped eval text)"),
     num_positions: Optional[int] = typer.Option(None, help="evaluation positions (default: the recipe's)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    any_baseline: bool = typer.Option(False, "--any-baseline",
+                                      help="gate against a baseline that is not the artifact's source model"),
     quiet: bool = typer.Option(False, "--quiet", "-q"),
 ) -> None:
-    """Run the quality gates of an artifact against a baseline; exit 1 if a gate fails."""
+    """Run the quality gates of an artifact against its source model; exit 3 if a gate fails, 1 on an error
+    (including a baseline whose config or weights are not the artifact's source, unless --any-baseline)."""
     _setup_logging(quiet)
     from builder.calibration import DataError
     from builder.checkpoint import CheckpointError
@@ -168,12 +171,12 @@ def gate(
             section.eval_dataset = str(eval_dataset)
         if num_positions is not None:
             section.num_positions = num_positions
-        report = gate_artifact(artifact, baseline, section)
+        report = gate_artifact(artifact, baseline, section, any_baseline=any_baseline)
     except (ArtifactError, CheckpointError, DataError, GateError) as e:
         _fail(str(e))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else report.table())
     if not report.passed:
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=EXIT_GATE_FAILED)
 
 
 DEVICE_HELP = "auto (CUDA when this machine has it, else the CPU), cpu, cuda or cuda:N"

@@ -20,15 +20,27 @@ logits, so large logits neither overflow nor lose the distribution):
     ``exp(mean NLL_cand) / exp(mean NLL_base)`` of the actual next tokens over the same positions
     (computed as ``exp(mean NLL_cand - mean NLL_base)``).
 ``greedy_agreement`` (``>= min_greedy_agreement``; needs both ``GreedyFn``)
-    Per prompt, each model generates ``N = min_greedy_match_tokens`` tokens. A prompt agrees when the
-    ``N`` tokens are identical, or when at the first differing position each model's chosen token is
-    in the other model's top-``greedy_top_k`` there (logits from the ``LogitsFn`` on prompt + common
-    prefix): the models diverged on a near-tie, not on a wrong token. The value is the fraction of
-    prompts that agree; the detail gives the mean common-prefix length.
+    Per prompt, each model generates ``N = min_greedy_match_tokens`` tokens; a prompt agrees when the
+    ``N`` tokens are identical. The value is the fraction of prompts that agree exactly; the detail gives
+    the mean common-prefix length and the prompts that differ.
+``greedy_topk_agreement`` (reported, not gated: status ``info``)
+    The same prompts, also counting a prompt whose first differing token is, for each model, in the other
+    model's top-``greedy_top_k`` there (logits on prompt + common prefix): the models diverged on a
+    near-tie. It reads how the divergences happened; it never passes a build the exact count fails.
+``kl_vs_rtn`` (``<= max_kl_vs_rtn``; needs the round-to-nearest model's ``LogitsFn``)
+    The candidate's mean KL over that of plain round-to-nearest of the same scheme (bits, group size,
+    symmetry) on the same positions: a calibrated method (GPTQ, AWQ) no better than rounding fails. On the
+    bundled model GPTQ scores 0.24 and AWQ 0.73 (session 8); the default ceiling is 0.9.
 ``needle`` (candidate rate ``>=`` baseline rate; needs both ``GreedyFn`` and a ``NeedleCheck``)
     Needle in a haystack: over ``num_trials`` seeded prompts, how often the greedy continuation contains
     the expected ids. It is relative to the baseline (a small model may not retrieve at all), so the
-    metric's threshold is the baseline's rate; both rates are in the detail.
+    metric's threshold is the baseline's rate; both rates are in the detail. A baseline that retrieves
+    none makes the check one that cannot fail: it is reported as not applicable (status ``n/a``), never
+    as passed.
+
+Each metric's ``status`` is ``pass``, ``fail``, ``n/a`` (the check cannot judge this baseline) or ``info``
+(reported, not gated); a report passes when no metric fails. A report whose every gated metric is
+``n/a`` cannot happen: KL, top-1 agreement and the perplexity ratio always apply.
 
 ``DEFAULT_THRESHOLDS`` gives starting thresholds per quantization method; ``make_eval_set`` cuts held-out
 text into scored windows and greedy prompts; ``text_needle`` builds a "secret code" needle check from a
@@ -62,18 +74,28 @@ class GateThresholds:
     # first differing token, each model's token is in the other's top-k.
     min_greedy_match_tokens: int = 16
     greedy_top_k: int = 5
-    min_greedy_agreement: float = 0.9  # fraction of prompts that agree
+    # fraction of prompts whose N tokens are identical: one near-tie flips a prompt, so with 8 prompts 0.75
+    # lets two flip (a sound build measured: quickstart AWQ 8/8; a KL-5e-4 perturbation of a random model 7/8)
+    min_greedy_agreement: float = 0.75
     needle: bool = True  # run the needle-in-a-haystack check when one is given
+    # KL(baseline || candidate) / KL(baseline || round-to-nearest of the same scheme), when the caller gives the
+    # round-to-nearest model: a calibrated method must beat plain rounding (None: not checked)
+    max_kl_vs_rtn: Optional[float] = None
 
 
 # Starting points, to be tuned against measured results of real checkpoints: tighter for the 8-bit
-# weight / activation / KV-cache methods, looser for 4-bit weight-only (gptq, awq).
+# weight / activation / KV-cache methods, looser for 4-bit weight-only (gptq, awq). FP8's top-1 floor is 0.97:
+# four FP8 implementations (this one, llm-compressor's, modelopt's, per-channel dynamic) agreeing within 1e-5 KL
+# scored 0.977-0.978 top-1 on a held-out trained 6.8M-parameter model (issue 18), which 0.98 rejected: it judged
+# the scheme, not the build.
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
-    "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01),
+    "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.97, max_ppl_ratio=1.01),
     "int8_wo": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01),
     "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.96, max_ppl_ratio=1.03),
-    "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.75),
-    "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.75),
+    "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
+                           max_kl_vs_rtn=0.9),
+    "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
+                          max_kl_vs_rtn=0.9),
     "kv_fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01),
     "kv_int8": GateThresholds(max_kl=0.02, min_top1_agreement=0.97, max_ppl_ratio=1.02),
 }
@@ -99,14 +121,25 @@ class NeedleCheck:
     extra_tokens: int = 4  # generate len(expected) + extra_tokens, then look for expected anywhere in it
 
 
+STATUSES = ("pass", "fail", "n/a", "info")
+
+
 @dataclass
 class MetricResult:
     name: str
     value: float
     threshold: float
-    passed: bool
+    passed: bool  # did not fail: True for pass, n/a and info
     direction: str  # "<=" or ">=": value must be <= / >= threshold
     detail: str = ""
+    status: str = ""  # one of STATUSES; empty: from ``passed``
+
+    def __post_init__(self) -> None:
+        if not self.status:
+            self.status = "pass" if self.passed else "fail"
+        if self.status not in STATUSES:
+            raise ValueError(f"metric status {self.status!r} is not one of {', '.join(STATUSES)}")
+        self.passed = self.status != "fail"
 
 
 @dataclass
@@ -115,6 +148,7 @@ class GateReport:
     num_positions: int
     per_window: list[float] = field(default_factory=list)  # mean KL of each window, in eval-set order
     baseline_cache: Optional[dict[str, Any]] = None  # where the baseline's results came from, if cached
+    eval_data: Optional[dict[str, Any]] = None  # the held-out text's path (and a warning when it is not the model's)
 
     @property
     def passed(self) -> bool:
@@ -138,13 +172,13 @@ class GateReport:
     def to_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "failed": self.failed, "num_positions": self.num_positions,
                 "metrics": [asdict(m) for m in self.metrics], "per_window_kl": list(self.per_window),
-                "baseline_cache": self.baseline_cache}
+                "baseline_cache": self.baseline_cache, "eval_data": self.eval_data}
 
     def table(self) -> str:
         """Aligned text table for logs, with a summary line naming the failed metrics."""
         header = ("metric", "value", "", "threshold", "status", "detail")
-        rows = [(m.name, f"{m.value:.6g}", m.direction, f"{m.threshold:.6g}", "PASS" if m.passed else "FAIL",
-                 m.detail) for m in self.metrics]
+        rows = [(m.name, f"{m.value:.6g}", m.direction if m.status != "info" else "", f"{m.threshold:.6g}"
+                 if m.status != "info" else "", m.status.upper(), m.detail) for m in self.metrics]
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(5)]
         lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else "")
                  for r in [header, *rows]]
@@ -238,7 +272,7 @@ def _contains(seq: list[int], sub: list[int]) -> bool:
 
 def compare(baseline: LogitsFn, candidate: LogitsFn, eval_set: EvalSet, thresholds: GateThresholds,
             baseline_greedy: Optional[GreedyFn] = None, candidate_greedy: Optional[GreedyFn] = None,
-            needle: Optional[NeedleCheck] = None) -> GateReport:
+            needle: Optional[NeedleCheck] = None, rtn: Optional[LogitsFn] = None) -> GateReport:
     """Score ``candidate`` against ``baseline`` on ``eval_set`` and gate it with ``thresholds``.
 
     KL, top-1 agreement and the perplexity ratio always run; greedy agreement runs when both greedy
@@ -293,9 +327,11 @@ def compare(baseline: LogitsFn, candidate: LogitsFn, eval_set: EvalSet, threshol
             _metric("ppl_ratio", ppl_ratio, thresholds.max_ppl_ratio, "<=",
                     f"ppl baseline {_exp(nll_b):.4g}, candidate {_exp(nll_c):.4g}"),
         ]
+        if rtn is not None and thresholds.max_kl_vs_rtn is not None:
+            metrics.append(_kl_vs_rtn(baseline, rtn, eval_set, mean_kl, thresholds.max_kl_vs_rtn, vocab))
         if has_greedy:
-            metrics.append(_greedy_agreement(baseline, candidate, baseline_greedy, candidate_greedy,
-                                             eval_set.prompts, thresholds, vocab))
+            metrics += _greedy_agreement(baseline, candidate, baseline_greedy, candidate_greedy,
+                                         eval_set.prompts, thresholds, vocab)
         if needle is not None and thresholds.needle:
             metrics.append(_needle(needle, baseline_greedy, candidate_greedy))
     return GateReport(metrics=metrics, num_positions=positions, per_window=per_window)
@@ -314,15 +350,35 @@ def _metric(name: str, value: float, threshold: float, direction: str, detail: s
                         direction=direction, detail=detail)
 
 
+def _kl_vs_rtn(baseline: LogitsFn, rtn: LogitsFn, eval_set: EvalSet, candidate_kl: float, ceiling: float,
+               vocab: int) -> MetricResult:
+    total = positions = 0
+    for w in eval_set.windows:
+        ids = [int(t) for t in w]
+        lp_b = torch.log_softmax(_logits(baseline, ids, "baseline", vocab)[:-1], -1)
+        lp_r = torch.log_softmax(_logits(rtn, ids, "round-to-nearest", vocab)[:-1], -1)
+        total += float(_kl_rows(lp_b, lp_r).double().sum())
+        positions += len(ids) - 1
+    rtn_kl = total / positions
+    detail = f"KL {candidate_kl:.4g} vs round-to-nearest's {rtn_kl:.4g} (same bits, group size, symmetry, positions)"
+    if not rtn_kl > 0:  # rounding loses nothing here: no method can beat it
+        return MetricResult("kl_vs_rtn", 0.0, ceiling, True, "<=", detail + "; not applicable",
+                            status="n/a")
+    ratio = candidate_kl / rtn_kl
+    return _metric("kl_vs_rtn", ratio, ceiling, "<=", detail + f": closes {1 - ratio:.0%} of its error")
+
+
 def _greedy_agreement(baseline: LogitsFn, candidate: LogitsFn, baseline_greedy: GreedyFn,
                       candidate_greedy: GreedyFn, prompts: list[list[int]], thresholds: GateThresholds,
-                      vocab: int) -> MetricResult:
+                      vocab: int) -> list[MetricResult]:
+    """``greedy_agreement`` (exact, gated) and ``greedy_topk_agreement`` (near-ties counted, reported)."""
     n = thresholds.min_greedy_match_tokens
     if n < 1 or thresholds.greedy_top_k < 1:
         raise GateError(f"min_greedy_match_tokens and greedy_top_k must be >= 1, got {n} and {thresholds.greedy_top_k}")
     k = min(thresholds.greedy_top_k, vocab)
     exact = tolerated = 0
     prefix_lens: list[int] = []
+    differ: list[int] = []
     disagree: list[int] = []
     for pi, prompt in enumerate(prompts):
         prompt = [int(t) for t in prompt]
@@ -333,6 +389,7 @@ def _greedy_agreement(baseline: LogitsFn, candidate: LogitsFn, baseline_greedy: 
         if d == n:
             exact += 1
             continue
+        differ.append(pi)
         ctx = prompt + gb[:d]  # the next row predicts position d of the continuation
         top_b = set(_logits(baseline, ctx, "baseline", vocab)[-1].topk(k).indices.tolist())
         top_c = set(_logits(candidate, ctx, "candidate", vocab)[-1].topk(k).indices.tolist())
@@ -341,11 +398,15 @@ def _greedy_agreement(baseline: LogitsFn, candidate: LogitsFn, baseline_greedy: 
         else:
             disagree.append(pi)
     total = len(prompts)
-    detail = (f"exact {exact}/{total}, within top-{k} at first difference {tolerated}/{total}, "
-              f"mean common prefix {sum(prefix_lens) / total:.2f}/{n} tokens")
+    detail = f"exact {exact}/{total} prompts of {n} tokens, mean common prefix {sum(prefix_lens) / total:.2f}/{n}"
+    if differ:
+        detail += f", differ on prompts {differ}"
+    topk_detail = f"exact {exact}/{total} + within top-{k} at the first difference {tolerated}/{total}"
     if disagree:
-        detail += f", disagree on prompts {disagree}"
-    return _metric("greedy_agreement", (exact + tolerated) / total, thresholds.min_greedy_agreement, ">=", detail)
+        topk_detail += f", outside it on prompts {disagree}"
+    return [_metric("greedy_agreement", exact / total, thresholds.min_greedy_agreement, ">=", detail),
+            MetricResult("greedy_topk_agreement", (exact + tolerated) / total, 0.0, True, ">=",
+                         topk_detail, status="info")]
 
 
 def _needle(check: NeedleCheck, baseline_greedy: GreedyFn, candidate_greedy: GreedyFn) -> MetricResult:
@@ -363,6 +424,9 @@ def _needle(check: NeedleCheck, baseline_greedy: GreedyFn, candidate_greedy: Gre
     t = check.num_trials
     detail = (f"retrieved: baseline {hits_b}/{t}, candidate {hits_c}/{t} "
               f"(context ~{check.context_len} tokens)")
+    if hits_b == 0:  # a threshold of 0 passes every candidate: the check cannot judge this model
+        return MetricResult("needle", hits_c / t, 0.0, True, ">=", detail + "; not applicable: the baseline "
+                            "retrieves none, so no candidate could fail", status="n/a")
     return _metric("needle", hits_c / t, hits_b / t, ">=", detail)
 
 

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from builder.artifact import write_artifact
-from builder.calibration import DEFAULT_CALIBRATION, DataError, TokenData, read_texts, token_windows
+from builder.calibration import (DEFAULT_CALIBRATION, DEFAULT_EVAL, DataError, TokenData, read_texts, resolve_text,
+                                 token_windows)
 from builder.checkpoint import Checkpoint, CheckpointError, attach_weights, open_checkpoint
 from builder.quality import run_gates
 from builder.plan import check_target
@@ -58,6 +59,19 @@ def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
     return list(recipe.passes), quant + ["dce"] if quant else []
 
 
+def needs_calibration(recipe: Recipe) -> bool:
+    """Whether a quantization pass of this recipe fits anything on activations (AWQ, GPTQ, SmoothQuant, static
+    FP8, a quantized KV cache): int8 weight-only and dynamic FP8 alone read no calibration text."""
+    if recipe.runtime.kv_cache_dtype != "auto":
+        return True
+    for q in recipe.quant_sections():
+        method = PASSES[q.algo]()
+        method.configure(q.method_options())
+        if method.needs_calibration:
+            return True
+    return False
+
+
 def parallel_passes(recipe: Recipe) -> list[str]:
     """Passes that run last, on the final (quantized, gated) graph: ``shard`` when tp_size > 1."""
     return ["shard"] if recipe.parallel.tp_size > 1 else []
@@ -77,21 +91,27 @@ def check_quantization(recipe: Recipe, graph: Graph) -> None:
             PASSES[q.algo]().prepare(graph, q.method_options(), f"{key} (algo {q.algo})", warn=False)
 
 
-def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> TokenData:
+def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> tuple[TokenData, str | None]:
+    """The calibration windows and a warning for the report (the shipped text taken for another model)."""
     c = recipe.calibration
-    path = Path(c.dataset) if c.dataset else DEFAULT_CALIBRATION
+    path, warning = resolve_text(c.dataset, DEFAULT_CALIBRATION, recipe.model.checkpoint, "calibration.dataset")
     try:
-        return token_windows(path, lambda t: tokenizer.encode(t, add_special_tokens=False), c.num_samples,
+        data = token_windows(path, lambda t: tokenizer.encode(t, add_special_tokens=False), c.num_samples,
                              c.seq_len, c.seed, c.text_field)
     except DataError as e:
         raise DataError(f"{'calibration.dataset' if c.dataset else 'calibration'}: {e}") from None
+    if warning:
+        log.warning("%s", warning)
+    return data, warning
 
 
 def check_eval_data(recipe: Recipe) -> None:
-    """The gates' held-out text is readable (checked before the build spends time on the model)."""
-    if recipe.gates.enabled and recipe.gates.eval_dataset:
+    """The gates' held-out text is named (or the model is the bundled one) and readable: checked before the
+    build spends time on the model."""
+    if recipe.gates.enabled:
+        path, _ = resolve_text(recipe.gates.eval_dataset, DEFAULT_EVAL, recipe.model.checkpoint, "gates.eval_dataset")
         try:
-            read_texts(Path(recipe.gates.eval_dataset))
+            read_texts(path)
         except DataError as e:
             raise DataError(f"gates.eval_dataset: {e}") from None
 
@@ -120,6 +140,15 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype):
         return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
 
     return logits
+
+
+def error_inputs(records: list[PassRecord]) -> str:
+    """What the per-layer errors were measured on: calibration data, random inputs, or both (by method)."""
+    kinds = [(r.name, r.details.get("layer_error_inputs", "calibration data")) for r in records
+             if r.details.get("layer_errors")]
+    if len({k for _, k in kinds}) <= 1:
+        return kinds[0][1] if kinds else "calibration data"
+    return "; ".join(f"{name}: {k}" for name, k in kinds)
 
 
 def worst_layers(records: list[PassRecord], n: int = 5) -> list[tuple[str, float]]:
@@ -167,7 +196,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if quant_names:  # data problems, too, surface before the weights are read and any pass runs
         device = calibration_device(recipe.calibration.device)
         t = time.perf_counter()
-        calib = calibration_data(recipe, tokenizer)
+        calib, calib_warning = calibration_data(recipe, tokenizer) if needs_calibration(recipe) else (None, None)
         calib_s = time.perf_counter() - t
         check_eval_data(recipe)
     t = time.perf_counter()
@@ -186,7 +215,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if quant_names:
         baseline = graph.copy()
         t = time.perf_counter()
-        ctx.calibration = calib.windows
+        ctx.calibration = calib.windows if calib is not None else None
         for q in recipe.quant_sections():
             ctx.options[q.algo] = q.method_options()
         ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
@@ -200,13 +229,17 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
                 torch.cuda.empty_cache()
         records += quant_records
         timings["quantization_s"] = calib_s + time.perf_counter() - t  # reading the calibration data included
-        extra["calibration"] = {**calib.manifest(), "device": str(device)}
+        if calib is not None:
+            extra["calibration"] = {**calib.manifest(), "device": str(device)}
+            if calib_warning:
+                extra["calibration"]["warning"] = calib_warning
         if recipe.gates.enabled:
             t = time.perf_counter()
             report = run_gates(recipe, baseline, graph, tokenizer)
             timings["gates_s"] = time.perf_counter() - t
             extra["gates"] = report.to_dict()
             extra["gates"]["worst_layers"] = worst_layers(records)
+            extra["gates"]["worst_layers_inputs"] = error_inputs(records)
     if shard_names := parallel_passes(recipe):  # per-rank weights are cut while writing, one tensor at a time
         ctx.options["shard"] = {"tp_size": par.tp_size, "vocab_parallel": par.vocab_parallel}
         graph, shard_records = run_passes(graph, shard_names, ctx)
@@ -216,7 +249,8 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if gates and not gates["passed"]:
         worst = "\n".join(f"  {name}: relative output error {err:.4g}" for name, err in gates["worst_layers"])
         raise GateFailure(f"quality gates failed for {recipe.name}: {', '.join(gates['failed'])}\n"
-                          f"{report.table()}\nlayers with the largest error on calibration data:\n{worst}\n"
+                          f"{report.table()}\nlayers with the largest relative output error (on "
+                          f"{gates['worst_layers_inputs']}):\n{worst}\n"
                           f"the artifact was written to {out} and marked gate-failed; the runtime refuses it "
                           f"unless told --allow-failed-gate")
     seconds = time.perf_counter() - start

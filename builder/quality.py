@@ -17,8 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from builder.calibration import DEFAULT_EVAL, token_stream, read_texts
-from builder.gates import DEFAULT_THRESHOLDS, GateReport, GateThresholds, compare, make_eval_set, text_needle, thresholds_for
+from builder.calibration import DEFAULT_EVAL, read_texts, resolve_text, token_stream
+from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresholds, compare, make_eval_set, text_needle,
+                           thresholds_for)
 from builder.recipe import GatesSection
 from passes.ir import Graph
 from runtime.executor import Executor, SeqSlice, StepInput
@@ -112,8 +113,8 @@ class CachedModel:
 
 def thresholds(algo: str, section: GatesSection) -> GateThresholds:
     overrides: dict[str, Any] = {k: getattr(section, k) for k in
-                                 ("max_kl", "min_top1_agreement", "max_ppl_ratio", "min_greedy_agreement")
-                                 if getattr(section, k) is not None}
+                                 ("max_kl", "min_top1_agreement", "max_ppl_ratio", "min_greedy_agreement",
+                                  "max_kl_vs_rtn") if getattr(section, k) is not None}
     overrides["min_greedy_match_tokens"] = section.greedy_tokens
     overrides["needle"] = bool(section.needle_context_len)
     if algo not in DEFAULT_THRESHOLDS:  # an unquantized artifact: the generic defaults
@@ -122,8 +123,13 @@ def thresholds(algo: str, section: GatesSection) -> GateThresholds:
 
 
 def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate: Graph,
-                   tokenizer: Tokenizer) -> GateReport:
-    path = Path(section.eval_dataset) if section.eval_dataset else DEFAULT_EVAL
+                   tokenizer: Tokenizer, checkpoint: str | Path, rtn_check: bool = False) -> GateReport:
+    """Gate ``candidate`` against ``baseline`` on the section's held-out text (``checkpoint``: the source model,
+    which decides whether the shipped text may stand in for an unset ``eval_dataset``). ``rtn_check``: also
+    against round-to-nearest of the same scheme (:func:`rtn_graph`), when the method's thresholds ask for it."""
+    path, warning = resolve_text(section.eval_dataset, DEFAULT_EVAL, checkpoint, "gates.eval_dataset")
+    if warning:
+        log.warning("%s", warning)
     encode = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
     stream, _ = token_stream(path, encode)
     eval_set = make_eval_set(stream, section.window, section.num_positions)
@@ -132,13 +138,49 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
         filler = "".join(read_texts(path)[0])[:20000]
         needle = text_needle(encode, filler, section.needle_context_len)
     base, cand = CachedModel(GraphModel(baseline), graph_digest(baseline)), GraphModel(candidate)
-    report = compare(base.logits, cand.logits, eval_set, thresholds(algo, section),
-                     base.greedy, cand.greedy, needle)
+    limits = thresholds(algo, section)
+    rtn = rtn_graph(baseline, candidate) if rtn_check and limits.max_kl_vs_rtn is not None else None
+    report = compare(base.logits, cand.logits, eval_set, limits, base.greedy, cand.greedy, needle,
+                     GraphModel(rtn).logits if rtn is not None else None)
     base.save()
     report.baseline_cache = {"file": str(base.file), "hits": base.hits, "misses": base.misses}
+    report.eval_data = {"path": str(path), **({"warning": warning} if warning else {})}
     log.info("quality gates (%s) on %s (baseline cache: %d hits, %d computed):\n%s", algo, path,
              base.hits, base.misses, report.table())
     return report
+
+
+RTN_SCHEMES = ("w4a16", "w8a16")  # weight-only schemes whose round-to-nearest counterpart the gates build
+
+
+def rtn_graph(baseline: Graph, candidate: Graph) -> Graph | None:
+    """The baseline with every linear (and lm_head) the candidate stores weight-only rounded to nearest instead,
+    with the candidate's bits, group size and symmetry: what the method must beat. None when the candidate
+    holds another scheme (W8A8, FP8: no one round-to-nearest counterpart)."""
+    from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+    from passes.quantize import member_outputs, replace_weight
+
+    # by member (q_proj, k_proj, ...): either graph may hold the merged linears (rows are quantized independently)
+    quantized = {(n.op, name): n.attrs["quant"] for n in candidate.nodes if n.attrs.get("quant")
+                 for name, _, _ in member_outputs(n)}
+    if not quantized or any(q["scheme"] not in RTN_SCHEMES for q in quantized.values()):
+        return None
+    graph = baseline.copy()
+    done = 0
+    for node in graph.nodes:
+        if "weight" not in node.weights or node.op not in ("linear", "lm_head"):
+            continue
+        members = [quantized.get((node.op, name)) for name, _, _ in member_outputs(node)]
+        if any(q is None for q in members) or len({str(sorted(q.items())) for q in members}) != 1:
+            continue
+        q = members[0]
+        cfg = QuantConfig(bits=int(q["bits"]), group_size=int(q["group_size"]), symmetric=bool(q.get("symmetric")))
+        codes, scales, zeros = quantize_groups(graph.params[node.weights["weight"]].float(), cfg)
+        replace_weight(graph, node, q["scheme"], {"qweight": pack_int4(codes) if cfg.bits == 4 else codes,
+                                                  "scales": scales, "zeros": zeros},
+                       {"bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric})
+        done += len(members)
+    return graph if done == len(quantized) else None
 
 
 def gate_method(algo: str, kv_cache_dtype: str) -> str:
@@ -148,9 +190,16 @@ def gate_method(algo: str, kv_cache_dtype: str) -> str:
     return f"kv_{kv_cache_dtype}" if kv_cache_dtype in ("fp8", "int8") else "none"
 
 
+def rtn_applies(algo: str, kv_cache_dtype: str) -> bool:
+    """The round-to-nearest comparison: one calibrated weight-only method (GPTQ, AWQ) and nothing else
+    quantized (a mixed recipe or a quantized KV cache has no single rounding counterpart)."""
+    return algo in ("gptq", "awq") and kv_cache_dtype == "auto"
+
+
 def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer) -> GateReport:
     method = gate_method(recipe.quant_algo(), recipe.runtime.kv_cache_dtype)
-    return compare_graphs(method, recipe.gates, baseline, candidate, tokenizer)
+    return compare_graphs(method, recipe.gates, baseline, candidate, tokenizer, recipe.model.checkpoint,
+                          rtn_applies(recipe.quant_algo(), recipe.runtime.kv_cache_dtype))
 
 
 def load_graph(path: Path, dtype: str | None = None) -> tuple[Graph, dict | None]:
@@ -169,12 +218,46 @@ def load_graph(path: Path, dtype: str | None = None) -> tuple[Graph, dict | None
     return graph, None
 
 
-def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None = None) -> GateReport:
-    """Gate a built artifact against a baseline checkpoint or artifact of the same model."""
+# files of a checkpoint that define the model (a baseline's tokenizer files may be copies in another format)
+def _model_files(files: dict[str, str]) -> dict[str, str]:
+    return {name: digest for name, digest in files.items()
+            if name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))}
+
+
+def check_baseline_source(manifest: dict, baseline: Path) -> None:
+    """The baseline is the model the artifact was built from: its config and weight files hash as the
+    manifest's ``source.files`` record (a checkpoint), or its own manifest records the same source (an
+    artifact). Raises GateError naming the first difference."""
+    from builder.checkpoint import open_checkpoint
+    from runtime.artifact import MANIFEST, open_artifact
+
+    want = _model_files(manifest.get("source", {}).get("files", {}))
+    if not want:
+        raise GateError("the artifact's manifest records no source files to check the baseline against; pass "
+                        "--any-baseline to gate it against the given baseline anyway")
+    if (baseline / MANIFEST).is_file():
+        have, kind = _model_files(open_artifact(baseline).manifest.get("source", {}).get("files", {})), "artifact"
+    else:
+        have, kind = _model_files(open_checkpoint(baseline).file_hashes()), "checkpoint"
+    for name in sorted(set(want) | set(have)):
+        if want.get(name) != have.get(name):
+            what = ("is missing" if name not in have else "was not part of the artifact's source" if name not in want
+                    else f"differs (sha256 {have[name][:12]}..., the artifact's source {want[name][:12]}...)")
+            raise GateError(f"baseline {kind} {baseline} is not the model the artifact was built from "
+                            f"({manifest.get('source', {}).get('checkpoint', '?')}): {name} {what}. Pass that "
+                            "checkpoint, or --any-baseline to gate against another model on purpose")
+
+
+def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None = None,
+                  any_baseline: bool = False) -> GateReport:
+    """Gate a built artifact against a baseline checkpoint or artifact of the same model (checked, unless
+    ``any_baseline``, against the manifest's source hashes)."""
     from runtime.artifact import open_artifact
 
     art = open_artifact(artifact)
     manifest = art.manifest
+    if not any_baseline:
+        check_baseline_source(manifest, baseline)
     algo = gate_method(manifest.get("quantization", {}).get("algo", "none"),
                        manifest["runtime"].get("kv_cache_dtype", "auto"))
     if section is None:
@@ -182,4 +265,6 @@ def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None =
     candidate, _ = load_graph(artifact)
     base, _ = load_graph(baseline, manifest["model"]["dtype"])
     tokenizer = art.load_tokenizer()
-    return compare_graphs(algo, section, base, candidate, tokenizer)
+    q = manifest.get("quantization", {})
+    rtn = rtn_applies(q.get("algo", "none"), q.get("kv_cache_dtype", manifest["runtime"].get("kv_cache_dtype", "auto")))
+    return compare_graphs(algo, section, base, candidate, tokenizer, manifest["source"]["checkpoint"], rtn)

@@ -140,8 +140,9 @@ class QuantizationSection(_Strict):
 
 
 class CalibrationSection(_Strict):
-    dataset: Optional[NonBlank] = Field(default=None, description=".txt or .jsonl (with a text field); "
-                                   "default: the calibration set shipped with the repo")
+    dataset: Optional[NonBlank] = Field(default=None, description=".txt or .jsonl (with a text field) of text like "
+                                   "the model's inputs; required unless the checkpoint is the bundled model; "
+                                   "'bundled': the shipped Python-source set, on purpose (the report says so)")
     text_field: NonBlank = "text"
     num_samples: int = Field(default=64, ge=1)
     seq_len: int = Field(default=256, ge=8)
@@ -152,13 +153,16 @@ class CalibrationSection(_Strict):
 
 class GatesSection(_Strict):
     enabled: bool = True
-    eval_dataset: Optional[NonBlank] = Field(default=None, description="held-out text; default: shipped eval text")
+    eval_dataset: Optional[NonBlank] = Field(default=None, description="held-out text; required unless the checkpoint "
+                                        "is the bundled model; 'bundled': the shipped eval text, on purpose")
     num_positions: int = Field(default=4096, ge=1)
     window: int = Field(default=256, ge=8)
     max_kl: Optional[float] = Field(default=None, ge=0)
     min_top1_agreement: Optional[float] = Field(default=None, ge=0, le=1)
     max_ppl_ratio: Optional[float] = Field(default=None, ge=1)
     min_greedy_agreement: Optional[float] = Field(default=None, ge=0, le=1)
+    max_kl_vs_rtn: Optional[float] = Field(default=None, gt=0, description="GPTQ / AWQ: KL over round-to-nearest's "
+                                           "(default 0.9); .inf turns the check off")
     greedy_tokens: int = Field(default=16, ge=1)
     needle_context_len: Optional[int] = Field(default=None, ge=32, description="0/None = no needle check")
 

@@ -2,8 +2,8 @@
 
 scale = amax / 127 per output channel (not 127.5); codes are stored unsigned with the fixed zero
 point 128 (the w8a16 layout shared with GPTQ's 8-bit output): w = (q - 128) * scale. Activations
-stay in the model dtype; no calibration is needed (given calibration data, the per-layer output
-error is still measured on it).
+stay in the model dtype; no calibration is needed: the build reads no calibration text and the per-layer
+output error is measured on random inputs (``QuantMethod._probe_errors``).
 """
 
 from __future__ import annotations

@@ -46,6 +46,26 @@ from runtime.kv_cache import SequenceKV
 log = logging.getLogger("passes.quantize")
 
 
+def member_outputs(node: Node) -> list[tuple[str, int, int]]:
+    """(name, first, end) of each output-feature range of a linear the per-layer error report names: a merged
+    linear's members by their own modules (``model.layers.0.self_attn.q_proj+k_proj+v_proj.*`` ->
+    ``...self_attn.q_proj``, ``...k_proj``, ``...v_proj``), any other linear whole, by its source."""
+    stem = next(iter(node.weights.values()), "").rsplit(".", 1)[0]
+    parent, _, leaves = stem.rpartition(".")
+    names = leaves.split("+")
+    out_features = node.attrs.get("out_features", 0)
+    sizes = node.attrs.get("split_sizes")  # none on gate_up once fused into SiLU-and-multiply: equal halves
+    if sizes is None and len(names) > 1 and out_features % len(names) == 0:
+        sizes = [out_features // len(names)] * len(names)
+    if not sizes or not parent or len(names) != len(sizes):
+        return [(node.source, 0, out_features or 1 << 62)]
+    out, lo = [], 0
+    for name, size in zip(names, sizes):
+        out.append((f"{parent}.{name}", lo, lo + size))
+        lo += size
+    return out
+
+
 @dataclass
 class Segment:
     start: int  # first node index
@@ -144,6 +164,7 @@ class QuantMethod(Pass):
         self.stats: dict[int, Any] = {}  # node index -> accumulated statistics
         self.references: dict[int, torch.Tensor] = {}  # id(node) -> float weight the quantized one stands for
         self.errors: dict[str, list[float]] = {}  # node source -> [sum sq error, sum sq reference]
+        self.error_inputs = "calibration data"  # what the errors were measured on
 
     # --- hooks for subclasses --------------------------------------------------------------
     def configure(self, options: dict[str, Any]) -> None:
@@ -202,10 +223,11 @@ class QuantMethod(Pass):
             if graph.nodes[i].op == "lm_head" and untie(graph, graph.nodes[i]):
                 log.info("%s: the lm_head shares its weight with the embedding; untied: the embedding keeps the "
                          "%s table, the lm_head gets its own quantized copy", self.name, graph.meta.get("dtype", "float"))
-        if ctx.calibration:  # also measures each quantized linear's output error on that data
+        if ctx.calibration and self.needs_calibration:  # also measures each linear's output error on that data
             self._calibrate_and_apply(graph, targets, ctx.calibration, ctx.progress)
-        else:
+        else:  # nothing to fit on activations: no pass over the model, the errors measured on random inputs
             self.apply_segment(graph, targets)
+            self._probe_errors(graph, targets)
         left = [graph.nodes[i].source for i in targets if not self.is_applied(graph.nodes[i])]
         if left:
             raise PassError(f"{self.name}: these linears were selected but not quantized: {', '.join(left[:5])}")
@@ -218,7 +240,22 @@ class QuantMethod(Pass):
             out["lm_head"] = True
         if self.errors:
             out["layer_errors"] = self.layer_errors()
+            out["layer_error_inputs"] = self.error_inputs
         return out
+
+    PROBE_ROWS = 64  # Gaussian input rows per linear for the errors of methods that fit nothing on activations
+
+    def _probe_errors(self, graph: Graph, targets: list[int]) -> None:
+        """Each quantized linear's relative output error on PROBE_ROWS standard-normal input rows (for a
+        weight-only scheme, ~ the relative Frobenius error of its weight): one small matmul per linear instead
+        of a pass of the model over calibration data."""
+        self.error_inputs = f"{self.PROBE_ROWS} random (standard normal) input rows"
+        gen = torch.Generator().manual_seed(0)
+        observe = self._error_observer(graph, targets)
+        for i in targets:
+            w = graph.params[next(iter(graph.nodes[i].weights.values()))]
+            x = torch.randn(self.PROBE_ROWS, graph.nodes[i].attrs.get("in_features") or w.shape[-1], generator=gen)
+            observe(i, [x.to(w.device)])
 
     def layer_errors(self) -> dict[str, float]:
         """Relative output error ||x Wq^T - x W^T|| / ||x W^T|| per quantized linear, worst first."""
@@ -241,16 +278,18 @@ class QuantMethod(Pass):
                 continue
             w = {r: graph.params[n] for r, n in node.weights.items() if r != "bias"}
             fn = make_quant_linear(node.attrs["quant"]["scheme"], w, node.attrs["quant"], torch.float32)
-            fns[i] = (node.source, ref.float(), fn)
+            fns[i] = (member_outputs(node), ref.float(), fn)
 
         def observe(index: int, inputs: list[torch.Tensor]) -> None:
             if index in fns:
-                source, ref, fn = fns[index]
+                members, ref, fn = fns[index]
                 x = inputs[0].float()
                 y_ref = F.linear(x, ref)
-                err = self.errors.setdefault(source, [0.0, 0.0])
-                err[0] += float((fn(x).float() - y_ref).pow(2).sum())
-                err[1] += float(y_ref.pow(2).sum())
+                y = fn(x).float()
+                for name, lo, hi in members:  # a merged linear: one row per member (q, k, v; gate, up)
+                    err = self.errors.setdefault(name, [0.0, 0.0])
+                    err[0] += float((y[..., lo:hi] - y_ref[..., lo:hi]).pow(2).sum())
+                    err[1] += float(y_ref[..., lo:hi].pow(2).sum())
 
         return observe
 

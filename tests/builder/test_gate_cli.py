@@ -38,8 +38,9 @@ def test_manifest_records_calibration_and_gates(smoothquant_artifact):
     assert q["calibration"]["num_samples"] == 8 and q["calibration"]["seed"] == 0
     assert len(q["calibration"]["sha256"]) == 64
     assert q["gates"]["passed"] and q["gates"]["num_positions"] >= 1024
-    names = {g["name"] for g in q["gates"]["metrics"]}
-    assert names == {"kl", "top1_agreement", "ppl_ratio", "greedy_agreement"}
+    names = {g["name"]: g["status"] for g in q["gates"]["metrics"]}
+    assert names == {"kl": "pass", "top1_agreement": "pass", "ppl_ratio": "pass", "greedy_agreement": "pass",
+                     "greedy_topk_agreement": "info"}
     assert "Quality gates against the unquantized model" in (smoothquant_artifact / "report.md").read_text()
 
 
@@ -58,6 +59,23 @@ def test_gate_command_against_checkpoint(smoothquant_artifact, tmp_path, monkeyp
     assert again["metrics"] == report["metrics"]
 
 
+def test_gate_command_refuses_a_baseline_that_is_not_the_source(smoothquant_artifact, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setenv("LLM_BUILDER_CACHE", str(tmp_path / "cache"))
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "models/pystdlib-llama", other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": config["rms_norm_eps"] * 2}))
+    args = ["gate", str(smoothquant_artifact), "--baseline", str(other), "--num-positions", "256", "--quiet"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1, res.output  # an error, not a failed gate
+    assert "is not the model the artifact was built from" in res.output and "config.json differs" in res.output
+    assert "--any-baseline" in res.output
+    res = runner.invoke(app, args + ["--any-baseline"])  # on purpose: gated against the changed model
+    assert res.exit_code in (0, 3) and ("gate PASSED" in res.output or "gate FAILED" in res.output), res.output
+
+
 def test_regression_blocks_the_build(tmp_path):
     from runtime import ArtifactError, Engine
 
@@ -65,7 +83,7 @@ def test_regression_blocks_the_build(tmp_path):
     res = _build("quickstart-fp8.yaml", out, "gates.max_kl=1e-9")
     assert res.exit_code == 3  # EXIT_GATE_FAILED, documented in the README
     assert "quality gates failed for quickstart-fp8: kl" in res.output and "FAIL" in res.output
-    assert "layers with the largest error on calibration data" in res.output and "model.layers." in res.output
+    assert "layers with the largest relative output error (on " in res.output and "model.layers." in res.output
     m = json.loads((out / "manifest.json").read_text())
     assert m["quantization"]["gates"]["passed"] is False and m["quantization"]["gates"]["failed"] == ["kl"]
     assert "FAILED" in (out / "report.md").read_text()
@@ -76,3 +94,6 @@ def test_regression_blocks_the_build(tmp_path):
     assert res.exit_code == 1 and "--allow-failed-gate" in res.output
     res = runner.invoke(app, ["generate", str(out), "--prompt", "def", "--max-tokens", "4", "--allow-failed-gate"])
     assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["gate", str(out), "--baseline", str(ROOT / "models/pystdlib-llama"),
+                              "--num-positions", "256", "--quiet"])
+    assert res.exit_code == 3 and "gate FAILED (kl" in res.output, res.output  # a failed gate, as builder build

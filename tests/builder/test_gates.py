@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from builder.gates import (DEFAULT_THRESHOLDS, EvalSet, GateError, GateThresholds, compare,
+from builder.gates import (DEFAULT_THRESHOLDS, EvalSet, GateError, GateThresholds, MetricResult, compare,
                            make_eval_set, text_needle, thresholds_for)
 
 VOCAB, DIM, WINDOW = 64, 32, 128
@@ -87,6 +87,7 @@ def test_identical_models_pass_with_exact_metrics(lm, eval_set):
     assert r.metric("ppl_ratio").value == pytest.approx(1.0, abs=1e-6)
     g = r.metric("greedy_agreement")
     assert g.value == 1.0 and "exact 8/8" in g.detail and "mean common prefix 16.00/16" in g.detail
+    assert g.status == "pass" and r.metric("greedy_topk_agreement").status == "info"
     assert r.passed and r.failed == []
     assert r.num_positions == sum(len(w) - 1 for w in eval_set.windows) >= 4096
     assert len(r.per_window) == len(eval_set.windows) and max(r.per_window) < 1e-6
@@ -155,7 +156,8 @@ def test_more_noise_is_monotonically_worse_and_fails_named(lm, eval_set):
     assert "gate FAILED (kl, top1_agreement, ppl_ratio" in table.splitlines()[-1]
     d = json.loads(json.dumps(worst.to_dict()))
     assert d["passed"] is False and "kl" in d["failed"] and len(d["per_window_kl"]) == len(eval_set.windows)
-    assert {m["name"] for m in d["metrics"]} == {"kl", "top1_agreement", "ppl_ratio", "greedy_agreement"}
+    assert {m["name"] for m in d["metrics"]} == {"kl", "top1_agreement", "ppl_ratio", "greedy_agreement",
+                                                 "greedy_topk_agreement"}
 
 
 def test_only_the_violated_threshold_fails(lm, eval_set):
@@ -215,27 +217,59 @@ def test_greedy_top_k_tolerance():
     es = EvalSet(windows=[[0, 1, 2, 3]], prompts=[[5, s], [6, s]])
     th = GateThresholds(min_greedy_match_tokens=8, greedy_top_k=5, min_greedy_agreement=1.0)
 
-    def gate(cand_table, **kw):
+    def gate(cand_table, name="greedy_topk_agreement", **kw):
         bl, bg = _bigram(base)
         cl, cg = _bigram(cand_table)
-        return compare(bl, cl, es, GateThresholds(**{**th.__dict__, **kw}), bg, cg).metric("greedy_agreement")
+        return compare(bl, cl, es, GateThresholds(**{**th.__dict__, **kw}), bg, cg).metric(name)
 
     swapped = base.clone()
     swapped[r, a], swapped[r, b] = 9.0, 10.0  # near-tie flipped: differs, but each in the other's top-5
     m = gate(swapped)
-    assert m.passed and m.value == 1.0, m
-    assert "exact 0/2" in m.detail and "within top-5 at first difference 2/2" in m.detail
-    assert "mean common prefix 3.00/8" in m.detail
-    assert not gate(swapped, greedy_top_k=1).passed  # with k=1 no differing token is tolerated
+    assert m.status == "info" and m.value == 1.0, m  # reported, never gated
+    assert "exact 0/2" in m.detail and "within top-5 at the first difference 2/2" in m.detail
+    exact = gate(swapped, "greedy_agreement")  # the gated metric counts identical continuations only
+    assert exact.value == 0.0 and exact.status == "fail" and not exact.passed
+    assert "mean common prefix 3.00/8" in exact.detail and "differ on prompts [0, 1]" in exact.detail
+    assert gate(swapped, greedy_top_k=1).value == 0.0  # with k=1 no differing token is within the top-k
 
     far = base.clone()
     far[r, z] = 20.0  # candidate picks z, ranked last by the baseline
     m = gate(far)
-    assert m.value == 0.0 and not m.passed and "disagree on prompts [0, 1]" in m.detail
+    assert m.value == 0.0 and "outside it on prompts [0, 1]" in m.detail
 
     one_sided = base.clone()
     one_sided[r, b], one_sided[r, a] = 10.0, -20.0  # b is in the baseline's top-5, a not in the candidate's
     assert gate(one_sided).value == 0.0
+
+
+def test_greedy_agreement_counts_exact_continuations_only():
+    """Two of eight prompts whose continuations differ only at the last token on a near-tie: the gated value is
+    6/8 (the top-k variant, reported beside it, 8/8), so a 0.9 threshold fails the build."""
+    V = 32
+    base = torch.full((V, V), -5.0)
+    for t in range(V):
+        base[t, (t + 1) % V] = 10.0  # t -> t + 1
+    cand = base.clone()
+    cand[20, 21], cand[20, 30] = 9.0, 10.0  # from 20 the candidate takes 30 (the baseline's second choice: 9 vs 10)
+    base[20, 30] = 9.0
+    prompts = [[t] for t in (0, 2, 4, 6, 8, 10, 13, 17)]  # 13 and 17 reach 20 within 8 tokens
+    es = EvalSet(windows=[[0, 1, 2, 3]], prompts=prompts)
+    bl, bg = _bigram(base)
+    cl, cg = _bigram(cand)
+    r = compare(bl, cl, es, GateThresholds(max_kl=10, min_top1_agreement=0, max_ppl_ratio=1e9,
+                                           min_greedy_match_tokens=8, min_greedy_agreement=0.9), bg, cg)
+    g, topk = r.metric("greedy_agreement"), r.metric("greedy_topk_agreement")
+    assert g.value == 6 / 8 and g.status == "fail" and r.failed == ["greedy_agreement"], r.table()
+    assert topk.value == 1.0 and topk.status == "info"
+    assert re.search(r"^greedy_topk_agreement\s+1\s+INFO", r.table(), re.M), r.table()
+
+
+def test_metric_status_is_checked():
+    assert MetricResult("x", 1.0, 0.0, False, ">=", status="n/a").passed  # n/a and info never fail a report
+    failed = MetricResult("x", 0.0, 1.0, False, ">=")
+    assert not failed.passed and failed.status == "fail"
+    with pytest.raises(ValueError, match="not one of pass, fail, n/a, info"):
+        MetricResult("x", 1.0, 0.0, True, ">=", status="ok")
 
 
 FILLER = ("The grass is green. The sky is blue. Rivers run to the sea. Birds sing in the morning. "
@@ -300,8 +334,9 @@ def test_needle_check_is_relative_to_baseline():
     r, m = needle(smart, dumb)
     assert not m.passed and m.value == 0.0 and m.threshold == 1.0 and r.failed == ["needle"]
     assert "baseline 4/4, candidate 0/4" in m.detail
-    _, m = needle(dumb, dumb)  # neither retrieves: not the candidate's regression
-    assert m.passed and "baseline 0/4, candidate 0/4" in m.detail
+    r, m = needle(dumb, dumb)  # the baseline retrieves none: the check cannot fail, so it does not judge
+    assert m.status == "n/a" and m.passed and "baseline 0/4, candidate 0/4" in m.detail and "not applicable" in m.detail
+    assert r.passed and re.search(r"^needle\s+0\s+>=\s+0\s+N/A", r.table(), re.M), r.table()
     r, _ = needle(smart, dumb, GateThresholds(**{**th.__dict__, "needle": False}))
     assert r.passed and "needle" not in [x.name for x in r.metrics]
     with pytest.raises(GateError, match="needs baseline_greedy and candidate_greedy"):
@@ -344,3 +379,19 @@ def test_default_thresholds():
     assert t.max_kl == 0.2 and DEFAULT_THRESHOLDS["awq"].max_kl == 0.1
     with pytest.raises(GateError, match="known: fp8"):
         thresholds_for("int3")
+
+
+def test_a_method_no_better_than_round_to_nearest_fails(lm, eval_set):
+    """kl_vs_rtn: the candidate's KL over round-to-nearest's; RTN itself (ratio 1) fails the 0.9 ceiling, a
+    candidate with a third of its noise passes; without the RTN model or the ceiling the metric is absent."""
+    rtn = lm.noisy(0.3)
+    th = GateThresholds(max_kl=1.0, min_top1_agreement=0.0, max_ppl_ratio=10.0, max_kl_vs_rtn=0.9)
+    same = compare(lm, rtn, eval_set, th, rtn=rtn).metric("kl_vs_rtn")
+    assert same.value == pytest.approx(1.0) and same.status == "fail" and "closes 0% of its error" in same.detail
+    better = compare(lm, lm.noisy(0.1), eval_set, th, rtn=rtn)
+    m = better.metric("kl_vs_rtn")
+    assert m.status == "pass" and 0 < m.value < 0.5 and better.passed, better.table()
+    assert "kl_vs_rtn" not in [x.name for x in compare(lm, rtn, eval_set, th).metrics]
+    no_ceiling = GateThresholds(max_kl=1.0, min_top1_agreement=0.0, max_ppl_ratio=10.0)
+    assert "kl_vs_rtn" not in [x.name for x in compare(lm, rtn, eval_set, no_ceiling, rtn=rtn).metrics]
+    assert DEFAULT_THRESHOLDS["gptq"].max_kl_vs_rtn == DEFAULT_THRESHOLDS["awq"].max_kl_vs_rtn == 0.9

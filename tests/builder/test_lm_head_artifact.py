@@ -32,8 +32,9 @@ def built(tmp_path_factory) -> tuple[Path, Path]:
         "name": "gptq-lm_head", "model": {"checkpoint": str(ckpt), "dtype": "float32"},
         "output_dir": str(root / "art"), "runtime": {"max_seq_len": 128, "max_num_tokens": 32},
         "quantization": {"algo": "gptq", "group_size": 16, "lm_head": True},
-        "calibration": {"num_samples": 4, "seq_len": 32},
-        "gates": {"num_positions": 64, "window": 32, "greedy_tokens": 4, "needle_context_len": None, "max_kl": 10.0,
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"},
+        "gates": {"eval_dataset": "bundled", "num_positions": 64, "window": 32, "greedy_tokens": 4,
+                  "needle_context_len": None, "max_kl": 10.0,
                   "min_top1_agreement": 0.0, "max_ppl_ratio": 100.0, "min_greedy_agreement": 0.0}})
     return ckpt, build(recipe).output_dir
 

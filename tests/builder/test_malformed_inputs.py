@@ -282,13 +282,19 @@ CASES = [
          args=("--set", "runtime.max_seq_len=1024")),
     Case("plan-does-not-fit", "nothing was built (target.fail_if_not_fit is true)",
          recipe="target:\n  gpu_memory: 1MiB\n  fail_if_not_fit: true\n"),
-    Case("calibration-file-missing", "calibration.dataset: data file", recipe=Q + "int8_wo\ncalibration:\n  dataset: {tmp}/none.txt\n"),
-    Case("calibration-file-too-short", "samples of 256 tokens need 16384", recipe=Q + "int8_wo\ncalibration:\n  dataset: {tmp}/short.txt\n",
+    # (smoothquant fits its scales on calibration text; int8 weight-only reads none)
+    Case("calibration-file-missing", "calibration.dataset: data file",
+         recipe=Q + "smoothquant\ncalibration:\n  dataset: {tmp}/none.txt\n"),
+    Case("calibration-file-too-short", "samples of 256 tokens need 16384",
+         recipe=Q + "smoothquant\ncalibration:\n  dataset: {tmp}/short.txt\n",
          checkpoint=lambda c: (c.parent / "short.txt").write_text("tiny")),
     Case("calibration-wrong-suffix", "unsupported data file type '.csv'",
-         recipe=Q + "int8_wo\ncalibration:\n  dataset: {tmp}/data.csv\n",
+         recipe=Q + "smoothquant\ncalibration:\n  dataset: {tmp}/data.csv\n",
          checkpoint=lambda c: (c.parent / "data.csv").write_text("a,b\n")),
     Case("eval-file-missing", "gates.eval_dataset: data file", recipe=Q + "int8_wo\ngates:\n  eval_dataset: {tmp}/none.txt\n"),
+    # another model's quantization is fitted and gated on text the recipe names (or says 'bundled' on purpose)
+    Case("calibration-text-unset", "calibration.dataset is not set and", recipe=Q + "smoothquant\n"),
+    Case("eval-text-unset", "gates.eval_dataset is not set and", recipe=Q + "int8_wo\n"),
     # found on the traced graph, before weights are read
     Case("dynamic-rope", "rope_type 'dynamic' (config.json rope_parameters / rope_scaling) is not supported",
          checkpoint=_config(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),

@@ -30,7 +30,8 @@ def test_variant_computes_the_same_function(outlier_checkpoint):
 def test_naive_w8a8_fails_smoothquant_passes(outlier_checkpoint, tmp_path, smoothing, exit_code):
     sets = [f"model.checkpoint={outlier_checkpoint}", f"output_dir={tmp_path / 'a'}",
             f"quantization.smoothing={str(smoothing).lower()}", "quantization.activations=static",
-            "calibration.num_samples=16", "gates.num_positions=2048", "gates.needle_context_len=null"]
+            "calibration.num_samples=16", "gates.num_positions=2048", "gates.needle_context_len=null",
+            "calibration.dataset=bundled", "gates.eval_dataset=bundled"]  # a copy of the bundled model, its text
     args = ["build", str(ROOT / "recipes/quickstart-smoothquant.yaml"), "--quiet"]
     for s in sets:
         args += ["--set", s]

@@ -160,7 +160,7 @@ def test_plan_matches_quantized_artifacts(tmp_path, case):
         "name": case, "model": {"checkpoint": str(make_checkpoint(tmp_path / "ckpt", family)), "dtype": "float32"},
         "output_dir": str(tmp_path / "art"), "passes": ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "dce"],
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32, "kv_cache_dtype": kv_dtype},
-        "quantization": quantization, "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+        "quantization": quantization, "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
     plan = make_plan(recipe)
     path = build(recipe).output_dir
     actual = stored_bytes(path)
@@ -262,7 +262,7 @@ def test_plan_matches_each_rank_of_a_tensor_parallel_artifact(tmp_path, case):
         "name": case, "model": {"checkpoint": str(make_checkpoint(tmp_path / "ckpt", family)), "dtype": "float32"},
         "output_dir": str(tmp_path / "art"), "passes": ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "dce"],
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quantization,
-        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False},
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False},
         "parallel": {"tp_size": 2, "vocab_parallel": vocab_parallel}})
     plan = make_plan(recipe)
     path = build(recipe).output_dir

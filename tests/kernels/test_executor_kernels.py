@@ -63,7 +63,7 @@ def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
     recipe = validate_recipe({
         "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quant,
-        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
     path = build(recipe).output_dir
     monkeypatch.setattr(w4a16_mma, "MMA_ENABLED", False)  # read when the engine loads (repacks) the weights
     ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
@@ -106,7 +106,7 @@ def test_weight_only_linears_on_the_mma_kernel(tmp_path, monkeypatch, algo):
     recipe = validate_recipe({
         "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": quant,
-        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
     path = build(recipe).output_dir
     ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
     num_quantized = sum(1 for n in fused.executor.graph["nodes"] if n["op"] == "linear" and n["attrs"].get("quant"))

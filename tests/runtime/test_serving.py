@@ -191,7 +191,7 @@ def test_quantized_kv_cache_pages_like_the_contiguous_cache(checkpoints, tmp_pat
     recipe = validate_recipe({
         "model": {"checkpoint": str(checkpoints["llama"])}, "output_dir": str(tmp_path / kind),
         "runtime": {"max_seq_len": 256, "max_num_tokens": 32, "kv_cache_dtype": kind},
-        "calibration": {"num_samples": 4, "seq_len": 32}, "gates": {"enabled": False}})
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
     engine = Engine.load(build(recipe).output_dir)
     storage = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}[kind]
     s = _serving(engine, num_blocks=24)

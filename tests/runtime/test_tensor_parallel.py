@@ -24,7 +24,7 @@ from runtime.tensor_parallel import WorkerFailure, check_devices
 
 PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 PROMPTS = ["def fibonacci(n):", "import os\nclass Config:"]
-GPTQ = {"quantization": {"algo": "gptq", "group_size": 8}, "calibration": {"num_samples": 8, "seq_len": 32},
+GPTQ = {"quantization": {"algo": "gptq", "group_size": 8}, "calibration": {"num_samples": 8, "seq_len": 32, "dataset": "bundled"},
         "gates": {"enabled": False}}
 # (dtype, recipe sections, max |logit difference| between one rank and two)
 METHODS = {"bf16": ("bfloat16", {}, 0.05), "gptq": ("float32", GPTQ, 1e-4)}
