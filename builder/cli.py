@@ -147,7 +147,8 @@ def plan(
 def gate(
     artifact: Path = typer.Argument(..., help="artifact directory to judge"),
     baseline: Path = typer.Option(..., "--baseline", help="unquantized checkpoint directory or artifact"),
-    eval_dataset: Optional[Path] = typer.Option(None, help=".txt/.jsonl held-out text (default: shipped eval text)"),
+    eval_dataset: Optional[Path] = typer.Option(None, help=".txt/.jsonl held-out text (default: the recipe's; the "
+                                                "shipped eval text only for the bundled model, or 'bundled')"),
     num_positions: Optional[int] = typer.Option(None, help="evaluation positions (default: the recipe's)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     any_baseline: bool = typer.Option(False, "--any-baseline",
@@ -314,7 +315,7 @@ def inspect(
     lines.append(f"verify        max |logit err| {v['max_abs_logit_err']:.3g} (atol {v['atol']:g}), top-1 agreement "
                  f"{v['top1_agreement']:.4f}" if v else "verify        not run")
     q = m.get("quantization", {})
-    if q.get("calibration") or q.get("gates"):
+    if q.get("algo", "none") != "none" or q.get("kv_cache_dtype", "auto") != "auto":
         g = q.get("gates")
         gate_text = ("gates " + ("PASSED" if g["passed"] else "FAILED") + ": " + ", ".join(
             f"{x['name']}={x['value']:.4g}" for x in g["metrics"])) if g else "gates not run"

@@ -10,7 +10,8 @@ network) and a Markdown twin whose plots are sibling SVG files:
                          out_features) and overall
                          (weight bytes x 8 / parameters, quantized linears counted unpacked)
     gates                every gate metric with its threshold and pass/fail
-    hot spots            the linears with the largest relative output error on calibration data
+    hot spots            the linears with the largest relative output error on calibration data (random
+                         inputs for methods that fit nothing on activations)
     benchmarks           `builder bench serve --json` objects and `bench latency|throughput --json` lines
     Pareto               minimise weight bytes, optimise the quality metric (default mean KL);
                          with benchmarks also quality vs output tokens/s
@@ -96,7 +97,7 @@ class Entry:
     path: Path
     manifest: dict[str, Any]
     sizes: Sizes
-    layer_errors: dict[str, float]  # relative output error per quantized linear, calibration data
+    layer_errors: dict[str, float]  # relative output error per quantized linear (calibration data or random inputs)
     bench: list[BenchRecord] = field(default_factory=list)
     quality: float | None = None  # the chosen metric; None: not measured
     is_reference: bool = False  # unquantized: quality is the metric's reference value

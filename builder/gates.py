@@ -70,8 +70,8 @@ class GateThresholds:
     max_kl: float = 0.05  # mean token-level KL(baseline || candidate), nats
     min_top1_agreement: float = 0.95
     max_ppl_ratio: float = 1.05  # ppl(candidate) / ppl(baseline)
-    # Greedy agreement: N tokens generated per prompt; a prompt agrees when they all match or, at the
-    # first differing token, each model's token is in the other's top-k.
+    # Greedy agreement: N tokens generated per prompt; a prompt agrees when they all match (the reported,
+    # ungated top-k variant also forgives a first difference where each model's token is in the other's top-k)
     min_greedy_match_tokens: int = 16
     greedy_top_k: int = 5
     # fraction of prompts whose N tokens are identical: one near-tie flips a prompt, so with 8 prompts 0.75
@@ -361,11 +361,12 @@ def _kl_vs_rtn(baseline: LogitsFn, rtn: LogitsFn, eval_set: EvalSet, candidate_k
         positions += len(ids) - 1
     rtn_kl = total / positions
     detail = f"KL {candidate_kl:.4g} vs round-to-nearest's {rtn_kl:.4g} (same bits, group size, symmetry, positions)"
-    if not rtn_kl > 0:  # rounding loses nothing here: no method can beat it
+    if rtn_kl == 0:  # rounding loses nothing here: no method can beat it
         return MetricResult("kl_vs_rtn", 0.0, ceiling, True, "<=", detail + "; not applicable",
                             status="n/a")
-    ratio = candidate_kl / rtn_kl
-    return _metric("kl_vs_rtn", ratio, ceiling, "<=", detail + f": closes {1 - ratio:.0%} of its error")
+    ratio = candidate_kl / rtn_kl  # NaN (a broken model on either side) fails
+    how = f"closes {1 - ratio:.0%} of its error" if ratio <= 1 else f"{ratio - 1:.0%} worse than rounding"
+    return _metric("kl_vs_rtn", ratio, ceiling, "<=", f"{detail}: {how}")
 
 
 def _greedy_agreement(baseline: LogitsFn, candidate: LogitsFn, baseline_greedy: GreedyFn,

@@ -152,7 +152,8 @@ def error_inputs(records: list[PassRecord]) -> str:
 
 
 def worst_layers(records: list[PassRecord], n: int = 5) -> list[tuple[str, float]]:
-    """The quantized linears with the largest relative output error on calibration data."""
+    """The quantized linears with the largest relative output error (on calibration data, or random inputs for
+    methods that fit nothing on activations: :func:`error_inputs`)."""
     errors: dict[str, float] = {}
     for r in records:
         errors.update(r.details.get("layer_errors", {}))
@@ -197,6 +198,9 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         device = calibration_device(recipe.calibration.device)
         t = time.perf_counter()
         calib, calib_warning = calibration_data(recipe, tokenizer) if needs_calibration(recipe) else (None, None)
+        if calib is None and recipe.calibration.dataset:
+            log.warning("calibration.dataset %s is not read: %s fit nothing on activations (their per-layer errors "
+                        "are measured on random inputs)", recipe.calibration.dataset, recipe.quant_algo())
         calib_s = time.perf_counter() - t
         check_eval_data(recipe)
     t = time.perf_counter()

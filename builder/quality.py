@@ -17,9 +17,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from builder.calibration import DEFAULT_EVAL, read_texts, resolve_text, token_stream
-from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresholds, compare, make_eval_set, text_needle,
-                           thresholds_for)
+from builder.calibration import BUNDLED_MODEL, DEFAULT_EVAL, read_texts, resolve_text, token_stream
+from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresholds, MetricResult, compare,
+                           make_eval_set, text_needle, thresholds_for)
 from builder.recipe import GatesSection
 from passes.ir import Graph
 from runtime.executor import Executor, SeqSlice, StepInput
@@ -123,11 +123,12 @@ def thresholds(algo: str, section: GatesSection) -> GateThresholds:
 
 
 def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate: Graph,
-                   tokenizer: Tokenizer, checkpoint: str | Path, rtn_check: bool = False) -> GateReport:
+                   tokenizer: Tokenizer, checkpoint: str | Path, rtn_check: bool = False,
+                   eval_key: str = "gates.eval_dataset") -> GateReport:
     """Gate ``candidate`` against ``baseline`` on the section's held-out text (``checkpoint``: the source model,
     which decides whether the shipped text may stand in for an unset ``eval_dataset``). ``rtn_check``: also
     against round-to-nearest of the same scheme (:func:`rtn_graph`), when the method's thresholds ask for it."""
-    path, warning = resolve_text(section.eval_dataset, DEFAULT_EVAL, checkpoint, "gates.eval_dataset")
+    path, warning = resolve_text(section.eval_dataset, DEFAULT_EVAL, checkpoint, eval_key)
     if warning:
         log.warning("%s", warning)
     encode = lambda t: tokenizer.encode(t, add_special_tokens=False)  # noqa: E731
@@ -142,6 +143,11 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
     rtn = rtn_graph(baseline, candidate) if rtn_check and limits.max_kl_vs_rtn is not None else None
     report = compare(base.logits, cand.logits, eval_set, limits, base.greedy, cand.greedy, needle,
                      GraphModel(rtn).logits if rtn is not None else None)
+    if rtn_check and limits.max_kl_vs_rtn is not None and rtn is None:  # asked for, not computable: say so
+        why = ("not applicable: no round-to-nearest counterpart of this build (a scheme other than "
+               f"{'/'.join(RTN_SCHEMES)}, or linears the baseline does not hold)")
+        log.warning("quality gates: kl_vs_rtn %s", why)
+        report.metrics.append(MetricResult("kl_vs_rtn", 0.0, limits.max_kl_vs_rtn, True, "<=", why, status="n/a"))
     base.save()
     report.baseline_cache = {"file": str(base.file), "hits": base.hits, "misses": base.misses}
     report.eval_data = {"path": str(path), **({"warning": warning} if warning else {})}
@@ -224,6 +230,15 @@ def _model_files(files: dict[str, str]) -> dict[str, str]:
             if name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json"))}
 
 
+def is_bundled_source(manifest: dict) -> bool:
+    """Whether the artifact was built from the bundled model: its config and weight files hash as the bundled
+    model's do."""
+    from builder.checkpoint import open_checkpoint
+
+    want = _model_files(manifest.get("source", {}).get("files", {}))
+    return bool(want) and want == _model_files(open_checkpoint(BUNDLED_MODEL).file_hashes())
+
+
 def check_baseline_source(manifest: dict, baseline: Path) -> None:
     """The baseline is the model the artifact was built from: its config and weight files hash as the
     manifest's ``source.files`` record (a checkpoint), or its own manifest records the same source (an
@@ -236,7 +251,12 @@ def check_baseline_source(manifest: dict, baseline: Path) -> None:
         raise GateError("the artifact's manifest records no source files to check the baseline against; pass "
                         "--any-baseline to gate it against the given baseline anyway")
     if (baseline / MANIFEST).is_file():
-        have, kind = _model_files(open_artifact(baseline).manifest.get("source", {}).get("files", {})), "artifact"
+        other = open_artifact(baseline).manifest
+        oq = other.get("quantization", {})
+        if oq.get("algo", "none") != "none" or oq.get("kv_cache_dtype", "auto") != "auto":
+            raise GateError(f"baseline artifact {baseline} is itself quantized ({oq.get('algo')}, KV cache "
+                            f"{oq.get('kv_cache_dtype')}); gate against the unquantized checkpoint or artifact")
+        have, kind = _model_files(other.get("source", {}).get("files", {})), "artifact"
     else:
         have, kind = _model_files(open_checkpoint(baseline).file_hashes()), "checkpoint"
     for name in sorted(set(want) | set(have)):
@@ -267,4 +287,7 @@ def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None =
     tokenizer = art.load_tokenizer()
     q = manifest.get("quantization", {})
     rtn = rtn_applies(q.get("algo", "none"), q.get("kv_cache_dtype", manifest["runtime"].get("kv_cache_dtype", "auto")))
-    return compare_graphs(algo, section, base, candidate, tokenizer, manifest["source"]["checkpoint"], rtn)
+    # the bundled model by content (the recorded path may be relative to another directory or clone)
+    source = BUNDLED_MODEL if is_bundled_source(manifest) else manifest["source"]["checkpoint"]
+    return compare_graphs(algo, section, base, candidate, tokenizer, source, rtn,
+                          eval_key="gates.eval_dataset (builder gate: --eval-dataset)")

@@ -76,6 +76,19 @@ def test_gate_command_refuses_a_baseline_that_is_not_the_source(smoothquant_arti
     assert res.exit_code in (0, 3) and ("gate PASSED" in res.output or "gate FAILED" in res.output), res.output
 
 
+def test_gate_command_refuses_a_quantized_baseline_and_knows_the_bundled_model_by_content(smoothquant_artifact):
+    from builder.calibration import BUNDLED_MODEL
+    from builder.checkpoint import open_checkpoint
+    from builder.quality import is_bundled_source
+
+    res = runner.invoke(app, ["gate", str(smoothquant_artifact), "--baseline", str(smoothquant_artifact), "--quiet"])
+    assert res.exit_code == 1 and "is itself quantized (smoothquant" in res.output, res.output
+    files = open_checkpoint(BUNDLED_MODEL).file_hashes()
+    assert is_bundled_source({"source": {"checkpoint": "elsewhere/pystdlib-llama", "files": files}})
+    changed = {**files, "config.json": "0" * 64}
+    assert not is_bundled_source({"source": {"checkpoint": str(BUNDLED_MODEL), "files": changed}})
+
+
 def test_regression_blocks_the_build(tmp_path):
     from runtime import ArtifactError, Engine
 

@@ -44,6 +44,10 @@ def test_sound_build_passes_and_seeded_regressions_fail(recipe, method, baseline
 
     report = gate(sound)
     assert report.passed, report.table()
+    assert f"## Quantization: {method}" in (tmp_path / "art" / "report.md").read_text()  # gates off, no calibration
+    if method == "fp8":  # asked for a round-to-nearest comparison FP8 has no counterpart for: n/a, said so
+        m = compare_graphs("gptq", section, baseline, sound, tokenizer, BUNDLED, rtn_check=True).metric("kl_vs_rtn")
+        assert m.status == "n/a" and "no round-to-nearest counterpart" in m.detail
     for what, prefix, factor in (("wrong scales", "model.layers.1.self_attn.o_proj.", 1.25),
                                  ("a layer's weights lost", "model.layers.2.mlp.down_proj.", 0.0)):
         names = _scale_names(sound, prefix)
