@@ -291,7 +291,8 @@ def compare(baseline: LogitsFn, candidate: LogitsFn, eval_set: EvalSet, threshol
     if needle is not None and thresholds.needle and not has_greedy:
         raise GateError("the needle check needs baseline_greedy and candidate_greedy")
 
-    kl_sum = nll_b_sum = nll_c_sum = 0.0
+    use_rtn = rtn is not None and thresholds.max_kl_vs_rtn is not None
+    kl_sum = nll_b_sum = nll_c_sum = rtn_kl_sum = 0.0
     agree = positions = nonfinite = 0
     vocab: Optional[int] = None
     per_window: list[float] = []
@@ -311,6 +312,9 @@ def compare(baseline: LogitsFn, candidate: LogitsFn, eval_set: EvalSet, threshol
             target = torch.tensor(ids[1:], dtype=torch.long).unsqueeze(-1)
             kl_sum += float(kl.sum())
             per_window.append(float(kl.mean()))
+            if use_rtn:  # round-to-nearest of the same scheme, on the same positions
+                lp_r = torch.log_softmax(_logits(rtn, ids, "round-to-nearest", vocab)[:-1], -1)
+                rtn_kl_sum += float(_kl_rows(lp_b, lp_r).double().sum())
             agree += int((lb.argmax(-1) == lc.argmax(-1)).sum())
             nll_b_sum -= float(lp_b.gather(-1, target).double().sum())
             nll_c_sum -= float(lp_c.gather(-1, target).double().sum())
@@ -327,8 +331,8 @@ def compare(baseline: LogitsFn, candidate: LogitsFn, eval_set: EvalSet, threshol
             _metric("ppl_ratio", ppl_ratio, thresholds.max_ppl_ratio, "<=",
                     f"ppl baseline {_exp(nll_b):.4g}, candidate {_exp(nll_c):.4g}"),
         ]
-        if rtn is not None and thresholds.max_kl_vs_rtn is not None:
-            metrics.append(_kl_vs_rtn(baseline, rtn, eval_set, mean_kl, thresholds.max_kl_vs_rtn, vocab))
+        if use_rtn:
+            metrics.append(_kl_vs_rtn(mean_kl, rtn_kl_sum / positions, thresholds.max_kl_vs_rtn))
         if has_greedy:
             metrics += _greedy_agreement(baseline, candidate, baseline_greedy, candidate_greedy,
                                          eval_set.prompts, thresholds, vocab)
@@ -350,16 +354,7 @@ def _metric(name: str, value: float, threshold: float, direction: str, detail: s
                         direction=direction, detail=detail)
 
 
-def _kl_vs_rtn(baseline: LogitsFn, rtn: LogitsFn, eval_set: EvalSet, candidate_kl: float, ceiling: float,
-               vocab: int) -> MetricResult:
-    total = positions = 0
-    for w in eval_set.windows:
-        ids = [int(t) for t in w]
-        lp_b = torch.log_softmax(_logits(baseline, ids, "baseline", vocab)[:-1], -1)
-        lp_r = torch.log_softmax(_logits(rtn, ids, "round-to-nearest", vocab)[:-1], -1)
-        total += float(_kl_rows(lp_b, lp_r).double().sum())
-        positions += len(ids) - 1
-    rtn_kl = total / positions
+def _kl_vs_rtn(candidate_kl: float, rtn_kl: float, ceiling: float) -> MetricResult:
     detail = f"KL {candidate_kl:.4g} vs round-to-nearest's {rtn_kl:.4g} (same bits, group size, symmetry, positions)"
     if rtn_kl == 0:  # rounding loses nothing here: no method can beat it
         return MetricResult("kl_vs_rtn", 0.0, ceiling, True, "<=", detail + "; not applicable",

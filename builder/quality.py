@@ -177,7 +177,7 @@ def rtn_graph(baseline: Graph, candidate: Graph) -> Graph | None:
         if "weight" not in node.weights or node.op not in ("linear", "lm_head"):
             continue
         members = [quantized.get((node.op, name)) for name, _, _ in member_outputs(node)]
-        if any(q is None for q in members) or len({str(sorted(q.items())) for q in members}) != 1:
+        if any(q is None or q != members[0] for q in members):
             continue
         q = members[0]
         cfg = QuantConfig(bits=int(q["bits"]), group_size=int(q["group_size"]), symmetric=bool(q.get("symmetric")))

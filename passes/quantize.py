@@ -50,18 +50,16 @@ def member_outputs(node: Node) -> list[tuple[str, int, int]]:
     """(name, first, end) of each output-feature range of a linear the per-layer error report names: a merged
     linear's members by their own modules (``model.layers.0.self_attn.q_proj+k_proj+v_proj.*`` ->
     ``...self_attn.q_proj``, ``...k_proj``, ``...v_proj``), any other linear whole, by its source."""
-    stem = next(iter(node.weights.values()), "").rsplit(".", 1)[0]
-    parent, _, leaves = stem.rpartition(".")
-    names = leaves.split("+")
+    names = _merged_members(next(iter(node.weights.values()), ""))  # any role: a quantized node has no weight
     out_features = node.attrs.get("out_features", 0)
     sizes = node.attrs.get("split_sizes")  # none on gate_up once fused into SiLU-and-multiply: equal halves
     if sizes is None and len(names) > 1 and out_features % len(names) == 0:
         sizes = [out_features // len(names)] * len(names)
-    if not sizes or not parent or len(names) != len(sizes):
+    if not names or not sizes or len(names) != len(sizes):
         return [(node.source, 0, out_features or 1 << 62)]
     out, lo = [], 0
     for name, size in zip(names, sizes):
-        out.append((f"{parent}.{name}", lo, lo + size))
+        out.append((name, lo, lo + size))
         lo += size
     return out
 
@@ -84,14 +82,17 @@ def segments(graph: Graph) -> list[Segment]:
     return out
 
 
+def _merged_members(tensor_name: str) -> list[str]:
+    """The member module paths of a merged linear's tensor (``a.q_proj+k_proj.weight`` -> ``a.q_proj``,
+    ``a.k_proj``); [] for any other name."""
+    stem = tensor_name.rsplit(".", 1)[0]
+    parent, _, leaves = stem.rpartition(".")
+    return [f"{parent}.{leaf}" for leaf in leaves.split("+")] if parent and "+" in leaves else []
+
+
 def member_names(node: Node) -> list[str]:
     """Module paths a linear answers to: its source, and for a merged node each member's path."""
-    names = [node.source]
-    weight = node.weights.get("weight", "")
-    if "+" in weight:
-        parent, leaves = weight.rsplit(".", 2)[0], weight.rsplit(".", 2)[1]
-        names += [f"{parent}.{leaf}" for leaf in leaves.split("+")]
-    return names
+    return [node.source] + _merged_members(node.weights.get("weight", ""))
 
 
 def _matches(patterns: list[str], names: list[str]) -> bool:
