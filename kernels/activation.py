@@ -18,23 +18,33 @@ import triton
 import triton.language as tl
 
 from kernels import torch_ops as ops
+from kernels.pdl import pdl_args, wait_prior
 
 _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul_values(g, u):
+    """silu(g) * u in g's dtype: the silu in fp32, rounded to the dtype before the product (the reference's
+    numerics; also the x of ``kernels.w4a16_mma``'s gated linears)."""
+    dtype = g.dtype
+    gf = g.to(tl.float32)
+    e = tl.exp(-tl.abs(gf))  # in (0, 1]: no overflow for large |g|
+    sigmoid = tl.where(gf >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    silu = (gf * sigmoid).to(dtype).to(tl.float32)
+    return (silu * u.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, num_cols,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
-    g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    e = tl.exp(-tl.abs(g))  # in (0, 1]: no overflow for large |g|
-    sigmoid = tl.where(g >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-    silu = (g * sigmoid).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (silu * u).to(dtype), mask=mask)
+    g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -59,7 +69,8 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Ten
         return out
     block = min(_BLOCK, triton.next_power_of_2(num_cols))
     _silu_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
-        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4)
+        gate, up, out, gate.stride(0), up.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4,
+        **pdl_args(out))
     return out
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels import torch_ops as ops
+from kernels.pdl import pdl_args, wait_prior
 
 
 @triton.jit
@@ -26,7 +27,8 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr,
                      stride_x, stride_res, stride_out, stride_total,
                      num_cols, eps, weight_offset,
                      HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
@@ -83,7 +85,7 @@ def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor | 
         total.stride(0) if total is not None else 0,
         num_cols, eps, weight_offset,
         HAS_RESIDUAL=res2 is not None, HAS_WEIGHT=weight is not None, HAS_OFFSET=bool(weight_offset),
-        BLOCK=block, num_warps=_num_warps(block))
+        BLOCK=block, num_warps=_num_warps(block), **pdl_args(x2))
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:

@@ -73,6 +73,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, wait_prior
 from kernels.w4a16_gemm import (
     _check_inputs as _check_w4a16_inputs,
     _dequant,
@@ -274,10 +275,12 @@ def _w4a16_gemv_kernel(
     ROWS: tl.constexpr, BITS: tl.constexpr, PER_TILE: tl.constexpr, HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, PTX: tl.constexpr, EVEN_N: tl.constexpr,
     EVEN_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, T: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # x: [ROWS, K] -> y: [ROWS, N] contiguous. A K step is BLOCK_R byte rows of qweight, walked in passes of T
     # rows (one pass of the program's threads over [T, BLOCK_N]) into [T, BLOCK_N] accumulators: the step's group
     # constants serve its BLOCK_R / T passes.
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -381,10 +384,11 @@ def _w8a8_gemv_kernel(
     ROWS: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE_FP8: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     # x: [ROWS, K], w: [N, K] -> y: [ROWS, N] contiguous. A K step quantizes each row's x step once and multiplies
     # it by the [BLOCK_N, BLOCK_K] weight tile into [BLOCK_N, BLOCK_K / VEC] accumulators (``_dot_chunks``).
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -628,7 +632,7 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         REDUCE_IN_KERNEL=cfg.reduce_in_kernel, PTX=not _interpreting(), EVEN_N=n % cfg.block_n == 0,
         EVEN_R=num_byte_rows % block_r == 0, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
         T=_rows_per_pass(block_r, cfg.block_n, cfg.num_warps), NUM_STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps)
+        num_warps=cfg.num_warps, **pdl_args(x2))
     _finish_split(plan, cfg, bias, y)
     return y.reshape(*x.shape[:-1], n)
 
@@ -666,6 +670,6 @@ def w8a8_gemv(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
         HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=cfg.reduce_in_kernel,
         EMULATE_FP8=_interpreting() and not int8, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=min(cfg.block_k, 16), AMAX_BLOCK=amax_block,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x2))
     _finish_split(plan, cfg, bias, y)
     return y.reshape(*x.shape[:-1], n)

@@ -31,6 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import pdl_args, wait_prior
+from kernels.rope import cos_sin, rotate
+
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}  # cache storage dtype -> QUANT code in the kernels
@@ -110,8 +113,10 @@ def _quantize(x, scale_ptr, QUANT: tl.constexpr):
 def _write_kv_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, num_kv_heads,
         stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_ct, stride_ch,
-        BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr,
+        PDL: tl.constexpr):
     # grid: (num_tokens,); one program writes all kv heads of one token
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
@@ -152,7 +157,96 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
         k, v, k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t, num_kv_heads,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3],
         BLOCK_SIZE=k_cache.shape[1], HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        QUANT=quant, num_warps=4)
+        QUANT=quant, num_warps=4, **pdl_args(k))
+
+
+# --- RoPE and the KV write in one kernel -------------------------------------------------------------
+@triton.jit
+def _rope_write_kv_kernel(
+        q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+        num_heads, num_kv_heads, q_blocks, scaling, stride_qt, stride_kt, stride_vt, stride_cb, stride_ct, stride_ch,
+        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+    # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
+    # in place; the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache.
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
+    t = tl.program_id(0)
+    hb = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HALF
+    dtype = q_ptr.dtype.element_ty
+    cos, sin = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, offs_d, mask_d, scaling, dtype)
+    if hb < q_blocks:
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
+        ptrs = q_ptr + t * stride_qt + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
+        y1, y2 = rotate(ptrs, mask, cos, sin, HALF)
+        tl.store(ptrs, y1.to(dtype), mask=mask)
+        tl.store(ptrs + HALF, y2.to(dtype), mask=mask)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:  # a negative slot is a padding token: nothing to write
+            offs_h = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+            mask_h = (offs_h < num_kv_heads)[:, None]
+            mask = mask_h & mask_d[None, :]
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch
+            # the key rounded to the activation dtype first, as the separate RoPE kernel stores it
+            y1, y2 = rotate(k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM + offs_d[None, :], mask, cos, sin,
+                            HALF)
+            y1 = y1.to(dtype)
+            y2 = y2.to(dtype)
+            offs_v = tl.arange(0, HEAD_DIM)
+            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :], mask=mask_h)
+            if QUANT != 0:
+                y1 = _quantize(y1, k_scale_ptr, QUANT)
+                y2 = _quantize(y2, k_scale_ptr, QUANT)
+                v = _quantize(v, v_scale_ptr, QUANT)
+            tl.store(k_cache_ptr + dst + offs_d[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF + offs_d[None, :], y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + offs_v[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
+
+
+def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        inv_freq: torch.Tensor, attention_scaling: float, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
+                        k_scale: torch.Tensor | float | None = None,
+                        v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+    """``kernels.rope.apply_rope_`` on q and k, then :func:`write_kv_cache` of the rotated k and v, in one kernel
+    (a decode step's three launches per layer in one). q is rotated in place and returned; k is not modified (its
+    rotation goes to the cache only).
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided, e.g.
+    views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [head_dim / 2] fp32.
+    Same numerics as the three kernels (the rotated key is rounded to q's dtype before the cache's quantization).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    _check_cache(k_cache, v_cache, num_kv_heads, head_dim)
+    if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim or head_dim % 2:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} are not [num_tokens, heads, "
+                         "head_dim] with one even head_dim and the same kv heads")
+    if q.dtype != k.dtype or k.dtype != v.dtype:
+        raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+    if tuple(positions.shape) != (num_tokens,) or tuple(inv_freq.shape) != (head_dim // 2,) \
+            or tuple(slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"positions {tuple(positions.shape)} / slot_mapping {tuple(slot_mapping.shape)} / inv_freq "
+                         f"{tuple(inv_freq.shape)} do not match {num_tokens} tokens and head_dim {head_dim}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must have contiguous heads (strides (*, {head_dim}, 1)), got {t.stride()}")
+    if num_tokens == 0:
+        return q
+    half = head_dim // 2
+    block_d = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(512 // block_d, 1))
+    q_blocks = triton.cdiv(num_heads, block_h)
+    k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
+    _rope_write_kv_kernel[(num_tokens, q_blocks + triton.cdiv(num_kv_heads, block_h))](
+        q, k, v, positions, inv_freq.float(), k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t,
+        num_heads, num_kv_heads, q_blocks, float(attention_scaling), q.stride(0), k.stride(0), v.stride(0),
+        *k_cache.stride()[:3], HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
+        BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0), num_warps=4, **pdl_args(q))
+    return q
 
 
 # --- decode -----------------------------------------------------------------------------------------
@@ -165,9 +259,10 @@ def _paged_decode_kernel(
         qk_scale, window, num_splits,
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr):
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits). One program: the GROUP query heads sharing one kv
     # head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's key tiles.
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -227,8 +322,9 @@ def _paged_decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_os, stride_oh,
-                         HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_heads). Log-sum-exp merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -284,11 +380,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
-        FP32=_fp32_dot(q.dtype), SPLIT=split, num_warps=num_warps, num_stages=num_stages)
+        FP32=_fp32_dot(q.dtype), SPLIT=split, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4)
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4, **pdl_args(q))
     return out
 
 
@@ -370,9 +466,10 @@ def _paged_prefill_kernel(
         k_scale_ptr, v_scale_ptr, out_ptr, qk_scale, window, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr):
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_tokens // BLOCK_M + num_seqs, num_heads). Program (t, h): flat query tile t (BLOCK_M
     # rows of one sequence, ``_find_seq``) for head h, over every key its rows can see.
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     tile = tl.program_id(0)
     seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_M)
     if seq < 0:  # only when cu_seqlens_q[0] > 0: rows before it belong to no sequence
@@ -462,7 +559,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 
 

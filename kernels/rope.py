@@ -20,39 +20,52 @@ import triton
 import triton.language as tl
 
 from kernels import torch_ops as ops
+from kernels.pdl import pdl_args, wait_prior
 
-_INV_TWO_PI = 0.15915493667125702
+_INV_TWO_PI = tl.constexpr(0.15915493667125702)
 # 2*pi = _TWO_PI_HI + _TWO_PI_MID + _TWO_PI_LO; HI and MID have 9 significant bits, so k * HI and
 # k * MID are exact in fp32 for k < 2**15 (angles below ~2e5 rad).
-_TWO_PI_HI = 6.28125
-_TWO_PI_MID = 0.001934051513671875
-_TWO_PI_LO = 1.2556658930407139e-06
+_TWO_PI_HI = tl.constexpr(6.28125)
+_TWO_PI_MID = tl.constexpr(0.001934051513671875)
+_TWO_PI_LO = tl.constexpr(1.2556658930407139e-06)
+
+
+@triton.jit
+def cos_sin(pos, inv_freq_ptr, offs_d, mask_d, scaling, dtype: tl.constexpr):
+    """cos, sin [1, BLOCK_D] (fp32 values of ``dtype``: the reference's tables) of one position's angles."""
+    # angle: [BLOCK_D], >= 0 (positions and inverse frequencies are non-negative)
+    angle = pos.to(tl.float32) * tl.load(inv_freq_ptr + offs_d, mask=mask_d, other=0.0)
+    k = (angle * _INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round to nearest (angle >= 0)
+    r = ((angle - k * _TWO_PI_HI) - k * _TWO_PI_MID) - k * _TWO_PI_LO
+    cos = (tl.cos(r) * scaling).to(dtype).to(tl.float32)[None, :]
+    sin = (tl.sin(r) * scaling).to(dtype).to(tl.float32)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def rotate(ptrs, mask, cos, sin, HALF: tl.constexpr):
+    """The rotated halves (fp32) of the heads whose first halves ``ptrs`` [BLOCK_H, BLOCK_D] point at."""
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_xt, num_heads, scaling,
                  HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 INV_TWO_PI: tl.constexpr, TWO_PI_HI: tl.constexpr, TWO_PI_MID: tl.constexpr,
-                 TWO_PI_LO: tl.constexpr):
+                 PDL: tl.constexpr):
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HALF
     mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
-
-    # angle: [BLOCK_D], >= 0 (positions and inverse frequencies are non-negative)
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + offs_d, mask=mask_d, other=0.0)
-    k = (angle * INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round to nearest (angle >= 0)
-    r = ((angle - k * TWO_PI_HI) - k * TWO_PI_MID) - k * TWO_PI_LO
     dtype = x_ptr.dtype.element_ty
-    cos = (tl.cos(r) * scaling).to(dtype).to(tl.float32)[None, :]  # the reference's tables are in x's dtype
-    sin = (tl.sin(r) * scaling).to(dtype).to(tl.float32)[None, :]
-
+    cos, sin = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, offs_d, mask_d, scaling, dtype)
     ptrs = x_ptr + t * stride_xt + offs_h[:, None] * HEAD_DIM + offs_d[None, :]  # first halves
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    tl.store(ptrs, (x1 * cos - x2 * sin).to(dtype), mask=mask)
-    tl.store(ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+    y1, y2 = rotate(ptrs, mask, cos, sin, HALF)
+    tl.store(ptrs, y1.to(dtype), mask=mask)
+    tl.store(ptrs + HALF, y2.to(dtype), mask=mask)
 
 
 def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
@@ -79,9 +92,8 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     block_h = min(triton.next_power_of_2(num_heads), max(4096 // block_d, 1))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _rope_kernel[grid](x, positions, inv_freq.float(), x.stride(0), num_heads, float(attention_scaling),
-                       HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
-                       INV_TWO_PI=_INV_TWO_PI, TWO_PI_HI=_TWO_PI_HI, TWO_PI_MID=_TWO_PI_MID,
-                       TWO_PI_LO=_TWO_PI_LO, num_warps=4)
+                       HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+                       **pdl_args(x))
     return x
 
 

@@ -64,7 +64,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
+from kernels.activation import silu_mul_values
 from kernels.gemv import _split_plan, _tile_counters
+from kernels.pdl import prefetch_l2, wait_prior
 from kernels.torch_quant import unpack_int4
 from kernels.w4a16_gemm import X_DTYPES, _check_device, _interpreting
 
@@ -377,16 +380,31 @@ def _load_chunk(w_rows, cols, mask_n, EVEN_N: tl.constexpr):
 
 
 @triton.jit
+def _load_x(x_rows, x_row0, cols, mask_m, K, GATED: tl.constexpr):
+    """x's columns ``cols`` [BLOCK_R] of the tile's rows, [BLOCK_M, BLOCK_R]. GATED (one row of x, at ``x_row0``):
+    x = silu(gate) * up from a row [gate | up] of 2K features, rounded as ``kernels.activation.silu_mul`` rounds
+    it, formed on the vector and placed in the tile's first row (on the MMA's padded operand tile, replicated
+    across warps, it would cost 3.6x the K step's instructions: 1498 instead of 413; this way 484, sm_90)."""
+    if GATED:
+        v = silu_mul_values(tl.load(x_row0 + cols), tl.load(x_row0 + K + cols))
+        first = (tl.arange(0, x_rows.shape[0]) == 0)[:, None]
+        return tl.where(first, v[None, :], tl.zeros_like(v)[None, :])
+    else:
+        return tl.load(x_rows + cols[None, :], mask=mask_m[:, None], other=0.0)
+
+
+@triton.jit
 def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n, group_size, stride_sz,
-           zero, BITS: tl.constexpr, ONE_GROUP: tl.constexpr, PTX: tl.constexpr, IEEE: tl.constexpr,
-           EVEN_N: tl.constexpr, BLOCK_R: tl.constexpr, DEQUANT: tl.constexpr, ZSUB: tl.constexpr):
+           zero, K, x_row0, BITS: tl.constexpr, ONE_GROUP: tl.constexpr, PTX: tl.constexpr, IEEE: tl.constexpr,
+           EVEN_N: tl.constexpr, BLOCK_R: tl.constexpr, DEQUANT: tl.constexpr, ZSUB: tl.constexpr,
+           GATED: tl.constexpr):
     """One chunk's products added in: (acc, raw, xsum) updated. ``b``: its bytes, from qweight column r0;
     ``zero``: ZSUB with one group, the zero points (int32 [BLOCK_N])."""
     OFF: tl.constexpr = 128.0 if BITS == 4 else -128.0
     k0 = r0 * (8 // BITS)  # the chunk's first input feature
     if ZSUB:  # q - zero per weight in the MMA's dtype (exact), the products scaled once per group and column
-        x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
-        x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+        x_lo = _load_x(x_rows, x_row0, k0 + offs_r, mask_m, K, GATED)
+        x_hi = _load_x(x_rows, x_row0, k0 + BLOCK_R + offs_r, mask_m, K, GATED)
         if ONE_GROUP:
             lo, hi = _codes_minus_zero(b, zero, x_rows.dtype.element_ty, PTX)
             raw = _dot(x_hi, hi, _dot(x_lo, lo, raw, IEEE), IEEE)
@@ -402,18 +420,18 @@ def _chunk(acc, raw, xsum, b, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, 
             acc += s[None, :] * _dot(x_hi, hi, _dot(x_lo, lo, None, IEEE), IEEE)
         return acc, raw, xsum
     lo, hi = _codes(b, BITS, x_rows.dtype.element_ty, PTX)  # [BLOCK_N, BLOCK_R] each
-    x_lo = tl.load(x_rows + (k0 + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+    x_lo = _load_x(x_rows, x_row0, k0 + offs_r, mask_m, K, GATED)
     if DEQUANT:  # dequantize each code as the reference does ((q - zero) * scale in fp32), then the MMA
         s, zoff = _group_params(s_ptr, z_ptr, k0 // group_size, offs_n, mask_n, stride_sz, OFF, EVEN_N)
         s_col = tl.reshape(s, (s.shape[1], 1))
         zoff = tl.reshape(zoff, (s.shape[1], 1))
         acc = _dot(x_lo, ((lo.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
         if BITS == 4:
-            x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+            x_hi = _load_x(x_rows, x_row0, k0 + BLOCK_R + offs_r, mask_m, K, GATED)
             acc = _dot(x_hi, ((hi.to(tl.float32) - zoff) * s_col).to(x_lo.dtype), acc, IEEE)
         return acc, raw, xsum
     if BITS == 4:
-        x_hi = tl.load(x_rows + (k0 + BLOCK_R + offs_r)[None, :], mask=mask_m[:, None], other=0.0)
+        x_hi = _load_x(x_rows, x_row0, k0 + BLOCK_R + offs_r, mask_m, K, GATED)
         prod = _dot(x_lo, lo, None, IEEE) + _dot(x_hi, hi, None, IEEE)
         xs = tl.sum(x_lo.to(tl.float32) + x_hi.to(tl.float32), axis=1)
     else:
@@ -437,12 +455,19 @@ def _w4a16_mma_kernel(
     PTX: tl.constexpr, IEEE: tl.constexpr, EVEN_N: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CHUNKS: tl.constexpr,
     DEQUANT: tl.constexpr, ZSUB: tl.constexpr, NUM_STAGES: tl.constexpr,
+    GATED: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
 ):
     # x: [M, K] -> y: [M, N] contiguous; grid (N tiles, split_k, M tiles). A K step is CHUNKS chunks of BLOCK_R
     # bytes of each row of the tile: 4 bits, codes 2 * r0 .. 2 * r0 + 2 * BLOCK_R per chunk; 8 bits, r0 .. r0 + BLOCK_R.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
+    first_step = pid_k * steps_per_split
+    num_steps = min(steps_per_split, (K * BITS // 8) // (BLOCK_R * CHUNKS) - first_step)
+    if PREFETCH_LINES > 0:  # tiled weights: this program's K steps are one contiguous range (constants: no wait)
+        prefetch_l2(qw_ptr + pid_n * BLOCK_N * (K * BITS // 8) + first_step * CHUNKS * stride_chunk,
+                    num_steps * CHUNKS * stride_chunk, PREFETCH_LINES)
+    wait_prior(PDL)  # x, the partial sums and their counters are the preceding kernels'
     OFF: tl.constexpr = 128.0 if BITS == 4 else -128.0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -450,6 +475,7 @@ def _w4a16_mma_kernel(
     mask_m = offs_m < M
     offs_r = tl.arange(0, BLOCK_R)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
+    x_row0 = x_ptr + pid_m * BLOCK_M * stride_xm
     # this tile's rows: its first byte is the same in both layouts (N tiles of BLOCK_N whole rows)
     w_rows = qw_ptr + pid_n * BLOCK_N * (K * BITS // 8) + tl.arange(0, BLOCK_N)[:, None] * stride_row
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -461,8 +487,6 @@ def _w4a16_mma_kernel(
             zero = tl.load(z_ptr + offs_n).to(tl.int32)
         else:
             zero = tl.load(z_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
-    first_step = pid_k * steps_per_split
-    num_steps = min(steps_per_split, (K * BITS // 8) // (BLOCK_R * CHUNKS) - first_step)
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
         c0 = (first_step + step) * CHUNKS
         r0 = c0 * BLOCK_R
@@ -470,12 +494,12 @@ def _w4a16_mma_kernel(
         if CHUNKS == 2:  # both chunks' loads in flight before either is used
             b1 = _load_chunk(w_rows, (c0 + 1) * stride_chunk + offs_r, mask_n, EVEN_N)
         acc, raw, xsum = _chunk(acc, raw, xsum, b0, r0, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n, mask_n,
-                                group_size, stride_sz, zero, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE, EVEN_N,
-                                BLOCK_R, DEQUANT, ZSUB)
+                                group_size, stride_sz, zero, K, x_row0, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE,
+                                EVEN_N, BLOCK_R, DEQUANT, ZSUB, GATED)
         if CHUNKS == 2:
             acc, raw, xsum = _chunk(acc, raw, xsum, b1, r0 + BLOCK_R, x_rows, mask_m, offs_r, s_ptr, z_ptr, offs_n,
-                                    mask_n, group_size, stride_sz, zero, BITS, ONE_GROUP and not DEQUANT, PTX, IEEE,
-                                    EVEN_N, BLOCK_R, DEQUANT, ZSUB)
+                                    mask_n, group_size, stride_sz, zero, K, x_row0, BITS, ONE_GROUP and not DEQUANT,
+                                    PTX, IEEE, EVEN_N, BLOCK_R, DEQUANT, ZSUB, GATED)
     if ONE_GROUP and ZSUB:
         s, zoff = _group_params(s_ptr, z_ptr, 0, offs_n, mask_n, stride_sz, OFF, EVEN_N)
         acc = s * raw
@@ -551,12 +575,15 @@ def dequantize_mma(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
 
 def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT, pair_span: int = 0,
-              tile_n: int = 0, config: MmaConfig | None = None) -> torch.Tensor:
+              tile_n: int = 0, config: MmaConfig | None = None, gated: bool = False) -> torch.Tensor:
     """``x @ ((q - zero) * scale).T + bias`` for at most ``MMA_MAX_ROWS`` rows of x, on :func:`repack_mma`'s
     weights (``w4a16_mma(x, **repacked)``); 4 or 8 bits.
 
-    x: [..., K] fp16/bf16/fp32 -> y: [..., N] in x's dtype (fp32 sums, as ``ref_w4a16_linear``). ``config``
-    forces a configuration (benchmarks and tests).
+    x: [..., K] fp16/bf16/fp32 -> y: [..., N] in x's dtype (fp32 sums, as ``ref_w4a16_linear``). ``gated``: x is
+    [..., 2K], a gate and an up projection side by side, and the linear's input is ``silu(gate) * up`` as
+    ``kernels.activation.silu_mul`` forms it (bit for bit): for one row of x, in the kernel's x loads (the SwiGLU's
+    own launch saved, a decode step at batch 1), for more by ``silu_mul`` first. ``config`` forces a
+    configuration (benchmarks and tests).
     """
     _check_device(x)
     if x.dtype not in X_DTYPES:
@@ -570,8 +597,9 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         cfg = replace(cfg, block_n=w.tile_n)
     if x.dtype == torch.float32:  # the correction's two large sums would cancel below fp32's reference precision
         cfg = replace(cfg, dequant=True)
-    if x.shape[-1] != w.in_features:
-        raise ValueError(f"x has {x.shape[-1]} input features, the weights {w.in_features} (qweight "
+    if x.shape[-1] != w.in_features * (2 if gated else 1):
+        what = f"2 x {w.in_features} (gate and up)" if gated else str(w.in_features)
+        raise ValueError(f"x has {x.shape[-1]} input features, the weights take {what} (qweight "
                          f"{tuple(qweight.shape)}, {bits} bits)")
     if bias is not None and tuple(bias.shape) != (w.out_features,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
@@ -581,6 +609,10 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     for name in ("block_n", "block_m"):
         value = getattr(cfg, name)
         assert value >= _MIN_BLOCK and value & (value - 1) == 0, f"{cfg}: {name} must be a power of 2 >= 16"
+    if gated and num_rows > 1:
+        from kernels.activation import silu_mul
+
+        x2, gated = silu_mul(x2), False
     n = w.out_features
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
@@ -594,6 +626,9 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if plan.split_k > 1 and m_tiles > 1:  # one counter per (M tile, N tile)
         plan.counters = _tile_counters(y.device, m_tiles * plan.grid[0])
     pure = _interpreting() or not x.is_cuda
+    # what one program reads, for the L2 prefetch before its wait (tiled weights: one contiguous range)
+    prefetch = pdl.prefetch_lines(plan.steps_per_split * chunks * w.step * cfg.block_n) \
+        if pdl.launch_kwargs(x) and pdl.PREFETCH and w.tile_n else 0
     _w4a16_mma_kernel[(plan.grid[0], plan.split_k, m_tiles)](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, plan.part, plan.counters,
         num_rows, n, w.in_features, w.group_size, plan.steps_per_split, plan.split_k,
@@ -601,6 +636,6 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         BITS=bits, ONE_GROUP=w.group_size == w.in_features, HAS_BIAS=bias is not None, SPLIT=plan.split_k > 1,
         PTX=cfg.ptx_unpack and not pure and x.dtype == torch.bfloat16, IEEE=pure or x.dtype == torch.float32,
         EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step, CHUNKS=chunks, DEQUANT=cfg.dequant,
-        ZSUB=cfg.zsub and bits == 4 and not cfg.dequant,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+        ZSUB=cfg.zsub and bits == 4 and not cfg.dequant, GATED=gated,
+        NUM_STAGES=cfg.num_stages, PREFETCH_LINES=prefetch, num_warps=cfg.num_warps, **pdl.pdl_args(x))
     return y.reshape(*x.shape[:-1], n)

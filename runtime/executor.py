@@ -10,6 +10,7 @@ attention op is the only one that sees sequence boundaries, through ``StepInput.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,6 +22,10 @@ from runtime.kv_cache import KVLayout, SequenceKV
 from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
+# the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 turn one off
+# (A/B measurements: builder/devtools/gpu_suite.sh ab-PREC)
+FUSE_ROPE = os.environ.get("RUNTIME_FUSE_ROPE", "1") != "0"
+FUSE_SWIGLU = os.environ.get("RUNTIME_FUSE_SWIGLU", "1") != "0"
 
 
 class GraphFormatError(ValueError):
@@ -73,6 +78,57 @@ class _Step:
 Kernel = Callable[[list[torch.Tensor], _Step], tuple[torch.Tensor, ...]]
 
 
+@dataclass
+class _Fusions:
+    """Work the kernel path moves from one node into a later one, planned once from the graph (graph.json is
+    unchanged; the CPU path and calibration run every node as written). An absorbed node compiles to the
+    identity on its first input, so the node that absorbs it reads what the absorbed node read."""
+
+    absorbed: set[int]  # nodes whose work a later node does
+    rope: dict[int, tuple[dict[str, Any], str]]  # attention node -> (its q rope node, the positions' value name)
+    gated: set[int]  # weight-only linears that form silu(gate) * up from the [gate | up] they read
+
+
+def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int]) -> _Fusions:
+    """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
+    (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), and the SwiGLU of a merged gate/up
+    into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` (``gated``). A value a
+    fusion would hide must have no other reader."""
+    from kernels import w4a16_mma
+    from kernels.paged_attention import SUPPORTED_HEAD_DIMS
+
+    producer = {name: i for i, node in enumerate(nodes) for name in node["outputs"]}
+    fusions = _Fusions(set(), {}, set())
+    for i, node in enumerate(nodes):
+        attrs = node.get("attrs", {})
+        if node["op"] == "attention" and FUSE_ROPE and attrs["head_dim"] in SUPPORTED_HEAD_DIMS:
+            q, k = node["inputs"][:2]
+            rq, rk = (nodes[producer[n]] if n in producer else None for n in (q, k))
+            if (rq is None or rk is None or rq["op"] != "rope" or rk["op"] != "rope"
+                    or num_consumers.get(q) != 1 or num_consumers.get(k) != 1
+                    or num_consumers.get(rq["inputs"][0]) != 1 or num_consumers.get(rk["inputs"][0]) != 1):
+                continue
+            same = (rq["weights"]["inv_freq"] == rk["weights"]["inv_freq"] and rq["inputs"][1] == rk["inputs"][1]
+                    and rq["attrs"].get("attention_scaling", 1.0) == rk["attrs"].get("attention_scaling", 1.0))
+            heads = (rq["attrs"]["num_heads"] == attrs["num_heads"]
+                     and rk["attrs"]["num_heads"] == attrs["num_kv_heads"]
+                     and rq["attrs"]["head_dim"] == rk["attrs"]["head_dim"] == attrs["head_dim"])
+            if same and heads:
+                fusions.absorbed |= {producer[q], producer[k]}
+                fusions.rope[i] = (rq, rq["inputs"][1])
+        elif (node["op"] == "linear" and FUSE_SWIGLU and (attrs.get("quant") or {}).get("scheme") in ("w4a16", "w8a16")
+              and not attrs.get("split_sizes") and node["inputs"][0] in producer):
+            j = producer[node["inputs"][0]]
+            quant, in_features = attrs["quant"], attrs.get("in_features")
+            group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
+            if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features
+                    and num_consumers.get(node["inputs"][0]) == 1 and w4a16_mma.MMA_ENABLED
+                    and w4a16_mma.supports(quant["bits"], group, in_features)):
+                fusions.absorbed.add(j)
+                fusions.gated.add(i)
+    return fusions
+
+
 class Executor:
     """A compiled graph bound to its weights on one device."""
 
@@ -92,22 +148,25 @@ class Executor:
         self.use_kernels = use_kernels
         self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
         nodes = graph["nodes"]
-        last_use: dict[str, int] = {}
         self._num_consumers: dict[str, int] = {}
-        for i, node in enumerate(nodes):
+        for node in nodes:
             for name in node["inputs"]:
-                last_use[name] = i
                 self._num_consumers[name] = self._num_consumers.get(name, 0) + 1
+        self._fusions = plan_fusions(nodes, self._num_consumers) if use_kernels else _Fusions(set(), {}, set())
+        # what each node reads: an attention that applies RoPE itself also reads the positions
+        inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
+                  for i, node in enumerate(nodes)]
+        last_use: dict[str, int] = {name: i for i, names in enumerate(inputs) for name in names}
         for i, node in enumerate(nodes):
             compile_fn = _COMPILERS.get(node["op"])
             if compile_fn is None:
                 raise GraphFormatError(f"op {node['op']!r} (from {node.get('source') or 'unknown'}) is not "
                                        f"implemented by this runtime; known: {', '.join(_COMPILERS)}")
             weights = {role: params[name] for role, name in node.get("weights", {}).items()}
-            self._node = node
-            kernel = compile_fn(weights, node.get("attrs", {}), self)
-            dead = [n for n in node["inputs"] if last_use.get(n) == i and n not in self.outputs]
-            self._program.append((kernel, node["inputs"], node["outputs"], sorted(set(dead))))
+            self._node, self._index = node, i
+            kernel = _identity if i in self._fusions.absorbed else compile_fn(weights, node.get("attrs", {}), self)
+            dead = [n for n in inputs[i] if last_use.get(n) == i and n not in self.outputs]
+            self._program.append((kernel, inputs[i], node["outputs"], sorted(set(dead))))
         self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
 
     def kv_layout(self) -> KVLayout:
@@ -159,6 +218,11 @@ Observer = Callable[[int, list[torch.Tensor]], None]
 
 
 # --- per-op compilers: (weights, attrs, executor) -> kernel ------------------------------------
+def _identity(xs, step) -> tuple[torch.Tensor, ...]:
+    """An absorbed node (``_Fusions``): its output is its input, which the absorbing node reads."""
+    return (xs[0],)
+
+
 def _embedding(w, attrs, ex) -> Kernel:
     table = w["weight"]
     if attrs.get("vocab_parallel"):
@@ -187,7 +251,8 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
     if quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
-        fn = _kernel_weight_only_linear(w, quant, lm_head=attrs.get("lm_head", False))
+        fn = _kernel_weight_only_linear(w, quant, lm_head=attrs.get("lm_head", False),
+                                        gated=not attrs.get("lm_head") and ex._index in ex._fusions.gated)
     elif quant and ex.use_kernels and quant["scheme"] in ("fp8", "w8a8_int8"):
         fn = _kernel_w8a8_linear(w, quant, ex)
     elif quant:
@@ -236,14 +301,17 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     return linear
 
 
-def _kernel_weight_only_linear(w, quant, lm_head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+def _kernel_weight_only_linear(w, quant, lm_head: bool = False,
+                               gated: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). Where
     ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel where it is
     the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into a temporary for cuBLAS.
     An lm_head is never dequantized (a [vocab, hidden] temporary per step): more rows run the kernel in slices.
     Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
-    ``GEMV_ENABLED``), else the GEMM."""
+    ``GEMV_ENABLED``), else the GEMM. ``gated`` (``plan_fusions``, mma layout only): x is a merged [gate | up]
+    and the linear's input silu(gate) * up, formed in the kernel's x loads or by ``silu_mul`` before cuBLAS."""
     from kernels import gemv, w4a16_mma
+    from kernels.activation import silu_mul
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
@@ -256,7 +324,9 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False) -> Callable[[tor
 
         def mma_linear(x: torch.Tensor) -> torch.Tensor:
             if w4a16_mma.prefers_kernel(x.numel() // x.shape[-1], out_features, in_features):  # shapes only
-                return w4a16_mma.w4a16_mma(x, bias=bias, **packed)
+                return w4a16_mma.w4a16_mma(x, bias=bias, gated=gated, **packed)
+            if gated:
+                x = silu_mul(x)
             if lm_head:  # never a [vocab, hidden] temporary
                 x2, step = x.reshape(-1, x.shape[-1]), w4a16_mma.MMA_MAX_ROWS
                 y = torch.cat([w4a16_mma.w4a16_mma(x2[i: i + step], bias=bias, **packed)
@@ -265,6 +335,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False) -> Callable[[tor
             return F.linear(x, w4a16_mma.dequantize_mma(**packed, dtype=x.dtype), bias)
 
         return mma_linear
+    assert not gated, "plan_fusions gates only linears on the mma layout"
     packed = repack_w4a16(qweight, w["scales"], w["zeros"], group, bits)  # K-major: coalesced loads, once
 
     def linear(x: torch.Tensor) -> torch.Tensor:
@@ -305,12 +376,17 @@ def _attention(w, attrs, ex) -> Kernel:
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
     store, load = _kv_codec(attrs.get("kv_cache_dtype"), w.get("k_scale"), w.get("v_scale"), ex.dtype)
+    # RoPE of q and k done here (plan_fusions): the node reads them unrotated, and the positions after v
+    rope = _fused_rope(ex, ex._fusions.rope[ex._index]) if ex._index in ex._fusions.rope else None
 
-    paged = _paged_attention(w, attrs) if ex.use_kernels else None  # None: a head_dim the kernels lack
+    paged = _paged_attention(w, attrs, rope) if ex.use_kernels else None  # None: a head_dim the kernels lack
 
     def kernel(xs, step):
         if step.inp.paged is not None and paged is not None:
             return paged(xs, step.inp.paged)
+        if rope is not None:  # the separate kernels, in place (the fusion's inputs have no other reader)
+            q, k, v, positions = xs
+            xs = [rope.apply(q, positions, num_heads), rope.apply(k, positions, num_kv), v]
         q, k, v = xs  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
         k, v = store(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim))
@@ -326,11 +402,33 @@ def _attention(w, attrs, ex) -> Kernel:
     return kernel
 
 
-def _paged_attention(w, attrs) -> Callable[[list[torch.Tensor], PagedAttentionMetadata], tuple] | None:
+@dataclass
+class _FusedRope:
+    """The RoPE an attention node applies to its q and k (``_Fusions.rope``)."""
+
+    inv_freq: torch.Tensor  # fp32 [head_dim / 2]
+    scaling: float  # attention_scaling
+    head_dim: int
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
+        from kernels.rope import apply_rope_
+
+        return apply_rope_(x, positions, self.inv_freq, num_heads, self.head_dim, self.scaling)
+
+
+def _fused_rope(ex, planned: tuple[dict[str, Any], str]) -> _FusedRope:
+    rq = planned[0]
+    return _FusedRope(ex.params[rq["weights"]["inv_freq"]].float(), rq["attrs"].get("attention_scaling", 1.0),
+                      rq["attrs"]["head_dim"])
+
+
+def _paged_attention(w, attrs, rope: _FusedRope | None = None
+                     ) -> Callable[[list[torch.Tensor], PagedAttentionMetadata], tuple] | None:
     """Attention through the Triton kernels: write the step's K/V into the paged cache (quantizing for
-    FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables."""
+    FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables. With
+    ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v."""
     from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, paged_decode_attention, paged_prefill_attention,
-                                         write_kv_cache)
+                                         rope_write_kv_cache, write_kv_cache)
 
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
@@ -340,11 +438,15 @@ def _paged_attention(w, attrs) -> Callable[[list[torch.Tensor], PagedAttentionMe
     v_scale = w["v_scale"].float().reshape(1) if "v_scale" in w else None
 
     def run(xs, md: PagedAttentionMetadata):
-        q, k, v = xs  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
+        q, k, v = xs[:3]  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
         kc, vc = md.k_caches[layer], md.v_caches[layer]
-        write_kv_cache(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), kc, vc, md.slot_mapping,
-                       k_scale=k_scale, v_scale=v_scale)
+        if rope is not None:
+            rope_write_kv_cache(q, k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), xs[3], rope.inv_freq,
+                                rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+        else:
+            write_kv_cache(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), kc, vc, md.slot_mapping,
+                           k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=window)

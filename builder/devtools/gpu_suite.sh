@@ -17,6 +17,11 @@
 #                  in $OUT/benchmarks.jsonl (decode_b1_*, ttft_128_*, decode_step_bN_*, baseline_*), the log with
 #                  the decode step table in $OUT/b1_PREC.log. The baseline compiles once per batch size.
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
+#   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
+#                  of $AB_SETTINGS (space-separated; a setting is comma-separated VAR=VALUE, "-" for none; default
+#                  "- KERNELS_PDL=0 KERNELS_PREFETCH=0"), run $AB_ROUNDS times (default 2) in turn, JSON lines tagged
+#                  with the setting in $OUT/ab_PREC.jsonl
+#   mma-ab         the W4A16 kernel table at 1 and 16 rows under each setting of $AB_SETTINGS (kernel-level A/B)
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
@@ -90,6 +95,24 @@ PY
       python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps \
         --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" \
         | grep -E '^\{|^decode step|^batch|^ +[0-9]' ;;
+    ab-*)
+      prec=${part#ab-}
+      artifact "$prec"
+      for round in $(seq ${AB_ROUNDS:-2}); do
+        for setting in ${AB_SETTINGS:-- KERNELS_PDL=0 KERNELS_PREFETCH=0}; do
+          envs=(); [ "$setting" = - ] || IFS=, read -ra envs <<< "$setting"
+          env "${envs[@]}" python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 \
+            --output-len 128 2>&1 | grep '^{' \
+            | sed "s/^{/{\"setting\": \"$setting\", \"round\": $round, /" | tee -a "$OUT/ab_$prec.jsonl"
+        done
+      done ;;
+    mma-ab)
+      for setting in ${AB_SETTINGS:-- KERNELS_PDL=0 KERNELS_PREFETCH=0}; do
+        envs=(); [ "$setting" = - ] || IFS=, read -ra envs <<< "$setting"
+        echo "--- setting $setting"
+        env "${envs[@]}" python3 -m kernels.bench.gemm --mma --bits 4 --rows 1 16 2>&1 | tee -a "$OUT/mma_ab.txt" \
+          | grep -v Warning | tail -n 12
+      done ;;
     stock-*)
       ckpt
       python3 -m builder.bench.stock_torch $CKPT --quant ${part#stock-} 2>&1 | tee "$OUT/stock_${part#stock-}.log" \

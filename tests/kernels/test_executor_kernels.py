@@ -33,6 +33,8 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
     fused = ServingEngine(Engine.load(path, use_kernels=True),
                           ServingConfig(num_blocks=24, max_num_batched_tokens=32, max_seq_len=128))
     assert fused.executor.use_kernels and not ref.executor.use_kernels
+    # every layer's RoPE runs inside its attention's KV write (kernels.paged_attention.rope_write_kv_cache)
+    assert len(fused.executor._fusions.rope) == fused.executor.num_layers
     prompts = [ref.tokenizer.encode(p) for p in PROMPTS]
     assert max(map(len, prompts)) > 32, "one prompt must be prefilled in chunks"
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
@@ -111,11 +113,14 @@ def test_weight_only_linears_on_the_mma_kernel(tmp_path, monkeypatch, algo):
     ref, fused = Engine.load(path, use_kernels=False), Engine.load(path, use_kernels=True)
     num_quantized = sum(1 for n in fused.executor.graph["nodes"] if n["op"] == "linear" and n["attrs"].get("quant"))
     assert num_quantized > 0
-    calls, real = [], w4a16_mma.w4a16_mma
+    calls, gated, real = [], [], w4a16_mma.w4a16_mma
     dequantized, real_dequantize = [], w4a16_mma.dequantize_mma
+    # each layer's down projection reads the merged gate/up and forms silu(gate) * up itself
+    assert len(fused.executor._fusions.gated) == fused.executor.num_layers
 
     def spy(x, *args, **kwargs):
         calls.append(x.shape[0])
+        gated.append(kwargs.get("gated", False))
         return real(x, *args, **kwargs)
 
     def spy_dequantize(*args, **kwargs):
@@ -135,12 +140,59 @@ def test_weight_only_linears_on_the_mma_kernel(tmp_path, monkeypatch, algo):
     for num_tokens in (1, 5, 20):
         assert (fused.logits(ids[:num_tokens]) - ref.logits(ids[:num_tokens])).abs().max() < 1e-3
     assert calls == [1] * num_quantized, calls  # 5 and 20 rows: no layer of this model is wide or long-K
+    assert sum(gated) == fused.executor.num_layers
     assert len(dequantized) == 2 * num_quantized
     calls.clear()
     monkeypatch.setattr(w4a16_mma, "_LONG_K", 1)  # every layer is long-K now: 5 rows take the kernel, 20 do not
     assert (fused.logits(ids[:5]) - ref.logits(ids[:5])).abs().max() < 1e-3
     assert (fused.logits(ids) - ref.logits(ids)).abs().max() < 1e-3
     assert calls == [5] * num_quantized, calls
+
+
+def _node(op, inputs, outputs, attrs=None, weights=None):
+    return {"op": op, "inputs": inputs, "outputs": outputs, "attrs": attrs or {}, "weights": weights or {}}
+
+
+def _layer(extra_reader: str | None = None, down_quant: dict | None = None) -> list[dict]:
+    rope = dict(num_heads=4, head_dim=32)
+    nodes = [
+        _node("linear", ["x"], ["q0", "k0", "v"], {"split_sizes": [128, 64, 64]}),
+        _node("rope", ["q0", "positions"], ["q"], rope, {"inv_freq": "f"}),
+        _node("rope", ["k0", "positions"], ["k"], {**rope, "num_heads": 2}, {"inv_freq": "f"}),
+        _node("attention", ["q", "k", "v"], ["a"], dict(layer=0, num_heads=4, num_kv_heads=2, head_dim=32)),
+        _node("linear", ["a"], ["gu"], {"in_features": 128}),
+        _node("silu_mul", ["gu"], ["h"]),
+        _node("linear", ["h"], ["y"], {"in_features": 64, "quant": down_quant or {"scheme": "w4a16", "bits": 4,
+                                                                                   "group_size": 32}}),
+    ]
+    if extra_reader:
+        nodes.append(_node("elementwise", [extra_reader, extra_reader], ["z"], {"fn": "add"}))
+    return nodes
+
+
+def _plan(nodes):
+    from runtime.executor import plan_fusions
+
+    consumers: dict[str, int] = {}
+    for n in nodes:
+        for name in n["inputs"]:
+            consumers[name] = consumers.get(name, 0) + 1
+    return plan_fusions(nodes, consumers)
+
+
+def test_fusions_need_values_no_one_else_reads():
+    """RoPE goes into the attention and the SwiGLU into a weight-only down projection only where the values the
+    fusion hides (the rotated q / k, their inputs, the SwiGLU's output) have no other reader."""
+    plan = _plan(_layer())
+    assert plan.absorbed == {1, 2, 5} and set(plan.rope) == {3} and plan.gated == {6}
+    for hidden in ("q", "k", "q0", "k0"):  # another reader of a rotated or to-be-rotated value: no RoPE fusion
+        plan = _plan(_layer(extra_reader=hidden))
+        assert not plan.rope and plan.absorbed == {5}, hidden
+    plan = _plan(_layer(extra_reader="h"))
+    assert not plan.gated and plan.absorbed == {1, 2}
+    # a down projection the mma kernel does not take (FP8), or a group its layout cannot hold: no gating
+    assert not _plan(_layer(down_quant={"scheme": "fp8"})).gated
+    assert not _plan(_layer(down_quant={"scheme": "w4a16", "bits": 4, "group_size": 24})).gated
 
 
 def test_kernel_or_dequantize_by_the_measured_crossover():

@@ -160,6 +160,86 @@ def test_write_kv_cache_matches_reference(dtype, kv_dtype):
         assert torch.equal(g.cpu().view(torch.uint8), e.view(torch.uint8))
 
 
+# --- rope_write_kv_cache: RoPE on q and k plus the KV write in one kernel ----------------------------------
+@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.float16, torch.float16), (torch.bfloat16, FP8),
+                                             (torch.float32, INT8)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 32), (3, 3, 64), (20, 4, 32)])
+def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, num_heads, num_kv_heads, head_dim):
+    """Bit for bit what RoPE on q, RoPE on k and write_kv_cache give (the executor's unfused path), on views of
+    one packed QKV projection; and close to the torch references."""
+    from kernels.rope import apply_rope_, ref_rope
+
+    gen = torch.Generator().manual_seed(num_heads * 7 + head_dim)
+    num_tokens, num_blocks, block_size = 9, 8, 4
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_tokens, width + 16, generator=gen) * 3).to(dtype)
+    positions = torch.tensor([0, 5, 17, 130, 1023, 4097, 2, 3, 32767])
+    inv_freq = 1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[3] = -1  # a padding token: its q is rotated, nothing is written
+    scales = (torch.tensor([0.013]), 0.0071) if kv_dtype in pa.KV_QMAX else (None, None)
+    caches = [torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(kv_dtype)
+              for _ in range(2)]
+
+    def split(t):
+        q = t[:, :num_heads * head_dim]
+        k = t[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim]
+        v = t[:, (num_heads + num_kv_heads) * head_dim:width]
+        return q, k, v
+
+    # the unfused kernels
+    sep_qkv, sep_caches = qkv.clone().to(DEVICE), [c.clone().to(DEVICE) for c in caches]
+    q, k, v = split(sep_qkv)
+    apply_rope_(q, positions.to(DEVICE), inv_freq.to(DEVICE), num_heads, head_dim, 0.75)
+    apply_rope_(k, positions.to(DEVICE), inv_freq.to(DEVICE), num_kv_heads, head_dim, 0.75)
+    k_scale = scales[0].to(DEVICE) if scales[0] is not None else None
+    pa.write_kv_cache(k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim),
+                      *sep_caches, slots.to(DEVICE), k_scale=k_scale, v_scale=scales[1])
+    # fused
+    fused_qkv, fused_caches = qkv.clone().to(DEVICE), [c.clone().to(DEVICE) for c in caches]
+    q, k, v = split(fused_qkv)
+    out = pa.rope_write_kv_cache(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                                 v.view(num_tokens, num_kv_heads, head_dim), positions.to(DEVICE),
+                                 inv_freq.to(DEVICE), 0.75, *fused_caches, slots.to(DEVICE), k_scale=k_scale,
+                                 v_scale=scales[1])
+    assert out.data_ptr() == q.data_ptr()
+    nq = num_heads * head_dim
+    assert torch.equal(fused_qkv[:, :nq].cpu(), sep_qkv[:, :nq].cpu())  # q rotated in place, identically
+    assert torch.equal(fused_qkv[:, nq:].cpu(), qkv[:, nq:])  # k, v and the padding untouched
+    for f, s_, c in zip(fused_caches, sep_caches, caches):
+        assert not torch.equal(f.cpu().view(torch.uint8), c.view(torch.uint8)), "the write changed nothing"
+        assert torch.equal(f.cpu().view(torch.uint8), s_.cpu().view(torch.uint8))
+    # and the references: rotated q, and the rotated k (then v) where the slots say
+    q_ref = ref_rope(qkv[:, :nq], positions, inv_freq, num_heads, head_dim, 0.75)
+    torch.testing.assert_close(fused_qkv[:, :nq].cpu().float(), q_ref.float(), atol=TOL.get(dtype, 1e-2),
+                               rtol=TOL.get(dtype, 1e-2))
+    k_ref = ref_rope(split(qkv)[1], positions, inv_freq, num_kv_heads, head_dim, 0.75)
+    expected = [c.clone() for c in caches]
+    pa.ref_write_kv_cache(k_ref.view(num_tokens, num_kv_heads, head_dim),
+                          split(qkv)[2].reshape(num_tokens, num_kv_heads, head_dim), *expected, slots,
+                          k_scale=scales[0], v_scale=scales[1])
+    assert torch.equal(fused_caches[1].cpu().view(torch.uint8), expected[1].view(torch.uint8))  # v: exact
+    if kv_dtype == dtype:
+        torch.testing.assert_close(fused_caches[0].cpu().float(), expected[0].float(), atol=TOL.get(dtype, 1e-2),
+                                   rtol=TOL.get(dtype, 1e-2))
+
+
+def test_rope_write_kv_cache_rejects_bad_shapes():
+    q = torch.randn(2, 4, 32)
+    k = v = torch.randn(2, 2, 32)
+    cache = torch.zeros(4, 4, 2, 32)
+    inv_freq = torch.ones(16)
+    with pytest.raises(ValueError, match="do not match"):
+        pa.rope_write_kv_cache(q, k, v, torch.arange(3), inv_freq, 1.0, cache, cache.clone(), torch.arange(2))
+    with pytest.raises(ValueError, match="dtypes differ"):
+        pa.rope_write_kv_cache(q, k.half(), v.half(), torch.arange(2), inv_freq, 1.0, cache, cache.clone(),
+                               torch.arange(2))
+    with pytest.raises(ValueError, match="contiguous heads"):
+        pa.rope_write_kv_cache(torch.randn(2, 32, 4).transpose(1, 2), k, v, torch.arange(2), inv_freq, 1.0, cache,
+                               cache.clone(), torch.arange(2))
+
+
 def test_write_kv_cache_rounding_edge_cases():
     """fp8: every e4m3 value, the midpoints between neighbours (ties go to even) and the floats just
     either side, subnormals, saturation, -0.0; int8: ties at x.5 of both parities and saturation."""

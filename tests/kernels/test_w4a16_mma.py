@@ -89,6 +89,26 @@ def test_mma_matches_the_reference_untiled(m, n, k, group_size, bits, dtype, bia
     _check(m, n, k, group_size, bits, dtype, bias, seed=m * 17 + n + k, config=config, tiled=False)
 
 
+@pytest.mark.parametrize("m,n,k,group_size,bits,dtype,bias,config", [CASES[i] for i in (0, 1, 3, 6, 8, 10, 12)])
+def test_gated_equals_silu_mul_then_the_linear(m, n, k, group_size, bits, dtype, bias, config):
+    """gated=True (the SwiGLU in the linear's x loads) gives bit for bit the linear of silu_mul's output."""
+    from kernels.activation import silu_mul
+
+    passes = _weights(n, k, group_size, bits, seed=m + n + k)
+    packed = repack_mma(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    g = torch.Generator().manual_seed(k + 3)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 3).to(dtype)
+    b = (torch.randn(n, generator=g) * 0.1).to(dtype) if bias else None
+    fused = w4a16_mma(gate_up, **packed, bias=b, config=config, gated=True)
+    separate = w4a16_mma(silu_mul(gate_up), **packed, bias=b, config=config)
+    assert torch.equal(fused, separate)
+    ref = ref_w4a16_linear(silu_mul(gate_up), **passes, bias=b)
+    tol = TOL[dtype]
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+    with pytest.raises(ValueError, match="gate and up"):
+        w4a16_mma(gate_up[:, :k], **packed, gated=True)
+
+
 @pytest.mark.parametrize("tiled", [True, False])
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 128), (4, -1), (8, 64), (8, -1)])
 def test_layout_round_trips_and_dequantizes_exactly(bits, group_size, tiled):

@@ -1,0 +1,90 @@
+"""Programmatic dependent launch (PDL, Hopper and later) and L2 prefetch of weights for the decode kernels.
+
+A decode step at small batch is a chain of short kernels (per Llama layer: norm, QKV, RoPE, KV write, attention,
+output projection, norm, gate/up, SwiGLU, down), each of which waits for the last one's final block to finish,
+then for its own launch and ramp-up. Launched with PDL (``launch_pdl=True``, cudaLaunchAttributeProgrammatic-
+StreamSerialization; CUDA graphs capture it as a programmatic edge) a kernel's blocks may start while its
+predecessor still runs, and each program first executes ``griddepcontrol.wait`` (:func:`wait_prior`), which returns
+once the predecessor has completed and its memory is visible. So the launch and the block scheduling overlap the
+predecessor's tail, and nothing a program does before the wait may read what the predecessor writes or write what
+it reads.
+
+What a weight-reading kernel may do before the wait is read its weights: they are constants of the model.
+:func:`prefetch_l2` asks the L2 for a program's first weight bytes (``prefetch.global.L2``, no registers, no
+result), so a linear behind a norm, RoPE or attention kernel (which leave the HBM mostly idle) starts with its
+first K steps already on chip.
+
+Correctness rests on two rules, kept by every kernel that takes ``PDL``:
+- every program executes :func:`wait_prior` (then ``griddepcontrol.launch_dependents``) on every path, before its
+  first read of an activation and its first store: a kernel's completion then implies its predecessors', so
+  ordering stays transitive along the chain;
+- only :func:`launch_kwargs` turns the launch attribute on (CUDA, compute capability 9.0+, ``KERNELS_PDL`` not 0),
+  and ``PDL`` is passed as ``bool(launch_kwargs(t))``: the wait is compiled in exactly when the launch overlaps.
+
+Kernels that precede a PDL kernel need not know about it: without an explicit trigger their dependents start when
+their blocks exit. Under TRITON_INTERPRET nothing here runs (``PDL`` False).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("KERNELS_PDL", "1") != "0"  # KERNELS_PDL=0: every kernel waits for its predecessor
+PREFETCH = os.environ.get("KERNELS_PREFETCH", "1") != "0"  # KERNELS_PREFETCH=0: no L2 prefetch before the wait
+LINE = 128  # bytes per L2 prefetch request (the L2's line)
+MAX_PREFETCH_LINES = 256  # per program: 32 KB; a full wave of programs asks for ~17 MB of the 50 MB L2
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    """Compute capability 9.0+ and a Triton that has both the launch option and the wait."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (torch.cuda.get_device_capability(device_index) >= (9, 0) and hasattr(tl.extra.cuda, "gdc_wait")
+            and "launch_pdl" in CUDAOptions.__dataclass_fields__)
+
+
+def launch_kwargs(t: torch.Tensor) -> dict[str, bool]:
+    """``{"launch_pdl": True}`` for a kernel whose tensors live on ``t``'s device when PDL applies there, else
+    ``{}``; pass ``PDL=bool(kwargs)`` to the kernel with it."""
+    if not ENABLED or not t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return {}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return {"launch_pdl": True} if _supported(index) else {}
+
+
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """The keyword arguments of a launch of a kernel taking ``PDL``: the constexpr and the launch attribute."""
+    launch = launch_kwargs(t)
+    return {"PDL": bool(launch), **launch}
+
+
+def prefetch_lines(nbytes: int) -> int:
+    """The power-of-2 count of L2 lines :func:`prefetch_l2` covers for a program that reads ``nbytes`` of
+    contiguous weights (at most MAX_PREFETCH_LINES)."""
+    return min(triton.next_power_of_2(max(triton.cdiv(nbytes, LINE), 1)), MAX_PREFETCH_LINES)
+
+
+@triton.jit
+def wait_prior(PDL: tl.constexpr):
+    """With PDL: wait until the preceding kernel has completed (its stores visible), then let the next kernel
+    launch. Without: nothing (the stream already ordered this launch after the last one)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(base, nbytes, LINES: tl.constexpr):
+    """Ask the L2 for the first ``LINES`` 128-byte lines of the ``nbytes`` contiguous bytes at ``base`` (uint8
+    pointer; lines past the range are clamped onto its last byte). No result, no registers held."""
+    offs = tl.minimum(tl.arange(0, LINES) * 128, nbytes - 1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [base + offs],
+                              dtype=tl.int32, is_pure=False, pack=1)
