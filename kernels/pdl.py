@@ -37,7 +37,9 @@ import triton.language as tl
 ENABLED = os.environ.get("KERNELS_PDL", "1") != "0"  # KERNELS_PDL=0: every kernel waits for its predecessor
 PREFETCH = os.environ.get("KERNELS_PREFETCH", "1") != "0"  # KERNELS_PREFETCH=0: no L2 prefetch before the wait
 LINE = 128  # bytes per L2 prefetch request (the L2's line)
-MAX_PREFETCH_LINES = 256  # per program: 32 KB; a full wave of programs asks for ~17 MB of the 50 MB L2
+# per program, KERNELS_PREFETCH_KB (default 32 KB, 256 lines; rounded down to a power of 2): a full wave of 528
+# programs asks for ~17 MB of the 50 MB L2
+MAX_PREFETCH_LINES = 1 << (max(int(os.environ.get("KERNELS_PREFETCH_KB", "32")) * 1024 // LINE, 1).bit_length() - 1)
 
 
 @functools.cache
