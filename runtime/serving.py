@@ -21,6 +21,7 @@ shared step (scheduling, the forward pass) raises out of ``step``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 from collections import deque
@@ -61,10 +62,16 @@ class ServingConfig:
     num_blocks: int | None = None  # explicit number of KV blocks (tests, benchmarks); overrides the bytes
     request_timeout_s: float | None = None  # default per-request deadline, from arrival; None = none
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA with kernels only); off to debug
+    # with cuda_graphs: one-sequence prefill steps of up to this many tokens replay CUDA graphs too (token buckets;
+    # 0 = eager prefill; default from RUNTIME_PREFILL_GRAPH_TOKENS, else 512)
+    prefill_graph_tokens: int = field(default_factory=lambda: int(os.environ.get("RUNTIME_PREFILL_GRAPH_TOKENS",
+                                                                                 "512")))
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} is not in (0, 1]")
+        if self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "kv_cache_bytes", "num_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -143,14 +150,20 @@ class ServingEngine:
                                  config.enable_prefix_caching, hash_extra=dtypes)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.graphs = None
+        self.prefill_graphs = None  # PrefillGraphs: a one-sequence prefill step of up to prefill_graph_tokens
         if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
-            from runtime.cuda_graphs import DecodeGraphs
+            from runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
 
             graphs = DecodeGraphs
-            if getattr(self.executor, "tp_size", 1) > 1:  # every rank captures and replays its shard's step
+            tp = getattr(self.executor, "tp_size", 1) > 1
+            if tp:  # every rank captures and replays its shard's step
                 from runtime.tensor_parallel import TPDecodeGraphs as graphs
             self.graphs = graphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
                                  self.scheduler_config.max_seq_len)
+            max_tokens = min(config.prefill_graph_tokens, self.scheduler_config.max_num_batched_tokens)
+            if not tp and max_tokens > 1:  # (tensor parallelism: the ranks would need to replay in lockstep)
+                self.prefill_graphs = PrefillGraphs(self.executor, self.storage, max_tokens,
+                                                    self.scheduler_config.max_seq_len)
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back (overlap)
@@ -177,6 +190,9 @@ class ServingEngine:
             self._drop_inflight()
             self.graphs.close()  # before the ranks leave the process group: the graphs hold NCCL resources
             self.graphs = None
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.close()
+            self.prefill_graphs = None
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
@@ -303,6 +319,12 @@ class ServingEngine:
                 self._inflight = _InFlight.launched(sched, self._sample(logits, sampling))
                 self.num_steps += 1
                 return outputs
+        elif self.prefill_graphs is not None and len(sched.seqs) == 1 \
+                and self.prefill_graphs.bucket_for(sched.seqs[0].num_new) is not None:
+            q = sched.seqs[0]  # one sequence's prefill (or a chunk of it): its token bucket's graph
+            ids = q.request.token_ids[q.num_context:q.num_context + q.num_new]
+            logits = self.prefill_graphs.run(ids, q.num_context, self.kv.block_table(q.request.request_id))
+            sampling = [q.request] if q.samples else []
         else:
             inp, sampling = self._prepare(sched)
             logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32

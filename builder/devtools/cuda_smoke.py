@@ -54,11 +54,13 @@ def check_serving(path: str, num_tokens: int = 64) -> str:
         srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=8, cuda_graphs=graphs,
                                                              kv_cache_bytes=256 << 20))
         outs = srv.run(prompts, params)  # with graphs: the overlapped decode pipeline
+        outs += [srv.run([p], params)[0] for p in prompts]  # one sequence at a time: the prefill graphs
         agree = sum(sum(x == y for x, y in zip(o.token_ids, cpu.generate(p, params).token_ids))
-                    for p, o in zip(prompts, outs))
+                    for p, o in zip(prompts + prompts, outs))
         sampled.append([o.token_ids for o in srv.run(prompts, seeded)])
         lat = latency(srv, 64, 128, repeats=3)
-        rows.append(f"| {path} | kernels, graphs {'on' if graphs else 'off'} | {agree}/{num_tokens * len(prompts)} | "
+        total = 2 * num_tokens * len(prompts)
+        rows.append(f"| {path} | kernels, graphs {'on' if graphs else 'off'} | {agree}/{total} | "
                     f"{lat.decode_tok_s:.0f} | {lat.ttft_ms:.1f} ms |")
         del srv
         torch.cuda.empty_cache()

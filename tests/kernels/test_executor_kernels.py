@@ -46,6 +46,42 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
+def test_one_sequence_prefill_padded_to_its_token_bucket(tmp_path):
+    """PrefillGraphs' padded step (tokens past the sequence: slot -1, position 0, outside cu_seqlens_q; logits of
+    the last real token), run eagerly through the kernels here (the CUDA graphs replay exactly this step), gives
+    the reference path's tokens and logprobs: fresh prompts padded to 8, 16 and 32 tokens, a prompt prefilled in
+    32-token chunks (the second with a cached context), and a prefix-cache hit."""
+    from runtime.cuda_graphs import PrefillGraphs
+
+    path = build_artifact(make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"]), tmp_path / "art")
+    ref = Engine.load(path, use_kernels=False)
+    fused = ServingEngine(Engine.load(path, use_kernels=True),
+                          ServingConfig(num_blocks=24, max_num_batched_tokens=32, max_seq_len=128))
+    fused.prefill_graphs = graphs = PrefillGraphs(fused.executor, fused.storage, 32, 128, buckets=(8, 16, 32),
+                                                  capture=False)
+    runs, real_run = [], graphs.run
+
+    def spy(ids, context, table):
+        runs.append((len(ids), context))
+        return real_run(ids, context, table)
+
+    graphs.run = spy
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 13, 32, 50)]
+    prompts.append(prompts[3][:40] + [7, 8, 9])  # its first two blocks (16 tokens each) are cached by then
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    for prompt in prompts:
+        out = fused.run([prompt], params)[0]
+        want = ref.generate(prompt, params)
+        assert out.token_ids == want.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
+    assert (5, 0) in runs and (13, 0) in runs and (32, 0) in runs  # padded to 8 and 16; a whole bucket
+    assert (32, 0) in runs and (18, 32) in runs  # the 50-token prompt in two chunks
+    assert (11, 32) in runs  # the prefix-cache hit: 32 tokens cached, 11 new
+    assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
+
+
 @pytest.mark.parametrize("algo", ["gptq", "int8_wo", "smoothquant", "fp8"])
 def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
     """W4A16 / W8A16 artifacts run the Triton GEMM on the repacked weights; W8A8 INT8 / FP8 ones quantize the
