@@ -91,7 +91,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "none": set(),
     "int8_wo": set(),
     "fp8": {"activations", "weight_granularity"},
-    "smoothquant": {"activations", "alpha", "smoothing"},
+    "smoothquant": {"activations", "alpha", "smoothing", "static_scale"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
     "awq": {"group_size", "n_grid"},
 }
@@ -113,6 +113,9 @@ class QuantizationSection(_Strict):
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)
+    # smoothquant, static activations: "mse" clips the input scale where that lowers the calibration error carried
+    # through the quantized weight, "max" = max |x| / 127, "auto" (default): mse without smoothing, else max
+    static_scale: Optional[Literal["auto", "mse", "max"]] = None
     weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
     # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
     # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.

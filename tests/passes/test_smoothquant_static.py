@@ -1,0 +1,108 @@
+"""Static SmoothQuant on an outlier model: alpha searched per group, the down projection smoothed through the up
+projection, and (without smoothing) static input scales clipped by the calibration-error search, against naive
+static W8A8 and against each part left out.
+
+The fixture is the bundled model with fixed-channel activation outliers where large real models have them: on
+channels of the normed inputs of q/k/v and gate/up (``conftest.make_outlier_variant``) and of the down
+projection's input (the up projection's rows scaled up, the down projection's columns down: the same function)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from builder.calibration import DEFAULT_CALIBRATION, DEFAULT_EVAL, token_stream, token_windows
+from builder.checkpoint import attach_weights, open_checkpoint
+from builder.gates import GateThresholds, compare, make_eval_set
+from builder.quality import GraphModel
+from conftest import BUNDLED, hf_logits, make_outlier_variant
+from passes import PassContext, run_passes
+from passes import smoothquant as sq
+from passes.trace import trace
+from runtime.tokenizer import Tokenizer
+
+GRAPH_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
+
+
+def make_down_outliers(path: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 1) -> Path:
+    """Scale a few intermediate channels of every up projection by ``factor`` and the matching down projection
+    columns by 1 / factor: the same function, with outliers in the down projection's input."""
+    tensors = load_file(path / "model.safetensors")
+    layers = {k.split(".")[2] for k in tensors if k.startswith("model.layers.")}
+    size = tensors["model.layers.0.mlp.up_proj.weight"].shape[0]
+    channels = torch.randperm(size, generator=torch.Generator().manual_seed(seed))[:num_channels]
+    for i in layers:
+        tensors[f"model.layers.{i}.mlp.up_proj.weight"][channels] *= factor
+        tensors[f"model.layers.{i}.mlp.down_proj.weight"][:, channels] /= factor
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    path = make_down_outliers(make_outlier_variant(tmp_path_factory.mktemp("sq") / "ckpt"))
+    ckpt = open_checkpoint(path)
+    graph, meta_model = trace(ckpt.hf_config())
+    attach_weights(graph, ckpt, meta_model, torch.float32)
+    graph, _ = run_passes(graph, GRAPH_PASSES, PassContext())
+    tok = Tokenizer.from_dir(path)
+    encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    calib = token_windows(Path(DEFAULT_CALIBRATION), encode, 16, 128, 0).windows
+    stream, _ = token_stream(Path(DEFAULT_EVAL), encode)
+    return path, graph, calib, make_eval_set(stream, 256, 2048)
+
+
+def _kl(setup, **options) -> tuple[float, dict]:
+    _, graph, calib, eval_set = setup
+    quantized, records = run_passes(graph.copy(), ["smoothquant", "dce"],
+                                    PassContext(calibration=calib, options={"smoothquant": options}))
+    report = compare(GraphModel(graph).logits, GraphModel(quantized).logits, eval_set, GateThresholds())
+    return report.metric("kl").value, records[0].details
+
+
+def test_fixture_computes_the_bundled_function(setup):
+    ids = torch.randint(7, 4096, (48,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert (hf_logits(setup[0], ids) - hf_logits(BUNDLED, ids)).abs().max() < 1e-4
+
+
+def test_static_smoothquant_beats_naive_static_and_each_part_counts(setup, monkeypatch):
+    naive, _ = _kl(setup, activations="static", smoothing=False, static_scale="max")
+    full, details = _kl(setup, activations="static")  # alpha searched per group, down projections smoothed
+    assert details["alpha"] == "search" and details["smoothed_down_projections"] == details["smoothed_groups"] // 2
+    assert details["smoothed_down_projections"] > 0  # one per layer: the fixture has outliers there
+    assert full * 3 <= naive, f"static SmoothQuant KL {full:.3e} vs naive static {naive:.3e}"
+    fixed, _ = _kl(setup, activations="static", alpha=0.5)
+    assert full < fixed, f"alpha searched {full:.3e} vs 0.5 for every group {fixed:.3e}"
+    clipped, details = _kl(setup, activations="static", smoothing=False)  # auto: clipped without smoothing
+    assert details["clip_ratio_mean"] < 1.0 and clipped < naive, f"clipped {clipped:.3e} vs max {naive:.3e}"
+    monkeypatch.setattr(sq.SmoothQuant, "_up_rows", staticmethod(lambda *args: None))
+    without_down, details = _kl(setup, activations="static")
+    assert details["smoothed_down_projections"] == 0
+    assert full < without_down, f"down projection smoothed {full:.3e} vs not {without_down:.3e}"
+
+
+def test_down_smoothing_keeps_the_function_in_float(setup):
+    """Before rounding: dividing the up rows by s and multiplying the down columns by s is exact."""
+    _, graph, calib, _ = setup
+    from passes.smoothquant import SmoothQuant
+
+    g = graph.copy()
+    method = SmoothQuant()
+    producers, users = g.producers(), g.users()
+    downs = [n for n in g.nodes if n.op == "linear" and method._up_rows(producers, users, n.inputs[0])]
+    assert len(downs) == sum(1 for n in g.nodes if n.op == "attention")
+    ids = torch.tensor(calib[0][:32])
+    before = GraphModel(graph).logits(ids.tolist())
+    for down in downs:
+        lin, rows = method._up_rows(producers, users, down.inputs[0])
+        s = torch.rand(rows.stop - rows.start, generator=torch.Generator().manual_seed(0)) + 0.5
+        up = g.params[lin.weights["weight"]].clone()  # the copy's tensors are the original graph's
+        up[rows] /= s[:, None]
+        g.params[lin.weights["weight"]] = up
+        g.params[down.weights["weight"]] = g.params[down.weights["weight"]] * s[None, :]
+    after = GraphModel(g).logits(ids.tolist())
+    assert (after - before).abs().max() < 1e-3
+    assert not torch.equal(g.params[downs[0].weights["weight"]], graph.params[downs[0].weights["weight"]])
