@@ -137,6 +137,28 @@ def bundled_artifact(tmp_path_factory) -> Path:
                           max_seq_len=512, max_num_tokens=64)
 
 
+def quantization_setup(path: Path, num_samples: int, seq_len: int = 128):
+    """The traced, merged fp32 graph of a checkpoint, calibration windows of its bundled-model text and the gates'
+    eval set (2048 positions in windows of 256): what the quantization quality tests score passes on."""
+    from builder.calibration import DEFAULT_CALIBRATION, DEFAULT_EVAL, token_stream, token_windows
+    from builder.checkpoint import attach_weights, open_checkpoint
+    from builder.gates import make_eval_set
+    from passes import PassContext, run_passes
+    from passes.trace import trace
+    from runtime.tokenizer import Tokenizer
+
+    ckpt = open_checkpoint(path)
+    graph, meta_model = trace(ckpt.hf_config())
+    attach_weights(graph, ckpt, meta_model, torch.float32)
+    graph, _ = run_passes(graph, ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"],
+                          PassContext())
+    tok = Tokenizer.from_dir(path)
+    encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
+    calib = token_windows(Path(DEFAULT_CALIBRATION), encode, num_samples, seq_len, 0).windows
+    stream, _ = token_stream(Path(DEFAULT_EVAL), encode)
+    return graph, calib, make_eval_set(stream, 256, 2048)
+
+
 def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 0) -> Path:
     """The bundled model with fixed-channel activation outliers, computing the same function.
 

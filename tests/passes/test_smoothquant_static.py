@@ -14,17 +14,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from builder.calibration import DEFAULT_CALIBRATION, DEFAULT_EVAL, token_stream, token_windows
-from builder.checkpoint import attach_weights, open_checkpoint
-from builder.gates import GateThresholds, compare, make_eval_set
+from builder.gates import GateThresholds, compare
 from builder.quality import GraphModel
-from conftest import BUNDLED, hf_logits, make_outlier_variant
+from conftest import BUNDLED, hf_logits, make_outlier_variant, quantization_setup
 from passes import PassContext, run_passes
 from passes import smoothquant as sq
-from passes.trace import trace
-from runtime.tokenizer import Tokenizer
-
-GRAPH_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 
 
 def make_down_outliers(path: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 1) -> Path:
@@ -44,15 +38,7 @@ def make_down_outliers(path: Path, factor: float = 40.0, num_channels: int = 4, 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     path = make_down_outliers(make_outlier_variant(tmp_path_factory.mktemp("sq") / "ckpt"))
-    ckpt = open_checkpoint(path)
-    graph, meta_model = trace(ckpt.hf_config())
-    attach_weights(graph, ckpt, meta_model, torch.float32)
-    graph, _ = run_passes(graph, GRAPH_PASSES, PassContext())
-    tok = Tokenizer.from_dir(path)
-    encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
-    calib = token_windows(Path(DEFAULT_CALIBRATION), encode, 16, 128, 0).windows
-    stream, _ = token_stream(Path(DEFAULT_EVAL), encode)
-    return path, graph, calib, make_eval_set(stream, 256, 2048)
+    return (path, *quantization_setup(path, 16))
 
 
 def _kl(setup, **options) -> tuple[float, dict]:

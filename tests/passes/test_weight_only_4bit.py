@@ -3,38 +3,21 @@ same bits and group size; artifacts build, load and generate."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from builder.calibration import DEFAULT_CALIBRATION, DEFAULT_EVAL, token_stream, token_windows
-from builder.checkpoint import open_checkpoint
-from builder.gates import GateThresholds, compare, make_eval_set
-from builder.checkpoint import attach_weights
+from builder.gates import GateThresholds, compare
 from builder.quality import GraphModel
-from conftest import make_outlier_variant
+from conftest import make_outlier_variant, quantization_setup
 from passes import PassContext, run_passes
 from passes.quant_math import QuantConfig, fake_quantize_groups
-from passes.trace import trace
-from runtime.tokenizer import Tokenizer
 
-GRAPH_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 GROUP = 64
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    path = make_outlier_variant(tmp_path_factory.mktemp("w4") / "ckpt")
-    ckpt = open_checkpoint(path)
-    graph, meta_model = trace(ckpt.hf_config())
-    attach_weights(graph, ckpt, meta_model, torch.float32)
-    graph, _ = run_passes(graph, GRAPH_PASSES, PassContext())
-    tok = Tokenizer.from_dir(path)
-    encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
-    calib = token_windows(Path(DEFAULT_CALIBRATION), encode, 32, 128, 0).windows
-    stream, _ = token_stream(Path(DEFAULT_EVAL), encode)
-    return graph, calib, make_eval_set(stream, 256, 2048)
+    return quantization_setup(make_outlier_variant(tmp_path_factory.mktemp("w4") / "ckpt"), 32)
 
 
 def _kl(base, cand, eval_set) -> float:
