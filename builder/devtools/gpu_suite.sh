@@ -4,7 +4,8 @@
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
-#   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, FP8, SmoothQuant)
+#   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
+#                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
 #   calib          bundled AWQ / SmoothQuant builds calibrated on the GPU; gate figures vs the CPU-built ones
 #   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq gptq sq int8wo (recipes/bench/llama3-8b-PREC.yaml):
@@ -55,12 +56,13 @@ for part in "$@"; do
     w8a8-sweep)
       python3 -m kernels.bench.w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
     quickstart)
-      for r in "" -gptq -fp8 -smoothquant; do
+      for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do
         [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2
       done ;;
     smoke)
-      python3 -m builder.devtools.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-fp8 \
-        artifacts/quickstart-smoothquant 2>&1 | grep -v Warning | tee "$OUT/cuda_smoke.txt" ;;
+      python3 -m builder.devtools.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-awq \
+        artifacts/quickstart-fp8 artifacts/quickstart-smoothquant artifacts/quickstart-int8_wo 2>&1 | grep -v Warning \
+        | tee "$OUT/cuda_smoke.txt" ;;
     calib)
       for algo in awq smoothquant; do
         t0=$(date +%s)
