@@ -183,6 +183,16 @@ def test_memory_plan(engine):
         _serving(engine, max_seq_len=1024)
 
 
+def test_prefill_graph_tokens_from_the_environment_and_checked(monkeypatch):
+    from runtime.serving import ServingConfig
+
+    assert ServingConfig().prefill_graph_tokens == 512
+    monkeypatch.setenv("RUNTIME_PREFILL_GRAPH_TOKENS", "0")
+    assert ServingConfig().prefill_graph_tokens == 0  # eager prefill (A/B measurements)
+    with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0, got -1"):
+        ServingConfig(prefill_graph_tokens=-1)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_quantized_kv_cache_pages_like_the_contiguous_cache(checkpoints, tmp_path, kind):
     from builder.pipeline import build
