@@ -39,7 +39,10 @@ PREFETCH = os.environ.get("KERNELS_PREFETCH", "1") != "0"  # KERNELS_PREFETCH=0:
 LINE = 128  # bytes per L2 prefetch request (the L2's line)
 # per program, KERNELS_PREFETCH_KB (default 32 KB, 256 lines; rounded down to a power of 2): a full wave of 528
 # programs asks for ~17 MB of the 50 MB L2
-MAX_PREFETCH_LINES = 1 << (max(int(os.environ.get("KERNELS_PREFETCH_KB", "32")) * 1024 // LINE, 1).bit_length() - 1)
+_KB = os.environ.get("KERNELS_PREFETCH_KB", "32")
+if not _KB.isdigit():
+    raise ValueError(f"KERNELS_PREFETCH_KB={_KB!r} is not a whole number of kilobytes (e.g. 32)")
+MAX_PREFETCH_LINES = 1 << (max(int(_KB) * 1024 // LINE, 1).bit_length() - 1)
 
 
 @functools.cache

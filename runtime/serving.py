@@ -48,6 +48,16 @@ INVALID_ROW_ERROR = ("sampling failed: the model's logits for this request gave 
                      "(NaN or inf after penalties and temperature)")
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a whole number (e.g. {default})") from None
+
+
 @dataclass
 class ServingConfig:
     """Serving settings. None means the artifact's value (its recipe's runtime section)."""
@@ -64,8 +74,7 @@ class ServingConfig:
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA with kernels only); off to debug
     # with cuda_graphs: one-sequence prefill steps of up to this many tokens replay CUDA graphs too (token buckets;
     # 0 = eager prefill; default from RUNTIME_PREFILL_GRAPH_TOKENS, else 512)
-    prefill_graph_tokens: int = field(default_factory=lambda: int(os.environ.get("RUNTIME_PREFILL_GRAPH_TOKENS",
-                                                                                 "512")))
+    prefill_graph_tokens: int = field(default_factory=lambda: _env_int("RUNTIME_PREFILL_GRAPH_TOKENS", 512))
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:

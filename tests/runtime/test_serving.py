@@ -191,6 +191,9 @@ def test_prefill_graph_tokens_from_the_environment_and_checked(monkeypatch):
     assert ServingConfig().prefill_graph_tokens == 0  # eager prefill (A/B measurements)
     with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0, got -1"):
         ServingConfig(prefill_graph_tokens=-1)
+    monkeypatch.setenv("RUNTIME_PREFILL_GRAPH_TOKENS", "lots")
+    with pytest.raises(ValueError, match="RUNTIME_PREFILL_GRAPH_TOKENS='lots' is not a whole number"):
+        ServingConfig()
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
