@@ -626,9 +626,10 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     if plan.split_k > 1 and m_tiles > 1:  # one counter per (M tile, N tile)
         plan.counters = _tile_counters(y.device, m_tiles * plan.grid[0])
     pure = _interpreting() or not x.is_cuda
+    launch = pdl.pdl_args(x)
     # what one program reads, for the L2 prefetch before its wait (tiled weights: one contiguous range)
     prefetch = pdl.prefetch_lines(plan.steps_per_split * chunks * w.step * cfg.block_n) \
-        if pdl.launch_kwargs(x) and pdl.PREFETCH and w.tile_n else 0
+        if launch["PDL"] and pdl.PREFETCH and w.tile_n else 0
     _w4a16_mma_kernel[(plan.grid[0], plan.split_k, m_tiles)](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, plan.part, plan.counters,
         num_rows, n, w.in_features, w.group_size, plan.steps_per_split, plan.split_k,
@@ -637,5 +638,5 @@ def w4a16_mma(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         PTX=cfg.ptx_unpack and not pure and x.dtype == torch.bfloat16, IEEE=pure or x.dtype == torch.float32,
         EVEN_N=n % cfg.block_n == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=w.step, CHUNKS=chunks, DEQUANT=cfg.dequant,
         ZSUB=cfg.zsub and bits == 4 and not cfg.dequant, GATED=gated,
-        NUM_STAGES=cfg.num_stages, PREFETCH_LINES=prefetch, num_warps=cfg.num_warps, **pdl.pdl_args(x))
+        NUM_STAGES=cfg.num_stages, PREFETCH_LINES=prefetch, num_warps=cfg.num_warps, **launch)
     return y.reshape(*x.shape[:-1], n)

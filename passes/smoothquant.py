@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kernels.torch_quant import INT8_MAX, quantize_weight_int8
+from kernels.torch_quant import INT8_MAX, quantize_activation_int8, quantize_weight_int8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quantize import QuantMethod, norm_can_absorb
@@ -138,22 +138,28 @@ class SmoothQuant(QuantMethod):
         x = self.samples.get(members[0])
         if len(candidates) > 1 and x is not None:
             ws = [w.float().to(x.device) for w in weights]
-            ref = [x @ w.t() for w in ws]
-            errors = [sum(float((self._fake_x(x if s is None else x / s.to(x.device)) @ self._fake_w(
-                w if s is None else w * s.to(x.device)[None, :]).t() - r).pow(2).sum()) for w, r in zip(ws, ref))
-                for _, s in candidates]
-            alpha, s = candidates[min(range(len(candidates)), key=errors.__getitem__)]
+            refs = [x @ w.t() for w in ws]
+
+            def error(s: torch.Tensor | None) -> float:
+                s = torch.ones(x.shape[-1], device=x.device) if s is None else s.to(x.device)
+                xq = self._fake_x(x / s)
+                return sum(float((xq @ self._fake_w(w * s[None, :]).t() - ref).pow(2).sum())
+                           for w, ref in zip(ws, refs))
+
+            alpha, s = min(candidates, key=lambda c: error(c[1]))
         else:
             alpha, s = candidates[0]
         if alpha is not None:
             self.chosen_alphas.append(alpha)
         return s
 
-    def _fake_x(self, x: torch.Tensor) -> torch.Tensor:
-        """x through the activation quantization: per token (dynamic) or per tensor at max |x| (static)."""
-        amax = x.abs().amax() if self.static else x.abs().amax(dim=-1, keepdim=True)
-        scale = amax.clamp(min=1e-8) / INT8_MAX
-        return (x / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale
+    def _fake_x(self, x: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """x through the runtime's activation quantization: per token (dynamic), or per tensor with
+        ``input_scale`` (static; default max |x| / 127)."""
+        if self.static and input_scale is None:
+            input_scale = x.abs().amax().clamp(min=1e-8) / INT8_MAX
+        q, scale = quantize_activation_int8(x, input_scale if self.static else None)
+        return q.float() * scale
 
     @staticmethod
     def _fake_w(w: torch.Tensor) -> torch.Tensor:
@@ -201,8 +207,7 @@ class SmoothQuant(QuantMethod):
             return (amax / INT8_MAX).float().cpu()
         best, best_err = 1.0, None
         for r in CLIP_RATIOS:
-            scale = amax.to(x.device) * r / INT8_MAX
-            err = float(((x / scale).round().clamp(-INT8_MAX, INT8_MAX) * scale - x).matmul(wq.t()).pow(2).sum())
+            err = float((self._fake_x(x, amax.to(x.device) * r / INT8_MAX) - x).matmul(wq.t()).pow(2).sum())
             if best_err is None or err < best_err:
                 best, best_err = r, err
         self.clip_ratios.append(best)

@@ -40,6 +40,22 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 DEFAULT_PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
+def capture_step(executor: Executor, inp: StepInput, pool,
+                 capture_error_mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """One step over ``inp``'s static buffers captured in a CUDA graph; returns it and its logits buffer."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: autotuning and lazy initialisation happen outside the capture
+            executor.forward(inp)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()  # nothing of the warm-up (collectives included) still pending at capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+        logits = executor.forward(inp)
+    return graph, logits
+
+
 class DecodeGraphs:
     """CUDA graphs of the decode step for every bucket up to ``max_num_seqs``."""
 
@@ -82,19 +98,8 @@ class DecodeGraphs:
         return StepInput(self.input_ids[:b], self.positions[:b], [], self.rows[:b], paged=md)
 
     def _capture(self, b: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        inp = self._step_input(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: autotuning and lazy initialisation happen outside the capture
-                self.executor.forward(inp)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()  # nothing of the warm-up (collectives included) still pending at capture
         log.debug("capturing the decode step for batch size %d", b)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=self.capture_error_mode):
-            logits = self.executor.forward(inp)
-        return graph, logits
+        return capture_step(self.executor, self._step_input(b), pool, self.capture_error_mode)
 
     def close(self) -> None:
         """Destroy the graphs now (idempotent). Graphs that recorded NCCL collectives (tensor parallelism)
@@ -184,20 +189,9 @@ class PrefillGraphs:
         return StepInput(self.input_ids[:b], self.positions[:b], [], self.logits_index, paged=md)
 
     def _capture(self, b: int, pool, capture_error_mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        inp = self._step_input(b)
         self.cu_seqlens_q.copy_(torch.tensor([0, b], dtype=torch.int32))  # warm-up: a whole bucket of real rows
         self.seq_lens.fill_(b)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.executor.forward(inp)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
-            logits = self.executor.forward(inp)
-        return graph, logits
+        return capture_step(self.executor, self._step_input(b), pool, capture_error_mode)
 
     def close(self) -> None:
         for graph, _ in self._graphs.values():
