@@ -16,7 +16,9 @@
 #                  stock-PyTorch baseline (builder/bench/stock_torch.py) of the artifact's precision: bf16 for bf16,
 #                  int4 for awq and gptq, int8wo for int8wo, fp8 and sq (record.STOCK_QUANT); every figure recorded
 #                  in $OUT/benchmarks.jsonl (decode_b1_*, ttft_128_*, decode_step_bN_*, baseline_*), the log with
-#                  the decode step table in $OUT/b1_PREC.log. The baseline compiles once per batch size.
+#                  the decode step table in $OUT/b1_PREC.log. The baseline compiles once per batch size
+#                  (~90 s each); B1_BASELINE=0 leaves it out.
+#   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
 #                  of $AB_SETTINGS (space-separated; a setting is comma-separated VAR=VALUE, "-" for none; default
@@ -94,9 +96,12 @@ PY
       prec=${part#b1-}
       artifact "$prec"
       steps=""; for b in ${STEP_BATCH_SIZES-2 4 8 16}; do steps="$steps --batch-size $b"; done
+      base="--baseline $CKPT"; [ "${B1_BASELINE:-1}" = 0 ] && base=""
       python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps \
-        --baseline $CKPT --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" \
+        $base --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" \
         | grep -E '^\{|^decode step|^batch|^ +[0-9]' ;;
+    build-*)
+      artifact "${part#build-}" ;;
     ab-*)
       prec=${part#ab-}
       artifact "$prec"
