@@ -192,6 +192,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help="only the GEMV tables, timing candidate GEMV configs per shape and M")
+    parser.add_argument("--gemv", action="store_true", help="only the GEMV tables (no sweep)")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -200,7 +201,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
     for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):
-        if not args.gemv_sweep:
+        if not (args.gemv_sweep or args.gemv):
             failures += bench(kind, args.sweep)
         failures += bench_gemv(kind, args.gemv_sweep)
     for f in failures:
