@@ -93,7 +93,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "fp8": {"activations", "weight_granularity"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
-    "awq": {"group_size", "n_grid"},
+    "awq": {"group_size", "n_grid", "duo_scaling", "rounding", "damp", "block_size"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -107,9 +107,14 @@ class QuantizationSection(_Strict):
     group_size: Optional[int] = None  # awq/gptq (default 128); -1 = per output channel
     symmetric: Optional[bool] = None  # gptq (default False)
     act_order: Optional[bool] = None  # gptq (default False); uses static groups
-    damp: Optional[float] = Field(default=None, gt=0, lt=1)  # gptq (default 0.01)
-    block_size: Optional[int] = Field(default=None, ge=1)  # gptq (default 128)
+    damp: Optional[float] = Field(default=None, gt=0, lt=1)  # gptq, awq with rounding gptq (default 0.01)
+    block_size: Optional[int] = Field(default=None, ge=1)  # gptq, awq with rounding gptq (default 128)
     n_grid: Optional[int] = Field(default=None, ge=2)  # awq (default 20)
+    # awq: how the scaled, clipped weights are rounded: "nearest" (default, the reference) or "gptq" (GPTQ's
+    # Hessian-aware error compensation on the scaled inputs; damp and block_size apply)
+    rounding: Optional[Literal["nearest", "gptq"]] = None
+    # awq: also search scales with the weights' own salience, mean|x|^a / w^(1-a), beside mean|x|^a
+    duo_scaling: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes.awq import activation_stat, apply_clip, search_clip, search_scale
+from passes.awq import activation_stat, apply_clip, search_clip, search_scale, weight_stat
 from passes.quant_math import QuantConfig, fake_quantize_groups
 
 IN, TOKENS = 128, 384
@@ -65,6 +65,28 @@ def test_search_scale_protects_salient_channels():
     assert losses[0] == pytest.approx(rtn, rel=1e-5)  # alpha = 0 is plain round to nearest
     assert awq == pytest.approx(min(losses), rel=1e-5)
     assert awq < 0.8 * rtn, (awq, rtn)
+
+
+def test_search_scale_duo_grid_adds_the_weight_term():
+    x, ws = _x(3), _weights(4)
+    _, _, plain = search_scale(x, ws, concat_block, CFG, n_grid=10)
+    scale, alpha, losses = search_scale(x, ws, concat_block, CFG, n_grid=10, duo=True)
+    assert len(losses) == 20 and losses[:10] == pytest.approx(plain, rel=1e-6)
+    best = min(range(20), key=losses.__getitem__)
+    assert alpha == (best % 10) / 10
+    s = activation_stat(x).pow(alpha)
+    if best >= 10:  # the weight term: each channel's mean |w| relative to its group's max
+        s = s / (weight_stat(ws, CFG.group_size).pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
+    torch.testing.assert_close(scale, s / (s.max() * s.min()).sqrt())
+
+
+def test_weight_stat():
+    w = torch.tensor([[1.0, -2.0, 4.0, 0.0], [2.0, 2.0, -1.0, 1.0]])
+    cfg = QuantConfig(bits=4, group_size=2, symmetric=False)
+    # per (row, group of 2): |w| / max|w|, then the mean over rows
+    expected = torch.tensor([(0.5 + 1.0) / 2, (1.0 + 1.0) / 2, (1.0 + 1.0) / 2, (0.0 + 1.0) / 2])
+    torch.testing.assert_close(weight_stat([w], cfg.group_size), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_search_scale_block_fn_sees_the_candidate_weights():

@@ -35,6 +35,9 @@ def _rtn(graph):
     return g
 
 
+_KL: dict[str, float] = {}  # the module's KLs by build, so a comparison does not rebuild what a test measured
+
+
 @pytest.mark.parametrize("algo", ["gptq", "awq"])
 def test_beats_round_to_nearest(setup, algo):
     graph, calib, eval_set = setup
@@ -46,7 +49,20 @@ def test_beats_round_to_nearest(setup, algo):
     if algo == "awq":  # q/k/v and gate/up scales were searched on their whole block's output
         assert records[0].details["block_objective_groups"] == 8
     kl_method, kl_rtn = _kl(graph, quantized, eval_set), _kl(graph, _rtn(graph), eval_set)
+    _KL[algo] = kl_method
     assert 0 < kl_method < kl_rtn, f"{algo}: KL {kl_method:.5f} vs round-to-nearest {kl_rtn:.5f}"
+
+
+def test_awq_with_gptq_rounding_beats_awq_rounded_to_nearest(setup):
+    graph, calib, eval_set = setup
+    for rounding in ("nearest", "gptq"):
+        if rounding == "nearest" and "awq" in _KL:  # measured by test_beats_round_to_nearest (the same build)
+            continue
+        quantized, records = run_passes(graph.copy(), ["awq", "dce"], PassContext(
+            calibration=calib, options={"awq": {"group_size": GROUP, "rounding": rounding}}))
+        assert records[0].details["rounding"] == rounding
+        _KL["awq" if rounding == "nearest" else "awq+gptq"] = _kl(graph, quantized, eval_set)
+    assert 0 < _KL["awq+gptq"] < _KL["awq"], _KL
 
 
 def test_bad_group_size_is_an_actionable_error(setup):
