@@ -527,16 +527,23 @@ def bench_throughput(
     max_num_batched_tokens: Optional[int] = typer.Option(None),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
     json_out: Optional[str] = typer.Option(None, "--json"),
+    record: Optional[Path] = typer.Option(None, help="append the figures to this record (docs/benchmarks.jsonl): "
+                                          "throughput_IN_OUT_PREC (output tok/s, the best concurrency), "
+                                          "throughput_IN_OUT_PREC_cC and preemptions_IN_OUT_PREC_cC per point"),
 ) -> None:
     """Output tokens/s of many requests submitted at once, at each concurrency."""
     from builder.bench.offline import report, throughput
+    from builder.bench.record import append_figures, precision_of
 
     _setup_logging(False)
-    results = []
+    results, tag = [], None
     for c in concurrency:
         engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
         try:
             results.append(throughput(engine, input_len, output_len, num_prompts or 4 * c))
+            manifest = engine.engine.artifact.manifest
+            quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
+            tag = precision_of(engine.executor.graph, manifest) + ("_qhead" if quant_head else "")
         finally:
             engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
         del engine
@@ -545,6 +552,18 @@ def bench_throughput(
 
             torch.cuda.empty_cache()
     report(results, json_out)
+    if record is not None and results:
+        name = f"throughput_{input_len}_{output_len}_{tag}"
+        figures = [(name, max(r.output_tok_s for r in results), "tok/s")]
+        for r in results:
+            figures += [(f"{name}_c{r.concurrency}", r.output_tok_s, "tok/s"),
+                        (f"preemptions_{input_len}_{output_len}_{tag}_c{r.concurrency}", r.num_preemptions, "count")]
+        command = ["builder", "bench", "throughput", str(artifact), "--device", device, "--input-len", str(input_len),
+                   "--output-len", str(output_len), *[a for c in concurrency for a in ("--concurrency", str(c))]]
+        for flag, value in (("--num-prompts", num_prompts), ("--max-seq-len", max_seq_len),
+                            ("--max-num-batched-tokens", max_num_batched_tokens)):
+            command += [flag, str(value)] if value is not None else []
+        append_figures(record, figures, device, shlex.join(command + (["--no-cuda-graphs"] if no_cuda_graphs else [])))
 
 
 @bench_app.command("serve")

@@ -137,10 +137,16 @@ def bundled_artifact(tmp_path_factory) -> Path:
                           max_seq_len=512, max_num_tokens=64)
 
 
-def quantization_setup(path: Path, num_samples: int, seq_len: int = 128):
-    """The traced, merged fp32 graph of a checkpoint, calibration windows of its bundled-model text and the gates'
-    eval set (2048 positions in windows of 256): what the quantization quality tests score passes on."""
-    from builder.calibration import DEFAULT_CALIBRATION, DEFAULT_EVAL, token_stream, token_windows
+FIXTURE = Path(__file__).resolve().parents[1] / "models" / "pydoc-qwen3"
+"""The second trained checkpoint: a Qwen3 model on stdlib docstrings (``builder/devtools/train_fixture.py``)."""
+
+
+def quantization_setup(path: Path, num_samples: int, seq_len: int = 128, text_dir: Path | None = None,
+                       num_positions: int = 2048):
+    """The traced, merged fp32 graph of a checkpoint, calibration windows of held-out text and the gates' eval set
+    (``num_positions`` positions in windows of 256): what the quantization quality tests score passes on. The
+    text is ``calibration.jsonl`` / ``eval.txt`` of ``text_dir``, by default the bundled model's."""
+    from builder.calibration import BUNDLED_MODEL, token_stream, token_windows
     from builder.checkpoint import attach_weights, open_checkpoint
     from builder.gates import make_eval_set
     from passes import PassContext, run_passes
@@ -154,9 +160,10 @@ def quantization_setup(path: Path, num_samples: int, seq_len: int = 128):
                           PassContext())
     tok = Tokenizer.from_dir(path)
     encode = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
-    calib = token_windows(Path(DEFAULT_CALIBRATION), encode, num_samples, seq_len, 0).windows
-    stream, _ = token_stream(Path(DEFAULT_EVAL), encode)
-    return graph, calib, make_eval_set(stream, 256, 2048)
+    text_dir = text_dir or BUNDLED_MODEL
+    calib = token_windows(text_dir / "calibration.jsonl", encode, num_samples, seq_len, 0).windows
+    stream, _ = token_stream(text_dir / "eval.txt", encode)
+    return graph, calib, make_eval_set(stream, 256, num_positions)
 
 
 def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 0) -> Path:

@@ -11,6 +11,8 @@
 #   8b-PREC        Llama-3-8B shape, PREC in bf16 fp8 awq gptq sq int8wo (recipes/bench/llama3-8b-PREC.yaml):
 #                  checkpoint, build, kernel check, latency, throughput (128/128 at each concurrency of
 #                  $THROUGHPUT_CONCURRENCY, default 64 128 256; 2048/128, 128/2048)
+#   thr-PREC       only 8b-PREC's throughput points (after building), every figure recorded in $OUT/benchmarks.jsonl
+#                  (throughput_IN_OUT_PREC: the best concurrency; _cC and preemptions_* per point)
 #   b1-PREC        Llama-3-8B shape (PREC as for 8b-PREC), 128 in / 128 out: batch-1 latency and the decode step time
 #                  at each batch size of $STEP_BATCH_SIZES (default 2 4 8 16; empty: batch 1 only), each beside the
 #                  stock-PyTorch baseline (builder/bench/stock_torch.py) of the artifact's precision: bf16 for bf16,
@@ -47,6 +49,13 @@ artifact() {  # build artifacts/llama3-8b-$1 once
   fi
 }
 bench() { python3 -m builder.cli bench "$@" --json "$OUT/bench_8b.jsonl" 2>&1 | grep '^{'; }
+throughput_runs() {  # the offline throughput points of issue 17, recorded in $OUT/benchmarks.jsonl
+  local rec="--record $OUT/benchmarks.jsonl" sweep=""
+  for c in ${THROUGHPUT_CONCURRENCY:-64 128 256}; do sweep="$sweep --concurrency $c"; done
+  bench throughput artifacts/llama3-8b-$1 --input-len 128 --output-len 128 $sweep $rec
+  bench throughput artifacts/llama3-8b-$1 --input-len 2048 --output-len 128 --concurrency 64 $rec
+  bench throughput artifacts/llama3-8b-$1 --input-len 128 --output-len 2048 --concurrency 256 --num-prompts 256 $rec
+}
 
 for part in "$@"; do
   echo "=== $part $(date +%T)"
@@ -87,11 +96,11 @@ PY
       artifact "$prec"
       python3 -m builder.devtools.check_kernels artifacts/llama3-8b-$prec 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
       bench latency artifacts/llama3-8b-$prec --input-len 128 --input-len 2048 --output-len 128
-      sweep=""; for c in ${THROUGHPUT_CONCURRENCY:-64 128 256}; do sweep="$sweep --concurrency $c"; done
-      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $sweep
-      bench throughput artifacts/llama3-8b-$prec --input-len 2048 --output-len 128 --concurrency 64
-      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 --concurrency 256 \
-        --num-prompts 256 ;;
+      throughput_runs "$prec" ;;
+    thr-*)
+      prec=${part#thr-}
+      artifact "$prec"
+      throughput_runs "$prec" ;;
     b1-*)
       prec=${part#b1-}
       artifact "$prec"

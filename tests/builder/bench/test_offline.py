@@ -135,3 +135,27 @@ def test_bench_latency_records_batch_1_figures_when_the_batch_engine_cannot_load
     record = tmp_path / "benchmarks.jsonl"
     res = _latency_batch_2_fails(artifacts, record)
     assert "for batch 2: no KV cache for 2 sequences" in res.output
+
+
+def test_bench_throughput_records_the_best_point_and_each_concurrency(artifacts, tmp_path):
+    from typer.testing import CliRunner
+
+    from builder.cli import app
+
+    record, results = tmp_path / "benchmarks.jsonl", tmp_path / "results.jsonl"
+    res = CliRunner().invoke(app, ["bench", "throughput", str(artifacts["llama"]), "--device", "cpu", "--input-len",
+                                   "8", "--output-len", "4", "--concurrency", "1", "--concurrency", "2",
+                                   "--num-prompts", "2", "--record", str(record), "--json", str(results)])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [(x["figure"], x["unit"]) for x in lines] == [
+        ("throughput_8_4_fp32", "tok/s"), ("throughput_8_4_fp32_c1", "tok/s"), ("preemptions_8_4_fp32_c1", "count"),
+        ("throughput_8_4_fp32_c2", "tok/s"), ("preemptions_8_4_fp32_c2", "count")]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    figures = {x["figure"]: x["value"] for x in lines}
+    assert [r["concurrency"] for r in rows] == [1, 2]
+    for r in rows:  # the recorded figures are the measured points
+        assert figures[f"throughput_8_4_fp32_c{r['concurrency']}"] == pytest.approx(r["output_tok_s"], abs=1e-3)
+        assert figures[f"preemptions_8_4_fp32_c{r['concurrency']}"] == r["num_preemptions"]
+    assert figures["throughput_8_4_fp32"] == max(figures["throughput_8_4_fp32_c1"], figures["throughput_8_4_fp32_c2"])
+    assert all(x["command"].endswith("--concurrency 1 --concurrency 2 --num-prompts 2") for x in lines)
