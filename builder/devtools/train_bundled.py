@@ -33,7 +33,7 @@ import sysconfig
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -752,12 +752,32 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Path) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Build the corpus, tokenizer and model, train, evaluate and write the checkpoint directory."""
-    import tokenizers
-    import transformers
+@dataclass
+class Corpus:
+    """What a trainer hands :func:`run`: its documents by split, and how ``training_metrics.json`` describes them."""
 
-    args = parse_args(argv)
+    splits: dict[str, list[SourceFile]]
+    skipped: list[str]  # paths left out of the corpus, listed in split.json
+    data: dict[str, Any]  # entries of metrics["data"] after the per-split counts
+    split_counts: Callable[[list[SourceFile]], dict[str, Any]] = lambda fs: {}  # per split, after "files"
+
+
+@dataclass
+class Trainer:
+    """One trainer script's choices: everything :func:`run` does not take from the command line."""
+
+    module: str  # for the recorded command: python -m MODULE ARGS
+    model_spec: ModelSpec
+    family: str = "llama"
+    architecture: str = "LlamaForCausalLM"
+    model_extra: dict[str, Any] = field(default_factory=dict)  # entries of metrics["model"] after the spec
+    calibration_chunk_chars: int | None = None  # None: write_calibration_jsonl's default
+    prompts: Sequence[str] = DEFAULT_PROMPTS
+    report: Callable[[dict[str, Any]], ReportText] = lambda metrics: BUNDLED_REPORT
+
+
+def prepare_out_dir(args: argparse.Namespace) -> tuple[Path, float]:
+    """Seed, threads and determinism from ``args``; a fresh ``args.out``. Returns it and the run's start time."""
     run_start = time.perf_counter()
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -766,20 +786,27 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
+    return out_dir, run_start
 
-    root = args.stdlib or stdlib_root()
-    files, undecodable = collect_stdlib_files(root)
-    splits = split_files(files)
-    print(f"stdlib {root}: " + ", ".join(f"{k}={len(v)}" for k, v in splits.items()), flush=True)
-    write_split_manifest(splits, undecodable, out_dir / "split.json")
-    calib = write_calibration_jsonl(splits[SPLIT_CALIBRATION], out_dir / "calibration.jsonl")
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None, out_dir: Path, run_start: float, corpus: Corpus,
+        trainer: Trainer) -> dict[str, Any]:
+    """Write the held-out text, train the tokenizer and the model on ``corpus``, evaluate, write the checkpoint
+    directory and its reports; returns the metrics."""
+    import tokenizers
+    import transformers
+
+    splits = corpus.splits
+    write_split_manifest(splits, corpus.skipped, out_dir / "split.json")
+    chunking = {} if trainer.calibration_chunk_chars is None else {"chunk_chars": trainer.calibration_chunk_chars}
+    calib = write_calibration_jsonl(splits[SPLIT_CALIBRATION], out_dir / "calibration.jsonl", **chunking)
     eval_text = build_eval_text(splits[SPLIT_EVAL])
     (out_dir / "eval.txt").write_text(eval_text, encoding="utf-8")
 
     t0 = time.perf_counter()
     train_texts = [f.text for f in splits[SPLIT_TRAIN]]
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
-    save_tokenizer(tokenizer, out_dir, model_max_length=ModelSpec.max_position_embeddings)
+    save_tokenizer(tokenizer, out_dir, model_max_length=trainer.model_spec.max_position_embeddings)
     tok_check = check_tokenizer(out_dir, [f.text for f in splits[SPLIT_EVAL][:20]])
     print(f"tokenizer trained in {time.perf_counter() - t0:.1f}s: {tok_check}", flush=True)
 
@@ -787,7 +814,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     spec = TrainSpec(
         seed=args.seed,
         max_steps=args.max_steps,
-        time_budget_min=args.time_budget_min,
+        time_budget_min=getattr(args, "time_budget_min", None),
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         peak_lr=args.lr,
@@ -799,8 +826,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"train tokens {streams[SPLIT_TRAIN].numel():,} -> {train_windows.size(0)} windows", flush=True)
 
     torch.manual_seed(args.seed)
-    model_spec = ModelSpec()
-    model = build_model(model_spec, tokenizer.get_vocab_size())
+    model = build_model(trainer.model_spec, tokenizer.get_vocab_size(), family=trainer.family)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
     result = train_model(model, train_windows, spec)
@@ -811,11 +837,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(f"held-out perplexity: eval split {eval_ppl:.2f} ({eval_tokens} tokens), eval.txt {eval_txt_ppl:.2f}")
 
     weights_dtype = save_checkpoint(model, out_dir)
-    samples = generate_samples(model, out_dir, DEFAULT_PROMPTS, args.seed)
+    samples = generate_samples(model, out_dir, trainer.prompts, args.seed)
     for s in samples:
         print(f"--- {s['prompt']!r}\n[greedy]\n{s['greedy']}\n[sampled]\n{s['sampled']}", flush=True)
 
-    command = "python -m builder.devtools.train_bundled " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = f"python -m {trainer.module} " + " ".join(sys.argv[1:] if argv is None else argv)
     metrics: dict[str, Any] = {
         "command": command.strip(),
         "seed": args.seed,
@@ -825,10 +851,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "tokenizers_version": tokenizers.__version__,
         "data": {
             **{
-                name: {"files": len(fs), "chars": sum(len(f.text) for f in fs), "tokens": int(streams[name].numel())}
+                name: {"files": len(fs), **corpus.split_counts(fs), "chars": sum(len(f.text) for f in fs),
+                       "tokens": int(streams[name].numel())}
                 for name, fs in splits.items()
             },
-            "skipped_not_utf8": undecodable,
+            **corpus.data,
         },
         "shipped": {
             "calibration_chunks": calib["chunks"],
@@ -836,8 +863,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "eval_txt_chars": len(eval_text),
         },
         "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), **tok_check},
-        "model": {"architecture": "LlamaForCausalLM", "vocab_size": tokenizer.get_vocab_size(), **asdict(model_spec),
-                  "tie_word_embeddings": True},
+        "model": {"architecture": trainer.architecture, "vocab_size": tokenizer.get_vocab_size(),
+                  **asdict(trainer.model_spec), "tie_word_embeddings": True, **trainer.model_extra},
         "parameters": n_params,
         "weights_dtype": weights_dtype,
         "train": {
@@ -854,9 +881,21 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "samples": samples,
     }
     metrics["total_seconds"] = round(time.perf_counter() - run_start, 1)
-    write_reports(out_dir, metrics, samples)
+    write_reports(out_dir, metrics, samples, trainer.report(metrics))
     print(f"done in {metrics['total_seconds']:.0f}s; {out_dir} is {metrics['checkpoint_dir_bytes']:,} bytes")
     return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Build the corpus, tokenizer and model, train, evaluate and write the checkpoint directory."""
+    args = parse_args(argv)
+    out_dir, run_start = prepare_out_dir(args)
+    root = args.stdlib or stdlib_root()
+    files, undecodable = collect_stdlib_files(root)
+    splits = split_files(files)
+    print(f"stdlib {root}: " + ", ".join(f"{k}={len(v)}" for k, v in splits.items()), flush=True)
+    corpus = Corpus(splits, undecodable, {"skipped_not_utf8": undecodable})
+    return run(args, argv, out_dir, run_start, corpus, Trainer("builder.devtools.train_bundled", ModelSpec()))
 
 
 if __name__ == "__main__":

@@ -20,14 +20,9 @@ from __future__ import annotations
 
 import argparse
 import ast
-import shutil
-import sys
-import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
-
-import torch
 
 from builder.devtools import train_bundled as tb
 from builder.devtools.train_bundled import SPLIT_CALIBRATION, SPLIT_EVAL, SPLIT_TRAIN, SourceFile
@@ -136,116 +131,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Build the docstring corpus, tokenizer and model, train, evaluate and write the checkpoint directory."""
-    import tokenizers
-    import transformers
-
     args = parse_args(argv)
-    run_start = time.perf_counter()
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    out_dir: Path = args.out
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-
+    out_dir, run_start = tb.prepare_out_dir(args)
     root = args.stdlib or tb.stdlib_root()
     sources, undecodable = tb.collect_stdlib_files(root)
     files, doc_counts, unparsable = docstring_files(sources)
     splits = tb.split_files(files)
     print(f"stdlib {root}: docstring documents " + ", ".join(f"{k}={len(v)}" for k, v in splits.items()), flush=True)
-    tb.write_split_manifest(splits, undecodable + unparsable, out_dir / "split.json")
-    calib = tb.write_calibration_jsonl(splits[SPLIT_CALIBRATION], out_dir / "calibration.jsonl",
-                                       chunk_chars=CALIBRATION_CHUNK_CHARS)
-    eval_text = tb.build_eval_text(splits[SPLIT_EVAL])
-    (out_dir / "eval.txt").write_text(eval_text, encoding="utf-8")
-
-    t0 = time.perf_counter()
-    tokenizer = tb.train_tokenizer([f.text for f in splits[SPLIT_TRAIN]], args.vocab_size)
-    tb.save_tokenizer(tokenizer, out_dir, model_max_length=MODEL_SPEC.max_position_embeddings)
-    tok_check = tb.check_tokenizer(out_dir, [f.text for f in splits[SPLIT_EVAL][:20]])
-    print(f"tokenizer trained in {time.perf_counter() - t0:.1f}s: {tok_check}", flush=True)
-
-    streams = {name: tb.encode_documents(tokenizer, [f.text for f in fs]) for name, fs in splits.items()}
-    spec = tb.TrainSpec(
-        seed=args.seed,
-        max_steps=args.max_steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        peak_lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        log_every=args.log_every,
-        threads=args.threads,
-    )
-    train_windows = tb.pack_windows(streams[SPLIT_TRAIN], spec.seq_len)
-    print(f"train tokens {streams[SPLIT_TRAIN].numel():,} -> {train_windows.size(0)} windows", flush=True)
-
-    torch.manual_seed(args.seed)
-    model = tb.build_model(MODEL_SPEC, tokenizer.get_vocab_size(), family=FAMILY)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters", flush=True)
-    result = tb.train_model(model, train_windows, spec)
-
-    eval_ppl, eval_tokens = tb.perplexity(model, tb.pack_windows(streams[SPLIT_EVAL], spec.seq_len))
-    eval_txt_ids = torch.tensor(tokenizer.encode(eval_text).ids, dtype=torch.long)
-    eval_txt_ppl, eval_txt_tokens = tb.perplexity(model, tb.pack_windows(eval_txt_ids, spec.seq_len))
-    print(f"held-out perplexity: eval split {eval_ppl:.2f} ({eval_tokens} tokens), eval.txt {eval_txt_ppl:.2f}")
-
-    weights_dtype = tb.save_checkpoint(model, out_dir)
-    samples = tb.generate_samples(model, out_dir, DEFAULT_PROMPTS, args.seed)
-    for s in samples:
-        print(f"--- {s['prompt']!r}\n[greedy]\n{s['greedy']}\n[sampled]\n{s['sampled']}", flush=True)
-
-    command = "python -m builder.devtools.train_fixture " + " ".join(sys.argv[1:] if argv is None else argv)
-    metrics: dict[str, Any] = {
-        "command": command.strip(),
-        "seed": args.seed,
-        "python_version": tb.python_version(),
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "tokenizers_version": tokenizers.__version__,
-        "data": {
-            **{
-                name: {
-                    "files": len(fs),
-                    "docstrings": sum(doc_counts[f.rel_path] for f in fs),
-                    "chars": sum(len(f.text) for f in fs),
-                    "tokens": int(streams[name].numel()),
-                }
-                for name, fs in splits.items()
-            },
-            "source_files": len(sources),
-            "skipped_not_utf8": undecodable,
-            "skipped_unparsable": unparsable,
-            "files_without_docstrings": len(sources) - len(files) - len(unparsable),
-        },
-        "shipped": {
-            "calibration_chunks": calib["chunks"],
-            "calibration_bytes": calib["bytes"],
-            "eval_txt_chars": len(eval_text),
-        },
-        "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), **tok_check},
-        "model": {"architecture": ARCHITECTURE, "vocab_size": tokenizer.get_vocab_size(), **asdict(MODEL_SPEC),
-                  "tie_word_embeddings": True, "qk_norm": True},
-        "parameters": n_params,
-        "weights_dtype": weights_dtype,
-        "train": {
-            **{k: v for k, v in asdict(spec).items() if k != "seed"},
-            **asdict(result),
-            "epochs": result.tokens_seen / max(train_windows.numel(), 1),
-        },
-        "eval": {
-            "eval_split_ppl": round(eval_ppl, 3),
-            "eval_split_tokens": eval_tokens,
-            "eval_txt_ppl": round(eval_txt_ppl, 3),
-            "eval_txt_tokens": eval_txt_tokens,
-        },
-        "samples": samples,
-    }
-    metrics["total_seconds"] = round(time.perf_counter() - run_start, 1)
-    tb.write_reports(out_dir, metrics, samples, report_text(metrics))
-    print(f"done in {metrics['total_seconds']:.0f}s; {out_dir} is {metrics['checkpoint_dir_bytes']:,} bytes")
-    return metrics
+    corpus = tb.Corpus(
+        splits, undecodable + unparsable,
+        {"source_files": len(sources), "skipped_not_utf8": undecodable, "skipped_unparsable": unparsable,
+         "files_without_docstrings": len(sources) - len(files) - len(unparsable)},
+        split_counts=lambda fs: {"docstrings": sum(doc_counts[f.rel_path] for f in fs)})
+    trainer = tb.Trainer("builder.devtools.train_fixture", MODEL_SPEC, family=FAMILY, architecture=ARCHITECTURE,
+                         model_extra={"qk_norm": True}, calibration_chunk_chars=CALIBRATION_CHUNK_CHARS,
+                         prompts=DEFAULT_PROMPTS, report=report_text)
+    return tb.run(args, argv, out_dir, run_start, corpus, trainer)
 
 
 if __name__ == "__main__":
