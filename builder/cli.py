@@ -590,6 +590,9 @@ def bench_serve(
     seed: int = typer.Option(0, help="seed of random prompts and arrivals"),
     timeout: float = typer.Option(600.0, help="seconds per request from its send; bounds the wait for requests "
                                   "in flight at the end"),
+    workers: int = typer.Option(1, help="client processes sharing the load (one Python process parses a few tens "
+                                "of thousands of streamed chunks per second at most); needs --num-requests or "
+                                "--request-rate with --duration when > 1"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as one JSON object"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
@@ -602,7 +605,7 @@ def bench_serve(
             request_rate=request_rate, num_requests=num_requests, duration=duration,
             dataset=dataset and str(dataset), tokenizer=tokenizer and str(tokenizer), input_len=input_len,
             output_len=output_len, range_ratio=range_ratio, prompt_format=prompt_format,
-            ignore_eos=not no_ignore_eos, slos=list(slo), seed=seed, timeout=timeout)
+            ignore_eos=not no_ignore_eos, slos=list(slo), seed=seed, timeout=timeout, workers=workers)
         with _progress(quiet) as progress:
             result = run(config, progress)
         summary = result.summary()

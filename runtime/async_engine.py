@@ -48,6 +48,21 @@ class _Submission:
     loop: asyncio.AbstractEventLoop
 
 
+def deliver(by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]]) -> None:
+    """From the engine's side: each event loop gets its items (a step's deltas) in one call_soon_threadsafe, one
+    wake-up per loop and step rather than one per delta; a closed loop (nobody listening) is skipped."""
+    for loop, puts in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, puts)
+        except RuntimeError:
+            pass
+
+
+def _put_all(puts: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in puts:
+        q.put_nowait(item)
+
+
 class RequestStream:
     """One submitted request's deltas, as an async iterator that ends after the finishing delta. Waiting for
     the next delta may be cancelled (a timeout) without losing it. Closing the stream before the finishing
@@ -58,6 +73,7 @@ class RequestStream:
         self._engine = engine
         self._outputs = outputs  # RequestOutput deltas, or the exception that refused the request
         self._finished = False
+        self._pending: BaseException | None = None  # taken by ready_deltas, raised by the next __anext__
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -65,12 +81,31 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._finished:
             raise StopAsyncIteration
-        out = await self._outputs.get()  # cancellation-safe: asyncio.Queue drops no item for a cancelled get
+        if self._pending is not None:
+            out, self._pending = self._pending, None
+        else:
+            out = await self._outputs.get()  # cancellation-safe: asyncio.Queue drops no item for a cancelled get
         if isinstance(out, BaseException):
             self._finished = True
             raise out
         self._finished = out.finished
         return out
+
+    def ready_deltas(self) -> list[RequestOutput]:
+        """The deltas already queued, without waiting, up to and including the finishing one (a refusal or error
+        is kept for the next ``__anext__`` to raise). A consumer that fell behind sends them as one chunk."""
+        ready: list[RequestOutput] = []
+        while not self._finished and self._pending is None:
+            try:
+                out = self._outputs.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if isinstance(out, BaseException):
+                self._pending = out
+                break
+            self._finished = out.finished
+            ready.append(out)
+        return ready
 
     async def aclose(self) -> None:
         if not self._finished:
@@ -78,12 +113,36 @@ class RequestStream:
             self._engine.abort(self.request_id)
 
 
-class AsyncEngine:
+class EngineFront:
+    """What the server drives: ``submit`` (each engine's own) and ``generate`` over it."""
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, *, request_id: str | None = None,
+               timeout_s: float | None = None, arrival_time: float | None = None) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
+                       request_id: str | None = None, timeout_s: float | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream a request's deltas until it finishes (``submit``, iterated). Raises RequestError or
+        QueueFullError before the first delta if the request is refused. Closing the iterator early
+        aborts the request."""
+        stream = self.submit(prompt_token_ids, params, request_id=request_id, timeout_s=timeout_s,
+                             arrival_time=arrival_time)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+
+class AsyncEngine(EngineFront):
     """A ServingEngine stepping in a background thread, with an async per-request stream."""
 
     def __init__(self, engine: ServingEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
+        self.artifact = engine.engine.artifact
+        self.max_seq_len: int = engine.scheduler_config.max_seq_len
         self._inbox: queue.SimpleQueue[_Submission] = queue.SimpleQueue()
         self._num_inbox = 0  # submissions not yet taken by the engine thread (guarded by _admit)
         self._admit = threading.Lock()
@@ -146,20 +205,6 @@ class AsyncEngine:
         self._wake.set()
         return RequestStream(self, request_id, sub.outputs)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
-                       request_id: str | None = None, timeout_s: float | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's deltas until it finishes (``submit``, iterated). Raises RequestError or
-        QueueFullError before the first delta if the request is refused. Closing the iterator early
-        aborts the request."""
-        stream = self.submit(prompt_token_ids, params, request_id=request_id, timeout_s=timeout_s,
-                             arrival_time=arrival_time)
-        try:
-            async for out in stream:
-                yield out
-        finally:
-            await stream.aclose()
-
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
         self._wake.set()
@@ -213,16 +258,16 @@ class AsyncEngine:
                     self._num_inbox -= 1
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand each delta to its request's queue: one wake-up of each event loop per step, not one per delta."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             sub = self._streams.get(out.request_id)
             if sub is None:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            try:
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, out)
-            except RuntimeError:  # its event loop is closed: nobody is listening
-                pass
+            by_loop.setdefault(sub.loop, []).append((sub.outputs, out))
+        deliver(by_loop)
 
     def _fail_all(self, error: BaseException) -> None:
         for sub in self._streams.values():

@@ -52,3 +52,15 @@ class EngineStats:
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+def merge_deltas(outs: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one (text, token ids and logprobs joined; totals and finish from the
+    last): what a stream sends when it fell behind by several steps."""
+    if len(outs) == 1:
+        return outs[0]
+    last = outs[-1]
+    logprobs = None if all(o.logprobs is None for o in outs) else [e for o in outs for e in (o.logprobs or [])]
+    return RequestOutput(last.request_id, "".join(o.text for o in outs), [t for o in outs for t in o.token_ids],
+                         logprobs, last.finished, last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                         last.num_cached_tokens, last.error)

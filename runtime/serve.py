@@ -29,6 +29,7 @@ from typing import Any
 
 API_KEY_ENV = "LLM_BUILDER_API_KEY"
 GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, how long requests in flight may finish before they are aborted
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's log lines, and the engine process's
 
 log = logging.getLogger("runtime.serve")
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="step the engine in a thread of the server process instead of its own process (the HTTP "
+                        "work and the step loop then share one interpreter lock: slower under load)")
     p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact that failed its quality gates")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -110,7 +114,7 @@ def _warn_if_exposed(host: str, port: int, api_key: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
                         force=True)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():  # an empty key must not quietly turn authentication off
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from runtime.artifact import ArtifactError
     from runtime.async_engine import AsyncEngine
+    from runtime.engine_process import EngineProcess, EngineStartError
     from runtime.engine import DeviceError, resolve_device
     from runtime.memory import MemoryPlanError
     from runtime.server import create_app
@@ -142,22 +147,27 @@ def main(argv: list[str] | None = None) -> int:
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout,
             cuda_graphs=not args.no_cuda_graphs)
-        serving = ServingEngine.load(args.artifact, device=device, config=config,
-                                     allow_failed_gate=args.allow_failed_gate)
-    except (ArtifactError, TokenizerError, MemoryPlanError, ValueError) as e:
+        if args.engine_thread:
+            serving = ServingEngine.load(args.artifact, device=device, config=config,
+                                         allow_failed_gate=args.allow_failed_gate)
+            engine = AsyncEngine(serving)
+        else:
+            engine = EngineProcess(args.artifact, device, config, allow_failed_gate=args.allow_failed_gate)
+    except (ArtifactError, TokenizerError, MemoryPlanError, EngineStartError, ValueError) as e:
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
         return 1
-    model_name = args.served_model_name or serving.engine.artifact.manifest["name"]
-    sc = serving.scheduler_config
-    log.info("serving %r as %r on %s: max_num_seqs %d, max_num_batched_tokens %d, max_seq_len %d, max_waiting %d, "
-             "prefix caching %s, request timeout %s", args.artifact, model_name, serving.device, sc.max_num_seqs,
-             sc.max_num_batched_tokens, sc.max_seq_len, sc.max_waiting, "on" if config.enable_prefix_caching else "off",
+    model_name = args.served_model_name or engine.artifact.manifest["name"]
+    log.info("serving %r as %r on %s (engine %s): max_num_seqs %s, max_num_batched_tokens %s, max_seq_len %d, "
+             "max_waiting %d, prefix caching %s, request timeout %s", args.artifact, model_name, device,
+             "in a thread" if args.engine_thread else "in its own process", args.max_num_seqs or "the artifact's",
+             args.max_num_batched_tokens or "the artifact's", engine.max_seq_len, args.max_waiting,
+             "on" if config.enable_prefix_caching else "off",
              f"{args.request_timeout:g}s" if args.request_timeout else "none")
     try:
-        app = create_app(AsyncEngine(serving), model_name, api_key)
+        app = create_app(engine, model_name, api_key)
     except ValueError as e:  # the checkpoint's generation_config.json sets a sampling default not allowed
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
-        serving.close()
+        _close(engine)
         return 1
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
@@ -165,8 +175,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
         pass
     finally:
-        serving.close()  # a tensor-parallel artifact's worker ranks
+        _close(engine)
     return 0
+
+
+def _close(engine) -> None:
+    """Stop the engine process, or close the in-thread engine (a tensor-parallel artifact's worker ranks)."""
+    from runtime.engine_process import EngineProcess
+
+    if isinstance(engine, EngineProcess):
+        engine.shutdown()
+    else:
+        engine.engine.close()
 
 
 if __name__ == "__main__":

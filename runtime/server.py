@@ -1,6 +1,8 @@
-"""The OpenAI-compatible HTTP server: an ASGI app over an ``AsyncEngine``.
+"""The OpenAI-compatible HTTP server: an ASGI app over an ``AsyncEngine`` (the engine stepping in a thread of this
+process) or an ``EngineProcess`` (the engine in its own process: what ``builder serve`` runs).
 
     app = create_app(AsyncEngine(ServingEngine.load(path)), model_name="pystdlib", api_key=None)
+    app = create_app(EngineProcess(path), model_name="pystdlib", api_key=None)
 
 Routes:
 
@@ -84,10 +86,11 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.artifact import TOKENIZER_DIR
 from runtime.async_engine import AsyncEngine, EngineNotRunning, RequestStream
+from runtime.engine_process import EngineProcess
 from runtime.engine import RequestError
 from runtime.generation_config import sampling_defaults
 from runtime.metrics import RequestTracker, ServerMetrics
-from runtime.outputs import RequestOutput, TokenLogprob
+from runtime.outputs import RequestOutput, TokenLogprob, merge_deltas
 from runtime.sampling import SamplingError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.tokenizer import GENERATION_CONFIG_FILE, Tokenizer, TokenizerError
@@ -697,9 +700,10 @@ class _EventStream(StreamingResponse):
 class _Handlers:
     """What the routes do, for one app over one engine."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None, sse_keepalive_s: float) -> None:
+    def __init__(self, engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None,
+                 sse_keepalive_s: float) -> None:
         self.engine = engine
-        artifact = engine.engine.engine.artifact
+        artifact = engine.artifact
         # sampling fields a request leaves out (checked now: a bad file stops the start-up, not requests)
         self.sampling_defaults = {**OPENAI_SAMPLING_DEFAULTS, **sampling_defaults(
             artifact.file(f"{TOKENIZER_DIR}/{GENERATION_CONFIG_FILE}"))}
@@ -707,7 +711,7 @@ class _Handlers:
         self.model_name = model_name
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
-        self.max_seq_len = engine.engine.scheduler_config.max_seq_len
+        self.max_seq_len = engine.max_seq_len
         self.metrics = ServerMetrics(engine.stats)
         self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
@@ -826,6 +830,8 @@ class _Handlers:
                 except TimeoutError:
                     yield SSE_KEEPALIVE
                     continue
+                if behind := stream.ready_deltas():  # the client fell behind: what is queued goes as one chunk
+                    out = merge_deltas([out, *behind])
                 call.tracker.delta(out)
                 done = out.finished and out.finish_reason in ("stop", "length")
                 if out.text or (out.token_ids and call.want_logprobs) or done:
@@ -862,7 +868,7 @@ def _refusal(e: QueueFullError | RequestError, chat: bool) -> APIError:
     return _invalid(str(e), param="messages" if chat else "prompt")
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,
+def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None = None, *,
                sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
     """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
     down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes.

@@ -105,6 +105,7 @@ class ServeBenchConfig:
     slos: list[str] = field(default_factory=list)  # "ttft=500" (ms), as given to --slo
     seed: int = 0  # prompts and arrivals
     timeout: float = 600.0  # seconds per request, from its send
+    workers: int = 1  # client processes sharing the load (requests dealt round-robin, concurrency split)
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -123,6 +124,14 @@ class ServeBenchConfig:
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise BenchError(f"--{name.replace('_', '-')} must be a positive number of "
                                  f"{'requests/s' if name == 'request_rate' else 'seconds'}, got {value}")
+        if self.workers < 1:
+            raise BenchError(f"--workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and self.num_requests is None and self.request_rate is None:
+            raise BenchError("--workers > 1 needs the requests known up front: give --num-requests, or --request-rate "
+                             "with --duration")
+        if self.workers > 1 and self.concurrency is not None and self.concurrency < self.workers:
+            raise BenchError(f"--concurrency {self.concurrency} is below --workers {self.workers}: each client "
+                             f"process needs at least one request in flight")
         if not 0 <= self.range_ratio < 1:
             raise BenchError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
         parsed = urlparse(self.url)
@@ -280,7 +289,8 @@ def _prompts(config: ServeBenchConfig, tokenizer) -> tuple[Iterator[Prompt], Opt
 # --- the client ------------------------------------------------------------------------------------------
 @dataclass
 class RequestRecord:
-    """One request as the client saw it; times are seconds since the benchmark started (perf_counter)."""
+    """One request as the client saw it; times are seconds since the benchmark started (time.monotonic, one clock
+    for every client process)."""
 
     index: int  # send order
     max_tokens: int  # output tokens asked for
@@ -495,11 +505,13 @@ async def _run(config: ServeBenchConfig, progress: Optional[Progress],
             if progress is not None:
                 progress("requests", num_done, total)
 
+        if config.workers > 1:
+            return await _run_workers(config, model, prompts, total, arrivals, cap)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        start = time.perf_counter()
+        start = time.monotonic()
 
         def clock() -> float:
-            return time.perf_counter() - start
+            return time.monotonic() - start
 
         if progress is not None:
             progress("requests", 0, total)
@@ -529,6 +541,88 @@ async def _run(config: ServeBenchConfig, progress: Optional[Progress],
         await asyncio.gather(*tasks)
         duration = clock()
     return BenchResult(config, model, started_at, duration, records)
+
+
+# --- several client processes -----------------------------------------------------------------------------
+# One Python process parses a few tens of thousands of SSE events per second at most; a server streaming to hundreds
+# of requests at once sends more, and a single client would measure itself. With --workers N, N processes share the
+# requests (index i goes to process i % N, with its send time) and the concurrency cap (split as evenly as it
+# goes), start on one shared time.monotonic() instant, and send their records back as JSON.
+async def _run_workers(config: ServeBenchConfig, model: str, prompts: Iterator[Prompt], total: int,
+                       arrivals: Iterator[float], cap: Optional[int]) -> BenchResult:
+    import multiprocessing as mp
+
+    n = config.workers
+    items = [(i, t, asdict(next(prompts))) for i, t in zip(range(total), arrivals)]
+    if config.duration is not None:  # a Poisson schedule: the arrivals before --duration
+        items = [it for it in items if it[1] < config.duration]
+    ctx = mp.get_context("spawn")
+    pipes, procs = [], []
+    for w in range(n):
+        mine, theirs = ctx.Pipe()
+        share = None if cap is None else cap // n + (w < cap % n)
+        proc = ctx.Process(target=_worker_main, args=(theirs, asdict(config), model, items[w::n], share), daemon=True)
+        proc.start()
+        theirs.close()
+        pipes.append(mine)
+        procs.append(proc)
+    loop = asyncio.get_running_loop()
+    try:
+        for pipe in pipes:  # each has imported and connected: start together
+            await loop.run_in_executor(None, pipe.recv_bytes)
+        start = time.monotonic() + 0.05
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        for pipe in pipes:
+            pipe.send_bytes(json.dumps(start).encode())
+        replies = [json.loads(await loop.run_in_executor(None, pipe.recv_bytes)) for pipe in pipes]
+    finally:
+        for proc in procs:
+            proc.join(5)
+            if proc.is_alive():
+                proc.terminate()
+    records = sorted((RequestRecord(**r) for reply in replies for r in reply), key=lambda r: r.index)
+    ends = [r.end_s for r in records if not math.isnan(r.end_s)]
+    return BenchResult(config, model, started_at, max(ends) if ends else 0.0, records)
+
+
+def _worker_main(pipe, config_fields: dict, model: str, items: list, cap: Optional[int]) -> None:
+    """One client process of ``--workers``: send its share of the requests, reply with their records."""
+    config = ServeBenchConfig(**{**config_fields, "workers": 1})
+    pipe.send_bytes(b"ready")
+    start = json.loads(pipe.recv_bytes())
+    records = asyncio.run(_send_share(config, model, items, cap, start))
+    pipe.send_bytes(json.dumps([asdict(r) for r in records]).encode())
+
+
+async def _send_share(config: ServeBenchConfig, model: str, items: list, cap: Optional[int],
+                      start: float) -> list[RequestRecord]:
+    key = config.resolved_api_key()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    slots = asyncio.Semaphore(cap) if cap is not None else None
+    records, tasks = [], []
+
+    def clock() -> float:
+        return time.monotonic() - start
+
+    async with httpx.AsyncClient(base_url=config.base_url, headers=headers, limits=limits,
+                                 timeout=httpx.Timeout(config.timeout, connect=min(config.timeout, 30.0))) as client:
+        if clock() < 0:
+            await asyncio.sleep(-clock())
+        for index, arrival, prompt in items:
+            if arrival > clock():
+                await asyncio.sleep(arrival - clock())
+            if slots is not None:
+                await slots.acquire()
+            prompt = Prompt(**prompt)
+            record = RequestRecord(index, prompt.max_tokens, prompt.num_tokens)
+            records.append(record)
+            task = asyncio.create_task(_send(client, config, model, prompt, record, clock))
+            if slots is not None:
+                task.add_done_callback(lambda _: slots.release())
+            tasks.append(task)
+        await asyncio.gather(*tasks)
+    return records
 
 
 def run(config: ServeBenchConfig, progress: Optional[Progress] = None,

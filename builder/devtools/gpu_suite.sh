@@ -20,6 +20,12 @@
 #                  in $OUT/benchmarks.jsonl (decode_b1_*, ttft_128_*, decode_step_bN_*, baseline_*), the log with
 #                  the decode step table in $OUT/b1_PREC.log. The baseline compiles once per batch size
 #                  (~90 s each); B1_BASELINE=0 leaves it out.
+#   serve-PREC     the HTTP server against the offline engine on PREC, 128 in / 128 out, $SERVE_CONCURRENCY (default 256)
+#                  requests in flight, 4x that many requests: `builder bench throughput` (offline), then `builder serve`
+#                  with the engine in its own process (the default) and with `--engine-thread`, each loaded by
+#                  `builder bench serve` with each client process count of $SERVE_WORKERS (default "4 1") after a
+#                  warm-up wave; figures recorded (serve_throughput_128_128_PREC, serve_overhead_pct_PREC, ...).
+#                  $SERVE_ARTIFACT overrides the artifact (e.g. artifacts/quickstart for a dry run on the CPU)
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
@@ -109,6 +115,30 @@ PY
       python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps \
         $base --record "$OUT/benchmarks.jsonl" 2>&1 | tee "$OUT/b1_$prec.log" \
         | grep -E '^\{|^decode step|^batch|^ +[0-9]' ;;
+    serve-*)
+      prec=${part#serve-}
+      art=${SERVE_ARTIFACT:-artifacts/llama3-8b-$prec}; [ -n "${SERVE_ARTIFACT:-}" ] || artifact "$prec"
+      c=${SERVE_CONCURRENCY:-256}; port=${SERVE_PORT:-8000}
+      dev=""; [ -n "${SERVE_DEVICE:-}" ] && dev="--device $SERVE_DEVICE"
+      python3 -m builder.cli bench throughput $art --input-len 128 --output-len 128 --concurrency $c $dev \
+        --json "$OUT/serve_${prec}_offline.json" 2>&1 | grep '^{'
+      for mode in process thread; do
+        flag=""; [ $mode = thread ] && flag="--engine-thread"
+        python3 -m runtime.serve $art --port $port --max-num-seqs $c $flag $dev --log-level warning &
+        pid=$!
+        for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+        client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art --input-len 128 \
+          --output-len 128 --concurrency $c --quiet"
+        $client --num-requests $c --workers 4 > /dev/null  # warm-up wave
+        for w in ${SERVE_WORKERS:-4 1}; do
+          $client --num-requests $((4 * c)) --workers $w --json "$OUT/serve_${prec}_${mode}_w$w.json" \
+            | grep -E 'throughput|TTFT|TPOT'
+        done
+        kill -INT $pid; wait $pid
+      done
+      python3 -m builder.bench.serve_overhead --record "$OUT/benchmarks.jsonl" --precision $prec \
+        --offline "$OUT/serve_${prec}_offline.json" --served "$OUT"/serve_${prec}_process_w*.json \
+        --thread "$OUT"/serve_${prec}_thread_w*.json ;;
     build-*)
       artifact "${part#build-}" ;;
     ab-*)

@@ -331,3 +331,39 @@ def test_bad_options_say_what_is_allowed(url, tokenizer, tmp_path):
         assert res.exit_code == 1 and message in res.output, (args, res.output)
     res = cli("--url", url, "--api-key", "wrong", "--tokenizer", tokenizer)
     assert res.exit_code == 1 and "answered 401" in res.output and "--api-key" in res.output
+
+
+def test_workers_share_the_requests_and_the_concurrency(url, tokenizer, fixed):
+    split = run(config(url, tokenizer=tokenizer, num_requests=6, concurrency=2, input_len=16, output_len=8,
+                       workers=2))
+    s = split.summary()
+    assert (s["num_requests"], s["completed"], s["failed"]) == (6, 6, {})
+    assert [r.index for r in split.records] == list(range(6))
+    assert [r.num_prompt_tokens for r in split.records] == [r.num_prompt_tokens for r in fixed.records]
+    assert s["total_output_tokens"] == 48 and s["config"]["workers"] == 2
+    for w in range(2):  # each process got every other request and a cap of one: its requests run one at a time
+        mine = split.records[w::2]
+        for a, b in zip(mine, mine[1:]):
+            assert b.send_s >= a.end_s
+    last_end = max(r.end_s for r in split.records)
+    assert split.duration_s == last_end and s["output_token_throughput"] == pytest.approx(48 / last_end)
+    rate, duration, seed = 40.0, 0.25, 3
+    rng, t, schedule = random.Random(seed), 0.0, []
+    while t < duration:
+        schedule.append(t)
+        t += rng.expovariate(rate)
+    poisson = run(config(url, tokenizer=tokenizer, request_rate=rate, duration=duration, seed=seed, input_len=8,
+                         output_len=4, workers=2))
+    assert [r.index for r in poisson.records] == list(range(len(schedule)))
+    assert poisson.summary()["completed"] == len(schedule)
+    for r, planned in zip(poisson.records, schedule):  # every process keeps the shared schedule
+        assert r.send_s >= planned - 1e-6
+
+
+def test_workers_need_the_requests_known_up_front(url, tokenizer):
+    with pytest.raises(BenchError, match="--workers > 1 needs"):
+        config(url, tokenizer=tokenizer, duration=1.0, concurrency=4, workers=2)
+    with pytest.raises(BenchError, match="below --workers"):
+        config(url, tokenizer=tokenizer, num_requests=4, concurrency=1, workers=2)
+    with pytest.raises(BenchError, match="--workers must be >= 1"):
+        config(url, tokenizer=tokenizer, num_requests=4, workers=0)
