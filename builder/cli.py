@@ -259,6 +259,10 @@ def serve(
     request_timeout: float | None = typer.Option(None, help="per-request deadline in seconds"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="decode eagerly (debugging)"),
+    prefill_hold_ms: float | None = typer.Option(None, help="CUDA: how long a new prompt may wait while requests "
+                                                 "decode, to be prefilled with other arrivals (default 50; 0: at once)"),
+    engine_thread: bool = typer.Option(False, "--engine-thread", help="step the engine in a thread of the server "
+                                       "process, not its own process"),
     allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="serve an artifact that failed its gates"),
     log_level: str = typer.Option("info", help="debug | info | warning | error"),
 ) -> None:
@@ -269,10 +273,12 @@ def serve(
             "--gpu-memory-utilization", str(gpu_memory_utilization), "--log-level", log_level]
     options = {"--api-key": api_key, "--served-model-name": served_model_name, "--max-num-seqs": max_num_seqs,
                "--max-num-batched-tokens": max_num_batched_tokens, "--max-seq-len": max_seq_len,
-               "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout}
+               "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout,
+               "--prefill-hold-ms": prefill_hold_ms}
     argv += [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]
     argv += [flag for flag, on in (("--no-prefix-caching", no_prefix_caching), ("--no-cuda-graphs", no_cuda_graphs),
-                                   ("--allow-failed-gate", allow_failed_gate)) if on]
+                                   ("--allow-failed-gate", allow_failed_gate), ("--engine-thread", engine_thread))
+              if on]
     try:
         code = serve_main(argv)
     except SystemExit as e:  # argparse rejected a value

@@ -13,7 +13,8 @@ One step, built by ``schedule``:
     2. running requests with more pending (a prompt being prefilled in chunks, or a preempted request
        recomputing), oldest first, each taking what is left of the token budget
     3. waiting requests, oldest first, while there is token budget, a free sequence slot, and KV blocks;
-       the last one admitted may get only a chunk of its prompt (chunked prefill)
+       the last one admitted may get only a chunk of its prompt (chunked prefill). While requests decode,
+       new prompts may be held back briefly to be prefilled together (``SchedulerConfig.prefill_hold_s``)
 
     packed step: | decode | decode | ... | prefill chunk | prefill chunk | new prompt (or its chunk) |
                  |<----------------- at most max_num_batched_tokens tokens ------------------------->|
@@ -61,6 +62,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int  # most tokens in one step (decodes + prefill chunks)
     max_seq_len: int  # most tokens of one request, prompt plus generated
     max_waiting: int = 256  # most new requests queued; past it, add_request raises QueueFullError
+    # While requests are decoding, new prompts wait up to prefill_hold_s (from the oldest one's arrival) unless
+    # prefill_hold_tokens or more of their tokens are waiting, so that they are prefilled together and the steps
+    # between them stay decode-only (a decode-only step replays a CUDA graph; one carrying a prompt runs eagerly).
+    # 0: admit at once. With fewer than prefill_hold_min_running requests running the hold does not apply: a small
+    # batch gains little from fewer eager steps, and a prompt at low load would only wait.
+    prefill_hold_s: float = 0.0
+    prefill_hold_tokens: int = 0
+    prefill_hold_min_running: int = 16
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
@@ -68,6 +77,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if not self.prefill_hold_s >= 0 or self.prefill_hold_tokens < 0:
+            raise ValueError(f"prefill_hold_s and prefill_hold_tokens must be >= 0, got {self.prefill_hold_s} and "
+                             f"{self.prefill_hold_tokens}")
 
 
 _ids = itertools.count()
@@ -169,6 +181,24 @@ class Scheduler:
         """Whether ``add_request`` would accept one more request now."""
         return self._num_new_waiting < self.config.max_waiting
 
+    def admits_now(self, now: float | None = None) -> bool:
+        """Whether ``schedule`` would admit waiting requests now, budgets and blocks aside: there are some, a
+        sequence slot is free, and the prefill hold (SchedulerConfig) does not apply or has run out."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return False
+        hold = self.config.prefill_hold_s
+        if hold <= 0 or len(self.running) < max(self.config.prefill_hold_min_running, 1):
+            return True
+        now = time.monotonic() if now is None else now
+        if now - self.waiting[0].arrival_time >= hold:  # oldest first: a preempted request waited longest
+            return True
+        waiting_tokens = 0
+        for request in self.waiting:
+            waiting_tokens += request.num_tokens - request.num_computed_tokens
+            if waiting_tokens >= self.config.prefill_hold_tokens:
+                return True
+        return False
+
     def check(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """Raise ValueError if a request of this shape could never run (empty, too long for max_seq_len, more
         KV blocks than the pool has). Reads only fixed configuration, so any thread may call it."""
@@ -240,7 +270,8 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= num_new
 
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        admit = self.admits_now()
+        while admit and self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed, num_computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
             num_new = min(request.num_tokens - num_computed, budget)

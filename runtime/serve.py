@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.9,
                    help="CUDA: fraction of device memory for weights, workspace and KV cache")
     m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--prefill-hold-ms", type=float, default=None, metavar="MS",
+                   help="with CUDA-graph decode: how long a new prompt may wait while requests decode, so that arrivals "
+                        "are prefilled together and the steps between stay graph replays (default: "
+                        "$RUNTIME_PREFILL_HOLD_MS, else 50; 0 admits at once)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
     p.add_argument("--engine-thread", action="store_true",
@@ -146,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout,
-            cuda_graphs=not args.no_cuda_graphs)
+            cuda_graphs=not args.no_cuda_graphs,
+            **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}))
         if args.engine_thread:
             serving = ServingEngine.load(args.artifact, device=device, config=config,
                                          allow_failed_gate=args.allow_failed_gate)

@@ -75,12 +75,19 @@ class ServingConfig:
     # with cuda_graphs: one-sequence prefill steps of up to this many tokens replay CUDA graphs too (token buckets;
     # 0 = eager prefill; default from RUNTIME_PREFILL_GRAPH_TOKENS, else 512)
     prefill_graph_tokens: int = field(default_factory=lambda: _env_int("RUNTIME_PREFILL_GRAPH_TOKENS", 512))
+    # with CUDA-graph decode: while requests decode, a new prompt waits up to this long (unless a quarter of
+    # max_num_batched_tokens is waiting) so that arrivals are prefilled together and the steps between them replay
+    # the decode graph instead of running eagerly (SchedulerConfig.prefill_hold_s); 0 admits at once. Default
+    # from RUNTIME_PREFILL_HOLD_MS, else 50
+    prefill_hold_ms: float = field(default_factory=lambda: float(_env_int("RUNTIME_PREFILL_HOLD_MS", 50)))
 
     def __post_init__(self) -> None:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} is not in (0, 1]")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
+        if not self.prefill_hold_ms >= 0:
+            raise ValueError(f"prefill_hold_ms must be >= 0, got {self.prefill_hold_ms}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "kv_cache_bytes", "num_blocks"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -173,6 +180,9 @@ class ServingEngine:
             if not tp and max_tokens > 1:  # (tensor parallelism: the ranks would need to replay in lockstep)
                 self.prefill_graphs = PrefillGraphs(self.executor, self.storage, max_tokens,
                                                     self.scheduler_config.max_seq_len)
+            # decode-only steps are graph replays and much cheaper than eager ones that carry a prompt
+            self.scheduler_config.prefill_hold_s = config.prefill_hold_ms / 1000
+            self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self._inflight: _InFlight | None = None  # a launched decode step not yet read back (overlap)
@@ -442,7 +452,7 @@ class ServingEngine:
         KV slot is reserved as a lookahead slot (its token is not known yet) and committed once
         ``previous`` is read back."""
         scheduler = self.scheduler
-        if scheduler.waiting and len(scheduler.running) < self.scheduler_config.max_num_seqs:
+        if scheduler.admits_now():
             return None  # admit the waiting requests
         in_step = {id(q.request) for q in previous.sched.seqs}
         if any(id(r) not in in_step for r in scheduler.running):

@@ -192,6 +192,39 @@ def record(args) -> dict:
     return out
 
 
+def record_goodput(args) -> dict:
+    """``serve_goodput_rps_PREC``: the highest request rate of a gpu_suite goodput-PREC sweep whose p99 TTFT and p99
+    TPOT meet the run's SLOs (``--slo ttft=... --slo tpot=...``), appended to ``args.record``; a table of the sweep
+    is printed."""
+    from builder.bench.record import append_figures
+
+    runs = []
+    for path in args.goodput:
+        with open(path) as f:
+            runs.append(json.load(f))
+    runs.sort(key=lambda r: r["config"]["request_rate"])
+    print("rate req/s | completed | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms | goodput req/s (fraction)")
+    met = []
+    for r in runs:
+        slos = r["goodput"]["slos_ms"]
+        ok = r["ttft_ms"]["p99"] <= slos["ttft"] and r["tpot_ms"]["p99"] <= slos["tpot"] and not r["failed"]
+        if ok:
+            met.append(r["config"]["request_rate"])
+        print(f"{r['config']['request_rate']:g} | {r['completed']}/{r['num_requests']} | "
+              f"{r['output_token_throughput']:.0f} | {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | "
+              f"{r['tpot_ms']['p50']:.1f} / {r['tpot_ms']['p99']:.1f} | {r['goodput']['request_throughput']:.1f} "
+              f"({r['goodput']['fraction']:.3f}){'' if ok else '  (p99 over an SLO)'}")
+    rate = max(met) if met else 0.0
+    slos = runs[0]["goodput"]["slos_ms"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    append_figures(args.record, [(f"serve_goodput_rps_{args.precision}", rate, "req/s")], device,
+                   f"bash builder/devtools/gpu_suite.sh goodput-{args.precision} (rates "
+                   f"{' '.join(format(r['config']['request_rate'], 'g') for r in runs)}; p99 TTFT <= {slos['ttft']:g} "
+                   f"ms, p99 TPOT <= {slos['tpot']:g} ms; 128 +/- 50% tokens in and out)")
+    print(json.dumps({f"serve_goodput_rps_{args.precision}": rate}))
+    return {"rate": rate}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", nargs="?")
@@ -200,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--offline", default=None, help="`builder bench throughput --json` output")
     parser.add_argument("--served", nargs="*", default=[], help="`builder bench serve --json` files, engine process")
     parser.add_argument("--thread", nargs="*", default=None, help="`builder bench serve --json` files, --engine-thread")
+    parser.add_argument("--goodput", nargs="*", default=None, help="`builder bench serve --json` files of a rate sweep")
     parser.add_argument("--step-ms", type=float, default=9.0, help="simulated device time per step")
     parser.add_argument("--concurrency", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 4 x concurrency")
@@ -210,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.record and args.goodput:
+        if not args.precision:
+            parser.error("--record needs --precision")
+        record_goodput(args)
+        return 0
     if args.record:
         if not (args.precision and args.offline and args.served):
             parser.error("--record needs --precision, --offline and at least one served JSON file")

@@ -26,6 +26,10 @@
 #                  `builder bench serve` with each client process count of $SERVE_WORKERS (default "4 1") after a
 #                  warm-up wave; figures recorded (serve_throughput_128_128_PREC, serve_overhead_pct_PREC, ...).
 #                  $SERVE_ARTIFACT overrides the artifact (e.g. artifacts/quickstart for a dry run on the CPU)
+#   goodput-PREC   `builder serve` on PREC under Poisson arrivals at each rate of $GOODPUT_RATES (req/s, default
+#                  "60 80 100 110 120"), 10 s of arrivals each, lengths 128 +/- 50% in and out, SLOs p99 TTFT <= 500 ms
+#                  and p99 TPOT <= 50 ms; records serve_goodput_rps_PREC (the highest rate whose p99s meet both);
+#                  $GOODPUT_TAG (e.g. _hold0, with RUNTIME_PREFILL_HOLD_MS=0) is appended to the files' and figure's names
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
@@ -126,7 +130,7 @@ PY
         flag=""; [ $mode = thread ] && flag="--engine-thread"
         python3 -m runtime.serve $art --port $port --max-num-seqs $c $flag $dev --log-level warning &
         pid=$!
-        for _ in $(seq 600); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+        for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
         client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art --input-len 128 \
           --output-len 128 --concurrency $c --quiet"
         $client --num-requests $c --workers 4 > /dev/null  # warm-up wave
@@ -139,6 +143,24 @@ PY
       python3 -m builder.bench.serve_overhead --record "$OUT/benchmarks.jsonl" --precision $prec \
         --offline "$OUT/serve_${prec}_offline.json" --served "$OUT"/serve_${prec}_process_w*.json \
         --thread "$OUT"/serve_${prec}_thread_w*.json ;;
+    goodput-*)
+      prec=${part#goodput-}
+      art=${SERVE_ARTIFACT:-artifacts/llama3-8b-$prec}; [ -n "${SERVE_ARTIFACT:-}" ] || artifact "$prec"
+      port=${SERVE_PORT:-8000}
+      python3 -m runtime.serve $art --port $port --log-level warning &
+      pid=$!
+      for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+      client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art --input-len 128 \
+        --output-len 128 --range-ratio 0.5 --slo ttft=500 --slo tpot=50 --workers 4 --quiet"
+      $client --num-requests 256 --concurrency 256 > /dev/null  # warm-up wave
+      files=""
+      for r in ${GOODPUT_RATES:-60 80 100 110 120}; do
+        f="$OUT/goodput_${prec}${GOODPUT_TAG:-}_r$r.json"
+        $client --request-rate $r --duration 10 --json "$f" | grep -E 'throughput|TTFT|TPOT|goodput'
+        files="$files $f"
+      done
+      kill -INT $pid; wait $pid
+      python3 -m builder.bench.serve_overhead --record "$OUT/benchmarks.jsonl" --precision "$prec${GOODPUT_TAG:-}" --goodput $files ;;
     build-*)
       artifact "${part#build-}" ;;
     ab-*)

@@ -179,3 +179,33 @@ def test_finishing_a_waiting_or_running_request_frees_everything():
     assert s.finish_request("a") is None
     assert s.kv.pool.num_free == 8 and s.num_unfinished == 0
     assert s.has_capacity and s.schedule().empty
+
+
+def test_prefill_hold_batches_new_prompts_while_requests_decode():
+    kv = KVCacheManager(BlockPool(64), BS)
+    s = Scheduler(SchedulerConfig(8, 64, 64, 8, prefill_hold_s=5.0, prefill_hold_tokens=10,
+                                  prefill_hold_min_running=2), kv)
+    for rid in ("a", "b"):
+        _add(s, rid, [1, 2, 3], max_tokens=20)
+    assert [q[0] for q in _step(s)] == ["a", "b"]  # an empty batch: admitted at once, whatever the hold
+    c = _add(s, "c", [4, 5, 6])
+    assert not s.admits_now(c.arrival_time + 4.9)
+    assert _step(s) == [("a", 3, 1), ("b", 3, 1)]  # decode-only: c waits (3 tokens < 10, well under 5 s)
+    assert s.admits_now(c.arrival_time + 5.0)  # the hold runs out
+    d = _add(s, "d", list(range(10, 17)))  # 3 + 7 tokens waiting reach prefill_hold_tokens: both go now
+    assert s.admits_now(d.arrival_time)
+    assert _step(s) == [("a", 4, 1), ("b", 4, 1), ("c", 0, 3), ("d", 0, 7)]
+    _finish_all(s)
+
+
+def test_prefill_hold_does_not_apply_to_a_small_batch_or_when_off():
+    for kwargs in ({"prefill_hold_s": 10.0, "prefill_hold_tokens": 100, "prefill_hold_min_running": 3}, {}):
+        s = Scheduler(SchedulerConfig(8, 64, 64, 8, **kwargs), KVCacheManager(BlockPool(64), BS))
+        for rid in ("a", "b"):
+            _add(s, rid, [1, 2, 3], max_tokens=20)
+        _step(s)
+        _add(s, "c", [4, 5, 6])
+        assert [q[0] for q in _step(s)] == ["a", "b", "c"]  # 2 running < 3 (or no hold): c is admitted at once
+        _finish_all(s)
+    with pytest.raises(ValueError, match="prefill_hold"):
+        SchedulerConfig(8, 64, 64, 8, prefill_hold_s=-1)
