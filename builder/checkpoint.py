@@ -1,9 +1,10 @@
 """Reading a local Hugging Face checkpoint directory: config, safetensors weights, tokenizer files.
 
-Weights are read with safetensors only; a checkpoint that ships only pickled weights
-(``pytorch_model.bin``) is refused rather than unpickled. Checkpoints that are already quantized
-(a ``quantization_config`` in config.json, float8 or integer weight tensors) are refused too: their
-codes would be read as plain floats and their scales dropped.
+Any model family is opened: whether the toolchain can build it is decided by tracing and lifting its
+modeling code (``passes/trace.py``), not by a list of names. Weights are read with safetensors only;
+a checkpoint that ships only pickled weights (``pytorch_model.bin``) is refused rather than unpickled.
+Checkpoints that are already quantized (a ``quantization_config`` in config.json, float8 or integer
+weight tensors) are refused too: their codes would be read as plain floats and their scales dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 FLOAT_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Checkpoint tensors no model weight stands for, safe to leave unread: rotary tables (recomputed from the config).
 UNREAD_OK_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -135,9 +135,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_file} holds a JSON {type(config).__name__}, not an object of model settings; "
                               f"download the checkpoint again")
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_FAMILIES:
-        raise CheckpointError(f"{cfg_file}: model_type {model_type!r} is not supported; supported families: "
-                              f"{', '.join(SUPPORTED_FAMILIES)}")
+    if not isinstance(model_type, str) or not model_type:
+        raise CheckpointError(f"{cfg_file}: model_type is {json.dumps(model_type)}; config.json must name the "
+                              f"model's family (e.g. \"llama\"), which transformers needs to read it; the config "
+                              f"is incomplete, download the checkpoint again")
     _refuse_quantized(cfg_file, config)
     _check_dimensions(cfg_file, config)
     _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))

@@ -69,9 +69,15 @@ def parse_memory(text: str) -> int:
         raise PlanError(str(e)) from None
 
 
+# Families whose biases and q/k norms the planner knows from model_type alone. Any other family is planned as a
+# Llama-style decoder from config.json's standard keys (the KV cache per token from its heads, the weights an
+# estimate); the plan says so. Whether a family builds at all is the lifter's call, not this list's.
+EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """The decoder's shape, read from config.json (Llama, Mistral, Qwen2, Qwen3 families)."""
+    """The decoder's shape, read from config.json (exact for EXACT_FAMILIES, a Llama-style estimate otherwise)."""
 
     model_type: str
     num_layers: int
@@ -87,15 +93,13 @@ class ModelShape:
     mlp_bias: bool
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     max_position_embeddings: Optional[int] = None  # the build refuses a longer max_seq_len
+    exact: bool = True  # False: a family outside EXACT_FAMILIES, weights counted as a Llama-style decoder's
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelShape:
-        from builder.checkpoint import SUPPORTED_FAMILIES
-
-        model_type = config.get("model_type", "")
-        if model_type not in SUPPORTED_FAMILIES:
-            raise PlanError(f"{source}: model_type {model_type!r} is not supported; the planner knows "
-                            f"{', '.join(SUPPORTED_FAMILIES)}")
+        model_type = config.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            raise PlanError(f"{source}: model_type is {json.dumps(model_type)}; the planner needs the model's family")
 
         def need(key: str, default: int | None = None) -> int:
             value = config.get(key) or default
@@ -114,7 +118,8 @@ class ModelShape:
             qkv_bias=attention_bias or model_type == "qwen2",
             o_bias=attention_bias and model_type in ("llama", "qwen3"),
             mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
-            qk_norm=model_type == "qwen3", max_position_embeddings=config.get("max_position_embeddings"))
+            qk_norm=model_type == "qwen3", max_position_embeddings=config.get("max_position_embeddings"),
+            exact=model_type in EXACT_FAMILIES)
 
     def num_parameters(self) -> int:
         """Elements of the unquantized, unsharded model (a tied table counted once)."""
@@ -449,6 +454,10 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         f"CUDA context is a fixed allowance of {_size(s.cuda_context_bytes)}; the runtime measures memory held "
         "outside its allocator",
     ]
+    if not shape.exact:
+        notes.append(f"model_type {shape.model_type!r} is planned as a Llama-style decoder (q/k/v/o and gate/up/down "
+                     f"linears, two norms a layer) from config.json's standard keys: the KV cache per token follows "
+                     f"from its heads, the weights are an estimate (extra norms, biases or experts are not counted)")
     if shape.max_position_embeddings and s.max_seq_len > shape.max_position_embeddings:
         notes.append(f"max_seq_len {s.max_seq_len} exceeds the model's max_position_embeddings "
                      f"{shape.max_position_embeddings}: `builder build` refuses this recipe")

@@ -12,6 +12,14 @@ import torch
 import torch.nn.functional as F
 
 
+def embedding(ids: torch.Tensor, table: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
+    # ids: [num_tokens] -> [num_tokens, hidden]. The scale is rounded to the table's dtype, as Gemma's
+    # embed_scale.to(weight.dtype) is (sqrt(3072) = 55.43 is 55.5 in bf16); a 0-d tensor of that dtype on the
+    # table's device is used as it is (no copy: what a CUDA graph replays)
+    rows = F.embedding(ids, table)
+    return rows if scale is None else rows * torch.as_tensor(scale, dtype=table.dtype, device=table.device)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, head_dim: int | None = None,
              weight_offset: float = 0.0) -> torch.Tensor:
     # x: [num_tokens, features]; with head_dim, normalised per head of that size
@@ -20,9 +28,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, head_dim:
         x = x.view(shape[0], -1, head_dim)
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = h.to(x.dtype)
+    if weight is not None and weight_offset:  # Gemma's order: the gain (w + offset) in fp32, one rounding
+        return (h * (weight.float() + weight_offset)).to(x.dtype).reshape(shape)
+    out = h.to(x.dtype)  # Llama's order: rounded to the activation dtype, then the gain
     if weight is not None:
-        out = (weight + weight_offset) * out if weight_offset else weight * out
+        out = weight * out
     return out.reshape(shape)
 
 

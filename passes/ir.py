@@ -45,11 +45,14 @@ class OpSpec:
 
 # The op set. The runtime's executor implements every op named here (``kernels/torch_ops.py``).
 OPS: dict[str, OpSpec] = {
-    "embedding": OpSpec((1, 1), ("weight",), doc="token ids [T] -> rows of the table [T, hidden]"),
+    "embedding": OpSpec((1, 1), ("weight",), doc="token ids [T] -> rows of the table [T, hidden]; with a `scale` "
+                        "attr, rows * scale, the scale rounded to the table's dtype first (Gemma's sqrt(hidden))"),
     "rms_norm": OpSpec(
         (1, 1), (), ("weight",), ("eps",),
         doc="x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), computed in fp32; "
-            "per head of size head_dim when that attr is set",
+            "per head of size head_dim when that attr is set. Without weight_offset the normalised x is "
+            "rounded to the activation dtype before the gain (Llama's order), with it the gain is applied "
+            "in fp32 first (Gemma's (1 + w))",
     ),
     "fused_add_rms_norm": OpSpec(
         (2, 2), (), ("weight",), ("eps",),

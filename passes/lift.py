@@ -7,14 +7,17 @@ value saying what it is in IR terms:
   (``[1, T, F]``, ``[1, T, H, D]``, ``[1, H, T, D]``, ...).
 - ``Pos``: anything computed only from positions, shapes and buffers (position ids, causal masks,
   rotary cos/sin tables). The runtime recomputes these itself, so they never become IR nodes.
-- ``Param``: a weight.
+- ``Param``: a weight, possibly offset by a constant (a norm gain of ``1 + w``).
 - partial patterns (``Half``, ``Rot``, ``RmsInv``, ...): intermediate steps of RoPE and RMSNorm,
   recognised from their arithmetic, not from module or class names.
 
+Small constants the model computes from its own buffers (an embedding scale of sqrt(hidden)) are
+evaluated on the CPU when a per-token value is multiplied by them, and become an attribute.
+
 Any op applied to a per-token value that no rule recognises stops the lift with a ``LiftError``
-naming the ATen op and the module path it came from. No table is keyed on architecture: a family
-that composes the same primitives (embedding, RMSNorm, linear, rotate-half RoPE, SDPA, activations,
-residual adds) lifts without new code.
+naming the ATen op, the module path it came from and, where known, the IR primitive it would need.
+No table is keyed on architecture: a family that composes the same primitives (embedding, RMSNorm,
+linear, rotate-half RoPE, SDPA, activations, residual adds) lifts without new code.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Pos:
 @dataclass(frozen=True)
 class Param:
     name: str
+    offset: float = 0.0  # the model uses weight + offset (Gemma's RMSNorm gain: 1 + w)
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ ACTIVATION_OPS = {
 class LiftContext:
     model: torch.nn.Module  # the traced model (on meta), for module attributes such as sliding_window
     rotary: Callable[[str], tuple[torch.Tensor, float]]  # buffer target -> (inv_freq, attention_scaling)
+    # buffer target -> its real value (the traced model's buffers are meta); None: constants cannot be evaluated
+    buffer: Callable[[str], torch.Tensor] | None = None
 
 
 @dataclass
@@ -164,6 +170,9 @@ class _State:
     names: NameGen = field(default_factory=NameGen)
     num_attention: int = 0
     rope_tables: dict[frozenset[str], str] = field(default_factory=dict)  # buffers -> inv_freq param
+    inputs: dict[str, Any] = field(default_factory=dict)  # placeholder name -> its InputSpec
+    constants: dict[str, Any] = field(default_factory=dict)  # the exported program's lifted constant tensors
+    evaluated: dict[torch.fx.Node, torch.Tensor] = field(default_factory=dict)  # constants computed so far
 
 
 def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
@@ -172,11 +181,12 @@ def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
     sig = exported.graph_signature
     placeholders = {s.arg.name: s for s in sig.input_specs}
     state_dict = exported.state_dict
-    st = _State(names=NameGen({"input_ids", "positions"}))
+    st = _State(names=NameGen({"input_ids", "positions"}), constants=dict(exported.constants))
 
     for fx_node in gm.graph.nodes:
         if fx_node.op == "placeholder":
             spec = placeholders[fx_node.name]
+            st.inputs[fx_node.name] = spec
             if spec.kind == torch.export.graph_signature.InputKind.PARAMETER:
                 st.env[fx_node] = Param(spec.target)
                 st.params[spec.target] = state_dict[spec.target]
@@ -219,7 +229,7 @@ def _mark_lm_head(st: _State, value: str) -> None:
 
 def _module_path(fx_node: torch.fx.Node) -> str:
     stack = fx_node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else "<top>"
+    return (list(stack.values())[-1][0] if stack else "") or "<top>"  # the root module's path is ""
 
 
 def _abstract(arg: Any, st: _State) -> Any:
@@ -284,19 +294,73 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
             return base
         raise LiftError(f"getitem on {base!r} at {source}")
     if not (_is_token_like(args) or _is_token_like(list(kwargs.values()))):
+        if any(isinstance(a, Param) for a in args + list(kwargs.values())):
+            return _weight_expression(fx_node, args, kwargs, source)
         # Only positions, shapes, buffers and constants feed this op: position machinery.
         return _pos_union(args + list(kwargs.values()))
     rule = RULES.get(target)
     if rule is None:
-        raise LiftError(
-            f"unsupported op {target} applied to per-token values at module {source!r}; "
-            f"the lifter knows: {', '.join(sorted(str(t) for t in RULES))}"
-        )
+        known = "" if target in NEEDS else f"; the lifter knows: {', '.join(sorted(str(t) for t in RULES))}"
+        raise LiftError(f"unsupported op {target} applied to per-token values at module {source!r}{_needs(target)}"
+                        f"{known}")
     result = rule(fx_node, args, kwargs, st, ctx, source)
     if result is NotImplemented:
         raise LiftError(f"op {target} at module {source!r} is used in a pattern the lifter does not "
-                        f"know (operands: {', '.join(type(a).__name__ for a in args)})")
+                        f"know (operands: {', '.join(type(a).__name__ for a in args)}){_needs(target)}")
     return result
+
+
+# What an op the lifter stops at usually stands for, and the IR primitive lifting it would take.
+NEEDS: dict[Any, str] = {
+    aten.layer_norm.default: "LayerNorm (mean-centred, optional bias), which the IR lacks: it has rms_norm only",
+    aten.native_layer_norm.default: "LayerNorm (mean-centred, optional bias), which the IR lacks: it has rms_norm only",
+    aten.softmax.int: "a softmax over per-token values outside attention, such as a mixture-of-experts router "
+                      "(softmax, top-k, expert dispatch), which the IR has no op for",
+    aten._softmax.default: "a softmax over per-token values outside attention, such as a mixture-of-experts router "
+                           "(softmax, top-k, expert dispatch), which the IR has no op for",
+    aten.topk.default: "a top-k over per-token values, such as a mixture-of-experts router, which the IR has no op for",
+    aten.matmul.default: "attention written out as matmul + softmax (eager attention) or another product of two "
+                         "activations; the IR takes attention only from scaled_dot_product_attention",
+    aten.bmm.default: "attention written out as matmul + softmax (eager attention) or another product of two "
+                      "activations; the IR takes attention only from scaled_dot_product_attention",
+    aten.div.Tensor: "a division of per-token values (logit or residual scaling, soft-capping), which the lifter "
+                     "does not map to an IR op yet",
+    aten.tanh.default: "a tanh of per-token values (an activation, or the soft-capping of attention scores or logits), "
+                       "which the IR has no op for",
+    aten.slice.Tensor: "a slice of a linear's output features, such as q/k/v or gate/up stored as one fused weight "
+                       "(a linear with split_sizes would carry it), or partial rotary embeddings",
+    aten.embedding.default: "an embedding looked up by something other than the token ids, such as learned absolute "
+                            "position embeddings, which the IR has no op for",
+    aten.mean.dim: "a mean of per-token values other than RMSNorm's mean of squares, such as LayerNorm's "
+                   "mean-centring, which the IR lacks: it has rms_norm only",
+    aten.view.default: "a view of the token ids or of features the IR cannot follow (a model that reshapes its "
+                       "input_ids, such as one with learned absolute position embeddings)",
+}
+
+
+def _needs(target: Any) -> str:
+    need = NEEDS.get(target)
+    return f"; this is usually {need}" if need else ""
+
+
+def _weight_expression(fx_node, args, kwargs, source) -> Param:
+    """An op on weights alone: a cast passes through, a constant added becomes the weight's offset (the
+    ``1 + w`` gain of Gemma's RMSNorm). Anything else would compute a tensor the graph cannot store."""
+    x = args[0]
+    if fx_node.target in IDENTITY_OPS and isinstance(x, Param):
+        return x
+    if fx_node.target == aten.add.Tensor and _const(kwargs.get("alpha", Const(1))) == 1:
+        for w, c in ((args[0], args[1]), (args[1], args[0])):
+            if isinstance(w, Param) and isinstance(c, Const) and isinstance(c.value, (int, float)):
+                return Param(w.name, w.offset + float(c.value))
+    weights = ", ".join(a.name for a in args if isinstance(a, Param))
+    if any(isinstance(a, Pos) for a in args + list(kwargs.values())):
+        raise LiftError(f"op {fx_node.target} at module {source!r} combines weight {weights} with values computed "
+                        f"from the positions{_needs(fx_node.target)}; the IR's only position-dependent ops are "
+                        f"rope and attention")
+    raise LiftError(f"op {fx_node.target} at module {source!r} computes a new tensor from weight {weights} before "
+                    f"using it; the lifter takes weights as stored, cast, or offset by a constant (a norm gain of "
+                    f"1 + w)")
 
 
 def _const(v: Any) -> Any:
@@ -315,6 +379,9 @@ def _identity(fx_node, args, kwargs, st, ctx, source):
 
 def _layout(fx_node, args, kwargs, st, ctx, source):
     x = args[0]
+    if isinstance(x, Ids):  # input_ids.view(-1, T) and the like: still one id per token
+        shape = tuple(fx_node.meta["val"].shape)
+        return x if math.prod(d for d in shape if isinstance(d, int)) == 1 else NotImplemented
     if not isinstance(x, Tok):
         return NotImplemented
     layout = _layout_of(fx_node)
@@ -335,7 +402,7 @@ def _layout(fx_node, args, kwargs, st, ctx, source):
 
 def _embedding(fx_node, args, kwargs, st, ctx, source):
     weight, ids = args[0], args[1]
-    if not (isinstance(weight, Param) and isinstance(ids, Ids)):
+    if not (isinstance(weight, Param) and isinstance(ids, Ids) and not weight.offset):
         return NotImplemented
     out = _emit(st, "embedding", [ids.value], "embed", source, weights={"weight": weight.name})
     return Tok(out, _layout_of(fx_node))
@@ -344,7 +411,9 @@ def _embedding(fx_node, args, kwargs, st, ctx, source):
 def _linear(fx_node, args, kwargs, st, ctx, source):
     x, weight = args[0], args[1]
     bias = args[2] if len(args) > 2 else kwargs.get("bias", Const(None))
-    if not (isinstance(x, Tok) and isinstance(weight, Param) and x.layout.dims[-1] == "F"):
+    if not (isinstance(x, Tok) and isinstance(weight, Param) and x.layout.dims[-1] == "F" and not weight.offset):
+        return NotImplemented
+    if isinstance(bias, Param) and bias.offset:
         return NotImplemented
     weights = {"weight": weight.name}
     if isinstance(bias, Param):
@@ -393,11 +462,13 @@ def _cat(fx_node, args, kwargs, st, ctx, source):
 
 def _mul(fx_node, args, kwargs, st, ctx, source):
     a, b = args[0], args[1]
-    for x, y in ((a, b), (b, a)):
+    for x, y, x_fx, y_fx in ((a, b, *fx_node.args[:2]), (b, a, *fx_node.args[1::-1])):
         if isinstance(x, Normed) and isinstance(y, Param):
             return _rms_norm(fx_node, x, y, st, source)
         if isinstance(x, Tok) and isinstance(y, RmsInv) and y.x.value == x.value:
             return Normed(x, y.eps)
+        if isinstance(x, Tok) and isinstance(y, Pos) and _is_scalar(y_fx):
+            return _scale(x, x_fx, float(_evaluate(y_fx, st, ctx, source)), st, source)
         if isinstance(x, Tok) and isinstance(y, Pos):
             return RopeTerm(x, rotated=False, table=y)
         if isinstance(x, Rot) and isinstance(y, Pos):
@@ -419,8 +490,66 @@ def _rms_norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -
     attrs: dict[str, Any] = {"eps": normed.eps}
     if x.layout.dims[-1] == "D":  # normalised per head (e.g. q/k norms)
         attrs["head_dim"] = x.layout.size("D")
+    if weight.offset:  # gain (offset + w), e.g. Gemma's 1 + w
+        attrs["weight_offset"] = weight.offset
     out = _emit(st, "rms_norm", [x.value], "norm", source, weights={"weight": weight.name}, attrs=attrs)
     return Tok(out, _layout_of(fx_node), x.repeat)
+
+
+def _is_scalar(fx_arg: Any) -> bool:
+    """An FX value of one element and a static shape (a 0-d tensor such as an embedding scale)."""
+    val = fx_arg.meta.get("val") if isinstance(fx_arg, torch.fx.Node) else None
+    return (isinstance(val, torch.Tensor) and all(isinstance(d, int) for d in val.shape)
+            and math.prod(val.shape) == 1)
+
+
+def _evaluate(node: torch.fx.Node, st: _State, ctx: LiftContext, source: str) -> torch.Tensor:
+    """The value of a constant the model computes from its buffers and literals alone (no input), on the CPU.
+
+    The traced model is on meta, so buffers come from ``ctx.buffer`` and lifted constants from the
+    exported program; a device argument is replaced by the CPU.
+    """
+    if node in st.evaluated:
+        return st.evaluated[node]
+    spec = st.inputs.get(node.name) if node.op == "placeholder" else None
+    kind, target = (spec.kind, spec.target) if spec is not None else (None, None)
+    if kind == torch.export.graph_signature.InputKind.CONSTANT_TENSOR and target in st.constants:
+        value = st.constants[target]
+    elif kind == torch.export.graph_signature.InputKind.BUFFER and not spec.persistent and ctx.buffer is not None:
+        value = ctx.buffer(target)  # not stored in the checkpoint: the model computes it
+    elif node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        args = torch.fx.node.map_arg(node.args, lambda n: _evaluate(n, st, ctx, source))
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: _evaluate(n, st, ctx, source))
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        value = node.target(*args, **kwargs)
+    else:
+        value = None
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        raise LiftError(f"module {source!r} multiplies per-token values by a constant whose value cannot be "
+                        f"computed before running the model (it depends on {node.name}, {target or node.op}); the "
+                        f"lifter folds only constants computed from the model's buffers and literals")
+    st.evaluated[node] = value
+    return value
+
+
+def _scale(x: Tok, x_fx: torch.fx.Node, value: float, st: _State, source: str) -> Tok:
+    """x * a constant: the embedding's ``scale`` when x is a fresh embedding lookup read by nothing else
+    (Gemma's rows * sqrt(hidden)), else an elementwise scale."""
+    embed = st.nodes[-1] if st.nodes else None
+    producer = x_fx
+    while producer.target in IDENTITY_OPS and _num_uses(producer) == 1:
+        producer = producer.args[0]
+    if (embed is not None and embed.op == "embedding" and embed.outputs == [x.value] and "scale" not in embed.attrs
+            and producer.target == aten.embedding.default and _num_uses(producer) == 1):
+        embed.attrs["scale"] = value
+        return x
+    out = _emit(st, "elementwise", [x.value], "scaled", source, attrs={"fn": "scale", "value": value})
+    return Tok(out, x.layout)
+
+
+def _num_uses(fx_node: torch.fx.Node) -> int:
+    return sum(1 for u in fx_node.users if u.target not in IGNORED_OPS)
 
 
 def _add(fx_node, args, kwargs, st, ctx, source):
@@ -513,7 +642,7 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     module = _attention_module(ctx.model, source)
-    sliding_window = _sliding_window(module)
+    sliding_window = _sliding_window(module, source)
     attrs = {
         "layer": st.num_attention, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "scale": float(scale),
@@ -525,19 +654,28 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     return Tok(out, _layout_of(fx_node))
 
 
-def _sliding_window(module: Any) -> int | None:
-    """The attention module's sliding window: its own attribute where the model sets one, else from the
-    config (per layer through ``layer_types`` where present; Mistral keeps it only in its config)."""
+LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types entries the attention op covers
+
+
+def _sliding_window(module: Any, source: str) -> int | None:
+    """The attention module's sliding window. Where the config has ``layer_types``, they say which layers
+    slide (a module may keep the config's window on its full-attention layers too, as EXAONE 4's does); else
+    the module's own attribute, else the config (Mistral keeps it only there)."""
     if module is None:
         return None
+    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and layer is not None and layer < len(layer_types):
+        if layer_types[layer] not in LAYER_TYPES:
+            raise LiftError(f"attention at {source!r} is of layer type {layer_types[layer]!r} (config.layer_types); "
+                            f"the attention op covers {', '.join(LAYER_TYPES)}")
+        if layer_types[layer] == "full_attention":
+            return None
+        return getattr(module, "sliding_window", None) or config.sliding_window
     if hasattr(module, "sliding_window"):
         return module.sliding_window
-    config, layer = getattr(module, "config", None), getattr(module, "layer_idx", None)
     if config is None or not getattr(config, "sliding_window", None):
         return None
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and layer is not None:
-        return config.sliding_window if layer_types[layer] == "sliding_attention" else None
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return config.sliding_window

@@ -6,9 +6,12 @@ dynamic sequence length, and lifted. The builder attaches real weights afterward
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import time
 import warnings
+from typing import Callable
 
 import torch
 
@@ -21,12 +24,43 @@ log = logging.getLogger(__name__)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
+# Config settings that make a model compute attention in its own code rather than through SDPA, named when such
+# a model refuses SDPA: the IR primitive each would need.
+EAGER_ATTENTION_FEATURES = {
+    "attn_logit_softcapping": "soft-capping of attention scores",
+    "final_logit_softcapping": "soft-capping of the final logits",
+}
+
+
 def build_meta_model(config) -> torch.nn.Module:
-    """Instantiate the HF modeling code for ``config`` with no storage behind its weights."""
+    """Instantiate the HF modeling code for ``config`` with no storage behind its weights.
+
+    Attention is traced as SDPA, the one form the lifter takes it in. A model class that refuses SDPA
+    computes attention its own way (score soft-capping, attention sinks): it is refused here, saying so,
+    rather than traced with eager attention whose matmul/softmax the lifter cannot map to its attention op.
+    """
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    architecture = (getattr(config, "architectures", None) or [None])[0]
+    name = f"{architecture} (model_type {config.model_type!r})" if architecture else f"model_type {config.model_type!r}"
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    except ValueError as e:
+        reason = " ".join(str(e).split())
+        if "scaled_dot_product_attention" not in reason and "sdpa" not in reason.lower():
+            raise LiftError(f"transformers cannot build a causal LM for {name} ({type(e).__name__}: "
+                            f"{reason[:300]})") from e
+        features = [f"{what} ({key} {getattr(config, key)})" for key, what in EAGER_ATTENTION_FEATURES.items()
+                    if getattr(config, key, None) is not None]
+        extra = f", here {' and '.join(features)}" if features else ""
+        raise LiftError(f"{name} refuses SDPA attention in transformers ({reason.split('. ')[0]}); the lifter "
+                        f"takes attention only from scaled_dot_product_attention, so this model needs an attention "
+                        f"op for what its own (eager) attention code adds{extra}") from e
+    except Exception as e:  # the modeling code's own checks of the config (AssertionError, TypeError, ImportError, ...)
+        reason = " ".join(str(e).split())
+        raise LiftError(f"transformers cannot build the {name} model from its config.json "
+                        f"({type(e).__name__}: {reason[:300]})") from e
     model.eval()
     return model
 
@@ -37,12 +71,24 @@ def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
     # DYNAMIC rather than a named Dim with a range: some modeling code adds guards (e.g. min(a*T, b*T))
     # that hold for every length but that a ranged Dim's constraint check cannot prove, and refuses.
     seq = torch.export.Dim.DYNAMIC
-    with warnings.catch_warnings():
+    # torch.export prints the partial graph of some failures to stderr: kept for the debug log instead, so that a
+    # failed build says one line
+    printed = io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stderr(printed):
         warnings.simplefilter("ignore")
-        return torch.export.export(
-            model, (), {"input_ids": ids, "use_cache": False},
-            dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
-        )
+        try:
+            return torch.export.export(
+                model, (), {"input_ids": ids, "use_cache": False},
+                dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
+            )
+        except Exception as e:  # torch.export raises many kinds (UserError, GuardOnDataDependentSymNode, ...)
+            reason = " ".join(str(e).split())
+            raise LiftError(f"torch.export cannot trace {type(model).__name__} on the meta device with a dynamic "
+                            f"number of tokens ({type(e).__name__}: {reason[:400]}); the lifter needs one graph "
+                            f"for every prompt length") from e
+        finally:
+            if printed.getvalue():
+                log.debug("torch.export printed:\n%s", printed.getvalue())
 
 
 def rotary_tables(model: torch.nn.Module):
@@ -53,18 +99,55 @@ def rotary_tables(model: torch.nn.Module):
     """
 
     def table(buffer_target: str) -> tuple[torch.Tensor, float]:
-        module_path = buffer_target.rsplit(".", 1)[0]
+        module_path, buffer = buffer_target.rsplit(".", 1)
         meta_module = model.get_submodule(module_path)
+        # one table per layer type (Gemma 3: sliding_attention_inv_freq) has its own rope_type and scaling
+        layer_type = buffer.removesuffix("inv_freq").removesuffix("_")
         rope_type = getattr(meta_module, "rope_type", "default")
+        if isinstance(rope_type, dict):
+            rope_type = rope_type.get(layer_type, "default")
         if rope_type not in STATIC_ROPE_TYPES:
             raise LiftError(f"rope_type {rope_type!r} at {module_path!r} is not supported; "
                             f"supported: {', '.join(STATIC_ROPE_TYPES)}")
         with torch.device("cpu"):
             real = type(meta_module)(meta_module.config)
-        inv_freq = getattr(real, buffer_target.rsplit(".", 1)[1]).detach().to(torch.float32).clone()
-        return inv_freq, float(getattr(real, "attention_scaling", 1.0))
+        inv_freq = getattr(real, buffer).detach().to(torch.float32).clone()
+        scaling = getattr(real, f"{layer_type}_attention_scaling", None) if layer_type else None
+        return inv_freq, float(getattr(real, "attention_scaling", 1.0) if scaling is None else scaling)
 
     return table
+
+
+def buffer_values(model: torch.nn.Module) -> Callable[[str], torch.Tensor]:
+    """Map a buffer target to its real value, for constants the lifter folds (an embedding scale).
+
+    The meta model's buffers hold no values. A buffer the checkpoint does not store is set by the model's
+    ``_init_weights`` when transformers loads it, so that is run on the buffer's module with a real,
+    NaN-filled tensor standing in for the buffer (its meta weights are left as they are).
+    """
+
+    def value(buffer_target: str) -> torch.Tensor:
+        module_path, name = buffer_target.rsplit(".", 1)
+        module = model.get_submodule(module_path)
+        meta = module._buffers[name]
+        if not meta.is_floating_point() or meta.numel() > 1 << 16:
+            raise LiftError(f"buffer {buffer_target!r} ({str(meta.dtype).removeprefix('torch.')}, "
+                            f"{tuple(meta.shape)}) cannot be evaluated as a constant: only small float buffers are")
+        real = torch.full(meta.shape, float("nan"), dtype=meta.dtype)
+        module._buffers[name] = real
+        try:
+            model._init_weights(module)
+        except Exception as e:  # an initialisation that needs more than this module's meta weights
+            raise LiftError(f"cannot compute buffer {buffer_target!r}: {type(model).__name__}._init_weights failed "
+                            f"on {type(module).__name__} ({type(e).__name__}: {e})") from e
+        finally:
+            module._buffers[name] = meta
+        if real.isnan().any():
+            raise LiftError(f"the value of buffer {buffer_target!r} is not set by {type(model).__name__}'s weight "
+                            f"initialisation, so the lifter cannot fold it into the graph")
+        return real
+
+    return value
 
 
 def rope_types(config) -> list[str]:
@@ -99,7 +182,13 @@ def trace(config) -> tuple[Graph, torch.nn.Module]:
     model = build_meta_model(config)
     start = time.perf_counter()
     exported = export_model(model)
-    graph = lift(exported, LiftContext(model=model, rotary=rotary_tables(model)))
+    try:
+        graph = lift(exported, LiftContext(model=model, rotary=rotary_tables(model), buffer=buffer_values(model)))
+    except LiftError:
+        raise
+    except Exception as e:  # a graph the lifter's rules did not expect: still one line for the user, not a traceback
+        raise LiftError(f"the lifter failed on {type(model).__name__} ({type(e).__name__}: {e}); this is a gap in "
+                        f"passes/lift.py, not a problem of the checkpoint") from e
     graph.meta.update(model_meta(config, graph))
     log.info("traced %s in %.2fs: %s", type(model).__name__, time.perf_counter() - start, graph.summary())
     return graph, model

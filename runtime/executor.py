@@ -224,16 +224,22 @@ def _identity(xs, step) -> tuple[torch.Tensor, ...]:
 
 
 def _embedding(w, attrs, ex) -> Kernel:
-    table = w["weight"]
+    table, scale = w["weight"], attrs.get("scale")
+    if scale is not None:  # made once: the step only multiplies (nothing copied inside a CUDA graph)
+        scale = torch.tensor(scale, dtype=table.dtype, device=table.device)
     if attrs.get("vocab_parallel"):
-        return _vocab_parallel_embedding(table)
-    return lambda xs, step: (F.embedding(xs[0], table),)
+        return _vocab_parallel_embedding(table, scale)
+    if scale is None:
+        return lambda xs, step: (F.embedding(xs[0], table),)
+    return lambda xs, step: (ops.embedding(xs[0], table, scale),)
 
 
 def _rms_norm(w, attrs, ex) -> Kernel:
     weight, eps = w.get("weight"), attrs["eps"]
     head_dim, offset = attrs.get("head_dim"), attrs.get("weight_offset", 0.0)
-    if ex.use_kernels:
+    # NOTE: a weight_offset norm runs the torch reference on CUDA too: it applies the (w + offset) gain in fp32
+    # before rounding (Gemma's order), where kernels.fused_norm rounds first
+    if ex.use_kernels and not offset:
         from kernels.fused_norm import rms_norm
 
         return lambda xs, step: (rms_norm(xs[0], weight, eps, offset, head_dim),)
@@ -243,7 +249,7 @@ def _rms_norm(w, attrs, ex) -> Kernel:
 def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
     weight, eps, offset = w.get("weight"), attrs["eps"], attrs.get("weight_offset", 0.0)
     fn = ops.fused_add_rms_norm
-    if ex.use_kernels:
+    if ex.use_kernels and not offset:  # as _rms_norm
         from kernels.fused_norm import fused_add_rms_norm as fn
     return lambda xs, step: fn(xs[0], xs[1], weight, eps, offset)
 
@@ -384,6 +390,12 @@ def _attention(w, attrs, ex) -> Kernel:
     def kernel(xs, step):
         if step.inp.paged is not None and paged is not None:
             return paged(xs, step.inp.paged)
+        if step.inp.paged is not None and not step.inp.seqs:  # a CUDA-graph step carries only the paged cache
+            from kernels.paged_attention import SUPPORTED_HEAD_DIMS
+
+            raise GraphFormatError(f"attention layer {layer}: head_dim {head_dim} has no paged attention kernel "
+                                   f"(they take {', '.join(map(str, SUPPORTED_HEAD_DIMS))}), so its steps cannot run "
+                                   f"from CUDA graphs; serve with --no-cuda-graphs (ServingConfig(cuda_graphs=False))")
         if rope is not None:  # the separate kernels, in place (the fusion's inputs have no other reader)
             q, k, v, positions = xs
             xs = [rope.apply(q, positions, num_heads), rope.apply(k, positions, num_kv), v]
@@ -566,7 +578,7 @@ def _all_gather(w, attrs, ex) -> Kernel:
     return kernel
 
 
-def _vocab_parallel_embedding(table: torch.Tensor) -> Kernel:
+def _vocab_parallel_embedding(table: torch.Tensor, scale: torch.Tensor | None = None) -> Kernel:
     """This rank's rows of the table ([vocab / tp_size, hidden]); ids of other ranks' rows give zeros, and
     the all_reduce after the node sums the ranks' lookups."""
     import torch.distributed as dist
@@ -577,7 +589,7 @@ def _vocab_parallel_embedding(table: torch.Tensor) -> Kernel:
     def kernel(xs, step):
         ids = xs[0] - start
         outside = (ids < 0) | (ids >= rows)
-        return (F.embedding(ids.clamp(0, rows - 1), table).masked_fill(outside[:, None], 0),)
+        return (ops.embedding(ids.clamp(0, rows - 1), table, scale).masked_fill(outside[:, None], 0),)
 
     return kernel
 

@@ -1,0 +1,272 @@
+"""The model families the toolchain builds, each checked against Hugging Face, and those it does not build yet.
+
+Every case is a tiny random checkpoint (fp32, 2 layers, hidden 64, seeded, ``save_pretrained``) of one family,
+built through ``builder build``'s own path (trace, lift, passes, verify, artifact) and run by the runtime: its
+logits must match the Hugging Face model's within 1e-4 on fresh random tokens, and 32 greedy tokens must be the
+ones HF picks. A family that does not lift yet must stop ``builder build`` with a one-line error naming the ATen
+op and the module path (or why it cannot be traced), never a traceback.
+
+Most of the time is torch.export's (a few seconds per model on a CPU): each family is traced once.
+
+``SUPPORTED`` and ``NOT_YET`` are the one list of cases; the README's family table is made from them
+(``python tests/passes/test_families.py`` prints it, and ``test_readme_table_matches_the_cases`` checks it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One family as a user brings it: a model_type and the config that makes its tiny checkpoint."""
+
+    name: str  # as the README lists it
+    model_type: str  # config.json's model_type
+    config: dict[str, Any] = field(default_factory=dict)  # on top of COMMON
+    covers: str = ""  # what this case exercises beyond a plain Llama (the README's column)
+
+
+@dataclass(frozen=True)
+class NotYet:
+    """A family that does not lift yet: what ``builder build`` must say, and what the lifter would need."""
+
+    family: Family
+    expect: str  # a regular expression the one-line error must match (the op and the module path)
+    needs: str  # the missing IR primitive (the README's column)
+
+
+SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # layer 0 slides, 1 is global
+SUPPORTED = [
+    Family("Llama", "llama", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}), "tied embeddings, llama3 rope scaling"),
+    Family("Mistral", "mistral", dict(sliding_window=8), "sliding-window attention"),
+    Family("Qwen2", "qwen2", {}, "q/k/v biases"),
+    Family("Qwen3", "qwen3", dict(head_dim=24), "per-head q/k RMSNorm, head_dim != hidden / heads"),
+    Family("OLMo 2", "olmo2", {}, "q/k RMSNorm over all heads, norms after attention and MLP"),
+    Family("SmolLM3", "smollm3", dict(no_rope_layers=[1, 0]), "layers without rotary embeddings (NoPE)"),
+    Family("Gemma", "gemma", dict(head_dim=16), "(1 + w) RMSNorm gains, embedding x sqrt(hidden), GeLU-tanh MLP"),
+    Family("Gemma 3 (text)", "gemma3_text", dict(SLIDING, head_dim=16, query_pre_attn_scalar=24),
+           "sliding and global layers with their own rope tables, q/k norms, norms around attention and MLP"),
+    Family("OLMo 3", "olmo3", SLIDING, "OLMo 2's norms, sliding and global layers"),
+    Family("EXAONE 4", "exaone4", SLIDING,
+           "global layers without rotary embeddings, a window kept on every module but used on sliding layers only"),
+    Family("Ministral", "ministral", dict(SLIDING, head_dim=16), "sliding and global layers"),
+    Family("Seed-OSS", "seed_oss", dict(head_dim=16), "q/k/v biases"),
+    Family("Hunyuan (dense)", "hunyuan_v1_dense", dict(head_dim=16), "per-head q/k RMSNorm"),
+    Family("CWM", "cwm", dict(SLIDING, head_dim=16), "sliding and global layers"),
+    Family("IQuest-Coder", "iquestcoder", dict(head_dim=16), "Llama-style"),
+]
+
+ONE_LAYER = dict(num_hidden_layers=1)  # the lift stops in the first layer: a second would only add tracing time
+NOT_YET = [
+    NotYet(Family("Phi-3", "phi3", ONE_LAYER), r"op aten\.slice\.Tensor at module 'model\.layers\.0\.self_attn'",
+           "q/k/v and gate/up stored as one fused weight"),
+    NotYet(Family("StableLM", "stablelm", ONE_LAYER),
+           r"unsupported op aten\.layer_norm\.default .* at module 'model\.layers\.0\.input_layernorm'",
+           "LayerNorm (also Phi-2, GPT-NeoX, Starcoder2, OLMo)"),
+    NotYet(Family("Mixtral", "mixtral", ONE_LAYER),
+           r"unsupported op aten\.softmax\.int .* at module 'model\.layers\.0\.mlp\.gate'",
+           "a mixture-of-experts op (also Qwen2/3-MoE, OLMoE)"),
+    NotYet(Family("Gemma 2", "gemma2", ONE_LAYER),
+           r"Gemma2ForCausalLM \(model_type 'gemma2'\) refuses SDPA attention in transformers .* soft-capping of "
+           r"attention scores \(attn_logit_softcapping 50\.0\)",
+           "eager attention with soft-capping (the model refuses SDPA)"),
+]
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+def family_config(family: Family, vocab_size: int):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(family.model_type, vocab_size=vocab_size, **{**COMMON, **family.config})
+
+
+def make_family_checkpoint(path: Path, family: Family, tokenizer_dir: Path, seed: int = 0) -> torch.nn.Module:
+    """Save a tiny seeded fp32 checkpoint of ``family`` with the shared tokenizer; returns the HF model."""
+    from transformers import AutoModelForCausalLM
+
+    path.mkdir(parents=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family, len(vocab)), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # norms and biases: random, not ones/zeros (a misplaced gain offset must show)
+                p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.08)
+    model.save_pretrained(path, safe_serialization=True)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from conftest import save_tokenizer
+
+    path = tmp_path_factory.mktemp("families") / "tokenizer"
+    save_tokenizer(path)
+    return path
+
+
+@dataclass
+class Built:
+    model: torch.nn.Module  # the HF model the checkpoint was saved from
+    checkpoint: Path
+    artifact: Path
+
+
+@pytest.fixture(scope="module")
+def build(tokenizer_dir, tmp_path_factory):
+    """family -> its checkpoint built into an artifact by the default build (verify included), once per module:
+    tracing is most of a build's time (torch.export, seconds per model)."""
+    from conftest import build_artifact
+
+    built: dict[str, Built] = {}
+
+    def get(family: Family) -> Built:
+        if family.model_type not in built:
+            root = tmp_path_factory.mktemp(family.model_type)
+            model = make_family_checkpoint(root / "ckpt", family, tokenizer_dir)
+            built[family.model_type] = Built(model, root / "ckpt", build_artifact(root / "ckpt", root / "artifact"))
+        return built[family.model_type]
+
+    return get
+
+
+# --- the families that build ------------------------------------------------------------------------
+@pytest.mark.parametrize("family", SUPPORTED, ids=lambda f: f.model_type)
+def test_family_builds_and_matches_hf(family, build):
+    from runtime import Engine, SamplingParams
+
+    b = build(family)
+    engine = Engine.load(b.artifact)
+    vocab = b.model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (80,), generator=gen).tolist()  # past the sliding windows, two prefill chunks
+    with torch.no_grad():
+        expected = b.model(torch.tensor([ids]), use_cache=False).logits[0]
+    err = (engine.logits(ids) - expected).abs().max().item()
+    assert err < 1e-4, f"{family.name}: logits differ from HF by {err:.3g}"
+    prompt = torch.randint(3, vocab, (12,), generator=gen).tolist()
+    tokens = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)).token_ids
+    assert len(tokens) == 32
+    # HF's greedy choice after the prompt and each prefix of our tokens (one forward, no cache to get wrong):
+    # equal at every step means HF's own greedy decoding picks these 32 tokens
+    with torch.no_grad():
+        hf_next = b.model(torch.tensor([prompt + tokens[:-1]]), use_cache=False).logits[0, len(prompt) - 1:].argmax(-1)
+    assert tokens == hf_next.tolist()
+
+
+def test_gemma_lifts_to_existing_primitives(build):
+    """Gemma's extras are attributes of the usual ops, kept through the passes into graph.json: the (1 + w) gain a
+    norm's weight_offset, sqrt(hidden) the embedding's scale (its buffer's value, computed by the model's own
+    initialisation), GeLU-tanh an activation; Gemma 3's sliding and global layers each read their own rope table."""
+    def nodes(family: Family) -> list[dict]:
+        return json.loads((build(family).artifact / "graph.json").read_text())["nodes"]
+
+    gemma3 = nodes(next(f for f in SUPPORTED if f.model_type == "gemma3_text"))
+    embed = next(n for n in gemma3 if n["op"] == "embedding")
+    assert embed["attrs"]["scale"] == pytest.approx(64 ** 0.5)
+    norms = [n for n in gemma3 if n["op"] in ("rms_norm", "fused_add_rms_norm")]
+    assert len(norms) == 2 * 6 + 1 and all(n["attrs"]["weight_offset"] == 1.0 for n in norms)  # 4 + q/k a layer
+    assert {n["attrs"]["fn"] for n in gemma3 if n["op"] == "activation"} == {"gelu_tanh"}
+    attn = [n["attrs"] for n in gemma3 if n["op"] == "attention"]
+    assert [a.get("sliding_window") for a in attn] == [8, None] and attn[0]["scale"] == pytest.approx(24 ** -0.5)
+    tables = [n["weights"]["inv_freq"] for n in gemma3 if n["op"] == "rope"]
+    assert tables == (["model.rotary_emb.sliding_attention_inv_freq"] * 2
+                      + ["model.rotary_emb.full_attention_inv_freq"] * 2)
+    llama = nodes(SUPPORTED[0])  # a plain Llama has neither attribute
+    assert not any("scale" in n["attrs"] or "weight_offset" in n["attrs"] for n in llama if n["op"] != "attention")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_and_embedding_scale_round_as_hf_does(dtype):
+    """The runtime's references for Gemma's extras give HF's modules' own outputs bit for bit, in bf16 too: the
+    (1 + w) gain applied in fp32 before the one rounding, the embedding scale rounded to the table's dtype
+    (sqrt(3072) = 55.43 is 55.5 in bf16)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm, Gemma3TextScaledWordEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from kernels import torch_ops as ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 96, generator=gen) * 3).to(dtype)
+    for norm, offset in ((Gemma3RMSNorm(96, eps=1e-6), 1.0), (LlamaRMSNorm(96, eps=1e-6), 0.0)):
+        with torch.no_grad():
+            norm.weight.copy_(2.0 - offset + 0.3 * torch.randn(96, generator=gen))  # gains of about 2 either way
+        norm = norm.to(dtype)
+        assert torch.equal(ops.rms_norm(x, norm.weight.detach(), 1e-6, None, offset), norm(x).detach())
+    embed = Gemma3TextScaledWordEmbedding(50, 3072, 0, embed_scale=3072 ** 0.5).to(dtype)
+    ids = torch.randint(0, 50, (9,), generator=gen)
+    with torch.no_grad():
+        assert torch.equal(ops.embedding(ids, embed.weight, 3072 ** 0.5), embed(ids[None])[0])
+
+
+def test_plan_takes_any_family_and_says_when_it_estimates(build):
+    """`builder plan` has no allow-list either: a family outside the ones it counts exactly is planned as a
+    Llama-style decoder, and the plan says so; its KV bytes per token are the built artifact's cache layout."""
+    from builder.plan import make_plan, recipe_for_checkpoint
+
+    gemma3 = build(next(f for f in SUPPORTED if f.model_type == "gemma3_text"))
+    plan = make_plan(recipe_for_checkpoint(gemma3.checkpoint, ["model.dtype=float32"]))
+    assert not plan.model.exact and any("planned as a Llama-style decoder" in n for n in plan.notes)
+    attn = [n["attrs"] for n in json.loads((gemma3.artifact / "graph.json").read_text())["nodes"]
+            if n["op"] == "attention"]
+    assert plan.kv_bytes_per_token == sum(2 * a["num_kv_heads"] * a["head_dim"] * 4 for a in attn)
+    llama = make_plan(recipe_for_checkpoint(build(SUPPORTED[0]).checkpoint))
+    assert llama.model.exact and not any("Llama-style" in n for n in llama.notes)
+
+
+# --- the families that do not build yet -------------------------------------------------------------
+@pytest.mark.parametrize("case", NOT_YET, ids=lambda c: c.family.model_type)
+def test_family_not_lifted_yet_fails_cleanly(case, tokenizer_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from builder.cli import app
+
+    make_family_checkpoint(tmp_path / "ckpt", case.family, tokenizer_dir)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model:\n  checkpoint: {tmp_path / 'ckpt'}\n  dtype: float32\noutput_dir: {tmp_path / 'out'}\n"
+                      f"runtime:\n  max_seq_len: 256\n")
+    res = CliRunner().invoke(app, ["build", str(recipe), "--quiet"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output
+    assert "Traceback" not in res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert re.search(case.expect, lines[0]), lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+# --- the README's table -----------------------------------------------------------------------------
+def readme_table() -> str:
+    """The README's family table, made from the cases above."""
+    rows = ["| family | `model_type` | status | tested with / missing |", "| --- | --- | --- | --- |"]
+    rows += [f"| {f.name} | `{f.model_type}` | builds | {f.covers} |" for f in SUPPORTED]
+    rows += [f"| {c.family.name} | `{c.family.model_type}` | not yet | needs {c.needs} |" for c in NOT_YET]
+    return "\n".join(rows)
+
+
+def test_readme_table_matches_the_cases():
+    readme = (ROOT / "README.md").read_text()
+    assert readme_table() in readme, ("README.md's family table differs from the test cases; paste the output of "
+                                      "`python tests/passes/test_families.py` into it")
+
+
+if __name__ == "__main__":
+    print(readme_table())
