@@ -260,7 +260,7 @@ def serve(
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs", help="decode eagerly (debugging)"),
     prefill_hold_ms: float | None = typer.Option(None, help="CUDA: how long a new prompt may wait while requests "
-                                                 "decode, to be prefilled with other arrivals (default 50; 0: at once)"),
+                                                 "decode, to be prefilled with other arrivals (default 0: at once)"),
     engine_thread: bool = typer.Option(False, "--engine-thread", help="step the engine in a thread of the server "
                                        "process, not its own process"),
     allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="serve an artifact that failed its gates"),

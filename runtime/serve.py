@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-hold-ms", type=float, default=None, metavar="MS",
                    help="with CUDA-graph decode: how long a new prompt may wait while requests decode, so that arrivals "
                         "are prefilled together and the steps between stay graph replays (default: "
-                        "$RUNTIME_PREFILL_HOLD_MS, else 50; 0 admits at once)")
+                        "$RUNTIME_PREFILL_HOLD_MS, else 0: at once; 50 helped under Poisson load, cost 12%% in a closed loop)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
     p.add_argument("--engine-thread", action="store_true",
