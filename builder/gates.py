@@ -29,8 +29,19 @@ logits, so large logits neither overflow nor lose the distribution):
     near-tie. It reads how the divergences happened; it never passes a build the exact count fails.
 ``kl_vs_rtn`` (``<= max_kl_vs_rtn``; needs the round-to-nearest model's ``LogitsFn``)
     The candidate's mean KL over that of plain round-to-nearest of the same scheme (bits, group size,
-    symmetry) on the same positions: a calibrated method (GPTQ, AWQ) no better than rounding fails. On the
-    bundled model GPTQ scores 0.24 and AWQ 0.73 (session 8); the default ceiling is 0.9.
+    symmetry; FP8 granularity; W8A8 INT8 without smoothing), rebuilt by the caller from the baseline, on the
+    same positions. One quantity, two readings by the ceiling:
+
+    * below 1, "must beat rounding": a calibrated 4-bit method (GPTQ, AWQ) no better than rounding fails. On the
+      bundled model GPTQ scores 0.24 and AWQ 0.73 (session 8); the default ceiling is 0.9.
+    * from 1, "no worse than a fresh rounding": INT8 weight-only and FP8 builds *are* that rounding, so a sound
+      one scores exactly 1.000 (both trained fixtures, every granularity; no seed enters); SmoothQuant's smoothed
+      build scores 0.72 (bundled) and 0.40-0.43 (pydoc-qwen3) over calibration seeds 0-2, 1.000 unsmoothed.
+      Other sound rounding conventions of the same schemes (INT8 scale amax/127.5; scales stored in fp16/bf16)
+      score 0.65-1.14 over 1,020-position subsets. One o_proj's scales x1.25 scores 1.69-1.97 there (FP8 on
+      pydoc-qwen3, the mildest case; the absolute thresholds pass it), 64-85 (INT8 weight-only, pydoc-qwen3),
+      3.8-4.8 (SmoothQuant, pydoc-qwen3), 8.5 and more on the bundled model. The default ceiling 1.3 sits
+      between (docs/QUANTIZATION_COMPARISON.md, "Gate noise").
 ``needle`` (candidate rate ``>=`` baseline rate; needs both ``GreedyFn`` and a ``NeedleCheck``)
     Needle in a haystack: over ``num_trials`` seeded prompts, how often the greedy continuation contains
     the expected ids. It is relative to the baseline (a small model may not retrieve at all), so the
@@ -79,7 +90,8 @@ class GateThresholds:
     min_greedy_agreement: float = 0.75
     needle: bool = True  # run the needle-in-a-haystack check when one is given
     # KL(baseline || candidate) / KL(baseline || round-to-nearest of the same scheme), when the caller gives the
-    # round-to-nearest model: a calibrated method must beat plain rounding (None: not checked)
+    # round-to-nearest model: below 1 a calibrated method must beat plain rounding, from 1 a build must be no worse
+    # than a fresh rounding (None: not checked)
     max_kl_vs_rtn: Optional[float] = None
 
 
@@ -88,10 +100,17 @@ class GateThresholds:
 # four FP8 implementations (this one, llm-compressor's, modelopt's, per-channel dynamic) agreeing within 1e-5 KL
 # scored 0.977-0.978 top-1 on a held-out trained 6.8M-parameter model (issue 18), which 0.98 rejected: it judged
 # the scheme, not the build.
+# Rounding schemes (and SmoothQuant, whose unsmoothed build is plain rounding) get a kl_vs_rtn ceiling of 1.3: a
+# sound build scores 1.000 (0.40-0.72 smoothed), other sound rounding conventions at most 1.14, one o_proj's scales
+# x1.25 at least 1.69 (see the module docstring).
+MAX_KL_VS_FRESH_ROUNDING = 1.3
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
-    "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.97, max_ppl_ratio=1.01),
-    "int8_wo": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01),
-    "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.96, max_ppl_ratio=1.03),
+    "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.97, max_ppl_ratio=1.01,
+                          max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
+    "int8_wo": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01,
+                              max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
+    "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.96, max_ppl_ratio=1.03,
+                                  max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
     "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
                            max_kl_vs_rtn=0.9),
     "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
@@ -355,13 +374,16 @@ def _metric(name: str, value: float, threshold: float, direction: str, detail: s
 
 
 def _kl_vs_rtn(candidate_kl: float, rtn_kl: float, ceiling: float) -> MetricResult:
-    detail = f"KL {candidate_kl:.4g} vs round-to-nearest's {rtn_kl:.4g} (same bits, group size, symmetry, positions)"
+    detail = (f"KL {candidate_kl:.4g} vs {rtn_kl:.4g} of the same scheme rounded to nearest from the baseline "
+              "(same positions)")
     if rtn_kl == 0:  # rounding loses nothing here: no method can beat it
         return MetricResult("kl_vs_rtn", 0.0, ceiling, True, "<=", detail + "; not applicable",
                             status="n/a")
     ratio = candidate_kl / rtn_kl  # NaN (a broken model on either side) fails
-    how = f"closes {1 - ratio:.0%} of its error" if ratio <= 1 else f"{ratio - 1:.0%} worse than rounding"
-    return _metric("kl_vs_rtn", ratio, ceiling, "<=", f"{detail}: {how}")
+    how = f"closes {1 - ratio:.0%} of its error" if ratio <= 1 else f"{ratio:.3g}x its KL"
+    want = ("a calibrated method must beat plain rounding" if ceiling < 1 else
+            "must be no worse than a fresh rounding, which a build that only rounds equals: 1")
+    return _metric("kl_vs_rtn", ratio, ceiling, "<=", f"{detail}: {how} ({want})")
 
 
 def _greedy_agreement(baseline: LogitsFn, candidate: LogitsFn, baseline_greedy: GreedyFn,

@@ -21,7 +21,7 @@ from builder.calibration import BUNDLED_MODEL, DEFAULT_EVAL, read_texts, resolve
 from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresholds, MetricResult, compare,
                            make_eval_set, text_needle, thresholds_for)
 from builder.recipe import GatesSection
-from passes.ir import Graph
+from passes.ir import Graph, Node
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.tokenizer import Tokenizer
@@ -127,7 +127,7 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
                    eval_key: str = "gates.eval_dataset") -> GateReport:
     """Gate ``candidate`` against ``baseline`` on the section's held-out text (``checkpoint``: the source model,
     which decides whether the shipped text may stand in for an unset ``eval_dataset``). ``rtn_check``: also
-    against round-to-nearest of the same scheme (:func:`rtn_graph`), when the method's thresholds ask for it."""
+    against round-to-nearest of the same scheme (:func:`rtn_counterpart`), when the method's thresholds ask for it."""
     path, warning = resolve_text(section.eval_dataset, DEFAULT_EVAL, checkpoint, eval_key)
     if warning:
         log.warning("%s", warning)
@@ -140,14 +140,18 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
         needle = text_needle(encode, filler, section.needle_context_len)
     base, cand = CachedModel(GraphModel(baseline), graph_digest(baseline)), GraphModel(candidate)
     limits = thresholds(algo, section)
-    rtn = rtn_graph(baseline, candidate) if rtn_check and limits.max_kl_vs_rtn is not None else None
+    rtn, why = (rtn_counterpart(baseline, candidate) if rtn_check and limits.max_kl_vs_rtn is not None
+                else (None, ""))
+    # the rounding depends on the baseline and the scheme alone: its logits are cached like the baseline's
+    rtn_model = CachedModel(GraphModel(rtn), graph_digest(rtn)) if rtn is not None else None
     report = compare(base.logits, cand.logits, eval_set, limits, base.greedy, cand.greedy, needle,
-                     GraphModel(rtn).logits if rtn is not None else None)
-    if rtn_check and limits.max_kl_vs_rtn is not None and rtn is None:  # asked for, not computable: say so
-        why = ("not applicable: no round-to-nearest counterpart of this build (a scheme other than "
-               f"{'/'.join(RTN_SCHEMES)}, or linears the baseline does not hold)")
+                     rtn_model.logits if rtn_model is not None else None)
+    if why:  # asked for, not computable: say so
+        why = f"not applicable: no round-to-nearest counterpart of this build ({why})"
         log.warning("quality gates: kl_vs_rtn %s", why)
         report.metrics.append(MetricResult("kl_vs_rtn", 0.0, limits.max_kl_vs_rtn, True, "<=", why, status="n/a"))
+    if rtn_model is not None:
+        rtn_model.save()
     base.save()
     report.baseline_cache = {"file": str(base.file), "hits": base.hits, "misses": base.misses}
     report.eval_data = {"path": str(path), **({"warning": warning} if warning else {})}
@@ -156,37 +160,94 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
     return report
 
 
-RTN_SCHEMES = ("w4a16", "w8a16")  # weight-only schemes whose round-to-nearest counterpart the gates build
+# schemes whose round-to-nearest counterpart the gates build from the baseline (plain rounding of the same rule)
+RTN_SCHEMES = ("w4a16", "w8a16", "fp8", "w8a8_int8")
+
+
+def _round_to_nearest(w: torch.Tensor, quant: dict[str, Any], candidate: Graph, node: Node) -> \
+        tuple[str, dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]] | str:
+    """The float rows ``w`` [out, in] of one candidate linear, rounded by its scheme's plain rule: (scheme,
+    tensors by output row, tensors shared by all rows, quant attrs), or why there is no such rounding."""
+    from kernels.torch_quant import quantize_weight_fp8, quantize_weight_int8
+    from passes.int8_wo import PER_CHANNEL_INT8
+    from passes.quant_math import QuantConfig, quantize_groups
+
+    scheme = quant["scheme"]
+    if scheme in ("w4a16", "w8a16"):
+        # int8_wo records no symmetry: its one rule is symmetric per channel; every other writer records it
+        symmetric = quant.get("symmetric", scheme == "w8a16" and PER_CHANNEL_INT8.symmetric)
+        cfg = QuantConfig(bits=int(quant["bits"]), group_size=int(quant["group_size"]), symmetric=bool(symmetric))
+        codes, scales, zeros = quantize_groups(w, cfg)
+        return scheme, {"qweight": codes, "scales": scales, "zeros": zeros}, {}, {
+            "bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric}
+    if scheme == "fp8":
+        per_channel = quant.get("weight_granularity", "tensor") == "channel"
+        q, scale = quantize_weight_fp8(w, per_channel)
+        rows, shared = ({"qweight": q, "weight_scale": scale}, {}) if per_channel else ({"qweight": q},
+                                                                                         {"weight_scale": scale})
+        if quant.get("activations") == "static":  # calibrated: the gate has no calibration text, the build's own
+            shared["input_scale"] = candidate.params[node.weights["input_scale"]]
+        return scheme, rows, shared, {"activations": quant.get("activations", "dynamic"),
+                                      "weight_granularity": "channel" if per_channel else "tensor"}
+    if scheme == "w8a8_int8":
+        if quant.get("activations") == "static":
+            return ("static W8A8 INT8: its input scales are calibrated on smoothed activations, and the gate has no "
+                    "calibration text to calibrate unsmoothed ones")
+        q, scale = quantize_weight_int8(w)  # no smoothing: naive W8A8
+        return scheme, {"qweight": q, "weight_scale": scale}, {}, {"activations": "dynamic", "smoothed": False}
+    return f"scheme {scheme} has no round-to-nearest counterpart (only {'/'.join(RTN_SCHEMES)})"
+
+
+def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, str]:
+    """The baseline with every linear (and lm_head) the candidate quantizes rounded to nearest instead, by the
+    same scheme's plain rule: the same bits, group size and symmetry (W4A16, W8A16), the same granularity and
+    activations (FP8; static input scales are the build's), per-channel INT8 without smoothing (SmoothQuant's
+    W8A8 INT8, dynamic only). A calibrated method must beat it; a scheme that only rounds must match it. Returns
+    (graph, "") or (None, why not).
+
+    NOTE: the candidate is matched by member (q_proj, k_proj, ...), so either graph may hold merged linears. The
+    rounding covers a candidate linear's rows together (a per-tensor FP8 scale spans a merged q/k/v), then each
+    baseline linear takes its members' rows of it."""
+    from passes.quant_math import pack_int4
+    from passes.quantize import member_outputs, replace_weight
+
+    targets = [n for n in candidate.nodes if n.attrs.get("quant")]
+    if not targets:
+        return None, "the build quantizes no linear"
+    where = {(n.op, name): (i, lo, hi) for i, n in enumerate(baseline.nodes)
+             if n.op in ("linear", "lm_head") and "weight" in n.weights for name, lo, hi in member_outputs(n)}
+    graph = baseline.copy()
+    done: set[int] = set()
+    for cand in targets:
+        members = member_outputs(cand)
+        if any((cand.op, name) not in where for name, _, _ in members):
+            return None, f"the baseline holds no float linear for every member of {cand.source}"
+        parts = [where[(cand.op, name)] for name, _, _ in members]  # (baseline node, rows) per member
+        blocks = [baseline.params[baseline.nodes[i].weights["weight"]][lo:hi].float() for i, lo, hi in parts]
+        rounded = _round_to_nearest(torch.cat(blocks), cand.attrs["quant"], candidate, cand)
+        if isinstance(rounded, str):
+            return None, rounded
+        scheme, rows, shared, attrs = rounded
+        offsets = torch.cumsum(torch.tensor([0] + [b.shape[0] for b in blocks]), 0).tolist()
+        for i in dict.fromkeys(i for i, _, _ in parts):
+            node = graph.nodes[i]
+            mine = [k for k, (j, _, _) in enumerate(parts) if j == i]
+            # the baseline linear's own members, in its row order, all inside this candidate linear
+            if len(mine) != len(member_outputs(node)) or i in done:
+                return None, f"{node.source} is merged differently in the baseline and the build"
+            mine.sort(key=lambda k: parts[k][1])
+            index = torch.cat([torch.arange(offsets[k], offsets[k + 1]) for k in mine])
+            tensors = {role: t[index] for role, t in rows.items()}
+            if scheme == "w4a16":
+                tensors["qweight"] = pack_int4(tensors["qweight"])
+            replace_weight(graph, node, scheme, {**tensors, **shared}, attrs)
+            done.add(i)
+    return graph, ""
 
 
 def rtn_graph(baseline: Graph, candidate: Graph) -> Graph | None:
-    """The baseline with every linear (and lm_head) the candidate stores weight-only rounded to nearest instead,
-    with the candidate's bits, group size and symmetry: what the method must beat. None when the candidate
-    holds another scheme (W8A8, FP8: no one round-to-nearest counterpart)."""
-    from passes.quant_math import QuantConfig, pack_int4, quantize_groups
-    from passes.quantize import member_outputs, replace_weight
-
-    # by member (q_proj, k_proj, ...): either graph may hold the merged linears (rows are quantized independently)
-    quantized = {(n.op, name): n.attrs["quant"] for n in candidate.nodes if n.attrs.get("quant")
-                 for name, _, _ in member_outputs(n)}
-    if not quantized or any(q["scheme"] not in RTN_SCHEMES for q in quantized.values()):
-        return None
-    graph = baseline.copy()
-    done = 0
-    for node in graph.nodes:
-        if "weight" not in node.weights or node.op not in ("linear", "lm_head"):
-            continue
-        members = [quantized.get((node.op, name)) for name, _, _ in member_outputs(node)]
-        if any(q is None or q != members[0] for q in members):
-            continue
-        q = members[0]
-        cfg = QuantConfig(bits=int(q["bits"]), group_size=int(q["group_size"]), symmetric=bool(q.get("symmetric")))
-        codes, scales, zeros = quantize_groups(graph.params[node.weights["weight"]].float(), cfg)
-        replace_weight(graph, node, q["scheme"], {"qweight": pack_int4(codes) if cfg.bits == 4 else codes,
-                                                  "scales": scales, "zeros": zeros},
-                       {"bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric})
-        done += len(members)
-    return graph if done == len(quantized) else None
+    """:func:`rtn_counterpart`'s graph, None where it has none."""
+    return rtn_counterpart(baseline, candidate)[0]
 
 
 def gate_method(algo: str, kv_cache_dtype: str) -> str:
@@ -197,9 +258,10 @@ def gate_method(algo: str, kv_cache_dtype: str) -> str:
 
 
 def rtn_applies(algo: str, kv_cache_dtype: str) -> bool:
-    """The round-to-nearest comparison: one calibrated weight-only method (GPTQ, AWQ) and nothing else
-    quantized (a mixed recipe or a quantized KV cache has no single rounding counterpart)."""
-    return algo in ("gptq", "awq") and kv_cache_dtype == "auto"
+    """The round-to-nearest comparison: one weight method (calibrated: GPTQ, AWQ, SmoothQuant; or rounding alone:
+    INT8 weight-only, FP8) and nothing else quantized (a mixed recipe or a quantized KV cache has no single
+    rounding counterpart)."""
+    return algo in ("gptq", "awq", "smoothquant", "int8_wo", "fp8") and kv_cache_dtype == "auto"
 
 
 def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer) -> GateReport:

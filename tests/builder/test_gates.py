@@ -395,3 +395,14 @@ def test_a_method_no_better_than_round_to_nearest_fails(lm, eval_set):
     no_ceiling = GateThresholds(max_kl=1.0, min_top1_agreement=0.0, max_ppl_ratio=10.0)
     assert "kl_vs_rtn" not in [x.name for x in compare(lm, rtn, eval_set, no_ceiling, rtn=rtn).metrics]
     assert DEFAULT_THRESHOLDS["gptq"].max_kl_vs_rtn == DEFAULT_THRESHOLDS["awq"].max_kl_vs_rtn == 0.9
+
+
+def test_a_build_worse_than_a_fresh_rounding_fails(lm, eval_set):
+    """kl_vs_rtn with a ceiling from 1 (INT8 weight-only, FP8, SmoothQuant): a candidate that is the rounding scores
+    1 and passes; one with twice its noise (about 4x its KL) fails, and the detail says which reading applies."""
+    rtn = lm.noisy(0.1)
+    th = GateThresholds(max_kl=1.0, min_top1_agreement=0.0, max_ppl_ratio=10.0, max_kl_vs_rtn=1.3)
+    same = compare(lm, rtn, eval_set, th, rtn=rtn).metric("kl_vs_rtn")
+    assert same.value == pytest.approx(1.0) and same.status == "pass" and "no worse than a fresh rounding" in same.detail
+    worse = compare(lm, lm.noisy(0.2, seed=3), eval_set, th, rtn=rtn).metric("kl_vs_rtn")
+    assert worse.status == "fail" and worse.value > 2 and f"{worse.value:.3g}x its KL" in worse.detail
