@@ -44,6 +44,7 @@ import json
 import logging
 import multiprocessing as mp
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -102,6 +103,9 @@ def load_engine(artifact: str, device: str, config: ServingConfig, check_hashes:
 def _engine_main(inbound, outbound, loader: Callable, artifact: str, device: str, config: dict[str, Any],
                  check_hashes: bool, allow_failed_gate: bool, log_level: int) -> None:
     """The child's entry point: load, report ready (or the error), then step until told to stop."""
+    # Ctrl-C in a terminal reaches the whole process group: the server shuts down gracefully and stops this process
+    # with a "stop" message, so the interrupt must not kill it first (requests in flight would lose their engine)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT, force=True)  # its log lines go where the server's go
     try:
         engine = loader(artifact, device, ServingConfig(**config), check_hashes, allow_failed_gate)
