@@ -59,13 +59,13 @@ from runtime.engine import RequestError
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
-from runtime.serve import LOG_FORMAT
 from runtime.serving import ServingConfig
 
 log = logging.getLogger(__name__)
 
 __all__ = ["EngineProcess", "EngineStartError"]
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's log lines (runtime.serve) and these
 START_TIMEOUT_S = 1800.0  # loading a large artifact and capturing its CUDA graphs
 _STATS_FIELDS = [f.name for f in dataclasses.fields(EngineStats) if f.name != "extra"]
 

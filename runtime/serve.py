@@ -29,7 +29,6 @@ from typing import Any
 
 API_KEY_ENV = "LLM_BUILDER_API_KEY"
 GRACEFUL_SHUTDOWN_S = 30  # on SIGTERM, how long requests in flight may finish before they are aborted
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's log lines, and the engine process's
 
 log = logging.getLogger("runtime.serve")
 
@@ -118,6 +117,8 @@ def _warn_if_exposed(host: str, port: int, api_key: str | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from runtime.engine_process import LOG_FORMAT
+
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
                         force=True)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
