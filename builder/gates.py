@@ -40,7 +40,8 @@ logits, so large logits neither overflow nor lose the distribution):
       Other sound rounding conventions of the same schemes (INT8 scale amax/127.5; scales stored in fp16/bf16)
       score 0.65-1.14 over 1,020-position subsets. One o_proj's scales x1.25 scores 1.69-1.97 there (FP8 on
       pydoc-qwen3, the mildest case; the absolute thresholds pass it), 64-85 (INT8 weight-only, pydoc-qwen3),
-      3.8-4.8 (SmoothQuant, pydoc-qwen3), 8.5 and more on the bundled model. The default ceiling 1.3 sits
+      3.8-4.8 (SmoothQuant, pydoc-qwen3), 8.5 and more on the bundled model. The default ceiling 1.3 (INT8
+      weight-only and FP8; SmoothQuant only when the recipe sets one) sits
       between (docs/QUANTIZATION_COMPARISON.md, "Gate noise").
 ``needle`` (candidate rate ``>=`` baseline rate; needs both ``GreedyFn`` and a ``NeedleCheck``)
     Needle in a haystack: over ``num_trials`` seeded prompts, how often the greedy continuation contains
@@ -100,17 +101,17 @@ class GateThresholds:
 # four FP8 implementations (this one, llm-compressor's, modelopt's, per-channel dynamic) agreeing within 1e-5 KL
 # scored 0.977-0.978 top-1 on a held-out trained 6.8M-parameter model (issue 18), which 0.98 rejected: it judged
 # the scheme, not the build.
-# Rounding schemes (and SmoothQuant, whose unsmoothed build is plain rounding) get a kl_vs_rtn ceiling of 1.3: a
-# sound build scores 1.000 (0.40-0.72 smoothed), other sound rounding conventions at most 1.14, one o_proj's scales
-# x1.25 at least 1.69 (see the module docstring).
+# The rounding schemes get a kl_vs_rtn ceiling of 1.3: a sound build scores 1.000, other sound rounding conventions
+# at most 1.14, one o_proj's scales x1.25 at least 1.69 (see the module docstring). SmoothQuant only where the recipe
+# sets gates.max_kl_vs_rtn: smoothed builds scored 0.40-0.72 on the trained fixtures but 1.39 on a tiny random model
+# without outliers (93 positions), where smoothing may cost a little and the build is still sound.
 MAX_KL_VS_FRESH_ROUNDING = 1.3
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
     "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.97, max_ppl_ratio=1.01,
                           max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
     "int8_wo": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01,
                               max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
-    "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.96, max_ppl_ratio=1.03,
-                                  max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
+    "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.96, max_ppl_ratio=1.03),
     "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
                            max_kl_vs_rtn=0.9),
     "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,

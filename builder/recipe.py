@@ -171,8 +171,8 @@ class GatesSection(_Strict):
     min_greedy_agreement: Optional[float] = Field(default=None, ge=0, le=1)
     max_kl_vs_rtn: Optional[float] = Field(default=None, gt=0, description="KL over that of plain "
                                            "round-to-nearest of the same scheme: GPTQ / AWQ must beat it (default "
-                                           "0.9); INT8 weight-only, FP8 and SmoothQuant must be no worse than a "
-                                           "fresh rounding (default 1.3); .inf turns the check off")
+                                           "0.9); INT8 weight-only and FP8 must be no worse than a fresh "
+                                           "rounding (default 1.3); SmoothQuant only when set; .inf turns it off")
     greedy_tokens: int = Field(default=16, ge=1)
     needle_context_len: Optional[int] = Field(default=None, ge=32, description="0/None = no needle check")
 

@@ -63,14 +63,14 @@ def sound_builds(tmp_path_factory):
     return get
 
 
-def _gate(method: str, model: Path, baseline, graph, num_positions: int = 1024, greedy_tokens: int = 16):
+def _gate(method: str, model: Path, baseline, graph, num_positions: int = 1024, greedy_tokens: int = 16, **limits):
     """``graph`` through the method's default gates, as ``builder build`` runs them, on the model's own text
     (``greedy_tokens``: fewer than the default 16 where greedy agreement is not what a test judges: generation
     takes most of a gate's time on the CPU)."""
     from runtime.tokenizer import Tokenizer
 
     section = GatesSection(num_positions=num_positions, needle_context_len=None, greedy_tokens=greedy_tokens,
-                           eval_dataset=None if model == BUNDLED else str(model / "eval.txt"))
+                           eval_dataset=None if model == BUNDLED else str(model / "eval.txt"), **limits)
     return compare_graphs(method, section, baseline, graph, Tokenizer.from_dir(model), model,
                           rtn_check=rtn_applies(method, "auto"))
 
@@ -158,7 +158,7 @@ def test_no_round_to_nearest_counterpart_is_not_applicable(baselines):
     ids = list(range(10, 138))
     static, _ = run_passes(baseline.copy(), ["smoothquant"], PassContext(
         calibration=[ids, ids[::-1]], options={"smoothquant": {"activations": "static", "alpha": 0.5}}))
-    report = _gate("smoothquant", FIXTURE, baseline, static, num_positions=255, greedy_tokens=1)
+    report = _gate("smoothquant", FIXTURE, baseline, static, num_positions=255, greedy_tokens=1, max_kl_vs_rtn=1.3)
     m = report.metric("kl_vs_rtn")
     assert m.status == "n/a" and "no round-to-nearest counterpart" in m.detail and "static W8A8" in m.detail, \
         report.table()
