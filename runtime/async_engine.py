@@ -68,7 +68,7 @@ class RequestStream:
     the next delta may be cancelled (a timeout) without losing it. Closing the stream before the finishing
     delta aborts the request."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, outputs: asyncio.Queue) -> None:
+    def __init__(self, engine: EngineFront, request_id: str, outputs: asyncio.Queue) -> None:
         self.request_id = request_id
         self._engine = engine
         self._outputs = outputs  # RequestOutput deltas, or the exception that refused the request

@@ -31,6 +31,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -142,7 +143,7 @@ def served(args) -> dict:
             if time.monotonic() > deadline or child.poll() is not None:
                 raise RuntimeError("the stub server did not come up")
             time.sleep(0.2)
-        out = f"/tmp/serve_overhead_{port}.json"
+        out = os.path.join(tempfile.mkdtemp(prefix="serve_overhead_"), "serve.json")
         cmd = [sys.executable, "-m", "builder.cli", "bench", "serve", "--url", f"http://127.0.0.1:{port}",
                "--tokenizer", args.artifact, "--input-len", str(args.input_len), "--output-len",
                str(args.output_len), "--range-ratio", "0", "--num-requests", str(args.num_prompts), "--concurrency",
