@@ -5,6 +5,7 @@
     python -m kernels.bench.gemm --gemv-sweep # the GEMV table only, with candidate GemvConfigs per shape and M
     python -m kernels.bench.gemm --mma        # the tensor-core W4A16 / W8A16 kernel (kernels.w4a16_mma) table only
     python -m kernels.bench.gemm --mma-sweep  # that table with candidate MmaConfigs per shape at M = 1 ... 128
+    python -m kernels.bench.gemm --frag       # the fragment-order W4A16 kernel (kernels.w4a16_frag), configs swept
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -17,6 +18,10 @@ weight copies that each call reads from HBM, not L2. Reported: microseconds, GB/
 GEMV: ``kernels.gemv.w4a16_gemv`` at M = 1, 2, 4 on the same shapes (checked against ``ref_w4a16_linear``),
 timed the same way next to ``w4a16_linear`` (the GEMM the runtime used before) and bf16 ``F.linear``; TB/s of
 weight bytes. ``--gemv-sweep`` times candidate ``GemvConfig``s (to tune ``kernels.gemv._W4A16_CUDA_CONFIGS``).
+
+FRAG: ``kernels.w4a16_frag.w4a16_frag`` (weights in the MMA's register order, M = 1 ... 16, 4 bits, group 128) on
+the same shapes, checked against ``ref_w4a16_linear``, each candidate ``FragConfig`` timed next to the mma kernel
+(the runtime's path before it) and bf16 ``F.linear``; TB/s of weight bytes (``--frag``).
 
 MMA: ``kernels.w4a16_mma.w4a16_mma`` on :func:`repack_mma`'s layout at M = 1 ... 256 (4 bits, group 128; and 8
 bits per channel, the int8 weight-only scheme), checked against ``ref_w4a16_linear``, timed next to the path the
@@ -49,6 +54,7 @@ from kernels.fused_norm import (
     rms_norm,
 )
 from kernels.gemv import GemvConfig, default_gemv_config, w4a16_gemv
+from kernels.w4a16_frag import FragConfig, dequantize_frag, repack_frag, w4a16_frag
 from kernels.w4a16_mma import MmaConfig, default_mma_config, dequantize_mma, repack_mma, w4a16_mma
 from kernels.rope import apply_rope_, ref_rope
 from kernels.w4a16_gemm import (
@@ -384,6 +390,65 @@ def bench_mma(sweep: bool, shapes: list[str] | None = None, rows: list[int] | No
     return failures
 
 
+FRAG_ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def frag_candidates() -> list[FragConfig]:
+    return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2) for s in (0, 2, 4, 8, 12)]
+
+
+def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    print(f"\nW4A16 (group {GROUP_SIZE}) in the MMA's register order (kernels.w4a16_frag) vs kernels.w4a16_mma, {DTYPE}; "
+          "times in us (CUDA graphs, weights rotated past L2); TB/s of weight bytes (codes, scales, zeros; bf16: its "
+          "weight); best: the fastest candidate config")
+    print(f"{'shape':>8} {'M':>3} | {'frag':>7} {'best':>7} {'mma':>7} {'bf16':>7} | {'frag':>5} {'best':>5} {'mma':>5} "
+          f"{'bf16':>5} | rel.err  best config")
+    for name, k, n in SHAPES:
+        if shapes and name not in shapes:
+            continue
+        first = random_w4a16(n, k, gen)
+        weight_bytes = sum(t.numel() * t.element_size() for t in first)
+        triples = [first] + [random_w4a16(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
+        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": GROUP_SIZE, "bits": 4,
+                  "layout": "passes"}
+        frag = [repack_frag(q, s_, z, GROUP_SIZE) for q, s_, z in triples]
+        mma = [repack_mma(q, s_, z, GROUP_SIZE, 4, tiled=True) for q, s_, z in triples]
+        bf16 = [dequantize_weight(q, s_, z, 4, GROUP_SIZE, DTYPE) for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
+        ok_d, err_d = _close(dequantize_frag(**frag[0], dtype=torch.float32),
+                             dequantize_weight(*first, 4, GROUP_SIZE, torch.float32))
+        if not ok_d:
+            failures.append(f"dequantize_frag {name}: max rel err {err_d:.2e}")
+        t_deq_frag = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE) for p in frag[:4]])
+        t_deq_mma = time_us([lambda p=p: dequantize_mma(**p, dtype=DTYPE) for p in mma[:4]])
+        print(f"{name:>8} dequantize to bf16: frag {t_deq_frag:.1f} us, mma {t_deq_mma:.1f} us")
+        for m in rows or FRAG_ROWS:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
+            ref = ref_w4a16_linear(x, **passes)
+            ok, err = _close(w4a16_frag(x, **frag[0]), ref)
+            if not ok:
+                failures.append(f"frag {name} M={m}: max rel err {err:.2e}")
+            t_frag = time_us([lambda p=p: w4a16_frag(x, **p) for p in frag])
+            best, best_cfg = t_frag, "default"
+            if sweep:
+                for cand in frag_candidates():
+                    ok_c, err_c = _close(w4a16_frag(x, **frag[0], config=cand), ref)
+                    if not ok_c:
+                        failures.append(f"frag {name} M={m} {cand}: max rel err {err_c:.2e}")
+                        continue
+                    t_c = time_us([lambda p=p: w4a16_frag(x, **p, config=cand) for p in frag])
+                    if t_c < best:
+                        best, best_cfg = t_c, str(cand)
+            t_mma = time_us([lambda p=p: w4a16_mma(x, **p) for p in mma])
+            t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
+            print(f"{name:>8} {m:3d} | {t_frag:7.1f} {best:7.1f} {t_mma:7.1f} {t_bf16:7.1f} | "
+                  f"{weight_bytes / t_frag / 1e6:5.2f} {weight_bytes / best / 1e6:5.2f} {weight_bytes / t_mma / 1e6:5.2f} "
+                  f"{n * k * 2 / t_bf16 / 1e6:5.2f} | {err:.1e}  {best_cfg}", flush=True)
+        torch.cuda.empty_cache()
+    return failures
+
+
 def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
     failures = []
     hidden, num_heads, head_dim = 4096, 32, 128
@@ -426,9 +491,11 @@ def main() -> int:
     parser.add_argument("--mma", action="store_true", help="only the tensor-core W4A16 / W8A16 table")
     parser.add_argument("--mma-sweep", action="store_true",
                         help="the tensor-core table, timing candidate MmaConfigs per shape at M = 1, 16, 32, 64, 128")
-    parser.add_argument("--shapes", nargs="*", help="--mma / --mma-sweep: only these shapes (qkv o_proj gate_up down)")
-    parser.add_argument("--rows", nargs="*", type=int, help="--mma / --mma-sweep: only these M")
+    parser.add_argument("--shapes", nargs="*", help="--mma / --mma-sweep / --frag: only these shapes (qkv o_proj gate_up down)")
+    parser.add_argument("--rows", nargs="*", type=int, help="--mma / --mma-sweep / --frag: only these M")
     parser.add_argument("--bits", nargs="*", type=int, help="--mma / --mma-sweep: only these widths (4 8)")
+    parser.add_argument("--frag", action="store_true",
+                        help="only the fragment-order W4A16 table (kernels.w4a16_frag), with candidate FragConfigs")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -436,7 +503,9 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.gemv_sweep:
+    if args.frag:
+        failures = bench_frag(shapes=args.shapes, rows=args.rows)
+    elif args.gemv_sweep:
         failures = bench_gemv(sweep=True)
     elif args.mma or args.mma_sweep:
         failures = bench_mma(sweep=args.mma_sweep, shapes=args.shapes, rows=args.rows,

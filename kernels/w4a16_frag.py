@@ -1,0 +1,573 @@
+"""W4A16 linears for 1-16 rows of x with the weights stored in the tensor-core MMA's register order ("frag").
+
+``y = x @ ((q - zero) * scale).T + bias`` for bf16 x, 4-bit codes and groups of 128 input features (or one group
+per output channel). At a handful of rows a linear is bound by the bytes of its weights; what keeps a kernel
+from reading them at HBM speed is what it does per byte besides the load. ``kernels.w4a16_mma`` lets Triton's
+``tl.dot`` place operands, which moves x (and the unpacked codes) through shared memory with barriers on every
+K step and pads the MMA's M to 16 rows of x. Here the roles are swapped and nothing is shared: the weights are
+the MMA's A operand (16 output features x 16 input features per ``mma.sync.m16n8k16``), x is its B operand (8
+columns: up to 8 rows of x per MMA), and the codes are stored in the exact order the A operand's registers take,
+so that one 16-byte load per lane already holds its fragments for 4 MMAs. Each warp works alone on a tile of 16
+output features; no shared memory, no barriers in the K loop.
+
+Layout ("frag", made by :func:`repack_frag` from the passes' [N, K/2] layout; same byte count)::
+
+    qweight uint8 [N, K/2], read as [N/16 tiles][K/64 chunks][32 lanes][4 words][4 bytes]
+    lane l = 4 g + c (g < 8, c < 4), word j (input features k = 64 * chunk + 16 j + ...):
+        byte 0: q[16 t + g,     k + 2c]     | q[16 t + g,     k + 2c + 8] << 4
+        byte 1: q[16 t + g,     k + 2c + 1] | q[16 t + g,     k + 2c + 9] << 4
+        byte 2: q[16 t + g + 8, k + 2c]     | q[16 t + g + 8, k + 2c + 8] << 4
+        byte 3: q[16 t + g + 8, k + 2c + 1] | q[16 t + g + 8, k + 2c + 9] << 4
+    scales fp32 [G, N], zeros uint8 [G, N] (contiguous over n, as the "mma" layout)
+
+A word becomes the A fragment's four bf16x2 registers with two byte permutes, two shifts and four LOPs (each
+nibble ORed into the mantissa of 128.0, as ``kernels.w4a16_mma``), and the zero point comes off in one packed
+bf16 FMA per register (``128 + q - (128 + z)``: exact, small integers): 12 instructions and one MMA per 4 weight
+bytes per lane. The MMA sums a group's 128 products in fp32; the group's scale multiplies them once (fp32 FMA
+into the running total). Lanes 4b..4b+3 hold row b of x in the B operand (loaded straight from global memory,
+L1-resident; rows >= M are zeros); each lane ends with y[2c, 2c + 1] x [16 t + g, 16 t + g + 8].
+
+A program is ``warps`` warps on adjacent tiles over one range of K (split-K across programs for the SMs: the
+last program of a tile group adds the fp32 partials in split order, deterministic, and writes y). Loads run one
+or two K iterations (128 input features, 1 KB per warp) ahead of the MMAs, in registers; the first weight loads
+are issued before the programmatic-dependent-launch wait (weights are constants), x's after it.
+
+The K loop is inline PTX (``mma.sync``, the unpacking, the loads), run once per thread: a Triton tensor of one
+element per thread carries each register, and the PTX finds its lane from ``%tid.x``, so nothing depends on how
+Triton lays tensors out. It runs on CUDA only (sm_80+); under TRITON_INTERPRET and on the CPU the layout is
+exercised by :func:`dequantize_frag` (plain Triton) and the tests' lane-level emulation. Rows of x beyond
+``FRAG_MAX_ROWS``, fp16/fp32 x and other group sizes go to ``kernels.w4a16_mma``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import pdl
+from kernels.gemv import _num_sms, _tile_counters
+from kernels.pdl import wait_prior
+from kernels.torch_quant import unpack_int4
+from kernels.w4a16_gemm import _check_device, _interpreting
+
+LAYOUT = "frag"
+TILE_N = 16  # output features per tile (the MMA's M)
+WARP_N = 32  # output features per warp (two tiles: x's registers serve both)
+CHUNK_K = 64  # input features per 16-byte lane load (4 MMAs of k16)
+ITER_K = 128  # input features per K iteration (one group of 128)
+ROWS_PER_MMA = 8  # rows of x per MMA (its N)
+LAUNCH_MAX_ROWS = 32  # rows of x per launch: 1, 2 or 4 MMAs per A fragment (BATCH_TILE_COUNTS)
+FRAG_MAX_ROWS = 128  # rows of x w4a16_frag takes (launches of LAUNCH_MAX_ROWS, each reading the weights)
+# The runtime's 4-bit layout for bf16 artifacts where supports() (KERNELS_W4A16_FRAG=0: kernels.w4a16_mma's
+# instead). Up to FRAG_RUNTIME_MAX_ROWS rows of x the runtime runs this kernel, beyond it the weight dequantized
+# for cuBLAS. Measured on an H100 at Llama-3-8B shapes (docs/BENCHMARKS.md, session 12; each shape's best split):
+# one layer's four linears 62 us at 1 row against 78 for the mma kernel, 72 vs 88 at 8, 110 vs 95 at 16, 187 vs
+# 159 at 32, 359 vs 230 at 64: ahead up to 8 rows, behind from 16.
+FRAG_ENABLED = os.environ.get("KERNELS_W4A16_FRAG", "1") != "0"
+FRAG_RUNTIME_MAX_ROWS = 64
+_PROGRAMS_PER_SM = 3  # auto split_k: the sweep's best splits at 1-8 rows give 384-448 programs on 132 SMs
+_MIN_ITERS_PER_SPLIT = 2
+_MAX_SPLIT_K = 32
+
+
+@dataclass(frozen=True)
+class FragConfig:
+    """One launch configuration of :func:`w4a16_frag`."""
+
+    warps: int = 4  # warps (32 output features each) per program
+    split_k: int = 0  # programs sharing a tile's K range; 0 = about _PROGRAMS_PER_SM programs per SM
+    depth: int = 2  # K iterations (1 KB of weights per warp each) loaded ahead of the MMAs: 1 or 2
+
+
+def supports(bits: int, group_size: int, in_features: int, out_features: int) -> bool:
+    """Whether :func:`repack_frag` / :func:`w4a16_frag` take these weights."""
+    return (bits == 4 and out_features % WARP_N == 0 and in_features % ITER_K == 0
+            and group_size in (ITER_K, -1, in_features))
+
+
+def runtime_layout(bits: int, group_size: int, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
+    """Whether the runtime keeps a weight-only linear of this shape, in an artifact of activation ``dtype``, on this
+    layout (else ``kernels.w4a16_mma``'s)."""
+    return FRAG_ENABLED and dtype == torch.bfloat16 and supports(bits, group_size, in_features, out_features)
+
+
+# --- layout ----------------------------------------------------------------------------------------
+def repack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int) -> dict[str, torch.Tensor | int | str]:
+    """The passes' 4-bit layout (``qweight`` [N, K/2], ``scales`` / ``zeros`` [N, G]) -> the "frag" layout
+    (module docstring), as keyword arguments of :func:`w4a16_frag` and :func:`dequantize_frag`."""
+    if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or scales.dtype != torch.float32:
+        raise ValueError(f"expected qweight uint8, scales fp32, zeros uint8; got {qweight.dtype}, {scales.dtype}, "
+                         f"{zeros.dtype}")
+    n, half = qweight.shape
+    k = 2 * half
+    if not supports(4, group_size, k, n):
+        raise ValueError(f"the frag layout takes 4-bit weights with N a multiple of {WARP_N}, K a multiple of "
+                         f"{ITER_K} and groups of {ITER_K} (or one per channel); got [{n}, {k}], group_size "
+                         f"{group_size}")
+    num_groups = 1 if group_size in (-1, k) else k // group_size
+    if tuple(scales.shape) != (n, num_groups) or tuple(zeros.shape) != (n, num_groups):
+        raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match qweight "
+                         f"{tuple(qweight.shape)} with group_size {group_size} (expected {(n, num_groups)})")
+    q = unpack_int4(qweight)  # [N, K]
+    # n = 16 t + 8 h + g; k = 64 chunk + 16 j + 8 half + 2 c + e
+    q = q.reshape(n // TILE_N, 2, 8, k // CHUNK_K, 4, 2, 4, 2)  # t, h, g, chunk, j, half, c, e
+    packed = q[:, :, :, :, :, 0] | (q[:, :, :, :, :, 1] << 4)  # t, h, g, chunk, j, c, e
+    packed = packed.permute(0, 3, 2, 5, 4, 1, 6)  # t, chunk, g, c, j, h, e
+    return {"qweight": packed.reshape(n, half).contiguous(), "scales": scales.t().contiguous(),
+            "zeros": zeros.t().contiguous(), "group_size": group_size, "layout": LAYOUT}
+
+
+def unrepack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  layout: str = LAYOUT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qweight, scales, zeros) of the "frag" layout -> the passes' layout (the inverse of :func:`repack_frag`)."""
+    n, half = qweight.shape
+    k = 2 * half
+    p = qweight.reshape(n // TILE_N, k // CHUNK_K, 8, 4, 4, 2, 2).permute(0, 1, 4, 3, 2, 5, 6)  # t, chunk, j, c, g, h, e
+    p = p.permute(0, 5, 4, 1, 2, 3, 6)  # t, h, g, chunk, j, c, e
+    q = torch.stack((p & 0x0F, p >> 4), dim=5)  # t, h, g, chunk, j, half, c, e
+    codes = q.reshape(n, k)
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scales.t().contiguous(), zeros.t().contiguous()
+
+
+@dataclass
+class _FragWeights:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    out_features: int  # N
+    in_features: int  # K
+    one_group: bool
+
+
+def _frag_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  layout: str) -> _FragWeights:
+    """Validates :func:`repack_frag`'s output (user-facing errors)."""
+    if layout != LAYOUT:
+        raise ValueError(f"w4a16_frag / dequantize_frag take the {LAYOUT!r} layout (kernels.w4a16_frag.repack_frag), "
+                         f"not {layout!r}")
+    if qweight.dim() != 2 or qweight.dtype != torch.uint8:
+        raise ValueError(f"expected a 2-D uint8 qweight, got {qweight.dtype} {tuple(qweight.shape)}")
+    n, half = qweight.shape
+    k = 2 * half
+    if not supports(4, group_size, k, n):
+        raise ValueError(f"qweight {tuple(qweight.shape)} with group_size {group_size} is not a frag layout "
+                         f"(N a multiple of {WARP_N}, K of {ITER_K}, groups of {ITER_K} or one per channel)")
+    num_groups = 1 if group_size in (-1, k) else k // group_size
+    if tuple(scales.shape) != (num_groups, n) or tuple(zeros.shape) != (num_groups, n) \
+            or scales.dtype != torch.float32 or zeros.dtype != torch.uint8:
+        raise ValueError(f"scales {scales.dtype} {tuple(scales.shape)} / zeros {zeros.dtype} {tuple(zeros.shape)} "
+                         f"do not match: expected fp32 / uint8 {(num_groups, n)}")
+    if n * k >= 2**31:
+        raise ValueError(f"qweight {tuple(qweight.shape)}: {n} x {k} weights are more than the kernels' 32-bit "
+                         "offsets address")
+    return _FragWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, num_groups == 1)
+
+
+# --- dequantization (plain Triton: prefill sizes, and the layout's check under the interpreter) ---------------
+@triton.jit
+def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.constexpr, CHUNKS: tl.constexpr):
+    # one program per (tile of 16 output features, CHUNKS chunks of 64 input features): out [16, 64 CHUNKS] in
+    # row order (coalesced stores), each code gathered from its byte (cached loads, each byte read twice)
+    t = tl.program_id(0)
+    r = tl.arange(0, 16)[:, None]  # row within the tile: g = r % 8, h = r // 8
+    k = tl.program_id(1) * (64 * CHUNKS) + tl.arange(0, 64 * CHUNKS)[None, :]
+    kk = k % 64  # within its chunk: j = kk // 16, then half (high nibble), c, e
+    rem = kk % 16
+    byte = (4 * (r % 8) + (rem % 8) // 2) * 16 + 4 * (kk // 16) + 2 * (r // 8) + rem % 2
+    q = tl.load(qw_ptr + (t * (K // 64) + k // 64) * 512 + byte).to(tl.int32)
+    q = tl.where(rem >= 8, q >> 4, q & 0xF)
+    row = t * 16 + r
+    grp = 0 if ONE_GROUP else k // 128
+    s = tl.load(s_ptr + grp * N + row)
+    z = tl.load(z_ptr + grp * N + row).to(tl.int32)
+    tl.store(out_ptr + row * K + k, ((q - z).to(tl.float32) * s).to(out_ptr.dtype.element_ty))
+
+
+def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype, *, layout: str = LAYOUT) -> torch.Tensor:
+    """The weight ``(q - zero) * scale`` [N, K] in ``dtype`` from :func:`repack_frag`'s layout (fp32 product
+    rounded once, as ``kernels.torch_quant.dequantize_weight``)."""
+    _check_device(qweight)
+    w = _frag_weights(qweight, scales, zeros, group_size, layout)
+    out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
+    num_chunks = w.in_features // CHUNK_K  # even: K is a multiple of 128
+    chunks = 2 if _interpreting() else next(c for c in (8, 4, 2) if num_chunks % c == 0)
+    _dequant_frag_kernel[(w.out_features // TILE_N, w.in_features // (CHUNK_K * chunks))](
+        w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, CHUNKS=chunks,
+        num_warps=4)
+    return out
+
+
+# --- the kernel's PTX ----------------------------------------------------------------------------------
+# Operands are numbered outputs first, then inputs. Every block finds its lane and warp from %tid.x; warp w of a
+# program works on the program's tiles 2w and 2w + 1 (32 output features), lane 4g + c on rows g and g + 8 of each.
+_LANE = """
+mov.u32 tid, %tid.x;
+and.b32 lane, tid, 31;
+shr.u32 warp, tid, 5;
+shr.u32 g, lane, 2;
+and.b32 c, lane, 3;
+"""
+_LANE_REGS = ".reg .u32 tid, lane, warp, g, c;\n.reg .u64 a, o;\n"
+
+
+def _load_weights_ptx() -> str:
+    """$0..$15 <- the lane's 64 bytes of one K iteration (2 tiles x 2 chunks): $16 the program's first tile at
+    this iteration (u8*), $17 bytes between tiles."""
+    return ("{\n" + _LANE_REGS + _LANE + """
+shl.b32 warp, warp, 1;
+mul.wide.u32 a, warp, $17;
+add.u64 a, a, $16;
+mul.wide.u32 o, lane, 16;
+add.u64 a, a, o;
+cvt.u64.u32 o, $17;
+ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a];
+ld.global.nc.v4.b32 {$4, $5, $6, $7}, [a+512];
+add.u64 a, a, o;
+ld.global.nc.v4.b32 {$8, $9, $10, $11}, [a];
+ld.global.nc.v4.b32 {$12, $13, $14, $15}, [a+512];
+}""")
+
+
+def _load_x_ptx(batch_tiles: int) -> str:
+    """$0..$(16 bt - 1) <- the lane's B registers of one K iteration: lane 4b + c, register 2w (2w + 1) of batch
+    tile t holds x[b + 8t, 16w + 2c + {0, 1}] (+ 8); rows past M read row M - 1 (their sums are never stored).
+    Inputs: x (bf16* at the iteration's first feature), x's row stride in bytes, M."""
+    n = 16 * batch_tiles
+    x_ptr, x_stride, m = f"${n}", f"${n + 1}", f"${n + 2}"
+    lines = ["{", _LANE_REGS, ".reg .u32 b, last;", _LANE, f"sub.u32 last, {m}, 1;"]
+    for bt in range(batch_tiles):
+        lines += [f"add.u32 b, g, {8 * bt};",
+                  "min.u32 b, b, last;",
+                  f"mul.wide.u32 a, b, {x_stride};",
+                  f"add.u64 a, a, {x_ptr};",
+                  "mul.wide.u32 o, c, 4;",
+                  "add.u64 a, a, o;"]
+        lines += [f"ld.global.b32 ${16 * bt + i}, [a+{16 * i}];" for i in range(16)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _load_group_ptx() -> str:
+    """$0..$3 <- the lane's rows' scales (tile 0 rows g, g + 8, tile 1 rows g, g + 8), $4..$7 <- their bf16x2
+    -(128 + zero); $8 scales (fp32*), $9 zeros (u8*), both at the group's first column of the program."""
+    lines = ["{", _LANE_REGS, ".reg .u32 n, z;", ".reg .b32 t;", _LANE,
+             "shl.b32 n, warp, 5;", "add.u32 n, n, g;",
+             "mul.wide.u32 o, n, 4;", "add.u64 a, $8, o;",
+             "ld.global.nc.f32 $0, [a];", "ld.global.nc.f32 $1, [a+32];",
+             "ld.global.nc.f32 $2, [a+64];", "ld.global.nc.f32 $3, [a+96];",
+             "cvt.u64.u32 o, n;", "add.u64 a, $9, o;"]
+    for i in range(4):
+        lines += [f"ld.global.nc.u8 z, [a+{8 * i}];", "or.b32 z, z, 0xC300;", "shl.b32 t, z, 16;",
+                  f"or.b32 ${4 + i}, z, t;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _compute_ptx(batch_tiles: int, fold: bool) -> str:
+    """One K iteration: 16 words of codes (2 tiles x 2 chunks x 4) -> 16 x batch_tiles MMAs.
+    Outputs $0..$(8 bt - 1): the running sums, index (tile x batch_tiles + bt) x 4 + i, i the MMA's C register.
+    Inputs: the 16 words, the 16 bt x registers (:func:`_load_x_ptx`), the group's 4 scales and 4 zero registers
+    (:func:`_load_group_ptx`), the sums. fold: the group's products scaled into the sums; else (one group per
+    channel) the raw products added to them."""
+    n_out = 8 * batch_tiles
+    w0 = n_out
+    x0 = w0 + 16
+    s0 = x0 + 16 * batch_tiles
+    zz0 = s0 + 4
+    t_in = zz0 + 4
+    lines = ["{",
+             ".reg .b32 t0, t1, h0, h1, u0, u1, u2, u3, one;",
+             ".reg .f32 " + ", ".join(f"a{i}" for i in range(n_out)) + ";",
+             "mov.b32 one, 0x3F803F80;"]
+    if fold:
+        lines += [f"mov.f32 a{i}, 0f00000000;" for i in range(n_out)]
+    else:
+        lines += [f"mov.f32 a{i}, ${t_in + i};" for i in range(n_out)]
+    for tile in range(2):
+        za, zb = f"${zz0 + 2 * tile}", f"${zz0 + 2 * tile + 1}"
+        for w in range(8):  # chunk w // 4, k16 step w % 4: x registers 2w, 2w + 1
+            word = f"${w0 + 8 * tile + w}"
+            lines += [f"prmt.b32 t0, {word}, 0, 0x4140;",
+                      f"prmt.b32 t1, {word}, 0, 0x4342;",
+                      "lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xea;",
+                      "lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xea;",
+                      "shr.u32 h0, t0, 4;",
+                      "shr.u32 h1, t1, 4;",
+                      "lop3.b32 u2, h0, 0x000F000F, 0x43004300, 0xea;",
+                      "lop3.b32 u3, h1, 0x000F000F, 0x43004300, 0xea;",
+                      f"fma.rn.bf16x2 u0, u0, one, {za};",
+                      f"fma.rn.bf16x2 u1, u1, one, {zb};",
+                      f"fma.rn.bf16x2 u2, u2, one, {za};",
+                      f"fma.rn.bf16x2 u3, u3, one, {zb};"]
+            for bt in range(batch_tiles):
+                acc = ", ".join(f"a{(tile * batch_tiles + bt) * 4 + i}" for i in range(4))
+                xa, xb = f"${x0 + 16 * bt + 2 * w}", f"${x0 + 16 * bt + 2 * w + 1}"
+                lines.append(f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{acc}}}, {{u0, u1, u2, u3}}, "
+                             f"{{{xa}, {xb}}}, {{{acc}}};")
+    for i in range(n_out):  # C registers 0, 1: row g; 2, 3: row g + 8
+        if fold:
+            tile, r = i // (4 * batch_tiles), i % 4
+            lines.append(f"fma.rn.f32 ${i}, ${s0 + 2 * tile + r // 2}, a{i}, ${t_in + i};")
+        else:
+            lines.append(f"mov.f32 ${i}, a{i};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _store_ptx(batch_tiles: int, scaled: bool) -> str:
+    """The lane's sums $2..$(8 bt + 1) (times their rows' scales $(8 bt + 2)..$(8 bt + 5) when ``scaled``: one
+    group per channel) -> the partials at $(8 bt + 6) (fp32*: the program's first column of its split), rows of
+    x < $1 (M), $(8 bt + 7) floats between rows; $0 a dummy output."""
+    n_in = 8 * batch_tiles
+    s0, base, stride = n_in + 2, f"${n_in + 6}", f"${n_in + 7}"
+    lines = ["{", _LANE_REGS, ".reg .u32 n, b, e;", ".reg .f32 v;", ".reg .pred p;", _LANE]
+    for i in range(n_in):
+        tile, bt, r = i // (4 * batch_tiles), (i // 4) % batch_tiles, i % 4
+        lines += ["shl.b32 n, warp, 5;",
+                  "add.u32 n, n, g;",
+                  f"mad.lo.u32 b, c, 2, {8 * bt + r % 2};",
+                  "setp.lt.u32 p, b, $1;",
+                  f"mad.lo.u32 e, b, {stride}, n;",
+                  f"add.u32 e, e, {16 * tile + 8 * (r // 2)};",
+                  "mul.wide.u32 o, e, 4;",
+                  f"add.u64 a, {base}, o;",
+                  f"mul.f32 v, ${i + 2}, ${s0 + 2 * tile + r // 2};" if scaled else f"mov.f32 v, ${i + 2};",
+                  "@p st.global.f32 [a], v;"]
+    lines += ["mov.u32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+def _constraints(outputs: str, n_out: int, inputs: str) -> tl.constexpr:
+    return tl.constexpr(",".join([f"={outputs}"] * n_out) + "," + inputs)
+
+
+def _regs(kind: str, n: int) -> str:
+    return ",".join([kind] * n)
+
+
+_LOAD_PTX, _LOAD_CONS = tl.constexpr(_load_weights_ptx()), _constraints("r", 16, "l,r")
+_GROUP_PTX, _GROUP_CONS = tl.constexpr(_load_group_ptx()), tl.constexpr("=f,=f,=f,=f,=r,=r,=r,=r,l,l")
+_I32, _F32 = tl.int32, tl.float32
+_BYTES = tl.constexpr(tl.pointer_type(tl.uint8))
+BATCH_TILE_COUNTS = (1, 2, 4)  # 8, 16 or 32 rows of x per launch
+# per batch-tile count: x loads, compute (fold / raw), store (plain / scaled), the result types
+_X_PTX = {bt: (tl.constexpr(_load_x_ptx(bt)), _constraints("r", 16 * bt, "l,r,r")) for bt in BATCH_TILE_COUNTS}
+_C_PTX = {bt: (tl.constexpr(_compute_ptx(bt, True)), tl.constexpr(_compute_ptx(bt, False)),
+               _constraints("f", 8 * bt, ",".join([_regs("r", 16 + 16 * bt), _regs("f", 4), _regs("r", 4),
+                                                    _regs("f", 8 * bt)])))
+          for bt in BATCH_TILE_COUNTS}
+_S_PTX = {bt: (tl.constexpr(_store_ptx(bt, False)), tl.constexpr(_store_ptx(bt, True)),
+               tl.constexpr("=r,r," + _regs("f", 8 * bt + 4) + ",l,r")) for bt in BATCH_TILE_COUNTS}
+_X1_PTX, _X1_CONS = _X_PTX[1]
+_X2_PTX, _X2_CONS = _X_PTX[2]
+_X4_PTX, _X4_CONS = _X_PTX[4]
+_FOLD1_PTX, _RAW1_PTX, _C1_CONS = _C_PTX[1]
+_FOLD2_PTX, _RAW2_PTX, _C2_CONS = _C_PTX[2]
+_FOLD4_PTX, _RAW4_PTX, _C4_CONS = _C_PTX[4]
+_STORE1_PTX, _STORE1S_PTX, _S1_CONS = _S_PTX[1]
+_STORE2_PTX, _STORE2S_PTX, _S2_CONS = _S_PTX[2]
+_STORE4_PTX, _STORE4S_PTX, _S4_CONS = _S_PTX[4]
+_I32X16, _I32X32, _I32X64 = (tl.constexpr((tl.int32,) * n) for n in (16, 32, 64))
+_F32X8, _F32X16, _F32X32 = (tl.constexpr((tl.float32,) * n) for n in (8, 16, 32))
+
+
+@triton.jit
+def _addr(p):
+    """A pointer as a byte pointer: the PTX blocks take addresses, and inline assembly wants one pointer type."""
+    return p.to(_BYTES, bitcast=True)
+
+
+@triton.jit
+def _load_w(w_it, tile_bytes):
+    """The lane's 16 words of codes of one K iteration."""
+    return tl.inline_asm_elementwise(_LOAD_PTX, _LOAD_CONS, [w_it, tile_bytes], dtype=_I32X16, is_pure=True, pack=1)
+
+
+@triton.jit
+def _load_x(x_it, x_stride, m, BATCH_TILES: tl.constexpr):
+    """The lane's x registers of one K iteration (16 per batch tile). After the PDL wait: not pure."""
+    if BATCH_TILES == 1:
+        return tl.inline_asm_elementwise(_X1_PTX, _X1_CONS, [x_it, x_stride, m], dtype=_I32X16, is_pure=False,
+                                         pack=1)
+    elif BATCH_TILES == 2:
+        return tl.inline_asm_elementwise(_X2_PTX, _X2_CONS, [x_it, x_stride, m], dtype=_I32X32, is_pure=False,
+                                         pack=1)
+    else:
+        return tl.inline_asm_elementwise(_X4_PTX, _X4_CONS, [x_it, x_stride, m], dtype=_I32X64, is_pure=False,
+                                         pack=1)
+
+
+@triton.jit
+def _load_group(s_it, z_it):
+    """The lane's rows' scales and zero registers of one group (4 + 4)."""
+    return tl.inline_asm_elementwise(_GROUP_PTX, _GROUP_CONS, [s_it, z_it],
+                                     dtype=(_F32, _F32, _F32, _F32, _I32, _I32, _I32, _I32), is_pure=True, pack=1)
+
+
+@triton.jit
+def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr):
+    """The sums ``t`` after one K iteration on the words ``w``, x registers ``x`` and the group ``grp``."""
+    if BATCH_TILES == 1:
+        return tl.inline_asm_elementwise(_FOLD1_PTX if FOLD else _RAW1_PTX, _C1_CONS, w + x + grp + t,
+                                         dtype=_F32X8, is_pure=True, pack=1)
+    elif BATCH_TILES == 2:
+        return tl.inline_asm_elementwise(_FOLD2_PTX if FOLD else _RAW2_PTX, _C2_CONS, w + x + grp + t,
+                                         dtype=_F32X16, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_FOLD4_PTX if FOLD else _RAW4_PTX, _C4_CONS, w + x + grp + t,
+                                         dtype=_F32X32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _store_partials(m, t, grp, part, n_stride, BATCH_TILES: tl.constexpr, SCALED: tl.constexpr):
+    """The sums (times the rows' scales when SCALED) into the partials, rows of x < M."""
+    args = (m,) + t + (grp[0], grp[1], grp[2], grp[3], part, n_stride)
+    if BATCH_TILES == 1:
+        tl.inline_asm_elementwise(_STORE1S_PTX if SCALED else _STORE1_PTX, _S1_CONS, args, dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    elif BATCH_TILES == 2:
+        tl.inline_asm_elementwise(_STORE2S_PTX if SCALED else _STORE2_PTX, _S2_CONS, args, dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise(_STORE4S_PTX if SCALED else _STORE4_PTX, _S4_CONS, args, dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _w4a16_frag_kernel(
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
+    M, N, K, stride_xm, iters_per_split, split_k,
+    ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr, BATCH_TILES: tl.constexpr,
+    DEPTH: tl.constexpr, PDL: tl.constexpr,
+):
+    # grid (N / (32 WARPS), split_k); warp w of program p works on tiles 2 (p WARPS + w) and the next
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    lanes = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element per thread: each PTX block runs once per thread
+    col0 = pid_n * WARPS * 32  # the program's first output feature
+    tile_bytes = lanes + 8 * K  # 16 rows of K / 2 bytes
+    first = pid_k * iters_per_split
+    num_iters = min(iters_per_split, K // 128 - first)
+    last = first + num_iters - 1
+    w_base = qw_ptr + col0 * (K // 2)
+    w = _load_w(w_base + first * 1024 + lanes, tile_bytes)  # weights are constants: before the wait
+    w1 = w
+    if DEPTH == 2:
+        w1 = _load_w(w_base + min(first + 1, last) * 1024 + lanes, tile_bytes)
+    grp = _load_group(_addr(s_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes),
+                      z_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes)
+    wait_prior(PDL)  # x and the partials are the preceding kernels'
+    m = lanes + M
+    x_stride = lanes + stride_xm * 2
+    x = _load_x(_addr(x_ptr + first * 128 + lanes), x_stride, m, BATCH_TILES)
+    t = (tl.zeros([32 * WARPS], dtype=tl.float32),) * (8 * BATCH_TILES)
+    for i in range(0, num_iters):
+        it = first + i
+        nxt = min(it + 1, last)
+        w2 = _load_w(w_base + min(it + DEPTH, last) * 1024 + lanes, tile_bytes)
+        x2 = _load_x(_addr(x_ptr + nxt * 128 + lanes), x_stride, m, BATCH_TILES)
+        grp2 = grp
+        if not ONE_GROUP:
+            grp2 = _load_group(_addr(s_ptr + nxt * N + col0 + lanes), z_ptr + nxt * N + col0 + lanes)
+        t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP)
+        if DEPTH == 2:
+            w = w1
+            w1 = w2
+        else:
+            w = w2
+        x = x2
+        grp = grp2
+    ROWS: tl.constexpr = 8 * BATCH_TILES
+    _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP)
+    # the last program of this column range (all of it without a split) adds the partials in split order
+    tl.debug_barrier()
+    done = True
+    if split_k > 1:
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == split_k - 1
+    if done:
+        if split_k > 1:
+            tl.store(counter_ptr + pid_n, 0)  # zero again for the next launch
+        rows = tl.arange(0, ROWS)[:, None]
+        cols = col0 + tl.arange(0, WARPS * 32)[None, :]
+        mask = (rows < M) & (cols < N)
+        offs = rows * N + cols
+        tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        for k in range(1, split_k):
+            tot += tl.load(part_ptr + k * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            tot += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --- host side -------------------------------------------------------------------------------------
+# Picked by rows of x (the first bound >= M), from ``python -m kernels.bench.gemm --frag`` on an H100 at the
+# Llama-3-8B shapes: 4 warps, K split for about _PROGRAMS_PER_SM programs per SM, one K iteration loaded ahead
+# (two ahead was no faster: 1 KB per warp and iteration, ~20 warps per SM, is enough in flight).
+_CUDA_CONFIGS: list[tuple[int, FragConfig]] = [
+    (ROWS_PER_MMA * 4, FragConfig(warps=4, split_k=0, depth=1)),
+]
+
+
+def default_frag_config(num_rows: int, device: torch.device, out_features: int = 0) -> FragConfig:
+    """The configuration for ``num_rows`` rows of x."""
+    return next((cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound), _CUDA_CONFIGS[-1][1])
+
+
+def frag_applies(x: torch.Tensor, num_rows: int) -> bool:
+    """Whether :func:`w4a16_frag` runs these rows of x (bf16 on CUDA, at most FRAG_MAX_ROWS rows)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and 1 <= num_rows <= FRAG_MAX_ROWS and not _interpreting()
+
+
+def w4a16_frag(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               bias: torch.Tensor | None = None, *, layout: str = LAYOUT,
+               config: FragConfig | None = None) -> torch.Tensor:
+    """``x @ ((q - zero) * scale).T + bias`` for 1..FRAG_MAX_ROWS rows of bf16 x on CUDA, on :func:`repack_frag`'s
+    weights (``w4a16_frag(x, **repacked)``): one launch per LAUNCH_MAX_ROWS rows. x: [..., K] -> y: [..., N] bf16
+    (fp32 sums)."""
+    w = _frag_weights(qweight, scales, zeros, group_size, layout)
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    num_rows = x2.shape[0]
+    if not frag_applies(x, num_rows):
+        raise ValueError(f"w4a16_frag takes 1..{FRAG_MAX_ROWS} rows of bf16 x on a CUDA device, got {num_rows} "
+                         f"rows of {x.dtype} on {x.device}; use kernels.w4a16_mma")
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weights take {w.in_features}")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    y = torch.empty((num_rows, w.out_features), dtype=torch.bfloat16, device=x.device)
+    for r0 in range(0, num_rows, LAUNCH_MAX_ROWS):  # each slice reads the weights again
+        rows = min(LAUNCH_MAX_ROWS, num_rows - r0)
+        _launch(x2[r0: r0 + rows], w, bias, y[r0: r0 + rows], config or default_frag_config(rows, x.device))
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
+def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: torch.Tensor, cfg: FragConfig) -> None:
+    num_rows, n = y.shape
+    warps = cfg.warps
+    while (n // WARP_N) % warps:
+        warps //= 2
+    num_programs = n // (WARP_N * warps)
+    total_iters = w.in_features // ITER_K
+    split_k = cfg.split_k
+    if not split_k:
+        device_index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
+        split_k = min(triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device_index), num_programs),
+                      max(total_iters // _MIN_ITERS_PER_SPLIT, 1), _MAX_SPLIT_K)
+    split_k = max(1, min(split_k, total_iters))
+    iters_per_split = triton.cdiv(total_iters, split_k)
+    split_k = triton.cdiv(total_iters, iters_per_split)
+    part = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=x2.device)
+    counters = _tile_counters(x2.device, num_programs) if split_k > 1 else y
+    batch_tiles = next(bt for bt in BATCH_TILE_COUNTS if num_rows <= ROWS_PER_MMA * bt)
+    _w4a16_frag_kernel[(num_programs, split_k)](
+        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, counters,
+        num_rows, n, w.in_features, x2.stride(0), iters_per_split, split_k,
+        ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles, DEPTH=cfg.depth,
+        num_warps=warps, **pdl.pdl_args(x2))
