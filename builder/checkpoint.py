@@ -3,8 +3,10 @@
 Any model family is opened: whether the toolchain can build it is decided by tracing and lifting its
 modeling code (``passes/trace.py``), not by a list of names. Weights are read with safetensors only;
 a checkpoint that ships only pickled weights (``pytorch_model.bin``) is refused rather than unpickled.
-Checkpoints that are already quantized (a ``quantization_config`` in config.json, float8 or integer
-weight tensors) are refused too: their codes would be read as plain floats and their scales dropped.
+Checkpoints already quantized by GPTQ, AutoAWQ or llm-compressor (a ``quantization_config`` in
+config.json) are imported with their own codes and scales (``builder/prequantized.py``); other
+quantization formats, and float8 or integer weight tensors that no such config describes, are refused:
+their codes would be read as plain floats and their scales dropped.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 if TYPE_CHECKING:
+    from builder.prequantized import Imported, QuantFormat
     from passes.ir import Graph
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,6 +46,7 @@ class Checkpoint:
     config_dict: dict
     weight_files: list[Path]  # safetensors files, in name order
     weight_map: dict[str, Path]  # tensor name -> file
+    quant: QuantFormat | None = None  # the quantization_config of a pre-quantized checkpoint
 
     @property
     def model_type(self) -> str:
@@ -139,11 +143,16 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{cfg_file}: model_type is {json.dumps(model_type)}; config.json must name the "
                               f"model's family (e.g. \"llama\"), which transformers needs to read it; the config "
                               f"is incomplete, download the checkpoint again")
-    _refuse_quantized(cfg_file, config)
+    from builder.prequantized import PrequantizedError, read_quant_config
+
+    try:
+        quant = read_quant_config(cfg_file, config)
+    except PrequantizedError as e:
+        raise CheckpointError(str(e)) from None
     _check_dimensions(cfg_file, config)
     _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))
     weight_files, weight_map = _index_weights(p)
-    return Checkpoint(p, config, weight_files, weight_map)
+    return Checkpoint(p, config, weight_files, weight_map, quant)
 
 
 # Model sizes in config.json, checked when present (a key left out takes the family's default).
@@ -197,18 +206,6 @@ def _check_tokenizer_fits(tokenizer_file: Path, vocab_size: int | None) -> None:
                               f"no embedding row; use the tokenizer that came with this model")
 
 
-def _refuse_quantized(cfg_file: Path, config: dict) -> None:
-    """A checkpoint already quantized by another tool is not imported (its weights are codes plus scales)."""
-    for key in ("quantization_config", "compression_config"):
-        section = config.get(key)
-        if section is None:
-            continue
-        method = (section.get("quant_method") or section.get("format") or "unknown") if isinstance(section, dict) \
-            else "unknown"
-        raise CheckpointError(f"{cfg_file}: the checkpoint is already quantized ({key}.quant_method {method!r}); "
-                              f"pre-quantized checkpoints are not imported: {QUANTIZE_INSTEAD}")
-
-
 def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     index = p / INDEX_FILE
     if index.is_file():
@@ -240,20 +237,22 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     return files, weight_map
 
 
-def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module) -> dict[str, str]:
+def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
+                   imported: frozenset[str] = frozenset()) -> dict[str, str]:
     """Which checkpoint tensor each of the graph's weights is read from (graph name -> checkpoint name).
 
     A tied weight is traced under one of its names (e.g. ``lm_head.weight``) while the checkpoint
     may store it under another (``model.embed_tokens.weight``); aliases come from the model itself.
     Every checkpoint tensor must be read by some weight (or be an alias of one): a tensor nothing
     reads, such as a ``weight_scale``, means the graph would compute something else than the checkpoint.
+    ``imported``: tensors a pre-quantized checkpoint's import read already.
     """
     aliases: dict[int, list[str]] = {}
     for name, p in meta_model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     alias_of = {n: names for names in aliases.values() for n in names}
     wanted: dict[str, str] = {}  # graph name -> checkpoint name
-    read: set[str] = set()
+    read: set[str] = set(imported)
     for name, t in graph.params.items():
         if not t.is_meta:
             continue
@@ -267,15 +266,32 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module) 
     if unread:
         shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
         count = "1 checkpoint tensor is" if len(unread) == 1 else f"{len(unread)} checkpoint tensors are"
+        if ckpt.quant is not None:
+            raise CheckpointError(f"{ckpt.path}: {count} read by no weight of the {ckpt.model_type} model: {shown}; "
+                                  f"the {ckpt.quant.source} import reads each quantized linear's own tensors only, "
+                                  f"so these belong to no linear it imports (another format, or adapters)")
         raise CheckpointError(f"{ckpt.path}: {count} read by no weight of the {ckpt.model_type} model: {shown}; "
                               f"a checkpoint with extra tensors (quantization "
                               f"scales, adapters) is not imported: {QUANTIZE_INSTEAD}")
     return wanted
 
 
-def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``."""
-    wanted = weight_sources(graph, ckpt, meta_model)
+def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
+                   dtype: torch.dtype) -> Imported | None:
+    """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``.
+
+    A pre-quantized checkpoint's quantized linears get their IR scheme from its own codes and scales first
+    (``builder/prequantized.py``); what that import made is returned (None for a floating-point checkpoint).
+    """
+    imported = None
+    if ckpt.quant is not None:
+        from builder.prequantized import PrequantizedError, import_linears
+
+        try:
+            imported = import_linears(graph, ckpt, ckpt.quant, dtype)
+        except PrequantizedError as e:
+            raise CheckpointError(str(e)) from None
+    wanted = weight_sources(graph, ckpt, meta_model, frozenset(imported.consumed) if imported else frozenset())
     tensors = ckpt.load_tensors(sorted(set(wanted.values())), dtype)
     for name, stored in wanted.items():
         expected = tuple(graph.params[name].shape)
@@ -284,3 +300,4 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module, 
                                   f"config.json implies {expected}")
         graph.params[name] = tensors[stored]
     graph.meta["dtype"] = str(dtype).removeprefix("torch.")
+    return imported

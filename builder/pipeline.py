@@ -18,6 +18,7 @@ from builder.artifact import write_artifact
 from builder.calibration import (DEFAULT_CALIBRATION, DEFAULT_EVAL, DataError, TokenData, read_texts, resolve_text,
                                  token_windows)
 from builder.checkpoint import Checkpoint, CheckpointError, attach_weights, open_checkpoint
+from builder.prequantized import Imported
 from builder.quality import run_gates
 from builder.plan import check_target
 from builder.recipe import Recipe
@@ -47,24 +48,25 @@ class BuildResult:
     seconds: float
 
 
-def resolve_passes(recipe: Recipe) -> tuple[list[str], list[str]]:
+def resolve_passes(recipe: Recipe, prequantized: bool = False) -> tuple[list[str], list[str]]:
     """The ordered passes this recipe runs: (graph passes, quantization passes).
 
     Graph passes (fusions, verify) run on the full-precision graph; verify compares it with the HF
-    model. Quantization runs after, on the verified graph, which stays as the gates' baseline.
+    model. Quantization runs after, on the verified graph, which stays as the gates' baseline. A
+    pre-quantized checkpoint's weights are already quantized: its (agreeing) sections run nothing.
     """
-    quant = [q.algo for q in recipe.quant_sections()]
+    quant = [] if prequantized else [q.algo for q in recipe.quant_sections()]
     if recipe.runtime.kv_cache_dtype != "auto":
         quant.append("kv_cache_quant")
     return list(recipe.passes), quant + ["dce"] if quant else []
 
 
-def needs_calibration(recipe: Recipe) -> bool:
+def needs_calibration(recipe: Recipe, prequantized: bool = False) -> bool:
     """Whether a quantization pass of this recipe fits anything on activations (AWQ, GPTQ, SmoothQuant, static
     FP8, a quantized KV cache): int8 weight-only and dynamic FP8 alone read no calibration text."""
     if recipe.runtime.kv_cache_dtype != "auto":
         return True
-    for q in recipe.quant_sections():
+    for q in ([] if prequantized else recipe.quant_sections()):
         method = PASSES[q.algo]()
         method.configure(q.method_options())
         if method.needs_calibration:
@@ -125,14 +127,41 @@ def calibration_device(choice: str) -> torch.device:
     return torch.device(choice)
 
 
-def reference_model(ckpt: Checkpoint, dtype: torch.dtype):
-    """The Hugging Face model with its real weights (safetensors only), for the verify pass."""
+def check_prequantized(recipe: Recipe, ckpt: Checkpoint) -> None:
+    """A pre-quantized checkpoint is built as it is: the recipe's quantization must be empty or describe it."""
+    from builder.prequantized import recipe_disagreement
+
+    sections = recipe.quant_sections()
+    if ckpt.quant is None or not sections:
+        return
+    fmt = ckpt.quant
+    what = f"{fmt.source} ({fmt.scheme}, {fmt.bits}-bit, group_size {fmt.group_size})"
+    problem = recipe_disagreement(fmt, sections)
+    if problem is not None:
+        raise BuildError(f"quantization: {problem} does not describe the checkpoint, which is already quantized by "
+                         f"{what}; a quantized checkpoint is not quantized again: remove the quantization section "
+                         f"(the build keeps the checkpoint's own codes and scales), or build from the unquantized "
+                         f"checkpoint to quantize with {recipe.quant_algo()}")
+    log.info("quantization (%s) agrees with the checkpoint, already quantized by %s: its own codes and scales are "
+             "kept, nothing is re-quantized", recipe.quant_algo(), what)
+
+
+def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | None = None,
+                    weights: dict[str, torch.Tensor] | None = None):
+    """The Hugging Face model with its real weights (safetensors only), for the verify pass. A pre-quantized
+    checkpoint's (``imported``): its float tensors (``weights``, by name) and the format's own dequantization of
+    its quantized linears, whose W8A8 ones also quantize their inputs as the format does."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype, attn_implementation="sdpa",
-                                                 local_files_only=True, use_safetensors=True)
+    if imported is None:
+        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype, attn_implementation="sdpa",
+                                                     local_files_only=True, use_safetensors=True)
+    else:
+        model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
+        for module, (scheme, input_scale) in imported.activation_quant().items():
+            model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale))
     model.eval()
 
     @torch.inference_mode()
@@ -140,6 +169,37 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype):
         return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
 
     return logits
+
+
+def _model_from_weights(ckpt: Checkpoint, dtype: torch.dtype, weights: dict[str, torch.Tensor]):
+    """The checkpoint's model class built from its config (its quantization_config dropped), holding ``weights``."""
+    from transformers import AutoModelForCausalLM
+
+    config = ckpt.hf_config()
+    for key in ("quantization_config", "compression_config"):
+        if hasattr(config, key):
+            delattr(config, key)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    own = dict(model.state_dict())
+    missing, unexpected = model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False)
+    loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n not in missing}
+    untied = [n for n, p in model.named_parameters(remove_duplicate=False) if n in missing and id(p) not in loaded]
+    assert not untied and not unexpected, f"reference model: weights missing {untied[:3]}, unexpected {unexpected[:3]}"
+    return model
+
+
+def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None):
+    """A forward pre-hook: the module's input quantized as a W8A8 scheme's runtime does, then dequantized."""
+    from kernels.torch_quant import quantize_activation_fp8, quantize_activation_int8
+
+    quantize = quantize_activation_fp8 if scheme == "fp8" else quantize_activation_int8
+
+    def hook(module, args):
+        x = args[0]  # [batch, tokens, in]
+        xq, scale = quantize(x.reshape(-1, x.shape[-1]), input_scale)
+        return ((xq.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
+
+    return hook
 
 
 def error_inputs(records: list[PassRecord]) -> str:
@@ -186,36 +246,46 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if max_pos and recipe.runtime.max_seq_len > max_pos:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
-    names, quant_names = resolve_passes(recipe)
+    check_prequantized(recipe, ckpt)
+    prequantized = ckpt.quant is not None
+    names, quant_names = resolve_passes(recipe, prequantized)
     t = time.perf_counter()
     graph, meta_model = trace(config)
     trace_s = time.perf_counter() - t
     par = recipe.parallel
     # structure and shapes only: a section or tp_size that cannot apply stops the build before any weight is read
-    check_quantization(recipe, graph)
+    if not prequantized:
+        check_quantization(recipe, graph)
     check_tp_size(graph, par.tp_size, par.vocab_parallel)
     if quant_names:  # data problems, too, surface before the weights are read and any pass runs
         device = calibration_device(recipe.calibration.device)
         t = time.perf_counter()
-        calib, calib_warning = calibration_data(recipe, tokenizer) if needs_calibration(recipe) else (None, None)
+        calib, calib_warning = (calibration_data(recipe, tokenizer) if needs_calibration(recipe, prequantized)
+                                else (None, None))
         if calib is None and recipe.calibration.dataset:
             log.warning("calibration.dataset %s is not read: %s fit nothing on activations (their per-layer errors "
                         "are measured on random inputs)", recipe.calibration.dataset, recipe.quant_algo())
         calib_s = time.perf_counter() - t
         check_eval_data(recipe)
     t = time.perf_counter()
-    attach_weights(graph, ckpt, meta_model, dtype)
+    imported = attach_weights(graph, ckpt, meta_model, dtype)
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
+    extra: dict = {}
+    if imported is not None:
+        extra["algo"] = "prequantized"
+        extra["prequantized"] = imported.summary()
+        log.info("imported %d %s-quantized linears (%s) with the checkpoint's own codes and scales",
+                 len(imported.linears), imported.fmt.source, ", ".join(extra["prequantized"]["schemes"]))
 
     ctx = PassContext(verify_atol=recipe.verify_atol(), progress=progress)
     if "verify" in names:
-        ctx.reference = reference_model(ckpt, dtype)
+        # a pre-quantized checkpoint's reference: its float tensors and the format's own dequantization
+        ctx.reference = reference_model(ckpt, dtype, imported, graph.params)
         ctx.verify_prompts = [tokenizer.encode(p) for p in recipe.verify.prompts]
     graph, records = run_passes(graph, names, ctx)
     timings = {"trace_s": trace_s, "load_weights_s": load_s, "passes_s": sum(r.seconds for r in records)}
 
-    extra: dict = {}
     if quant_names:
         baseline = graph.copy()
         t = time.perf_counter()

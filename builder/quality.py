@@ -330,18 +330,52 @@ def check_baseline_source(manifest: dict, baseline: Path) -> None:
                             "checkpoint, or --any-baseline to gate against another model on purpose")
 
 
+# the method whose default thresholds gate a pre-quantized artifact, by the scheme it imported
+PREQUANTIZED_METHOD = {"w4a16": "gptq", "w8a16": "int8_wo", "fp8": "fp8", "w8a8_int8": "smoothquant"}
+
+
+def prequantized_method(imported: dict) -> str:
+    """The thresholds of a pre-quantized artifact: its format's method (gptq, awq), else its scheme's."""
+    if imported.get("source") in ("gptq", "awq"):
+        return imported["source"]
+    return PREQUANTIZED_METHOD.get(imported.get("scheme", ""), "none")
+
+
+def check_unquantized_baseline(baseline: Path) -> None:
+    """A pre-quantized artifact is gated against a floating-point model of the same shape (another checkpoint
+    than its source, so no hashes are compared): not against a quantized checkpoint or artifact."""
+    from builder.checkpoint import open_checkpoint
+    from runtime.artifact import MANIFEST, open_artifact
+
+    if (baseline / MANIFEST).is_file():
+        q = open_artifact(baseline).manifest.get("quantization", {})
+        quantized = q.get("algo", "none") != "none"
+    else:
+        quantized = open_checkpoint(baseline).quant is not None
+    if quantized:
+        raise GateError(f"baseline {baseline} is itself quantized; gate a pre-quantized artifact against the "
+                        f"unquantized (bf16/fp16/fp32) checkpoint it was quantized from")
+
+
 def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None = None,
                   any_baseline: bool = False) -> GateReport:
     """Gate a built artifact against a baseline checkpoint or artifact of the same model (checked, unless
-    ``any_baseline``, against the manifest's source hashes)."""
+    ``any_baseline``, against the manifest's source hashes). An artifact built from a pre-quantized checkpoint is
+    gated against an unquantized checkpoint of the model (any, with its format's or scheme's thresholds)."""
     from runtime.artifact import open_artifact
 
     art = open_artifact(artifact)
     manifest = art.manifest
-    if not any_baseline:
+    imported = manifest.get("quantization", {}).get("prequantized")
+    if imported is not None:  # built from a quantized checkpoint: the baseline is another, unquantized one
+        check_unquantized_baseline(baseline)
+    elif not any_baseline:
         check_baseline_source(manifest, baseline)
-    algo = gate_method(manifest.get("quantization", {}).get("algo", "none"),
-                       manifest["runtime"].get("kv_cache_dtype", "auto"))
+    if imported is not None:
+        algo = prequantized_method(imported)
+    else:
+        algo = gate_method(manifest.get("quantization", {}).get("algo", "none"),
+                           manifest["runtime"].get("kv_cache_dtype", "auto"))
     if section is None:
         section = GatesSection.model_validate(manifest["recipe"].get("gates", {}))
     candidate, _ = load_graph(artifact)

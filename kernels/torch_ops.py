@@ -36,6 +36,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, head_dim:
     return out.reshape(shape)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # x: [num_tokens, features]; mean-centred and scaled in fp32, the gain and bias applied there too, one rounding
+    # (what HF's nn.LayerNorm does inside the kernel, and Cohere's and OLMo's norms in their own fp32 code)
+    w = weight.float() if weight is not None else None
+    b = bias.float() if bias is not None else None
+    return F.layer_norm(x.float(), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
                        weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     total = x + residual
@@ -47,19 +55,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [num_tokens, head_dim] for the rotate-half layout."""
-    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)
+                dtype: torch.dtype, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin: [num_tokens, rotary_dim] (rotary_dim = 2 * len(inv_freq)): each frequency twice, the halves
+    side by side for the rotate-half layout, or pair by pair for the interleaved (GPT-J) one."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [num_tokens, rotary_dim / 2]
+    emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    # x: [num_tokens, num_heads * head_dim]; cos, sin: [num_tokens, head_dim]
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int,
+         rotary_dim: int | None = None, interleaved: bool = False) -> torch.Tensor:
+    # x: [num_tokens, num_heads * head_dim]; cos, sin: [num_tokens, rotary_dim]. Features [rotary_dim, head_dim)
+    # of each head pass through (partial rotary: StableLM, Phi-2, GPT-NeoX)
     xh = x.view(x.shape[0], num_heads, head_dim)
-    half = head_dim // 2
-    rotated = torch.cat((-xh[..., half:], xh[..., :half]), dim=-1)
-    out = xh * cos[:, None, :] + rotated * sin[:, None, :]
+    rot = rotary_dim or head_dim
+    xr = xh[..., :rot]
+    if interleaved:  # pairs (x0, x1), (x2, x3), ... rotate: (-x1, x0, -x3, x2, ...)
+        pairs = xr.unflatten(-1, (rot // 2, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        rotated = torch.cat((-xr[..., rot // 2:], xr[..., :rot // 2]), dim=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    if rot < head_dim:
+        out = torch.cat((out, xh[..., rot:]), dim=-1)
     return out.reshape(x.shape)
 
 

@@ -9,6 +9,8 @@ Storage conventions (written by the quantization passes, see passes/README.md):
   int8 per token (dynamic) or with the calibrated per-tensor ``input_scale`` (static); scale = amax / 127.
 - fp8: ``qweight`` float8_e4m3fn [out, in], ``weight_scale`` fp32 [out] or [1]; activations e4m3 per
   token (dynamic) or with ``input_scale`` (static); scale = amax / 448.
+- any scheme may carry ``perm`` int32 [in] (an act-order checkpoint's input channels sorted by group, so
+  groups are contiguous): the linear computes ``x[:, perm] @ W.T``, W's columns being in that order.
 """
 
 from __future__ import annotations
@@ -110,10 +112,24 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
     return fp8_linear
 
 
+def permute_input(fn: Callable[[torch.Tensor], torch.Tensor],
+                  perm: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` reading ``x[..., perm]`` (a ``perm`` role: W's input columns sorted by group); ``fn`` itself when
+    there is none. A gather on the device: no host sync, the same inside a CUDA graph."""
+    if perm is None:
+        return fn
+    index = perm.long()
+    return lambda x: fn(x.index_select(-1, index))
+
+
 def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtype: torch.dtype,
                       quantize: Quantize | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes). ``quantize``: the
-    dynamic per-token activation quantization of the W8A8 schemes (a fused kernel); default the torch ops."""
+    """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes, or imported with a
+    ``perm``). ``quantize``: the dynamic per-token activation quantization of the W8A8 schemes (a fused kernel);
+    default the torch ops."""
+    if "perm" in w:
+        rest = {role: t for role, t in w.items() if role != "perm"}
+        return permute_input(make_quant_linear(scheme, rest, quant, dtype, quantize), w["perm"])
     bias = w.get("bias")
     if scheme in ("w4a16", "w8a16"):
         weight = dequantize_weight(w["qweight"], w["scales"], w["zeros"], quant["bits"], quant["group_size"], dtype)

@@ -91,8 +91,10 @@ def supports(bits: int, group_size: int, in_features: int, out_features: int) ->
 
 def runtime_layout(bits: int, group_size: int, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
     """Whether the runtime keeps a weight-only linear of this shape, in an artifact of activation ``dtype``, on this
-    layout (else ``kernels.w4a16_mma``'s)."""
-    return FRAG_ENABLED and dtype == torch.bfloat16 and supports(bits, group_size, in_features, out_features)
+    layout (else ``kernels.w4a16_mma``'s). Not under TRITON_INTERPRET: the kernel is PTX, so the interpreter's
+    runs keep testing the mma kernel."""
+    return (FRAG_ENABLED and dtype == torch.bfloat16 and supports(bits, group_size, in_features, out_features)
+            and not _interpreting())
 
 
 # --- layout ----------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ class FuseSiluMul(Pass):
             matched += 1
             lin = producers.get(gate)
             if (lin is not None and lin.op == "linear" and lin.outputs == [gate, up]
-                    and len(set(lin.attrs.get("split_sizes", []))) == 1):
+                    and len(set(lin.attrs.get("split_sizes", []))) == 1 and not lin.attrs.get("split_heads")):
                 # [gate | up] side by side: keep the linear's single output, split inside silu_mul
                 lin.outputs = [gate]
                 lin.attrs = {k: v for k, v in lin.attrs.items() if k != "split_sizes"}

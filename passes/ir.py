@@ -29,7 +29,9 @@ QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
     "w8a8_int8": ("qweight", "weight_scale"),  # int8 weight per channel; activations int8 (+ input_scale if static)
     "fp8": ("qweight", "weight_scale"),  # e4m3 weight per tensor/channel; activations e4m3 (+ input_scale if static)
 }
-QUANT_ROLES = ("qweight", "scales", "zeros", "weight_scale", "input_scale")
+# `perm` (optional, any scheme; int32 [in]): imported act-order checkpoints store W's input columns sorted by group,
+# so groups are contiguous; the linear reads x[:, perm].
+QUANT_ROLES = ("qweight", "scales", "zeros", "weight_scale", "input_scale", "perm")
 
 
 @dataclass(frozen=True)
@@ -54,18 +56,27 @@ OPS: dict[str, OpSpec] = {
             "rounded to the activation dtype before the gain (Llama's order), with it the gain is applied "
             "in fp32 first (Gemma's (1 + w))",
     ),
+    "layer_norm": OpSpec(
+        (1, 1), (), ("weight", "bias"), ("eps",),
+        doc="(x - mean(x)) * rsqrt(var(x) + eps) * weight + bias over each row, computed in fp32 and rounded once; "
+            "weight and bias are optional (OLMo's norm has neither)",
+    ),
     "fused_add_rms_norm": OpSpec(
         (2, 2), (), ("weight",), ("eps",),
         doc="(x, residual) -> (rms_norm(x + residual), x + residual)",
     ),
     "linear": OpSpec(
         (1, 1), (), ("weight", "bias") + QUANT_ROLES, ("in_features", "out_features"),
-        doc="x @ weight.T + bias; with split_sizes, the output is split along features into outputs; "
-            "with a `quant` attr, the weight is stored quantized (see QUANT_SCHEMES)",
+        doc="x @ weight.T + bias; with split_sizes, the output is split along features into outputs; with "
+            "split_heads H as well, the output is H heads' rows side by side, each split by split_sizes, and output "
+            "i holds every head's part i (GPT-NeoX's fused [q_h k_h v_h] rows); with a `quant` attr, the weight is "
+            "stored quantized (see QUANT_SCHEMES)",
     ),
     "rope": OpSpec(
         (2, 2), ("inv_freq",), (), ("head_dim", "num_heads"),
-        doc="(x, positions) -> x rotated (rotate-half layout), cos/sin from inv_freq * attention_scaling",
+        doc="(x, positions) -> x rotated (rotate-half layout; GPT-J's pairs with `interleaved`), cos/sin from "
+            "inv_freq * attention_scaling; with rotary_dim, only each head's first rotary_dim features rotate "
+            "(2 * len(inv_freq) == rotary_dim), the rest pass through",
     ),
     "attention": OpSpec(
         (3, 3), (), ("k_scale", "v_scale"), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
@@ -77,7 +88,8 @@ OPS: dict[str, OpSpec] = {
     "elementwise": OpSpec((1, 2), (), (), ("fn",), doc="fn in add, mul (two inputs) or scale (attr value)"),
     "lm_head": OpSpec(
         (1, 1), (), ("weight", "bias") + QUANT_ROLES, (),
-        doc="logits (x @ weight.T + bias) for the rows the executor selects; with a `quant` attr (recipe "
+        doc="logits (x @ weight.T + bias, times `scale` where set: Cohere's logit_scale, Granite's 1 / "
+            "logits_scaling) for the rows the executor selects; with a `quant` attr (recipe "
             "quantization.lm_head), stored quantized like a linear, with in_features / out_features",
     ),
     # Tensor parallelism (written by the `shard` pass): collectives over the tp_size ranks of the default
@@ -244,6 +256,11 @@ class Graph:
                 for role in QUANT_SCHEMES[scheme]:
                     if role not in n.weights:
                         raise GraphError(f"node {n}: a {scheme} {n.op} needs weight {role!r}")
+                sizes = n.attrs.get("split_sizes")
+                if sizes is not None and (len(sizes) != len(n.outputs) or sum(sizes) * n.attrs.get("split_heads", 1)
+                                          != n.attrs.get("out_features")):
+                    raise GraphError(f"node {n}: split_sizes {sizes} (x split_heads) do not cover out_features "
+                                     f"{n.attrs.get('out_features')} in {len(n.outputs)} outputs")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

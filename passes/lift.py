@@ -8,16 +8,19 @@ value saying what it is in IR terms:
 - ``Pos``: anything computed only from positions, shapes and buffers (position ids, causal masks,
   rotary cos/sin tables). The runtime recomputes these itself, so they never become IR nodes.
 - ``Param``: a weight, possibly offset by a constant (a norm gain of ``1 + w``).
-- partial patterns (``Half``, ``Rot``, ``RmsInv``, ...): intermediate steps of RoPE and RMSNorm,
-  recognised from their arithmetic, not from module or class names.
+- partial patterns (``Sub``, ``Rot``, ``RmsInv``, ``Centered``, ...): intermediate steps of RoPE (rotate-half
+  or interleaved, over all or the first features of each head), RMSNorm, LayerNorm and a GeLU written out with
+  tanh, recognised from their arithmetic, not from module or class names.
+- slices of a linear's output features (q/k/v or gate/up stored as one fused weight) become that linear's split
+  outputs (``split_sizes``) once the lift has seen them all.
 
 Small constants the model computes from its own buffers (an embedding scale of sqrt(hidden)) are
 evaluated on the CPU when a per-token value is multiplied by them, and become an attribute.
 
 Any op applied to a per-token value that no rule recognises stops the lift with a ``LiftError``
 naming the ATen op, the module path it came from and, where known, the IR primitive it would need.
-No table is keyed on architecture: a family that composes the same primitives (embedding, RMSNorm,
-linear, rotate-half RoPE, SDPA, activations, residual adds) lifts without new code.
+No table is keyed on architecture: a family that composes the same primitives (embedding, RMSNorm or LayerNorm,
+linear, RoPE, SDPA, activations, residual adds and constant scales) lifts without new code.
 """
 
 from __future__ import annotations
@@ -88,48 +91,101 @@ class Const:
 
 # Partial patterns.
 @dataclass(frozen=True)
-class Half:  # x[..., :D/2] (lo) or x[..., D/2:] (hi), possibly negated
+class Sub:  # x[..., start:stop:step] over each head's features (absolute indices into head_dim), maybe negated
     x: Tok
-    hi: bool
+    start: int
+    stop: int
+    step: int = 1
     neg: bool = False
 
 
 @dataclass(frozen=True)
-class Rot:  # rotate_half(x) = cat(-x_hi, x_lo)
+class Rot:  # rotate_half(x[..., start:stop]) = cat(-x_hi, x_lo); interleaved: GPT-J's stack(-x_odd, x_even)
+    x: Tok
+    start: int
+    stop: int
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class Stacked:  # stack((-x_odd, x_even), -1): an interleaved rotation before its flatten
+    rot: Rot
+
+
+@dataclass(frozen=True)
+class RopeTerm:  # x[..., start:stop] * cos, or rotate(x[..., start:stop]) * sin
+    x: Tok
+    rotated: bool
+    table: Pos
+    start: int
+    stop: int
+    interleaved: bool = False
+
+
+@dataclass(frozen=True)
+class Mean:  # mean(x, -1)
     x: Tok
 
 
 @dataclass(frozen=True)
-class RopeTerm:  # x * cos, or rotate_half(x) * sin
+class Centered:  # x - mean(x, -1): LayerNorm's mean-centring
     x: Tok
-    rotated: bool
-    table: Pos
 
 
 @dataclass(frozen=True)
 class Square:  # x ** 2
-    x: Tok
+    x: Tok | Centered
 
 
 @dataclass(frozen=True)
 class MeanSquare:  # mean(x ** 2, -1) (+ eps)
-    x: Tok
+    x: Tok | Centered
     eps: float = 0.0
 
 
 @dataclass(frozen=True)
 class RmsInv:  # rsqrt(mean(x ** 2, -1) + eps)
-    x: Tok
+    x: Tok | Centered
     eps: float
 
 
 @dataclass(frozen=True)
-class Normed:  # x * rsqrt(mean(x ** 2) + eps), weight not applied yet
+class Normed:  # x * rsqrt(mean(x ** 2) + eps) (RMSNorm), or centred (LayerNorm); weight not applied yet
     x: Tok
     eps: float
+    centered: bool = False
 
 
-PATTERNS = (Half, Rot, RopeTerm, Square, MeanSquare, RmsInv, Normed)
+# GeLU written out with tanh (transformers' gelu_new, gelu_python_tanh): 0.5 * x * (1 + tanh(a * (x + b * x^3)))
+@dataclass(frozen=True)
+class Cube:  # b * x ** 3
+    x: Tok
+    coef: float = 1.0
+
+
+@dataclass(frozen=True)
+class TanhArg:  # a * (x + b * x ** 3), and tanh of it
+    x: Tok
+    a: float
+    b: float
+    tanh: bool = False
+
+
+@dataclass(frozen=True)
+class OnePlusTanh:  # 1 + tanh(a * (x + b * x ** 3))
+    x: Tok
+
+
+@dataclass(frozen=True)
+class Split:  # split / chunk of x along FX dim ``dim``: each piece's [start, stop), taken by getitem
+    x: Tok
+    dim: int
+    bounds: tuple[tuple[int, int], ...]
+
+
+PATTERNS = (Sub, Rot, Stacked, RopeTerm, Mean, Centered, Square, MeanSquare, RmsInv, Normed, Cube, TanhArg,
+            OnePlusTanh, Split)
+GELU_TANH = (math.sqrt(2.0 / math.pi), 0.044715)  # a, b of the tanh approximation
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,6 +229,20 @@ class _State:
     inputs: dict[str, Any] = field(default_factory=dict)  # placeholder name -> its InputSpec
     constants: dict[str, Any] = field(default_factory=dict)  # the exported program's lifted constant tensors
     evaluated: dict[torch.fx.Node, torch.Tensor] = field(default_factory=dict)  # constants computed so far
+    producer: dict[str, Node] = field(default_factory=dict)  # IR value -> the node that writes it
+    splits: dict[str, _Split] = field(default_factory=dict)  # a linear's output value -> the slices read of it
+    # a partial rope's output -> (its input, rotary_dim): the two agree on the features from rotary_dim on
+    passthrough: dict[str, tuple[str, int]] = field(default_factory=dict)
+
+
+@dataclass
+class _Split:
+    """The slices of one linear's output features that the model reads (fused q/k/v or gate/up weights). At the
+    end of the lift they must tile the output, and the linear then writes one value per slice (``split_sizes``)."""
+
+    node: Node  # the linear
+    pieces: dict[tuple[int, int], str] = field(default_factory=dict)  # (start, stop) -> value name
+    per_head: int = 0  # > 0: the slices are of each of this many heads' features (GPT-NeoX's [q_h k_h v_h] rows)
 
 
 def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
@@ -207,7 +277,9 @@ def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
             logits = st.env[out]
             if not isinstance(logits, Tok):
                 raise LiftError(f"the model's first output is not a per-token value ({logits!r})")
+            _finish_splits(st)
             _mark_lm_head(st, logits.value)
+            _drop_dead(st)
     graph = Graph(st.nodes, ["input_ids", "positions"], [], _used_params(st))
     graph.outputs = [st.nodes[-1].outputs[0]]
     graph.check()
@@ -220,11 +292,53 @@ def _used_params(st: _State) -> dict[str, torch.Tensor]:
 
 
 def _mark_lm_head(st: _State, value: str) -> None:
+    """The final linear becomes the lm_head; constant factors applied to its logits (Cohere's logit_scale,
+    Granite's 1 / logits_scaling) become its ``scale``."""
+    scale = 1.0
+    while (st.nodes[-1].op == "elementwise" and st.nodes[-1].attrs["fn"] == "scale" and len(st.nodes) > 1
+           and st.nodes[-1].outputs == [value] and st.nodes[-2].outputs == st.nodes[-1].inputs
+           and sum(st.nodes[-1].inputs[0] in n.inputs for n in st.nodes) == 1):
+        scale *= st.nodes[-1].attrs["value"]
+        value = st.nodes.pop().inputs[0]
     last = st.nodes[-1]
     if last.op != "linear" or last.outputs != [value]:
         raise LiftError("the model's logits are not produced by a final linear layer (lm_head)")
     last.op = "lm_head"
-    last.attrs = {}
+    last.attrs = {} if scale == 1.0 else {"scale": scale}
+
+
+def _finish_splits(st: _State) -> None:
+    """Each linear whose output the model read in slices writes one value per slice (``split_sizes``)."""
+    for value, split in st.splits.items():
+        node = split.node
+        reader = next((n for n in st.nodes if value in n.inputs), None)
+        if reader is not None:
+            raise LiftError(f"the output of linear {node.source!r} is read both whole (by {reader.op} at "
+                            f"{reader.source!r}) and in slices; the lifter splits a fused linear only when every "
+                            f"reader takes a slice")
+        cuts = sorted(split.pieces)
+        size = node.attrs["out_features"] // max(split.per_head, 1)
+        if [c[0] for c in cuts] != [0] + [c[1] for c in cuts[:-1]] or cuts[-1][1] != size:
+            raise LiftError(f"the slices {cuts} read of linear {node.source!r}'s output do not tile its {size} "
+                            f"features{' per head' if split.per_head else ''}; a fused linear is split only into "
+                            f"adjacent, non-overlapping parts")
+        node.outputs = [split.pieces[c] for c in cuts]
+        node.attrs["split_sizes"] = [b - a for a, b in cuts]
+        if split.per_head:
+            node.attrs["split_heads"] = split.per_head
+
+
+def _drop_dead(st: _State) -> None:
+    """Drop activations and elementwise ops nothing reads: the leftovers of a pattern recognised later (the
+    0.5 * x of a GeLU written out with tanh)."""
+    read = {i for n in st.nodes for i in n.inputs} | set(st.nodes[-1].outputs)
+    while True:
+        dead = [n for n in st.nodes if n.op in ("elementwise", "activation") and not read & set(n.outputs)]
+        if not dead:
+            return
+        gone = {id(n) for n in dead}
+        st.nodes = [n for n in st.nodes if id(n) not in gone]
+        read = {i for n in st.nodes for i in n.inputs} | set(st.nodes[-1].outputs)
 
 
 def _module_path(fx_node: torch.fx.Node) -> str:
@@ -260,6 +374,7 @@ def _emit(st: _State, op: str, inputs: list[str], prefix: str, source: str, *,
           weights: dict[str, str] | None = None, attrs: dict[str, Any] | None = None) -> str:
     out = st.names(prefix)
     st.nodes.append(Node(op, inputs, [out], dict(weights or {}), dict(attrs or {}), source))
+    st.producer[out] = st.nodes[-1]
     return out
 
 
@@ -292,6 +407,13 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
         base, index = args
         if isinstance(base, Pos):
             return base
+        if isinstance(base, Split):
+            start, stop = base.bounds[_const(index)]
+            piece = _slice_value(fx_node, base.x, base.dim, start, stop, 1, st, source, fused=True)
+            if piece is NotImplemented:
+                raise LiftError(f"module {source!r} splits a per-token value along an axis other than its features"
+                                f"{_needs(aten.split.Tensor)}")
+            return piece
         raise LiftError(f"getitem on {base!r} at {source}")
     if not (_is_token_like(args) or _is_token_like(list(kwargs.values()))):
         if any(isinstance(a, Param) for a in args + list(kwargs.values())):
@@ -312,8 +434,10 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
 
 # What an op the lifter stops at usually stands for, and the IR primitive lifting it would take.
 NEEDS: dict[Any, str] = {
-    aten.layer_norm.default: "LayerNorm (mean-centred, optional bias), which the IR lacks: it has rms_norm only",
-    aten.native_layer_norm.default: "LayerNorm (mean-centred, optional bias), which the IR lacks: it has rms_norm only",
+    aten.layer_norm.default: "a LayerNorm over something other than one row of features (per head, or with a gain "
+                             "computed from the weight), which the layer_norm op does not cover",
+    aten.native_layer_norm.default: "a LayerNorm whose statistics are used as well, which the layer_norm op does not "
+                                    "return",
     aten.softmax.int: "a softmax over per-token values outside attention, such as a mixture-of-experts router "
                       "(softmax, top-k, expert dispatch), which the IR has no op for",
     aten._softmax.default: "a softmax over per-token values outside attention, such as a mixture-of-experts router "
@@ -323,16 +447,16 @@ NEEDS: dict[Any, str] = {
                          "activations; the IR takes attention only from scaled_dot_product_attention",
     aten.bmm.default: "attention written out as matmul + softmax (eager attention) or another product of two "
                       "activations; the IR takes attention only from scaled_dot_product_attention",
-    aten.div.Tensor: "a division of per-token values (logit or residual scaling, soft-capping), which the lifter "
-                     "does not map to an IR op yet",
+    aten.div.Tensor: "a division of per-token values by something other than a constant (soft-capping), which "
+                     "the lifter does not map to an IR op",
     aten.tanh.default: "a tanh of per-token values (an activation, or the soft-capping of attention scores or logits), "
                        "which the IR has no op for",
-    aten.slice.Tensor: "a slice of a linear's output features, such as q/k/v or gate/up stored as one fused weight "
-                       "(a linear with split_sizes would carry it), or partial rotary embeddings",
+    aten.slice.Tensor: "a slice of per-token features other than a fused linear's parts (q/k/v, gate/up) or the "
+                       "rotated part of each head (partial rotary embeddings)",
     aten.embedding.default: "an embedding looked up by something other than the token ids, such as learned absolute "
                             "position embeddings, which the IR has no op for",
-    aten.mean.dim: "a mean of per-token values other than RMSNorm's mean of squares, such as LayerNorm's "
-                   "mean-centring, which the IR lacks: it has rms_norm only",
+    aten.mean.dim: "a mean of per-token values other than a norm's (RMSNorm's mean of squares, LayerNorm's "
+                   "mean and variance)",
     aten.view.default: "a view of the token ids or of features the IR cannot follow (a model that reshapes its "
                        "input_ids, such as one with learned absolute position embeddings)",
 }
@@ -379,6 +503,8 @@ def _identity(fx_node, args, kwargs, st, ctx, source):
 
 def _layout(fx_node, args, kwargs, st, ctx, source):
     x = args[0]
+    if isinstance(x, Stacked):  # stack((-x_odd, x_even), -1).flatten(-2): the interleaved rotation
+        return x.rot
     if isinstance(x, Ids):  # input_ids.view(-1, T) and the like: still one id per token
         shape = tuple(fx_node.meta["val"].shape)
         return x if math.prod(d for d in shape if isinstance(d, int)) == 1 else NotImplemented
@@ -425,38 +551,135 @@ def _linear(fx_node, args, kwargs, st, ctx, source):
     return Tok(out, _layout_of(fx_node))
 
 
+def _bounds(start: int | None, stop: int | None, size: int) -> tuple[int, int]:
+    """Python slice bounds (None, negative, past the end) as 0 <= start <= stop <= size."""
+    start = 0 if start is None else start + size if start < 0 else start
+    stop = size if stop is None else stop + size if stop < 0 else stop
+    return min(start, size), min(max(stop, start), size)
+
+
 def _slice(fx_node, args, kwargs, st, ctx, source):
-    x = args[0]
-    dim, start, end = (_const(a) for a in (args + [Const(0), Const(None), Const(None)])[1:4])
+    defaults = [Const(0), Const(None), Const(None), Const(1)]  # dim, start, end, step
+    dim, start, stop, step = (_const(a) for a in (args[1:] + defaults[len(args) - 1:]))
+    return _slice_value(fx_node, args[0], dim, start, stop, step, st, source)
+
+
+def _slice_value(fx_node, x, dim, start, stop, step, st: _State, source: str, fused: bool = False):
+    """x[..., start:stop:step] along FX dim ``dim``. Per-head features (D) become a ``Sub`` pattern (rotate-half
+    and partial rotary), or with ``fused`` (a split / chunk of a linear's output) a per-head slice of that
+    linear; flat features (F) or whole heads (H) of a linear's output become one of its split outputs."""
+    if isinstance(x, Sub) and not x.neg and x.step == 1 and dim % len(x.x.layout.dims) == len(x.x.layout.dims) - 1:
+        a, b = _bounds(start, stop, x.stop - x.start)
+        return _sub(x.x, x.start + a, x.start + b, step)
     if not isinstance(x, Tok):
         return NotImplemented
     dim = dim % len(x.layout.dims)
-    label = x.layout.dims[dim]
-    end = 2**63 - 1 if end is None else end
-    start = 0 if start is None else start
-    if label == "T" and start == 0 and end >= 2**62:
-        return x  # x[:, 0:] on the token axis: a no-op
-    if label == "D":
-        d = x.layout.size("D")
-        if (start, min(end, d)) == (0, d // 2):
-            return Half(x, hi=False)
-        if start == d // 2 and end >= d:
-            return Half(x, hi=True)
-    return NotImplemented
+    label, size = x.layout.dims[dim], x.layout.sizes[dim]
+    if label == "T":
+        return x if (start in (0, None) and (stop is None or stop >= 2**62) and step == 1) else NotImplemented
+    a, b = _bounds(start, stop, size)
+    if label == "D" and not fused:
+        return _sub(x, a, b, step)
+    if step != 1 or x.repeat != 1 or label not in "FHD" or label == "D" and "H" not in x.layout.dims:
+        return NotImplemented
+    if (a, b) == (0, size):
+        return x
+    unit = x.layout.size("D") if label == "H" else 1  # the IR value is [T, H * D], heads major
+    return _split_output(fx_node, x, a * unit, b * unit, x.layout.size("H") if label == "D" else 0, st, source)
+
+
+def _sub(x: Tok, start: int, stop: int, step: int) -> Tok | Sub:
+    return x if (start, stop, step) == (0, x.layout.size("D"), 1) else Sub(x, start, stop, step)
+
+
+def _split_output(fx_node, x: Tok, start: int, stop: int, per_head: int, st: _State, source: str) -> Tok:
+    """Features [start, stop) of a linear's output (of each of its ``per_head`` heads when set): one output of
+    that linear, split when the lift ends (``_finish_splits``)."""
+    split = st.splits.get(x.value)
+    if split is None:
+        node = st.producer.get(x.value)
+        if node is None or node.op != "linear" or node.outputs != [x.value]:
+            what = f"{node.op} at {node.source!r} writes" if node is not None else "no node writes"
+            raise LiftError(f"module {source!r} slices the features of a value {what}, not a linear's output; the "
+                            f"lifter splits only linears whose weight fuses several projections (q/k/v, gate/up)")
+        split = st.splits[x.value] = _Split(node, per_head=per_head)
+    if split.per_head != per_head:
+        raise LiftError(f"module {source!r} slices linear {split.node.source!r}'s output both per head and as a whole")
+    name = split.pieces.get((start, stop))
+    if name is None:
+        name = split.pieces[(start, stop)] = st.names(f"{x.value}_{start}")
+    return Tok(name, _layout_of(fx_node))
+
+
+def _split(fx_node, args, kwargs, st, ctx, source):
+    """split / split_with_sizes / chunk: the pieces' bounds, each taken by a getitem (``_slice_value``)."""
+    x = args[0]
+    if not isinstance(x, Tok):
+        return NotImplemented
+    dim = _const(args[2]) if len(args) > 2 else _const(kwargs.get("dim", Const(0)))
+    dim %= len(x.layout.dims)
+    size = x.layout.sizes[dim]
+    if size < 0:
+        return NotImplemented
+    how = _const(args[1])
+    if fx_node.target == aten.chunk.default:
+        how = -(-size // how)
+    sizes = how if isinstance(how, list) else [how] * (-(-size // how))
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, min(start + n, size)))
+        start += n
+    return Split(x, dim, tuple(bounds))
 
 
 def _neg(fx_node, args, kwargs, st, ctx, source):
     x = args[0]
-    if isinstance(x, Half):
-        return Half(x.x, x.hi, not x.neg)
+    if isinstance(x, Sub):
+        return Sub(x.x, x.start, x.stop, x.step, not x.neg)
     return NotImplemented
 
 
 def _cat(fx_node, args, kwargs, st, ctx, source):
     parts = args[0]
-    if (len(parts) == 2 and all(isinstance(p, Half) for p in parts) and parts[0].x == parts[1].x
-            and (parts[0].hi, parts[0].neg, parts[1].hi, parts[1].neg) == (True, True, False, False)):
-        return Rot(parts[0].x)
+    if len(parts) == 2 and all(isinstance(p, Sub) and p.step == 1 for p in parts):
+        hi, lo = parts
+        if (hi.x.value == lo.x.value and hi.neg and not lo.neg and hi.start == lo.stop
+                and hi.stop - hi.start == lo.stop - lo.start):
+            return Rot(lo.x, lo.start, hi.stop)  # rotate_half(x[..., lo.start:hi.stop])
+    return _reassemble(fx_node, parts, st)
+
+
+def _reassemble(fx_node, parts: list, st: _State):
+    """cat(rope(x[..., :r]), x[..., r:]): partial rotary, where the rope op passes features r: through."""
+    subs = [Sub(p, 0, p.layout.size("D")) if isinstance(p, Tok) else p for p in parts]
+    subs = [p for p in subs if not isinstance(p, Sub) or p.start < p.stop]  # x[..., D:] of a full rotary: empty
+    if not subs or not all(isinstance(p, Sub) and p.step == 1 and not p.neg for p in subs):
+        return NotImplemented
+    base, ndim = subs[0].x, fx_node.meta["val"].dim()
+    if (fx_node.args[1] if len(fx_node.args) > 1 else fx_node.kwargs.get("dim", 0)) % ndim != ndim - 1:
+        return NotImplemented  # not along the last (head_dim) axis
+    end = 0
+    for p in subs:
+        same = p.x.value == base.value or (st.passthrough.get(base.value, ("", 0))[0] == p.x.value
+                                           and p.start >= st.passthrough[base.value][1])
+        if p.start != end or not same:
+            return NotImplemented
+        end = p.stop
+    if end != base.layout.size("D"):
+        return NotImplemented
+    return Tok(base.value, _layout_of(fx_node), base.repeat)
+
+
+def _stack(fx_node, args, kwargs, st, ctx, source):
+    """stack((-x[..., 1::2], x[..., ::2]), -1): the GPT-J (interleaved) rotation, flattened next."""
+    parts = args[0]
+    dim = _const(args[1]) if len(args) > 1 else _const(kwargs.get("dim", Const(0)))
+    last = dim % fx_node.meta["val"].dim() == fx_node.meta["val"].dim() - 1
+    if len(parts) == 2 and all(isinstance(p, Sub) and p.step == 2 for p in parts) and last:
+        odd, even = parts
+        if (odd.x.value == even.x.value and odd.neg and not even.neg and odd.start == even.start + 1
+                and odd.stop == even.stop and (even.stop - even.start) % 2 == 0):
+            return Stacked(Rot(even.x, even.start, even.stop, interleaved=True))
     return NotImplemented
 
 
@@ -464,16 +687,32 @@ def _mul(fx_node, args, kwargs, st, ctx, source):
     a, b = args[0], args[1]
     for x, y, x_fx, y_fx in ((a, b, *fx_node.args[:2]), (b, a, *fx_node.args[1::-1])):
         if isinstance(x, Normed) and isinstance(y, Param):
-            return _rms_norm(fx_node, x, y, st, source)
-        if isinstance(x, Tok) and isinstance(y, RmsInv) and y.x.value == x.value:
-            return Normed(x, y.eps)
+            return _norm(fx_node, x, y, st, source)
+        if isinstance(x, (Tok, Centered)) and isinstance(y, RmsInv) and _base(x) == _base(y.x) \
+                and isinstance(x, Centered) == isinstance(y.x, Centered):
+            return Normed(x.x if isinstance(x, Centered) else x, y.eps, centered=isinstance(x, Centered))
         if isinstance(x, Tok) and isinstance(y, Pos) and _is_scalar(y_fx):
             return _scale(x, x_fx, float(_evaluate(y_fx, st, ctx, source)), st, source)
         if isinstance(x, Tok) and isinstance(y, Pos):
-            return RopeTerm(x, rotated=False, table=y)
+            return RopeTerm(x, rotated=False, table=y, start=0, stop=x.layout.size("D"))
+        if isinstance(x, Sub) and x.step == 1 and not x.neg and isinstance(y, Pos):
+            return RopeTerm(x.x, rotated=False, table=y, start=x.start, stop=x.stop)
         if isinstance(x, Rot) and isinstance(y, Pos):
-            return RopeTerm(x.x, rotated=True, table=y)
+            return RopeTerm(x.x, rotated=True, table=y, start=x.start, stop=x.stop, interleaved=x.interleaved)
+        if isinstance(y, Const) and isinstance(y.value, (int, float)) and not isinstance(y.value, bool):
+            if isinstance(x, Cube):
+                return Cube(x.x, x.coef * y.value)
+            if isinstance(x, TanhArg) and not x.tanh:
+                return TanhArg(x.x, x.a * y.value, x.b)
+        if isinstance(x, Tok) and isinstance(y, OnePlusTanh):
+            half = st.producer.get(x.value)
+            if (half is not None and half.op == "elementwise" and half.attrs["fn"] == "scale"
+                    and half.attrs["value"] == 0.5 and half.inputs == [y.x.value]):
+                out = _emit(st, "activation", [y.x.value], "gelu_tanh", source, attrs={"fn": "gelu_tanh"})
+                return Tok(out, y.x.layout)  # 0.5 * x * (1 + tanh(...)): the 0.5 * x node is left for _drop_dead
         if isinstance(x, Tok) and isinstance(y, Const) and isinstance(y.value, (int, float)):
+            if y.value == 1:  # a multiplier left at 1 (Granite's defaults): exactly x
+                return x
             out = _emit(st, "elementwise", [x.value], "scaled", source,
                         attrs={"fn": "scale", "value": float(y.value)})
             return Tok(out, x.layout)
@@ -485,14 +724,40 @@ def _mul(fx_node, args, kwargs, st, ctx, source):
     return NotImplemented
 
 
-def _rms_norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -> Tok:
+def _base(x: Tok | Centered) -> str:
+    return x.x.value if isinstance(x, Centered) else x.value
+
+
+def _norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -> Tok:
+    """An RMSNorm, or a LayerNorm written out (Cohere's: mean-centred, no bias), with its gain."""
     x = normed.x
     attrs: dict[str, Any] = {"eps": normed.eps}
     if x.layout.dims[-1] == "D":  # normalised per head (e.g. q/k norms)
+        if normed.centered:
+            raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
         attrs["head_dim"] = x.layout.size("D")
     if weight.offset:  # gain (offset + w), e.g. Gemma's 1 + w
+        if normed.centered:
+            raise LiftError(f"LayerNorm at {source!r} has a gain of {weight.offset:g} + w; the layer_norm op takes w")
         attrs["weight_offset"] = weight.offset
-    out = _emit(st, "rms_norm", [x.value], "norm", source, weights={"weight": weight.name}, attrs=attrs)
+    op = "layer_norm" if normed.centered else "rms_norm"
+    out = _emit(st, op, [x.value], "norm", source, weights={"weight": weight.name}, attrs=attrs)
+    return Tok(out, _layout_of(fx_node), x.repeat)
+
+
+def _layer_norm(fx_node, args, kwargs, st, ctx, source):
+    """aten.layer_norm(x, [features], weight?, bias?, eps): with or without a gain and a bias (OLMo has none)."""
+    x, shape = args[0], _const(args[1])
+    weight, bias, eps = (args + [Const(None), Const(None), Const(1e-5)])[2:5]
+    if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and shape == [x.layout.sizes[-1]]):
+        return NotImplemented
+    weights = {}
+    for role, w in (("weight", weight), ("bias", bias)):
+        if isinstance(w, Param) and not w.offset:
+            weights[role] = w.name
+        elif not (isinstance(w, Const) and w.value is None):
+            return NotImplemented
+    out = _emit(st, "layer_norm", [x.value], "norm", source, weights=weights, attrs={"eps": float(_const(eps))})
     return Tok(out, _layout_of(fx_node), x.repeat)
 
 
@@ -554,18 +819,51 @@ def _num_uses(fx_node: torch.fx.Node) -> int:
 
 def _add(fx_node, args, kwargs, st, ctx, source):
     a, b = args[0], args[1]
-    if isinstance(a, RopeTerm) and isinstance(b, RopeTerm) and a.x == b.x and a.rotated != b.rotated:
-        return _rope(fx_node, a.x, a.table if not a.rotated else b.table, st, ctx, source)
+    if isinstance(a, RopeTerm) and isinstance(b, RopeTerm) and a.x == b.x and a.rotated != b.rotated \
+            and (a.start, a.stop) == (b.start, b.stop):
+        plain, rotated = (b, a) if a.rotated else (a, b)
+        return _rope(fx_node, rotated, plain.table, st, ctx, source)
     for x, y in ((a, b), (b, a)):
         if isinstance(x, MeanSquare) and isinstance(y, Const):
             return MeanSquare(x.x, x.eps + float(y.value))
+        if isinstance(x, Tok) and isinstance(y, Cube) and y.x.value == x.value:
+            return TanhArg(x, 1.0, y.coef)  # x + b * x^3
+        if isinstance(x, TanhArg) and x.tanh and isinstance(y, Const) and y.value == 1:
+            return OnePlusTanh(x.x)
     if isinstance(a, Tok) and isinstance(b, Tok):
         out = _emit(st, "elementwise", [a.value, b.value], "add", source, attrs={"fn": "add"})
         return Tok(out, _layout_of(fx_node))
     return NotImplemented
 
 
-def _rope(fx_node, x: Tok, table: Pos, st: _State, ctx: LiftContext, source: str) -> Tok:
+def _sub_op(fx_node, args, kwargs, st, ctx, source):
+    a, b = args[0], args[1]
+    if isinstance(a, Tok) and isinstance(b, Mean) and a.value == b.x.value:
+        return Centered(a)  # x - mean(x): LayerNorm's centring
+    return NotImplemented
+
+
+def _div(fx_node, args, kwargs, st, ctx, source):
+    a, b = args[0], args[1]
+    if isinstance(a, Tok) and isinstance(b, Const) and isinstance(b.value, (int, float)) and b.value:
+        if b.value == 1:
+            return a
+        out = _emit(st, "elementwise", [a.value], "scaled", source, attrs={"fn": "scale", "value": 1.0 / b.value})
+        return Tok(out, a.layout)  # x / c (Granite's logits_scaling): x * (1 / c)
+    return NotImplemented
+
+
+def _tanh(fx_node, args, kwargs, st, ctx, source):
+    x = args[0]
+    if isinstance(x, TanhArg) and not x.tanh:
+        if math.isclose(x.a, GELU_TANH[0], rel_tol=1e-6) and math.isclose(x.b, GELU_TANH[1], rel_tol=1e-6):
+            return TanhArg(x.x, x.a, x.b, tanh=True)
+    return NotImplemented
+
+
+def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, source: str) -> Tok | Sub:
+    """x * cos + rotate(x) * sin over features [0, rotary_dim) of each head; the rest pass through."""
+    x = term.x
     inv_freq_buffers = sorted(b for b in table.buffers if b.endswith("inv_freq") and "original" not in b)
     if len(inv_freq_buffers) != 1:
         raise LiftError(f"rotary embedding at {source!r}: cannot tell which inv_freq buffer its cos/sin "
@@ -576,17 +874,29 @@ def _rope(fx_node, x: Tok, table: Pos, st: _State, ctx: LiftContext, source: str
         inv_freq, scaling = ctx.rotary(buffer)
         st.params[buffer] = inv_freq
         st.rope_tables[key] = buffer
-    _, scaling = ctx.rotary(buffer)
+    inv_freq, scaling = ctx.rotary(buffer)
     num_heads, head_dim = x.layout.size("H"), x.layout.size("D")
-    out = _emit(st, "rope", [x.value, "positions"], "rope", source, weights={"inv_freq": buffer},
-                attrs={"num_heads": num_heads, "head_dim": head_dim, "attention_scaling": float(scaling)})
-    return Tok(out, _layout_of(fx_node), x.repeat)
+    if term.start != 0 or 2 * inv_freq.numel() != term.stop:
+        raise LiftError(f"rotary embedding at {source!r} rotates features [{term.start}, {term.stop}) of each head "
+                        f"with {inv_freq.numel()} frequencies; the rope op rotates the first 2 * frequencies")
+    attrs = {"num_heads": num_heads, "head_dim": head_dim, "attention_scaling": float(scaling)}
+    if term.stop != head_dim:
+        attrs["rotary_dim"] = term.stop
+    if term.interleaved:
+        attrs["interleaved"] = True
+    out = _emit(st, "rope", [x.value, "positions"], "rope", source, weights={"inv_freq": buffer}, attrs=attrs)
+    if term.stop == head_dim:
+        return Tok(out, _layout_of(fx_node), x.repeat)
+    st.passthrough[out] = (x.value, term.stop)
+    return Sub(Tok(out, x.layout, x.repeat), 0, term.stop)
 
 
 def _pow(fx_node, args, kwargs, st, ctx, source):
     x, p = args[0], args[1]
-    if isinstance(x, Tok) and _const(p) == 2:
+    if isinstance(x, (Tok, Centered)) and _const(p) == 2:
         return Square(x)
+    if isinstance(x, Tok) and _const(p) == 3:
+        return Cube(x)
     return NotImplemented
 
 
@@ -594,9 +904,13 @@ def _mean(fx_node, args, kwargs, st, ctx, source):
     x = args[0]
     dims = _const(args[1]) if len(args) > 1 else None
     keepdim = _const(args[2]) if len(args) > 2 else _const(kwargs.get("keepdim", Const(False)))
-    if isinstance(x, Square) and dims in ([-1], [len(x.x.layout.dims) - 1]) and keepdim:
+    inner = x.x if isinstance(x, Square) else x
+    base = inner.x if isinstance(inner, Centered) else inner
+    if not (isinstance(base, Tok) and dims in ([-1], [len(base.layout.dims) - 1]) and keepdim):
+        return NotImplemented
+    if isinstance(x, Square):
         return MeanSquare(x.x)
-    return NotImplemented
+    return Mean(x) if isinstance(x, Tok) else NotImplemented
 
 
 def _rsqrt(fx_node, args, kwargs, st, ctx, source):
@@ -701,6 +1015,14 @@ RULES: dict[Any, Callable] = {
     aten.pow.Tensor_Scalar: _pow,
     aten.mean.dim: _mean,
     aten.rsqrt.default: _rsqrt,
+    aten.sub.Tensor: _sub_op,
+    aten.div.Tensor: _div,
+    aten.tanh.default: _tanh,
+    aten.stack.default: _stack,
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: _split,
+    aten.chunk.default: _split,
+    aten.layer_norm.default: _layer_norm,
     aten.scaled_dot_product_attention.default: _sdpa,
     aten.gelu.default: _activation,
     **{op: _activation for op in ACTIVATION_OPS},

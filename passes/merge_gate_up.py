@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from passes.base import Pass, PassContext, PassResult, register
 from passes.ir import Graph
-from passes.merge_linears import merge_linear_group, sibling_linears
+from passes.merge_linears import can_merge, merge_linear_group, sibling_linears
 
 
 @register
@@ -30,7 +30,7 @@ class MergeGateUp(Pass):
                 if gate is up or gate.attrs["out_features"] != up.attrs["out_features"]:
                     continue
                 matched += 1
-                if ("bias" in gate.weights) == ("bias" in up.weights):
+                if can_merge(graph, [gate, up]):
                     merge_linear_group(graph, [gate, up])
                     changed += 1
                 break

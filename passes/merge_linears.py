@@ -15,29 +15,51 @@ def merged_name(weight_names: list[str], suffix: str) -> str:
     return f"{parents.pop()}.{'+'.join(leaves)}.{suffix}"
 
 
+# Roles one tensor of which serves the whole linear (not one row per output feature): merged members must agree.
+SHARED_ROLES = ("input_scale", "perm")
+
+
+def can_merge(graph: Graph, group: list[Node]) -> bool:
+    """Whether ``group`` can become one linear: all with or all without bias, and stored alike (all float, or
+    all in one quant scheme with equal settings and equal shared tensors: a pre-quantized checkpoint's input
+    scales and act-order permutations)."""
+    if len({"bias" in n.weights for n in group}) != 1 or len({tuple(sorted(n.weights)) for n in group}) != 1:
+        return False
+    quants = [n.attrs.get("quant") for n in group]
+    if any(q != quants[0] for q in quants):
+        return False
+    return all(torch.equal(graph.params[n.weights[role]], graph.params[group[0].weights[role]])
+               for n in group for role in SHARED_ROLES if role in n.weights)
+
+
 def merge_linear_group(graph: Graph, group: list[Node]) -> Node:
-    """Replace ``group`` (linears on the same input, all with or all without bias) by one linear.
+    """Replace ``group`` (linears on the same input that :func:`can_merge`) by one linear.
 
     The merged node sits where the first member was and writes every member's output, split by
-    ``split_sizes``; its weight is the members' weights stacked along the output dim.
+    ``split_sizes``; its weight is the members' weights stacked along the output dim (each role of a
+    quantized one: codes, scales and zero points by rows; a per-tensor weight scale becomes per channel).
     """
     x = group[0].inputs[0]
     assert all(n.op == "linear" and n.inputs == [x] and "split_sizes" not in n.attrs for n in group)
-    has_bias = {"bias" in n.weights for n in group}
-    assert len(has_bias) == 1, "members disagree on bias"
-    w_names = [n.weights["weight"] for n in group]
-    weights = {"weight": merged_name(w_names, "weight")}
-    graph.params[weights["weight"]] = torch.cat([graph.params[w] for w in w_names], dim=0)
-    if has_bias.pop():
-        b_names = [n.weights["bias"] for n in group]
-        weights["bias"] = merged_name(b_names, "bias")
-        graph.params[weights["bias"]] = torch.cat([graph.params[b] for b in b_names], dim=0)
+    assert can_merge(graph, group), "members are stored differently"
     sizes = [n.attrs["out_features"] for n in group]
-    merged = Node(
-        "linear", [x], [n.outputs[0] for n in group], weights,
-        {"in_features": group[0].attrs["in_features"], "out_features": sum(sizes), "split_sizes": sizes},
-        group[0].source.rsplit(".", 1)[0],
-    )
+    weights = {}
+    for role in group[0].weights:
+        names = [n.weights[role] for n in group]
+        weights[role] = merged_name(names, role)
+        if role in SHARED_ROLES:
+            graph.params[weights[role]] = graph.params[names[0]]
+            continue
+        parts = [graph.params[w] for w in names]
+        if role == "weight_scale":  # per tensor [1] or per channel [out]: per channel when stacked
+            parts = [t.reshape(-1).expand(size) for t, size in zip(parts, sizes)]
+        graph.params[weights[role]] = torch.cat(parts, dim=0)
+    attrs = {"in_features": group[0].attrs["in_features"], "out_features": sum(sizes), "split_sizes": sizes}
+    if "quant" in group[0].attrs:
+        attrs["quant"] = dict(group[0].attrs["quant"])
+        if "weight_scale" in weights and attrs["quant"].get("weight_granularity") == "tensor":
+            attrs["quant"]["weight_granularity"] = "channel"
+    merged = Node("linear", [x], [n.outputs[0] for n in group], weights, attrs, group[0].source.rsplit(".", 1)[0])
     first = graph.nodes.index(group[0])
     members = {id(n) for n in group}
     graph.nodes = [n for n in graph.nodes[:first] if id(n) not in members] + [merged] + \

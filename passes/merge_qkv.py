@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from passes.base import Pass, PassContext, PassResult, register
 from passes.ir import Graph
-from passes.merge_linears import merge_linear_group, sibling_linears
+from passes.merge_linears import can_merge, merge_linear_group, sibling_linears
 
 
 def _reaches_attention(graph: Graph, value: str, attn_inputs: set[str]) -> bool:
@@ -33,7 +33,7 @@ class MergeQKV(Pass):
             if len(qkv) < 2:
                 continue
             matched += 1
-            if len({"bias" in n.weights for n in qkv}) == 1:
+            if can_merge(graph, qkv):
                 merge_linear_group(graph, qkv)
                 changed += 1
         return PassResult(graph, matched, changed)

@@ -149,7 +149,9 @@ def match(graph: Graph) -> _Match:
         if down.op != "linear" or id(down) in m.rows:
             continue
         p = producers.get(down.inputs[0])
-        if p is None or not (p.op == "silu_mul" or (p.op == "elementwise" and p.attrs["fn"] == "mul")):
+        up = producers.get(p.inputs[0]) if p is not None and p.op == "activation" else None
+        plain = up is not None and up.op == "linear"  # fc1 -> act -> fc2 (Phi-2, GPT-NeoX, Starcoder2)
+        if p is None or not (p.op == "silu_mul" or (p.op == "elementwise" and p.attrs["fn"] == "mul") or plain):
             continue
         m.rows[id(down)] = (down, "down_proj")
         frontier = [(down.inputs[0], False)]
@@ -167,8 +169,13 @@ def match(graph: Graph) -> _Match:
                 frontier += [(i, False) for i in p.inputs]
             else:
                 raise _fail(f"the MLP input of {down.source} comes from {p.op if p else 'a graph input'} "
-                            f"{p.source if p else v}; expected gate/up linears through silu_mul or act * mul")
+                            f"{p.source if p else v}; expected gate/up linears through silu_mul or act * mul, or "
+                            f"one linear through an activation")
     for col in m.columns.values():
+        heads = col.node.attrs.get("split_heads")
+        if heads and any(mem.num_heads != heads for members in col.members.values() for mem in members):
+            raise _fail(f"linear {col.node.source} holds {heads} heads' q/k/v rows side by side (split_heads) but "
+                        f"its parts do not all have {heads} heads; the shard pass splits such a linear by whole heads")
         num_outputs = len(col.node.outputs)
         if sorted(col.members) != list(range(num_outputs)):
             raise _fail(f"linear {col.node.source} has outputs that feed neither attention heads nor an MLP; "
@@ -246,7 +253,12 @@ def check_tp_size(graph: Graph, tp_size: int, vocab_parallel: bool = False) -> N
 
 # --- weights -------------------------------------------------------------------------------------
 def _column_slices(col: _Column, tp_size: int) -> list[tuple[Slice, ...]]:
-    """Per rank: the rows of each member, in member order (q_r, k_r, v_r / gate_r, up_r)."""
+    """Per rank: the rows of each member, in member order (q_r, k_r, v_r / gate_r, up_r); for q/k/v rows held
+    per head (``split_heads``), the rows of the rank's heads, one block."""
+    heads = col.node.attrs.get("split_heads")
+    if heads:
+        rows = col.node.attrs["out_features"] // heads
+        return [(Slice(0, a * rows, b * rows),) for a, b in even_ranges(heads, tp_size)]
     out: list[list[Slice]] = [[] for _ in range(tp_size)]
     offset = 0
     for index in sorted(col.members):
@@ -265,6 +277,10 @@ def _row_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] 
     scheme = quant.get("scheme", "none")
     if role in ("weight_scale", "input_scale"):  # per output channel or per tensor: whole on every rank
         return None
+    if role == "perm":
+        raise _fail(f"{node.source} reads its input in act-order (a `perm` of all {in_f} input columns, from a "
+                    f"pre-quantized checkpoint), which a row-parallel split cannot cut; build with tp_size 1 or "
+                    f"from a checkpoint quantized without act-order (desc_act false)")
     if role == "qweight" and scheme == "w4a16":
         if local % 2:
             raise _fail(f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns, an odd "
@@ -335,11 +351,14 @@ class Shard(Pass):
             rows = _column_slices(col, tp_size)
             for role, w in n.weights.items():
                 t = graph.params[w]
-                per_row = role != "input_scale" and t.dim() >= 1 and t.shape[0] == n.attrs["out_features"]
+                per_row = (role not in ("input_scale", "perm") and t.dim() >= 1
+                           and t.shape[0] == n.attrs["out_features"])
                 assign(w, rows if per_row else None, n.source)  # per-tensor scales: replicated
             local = [sum(mem.local_size(tp_size) for mem in col.members[i]) for i in sorted(col.members)]
             n.attrs["out_features"] = sum(local)
-            if "split_sizes" in n.attrs:
+            if "split_heads" in n.attrs:  # the same parts per head, fewer heads
+                n.attrs["split_heads"] //= tp_size
+            elif "split_sizes" in n.attrs:
                 n.attrs["split_sizes"] = local
 
         for node, role in m.rows.values():
@@ -366,7 +385,7 @@ class Shard(Pass):
                     continue
                 rows = _vocab_rows(graph, n)
                 for role, w in n.weights.items():
-                    per_row = role != "input_scale" and graph.params[w].shape[0] == rows
+                    per_row = role not in ("input_scale", "perm") and graph.params[w].shape[0] == rows
                     ranges = [(Slice(0, a, b),) for a, b in even_ranges(rows, tp_size)]
                     assign(w, ranges if per_row else None, n.source)  # per-tensor scales: replicated
                 if n.op == "embedding":

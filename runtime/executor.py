@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from kernels import torch_ops as ops
 from runtime.kv_cache import KVLayout, SequenceKV
-from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear
+from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear, permute_input
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 # the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 turn one off
@@ -89,12 +89,13 @@ class _Fusions:
     gated: set[int]  # weight-only linears that form silu(gate) * up from the [gate | up] they read
 
 
-def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int]) -> _Fusions:
+def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
+                 dtype: torch.dtype = torch.bfloat16) -> _Fusions:
     """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
     (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), and the SwiGLU of a merged gate/up
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` (``gated``). A value a
     fusion would hide must have no other reader."""
-    from kernels import w4a16_mma
+    from kernels import w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
     producer = {name: i for i, node in enumerate(nodes) for name in node["outputs"]}
@@ -108,6 +109,8 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int]) -> 
                     or num_consumers.get(q) != 1 or num_consumers.get(k) != 1
                     or num_consumers.get(rq["inputs"][0]) != 1 or num_consumers.get(rk["inputs"][0]) != 1):
                 continue
+            if any(r["attrs"].get("rotary_dim") or r["attrs"].get("interleaved") for r in (rq, rk)):
+                continue  # the fused kernel rotates whole heads, rotate-half
             same = (rq["weights"]["inv_freq"] == rk["weights"]["inv_freq"] and rq["inputs"][1] == rk["inputs"][1]
                     and rq["attrs"].get("attention_scaling", 1.0) == rk["attrs"].get("attention_scaling", 1.0))
             heads = (rq["attrs"]["num_heads"] == attrs["num_heads"]
@@ -117,12 +120,15 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int]) -> 
                 fusions.absorbed |= {producer[q], producer[k]}
                 fusions.rope[i] = (rq, rq["inputs"][1])
         elif (node["op"] == "linear" and FUSE_SWIGLU and (attrs.get("quant") or {}).get("scheme") in ("w4a16", "w8a16")
-              and not attrs.get("split_sizes") and node["inputs"][0] in producer):
+              and not attrs.get("split_sizes") and node["inputs"][0] in producer
+              and "perm" not in node.get("weights", {})):  # act-order: x is gathered first, no SwiGLU in the loads
             j = producer[node["inputs"][0]]
             quant, in_features = attrs["quant"], attrs.get("in_features")
             group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
+            frag = w4a16_frag.runtime_layout(quant["bits"], group, in_features or 0, attrs.get("out_features") or 0,
+                                             dtype)
             if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features
-                    and num_consumers.get(node["inputs"][0]) == 1 and w4a16_mma.MMA_ENABLED
+                    and num_consumers.get(node["inputs"][0]) == 1 and w4a16_mma.MMA_ENABLED and not frag
                     and w4a16_mma.supports(quant["bits"], group, in_features)):
                 fusions.absorbed.add(j)
                 fusions.gated.add(i)
@@ -152,7 +158,8 @@ class Executor:
         for node in nodes:
             for name in node["inputs"]:
                 self._num_consumers[name] = self._num_consumers.get(name, 0) + 1
-        self._fusions = plan_fusions(nodes, self._num_consumers) if use_kernels else _Fusions(set(), {}, set())
+        self._fusions = plan_fusions(nodes, self._num_consumers, self.dtype) if use_kernels \
+            else _Fusions(set(), {}, set())
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
                   for i, node in enumerate(nodes)]
@@ -246,6 +253,12 @@ def _rms_norm(w, attrs, ex) -> Kernel:
     return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
 
 
+def _layer_norm(w, attrs, ex) -> Kernel:
+    # NOTE: the torch reference on CUDA too (no fused kernel yet)
+    weight, bias, eps = w.get("weight"), w.get("bias"), attrs["eps"]
+    return lambda xs, step: (ops.layer_norm(xs[0], weight, bias, eps),)
+
+
 def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
     weight, eps, offset = w.get("weight"), attrs["eps"], attrs.get("weight_offset", 0.0)
     fn = ops.fused_add_rms_norm
@@ -256,9 +269,14 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 
 def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
-    if quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
+    if quant and "perm" in w and ex.use_kernels:  # act-order import: every kernel path reads x[:, perm]
+        rest = {role: t for role, t in w.items() if role != "perm"}
+        inner = _linear(rest, {k: v for k, v in attrs.items() if k != "split_sizes"}, ex)
+        fn = permute_input(lambda x: inner([x], None)[0], w["perm"])
+    elif quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
         fn = _kernel_weight_only_linear(w, quant, lm_head=attrs.get("lm_head", False),
-                                        gated=not attrs.get("lm_head") and ex._index in ex._fusions.gated)
+                                        gated=not attrs.get("lm_head") and ex._index in ex._fusions.gated,
+                                        dtype=ex.dtype)
     elif quant and ex.use_kernels and quant["scheme"] in ("fp8", "w8a8_int8"):
         fn = _kernel_w8a8_linear(w, quant, ex)
     elif quant:
@@ -266,7 +284,10 @@ def _linear(w, attrs, ex) -> Kernel:
     else:
         weight, bias = w["weight"], w.get("bias")
         fn = lambda x: ops.linear(x, weight, bias)  # noqa: E731
-    split = attrs.get("split_sizes")
+    split, num_heads = attrs.get("split_sizes"), attrs.get("split_heads")
+    if split and num_heads:  # [T, H * sum(split)] -> per part [T, H * part], every head's part side by side
+        return lambda xs, step: tuple(part.reshape(part.shape[0], -1) for part in
+                                      fn(xs[0]).view(xs[0].shape[0], num_heads, -1).split(split, dim=-1))
     if split:
         return lambda xs, step: fn(xs[0]).split(split, dim=-1)
     return lambda xs, step: (fn(xs[0]),)
@@ -307,8 +328,15 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     return linear
 
 
-def _kernel_weight_only_linear(w, quant, lm_head: bool = False,
-                               gated: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+def _in_slices(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, step: int) -> torch.Tensor:
+    """fn over the rows of x, ``step`` at a time."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.cat([fn(x2[i: i + step]) for i in range(0, x2.shape[0], step)])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = False,
+                               dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). Where
     ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel where it is
     the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into a temporary for cuBLAS.
@@ -316,13 +344,27 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False,
     Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
     ``GEMV_ENABLED``), else the GEMM. ``gated`` (``plan_fusions``, mma layout only): x is a merged [gate | up]
     and the linear's input silu(gate) * up, formed in the kernel's x loads or by ``silu_mul`` before cuBLAS."""
-    from kernels import gemv, w4a16_mma
+    from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.activation import silu_mul
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
+    if w4a16_frag.runtime_layout(bits, group, in_features, qweight.shape[0], dtype):
+        assert not gated, "plan_fusions gates no linear on the frag layout"
+        packed = w4a16_frag.repack_frag(qweight, w["scales"], w["zeros"], group)  # once, at load
+
+        def frag_linear(x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]
+            if rows <= w4a16_frag.FRAG_RUNTIME_MAX_ROWS and w4a16_frag.frag_applies(x, rows):  # shapes and dtype
+                return w4a16_frag.w4a16_frag(x, bias=bias, **packed)
+            if lm_head and w4a16_frag.frag_applies(x, 1):  # never a [vocab, hidden] temporary
+                return _in_slices(lambda xs: w4a16_frag.w4a16_frag(xs, bias=bias, **packed), x,
+                                  w4a16_frag.FRAG_MAX_ROWS)
+            return F.linear(x, w4a16_frag.dequantize_frag(**packed, dtype=x.dtype), bias)
+
+        return frag_linear
     if w4a16_mma.MMA_ENABLED and w4a16_mma.supports(bits, group, in_features):
         packed = w4a16_mma.repack_mma(qweight, w["scales"], w["zeros"], group, bits)  # once, at load
 
@@ -334,10 +376,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False,
             if gated:
                 x = silu_mul(x)
             if lm_head:  # never a [vocab, hidden] temporary
-                x2, step = x.reshape(-1, x.shape[-1]), w4a16_mma.MMA_MAX_ROWS
-                y = torch.cat([w4a16_mma.w4a16_mma(x2[i: i + step], bias=bias, **packed)
-                               for i in range(0, x2.shape[0], step)])
-                return y.reshape(*x.shape[:-1], y.shape[-1])
+                return _in_slices(lambda xs: w4a16_mma.w4a16_mma(xs, bias=bias, **packed), x, w4a16_mma.MMA_MAX_ROWS)
             return F.linear(x, w4a16_mma.dequantize_mma(**packed, dtype=x.dtype), bias)
 
         return mma_linear
@@ -354,9 +393,12 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False,
 
 def _rope(w, attrs, ex) -> Kernel:
     inv_freq = w["inv_freq"].float()
-    key = str(id(w["inv_freq"]))
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
-    if ex.use_kernels:
+    rotary_dim, interleaved = attrs.get("rotary_dim"), bool(attrs.get("interleaved"))
+    key = f"{id(w['inv_freq'])}:{interleaved}"
+    # NOTE: partial and interleaved rotary run the torch reference on CUDA too (kernels.rope rotates whole heads,
+    # rotate-half)
+    if ex.use_kernels and not rotary_dim and not interleaved:
         from kernels.rope import apply_rope_
 
         # in place when this node is the only reader of its input (q/k fresh from the QKV projection)
@@ -372,8 +414,8 @@ def _rope(w, attrs, ex) -> Kernel:
         x, positions = xs
         tables = step.rope_cache.get(key)
         if tables is None:
-            tables = step.rope_cache[key] = ops.rope_tables(positions, inv_freq, scaling, x.dtype)
-        return (ops.rope(x, *tables, num_heads, head_dim),)
+            tables = step.rope_cache[key] = ops.rope_tables(positions, inv_freq, scaling, x.dtype, interleaved)
+        return (ops.rope(x, *tables, num_heads, head_dim, rotary_dim, interleaved),)
 
     return kernel
 
@@ -519,6 +561,7 @@ def _lm_head(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
     linear = _linear(w, {"quant": quant, "lm_head": True} if quant else {}, ex)
     num_rows = (w["weight"] if "weight" in w else w["qweight"]).shape[0]  # vocab (this rank's share)
+    scale = attrs.get("scale")  # logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling)
 
     def kernel(xs, step):
         x = xs[0]  # [num_tokens, hidden]
@@ -526,7 +569,8 @@ def _lm_head(w, attrs, ex) -> Kernel:
             x = x.index_select(0, step.inp.logits_indices)
         if x.shape[0] == 0:  # a tensor-parallel worker asks for none: no GEMM launch over zero rows
             return (x.new_empty(0, num_rows, dtype=torch.float32),)
-        return (linear([x], step)[0].float(),)
+        logits = linear([x], step)[0]
+        return ((logits if scale is None else logits * scale).float(),)
 
     return kernel
 
@@ -597,6 +641,7 @@ def _vocab_parallel_embedding(table: torch.Tensor, scale: torch.Tensor | None = 
 _COMPILERS: dict[str, Callable[..., Kernel]] = {
     "embedding": _embedding,
     "rms_norm": _rms_norm,
+    "layer_norm": _layer_norm,
     "fused_add_rms_norm": _fused_add_rms_norm,
     "linear": _linear,
     "rope": _rope,

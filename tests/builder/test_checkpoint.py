@@ -72,20 +72,36 @@ def test_any_family_opens_but_model_type_is_required(tmp_path, checkpoints):
         open_checkpoint(d)
 
 
-@pytest.mark.parametrize("key, method", [
-    ("quantization_config", "gptq"), ("quantization_config", "awq"), ("quantization_config", "fp8"),
-    ("quantization_config", "compressed-tensors"), ("compression_config", None),
+@pytest.mark.parametrize("key, section, message", [
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]},
+     r"quantization_config\.quant_method is \"fp8\": block-scaled FP8 \(weight_scale_inv per weight_block_size "
+     r"block\) has no IR scheme"),
+    ("quantization_config", {"quant_method": "bitsandbytes"}, r"quant_method is \"bitsandbytes\": bitsandbytes"),
+    ("quantization_config", {"quant_method": "gptq", "bits": 2}, r"quantization_config\.bits is 2; expected one of 4, "
+                                                                 r"8"),
+    ("compression_config", {"format": "float-quantized"}, r"compression_config\.config_groups is missing or empty"),
 ])
-def test_pre_quantized_checkpoint_is_refused(tmp_path, checkpoints, key, method):
+def test_pre_quantized_checkpoint_of_an_unimported_kind_is_refused(tmp_path, checkpoints, key, section, message):
     d = shutil.copytree(checkpoints["llama"], tmp_path / "quantized")
     config = json.loads((d / "config.json").read_text())
-    config[key] = {"quant_method": method, "bits": 4} if method else {"format": "float-quantized"}
+    config[key] = section
     (d / "config.json").write_text(json.dumps(config))
-    shown = method or "float-quantized"
-    with pytest.raises(CheckpointError, match=rf"the checkpoint is already quantized \({key}\.quant_method "
-                                              rf"'{shown}'\); pre-quantized checkpoints are not imported: build "
-                                              rf"from the unquantized"):
+    with pytest.raises(CheckpointError, match=message):
         open_checkpoint(d)
+
+
+@pytest.mark.parametrize("section, source", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32}, "gptq"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "GEMM"}, "awq"),
+])
+def test_pre_quantized_checkpoint_opens_with_its_format(tmp_path, checkpoints, section, source):
+    """Opening reads the format; the import itself (builder/prequantized.py) is tested in test_prequantized.py."""
+    d = shutil.copytree(checkpoints["llama"], tmp_path / "quantized")
+    config = json.loads((d / "config.json").read_text())
+    config["quantization_config"] = section
+    (d / "config.json").write_text(json.dumps(config))
+    ckpt = open_checkpoint(d)
+    assert (ckpt.quant.source, ckpt.quant.bits, ckpt.quant.group_size) == (source, 4, 32)
 
 
 def _fp8_checkpoint(src, dst, with_scales: bool):

@@ -1,0 +1,616 @@
+"""Importing checkpoints another tool already quantized: GPTQ, AutoAWQ and compressed-tensors.
+
+A pre-quantized checkpoint's linears keep the checkpoint's own codes, scales and zero points: each is mapped,
+without re-quantizing, onto an IR scheme (``passes/ir.py`` QUANT_SCHEMES), and the import checks that the IR's
+dequantization of what it made equals the format's own dequantization bit for bit in fp32. What the formats
+store per linear (N = out features, K = in features, G = groups along K):
+
+    gptq (AutoGPTQ, GPTQModel, optimum)     qweight int32 [K*b/32, N] (codes along K, low bits = lower k),
+                                            qzeros int32 [G, N*b/32] (along N), scales [G, N], g_idx int32 [K];
+                                            w[n, k] = (q - z) * s at group g_idx[k]; format v1 stores z - 1
+    awq (AutoAWQ, version gemm)             qweight int32 [K, N/8], qzeros int32 [G, N/8], both along N in the
+                                            nibble order 0 2 4 6 1 3 5 7; scales [G, N]; groups are k // group
+    compressed-tensors pack-quantized       weight_packed int32 [N, K*b/32] (along K), weight_scale [N, G],
+                                            weight_zero_point int32 [N*b/32, G] (along N; asymmetric only),
+                                            weight_shape [2], weight_g_idx [K]? (act-order); codes are signed,
+                                            stored + 2^(b-1)
+    compressed-tensors float-quantized      weight float8_e4m3fn [N, K], weight_scale [N, 1] or [1],
+                                            input_scale [1] (static activations)
+    compressed-tensors int-quantized        weight int8 [N, K], weight_scale [N, 1], input_scale [1]? (static)
+
+Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous along K, so input channels are
+sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
+
+Block-scaled FP8 (``quant_method: fp8`` with ``weight_block_size``) and ModelOpt exports are refused: the IR
+has no scheme with per-block weight scales, and ModelOpt's per-module layouts are not read here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from kernels.torch_quant import dequantize_weight
+from passes.quant_math import pack_int4
+
+class PrequantizedError(ValueError):
+    """A quantization config or tensor the import cannot read; ``builder/checkpoint.py`` raises it as a
+    CheckpointError (this module is below it: it reads only what the checkpoint hands it)."""
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble i of a word holds column 8 * word + AWQ_ORDER[i]
+SUPPORTED = "gptq, awq (version gemm), compressed-tensors (pack-quantized, float-quantized, int-quantized)"
+# What a recipe quantization section must say to agree with an import: algo -> the IR schemes it writes.
+ALGO_SCHEMES = {"gptq": ("w4a16", "w8a16"), "awq": ("w4a16",), "int8_wo": ("w8a16",), "fp8": ("fp8",),
+                "smoothquant": ("w8a8_int8",)}
+
+
+@dataclass
+class ImportedLinear:
+    """One checkpoint linear in an IR scheme, and the weight the checkpoint's own format dequantizes it to."""
+
+    scheme: str  # an IR quant scheme (passes/ir.py QUANT_SCHEMES)
+    tensors: dict[str, Tensor]  # IR role -> tensor (qweight, scales, zeros, perm / qweight, weight_scale, ...)
+    quant: dict[str, Any]  # the node's `quant` attr, less its scheme
+    reference: Tensor | None  # [out, in]: the format's own dequantization of the checkpoint's tensors (fp32, then
+    # the build's dtype once checked against the IR's; None once handed to the reference model)
+    consumed: list[str]  # the checkpoint tensors read
+
+
+def _fail(cfg_file: Path | str, what: str) -> PrequantizedError:
+    return PrequantizedError(f"{cfg_file}: {what}")
+
+
+def _unpack(packed: Tensor, bits: int, dim: int) -> Tensor:
+    """int32 words holding 32 / bits codes each, the first code in the low bits -> the codes (int32), the
+    packed dimension ``dim`` grown by 32 / bits."""
+    per_word = 32 // bits
+    mask = (1 << bits) - 1
+    parts = [(packed >> (bits * i)) & mask for i in range(per_word)]  # each: packed's shape
+    stacked = torch.stack(parts, dim=dim + 1)  # [..., words, per_word, ...]
+    shape = list(packed.shape)
+    shape[dim] *= per_word
+    return stacked.reshape(shape)
+
+
+def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...], why: str) -> None:
+    """A one-line error naming the tensor, what it is and what the format expects."""
+    if t.dtype not in dtypes or tuple(t.shape) != shape:
+        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise PrequantizedError(f"tensor {name!r} is {str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}; "
+                              f"expected {want} {shape} ({why})")
+
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _groups(in_f: int, group_size: int, where: str) -> int:
+    if group_size == -1:
+        return 1
+    if group_size < 1 or in_f % group_size:
+        raise PrequantizedError(f"{where}: group_size {group_size} does not divide in_features {in_f}")
+    return in_f // group_size
+
+
+def _contiguous_groups(g_idx: Tensor, num_groups: int, group_size: int, name: str) -> Tensor | None:
+    """The permutation of input channels that makes a g_idx's groups contiguous; None when they already are.
+    Every group must hold group_size channels (what GPTQ's act-order writes)."""
+    in_f = g_idx.numel()
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups:
+        raise PrequantizedError(f"tensor {name!r} holds group ids {int(g_idx.min())}..{int(g_idx.max())}; "
+                              f"expected 0..{num_groups - 1}")
+    size = in_f if group_size == -1 else group_size
+    if torch.equal(g_idx.long(), torch.arange(in_f) // size):
+        return None
+    counts = torch.bincount(g_idx.long(), minlength=num_groups)
+    if not bool((counts == size).all()):
+        raise PrequantizedError(f"tensor {name!r} puts {int(counts.min())}..{int(counts.max())} input channels in a "
+                              f"group; act-order is imported when every group holds group_size {size}")
+    return torch.sort(g_idx.long(), stable=True).indices.to(torch.int32)
+
+
+def _weight_only(codes_nk: Tensor, zeros_ng: Tensor, scales_ng: Tensor, bits: int, group_size: int,
+                 perm: Tensor | None, source: str, where: str) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """IR w4a16 / w8a16 tensors from codes [N, K] (the checkpoint's channel order), zeros and scales [N, G]."""
+    if int(zeros_ng.max()) > 255:
+        raise PrequantizedError(f"{where}: a zero point of {int(zeros_ng.max())} does not fit the IR's 8-bit zeros")
+    if perm is not None:
+        codes_nk = codes_nk[:, perm.long()]
+    codes = codes_nk.to(torch.uint8)
+    tensors = {"qweight": pack_int4(codes) if bits == 4 else codes.contiguous(),
+               "scales": scales_ng.float().contiguous(), "zeros": zeros_ng.to(torch.uint8).contiguous()}
+    if perm is not None:
+        tensors["perm"] = perm
+    quant = {"bits": bits, "group_size": group_size, "source": source}
+    if perm is not None:
+        quant["act_order"] = True
+    return tensors, quant
+
+
+def ir_dequantize(imported: ImportedLinear, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The weight [out, in] the IR's tensors stand for (``kernels/torch_quant.py``), in the checkpoint's channel
+    order (a ``perm`` undone)."""
+    t, q = imported.tensors, imported.quant
+    if imported.scheme in ("w4a16", "w8a16"):
+        w = dequantize_weight(t["qweight"], t["scales"], t["zeros"], q["bits"], q["group_size"], torch.float32)
+    else:
+        w = t["qweight"].float() * t["weight_scale"].float().reshape(-1, 1)
+    if "perm" in t:
+        out = torch.empty_like(w)
+        out[:, t["perm"].long()] = w
+        w = out
+    return w.to(dtype)
+
+
+# --- formats ----------------------------------------------------------------------------------------
+@dataclass
+class QuantFormat:
+    """A checkpoint's quantization as config.json's ``quantization_config`` describes it."""
+
+    source: str  # gptq, awq, compressed-tensors
+    cfg_file: Path
+    section: dict[str, Any]
+    bits: int = 0
+    group_size: int = -1
+    scheme: str = ""  # the IR scheme most linears get (a compressed-tensors config may mix)
+    details: dict[str, Any] = field(default_factory=dict)  # for the manifest
+
+    def tensor_names(self, module: str) -> tuple[list[str], list[str]] | None:
+        """(required, optional) checkpoint tensors of ``module``'s quantized weight (its bias aside); None when the
+        config leaves the module in floating point. Formats that name no modules (GPTQ, AWQ) answer for every
+        module: one is quantized when its required tensors are in the checkpoint."""
+        raise NotImplementedError
+
+    names_modules = False  # True: the config, not the tensors present, says which modules are quantized
+
+    def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
+        raise NotImplementedError
+
+    def summary(self) -> dict[str, Any]:
+        return {"source": self.source, "scheme": self.scheme, "bits": self.bits, "group_size": self.group_size,
+                **self.details}
+
+
+def _int(section: dict, key: str, cfg_file: Path, allowed: tuple[int, ...] | None = None, default=None) -> int:
+    value = section.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or (allowed is not None and value not in allowed):
+        what = f"one of {', '.join(map(str, allowed))}" if allowed else "a whole number"
+        raise _fail(cfg_file, f"quantization_config.{key} is {json.dumps(value)}; expected {what}")
+    return value
+
+
+def _group_size(section: dict, key: str, cfg_file: Path) -> int:
+    g = _int(section, key, cfg_file, default=-1)
+    if g != -1 and g < 1:
+        raise _fail(cfg_file, f"quantization_config.{key} is {g}; expected -1 (per channel) or a positive size")
+    return g
+
+
+class GPTQ(QuantFormat):
+    """AutoGPTQ / GPTQModel / optimum: ``quant_method: gptq``."""
+
+    def __init__(self, cfg_file: Path, section: dict) -> None:
+        super().__init__("gptq", cfg_file, section)
+        self.bits = _int(section, "bits", cfg_file, (4, 8))
+        self.group_size = _group_size(section, "group_size", cfg_file)
+        fmt = section.get("checkpoint_format", section.get("format", "gptq"))
+        if fmt not in ("gptq", "gptq_v2"):
+            raise _fail(cfg_file, f"quantization_config.checkpoint_format is {json.dumps(fmt)}; imported: gptq (v1: "
+                                  f"zero points stored minus one) and gptq_v2 (the others, e.g. marlin, are not)")
+        if section.get("dynamic"):
+            raise _fail(cfg_file, "quantization_config.dynamic sets per-module bits or group sizes, which the import "
+                                  "does not read; requantize with one setting for every module")
+        self.v1 = fmt == "gptq"
+        self.scheme = "w4a16" if self.bits == 4 else "w8a16"
+        self.details = {"checkpoint_format": fmt, "desc_act": bool(section.get("desc_act", False)),
+                        "sym": bool(section.get("sym", True))}
+
+    def tensor_names(self, module: str) -> tuple[list[str], list[str]] | None:
+        return [f"{module}.{r}" for r in ("qweight", "qzeros", "scales")], [f"{module}.g_idx"]
+
+    def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
+        bits, per_word = self.bits, 32 // self.bits
+        num_groups = _groups(in_f, self.group_size, module)
+        if in_f % per_word or out_f % per_word:
+            raise PrequantizedError(f"{module}: {in_f} x {out_f} is not a multiple of {per_word} codes per int32 word")
+        names = {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales", "g_idx")}
+        qweight, qzeros, scales = (tensors[names[r]] for r in ("qweight", "qzeros", "scales"))
+        _check(names["qweight"], qweight, (torch.int32,), (in_f // per_word, out_f),
+               f"{bits}-bit codes packed along in_features {in_f}")
+        _check(names["qzeros"], qzeros, (torch.int32,), (num_groups, out_f // per_word),
+               f"{bits}-bit zero points of {num_groups} groups packed along out_features {out_f}")
+        _check(names["scales"], scales, FLOATS, (num_groups, out_f), f"{num_groups} groups of {out_f} scales")
+        g_idx = tensors.get(names["g_idx"])
+        if g_idx is None:
+            g_idx = torch.arange(in_f, dtype=torch.int32) // (in_f if self.group_size == -1 else self.group_size)
+        _check(names["g_idx"], g_idx, (torch.int32, torch.int64), (in_f,), "the group of each input channel")
+        codes = _unpack(qweight, bits, 0)  # [K, N]
+        zeros = _unpack(qzeros, bits, 1) + (1 if self.v1 else 0)  # [G, N]; v1 stores zero - 1
+        # the format's dequantization: w[k, n] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]
+        g = g_idx.long()
+        reference = ((codes - zeros[g]).float() * scales.float()[g]).t().contiguous()  # [N, K]
+        perm = _contiguous_groups(g_idx, num_groups, self.group_size, names["g_idx"])
+        ir, quant = _weight_only(codes.t(), zeros.t(), scales.t(), bits, self.group_size, perm, "gptq", module)
+        return ImportedLinear(self.scheme, ir, quant, reference, [n for n in names.values() if n in tensors])
+
+
+class AWQ(QuantFormat):
+    """AutoAWQ's GEMM layout: ``quant_method: awq``, ``version: gemm``."""
+
+    def __init__(self, cfg_file: Path, section: dict) -> None:
+        super().__init__("awq", cfg_file, section)
+        self.bits = _int(section, "bits", cfg_file, (4,), default=section.get("w_bit", 4))
+        self.group_size = _group_size(section, "group_size", cfg_file) if "group_size" in section else \
+            _group_size(section, "q_group_size", cfg_file)
+        version = str(section.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise _fail(cfg_file, f"quantization_config.version is {json.dumps(section.get('version'))}; imported: "
+                                  f"gemm (the gemv, gemv_fast, marlin and exllama layouts are not)")
+        if section.get("zero_point", True) is not True:
+            raise _fail(cfg_file, "quantization_config.zero_point is false; imported: AWQ with zero points (true)")
+        self.scheme = "w4a16"
+        self.details = {"version": "gemm"}
+
+    def tensor_names(self, module: str) -> tuple[list[str], list[str]] | None:
+        return [f"{module}.{r}" for r in ("qweight", "qzeros", "scales")], []
+
+    def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
+        num_groups = _groups(in_f, self.group_size, module)
+        if out_f % 8:
+            raise PrequantizedError(f"{module}: out_features {out_f} is not a multiple of 8 codes per int32 word")
+        names = {r: f"{module}.{r}" for r in ("qweight", "qzeros", "scales")}
+        qweight, qzeros, scales = (tensors[names[r]] for r in ("qweight", "qzeros", "scales"))
+        _check(names["qweight"], qweight, (torch.int32,), (in_f, out_f // 8), "4-bit codes packed along out_features")
+        _check(names["qzeros"], qzeros, (torch.int32,), (num_groups, out_f // 8),
+               f"4-bit zero points of {num_groups} groups packed along out_features")
+        _check(names["scales"], scales, FLOATS, (num_groups, out_f), f"{num_groups} groups of {out_f} scales")
+        order = torch.tensor(AWQ_ORDER).argsort()  # output column 8 * word + j sits in nibble order[j]
+        codes = _unpack(qweight, 4, 1).view(in_f, out_f // 8, 8)[:, :, order].reshape(in_f, out_f)  # [K, N]
+        zeros = _unpack(qzeros, 4, 1).view(num_groups, out_f // 8, 8)[:, :, order].reshape(num_groups, out_f)
+        size = in_f if self.group_size == -1 else self.group_size
+        g = torch.arange(in_f) // size
+        reference = ((codes - zeros[g]).float() * scales.float()[g]).t().contiguous()  # [N, K]
+        ir, quant = _weight_only(codes.t(), zeros.t(), scales.t(), 4, self.group_size, None, "awq", module)
+        return ImportedLinear(self.scheme, ir, quant, reference, list(names.values()))
+
+
+@dataclass
+class _CTScheme:
+    """One compressed-tensors config group: the modules it targets and how their weights are stored."""
+
+    name: str
+    targets: list[str]
+    weights: dict[str, Any]
+    inputs: dict[str, Any] | None
+    fmt: str  # pack-quantized, float-quantized, int-quantized
+
+
+class CompressedTensors(QuantFormat):
+    """llm-compressor's ``quant_method: compressed-tensors`` (``quantization_status: compressed``)."""
+
+    FORMATS = ("pack-quantized", "float-quantized", "int-quantized", "naive-quantized")
+
+    def __init__(self, cfg_file: Path, section: dict, key: str = "quantization_config") -> None:
+        super().__init__("compressed-tensors", cfg_file, section)
+        self.key = key  # compression_config in older exports
+        status = section.get("quantization_status", "compressed")
+        if status != "compressed":
+            raise _fail(cfg_file, f"{key}.quantization_status is {json.dumps(status)}; imported: compressed (saved "
+                                  f"by llm-compressor with save_compressed=True)")
+        groups = section.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise _fail(cfg_file, f"{key}.config_groups is missing or empty; expected the groups of modules and "
+                                  f"their weight / input_activations settings")
+        self.ignore = list(section.get("ignore") or [])
+        self.schemes = [self._scheme(name, g, section.get("format")) for name, g in groups.items()]
+        first = self.schemes[0]
+        self.bits = int(first.weights.get("num_bits", 0))
+        self.group_size = int(first.weights.get("group_size") or -1)
+        self.scheme = self._ir_scheme(first)
+        self.details = {"format": sorted({s.fmt for s in self.schemes}),
+                        "config_groups": {s.name: self._ir_scheme(s) for s in self.schemes}}
+
+    def _scheme(self, name: str, group: Any, default_fmt: Any) -> _CTScheme:
+        where = f"{self.key}.config_groups.{name}"
+        if not isinstance(group, dict) or not isinstance(group.get("weights"), dict):
+            raise _fail(self.cfg_file, f"{where} has no weights settings; expected num_bits, type, strategy, ...")
+        fmt = group.get("format") or default_fmt
+        if fmt not in self.FORMATS:
+            raise _fail(self.cfg_file, f"{where}: format {json.dumps(fmt)} is not imported; imported: "
+                                       f"{', '.join(self.FORMATS[:3])}")
+        w, a = group["weights"], group.get("input_activations")
+        bits, kind, strategy = w.get("num_bits"), w.get("type", "int"), w.get("strategy")
+        if kind == "int" and fmt == "pack-quantized":
+            ok = bits in (4, 8) and strategy in ("group", "channel") and a is None
+            want = "4 or 8-bit int weights per group or channel, no activation quantization (W4A16 / W8A16)"
+        elif kind == "float" and fmt == "float-quantized":
+            ok = bits == 8 and strategy in ("tensor", "channel") and w.get("symmetric", True) and _fp8_inputs(a)
+            want = ("fp8 weights per tensor or channel with fp8 activations, dynamic per token or static per tensor "
+                    "(block-scaled fp8 has no IR scheme)")
+        elif kind == "int" and fmt in ("int-quantized", "naive-quantized"):
+            ok = bits == 8 and strategy == "channel" and w.get("symmetric", True) and _int8_inputs(a)
+            want = ("symmetric int8 weights per channel, activations none or symmetric int8 dynamic per token or "
+                    "static per tensor")
+        else:
+            ok, want = False, "int weights in pack-quantized or int-quantized, float weights in float-quantized"
+        if not ok:
+            shown = {k: w.get(k) for k in ("num_bits", "type", "strategy", "group_size", "symmetric")}
+            inputs = None if a is None else {k: a.get(k) for k in ("num_bits", "type", "strategy", "dynamic",
+                                                                   "symmetric")}
+            raise _fail(self.cfg_file, f"{where} ({fmt}) has weights {json.dumps(shown)}, input_activations "
+                                       f"{json.dumps(inputs)}; imported: {want}")
+        if strategy == "group" and not (isinstance(w.get("group_size"), int) and w["group_size"] > 0):
+            raise _fail(self.cfg_file, f"{where}: strategy group needs a positive group_size, got "
+                                       f"{json.dumps(w.get('group_size'))}")
+        return _CTScheme(name, list(group.get("targets") or []), w, a, fmt)
+
+    @staticmethod
+    def _ir_scheme(s: _CTScheme) -> str:
+        if s.fmt == "pack-quantized":
+            return "w4a16" if s.weights["num_bits"] == 4 else "w8a16"
+        if s.fmt == "float-quantized":
+            return "fp8"
+        return "w8a16" if s.inputs is None else "w8a8_int8"
+
+    def _scheme_of(self, module: str) -> _CTScheme | None:
+        if _ct_matches(self.ignore, module):
+            return None
+        return next((s for s in self.schemes if _ct_matches(s.targets, module)), None)
+
+    names_modules = True
+
+    def tensor_names(self, module: str) -> tuple[list[str], list[str]] | None:
+        s = self._scheme_of(module)
+        if s is None:
+            return None
+        if s.fmt == "pack-quantized":
+            required, optional = ("weight_packed", "weight_scale"), ("weight_zero_point", "weight_g_idx",
+                                                                      "weight_shape")
+        else:
+            required, optional = ("weight", "weight_scale"), ("input_scale", "weight_zero_point", "input_zero_point")
+        return [f"{module}.{r}" for r in required], [f"{module}.{r}" for r in optional]
+
+    def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
+        s = self._scheme_of(module)
+        assert s is not None, f"{module} is not targeted by a config group"
+        if s.fmt == "pack-quantized":
+            return self._read_packed(module, s, tensors, in_f, out_f)
+        return self._read_8bit(module, s, tensors, in_f, out_f)
+
+    def _read_packed(self, module: str, s: _CTScheme, tensors: dict[str, Tensor], in_f: int,
+                     out_f: int) -> ImportedLinear:
+        bits = s.weights["num_bits"]
+        per_word, offset = 32 // bits, 1 << (bits - 1)
+        group_size = s.weights["group_size"] if s.weights["strategy"] == "group" else -1
+        num_groups = _groups(in_f, group_size, module)
+        names = {r: f"{module}.{r}" for r in ("weight_packed", "weight_scale", "weight_zero_point", "weight_g_idx",
+                                               "weight_shape")}
+        packed, scale = tensors[names["weight_packed"]], tensors[names["weight_scale"]]
+        words = -(-in_f // per_word)
+        _check(names["weight_packed"], packed, (torch.int32,), (out_f, words), f"{bits}-bit codes packed along "
+               f"in_features {in_f}")
+        _check(names["weight_scale"], scale, FLOATS, (out_f, num_groups), f"{num_groups} scales per output row")
+        shape = tensors.get(names["weight_shape"])
+        if shape is not None and [int(v) for v in shape.reshape(-1)] != [out_f, in_f]:
+            raise PrequantizedError(f"tensor {names['weight_shape']!r} is {shape.tolist()}; expected [{out_f}, {in_f}] "
+                                  f"(the linear's [out_features, in_features])")
+        codes = _unpack(packed, bits, 1)[:, :in_f]  # [N, K] unsigned: signed code + 2^(b-1)
+        if s.weights.get("symmetric", True):
+            zeros = torch.full((out_f, num_groups), offset, dtype=torch.int32)  # signed zero point 0
+        else:
+            zp = tensors.get(names["weight_zero_point"])
+            if zp is None:
+                raise PrequantizedError(f"tensor {names['weight_zero_point']!r} is missing; an asymmetric "
+                                      f"pack-quantized linear stores its zero points ({-(-out_f // per_word)} x "
+                                      f"{num_groups} int32)")
+            _check(names["weight_zero_point"], zp, (torch.int32,), (-(-out_f // per_word), num_groups),
+                   f"{bits}-bit zero points packed along out_features {out_f}")
+            zeros = _unpack(zp, bits, 0)[:out_f]  # [N, G] unsigned, same offset as the codes
+        g_idx = tensors.get(names["weight_g_idx"])
+        if g_idx is not None:
+            _check(names["weight_g_idx"], g_idx, (torch.int32, torch.int64), (in_f,),
+                   "the group of each input channel")
+        g = g_idx.long() if g_idx is not None else torch.arange(in_f) // (in_f if group_size == -1 else group_size)
+        # the format's dequantization: w = (q_signed - zp_signed) * scale, the group of column k being g[k]
+        reference = ((codes - offset) - (zeros[:, g] - offset)).float() * scale.float()[:, g]
+        perm = _contiguous_groups(g_idx, num_groups, group_size, names["weight_g_idx"]) if g_idx is not None else None
+        ir, quant = _weight_only(codes, zeros, scale, bits, group_size, perm, "compressed-tensors", module)
+        return ImportedLinear(self._ir_scheme(s), ir, quant, reference, [n for n in names.values() if n in tensors])
+
+    def _read_8bit(self, module: str, s: _CTScheme, tensors: dict[str, Tensor], in_f: int,
+                   out_f: int) -> ImportedLinear:
+        names = {r: f"{module}.{r}" for r in ("weight", "weight_scale", "input_scale", "weight_zero_point",
+                                               "input_zero_point")}
+        fp8 = s.fmt == "float-quantized"
+        weight, scale = tensors[names["weight"]], tensors[names["weight_scale"]]
+        _check(names["weight"], weight, (torch.float8_e4m3fn,) if fp8 else (torch.int8,), (out_f, in_f),
+               "the linear's codes [out_features, in_features]")
+        per_channel = s.weights["strategy"] == "channel"
+        shapes = [(out_f, 1), (out_f,)] if per_channel else [(1,), (), (1, 1)]
+        if scale.dtype not in FLOATS or tuple(scale.shape) not in shapes:
+            raise PrequantizedError(f"tensor {names['weight_scale']!r} is {str(scale.dtype).removeprefix('torch.')} "
+                                  f"{tuple(scale.shape)}; expected a float tensor of shape {shapes[0]} (one scale "
+                                  f"{'per output channel' if per_channel else 'for the whole tensor'})")
+        for zp in ("weight_zero_point", "input_zero_point"):
+            if names[zp] in tensors and bool(tensors[names[zp]].ne(0).any()):
+                raise PrequantizedError(f"tensor {names[zp]!r} holds non-zero zero points; imported: symmetric "
+                                      f"weights and activations")
+        w_scale = scale.float().reshape(-1)
+        reference = weight.float() * w_scale.reshape(-1, 1)  # the format's dequantization: q * scale
+        static = s.inputs is not None and not s.inputs.get("dynamic", False)
+        input_scale = tensors.get(names["input_scale"])
+        if static and input_scale is None:
+            raise PrequantizedError(f"tensor {names['input_scale']!r} is missing; config group {s.name} quantizes "
+                                  f"activations with a static per-tensor scale")
+        ir_scheme = self._ir_scheme(s)
+        if ir_scheme == "w8a16":  # int8 weights only: the unsigned w8a16 layout, zero point 128
+            tensors_ir = {"qweight": (weight.to(torch.int16) + 128).to(torch.uint8),
+                          "scales": w_scale.reshape(out_f, 1).contiguous(),
+                          "zeros": torch.full((out_f, 1), 128, dtype=torch.uint8)}
+            quant = {"bits": 8, "group_size": -1, "source": "compressed-tensors"}
+        else:
+            tensors_ir = {"qweight": weight.contiguous(), "weight_scale": w_scale.contiguous()}
+            quant = {"activations": "static" if static else "dynamic", "source": "compressed-tensors"}
+            if fp8:
+                quant["weight_granularity"] = "channel" if per_channel else "tensor"
+            if static:
+                _check(names["input_scale"], input_scale.reshape(-1), FLOATS, (1,), "one activation scale")
+                tensors_ir["input_scale"] = input_scale.float().reshape(1)
+        return ImportedLinear(ir_scheme, tensors_ir, quant, reference, [n for n in names.values() if n in tensors])
+
+
+def _fp8_inputs(a: dict | None) -> bool:
+    return a is not None and a.get("num_bits") == 8 and a.get("type") == "float" and a.get("symmetric", True) \
+        and ((a.get("strategy") == "token" and a.get("dynamic") is True)
+             or (a.get("strategy") == "tensor" and not a.get("dynamic")))
+
+
+def _int8_inputs(a: dict | None) -> bool:
+    return a is None or (a.get("num_bits") == 8 and a.get("type", "int") == "int" and a.get("symmetric", True)
+                         and ((a.get("strategy") == "token" and a.get("dynamic") is True)
+                              or (a.get("strategy") == "tensor" and not a.get("dynamic"))))
+
+
+def _ct_matches(patterns: list[str], module: str) -> bool:
+    """compressed-tensors targets / ignore: a module path, ``re:`` and a regex (matched from the start), or a
+    class name (every module here is a Linear)."""
+    for p in patterns:
+        if p.startswith("re:"):
+            if re.match(p[3:], module):
+                return True
+        elif p == "Linear" or p == module:
+            return True
+    return False
+
+
+# --- config -----------------------------------------------------------------------------------------
+REFUSED = {
+    "fp8": "block-scaled FP8 (weight_scale_inv per weight_block_size block) has no IR scheme: the IR's fp8 takes "
+           "one weight scale per tensor or output channel",
+    "modelopt": "ModelOpt exports are not imported",
+    "bitsandbytes": "bitsandbytes NF4 / LLM.int8 weights are not imported",
+}
+
+
+def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
+    """The checkpoint's quantization format from config.json (None for a floating-point checkpoint); a format or
+    setting the import does not read is a PrequantizedError naming it and what is imported."""
+    key = next((k for k in ("quantization_config", "compression_config") if config.get(k) is not None), None)
+    if key is None:
+        return None
+    section = config[key]
+    if not isinstance(section, dict):
+        raise _fail(cfg_file, f"{key} is {json.dumps(section)[:80]}; expected an object with quant_method")
+    method = section.get("quant_method") or ("compressed-tensors" if key == "compression_config" else None)
+    if method == "gptq":
+        return GPTQ(cfg_file, section)
+    if method == "awq":
+        return AWQ(cfg_file, section)
+    if method == "compressed-tensors":
+        return CompressedTensors(cfg_file, section, key)
+    why = REFUSED.get(str(method), "it is not a format the import reads")
+    raise _fail(cfg_file, f"{key}.quant_method is {json.dumps(method)}: {why}; imported: {SUPPORTED}; or build "
+                          f"from the unquantized checkpoint and quantize with the recipe's quantization section")
+
+
+def recipe_disagreement(fmt: QuantFormat, sections: list) -> str | None:
+    """Why the recipe's quantization sections do not describe this checkpoint's quantization (None: they do).
+    A section agrees when its algo writes the checkpoint's scheme (and, for GPTQ and AWQ checkpoints, is that
+    method) and every bits / group_size it sets is the checkpoint's."""
+    for q in sections:
+        schemes = ALGO_SCHEMES.get(q.algo, ())
+        method_ok = q.algo == fmt.source if fmt.source in ("gptq", "awq") else True
+        if fmt.scheme not in schemes or not method_ok:
+            return f"algo {q.algo}"
+        if q.lm_head or q.targets or q.ignore:
+            return f"algo {q.algo} with its own targets / ignore / lm_head (the checkpoint's config says which " \
+                   f"modules are quantized)"
+        for key in ("bits", "group_size"):
+            value = getattr(q, key, None)
+            if value is not None and value != getattr(fmt, key):
+                return f"{key} {value} (the checkpoint's is {getattr(fmt, key)})"
+    return None
+
+
+# --- binding to the traced graph --------------------------------------------------------------------
+@dataclass
+class Imported:
+    """What the import made of a pre-quantized checkpoint's linears."""
+
+    fmt: QuantFormat
+    linears: dict[str, ImportedLinear]  # module path -> its IR tensors and reference weight
+    consumed: set[str]  # checkpoint tensors the import read
+
+    def pop_reference_weights(self) -> dict[str, Tensor]:
+        """``<module>.weight`` -> the format's own dequantization, for the Hugging Face reference model; handed
+        over (the import keeps none of them: a float copy of every quantized weight is the model's size again)."""
+        out = {f"{m}.weight": lin.reference for m, lin in self.linears.items() if lin.reference is not None}
+        for lin in self.linears.values():
+            lin.reference = None
+        return out
+
+    def activation_quant(self) -> dict[str, tuple[str, Tensor | None]]:
+        """module -> (scheme, static input scale or None) of the W8A8 linears, whose activations the format
+        quantizes too (fp8 / int8, per token or with the static scale)."""
+        return {m: (lin.scheme, lin.tensors.get("input_scale")) for m, lin in self.linears.items()
+                if lin.scheme in ("fp8", "w8a8_int8")}
+
+    def summary(self) -> dict[str, Any]:
+        """The manifest's record of the import."""
+        schemes: dict[str, int] = {}
+        for lin in self.linears.values():
+            schemes[lin.scheme] = schemes.get(lin.scheme, 0) + 1
+        return {**self.fmt.summary(), "num_linears": len(self.linears), "schemes": schemes,
+                "act_order_linears": sum("perm" in lin.tensors for lin in self.linears.values())}
+
+
+def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype) -> Imported:
+    """Give each linear (and an untied lm_head) the checkpoint stores quantized its IR scheme, from the
+    checkpoint's own tensors; the others keep their meta ``weight`` for the float loader. Each linear's reference
+    weight is kept in ``dtype`` (the build's). Raises PrequantizedError on a missing or malformed tensor, naming
+    it."""
+    from passes.quantize import replace_weight
+
+    imported = Imported(fmt, {}, set())
+    for node in list(graph.nodes):
+        name = node.weights.get("weight", "")
+        if node.op not in ("linear", "lm_head") or not name.endswith(".weight") or not graph.params[name].is_meta:
+            continue
+        if any(name in n.weights.values() for n in graph.nodes if n is not node):  # tied to the embedding
+            continue
+        module = name.removesuffix(".weight")
+        names = fmt.tensor_names(module)
+        if names is None:
+            continue
+        required, optional = names
+        present = [n for n in required if n in ckpt.weight_map]
+        if not present and not fmt.names_modules:
+            continue  # GPTQ / AWQ: a module left in floating point (an lm_head, modules_to_not_convert)
+        missing = [n for n in required if n not in ckpt.weight_map]
+        if missing:
+            have = ", ".join(n.rsplit(".", 1)[1] for n in present) or "none of them"
+            raise PrequantizedError(f"{ckpt.path}: tensor {missing[0]!r} is missing; a {fmt.source} quantized linear "
+                                  f"stores {', '.join(n.rsplit('.', 1)[1] for n in required)} (found {have})")
+        out_f, in_f = graph.params[name].shape
+        tensors = ckpt.load_tensors(present + [n for n in optional if n in ckpt.weight_map])
+        try:
+            lin = fmt.read(module, tensors, int(in_f), int(out_f))
+        except PrequantizedError as e:
+            raise PrequantizedError(f"{ckpt.path}: {e}") from None
+        ours = ir_dequantize(lin)
+        assert torch.equal(ours, lin.reference), f"{module}: the IR's dequantization differs from {fmt.source}'s"
+        lin.reference = lin.reference.to(dtype)
+        replace_weight(graph, node, lin.scheme, lin.tensors, lin.quant)
+        imported.linears[module] = lin
+        imported.consumed.update(lin.consumed)
+    if not imported.linears:
+        raise PrequantizedError(f"{ckpt.path}: config.json says the checkpoint is {fmt.source}-quantized but no linear "
+                              f"of the model has its quantized tensors (e.g. "
+                              f"{', '.join(fmt.tensor_names('model.layers.0.mlp.down_proj')[0])})")
+    return imported

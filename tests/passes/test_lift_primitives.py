@@ -1,0 +1,201 @@
+"""The IR primitives LayerNorm, partial / interleaved rotary, fused linears and plain MLPs lift to: the runtime's
+references against Hugging Face's own modules, GPT-NeoX's graph (its checkpoint does not build yet) against the HF
+model it was traced from, tensor parallelism over the new shapes, and the lifter's errors on fused linears it
+cannot split.
+
+The family builds themselves (verify, artifact, runtime, 32 greedy tokens) are tests/passes/test_families.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import torch_ops as ops
+from passes import PassContext, run_passes
+from passes.ir import Graph
+from passes.trace import trace
+from passes.verify import run_graph
+from test_families import GPT_NEOX, Family, family_config, make_family_model
+from test_shard import run_ranks
+
+PIPELINE = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
+VOCAB = 96
+PHI2 = Family("Phi-2", "phi", dict(num_hidden_layers=1))
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 33)]
+
+
+_GRAPHS: dict[str, tuple[Graph, torch.nn.Module]] = {}
+
+
+def traced(family: Family) -> tuple[Graph, torch.nn.Module]:
+    """``family`` traced, with the HF model's own tensors attached (no checkpoint: names are the model's), through
+    the default graph passes; cached per family, a copy each call."""
+    if family.model_type not in _GRAPHS:
+        model = make_family_model(family, VOCAB)
+        graph, _ = trace(family_config(family, VOCAB))
+        state = model.state_dict()
+        graph.params = {k: state[k] if v.is_meta else v for k, v in graph.params.items()}
+        graph.meta["dtype"] = "float32"
+        _GRAPHS[family.model_type] = run_passes(graph, PIPELINE, PassContext())[0], model
+    graph, model = _GRAPHS[family.model_type]
+    return graph.copy(), model
+
+
+def _hf_logits(model: torch.nn.Module, prompts: list[list[int]]) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [model(torch.tensor([p]), use_cache=False).logits[0] for p in prompts]
+
+
+# --- the runtime's references against HF's modules ---------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_norm_reference_matches_hf(dtype):
+    """ops.layer_norm against nn.LayerNorm with and without bias, OLMo's (no weight, no bias) and Cohere's (written
+    out in fp32): fp32 inside, one rounding, bit for bit in bf16."""
+    from transformers.models.cohere.modeling_cohere import CohereLayerNorm
+    from transformers.models.olmo.modeling_olmo import OlmoLayerNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 96, generator=gen) * 3 + 1).to(dtype)
+    norms = [torch.nn.LayerNorm(96, eps=1e-5), torch.nn.LayerNorm(96, eps=1e-6, bias=False),
+             CohereLayerNorm(96, eps=1e-5)]
+    for norm in norms:
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.3 * torch.randn(96, generator=gen))
+            if getattr(norm, "bias", None) is not None:
+                norm.bias.copy_(0.5 * torch.randn(96, generator=gen))
+        norm = norm.to(dtype)
+        bias = getattr(norm, "bias", None)
+        eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+        ours = ops.layer_norm(x, norm.weight.detach(), None if bias is None else bias.detach(), eps)
+        if isinstance(norm, CohereLayerNorm) and dtype == torch.float32:  # its own fp32 arithmetic: an ulp apart
+            torch.testing.assert_close(ours, norm(x).detach())
+        else:
+            assert torch.equal(ours, norm(x).detach()), type(norm).__name__
+    assert torch.equal(ops.layer_norm(x, None, None, 1e-5), OlmoLayerNorm(96)(x))
+
+
+def test_partial_and_interleaved_rope_references_match_hf():
+    """ops.rope on the first rotary_dim features of each head (GPT-NeoX's rotate-half) and on GPT-J pairs
+    (Cohere's), with ops.rope_tables against HF's rotary modules' cos/sin."""
+    from transformers.models.cohere import modeling_cohere as cohere
+    from transformers.models.gpt_neox import modeling_gpt_neox as neox
+
+    positions = torch.tensor([0, 1, 2, 5, 40, 300])
+    q = torch.randn(len(positions), 4 * 16, generator=torch.Generator().manual_seed(0))
+    for module, family, interleaved in ((neox, GPT_NEOX, False),
+                                        (cohere, Family("Cohere", "cohere", dict(head_dim=16)), True)):
+        config = family_config(family, VOCAB)
+        rotary = (module.GPTNeoXRotaryEmbedding if module is neox else module.CohereRotaryEmbedding)(config)
+        qh = q.view(len(positions), 4, 16).transpose(0, 1)[None]  # [1, heads, tokens, head_dim]
+        cos, sin = rotary(qh, positions[None])
+        expected, _ = module.apply_rotary_pos_emb(qh, qh, cos, sin)
+        tables = ops.rope_tables(positions, rotary.inv_freq, rotary.attention_scaling, q.dtype, interleaved)
+        rotary_dim = 2 * rotary.inv_freq.numel()
+        assert rotary_dim == (4 if module is neox else 16)
+        ours = ops.rope(q, *tables, 4, 16, rotary_dim, interleaved)
+        torch.testing.assert_close(ours, expected[0].transpose(0, 1).reshape(q.shape), rtol=0, atol=1e-6)
+
+
+# --- a family that lifts but does not build yet ------------------------------------------------------
+def test_gpt_neox_graph_matches_hf():
+    """GPT-NeoX's graph, with the model's tensors: q/k/v rows fused per head become one linear with split_heads,
+    rotary covers a quarter of each head, the MLP and attention read two LayerNorms of one residual (parallel)."""
+    graph, model = traced(GPT_NEOX)
+    qkv = next(n for n in graph.nodes if n.op == "linear" and len(n.outputs) == 3)
+    assert qkv.attrs["split_heads"] == 4 and qkv.attrs["split_sizes"] == [16, 16, 16]
+    assert [n.attrs.get("rotary_dim") for n in graph.nodes if n.op == "rope"] == [4, 4]
+    ops_count = graph.count_ops()
+    assert ops_count["layer_norm"] == 3 and "rms_norm" not in ops_count and "fused_add_rms_norm" not in ops_count
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+
+
+# --- tensor parallelism over the new shapes -----------------------------------------------------------
+@pytest.mark.parametrize("family", [GPT_NEOX, PHI2], ids=lambda f: f.model_type)
+def test_shard_splits_plain_mlps_and_per_head_fused_qkv(family, monkeypatch):
+    """fc1 -> GeLU -> fc2 is split like gate/up -> down (column, then row + all_reduce); GPT-NeoX's per-head q/k/v
+    rows by whole heads; biases follow their rows. Two ranks' logits equal the unsharded graph's."""
+    graph, _ = traced(family)
+    ctx = PassContext(options={"shard": {"tp_size": 2}})
+    sharded, records = run_passes(graph.copy(), ["shard"], ctx)
+    assert records[0].details["column_linears"] == records[0].details["row_linears"] == 2
+    fc1 = next(n for n in sharded.nodes if n.op == "linear" and any(u.op == "activation" and u.inputs == n.outputs
+                                                                    for u in sharded.nodes))
+    assert fc1.attrs["out_features"] == 56 and list(sharded.params[fc1.weights["bias"]].shape) == [56]
+    assert sum(n.op == "all_reduce" for n in sharded.nodes) == 2
+    if family is GPT_NEOX:
+        qkv = next(n for n in sharded.nodes if n.op == "linear" and len(n.outputs) == 3)
+        assert qkv.attrs["split_heads"] == 2 and qkv.attrs["out_features"] == 96
+    prompts = _prompts()[1:]
+    expected = run_graph(graph, prompts)
+    for rank_logits in run_ranks(sharded, prompts, monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5
+
+
+# --- quantization -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", [GPT_NEOX, PHI2], ids=lambda f: f.model_type)
+@pytest.mark.parametrize("algo, options, scheme, bound", [
+    ("int8_wo", {}, "w8a16", 0.02),
+    ("awq", {"group_size": 16}, "w4a16", 0.12),
+])
+def test_quantization_takes_the_new_linears(family, algo, options, scheme, bound):
+    """Per-head fused q/k/v, plain MLPs and linears after a LayerNorm are quantized as any linear; the logits stay
+    close to the float graph's."""
+    graph, _ = traced(family)
+    gen = torch.Generator().manual_seed(0)
+    calibration = [torch.randint(0, VOCAB, (32,), generator=gen).tolist() for _ in range(6)]
+    ctx = PassContext(calibration=calibration, options={algo: options})
+    quantized, records = run_passes(graph.copy(), [algo, "dce"], ctx)
+    linears = [n for n in quantized.nodes if n.op == "linear"]
+    assert records[0].matched == len(linears) == 4 and all(n.attrs["quant"]["scheme"] == scheme for n in linears)
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(quantized, prompts), run_graph(graph, prompts)):
+        assert 0 < ((ours - ref).norm() / ref.norm()).item() < bound
+
+
+# --- what the lifter refuses ----------------------------------------------------------------------------
+class _Fused(torch.nn.Module):
+    """An embedding, one linear whose output is sliced (``parts``), and a logits linear over the parts' sum."""
+
+    def __init__(self, parts: list[tuple[int, int]]) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.fused = torch.nn.Linear(32, 64)
+        self.head = torch.nn.Linear(16, VOCAB)
+        self.parts = parts
+
+    def forward(self, input_ids, use_cache=False):
+        y = self.fused(self.embed(input_ids))
+        out = y[..., self.parts[0][0]:self.parts[0][1]]
+        for a, b in self.parts[1:]:
+            out = out + y[..., a:b]
+        return self.head(out)
+
+
+@pytest.mark.parametrize("parts, error", [
+    ([(0, 16), (16, 32), (32, 48), (48, 64)], None),
+    ([(0, 16), (32, 48)], r"slices \[\(0, 16\), \(32, 48\)\] read of linear 'fused'.* do not tile its 64"),
+    ([(0, 16), (8, 24), (16, 32), (32, 48), (48, 64)], r"do not tile"),
+])
+def test_fused_linear_slices_must_tile_its_output(parts, error):
+    from passes.lift import LiftContext, LiftError, lift
+    from passes.trace import export_model
+
+    model = _Fused(parts).eval()
+    with torch.device("meta"):
+        model = model.to("meta")
+    ctx = LiftContext(model=model, rotary=lambda buffer: (torch.ones(1), 1.0))
+    if error is None:
+        graph = lift(export_model(model), ctx)
+        fused = next(n for n in graph.nodes if n.source == "fused")
+        assert fused.attrs["split_sizes"] == [16] * 4 and len(fused.outputs) == 4
+        return
+    with pytest.raises(LiftError, match=error):
+        lift(export_model(model), ctx)

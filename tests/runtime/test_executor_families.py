@@ -1,0 +1,54 @@
+"""The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary and a
+scaled lm_head: ops without a Triton kernel run their torch reference there, rotary the kernels do not take is not
+fused into the attention's KV write, and the serving engine on the kernels generates the reference path's tokens.
+On CPU the kernels run under TRITON_INTERPRET=1."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from conftest import build_artifact, save_tokenizer  # noqa: E402
+from runtime import Engine, SamplingParams  # noqa: E402
+from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
+
+# head_dim 32, which the paged attention kernels take; one layer: the ops, not depth, are under test
+SHAPE = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+FAMILIES = ["stablelm",  # layer_norm with bias, rotary on 8 of 32 features per head
+            "cohere"]  # layer_norm without bias, interleaved rotary, lm_head scale
+
+
+def _checkpoint(path, model_type: str):
+    """A tiny seeded fp32 checkpoint with every weight random (norm gains and biases too) and a tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = save_tokenizer(path)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=vocab, **SHAPE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn_like(p) + (1.0 if p.dim() == 1 else 0.0))
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernel_path_runs_the_new_ops(family, tmp_path):
+    path = build_artifact(_checkpoint(tmp_path / "ckpt", family), tmp_path / "art")
+    ref = Engine.load(path, use_kernels=False)
+    fused = ServingEngine(Engine.load(path, use_kernels=True),
+                          ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=128))
+    assert fused.executor.use_kernels and not fused.executor._fusions.rope  # partial / interleaved: not fused
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40)]  # 40: prefilled in two chunks
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    for prompt, out in zip(prompts, fused.run(prompts, params)):
+        want = ref.generate(prompt, params)
+        assert out.token_ids == want.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
