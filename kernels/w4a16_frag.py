@@ -1,7 +1,8 @@
-"""W4A16 linears for 1-16 rows of x with the weights stored in the tensor-core MMA's register order ("frag").
+"""Weight-only linears (W4A16, W8A16) for 1-32 rows of x with the weights stored in the tensor-core MMA's register
+order ("frag").
 
-``y = x @ ((q - zero) * scale).T + bias`` for bf16 x, 4-bit codes and groups of 128 input features (or one group
-per output channel). At a handful of rows a linear is bound by the bytes of its weights; what keeps a kernel
+``y = x @ ((q - zero) * scale).T + bias`` for bf16 x, 4-bit codes in groups of 128 input features (or one group per
+output channel), or 8-bit codes with one group per output channel (the int8 weight-only scheme). At a handful of rows a linear is bound by the bytes of its weights; what keeps a kernel
 from reading them at HBM speed is what it does per byte besides the load. ``kernels.w4a16_mma`` lets Triton's
 ``tl.dot`` place operands, which moves x (and the unpacked codes) through shared memory with barriers on every
 K step and pads the MMA's M to 16 rows of x. Here the roles are swapped and nothing is shared: the weights are
@@ -26,6 +27,11 @@ bf16 FMA per register (``128 + q - (128 + z)``: exact, small integers): 12 instr
 bytes per lane. The MMA sums a group's 128 products in fp32; the group's scale multiplies them once (fp32 FMA
 into the running total). Lanes 4b..4b+3 hold row b of x in the B operand (loaded straight from global memory,
 L1-resident; rows >= M are zeros); each lane ends with y[2c, 2c + 1] x [16 t + g, 16 t + g + 8].
+
+8-bit codes: a chunk is 32 input features, a word 4 codes (two words per k16 step: bytes of rows g, g + 8 at
+features 2c, 2c + 1, then the same at + 8); each code is split into its nibbles, unpacked as above, and
+``q - z = 16 (hi - z // 16) + (lo - z % 16)`` exactly, so two MMAs per A fragment (one per nibble) with separate
+sums, combined as ``(16 hi + lo) * scale`` at the end: bf16 holds no 8-bit code plus an offset exactly.
 
 A program is ``warps`` warps on adjacent tiles over one range of K (split-K across programs for the SMs: the
 last program of a tile group adds the fp32 partials in split order, deterministic, and writes y). Loads run one
@@ -84,9 +90,13 @@ class FragConfig:
 
 
 def supports(bits: int, group_size: int, in_features: int, out_features: int) -> bool:
-    """Whether :func:`repack_frag` / :func:`w4a16_frag` take these weights."""
-    return (bits == 4 and out_features % WARP_N == 0 and in_features % ITER_K == 0
-            and group_size in (ITER_K, -1, in_features))
+    """Whether :func:`repack_frag` / :func:`w4a16_frag` take these weights: 4-bit codes in groups of 128 (or one
+    group per channel), 8-bit codes with one group per channel (int8 weight-only)."""
+    if out_features % WARP_N:
+        return False
+    if bits == 4:
+        return in_features % ITER_K == 0 and group_size in (ITER_K, -1, in_features)
+    return bits == 8 and in_features % (ITER_K // 2) == 0 and group_size in (-1, in_features)
 
 
 def runtime_layout(bits: int, group_size: int, in_features: int, out_features: int, dtype: torch.dtype) -> bool:
@@ -98,42 +108,55 @@ def runtime_layout(bits: int, group_size: int, in_features: int, out_features: i
 
 
 # --- layout ----------------------------------------------------------------------------------------
-def repack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                group_size: int) -> dict[str, torch.Tensor | int | str]:
-    """The passes' 4-bit layout (``qweight`` [N, K/2], ``scales`` / ``zeros`` [N, G]) -> the "frag" layout
-    (module docstring), as keyword arguments of :func:`w4a16_frag` and :func:`dequantize_frag`."""
+def _shape(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
+    n, cols = qweight.shape
+    return n, cols * 8 // bits
+
+
+def repack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                bits: int = 4) -> dict[str, torch.Tensor | int | str]:
+    """The passes' layout (``qweight`` [N, K/2] for 4 bits, [N, K] for 8, ``scales`` / ``zeros`` [N, G]) -> the
+    "frag" layout (module docstring), as keyword arguments of :func:`w4a16_frag` and :func:`dequantize_frag`."""
     if qweight.dtype != torch.uint8 or zeros.dtype != torch.uint8 or scales.dtype != torch.float32:
         raise ValueError(f"expected qweight uint8, scales fp32, zeros uint8; got {qweight.dtype}, {scales.dtype}, "
                          f"{zeros.dtype}")
-    n, half = qweight.shape
-    k = 2 * half
-    if not supports(4, group_size, k, n):
+    n, k = _shape(qweight, bits)
+    if not supports(bits, group_size, k, n):
         raise ValueError(f"the frag layout takes 4-bit weights with N a multiple of {WARP_N}, K a multiple of "
-                         f"{ITER_K} and groups of {ITER_K} (or one per channel); got [{n}, {k}], group_size "
+                         f"{ITER_K} and groups of {ITER_K} (or one per channel), or 8-bit ones with one group per "
+                         f"channel and K a multiple of {ITER_K // 2}; got {bits} bits [{n}, {k}], group_size "
                          f"{group_size}")
     num_groups = 1 if group_size in (-1, k) else k // group_size
     if tuple(scales.shape) != (n, num_groups) or tuple(zeros.shape) != (n, num_groups):
         raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match qweight "
                          f"{tuple(qweight.shape)} with group_size {group_size} (expected {(n, num_groups)})")
-    q = unpack_int4(qweight)  # [N, K]
-    # n = 16 t + 8 h + g; k = 64 chunk + 16 j + 8 half + 2 c + e
-    q = q.reshape(n // TILE_N, 2, 8, k // CHUNK_K, 4, 2, 4, 2)  # t, h, g, chunk, j, half, c, e
-    packed = q[:, :, :, :, :, 0] | (q[:, :, :, :, :, 1] << 4)  # t, h, g, chunk, j, c, e
-    packed = packed.permute(0, 3, 2, 5, 4, 1, 6)  # t, chunk, g, c, j, h, e
-    return {"qweight": packed.reshape(n, half).contiguous(), "scales": scales.t().contiguous(),
-            "zeros": zeros.t().contiguous(), "group_size": group_size, "layout": LAYOUT}
+    if bits == 4:
+        q = unpack_int4(qweight)  # [N, K]
+        # n = 16 t + 8 h + g; k = 64 chunk + 16 j + 8 half + 2 c + e
+        q = q.reshape(n // TILE_N, 2, 8, k // CHUNK_K, 4, 2, 4, 2)  # t, h, g, chunk, j, half, c, e
+        packed = q[:, :, :, :, :, 0] | (q[:, :, :, :, :, 1] << 4)  # t, h, g, chunk, j, c, e
+        packed = packed.permute(0, 3, 2, 5, 4, 1, 6)  # t, chunk, g, c, j, h, e
+    else:  # k = 32 chunk + 16 s + 8 half + 2 c + e; word j = 2 s + half
+        q = qweight.reshape(n // TILE_N, 2, 8, k // 32, 2, 2, 4, 2)  # t, h, g, chunk, s, half, c, e
+        packed = q.permute(0, 3, 2, 6, 4, 5, 1, 7)  # t, chunk, g, c, s, half, h, e
+    return {"qweight": packed.reshape(qweight.shape).contiguous(), "scales": scales.t().contiguous(),
+            "zeros": zeros.t().contiguous(), "group_size": group_size, "bits": bits, "layout": LAYOUT}
 
 
 def unrepack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                  layout: str = LAYOUT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  bits: int = 4, layout: str = LAYOUT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(qweight, scales, zeros) of the "frag" layout -> the passes' layout (the inverse of :func:`repack_frag`)."""
-    n, half = qweight.shape
-    k = 2 * half
-    p = qweight.reshape(n // TILE_N, k // CHUNK_K, 8, 4, 4, 2, 2).permute(0, 1, 4, 3, 2, 5, 6)  # t, chunk, j, c, g, h, e
-    p = p.permute(0, 5, 4, 1, 2, 3, 6)  # t, h, g, chunk, j, c, e
-    q = torch.stack((p & 0x0F, p >> 4), dim=5)  # t, h, g, chunk, j, half, c, e
-    codes = q.reshape(n, k)
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), scales.t().contiguous(), zeros.t().contiguous()
+    n, k = _shape(qweight, bits)
+    if bits == 4:
+        p = qweight.reshape(n // TILE_N, k // CHUNK_K, 8, 4, 4, 2, 2)  # t, chunk, g, c, j, h, e
+        p = p.permute(0, 5, 2, 1, 4, 3, 6)  # t, h, g, chunk, j, c, e
+        q = torch.stack((p & 0x0F, p >> 4), dim=5)  # t, h, g, chunk, j, half, c, e
+        codes = q.reshape(n, k)
+        q = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    else:
+        p = qweight.reshape(n // TILE_N, k // 32, 8, 4, 2, 2, 2, 2)  # t, chunk, g, c, s, half, h, e
+        q = p.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(n, k)  # t, h, g, chunk, s, half, c, e
+    return q.contiguous(), scales.t().contiguous(), zeros.t().contiguous()
 
 
 @dataclass
@@ -144,9 +167,10 @@ class _FragWeights:
     out_features: int  # N
     in_features: int  # K
     one_group: bool
+    bits: int
 
 
-def _frag_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+def _frag_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, bits: int,
                   layout: str) -> _FragWeights:
     """Validates :func:`repack_frag`'s output (user-facing errors)."""
     if layout != LAYOUT:
@@ -154,11 +178,13 @@ def _frag_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
                          f"not {layout!r}")
     if qweight.dim() != 2 or qweight.dtype != torch.uint8:
         raise ValueError(f"expected a 2-D uint8 qweight, got {qweight.dtype} {tuple(qweight.shape)}")
-    n, half = qweight.shape
-    k = 2 * half
-    if not supports(4, group_size, k, n):
-        raise ValueError(f"qweight {tuple(qweight.shape)} with group_size {group_size} is not a frag layout "
-                         f"(N a multiple of {WARP_N}, K of {ITER_K}, groups of {ITER_K} or one per channel)")
+    if bits not in (4, 8):
+        raise ValueError(f"bits {bits} is not supported (4 or 8)")
+    n, k = _shape(qweight, bits)
+    if not supports(bits, group_size, k, n):
+        raise ValueError(f"qweight {tuple(qweight.shape)} ({bits} bits) with group_size {group_size} is not a frag "
+                         f"layout (N a multiple of {WARP_N}; 4 bits: K of {ITER_K}, groups of {ITER_K} or one per "
+                         f"channel; 8 bits: K of {ITER_K // 2}, one group per channel)")
     num_groups = 1 if group_size in (-1, k) else k // group_size
     if tuple(scales.shape) != (num_groups, n) or tuple(zeros.shape) != (num_groups, n) \
             or scales.dtype != torch.float32 or zeros.dtype != torch.uint8:
@@ -167,22 +193,29 @@ def _frag_weights(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     if n * k >= 2**31:
         raise ValueError(f"qweight {tuple(qweight.shape)}: {n} x {k} weights are more than the kernels' 32-bit "
                          "offsets address")
-    return _FragWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, num_groups == 1)
+    return _FragWeights(qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k, num_groups == 1, bits)
 
 
 # --- dequantization (plain Triton: prefill sizes, and the layout's check under the interpreter) ---------------
 @triton.jit
-def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.constexpr, CHUNKS: tl.constexpr):
-    # one program per (tile of 16 output features, CHUNKS chunks of 64 input features): out [16, 64 CHUNKS] in
-    # row order (coalesced stores), each code gathered from its byte (cached loads, each byte read twice)
+def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.constexpr, BITS: tl.constexpr,
+                         CHUNKS: tl.constexpr):
+    # one program per (tile of 16 output features, CHUNKS chunks of 512 bytes): out [16, CHUNKS x the chunk's
+    # features] in row order (coalesced stores), each code gathered from its byte (cached loads)
+    CK: tl.constexpr = 256 // BITS  # input features per chunk: 64 (4 bits), 32 (8 bits)
     t = tl.program_id(0)
     r = tl.arange(0, 16)[:, None]  # row within the tile: g = r % 8, h = r // 8
-    k = tl.program_id(1) * (64 * CHUNKS) + tl.arange(0, 64 * CHUNKS)[None, :]
-    kk = k % 64  # within its chunk: j = kk // 16, then half (high nibble), c, e
-    rem = kk % 16
-    byte = (4 * (r % 8) + (rem % 8) // 2) * 16 + 4 * (kk // 16) + 2 * (r // 8) + rem % 2
-    q = tl.load(qw_ptr + (t * (K // 64) + k // 64) * 512 + byte).to(tl.int32)
-    q = tl.where(rem >= 8, q >> 4, q & 0xF)
+    k = tl.program_id(1) * (CK * CHUNKS) + tl.arange(0, CK * CHUNKS)[None, :]
+    kk = k % CK  # within its chunk
+    rem = kk % 16  # within its k16 step: half (+ 8), c, e
+    if BITS == 4:  # word j = kk // 16; the high nibble holds feature + 8
+        word = kk // 16
+    else:  # word 2 s + half, s = kk // 16
+        word = 2 * (kk // 16) + rem // 8
+    byte = (4 * (r % 8) + (rem % 8) // 2) * 16 + 4 * word + 2 * (r // 8) + rem % 2
+    q = tl.load(qw_ptr + (t * (K // CK) + k // CK) * 512 + byte).to(tl.int32)
+    if BITS == 4:
+        q = tl.where(rem >= 8, q >> 4, q & 0xF)
     row = t * 16 + r
     grp = 0 if ONE_GROUP else k // 128
     s = tl.load(s_ptr + grp * N + row)
@@ -191,17 +224,17 @@ def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.cons
 
 
 def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype, *, layout: str = LAYOUT) -> torch.Tensor:
+                    dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT) -> torch.Tensor:
     """The weight ``(q - zero) * scale`` [N, K] in ``dtype`` from :func:`repack_frag`'s layout (fp32 product
     rounded once, as ``kernels.torch_quant.dequantize_weight``)."""
     _check_device(qweight)
-    w = _frag_weights(qweight, scales, zeros, group_size, layout)
+    w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
-    num_chunks = w.in_features // CHUNK_K  # even: K is a multiple of 128
+    num_chunks = w.in_features * bits // 256  # 512-byte chunks per tile (even)
     chunks = 2 if _interpreting() else next(c for c in (8, 4, 2) if num_chunks % c == 0)
-    _dequant_frag_kernel[(w.out_features // TILE_N, w.in_features // (CHUNK_K * chunks))](
-        w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, CHUNKS=chunks,
-        num_warps=4)
+    _dequant_frag_kernel[(w.out_features // TILE_N, num_chunks // chunks)](
+        w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, BITS=bits,
+        CHUNKS=chunks, num_warps=4)
     return out
 
 
@@ -236,11 +269,12 @@ ld.global.nc.v4.b32 {$12, $13, $14, $15}, [a+512];
 }""")
 
 
-def _load_x_ptx(batch_tiles: int) -> str:
-    """$0..$(16 bt - 1) <- the lane's B registers of one K iteration: lane 4b + c, register 2w (2w + 1) of batch
-    tile t holds x[b + 8t, 16w + 2c + {0, 1}] (+ 8); rows past M read row M - 1 (their sums are never stored).
+def _load_x_ptx(batch_tiles: int, regs: int = 16) -> str:
+    """$0..$(regs bt - 1) <- the lane's B registers of one K iteration (``regs`` per batch tile: 16 for the 128
+    features of a 4-bit iteration, 8 for the 64 of an 8-bit one): lane 4b + c, register 2w (2w + 1) of batch tile
+    t holds x[b + 8t, 16w + 2c + {0, 1}] (+ 8); rows past M read row M - 1 (their sums are never stored).
     Inputs: x (bf16* at the iteration's first feature), x's row stride in bytes, M."""
-    n = 16 * batch_tiles
+    n = regs * batch_tiles
     x_ptr, x_stride, m = f"${n}", f"${n + 1}", f"${n + 2}"
     lines = ["{", _LANE_REGS, ".reg .u32 b, last;", _LANE, f"sub.u32 last, {m}, 1;"]
     for bt in range(batch_tiles):
@@ -250,7 +284,7 @@ def _load_x_ptx(batch_tiles: int) -> str:
                   f"add.u64 a, a, {x_ptr};",
                   "mul.wide.u32 o, c, 4;",
                   "add.u64 a, a, o;"]
-        lines += [f"ld.global.b32 ${16 * bt + i}, [a+{16 * i}];" for i in range(16)]
+        lines += [f"ld.global.b32 ${regs * bt + i}, [a+{16 * i}];" for i in range(regs)]
     lines.append("}")
     return "\n".join(lines)
 
@@ -345,6 +379,97 @@ def _store_ptx(batch_tiles: int, scaled: bool) -> str:
     return "\n".join(lines)
 
 
+def _load_group8_ptx() -> str:
+    """8-bit codes, one group per channel: $0..$3 <- the lane's rows' scales (as :func:`_load_group_ptx`), $4..$7
+    <- bf16x2 -(128 + zero % 16), $8..$11 <- bf16x2 -(128 + zero // 16) of the same rows; $12 scales, $13 zeros."""
+    lines = ["{", _LANE_REGS, ".reg .u32 n, z, y;", ".reg .b32 t;", _LANE,
+             "shl.b32 n, warp, 5;", "add.u32 n, n, g;",
+             "mul.wide.u32 o, n, 4;", "add.u64 a, $12, o;",
+             "ld.global.nc.f32 $0, [a];", "ld.global.nc.f32 $1, [a+32];",
+             "ld.global.nc.f32 $2, [a+64];", "ld.global.nc.f32 $3, [a+96];",
+             "cvt.u64.u32 o, n;", "add.u64 a, $13, o;"]
+    for i in range(4):
+        lines += [f"ld.global.nc.u8 z, [a+{8 * i}];",
+                  "and.b32 y, z, 15;", "or.b32 y, y, 0xC300;", "shl.b32 t, y, 16;", f"or.b32 ${4 + i}, y, t;",
+                  "shr.u32 y, z, 4;", "or.b32 y, y, 0xC300;", "shl.b32 t, y, 16;", f"or.b32 ${8 + i}, y, t;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _compute8_ptx(batch_tiles: int) -> str:
+    """One K iteration of 8-bit codes (64 features: 2 tiles x 2 chunks of 32 x 2 k16 steps): each code is
+    16 hi + lo, its nibbles unpacked as the 4-bit codes are, q - z = 16 (hi - z // 16) + (lo - z % 16) exactly, and
+    the two halves multiplied into separate sums. Outputs $0..$(16 bt - 1): the sums, index (tile x batch_tiles +
+    bt) x 8 + i, i < 4 the low nibbles' C registers, i >= 4 the high ones'. Inputs: 16 words, 8 bt x registers,
+    4 low and 4 high zero registers (:func:`_load_group8_ptx`), the sums."""
+    n_out = 16 * batch_tiles
+    w0 = n_out
+    x0 = w0 + 16
+    zl0 = x0 + 8 * batch_tiles
+    zh0 = zl0 + 4
+    t_in = zh0 + 4
+    lines = ["{", ".reg .b32 t0, t1, t2, t3, h0, h1, h2, h3, u0, u1, u2, u3, v0, v1, v2, v3, one;",
+             ".reg .f32 " + ", ".join(f"a{i}" for i in range(n_out)) + ";",
+             "mov.b32 one, 0x3F803F80;"]
+    lines += [f"mov.f32 a{i}, ${t_in + i};" for i in range(n_out)]
+    lop = "0x000F000F, 0x43004300, 0xea"
+    for tile in range(2):
+        zla, zlb, zha, zhb = (f"${zl0 + 2 * tile}", f"${zl0 + 2 * tile + 1}", f"${zh0 + 2 * tile}",
+                              f"${zh0 + 2 * tile + 1}")
+        for step in range(4):  # k16 step: chunk step // 2, words 2 (step % 2) and the next of that chunk
+            wa = f"${w0 + 8 * tile + 4 * (step // 2) + 2 * (step % 2)}"
+            wb = f"${w0 + 8 * tile + 4 * (step // 2) + 2 * (step % 2) + 1}"
+            lines += [f"prmt.b32 t0, {wa}, 0, 0x4140;", f"prmt.b32 t1, {wa}, 0, 0x4342;",
+                      f"prmt.b32 t2, {wb}, 0, 0x4140;", f"prmt.b32 t3, {wb}, 0, 0x4342;",
+                      f"lop3.b32 u0, t0, {lop};", f"lop3.b32 u1, t1, {lop};",
+                      f"lop3.b32 u2, t2, {lop};", f"lop3.b32 u3, t3, {lop};",
+                      "shr.u32 h0, t0, 4;", "shr.u32 h1, t1, 4;", "shr.u32 h2, t2, 4;", "shr.u32 h3, t3, 4;",
+                      f"lop3.b32 v0, h0, {lop};", f"lop3.b32 v1, h1, {lop};",
+                      f"lop3.b32 v2, h2, {lop};", f"lop3.b32 v3, h3, {lop};",
+                      f"fma.rn.bf16x2 u0, u0, one, {zla};", f"fma.rn.bf16x2 u1, u1, one, {zlb};",
+                      f"fma.rn.bf16x2 u2, u2, one, {zla};", f"fma.rn.bf16x2 u3, u3, one, {zlb};",
+                      f"fma.rn.bf16x2 v0, v0, one, {zha};", f"fma.rn.bf16x2 v1, v1, one, {zhb};",
+                      f"fma.rn.bf16x2 v2, v2, one, {zha};", f"fma.rn.bf16x2 v3, v3, one, {zhb};"]
+            for bt in range(batch_tiles):
+                base = (tile * batch_tiles + bt) * 8
+                lo = ", ".join(f"a{base + i}" for i in range(4))
+                hi = ", ".join(f"a{base + 4 + i}" for i in range(4))
+                xa, xb = f"${x0 + 8 * bt + 2 * step}", f"${x0 + 8 * bt + 2 * step + 1}"
+                lines += [f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{lo}}}, {{u0, u1, u2, u3}}, "
+                          f"{{{xa}, {xb}}}, {{{lo}}};",
+                          f"mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{{hi}}}, {{v0, v1, v2, v3}}, "
+                          f"{{{xa}, {xb}}}, {{{hi}}};"]
+    lines += [f"mov.f32 ${i}, a{i};" for i in range(n_out)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _store8_ptx(batch_tiles: int) -> str:
+    """8-bit sums $2..$(16 bt + 1) (:func:`_compute8_ptx`'s order) -> (16 hi + lo) x the row's scale
+    ($(16 bt + 2)..$(16 bt + 5)) into the partials at $(16 bt + 6), rows of x < $1, $(16 bt + 7) floats between
+    rows; $0 a dummy output."""
+    n_in = 16 * batch_tiles
+    s0, base, stride = n_in + 2, f"${n_in + 6}", f"${n_in + 7}"
+    lines = ["{", _LANE_REGS, ".reg .u32 n, b, e;", ".reg .f32 v;", ".reg .pred p;", _LANE]
+    for tile in range(2):
+        for bt in range(batch_tiles):
+            for r in range(4):
+                lo = 2 + (tile * batch_tiles + bt) * 8 + r
+                lines += ["shl.b32 n, warp, 5;",
+                          "add.u32 n, n, g;",
+                          f"mad.lo.u32 b, c, 2, {8 * bt + r % 2};",
+                          "setp.lt.u32 p, b, $1;",
+                          f"mad.lo.u32 e, b, {stride}, n;",
+                          f"add.u32 e, e, {16 * tile + 8 * (r // 2)};",
+                          "mul.wide.u32 o, e, 4;",
+                          f"add.u64 a, {base}, o;",
+                          f"fma.rn.f32 v, ${lo + 4}, 0f41800000, ${lo};",
+                          f"mul.f32 v, v, ${s0 + 2 * tile + r // 2};",
+                          "@p st.global.f32 [a], v;"]
+    lines += ["mov.u32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
 def _constraints(outputs: str, n_out: int, inputs: str) -> tl.constexpr:
     return tl.constexpr(",".join([f"={outputs}"] * n_out) + "," + inputs)
 
@@ -375,8 +500,26 @@ _FOLD4_PTX, _RAW4_PTX, _C4_CONS = _C_PTX[4]
 _STORE1_PTX, _STORE1S_PTX, _S1_CONS = _S_PTX[1]
 _STORE2_PTX, _STORE2S_PTX, _S2_CONS = _S_PTX[2]
 _STORE4_PTX, _STORE4S_PTX, _S4_CONS = _S_PTX[4]
-_I32X16, _I32X32, _I32X64 = (tl.constexpr((tl.int32,) * n) for n in (16, 32, 64))
-_F32X8, _F32X16, _F32X32 = (tl.constexpr((tl.float32,) * n) for n in (8, 16, 32))
+_I32X8, _I32X16, _I32X32, _I32X64 = (tl.constexpr((tl.int32,) * n) for n in (8, 16, 32, 64))
+_F32X8, _F32X16, _F32X32, _F32X64 = (tl.constexpr((tl.float32,) * n) for n in (8, 16, 32, 64))
+# 8-bit codes (one group per channel): x loads of 64 features, the two-nibble compute, the combining store
+_X8_PTX = {bt: (tl.constexpr(_load_x_ptx(bt, 8)), _constraints("r", 8 * bt, "l,r,r")) for bt in BATCH_TILE_COUNTS}
+_C8_PTX = {bt: (tl.constexpr(_compute8_ptx(bt)),
+                _constraints("f", 16 * bt, ",".join([_regs("r", 16 + 8 * bt), _regs("r", 8), _regs("f", 16 * bt)])))
+           for bt in BATCH_TILE_COUNTS}
+_S8_PTX = {bt: (tl.constexpr(_store8_ptx(bt)), tl.constexpr("=r,r," + _regs("f", 16 * bt + 4) + ",l,r"))
+           for bt in BATCH_TILE_COUNTS}
+_X8_1_PTX, _X8_1_CONS = _X8_PTX[1]
+_X8_2_PTX, _X8_2_CONS = _X8_PTX[2]
+_X8_4_PTX, _X8_4_CONS = _X8_PTX[4]
+_C8_1_PTX, _C8_1_CONS = _C8_PTX[1]
+_C8_2_PTX, _C8_2_CONS = _C8_PTX[2]
+_C8_4_PTX, _C8_4_CONS = _C8_PTX[4]
+_S8_1_PTX, _S8_1_CONS = _S8_PTX[1]
+_S8_2_PTX, _S8_2_CONS = _S8_PTX[2]
+_S8_4_PTX, _S8_4_CONS = _S8_PTX[4]
+_GROUP8_PTX = tl.constexpr(_load_group8_ptx())
+_GROUP8_CONS = tl.constexpr("=f,=f,=f,=f," + _regs("=r", 8) + ",l,l")
 
 
 @triton.jit
@@ -392,9 +535,20 @@ def _load_w(w_it, tile_bytes):
 
 
 @triton.jit
-def _load_x(x_it, x_stride, m, BATCH_TILES: tl.constexpr):
-    """The lane's x registers of one K iteration (16 per batch tile). After the PDL wait: not pure."""
-    if BATCH_TILES == 1:
+def _load_x(x_it, x_stride, m, BATCH_TILES: tl.constexpr, BITS: tl.constexpr):
+    """The lane's x registers of one K iteration (16 per batch tile; 8 for 8-bit codes). After the PDL wait: not
+    pure."""
+    if BITS == 8:
+        if BATCH_TILES == 1:
+            return tl.inline_asm_elementwise(_X8_1_PTX, _X8_1_CONS, [x_it, x_stride, m], dtype=_I32X8,
+                                             is_pure=False, pack=1)
+        elif BATCH_TILES == 2:
+            return tl.inline_asm_elementwise(_X8_2_PTX, _X8_2_CONS, [x_it, x_stride, m], dtype=_I32X16,
+                                             is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_X8_4_PTX, _X8_4_CONS, [x_it, x_stride, m], dtype=_I32X32,
+                                             is_pure=False, pack=1)
+    elif BATCH_TILES == 1:
         return tl.inline_asm_elementwise(_X1_PTX, _X1_CONS, [x_it, x_stride, m], dtype=_I32X16, is_pure=False,
                                          pack=1)
     elif BATCH_TILES == 2:
@@ -406,16 +560,33 @@ def _load_x(x_it, x_stride, m, BATCH_TILES: tl.constexpr):
 
 
 @triton.jit
-def _load_group(s_it, z_it):
-    """The lane's rows' scales and zero registers of one group (4 + 4)."""
-    return tl.inline_asm_elementwise(_GROUP_PTX, _GROUP_CONS, [s_it, z_it],
-                                     dtype=(_F32, _F32, _F32, _F32, _I32, _I32, _I32, _I32), is_pure=True, pack=1)
+def _load_group(s_it, z_it, BITS: tl.constexpr):
+    """The lane's rows' scales and zero registers of one group (4 + 4; 8-bit codes: 4 + 8)."""
+    if BITS == 8:
+        return tl.inline_asm_elementwise(_GROUP8_PTX, _GROUP8_CONS, [s_it, z_it],
+                                         dtype=(_F32, _F32, _F32, _F32, _I32, _I32, _I32, _I32, _I32, _I32, _I32,
+                                                _I32), is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_GROUP_PTX, _GROUP_CONS, [s_it, z_it],
+                                         dtype=(_F32, _F32, _F32, _F32, _I32, _I32, _I32, _I32), is_pure=True,
+                                         pack=1)
 
 
 @triton.jit
-def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr):
+def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr, BITS: tl.constexpr):
     """The sums ``t`` after one K iteration on the words ``w``, x registers ``x`` and the group ``grp``."""
-    if BATCH_TILES == 1:
+    if BITS == 8:
+        zz = (grp[4], grp[5], grp[6], grp[7], grp[8], grp[9], grp[10], grp[11])
+        if BATCH_TILES == 1:
+            return tl.inline_asm_elementwise(_C8_1_PTX, _C8_1_CONS, w + x + zz + t, dtype=_F32X16, is_pure=True,
+                                             pack=1)
+        elif BATCH_TILES == 2:
+            return tl.inline_asm_elementwise(_C8_2_PTX, _C8_2_CONS, w + x + zz + t, dtype=_F32X32, is_pure=True,
+                                             pack=1)
+        else:
+            return tl.inline_asm_elementwise(_C8_4_PTX, _C8_4_CONS, w + x + zz + t, dtype=_F32X64, is_pure=True,
+                                             pack=1)
+    elif BATCH_TILES == 1:
         return tl.inline_asm_elementwise(_FOLD1_PTX if FOLD else _RAW1_PTX, _C1_CONS, w + x + grp + t,
                                          dtype=_F32X8, is_pure=True, pack=1)
     elif BATCH_TILES == 2:
@@ -427,10 +598,18 @@ def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr):
 
 
 @triton.jit
-def _store_partials(m, t, grp, part, n_stride, BATCH_TILES: tl.constexpr, SCALED: tl.constexpr):
-    """The sums (times the rows' scales when SCALED) into the partials, rows of x < M."""
+def _store_partials(m, t, grp, part, n_stride, BATCH_TILES: tl.constexpr, SCALED: tl.constexpr,
+                    BITS: tl.constexpr):
+    """The sums (times the rows' scales when SCALED; 8-bit: always) into the partials, rows of x < M."""
     args = (m,) + t + (grp[0], grp[1], grp[2], grp[3], part, n_stride)
-    if BATCH_TILES == 1:
+    if BITS == 8:
+        if BATCH_TILES == 1:
+            tl.inline_asm_elementwise(_S8_1_PTX, _S8_1_CONS, args, dtype=tl.int32, is_pure=False, pack=1)
+        elif BATCH_TILES == 2:
+            tl.inline_asm_elementwise(_S8_2_PTX, _S8_2_CONS, args, dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(_S8_4_PTX, _S8_4_CONS, args, dtype=tl.int32, is_pure=False, pack=1)
+    elif BATCH_TILES == 1:
         tl.inline_asm_elementwise(_STORE1S_PTX if SCALED else _STORE1_PTX, _S1_CONS, args, dtype=tl.int32,
                                   is_pure=False, pack=1)
     elif BATCH_TILES == 2:
@@ -446,38 +625,40 @@ def _w4a16_frag_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
     M, N, K, stride_xm, iters_per_split, split_k,
     ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr, BATCH_TILES: tl.constexpr,
-    DEPTH: tl.constexpr, PDL: tl.constexpr,
+    DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # grid (N / (32 WARPS), split_k); warp w of program p works on tiles 2 (p WARPS + w) and the next
+    # grid (N / (32 WARPS), split_k); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
+    # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lanes = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element per thread: each PTX block runs once per thread
     col0 = pid_n * WARPS * 32  # the program's first output feature
-    tile_bytes = lanes + 8 * K  # 16 rows of K / 2 bytes
+    ITER_K: tl.constexpr = 512 // BITS
+    tile_bytes = lanes + 2 * BITS * K  # 16 rows of K BITS / 8 bytes
     first = pid_k * iters_per_split
-    num_iters = min(iters_per_split, K // 128 - first)
+    num_iters = min(iters_per_split, K // ITER_K - first)
     last = first + num_iters - 1
-    w_base = qw_ptr + col0 * (K // 2)
+    w_base = qw_ptr + col0 * (K * BITS // 8)
     w = _load_w(w_base + first * 1024 + lanes, tile_bytes)  # weights are constants: before the wait
     w1 = w
     if DEPTH == 2:
         w1 = _load_w(w_base + min(first + 1, last) * 1024 + lanes, tile_bytes)
     grp = _load_group(_addr(s_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes),
-                      z_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes)
+                      z_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes, BITS)
     wait_prior(PDL)  # x and the partials are the preceding kernels'
     m = lanes + M
     x_stride = lanes + stride_xm * 2
-    x = _load_x(_addr(x_ptr + first * 128 + lanes), x_stride, m, BATCH_TILES)
-    t = (tl.zeros([32 * WARPS], dtype=tl.float32),) * (8 * BATCH_TILES)
+    x = _load_x(_addr(x_ptr + first * ITER_K + lanes), x_stride, m, BATCH_TILES, BITS)
+    t = (tl.zeros([32 * WARPS], dtype=tl.float32),) * (8 * BATCH_TILES * (BITS // 4))
     for i in range(0, num_iters):
         it = first + i
         nxt = min(it + 1, last)
         w2 = _load_w(w_base + min(it + DEPTH, last) * 1024 + lanes, tile_bytes)
-        x2 = _load_x(_addr(x_ptr + nxt * 128 + lanes), x_stride, m, BATCH_TILES)
+        x2 = _load_x(_addr(x_ptr + nxt * ITER_K + lanes), x_stride, m, BATCH_TILES, BITS)
         grp2 = grp
         if not ONE_GROUP:
-            grp2 = _load_group(_addr(s_ptr + nxt * N + col0 + lanes), z_ptr + nxt * N + col0 + lanes)
-        t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP)
+            grp2 = _load_group(_addr(s_ptr + nxt * N + col0 + lanes), z_ptr + nxt * N + col0 + lanes, BITS)
+        t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS)
         if DEPTH == 2:
             w = w1
             w1 = w2
@@ -486,7 +667,8 @@ def _w4a16_frag_kernel(
         x = x2
         grp = grp2
     ROWS: tl.constexpr = 8 * BATCH_TILES
-    _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP)
+    _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP,
+                    BITS)
     # the last program of this column range (all of it without a split) adds the partials in split order
     tl.debug_barrier()
     done = True
@@ -527,12 +709,12 @@ def frag_applies(x: torch.Tensor, num_rows: int) -> bool:
 
 
 def w4a16_frag(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               bias: torch.Tensor | None = None, *, layout: str = LAYOUT,
+               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
                config: FragConfig | None = None) -> torch.Tensor:
     """``x @ ((q - zero) * scale).T + bias`` for 1..FRAG_MAX_ROWS rows of bf16 x on CUDA, on :func:`repack_frag`'s
     weights (``w4a16_frag(x, **repacked)``): one launch per LAUNCH_MAX_ROWS rows. x: [..., K] -> y: [..., N] bf16
     (fp32 sums)."""
-    w = _frag_weights(qweight, scales, zeros, group_size, layout)
+    w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
     x2 = x.reshape(-1, x.shape[-1])
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     num_rows = x2.shape[0]
@@ -556,7 +738,7 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
     while (n // WARP_N) % warps:
         warps //= 2
     num_programs = n // (WARP_N * warps)
-    total_iters = w.in_features // ITER_K
+    total_iters = w.in_features * w.bits // 512  # 1 KB of codes per tile each
     split_k = cfg.split_k
     if not split_k:
         device_index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
@@ -572,4 +754,4 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, counters,
         num_rows, n, w.in_features, x2.stride(0), iters_per_split, split_k,
         ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles, DEPTH=cfg.depth,
-        num_warps=warps, **pdl.pdl_args(x2))
+        BITS=w.bits, num_warps=warps, **pdl.pdl_args(x2))

@@ -353,7 +353,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
     if w4a16_frag.runtime_layout(bits, group, in_features, qweight.shape[0], dtype):
         assert not gated, "plan_fusions gates no linear on the frag layout"
-        packed = w4a16_frag.repack_frag(qweight, w["scales"], w["zeros"], group)  # once, at load
+        packed = w4a16_frag.repack_frag(qweight, w["scales"], w["zeros"], group, bits)  # once, at load
 
         def frag_linear(x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1]

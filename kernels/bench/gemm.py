@@ -397,10 +397,14 @@ def frag_candidates() -> list[FragConfig]:
     return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2) for s in (0, 2, 4, 8, 12)]
 
 
-def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
+def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,
+               bits: int = 4) -> list[str]:
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(5)
-    print(f"\nW4A16 (group {GROUP_SIZE}) in the MMA's register order (kernels.w4a16_frag) vs kernels.w4a16_mma, {DTYPE}; "
+    group = GROUP_SIZE if bits == 4 else -1
+    make = random_w4a16 if bits == 4 else random_w8
+    print(f"\n{'W4A16 (group ' + str(GROUP_SIZE) + ')' if bits == 4 else 'W8A16 (per channel)'} in the MMA's register "
+          f"order (kernels.w4a16_frag) vs kernels.w4a16_mma, {DTYPE}; "
           "times in us (CUDA graphs, weights rotated past L2); TB/s of weight bytes (codes, scales, zeros; bf16: its "
           "weight); best: the fastest candidate config")
     print(f"{'shape':>8} {'M':>3} | {'frag':>7} {'best':>7} {'mma':>7} {'bf16':>7} | {'frag':>5} {'best':>5} {'mma':>5} "
@@ -408,16 +412,16 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
     for name, k, n in SHAPES:
         if shapes and name not in shapes:
             continue
-        first = random_w4a16(n, k, gen)
+        first = make(n, k, gen)
         weight_bytes = sum(t.numel() * t.element_size() for t in first)
-        triples = [first] + [random_w4a16(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
-        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": GROUP_SIZE, "bits": 4,
+        triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
+        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": group, "bits": bits,
                   "layout": "passes"}
-        frag = [repack_frag(q, s_, z, GROUP_SIZE) for q, s_, z in triples]
-        mma = [repack_mma(q, s_, z, GROUP_SIZE, 4, tiled=True) for q, s_, z in triples]
-        bf16 = [dequantize_weight(q, s_, z, 4, GROUP_SIZE, DTYPE) for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
+        frag = [repack_frag(q, s_, z, group, bits) for q, s_, z in triples]
+        mma = [repack_mma(q, s_, z, group, bits, tiled=True) for q, s_, z in triples]
+        bf16 = [dequantize_weight(q, s_, z, bits, group, DTYPE) for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
         ok_d, err_d = _close(dequantize_frag(**frag[0], dtype=torch.float32),
-                             dequantize_weight(*first, 4, GROUP_SIZE, torch.float32))
+                             dequantize_weight(*first, bits, group, torch.float32))
         if not ok_d:
             failures.append(f"dequantize_frag {name}: max rel err {err_d:.2e}")
         t_deq_frag = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE) for p in frag[:4]])
@@ -493,7 +497,7 @@ def main() -> int:
                         help="the tensor-core table, timing candidate MmaConfigs per shape at M = 1, 16, 32, 64, 128")
     parser.add_argument("--shapes", nargs="*", help="--mma / --mma-sweep / --frag: only these shapes (qkv o_proj gate_up down)")
     parser.add_argument("--rows", nargs="*", type=int, help="--mma / --mma-sweep / --frag: only these M")
-    parser.add_argument("--bits", nargs="*", type=int, help="--mma / --mma-sweep: only these widths (4 8)")
+    parser.add_argument("--bits", nargs="*", type=int, help="--mma / --mma-sweep / --frag: only these widths (4 8)")
     parser.add_argument("--frag", action="store_true",
                         help="only the fragment-order W4A16 table (kernels.w4a16_frag), with candidate FragConfigs")
     parser.add_argument("--skip-elementwise", action="store_true")
@@ -504,7 +508,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.frag:
-        failures = bench_frag(shapes=args.shapes, rows=args.rows)
+        failures = [f for b in (args.bits or [4]) for f in bench_frag(shapes=args.shapes, rows=args.rows, bits=b)]
     elif args.gemv_sweep:
         failures = bench_gemv(sweep=True)
     elif args.mma or args.mma_sweep:

@@ -27,24 +27,29 @@ from kernels.w4a16_gemm import ref_w4a16_linear
 from passes.quant_math import QuantConfig, pack_int4, quantize_groups
 
 
-def _weights(n: int, k: int, group_size: int, seed: int) -> dict:
+def _weights(n: int, k: int, group_size: int, seed: int, bits: int = 4) -> dict:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) * 0.05
     w[:, : k // 4] += 0.03  # groups off-centre: zero points vary
-    codes, scales, zeros = quantize_groups(w, QuantConfig(bits=4, group_size=group_size, symmetric=False))
-    return {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros, "group_size": group_size, "bits": 4,
-            "layout": "passes"}
+    codes, scales, zeros = quantize_groups(w, QuantConfig(bits=bits, group_size=group_size, symmetric=False))
+    return {"qweight": pack_int4(codes) if bits == 4 else codes, "scales": scales, "zeros": zeros,
+            "group_size": group_size, "bits": bits, "layout": "passes"}
 
 
-@pytest.mark.parametrize("n,k,group_size", [(32, 128, 128), (64, 256, 128), (96, 384, -1)])
-def test_round_trip_and_dequantization(n, k, group_size):
-    passes = _weights(n, k, group_size, seed=n + k)
-    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], group_size)
+def _repack(passes: dict) -> dict:
+    return repack_frag(passes["qweight"], passes["scales"], passes["zeros"], passes["group_size"], passes["bits"])
+
+
+@pytest.mark.parametrize("n,k,group_size,bits", [(32, 128, 128, 4), (64, 256, 128, 4), (96, 384, -1, 4),
+                                                 (32, 64, -1, 8), (64, 192, -1, 8)])
+def test_round_trip_and_dequantization(n, k, group_size, bits):
+    passes = _weights(n, k, group_size, seed=n + k, bits=bits)
+    packed = _repack(passes)
     assert packed["qweight"].shape == passes["qweight"].shape  # same bytes, another order
     assert not torch.equal(packed["qweight"], passes["qweight"])
-    q, s, z = unrepack_frag(packed["qweight"], packed["scales"], packed["zeros"], group_size)
+    q, s, z = unrepack_frag(packed["qweight"], packed["scales"], packed["zeros"], group_size, bits)
     assert torch.equal(q, passes["qweight"]) and torch.equal(s, passes["scales"]) and torch.equal(z, passes["zeros"])
-    ref = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], 4, group_size, torch.float32)
+    ref = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits, group_size, torch.float32)
     assert torch.equal(dequantize_frag(**packed, dtype=torch.float32), ref)
     # bf16: one rounding of the fp32 product (the interpreter's conversion may round the other way: one ulp)
     torch.testing.assert_close(dequantize_frag(**packed, dtype=torch.bfloat16).float(), ref, rtol=2**-7, atol=0)
@@ -58,10 +63,50 @@ def _lane_fragments(word: int) -> list[tuple[int, int]]:
     return [(b[0] & 0xF, b[1] & 0xF), (b[2] & 0xF, b[3] & 0xF), (b[0] >> 4, b[1] >> 4), (b[2] >> 4, b[3] >> 4)]
 
 
+def _lane_fragments8(wa: int, wb: int) -> list[tuple[int, int]]:
+    """8-bit codes: a k16 step's two words -> the A fragment's four registers, (first, second) code of each; the
+    kernel multiplies their nibbles separately (16 hi + lo), a pure identity: the byte placement is what counts."""
+    a = [(wa >> (8 * i)) & 0xFF for i in range(4)]
+    b = [(wb >> (8 * i)) & 0xFF for i in range(4)]
+    return [(a[0], a[1]), (a[2], a[3]), (b[0], b[1]), (b[2], b[3])]
+
+
+def _emulate8(x: torch.Tensor, packed: dict, n: int, k: int) -> torch.Tensor:
+    """As :func:`_emulate`, for 8-bit codes: a 512-byte chunk of a tile is 32 input features, two k16 steps; lane
+    4g + c's words 2s, 2s + 1 are step s's registers 0, 1 and 2, 3 (:func:`_lane_fragments8`)."""
+    qw = packed["qweight"].reshape(-1).tolist()
+    scales, zeros = packed["scales"], packed["zeros"]  # [1, N]
+    m = x.shape[0]
+    y = torch.zeros(m, n)
+    for tile in range(n // 16):
+        acc = torch.zeros(16, 8)
+        for chunk in range(k // 32):
+            base = (tile * (k // 32) + chunk) * 512
+            for step in range(2):
+                a = torch.zeros(16, 16)
+                for lane in range(32):
+                    g, c = divmod(lane, 4)
+                    off = base + 16 * lane + 8 * step
+                    wa = int.from_bytes(bytes(qw[off: off + 4]), "little")
+                    wb = int.from_bytes(bytes(qw[off + 4: off + 8]), "little")
+                    for r, (v0, v1) in enumerate(_lane_fragments8(wa, wb)):
+                        row, col = g + 8 * (r % 2), 2 * c + 8 * (r // 2)
+                        zero = zeros[0, tile * 16 + row].item()
+                        a[row, col], a[row, col + 1] = v0 - zero, v1 - zero
+                k0 = 32 * chunk + 16 * step
+                bmat = torch.zeros(16, 8)
+                bmat[:, :m] = x.float()[:, k0: k0 + 16].t()
+                acc += a @ bmat
+        y[:, tile * 16: tile * 16 + 16] = (acc * scales[0, tile * 16: tile * 16 + 16][:, None]).t()[:m]
+    return y
+
+
 def _emulate(x: torch.Tensor, packed: dict, n: int, k: int) -> torch.Tensor:
     """y [M, N] computed as the kernel's lanes do, from the PTX ISA's fragment definitions for mma.m16n8k16
     (.bf16, row.col): A register r of lane 4g + c holds A[g + 8 (r % 2)][2c + 8 (r // 2) + {0, 1}]; B register
     r holds B[2c + 8 r + {0, 1}][g]; C registers 0, 1 are C[g][2c + {0, 1}], 2, 3 C[g + 8][2c + {0, 1}]."""
+    if packed["bits"] == 8:
+        return _emulate8(x, packed, n, k)
     qw = packed["qweight"].reshape(-1).tolist()
     scales, zeros = packed["scales"], packed["zeros"]  # [G, N]
     one_group = scales.shape[0] == 1
@@ -92,19 +137,20 @@ def _emulate(x: torch.Tensor, packed: dict, n: int, k: int) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("m,group_size", [(1, 128), (3, -1)])
-def test_layout_is_the_mma_fragment_order(m, group_size):
+@pytest.mark.parametrize("m,group_size,bits", [(1, 128, 4), (3, -1, 4), (2, -1, 8)])
+def test_layout_is_the_mma_fragment_order(m, group_size, bits):
     n, k = 32, 256
-    passes = _weights(n, k, group_size, seed=7 + m)
-    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], group_size)
+    passes = _weights(n, k, group_size, seed=7 + m, bits=bits)
+    packed = _repack(passes)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
     ref = ref_w4a16_linear(x.float(), **passes)
     torch.testing.assert_close(_emulate(x, packed, n, k), ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def test_refusals():
-    assert supports(4, 128, 4096, 6144) and supports(4, -1, 256, 64)
+    assert supports(4, 128, 4096, 6144) and supports(4, -1, 256, 64) and supports(8, -1, 4096, 6144)
     assert not supports(4, 64, 4096, 6144) and not supports(8, 128, 4096, 6144) and not supports(4, 128, 4096, 48)
+    assert not supports(8, -1, 96, 64) and not supports(2, -1, 4096, 64)
     passes = _weights(48, 256, 128, seed=1)
     with pytest.raises(ValueError, match="multiple of 32"):
         repack_frag(passes["qweight"], passes["scales"], passes["zeros"], 128)
@@ -119,11 +165,15 @@ def test_refusals():
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="inline PTX: CUDA only (builder/devtools/check_kernels.py runs it on the device)")
 @pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 17, 32, 45])
-@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 128), (512, 4096, -1)])
-def test_kernel_on_cuda(m, n, k, group_size):
+@pytest.mark.parametrize("n,k,group_size,bits", [(6144, 4096, 128, 4), (4096, 14336, 128, 4), (512, 4096, -1, 4),
+                                                 (6144, 4096, -1, 8), (4096, 14336, -1, 8)])
+def test_kernel_on_cuda(m, n, k, group_size, bits):
     passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
-              _weights(n, k, group_size, seed=m + n).items()}
-    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], group_size)
+              _weights(n, k, group_size, seed=m + n, bits=bits).items()}
+    packed = _repack(passes)
+    torch.testing.assert_close(dequantize_frag(**packed, dtype=torch.float32),
+                               dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits,
+                                                 group_size, torch.float32), rtol=0, atol=0)
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
     bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
