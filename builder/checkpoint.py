@@ -3,6 +3,9 @@
 Any model family is opened: whether the toolchain can build it is decided by tracing and lifting its
 modeling code (``passes/trace.py``), not by a list of names. Weights are read with safetensors only;
 a checkpoint that ships only pickled weights (``pytorch_model.bin``) is refused rather than unpickled.
+Tensor names are bound to the traced model's weights as transformers maps them when it loads the model
+(:func:`map_tensor_names`: its registered renamings and base-model prefix; transformers is imported at build time
+only).
 Checkpoints already quantized by GPTQ, AutoAWQ or llm-compressor (a ``quantization_config`` in
 config.json) are imported with their own codes and scales (``builder/prequantized.py``); other
 quantization formats, and float8 or integer weight tensors that no such config describes, are refused:
@@ -13,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -237,34 +242,116 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     return files, weight_map
 
 
+@dataclass
+class TensorNames:
+    """The checkpoint's tensor names as transformers maps them when it loads the model (:func:`map_tensor_names`)."""
+
+    model_name: dict[str, str]  # checkpoint name -> the model's state-dict name it is loaded into
+    converted: dict[str, str]  # checkpoint name -> model name transformers computes from it (split, merged, permuted)
+    ignored: frozenset[str]  # checkpoint names transformers drops on load (old causal-mask buffers and the like)
+
+
+def map_tensor_names(meta_model: torch.nn.Module, names: list[str]) -> TensorNames:
+    """Map checkpoint tensor names to ``meta_model``'s parameter names with transformers' own loading rules.
+
+    transformers renames checkpoint keys on load: the model's registered weight conversions (e.g. GPT-NeoX's
+    ``embed_out.`` -> ``lm_head.``, legacy ``LayerNorm.gamma`` -> ``LayerNorm.weight``), then the
+    ``base_model_prefix`` added or stripped where only the other form is a model key (a base-model checkpoint
+    read into a ``ForCausalLM`` model, or the reverse). The same rules are reused here, read from the installed
+    transformers, so a checkpoint binds under exactly the names ``from_pretrained`` would give it. Conversions that
+    compute a weight from several tensors or reshape it (``WeightConverter``) are not renamings: the tensors they
+    match are returned in ``converted`` and bound to nothing. Checkpoint keys that map to no model key and that the
+    model lists in ``_keys_to_ignore_on_load_unexpected`` (and the like) are returned in ``ignored``.
+    """
+    state = meta_model.state_dict()
+    model_name: dict[str, str] = {}
+    converted: dict[str, str] = {}
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4.x: a class's regex key mapping, then the prefix
+        _map_names_v4(meta_model, names, state, model_name)
+    else:
+        transforms = get_model_conversion_mapping(meta_model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        prefix = getattr(meta_model, "base_model_prefix", None) or None
+        for name in names:
+            renamed, pattern = rename_source_key(name, renamings, converters, prefix, state)
+            if renamed not in state and name in state:  # as transformers: a key the model has is kept as it is
+                renamed, pattern = rename_source_key(name, [], [], prefix, state)
+            (converted if pattern is not None else model_name)[name] = renamed
+    unexpected = {n: m for n, m in model_name.items() if m not in state}
+    info = SimpleNamespace(missing_keys=set(), unexpected_keys=set(unexpected.values()))
+    try:
+        meta_model._adjust_missing_and_unexpected_keys(info)  # the model's own ignore patterns
+    except (AttributeError, TypeError):  # another transformers' signature: nothing is ignored
+        info.unexpected_keys = set(unexpected.values())
+    ignored = frozenset(n for n, m in unexpected.items() if m not in info.unexpected_keys)
+    return TensorNames(model_name, converted, ignored)
+
+
+def _map_names_v4(meta_model: torch.nn.Module, names: list[str], state: dict, out: dict[str, str]) -> None:
+    """transformers 4.x's renaming on load: the first matching ``_checkpoint_conversion_mapping`` regex, then the
+    ``base_model_prefix`` added or stripped."""
+    key_mapping = getattr(meta_model, "_checkpoint_conversion_mapping", None) or {}
+    prefix = getattr(meta_model, "base_model_prefix", "")
+    for name in names:
+        renamed = name
+        for pattern, replacement in key_mapping.items():
+            renamed, n = re.subn(pattern, replacement, name)
+            if n:
+                break
+        if prefix and renamed not in state:
+            if renamed.startswith(prefix + ".") and renamed.removeprefix(prefix + ".") in state:
+                renamed = renamed.removeprefix(prefix + ".")
+            elif f"{prefix}.{renamed}" in state:
+                renamed = f"{prefix}.{renamed}"
+        out[name] = renamed
+
+
 def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
                    imported: frozenset[str] = frozenset()) -> dict[str, str]:
     """Which checkpoint tensor each of the graph's weights is read from (graph name -> checkpoint name).
 
-    A tied weight is traced under one of its names (e.g. ``lm_head.weight``) while the checkpoint
-    may store it under another (``model.embed_tokens.weight``); aliases come from the model itself.
-    Every checkpoint tensor must be read by some weight (or be an alias of one): a tensor nothing
-    reads, such as a ``weight_scale``, means the graph would compute something else than the checkpoint.
+    Checkpoint names are mapped to the traced model's names as transformers maps them on load
+    (:func:`map_tensor_names`: e.g. GPT-NeoX stores its lm_head as ``embed_out.weight``). A tied weight is
+    traced under one of its names (e.g. ``lm_head.weight``) while the checkpoint may store it under another
+    (``model.embed_tokens.weight``); aliases come from the model itself. Every checkpoint tensor must be read by
+    some weight (or be an alias of one, or be one transformers drops on load): a tensor nothing reads, such as a
+    ``weight_scale``, means the graph would compute something else than the checkpoint.
     ``imported``: tensors a pre-quantized checkpoint's import read already.
     """
     aliases: dict[int, list[str]] = {}
     for name, p in meta_model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     alias_of = {n: names for names in aliases.values() for n in names}
+    names = map_tensor_names(meta_model, sorted(n for n in ckpt.weight_map if n not in imported))
+    stored_as: dict[str, list[str]] = {}  # model name -> the checkpoint names loaded into it
+    for stored, model_name in names.model_name.items():
+        stored_as.setdefault(model_name, []).append(stored)
     wanted: dict[str, str] = {}  # graph name -> checkpoint name
-    read: set[str] = set(imported)
+    read: set[str] = set(imported) | names.ignored
     for name, t in graph.params.items():
         if not t.is_meta:
             continue
-        stored = next((a for a in alias_of.get(name, [name]) if a in ckpt.weight_map), None)
-        if stored is None:
+        sources = [s for a in alias_of.get(name, [name]) for s in stored_as.get(a, [])]
+        if not sources:
+            converted = sorted(s for s, m in names.converted.items() if m in alias_of.get(name, [name]))
+            how = (f"; transformers computes it from {', '.join(map(repr, converted))} by a conversion (split, merge "
+                   f"or permutation) that binding tensors by name does not perform" if converted
+                   else "; the checkpoint is incomplete")
             raise CheckpointError(f"{ckpt.path}: weight {name!r} (or an alias of it) is missing from the "
-                                  f"safetensors files; the checkpoint is incomplete")
-        wanted[name] = stored
-        read.update(alias_of.get(name, [name]))
+                                  f"safetensors files, under its own name and any name transformers maps to it{how}")
+        wanted[name] = sources[0]
+        read.update(sources)
     unread = sorted(n for n in ckpt.weight_map if n not in read and not n.endswith(UNREAD_OK_SUFFIXES))
     if unread:
-        shown = ", ".join(unread[:6]) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
+        def shown_name(n: str) -> str:
+            mapped = names.model_name.get(n, names.converted.get(n, n))
+            return n if mapped == n else f"{n} (loaded by transformers as {mapped})"
+
+        shown = ", ".join(map(shown_name, unread[:6])) + (f" and {len(unread) - 6} more" if len(unread) > 6 else "")
         count = "1 checkpoint tensor is" if len(unread) == 1 else f"{len(unread)} checkpoint tensors are"
         if ckpt.quant is not None:
             raise CheckpointError(f"{ckpt.path}: {count} read by no weight of the {ckpt.model_type} model: {shown}; "

@@ -189,3 +189,78 @@ def test_tokenizer_larger_than_the_vocabulary(tmp_path, checkpoints):
     config["vocab_size"] = 401
     (d / "config.json").write_text(json.dumps(config))
     assert open_checkpoint(d).config_dict["vocab_size"] == 401
+
+
+def test_tensor_names_are_mapped_as_transformers_maps_them_on_load():
+    """transformers' own loading rules, read from the installed version: a model's registered renamings (GPT-NeoX's
+    lm_head stored as embed_out, legacy LayerNorm gamma), the base_model_prefix added to a base model's keys, tensors
+    the model drops on load (old causal-mask buffers) and conversions that are not renamings (Mixtral's experts,
+    merged into one tensor) kept apart."""
+    from transformers import AutoConfig
+
+    from builder.checkpoint import map_tensor_names
+    from passes.trace import build_meta_model
+
+    def meta_model(model_type: str, **config):
+        return build_meta_model(AutoConfig.for_model(model_type, vocab_size=96, hidden_size=64, intermediate_size=112,
+                                                     num_hidden_layers=1, num_attention_heads=4, **config))
+
+    neox = meta_model("gpt_neox")
+    names = map_tensor_names(neox, ["embed_out.weight", "gpt_neox.embed_in.weight", "layers.0.mlp.dense_h_to_4h.bias",
+                                    "gpt_neox.layers.0.attention.bias", "gpt_neox.layers.0.attention.masked_bias",
+                                    "gpt_neox.layers.0.attention.dense.weight_scale"])
+    assert names.model_name["embed_out.weight"] == "lm_head.weight"
+    assert names.model_name["gpt_neox.embed_in.weight"] == "gpt_neox.embed_in.weight"
+    assert names.model_name["layers.0.mlp.dense_h_to_4h.bias"] == "gpt_neox.layers.0.mlp.dense_h_to_4h.bias"
+    assert names.ignored == {"gpt_neox.layers.0.attention.bias", "gpt_neox.layers.0.attention.masked_bias"}
+    assert not names.converted
+    llama = meta_model("llama")
+    assert map_tensor_names(llama, ["model.layers.0.LayerNorm.gamma"]).model_name == {
+        "model.layers.0.LayerNorm.gamma": "model.layers.0.LayerNorm.weight"}
+    mixtral = meta_model("mixtral")
+    names = map_tensor_names(mixtral, ["model.layers.0.block_sparse_moe.experts.0.w1.weight",
+                                       "model.layers.0.block_sparse_moe.gate.weight"])
+    assert names.converted == {"model.layers.0.block_sparse_moe.experts.0.w1.weight":
+                               "model.layers.0.mlp.experts.gate_up_proj"}
+    assert names.model_name == {"model.layers.0.block_sparse_moe.gate.weight": "model.layers.0.mlp.gate.weight"}
+
+
+def test_base_model_checkpoint_binds_and_unmapped_or_missing_tensors_are_named(tmp_path, checkpoints):
+    """A checkpoint saved from the base model (no ``model.`` prefix; the llama fixture ties its lm_head) binds as
+    from_pretrained would load it; a tensor that maps to no weight, or a weight no tensor maps to, still stops the
+    build with one line naming it."""
+    from safetensors.torch import load_file, save_file
+
+    from builder.checkpoint import attach_weights, weight_sources
+    from passes.trace import trace
+
+    d = shutil.copytree(checkpoints["llama"], tmp_path / "base")
+    original = load_file(d / "model.safetensors")
+    assert "lm_head.weight" not in original
+    tensors = {k.removeprefix("model."): v for k, v in original.items()}
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    ckpt = open_checkpoint(d)
+    graph, meta_model = trace(ckpt.hf_config())
+    assert weight_sources(graph, ckpt, meta_model)["lm_head.weight"] == "embed_tokens.weight"
+
+    save_file({**tensors, "layers.0.mlp.extra.weight": torch.ones(2), "layers.0.LayerNorm.gamma": torch.ones(2)},
+              d / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"2 checkpoint tensors are read by no weight of the llama model: "
+                                              r"layers\.0\.LayerNorm\.gamma \(loaded by transformers as "
+                                              r"layers\.0\.LayerNorm\.weight\), layers\.0\.mlp\.extra\.weight;") as e:
+        weight_sources(graph, open_checkpoint(d), meta_model)
+    assert "\n" not in str(e.value)
+    save_file({k: v for k, v in tensors.items() if k != "norm.weight"}, d / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"weight 'model\.norm\.weight' \(or an alias of it\) is missing from "
+                                              r"the safetensors files, under its own name and any name transformers "
+                                              r"maps to it; the checkpoint is incomplete") as e:
+        weight_sources(graph, open_checkpoint(d), meta_model)
+    assert "\n" not in str(e.value)
+
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    attach_weights(graph, open_checkpoint(d), meta_model, torch.float32)
+    for name, t in graph.params.items():
+        if name in original:
+            assert torch.equal(t, original[name]), name
+    assert torch.equal(graph.params["lm_head.weight"], original["model.embed_tokens.weight"])

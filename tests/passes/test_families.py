@@ -48,6 +48,12 @@ class NotYet:
     needs: str  # the missing IR primitive (the README's column)
 
 
+# one layer: what it adds is within a layer; the IR's fused q/k/v and partial rotary are also checked against HF by
+# tests/passes/test_lift_primitives.py, which imports it
+GPT_NEOX = Family("GPT-NeoX", "gpt_neox", dict(num_hidden_layers=1, num_key_value_heads=4),
+                  "parallel attention and MLP on two LayerNorms of one residual, q/k/v fused per head (one weight, "
+                  "rows interleaved by head), rotary on a quarter of each head, checkpoint names mapped as "
+                  "transformers maps them on load (`embed_out` is the lm_head)")
 SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # layer 0 slides, 1 is global
 SUPPORTED = [
     Family("Llama", "llama", dict(tie_word_embeddings=True, rope_parameters={
@@ -86,15 +92,11 @@ SUPPORTED = [
     Family("Granite", "granite", dict(num_hidden_layers=1, embedding_multiplier=6.0, residual_multiplier=0.4,
                                       attention_multiplier=0.1, logits_scaling=4.0),
            "embedding, residual and attention multipliers, logits / logits_scaling"),
+    GPT_NEOX,
 ]
 
 ONE_LAYER = dict(num_hidden_layers=1)  # the lift stops in the first layer: a second would only add tracing time
-GPT_NEOX = Family("GPT-NeoX", "gpt_neox", dict(num_hidden_layers=1, num_key_value_heads=4))
 NOT_YET = [
-    NotYet(GPT_NEOX, r"weight 'lm_head\.weight' \(or an alias of it\) is missing from the safetensors files",
-           "its checkpoint's tensor names mapped as transformers maps them on load (`embed_out` is the lm_head); "
-           "the graph lifts (parallel residual, q/k/v fused per head, rotary on a quarter of each head) and matches "
-           "HF: tests/passes/test_lift_primitives.py"),
     NotYet(Family("Falcon", "falcon", ONE_LAYER),
            r"op aten\.numpy_T\.default at module 'transformer\.h\.0\.self_attention\.query_key_value' computes a "
            r"new tensor from weight",

@@ -1,5 +1,5 @@
 """The IR primitives LayerNorm, partial / interleaved rotary, fused linears and plain MLPs lift to: the runtime's
-references against Hugging Face's own modules, GPT-NeoX's graph (its checkpoint does not build yet) against the HF
+references against Hugging Face's own modules, GPT-NeoX's graph (its fused per-head q/k/v) against the HF
 model it was traced from, tensor parallelism over the new shapes, and the lifter's errors on fused linears it
 cannot split.
 
@@ -101,7 +101,7 @@ def test_partial_and_interleaved_rope_references_match_hf():
         torch.testing.assert_close(ours, expected[0].transpose(0, 1).reshape(q.shape), rtol=0, atol=1e-6)
 
 
-# --- a family that lifts but does not build yet ------------------------------------------------------
+# --- GPT-NeoX's graph: q/k/v fused per head ---------------------------------------------------------
 def test_gpt_neox_graph_matches_hf():
     """GPT-NeoX's graph, with the model's tensors: q/k/v rows fused per head become one linear with split_heads,
     rotary covers a quarter of each head, the MLP and attention read two LayerNorms of one residual (parallel)."""
