@@ -70,9 +70,8 @@ LAUNCH_MAX_ROWS = 32  # rows of x per launch: 1, 2 or 4 MMAs per A fragment (BAT
 FRAG_MAX_ROWS = 128  # rows of x w4a16_frag takes (launches of LAUNCH_MAX_ROWS, each reading the weights)
 # The runtime's 4-bit layout for bf16 artifacts where supports() (KERNELS_W4A16_FRAG=0: kernels.w4a16_mma's
 # instead). Up to FRAG_RUNTIME_MAX_ROWS rows of x the runtime runs this kernel, beyond it the weight dequantized
-# for cuBLAS. Measured on an H100 at Llama-3-8B shapes (docs/BENCHMARKS.md, session 12; each shape's best split):
-# one layer's four linears 62 us at 1 row against 78 for the mma kernel, 72 vs 88 at 8, 110 vs 95 at 16, 187 vs
-# 159 at 32, 359 vs 230 at 64: ahead up to 8 rows, behind from 16.
+# for cuBLAS. Measured on an H100 at Llama-3-8B shapes (docs/BENCHMARKS.md, session 12): one layer's four 4-bit
+# linears 62 us at 1 row against 78 for the mma kernel, 66 vs 90 at 8, 79 vs 95 at 16, 112 vs 159 at 32.
 FRAG_ENABLED = os.environ.get("KERNELS_W4A16_FRAG", "1") != "0"
 FRAG_RUNTIME_MAX_ROWS = 64
 _PROGRAMS_PER_SM = 3  # auto split_k: the sweep's best splits at 1-8 rows give 384-448 programs on 132 SMs
@@ -113,6 +112,17 @@ def _shape(qweight: torch.Tensor, bits: int) -> tuple[int, int]:
     return n, cols * 8 // bits
 
 
+def mma_order(block: int) -> torch.Tensor:
+    """The input features of one K iteration (``block``: 128 for 4-bit codes, 64 for 8-bit) in the order the
+    MMAs take them: entry ``16 w + 8 h + 2 c + e`` (k16 step w, lane column c, half h, element e) is feature
+    ``32 (w // 2) + 8 c + 4 (w % 2) + 2 h + e``. The weights are stored in this order and x read in its own, so
+    that lane c's B registers are x's features 8c .. 8c + 7 of each 32: one 16-byte load per 4 registers instead
+    of one 4-byte load per register (a permutation of K inside one quantization group changes no sum)."""
+    k = torch.arange(block)
+    w, h, c, e = k // 16, (k // 8) % 2, (k // 2) % 4, k % 2
+    return 32 * (w // 2) + 8 * c + 4 * (w % 2) + 2 * h + e
+
+
 def repack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                 bits: int = 4) -> dict[str, torch.Tensor | int | str]:
     """The passes' layout (``qweight`` [N, K/2] for 4 bits, [N, K] for 8, ``scales`` / ``zeros`` [N, G]) -> the
@@ -130,14 +140,17 @@ def repack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     if tuple(scales.shape) != (n, num_groups) or tuple(zeros.shape) != (n, num_groups):
         raise ValueError(f"scales {tuple(scales.shape)} / zeros {tuple(zeros.shape)} do not match qweight "
                          f"{tuple(qweight.shape)} with group_size {group_size} (expected {(n, num_groups)})")
+    block = 512 // bits
+    codes = unpack_int4(qweight) if bits == 4 else qweight  # [N, K]
+    codes = codes.reshape(n, k // block, block)[:, :, mma_order(block).to(codes.device)].reshape(n, k)
     if bits == 4:
-        q = unpack_int4(qweight)  # [N, K]
-        # n = 16 t + 8 h + g; k = 64 chunk + 16 j + 8 half + 2 c + e
+        q = codes
+        # n = 16 t + 8 h + g; k (in MMA order) = 64 chunk + 16 j + 8 half + 2 c + e
         q = q.reshape(n // TILE_N, 2, 8, k // CHUNK_K, 4, 2, 4, 2)  # t, h, g, chunk, j, half, c, e
         packed = q[:, :, :, :, :, 0] | (q[:, :, :, :, :, 1] << 4)  # t, h, g, chunk, j, c, e
         packed = packed.permute(0, 3, 2, 5, 4, 1, 6)  # t, chunk, g, c, j, h, e
-    else:  # k = 32 chunk + 16 s + 8 half + 2 c + e; word j = 2 s + half
-        q = qweight.reshape(n // TILE_N, 2, 8, k // 32, 2, 2, 4, 2)  # t, h, g, chunk, s, half, c, e
+    else:  # k (in MMA order) = 32 chunk + 16 s + 8 half + 2 c + e; word j = 2 s + half
+        q = codes.reshape(n // TILE_N, 2, 8, k // 32, 2, 2, 4, 2)  # t, h, g, chunk, s, half, c, e
         packed = q.permute(0, 3, 2, 6, 4, 5, 1, 7)  # t, chunk, g, c, s, half, h, e
     return {"qweight": packed.reshape(qweight.shape).contiguous(), "scales": scales.t().contiguous(),
             "zeros": zeros.t().contiguous(), "group_size": group_size, "bits": bits, "layout": LAYOUT}
@@ -150,12 +163,15 @@ def unrepack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     if bits == 4:
         p = qweight.reshape(n // TILE_N, k // CHUNK_K, 8, 4, 4, 2, 2)  # t, chunk, g, c, j, h, e
         p = p.permute(0, 5, 2, 1, 4, 3, 6)  # t, h, g, chunk, j, c, e
-        q = torch.stack((p & 0x0F, p >> 4), dim=5)  # t, h, g, chunk, j, half, c, e
-        codes = q.reshape(n, k)
-        q = codes[:, 0::2] | (codes[:, 1::2] << 4)
+        mma = torch.stack((p & 0x0F, p >> 4), dim=5).reshape(n, k)  # t, h, g, chunk, j, half, c, e
     else:
         p = qweight.reshape(n // TILE_N, k // 32, 8, 4, 2, 2, 2, 2)  # t, chunk, g, c, s, half, h, e
-        q = p.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(n, k)  # t, h, g, chunk, s, half, c, e
+        mma = p.permute(0, 6, 2, 1, 4, 5, 3, 7).reshape(n, k)  # t, h, g, chunk, s, half, c, e
+    block = 512 // bits
+    codes = torch.empty_like(mma).reshape(n, k // block, block)
+    codes[:, :, mma_order(block).to(mma.device)] = mma.reshape(n, k // block, block)
+    codes = codes.reshape(n, k)
+    q = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
     return q.contiguous(), scales.t().contiguous(), zeros.t().contiguous()
 
 
@@ -205,15 +221,18 @@ def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.cons
     CK: tl.constexpr = 256 // BITS  # input features per chunk: 64 (4 bits), 32 (8 bits)
     t = tl.program_id(0)
     r = tl.arange(0, 16)[:, None]  # row within the tile: g = r % 8, h = r // 8
-    k = tl.program_id(1) * (CK * CHUNKS) + tl.arange(0, CK * CHUNKS)[None, :]
-    kk = k % CK  # within its chunk
+    k = tl.program_id(1) * (CK * CHUNKS) + tl.arange(0, CK * CHUNKS)[None, :]  # natural order (the output's)
+    f = k % 32  # the feature's place in the MMA order (mma_order inverted): f = 32 a + 8 c + 4 b + 2 h + e
+    kk = (k % (2 * CK)) // 32 * 32 + (f % 8) // 4 * 16 + (f % 4) // 2 * 8 + f // 8 * 2 + f % 2
+    kk = kk % CK  # within its chunk
     rem = kk % 16  # within its k16 step: half (+ 8), c, e
     if BITS == 4:  # word j = kk // 16; the high nibble holds feature + 8
         word = kk // 16
     else:  # word 2 s + half, s = kk // 16
         word = 2 * (kk // 16) + rem // 8
     byte = (4 * (r % 8) + (rem % 8) // 2) * 16 + 4 * word + 2 * (r // 8) + rem % 2
-    q = tl.load(qw_ptr + (t * (K // CK) + k // CK) * 512 + byte).to(tl.int32)
+    chunk = (k // (2 * CK)) * 2 + (k % (2 * CK)) // 32 * 32 // CK  # the chunk holding the MMA-order position
+    q = tl.load(qw_ptr + (t * (K // CK) + chunk) * 512 + byte).to(tl.int32)
     if BITS == 4:
         q = tl.where(rem >= 8, q >> 4, q & 0xF)
     row = t * 16 + r
@@ -271,9 +290,10 @@ ld.global.nc.v4.b32 {$12, $13, $14, $15}, [a+512];
 
 def _load_x_ptx(batch_tiles: int, regs: int = 16) -> str:
     """$0..$(regs bt - 1) <- the lane's B registers of one K iteration (``regs`` per batch tile: 16 for the 128
-    features of a 4-bit iteration, 8 for the 64 of an 8-bit one): lane 4b + c, register 2w (2w + 1) of batch tile
-    t holds x[b + 8t, 16w + 2c + {0, 1}] (+ 8); rows past M read row M - 1 (their sums are never stored).
-    Inputs: x (bf16* at the iteration's first feature), x's row stride in bytes, M."""
+    features of a 4-bit iteration, 8 for the 64 of an 8-bit one): lane 4b + c's registers 4q .. 4q + 3 of batch
+    tile t are x[b + 8t, 32q + 8c .. 32q + 8c + 7], one 16-byte load (the features in :func:`mma_order`); rows
+    past M read row M - 1 (their sums are never stored). Inputs: x (bf16* at the iteration's first feature, 16-byte
+    aligned), x's row stride in bytes, M."""
     n = regs * batch_tiles
     x_ptr, x_stride, m = f"${n}", f"${n + 1}", f"${n + 2}"
     lines = ["{", _LANE_REGS, ".reg .u32 b, last;", _LANE, f"sub.u32 last, {m}, 1;"]
@@ -282,9 +302,10 @@ def _load_x_ptx(batch_tiles: int, regs: int = 16) -> str:
                   "min.u32 b, b, last;",
                   f"mul.wide.u32 a, b, {x_stride};",
                   f"add.u64 a, a, {x_ptr};",
-                  "mul.wide.u32 o, c, 4;",
+                  "mul.wide.u32 o, c, 16;",
                   "add.u64 a, a, o;"]
-        lines += [f"ld.global.b32 ${regs * bt + i}, [a+{16 * i}];" for i in range(regs)]
+        lines += [f"ld.global.v4.b32 {{{', '.join(f'${regs * bt + 4 * q + i}' for i in range(4))}}}, [a+{64 * q}];"
+                  for q in range(regs // 4)]
     lines.append("}")
     return "\n".join(lines)
 
@@ -716,7 +737,8 @@ def w4a16_frag(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     (fp32 sums)."""
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
     x2 = x.reshape(-1, x.shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    if x2.stride(-1) != 1 or x2.data_ptr() % 16 or x2.stride(0) % 8:  # the kernel loads x 16 bytes at a time
+        x2 = x2.contiguous()
     num_rows = x2.shape[0]
     if not frag_applies(x, num_rows):
         raise ValueError(f"w4a16_frag takes 1..{FRAG_MAX_ROWS} rows of bf16 x on a CUDA device, got {num_rows} "

@@ -63,6 +63,20 @@ def _lane_fragments(word: int) -> list[tuple[int, int]]:
     return [(b[0] & 0xF, b[1] & 0xF), (b[2] & 0xF, b[3] & 0xF), (b[0] >> 4, b[1] >> 4), (b[2] >> 4, b[3] >> 4)]
 
 
+def _b_operand(x: torch.Tensor, first: int, step: int) -> torch.Tensor:
+    """The B operand [16, M] of k16 step ``step`` of the K iteration starting at feature ``first``, as the kernel's
+    x loads fill it: lane 4b + c's registers 4q .. 4q + 3 are one 16-byte load of x[b, first + 32q + 8c ...]
+    (register 4q + i: features + 2i, + 2i + 1), and B register h (0, 1) of step w is the lane's register 2w + h,
+    holding B[2c + 8h + {0, 1}] (PTX ISA, mma.m16n8k16 B fragment)."""
+    b = torch.zeros(16, x.shape[0])
+    for c in range(4):
+        for h in range(2):
+            r = 2 * step + h
+            f = first + 32 * (r // 4) + 8 * c + 2 * (r % 4)
+            b[2 * c + 8 * h: 2 * c + 8 * h + 2] = x[:, f: f + 2].t()
+    return b
+
+
 def _lane_fragments8(wa: int, wb: int) -> list[tuple[int, int]]:
     """8-bit codes: a k16 step's two words -> the A fragment's four registers, (first, second) code of each; the
     kernel multiplies their nibbles separately (16 hi + lo), a pure identity: the byte placement is what counts."""
@@ -93,9 +107,8 @@ def _emulate8(x: torch.Tensor, packed: dict, n: int, k: int) -> torch.Tensor:
                         row, col = g + 8 * (r % 2), 2 * c + 8 * (r // 2)
                         zero = zeros[0, tile * 16 + row].item()
                         a[row, col], a[row, col + 1] = v0 - zero, v1 - zero
-                k0 = 32 * chunk + 16 * step
                 bmat = torch.zeros(16, 8)
-                bmat[:, :m] = x.float()[:, k0: k0 + 16].t()
+                bmat[:, :m] = _b_operand(x.float(), 64 * (chunk // 2), 2 * (chunk % 2) + step)
                 acc += a @ bmat
         y[:, tile * 16: tile * 16 + 16] = (acc * scales[0, tile * 16: tile * 16 + 16][:, None]).t()[:m]
     return y
@@ -128,9 +141,8 @@ def _emulate(x: torch.Tensor, packed: dict, n: int, k: int) -> torch.Tensor:
                             row, col = g + 8 * (r % 2), 2 * c + 8 * (r // 2)
                             zero = zeros[grp, tile * 16 + row].item()
                             a[row, col], a[row, col + 1] = lo - zero, hi - zero
-                    k0 = 64 * chunk + 16 * j
                     bmat = torch.zeros(16, 8)
-                    bmat[:, :m] = xs[:, k0: k0 + 16].t()
+                    bmat[:, :m] = _b_operand(xs, 128 * it, 4 * (chunk % 2) + j)
                     acc += a @ bmat
             s = scales[grp, tile * 16: tile * 16 + 16][:, None]
             y[:, tile * 16: tile * 16 + 16] += (acc * s).t()[:m]
