@@ -209,9 +209,10 @@ class BlockRunner:
     """The output of the block a group of linears feeds, as AWQ's scale search minimises it.
 
     The block runs from the group's linears to the next linear that reads their results: for q/k/v
-    that is (per-head norms, RoPE, attention, o_proj), for gate/up (silu_mul, down_proj). It is run
-    per calibration window with the runtime's executor, so attention sees real sequences and
-    positions. Called as ``block(x, weights)`` by ``search_scale`` with candidate weights.
+    that is (per-head norms, RoPE, attention, o_proj), for gate/up (silu_mul, down_proj). The calibration
+    windows run packed in one step of the runtime's executor, so attention sees each window as its own
+    sequence with its own positions (on the CPU the token-wise ops give each row what a window alone would,
+    bit for bit). Called as ``block(x, weights)`` by ``search_scale`` with candidate weights.
     """
 
     def __init__(self, graph: Graph, members: list[int], value: str, start: int, end: int,
@@ -245,16 +246,14 @@ class BlockRunner:
         sub = {"ir_version": self.graph.version, "outputs": [self.output], "meta": self.graph.meta,
                "nodes": [asdict(n) for n in self.nodes]}
         ex = Executor(sub, params)
-        outs, offset = [], 0
-        for n in self.lengths:
-            kv = SequenceKV(self.layout, n, ex.device, layers=self.layers)
-            env = ex.start(StepInput(torch.empty(0, dtype=torch.long, device=ex.device),
-                                     torch.arange(n, device=ex.device), [SeqSlice(kv, 0, n)]))
-            env[self.value] = x[offset:offset + n].to(ex.dtype)
-            offset += n
-            ex.run_nodes(env, 0, len(self.nodes))
-            outs.append(env[self.output].float())
-        return torch.cat(outs)
+        # every window in one step, packed back to back: the token-wise ops see all rows at once, attention
+        # still runs per window over that window's own cache
+        seqs = [SeqSlice(SequenceKV(self.layout, n, ex.device, layers=self.layers), 0, n) for n in self.lengths]
+        positions = torch.cat([torch.arange(n, device=ex.device) for n in self.lengths])
+        env = ex.start(StepInput(torch.empty(0, dtype=torch.long, device=ex.device), positions, seqs))
+        env[self.value] = x.to(ex.dtype)
+        ex.run_nodes(env, 0, len(self.nodes))
+        return env[self.output].float()
 
 
 def _block_end(graph: Graph, members: list[int]) -> int | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -164,6 +164,20 @@ def quantization_setup(path: Path, num_samples: int, seq_len: int = 128, text_di
     calib = token_windows(text_dir / "calibration.jsonl", encode, num_samples, seq_len, 0).windows
     stream, _ = token_stream(text_dir / "eval.txt", encode)
     return graph, calib, make_eval_set(stream, 256, num_positions)
+
+
+def memo_logits(logits: Callable[[list[int]], torch.Tensor]) -> Callable[[list[int]], torch.Tensor]:
+    """``logits`` (token ids -> logits) memoised by the ids: a reference scored against several candidates on one
+    eval set (``builder.gates.compare``, which does not modify what it is given) runs once per window."""
+    cache: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def cached(ids: list[int]) -> torch.Tensor:
+        key = tuple(ids)
+        if key not in cache:
+            cache[key] = logits(ids)
+        return cache[key]
+
+    return cached
 
 
 def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4, seed: int = 0) -> Path:

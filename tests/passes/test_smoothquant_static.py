@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from builder.gates import GateThresholds, compare
 from builder.quality import GraphModel
-from conftest import BUNDLED, hf_logits, make_outlier_variant, quantization_setup
+from conftest import BUNDLED, hf_logits, make_outlier_variant, memo_logits, quantization_setup
 from passes import PassContext, run_passes
 from passes import smoothquant as sq
 
@@ -37,15 +37,19 @@ def make_down_outliers(path: Path, factor: float = 40.0, num_channels: int = 4, 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
+    """16 calibration windows (with 8, alpha searched per group no longer beats 0.5 for every group: KL 2.62e-4
+    vs 2.60e-4) and 1,275 eval positions (5 windows): the KL ratios the test checks are within 5% of those on
+    2,295 positions (the closest, 0.5 for every group over alpha searched: 1.42 here, 1.34 there)."""
     path = make_down_outliers(make_outlier_variant(tmp_path_factory.mktemp("sq") / "ckpt"))
-    return (path, *quantization_setup(path, 16))
+    graph, calib, eval_set = quantization_setup(path, 16, num_positions=1024)
+    return path, graph, calib, eval_set, memo_logits(GraphModel(graph).logits)
 
 
 def _kl(setup, **options) -> tuple[float, dict]:
-    _, graph, calib, eval_set = setup
+    _, graph, calib, eval_set, reference = setup
     quantized, records = run_passes(graph.copy(), ["smoothquant", "dce"],
                                     PassContext(calibration=calib, options={"smoothquant": options}))
-    report = compare(GraphModel(graph).logits, GraphModel(quantized).logits, eval_set, GateThresholds())
+    report = compare(reference, GraphModel(quantized).logits, eval_set, GateThresholds())
     return report.metric("kl").value, records[0].details
 
 
@@ -72,7 +76,7 @@ def test_static_smoothquant_beats_naive_static_and_each_part_counts(setup, monke
 
 def test_down_smoothing_keeps_the_function_in_float(setup):
     """Before rounding: dividing the up rows by s and multiplying the down columns by s is exact."""
-    _, graph, calib, _ = setup
+    _, graph, calib, _, _ = setup
     from passes.smoothquant import SmoothQuant
 
     g = graph.copy()
