@@ -581,15 +581,27 @@ def bench_serve(
     endpoint: str = typer.Option("completions", help="completions | chat"),
     concurrency: Optional[int] = typer.Option(None, help="most requests in flight (default: 1 without "
                                               "--request-rate, no cap with it)"),
-    request_rate: Optional[float] = typer.Option(None, help="Poisson arrivals per second (seeded)"),
+    request_rate: list[float] = typer.Option(
+        [], "--request-rate", metavar="RATE",
+        help="Poisson arrivals per second (seeded); given more than once, a sweep: one run per rate, increasing, each "
+             "with --num-requests/--duration; a rate meets the SLOs when no request failed and each --slo metric's "
+             "p99 <= its bound; the highest such rate is the goodput rate"),
     num_requests: Optional[int] = typer.Option(None, help="requests to send (default: each dataset line once, "
                                                "or 100 random prompts; none with only --duration)"),
     duration: Optional[float] = typer.Option(None, help="seconds after which no new request is sent"),
     dataset: Optional[Path] = typer.Option(None, help="JSONL prompts: {\"prompt\": str, \"max_tokens\": int}"),
     tokenizer: Optional[Path] = typer.Option(None, help="tokenizer.json, or a checkpoint or artifact directory"),
-    input_len: int = typer.Option(128, help="random prompts: prompt tokens"),
-    output_len: int = typer.Option(128, help="max_tokens of random prompts and of dataset lines without one"),
-    range_ratio: float = typer.Option(0.0, help="random lengths vary uniformly by +/- this fraction"),
+    length_dist: str = typer.Option("uniform", help="random prompts' lengths: uniform (--input-len/--output-len "
+                                    "+/- --range-ratio) | sharegpt (synthetic ShareGPT-like mix, no dataset: "
+                                    "lognormal input median 160 sigma 1.0 at most 4096, output median 200 sigma "
+                                    "0.9 at most 2048; clipped to --input-len/--output-len when given and to the "
+                                    "server's max_model_len)"),
+    input_len: Optional[int] = typer.Option(None, help="random prompts: prompt tokens (default 128); with "
+                                            "--length-dist sharegpt the most (default: no cap)"),
+    output_len: Optional[int] = typer.Option(None, help="max_tokens of random prompts and of dataset lines without "
+                                             "one (default 128); with --length-dist sharegpt the most (default: no "
+                                             "cap)"),
+    range_ratio: float = typer.Option(0.0, help="uniform random lengths vary by +/- this fraction"),
     prompt_format: Optional[str] = typer.Option(None, help="random prompts: ids | text (default: ids; chat: text)"),
     no_ignore_eos: bool = typer.Option(False, "--no-ignore-eos", help="do not send ignore_eos: true"),
     slo: list[str] = typer.Option([], "--slo", help="goodput SLO in ms, ttft|tpot|e2e=MS (repeatable)"),
@@ -599,29 +611,41 @@ def bench_serve(
     workers: int = typer.Option(1, help="client processes sharing the load (one Python process parses a few tens "
                                 "of thousands of streamed chunks per second at most); needs --num-requests or "
                                 "--request-rate with --duration when > 1"),
-    json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as one JSON object"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the results as one JSON object (kind "
+                                            "bench_serve_sweep for a sweep)"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="no progress bar"),
 ) -> None:
     """Benchmark a running OpenAI-compatible server: TTFT, TPOT, ITL, latency, throughput, goodput."""
-    from builder.bench.serve import BenchError, ServeBenchConfig, print_report, run, write_json
+    from builder.bench.serve import (BenchError, ServeBenchConfig, print_report, print_sweep_report, run, run_sweep,
+                                     sweep_rates, write_json)
 
     try:
+        rates = sweep_rates(list(request_rate))
         config = ServeBenchConfig(
             url=url, model=model, api_key=api_key, endpoint=endpoint, concurrency=concurrency,
-            request_rate=request_rate, num_requests=num_requests, duration=duration,
-            dataset=dataset and str(dataset), tokenizer=tokenizer and str(tokenizer), input_len=input_len,
-            output_len=output_len, range_ratio=range_ratio, prompt_format=prompt_format,
+            request_rate=rates[0] if rates else None, num_requests=num_requests, duration=duration,
+            dataset=dataset and str(dataset), tokenizer=tokenizer and str(tokenizer), length_dist=length_dist,
+            input_len=input_len, output_len=output_len, range_ratio=range_ratio, prompt_format=prompt_format,
             ignore_eos=not no_ignore_eos, slos=list(slo), seed=seed, timeout=timeout, workers=workers)
         with _progress(quiet) as progress:
-            result = run(config, progress)
+            result = run_sweep(config, rates, progress) if len(rates) > 1 else run(config, progress)
         summary = result.summary()
-        print_report(result, summary)
+        if len(rates) > 1:
+            print_sweep_report(result, summary)
+            runs = summary["runs"]
+        else:
+            print_report(result, summary)
+            runs = [summary]
         if json_out is not None:
             write_json(summary, json_out)
     except BenchError as e:
         _fail(str(e))
-    if not summary["completed"]:
-        _fail(f"no request completed ({', '.join(f'{k}: {v}' for k, v in summary['failed'].items())})")
+    if not any(s["completed"] for s in runs):
+        failed: dict[str, int] = {}
+        for s in runs:
+            for k, v in s["failed"].items():
+                failed[k] = failed.get(k, 0) + v
+        _fail(f"no request completed ({', '.join(f'{k}: {v}' for k, v in failed.items())})")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,9 @@ network) and a Markdown twin whose plots are sibling SVG files:
     hot spots            the linears with the largest relative output error on calibration data (random
                          inputs for methods that fit nothing on activations)
     benchmarks           `builder bench serve --json` objects and `bench latency|throughput --json` lines
+    goodput vs rate      `builder bench serve --request-rate R1 --request-rate R2 ... --json` sweeps: a table
+                         (offered rate as rows; goodput req/s, p99 TTFT, p99 TPOT per sweep file) and, in the
+                         HTML, a chart of goodput req/s, p99 TTFT and p99 TPOT against the offered rate
     Pareto               minimise weight bytes, optimise the quality metric (default mean KL);
                          with benchmarks also quality vs output tokens/s
 
@@ -80,7 +83,7 @@ class Sizes:
 class BenchRecord:
     """One benchmark result attached to an artifact."""
 
-    kind: str  # "serve" | "latency" | "throughput"
+    kind: str  # "serve" | "sweep" (bench serve over several request rates) | "latency" | "throughput"
     source: str  # the file it came from, as given on the command line
     data: dict[str, Any]  # the JSON object as written by `builder bench`
 
@@ -411,10 +414,13 @@ def _bench_record(path: Path, index: int, obj: Any) -> BenchRecord:
     where = f"bench file {path} (record {index})"
     if not isinstance(obj, dict):
         raise CompareError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    if obj.get("kind") == "bench_serve":
+    if obj.get("kind") in ("bench_serve", "bench_serve_sweep"):
         if obj.get("version") != 1:
-            raise CompareError(f"{where}: bench_serve version {obj.get('version')!r} is not supported (reads 1)")
-        kind, required = "serve", ("request_throughput", "output_token_throughput", *LATENCY_KEYS)
+            raise CompareError(f"{where}: {obj['kind']} version {obj.get('version')!r} is not supported (reads 1)")
+        if obj["kind"] == "bench_serve":
+            kind, required = "serve", ("request_throughput", "output_token_throughput", *LATENCY_KEYS)
+        else:
+            kind, required = "sweep", ("slos_ms", "points")
     elif "decode_tok_s" in obj:
         kind, required = "latency", ("input_len", "output_len", "ttft_ms", "decode_tok_s")
     elif "output_tok_s" in obj:
@@ -429,6 +435,11 @@ def _bench_record(path: Path, index: int, obj: Any) -> BenchRecord:
         bad = [k for k in LATENCY_KEYS if not isinstance(obj[k], dict)]
         if bad:
             raise CompareError(f"{where}: {', '.join(bad)} should be objects of mean/p50/p90/p95/p99")
+    if kind == "sweep":
+        points = obj["points"]
+        if not isinstance(points, list) or not points or not all(
+                isinstance(p, dict) and isinstance(p.get("request_rate"), (int, float)) for p in points):
+            raise CompareError(f"{where}: \"points\" should be a non-empty list of objects with a request_rate")
     return BenchRecord(kind, str(path), obj)
 
 
@@ -499,15 +510,62 @@ SERVE_ROWS: list[tuple[str, bool, Any]] = [
 ]
 
 
+def _bench_label(e: Entry, b: BenchRecord) -> str:
+    """The artifact's label, with the file's name when the artifact has several results of that kind."""
+    return e.label if sum(r.kind == b.kind for r in e.bench) == 1 else f"{e.label} ({Path(b.source).name})"
+
+
 def serve_table(c: Comparison) -> tuple[list[str], list[tuple[str, bool, list[str]]]]:
     """Columns (one per bench serve result) and formatted rows of the serving benchmark table."""
     records = c.bench_rows("serve")
-    columns = [e.label if sum(b.kind == "serve" for b in e.bench) == 1 else f"{e.label} ({Path(r.source).name})"
-               for e, r in records]
+    columns = [_bench_label(e, r) for e, r in records]
     rows = [("file", False, [r.source for _, r in records]),
             ("server / model", False, [f"{r.data.get('url', '?')} / {r.data.get('model', '?')}" for _, r in records])]
     rows += [(label, numeric, [fmt(get(r.data)) for _, r in records]) for label, numeric, get in SERVE_ROWS]
     return columns, rows
+
+
+# (column label, field of a sweep point) per sweep file in the goodput-vs-rate table.
+SWEEP_FIELDS = (("goodput req/s", "goodput_request_throughput"), ("p99 TTFT (ms)", "ttft_p99_ms"),
+                ("p99 TPOT (ms)", "tpot_p99_ms"))
+
+
+@dataclass
+class SweepTable:
+    """The goodput-vs-rate table: offered rates as rows, SWEEP_FIELDS per sweep file as columns."""
+
+    columns: list[str]  # one per sweep file
+    rates: list[float]  # every offered rate of any sweep, increasing
+    cells: list[list[list[str]]]  # [rate][file][field], formatted; "—" where the file has no such rate
+    meets: list[list[bool | None]]  # [rate][file]: the rate met the file's SLOs at p99 (None: no SLOs, no rate)
+    footer: list[tuple[str, list[str]]]  # (label, value per file): goodput rate, SLOs, lengths, file
+
+
+def sweep_table(c: Comparison) -> SweepTable | None:
+    records = c.bench_rows("sweep")
+    if not records:
+        return None
+    by_rate = [{float(p["request_rate"]): p for p in r.data["points"]} for _, r in records]
+    rates = sorted(set().union(*by_rate))
+    cells = [[[fmt(pts[rate].get(f)) if rate in pts else "—" for _, f in SWEEP_FIELDS] for pts in by_rate]
+             for rate in rates]
+    meets = [[pts[rate].get("meets_slos") if rate in pts else None for pts in by_rate] for rate in rates]
+
+    def lengths(d: dict[str, Any]) -> str:
+        config = (d.get("runs") or [{}])[0].get("config") or {}
+        realized = config.get("realized_lengths")
+        text = config.get("length_dist", "?")
+        if realized:
+            text += "; " + ", ".join(f"{side} mean {fmt(st.get('mean'))} / p50 {fmt(st.get('p50'))} / p90 "
+                                     f"{fmt(st.get('p90'))}" for side, st in realized.items())
+        return text
+
+    footer = [("goodput rate (req/s)", [fmt(r.data.get("goodput_rate")) for _, r in records]),
+              ("SLOs at p99 (ms)", [_pairs(r.data["slos_ms"]) or "none" for _, r in records]),
+              ("lengths (tokens)", [lengths(r.data) for _, r in records]),
+              ("server / model", [f"{r.data.get('url', '?')} / {r.data.get('model', '?')}" for _, r in records]),
+              ("file", [r.source for _, r in records])]
+    return SweepTable([_bench_label(e, r) for e, r in records], rates, cells, meets, footer)
 
 
 # ---------------------------------------------------------------- assembling
@@ -649,6 +707,46 @@ def _latency_plot(c: Comparison) -> Plot | None:
     return Plot("latency", "Latency percentiles (bench serve)", _to_svg(fig, "latency"))
 
 
+def _sweep_plot(c: Comparison) -> Plot | None:
+    """Goodput req/s, p99 TTFT and p99 TPOT against the offered request rate, one line per sweep file; filled
+    markers where the rate met that sweep's SLOs, hollow where it did not, the SLO bounds dashed."""
+    rows = c.bench_rows("sweep")
+    if not rows:
+        return None
+    fig = _figure(10.0, 3.6)
+    axes = fig.subplots(1, 3)
+    panels = (("goodput_request_throughput", "goodput (req/s)", None), ("ttft_p99_ms", "p99 TTFT (ms)", "ttft"),
+              ("tpot_p99_ms", "p99 TPOT (ms)", "tpot"))
+    styles = ("-", "--", "-.", ":")
+    seen: dict[str, int] = {}
+    for e, b in rows:
+        n = seen[e.label] = seen.get(e.label, -1) + 1
+        color, ls = _color(c, e), styles[n % len(styles)]
+        points = sorted(b.data["points"], key=lambda p: p["request_rate"])
+        for ax, (key, _, _) in zip(axes, panels):
+            xy = [(p["request_rate"], p.get(key), p.get("meets_slos")) for p in points if p.get(key) is not None]
+            ax.plot([x for x, _, _ in xy], [y for _, y, _ in xy], color=color, ls=ls, lw=1.2,
+                    label=_bench_label(e, b) if ax is axes[0] else None)
+            for x, y, met in xy:
+                ax.plot([x], [y], marker="o", ms=5, color=color, mfc=color if met is not False else "white")
+    rates = sorted({float(p["request_rate"]) for _, b in rows for p in b.data["points"]})
+    axes[0].plot([rates[0], rates[-1]], [rates[0], rates[-1]], color="#57606a", lw=0.8, ls=":",
+                 label="offered rate")
+    for ax, (_, label, slo) in zip(axes, panels):
+        bounds = {b.data["slos_ms"].get(slo) for _, b in rows} if slo else set()
+        if len(bounds) == 1 and (bound := bounds.pop()) is not None:
+            ax.axhline(bound, color="#cf222e", lw=0.8, ls="--")
+        ax.set_xlabel("offered request rate (req/s)")
+        ax.set_title(label, fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=8)
+    title = "Goodput and p99 latency vs offered request rate (bench serve sweeps)"
+    fig.suptitle(title, fontsize=10)
+    return Plot("goodput", title, _to_svg(fig, "goodput"))
+
+
 def make_plots(c: Comparison) -> list[Plot]:
     plots = []
     known = [e for e in c.entries if e.quality is not None]
@@ -662,9 +760,9 @@ def make_plots(c: Comparison) -> list[Plot]:
             plots.append(_scatter(c, benched, [e.pareto_throughput for e, _ in benched],
                                   THROUGHPUT_LABEL[c.throughput_kind], "quality-throughput",
                                   f"{c.quality_metric} vs throughput"))
-    latency = _latency_plot(c)
-    if latency is not None:
-        plots.append(latency)
+    for plot in (_latency_plot(c), _sweep_plot(c)):
+        if plot is not None:
+            plots.append(plot)
     return plots
 
 
@@ -710,7 +808,8 @@ def _env() -> jinja2.Environment:
     env.filters["mib"] = lambda n: f"{n / 2**20:,.2f} MiB"
     env.filters["md"] = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
     env.globals.update(is_top_layer=is_top_layer, values_differ=values_differ,
-                       THROUGHPUT_LABEL=THROUGHPUT_LABEL, serve_table=serve_table)
+                       THROUGHPUT_LABEL=THROUGHPUT_LABEL, serve_table=serve_table, sweep_table=sweep_table,
+                       SWEEP_FIELDS=SWEEP_FIELDS)
     return env
 
 

@@ -5,6 +5,8 @@
         --input-len 128 --output-len 128 --num-requests 200 --concurrency 16 --json serve.json
     builder bench serve --dataset prompts.jsonl --request-rate 4 --duration 60 --concurrency 32 \\
         --slo ttft=500 --slo tpot=50
+    builder bench serve --tokenizer artifacts/quickstart --length-dist sharegpt --num-requests 1000 \\
+        --request-rate 20 --request-rate 40 --request-rate 60 --slo ttft=500 --slo tpot=50 --json sweep.json
 
 Load: at most ``--concurrency`` requests in flight (default 1 without ``--request-rate``), or Poisson
 arrivals at ``--request-rate`` req/s, optionally capped by ``--concurrency``. Arrival k (from 0) is sent
@@ -17,10 +19,24 @@ given: each dataset line once, or 100 random prompts.
 
 Prompts: ``--dataset file.jsonl`` (one object per line: ``prompt`` (string), optional ``max_tokens`` or
 ``output_len``, default ``--output-len``; cycled in order when more requests are asked for), or random
-token ids (``--input-len``, ``--output-len``, each varied uniformly by +/- ``--range-ratio``, seeded),
-which need ``--tokenizer`` (a tokenizer.json, a directory holding one, or one of our artifact
+token ids, which need ``--tokenizer`` (a tokenizer.json, a directory holding one, or one of our artifact
 directories) for exact token counts. They are sent as token ids (``prompt: [ids]``; /v1/completions of
 our server and vLLM) or, with ``--prompt-format text`` and always for ``--endpoint chat``, decoded text.
+The lengths of random prompts (``--length-dist``, seeded):
+
+    uniform   (default) ``--input-len`` (default 128) and ``--output-len`` (default 128) tokens, each varied
+              uniformly by +/- ``--range-ratio``
+    sharegpt  a synthetic mix shaped like ShareGPT conversations as published summaries describe them
+              (heavy-tailed, lognormal-like; no dataset is downloaded or bundled): input and output drawn
+              independently, round(lognormvariate(ln(median), sigma)), at least 1 token, with
+                  input:  median 160, sigma 1.0 (mean ~264, p90 ~577, p99 ~1,640), at most 4,096
+                  output: median 200, sigma 0.9 (mean ~300, p90 ~634, p99 ~1,620), at most 2,048
+              then clipped: the output to ``--output-len`` when given and to max_model_len - 1, the input
+              to ``--input-len`` when given and to what max_model_len leaves beside the output (the prompt
+              is cut, as a client truncating a long conversation would). ``--input-len``/``--output-len``
+              are maxima here, not targets; without them only the server's max_model_len (GET /v1/models,
+              when it says) bounds the mix. The realized mean, p50 and p90 of the lengths sent are printed
+              and written to the JSON config (``realized_lengths``).
 
 Every request streams (``stream: true``, ``stream_options: {"include_usage": true}``), asks for greedy
 decoding and ``ignore_eos: true`` (a vLLM extension our server supports; ``--no-ignore-eos`` drops it).
@@ -49,12 +65,25 @@ event inside the stream), ``bad_response`` (not an SSE stream, bad JSON, no ``[D
 config, duration_s, num_requests (sent), completed, failed {kind: count}, request_throughput,
 output_token_throughput, total_token_throughput, total_input_tokens, total_output_tokens, ttft_ms,
 tpot_ms, itl_ms, e2e_ms ({mean, p50, p90, p95, p99}, null values when there is no sample) and goodput
-(null, or {slos_ms, request_throughput, fraction}).
+(null, or {slos_ms, request_throughput, fraction}). With ``--length-dist sharegpt``, config also holds
+realized_lengths {input, output: {mean, p50, p90}} (tokens, of the requests sent).
+
+Rate sweep: ``--request-rate`` given more than once runs one benchmark per rate, in increasing order, against
+the same server, each with the same settings (``--num-requests`` and/or ``--duration`` per rate, the same seed,
+so the same prompts). A rate *meets the SLOs* when at least one request completed, none failed, and for each
+``--slo`` given the p99 of that metric over the completed requests is <= its bound (a TPOT with no sample
+meets it). The *goodput rate* is the highest rate that meets them (null when none does, or without
+``--slo``). ``--json PATH`` then writes kind "bench_serve_sweep", version 1: url, model, endpoint,
+started_at (of the first rate), slos_ms, rates (req/s, increasing), goodput_rate, points (one per rate:
+request_rate, num_requests, completed, failed (count), request_throughput, output_token_throughput,
+ttft_p99_ms, tpot_p99_ms, e2e_p99_ms, goodput_request_throughput, goodput_fraction (null without
+``--slo``), meets_slos (null without ``--slo``)) and runs (each rate's "bench_serve" object as above).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
@@ -71,6 +100,8 @@ import httpx
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROMPT_FORMATS = ("ids", "text")
+LENGTH_DISTS = ("uniform", "sharegpt")
+DEFAULT_LEN = 128  # --input-len and --output-len of uniform random prompts, and max_tokens of dataset lines
 SLO_NAMES = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 95, 99)
 DEFAULT_NUM_RANDOM_REQUESTS = 100
@@ -97,9 +128,10 @@ class ServeBenchConfig:
     duration: Optional[float] = None  # seconds after which no new request is sent
     dataset: Optional[str] = None  # JSONL prompts; None: random token ids
     tokenizer: Optional[str] = None  # tokenizer.json, or a directory with one (or with tokenizer/tokenizer.json)
-    input_len: int = 128  # random prompts: tokens per prompt
-    output_len: int = 128  # max_tokens of random prompts, and of dataset lines that give none
-    range_ratio: float = 0.0  # random lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
+    length_dist: str = "uniform"  # random prompts' lengths: uniform | sharegpt (see the module docstring)
+    input_len: Optional[int] = None  # uniform: tokens per prompt (None: 128); sharegpt: the most (None: no cap)
+    output_len: Optional[int] = None  # max_tokens as input_len, and of dataset lines that give none (None: 128)
+    range_ratio: float = 0.0  # uniform lengths drawn uniformly from [len * (1 - r), len * (1 + r)]
     prompt_format: Optional[str] = None  # random prompts: ids | text; None: ids for completions, text for chat
     ignore_eos: bool = True
     slos: list[str] = field(default_factory=list)  # "ttft=500" (ms), as given to --slo
@@ -115,6 +147,16 @@ class ServeBenchConfig:
         if self.endpoint == "chat" and self.prompt_format == "ids":
             raise BenchError("--endpoint chat sends messages, which are text: use --prompt-format text (or leave "
                              "it out)")
+        if self.length_dist not in LENGTH_DISTS:
+            raise BenchError(f"--length-dist {self.length_dist!r} is not one of {', '.join(LENGTH_DISTS)}")
+        if self.length_dist == "sharegpt" and self.dataset is not None:
+            raise BenchError("--length-dist sharegpt shapes random prompts; a --dataset brings its own prompts: "
+                             "give one of them")
+        if self.length_dist == "sharegpt" and self.range_ratio:
+            raise BenchError("--range-ratio varies --length-dist uniform lengths; sharegpt draws its own spread")
+        if self.length_dist == "uniform":  # derived once: the default lengths (sharegpt: None is no cap)
+            self.input_len = DEFAULT_LEN if self.input_len is None else self.input_len
+            self.output_len = DEFAULT_LEN if self.output_len is None else self.output_len
         for name in ("concurrency", "num_requests", "input_len", "output_len"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -241,7 +283,48 @@ def _draw_len(rng: random.Random, length: int, ratio: float) -> int:
     return max(1, rng.randint(int(length * (1 - ratio)), int(length * (1 + ratio))))
 
 
-def random_prompts(tokenizer, config: ServeBenchConfig) -> Iterator[Prompt]:
+@dataclass(frozen=True)
+class LogNormalLen:
+    """A token count round(lognormvariate(ln(median), sigma)), at least 1 and at most ``most``."""
+
+    median: float  # tokens; the mean is median * exp(sigma^2 / 2)
+    sigma: float  # of ln(length)
+    most: int  # the mix's own upper end (its tail beyond is very rare)
+
+    def draw(self, rng: random.Random) -> int:
+        return min(self.most, max(1, round(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+
+# Synthetic ShareGPT-like lengths (module docstring): heavy-tailed prompts, answers a little longer at the median.
+SHAREGPT_INPUT = LogNormalLen(median=160, sigma=1.0, most=4096)
+SHAREGPT_OUTPUT = LogNormalLen(median=200, sigma=0.9, most=2048)
+
+
+def sharegpt_lengths(rng: random.Random, max_input: Optional[int] = None, max_output: Optional[int] = None,
+                     max_model_len: Optional[int] = None) -> tuple[int, int]:
+    """(input, output) tokens of one request of the synthetic ShareGPT-like mix, clipped (module docstring).
+
+    NOTE: the output is clipped first (to ``max_output`` and ``max_model_len - 1``); the input then gets at most
+    what ``max_model_len`` leaves, so input + output <= max_model_len always holds and both are >= 1.
+    """
+    num_in, num_out = SHAREGPT_INPUT.draw(rng), SHAREGPT_OUTPUT.draw(rng)
+    if max_output is not None:
+        num_out = min(num_out, max_output)
+    if max_input is not None:
+        num_in = min(num_in, max_input)
+    if max_model_len:
+        num_out = min(num_out, max_model_len - 1)
+        num_in = min(num_in, max_model_len - num_out)
+    return num_in, num_out
+
+
+def _draw_lengths(rng: random.Random, config: ServeBenchConfig, max_model_len: Optional[int]) -> tuple[int, int]:
+    if config.length_dist == "sharegpt":
+        return sharegpt_lengths(rng, config.input_len, config.output_len, max_model_len)
+    return _draw_len(rng, config.input_len, config.range_ratio), _draw_len(rng, config.output_len, config.range_ratio)
+
+
+def random_prompts(tokenizer, config: ServeBenchConfig, max_model_len: Optional[int] = None) -> Iterator[Prompt]:
     """Endless seeded prompts of random non-special token ids, of exact lengths when sent as ids.
 
     As text, the ids are decoded and the text re-encoded (without special tokens), trimming or adding
@@ -251,8 +334,7 @@ def random_prompts(tokenizer, config: ServeBenchConfig) -> Iterator[Prompt]:
     vocab = [i for i in range(tokenizer.get_vocab_size(with_added_tokens=True)) if i not in added]
     rng = random.Random(config.seed)
     while True:
-        num_in = _draw_len(rng, config.input_len, config.range_ratio)
-        num_out = _draw_len(rng, config.output_len, config.range_ratio)
+        num_in, num_out = _draw_lengths(rng, config, max_model_len)
         ids = [rng.choice(vocab) for _ in range(num_in)]
         if config.format == "ids":
             yield Prompt(ids, num_in, num_out)
@@ -266,7 +348,8 @@ def random_prompts(tokenizer, config: ServeBenchConfig) -> Iterator[Prompt]:
         yield Prompt(text, len(encoded), num_out)
 
 
-def _prompts(config: ServeBenchConfig, tokenizer) -> tuple[Iterator[Prompt], Optional[int]]:
+def _prompts(config: ServeBenchConfig, tokenizer,
+             max_model_len: Optional[int]) -> tuple[Iterator[Prompt], Optional[int]]:
     """The prompt stream and the number of requests to send (None: until --duration)."""
     if config.dataset is not None:
         rows = load_dataset(config.dataset, config.output_len)
@@ -281,7 +364,7 @@ def _prompts(config: ServeBenchConfig, tokenizer) -> tuple[Iterator[Prompt], Opt
                              "artifact directory) to make prompts of exact token counts; or give prompts with "
                              "--dataset FILE.jsonl")
         default = DEFAULT_NUM_RANDOM_REQUESTS
-        source = random_prompts(tokenizer, config)
+        source = random_prompts(tokenizer, config, max_model_len)
     num = config.num_requests if config.num_requests is not None else (None if config.duration else default)
     return source, num
 
@@ -450,12 +533,19 @@ async def _discover_model(client: httpx.AsyncClient, config: ServeBenchConfig) -
 
 
 def _check_fits(config: ServeBenchConfig, max_model_len: Optional[int]) -> None:
-    if config.dataset is not None or not max_model_len:
-        return
+    if config.dataset is not None or config.length_dist != "uniform" or not max_model_len:
+        return  # sharegpt lengths are clipped to max_model_len instead
     longest = int(config.input_len * (1 + config.range_ratio)) + int(config.output_len * (1 + config.range_ratio))
     if longest > max_model_len:
         raise BenchError(f"random prompts of up to {longest} tokens (input + output, with --range-ratio) do not fit "
                          f"the server's max_model_len {max_model_len}; lower --input-len/--output-len")
+
+
+def length_stats(values: list[int]) -> dict[str, Optional[float]]:
+    """mean, p50 and p90 of token counts; None when there are none."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None}
+    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p90": percentile(values, 90)}
 
 
 @dataclass
@@ -465,18 +555,26 @@ class BenchResult:
     started_at: str  # ISO 8601, UTC
     duration_s: float  # first send to the last request's end
     records: list[RequestRecord]  # in send order
+    lengths: list[tuple[Optional[int], int]] = field(default_factory=list)  # (prompt, output) tokens drawn, as sent
+
+    def realized_lengths(self) -> dict[str, dict[str, Optional[float]]]:
+        """mean/p50/p90 of the prompt and output lengths of the requests sent (the client's counts)."""
+        return {"input": length_stats([n for n, _ in self.lengths if n is not None]),
+                "output": length_stats([m for _, m in self.lengths])}
 
     def summary(self) -> dict[str, Any]:
         """The JSON object (schema in the module docstring)."""
+        config = self.config.to_json()
+        if self.config.length_dist == "sharegpt":
+            config["realized_lengths"] = self.realized_lengths()
         return {"kind": "bench_serve", "version": 1, "url": self.config.base_url, "model": self.model,
-                "endpoint": self.config.endpoint, "started_at": self.started_at, "config": self.config.to_json(),
+                "endpoint": self.config.endpoint, "started_at": self.started_at, "config": config,
                 **summarize(self.records, self.duration_s, parse_slos(self.config.slos))}
 
 
 async def _run(config: ServeBenchConfig, progress: Optional[Progress],
                transport: Optional[httpx.AsyncBaseTransport]) -> BenchResult:
     tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
-    prompts, num_requests = _prompts(config, tokenizer)
     key = config.resolved_api_key()
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)  # queue in the server, not here
@@ -484,6 +582,7 @@ async def _run(config: ServeBenchConfig, progress: Optional[Progress],
                                  timeout=httpx.Timeout(config.timeout, connect=min(config.timeout, 30.0))) as client:
         model, max_model_len = await _discover_model(client, config)
         _check_fits(config, max_model_len)
+        prompts, num_requests = _prompts(config, tokenizer, max_model_len)
         rate, cap = config.request_rate, config.concurrency
         if rate is None and cap is None:
             cap = 1
@@ -494,6 +593,7 @@ async def _run(config: ServeBenchConfig, progress: Optional[Progress],
                                                        poisson_arrivals(rate, config.seed)))
         slots = asyncio.Semaphore(cap) if cap is not None else None
         records: list[RequestRecord] = []
+        lengths: list[tuple[Optional[int], int]] = []
         tasks: list[asyncio.Task] = []
         num_done = 0
 
@@ -532,6 +632,7 @@ async def _run(config: ServeBenchConfig, progress: Optional[Progress],
             prompt = next(prompts)
             record = RequestRecord(index, prompt.max_tokens, prompt.num_tokens)
             records.append(record)
+            lengths.append((prompt.num_tokens, prompt.max_tokens))
             task = asyncio.create_task(_send(client, config, model, prompt, record, clock))
             task.add_done_callback(finished)
             tasks.append(task)
@@ -540,7 +641,7 @@ async def _run(config: ServeBenchConfig, progress: Optional[Progress],
             progress("requests", num_done, total)
         await asyncio.gather(*tasks)
         duration = clock()
-    return BenchResult(config, model, started_at, duration, records)
+    return BenchResult(config, model, started_at, duration, records, lengths)
 
 
 # --- several client processes -----------------------------------------------------------------------------
@@ -582,7 +683,8 @@ async def _run_workers(config: ServeBenchConfig, model: str, prompts: Iterator[P
                 proc.terminate()
     records = sorted((RequestRecord(**r) for reply in replies for r in reply), key=lambda r: r.index)
     ends = [r.end_s for r in records if not math.isnan(r.end_s)]
-    return BenchResult(config, model, started_at, max(ends) if ends else 0.0, records)
+    lengths = [(p["num_tokens"], p["max_tokens"]) for _, _, p in items]
+    return BenchResult(config, model, started_at, max(ends) if ends else 0.0, records, lengths)
 
 
 def _worker_main(pipe, config_fields: dict, model: str, items: list, cap: Optional[int]) -> None:
@@ -629,6 +731,70 @@ def run(config: ServeBenchConfig, progress: Optional[Progress] = None,
         transport: Optional[httpx.AsyncBaseTransport] = None) -> BenchResult:
     """Run the benchmark against ``config.url``; raises BenchError on bad input or an unusable server."""
     return asyncio.run(_run(config, progress, transport))
+
+
+# --- rate sweep ------------------------------------------------------------------------------------------
+def sweep_rates(rates: list[float]) -> list[float]:
+    """The rates of a sweep, checked and in increasing order (the order they run in)."""
+    for rate in rates:
+        if not (rate > 0 and math.isfinite(rate)):
+            raise BenchError(f"--request-rate must be a positive number of requests/s, got {rate}")
+    repeated = sorted({r for r in rates if rates.count(r) > 1})
+    if repeated:
+        raise BenchError(f"--request-rate {', '.join(format(r, 'g') for r in repeated)} is given twice")
+    return sorted(rates)
+
+
+def meets_slos(summary: dict[str, Any], slos_ms: dict[str, float]) -> Optional[bool]:
+    """Whether one run meets the SLOs at p99 (module docstring); None without SLOs."""
+    if not slos_ms:
+        return None
+    if not summary["completed"] or summary["failed"]:
+        return False
+    p99 = {name: summary[f"{name}_ms"]["p99"] for name in slos_ms}
+    return all(p99[name] is None or p99[name] <= bound for name, bound in slos_ms.items())
+
+
+def sweep_point(summary: dict[str, Any], slos_ms: dict[str, float]) -> dict[str, Any]:
+    """One rate's line of the sweep summary, from its "bench_serve" object."""
+    goodput = summary["goodput"] or {}
+    return {"request_rate": summary["config"]["request_rate"], "num_requests": summary["num_requests"],
+            "completed": summary["completed"], "failed": sum(summary["failed"].values()),
+            "request_throughput": summary["request_throughput"],
+            "output_token_throughput": summary["output_token_throughput"],
+            "ttft_p99_ms": summary["ttft_ms"]["p99"], "tpot_p99_ms": summary["tpot_ms"]["p99"],
+            "e2e_p99_ms": summary["e2e_ms"]["p99"], "goodput_request_throughput": goodput.get("request_throughput"),
+            "goodput_fraction": goodput.get("fraction"), "meets_slos": meets_slos(summary, slos_ms)}
+
+
+@dataclass
+class SweepResult:
+    results: list[BenchResult]  # one per rate, in increasing rate order
+
+    def summary(self) -> dict[str, Any]:
+        """The "bench_serve_sweep" JSON object (schema in the module docstring)."""
+        runs = [r.summary() for r in self.results]
+        first = runs[0]
+        slos_ms = parse_slos(self.results[0].config.slos)
+        points = [sweep_point(s, slos_ms) for s in runs]
+        met = [p["request_rate"] for p in points if p["meets_slos"]]
+        return {"kind": "bench_serve_sweep", "version": 1, "url": first["url"], "model": first["model"],
+                "endpoint": first["endpoint"], "started_at": first["started_at"], "slos_ms": slos_ms,
+                "rates": [p["request_rate"] for p in points], "goodput_rate": max(met) if met else None,
+                "points": points, "runs": runs}
+
+
+def run_sweep(config: ServeBenchConfig, rates: list[float], progress: Optional[Progress] = None,
+              transport: Optional[httpx.AsyncBaseTransport] = None) -> SweepResult:
+    """One run per request rate, in increasing order, with ``config``'s other settings (module docstring)."""
+    results = []
+    for rate in sweep_rates(rates):
+        def progress_at(task: str, done: int, total: Optional[int], rate: float = rate) -> None:
+            progress(f"{task} at {rate:g} req/s", done, total)
+
+        results.append(run(dataclasses.replace(config, request_rate=rate),
+                           progress_at if progress is not None else None, transport))
+    return SweepResult(results)
 
 
 # --- metrics ---------------------------------------------------------------------------------------------
@@ -699,7 +865,6 @@ def print_report(result: BenchResult, summary: dict[str, Any]) -> None:
     """The run as rich tables on stdout, with the first message of each failure kind."""
     from rich.console import Console
     from rich.table import Table
-    from rich.text import Text
 
     s = summary
     head = Table(title=f"{s['model']} at {s['url']}{ENDPOINTS[s['endpoint']]}", show_header=False,
@@ -712,6 +877,8 @@ def print_report(result: BenchResult, summary: dict[str, Any]) -> None:
     head.add_row("throughput", f"{s['request_throughput']:.2f} req/s, {s['output_token_throughput']:.1f} output "
                  f"tok/s, {s['total_token_throughput']:.1f} total tok/s")
     head.add_row("tokens", f"{s['total_input_tokens']} input, {s['total_output_tokens']} output")
+    if "realized_lengths" in s["config"]:
+        head.add_row("lengths", _lengths_text(s["config"]))
     if s["goodput"] is not None:
         g = s["goodput"]
         bounds = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slos_ms"].items())
@@ -725,8 +892,63 @@ def print_report(result: BenchResult, summary: dict[str, Any]) -> None:
     console = Console()
     console.print(head)
     console.print(table)
+    _print_failures(console, result.records)
+
+
+def _print_failures(console, records: list[RequestRecord], prefix: str = "") -> None:
+    """The first message of each failure kind."""
+    from rich.text import Text
+
     seen = set()
-    for r in result.records:
+    for r in records:
         if not r.ok and r.error not in seen:
             seen.add(r.error)
-            console.print(Text.assemble((r.error, "red"), f": {r.message}"))
+            console.print(Text.assemble(prefix, (r.error, "red"), f": {r.message}"))
+
+
+def _lengths_text(config: dict[str, Any]) -> str:
+    """A run's realized lengths in a line: ``sharegpt: input mean 264 / p50 160 / p90 577, output ... tokens``."""
+    parts = []
+    for side, st in config["realized_lengths"].items():
+        figures = " / ".join(f"{k} {_maybe(v, '.0f')}" for k, v in st.items())
+        parts.append(f"{side} {figures}")
+    return f"{config['length_dist']}: {', '.join(parts)} tokens"
+
+
+def _maybe(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_sweep_report(sweep: SweepResult, summary: dict[str, Any]) -> None:
+    """The sweep as one rich table on stdout (a line per rate), the goodput rate, and failures per rate."""
+    from rich.console import Console
+    from rich.table import Table
+
+    s = summary
+    slos = ", ".join(f"p99 {k.upper()} <= {v:g} ms" for k, v in s["slos_ms"].items())
+    table = Table(title=f"{s['model']} at {s['url']}{ENDPOINTS[s['endpoint']]}: request rate sweep"
+                  + (f" ({slos})" if slos else ""), title_justify="left")
+    for column in ("rate req/s", "completed / sent", "failed", "throughput req/s", "output tok/s",
+                   "TTFT p50 / p99 ms", "TPOT p50 / p99 ms", "goodput req/s", "goodput fraction", "meets SLOs"):
+        table.add_column(column, justify="right")
+    for point, run_summary in zip(s["points"], s["runs"]):
+        ttft, tpot = run_summary["ttft_ms"], run_summary["tpot_ms"]
+        meets = {None: "-", True: "yes", False: "no"}[point["meets_slos"]]
+        table.add_row(f"{point['request_rate']:g}", f"{point['completed']} / {point['num_requests']}",
+                      str(point["failed"]), f"{point['request_throughput']:.2f}",
+                      f"{point['output_token_throughput']:.1f}",
+                      *(f"{_maybe(m['p50'], '.1f')} / {_maybe(m['p99'], '.1f')}" for m in (ttft, tpot)),
+                      _maybe(point["goodput_request_throughput"], ".2f"), _maybe(point["goodput_fraction"], ".1%"),
+                      meets)
+    console = Console()
+    console.print(table)
+    config = s["runs"][0]["config"]
+    if "realized_lengths" in config:
+        console.print(f"lengths ({s['runs'][0]['num_requests']} requests at {s['rates'][0]:g} req/s) "
+                      + _lengths_text(config))
+    if s["slos_ms"]:
+        rate = s["goodput_rate"]
+        console.print(f"goodput rate: {'none of the rates' if rate is None else f'{rate:g} req/s'} (the highest "
+                      f"rate at which no request failed and {slos})")
+    for result in sweep.results:
+        _print_failures(console, result.records, f"at {result.config.request_rate:g} req/s: ")

@@ -26,10 +26,14 @@
 #                  `builder bench serve` with each client process count of $SERVE_WORKERS (default "4 1") after a
 #                  warm-up wave; figures recorded (serve_throughput_128_128_PREC, serve_overhead_pct_PREC, ...).
 #                  $SERVE_ARTIFACT overrides the artifact (e.g. artifacts/quickstart for a dry run on the CPU)
-#   goodput-PREC   `builder serve` on PREC under Poisson arrivals at each rate of $GOODPUT_RATES (req/s, default
-#                  "60 80 100 110 120"), 10 s of arrivals each, lengths 128 +/- 50% in and out, SLOs p99 TTFT <= 500 ms
-#                  and p99 TPOT <= 50 ms; records serve_goodput_rps_PREC (the highest rate whose p99s meet both);
-#                  $GOODPUT_TAG (e.g. _hold0, with RUNTIME_PREFILL_HOLD_MS=0) is appended to the files' and figure's names
+#   goodput-PREC   `builder serve` on PREC under Poisson arrivals, one `builder bench serve` rate sweep over
+#                  $GOODPUT_RATES (req/s, default "60 80 100 110 120"), SLOs p99 TTFT <= 500 ms and p99 TPOT <= 50 ms;
+#                  lengths by $GOODPUT_LENGTHS: uniform (default; 128 +/- 50% in and out, 10 s of arrivals per rate)
+#                  or sharegpt (the synthetic ShareGPT-like mix, --length-dist sharegpt; 1000 requests per rate);
+#                  $GOODPUT_NUM_REQUESTS sets the requests per rate for either. Records serve_goodput_rps_PREC (the
+#                  sweep's goodput rate: the highest rate with no failed request and both p99s within their SLOs);
+#                  the sweep JSON in $OUT/goodput_PREC.json, its table in $OUT/goodput_PREC.log; $GOODPUT_TAG (e.g.
+#                  _hold0, with RUNTIME_PREFILL_HOLD_MS=0) is appended to the files' and figure's names
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
@@ -150,17 +154,43 @@ PY
       python3 -m runtime.serve $art --port $port --log-level warning &
       pid=$!
       for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
-      client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art --input-len 128 \
-        --output-len 128 --range-ratio 0.5 --slo ttft=500 --slo tpot=50 --workers 4 --quiet"
+      lengths="--input-len 128 --output-len 128 --range-ratio 0.5"; load="--duration 10"
+      desc="128 +/- 50% tokens in and out"
+      if [ "${GOODPUT_LENGTHS:-uniform}" = sharegpt ]; then
+        lengths="--length-dist sharegpt"; load="--num-requests 1000"; desc="synthetic ShareGPT-like lengths"
+      fi
+      [ -n "${GOODPUT_NUM_REQUESTS:-}" ] && load="--num-requests $GOODPUT_NUM_REQUESTS"
+      client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art $lengths \
+        --slo ttft=500 --slo tpot=50 --workers 4 --quiet"
       $client --num-requests 256 --concurrency 256 > /dev/null  # warm-up wave
-      files=""
-      for r in ${GOODPUT_RATES:-60 80 100 110 120}; do
-        f="$OUT/goodput_${prec}${GOODPUT_TAG:-}_r$r.json"
-        $client --request-rate $r --duration 10 --json "$f" | grep -E 'throughput|TTFT|TPOT|goodput'
-        files="$files $f"
-      done
+      rates=""; for r in ${GOODPUT_RATES:-60 80 100 110 120}; do rates="$rates --request-rate $r"; done
+      name="${prec}${GOODPUT_TAG:-}"
+      COLUMNS=160 $client $rates $load --json "$OUT/goodput_$name.json" 2>&1 | tee "$OUT/goodput_$name.log"
       kill -INT $pid; wait $pid
-      python3 -m builder.bench.serve_overhead --record "$OUT/benchmarks.jsonl" --precision "$prec${GOODPUT_TAG:-}" --goodput $files ;;
+      # the goodput rate by bench serve's criterion (builder.bench.serve.meets_slos); one rate gives a bench_serve
+      how="GOODPUT_LENGTHS=${GOODPUT_LENGTHS:-uniform} bash builder/devtools/gpu_suite.sh $part ($load per rate; $desc)"
+      python3 - "$OUT/goodput_$name.json" "$name" "$OUT/benchmarks.jsonl" "$how" <<'PY'
+import json, sys
+
+import torch
+
+from builder.bench.record import append_figures
+from builder.bench.serve import meets_slos
+
+path, name, record, how = sys.argv[1:]
+with open(path) as f:
+    result = json.load(f)
+runs = result["runs"] if result["kind"] == "bench_serve_sweep" else [result]
+slos = runs[0]["goodput"]["slos_ms"]
+rate = max([r["config"]["request_rate"] for r in runs if meets_slos(r, slos)], default=0.0)
+rates = " ".join(format(r["config"]["request_rate"], "g") for r in runs)
+device = "cuda" if torch.cuda.is_available() else "cpu"
+append_figures(record, [(f"serve_goodput_rps_{name}", rate, "req/s")], device,
+               f"{how}: rates {rates}; p99 TTFT <= {slos['ttft']:g} ms, "
+               f"p99 TPOT <= {slos['tpot']:g} ms")
+print(json.dumps({f"serve_goodput_rps_{name}": rate}))
+PY
+      ;;
     build-*)
       artifact "${part#build-}" ;;
     ab-*)

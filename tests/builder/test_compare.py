@@ -65,6 +65,31 @@ def serve_result(model: str) -> dict:
             "goodput": {"slos_ms": {"ttft": 200.0}, "request_throughput": 4.8, "fraction": 0.9375}}
 
 
+def sweep_result(model: str, rates: list[float], scale: float) -> dict:
+    """A `builder bench serve --request-rate ... --json` sweep object (schema of builder/bench/serve.py): goodput
+    follows the offered rate until p99 TTFT passes the 500 ms SLO at the last rate."""
+    slos = {"ttft": 500.0, "tpot": 50.0}
+    runs, points = [], []
+    for i, rate in enumerate(rates):
+        ttft, tpot = 40.0 * scale * (1 + i) ** 2, 11.5 * scale + i
+        meets = ttft <= slos["ttft"] and tpot <= slos["tpot"]
+        goodput = rate * (0.995 if meets else 0.625)
+        runs.append({**serve_result(model), "config": {"request_rate": rate, "length_dist": "sharegpt",
+                                                       "realized_lengths": {"input": {"mean": 263.5, "p50": 161.0,
+                                                                                      "p90": 571.0},
+                                                                            "output": {"mean": 301.5, "p50": 199.0,
+                                                                                       "p90": 640.0}}}})
+        points.append({"request_rate": rate, "num_requests": 1000, "completed": 1000, "failed": 0,
+                       "request_throughput": rate * 0.999, "output_token_throughput": rate * 300.0,
+                       "ttft_p99_ms": ttft, "tpot_p99_ms": tpot, "e2e_p99_ms": 9000.0,
+                       "goodput_request_throughput": goodput, "goodput_fraction": goodput / rate,
+                       "meets_slos": meets})
+    met = [p["request_rate"] for p in points if p["meets_slos"]]
+    return {"kind": "bench_serve_sweep", "version": 1, "url": "http://127.0.0.1:8123", "model": model,
+            "endpoint": "completions", "started_at": "2026-11-21T20:00:00Z", "slos_ms": slos, "rates": rates,
+            "goodput_rate": max(met) if met else None, "points": points, "runs": runs}
+
+
 LATENCY_LINE = {"device": "cpu", "input_len": 96, "output_len": 32, "ttft_ms": 23.625, "decode_tok_s": 187.375,
                 "weight_bytes": 1, "kv_bytes_per_token": 1, "bandwidth_gb_s": 9.5, "roofline_tok_s": 1400.0,
                 "roofline_pct": 13.375, "peak_memory_gib": 0.25}
@@ -260,6 +285,44 @@ def test_quality_vs_throughput_pareto(built, manifests, tmp_path):
     assert row == ["★ optimal" if k in optimal else "dominated" for k in BUILDS]
 
 
+def test_goodput_sweep_table_and_chart(built, manifests, tmp_path):
+    sweeps = {"fp32": sweep_result(manifests["fp32"]["name"], [20.0, 40.0, 60.0], 1.5),
+              "gptq": sweep_result(manifests["gptq"]["name"], [40.0, 60.0, 80.0, 100.0], 0.5)}
+    args = ["compare", str(built["fp32"]), str(built["gptq"]), "-o", str(tmp_path / "r.html")]
+    for k, sweep in sweeps.items():
+        f = tmp_path / f"sweep-{k}.json"
+        f.write_text(json.dumps(sweep))
+        args += ["--bench", str(f)]  # matched by the "model" field
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    html = html_section((tmp_path / "r.html").read_text(), "bench")
+    md = md_section((tmp_path / "r.md").read_text(), "Benchmarks")
+    table = html[html.index('<table id="bench-sweep-table">'):]
+    table = table[:table.index("</table>")]
+    rates = sorted({p["request_rate"] for s in sweeps.values() for p in s["points"]})
+    assert [float(r) for r in re.findall(r'<tr><th class="row">([\d.]+)</th>', table)] == rates
+    for rate in rates:
+        expected = []
+        for sweep in sweeps.values():
+            point = next((p for p in sweep["points"] if p["request_rate"] == rate), None)
+            if point is None:
+                expected += ["—"] * 3
+                continue
+            mark = " ✓" if point["meets_slos"] else " ✕"
+            expected += [f"{point['goodput_request_throughput']:.4g}{mark}", f"{point['ttft_p99_ms']:.4g}",
+                         f"{point['tpot_p99_ms']:.4g}"]
+        assert html_row(table, f"{rate:g}") == expected
+        assert md_row(md, f"{rate:g}") == expected
+    for row in (html_row(table, "goodput rate (req/s)"), md_row(md, "goodput rate (req/s)")):
+        assert row == [f"{s['goodput_rate']:g}" for s in sweeps.values()]
+    assert manifests["gptq"]["name"] in md and "sharegpt; input mean 263.5" in html
+    figure = re.search(r'<figure id="plot-goodput">(.*?)</figure>', (tmp_path / "r.html").read_text(), re.S)
+    assert figure and "<svg" in figure.group(1) and "offered request rate (req/s)" in figure.group(1)
+    # a sweep is no throughput figure: no quality-vs-throughput plot; the Markdown links the chart's file
+    assert "plot-quality-throughput" not in (tmp_path / "r.html").read_text()
+    assert "(r-goodput.svg)" in (tmp_path / "r.md").read_text() and (tmp_path / "r-goodput.svg").is_file()
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -314,6 +377,12 @@ def test_bench_file_errors(built, manifests, tmp_path):
     v2 = tmp_path / "v2.json"
     v2.write_text(json.dumps({**serve_result(manifests["gptq"]["name"]), "version": 2}))
     compare_fails([*arts, "--bench", str(v2), *out], "version 2 is not supported")
+    sweep = sweep_result(manifests["gptq"]["name"], [10.0], 1.0)
+    for bad, message in (({**sweep, "version": 2}, "bench_serve_sweep version 2 is not supported"),
+                         ({**sweep, "points": []}, "\"points\" should be a non-empty list"),
+                         ({k: v for k, v in sweep.items() if k != "slos_ms"}, "sweep result without slos_ms")):
+        v2.write_text(json.dumps(bad))
+        compare_fails([*arts, "--bench", str(v2), *out], message)
 
 
 def test_option_errors(built, tmp_path):

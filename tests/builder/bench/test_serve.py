@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import socket
 import statistics
@@ -19,7 +20,8 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import serve_app
-from builder.bench.serve import BenchError, RequestRecord, ServeBenchConfig, parse_slos, run, summarize
+from builder.bench.serve import (BenchError, RequestRecord, ServeBenchConfig, meets_slos, parse_slos, run, run_sweep,
+                                 sharegpt_lengths, summarize)
 from builder.cli import app
 from runtime.async_engine import AsyncEngine
 from runtime.server import create_app
@@ -367,3 +369,140 @@ def test_workers_need_the_requests_known_up_front(url, tokenizer):
         config(url, tokenizer=tokenizer, num_requests=4, concurrency=1, workers=2)
     with pytest.raises(BenchError, match="--workers must be >= 1"):
         config(url, tokenizer=tokenizer, num_requests=4, workers=0)
+
+
+# --- ShareGPT-like lengths -------------------------------------------------------------------------------
+def draws(seed: int, num: int = 2000, **clip) -> list[tuple[int, int]]:
+    rng = random.Random(seed)
+    return [sharegpt_lengths(rng, **clip) for _ in range(num)]
+
+
+def test_sharegpt_mix_shape_within_the_documented_bounds():
+    pairs = draws(0)
+    assert pairs == draws(0) and pairs != draws(1)  # seeded
+    for values, median, sigma, most in (([i for i, _ in pairs], 160, 1.0, 4096), ([o for _, o in pairs], 200, 0.9,
+                                                                                   2048)):
+        cuts = statistics.quantiles(values, n=100, method="inclusive")
+        # documented lognormal figures, +/- 15% (several standard errors at 2,000 draws)
+        assert statistics.median(values) == pytest.approx(median, rel=0.15)
+        assert statistics.fmean(values) == pytest.approx(median * math.exp(sigma ** 2 / 2), rel=0.15)
+        assert cuts[89] == pytest.approx(median * math.exp(1.2816 * sigma), rel=0.15)
+        assert cuts[98] > 4 * median  # heavy tail: p99 several times the median
+        assert 1 <= min(values) and max(values) <= most
+    assert max(i for i, _ in pairs) > 1500  # prompts reach a few thousand tokens
+
+
+def test_sharegpt_mix_clipping():
+    free = draws(3, 500)
+    capped = draws(3, 500, max_input=300, max_output=100)
+    assert capped == [(min(i, 300), min(o, 100)) for i, o in free]  # a cap clips, it does not redraw
+    assert any(i == 300 for i, _ in capped) and any(o == 100 for _, o in capped)
+    fitted = draws(3, 500, max_model_len=256)
+    for (i, o), (fi, fo) in zip(free, fitted):  # the output keeps its length; the prompt gets what is left
+        assert fo == min(o, 255) and fi == min(i, 256 - fo) and fi >= 1 and fi + fo <= 256
+    assert any(fi < i for (i, _), (fi, _) in zip(free, fitted))
+
+
+def test_sharegpt_prompts_against_the_server(url, tokenizer, tmp_path):
+    out = tmp_path / "sharegpt.json"
+    res = cli("--url", url, "--api-key", API_KEY, "--tokenizer", tokenizer, "--length-dist", "sharegpt",
+              "--output-len", "6", "--num-requests", "8", "--concurrency", "8", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    s = json.loads(out.read_text())
+    assert s["kind"] == "bench_serve" and s["completed"] == 8 and s["failed"] == {}
+    assert (s["config"]["length_dist"], s["config"]["input_len"], s["config"]["output_len"]) == ("sharegpt", None, 6)
+    realized = s["config"]["realized_lengths"]
+    assert set(realized) == {"input", "output"} and set(realized["input"]) == {"mean", "p50", "p90"}
+    # token-id prompts and ignore_eos: the server counted exactly the lengths drawn
+    assert realized["input"]["mean"] * 8 == pytest.approx(s["total_input_tokens"])
+    assert realized["output"]["mean"] * 8 == pytest.approx(s["total_output_tokens"]) and realized["output"]["p90"] <= 6
+    assert "sharegpt: input mean" in res.output
+
+
+def test_sharegpt_lengths_are_the_ones_sent(url, tokenizer):
+    result = run(config(url, tokenizer=tokenizer, length_dist="sharegpt", output_len=4, num_requests=8,
+                        concurrency=8))
+    assert all(r.ok for r in result.records)
+    inputs = [r.num_prompt_tokens for r in result.records]  # usage.prompt_tokens: token-id prompts, no BOS added
+    outputs = [r.num_output_tokens for r in result.records]  # ignore_eos: exactly the max_tokens drawn
+    assert all(1 <= o <= 4 for o in outputs) and all(i + o <= 512 for i, o in zip(inputs, outputs))
+    assert len(set(inputs)) > 1  # a mix, not one length
+    realized = result.summary()["config"]["realized_lengths"]
+    for got, raw in ((realized["input"], inputs), (realized["output"], outputs)):
+        cuts = statistics.quantiles(raw, n=10, method="inclusive")
+        assert got == pytest.approx({"mean": statistics.fmean(raw), "p50": statistics.median(raw), "p90": cuts[8]})
+
+
+# --- rate sweep ------------------------------------------------------------------------------------------
+def summary_with(p99: dict, completed: int = 4, failed: dict | None = None) -> dict:
+    return {"completed": completed, "failed": failed or {},
+            **{f"{k}_ms": {"p99": v} for k, v in p99.items()}}
+
+
+def test_meets_slos_is_p99_of_each_slo_and_no_failure():
+    slos = {"ttft": 500.0, "tpot": 50.0}
+    assert meets_slos(summary_with({"ttft": 500.0, "tpot": 49.0, "e2e": 1e9}), slos) is True  # bound included
+    assert meets_slos(summary_with({"ttft": 500.1, "tpot": 1.0, "e2e": 1.0}), slos) is False
+    assert meets_slos(summary_with({"ttft": 1.0, "tpot": 50.5, "e2e": 1.0}), slos) is False
+    assert meets_slos(summary_with({"ttft": 1.0, "tpot": None, "e2e": 1.0}), slos) is True  # one-token outputs
+    assert meets_slos(summary_with({"ttft": 1.0, "tpot": 1.0, "e2e": 1.0}, failed={"http_429": 1}), slos) is False
+    assert meets_slos(summary_with({"ttft": None, "tpot": None, "e2e": None}, completed=0), slos) is False
+    assert meets_slos(summary_with({"ttft": 1e9, "tpot": 1e9, "e2e": 1e9}), {}) is None
+
+
+def test_sweep_runs_each_rate_and_writes_the_sweep_json(url, tokenizer, tmp_path):
+    out = tmp_path / "sweep.json"
+    res = cli("--url", url, "--api-key", API_KEY, "--tokenizer", tokenizer, "--input-len", "8", "--output-len", "4",
+              "--num-requests", "4", "--request-rate", "200", "--request-rate", "50", "--slo", "ttft=1e7",
+              "--slo", "tpot=1e7", "--json", str(out))
+    assert res.exit_code == 0, res.output
+    assert "request rate sweep" in res.output and "goodput rate: 200 req/s" in res.output
+    s = json.loads(out.read_text())
+    assert set(s) == {"kind", "version", "url", "model", "endpoint", "started_at", "slos_ms", "rates", "goodput_rate",
+                      "points", "runs"}
+    assert (s["kind"], s["version"], s["url"], s["model"]) == ("bench_serve_sweep", 1, url, "pystdlib")
+    assert s["rates"] == [50.0, 200.0] and s["slos_ms"] == {"ttft": 1e7, "tpot": 1e7}
+    assert s["goodput_rate"] == 200.0  # every rate met these bounds: the highest
+    for rate, point, run_summary in zip(s["rates"], s["points"], s["runs"]):
+        assert set(run_summary) == SUMMARY_KEYS and run_summary["kind"] == "bench_serve"
+        assert run_summary["config"]["request_rate"] == rate and run_summary["num_requests"] == 4
+        assert point == {"request_rate": rate, "num_requests": 4, "completed": 4, "failed": 0,
+                         "request_throughput": run_summary["request_throughput"],
+                         "output_token_throughput": run_summary["output_token_throughput"],
+                         "ttft_p99_ms": run_summary["ttft_ms"]["p99"], "tpot_p99_ms": run_summary["tpot_ms"]["p99"],
+                         "e2e_p99_ms": run_summary["e2e_ms"]["p99"],
+                         "goodput_request_throughput": run_summary["request_throughput"], "goodput_fraction": 1.0,
+                         "meets_slos": True}
+    assert s["started_at"] == s["runs"][0]["started_at"]
+
+
+def test_sweep_goodput_rate_follows_the_p99_criterion(url, tokenizer):
+    sweep = run_sweep(config(url, tokenizer=tokenizer, input_len=8, output_len=4, num_requests=3), [100.0, 30.0])
+    assert [r.config.request_rate for r in sweep.results] == [30.0, 100.0]
+    ttft_p99 = [r.summary()["ttft_ms"]["p99"] for r in sweep.results]
+    # a TTFT bound between the two rates' p99s: only the rate(s) at or under it meet it
+    bound = min(ttft_p99)
+    meeting = [r.config.request_rate for r, p99 in zip(sweep.results, ttft_p99) if p99 <= bound]
+    for result in sweep.results:
+        result.config.slos = [f"ttft={bound!r}"]
+    s = sweep.summary()
+    assert [p["meets_slos"] for p in s["points"]] == [p99 <= bound for p99 in ttft_p99]
+    assert s["goodput_rate"] == max(meeting) and s["runs"][0]["goodput"]["slos_ms"] == {"ttft": bound}
+    for result in sweep.results:
+        result.config.slos = []
+    assert sweep.summary()["goodput_rate"] is None and sweep.summary()["points"][0]["meets_slos"] is None
+
+
+def test_sweep_and_length_options_say_what_is_allowed(url, tokenizer, tmp_path):
+    dataset = tmp_path / "d.jsonl"
+    dataset.write_text('{"prompt": "x"}\n')
+    cases = [
+        (["--length-dist", "zipf"], "--length-dist 'zipf' is not one of uniform, sharegpt"),
+        (["--length-dist", "sharegpt", "--range-ratio", "0.2"], "--range-ratio varies --length-dist uniform"),
+        (["--length-dist", "sharegpt", "--dataset", str(dataset)], "a --dataset brings its own prompts"),
+        (["--request-rate", "10", "--request-rate", "10"], "--request-rate 10 is given twice"),
+        (["--request-rate", "10", "--request-rate", "0"], "--request-rate must be a positive number"),
+    ]
+    for args, message in cases:
+        res = cli("--url", url, "--api-key", API_KEY, "--tokenizer", tokenizer, *args)
+        assert res.exit_code == 1 and message in res.output, (args, res.output)
