@@ -5,7 +5,8 @@ modeling code (``passes/trace.py``), not by a list of names. Weights are read wi
 a checkpoint that ships only pickled weights (``pytorch_model.bin``) is refused rather than unpickled.
 Tensor names are bound to the traced model's weights as transformers maps them when it loads the model
 (:func:`map_tensor_names`: its registered renamings and base-model prefix; transformers is imported at build time
-only).
+only); a weight transformers computes from several tensors on load (a mixture of experts' per-expert tensors stacked
+into one) is computed by the same conversion operations.
 Checkpoints already quantized by GPTQ, AutoAWQ or llm-compressor (a ``quantization_config`` in
 config.json) are imported with their own codes and scales (``builder/prequantized.py``); other
 quantization formats, and float8 or integer weight tensors that no such config describes, are refused:
@@ -17,10 +18,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -249,6 +250,22 @@ class TensorNames:
     model_name: dict[str, str]  # checkpoint name -> the model's state-dict name it is loaded into
     converted: dict[str, str]  # checkpoint name -> model name transformers computes from it (split, merged, permuted)
     ignored: frozenset[str]  # checkpoint names transformers drops on load (old causal-mask buffers and the like)
+    # checkpoint name in ``converted`` -> (transformers' WeightConverter that computes its model weight, the source
+    # pattern of it the name matched)
+    converters: dict[str, tuple[Any, str]] = field(default_factory=dict)
+
+
+@dataclass
+class Conversion:
+    """A weight transformers computes on load from several checkpoint tensors with a ``WeightConverter`` (a
+    mixture-of-experts block's per-expert ``experts.3.w1.weight`` tensors stacked into ``experts.gate_up_proj``),
+    assembled here by that converter's own operations."""
+
+    converter: Any  # transformers' WeightConverter
+    sources: dict[str, list[str]]  # its source pattern -> checkpoint names, in transformers' order (expert 0, 1, ...)
+
+    def names(self) -> list[str]:
+        return [n for names in self.sources.values() for n in names]
 
 
 def map_tensor_names(meta_model: torch.nn.Module, names: list[str]) -> TensorNames:
@@ -260,12 +277,15 @@ def map_tensor_names(meta_model: torch.nn.Module, names: list[str]) -> TensorNam
     read into a ``ForCausalLM`` model, or the reverse). The same rules are reused here, read from the installed
     transformers, so a checkpoint binds under exactly the names ``from_pretrained`` would give it. Conversions that
     compute a weight from several tensors or reshape it (``WeightConverter``) are not renamings: the tensors they
-    match are returned in ``converted`` and bound to nothing. Checkpoint keys that map to no model key and that the
-    model lists in ``_keys_to_ignore_on_load_unexpected`` (and the like) are returned in ``ignored``.
+    match are returned in ``converted``, and in ``converters`` which converter makes each one's weight
+    (:func:`weight_sources` assembles a weight that one converter makes from several tensors, a mixture of experts'
+    per-expert tensors stacked, with that converter's operations). Checkpoint keys that map to no model key and that
+    the model lists in ``_keys_to_ignore_on_load_unexpected`` (and the like) are returned in ``ignored``.
     """
     state = meta_model.state_dict()
     model_name: dict[str, str] = {}
     converted: dict[str, str] = {}
+    by_converter: dict[str, tuple[Any, str]] = {}
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
@@ -281,6 +301,8 @@ def map_tensor_names(meta_model: torch.nn.Module, names: list[str]) -> TensorNam
             if renamed not in state and name in state:  # as transformers: a key the model has is kept as it is
                 renamed, pattern = rename_source_key(name, [], [], prefix, state)
             (converted if pattern is not None else model_name)[name] = renamed
+            if pattern is not None:
+                by_converter[name] = (next(c for c in converters if pattern in c.source_patterns), pattern)
     unexpected = {n: m for n, m in model_name.items() if m not in state}
     info = SimpleNamespace(missing_keys=set(), unexpected_keys=set(unexpected.values()))
     try:
@@ -288,7 +310,7 @@ def map_tensor_names(meta_model: torch.nn.Module, names: list[str]) -> TensorNam
     except (AttributeError, TypeError):  # another transformers' signature: nothing is ignored
         info.unexpected_keys = set(unexpected.values())
     ignored = frozenset(n for n, m in unexpected.items() if m not in info.unexpected_keys)
-    return TensorNames(model_name, converted, ignored)
+    return TensorNames(model_name, converted, ignored, by_converter)
 
 
 def _map_names_v4(meta_model: torch.nn.Module, names: list[str], state: dict, out: dict[str, str]) -> None:
@@ -311,8 +333,9 @@ def _map_names_v4(meta_model: torch.nn.Module, names: list[str], state: dict, ou
 
 
 def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
-                   imported: frozenset[str] = frozenset()) -> dict[str, str]:
-    """Which checkpoint tensor each of the graph's weights is read from (graph name -> checkpoint name).
+                   imported: frozenset[str] = frozenset()) -> dict[str, str | Conversion]:
+    """Which checkpoint tensor each of the graph's weights is read from (graph name -> checkpoint name), or for a
+    weight transformers computes from several tensors on load (stacked experts), how (a :class:`Conversion`).
 
     Checkpoint names are mapped to the traced model's names as transformers maps them on load
     (:func:`map_tensor_names`: e.g. GPT-NeoX stores its lm_head as ``embed_out.weight``). A tied weight is
@@ -330,12 +353,17 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
     stored_as: dict[str, list[str]] = {}  # model name -> the checkpoint names loaded into it
     for stored, model_name in names.model_name.items():
         stored_as.setdefault(model_name, []).append(stored)
-    wanted: dict[str, str] = {}  # graph name -> checkpoint name
+    wanted: dict[str, str | Conversion] = {}  # graph name -> checkpoint name, or how it is computed from several
     read: set[str] = set(imported) | names.ignored
     for name, t in graph.params.items():
         if not t.is_meta:
             continue
         sources = [s for a in alias_of.get(name, [name]) for s in stored_as.get(a, [])]
+        conversion = _conversion(names, alias_of.get(name, [name]))
+        if not sources and conversion is not None:
+            wanted[name] = conversion
+            read.update(conversion.names())
+            continue
         if not sources:
             converted = sorted(s for s, m in names.converted.items() if m in alias_of.get(name, [name]))
             how = (f"; transformers computes it from {', '.join(map(repr, converted))} by a conversion (split, merge "
@@ -363,6 +391,46 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
     return wanted
 
 
+def _natural_key(name: str) -> tuple:
+    """Sort key of tensor names with numbers in order (experts.2 before experts.10), as transformers loads them."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
+
+
+def _conversion(names: TensorNames, model_names: list[str]) -> Conversion | None:
+    """How transformers computes the model weight ``model_names`` (a weight and its aliases) from several
+    checkpoint tensors with one WeightConverter, or None (no converter makes it, or several would)."""
+    stored = sorted((s for s, m in names.converted.items() if m in model_names), key=_natural_key)
+    converters = {id(names.converters[s][0]): names.converters[s][0] for s in stored if s in names.converters}
+    if not stored or len(converters) != 1:
+        return None
+    converter = next(iter(converters.values()))
+    sources: dict[str, list[str]] = {p: [] for p in converter.source_patterns}
+    for s in stored:
+        sources[names.converters[s][1]].append(s)
+    return Conversion(converter, {p: v for p, v in sources.items() if v})
+
+
+def _convert(conversion: Conversion, tensors: dict[str, torch.Tensor], name: str, where: Path) -> torch.Tensor:
+    """Run a Conversion's operations (transformers' own: stack the experts, concatenate gate and up) over its
+    checkpoint tensors."""
+    converter = conversion.converter
+    collected: dict[str, Any] = {p: [tensors[n] for n in names] for p, names in conversion.sources.items()}
+    try:
+        for op in converter.operations:
+            collected = op.convert(collected, source_patterns=list(converter.source_patterns),
+                                   target_patterns=list(converter.target_patterns), full_layer_name=name,
+                                   model=None, config=None, missing_keys=None)
+    except Exception as e:  # a conversion op's own checks (ValueError, RuntimeError from torch.cat, ...)
+        raise CheckpointError(f"{where}: weight {name!r} is computed by transformers from "
+                              f"{len(conversion.names())} tensors ({', '.join(conversion.sources)}), and that "
+                              f"conversion failed here ({type(e).__name__}: {e})") from e
+    if len(collected) != 1 or not isinstance(next(iter(collected.values())), torch.Tensor):
+        raise CheckpointError(f"{where}: weight {name!r} is computed by transformers from "
+                              f"{', '.join(conversion.sources)} by a conversion that makes {len(collected)} tensors; "
+                              f"binding assembles a weight from a conversion that makes one")
+    return next(iter(collected.values()))
+
+
 def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
                    dtype: torch.dtype) -> Imported | None:
     """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``.
@@ -379,12 +447,16 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
         except PrequantizedError as e:
             raise CheckpointError(str(e)) from None
     wanted = weight_sources(graph, ckpt, meta_model, frozenset(imported.consumed) if imported else frozenset())
-    tensors = ckpt.load_tensors(sorted(set(wanted.values())), dtype)
+    stored_names = {n for s in wanted.values() for n in (s.names() if isinstance(s, Conversion) else [s])}
+    tensors = ckpt.load_tensors(sorted(stored_names), dtype)
     for name, stored in wanted.items():
         expected = tuple(graph.params[name].shape)
-        if tuple(tensors[stored].shape) != expected:
-            raise CheckpointError(f"{ckpt.path}: tensor {stored!r} has shape {tuple(tensors[stored].shape)}, "
-                                  f"config.json implies {expected}")
-        graph.params[name] = tensors[stored]
+        tensor = _convert(stored, tensors, name, ckpt.path) if isinstance(stored, Conversion) else tensors[stored]
+        if tuple(tensor.shape) != expected:
+            what = (f"weight {name!r}, computed from {len(stored.names())} tensors ({', '.join(stored.sources)}),"
+                    if isinstance(stored, Conversion) else f"tensor {stored!r}")
+            raise CheckpointError(f"{ckpt.path}: {what} has shape {tuple(tensor.shape)}, config.json implies "
+                                  f"{expected}")
+        graph.params[name] = tensor
     graph.meta["dtype"] = str(dtype).removeprefix("torch.")
     return imported

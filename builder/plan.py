@@ -76,6 +76,36 @@ EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts decoder's experts, from config.json's usual keys (Mixtral, Qwen-MoE, OLMoE)."""
+
+    num_experts: int  # num_local_experts or num_experts
+    top_k: int  # num_experts_per_tok
+    expert_intermediate_size: int  # moe_intermediate_size, else intermediate_size (Mixtral, OLMoE)
+    shared_intermediate_size: int  # shared_expert_intermediate_size (Qwen2-MoE's gated shared expert); 0: none
+    sparse_layers: tuple[int, ...]  # layers with experts; the others (mlp_only_layers, decoder_sparse_step) are dense
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], num_layers: int) -> Optional[MoeShape]:
+        num_experts = config.get("num_local_experts") or config.get("num_experts")
+        if not isinstance(num_experts, int) or num_experts < 1:
+            return None
+        step, dense = config.get("decoder_sparse_step") or 1, set(config.get("mlp_only_layers") or [])
+        return cls(num_experts, int(config.get("num_experts_per_tok") or 1),
+                   int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0),
+                   int(config.get("shared_expert_intermediate_size") or 0),
+                   tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
+
+    def expert_params(self, hidden: int) -> int:
+        """One sparse layer's experts and router (the moe op's weights)."""
+        return self.num_experts * (3 * hidden * self.expert_intermediate_size + hidden)
+
+    def shared_params(self, hidden: int) -> int:
+        """One sparse layer's shared expert and its sigmoid gate (plain linears)."""
+        return 3 * hidden * self.shared_intermediate_size + hidden if self.shared_intermediate_size else 0
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The decoder's shape, read from config.json (exact for EXACT_FAMILIES, a Llama-style estimate otherwise)."""
 
@@ -94,6 +124,7 @@ class ModelShape:
     qk_norm: bool  # per-head RMSNorm on q and k (Qwen3)
     max_position_embeddings: Optional[int] = None  # the build refuses a longer max_seq_len
     exact: bool = True  # False: a family outside EXACT_FAMILIES, weights counted as a Llama-style decoder's
+    moe: Optional[MoeShape] = None  # a mixture of experts: its sparse layers' MLPs are experts (and a shared one)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelShape:
@@ -119,7 +150,7 @@ class ModelShape:
             o_bias=attention_bias and model_type in ("llama", "qwen3"),
             mlp_bias=bool(config.get("mlp_bias", False)) and model_type == "llama",
             qk_norm=model_type == "qwen3", max_position_embeddings=config.get("max_position_embeddings"),
-            exact=model_type in EXACT_FAMILIES)
+            exact=model_type in EXACT_FAMILIES, moe=MoeShape.from_config(config, need("num_hidden_layers")))
 
     def num_parameters(self) -> int:
         """Elements of the unquantized, unsharded model (a tied table counted once)."""
@@ -129,7 +160,19 @@ class ModelShape:
                      + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0)
                      + (2 * i + h if self.mlp_bias else 0) + (2 * hd if self.qk_norm else 0))
         tables = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + tables + h
+        total = self.num_layers * per_layer + tables + h
+        if self.moe is not None:  # a sparse layer has experts (and maybe a shared expert) instead of its dense MLP
+            dense_mlp = 3 * h * i + (2 * i + h if self.mlp_bias else 0)
+            total += len(self.moe.sparse_layers) * (self.moe.expert_params(h) + self.moe.shared_params(h) - dense_mlp)
+        return total
+
+    def num_active_parameters(self) -> int:
+        """Parameters one token computes with: all but the experts it is not routed to (top_k of num_experts)."""
+        if self.moe is None:
+            return self.num_parameters()
+        m = self.moe
+        idle = (m.num_experts - m.top_k) * 3 * self.hidden_size * m.expert_intermediate_size
+        return self.num_parameters() - len(m.sparse_layers) * idle
 
 
 def read_model_shape(checkpoint: str | Path) -> ModelShape:
@@ -169,6 +212,9 @@ class LinearNode:
 def _tp_problem(shape: ModelShape, tp_size: int, vocab_parallel: bool) -> Optional[str]:
     """Why ``tp_size`` cannot split this model (the shard pass's rules, passes/shard.py), or None."""
     heads, kv = shape.num_heads, shape.num_kv_heads
+    if shape.moe is not None and tp_size > 1:
+        return (f"tp_size {tp_size}: a mixture-of-experts model is built with tp_size 1 (sharding experts is not "
+                f"supported yet)")
     if heads % tp_size:
         return f"tp_size {tp_size} does not divide num_attention_heads {heads}"
     if tp_size <= kv and kv % tp_size:
@@ -214,6 +260,15 @@ def linear_nodes(shape: ModelShape, tp_size: int, passes: list[str]) -> list[Lin
         nodes += column(attn, [("q_proj", heads * hd), ("k_proj", kv_heads * hd), ("v_proj", kv_heads * hd)],
                         "merge_qkv" in passes, shape.qkv_bias)
         nodes.append(row(f"{attn}.o_proj", heads * hd, shape.o_bias))
+        moe = shape.moe
+        if moe is not None and layer in moe.sparse_layers:  # experts are no linears; a shared expert's are
+            if moe.shared_intermediate_size:
+                shared, inter_s = f"{mlp}.shared_expert", moe.shared_intermediate_size
+                nodes += column(shared, [("gate_proj", inter_s), ("up_proj", inter_s)], "merge_gate_up" in passes,
+                                False)
+                nodes += [row(f"{shared}.down_proj", inter_s, False),
+                          LinearNode(f"{mlp}.shared_expert_gate", (f"{mlp}.shared_expert_gate",), h, (1,), False)]
+            continue
         nodes += column(mlp, [("gate_proj", inter), ("up_proj", inter)], "merge_gate_up" in passes, shape.mlp_bias)
         nodes.append(row(f"{mlp}.down_proj", inter, shape.mlp_bias))
     return nodes
@@ -311,6 +366,7 @@ class Plan:
     model: ModelShape
     settings: PlanSettings
     num_parameters: int  # whole model, unquantized
+    num_active_parameters: int  # what one token computes with (a mixture of experts: top_k experts); else all
     weights_bytes: int  # per rank, as stored (see weights_breakdown)
     weights_breakdown: dict[str, int]  # embedding, lm_head, linears, norms, rope, kv_scales: bytes per rank
     quantized_linears: dict[str, int]  # method -> how many linear nodes of the graph it quantizes (lm_head apart)
@@ -412,6 +468,9 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         "norms": (shape.num_layers * per_layer_norms + shape.hidden_size) * itemsize,
         "rope": shape.head_dim // 2 * 4,  # inv_freq, fp32, one table shared by the layers
         "kv_scales": shape.num_layers * 2 * 4 if kv_quantized else 0,  # k_scale, v_scale fp32 per layer
+        # experts and routers, in the model dtype: quantization skips them
+        "experts": len(shape.moe.sparse_layers) * shape.moe.expert_params(shape.hidden_size) * itemsize
+        if shape.moe is not None else 0,
     }
     weights = sum(breakdown.values())
     quantized: dict[str, int] = {}
@@ -421,7 +480,8 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
 
     kv_itemsize = KV_QUANT_BYTES[s.kv_cache_dtype] if kv_quantized else itemsize
     kv_per_token = 2 * shape.num_layers * kv_heads * shape.head_dim * kv_itemsize
-    widest = max(sum(n.out_features) for n in nodes)
+    widest = max([sum(n.out_features) for n in nodes]
+                 + ([2 * shape.moe.expert_intermediate_size] if shape.moe is not None else []))
     workspace = 4 * s.max_num_tokens * widest * itemsize + 4 * s.max_batch_size * shape.vocab_size  # fp32 logits
     formula = (f"4 x max_num_tokens {s.max_num_tokens} x widest linear {widest} x {itemsize} B + "
                f"max_batch_size {s.max_batch_size} x vocab {shape.vocab_size} x 4 B logits")
@@ -457,7 +517,14 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
     if not shape.exact:
         notes.append(f"model_type {shape.model_type!r} is planned as a Llama-style decoder (q/k/v/o and gate/up/down "
                      f"linears, two norms a layer) from config.json's standard keys: the KV cache per token follows "
-                     f"from its heads, the weights are an estimate (extra norms, biases or experts are not counted)")
+                     f"from its heads, the weights are an estimate (extra norms and biases are not counted; experts "
+                     f"are, from config.json's usual keys)")
+    if shape.moe is not None:
+        m = shape.moe
+        notes.append(f"mixture of experts: {shape.num_parameters() / 1e9:.2f} B parameters, "
+                     f"{shape.num_active_parameters() / 1e9:.2f} B active per token (top {m.top_k} of {m.num_experts} "
+                     f"experts in {len(m.sparse_layers)} of {shape.num_layers} layers); the experts stay in {s.dtype} "
+                     f"(quantization skips them)")
     if shape.max_position_embeddings and s.max_seq_len > shape.max_position_embeddings:
         notes.append(f"max_seq_len {s.max_seq_len} exceeds the model's max_position_embeddings "
                      f"{shape.max_position_embeddings}: `builder build` refuses this recipe")
@@ -472,6 +539,7 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
                      + ("embedding/lm_head split by vocab" if s.vocab_parallel else "embedding/lm_head replicated")
                      + "; NCCL buffers are not counted")
     return Plan(source=source, name=name, model=shape, settings=s, num_parameters=shape.num_parameters(),
+                num_active_parameters=shape.num_active_parameters(),
                 weights_bytes=weights, weights_breakdown=breakdown, quantized_linears=quantized,
                 kv_heads_per_rank=kv_heads, kv_bytes_per_token=kv_per_token, budget_bytes=budget,
                 workspace_bytes=workspace, workspace_formula=formula, kv_pool_bytes=pool, num_blocks=int(num_blocks),
@@ -539,7 +607,8 @@ def render(plan: Plan, console=None) -> None:
     head.add_column("", style="bold")
     head.add_column("value", justify="right")
     head.add_column("how")
-    head.add_row("model", f"{plan.num_parameters / 1e9:.2f} B params",
+    active = f" ({plan.num_active_parameters / 1e9:.2f} B active)" if m.moe is not None else ""
+    head.add_row("model", f"{plan.num_parameters / 1e9:.2f} B params{active}",
                  f"{m.model_type}: {m.num_layers} layers, hidden {m.hidden_size}, heads {m.num_heads}/"
                  f"{m.num_kv_heads} kv, head_dim {m.head_dim}, intermediate {m.intermediate_size}, vocab "
                  f"{m.vocab_size}{', tied' if m.tie_word_embeddings else ''}")

@@ -118,6 +118,8 @@ def activation(x: torch.Tensor, fn: str) -> torch.Tensor:
         return F.gelu(x, approximate="tanh")
     if fn == "relu":
         return F.relu(x)
+    if fn == "sigmoid":
+        return torch.sigmoid(x)
     raise ValueError(f"unknown activation {fn!r}")
 
 
@@ -125,3 +127,56 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor
     if up is None:  # gate: [num_tokens, 2 * intermediate], the two halves side by side
         gate, up = gate.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
+              scoring: str = "softmax", norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mixture-of-experts router: (weights [T, top_k] fp32, experts [T, top_k] int64) of x [T, hidden].
+
+    The logits in x's dtype, their softmax (or sigmoid) in fp32, torch.topk's choice (its order and its
+    tie-breaking), renormalised to sum 1 when ``norm_topk_prob``: Mixtral's, Qwen-MoE's and OLMoE's routers."""
+    logits = F.linear(x, gate_weight, gate_bias)  # [T, num_experts]
+    if scoring == "softmax":
+        scores = torch.softmax(logits.float(), dim=-1)
+    elif scoring == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+    else:
+        raise ValueError(f"unknown router scoring {scoring!r}")
+    weights, experts = torch.topk(scores, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+        scoring: str = "softmax", norm_topk_prob: bool = True, activation_fn: str = "silu",
+        gate_bias: torch.Tensor | None = None, round_weights: bool = False) -> torch.Tensor:
+    """The ``moe`` op: x [T, hidden] routed to its top_k experts, each expert run on the tokens routed to it.
+
+    w_gate_up: [num_experts, 2 * intermediate, hidden] (gate rows, then up rows); w_down: [num_experts, hidden,
+    intermediate]. Each (token, slot) pair's output is the expert's output times the slot's weight (fp32 unless
+    ``round_weights``: rounded to x's dtype first, as Qwen-MoE and OLMoE do), and a token's slots are summed in
+    slot order, in that product's dtype, then rounded to x's dtype once: transformers' grouped and batched experts.
+    NOTE: the per-expert token counts are read on the host (one sync per call), so this cannot be captured in a
+    CUDA graph.
+    """
+    num_tokens, hidden = x.shape
+    weights, experts = moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob)
+    if round_weights:
+        weights = weights.to(x.dtype)
+    # slots: [T * top_k, hidden], row t * top_k + j = token t's slot j
+    slots = torch.zeros(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype),
+                        device=x.device)
+    flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1)
+    order = torch.argsort(flat_experts, stable=True)  # slot rows grouped by expert
+    counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0]).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = order[start:start + n]
+        start += n
+        gate, up = F.linear(x[rows // top_k], w_gate_up[e]).chunk(2, dim=-1)  # [n, intermediate] each
+        out = F.linear(activation(gate, activation_fn) * up, w_down[e])  # [n, hidden]
+        slots[rows] = out * flat_weights[rows, None]
+    return slots.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

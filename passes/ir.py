@@ -83,7 +83,7 @@ OPS: dict[str, OpSpec] = {
         doc="causal attention of q over the KV cache of layer `layer` after appending k, v; with a "
             "`kv_cache_dtype` attr (fp8, int8) the cache stores k / k_scale and v / v_scale",
     ),
-    "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu"),
+    "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu, sigmoid"),
     "silu_mul": OpSpec((1, 2), (), (), (), doc="silu(gate) * up; with one input, its two halves"),
     "elementwise": OpSpec((1, 2), (), (), ("fn",), doc="fn in add, mul (two inputs) or scale (attr value)"),
     "lm_head": OpSpec(
@@ -91,6 +91,18 @@ OPS: dict[str, OpSpec] = {
         doc="logits (x @ weight.T + bias, times `scale` where set: Cohere's logit_scale, Granite's 1 / "
             "logits_scaling) for the rows the executor selects; with a `quant` attr (recipe "
             "quantization.lm_head), stored quantized like a linear, with in_features / out_features",
+    ),
+    "moe": OpSpec(
+        (1, 1), ("gate_weight", "w_gate_up", "w_down"), ("gate_bias",),
+        ("num_experts", "top_k", "scoring", "norm_topk_prob", "activation", "intermediate_size"),
+        doc="a mixture of experts, x [T, hidden] -> [T, hidden]. Router: logits = x @ gate_weight.T (+ gate_bias) "
+            "[T, num_experts] in x's dtype; scores = softmax or sigmoid (`scoring`) of them in fp32; each token goes "
+            "to its top_k experts by score (torch.topk's order and tie-breaking), weighted by their scores, "
+            "renormalised to sum 1 when norm_topk_prob, rounded to x's dtype first when `round_weights` (else they "
+            "stay fp32). Expert e: act(x Wg^T) * (x Wu^T) @ Wd^T, [Wg; Wu] = w_gate_up[e] [2 * intermediate_size, "
+            "hidden], Wd = w_down[e] [hidden, intermediate_size], act = `activation`. Output: per token, the sum "
+            "over its top_k slots in slot order of weight * expert output, accumulated in the weights' dtype and "
+            "rounded to x's dtype once. Shared experts are not part of it: they lift to linears beside it",
     ),
     # Tensor parallelism (written by the `shard` pass): collectives over the tp_size ranks of the default
     # process group; identity when tp_size is 1.
@@ -104,7 +116,8 @@ OPS: dict[str, OpSpec] = {
     ),
 }
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
+MOE_SCORING = ("softmax", "sigmoid")
 ELEMENTWISE = ("add", "mul", "scale")
 
 
@@ -261,6 +274,10 @@ class Graph:
                                           != n.attrs.get("out_features")):
                     raise GraphError(f"node {n}: split_sizes {sizes} (x split_heads) do not cover out_features "
                                      f"{n.attrs.get('out_features')} in {len(n.outputs)} outputs")
+            if n.op == "moe" and (n.attrs["scoring"] not in MOE_SCORING or n.attrs["activation"] not in ACTIVATIONS
+                                  or not 1 <= n.attrs["top_k"] <= n.attrs["num_experts"]):
+                raise GraphError(f"node {n}: moe needs scoring in {', '.join(MOE_SCORING)}, activation in "
+                                 f"{', '.join(ACTIVATIONS)} and 1 <= top_k <= num_experts")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

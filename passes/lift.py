@@ -14,13 +14,23 @@ value saying what it is in IR terms:
 - slices of a linear's output features (q/k/v or gate/up stored as one fused weight) become that linear's split
   outputs (``split_sizes``) once the lift has seen them all.
 
+Mixture-of-experts blocks: transformers (>= 5) keeps a block's experts in one module of stacked weights whose
+forward dispatches tokens with data-dependent ops (sort, histc, grouped_mm, or nonzero and index_add). The tracer
+(``passes/trace.py``) has every such module, found by the layout attributes transformers' experts interface gives it,
+run as one ``llm_builder::moe_experts`` node (:func:`moe_experts`) instead. The router before it is lifted from its
+arithmetic like everything else: a linear's logits, their softmax (or a sigmoid), the top-k, optionally the top-k
+weights divided by their sum and cast back to the activations' dtype (``Scores``, ``TopK``, ``TopWeights``). The
+experts node then becomes one ``moe`` op with that routing, the router's linear taken into it. A shared expert
+(Qwen2-MoE's, scaled by a sigmoid gate) is ordinary linears and elementwise ops beside it.
+
 Small constants the model computes from its own buffers (an embedding scale of sqrt(hidden)) are
 evaluated on the CPU when a per-token value is multiplied by them, and become an attribute.
 
 Any op applied to a per-token value that no rule recognises stops the lift with a ``LiftError``
 naming the ATen op, the module path it came from and, where known, the IR primitive it would need.
 No table is keyed on architecture: a family that composes the same primitives (embedding, RMSNorm or LayerNorm,
-linear, RoPE, SDPA, activations, residual adds and constant scales) lifts without new code.
+linear, RoPE, SDPA, activations, residual adds, constant scales and experts behind a top-k router) lifts without
+new code.
 """
 
 from __future__ import annotations
@@ -183,8 +193,41 @@ class Split:  # split / chunk of x along FX dim ``dim``: each piece's [start, st
     bounds: tuple[tuple[int, int], ...]
 
 
+# A mixture-of-experts router: scores of the router linear's logits, their top-k, the top-k weights' renormalisation.
+@dataclass(frozen=True)
+class Scores:  # softmax or sigmoid of a router's logits (in fp32)
+    logits: Tok
+    scoring: str  # "softmax" | "sigmoid"
+    sigmoid: str | None = None  # the sigmoid activation's output value, dropped with the router linear
+
+
+@dataclass(frozen=True)
+class TopK:  # topk(scores, k): the (values, indices) pair, taken by getitem
+    scores: Scores
+    k: int
+
+
+@dataclass(frozen=True)
+class TopIndices:  # the experts each token is routed to [T, k]
+    scores: Scores
+    k: int
+
+
+@dataclass(frozen=True)
+class TopWeights:  # the routing weights [T, k], maybe renormalised to sum 1, maybe cast to the activations' dtype
+    scores: Scores
+    k: int
+    renormalized: bool = False
+    cast: bool = False
+
+
+@dataclass(frozen=True)
+class TopWeightsSum:  # sum(weights, -1, keepdim=True): the denominator of the renormalisation
+    weights: TopWeights
+
+
 PATTERNS = (Sub, Rot, Stacked, RopeTerm, Mean, Centered, Square, MeanSquare, RmsInv, Normed, Cube, TanhArg,
-            OnePlusTanh, Split)
+            OnePlusTanh, Split, Scores, TopK, TopIndices, TopWeights, TopWeightsSum)
 GELU_TANH = (math.sqrt(2.0 / math.pi), 0.044715)  # a, b of the tanh approximation
 
 
@@ -206,8 +249,29 @@ IGNORED_OPS = {
     aten.sym_constrain_range_for_size.default,
 }
 ACTIVATION_OPS = {
-    aten.silu.default: "silu", aten.relu.default: "relu",
+    aten.silu.default: "silu", aten.relu.default: "relu", aten.sigmoid.default: "sigmoid",
 }
+DTYPE_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.type_as.default}
+
+
+# --- the experts of a mixture-of-experts block --------------------------------------------------------------
+@torch.library.custom_op("llm_builder::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor, activation: str) -> torch.Tensor:
+    """Stands for a model's routed experts while tracing (``passes/trace.py`` makes every experts module call it):
+    x [T, hidden] goes to experts top_k_index [T, k], expert e computing act(x Wg_e^T) * (x Wu_e^T) Wd_e^T with
+    [Wg_e; Wu_e] = w_gate_up[e] and Wd_e = w_down[e], and the outputs are summed with top_k_weights [T, k]. It is
+    one node in the exported graph, where the experts' own code dispatches tokens with data-dependent ops."""
+    raise RuntimeError("llm_builder::moe_experts only stands for a model's experts in a traced graph; "
+                       "it is never run (the runtime's moe op computes them)")
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, activation):
+    return torch.empty_like(x)
+
+
+MOE_EXPERTS_OP = torch.ops.llm_builder.moe_experts.default
 
 
 @dataclass
@@ -407,6 +471,8 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
         base, index = args
         if isinstance(base, Pos):
             return base
+        if isinstance(base, TopK):  # (values, indices) = topk(scores, k)
+            return (TopWeights(base.scores, base.k), TopIndices(base.scores, base.k))[_const(index)]
         if isinstance(base, Split):
             start, stop = base.bounds[_const(index)]
             piece = _slice_value(fx_node, base.x, base.dim, start, stop, 1, st, source, fused=True)
@@ -438,11 +504,14 @@ NEEDS: dict[Any, str] = {
                              "computed from the weight), which the layer_norm op does not cover",
     aten.native_layer_norm.default: "a LayerNorm whose statistics are used as well, which the layer_norm op does not "
                                     "return",
-    aten.softmax.int: "a softmax over per-token values outside attention, such as a mixture-of-experts router "
-                      "(softmax, top-k, expert dispatch), which the IR has no op for",
-    aten._softmax.default: "a softmax over per-token values outside attention, such as a mixture-of-experts router "
-                           "(softmax, top-k, expert dispatch), which the IR has no op for",
-    aten.topk.default: "a top-k over per-token values, such as a mixture-of-experts router, which the IR has no op for",
+    aten.softmax.int: "a softmax over per-token values other than a mixture-of-experts router's (over the experts' "
+                      "logits, followed by a top-k), which the IR has no op for",
+    aten._softmax.default: "a softmax over per-token values other than a mixture-of-experts router's (over the "
+                           "experts' logits, followed by a top-k), which the IR has no op for",
+    aten.topk.default: "a top-k of something other than a mixture-of-experts router's softmax or sigmoid scores",
+    aten.one_hot.default: "a mixture-of-experts block whose experts dispatch tokens in their own code (one_hot, "
+                          "nonzero, index_add) instead of transformers' experts interface, which the tracer turns into "
+                          "one node",
     aten.matmul.default: "attention written out as matmul + softmax (eager attention) or another product of two "
                          "activations; the IR takes attention only from scaled_dot_product_attention",
     aten.bmm.default: "attention written out as matmul + softmax (eager attention) or another product of two "
@@ -496,6 +565,8 @@ def _const(v: Any) -> Any:
 # --- rules: one per ATen op, each returning an abstract value or NotImplemented -----------------
 def _identity(fx_node, args, kwargs, st, ctx, source):
     x = args[0]
+    if isinstance(x, TopWeights) and fx_node.target in DTYPE_CASTS:  # Qwen-MoE's weights.to(logits.dtype)
+        return TopWeights(x.scores, x.k, x.renormalized, cast=True)
     if isinstance(x, Tok):
         return Tok(x.value, _layout_of(fx_node), x.repeat)
     return x
@@ -845,6 +916,12 @@ def _sub_op(fx_node, args, kwargs, st, ctx, source):
 
 def _div(fx_node, args, kwargs, st, ctx, source):
     a, b = args[0], args[1]
+    # renormalised in fp32, before any cast to the activations' dtype (the moe op's order)
+    if isinstance(a, TopWeights) and isinstance(b, TopWeightsSum) and b.weights == a and not (a.renormalized or a.cast):
+        renormalized = TopWeights(a.scores, a.k, True, a.cast)  # weights / weights.sum(-1): they sum to 1
+        if fx_node.target == aten.div_.Tensor:  # in place (Mixtral's /=): the divided tensor's later readers see it
+            st.env[fx_node.args[0]] = renormalized
+        return renormalized
     if isinstance(a, Tok) and isinstance(b, Const) and isinstance(b.value, (int, float)) and b.value:
         if b.value == 1:
             return a
@@ -968,6 +1045,83 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     return Tok(out, _layout_of(fx_node))
 
 
+# --- mixture of experts: the router's arithmetic, then trace.py's moe_experts node --------------------------
+def _softmax(fx_node, args, kwargs, st, ctx, source):
+    """softmax(logits, -1) (in fp32) of a linear's output: a router's scores (attention's is inside SDPA)."""
+    x = args[0]
+    dim = _const(args[1]) if len(args) > 1 else _const(kwargs.get("dim", Const(None)))
+    if isinstance(x, Tok) and x.layout.dims[-1] == "F" and dim in (-1, len(x.layout.dims) - 1):
+        return Scores(x, "softmax")
+    return NotImplemented
+
+
+def _topk(fx_node, args, kwargs, st, ctx, source):
+    """topk(scores, k) over the experts: a router's choice. Sigmoid scores were lifted as an activation (a shared
+    expert's gate is one too): its node is dropped with the router when the experts node reads the choice."""
+    x, k = args[0], _const(args[1])
+    rest = dict(zip(("dim", "largest", "sorted"), args[2:])) | kwargs
+    dim, largest = _const(rest.get("dim", Const(-1))), _const(rest.get("largest", Const(True)))
+    if isinstance(x, Tok):
+        sigmoid = st.producer.get(x.value)
+        if sigmoid is None or sigmoid.op != "activation" or sigmoid.attrs["fn"] != "sigmoid":
+            return NotImplemented
+        x = Scores(Tok(sigmoid.inputs[0], x.layout), "sigmoid", sigmoid.outputs[0])
+    if not (isinstance(x, Scores) and isinstance(k, int) and largest is True
+            and dim in (-1, len(x.logits.layout.dims) - 1)):
+        return NotImplemented
+    return TopK(x, k)
+
+
+def _sum(fx_node, args, kwargs, st, ctx, source):
+    """weights.sum(-1, keepdim=True): the denominator of the routing weights' renormalisation."""
+    x = args[0]
+    dims = _const(args[1]) if len(args) > 1 else None
+    keepdim = _const(args[2]) if len(args) > 2 else _const(kwargs.get("keepdim", Const(False)))
+    if isinstance(x, TopWeights) and dims in ([-1], [1]) and keepdim is True:
+        return TopWeightsSum(x)
+    return NotImplemented
+
+
+def _moe_experts(fx_node, args, kwargs, st, ctx, source):
+    """The experts node (trace.py): with the router that chose its experts, one ``moe`` op. The router's linear
+    (and a sigmoid's activation) were emitted as IR nodes on the way: they are taken back into the moe node."""
+    x, experts, weights, w_gate_up, w_down, activation = args[:6]
+    if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and isinstance(experts, TopIndices)
+            and isinstance(weights, TopWeights) and isinstance(w_gate_up, Param) and isinstance(w_down, Param)
+            and not w_gate_up.offset and not w_down.offset):
+        return NotImplemented
+    scores = experts.scores
+    if weights.scores != scores or weights.k != experts.k:
+        raise LiftError(f"the experts at {source!r} are weighted by another router's scores than the one that chose "
+                        f"them; the moe op weights each expert by its own routing score")
+    router = st.producer.get(scores.logits.value)
+    if (router is None or router.op != "linear" or router.inputs != [x.value] or router.outputs != [scores.logits.value]
+            or scores.logits.value in st.splits):
+        raise LiftError(f"the experts at {source!r} are routed by scores of something other than a linear of their "
+                        f"own input; the moe op's router is x @ gate_weight.T (+ bias)")
+    taken = {scores.logits.value, scores.sigmoid}
+    reader = next((n for n in st.nodes if taken & set(n.inputs) and n.outputs[0] != scores.sigmoid), None)
+    if reader is not None:
+        raise LiftError(f"the router logits of the experts at {source!r} are also read by {reader.op} at "
+                        f"{reader.source!r}; the moe op keeps them to itself")
+    num_experts, two_inter, hidden = st.params[w_gate_up.name].shape
+    if tuple(st.params[router.weights["weight"]].shape) != (num_experts, hidden):
+        raise LiftError(f"the router of the experts at {source!r} scores {router.attrs['out_features']} experts, "
+                        f"their weights hold {num_experts}")
+    st.nodes = [n for n in st.nodes if not taken & set(n.outputs)]
+    moe_weights = {"gate_weight": router.weights["weight"], "w_gate_up": w_gate_up.name, "w_down": w_down.name}
+    if "bias" in router.weights:
+        moe_weights["gate_bias"] = router.weights["bias"]
+    attrs = {"num_experts": int(num_experts), "top_k": experts.k, "scoring": scores.scoring,
+             "norm_topk_prob": weights.renormalized, "activation": _const(activation),
+             "intermediate_size": int(two_inter) // 2}
+    if weights.cast:
+        attrs["round_weights"] = True
+    block = ".".join(p for p, q in zip(router.source.split("."), source.split(".")) if p == q)  # their parent
+    out = _emit(st, "moe", [x.value], "moe", block or source, weights=moe_weights, attrs=attrs)
+    return Tok(out, _layout_of(fx_node))
+
+
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types entries the attention op covers
 
 
@@ -1017,6 +1171,12 @@ RULES: dict[Any, Callable] = {
     aten.rsqrt.default: _rsqrt,
     aten.sub.Tensor: _sub_op,
     aten.div.Tensor: _div,
+    aten.div_.Tensor: _div,
+    aten.softmax.int: _softmax,
+    aten._softmax.default: _softmax,
+    aten.topk.default: _topk,
+    aten.sum.dim_IntList: _sum,
+    MOE_EXPERTS_OP: _moe_experts,
     aten.tanh.default: _tanh,
     aten.stack.default: _stack,
     aten.split.Tensor: _split,

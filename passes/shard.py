@@ -243,6 +243,10 @@ def check_tp_size(graph: Graph, tp_size: int, vocab_parallel: bool = False) -> N
         raise _fail(f"tp_size must be >= 1, got {tp_size}")
     if tp_size == 1:
         return
+    moe = [n.source for n in graph.nodes if n.op == "moe"]
+    if moe:
+        raise _fail(f"tp_size {tp_size}: the model has {len(moe)} mixture-of-experts (moe) layers ({moe[0]}, ...) and "
+                    f"sharding their experts is not supported yet; build it with tp_size 1")
     m = match(graph)
     why = _divisors_ok(tp_size, graph, m, vocab_parallel)
     if why is not None:

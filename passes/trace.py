@@ -7,6 +7,7 @@ dynamic sequence length, and lifted. The builder attaches real weights afterward
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import logging
 import time
@@ -14,9 +15,10 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
-from passes.ir import Graph
-from passes.lift import LiftContext, LiftError, lift
+from passes.ir import ACTIVATIONS, Graph
+from passes.lift import LiftContext, LiftError, lift, moe_experts
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ def build_meta_model(config) -> torch.nn.Module:
 
     architecture = (getattr(config, "architectures", None) or [None])[0]
     name = f"{architecture} (model_type {config.model_type!r})" if architecture else f"model_type {config.model_type!r}"
+    config = copy.deepcopy(config)  # the experts' implementation is set on the model's config (trace_experts)
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
@@ -62,7 +65,88 @@ def build_meta_model(config) -> torch.nn.Module:
         raise LiftError(f"transformers cannot build the {name} model from its config.json "
                         f"({type(e).__name__}: {reason[:300]})") from e
     model.eval()
+    trace_experts(model)
     return model
+
+
+# --- mixture-of-experts blocks ----------------------------------------------------------------------------
+# transformers (>= 5) stores a MoE block's experts as one module of stacked weights whose forward it picks from its
+# experts interface (``config._experts_implementation``: eager, grouped_mm, batched_mm, ...); each of those
+# dispatches tokens with data-dependent ops (nonzero, sort, histc, index_add). For tracing, the experts modules run
+# this implementation instead: one ``llm_builder::moe_experts`` node the lifter turns, with the router before it,
+# into a ``moe`` op. The router itself (linear, softmax / sigmoid, top-k, renormalisation) is traced as usual.
+EXPERTS_IMPLEMENTATION = "llm_builder_trace"
+# attributes transformers' @use_experts_implementation gives an experts module, saying how its weights are laid out
+EXPERTS_LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+def _traced_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                       self.llm_builder_activation)
+
+
+def trace_experts(model: torch.nn.Module) -> int:
+    """Make every experts module of ``model`` trace as one ``moe_experts`` node; returns how many there are.
+
+    Experts modules are found by the layout attributes transformers' experts interface gives them, not by class
+    name; one whose layout or gating the moe op does not cover stops the trace with a LiftError saying what.
+    """
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
+    except ImportError:  # transformers 4.x: no experts interface (its MoE blocks keep per-expert modules)
+        return 0
+
+    found = 0
+    for path, module in model.named_modules():
+        if not all(hasattr(module, a) for a in EXPERTS_LAYOUT):
+            continue
+        problems = [what for what, bad in (
+            ("no gate projection (an up projection only)", not module.has_gate),
+            ("biases", module.has_bias),
+            ("weights stored transposed ([experts, in, out])", module.is_transposed),
+            ("gate and up rows interleaved", not module.is_concatenated),
+            ("a norm after each expert", getattr(module, "has_post_expert_norm", False)),
+            ("a gating of its own (it overrides _apply_gate)", getattr(type(module), "_apply_gate", None)
+             is not _default_apply_gate),
+        ) if bad]
+        gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+                and down.dim() == 3 and gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
+                and gate_up.shape[2] == down.shape[1]):
+            problems.append("weights other than gate_up_proj [experts, 2 * intermediate, hidden] and down_proj "
+                            "[experts, hidden, intermediate]")
+        activation = _activation_name(getattr(module, "act_fn", None))
+        if activation is None:
+            problems.append(f"an activation ({type(getattr(module, 'act_fn', None)).__name__}) other than "
+                            f"{', '.join(ACTIVATIONS)}")
+        if problems:
+            raise LiftError(f"the experts at {path!r} ({type(module).__name__}) have {'; '.join(problems)}: the moe "
+                            f"op takes experts stored as gate_up_proj [experts, 2 * intermediate, hidden] (gate rows, "
+                            f"then up rows) and down_proj [experts, hidden, intermediate], without biases, each "
+                            f"computing act(gate) * up")
+        module.llm_builder_activation = activation
+        module.config._experts_implementation = EXPERTS_IMPLEMENTATION
+        found += 1
+    if found:
+        ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, _traced_experts_forward)
+    return found
+
+
+def _activation_name(act: Callable | None) -> str | None:
+    """Which of the IR's activations ``act`` computes (tried on a few values on the CPU), or None."""
+    if act is None:
+        return None
+    x = torch.linspace(-6.0, 6.0, 97)
+    try:
+        y = act(x)
+    except Exception:  # an activation module that needs more than a tensor
+        return None
+    candidates = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+                  "relu": F.relu, "sigmoid": torch.sigmoid}
+    return next((name for name, fn in candidates.items()
+                 if isinstance(y, torch.Tensor) and y.shape == x.shape and torch.allclose(y, fn(x), rtol=0, atol=1e-6)),
+                None)
 
 
 def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:

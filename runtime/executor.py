@@ -541,6 +541,23 @@ def _silu_mul(w, attrs, ex) -> Kernel:
     return lambda xs, step: (ops.silu_mul(*xs),)
 
 
+def _moe(w, attrs, ex) -> Kernel:
+    # NOTE: the torch reference on CUDA too (no fused MoE kernel yet). It reads each expert's token count on the
+    # host, which a CUDA graph cannot capture: such steps must run eagerly
+    gate_weight, gate_bias, w_gate_up, w_down = w["gate_weight"], w.get("gate_bias"), w["w_gate_up"], w["w_down"]
+    top_k, scoring, norm = attrs["top_k"], attrs["scoring"], attrs["norm_topk_prob"]
+    fn, round_weights = attrs["activation"], attrs.get("round_weights", False)
+
+    def kernel(xs, step):
+        if xs[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            raise GraphFormatError("the moe op has no CUDA-graph-safe kernel yet (its torch implementation reads "
+                                   "each expert's token count on the host); serve with --no-cuda-graphs "
+                                   "(ServingConfig(cuda_graphs=False))")
+        return (ops.moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn, gate_bias, round_weights),)
+
+    return kernel
+
+
 def _elementwise(w, attrs, ex) -> Kernel:
     fn = attrs["fn"]
     if fn == "add":
@@ -649,6 +666,7 @@ _COMPILERS: dict[str, Callable[..., Kernel]] = {
     "activation": _activation,
     "silu_mul": _silu_mul,
     "elementwise": _elementwise,
+    "moe": _moe,
     "lm_head": _lm_head,
     "all_reduce": _all_reduce,
     "all_gather": _all_gather,

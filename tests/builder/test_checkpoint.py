@@ -264,3 +264,50 @@ def test_base_model_checkpoint_binds_and_unmapped_or_missing_tensors_are_named(t
         if name in original:
             assert torch.equal(t, original[name]), name
     assert torch.equal(graph.params["lm_head.weight"], original["model.embed_tokens.weight"])
+
+
+def test_stacked_expert_weights_bind_from_per_expert_tensors(tmp_path):
+    """A mixture of experts' per-expert checkpoint tensors (Mixtral's ``experts.10.w1.weight``) are stacked into
+    the model's ``experts.gate_up_proj`` / ``down_proj`` in expert order (10 after 9, not after 1) by transformers'
+    own conversion; a checkpoint already stored stacked binds by name; a missing expert stops the build naming the
+    weight and what it was computed from."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from builder.checkpoint import Conversion, attach_weights, weight_sources
+    from passes.trace import trace
+
+    config = AutoConfig.for_model("mixtral", vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=12,
+                                  num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "per_expert")
+    stored = load_file(tmp_path / "per_expert" / "model.safetensors")
+    expert = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
+    assert expert.format(10, "w1") in stored and "model.layers.0.mlp.experts.gate_up_proj" not in stored
+    ckpt = open_checkpoint(tmp_path / "per_expert")
+    graph, meta_model = trace(ckpt.hf_config())
+    sources = weight_sources(graph, ckpt, meta_model)
+    gate_up = sources["model.layers.0.mlp.experts.gate_up_proj"]
+    assert isinstance(gate_up, Conversion)
+    assert list(gate_up.sources.values()) == [[expert.format(e, w) for e in range(12)] for w in ("w1", "w3")]
+    attach_weights(graph, ckpt, meta_model, torch.float32)
+    state = model.state_dict()
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        assert torch.equal(graph.params[name], state[name]), name
+
+    stacked = tmp_path / "stacked"
+    shutil.copytree(tmp_path / "per_expert", stacked)
+    save_file({k: v.contiguous() for k, v in state.items()}, stacked / "model.safetensors", metadata={"format": "pt"})
+    graph, meta_model = trace(open_checkpoint(stacked).hf_config())
+    assert weight_sources(graph, open_checkpoint(stacked), meta_model)["model.layers.0.mlp.experts.down_proj"] \
+        == "model.layers.0.mlp.experts.down_proj"
+
+    save_file({k: v for k, v in stored.items() if k != expert.format(7, "w2")},
+              tmp_path / "per_expert" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"weight 'model\.layers\.0\.mlp\.experts\.down_proj', computed from 11 "
+                                              r"tensors \(\.experts\.\*\.w2\.weight\), has shape \(11, 32, 24\), "
+                                              r"config\.json implies \(12, 32, 24\)") as e:
+        attach_weights(graph, open_checkpoint(tmp_path / "per_expert"), meta_model, torch.float32)
+    assert "\n" not in str(e.value)

@@ -93,6 +93,19 @@ SUPPORTED = [
                                       attention_multiplier=0.1, logits_scaling=4.0),
            "embedding, residual and attention multipliers, logits / logits_scaling"),
     GPT_NEOX,
+    # mixture of experts: 4 experts, 2 per token (the moe op)
+    Family("Mixtral", "mixtral", dict(num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2),
+           "mixture of experts (router softmax, top-2, renormalised; fp32 routing weights), per-expert checkpoint "
+           "tensors stacked on load"),
+    Family("Qwen3-MoE", "qwen3_moe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                          norm_topk_prob=True, mlp_only_layers=[1]),
+           "mixture of experts beside a dense MLP layer (mlp_only_layers), routing weights rounded to the "
+           "activations' dtype, q/k norms"),
+    Family("Qwen2-MoE", "qwen2_moe", dict(num_hidden_layers=1, num_experts=4, num_experts_per_tok=2,
+                                          moe_intermediate_size=48, shared_expert_intermediate_size=80),
+           "mixture of experts without renormalisation, plus a shared expert MLP scaled by a sigmoid gate"),
+    Family("OLMoE", "olmoe", dict(num_hidden_layers=1, num_experts=4, num_experts_per_tok=2),
+           "mixture of experts, q/k RMSNorm over all heads"),
 ]
 
 ONE_LAYER = dict(num_hidden_layers=1)  # the lift stops in the first layer: a second would only add tracing time
@@ -105,9 +118,6 @@ NOT_YET = [
            r"op aten\.embedding\.default at module 'transformer\.wpe' combines weight transformer\.wpe\.weight with "
            r"values computed from the positions",
            "learned absolute position embeddings, and Conv1D weights stored [in, out]"),
-    NotYet(Family("Mixtral", "mixtral", ONE_LAYER),
-           r"unsupported op aten\.softmax\.int .* at module 'model\.layers\.0\.mlp\.gate'",
-           "a mixture-of-experts op (also Qwen2/3-MoE, OLMoE)"),
     NotYet(Family("Gemma 2", "gemma2", ONE_LAYER),
            r"Gemma2ForCausalLM \(model_type 'gemma2'\) refuses SDPA attention in transformers .* soft-capping of "
            r"attention scores \(attn_logit_softcapping 50\.0\)",
@@ -262,6 +272,67 @@ def test_layer_norm_rotary_and_fused_families_lift_to_the_new_attributes(build):
     assert [n["attrs"]["fn"] for n in phi2 if n["op"] == "activation"] == ["gelu_tanh"]
     assert not any(n["op"] == "elementwise" and n["attrs"]["fn"] == "scale" for n in phi2)
     assert "bias" in next(n for n in phi2 if n["op"] == "lm_head")["weights"]
+
+
+def test_moe_families_lift_to_the_moe_op(build):
+    """Each MoE block is one moe node (its router's linear taken into it) with the routing its family computes,
+    its weights the per-expert checkpoint tensors stacked as transformers stacks them; Qwen2-MoE's shared expert
+    stays ordinary linears, gated by a sigmoid; a dense layer beside a sparse one (mlp_only_layers) keeps its MLP.
+    Expert sharding and quantization are refused or skipped, saying so."""
+    from safetensors.torch import load_file
+
+    from passes import PassContext, PassError, run_passes
+    from passes.ir import Graph
+    from passes.shard import check_tp_size
+
+    def built(model_type: str) -> tuple[Built, list[dict]]:
+        b = build(next(f for f in SUPPORTED if f.model_type == model_type))
+        return b, json.loads((b.artifact / "graph.json").read_text())["nodes"]
+
+    expected = {  # model_type -> (norm_topk_prob, round_weights, intermediate_size)
+        "mixtral": (True, False, 112), "qwen3_moe": (True, True, 48), "qwen2_moe": (False, True, 48),
+        "olmoe": (False, True, 112),
+    }
+    for model_type, (norm, rounded, inter) in expected.items():
+        b, nodes = built(model_type)
+        moe = [n for n in nodes if n["op"] == "moe"]
+        assert len(moe) == 1 and moe[0]["source"] == "model.layers.0.mlp", model_type
+        attrs = moe[0]["attrs"]
+        assert (attrs["num_experts"], attrs["top_k"], attrs["scoring"], attrs["activation"]) == \
+            (4, 2, "softmax", "silu")
+        assert (attrs["norm_topk_prob"], attrs.get("round_weights", False), attrs["intermediate_size"]) == \
+            (norm, rounded, inter), model_type
+        assert moe[0]["weights"] == {"gate_weight": "model.layers.0.mlp.gate.weight",
+                                     "w_gate_up": "model.layers.0.mlp.experts.gate_up_proj",
+                                     "w_down": "model.layers.0.mlp.experts.down_proj"}
+        assert not any(n["op"] == "linear" and n["source"].endswith(".mlp.gate") for n in nodes)  # taken in
+    qwen3 = built("qwen3_moe")[1]
+    assert [n["source"] for n in qwen3 if n["op"] == "silu_mul"] == ["model.layers.1.mlp"]  # the dense layer
+    qwen2 = built("qwen2_moe")[1]
+    assert [n["attrs"]["fn"] for n in qwen2 if n["op"] == "activation"] == ["sigmoid"]
+    gate = next(n for n in qwen2 if n["op"] == "linear" and n["source"].endswith("shared_expert_gate"))
+    assert gate["attrs"]["out_features"] == 1
+    assert any(n["op"] == "silu_mul" and n["source"] == "model.layers.0.mlp.shared_expert" for n in qwen2)
+
+    mixtral, _ = built("mixtral")
+    stored = load_file(mixtral.checkpoint / "model.safetensors")
+    weights = load_file(mixtral.artifact / "weights.safetensors")
+    expert = "model.layers.0.block_sparse_moe.experts.{}.{}.weight"
+    assert torch.equal(weights["model.layers.0.mlp.experts.gate_up_proj"], torch.stack(
+        [torch.cat([stored[expert.format(e, "w1")], stored[expert.format(e, "w3")]]) for e in range(4)]))
+    assert torch.equal(weights["model.layers.0.mlp.experts.down_proj"],
+                       torch.stack([stored[expert.format(e, "w2")] for e in range(4)]))
+
+    graph = Graph.from_dict(json.loads((mixtral.artifact / "graph.json").read_text()), weights)
+    with pytest.raises(PassError, match=r"shard: tp_size 2: the model has 1 mixture-of-experts \(moe\) layers "
+                                        r"\(model\.layers\.0\.mlp, \.\.\.\) and sharding their experts is not "
+                                        r"supported yet; build it with tp_size 1"):
+        check_tp_size(graph, 2)
+    quantized, records = run_passes(graph.copy(), ["int8_wo"], PassContext())
+    # the linears are q/k/v (merged) and o_proj; the experts stay fp32
+    assert records[0].details["moe_layers_not_quantized"] == 1 and records[0].details["num_linears"] == 2
+    moe = next(n for n in quantized.nodes if n.op == "moe")
+    assert "quant" not in moe.attrs and quantized.params[moe.weights["w_gate_up"]].dtype == torch.float32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,68 @@
+"""`builder plan` on mixture-of-experts configs: total and active parameters counted against the HF models' own
+parameters, experts kept out of quantization and tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from builder.plan import PlanError, make_plan, read_model_shape, recipe_for_checkpoint
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2)
+CASES = {  # model_type -> config on top of COMMON
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    # a shared expert, and layer 1 dense (mlp_only_layers)
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=80, mlp_only_layers=[1]),
+}
+
+
+def _hf_counts(model_type: str) -> tuple[int, int, torch.nn.Module]:
+    """(parameters, idle expert parameters per token) of the HF model, built on meta from the same config."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **COMMON, **CASES[model_type]))
+    total = sum(p.numel() for p in model.parameters())
+    idle = 0
+    for module in model.modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and module.gate_up_proj.dim() == 3:
+            per_expert = (module.gate_up_proj.numel() + module.down_proj.numel()) // module.gate_up_proj.shape[0]
+            idle += (module.gate_up_proj.shape[0] - model.config.num_experts_per_tok) * per_expert
+    return total, idle, model
+
+
+def _checkpoint(tmp_path, model_type: str):
+    path = tmp_path / model_type
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": model_type, **COMMON, **CASES[model_type]}))
+    return path
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_plan_counts_total_and_active_parameters(tmp_path, model_type):
+    total, idle, model = _hf_counts(model_type)
+    qkv_biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.bias"))  # not planned
+    plan = make_plan(recipe_for_checkpoint(_checkpoint(tmp_path, model_type), ["model.dtype=bfloat16"]))
+    assert plan.num_parameters == total - qkv_biases and plan.num_active_parameters == total - qkv_biases - idle
+    assert any(f"B active per token (top 2 of {plan.model.moe.num_experts} experts" in n for n in plan.notes)
+    expert_bytes = 2 * sum(p.numel() for n, p in model.named_parameters()
+                           if ".experts." in n or n.endswith("mlp.gate.weight"))  # bf16 experts and routers
+    assert plan.weights_breakdown["experts"] == expert_bytes
+
+
+def test_plan_quantizes_no_expert_and_refuses_tp(tmp_path):
+    shape = read_model_shape(_checkpoint(tmp_path, "qwen2_moe"))
+    assert shape.moe.sparse_layers == (0, 2)
+    plan = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16", "quantization.algo=fp8"]))
+    # per layer: q/k/v merged and o_proj; a sparse layer's shared expert gate/up, down and its gate; the dense
+    # layer's gate/up and down
+    assert plan.quantized_linears == {"fp8": 3 * 2 + 2 * 3 + 2}
+    unquantized = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]))
+    assert plan.weights_breakdown["experts"] == unquantized.weights_breakdown["experts"] > 0
+    with pytest.raises(PlanError, match=r"tp_size 2: a mixture-of-experts model is built with tp_size 1 \(sharding "
+                                        r"experts is not supported yet\); pick tp_size 1"):
+        make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]), tp_size=2)
