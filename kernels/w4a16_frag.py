@@ -310,18 +310,25 @@ def _load_x_ptx(batch_tiles: int, regs: int = 16) -> str:
     return "\n".join(lines)
 
 
-def _load_group_ptx() -> str:
-    """$0..$3 <- the lane's rows' scales (tile 0 rows g, g + 8, tile 1 rows g, g + 8), $4..$7 <- their bf16x2
-    -(128 + zero); $8 scales (fp32*), $9 zeros (u8*), both at the group's first column of the program."""
-    lines = ["{", _LANE_REGS, ".reg .u32 n, z;", ".reg .b32 t;", _LANE,
+def _load_group_ptx(bits: int = 4) -> str:
+    """$0..$3 <- the lane's rows' scales (tile 0 rows g, g + 8, tile 1 rows g, g + 8), then the zero registers:
+    4 bits, $4..$7 <- their bf16x2 -(128 + zero); 8 bits (one group per channel), $4..$7 <- bf16x2
+    -(128 + zero % 16), $8..$11 <- bf16x2 -(128 + zero // 16) of the same rows. Inputs after them: scales (fp32*),
+    zeros (u8*), both at the group's first column of the program."""
+    s, z = ("$8", "$9") if bits == 4 else ("$12", "$13")
+    lines = ["{", _LANE_REGS, ".reg .u32 n, z;" if bits == 4 else ".reg .u32 n, z, y;", ".reg .b32 t;", _LANE,
              "shl.b32 n, warp, 5;", "add.u32 n, n, g;",
-             "mul.wide.u32 o, n, 4;", "add.u64 a, $8, o;",
+             "mul.wide.u32 o, n, 4;", f"add.u64 a, {s}, o;",
              "ld.global.nc.f32 $0, [a];", "ld.global.nc.f32 $1, [a+32];",
              "ld.global.nc.f32 $2, [a+64];", "ld.global.nc.f32 $3, [a+96];",
-             "cvt.u64.u32 o, n;", "add.u64 a, $9, o;"]
+             "cvt.u64.u32 o, n;", f"add.u64 a, {z}, o;"]
     for i in range(4):
-        lines += [f"ld.global.nc.u8 z, [a+{8 * i}];", "or.b32 z, z, 0xC300;", "shl.b32 t, z, 16;",
-                  f"or.b32 ${4 + i}, z, t;"]
+        lines.append(f"ld.global.nc.u8 z, [a+{8 * i}];")
+        if bits == 4:
+            lines += ["or.b32 z, z, 0xC300;", "shl.b32 t, z, 16;", f"or.b32 ${4 + i}, z, t;"]
+        else:
+            lines += ["and.b32 y, z, 15;", "or.b32 y, y, 0xC300;", "shl.b32 t, y, 16;", f"or.b32 ${4 + i}, y, t;",
+                      "shr.u32 y, z, 4;", "or.b32 y, y, 0xC300;", "shl.b32 t, y, 16;", f"or.b32 ${8 + i}, y, t;"]
     lines.append("}")
     return "\n".join(lines)
 
@@ -377,43 +384,34 @@ def _compute_ptx(batch_tiles: int, fold: bool) -> str:
     return "\n".join(lines)
 
 
-def _store_ptx(batch_tiles: int, scaled: bool) -> str:
-    """The lane's sums $2..$(8 bt + 1) (times their rows' scales $(8 bt + 2)..$(8 bt + 5) when ``scaled``: one
-    group per channel) -> the partials at $(8 bt + 6) (fp32*: the program's first column of its split), rows of
-    x < $1 (M), $(8 bt + 7) floats between rows; $0 a dummy output."""
-    n_in = 8 * batch_tiles
+def _store_ptx(batch_tiles: int, scaled: bool, bits: int = 4) -> str:
+    """The lane's sums $2..$(n + 1) (n = 8 bt; 8 bits: 16 bt in :func:`_compute8_ptx`'s order, combined as
+    16 hi + lo) -> the partials at $(n + 6) (fp32*: the program's first column of its split), times their rows'
+    scales $(n + 2)..$(n + 5) when ``scaled`` (one group per channel; 8 bits: always), rows of x < $1 (M),
+    $(n + 7) floats between rows; $0 a dummy output."""
+    per_tile = 4 * bits // 4  # sums per (tile, batch tile): 4 C registers, twice for 8 bits (low, high nibbles)
+    n_in = 2 * batch_tiles * per_tile
     s0, base, stride = n_in + 2, f"${n_in + 6}", f"${n_in + 7}"
     lines = ["{", _LANE_REGS, ".reg .u32 n, b, e;", ".reg .f32 v;", ".reg .pred p;", _LANE]
-    for i in range(n_in):
-        tile, bt, r = i // (4 * batch_tiles), (i // 4) % batch_tiles, i % 4
-        lines += ["shl.b32 n, warp, 5;",
-                  "add.u32 n, n, g;",
-                  f"mad.lo.u32 b, c, 2, {8 * bt + r % 2};",
-                  "setp.lt.u32 p, b, $1;",
-                  f"mad.lo.u32 e, b, {stride}, n;",
-                  f"add.u32 e, e, {16 * tile + 8 * (r // 2)};",
-                  "mul.wide.u32 o, e, 4;",
-                  f"add.u64 a, {base}, o;",
-                  f"mul.f32 v, ${i + 2}, ${s0 + 2 * tile + r // 2};" if scaled else f"mov.f32 v, ${i + 2};",
-                  "@p st.global.f32 [a], v;"]
+    for tile in range(2):
+        for bt in range(batch_tiles):
+            for r in range(4):
+                i = 2 + (tile * batch_tiles + bt) * per_tile + r
+                scale = f"${s0 + 2 * tile + r // 2}"
+                lines += ["shl.b32 n, warp, 5;",
+                          "add.u32 n, n, g;",
+                          f"mad.lo.u32 b, c, 2, {8 * bt + r % 2};",
+                          "setp.lt.u32 p, b, $1;",
+                          f"mad.lo.u32 e, b, {stride}, n;",
+                          f"add.u32 e, e, {16 * tile + 8 * (r // 2)};",
+                          "mul.wide.u32 o, e, 4;",
+                          f"add.u64 a, {base}, o;"]
+                if bits == 8:
+                    lines += [f"fma.rn.f32 v, ${i + 4}, 0f41800000, ${i};", f"mul.f32 v, v, {scale};"]
+                else:
+                    lines.append(f"mul.f32 v, ${i}, {scale};" if scaled else f"mov.f32 v, ${i};")
+                lines.append("@p st.global.f32 [a], v;")
     lines += ["mov.u32 $0, 0;", "}"]
-    return "\n".join(lines)
-
-
-def _load_group8_ptx() -> str:
-    """8-bit codes, one group per channel: $0..$3 <- the lane's rows' scales (as :func:`_load_group_ptx`), $4..$7
-    <- bf16x2 -(128 + zero % 16), $8..$11 <- bf16x2 -(128 + zero // 16) of the same rows; $12 scales, $13 zeros."""
-    lines = ["{", _LANE_REGS, ".reg .u32 n, z, y;", ".reg .b32 t;", _LANE,
-             "shl.b32 n, warp, 5;", "add.u32 n, n, g;",
-             "mul.wide.u32 o, n, 4;", "add.u64 a, $12, o;",
-             "ld.global.nc.f32 $0, [a];", "ld.global.nc.f32 $1, [a+32];",
-             "ld.global.nc.f32 $2, [a+64];", "ld.global.nc.f32 $3, [a+96];",
-             "cvt.u64.u32 o, n;", "add.u64 a, $13, o;"]
-    for i in range(4):
-        lines += [f"ld.global.nc.u8 z, [a+{8 * i}];",
-                  "and.b32 y, z, 15;", "or.b32 y, y, 0xC300;", "shl.b32 t, y, 16;", f"or.b32 ${4 + i}, y, t;",
-                  "shr.u32 y, z, 4;", "or.b32 y, y, 0xC300;", "shl.b32 t, y, 16;", f"or.b32 ${8 + i}, y, t;"]
-    lines.append("}")
     return "\n".join(lines)
 
 
@@ -422,7 +420,7 @@ def _compute8_ptx(batch_tiles: int) -> str:
     16 hi + lo, its nibbles unpacked as the 4-bit codes are, q - z = 16 (hi - z // 16) + (lo - z % 16) exactly, and
     the two halves multiplied into separate sums. Outputs $0..$(16 bt - 1): the sums, index (tile x batch_tiles +
     bt) x 8 + i, i < 4 the low nibbles' C registers, i >= 4 the high ones'. Inputs: 16 words, 8 bt x registers,
-    4 low and 4 high zero registers (:func:`_load_group8_ptx`), the sums."""
+    4 low and 4 high zero registers (:func:`_load_group_ptx`), the sums."""
     n_out = 16 * batch_tiles
     w0 = n_out
     x0 = w0 + 16
@@ -465,32 +463,6 @@ def _compute8_ptx(batch_tiles: int) -> str:
     return "\n".join(lines)
 
 
-def _store8_ptx(batch_tiles: int) -> str:
-    """8-bit sums $2..$(16 bt + 1) (:func:`_compute8_ptx`'s order) -> (16 hi + lo) x the row's scale
-    ($(16 bt + 2)..$(16 bt + 5)) into the partials at $(16 bt + 6), rows of x < $1, $(16 bt + 7) floats between
-    rows; $0 a dummy output."""
-    n_in = 16 * batch_tiles
-    s0, base, stride = n_in + 2, f"${n_in + 6}", f"${n_in + 7}"
-    lines = ["{", _LANE_REGS, ".reg .u32 n, b, e;", ".reg .f32 v;", ".reg .pred p;", _LANE]
-    for tile in range(2):
-        for bt in range(batch_tiles):
-            for r in range(4):
-                lo = 2 + (tile * batch_tiles + bt) * 8 + r
-                lines += ["shl.b32 n, warp, 5;",
-                          "add.u32 n, n, g;",
-                          f"mad.lo.u32 b, c, 2, {8 * bt + r % 2};",
-                          "setp.lt.u32 p, b, $1;",
-                          f"mad.lo.u32 e, b, {stride}, n;",
-                          f"add.u32 e, e, {16 * tile + 8 * (r // 2)};",
-                          "mul.wide.u32 o, e, 4;",
-                          f"add.u64 a, {base}, o;",
-                          f"fma.rn.f32 v, ${lo + 4}, 0f41800000, ${lo};",
-                          f"mul.f32 v, v, ${s0 + 2 * tile + r // 2};",
-                          "@p st.global.f32 [a], v;"]
-    lines += ["mov.u32 $0, 0;", "}"]
-    return "\n".join(lines)
-
-
 def _constraints(outputs: str, n_out: int, inputs: str) -> tl.constexpr:
     return tl.constexpr(",".join([f"={outputs}"] * n_out) + "," + inputs)
 
@@ -528,7 +500,7 @@ _X8_PTX = {bt: (tl.constexpr(_load_x_ptx(bt, 8)), _constraints("r", 8 * bt, "l,r
 _C8_PTX = {bt: (tl.constexpr(_compute8_ptx(bt)),
                 _constraints("f", 16 * bt, ",".join([_regs("r", 16 + 8 * bt), _regs("r", 8), _regs("f", 16 * bt)])))
            for bt in BATCH_TILE_COUNTS}
-_S8_PTX = {bt: (tl.constexpr(_store8_ptx(bt)), tl.constexpr("=r,r," + _regs("f", 16 * bt + 4) + ",l,r"))
+_S8_PTX = {bt: (tl.constexpr(_store_ptx(bt, True, 8)), tl.constexpr("=r,r," + _regs("f", 16 * bt + 4) + ",l,r"))
            for bt in BATCH_TILE_COUNTS}
 _X8_1_PTX, _X8_1_CONS = _X8_PTX[1]
 _X8_2_PTX, _X8_2_CONS = _X8_PTX[2]
@@ -539,7 +511,7 @@ _C8_4_PTX, _C8_4_CONS = _C8_PTX[4]
 _S8_1_PTX, _S8_1_CONS = _S8_PTX[1]
 _S8_2_PTX, _S8_2_CONS = _S8_PTX[2]
 _S8_4_PTX, _S8_4_CONS = _S8_PTX[4]
-_GROUP8_PTX = tl.constexpr(_load_group8_ptx())
+_GROUP8_PTX = tl.constexpr(_load_group_ptx(8))
 _GROUP8_CONS = tl.constexpr("=f,=f,=f,=f," + _regs("=r", 8) + ",l,l")
 
 
