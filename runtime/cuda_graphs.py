@@ -1,5 +1,5 @@
-"""The decode step captured in CUDA graphs, one per batch-size bucket; one-sequence prefill steps, one per
-token-count bucket.
+"""The decode step captured in CUDA graphs, one per batch-size bucket; steps that carry prefill, one per
+(token bucket, sequence bucket).
 
 A decode step of a small model is dominated by launch overhead: the executor issues a few kernels per
 node from Python. Capturing the whole step (embedding to logits, fused attention over the paged cache
@@ -14,11 +14,14 @@ A batch of n sequences replays the smallest bucket >= n; rows n..bucket-1 are pa
 KV write skips it), sequence length 1 over block 0 (read, never written; its output is dropped).
 Sampling runs after the replay, outside the graph.
 
-A prefill step of one sequence (a fresh prompt, or one chunk of it: the batch-1 time to first token) replays
-:class:`PrefillGraphs`' graph of the smallest token bucket >= its n new tokens: tokens n..bucket-1 are padding
-(slot -1, position 0, after the sequence's end in cu_seqlens_q, so the prefill attention gives them no tile),
-and the logits are those of token n - 1. Steps of several sequences, and prompts longer than the largest
-bucket, run eagerly.
+A step that carries prefill (fresh prompts, chunks of long ones, and the decodes running beside them: one
+new token each) replays :class:`StepGraphs`' graph of the smallest token bucket >= its T new tokens and the
+smallest sequence bucket >= its S sequences. It runs the varlen prefill attention over every sequence (a decode
+is a sequence of one new token), whose grid depends on the bucket only (T // BLOCK_M + S tiles). Padding:
+tokens T..bucket-1 get slot -1 (the KV write skips them) and position 0 and lie past cu_seqlens_q[S], so no
+tile reads them; sequences S..bucket-1 have no new tokens (cu_seqlens_q stays at T, context 0), so their
+tiles exit at once; the logits rows past the step's sampling rows read row 0 and are dropped. Steps larger
+than the largest buckets run eagerly.
 
 NOTE: nothing in the captured step may synchronise with the host or allocate from Python values; the
 executor's kernel path and ``kernels.paged_attention`` are written for that (grid sizes from shapes).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -153,78 +157,162 @@ class DecodeGraphs:
         return logits[:n]
 
 
-class PrefillGraphs:
-    """CUDA graphs of a one-sequence prefill step for every token bucket up to ``max_tokens`` (see the module
-    docstring). ``capture=False`` runs the same padded step eagerly instead of replaying it (tests on the CPU,
-    where the kernels run under the Triton interpreter)."""
+# Token buckets of steps carrying prefill: past 64 each at most 1.5x the one before (padding costs compute there);
+# sequence buckets: powers of 4 (a padded sequence costs an lm_head row and attention tiles that exit at once)
+DEFAULT_STEP_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 
-    def __init__(self, executor: Executor, storage: PagedKVStorage, max_tokens: int, max_seq_len: int,
-                 buckets: tuple[int, ...] = DEFAULT_PREFILL_BUCKETS, capture: bool = True,
+
+def powers(base: int, limit: int) -> tuple[int, ...]:
+    """1, base, base^2, ... below ``limit``, and ``limit`` itself."""
+    out = [1]
+    while out[-1] * base < limit:
+        out.append(out[-1] * base)
+    return tuple(sorted(set(out) | {limit}))
+
+
+@dataclass
+class PackedStep:
+    """A step's sequences packed on the host: what the eager path turns into tensors and the step graphs copy
+    into their static buffers (``ServingEngine._pack``)."""
+
+    input_ids: list[int]  # [T] the new tokens, sequences back to back
+    positions: list[int]  # [T]
+    slots: list[int]  # [T] flat cache slot of each new token
+    cu_seqlens_q: list[int]  # [S + 1]
+    context_lens: list[int]  # [S] tokens cached before the step
+    block_tables: list[list[int]]  # [S] each sequence's blocks (its new tokens' included)
+    logits_rows: list[int]  # rows whose logits are sampled, in order
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+class StepGraphs:
+    """CUDA graphs of steps that carry prefill, one per (token bucket, sequence bucket) with the sequence bucket
+    at most the token bucket (see the module docstring). ``capture=False`` runs the same padded step eagerly
+    instead of replaying it (tests on the CPU, where the kernels run under the Triton interpreter).
+
+    Every graph copies its logits into one static buffer [max sequences, vocab] outside the graphs' pool, so
+    the pool holds one step's activations whatever the number of graphs; they are shared: replays are
+    stream-ordered and a step's logits are consumed before the next replay is queued."""
+
+    def __init__(self, executor: Executor, storage: PagedKVStorage, max_tokens: int, max_num_seqs: int,
+                 max_seq_len: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
+                 seq_buckets: tuple[int, ...] | None = None, capture: bool = True,
                  capture_error_mode: str = "global") -> None:
         self.executor, self.storage = executor, storage
-        self.buckets = sorted(b for b in buckets if b <= max_tokens)
+        self.token_buckets = sorted({b for b in token_buckets if b < max_tokens} | {max_tokens})
+        top_seqs = min(max_num_seqs, max_tokens)
+        seq_buckets = powers(4, top_seqs) if seq_buckets is None else seq_buckets
+        self.seq_buckets = sorted({b for b in seq_buckets if b < top_seqs} | {top_seqs})
         device = storage.device
-        top = self.buckets[-1] if self.buckets else 0
+        top_t, top_s = self.token_buckets[-1], self.seq_buckets[-1]
         self.max_blocks = -(-max_seq_len // storage.block_size)
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(1, self.max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(1, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.zeros(2, dtype=torch.int32, device=device)
-        self.logits_index = torch.zeros(1, dtype=torch.long, device=device)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if capture and self.buckets:
+        self.input_ids = torch.zeros(top_t, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top_t, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((top_t,), -1, dtype=torch.long, device=device)
+        self.logits_index = torch.zeros(top_s, dtype=torch.long, device=device)
+        self.block_tables = torch.zeros(top_s, self.max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(top_s, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(top_s, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.zeros(top_s + 1, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None  # [top_s, vocab], allocated at the first capture
+        pin = device.type == "cuda"
+        # host staging, two sets used in turn: [ids | positions | slots | logits rows] and
+        # [seq_lens | context_lens | cu_seqlens_q], block tables
+        self._staging = [(torch.zeros(3 * top_t + top_s, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(3 * top_s + 1, dtype=torch.int32, pin_memory=pin),
+                          torch.zeros(top_s, self.max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._turn = 0
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        if capture:
             start = time.perf_counter()
             pool = torch.cuda.graph_pool_handle()  # its own: a decode graph's logits may still be read
-            for b in reversed(self.buckets):
-                self._graphs[b] = self._capture(b, pool, capture_error_mode)
-            log.info("captured one-sequence prefill CUDA graphs for %s tokens in %.1fs", self.buckets,
-                     time.perf_counter() - start)
+            for key in sorted(self.keys(), reverse=True):  # largest first: the smaller ones reuse its memory
+                self._graphs[key] = self._capture(*key, pool, capture_error_mode)
+            log.info("captured %d CUDA graphs of steps carrying prefill (tokens %s x sequences %s) in %.1fs",
+                     len(self._graphs), self.token_buckets, self.seq_buckets, time.perf_counter() - start)
 
-    def _step_input(self, b: int) -> StepInput:
-        md = PagedAttentionMetadata(self.storage.k, self.storage.v, self.slot_mapping[:b], self.block_tables,
-                                    self.seq_lens, self.context_lens, self.cu_seqlens_q, decode_only=False)
-        return StepInput(self.input_ids[:b], self.positions[:b], [], self.logits_index, paged=md)
+    def keys(self) -> list[tuple[int, int]]:
+        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
 
-    def _capture(self, b: int, pool, capture_error_mode: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        self.cu_seqlens_q.copy_(torch.tensor([0, b], dtype=torch.int32))  # warm-up: a whole bucket of real rows
-        self.seq_lens.fill_(b)
-        return capture_step(self.executor, self._step_input(b), pool, capture_error_mode)
+    def _step_input(self, t: int, s: int) -> StepInput:
+        md = PagedAttentionMetadata(self.storage.k, self.storage.v, self.slot_mapping[:t], self.block_tables[:s],
+                                    self.seq_lens[:s], self.context_lens[:s], self.cu_seqlens_q[:s + 1],
+                                    decode_only=False)
+        return StepInput(self.input_ids[:t], self.positions[:t], [], self.logits_index[:s], paged=md)
+
+    def _capture(self, t: int, s: int, pool, capture_error_mode: str) -> torch.cuda.CUDAGraph:
+        log.debug("capturing the step of %d tokens over %d sequences", t, s)
+        # warm-up state: all t tokens one sequence's, written nowhere (slot -1)
+        self.slot_mapping[:t].fill_(-1)
+        self.cu_seqlens_q[:s + 1].fill_(t)
+        self.cu_seqlens_q[0] = 0
+        self.context_lens[:s].zero_()
+        self.seq_lens[:s].fill_(0)
+        self.seq_lens[0] = t
+        inp = self._step_input(t, s)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # autotuning and lazy initialisation happen outside the capture
+                out = self.executor.forward(inp)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        if self.logits is None:
+            self.logits = torch.empty(self.seq_buckets[-1], out.shape[1], dtype=out.dtype, device=out.device)
+        del out
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
+            self.logits[:s].copy_(self.executor.forward(inp))
+        return graph
 
     def close(self) -> None:
-        for graph, _ in self._graphs.values():
+        for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()
 
-    def bucket_for(self, num_tokens: int) -> int | None:
-        return next((b for b in self.buckets if b >= num_tokens), None)
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+        t = next((b for b in self.token_buckets if b >= num_tokens), None)
+        s = next((b for b in self.seq_buckets if b >= num_seqs), None)
+        return None if t is None or s is None or s > t else (t, s)
 
-    def run(self, input_ids: list[int], context: int, table: list[int]) -> torch.Tensor:
-        """The step of ``len(input_ids)`` new tokens of one sequence with ``context`` tokens already cached in
-        the blocks of ``table`` (which holds the new ones' slots too); returns the last token's logits [1, vocab]
-        (a view of the graph's output buffer, valid until its next replay). The inputs are copied from pageable
-        host memory: the host may reuse it at once."""
-        n = len(input_ids)
-        b = self.bucket_for(n)
-        assert b is not None and n >= 1, f"{n} tokens: no prefill bucket (largest {self.buckets[-1:]})"
-        bs = self.storage.block_size
-        pad = b - n
-        slots = [table[p // bs] * bs + p % bs for p in range(context, context + n)]
-        longs = torch.tensor([list(input_ids) + [0] * pad, list(range(context, context + n)) + [0] * pad,
-                              slots + [-1] * pad], dtype=torch.long)
-        self.input_ids[:b].copy_(longs[0])
-        self.positions[:b].copy_(longs[1])
-        self.slot_mapping[:b].copy_(longs[2])
-        ints = torch.tensor([context + n, context, 0, n], dtype=torch.int32)
-        self.seq_lens.copy_(ints[0:1])
-        self.context_lens.copy_(ints[1:2])
-        self.cu_seqlens_q.copy_(ints[2:4])
-        self.logits_index.fill_(n - 1)
-        self.block_tables[0, :len(table)].copy_(torch.tensor(table, dtype=torch.int32))
-        if b not in self._graphs:  # not captured: the same padded step, eagerly
-            return self.executor.forward(self._step_input(b))
-        graph, logits = self._graphs[b]
+    def run(self, step: PackedStep) -> torch.Tensor:
+        """Replay (or, without graphs, run eagerly) the padded step; returns the logits of
+        ``step.logits_rows`` [len(logits_rows), vocab] (a view of the static buffer, valid until the next
+        run). The inputs travel through pinned staging buffers used in turn, as in ``DecodeGraphs.run``."""
+        n, num_seqs, rows = step.num_tokens, step.num_seqs, len(step.logits_rows)
+        key = self.bucket_for(n, num_seqs)
+        assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences: no step bucket"
+        t, s = key
+        longs, ints, tabs = self._staging[self._turn]
+        self._turn ^= 1
+        pad_t, pad_s = t - n, s - num_seqs
+        longs[:3 * t + s] = torch.tensor(step.input_ids + [0] * pad_t + step.positions + [0] * pad_t
+                                         + step.slots + [-1] * pad_t + step.logits_rows + [0] * (s - rows),
+                                         dtype=torch.long)
+        seq_lens = [c + step.cu_seqlens_q[i + 1] - step.cu_seqlens_q[i] for i, c in enumerate(step.context_lens)]
+        ints[:3 * s + 1] = torch.tensor(seq_lens + [0] * pad_s + step.context_lens + [0] * pad_s
+                                        + step.cu_seqlens_q + [n] * pad_s, dtype=torch.int32)
+        width = max(len(table) for table in step.block_tables)
+        tabs[:s, :width] = torch.tensor([table + [0] * (width - len(table)) for table in step.block_tables]
+                                        + [[0] * width] * pad_s, dtype=torch.int32)
+        nb = longs.is_pinned()
+        self.input_ids[:t].copy_(longs[:t], non_blocking=nb)
+        self.positions[:t].copy_(longs[t:2 * t], non_blocking=nb)
+        self.slot_mapping[:t].copy_(longs[2 * t:3 * t], non_blocking=nb)
+        self.logits_index[:s].copy_(longs[3 * t:3 * t + s], non_blocking=nb)
+        self.seq_lens[:s].copy_(ints[:s], non_blocking=nb)
+        self.context_lens[:s].copy_(ints[s:2 * s], non_blocking=nb)
+        self.cu_seqlens_q[:s + 1].copy_(ints[2 * s:3 * s + 1], non_blocking=nb)
+        self.block_tables[:s, :width].copy_(tabs[:s, :width], non_blocking=nb)
+        graph = self._graphs.get(key)
+        if graph is None:  # not captured: the same padded step, eagerly
+            return self.executor.forward(self._step_input(t, s))[:rows]
         graph.replay()
-        return logits
+        return self.logits[:rows]

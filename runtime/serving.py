@@ -32,6 +32,7 @@ import torch
 
 from runtime.block_pool import BlockPool
 from runtime.engine import Engine, RequestError
+from runtime.cuda_graphs import PackedStep
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_manager import KVCacheManager
 from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget, estimate_workspace_bytes,
@@ -72,9 +73,10 @@ class ServingConfig:
     num_blocks: int | None = None  # explicit number of KV blocks (tests, benchmarks); overrides the bytes
     request_timeout_s: float | None = None  # default per-request deadline, from arrival; None = none
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA with kernels only); off to debug
-    # with cuda_graphs: one-sequence prefill steps of up to this many tokens replay CUDA graphs too (token buckets;
-    # 0 = eager prefill; default from RUNTIME_PREFILL_GRAPH_TOKENS, else 512)
-    prefill_graph_tokens: int = field(default_factory=lambda: _env_int("RUNTIME_PREFILL_GRAPH_TOKENS", 512))
+    # with cuda_graphs: steps that carry prefill (with the decodes beside them) of up to this many tokens replay
+    # CUDA graphs too, one per (token bucket, sequence bucket) (runtime.cuda_graphs.StepGraphs); capped at
+    # max_num_batched_tokens; 0 = eager; default from RUNTIME_PREFILL_GRAPH_TOKENS, else 2048
+    prefill_graph_tokens: int = field(default_factory=lambda: _env_int("RUNTIME_PREFILL_GRAPH_TOKENS", 2048))
     # with CUDA-graph decode: while requests decode, a new prompt waits up to this long (unless a quarter of
     # max_num_batched_tokens is waiting) so that arrivals are prefilled together and the steps between them replay
     # the decode graph instead of running eagerly (SchedulerConfig.prefill_hold_s); 0 admits at once. Default
@@ -167,9 +169,9 @@ class ServingEngine:
                                  config.enable_prefix_caching, hash_extra=dtypes)
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.graphs = None
-        self.prefill_graphs = None  # PrefillGraphs: a one-sequence prefill step of up to prefill_graph_tokens
+        self.step_graphs = None  # StepGraphs: steps carrying prefill, of up to prefill_graph_tokens tokens
         if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
-            from runtime.cuda_graphs import DecodeGraphs, PrefillGraphs
+            from runtime.cuda_graphs import DecodeGraphs, StepGraphs
 
             graphs = DecodeGraphs
             tp = getattr(self.executor, "tp_size", 1) > 1
@@ -179,8 +181,8 @@ class ServingEngine:
                                  self.scheduler_config.max_seq_len)
             max_tokens = min(config.prefill_graph_tokens, self.scheduler_config.max_num_batched_tokens)
             if not tp and max_tokens > 1:  # (tensor parallelism: the ranks would need to replay in lockstep)
-                self.prefill_graphs = PrefillGraphs(self.executor, self.storage, max_tokens,
-                                                    self.scheduler_config.max_seq_len)
+                self.step_graphs = StepGraphs(self.executor, self.storage, max_tokens,
+                                              self.scheduler_config.max_num_seqs, self.scheduler_config.max_seq_len)
             # decode-only steps are graph replays and much cheaper than eager ones that carry a prompt
             self.scheduler_config.prefill_hold_s = config.prefill_hold_ms / 1000
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
@@ -210,9 +212,9 @@ class ServingEngine:
             self._drop_inflight()
             self.graphs.close()  # before the ranks leave the process group: the graphs hold NCCL resources
             self.graphs = None
-        if self.prefill_graphs is not None:
-            self.prefill_graphs.close()
-            self.prefill_graphs = None
+        if self.step_graphs is not None:
+            self.step_graphs.close()
+            self.step_graphs = None
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
@@ -339,12 +341,10 @@ class ServingEngine:
                 self._inflight = _InFlight.launched(sched, self._sample(logits, sampling))
                 self.num_steps += 1
                 return outputs
-        elif self.prefill_graphs is not None and len(sched.seqs) == 1 \
-                and self.prefill_graphs.bucket_for(sched.seqs[0].num_new) is not None:
-            q = sched.seqs[0]  # one sequence's prefill (or a chunk of it): its token bucket's graph
-            ids = q.request.token_ids[q.num_context:q.num_context + q.num_new]
-            logits = self.prefill_graphs.run(ids, q.num_context, self.kv.block_table(q.request.request_id))
-            sampling = [q.request] if q.samples else []
+        elif self.step_graphs is not None \
+                and self.step_graphs.bucket_for(sched.num_batched_tokens, len(sched.seqs)) is not None:
+            packed, sampling = self._pack(sched)  # prefill with the decodes beside it: its buckets' graph
+            logits = self.step_graphs.run(packed)
         else:
             inp, sampling = self._prepare(sched)
             logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
@@ -510,28 +510,45 @@ class ServingEngine:
                 step.read()
             except Exception as e:  # a failed device (finish_all after an error) must not fail the cleanup
                 log.warning("dropping the in-flight decode step: %s", e)
-    def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
-        """Pack the scheduled sequences into one step over the paged cache."""
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[SeqSlice] = []
-        logits_rows: list[int] = []
+    def _pack(self, sched: SchedulerOutput) -> tuple[PackedStep, list[Request]]:
+        """The scheduled sequences packed back to back on the host, and the requests that sample, in order."""
+        bs = self.block_size
+        step = PackedStep([], [], [], [0], [], [], [])
         sampling: list[Request] = []
         for seq in sched.seqs:
             request, start, n = seq.request, seq.num_context, seq.num_new
-            ids.extend(request.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            kv = PagedSequenceKV(self.storage, self.kv.block_table(request.request_id), start)
-            seqs.append(SeqSlice(kv, start, n))
+            table = self.kv.block_table(request.request_id)
+            step.input_ids.extend(request.token_ids[start:start + n])
+            step.positions.extend(range(start, start + n))
+            step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            step.cu_seqlens_q.append(len(step.input_ids))
+            step.context_lens.append(start)
+            step.block_tables.append(table)
             if seq.samples:
-                logits_rows.append(len(ids) - 1)
+                step.logits_rows.append(len(step.input_ids) - 1)
                 sampling.append(request)
+        return step, sampling
+
+    def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
+        """Pack the scheduled sequences into one step over the paged cache (the eager path)."""
+        step, sampling = self._pack(sched)
         device = self.device
-        inp = StepInput(torch.tensor(ids, dtype=torch.long, device=device),
-                        torch.tensor(positions, dtype=torch.long, device=device), seqs,
-                        torch.tensor(logits_rows, dtype=torch.long, device=device))
-        if self.executor.use_kernels:
-            inp.paged = self._paged_metadata(sched)
+
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        seqs = [SeqSlice(PagedSequenceKV(self.storage, self.kv.block_table(q.request.request_id), q.num_context),
+                         q.num_context, q.num_new) for q in sched.seqs]
+        inp = StepInput(tensor(step.input_ids), tensor(step.positions), seqs, tensor(step.logits_rows))
+        if self.executor.use_kernels:  # the fused attention kernels read the cache through these
+            width = max(len(t) for t in step.block_tables)
+            cu = step.cu_seqlens_q
+            inp.paged = PagedAttentionMetadata(
+                self.storage.k, self.storage.v, tensor(step.slots),
+                tensor([t + [0] * (width - len(t)) for t in step.block_tables], torch.int32),
+                tensor([c + cu[i + 1] - cu[i] for i, c in enumerate(step.context_lens)], torch.int32),
+                tensor(step.context_lens, torch.int32), tensor(cu, torch.int32),
+                all(q.num_new == 1 for q in sched.seqs))
         return inp, sampling
 
     def _replay(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -547,27 +564,6 @@ class ServingEngine:
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
         return self.graphs.run(ids if input_ids is None else input_ids, positions, slots, tables)
-
-    def _paged_metadata(self, sched: SchedulerOutput) -> PagedAttentionMetadata:
-        """Block tables, slots and lengths of the step as tensors, for the fused attention kernels."""
-        bs = self.block_size
-        tables = [self.kv.block_table(q.request.request_id) for q in sched.seqs]
-        width = max(len(t) for t in tables)
-        slots: list[int] = []
-        for q, table in zip(sched.seqs, tables):
-            slots.extend(table[p // bs] * bs + p % bs for p in range(q.num_context, q.num_context + q.num_new))
-        cu = [0]
-        for q in sched.seqs:
-            cu.append(cu[-1] + q.num_new)
-
-        def i32(values):
-            return torch.tensor(values, dtype=torch.int32, device=self.device)
-
-        return PagedAttentionMetadata(
-            self.storage.k, self.storage.v, torch.tensor(slots, dtype=torch.long, device=self.device),
-            i32([t + [0] * (width - len(t)) for t in tables]),
-            i32([q.num_context + q.num_new for q in sched.seqs]), i32([q.num_context for q in sched.seqs]),
-            i32(cu), all(q.num_new == 1 for q in sched.seqs))
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Detokenize the new token, check stop conditions, and finish the request if it is done."""

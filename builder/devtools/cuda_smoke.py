@@ -39,6 +39,24 @@ def check(path: str, num_tokens: int = 64) -> str:
             f"{g.decode_tokens_per_s:.0f} | {time.perf_counter() - t:.2f} s |")
 
 
+def staggered(srv: ServingEngine, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Half the prompts first, the rest after a few decode steps, so that steps mix their prefill with the
+    others' decodes; returns each prompt's outputs (token ids in ``token_ids``), in order."""
+    from runtime.outputs import RequestOutput
+
+    half = len(prompts) // 2
+    ids = [srv.add_request(p, params) for p in prompts[:half]]
+    tokens: dict[str, list[int]] = {}
+    for step in range(10 ** 6):
+        if step == 3:
+            ids += [srv.add_request(p, params) for p in prompts[half:]]
+        elif step > 3 and not srv.has_unfinished:
+            break
+        for out in srv.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+    return [RequestOutput(i, "", tokens.get(i, []), None, True, None, 0, 0) for i in ids]
+
+
 def check_serving(path: str, num_tokens: int = 64) -> str:
     """The serving engine on CUDA (Triton kernels, paged cache, CUDA-graph decode) against the CPU
     offline engine on the torch reference ops: greedy tokens of a batch of prompts, and batch-1 decode."""
@@ -54,12 +72,13 @@ def check_serving(path: str, num_tokens: int = 64) -> str:
         srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=8, cuda_graphs=graphs,
                                                              kv_cache_bytes=256 << 20))
         outs = srv.run(prompts, params)  # with graphs: the overlapped decode pipeline
-        outs += [srv.run([p], params)[0] for p in prompts]  # one sequence at a time: the prefill graphs
+        outs += [srv.run([p], params)[0] for p in prompts]  # one sequence at a time: one-sequence step graphs
+        outs += staggered(srv, prompts, params)  # prompts arriving while others decode: mixed step graphs
         agree = sum(sum(x == y for x, y in zip(o.token_ids, cpu.generate(p, params).token_ids))
-                    for p, o in zip(prompts + prompts, outs))
+                    for p, o in zip(prompts * 3, outs))
         sampled.append([o.token_ids for o in srv.run(prompts, seeded)])
         lat = latency(srv, 64, 128, repeats=3)
-        total = 2 * num_tokens * len(prompts)
+        total = 3 * num_tokens * len(prompts)
         rows.append(f"| {path} | kernels, graphs {'on' if graphs else 'off'} | {agree}/{total} | "
                     f"{lat.decode_tok_s:.0f} | {lat.ttft_ms:.1f} ms |")
         del srv

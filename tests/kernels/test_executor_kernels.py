@@ -46,39 +46,52 @@ def test_paged_kernels_match_the_reference_path(tmp_path, family):
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
-def test_one_sequence_prefill_padded_to_its_token_bucket(tmp_path):
-    """PrefillGraphs' padded step (tokens past the sequence: slot -1, position 0, outside cu_seqlens_q; logits of
-    the last real token), run eagerly through the kernels here (the CUDA graphs replay exactly this step), gives
-    the reference path's tokens and logprobs: fresh prompts padded to 8, 16 and 32 tokens, a prompt prefilled in
-    32-token chunks (the second with a cached context), and a prefix-cache hit."""
-    from runtime.cuda_graphs import PrefillGraphs
+def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
+    """StepGraphs' padded step (tokens past the step: slot -1, position 0, past cu_seqlens_q's end; sequences past
+    it: no new tokens; logits rows past the sampling ones: row 0, dropped), run eagerly through the kernels here
+    (the CUDA graphs replay exactly this step), gives the reference path's tokens and logprobs: prompts one at a
+    time (padded to 8, 16 and 32 tokens, one prefilled in two 32-token chunks, a prefix-cache hit), then all of them
+    at once, so that steps mix several prompts' chunks with the decodes of the others (padded to 2-8 sequences)."""
+    from runtime.cuda_graphs import StepGraphs
 
     path = build_artifact(make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"]), tmp_path / "art")
     ref = Engine.load(path, use_kernels=False)
     fused = ServingEngine(Engine.load(path, use_kernels=True),
-                          ServingConfig(num_blocks=24, max_num_batched_tokens=32, max_seq_len=128))
-    fused.prefill_graphs = graphs = PrefillGraphs(fused.executor, fused.storage, 32, 128, buckets=(8, 16, 32),
-                                                  capture=False)
+                          ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
+    fused.step_graphs = graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 128, token_buckets=(8, 16, 32),
+                                            capture=False)
+    assert graphs.seq_buckets == [1, 4, 8] and graphs.bucket_for(9, 5) == (16, 8) and graphs.bucket_for(33, 1) is None
     runs, real_run = [], graphs.run
 
-    def spy(ids, context, table):
-        runs.append((len(ids), context))
-        return real_run(ids, context, table)
+    def spy(step):
+        runs.append((step.num_tokens, step.num_seqs, step.context_lens[0], len(step.logits_rows)))
+        return real_run(step)
 
     graphs.run = spy
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 13, 32, 50)]
     prompts.append(prompts[3][:40] + [7, 8, 9])  # its first two blocks (16 tokens each) are cached by then
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
-    for prompt in prompts:
+    wants = [ref.generate(prompt, params) for prompt in prompts]
+    for prompt, want in zip(prompts, wants):
         out = fused.run([prompt], params)[0]
-        want = ref.generate(prompt, params)
         assert out.token_ids == want.token_ids
         got = torch.tensor([lp.logprob for lp in out.logprobs])
         assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
-    assert (5, 0) in runs and (13, 0) in runs and (32, 0) in runs  # padded to 8 and 16; a whole bucket
-    assert (32, 0) in runs and (18, 32) in runs  # the 50-token prompt in two chunks
-    assert (11, 32) in runs  # the prefix-cache hit: 32 tokens cached, 11 new
+    assert (5, 1, 0, 1) in runs and (13, 1, 0, 1) in runs and (32, 1, 0, 1) in runs  # padded to 8 and 16; whole
+    assert (32, 1, 0, 0) in runs and (18, 1, 32, 1) in runs  # the 50-token prompt in two chunks
+    assert (11, 1, 32, 1) in runs  # the prefix-cache hit: 32 tokens cached, 11 new
+    assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
+
+    runs.clear()
+    fresh = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (9, 30, 3, 21)]
+    more = [ref.generate(prompt, params) for prompt in fresh]
+    for out, want in zip(fused.run(prompts + fresh, params), wants + more):
+        assert out.token_ids == want.token_ids
+        got = torch.tensor([lp.logprob for lp in out.logprobs])
+        assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
+    mixed = [r for r in runs if r[1] > 1 and r[0] > r[1]]  # several sequences, some prefilling
+    assert mixed and any(r[1] not in graphs.seq_buckets for r in mixed), runs  # padded sequences too
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 

@@ -186,7 +186,7 @@ def test_memory_plan(engine):
 def test_prefill_graph_tokens_from_the_environment_and_checked(monkeypatch):
     from runtime.serving import ServingConfig
 
-    assert ServingConfig().prefill_graph_tokens == 512
+    assert ServingConfig().prefill_graph_tokens == 2048
     monkeypatch.setenv("RUNTIME_PREFILL_GRAPH_TOKENS", "0")
     assert ServingConfig().prefill_graph_tokens == 0  # eager prefill (A/B measurements)
     with pytest.raises(ValueError, match="prefill_graph_tokens must be >= 0, got -1"):
