@@ -415,17 +415,17 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
 
 # --- prefill ----------------------------------------------------------------------------------------
 @triton.jit
-def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_M: tl.constexpr):
-    """The sequence owning flat query tile ``tile``: the last i with cu[i] // BLOCK_M + i <= tile.
+def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
+    """The sequence owning flat query tile ``tile`` (BLOCK_T tokens): the last i with cu[i] // BLOCK_T + i <= tile.
 
-    Sequence i's tiles start at cu[i] // BLOCK_M + i: room for its cdiv(len_i, BLOCK_M) tiles plus at
-    most one spare, and num_tokens // BLOCK_M + num_seqs tiles in all, a bound known from shapes.
+    Sequence i's tiles start at cu[i] // BLOCK_T + i: room for its cdiv(len_i, BLOCK_T) tiles plus at
+    most one spare, and num_tokens // BLOCK_T + num_seqs tiles in all, a bound known from shapes.
     """
     lo = tile * 0
     hi = lo + num_seqs
     while lo < hi:  # binary search over [lo, hi)
         mid = (lo + hi) // 2
-        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_M + mid <= tile:
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_T + mid <= tile:
             lo = mid + 1
         else:
             hi = mid
@@ -465,30 +465,34 @@ def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         k_scale_ptr, v_scale_ptr, out_ptr, qk_scale, window, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
-    # grid: (num_tokens // BLOCK_M + num_seqs, num_heads). Program (t, h): flat query tile t (BLOCK_M
-    # rows of one sequence, ``_find_seq``) for head h, over every key its rows can see.
+        GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
+    # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
+    # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
+    # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
+    # once for the whole GQA group (a decode's one token fills GROUP rows); rows of heads >= GROUP are padding.
+    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P2
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     tile = tl.program_id(0)
-    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_M)
+    seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T)
     if seq < 0:  # only when cu_seqlens_q[0] > 0: rows before it belong to no sequence
         return
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    m_start = (tile - (q_start // BLOCK_M + seq)) * BLOCK_M  # first row of the tile within the sequence
-    if m_start >= q_len:  # a spare tile
+    t_start = (tile - (q_start // BLOCK_T + seq)) * BLOCK_T  # first token of the tile within the sequence
+    if t_start >= q_len:  # a spare tile
         return
-    head = tl.program_id(1)
-    kv_head = head // GROUP
+    kv_head = tl.program_id(1)
     context = tl.load(context_lens_ptr + seq)
     kv_len = context + q_len
 
-    offs_m = m_start + tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
+    offs_t = t_start + rows // GROUP_P2  # each row's token within the sequence
+    head = kv_head * GROUP + rows % GROUP_P2
     offs_d = tl.arange(0, HEAD_DIM)
-    m_mask = offs_m < q_len
-    q_pos = context + offs_m  # absolute positions of the tile's queries
-    q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    m_mask = (offs_t < q_len) & (rows % GROUP_P2 < GROUP)
+    q_pos = context + offs_t  # absolute positions of the rows' queries
+    q = tl.load(q_ptr + (q_start + offs_t)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)
     if FP32:
         q = q.to(tl.float32)
@@ -499,8 +503,8 @@ def _paged_prefill_kernel(
     # Key tiles [a, hi) in three runs: [a, b) and [c, hi) need masks, [b, c) is visible to every row:
     #   a: first tile holding a key the first query sees (window); hi: past the last query's position
     #   b: first tile past every row's window start;  c: end of the tiles before the first query
-    first_pos = context + m_start
-    last_pos = context + tl.minimum(m_start + BLOCK_M, q_len) - 1
+    first_pos = context + t_start
+    last_pos = context + tl.minimum(t_start + BLOCK_T, q_len) - 1
     a = (tl.maximum(first_pos - window + 1, 0) // BLOCK_N) * BLOCK_N
     hi = last_pos + 1
     b = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, a), hi)
@@ -525,7 +529,7 @@ def _paged_prefill_kernel(
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    tl.store(out_ptr + (q_start + offs_t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
@@ -552,21 +556,27 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     q = _last_dim_contiguous(q)
     block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype)
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_p2 = triton.next_power_of_2(group)
+    block_t = max(1, block_m // group_p2)  # tokens per tile: BLOCK_M rows of (token, head) pairs
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
-    _paged_prefill_kernel[(num_tokens // block_m + num_seqs, num_heads)](
+    _paged_prefill_kernel[(num_tokens // block_t + num_seqs, num_kv_heads)](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t, out,
         scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
-        GROUP=num_heads // k_cache.shape[2], HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
+        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 
 
 def _prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill, measured on an H100 (Llama-3-8B shapes,
-    ``kernels/bench/attention.py``: 64x64 within 10% of the best of 128x64, 128x128 and 64x32 at every
-    shape, and the best with short sequences). fp32 runs its matmuls on CUDA cores: smaller tiles."""
+    ``kernels/bench/attention.py``, with one head per tile: 64x64 within 10% of the best of 128x64, 128x128 and
+    64x32 at every shape, and the best with short sequences). BLOCK_M rows are (token, head) pairs of one GQA
+    group: BLOCK_M // next_power_of_2(group) tokens per tile. fp32 runs its matmuls on CUDA cores: smaller
+    tiles."""
     if dtype == torch.float32:
         return 32, 32, 4, 2
     return 64, 64, 4, 2

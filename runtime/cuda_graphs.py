@@ -17,7 +17,7 @@ Sampling runs after the replay, outside the graph.
 A step that carries prefill (fresh prompts, chunks of long ones, and the decodes running beside them: one
 new token each) replays :class:`StepGraphs`' graph of the smallest token bucket >= its T new tokens and the
 smallest sequence bucket >= its S sequences. It runs the varlen prefill attention over every sequence (a decode
-is a sequence of one new token), whose grid depends on the bucket only (T // BLOCK_M + S tiles). Padding:
+is a sequence of one new token), whose grid depends on the bucket only (T // BLOCK_T + S tiles). Padding:
 tokens T..bucket-1 get slot -1 (the KV write skips them) and position 0 and lie past cu_seqlens_q[S], so no
 tile reads them; sequences S..bucket-1 have no new tokens (cu_seqlens_q stays at T, context 0), so their
 tiles exit at once; the logits rows past the step's sampling rows read row 0 and are dropped. Steps larger

@@ -11,6 +11,8 @@
    per second); prefill of 2048 tokens as attention TFLOP/s (4 * head_dim flops per visible
    (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors.
 
+3. Steps that mix decodes with a prompt through the prefill kernel (``--mixed-only``: these alone).
+
 Exits 1 when any correctness check fails (the timing still prints), 2 without a CUDA device.
 """
 
@@ -230,6 +232,41 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     return rows
 
 
+def bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures) -> str:
+    """A serving step that carries prefill: ``num_decodes`` sequences of one new token after ``context`` cached
+    ones, then a fresh ``prompt``-token sequence, all through the varlen prefill kernel (what a step-graph replay
+    runs), beside the decode kernel over the decode rows alone (the K/V reads they need). Bandwidth counts the
+    K/V bytes every sequence must read once."""
+    kv_dtype = KV_DTYPES[kv_name]
+    lens = [max(1, context - (i % 7)) for i in range(num_decodes)] + [prompt]
+    q_lens = [1] * num_decodes + [prompt]
+    p = make_paged(lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, kv_dtype, gen)
+    q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    ctx = torch.tensor([n - q for n, q in zip(lens, q_lens)], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor(lens[:num_decodes], dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    kw = {"k_scale": p.k_scale, "v_scale": p.v_scale}
+
+    def mixed():
+        return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, **kw)
+
+    def decode():
+        return paged_decode_attention(q[:num_decodes], p.k_cache, p.v_cache, p.block_tables[:num_decodes], seq_lens,
+                                      scale, **kw)
+
+    ok, err = close(mixed(), ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, **kw))
+    if not ok:
+        failures.append(f"mixed {num_decodes}x{context}+{prompt} kv={kv_name}: max err {err:.3g}")
+    ms, _ = timings(mixed, args)
+    decode_ms, _ = timings(decode, args)
+    kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
+    decode_bytes = sum(lens[:num_decodes]) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
+    return (f"| {num_decodes} decodes x ctx {context} + {prompt}-token prompt | {kv_name} | {ms * 1e3:8.1f} | "
+            f"{kv_bytes / ms / 1e6:7.0f} GB/s | {decode_ms * 1e3:8.1f} | {decode_bytes / decode_ms / 1e6:7.0f} GB/s | "
+            f"{'ok' if ok else 'FAIL'} {err:.1e} |")
+
+
 def _sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args) -> str:
     """torch SDPA (flash) on the same keys gathered to contiguous tensors: a baseline, not a check."""
     n, c = q_lens[0], ctx_lens[0]
@@ -262,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-sweep", action="store_true", help="skip the small-shape correctness sweep")
+    parser.add_argument("--mixed-only", action="store_true",
+                        help="only the steps that mix decodes with a prompt (prefill kernel vs decode kernel)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench.attention needs a CUDA device", file=sys.stderr)
@@ -270,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}")
     failures: list[str] = []
 
+    if args.mixed_only:
+        return _mixed_table(gen, args, failures)
     if not args.skip_sweep:
         results = sweep(gen)
         failures += [f"{name}: max err {err:.3g}" for name, ok, err in results if not ok]
@@ -297,7 +338,17 @@ def main(argv: list[str] | None = None) -> int:
         for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4)):
             for row in bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures):
                 print(row, flush=True)
+    return _mixed_table(gen, args, failures)
 
+
+def _mixed_table(gen, args, failures) -> int:
+    print("\n| step (prefill kernel) | kv | graph us | K/V bandwidth | decode rows alone, decode kernel us | "
+          "its bandwidth | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for kv_name in ("bf16", "fp8"):
+        for num_decodes, context, prompt in ((64, 512, 128), (256, 700, 256), (256, 2048, 512)):
+            print(bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures), flush=True)
+            torch.cuda.empty_cache()
     if failures:
         print(f"\n{len(failures)} correctness failure(s):", *failures, sep="\n  ", file=sys.stderr)
         return 1

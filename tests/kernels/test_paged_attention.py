@@ -321,13 +321,17 @@ PREFILL_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, slidin
     pytest.param(8, 1, 32, torch.bfloat16, torch.bfloat16, None, id="gqa8-d32-bf16"),
     pytest.param(8, 2, 32, torch.bfloat16, FP8, 40, id="gqa4-d32-bf16-fp8kv-window"),
     pytest.param(8, 8, 32, torch.float32, INT8, None, id="mha-d32-fp32-int8kv"),
+    # a group of 3 heads (padded to 4 rows per token), and one of 64 (a whole 64-row tile per token)
+    pytest.param(6, 2, 32, torch.bfloat16, torch.bfloat16, 23, id="gqa3-d32-bf16-window"),
+    pytest.param(64, 1, 32, torch.float32, torch.float32, None, id="gqa64-d32-fp32"),
 ]
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window", PREFILL_CASES)
 def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
     """Fresh prompts (context 0) and chunks after a cached context, query lengths across and off the
-    64-row tile, a sequence with no new tokens; q is a strided view of a packed projection."""
+    tile's tokens, a sequence with no new tokens; q is a strided view of a packed projection. The kernel's
+    tiles are (token, head) rows of one GQA group: groups of 1, 3 (padded), 4, 8 and 64 heads."""
     gen = torch.Generator().manual_seed(5)
     q_lens, ctx_lens = [70, 1, 5, 0, 33], [0, 37, 0, 12, 100]
     lens = [c + n for c, n in zip(ctx_lens, q_lens)]
