@@ -223,9 +223,9 @@ class StepGraphs:
         self.cu_seqlens_q = torch.zeros(top_s + 1, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # [top_s, vocab], allocated at the first capture
         pin = device.type == "cuda"
-        # host staging, two sets used in turn: [ids | positions | slots | logits rows] and
+        # host staging, two sets used in turn: [ids | positions | slots | logits rows | fed rows | their targets],
         # [seq_lens | context_lens | cu_seqlens_q], block tables
-        self._staging = [(torch.zeros(3 * top_t + top_s, dtype=torch.long, pin_memory=pin),
+        self._staging = [(torch.zeros(3 * top_t + 3 * top_s, dtype=torch.long, pin_memory=pin),
                           torch.zeros(3 * top_s + 1, dtype=torch.int32, pin_memory=pin),
                           torch.zeros(top_s, self.max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
         self._turn = 0
@@ -282,10 +282,13 @@ class StepGraphs:
         s = next((b for b in self.seq_buckets if b >= num_seqs), None)
         return None if t is None or s is None or s > t else (t, s)
 
-    def run(self, step: PackedStep) -> torch.Tensor:
+    def run(self, step: PackedStep,
+            feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
         """Replay (or, without graphs, run eagerly) the padded step; returns the logits of
         ``step.logits_rows`` [len(logits_rows), vocab] (a view of the static buffer, valid until the next
-        run). The inputs travel through pinned staging buffers used in turn, as in ``DecodeGraphs.run``."""
+        run). The inputs travel through pinned staging buffers used in turn, as in ``DecodeGraphs.run``.
+        ``feed`` = (tokens, rows, packed rows): input ids still on the device (the tokens the step in flight
+        sampled), tokens[rows[i]] going to packed row packed_rows[i] in place of its placeholder."""
         n, num_seqs, rows = step.num_tokens, step.num_seqs, len(step.logits_rows)
         key = self.bucket_for(n, num_seqs)
         assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences: no step bucket"
@@ -311,6 +314,13 @@ class StepGraphs:
         self.context_lens[:s].copy_(ints[s:2 * s], non_blocking=nb)
         self.cu_seqlens_q[:s + 1].copy_(ints[2 * s:3 * s + 1], non_blocking=nb)
         self.block_tables[:s, :width].copy_(tabs[:s, :width], non_blocking=nb)
+        if feed is not None:
+            tokens, sources, targets = feed
+            k = len(sources)
+            base = 3 * t + s
+            longs[base:base + 2 * k] = torch.tensor(sources + targets, dtype=torch.long)
+            index = longs[base:base + 2 * k].to(self.input_ids.device, non_blocking=nb)
+            self.input_ids.index_copy_(0, index[k:], tokens.index_select(0, index[:k]))
         graph = self._graphs.get(key)
         if graph is None:  # not captured: the same padded step, eagerly
             return self.executor.forward(self._step_input(t, s))[:rows]

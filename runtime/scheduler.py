@@ -133,11 +133,14 @@ class ScheduledSeq:
     request: Request
     num_context: int  # tokens already in its cache; this step feeds token_ids[num_context:num_context + num_new]
     num_new: int
+    # set by the serving engine's pipeline: the one new token is the one row ``in_flight_row`` of the step still in
+    # flight sampled (not on the host yet; its slot is a lookahead slot until that step is read back)
+    in_flight_row: int | None = None
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its logits give the next token."""
-        return self.num_context + self.num_new == self.request.num_tokens
+        return self.in_flight_row is not None or self.num_context + self.num_new == self.request.num_tokens
 
 
 @dataclass
@@ -270,8 +273,14 @@ class Scheduler:
             scheduled.add(id(request))
             budget -= num_new
 
-        admit = self.admits_now()
-        while admit and self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        if self.admits_now() and not preempted:
+            budget = self.admit(seqs, budget)
+        return SchedulerOutput(seqs, preempted, self.config.max_num_batched_tokens - budget)
+
+    def admit(self, seqs: list[ScheduledSeq], budget: int) -> int:
+        """Admit waiting requests, oldest first, while the token budget, a sequence slot and free blocks last
+        (prefix-cache hits included): each one's first chunk is appended to ``seqs``. Returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             computed, num_computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
             num_new = min(request.num_tokens - num_computed, budget)
@@ -286,10 +295,8 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             seqs.append(ScheduledSeq(request, num_computed, num_new))
-            scheduled.add(id(request))
             budget -= num_new
-
-        return SchedulerOutput(seqs, preempted, self.config.max_num_batched_tokens - budget)
+        return budget
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it at the front of the waiting queue, to recompute later."""
@@ -306,7 +313,8 @@ class Scheduler:
         its new token appended (``sampled``: request id -> token id)."""
         for seq in output.seqs:
             request = seq.request
-            request.num_computed_tokens = seq.num_context + seq.num_new
+            # max: the serving pipeline may record a step that sampled nothing before the step launched ahead of it
+            request.num_computed_tokens = max(request.num_computed_tokens, seq.num_context + seq.num_new)
             token = sampled.get(request.request_id)
             if token is not None:
                 request.token_ids.append(token)

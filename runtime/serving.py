@@ -115,27 +115,29 @@ class _Track:
 
 @dataclass
 class _InFlight:
-    """A decode step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``)."""
+    """A step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``)."""
 
-    sched: SchedulerOutput  # one-token decodes, every one sampling
-    tokens: torch.Tensor  # [num_seqs] int64 on the device: the next step's input ids (INVALID_TOKEN: failed row)
+    sched: SchedulerOutput
+    sampling: list[Request]  # the requests that sample in it, in row order of ``tokens``
+    tokens: torch.Tensor  # [len(sampling)] int64 on the device: the next step's input ids (INVALID_TOKEN: failed row)
     host_tokens: torch.Tensor  # the same, copied to pinned host memory once the step is done
     done: torch.cuda.Event | None  # recorded after that copy (None on the CPU, where the copy is synchronous)
     errors: dict[str, str]  # request id -> why its sampling raised (its row holds INVALID_TOKEN)
 
     @classmethod
-    def launched(cls, sched: SchedulerOutput, sampled: tuple[torch.Tensor, dict[str, str]]) -> _InFlight:
+    def launched(cls, sched: SchedulerOutput, sampling: list[Request],
+                 sampled: tuple[torch.Tensor, dict[str, str]]) -> _InFlight:
         """Queue the copy of the sampled tokens to the host right behind the step. Reading them later
         waits for this event only; ``tokens.tolist()`` would wait for everything queued since, the next
         step included."""
         tokens, errors = sampled
         if not tokens.is_cuda:
-            return cls(sched, tokens, tokens, None, errors)
+            return cls(sched, sampling, tokens, tokens, None, errors)
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return cls(sched, tokens, host, done, errors)
+        return cls(sched, sampling, tokens, host, done, errors)
 
     def read(self) -> list[int]:
         if self.done is not None:
@@ -188,7 +190,7 @@ class ServingEngine:
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
-        self._inflight: _InFlight | None = None  # a launched decode step not yet read back (overlap)
+        self._inflight: _InFlight | None = None  # a launched step not yet read back (overlap)
         self.num_steps = 0
 
     @classmethod
@@ -312,16 +314,15 @@ class ServingEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a delta for every request that produced tokens or finished.
 
-        Decode steps over CUDA graphs overlap the host with the GPU: a graph step is launched and left in
-        flight, and the next call launches the step after it - fed with the tokens the first one sampled,
-        still on the device - before it reads those tokens back, detokenizes and emits them. So the host's
-        per-step work (scheduling, detokenization, stop checks, packing the next step) runs while the GPU
-        computes, and a decode step's deltas come back one call later. A request that stops on a token
-        (EOS, a stop string) has had one more step launched by then: its result is discarded and its blocks
-        freed. Length limits are known ahead and never overrun. The pipeline drains to the synchronous path
-        whenever the batch would change: requests waiting for a free sequence slot, a running request not in
-        the step (chunked prefill), a KV block shortage, or a request asking for logprobs or penalties
-        (both read the host's token history of the step before).
+        With CUDA graphs the host overlaps the GPU: a step is launched and left in flight, and the next call
+        launches the step after it - its decodes fed with the tokens the first one sampled, still on the
+        device; prompts waiting for admission and the next chunks of long ones join it - before it reads those
+        tokens back, detokenizes and emits them. So the host's per-step work (scheduling, detokenization, stop
+        checks, packing the next step) runs while the GPU computes, and a step's deltas come back one call
+        later. A request that stops on a token (EOS, a stop string) has had one more step launched by then: its
+        result is discarded and its blocks freed. Length limits are known ahead and never overrun. The pipeline
+        drains to the synchronous path when a KV block shortage calls for preemption, or a request asks for
+        logprobs or penalties (both read the host's token history of the step before).
         """
         outputs = self._reap()
         if self._inflight is not None:
@@ -333,30 +334,58 @@ class ServingEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return outputs
-        if self.graphs is not None and all(q.num_new == 1 for q in sched.seqs) \
-                and self.graphs.bucket_for(len(sched.seqs)) is not None:
-            sampling = [q.request for q in sched.seqs]  # a one-token step always reaches the last token
-            logits = self._replay(sched)
-            if self._overlappable(sampling):
-                self._inflight = _InFlight.launched(sched, self._sample(logits, sampling))
-                self.num_steps += 1
-                return outputs
-        elif self.step_graphs is not None \
-                and self.step_graphs.bucket_for(sched.num_batched_tokens, len(sched.seqs)) is not None:
-            packed, sampling = self._pack(sched)  # prefill with the decodes beside it: its buckets' graph
-            logits = self.step_graphs.run(packed)
-        else:
-            inp, sampling = self._prepare(sched)
-            logits = self.executor.forward(inp)  # logits: [num_sampling, vocab] fp32
+        logits, sampling = self._run(sched)
         self.num_steps += 1
         if not sampling:
             self.scheduler.update(sched, {})
+            return outputs
+        if self.graphs is not None and self._overlappable(sampling):
+            self._inflight = _InFlight.launched(sched, sampling, self._sample(logits, sampling))
             return outputs
         token_ids, errors = self._sample(logits, sampling)
         tokens = token_ids.tolist()
         wanted = [r.params.logprobs if t != INVALID_TOKEN else None for r, t in zip(sampling, tokens)]
         logprobs = self._logprobs(logits, token_ids, wanted, sampling, errors)
         return outputs + self._record(sched, list(zip(sampling, tokens, logprobs)), errors)
+
+    def _run(self, sched: SchedulerOutput, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Request]]:
+        """Launch the step: the decode graphs for a step of one-token decodes, else the step graphs of its
+        buckets, else eagerly. Returns the logits of the requests that sample, and those requests in order.
+        ``tokens``: the step in flight's sampled tokens on the device, the inputs of the seqs with an
+        ``in_flight_row`` (a failed row's INVALID_TOKEN computes from token 0; that request is finished when
+        the step in flight is read back)."""
+        if tokens is not None:
+            tokens = tokens.clamp(min=0)
+        seqs = sched.seqs
+        if self.graphs is not None and all(q.num_new == 1 for q in seqs) \
+                and self.graphs.bucket_for(len(seqs)) is not None:
+            ids = None
+            rows = [q.in_flight_row for q in seqs]
+            if all(r is not None for r in rows):  # every input still on the device
+                ids = tokens if rows == list(range(len(tokens))) else tokens.index_select(0, to_device(rows, tokens.device))
+            elif any(r is not None for r in rows):  # some on the device, some on the host
+                ids = to_device([0 if r is not None else q.request.token_ids[q.num_context] for q, r in zip(seqs, rows)],
+                                self.device)
+                dst = [i for i, r in enumerate(rows) if r is not None]
+                ids.index_copy_(0, to_device(dst, ids.device),
+                                tokens.index_select(0, to_device([rows[i] for i in dst], tokens.device)))
+            return self._replay(sched, ids), [q.request for q in seqs]  # a one-token step always samples
+        packed, sampling = self._pack(sched)
+        moved = [(i, q.in_flight_row) for i, q in enumerate(seqs) if q.in_flight_row is not None]
+        # (rows of the step in flight, packed rows they feed): a seq with an in-flight token has one new token
+        feed = None
+        if moved:
+            starts = packed.cu_seqlens_q
+            feed = (tokens, [r for _, r in moved], [starts[i] for i, _ in moved])
+        if self.step_graphs is not None \
+                and self.step_graphs.bucket_for(sched.num_batched_tokens, len(seqs)) is not None:
+            return self.step_graphs.run(packed, feed), sampling  # prefill with the decodes beside it
+        inp = self._prepare(sched, packed)
+        if feed is not None:
+            src, src_rows, dst_rows = feed
+            inp.input_ids.index_copy_(0, to_device(dst_rows, inp.input_ids.device),
+                                      src.index_select(0, to_device(src_rows, src.device)))
+        return self.executor.forward(inp), sampling  # logits: [num_sampling, vocab] fp32
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, dict[str, str]]:
         """Each request's next token, on the logits' device (no host sync), and why sampling failed for the
@@ -448,57 +477,67 @@ class ServingEngine:
         return not any(r.params.has_penalties or r.params.logprobs is not None for r in requests)
 
     def _launch_next(self, previous: _InFlight) -> _InFlight | None:
-        """Launch the decode step after ``previous`` (still in flight) for the requests that continue,
-        or return None where the batch must change first (see ``step``). Each continuing request's next
-        KV slot is reserved as a lookahead slot (its token is not known yet) and committed once
-        ``previous`` is read back."""
+        """Launch the step after ``previous`` (still in flight), or return None where the synchronous path must
+        run it (see ``step``). Its sequences, in the scheduler's order: a decode for every request that samples
+        in ``previous`` and continues, its input the token ``previous`` sampled (its KV slot is reserved as a
+        lookahead slot, committed once ``previous`` is read back); the next chunk of every other running request
+        (prompts whose tokens are all known); then admissions, within the token budget and the free blocks
+        (no preemption here: what does not fit waits)."""
         scheduler = self.scheduler
-        if scheduler.admits_now():
-            return None  # admit the waiting requests
-        in_step = {id(q.request) for q in previous.sched.seqs}
-        if any(id(r) not in in_step for r in scheduler.running):
+        admit = scheduler.admits_now()
+        if not self._overlappable(scheduler.running) or (admit and not self._overlappable(scheduler.waiting)):
             return None
         max_seq_len = self.scheduler_config.max_seq_len
-        rows: list[int] = []
+        budget = self.scheduler_config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
-        for i, q in enumerate(previous.sched.seqs):
-            request = q.request
+        in_flight = {id(r) for r in previous.sampling}
+        for row, request in enumerate(previous.sampling):
             if request.status is not RequestStatus.RUNNING:  # aborted or timed out since
                 continue
             # the token in flight is the request's last when it reaches max_tokens or max_seq_len
             if request.num_output_tokens + 1 >= request.params.max_tokens or request.num_tokens + 1 >= max_seq_len:
                 continue
+            if budget == 0:
+                break
             if self.kv.allocate_slots(request.request_id, request.token_ids, 0, num_lookahead_tokens=1) is None:
                 return None  # out of blocks: the synchronous path preempts
-            rows.append(i)
-            seqs.append(ScheduledSeq(request, request.num_tokens, 1))
+            seqs.append(ScheduledSeq(request, request.num_tokens, 1, in_flight_row=row))
+            budget -= 1
+        for request in scheduler.running:  # prompt chunks still to compute
+            if id(request) in in_flight or request.status is not RequestStatus.RUNNING or budget == 0:
+                continue
+            context = self.kv.num_tokens(request.request_id)  # chunks in flight included
+            num_new = min(request.num_tokens - context, budget)
+            if num_new <= 0 or self.kv.allocate_slots(request.request_id, request.token_ids, num_new) is None:
+                continue
+            seqs.append(ScheduledSeq(request, context, num_new))
+            budget -= num_new
+        if admit and budget > 0:
+            budget = scheduler.admit(seqs, budget)
         if not seqs:
             return None
-        sched = SchedulerOutput(seqs, [], len(seqs))
-        # a failed row's INVALID_TOKEN must not index the embedding: it computes from token 0 instead, and
-        # the request is finished (its result discarded) once ``previous`` is read back
-        ids = previous.tokens.clamp(min=0)
-        if len(rows) < len(previous.sched.seqs):
-            ids = ids.index_select(0, to_device(rows, ids.device))
-        logits = self._replay(sched, ids)
+        sched = SchedulerOutput(seqs, [], self.scheduler_config.max_num_batched_tokens - budget)
+        logits, sampling = self._run(sched, previous.tokens)
         self.num_steps += 1
-        return _InFlight.launched(sched, self._sample(logits, [q.request for q in seqs]))
+        if not sampling:  # only prompt chunks that end before the prompt does: nothing to read back
+            self.scheduler.update(sched, {})
+            return None
+        return _InFlight.launched(sched, sampling, self._sample(logits, sampling))
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Read back an in-flight step's tokens (waiting for that step only), record and emit them, and
-        commit the KV slot reserved for the step launched after it."""
+        commit the KV slots reserved for the step launched after it."""
         tokens = step.read()
-        live = [(q.request, t, None) for q, t in zip(step.sched.seqs, tokens)
-                if q.request.status is RequestStatus.RUNNING]
+        live = [(r, t, None) for r, t in zip(step.sampling, tokens) if r.status is RequestStatus.RUNNING]
         outputs = self._record(step.sched, live, step.errors)
         if self._inflight is not None:
             for q in self._inflight.sched.seqs:
                 request = q.request
-                if request.status is RequestStatus.RUNNING:  # its reserved slot now holds a known token
+                if q.in_flight_row is not None and request.status is RequestStatus.RUNNING:
                     committed = self.kv.allocate_slots(request.request_id, request.token_ids, 1)
                     assert committed is not None, "a reserved lookahead slot needs no new block"
-            if not any(q.request.status is RequestStatus.RUNNING for q in self._inflight.sched.seqs):
-                self._drop_inflight()  # every request in it has finished: nothing left to read
+            if not any(r.status is RequestStatus.RUNNING for r in self._inflight.sampling):
+                self._drop_inflight()  # every request that samples in it has finished: nothing left to read
         return outputs
 
     def _drop_inflight(self) -> None:
@@ -518,7 +557,8 @@ class ServingEngine:
         for seq in sched.seqs:
             request, start, n = seq.request, seq.num_context, seq.num_new
             table = self.kv.block_table(request.request_id)
-            step.input_ids.extend(request.token_ids[start:start + n])
+            # a token in flight is not on the host yet: a placeholder, replaced on the device (``_run``)
+            step.input_ids.extend([0] if seq.in_flight_row is not None else request.token_ids[start:start + n])
             step.positions.extend(range(start, start + n))
             step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             step.cu_seqlens_q.append(len(step.input_ids))
@@ -529,13 +569,14 @@ class ServingEngine:
                 sampling.append(request)
         return step, sampling
 
-    def _prepare(self, sched: SchedulerOutput) -> tuple[StepInput, list[Request]]:
-        """Pack the scheduled sequences into one step over the paged cache (the eager path)."""
-        step, sampling = self._pack(sched)
+    def _prepare(self, sched: SchedulerOutput, step: PackedStep) -> StepInput:
+        """The packed step as tensors over the paged cache (the eager path). Copied through pinned memory
+        without a host sync, so that the overlapped pipeline keeps running ahead."""
         device = self.device
 
         def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
+            t = torch.tensor(values, dtype=dtype)
+            return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
         seqs = [SeqSlice(PagedSequenceKV(self.storage, self.kv.block_table(q.request.request_id), q.num_context),
                          q.num_context, q.num_new) for q in sched.seqs]
@@ -549,7 +590,7 @@ class ServingEngine:
                 tensor([c + cu[i + 1] - cu[i] for i, c in enumerate(step.context_lens)], torch.int32),
                 tensor(step.context_lens, torch.int32), tensor(cu, torch.int32),
                 all(q.num_new == 1 for q in sched.seqs))
-        return inp, sampling
+        return inp
 
     def _replay(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A decode-only step through its captured CUDA graph. ``input_ids``: the step's tokens on the device

@@ -162,8 +162,7 @@ def latency(engine: ServingEngine, input_len: int = 128, output_len: int = 128, 
         while engine.has_unfinished:
             for out in engine.step():
                 n += len(out.token_ids)
-                if t_first is None and out.token_ids:
-                    _sync(device)
+                if t_first is None and out.token_ids:  # on the host now (the step after it may be in flight)
                     t_first = time.perf_counter()
         _sync(device)
         t_end = time.perf_counter()

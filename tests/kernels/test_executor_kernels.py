@@ -63,9 +63,9 @@ def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
     assert graphs.seq_buckets == [1, 4, 8] and graphs.bucket_for(9, 5) == (16, 8) and graphs.bucket_for(33, 1) is None
     runs, real_run = [], graphs.run
 
-    def spy(step):
+    def spy(step, feed=None):
         runs.append((step.num_tokens, step.num_seqs, step.context_lens[0], len(step.logits_rows)))
-        return real_run(step)
+        return real_run(step, feed)
 
     graphs.run = spy
     g = torch.Generator().manual_seed(5)
@@ -92,6 +92,29 @@ def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
         assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
     mixed = [r for r in runs if r[1] > 1 and r[0] > r[1]]  # several sequences, some prefilling
     assert mixed and any(r[1] not in graphs.seq_buckets for r in mixed), runs  # padded sequences too
+    assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
+
+    # pipelined, as with CUDA graphs (no decode graphs here: every step goes through the step graphs), so steps
+    # launched ahead take the tokens the step in flight sampled from the device (``feed``)
+    class NoDecodeGraphs:
+        def bucket_for(self, num_seqs):
+            return None
+
+        def close(self):
+            pass
+
+    fed, real = [], graphs.run
+
+    def spy_feed(step, feed=None):
+        fed.append(0 if feed is None else len(feed[1]))
+        return real(step, feed)
+
+    graphs.run = spy_feed
+    fused.graphs = NoDecodeGraphs()
+    plain = SamplingParams(max_tokens=4, ignore_eos=True)
+    for out, prompt in zip(fused.run(prompts + fresh, plain), prompts + fresh):
+        assert out.token_ids == ref.generate(prompt, plain).token_ids
+    assert max(fed) > 1, fed
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 

@@ -182,3 +182,48 @@ def test_close_drops_the_step_in_flight_and_destroys_the_graphs(engine):
     s.close()
     assert s._inflight is None and s.graphs is None and getattr(graphs, "closed", False)
     s.close()  # twice is fine
+
+
+def test_prompts_and_chunks_join_the_pipeline(engine):
+    """Steps that carry prefill run ahead too: prompts arriving while others decode, long prompts prefilled in
+    chunks across launched-ahead steps, prefix-cache hits, a request that fills the sequence slots; the tokens
+    equal the synchronous path's, nothing leaks, and launched-ahead steps did carry prompt tokens beside decodes
+    fed from the device."""
+    config = dict(num_blocks=96, max_num_seqs=4, max_seq_len=128, max_num_batched_tokens=24)
+    sync, overlapped, graphs = _pair(engine, **config)
+    ahead: list[tuple[int, int]] = []  # (prompt tokens, decodes fed from the device) of steps launched ahead
+    run = overlapped._run
+
+    def spy(sched, tokens=None):
+        if tokens is not None:
+            ahead.append((sum(q.num_new for q in sched.seqs if q.in_flight_row is None),
+                          sum(q.in_flight_row is not None for q in sched.seqs)))
+        return run(sched, tokens)
+
+    overlapped._run = spy
+    prompts = _prompts(engine, 7, seed=8)
+    prompts[5] = prompts[1][:20] + prompts[5]  # shares a prefix block with an earlier prompt
+    prompts[6] = prompts[6] * 3  # 45-120 tokens: chunks of 24
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (9, 30, 4, 22, 15, 12, 6)]
+    params[3] = SamplingParams(max_tokens=22, temperature=0.9, seed=3, ignore_eos=True)
+
+    def staggered(s: ServingEngine) -> dict[int, list[int]]:
+        ids: dict[str, int] = {}
+        tokens: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        for step in range(10_000):
+            if step % 3 == 0 and len(ids) < len(prompts):  # one arrival every third step
+                i = len(ids)
+                ids[s.add_request(prompts[i], params[i])] = i
+            elif len(ids) == len(prompts) and not s.has_unfinished:
+                break
+            for out in s.step():
+                tokens[ids[out.request_id]] += out.token_ids
+        return tokens
+
+    want = staggered(sync)
+    got = staggered(overlapped)
+    assert got == want
+    assert all(len(got[i]) == p.max_tokens for i, p in enumerate(params))
+    assert any(p > 0 and d > 0 for p, d in ahead), ahead  # prompt tokens beside device-fed decodes
+    assert overlapped.kv.stats.hits == sync.kv.stats.hits > 0
+    _assert_no_leaks(overlapped)
