@@ -75,9 +75,11 @@ class ThroughputResult:
     num_preemptions: int
     peak_memory_gib: float
     num_steps: int = 0
-    decode_steps: int = 0  # steps that left a CUDA-graph decode step in flight (the overlapped pipeline)
+    # steps that left a step in flight (the overlapped pipeline: CUDA-graph decode steps and, since the pipeline
+    # takes prompts too, prefill-bearing steps; the name is kept for the JSON's readers)
+    decode_steps: int = 0
     decode_s: float = 0.0  # wall time inside those steps
-    other_s: float = 0.0  # wall time inside every other step (prefill-bearing, draining, eager)
+    other_s: float = 0.0  # wall time inside every other step (synchronous: draining, preemption, logprobs)
 
 
 def _sync(device: torch.device) -> None:
