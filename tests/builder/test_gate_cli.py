@@ -76,6 +76,12 @@ def test_gate_command_refuses_a_baseline_that_is_not_the_source(smoothquant_arti
     assert res.exit_code in (0, 3) and ("gate PASSED" in res.output or "gate FAILED" in res.output), res.output
 
 
+def test_gate_command_on_a_missing_artifact_is_an_error(tmp_path):
+    res = runner.invoke(app, ["gate", str(tmp_path / "missing"), "--baseline", str(ROOT / "models/pystdlib-llama"),
+                              "--quiet"])
+    assert res.exit_code == 1 and "missing is not a directory" in res.output, res.output  # 3 is a failed gate
+
+
 def test_gate_command_refuses_a_quantized_baseline_and_knows_the_bundled_model_by_content(smoothquant_artifact):
     from builder.calibration import BUNDLED_MODEL
     from builder.checkpoint import open_checkpoint

@@ -242,9 +242,13 @@ def test_greedy_top_k_tolerance():
     assert gate(one_sided).value == 0.0
 
 
-def test_greedy_agreement_counts_exact_continuations_only():
-    """Two of eight prompts whose continuations differ only at the last token on a near-tie: the gated value is
-    6/8 (the top-k variant, reported beside it, 8/8), so a 0.9 threshold fails the build."""
+@pytest.mark.parametrize("starts, num_exact", [
+    ((0, 2, 4, 6, 8, 10, 13, 17), 6),  # 13 and 17 reach 20 within 8 tokens
+    ((0, 2, 13, 14, 15, 16, 17, 19), 2),  # six do: the build of issue 18 that the top-5 rule scored 1.0
+])
+def test_greedy_agreement_counts_exact_continuations_only(starts, num_exact):
+    """Prompts whose continuations reach token 20 differ there on a near-tie: the gated value counts the identical
+    continuations only (the top-k variant, reported beside it, is 8/8), so a 0.9 threshold fails the build."""
     V = 32
     base = torch.full((V, V), -5.0)
     for t in range(V):
@@ -252,14 +256,14 @@ def test_greedy_agreement_counts_exact_continuations_only():
     cand = base.clone()
     cand[20, 21], cand[20, 30] = 9.0, 10.0  # from 20 the candidate takes 30 (the baseline's second choice: 9 vs 10)
     base[20, 30] = 9.0
-    prompts = [[t] for t in (0, 2, 4, 6, 8, 10, 13, 17)]  # 13 and 17 reach 20 within 8 tokens
-    es = EvalSet(windows=[[0, 1, 2, 3]], prompts=prompts)
+    es = EvalSet(windows=[[0, 1, 2, 3]], prompts=[[t] for t in starts])
     bl, bg = _bigram(base)
     cl, cg = _bigram(cand)
     r = compare(bl, cl, es, GateThresholds(max_kl=10, min_top1_agreement=0, max_ppl_ratio=1e9,
                                            min_greedy_match_tokens=8, min_greedy_agreement=0.9), bg, cg)
     g, topk = r.metric("greedy_agreement"), r.metric("greedy_topk_agreement")
-    assert g.value == 6 / 8 and g.status == "fail" and r.failed == ["greedy_agreement"], r.table()
+    assert g.value == num_exact / 8 and g.status == "fail" and r.failed == ["greedy_agreement"], r.table()
+    assert f"exact {num_exact}/8 prompts of 8 tokens" in g.detail, g.detail
     assert topk.value == 1.0 and topk.status == "info"
     assert re.search(r"^greedy_topk_agreement\s+1\s+INFO", r.table(), re.M), r.table()
 
@@ -337,6 +341,9 @@ def test_needle_check_is_relative_to_baseline():
     r, m = needle(dumb, dumb)  # the baseline retrieves none: the check cannot fail, so it does not judge
     assert m.status == "n/a" and m.passed and "baseline 0/4, candidate 0/4" in m.detail and "not applicable" in m.detail
     assert r.passed and re.search(r"^needle\s+0\s+>=\s+0\s+N/A", r.table(), re.M), r.table()
+    assert (r.to_dict()["metrics"][-1]["name"], r.to_dict()["metrics"][-1]["status"]) == ("needle", "n/a")  # manifest
+    r, m = needle(dumb, smart)  # a candidate that retrieves every needle does not pass it either: nothing to judge
+    assert m.status == "n/a" and "baseline 0/4, candidate 4/4" in m.detail, m
     r, _ = needle(smart, dumb, GateThresholds(**{**th.__dict__, "needle": False}))
     assert r.passed and "needle" not in [x.name for x in r.metrics]
     with pytest.raises(GateError, match="needs baseline_greedy and candidate_greedy"):
