@@ -257,6 +257,139 @@ def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     return out
 
 
+# --- a tensor-core GEMM on the same layout (more rows of x: batched decode, prefill) -----------------------
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of :func:`frag_gemm`."""
+
+    block_m: int  # rows of x per program (tl.dot tile)
+    tiles_n: int  # 16-feature tiles per program (block_n = 16 tiles_n)
+    num_warps: int
+    num_stages: int
+
+
+# Chosen on an H100 at Llama-3-8B shapes (kernels.bench.gemm --frag-gemm, session 13); the interpreter takes small ones.
+GEMM_CONFIG = GemmConfig(block_m=64, tiles_n=8, num_warps=4, num_stages=3)
+# 4-bit linears of more than FRAG_RUNTIME_MAX_ROWS rows run frag_gemm up to this many rows (env KERNELS_FRAG_GEMM_MAX_ROWS;
+# 0: never), the weights dequantized for cuBLAS beyond (compute-bound sizes, where cuBLAS's bf16 GEMM is faster).
+GEMM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_GEMM_MAX_ROWS", "1024"))
+
+
+@triton.jit
+def _frag_gemm_part(acc, x_ptrs, row_ok, words, z, s, H: tl.constexpr, E: tl.constexpr, HALF: tl.constexpr,
+                    FP32_DOT: tl.constexpr):
+    """acc + x[:, the 32 features of (E, HALF)] @ the weights of rows g + 8 H there (one nibble of each word),
+    dequantized as the dequantization does: (q - z) * s rounded once to x's dtype."""
+    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+    q = ((words >> (8 * (2 * H + E) + 4 * HALF)) & 0xF).to(tl.float32)
+    w = (q - z[:, None]) * s[:, None]
+    if FP32_DOT:  # the interpreter: its dot of a cast bf16 operand is wrong; fp32 of the rounded values instead
+        return tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), acc)
+    return tl.dot(x, tl.trans(w.to(x.dtype)), acc)
+
+
+@triton.jit
+def _frag_gemm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                      ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, TILES_N: tl.constexpr,
+                      FP32_DOT: tl.constexpr):
+    # Program (m, n): rows [BLOCK_M m, +BLOCK_M) x the features of tiles [TILES_N n, +TILES_N). The layout's 32-bit
+    # word of (tile t, chunk, lane 4 g + c, word j) holds rows g and g + 8 (byte 2 h + e: h = 1 for g + 8) at MMA-order
+    # features 64 chunk + 16 j + 2 c + e (low nibble) and + 8 (high nibble, half = 1). Per K iteration (128 MMA-order
+    # features = 2 chunks = one quantization group) the program loads words [t g, chunk c j] (16 contiguous words
+    # per row and chunk) and runs 4 dots (e, half) of K = 32 per row half h, each on one nibble of every word,
+    # dequantized in registers; x's columns are gathered in the matching order (mma_order gives each MMA-order
+    # position's feature).
+    HALF_N: tl.constexpr = 8 * TILES_N  # output features of one row half
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    r = tl.arange(0, HALF_N)  # (t, g)
+    t = pid_n * TILES_N + r // 8
+    g = r % 8
+    feat0 = 16 * t + g  # h = 0; h = 1: feat0 + 8
+    col = tl.arange(0, 32)  # (chunk, c, j)
+    chunk, c, j = col // 16, (col // 4) % 4, col % 4
+    num_chunks = K // 64
+    w_ptrs = qw_ptr + ((t[:, None] * num_chunks + chunk[None, :]) * 32 + 4 * g[:, None] + c[None, :]) * 16 \
+        + 4 * j[None, :]
+    w_ptrs = w_ptrs.to(tl.pointer_type(tl.int32))
+    kbase = 64 * chunk + 16 * j + 2 * c  # MMA-order position of (e = 0, half = 0)
+    x_row = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    p00 = tl.load(perm_ptr + kbase)[None, :]
+    p10 = tl.load(perm_ptr + kbase + 1)[None, :]
+    p01 = tl.load(perm_ptr + kbase + 8)[None, :]
+    p11 = tl.load(perm_ptr + kbase + 9)[None, :]
+    acc0 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, HALF_N], dtype=tl.float32)
+    z0 = tl.load(z_ptr + feat0).to(tl.float32)
+    z1 = tl.load(z_ptr + feat0 + 8).to(tl.float32)
+    s0 = tl.load(s_ptr + feat0)
+    s1 = tl.load(s_ptr + feat0 + 8)
+    for it in range(0, K // 128):
+        words = tl.load(w_ptrs + it * 256)  # [HALF_N, 32] int32: 2 chunks of 512 bytes (256 words) per tile
+        if not ONE_GROUP:
+            z0 = tl.load(z_ptr + it * N + feat0).to(tl.float32)
+            z1 = tl.load(z_ptr + it * N + feat0 + 8).to(tl.float32)
+            s0 = tl.load(s_ptr + it * N + feat0)
+            s1 = tl.load(s_ptr + it * N + feat0 + 8)
+        xk = x_row + it * 128
+        acc0 = _frag_gemm_part(acc0, xk + p00, row_ok, words, z0, s0, 0, 0, 0, FP32_DOT)
+        acc0 = _frag_gemm_part(acc0, xk + p10, row_ok, words, z0, s0, 0, 1, 0, FP32_DOT)
+        acc0 = _frag_gemm_part(acc0, xk + p01, row_ok, words, z0, s0, 0, 0, 1, FP32_DOT)
+        acc0 = _frag_gemm_part(acc0, xk + p11, row_ok, words, z0, s0, 0, 1, 1, FP32_DOT)
+        acc1 = _frag_gemm_part(acc1, xk + p00, row_ok, words, z1, s1, 1, 0, 0, FP32_DOT)
+        acc1 = _frag_gemm_part(acc1, xk + p10, row_ok, words, z1, s1, 1, 1, 0, FP32_DOT)
+        acc1 = _frag_gemm_part(acc1, xk + p01, row_ok, words, z1, s1, 1, 0, 1, FP32_DOT)
+        acc1 = _frag_gemm_part(acc1, xk + p11, row_ok, words, z1, s1, 1, 1, 1, FP32_DOT)
+    if HAS_BIAS:
+        acc0 += tl.load(bias_ptr + feat0).to(tl.float32)[None, :]
+        acc1 += tl.load(bias_ptr + feat0 + 8).to(tl.float32)[None, :]
+    y_row = y_ptr + rows.to(tl.int64)[:, None] * stride_ym
+    tl.store(y_row + feat0[None, :], acc0.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(y_row + feat0[None, :] + 8, acc1.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+_PERM: dict[torch.device, torch.Tensor] = {}
+
+
+def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
+              config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ ((q - zero) * scale).T + bias`` for any number of rows of bf16/fp16 x, on :func:`repack_frag`'s 4-bit
+    weights, with ``tl.dot`` tiles and the weights dequantized in registers (the values ``dequantize_frag`` would
+    write, no temporary). x: [..., K] -> y: [..., N] in x's dtype (fp32 sums)."""
+    _check_device(x)
+    w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
+    if bits != 4:
+        raise ValueError("frag_gemm takes 4-bit weights; 8-bit ones are dequantized (dequantize_frag)")
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
+        raise ValueError(f"frag_gemm takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    x2 = x.reshape(-1, w.in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, w.out_features), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], w.out_features)
+    cfg = config or (GemmConfig(16, 2, 4, 1) if _interpreting() else GEMM_CONFIG)
+    tiles_n = cfg.tiles_n
+    while (w.out_features // TILE_N) % tiles_n:
+        tiles_n //= 2
+    perm = _PERM.get(x.device)
+    if perm is None:
+        perm = _PERM[x.device] = mma_order(ITER_K).to(device=x.device, dtype=torch.int32)
+    _frag_gemm_kernel[(triton.cdiv(m, cfg.block_m), w.out_features // (TILE_N * tiles_n))](
+        x2, w.qweight, w.scales, w.zeros, perm, bias if bias is not None else y, y, m, w.out_features,
+        w.in_features, x2.stride(0), y.stride(0), ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, TILES_N=tiles_n, FP32_DOT=_interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    return y.reshape(*x.shape[:-1], w.out_features)
+
+
 # --- the kernel's PTX ----------------------------------------------------------------------------------
 # Operands are numbered outputs first, then inputs. Every block finds its lane and warp from %tid.x; warp w of a
 # program works on the program's tiles 2w and 2w + 1 (32 output features), lane 4g + c on rows g and g + 8 of each.
