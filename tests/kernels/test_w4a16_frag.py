@@ -17,9 +17,7 @@ import torch
 from kernels.torch_quant import dequantize_weight, unpack_int4
 from kernels.w4a16_frag import (
     FragConfig,
-    GemmConfig,
     dequantize_frag,
-    frag_gemm,
     repack_frag,
     supports,
     unrepack_frag,
@@ -195,40 +193,3 @@ def test_kernel_on_cuda(m, n, k, group_size, bits):
     for cfg in (None, FragConfig(split_k=1, depth=1), FragConfig(warps=2, split_k=3)):
         y = w4a16_frag(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("m,n,k,group_size", [(37, 64, 256, 128), (16, 96, 384, -1), (5, 32, 128, 128)])
-def test_frag_gemm_matches_the_dequantized_weights(m, n, k, group_size):
-    """frag_gemm's word gathers and per-nibble dots (under the interpreter: the same index math as on the GPU, dots
-    in fp32 of the bf16-rounded weights) against x @ the dequantized weights: groups of 128 and per channel, rows
-    that do not fill a tile, a bias, a config of two row tiles."""
-    passes = _weights(n, k, group_size, seed=m * n + k)
-    packed = _repack(passes)
-    g = torch.Generator().manual_seed(m + 11)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
-    w = dequantize_frag(**packed, dtype=torch.bfloat16).float()  # what the kernel multiplies by
-    ref = x.float() @ w.T + bias.float()
-    for cfg in (None, GemmConfig(block_m=16, tiles_n=1, num_warps=4, num_stages=1)):
-        y = frag_gemm(x, **packed, bias=bias, config=cfg)
-        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
-    with pytest.raises(ValueError, match="4-bit"):
-        w8 = _repack(_weights(32, 128, -1, seed=3, bits=8))
-        frag_gemm(x[:, :128], **w8)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="bf16 tensor cores: CUDA only (kernels.bench.gemm --frag-gemm runs it on the device)")
-@pytest.mark.parametrize("m", [65, 128, 300, 1024])
-@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 128), (512, 4096, -1)])
-def test_frag_gemm_on_cuda(m, n, k, group_size):
-    passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
-              _weights(n, k, group_size, seed=m + n).items()}
-    packed = _repack(passes)
-    gen = torch.Generator(device="cuda").manual_seed(m)
-    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-    bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
-    ref = ref_w4a16_linear(x, **passes, bias=bias).float()
-    y = frag_gemm(x, **packed, bias=bias).float()
-    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
