@@ -449,14 +449,18 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
     wanted = weight_sources(graph, ckpt, meta_model, frozenset(imported.consumed) if imported else frozenset())
     stored_names = {n for s in wanted.values() for n in (s.names() if isinstance(s, Conversion) else [s])}
     tensors = ckpt.load_tensors(sorted(stored_names), dtype)
+    # Conv1D weights (GPT-2), stored [in, out]: the graph's linears hold them [out, in] like every other linear's, so
+    # they are transposed once, here, and the artifact stores them so
+    transposed = set(graph.meta.pop("transposed_weights", ()))
     for name, stored in wanted.items():
         expected = tuple(graph.params[name].shape)
+        expected = expected[::-1] if name in transposed else expected
         tensor = _convert(stored, tensors, name, ckpt.path) if isinstance(stored, Conversion) else tensors[stored]
         if tuple(tensor.shape) != expected:
             what = (f"weight {name!r}, computed from {len(stored.names())} tensors ({', '.join(stored.sources)}),"
                     if isinstance(stored, Conversion) else f"tensor {stored!r}")
             raise CheckpointError(f"{ckpt.path}: {what} has shape {tuple(tensor.shape)}, config.json implies "
                                   f"{expected}")
-        graph.params[name] = tensor
+        graph.params[name] = tensor.t().contiguous() if name in transposed else tensor
     graph.meta["dtype"] = str(dtype).removeprefix("torch.")
     return imported

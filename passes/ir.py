@@ -48,7 +48,9 @@ class OpSpec:
 # The op set. The runtime's executor implements every op named here (``kernels/torch_ops.py``).
 OPS: dict[str, OpSpec] = {
     "embedding": OpSpec((1, 1), ("weight",), doc="token ids [T] -> rows of the table [T, hidden]; with a `scale` "
-                        "attr, rows * scale, the scale rounded to the table's dtype first (Gemma's sqrt(hidden))"),
+                        "attr, rows * scale, the scale rounded to the table's dtype first (Gemma's sqrt(hidden)). "
+                        "Reading `positions` instead of `input_ids`, a table of learned absolute position "
+                        "embeddings (GPT-2's wpe), added to the token embeddings by an elementwise add"),
     "rms_norm": OpSpec(
         (1, 1), (), ("weight",), ("eps",),
         doc="x * rsqrt(mean(x^2) + eps) * (weight + weight_offset), computed in fp32; "

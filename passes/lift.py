@@ -13,6 +13,14 @@ value saying what it is in IR terms:
   tanh, recognised from their arithmetic, not from module or class names.
 - slices of a linear's output features (q/k/v or gate/up stored as one fused weight) become that linear's split
   outputs (``split_sizes``) once the lift has seen them all.
+- ``Positions``: the position ids themselves (``arange`` over the tokens), followed through views, so that an
+  embedding table looked up by them (GPT-2's learned absolute position embeddings) becomes an ``embedding`` of the
+  graph's ``positions`` input.
+
+Linears stored as transformers' ``Conv1D`` (GPT-2: ``addmm(bias, x, weight)`` with the weight [in, out]) become
+ordinary linears whose weight the graph holds [out, in], as every other linear's: the graph lists them in
+``meta["transposed_weights"]`` and the checkpoint reader (``builder/checkpoint.py``) transposes them once, so passes
+and kernels never see the stored layout.
 
 Mixture-of-experts blocks: transformers (>= 5) keeps a block's experts in one module of stacked weights whose
 forward dispatches tokens with data-dependent ops (sort, histc, grouped_mm, or nonzero and index_add). The tracer
@@ -86,6 +94,14 @@ class Ids:
 @dataclass(frozen=True)
 class Pos:
     buffers: frozenset[str] = frozenset()  # buffer targets this position-derived value depends on
+
+
+@dataclass(frozen=True)
+class Positions(Pos):
+    """The position ids 0, 1, ..., T - 1 of the traced tokens, plus ``offset``: at run time the graph's ``positions``
+    input (each token's position in its sequence) when ``offset`` is 0."""
+
+    offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -297,6 +313,8 @@ class _State:
     splits: dict[str, _Split] = field(default_factory=dict)  # a linear's output value -> the slices read of it
     # a partial rope's output -> (its input, rotary_dim): the two agree on the features from rotary_dim on
     passthrough: dict[str, tuple[str, int]] = field(default_factory=dict)
+    # a weight stored [in, out] (Conv1D) -> the linears that read it so; the graph holds it transposed
+    transposed: dict[str, list[Node]] = field(default_factory=dict)
 
 
 @dataclass
@@ -344,8 +362,11 @@ def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
             _finish_splits(st)
             _mark_lm_head(st, logits.value)
             _drop_dead(st)
+            _check_transposed(st)
     graph = Graph(st.nodes, ["input_ids", "positions"], [], _used_params(st))
     graph.outputs = [st.nodes[-1].outputs[0]]
+    if st.transposed:
+        graph.meta["transposed_weights"] = sorted(st.transposed)
     graph.check()
     return graph
 
@@ -390,6 +411,15 @@ def _finish_splits(st: _State) -> None:
         node.attrs["split_sizes"] = [b - a for a, b in cuts]
         if split.per_head:
             node.attrs["split_heads"] = split.per_head
+
+
+def _check_transposed(st: _State) -> None:
+    """A weight the graph holds transposed (Conv1D's [in, out]) may be read only by the linears that read it so."""
+    for n in st.nodes:
+        for w in n.weights.values():
+            if w in st.transposed and not any(n is r for r in st.transposed[w]):
+                raise LiftError(f"weight {w} is read as a Conv1D weight ([in, out], by {st.transposed[w][0].source!r}) "
+                                f"and also as stored by {n.op} at {n.source!r}; the graph holds one layout of it")
 
 
 def _drop_dead(st: _State) -> None:
@@ -482,10 +512,12 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
             return piece
         raise LiftError(f"getitem on {base!r} at {source}")
     if not (_is_token_like(args) or _is_token_like(list(kwargs.values()))):
+        if target == aten.embedding.default and isinstance(args[1], Positions):  # a table of position embeddings
+            return _embedding(fx_node, args, kwargs, st, ctx, source)
         if any(isinstance(a, Param) for a in args + list(kwargs.values())):
             return _weight_expression(fx_node, args, kwargs, source)
         # Only positions, shapes, buffers and constants feed this op: position machinery.
-        return _pos_union(args + list(kwargs.values()))
+        return _positions(fx_node, args) or _pos_union(args + list(kwargs.values()))
     rule = RULES.get(target)
     if rule is None:
         known = "" if target in NEEDS else f"; the lifter knows: {', '.join(sorted(str(t) for t in RULES))}"
@@ -522,12 +554,15 @@ NEEDS: dict[Any, str] = {
                        "which the IR has no op for",
     aten.slice.Tensor: "a slice of per-token features other than a fused linear's parts (q/k/v, gate/up) or the "
                        "rotated part of each head (partial rotary embeddings)",
-    aten.embedding.default: "an embedding looked up by something other than the token ids, such as learned absolute "
-                            "position embeddings, which the IR has no op for",
+    aten.embedding.default: "an embedding looked up by something other than the token ids or the positions (a "
+                            "position table read at an offset, or by ids computed from the tokens), which the IR has "
+                            "no op for",
+    aten.addmm.default: "x @ weight + c with the weight stored [in, out] (transformers' Conv1D) where c is not a bias "
+                        "parameter or alpha / beta scale the terms, which the linear op does not cover",
     aten.mean.dim: "a mean of per-token values other than a norm's (RMSNorm's mean of squares, LayerNorm's "
                    "mean and variance)",
     aten.view.default: "a view of the token ids or of features the IR cannot follow (a model that reshapes its "
-                       "input_ids, such as one with learned absolute position embeddings)",
+                       "input_ids into more than one id per token)",
 }
 
 
@@ -598,11 +633,36 @@ def _layout(fx_node, args, kwargs, st, ctx, source):
 
 
 def _embedding(fx_node, args, kwargs, st, ctx, source):
+    """A table looked up by the token ids, or by the positions (learned absolute position embeddings, GPT-2's wpe:
+    the same op over the graph's ``positions`` input)."""
     weight, ids = args[0], args[1]
-    if not (isinstance(weight, Param) and isinstance(ids, Ids) and not weight.offset):
+    if not (isinstance(weight, Param) and isinstance(ids, (Ids, Positions)) and not weight.offset):
         return NotImplemented
-    out = _emit(st, "embedding", [ids.value], "embed", source, weights={"weight": weight.name})
+    if isinstance(ids, Positions) and ids.offset:
+        raise LiftError(f"embedding {source!r} is looked up at the positions + {ids.offset}; the embedding op reads "
+                        f"the positions themselves{_needs(aten.embedding.default)}")
+    value, prefix = ("positions", "pos_embed") if isinstance(ids, Positions) else (ids.value, "embed")
+    out = _emit(st, "embedding", [value], prefix, source, weights={"weight": weight.name})
     return Tok(out, _layout_of(fx_node))
+
+
+def _positions(fx_node, args) -> Positions | None:
+    """arange over the tokens (the position ids of a trace without cache), a constant added to it, or a view of
+    it that keeps one value per token; None for any other position machinery."""
+    target, val = fx_node.target, fx_node.meta.get("val")
+    if not isinstance(val, torch.Tensor) or math.prod(d for d in val.shape if isinstance(d, int)) != 1 \
+            or sum(not isinstance(d, int) for d in val.shape) != 1:
+        return None  # not one value per token
+    if target == aten.arange.default and len(args) == 1:  # arange(T): 0, 1, ..., T - 1
+        return Positions()
+    x = args[0] if args else None
+    if not isinstance(x, Positions):
+        return None
+    if target in LAYOUT_OPS or target in IDENTITY_OPS:
+        return x
+    if target == aten.add.Tensor and isinstance(args[1], Const) and isinstance(args[1].value, int):
+        return Positions(offset=x.offset + args[1].value)
+    return None
 
 
 def _linear(fx_node, args, kwargs, st, ctx, source):
@@ -612,13 +672,35 @@ def _linear(fx_node, args, kwargs, st, ctx, source):
         return NotImplemented
     if isinstance(bias, Param) and bias.offset:
         return NotImplemented
+    out_f, in_f = st.params[weight.name].shape
+    return _emit_linear(fx_node, x, weight, bias, int(in_f), int(out_f), st, source)
+
+
+def _addmm(fx_node, args, kwargs, st, ctx, source):
+    """addmm(bias, x, weight) = x @ weight + bias with the weight stored [in, out]: transformers' Conv1D (GPT-2),
+    a linear whose weight the graph holds transposed (``meta["transposed_weights"]``: transposed once when the
+    checkpoint is read)."""
+    bias, x, weight = args[:3]
+    scaled = [_const(kwargs.get(k, Const(1))) for k in ("beta", "alpha")] != [1, 1]
+    if scaled or not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and isinstance(weight, Param)
+                      and isinstance(bias, Param) and not weight.offset and not bias.offset):
+        return NotImplemented
+    if weight.name not in st.transposed:
+        st.params[weight.name] = st.params[weight.name].t()
+        st.transposed[weight.name] = []
+    out_f, in_f = st.params[weight.name].shape
+    out = _emit_linear(fx_node, x, weight, bias, int(in_f), int(out_f), st, source)
+    st.transposed[weight.name].append(st.producer[out.value])
+    return out
+
+
+def _emit_linear(fx_node, x: Tok, weight: Param, bias: Any, in_f: int, out_f: int, st: _State, source: str) -> Tok:
     weights = {"weight": weight.name}
     if isinstance(bias, Param):
         weights["bias"] = bias.name
-    out_f, in_f = st.params[weight.name].shape
     prefix = source.rsplit(".", 1)[-1] if source != "<top>" else "linear"
     out = _emit(st, "linear", [x.value], prefix, source, weights=weights,
-                attrs={"in_features": int(in_f), "out_features": int(out_f)})
+                attrs={"in_features": in_f, "out_features": out_f})
     return Tok(out, _layout_of(fx_node))
 
 
@@ -1161,6 +1243,7 @@ RULES: dict[Any, Callable] = {
     **{op: _layout for op in LAYOUT_OPS},
     aten.embedding.default: _embedding,
     aten.linear.default: _linear,
+    aten.addmm.default: _addmm,
     aten.slice.Tensor: _slice,
     aten.neg.default: _neg,
     aten.cat.default: _cat,

@@ -204,6 +204,12 @@ def _check_split_values(graph: Graph, m: _Match) -> None:
         split.update(n.outputs)
 
 
+def _vocab_nodes(graph: Graph) -> list[Node]:
+    """The nodes ``vocab_parallel`` splits by rows: the token embedding and the lm_head. A table looked up by the
+    positions (GPT-2's learned position embeddings) has no vocabulary rows: it stays whole, like the norms."""
+    return [n for n in graph.nodes if n.op == "lm_head" or (n.op == "embedding" and n.inputs == ["input_ids"])]
+
+
 def _vocab_rows(graph: Graph, node: Node) -> int:
     """Vocabulary rows of the embedding table or the lm_head (plain, or quantized: its codes' rows)."""
     return int(graph.params[node.weights["weight" if "weight" in node.weights else "qweight"]].shape[0])
@@ -225,12 +231,11 @@ def _divisors_ok(tp_size: int, graph: Graph, m: _Match, vocab_parallel: bool) ->
             return (f"tp_size {tp_size} does not divide the intermediate size {node.attrs['in_features']} "
                     f"({node.source})")
     if vocab_parallel:
-        for n in graph.nodes:
-            if n.op in ("embedding", "lm_head"):
-                rows = _vocab_rows(graph, n)
-                if rows % tp_size:
-                    return (f"tp_size {tp_size} does not divide the vocabulary size {rows} of {n.op} {n.source}; "
-                            f"set parallel.vocab_parallel: false (replicated embedding and lm_head)")
+        for n in _vocab_nodes(graph):
+            rows = _vocab_rows(graph, n)
+            if rows % tp_size:
+                return (f"tp_size {tp_size} does not divide the vocabulary size {rows} of {n.op} {n.source}; "
+                        f"set parallel.vocab_parallel: false (replicated embedding and lm_head)")
     return None
 
 
@@ -384,9 +389,7 @@ class Shard(Pass):
             node.attrs["num_heads"] = local_heads(num, tp_size)
 
         if vocab_parallel:
-            for n in graph.nodes:
-                if n.op not in ("embedding", "lm_head"):
-                    continue
+            for n in _vocab_nodes(graph):
                 rows = _vocab_rows(graph, n)
                 for role, w in n.weights.items():
                     per_row = role not in ("input_scale", "perm") and graph.params[w].shape[0] == rows

@@ -281,7 +281,7 @@ def trace(config) -> tuple[Graph, torch.nn.Module]:
 def model_meta(config, graph: Graph) -> dict:
     """Model dimensions the runtime and reports need, read off the lifted graph where possible."""
     attn = [n for n in graph.nodes if n.op == "attention"]
-    embed = next(n for n in graph.nodes if n.op == "embedding")
+    embed = next(n for n in graph.nodes if n.op == "embedding" and n.inputs == ["input_ids"])  # not a position table
     vocab, hidden = graph.params[embed.weights["weight"]].shape
     return {
         "architecture": (getattr(config, "architectures", None) or [type(config).__name__])[0],

@@ -278,10 +278,12 @@ def _check_layers(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> None
 
 
 def _check_embedding(manifest: dict[str, Any], graph: dict[str, Any]) -> None:
-    """The embedding table's shape is [vocab_size (per rank with vocab_parallel), hidden_size]."""
+    """The embedding table's shape is [vocab_size (per rank with vocab_parallel), hidden_size]. A table looked up
+    by the positions (learned position embeddings) is not the vocabulary's."""
     model, tp = manifest["model"], manifest["tensor_parallel"]
     for node in graph["nodes"]:
-        if node.get("op") != "embedding" or "weight" not in node.get("weights", {}):
+        if (node.get("op") != "embedding" or "weight" not in node.get("weights", {})
+                or node.get("inputs") != ["input_ids"]):
             continue
         info = graph["params"].get(node["weights"]["weight"])
         vocab = model["vocab_size"] // tp["tp_size"] if tp.get("vocab_parallel") else model["vocab_size"]

@@ -55,6 +55,13 @@ GPT_NEOX = Family("GPT-NeoX", "gpt_neox", dict(num_hidden_layers=1, num_key_valu
                   "rows interleaved by head), rotary on a quarter of each head, checkpoint names mapped as "
                   "transformers maps them on load (`embed_out` is the lm_head)")
 SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # layer 0 slides, 1 is global
+# GPT2Config takes hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings (n_positions) from
+# COMMON under its own names; its MLP size is n_inner. Two layers, as COMMON: the positions are embedded once, before
+# the first
+GPT2 = Family("GPT-2", "gpt2", dict(n_inner=112),
+              "learned absolute position embeddings (a table looked up by the positions), Conv1D linears stored "
+              "[in, out] (transposed once on read), q/k/v in one Conv1D (split outputs), LayerNorm with bias, GeLU "
+              "written out with tanh (gelu_new), biases everywhere, tied embeddings")
 SUPPORTED = [
     Family("Llama", "llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -75,6 +82,7 @@ SUPPORTED = [
     Family("Hunyuan (dense)", "hunyuan_v1_dense", dict(head_dim=16), "per-head q/k RMSNorm"),
     Family("CWM", "cwm", dict(SLIDING, head_dim=16), "sliding and global layers"),
     Family("IQuest-Coder", "iquestcoder", dict(head_dim=16), "Llama-style"),
+    GPT2,
     # one layer each below: what these cases add is within a layer, and a second costs tracing time
     Family("Phi-3", "phi3", dict(num_hidden_layers=1),
            "q/k/v and gate/up stored as one fused weight each (sliced into a linear's split outputs)"),
@@ -114,10 +122,6 @@ NOT_YET = [
            r"op aten\.numpy_T\.default at module 'transformer\.h\.0\.self_attention\.query_key_value' computes a "
            r"new tensor from weight",
            "linears written as x @ weight.T, and q/k/v taken from the fused weight by index lists"),
-    NotYet(Family("GPT-2", "gpt2", dict(ONE_LAYER, n_embd=64, n_head=4, n_layer=1)),
-           r"op aten\.embedding\.default at module 'transformer\.wpe' combines weight transformer\.wpe\.weight with "
-           r"values computed from the positions",
-           "learned absolute position embeddings, and Conv1D weights stored [in, out]"),
     NotYet(Family("Gemma 2", "gemma2", ONE_LAYER),
            r"Gemma2ForCausalLM \(model_type 'gemma2'\) refuses SDPA attention in transformers .* soft-capping of "
            r"attention scores \(attn_logit_softcapping 50\.0\)",
@@ -272,6 +276,35 @@ def test_layer_norm_rotary_and_fused_families_lift_to_the_new_attributes(build):
     assert [n["attrs"]["fn"] for n in phi2 if n["op"] == "activation"] == ["gelu_tanh"]
     assert not any(n["op"] == "elementwise" and n["attrs"]["fn"] == "scale" for n in phi2)
     assert "bias" in next(n for n in phi2 if n["op"] == "lm_head")["weights"]
+
+
+def test_gpt2_lifts_position_embeddings_and_conv1d_linears(build):
+    """GPT-2's wpe is an embedding of the positions added to the token embedding's rows; its Conv1D weights, stored
+    [in, out], are ordinary linears whose artifact tensors are the checkpoint's transposed (the list of them is the
+    checkpoint reader's, not the artifact's); c_attn is one linear split into q, k and v; the lm_head is the token
+    table."""
+    from safetensors.torch import load_file
+
+    b = build(GPT2)
+    graph = json.loads((b.artifact / "graph.json").read_text())
+    nodes = graph["nodes"]
+    embeds = [n for n in nodes if n["op"] == "embedding"]
+    assert [(n["inputs"], n["source"]) for n in embeds] == [(["input_ids"], "transformer.wte"),
+                                                            (["positions"], "transformer.wpe")]
+    add = next(n for n in nodes if n["op"] == "elementwise")
+    assert add["attrs"]["fn"] == "add" and add["inputs"] == [embeds[0]["outputs"][0], embeds[1]["outputs"][0]]
+    assert next(n for n in nodes if n["op"] == "lm_head")["weights"]["weight"] == embeds[0]["weights"]["weight"]
+    assert "transposed_weights" not in graph["meta"]
+    qkv = [n for n in nodes if n["op"] == "linear" and len(n["outputs"]) == 3]
+    assert len(qkv) == 2 and all(n["attrs"]["split_sizes"] == [64, 64, 64] for n in qkv)
+    stored = load_file(b.checkpoint / "model.safetensors")
+    weights = load_file(b.artifact / "weights.safetensors")
+    linears = [n for n in nodes if n["op"] == "linear"]
+    assert len(linears) == 8
+    for n in linears:
+        name = n["weights"]["weight"]
+        assert list(weights[name].shape) == [n["attrs"]["out_features"], n["attrs"]["in_features"]]
+        assert torch.equal(weights[name], stored[name].t())
 
 
 def test_moe_families_lift_to_the_moe_op(build):

@@ -1,7 +1,7 @@
-"""The IR primitives LayerNorm, partial / interleaved rotary, fused linears and plain MLPs lift to: the runtime's
-references against Hugging Face's own modules, GPT-NeoX's graph (its fused per-head q/k/v) against the HF
-model it was traced from, tensor parallelism over the new shapes, and the lifter's errors on fused linears it
-cannot split.
+"""The IR primitives LayerNorm, partial / interleaved rotary, fused linears, plain MLPs, Conv1D linears and position
+embeddings lift to: the runtime's references against Hugging Face's own modules, GPT-NeoX's graph (its fused
+per-head q/k/v) against the HF model it was traced from, tensor parallelism over the new shapes, and the lifter's
+errors on fused linears it cannot split.
 
 The family builds themselves (verify, artifact, runtime, 32 greedy tokens) are tests/passes/test_families.py.
 """
@@ -22,6 +22,7 @@ from test_shard import run_ranks
 PIPELINE = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 VOCAB = 96
 PHI2 = Family("Phi-2", "phi", dict(num_hidden_layers=1))
+GPT2 = Family("GPT-2", "gpt2", dict(num_hidden_layers=1, n_inner=112))  # n_inner: the MLP size, as the others'
 
 
 def _prompts() -> list[list[int]]:
@@ -33,13 +34,16 @@ _GRAPHS: dict[str, tuple[Graph, torch.nn.Module]] = {}
 
 
 def traced(family: Family) -> tuple[Graph, torch.nn.Module]:
-    """``family`` traced, with the HF model's own tensors attached (no checkpoint: names are the model's), through
-    the default graph passes; cached per family, a copy each call."""
+    """``family`` traced, with the HF model's own tensors attached (no checkpoint: names are the model's; Conv1D
+    weights transposed, as the checkpoint reader does), through the default graph passes; cached per family, a copy
+    each call."""
     if family.model_type not in _GRAPHS:
         model = make_family_model(family, VOCAB)
         graph, _ = trace(family_config(family, VOCAB))
         state = model.state_dict()
-        graph.params = {k: state[k] if v.is_meta else v for k, v in graph.params.items()}
+        transposed = graph.meta.pop("transposed_weights", [])
+        graph.params = {k: (state[k].t().contiguous() if k in transposed else state[k]) if v.is_meta else v
+                        for k, v in graph.params.items()}
         graph.meta["dtype"] = "float32"
         _GRAPHS[family.model_type] = run_passes(graph, PIPELINE, PassContext())[0], model
     graph, model = _GRAPHS[family.model_type]
@@ -117,10 +121,11 @@ def test_gpt_neox_graph_matches_hf():
 
 
 # --- tensor parallelism over the new shapes -----------------------------------------------------------
-@pytest.mark.parametrize("family", [GPT_NEOX, PHI2], ids=lambda f: f.model_type)
+@pytest.mark.parametrize("family", [GPT_NEOX, PHI2, GPT2], ids=lambda f: f.model_type)
 def test_shard_splits_plain_mlps_and_per_head_fused_qkv(family, monkeypatch):
     """fc1 -> GeLU -> fc2 is split like gate/up -> down (column, then row + all_reduce); GPT-NeoX's per-head q/k/v
-    rows by whole heads; biases follow their rows. Two ranks' logits equal the unsharded graph's."""
+    rows by whole heads, GPT-2's Conv1D ones (transposed on read) as any linear's; biases follow their rows. Two
+    ranks' logits equal the unsharded graph's."""
     graph, _ = traced(family)
     ctx = PassContext(options={"shard": {"tp_size": 2}})
     sharded, records = run_passes(graph.copy(), ["shard"], ctx)
@@ -139,15 +144,35 @@ def test_shard_splits_plain_mlps_and_per_head_fused_qkv(family, monkeypatch):
             assert (ours - ref).abs().max().item() < 1e-5
 
 
+def test_shard_keeps_the_position_table_whole(monkeypatch):
+    """With vocab_parallel, GPT-2's token table (tied to the lm_head) is split by vocabulary rows; its table of
+    position embeddings has none and stays whole on every rank. Two ranks' logits equal the unsharded graph's."""
+    graph, model = traced(GPT2)
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+    ctx = PassContext(options={"shard": {"tp_size": 2, "vocab_parallel": True}})
+    sharded, _ = run_passes(graph.copy(), ["shard"], ctx)
+    tokens, positions = (n for n in sharded.nodes if n.op == "embedding")
+    assert tokens.inputs == ["input_ids"] and tokens.attrs["vocab_parallel"]
+    assert positions.inputs == ["positions"] and "vocab_parallel" not in positions.attrs
+    assert list(sharded.params[tokens.weights["weight"]].shape) == [VOCAB // 2, 64]
+    assert list(sharded.params[positions.weights["weight"]].shape) == [512, 64]
+    expected = run_graph(graph, prompts[1:])
+    for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5
+
+
 # --- quantization -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", [GPT_NEOX, PHI2], ids=lambda f: f.model_type)
+@pytest.mark.parametrize("family", [GPT_NEOX, PHI2, GPT2], ids=lambda f: f.model_type)
 @pytest.mark.parametrize("algo, options, scheme, bound", [
     ("int8_wo", {}, "w8a16", 0.02),
     ("awq", {"group_size": 16}, "w4a16", 0.12),
 ])
 def test_quantization_takes_the_new_linears(family, algo, options, scheme, bound):
-    """Per-head fused q/k/v, plain MLPs and linears after a LayerNorm are quantized as any linear; the logits stay
-    close to the float graph's."""
+    """Per-head fused q/k/v, plain MLPs, Conv1D linears and linears after a LayerNorm are quantized as any linear;
+    the logits stay close to the float graph's."""
     graph, _ = traced(family)
     gen = torch.Generator().manual_seed(0)
     calibration = [torch.randint(0, VOCAB, (32,), generator=gen).tolist() for _ in range(6)]
@@ -199,3 +224,37 @@ def test_fused_linear_slices_must_tile_its_output(parts, error):
         return
     with pytest.raises(LiftError, match=error):
         lift(export_model(model), ctx)
+
+
+class _PositionTable(torch.nn.Module):
+    """Token embeddings plus a table of learned position embeddings read at the positions + ``offset`` (OPT's: 2)."""
+
+    def __init__(self, offset: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.wpe = torch.nn.Embedding(64, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+        self.offset = offset
+
+    def forward(self, input_ids, use_cache=False):
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device) + self.offset
+        return self.head(self.embed(input_ids) + self.wpe(positions[None]))
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_position_table_is_read_at_the_positions_themselves(offset):
+    """A table looked up by arange over the tokens is an embedding of the graph's positions; one read at an offset
+    from them is refused, saying so, rather than lifted a row off."""
+    from passes.lift import LiftContext, LiftError, lift
+    from passes.trace import export_model
+
+    model = _PositionTable(offset).eval().to("meta")
+    ctx = LiftContext(model=model, rotary=lambda buffer: (torch.ones(1), 1.0))
+    if offset:
+        with pytest.raises(LiftError, match=r"embedding 'wpe' is looked up at the positions \+ 2; the embedding op "
+                                            r"reads the positions themselves"):
+            lift(export_model(model), ctx)
+        return
+    graph = lift(export_model(model), ctx)
+    assert [(n.inputs, n.weights["weight"]) for n in graph.nodes if n.op == "embedding"] == [
+        (["input_ids"], "embed.weight"), (["positions"], "wpe.weight")]

@@ -1,7 +1,7 @@
-"""The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary and a
-scaled lm_head: ops without a Triton kernel run their torch reference there, rotary the kernels do not take is not
-fused into the attention's KV write, and the serving engine on the kernels generates the reference path's tokens.
-On CPU the kernels run under TRITON_INTERPRET=1."""
+"""The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
+scaled lm_head and learned position embeddings: ops without a Triton kernel run their torch reference there, rotary
+the kernels do not take is not fused into the attention's KV write, and the serving engine on the kernels generates
+the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 SHAPE = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
              max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 FAMILIES = ["stablelm",  # layer_norm with bias, rotary on 8 of 32 features per head
-            "cohere"]  # layer_norm without bias, interleaved rotary, lm_head scale
+            "cohere",  # layer_norm without bias, interleaved rotary, lm_head scale
+            "gpt2"]  # an embedding of the positions (the paged steps' own), no rotary at all
 
 
 def _checkpoint(path, model_type: str):
