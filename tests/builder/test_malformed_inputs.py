@@ -252,8 +252,8 @@ CASES = [
     Case("config-not-json", "config.json is not valid JSON", checkpoint=_write("config.json", "{model_type: llama")),
     Case("config-not-utf8", "config.json is not valid JSON", checkpoint=_write("config.json", b"\xff\xfe{\x00}")),
     Case("config-a-list", "config.json holds a JSON list, not an object", checkpoint=_write("config.json", "[1, 2]")),
-    Case("model-type-that-does-not-lift", "op aten.embedding.default at module 'transformer.wpe' combines weight "
-         "transformer.wpe.weight with values computed from the positions", checkpoint=_config(model_type="gpt2")),
+    Case("model-type-that-does-not-lift", "op aten.embedding.default at module 'model.decoder.embed_positions' "
+         "combines weight model.decoder.embed_positions.weight", checkpoint=_config(model_type="opt")),
     Case("no-model-type", "model_type is null; config.json must name the model's family",
          checkpoint=_config(model_type=None)),
     Case("config-size-a-string", "hidden_size is \"64\", expected a positive whole number",
