@@ -191,6 +191,12 @@ class PackedStep:
     def num_seqs(self) -> int:
         return len(self.context_lens)
 
+    @property
+    def seq_lens(self) -> list[int]:
+        """[S] each sequence's tokens after the step: context + new."""
+        cu = self.cu_seqlens_q
+        return [c + cu[i + 1] - cu[i] for i, c in enumerate(self.context_lens)]
+
 
 class StepGraphs:
     """CUDA graphs of steps that carry prefill, one per (token bucket, sequence bucket) with the sequence bucket
@@ -299,8 +305,7 @@ class StepGraphs:
         longs[:3 * t + s] = torch.tensor(step.input_ids + [0] * pad_t + step.positions + [0] * pad_t
                                          + step.slots + [-1] * pad_t + step.logits_rows + [0] * (s - rows),
                                          dtype=torch.long)
-        seq_lens = [c + step.cu_seqlens_q[i + 1] - step.cu_seqlens_q[i] for i, c in enumerate(step.context_lens)]
-        ints[:3 * s + 1] = torch.tensor(seq_lens + [0] * pad_s + step.context_lens + [0] * pad_s
+        ints[:3 * s + 1] = torch.tensor(step.seq_lens + [0] * pad_s + step.context_lens + [0] * pad_s
                                         + step.cu_seqlens_q + [n] * pad_s, dtype=torch.int32)
         width = max(len(table) for table in step.block_tables)
         tabs[:s, :width] = torch.tensor([table + [0] * (width - len(table)) for table in step.block_tables]

@@ -145,6 +145,12 @@ class _InFlight:
         return self.host_tokens.tolist()
 
 
+def _feed(ids: torch.Tensor, feed: tuple[torch.Tensor, list[int], list[int]]) -> torch.Tensor:
+    """``ids`` with ids[targets[i]] = tokens[sources[i]], on the device (tokens the step in flight sampled)."""
+    tokens, sources, targets = feed
+    return ids.index_copy_(0, to_device(targets, ids.device), tokens.index_select(0, to_device(sources, tokens.device)))
+
+
 class ServingEngine:
     """An artifact served with continuous batching over a paged KV cache."""
 
@@ -364,11 +370,10 @@ class ServingEngine:
             if all(r is not None for r in rows):  # every input still on the device
                 ids = tokens if rows == list(range(len(tokens))) else tokens.index_select(0, to_device(rows, tokens.device))
             elif any(r is not None for r in rows):  # some on the device, some on the host
-                ids = to_device([0 if r is not None else q.request.token_ids[q.num_context] for q, r in zip(seqs, rows)],
-                                self.device)
                 dst = [i for i, r in enumerate(rows) if r is not None]
-                ids.index_copy_(0, to_device(dst, ids.device),
-                                tokens.index_select(0, to_device([rows[i] for i in dst], tokens.device)))
+                ids = _feed(to_device([0 if r is not None else q.request.token_ids[q.num_context]
+                                       for q, r in zip(seqs, rows)], self.device),
+                            (tokens, [rows[i] for i in dst], dst))
             return self._replay(sched, ids), [q.request for q in seqs]  # a one-token step always samples
         packed, sampling = self._pack(sched)
         moved = [(i, q.in_flight_row) for i, q in enumerate(seqs) if q.in_flight_row is not None]
@@ -382,9 +387,7 @@ class ServingEngine:
             return self.step_graphs.run(packed, feed), sampling  # prefill with the decodes beside it
         inp = self._prepare(sched, packed)
         if feed is not None:
-            src, src_rows, dst_rows = feed
-            inp.input_ids.index_copy_(0, to_device(dst_rows, inp.input_ids.device),
-                                      src.index_select(0, to_device(src_rows, src.device)))
+            _feed(inp.input_ids, feed)
         return self.executor.forward(inp), sampling  # logits: [num_sampling, vocab] fp32
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, dict[str, str]]:
@@ -578,17 +581,16 @@ class ServingEngine:
             t = torch.tensor(values, dtype=dtype)
             return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-        seqs = [SeqSlice(PagedSequenceKV(self.storage, self.kv.block_table(q.request.request_id), q.num_context),
-                         q.num_context, q.num_new) for q in sched.seqs]
+        seqs = [SeqSlice(PagedSequenceKV(self.storage, table, q.num_context), q.num_context, q.num_new)
+                for q, table in zip(sched.seqs, step.block_tables)]
         inp = StepInput(tensor(step.input_ids), tensor(step.positions), seqs, tensor(step.logits_rows))
         if self.executor.use_kernels:  # the fused attention kernels read the cache through these
             width = max(len(t) for t in step.block_tables)
-            cu = step.cu_seqlens_q
             inp.paged = PagedAttentionMetadata(
                 self.storage.k, self.storage.v, tensor(step.slots),
                 tensor([t + [0] * (width - len(t)) for t in step.block_tables], torch.int32),
-                tensor([c + cu[i + 1] - cu[i] for i, c in enumerate(step.context_lens)], torch.int32),
-                tensor(step.context_lens, torch.int32), tensor(cu, torch.int32),
+                tensor(step.seq_lens, torch.int32), tensor(step.context_lens, torch.int32),
+                tensor(step.cu_seqlens_q, torch.int32),
                 all(q.num_new == 1 for q in sched.seqs))
         return inp
 
