@@ -13,6 +13,7 @@ manifest.json names the format) or empty, and the sibling temporaries only when 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -20,12 +21,12 @@ import shutil
 import socket
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from builder import __version__
 from builder.checkpoint import Checkpoint
@@ -181,7 +182,7 @@ def _swap_in(tmp: Path, out: Path, old: Path) -> None:
 def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
                     started_at: str, start: float, timings: dict[str, float], extra: dict[str, Any]) -> None:
     (tmp / GRAPH).write_text(graph.to_json())
-    weights = _write_weights(tmp, graph)
+    weights, weight_hashes = _write_weights(tmp, graph)
     tok_dir = tmp / TOKENIZER_DIR
     tok_dir.mkdir()
     for f in ckpt.tokenizer_files():
@@ -221,10 +222,10 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
                          "lm_head": lm_head_scheme(graph), **extra},
     }
     manifest["build"]["duration_s"] = round(time.perf_counter() - start, 3)
-    manifest["files"] = _file_table(tmp)  # report sizes need the weight files' sizes
+    manifest["files"] = _file_table(tmp, weight_hashes)  # report sizes need the weight files' sizes
     for name, text in render_reports(manifest, graph).items():
         (tmp / name).write_text(text)
-    manifest["files"] = _file_table(tmp)
+    manifest["files"] = _file_table(tmp, {name: entry["sha256"] for name, entry in manifest["files"].items()})
     manifest["manifest_sha256"] = manifest_digest(manifest)
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
@@ -236,37 +237,46 @@ def lm_head_scheme(graph: Graph) -> str:
     return head.attrs.get("quant", {}).get("scheme", "none")
 
 
-def _write_weights(tmp: Path, graph: Graph) -> dict[str, Any]:
-    """Write the weight file(s); returns the manifest's ``weights`` section.
+def _write_weights(tmp: Path, graph: Graph) -> tuple[dict[str, Any], dict[str, str]]:
+    """Write the weight file(s); returns the manifest's ``weights`` section and each file's sha256.
 
-    A sharded graph (tp_size > 1) gets one file per rank, written one tensor at a time from views of
-    the full tensors, so the build never holds more than the model plus one tensor's shard."""
+    Files are written one tensor at a time and hashed as they are written (a 61 GB file is not read back to hash
+    it). A sharded graph (tp_size > 1) gets one file per rank, written from views of the full tensors, so the build
+    never holds more than the model plus one tensor's shard."""
     if graph.shards is None:
-        tensors = {name: t.contiguous() for name, t in graph.params.items()}
-        save_file(tensors, tmp / WEIGHTS, metadata={"format": FORMAT_NAME})
-        return {"files": [WEIGHTS], "num_tensors": len(tensors),
-                "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+        # largest elements first, as safetensors' save_file orders them: every tensor's data aligned to its element
+        names = sorted(graph.params, key=lambda n: (-graph.params[n].element_size(), n))
+        hasher = hashlib.sha256()
+        nbytes = write_safetensors_streaming(tmp / WEIGHTS, {n: graph.params[n] for n in names},
+                                             graph.params.__getitem__, {"format": FORMAT_NAME}, hasher)
+        return {"files": [WEIGHTS], "num_tensors": len(names), "bytes": nbytes}, {WEIGHTS: hasher.hexdigest()}
     shards, names = graph.shards, sorted(graph.params)
-    ranks = []
+    ranks, hashes = [], {}
     for rank in range(shards.tp_size):
-        file = rank_weights_file(rank)
+        file, hasher = rank_weights_file(rank), hashlib.sha256()
         nbytes = write_safetensors_streaming(tmp / file, {n: graph.params[n] for n in names},
                                              lambda name: shards.tensor(name, rank),
-                                             {"format": FORMAT_NAME, "rank": str(rank), "tp_size": str(shards.tp_size)})
+                                             {"format": FORMAT_NAME, "rank": str(rank), "tp_size": str(shards.tp_size)},
+                                             hasher)
         ranks.append({"rank": rank, "file": file, "bytes": nbytes, "tensors": names})
-    return {"files": [r["file"] for r in ranks], "num_tensors": len(names), "bytes": sum(r["bytes"] for r in ranks),
-            "tp_size": shards.tp_size, "ranks": ranks}
+        hashes[file] = hasher.hexdigest()
+    return ({"files": [r["file"] for r in ranks], "num_tensors": len(names), "bytes": sum(r["bytes"] for r in ranks),
+             "tp_size": shards.tp_size, "ranks": ranks}, hashes)
 
 
 # safetensors' dtype names
 _ST_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
               torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32", torch.int64: "I64",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+              torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64", torch.bool: "BOOL",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
-def write_safetensors_streaming(path: Path, specs: dict[str, torch.Tensor], produce, metadata: dict[str, str]) -> int:
+def write_safetensors_streaming(path: Path, specs: dict[str, torch.Tensor], produce, metadata: dict[str, str],
+                                hasher: Any = None) -> int:
     """Write a safetensors file whose tensors are made one at a time by ``produce(name)``; returns the
     bytes of tensor data. ``specs`` gives each tensor's shape and dtype (meta tensors do) for the header.
+    ``hasher`` (a hashlib object) is fed the file's bytes as they are written, on a second thread: a tensor is
+    hashed while it is written, and let go of before the next one is made.
 
     Layout (the safetensors format): u64 little-endian header size, the JSON header (name -> dtype,
     shape, data_offsets; padded with spaces to 8 bytes), then the tensors' bytes back to back."""
@@ -279,22 +289,31 @@ def write_safetensors_streaming(path: Path, specs: dict[str, torch.Tensor], prod
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
+    with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as pool:
+        def write(data) -> None:
+            hashing = pool.submit(hasher.update, data) if hasher is not None else None
+            f.write(data)
+            if hashing is not None:
+                hashing.result()
+
+        write(struct.pack("<Q", len(text)))
+        write(text)
         for name, spec in specs.items():
-            _write_tensor(f, name, produce(name), spec)  # nothing of it outlives the call
+            write(_tensor_bytes(name, produce(name), spec))  # nothing of it outlives the call
     return offset
 
 
-def _write_tensor(f, name: str, t: torch.Tensor, spec: torch.Tensor) -> None:
+def _tensor_bytes(name: str, t: torch.Tensor, spec: torch.Tensor) -> memoryview:
     assert t.shape == spec.shape and t.dtype == spec.dtype, f"{name}: {tuple(t.shape)} {t.dtype} != the header's"
-    f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _file_table(root: Path) -> dict[str, dict[str, Any]]:
+def _file_table(root: Path, known_hashes: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file under ``root``; ``known_hashes`` (path -> sha256) are files hashed already."""
+    known_hashes = known_hashes or {}
     table = {}
     for f in sorted(root.rglob("*")):
         if f.is_file() and f.name != MANIFEST and f != root / TEMP_MARKER:
-            table[f.relative_to(root).as_posix()] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+            name = f.relative_to(root).as_posix()
+            table[name] = {"bytes": f.stat().st_size, "sha256": known_hashes.get(name) or file_sha256(f)}
     return table

@@ -427,7 +427,7 @@ def bench_latency(
     """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline;
     with --batch-size, the decode step time at each batch size too."""
     from builder.bench.offline import decode_steps, latency, report, step_table
-    from builder.bench.record import STOCK_QUANT, append_figures, precision_of
+    from builder.bench.record import STOCK_QUANT, append_figures, figure_tag, precision_of
     from builder.bench.stock_torch import QUANT_MODES, StockModelError, run_stock_baseline
     from runtime.engine import RequestError
 
@@ -442,8 +442,7 @@ def bench_latency(
     try:
         results = [latency(engine, n, output_len, repeats) for n in input_len]
         precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
-        # figures of an artifact whose lm_head is quantized too are named apart (the stock baseline keeps it)
-        quant_head = (engine.engine.artifact.manifest.get("quantization") or {}).get("lm_head", "none") != "none"
+        tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)  # the figures' precision part
     finally:
         engine.close()  # a tensor-parallel engine's worker ranks
     del engine
@@ -470,7 +469,6 @@ def bench_latency(
                 engine.close()
             del engine
     report(results + steps, json_out)
-    tag = precision + ("_qhead" if quant_head else "")  # the figures' precision part
     figures = []
     for r in results:
         suffix = "" if r.input_len == 128 else f"_in{r.input_len}"
@@ -535,11 +533,12 @@ def bench_throughput(
     json_out: Optional[str] = typer.Option(None, "--json"),
     record: Optional[Path] = typer.Option(None, help="append the figures to this record (docs/benchmarks.jsonl): "
                                           "throughput_IN_OUT_PREC (output tok/s, the best concurrency), "
-                                          "throughput_IN_OUT_PREC_cC and preemptions_IN_OUT_PREC_cC per point"),
+                                          "throughput_IN_OUT_PREC_cC and preemptions_IN_OUT_PREC_cC per point; "
+                                          "PREC is moe_PREC for a mixture-of-experts model"),
 ) -> None:
     """Output tokens/s of many requests submitted at once, at each concurrency."""
     from builder.bench.offline import report, throughput
-    from builder.bench.record import append_figures, precision_of
+    from builder.bench.record import append_figures, figure_tag
 
     _setup_logging(False)
     results, tag = [], None
@@ -547,9 +546,7 @@ def bench_throughput(
         engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
         try:
             results.append(throughput(engine, input_len, output_len, num_prompts or 4 * c))
-            manifest = engine.engine.artifact.manifest
-            quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
-            tag = precision_of(engine.executor.graph, manifest) + ("_qhead" if quant_head else "")
+            tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)
         finally:
             engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
         del engine

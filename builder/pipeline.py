@@ -26,7 +26,7 @@ from passes import PASSES, PassContext, PassRecord, run_passes
 from passes.base import Progress
 from passes.ir import Graph
 from passes.shard import check_tp_size
-from passes.trace import trace
+from passes.trace import refuses_sdpa, trace
 from runtime.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger("builder")
@@ -156,8 +156,8 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
 
     hf_logging.disable_progress_bar()
     if imported is None:
-        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype, attn_implementation="sdpa",
-                                                     local_files_only=True, use_safetensors=True)
+        model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
+            ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))
     else:
         model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
         for module, (scheme, input_scale) in imported.activation_quant().items():
@@ -171,6 +171,17 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
     return logits
 
 
+def _sdpa_or_eager(make):
+    """``make(attn_implementation)`` with SDPA, or with the model's own eager attention where its class refuses SDPA
+    (attention that soft-caps its scores or adds sinks: Gemma 2, gpt-oss)."""
+    try:
+        return make("sdpa")
+    except ValueError as e:
+        if not refuses_sdpa(e):
+            raise
+        return make("eager")
+
+
 def _model_from_weights(ckpt: Checkpoint, dtype: torch.dtype, weights: dict[str, torch.Tensor]):
     """The checkpoint's model class built from its config (its quantization_config dropped), holding ``weights``."""
     from transformers import AutoModelForCausalLM
@@ -179,7 +190,8 @@ def _model_from_weights(ckpt: Checkpoint, dtype: torch.dtype, weights: dict[str,
     for key in ("quantization_config", "compression_config"):
         if hasattr(config, key):
             delattr(config, key)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_config(config, attn_implementation=attn,
+                                                                         dtype=dtype))
     own = dict(model.state_dict())
     missing, unexpected = model.load_state_dict({k: v for k, v in weights.items() if k in own}, strict=False)
     loaded = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n not in missing}
@@ -200,6 +212,14 @@ def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None):
         return ((xq.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
 
     return hook
+
+
+def params_to_host(params: dict[str, torch.Tensor], moved: dict[str, torch.Tensor],
+                   host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``params`` after passes ran on a device copy (``moved``) of ``host``: a tensor the passes left as it was is the
+    host tensor it was copied from (not copied back: the experts of a 30B mixture of experts are 58 GB), a new one
+    is copied to the host."""
+    return {k: host[k] if moved.get(k) is v else v.cpu() for k, v in params.items()}
 
 
 def error_inputs(records: list[PassRecord]) -> str:
@@ -287,18 +307,21 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     timings = {"trace_s": trace_s, "load_weights_s": load_s, "passes_s": sum(r.seconds for r in records)}
 
     if quant_names:
-        baseline = graph.copy()
+        baseline = graph.copy() if recipe.gates.enabled else None  # shares the tensors the passes do not replace
         t = time.perf_counter()
         ctx.calibration = calib.windows if calib is not None else None
         for q in recipe.quant_sections():
             ctx.options[q.algo] = q.method_options()
         ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
         log.info("quantization passes run on %s", device)
-        graph.params = {k: v.to(device) for k, v in graph.params.items()}
+        host = graph.params
+        moved = {k: v.to(device) for k, v in host.items()}
+        graph.params = dict(moved)  # the passes put new tensors in it; ``moved`` keeps what was copied
         try:
             graph, quant_records = run_passes(graph, quant_names, ctx)
         finally:  # the artifact writer and the gates read host tensors
-            graph.params = {k: v.cpu() for k, v in graph.params.items()}
+            graph.params = params_to_host(graph.params, moved, host)
+            del moved
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         records += quant_records

@@ -131,6 +131,7 @@ class ModelShape:
         model_type = config.get("model_type")
         if not isinstance(model_type, str) or not model_type:
             raise PlanError(f"{source}: model_type is {json.dumps(model_type)}; the planner needs the model's family")
+        config = standard_keys(config)
 
         def need(key: str, default: int | None = None) -> int:
             value = config.get(key) or default
@@ -173,6 +174,34 @@ class ModelShape:
         m = self.moe
         idle = (m.num_experts - m.top_k) * 3 * self.hidden_size * m.expert_intermediate_size
         return self.num_parameters() - len(m.sparse_layers) * idle
+
+
+STANDARD_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "max_position_embeddings",
+                 "num_key_value_heads", "intermediate_size", "vocab_size")
+MLP_SIZE_KEYS = ("n_inner", "ffn_hidden_size")  # the MLP's size under other names (GPT-2, Falcon)
+
+
+def standard_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the standard keys the planner reads filled in from the family's own names: those its
+    transformers config class maps onto them (``attribute_map``: GPT-2's n_embd, n_head, n_layer, n_positions), and
+    the MLP size under another name (GPT-2's n_inner, whose null means 4 x hidden; Falcon's ffn_hidden_size).
+    transformers is consulted only when a standard key is missing."""
+    if all(config.get(k) is not None for k in STANDARD_KEYS):
+        return config
+    from transformers import CONFIG_MAPPING
+
+    config = dict(config)
+    config_class = CONFIG_MAPPING[config["model_type"]] if config["model_type"] in CONFIG_MAPPING else None
+    for standard, own in (getattr(config_class, "attribute_map", None) or {}).items():
+        if config.get(standard) is None and config.get(own) is not None:
+            config[standard] = config[own]
+    if config.get("intermediate_size") is None:
+        size = next((config[k] for k in MLP_SIZE_KEYS if config.get(k) is not None), None)
+        if size is None and "n_inner" in config and isinstance(config.get("hidden_size"), int):
+            size = 4 * config["hidden_size"]  # GPT-2's n_inner: null means 4 x hidden
+        if size is not None:
+            config["intermediate_size"] = size
+    return config
 
 
 def read_model_shape(checkpoint: str | Path) -> ModelShape:

@@ -93,7 +93,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "fp8": {"activations", "weight_granularity"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
-    "awq": {"group_size", "n_grid", "duo_scaling", "rounding", "damp", "block_size"},
+    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -105,7 +105,7 @@ class QuantizationSection(_Strict):
     ignore: list[ModulePattern] = Field(default_factory=list, description="module paths or re:regex kept unquantized")
     bits: Optional[Literal[4, 8]] = None  # gptq (default 4); awq is always 4
     group_size: Optional[int] = None  # awq/gptq (default 128); -1 = per output channel
-    symmetric: Optional[bool] = None  # gptq (default False)
+    symmetric: Optional[bool] = None  # gptq, awq (default False: zero points)
     act_order: Optional[bool] = None  # gptq (default False); uses static groups
     damp: Optional[float] = Field(default=None, gt=0, lt=1)  # gptq, awq with rounding gptq (default 0.01)
     block_size: Optional[int] = Field(default=None, ge=1)  # gptq, awq with rounding gptq (default 128)

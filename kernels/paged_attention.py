@@ -21,6 +21,11 @@ Numerics: scores, softmax statistics and accumulators are fp32; the two matmuls 
 query's dtype (bf16/fp16 tensor cores, fp32 with IEEE precision for fp32 queries) with fp32
 accumulation. Quantized K/V are fed to the matmuls as stored (fp8 and int8 values are exact in
 bf16/fp16) and their scales are folded into the score scale and the output.
+
+Two optional terms, each a constexpr flag so that attention without it compiles to the same code as before:
+``softcap`` (Gemma 2: scores become softcap * tanh(scores / softcap), computed on the fp32 scores) and ``sinks``
+(gpt-oss: one fp32 logit per query head added to its softmax denominator only, after the last key tile, or in the
+merge of decode splits).
 """
 
 from __future__ import annotations
@@ -53,6 +58,21 @@ def _mma(a, b, FP32: tl.constexpr):
     if FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _softcap(s, cap):
+    """cap * tanh(s / cap) of log2-domain scores, cap given in the log2 domain too (the model's cap * log2(e):
+    the same squashing of the natural scores). tanh(y) = 1 - 2 / (e^2y + 1), e^2y kept finite (2^126: tanh 1)."""
+    e = tl.exp2(tl.minimum(s * (2.8853900817779268 / cap), 126.0))  # 2 * log2(e): e^(2 s / cap), natural scores
+    return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
+def _sink_share(sink, m_i):
+    """The sink's term of the softmax denominator, 2^(sink * log2(e) - m_i) for a natural sink logit, kept finite:
+    at most 2^126, which leaves a row that saw no key (m_i = -1e30) its zeros."""
+    return tl.exp2(tl.minimum(sink.to(tl.float32) * 1.4426950408889634 - m_i, 126.0))
 
 
 @triton.jit
@@ -255,13 +275,16 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-        qk_scale, window, num_splits,
+        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
+        qk_scale, window, num_splits, softcap,
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, SPLIT: tl.constexpr,
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits). One program: the GROUP query heads sharing one kv
     # head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's key tiles.
+    # SOFTCAP: scores soft-capped (softcap: the cap in the log2 domain); SINKS: each head's sink logit (sinks_ptr)
+    # joins the softmax denominator, here or, split, in the merge.
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -302,6 +325,8 @@ def _paged_decode_kernel(
         # masked lanes are left unloaded (garbage): masked out of s and zeroed in v below
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
         s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+        if SOFTCAP:
+            s = _softcap(s, softcap)
         s = tl.where(valid[None, :], s, float("-inf"))
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
         v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
@@ -315,14 +340,16 @@ def _paged_decode_kernel(
         tl.store(part_l_ptr + part, l_i, mask=g_mask)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
     else:
+        if SINKS:
+            l_i = l_i + _sink_share(tl.load(sinks_ptr + head, mask=g_mask, other=0.0), m_i)
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence gets zeros
         tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_splits, stride_os, stride_oh,
-                         HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, PDL: tl.constexpr):
+def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, num_splits, stride_os, stride_oh,
+                         HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_heads). Log-sum-exp merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     seq = tl.program_id(0)
@@ -334,8 +361,11 @@ def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, num_spli
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     l_s = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # empty splits: m = -1e30, l = 0, acc = 0
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)  # empty splits: m = -1e30, l = 0, acc = 0
     denom = tl.sum(l_s * w, 0)
+    if SINKS:
+        denom = denom + _sink_share(tl.load(sinks_ptr + head), m_max)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -344,17 +374,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            k_scale: torch.Tensor | float | None = None,
                            v_scale: torch.Tensor | float | None = None,
-                           sliding_window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, num_splits: int | None = None,
+                           softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query per sequence over its paged cache; returns ``out`` like ``q``.
 
     q: [num_seqs, num_heads, head_dim], query i at position seq_lens[i] - 1 (its K/V already written);
     block_tables: [num_seqs, max_blocks] int32 (padded); seq_lens: [num_seqs] int32 (0: output zeros).
     num_splits: key splits per sequence (flash-decoding); None picks one from shapes alone
     (``_decode_num_splits``). Any value gives the same result up to fp32 rounding.
+    softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks: [num_heads] fp32 sink logits,
+    one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs)
+    _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs, softcap, sinks)
     assert seq_lens.shape == (num_seqs,), f"seq_lens {tuple(seq_lens.shape)} != ({num_seqs},)"
     out = torch.empty_like(q)
     if num_seqs == 0:
@@ -374,17 +407,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_l = torch.empty_like(part_m)
     else:
         part_acc = part_m = part_l = out  # unused
+    sinks_t = q if sinks is None else sinks  # a placeholder, never read, without sinks
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l,
-        scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits,
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l, sinks_t,
+        scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
-        FP32=_fp32_dot(q.dtype), SPLIT=split, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+        FP32=_fp32_dot(q.dtype), SPLIT=split, SOFTCAP=softcap > 0, SINKS=sinks is not None,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_m, part_l, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4, **pdl_args(q))
+            part_acc, part_m, part_l, sinks_t, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None, num_warps=4,
+            **pdl_args(q))
     return out
 
 
@@ -434,8 +470,9 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
-                      qk_scale, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr):
+                      qk_scale, softcap, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
+                      SOFTCAP: tl.constexpr):
     """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile. MASKED: the tile may
     hold keys past the sequence, after a query (causal) or before its window; else all are visible."""
     pos = start + tl.arange(0, BLOCK_N)
@@ -454,6 +491,8 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None])
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :]).to(q.dtype)
     s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+    if SOFTCAP:
+        s = _softcap(s, softcap)
     if MASKED:
         visible = in_seq[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
@@ -463,10 +502,11 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-        k_scale_ptr, v_scale_ptr, out_ptr, qk_scale, window, num_seqs,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, qk_scale, window, num_seqs, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr,
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
     # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
     # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
@@ -515,19 +555,21 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(a, b, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                          kv_head, kv_len, window, qk_scale, stride_cb, stride_ct, stride_ch,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32)
+                                          kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
+                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP)
     for start in range(b, c, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                          kv_head, kv_len, window, qk_scale, stride_cb, stride_ct, stride_ch,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32)
+                                          kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
+                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP)
     for start in range(c, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                          kv_head, kv_len, window, qk_scale, stride_cb, stride_ct, stride_ch,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32)
+                                          kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
+                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP)
 
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)
+    if SINKS:
+        l_i = l_i + _sink_share(tl.load(sinks_ptr + head, mask=rows % GROUP_P2 < GROUP, other=0.0), m_i)
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + offs_t)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
@@ -537,7 +579,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, *, k_scale: torch.Tensor | float | None = None,
                             v_scale: torch.Tensor | float | None = None,
-                            sliding_window: int | None = None) -> torch.Tensor:
+                            sliding_window: int | None = None, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged caches; returns ``out`` like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
@@ -545,10 +588,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     context_lens[i] + j (context_lens: [num_seqs] int32; > 0 for a chunked prefill). Their K/V are
     already written to the cache, so every key, old or new, is read through block_tables:
     [num_seqs, max_blocks] int32. Rows past cu_seqlens_q[-1] (padding) are left unwritten.
+    softcap and sinks: as ``paged_decode_attention``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
-    _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs)
+    _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs, softcap, sinks)
     assert cu_seqlens_q.shape == (num_seqs + 1,), \
         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} != ({num_seqs + 1},) for {num_seqs} sequences"
     out = torch.empty_like(q)
@@ -562,12 +606,12 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_t = max(1, block_m // group_p2)  # tokens per tile: BLOCK_M rows of (token, head) pairs
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     _paged_prefill_kernel[(num_tokens // block_t + num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t, out,
-        scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs,
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t,
+        q if sinks is None else sinks, out, scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
-        num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 
 
@@ -596,7 +640,8 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, num_kv_heads: int
 
 
 def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, num_seqs: int) -> None:
+                          block_tables: torch.Tensor, num_seqs: int, softcap: float = 0.0,
+                          sinks: torch.Tensor | None = None) -> None:
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     if q.dtype not in QUERY_DTYPES:
@@ -607,6 +652,12 @@ def _check_attention_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         f"cache dtype {k_cache.dtype} is neither the query dtype {q.dtype} nor fp8 e4m3 / int8"
     assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs and block_tables.stride(1) == 1, \
         f"block_tables {tuple(block_tables.shape)} is not a row-contiguous [{num_seqs}, max_blocks] table"
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
+    if sinks is not None and (sinks.shape != (num_heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                              or sinks.device != q.device):
+        raise ValueError(f"sinks must be a contiguous fp32 [{num_heads}] tensor on {q.device}, one logit per query "
+                         f"head; got {tuple(sinks.shape)} {sinks.dtype} on {sinks.device}")
 
 
 def _scales(cache: torch.Tensor, k_scale, v_scale, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -691,22 +742,30 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int,
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-           sliding_window: int | None) -> torch.Tensor:
+           sliding_window: int | None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention in fp32 over one sequence's gathered keys (key j sits at position j).
 
     q: [num_q, num_heads, head_dim] at positions ``q_pos: [num_q]``; k, v: [num_keys, num_kv_heads, head_dim].
     Query at position p sees keys at positions <= p and, with a sliding window, > p - window
-    (``kernels.torch_ops.attention_one``). Returns fp32 [num_q, num_heads, head_dim].
+    (``kernels.torch_ops.attention_one``); softcap > 0: scores softcap * tanh(scores / softcap); sinks
+    [num_heads]: a logit per head that joins the softmax and is dropped. Returns fp32 [num_q, num_heads, head_dim].
     """
     group = q.shape[1] // k.shape[1]
     kh = k.float().repeat_interleave(group, dim=1)  # [num_keys, num_heads, head_dim]
     vh = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), kh) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     mask = k_pos <= q_pos[:, None]
     if sliding_window:
         mask &= k_pos > q_pos[:, None] - sliding_window
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more column per head, softmaxed with the scores, then dropped
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, vh)
 
 
@@ -714,7 +773,8 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                                k_scale: torch.Tensor | float | None = None,
                                v_scale: torch.Tensor | float | None = None,
-                               sliding_window: int | None = None) -> torch.Tensor:
+                               sliding_window: int | None = None, softcap: float = 0.0,
+                               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query per sequence at position seq_lens[i] - 1 over its cached keys; like ``q``.
 
     q: [num_seqs, num_heads, head_dim]; a sequence of length 0 gets zeros.
@@ -726,7 +786,7 @@ def ref_paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         k = gather_kv(k_cache, block_tables[i], n, k_scale)
         v = gather_kv(v_cache, block_tables[i], n, v_scale)
         q_pos = torch.tensor([n - 1], device=q.device)
-        out[i] = attend(q[i:i + 1], k, v, q_pos, scale, sliding_window)[0].to(q.dtype)
+        out[i] = attend(q[i:i + 1], k, v, q_pos, scale, sliding_window, softcap, sinks)[0].to(q.dtype)
     return out
 
 
@@ -735,7 +795,8 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 context_lens: torch.Tensor, scale: float, *,
                                 k_scale: torch.Tensor | float | None = None,
                                 v_scale: torch.Tensor | float | None = None,
-                                sliding_window: int | None = None) -> torch.Tensor:
+                                sliding_window: int | None = None, softcap: float = 0.0,
+                                sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' cached keys; like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] sit at
@@ -751,5 +812,5 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         k = gather_kv(k_cache, block_tables[i], num_keys, k_scale)
         v = gather_kv(v_cache, block_tables[i], num_keys, v_scale)
         q_pos = torch.arange(ctx[i], num_keys, device=q.device)
-        out[start:end] = attend(q[start:end], k, v, q_pos, scale, sliding_window).to(q.dtype)
+        out[start:end] = attend(q[start:end], k, v, q_pos, scale, sliding_window, softcap, sinks).to(q.dtype)
     return out

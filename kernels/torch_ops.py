@@ -54,6 +54,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return F.linear(x, weight, bias)
 
 
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap): scores or logits squashed into (-cap, cap) (Gemma 2)."""
+    return torch.tanh(logits / cap) * cap
+
+
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                 dtype: torch.dtype, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [num_tokens, rotary_dim] (rotary_dim = 2 * len(inv_freq)): each frequency twice, the halves
@@ -82,12 +87,13 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, 
 
 
 def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context: int, scale: float,
-                  sliding_window: int | None) -> torch.Tensor:
+                  sliding_window: int | None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of one sequence's new queries over its whole cache.
 
     q: [num_new, num_heads, head_dim]; k, v: [num_context + num_new, num_kv_heads, head_dim].
     Query i sits at position num_context + i and sees keys at positions <= its own (and, with a
-    sliding window, > its own - window).
+    sliding window, > its own - window). ``softcap`` > 0: scores become softcap * tanh(scores / softcap) before the
+    mask (Gemma 2); ``sinks`` [num_heads]: each head's sink logit joins its softmax's denominator (gpt-oss).
     """
     num_new, num_heads, head_dim = q.shape
     num_kv = k.shape[1]
@@ -97,16 +103,43 @@ def attention_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_context
     if num_kv != num_heads:
         kh = kh.repeat_interleave(num_heads // num_kv, dim=0)
         vh = vh.repeat_interleave(num_heads // num_kv, dim=0)
-    if num_context == 0 and not sliding_window:
+    if softcap or sinks is not None:
+        out = _attention_capped(qh, kh, vh, _causal_mask(num_context, num_new, k.shape[0], sliding_window, q.device),
+                                scale, softcap, sinks)
+    elif num_context == 0 and not sliding_window:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
-        q_pos = torch.arange(num_context, num_context + num_new, device=q.device)[:, None]
-        k_pos = torch.arange(k.shape[0], device=q.device)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window:
-            mask &= k_pos > q_pos - sliding_window
+        mask = _causal_mask(num_context, num_new, k.shape[0], sliding_window, q.device)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
     return out.transpose(0, 1).reshape(num_new, num_heads * head_dim)
+
+
+def _causal_mask(num_context: int, num_new: int, num_keys: int, sliding_window: int | None,
+                 device: torch.device) -> torch.Tensor:
+    """[num_new, num_keys] bool: which keys each new query sees."""
+    q_pos = torch.arange(num_context, num_context + num_new, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def _attention_capped(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention written out, for what SDPA lacks: scores (in q's dtype, as the models' eager code computes them)
+    soft-capped, softmax in fp32 with each head's sink logit in the denominator, probabilities rounded to v's dtype.
+    qh: [num_heads, num_new, head_dim]; kh, vh: [num_heads, num_keys, head_dim]."""
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale  # [num_heads, num_new, num_keys]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.float().masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # exp(s - lse), lse over the scores and the sink: the sink takes its share, but has no value
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.exp(scores - torch.logsumexp(torch.cat((scores, sink), dim=-1), dim=-1, keepdim=True))
+    return torch.matmul(probs.to(vh.dtype), vh)
 
 
 def activation(x: torch.Tensor, fn: str) -> torch.Tensor:
@@ -120,6 +153,8 @@ def activation(x: torch.Tensor, fn: str) -> torch.Tensor:
         return F.relu(x)
     if fn == "sigmoid":
         return torch.sigmoid(x)
+    if fn == "tanh":
+        return torch.tanh(x)
     raise ValueError(f"unknown activation {fn!r}")
 
 

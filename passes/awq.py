@@ -273,13 +273,15 @@ def _block_end(graph: Graph, members: list[int]) -> int | None:
 
 @register
 class AWQ(QuantMethod):
-    """Quantize linear weights to 4 bits (asymmetric, grouped) after AWQ's activation-aware scaling and clipping."""
+    """Quantize linear weights to 4 bits (grouped; asymmetric unless ``symmetric``) after AWQ's activation-aware
+    scaling and clipping."""
 
     name = "awq"
     scheme = "w4a16"
 
     def configure(self, options: dict[str, Any]) -> None:
-        self.cfg = QuantConfig(bits=4, group_size=int(options.get("group_size", 128)), symmetric=False)
+        self.cfg = QuantConfig(bits=4, group_size=int(options.get("group_size", 128)),
+                               symmetric=bool(options.get("symmetric", False)))
         self.n_grid = int(options.get("n_grid", 20))
         self.rounding = options.get("rounding", "nearest")
         if self.rounding not in ROUNDINGS:
@@ -366,7 +368,7 @@ class AWQ(QuantMethod):
             res = gptq_quantize(clipped, H, self.cfg, block_size=self.block_size, damp=self.damp)
             codes, scales, zeros = res.codes, res.scales, res.zeros
         self.replace_weight(graph, node, self.scheme, {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros},
-                            {"bits": 4, "group_size": self.cfg.group_size, "symmetric": False}, reference=w)
+                            {"bits": 4, "group_size": self.cfg.group_size, "symmetric": self.cfg.symmetric}, reference=w)
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         return {**super().summary(graph, targets), "group_size": self.cfg.group_size,

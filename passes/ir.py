@@ -81,17 +81,21 @@ OPS: dict[str, OpSpec] = {
             "(2 * len(inv_freq) == rotary_dim), the rest pass through",
     ),
     "attention": OpSpec(
-        (3, 3), (), ("k_scale", "v_scale"), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
-        doc="causal attention of q over the KV cache of layer `layer` after appending k, v; with a "
+        (3, 3), (), ("k_scale", "v_scale", "sinks"), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
+        doc="causal attention of q over the KV cache of layer `layer` after appending k, v: scores q k^T * scale, "
+            "soft-capped to softcap * tanh(scores / softcap) where a `softcap` attr is set (Gemma 2), masked to "
+            "the last `sliding_window` keys where that attr is set, softmax with each head's logit `sinks` [num_heads] "
+            "added to its denominator only (attention sinks, gpt-oss) where that weight is set; with a "
             "`kv_cache_dtype` attr (fp8, int8) the cache stores k / k_scale and v / v_scale",
     ),
-    "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu, sigmoid"),
+    "activation": OpSpec((1, 1), (), (), ("fn",), doc="fn in silu, gelu, gelu_tanh, relu, sigmoid, tanh"),
     "silu_mul": OpSpec((1, 2), (), (), (), doc="silu(gate) * up; with one input, its two halves"),
     "elementwise": OpSpec((1, 2), (), (), ("fn",), doc="fn in add, mul (two inputs) or scale (attr value)"),
     "lm_head": OpSpec(
         (1, 1), (), ("weight", "bias") + QUANT_ROLES, (),
         doc="logits (x @ weight.T + bias, times `scale` where set: Cohere's logit_scale, Granite's 1 / "
-            "logits_scaling) for the rows the executor selects; with a `quant` attr (recipe "
+            "logits_scaling; then softcap * tanh(logits / softcap) where `softcap` is set: Gemma 2's "
+            "final_logit_softcapping) for the rows the executor selects; with a `quant` attr (recipe "
             "quantization.lm_head), stored quantized like a linear, with in_features / out_features",
     ),
     "moe": OpSpec(
@@ -118,7 +122,7 @@ OPS: dict[str, OpSpec] = {
     ),
 }
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh")
 MOE_SCORING = ("softmax", "sigmoid")
 ELEMENTWISE = ("add", "mul", "scale")
 
@@ -276,6 +280,9 @@ class Graph:
                                           != n.attrs.get("out_features")):
                     raise GraphError(f"node {n}: split_sizes {sizes} (x split_heads) do not cover out_features "
                                      f"{n.attrs.get('out_features')} in {len(n.outputs)} outputs")
+            if n.attrs.get("softcap", 0.0) < 0 or n.op == "activation" and n.attrs["fn"] not in ACTIVATIONS:
+                raise GraphError(f"node {n}: softcap must be >= 0 (0 or absent: off) and an activation's fn one of "
+                                 f"{', '.join(ACTIVATIONS)}")
             if n.op == "moe" and (n.attrs["scoring"] not in MOE_SCORING or n.attrs["activation"] not in ACTIVATIONS
                                   or not 1 <= n.attrs["top_k"] <= n.attrs["num_experts"]):
                 raise GraphError(f"node {n}: moe needs scoring in {', '.join(MOE_SCORING)}, activation in "

@@ -22,6 +22,18 @@ ordinary linears whose weight the graph holds [out, in], as every other linear's
 ``meta["transposed_weights"]`` and the checkpoint reader (``builder/checkpoint.py``) transposes them once, so passes
 and kernels never see the stored layout.
 
+Linears written out as ``x @ weight.T`` (Falcon's) are linears of the weight as stored (a transposed weight is kept as
+``ParamT`` until a matmul reads it), a bias added to such a product right after it becomes the linear's bias. A fused
+q/k/v whose parts are taken by index lists (``qkv[..., [-2], :]``) or per group of heads (a view ``[.., groups, slots,
+head_dim]``, Falcon's new decoder architecture) is split as any other fused linear (the tracer has an index list of
+contiguous constants traced as the slice it equals); a kv head broadcast over its group's query heads is grouped-query
+attention.
+
+Attention: SDPA, or, for models whose attention adds what SDPA cannot (score soft-capping, attention sinks), the
+tracer's own attention implementation (``passes/trace.py``), which makes each call one ``llm_builder::attention``
+node (:func:`attention`) carrying the scale, the soft-cap and the sinks. A soft-cap of the final logits
+(``c * tanh(logits / c)``) becomes the lm_head's ``softcap``.
+
 Mixture-of-experts blocks: transformers (>= 5) keeps a block's experts in one module of stacked weights whose
 forward dispatches tokens with data-dependent ops (sort, histc, grouped_mm, or nonzero and index_add). The tracer
 (``passes/trace.py``) has every such module, found by the layout attributes transformers' experts interface gives it,
@@ -37,7 +49,7 @@ evaluated on the CPU when a per-token value is multiplied by them, and become an
 Any op applied to a per-token value that no rule recognises stops the lift with a ``LiftError``
 naming the ATen op, the module path it came from and, where known, the IR primitive it would need.
 No table is keyed on architecture: a family that composes the same primitives (embedding, RMSNorm or LayerNorm,
-linear, RoPE, SDPA, activations, residual adds, constant scales and experts behind a top-k router) lifts without
+linear, RoPE, attention, activations, residual adds, constant scales and experts behind a top-k router) lifts without
 new code.
 """
 
@@ -67,9 +79,10 @@ class LiftError(RuntimeError):
 class Layout:
     """Where the token axis and feature axes of an FX tensor are.
 
-    ``dims`` labels each FX dimension: B (batch of 1), T (tokens), F (flat features), H (heads),
-    R (heads repeated for GQA), D (head dim). The IR value behind it is always [T, H * D] with
-    heads major, so moving T around (transpose) or splitting F into H, D (view) never changes data.
+    ``dims`` labels each FX dimension: B (batch of 1), T (tokens), F (flat features), G (groups of heads: a fused
+    q/k/v viewed [.., groups, slots, head_dim], Falcon's), H (heads, or a group's slots), R (heads repeated for
+    GQA), D (head dim). The IR value behind it is always [T, (G *) H * D] with heads major, so moving T around
+    (transpose) or splitting F into H, D (view) never changes data.
     """
 
     dims: tuple[str, ...]
@@ -108,6 +121,13 @@ class Positions(Pos):
 class Param:
     name: str
     offset: float = 0.0  # the model uses weight + offset (Gemma's RMSNorm gain: 1 + w)
+
+
+@dataclass(frozen=True)
+class ParamT:
+    """weight.T of a 2-D weight (Falcon's ``x @ weight.T``): only a matmul may read it, as a linear of ``name``."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -258,7 +278,7 @@ IDENTITY_OPS = {
 LAYOUT_OPS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.transpose.int,
     aten.permute.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default,
-    aten.expand.default, aten.flatten.using_ints,
+    aten.expand.default, aten.broadcast_to.default, aten.flatten.using_ints,
 }
 IGNORED_OPS = {
     aten._assert_tensor_metadata.default, aten.sym_size.int, aten._assert_scalar.default,
@@ -288,6 +308,26 @@ def _moe_experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, activati
 
 
 MOE_EXPERTS_OP = torch.ops.llm_builder.moe_experts.default
+
+
+# --- attention the model computes its own way (soft-capping, sinks) -----------------------------------------
+@torch.library.custom_op("llm_builder::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float,
+              softcap: float) -> torch.Tensor:
+    """Stands for one causal attention call while tracing (``passes/trace.py`` registers it as an attention
+    implementation with transformers): q [B, H, T, D], k, v [B, Hkv, T, D] -> [B, T, H, D]. Scores q k^T * scale,
+    soft-capped to softcap * tanh(scores / softcap) when softcap > 0, masked causally (and by the calling module's
+    sliding window), softmax with each head's sink logit sinks[h] (when given) in the denominator only."""
+    raise RuntimeError("llm_builder::attention only stands for a model's attention in a traced graph; "
+                       "it is never run (the runtime's attention op computes it)")
+
+
+@attention.register_fake
+def _attention_fake(q, k, v, sinks, scale, softcap):
+    return q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3])
+
+
+ATTENTION_OP = torch.ops.llm_builder.attention.default
 
 
 @dataclass
@@ -377,8 +417,13 @@ def _used_params(st: _State) -> dict[str, torch.Tensor]:
 
 
 def _mark_lm_head(st: _State, value: str) -> None:
-    """The final linear becomes the lm_head; constant factors applied to its logits (Cohere's logit_scale,
-    Granite's 1 / logits_scaling) become its ``scale``."""
+    """The final linear becomes the lm_head; a soft-cap of its logits, c * tanh(logits / c) (Gemma 2's
+    final_logit_softcapping), becomes its ``softcap``, and constant factors applied before that (Cohere's
+    logit_scale, Granite's 1 / logits_scaling) its ``scale``."""
+    softcap = _logit_softcap(st, value)
+    if softcap is not None:
+        value = st.nodes[-3].inputs[0]
+        del st.nodes[-3:]
     scale = 1.0
     while (st.nodes[-1].op == "elementwise" and st.nodes[-1].attrs["fn"] == "scale" and len(st.nodes) > 1
            and st.nodes[-1].outputs == [value] and st.nodes[-2].outputs == st.nodes[-1].inputs
@@ -390,6 +435,23 @@ def _mark_lm_head(st: _State, value: str) -> None:
         raise LiftError("the model's logits are not produced by a final linear layer (lm_head)")
     last.op = "lm_head"
     last.attrs = {} if scale == 1.0 else {"scale": scale}
+    if softcap is not None:
+        last.attrs["softcap"] = softcap
+
+
+def _logit_softcap(st: _State, value: str) -> float | None:
+    """c when the graph ends in x * (1 / c) -> tanh -> * c writing ``value``, each step read by the next alone."""
+    if len(st.nodes) < 4:
+        return None
+    down, tanh, up = st.nodes[-3:]
+    chain = (down.op == "elementwise" and down.attrs["fn"] == "scale" and tanh.op == "activation"
+             and tanh.attrs["fn"] == "tanh" and up.op == "elementwise" and up.attrs["fn"] == "scale"
+             and up.outputs == [value] and tanh.inputs == down.outputs and up.inputs == tanh.outputs)
+    if not chain or not math.isclose(down.attrs["value"] * up.attrs["value"], 1.0, rel_tol=1e-6):
+        return None
+    if any(sum(v in n.inputs for n in st.nodes) != 1 for v in (down.inputs[0], down.outputs[0], tanh.outputs[0])):
+        return None
+    return float(up.attrs["value"])
 
 
 def _finish_splits(st: _State) -> None:
@@ -483,7 +545,7 @@ def _layout_of(fx_node: torch.fx.Node) -> Layout:
     t = t_axis[0]
     before, after = shape[:t], shape[t + 1:]
     labels_before = {0: (), 1: ("B",), 2: ("B", "H"), 3: ("B", "H", "R")}.get(len(before))
-    labels_after = {0: (), 1: ("D",) if len(before) >= 2 else ("F",), 2: ("H", "D")}.get(len(after))
+    labels_after = {0: (), 1: ("D",) if len(before) >= 2 else ("F",), 2: ("H", "D"), 3: ("G", "H", "D")}.get(len(after))
     if labels_before is None or labels_after is None or (len(before) >= 2 and len(after) != 1):
         raise LiftError(f"unsupported tensor layout {shape} from {fx_node.target} at {_module_path(fx_node)}")
     sizes = tuple(int(s) if isinstance(s, int) else -1 for s in shape)
@@ -514,7 +576,7 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
     if not (_is_token_like(args) or _is_token_like(list(kwargs.values()))):
         if target == aten.embedding.default and isinstance(args[1], Positions):  # a table of position embeddings
             return _embedding(fx_node, args, kwargs, st, ctx, source)
-        if any(isinstance(a, Param) for a in args + list(kwargs.values())):
+        if any(isinstance(a, (Param, ParamT)) for a in args + list(kwargs.values())):
             return _weight_expression(fx_node, args, kwargs, source)
         # Only positions, shapes, buffers and constants feed this op: position machinery.
         return _positions(fx_node, args) or _pos_union(args + list(kwargs.values()))
@@ -545,13 +607,15 @@ NEEDS: dict[Any, str] = {
                           "nonzero, index_add) instead of transformers' experts interface, which the tracer turns into "
                           "one node",
     aten.matmul.default: "attention written out as matmul + softmax (eager attention) or another product of two "
-                         "activations; the IR takes attention only from scaled_dot_product_attention",
+                         "activations; the IR takes attention from scaled_dot_product_attention or the tracer's "
+                         "attention implementation, and matmuls only as x @ weight.T (a linear)",
     aten.bmm.default: "attention written out as matmul + softmax (eager attention) or another product of two "
-                      "activations; the IR takes attention only from scaled_dot_product_attention",
-    aten.div.Tensor: "a division of per-token values by something other than a constant (soft-capping), which "
-                     "the lifter does not map to an IR op",
-    aten.tanh.default: "a tanh of per-token values (an activation, or the soft-capping of attention scores or logits), "
-                       "which the IR has no op for",
+                      "activations; the IR takes attention from scaled_dot_product_attention or the tracer's "
+                      "attention implementation",
+    aten.div.Tensor: "a division of per-token values by something other than a constant, which the lifter does not "
+                     "map to an IR op",
+    aten.index.Tensor: "an index of per-token features by a tensor, or by a list other than one of contiguous, "
+                       "ascending constants (which the tracer takes as a slice)",
     aten.slice.Tensor: "a slice of per-token features other than a fused linear's parts (q/k/v, gate/up) or the "
                        "rotated part of each head (partial rotary embeddings)",
     aten.embedding.default: "an embedding looked up by something other than the token ids or the positions (a "
@@ -571,17 +635,24 @@ def _needs(target: Any) -> str:
     return f"; this is usually {need}" if need else ""
 
 
-def _weight_expression(fx_node, args, kwargs, source) -> Param:
+TRANSPOSE_OPS = {aten.numpy_T.default, aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def _weight_expression(fx_node, args, kwargs, source) -> Param | ParamT:
     """An op on weights alone: a cast passes through, a constant added becomes the weight's offset (the
-    ``1 + w`` gain of Gemma's RMSNorm). Anything else would compute a tensor the graph cannot store."""
+    ``1 + w`` gain of Gemma's RMSNorm), the transpose of a 2-D weight is read by a matmul as a linear (Falcon's
+    ``x @ weight.T``). Anything else would compute a tensor the graph cannot store."""
     x = args[0]
-    if fx_node.target in IDENTITY_OPS and isinstance(x, Param):
+    if fx_node.target in IDENTITY_OPS and isinstance(x, (Param, ParamT)):
         return x
+    if fx_node.target in TRANSPOSE_OPS and fx_node.meta["val"].dim() == 2 and isinstance(x, (Param, ParamT)) \
+            and not getattr(x, "offset", 0.0):
+        return ParamT(x.name) if isinstance(x, Param) else Param(x.name)
     if fx_node.target == aten.add.Tensor and _const(kwargs.get("alpha", Const(1))) == 1:
         for w, c in ((args[0], args[1]), (args[1], args[0])):
             if isinstance(w, Param) and isinstance(c, Const) and isinstance(c.value, (int, float)):
                 return Param(w.name, w.offset + float(c.value))
-    weights = ", ".join(a.name for a in args if isinstance(a, Param))
+    weights = ", ".join(a.name for a in args if isinstance(a, (Param, ParamT)))
     if any(isinstance(a, Pos) for a in args + list(kwargs.values())):
         raise LiftError(f"op {fx_node.target} at module {source!r} combines weight {weights} with values computed "
                         f"from the positions{_needs(fx_node.target)}; the IR's only position-dependent ops are "
@@ -620,6 +691,9 @@ def _layout(fx_node, args, kwargs, st, ctx, source):
     repeat = x.repeat
     if "R" in layout.dims:  # expand [B, Hkv, R, T, D] for grouped-query attention
         repeat = layout.size("R")
+    if (fx_node.target in (aten.expand.default, aten.broadcast_to.default) and "G" in x.layout.dims
+            and layout.dims == x.layout.dims and x.layout.size("H") == 1 and repeat == 1):
+        repeat = layout.size("H")  # a group's one kv head over its query heads [B, T, G, 1 -> R, D]: GQA
     old_feats = math.prod(s for d, s in zip(x.layout.dims, x.layout.sizes) if d not in "BTR")
     new_feats = math.prod(s for d, s in zip(layout.dims, layout.sizes) if d not in "BTR")
     if "R" not in x.layout.dims and x.repeat > 1:
@@ -694,6 +768,28 @@ def _addmm(fx_node, args, kwargs, st, ctx, source):
     return out
 
 
+def _matmul(fx_node, args, kwargs, st, ctx, source):
+    """x @ weight.T (Falcon's linears, written out): a linear of the weight as stored. A bias added to the product
+    right after it is taken into the linear (``_add``)."""
+    x, weight = args[:2]
+    if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and isinstance(weight, ParamT)):
+        return NotImplemented
+    out_f, in_f = st.params[weight.name].shape
+    return _emit_linear(fx_node, x, Param(weight.name), Const(None), int(in_f), int(out_f), st, source)
+
+
+def _linear_bias(fx_node, x: Tok, bias: Param, x_fx: Any, st: _State) -> Tok | None:
+    """x + bias where x is the fresh output of a linear without a bias that nothing else reads: that linear's bias
+    (Falcon's ``x @ weight.T + bias``, one rounding where the model rounds the product first in 16 bits)."""
+    node = st.producer.get(x.value)
+    if (node is None or node.op != "linear" or "bias" in node.weights or node.outputs != [x.value] or bias.offset
+            or x.value in st.splits or not isinstance(x_fx, torch.fx.Node) or _num_uses(x_fx) != 1
+            or tuple(st.params[bias.name].shape) != (node.attrs["out_features"],)):
+        return None
+    node.weights["bias"] = bias.name
+    return Tok(x.value, _layout_of(fx_node), x.repeat)
+
+
 def _emit_linear(fx_node, x: Tok, weight: Param, bias: Any, in_f: int, out_f: int, st: _State, source: str) -> Tok:
     weights = {"weight": weight.name}
     if isinstance(bias, Param):
@@ -733,12 +829,16 @@ def _slice_value(fx_node, x, dim, start, stop, step, st: _State, source: str, fu
     a, b = _bounds(start, stop, size)
     if label == "D" and not fused:
         return _sub(x, a, b, step)
-    if step != 1 or x.repeat != 1 or label not in "FHD" or label == "D" and "H" not in x.layout.dims:
+    if step != 1 or x.repeat != 1 or label not in "FHD" or label == "D" and "H" not in x.layout.dims \
+            or label == "D" and "G" in x.layout.dims:
         return NotImplemented
     if (a, b) == (0, size):
         return x
-    unit = x.layout.size("D") if label == "H" else 1  # the IR value is [T, H * D], heads major
-    return _split_output(fx_node, x, a * unit, b * unit, x.layout.size("H") if label == "D" else 0, st, source)
+    unit = x.layout.size("D") if label == "H" else 1  # the IR value is [T, (G *) H * D], heads major
+    # per head: a slice of each head's features, or of each group's slots (Falcon's [q_1 .. q_R k v] per group)
+    groups = x.layout.size("G")  # 1 when there are none
+    per_head = x.layout.size("H") if label == "D" else groups if groups > 1 else 0
+    return _split_output(fx_node, x, a * unit, b * unit, per_head, st, source)
 
 
 def _sub(x: Tok, start: int, stop: int, step: int) -> Tok | Sub:
@@ -762,6 +862,19 @@ def _split_output(fx_node, x: Tok, start: int, stop: int, per_head: int, st: _St
     if name is None:
         name = split.pieces[(start, stop)] = st.names(f"{x.value}_{start}")
     return Tok(name, _layout_of(fx_node))
+
+
+def _select(fx_node, args, kwargs, st, ctx, source):
+    """x.select(dim, i) over heads or a group's slots of a fused linear's output (``qkv.view(.., H, 3, D)[..., 0, :]``):
+    that slice of the linear, one of its split outputs."""
+    x, dim, index = args[0], _const(args[1]), _const(args[2])
+    if not isinstance(x, Tok) or not isinstance(index, int):
+        return NotImplemented
+    dim %= len(x.layout.dims)
+    if x.layout.dims[dim] != "H":
+        return NotImplemented
+    index %= x.layout.sizes[dim]
+    return _slice_value(fx_node, x, dim, index, index + 1, 1, st, source, fused=True)
 
 
 def _split(fx_node, args, kwargs, st, ctx, source):
@@ -983,10 +1096,23 @@ def _add(fx_node, args, kwargs, st, ctx, source):
             return TanhArg(x, 1.0, y.coef)  # x + b * x^3
         if isinstance(x, TanhArg) and x.tanh and isinstance(y, Const) and y.value == 1:
             return OnePlusTanh(x.x)
+    for x, y, x_fx in ((a, b, fx_node.args[0]), (b, a, fx_node.args[1])):
+        if isinstance(x, Tok) and isinstance(y, Param) and _const(kwargs.get("alpha", Const(1))) == 1:
+            biased = _linear_bias(fx_node, x, y, x_fx, st)
+            if biased is not None:
+                return biased
     if isinstance(a, Tok) and isinstance(b, Tok):
         out = _emit(st, "elementwise", [a.value, b.value], "add", source, attrs={"fn": "add"})
         return Tok(out, _layout_of(fx_node))
     return NotImplemented
+
+
+def _add_inplace(fx_node, args, kwargs, st, ctx, source):
+    """a += b (Falcon's mlp_output += attention_output): the sum, which later readers of a see as well."""
+    result = _add(fx_node, args, kwargs, st, ctx, source)
+    if result is not NotImplemented:
+        st.env[fx_node.args[0]] = result
+    return result
 
 
 def _sub_op(fx_node, args, kwargs, st, ctx, source):
@@ -1017,6 +1143,9 @@ def _tanh(fx_node, args, kwargs, st, ctx, source):
     if isinstance(x, TanhArg) and not x.tanh:
         if math.isclose(x.a, GELU_TANH[0], rel_tol=1e-6) and math.isclose(x.b, GELU_TANH[1], rel_tol=1e-6):
             return TanhArg(x.x, x.a, x.b, tanh=True)
+    if isinstance(x, Tok):  # an activation (a soft-cap of the logits is taken into the lm_head: _mark_lm_head)
+        out = _emit(st, "activation", [x.value], "tanh", source, attrs={"fn": "tanh"})
+        return Tok(out, x.layout)
     return NotImplemented
 
 
@@ -1035,6 +1164,8 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
         st.rope_tables[key] = buffer
     inv_freq, scaling = ctx.rotary(buffer)
     num_heads, head_dim = x.layout.size("H"), x.layout.size("D")
+    if "R" not in x.layout.dims:  # heads already broadcast over their query heads (Falcon's kv): the data's own
+        num_heads //= x.repeat
     if term.start != 0 or 2 * inv_freq.numel() != term.stop:
         raise LiftError(f"rotary embedding at {source!r} rotates features [{term.start}, {term.stop}) of each head "
                         f"with {inv_freq.numel()} frequencies; the rope op rotates the first 2 * frequencies")
@@ -1106,7 +1237,6 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     if (_const(extra.get("dropout_p", Const(0.0))) or 0.0) != 0.0:
         raise LiftError(f"attention at {source!r} uses dropout; export the model in eval mode")
     head_dim = q.layout.size("D")
-    num_heads = q.layout.size("H")
     enable_gqa = bool(_const(extra.get("enable_gqa", Const(False))))
     num_kv_heads = k.layout.size("H") // k.repeat
     if enable_gqa:
@@ -1114,16 +1244,44 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     scale = _const(extra.get("scale", Const(None)))
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
+    return _emit_attention(fx_node, q, k, v, num_kv_heads, float(scale), st, ctx, source)
+
+
+def _traced_attention(fx_node, args, kwargs, st, ctx, source):
+    """One attention call through the tracer's own implementation (``attention``): its scale, soft-cap and sinks
+    (a per-head weight) become the attention op's attributes and weight."""
+    q, k, v, sinks, scale, softcap = args[:6]
+    if not all(isinstance(t, Tok) and t.layout.dims[-2:] == ("T", "D") for t in (q, k, v)):
+        return NotImplemented
+    if not (isinstance(sinks, Param) and not sinks.offset or isinstance(sinks, Const) and sinks.value is None):
+        raise LiftError(f"the attention sinks at {source!r} are computed, not a weight; the attention op takes a "
+                        f"per-head weight of sink logits")
+    num_heads = q.layout.size("H")
+    if isinstance(sinks, Param) and tuple(st.params[sinks.name].shape) != (num_heads,):
+        raise LiftError(f"the attention sinks {sinks.name} at {source!r} have shape "
+                        f"{tuple(st.params[sinks.name].shape)}; the attention op takes one per query head "
+                        f"({num_heads})")
+    num_kv_heads = k.layout.size("H") // k.repeat
+    node_sinks = sinks.name if isinstance(sinks, Param) else None
+    return _emit_attention(fx_node, q, k, v, num_kv_heads, float(_const(scale)), st, ctx, source,
+                           float(_const(softcap)), node_sinks)
+
+
+def _emit_attention(fx_node, q: Tok, k: Tok, v: Tok, num_kv_heads: int, scale: float, st: _State, ctx: LiftContext,
+                    source: str, softcap: float = 0.0, sinks: str | None = None) -> Tok:
     module = _attention_module(ctx.model, source)
     sliding_window = _sliding_window(module, source)
     attrs = {
-        "layer": st.num_attention, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim, "scale": float(scale),
+        "layer": st.num_attention, "num_heads": q.layout.size("H"), "num_kv_heads": num_kv_heads,
+        "head_dim": q.layout.size("D"), "scale": scale,
     }
     if sliding_window:
         attrs["sliding_window"] = int(sliding_window)
+    if softcap:
+        attrs["softcap"] = softcap
     st.num_attention += 1
-    out = _emit(st, "attention", [q.value, k.value, v.value], "attn", source, attrs=attrs)
+    out = _emit(st, "attention", [q.value, k.value, v.value], "attn", source, attrs=attrs,
+                weights={"sinks": sinks} if sinks else None)
     return Tok(out, _layout_of(fx_node))
 
 
@@ -1267,6 +1425,10 @@ RULES: dict[Any, Callable] = {
     aten.chunk.default: _split,
     aten.layer_norm.default: _layer_norm,
     aten.scaled_dot_product_attention.default: _sdpa,
+    ATTENTION_OP: _traced_attention,
+    aten.matmul.default: _matmul,
+    aten.add_.Tensor: _add_inplace,
+    aten.select.int: _select,
     aten.gelu.default: _activation,
     **{op: _activation for op in ACTIVATION_OPS},
 }

@@ -166,6 +166,9 @@ class QuantMethod(Pass):
         self.references: dict[int, torch.Tensor] = {}  # id(node) -> float weight the quantized one stands for
         self.errors: dict[str, list[float]] = {}  # node source -> [sum sq error, sum sq reference]
         self.error_inputs = "calibration data"  # what the errors were measured on
+        # value -> per-channel divisor a method applied to it inside an earlier segment (smoothquant folds scales
+        # into a finished segment's v projection): calibration divides the live activations the same way
+        self.rescaled_values: dict[str, torch.Tensor] = {}
 
     # --- hooks for subclasses --------------------------------------------------------------
     def configure(self, options: dict[str, Any]) -> None:
@@ -327,6 +330,10 @@ class QuantMethod(Pass):
                     executor.run_nodes(dict(env), seg.start, seg.end, observer)
                 self.apply_segment(graph, seg_targets)
                 self.stats.clear()
+                for value, divisor in self.rescaled_values.items():
+                    for env in envs:
+                        env[value] = (env[value].float() / divisor.to(env[value].device)).to(env[value].dtype)
+                self.rescaled_values.clear()
                 executor = Executor(graph.to_dict(), graph.params)
             errors = self._error_observer(graph, seg_targets) if seg_targets else None
             for env in envs:  # propagate through the (now quantized) segment

@@ -383,6 +383,10 @@ class Shard(Pass):
 
         kv_replicated = any(tp_size > a.attrs["num_kv_heads"] for a in m.attention)
         for attn in m.attention:
+            if "sinks" in attn.weights:  # one sink logit per query head: each rank its own heads'
+                local = local_heads(attn.attrs["num_heads"], tp_size)
+                assign(attn.weights["sinks"], [(Slice(0, r * local, (r + 1) * local),) for r in range(tp_size)],
+                       attn.source)
             attn.attrs["num_heads"] = local_heads(attn.attrs["num_heads"], tp_size)
             attn.attrs["num_kv_heads"] = local_heads(attn.attrs["num_kv_heads"], tp_size)
         for node, num in m.head_nodes.values():

@@ -16,9 +16,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from passes.ir import ACTIVATIONS, Graph
-from passes.lift import LiftContext, LiftError, lift, moe_experts
+from passes.lift import LiftContext, LiftError, attention, lift, moe_experts
 
 log = logging.getLogger(__name__)
 
@@ -26,47 +27,92 @@ log = logging.getLogger(__name__)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
-# Config settings that make a model compute attention in its own code rather than through SDPA, named when such
-# a model refuses SDPA: the IR primitive each would need.
-EAGER_ATTENTION_FEATURES = {
-    "attn_logit_softcapping": "soft-capping of attention scores",
-    "final_logit_softcapping": "soft-capping of the final logits",
+# Config settings whose attention the IR's attention op does not compute: what each adds, refused before tracing.
+UNSUPPORTED_ATTENTION = {
+    "alibi": "ALiBi position biases added to the attention scores",
 }
 
 
 def build_meta_model(config) -> torch.nn.Module:
     """Instantiate the HF modeling code for ``config`` with no storage behind its weights.
 
-    Attention is traced as SDPA, the one form the lifter takes it in. A model class that refuses SDPA
-    computes attention its own way (score soft-capping, attention sinks): it is refused here, saying so,
-    rather than traced with eager attention whose matmul/softmax the lifter cannot map to its attention op.
+    Attention is traced as SDPA where the model takes it. A model class that refuses SDPA computes attention its
+    own way (score soft-capping, attention sinks): it is built with the tracer's attention implementation instead
+    (``ATTENTION_IMPLEMENTATION``), which makes each attention call one node carrying what it adds.
     """
     from transformers import AutoModelForCausalLM
 
     architecture = (getattr(config, "architectures", None) or [None])[0]
     name = f"{architecture} (model_type {config.model_type!r})" if architecture else f"model_type {config.model_type!r}"
+    check_attention(config, name)
     config = copy.deepcopy(config)  # the experts' implementation is set on the model's config (trace_experts)
     try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    except ValueError as e:
-        reason = " ".join(str(e).split())
-        if "scaled_dot_product_attention" not in reason and "sdpa" not in reason.lower():
-            raise LiftError(f"transformers cannot build a causal LM for {name} ({type(e).__name__}: "
-                            f"{reason[:300]})") from e
-        features = [f"{what} ({key} {getattr(config, key)})" for key, what in EAGER_ATTENTION_FEATURES.items()
-                    if getattr(config, key, None) is not None]
-        extra = f", here {' and '.join(features)}" if features else ""
-        raise LiftError(f"{name} refuses SDPA attention in transformers ({reason.split('. ')[0]}); the lifter "
-                        f"takes attention only from scaled_dot_product_attention, so this model needs an attention "
-                        f"op for what its own (eager) attention code adds{extra}") from e
-    except Exception as e:  # the modeling code's own checks of the config (AssertionError, TypeError, ImportError, ...)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError as e:
+            if not refuses_sdpa(e):
+                raise
+            register_traced_attention()
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION_IMPLEMENTATION,
+                                                         dtype=torch.float32)
+    except Exception as e:  # the modeling code's checks of the config (ValueError, AssertionError, ImportError, ...)
         reason = " ".join(str(e).split())
         raise LiftError(f"transformers cannot build the {name} model from its config.json "
                         f"({type(e).__name__}: {reason[:300]})") from e
     model.eval()
     trace_experts(model)
     return model
+
+
+def refuses_sdpa(error: Exception) -> bool:
+    """Whether transformers refused to build a model because its class does not take SDPA attention."""
+    reason = " ".join(str(error).split())
+    return isinstance(error, ValueError) and ("scaled_dot_product_attention" in reason or "sdpa" in reason.lower())
+
+
+def check_attention(config, name: str) -> None:
+    """Refuse, before tracing, attention the attention op does not compute (it would trace as SDPA with a mask the
+    lifter takes for a causal one)."""
+    for key, what in UNSUPPORTED_ATTENTION.items():
+        if getattr(config, key, None):
+            raise LiftError(f"{name} has {key} = {getattr(config, key)!r} in its config.json: {what}, which the "
+                            f"attention op does not compute (it takes a causal mask, a sliding window, a soft-cap "
+                            f"and attention sinks); the model would need an attention op with position biases")
+
+
+# --- attention a model computes its own way -----------------------------------------------------------------
+# A model class that refuses SDPA (transformers' _supports_sdpa = False) computes attention in its own eager code:
+# score soft-capping (Gemma 2), attention sinks (gpt-oss). It is traced with this attention implementation
+# instead, registered with transformers' attention interface: each call one ``llm_builder::attention`` node with the
+# scale, the soft-cap and the sinks the model hands its attention function. No mask is made for an implementation
+# without a mask function of its own (transformers' masking utils): the node is causal, its sliding window read by
+# the lifter from the calling module, as for SDPA.
+ATTENTION_IMPLEMENTATION = "llm_builder_trace"
+
+
+def _traced_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                              softcap: float | None = None, s_aux: torch.Tensor | None = None,
+                              **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q [B, H, T, D], k, v [B, Hkv, T, D] -> ([B, T, H, D], None)."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if dropout:
+        raise LiftError(f"attention of {where} uses dropout {dropout}; export the model in eval mode")
+    if kwargs.get("is_causal") is False or getattr(module, "is_causal", True) is False:
+        raise LiftError(f"attention of {where} is not causal (bidirectional); the attention op is causal")
+    if kwargs.get("position_bias") is not None:
+        raise LiftError(f"attention of {where} adds a position bias to its scores; the attention op has none")
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    return attention(query, key, value, s_aux, scale, float(softcap or 0.0)), None
+
+
+def register_traced_attention() -> None:
+    """Make ``ATTENTION_IMPLEMENTATION`` an attention implementation transformers' models can be built with."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_IMPLEMENTATION, _traced_attention_forward)
 
 
 # --- mixture-of-experts blocks ----------------------------------------------------------------------------
@@ -149,6 +195,42 @@ def _activation_name(act: Callable | None) -> str | None:
                 None)
 
 
+class ListIndexAsSlice(TorchFunctionMode):
+    """Traces ``x[..., [i, i + 1, ..., j], ...]`` (one list of contiguous, ascending constant indices, Falcon's
+    ``qkv[..., [-2], :]``) as the slice ``x[..., i:j + 1, ...]``: the same values, but exported as a slice, which the
+    lifter reads as a fused linear's part; a list becomes a lifted index tensor on the meta device, whose values
+    the lifter cannot read."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and len(args) == 2:
+            index = _list_as_slice(args[0], args[1])
+            if index is not None:
+                args = (args[0], index)
+        return func(*args, **(kwargs or {}))
+
+
+def _list_as_slice(x: torch.Tensor, index):
+    """``index`` with its one list of contiguous ascending ints replaced by the slice it takes, or None."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    lists = [i for i, item in enumerate(items) if isinstance(item, list)]
+    if len(lists) != 1 or any(isinstance(item, (torch.Tensor, bool)) for item in items):
+        return None
+    at, values = lists[0], items[lists[0]]
+    if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    # the dim the list indexes: counted from the front, or from the back when an Ellipsis comes before it
+    consumes = [item is not None and item is not Ellipsis for item in items]
+    dim = x.dim() - sum(consumes[at:]) if Ellipsis in items[:at] else sum(consumes[:at])
+    size = x.shape[dim] if 0 <= dim < x.dim() else None
+    if not isinstance(size, int) or not all(-size <= v < size for v in values):
+        return None
+    start = values[0] % size
+    if [v % size for v in values] != list(range(start, start + len(values))):
+        return None
+    items[at] = slice(start, start + len(values))
+    return tuple(items) if isinstance(index, tuple) else items[0]
+
+
 def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
     """torch.export ``model(input_ids) -> logits`` with a dynamic number of tokens."""
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
@@ -158,13 +240,15 @@ def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
     # torch.export prints the partial graph of some failures to stderr: kept for the debug log instead, so that a
     # failed build says one line
     printed = io.StringIO()
-    with warnings.catch_warnings(), contextlib.redirect_stderr(printed):
+    with warnings.catch_warnings(), contextlib.redirect_stderr(printed), ListIndexAsSlice():
         warnings.simplefilter("ignore")
         try:
             return torch.export.export(
                 model, (), {"input_ids": ids, "use_cache": False},
                 dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
             )
+        except LiftError:  # the tracer's own attention implementation refused what the model asked of it
+            raise
         except Exception as e:  # torch.export raises many kinds (UserError, GuardOnDataDependentSymNode, ...)
             reason = " ".join(str(e).split())
             raise LiftError(f"torch.export cannot trace {type(model).__name__} on the meta device with a dynamic "

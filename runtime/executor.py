@@ -423,6 +423,7 @@ def _rope(w, attrs, ex) -> Kernel:
 def _attention(w, attrs, ex) -> Kernel:
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
+    softcap, sinks = attrs.get("softcap", 0.0), w.get("sinks")  # Gemma 2's score soft-cap, gpt-oss's sinks
     store, load = _kv_codec(attrs.get("kv_cache_dtype"), w.get("k_scale"), w.get("v_scale"), ex.dtype)
     # RoPE of q and k done here (plan_fusions): the node reads them unrotated, and the positions after v
     rope = _fused_rope(ex, ex._fusions.rope[ex._index]) if ex._index in ex._fusions.rope else None
@@ -449,7 +450,7 @@ def _attention(w, attrs, ex) -> Kernel:
             end = start + s.num_new
             s.kv.append(layer, s.num_context, k[start:end], v[start:end])
             k_all, v_all = load(*s.kv.view(layer, s.num_context + s.num_new))
-            outs.append(ops.attention_one(q[start:end], k_all, v_all, s.num_context, scale, window))
+            outs.append(ops.attention_one(q[start:end], k_all, v_all, s.num_context, scale, window, softcap, sinks))
             start = end
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=0),)
 
@@ -490,6 +491,8 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         return None
     k_scale = w["k_scale"].float().reshape(1) if "k_scale" in w else None
     v_scale = w["v_scale"].float().reshape(1) if "v_scale" in w else None
+    extra = {"softcap": attrs.get("softcap", 0.0),  # made once: the step passes the same tensors (CUDA graphs)
+             "sinks": w["sinks"].float().contiguous() if "sinks" in w else None}
 
     def run(xs, md: PagedAttentionMetadata):
         q, k, v = xs[:3]  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
@@ -503,10 +506,10 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
                            k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
-                                         v_scale=v_scale, sliding_window=window)
+                                         v_scale=v_scale, sliding_window=window, **extra)
         else:
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
-                                          k_scale=k_scale, v_scale=v_scale, sliding_window=window)
+                                          k_scale=k_scale, v_scale=v_scale, sliding_window=window, **extra)
         return (out.view(-1, num_heads * head_dim),)
 
     return run
@@ -542,16 +545,23 @@ def _silu_mul(w, attrs, ex) -> Kernel:
 
 
 def _moe(w, attrs, ex) -> Kernel:
-    # NOTE: the torch reference on CUDA too (no fused MoE kernel yet). It reads each expert's token count on the
-    # host, which a CUDA graph cannot capture: such steps must run eagerly
+    # On the kernel path, kernels.moe: routing, the expert blocks and both grouped GEMMs on the device, nothing read
+    # on the host (CUDA-graph capturable). The torch reference elsewhere: it reads each expert's token count on the
+    # host, which a CUDA graph cannot capture
     gate_weight, gate_bias, w_gate_up, w_down = w["gate_weight"], w.get("gate_bias"), w["w_gate_up"], w["w_down"]
     top_k, scoring, norm = attrs["top_k"], attrs["scoring"], attrs["norm_topk_prob"]
     fn, round_weights = attrs["activation"], attrs.get("round_weights", False)
+    if ex.use_kernels:
+        from kernels.moe import fused_moe
+
+        return lambda xs, step: (fused_moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn,
+                                           gate_bias, round_weights),)
 
     def kernel(xs, step):
         if xs[0].is_cuda and torch.cuda.is_current_stream_capturing():
-            raise GraphFormatError("the moe op has no CUDA-graph-safe kernel yet (its torch implementation reads "
-                                   "each expert's token count on the host); serve with --no-cuda-graphs "
+            raise GraphFormatError("the moe op's torch implementation reads each expert's token count on the host, "
+                                   "which a CUDA graph cannot capture; run it on the kernels (use_kernels, the "
+                                   "default on CUDA: kernels.moe) or serve with --no-cuda-graphs "
                                    "(ServingConfig(cuda_graphs=False))")
         return (ops.moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn, gate_bias, round_weights),)
 
@@ -579,6 +589,7 @@ def _lm_head(w, attrs, ex) -> Kernel:
     linear = _linear(w, {"quant": quant, "lm_head": True} if quant else {}, ex)
     num_rows = (w["weight"] if "weight" in w else w["qweight"]).shape[0]  # vocab (this rank's share)
     scale = attrs.get("scale")  # logits * scale (Cohere's logit_scale, Granite's 1 / logits_scaling)
+    softcap = attrs.get("softcap")  # then softcap * tanh(logits / softcap) (Gemma 2's final_logit_softcapping)
 
     def kernel(xs, step):
         x = xs[0]  # [num_tokens, hidden]
@@ -587,7 +598,11 @@ def _lm_head(w, attrs, ex) -> Kernel:
         if x.shape[0] == 0:  # a tensor-parallel worker asks for none: no GEMM launch over zero rows
             return (x.new_empty(0, num_rows, dtype=torch.float32),)
         logits = linear([x], step)[0]
-        return ((logits if scale is None else logits * scale).float(),)
+        if scale is not None:
+            logits = logits * scale
+        if softcap:  # in the model's dtype, as the model computes it
+            logits = ops.softcap(logits, softcap)
+        return (logits.float(),)
 
     return kernel
 

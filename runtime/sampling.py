@@ -1,7 +1,8 @@
 """Choosing the next token from logits, and reporting its log-probability.
 
 Per row, in order: penalties (repetition over the prompt and the output so far; presence and frequency
-over the output), then greedy argmax, or temperature / top-k / top-p / min-p and a draw. Logprobs are
+over the output), the structured-output mask (tokens the request's grammar forbids get -inf; see
+runtime.structured), then greedy argmax, or temperature / top-k / top-p / min-p and a draw. Logprobs are
 reported separately, of the model's raw logits (before penalties and temperature), as OpenAI does.
 
 Penalties and filtering are vectorized over the batch (per-row penalties, k, p and min-p are tensors);
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.outputs import TokenLogprob
+from runtime.structured import StructuredOutput, StructuredOutputError
 
 # Temperatures below this act as greedy: dividing logits by a tiny temperature overflows fp32.
 MIN_TEMPERATURE = 1e-5
@@ -75,9 +77,19 @@ class SamplingParams:
     presence_penalty: float = 0.0  # in [-2, 2]: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # in [-2, 2]: subtracted once per time a token has been generated
     logprobs: int | None = None  # None -> off; n -> the sampled token's logprob and the n most likely (n <= 20)
+    # None -> free text; else the grammar the output must match (a dict of its fields is taken too: that is how it
+    # crosses the engine process boundary). Needs the serving engine, which compiles it and masks every step
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with a message naming the field, the value and what is allowed."""
+        if isinstance(self.structured, dict):
+            try:
+                self.structured = StructuredOutput(**self.structured)
+            except (TypeError, StructuredOutputError) as e:
+                raise SamplingError(f"structured: {e}") from None
+        self._require("structured", self.structured is None or isinstance(self.structured, StructuredOutput),
+                      "None or a StructuredOutput")
         self._require("max_tokens", _is_int(self.max_tokens) and self.max_tokens >= 1, "an int >= 1")
         self._require("temperature", _is_number(self.temperature) and 0 <= self.temperature <= MAX_TEMPERATURE,
                       f"in [0, {MAX_TEMPERATURE:g}]; 0 and anything below {MIN_TEMPERATURE:g} decode greedily")
@@ -144,15 +156,57 @@ def to_device(values: list, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class TokenBitmask:
+    """The tokens some rows of a batch may take next (structured output; runtime.structured.fill_bitmasks fills it).
+    Bit t % 32 of word t // 32 of a row set: token t allowed."""
+
+    rows: list[int]  # which rows of the batch are masked (the others are free)
+    bitmask: torch.Tensor  # [len(rows), ceil(vocab / 32)] int32 on the logits' device
+
+    def select(self, row: int) -> TokenBitmask:
+        """The mask of one row, for a batch of that row alone."""
+        if row not in self.rows:
+            return TokenBitmask([], self.bitmask[:0])
+        j = self.rows.index(row)
+        return TokenBitmask([0], self.bitmask[j:j + 1])
+
+
+_BITS: dict[torch.device, torch.Tensor] = {}  # per device: [32] int32, the value of each bit (1 << b)
+
+
+def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tensor:
+    """``logits`` ([num_seqs, vocab]) with the tokens the mask forbids at -inf, in the masked rows; a new tensor (the
+    model's raw logits stay as they were: logprobs report them). Runs on the device, no host sync."""
+    if not mask.rows:
+        return logits
+    num_seqs, vocab = logits.shape
+    assert mask.bitmask.shape[-1] * 32 >= vocab, \
+        f"a bitmask of {mask.bitmask.shape[-1]} words cannot cover a vocabulary of {vocab}"
+    bits = _BITS.get(logits.device)
+    if bits is None:  # bit 31 is the sign bit: -2**31 in int32
+        bits = _BITS[logits.device] = torch.tensor([1 << b if b < 31 else -(1 << 31) for b in range(32)],
+                                                   dtype=torch.int32, device=logits.device)
+    # allowed: [num_masked, words, 32] -> [num_masked, vocab]
+    allowed = ((mask.bitmask[:, :, None] & bits) != 0).flatten(1)[:, :vocab]
+    if mask.rows == list(range(num_seqs)):  # every row masked (the common case of a constrained batch)
+        return logits.masked_fill(~allowed, float("-inf"))
+    rows = to_device(mask.rows, logits.device)  # rows: [num_masked]
+    masked = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            prompt_ids: list[Sequence[int]] | None = None,
-           output_ids: list[Sequence[int]] | None = None) -> torch.Tensor:
+           output_ids: list[Sequence[int]] | None = None, token_bitmask: TokenBitmask | None = None) -> torch.Tensor:
     """Pick the next token of each sequence.
 
     logits: [num_seqs, vocab] (any float dtype); returns ids [num_seqs] (int64, same device).
     prompt_ids / output_ids: each sequence's prompt and generated tokens so far; required (both) when
     any row has a penalty, ignored otherwise.
-    Penalties first (see ``apply_penalties``), on greedy rows too. Greedy rows then take the argmax.
+    token_bitmask: the allowed tokens of the rows with structured output; required when any row has it (the
+    caller owns the grammars: the serving engine), and a masked row must allow at least one token.
+    Penalties first (see ``apply_penalties``), on greedy rows too, then the mask. Greedy rows then take the argmax.
     Sampled rows: fp32 logits / temperature, then top-k, then top-p (smallest set whose cumulative
     probability >= top_p, always keeping the top token), then min-p, then one draw with that row's
     generator. A row's token depends only on its own logits, params, history and generator, never on
@@ -174,6 +228,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             raise ValueError(f"sample: rows {rows} have penalties, which need each sequence's token history; "
                              f"pass {' and '.join(missing)}")
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if token_bitmask is not None:
+        logits = apply_token_bitmask(logits, token_bitmask)
+    elif any(p.structured is not None for p in params):
+        rows = [i for i, p in enumerate(params) if p.structured is not None]
+        raise ValueError(f"sample: rows {rows} ask for structured output, which needs the grammar's token mask "
+                         f"(token_bitmask); the serving engine (runtime.serving.ServingEngine) computes it")
     out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if len(rows) < num_seqs:  # greedy rows: the argmax of a row holding NaN is meaningless

@@ -25,6 +25,10 @@ until evicted) and it goes back to the front of the waiting queue with its gener
 recomputed later - usually mostly from the prefix cache. No request is admitted in a step that
 preempted, so a preempted request is never overtaken.
 
+A request may arrive not yet ready to run (its structured-output grammar still compiling off the step thread):
+it is PREPARING, counts against the waiting queue's bound and can be finished, but is not scheduled until
+``mark_ready`` moves it to the back of the waiting queue, so a large grammar never holds up the requests behind it.
+
 NOTE (write before read): prefix-cache blocks are registered when allocated, before the step writes
 them, so a request admitted in this step can hit blocks another request of the same step is filling.
 The pack order is the scheduling order, and a hit always refers to a block allocated earlier in it (or
@@ -49,6 +53,7 @@ class QueueFullError(RuntimeError):
 
 
 class RequestStatus(enum.Enum):
+    PREPARING = "preparing"  # admitted, not schedulable yet (its grammar is compiling)
     WAITING = "waiting"  # admitted, not holding blocks (new, or preempted)
     RUNNING = "running"  # holds blocks; in the running batch
     FINISHED = "finished"
@@ -164,6 +169,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order
+        self.preparing: dict[str, Request] = {}  # admitted, not schedulable until mark_ready
         self._requests: dict[str, Request] = {}
         self.num_preemptions = 0  # cumulative
         self._num_new_waiting = 0  # waiting requests that never ran (bounded by max_waiting)
@@ -215,19 +221,30 @@ class Scheduler:
             raise ValueError(f"the request needs up to {num_blocks} KV blocks; the pool has "
                              f"{self.kv.pool.num_blocks}")
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, *, ready: bool = True) -> None:
         """Queue a new request; raises QueueFullError if the waiting queue is full, ValueError if the
-        request can never run (too long for max_seq_len) or its id is in use."""
+        request can never run (too long for max_seq_len) or its id is in use. ``ready=False``: it is PREPARING
+        until ``mark_ready`` (see the module docstring)."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.check(len(request.prompt_token_ids), request.params.max_tokens)
         if not self.has_capacity:
             raise QueueFullError(f"{self._num_new_waiting} requests are already waiting "
                                  f"(max_waiting {self.config.max_waiting})")
-        request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self.waiting.append(request)
         self._num_new_waiting += 1
+        if ready:
+            request.status = RequestStatus.WAITING
+            self.waiting.append(request)
+        else:
+            request.status = RequestStatus.PREPARING
+            self.preparing[request.request_id] = request
+
+    def mark_ready(self, request_id: str) -> None:
+        """A PREPARING request may run: it joins the back of the waiting queue."""
+        request = self.preparing.pop(request_id)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
 
     def finish_request(self, request_id: str) -> Request | None:
         """Remove a request (done, aborted or timed out) and free its blocks now. Unknown ids: None."""
@@ -237,7 +254,10 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         else:
-            self.waiting.remove(request)
+            if request.status is RequestStatus.PREPARING:
+                del self.preparing[request_id]
+            else:
+                self.waiting.remove(request)
             if request.num_cached_tokens < 0:
                 self._num_new_waiting -= 1
         request.status = RequestStatus.FINISHED

@@ -22,9 +22,14 @@ Policies:
   where a number belongs is an error, not converted.
 - Unknown request fields are ignored, as other OpenAI-compatible servers do, so clients that send newer
   OpenAI fields keep working. OpenAI fields this server knows but does not implement (``n``,
-  ``best_of``, ``echo``, ``suffix``, ``logit_bias``, ``tools``, ``tool_choice``,
-  ``response_format`` other than text) are rejected with 400 naming the field when they ask for
+  ``best_of``, ``echo``, ``suffix``, ``logit_bias``) are rejected with 400 naming the field when they ask for
   anything but the default.
+- Structured output (runtime.structured): ``response_format`` ``json_object`` or ``json_schema`` (both routes), vLLM's
+  ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` (Lark or GBNF), one of them per
+  request; chat ``tools`` with ``tool_choice`` (runtime.tool_calls), answered as ``tool_calls`` (streamed as
+  OpenAI's deltas) with finish_reason ``tool_calls``. A grammar is checked before the request is queued: one that
+  is malformed or uses what is not supported is a 400 naming the field (and where in the schema). A structured
+  request that reaches max_tokens first ends with finish_reason ``length``; ``stop`` means the grammar is complete.
 - Sampling fields a request leaves out take the checkpoint's defaults from its generation_config.json
   (``<artifact>/tokenizer/generation_config.json``: temperature, top_p, top_k, min_p,
   repetition_penalty, the fields vLLM takes, only those the file sets; see runtime.generation_config),
@@ -93,7 +98,10 @@ from runtime.metrics import RequestTracker, ServerMetrics
 from runtime.outputs import RequestOutput, TokenLogprob, merge_deltas
 from runtime.sampling import SamplingError, SamplingParams
 from runtime.scheduler import QueueFullError
+from runtime.structured import ANY_JSON_OBJECT, StructuredOutput, StructuredOutputError, check, locate_error
 from runtime.tokenizer import GENERATION_CONFIG_FILE, Tokenizer, TokenizerError
+from runtime.tool_calls import (Tool, ToolCallParser, ToolError, message_for_template, parse_tools,
+                                resolve_tool_choice, system_prompt, tool_grammar)
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +167,12 @@ class _GenerationBody(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured output: at most one of these (see _structured_output)
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", "json_schema"}
+    guided_json: dict[str, Any] | str | None = None  # vLLM: a JSON schema (or its text)
+    guided_regex: str | None = None  # vLLM: a regular expression (Rust regex syntax)
+    guided_choice: list[str] | None = None  # vLLM: the output is one of these strings
+    guided_grammar: str | None = None  # vLLM: a Lark or GBNF grammar
     # OpenAI fields that are not implemented: only their defaults are accepted
     n: int | None = None
     logit_bias: dict[str, float] | None = None
@@ -222,10 +236,25 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+    """An earlier tool call of the assistant, sent back in the conversation."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: str
+    role: str  # system, user, assistant, tool (a tool's result), or what the chat template knows
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: which call this is the result of
 
 
 class ChatBody(_GenerationBody):
@@ -235,13 +264,10 @@ class ChatBody(_GenerationBody):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # [{"type": "function", "function": {"name", "description", "parameters", "strict"}}] (runtime.tool_calls)
     tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
-
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_GenerationBody.UNSUPPORTED, "tools": (None, []),
-                                               "tool_choice": (None, "auto", "none"),
-                                               "response_format": (None, {"type": "text"})}
+    tool_choice: Any = None  # "none" | "auto" (default with tools) | "required" | {"type": "function", "function": ...}
+    parallel_tool_calls: bool | None = None  # false: at most one call (default: any number)
 
 
 # --- response bodies (the routes build them as dicts; these models document them in /openapi.json) ----------
@@ -287,16 +313,28 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # the arguments as JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str  # call_...: what the tool's result message names as tool_call_id
+    type: str  # function
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: str  # assistant
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCallOut] | None = None  # present when the model called tools
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: dict[str, Any] | None  # content: [{token, logprob, bytes, top_logprobs}]
-    finish_reason: str | None  # stop or length
+    finish_reason: str | None  # stop, length or tool_calls
 
 
 class ChatCompletionResponse(BaseModel):
@@ -437,7 +475,7 @@ def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
                    param="prompt", code="invalid_type")
 
 
-def _message_dict(i: int, message: ChatMessage) -> dict[str, str]:
+def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
         bad = [p.type for p in content if p.type != "text" or p.text is None]
@@ -445,23 +483,92 @@ def _message_dict(i: int, message: ChatMessage) -> dict[str, str]:
             raise _invalid(f"messages[{i}].content: only text parts are supported, got {bad[0]!r}",
                            param="messages", code="unsupported_parameter")
         content = "".join(p.text for p in content)
-    out = {"role": message.role, "content": content or ""}
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": c.id or f"call_{i}_{j}", "type": c.type,
+                              "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                             for j, c in enumerate(message.tool_calls)]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
-def _chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer) -> list[int]:
+def _chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, tools: list[Tool]) -> list[int]:
     """The conversation rendered with the checkpoint's chat template, then encoded (the template holds
-    the special tokens, so none are added)."""
+    the special tokens, so none are added). ``tools``: the functions the model may call (runtime.tool_calls says
+    how a template that does not render them is told about them)."""
     if not messages:
         raise _invalid("messages is empty; send at least one message", param="messages")
+    dicts = [message_for_template(_message_dict(i, m), tokenizer.chat_template_uses("tool_calls"))
+             for i, m in enumerate(messages)]
+    extra: dict[str, Any] = {}
+    if tools and tokenizer.chat_template_uses("tools"):
+        extra["tools"] = [t.spec for t in tools]
+    elif tools:
+        prompt = system_prompt(tools)
+        if dicts[0]["role"] == "system":
+            dicts[0] = {**dicts[0], "content": f"{dicts[0]['content']}\n\n{prompt}"}
+        else:
+            dicts.insert(0, {"role": "system", "content": prompt})
     try:
-        text = tokenizer.apply_chat_template([_message_dict(i, m) for i, m in enumerate(messages)],
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
     except TokenizerError as e:
         raise _invalid(str(e), param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _structured_output(body: _GenerationBody) -> tuple[StructuredOutput, str, Any] | None:
+    """The grammar the request's structured-output fields ask for, the field that asks and its JSON schema (if
+    it is one), or None; 400 when more than one asks or one is malformed (not yet compiled: ``_checked_grammar``)."""
+    asked: list[tuple[StructuredOutput, str, Any]] = []
+    if (fmt := body.response_format) is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            asked.append((StructuredOutput("json", ANY_JSON_OBJECT), "response_format", None))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise _invalid('response_format.json_schema.schema: required, a JSON schema object (response_format '
+                               'is {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})',
+                               param="response_format", code="invalid_value")
+            asked.append((StructuredOutput.json_schema(schema), "response_format", schema))
+        elif kind != "text":
+            raise _invalid(f"response_format.type: {kind!r} is not one of text, json_object, json_schema",
+                           param="response_format", code="invalid_value")
+    if body.guided_json is not None:
+        schema = body.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise _invalid(f"guided_json: not valid JSON ({e})", param="guided_json", code="invalid_value") \
+                    from None
+        asked.append((StructuredOutput.json_schema(schema), "guided_json", schema))
+    if body.guided_regex is not None:
+        asked.append((StructuredOutput("regex", body.guided_regex), "guided_regex", None))
+    if body.guided_choice is not None:
+        asked.append((StructuredOutput("choice", json.dumps(body.guided_choice)), "guided_choice", None))
+    if body.guided_grammar is not None:
+        asked.append((StructuredOutput("grammar", body.guided_grammar), "guided_grammar", None))
+    if len(asked) > 1:
+        raise _invalid(f"{asked[0][1]} and {asked[1][1]} both constrain the output; send one of them",
+                       param=asked[1][1], code="unsupported_parameter")
+    return asked[0] if asked else None
+
+
+async def _checked_grammar(spec: StructuredOutput, param: str, schema: Any = None) -> StructuredOutput:
+    """``spec`` once it compiles (checked in a worker thread: a large schema must not hold up the event loop); else
+    400 naming ``param``, what is wrong and, for a JSON schema, where."""
+    try:
+        await asyncio.to_thread(check, spec)
+    except StructuredOutputError as e:
+        where = locate_error(schema, str(e)) if schema is not None else None
+        raise _invalid(f"{param}: {e}" + (f" (at {where} in the schema)" if where else ""),
+                       param=param.split(".")[0].split("[")[0], code="invalid_schema") from None
+    return spec
 
 
 def _sampling_params(fields: dict[str, Any], max_tokens: int | None, logprobs: int | None, num_prompt: int,
@@ -595,6 +702,7 @@ class _Call:
     token_text: TokenText
     tracker: RequestTracker
     text_offset: int = 0  # completions logprobs: characters of text so far
+    tools: ToolCallParser | None = None  # chat with tools: splits the text into content and tool calls
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         if not self.want_logprobs or entries is None:
@@ -614,13 +722,42 @@ class _Call:
         text = "".join(o.text for o in outs)
         entries = [e for o in outs for e in (o.logprobs or [])]
         choice: dict[str, Any] = {"index": 0}
+        finish = last.finish_reason
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                self.tools.feed(text)
+                self.tools.finish()
+                choice["message"]["content"] = self.tools.content or None
+                if self.tools.calls:
+                    choice["message"]["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                        "name": c.name, "arguments": c.arguments}} for c in self.tools.calls]
+                    finish = "tool_calls" if finish == "stop" else finish
         else:
             choice["text"] = text
         choice["logprobs"] = self.logprobs(entries)
-        choice["finish_reason"] = last.finish_reason
+        choice["finish_reason"] = finish
         return {**self.envelope(False), "choices": [choice], "usage": _usage(last)}
+
+    def delta_chunk(self, out: RequestOutput, done: bool) -> dict | None:
+        """The chunk streaming ``out`` (None when it adds nothing to show); ``done``: it finished normally."""
+        finish = out.finish_reason if done else None
+        if self.tools is None:
+            if out.text or (out.token_ids and self.want_logprobs) or done:
+                return self.chunk(out.text or (None if self.chat else ""), out.logprobs, finish)
+            return None
+        delta = self.tools.feed(out.text)
+        if done:
+            delta.extend(self.tools.finish())
+            finish = "tool_calls" if finish == "stop" and self.tools.calls else finish
+        if not (delta.content or delta.calls or (out.token_ids and self.want_logprobs) or done):
+            return None
+        body = self.chunk(delta.content or None, out.logprobs, finish)
+        if delta.calls:
+            body["choices"][0]["delta"]["tool_calls"] = [
+                {"index": i, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": args}}
+                if c is not None else {"index": i, "function": {"arguments": args}} for i, c, args in delta.calls]
+        return body
 
     def chunk(self, text: str | None, entries: list[TokenLogprob] | None, finish_reason: str | None,
               role: bool = False) -> dict:
@@ -756,7 +893,10 @@ class _Handlers:
         body.check_supported()
         ids = _completion_prompt_ids(body.prompt, self.tokenizer)
         _check_prompt_len(len(ids), self.max_seq_len, "prompt")
-        params = _sampling_params(body.sampling_fields(), body.max_tokens, body.logprobs, len(ids),
+        fields = body.sampling_fields()
+        if (asked := _structured_output(body)) is not None:
+            fields["structured"] = await _checked_grammar(*asked)
+        params = _sampling_params(fields, body.max_tokens, body.logprobs, len(ids),
                                   self.max_seq_len, {}, self.sampling_defaults)
         return await self._serve(request, False, ids, params, body, arrival)
 
@@ -767,24 +907,43 @@ class _Handlers:
         body.check_supported()
         if body.top_logprobs is not None and not body.logprobs:
             raise _invalid("top_logprobs needs logprobs: true", param="top_logprobs")
-        ids = _chat_prompt_ids(body.messages, self.tokenizer)
+        try:
+            tools = parse_tools(body.tools or [])
+            choice = resolve_tool_choice(body.tool_choice, tools)
+        except ToolError as e:
+            raise _invalid(str(e), param=e.param, code="invalid_value") from None
+        fields = body.sampling_fields()
+        asked = _structured_output(body)
+        if choice != "none":
+            if asked is not None:
+                raise _invalid(f"{asked[1]} and tools cannot be combined: the answer is either tool calls or the "
+                               f"format; leave one out or send tool_choice 'none'", param=asked[1],
+                               code="unsupported_parameter")
+            for i, tool in enumerate(tools):
+                await _checked_grammar(StructuredOutput.json_schema(tool.parameters),
+                                       f"tools[{i}].function.parameters", tool.parameters)
+            fields["structured"] = await _checked_grammar(
+                tool_grammar(tools, choice, body.parallel_tool_calls is not False), "tools")
+        elif asked is not None:
+            fields["structured"] = await _checked_grammar(*asked)
+        ids = _chat_prompt_ids(body.messages, self.tokenizer, tools if choice != "none" else [])
         _check_prompt_len(len(ids), self.max_seq_len, "messages")
         max_tokens, names = body.max_tokens, {"logprobs": "top_logprobs"}
         if body.max_completion_tokens is not None:
             max_tokens, names["max_tokens"] = body.max_completion_tokens, "max_completion_tokens"
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = _sampling_params(body.sampling_fields(), max_tokens, logprobs, len(ids), self.max_seq_len, names,
+        params = _sampling_params(fields, max_tokens, logprobs, len(ids), self.max_seq_len, names,
                                   self.sampling_defaults)
-        return await self._serve(request, True, ids, params, body, arrival)
+        return await self._serve(request, True, ids, params, body, arrival, tool_calls=choice != "none")
 
     # --- one generation request ---
     async def _serve(self, http_request: Request, chat: bool, ids: list[int], params: SamplingParams,
-                     body: _GenerationBody, arrival: float) -> Response:
+                     body: _GenerationBody, arrival: float, tool_calls: bool = False) -> Response:
         """Submit the request (a refusal is decided here, so it is still a plain HTTP error); then answer
-        with the whole result, or start the stream at once."""
+        with the whole result, or start the stream at once. ``tool_calls``: the output may hold tool calls."""
         call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
                      self.model_name, params.logprobs is not None, body.include_usage, self.token_text,
-                     self.metrics.track(arrival))
+                     self.metrics.track(arrival), tools=ToolCallParser() if tool_calls else None)
         try:
             stream = self.engine.submit(ids, params, request_id=call.request_id)
         except (QueueFullError, RequestError) as e:
@@ -834,9 +993,8 @@ class _Handlers:
                     out = merge_deltas([out, *behind])
                 call.tracker.delta(out)
                 done = out.finished and out.finish_reason in ("stop", "length")
-                if out.text or (out.token_ids and call.want_logprobs) or done:
-                    yield _sse(call.chunk(out.text or (None if call.chat else ""), out.logprobs,
-                                          out.finish_reason if done else None))
+                if (chunk := call.delta_chunk(out, done)) is not None:
+                    yield _sse(chunk)
                 if out.finished:
                     break
             call.tracker.finish(out.finish_reason)

@@ -11,7 +11,15 @@ sample the requests whose step reached their last token, then detokenize, check 
 free the blocks of finished requests. Thread-safety: ``abort`` may be called from any thread; the
 rest belongs to the thread that calls ``step`` (``runtime.async_engine`` runs it in its own thread).
 
-Failures: what belongs to one request - its sampling, logprobs, detokenization, stop check - finishes
+Structured output (``SamplingParams.structured``): the request's grammar compiles on a worker thread while the
+request is PREPARING (not schedulable; cached by hash, so a repeated schema is ready at once). At each step that
+samples it, its grammar state fills its row of an allowed-token bitmask on the host, the mask is applied to its
+logits on the device before the draw, and the emitted token advances the state; the request stops when the grammar
+is complete (or on EOS, which the mask allows only then). With the overlapped pipeline, the step after one in flight
+is launched first and its sampling waits until the tokens in flight are read back and advanced: the host computes
+the masks while the device runs that step's forward. Preemption keeps the state (recompute emits nothing again).
+
+Failures: what belongs to one request - its sampling, logprobs, detokenization, stop check, grammar - finishes
 that request alone with finish_reason "error" and a message, and the rest of the batch goes on. A
 batched call that raises is retried row by row (only then: the hot path does no per-row work), and a
 row the sampler finds without a valid distribution comes back as INVALID_TOKEN. Only a failure of the
@@ -25,6 +33,8 @@ import os
 import time
 import uuid
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,14 +49,17 @@ from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget,
                             plan_kv_blocks, tensor_bytes)
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
-from runtime.sampling import INVALID_TOKEN, SamplingParams, compute_logprobs, make_generator, sample, to_device
+from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compute_logprobs, make_generator, sample,
+                              to_device)
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
 
 INVALID_ROW_ERROR = ("sampling failed: the model's logits for this request gave no valid token distribution "
                      "(NaN or inf after penalties and temperature)")
+COMPILE_POLL_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
 
 
 def _env_int(name: str, default: int) -> int:
@@ -111,35 +124,49 @@ class _Track:
     num_emitted: int = 0  # characters of text already handed out
     num_tokens_emitted: int = 0  # token ids already handed out
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    grammar: GrammarState | None = None  # structured output: where the output is in its grammar (once compiled)
 
 
 @dataclass
 class _InFlight:
-    """A step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``)."""
+    """A step on the GPU whose sampled tokens the host has not read yet (see ``ServingEngine.step``).
+
+    Launched with its forward; sampled at once, or - when structured requests sample in it and the step before is
+    still in flight - once that step's tokens have advanced their grammars (``logits`` held until then)."""
 
     sched: SchedulerOutput
     sampling: list[Request]  # the requests that sample in it, in row order of ``tokens``
-    tokens: torch.Tensor  # [len(sampling)] int64 on the device: the next step's input ids (INVALID_TOKEN: failed row)
-    host_tokens: torch.Tensor  # the same, copied to pinned host memory once the step is done
-    done: torch.cuda.Event | None  # recorded after that copy (None on the CPU, where the copy is synchronous)
-    errors: dict[str, str]  # request id -> why its sampling raised (its row holds INVALID_TOKEN)
+    logits: torch.Tensor | None  # [len(sampling), vocab] until sampled, then None
+    tokens: torch.Tensor | None = None  # [len(sampling)] int64 on the device: the next step's input ids (INVALID_TOKEN:
+    # failed row); None until sampled
+    host_tokens: torch.Tensor | None = None  # the same, copied to pinned host memory once the step is done
+    done: torch.cuda.Event | None = None  # recorded after that copy (None on the CPU, where the copy is synchronous)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed (row: INVALID_TOKEN)
 
-    @classmethod
-    def launched(cls, sched: SchedulerOutput, sampling: list[Request],
-                 sampled: tuple[torch.Tensor, dict[str, str]]) -> _InFlight:
-        """Queue the copy of the sampled tokens to the host right behind the step. Reading them later
+    @property
+    def sampled(self) -> bool:
+        return self.tokens is not None
+
+    def launch_sampled(self, sampled: tuple[torch.Tensor, dict[str, str]]) -> _InFlight:
+        """Take the sampled tokens and queue their copy to the host right behind the step. Reading them later
         waits for this event only; ``tokens.tolist()`` would wait for everything queued since, the next
         step included."""
-        tokens, errors = sampled
-        if not tokens.is_cuda:
-            return cls(sched, sampling, tokens, tokens, None, errors)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return cls(sched, sampling, tokens, host, done, errors)
+        self.tokens, self.errors = sampled
+        self.logits = None
+        if not self.tokens.is_cuda:
+            self.host_tokens = self.tokens
+            return self
+        self.host_tokens = torch.empty(self.tokens.shape, dtype=self.tokens.dtype, pin_memory=True)
+        self.host_tokens.copy_(self.tokens, non_blocking=True)
+        self.done = torch.cuda.Event()
+        self.done.record()
+        return self
 
     def read(self) -> list[int]:
+        if self.tokens is None:  # dropped before it sampled: wait for its forward all the same (see _drop_inflight)
+            if self.logits is not None and self.logits.is_cuda:
+                torch.cuda.current_stream(self.logits.device).synchronize()
+            return []
         if self.done is not None:
             self.done.synchronize()
         return self.host_tokens.tolist()
@@ -196,6 +223,8 @@ class ServingEngine:
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
         self._tracks: dict[str, _Track] = {}
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
+        self._compiling: dict[str, Future] = {}  # PREPARING request id -> its grammar's compile
+        self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self._inflight: _InFlight | None = None  # a launched step not yet read back (overlap)
         self.num_steps = 0
 
@@ -223,6 +252,8 @@ class ServingEngine:
         if self.step_graphs is not None:
             self.step_graphs.close()
             self.step_graphs = None
+        if self._grammars is not None:
+            self._grammars.close()
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
@@ -271,6 +302,14 @@ class ServingEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._aborts) or self._inflight is not None
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's vocabulary (made on first use)."""
+        if self._grammars is None:
+            vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0)) or self.tokenizer.vocab_size
+            self._grammars = GrammarCompiler(self.tokenizer, vocab)
+        return self._grammars
+
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout_s: float | None = None,
                     arrival_time: float | None = None) -> str:
@@ -286,11 +325,14 @@ class ServingEngine:
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         track = _Track(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids), StopChecker(params.stop),
                        eos | frozenset(params.stop_token_ids), make_generator(params.seed, self.device))
+        structured = params.structured is not None
         try:  # the track first: a request the scheduler holds always has one
-            self.scheduler.add_request(request)
+            self.scheduler.add_request(request, ready=not structured)
         except ValueError as e:
             raise RequestError(str(e)) from e
         self._tracks[request_id] = track
+        if structured:  # PREPARING until compiled, off this thread (_take_compiled)
+            self._compiling[request_id] = self.grammars.submit(params.structured)
         return request_id
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -311,7 +353,8 @@ class ServingEngine:
 
     def stats(self) -> EngineStats:
         pool, kv_stats = self.kv.pool, self.kv.stats
-        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        return EngineStats(num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.preparing),
                            kv_usage=pool.usage, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
                            prefix_cache_queries=kv_stats.queries, prefix_cache_hits=kv_stats.hits,
                            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
@@ -326,16 +369,22 @@ class ServingEngine:
         tokens back, detokenizes and emits them. So the host's per-step work (scheduling, detokenization, stop
         checks, packing the next step) runs while the GPU computes, and a step's deltas come back one call
         later. A request that stops on a token (EOS, a stop string) has had one more step launched by then: its
-        result is discarded and its blocks freed. Length limits are known ahead and never overrun. The pipeline
-        drains to the synchronous path when a KV block shortage calls for preemption, or a request asks for
-        logprobs or penalties (both read the host's token history of the step before).
+        result is discarded and its blocks freed. Length limits are known ahead and never overrun. A step with
+        structured requests is launched ahead too, but sampled only after the step before is read back (their
+        masks need its tokens). The pipeline drains to the synchronous path when a KV block shortage calls for
+        preemption, or a request asks for logprobs or penalties (both read the host's token history of the step
+        before).
         """
         outputs = self._reap()
+        if self._compiling:
+            outputs += self._take_compiled()
         if self._inflight is not None:
             previous = self._inflight
             self._inflight = self._launch_next(previous)
             outputs += self._complete(previous)
             if self._inflight is not None:
+                if not self._inflight.sampled:  # its grammars have taken previous's tokens: mask and sample now
+                    self._inflight.launch_sampled(self._sample(self._inflight.logits, self._inflight.sampling))
                 return outputs
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -346,7 +395,7 @@ class ServingEngine:
             self.scheduler.update(sched, {})
             return outputs
         if self.graphs is not None and self._overlappable(sampling):
-            self._inflight = _InFlight.launched(sched, sampling, self._sample(logits, sampling))
+            self._inflight = _InFlight(sched, sampling, logits).launch_sampled(self._sample(logits, sampling))
             return outputs
         token_ids, errors = self._sample(logits, sampling)
         tokens = token_ids.tolist()
@@ -395,35 +444,51 @@ class ServingEngine:
         requests it raised for (their rows hold INVALID_TOKEN, as do rows without a valid distribution).
         A batched call that raises is retried row by row, each seeded row from its generator's state
         before the batched call, so the others keep the tokens they would have drawn."""
-        generators = [self._tracks[r.request_id].generator for r in sampling]
+        # (a request that finished while its sampling waited, see _InFlight, draws unseeded and unmasked: discarded)
+        tracks = [self._tracks.get(r.request_id) for r in sampling]
+        generators = [t.generator if t is not None else None for t in tracks]
         states = [g.get_state() if g is not None else None for g in generators]
+        mask, errors = self._token_bitmask(sampling, tracks)
         try:
-            return self._sample_rows(logits, sampling, generators), {}
+            return self._sample_rows(logits, sampling, generators, mask), errors
         except Exception as e:  # one request's parameters or history, or the device: find out row by row
             log.warning("sampling a batch of %d failed (%s: %s); retrying row by row", len(sampling),
                         type(e).__name__, e)
         rows: list[torch.Tensor] = []
-        errors: dict[str, str] = {}
         for i, (request, generator, state) in enumerate(zip(sampling, generators, states)):
             if generator is not None:
                 generator.set_state(state)
             try:
-                rows.append(self._sample_rows(logits[i:i + 1], [request], [generator]))
+                rows.append(self._sample_rows(logits[i:i + 1], [request], [generator],
+                                              mask.select(i) if mask is not None else None))
             except Exception as e:
                 errors[request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 rows.append(torch.full((1,), INVALID_TOKEN, dtype=torch.long, device=logits.device))
         return torch.cat(rows), errors
 
+    def _token_bitmask(self, sampling: list[Request], tracks: list[_Track | None]
+                       ) -> tuple[TokenBitmask | None, dict[str, str]]:
+        """The allowed tokens of the structured requests among ``sampling`` (None when there are none), on the
+        device without a host sync; and the requests whose grammar is dead (request id -> why: they fail)."""
+        if not any(r.params.structured is not None for r in sampling):
+            return None, {}
+        rows = [i for i, t in enumerate(tracks) if t is not None and t.grammar is not None]
+        states = [tracks[i].grammar for i in rows]
+        bitmask = fill_bitmasks(states, self.grammars.num_words, pin_memory=self.device.type == "cuda")
+        errors = {sampling[i].request_id: f"structured output: the grammar cannot continue ({s.error})"
+                  for i, s in zip(rows, states) if s.error is not None}
+        return TokenBitmask(rows, bitmask.to(self.device, non_blocking=True)), errors
+
     @staticmethod
-    def _sample_rows(logits: torch.Tensor, sampling: list[Request],
-                     generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _sample_rows(logits: torch.Tensor, sampling: list[Request], generators: list[torch.Generator | None],
+                     mask: TokenBitmask | None) -> torch.Tensor:
         """``sample`` over these requests' rows. Token histories (a copy of each request's output so far) are
         built only when a penalty needs them."""
         params = [r.params for r in sampling]
         if not any(p.has_penalties for p in params):
-            return sample(logits, params, generators)
+            return sample(logits, params, generators, token_bitmask=mask)
         return sample(logits, params, generators, prompt_ids=[r.prompt_token_ids for r in sampling],
-                      output_ids=[r.output_token_ids for r in sampling])
+                      output_ids=[r.output_token_ids for r in sampling], token_bitmask=mask)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], sampling: list[Request],
@@ -525,7 +590,10 @@ class ServingEngine:
         if not sampling:  # only prompt chunks that end before the prompt does: nothing to read back
             self.scheduler.update(sched, {})
             return None
-        return _InFlight.launched(sched, sampling, self._sample(logits, sampling))
+        step = _InFlight(sched, sampling, logits)
+        if any(self._tracks[r.request_id].grammar is not None for r in sampling):
+            return step  # sampled by ``step`` once previous's tokens have advanced the grammars
+        return step.launch_sampled(self._sample(logits, sampling))
 
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Read back an in-flight step's tokens (waiting for that step only), record and emit them, and
@@ -613,6 +681,9 @@ class ServingEngine:
         track = self._tracks[request.request_id]
         if logprob is not None:
             track.logprobs.append(logprob)
+        if track.grammar is not None and not track.grammar.advance(token):
+            return self._fail(request, f"structured output: token {token} was sampled outside the grammar "
+                                       f"({track.grammar.error})")
         finish: str | None = None
         if token in track.stop_ids:
             finish = "stop"
@@ -621,13 +692,17 @@ class ServingEngine:
             cut, _ = track.stops.check(track.text)
             if cut is not None:
                 track.text, finish = track.text[:cut], "stop"
-        if finish is None and (request.num_output_tokens >= request.params.max_tokens
-                               or request.num_tokens >= self.scheduler_config.max_seq_len):
-            finish = "length"
-            track.text += track.detok.flush()
-            cut, _ = track.stops.check(track.text)
-            if cut is not None:
-                track.text, finish = track.text[:cut], "stop"
+        if finish is None:
+            if track.grammar is not None and track.grammar.finished:
+                finish = "stop"  # the grammar is complete: nothing but EOS could follow
+            elif (request.num_output_tokens >= request.params.max_tokens
+                  or request.num_tokens >= self.scheduler_config.max_seq_len):
+                finish = "length"
+            if finish is not None:  # the end: the text the detokenizer held back, then the stop strings over it
+                track.text += track.detok.flush()
+                cut, _ = track.stops.check(track.text)
+                if cut is not None:
+                    track.text, finish = track.text[:cut], "stop"
         return self._delta(request, track, finish)
 
     def _delta(self, request: Request, track: _Track, finish: str | None, error: str | None = None) -> RequestOutput:
@@ -642,6 +717,7 @@ class ServingEngine:
         if finish:
             self.scheduler.finish_request(request.request_id)
             del self._tracks[request.request_id]
+            self._compiling.pop(request.request_id, None)
         return RequestOutput(request.request_id, text, new_ids, new_lps, finish is not None, finish,
                              request.num_prompt_tokens, num_output,
                              max(request.num_cached_tokens, 0), error)
@@ -655,8 +731,7 @@ class ServingEngine:
             if request is not None:
                 outputs.append(self._delta(request, self._tracks[request_id], reason))
         now = time.monotonic()
-        for request in [r for r in list(self.scheduler.running) + list(self.scheduler.waiting)
-                        if r.deadline is not None and now > r.deadline]:
+        for request in [r for r in self._unfinished() if r.deadline is not None and now > r.deadline]:
             outputs.append(self._delta(request, self._tracks[request.request_id], "timeout",
                                        f"the request did not finish within its timeout "
                                        f"({request.deadline - request.arrival_time:.1f}s)"))
@@ -666,8 +741,29 @@ class ServingEngine:
         """Finish every request now (engine failure, shutdown); returns their final deltas."""
         self._aborts.clear()
         self._drop_inflight()  # its tokens go with the requests
-        requests = list(self.scheduler.running) + list(self.scheduler.waiting)
-        return [self._delta(r, self._tracks[r.request_id], reason, error) for r in requests]
+        return [self._delta(r, self._tracks[r.request_id], reason, error) for r in self._unfinished()]
+
+    def _unfinished(self) -> list[Request]:
+        scheduler = self.scheduler
+        return list(scheduler.running) + list(scheduler.waiting) + list(scheduler.preparing.values())
+
+    def _take_compiled(self) -> list[RequestOutput]:
+        """Make the requests whose grammar has compiled schedulable (a grammar that does not compile fails its
+        request alone). When nothing else could run, wait a little for a compile rather than spin."""
+        idle = not self.scheduler.running and not self.scheduler.waiting and self._inflight is None
+        if idle:
+            wait_futures(list(self._compiling.values()), timeout=COMPILE_POLL_S, return_when=FIRST_COMPLETED)
+        outputs = []
+        for request_id, future in [(i, f) for i, f in self._compiling.items() if f.done()]:
+            del self._compiling[request_id]
+            request = self.scheduler.get(request_id)
+            error = future.exception()
+            if error is not None:
+                outputs.append(self._fail(request, f"structured output: {error}"))
+                continue
+            self._tracks[request_id].grammar = future.result().new_state()
+            self.scheduler.mark_ready(request_id)
+        return outputs
 
     # --- offline use -----------------------------------------------------------------------------
     def run(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -16,6 +16,7 @@ file in the directory is ignored, as if absent.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from collections.abc import Collection
 from pathlib import Path
@@ -255,7 +256,17 @@ class Tokenizer:
         """The vocabulary entry of one id (the raw token, e.g. ``Ġworld``), for debugging and reports."""
         return self._backend.id_to_token(token_id)
 
+    def to_json(self) -> str:
+        """The whole tokenizer as tokenizer.json text (what structured output's grammar engine reads the
+        vocabulary from)."""
+        return self._backend.to_str()
+
     # --- chat -----------------------------------------------------------------------------------------
+    def chat_template_uses(self, name: str) -> bool:
+        """Whether the chat template refers to the variable or key ``name`` (e.g. ``tools``, ``tool_calls``): a
+        template that does not mention tools cannot render them."""
+        return self.chat_template is not None and re.search(rf"\b{re.escape(name)}\b", self.chat_template) is not None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> str:
         """Render ``messages`` with the checkpoint's chat template into the prompt text the model was tuned on.
 

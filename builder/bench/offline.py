@@ -4,6 +4,7 @@
                 tokens/s over --output-len tokens, and that as a share of the memory-bandwidth roofline:
                 each decode step reads every weight once plus the KV cache so far, so
                 roofline tok/s = measured bandwidth / (weight bytes + mean KV bytes per step);
+                of a mixture of experts, the token's top_k experts' weights only (decode_weight_bytes);
                 the bandwidth is measured in the same run (a device-to-device copy).
     decode step  batch N (``bench latency --batch-size N``): N prompts of --input-len random tokens admitted
                 together, then decoded together for --output-len steps (greedy, EOS ignored); the median wall
@@ -26,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -42,7 +44,7 @@ class LatencyResult:
     output_len: int
     ttft_ms: float  # median over repeats
     decode_tok_s: float  # median over repeats, batch 1
-    weight_bytes: int
+    weight_bytes: int  # read by one decode step (decode_weight_bytes)
     kv_bytes_per_token: int
     bandwidth_gb_s: float  # measured device-to-device copy
     roofline_tok_s: float
@@ -146,6 +148,27 @@ def _random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[i
     return torch.randint(3, vocab, (num, length), generator=g).tolist()
 
 
+# A moe node's weights stacked per expert [num_experts, ...], of which a token reads its top_k experts' rows; the
+# router (gate_weight, gate_bias) is read whole.
+EXPERT_ROLES = ("w_gate_up", "w_down")
+
+
+def decode_weight_bytes(graph: dict[str, Any], params: dict[str, torch.Tensor]) -> int:
+    """The weight bytes one batch-1 decode step reads: every weight once (the embedding table and the lm_head
+    whole, as the dense figures have always counted them), except the experts of a mixture of experts, of which
+    the token's top_k only: top_k / num_experts of each stacked expert tensor."""
+    total = tensor_bytes(params.values())
+    for node in graph["nodes"]:
+        if node["op"] != "moe":
+            continue
+        num_experts, top_k = node["attrs"]["num_experts"], node["attrs"]["top_k"]
+        for role in EXPERT_ROLES:
+            t = params[node["weights"][role]]
+            assert t.shape[0] == num_experts, f"{node['weights'][role]}: {tuple(t.shape)} is not stacked per expert"
+            total -= tensor_bytes([t]) // num_experts * (num_experts - top_k)
+    return total
+
+
 def latency(engine: ServingEngine, input_len: int = 128, output_len: int = 128, repeats: int = 3,
             seed: int = 0) -> LatencyResult:
     device = engine.device
@@ -170,7 +193,7 @@ def latency(engine: ServingEngine, input_len: int = 128, output_len: int = 128, 
         t_end = time.perf_counter()
         ttfts.append((t_first - t0) * 1e3)
         rates.append((n - 1) / (t_end - t_first))
-    weights = tensor_bytes(engine.executor.params.values())
+    weights = decode_weight_bytes(engine.executor.graph, engine.executor.params)
     kv_per_token = engine.engine.kv_layout.bytes_per_token()
     bandwidth = measure_bandwidth(device)
     mean_context = input_len + output_len / 2

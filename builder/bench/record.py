@@ -8,7 +8,9 @@ appended by the benchmark commands (``--record PATH``); the latest line of a fig
 Figure names: ``decode_b1_{precision}`` (tok/s), ``ttft_{input_len}_{precision}`` (ms),
 ``decode_step_b{N}_{precision}`` (ms per decode step of N sequences decoded together), an ``_in{input_len}``
 suffix on the decode figures when the prompts are not 128 tokens, and ``baseline_<name>`` for the
-stock-PyTorch baseline's figure measured in the same run.
+stock-PyTorch baseline's figure measured in the same run. The precision part is :func:`figure_tag`'s: a
+mixture-of-experts model's figures are ``moe_{precision}`` (``decode_b1_moe_bf16``), an artifact with a quantized
+lm_head's ``{precision}_qhead``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,15 @@ def precision_of(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     if scheme == "none":
         return DTYPE_PRECISION.get(manifest["model"]["dtype"], manifest["model"]["dtype"])
     return SCHEME_PRECISION.get(scheme, scheme)
+
+
+def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
+    """The part of figure names that says what ran: the precision (:func:`precision_of`), after ``moe_`` when the
+    graph has mixture-of-experts layers, before ``_qhead`` when the lm_head is quantized too (the stock baseline
+    keeps it in the model dtype)."""
+    moe = "moe_" if any(n["op"] == "moe" for n in graph["nodes"]) else ""
+    quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
+    return moe + precision_of(graph, manifest) + ("_qhead" if quant_head else "")
 
 
 def device_name(device: torch.device | str) -> str:

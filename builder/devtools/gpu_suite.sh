@@ -4,6 +4,19 @@
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
+#   moe            fused MoE (kernels/moe.py): its tests compiled on the GPU (tests/kernels/test_moe_kernel.py: small
+#                  shapes, Qwen3-30B-A3B and Mixtral-8x7B layers, a CUDA graph over changing routings;
+#                  tests/runtime/test_executor_moe.py: a tiny MoE artifact served from CUDA graphs vs the CPU path),
+#                  then `python -m kernels.bench.moe` (fused vs torch op, T = 1 ... 1024) in $OUT/bench_moe.txt;
+#                  MOE_SWEEP=1 also times candidate configs at T = 1, 64, 1024 (tuning kernels/moe.py _CUDA_CONFIGS)
+#   moe-e2e[-PREC] Qwen3-30B-A3B shape (recipes/bench/qwen3-30b-a3b-PREC.yaml, PREC bf16 by default, or fp8) end to
+#                  end in one call, about 6 minutes on an H100 (run it alone or first: its checkpoint takes 57 of the
+#                  disk's 64 GiB): the random checkpoint on the GPU into checkpoints/qwen3-30b-a3b-random (kept if
+#                  there), the build into /dev/shm (RAM: the disk cannot hold a second 57 GiB), batch-1 latency and
+#                  128/128 throughput at concurrency 64 and 128; figures in $OUT/benchmarks.jsonl (decode_b1_moe_PREC,
+#                  ttft_128_moe_PREC, throughput_128_128_moe_PREC[_cC]), each phase's seconds in $OUT/moe_e2e.jsonl,
+#                  logs in $OUT/moe_*_PREC.log. MOE_LAYERS=N builds N of the 48 layers (a dry run: paths get -LN,
+#                  figures go to $OUT/moe_dry_run_LN.jsonl instead)
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -71,6 +84,44 @@ throughput_runs() {  # the offline throughput points of issue 17, recorded in $O
   bench throughput artifacts/llama3-8b-$1 --input-len 128 --output-len 2048 --concurrency 256 --num-prompts 256 $rec
 }
 
+moe_e2e() {  # $1: precision; the Qwen3-30B-A3B-shaped model from checkpoint to throughput (moe-e2e in the header)
+  local prec=$1 layers=${MOE_LAYERS:-48} ck=checkpoints/qwen3-30b-a3b-random art=/dev/shm/qwen3-30b-a3b-$1 t0 need
+  local rec="--record $OUT/benchmarks.jsonl" log="$OUT/moe_e2e.jsonl"
+  # a dry run's figures are those of another model: recorded apart, under the same names
+  [ "$layers" = 48 ] || { ck=$ck-L$layers; art=$art-L$layers; rec="--record $OUT/moe_dry_run_L$layers.jsonl"; }
+  phase() {  # phase NAME STATUS: the seconds since t0
+    printf '{"phase": "%s", "precision": "%s", "layers": %s, "rc": %s, "seconds": %s}\n' "$1" "$prec" "$layers" "$2" \
+      $(( $(date +%s) - t0 )) | tee -a "$log"
+  }
+  t0=$(date +%s)
+  if [ ! -f $ck/calibration.jsonl ]; then  # make_checkpoint's last file
+    need=$(( (623 * layers + 623) * 2 / 1000 + 2 ))  # GB: 623M parameters a layer, 623M for embedding and lm_head
+    if [ $(( $(df --output=avail -B1000000000 . | tail -1) )) -lt $need ]; then
+      echo "moe-e2e: the checkpoint needs ${need} GB of disk, $(df -h --output=avail . | tail -1) free: run moe-e2e" \
+        "first in a call (the checkpoints of other parts take the room)"; return 1
+    fi
+    rm -rf $ck
+    python3 -m builder.devtools.make_checkpoint --preset qwen3-30b-a3b --num-hidden-layers $layers --device cuda \
+      --out $ck 2>&1 | tail -1
+    phase checkpoint ${PIPESTATUS[0]}
+  fi
+  rm -rf /dev/shm/qwen3-30b-a3b-*  # one 57 GiB artifact in RAM at a time
+  t0=$(date +%s)
+  python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-$prec.yaml --set model.checkpoint=$ck \
+    --set output_dir=$art > "$OUT/moe_build_$prec.log" 2>&1
+  phase build $?
+  tail -n 2 "$OUT/moe_build_$prec.log"
+  [ -f $art/manifest.json ] || return 1
+  t0=$(date +%s)
+  python3 -m builder.cli bench latency $art --input-len 128 --output-len 128 $rec 2>&1 \
+    | tee "$OUT/moe_latency_$prec.log" | grep '^{'
+  phase latency ${PIPESTATUS[0]}
+  t0=$(date +%s)
+  python3 -m builder.cli bench throughput $art --input-len 128 --output-len 128 --concurrency 64 --concurrency 128 \
+    $rec 2>&1 | tee "$OUT/moe_throughput_$prec.log" | grep '^{'
+  phase throughput ${PIPESTATUS[0]}
+}
+
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
@@ -80,6 +131,14 @@ for part in "$@"; do
       python3 -m kernels.bench.w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
     w8a8-sweep)
       python3 -m kernels.bench.w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
+    moe)
+      TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernel.py \
+        tests/runtime/test_executor_moe.py 2>&1 | tee "$OUT/moe_tests.txt" | tail -n 15
+      sweep=""; [ "${MOE_SWEEP:-0}" = 1 ] && sweep="--sweep --tokens 1 64 1024"
+      python3 -m kernels.bench.moe $sweep 2>&1 | tee "$OUT/bench_moe.txt" | tail -n 40 ;;
+    moe-e2e|moe-e2e-*)
+      prec=${part#moe-e2e}; prec=${prec#-}; moe_e2e "${prec:-bf16}"
+      ;;
     quickstart)
       for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do
         [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2

@@ -1,6 +1,6 @@
 """SmoothQuant's parts on one checkpoint: KL against the unquantized model for static and dynamic W8A8 INT8 with
 each part of the pass turned on or off (alpha searched per group or fixed at 0.5, the down projection smoothed
-through the up projection or not, static input scales clipped or not). A measurement script, not a test::
+through the up projection and the output projection through the v projection or not, static input scales clipped or not). A measurement script, not a test::
 
     python -m builder.devtools.smoothquant_ablation [--checkpoint models/pystdlib-llama]
 
@@ -26,16 +26,19 @@ from passes.trace import trace
 from runtime.tokenizer import Tokenizer
 
 GRAPH_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
-VARIANTS = [  # (label, options, down projection smoothed)
-    ("static, no smoothing, max scale (naive)", dict(activations="static", smoothing=False, static_scale="max"), True),
-    ("static, no smoothing, clipped scale", dict(activations="static", smoothing=False), True),
-    ("static, alpha 0.5, no down projection", dict(activations="static", alpha=0.5), False),
-    ("static, alpha 0.5", dict(activations="static", alpha=0.5), True),
-    ("static, alpha searched (default)", dict(activations="static"), True),
-    ("static, alpha searched, clipped scale", dict(activations="static", static_scale="mse"), True),
-    ("dynamic, no smoothing", dict(smoothing=False), True),
-    ("dynamic, alpha 0.5, no down projection", dict(alpha=0.5), False),
-    ("dynamic, alpha searched (default)", dict(), True),
+BOTH, DOWN, NONE = {"down", "out"}, {"down"}, set()
+VARIANTS = [  # (label, options, projections smoothed through their producer: "down" via up, "out" via v)
+    ("static, no smoothing, max scale (naive)", dict(activations="static", smoothing=False, static_scale="max"), BOTH),
+    ("static, no smoothing, clipped scale", dict(activations="static", smoothing=False), BOTH),
+    ("static, alpha 0.5, norms only", dict(activations="static", alpha=0.5), NONE),
+    ("static, alpha 0.5", dict(activations="static", alpha=0.5), BOTH),
+    ("static, alpha searched, no output projection", dict(activations="static"), DOWN),
+    ("static, alpha searched (default)", dict(activations="static"), BOTH),
+    ("static, alpha searched, clipped scale", dict(activations="static", static_scale="mse"), BOTH),
+    ("dynamic, no smoothing", dict(smoothing=False), BOTH),
+    ("dynamic, alpha 0.5, norms only", dict(alpha=0.5), NONE),
+    ("dynamic, alpha searched, no output projection", dict(), DOWN),
+    ("dynamic, alpha searched (default)", dict(), BOTH),
 ]
 
 
@@ -57,18 +60,21 @@ def main() -> int:
     stream, _ = token_stream(eval_file if eval_file.exists() else Path(DEFAULT_EVAL), encode)
     eval_set = make_eval_set(stream, 256, 2048)
     base = GraphModel(graph)
-    up_rows = sq.SmoothQuant.__dict__["_up_rows"]
-    print(f"| {args.checkpoint} | KL | top-1 | down projections smoothed | mean alpha |")
+    up_rows, v_rows = sq.SmoothQuant.__dict__["_up_rows"], sq.SmoothQuant.__dict__["_v_rows"]
+    off = staticmethod(lambda *a: None)
+    print(f"| {args.checkpoint} | KL | top-1 | down / output projections smoothed | mean alpha |")
     print("| --- | --- | --- | --- | --- |")
-    for label, options, down in VARIANTS:
-        sq.SmoothQuant._up_rows = up_rows if down else staticmethod(lambda *a: None)
+    for label, options, folds in VARIANTS:
+        sq.SmoothQuant._up_rows = up_rows if "down" in folds else off
+        sq.SmoothQuant._v_rows = v_rows if "out" in folds else off
         quantized, records = run_passes(graph.copy(), ["smoothquant", "dce"],
                                         PassContext(calibration=calib, options={"smoothquant": options}))
         report = compare(base.logits, GraphModel(quantized).logits, eval_set, GateThresholds())
         d = records[0].details
         print(f"| {label} | {report.metric('kl').value:.3e} | {report.metric('top1_agreement').value:.4f} | "
-              f"{d.get('smoothed_down_projections', 0)} | {d.get('alpha_mean', d.get('alpha'))} |", flush=True)
-    sq.SmoothQuant._up_rows = up_rows
+              f"{d.get('smoothed_down_projections', 0)} / {d.get('smoothed_output_projections', 0)} | "
+              f"{d.get('alpha_mean', d.get('alpha'))} |", flush=True)
+    sq.SmoothQuant._up_rows, sq.SmoothQuant._v_rows = up_rows, v_rows
     return 0
 
 

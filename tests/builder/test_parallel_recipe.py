@@ -91,7 +91,7 @@ def test_rank_files_are_written_one_tensor_at_a_time(checkpoints, tmp_path, monk
         return t
 
     monkeypatch.setattr(ShardedWeights, "tensor", tracked)
-    section = _write_weights(tmp_path, graph)
+    section, _ = _write_weights(tmp_path, graph)
     assert len(fresh) == 2 * 2 * 2  # (q/k/v, gate/up) x 2 layers x 2 ranks are concatenations
     monkeypatch.setattr(ShardedWeights, "tensor", made)
     for rank, entry in enumerate(section["ranks"]):

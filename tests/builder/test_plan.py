@@ -176,6 +176,24 @@ def test_plan_matches_quantized_artifacts(tmp_path, case):
 
 
 # --- CLI, errors, and the build's check ----------------------------------------------------------
+def test_cli_plans_gpt2_from_its_own_key_names(tmp_path):
+    """GPT-2's config.json names its sizes n_embd, n_head, n_layer, n_positions (transformers maps them onto the
+    standard names) and leaves its MLP size null (4 x hidden): planned, as a Llama-style estimate, with its KV bytes
+    per token exact."""
+    from transformers import GPT2Config
+
+    GPT2Config().save_pretrained(tmp_path / "gpt2")  # GPT-2 small: 12 layers of 12 heads of 64, 1024 positions
+    assert "hidden_size" not in json.loads((tmp_path / "gpt2" / "config.json").read_text())
+    res = runner.invoke(app, ["plan", str(tmp_path / "gpt2"), "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["kv_bytes_per_token"] == 2 * 12 * 12 * 64 * 2  # K and V, 12 layers, 12 heads of 64, bf16
+    assert data["fits"] is True and any("planned as a Llama-style decoder" in n for n in data["notes"])
+    model = data["model"]
+    assert (model["hidden_size"], model["num_layers"], model["intermediate_size"],
+            model["max_position_embeddings"]) == (768, 12, 3072, 1024)
+
+
 def test_cli_table_and_json(tmp_path):
     path = config_dir(tmp_path / "70b", LLAMA3_70B)
     res = runner.invoke(app, ["plan", str(path), "--json", "-"])

@@ -357,6 +357,104 @@ def test_prefill_of_one_token_equals_decode():
     torch.testing.assert_close(prefill, decode, atol=1e-5, rtol=1e-5)
 
 
+# --- soft-capped scores and attention sinks ------------------------------------------------------------------
+EXTRA_CASES = [  # (dtype, kv_dtype, softcap, sinks, sliding_window)
+    pytest.param(torch.float32, torch.float32, 2.0, False, None, id="softcap-fp32"),
+    pytest.param(torch.float32, torch.float32, 0.0, True, 20, id="sinks-fp32-window"),
+    pytest.param(torch.bfloat16, torch.bfloat16, 2.0, True, None, id="softcap-sinks-bf16"),
+    pytest.param(torch.float32, FP8, 2.0, True, 20, id="softcap-sinks-fp32-fp8kv-window"),
+]
+
+
+def _extra(num_heads: int, softcap: float, sinks: bool, gen: torch.Generator) -> dict:
+    """softcap and sinks for the kernels: sink logits spread around the scores' range, fp32 on the device."""
+    return {"softcap": softcap, "sinks": (torch.randn(num_heads, generator=gen) * 2).to(DEVICE) if sinks else None}
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, softcap, sinks, window", EXTRA_CASES)
+def test_decode_softcap_and_sinks_match_reference(dtype, kv_dtype, softcap, sinks, window):
+    """Gemma 2's soft-capped scores and gpt-oss's sinks in decode, one split and several (the sinks then join in
+    the merge), against the reference; they change the result, so a kernel that dropped them would fail."""
+    gen = torch.Generator().manual_seed(8)
+    lens = [1, 7, 45, 300]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 8, dtype, kv_dtype, gen)
+    q = (torch.randn(len(lens), 8, 32, generator=gen) * 3).to(dtype).to(DEVICE)  # scores past the cap
+    args = (q, k_cache, v_cache, tables, _int32(lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, **_extra(8, softcap, sinks, gen)}
+    expected = pa.ref_paged_decode_attention(*args, **kw)
+    plain = pa.ref_paged_decode_attention(*args, k_scale=k_scale, v_scale=v_scale, sliding_window=window)
+    assert (expected.float() - plain.float()).abs().max() > 0.1
+    for num_splits in (1, 3):
+        _assert_close(pa.paged_decode_attention(*args, num_splits=num_splits, **kw), expected)
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, softcap, sinks, window", EXTRA_CASES)
+def test_prefill_softcap_and_sinks_match_reference(dtype, kv_dtype, softcap, sinks, window):
+    """The same in prefill: fresh prompts, a chunk after a cached context, a sequence without new tokens."""
+    gen = torch.Generator().manual_seed(9)
+    q_lens, ctx_lens = [40, 1, 0, 21], [0, 37, 12, 30]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 8, dtype, kv_dtype, gen)
+    q = (torch.randn(sum(q_lens), 8, 32, generator=gen) * 3).to(dtype).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, **_extra(8, softcap, sinks, gen)}
+    expected = pa.ref_paged_prefill_attention(*args, **kw)
+    plain = pa.ref_paged_prefill_attention(*args, k_scale=k_scale, v_scale=v_scale, sliding_window=window)
+    assert (expected.float() - plain.float()).abs().max() > 0.1
+    _assert_close(pa.paged_prefill_attention(*args, **kw), expected)
+
+
+def test_reference_softcap_and_sinks_match_attention_one():
+    """The kernels' reference takes the soft-cap and the sinks as the runtime's ops.attention_one does (which
+    tests/passes/test_lift_primitives.py checks against Gemma 2's and gpt-oss's own attention)."""
+    gen = torch.Generator().manual_seed(10)
+    k_cache, v_cache, tables, _, _ = _paged([21], 2, 32, 4, torch.float32, torch.float32, gen)
+    k, v = (pa.gather_kv(c.cpu(), tables[0].cpu(), 21, None) for c in (k_cache, v_cache))
+    q = torch.randn(8, 4, 32, generator=gen) * 3
+    sinks = torch.randn(4, generator=gen) * 2
+    got = pa.ref_paged_prefill_attention(q.to(DEVICE), k_cache, v_cache, tables, _int32([0, 8]), _int32([13]), 0.2,
+                                         sliding_window=6, softcap=2.0, sinks=sinks.to(DEVICE))
+    want = ops.attention_one(q, k, v, 13, 0.2, 6, 2.0, sinks)
+    torch.testing.assert_close(got.cpu().reshape(8, -1), want, rtol=1e-5, atol=1e-5)
+
+
+# Real model shapes (bf16, long contexts): gpt-oss-20b's attention (64 query heads over 8 kv heads of 64, sinks,
+# a 128-token window on its sliding layers) and Gemma-2-27B's (32 over 16 heads of 128, scores capped at 50, a
+# 4096-token window); Gemma 2's 2B / 9B have head_dim 256, which the kernels do not take.
+REAL_SHAPES = [  # (num_heads, num_kv_heads, head_dim, softcap, sinks, sliding_window)
+    pytest.param(64, 8, 64, 0.0, True, 128, id="gpt-oss-20b-sliding"),
+    pytest.param(64, 8, 64, 0.0, True, None, id="gpt-oss-20b-global"),
+    pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding"),
+    pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global"),
+]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="real shapes: compiled kernels on a CUDA device (TRITON_INTERPRET=0 "
+                                             "python -m pytest tests/kernels/test_paged_attention.py -k real_shapes)")
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, softcap, sinks, window", REAL_SHAPES)
+def test_softcap_and_sinks_at_real_shapes(num_heads, num_kv_heads, head_dim, softcap, sinks, window):
+    """Decode of a batch (lengths to 5,000 keys, split and not) and a chunked prefill at real shapes in bf16 against
+    the fp32 reference; the scores are scaled up so that a soft-cap of 50 bends them."""
+    gen = torch.Generator().manual_seed(11)
+    dtype, scale = torch.bfloat16, head_dim ** -0.5
+    lens = [1, 130, 1000, 4200, 5000, 77, 2048, 4097]
+    k_cache, v_cache, tables, _, _ = _paged(lens, num_kv_heads, head_dim, 16, dtype, dtype, gen)
+    kw = {"sliding_window": window, "softcap": softcap,
+          "sinks": (torch.randn(num_heads, generator=gen) * 2).to(DEVICE) if sinks else None}
+    q = (torch.randn(len(lens), num_heads, head_dim, generator=gen) * 8).to(dtype).to(DEVICE)
+    expected = pa.ref_paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), scale, **kw)
+    for num_splits in (None, 1):
+        _assert_close(pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), scale,
+                                                num_splits=num_splits, **kw), expected)
+    q_lens = [512, 1, 300, 2000, 7, 1024, 48, 1]  # chunks after the rest of each sequence
+    ctx = [n - m for n, m in zip(lens, q_lens)]
+    q = (torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) * 8).to(dtype).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx), scale)
+    _assert_close(pa.paged_prefill_attention(*args, **kw), pa.ref_paged_prefill_attention(*args, **kw))
+
+
 # --- argument checks -------------------------------------------------------------------------------------
 def test_rejects_unsupported_arguments():
     gen = torch.Generator().manual_seed(7)
@@ -367,3 +465,9 @@ def test_rejects_unsupported_arguments():
     odd = torch.zeros(2, 4, 2, 48, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim 48 is not supported"):
         pa.paged_decode_attention(torch.zeros(1, 4, 48, device=DEVICE), odd, odd, tables, _int32([4]), 0.2)
+    with pytest.raises(ValueError, match=r"sinks must be a contiguous fp32 \[4\] tensor"):
+        pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32([4]), 0.2, k_scale=1.0, v_scale=1.0,
+                                  sinks=torch.zeros(8, device=DEVICE))
+    with pytest.raises(ValueError, match="softcap must be >= 0"):
+        pa.paged_prefill_attention(q, k_cache, v_cache, tables, _int32([0, 1]), _int32([3]), 0.2, k_scale=1.0,
+                                   v_scale=1.0, softcap=-1.0)

@@ -55,6 +55,13 @@ GPT_NEOX = Family("GPT-NeoX", "gpt_neox", dict(num_hidden_layers=1, num_key_valu
                   "rows interleaved by head), rotary on a quarter of each head, checkpoint names mapped as "
                   "transformers maps them on load (`embed_out` is the lm_head)")
 SLIDING = dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"])  # layer 0 slides, 1 is global
+# the default Falcon (7B's layout: multi-query, parallel attention and MLP on one LayerNorm) with biases; the new
+# decoder architecture (40B / 180B) and the sequential one are checked against HF by
+# tests/passes/test_lift_primitives.py
+FALCON = Family("Falcon", "falcon", dict(num_hidden_layers=1, bias=True),
+                "linears written as x @ weight.T + bias, multi-query attention (one kv head) with q/k/v taken from "
+                "one fused weight by slices and index lists, parallel attention and MLP on one LayerNorm, GeLU MLP, "
+                "tied embeddings")
 # GPT2Config takes hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings (n_positions) from
 # COMMON under its own names; its MLP size is n_inner. Two layers, as COMMON: the positions are embedded once, before
 # the first
@@ -114,18 +121,23 @@ SUPPORTED = [
            "mixture of experts without renormalisation, plus a shared expert MLP scaled by a sigmoid gate"),
     Family("OLMoE", "olmoe", dict(num_hidden_layers=1, num_experts=4, num_experts_per_tok=2),
            "mixture of experts, q/k RMSNorm over all heads"),
+    # attention computed in the model's own code (it refuses SDPA): the tracer's attention node. Caps small enough
+    # to bend these tiny models' scores and logits (Gemma 2's own are 50 and 30)
+    Family("Gemma 2", "gemma2", dict(SLIDING, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+                                     final_logit_softcapping=2.0),
+           "attention scores and final logits soft-capped (c * tanh(x / c)), sliding and global layers, scale "
+           "from query_pre_attn_scalar, norms around attention and MLP"),
+    FALCON,
 ]
 
-ONE_LAYER = dict(num_hidden_layers=1)  # the lift stops in the first layer: a second would only add tracing time
 NOT_YET = [
-    NotYet(Family("Falcon", "falcon", ONE_LAYER),
-           r"op aten\.numpy_T\.default at module 'transformer\.h\.0\.self_attention\.query_key_value' computes a "
-           r"new tensor from weight",
-           "linears written as x @ weight.T, and q/k/v taken from the fused weight by index lists"),
-    NotYet(Family("Gemma 2", "gemma2", ONE_LAYER),
-           r"Gemma2ForCausalLM \(model_type 'gemma2'\) refuses SDPA attention in transformers .* soft-capping of "
-           r"attention scores \(attn_logit_softcapping 50\.0\)",
-           "eager attention with soft-capping (the model refuses SDPA)"),
+    NotYet(Family("gpt-oss", "gpt_oss", dict(num_hidden_layers=1, head_dim=16, num_local_experts=4,
+                                             num_experts_per_tok=2, sliding_window=8)),
+           r"the experts at 'model\.layers\.0\.mlp\.experts' \(GptOssExperts\) have biases; weights stored "
+           r"transposed .*gate and up rows interleaved; a gating of its own",
+           "a moe op for its experts (biases, [in, out] weights, interleaved gate/up, a clamped SwiGLU with alpha, "
+           "routed by a softmax over the top-k logits) and rotary written on each head's halves (its attention sinks "
+           "and sliding / global layers lift)"),
 ]
 
 

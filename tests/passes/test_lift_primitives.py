@@ -1,7 +1,8 @@
-"""The IR primitives LayerNorm, partial / interleaved rotary, fused linears, plain MLPs, Conv1D linears and position
-embeddings lift to: the runtime's references against Hugging Face's own modules, GPT-NeoX's graph (its fused
-per-head q/k/v) against the HF model it was traced from, tensor parallelism over the new shapes, and the lifter's
-errors on fused linears it cannot split.
+"""The IR primitives LayerNorm, partial / interleaved rotary, fused linears, plain MLPs, Conv1D linears, position
+embeddings, soft-capped attention and attention sinks lift to: the runtime's references against Hugging Face's own
+modules, GPT-NeoX's graph (its fused per-head q/k/v), Falcon's variants (fused q/k/v per group of heads or per head)
+and gpt-oss's attention (sinks) against the HF models they were traced from, tensor parallelism over the new shapes,
+and the lifter's errors on fused linears it cannot split.
 
 The family builds themselves (verify, artifact, runtime, 32 greedy tokens) are tests/passes/test_families.py.
 """
@@ -30,6 +31,16 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 9, 33)]
 
 
+# Falcon's other layouts (the default one is built by test_families.py): the new decoder architecture (Falcon-40B /
+# 180B: q/k/v fused per group of heads, a kv head per group, two LayerNorms) and the sequential one with q/k/v fused
+# per head
+FALCON_VARIANTS = [
+    Family("Falcon (new decoder architecture)", "falcon",
+           dict(num_hidden_layers=1, new_decoder_architecture=True, num_kv_heads=2, bias=True)),
+    Family("Falcon (sequential)", "falcon", dict(num_hidden_layers=1, multi_query=False, parallel_attn=False)),
+]
+GPT_OSS = Family("gpt-oss", "gpt_oss", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8))
+
 _GRAPHS: dict[str, tuple[Graph, torch.nn.Module]] = {}
 
 
@@ -37,17 +48,21 @@ def traced(family: Family) -> tuple[Graph, torch.nn.Module]:
     """``family`` traced, with the HF model's own tensors attached (no checkpoint: names are the model's; Conv1D
     weights transposed, as the checkpoint reader does), through the default graph passes; cached per family, a copy
     each call."""
-    if family.model_type not in _GRAPHS:
+    key = f"{family.name}:{family.model_type}"
+    if key not in _GRAPHS:
         model = make_family_model(family, VOCAB)
-        graph, _ = trace(family_config(family, VOCAB))
-        state = model.state_dict()
-        transposed = graph.meta.pop("transposed_weights", [])
-        graph.params = {k: (state[k].t().contiguous() if k in transposed else state[k]) if v.is_meta else v
-                        for k, v in graph.params.items()}
-        graph.meta["dtype"] = "float32"
-        _GRAPHS[family.model_type] = run_passes(graph, PIPELINE, PassContext())[0], model
-    graph, model = _GRAPHS[family.model_type]
+        _GRAPHS[key] = _with_weights(trace(family_config(family, VOCAB))[0], model), model
+    graph, model = _GRAPHS[key]
     return graph.copy(), model
+
+
+def _with_weights(graph: Graph, model: torch.nn.Module) -> Graph:
+    state = model.state_dict()
+    transposed = graph.meta.pop("transposed_weights", [])
+    graph.params = {k: (state[k].t().contiguous() if k in transposed else state[k]) if v.is_meta else v
+                    for k, v in graph.params.items()}
+    graph.meta["dtype"] = "float32"
+    return run_passes(graph, PIPELINE, PassContext())[0]
 
 
 def _hf_logits(model: torch.nn.Module, prompts: list[list[int]]) -> list[torch.Tensor]:
@@ -105,6 +120,43 @@ def test_partial_and_interleaved_rope_references_match_hf():
         torch.testing.assert_close(ours, expected[0].transpose(0, 1).reshape(q.shape), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("model_type, window", [("gemma2", None), ("gemma2", 5), ("gpt_oss", None), ("gpt_oss", 5)])
+@pytest.mark.parametrize("num_context", [0, 9])
+def test_capped_and_sink_attention_references_match_hf(model_type, window, num_context):
+    """ops.attention_one with soft-capped scores against Gemma 2's eager attention, with attention sinks against
+    gpt-oss's: fresh prompts and the last rows of a chunk after a cached context, with and without a sliding
+    window, grouped-query heads."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward as gemma2_attention
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward as gpt_oss_attention
+
+    gen = torch.Generator().manual_seed(num_context + (window or 0))
+    num_heads, num_kv, head_dim, num_tokens, scale = 4, 2, 16, 23, 0.3
+    q = torch.randn(1, num_heads, num_tokens, head_dim, generator=gen)
+    k = torch.randn(1, num_kv, num_tokens, head_dim, generator=gen)
+    v = torch.randn(1, num_kv, num_tokens, head_dim, generator=gen)
+    sinks = torch.randn(num_heads, generator=gen) if model_type == "gpt_oss" else None
+    softcap = 1.5 if model_type == "gemma2" else 0.0
+    pos = torch.arange(num_tokens)
+    visible = pos[None, :] <= pos[:, None]
+    if window:
+        visible &= pos[None, :] > pos[:, None] - window
+    mask = torch.zeros(num_tokens, num_tokens).masked_fill(~visible, float("-inf"))[None, None]
+    module = SimpleNamespace(num_key_value_groups=num_heads // num_kv, head_dim=head_dim, training=False, sinks=sinks)
+    if model_type == "gemma2":
+        expected, _ = gemma2_attention(module, q, k, v, mask, scaling=scale, softcap=softcap)
+    else:
+        expected, _ = gpt_oss_attention(module, q, k, v, mask, scaling=scale)
+    ours = ops.attention_one(q[0].transpose(0, 1)[num_context:], k[0].transpose(0, 1), v[0].transpose(0, 1),
+                             num_context, scale, window, softcap, sinks)
+    torch.testing.assert_close(ours, expected[0, num_context:].reshape(num_tokens - num_context, -1),
+                               rtol=1e-5, atol=1e-5)
+    plain = ops.attention_one(q[0].transpose(0, 1)[num_context:], k[0].transpose(0, 1), v[0].transpose(0, 1),
+                              num_context, scale, window)
+    assert (plain - ours).abs().max() > 1e-2  # the cap and the sinks change these scores
+
+
 # --- GPT-NeoX's graph: q/k/v fused per head ---------------------------------------------------------
 def test_gpt_neox_graph_matches_hf():
     """GPT-NeoX's graph, with the model's tensors: q/k/v rows fused per head become one linear with split_heads,
@@ -118,6 +170,49 @@ def test_gpt_neox_graph_matches_hf():
     prompts = _prompts()
     for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
         assert (ours - ref).abs().max().item() < 1e-4
+
+
+# --- Falcon's layouts and gpt-oss's attention ----------------------------------------------------------
+@pytest.mark.parametrize("family, split_heads, split_sizes, num_kv_heads, biases", [
+    (FALCON_VARIANTS[0], 2, [32, 16, 16], 2, True),  # per group: its 2 query heads, then its kv head's k and v
+    (FALCON_VARIANTS[1], 4, [16, 16, 16], 4, False),  # per head: q, k, v
+], ids=["new_decoder_architecture", "sequential"])
+def test_falcon_layouts_match_hf(family, split_heads, split_sizes, num_kv_heads, biases):
+    """Falcon's x @ weight.T (+ bias) linears are linears of the stored weight; its fused q/k/v, viewed per group of
+    heads (the group's kv head broadcast over its query heads: grouped-query attention) or per head, is one linear
+    with split_heads; the graph's logits equal HF's."""
+    graph, model = traced(family)
+    qkv = next(n for n in graph.nodes if n.op == "linear" and len(n.outputs) == 3)
+    assert (qkv.attrs["split_heads"], qkv.attrs["split_sizes"]) == (split_heads, split_sizes)
+    assert [n.attrs["num_kv_heads"] for n in graph.nodes if n.op == "attention"] == [num_kv_heads]
+    linears = [n for n in graph.nodes if n.op == "linear"]
+    assert len(linears) == 4 and all(("bias" in n.weights) == biases for n in linears)
+    assert graph.count_ops()["layer_norm"] == 3
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_gpt_oss_attention_sinks_match_hf(gpt_oss_attention_only, monkeypatch):
+    """gpt-oss's attention, traced through the tracer's attention node: its sinks a weight of each attention node,
+    sliding then global layers; the graph's logits equal HF's eager attention's. Sharded over two ranks, each keeps
+    its own heads' sinks and the logits stay the same. (Its experts do not lift yet: see conftest.)"""
+    model = make_family_model(GPT_OSS, VOCAB)
+    graph = _with_weights(trace(family_config(GPT_OSS, VOCAB))[0], model)
+    attn = [n for n in graph.nodes if n.op == "attention"]
+    assert [(a.attrs.get("sliding_window"), a.weights["sinks"]) for a in attn] == [
+        (8, "model.layers.0.self_attn.sinks"), (None, "model.layers.1.self_attn.sinks")]
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+    sharded, _ = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    sinks = attn[0].weights["sinks"]
+    assert list(sharded.params[sinks].shape) == [2]
+    assert torch.equal(sharded.shards.tensor(sinks, 1), graph.params[sinks][2:])
+    expected = run_graph(graph, prompts[1:])
+    for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5
 
 
 # --- tensor parallelism over the new shapes -----------------------------------------------------------
@@ -258,3 +353,53 @@ def test_position_table_is_read_at_the_positions_themselves(offset):
     graph = lift(export_model(model), ctx)
     assert [(n.inputs, n.weights["weight"]) for n in graph.nodes if n.op == "embedding"] == [
         (["input_ids"], "embed.weight"), (["positions"], "wpe.weight")]
+
+
+class _IndexLists(torch.nn.Module):
+    """One linear whose 48 output features are read in three parts of 16, the first by an index list."""
+
+    def __init__(self, first: list[int]) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.fused = torch.nn.Linear(32, 48)
+        self.head = torch.nn.Linear(16, VOCAB)
+        self.first = first
+
+    def forward(self, input_ids, use_cache=False):
+        y = self.fused(self.embed(input_ids))
+        return self.head(y[..., self.first] + y[..., 16:32] + y[..., [-16, -15, -14, -13, -12, -11, -10, -9, -8, -7,
+                                                                        -6, -5, -4, -3, -2, -1]])
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_index_lists_of_contiguous_constants_are_slices(contiguous):
+    """An index list of contiguous, ascending constants (Falcon's qkv[..., [-2], :], negative ones too) is traced as
+    the slice it equals, one of the fused linear's parts; any other list is refused, naming the op."""
+    from passes.lift import LiftContext, LiftError, lift
+    from passes.trace import export_model
+
+    model = _IndexLists(list(range(16)) if contiguous else list(range(0, 32, 2))).eval().to("meta")
+    ctx = LiftContext(model=model, rotary=lambda buffer: (torch.ones(1), 1.0))
+    if not contiguous:
+        with pytest.raises(LiftError, match=r"unsupported op aten\.index\.Tensor applied to per-token values .* by a "
+                                            r"list other than one of contiguous, ascending constants"):
+            lift(export_model(model), ctx)
+        return
+    fused = next(n for n in lift(export_model(model), ctx).nodes if n.source == "fused")
+    assert fused.attrs["split_sizes"] == [16, 16, 16] and len(fused.outputs) == 3
+
+
+@pytest.mark.parametrize("family, error", [
+    # Falcon-RW's ALiBi biases would trace as an SDPA mask the lifter takes for a causal one: refused by name
+    (Family("Falcon", "falcon", dict(num_hidden_layers=1, alibi=True)),
+     r"model_type 'falcon' has alibi = True in its config\.json: ALiBi position biases added to the attention "
+     r"scores, which the attention op does not compute"),
+    # the tracer's attention implementation gets no mask: it refuses attention that is not causal
+    (Family("Gemma 2", "gemma2", dict(num_hidden_layers=1, head_dim=16, use_bidirectional_attention=True)),
+     r"attention of Gemma2Attention \(layer 0\) is not causal \(bidirectional\); the attention op is causal"),
+], ids=["alibi", "bidirectional"])
+def test_attention_the_op_does_not_compute_is_refused(family, error):
+    from passes.lift import LiftError
+
+    with pytest.raises(LiftError, match=error):
+        trace(family_config(family, VOCAB))

@@ -1,10 +1,11 @@
 """Static SmoothQuant on an outlier model: alpha searched per group, the down projection smoothed through the up
-projection, and (without smoothing) static input scales clipped by the calibration-error search, against naive
-static W8A8 and against each part left out.
+projection, the output projection through the v projection, and (without smoothing) static input scales clipped by
+the calibration-error search, against naive static W8A8 and against each part left out.
 
-The fixture is the bundled model with fixed-channel activation outliers where large real models have them: on
-channels of the normed inputs of q/k/v and gate/up (``conftest.make_outlier_variant``) and of the down
-projection's input (the up projection's rows scaled up, the down projection's columns down: the same function)."""
+The fixture is the bundled model (GQA, 8 query heads on 2 kv heads) with fixed-channel activation outliers where
+large real models have them: on channels of the normed inputs of q/k/v and gate/up
+(``conftest.make_outlier_variant``), of the down projection's input (the up projection's rows scaled up, the down
+projection's columns down: the same function) and of the output projection's input (v rows up, o columns down)."""
 
 from __future__ import annotations
 
@@ -35,12 +36,33 @@ def make_down_outliers(path: Path, factor: float = 40.0, num_channels: int = 4, 
     return path
 
 
+def make_v_outliers(path: Path, factor: float = 40.0, num_channels: int = 3, seed: int = 2) -> Path:
+    """Scale a few rows (kv head g, d) of every v projection by ``factor`` and the output projection's columns of
+    every query head of group g at d by 1 / factor: the same function (attention is linear in v), with outliers in
+    the output projection's input that one scale per group can flatten."""
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    dim = config["hidden_size"] // heads
+    tensors = load_file(path / "model.safetensors")
+    layers = {k.split(".")[2] for k in tensors if k.startswith("model.layers.")}
+    rows = torch.randperm(kv * dim, generator=torch.Generator().manual_seed(seed))[:num_channels]
+    group = heads // kv
+    cols = torch.tensor([(int(r) // dim * group + j) * dim + int(r) % dim for r in rows for j in range(group)])
+    for i in layers:
+        tensors[f"model.layers.{i}.self_attn.v_proj.weight"][rows] *= factor
+        tensors[f"model.layers.{i}.self_attn.o_proj.weight"][:, cols] /= factor
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """16 calibration windows (with 8, alpha searched per group no longer beats 0.5 for every group: KL 2.62e-4
     vs 2.60e-4) and 1,275 eval positions (5 windows): the KL ratios the test checks are within 5% of those on
     2,295 positions (the closest, 0.5 for every group over alpha searched: 1.42 here, 1.34 there)."""
-    path = make_down_outliers(make_outlier_variant(tmp_path_factory.mktemp("sq") / "ckpt"))
+    path = make_v_outliers(make_down_outliers(make_outlier_variant(tmp_path_factory.mktemp("sq") / "ckpt")))
     graph, calib, eval_set = quantization_setup(path, 16, num_positions=1024)
     return path, graph, calib, eval_set, memo_logits(GraphModel(graph).logits)
 
@@ -63,15 +85,20 @@ def test_static_smoothquant_beats_naive_static_and_each_part_counts(setup, monke
     full, details = _kl(setup, activations="static")  # alpha searched per group, down projections smoothed
     assert details["alpha"] == "search" and details["smoothed_down_projections"] == details["smoothed_groups"] // 2
     assert details["smoothed_down_projections"] > 0  # one per layer: the fixture has outliers there
+    assert details["smoothed_output_projections"] == sum(1 for n in setup[1].nodes if n.op == "attention")
     assert full * 3 <= naive, f"static SmoothQuant KL {full:.3e} vs naive static {naive:.3e}"
     fixed, _ = _kl(setup, activations="static", alpha=0.5)
     assert full < fixed, f"alpha searched {full:.3e} vs 0.5 for every group {fixed:.3e}"
     clipped, details = _kl(setup, activations="static", smoothing=False)  # auto: clipped without smoothing
     assert details["clip_ratio_mean"] < 1.0 and clipped < naive, f"clipped {clipped:.3e} vs max {naive:.3e}"
+    monkeypatch.setattr(sq.SmoothQuant, "_v_rows", staticmethod(lambda *args: None))
+    without_out, details = _kl(setup, activations="static")
+    assert details["smoothed_output_projections"] == 0
+    assert full * 1.5 < without_out, f"output projection smoothed {full:.3e} vs not {without_out:.3e}"
     monkeypatch.setattr(sq.SmoothQuant, "_up_rows", staticmethod(lambda *args: None))
     without_down, details = _kl(setup, activations="static")
     assert details["smoothed_down_projections"] == 0
-    assert full < without_down, f"down projection smoothed {full:.3e} vs not {without_down:.3e}"
+    assert without_out < without_down, f"down projection smoothed {without_out:.3e} vs not {without_down:.3e}"
 
 
 def test_down_smoothing_keeps_the_function_in_float(setup):
@@ -87,7 +114,7 @@ def test_down_smoothing_keeps_the_function_in_float(setup):
     ids = torch.tensor(calib[0][:32])
     before = GraphModel(graph).logits(ids.tolist())
     for down in downs:
-        lin, rows = method._up_rows(producers, users, down.inputs[0])
+        lin, rows, _ = method._up_rows(producers, users, down.inputs[0])
         s = torch.rand(rows.stop - rows.start, generator=torch.Generator().manual_seed(0)) + 0.5
         up = g.params[lin.weights["weight"]].clone()  # the copy's tensors are the original graph's
         up[rows] /= s[:, None]
@@ -96,3 +123,34 @@ def test_down_smoothing_keeps_the_function_in_float(setup):
     after = GraphModel(g).logits(ids.tolist())
     assert (after - before).abs().max() < 1e-3
     assert not torch.equal(g.params[downs[0].weights["weight"]], graph.params[downs[0].weights["weight"]])
+
+
+def test_output_smoothing_keeps_the_function_in_float(setup):
+    """Before rounding: dividing v's row (kv head g, d) by s and multiplying the output projection's columns of every
+    query head of group g at d by s is exact, with the heads as the v projection and attention lay them out."""
+    _, graph, calib, _, _ = setup
+    from passes.smoothquant import SmoothQuant
+
+    g = graph.copy()
+    method = SmoothQuant()
+    producers, users = g.producers(), g.users()
+    outs = [n for n in g.nodes if n.op == "linear" and method._v_rows(g, producers, users, n.inputs[0])]
+    assert len(outs) == sum(1 for n in g.nodes if n.op == "attention")
+    ids = torch.tensor(calib[0][:32])
+    before = GraphModel(graph).logits(ids.tolist())
+    for out in outs:
+        lin, rows, (kv, group, dim) = method._v_rows(g, producers, users, out.inputs[0])
+        assert group == 4  # the bundled model: 8 query heads on 2 kv heads
+        s_kv = torch.rand(kv, dim, generator=torch.Generator().manual_seed(0)) + 0.5
+        w = g.params[lin.weights["weight"]].clone()
+        w[rows] /= s_kv.reshape(-1, 1)
+        g.params[lin.weights["weight"]] = w
+        s = s_kv[:, None, :].expand(kv, group, dim).reshape(-1)
+        g.params[out.weights["weight"]] = g.params[out.weights["weight"]] * s[None, :]
+    after = GraphModel(g).logits(ids.tolist())
+    assert (after - before).abs().max() < 1e-3
+    shuffled = g.copy()  # the same scales on the wrong query heads change the function
+    for out in outs:
+        w = shuffled.params[out.weights["weight"]].reshape(-1, kv, group * dim)
+        shuffled.params[out.weights["weight"]] = w.flip(1).reshape(w.shape[0], -1)
+    assert (GraphModel(shuffled).logits(ids.tolist()) - before).abs().max() > 1e-2

@@ -1,7 +1,8 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
-scaled lm_head and learned position embeddings: ops without a Triton kernel run their torch reference there, rotary
-the kernels do not take is not fused into the attention's KV write, and the serving engine on the kernels generates
-the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1."""
+scaled lm_head, learned position embeddings, soft-capped attention and logits, and attention sinks: ops without a
+Triton kernel run their torch reference there, rotary the kernels do not take is not fused into the attention's KV
+write, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels generates the
+reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -19,9 +20,17 @@ from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 # head_dim 32, which the paged attention kernels take; one layer: the ops, not depth, are under test
 SHAPE = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
              max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-FAMILIES = ["stablelm",  # layer_norm with bias, rotary on 8 of 32 features per head
-            "cohere",  # layer_norm without bias, interleaved rotary, lm_head scale
-            "gpt2"]  # an embedding of the positions (the paged steps' own), no rotary at all
+ONE_SLIDING = dict(sliding_window=8, layer_types=["sliding_attention"])  # prompts of 40 tokens pass the window
+FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused into the KV write)
+    "stablelm": ({}, False),  # layer_norm with bias, rotary on 8 of 32 features per head
+    "cohere": ({}, False),  # layer_norm without bias, interleaved rotary, lm_head scale
+    "gpt2": ({}, False),  # an embedding of the positions (the paged steps' own), no rotary at all
+    # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
+    "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
+    # attention sinks (no experts: conftest); no q/k/v biases, which at 1 + noise would make every query see the
+    # same scores
+    "gpt_oss": (dict(ONE_SLIDING, head_dim=32, attention_bias=False), True),
+}
 
 
 def _checkpoint(path, model_type: str):
@@ -30,21 +39,27 @@ def _checkpoint(path, model_type: str):
 
     vocab = save_tokenizer(path)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, vocab_size=vocab, **SHAPE))
+    config = AutoConfig.for_model(model_type, vocab_size=vocab, **SHAPE, **FAMILIES[model_type][0])
+    model = AutoModelForCausalLM.from_config(config)
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             p.copy_(0.1 * torch.randn_like(p) + (1.0 if p.dim() == 1 else 0.0))
+            if name.endswith(".sinks"):  # sink logits far apart: equal ones only scale every head alike, which the
+                p.normal_(0.0, 2.0)  # final norm undoes, and a kernel that dropped them would pass
     model.save_pretrained(path, safe_serialization=True)
     return path
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kernel_path_runs_the_new_ops(family, tmp_path):
+def test_kernel_path_runs_the_new_ops(family, tmp_path, request):
+    if family == "gpt_oss":
+        request.getfixturevalue("gpt_oss_attention_only")
     path = build_artifact(_checkpoint(tmp_path / "ckpt", family), tmp_path / "art")
     ref = Engine.load(path, use_kernels=False)
     fused = ServingEngine(Engine.load(path, use_kernels=True),
                           ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=128))
-    assert fused.executor.use_kernels and not fused.executor._fusions.rope  # partial / interleaved: not fused
+    # partial / interleaved rotary: not fused into the KV write
+    assert fused.executor.use_kernels and bool(fused.executor._fusions.rope) == FAMILIES[family][1]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40)]  # 40: prefilled in two chunks
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)

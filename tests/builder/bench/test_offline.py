@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from builder.bench.offline import decode_steps, load_for_bench, steady_step_seconds
 from runtime.outputs import RequestOutput
@@ -159,3 +160,70 @@ def test_bench_throughput_records_the_best_point_and_each_concurrency(artifacts,
         assert figures[f"preemptions_8_4_fp32_c{r['concurrency']}"] == r["num_preemptions"]
     assert figures["throughput_8_4_fp32"] == max(figures["throughput_8_4_fp32_c1"], figures["throughput_8_4_fp32_c2"])
     assert all(x["command"].endswith("--concurrency 1 --concurrency 2 --num-prompts 2") for x in lines)
+
+
+@pytest.fixture(scope="module")
+def moe_artifact(tmp_path_factory):
+    """The tiny Qwen3-MoE preset (2 layers of 8 experts, 2 per token), fp32, built."""
+    from conftest import build_artifact
+
+    from builder.devtools.make_checkpoint import PRESETS, make_checkpoint
+
+    root = tmp_path_factory.mktemp("moe")
+    ckpt = make_checkpoint(root / "ckpt", PRESETS["tiny-moe"], dtype=torch.float32)
+    return build_artifact(ckpt, root / "artifact")
+
+
+def test_decode_reads_the_routed_experts_only(moe_artifact):
+    """A batch-1 decode step of a mixture of experts reads every weight but the experts, and of each layer's experts
+    the top_k a token is routed to: the latency figure's roofline is computed from that byte count."""
+    from builder.bench.offline import decode_weight_bytes, latency
+    from builder.devtools.make_checkpoint import PRESETS
+
+    s = PRESETS["tiny-moe"]
+    h, e, k, i = s.hidden_size, s.num_experts, s.num_experts_per_tok, s.moe_intermediate_size
+    attention = h * s.num_attention_heads * s.head_dim * 2 + h * s.num_key_value_heads * s.head_dim * 2
+    norms = 2 * h + 2 * s.head_dim
+    per_layer = attention + norms + e * h + k * 3 * h * i  # the router whole, top_k of the experts
+    # + embedding, lm_head, final norm and the rotary frequencies
+    expected = 4 * (2 * s.vocab_size * h + s.num_hidden_layers * per_layer + h + s.head_dim // 2)
+    engine = load_for_bench(str(moe_artifact), "cpu", max_num_seqs=1, max_seq_len=None, max_num_batched_tokens=None,
+                            cuda_graphs=True)
+    try:
+        params = engine.executor.params
+        everything = sum(t.numel() * t.element_size() for t in params.values())
+        assert everything == expected + 4 * s.num_hidden_layers * (e - k) * 3 * h * i  # all experts are stored
+        assert decode_weight_bytes(engine.executor.graph, params) == expected
+        r = latency(engine, input_len=4, output_len=4, repeats=1)
+        assert r.weight_bytes == expected
+        mean_context = 4 + 4 / 2
+        read = expected + r.kv_bytes_per_token * mean_context
+        assert r.roofline_tok_s == pytest.approx(r.bandwidth_gb_s * 1e9 / read)
+    finally:
+        engine.close()
+
+
+def test_moe_figures_are_named_moe(moe_artifact, artifacts, tmp_path):
+    """`bench latency --record` and `bench throughput --record` name a mixture-of-experts model's figures with the
+    moe_ infix (issue 19: decode_b1_moe_{precision}, throughput_128_128_moe_{precision}); a dense model's keep
+    theirs."""
+    from typer.testing import CliRunner
+
+    from builder.bench.record import figure_tag
+    from builder.cli import app
+
+    record = tmp_path / "benchmarks.jsonl"
+    runner = CliRunner()
+    res = runner.invoke(app, ["bench", "latency", str(moe_artifact), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--repeats", "1", "--record", str(record)])
+    assert res.exit_code == 0, res.output
+    res = runner.invoke(app, ["bench", "throughput", str(moe_artifact), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--concurrency", "2", "--num-prompts", "2", "--record", str(record)])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(line)["figure"] for line in record.read_text().splitlines()] == [
+        "decode_b1_moe_fp32_in8", "ttft_8_moe_fp32", "throughput_8_4_moe_fp32", "throughput_8_4_moe_fp32_c2",
+        "preemptions_8_4_moe_fp32_c2"]
+    graph = json.loads((artifacts["llama"] / "graph.json").read_text())
+    manifest = json.loads((artifacts["llama"] / "manifest.json").read_text())
+    assert figure_tag(graph, manifest) == "fp32"
+    assert figure_tag(graph, {**manifest, "quantization": {"lm_head": "fp8"}}) == "fp32_qhead"

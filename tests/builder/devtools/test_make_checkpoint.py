@@ -1,9 +1,11 @@
-"""builder.devtools.make_checkpoint: a random Llama-shaped checkpoint that HF, the builder and the runtime all load."""
+"""builder.devtools.make_checkpoint: random checkpoints of real shapes (Llama, Qwen3-MoE) that HF, the builder and
+the runtime all load."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import build_artifact, hf_logits
@@ -40,3 +42,91 @@ def test_calibration_text_is_real_vocabulary(tmp_path):
     ids = [tok.encode(json.loads(line)["text"], add_special_tokens=False).ids for line in lines]
     assert all(len(row) == 40 and min(row) >= 3 and max(row) < 500 for row in ids)
     assert len({i for row in ids for i in row}) > 60  # varied, not one repeated token
+
+
+@pytest.mark.parametrize("preset", ["llama3-8b", "llama3-1b", "qwen3-30b-a3b", "tiny-moe"])
+def test_preset_tensors_are_the_hf_models_state_dict(preset):
+    """Every preset writes exactly the weights its HF model has, under the model's names and shapes (the model
+    built on the meta device from the config the preset writes); the 30B-A3B preset has Qwen3-30B-A3B's 30.5B
+    parameters."""
+    from transformers import AutoModelForCausalLM
+
+    shape = PRESETS[preset]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(shape.hf_config(torch.bfloat16))
+    state = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if shape.tie_word_embeddings:  # stored once, as the embedding
+        state.pop("lm_head.weight")
+    assert {name: s for name, s, _ in shape.tensors()} == state
+    if preset == "qwen3-30b-a3b":
+        assert sum(p.numel() for p in model.parameters()) == 30_532_122_624
+
+
+def test_staged_shards_are_save_file_of_the_tensors_drawn_in_order(tmp_path, monkeypatch):
+    """Shards written from views of one reused buffer are byte for byte what saving each shard's freshly drawn
+    tensors writes (the generator's output before the buffer existed): same values, same files, same index."""
+    from safetensors.torch import save_file
+
+    import builder.devtools.make_checkpoint as mc
+
+    monkeypatch.setattr(mc, "SHARD_BYTES", 40_000)  # the tiny preset in several shards
+    out = mc.make_checkpoint(tmp_path / "staged", PRESETS["tiny"], dtype=torch.bfloat16, seed=3)
+    g = torch.Generator().manual_seed(3)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tshape, is_norm in PRESETS["tiny"].tensors():
+        t = torch.randn(tshape, generator=g) * 0.02 + (1.0 if is_norm else 0.0)
+        t = t.to(torch.bfloat16)
+        if size and size + t.numel() * 2 > 40_000:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += t.numel() * 2
+    assert len(shards) > 2
+    for k, shard in enumerate(shards):
+        fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(tmp_path / fname), metadata={"format": "pt"})
+        assert (out / fname).read_bytes() == (tmp_path / fname).read_bytes(), fname
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"] == {name: f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                                   for k, shard in enumerate(shards) for name in shard}
+
+
+def test_tiny_moe_preset_loads_in_transformers_and_builds(tmp_path):
+    """The MoE preset in both expert layouts: transformers loads each with no missing or unexpected weight, both
+    are the same model for one seed, the random router sends tokens to every expert, and the stacked layout
+    builds into an artifact that matches HF (the per-expert one is the layout tests/passes/test_families.py builds)."""
+    from transformers import AutoModelForCausalLM
+
+    shape = PRESETS["tiny-moe"]
+    ids = torch.randint(3, shape.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for layout in ("stacked", "per-expert"):
+        assert main(["--preset", "tiny-moe", "--out", str(tmp_path / layout), "--dtype", "float32", "--device", "cpu",
+                     "--expert-tensors", layout]) == 0
+        model, info = AutoModelForCausalLM.from_pretrained(tmp_path / layout, dtype=torch.float32,
+                                                           output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        with torch.no_grad():
+            out = model(ids, output_router_logits=True)
+        logits[layout] = out.logits[0]
+        for router in out.router_logits:  # [tokens, experts]
+            chosen = torch.bincount(router.topk(shape.num_experts_per_tok).indices.flatten(), minlength=8)
+            assert chosen.min() > 0 and chosen.max() < 0.5 * ids.numel(), chosen.tolist()
+    stored = json.loads((tmp_path / "per-expert" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in stored
+    assert "model.layers.1.mlp.experts.gate_up_proj" in json.loads(
+        (tmp_path / "stacked" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert torch.equal(logits["stacked"], logits["per-expert"])
+    engine = Engine.load(build_artifact(tmp_path / "stacked", tmp_path / "art"))
+    assert (engine.logits(ids[0].tolist()) - logits["stacked"]).abs().max() < 1e-4
+    assert engine.tokenizer.encode("t5 t6 t7", add_special_tokens=False) == [5, 6, 7]
+
+
+def test_options_that_do_not_fit_the_preset_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--preset", "tiny", "--out", str(tmp_path / "a"), "--expert-tensors", "per-expert"])
+    assert "preset tiny has no experts" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--preset", "tiny-moe", "--out", str(tmp_path / "b"), "--num-hidden-layers", "0"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -1,0 +1,429 @@
+"""The ``moe`` op on CUDA: routing, a per-expert block plan and two grouped GEMMs, all on the device.
+
+Semantics are ``kernels/torch_ops.moe`` (the reference; the IR's ``moe`` op). Its torch implementation reads each
+expert's token count on the host; here nothing does, so a step with MoE layers can be captured in a CUDA graph:
+every buffer and grid is sized from T (tokens) and the weights' shapes alone.
+
+    route        the reference's own router (x @ gate_weight.T (+ bias), softmax / sigmoid in fp32, torch.topk):
+                 raw top-k scores [T, k] fp32 and experts [T, k]. torch.topk's choice among tied scores is part
+                 of the op, so it is torch.topk that chooses (no host read: fixed shapes)
+    plan         ``moe_align``: the T * k slots (slot s = token s // k, its routing slot s % k) grouped by
+                 expert, each expert's group padded to a multiple of BLOCK_M (4 here; expert 1 got no slot):
+
+                   sorted_slots  [max_rows]    | e0: s s s S | e2: s S S S | e3: s s s s s S S S | ...
+                   block_expert  [max_blocks]  |     0       |     2       |     3   |    3      | E E
+                   (S = num_slots: a padding row; E = num_experts: a block past the last expert's rows)
+
+                 max_rows = max_blocks * BLOCK_M with max_blocks = (S + min(E, S) * (BLOCK_M - 1)) // BLOCK_M,
+                 the most blocks any routing can need (at most min(E, S) experts get slots, each wasting at most
+                 BLOCK_M - 1 rows); blocks past the routing's own are marked E and their programs exit at once.
+                 Within an expert, slots keep their order (stable), so the plan is deterministic.
+    up GEMM      per (block, column tile): the block's rows of x (token = slot // k) @ w_gate_up[e]^T for the gate
+                 and the up halves, then act(gate) * up, rounded as the reference rounds (each GEMM output to x's
+                 dtype, the activation in fp32 rounded, the product rounded): h [max_rows, I]
+    down GEMM    per (block, column tile): h rows @ w_down[e]^T, rounded to x's dtype, stored at the slot's row of
+                 y [S, H] (one writer per row: no atomics)
+    sum          per token: its k routing weights (renormalised to sum 1 when norm_topk_prob, rounded to x's dtype
+                 when round_weights), then sum_j weight_j * y[t * k + j] in slot order in fp32 (each product rounded
+                 to x's dtype first when round_weights), rounded to x's dtype once: deterministic
+
+The plan takes one kernel when the slots fit one chunk (decode: ``_CHUNK_ELEMS`` / next_pow2(E) slots, 64 for 128
+experts) and two otherwise (per-chunk expert counts, then the scatter, each program summing the counts of the chunks
+before its own). Neither reads anything on the host.
+
+NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow); experts stacked and unquantized (the quantization
+passes leave them in the build dtype). The kernels are launched without PDL (``kernels.pdl``): each starts once the
+previous kernel has finished. Under TRITON_INTERPRET the kernels run on the CPU (tests at small shapes), with fp32
+dots on the 16-bit operands (the interpreter's 16-bit dot is wrong) and bf16 rounding done on the bits (its
+conversion truncates); ``python -m kernels.bench.moe`` checks and times the GPU path at real shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import torch_ops as ops
+from kernels.w4a16_gemm import _interpreting, grouped_tile
+
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh")  # the IR's, in the kernels' ACT numbering
+_CHUNK_ELEMS = 8192  # slots x experts compared per plan program (a [E, CHUNK] one-hot)
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """One launch configuration of the grouped GEMMs."""
+
+    block_m: int  # slots per block (>= 16: tl.dot's minimum); every expert's rows are padded to a multiple
+    block_n: int  # up GEMM: columns of the gate (and as many of the up) half per tile
+    block_k: int  # up GEMM: hidden features per K step
+    down_block_n: int  # down GEMM: output (hidden) features per tile
+    down_block_k: int  # down GEMM: intermediate features per K step
+    group_m: int = 8  # blocks walked together per column of weight tiles (L2 reuse within an expert)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Picked by the mean slots per expert, T * top_k / num_experts: the first row whose bound is >= it. Each row is the
+# fastest of ``python -m kernels.bench.moe --sweep --tokens 1 64 1024`` on an H100 (torch 2.11, triton 3.6) at the
+# shape whose mean falls in it: Qwen3-30B-A3B (128 experts, top-8) at T = 1 (59.9 us), 64 (466.5 us) and 1024
+# (1242.5 us); Mixtral-8x7B (8 experts, top-2) at T = 64 (1005.1 us) and 1024 (6707.3 us; 0.66x torch's
+# per-expert cuBLAS calls there: the grouped GEMM reaches ~110 TFLOP/s at large M).
+_CUDA_CONFIGS: list[tuple[float, MoeConfig]] = [
+    (1, MoeConfig(16, 64, 128, 32, 128, group_m=1, num_warps=4, num_stages=4)),  # decode: weight-bound, many tiles
+    (8, MoeConfig(16, 32, 128, 32, 128, group_m=1, num_warps=4, num_stages=4)),
+    (32, MoeConfig(32, 64, 128, 128, 64, group_m=8, num_warps=4, num_stages=4)),
+    (64, MoeConfig(16, 128, 64, 64, 128, group_m=8, num_warps=4, num_stages=4)),
+    (float("inf"), MoeConfig(64, 32, 128, 32, 128, group_m=8, num_warps=4, num_stages=3)),
+]
+_INTERPRETER_CONFIG = MoeConfig(16, 32, 32, 32, 32, group_m=2, num_warps=1, num_stages=1)
+
+
+def default_config(num_slots: int, num_experts: int, device: torch.device) -> MoeConfig:
+    if _interpreting() or device.type != "cuda":
+        return _INTERPRETER_CONFIG
+    mean_rows = num_slots / num_experts
+    return next(cfg for bound, cfg in _CUDA_CONFIGS if mean_rows <= bound)
+
+
+@dataclass
+class MoePlan:
+    """The slots grouped by expert into blocks of ``block_m`` rows (see the module docstring)."""
+
+    sorted_slots: torch.Tensor  # [max_blocks * block_m] int32: a slot per row, num_slots on padding rows
+    block_expert: torch.Tensor  # [max_blocks] int32: each block's expert; num_experts past the routing's blocks
+    num_slots: int  # T * top_k
+    num_experts: int
+    block_m: int
+
+
+# --- plan --------------------------------------------------------------------------------------------
+@triton.jit
+def _chunk_onehot(experts_ptr, num_slots, chunk, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """The chunk's slots (int32 [CHUNK], masked past num_slots) and their experts as a one-hot [E_POW2, CHUNK]."""
+    slots = chunk * CHUNK + tl.arange(0, CHUNK)
+    experts = tl.load(experts_ptr + slots, mask=slots < num_slots, other=-1)
+    onehot = (tl.arange(0, E_POW2)[:, None] == experts[None, :]).to(tl.int32)
+    return slots, onehot
+
+
+@triton.jit
+def _moe_count_kernel(experts_ptr, counts_ptr, num_slots, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    # counts: [num_chunks, E_POW2] int32, chunk c's slots per expert
+    chunk = tl.program_id(0)
+    _, onehot = _chunk_onehot(experts_ptr, num_slots, chunk, E_POW2, CHUNK)
+    tl.store(counts_ptr + chunk * E_POW2 + tl.arange(0, E_POW2), tl.sum(onehot, axis=1))
+
+
+@triton.jit
+def _moe_plan_kernel(experts_ptr, counts_ptr, sorted_ptr, block_expert_ptr, num_slots, num_chunks, num_blocks,
+                     BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, ONE_CHUNK: tl.constexpr,
+                     COUNT_TILE: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
+    """Program c places chunk c's slots; program 0 also marks every expert's padding rows, and each program
+    maps its share of the blocks to their experts."""
+    chunk = tl.program_id(0)
+    e_range = tl.arange(0, E_POW2)
+    slots, onehot = _chunk_onehot(experts_ptr, num_slots, chunk, E_POW2, CHUNK)  # onehot: [E_POW2, CHUNK]
+    # totals: [E_POW2] slots per expert; before: [E_POW2] of them in chunks before this one
+    if ONE_CHUNK:
+        totals = tl.sum(onehot, axis=1)
+        before = tl.zeros((E_POW2,), dtype=tl.int32)
+    else:
+        totals = tl.zeros((E_POW2,), dtype=tl.int32)
+        before = tl.zeros((E_POW2,), dtype=tl.int32)
+        for c0 in range(0, num_chunks, COUNT_TILE):
+            rows = c0 + tl.arange(0, COUNT_TILE)
+            tile = tl.load(counts_ptr + rows[:, None] * E_POW2 + e_range[None, :], mask=(rows < num_chunks)[:, None],
+                           other=0)  # [COUNT_TILE, E_POW2]
+            totals += tl.sum(tile, axis=0)
+            before += tl.sum(tl.where((rows < chunk)[:, None], tile, 0), axis=0)
+    padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded  # [E_POW2] each expert's first row
+
+    # this chunk's slots: row = start[e] + before[e] + rank among the chunk's slots of e (stable)
+    rank = tl.sum((tl.cumsum(onehot, axis=1) - 1) * onehot, axis=0)  # [CHUNK]
+    row = tl.sum(onehot * (start + before)[:, None], axis=0) + rank
+    tl.store(sorted_ptr + row, slots, mask=slots < num_slots)
+
+    # program 0: the padding rows [start + total, start + padded) of every expert, at most BLOCK_M - 1 each
+    j = tl.arange(0, BLOCK_M)
+    num_pad = tl.where(chunk == 0, padded - totals, 0)  # [E_POW2]
+    tl.store(sorted_ptr + (start + totals)[:, None] + j[None, :],
+             tl.zeros((E_POW2, BLOCK_M), dtype=tl.int32) + num_slots, mask=j[None, :] < num_pad[:, None])
+
+    # block b belongs to the first expert whose rows end past b * BLOCK_M: the count of those ending at or before
+    # it. Past the last expert's rows every end counts: E_POW2 >= num_experts, an empty block
+    blocks = chunk * BLOCKS_PER_PROGRAM + tl.arange(0, BLOCKS_PER_PROGRAM)
+    owner = tl.sum((end[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, owner, mask=blocks < num_blocks)
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """The most blocks of ``block_m`` rows any routing of ``num_slots`` slots over ``num_experts`` experts needs."""
+    return (num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m
+
+
+def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
+    """The block plan of ``experts`` [T, top_k] (any integer dtype): slots grouped by expert into blocks of
+    ``block_m`` rows, on the device, sized from the shapes alone (see the module docstring)."""
+    flat = experts.reshape(-1)
+    flat = flat if flat.is_contiguous() else flat.contiguous()
+    num_slots = flat.numel()
+    num_blocks = max_blocks(num_slots, num_experts, block_m)
+    sorted_slots = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+    block_expert = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+    plan = MoePlan(sorted_slots, block_expert, num_slots, num_experts, block_m)
+    if num_slots == 0:
+        return plan
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk = max(16, min(1024, _CHUNK_ELEMS // e_pow2))
+    num_chunks = triton.cdiv(num_slots, chunk)
+    counts = sorted_slots  # never read with one chunk
+    if num_chunks > 1:
+        counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=flat.device)
+        _moe_count_kernel[(num_chunks,)](flat, counts, num_slots, E_POW2=e_pow2, CHUNK=chunk, num_warps=4)
+    count_tile = max(1, min(triton.next_power_of_2(num_chunks), _CHUNK_ELEMS // e_pow2))
+    _moe_plan_kernel[(num_chunks,)](
+        flat, counts, sorted_slots, block_expert, num_slots, num_chunks, num_blocks,
+        BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=chunk, ONE_CHUNK=num_chunks == 1, COUNT_TILE=count_tile,
+        BLOCKS_PER_PROGRAM=triton.next_power_of_2(triton.cdiv(num_blocks, num_chunks)), num_warps=4)
+    return plan
+
+
+# --- grouped GEMMs -------------------------------------------------------------------------------------
+@triton.jit
+def _round(v, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """fp32 v rounded to ``dtype`` (nearest, ties to even). EMULATE_BF16: for the interpreter, whose fp32 -> bf16
+    conversion truncates: the rounding done on the bits, the conversion then exact."""
+    if EMULATE_BF16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _tanh(v):
+    """tanh of fp32 v: (1 - t) / (1 + t) with t = exp(-2|v|), near 0 its series (where 1 - t loses precision)."""
+    t = tl.exp(-2.0 * tl.abs(v))
+    mag = tl.where(tl.abs(v) < 4e-3, tl.abs(v) * (1.0 - v * v / 3.0), (1.0 - t) / (1.0 + t))
+    return tl.where(v < 0, -mag, mag)
+
+
+@triton.jit
+def _act_mul(g, u, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """act(g) * u in g's dtype with the reference's roundings: act in fp32 rounded to the dtype, then the product
+    in fp32 rounded (ACT numbers ``ACTIVATIONS``: silu, gelu, gelu_tanh, relu, sigmoid, tanh)."""
+    dtype = g.dtype
+    gf = g.to(tl.float32)
+    if ACT == 0 or ACT == 4:
+        e = tl.exp(-tl.abs(gf))  # in (0, 1]: no overflow for large |g|
+        a = tl.where(gf >= 0, 1.0 / (1.0 + e), e / (1.0 + e))  # sigmoid
+        if ACT == 0:
+            a = gf * a
+    elif ACT == 1:
+        a = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
+    elif ACT == 2:
+        a = 0.5 * gf * (1.0 + _tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)))  # torch's formula
+    elif ACT == 3:
+        a = tl.maximum(gf, 0.0)
+    else:
+        a = _tanh(gf)
+    a = _round(a, dtype, EMULATE_BF16).to(tl.float32)
+    return _round(a * u.to(tl.float32), dtype, EMULATE_BF16)
+
+
+@triton.jit
+def _dot(a, w, acc, IEEE: tl.constexpr):
+    if IEEE:  # fp32 x: exact fp32 products, as the reference's fp32 linear; also the interpreter (its 16-bit dot
+        # is wrong), on the 16-bit operands made fp32 (exactly)
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
+    """(expert, rows [BLOCK_M], slots [BLOCK_M], valid [BLOCK_M]) of block ``pid_m``."""
+    expert = tl.load(block_expert_ptr + pid_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slots = tl.load(sorted_ptr + rows)
+    return expert, rows, slots, slots < num_slots
+
+
+@triton.jit
+def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
+                   num_slots, num_experts, num_rows, N, K,
+                   stride_xm, stride_we, stride_wn, stride_hm,
+                   TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
+    expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
+    if expert >= num_experts:  # a block past the routing's own
+        return
+    tokens = tl.where(valid, slots // TOP_K, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    x_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    w_up = w_gate + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(x_rows + k0, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w_mask = mask_k[:, None] & mask_n[None, :]
+        acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
+        acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
+    dtype = h_ptr.dtype.element_ty
+    h = _act_mul(_round(acc_gate, dtype, EMULATE_BF16), _round(acc_up, dtype, EMULATE_BF16), ACT, EMULATE_BF16)
+    tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+                     num_slots, num_experts, num_rows, N, K,
+                     stride_hm, stride_we, stride_wn, stride_ym, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
+    expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
+    if expert >= num_experts:
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    h_rows = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(h_rows + k0, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
+    tl.store(y_ptr + tl.where(valid, slots, 0)[:, None] * stride_ym + offs_n[None, :],
+             _round(acc, y_ptr.dtype.element_ty, EMULATE_BF16), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
+                    TOP_K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
+                    EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+    # y: [T * TOP_K, N] each slot's expert output; weights: [T, TOP_K] fp32 raw top-k scores; out: [T, N]
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    ks = tl.arange(0, K_POW2)
+    w = tl.load(weights_ptr + token * TOP_K + ks, mask=ks < TOP_K, other=0.0)
+    if NORM:
+        w = tl.math.div_rn(w, tl.zeros_like(w) + tl.sum(w, axis=0))  # IEEE division, as torch's
+    dtype = out_ptr.dtype.element_ty
+    if ROUND:
+        w = _round(w, dtype, EMULATE_BF16).to(tl.float32)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w_j = tl.sum(tl.where(ks == j, w, 0.0), axis=0)
+        p = tl.load(y_ptr + (token * TOP_K + j) * stride_ym + offs_n, mask=mask_n, other=0.0).to(tl.float32) * w_j
+        if ROUND:  # the reference's product is in x's dtype
+            p = _round(p, dtype, EMULATE_BF16).to(tl.float32)
+        acc += p
+    tl.store(out_ptr + token * stride_om + offs_n, _round(acc, dtype, EMULATE_BF16), mask=mask_n)
+
+
+# --- entry points ----------------------------------------------------------------------------------------
+def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, activation: str) -> None:
+    if not (x.is_cuda or _interpreting()):
+        raise RuntimeError("fused_moe runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops.moe "
+                           "on the CPU")
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
+    if x.dim() != 2 or w_gate_up.dim() != 3 or w_down.dim() != 3:
+        raise ValueError(f"expected x [T, hidden], w_gate_up [E, 2 * I, hidden], w_down [E, hidden, I]; got "
+                         f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
+    num_experts, two_inter, hidden = w_gate_up.shape
+    if (hidden != x.shape[1] or two_inter % 2 or tuple(w_down.shape) != (num_experts, hidden, two_inter // 2)):
+        raise ValueError(f"x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} "
+                         f"are not [T, hidden], [E, 2 * I, hidden] and [E, hidden, I]")
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must be in x's dtype {x.dtype} "
+                         f"(quantized experts are not supported)")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} is not in 1..{num_experts} (the number of experts)")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                  w_down: torch.Tensor, norm_topk_prob: bool = True, activation: str = "silu",
+                  round_weights: bool = False, *, config: MoeConfig | None = None) -> torch.Tensor:
+    """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
+    top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype."""
+    top_k = experts.shape[-1]
+    _check_inputs(x, w_gate_up, w_down, top_k, activation)
+    if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
+        raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be "
+                         f"[{x.shape[0]}, top_k]")
+    num_tokens, hidden = x.shape
+    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return out
+    x, w_gate_up, w_down = (_last_dim_contiguous(t) for t in (x, w_gate_up, w_down))
+    cfg = config or default_config(num_slots, num_experts, x.device)
+    plan = moe_align(experts, num_experts, cfg.block_m)
+    num_rows = plan.sorted_slots.numel()
+    # h: [num_rows, I] each row's act(gate) * up; y: [T * top_k, hidden] each slot's expert output
+    h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
+    y = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32 or _interpreting()
+    emulate = _interpreting() and x.dtype == torch.bfloat16
+    launch = dict(GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid_up = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
+    _moe_up_kernel[grid_up](
+        x, w_gate_up, h, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, inter, hidden,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
+    grid_down = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(hidden, cfg.down_block_n),)
+    _moe_down_kernel[grid_down](
+        h, w_down, y, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, hidden, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, EMULATE_BF16=emulate,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
+    weights = weights.float().contiguous()
+    block_n = 32 if _interpreting() else min(1024, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
+        y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
+        NORM=norm_topk_prob, ROUND=round_weights, EMULATE_BF16=emulate, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+              scoring: str = "softmax", norm_topk_prob: bool = True, activation: str = "silu",
+              gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics) with nothing read on the host:
+    x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a CUDA graph."""
+    _check_inputs(x, w_gate_up, w_down, top_k, activation)
+    # the reference's router, renormalisation left to the sum kernel: [T, top_k] fp32 scores and int64 experts
+    weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False)
+    return fused_experts(x, weights, experts, w_gate_up, w_down, norm_topk_prob, activation, round_weights,
+                         config=config)
+
+
+def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
+            scoring: str = "softmax", norm_topk_prob: bool = True, activation: str = "silu",
+            gate_bias: torch.Tensor | None = None, round_weights: bool = False) -> torch.Tensor:
+    """The torch reference (the runtime's CPU path)."""
+    return ops.moe(x, gate_weight, w_gate_up, w_down, top_k, scoring, norm_topk_prob, activation, gate_bias,
+                   round_weights)

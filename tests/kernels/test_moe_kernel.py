@@ -1,0 +1,210 @@
+"""The fused MoE kernels (kernels/moe.py) against the ``moe`` op's torch implementation (kernels/torch_ops.py, itself
+checked against Hugging Face's blocks in test_moe.py): the block plan's invariants, then the whole op with fresh
+random inputs at small shapes under the Triton interpreter on CPU (routings where experts get no token and where one
+expert gets them all included). On CUDA (TRITON_INTERPRET=0): the same cases compiled, Qwen3-30B-A3B's and
+Mixtral-8x7B's shapes, and the op captured in a CUDA graph replayed over changing routings."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from kernels import moe  # noqa: E402
+from kernels import torch_ops as ops  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"
+else:
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
+on_cuda = pytest.mark.skipif(DEVICE != "cuda", reason="CUDA only (TRITON_INTERPRET=0 on a GPU machine)")
+
+
+def _inputs(num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype, seed: int,
+            bias: bool = False, device: str = DEVICE):
+    """x, router, experts and (optionally) a router bias: random, scaled so that logits, gate/up and outputs are
+    O(1) (logits spread enough that routing varies across tokens)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    x = randn(num_tokens, hidden)
+    gate = randn(num_experts, hidden, scale=2 * hidden ** -0.5)
+    w_gate_up = randn(num_experts, 2 * inter, hidden, scale=hidden ** -0.5)
+    w_down = randn(num_experts, hidden, inter, scale=inter ** -0.5)
+    gate_bias = randn(num_experts, scale=0.5) if bias else None
+    return x, gate, w_gate_up, w_down, gate_bias
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: fp32 rounding apart; 16-bit: a few units in the last place of the output's largest value (GEMMs summed
+    in another order round some intermediates the other way). A token sent to a wrong expert, or a slot weighted by
+    another's weight, is off by O(1)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    tol = 1e-5 if ref.dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+# --- the plan --------------------------------------------------------------------------------------------
+def _check_plan(experts: torch.Tensor, num_experts: int, block_m: int) -> None:
+    """Every slot in exactly one row, in its expert's blocks, in slot order within an expert; each expert's rows a
+    run of whole blocks, padded with num_slots; blocks past the routing's own marked as no expert."""
+    plan = moe.moe_align(experts.to(DEVICE), num_experts, block_m)
+    flat = experts.reshape(-1)
+    num_slots = flat.numel()
+    counts = torch.bincount(flat, minlength=num_experts)
+    blocks = (counts + block_m - 1) // block_m
+    used = int(blocks.sum())
+    assert plan.block_expert.numel() == moe.max_blocks(num_slots, num_experts, block_m) >= used
+    block_expert = plan.block_expert.cpu()
+    assert block_expert[:used].tolist() == torch.repeat_interleave(torch.arange(num_experts), blocks).tolist()
+    assert (block_expert[used:] >= num_experts).all()
+    rows = plan.sorted_slots.cpu()[:used * block_m]
+    real = rows[rows != num_slots]
+    assert real.tolist() == torch.argsort(flat, stable=True).tolist()  # grouped by expert, slot order kept
+    assert (flat[real.long()] == torch.repeat_interleave(block_expert[:used], block_m)[rows != num_slots]).all()
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m,routing", [
+    (1, 8, 128, 16, "random"),  # decode at Qwen3-MoE's routing: 8 experts of 128, one slot each
+    (17, 2, 8, 16, "random"),
+    (40, 1, 4, 16, "one"),  # every token to expert 3: three blocks, the last one padded
+    (30, 2, 8, 32, "two"),  # only experts 2 and 5: the others get nothing
+    (40, 4, 1024, 16, "random"),  # 160 slots in chunks of 16: the counting kernel, counts summed in two tiles
+])
+def test_plan(num_tokens, top_k, num_experts, block_m, routing):
+    g = torch.Generator().manual_seed(num_tokens * 31 + top_k)
+    if routing == "random":
+        experts = torch.stack([torch.randperm(num_experts, generator=g)[:top_k] for _ in range(num_tokens)])
+    elif routing == "one":
+        experts = torch.full((num_tokens, top_k), 3)
+    else:
+        experts = torch.tensor([[2, 5], [5, 2]]).repeat(num_tokens // 2, 1)
+    _check_plan(experts, num_experts, block_m)
+
+
+# --- the op -------------------------------------------------------------------------------------------
+# (num_experts, hidden, intermediate, num_tokens, top_k, scoring, norm_topk_prob, round_weights, activation, dtype,
+#  router bias)
+CASES = [
+    (8, 64, 64, 1, 1, "softmax", True, False, "silu", torch.bfloat16, False),  # decode, top-1 (weight 1)
+    (8, 64, 64, 1, 2, "softmax", True, False, "silu", torch.bfloat16, False),  # Mixtral's routing
+    (8, 64, 64, 3, 2, "sigmoid", False, False, "silu", torch.bfloat16, True),
+    (8, 64, 64, 17, 2, "softmax", True, True, "silu", torch.bfloat16, False),  # Qwen3-MoE's rounded weights
+    (6, 48, 40, 17, 2, "softmax", False, True, "silu", torch.bfloat16, False),  # hidden, I not multiples of tiles
+    (4, 32, 48, 17, 1, "sigmoid", True, False, "silu", torch.bfloat16, True),
+    (4, 32, 32, 17, 3, "sigmoid", True, False, "relu", torch.bfloat16, False),  # top_k not a power of 2
+    (8, 32, 32, 3, 2, "softmax", True, False, "gelu_tanh", torch.bfloat16, False),
+    (5, 32, 32, 3, 1, "sigmoid", False, False, "gelu", torch.bfloat16, False),
+    (4, 32, 32, 3, 2, "softmax", True, False, "tanh", torch.bfloat16, False),
+    (8, 64, 32, 17, 2, "softmax", True, False, "silu", torch.float32, False),
+    (8, 64, 32, 3, 2, "softmax", True, True, "silu", torch.float16, False),
+    (64, 32, 32, 70, 2, "softmax", True, False, "silu", torch.bfloat16, False),  # two plan chunks; many experts
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-T{c[3]}-k{c[4]}-{c[5]}-"
+                                                     f"norm{int(c[6])}-round{int(c[7])}-{c[8]}-{str(c[9])[6:]}"
+                                                     f"{'-bias' if c[10] else ''}")
+def test_fused_moe_matches_the_torch_op(case):
+    num_experts, hidden, inter, num_tokens, top_k, scoring, norm, round_weights, act, dtype, bias = case
+    x, gate, w_gate_up, w_down, gate_bias = _inputs(num_experts, hidden, inter, num_tokens, dtype,
+                                                    seed=num_tokens * 100 + hidden + inter, bias=bias)
+    out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, scoring, norm, act, gate_bias, round_weights)
+    ref = ops.moe(x, gate, w_gate_up, w_down, top_k, scoring, norm, act, gate_bias, round_weights)
+    _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("routing", ["one expert takes every token", "half the experts get none"])
+def test_skewed_routings(routing):
+    """A router bias pins the routing: expert 3 first for all 40 tokens (three blocks of it); or experts 0, 1, 4
+    and 6 never chosen. Weights and the second choice still come from the router."""
+    num_experts, top_k = 8, 2
+    x, gate, w_gate_up, w_down, _ = _inputs(num_experts, 32, 32, 40, torch.bfloat16, seed=11)
+    bias = torch.zeros(num_experts, device=DEVICE)
+    if routing == "one expert takes every token":
+        bias[3] = 8.0
+    else:
+        bias[[0, 1, 4, 6]] = -8.0
+    bias = bias.to(torch.bfloat16)
+    experts = ops.moe_route(x, gate, bias, top_k)[1].cpu()
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    assert (counts[3] == 40) if routing.startswith("one") else (counts[[0, 1, 4, 6]].sum() == 0 and counts.min() == 0)
+    out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, "silu", bias)
+    _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, "silu", bias))
+
+
+def test_no_tokens():
+    x, gate, w_gate_up, w_down, _ = _inputs(4, 32, 32, 0, torch.bfloat16, seed=1)
+    out = moe.fused_moe(x, gate, w_gate_up, w_down, 2)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+
+
+def test_bad_inputs_are_named():
+    x, gate, w_gate_up, w_down, _ = _inputs(4, 32, 32, 3, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="quantized experts"):
+        moe.fused_moe(x, gate, w_gate_up.float(), w_down, 2)
+    with pytest.raises(ValueError, match=r"\[E, hidden, I\]"):
+        moe.fused_moe(x, gate, w_gate_up, w_down[:, :, :16], 2)
+    with pytest.raises(ValueError, match="top_k 5"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 5)
+    with pytest.raises(ValueError, match="unknown activation"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 2, activation="swish")
+
+
+# --- CUDA: real shapes, and a CUDA graph ---------------------------------------------------------------------
+# name: (num_experts, hidden, intermediate per expert, top_k, round_weights); both renormalise
+REAL_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, True), "mixtral-8x7b": (8, 4096, 14336, 2, False)}
+
+
+@functools.cache
+def _real_weights(name: str):
+    num_experts, hidden, inter, _, _ = REAL_SHAPES[name]
+    return _inputs(num_experts, hidden, inter, 1, torch.bfloat16, seed=0)[1:4]
+
+
+@on_cuda
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 1024])
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_real_shapes_on_cuda(name, num_tokens):
+    _, hidden, _, top_k, round_weights = REAL_SHAPES[name]
+    gate, w_gate_up, w_down = _real_weights(name)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator("cuda").manual_seed(num_tokens), device="cuda")
+    x = x.to(torch.bfloat16)
+    out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, round_weights=round_weights)
+    _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, round_weights=round_weights))
+
+
+@on_cuda
+def test_captured_in_a_cuda_graph():
+    """Captured once at 24 tokens, replayed over new tokens and a router bias changed in place (every token to
+    expert 3 first; then experts 0 and 1 never): each replay equals the torch op on that replay's inputs."""
+    num_experts, top_k = 16, 4
+    x, gate, w_gate_up, w_down, bias = _inputs(num_experts, 256, 128, 24, torch.bfloat16, seed=5, bias=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe.fused_moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias)
+    g = torch.Generator("cuda").manual_seed(6)
+    for pin in (None, 3, (0, 1)):
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        bias.copy_(torch.randn(num_experts, generator=g, device="cuda") * 0.5)
+        if pin == 3:
+            bias[3] = 8.0
+        elif pin:
+            bias[list(pin)] = -8.0
+        graph.replay()
+        _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias))
