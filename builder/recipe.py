@@ -91,7 +91,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "none": set(),
     "int8_wo": set(),
     "fp8": {"activations", "weight_granularity"},
-    "smoothquant": {"activations", "alpha", "smoothing", "static_scale"},
+    "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
     "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size"},
 }
@@ -121,6 +121,8 @@ class QuantizationSection(_Strict):
     # smoothquant, static activations: "mse" clips the input scale where that lowers the calibration error carried
     # through the quantized weight, "max" = max |x| / 127, "auto" (default): mse without smoothing, else max
     static_scale: Optional[Literal["auto", "mse", "max"]] = None
+    # smoothquant: also smooth each output projection through its v projection (default False)
+    smooth_output: Optional[bool] = None
     weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
     # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
     # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.

@@ -32,8 +32,8 @@ VARIANTS = [  # (label, options, projections smoothed through their producer: "d
     ("static, no smoothing, clipped scale", dict(activations="static", smoothing=False), BOTH),
     ("static, alpha 0.5, norms only", dict(activations="static", alpha=0.5), NONE),
     ("static, alpha 0.5", dict(activations="static", alpha=0.5), BOTH),
-    ("static, alpha searched, no output projection", dict(activations="static"), DOWN),
-    ("static, alpha searched (default)", dict(activations="static"), BOTH),
+    ("static, alpha searched (default)", dict(activations="static"), DOWN),
+    ("static, alpha searched, smooth_output (default: off)", dict(activations="static"), BOTH),
     ("static, alpha searched, clipped scale", dict(activations="static", static_scale="mse"), BOTH),
     ("dynamic, no smoothing", dict(smoothing=False), BOTH),
     ("dynamic, alpha 0.5, norms only", dict(alpha=0.5), NONE),
@@ -67,6 +67,7 @@ def main() -> int:
     for label, options, folds in VARIANTS:
         sq.SmoothQuant._up_rows = up_rows if "down" in folds else off
         sq.SmoothQuant._v_rows = v_rows if "out" in folds else off
+        options = {**options, "smooth_output": "out" in folds}
         quantized, records = run_passes(graph.copy(), ["smoothquant", "dce"],
                                         PassContext(calibration=calib, options={"smoothquant": options}))
         report = compare(base.logits, GraphModel(quantized).logits, eval_set, GateThresholds())

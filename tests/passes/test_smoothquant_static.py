@@ -82,7 +82,7 @@ def test_fixture_computes_the_bundled_function(setup):
 
 def test_static_smoothquant_beats_naive_static_and_each_part_counts(setup, monkeypatch):
     naive, _ = _kl(setup, activations="static", smoothing=False, static_scale="max")
-    full, details = _kl(setup, activations="static")  # alpha searched per group, down projections smoothed
+    full, details = _kl(setup, activations="static", smooth_output=True)  # alpha searched, down and o smoothed
     assert details["alpha"] == "search" and details["smoothed_down_projections"] == details["smoothed_groups"] // 2
     assert details["smoothed_down_projections"] > 0  # one per layer: the fixture has outliers there
     assert details["smoothed_output_projections"] == sum(1 for n in setup[1].nodes if n.op == "attention")
@@ -92,11 +92,11 @@ def test_static_smoothquant_beats_naive_static_and_each_part_counts(setup, monke
     clipped, details = _kl(setup, activations="static", smoothing=False)  # auto: clipped without smoothing
     assert details["clip_ratio_mean"] < 1.0 and clipped < naive, f"clipped {clipped:.3e} vs max {naive:.3e}"
     monkeypatch.setattr(sq.SmoothQuant, "_v_rows", staticmethod(lambda *args: None))
-    without_out, details = _kl(setup, activations="static")
+    without_out, details = _kl(setup, activations="static", smooth_output=True)
     assert details["smoothed_output_projections"] == 0
     assert full * 1.5 < without_out, f"output projection smoothed {full:.3e} vs not {without_out:.3e}"
     monkeypatch.setattr(sq.SmoothQuant, "_up_rows", staticmethod(lambda *args: None))
-    without_down, details = _kl(setup, activations="static")
+    without_down, details = _kl(setup, activations="static", smooth_output=True)
     assert details["smoothed_down_projections"] == 0
     assert without_out < without_down, f"down projection smoothed {without_out:.3e} vs not {without_down:.3e}"
 
