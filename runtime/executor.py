@@ -294,13 +294,11 @@ def _linear(w, attrs, ex) -> Kernel:
 
 
 def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
-    """FP8 / INT8 W8A8: FP8 with bf16 activations on sm_89+ up to ``FP8_FRAG_RUNTIME_MAX_ROWS`` tokens the
-    tensor-core kernel of ``kernels.w8a8_frag`` (while ``FP8_FRAG_ENABLED``); otherwise up to
-    ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
+    """FP8 / INT8 W8A8: up to ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
     ``GEMV_ENABLED``), up to ``FUSED_MAX_ROWS`` the Triton GEMM, both with the activation quantization fused in;
     more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
     ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six)."""
-    from kernels import gemv, w8a8_frag
+    from kernels import gemv
     from kernels.w8a8_gemm import FUSED_MAX_ROWS, quantize_rows, w8a8_linear
 
     storage = w["qweight"].dtype
@@ -319,13 +317,8 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     else:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
 
-    frag_scale = w_scale.reshape(-1).float()  # kernels.w8a8_frag's fp32 scales, once
-    frag_input_scale = input_scale.reshape(-1).float() if input_scale is not None else None
-
     def linear(x: torch.Tensor) -> torch.Tensor:
         # shapes only: no sync, the same inside a CUDA graph
-        if w8a8_frag.runtime_applies(x, x.numel() // x.shape[-1], qweight):
-            return w8a8_frag.w8a8_frag(x, qweight, frag_scale, frag_input_scale, bias)
         if gemv.GEMV_ENABLED and x.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
             return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias)
         if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:

@@ -3,7 +3,6 @@
     python -m kernels.bench.w8a8              # Llama-3-8B shapes: check, then time (exit 1 on a mismatch)
     python -m kernels.bench.w8a8 --sweep      # also time candidate configs per shape (to tune _CUDA_CONFIGS)
     python -m kernels.bench.w8a8 --gemv-sweep # the GEMV tables only, with candidate GemvConfigs per shape and M
-    python -m kernels.bench.w8a8 --frag [--frag-sweep] [--rows 1 4 16]  # the FP8 MMA-fragment kernel only
 
 Weights: fresh random bf16 weights quantized by the passes (per-channel FP8 E4M3 / INT8). Each
 ``w8a8_linear`` output is checked against ``ref_w8a8_linear`` (the runtime's reference linear) on fresh
@@ -12,12 +11,6 @@ random bf16 activations with an outlier channel, then timed against cuBLAS on th
 the runtime's large-M path before ``quantize_rows``; ``+qrows``: with the one-kernel quantization the runtime
 now uses) and ``torch._int_mm`` likewise (INT8, M > 16 only). Times are CUDA-graph
 replay medians cycling through weight copies larger than L2 (``kernels.bench.gemm.time_us``).
-
-FRAG: ``kernels.w8a8_frag.w8a8_frag`` (FP8 weights as the A operand of ``mma.sync.m16n8k32``, x quantized per
-token in the kernel; "static": the same kernel with a static input scale, i.e. without the per-token max) at
-1-32 rows, checked against the reference with dynamic and static scales and timed next to the runtime's
-path before it (the GEMV at one row, ``w8a8_linear`` at 2-16, ``_scaled_mm`` after ``quantize_rows`` beyond)
-and the bf16 ``F.linear``; ``--frag-sweep`` also times candidate ``Fp8FragConfig``s.
 
 GEMV: ``kernels.gemv.w8a8_gemv`` at M = 1, 2, 4 (dynamic per-token scales), checked the same way and timed next
 to ``w8a8_linear`` and the bf16 ``F.linear``; TB/s of weight bytes (codes + scales). ``--gemv-sweep`` times
@@ -34,7 +27,6 @@ import torch.nn.functional as F
 
 from kernels.bench.gemm import SHAPES, sweep_configs, time_us
 from kernels.gemv import GemvConfig, default_gemv_config, w8a8_gemv
-from kernels.w8a8_frag import Fp8FragConfig, default_config as default_frag_config, w8a8_frag
 from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
 from kernels.torch_quant import (make_fp8_scaled_mm_linear, quantize_activation_int8, quantize_weight_fp8,
                                  quantize_weight_int8)
@@ -195,67 +187,6 @@ def _gemv_sweep(kind: str, name: str, x: torch.Tensor, ref: torch.Tensor, copies
                          indent=f"{'':>8} {'':>3}   ", weight_bytes=weight_bytes, reps=10)
 
 
-FRAG_ROWS = (1, 2, 4, 8, 16, 32)
-
-
-def frag_candidates() -> list[Fp8FragConfig]:
-    """Configs --frag-sweep tries: warps per program, K split, iterations ahead, 64-feature chunks per iteration."""
-    out = [Fp8FragConfig(warps=warps, depth=depth, j_chunks=j) for warps in (2, 4, 8) for j in (1, 2, 4)
-           for depth in (1, 2) if not (j == 4 and depth == 2)]
-    return out + [Fp8FragConfig(split_k=split, j_chunks=j) for split in (2, 4, 8) for j in (2, 4)]
-
-
-def bench_frag(rows: list[int] | None, sweep: bool) -> list[str]:
-    """w8a8_frag (FP8) at 1-32 rows: checked against the reference (dynamic and static scales), timed next to the
-    runtime's previous path and bf16."""
-    failures = []
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    print("\nFP8 W8A8 in the MMA's fragment order (kernels.w8a8_frag): times in us (CUDA graphs, weights rotated "
-          "past L2); TB/s of weight bytes; 'before': the GEMV at M = 1, w8a8_linear at 2-16, _scaled_mm + "
-          "quantize_rows beyond")
-    print(f"{'shape':>8} {'M':>3} | {'frag':>7} {'static':>7} {'before':>7} {'bf16':>7} | {'frag':>5} {'static':>6} "
-          f"{'before':>6} | rel.err (dyn / static)")
-    for name, k, n in SHAPES:
-        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-        qweight, w_scale = _quantize(w.float(), "fp8")
-        weight_bytes = qweight.numel() + 4 * w_scale.numel()
-        copies = [(qweight.clone(), w_scale.clone()) for _ in range(max(2, COPIES_BYTES // qweight.numel()))]
-        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
-        scaled_mm = [make_fp8_scaled_mm_linear({"qweight": q, "weight_scale": s},
-                                               lambda x2: quantize_rows(x2, torch.float8_e4m3fn)) for q, s in copies]
-        for m in rows or FRAG_ROWS:
-            x = _x(m, k, gen)
-            static = (x.float().abs().amax() / 448.0).reshape(1)
-            ref = ref_w8a8_linear(x, qweight, w_scale)
-            ref_static = ref_w8a8_linear(x, qweight, w_scale, static)
-            err = _rel_err(w8a8_frag(x, qweight, w_scale), ref)
-            err_s = _rel_err(w8a8_frag(x, qweight, w_scale, static), ref_static)
-            if not (err < REL_TOL and err_s < REL_TOL):
-                failures.append(f"fp8 frag {name} M={m}: rel.err {err:.3g} / static {err_s:.3g}")
-            t = time_us([lambda q=q, s=s: w8a8_frag(x, q, s) for q, s in copies])
-            t_s = time_us([lambda q=q, s=s: w8a8_frag(x, q, s, static) for q, s in copies])
-            if m == 1:
-                before = [lambda q=q, s=s: w8a8_gemv(x, q, s) for q, s in copies]
-            elif m <= 16:
-                before = [lambda q=q, s=s: w8a8_linear(x, q, s) for q, s in copies]
-            else:
-                before = [lambda f=f: f(x) for f in scaled_mm]
-            t_b = time_us(before)
-            t_bf16 = time_us([lambda wb=wb: F.linear(x, wb) for wb in wbs])
-            print(f"{name:>8} {m:>3} | {t:7.1f} {t_s:7.1f} {t_b:7.1f} {t_bf16:7.1f} | {weight_bytes / t / 1e6:5.2f} "
-                  f"{weight_bytes / t_s / 1e6:6.2f} {weight_bytes / t_b / 1e6:6.2f} | {err:.1e} / {err_s:.1e}  "
-                  f"{default_frag_config(m)}")
-            if sweep:
-                failures += sweep_configs(
-                    f"fp8 frag {name} M={m}", frag_candidates(),
-                    lambda cfg: _check(w8a8_frag(x, copies[0][0], copies[0][1], config=cfg), ref),
-                    lambda cfg: [lambda q=q, s=s: w8a8_frag(x, q, s, config=cfg) for q, s in copies],
-                    indent=f"{'':>8} {'':>3}   ", weight_bytes=weight_bytes, reps=10)
-        del copies, wbs, scaled_mm
-        torch.cuda.empty_cache()
-    return failures
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
@@ -263,18 +194,13 @@ def main() -> int:
                         help="only the GEMV tables, timing candidate GEMV configs per shape and M")
     parser.add_argument("--gemv", action="store_true", help="only the GEMV tables (no sweep)")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
-    parser.add_argument("--frag", action="store_true", help="only the FP8 fragment-order kernel's table")
-    parser.add_argument("--frag-sweep", action="store_true", help="--frag, timing candidate Fp8FragConfigs too")
-    parser.add_argument("--rows", nargs="*", type=int, help="--frag: only these M")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_w8a8 needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
-    if args.frag or args.frag_sweep:
-        failures += bench_frag(args.rows, args.frag_sweep)
-    for kind in () if args.frag or args.frag_sweep else (("fp8", "int8") if args.kind == "both" else (args.kind,)):
+    for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):
         if not (args.gemv_sweep or args.gemv):
             failures += bench(kind, args.sweep)
         failures += bench_gemv(kind, args.gemv_sweep)
