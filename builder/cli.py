@@ -263,6 +263,10 @@ def serve(
                                                  "decode, to be prefilled with other arrivals (default 0: at once)"),
     engine_thread: bool = typer.Option(False, "--engine-thread", help="step the engine in a thread of the server "
                                        "process, not its own process"),
+    speculative_ngram: int | None = typer.Option(None, metavar="K", help="n-gram (prompt lookup) speculative "
+                                                 "decoding with up to K draft tokens per request and step"),
+    speculative_config: str | None = typer.Option(None, metavar="JSON", help="the speculative section as a JSON "
+                                                  "object (see python -m runtime.serve --help)"),
     allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="serve an artifact that failed its gates"),
     log_level: str = typer.Option("info", help="debug | info | warning | error"),
 ) -> None:
@@ -274,7 +278,8 @@ def serve(
     options = {"--api-key": api_key, "--served-model-name": served_model_name, "--max-num-seqs": max_num_seqs,
                "--max-num-batched-tokens": max_num_batched_tokens, "--max-seq-len": max_seq_len,
                "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout,
-               "--prefill-hold-ms": prefill_hold_ms}
+               "--prefill-hold-ms": prefill_hold_ms, "--speculative-ngram": speculative_ngram,
+               "--speculative-config": speculative_config}
     argv += [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]
     argv += [flag for flag, on in (("--no-prefix-caching", no_prefix_caching), ("--no-cuda-graphs", no_cuda_graphs),
                                    ("--allow-failed-gate", allow_failed_gate), ("--engine-thread", engine_thread))

@@ -21,7 +21,9 @@ is a sequence of one new token), whose grid depends on the bucket only (T // BLO
 tokens T..bucket-1 get slot -1 (the KV write skips them) and position 0 and lie past cu_seqlens_q[S], so no
 tile reads them; sequences S..bucket-1 have no new tokens (cu_seqlens_q stays at T, context 0), so their
 tiles exit at once; the logits rows past the step's sampling rows read row 0 and are dropped. Steps larger
-than the largest buckets run eagerly.
+than the largest buckets run eagerly. A speculative verify step (decodes fed their draft tokens too: k + 1 new
+tokens and k + 1 logits rows each, runtime.speculative) replays them as well, in a sequence bucket that holds
+its logits rows.
 
 NOTE: nothing in the captured step may synchronise with the host or allocate from Python values; the
 executor's kernel path and ``kernels.paged_attention`` are written for that (grid sizes from shapes).
@@ -202,6 +204,7 @@ class StepGraphs:
     """CUDA graphs of steps that carry prefill, one per (token bucket, sequence bucket) with the sequence bucket
     at most the token bucket (see the module docstring). ``capture=False`` runs the same padded step eagerly
     instead of replaying it (tests on the CPU, where the kernels run under the Triton interpreter).
+    ``max_num_seqs`` bounds both a step's sequences and its logits rows (more than one per sequence in a verify step).
 
     Every graph copies its logits into one static buffer [max sequences, vocab] outside the graphs' pool, so
     the pool holds one step's activations whatever the number of graphs; they are shared: replays are
@@ -283,9 +286,12 @@ class StepGraphs:
             graph.reset()
         self._graphs.clear()
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int] | None:
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_rows: int = 0) -> tuple[int, int] | None:
+        """The (token bucket, sequence bucket) of a step, or None when it is larger than the largest. The sequence
+        bucket also bounds the logits rows (``num_rows``): a speculative verify step selects k + 1 rows of a
+        decode, and is padded to a sequence bucket that holds all of them."""
         t = next((b for b in self.token_buckets if b >= num_tokens), None)
-        s = next((b for b in self.seq_buckets if b >= num_seqs), None)
+        s = next((b for b in self.seq_buckets if b >= max(num_seqs, num_rows)), None)
         return None if t is None or s is None or s > t else (t, s)
 
     def run(self, step: PackedStep,
@@ -296,8 +302,8 @@ class StepGraphs:
         ``feed`` = (tokens, rows, packed rows): input ids still on the device (the tokens the step in flight
         sampled), tokens[rows[i]] going to packed row packed_rows[i] in place of its placeholder."""
         n, num_seqs, rows = step.num_tokens, step.num_seqs, len(step.logits_rows)
-        key = self.bucket_for(n, num_seqs)
-        assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences: no step bucket"
+        key = self.bucket_for(n, num_seqs, rows)
+        assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences ({rows} logits rows): no step bucket"
         t, s = key
         longs, ints, tabs = self._staging[self._turn]
         self._turn ^= 1

@@ -13,7 +13,9 @@ A scheduler step, for a waiting request:
     if new is None: ...  # not enough free blocks: leave it waiting, or preempt someone (manager.free)
 
 and for a running one, ``allocate_slots(rid, token_ids, num_new)`` each step. ``block_table(rid)`` is
-the live, append-only list of block ids a ``runtime.paged_kv.PagedSequenceKV`` reads through.
+the live list of block ids a ``runtime.paged_kv.PagedSequenceKV`` reads through: append-only, except that
+``free_lookahead`` drops the blocks past the last committed token after a speculative step (between steps, when
+no step holds the table).
 
 Only FULL blocks are ever shared. A partly filled block is still being written by its request (the
 next decode step appends into it), so sharing it would need copy-on-write, and its contents - hence
@@ -139,7 +141,7 @@ class KVCacheManager:
 
         ``token_ids`` is all of the request's tokens known so far (prompt, then generated ones); the
         first call for a request may pass the ``computed_blocks`` from ``get_computed_blocks``.
-        The block table is append-only:
+        The block table grows only here (``free_lookahead`` trims unused lookahead blocks):
 
             positions  0                 num_computed        num_computed + num_new
                        |<- num_computed ->|<--- num_new --->|<- lookahead ->|
@@ -211,6 +213,22 @@ class KVCacheManager:
                 pool.cache_full_block(state.blocks[i], state.block_hashes[i])
             state.num_cached_blocks = max(state.num_cached_blocks, num_full)
         return new_blocks
+
+    def free_lookahead(self, request_id: str) -> int:
+        """Return the request's blocks past its last token with a slot (``num_tokens``): what lookahead slots
+        allocated and no committed token uses, e.g. the slots of rejected speculative drafts. Such blocks were never
+        registered in the prefix cache (only blocks full of committed tokens are), so they go back as plain free
+        blocks, tail first. Returns how many were freed."""
+        state = self._requests[request_id]
+        num_kept = -(-state.num_tokens // self.block_size)
+        extra = state.blocks[num_kept:]
+        if not extra:
+            return 0
+        assert all(b.block_hash is None for b in extra), "a block past the committed tokens was in the prefix cache"
+        self.pool.free(reversed(extra))
+        del state.blocks[num_kept:]
+        del state.block_ids[num_kept:]  # the live table shrinks: no PagedSequenceKV of this request outlives a step
+        return len(extra)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first (so its tail is evicted before its head, which

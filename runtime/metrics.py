@@ -9,8 +9,9 @@ Latencies are measured in the server, per request, from its arrival at the HTTP 
 A delta carrying k tokens after a gap of t seconds counts as k inter-token latencies of t / k. Tokens
 that arrive together with the first one add no inter-token latency.
 
-Engine state (running and waiting requests, KV cache usage, prefix-cache hit rate, preemptions) is
-read from ``engine.stats()`` when /metrics is scraped, so it is never stale and costs nothing per step.
+Engine state (running and waiting requests, KV cache usage, prefix-cache hit rate, preemptions, speculative
+draft tokens proposed and accepted) is read from ``engine.stats()`` when /metrics is scraped, so it is never
+stale and costs nothing per step.
 """
 
 from __future__ import annotations
@@ -59,6 +60,20 @@ class _EngineCollector:
         yield CounterMetricFamily("llm_num_preemptions", "Requests preempted (blocks freed, recomputed later).",
                                   value=s.num_preemptions)
         yield CounterMetricFamily("llm_engine_steps", "Engine steps that ran the model.", value=s.num_steps)
+        yield CounterMetricFamily("llm_spec_verify_steps", "Engine steps that verified speculative draft tokens.",
+                                  value=s.spec_num_steps)
+        yield CounterMetricFamily("llm_spec_verified_decodes",
+                                  "Decodes verified with draft tokens (one request in one step).",
+                                  value=s.spec_num_verified)
+        yield CounterMetricFamily("llm_spec_draft_tokens", "Speculative draft tokens proposed and verified.",
+                                  value=s.spec_num_draft_tokens)
+        yield CounterMetricFamily("llm_spec_accepted_tokens", "Speculative draft tokens accepted.",
+                                  value=s.spec_num_accepted_tokens)
+        yield GaugeMetricFamily("llm_spec_acceptance_rate", "Accepted / proposed draft tokens, since start.",
+                                value=s.spec_acceptance_rate)
+        yield GaugeMetricFamily("llm_spec_mean_accepted_tokens",
+                                "Accepted draft tokens per verified decode, since start (emitted tokens: this + 1).",
+                                value=s.spec_mean_accepted_tokens)
 
 
 class ServerMetrics:

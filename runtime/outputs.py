@@ -47,11 +47,26 @@ class EngineStats:
     prefix_cache_hits: int  # of those, tokens found (cumulative)
     num_preemptions: int  # cumulative
     num_steps: int  # cumulative engine steps that ran the model
+    # speculative decoding (runtime.speculative), cumulative; all 0 when it is off
+    spec_num_steps: int = 0  # engine steps that verified draft tokens
+    spec_num_verified: int = 0  # decodes verified with drafts (one request in one step)
+    spec_num_draft_tokens: int = 0  # draft tokens proposed and verified
+    spec_num_accepted_tokens: int = 0  # of those, accepted (each verified decode also emits one token of its own)
     extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens since start (0 before any)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_tokens(self) -> float:
+        """Accepted draft tokens per verified decode since start (tokens emitted per verified decode: this + 1)."""
+        return self.spec_num_accepted_tokens / self.spec_num_verified if self.spec_num_verified else 0.0
 
 
 def merge_deltas(outs: list[RequestOutput]) -> RequestOutput:

@@ -198,7 +198,8 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            prompt_ids: list[Sequence[int]] | None = None,
-           output_ids: list[Sequence[int]] | None = None, token_bitmask: TokenBitmask | None = None) -> torch.Tensor:
+           output_ids: list[Sequence[int]] | None = None, token_bitmask: TokenBitmask | None = None,
+           generator_states: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """Pick the next token of each sequence.
 
     logits: [num_seqs, vocab] (any float dtype); returns ids [num_seqs] (int64, same device).
@@ -211,6 +212,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     probability >= top_p, always keeping the top token), then min-p, then one draw with that row's
     generator. A row's token depends only on its own logits, params, history and generator, never on
     the other rows.
+    generator_states: when given (a list of num_seqs Nones), each seeded sampled row's entry is set to its
+    generator's state right after that row's draw. Rows sharing a generator draw from it in row order, so a
+    caller that samples several positions of one request at once (speculative verification) can rewind it to just
+    after the last draw it keeps.
     A row with no valid distribution (a greedy row with a NaN logit; a sampled row whose probabilities
     are NaN: NaN or +inf logits, or none finite) gets INVALID_TOKEN, and the other rows are drawn as
     without it (seeded rows exactly). The check runs on the device: reading the result stays the caller's
@@ -248,13 +253,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         invalid[row_index] = no_distribution
         # such a row draws from uniform weights instead (multinomial rejects NaN), then reads INVALID_TOKEN
         probs.masked_fill_(no_distribution[:, None], 1.0)
-        out[row_index] = _draw(probs, [generators[i] for i in rows])
+        states = [None] * len(rows) if generator_states is not None else None
+        out[row_index] = _draw(probs, [generators[i] for i in rows], states)
+        if states is not None:
+            for i, state in zip(rows, states):
+                generator_states[i] = state
     return out.masked_fill(invalid, INVALID_TOKEN)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],
+          states: list[torch.Tensor | None] | None = None) -> torch.Tensor:
     """One token per row of ``probs`` ([rows, vocab], valid weights): a seeded row draws from its own generator,
-    whatever shares its batch; the unseeded rows share one draw from the global RNG. Returns [rows] int64."""
+    whatever shares its batch; the unseeded rows share one draw from the global RNG. Returns [rows] int64.
+    ``states``: when given, each seeded row's generator state after its draw (see ``sample``)."""
     unseeded = [j for j, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
         return torch.multinomial(probs, 1)[:, 0]
@@ -262,6 +273,8 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     for j, g in enumerate(generators):
         if g is not None:
             out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+            if states is not None:
+                states[j] = g.get_state()
     if unseeded:
         index = to_device(unseeded, probs.device)
         out[index] = torch.multinomial(probs.index_select(0, index), 1)[:, 0]

@@ -9,7 +9,8 @@ Layers, each knowing only its own things:
 
 One step, built by ``schedule``:
 
-    1. running requests with one token pending (decodes), oldest first
+    1. running requests with one token pending (decodes), oldest first, each with the speculative draft
+       tokens the serving engine proposed for it (``schedule(drafts)``), within the token budget
     2. running requests with more pending (a prompt being prefilled in chunks, or a preempted request
        recomputing), oldest first, each taking what is left of the token budget
     3. waiting requests, oldest first, while there is token budget, a free sequence slot, and KV blocks;
@@ -136,16 +137,25 @@ class ScheduledSeq:
     """One request's share of a step."""
 
     request: Request
-    num_context: int  # tokens already in its cache; this step feeds token_ids[num_context:num_context + num_new]
+    num_context: int  # tokens already in its cache
+    # tokens this step feeds: token_ids[num_context:num_context + num_new - num_draft], then draft_token_ids
     num_new: int
     # set by the serving engine's pipeline: the one new token is the one row ``in_flight_row`` of the step still in
     # flight sampled (not on the host yet; its slot is a lookahead slot until that step is read back)
     in_flight_row: int | None = None
+    # speculative decoding: draft tokens fed after a decode's last known token, in lookahead slots (counted in
+    # num_new and in the step's token budget; runtime.speculative)
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_draft(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its logits give the next token."""
-        return self.in_flight_row is not None or self.num_context + self.num_new == self.request.num_tokens
+        return (self.in_flight_row is not None
+                or self.num_context + self.num_new - self.num_draft == self.request.num_tokens)
 
 
 @dataclass
@@ -154,7 +164,11 @@ class SchedulerOutput:
 
     seqs: list[ScheduledSeq]  # in packing order
     preempted: list[Request]  # requests preempted while building this step (now waiting)
-    num_batched_tokens: int  # sum of num_new
+    num_batched_tokens: int  # sum of num_new (draft tokens included)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(q.num_draft for q in self.seqs)
 
     @property
     def empty(self) -> bool:
@@ -265,13 +279,19 @@ class Scheduler:
         return request
 
     # --- a step --------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: dict[str, list[int]] | None = None) -> SchedulerOutput:
         """Build the next step (see the module docstring for the order). Allocates the KV slots of
-        every scheduled token; ``update`` must follow once the step has run."""
+        every scheduled token; ``update`` must follow once the step has run.
+
+        ``drafts``: request id -> speculative draft tokens of decoding requests. A decode feeds them after its last
+        token, as far as the token budget allows, in lookahead slots (not committed: the serving engine commits
+        the accepted ones after the step and returns the rest, see KVCacheManager.free_lookahead). When the pool
+        cannot hold a request's drafts, it decodes without them before anyone is preempted for it."""
         budget = self.config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         scheduled: set[int] = set()
         preempted: list[Request] = []
+        drafts = drafts or {}
 
         decodes = [r for r in self.running if r.num_pending == 1]
         prefills = [r for r in self.running if r.num_pending > 1]
@@ -281,7 +301,13 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_pending, budget)
-            while self.kv.allocate_slots(request.request_id, request.token_ids, num_new) is None:
+            draft = drafts.get(request.request_id, []) if request.num_pending == 1 else []
+            draft = draft[:budget - num_new]
+            while self.kv.allocate_slots(request.request_id, request.token_ids, num_new,
+                                         num_lookahead_tokens=len(draft)) is None:
+                if draft:  # drop the drafts before preempting anyone for them
+                    draft = []
+                    continue
                 victim = next(r for r in reversed(self.running) if id(r) not in scheduled)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -289,9 +315,10 @@ class Scheduler:
                     break
             if request.status is not RequestStatus.RUNNING:
                 continue
-            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new))
+            seqs.append(ScheduledSeq(request, request.num_computed_tokens, num_new + len(draft),
+                                     draft_token_ids=list(draft)))
             scheduled.add(id(request))
-            budget -= num_new
+            budget -= num_new + len(draft)
 
         if self.admits_now() and not preempted:
             budget = self.admit(seqs, budget)
@@ -330,11 +357,13 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Record that the step ran: scheduled tokens are computed, and each request that sampled gets
-        its new token appended (``sampled``: request id -> token id)."""
+        its new token appended (``sampled``: request id -> token id). Draft tokens are not counted as computed:
+        the serving engine records the accepted ones itself (``ServingEngine._record_verified``)."""
         for seq in output.seqs:
             request = seq.request
             # max: the serving pipeline may record a step that sampled nothing before the step launched ahead of it
-            request.num_computed_tokens = max(request.num_computed_tokens, seq.num_context + seq.num_new)
+            request.num_computed_tokens = max(request.num_computed_tokens,
+                                              seq.num_context + seq.num_new - seq.num_draft)
             token = sampled.get(request.request_id)
             if token is not None:
                 request.token_ids.append(token)

@@ -87,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with CUDA-graph decode: how long a new prompt may wait while requests decode, so that arrivals "
                         "are prefilled together and the steps between stay graph replays (default: "
                         "$RUNTIME_PREFILL_HOLD_MS, else 0: at once; 50 helped under Poisson load, cost 12%% in a closed loop)")
+    d = p.add_argument_group("speculative decoding (default: off)")
+    d.add_argument("--speculative-ngram", type=_positive(int), default=None, metavar="K",
+                   help="n-gram (prompt lookup) speculation: up to K draft tokens per request and step, verified in "
+                        "one step; output is unchanged (greedy: token for token; sampling: the same distribution)")
+    d.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='the speculative section as a JSON object, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "min_ngram": 2, "max_ngram": 4, "max_running": 8, '
+                        '"min_acceptance": 0.2}\' (max_running: no drafts in a step with more decoding requests; '
+                        'min_acceptance: a request whose acceptance rate falls below it pauses), or {"method": '
+                        '"draft", "draft_model": DIR} to draft with a second artifact of the same tokenizer; '
+                        '--speculative-ngram K sets method and num_speculative_tokens')
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
     p.add_argument("--engine-thread", action="store_true",
@@ -115,8 +126,27 @@ def _warn_if_exposed(host: str, port: int, api_key: str | None) -> None:
                     banner, host, port, API_KEY_ENV, banner)
 
 
+def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The speculative section from ``--speculative-config`` and ``--speculative-ngram``, checked (raises
+    ``runtime.speculative.SpeculativeConfigError``)."""
+    from runtime.speculative import SpeculativeConfig
+
+    config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else SpeculativeConfig()
+    if args.speculative_ngram is not None:
+        config = SpeculativeConfig.from_dict({**config.to_dict(), "method": "ngram",
+                                              "num_speculative_tokens": args.speculative_ngram})
+    return config.to_dict()
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from runtime.speculative import SpeculativeConfigError
+
+    try:
+        speculative = speculative_config(args)
+    except SpeculativeConfigError as e:
+        parser.error(str(e))  # exits 2
     from runtime.engine_process import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
@@ -151,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_len=args.max_seq_len, max_waiting=args.max_waiting,
             enable_prefix_caching=not args.no_prefix_caching, gpu_memory_utilization=args.gpu_memory_utilization,
             kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout,
-            cuda_graphs=not args.no_cuda_graphs,
+            cuda_graphs=not args.no_cuda_graphs, speculative=speculative,
             **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}))
         if args.engine_thread:
             serving = ServingEngine.load(args.artifact, device=device, config=config,
@@ -164,11 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     model_name = args.served_model_name or engine.artifact.manifest["name"]
     log.info("serving %r as %r on %s (engine %s): max_num_seqs %s, max_num_batched_tokens %s, max_seq_len %d, "
-             "max_waiting %d, prefix caching %s, request timeout %s", args.artifact, model_name, device,
+             "max_waiting %d, prefix caching %s, request timeout %s, speculative decoding %s",
+             args.artifact, model_name, device,
              "in a thread" if args.engine_thread else "in its own process", args.max_num_seqs or "the artifact's",
              args.max_num_batched_tokens or "the artifact's", engine.max_seq_len, args.max_waiting,
              "on" if config.enable_prefix_caching else "off",
-             f"{args.request_timeout:g}s" if args.request_timeout else "none")
+             f"{args.request_timeout:g}s" if args.request_timeout else "none",
+             f"{speculative['method']} (up to {speculative['num_speculative_tokens']} drafts, at most "
+             f"{speculative['max_running']} decoding requests)" if speculative["method"] else "off")
     try:
         app = create_app(engine, model_name, api_key)
     except ValueError as e:  # the checkpoint's generation_config.json sets a sampling default not allowed

@@ -19,6 +19,13 @@ is complete (or on EOS, which the mask allows only then). With the overlapped pi
 is launched first and its sampling waits until the tokens in flight are read back and advanced: the host computes
 the masks while the device runs that step's forward. Preemption keeps the state (recompute emits nothing again).
 
+Speculative decoding (``ServingConfig.speculative``, runtime.speculative): before a step is scheduled, the proposer
+drafts tokens for the decoding requests that may speculate (free text, no logprobs, no penalties; not in a step with
+more than ``max_running`` decodes, nor for a request whose acceptance fell); each such decode is fed its last token
+and its drafts and gets a logits row for each (``_verify``). The drafts up to the first one the sampler disagrees
+with are kept, plus the sampler's own token, each through the stop checks in turn; their KV slots are committed and
+the rest returned. Such a step runs synchronously (the overlapped pipeline, see ``step``, waits for it).
+
 Failures: what belongs to one request - its sampling, logprobs, detokenization, stop check, grammar - finishes
 that request alone with finish_reason "error" and a message, and the rest of the batch goes on. A
 batched call that raises is retried row by row (only then: the hot path does no per-row work), and a
@@ -52,6 +59,8 @@ from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compute_logprobs, make_generator, sample,
                               to_device)
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, Proposer, SpeculationPolicy,
+                                 SpeculativeConfig, SpeculativeConfigError, accept_rows)
 from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -96,8 +105,18 @@ class ServingConfig:
     # from RUNTIME_PREFILL_HOLD_MS, else 0: on the H100 50 ms let Poisson load at 60 req/s meet p99 TTFT <= 500 ms
     # and TPOT <= 50 ms where no hold did not, but cost 12% in a closed loop of 256 clients (docs/BENCHMARKS.md)
     prefill_hold_ms: float = field(default_factory=lambda: float(_env_int("RUNTIME_PREFILL_HOLD_MS", 0)))
+    # speculative decoding (runtime.speculative): a SpeculativeConfig, or its fields as a dict (the ``speculative``
+    # section, e.g. across the engine process boundary); default off
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        if self.speculative is None:
+            self.speculative = SpeculativeConfig()
+        elif isinstance(self.speculative, dict):
+            self.speculative = SpeculativeConfig.from_dict(self.speculative)
+        elif not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError(f"speculative must be a SpeculativeConfig or a dict of its fields, got "
+                             f"{type(self.speculative).__name__}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} is not in (0, 1]")
         if self.prefill_graph_tokens < 0:
@@ -110,6 +129,20 @@ class ServingConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int) -> Proposer:
+    """The proposer ``config.method`` names (runtime.speculative.METHODS) for ``target``: a draft model is loaded on
+    its device and must share its vocabulary; ``max_seq_len``: the serving limit."""
+    if config.method == "ngram":
+        return NgramProposer(config.min_ngram, config.max_ngram)
+    if config.method == "draft":
+        from runtime.draft_model import DraftModelProposer
+
+        vocab = int(target.executor.graph.get("meta", {}).get("vocab_size", 0))
+        return DraftModelProposer.load(config.draft_model, target.device, vocab, target.tokenizer, max_seq_len)
+    raise SpeculativeConfigError(f"no proposer for speculative method {config.method!r}; use one of "
+                                 f"{', '.join(METHODS)}")
 
 
 @dataclass
@@ -125,6 +158,7 @@ class _Track:
     num_tokens_emitted: int = 0  # token ids already handed out
     logprobs: list[TokenLogprob] = field(default_factory=list)
     grammar: GrammarState | None = None  # structured output: where the output is in its grammar (once compiled)
+    draft: DraftState | None = None  # speculative decoding: None when the request never speculates (see _speculates)
 
 
 @dataclass
@@ -195,6 +229,10 @@ class ServingEngine:
             max_seq_len=config.max_seq_len or limits.max_seq_len,
             max_waiting=config.max_waiting)
         self.block_size = limits.tokens_per_block
+        spec = config.speculative  # the proposer first: a draft model's weights are planned with the target's
+        self.proposer: Proposer | None = make_proposer(spec, engine, self.scheduler_config.max_seq_len) \
+            if spec.enabled else None
+        self.spec_policy = SpeculationPolicy(spec)
         self.memory_plan = self._plan_memory()
         log.info(self.memory_plan.describe())
         layout = engine.kv_layout
@@ -216,8 +254,12 @@ class ServingEngine:
                                  self.scheduler_config.max_seq_len)
             max_tokens = min(config.prefill_graph_tokens, self.scheduler_config.max_num_batched_tokens)
             if not tp and max_tokens > 1:  # (tensor parallelism: the ranks would need to replay in lockstep)
-                self.step_graphs = StepGraphs(self.executor, self.storage, max_tokens,
-                                              self.scheduler_config.max_num_seqs, self.scheduler_config.max_seq_len)
+                max_rows = self.scheduler_config.max_num_seqs
+                spec = config.speculative
+                if spec.enabled:  # verify steps replay them too: k + 1 logits rows per speculating decode
+                    max_rows = max(max_rows, min(max_rows, spec.max_running) * (spec.num_speculative_tokens + 1))
+                self.step_graphs = StepGraphs(self.executor, self.storage, max_tokens, max_rows,
+                                              self.scheduler_config.max_seq_len)
             # decode-only steps are graph replays and much cheaper than eager ones that carry a prompt
             self.scheduler_config.prefill_hold_s = config.prefill_hold_ms / 1000
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
@@ -227,6 +269,10 @@ class ServingEngine:
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self._inflight: _InFlight | None = None  # a launched step not yet read back (overlap)
         self.num_steps = 0
+        self.spec_num_steps = 0  # steps that verified drafts
+        self.spec_num_verified = 0  # decodes verified with drafts (a request in a step)
+        self.spec_num_draft_tokens = 0  # draft tokens verified
+        self.spec_num_accepted_tokens = 0  # of those, accepted
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", config: ServingConfig | None = None, *,
@@ -260,7 +306,7 @@ class ServingEngine:
     def _plan_memory(self) -> MemoryPlan:
         cfg, sc = self.config, self.scheduler_config
         layout = self.engine.kv_layout
-        weights = tensor_bytes(self.executor.params.values())
+        weights = tensor_bytes(self.executor.params.values()) + (self.proposer.weights_bytes() if self.proposer else 0)
         common = dict(layout=layout, block_size=self.block_size, max_seq_len=sc.max_seq_len)
         per_block = layout.bytes_per_token() * self.block_size
         if cfg.num_blocks is not None or self.device.type != "cuda":
@@ -325,6 +371,8 @@ class ServingEngine:
         eos = frozenset() if params.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         track = _Track(IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids), StopChecker(params.stop),
                        eos | frozenset(params.stop_token_ids), make_generator(params.seed, self.device))
+        if self.proposer is not None and self._speculates(params):
+            track.draft = self.spec_policy.new_state()
         structured = params.structured is not None
         try:  # the track first: a request the scheduler holds always has one
             self.scheduler.add_request(request, ready=not structured)
@@ -357,7 +405,10 @@ class ServingEngine:
                            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.preparing),
                            kv_usage=pool.usage, num_blocks=pool.num_blocks, num_free_blocks=pool.num_free,
                            prefix_cache_queries=kv_stats.queries, prefix_cache_hits=kv_stats.hits,
-                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps)
+                           num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+                           spec_num_steps=self.spec_num_steps, spec_num_verified=self.spec_num_verified,
+                           spec_num_draft_tokens=self.spec_num_draft_tokens,
+                           spec_num_accepted_tokens=self.spec_num_accepted_tokens)
 
     # --- a step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -373,7 +424,8 @@ class ServingEngine:
         structured requests is launched ahead too, but sampled only after the step before is read back (their
         masks need its tokens). The pipeline drains to the synchronous path when a KV block shortage calls for
         preemption, or a request asks for logprobs or penalties (both read the host's token history of the step
-        before).
+        before), or a request would speculate (its drafts are proposed from the tokens the step before sampled,
+        and the verified tokens' count decides the next step's positions: see ``_propose``).
         """
         outputs = self._reap()
         if self._compiling:
@@ -386,7 +438,7 @@ class ServingEngine:
                 if not self._inflight.sampled:  # its grammars have taken previous's tokens: mask and sample now
                     self._inflight.launch_sampled(self._sample(self._inflight.logits, self._inflight.sampling))
                 return outputs
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._propose())
         if sched.empty:
             return outputs
         logits, sampling = self._run(sched)
@@ -394,7 +446,9 @@ class ServingEngine:
         if not sampling:
             self.scheduler.update(sched, {})
             return outputs
-        if self.graphs is not None and self._overlappable(sampling):
+        if sched.num_draft_tokens:
+            return outputs + self._verify(sched, logits, sampling)
+        if self.graphs is not None and self._overlappable(sampling) and not self._wants_drafts(sampling):
             self._inflight = _InFlight(sched, sampling, logits).launch_sampled(self._sample(logits, sampling))
             return outputs
         token_ids, errors = self._sample(logits, sampling)
@@ -405,10 +459,10 @@ class ServingEngine:
 
     def _run(self, sched: SchedulerOutput, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Request]]:
         """Launch the step: the decode graphs for a step of one-token decodes, else the step graphs of its
-        buckets, else eagerly. Returns the logits of the requests that sample, and those requests in order.
-        ``tokens``: the step in flight's sampled tokens on the device, the inputs of the seqs with an
-        ``in_flight_row`` (a failed row's INVALID_TOKEN computes from token 0; that request is finished when
-        the step in flight is read back)."""
+        buckets, else eagerly. Returns the logits of the requests that sample (one row each; k + 1 for a decode
+        with k drafts), and those requests in order. ``tokens``: the step in flight's sampled tokens on the
+        device, the inputs of the seqs with an ``in_flight_row`` (a failed row's INVALID_TOKEN computes from token
+        0; that request is finished when the step in flight is read back)."""
         if tokens is not None:
             tokens = tokens.clamp(min=0)
         seqs = sched.seqs
@@ -431,36 +485,46 @@ class ServingEngine:
         if moved:
             starts = packed.cu_seqlens_q
             feed = (tokens, [r for _, r in moved], [starts[i] for i, _ in moved])
+        # prefill with the decodes beside it, or a verify step (k + 1 logits rows for a decode with k drafts)
+        num_rows = len(packed.logits_rows)
         if self.step_graphs is not None \
-                and self.step_graphs.bucket_for(sched.num_batched_tokens, len(seqs)) is not None:
-            return self.step_graphs.run(packed, feed), sampling  # prefill with the decodes beside it
+                and self.step_graphs.bucket_for(sched.num_batched_tokens, len(seqs), num_rows) is not None:
+            return self.step_graphs.run(packed, feed), sampling
         inp = self._prepare(sched, packed)
         if feed is not None:
             _feed(inp.input_ids, feed)
         return self.executor.forward(inp), sampling  # logits: [num_sampling, vocab] fp32
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, dict[str, str]]:
+    def _sample(self, logits: torch.Tensor, sampling: list[Request],
+                draw_states: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
         """Each request's next token, on the logits' device (no host sync), and why sampling failed for the
         requests it raised for (their rows hold INVALID_TOKEN, as do rows without a valid distribution).
         A batched call that raises is retried row by row, each seeded row from its generator's state
-        before the batched call, so the others keep the tokens they would have drawn."""
+        before the batched call, so the others keep the tokens they would have drawn.
+        A request may have several consecutive rows (a verify step, see ``_verify``): they draw from its generator
+        in turn, and ``draw_states`` (see ``sample``'s ``generator_states``) gets its state after each draw."""
         # (a request that finished while its sampling waited, see _InFlight, draws unseeded and unmasked: discarded)
         tracks = [self._tracks.get(r.request_id) for r in sampling]
         generators = [t.generator if t is not None else None for t in tracks]
         states = [g.get_state() if g is not None else None for g in generators]
         mask, errors = self._token_bitmask(sampling, tracks)
         try:
-            return self._sample_rows(logits, sampling, generators, mask), errors
+            return self._sample_rows(logits, sampling, generators, mask, draw_states), errors
         except Exception as e:  # one request's parameters or history, or the device: find out row by row
             log.warning("sampling a batch of %d failed (%s: %s); retrying row by row", len(sampling),
                         type(e).__name__, e)
         rows: list[torch.Tensor] = []
+        rewound: set[int] = set()
         for i, (request, generator, state) in enumerate(zip(sampling, generators, states)):
-            if generator is not None:
+            if generator is not None and id(generator) not in rewound:  # once: a request's rows draw in turn
                 generator.set_state(state)
+                rewound.add(id(generator))
+            row_states = [None] if draw_states is not None else None
             try:
                 rows.append(self._sample_rows(logits[i:i + 1], [request], [generator],
-                                              mask.select(i) if mask is not None else None))
+                                              mask.select(i) if mask is not None else None, row_states))
+                if draw_states is not None:
+                    draw_states[i] = row_states[0]
             except Exception as e:
                 errors[request.request_id] = f"sampling failed: {type(e).__name__}: {e}"
                 rows.append(torch.full((1,), INVALID_TOKEN, dtype=torch.long, device=logits.device))
@@ -481,14 +545,15 @@ class ServingEngine:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, sampling: list[Request], generators: list[torch.Generator | None],
-                     mask: TokenBitmask | None) -> torch.Tensor:
+                     mask: TokenBitmask | None, draw_states: list | None = None) -> torch.Tensor:
         """``sample`` over these requests' rows. Token histories (a copy of each request's output so far) are
         built only when a penalty needs them."""
         params = [r.params for r in sampling]
         if not any(p.has_penalties for p in params):
-            return sample(logits, params, generators, token_bitmask=mask)
+            return sample(logits, params, generators, token_bitmask=mask, generator_states=draw_states)
         return sample(logits, params, generators, prompt_ids=[r.prompt_token_ids for r in sampling],
-                      output_ids=[r.output_token_ids for r in sampling], token_bitmask=mask)
+                      output_ids=[r.output_token_ids for r in sampling], token_bitmask=mask,
+                      generator_states=draw_states)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], sampling: list[Request],
@@ -513,11 +578,15 @@ class ServingEngine:
         return result
 
     def _record(self, sched: SchedulerOutput, rows: list[tuple[Request, int, TokenLogprob | None]],
-                errors: dict[str, str]) -> list[RequestOutput]:
+                errors: dict[str, str], verified: list[tuple[Request, list[int], list[int]]] = ()
+                ) -> list[RequestOutput]:
         """Record a step: append each request's sampled token and emit its delta. A request whose own
         sampling or logprobs failed (INVALID_TOKEN, or listed in ``errors``) gets no token and finishes
-        with an error, as does one whose detokenization or stop check raises; the others go on."""
+        with an error, as does one whose detokenization or stop check raises; the others go on.
+        ``verified``: (request, its drafts, the tokens verification emits) of the requests that speculated (see
+        ``_record_verified``); one whose last emitted token is INVALID_TOKEN fails, its accepted drafts unsent."""
         failed = {r.request_id for r, t, _ in rows if t == INVALID_TOKEN or r.request_id in errors}
+        failed |= {r.request_id for r, _, emitted in verified if emitted[-1] == INVALID_TOKEN or r.request_id in errors}
         self.scheduler.update(sched, {r.request_id: t for r, t, _ in rows if r.request_id not in failed})
         outputs = []
         for request, token, logprob in rows:
@@ -529,6 +598,16 @@ class ServingEngine:
             except Exception as e:
                 log.exception("request %s: emitting token %d failed", request.request_id, token)
                 outputs.append(self._fail(request, f"detokenizing or checking the stop conditions of token {token} "
+                                                   f"failed: {type(e).__name__}: {e}"))
+        for request, drafts, emitted in verified:
+            if request.request_id in failed:
+                outputs.append(self._fail(request, errors.get(request.request_id, INVALID_ROW_ERROR)))
+                continue
+            try:
+                outputs.append(self._record_verified(request, drafts, emitted))
+            except Exception as e:
+                log.exception("request %s: emitting tokens %s failed", request.request_id, emitted)
+                outputs.append(self._fail(request, f"detokenizing or checking the stop conditions of tokens {emitted} "
                                                    f"failed: {type(e).__name__}: {e}"))
         return outputs
 
@@ -544,6 +623,104 @@ class ServingEngine:
         """Whether a step of these requests may run ahead of the host (see ``step``)."""
         return not any(r.params.has_penalties or r.params.logprobs is not None for r in requests)
 
+    # --- speculative decoding (runtime.speculative) ----------------------------------------------------------------
+    @staticmethod
+    def _speculates(params: SamplingParams) -> bool:
+        """Whether a request of these parameters may speculate. Not: structured output (each draft would have to
+        advance the grammar and be rolled back), logprobs and penalties (every verified position would need its
+        own token history and logprobs); such requests decode one token per step beside the others."""
+        return params.structured is None and params.logprobs is None and not params.has_penalties
+
+    def _wants_drafts(self, requests: list[Request]) -> bool:
+        """Whether the next step of these decoding requests would speculate: then it runs on the synchronous path
+        (the overlapped pipeline launches a step before the host knows the tokens drafts are proposed from)."""
+        if self.proposer is None or not self.spec_policy.step_allows(len(requests)):
+            return False
+        for request in requests:
+            track = self._tracks.get(request.request_id)
+            draft = track.draft if track is not None else None
+            if draft is not None and self.spec_policy.num_draft(draft, self.num_steps) > 0:
+                return True
+        return False
+
+    def _propose(self) -> dict[str, list[int]]:
+        """Draft tokens for this step's decoding requests (request id -> drafts): none when speculation is off or
+        the step has more decoding requests than ``SpeculativeConfig.max_running``. A request drafts at most what
+        its max_tokens and max_seq_len leave after the bonus token, so a verify step never computes past them."""
+        if self.proposer is None:
+            return {}
+        decoding = [r for r in self.scheduler.running if r.num_pending == 1]
+        if not self.spec_policy.step_allows(len(decoding)):
+            return {}
+        max_seq_len = self.scheduler_config.max_seq_len
+        asks = []
+        for request in decoding:
+            track = self._tracks[request.request_id]
+            if track.draft is None:
+                continue
+            num_draft = min(self.spec_policy.num_draft(track.draft, self.num_steps),
+                            request.params.max_tokens - request.num_output_tokens - 1,
+                            max_seq_len - request.num_tokens - 1)
+            if num_draft > 0:
+                asks.append(DraftRequest(request.request_id, request.token_ids, num_draft))
+        if not asks:
+            return {}
+        proposals = self.proposer.propose(asks)
+        return {ask.request_id: drafts[:ask.max_tokens] for ask, drafts in zip(asks, proposals) if drafts}
+
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
+        """Sample and record a step that carried drafts (synchronous). A request with k drafts has k + 1 logits
+        rows, sampled in turn from its generator as k + 1 one-token steps would be; ``accept_rows`` keeps the
+        drafts up to the first that differs from the sampled token, then that token, and rewinds the generator to
+        just after the last draw kept (so a seeded request's stream is the one it has without speculation)."""
+        by_request = {id(q.request): q.draft_token_ids for q in sched.seqs}
+        drafts = [by_request.get(id(r), []) for r in sampling]
+        rows = [r for r, d in zip(sampling, drafts) for _ in range(len(d) + 1)]  # the request of each logits row
+        draw_states: list[torch.Tensor | None] = [None] * len(rows)
+        token_ids, errors = self._sample(logits, rows, draw_states)
+        tokens = token_ids.tolist()
+        # (a speculating request never asks for logprobs: wanted is None on its rows)
+        wanted = [r.params.logprobs if t != INVALID_TOKEN else None for r, t in zip(rows, tokens)]
+        logprobs = self._logprobs(logits, token_ids, wanted, rows, errors)
+        generators = [self._tracks[r.request_id].generator for r in sampling]
+        emitted = accept_rows(tokens, drafts, generators, draw_states)
+        plain, verified, row = [], [], 0
+        for request, draft, emits in zip(sampling, drafts, emitted):
+            if draft:
+                verified.append((request, draft, emits))
+            else:
+                plain.append((request, emits[0], logprobs[row]))
+            row += len(draft) + 1
+        self.spec_num_steps += 1
+        return self._record(sched, plain, errors, verified)
+
+    def _record_verified(self, request: Request, drafts: list[int], emitted: list[int]) -> RequestOutput:
+        """Append a verified decode's emitted tokens one at a time, each through the stop checks as a decode step
+        would (a stop, EOS or max_tokens in the middle drops the rest), then commit the accepted drafts' KV slots
+        and return the blocks only rejected drafts used. One delta for all of them."""
+        track = self._tracks[request.request_id]
+        num_accepted = len(emitted) - 1
+        self.spec_num_verified += 1
+        self.spec_num_draft_tokens += len(drafts)
+        self.spec_num_accepted_tokens += num_accepted
+        self.spec_policy.update(track.draft, len(drafts), num_accepted, self.num_steps)
+        finish: str | None = None
+        for token in emitted:
+            request.token_ids.append(token)
+            finish = self._stop_check(request, track, token)
+            if finish is not None:
+                break  # the request is finished below: its blocks, lookahead ones included, go back
+        if finish is None:
+            # the step computed the K/V of every emitted token but the last (that one is fed next step): the
+            # accepted drafts' slots hold the right K/V and become committed; they may now fill blocks, which are
+            # published to the prefix cache. The rejected drafts' slots are past the committed tokens: the blocks
+            # they alone used are returned, and the one holding the next position is overwritten when it is fed.
+            request.num_computed_tokens += num_accepted
+            committed = self.kv.allocate_slots(request.request_id, request.token_ids, num_accepted)
+            assert committed == [], "accepted drafts were computed in lookahead slots the request already holds"
+            self.kv.free_lookahead(request.request_id)
+        return self._delta(request, track, finish)
+
     def _launch_next(self, previous: _InFlight) -> _InFlight | None:
         """Launch the step after ``previous`` (still in flight), or return None where the synchronous path must
         run it (see ``step``). Its sequences, in the scheduler's order: a decode for every request that samples
@@ -555,6 +732,8 @@ class ServingEngine:
         admit = scheduler.admits_now()
         if not self._overlappable(scheduler.running) or (admit and not self._overlappable(scheduler.waiting)):
             return None
+        if self._wants_drafts([r for r in previous.sampling if r.status is RequestStatus.RUNNING]):
+            return None  # speculation verifies on the synchronous path (see step)
         max_seq_len = self.scheduler_config.max_seq_len
         budget = self.scheduler_config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
@@ -628,15 +807,17 @@ class ServingEngine:
         for seq in sched.seqs:
             request, start, n = seq.request, seq.num_context, seq.num_new
             table = self.kv.block_table(request.request_id)
-            # a token in flight is not on the host yet: a placeholder, replaced on the device (``_run``)
-            step.input_ids.extend([0] if seq.in_flight_row is not None else request.token_ids[start:start + n])
+            # a token in flight is not on the host yet: a placeholder, replaced on the device (``_run``); drafts
+            # follow a decode's last token, in its lookahead slots
+            step.input_ids.extend([0] if seq.in_flight_row is not None
+                                  else request.token_ids[start:start + n - seq.num_draft] + seq.draft_token_ids)
             step.positions.extend(range(start, start + n))
             step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             step.cu_seqlens_q.append(len(step.input_ids))
             step.context_lens.append(start)
             step.block_tables.append(table)
-            if seq.samples:
-                step.logits_rows.append(len(step.input_ids) - 1)
+            if seq.samples:  # the last row; with drafts, the last k + 1 (each draft is checked, see _verify)
+                step.logits_rows.extend(range(len(step.input_ids) - 1 - seq.num_draft, len(step.input_ids)))
                 sampling.append(request)
         return step, sampling
 
@@ -684,6 +865,11 @@ class ServingEngine:
         if track.grammar is not None and not track.grammar.advance(token):
             return self._fail(request, f"structured output: token {token} was sampled outside the grammar "
                                        f"({track.grammar.error})")
+        return self._delta(request, track, self._stop_check(request, track, token))
+
+    def _stop_check(self, request: Request, track: _Track, token: int) -> str | None:
+        """Detokenize ``token`` (the request's newest, already appended) and check the stop conditions; returns
+        the finish reason ("stop", "length"), or None while the request goes on."""
         finish: str | None = None
         if token in track.stop_ids:
             finish = "stop"
@@ -703,7 +889,7 @@ class ServingEngine:
                 cut, _ = track.stops.check(track.text)
                 if cut is not None:
                     track.text, finish = track.text[:cut], "stop"
-        return self._delta(request, track, finish)
+        return finish
 
     def _delta(self, request: Request, track: _Track, finish: str | None, error: str | None = None) -> RequestOutput:
         """What the request produced since its last delta; finishing frees its blocks now."""
@@ -718,6 +904,8 @@ class ServingEngine:
             self.scheduler.finish_request(request.request_id)
             del self._tracks[request.request_id]
             self._compiling.pop(request.request_id, None)
+            if self.proposer is not None:
+                self.proposer.release(request.request_id)
         return RequestOutput(request.request_id, text, new_ids, new_lps, finish is not None, finish,
                              request.num_prompt_tokens, num_output,
                              max(request.num_cached_tokens, 0), error)

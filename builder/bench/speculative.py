@@ -1,0 +1,199 @@
+"""What speculative decoding buys at batch 1, and what a verify step costs.
+
+    python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft 4] [--output-len 128]
+        [--prompts 4] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
+
+Speedup (n-gram, the request's own tokens as the draft source): a code-editing workload, each prompt a stretch
+of this project's own Python source followed by an instruction to write it out again and the stretch's first
+line, so a model that copies finds its continuation in the prompt. Each prompt is decoded greedily at batch 1
+(EOS ignored, --output-len tokens) by an engine without speculation and by one with ``--num-draft`` n-gram drafts
+(adaptive, as served); the engines run one after the other (one in memory at a time). Decode rate: the tokens
+after the first over the time from the first token to the last, summed over the prompts; the speedup is the
+speculative rate over the plain one. The token ids of both runs are compared (greedy: they must be equal; a
+differing prompt is reported, as bf16 near-ties can differ with the batch shape) and the acceptance printed.
+
+Verify cost (``--verify-cost K...``): random prompts of --input-len tokens, batch 1; the median step time with K
+draft tokens fed at every step (a proposer that always proposes K copies of the last token, nearly all
+rejected: the figure is the cost of a step scoring K + 1 tokens, not a speedup) over the median decode step
+without speculation (overlapped, CUDA graphs on CUDA, as served). Verify steps run on the synchronous path.
+
+Figures (``--record``): spec_speedup_ngram_b1{tag} (x), spec_decode_tok_s_plain_b1{tag} and
+spec_decode_tok_s_ngram_b1{tag} (tok/s), spec_acceptance_ngram_b1{tag} (accepted / proposed drafts),
+spec_verify_cost_k{K}{tag} (x) with spec_step_ms_k{K}{tag} and spec_step_ms_k0{tag} (ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from builder.bench.offline import _random_prompts, _sync
+from builder.bench.record import append_figures
+from runtime.engine import resolve_device
+from runtime.sampling import SamplingParams
+from runtime.serving import ServingConfig, ServingEngine
+from runtime.speculative import DraftRequest, Proposer, SpeculativeConfig
+from runtime.tokenizer import Tokenizer
+
+SOURCES = ("runtime/scheduler.py", "runtime/block_pool.py", "runtime/sampling.py", "runtime/kv_manager.py",
+           "builder/bench/offline.py", "runtime/metrics.py")
+SNIPPET_LINES = 24
+
+
+def code_edit_prompts(tokenizer: Tokenizer, num: int, root: Path) -> list[list[int]]:
+    """``num`` prompts: a stretch of SNIPPET_LINES lines of this project's source, an instruction to write it out
+    again, and its first line (module docstring)."""
+    prompts = []
+    for i in range(num):
+        lines = (root / SOURCES[i % len(SOURCES)]).read_text().splitlines()
+        start = min(40 + 17 * (i // len(SOURCES)), max(len(lines) - SNIPPET_LINES, 0))
+        snippet = "\n".join(lines[start: start + SNIPPET_LINES])
+        text = f"{snippet}\n\n# The code above, written out again unchanged:\n{lines[start]}\n"
+        prompts.append(tokenizer.encode(text))
+    return prompts
+
+
+def _generate(engine: ServingEngine, prompt: list[int], output_len: int) -> tuple[list[int], float]:
+    """Greedy tokens of one request alone, and the seconds from its first token to its last."""
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    first = last = None
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.request_id != request_id:
+                continue
+            if out.token_ids:
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                last = now
+                tokens += out.token_ids
+    return tokens, (last - first) if first is not None and last is not None else 0.0
+
+
+def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> ServingEngine:
+    # a small KV pool (batch 1): the engines are loaded one after the other, and a closed one's pool may linger
+    config = ServingConfig(max_num_seqs=8, num_blocks=512)
+    if speculative is not None:
+        config.speculative = speculative
+    return ServingEngine.load(path, device, config)
+
+
+def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int) -> dict:
+    """Plain and n-gram runs of every prompt (see the module docstring)."""
+    runs = {}
+    for name, spec in (("plain", None), ("ngram", SpeculativeConfig(method="ngram", num_speculative_tokens=num_draft))):
+        engine = _load(path, device, spec)
+        _generate(engine, prompts[0], 8)  # warm up (kernels, graphs)
+        results = [_generate(engine, p, output_len) for p in prompts]
+        stats = engine.stats()
+        _close(engine)
+        tokens = sum(len(t) - 1 for t, _ in results)
+        runs[name] = {"tokens": [t for t, _ in results], "rate": tokens / sum(s for _, s in results),
+                      "acceptance": stats.spec_acceptance_rate, "accepted": stats.spec_mean_accepted_tokens}
+    differing = [i for i, (a, b) in enumerate(zip(runs["plain"]["tokens"], runs["ngram"]["tokens"])) if a != b]
+    return {"plain_tok_s": runs["plain"]["rate"], "ngram_tok_s": runs["ngram"]["rate"],
+            "speedup": runs["ngram"]["rate"] / runs["plain"]["rate"], "acceptance": runs["ngram"]["acceptance"],
+            "accepted_per_verify": runs["ngram"]["accepted"], "differing_prompts": differing}
+
+
+def _close(engine: ServingEngine) -> None:
+    engine.close()
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class _RepeatProposer(Proposer):
+    """Always proposes the request's last token, repeated: a verify step of fixed size (its cost, not a speedup)."""
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [[r.token_ids[-1]] * r.max_tokens for r in requests]
+
+
+def _median_step_ms(engine: ServingEngine, prompt: list[int], output_len: int) -> float:
+    """The median time between consecutive steps' tokens of one request (its first 3 and last steps left out)."""
+    engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
+    ends = []
+    while engine.has_unfinished:
+        if engine.step():
+            ends.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(ends, ends[1:])][3:-1]
+    return 1e3 * statistics.median(gaps)
+
+
+def verify_cost(path: str, device: str, ks: list[int], prompt: list[int], output_len: int) -> dict[int, float]:
+    """Median step ms at batch 1 with K drafts per step, K = 0 (no speculation) and each of ``ks``."""
+    out = {}
+    for k in [0] + ks:
+        spec = None if k == 0 else SpeculativeConfig(method="ngram", num_speculative_tokens=k, adaptive=False,
+                                                     min_acceptance=0.0)
+        engine = _load(path, device, spec)
+        if k:
+            engine.proposer = _RepeatProposer()
+        _median_step_ms(engine, prompt, 16)  # warm up
+        out[k] = statistics.median(_median_step_ms(engine, prompt, output_len) for _ in range(3))
+        _close(engine)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--num-draft", type=int, default=4)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--verify-cost", type=int, nargs="*", default=[])
+    parser.add_argument("--no-speedup", action="store_true", help="only the verify cost")
+    parser.add_argument("--record")
+    parser.add_argument("--tag", default="", help="suffix of the recorded figures' names (e.g. _bundled)")
+    args = parser.parse_args(argv)
+    device = str(resolve_device(args.device))
+    figures = []
+    if not args.no_speedup:
+        engine = _load(args.artifact, device, None)
+        tokenizer = engine.engine.tokenizer
+        _close(engine)
+        prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
+        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len)
+        print(f"n-gram k={args.num_draft}, batch 1, {len(prompts)} code-editing prompts, {args.output_len} tokens: "
+              f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
+              f"{res['speedup']:.2f}x; acceptance {res['acceptance']:.2f}, accepted per verify "
+              f"{res['accepted_per_verify']:.2f}; prompts whose tokens differ: {res['differing_prompts'] or 'none'}")
+        figures += [(f"spec_speedup_ngram_b1{args.tag}", res["speedup"], "x"),
+                    (f"spec_decode_tok_s_plain_b1{args.tag}", res["plain_tok_s"], "tok/s"),
+                    (f"spec_decode_tok_s_ngram_b1{args.tag}", res["ngram_tok_s"], "tok/s"),
+                    (f"spec_acceptance_ngram_b1{args.tag}", res["acceptance"], "ratio")]
+    if args.verify_cost:
+        engine = _load(args.artifact, device, None)
+        vocab = engine.engine.tokenizer.vocab_size
+        _close(engine)
+        prompt = _random_prompts(1, args.input_len, vocab, seed=0)[0]
+        steps = verify_cost(args.artifact, device, args.verify_cost, prompt, args.output_len)
+        base = steps[0]
+        print(f"verify step, batch 1, {args.input_len}-token prompt: plain decode step {base:.3f} ms")
+        figures.append((f"spec_step_ms_k0{args.tag}", base, "ms"))
+        for k in args.verify_cost:
+            print(f"  K = {k}: {steps[k]:.3f} ms = {steps[k] / base:.3f}x (break-even at "
+                  f"{steps[k] / base - 1:.2f} accepted tokens per step)")
+            figures += [(f"spec_verify_cost_k{k}{args.tag}", steps[k] / base, "x"),
+                        (f"spec_step_ms_k{k}{args.tag}", steps[k], "ms")]
+    _sync(resolve_device(device))
+    if args.record and figures:
+        append_figures(args.record, figures, device, "python -m builder.bench.speculative " + " ".join(argv or
+                                                                                                         sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

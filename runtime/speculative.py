@@ -1,0 +1,323 @@
+"""Speculative decoding: draft tokens proposed cheaply, verified by the target model in one step.
+
+A decode request with k draft tokens d_1..d_k is fed to the target as k + 1 tokens (its last sampled token, then
+the drafts) at consecutive positions, through the same varlen path as a prompt chunk, and every one of the k + 1
+rows gets logits. Row j's logits are the target's distribution p_j for the token after d_1..d_j, so one forward
+scores every prefix of the draft (``runtime.serving.ServingEngine`` packs, samples and records the step):
+
+    fed:      t      d_1    d_2   ...   d_k        positions n-1, n, ..., n-1+k of the KV cache
+    logits:   p_0    p_1    p_2   ...   p_k
+    target:   x_0    x_1    x_2   ...   x_k        x_j: the token the sampler picks from p_j
+    emitted:  d_1 .. d_a while d_j == x_{j-1}, then x_a (the correction, or the bonus token when a == k)
+
+Exactness (``accept_drafts``, ``accept_rows``): x_j is drawn exactly as a non-speculative step would draw it (same
+sampler, same per-request generator, consumed in the same order; the generator is rewound to just after x_a, so the
+draws of rows past it are never used). Greedy rows take the argmax, so greedy output is token for token what
+non-speculative decoding emits. With sampling, this is rejection sampling for a one-hot draft distribution (the
+n-gram proposer's, or any greedy draft): d_j is accepted with probability p_{j-1}(d_j) (x_{j-1} == d_j), and on
+rejection the emitted x_{j-1} is a draw from p_{j-1} conditioned on differing from d_j, i.e. p_{j-1} with d_j
+removed and renormalised; when every draft is accepted the bonus x_k is a draw from p_k. The output distribution is
+the target's, and a seeded request draws the tokens it draws without speculation. Both hold up to the
+floating-point differences between one k + 1-token step and k + 1 one-token steps (other kernels, other summation
+orders), which can flip a near-tie: not seen in fp32, seen with a bf16 artifact on a GPU where the top two logits
+were less than 0.1 apart. A proposer with a non-one-hot draft distribution q (a draft model sampling at a
+temperature) would need the general rule, accept with min(1, p(d) / q(d)) and resample from max(p - q, 0)
+renormalised, in place of ``accept_drafts``; none exists yet.
+
+KV cache: the drafts' slots are reserved as lookahead slots (``KVCacheManager.allocate_slots``, never published
+to the prefix cache); after verification the accepted drafts' slots are committed and the blocks past the
+request's last committed token are returned (``KVCacheManager.free_lookahead``). On CUDA a verify step replays the
+graphs of steps carrying prefill (``runtime.cuda_graphs.StepGraphs``), but synchronously: the next step's drafts
+depend on its tokens, so the overlapped pipeline cannot launch ahead of it.
+
+Proposers (``Proposer``): ``NgramProposer`` (prompt lookup over the request's own prompt and output) and
+``runtime.draft_model.DraftModelProposer`` (a second artifact of the same vocabulary with its own engine and KV
+cache, k greedy tokens: one-hot q, so the verification above applies as is; ``release`` frees its per-request
+state). Where head-based proposers go (EAGLE, MTP heads shipped with a checkpoint): they are ``Proposer``s too, but
+need the target's hidden states at the accepted positions, which the executor does not return yet; such a proposer
+would declare that need and receive them after each verified step. Not implemented.
+
+Adaptivity (``SpeculationPolicy``): no speculation in a step with more than ``max_running`` decoding requests
+(the target step stops being bandwidth-bound and drafts cost real compute); per request, the number of drafts
+grows by one when all were accepted and falls to one more than were accepted otherwise, and speculation stops for
+``PROBE_INTERVAL`` engine steps when the acceptance rate (an EWMA of accepted / proposed) falls below
+``min_acceptance``, then probes again with one draft.
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:  # the config is read by the server's command line before torch is imported
+    import torch
+
+METHODS = ("ngram", "draft")  # proposers implemented ("draft": a draft-model artifact); EAGLE / MTP heads are not yet
+MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
+ACCEPTANCE_EWMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance rate
+PROBE_INTERVAL = 32  # engine steps a request runs without drafts once its acceptance fell below min_acceptance
+
+
+class SpeculativeConfigError(ValueError):
+    """A speculative decoding setting outside what is allowed."""
+
+
+def _env(name: str, default: float, kind: type) -> Any:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        what = "a whole number" if kind is int else "a number"
+        raise SpeculativeConfigError(f"{name}={value!r} is not {what} (e.g. {default})") from None
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding settings (the ``speculative`` section of the serving config). ``method`` None: off."""
+
+    method: str | None = None  # None (off) or one of METHODS
+    num_speculative_tokens: int = 4  # most draft tokens per request and step (k), 1..MAX_SPECULATIVE_TOKENS
+    # n-gram: the last n tokens (n from max_ngram down to min_ngram) are looked up in the request's earlier tokens
+    min_ngram: int = 2
+    max_ngram: int = 4
+    # draft: the draft model's artifact directory (same tokenizer as the target, built by the same toolchain)
+    draft_model: str | None = None
+    # no speculation in a step with more decoding requests than this; default from RUNTIME_SPEC_MAX_RUNNING, else 8
+    max_running: int = field(default_factory=lambda: _env("RUNTIME_SPEC_MAX_RUNNING", 8, int))
+    # a request stops speculating (for PROBE_INTERVAL engine steps) while its acceptance rate, an EWMA of accepted /
+    # proposed drafts, is below this; in [0, 1], 0 never stops; default from RUNTIME_SPEC_MIN_ACCEPTANCE, else 0.2
+    min_acceptance: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_ACCEPTANCE", 0.2, float))
+    # False: every request asks for num_speculative_tokens drafts at every step, whatever its acceptance (the step
+    # limit max_running still holds); for measuring a verify step's cost (builder.bench.speculative)
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        """Reject out-of-range values with a message naming the field, the value and what is allowed."""
+        if self.method is not None and self.method not in METHODS:
+            planned = " (EAGLE / MTP head proposers are not implemented yet)" if self.method in ("eagle", "mtp") else ""
+            raise SpeculativeConfigError(f"speculative method {self.method!r} is not available{planned}; use one of "
+                                         f"{', '.join(METHODS)}, or leave method unset (None) for no speculation")
+        for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS), ("min_ngram", 1, None),
+                                ("max_ngram", 1, None), ("max_running", 1, None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                allowed = f"in [{low}, {high}]" if high else f">= {low}"
+                raise SpeculativeConfigError(f"speculative {name}: {value!r} is not an int {allowed}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise SpeculativeConfigError("speculative method 'draft' needs draft_model (the draft artifact's "
+                                         "directory), and draft_model needs method 'draft'; got method "
+                                         f"{self.method!r} and draft_model {self.draft_model!r}")
+        if self.draft_model is not None and not isinstance(self.draft_model, str):
+            raise SpeculativeConfigError(f"speculative draft_model: {self.draft_model!r} is not a path (a string)")
+        if self.min_ngram > self.max_ngram:
+            raise SpeculativeConfigError(f"speculative min_ngram {self.min_ngram} is above max_ngram "
+                                         f"{self.max_ngram}; pick min_ngram <= max_ngram")
+        if not isinstance(self.adaptive, bool):
+            raise SpeculativeConfigError(f"speculative adaptive: {self.adaptive!r} is not true or false")
+        if isinstance(self.min_acceptance, bool) or not isinstance(self.min_acceptance, (int, float)) \
+                or not 0 <= self.min_acceptance <= 1:
+            raise SpeculativeConfigError(f"speculative min_acceptance: {self.min_acceptance!r} is not a number in "
+                                         f"[0, 1] (0: never stop speculating)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method is not None
+
+    @classmethod
+    def from_dict(cls, section: dict[str, Any]) -> SpeculativeConfig:
+        """The config from a ``speculative`` section (a dict, e.g. parsed JSON); unknown keys are refused."""
+        if not isinstance(section, dict):
+            raise SpeculativeConfigError(f"the speculative section must be an object of settings, got "
+                                         f"{type(section).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - known)
+        if unknown:
+            raise SpeculativeConfigError(f"unknown speculative setting(s) {', '.join(map(repr, unknown))}; "
+                                         f"known: {', '.join(sorted(known))}")
+        return cls(**section)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config from a JSON object (``--speculative-config``)."""
+        try:
+            section = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpeculativeConfigError(f"the speculative config is not valid JSON: {e}") from None
+        return cls.from_dict(section)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+# --- proposers ---------------------------------------------------------------------------------------------------
+@dataclass
+class DraftRequest:
+    """One decoding request a proposer is asked to draft for."""
+
+    request_id: str
+    token_ids: Sequence[int]  # prompt, then generated tokens; the last one is fed to the target in this step
+    max_tokens: int  # most draft tokens wanted (>= 1)
+
+
+class Proposer(abc.ABC):
+    """Proposes draft tokens for decoding requests; the target verifies them (see the module docstring).
+
+    Drafts must be deterministic given the request's tokens (a one-hot draft distribution), which is what
+    ``accept_drafts`` verifies exactly."""
+
+    method: ClassVar[str]
+
+    @abc.abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        """Up to ``max_tokens`` draft tokens per request (possibly none), in the order given."""
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request (a proposer with per-request state, e.g. a draft model's KV cache)."""
+
+    def weights_bytes(self) -> int:
+        """Device memory the proposer's weights take (a draft model's), planned beside the target's weights."""
+        return 0
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: the tokens that followed the most recent earlier occurrence of the request's last n tokens.
+
+    n runs from ``max_ngram`` down to ``min_ngram``; the longest n with an earlier occurrence wins, since a longer
+    match predicts its continuation better. The continuation is read from the tokens with the drafts appended as
+    they are made, so a repeating stretch keeps being drafted past the end of the known tokens (tokens
+    ``...A B C A B`` with the match ``A B`` give ``C A B C ...``)."""
+
+    method = "ngram"
+
+    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise SpeculativeConfigError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got min_ngram "
+                                         f"{min_ngram} and max_ngram {max_ngram}")
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self.propose_one(r.token_ids, r.max_tokens) for r in requests]
+
+    def propose_one(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` drafts following ``token_ids`` (none when no n-gram of the allowed sizes recurs)."""
+        if max_tokens < 1:
+            raise SpeculativeConfigError(f"max_tokens must be >= 1 to draft, got {max_tokens}")
+        start = self._match(token_ids)
+        if start is None:
+            return []
+        num_tokens, drafts = len(token_ids), []
+        for i in range(start, start + max_tokens):  # past the known tokens, the continuation reads the drafts
+            drafts.append(token_ids[i] if i < num_tokens else drafts[i - num_tokens])
+        return drafts
+
+    def _match(self, token_ids: Sequence[int]) -> int | None:
+        """Where the continuation starts: the position after the most recent earlier occurrence of the longest
+        suffix of ``max_ngram`` .. ``min_ngram`` tokens, or None. One backward scan over the end positions of
+        the last token's earlier occurrences; the first full-length match ends it."""
+        num_tokens = len(token_ids)
+        if num_tokens <= self.min_ngram:
+            return None
+        last = token_ids[-1]
+        best_len, best_start = 0, None
+        longest = min(self.max_ngram, num_tokens - 1)
+        for end in range(num_tokens - 2, self.min_ngram - 2, -1):  # end: the occurrence's last position
+            if token_ids[end] != last:
+                continue
+            length = 1
+            while length < longest and length <= end and token_ids[end - length] == token_ids[-1 - length]:
+                length += 1
+            if length > best_len:  # scanning backwards: a tie keeps the more recent occurrence
+                best_len, best_start = length, end + 1
+                if length == longest:
+                    break
+        return best_start if best_len >= self.min_ngram else None
+
+
+# --- verification ------------------------------------------------------------------------------------------------
+def accept_drafts(target_tokens: Sequence[int], draft_tokens: Sequence[int]) -> list[int]:
+    """The tokens a verified decode emits: the drafts up to the first one that differs from the target's token at
+    its position, then the target's token there (or the bonus token after the last draft when all match).
+
+    target_tokens: [k + 1] the token the target's sampler picked at each fed position (see the module docstring
+    for why this is exact); draft_tokens: [k]. Returns between 1 and k + 1 tokens."""
+    if len(target_tokens) != len(draft_tokens) + 1:
+        raise ValueError(f"accept_drafts: {len(draft_tokens)} drafts need {len(draft_tokens) + 1} target tokens, "
+                         f"got {len(target_tokens)}")
+    num_accepted = 0
+    while num_accepted < len(draft_tokens) and draft_tokens[num_accepted] == target_tokens[num_accepted]:
+        num_accepted += 1
+    return list(draft_tokens[:num_accepted]) + [target_tokens[num_accepted]]
+
+
+def accept_rows(target_tokens: Sequence[int], draft_tokens: Sequence[Sequence[int]],
+                generators: Sequence[torch.Generator | None],
+                draw_states: Sequence[torch.Tensor | None]) -> list[list[int]]:
+    """Split a step's sampled rows by request and verify each (``accept_drafts``): what every request emits.
+
+    target_tokens: one token per logits row, as ``runtime.sampling.sample`` picked them; a request with k drafts
+    (``draft_tokens``, [] for a plain decode) owns k + 1 consecutive rows, in order. generators: each request's
+    own (None: the global RNG); draw_states: per row, its generator's state after the row's draw (``sample``'s
+    ``generator_states``). A request that keeps fewer rows than it drew has its generator rewound to just after
+    the last draw kept, so its next step draws as it would have after that many one-token steps."""
+    emitted, row = [], 0
+    for drafts, generator in zip(draft_tokens, generators, strict=True):
+        num_rows = len(drafts) + 1
+        tokens = accept_drafts(target_tokens[row:row + num_rows], drafts)
+        last = row + len(tokens) - 1
+        if len(tokens) < num_rows and generator is not None and draw_states[last] is not None:
+            generator.set_state(draw_states[last])
+        emitted.append(tokens)
+        row += num_rows
+    if row != len(target_tokens):
+        raise ValueError(f"accept_rows: the drafts account for {row} rows, the step sampled {len(target_tokens)}")
+    return emitted
+
+
+# --- adaptivity --------------------------------------------------------------------------------------------------
+@dataclass
+class DraftState:
+    """One request's speculation state (kept across preemption, dropped when it finishes)."""
+
+    num_draft: int  # drafts to ask for next time
+    acceptance: float = 1.0  # EWMA of accepted / proposed drafts over its verified steps
+    resume_step: int = 0  # no drafts before this engine step (its acceptance fell below min_acceptance)
+
+
+class SpeculationPolicy:
+    """When and how much to speculate: per step by load, per request by its acceptance (module docstring).
+    Steps are counted by the engine's step counter, whichever path (synchronous, overlapped) ran them."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def new_state(self) -> DraftState:
+        return DraftState(self.config.num_speculative_tokens)
+
+    def step_allows(self, num_decoding: int) -> bool:
+        """Whether a step with ``num_decoding`` decoding requests speculates at all."""
+        return self.config.enabled and num_decoding <= self.config.max_running
+
+    def num_draft(self, state: DraftState, step: int) -> int:
+        """Drafts to ask for in engine step ``step`` (0 while the request is paused)."""
+        if not self.config.adaptive:
+            return self.config.num_speculative_tokens
+        return state.num_draft if step >= state.resume_step else 0
+
+    def update(self, state: DraftState, num_proposed: int, num_accepted: int, step: int) -> None:
+        """Record a verified step: adapt the next number of drafts, and pause a request whose acceptance fell."""
+        assert 0 <= num_accepted <= num_proposed and num_proposed > 0, (num_proposed, num_accepted)
+        if not self.config.adaptive:
+            return
+        k_max = self.config.num_speculative_tokens
+        state.acceptance += ACCEPTANCE_EWMA_WEIGHT * (num_accepted / num_proposed - state.acceptance)
+        state.num_draft = min(state.num_draft + 1 if num_accepted == num_proposed else num_accepted + 1, k_max)
+        if state.acceptance < self.config.min_acceptance:
+            # probe again later with one draft, starting from the threshold: one good step resumes, a bad one pauses
+            state.resume_step, state.num_draft = step + PROBE_INTERVAL, 1
+            state.acceptance = self.config.min_acceptance

@@ -1,0 +1,638 @@
+"""Speculative decoding (runtime.speculative, ServingEngine's verify steps): the n-gram proposer, the settings, the
+exactness of verification (greedy token for token; sampled: a chi-square test of the accept / reject rule, seeded
+requests reproducible), KV rollback (no leaked blocks, rejected drafts never in the prefix cache), adaptivity, the
+overlapped pipeline's fallback, metrics and the serve flags. On the bundled model (it repeats itself, so n-gram drafts
+get accepted) and on a scripted proposer that drafts the reference continuation with errors placed on purpose."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the verify step through the kernels, on the CPU (see the last test)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from conftest import build_artifact, make_checkpoint  # noqa: E402
+from runtime import Engine, SamplingParams  # noqa: E402
+from runtime.block_pool import BlockPool, hash_block  # noqa: E402
+from runtime.kv_manager import KVCacheManager  # noqa: E402
+from runtime.metrics import ServerMetrics  # noqa: E402
+from runtime.sampling import sample  # noqa: E402
+from runtime.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
+from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
+from runtime.speculative import (  # noqa: E402
+    MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, Proposer, SpeculationPolicy,
+    SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
+
+NGRAM = {"method": "ngram"}
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n\nclass Config:\n    \"\"\"Settings.\"\"\"\n",
+    "    def __init__(self, name, value=None):\n        self.name = name\n        self.value = value\n" * 3,
+    "for i in range(10):\n",
+    "    def read(self, path):\n        with open(path) as f:\n            return f.read()\n" * 4,
+]
+# Upper 1% points of the chi-square distribution by degrees of freedom (a statistic above one has p < 0.01), from
+# the standard table: NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.4 (scipy.stats.chi2.ppf(0.99,
+# df) gives the same values).
+CHI2_CRITICAL_0_01 = {3: 11.345, 4: 13.277, 5: 15.086}
+
+
+@pytest.fixture(scope="module")
+def engine(bundled_artifact) -> Engine:
+    return Engine.load(bundled_artifact)
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(tmp_path_factory):
+    """A tiny Llama of another vocabulary than the bundled model's, head_dim 32 (the kernels' smallest)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return build_artifact(make_checkpoint(root / "ckpt", "llama", num_attention_heads=2, num_key_value_heads=1),
+                          root / "art")
+
+
+def _serving(engine: Engine, speculative: dict | None = None, **config) -> ServingEngine:
+    return ServingEngine(engine, ServingConfig(speculative=speculative, **{"num_blocks": 64, **config}))
+
+
+def _assert_no_leaks(s: ServingEngine) -> None:
+    assert s.scheduler.num_unfinished == 0 and s.kv.num_requests == 0
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+class ScriptedProposer(Proposer):
+    """Drafts the reference continuation of each request (its prompt plus the output a non-speculative run gave),
+    with the draft at index ``wrong_at(num_drafts)`` replaced by another token: the verification then must accept
+    exactly the drafts before it. ``wrong_at`` None: every draft right."""
+
+    method = "scripted"
+
+    def __init__(self, references: list[list[int]], vocab: int, wrong_at=None) -> None:
+        self.references, self.vocab, self.wrong_at = references, vocab, wrong_at
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        out = []
+        for r in requests:
+            ref = next(ref for ref in self.references if ref[:len(r.token_ids)] == list(r.token_ids))
+            drafts = ref[len(r.token_ids):len(r.token_ids) + r.max_tokens]
+            j = self.wrong_at(len(drafts)) if self.wrong_at is not None and drafts else None
+            if j is not None and j < len(drafts):
+                drafts[j] = (drafts[j] + 1) % self.vocab
+            out.append(drafts)
+        return out
+
+
+def _record_runs(s: ServingEngine) -> list[tuple[str, int, int]]:
+    """Spy on verified decodes: (request id, tokens verification emitted, tokens the request kept of them)."""
+    runs: list[tuple[str, int, int]] = []
+    record = s._record_verified
+
+    def spy(request, drafts, emitted):
+        before = request.num_output_tokens
+        out = record(request, drafts, emitted)
+        runs.append((request.request_id, len(emitted), out.num_output_tokens - before))
+        return out
+
+    s._record_verified = spy
+    return runs
+
+
+def _references(engine: Engine, prompts: list[list[int]], params) -> list:
+    return _serving(engine).run(prompts, params)
+
+
+# --- the n-gram proposer --------------------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_earlier_occurrence():
+    p = NgramProposer(min_ngram=2, max_ngram=3)
+    tokens = [5, 1, 2, 3, 4, 8, 1, 2, 3, 6, 7, 1, 2, 3]  # "1 2 3" came before "4 8" and, later, before "6 7"
+    assert p.propose_one(tokens, 2) == [6, 7]
+    assert p.propose_one(tokens, 4) == [6, 7, 1, 2]
+
+
+def test_ngram_proposes_nothing_without_a_recurring_ngram():
+    assert NgramProposer(2, 3).propose_one([1, 2, 3, 4, 5, 3], 4) == []  # "5 3" never came before
+    assert NgramProposer(1, 3).propose_one([1, 2, 3, 4], 4) == []  # 4 never came before
+    assert NgramProposer(2, 4).propose_one([7, 7], 4) == []  # too short for an earlier occurrence of 2 tokens
+    assert NgramProposer(1, 3).propose_one([7, 7], 2) == [7, 7]
+
+
+def test_ngram_prefers_the_longest_match():
+    tokens = [9, 2, 3, 4, 5, 7, 2, 3, 6, 9, 2, 3]  # "9 2 3" -> 4 5 7; the later "2 3" -> 6 9
+    assert NgramProposer(2, 3).propose_one(tokens, 3) == [4, 5, 7]
+    assert NgramProposer(2, 2).propose_one(tokens, 3) == [6, 9, 2]
+
+
+def test_ngram_caps_at_k_and_continues_a_repeating_stretch():
+    tokens = [1, 2, 3, 1, 2, 3]
+    assert NgramProposer(2, 3).propose_one(tokens, 2) == [1, 2]
+    assert NgramProposer(2, 3).propose_one(tokens, 7) == [1, 2, 3, 1, 2, 3, 1]  # read on through its own drafts
+    assert NgramProposer(1, 4).propose(
+        [DraftRequest("a", tokens, 3), DraftRequest("b", [4, 4, 4], 2)]) == [[1, 2, 3], [4, 4]]
+
+
+def test_ngram_refuses_bad_sizes():
+    with pytest.raises(SpeculativeConfigError, match="min_ngram <= max_ngram, got min_ngram 3 and max_ngram 2"):
+        NgramProposer(3, 2)
+    with pytest.raises(SpeculativeConfigError, match="max_tokens must be >= 1"):
+        NgramProposer(1, 2).propose_one([1, 1], 0)
+
+
+# --- settings ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("section, message", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens: 0 is not an int in \[1, 16\]"),
+    ({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, r"17 is not an int in \[1, 16\]"),
+    ({"method": "ngram", "min_ngram": 5}, "min_ngram 5 is above max_ngram 4"),
+    ({"method": "ngram", "max_running": 0}, "max_running: 0 is not an int >= 1"),
+    ({"method": "ngram", "min_acceptance": 1.5}, r"min_acceptance: 1.5 is not a number in \[0, 1\]"),
+    ({"method": "eagle"}, "'eagle' is not available .*not implemented yet.*use one of ngram, draft"),
+    ({"method": "draft"}, "method 'draft' needs draft_model"),
+    ({"method": "ngram", "draft_model": "artifacts/draft"}, "draft_model needs method 'draft'"),
+    ({"method": "ngram", "k": 3}, "unknown speculative setting.*'k'; known: draft_model, max_ngram"),
+])
+def test_bad_settings_are_refused_with_what_is_allowed(section, message):
+    with pytest.raises(SpeculativeConfigError, match=message):
+        SpeculativeConfig.from_dict(section)
+    with pytest.raises(ValueError, match=message):  # through the serving config too
+        ServingConfig(speculative=section)
+
+
+def test_settings_from_the_environment_and_across_the_process_boundary(monkeypatch):
+    assert not ServingConfig().speculative.enabled
+    monkeypatch.setenv("RUNTIME_SPEC_MAX_RUNNING", "3")
+    monkeypatch.setenv("RUNTIME_SPEC_MIN_ACCEPTANCE", "0.5")
+    config = ServingConfig(speculative=NGRAM)
+    assert (config.speculative.max_running, config.speculative.min_acceptance) == (3, 0.5)
+    # the engine process rebuilds its config from dataclasses.asdict
+    assert ServingConfig(**dataclasses.asdict(config)).speculative == config.speculative
+    monkeypatch.setenv("RUNTIME_SPEC_MAX_RUNNING", "many")
+    with pytest.raises(SpeculativeConfigError, match="RUNTIME_SPEC_MAX_RUNNING='many' is not a whole number"):
+        SpeculativeConfig()
+
+
+def test_serve_flags_build_the_speculative_section():
+    from runtime.serve import build_parser, main, speculative_config
+
+    parser = build_parser()
+    assert speculative_config(parser.parse_args(["x"]))["method"] is None
+    section = speculative_config(parser.parse_args(["x", "--speculative-ngram", "6"]))
+    assert (section["method"], section["num_speculative_tokens"]) == ("ngram", 6)
+    section = speculative_config(parser.parse_args(
+        ["x", "--speculative-config", '{"method": "ngram", "max_running": 2, "min_ngram": 1}',
+         "--speculative-ngram", "3"]))
+    assert (section["max_running"], section["min_ngram"], section["num_speculative_tokens"]) == (2, 1, 3)
+    for bad in (["--speculative-ngram", "17"], ["--speculative-config", "{oops"]):
+        with pytest.raises(SystemExit) as exit_info:  # a bad option: exit 2, before anything is loaded
+            main(["no-such-artifact", *bad])
+        assert exit_info.value.code == 2
+
+
+# --- the scheduler and the KV manager ------------------------------------------------------------------------------
+def _decoding(num_blocks: int, budget: int, prompts: dict[str, list[int]], max_tokens: int = 4) -> Scheduler:
+    """A scheduler (tiny pool, blocks of 4) whose requests have been prefilled and sampled one token each."""
+    s = Scheduler(SchedulerConfig(4, budget, 64, 8), KVCacheManager(BlockPool(num_blocks), 4))
+    for rid, prompt in prompts.items():
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=max_tokens)))
+    out = s.schedule()
+    s.update(out, {q.request.request_id: 50 for q in out.seqs})
+    return s
+
+
+def test_drafts_count_in_the_token_budget_and_take_lookahead_slots():
+    s = _decoding(16, budget=8, prompts={"a": [1, 2, 3], "b": [4, 5, 6]}, max_tokens=12)
+    s.add_request(Request("c", [10, 11, 12, 13, 14], SamplingParams(max_tokens=4)))
+    out = s.schedule({"a": [60, 61, 62, 63], "b": [70, 71, 72, 73]})
+    # a: its token + 4 drafts; b: its token + the 2 drafts the budget has left; c: no budget left, waits
+    assert [(q.request.request_id, q.num_context, q.num_new, q.draft_token_ids) for q in out.seqs] == [
+        ("a", 3, 5, [60, 61, 62, 63]), ("b", 3, 3, [70, 71])]
+    assert out.num_batched_tokens == 8 and out.num_draft_tokens == 6 and s.get("c").status.value == "waiting"
+    assert all(q.samples for q in out.seqs)
+    # the drafts' slots are reserved (a: positions 3..7, 2 blocks) but not committed, hence never published
+    assert (s.kv.num_tokens("a"), len(s.kv.blocks("a"))) == (4, 2)
+    assert (s.kv.num_tokens("b"), len(s.kv.blocks("b"))) == (4, 2)
+    assert s.kv.blocks("a")[0].block_hash is not None and s.kv.blocks("a")[1].block_hash is None
+    s.update(out, {})  # the serving engine records drafts itself: only the decoded token counts as computed
+    assert (s.get("a").num_computed_tokens, s.get("b").num_computed_tokens) == (4, 4)
+    free = s.kv.pool.num_free
+    assert s.kv.free_lookahead("a") == 1 and len(s.kv.blocks("a")) == 1  # nothing accepted: the draft block back
+    assert s.kv.free_lookahead("a") == 0 and s.kv.pool.num_free == free + 1
+
+
+def test_drafts_are_dropped_before_anyone_is_preempted_for_them():
+    s = _decoding(3, budget=16, prompts={"a": [1, 2, 3], "b": [4, 5, 6]})  # a block each, one free
+    out = s.schedule({"a": [60, 61, 62, 63, 64, 65], "b": [70]})  # a's drafts would need 2 more blocks
+    assert [(q.request.request_id, q.num_new, q.draft_token_ids) for q in out.seqs] == [
+        ("a", 1, []), ("b", 2, [70])]
+    assert not out.preempted and s.num_preemptions == 0 and s.kv.pool.num_free == 0
+
+
+# --- verification --------------------------------------------------------------------------------------------------
+def test_accept_drafts_keeps_the_matching_prefix_and_one_token_of_the_target():
+    assert accept_drafts([4, 5, 6, 7], [4, 5, 6]) == [4, 5, 6, 7]  # all accepted, plus the bonus token
+    assert accept_drafts([4, 9, 6, 7], [4, 5, 6]) == [4, 9]  # the second draft rejected: the target's token there
+    assert accept_drafts([8, 5, 6, 7], [4, 5, 6]) == [8]  # later matches do not count after a rejection
+    assert accept_drafts([3], []) == [3]
+    with pytest.raises(ValueError, match="2 drafts need 3 target tokens, got 2"):
+        accept_drafts([1, 2], [1, 2])
+
+
+def _verify_batch(target: torch.Tensor, bonus: torch.Tensor, draft: int, num: int, seed: int) -> list[list[int]]:
+    """``num`` independent one-draft verifications over a fixed target distribution, as a verify step runs them:
+    the two rows of each (``target`` at the draft's position, ``bonus`` after it) sampled by ``sample`` at
+    temperature 1, then ``accept_rows``."""
+    torch.manual_seed(seed)  # unseeded rows draw from the global RNG
+    logits = torch.stack([target.log(), bonus.log()]).repeat(num, 1)  # [2 * num, vocab]
+    params = [SamplingParams(temperature=1.0)] * (2 * num)
+    tokens = sample(logits, params, [None] * (2 * num)).tolist()
+    return accept_rows(tokens, [[draft]] * num, [None] * num, [None] * (2 * num))
+
+
+def _chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
+
+
+def _histogram(tokens: list[int], vocab: int) -> list[int]:
+    return [tokens.count(t) for t in range(vocab)]
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """With a one-hot draft d: the first emitted token follows p (accepted with probability p(d)); the tokens
+    emitted on rejection follow p with d removed and renormalised, not p; the bonus after an accepted draft
+    follows the next position's distribution. 24,000 draws, chi-square at p > 0.01 (fixed seed)."""
+    p = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])
+    q = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.10, 0.05])  # the target at the position after the draft
+    vocab, draft, num = len(p), 3, 24_000
+    runs = _verify_batch(p, q, draft, num, seed=0)
+    first = [r[0] for r in runs]
+    assert _chi_square(_histogram(first, vocab), p.tolist()) < CHI2_CRITICAL_0_01[vocab - 1]
+    num_accepted = sum(len(r) == 2 for r in runs)
+    sd = math.sqrt(num * 0.2 * 0.8)
+    assert abs(num_accepted - num * 0.2) < 4 * sd  # accepted with probability p(d) = 0.2
+    assert all((len(r) == 2) == (r[0] == draft) for r in runs)  # a rejection emits one token, never the draft
+    # on rejection: the residual (p without d, renormalised) fits, p itself does not
+    rejected = [r[0] for r in runs if len(r) == 1]
+    others = [t for t in range(vocab) if t != draft]
+    counts = [rejected.count(t) for t in others]
+    residual = [p[t].item() / (1 - p[draft].item()) for t in others]
+    assert _chi_square(counts, residual) < CHI2_CRITICAL_0_01[vocab - 2]
+    assert _chi_square(_histogram(rejected, vocab), p.tolist()) > 10 * CHI2_CRITICAL_0_01[vocab - 1]
+    bonus = [r[1] for r in runs if len(r) == 2]
+    assert _chi_square(_histogram(bonus, vocab), q.tolist()) < CHI2_CRITICAL_0_01[vocab - 1]
+
+
+def test_the_distribution_test_rejects_resampling_from_p_on_rejection():
+    """The test above can fail: a verifier that, after rejecting d, draws again from p (instead of the residual)
+    emits d too often, and the same chi-square test refuses its output."""
+    p = torch.tensor([0.05, 0.10, 0.15, 0.20, 0.20, 0.30])
+    vocab, draft, num = len(p), 3, 24_000
+    g = torch.Generator().manual_seed(1)
+    accept = torch.rand(num, generator=g) < p[draft]
+    resampled = torch.multinomial(p, num, replacement=True, generator=g)
+    first = torch.where(accept, torch.full_like(resampled, draft), resampled).tolist()
+    assert _chi_square(_histogram(first, vocab), p.tolist()) > 10 * CHI2_CRITICAL_0_01[vocab - 1]
+
+
+def test_accept_rows_rewinds_a_seeded_generator_to_the_last_draw_kept():
+    """A request keeps a + 1 of its k + 1 draws: its generator continues as after a + 1 one-token steps."""
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, seed=5)] * 4
+    g = torch.Generator().manual_seed(5)
+    states: list = [None] * 4
+    tokens = sample(logits, params, [g] * 4, generator_states=states).tolist()
+    drafts = [tokens[0], (tokens[1] + 1) % 10, tokens[2]]  # the second draft is wrong: two tokens kept
+    assert accept_rows(tokens, [drafts], [g], states) == [[tokens[0], tokens[1]]]
+    reference = torch.Generator().manual_seed(5)
+    for row in range(2):  # two one-token steps
+        sample(logits[row:row + 1], params[:1], [reference])
+    assert torch.equal(g.get_state(), reference.get_state())
+    with pytest.raises(ValueError, match="account for 3 rows, the step sampled 4"):
+        accept_rows(tokens, [[1, 2]], [None], states)
+
+
+# --- the serving engine: exactness ---------------------------------------------------------------------------------
+def test_greedy_output_is_token_for_token_the_same(engine):
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (48, 40, 33, 17, 45)]
+    params[3] = SamplingParams(max_tokens=40)  # EOS allowed
+    plain = _serving(engine)
+    want = plain.run(prompts, params)
+    s = _serving(engine, NGRAM)
+    runs = _record_runs(s)
+    got = s.run(prompts, params)
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    stats = s.stats()
+    assert stats.spec_num_accepted_tokens > 20 and stats.spec_num_steps > 5, "speculation never paid off"
+    assert stats.spec_num_verified == len(runs) and stats.spec_num_accepted_tokens == sum(n - 1 for _, n, _ in runs)
+    assert stats.num_steps < plain.stats().num_steps
+    # max_tokens never cuts a verified run short: a request drafts at most what its max_tokens leaves after the
+    # bonus token (request 3 may stop on EOS in a run)
+    assert all(kept == emitted for rid, emitted, kept in runs if not rid.endswith("-3"))
+    assert {w.finish_reason for i, w in enumerate(want) if i != 3} == {"length"}
+    _assert_no_leaks(s)
+
+
+def test_greedy_equality_under_preemption_and_chunked_prefill(engine):
+    """A pool too small for every request (preemption, recompute from the prefix cache) and a token budget that
+    drafts share with prompt chunks: still the non-speculative tokens, and nothing leaks."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    config = dict(num_blocks=14, max_seq_len=192, max_num_batched_tokens=24, max_num_seqs=4)
+    want = _serving(engine, **config).run(prompts, params)
+    s = _serving(engine, NGRAM, **config)
+    got = s.run(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert s.scheduler.num_preemptions > 0 and s.stats().spec_num_accepted_tokens > 0
+    _assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("stop_kind", ["string", "token"])
+def test_a_stop_in_the_middle_of_an_accepted_run_ends_it_there(engine, stop_kind):
+    """Drafts are the reference continuation (all accepted: runs of k + 1 tokens); a stop string or stop token first
+    reached inside a run ends the output where non-speculative decoding ends it, dropping the rest of the run."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    free = _references(engine, prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    params = []
+    for out in free:  # a stop first reached at output position 3, in the first verified run (positions 1..5)
+        if stop_kind == "token":
+            t = next(t for i, t in enumerate(out.token_ids) if i >= 2 and t not in out.token_ids[:i])
+            params.append(SamplingParams(max_tokens=30, ignore_eos=True, stop_token_ids=[t]))
+        else:
+            text = engine.tokenizer.decode(out.token_ids[:3])
+            params.append(SamplingParams(max_tokens=30, ignore_eos=True, stop=[text[-2:]]))
+    want = _references(engine, prompts, params)
+    assert all(w.finish_reason == "stop" and len(w.token_ids) < 30 for w in want)
+    s = _serving(engine, NGRAM)
+    s.proposer = ScriptedProposer([p + o.token_ids for p, o in zip(prompts, free)], vocab)
+    runs = _record_runs(s)
+    got = s.run(prompts, params)
+    for g, w in zip(got, want):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert any(kept < emitted for _, emitted, kept in runs), "no stop fell inside an accepted run"
+    _assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("wrong_at", [0, 1, 3], ids=["first", "second", "last"])
+def test_rejected_drafts_are_rolled_back(engine, wrong_at):
+    """Every verify step rejects one draft at a chosen place: the output is still the reference, every rejected
+    draft's KV slot is rewritten before it is read, the blocks only rejected drafts used go back at once, and
+    the prefix cache never publishes a block holding one."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[1:3]]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = _references(engine, prompts, params)
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s = _serving(engine, {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0.0})
+    s.proposer = ScriptedProposer([p + w.token_ids for p, w in zip(prompts, want)], vocab,
+                                  wrong_at=lambda k: min(wrong_at, k - 1))
+    got = s.run(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = s.stats()
+    assert stats.spec_num_verified > 10 and stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    _assert_no_leaks(s)
+    # the blocks the requests left in the prefix cache serve the same prompts again, without speculation
+    s.proposer = None
+    hits = s.kv.stats.hits
+    assert [o.token_ids for o in s.run(prompts, params)] == [w.token_ids for w in want]
+    assert s.kv.stats.hits > hits and s.stats().spec_num_verified == stats.spec_num_verified
+    _assert_no_leaks(s)
+
+
+def test_blocks_of_rejected_drafts_are_returned_mid_run(engine):
+    """One request whose prompt ends just before a block boundary gets 8 drafts, all wrong: the verify step holds
+    a second block for them, and after it the request holds one block again, the other back in the free pool.
+    After every step: blocks held = what the committed tokens need, and the cached blocks hash the real tokens."""
+    bs = 16
+    prompt = engine.tokenizer.encode(PROMPTS[2])[:12]  # 12 tokens: the first decode is at position 12
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = _references(engine, [prompt], params)[0]
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s = _serving(engine, {"method": "ngram", "num_speculative_tokens": 8, "min_acceptance": 0.0})
+    s.proposer = ScriptedProposer([prompt + want.token_ids], vocab, wrong_at=lambda k: 0)
+    held_while_verifying = []
+    verify = s._verify
+
+    def spy(sched, logits, sampling):
+        held_while_verifying.append(len(s.kv.blocks("r")))
+        return verify(sched, logits, sampling)
+
+    s._verify = spy
+    s.add_request(prompt, params, request_id="r")
+    tokens = []
+    while s.has_unfinished:
+        for out in s.step():
+            tokens += out.token_ids
+        if "r" not in s.kv:
+            break
+        committed = s.kv.num_tokens("r")
+        blocks = s.kv.blocks("r")
+        assert len(blocks) == -(-committed // bs), "blocks past the committed tokens were kept"
+        assert s.kv.pool.num_free == s.kv.pool.num_blocks - len(blocks)
+        token_ids = s.scheduler.get("r").token_ids
+        chain = [None]
+        for i in range(committed // bs):  # the hashes of the full blocks of committed tokens
+            chain.append(hash_block(chain[-1], token_ids[i * bs:(i + 1) * bs], s.kv.hash_extra))
+        for i, block in enumerate(blocks):
+            if block.block_hash is not None:
+                assert i < committed // bs and block.block_hash == chain[i + 1], \
+                    "a block in the prefix cache does not hold committed tokens"
+    assert held_while_verifying[0] == 2  # positions 12..20: the drafts reached into a second block
+    assert tokens == want.token_ids
+    assert s.stats().spec_num_accepted_tokens == 0
+    _assert_no_leaks(s)
+
+
+def test_seeded_sampling_is_reproducible_and_the_same_as_without(engine):
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=40, temperature=t, top_k=k, top_p=p, seed=seed, ignore_eos=True)
+              for t, k, p, seed in ((0.3, 20, 1.0, 3), (0.8, 0, 0.95, 4), (0.5, 0, 1.0, 5), (1.0, 0, 1.0, 6),
+                                    (0.3, 0, 0.9, 7))]
+    runs = []
+    for _ in range(2):
+        s = _serving(engine, NGRAM)
+        runs.append([o.token_ids for o in s.run(prompts, params)])
+        assert s.stats().spec_num_accepted_tokens > 5
+        _assert_no_leaks(s)
+    assert runs[0] == runs[1]
+    # the generator is consumed as without speculation: the same draws (up to floating-point near-ties, which
+    # these prompts do not hit)
+    assert runs[0] == [o.token_ids for o in _references(engine, prompts, params)]
+
+
+# --- adaptivity ----------------------------------------------------------------------------------------------------
+def test_policy_grows_and_shrinks_k_and_pauses_on_low_acceptance():
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_running=2,
+                                                 min_acceptance=0.5))
+    assert policy.step_allows(2) and not policy.step_allows(3)
+    state = policy.new_state()
+    assert policy.num_draft(state, step=0) == 4
+    policy.update(state, 4, 4, step=0)
+    assert state.num_draft == 4  # capped at num_speculative_tokens
+    policy.update(state, 4, 1, step=1)
+    assert state.num_draft == 2  # one more than were accepted
+    policy.update(state, 2, 2, step=2)
+    assert state.num_draft == 3 and policy.num_draft(state, step=3) == 3
+    policy.update(state, 3, 0, step=3)
+    policy.update(state, 1, 0, step=4)  # the acceptance rate falls below 0.5: paused
+    assert policy.num_draft(state, step=5) == 0 and policy.num_draft(state, step=4 + PROBE_INTERVAL - 1) == 0
+    assert policy.num_draft(state, step=4 + PROBE_INTERVAL) == 1  # then probes with one draft
+    policy.update(state, 1, 0, step=40)
+    assert policy.num_draft(state, step=41) == 0  # a failed probe pauses it again
+
+
+def test_speculation_stays_off_above_max_running_and_for_excluded_requests(engine):
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[2:5]]
+    s = _serving(engine, {"method": "ngram", "max_running": 2})
+    s.run(prompts, SamplingParams(max_tokens=20, ignore_eos=True))  # three decode together to the end
+    assert s.stats().spec_num_steps == 0
+    excluded = [SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1),
+                SamplingParams(max_tokens=20, ignore_eos=True, repetition_penalty=1.2)]
+    s = _serving(engine, NGRAM)
+    outs = s.run(prompts[:2], excluded)
+    assert s.stats().spec_num_steps == 0 and len(outs[0].logprobs) == 20
+    # beside a speculating request, an excluded one still decodes one token per step, with its logprobs
+    s = _serving(engine, NGRAM)
+    outs = s.run(prompts[1:3], [excluded[0], SamplingParams(max_tokens=20, ignore_eos=True)])
+    want = _references(engine, prompts[1:3], [excluded[0], SamplingParams(max_tokens=20, ignore_eos=True)])
+    assert s.stats().spec_num_accepted_tokens > 0
+    assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+    assert [lp.logprob for lp in outs[0].logprobs] == pytest.approx([lp.logprob for lp in want[0].logprobs], abs=1e-4)
+    _assert_no_leaks(s)
+
+
+def test_a_request_with_low_acceptance_pauses(engine):
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = _references(engine, [prompt], params)[0]
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s = _serving(engine, {"method": "ngram", "min_acceptance": 0.5})
+    s.proposer = ScriptedProposer([prompt + want.token_ids], vocab, wrong_at=lambda k: 0)  # never accepted
+    assert s.run([prompt], params)[0].token_ids == want.token_ids
+    # the acceptance EWMA goes 1 -> 0.7 -> 0.49 < 0.5: two verified steps, then a pause longer than the request
+    assert PROBE_INTERVAL > params.max_tokens
+    assert s.stats().spec_num_verified == 2
+
+
+def test_the_overlapped_pipeline_falls_back_to_verify_steps(engine):
+    """With the (stand-in) decode graphs, steps of more than max_running decodes run ahead as before; once few
+    enough remain, they speculate on the synchronous path; tokens equal the non-speculative ones."""
+    from tests.runtime.test_overlap import EagerGraphs
+
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (10, 14, 40, 45, 50)]
+    want = _references(engine, prompts, params)
+    s = _serving(engine, {"method": "ngram", "max_running": 2}, max_num_seqs=5)
+    s.graphs = graphs = EagerGraphs(s, 5)
+    got = s.run(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert graphs.num_device_inputs > 3 and s.stats().spec_num_accepted_tokens > 0
+    assert s._inflight is None
+    _assert_no_leaks(s)
+
+
+# --- metrics ---------------------------------------------------------------------------------------------------------
+def test_metrics_export_the_speculation_counters(engine):
+    s = _serving(engine, NGRAM)
+    s.run([engine.tokenizer.encode(PROMPTS[4])], SamplingParams(max_tokens=40, ignore_eos=True))
+    stats = s.stats()
+    assert 0 < stats.spec_num_accepted_tokens <= stats.spec_num_draft_tokens
+    body, _ = ServerMetrics(s.stats).render()
+    samples = {x.name: x.value for f in text_string_to_metric_families(body.decode()) for x in f.samples}
+    assert samples["llm_spec_draft_tokens_total"] == stats.spec_num_draft_tokens
+    assert samples["llm_spec_accepted_tokens_total"] == stats.spec_num_accepted_tokens
+    assert samples["llm_spec_verified_decodes_total"] == stats.spec_num_verified
+    assert samples["llm_spec_verify_steps_total"] == stats.spec_num_steps
+    assert samples["llm_spec_acceptance_rate"] == pytest.approx(
+        stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens)
+    assert samples["llm_spec_mean_accepted_tokens"] == pytest.approx(
+        stats.spec_num_accepted_tokens / stats.spec_num_verified)
+
+
+# --- verify steps through the kernels -------------------------------------------------------------------------------
+def test_verify_steps_replay_the_step_graphs_padded_step(tiny_artifact):
+    """A verify step goes through StepGraphs (the CUDA graphs replay exactly this padded step; here it runs eagerly
+    through the kernels, under the Triton interpreter), in a sequence bucket that holds its k + 1 logits rows per
+    decode: the tokens are the reference path's."""
+    from runtime.cuda_graphs import StepGraphs
+
+    path = tiny_artifact
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22]]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = ServingEngine(Engine.load(path, use_kernels=False), ServingConfig(num_blocks=16)).run(prompts, params)
+    fused = ServingEngine(Engine.load(path, use_kernels=True),
+                          ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=64, max_num_seqs=2,
+                                        speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "min_acceptance": 0.0}))
+    fused.step_graphs = graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 64, token_buckets=(8, 16, 32),
+                                            capture=False)
+    assert graphs.bucket_for(6, 2, num_rows=6) == (8, 8) and graphs.bucket_for(6, 2, num_rows=9) is None
+    vocab = int(fused.executor.graph["meta"]["vocab_size"])
+    fused.proposer = ScriptedProposer([p + w.token_ids for p, w in zip(prompts, want)], vocab,
+                                      wrong_at=lambda k: k - 1)  # the last draft wrong: k - 1 accepted
+    runs, real_run = [], graphs.run
+
+    def spy(step, feed=None):
+        runs.append((step.num_tokens, step.num_seqs, len(step.logits_rows)))
+        return real_run(step, feed)
+
+    graphs.run = spy
+    got = fused.run(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert (8, 2, 8) in runs  # both decodes with 3 drafts: 8 tokens, 8 logits rows
+    assert fused.stats().spec_num_accepted_tokens > 0
+    _assert_no_leaks(fused)
+
+
+# --- the draft-model proposer ---------------------------------------------------------------------------------------
+def test_draft_model_drafts_as_a_fresh_one_would_after_any_acceptance(engine):
+    """The draft keeps its KV cache across proposals and cuts it back to what the request kept: after any mix of
+    accepted and rejected drafts it proposes exactly what a new proposer (empty cache) proposes for the same tokens."""
+    from runtime.draft_model import DraftModelProposer
+
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    kept = DraftModelProposer(engine, vocab, engine.tokenizer, 512)
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    tokens = list(prompt)
+    for num_accepted in [4, 0, 2, None, 1, 4, 3]:
+        drafts = kept.propose([DraftRequest("r", tokens, 4)])[0]
+        assert drafts == DraftModelProposer(engine, vocab, engine.tokenizer, 512).propose(
+            [DraftRequest("r", list(tokens), 4)])[0]
+        held = kept._seqs["r"]  # its cache holds the request's tokens, then the drafts it fed
+        assert held.token_ids == tokens + drafts[:3] and held.kv.num_tokens == len(held.token_ids)
+        if num_accepted is None:  # decoded a few steps without drafts (paused, a full batch): all its own tokens
+            tokens += [(drafts[0] + 1) % vocab, drafts[1], drafts[2]]
+            continue
+        # the request keeps num_accepted drafts, then a token of its own (another than the next draft)
+        own = (drafts[num_accepted] + 1) % vocab if num_accepted < len(drafts) else 7
+        tokens += drafts[:num_accepted] + [own]
+    kept.release("r")
+    assert kept._seqs == {}
+
+
+def test_draft_model_output_is_the_targets(engine, bundled_artifact):
+    """The bundled model as its own draft: greedy drafts are all accepted, and greedy and seeded output equal the
+    non-speculative output."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    spec = {"method": "draft", "draft_model": str(bundled_artifact), "num_speculative_tokens": 3}
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    s = _serving(engine, spec)
+    assert [o.token_ids for o in s.run(prompts, greedy)] == [w.token_ids for w in _references(engine, prompts, greedy)]
+    stats = s.stats()
+    assert stats.spec_num_draft_tokens > 20 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    seeded = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)]
+    assert [o.token_ids for o in s.run(prompts, seeded)] == [w.token_ids for w in _references(engine, prompts, seeded)]
+    assert s.stats().spec_num_accepted_tokens > stats.spec_num_accepted_tokens
+    weights = sum(t.numel() * t.element_size() for t in engine.executor.params.values())
+    assert s.memory_plan.weights_bytes == 2 * weights  # the draft's weights are planned beside the target's
+    _assert_no_leaks(s)
+    assert s.proposer._seqs == {}  # every request's draft cache released
+
+
+def test_draft_model_with_another_vocabulary_is_refused(engine, tiny_artifact):
+    with pytest.raises(SpeculativeConfigError, match="draft model's vocabulary has .* entries, the target's 4096"):
+        _serving(engine, {"method": "draft", "draft_model": str(tiny_artifact)})
