@@ -152,7 +152,7 @@ def test_ngram_refuses_bad_sizes():
     ({"method": "eagle"}, "'eagle' is not available .*not implemented yet.*use one of ngram, draft"),
     ({"method": "draft"}, "method 'draft' needs draft_model"),
     ({"method": "ngram", "draft_model": "artifacts/draft"}, "draft_model needs method 'draft'"),
-    ({"method": "ngram", "k": 3}, "unknown speculative setting.*'k'; known: draft_model, max_ngram"),
+    ({"method": "ngram", "k": 3}, "unknown speculative setting.*'k'; known: adaptive, draft_model, max_ngram"),
 ])
 def test_bad_settings_are_refused_with_what_is_allowed(section, message):
     with pytest.raises(SpeculativeConfigError, match=message):
@@ -636,3 +636,32 @@ def test_draft_model_output_is_the_targets(engine, bundled_artifact):
 def test_draft_model_with_another_vocabulary_is_refused(engine, tiny_artifact):
     with pytest.raises(SpeculativeConfigError, match="draft model's vocabulary has .* entries, the target's 4096"):
         _serving(engine, {"method": "draft", "draft_model": str(tiny_artifact)})
+
+
+def test_fixed_k_policy_never_adapts():
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False,
+                                                 min_acceptance=0.5))
+    state = policy.new_state()
+    for step in range(5):
+        policy.update(state, 3, 0, step)  # every draft rejected: an adaptive policy would shrink k, then pause
+        assert policy.num_draft(state, step + 1) == 3
+    with pytest.raises(SpeculativeConfigError, match="adaptive"):
+        SpeculativeConfig(method="ngram", adaptive="no")
+
+
+def test_speculative_bench_on_the_bundled_model(bundled_artifact, tmp_path):
+    """builder.bench.speculative end to end on the CPU: equal tokens, drafts accepted on the code-editing
+    workload, verify steps of fixed size timed, figures recorded."""
+    import json
+
+    from builder.bench import speculative as bench
+
+    record = tmp_path / "figures.jsonl"
+    assert bench.main([str(bundled_artifact), "--device", "cpu", "--prompts", "1", "--output-len", "24",
+                       "--verify-cost", "2", "--input-len", "32", "--record", str(record)]) == 0
+    figures = {d["figure"]: d["value"] for d in map(json.loads, record.read_text().splitlines())}
+    assert set(figures) == {"spec_speedup_ngram_b1", "spec_decode_tok_s_plain_b1", "spec_decode_tok_s_ngram_b1",
+                            "spec_acceptance_ngram_b1", "spec_step_ms_k0", "spec_verify_cost_k2", "spec_step_ms_k2"}
+    assert figures["spec_acceptance_ngram_b1"] > 0  # the model copies from its prompt
+    assert figures["spec_verify_cost_k2"] == pytest.approx(figures["spec_step_ms_k2"] / figures["spec_step_ms_k0"],
+                                                           rel=1e-2)
