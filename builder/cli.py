@@ -385,14 +385,15 @@ def _empty_cuda_cache(device: str) -> None:
 
 
 def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: Optional[int],
-                  max_num_batched_tokens: Optional[int], no_cuda_graphs: bool):
+                  max_num_batched_tokens: Optional[int], no_cuda_graphs: bool, speculative: dict | None = None):
     from builder.bench.offline import load_for_bench
     from runtime.artifact import ArtifactError
     from runtime.memory import MemoryPlanError
 
     try:
         return load_for_bench(str(artifact), device, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
-                              max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs)
+                              max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs,
+                              speculative=speculative)
     except (ArtifactError, MemoryPlanError, ValueError) as e:
         _fail(f"cannot load {artifact}: {e}")
 
@@ -540,36 +541,50 @@ def bench_throughput(
                                           "throughput_IN_OUT_PREC (output tok/s, the best concurrency), "
                                           "throughput_IN_OUT_PREC_cC and preemptions_IN_OUT_PREC_cC per point; "
                                           "PREC is moe_PREC for a mixture-of-experts model"),
+    speculative_ngram: Optional[int] = typer.Option(None, metavar="K", help="also run each point with n-gram "
+                                                    "speculative decoding of up to K drafts (adaptive, as served) and "
+                                                    "record throughput_IN_OUT_PREC_spec_cC, spec_throughput_ratio_cC "
+                                                    "(with / without) and spec_acceptance_cC"),
 ) -> None:
     """Output tokens/s of many requests submitted at once, at each concurrency."""
     from builder.bench.offline import report, throughput
     from builder.bench.record import append_figures, figure_tag
 
     _setup_logging(False)
-    results, tag = [], None
+    results, spec_results, tag = [], [], None
+    specs = [None] if speculative_ngram is None else [None, {"method": "ngram",
+                                                            "num_speculative_tokens": speculative_ngram}]
     for c in concurrency:
-        engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
-        try:
-            results.append(throughput(engine, input_len, output_len, num_prompts or 4 * c))
-            tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)
-        finally:
-            engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
-        del engine
-        if device == "cuda":
-            import torch
+        for spec in specs:
+            engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs, spec)
+            try:
+                (results if spec is None else spec_results).append(
+                    throughput(engine, input_len, output_len, num_prompts or 4 * c))
+                tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)
+            finally:
+                engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
+            del engine
+            if device == "cuda":
+                import torch
 
-            torch.cuda.empty_cache()
-    report(results, json_out)
+                torch.cuda.empty_cache()
+    report(results + spec_results, json_out)
     if record is not None and results:
         name = f"throughput_{input_len}_{output_len}_{tag}"
         figures = [(name, max(r.output_tok_s for r in results), "tok/s")]
         for r in results:
             figures += [(f"{name}_c{r.concurrency}", r.output_tok_s, "tok/s"),
                         (f"preemptions_{input_len}_{output_len}_{tag}_c{r.concurrency}", r.num_preemptions, "count")]
+        for r, s in zip(results, spec_results):
+            figures += [(f"{name}_spec_c{s.concurrency}", s.output_tok_s, "tok/s"),
+                        (f"spec_throughput_ratio_c{s.concurrency}", s.output_tok_s / r.output_tok_s, "x"),
+                        (f"spec_acceptance_c{s.concurrency}",
+                         s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0, "ratio")]
         command = ["builder", "bench", "throughput", str(artifact), "--device", device, "--input-len", str(input_len),
                    "--output-len", str(output_len), *[a for c in concurrency for a in ("--concurrency", str(c))]]
         for flag, value in (("--num-prompts", num_prompts), ("--max-seq-len", max_seq_len),
-                            ("--max-num-batched-tokens", max_num_batched_tokens)):
+                            ("--max-num-batched-tokens", max_num_batched_tokens),
+                            ("--speculative-ngram", speculative_ngram)):
             command += [flag, str(value)] if value is not None else []
         append_figures(record, figures, device, shlex.join(command + (["--no-cuda-graphs"] if no_cuda_graphs else [])))
 

@@ -82,6 +82,10 @@ class ThroughputResult:
     decode_steps: int = 0
     decode_s: float = 0.0  # wall time inside those steps
     other_s: float = 0.0  # wall time inside every other step (synchronous: draining, preemption, logprobs)
+    # speculative decoding (0 when off): draft tokens proposed and accepted, and decodes verified with drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verified: int = 0
 
 
 def _sync(device: torch.device) -> None:
@@ -310,6 +314,7 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
         torch.cuda.reset_peak_memory_stats(device)
     preempted = engine.scheduler.num_preemptions
     steps = engine.num_steps
+    spec0 = engine.stats()
     _sync(device)
     t0 = time.perf_counter()
     with timed_steps(engine) as timings:  # where the wall time goes: overlapped decode steps vs the rest
@@ -320,18 +325,23 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
     other = [t.seconds for t in timings if not t.overlapped]
     generated = sum(len(o.token_ids) for o in outs)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    spec = engine.stats()
     return ThroughputResult(str(device), input_len, output_len, num_prompts, engine.scheduler_config.max_num_seqs,
                             generated / elapsed, (generated + input_len * num_prompts) / elapsed, elapsed,
                             engine.scheduler.num_preemptions - preempted, peak, engine.num_steps - steps,
-                            len(decode), sum(decode, 0.0), sum(other, 0.0))
+                            len(decode), sum(decode, 0.0), sum(other, 0.0),
+                            spec.spec_num_draft_tokens - spec0.spec_num_draft_tokens,
+                            spec.spec_num_accepted_tokens - spec0.spec_num_accepted_tokens,
+                            spec.spec_num_verified - spec0.spec_num_verified)
 
 
 def load_for_bench(artifact: str, device: str, *, max_num_seqs: int, max_seq_len: int | None,
                    max_num_batched_tokens: int | None, cuda_graphs: bool, check_hashes: bool = False,
-                   gpu_memory_utilization: float = 0.9) -> ServingEngine:
+                   gpu_memory_utilization: float = 0.9, speculative: dict | None = None) -> ServingEngine:
     config = ServingConfig(max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                            max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
-                           max_waiting=1 << 20, gpu_memory_utilization=gpu_memory_utilization)
+                           max_waiting=1 << 20, gpu_memory_utilization=gpu_memory_utilization,
+                           speculative=speculative)
     return ServingEngine.load(artifact, device, config, check_hashes=check_hashes, allow_failed_gate=True)
 
 
