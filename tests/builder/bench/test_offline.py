@@ -162,6 +162,27 @@ def test_bench_throughput_records_the_best_point_and_each_concurrency(artifacts,
     assert all(x["command"].endswith("--concurrency 1 --concurrency 2 --num-prompts 2") for x in lines)
 
 
+def test_bench_throughput_with_and_without_speculation(artifacts, tmp_path):
+    """--speculative-ngram K runs each point twice and records the pair's ratio and the acceptance, from the
+    measured rows (issue 21: spec_throughput_ratio_cC)."""
+    from typer.testing import CliRunner
+
+    from builder.cli import app
+
+    record, results = tmp_path / "benchmarks.jsonl", tmp_path / "results.jsonl"
+    res = CliRunner().invoke(app, ["bench", "throughput", str(artifacts["llama"]), "--device", "cpu", "--input-len",
+                                   "8", "--output-len", "6", "--concurrency", "2", "--num-prompts", "2",
+                                   "--speculative-ngram", "3", "--record", str(record), "--json", str(results)])
+    assert res.exit_code == 0, res.output
+    figures = {x["figure"]: x["value"] for x in map(json.loads, record.read_text().splitlines())}
+    plain, spec = [json.loads(line) for line in results.read_text().splitlines()]
+    assert plain["spec_draft_tokens"] == 0
+    assert figures["throughput_8_6_fp32_spec_c2"] == pytest.approx(spec["output_tok_s"], abs=1e-3)
+    assert figures["spec_throughput_ratio_c2"] == pytest.approx(spec["output_tok_s"] / plain["output_tok_s"], rel=1e-3)
+    expected = spec["spec_accepted_tokens"] / spec["spec_draft_tokens"] if spec["spec_draft_tokens"] else 0.0
+    assert figures["spec_acceptance_c2"] == pytest.approx(expected, abs=1e-3)
+
+
 @pytest.fixture(scope="module")
 def moe_artifact(tmp_path_factory):
     """The tiny Qwen3-MoE preset (2 layers of 8 experts, 2 per token), fp32, built."""
