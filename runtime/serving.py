@@ -633,13 +633,16 @@ class ServingEngine:
 
     def _wants_drafts(self, requests: list[Request]) -> bool:
         """Whether the next step of these decoding requests would speculate: then it runs on the synchronous path
-        (the overlapped pipeline launches a step before the host knows the tokens drafts are proposed from)."""
+        (the overlapped pipeline launches a step before the host knows the tokens drafts are proposed from). Only
+        where the proposer may have drafts (``Proposer.may_propose`` on the tokens known now), so that text without
+        repeats keeps the pipeline's overlap."""
         if self.proposer is None or not self.spec_policy.step_allows(len(requests)):
             return False
         for request in requests:
             track = self._tracks.get(request.request_id)
             draft = track.draft if track is not None else None
-            if draft is not None and self.spec_policy.num_draft(draft, self.num_steps) > 0:
+            if draft is not None and self.spec_policy.num_draft(draft, self.num_steps) > 0 \
+                    and self.proposer.may_propose(request.token_ids):
                 return True
         return False
 

@@ -177,6 +177,13 @@ class Proposer(abc.ABC):
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Up to ``max_tokens`` draft tokens per request (possibly none), in the order given."""
 
+    def may_propose(self, token_ids: Sequence[int]) -> bool:
+        """Whether proposing for a request whose known tokens are ``token_ids`` would likely give drafts. The engine
+        asks before a step leaves the overlapped pipeline for the synchronous one (where the tokens are one step
+        behind): a proposer that often has nothing to offer would otherwise cost every step its overlap. Cheap and
+        without side effects; True by default (a draft model always drafts)."""
+        return True
+
     def release(self, request_id: str) -> None:
         """Forget a finished request (a proposer with per-request state, e.g. a draft model's KV cache)."""
 
@@ -203,6 +210,12 @@ class NgramProposer(Proposer):
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         return [self.propose_one(r.token_ids, r.max_tokens) for r in requests]
+
+    def may_propose(self, token_ids: Sequence[int]) -> bool:
+        """Whether the tokens' suffix recurs (one step behind, the next suffix usually does too, and does not
+        where the text has no repeats: random prompts measured 0.87-0.91x throughput on an H100 when every step
+        left the pipeline to find no draft)."""
+        return self._match(token_ids) is not None
 
     def propose_one(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` drafts following ``token_ids`` (none when no n-gram of the allowed sizes recurs)."""

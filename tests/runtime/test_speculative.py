@@ -535,6 +535,38 @@ def test_the_overlapped_pipeline_falls_back_to_verify_steps(engine):
     _assert_no_leaks(s)
 
 
+def test_the_pipeline_keeps_its_overlap_where_the_proposer_has_nothing(engine):
+    """A step leaves the overlapped pipeline only where the proposer may have drafts: a proposer that never
+    expects any leaves the pipeline as it is without speculation (every decode fed from the device) and is never
+    asked to propose; the n-gram proposer expects drafts exactly where the suffix recurs."""
+    from tests.runtime.test_overlap import EagerGraphs
+
+    class Never(Proposer):
+        method = "never"
+        calls = 0
+
+        def propose(self, requests):
+            Never.calls += 1
+            return [[] for _ in requests]
+
+        def may_propose(self, token_ids):
+            return False
+
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    fed = []
+    for spec in (None, NGRAM):
+        s = _serving(engine, spec, max_num_seqs=3)
+        if spec:
+            s.proposer = Never()
+        s.graphs = graphs = EagerGraphs(s, 3)
+        s.run(prompts, params)
+        fed.append(graphs.num_device_inputs)
+    assert fed[0] > 3 and fed[1] == fed[0] and Never.calls == 0
+    ngram = NgramProposer(2, 4)
+    assert ngram.may_propose([5, 6, 7, 5, 6]) and not ngram.may_propose([5, 6, 7, 8, 9])
+
+
 # --- metrics ---------------------------------------------------------------------------------------------------------
 def test_metrics_export_the_speculation_counters(engine):
     s = _serving(engine, NGRAM)
