@@ -59,8 +59,8 @@ from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compute_logprobs, make_generator, sample,
                               to_device)
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, Proposer, SpeculationCost,
-                                 SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_rows)
+from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, Proposer, SpeculationPolicy,
+                                 SpeculativeConfig, SpeculativeConfigError, accept_rows)
 from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -233,8 +233,6 @@ class ServingEngine:
         self.proposer: Proposer | None = make_proposer(spec, engine, self.scheduler_config.max_seq_len) \
             if spec.enabled else None
         self.spec_policy = SpeculationPolicy(spec)
-        # measured cost (with CUDA graphs: see SpeculationCost); None without speculation or with a fixed k
-        self.spec_cost = SpeculationCost() if spec.enabled and spec.adaptive else None
         self.memory_plan = self._plan_memory()
         log.info(self.memory_plan.describe())
         layout = engine.kv_layout
@@ -429,20 +427,6 @@ class ServingEngine:
         before), or a request would speculate (its drafts are proposed from the tokens the step before sampled,
         and the verified tokens' count decides the next step's positions: see ``_propose``).
         """
-        if self.spec_cost is None or self.graphs is None:
-            return self._step()
-        start, verified_before, allowed = time.perf_counter(), self.spec_num_steps, self._spec_load_allows()
-        outputs = self._step()
-        if allowed:  # a load at which speculation may run: the rates compared are of such steps
-            self.spec_cost.record(self.spec_num_steps > verified_before, sum(len(o.token_ids) for o in outputs),
-                                  time.perf_counter() - start, self.num_steps)
-        return outputs
-
-    def _spec_load_allows(self) -> bool:
-        """Whether the running batch is small enough to speculate (SpeculativeConfig.max_running)."""
-        return self.spec_policy.step_allows(sum(1 for r in self.scheduler.running if r.num_pending == 1))
-
-    def _step(self) -> list[RequestOutput]:
         outputs = self._reap()
         if self._compiling:
             outputs += self._take_compiled()
@@ -652,8 +636,7 @@ class ServingEngine:
         (the overlapped pipeline launches a step before the host knows the tokens drafts are proposed from). Only
         where the proposer may have drafts (``Proposer.may_propose`` on the tokens known now), so that text without
         repeats keeps the pipeline's overlap."""
-        if self.proposer is None or not self.spec_policy.step_allows(len(requests)) \
-                or (self.spec_cost is not None and not self.spec_cost.allows(self.num_steps)):
+        if self.proposer is None or not self.spec_policy.step_allows(len(requests)):
             return False
         for request in requests:
             track = self._tracks.get(request.request_id)
@@ -670,8 +653,7 @@ class ServingEngine:
         if self.proposer is None:
             return {}
         decoding = [r for r in self.scheduler.running if r.num_pending == 1]
-        if not self.spec_policy.step_allows(len(decoding)) \
-                or (self.spec_cost is not None and not self.spec_cost.allows(self.num_steps)):
+        if not self.spec_policy.step_allows(len(decoding)):
             return {}
         max_seq_len = self.scheduler_config.max_seq_len
         asks = []

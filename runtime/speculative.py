@@ -334,38 +334,3 @@ class SpeculationPolicy:
             # probe again later with one draft, starting from the threshold: one good step resumes, a bad one pauses
             state.resume_step, state.num_draft = step + PROBE_INTERVAL, 1
             state.acceptance = self.config.min_acceptance
-
-
-class SpeculationCost:
-    """Whether speculation pays at the current load, from what the steps measure: the output rate (tokens per
-    second of ``ServingEngine.step`` calls) of calls that verified drafts against that of calls that did not, at
-    loads where speculation was allowed (EWMAs). While the verifying rate is the lower, speculation pauses for
-    PAUSE_STEPS engine steps, then is tried again with the verifying rate measured afresh. The engine applies it
-    where plain decode steps overlap the host (CUDA graphs), which a verify step gives up: there a verify step of
-    a small model can cost twice a plain one, and at 8 requests the accepted drafts no longer paid for it
-    (docs/BENCHMARKS.md, session 15). ``adaptive: false`` turns it off with the rest of the adaptation."""
-
-    WEIGHT = 0.25  # EWMA weight of the newest call
-    MIN_CALLS = 4  # calls of each kind before the rates are compared (the first verify step compiles kernels)
-    PAUSE_STEPS = 64
-
-    def __init__(self) -> None:
-        self.rates = {True: 0.0, False: 0.0}  # verified -> tokens per second
-        self.calls = {True: 0, False: 0}
-        self.paused_until = 0
-        self.num_pauses = 0
-
-    def allows(self, step: int) -> bool:
-        return step >= self.paused_until
-
-    def record(self, verified: bool, num_tokens: int, seconds: float, step: int) -> None:
-        """One step() call that emitted ``num_tokens`` tokens in ``seconds`` (calls that emitted none are not
-        rates: skipped)."""
-        if num_tokens <= 0 or seconds <= 0:
-            return
-        rate, calls = num_tokens / seconds, self.calls[verified]
-        self.rates[verified] = rate if calls == 0 else self.rates[verified] + self.WEIGHT * (rate - self.rates[verified])
-        self.calls[verified] = calls + 1
-        if min(self.calls.values()) >= self.MIN_CALLS and self.rates[True] < self.rates[False]:
-            self.paused_until, self.calls[True] = step + self.PAUSE_STEPS, 0
-            self.num_pauses += 1

@@ -26,7 +26,7 @@ from runtime.sampling import sample  # noqa: E402
 from runtime.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 from runtime.speculative import (  # noqa: E402
-    MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, Proposer, SpeculationCost, SpeculationPolicy,
+    MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, Proposer, SpeculationPolicy,
     SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
 
 NGRAM = {"method": "ngram"}
@@ -565,38 +565,6 @@ def test_the_pipeline_keeps_its_overlap_where_the_proposer_has_nothing(engine):
     assert fed[0] > 3 and fed[1] == fed[0] and Never.calls == 0
     ngram = NgramProposer(2, 4)
     assert ngram.may_propose([5, 6, 7, 5, 6]) and not ngram.may_propose([5, 6, 7, 8, 9])
-
-
-def test_speculation_pauses_where_verifying_steps_emit_slower():
-    """SpeculationCost: once both kinds of step have MIN_CALLS measured calls, a lower output rate of the verifying
-    ones pauses speculation for PAUSE_STEPS steps; a higher one never does; after a pause the verifying rate is
-    measured afresh (no pause until MIN_CALLS new calls)."""
-    cost = SpeculationCost()
-    for step in range(10):  # verify steps: 3 tokens in 2 ms (1500/s) against plain 1 in 1 ms (1000/s)
-        cost.record(step % 2 == 0, 3 if step % 2 == 0 else 1, 2e-3 if step % 2 == 0 else 1e-3, step)
-    assert cost.allows(10) and cost.num_pauses == 0
-    cost.record(True, 0, 1e-3, 10)  # a call that emitted nothing is no rate
-    for step in range(10, 10 + 2 * SpeculationCost.MIN_CALLS):  # verify steps now 2 tokens in 4 ms (500/s)
-        cost.record(step % 2 == 0, 2 if step % 2 == 0 else 1, 4e-3 if step % 2 == 0 else 1e-3, step)
-        if cost.num_pauses:
-            break
-    assert cost.num_pauses == 1 and not cost.allows(cost.paused_until - 1) and cost.allows(cost.paused_until)
-    assert cost.calls[True] == 0  # measured afresh after the pause
-
-
-def test_the_engine_measures_speculation_only_with_the_pipeline(engine):
-    """The cost check runs where plain steps overlap the host (graphs), with adaptive speculation only."""
-    from tests.runtime.test_overlap import EagerGraphs
-
-    s = _serving(engine, NGRAM)
-    assert s.spec_cost is not None and s.graphs is None
-    s.run([engine.tokenizer.encode(PROMPTS[4])], SamplingParams(max_tokens=8, ignore_eos=True))
-    assert sum(s.spec_cost.calls.values()) == 0  # no pipeline: nothing measured
-    s.graphs = EagerGraphs(s, 4)
-    s.run([engine.tokenizer.encode(PROMPTS[4])], SamplingParams(max_tokens=24, ignore_eos=True))
-    assert sum(s.spec_cost.calls.values()) > 0
-    assert _serving(engine, {**NGRAM, "adaptive": False}).spec_cost is None
-    assert _serving(engine, None).spec_cost is None
 
 
 # --- metrics ---------------------------------------------------------------------------------------------------------
