@@ -40,6 +40,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -588,28 +589,26 @@ class ServingEngine:
         failed = {r.request_id for r, t, _ in rows if t == INVALID_TOKEN or r.request_id in errors}
         failed |= {r.request_id for r, _, emitted in verified if emitted[-1] == INVALID_TOKEN or r.request_id in errors}
         self.scheduler.update(sched, {r.request_id: t for r, t, _ in rows if r.request_id not in failed})
-        outputs = []
-        for request, token, logprob in rows:
-            if request.request_id in failed:
-                outputs.append(self._fail(request, errors.get(request.request_id, INVALID_ROW_ERROR)))
-                continue
-            try:
-                outputs.append(self._emit(request, token, logprob))
-            except Exception as e:
-                log.exception("request %s: emitting token %d failed", request.request_id, token)
-                outputs.append(self._fail(request, f"detokenizing or checking the stop conditions of token {token} "
-                                                   f"failed: {type(e).__name__}: {e}"))
-        for request, drafts, emitted in verified:
-            if request.request_id in failed:
-                outputs.append(self._fail(request, errors.get(request.request_id, INVALID_ROW_ERROR)))
-                continue
-            try:
-                outputs.append(self._record_verified(request, drafts, emitted))
-            except Exception as e:
-                log.exception("request %s: emitting tokens %s failed", request.request_id, emitted)
-                outputs.append(self._fail(request, f"detokenizing or checking the stop conditions of tokens {emitted} "
-                                                   f"failed: {type(e).__name__}: {e}"))
+        outputs = [self._deliver(request, failed, errors, f"token {token}",
+                                 lambda r=request, t=token, lp=logprob: self._emit(r, t, lp))
+                   for request, token, logprob in rows]
+        outputs += [self._deliver(request, failed, errors, f"tokens {emitted}",
+                                  lambda r=request, d=drafts, e=emitted: self._record_verified(r, d, e))
+                    for request, drafts, emitted in verified]
         return outputs
+
+    def _deliver(self, request: Request, failed: set[str], errors: dict[str, str], what: str,
+                 emit: Callable[[], RequestOutput]) -> RequestOutput:
+        """``emit()``, the request's delta for ``what`` it sampled, or its failure: when its row failed, or when
+        detokenizing or the stop checks raise (that request alone fails)."""
+        if request.request_id in failed:
+            return self._fail(request, errors.get(request.request_id, INVALID_ROW_ERROR))
+        try:
+            return emit()
+        except Exception as e:
+            log.exception("request %s: emitting %s failed", request.request_id, what)
+            return self._fail(request, f"detokenizing or checking the stop conditions of {what} failed: "
+                                       f"{type(e).__name__}: {e}")
 
     def _fail(self, request: Request, error: str) -> RequestOutput:
         """Finish one request with finish_reason "error" (a failure that belongs to it alone)."""

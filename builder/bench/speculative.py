@@ -34,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from builder.bench.offline import _random_prompts, _sync
+from builder.bench.offline import _random_prompts
 from builder.bench.record import append_figures
+from runtime.artifact import open_artifact, read_manifest
 from runtime.engine import resolve_device
 from runtime.sampling import SamplingParams
 from runtime.serving import ServingConfig, ServingEngine
@@ -161,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     device = str(resolve_device(args.device))
     figures = []
     if not args.no_speedup:
-        engine = _load(args.artifact, device, None)
-        tokenizer = engine.engine.tokenizer
-        _close(engine)
+        tokenizer = open_artifact(args.artifact, check_hashes=False).load_tokenizer()
         prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
         res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len)
         print(f"n-gram k={args.num_draft}, batch 1, {len(prompts)} code-editing prompts, {args.output_len} tokens: "
@@ -175,9 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                     (f"spec_decode_tok_s_ngram_b1{args.tag}", res["ngram_tok_s"], "tok/s"),
                     (f"spec_acceptance_ngram_b1{args.tag}", res["acceptance"], "ratio")]
     if args.verify_cost:
-        engine = _load(args.artifact, device, None)
-        vocab = engine.engine.tokenizer.vocab_size
-        _close(engine)
+        vocab = read_manifest(Path(args.artifact))["model"]["vocab_size"]
         prompt = _random_prompts(1, args.input_len, vocab, seed=0)[0]
         steps = verify_cost(args.artifact, device, args.verify_cost, prompt, args.output_len)
         base = steps[0]
@@ -188,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{steps[k] / base - 1:.2f} accepted tokens per step)")
             figures += [(f"spec_verify_cost_k{k}{args.tag}", steps[k] / base, "x"),
                         (f"spec_step_ms_k{k}{args.tag}", steps[k], "ms")]
-    _sync(resolve_device(device))
     if args.record and figures:
         append_figures(args.record, figures, device, "python -m builder.bench.speculative " + " ".join(argv or
                                                                                                          sys.argv[1:]))
