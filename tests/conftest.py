@@ -9,11 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per xdist worker (and per process a test starts): the workers already use every core,
+    # and two workers of two threads each on two cores run slower than either alone.
+    for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[_var] = "1"
+
 import pytest
 import torch
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
