@@ -41,7 +41,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +106,9 @@ class ServingConfig:
     # from RUNTIME_PREFILL_HOLD_MS, else 0: on the H100 50 ms let Poisson load at 60 req/s meet p99 TTFT <= 500 ms
     # and TPOT <= 50 ms where no hold did not, but cost 12% in a closed loop of 256 clients (docs/BENCHMARKS.md)
     prefill_hold_ms: float = field(default_factory=lambda: float(_env_int("RUNTIME_PREFILL_HOLD_MS", 0)))
+    # with the overlapped pipeline: the masks of a structured step in flight are filled on a worker thread while the
+    # step before is recorded (``ServingEngine._start_masks``); off fills them after (RUNTIME_MASK_OVERLAP=0: an A/B)
+    mask_overlap: bool = field(default_factory=lambda: bool(_env_int("RUNTIME_MASK_OVERLAP", 1)))
     # speculative decoding (runtime.speculative): a SpeculativeConfig, or its fields as a dict (the ``speculative``
     # section, e.g. across the engine process boundary); default off
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
@@ -177,6 +180,7 @@ class _InFlight:
     host_tokens: torch.Tensor | None = None  # the same, copied to pinned host memory once the step is done
     done: torch.cuda.Event | None = None  # recorded after that copy (None on the CPU, where the copy is synchronous)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed (row: INVALID_TOKEN)
+    masks: Future | None = None  # its structured rows' masks, filled on the host while the step before is recorded
 
     @property
     def sampled(self) -> bool:
@@ -268,6 +272,7 @@ class ServingEngine:
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self._compiling: dict[str, Future] = {}  # PREPARING request id -> its grammar's compile
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
+        self._mask_filler: ThreadPoolExecutor | None = None  # fills an in-flight step's masks (see _start_masks)
         self._inflight: _InFlight | None = None  # a launched step not yet read back (overlap)
         self.num_steps = 0
         self.spec_num_steps = 0  # steps that verified drafts
@@ -301,6 +306,8 @@ class ServingEngine:
             self.step_graphs = None
         if self._grammars is not None:
             self._grammars.close()
+        if self._mask_filler is not None:
+            self._mask_filler.shutdown(wait=True)
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
@@ -437,7 +444,8 @@ class ServingEngine:
             outputs += self._complete(previous)
             if self._inflight is not None:
                 if not self._inflight.sampled:  # its grammars have taken previous's tokens: mask and sample now
-                    self._inflight.launch_sampled(self._sample(self._inflight.logits, self._inflight.sampling))
+                    step = self._inflight
+                    step.launch_sampled(self._sample(step.logits, step.sampling, masks=step.masks))
                 return outputs
         sched = self.scheduler.schedule(self._propose())
         if sched.empty:
@@ -497,18 +505,21 @@ class ServingEngine:
         return self.executor.forward(inp), sampling  # logits: [num_sampling, vocab] fp32
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request],
-                draw_states: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, dict[str, str]]:
+                draw_states: list[torch.Tensor | None] | None = None, masks: Future | None = None
+                ) -> tuple[torch.Tensor, dict[str, str]]:
         """Each request's next token, on the logits' device (no host sync), and why sampling failed for the
         requests it raised for (their rows hold INVALID_TOKEN, as do rows without a valid distribution).
         A batched call that raises is retried row by row, each seeded row from its generator's state
         before the batched call, so the others keep the tokens they would have drawn.
         A request may have several consecutive rows (a verify step, see ``_verify``): they draw from its generator
-        in turn, and ``draw_states`` (see ``sample``'s ``generator_states``) gets its state after each draw."""
+        in turn, and ``draw_states`` (see ``sample``'s ``generator_states``) gets its state after each draw.
+        ``masks``: the structured rows' masks being filled already (``_start_masks``), else they are filled here."""
         # (a request that finished while its sampling waited, see _InFlight, draws unseeded and unmasked: discarded)
         tracks = [self._tracks.get(r.request_id) for r in sampling]
         generators = [t.generator if t is not None else None for t in tracks]
         states = [g.get_state() if g is not None else None for g in generators]
-        mask, errors = self._token_bitmask(sampling, tracks)
+        mask, errors = self._token_bitmask(sampling, masks.result() if masks is not None
+                                           else self._fill_masks(sampling, tracks))
         try:
             return self._sample_rows(logits, sampling, generators, mask, draw_states), errors
         except Exception as e:  # one request's parameters or history, or the device: find out row by row
@@ -531,18 +542,43 @@ class ServingEngine:
                 rows.append(torch.full((1,), INVALID_TOKEN, dtype=torch.long, device=logits.device))
         return torch.cat(rows), errors
 
-    def _token_bitmask(self, sampling: list[Request], tracks: list[_Track | None]
-                       ) -> tuple[TokenBitmask | None, dict[str, str]]:
-        """The allowed tokens of the structured requests among ``sampling`` (None when there are none), on the
-        device without a host sync; and the requests whose grammar is dead (request id -> why: they fail)."""
+    def _fill_masks(self, sampling: list[Request], tracks: list[_Track | None]
+                    ) -> tuple[list[int], list[GrammarState], torch.Tensor] | None:
+        """The allowed tokens of the structured requests among ``sampling`` as a host bitmask (rows of ``sampling``,
+        their grammar states, the bitmask), or None when there are none. Touches nothing but those states, so it
+        may run on another thread (``_start_masks``)."""
         if not any(r.params.structured is not None for r in sampling):
-            return None, {}
+            return None
         rows = [i for i, t in enumerate(tracks) if t is not None and t.grammar is not None]
         states = [tracks[i].grammar for i in rows]
-        bitmask = fill_bitmasks(states, self.grammars.num_words, pin_memory=self.device.type == "cuda")
+        return rows, states, fill_bitmasks(states, self.grammars.num_words, pin_memory=self.device.type == "cuda")
+
+    def _token_bitmask(self, sampling: list[Request],
+                       filled: tuple[list[int], list[GrammarState], torch.Tensor] | None
+                       ) -> tuple[TokenBitmask | None, dict[str, str]]:
+        """The filled masks (``_fill_masks``) on the device without a host sync (None when there are none), and
+        the requests whose grammar is dead (request id -> why: they fail)."""
+        if filled is None:
+            return None, {}
+        rows, states, bitmask = filled
         errors = {sampling[i].request_id: f"structured output: the grammar cannot continue ({s.error})"
                   for i, s in zip(rows, states) if s.error is not None}
         return TokenBitmask(rows, bitmask.to(self.device, non_blocking=True)), errors
+
+    def _start_masks(self) -> None:
+        """Start filling the masks of the in-flight step's structured rows on a worker thread, once the step before
+        has advanced their grammars (``_record``'s ``before_emit``): llguidance fills them without the GIL while
+        this thread detokenizes and emits that step's tokens. ``_sample`` takes the result; ``_drop_inflight``
+        waits for it (nothing else touches those states meanwhile: ``GrammarState.finished`` is cached)."""
+        step = self._inflight
+        if step is None or step.sampled or step.masks is not None:
+            return
+        tracks = [self._tracks.get(r.request_id) for r in step.sampling]
+        if not any(t is not None and t.grammar is not None for t in tracks):
+            return
+        if self._mask_filler is None:
+            self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
+        step.masks = self._mask_filler.submit(self._fill_masks, step.sampling, tracks)
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, sampling: list[Request], generators: list[torch.Generator | None],
@@ -579,16 +615,27 @@ class ServingEngine:
         return result
 
     def _record(self, sched: SchedulerOutput, rows: list[tuple[Request, int, TokenLogprob | None]],
-                errors: dict[str, str], verified: list[tuple[Request, list[int], list[int]]] = ()
-                ) -> list[RequestOutput]:
+                errors: dict[str, str], verified: list[tuple[Request, list[int], list[int]]] = (),
+                before_emit: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Record a step: append each request's sampled token and emit its delta. A request whose own
         sampling or logprobs failed (INVALID_TOKEN, or listed in ``errors``) gets no token and finishes
         with an error, as does one whose detokenization or stop check raises; the others go on.
         ``verified``: (request, its drafts, the tokens verification emits) of the requests that speculated (see
-        ``_record_verified``); one whose last emitted token is INVALID_TOKEN fails, its accepted drafts unsent."""
+        ``_record_verified``); one whose last emitted token is INVALID_TOKEN fails, its accepted drafts unsent.
+        Structured requests' grammars take their tokens first (a token the grammar refuses fails the request, and is
+        not appended), then ``before_emit`` runs, then the deltas are made."""
         failed = {r.request_id for r, t, _ in rows if t == INVALID_TOKEN or r.request_id in errors}
         failed |= {r.request_id for r, _, emitted in verified if emitted[-1] == INVALID_TOKEN or r.request_id in errors}
+        for request, token, _ in rows:
+            track = self._tracks.get(request.request_id)
+            if request.request_id not in failed and track is not None and track.grammar is not None \
+                    and not track.grammar.advance(token):
+                failed.add(request.request_id)
+                errors[request.request_id] = (f"structured output: token {token} was sampled outside the grammar "
+                                              f"({track.grammar.error})")
         self.scheduler.update(sched, {r.request_id: t for r, t, _ in rows if r.request_id not in failed})
+        if before_emit is not None:
+            before_emit()
         outputs = [self._deliver(request, failed, errors, f"token {token}",
                                  lambda r=request, t=token, lp=logprob: self._emit(r, t, lp))
                    for request, token, logprob in rows]
@@ -781,7 +828,8 @@ class ServingEngine:
         commit the KV slots reserved for the step launched after it."""
         tokens = step.read()
         live = [(r, t, None) for r, t in zip(step.sampling, tokens) if r.status is RequestStatus.RUNNING]
-        outputs = self._record(step.sched, live, step.errors)
+        outputs = self._record(step.sched, live, step.errors,
+                               before_emit=self._start_masks if self.config.mask_overlap else None)
         if self._inflight is not None:
             for q in self._inflight.sched.seqs:
                 request = q.request
@@ -794,9 +842,12 @@ class ServingEngine:
 
     def _drop_inflight(self) -> None:
         """Forget the in-flight step, after waiting for it: DecodeGraphs refills a staging buffer two launches
-        later on the promise that the step before was read back (see DecodeGraphs.run)."""
+        later on the promise that the step before was read back (see DecodeGraphs.run); and for its masks, whose
+        grammar states may be advanced next."""
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
+            if step.masks is not None:
+                wait_futures([step.masks])
             try:
                 step.read()
             except Exception as e:  # a failed device (finish_all after an error) must not fail the cleanup
@@ -860,13 +911,11 @@ class ServingEngine:
         return self.graphs.run(ids if input_ids is None else input_ids, positions, slots, tables)
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
-        """Detokenize the new token, check stop conditions, and finish the request if it is done."""
+        """Detokenize the new token (its grammar has taken it, see ``_record``), check stop conditions, and finish
+        the request if it is done."""
         track = self._tracks[request.request_id]
         if logprob is not None:
             track.logprobs.append(logprob)
-        if track.grammar is not None and not track.grammar.advance(token):
-            return self._fail(request, f"structured output: token {token} was sampled outside the grammar "
-                                       f"({track.grammar.error})")
         return self._delta(request, track, self._stop_check(request, track, token))
 
     def _stop_check(self, request: Request, track: _Track, token: int) -> str | None:

@@ -183,15 +183,19 @@ class GrammarState:
 
     def __init__(self, matcher: LLMatcher) -> None:
         self.matcher = matcher
+        self._finished = matcher.is_stopped()
 
     def advance(self, token_id: int) -> bool:
         """Consume an emitted token; False (and the state is dead, see ``error``) when the grammar refuses it."""
-        return self.matcher.consume_token(token_id)
+        ok = self.matcher.consume_token(token_id)
+        self._finished = self.matcher.is_stopped()
+        return ok
 
     @property
     def finished(self) -> bool:
-        """The grammar is complete and nothing can extend it (only EOS may follow)."""
-        return self.matcher.is_stopped()
+        """The grammar is complete and nothing can extend it (only EOS may follow). Read when the state last
+        moved, so it may be asked while another thread fills this state's mask (the matcher is busy then)."""
+        return self._finished
 
     @property
     def accepting(self) -> bool:
@@ -213,6 +217,7 @@ class GrammarState:
         """Undo the last ``num_tokens`` advances (rejected draft tokens)."""
         if not self.matcher.rollback(num_tokens):
             raise RuntimeError(f"rolling back {num_tokens} tokens failed: {self.matcher.get_error()}")
+        self._finished = self.matcher.is_stopped()
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,7 @@ def timed_steps(engine: ServingEngine) -> Iterator[list[StepTiming]]:
     time between two calls' ends is the time between two steps' results, GPU work included."""
     timings: list[StepTiming] = []
     step = engine.step
+    wrapped = "step" in vars(engine)  # another wrapper's (builder.bench.structured.host_stages): put it back
 
     def timed_step() -> list[RequestOutput]:
         start = time.perf_counter()
@@ -127,7 +128,10 @@ def timed_steps(engine: ServingEngine) -> Iterator[list[StepTiming]]:
     try:
         yield timings
     finally:
-        del engine.step
+        if wrapped:
+            engine.step = step
+        else:
+            del engine.step
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float:

@@ -12,7 +12,8 @@ tokens (minItems), so both runs decode every request at every step. Free and con
 times each; overhead = constrained / free - 1. On CUDA the steps replay CUDA graphs and overlap the host, as served.
 
 Masks: the host time to fill N requests' masks at once, each request inside a record (llguidance's threads fill
-many in parallel, without the GIL); median of 50.
+many in parallel, without the GIL); median of 50, each state advanced by a random allowed token between fills
+(refilling an unchanged state is several times cheaper than decoding makes it).
 
 Compile: a schema of --fields properties of every kind (bounded strings with patterns, integers and numbers with
 bounds, enums, nested objects, arrays, anyOf) checked as the server checks a request's (no vocabulary), then
@@ -24,6 +25,11 @@ random checkpoints of builder.devtools.make_checkpoint have word-level vocabular
 ``--tokenizer DIR`` (a directory with a tokenizer.json of at most the model's vocabulary, e.g. Llama 3's 128,256
 tokens for the llama3-8b shape) serves the artifact with that tokenizer instead: the prompts are random ids anyway.
 
+Host stages (``--breakdown``): one more free and one more constrained run with the engine's step stages timed on
+the host (µs per step): the whole ``step`` call, launching the next step, waiting for the tokens in flight,
+recording them (grammars advanced, detokenized, stop checks), sampling (the mask joined or filled, applied, the
+draw launched) and filling the masks (on whichever thread fills them).
+
 Figures (``--record``, the JSON lines of builder.bench.record): structured_free_decode_step_b{N}_{precision} and
 structured_decode_step_b{N}_{precision} (ms), structured_overhead_b{N}_{precision} (%), structured_mask_fill_b{N}
 (us), structured_check_{F}f, structured_compile_{F}f and structured_vocab_view (ms).
@@ -32,10 +38,13 @@ structured_decode_step_b{N}_{precision} (ms), structured_overhead_b{N}_{precisio
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import time
+from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
 
@@ -43,7 +52,7 @@ from builder.bench.offline import _random_prompts, _sync, steady_step_seconds, t
 from builder.bench.record import append_figures, precision_of
 from runtime.engine import resolve_device
 from runtime.sampling import SamplingParams
-from runtime.serving import ServingConfig, ServingEngine
+from runtime.serving import ServingConfig, ServingEngine, _InFlight
 from runtime.structured import GrammarCompiler, StructuredOutput, StructuredOutputError, check, fill_bitmasks
 from runtime.tokenizer import Tokenizer
 
@@ -97,19 +106,61 @@ def decode_step_ms(engine: ServingEngine, batch_size: int, input_len: int, outpu
     return [s * 1e3 for s in steady_step_seconds([(t.end, o) for t, o in zip(timings, outputs)], batch_size)]
 
 
-def mask_fill_us(engine: ServingEngine, batch_size: int, spec: StructuredOutput) -> float:
-    """Median host time to fill ``batch_size`` masks, each request in the middle of a record."""
+STAGES = ("step", "_launch_next", "read", "_record", "_sample", "_fill_masks")  # see --breakdown
+
+
+@contextlib.contextmanager
+def host_stages(engine: ServingEngine) -> Iterator[dict[str, float]]:
+    """Seconds spent in each of STAGES while the block runs, summed over calls ("read": waiting for a step in
+    flight; "_fill_masks": on whichever thread fills them); "calls": how many ``step`` calls ran."""
+    totals: dict[str, float] = defaultdict(float)
+
+    def timed(fn, name):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[name] += time.perf_counter() - start
+                if name == "step":
+                    totals["calls"] += 1
+        return wrapper
+
+    for name in STAGES:
+        if name != "read":
+            setattr(engine, name, timed(getattr(engine, name), name))
+    read = _InFlight.read
+    _InFlight.read = timed(read, "read")
+    try:
+        yield totals
+    finally:
+        _InFlight.read = read
+        for name in STAGES:
+            if name != "read":
+                delattr(engine, name)
+
+
+def mask_fill_us(engine: ServingEngine, batch_size: int, spec: StructuredOutput, fills: int = 50) -> float:
+    """Median host time to fill ``batch_size`` masks, each request inside a record; between two fills every state
+    takes a random token its mask allows (seeded), as in decoding, so no fill repeats the one before."""
     grammar = engine.grammars.compile(spec)
     prefix = engine.tokenizer.encode(RECORDS_PREFIX, add_special_tokens=False)
     states = [grammar.new_state() for _ in range(batch_size)]
     for state in states:
         assert all(state.advance(t) for t in prefix), state.error
     pin = engine.device.type == "cuda"
+    gen = torch.Generator().manual_seed(0)
+    vocab = engine.grammars.vocab_size
+    bit = torch.tensor([1 << b if b < 31 else -(1 << 31) for b in range(32)], dtype=torch.int32)
     times = []
-    for _ in range(50):
+    for _ in range(fills):
         start = time.perf_counter()
-        fill_bitmasks(states, engine.grammars.num_words, pin_memory=pin)
+        bitmask = fill_bitmasks(states, engine.grammars.num_words, pin_memory=pin)
         times.append((time.perf_counter() - start) * 1e6)
+        allowed = ((bitmask[:, :, None] & bit) != 0).flatten(1)[:, :vocab].float()
+        for state, row in zip(states, allowed):
+            token = int(torch.multinomial(row, 1, generator=gen))
+            assert state.advance(token), state.error
     return statistics.median(times)
 
 
@@ -145,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="CPU: torch's threads (on a shared machine, 1 "
                                                                   "keeps other processes from stalling every op)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="also time the step's host stages (see above)")
     parser.add_argument("--record", default=None, help="append the figures to this JSON-lines file")
     args = parser.parse_args(argv)
     batch_sizes = args.batch_size or [1, 64]
@@ -172,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the tokenizer of {args.artifact} cannot write JSON (no token starts a document); pass "
                      f"--tokenizer DIR with a tokenizer.json of at most {vocab} tokens")
     precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
-    rows, figures = [], []
+    rows, figures, breakdowns = [], [], []
     try:
         for n in batch_sizes:
             engine.run(_random_prompts(n, args.input_len, vocab, 99), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -184,6 +236,12 @@ def main(argv: list[str] | None = None) -> int:
             free_ms, held_ms = statistics.median(free), statistics.median(held)
             fill = mask_fill_us(engine, n, spec)
             rows.append((n, free_ms, held_ms, fill))
+            if args.breakdown:
+                for name, s_ in (("free", None), ("json", spec)):
+                    with host_stages(engine) as totals:
+                        decode_step_ms(engine, n, args.input_len, args.output_len, s_, args.repeats)
+                    calls = max(totals.pop("calls", 0), 1)
+                    breakdowns.append((n, name, {k: v / calls * 1e6 for k, v in totals.items()}))
             figures += [(f"structured_free_decode_step_b{n}_{precision}", free_ms, "ms"),
                         (f"structured_decode_step_b{n}_{precision}", held_ms, "ms"),
                         (f"structured_overhead_b{n}_{precision}", (held_ms / free_ms - 1) * 100, "%"),
@@ -200,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'batch':>5}  {'free ms/step':>12}  {'json ms/step':>12}  {'overhead':>8}  {'mask fill us':>12}")
     for n, free_ms, held_ms, fill in rows:
         print(f"{n:>5}  {free_ms:>12.3f}  {held_ms:>12.3f}  {(held_ms / free_ms - 1) * 100:>+7.1f}%  {fill:>12.1f}")
+    if breakdowns:
+        print(f"host time per step call, µs ({', '.join(STAGES)}):")
+        for n, name, per_step in breakdowns:
+            print(f"{n:>5} {name:>5}  " + "  ".join(f"{k} {per_step.get(k, 0.0):.1f}" for k in STAGES))
     print(f"schema of {args.fields} properties ({timing['schema_kib']:.1f} KiB): check {timing['check']:.1f} ms, "
           f"compile {timing['compile']:.1f} ms, cached {timing['cached']:.3f} ms; the vocabulary view "
           f"{timing['vocab_view']:.1f} ms (once per engine)")

@@ -47,6 +47,11 @@
 #                  sweep's goodput rate: the highest rate with no failed request and both p99s within their SLOs);
 #                  the sweep JSON in $OUT/goodput_PREC.json, its table in $OUT/goodput_PREC.log; $GOODPUT_TAG (e.g.
 #                  _hold0, with RUNTIME_PREFILL_HOLD_MS=0) is appended to the files' and figure's names
+#   structured-PREC  structured-output overhead (builder.bench.structured --breakdown, batch 1 and 64, JSON schema vs
+#                  free) on artifacts/llama3-8b-PREC served with a 128k byte-level BPE tokenizer trained here
+#                  (builder.devtools.train_tokenizer, checkpoints/bpe-128k), then on artifacts/quickstart; each with
+#                  the masks filled beside the record (default) and after it (RUNTIME_MASK_OVERLAP=0); figures in
+#                  $OUT/benchmarks.jsonl (the A/B's second run tagged by its log only), logs $OUT/structured_*.log
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
@@ -252,6 +257,22 @@ PY
       ;;
     build-*)
       artifact "${part#build-}" ;;
+    structured-*)
+      prec=${part#structured-}
+      [ -d checkpoints/bpe-128k ] || python3 -m builder.devtools.train_tokenizer checkpoints/bpe-128k --max-mb 120 \
+        > "$OUT/train_tokenizer.log" 2>&1 &
+      artifact "$prec"
+      wait
+      tail -n 1 "$OUT/train_tokenizer.log"
+      for overlap in 1 0; do
+        rec=""; [ $overlap = 1 ] && rec="--record $OUT/benchmarks.jsonl"
+        RUNTIME_MASK_OVERLAP=$overlap python3 -m builder.bench.structured artifacts/llama3-8b-$prec --device cuda \
+          --tokenizer checkpoints/bpe-128k --batch-size 1 --batch-size 64 --repeats 3 --breakdown $rec 2>&1 \
+          | tee "$OUT/structured_${prec}_overlap$overlap.log" | grep -v Warning | tail -n 12
+        RUNTIME_MASK_OVERLAP=$overlap python3 -m builder.bench.structured artifacts/quickstart --device cuda \
+          --batch-size 1 --batch-size 64 --repeats 3 --breakdown $rec 2>&1 \
+          | tee "$OUT/structured_quickstart_overlap$overlap.log" | grep -v Warning | tail -n 12
+      done ;;
     ab-*)
       prec=${part#ab-}
       artifact "$prec"

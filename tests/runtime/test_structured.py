@@ -353,11 +353,20 @@ def test_chunked_prefill_and_prefix_cache_hits(engine):
 
 def test_the_overlapped_pipeline_masks_with_the_tokens_in_flight(engine):
     """With steps launched ahead (CUDA graphs, here an eager stand-in), a structured request's sampling waits for
-    the tokens in flight to advance its grammar: the tokens equal the synchronous path's, and the pipeline kept
-    running ahead."""
+    the tokens in flight to advance its grammar: the tokens equal the synchronous path's, the pipeline kept
+    running ahead, and the masks were filled on the worker thread while the step before was recorded."""
     from test_overlap import _pair
 
+    import threading
+
     sync, overlapped, graphs = _pair(engine, num_blocks=128, max_num_seqs=16)
+    fill, threads = overlapped._fill_masks, []
+
+    def recorded_fill(sampling, tracks):
+        threads.append(threading.current_thread().name)
+        return fill(sampling, tracks)
+
+    overlapped._fill_masks = recorded_fill
     prompt = engine.tokenizer.encode(PROMPT)
     names = ["flat_object", "array_of_objects", "boolean", "defs_and_refs"]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i,
@@ -369,6 +378,8 @@ def test_the_overlapped_pipeline_masks_with_the_tokens_in_flight(engine):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(validates(o.text, SCHEMAS[n]) for o, n in zip(got, [n for n in names for _ in range(2)]))
     assert graphs.num_device_inputs > 10, "the pipeline never ran ahead"
+    # the masks of a step in flight are filled on the worker while the step before is recorded
+    assert sum(name.startswith("masks") for name in threads) > 10, threads
     _assert_no_leaks(overlapped)
 
 
