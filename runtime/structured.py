@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -290,6 +291,23 @@ _executor: llguidance.LLExecutor | None = None
 _PARALLEL_MIN_ROWS = 4  # below this, the rows are filled one by one (the thread pool's hand-off costs more)
 
 
+def mask_threads() -> int:
+    """Threads that fill many rows' masks at once: RUNTIME_MASK_THREADS, else 80% of the CPUs this process may run
+    on (at most 32). Counted from the process's CPU affinity and passed explicitly: llguidance's own default comes
+    from the CPU quota the container reports, which can be far below the cores it has."""
+    value = os.environ.get("RUNTIME_MASK_THREADS")
+    if value is not None:
+        try:
+            threads = int(value)
+        except ValueError:
+            raise ValueError(f"RUNTIME_MASK_THREADS={value!r} is not a whole number") from None
+        if threads < 1:
+            raise ValueError(f"RUNTIME_MASK_THREADS={value!r} must be at least 1")
+        return threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(32, round(0.8 * cpus)))
+
+
 def fill_bitmasks(states: list[GrammarState], num_words: int, pin_memory: bool = False) -> torch.Tensor:
     """The allowed tokens of each state as an int32 bitmask [len(states), num_words] on the host (layout: module
     docstring). Many rows are filled in parallel by llguidance's threads, without the GIL."""
@@ -301,7 +319,7 @@ def fill_bitmasks(states: list[GrammarState], num_words: int, pin_memory: bool =
             state.matcher.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), row_bytes)
         return bitmask
     if _executor is None:
-        _executor = llguidance.LLExecutor()
+        _executor = llguidance.LLExecutor(num_threads=mask_threads())
     _executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.data_ptr(),
                                       row_bytes, len(states))
     return bitmask

@@ -28,7 +28,8 @@ tokens for the llama3-8b shape) serves the artifact with that tokenizer instead:
 Host stages (``--breakdown``): one more free and one more constrained run with the engine's step stages timed on
 the host (µs per step): the whole ``step`` call, launching the next step, waiting for the tokens in flight,
 recording them (grammars advanced, detokenized, stop checks), sampling (the mask joined or filled, applied, the
-draw launched) and filling the masks (on whichever thread fills them).
+draw launched), filling the masks (on whichever thread fills them), copying them to the device, and inside the
+sampling, ``runtime.sampling.sample`` and its ``apply_token_bitmask``.
 
 Figures (``--record``, the JSON lines of builder.bench.record): structured_free_decode_step_b{N}_{precision} and
 structured_decode_step_b{N}_{precision} (ms), structured_overhead_b{N}_{precision} (%), structured_mask_fill_b{N}
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -53,7 +55,8 @@ from builder.bench.record import append_figures, precision_of
 from runtime.engine import resolve_device
 from runtime.sampling import SamplingParams
 from runtime.serving import ServingConfig, ServingEngine, _InFlight
-from runtime.structured import GrammarCompiler, StructuredOutput, StructuredOutputError, check, fill_bitmasks
+from runtime.structured import (GrammarCompiler, StructuredOutput, StructuredOutputError, check, fill_bitmasks,
+                                mask_threads)
 from runtime.tokenizer import Tokenizer
 
 RECORD = {"type": "object", "properties": {
@@ -106,7 +109,9 @@ def decode_step_ms(engine: ServingEngine, batch_size: int, input_len: int, outpu
     return [s * 1e3 for s in steady_step_seconds([(t.end, o) for t, o in zip(timings, outputs)], batch_size)]
 
 
-STAGES = ("step", "_launch_next", "read", "_record", "_sample", "_fill_masks")  # see --breakdown
+STAGES = ("step", "_launch_next", "read", "_record", "_sample", "_fill_masks", "_token_bitmask", "sample",
+          "apply_token_bitmask")  # see --breakdown
+_FUNCTIONS = {"sample": "runtime.serving", "apply_token_bitmask": "runtime.sampling"}  # module-level stages
 
 
 @contextlib.contextmanager
@@ -126,18 +131,23 @@ def host_stages(engine: ServingEngine) -> Iterator[dict[str, float]]:
                     totals["calls"] += 1
         return wrapper
 
-    for name in STAGES:
-        if name != "read":
-            setattr(engine, name, timed(getattr(engine, name), name))
+    methods = [name for name in STAGES if name != "read" and name not in _FUNCTIONS]
+    for name in methods:
+        setattr(engine, name, timed(getattr(engine, name), name))
+    functions = {name: (importlib.import_module(module), getattr(importlib.import_module(module), name))
+                 for name, module in _FUNCTIONS.items()}
+    for name, (module, fn) in functions.items():
+        setattr(module, name, timed(fn, name))
     read = _InFlight.read
     _InFlight.read = timed(read, "read")
     try:
         yield totals
     finally:
         _InFlight.read = read
-        for name in STAGES:
-            if name != "read":
-                delattr(engine, name)
+        for name, (module, fn) in functions.items():
+            setattr(module, name, fn)
+        for name in methods:
+            delattr(engine, name)
 
 
 def mask_fill_us(engine: ServingEngine, batch_size: int, spec: StructuredOutput, fills: int = 50) -> float:
@@ -253,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 (f"structured_compile_{args.fields}f", timing["compile"], "ms"),
                 ("structured_vocab_view", timing["vocab_view"], "ms")]
     threads = f", {torch.get_num_threads()} torch threads" if device.type == "cpu" else ""
+    threads += f", {mask_threads()} mask threads"
     print(f"structured output on {device}{threads}: {args.input_len}-token prompts, {args.output_len} tokens out, "
           f"median steady-state decode step over {args.repeats} alternating runs")
     print(f"{'batch':>5}  {'free ms/step':>12}  {'json ms/step':>12}  {'overhead':>8}  {'mask fill us':>12}")
