@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import threading
@@ -36,6 +37,8 @@ from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
 from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 KINDS = ("json", "regex", "choice", "grammar")  # what StructuredOutput.kind may be
 JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -221,14 +224,40 @@ class GrammarState:
         self._finished = self.matcher.is_stopped()
 
 
-@dataclass(frozen=True)
 class CompiledGrammar:
-    """A grammar compiled for one vocabulary; cheap to instantiate per request (the parser tables are shared)."""
+    """A grammar compiled for one vocabulary; cheap to instantiate per request (the parser tables are shared).
 
-    template: LLMatcher  # in its initial state; only ever copied
+    A request's state is a deep copy of a compiled matcher, and copies of one matcher share its lexer (the lazily
+    built automaton, behind a lock): many rows of copies of one matcher, filled at once, wait on each other (64 rows
+    on the H100 host's 13 mask threads took as long as one by one). So a grammar keeps up to ``spread`` matchers,
+    the first compiled before any request runs and the others in the background (``GrammarCompiler``), and hands
+    out copies of them in turn."""
+
+    def __init__(self, template: LLMatcher, spread: int = 1) -> None:
+        self.spread = spread  # how many matchers it may keep
+        self._templates = [template]  # each in its initial state; only ever copied
+        self._next = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_templates(self) -> int:
+        return len(self._templates)
+
+    def add_template(self, template: LLMatcher) -> None:
+        with self._lock:
+            self._templates.append(template)
 
     def new_state(self) -> GrammarState:
-        return GrammarState(self.template.deep_copy())
+        with self._lock:
+            template = self._templates[self._next % len(self._templates)]
+            self._next += 1
+        return GrammarState(template.deep_copy())
+
+
+def new_matcher(tokenizer: LLTokenizer, grammar: str) -> LLMatcher:
+    """A matcher of ``grammar`` (``grammar_text``) in its initial state, or in its error state when it does not
+    compile (``is_error``)."""
+    return LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
 
 
 class GrammarCompiler:
@@ -239,7 +268,7 @@ class GrammarCompiler:
     too: it takes up to a second for a large vocabulary."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, *, max_workers: int = COMPILE_WORKERS,
-                 max_cached: int = MAX_CACHED_GRAMMARS) -> None:
+                 max_cached: int = MAX_CACHED_GRAMMARS, spread: int | None = None) -> None:
         self.vocab_size = vocab_size  # the width of the logits (may exceed the tokenizer's; the rest never allowed)
         self.num_words = (vocab_size + 31) // 32  # bitmask words per row
         self._source = tokenizer
@@ -249,6 +278,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, Future] = OrderedDict()  # spec key -> its compile (done or not)
         self._cache_lock = threading.Lock()
         self._max_cached = max_cached
+        self.spread = mask_threads() if spread is None else spread  # matchers per grammar (see CompiledGrammar)
 
     def tokenizer(self) -> LLTokenizer:
         with self._tokenizer_lock:
@@ -278,10 +308,28 @@ class GrammarCompiler:
         return self.submit(spec).result()
 
     def _compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        matcher = LLMatcher(self.tokenizer(), grammar_text(spec), log_level=0, limits=_limits())
+        text = grammar_text(spec)
+        matcher = new_matcher(self.tokenizer(), text)
         if matcher.is_error():
             raise StructuredOutputError(matcher.get_error())
-        return CompiledGrammar(matcher)
+        compiled = CompiledGrammar(matcher, self.spread)
+        if compiled.spread > 1:
+            self._pool.submit(self._spread, compiled, text)
+        return compiled
+
+    def _spread(self, compiled: CompiledGrammar, text: str) -> None:
+        """One more matcher for ``compiled`` (see CompiledGrammar), then queue the next: one such task per grammar at
+        a time, so that other grammars' first compiles are not queued behind them."""
+        try:
+            compiled.add_template(new_matcher(self.tokenizer(), text))
+        except Exception:  # the grammar compiled once already: keep serving from the matchers it has
+            log.exception("compiling another matcher of a grammar failed")
+            return
+        if compiled.num_templates < compiled.spread:
+            try:
+                self._pool.submit(self._spread, compiled, text)
+            except RuntimeError:  # the compiler is closing
+                pass
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

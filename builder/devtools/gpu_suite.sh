@@ -49,7 +49,8 @@
 #                  _hold0, with RUNTIME_PREFILL_HOLD_MS=0) is appended to the files' and figure's names
 #   structured-PREC  structured-output overhead (builder.bench.structured --breakdown, batch 1 and 64, JSON schema vs
 #                  free) on artifacts/llama3-8b-PREC served with a 128k byte-level BPE tokenizer trained here
-#                  (builder.devtools.train_tokenizer, checkpoints/bpe-128k), then on artifacts/quickstart; each with
+#                  (builder.devtools.train_tokenizer, checkpoints/bpe-128k; first builder.bench.grammar_masks on it: 64
+#                  rows' mask fill by how the grammar states were made), then on artifacts/quickstart; each with
 #                  the masks filled beside the record (default) and after it (RUNTIME_MASK_OVERLAP=0); figures in
 #                  $OUT/benchmarks.jsonl (the A/B's second run tagged by its log only), logs $OUT/structured_*.log
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
@@ -264,6 +265,8 @@ PY
       artifact "$prec"
       wait
       tail -n 1 "$OUT/train_tokenizer.log"
+      python3 -m builder.bench.grammar_masks checkpoints/bpe-128k --rows 64 --steps 32 --templates 1 4 13 2>&1 \
+        | tee "$OUT/grammar_masks.log" | tail -n 6
       for overlap in 1 0; do
         rec=""; [ $overlap = 1 ] && rec="--record $OUT/benchmarks.jsonl"
         RUNTIME_MASK_OVERLAP=$overlap python3 -m builder.bench.structured artifacts/llama3-8b-$prec --device cuda \

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import random
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -20,8 +21,8 @@ from runtime import Engine, SamplingParams
 from runtime.sampling import SamplingError, TokenBitmask, apply_token_bitmask, sample
 from runtime.scheduler import RequestStatus
 from runtime.serving import ServingConfig, ServingEngine
-from runtime.structured import (GrammarCompiler, StructuredOutput, StructuredOutputError, check, fill_bitmasks,
-                                locate_error)
+from runtime.structured import (CompiledGrammar, GrammarCompiler, StructuredOutput, StructuredOutputError, check,
+                                fill_bitmasks, locate_error, mask_threads)
 from runtime.tool_calls import ToolCallParser, ToolError, format_call, parse_tools, resolve_tool_choice, tool_grammar
 
 
@@ -152,6 +153,42 @@ def test_compiles_are_cached_by_hash(compiler):
     assert compiler.submit(StructuredOutput.json_schema(SCHEMAS["boolean"])) is not a
     with pytest.raises(StructuredOutputError):
         compiler.compile(StructuredOutput("regex", "a(b"))
+
+
+def test_a_grammar_spreads_its_requests_over_several_matchers(engine):
+    """Copies of one matcher share its lexer (behind a lock), so a grammar compiles up to ``spread`` matchers, the
+    first before its future resolves and the others in the background, and hands out copies of them in turn; every
+    copy masks alike."""
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    compiler = GrammarCompiler(engine.tokenizer, vocab, spread=3)
+    try:
+        grammar = compiler.compile(StructuredOutput.json_schema(SCHEMAS["flat_object"]))
+        assert grammar.num_templates >= 1 and grammar.spread == 3
+        deadline = time.monotonic() + 30
+        while grammar.num_templates < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert grammar.num_templates == 3
+        states = [grammar.new_state() for _ in range(6)]
+        masks = fill_bitmasks(states, compiler.num_words)
+        assert all(torch.equal(masks[0], m) for m in masks[1:])
+    finally:
+        compiler.close()
+    assert GrammarCompiler(engine.tokenizer, vocab).spread == mask_threads()
+
+    class Template:  # which template each state was copied from
+        def __init__(self, name):
+            self.name = name
+
+        def deep_copy(self):
+            return self
+
+        def is_stopped(self):
+            return False
+
+    compiled = CompiledGrammar(Template("a"), spread=2)
+    assert [compiled.new_state().matcher.name for _ in range(2)] == ["a", "a"]
+    compiled.add_template(Template("b"))
+    assert [compiled.new_state().matcher.name for _ in range(4)] == ["a", "b", "a", "b"]
 
 
 def _allowed(bitmask_row: torch.Tensor, vocab: int) -> set[int]:
