@@ -183,6 +183,10 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
     num_seqs, vocab = logits.shape
     assert mask.bitmask.shape[-1] * 32 >= vocab, \
         f"a bitmask of {mask.bitmask.shape[-1]} words cannot cover a vocabulary of {vocab}"
+    if logits.is_cuda:  # one kernel launch instead of the five ops below (kernels.token_mask)
+        from kernels.token_mask import masked_logits
+
+        return masked_logits(logits, mask.bitmask, mask.rows)
     bits = _BITS.get(logits.device)
     if bits is None:  # bit 31 is the sign bit: -2**31 in int32
         bits = _BITS[logits.device] = torch.tensor([1 << b if b < 31 else -(1 << 31) for b in range(32)],
