@@ -32,8 +32,9 @@ draw launched), filling the masks (on whichever thread fills them), copying them
 sampling, ``runtime.sampling.sample`` and its ``apply_token_bitmask``.
 
 Figures (``--record``, the JSON lines of builder.bench.record): structured_free_decode_step_b{N}_{precision} and
-structured_decode_step_b{N}_{precision} (ms), structured_overhead_b{N}_{precision} (%), structured_mask_fill_b{N}
-(us), structured_check_{F}f, structured_compile_{F}f and structured_vocab_view (ms).
+structured_decode_step_b{N}_{precision} (ms), structured_overhead_b{N}_{precision} (%),
+structured_mask_fill_b{N}_{precision} (us), structured_check_{F}f_{precision}, structured_compile_{F}f_{precision}
+and structured_vocab_view_{precision} (ms); the precision names the artifact (the vocabulary differs with it).
 """
 
 from __future__ import annotations
@@ -255,13 +256,13 @@ def main(argv: list[str] | None = None) -> int:
             figures += [(f"structured_free_decode_step_b{n}_{precision}", free_ms, "ms"),
                         (f"structured_decode_step_b{n}_{precision}", held_ms, "ms"),
                         (f"structured_overhead_b{n}_{precision}", (held_ms / free_ms - 1) * 100, "%"),
-                        (f"structured_mask_fill_b{n}", fill, "us")]
+                        (f"structured_mask_fill_b{n}_{precision}", fill, "us")]
         timing = compile_ms(engine, args.fields)
     finally:
         engine.close()
-    figures += [(f"structured_check_{args.fields}f", timing["check"], "ms"),
-                (f"structured_compile_{args.fields}f", timing["compile"], "ms"),
-                ("structured_vocab_view", timing["vocab_view"], "ms")]
+    figures += [(f"structured_check_{args.fields}f_{precision}", timing["check"], "ms"),
+                (f"structured_compile_{args.fields}f_{precision}", timing["compile"], "ms"),
+                (f"structured_vocab_view_{precision}", timing["vocab_view"], "ms")]
     threads = f", {torch.get_num_threads()} torch threads" if device.type == "cpu" else ""
     threads += f", {mask_threads()} mask threads"
     print(f"structured output on {device}{threads}: {args.input_len}-token prompts, {args.output_len} tokens out, "

@@ -18,8 +18,8 @@ def test_the_bench_times_both_runs_and_the_host_stages(bundled_artifact, tmp_pat
     for n in (1, 3):
         assert figures[f"structured_decode_step_b{n}_fp32"]["value"] > 0
         assert figures[f"structured_free_decode_step_b{n}_fp32"]["value"] > 0
-        assert figures[f"structured_mask_fill_b{n}"]["value"] > 0
-    assert "structured_compile_5f" in figures
+        assert figures[f"structured_mask_fill_b{n}_fp32"]["value"] > 0
+    assert "structured_compile_5f_fp32" in figures and "structured_vocab_view_fp32" in figures
     rows = [line.split() for line in out.splitlines() if line.split()[1:3] in (["free", "step"], ["json", "step"])]
     assert [(r[0], r[1]) for r in rows] == [("1", "free"), ("1", "json"), ("3", "free"), ("3", "json")]
     stages = {(r[0], r[1]): dict(zip(r[2::2], map(float, r[3::2]))) for r in rows}
