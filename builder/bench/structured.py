@@ -29,7 +29,9 @@ Host stages (``--breakdown``): one more free and one more constrained run with t
 the host (µs per step): the whole ``step`` call, launching the next step, waiting for the tokens in flight,
 recording them (grammars advanced, detokenized, stop checks), sampling (the mask joined or filled, applied, the
 draw launched), filling the masks (on whichever thread fills them), copying them to the device, and inside the
-sampling, ``runtime.sampling.sample`` and its ``apply_token_bitmask``.
+sampling, ``runtime.sampling.sample`` and its ``apply_token_bitmask``. On CUDA a further pair of runs records CUDA
+events around every forward and sampling launch: the device's time in each, and how long it sat idle before each
+(nothing queued: waiting for the host).
 
 Figures (``--record``, the JSON lines of builder.bench.record): structured_free_decode_step_b{N}_{precision} and
 structured_decode_step_b{N}_{precision} (ms), structured_overhead_b{N}_{precision} (%),
@@ -151,6 +153,45 @@ def host_stages(engine: ServingEngine) -> Iterator[dict[str, float]]:
             delattr(engine, name)
 
 
+@contextlib.contextmanager
+def gpu_timeline(engine: ServingEngine) -> Iterator[list[tuple[str, torch.cuda.Event, torch.cuda.Event]]]:
+    """CUDA events around every forward (``_run``) and every sampling (``_sample``) launched in the block, in launch
+    order (CUDA only): where the device waited for the host (see ``timeline_gaps``)."""
+    marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def marked(fn, kind):
+        def wrapper(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end.record()
+                marks.append((kind, start, end))
+        return wrapper
+
+    engine._run = marked(engine._run, "forward")
+    engine._sample = marked(engine._sample, "sample")
+    try:
+        yield marks
+    finally:
+        del engine._run, engine._sample
+
+
+def timeline_gaps(marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event]]) -> dict[str, float]:
+    """Mean µs per forward of: the forward on the device, the device idle before it, the sampling, the device idle
+    before the sampling (waiting for the host, e.g. for the masks), over the steady part of the run (a quarter of
+    the marks at each end left out). An event's time is when the stream reached it, so the gap between one launch's
+    end and the next one's start is time the device had nothing queued."""
+    torch.cuda.synchronize()
+    times = {"forward": [], "idle before forward": [], "sample": [], "idle before sample": []}
+    inner = marks[len(marks) // 4: len(marks) - len(marks) // 4]
+    for (_, _, prev_end), (kind, start, end) in zip(inner, inner[1:]):
+        times[kind].append(start.elapsed_time(end) * 1e3)
+        times[f"idle before {kind}"].append(max(prev_end.elapsed_time(start), 0.0) * 1e3)
+    return {k: statistics.fmean(v) if v else 0.0 for k, v in times.items()}
+
+
 def mask_fill_us(engine: ServingEngine, batch_size: int, spec: StructuredOutput, fills: int = 50) -> float:
     """Median host time to fill ``batch_size`` masks, each request inside a record; between two fills every state
     takes a random token its mask allows (seeded), as in decoding, so no fill repeats the one before."""
@@ -235,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the tokenizer of {args.artifact} cannot write JSON (no token starts a document); pass "
                      f"--tokenizer DIR with a tokenizer.json of at most {vocab} tokens")
     precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
-    rows, figures, breakdowns = [], [], []
+    rows, figures, breakdowns, timelines = [], [], [], []
     try:
         for n in batch_sizes:
             engine.run(_random_prompts(n, args.input_len, vocab, 99), SamplingParams(max_tokens=4, ignore_eos=True))
@@ -253,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
                         decode_step_ms(engine, n, args.input_len, args.output_len, s_, args.repeats)
                     calls = max(totals.pop("calls", 0), 1)
                     breakdowns.append((n, name, {k: v / calls * 1e6 for k, v in totals.items()}))
+                    if device.type == "cuda":
+                        with gpu_timeline(engine) as marks:
+                            decode_step_ms(engine, n, args.input_len, args.output_len, s_, args.repeats + 1)
+                        timelines.append((n, name, timeline_gaps(marks)))
             figures += [(f"structured_free_decode_step_b{n}_{precision}", free_ms, "ms"),
                         (f"structured_decode_step_b{n}_{precision}", held_ms, "ms"),
                         (f"structured_overhead_b{n}_{precision}", (held_ms / free_ms - 1) * 100, "%"),
@@ -274,6 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host time per step call, µs ({', '.join(STAGES)}):")
         for n, name, per_step in breakdowns:
             print(f"{n:>5} {name:>5}  " + "  ".join(f"{k} {per_step.get(k, 0.0):.1f}" for k in STAGES))
+    if timelines:
+        print("device timeline, mean µs per launch (CUDA events around each forward and each sampling):")
+        for n, name, gaps in timelines:
+            print(f"{n:>5} {name:>5}  " + "  ".join(f"{k} {v:.1f}" for k, v in gaps.items()))
     print(f"schema of {args.fields} properties ({timing['schema_kib']:.1f} KiB): check {timing['check']:.1f} ms, "
           f"compile {timing['compile']:.1f} ms, cached {timing['cached']:.3f} ms; the vocabulary view "
           f"{timing['vocab_view']:.1f} ms (once per engine)")
