@@ -249,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                   "keeps other processes from stalling every op)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--breakdown", action="store_true", help="also time the step's host stages (see above)")
+    parser.add_argument("--profile", action="store_true", help="CUDA: one more constrained run at the largest batch "
+                                                              "under torch.profiler; prints the device kernels by time")
     parser.add_argument("--record", default=None, help="append the figures to this JSON-lines file")
     args = parser.parse_args(argv)
     batch_sizes = args.batch_size or [1, 64]
@@ -302,6 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                         (f"structured_decode_step_b{n}_{precision}", held_ms, "ms"),
                         (f"structured_overhead_b{n}_{precision}", (held_ms / free_ms - 1) * 100, "%"),
                         (f"structured_mask_fill_b{n}_{precision}", fill, "us")]
+        if args.profile and device.type == "cuda":
+            from torch.profiler import ProfilerActivity, profile
+
+            n = max(batch_sizes)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                decode_step_ms(engine, n, args.input_len, args.output_len, spec, args.repeats + 2)
+            print(f"device kernels of a constrained run at batch {n} ({args.output_len} steps), by device time:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
         timing = compile_ms(engine, args.fields)
     finally:
         engine.close()
