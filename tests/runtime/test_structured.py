@@ -21,8 +21,8 @@ from runtime import Engine, SamplingParams
 from runtime.sampling import SamplingError, TokenBitmask, apply_token_bitmask, sample
 from runtime.scheduler import RequestStatus
 from runtime.serving import ServingConfig, ServingEngine
-from runtime.structured import (CompiledGrammar, GrammarCompiler, StructuredOutput, StructuredOutputError, check,
-                                fill_bitmasks, locate_error, mask_threads)
+from runtime.structured import (CompiledGrammar, GrammarCompiler, GrammarState, StructuredOutput,
+                                StructuredOutputError, check, fill_bitmasks, locate_error, mask_threads)
 from runtime.tool_calls import ToolCallParser, ToolError, format_call, parse_tools, resolve_tool_choice, tool_grammar
 
 
@@ -388,22 +388,24 @@ def test_chunked_prefill_and_prefix_cache_hits(engine):
     _assert_no_leaks(s)
 
 
-def test_the_overlapped_pipeline_masks_with_the_tokens_in_flight(engine):
+def test_the_overlapped_pipeline_masks_with_the_tokens_in_flight(engine, monkeypatch):
     """With steps launched ahead (CUDA graphs, here an eager stand-in), a structured request's sampling waits for
     the tokens in flight to advance its grammar: the tokens equal the synchronous path's, the pipeline kept
-    running ahead, and the masks were filled on the worker thread while the step before was recorded."""
+    running ahead, and the grammars took the tokens and filled the next masks on the worker thread."""
     from test_overlap import _pair
 
     import threading
 
+    import runtime.serving
+
     sync, overlapped, graphs = _pair(engine, num_blocks=128, max_num_seqs=16)
-    fill, threads = overlapped._fill_masks, []
+    fill, threads = runtime.serving.fill_bitmasks, []
 
-    def recorded_fill(sampling, tracks):
+    def recorded_fill(*args, **kwargs):
         threads.append(threading.current_thread().name)
-        return fill(sampling, tracks)
+        return fill(*args, **kwargs)
 
-    overlapped._fill_masks = recorded_fill
+    monkeypatch.setattr(runtime.serving, "fill_bitmasks", recorded_fill)
     prompt = engine.tokenizer.encode(PROMPT)
     names = ["flat_object", "array_of_objects", "boolean", "defs_and_refs"]
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=t, seed=i,
@@ -411,13 +413,47 @@ def test_the_overlapped_pipeline_masks_with_the_tokens_in_flight(engine):
               for i, n in enumerate(names) for t in (0.0, 1.0)]
     params += [SamplingParams(max_tokens=20, ignore_eos=True), SamplingParams(max_tokens=20, temperature=1.0, seed=3)]
     want = sync.run([prompt] * len(params), params)
+    threads.clear()  # the overlapped engine's fills only
     got = overlapped.run([prompt] * len(params), params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert all(validates(o.text, SCHEMAS[n]) for o, n in zip(got, [n for n in names for _ in range(2)]))
     assert graphs.num_device_inputs > 10, "the pipeline never ran ahead"
-    # the masks of a step in flight are filled on the worker while the step before is recorded
-    assert sum(name.startswith("masks") for name in threads) > 10, threads
+    # the masks of a step in flight are filled on the worker as soon as the step before has sampled (its grammars
+    # take its tokens there too: _prepare_grammars), not on the engine's thread
+    assert sum(name.startswith("masks") for name in threads) > 10 > sum(name == "MainThread" for name in threads), \
+        threads
     _assert_no_leaks(overlapped)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_token_the_grammar_refuses_fails_that_request_alone(engine, monkeypatch, overlap):
+    """Were a token outside the grammar sampled (here the mask is switched off), the grammar refuses it - on the
+    engine's thread, or on the worker that advances the grammars of a step launched ahead - and that request alone
+    fails, without the token; the free request beside it runs to the end."""
+    import runtime.sampling
+    from test_overlap import _pair
+
+    sync, overlapped, _ = _pair(engine, num_blocks=128, max_num_seqs=16)
+    s = overlapped if overlap else sync
+    monkeypatch.setattr(runtime.sampling, "apply_token_bitmask", lambda logits, mask: logits)
+    refused_on = []
+    advance = GrammarState.advance
+
+    def recorded(state, token):
+        ok = advance(state, token)
+        if not ok:
+            refused_on.append(threading.current_thread().name)
+        return ok
+
+    monkeypatch.setattr(GrammarState, "advance", recorded)
+    prompt = engine.tokenizer.encode("Write some prose, not JSON: the")
+    held, free = s.run([prompt, prompt], [
+        SamplingParams(max_tokens=16, structured=StructuredOutput.json_schema(SCHEMAS["flat_object"])),
+        SamplingParams(max_tokens=16, ignore_eos=True)])
+    assert held.finish_reason == "error" and "sampled outside the grammar" in held.error, held
+    assert free.finish_reason == "length" and len(free.token_ids) == 16
+    assert len(refused_on) == 1 and refused_on[0].startswith("masks") == overlap, refused_on
+    _assert_no_leaks(s)
 
 
 def test_a_slow_compile_holds_up_only_its_own_request(engine, monkeypatch):
