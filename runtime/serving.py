@@ -181,8 +181,6 @@ class _InFlight:
     done: torch.cuda.Event | None = None  # recorded after that copy (None on the CPU, where the copy is synchronous)
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its sampling failed (row: INVALID_TOKEN)
     masks: Future | None = None  # its structured rows' masks, filled on the host while the step before is recorded
-    advanced: Future | None = None  # its structured rows' grammars taking its tokens on the worker (_prepare_grammars)
-    prepared: Future | None = None  # then the masks of those rows' next tokens (same job)
 
     @property
     def sampled(self) -> bool:
@@ -448,7 +446,6 @@ class ServingEngine:
                 if not self._inflight.sampled:  # its grammars have taken previous's tokens: mask and sample now
                     step = self._inflight
                     step.launch_sampled(self._sample(step.logits, step.sampling, masks=step.masks))
-                    self._prepare_grammars(step)
                 return outputs
         sched = self.scheduler.schedule(self._propose())
         if sched.empty:
@@ -462,7 +459,6 @@ class ServingEngine:
             return outputs + self._verify(sched, logits, sampling)
         if self.graphs is not None and self._overlappable(sampling) and not self._wants_drafts(sampling):
             self._inflight = _InFlight(sched, sampling, logits).launch_sampled(self._sample(logits, sampling))
-            self._prepare_grammars(self._inflight)
             return outputs
         token_ids, errors = self._sample(logits, sampling)
         tokens = token_ids.tolist()
@@ -569,90 +565,20 @@ class ServingEngine:
                   for i, s in zip(rows, states) if s.error is not None}
         return TokenBitmask(rows, bitmask.to(self.device, non_blocking=True)), errors
 
-    def _start_masks(self, previous: _InFlight | None = None) -> None:
-        """Start filling the masks of the in-flight step's structured rows on the worker thread, once the step before
-        (``previous``) has advanced their grammars (``_record``'s ``before_emit``): llguidance fills them without the
-        GIL while this thread detokenizes and emits that step's tokens. The rows whose grammars the worker advanced
-        ahead (``_prepare_grammars``) take the masks it filled then; only the others are filled now. ``_sample`` takes
-        the result; ``_drop_inflight`` waits for it (nothing else touches those states meanwhile:
-        ``GrammarState.finished`` is cached)."""
+    def _start_masks(self) -> None:
+        """Start filling the masks of the in-flight step's structured rows on a worker thread, once the step before
+        has advanced their grammars (``_record``'s ``before_emit``): llguidance fills them without the GIL while
+        this thread detokenizes and emits that step's tokens. ``_sample`` takes the result; ``_drop_inflight``
+        waits for it (nothing else touches those states meanwhile: ``GrammarState.finished`` is cached)."""
         step = self._inflight
         if step is None or step.sampled or step.masks is not None:
             return
         tracks = [self._tracks.get(r.request_id) for r in step.sampling]
         if not any(t is not None and t.grammar is not None for t in tracks):
             return
-        prepared = previous.prepared if previous is not None else None
-        step.masks = self._worker().submit(self._assemble_masks, step.sampling, tracks, prepared)
-
-    def _worker(self) -> ThreadPoolExecutor:
-        if self._mask_filler is None:  # one thread: its jobs run in the order they were queued
+        if self._mask_filler is None:
             self._mask_filler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="masks")
-        return self._mask_filler
-
-    def _assemble_masks(self, sampling: list[Request], tracks: list[_Track | None], prepared: Future | None
-                        ) -> tuple[list[int], list[GrammarState], torch.Tensor] | None:
-        """``_fill_masks``, with the rows ``prepared`` (a ``_prepare_grammars`` job, done: it was queued first on this
-        one thread) filled already copied from it."""
-        ready = prepared.result() if prepared is not None else None
-        if not ready:
-            return self._fill_masks(sampling, tracks)
-        rows = [i for i, t in enumerate(tracks) if t is not None and t.grammar is not None]
-        states = [tracks[i].grammar for i in rows]
-        filled, bitmask = ready
-        missing = [j for j, s in enumerate(states) if id(s) not in filled]
-        if not missing and [filled[id(s)] for s in states] == list(range(len(states))) \
-                and bitmask.shape[0] == len(states):
-            return rows, states, bitmask  # the common case: the same rows in the same order
-        out = torch.empty((len(states), bitmask.shape[1]), dtype=bitmask.dtype, pin_memory=bitmask.is_pinned())
-        for j, state in enumerate(states):
-            if id(state) in filled:
-                out[j] = bitmask[filled[id(state)]]
-        if missing:
-            out[missing] = fill_bitmasks([states[j] for j in missing], self.grammars.num_words)
-        return rows, states, out
-
-    def _prepare_grammars(self, step: _InFlight) -> None:
-        """Queue on the worker thread, for a step launched ahead with structured rows: wait for its tokens, let those
-        rows' grammars take them (``step.advanced``: request id -> why the grammar refused its token, for the refused
-        ones), then fill the masks of their next tokens (``step.prepared``). So the masks the next step needs start
-        as soon as the device has sampled, while this thread launches that step and reads the tokens back.
-        ``_record`` takes the advances instead of making them; ``_start_masks`` the masks."""
-        if not self.config.mask_overlap:
-            return
-        rows = [(i, r.request_id, t.grammar) for i, (r, t) in enumerate(
-            zip(step.sampling, (self._tracks.get(r.request_id) for r in step.sampling)))
-            if t is not None and t.grammar is not None and r.request_id not in step.errors]
-        if not rows:
-            return
-        step.advanced = Future()
-        step.prepared = self._worker().submit(self._advance_and_fill, step, rows, step.advanced)
-
-    def _advance_and_fill(self, step: _InFlight, rows: list[tuple[int, str, GrammarState]], advanced: Future
-                          ) -> tuple[dict[int, int], torch.Tensor] | None:
-        """The job ``_prepare_grammars`` queues; returns (id of a state -> its row, the bitmask) of the grammars that
-        took their token and can go on, or None when there are none."""
-        try:
-            tokens = step.read()
-            refused: dict[str, str] = {}
-            ready: list[GrammarState] = []
-            for i, request_id, state in rows:
-                token = tokens[i]
-                if token == INVALID_TOKEN:
-                    continue
-                if not state.advance(token):
-                    refused[request_id] = (f"structured output: token {token} was sampled outside the grammar "
-                                           f"({state.error})")
-                elif not state.finished:
-                    ready.append(state)
-        except BaseException as e:
-            advanced.set_exception(e)
-            raise
-        advanced.set_result(({request_id for _, request_id, _ in rows}, refused))
-        if not ready:
-            return None
-        bitmask = fill_bitmasks(ready, self.grammars.num_words, pin_memory=self.device.type == "cuda")
-        return {id(state): j for j, state in enumerate(ready)}, bitmask
+        step.masks = self._mask_filler.submit(self._fill_masks, step.sampling, tracks)
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, sampling: list[Request], generators: list[torch.Generator | None],
@@ -690,27 +616,20 @@ class ServingEngine:
 
     def _record(self, sched: SchedulerOutput, rows: list[tuple[Request, int, TokenLogprob | None]],
                 errors: dict[str, str], verified: list[tuple[Request, list[int], list[int]]] = (),
-                before_emit: Callable[[], None] | None = None,
-                advanced: tuple[set[str], dict[str, str]] = (frozenset(), {})) -> list[RequestOutput]:
+                before_emit: Callable[[], None] | None = None) -> list[RequestOutput]:
         """Record a step: append each request's sampled token and emit its delta. A request whose own
         sampling or logprobs failed (INVALID_TOKEN, or listed in ``errors``) gets no token and finishes
         with an error, as does one whose detokenization or stop check raises; the others go on.
         ``verified``: (request, its drafts, the tokens verification emits) of the requests that speculated (see
         ``_record_verified``); one whose last emitted token is INVALID_TOKEN fails, its accepted drafts unsent.
         Structured requests' grammars take their tokens first (a token the grammar refuses fails the request, and is
-        not appended), then ``before_emit`` runs, then the deltas are made. ``advanced``: the requests whose grammars
-        took the token on the worker already (``_prepare_grammars``), and why it refused it for some."""
+        not appended), then ``before_emit`` runs, then the deltas are made."""
         failed = {r.request_id for r, t, _ in rows if t == INVALID_TOKEN or r.request_id in errors}
         failed |= {r.request_id for r, _, emitted in verified if emitted[-1] == INVALID_TOKEN or r.request_id in errors}
-        done, refused = advanced
-        for request_id, why in refused.items():
-            if request_id not in failed:
-                failed.add(request_id)
-                errors[request_id] = why
         for request, token, _ in rows:
             track = self._tracks.get(request.request_id)
-            if request.request_id not in failed and request.request_id not in done and track is not None \
-                    and track.grammar is not None and not track.grammar.advance(token):
+            if request.request_id not in failed and track is not None and track.grammar is not None \
+                    and not track.grammar.advance(token):
                 failed.add(request.request_id)
                 errors[request.request_id] = (f"structured output: token {token} was sampled outside the grammar "
                                               f"({track.grammar.error})")
@@ -909,9 +828,8 @@ class ServingEngine:
         commit the KV slots reserved for the step launched after it."""
         tokens = step.read()
         live = [(r, t, None) for r, t in zip(step.sampling, tokens) if r.status is RequestStatus.RUNNING]
-        advanced = step.advanced.result() if step.advanced is not None else (frozenset(), {})
-        outputs = self._record(step.sched, live, step.errors, advanced=advanced,
-                               before_emit=(lambda: self._start_masks(step)) if self.config.mask_overlap else None)
+        outputs = self._record(step.sched, live, step.errors,
+                               before_emit=self._start_masks if self.config.mask_overlap else None)
         if self._inflight is not None:
             for q in self._inflight.sched.seqs:
                 request = q.request
@@ -928,9 +846,8 @@ class ServingEngine:
         grammar states may be advanced next."""
         if self._inflight is not None:
             step, self._inflight = self._inflight, None
-            jobs = [job for job in (step.masks, step.prepared) if job is not None]
-            if jobs:
-                wait_futures(jobs)
+            if step.masks is not None:
+                wait_futures([step.masks])
             try:
                 step.read()
             except Exception as e:  # a failed device (finish_all after an error) must not fail the cleanup
