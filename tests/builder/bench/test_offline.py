@@ -164,7 +164,7 @@ def test_bench_throughput_records_the_best_point_and_each_concurrency(artifacts,
 
 def test_bench_throughput_with_and_without_speculation(artifacts, tmp_path):
     """--speculative-ngram K runs each point twice and records the pair's ratio and the acceptance, from the
-    measured rows (issue 21: spec_throughput_ratio_cC)."""
+    measured rows (issue 21: spec_throughput_ratio_cC), and each point, but not the headline best point."""
     from typer.testing import CliRunner
 
     from builder.cli import app
@@ -181,6 +181,8 @@ def test_bench_throughput_with_and_without_speculation(artifacts, tmp_path):
     assert figures["spec_throughput_ratio_c2"] == pytest.approx(spec["output_tok_s"] / plain["output_tok_s"], rel=1e-3)
     expected = spec["spec_accepted_tokens"] / spec["spec_draft_tokens"] if spec["spec_draft_tokens"] else 0.0
     assert figures["spec_acceptance_c2"] == pytest.approx(expected, abs=1e-3)
+    assert figures["throughput_8_6_fp32_c2"] == pytest.approx(plain["output_tok_s"], abs=1e-3)
+    assert "throughput_8_6_fp32" not in figures  # the headline belongs to plain sweeps
 
 
 @pytest.fixture(scope="module")
