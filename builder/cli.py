@@ -162,18 +162,18 @@ def gate(
     from builder.checkpoint import CheckpointError
     from builder.gates import GateError
     from builder.quality import gate_artifact
-    from builder.recipe import GatesSection
+    from builder.recipe import RecipeError, gates_section
     from runtime.artifact import ArtifactError, open_artifact
 
     try:
         manifest = open_artifact(artifact).manifest
-        section = GatesSection.model_validate(manifest["recipe"].get("gates", {}))
+        section = gates_section(manifest["recipe"].get("gates"), f"{artifact}/manifest.json")
         if eval_dataset is not None:
             section.eval_dataset = str(eval_dataset)
         if num_positions is not None:
             section.num_positions = num_positions
         report = gate_artifact(artifact, baseline, section, any_baseline=any_baseline)
-    except (ArtifactError, CheckpointError, DataError, GateError) as e:
+    except (ArtifactError, CheckpointError, DataError, GateError, RecipeError) as e:
         _fail(str(e))
     typer.echo(json.dumps(report.to_dict(), indent=1) if as_json else report.table())
     if not report.passed:

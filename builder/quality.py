@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from builder.calibration import BUNDLED_MODEL, DEFAULT_EVAL, read_texts, resolve_text, token_stream
 from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresholds, MetricResult, compare,
                            make_eval_set, text_needle, thresholds_for)
-from builder.recipe import GatesSection
+from builder.recipe import GatesSection, gates_section
 from passes.ir import Graph, Node
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
@@ -377,7 +377,7 @@ def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None =
         algo = gate_method(manifest.get("quantization", {}).get("algo", "none"),
                            manifest["runtime"].get("kv_cache_dtype", "auto"))
     if section is None:
-        section = GatesSection.model_validate(manifest["recipe"].get("gates", {}))
+        section = gates_section(manifest["recipe"].get("gates"), f"{artifact}/manifest.json")
     candidate, _ = load_graph(artifact)
     base, _ = load_graph(baseline, manifest["model"]["dtype"])
     tokenizer = art.load_tokenizer()

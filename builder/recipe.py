@@ -386,6 +386,16 @@ def validate_recipe(raw: dict, source: str = "recipe") -> Recipe:
         raise RecipeError(f"{source}: invalid recipe:\n  " + "\n  ".join(lines)) from None
 
 
+def gates_section(raw: object, source: str) -> GatesSection:
+    """A recorded ``gates`` section (an artifact manifest's recipe) validated as a recipe's, refused with the recipe's
+    error messages (RecipeError) rather than pydantic's."""
+    try:
+        return GatesSection.model_validate({} if raw is None else raw)
+    except ValidationError as e:
+        lines = [format_error({**err, "loc": ("gates", *err["loc"])}) for err in e.errors()]
+        raise RecipeError(f"{source}: invalid gates section: " + "; ".join(lines)) from None
+
+
 def _matching_branch(errors: list[dict], raw: dict) -> list[dict]:
     """For a key that takes one section or a list of them, keep the errors of the form the recipe
     used, with pydantic's union-branch tags removed from the key path."""

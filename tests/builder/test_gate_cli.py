@@ -82,6 +82,30 @@ def test_gate_command_on_a_missing_artifact_is_an_error(tmp_path):
     assert res.exit_code == 1 and "missing is not a directory" in res.output, res.output  # 3 is a failed gate
 
 
+@pytest.mark.parametrize("gates,message", [
+    ("garbage", "gates: 'garbage' is a string; expected a section"),
+    ({"max_kl": "high"}, "gates.max_kl: 'high' is a string; expected a number"),
+    ({"max_kll": 1}, "gates.max_kll: unknown key (did you mean 'max_kl'?)")])
+def test_gate_command_refuses_a_malformed_gates_section_in_the_manifest(smoothquant_artifact, tmp_path, gates,
+                                                                       message):
+    """A manifest edited (and re-hashed) to hold a malformed gates section: a one-line error naming the key, exit 1,
+    never a traceback."""
+    import shutil
+
+    from builder.artifact import manifest_digest
+
+    artifact = tmp_path / "edited"
+    shutil.copytree(smoothquant_artifact, artifact)
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["recipe"]["gates"] = gates
+    del manifest["manifest_sha256"]
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    res = runner.invoke(app, ["gate", str(artifact), "--baseline", str(ROOT / "models/pystdlib-llama"), "--quiet"])
+    assert res.exit_code == 1 and "invalid gates section" in res.output and message in res.output, res.output
+    assert "Traceback" not in res.output and "ValidationError" not in res.output
+
+
 def test_gate_command_refuses_a_quantized_baseline_and_knows_the_bundled_model_by_content(smoothquant_artifact):
     from builder.calibration import BUNDLED_MODEL
     from builder.checkpoint import open_checkpoint
