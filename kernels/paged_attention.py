@@ -39,7 +39,7 @@ import triton.language as tl
 from kernels.pdl import pdl_args, wait_prior
 from kernels.rope import cos_sin, rotate
 
-SUPPORTED_HEAD_DIMS = (32, 64, 128)
+SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # 256: Gemma, Gemma 2 and 3
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}  # cache storage dtype -> QUANT code in the kernels
 
@@ -398,7 +398,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
-    block_n, num_warps, num_stages = _decode_config(k_cache.dtype)
+    block_n, num_warps, num_stages = _decode_config(k_cache.dtype, head_dim)
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     split = num_splits > 1
     if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)]
@@ -424,9 +424,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def _decode_config(cache_dtype: torch.dtype) -> tuple[int, int, int]:
+def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for decode: keys per iteration (several cache blocks), measured
-    best on an H100 for Llama-3-8B shapes (``kernels/bench/attention.py``)."""
+    best on an H100 for Llama-3-8B shapes (``kernels/bench/attention.py``). head_dim 256 halves the keys per
+    iteration (and doubles the warps for 16-bit caches) so that a key tile takes the registers a 128 one does."""
+    if head_dim > 128:
+        return (32, 4, 2) if cache_dtype == torch.float32 else (64, 8, 2)
     if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
         return 64, 4, 2
     if cache_dtype == torch.float32:
@@ -599,7 +602,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_seqs == 0:
         return out
     q = _last_dim_contiguous(q)
-    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype)
+    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype, head_dim)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
@@ -615,15 +618,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return out
 
 
-def _prefill_config(dtype: torch.dtype) -> tuple[int, int, int, int]:
+def _prefill_config(dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for prefill, measured on an H100 (Llama-3-8B shapes,
     ``kernels/bench/attention.py``, with one head per tile: 64x64 within 10% of the best of 128x64, 128x128 and
     64x32 at every shape, and the best with short sequences). BLOCK_M rows are (token, head) pairs of one GQA
     group: BLOCK_M // next_power_of_2(group) tokens per tile. fp32 runs its matmuls on CUDA cores: smaller
-    tiles."""
+    tiles. head_dim 256: half the keys per tile and twice the warps (the accumulator and a key tile are twice
+    as wide)."""
     if dtype == torch.float32:
-        return 32, 32, 4, 2
-    return 64, 64, 4, 2
+        return (16, 16, 4, 1) if head_dim > 128 else (32, 32, 4, 2)
+    return (64, 32, 8, 2) if head_dim > 128 else (64, 64, 4, 2)
 
 
 # --- shared host-side helpers ----------------------------------------------------------------------

@@ -270,6 +270,8 @@ DECODE_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, sliding
     pytest.param(8, 8, 64, torch.bfloat16, FP8, 20, id="mha-d64-bf16-fp8kv-window"),
     pytest.param(8, 2, 64, torch.float32, INT8, None, id="gqa4-d64-fp32-int8kv"),
     pytest.param(8, 1, 32, torch.bfloat16, INT8, None, id="gqa8-d32-bf16-int8kv"),
+    pytest.param(4, 2, 256, torch.bfloat16, torch.bfloat16, 20, id="gqa2-d256-bf16-window"),  # Gemma's head_dim
+    pytest.param(2, 2, 256, torch.float32, FP8, None, id="mha-d256-fp32-fp8kv"),
 ]
 
 
@@ -324,6 +326,8 @@ PREFILL_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, slidin
     # a group of 3 heads (padded to 4 rows per token), and one of 64 (a whole 64-row tile per token)
     pytest.param(6, 2, 32, torch.bfloat16, torch.bfloat16, 23, id="gqa3-d32-bf16-window"),
     pytest.param(64, 1, 32, torch.float32, torch.float32, None, id="gqa64-d32-fp32"),
+    pytest.param(4, 2, 256, torch.bfloat16, torch.bfloat16, 23, id="gqa2-d256-bf16-window"),  # Gemma's head_dim
+    pytest.param(2, 1, 256, torch.float32, torch.float32, None, id="gqa2-d256-fp32"),
 ]
 
 
@@ -425,6 +429,8 @@ def test_reference_softcap_and_sinks_match_attention_one():
 REAL_SHAPES = [  # (num_heads, num_kv_heads, head_dim, softcap, sinks, sliding_window)
     pytest.param(64, 8, 64, 0.0, True, 128, id="gpt-oss-20b-sliding"),
     pytest.param(64, 8, 64, 0.0, True, None, id="gpt-oss-20b-global"),
+    pytest.param(16, 16, 256, 0.0, False, None, id="gemma-7b"),
+    pytest.param(8, 4, 256, 0.0, False, 1024, id="gemma-3-4b-sliding"),
     pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding",
                  marks=pytest.mark.xfail(strict=True, reason="compiled softcap path gives NaN on an H100 (session 14); the runtime uses torch attention for soft-capped layers on CUDA until fixed")),
     pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global",
