@@ -290,7 +290,10 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_d
     _assert_close(one, expected)
     several = pa.paged_decode_attention(*args, num_splits=3, **kw)
     _assert_close(several, expected)
-    torch.testing.assert_close(several.float(), one.float(), atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
+    # closer to each other than to the reference: fp32 to within 1e-5; bf16 outputs to one rounding (the GPU merges
+    # the splits' fp32 partials in another order than one split sums them, so a value may round the other way)
+    same = TOL[dtype] / 10 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(several.float(), one.float(), atol=same, rtol=same)
 
 
 def test_decode_empty_sequence_gives_zeros_and_auto_splits():
@@ -432,9 +435,9 @@ REAL_SHAPES = [  # (num_heads, num_kv_heads, head_dim, softcap, sinks, sliding_w
     pytest.param(16, 16, 256, 0.0, False, None, id="gemma-7b"),
     pytest.param(8, 4, 256, 0.0, False, 1024, id="gemma-3-4b-sliding"),
     pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding",
-                 marks=pytest.mark.xfail(strict=True, reason="compiled softcap path gives NaN on an H100 (session 14); the runtime uses torch attention for soft-capped layers on CUDA until fixed")),
+                 marks=pytest.mark.xfail(strict=False, reason="NaN on an H100 in session 14, when this test's chunks were longer than two of its sequences (negative contexts: the reference's rows saw no key); fixed in session 16, not re-run on a GPU since; the runtime uses torch attention for soft-capped layers on CUDA until it is")),
     pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global",
-                 marks=pytest.mark.xfail(strict=True, reason="compiled softcap path gives NaN on an H100 (session 14); the runtime uses torch attention for soft-capped layers on CUDA until fixed")),
+                 marks=pytest.mark.xfail(strict=False, reason="NaN on an H100 in session 14, when this test's chunks were longer than two of its sequences (negative contexts: the reference's rows saw no key); fixed in session 16, not re-run on a GPU since; the runtime uses torch attention for soft-capped layers on CUDA until it is")),
 ]
 
 
@@ -455,7 +458,8 @@ def test_softcap_and_sinks_at_real_shapes(num_heads, num_kv_heads, head_dim, sof
     for num_splits in (None, 1):
         _assert_close(pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), scale,
                                                 num_splits=num_splits, **kw), expected)
-    q_lens = [512, 1, 300, 2000, 7, 1024, 48, 1]  # chunks after the rest of each sequence
+    q_lens = [1, 1, 300, 2000, 7, 77, 48, 1]  # chunks after the rest of each sequence (at most its length)
+    assert all(m <= n for n, m in zip(lens, q_lens))
     ctx = [n - m for n, m in zip(lens, q_lens)]
     q = (torch.randn(sum(q_lens), num_heads, head_dim, generator=gen) * 8).to(dtype).to(DEVICE)
     cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
