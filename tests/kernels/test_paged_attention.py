@@ -427,8 +427,8 @@ def test_reference_softcap_and_sinks_match_attention_one():
 
 
 # Real model shapes (bf16, long contexts): gpt-oss-20b's attention (64 query heads over 8 kv heads of 64, sinks,
-# a 128-token window on its sliding layers) and Gemma-2-27B's (32 over 16 heads of 128, scores capped at 50, a
-# 4096-token window); Gemma 2's 2B / 9B have head_dim 256, which the kernels do not take.
+# a 128-token window on its sliding layers), Gemma-7B's and Gemma-3-4B's (head_dim 256) and Gemma-2-27B's (32 over
+# 16 heads of 128, scores capped at 50, a 4096-token window).
 REAL_SHAPES = [  # (num_heads, num_kv_heads, head_dim, softcap, sinks, sliding_window)
     pytest.param(64, 8, 64, 0.0, True, 128, id="gpt-oss-20b-sliding"),
     pytest.param(64, 8, 64, 0.0, True, None, id="gpt-oss-20b-global"),
