@@ -72,12 +72,30 @@ class VerifySection(_Strict):
     atol: Optional[float] = Field(default=None, gt=0, description="max |logit error|; default per dtype")
 
 
+class SpeculativeSection(_Strict):
+    """Speculative decoding the artifact serves with unless the server is told otherwise (``runtime.speculative``;
+    see runtime.speculative). The recipe names n-gram lookup, which needs nothing beside the artifact; a draft model
+    is another artifact, named at serve time (``--speculative-config``)."""
+
+    method: Optional[Literal["ngram"]] = None  # None: no speculation
+    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="most draft tokens per request and step")
+    min_ngram: int = Field(default=2, ge=1)
+    max_ngram: int = Field(default=4, ge=1)
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> SpeculativeSection:
+        if self.min_ngram > self.max_ngram:
+            raise ValueError(f"min_ngram {self.min_ngram} is above max_ngram {self.max_ngram}")
+        return self
+
+
 class RuntimeSection(_Strict):
     max_batch_size: int = Field(default=8, ge=1)
     max_seq_len: int = Field(default=2048, ge=2)
     max_num_tokens: int = Field(default=2048, ge=1, description="most tokens in one forward step")
     tokens_per_block: int = Field(default=16, ge=1)
     kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"  # auto = the model dtype; fp8/int8 are calibrated
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
 
     @model_validator(mode="after")
     def _block_size_power_of_two(self) -> RuntimeSection:

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with CUDA-graph decode: how long a new prompt may wait while requests decode, so that arrivals "
                         "are prefilled together and the steps between stay graph replays (default: "
                         "$RUNTIME_PREFILL_HOLD_MS, else 0: at once; 50 helped under Poisson load, cost 12%% in a closed loop)")
-    d = p.add_argument_group("speculative decoding (default: off)")
+    d = p.add_argument_group("speculative decoding (default: the artifact's, from its recipe's runtime.speculative "
+                             "section; else off)")
     d.add_argument("--speculative-ngram", type=_positive(int), default=None, metavar="K",
                    help="n-gram (prompt lookup) speculation: up to K draft tokens per request and step, verified in "
                         "one step; output is unchanged (greedy: token for token; sampling: the same distribution)")
@@ -96,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                         '"num_speculative_tokens": 4, "min_ngram": 2, "max_ngram": 4, "max_running": 8, '
                         '"min_acceptance": 0.2}\' (max_running: no drafts in a step with more decoding requests; '
                         'min_acceptance: a request whose acceptance rate falls below it pauses), or {"method": '
-                        '"draft", "draft_model": DIR} to draft with a second artifact of the same tokenizer; '
-                        '--speculative-ngram K sets method and num_speculative_tokens')
+                        '"draft", "draft_model": DIR} to draft with a second artifact of the same tokenizer, or {"method": null} '
+                        'for none whatever the artifact says; --speculative-ngram K sets method and '
+                        'num_speculative_tokens')
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly instead of replaying captured CUDA graphs (debugging)")
     p.add_argument("--engine-thread", action="store_true",
@@ -126,11 +128,13 @@ def _warn_if_exposed(host: str, port: int, api_key: str | None) -> None:
                     banner, host, port, API_KEY_ENV, banner)
 
 
-def speculative_config(args: argparse.Namespace) -> dict[str, Any]:
+def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     """The speculative section from ``--speculative-config`` and ``--speculative-ngram``, checked (raises
-    ``runtime.speculative.SpeculativeConfigError``)."""
+    ``runtime.speculative.SpeculativeConfigError``); None when neither is given (the artifact's section)."""
     from runtime.speculative import SpeculativeConfig
 
+    if args.speculative_config is None and args.speculative_ngram is None:
+        return None  # the artifact's (its recipe's runtime.speculative section), else off
     config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else SpeculativeConfig()
     if args.speculative_ngram is not None:
         config = SpeculativeConfig.from_dict({**config.to_dict(), "method": "ngram",
@@ -200,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
              args.max_num_batched_tokens or "the artifact's", engine.max_seq_len, args.max_waiting,
              "on" if config.enable_prefix_caching else "off",
              f"{args.request_timeout:g}s" if args.request_timeout else "none",
+             "the artifact's (its recipe's runtime.speculative, if any)" if speculative is None else
              f"{speculative['method']} (up to {speculative['num_speculative_tokens']} drafts, at most "
              f"{speculative['max_running']} decoding requests)" if speculative["method"] else "off")
     try:

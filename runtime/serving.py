@@ -43,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -110,12 +110,13 @@ class ServingConfig:
     # step before is recorded (``ServingEngine._start_masks``); off fills them after (RUNTIME_MASK_OVERLAP=0: an A/B)
     mask_overlap: bool = field(default_factory=lambda: bool(_env_int("RUNTIME_MASK_OVERLAP", 1)))
     # speculative decoding (runtime.speculative): a SpeculativeConfig, or its fields as a dict (the ``speculative``
-    # section, e.g. across the engine process boundary); default off
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # section, e.g. across the engine process boundary); None: the artifact's (its recipe's runtime.speculative),
+    # else off. SpeculativeConfig() (method None) turns it off whatever the artifact says
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.speculative is None:
-            self.speculative = SpeculativeConfig()
+            pass  # the artifact's, resolved by ServingEngine
         elif isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig.from_dict(self.speculative)
         elif not isinstance(self.speculative, SpeculativeConfig):
@@ -222,6 +223,10 @@ class ServingEngine:
 
     def __init__(self, engine: Engine, config: ServingConfig | None = None) -> None:
         config = config or ServingConfig()
+        if config.speculative is None:  # the artifact's recipe section (runtime.speculative), else off
+            section = engine.artifact.manifest["runtime"].get("speculative")
+            config = replace(config, speculative=SpeculativeConfig.from_dict(section) if section
+                             else SpeculativeConfig())
         self.engine = engine  # the offline engine: artifact, executor, tokenizer
         self.executor, self.tokenizer, self.device = engine.executor, engine.tokenizer, engine.device
         limits = engine.limits

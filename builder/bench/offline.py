@@ -345,7 +345,7 @@ def load_for_bench(artifact: str, device: str, *, max_num_seqs: int, max_seq_len
     config = ServingConfig(max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                            max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
                            max_waiting=1 << 20, gpu_memory_utilization=gpu_memory_utilization,
-                           speculative=speculative)
+                           speculative=speculative if speculative is not None else {"method": None})  # plain: off
     return ServingEngine.load(artifact, device, config, check_hashes=check_hashes, allow_failed_gate=True)
 
 

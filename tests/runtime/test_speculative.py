@@ -7,6 +7,7 @@ get accepted) and on a scripted proposer that drafts the reference continuation 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -162,7 +163,7 @@ def test_bad_settings_are_refused_with_what_is_allowed(section, message):
 
 
 def test_settings_from_the_environment_and_across_the_process_boundary(monkeypatch):
-    assert not ServingConfig().speculative.enabled
+    assert ServingConfig().speculative is None  # the artifact's section, else off (see the recipe test)
     monkeypatch.setenv("RUNTIME_SPEC_MAX_RUNNING", "3")
     monkeypatch.setenv("RUNTIME_SPEC_MIN_ACCEPTANCE", "0.5")
     config = ServingConfig(speculative=NGRAM)
@@ -174,11 +175,42 @@ def test_settings_from_the_environment_and_across_the_process_boundary(monkeypat
         SpeculativeConfig()
 
 
+def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
+    """runtime.speculative in the recipe is recorded in the manifest and serves as the default; an explicit
+    setting (SpeculativeConfig(), a serve flag) wins; greedy tokens stay those of decoding without it. A bad
+    section is refused at validation, naming the key."""
+    from builder.recipe import RecipeError, validate_recipe
+
+    path = build_artifact(checkpoints["llama"], tmp_path / "art",
+                          speculative={"method": "ngram", "num_speculative_tokens": 3, "max_ngram": 3})
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["runtime"]["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "min_ngram": 2,
+                                                  "max_ngram": 3}
+    engine = Engine.load(path)
+    served = ServingEngine(engine, ServingConfig(num_blocks=64))
+    assert served.config.speculative.enabled and served.proposer is not None
+    assert (served.config.speculative.num_speculative_tokens, served.config.speculative.max_ngram) == (3, 3)
+    plain = ServingEngine(engine, ServingConfig(num_blocks=64, speculative=SpeculativeConfig()))
+    assert plain.proposer is None
+    prompt = engine.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a")
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    assert served.run([prompt], params)[0].token_ids == plain.run([prompt], params)[0].token_ids
+    assert served.spec_num_draft_tokens > 0  # it did speculate
+    base = {"name": "x", "model": {"checkpoint": str(checkpoints["llama"])}}
+    for section, message in (({"method": "draft"}, "runtime.speculative.method"),
+                             ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+                             ({"method": "ngram", "min_ngram": 5}, "min_ngram 5 is above max_ngram 4"),
+                             ({"methd": "ngram"}, "unknown key")):
+        with pytest.raises(RecipeError, match=message):
+            validate_recipe({**base, "runtime": {"speculative": section}})
+
+
 def test_serve_flags_build_the_speculative_section():
     from runtime.serve import build_parser, main, speculative_config
 
     parser = build_parser()
-    assert speculative_config(parser.parse_args(["x"]))["method"] is None
+    assert speculative_config(parser.parse_args(["x"])) is None  # the artifact's section, else off
+    assert speculative_config(parser.parse_args(["x", "--speculative-config", '{"method": null}']))["method"] is None
     section = speculative_config(parser.parse_args(["x", "--speculative-ngram", "6"]))
     assert (section["method"], section["num_speculative_tokens"]) == ("ngram", 6)
     section = speculative_config(parser.parse_args(
