@@ -81,10 +81,9 @@ def _generate(engine: ServingEngine, prompt: list[int], output_len: int) -> tupl
 
 def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> ServingEngine:
     # a small KV pool (batch 1): the engines are loaded one after the other, and a closed one's pool may linger
-    config = ServingConfig(max_num_seqs=8, num_blocks=512)
-    if speculative is not None:
-        config.speculative = speculative
-    return ServingEngine.load(path, device, config)
+    # (None: plain, whatever the artifact's recipe says)
+    return ServingEngine.load(path, device, ServingConfig(max_num_seqs=8, num_blocks=512,
+                                                          speculative=speculative or SpeculativeConfig()))
 
 
 def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int) -> dict:
