@@ -36,7 +36,6 @@ shared step (scheduling, the forward pass) raises out of ``step``.
 from __future__ import annotations
 
 import logging
-import os
 import time
 import uuid
 from collections import deque
@@ -50,6 +49,7 @@ import torch
 
 from runtime.block_pool import BlockPool
 from runtime.engine import Engine, RequestError
+from runtime.env import env_number
 from runtime.cuda_graphs import PackedStep
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_manager import KVCacheManager
@@ -72,16 +72,6 @@ INVALID_ROW_ERROR = ("sampling failed: the model's logits for this request gave 
 COMPILE_POLL_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{name}={value!r} is not a whole number (e.g. {default})") from None
-
-
 @dataclass
 class ServingConfig:
     """Serving settings. None means the artifact's value (its recipe's runtime section)."""
@@ -99,27 +89,25 @@ class ServingConfig:
     # with cuda_graphs: steps that carry prefill (with the decodes beside them) of up to this many tokens replay
     # CUDA graphs too, one per (token bucket, sequence bucket) (runtime.cuda_graphs.StepGraphs); capped at
     # max_num_batched_tokens; 0 = eager; default from RUNTIME_PREFILL_GRAPH_TOKENS, else 2048
-    prefill_graph_tokens: int = field(default_factory=lambda: _env_int("RUNTIME_PREFILL_GRAPH_TOKENS", 2048))
+    prefill_graph_tokens: int = field(default_factory=lambda: env_number("RUNTIME_PREFILL_GRAPH_TOKENS", 2048))
     # with CUDA-graph decode: while requests decode, a new prompt waits up to this long (unless a quarter of
     # max_num_batched_tokens is waiting) so that arrivals are prefilled together and the steps between them replay
     # the decode graph instead of running eagerly (SchedulerConfig.prefill_hold_s); 0 admits at once. Default
     # from RUNTIME_PREFILL_HOLD_MS, else 0: on the H100 50 ms let Poisson load at 60 req/s meet p99 TTFT <= 500 ms
     # and TPOT <= 50 ms where no hold did not, but cost 12% in a closed loop of 256 clients (docs/BENCHMARKS.md)
-    prefill_hold_ms: float = field(default_factory=lambda: float(_env_int("RUNTIME_PREFILL_HOLD_MS", 0)))
+    prefill_hold_ms: float = field(default_factory=lambda: float(env_number("RUNTIME_PREFILL_HOLD_MS", 0)))
     # with the overlapped pipeline: the masks of a structured step in flight are filled on a worker thread while the
     # step before is recorded (``ServingEngine._start_masks``); off fills them after (RUNTIME_MASK_OVERLAP=0: an A/B)
-    mask_overlap: bool = field(default_factory=lambda: bool(_env_int("RUNTIME_MASK_OVERLAP", 1)))
+    mask_overlap: bool = field(default_factory=lambda: bool(env_number("RUNTIME_MASK_OVERLAP", 1)))
     # speculative decoding (runtime.speculative): a SpeculativeConfig, or its fields as a dict (the ``speculative``
     # section, e.g. across the engine process boundary); None: the artifact's (its recipe's runtime.speculative),
     # else off. SpeculativeConfig() (method None) turns it off whatever the artifact says
     speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative is None:
-            pass  # the artifact's, resolved by ServingEngine
-        elif isinstance(self.speculative, dict):
+        if isinstance(self.speculative, dict):
             self.speculative = SpeculativeConfig.from_dict(self.speculative)
-        elif not isinstance(self.speculative, SpeculativeConfig):
+        elif self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):  # None: the artifact's
             raise ValueError(f"speculative must be a SpeculativeConfig or a dict of its fields, got "
                              f"{type(self.speculative).__name__}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -48,10 +48,11 @@ from __future__ import annotations
 
 import abc
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
+
+from runtime.env import env_number
 
 if TYPE_CHECKING:  # the config is read by the server's command line before torch is imported
     import torch
@@ -67,14 +68,7 @@ class SpeculativeConfigError(ValueError):
 
 
 def _env(name: str, default: float, kind: type) -> Any:
-    value = os.environ.get(name)
-    if value is None:
-        return default
-    try:
-        return kind(value)
-    except ValueError:
-        what = "a whole number" if kind is int else "a number"
-        raise SpeculativeConfigError(f"{name}={value!r} is not {what} (e.g. {default})") from None
+    return env_number(name, default, kind, SpeculativeConfigError)
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
 from llguidance.gbnf_to_lark import any_to_lark
 
+from runtime.env import env_number
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -343,14 +344,10 @@ def mask_threads() -> int:
     """Threads that fill many rows' masks at once: RUNTIME_MASK_THREADS, else 80% of the CPUs this process may run
     on (at most 32). Counted from the process's CPU affinity and passed explicitly: llguidance's own default comes
     from the CPU quota the container reports, which can be far below the cores it has."""
-    value = os.environ.get("RUNTIME_MASK_THREADS")
-    if value is not None:
-        try:
-            threads = int(value)
-        except ValueError:
-            raise ValueError(f"RUNTIME_MASK_THREADS={value!r} is not a whole number") from None
+    threads = env_number("RUNTIME_MASK_THREADS", None)
+    if threads is not None:
         if threads < 1:
-            raise ValueError(f"RUNTIME_MASK_THREADS={value!r} must be at least 1")
+            raise ValueError(f"RUNTIME_MASK_THREADS={threads} must be at least 1")
         return threads
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(32, round(0.8 * cpus)))

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from conftest import build_artifact, make_checkpoint  # noqa: E402
+from test_serving import PROMPTS  # noqa: E402  (the serving tests' prompts: code, some repeating)
 from runtime import Engine, SamplingParams  # noqa: E402
 from runtime.block_pool import BlockPool, hash_block  # noqa: E402
 from runtime.kv_manager import KVCacheManager  # noqa: E402
@@ -31,13 +32,6 @@ from runtime.speculative import (  # noqa: E402
     SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
 
 NGRAM = {"method": "ngram"}
-PROMPTS = [
-    "def fibonacci(n):",
-    "import os\nimport sys\n\n\nclass Config:\n    \"\"\"Settings.\"\"\"\n",
-    "    def __init__(self, name, value=None):\n        self.name = name\n        self.value = value\n" * 3,
-    "for i in range(10):\n",
-    "    def read(self, path):\n        with open(path) as f:\n            return f.read()\n" * 4,
-]
 # Upper 1% points of the chi-square distribution by degrees of freedom (a statistic above one has p < 0.01), from
 # the standard table: NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.4 (scipy.stats.chi2.ppf(0.99,
 # df) gives the same values).
