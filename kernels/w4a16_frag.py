@@ -242,13 +242,55 @@ def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.cons
     tl.store(out_ptr + row * K + k, ((q - z).to(tl.float32) * s).to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _dequant_frag4_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.constexpr, TILES: tl.constexpr,
+                          ITERS: tl.constexpr):
+    # 4 bits: one program per (TILES tiles of 16 features, ITERS groups of 128 input features); each group's words
+    # loaded whole (runs of 16 contiguous words), unpacked and permuted into natural feature order as frag_gemm
+    # does (see there), and stored as [16 TILES, 128] rows
+    G = K // 128
+    r = tl.arange(0, 8 * TILES)
+    t = tl.program_id(0) * TILES + r // 8
+    g = r % 8
+    col = tl.arange(0, 32)
+    chunk, c, j = col // 16, (col // 4) % 4, col % 4
+    w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (2 * G) + chunk[None, :]) * 128
+              + (4 * g[:, None] + c[None, :]) * 4 + j[None, :])
+    hh = tl.arange(0, 2)[:, None]
+    uu = tl.arange(0, 4)[None, :]
+    shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
+    n = tl.program_id(0) * (16 * TILES) + tl.arange(0, 16 * TILES)
+    kk = tl.arange(0, 128)
+    for i in range(ITERS):
+        it = tl.program_id(1) * ITERS + i
+        words = tl.load(w_ptrs + it * 256)
+        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF
+        q = tl.reshape(q, (TILES, 8, 2, 2, 4, 2, 2, 2, 2))
+        q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))
+        q = tl.reshape(q, (16 * TILES, 128))
+        grp = 0 if ONE_GROUP else it
+        z = tl.load(z_ptr + grp * N + n).to(tl.int32)
+        s = tl.load(s_ptr + grp * N + n)
+        w = (q - z[:, None]).to(tl.float32) * s[:, None]
+        tl.store(out_ptr + n.to(tl.int64)[:, None] * K + it * 128 + kk[None, :], w.to(out_ptr.dtype.element_ty))
+
+
 def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT) -> torch.Tensor:
+                    dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT, by_words: bool = True) -> torch.Tensor:
     """The weight ``(q - zero) * scale`` [N, K] in ``dtype`` from :func:`repack_frag`'s layout (fp32 product
-    rounded once, as ``kernels.torch_quant.dequantize_weight``)."""
+    rounded once, as ``kernels.torch_quant.dequantize_weight``). 4 bits: whole words unpacked (``by_words``, the
+    default), or each code gathered from its byte (the 8-bit kernel's way; kept for comparison)."""
     _check_device(qweight)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
+    if bits == 4 and by_words:
+        tiles = next(t for t in (4, 2, 1) if (w.out_features // TILE_N) % t == 0)
+        groups = w.in_features // ITER_K
+        iters = next(i for i in (4, 2, 1) if groups % i == 0)
+        _dequant_frag4_kernel[(w.out_features // (TILE_N * tiles), groups // iters)](
+            w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, TILES=tiles,
+            ITERS=iters, num_warps=4)
+        return out
     num_chunks = w.in_features * bits // 256  # 512-byte chunks per tile (even)
     chunks = 2 if _interpreting() else next(c for c in (8, 4, 2) if num_chunks % c == 0)
     _dequant_frag_kernel[(w.out_features // TILE_N, num_chunks // chunks)](
@@ -749,3 +791,170 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
         num_rows, n, w.in_features, x2.stride(0), iters_per_split, split_k,
         ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles, DEPTH=cfg.depth,
         BITS=w.bits, num_warps=warps, **pdl.pdl_args(x2))
+
+
+# --- a tensor-core GEMM on the same layout (more rows of x: prefill, batched decode) -------------------------
+# Past FRAG_RUNTIME_MAX_ROWS rows the frag kernel re-reads the weights per 32 rows and keeps x in registers; a GEMM
+# with tl.dot tiles (wgmma on Hopper) is what those sizes need. Until this kernel the runtime dequantized the whole
+# weight into a bf16 temporary for cuBLAS there: at 128-512 rows that write and re-read of 4x the packed bytes cost
+# more than the GEMM itself.
+#
+# One K iteration is one quantization group of 128 input features: per 16-feature tile, 2 chunks of 512 bytes =
+# 256 words. Word (4 g + c) * 4 + j of a chunk holds 8 codes: nibble o = 4 h + 2 e + half (shift 4 o) is row
+# 16 t + 8 h + g at the MMA-order position 64 chunk + 16 j + 8 half + 2 c + e, which is input feature
+# 64 chunk + 32 (j // 2) + 8 c + 4 (j % 2) + 2 half + e of the group (mma_order). So the words of a program's tiles,
+# loaded as [(t, g), (chunk, c, j)] (runs of 16 contiguous words), unpacked into their 8 nibbles, reshaped by those
+# digits and permuted to [(t, h, g), (chunk, j // 2, c, j % 2, half, e)] are the [N, 128] tile with its features in
+# natural order: x's tile is a plain contiguous load (pipelined into shared memory), and the permute only renames
+# which register holds what before the tile goes to shared memory for the MMA, as any tl.dot operand does.
+@dataclass(frozen=True)
+class GemmConfig:
+    """One launch configuration of :func:`frag_gemm`."""
+
+    block_m: int = 64  # rows of x per program
+    tiles_n: int = 8  # 16-feature tiles per program (block_n = 16 tiles_n; halved until it divides N / 16)
+    num_warps: int = 4
+    num_stages: int = 3
+    split_k: int = 0  # programs sharing one output tile's K range; 0: enough programs for GEMM_PROGRAMS_PER_SM
+
+
+GEMM_PROGRAMS_PER_SM = 2
+# Where frag_gemm beats dequantize_frag + cuBLAS (H100, kernels.bench.gemm --frag-gemm, session 17): up to 128 rows
+# on weights of at least GEMM_MIN_WEIGHTS (the 8B shape's gate_up and down: 161 vs 205 and 97 vs 111 us at 128
+# rows), not on qkv / o_proj (47 vs 44, 37 vs 30 us) nor past 128 rows (at 160: 245 vs 209 on gate_up). Env
+# KERNELS_FRAG_GEMM_MAX_ROWS moves the row bound (0: never frag_gemm but for an lm_head).
+GEMM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_GEMM_MAX_ROWS", "128"))
+GEMM_MIN_WEIGHTS = 1 << 25
+
+
+def gemm_preferred(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether the runtime runs :func:`frag_gemm` (rather than the weight dequantized for cuBLAS) for a 4-bit linear
+    of this shape past the frag kernel's rows (shapes only)."""
+    return num_rows <= GEMM_RUNTIME_MAX_ROWS and out_features * in_features >= GEMM_MIN_WEIGHTS
+
+
+@triton.jit
+def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
+                      iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      TILES_N: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+    # program (m, n, k): rows [BLOCK_M m, +BLOCK_M) x features [BLOCK_N n, +BLOCK_N) (N is a multiple of BLOCK_N)
+    # over K iterations [iters_per_split k, +iters_per_split); with SPLIT > 1 its fp32 sums go to part[k].
+    # The codes go to the MMA as they are (small integers, exact in bf16); each group's zero point and scale are
+    # applied to its fp32 sums, sum_k x (q - z) s = s (x . q - z sum_k x), with xs[m, group] = sum_k x (computed
+    # before the launch), so nothing per weight depends on its row: the tile's layout follows the words' loads
+    BLOCK_N: tl.constexpr = 16 * TILES_N
+    G = K // 128
+    pid_m = tl.program_id(0)  # fastest: the programs on one weight tile run together and share it through L2
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    # the words: [(t, g), (chunk, c, j)]
+    r = tl.arange(0, 8 * TILES_N)
+    t = pid_n * TILES_N + r // 8
+    g = r % 8
+    col = tl.arange(0, 32)
+    chunk, c, j = col // 16, (col // 4) % 4, col % 4
+    w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (2 * G) + chunk[None, :]) * 128
+              + (4 * g[:, None] + c[None, :]) * 4 + j[None, :])
+    # nibble (h, u) of a word, u = 2 half + e: shift 16 h + 8 e + 4 half. Each thread's run of 8 features
+    # (j % 2, half, e) is then in register order
+    hh = tl.arange(0, 2)[:, None]
+    uu = tl.arange(0, 4)[None, :]
+    shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the tile's features in natural order: n = 16 t + 8 h + g
+    kk = tl.arange(0, 128)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
+    xs_ptrs = xs_ptr + rows.to(tl.int64) * G
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    xsum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    it0 = pid_k * iters_per_split
+    it1 = tl.minimum(it0 + iters_per_split, G)
+    for it in range(it0, it1):
+        words = tl.load(w_ptrs + it * 256)
+        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [(t, g), h, (chunk, c, j), (half, e)]
+        q = tl.reshape(q, (TILES_N, 8, 2, 2, 4, 2, 2, 2, 2))  # t, g, h, chunk, c, j // 2, j % 2, half, e
+        q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))  # t, h, g, chunk, j // 2, c, j % 2, half, e
+        q = tl.reshape(q, (BLOCK_N, 128)).to(tl.float32).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptrs + it * 128, mask=row_ok[:, None], other=0.0)
+        xs = tl.load(xs_ptrs + it, mask=row_ok, other=0.0)
+        if FP32_DOT:  # the interpreter: its dot of a cast bf16 operand is wrong; fp32 of the same values instead
+            x = x.to(tl.float32)
+            q = q.to(tl.float32)
+        if ONE_GROUP:  # one zero point and scale per feature: applied once, after the loop
+            acc = tl.dot(x, tl.trans(q), acc)
+            xsum += xs
+        else:
+            z = tl.load(z_ptr + it * N + n).to(tl.float32)
+            s = tl.load(s_ptr + it * N + n)
+            acc += (tl.dot(x, tl.trans(q)) - xs[:, None] * z[None, :]) * s[None, :]
+    if ONE_GROUP:
+        z = tl.load(z_ptr + n).to(tl.float32)
+        s = tl.load(s_ptr + n)
+        acc = (acc - xsum[:, None] * z[None, :]) * s[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        p_ptrs = part_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(p_ptrs, acc, mask=row_ok[:, None])
+
+
+def default_gemm_config(num_rows: int, out_features: int) -> GemmConfig:
+    """The sweep's best at 65-128 rows: wide layers (gate_up) one K range per program in 128 x 128 tiles, the
+    others 64 x 64 tiles with K split for the SMs."""
+    if out_features >= 16384:
+        return GemmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, split_k=1)
+    return GemmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=3, split_k=0)
+
+
+def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
+              config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ ((q - zero) * scale).T + bias`` for any number of rows of bf16/fp16 x, on :func:`repack_frag`'s 4-bit
+    weights, with ``tl.dot`` tiles on the codes and each group's zero point and scale applied to its fp32 sums (no
+    dequantized temporary; the weights are not rounded to x's dtype). x: [..., K] -> y: [..., N] in x's dtype (fp32
+    sums; with split-K, the splits' fp32 partial sums added in split order: deterministic)."""
+    _check_device(x)
+    w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
+    if bits != 4:
+        raise ValueError("frag_gemm takes 4-bit weights; 8-bit ones are dequantized (dequantize_frag)")
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
+        raise ValueError(f"frag_gemm takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    x2 = x.reshape(-1, w.in_features)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], w.out_features
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    cfg = config or (GemmConfig(16, 2, 4, 1, 1) if _interpreting() else default_gemm_config(m, n))
+    tiles_n = cfg.tiles_n
+    while (n // TILE_N) % tiles_n:
+        tiles_n //= 2
+    grid_m, grid_n, total_iters = triton.cdiv(m, cfg.block_m), n // (TILE_N * tiles_n), w.in_features // ITER_K
+    split = cfg.split_k
+    if not split:
+        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        split = min(triton.cdiv(GEMM_PROGRAMS_PER_SM * _num_sms(device_index), grid_m * grid_n),
+                    max(total_iters // 4, 1))
+    iters_per_split = triton.cdiv(total_iters, max(1, min(split, total_iters)))
+    split = triton.cdiv(total_iters, iters_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    xs = x2.unflatten(-1, (total_iters, ITER_K)).sum(-1, dtype=torch.float32)  # [M, groups of 128]: x's sums
+    _frag_gemm_kernel[(grid_m, grid_n, split)](
+        x2, xs, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
+        x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, FP32_DOT=_interpreting(), num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if split > 1:  # the partial sums in split order, rounded once
+        total = part.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
+    return y.reshape(*x.shape[:-1], n)

@@ -60,6 +60,10 @@
 #                  "- KERNELS_PDL=0 KERNELS_PREFETCH=0"), run $AB_ROUNDS times (default 2) in turn, JSON lines tagged
 #                  with the setting in $OUT/ab_PREC.jsonl
 #   mma-ab         the W4A16 kernel table at 1 and 16 rows under each setting of $AB_SETTINGS (kernel-level A/B)
+#   tree-ab-PREC   PREC's latency (TTFT, batch 1 and the decode step at each of $STEP_BATCH_SIZES, default 96) and
+#                  128/128 throughput at $THROUGHPUT_CONCURRENCY (default 256) from this tree (recorded) and from the
+#                  source tree at $AB_TREE (e.g. `git archive BASE | tar -x -C abtree`, carried; printed, tagged
+#                  "tree": "base" in $OUT/tree_ab_PREC.jsonl), same artifact, one process each
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
@@ -285,6 +289,20 @@ PY
           env "${envs[@]}" python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 \
             --output-len 128 2>&1 | grep '^{' \
             | sed "s/^{/{\"setting\": \"$setting\", \"round\": $round, /" | tee -a "$OUT/ab_$prec.jsonl"
+        done
+      done ;;
+    tree-ab-*)
+      prec=${part#tree-ab-}
+      artifact "$prec"
+      root=$PWD; base=$(cd "${AB_TREE:?AB_TREE: the base source tree}" && pwd)
+      steps=""; for b in ${STEP_BATCH_SIZES-96}; do steps="$steps --batch-size $b"; done
+      conc=""; for c in ${THROUGHPUT_CONCURRENCY:-256}; do conc="$conc --concurrency $c"; done
+      for tree in "$root" "$base"; do
+        tag=this; rec="--record $OUT/benchmarks.jsonl"; [ "$tree" = "$root" ] || { tag=base; rec=""; }
+        for cmd in "latency $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps" \
+                   "throughput $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $conc"; do
+          (cd "$tree" && PYTHONPATH=$tree python3 -m builder.cli bench $cmd $rec 2>&1) | tee -a "$OUT/tree_ab_$prec.log" \
+            | grep '^{' | sed "s/^{/{\"tree\": \"$tag\", /" | tee -a "$OUT/tree_ab_$prec.jsonl" | cut -c1-600
         done
       done ;;
     mma-ab)

@@ -6,6 +6,7 @@
     python -m kernels.bench.gemm --mma        # the tensor-core W4A16 / W8A16 kernel (kernels.w4a16_mma) table only
     python -m kernels.bench.gemm --mma-sweep  # that table with candidate MmaConfigs per shape at M = 1 ... 128
     python -m kernels.bench.gemm --frag       # the fragment-order W4A16 kernel (kernels.w4a16_frag), configs swept
+    python -m kernels.bench.gemm --frag-gemm  # frag_gemm (tl.dot on the same layout) vs dequantize + cuBLAS, M 65-4096
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
@@ -54,7 +56,7 @@ from kernels.fused_norm import (
     rms_norm,
 )
 from kernels.gemv import GemvConfig, default_gemv_config, w4a16_gemv
-from kernels.w4a16_frag import FragConfig, dequantize_frag, repack_frag, w4a16_frag
+from kernels.w4a16_frag import FragConfig, GemmConfig as FragGemmConfig, dequantize_frag, frag_gemm, repack_frag, w4a16_frag
 from kernels.w4a16_mma import MmaConfig, default_mma_config, dequantize_mma, repack_mma, w4a16_mma
 from kernels.rope import apply_rope_, ref_rope
 from kernels.w4a16_gemm import (
@@ -453,6 +455,70 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
     return failures
 
 
+FRAG_GEMM_ROWS = [65, 128, 256, 512, 1024, 2048, 4096]
+
+
+def frag_gemm_candidates() -> list[FragGemmConfig]:
+    return [FragGemmConfig(bm, tn, w, st, sk) for bm, tn, w, st, sk in (
+        (64, 4, 4, 3, 0), (64, 8, 4, 3, 0), (64, 2, 4, 3, 0), (128, 4, 4, 3, 0), (128, 8, 8, 3, 0),
+        (64, 4, 4, 3, 1), (128, 8, 8, 3, 1))]
+
+
+def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
+    """frag_gemm against what the runtime ran before past FRAG_RUNTIME_MAX_ROWS (dequantize_frag + F.linear) and bf16
+    F.linear alone, per linear of the 8B shape; the default config and the best candidate."""
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    print(f"\nW4A16 (group {GROUP_SIZE}) frag_gemm vs dequantize_frag + F.linear, {DTYPE}; us (CUDA graphs, weights "
+          "rotated past L2); TFLOP/s of the default and of bf16 F.linear")
+    print(f"{'shape':>8} {'M':>5} | {'gemm':>8} {'best':>8} {'deq+mm':>8} {'bf16 mm':>8} | {'TFLOP/s':>7} {'bf16':>7} | "
+          "rel.err  best config")
+    for name, k, n in SHAPES:
+        if shapes and name not in shapes:
+            continue
+        first = random_w4a16(n, k, gen)
+        weight_bytes = sum(t.numel() * t.element_size() for t in first)
+        triples = [first] + [random_w4a16(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
+        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": GROUP_SIZE, "bits": 4,
+                  "layout": "passes"}
+        frag = [repack_frag(q, s_, z, GROUP_SIZE, 4) for q, s_, z in triples]
+        bf16 = [dequantize_weight(q, s_, z, 4, GROUP_SIZE, DTYPE)
+                for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
+        for m in rows or FRAG_GEMM_ROWS:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
+            ref = ref_w4a16_linear(x, **passes)
+            ok, err = _close(frag_gemm(x, **frag[0]), ref)
+            if not ok:
+                failures.append(f"frag_gemm {name} M={m}: max rel err {err:.2e}")
+            t_gemm = time_us([lambda p=p: frag_gemm(x, **p) for p in frag])
+            best, best_cfg = t_gemm, "default"
+            for cand in frag_gemm_candidates() if sweep else []:
+                try:
+                    ok_c, err_c = _close(frag_gemm(x, **frag[0], config=cand), ref)
+                except triton.runtime.errors.OutOfResources:
+                    continue  # shared memory or registers: not a candidate on this GPU
+                if not ok_c:
+                    failures.append(f"frag_gemm {name} M={m} {cand}: max rel err {err_c:.2e}")
+                    continue
+                t_c = time_us([lambda p=p: frag_gemm(x, **p, config=cand) for p in frag])
+                if t_c < best:
+                    best, best_cfg = t_c, str(cand)
+            t_deq = time_us([lambda p=p: F.linear(x, dequantize_frag(**p, dtype=DTYPE)) for p in frag[:4]])
+            if m == (rows or FRAG_GEMM_ROWS)[0]:  # the dequantization alone, both kernels
+                t_new = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE) for p in frag[:4]])
+                t_old = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE, by_words=False) for p in frag[:4]])
+                moved = (n * k * 2 + weight_bytes) / 1e6  # MB written and read
+                print(f"{name:>8} dequantize_frag: by words {t_new:.1f} us ({moved / t_new:.2f} TB/s), "
+                      f"by bytes {t_old:.1f} us ({moved / t_old:.2f} TB/s)", flush=True)
+            t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
+            print(f"{name:>8} {m:5d} | {t_gemm:8.1f} {best:8.1f} {t_deq:8.1f} {t_bf16:8.1f} | "
+                  f"{2 * m * n * k / t_gemm / 1e6:7.1f} {2 * m * n * k / t_bf16 / 1e6:7.1f} | {err:.1e}  {best_cfg}",
+                  flush=True)
+        del frag, bf16, triples
+        torch.cuda.empty_cache()
+    return failures
+
+
 def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
     failures = []
     hidden, num_heads, head_dim = 4096, 32, 128
@@ -500,6 +566,9 @@ def main() -> int:
     parser.add_argument("--bits", nargs="*", type=int, help="--mma / --mma-sweep / --frag: only these widths (4 8)")
     parser.add_argument("--frag", action="store_true",
                         help="only the fragment-order W4A16 table (kernels.w4a16_frag), with candidate FragConfigs")
+    parser.add_argument("--frag-gemm", action="store_true",
+                        help="only frag_gemm (kernels.w4a16_frag, M >= 65) vs dequantize + cuBLAS, with candidate configs")
+    parser.add_argument("--no-sweep", action="store_true", help="--frag-gemm: the default config only")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -507,7 +576,9 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.frag:
+    if args.frag_gemm:
+        failures = bench_frag_gemm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep)
+    elif args.frag:
         failures = [f for b in (args.bits or [4]) for f in bench_frag(shapes=args.shapes, rows=args.rows, bits=b)]
     elif args.gemv_sweep:
         failures = bench_gemv(sweep=True)

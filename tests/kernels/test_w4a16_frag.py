@@ -17,7 +17,9 @@ import torch
 from kernels.torch_quant import dequantize_weight, unpack_int4
 from kernels.w4a16_frag import (
     FragConfig,
+    GemmConfig,
     dequantize_frag,
+    frag_gemm,
     repack_frag,
     supports,
     unrepack_frag,
@@ -51,6 +53,7 @@ def test_round_trip_and_dequantization(n, k, group_size, bits):
     assert torch.equal(q, passes["qweight"]) and torch.equal(s, passes["scales"]) and torch.equal(z, passes["zeros"])
     ref = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits, group_size, torch.float32)
     assert torch.equal(dequantize_frag(**packed, dtype=torch.float32), ref)
+    assert torch.equal(dequantize_frag(**packed, dtype=torch.float32, by_words=False), ref)
     # bf16: one rounding of the fp32 product (the interpreter's conversion may round the other way: one ulp)
     torch.testing.assert_close(dequantize_frag(**packed, dtype=torch.bfloat16).float(), ref, rtol=2**-7, atol=0)
 
@@ -193,3 +196,61 @@ def test_kernel_on_cuda(m, n, k, group_size, bits):
     for cfg in (None, FragConfig(split_k=1, depth=1), FragConfig(warps=2, split_k=3)):
         y = w4a16_frag(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("m,n,k,group_size", [(37, 64, 256, 128), (16, 96, 384, -1), (5, 32, 128, 128),
+                                              (20, 160, 256, 128)])
+def test_frag_gemm_matches_the_dequantized_weights(m, n, k, group_size):
+    """frag_gemm's unpacking (words -> nibbles -> the [N, 128] tile in natural feature order; under the interpreter
+    the same index math as on the GPU, dots in fp32) and its zero points and scales applied to the groups' sums,
+    against x @ the dequantized weights in fp32: groups of 128 and per channel, rows that do not fill a tile, N
+    that does not fill a program's tiles (160 = 10 tiles), a bias, split-K, several configs."""
+    passes = _weights(n, k, group_size, seed=m * n + k)
+    packed = _repack(passes)
+    g = torch.Generator().manual_seed(m + 11)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+    w = dequantize_frag(**packed, dtype=torch.float32)
+    ref = x.float() @ w.T + bias.float()
+    for cfg in (None, GemmConfig(block_m=16, tiles_n=1, num_warps=4, num_stages=1, split_k=3),
+                GemmConfig(block_m=32, tiles_n=4, num_warps=4, num_stages=2, split_k=1)):
+        y = frag_gemm(x, **packed, bias=bias, config=cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        # the fp32 sum rounded once to bf16: within one bf16 ulp of the reference
+        torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3)
+    y = frag_gemm(x.reshape(1, m, k), **packed)  # leading dims kept, no bias
+    torch.testing.assert_close(y.float(), (x.float() @ w.T).reshape(1, m, n), rtol=2**-7, atol=1e-3)
+    with pytest.raises(ValueError, match="4-bit"):
+        w8 = _repack(_weights(32, 128, -1, seed=3, bits=8))
+        frag_gemm(x[:, :128], **w8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="bf16 tensor cores: CUDA only (kernels.bench.gemm --frag-gemm runs it on the device)")
+@pytest.mark.parametrize("m", [65, 128, 300, 1024])
+@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 128), (512, 4096, -1), (160, 256, 128)])
+def test_frag_gemm_on_cuda(m, n, k, group_size):
+    passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+              _weights(n, k, group_size, seed=m + n).items()}
+    packed = _repack(passes)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    ref = ref_w4a16_linear(x, **passes, bias=bias).float()
+    for cfg in (None, GemmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, split_k=1),
+                GemmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=2, split_k=5)):
+        y = frag_gemm(x, **packed, bias=bias, config=cfg).float()
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="CUDA only (the interpreter runs both paths in test_round_trip_and_dequantization)")
+@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 128), (512, 4096, -1), (160, 256, 128)])
+def test_dequantize_frag_by_words_on_cuda(n, k, group_size):
+    passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+              _weights(n, k, group_size, seed=n + k).items()}
+    packed = _repack(passes)
+    ref = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], 4, group_size, torch.float32)
+    assert torch.equal(dequantize_frag(**packed, dtype=torch.float32), ref)
+    assert torch.equal(dequantize_frag(**packed, dtype=torch.bfloat16),
+                       dequantize_frag(**packed, dtype=torch.bfloat16, by_words=False))
