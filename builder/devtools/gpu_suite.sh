@@ -301,7 +301,7 @@ PY
         tag=this; rec="--record $OUT/benchmarks.jsonl"; [ "$tree" = "$root" ] || { tag=base; rec=""; }
         for cmd in "latency $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps" \
                    "throughput $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $conc"; do
-          (cd "$tree" && PYTHONPATH=$tree python3 -m builder.cli bench $cmd $rec 2>&1) | tee -a "$OUT/tree_ab_$prec.log" \
+          (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH python3 -m builder.cli bench $cmd $rec 2>&1) | tee -a "$OUT/tree_ab_$prec.log" \
             | grep '^{' | sed "s/^{/{\"tree\": \"$tag\", /" | tee -a "$OUT/tree_ab_$prec.jsonl" | cut -c1-600
         done
       done ;;
