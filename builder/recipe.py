@@ -111,7 +111,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "fp8": {"activations", "weight_granularity"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
-    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size"},
+    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -133,6 +133,8 @@ class QuantizationSection(_Strict):
     rounding: Optional[Literal["nearest", "gptq"]] = None
     # awq: also search scales with the weights' own salience, mean|x|^a / w^(1-a), beside mean|x|^a
     duo_scaling: Optional[bool] = None
+    # awq with rounding "nearest": search a max-value clip per (row, group) after the scales (default True)
+    clip: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)

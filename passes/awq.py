@@ -288,7 +288,7 @@ class AWQ(QuantMethod):
             raise PassError(f"awq: rounding {self.rounding!r} is not one of {', '.join(ROUNDINGS)}")
         self.damp = float(options.get("damp", 0.01))
         self.block_size = int(options.get("block_size", 128))
-        self.clip = self.rounding == "nearest"
+        self.clip = self.rounding == "nearest" and bool(options.get("clip", True))
         self.duo = bool(options.get("duo_scaling", False))
         self.duo_groups = 0  # groups whose best scale had the weight term
         self.alphas: dict[str, float] = {}

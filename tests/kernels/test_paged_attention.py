@@ -434,10 +434,8 @@ REAL_SHAPES = [  # (num_heads, num_kv_heads, head_dim, softcap, sinks, sliding_w
     pytest.param(64, 8, 64, 0.0, True, None, id="gpt-oss-20b-global"),
     pytest.param(16, 16, 256, 0.0, False, None, id="gemma-7b"),
     pytest.param(8, 4, 256, 0.0, False, 1024, id="gemma-3-4b-sliding"),
-    pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding",
-                 marks=pytest.mark.xfail(strict=False, reason="NaN on an H100 in session 14, when this test's chunks were longer than two of its sequences (negative contexts: the reference's rows saw no key); fixed in session 16, not re-run on a GPU since; the runtime uses torch attention for soft-capped layers on CUDA until it is")),
-    pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global",
-                 marks=pytest.mark.xfail(strict=False, reason="NaN on an H100 in session 14, when this test's chunks were longer than two of its sequences (negative contexts: the reference's rows saw no key); fixed in session 16, not re-run on a GPU since; the runtime uses torch attention for soft-capped layers on CUDA until it is")),
+    pytest.param(32, 16, 128, 50.0, False, 4096, id="gemma-2-27b-sliding"),
+    pytest.param(32, 16, 128, 50.0, False, None, id="gemma-2-27b-global"),
 ]
 
 
