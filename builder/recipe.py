@@ -111,7 +111,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "fp8": {"activations", "weight_granularity"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
-    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip"},
+    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip", "scale_output"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -131,10 +131,14 @@ class QuantizationSection(_Strict):
     # awq: how the scaled, clipped weights are rounded: "nearest" (default, the reference) or "gptq" (GPTQ's
     # Hessian-aware error compensation on the scaled inputs; damp and block_size apply)
     rounding: Optional[Literal["nearest", "gptq"]] = None
-    # awq: also search scales with the weights' own salience, mean|x|^a / w^(1-a), beside mean|x|^a
+    # awq: also search scales with the weights' own salience, mean|x|^a / w^(1-a), beside mean|x|^a (default: on
+    # when symmetric, off otherwise)
     duo_scaling: Optional[bool] = None
     # awq with rounding "nearest": search a max-value clip per (row, group) after the scales (default True)
     clip: Optional[bool] = None
+    # awq: also scale each output projection's input, folded into the v projection's rows, shared by the query heads
+    # of each kv head (default True)
+    scale_output: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)

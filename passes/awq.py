@@ -24,9 +24,16 @@ Defaults (paper §5.1 / the reference): INT4 weights, group size 128, asymmetric
 (the project's convention, ``passes/quant_math.py``, whose asymmetric range always contains 0 where
 the reference's spans [min, max]).
 
-Two options go past the reference. ``duo_scaling`` also searches ``s = mean|x|^alpha / w^(1 - alpha)``, with
+Options past the reference. ``scale_output`` (default on) also scales each output projection's input, folded into
+the v projection's rows: attention is linear in v, so that is exact when the query heads of each kv head share the
+scale (``passes.quantize.v_projection_rows``; the reference does it for equal-shaped v and o only, i.e. without GQA).
+The v projection is quantized by then (an earlier segment), so the division goes into its per-(row, group) scales,
+exactly. ``duo_scaling`` (default on for ``symmetric``) also searches ``s = mean|x|^alpha / w^(1 - alpha)``, with
 ``w`` each input channel's mean ``|w| / max|w|`` over the (row, group) ranges (:func:`weight_stat`), as later
-AWQ implementations do; the grid's best of both forms wins. ``rounding: gptq`` rounds the scaled weights with
+AWQ implementations do; the grid's best of both forms wins. ``clip: false`` skips the clip search. On the second
+trained fixture (pydoc-qwen3, g64; ``python -m builder.bench.quantizers``) the output-projection scales took KL from
+2.38e-4 to 2.15e-4 (asymmetric) and, with the duo scale, symmetric AWQ from 3.84e-4 to 2.82e-4; on the bundled
+model they are level (1.53e-3 to 1.51e-3; 1.91e-3 to 1.93e-3). ``rounding: gptq`` rounds the scaled weights with
 GPTQ (``passes/gptq.py``) on the Hessian of the scaled inputs over every calibration token instead of clipping
 and rounding to nearest (AWQ's scales, then GPTQ's rounding, a combination several tools offer). On the bundled
 model (g64, 4,335 positions): KL 1.53e-3 rounded to nearest, 4.96e-4 with GPTQ rounding (GPTQ alone 5.0e-4;
@@ -55,7 +62,7 @@ from passes.base import PassError, register
 from passes.gptq import HessianAccumulator, gptq_quantize
 from passes.ir import Graph, Node
 from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
-from passes.quantize import QuantMethod, check_group_size, norm_can_absorb
+from passes.quantize import QuantMethod, check_group_size, norm_can_absorb, v_projection_rows
 from runtime.executor import Executor, SeqSlice, StepInput, kv_layout_of
 from runtime.kv_cache import SequenceKV
 
@@ -80,7 +87,8 @@ def weight_stat(weights: list[Tensor], group_size: int) -> Tensor:
 
 
 def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, list[Tensor]], Tensor],
-                 cfg: QuantConfig, n_grid: int = 20, duo: bool = False) -> tuple[Tensor, float, list[float]]:
+                 cfg: QuantConfig, n_grid: int = 20, duo: bool = False,
+                 heads: tuple[int, int, int] | None = None) -> tuple[Tensor, float, list[float]]:
     """Grid-search the per-input-channel scale ``s = mean|x|^alpha`` for the linears ``weights``.
 
     ``x``: ``[num_tokens, in]``, the input every W_j (``[out_j, in]``) reads. ``block_fn(x, weights)``
@@ -90,6 +98,9 @@ def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, l
     ``losses[i]`` is the output MSE for ``alpha = i / n_grid`` (``losses[0]`` is plain RTN). ``duo``: also
     try ``s = mean|x|^alpha / w^(1 - alpha)`` (``w``: :func:`weight_stat`, the weights' own salience, as later
     AWQ implementations do), whose losses follow as ``losses[n_grid + i]``; the best of both grids wins.
+    ``heads`` = (num_kv_heads, query heads per kv head, head_dim): x is attention's output and s is folded into
+    the v projection's rows, so each kv head's query heads share one scale per channel: the statistics are
+    averaged over them first.
     """
     if n_grid < 1:
         raise ValueError(f"n_grid must be >= 1, got {n_grid}")
@@ -105,6 +116,10 @@ def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, l
     org_out = block_fn(x, ws).float()
     x_mean = activation_stat(x)
     w_mean = weight_stat(ws, cfg.group_size) if duo else None
+    if heads is not None:
+        kv, group, dim = heads
+        x_mean, w_mean = (None if t is None else t.reshape(kv, group, dim).mean(dim=1, keepdim=True)
+                          .expand(kv, group, dim).reshape(-1) for t in (x_mean, w_mean))
 
     losses: list[float] = []
     best_loss, best_alpha, best_scale = math.inf, None, None
@@ -289,7 +304,9 @@ class AWQ(QuantMethod):
         self.damp = float(options.get("damp", 0.01))
         self.block_size = int(options.get("block_size", 128))
         self.clip = self.rounding == "nearest" and bool(options.get("clip", True))
-        self.duo = bool(options.get("duo_scaling", False))
+        # defaults from the quantizer bench on the two trained fixtures (docs/QUANTIZATION_COMPARISON.md, session 17)
+        self.duo = bool(options.get("duo_scaling", self.cfg.symmetric))
+        self.scale_output = bool(options.get("scale_output", True))
         self.duo_groups = 0  # groups whose best scale had the weight term
         self.alphas: dict[str, float] = {}
         self.block_objective: dict[str, bool] = {}  # group -> scale searched on the whole block's output
@@ -337,7 +354,7 @@ class AWQ(QuantMethod):
 
         The lm_head's group is the lm_head alone, fed by the final norm: s folds into that norm's gain
         and is searched on the logits themselves (no block follows)."""
-        fold = _fold_target(graph, producer, value, members)
+        fold, heads = _fold_target(graph, producer, value, members, self.scale_output)
         if fold is None:
             if any(graph.nodes[i].op == "lm_head" for i in members):
                 log.warning("awq: the lm_head's input (%%%s) comes from no norm that can absorb a scale; the lm_head "
@@ -346,10 +363,10 @@ class AWQ(QuantMethod):
         weights = [graph.params[graph.nodes[i].weights["weight"]].float() for i in members]
         block = BlockRunner.for_group(graph, members, value, self.stats[members[0]][:MAX_BLOCK_WINDOWS])
         if block is not None:
-            s, alpha, losses = search_scale(block.x, weights, block, self.cfg, self.n_grid, self.duo)
+            s, alpha, losses = search_scale(block.x, weights, block, self.cfg, self.n_grid, self.duo, heads)
         else:  # the group feeds no block we can run alone (e.g. down_proj): its own outputs
             s, alpha, losses = search_scale(x, weights, lambda xx, ws: torch.cat([xx @ w.T for w in ws], dim=-1),
-                                            self.cfg, self.n_grid, self.duo)
+                                            self.cfg, self.n_grid, self.duo, heads)
         self.duo_groups += int(min(range(len(losses)), key=losses.__getitem__) >= self.n_grid)
         self.alphas[graph.nodes[members[0]].source] = alpha
         self.block_objective[graph.nodes[members[0]].source] = block is not None
@@ -377,16 +394,33 @@ class AWQ(QuantMethod):
                 "duo_scaling": self.duo, "duo_groups": self.duo_groups, "rounding": self.rounding}
 
 
-def _fold_target(graph: Graph, producer: Node | None, value: str, members: list[int]):
-    """How to divide a group's input by s: through the norm's gain, or the rows of the linear whose
-    output feeds silu_mul's `up` half. None where nothing upstream can absorb it (e.g. attention)."""
+def _fold_target(graph: Graph, producer: Node | None, value: str, members: list[int], scale_output: bool = False):
+    """How to divide a group's input by s, and the heads' shape when s must be shared across query heads: through
+    the norm's gain, the rows of the linear whose output feeds silu_mul's `up` half, or (``scale_output``) the
+    v projection's rows behind attention. (None, None) where nothing upstream can absorb it."""
     if producer is None:
-        return None
+        return None, None
+    if scale_output and producer.op == "attention":
+        found = v_projection_rows(graph.producers(), graph.users(), value)
+        if found is None or not any(role in found[0].weights for role in ("weight", "scales")):
+            return None, None
+        lin, rows, heads = found
+
+        def fold_v(graph: Graph, s: torch.Tensor) -> None:
+            # v's row (g, d) takes the scale its query heads share. The v projection is quantized already (an
+            # earlier segment): its per-(row, group) scales carry the division exactly, (q - z) * scale / s
+            row_s = s.reshape(heads)[:, 0, :].reshape(-1)
+            for role in ("weight", "scales", "bias"):
+                if role in lin.weights:
+                    t = graph.params[lin.weights[role]].float().clone()
+                    t[rows] /= row_s.reshape(-1, *[1] * (t.dim() - 1))
+                    graph.params[lin.weights[role]] = t.to(graph.params[lin.weights[role]].dtype)
+        return fold_v, heads
     if norm_can_absorb(graph, producer, value, members):
         def fold_norm(graph: Graph, s: torch.Tensor) -> None:
             name = producer.weights["weight"]
             graph.params[name] = (graph.params[name].float() / s).to(graph.params[name].dtype)
-        return fold_norm
+        return fold_norm, None
     if producer.op == "silu_mul" and len(producer.inputs) == 1:
         gate_up = producer.inputs[0]
 
@@ -401,5 +435,5 @@ def _fold_target(graph: Graph, producer: Node | None, value: str, members: list[
             if "bias" in lin.weights:
                 b = graph.params[lin.weights["bias"]].float()
                 graph.params[lin.weights["bias"]] = torch.cat([b[:half], b[half:] / s]).to(b.dtype)
-        return fold_up
-    return None
+        return fold_up, None
+    return None, None

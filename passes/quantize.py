@@ -411,6 +411,30 @@ def norm_can_absorb(graph: Graph, producer: Node | None, value: str, members: li
     return all(id(n) in wanted for n in graph.users().get(value, []))
 
 
+def v_projection_rows(producers: dict[str, Node], users: dict[str, list[Node]],
+                      value: str) -> tuple[Node, slice, tuple[int, int, int]] | None:
+    """Where ``value`` is attention's output read by one linear alone (the output projection), and attention's v
+    input is a linear's output read by attention alone: that v projection, its rows and the heads' shape
+    (num_kv_heads, query heads per kv head, head_dim). Attention is linear in v, so dividing v's row (g, d) by s
+    divides every query head of group g at d by s: a per-channel scale on the output projection's input can be
+    folded there when the query heads of each group share it (AWQ's and SmoothQuant's output-projection scales).
+    None where that does not hold."""
+    attn = producers.get(value)
+    if attn is None or attn.op != "attention" or len(users.get(value, [])) != 1:
+        return None
+    v = attn.inputs[2]
+    lin = producers.get(v)
+    if lin is None or lin.op != "linear" or len(users.get(v, [])) != 1:
+        return None
+    kv, heads, dim = attn.attrs["num_kv_heads"], attn.attrs["num_heads"], attn.attrs["head_dim"]
+    sizes = lin.attrs.get("split_sizes") or [lin.attrs["out_features"]]
+    at = lin.outputs.index(v)
+    lo = sum(sizes[:at])
+    if sizes[at] != kv * dim or heads % kv:
+        return None
+    return lin, slice(lo, lo + sizes[at]), (kv, heads // kv, dim)
+
+
 def check_group_size(graph: Graph, node: Node, group_size: int, method: str) -> None:
     """Grouped weight quantization needs groups that tile the input dimension exactly."""
     in_f = in_features(graph, node)

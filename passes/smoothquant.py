@@ -47,7 +47,7 @@ import torch
 from kernels.torch_quant import INT8_MAX, quantize_activation_int8, quantize_weight_int8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
-from passes.quantize import QuantMethod, norm_can_absorb
+from passes.quantize import QuantMethod, norm_can_absorb, v_projection_rows
 
 log = logging.getLogger("passes.smoothquant")
 
@@ -213,25 +213,10 @@ class SmoothQuant(QuantMethod):
     @staticmethod
     def _v_rows(graph: Graph, producers: dict[str, Node], users: dict[str, list[Node]],
                 value: str) -> tuple[Node, slice, tuple[int, int, int]] | None:
-        """Where ``value`` is attention's output read by one linear alone (the output projection), and attention's
-        v input is a linear's output read by attention alone: that v projection, its rows and the heads' shape
-        (num_kv_heads, query heads per kv head, head_dim). Attention is linear in v, so dividing v's row (g, d) by
-        s divides every query head of group g at d by s. None where that does not hold, or where the v projection
-        (already quantized, an earlier segment) keeps no per-row scale to divide."""
-        attn = producers.get(value)
-        if attn is None or attn.op != "attention" or len(users.get(value, [])) != 1:
-            return None
-        v = attn.inputs[2]
-        lin = producers.get(v)
-        if lin is None or lin.op != "linear" or len(users.get(v, [])) != 1:
-            return None
-        kv, heads, dim = attn.attrs["num_kv_heads"], attn.attrs["num_heads"], attn.attrs["head_dim"]
-        sizes = lin.attrs.get("split_sizes") or [lin.attrs["out_features"]]
-        at = lin.outputs.index(v)
-        lo = sum(sizes[:at])
-        if sizes[at] != kv * dim or heads % kv or not SmoothQuant._row_roles(graph, lin):
-            return None
-        return lin, slice(lo, lo + sizes[at]), (kv, heads // kv, dim)
+        """:func:`passes.quantize.v_projection_rows`, where the v projection (already quantized, an earlier segment)
+        keeps a per-row scale to divide."""
+        found = v_projection_rows(producers, users, value)
+        return found if found is not None and SmoothQuant._row_roles(graph, found[0]) else None
 
     @staticmethod
     def _row_roles(graph: Graph, lin: Node) -> list[str]:

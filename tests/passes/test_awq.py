@@ -154,3 +154,17 @@ def test_apply_clip_clamps_per_group():
     assert not torch.equal(out, w)
     with pytest.raises(ValueError):
         apply_clip(w, t, 32)
+
+
+def test_search_scale_shares_the_scale_across_each_kv_heads_query_heads():
+    """Output-projection scales fold into v's rows, so the query heads of one kv head must get the same scale."""
+    torch.manual_seed(0)
+    kv, group, dim = 2, 3, 4
+    x = torch.randn(64, kv * group * dim) * torch.linspace(0.1, 5, kv * group * dim)
+    w = torch.randn(8, kv * group * dim)
+    cfg = QuantConfig(bits=4, group_size=kv * group * dim, symmetric=False)
+    s, alpha, _ = search_scale(x, [w], lambda xx, ws: xx @ ws[0].T, cfg, n_grid=10, duo=True, heads=(kv, group, dim))
+    assert alpha > 0  # a scale was chosen, not the identity
+    per_head = s.reshape(kv, group, dim)
+    assert torch.equal(per_head, per_head[:, :1].expand(kv, group, dim))
+    assert not torch.equal(per_head[0, 0], per_head[1, 0])

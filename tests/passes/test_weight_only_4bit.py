@@ -13,7 +13,7 @@ from passes import PassContext, run_passes
 from passes.quant_math import QuantConfig, fake_quantize_groups
 
 GROUP = 64
-# A calibrated method must close at least half of round-to-nearest's KL. Measured here: GPTQ 0.33 of it, AWQ 0.18;
+# A calibrated method must close at least half of round-to-nearest's KL. Measured here (session 10): GPTQ 0.33 of it, AWQ 0.18;
 # AWQ with its scale search off (n_grid 1: the clip search alone) about 0.85, and GPTQ without its error feedback
 # is round-to-nearest itself
 MAX_KL_VS_RTN = 0.5
@@ -112,3 +112,40 @@ def test_awq_block_runner_reproduces_the_attention_block(setup):
     weight = graph.params[graph.nodes[qkv].weights["weight"]]
     expected = torch.nn.functional.linear(seen[o_proj], graph.params[graph.nodes[o_proj].weights["weight"]])
     assert torch.allclose(block(block.x, [weight]), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantize_v", [False, True])
+def test_awq_output_projection_scale_folds_into_v_exactly(setup, quantize_v):
+    """AWQ's output-projection scale (``scale_output``) divides v's rows (its per-(row, group) scales once v is
+    quantized) and multiplies o_proj's input columns: the model computes the same function."""
+    from passes.awq import _fold_target
+    from passes.quant_math import pack_int4, quantize_groups
+    from passes.quantize import replace_weight
+
+    graph = setup[0].copy()
+    attn = next(n for n in graph.nodes if n.op == "attention")
+    o_proj = next(i for i, n in enumerate(graph.nodes) if n.op == "linear" and n.inputs[0] == attn.outputs[0])
+    if quantize_v:  # as it is when o_proj's segment runs: the qkv linear is quantized already
+        qkv = graph.producers()[attn.inputs[2]]
+        codes, scales, zeros = quantize_groups(graph.params[qkv.weights["weight"]], QuantConfig(4, GROUP))
+        replace_weight(graph, qkv, "w4a16", {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros},
+                       {"bits": 4, "group_size": GROUP, "symmetric": False})
+    ids = setup[1][0][:48]
+    before = GraphModel(graph).logits(ids)
+    fold, heads = _fold_target(graph, attn, attn.outputs[0], [o_proj], scale_output=True)
+    assert fold is not None and heads is not None
+    kv, group, dim = heads
+    s = torch.rand(kv, 1, dim, generator=torch.Generator().manual_seed(3)).add(0.5).expand(kv, group, dim).reshape(-1)
+    fold(graph, s)
+    name = graph.nodes[o_proj].weights["weight"]
+    graph.params[name] = graph.params[name] * s[None, :]
+    after = GraphModel(graph).logits(ids)
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+    assert _fold_target(graph, attn, attn.outputs[0], [o_proj], scale_output=False) == (None, None)
+
+
+def test_awq_scales_the_output_projections(awq_build, setup):
+    _, records, _ = awq_build
+    layers = sum(n.op == "attention" for n in setup[0].nodes)
+    # per layer: q/k/v (norm), gate/up (norm), down (up's rows) and o_proj (v's rows)
+    assert records[0].details["scaled_groups"] == 4 * layers
