@@ -275,11 +275,43 @@ def _dequant_frag4_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.con
         tl.store(out_ptr + n.to(tl.int64)[:, None] * K + it * 128 + kk[None, :], w.to(out_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _dequant_frag8_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, TILES: tl.constexpr, ITERS: tl.constexpr):
+    # 8 bits, one group per channel: one program per (TILES tiles of 16 features, ITERS chunk pairs of 64 input
+    # features). Word (4 g + c) * 4 + 2 s + half of a 32-feature chunk holds byte 2 h + e: row 16 t + 8 h + g at
+    # input feature 32 chunk + 8 c + 4 s + 2 half + e of its 64 (mma_order), so the words loaded as
+    # [(t, g), (chunk, c, s, half)], split into their bytes and with h moved next to t are the [16 TILES, 64] tile
+    # in natural order
+    r = tl.arange(0, 8 * TILES)
+    t = tl.program_id(0) * TILES + r // 8
+    g = r % 8
+    col = tl.arange(0, 32)  # (chunk, c, s, half)
+    chunk, cw = col // 16, col % 16
+    w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (K // 32) + chunk[None, :]) * 128
+              + 4 * g[:, None] * 4 + cw[None, :])
+    hh = tl.arange(0, 2)[:, None]
+    ee = tl.arange(0, 2)[None, :]
+    shifts = 16 * hh + 8 * ee
+    n = tl.program_id(0) * (16 * TILES) + tl.arange(0, 16 * TILES)
+    z = tl.load(z_ptr + n).to(tl.int32)
+    s = tl.load(s_ptr + n)
+    kk = tl.arange(0, 64)
+    for i in range(ITERS):
+        it = tl.program_id(1) * ITERS + i
+        words = tl.load(w_ptrs + it * 256)
+        q = (words[:, :, None, None] >> shifts[None, None, :, :]) & 0xFF  # [(t, g), (chunk, c, s, half), h, e]
+        q = tl.reshape(q, (TILES, 8, 32, 2, 2))
+        q = tl.permute(q, (0, 3, 1, 2, 4))  # t, h, g, (chunk, c, s, half), e
+        q = tl.reshape(q, (16 * TILES, 64))
+        w = (q - z[:, None]).to(tl.float32) * s[:, None]
+        tl.store(out_ptr + n.to(tl.int64)[:, None] * K + it * 64 + kk[None, :], w.to(out_ptr.dtype.element_ty))
+
+
 def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                     dtype: torch.dtype, *, bits: int = 4, layout: str = LAYOUT, by_words: bool = True) -> torch.Tensor:
     """The weight ``(q - zero) * scale`` [N, K] in ``dtype`` from :func:`repack_frag`'s layout (fp32 product
-    rounded once, as ``kernels.torch_quant.dequantize_weight``). 4 bits: whole words unpacked (``by_words``, the
-    default), or each code gathered from its byte (the 8-bit kernel's way; kept for comparison)."""
+    rounded once, as ``kernels.torch_quant.dequantize_weight``): whole words unpacked (``by_words``, the default),
+    or each code gathered from its byte (kept for comparison)."""
     _check_device(qweight)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
@@ -290,6 +322,13 @@ def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
         _dequant_frag4_kernel[(w.out_features // (TILE_N * tiles), groups // iters)](
             w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, TILES=tiles,
             ITERS=iters, num_warps=4)
+        return out
+    if bits == 8 and by_words:  # one group per channel (supports())
+        tiles = next(t for t in (4, 2, 1) if (w.out_features // TILE_N) % t == 0)
+        pairs = w.in_features // 64
+        iters = next(i for i in (4, 2, 1) if pairs % i == 0)
+        _dequant_frag8_kernel[(w.out_features // (TILE_N * tiles), pairs // iters)](
+            w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, TILES=tiles, ITERS=iters, num_warps=4)
         return out
     num_chunks = w.in_features * bits // 256  # 512-byte chunks per tile (even)
     chunks = 2 if _interpreting() else next(c for c in (8, 4, 2) if num_chunks % c == 0)

@@ -245,12 +245,14 @@ def test_frag_gemm_on_cuda(m, n, k, group_size):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="CUDA only (the interpreter runs both paths in test_round_trip_and_dequantization)")
-@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 128), (512, 4096, -1), (160, 256, 128)])
-def test_dequantize_frag_by_words_on_cuda(n, k, group_size):
+@pytest.mark.parametrize("n,k,group_size,bits", [(6144, 4096, 128, 4), (4096, 14336, 128, 4), (512, 4096, -1, 4),
+                                                 (160, 256, 128, 4), (6144, 4096, -1, 8), (4096, 14336, -1, 8),
+                                                 (160, 192, -1, 8)])
+def test_dequantize_frag_by_words_on_cuda(n, k, group_size, bits):
     passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
-              _weights(n, k, group_size, seed=n + k).items()}
+              _weights(n, k, group_size, seed=n + k, bits=bits).items()}
     packed = _repack(passes)
-    ref = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], 4, group_size, torch.float32)
+    ref = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], bits, group_size, torch.float32)
     assert torch.equal(dequantize_frag(**packed, dtype=torch.float32), ref)
     assert torch.equal(dequantize_frag(**packed, dtype=torch.bfloat16),
                        dequantize_frag(**packed, dtype=torch.bfloat16, by_words=False))
