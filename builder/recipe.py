@@ -111,7 +111,7 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "fp8": {"activations", "weight_granularity"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
-    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip", "scale_output"},
+    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip", "scale_output", "joint_clip"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -139,6 +139,9 @@ class QuantizationSection(_Strict):
     # awq: also scale each output projection's input, folded into the v projection's rows, shared by the query heads
     # of each kv head (default True)
     scale_output: Optional[bool] = None
+    # awq: run the clip search inside the scale search, each alpha scored after its clip (default False: slower by
+    # n_grid clip searches per group)
+    joint_clip: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)

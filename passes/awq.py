@@ -28,7 +28,10 @@ Options past the reference. ``scale_output`` (default on) also scales each outpu
 the v projection's rows: attention is linear in v, so that is exact when the query heads of each kv head share the
 scale (``passes.quantize.v_projection_rows``; the reference does it for equal-shaped v and o only, i.e. without GQA).
 The v projection is quantized by then (an earlier segment), so the division goes into its per-(row, group) scales,
-exactly. ``duo_scaling`` (default on for ``symmetric``) also searches ``s = mean|x|^alpha / w^(1 - alpha)``, with
+exactly. ``joint_clip`` (default off) runs the clip search inside the scale search, scoring each alpha on the
+weights it will actually round: on pydoc-qwen3 it took KL to 1.99e-4 (asymmetric) and 2.08e-4 (symmetric, 56% of
+round-to-nearest's error closed), on the bundled model 1.56e-3 / 1.91e-3 (level); it costs one clip search per
+candidate, n_grid (2 n_grid with the duo scale) times the search. ``duo_scaling`` (default on for ``symmetric``) also searches ``s = mean|x|^alpha / w^(1 - alpha)``, with
 ``w`` each input channel's mean ``|w| / max|w|`` over the (row, group) ranges (:func:`weight_stat`), as later
 AWQ implementations do; the grid's best of both forms wins. ``clip: false`` skips the clip search. On the second
 trained fixture (pydoc-qwen3, g64; ``python -m builder.bench.quantizers``) the output-projection scales took KL from
@@ -88,7 +91,8 @@ def weight_stat(weights: list[Tensor], group_size: int) -> Tensor:
 
 def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, list[Tensor]], Tensor],
                  cfg: QuantConfig, n_grid: int = 20, duo: bool = False,
-                 heads: tuple[int, int, int] | None = None) -> tuple[Tensor, float, list[float]]:
+                 heads: tuple[int, int, int] | None = None,
+                 clip_x: Tensor | None = None) -> tuple[Tensor, float, list[float]]:
     """Grid-search the per-input-channel scale ``s = mean|x|^alpha`` for the linears ``weights``.
 
     ``x``: ``[num_tokens, in]``, the input every W_j (``[out_j, in]``) reads. ``block_fn(x, weights)``
@@ -98,7 +102,10 @@ def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, l
     ``losses[i]`` is the output MSE for ``alpha = i / n_grid`` (``losses[0]`` is plain RTN). ``duo``: also
     try ``s = mean|x|^alpha / w^(1 - alpha)`` (``w``: :func:`weight_stat`, the weights' own salience, as later
     AWQ implementations do), whose losses follow as ``losses[n_grid + i]``; the best of both grids wins.
-    ``heads`` = (num_kv_heads, query heads per kv head, head_dim): x is attention's output and s is folded into
+    ``clip_x`` (``joint_clip``): the group's own inputs; each candidate's weights are then clip-searched
+    (:func:`search_clip` on ``clip_x / s``) before they are fake-quantized, so alpha is chosen for the weights that
+    will be rounded, clip included. ``heads`` = (num_kv_heads, query heads per kv head, head_dim): x is attention's
+    output and s is folded into
     the v projection's rows, so each kv head's query heads share one scale per channel: the statistics are
     averaged over them first.
     """
@@ -130,7 +137,12 @@ def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, l
             s = s / (w_mean.pow(1 - alpha) + 1e-4)
         s = s.clamp(min=1e-4)
         s = s / (s.max() * s.min()).sqrt()
-        qws = [fake_quantize_groups(w * s, cfg) / s for w in ws]
+        if clip_x is not None:  # the clip search on the scaled weights and inputs, as the quantization will do
+            xs_ = clip_x / s
+            qws = [fake_quantize_groups(apply_clip(w * s, search_clip(xs_, w * s, cfg), cfg.group_size), cfg) / s
+                   for w in ws]
+        else:
+            qws = [fake_quantize_groups(w * s, cfg) / s for w in ws]
         out = block_fn(x, qws).float()
         loss = (org_out - out).pow(2).mean().item()
         losses.append(loss)
@@ -307,6 +319,10 @@ class AWQ(QuantMethod):
         # defaults from the quantizer bench on the two trained fixtures (docs/QUANTIZATION_COMPARISON.md, session 17)
         self.duo = bool(options.get("duo_scaling", self.cfg.symmetric))
         self.scale_output = bool(options.get("scale_output", True))
+        self.clip_in_search = bool(options.get("joint_clip", False))
+        if self.clip_in_search and not self.clip:
+            raise PassError("awq: joint_clip scores each scale candidate after its clip search; it needs the clip "
+                            "search (clip: true, rounding: nearest)")
         self.duo_groups = 0  # groups whose best scale had the weight term
         self.alphas: dict[str, float] = {}
         self.block_objective: dict[str, bool] = {}  # group -> scale searched on the whole block's output
@@ -363,10 +379,12 @@ class AWQ(QuantMethod):
         weights = [graph.params[graph.nodes[i].weights["weight"]].float() for i in members]
         block = BlockRunner.for_group(graph, members, value, self.stats[members[0]][:MAX_BLOCK_WINDOWS])
         if block is not None:
-            s, alpha, losses = search_scale(block.x, weights, block, self.cfg, self.n_grid, self.duo, heads)
+            s, alpha, losses = search_scale(block.x, weights, block, self.cfg, self.n_grid, self.duo, heads,
+                                            x if self.clip_in_search else None)
         else:  # the group feeds no block we can run alone (e.g. down_proj): its own outputs
             s, alpha, losses = search_scale(x, weights, lambda xx, ws: torch.cat([xx @ w.T for w in ws], dim=-1),
-                                            self.cfg, self.n_grid, self.duo, heads)
+                                            self.cfg, self.n_grid, self.duo, heads,
+                                            x if self.clip_in_search else None)
         self.duo_groups += int(min(range(len(losses)), key=losses.__getitem__) >= self.n_grid)
         self.alphas[graph.nodes[members[0]].source] = alpha
         self.block_objective[graph.nodes[members[0]].source] = block is not None
@@ -391,7 +409,8 @@ class AWQ(QuantMethod):
         return {**super().summary(graph, targets), "group_size": self.cfg.group_size,
                 "scaled_groups": len(self.alphas), "block_objective_groups": sum(self.block_objective.values()),
                 "mean_alpha": sum(self.alphas.values()) / len(self.alphas) if self.alphas else 0.0,
-                "duo_scaling": self.duo, "duo_groups": self.duo_groups, "rounding": self.rounding}
+                "duo_scaling": self.duo, "duo_groups": self.duo_groups, "rounding": self.rounding,
+                "scale_output": self.scale_output, "joint_clip": self.clip_in_search}
 
 
 def _fold_target(graph: Graph, producer: Node | None, value: str, members: list[int], scale_output: bool = False):

@@ -168,3 +168,16 @@ def test_search_scale_shares_the_scale_across_each_kv_heads_query_heads():
     per_head = s.reshape(kv, group, dim)
     assert torch.equal(per_head, per_head[:, :1].expand(kv, group, dim))
     assert not torch.equal(per_head[0, 0], per_head[1, 0])
+
+
+def test_search_scale_with_joint_clip_scores_the_clipped_weights():
+    """joint_clip: each alpha is scored on the weights after their clip search, so its losses are never above the
+    plain search's (the clip search keeps a group unclipped unless clipping lowers its error) and alpha = 0 is
+    round to nearest with the clip applied."""
+    x, ws = _x(3), _weights(4)
+    _, _, plain = search_scale(x, ws, concat_block, CFG, n_grid=10)
+    _, _, joint = search_scale(x, ws, concat_block, CFG, n_grid=10, clip_x=x)
+    assert len(joint) == len(plain) == 10
+    clipped = [fake_quantize_groups(apply_clip(w, search_clip(x, w, CFG), CFG.group_size), CFG) for w in ws]
+    assert joint[0] == pytest.approx(_mse(concat_block(x, clipped), concat_block(x, ws)), rel=1e-5)
+    assert min(joint) <= min(plain) * 1.05

@@ -149,3 +149,16 @@ def test_awq_scales_the_output_projections(awq_build, setup):
     layers = sum(n.op == "attention" for n in setup[0].nodes)
     # per layer: q/k/v (norm), gate/up (norm), down (up's rows) and o_proj (v's rows)
     assert records[0].details["scaled_groups"] == 4 * layers
+
+
+def test_awq_joint_clip_beats_round_to_nearest(setup, kl, rtn_kl):
+    quantized, records = _build(setup, "awq", joint_clip=True)
+    assert records[0].details["joint_clip"] is True and records[0].details["scale_output"] is True
+    assert 0 < kl(quantized) < MAX_KL_VS_RTN * rtn_kl
+
+
+def test_awq_joint_clip_needs_the_clip_search(setup):
+    from passes import PassError
+
+    with pytest.raises(PassError, match="joint_clip .* needs the clip search"):
+        _build(setup, "awq", joint_clip=True, rounding="gptq")
