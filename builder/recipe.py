@@ -146,7 +146,7 @@ class QuantizationSection(_Strict):
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)
     # smoothquant, static activations: "mse" clips the input scale where that lowers the calibration error carried
-    # through the quantized weight, "max" = max |x| / 127, "auto" (default): mse without smoothing, else max
+    # through the quantized weight, "max" = max |x| / 127, "auto" (default): mse
     static_scale: Optional[Literal["auto", "mse", "max"]] = None
     # smoothquant: also smooth each output projection through its v projection (default False)
     smooth_output: Optional[bool] = None

@@ -31,10 +31,12 @@ Weights: per output channel, symmetric, scale = amax / 127 (not 127.5), codes in
 Activations: per-token dynamic scales (default), or a static per-tensor ``input_scale``. Static scales
 (``static_scale``): "mse" clips: of the candidates max|X / s| * r / 127, r in (0.3 ... 1], the one whose
 activation quantization error, carried through the quantized weight, is least on up to SAMPLE_ROWS calibration
-rows, ``|| (Q(X / s) - X / s) W_q^T ||^2``; "max" takes r = 1 (no clipping); "auto" (default) clips in a build
-without smoothing and not in a smoothed one. On the outlier fixture (tests/passes/test_smoothquant_static.py)
-clipping cuts naive static W8A8's KL 8x (9.9e-3 vs 8.2e-2) but raises a smoothed build's (2.1e-4 vs 2.0e-4 with
-the o_proj alone clipped, out of the calibration sample).
+rows, ``|| (Q(X / s) - X / s) W_q^T ||^2``; "max" takes r = 1 (no clipping); "auto" (default) is "mse". On the
+outlier fixture (tests/passes/test_smoothquant_static.py) clipping cuts naive static W8A8's KL 8x (9.9e-3 vs
+8.2e-2) and raises a smoothed build's slightly (2.1e-4 vs 2.0e-4); on the two trained fixtures it lowers a smoothed
+build's (pydoc-qwen3 3.98e-5 -> 3.02e-5, pystdlib-llama 2.08e-4 -> 1.68e-4, ``python -m builder.bench.quantizers``,
+session 17; until then "auto" clipped only unsmoothed builds). Choosing alpha with each candidate's own clipped
+scale instead of max |X / s| was tried and gained nothing (3.18e-5, 1.68e-4).
 """
 
 from __future__ import annotations
@@ -241,7 +243,7 @@ class SmoothQuant(QuantMethod):
             if x is not None and s is not None:
                 x = x / s.to(x.device)
             wq = (q.float() * scale[:, None]).to(x.device) if x is not None else None
-            clip = self.static_scale == "mse" or self.static_scale == "auto" and not self.smoothing
+            clip = self.static_scale in ("mse", "auto")
             tensors["input_scale"] = self._static_scale(act_max.amax().clamp(min=1e-8), x if clip else None,
                                                         wq).reshape(1)
         self.replace_weight(graph, node, self.scheme, tensors,
