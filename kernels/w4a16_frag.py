@@ -866,29 +866,31 @@ GEMM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_GEMM_MAX_ROWS", "128"))
 GEMM_MIN_WEIGHTS = 1 << 25
 
 
-def gemm_preferred(num_rows: int, out_features: int, in_features: int) -> bool:
-    """Whether the runtime runs :func:`frag_gemm` (rather than the weight dequantized for cuBLAS) for a 4-bit linear
-    of this shape past the frag kernel's rows (shapes only)."""
+def gemm_preferred(num_rows: int, out_features: int, in_features: int, bits: int = 4) -> bool:
+    """Whether the runtime runs :func:`frag_gemm` (rather than the weight dequantized for cuBLAS) for a linear of
+    this shape past the frag kernel's rows (shapes only)."""
     return num_rows <= GEMM_RUNTIME_MAX_ROWS and out_features * in_features >= GEMM_MIN_WEIGHTS
 
 
 @triton.jit
 def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
                       iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                      TILES_N: tl.constexpr, SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+                      TILES_N: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, FP32_DOT: tl.constexpr):
     # program (m, n, k): rows [BLOCK_M m, +BLOCK_M) x features [BLOCK_N n, +BLOCK_N) (N is a multiple of BLOCK_N)
     # over K iterations [iters_per_split k, +iters_per_split); with SPLIT > 1 its fp32 sums go to part[k].
+    # An iteration is 1 KB of codes per 16-feature tile: 128 input features of 4-bit codes (one group), 64 of 8-bit.
     # The codes go to the MMA as they are (small integers, exact in bf16); each group's zero point and scale are
-    # applied to its fp32 sums, sum_k x (q - z) s = s (x . q - z sum_k x), with xs[m, group] = sum_k x (computed
+    # applied to its fp32 sums, sum_k x (q - z) s = s (x . q - z sum_k x), with xs[m, iteration] = sum_k x (computed
     # before the launch), so nothing per weight depends on its row: the tile's layout follows the words' loads
     BLOCK_N: tl.constexpr = 16 * TILES_N
-    G = K // 128
+    IT_K: tl.constexpr = 128 if BITS == 4 else 64
+    G = K // IT_K
     pid_m = tl.program_id(0)  # fastest: the programs on one weight tile run together and share it through L2
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    # the words: [(t, g), (chunk, c, j)]
+    # the words: [(t, g), (chunk, c, j)], j = 2 s + half for 8 bits
     r = tl.arange(0, 8 * TILES_N)
     t = pid_n * TILES_N + r // 8
     g = r % 8
@@ -896,13 +898,16 @@ def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part
     chunk, c, j = col // 16, (col // 4) % 4, col % 4
     w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (2 * G) + chunk[None, :]) * 128
               + (4 * g[:, None] + c[None, :]) * 4 + j[None, :])
-    # nibble (h, u) of a word, u = 2 half + e: shift 16 h + 8 e + 4 half. Each thread's run of 8 features
-    # (j % 2, half, e) is then in register order
     hh = tl.arange(0, 2)[:, None]
-    uu = tl.arange(0, 4)[None, :]
-    shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
+    if BITS == 4:
+        # nibble (h, u) of a word, u = 2 half + e: shift 16 h + 8 e + 4 half. Each thread's run of 8 features
+        # (j % 2, half, e) is then in register order
+        uu = tl.arange(0, 4)[None, :]
+        shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
+    else:  # byte (h, e): shift 16 h + 8 e
+        shifts = 16 * hh + 8 * tl.arange(0, 2)[None, :]
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the tile's features in natural order: n = 16 t + 8 h + g
-    kk = tl.arange(0, 128)
+    kk = tl.arange(0, IT_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
     xs_ptrs = xs_ptr + rows.to(tl.int64) * G
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -911,11 +916,15 @@ def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part
     it1 = tl.minimum(it0 + iters_per_split, G)
     for it in range(it0, it1):
         words = tl.load(w_ptrs + it * 256)
-        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [(t, g), h, (chunk, c, j), (half, e)]
-        q = tl.reshape(q, (TILES_N, 8, 2, 2, 4, 2, 2, 2, 2))  # t, g, h, chunk, c, j // 2, j % 2, half, e
-        q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))  # t, h, g, chunk, j // 2, c, j % 2, half, e
-        q = tl.reshape(q, (BLOCK_N, 128)).to(tl.float32).to(x_ptr.dtype.element_ty)
-        x = tl.load(x_ptrs + it * 128, mask=row_ok[:, None], other=0.0)
+        if BITS == 4:
+            q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [(t, g), h, (chunk, c, j), (half, e)]
+            q = tl.reshape(q, (TILES_N, 8, 2, 2, 4, 2, 2, 2, 2))  # t, g, h, chunk, c, j // 2, j % 2, half, e
+            q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))  # t, h, g, chunk, j // 2, c, j % 2, half, e
+        else:  # 8 bits: feature 32 chunk + 8 c + 4 s + 2 half + e of the 64, the words' own order
+            q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xFF  # [(t, g), h, (chunk, c, s, half), e]
+            q = tl.permute(tl.reshape(q, (TILES_N, 8, 2, 64)), (0, 2, 1, 3))  # t, h, g, k
+        q = tl.reshape(q, (BLOCK_N, IT_K)).to(tl.float32).to(x_ptr.dtype.element_ty)
+        x = tl.load(x_ptrs + it * IT_K, mask=row_ok[:, None], other=0.0)
         xs = tl.load(xs_ptrs + it, mask=row_ok, other=0.0)
         if FP32_DOT:  # the interpreter: its dot of a cast bf16 operand is wrong; fp32 of the same values instead
             x = x.to(tl.float32)
@@ -953,13 +962,11 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
               config: GemmConfig | None = None) -> torch.Tensor:
     """``x @ ((q - zero) * scale).T + bias`` for any number of rows of bf16/fp16 x, on :func:`repack_frag`'s 4-bit
-    weights, with ``tl.dot`` tiles on the codes and each group's zero point and scale applied to its fp32 sums (no
+    or 8-bit weights, with ``tl.dot`` tiles on the codes and each group's zero point and scale applied to its fp32 sums (no
     dequantized temporary; the weights are not rounded to x's dtype). x: [..., K] -> y: [..., N] in x's dtype (fp32
     sums; with split-K, the splits' fp32 partial sums added in split order: deterministic)."""
     _check_device(x)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
-    if bits != 4:
-        raise ValueError("frag_gemm takes 4-bit weights; 8-bit ones are dequantized (dequantize_frag)")
     if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
         raise ValueError(f"frag_gemm takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
                          f"{tuple(x.shape)}")
@@ -976,7 +983,8 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     tiles_n = cfg.tiles_n
     while (n // TILE_N) % tiles_n:
         tiles_n //= 2
-    grid_m, grid_n, total_iters = triton.cdiv(m, cfg.block_m), n // (TILE_N * tiles_n), w.in_features // ITER_K
+    it_k = ITER_K if bits == 4 else ITER_K // 2  # input features per K iteration (1 KB of codes per tile)
+    grid_m, grid_n, total_iters = triton.cdiv(m, cfg.block_m), n // (TILE_N * tiles_n), w.in_features // it_k
     split = cfg.split_k
     if not split:
         device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
@@ -985,12 +993,12 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     iters_per_split = triton.cdiv(total_iters, max(1, min(split, total_iters)))
     split = triton.cdiv(total_iters, iters_per_split)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    xs = x2.unflatten(-1, (total_iters, ITER_K)).sum(-1, dtype=torch.float32)  # [M, groups of 128]: x's sums
+    xs = x2.unflatten(-1, (total_iters, it_k)).sum(-1, dtype=torch.float32)  # [M, iterations]: x's sums
     _frag_gemm_kernel[(grid_m, grid_n, split)](
         x2, xs, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
         x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, FP32_DOT=_interpreting(), num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, FP32_DOT=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:  # the partial sums in split order, rounded once
         total = part.sum(0)
         if bias is not None:

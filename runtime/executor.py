@@ -338,7 +338,7 @@ def _in_slices(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, step
 def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = False,
                                dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). On the frag
-    layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then 4-bit ``frag_gemm``
+    layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then ``frag_gemm``
     where ``gemm_preferred`` (large weights up to GEMM_RUNTIME_MAX_ROWS rows; an lm_head at any size), else the
     weight dequantized for cuBLAS. Else, where ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel where it is
     the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into a temporary for cuBLAS.
@@ -362,7 +362,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
             rows = x.numel() // x.shape[-1]
             if rows <= w4a16_frag.FRAG_RUNTIME_MAX_ROWS and w4a16_frag.frag_applies(x, rows):  # shapes and dtype
                 return w4a16_frag.w4a16_frag(x, bias=bias, **packed)
-            if bits == 4 and (lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features)):
+            if lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features, bits):
                 return w4a16_frag.frag_gemm(x, bias=bias, **packed)  # tensor-core tiles, no dequantized temporary
             if lm_head and w4a16_frag.frag_applies(x, 1):  # never a [vocab, hidden] temporary
                 return _in_slices(lambda xs: w4a16_frag.w4a16_frag(xs, bias=bias, **packed), x,

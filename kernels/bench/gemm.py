@@ -464,25 +464,29 @@ def frag_gemm_candidates() -> list[FragGemmConfig]:
         (64, 4, 4, 3, 1), (128, 8, 8, 3, 1))]
 
 
-def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
+def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,
+                    bits: int = 4) -> list[str]:
     """frag_gemm against what the runtime ran before past FRAG_RUNTIME_MAX_ROWS (dequantize_frag + F.linear) and bf16
-    F.linear alone, per linear of the 8B shape; the default config and the best candidate."""
+    F.linear alone, per linear of the 8B shape; the default config and the best candidate. 4 bits: group 128;
+    8 bits: per channel (int8 weight-only)."""
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(6)
-    print(f"\nW4A16 (group {GROUP_SIZE}) frag_gemm vs dequantize_frag + F.linear, {DTYPE}; us (CUDA graphs, weights "
+    group = GROUP_SIZE if bits == 4 else -1
+    make = random_w4a16 if bits == 4 else random_w8
+    print(f"\nW{bits}A16 (group {group}) frag_gemm vs dequantize_frag + F.linear, {DTYPE}; us (CUDA graphs, weights "
           "rotated past L2); TFLOP/s of the default and of bf16 F.linear")
     print(f"{'shape':>8} {'M':>5} | {'gemm':>8} {'best':>8} {'deq+mm':>8} {'bf16 mm':>8} | {'TFLOP/s':>7} {'bf16':>7} | "
           "rel.err  best config")
     for name, k, n in SHAPES:
         if shapes and name not in shapes:
             continue
-        first = random_w4a16(n, k, gen)
+        first = make(n, k, gen)
         weight_bytes = sum(t.numel() * t.element_size() for t in first)
-        triples = [first] + [random_w4a16(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
-        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": GROUP_SIZE, "bits": 4,
+        triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
+        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": group, "bits": bits,
                   "layout": "passes"}
-        frag = [repack_frag(q, s_, z, GROUP_SIZE, 4) for q, s_, z in triples]
-        bf16 = [dequantize_weight(q, s_, z, 4, GROUP_SIZE, DTYPE)
+        frag = [repack_frag(q, s_, z, group, bits) for q, s_, z in triples]
+        bf16 = [dequantize_weight(q, s_, z, bits, group, DTYPE)
                 for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
         for m in rows or FRAG_GEMM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
@@ -577,7 +581,8 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.frag_gemm:
-        failures = bench_frag_gemm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep)
+        failures = [f for b in (args.bits or [4]) for f in
+                    bench_frag_gemm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep, bits=b)]
     elif args.frag:
         failures = [f for b in (args.bits or [4]) for f in bench_frag(shapes=args.shapes, rows=args.rows, bits=b)]
     elif args.gemv_sweep:

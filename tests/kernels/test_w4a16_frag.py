@@ -220,18 +220,31 @@ def test_frag_gemm_matches_the_dequantized_weights(m, n, k, group_size):
         torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3)
     y = frag_gemm(x.reshape(1, m, k), **packed)  # leading dims kept, no bias
     torch.testing.assert_close(y.float(), (x.float() @ w.T).reshape(1, m, n), rtol=2**-7, atol=1e-3)
-    with pytest.raises(ValueError, match="4-bit"):
-        w8 = _repack(_weights(32, 128, -1, seed=3, bits=8))
-        frag_gemm(x[:, :128], **w8)
+
+
+@pytest.mark.parametrize("m,n,k", [(37, 64, 192), (5, 160, 128)])
+def test_frag_gemm_8bit_matches_the_dequantized_weights(m, n, k):
+    """8-bit codes (one group per channel): bytes unpacked in the words' own feature order, 64 features per
+    iteration, the zero point and scale applied after the loop."""
+    passes = _weights(n, k, -1, seed=m + n + k, bits=8)
+    packed = _repack(passes)
+    g = torch.Generator().manual_seed(m + 5)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+    ref = x.float() @ dequantize_frag(**packed, dtype=torch.float32).T + bias.float()
+    for cfg in (None, GemmConfig(block_m=16, tiles_n=4, num_warps=4, num_stages=1, split_k=2)):
+        y = frag_gemm(x, **packed, bias=bias, config=cfg)
+        torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="bf16 tensor cores: CUDA only (kernels.bench.gemm --frag-gemm runs it on the device)")
 @pytest.mark.parametrize("m", [65, 128, 300, 1024])
-@pytest.mark.parametrize("n,k,group_size", [(6144, 4096, 128), (4096, 14336, 128), (512, 4096, -1), (160, 256, 128)])
-def test_frag_gemm_on_cuda(m, n, k, group_size):
+@pytest.mark.parametrize("n,k,group_size,bits", [(6144, 4096, 128, 4), (4096, 14336, 128, 4), (512, 4096, -1, 4),
+                                                 (160, 256, 128, 4), (6144, 4096, -1, 8), (4096, 14336, -1, 8)])
+def test_frag_gemm_on_cuda(m, n, k, group_size, bits):
     passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
-              _weights(n, k, group_size, seed=m + n).items()}
+              _weights(n, k, group_size, seed=m + n, bits=bits).items()}
     packed = _repack(passes)
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
