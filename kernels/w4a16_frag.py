@@ -858,10 +858,11 @@ class GemmConfig:
 
 
 GEMM_PROGRAMS_PER_SM = 2
-# Where frag_gemm beats dequantize_frag + cuBLAS (H100, kernels.bench.gemm --frag-gemm, session 17): up to 128 rows
-# on weights of at least GEMM_MIN_WEIGHTS (the 8B shape's gate_up and down: 161 vs 205 and 97 vs 111 us at 128
-# rows), not on qkv / o_proj (47 vs 44, 37 vs 30 us) nor past 128 rows (at 160: 245 vs 209 on gate_up). Env
-# KERNELS_FRAG_GEMM_MAX_ROWS moves the row bound (0: never frag_gemm but for an lm_head).
+# Where frag_gemm beats dequantize_frag + cuBLAS (H100, kernels.bench.gemm --frag-gemm [--bits 8], session 17): up to
+# 128 rows on weights of at least GEMM_MIN_WEIGHTS (the 8B shape's gate_up and down: 4 bits 161 vs 205 and 97 vs
+# 111 us at 128 rows, 8 bits 136 vs 232 and 90 vs 124), not on qkv / o_proj (4 bits 47 vs 44, 37 vs 30 us; 8 bits
+# 51 vs 49, 37 vs 32) nor past 128 rows (at 160, 4 bits: 245 vs 209 on gate_up). Env KERNELS_FRAG_GEMM_MAX_ROWS
+# moves the row bound (0: never frag_gemm but for an lm_head).
 GEMM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_GEMM_MAX_ROWS", "128"))
 GEMM_MIN_WEIGHTS = 1 << 25
 
@@ -950,9 +951,11 @@ def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part
         tl.store(p_ptrs, acc, mask=row_ok[:, None])
 
 
-def default_gemm_config(num_rows: int, out_features: int) -> GemmConfig:
-    """The sweep's best at 65-128 rows: wide layers (gate_up) one K range per program in 128 x 128 tiles, the
-    others 64 x 64 tiles with K split for the SMs."""
+def default_gemm_config(num_rows: int, out_features: int, bits: int = 4) -> GemmConfig:
+    """The sweep's best at 65-128 rows. 4 bits: wide layers (gate_up) one K range per program in 128 x 128 tiles,
+    the others 64 x 64 tiles with K split for the SMs; 8 bits: 128 x 64 tiles on 4 warps, K split for the SMs."""
+    if bits == 8:
+        return GemmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, split_k=0)
     if out_features >= 16384:
         return GemmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, split_k=1)
     return GemmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=3, split_k=0)
@@ -979,7 +982,7 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    cfg = config or (GemmConfig(16, 2, 4, 1, 1) if _interpreting() else default_gemm_config(m, n))
+    cfg = config or (GemmConfig(16, 2, 4, 1, 1) if _interpreting() else default_gemm_config(m, n, bits))
     tiles_n = cfg.tiles_n
     while (n // TILE_N) % tiles_n:
         tiles_n //= 2
