@@ -834,18 +834,21 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
 
 # --- a tensor-core GEMM on the same layout (more rows of x: prefill, batched decode) -------------------------
 # Past FRAG_RUNTIME_MAX_ROWS rows the frag kernel re-reads the weights per 32 rows and keeps x in registers; a GEMM
-# with tl.dot tiles (wgmma on Hopper) is what those sizes need. Until this kernel the runtime dequantized the whole
-# weight into a bf16 temporary for cuBLAS there: at 128-512 rows that write and re-read of 4x the packed bytes cost
-# more than the GEMM itself.
+# with tl.dot tiles (wgmma on Hopper) is what those sizes need. Without it the runtime dequantizes the whole weight
+# into a bf16 temporary for cuBLAS: a write and re-read of 4x (8 bits: 2x) the packed bytes per call.
 #
-# One K iteration is one quantization group of 128 input features: per 16-feature tile, 2 chunks of 512 bytes =
-# 256 words. Word (4 g + c) * 4 + j of a chunk holds 8 codes: nibble o = 4 h + 2 e + half (shift 4 o) is row
-# 16 t + 8 h + g at the MMA-order position 64 chunk + 16 j + 8 half + 2 c + e, which is input feature
-# 64 chunk + 32 (j // 2) + 8 c + 4 (j % 2) + 2 half + e of the group (mma_order). So the words of a program's tiles,
-# loaded as [(t, g), (chunk, c, j)] (runs of 16 contiguous words), unpacked into their 8 nibbles, reshaped by those
-# digits and permuted to [(t, h, g), (chunk, j // 2, c, j % 2, half, e)] are the [N, 128] tile with its features in
-# natural order: x's tile is a plain contiguous load (pipelined into shared memory), and the permute only renames
-# which register holds what before the tile goes to shared memory for the MMA, as any tl.dot operand does.
+# 4 bits: one K iteration is one quantization group of 128 input features: per 16-feature tile, 2 chunks of 512
+# bytes = 256 words. Word (4 g + c) * 4 + j of a chunk holds 8 codes: nibble (h, e, half) at shift
+# 16 h + 8 e + 4 half is row 16 t + 8 h + g at the MMA-order position 64 chunk + 16 j + 8 half + 2 c + e, which is
+# input feature 64 chunk + 32 (j // 2) + 8 c + 4 (j % 2) + 2 half + e of the group (mma_order). So the words of a
+# program's tiles, loaded as [(t, g), (chunk, c, j)] (runs of 16 contiguous words), unpacked into their nibbles,
+# reshaped by those digits and permuted to [(t, h, g), (chunk, j // 2, c, j % 2, half, e)] are the [N, 128] tile
+# with its features in natural order, and x's tile is a plain contiguous load (pipelined into shared memory).
+# 8 bits: 64 features per iteration, byte (h, e) of word (4 g + c) * 4 + 2 s + half is row 16 t + 8 h + g at
+# feature 32 chunk + 8 c + 4 s + 2 half + e: the words' own order once h is moved next to t.
+# Compiled for sm_90 (Triton 3.6) the unpacked tile gets Triton's default blocked layout (one element per thread
+# per row; 16-bit stores to shared memory) and the MMA is waited on before the next tile is unpacked: about 200
+# TFLOP/s at most, so it pays only where the temporary costs more (gemm_preferred; docs/BENCHMARKS.md, session 17).
 @dataclass(frozen=True)
 class GemmConfig:
     """One launch configuration of :func:`frag_gemm`."""

@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest
 import torch
 
-from kernels.torch_quant import dequantize_weight, unpack_int4
+from kernels.torch_quant import dequantize_weight
 from kernels.w4a16_frag import (
     FragConfig,
     GemmConfig,
