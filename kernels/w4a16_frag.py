@@ -968,8 +968,8 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
               config: GemmConfig | None = None) -> torch.Tensor:
     """``x @ ((q - zero) * scale).T + bias`` for any number of rows of bf16/fp16 x, on :func:`repack_frag`'s 4-bit
-    or 8-bit weights, with ``tl.dot`` tiles on the codes and each group's zero point and scale applied to its fp32 sums (no
-    dequantized temporary; the weights are not rounded to x's dtype). x: [..., K] -> y: [..., N] in x's dtype (fp32
+    or 8-bit weights, with ``tl.dot`` tiles on the codes and each group's zero point and scale applied to its fp32
+    sums (no dequantized temporary; the weights are not rounded to x's dtype). x: [..., K] -> y: [..., N] in x's dtype (fp32
     sums; with split-K, the splits' fp32 partial sums added in split order: deterministic)."""
     _check_device(x)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)

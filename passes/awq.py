@@ -26,21 +26,22 @@ the reference's spans [min, max]).
 
 Options past the reference. ``scale_output`` (default on) also scales each output projection's input, folded into
 the v projection's rows: attention is linear in v, so that is exact when the query heads of each kv head share the
-scale (``passes.quantize.v_projection_rows``; the reference does it for equal-shaped v and o only, i.e. without GQA).
-The v projection is quantized by then (an earlier segment), so the division goes into its per-(row, group) scales,
-exactly. ``joint_clip`` (default off) runs the clip search inside the scale search, scoring each alpha on the
-weights it will actually round: on pydoc-qwen3 it took KL to 1.99e-4 (asymmetric) and 2.08e-4 (symmetric, 56% of
+scale (``passes.quantize.v_projection_rows``; the reference does it for equal-shaped v and o only, i.e. without
+GQA). The v projection is quantized by then (an earlier segment), so the division goes into its per-(row, group)
+scales, exactly. ``joint_clip`` (default off) runs the clip search inside the scale search, scoring each alpha on
+the weights it will actually round: on pydoc-qwen3 it took KL to 1.99e-4 (asymmetric) and 2.08e-4 (symmetric, 56% of
 round-to-nearest's error closed), on the bundled model 1.56e-3 / 1.91e-3 (level); it costs one clip search per
-candidate, n_grid (2 n_grid with the duo scale) times the search. ``duo_scaling`` (default on for ``symmetric``) also searches ``s = mean|x|^alpha / w^(1 - alpha)``, with
-``w`` each input channel's mean ``|w| / max|w|`` over the (row, group) ranges (:func:`weight_stat`), as later
-AWQ implementations do; the grid's best of both forms wins. ``clip: false`` skips the clip search. On the second
-trained fixture (pydoc-qwen3, g64; ``python -m builder.bench.quantizers``) the output-projection scales took KL from
-2.38e-4 to 2.15e-4 (asymmetric) and, with the duo scale, symmetric AWQ from 3.84e-4 to 2.82e-4; on the bundled
-model they are level (1.53e-3 to 1.51e-3; 1.91e-3 to 1.93e-3). ``rounding: gptq`` rounds the scaled weights with
-GPTQ (``passes/gptq.py``) on the Hessian of the scaled inputs over every calibration token instead of clipping
-and rounding to nearest (AWQ's scales, then GPTQ's rounding, a combination several tools offer). On the bundled
-model (g64, 4,335 positions): KL 1.53e-3 rounded to nearest, 4.96e-4 with GPTQ rounding (GPTQ alone 5.0e-4;
-with the clip searched first, 7.0e-4), round-to-nearest without scales 2.08e-3.
+candidate, n_grid (2 n_grid with the duo scale) times the search. ``duo_scaling`` (default on for ``symmetric``)
+also searches ``s = mean|x|^alpha / w^(1 - alpha)``, with ``w`` each input channel's mean ``|w| / max|w|`` over the
+(row, group) ranges (:func:`weight_stat`), as later AWQ implementations do; the grid's best of both forms wins.
+``clip: false`` skips the clip search. On the second trained fixture (pydoc-qwen3, g64; ``python -m
+builder.bench.quantizers``) the output-projection scales took KL from 2.38e-4 to 2.15e-4 (asymmetric) and, with the
+duo scale, symmetric AWQ from 3.84e-4 to 2.82e-4; on the bundled model they are level (1.53e-3 to 1.51e-3; 1.91e-3
+to 1.93e-3). ``rounding: gptq`` rounds the scaled weights with GPTQ (``passes/gptq.py``) on the Hessian of the
+scaled inputs over every calibration token instead of clipping and rounding to nearest (AWQ's scales, then GPTQ's
+rounding, a combination several tools offer). On the bundled model (g64, 4,335 positions): KL 1.53e-3 rounded to
+nearest, 4.96e-4 with GPTQ rounding (GPTQ alone 5.0e-4; with the clip searched first, 7.0e-4), round-to-nearest
+without scales 2.08e-3.
 
 The caller applies the results: it folds ``1 / s`` into the op producing x (a norm's weight, the
 previous linear's output rows), multiplies each W_j's input columns by s, divides the recorded
@@ -105,9 +106,8 @@ def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, l
     ``clip_x`` (``joint_clip``): the group's own inputs; each candidate's weights are then clip-searched
     (:func:`search_clip` on ``clip_x / s``) before they are fake-quantized, so alpha is chosen for the weights that
     will be rounded, clip included. ``heads`` = (num_kv_heads, query heads per kv head, head_dim): x is attention's
-    output and s is folded into
-    the v projection's rows, so each kv head's query heads share one scale per channel: the statistics are
-    averaged over them first.
+    output and s is folded into the v projection's rows, so each kv head's query heads share one scale per
+    channel: the statistics are averaged over them first.
     """
     if n_grid < 1:
         raise ValueError(f"n_grid must be >= 1, got {n_grid}")

@@ -56,7 +56,8 @@ from kernels.fused_norm import (
     rms_norm,
 )
 from kernels.gemv import GemvConfig, default_gemv_config, w4a16_gemv
-from kernels.w4a16_frag import FragConfig, GemmConfig as FragGemmConfig, dequantize_frag, frag_gemm, repack_frag, w4a16_frag
+from kernels.w4a16_frag import FragConfig, dequantize_frag, frag_gemm, repack_frag, w4a16_frag
+from kernels.w4a16_frag import GemmConfig as FragGemmConfig
 from kernels.w4a16_mma import MmaConfig, default_mma_config, dequantize_mma, repack_mma, w4a16_mma
 from kernels.rope import apply_rope_, ref_rope
 from kernels.w4a16_gemm import (
