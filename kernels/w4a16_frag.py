@@ -243,68 +243,65 @@ def _dequant_frag_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.cons
 
 
 @triton.jit
-def _dequant_frag4_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.constexpr, TILES: tl.constexpr,
-                          ITERS: tl.constexpr):
-    # 4 bits: one program per (TILES tiles of 16 features, ITERS groups of 128 input features); each group's words
-    # loaded whole (runs of 16 contiguous words), unpacked and permuted into natural feature order as frag_gemm
-    # does (see there), and stored as [16 TILES, 128] rows
-    G = K // 128
+def _word_ptrs(qw_ptr, tile0, K, TILES: tl.constexpr, BITS: tl.constexpr):
+    """int32* [(t, g), (chunk, c, j)] to the words of tiles tile0 .. tile0 + TILES - 1 at the first K iteration (add
+    256 per iteration: 1 KB of codes per tile, two 512-byte chunks): runs of 16 contiguous words. Word
+    (4 g + c) * 4 + j of a chunk belongs to lane 4 g + c (module docstring); j = 2 s + half for 8 bits."""
     r = tl.arange(0, 8 * TILES)
-    t = tl.program_id(0) * TILES + r // 8
+    t = tile0 + r // 8
     g = r % 8
     col = tl.arange(0, 32)
     chunk, c, j = col // 16, (col // 4) % 4, col % 4
-    w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (2 * G) + chunk[None, :]) * 128
-              + (4 * g[:, None] + c[None, :]) * 4 + j[None, :])
-    hh = tl.arange(0, 2)[:, None]
-    uu = tl.arange(0, 4)[None, :]
-    shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
-    n = tl.program_id(0) * (16 * TILES) + tl.arange(0, 16 * TILES)
-    kk = tl.arange(0, 128)
-    for i in range(ITERS):
-        it = tl.program_id(1) * ITERS + i
-        words = tl.load(w_ptrs + it * 256)
-        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF
-        q = tl.reshape(q, (TILES, 8, 2, 2, 4, 2, 2, 2, 2))
-        q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))
-        q = tl.reshape(q, (16 * TILES, 128))
-        grp = 0 if ONE_GROUP else it
-        z = tl.load(z_ptr + grp * N + n).to(tl.int32)
-        s = tl.load(s_ptr + grp * N + n)
-        w = (q - z[:, None]).to(tl.float32) * s[:, None]
-        tl.store(out_ptr + n.to(tl.int64)[:, None] * K + it * 128 + kk[None, :], w.to(out_ptr.dtype.element_ty))
+    return (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (K * BITS // 256) + chunk[None, :]) * 128
+            + (4 * g[:, None] + c[None, :]) * 4 + j[None, :])
 
 
 @triton.jit
-def _dequant_frag8_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, TILES: tl.constexpr, ITERS: tl.constexpr):
-    # 8 bits, one group per channel: one program per (TILES tiles of 16 features, ITERS chunk pairs of 64 input
-    # features). Word (4 g + c) * 4 + 2 s + half of a 32-feature chunk holds byte 2 h + e: row 16 t + 8 h + g at
-    # input feature 32 chunk + 8 c + 4 s + 2 half + e of its 64 (mma_order), so the words loaded as
-    # [(t, g), (chunk, c, s, half)], split into their bytes and with h moved next to t are the [16 TILES, 64] tile
-    # in natural order
-    r = tl.arange(0, 8 * TILES)
-    t = tl.program_id(0) * TILES + r // 8
-    g = r % 8
-    col = tl.arange(0, 32)  # (chunk, c, s, half)
-    chunk, cw = col // 16, col % 16
-    w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (K // 32) + chunk[None, :]) * 128
-              + 4 * g[:, None] * 4 + cw[None, :])
+def _unpack_words(words, TILES: tl.constexpr, BITS: tl.constexpr):
+    """The codes of one K iteration's words (:func:`_word_ptrs`) as int32 [16 TILES, 128 (4 bits) or 64 (8 bits)]:
+    row n = 16 t + 8 h + g of the tiles, input features in natural order.
+
+    4 bits: nibble (h, half, e) of word (chunk, c, j) at shift 16 h + 8 e + 4 half is row 16 t + 8 h + g at the
+    MMA-order position 64 chunk + 16 j + 8 half + 2 c + e, input feature 64 chunk + 32 (j // 2) + 8 c + 4 (j % 2)
+    + 2 half + e of the group (mma_order): reshaped by those digits and permuted to [(t, h, g), (chunk, j // 2, c,
+    j % 2, half, e)]. The nibbles are taken in (half, e) order, so each thread's run of 8 features (j % 2, half, e)
+    is in register order. 8 bits: byte (h, e) of word (chunk, c, s, half) at shift 16 h + 8 e is row
+    16 t + 8 h + g at feature 32 chunk + 8 c + 4 s + 2 half + e: the words' own order once h is next to t."""
     hh = tl.arange(0, 2)[:, None]
-    ee = tl.arange(0, 2)[None, :]
-    shifts = 16 * hh + 8 * ee
+    if BITS == 4:
+        uu = tl.arange(0, 4)[None, :]
+        shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
+        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [(t, g), h, (chunk, c, j), (half, e)]
+        q = tl.reshape(q, (TILES, 8, 2, 2, 4, 2, 2, 2, 2))  # t, g, h, chunk, c, j // 2, j % 2, half, e
+        q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))  # t, h, g, chunk, j // 2, c, j % 2, half, e
+        return tl.reshape(q, (16 * TILES, 128))
+    else:
+        shifts = 16 * hh + 8 * tl.arange(0, 2)[None, :]
+        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xFF  # [(t, g), h, (chunk, c, s, half), e]
+        q = tl.permute(tl.reshape(q, (TILES, 8, 2, 64)), (0, 2, 1, 3))  # t, h, g, k
+        return tl.reshape(q, (16 * TILES, 64))
+
+
+@triton.jit
+def _dequant_words_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, ONE_GROUP: tl.constexpr, BITS: tl.constexpr,
+                          TILES: tl.constexpr, ITERS: tl.constexpr):
+    # one program per (TILES tiles of 16 features, ITERS K iterations): each iteration's words loaded whole,
+    # unpacked into natural feature order (_unpack_words) and stored as [16 TILES, IT_K] rows
+    IT_K: tl.constexpr = 128 if BITS == 4 else 64
+    w_ptrs = _word_ptrs(qw_ptr, tl.program_id(0) * TILES, K, TILES, BITS)
     n = tl.program_id(0) * (16 * TILES) + tl.arange(0, 16 * TILES)
-    z = tl.load(z_ptr + n).to(tl.int32)
-    s = tl.load(s_ptr + n)
-    kk = tl.arange(0, 64)
+    kk = tl.arange(0, IT_K)
+    if ONE_GROUP:
+        z = tl.load(z_ptr + n).to(tl.int32)
+        s = tl.load(s_ptr + n)
     for i in range(ITERS):
         it = tl.program_id(1) * ITERS + i
-        words = tl.load(w_ptrs + it * 256)
-        q = (words[:, :, None, None] >> shifts[None, None, :, :]) & 0xFF  # [(t, g), (chunk, c, s, half), h, e]
-        q = tl.reshape(q, (TILES, 8, 32, 2, 2))
-        q = tl.permute(q, (0, 3, 1, 2, 4))  # t, h, g, (chunk, c, s, half), e
-        q = tl.reshape(q, (16 * TILES, 64))
+        q = _unpack_words(tl.load(w_ptrs + it * 256), TILES, BITS)
+        if not ONE_GROUP:  # 4 bits in groups of 128: one group per iteration
+            z = tl.load(z_ptr + it * N + n).to(tl.int32)
+            s = tl.load(s_ptr + it * N + n)
         w = (q - z[:, None]).to(tl.float32) * s[:, None]
-        tl.store(out_ptr + n.to(tl.int64)[:, None] * K + it * 64 + kk[None, :], w.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + n.to(tl.int64)[:, None] * K + it * IT_K + kk[None, :], w.to(out_ptr.dtype.element_ty))
 
 
 def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -315,20 +312,13 @@ def dequantize_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     _check_device(qweight)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
     out = torch.empty((w.out_features, w.in_features), dtype=dtype, device=qweight.device)
-    if bits == 4 and by_words:
+    if by_words:
         tiles = next(t for t in (4, 2, 1) if (w.out_features // TILE_N) % t == 0)
-        groups = w.in_features // ITER_K
-        iters = next(i for i in (4, 2, 1) if groups % i == 0)
-        _dequant_frag4_kernel[(w.out_features // (TILE_N * tiles), groups // iters)](
-            w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, TILES=tiles,
-            ITERS=iters, num_warps=4)
-        return out
-    if bits == 8 and by_words:  # one group per channel (supports())
-        tiles = next(t for t in (4, 2, 1) if (w.out_features // TILE_N) % t == 0)
-        pairs = w.in_features // 64
-        iters = next(i for i in (4, 2, 1) if pairs % i == 0)
-        _dequant_frag8_kernel[(w.out_features // (TILE_N * tiles), pairs // iters)](
-            w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, TILES=tiles, ITERS=iters, num_warps=4)
+        total_iters = w.in_features * bits // 512  # 1 KB of codes per tile each
+        iters = next(i for i in (4, 2, 1) if total_iters % i == 0)
+        _dequant_words_kernel[(w.out_features // (TILE_N * tiles), total_iters // iters)](
+            w.qweight, w.scales, w.zeros, out, w.out_features, w.in_features, ONE_GROUP=w.one_group, BITS=bits,
+            TILES=tiles, ITERS=iters, num_warps=4)
         return out
     num_chunks = w.in_features * bits // 256  # 512-byte chunks per tile (even)
     chunks = 2 if _interpreting() else next(c for c in (8, 4, 2) if num_chunks % c == 0)
@@ -837,15 +827,9 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
 # with tl.dot tiles (wgmma on Hopper) is what those sizes need. Without it the runtime dequantizes the whole weight
 # into a bf16 temporary for cuBLAS: a write and re-read of 4x (8 bits: 2x) the packed bytes per call.
 #
-# 4 bits: one K iteration is one quantization group of 128 input features: per 16-feature tile, 2 chunks of 512
-# bytes = 256 words. Word (4 g + c) * 4 + j of a chunk holds 8 codes: nibble (h, e, half) at shift
-# 16 h + 8 e + 4 half is row 16 t + 8 h + g at the MMA-order position 64 chunk + 16 j + 8 half + 2 c + e, which is
-# input feature 64 chunk + 32 (j // 2) + 8 c + 4 (j % 2) + 2 half + e of the group (mma_order). So the words of a
-# program's tiles, loaded as [(t, g), (chunk, c, j)] (runs of 16 contiguous words), unpacked into their nibbles,
-# reshaped by those digits and permuted to [(t, h, g), (chunk, j // 2, c, j % 2, half, e)] are the [N, 128] tile
-# with its features in natural order, and x's tile is a plain contiguous load (pipelined into shared memory).
-# 8 bits: 64 features per iteration, byte (h, e) of word (4 g + c) * 4 + 2 s + half is row 16 t + 8 h + g at
-# feature 32 chunk + 8 c + 4 s + 2 half + e: the words' own order once h is moved next to t.
+# Each K iteration loads the program's words whole (_word_ptrs) and unpacks them into a [features, IT_K] tile in
+# natural feature order (_unpack_words, which dequantize_frag's word kernel shares), so x's tile is a plain
+# contiguous load (pipelined into shared memory).
 # Compiled for sm_90 (Triton 3.6) the unpacked tile gets Triton's default blocked layout (one element per thread
 # per row; 16-bit stores to shared memory) and the MMA is waited on before the next tile is unpacked: about 200
 # TFLOP/s at most, so it pays only where the temporary costs more (gemm_preferred; docs/BENCHMARKS.md, session 17).
@@ -870,9 +854,9 @@ GEMM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_GEMM_MAX_ROWS", "128"))
 GEMM_MIN_WEIGHTS = 1 << 25
 
 
-def gemm_preferred(num_rows: int, out_features: int, in_features: int, bits: int = 4) -> bool:
+def gemm_preferred(num_rows: int, out_features: int, in_features: int) -> bool:
     """Whether the runtime runs :func:`frag_gemm` (rather than the weight dequantized for cuBLAS) for a linear of
-    this shape past the frag kernel's rows (shapes only)."""
+    this shape past the frag kernel's rows (shapes only; the same rule for 4 and 8 bits)."""
     return num_rows <= GEMM_RUNTIME_MAX_ROWS and out_features * in_features >= GEMM_MIN_WEIGHTS
 
 
@@ -894,22 +878,7 @@ def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part
     pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    # the words: [(t, g), (chunk, c, j)], j = 2 s + half for 8 bits
-    r = tl.arange(0, 8 * TILES_N)
-    t = pid_n * TILES_N + r // 8
-    g = r % 8
-    col = tl.arange(0, 32)
-    chunk, c, j = col // 16, (col // 4) % 4, col % 4
-    w_ptrs = (qw_ptr.to(tl.pointer_type(tl.int32)) + (t[:, None] * (2 * G) + chunk[None, :]) * 128
-              + (4 * g[:, None] + c[None, :]) * 4 + j[None, :])
-    hh = tl.arange(0, 2)[:, None]
-    if BITS == 4:
-        # nibble (h, u) of a word, u = 2 half + e: shift 16 h + 8 e + 4 half. Each thread's run of 8 features
-        # (j % 2, half, e) is then in register order
-        uu = tl.arange(0, 4)[None, :]
-        shifts = 16 * hh + 8 * (uu % 2) + 4 * (uu // 2)
-    else:  # byte (h, e): shift 16 h + 8 e
-        shifts = 16 * hh + 8 * tl.arange(0, 2)[None, :]
+    w_ptrs = _word_ptrs(qw_ptr, pid_n * TILES_N, K, TILES_N, BITS)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # the tile's features in natural order: n = 16 t + 8 h + g
     kk = tl.arange(0, IT_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + kk[None, :]
@@ -919,15 +888,8 @@ def _frag_gemm_kernel(x_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part
     it0 = pid_k * iters_per_split
     it1 = tl.minimum(it0 + iters_per_split, G)
     for it in range(it0, it1):
-        words = tl.load(w_ptrs + it * 256)
-        if BITS == 4:
-            q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [(t, g), h, (chunk, c, j), (half, e)]
-            q = tl.reshape(q, (TILES_N, 8, 2, 2, 4, 2, 2, 2, 2))  # t, g, h, chunk, c, j // 2, j % 2, half, e
-            q = tl.permute(q, (0, 2, 1, 3, 5, 4, 6, 7, 8))  # t, h, g, chunk, j // 2, c, j % 2, half, e
-        else:  # 8 bits: feature 32 chunk + 8 c + 4 s + 2 half + e of the 64, the words' own order
-            q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xFF  # [(t, g), h, (chunk, c, s, half), e]
-            q = tl.permute(tl.reshape(q, (TILES_N, 8, 2, 64)), (0, 2, 1, 3))  # t, h, g, k
-        q = tl.reshape(q, (BLOCK_N, IT_K)).to(tl.float32).to(x_ptr.dtype.element_ty)
+        q = _unpack_words(tl.load(w_ptrs + it * 256), TILES_N, BITS)
+        q = q.to(tl.float32).to(x_ptr.dtype.element_ty)
         x = tl.load(x_ptrs + it * IT_K, mask=row_ok[:, None], other=0.0)
         xs = tl.load(xs_ptrs + it, mask=row_ok, other=0.0)
         if FP32_DOT:  # the interpreter: its dot of a cast bf16 operand is wrong; fp32 of the same values instead

@@ -319,8 +319,8 @@ class AWQ(QuantMethod):
         # defaults from the quantizer bench on the two trained fixtures (docs/QUANTIZATION_COMPARISON.md, session 17)
         self.duo = bool(options.get("duo_scaling", self.cfg.symmetric))
         self.scale_output = bool(options.get("scale_output", True))
-        self.clip_in_search = bool(options.get("joint_clip", False))
-        if self.clip_in_search and not self.clip:
+        self.joint_clip = bool(options.get("joint_clip", False))
+        if self.joint_clip and not self.clip:
             raise PassError("awq: joint_clip scores each scale candidate after its clip search; it needs the clip "
                             "search (clip: true, rounding: nearest)")
         self.duo_groups = 0  # groups whose best scale had the weight term
@@ -380,11 +380,11 @@ class AWQ(QuantMethod):
         block = BlockRunner.for_group(graph, members, value, self.stats[members[0]][:MAX_BLOCK_WINDOWS])
         if block is not None:
             s, alpha, losses = search_scale(block.x, weights, block, self.cfg, self.n_grid, self.duo, heads,
-                                            x if self.clip_in_search else None)
+                                            x if self.joint_clip else None)
         else:  # the group feeds no block we can run alone (e.g. down_proj): its own outputs
             s, alpha, losses = search_scale(x, weights, lambda xx, ws: torch.cat([xx @ w.T for w in ws], dim=-1),
                                             self.cfg, self.n_grid, self.duo, heads,
-                                            x if self.clip_in_search else None)
+                                            x if self.joint_clip else None)
         self.duo_groups += int(min(range(len(losses)), key=losses.__getitem__) >= self.n_grid)
         self.alphas[graph.nodes[members[0]].source] = alpha
         self.block_objective[graph.nodes[members[0]].source] = block is not None
@@ -410,7 +410,7 @@ class AWQ(QuantMethod):
                 "scaled_groups": len(self.alphas), "block_objective_groups": sum(self.block_objective.values()),
                 "mean_alpha": sum(self.alphas.values()) / len(self.alphas) if self.alphas else 0.0,
                 "duo_scaling": self.duo, "duo_groups": self.duo_groups, "rounding": self.rounding,
-                "scale_output": self.scale_output, "joint_clip": self.clip_in_search}
+                "scale_output": self.scale_output, "joint_clip": self.joint_clip}
 
 
 def _fold_target(graph: Graph, producer: Node | None, value: str, members: list[int], scale_output: bool = False):

@@ -362,7 +362,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
             rows = x.numel() // x.shape[-1]
             if rows <= w4a16_frag.FRAG_RUNTIME_MAX_ROWS and w4a16_frag.frag_applies(x, rows):  # shapes and dtype
                 return w4a16_frag.w4a16_frag(x, bias=bias, **packed)
-            if lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features, bits):
+            if lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features):
                 return w4a16_frag.frag_gemm(x, bias=bias, **packed)  # tensor-core tiles, no dequantized temporary
             if lm_head and w4a16_frag.frag_applies(x, 1):  # never a [vocab, hidden] temporary
                 return _in_slices(lambda xs: w4a16_frag.w4a16_frag(xs, bias=bias, **packed), x,

@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import triton
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
@@ -323,20 +322,44 @@ def random_w8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch
     return qweight, scales, torch.full((n, 1), 128, dtype=torch.uint8, device="cuda")
 
 
-def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator, sweep: bool,
-                     rows: list[int]) -> list[str]:
-    failures = []
+@dataclass
+class _Rotated:
+    """Random weight-only weights of one shape: ``triples`` (qweight, scales, zeros) in the passes' layout, enough
+    copies that each timed call reads from HBM (the first is the one checked), and ``bf16`` dequantized copies for
+    cuBLAS, as many as ROTATE_BYTES holds."""
+
+    bits: int
+    group: int
+    triples: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    weight_bytes: int  # of one copy: codes, scales, zeros
+    bf16: list[torch.Tensor]
+
+    def passes(self, i: int = 0) -> dict:
+        q, s, z = self.triples[i]
+        return {"qweight": q, "scales": s, "zeros": z, "group_size": self.group, "bits": self.bits, "layout": "passes"}
+
+
+def _rotated_weights(n: int, k: int, bits: int, gen: torch.Generator) -> _Rotated:
+    """4 bits: groups of GROUP_SIZE; 8 bits: per channel (the int8 weight-only scheme)."""
     group = GROUP_SIZE if bits == 4 else -1
     make = random_w4a16 if bits == 4 else random_w8
     first = make(n, k, gen)
     weight_bytes = sum(t.numel() * t.element_size() for t in first)
     triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
-    passes = [{"qweight": q, "scales": s, "zeros": z, "group_size": group, "bits": bits, "layout": "passes"}
-              for q, s, z in triples]
+    copies = max(ROTATE_BYTES // (n * k * 2), 1)
+    bf16 = [dequantize_weight(q, s, z, bits, group, DTYPE) for q, s, z in triples[:copies]]
+    return _Rotated(bits, group, triples, weight_bytes, bf16)
+
+
+def _bench_mma_shape(name: str, k: int, n: int, bits: int, gen: torch.Generator, sweep: bool,
+                     rows: list[int]) -> list[str]:
+    failures = []
+    rot = _rotated_weights(n, k, bits, gen)
+    group, triples, weight_bytes, bf16 = rot.group, rot.triples, rot.weight_bytes, rot.bf16
+    passes = [rot.passes(i) for i in range(len(triples))]
     mma = [repack_mma(q, s, z, group, bits, tiled=True) for q, s, z in triples]
     untiled = [repack_mma(q, s, z, group, bits, tiled=False) for q, s, z in triples]
     k_major = [repack_w4a16(q, s, z, group, bits) for q, s, z in triples]
-    bf16 = [dequantize_weight(q, s, z, bits, group, DTYPE) for q, s, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
     for m in rows:
         x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
         ref = ref_w4a16_linear(x, **passes[0])
@@ -404,8 +427,6 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
                bits: int = 4) -> list[str]:
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(5)
-    group = GROUP_SIZE if bits == 4 else -1
-    make = random_w4a16 if bits == 4 else random_w8
     print(f"\n{'W4A16 (group ' + str(GROUP_SIZE) + ')' if bits == 4 else 'W8A16 (per channel)'} in the MMA's register "
           f"order (kernels.w4a16_frag) vs kernels.w4a16_mma, {DTYPE}; "
           "times in us (CUDA graphs, weights rotated past L2); TB/s of weight bytes (codes, scales, zeros; bf16: its "
@@ -415,16 +436,12 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
     for name, k, n in SHAPES:
         if shapes and name not in shapes:
             continue
-        first = make(n, k, gen)
-        weight_bytes = sum(t.numel() * t.element_size() for t in first)
-        triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
-        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": group, "bits": bits,
-                  "layout": "passes"}
+        rot = _rotated_weights(n, k, bits, gen)
+        group, triples, weight_bytes, bf16, passes = rot.group, rot.triples, rot.weight_bytes, rot.bf16, rot.passes()
         frag = [repack_frag(q, s_, z, group, bits) for q, s_, z in triples]
         mma = [repack_mma(q, s_, z, group, bits, tiled=True) for q, s_, z in triples]
-        bf16 = [dequantize_weight(q, s_, z, bits, group, DTYPE) for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
         ok_d, err_d = _close(dequantize_frag(**frag[0], dtype=torch.float32),
-                             dequantize_weight(*first, bits, group, torch.float32))
+                             dequantize_weight(*triples[0], bits, group, torch.float32))
         if not ok_d:
             failures.append(f"dequantize_frag {name}: max rel err {err_d:.2e}")
         t_deq_frag = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE) for p in frag[:4]])
@@ -472,23 +489,16 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
     8 bits: per channel (int8 weight-only)."""
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(6)
-    group = GROUP_SIZE if bits == 4 else -1
-    make = random_w4a16 if bits == 4 else random_w8
-    print(f"\nW{bits}A16 (group {group}) frag_gemm vs dequantize_frag + F.linear, {DTYPE}; us (CUDA graphs, weights "
+    print(f"\nW{bits}A16 (group {GROUP_SIZE if bits == 4 else -1}) frag_gemm vs dequantize_frag + F.linear, {DTYPE}; us (CUDA graphs, weights "
           "rotated past L2); TFLOP/s of the default and of bf16 F.linear")
     print(f"{'shape':>8} {'M':>5} | {'gemm':>8} {'best':>8} {'deq+mm':>8} {'bf16 mm':>8} | {'TFLOP/s':>7} {'bf16':>7} | "
           "rel.err  best config")
     for name, k, n in SHAPES:
         if shapes and name not in shapes:
             continue
-        first = make(n, k, gen)
-        weight_bytes = sum(t.numel() * t.element_size() for t in first)
-        triples = [first] + [make(n, k, gen) for _ in range(max(ROTATE_BYTES // weight_bytes, 1))]
-        passes = {"qweight": first[0], "scales": first[1], "zeros": first[2], "group_size": group, "bits": bits,
-                  "layout": "passes"}
-        frag = [repack_frag(q, s_, z, group, bits) for q, s_, z in triples]
-        bf16 = [dequantize_weight(q, s_, z, bits, group, DTYPE)
-                for q, s_, z in triples[: max(ROTATE_BYTES // (n * k * 2), 1)]]
+        rot = _rotated_weights(n, k, bits, gen)
+        weight_bytes, bf16, passes = rot.weight_bytes, rot.bf16, rot.passes()
+        frag = [repack_frag(q, s_, z, rot.group, bits) for q, s_, z in rot.triples]
         for m in rows or FRAG_GEMM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
             ref = ref_w4a16_linear(x, **passes)
@@ -500,7 +510,7 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
             for cand in frag_gemm_candidates() if sweep else []:
                 try:
                     ok_c, err_c = _close(frag_gemm(x, **frag[0], config=cand), ref)
-                except triton.runtime.errors.OutOfResources:
+                except OutOfResources:
                     continue  # shared memory or registers: not a candidate on this GPU
                 if not ok_c:
                     failures.append(f"frag_gemm {name} M={m} {cand}: max rel err {err_c:.2e}")
@@ -519,7 +529,7 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
             print(f"{name:>8} {m:5d} | {t_gemm:8.1f} {best:8.1f} {t_deq:8.1f} {t_bf16:8.1f} | "
                   f"{2 * m * n * k / t_gemm / 1e6:7.1f} {2 * m * n * k / t_bf16 / 1e6:7.1f} | {err:.1e}  {best_cfg}",
                   flush=True)
-        del frag, bf16, triples
+        del frag, bf16, rot
         torch.cuda.empty_cache()
     return failures
 
