@@ -12,6 +12,8 @@
    (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors.
 
 3. Steps that mix decodes with a prompt through the prefill kernel (``--mixed-only``: these alone).
+4. ``--decode-sweep``: the decode kernel's tilings (keys per iteration, warps, stages; fp16 operands for
+   quantized caches) at serving shapes, each checked against the reference, the default marked.
 
 Exits 1 when any correctness check fails (the timing still prints), 2 without a CUDA device.
 """
@@ -27,6 +29,8 @@ import torch
 
 from kernels.paged_attention import (
     KV_QMAX,
+    DecodeConfig,
+    _decode_config,
     _decode_num_splits,
     paged_decode_attention,
     paged_prefill_attention,
@@ -203,6 +207,60 @@ def bench_decode(batch, context, kv_name, gen, args, failures) -> str:
             f"{(kv_bytes + other) / ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
 
+def decode_sweep(gen, args, failures) -> int:
+    """Every decode tiling at a few serving shapes, GB/s of each, the default's row marked."""
+    shapes = [(1, 8192), (64, 2048), (64, 8192), (256, 2048)]
+    print("| kv | batch | context | BLOCK_N | warps | stages | fp16 | graph us | bandwidth | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for kv_name in args.sweep_kv:
+        kv_dtype = KV_DTYPES[kv_name]
+        default = _decode_config(kv_dtype, HEAD_DIM)
+        f16s = (False, True) if kv_dtype in KV_QMAX else (False,)
+        for batch, context in shapes:
+            lens = [max(1, context - (i % 7)) for i in range(batch)]
+            p = make_paged(lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, kv_dtype, gen)
+            q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+            scale = HEAD_DIM ** -0.5
+            expected = ref_paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale,
+                                                  k_scale=p.k_scale, v_scale=p.v_scale)
+            kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
+            best = None
+            for block_n in (32, 64, 128, 256):
+                for warps in (4, 8):
+                    for stages in (2, 3, 4):
+                        for f16 in f16s:
+                            cfg = DecodeConfig(block_n, warps, stages, f16)
+
+                            def run(cfg=cfg):
+                                return paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens,
+                                                              scale, k_scale=p.k_scale, v_scale=p.v_scale,
+                                                              config=cfg)
+                            try:
+                                ok, err = close(run(), expected)
+                                ms, _ = timings(run, args)
+                            except Exception as e:  # out of shared memory or registers: not a candidate
+                                print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} "
+                                      f"| - | - | {type(e).__name__} |", flush=True)
+                                continue
+                            if not ok:
+                                failures.append(f"decode sweep {kv_name} {batch}x{context} {cfg}: max err {err:.3g}")
+                            mark = " (default)" if cfg == default else ""
+                            gbs = kv_bytes / ms / 1e6
+                            if ok and (best is None or ms < best[0]):
+                                best = (ms, cfg)
+                            print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} | "
+                                  f"{ms * 1e3:7.1f}{mark} | {gbs:6.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |",
+                                  flush=True)
+            if best:
+                print(f"best {kv_name} {batch}x{context}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+            del p
+            torch.cuda.empty_cache()
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
 def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     kv_dtype = KV_DTYPES[kv_name]
     p = make_paged([c + n for c, n in zip(ctx_lens, q_lens)], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16,
@@ -301,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-sweep", action="store_true", help="skip the small-shape correctness sweep")
     parser.add_argument("--mixed-only", action="store_true",
                         help="only the steps that mix decodes with a prompt (prefill kernel vs decode kernel)")
+    parser.add_argument("--decode-sweep", action="store_true", help="only the decode kernel's tilings (see above)")
+    parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
+                        help="cache dtypes of --decode-sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench.attention needs a CUDA device", file=sys.stderr)
@@ -311,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.mixed_only:
         return _mixed_table(gen, args, failures)
+    if args.decode_sweep:
+        return decode_sweep(gen, args, failures)
     if not args.skip_sweep:
         results = sweep(gen)
         failures += [f"{name}: max err {err:.3g}" for name, ok, err in results if not ok]

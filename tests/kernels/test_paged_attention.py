@@ -296,6 +296,28 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_d
     torch.testing.assert_close(several.float(), one.float(), atol=same, rtol=same)
 
 
+@pytest.mark.parametrize("kv_dtype", [FP8, INT8], ids=["fp8kv", "int8kv"])
+@pytest.mark.parametrize("config", [pa.DecodeConfig(32, 4, 2, f16=True), pa.DecodeConfig(128, 8, 3, f16=True),
+                                    pa.DecodeConfig(256, 4, 2, f16=False)], ids=["f16-32", "f16-128", "bf16-256"])
+def test_decode_tilings_and_fp16_operands(kv_dtype, config):
+    """Other tilings than the default, and a quantized cache's matmuls on fp16 operands (the values convert
+    exactly; the query is clamped to fp16's range), agree with the reference, split and not; a query beyond
+    fp16's range stays finite."""
+    gen = torch.Generator().manual_seed(11)
+    lens = [1, 9, 64, 130, 301]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 64, 8, torch.bfloat16, kv_dtype, gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), 64 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale}
+    expected = pa.ref_paged_decode_attention(*args, **kw)
+    for splits in (1, 3):
+        _assert_close(pa.paged_decode_attention(*args, num_splits=splits, config=config, **kw), expected)
+    big = q.clone()
+    big[0, 0, 0] = 1e6
+    out = pa.paged_decode_attention(big, *args[1:], num_splits=1, config=config, **kw)
+    assert torch.isfinite(out.float()).all()
+
+
 def test_decode_empty_sequence_gives_zeros_and_auto_splits():
     """A padding sequence (length 0) yields zeros; num_splits=None runs (one split on CPU)."""
     gen = torch.Generator().manual_seed(4)
