@@ -47,6 +47,7 @@ _QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}  # cache storage dtype -> QUANT
 # Decode split heuristic (``_decode_num_splits``).
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's partial result costs more to merge than it saves
 _MAX_SPLITS = 32
+_DECODE_WIDE_PROGRAMS = 1024  # decode programs from which a quantized cache's tiles take 128 keys (_decode_config)
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: larger than any position
 
@@ -281,18 +282,24 @@ def _paged_decode_kernel(
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
-        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
-    # grid: (num_seqs, num_kv_heads, num_splits). One program: the GROUP query heads sharing one kv
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+    # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
+    # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP query heads sharing one kv
     # head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's key tiles.
     # F16 (quantized caches): the matmuls take fp16 operands, into which fp8 e4m3 and int8 values convert exactly
     # (one conversion per two values; bf16 takes more), and q is clamped to fp16's range.
     # SOFTCAP: scores soft-capped (softcap: the cap in the log2 domain); SINKS: each head's sink logit (sinks_ptr)
     # joins the softmax denominator, here or, split, in the merge.
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FIRST:
+        kv_head = tl.program_id(0)
+        seq = tl.program_id(1)
+        num_heads = tl.num_programs(0) * GROUP
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_heads = tl.num_programs(1) * GROUP
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys [lo, seq_len)
 
@@ -390,7 +397,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     (``_decode_num_splits``). Any value gives the same result up to fp32 rounding.
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks: [num_heads] fp32 sink logits,
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
-    config: the kernel's tiling (``_decode_config`` picks one by cache dtype and head_dim; the benchmark sweeps it).
+    config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and program count; the
+    benchmark sweeps it).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -405,7 +413,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
-    cfg = config or _decode_config(k_cache.dtype, head_dim)
+    cfg = config or _decode_config(k_cache.dtype, head_dim, num_seqs * num_kv_heads * num_splits)
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     split = num_splits > 1
     if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)]
@@ -415,15 +423,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_acc = part_m = part_l = out  # unused
     sinks_t = q if sinks is None else sinks  # a placeholder, never read, without sinks
-    _paged_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_first else (num_seqs, num_kv_heads, num_splits)
+    _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l, sinks_t,
         scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
         FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SPLIT=split,
-        SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(q))
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **pdl_args(q))
     if split:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_acc, part_m, part_l, sinks_t, out, num_splits, out.stride(0), out.stride(1),
@@ -434,23 +443,28 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """The decode kernel's tiling: keys per iteration (several cache blocks), warps, pipeline stages, and for
-    quantized caches whether the matmuls run on fp16 operands (else the query's dtype)."""
+    """The decode kernel's tiling: keys per iteration (several cache blocks), warps, pipeline stages, for
+    quantized caches whether the matmuls run on fp16 operands (else the query's dtype), and the programs' order."""
 
     block_n: int
     num_warps: int
     num_stages: int
     f16: bool = False
+    heads_first: bool = False  # programs ordered kv head fastest: a sequence's heads side by side
 
 
-def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128) -> DecodeConfig:
-    """The decode tiling, measured best on an H100 for Llama-3-8B shapes (``kernels/bench/attention.py``).
-    head_dim 256 halves the keys per iteration (and doubles the warps for 16-bit caches) so that a key tile takes
-    the registers a 128 one does."""
+def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, num_programs: int = 0) -> DecodeConfig:
+    """The decode tiling, measured best on an H100 for Llama-3-8B shapes (``python -m kernels.bench.attention
+    --decode-sweep``). head_dim 256 halves the keys per iteration (and doubles the warps for 16-bit caches) so that
+    a key tile takes the registers a 128 one does. Quantized caches convert to fp16 operands (13-23% faster than
+    to bf16), 64 keys per iteration up to _DECODE_WIDE_PROGRAMS programs (64 sequences x 8 kv heads: 4-9% faster
+    there), 128 beyond (256-384 sequences: 7-8% faster)."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
-    if cache_dtype.itemsize == 1:  # fp8 / int8: converted to fp16 in registers before the matmul (13-23% faster
-        return DecodeConfig(64, 4, 2, f16=True)  # than to bf16 at 1-256 sequences x 2-8k keys)
+    if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
+        if num_programs >= _DECODE_WIDE_PROGRAMS:
+            return DecodeConfig(128, 4, 3, f16=True)
+        return DecodeConfig(64, 4, 2, f16=True)
     if cache_dtype == torch.float32:
         return DecodeConfig(64, 4, 2)
     return DecodeConfig(128, 4, 3)

@@ -207,14 +207,21 @@ def bench_decode(batch, context, kv_name, gen, args, failures) -> str:
             f"{(kv_bytes + other) / ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
 
+def _sweep_configs(args, f16s):
+    """(BLOCK_N, warps, stages, fp16, heads first) candidates: all of them, or --sweep-short's few."""
+    if args.sweep_short:
+        return [(bn, 4, st, f16, first) for bn, st in ((64, 2), (128, 3)) for f16 in f16s for first in (False, True)]
+    return [(bn, w, st, f16, first) for bn in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4) for f16 in f16s
+            for first in (False, True)]
+
+
 def decode_sweep(gen, args, failures) -> int:
     """Every decode tiling at a few serving shapes, GB/s of each, the default's row marked."""
-    shapes = [(1, 8192), (64, 2048), (64, 8192), (256, 2048)]
-    print("| kv | batch | context | BLOCK_N | warps | stages | fp16 | graph us | bandwidth | check |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    shapes = [(1, 8192), (64, 2048), (64, 8192), (256, 2048), (384, 1024)]
+    print("| kv | batch | context | BLOCK_N | warps | stages | fp16 | heads first | graph us | bandwidth | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in args.sweep_kv:
         kv_dtype = KV_DTYPES[kv_name]
-        default = _decode_config(kv_dtype, HEAD_DIM)
         f16s = (False, True) if kv_dtype in KV_QMAX else (False,)
         for batch, context in shapes:
             lens = [max(1, context - (i % 7)) for i in range(batch)]
@@ -225,33 +232,32 @@ def decode_sweep(gen, args, failures) -> int:
             expected = ref_paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale,
                                                   k_scale=p.k_scale, v_scale=p.v_scale)
             kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
+            splits = _decode_num_splits(batch, NUM_KV_HEADS, p.block_tables.shape[1] * BLOCK_SIZE, q.device)
+            default = _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS * splits)
             best = None
-            for block_n in (32, 64, 128, 256):
-                for warps in (4, 8):
-                    for stages in (2, 3, 4):
-                        for f16 in f16s:
-                            cfg = DecodeConfig(block_n, warps, stages, f16)
+            for block_n, warps, stages, f16, first in _sweep_configs(args, f16s):
+                cfg = DecodeConfig(block_n, warps, stages, f16, first)
 
-                            def run(cfg=cfg):
-                                return paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens,
-                                                              scale, k_scale=p.k_scale, v_scale=p.v_scale,
-                                                              config=cfg)
-                            try:
-                                ok, err = close(run(), expected)
-                                ms, _ = timings(run, args)
-                            except Exception as e:  # out of shared memory or registers: not a candidate
-                                print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} "
-                                      f"| - | - | {type(e).__name__} |", flush=True)
-                                continue
-                            if not ok:
-                                failures.append(f"decode sweep {kv_name} {batch}x{context} {cfg}: max err {err:.3g}")
-                            mark = " (default)" if cfg == default else ""
-                            gbs = kv_bytes / ms / 1e6
-                            if ok and (best is None or ms < best[0]):
-                                best = (ms, cfg)
-                            print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} | "
-                                  f"{ms * 1e3:7.1f}{mark} | {gbs:6.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |",
-                                  flush=True)
+                def run(cfg=cfg):
+                    return paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens,
+                                                  scale, k_scale=p.k_scale, v_scale=p.v_scale,
+                                                  config=cfg)
+                try:
+                    ok, err = close(run(), expected)
+                    ms, _ = timings(run, args)
+                except Exception as e:  # out of shared memory or registers: not a candidate
+                    print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} "
+                          f"| {first} | - | - | {type(e).__name__} |", flush=True)
+                    continue
+                if not ok:
+                    failures.append(f"decode sweep {kv_name} {batch}x{context} {cfg}: max err {err:.3g}")
+                mark = " (default)" if cfg == default else ""
+                gbs = kv_bytes / ms / 1e6
+                if ok and (best is None or ms < best[0]):
+                    best = (ms, cfg)
+                print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} | "
+                      f"{first} | {ms * 1e3:7.1f}{mark} | {gbs:6.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |",
+                      flush=True)
             if best:
                 print(f"best {kv_name} {batch}x{context}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
             del p
@@ -360,6 +366,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-only", action="store_true",
                         help="only the steps that mix decodes with a prompt (prefill kernel vs decode kernel)")
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode kernel's tilings (see above)")
+    parser.add_argument("--sweep-short", action="store_true",
+                        help="--decode-sweep over a few tilings only (both program orders)")
     parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
                         help="cache dtypes of --decode-sweep")
     args = parser.parse_args(argv)

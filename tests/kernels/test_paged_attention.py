@@ -297,8 +297,9 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_d
 
 
 @pytest.mark.parametrize("kv_dtype", [FP8, INT8], ids=["fp8kv", "int8kv"])
-@pytest.mark.parametrize("config", [pa.DecodeConfig(32, 4, 2, f16=True), pa.DecodeConfig(128, 8, 3, f16=True),
-                                    pa.DecodeConfig(256, 4, 2, f16=False)], ids=["f16-32", "f16-128", "bf16-256"])
+@pytest.mark.parametrize("config", [pa.DecodeConfig(32, 4, 2, f16=True), pa.DecodeConfig(128, 4, 3, f16=True),
+                                    pa.DecodeConfig(256, 4, 2, f16=False), pa.DecodeConfig(64, 4, 2, True, True)],
+                         ids=["f16-32", "f16-128", "bf16-256", "heads-first"])
 def test_decode_tilings_and_fp16_operands(kv_dtype, config):
     """Other tilings than the default, and a quantized cache's matmuls on fp16 operands (the values convert
     exactly; the query is clamped to fp16's range), agree with the reference, split and not; a query beyond
