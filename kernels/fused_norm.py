@@ -8,6 +8,10 @@ Semantics are ``kernels/torch_ops.rms_norm`` / ``kernels/torch_ops.fused_add_rms
 
 and ``fused_add_rms_norm`` returns ``(normed, total)``. Outputs are new tensors (x and residual are
 not written). A row is held in registers (hidden sizes up to a few tens of thousands).
+
+``quantize_to`` (int8 or float8_e4m3fn): the normed rows leave quantized per token instead, as
+``kernels.w8a8_gemm.QuantizedRows`` equal to ``quantize_rows(normed)``, for a W8A8 linear that reads them: one
+kernel and one write of 1-byte codes where the norm and the quantization took two kernels and a 2-byte round trip.
 """
 
 from __future__ import annotations
@@ -20,14 +24,18 @@ import triton.language as tl
 
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
+from kernels.w4a16_gemm import _interpreting
+from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, quantize_row_store
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr,
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, s_ptr,
                      stride_x, stride_res, stride_out, stride_total,
                      num_cols, eps, weight_offset,
                      HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     QUANT: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # QUANT (1: fp8, 2: int8): out_ptr takes the row's codes and s_ptr its scale; the normed row in the activation
+    # dtype (total's, or x's) is what they quantize
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -50,7 +58,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr,
         if HAS_OFFSET:
             w = (w.to(tl.float32) + weight_offset).to(w_ptr.dtype.element_ty)
         h = h * w.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANT != 0:
+        act = total_ptr.dtype.element_ty if HAS_RESIDUAL else x_ptr.dtype.element_ty
+        h = tl.where(mask, h.to(act).to(tl.float32), 0.0)
+        quantize_row_store(h, mask, out_ptr + row * stride_out + cols, s_ptr + row, QUANT == 2, EMULATE_FP8)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -70,7 +83,8 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
-            weight_offset: float, out: torch.Tensor, total: torch.Tensor | None) -> None:
+            weight_offset: float, out: torch.Tensor, total: torch.Tensor | None,
+            scales: torch.Tensor | None = None) -> None:
     num_rows, num_cols = x2.shape
     if num_rows == 0:
         return
@@ -80,11 +94,12 @@ def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor | 
     dummy = out  # never read: its flag is off
     _rms_norm_kernel[(num_rows,)](
         x2, res2 if res2 is not None else dummy, weight if weight is not None else dummy, out,
-        total if total is not None else dummy,
+        total if total is not None else dummy, scales if scales is not None else dummy,
         x2.stride(0), res2.stride(0) if res2 is not None else 0, out.stride(0),
         total.stride(0) if total is not None else 0,
         num_cols, eps, weight_offset,
         HAS_RESIDUAL=res2 is not None, HAS_WEIGHT=weight is not None, HAS_OFFSET=bool(weight_offset),
+        QUANT=0 if scales is None else (2 if out.dtype == torch.int8 else 1), EMULATE_FP8=_interpreting(),
         BLOCK=block, num_warps=_num_warps(block), **pdl_args(x2))
 
 
@@ -92,25 +107,51 @@ def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
     return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
 
 
+def _quantized_out(x2: torch.Tensor, quantize_to: torch.dtype | None, weight: torch.Tensor | None,
+                   weight_offset: float, head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes, scales) buffers for ``quantize_to``, or None for a plain normed output. The kernel quantizes the
+    normed row rounded to the activation dtype: the weight must be in it too (the normed output's dtype)."""
+    if quantize_to is None:
+        return None
+    if (quantize_to not in W_DTYPES or head_dim or weight_offset
+            or (weight is not None and weight.dtype != x2.dtype)):
+        raise ValueError(f"quantize_to takes {W_DTYPES} for a whole-row norm without weight_offset whose weight "
+                         f"is in the activation dtype, got {quantize_to} (head_dim {head_dim}, weight_offset "
+                         f"{weight_offset}, weight {None if weight is None else weight.dtype}, x {x2.dtype})")
+    return (torch.empty(x2.shape, dtype=quantize_to, device=x2.device),
+            torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0,
-             head_dim: int | None = None) -> torch.Tensor:
-    """RMSNorm of each row of ``x`` [num_tokens, features] (per head of ``head_dim`` when given)."""
+             head_dim: int | None = None, quantize_to: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
+    """RMSNorm of each row of ``x`` [num_tokens, features] (per head of ``head_dim`` when given); with
+    ``quantize_to`` the rows quantized per token (``QuantizedRows``, [num_tokens, features])."""
     _check_device(x)
     shape = x.shape
     x2 = _rows(x.reshape(-1, head_dim) if head_dim else x)  # x2: [num_rows, num_cols]
+    quant = _quantized_out(x2, quantize_to, weight, weight_offset, head_dim)
+    if quant is not None:
+        _launch(x2, None, weight, eps, weight_offset, quant[0], None, quant[1])
+        return QuantizedRows(*quant)
     out = torch.empty(x2.shape, dtype=_out_dtype(x, weight), device=x.device)
     _launch(x2, None, weight, eps, weight_offset, out, None)
     return out.reshape(shape)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                       weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rms_norm(x + residual), x + residual)``: the normed row and the new residual stream."""
+                       weight_offset: float = 0.0, quantize_to: torch.dtype | None = None
+                       ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+    """``(rms_norm(x + residual), x + residual)``: the normed row and the new residual stream; with
+    ``quantize_to`` the normed rows quantized per token (``QuantizedRows``, [num_tokens, features])."""
     _check_device(x)
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
     x2, res2 = _rows(x), _rows(residual)
     total = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    quant = _quantized_out(x2, quantize_to, weight, weight_offset)
+    if quant is not None:
+        _launch(x2, res2, weight, eps, weight_offset, quant[0], total, quant[1])
+        return QuantizedRows(*quant), total.reshape(x.shape)
     out = torch.empty(x2.shape, dtype=_out_dtype(total, weight), device=x.device)
     _launch(x2, res2, weight, eps, weight_offset, out, total)
     return out.reshape(x.shape), total.reshape(x.shape)

@@ -284,8 +284,9 @@ def _paged_decode_kernel(
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
-    # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP query heads sharing one kv
-    # head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's key tiles.
+    # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP
+    # query heads sharing one kv head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's
+    # key tiles.
     # F16 (quantized caches): the matmuls take fp16 operands, into which fp8 e4m3 and int8 values convert exactly
     # (one conversion per two values; bf16 takes more), and q is clamped to fp16's range.
     # SOFTCAP: scores soft-capped (softcap: the cap in the log2 domain); SINKS: each head's sink logit (sinks_ptr)

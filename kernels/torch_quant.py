@@ -86,28 +86,35 @@ def _int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [M, K] -> (codes, scales [M, 1])
 
 
-def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | None = None
-                              ) -> Callable[[torch.Tensor], torch.Tensor]:
+def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | None = None,
+                              dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 W8A8 on Hopper tensor cores: ``torch._scaled_mm`` with row-wise scales (per-token activation
     scales x per-channel weight scales, a per-tensor scale broadcast to every row/column), bf16/fp16 out.
     Same arithmetic as the reference ``fp8`` path of ``make_quant_linear``, with fp32 accumulation.
-    ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops."""
+    ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops. x may also
+    be rows already quantized (``kernels.w8a8_gemm.QuantizedRows``: codes [tokens, in], scales [tokens, 1]),
+    whose output is ``dtype`` (the model's activation dtype)."""
     wq_t = w["qweight"].t()  # [in, out] column-major view of the row-major [out, in] weight, as cuBLASLt wants
     out_features = wq_t.shape[1]
     w_scale = w["weight_scale"].float().reshape(1, -1).expand(1, out_features).contiguous()  # [1, out]
     input_scale, bias = w.get("input_scale"), w.get("bias")
 
     def fp8_linear(x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
-        if quantize is not None and input_scale is None:
-            xq, x_scale = quantize(x2)
+        if isinstance(x, tuple):  # kernels.w8a8_gemm.QuantizedRows: rows a norm quantized, [num_tokens, in]
+            xq, x_scale = x
+            shape, out_dtype = xq.shape, dtype
         else:
-            xq, x_scale = quantize_activation_fp8(x2, input_scale)
-        x_scale = x_scale.expand(x2.shape[0], 1).contiguous()  # [num_tokens, 1]
-        y = torch._scaled_mm(xq, wq_t, scale_a=x_scale, scale_b=w_scale, out_dtype=x.dtype)
+            x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+            if quantize is not None and input_scale is None:
+                xq, x_scale = quantize(x2)
+            else:
+                xq, x_scale = quantize_activation_fp8(x2, input_scale)
+            shape, out_dtype = x.shape, x.dtype
+        x_scale = x_scale.expand(xq.shape[0], 1).contiguous()  # [num_tokens, 1]
+        y = torch._scaled_mm(xq, wq_t, scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype)
         if bias is not None:
             y = y + bias
-        return y.reshape(*x.shape[:-1], out_features)
+        return y.reshape(*shape[:-1], out_features)
 
     return fp8_linear
 

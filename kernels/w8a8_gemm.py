@@ -29,6 +29,7 @@ the GPU path at real shapes. No host synchronisation: grids come from shapes (CU
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -247,6 +248,36 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl
         else:
             code = v.to(tl.float8e4nv)
         tl.store(q_ptr + row * stride_qm + offs, code, mask=offs < K)
+
+
+@triton.jit
+def quantize_row_store(v, mask, q_row_ptr, s_ptr, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """A whole row held in registers (fp32 ``v``, the activation's values; masked lanes 0) quantized per token as
+    ``_quantize_rows_kernel`` does it: its scale to ``s_ptr``, its codes to ``q_row_ptr`` (for kernels that make
+    the row, such as the norms, so that no other kernel reads it back)."""
+    qmax, eps = _qrange(INT8)
+    scale = tl.maximum(tl.max(tl.abs(v), axis=0), eps) / qmax
+    tl.store(s_ptr, scale)
+    c = tl.minimum(tl.maximum(v / scale, -qmax), qmax)
+    if INT8:
+        code = ((c + _MAGIC) - _MAGIC).to(tl.int8)
+    elif EMULATE_FP8:
+        code = _round_e4m3(c).to(q_row_ptr.dtype.element_ty)
+    else:
+        code = c.to(tl.float8e4nv)
+    tl.store(q_row_ptr, code, mask=mask)
+
+
+class QuantizedRows(NamedTuple):
+    """Activations already quantized per token, as ``quantize_rows`` returns them, passed from the kernel that made
+    them (a norm) to the W8A8 linear that reads them (``runtime.executor.plan_fusions``)."""
+
+    codes: torch.Tensor  # [M, K] int8 or float8_e4m3fn
+    scales: torch.Tensor  # [M, 1] fp32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
 
 
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

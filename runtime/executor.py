@@ -11,7 +11,7 @@ attention op is the only one that sees sequence boundaries, through ``StepInput.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,10 +22,11 @@ from runtime.kv_cache import KVLayout, SequenceKV
 from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear, permute_input
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
-# the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 turn one off
-# (A/B measurements: builder/devtools/gpu_suite.sh ab-PREC)
+# the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 /
+# RUNTIME_FUSE_NORM_QUANT=0 turn one off (A/B measurements: builder/devtools/gpu_suite.sh ab-PREC)
 FUSE_ROPE = os.environ.get("RUNTIME_FUSE_ROPE", "1") != "0"
 FUSE_SWIGLU = os.environ.get("RUNTIME_FUSE_SWIGLU", "1") != "0"
+FUSE_NORM_QUANT = os.environ.get("RUNTIME_FUSE_NORM_QUANT", "1") != "0"
 
 
 class GraphFormatError(ValueError):
@@ -87,14 +88,18 @@ class _Fusions:
     absorbed: set[int]  # nodes whose work a later node does
     rope: dict[int, tuple[dict[str, Any], str]]  # attention node -> (its q rope node, the positions' value name)
     gated: set[int]  # weight-only linears that form silu(gate) * up from the [gate | up] they read
+    # norms whose normed rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm): past
+    # FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
+    quant_norms: set[int] = field(default_factory=set)
 
 
 def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
-                 dtype: torch.dtype = torch.bfloat16) -> _Fusions:
+                 dtype: torch.dtype = torch.bfloat16, scaled_mm: bool = False) -> _Fusions:
     """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
-    (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), and the SwiGLU of a merged gate/up
-    into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` (``gated``). A value a
-    fusion would hide must have no other reader."""
+    (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
+    into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` (``gated``), and, where
+    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of a norm's
+    rows into the norm (``quant_norms``). A value a fusion would hide must have no other reader."""
     from kernels import w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
@@ -132,6 +137,17 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                     and w4a16_mma.supports(quant["bits"], group, in_features)):
                 fusions.absorbed.add(j)
                 fusions.gated.add(i)
+        elif (node["op"] == "linear" and FUSE_NORM_QUANT and scaled_mm and dtype in (torch.bfloat16, torch.float16)
+              and (attrs.get("quant") or {}).get("scheme") == "fp8" and not attrs.get("lm_head")
+              and not {"input_scale", "perm"} & set(node.get("weights", {}))
+              and (attrs.get("in_features") or 1) % 16 == 0 and (attrs.get("out_features") or 1) % 16 == 0
+              and node["inputs"][0] in producer and num_consumers.get(node["inputs"][0]) == 1):
+            j = producer[node["inputs"][0]]
+            norm = nodes[j]
+            if (norm["op"] in ("rms_norm", "fused_add_rms_norm") and norm["outputs"][0] == node["inputs"][0]
+                    and not norm.get("attrs", {}).get("weight_offset") and not norm.get("attrs", {}).get("head_dim")
+                    and attrs.get("in_features") and attrs.get("out_features")):
+                fusions.quant_norms.add(j)
     return fusions
 
 
@@ -158,8 +174,8 @@ class Executor:
         for node in nodes:
             for name in node["inputs"]:
                 self._num_consumers[name] = self._num_consumers.get(name, 0) + 1
-        self._fusions = plan_fusions(nodes, self._num_consumers, self.dtype) if use_kernels \
-            else _Fusions(set(), {}, set())
+        self._fusions = plan_fusions(nodes, self._num_consumers, self.dtype, _scaled_mm_device(self.device)) \
+            if use_kernels else _Fusions(set(), {}, set())
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
                   for i, node in enumerate(nodes)]
@@ -249,8 +265,26 @@ def _rms_norm(w, attrs, ex) -> Kernel:
     if ex.use_kernels and not offset:
         from kernels.fused_norm import rms_norm
 
+        quantize_to = _norm_quantize_to(ex, weight)
+        if quantize_to is not None:
+            return lambda xs, step: (rms_norm(xs[0], weight, eps, quantize_to=_rows_quantized(xs[0], quantize_to)),)
         return lambda xs, step: (rms_norm(xs[0], weight, eps, offset, head_dim),)
     return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
+
+
+def _norm_quantize_to(ex, weight) -> torch.dtype | None:
+    """The FP8 dtype this norm's rows leave in past FUSED_MAX_ROWS rows (``_Fusions.quant_norms``), else None."""
+    if ex._index not in ex._fusions.quant_norms or (weight is not None and weight.dtype != ex.dtype):
+        return None
+    return torch.float8_e4m3fn
+
+
+def _rows_quantized(x: torch.Tensor, quantize_to: torch.dtype) -> torch.dtype | None:
+    """``quantize_to`` where the FP8 linear reading these rows quantizes them for cuBLAS (more than
+    FUSED_MAX_ROWS; shapes only, the same inside a CUDA graph), else None (its Triton kernels take bf16 rows)."""
+    from kernels.w8a8_gemm import FUSED_MAX_ROWS
+
+    return quantize_to if x.numel() > FUSED_MAX_ROWS * x.shape[-1] else None
 
 
 def _layer_norm(w, attrs, ex) -> Kernel:
@@ -264,6 +298,10 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
     fn = ops.fused_add_rms_norm
     if ex.use_kernels and not offset:  # as _rms_norm
         from kernels.fused_norm import fused_add_rms_norm as fn
+
+        quantize_to = _norm_quantize_to(ex, weight)
+        if quantize_to is not None:
+            return lambda xs, step: fn(xs[0], xs[1], weight, eps, quantize_to=_rows_quantized(xs[0], quantize_to))
     return lambda xs, step: fn(xs[0], xs[1], weight, eps, offset)
 
 
@@ -299,7 +337,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
     ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six)."""
     from kernels import gemv
-    from kernels.w8a8_gemm import FUSED_MAX_ROWS, quantize_rows, w8a8_linear
+    from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, w8a8_linear
 
     storage = w["qweight"].dtype
 
@@ -310,14 +348,22 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     # cuBLAS's _scaled_mm takes weights whose dimensions are multiples of 16, _int_mm multiples of 8: a quantized
     # lm_head over a vocabulary such as 32001 is not, and runs the Triton GEMM at every size instead
     align = 16 if quant["scheme"] == "fp8" else 8
+    takes_quantized = False
     if qweight.shape[0] % align or qweight.shape[1] % align:
         large = lambda x: w8a8_linear(x, qweight, w_scale, input_scale, bias)  # noqa: E731
-    elif quant["scheme"] == "fp8" and w["qweight"].is_cuda and ex.dtype in (torch.bfloat16, torch.float16):
-        large = make_fp8_scaled_mm_linear(w, quantize)
+    elif (quant["scheme"] == "fp8" and _scaled_mm_device(w["qweight"].device)
+          and ex.dtype in (torch.bfloat16, torch.float16)):
+        large = make_fp8_scaled_mm_linear(w, quantize, ex.dtype)
+        takes_quantized = True
     else:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
 
-    def linear(x: torch.Tensor) -> torch.Tensor:
+    def linear(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): cuBLAS's _scaled_mm
+            if not takes_quantized:
+                raise RuntimeError(f"a norm fed quantized rows {tuple(x.shape)} to a linear of weight "
+                                   f"{tuple(qweight.shape)} that does not run _scaled_mm (plan_fusions)")
+            return large(x)
         # shapes only: no sync, the same inside a CUDA graph
         if gemv.GEMV_ENABLED and x.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
             return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias)
@@ -326,6 +372,12 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         return large(x)
 
     return linear
+
+
+def _scaled_mm_device(device: torch.device) -> bool:
+    """Whether FP8 linears past FUSED_MAX_ROWS rows run ``torch._scaled_mm`` on this device (CUDA; the CPU path
+    runs the reference arithmetic)."""
+    return device.type == "cuda"
 
 
 def _in_slices(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, step: int) -> torch.Tensor:

@@ -37,6 +37,44 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 # --- norms ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_quantized_out_equals_quantize_rows_of_the_norm(quant, residual, dtype):
+    """quantize_to: the codes and scales are exactly quantize_rows of the kernel's own normed rows, the new residual
+    is unchanged, and the dequantized rows are within a quantization step of the reference norm."""
+    from kernels.w8a8_gemm import QuantizedRows, quantize_rows
+
+    x, res = _randn(5, 200, dtype=dtype, seed=31, scale=3.0), _randn(5, 200, dtype=dtype, seed=32)
+    weight = _randn(200, dtype=dtype, seed=33, shift=1.0)
+    if residual:
+        (qr, total), (normed, total2) = (fused_add_rms_norm(x, res, weight, 1e-6, quantize_to=quant),
+                                         fused_add_rms_norm(x, res, weight, 1e-6))
+        torch.testing.assert_close(total, total2, rtol=0, atol=0)
+        ref = ref_fused_add_rms_norm(x, res, weight, 1e-6)[0]
+    else:
+        qr, normed = rms_norm(x, weight, 1e-6, quantize_to=quant), rms_norm(x, weight, 1e-6)
+        ref = ref_rms_norm(x, weight, 1e-6)
+    assert isinstance(qr, QuantizedRows) and qr.codes.dtype == quant and qr.shape == (5, 200)
+    codes, scales = quantize_rows(normed, quant)
+    torch.testing.assert_close(qr.scales, scales, rtol=0, atol=0)
+    assert torch.equal(qr.codes.view(torch.uint8), codes.view(torch.uint8))
+    # half a code's spacing at most: e4m3's is 32 at the top of its range (448), int8's 1
+    half_step = scales * (16.0 if quant == torch.float8_e4m3fn else 0.5)
+    err = (qr.codes.float() * qr.scales - ref.float()).abs()
+    assert (err <= half_step + TOL[dtype] * (1 + ref.float().abs())).all()
+
+
+def test_norm_quantized_out_refuses_what_it_cannot_quantize():
+    x = _randn(2, 64, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="quantize_to"):
+        rms_norm(x, None, 1e-6, quantize_to=torch.float16)
+    with pytest.raises(ValueError, match="quantize_to"):
+        rms_norm(x, _randn(64, dtype=torch.float32, seed=2), 1e-6, weight_offset=1.0, quantize_to=torch.int8)
+    with pytest.raises(ValueError, match="quantize_to"):
+        rms_norm(x, _randn(64, dtype=torch.bfloat16, seed=2), 1e-6, quantize_to=torch.int8)
+
+
 @pytest.mark.parametrize("hidden", [96, 200, 64])
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", DTYPES)
