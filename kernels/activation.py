@@ -6,7 +6,9 @@ half of each row is the gate, the second the up projection, and
     out = to_dtype(silu(gate)) * up            [num_tokens, I], silu in fp32
 
 (the silu is rounded to the activation dtype before the product, as torch's ``F.silu(gate) * up`` does).
-Separate ``gate`` and ``up`` tensors are accepted too, as ``ops.silu_mul`` accepts them.
+Separate ``gate`` and ``up`` tensors are accepted too, as ``ops.silu_mul`` accepts them. ``quantize_to`` (int8 or
+float8_e4m3fn): the rows leave quantized per token (``kernels.w8a8_gemm.QuantizedRows``, equal to
+``quantize_rows(out)``) for the W8A8 linear that reads them, one row per program.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import triton.language as tl
 
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
+from kernels.w4a16_gemm import _interpreting
+from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, quantize_row_store
 
 _BLOCK = 1024
 
@@ -47,8 +51,24 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_o
     tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I])."""
+@triton.jit
+def _silu_mul_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, stride_up, stride_q, num_cols,
+                           INT8: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # one program per row, the whole row in registers: its silu(gate) * up, then its per-token codes and scale
+    wait_prior(PDL)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
+    v = tl.where(mask, silu_mul_values(g, u).to(tl.float32), 0.0)
+    quantize_row_store(v, mask, q_ptr + row * stride_q + cols, s_ptr + row, INT8, EMULATE_FP8)
+
+
+def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
+             quantize_to: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
+    """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I]); with
+    ``quantize_to`` quantized per token (``QuantizedRows``)."""
     if not (gate_up.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         raise RuntimeError("silu_mul runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops on the CPU")
     if up is None:
@@ -64,6 +84,18 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None) -> torch.Ten
     gate = gate if gate.stride(-1) == 1 else gate.contiguous()
     up = up if up.stride(-1) == 1 else up.contiguous()
     num_tokens, num_cols = gate.shape
+    if quantize_to is not None:
+        if quantize_to not in W_DTYPES:
+            raise ValueError(f"quantize_to takes {W_DTYPES}, got {quantize_to}")
+        codes = torch.empty((num_tokens, num_cols), dtype=quantize_to, device=gate.device)
+        scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate.device)
+        if num_tokens:
+            block = triton.next_power_of_2(num_cols)
+            _silu_mul_quant_kernel[(num_tokens,)](
+                gate, up, codes, scales, gate.stride(0), up.stride(0), codes.stride(0), num_cols,
+                INT8=quantize_to == torch.int8, EMULATE_FP8=_interpreting(), BLOCK=block,
+                num_warps=min(max(block // 1024, 4), 16), **pdl_args(codes))
+        return QuantizedRows(codes, scales)
     out = torch.empty((num_tokens, num_cols), dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out

@@ -235,11 +235,11 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, axis=0), eps) / qmax
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), qmax)  # IEEE division, as the reference's
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32) / scale
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32), scale)
         v = tl.minimum(tl.maximum(v, -qmax), qmax)
         if INT8:
             code = ((v + _MAGIC) - _MAGIC).to(tl.int8)
@@ -256,9 +256,9 @@ def quantize_row_store(v, mask, q_row_ptr, s_ptr, INT8: tl.constexpr, EMULATE_FP
     ``_quantize_rows_kernel`` does it: its scale to ``s_ptr``, its codes to ``q_row_ptr`` (for kernels that make
     the row, such as the norms, so that no other kernel reads it back)."""
     qmax, eps = _qrange(INT8)
-    scale = tl.maximum(tl.max(tl.abs(v), axis=0), eps) / qmax
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), eps), qmax)
     tl.store(s_ptr, scale)
-    c = tl.minimum(tl.maximum(v / scale, -qmax), qmax)
+    c = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -qmax), qmax)
     if INT8:
         code = ((c + _MAGIC) - _MAGIC).to(tl.int8)
     elif EMULATE_FP8:
@@ -283,7 +283,7 @@ class QuantizedRows(NamedTuple):
 def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token quantization in one kernel (torch's takes six): x [M, K] -> (codes [M, K] in
     ``dtype`` (int8 or float8_e4m3fn), scales [M, 1] fp32), the reference's ``quantize_activation_*``
-    arithmetic (up to the fast division's rare neighbouring code). Meant to feed ``_scaled_mm`` / ``_int_mm``
+    arithmetic (IEEE divisions, as torch's: the same scales and codes). Meant to feed ``_scaled_mm`` / ``_int_mm``
     above ``FUSED_MAX_ROWS`` rows (the executor's W8A8 path); timed by ``kernels.bench.w8a8`` (``+qrows``)."""
     if dtype not in W_DTYPES:
         raise ValueError(f"quantize_rows: dtype {dtype} is not int8 or float8_e4m3fn")

@@ -88,9 +88,9 @@ class _Fusions:
     absorbed: set[int]  # nodes whose work a later node does
     rope: dict[int, tuple[dict[str, Any], str]]  # attention node -> (its q rope node, the positions' value name)
     gated: set[int]  # weight-only linears that form silu(gate) * up from the [gate | up] they read
-    # norms whose normed rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm): past
-    # FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
-    quant_norms: set[int] = field(default_factory=set)
+    # norms and SwiGLUs whose rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm):
+    # past FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
+    quant_producers: set[int] = field(default_factory=set)
 
 
 def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
@@ -98,8 +98,9 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
     """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
     (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` (``gated``), and, where
-    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of a norm's
-    rows into the norm (``quant_norms``). A value a fusion would hide must have no other reader."""
+    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of the
+    rows of a norm or a SwiGLU into that kernel (``quant_producers``). A value a fusion would hide must have no
+    other reader."""
     from kernels import w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
@@ -144,10 +145,12 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
               and node["inputs"][0] in producer and num_consumers.get(node["inputs"][0]) == 1):
             j = producer[node["inputs"][0]]
             norm = nodes[j]
-            if (norm["op"] in ("rms_norm", "fused_add_rms_norm") and norm["outputs"][0] == node["inputs"][0]
-                    and not norm.get("attrs", {}).get("weight_offset") and not norm.get("attrs", {}).get("head_dim")
+            norm_attrs = norm.get("attrs", {})
+            norm_ok = (norm["op"] in ("rms_norm", "fused_add_rms_norm") and not norm_attrs.get("weight_offset")
+                       and not norm_attrs.get("head_dim"))
+            if ((norm_ok or norm["op"] == "silu_mul") and norm["outputs"][0] == node["inputs"][0]
                     and attrs.get("in_features") and attrs.get("out_features")):
-                fusions.quant_norms.add(j)
+                fusions.quant_producers.add(j)
     return fusions
 
 
@@ -273,8 +276,9 @@ def _rms_norm(w, attrs, ex) -> Kernel:
 
 
 def _norm_quantize_to(ex, weight) -> torch.dtype | None:
-    """The FP8 dtype this norm's rows leave in past FUSED_MAX_ROWS rows (``_Fusions.quant_norms``), else None."""
-    if ex._index not in ex._fusions.quant_norms or (weight is not None and weight.dtype != ex.dtype):
+    """The FP8 dtype this norm's (or SwiGLU's) rows leave in past FUSED_MAX_ROWS rows (``_Fusions.quant_producers``),
+    else None."""
+    if ex._index not in ex._fusions.quant_producers or (weight is not None and weight.dtype != ex.dtype):
         return None
     return torch.float8_e4m3fn
 
@@ -597,6 +601,9 @@ def _silu_mul(w, attrs, ex) -> Kernel:
     if ex.use_kernels:
         from kernels.activation import silu_mul
 
+        quantize_to = _norm_quantize_to(ex, None)  # for an FP8 down projection (plan_fusions)
+        if quantize_to is not None:
+            return lambda xs, step: (silu_mul(*xs, quantize_to=_rows_quantized(xs[0], quantize_to)),)
         return lambda xs, step: (silu_mul(*xs),)
     return lambda xs, step: (ops.silu_mul(*xs),)
 

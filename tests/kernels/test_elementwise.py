@@ -170,6 +170,22 @@ def test_silu_mul(intermediate, dtype):
     _assert_close(silu_mul(gate_up), ref_silu_mul(gate_up))
 
 
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_quantized_out_equals_quantize_rows_of_it(quant, dtype):
+    """quantize_to: the codes and scales are exactly quantize_rows of the kernel's own silu(gate) * up rows."""
+    from kernels.w8a8_gemm import QuantizedRows, quantize_rows
+
+    gate_up = _randn(6, 2 * 300, dtype=dtype, seed=41, scale=2.0)
+    qr = silu_mul(gate_up, quantize_to=quant)
+    assert isinstance(qr, QuantizedRows) and qr.shape == (6, 300)
+    codes, scales = quantize_rows(silu_mul(gate_up), quant)
+    torch.testing.assert_close(qr.scales, scales, rtol=0, atol=0)
+    assert torch.equal(qr.codes.view(torch.uint8), codes.view(torch.uint8))
+    with pytest.raises(ValueError, match="quantize_to"):
+        silu_mul(gate_up, quantize_to=torch.float16)
+
+
 def test_silu_mul_separate_gate_and_up():
     gate = _randn(3, 200, dtype=torch.bfloat16, seed=8, scale=3.0)
     up = _randn(3, 200, dtype=torch.bfloat16, seed=9)

@@ -270,14 +270,14 @@ def test_fusions_need_values_no_one_else_reads():
 
 
 def test_norms_quantize_for_the_fp8_linear_they_feed():
-    """A norm whose only reader is an FP8 linear with dynamic activations (aligned, not an lm_head) on _scaled_mm
-    quantizes its rows itself; any other reader, a static input scale, an act-order perm, a Gemma gain offset,
-    a per-head norm, or a device without _scaled_mm leaves it alone."""
+    """A norm (or SwiGLU) whose only reader is an FP8 linear with dynamic activations (aligned, not an lm_head) on
+    _scaled_mm quantizes its rows itself; any other reader, a static input scale, an act-order perm, a Gemma gain
+    offset, a per-head norm, another producer, or a device without _scaled_mm leaves it alone."""
     from runtime.executor import plan_fusions
 
-    def graph(norm_attrs=None, linear_attrs=None, weights=None, extra_reader=False):
+    def graph(norm_attrs=None, linear_attrs=None, weights=None, extra_reader=False, producer="fused_add_rms_norm"):
         fp8 = {"quant": {"scheme": "fp8"}, "in_features": 64, "out_features": 96, **(linear_attrs or {})}
-        nodes = [_node("fused_add_rms_norm", ["x", "r"], ["n", "t"], {"eps": 1e-6, **(norm_attrs or {})}),
+        nodes = [_node(producer, ["x", "r"], ["n", "t"], {"eps": 1e-6, **(norm_attrs or {})}),
                  _node("linear", ["n"], ["y"], fp8, {"qweight": "w", "weight_scale": "s", **(weights or {})})]
         if extra_reader:
             nodes.append(_node("elementwise", ["n", "n"], ["z"], {"fn": "add"}))
@@ -287,20 +287,21 @@ def test_norms_quantize_for_the_fp8_linear_they_feed():
                 consumers[name] = consumers.get(name, 0) + 1
         return nodes, consumers
 
-    assert plan_fusions(*graph(), torch.bfloat16, scaled_mm=True).quant_norms == {0}
-    assert not plan_fusions(*graph(), torch.bfloat16, scaled_mm=False).quant_norms
-    assert not plan_fusions(*graph(), torch.float32, scaled_mm=True).quant_norms
+    assert plan_fusions(*graph(), torch.bfloat16, scaled_mm=True).quant_producers == {0}
+    assert plan_fusions(*graph(producer="silu_mul"), torch.bfloat16, scaled_mm=True).quant_producers == {0}
+    assert not plan_fusions(*graph(), torch.bfloat16, scaled_mm=False).quant_producers
+    assert not plan_fusions(*graph(), torch.float32, scaled_mm=True).quant_producers
     for kwargs in ({"extra_reader": True}, {"weights": {"input_scale": "i"}}, {"weights": {"perm": "p"}},
                    {"norm_attrs": {"weight_offset": 1.0}}, {"norm_attrs": {"head_dim": 32}},
                    {"linear_attrs": {"lm_head": True}}, {"linear_attrs": {"out_features": 100}},
-                   {"linear_attrs": {"quant": {"scheme": "w8a8_int8"}}}):
-        assert not plan_fusions(*graph(**kwargs), torch.bfloat16, scaled_mm=True).quant_norms, kwargs
+                   {"linear_attrs": {"quant": {"scheme": "w8a8_int8"}}}, {"producer": "elementwise"}):
+        assert not plan_fusions(*graph(**kwargs), torch.bfloat16, scaled_mm=True).quant_producers, kwargs
 
 
 def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
-    """A bf16 FP8 artifact on the kernels with the norms quantizing for _scaled_mm (run on the CPU here) gives the
-    logits of the same executor with the fusion off, exactly, over a 20-token step (above FUSED_MAX_ROWS), and
-    quantize_rows then runs for the o_proj and down inputs only."""
+    """A bf16 FP8 artifact on the kernels with the norms and the SwiGLU quantizing for _scaled_mm (run on the CPU
+    here) gives the logits of the same executor with the fusion off, exactly, over a 20-token step (above
+    FUSED_MAX_ROWS), and quantize_rows then runs for the o_proj inputs only."""
     from kernels import w8a8_gemm
     from runtime import executor
 
@@ -329,10 +330,10 @@ def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
     monkeypatch.setattr(executor, "FUSE_NORM_QUANT", True)
     fused = Engine.load(path, use_kernels=True)
     layers = fused.executor.num_layers
-    assert len(fused.executor._fusions.quant_norms) == 2 * layers
+    assert len(fused.executor._fusions.quant_producers) == 3 * layers  # the norms before qkv, gate/up; the SwiGLU
     got = fused.logits(ids)
     assert torch.equal(got, expected)
-    assert plain_calls == 4 * layers and len(calls) == 2 * layers, (plain_calls, len(calls))
+    assert plain_calls == 4 * layers and len(calls) == layers, (plain_calls, len(calls))  # o_proj's input only
 
 
 def test_kernel_or_dequantize_by_the_measured_crossover():
