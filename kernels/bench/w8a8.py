@@ -15,6 +15,10 @@ replay medians cycling through weight copies larger than L2 (``kernels.bench.gem
 GEMV: ``kernels.gemv.w8a8_gemv`` at M = 1, 2, 4 (dynamic per-token scales), checked the same way and timed next
 to ``w8a8_linear`` and the bf16 ``F.linear``; TB/s of weight bytes (codes + scales). ``--gemv-sweep`` times
 candidate ``GemvConfig``s (to tune ``kernels.gemv._W8A8_CUDA_CONFIGS``).
+
+``--fast-accum``: only ``torch._scaled_mm`` at the runtime's large-M sizes (128 ... 8192 rows) with and without
+``use_fast_accum`` (Hopper's FP8 MMA accumulating without periodic promotion to fp32), the time of each and the
+largest difference of the fast result from the fp32-promoted one, relative to the output's largest magnitude.
 """
 
 from __future__ import annotations
@@ -187,6 +191,33 @@ def _gemv_sweep(kind: str, name: str, x: torch.Tensor, ref: torch.Tensor, copies
                          indent=f"{'':>8} {'':>3}   ", weight_bytes=weight_bytes, reps=10)
 
 
+def bench_fast_accum() -> None:
+    """``_scaled_mm`` with and without fast accumulation at the Llama-3-8B shapes (see the module docstring)."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    print("\n| shape | M | fp32-promoted us | fast accum us | speedup | max rel diff |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        q, ws = quantize_weight_fp8(w, True)
+        wt, w_scale = q.t(), ws.float().reshape(1, -1).expand(1, n).contiguous()
+        copies = max(1, COPIES_BYTES // q.numel())
+        qs = [q.clone().t() for _ in range(copies)]
+        for m in (128, 512, 2048, 8192):
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            xq, xs = quantize_rows(x, torch.float8_e4m3fn)
+            xs = xs.expand(m, 1).contiguous()
+
+            def mm(b, fast):
+                return torch._scaled_mm(xq, b, scale_a=xs, scale_b=w_scale, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+            exact, fast = mm(wt, False).float(), mm(wt, True).float()
+            rel = ((fast - exact).abs().max() / exact.abs().max()).item()
+            slow_us = time_us([lambda b=b: mm(b, False) for b in qs])
+            fast_us = time_us([lambda b=b: mm(b, True) for b in qs])
+            print(f"| {name} | {m} | {slow_us:.1f} | {fast_us:.1f} | {slow_us / fast_us:.2f}x | {rel:.1e} |",
+                  flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
@@ -194,11 +225,15 @@ def main() -> int:
                         help="only the GEMV tables, timing candidate GEMV configs per shape and M")
     parser.add_argument("--gemv", action="store_true", help="only the GEMV tables (no sweep)")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
+    parser.add_argument("--fast-accum", action="store_true", help="only _scaled_mm with and without fast accumulation")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_w8a8 needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.fast_accum:
+        bench_fast_accum()
+        return 0
     failures = []
     for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):
         if not (args.gemv_sweep or args.gemv):
