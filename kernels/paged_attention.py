@@ -31,6 +31,7 @@ merge of decode splits).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,8 @@ _QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}  # cache storage dtype -> QUANT
 # Decode split heuristic (``_decode_num_splits``).
 _MIN_KEYS_PER_SPLIT = 256  # below this a split's partial result costs more to merge than it saves
 _MAX_SPLITS = 32
+# KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
+PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
 _DECODE_WIDE_PROGRAMS = 1024  # decode programs from which a quantized cache's tiles take 128 keys (_decode_config)
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: larger than any position
@@ -542,8 +545,9 @@ def _paged_prefill_kernel(
         k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, qk_scale, window, num_seqs, softcap,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
+    # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel.
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
     # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
     # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
@@ -573,6 +577,8 @@ def _paged_prefill_kernel(
                 mask=m_mask[:, None], other=0.0)
     if FP32:
         q = q.to(tl.float32)
+    elif F16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
     if QUANT != 0:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -648,7 +654,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
-        SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 
 

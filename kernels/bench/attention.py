@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-only", action="store_true",
                         help="only the steps that mix decodes with a prompt (prefill kernel vs decode kernel)")
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode kernel's tilings (see above)")
+    parser.add_argument("--prefill-only", action="store_true", help="only the prefill table (no sweep)")
     parser.add_argument("--sweep-short", action="store_true",
                         help="--decode-sweep over a few tilings only (both program orders)")
     parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
@@ -382,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         return _mixed_table(gen, args, failures)
     if args.decode_sweep:
         return decode_sweep(gen, args, failures)
+    if args.prefill_only:
+        _prefill_table(gen, args, failures)
+        for f in failures:
+            print("FAIL", f)
+        return 1 if failures else 0
     if not args.skip_sweep:
         results = sweep(gen)
         failures += [f"{name}: max err {err:.3g}" for name, ok, err in results if not ok]
@@ -403,13 +409,17 @@ def main(argv: list[str] | None = None) -> int:
                 print(bench_decode(batch, context, kv_name, gen, args, failures), flush=True)
                 torch.cuda.empty_cache()
 
+    _prefill_table(gen, args, failures)
+    return _mixed_table(gen, args, failures)
+
+
+def _prefill_table(gen, args, failures) -> None:
     print("\n| kernel | kv | shape | graph us | eager us | throughput (graph) | check |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in ("bf16", "fp8"):
         for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4)):
             for row in bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures):
                 print(row, flush=True)
-    return _mixed_table(gen, args, failures)
 
 
 def _mixed_table(gen, args, failures) -> int:
