@@ -90,7 +90,7 @@ class _Fusions:
     gated: set[int]  # weight-only linears that form silu(gate) * up from the [gate | up] they read
     # norms and SwiGLUs whose rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm):
     # past FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
-    quant_producers: set[int] = field(default_factory=set)
+    quant_producers: dict[int, int] = field(default_factory=dict)  # producer node -> the linear it feeds
 
 
 def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
@@ -150,7 +150,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                        and not norm_attrs.get("head_dim"))
             if ((norm_ok or norm["op"] == "silu_mul") and norm["outputs"][0] == node["inputs"][0]
                     and attrs.get("in_features") and attrs.get("out_features")):
-                fusions.quant_producers.add(j)
+                fusions.quant_producers[j] = i
     return fusions
 
 
@@ -179,6 +179,10 @@ class Executor:
                 self._num_consumers[name] = self._num_consumers.get(name, 0) + 1
         self._fusions = plan_fusions(nodes, self._num_consumers, self.dtype, _scaled_mm_device(self.device)) \
             if use_kernels else _Fusions(set(), {}, set())
+        for j, i in list(self._fusions.quant_producers.items()):  # the shapes cuBLAS takes, as loaded (sharded)
+            qweight = params.get(nodes[i].get("weights", {}).get("qweight", ""))
+            if qweight is None or qweight.shape[0] % 16 or qweight.shape[1] % 16:
+                del self._fusions.quant_producers[j]
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
                   for i, node in enumerate(nodes)]

@@ -287,8 +287,8 @@ def test_norms_quantize_for_the_fp8_linear_they_feed():
                 consumers[name] = consumers.get(name, 0) + 1
         return nodes, consumers
 
-    assert plan_fusions(*graph(), torch.bfloat16, scaled_mm=True).quant_producers == {0}
-    assert plan_fusions(*graph(producer="silu_mul"), torch.bfloat16, scaled_mm=True).quant_producers == {0}
+    assert plan_fusions(*graph(), torch.bfloat16, scaled_mm=True).quant_producers == {0: 1}
+    assert plan_fusions(*graph(producer="silu_mul"), torch.bfloat16, scaled_mm=True).quant_producers == {0: 1}
     assert not plan_fusions(*graph(), torch.bfloat16, scaled_mm=False).quant_producers
     assert not plan_fusions(*graph(), torch.float32, scaled_mm=True).quant_producers
     for kwargs in ({"extra_reader": True}, {"weights": {"input_scale": "i"}}, {"weights": {"perm": "p"}},
