@@ -240,14 +240,19 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32), scale)
-        v = tl.minimum(tl.maximum(v, -qmax), qmax)
-        if INT8:
-            code = ((v + _MAGIC) - _MAGIC).to(tl.int8)
-        elif EMULATE_FP8:
-            code = _round_e4m3(v).to(q_ptr.dtype.element_ty)
-        else:
-            code = v.to(tl.float8e4nv)
-        tl.store(q_ptr + row * stride_qm + offs, code, mask=offs < K)
+        tl.store(q_ptr + row * stride_qm + offs, _codes(v, qmax, q_ptr, INT8, EMULATE_FP8), mask=offs < K)
+
+
+@triton.jit
+def _codes(v, qmax, q_ptr, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """Scaled values ``v`` (fp32) clamped to +-qmax and rounded to the codes ``q_ptr`` holds (int8 or fp8 e4m3)."""
+    v = tl.minimum(tl.maximum(v, -qmax), qmax)
+    if INT8:
+        return ((v + _MAGIC) - _MAGIC).to(tl.int8)
+    elif EMULATE_FP8:
+        return _round_e4m3(v).to(q_ptr.dtype.element_ty)
+    else:
+        return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -258,14 +263,7 @@ def quantize_row_store(v, mask, q_row_ptr, s_ptr, INT8: tl.constexpr, EMULATE_FP
     qmax, eps = _qrange(INT8)
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), eps), qmax)
     tl.store(s_ptr, scale)
-    c = tl.minimum(tl.maximum(tl.math.div_rn(v, scale), -qmax), qmax)
-    if INT8:
-        code = ((c + _MAGIC) - _MAGIC).to(tl.int8)
-    elif EMULATE_FP8:
-        code = _round_e4m3(c).to(q_row_ptr.dtype.element_ty)
-    else:
-        code = c.to(tl.float8e4nv)
-    tl.store(q_row_ptr, code, mask=mask)
+    tl.store(q_row_ptr, _codes(tl.math.div_rn(v, scale), qmax, q_row_ptr, INT8, EMULATE_FP8), mask=mask)
 
 
 class QuantizedRows(NamedTuple):

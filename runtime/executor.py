@@ -272,27 +272,22 @@ def _rms_norm(w, attrs, ex) -> Kernel:
     if ex.use_kernels and not offset:
         from kernels.fused_norm import rms_norm
 
-        quantize_to = _norm_quantize_to(ex, weight)
+        quantize_to = _quantize_to(ex, weight)
         if quantize_to is not None:
-            return lambda xs, step: (rms_norm(xs[0], weight, eps, quantize_to=_rows_quantized(xs[0], quantize_to)),)
+            return lambda xs, step: (rms_norm(xs[0], weight, eps, quantize_to=quantize_to(xs[0])),)
         return lambda xs, step: (rms_norm(xs[0], weight, eps, offset, head_dim),)
     return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
 
 
-def _norm_quantize_to(ex, weight) -> torch.dtype | None:
-    """The FP8 dtype this norm's (or SwiGLU's) rows leave in past FUSED_MAX_ROWS rows (``_Fusions.quant_producers``),
-    else None."""
+def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | None:
+    """For a norm or SwiGLU of ``_Fusions.quant_producers``: x -> the dtype its rows leave in, FP8 where the linear
+    reading them quantizes them for cuBLAS (more than FUSED_MAX_ROWS rows; shapes only, the same inside a CUDA
+    graph), else None (its Triton kernels take bf16 rows). None for any other node."""
     if ex._index not in ex._fusions.quant_producers or (weight is not None and weight.dtype != ex.dtype):
         return None
-    return torch.float8_e4m3fn
-
-
-def _rows_quantized(x: torch.Tensor, quantize_to: torch.dtype) -> torch.dtype | None:
-    """``quantize_to`` where the FP8 linear reading these rows quantizes them for cuBLAS (more than
-    FUSED_MAX_ROWS; shapes only, the same inside a CUDA graph), else None (its Triton kernels take bf16 rows)."""
     from kernels.w8a8_gemm import FUSED_MAX_ROWS
 
-    return quantize_to if x.numel() > FUSED_MAX_ROWS * x.shape[-1] else None
+    return lambda x: torch.float8_e4m3fn if x.numel() > FUSED_MAX_ROWS * x.shape[-1] else None
 
 
 def _layer_norm(w, attrs, ex) -> Kernel:
@@ -307,9 +302,9 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
     if ex.use_kernels and not offset:  # as _rms_norm
         from kernels.fused_norm import fused_add_rms_norm as fn
 
-        quantize_to = _norm_quantize_to(ex, weight)
+        quantize_to = _quantize_to(ex, weight)
         if quantize_to is not None:
-            return lambda xs, step: fn(xs[0], xs[1], weight, eps, quantize_to=_rows_quantized(xs[0], quantize_to))
+            return lambda xs, step: fn(xs[0], xs[1], weight, eps, quantize_to=quantize_to(xs[0]))
     return lambda xs, step: fn(xs[0], xs[1], weight, eps, offset)
 
 
@@ -605,9 +600,9 @@ def _silu_mul(w, attrs, ex) -> Kernel:
     if ex.use_kernels:
         from kernels.activation import silu_mul
 
-        quantize_to = _norm_quantize_to(ex, None)  # for an FP8 down projection (plan_fusions)
+        quantize_to = _quantize_to(ex, None)  # for an FP8 down projection (plan_fusions)
         if quantize_to is not None:
-            return lambda xs, step: (silu_mul(*xs, quantize_to=_rows_quantized(xs[0], quantize_to)),)
+            return lambda xs, step: (silu_mul(*xs, quantize_to=quantize_to(xs[0])),)
         return lambda xs, step: (silu_mul(*xs),)
     return lambda xs, step: (ops.silu_mul(*xs),)
 

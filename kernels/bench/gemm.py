@@ -220,6 +220,27 @@ def sweep_configs(label: str, candidates: list, check: Callable[[object], tuple[
     return failures
 
 
+def _fastest(label: str, default_us: float, candidates: list, failures: list[str],
+             check: Callable[[object], tuple[bool, float]], timed: Callable[[object], list[Callable[[], object]]]
+             ) -> tuple[float, str]:
+    """(us, config) of the fastest of the default (``default_us``) and the candidates that match the reference
+    (``check``; mismatches go to ``failures``, configs that do not compile on this GPU are skipped), each timed over
+    ``timed(cfg)``'s calls."""
+    best, best_cfg = default_us, "default"
+    for cand in candidates:
+        try:
+            ok, err = check(cand)
+        except OutOfResources:
+            continue  # shared memory or registers: not a candidate on this GPU
+        if not ok:
+            failures.append(f"{label} {cand}: max rel err {err:.2e}")
+            continue
+        t = time_us(timed(cand))
+        if t < best:
+            best, best_cfg = t, str(cand)
+    return best, best_cfg
+
+
 def _sweep(name: str, x: torch.Tensor, ref: torch.Tensor, w: _ShapeWeights) -> list[str]:
     """Time the candidate configs for this shape; print the three fastest."""
     return sweep_configs(f"gemm {name} M={x.shape[0]}", candidate_configs(x.shape[0]),
@@ -454,16 +475,10 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
             if not ok:
                 failures.append(f"frag {name} M={m}: max rel err {err:.2e}")
             t_frag = time_us([lambda p=p: w4a16_frag(x, **p) for p in frag])
-            best, best_cfg = t_frag, "default"
-            if sweep:
-                for cand in frag_candidates():
-                    ok_c, err_c = _close(w4a16_frag(x, **frag[0], config=cand), ref)
-                    if not ok_c:
-                        failures.append(f"frag {name} M={m} {cand}: max rel err {err_c:.2e}")
-                        continue
-                    t_c = time_us([lambda p=p: w4a16_frag(x, **p, config=cand) for p in frag])
-                    if t_c < best:
-                        best, best_cfg = t_c, str(cand)
+            best, best_cfg = _fastest(
+                f"frag {name} M={m}", t_frag, frag_candidates() if sweep else [], failures,
+                lambda cand: _close(w4a16_frag(x, **frag[0], config=cand), ref),
+                lambda cand: [lambda p=p: w4a16_frag(x, **p, config=cand) for p in frag])
             t_mma = time_us([lambda p=p: w4a16_mma(x, **p) for p in mma])
             t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
             print(f"{name:>8} {m:3d} | {t_frag:7.1f} {best:7.1f} {t_mma:7.1f} {t_bf16:7.1f} | "
@@ -506,18 +521,10 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
             if not ok:
                 failures.append(f"frag_gemm {name} M={m}: max rel err {err:.2e}")
             t_gemm = time_us([lambda p=p: frag_gemm(x, **p) for p in frag])
-            best, best_cfg = t_gemm, "default"
-            for cand in frag_gemm_candidates() if sweep else []:
-                try:
-                    ok_c, err_c = _close(frag_gemm(x, **frag[0], config=cand), ref)
-                except OutOfResources:
-                    continue  # shared memory or registers: not a candidate on this GPU
-                if not ok_c:
-                    failures.append(f"frag_gemm {name} M={m} {cand}: max rel err {err_c:.2e}")
-                    continue
-                t_c = time_us([lambda p=p: frag_gemm(x, **p, config=cand) for p in frag])
-                if t_c < best:
-                    best, best_cfg = t_c, str(cand)
+            best, best_cfg = _fastest(
+                f"frag_gemm {name} M={m}", t_gemm, frag_gemm_candidates() if sweep else [], failures,
+                lambda cand: _close(frag_gemm(x, **frag[0], config=cand), ref),
+                lambda cand: [lambda p=p: frag_gemm(x, **p, config=cand) for p in frag])
             t_deq = time_us([lambda p=p: F.linear(x, dequantize_frag(**p, dtype=DTYPE)) for p in frag[:4]])
             if m == (rows or FRAG_GEMM_ROWS)[0]:  # the dequantization alone, both kernels
                 t_new = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE) for p in frag[:4]])
