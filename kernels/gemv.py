@@ -67,13 +67,15 @@ most ``GEMV_RUNTIME_MAX_ROWS`` rows (one: measured faster there only); W4A16 / W
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.pdl import pdl_args, wait_prior
+from kernels.activation import silu_mul_values
+from kernels.pdl import LINE, MAX_PREFETCH_LINES, PREFETCH, pdl_args, prefetch_l2_rows, wait_prior
 from kernels.w4a16_gemm import (
     _check_inputs as _check_w4a16_inputs,
     _dequant,
@@ -82,7 +84,13 @@ from kernels.w4a16_gemm import (
     _num_sms,
     reduce_split_k,
 )
-from kernels.w8a8_gemm import _MAGIC, _check_inputs as _check_w8a8_inputs, _qrange, _round_e4m3
+from kernels.w8a8_gemm import (
+    _MAGIC,
+    QuantizedRows,
+    _check_inputs as _check_w8a8_inputs,
+    _qrange,
+    _round_e4m3,
+)
 
 GEMV_MAX_ROWS = 4  # rows of x (tokens) the GEMV kernels take; the runtime sends more to the GEMM kernels
 GEMV_ENABLED = True  # the runtime's kernel path uses the GEMV kernels up to GEMV_RUNTIME_MAX_ROWS rows
@@ -90,6 +98,15 @@ GEMV_ENABLED = True  # the runtime's kernel path uses the GEMV kernels up to GEM
 # 98 vs 118 us per layer, W4A16 qkv / o_proj / gate_up 14.0 / 11.7 / 47.1 vs 18.3 / 14.7 / 55.5 us) and
 # ties or loses to the tensor-core GEMMs at 2-4 rows (docs/BENCHMARKS.md, session 5)
 GEMV_RUNTIME_MAX_ROWS = 1
+# Unquantized linears (``dense_gemv``) go here up to this many rows instead of cuBLAS; KERNELS_DENSE_GEMV_ROWS=0
+# keeps them on cuBLAS at every size (A/B runs)
+_DENSE_ROWS = os.environ.get("KERNELS_DENSE_GEMV_ROWS", "1")
+if not _DENSE_ROWS.isdigit() or int(_DENSE_ROWS) > 4:
+    raise ValueError(f"KERNELS_DENSE_GEMV_ROWS={_DENSE_ROWS!r} is not a row count from 0 to 4")
+DENSE_RUNTIME_MAX_ROWS = int(_DENSE_ROWS)
+# A norm or SwiGLU feeding an FP8 linear writes its rows quantized (codes and per-token scale) for the GEMV too, which
+# then skips its own pass over x for the max; KERNELS_GEMV_PREQUANT=0: bf16 rows, quantized in the GEMV (A/B runs)
+GEMV_PREQUANT = os.environ.get("KERNELS_GEMV_PREQUANT", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -115,8 +132,17 @@ _W4A16_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
     (2, GemvConfig(128, 256, num_warps=4, num_stages=3)),
     (GEMV_MAX_ROWS, GemvConfig(128, 256, num_warps=4, num_stages=3)),
 ]
+# dense (fp16/bf16/fp32 weights), ``python -m kernels.bench.dense --sweep`` on an H100 (docs/BENCHMARKS.md, session
+# 19): at one row 16 x 512 tiles are the fastest or within 1% of it on every Llama-3-8B shape (2.65-3.12 TB/s, the
+# 64 x 256 tiles 2.42-3.05); the 2- and 4-row ones are not tuned (the runtime sends one row, DENSE_RUNTIME_MAX_ROWS)
+_DENSE_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
+    (1, GemvConfig(16, 512, num_warps=4, num_stages=4)),
+    (2, GemvConfig(64, 256, num_warps=4, num_stages=3)),
+    (GEMV_MAX_ROWS, GemvConfig(64, 256, num_warps=4, num_stages=3)),
+]
 _W8A8_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
-    (1, GemvConfig(64, 256, num_warps=4, num_stages=3)),
+    # one row: 16 x 2048 tiles, among the three fastest on qkv, gate_up and down (FP8; session 19's --gemv-sweep)
+    (1, GemvConfig(16, 2048, num_warps=4, num_stages=3)),
     (2, GemvConfig(128, 128, num_warps=4, num_stages=3)),
     (GEMV_MAX_ROWS, GemvConfig(128, 128, num_warps=4, num_stages=3)),
 ]
@@ -130,11 +156,11 @@ _MIN_ALIGNED_ROWS = 8  # the default config's K step shrinks to this many byte r
 
 
 def default_gemv_config(kernel: str, num_rows: int, device: torch.device, bits: int = 4) -> GemvConfig:
-    """The table's configuration for ``kernel`` ("w4a16" or "w8a8") at ``num_rows`` rows; 8-bit w4a16
+    """The table's configuration for ``kernel`` ("w4a16", "w8a8" or "dense") at ``num_rows`` rows; 8-bit w4a16
     weights take half the K step (the same bytes per step)."""
     if _interpreting() or device.type != "cuda":
         return _INTERPRETER_CONFIG
-    table = {"w4a16": _W4A16_CUDA_CONFIGS, "w8a8": _W8A8_CUDA_CONFIGS}[kernel]
+    table = {"w4a16": _W4A16_CUDA_CONFIGS, "w8a8": _W8A8_CUDA_CONFIGS, "dense": _DENSE_CUDA_CONFIGS}[kernel]
     cfg = next(cfg for bound, cfg in table if num_rows <= bound)
     if kernel == "w4a16" and bits == 8:
         cfg = dataclasses.replace(cfg, block_k=max(cfg.block_k // 2, 16))
@@ -347,9 +373,14 @@ def _absmax(x_row, offs, mask, amax):
 
 @triton.jit
 def _quantize_step(x_row, offs_k, mask_k, x_scale, qmax, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr,
-                   MASKED: tl.constexpr):
+                   MASKED: tl.constexpr, PREQUANT: tl.constexpr):
     """One row's x step [BLOCK_K] quantized with ``x_scale`` as the reference does: int8 codes as int32, E4M3
-    values as fp32 (0 where masked)."""
+    values as fp32 (0 where masked). PREQUANT: x holds the codes already."""
+    if PREQUANT:
+        if INT8:
+            return _load(x_row + offs_k, mask_k, MASKED).to(tl.int32)
+        else:
+            return _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
     a = _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
     # Triton's fp32 ``/`` is the fast approximate division on the GPU (as in kernels.w8a8_gemm): a value within
     # an ulp of a rounding boundary can get the neighbouring code
@@ -384,19 +415,36 @@ def _w8a8_gemv_kernel(
     ROWS: tl.constexpr, INT8: tl.constexpr, STATIC: tl.constexpr, PER_CHANNEL: tl.constexpr,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE_FP8: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PREQUANT: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
 ):
     # x: [ROWS, K], w: [N, K] -> y: [ROWS, N] contiguous. A K step quantizes each row's x step once and multiplies
     # it by the [BLOCK_N, BLOCK_K] weight tile into [BLOCK_N, BLOCK_K / VEC] accumulators (``_dot_chunks``).
-    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
+    # PREQUANT: x is already codes (a norm quantized it, ``QuantizedRows``) and xs_ptr its per-row scales.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     qmax, eps = _qrange(INT8)
+    first_step = pid_k * steps_per_split
+    if PDL and PREFETCH_ROWS > 0:  # weights are constants: ask for the first step's tile before the wait
+        prefetch_l2_rows(w_ptr + (pid_n * BLOCK_N) * stride_wn + first_step * BLOCK_K, stride_wn,
+                         N - pid_n * BLOCK_N, K - first_step * BLOCK_K, PREFETCH_ROWS, PREFETCH_LINES, 128)
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
 
-    # x_scale per row: the static calibrated scale, or max|x_row| / qmax over all of K (from L2)
-    if STATIC:
+    # x_scale per row: the static calibrated scale, the quantizing norm's, or max|x_row| / qmax over all of K
+    if PREQUANT:
+        xs0 = tl.load(xs_ptr)
+        xs1 = xs0
+        xs2 = xs0
+        xs3 = xs0
+        if ROWS > 1:
+            xs1 = tl.load(xs_ptr + 1)
+        if ROWS > 2:
+            xs2 = tl.load(xs_ptr + 2)
+        if ROWS > 3:
+            xs3 = tl.load(xs_ptr + 3)
+    elif STATIC:
         xs0 = tl.load(xs_ptr).to(tl.float32)
         xs1 = xs0
         xs2 = xs0
@@ -428,7 +476,6 @@ def _w8a8_gemv_kernel(
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    first_step = pid_k * steps_per_split
     num_steps = min(steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
         offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -439,17 +486,17 @@ def _w8a8_gemv_kernel(
             w = w.to(tl.int32)
         else:
             w = w.to(tl.float32)
-        acc0 = _dot_chunks(acc0, w, _quantize_step(x_ptr, offs_k, mask_k, xs0, qmax, INT8, EMULATE_FP8, not EVEN_K),
-                           VEC)
+        acc0 = _dot_chunks(acc0, w, _quantize_step(x_ptr, offs_k, mask_k, xs0, qmax, INT8, EMULATE_FP8, not EVEN_K,
+                                                   PREQUANT), VEC)
         if ROWS > 1:
             acc1 = _dot_chunks(acc1, w, _quantize_step(x_ptr + stride_xm, offs_k, mask_k, xs1, qmax, INT8,
-                                                       EMULATE_FP8, not EVEN_K), VEC)
+                                                       EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
         if ROWS > 2:
             acc2 = _dot_chunks(acc2, w, _quantize_step(x_ptr + 2 * stride_xm, offs_k, mask_k, xs2, qmax, INT8,
-                                                       EMULATE_FP8, not EVEN_K), VEC)
+                                                       EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
         if ROWS > 3:
             acc3 = _dot_chunks(acc3, w, _quantize_step(x_ptr + 3 * stride_xm, offs_k, mask_k, xs3, qmax, INT8,
-                                                       EMULATE_FP8, not EVEN_K), VEC)
+                                                       EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
 
     if PER_CHANNEL:
         w_scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
@@ -497,6 +544,84 @@ def _w8a8_gemv_kernel(
             tl.store(part + 2 * N, _scaled(tl.sum(acc2, axis=1), xs2, w_scale), mask=mask_n)
         if ROWS > 3:
             tl.store(part + 3 * N, _scaled(tl.sum(acc3, axis=1), xs3, w_scale), mask=mask_n)
+
+
+@triton.jit
+def _dense_x_step(x_row, offs_k, mask_k, K, GATED: tl.constexpr, MASKED: tl.constexpr):
+    """One row's x step [BLOCK_K] as fp32; GATED: x is a row [gate | up] of 2K features and the step is
+    ``silu(gate) * up`` as ``kernels.activation.silu_mul`` rounds it (bit for bit)."""
+    if GATED:
+        g = _load(x_row + offs_k, mask_k, MASKED)
+        u = _load(x_row + K + offs_k, mask_k, MASKED)
+        return silu_mul_values(g, u).to(tl.float32)
+    else:
+        return _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
+
+
+@triton.jit
+def _dense_gemv_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
+    N, K, steps_per_split, stride_xm, stride_wn,
+    ROWS: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PREFETCH_ROWS: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+    ELEMS_PER_LINE: tl.constexpr, PDL: tl.constexpr,
+):
+    # x: [ROWS, K] (GATED: [ROWS, 2K]) -> y: [ROWS, N] contiguous; w: [N, K] rows contiguous over K. A program
+    # streams [BLOCK_N, BLOCK_K] weight tiles of its K range (16-byte vector loads along K), the products summed per
+    # thread's run of VEC features into [BLOCK_N, BLOCK_K / VEC] fp32 accumulators, reduced once at the end.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    first_step = pid_k * steps_per_split
+    num_steps = min(steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
+    if PDL and PREFETCH_ROWS > 0:  # weights are constants: ask for the first step's tile before the wait
+        prefetch_l2_rows(w_ptr + (pid_n * BLOCK_N) * stride_wn + first_step * BLOCK_K, stride_wn,
+                         N - pid_n * BLOCK_N, K - first_step * BLOCK_K, PREFETCH_ROWS, PREFETCH_LINES,
+                         ELEMS_PER_LINE)
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
+    acc0 = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
+        offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = _load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask_n[:, None] & mask_k[None, :],
+                  not (EVEN_N and EVEN_K)).to(tl.float32)  # [BLOCK_N, BLOCK_K]
+        acc0 = _dot_chunks(acc0, w, _dense_x_step(x_ptr, offs_k, mask_k, K, GATED, not EVEN_K), VEC)
+        if ROWS > 1:
+            acc1 = _dot_chunks(acc1, w, _dense_x_step(x_ptr + stride_xm, offs_k, mask_k, K, GATED, not EVEN_K), VEC)
+        if ROWS > 2:
+            acc2 = _dot_chunks(acc2, w, _dense_x_step(x_ptr + 2 * stride_xm, offs_k, mask_k, K, GATED, not EVEN_K),
+                               VEC)
+        if ROWS > 3:
+            acc3 = _dot_chunks(acc3, w, _dense_x_step(x_ptr + 3 * stride_xm, offs_k, mask_k, K, GATED, not EVEN_K),
+                               VEC)
+
+    if SPLIT_K == 1:
+        _store_row(y_ptr, tl.sum(acc0, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
+        if ROWS > 1:
+            _store_row(y_ptr + N, tl.sum(acc1, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
+        if ROWS > 2:
+            _store_row(y_ptr + 2 * N, tl.sum(acc2, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
+        if ROWS > 3:
+            _store_row(y_ptr + 3 * N, tl.sum(acc3, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
+    else:
+        part = part_ptr + pid_k * ROWS * N + offs_n  # this split's partial sums [ROWS, N]
+        tl.store(part, tl.sum(acc0, axis=1), mask=mask_n)
+        if ROWS > 1:
+            tl.store(part + N, tl.sum(acc1, axis=1), mask=mask_n)
+        if ROWS > 2:
+            tl.store(part + 2 * N, tl.sum(acc2, axis=1), mask=mask_n)
+        if ROWS > 3:
+            tl.store(part + 3 * N, tl.sum(acc3, axis=1), mask=mask_n)
+        if _arrive(counter_ptr + pid_n, SPLIT_K):
+            tl.store(counter_ptr + pid_n, 0)  # zero again for the next launch
+            for row in tl.static_range(ROWS):
+                _store_row(y_ptr + row * N, _split_sum(part_ptr, row, offs_n, mask_n, N, ROWS, SPLIT_K),
+                           bias_ptr, offs_n, mask_n, HAS_BIAS)
 
 
 # --- host side -------------------------------------------------------------------------------------
@@ -637,20 +762,35 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
     return y.reshape(*x.shape[:-1], n)
 
 
-def w8a8_gemv(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_scale: torch.Tensor,
               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-              config: GemvConfig | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
     """:func:`kernels.w8a8_gemm.w8a8_linear` (INT8 when ``qweight`` is int8, FP8 when float8_e4m3fn) for at
     most ``GEMV_MAX_ROWS`` rows of x: the activation quantized per token (``input_scale`` None) or with the
-    static ``input_scale`` [1] inside the kernel, exactly as ``ref_w8a8_linear``.
+    static ``input_scale`` [1] inside the kernel, exactly as ``ref_w8a8_linear``; or taken as quantized
+    (``QuantizedRows``, codes in qweight's dtype and per-row scales, as a quantizing norm writes them).
 
-    x: [..., K] fp16/bf16/fp32 with prod(leading dims) <= GEMV_MAX_ROWS -> y: [..., N] in x's dtype.
-    ``config`` forces a configuration (benchmarks and tests).
+    x: [..., K] fp16/bf16/fp32 with prod(leading dims) <= GEMV_MAX_ROWS -> y: [..., N] in x's dtype (for
+    QuantizedRows: ``out_dtype``, default bf16). ``config`` forces a configuration (benchmarks and tests).
     """
-    qweight, x2 = _check_w8a8_inputs("w8a8_gemv", x, qweight, weight_scale, bias)
+    prequant = isinstance(x, QuantizedRows)
+    if prequant:
+        if input_scale is not None:
+            raise ValueError("w8a8_gemv: quantized rows come with their own per-token scales; this linear has a "
+                             "static input_scale")
+        if x.codes.dtype != qweight.dtype:
+            raise ValueError(f"w8a8_gemv: the rows' codes are {x.codes.dtype}, the weight's {qweight.dtype}")
+        scales, out_dtype = x.scales.reshape(-1).float(), out_dtype or torch.bfloat16
+        x = x.codes
+        qweight, x2 = _check_w8a8_inputs("w8a8_gemv", x, qweight, weight_scale, bias, x_dtypes=(qweight.dtype,))
+        if scales.numel() != x2.shape[0]:
+            raise ValueError(f"w8a8_gemv: {x2.shape[0]} quantized rows come with {scales.numel()} scales")
+    else:
+        qweight, x2 = _check_w8a8_inputs("w8a8_gemv", x, qweight, weight_scale, bias)
+        out_dtype = x.dtype
     (n, k), num_rows = qweight.shape, x2.shape[0]
     _check_rows("w8a8_gemv", x, num_rows)
-    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((num_rows, n), dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return y.reshape(*x.shape[:-1], n)
 
@@ -659,10 +799,12 @@ def w8a8_gemv(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
     int8 = qweight.dtype == torch.int8
     plan = _split_plan(y, triton.cdiv(k, cfg.block_k), cfg, torch.int32 if int8 else torch.float32)
     ws = weight_scale.reshape(-1).float()
-    xs = input_scale.reshape(-1).float() if input_scale is not None else ws  # ws: never read unless STATIC
+    xs = scales if prequant else input_scale.reshape(-1).float() if input_scale is not None else ws  # ws: unread
     # the per-token max's K step: up to 32 elements per thread and row of x
     amax_block = min(triton.next_power_of_2(k),
                      max(cfg.block_k, 1024 * cfg.num_warps // triton.next_power_of_2(num_rows)))
+    lines_per_row = max(1, min(triton.next_power_of_2(cfg.block_k // LINE), MAX_PREFETCH_LINES))
+    prefetch_rows = min(cfg.block_n, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0
     _w8a8_gemv_kernel[plan.grid](
         x2, qweight, ws, xs, bias if bias is not None else y, y, plan.part, plan.counters,
         n, k, plan.steps_per_split, x2.stride(0), qweight.stride(0),
@@ -670,6 +812,66 @@ def w8a8_gemv(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
         HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, REDUCE_IN_KERNEL=cfg.reduce_in_kernel,
         EMULATE_FP8=_interpreting() and not int8, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=min(cfg.block_k, 16), AMAX_BLOCK=amax_block,
-        NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **pdl_args(x2))
+        NUM_STAGES=cfg.num_stages, PREQUANT=prequant, PREFETCH_ROWS=prefetch_rows, PREFETCH_LINES=lines_per_row,
+        num_warps=cfg.num_warps, **pdl_args(x2))
     _finish_split(plan, cfg, bias, y)
+    return y.reshape(*x.shape[:-1], n)
+
+
+DENSE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def dense_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`dense_gemv` takes this x and weight (dtypes only: the caller checks the rows)."""
+    return weight.dtype in DENSE_DTYPES and x.dtype == weight.dtype and weight.dim() == 2
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, gated: bool = False,
+               config: GemvConfig | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for at most ``GEMV_MAX_ROWS`` rows of x, unquantized (fp16/bf16/fp32 weights
+    in x's dtype), fp32 products and sums, the result rounded once to x's dtype. ``gated``: x is [..., 2K], a
+    gate and an up projection side by side, and the linear's input is ``silu(gate) * up`` as
+    ``kernels.activation.silu_mul`` forms it, in the kernel's x loads (the SwiGLU's launch saved).
+
+    x: [..., K] (gated: [..., 2K]) -> y: [..., N] in x's dtype. ``config`` forces a configuration (benchmarks and
+    tests).
+    """
+    if x.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("dense_gemv needs a CUDA tensor (or TRITON_INTERPRET=1 for the CPU interpreter)")
+    if not dense_applies(x, weight):
+        raise ValueError(f"dense_gemv takes a 2-D fp16/bf16/fp32 weight in x's dtype; got weight {weight.dtype} "
+                         f"{tuple(weight.shape)}, x {x.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != (2 * k if gated else k):
+        raise ValueError(f"x has {x.shape[-1]} input features; the weight takes {k}"
+                         + (f" (gated: [gate | up], {2 * k})" if gated else ""))
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {n} output features")
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(1) != 1:
+        weight = weight.contiguous()
+    num_rows = x2.shape[0]
+    _check_rows("dense_gemv", x, num_rows)
+    y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return y.reshape(*x.shape[:-1], n)
+
+    cfg = config or default_gemv_config("dense", num_rows, x.device)
+    _check_config(cfg, 1, 1)
+    cfg = dataclasses.replace(cfg, reduce_in_kernel=True)
+    elem = weight.element_size()
+    vec = min(cfg.block_k, 16 // elem)  # one 16-byte vector load per thread and row
+    plan = _split_plan(y, triton.cdiv(k, cfg.block_k), cfg, torch.float32)
+    elems_per_line = LINE // elem
+    lines_per_row = max(1, min(triton.next_power_of_2(cfg.block_k * elem // LINE), MAX_PREFETCH_LINES))
+    prefetch_rows = min(cfg.block_n, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0
+    _dense_gemv_kernel[plan.grid](
+        x2, weight, bias if bias is not None else y, y, plan.part, plan.counters,
+        n, k, plan.steps_per_split, x2.stride(0), weight.stride(0),
+        ROWS=num_rows, GATED=gated, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k,
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=vec,
+        NUM_STAGES=cfg.num_stages, PREFETCH_ROWS=prefetch_rows, PREFETCH_LINES=lines_per_row,
+        ELEMS_PER_LINE=elems_per_line, num_warps=cfg.num_warps, **pdl_args(x2))
     return y.reshape(*x.shape[:-1], n)

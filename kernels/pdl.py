@@ -93,3 +93,16 @@ def prefetch_l2(base, nbytes, LINES: tl.constexpr):
     offs = tl.minimum(tl.arange(0, LINES) * 128, nbytes - 1)
     tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [base + offs],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_l2_rows(base, row_stride, num_rows, row_elems, ROWS: tl.constexpr, LINES_PER_ROW: tl.constexpr,
+                     ELEMS_PER_LINE: tl.constexpr):
+    """Ask the L2 for the first ``LINES_PER_ROW`` 128-byte lines of each of the first ``ROWS`` rows of a row-major
+    tile at ``base`` (element pointer; ``row_stride`` elements apart, ``row_elems`` elements per row, ``num_rows``
+    rows, offsets past them clamped onto the last). For weights whose program tile is not one contiguous block."""
+    rows = tl.minimum(tl.arange(0, ROWS), num_rows - 1)
+    cols = tl.minimum(tl.arange(0, LINES_PER_ROW) * ELEMS_PER_LINE, row_elems - 1)
+    ptrs = base + rows[:, None] * row_stride + cols[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)

@@ -169,13 +169,15 @@ def _w8a8_gemm_kernel(
 
 # --- entry points ----------------------------------------------------------------------------------
 def _check_inputs(name: str, x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                  bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  bias: torch.Tensor | None, x_dtypes: tuple[torch.dtype, ...] = X_DTYPES
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Validates a W8A8 linear's inputs (user-facing errors, naming the entry point ``name``); returns qweight
-    [N, K] and x as [M, K], both with unit stride along K."""
+    [N, K] and x as [M, K], both with unit stride along K. ``x_dtypes``: those x may have (already quantized rows:
+    the weight's)."""
     if x.device.type != "cuda" and not _interpreting():
         raise RuntimeError(f"{name} needs a CUDA tensor (or TRITON_INTERPRET=1 for the CPU interpreter)")
-    if x.dtype not in X_DTYPES:
-        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, X_DTYPES))})")
+    if x.dtype not in x_dtypes:
+        raise ValueError(f"x dtype {x.dtype} is not supported ({', '.join(map(str, x_dtypes))})")
     if qweight.dtype not in W_DTYPES or qweight.dim() != 2:
         raise ValueError(f"qweight must be a 2-D int8 or float8_e4m3fn [N, K] tensor, got {qweight.dtype} "
                          f"{tuple(qweight.shape)}")

@@ -87,7 +87,8 @@ class _Fusions:
 
     absorbed: set[int]  # nodes whose work a later node does
     rope: dict[int, tuple[dict[str, Any], str]]  # attention node -> (its q rope node, the positions' value name)
-    gated: set[int]  # weight-only linears that form silu(gate) * up from the [gate | up] they read
+    gated: set[int]  # weight-only (mma layout) and unquantized linears that form silu(gate) * up from the [gate | up]
+    # they read
     # norms and SwiGLUs whose rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm):
     # past FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
     quant_producers: dict[int, int] = field(default_factory=dict)  # producer node -> the linear it feeds
@@ -97,11 +98,12 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                  dtype: torch.dtype = torch.bfloat16, scaled_mm: bool = False) -> _Fusions:
     """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
     (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
-    into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` (``gated``), and, where
+    into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` or an unquantized one
+    (``dense_gemv`` at a decode step's rows) (``gated``), and, where
     FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of the
     rows of a norm or a SwiGLU into that kernel (``quant_producers``). A value a fusion would hide must have no
     other reader."""
-    from kernels import w4a16_frag, w4a16_mma
+    from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
     producer = {name: i for i, node in enumerate(nodes) for name in node["outputs"]}
@@ -136,6 +138,13 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features
                     and num_consumers.get(node["inputs"][0]) == 1 and w4a16_mma.MMA_ENABLED and not frag
                     and w4a16_mma.supports(quant["bits"], group, in_features)):
+                fusions.absorbed.add(j)
+                fusions.gated.add(i)
+        elif (node["op"] == "linear" and FUSE_SWIGLU and not attrs.get("quant") and not attrs.get("split_sizes")
+              and gemv.DENSE_RUNTIME_MAX_ROWS > 0 and node["inputs"][0] in producer
+              and num_consumers.get(node["inputs"][0]) == 1):
+            j = producer[node["inputs"][0]]  # an unquantized down projection: the SwiGLU in dense_gemv's x loads
+            if nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and nodes[j]["outputs"][0] == node["inputs"][0]:
                 fusions.absorbed.add(j)
                 fusions.gated.add(i)
         elif (node["op"] == "linear" and FUSE_NORM_QUANT and scaled_mm and dtype in (torch.bfloat16, torch.float16)
@@ -281,13 +290,17 @@ def _rms_norm(w, attrs, ex) -> Kernel:
 
 def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | None:
     """For a norm or SwiGLU of ``_Fusions.quant_producers``: x -> the dtype its rows leave in, FP8 where the linear
-    reading them quantizes them for cuBLAS (more than FUSED_MAX_ROWS rows; shapes only, the same inside a CUDA
-    graph), else None (its Triton kernels take bf16 rows). None for any other node."""
+    reading them quantizes them for cuBLAS (more than FUSED_MAX_ROWS rows) or runs the GEMV (up to
+    GEMV_RUNTIME_MAX_ROWS, which then skips its own per-token max; ``kernels.gemv.GEMV_PREQUANT``), shapes only, the
+    same inside a CUDA graph; else None (its Triton GEMM takes bf16 rows). None for any other node."""
     if ex._index not in ex._fusions.quant_producers or (weight is not None and weight.dtype != ex.dtype):
         return None
+    from kernels import gemv
     from kernels.w8a8_gemm import FUSED_MAX_ROWS
 
-    return lambda x: torch.float8_e4m3fn if x.numel() > FUSED_MAX_ROWS * x.shape[-1] else None
+    gemv_rows = gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED and gemv.GEMV_PREQUANT else 0
+    return lambda x: (torch.float8_e4m3fn if x.numel() > FUSED_MAX_ROWS * x.shape[-1]
+                      or x.numel() <= gemv_rows * x.shape[-1] else None)
 
 
 def _layer_norm(w, attrs, ex) -> Kernel:
@@ -322,6 +335,9 @@ def _linear(w, attrs, ex) -> Kernel:
         fn = _kernel_w8a8_linear(w, quant, ex)
     elif quant:
         fn = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
+    elif ex.use_kernels:
+        fn = _kernel_dense_linear(w["weight"], w.get("bias"), gated=ex._index in ex._fusions.gated
+                                  and not attrs.get("lm_head"))
     else:
         weight, bias = w["weight"], w.get("bias")
         fn = lambda x: ops.linear(x, weight, bias)  # noqa: E731
@@ -362,7 +378,9 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
 
     def linear(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): cuBLAS's _scaled_mm
+        if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): the GEMV or cuBLAS's _scaled_mm
+            if x.codes.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
+                return gemv.w8a8_gemv(x, qweight, w_scale, None, bias, out_dtype=ex.dtype)
             if not takes_quantized:
                 raise RuntimeError(f"a norm fed quantized rows {tuple(x.shape)} to a linear of weight "
                                    f"{tuple(qweight.shape)} that does not run _scaled_mm (plan_fusions)")
@@ -373,6 +391,25 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
             return w8a8_linear(x, qweight, w_scale, input_scale, bias)
         return large(x)
+
+    return linear
+
+
+def _kernel_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                         gated: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An unquantized linear: ``kernels.gemv.dense_gemv`` up to ``DENSE_RUNTIME_MAX_ROWS`` rows (a decode step at
+    batch 1: PDL and the L2 prefetch overlap it with the kernel before it; cuBLAS's GEMV takes neither), cuBLAS
+    beyond. ``gated`` (``plan_fusions``): x is a merged [gate | up] and the input silu(gate) * up, formed in the
+    GEMV's x loads or by ``silu_mul`` before cuBLAS."""
+    from kernels import gemv
+    from kernels.activation import silu_mul
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= gemv.DENSE_RUNTIME_MAX_ROWS * x.shape[-1] and gemv.dense_applies(x, weight):  # shapes only
+            return gemv.dense_gemv(x, weight, bias, gated=gated)
+        if gated:
+            x = silu_mul(x)
+        return ops.linear(x, weight, bias)
 
     return linear
 

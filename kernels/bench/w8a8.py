@@ -147,6 +147,9 @@ def gemv_candidates() -> list[GemvConfig]:
     """GEMV configs the --gemv-sweep tries (block_n, block_k, split_k, num_warps, num_stages)."""
     rows = [(128, 128, 0, 4, 3), (64, 128, 0, 4, 3), (128, 256, 0, 4, 3), (64, 256, 0, 4, 3), (128, 128, 0, 8, 3),
             (256, 128, 0, 8, 3), (128, 128, 0, 4, 4), (128, 64, 0, 4, 4), (128, 128, 4, 4, 3), (128, 128, 16, 4, 3)]
+    # narrow tiles with long K steps (1-2 KB of each weight row per step): the dense GEMV's fastest shape (session 19)
+    rows += [(bn, bk, 0, w, st) for bn in (16, 32) for bk in (512, 1024, 2048) for w in (4, 8) for st in (3, 4)
+             if bn * bk <= 32768]
     return ([GemvConfig(bn, bk, split_k=s, num_warps=w, num_stages=st) for bn, bk, s, w, st in rows]
             + [GemvConfig(128, 128, num_warps=4, num_stages=3, reduce_in_kernel=False)])
 
@@ -177,7 +180,7 @@ def bench_gemv(kind: str, sweep: bool) -> list[str]:
             print(f"{name:>8} {m:>3} | {t:8.1f} {t_gemm:8.1f} {t_bf16:8.1f} | {weight_bytes / t / 1e6:6.2f} "
                   f"{weight_bytes / t_gemm / 1e6:6.2f} {2 * w.numel() / t_bf16 / 1e6:6.2f} | {err:.1e}  "
                   f"{default_gemv_config('w8a8', m, x.device)}")
-            if sweep:
+            if sweep and m == 1:  # the runtime sends the GEMV one row (GEMV_RUNTIME_MAX_ROWS)
                 failures += _gemv_sweep(kind, name, x, ref, copies, weight_bytes)
         del copies, wbs
         torch.cuda.empty_cache()

@@ -267,6 +267,19 @@ def test_fusions_need_values_no_one_else_reads():
     # a down projection the mma kernel does not take (FP8), or a group its layout cannot hold: no gating
     assert not _plan(_layer(down_quant={"scheme": "fp8"})).gated
     assert not _plan(_layer(down_quant={"scheme": "w4a16", "bits": 4, "group_size": 24})).gated
+    # an unquantized down projection forms it in dense_gemv's loads, unless that kernel is off
+    dense = _layer()
+    del dense[-1]["attrs"]["quant"]
+    assert _plan(dense).gated == {6} and 5 in _plan(dense).absorbed
+    assert not _plan(dense[:-1] + [dense[-1], _node("elementwise", ["h", "h"], ["z"], {"fn": "add"})]).gated
+    from kernels import gemv
+
+    original = gemv.DENSE_RUNTIME_MAX_ROWS
+    try:
+        gemv.DENSE_RUNTIME_MAX_ROWS = 0
+        assert not _plan(dense).gated
+    finally:
+        gemv.DENSE_RUNTIME_MAX_ROWS = original
 
 
 def test_norms_quantize_for_the_fp8_linear_they_feed():
@@ -334,6 +347,18 @@ def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
     got = fused.logits(ids)
     assert torch.equal(got, expected)
     assert plain_calls == 4 * layers and len(calls) == layers, (plain_calls, len(calls))  # o_proj's input only
+    # one row: the same producers quantize for the GEMV (kernels.gemv.GEMV_PREQUANT), which skips its own max
+    from kernels import gemv
+
+    quantized, real_gemv = [], gemv.w8a8_gemv
+
+    def spy_gemv(x, *args, **kwargs):
+        quantized.append(isinstance(x, w8a8_gemm.QuantizedRows))
+        return real_gemv(x, *args, **kwargs)
+
+    monkeypatch.setattr(gemv, "w8a8_gemv", spy_gemv)
+    assert torch.equal(fused.logits(ids[:1]), plain.logits(ids[:1]))
+    assert sum(quantized) == 3 * layers and len(quantized) == 2 * 4 * layers, quantized
 
 
 def test_kernel_or_dequantize_by_the_measured_crossover():

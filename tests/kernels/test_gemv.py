@@ -152,6 +152,26 @@ def test_w8a8_gemv_zero_rows(kind):
     assert w8a8_gemv(x[:0], qweight, w_scale).shape == (0, 32)
 
 
+@pytest.mark.parametrize("kind,m", [("fp8", 1), ("fp8", 3), ("int8", 2)])
+def test_w8a8_gemv_takes_quantized_rows(kind, m):
+    """Rows a norm already quantized (``QuantizedRows``: codes and per-token scales, as ``quantize_rows`` writes
+    them) give what the GEMV gives when it quantizes the same rows itself, in the requested output dtype."""
+    from kernels.w8a8_gemm import QuantizedRows, quantize_rows
+
+    qweight, w_scale = _w8a8_weights(kind, 40, 80, True, seed=20 + m)
+    x, b = _x_bias((m, 80), 40, torch.bfloat16, True, seed=21 + m)
+    x[:, 5] *= 30
+    codes, scales = quantize_rows(x, qweight.dtype)
+    y = w8a8_gemv(QuantizedRows(codes, scales), qweight, w_scale, None, b, out_dtype=torch.bfloat16,
+                  config=GemvConfig(16, 32, split_k=2))
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 40)
+    torch.testing.assert_close(y, w8a8_gemv(x, qweight, w_scale, None, b), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="static input_scale"):
+        w8a8_gemv(QuantizedRows(codes, scales), qweight, w_scale, torch.tensor([0.1]))
+    with pytest.raises(ValueError, match="scales"):
+        w8a8_gemv(QuantizedRows(codes, scales[:0]), qweight, w_scale)
+
+
 def test_split_counters_are_zero_after_each_launch():
     """The tile counters (one buffer per device) must be zero between launches: the last program resets them."""
     _check_w4a16((2,), 48, 128, 32, torch.float32, False, seed=12, config=GemvConfig(16, 32, split_k=4))
