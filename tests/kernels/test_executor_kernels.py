@@ -347,9 +347,11 @@ def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
     got = fused.logits(ids)
     assert torch.equal(got, expected)
     assert plain_calls == 4 * layers and len(calls) == layers, (plain_calls, len(calls))  # o_proj's input only
-    # one row: the same producers quantize for the GEMV (kernels.gemv.GEMV_PREQUANT), which skips its own max
+    # one row, with KERNELS_GEMV_PREQUANT=1: the same producers quantize for the GEMV, which skips its own max
     from kernels import gemv
 
+    monkeypatch.setattr(gemv, "GEMV_PREQUANT", True)
+    fused = Engine.load(path, use_kernels=True)
     quantized, real_gemv = [], gemv.w8a8_gemv
 
     def spy_gemv(x, *args, **kwargs):
