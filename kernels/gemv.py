@@ -98,9 +98,10 @@ GEMV_ENABLED = True  # the runtime's kernel path uses the GEMV kernels up to GEM
 # 98 vs 118 us per layer, W4A16 qkv / o_proj / gate_up 14.0 / 11.7 / 47.1 vs 18.3 / 14.7 / 55.5 us) and
 # ties or loses to the tensor-core GEMMs at 2-4 rows (docs/BENCHMARKS.md, session 5)
 GEMV_RUNTIME_MAX_ROWS = 1
-# Unquantized linears (``dense_gemv``) go here up to this many rows instead of cuBLAS; KERNELS_DENSE_GEMV_ROWS=0
-# keeps them on cuBLAS at every size (A/B runs)
-_DENSE_ROWS = os.environ.get("KERNELS_DENSE_GEMV_ROWS", "1")
+# Unquantized linears (``dense_gemv``) go here up to this many rows instead of cuBLAS (two: the Llama-3-8B bf16
+# decode step at two sequences 6.34 -> 6.20 ms on an H100, docs/BENCHMARKS.md session 19; at four rows the GEMV ties
+# or loses); KERNELS_DENSE_GEMV_ROWS=0 keeps them on cuBLAS at every size (A/B runs)
+_DENSE_ROWS = os.environ.get("KERNELS_DENSE_GEMV_ROWS", "2")
 if not _DENSE_ROWS.isdigit() or int(_DENSE_ROWS) > 4:
     raise ValueError(f"KERNELS_DENSE_GEMV_ROWS={_DENSE_ROWS!r} is not a row count from 0 to 4")
 DENSE_RUNTIME_MAX_ROWS = int(_DENSE_ROWS)
@@ -137,10 +138,11 @@ _W4A16_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
 ]
 # dense (fp16/bf16/fp32 weights), ``python -m kernels.bench.dense --sweep`` on an H100 (docs/BENCHMARKS.md, session
 # 19): at one row 16 x 512 tiles are the fastest or within 1% of it on every Llama-3-8B shape (2.65-3.12 TB/s, the
-# 64 x 256 tiles 2.42-3.05); the 2- and 4-row ones are not tuned (the runtime sends one row, DENSE_RUNTIME_MAX_ROWS)
+# 64 x 256 tiles 2.42-3.05); at two rows they are within 3% of the fastest on qkv, o_proj and gate_up (ahead of cuBLAS);
+# at four rows the GEMV ties or loses to cuBLAS (the runtime sends at most DENSE_RUNTIME_MAX_ROWS rows)
 _DENSE_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
     (1, GemvConfig(16, 512, num_warps=4, num_stages=4)),
-    (2, GemvConfig(64, 256, num_warps=4, num_stages=3)),
+    (2, GemvConfig(16, 512, num_warps=4, num_stages=3)),
     (GEMV_MAX_ROWS, GemvConfig(64, 256, num_warps=4, num_stages=3)),
 ]
 _W8A8_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [

@@ -398,7 +398,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
 def _kernel_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,
                          gated: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """An unquantized linear: ``kernels.gemv.dense_gemv`` up to ``DENSE_RUNTIME_MAX_ROWS`` rows (a decode step at
-    batch 1: PDL and the L2 prefetch overlap it with the kernel before it; cuBLAS's GEMV takes neither), cuBLAS
+    batch 1-2: PDL and the L2 prefetch overlap it with the kernel before it; cuBLAS's GEMV takes neither), cuBLAS
     beyond. ``gated`` (``plan_fusions``): x is a merged [gate | up] and the input silu(gate) * up, formed in the
     GEMV's x loads or by ``silu_mul`` before cuBLAS."""
     from kernels import gemv
