@@ -299,6 +299,38 @@ def _split_sum(part_ptr, row, offs_n, mask_n, N, ROWS: tl.constexpr, SPLIT_K: tl
 
 
 @triton.jit
+def _sums_epilogue(acc0, acc1, acc2, acc3, y_ptr, part_ptr, counter_ptr, bias_ptr, offs_n, mask_n, N, pid_n, pid_k,
+                   AXIS: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+                   REDUCE_IN_KERNEL: tl.constexpr):
+    """y's rows = each row accumulator summed over AXIS (+ bias), stored at once (one split) or as this split's
+    partial sums [SPLIT_K, ROWS, N], which the tile's last program adds in split order (REDUCE_IN_KERNEL; else
+    ``reduce_split_k`` does, in a second launch)."""
+    if SPLIT_K == 1:
+        _store_row(y_ptr, tl.sum(acc0, axis=AXIS), bias_ptr, offs_n, mask_n, HAS_BIAS)
+        if ROWS > 1:
+            _store_row(y_ptr + N, tl.sum(acc1, axis=AXIS), bias_ptr, offs_n, mask_n, HAS_BIAS)
+        if ROWS > 2:
+            _store_row(y_ptr + 2 * N, tl.sum(acc2, axis=AXIS), bias_ptr, offs_n, mask_n, HAS_BIAS)
+        if ROWS > 3:
+            _store_row(y_ptr + 3 * N, tl.sum(acc3, axis=AXIS), bias_ptr, offs_n, mask_n, HAS_BIAS)
+    else:
+        part = part_ptr + pid_k * ROWS * N + offs_n  # this split's partial sums [ROWS, N]
+        tl.store(part, tl.sum(acc0, axis=AXIS), mask=mask_n)
+        if ROWS > 1:
+            tl.store(part + N, tl.sum(acc1, axis=AXIS), mask=mask_n)
+        if ROWS > 2:
+            tl.store(part + 2 * N, tl.sum(acc2, axis=AXIS), mask=mask_n)
+        if ROWS > 3:
+            tl.store(part + 3 * N, tl.sum(acc3, axis=AXIS), mask=mask_n)
+        if REDUCE_IN_KERNEL:
+            if _arrive(counter_ptr + pid_n, SPLIT_K):
+                tl.store(counter_ptr + pid_n, 0)  # zero again for the next launch
+                for row in tl.static_range(ROWS):
+                    _store_row(y_ptr + row * N, _split_sum(part_ptr, row, offs_n, mask_n, N, ROWS, SPLIT_K),
+                               bias_ptr, offs_n, mask_n, HAS_BIAS)
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
     N, K, group_size, steps_per_split,
@@ -346,29 +378,8 @@ def _w4a16_gemv_kernel(
                                                  offs_n, mask_n, num_byte_rows, half_k, a, b, a_hi, b_hi, ROWS, BITS,
                                                  PTX, EVEN_N, EVEN_R)
 
-    if SPLIT_K == 1:
-        _store_row(y_ptr, tl.sum(acc0, axis=0), bias_ptr, offs_n, mask_n, HAS_BIAS)
-        if ROWS > 1:
-            _store_row(y_ptr + N, tl.sum(acc1, axis=0), bias_ptr, offs_n, mask_n, HAS_BIAS)
-        if ROWS > 2:
-            _store_row(y_ptr + 2 * N, tl.sum(acc2, axis=0), bias_ptr, offs_n, mask_n, HAS_BIAS)
-        if ROWS > 3:
-            _store_row(y_ptr + 3 * N, tl.sum(acc3, axis=0), bias_ptr, offs_n, mask_n, HAS_BIAS)
-    else:
-        part = part_ptr + pid_k * ROWS * N + offs_n  # this split's partial sums [ROWS, N]
-        tl.store(part, tl.sum(acc0, axis=0), mask=mask_n)
-        if ROWS > 1:
-            tl.store(part + N, tl.sum(acc1, axis=0), mask=mask_n)
-        if ROWS > 2:
-            tl.store(part + 2 * N, tl.sum(acc2, axis=0), mask=mask_n)
-        if ROWS > 3:
-            tl.store(part + 3 * N, tl.sum(acc3, axis=0), mask=mask_n)
-        if REDUCE_IN_KERNEL:
-            if _arrive(counter_ptr + pid_n, SPLIT_K):
-                tl.store(counter_ptr + pid_n, 0)  # zero again for the next launch
-                for row in tl.static_range(ROWS):
-                    _store_row(y_ptr + row * N, _split_sum(part_ptr, row, offs_n, mask_n, N, ROWS, SPLIT_K),
-                               bias_ptr, offs_n, mask_n, HAS_BIAS)
+    _sums_epilogue(acc0, acc1, acc2, acc3, y_ptr, part_ptr, counter_ptr, bias_ptr, offs_n, mask_n, N, pid_n, pid_k,
+                   0, ROWS, HAS_BIAS, SPLIT_K, REDUCE_IN_KERNEL)
 
 
 @triton.jit
@@ -605,29 +616,8 @@ def _dense_gemv_kernel(
             acc3 = _dot_chunks(acc3, w, _dense_x_step(x_ptr + 3 * stride_xm, offs_k, mask_k, K, GATED, not EVEN_K),
                                VEC)
 
-    if SPLIT_K == 1:
-        _store_row(y_ptr, tl.sum(acc0, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
-        if ROWS > 1:
-            _store_row(y_ptr + N, tl.sum(acc1, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
-        if ROWS > 2:
-            _store_row(y_ptr + 2 * N, tl.sum(acc2, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
-        if ROWS > 3:
-            _store_row(y_ptr + 3 * N, tl.sum(acc3, axis=1), bias_ptr, offs_n, mask_n, HAS_BIAS)
-    else:
-        part = part_ptr + pid_k * ROWS * N + offs_n  # this split's partial sums [ROWS, N]
-        tl.store(part, tl.sum(acc0, axis=1), mask=mask_n)
-        if ROWS > 1:
-            tl.store(part + N, tl.sum(acc1, axis=1), mask=mask_n)
-        if ROWS > 2:
-            tl.store(part + 2 * N, tl.sum(acc2, axis=1), mask=mask_n)
-        if ROWS > 3:
-            tl.store(part + 3 * N, tl.sum(acc3, axis=1), mask=mask_n)
-        if _arrive(counter_ptr + pid_n, SPLIT_K):
-            tl.store(counter_ptr + pid_n, 0)  # zero again for the next launch
-            for row in tl.static_range(ROWS):
-                _store_row(y_ptr + row * N, _split_sum(part_ptr, row, offs_n, mask_n, N, ROWS, SPLIT_K),
-                           bias_ptr, offs_n, mask_n, HAS_BIAS)
-
+    _sums_epilogue(acc0, acc1, acc2, acc3, y_ptr, part_ptr, counter_ptr, bias_ptr, offs_n, mask_n, N, pid_n, pid_k,
+                   1, ROWS, HAS_BIAS, SPLIT_K, True)
 
 # --- host side -------------------------------------------------------------------------------------
 _COUNTERS: dict[tuple[str, int | None], torch.Tensor] = {}

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from builder.bench.offline import measure_bandwidth
 from kernels.activation import silu_mul
-from kernels.bench.gemm import SHAPES, sweep_configs, time_us
+from kernels.bench.gemm import SHAPES, report, sweep_configs, time_us
 from kernels.gemv import GEMV_MAX_ROWS, GemvConfig, default_gemv_config, dense_gemv
 
 DTYPE = torch.bfloat16
@@ -152,10 +152,7 @@ def main() -> int:
     print(f"bandwidth: copy {bandwidth_tbs():.2f} TB/s (read + write)")
     failures = bench_shapes(args.sweep, args.rows) + bench_gated(args.rows)
     bench_chain()
-    for f in failures:
-        print(f"FAIL {f}", file=sys.stderr)
-    print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")
-    return 1 if failures else 0
+    return report(failures)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,14 @@ def time_us(fns: list[Callable[[], object]], reps: int = 20) -> float:
     return statistics.median(samples)
 
 
+def report(failures: list[str]) -> int:
+    """Print the mismatches and the verdict; the exit status: 1 on a mismatch."""
+    for f in failures:
+        print(f"FAIL {f}", file=sys.stderr)
+    print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")
+    return 1 if failures else 0
+
+
 def random_w4a16(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random codes, zero points and positive scales in the passes' layout, on the GPU."""
     qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device="cuda")
@@ -612,10 +620,7 @@ def main() -> int:
         failures = bench_gemm(args.sweep) + bench_gemv(sweep=False)
         if not args.skip_elementwise:
             failures += bench_elementwise()
-    for f in failures:
-        print(f"FAIL {f}", file=sys.stderr)
-    print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")
-    return 1 if failures else 0
+    return report(failures)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import torch_ops as ops
-from kernels.bench.gemm import sweep_configs, time_us
+from kernels.bench.gemm import report, sweep_configs, time_us
 from kernels.moe import MoeConfig, default_config, fused_moe
 
 
@@ -151,10 +151,7 @@ def main() -> int:
     failures = []
     for name in args.shapes:
         failures += bench(name, SHAPES[name], tuple(args.tokens), args.sweep)
-    for f in failures:
-        print(f"FAIL {f}", file=sys.stderr)
-    print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")
-    return 1 if failures else 0
+    return report(failures)
 
 
 if __name__ == "__main__":

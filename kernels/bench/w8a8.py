@@ -29,7 +29,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from kernels.bench.gemm import SHAPES, sweep_configs, time_us
+from kernels.bench.gemm import SHAPES, report, sweep_configs, time_us
 from kernels.gemv import GemvConfig, default_gemv_config, w8a8_gemv
 from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
 from kernels.torch_quant import (make_fp8_scaled_mm_linear, quantize_activation_int8, quantize_weight_fp8,
@@ -242,10 +242,7 @@ def main() -> int:
         if not (args.gemv_sweep or args.gemv):
             failures += bench(kind, args.sweep)
         failures += bench_gemv(kind, args.gemv_sweep)
-    for f in failures:
-        print(f"FAIL {f}", file=sys.stderr)
-    print(f"\n{'FAILED' if failures else 'all checks passed'} ({len(failures)} failures)")
-    return 1 if failures else 0
+    return report(failures)
 
 
 if __name__ == "__main__":
