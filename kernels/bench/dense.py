@@ -7,7 +7,7 @@ Each shape's fresh random bf16 weight (and x) is checked against the fp32 refere
 to bf16), then ``dense_gemv`` and ``F.linear`` (cuBLAS) are timed over CUDA-graph replays of back-to-back calls,
 cycling through enough weight copies that each call reads from HBM, not L2 (``kernels.bench.gemm.time_us``).
 Reported: microseconds and TB/s of weight bytes, next to this GPU's copy bandwidth (2 GiB copied: bytes read plus
-written; ``builder bench latency``'s roofline figure), measured in the same process.
+written, as ``builder bench latency`` measures its roofline's), measured in the same process.
 
 The layer chain is a decode step's linears of one Llama-3-8B layer at one row, over 8 layers' distinct weights:
 qkv, o_proj, gate_up, then down on silu(gate) * up: ``dense_gemv`` (the SwiGLU in the down projection's loads) vs
@@ -22,7 +22,6 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from builder.bench.offline import measure_bandwidth
 from kernels.activation import silu_mul
 from kernels.bench.gemm import SHAPES, report, sweep_configs, time_us
 from kernels.gemv import GEMV_MAX_ROWS, GemvConfig, default_gemv_config, dense_gemv
@@ -40,9 +39,15 @@ def _close(y: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
     return err <= TOL, err
 
 
-def bandwidth_tbs() -> float:
-    """This GPU's copy bandwidth in TB/s (read + write bytes; ``builder bench latency``'s measurement)."""
-    return measure_bandwidth(torch.device("cuda")) / 1e12
+def bandwidth_tbs(nbytes: int = 2 << 30) -> float:
+    """This GPU's copy bandwidth in TB/s: a 2 GiB device-to-device copy, read + write bytes counted (as
+    ``builder bench latency`` measures its roofline's bandwidth), from CUDA-graph replays."""
+    src = torch.empty(nbytes // 2, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = time_us([lambda: dst.copy_(src)], reps=10)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / us / 1e6
 
 
 def candidates(rows: int) -> list[GemvConfig]:
