@@ -40,6 +40,13 @@ accumulators, so a thread can own many rows and its quantized x serves them all.
 sums for INT8, fp32 for FP8 (E4M3 products are exact in fp32); the sums over K are scaled once, by x_scale *
 weight_scale, as the reference does. ~2.6 (INT8) / 4 (FP8) instructions per weight byte at M = 1.
 
+``dense_gemv``: ``F.linear`` for unquantized fp16/bf16/fp32 weights [N, K] (rows contiguous over k), fp32 products
+and sums rounded once to x's dtype; the same [BLOCK_N, BLOCK_K] tiles and per-thread chunk sums as ``w8a8_gemv``
+without the quantization. Against cuBLAS's GEMV it wins by launching with PDL and asking the L2 for its first tile
+before the wait (``kernels.pdl.prefetch_l2_rows``), and by tiles of 16 rows x 1 KB of K (H100, one row: 2.5-3.1
+TB/s against cuBLAS's 2.0-2.8). ``gated``: x is a merged [gate | up] and the input ``silu(gate) * up``, formed in
+the x loads as ``kernels.activation.silu_mul`` forms it.
+
 Small N leaves few BLOCK_N tiles for 132 SMs, so K is split across ``split_k`` programs per tile (from the tile
 count and the SM count, or the config). The split programs write their partial sums [split_k, M, N] (fp32;
 int32 for INT8) and count themselves in on the tile's counter; the last to arrive adds the partials in split
