@@ -155,7 +155,7 @@ for part in "$@"; do
       done ;;
     smoke)
       python3 -m builder.devtools.cuda_smoke artifacts/quickstart artifacts/quickstart-gptq artifacts/quickstart-awq \
-        artifacts/quickstart-fp8 artifacts/quickstart-smoothquant artifacts/quickstart-int8_wo 2>&1 | grep -v Warning \
+        artifacts/quickstart-fp8 artifacts/quickstart-smoothquant artifacts/quickstart-int8_wo 2>&1 | grep --line-buffered -v Warning \
         | tee "$OUT/cuda_smoke.txt" ;;
     calib)
       for algo in awq smoothquant; do
