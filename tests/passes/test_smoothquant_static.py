@@ -154,3 +154,38 @@ def test_output_smoothing_keeps_the_function_in_float(setup):
         w = shuffled.params[out.weights["weight"]].reshape(-1, kv, group * dim)
         shuffled.params[out.weights["weight"]] = w.flip(1).reshape(w.shape[0], -1)
     assert (GraphModel(shuffled).logits(ids.tolist()) - before).abs().max() > 1e-2
+
+
+def test_static_alpha_search_holds_out_the_sampled_windows():
+    """Static: the windows the search samples rows from are kept out of the maxima its candidates are built from, so
+    a candidate fitted tightly to those maxima pays for the sampled rows beyond them; the winner's scales come from
+    every window. Here the sampled windows carry channel-0 outliers (12) the other windows never reach (3): alpha
+    0.9 equalises the held-out maxima and clamps the outliers, so the held-out search picks a lower alpha than the
+    search on every window's maxima does. Dynamic keeps its grid and no held-out maxima."""
+    gen = torch.Generator().manual_seed(0)
+    windows = [torch.randn(256, 16, generator=gen) for _ in range(12)]
+    for k, w in enumerate(windows):
+        w[::37, 0] = 12.0 if k < 8 else 3.0
+    weights = [torch.randn(24, 16, generator=gen)]
+
+    def observed(options: dict, held_out: bool = True) -> sq.SmoothQuant:
+        method = sq.SmoothQuant()
+        method.configure(options)
+        for w in windows:
+            method.observe(0, None, w)
+        if not held_out:
+            method.fit_max.clear()
+        return method
+
+    static = observed({"activations": "static"})
+    assert static.alphas == sq.STATIC_ALPHA_GRID and max(static.alphas) > max(sq.ALPHA_GRID)
+    assert static.samples[0].shape[0] == sq.SAMPLE_ROWS  # 64 rows from each of the first 8 windows
+    assert torch.equal(static.fit_max[0], torch.stack([w.abs().amax(0) for w in windows[8:]]).amax(0))
+    assert torch.equal(static.stats[0], torch.stack([w.abs().amax(0) for w in windows]).amax(0))
+    s = static._search(static.stats[0], weights, [0])
+    everywhere = observed({"activations": "static"}, held_out=False)
+    everywhere._search(everywhere.stats[0], weights, [0])
+    assert static.chosen_alphas[0] < everywhere.chosen_alphas[0], (static.chosen_alphas, everywhere.chosen_alphas)
+    assert torch.allclose(s, sq.smoothing_scales(static.stats[0], weights, static.chosen_alphas[0]))
+    dynamic = observed({})
+    assert dynamic.alphas == sq.ALPHA_GRID and not dynamic.fit_max
