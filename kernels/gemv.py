@@ -82,7 +82,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_mul_values
-from kernels.pdl import LINE, MAX_PREFETCH_LINES, PREFETCH, pdl_args, prefetch_l2_rows, wait_prior
+from kernels.pdl import LINE, pdl_args, prefetch_l2_rows, prefetch_rows_plan, wait_prior
 from kernels.w4a16_gemm import (
     _check_inputs as _check_w4a16_inputs,
     _dequant,
@@ -805,8 +805,7 @@ def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_sca
     # the per-token max's K step: up to 32 elements per thread and row of x
     amax_block = min(triton.next_power_of_2(k),
                      max(cfg.block_k, 1024 * cfg.num_warps // triton.next_power_of_2(num_rows)))
-    lines_per_row = max(1, min(triton.next_power_of_2(cfg.block_k // LINE), MAX_PREFETCH_LINES))
-    prefetch_rows = min(cfg.block_n, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0
+    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, cfg.block_k)
     _w8a8_gemv_kernel[plan.grid](
         x2, qweight, ws, xs, bias if bias is not None else y, y, plan.part, plan.counters,
         n, k, plan.steps_per_split, x2.stride(0), qweight.stride(0),
@@ -867,8 +866,7 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     vec = min(cfg.block_k, 16 // elem)  # one 16-byte vector load per thread and row
     plan = _split_plan(y, triton.cdiv(k, cfg.block_k), cfg, torch.float32)
     elems_per_line = LINE // elem
-    lines_per_row = max(1, min(triton.next_power_of_2(cfg.block_k * elem // LINE), MAX_PREFETCH_LINES))
-    prefetch_rows = min(cfg.block_n, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0
+    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, cfg.block_k * elem)
     _dense_gemv_kernel[plan.grid](
         x2, weight, bias if bias is not None else y, y, plan.part, plan.counters,
         n, k, plan.steps_per_split, x2.stride(0), weight.stride(0),

@@ -87,12 +87,17 @@ def wait_prior(PDL: tl.constexpr):
 
 
 @triton.jit
+def _prefetch(ptrs):
+    """``prefetch.global.L2`` for each address of ``ptrs`` (no result, no registers held)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def prefetch_l2(base, nbytes, LINES: tl.constexpr):
     """Ask the L2 for the first ``LINES`` 128-byte lines of the ``nbytes`` contiguous bytes at ``base`` (uint8
     pointer; lines past the range are clamped onto its last byte). No result, no registers held."""
-    offs = tl.minimum(tl.arange(0, LINES) * 128, nbytes - 1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [base + offs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    _prefetch(base + tl.minimum(tl.arange(0, LINES) * 128, nbytes - 1))
 
 
 @triton.jit
@@ -103,6 +108,11 @@ def prefetch_l2_rows(base, row_stride, num_rows, row_elems, ROWS: tl.constexpr, 
     rows, offsets past them clamped onto the last). For weights whose program tile is not one contiguous block."""
     rows = tl.minimum(tl.arange(0, ROWS), num_rows - 1)
     cols = tl.minimum(tl.arange(0, LINES_PER_ROW) * ELEMS_PER_LINE, row_elems - 1)
-    ptrs = base + rows[:, None] * row_stride + cols[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    _prefetch(base + rows[:, None] * row_stride + cols[None, :])
+
+
+def prefetch_rows_plan(block_rows: int, row_bytes: int) -> tuple[int, int]:
+    """(ROWS, LINES_PER_ROW) for :func:`prefetch_l2_rows` over a program's first [block_rows, row_bytes] tile: whole
+    rows' lines, at most MAX_PREFETCH_LINES in all; ROWS 0 (nothing asked) when KERNELS_PREFETCH=0."""
+    lines_per_row = max(1, min(triton.next_power_of_2(max(row_bytes // LINE, 1)), MAX_PREFETCH_LINES))
+    return (min(block_rows, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0), lines_per_row
