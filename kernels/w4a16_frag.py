@@ -687,11 +687,11 @@ def _store_partials(m, t, grp, part, n_stride, BATCH_TILES: tl.constexpr, SCALED
 @triton.jit
 def _w4a16_frag_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
-    M, N, K, stride_xm, iters_per_split, split_k,
-    ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr, BATCH_TILES: tl.constexpr,
-    DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
+    M, N, K, stride_xm, iters_per_split,
+    SPLIT_K: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr,
+    BATCH_TILES: tl.constexpr, DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
 ):
-    # grid (N / (32 WARPS), split_k); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
+    # grid (N / (32 WARPS), SPLIT_K); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
     # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -730,27 +730,30 @@ def _w4a16_frag_kernel(
             w = w2
         x = x2
         grp = grp2
-    ROWS: tl.constexpr = 8 * BATCH_TILES
     _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP,
                     BITS)
-    # the last program of this column range (all of it without a split) adds the partials in split order
+    # the last program of this column range (all of it without a split) adds the partials in split order; the
+    # split count is a constexpr so that the partials' loads are unrolled and in flight together (a loop over a
+    # runtime count waits out one L2 round trip per split)
     tl.debug_barrier()
     done = True
-    if split_k > 1:
-        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == split_k - 1
+    if SPLIT_K > 1:
+        done = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
     if done:
-        if split_k > 1:
+        if SPLIT_K > 1:
             tl.store(counter_ptr + pid_n, 0)  # zero again for the next launch
-        rows = tl.arange(0, ROWS)[:, None]
         cols = col0 + tl.arange(0, WARPS * 32)[None, :]
-        mask = (rows < M) & (cols < N)
-        offs = rows * N + cols
-        tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        for k in range(1, split_k):
-            tot += tl.load(part_ptr + k * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            tot += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+        for bt in tl.static_range(BATCH_TILES):  # 8 rows at a time: the unrolled loads' registers stay bounded
+            rows = 8 * bt + tl.arange(0, 8)[:, None]
+            mask = (rows < M) & (cols < N)
+            offs = rows * N + cols
+            tot = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            for k in tl.static_range(1, SPLIT_K):
+                tot += tl.load(part_ptr + k * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                tot += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.debug_barrier()
 
 
 # --- host side -------------------------------------------------------------------------------------
@@ -817,9 +820,9 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
     batch_tiles = next(bt for bt in BATCH_TILE_COUNTS if num_rows <= ROWS_PER_MMA * bt)
     _w4a16_frag_kernel[(num_programs, split_k)](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, counters,
-        num_rows, n, w.in_features, x2.stride(0), iters_per_split, split_k,
-        ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles, DEPTH=cfg.depth,
-        BITS=w.bits, num_warps=warps, **pdl.pdl_args(x2))
+        num_rows, n, w.in_features, x2.stride(0), iters_per_split,
+        SPLIT_K=split_k, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles,
+        DEPTH=cfg.depth, BITS=w.bits, num_warps=warps, **pdl.pdl_args(x2))
 
 
 # --- a tensor-core GEMM on the same layout (more rows of x: prefill, batched decode) -------------------------

@@ -61,7 +61,7 @@
 #                  with the setting in $OUT/ab_PREC.jsonl
 #   mma-ab         the W4A16 kernel table at 1 and 16 rows under each setting of $AB_SETTINGS (kernel-level A/B)
 #   tree-ab-PREC   PREC's latency (TTFT, batch 1 and the decode step at each of $STEP_BATCH_SIZES, default 96) and
-#                  128/128 throughput at $THROUGHPUT_CONCURRENCY (default 256) from this tree (recorded) and from the
+#                  128/128 throughput at $THROUGHPUT_CONCURRENCY (default 256; empty: none) from this tree (recorded) and from the
 #                  source tree at $AB_TREE (e.g. `git archive BASE | tar -x -C abtree`, carried; printed, tagged
 #                  "tree": "base" in $OUT/tree_ab_PREC.jsonl), same artifact, one process each
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
@@ -288,7 +288,7 @@ PY
           envs=(); [ "$setting" = - ] || IFS=, read -ra envs <<< "$setting"
           env "${envs[@]}" python3 -m builder.cli bench latency artifacts/llama3-8b-$prec --input-len 128 \
             --output-len 128 2>&1 | grep '^{' \
-            | sed "s/^{/{\"setting\": \"$setting\", \"round\": $round, /" | tee -a "$OUT/ab_$prec.jsonl"
+            | sed "s|^{|{\"setting\": \"$setting\", \"round\": $round, |" | tee -a "$OUT/ab_$prec.jsonl"
         done
       done ;;
     tree-ab-*)
@@ -296,11 +296,12 @@ PY
       artifact "$prec"
       root=$PWD; base=$(cd "${AB_TREE:?AB_TREE: the base source tree}" && pwd)
       steps=""; for b in ${STEP_BATCH_SIZES-96}; do steps="$steps --batch-size $b"; done
-      conc=""; for c in ${THROUGHPUT_CONCURRENCY:-256}; do conc="$conc --concurrency $c"; done
+      conc=""; for c in ${THROUGHPUT_CONCURRENCY-256}; do conc="$conc --concurrency $c"; done
+      cmds=("latency $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps")
+      [ -z "$conc" ] || cmds+=("throughput $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $conc")
       for tree in "$root" "$base"; do
         tag=this; rec="--record $OUT/benchmarks.jsonl"; [ "$tree" = "$root" ] || { tag=base; rec=""; }
-        for cmd in "latency $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $steps" \
-                   "throughput $root/artifacts/llama3-8b-$prec --input-len 128 --output-len 128 $conc"; do
+        for cmd in "${cmds[@]}"; do
           (cd "$tree" && PYTHONPATH=$tree:$PYTHONPATH python3 -m builder.cli bench $cmd $rec 2>&1) | tee -a "$OUT/tree_ab_$prec.log" \
             | grep '^{' | sed "s/^{/{\"tree\": \"$tag\", /" | tee -a "$OUT/tree_ab_$prec.jsonl" | cut -c1-600
         done

@@ -244,6 +244,8 @@ def _fastest(label: str, default_us: float, candidates: list, failures: list[str
             failures.append(f"{label} {cand}: max rel err {err:.2e}")
             continue
         t = time_us(timed(cand))
+        if SWEEP_VERBOSE:
+            print(f"    {label} {cand}: {t:.1f} us", flush=True)
         if t < best:
             best, best_cfg = t, str(cand)
     return best, best_cfg
@@ -326,6 +328,7 @@ def bench_gemv(sweep: bool) -> list[str]:
 
 MMA_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 MMA_SWEEP_ROWS = [1, 16, 32, 64, 128]
+SWEEP_VERBOSE = os.environ.get("SWEEP_VERBOSE", "0") != "0"  # --frag / --frag-gemm: every candidate's time too
 SWEEP_TOP = int(os.environ.get("SWEEP_TOP", "3"))  # --mma-sweep: how many of the fastest configurations to print
 
 
@@ -449,7 +452,7 @@ FRAG_ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
 def frag_candidates() -> list[FragConfig]:
-    return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2) for s in (0, 2, 4, 8, 12)]
+    return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2) for s in (0, 2, 4, 8, 12, 16)]
 
 
 def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,
@@ -598,7 +601,7 @@ def main() -> int:
                         help="only the fragment-order W4A16 table (kernels.w4a16_frag), with candidate FragConfigs")
     parser.add_argument("--frag-gemm", action="store_true",
                         help="only frag_gemm (kernels.w4a16_frag, M >= 65) vs dequantize + cuBLAS, with candidate configs")
-    parser.add_argument("--no-sweep", action="store_true", help="--frag-gemm: the default config only")
+    parser.add_argument("--no-sweep", action="store_true", help="--frag / --frag-gemm: the default config only")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -610,7 +613,8 @@ def main() -> int:
         failures = [f for b in (args.bits or [4]) for f in
                     bench_frag_gemm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep, bits=b)]
     elif args.frag:
-        failures = [f for b in (args.bits or [4]) for f in bench_frag(shapes=args.shapes, rows=args.rows, bits=b)]
+        failures = [f for b in (args.bits or [4]) for f in bench_frag(shapes=args.shapes, rows=args.rows,
+                                                                            sweep=not args.no_sweep, bits=b)]
     elif args.gemv_sweep:
         failures = bench_gemv(sweep=True)
     elif args.mma or args.mma_sweep:
