@@ -319,6 +319,31 @@ def assign_methods(nodes: list[LinearNode], sections: list[QuantizationSection])
     return chosen
 
 
+def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection]) -> list[int]:
+    """The sparse layers whose experts a section quantizes: the first fp8 section (with ``experts`` not false) whose
+    targets / ignore reach the layer's ``model.layers.N.mlp`` (other methods leave experts in the model dtype)."""
+    from passes.quantize import _matches
+
+    if shape.moe is None:
+        return []
+    return [layer for layer in shape.moe.sparse_layers
+            if any(q.algo == "fp8" and q.experts is not False and (not q.targets or _matches(q.targets, [name]))
+                   and not _matches(q.ignore, [name]) for q in sections for name in [f"model.layers.{layer}.mlp"])]
+
+
+def experts_bytes(shape: ModelShape, sections: list[QuantizationSection], itemsize: int) -> int:
+    """Bytes of the sparse layers' experts and routers (the moe ops' weights): fp8 experts (fp8_expert_layers) as
+    e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate + hidden], the others and every
+    router in the model dtype."""
+    m = shape.moe
+    if m is None:
+        return 0
+    h, inter = shape.hidden_size, m.expert_intermediate_size
+    fp8 = len(fp8_expert_layers(shape, sections))
+    return (fp8 * m.num_experts * (3 * h * inter + 4 * (2 * inter + h) + h * itemsize)
+            + (len(m.sparse_layers) - fp8) * m.expert_params(h) * itemsize)
+
+
 def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], itemsize: int, tp_size: int) -> int:
     """Bytes of one linear node on one rank as the passes store it (passes/README.md, quant_math.py):
 
@@ -497,9 +522,7 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         "norms": (shape.num_layers * per_layer_norms + shape.hidden_size) * itemsize,
         "rope": shape.head_dim // 2 * 4,  # inv_freq, fp32, one table shared by the layers
         "kv_scales": shape.num_layers * 2 * 4 if kv_quantized else 0,  # k_scale, v_scale fp32 per layer
-        # experts and routers, in the model dtype: quantization skips them
-        "experts": len(shape.moe.sparse_layers) * shape.moe.expert_params(shape.hidden_size) * itemsize
-        if shape.moe is not None else 0,
+        "experts": experts_bytes(shape, sections, itemsize),
     }
     weights = sum(breakdown.values())
     quantized: dict[str, int] = {}
@@ -549,11 +572,12 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
                      f"from its heads, the weights are an estimate (extra norms and biases are not counted; experts "
                      f"are, from config.json's usual keys)")
     if shape.moe is not None:
-        m = shape.moe
+        m, fp8_layers = shape.moe, len(fp8_expert_layers(shape, sections))
         notes.append(f"mixture of experts: {shape.num_parameters() / 1e9:.2f} B parameters, "
                      f"{shape.num_active_parameters() / 1e9:.2f} B active per token (top {m.top_k} of {m.num_experts} "
-                     f"experts in {len(m.sparse_layers)} of {shape.num_layers} layers); the experts stay in {s.dtype} "
-                     f"(quantization skips them)")
+                     f"experts in {len(m.sparse_layers)} of {shape.num_layers} layers); "
+                     + (f"the experts of {fp8_layers} of them in fp8 (e4m3, per-channel scales), the rest and the "
+                        f"routers in {s.dtype}" if fp8_layers else f"the experts stay in {s.dtype}"))
     if shape.max_position_embeddings and s.max_seq_len > shape.max_position_embeddings:
         notes.append(f"max_seq_len {s.max_seq_len} exceeds the model's max_position_embeddings "
                      f"{shape.max_position_embeddings}: `builder build` refuses this recipe")

@@ -108,7 +108,7 @@ class RuntimeSection(_Strict):
 ALGO_OPTIONS: dict[str, set[str]] = {
     "none": set(),
     "int8_wo": set(),
-    "fp8": {"activations", "weight_granularity"},
+    "fp8": {"activations", "weight_granularity", "experts"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
     "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip", "scale_output", "joint_clip"},
@@ -151,6 +151,10 @@ class QuantizationSection(_Strict):
     # smoothquant: also smooth each output projection through its v projection (default False)
     smooth_output: Optional[bool] = None
     weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
+    # fp8: also quantize mixture-of-experts experts (e4m3 codes, per-channel scales, activations quantized per token
+    # at run time whatever `activations` says; default True). Targets / ignore reach a moe layer by its module path
+    # (model.layers.N.mlp); the router stays in the model dtype
+    experts: Optional[bool] = None
     # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
     # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.
     lm_head: bool = False

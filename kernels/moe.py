@@ -31,15 +31,24 @@ The plan takes one kernel when the slots fit one chunk (decode: ``_CHUNK_ELEMS``
 experts) and two otherwise (per-chunk expert counts, then the scatter, each program summing the counts of the chunks
 before its own). Neither reads anything on the host.
 
-NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow); experts stacked and unquantized (the quantization
-passes leave them in the build dtype). The kernels are launched without PDL (``kernels.pdl``): each starts once the
-previous kernel has finished. Under TRITON_INTERPRET the kernels run on the CPU (tests at small shapes), with fp32
-dots on the 16-bit operands (the interpreter's 16-bit dot is wrong) and bf16 rounding done on the bits (its
-conversion truncates); ``python -m kernels.bench.moe`` checks and times the GPU path at real shapes.
+FP8 experts (the reference's ``w_gate_up_scale`` / ``w_down_scale``: float8_e4m3fn weights with fp32 scales per
+expert and output channel): each GEMM quantizes its input rows (x's gathered rows; h's) per token as
+``kernels.w8a8_gemm`` does, a first pass over K for each block row's scale max(max|row|, 1e-12) / 448, then each
+loaded tile quantized in registers (E4M3, nearest even), FP8 dots accumulated in fp32 (promoted once per K step), the
+sums times the row's scale, then the channel's, before the roundings above. The router stays in x's dtype.
+
+NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow; FP8 dots with FP8 experts); experts stacked, in x's
+dtype or FP8. On the GPU the FP8 quotients use the approximate fp32 division: a value at a code's rounding boundary can
+get the neighbouring code. The kernels are launched without PDL (``kernels.pdl``): each starts once the previous kernel
+has finished. Under TRITON_INTERPRET the kernels run on the CPU (tests at small shapes), with fp32 dots on the 16-bit
+operands (the interpreter's 16-bit dot is wrong), bf16 rounding done on the bits (its conversion truncates) and FP8
+codes rounded in fp32 (``_round_e4m3``: its fp8 conversion is wrong; its divisions are IEEE: the reference's codes);
+``python -m kernels.bench.moe`` (``--fp8``) checks and times the GPU path at real shapes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +57,7 @@ import triton.language as tl
 
 from kernels import torch_ops as ops
 from kernels.w4a16_gemm import _interpreting, grouped_tile
+from kernels.w8a8_gemm import _round_e4m3
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh")  # the IR's, in the kernels' ACT numbering
@@ -83,11 +93,24 @@ _CUDA_CONFIGS: list[tuple[float, MoeConfig]] = [
 _INTERPRETER_CONFIG = MoeConfig(16, 32, 32, 32, 32, group_m=2, num_warps=1, num_stages=1)
 
 
-def default_config(num_slots: int, num_experts: int, device: torch.device) -> MoeConfig:
+_SMEM_BYTES = 200 << 10  # of the H100's 227 KB per block: what the pipelined tiles may take
+
+
+def default_config(num_slots: int, num_experts: int, device: torch.device, x_bytes: int = 2,
+                   w_bytes: int = 2) -> MoeConfig:
+    """The row of _CUDA_CONFIGS for these slots, its pipeline shortened until the up GEMM's stages (an x tile and
+    two weight tiles each, at ``x_bytes`` / ``w_bytes`` per element: fp32 x would not fit the rows' 16-bit budget)
+    and the down GEMM's fit _SMEM_BYTES."""
     if _interpreting() or device.type != "cuda":
         return _INTERPRETER_CONFIG
     mean_rows = num_slots / num_experts
-    return next(cfg for bound, cfg in _CUDA_CONFIGS if mean_rows <= bound)
+    cfg = next(cfg for bound, cfg in _CUDA_CONFIGS if mean_rows <= bound)
+    stage = max(cfg.block_m * cfg.block_k * x_bytes + 2 * cfg.block_k * cfg.block_n * w_bytes,
+                cfg.block_m * cfg.down_block_k * x_bytes + cfg.down_block_k * cfg.down_block_n * w_bytes)
+    stages = cfg.num_stages
+    while stages > 1 and stages * stage > _SMEM_BYTES:
+        stages -= 1
+    return cfg if stages == cfg.num_stages else dataclasses.replace(cfg, num_stages=stages)
 
 
 @dataclass
@@ -241,10 +264,41 @@ def _act_mul(g, u, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
 @triton.jit
 def _dot(a, w, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 x: exact fp32 products, as the reference's fp32 linear; also the interpreter (its 16-bit dot
-        # is wrong), on the 16-bit operands made fp32 (exactly)
+        # is wrong), on the 16-bit operands made fp32 (exactly), and on FP8 codes (``_fp8_codes``: exact too)
         return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    elif a.dtype == tl.float8e4nv:
+        # FP8 codes as fp16 (exact; one conversion instruction per two codes), on fp16 tensor cores: exact products,
+        # fp32 sums. Hopper's FP8 MMA (Triton picks it for 64-row tiles) accumulates in reduced precision and measured
+        # slower here (H100: 0.54x the bf16 experts at 1024 tokens of Mixtral-8x7B, error 3x the other tiles'); bf16
+        # operands convert slowly (0.37x there). docs/BENCHMARKS.md, session 20
+        return tl.dot(a.to(tl.float16), w.to(tl.float16), acc)
     else:
         return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _fp8_row_scales(rows_ptr, mask_m, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M] fp32 per-token FP8 scales of the rows at ``rows_ptr`` [BLOCK_M, 1] (K features each; masked rows 0):
+    max(max|row|, 1e-12) / 448, the reference's ``quantize_activation_fp8``."""
+    offs_k = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = tl.load(rows_ptr + k0 + offs_k[None, :], mask=mask_m[:, None] & (offs_k < K - k0)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
+    return tl.math.div_rn(tl.maximum(amax, 1e-12), tl.zeros_like(amax) + 448.0)  # IEEE division, as torch's
+
+
+@triton.jit
+def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
+    """a [BLOCK_M, BLOCK_K] over its rows' scales x_scale [BLOCK_M], clamped to +-448, rounded to E4M3 (ties to
+    even): float8e4nv codes; under EMULATE (the interpreter, whose fp8 conversion is wrong) their values in fp32.
+    The quotient is Triton's fp32 ``/``, approximate on the GPU (IEEE div_rn measured 1.5x slower in
+    ``kernels.w8a8_gemm``), IEEE in the interpreter."""
+    v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -448.0), 448.0)
+    if EMULATE:
+        return _round_e4m3(v)
+    else:
+        return v.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -259,10 +313,12 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M: tl.cons
 @triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
                    num_slots, num_experts, num_rows, N, K,
-                   stride_xm, stride_we, stride_wn, stride_hm,
+                   stride_xm, stride_we, stride_wn, stride_hm, ws_ptr,
                    TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                   FP8: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]
+    # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]. FP8: w holds e4m3 codes, ws [E, 2N]
+    # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter)
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
     if expert >= num_experts:  # a block past the routing's own
@@ -274,14 +330,22 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
     x_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     w_up = w_gate + N * stride_wn
+    if FP8:
+        x_scale = _fp8_row_scales(x_ptr + tokens[:, None] * stride_xm, valid, K, BLOCK_M, BLOCK_K)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(x_rows + k0, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        if FP8:
+            a = _fp8_codes(a, x_scale, IEEE)
         w_mask = mask_k[:, None] & mask_n[None, :]
         acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
         acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
+    if FP8:  # the reference's order: (sum * row scale) * channel scale
+        ws = ws_ptr + expert * 2 * N + offs_n
+        acc_gate = acc_gate * x_scale[:, None] * tl.load(ws, mask=mask_n, other=0.0)[None, :]
+        acc_up = acc_up * x_scale[:, None] * tl.load(ws + N, mask=mask_n, other=0.0)[None, :]
     dtype = h_ptr.dtype.element_ty
     h = _act_mul(_round(acc_gate, dtype, EMULATE_BF16), _round(acc_up, dtype, EMULATE_BF16), ACT, EMULATE_BF16)
     tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=valid[:, None] & mask_n[None, :])
@@ -290,9 +354,10 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                      num_slots, num_experts, num_rows, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
+                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr,
+                     IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot
+    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N]
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
     if expert >= num_experts:
@@ -302,11 +367,17 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
     mask_n = offs_n < N
     h_rows = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]
     w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    if FP8:
+        x_scale = _fp8_row_scales(h_ptr + rows[:, None] * stride_hm, valid, K, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(h_rows + k0, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        if FP8:
+            a = _fp8_codes(a, x_scale, IEEE)
         acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
+    if FP8:
+        acc = acc * x_scale[:, None] * tl.load(ws_ptr + expert * N + offs_n, mask=mask_n, other=0.0)[None, :]
     tl.store(y_ptr + tl.where(valid, slots, 0)[:, None] * stride_ym + offs_n[None, :],
              _round(acc, y_ptr.dtype.element_ty, EMULATE_BF16), mask=valid[:, None] & mask_n[None, :])
 
@@ -337,7 +408,8 @@ def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
 
 
 # --- entry points ----------------------------------------------------------------------------------------
-def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, activation: str) -> None:
+def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, activation: str,
+                  w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None) -> None:
     if not (x.is_cuda or _interpreting()):
         raise RuntimeError("fused_moe runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops.moe "
                            "on the CPU")
@@ -350,9 +422,24 @@ def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     if (hidden != x.shape[1] or two_inter % 2 or tuple(w_down.shape) != (num_experts, hidden, two_inter // 2)):
         raise ValueError(f"x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} "
                          f"are not [T, hidden], [E, 2 * I, hidden] and [E, hidden, I]")
-    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-        raise ValueError(f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must be in x's dtype {x.dtype} "
-                         f"(quantized experts are not supported)")
+    if (w_gate_up_scale is None) != (w_down_scale is None):
+        given = "w_gate_up_scale" if w_down_scale is None else "w_down_scale"
+        raise ValueError(f"FP8 experts take both w_gate_up_scale and w_down_scale; only {given} was given")
+    if w_gate_up_scale is None:
+        if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+            raise ValueError(f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must be in x's dtype {x.dtype}, or "
+                             f"float8_e4m3fn with w_gate_up_scale and w_down_scale (FP8 experts; no other quantized "
+                             f"experts are supported)")
+    else:
+        for name, w, scale, rows in (("w_gate_up", w_gate_up, w_gate_up_scale, "2 * I"),
+                                     ("w_down", w_down, w_down_scale, "hidden")):
+            if w.dtype != torch.float8_e4m3fn:
+                raise ValueError(f"{name} is {w.dtype}; with {name}_scale (FP8 experts) it must hold "
+                                 f"torch.float8_e4m3fn codes")
+            if scale.dtype != torch.float32 or tuple(scale.shape) != tuple(w.shape[:2]):
+                raise ValueError(f"{name}_scale is {scale.dtype} {tuple(scale.shape)}; expected torch.float32 "
+                                 f"{tuple(w.shape[:2])} ([E, {rows}]: one scale per expert and output channel of "
+                                 f"{name} {tuple(w.shape)})")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k {top_k} is not in 1..{num_experts} (the number of experts)")
     if activation not in ACTIVATIONS:
@@ -365,11 +452,14 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, norm_topk_prob: bool = True, activation: str = "silu",
-                  round_weights: bool = False, *, config: MoeConfig | None = None) -> torch.Tensor:
+                  round_weights: bool = False, *, w_gate_up_scale: torch.Tensor | None = None,
+                  w_down_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
     """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
-    top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype."""
+    top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype.
+    FP8 experts: float8_e4m3fn w_gate_up / w_down with their fp32 per-channel scales ``w_gate_up_scale`` [E, 2 * I]
+    and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s)."""
     top_k = experts.shape[-1]
-    _check_inputs(x, w_gate_up, w_down, top_k, activation)
+    _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale)
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be "
                          f"[{x.shape[0]}, top_k]")
@@ -380,25 +470,29 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     if num_slots == 0:
         return out
     x, w_gate_up, w_down = (_last_dim_contiguous(t) for t in (x, w_gate_up, w_down))
-    cfg = config or default_config(num_slots, num_experts, x.device)
+    cfg = config or default_config(num_slots, num_experts, x.device, x.element_size(), w_gate_up.element_size())
     plan = moe_align(experts, num_experts, cfg.block_m)
     num_rows = plan.sorted_slots.numel()
     # h: [num_rows, I] each row's act(gate) * up; y: [T * top_k, hidden] each slot's expert output
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32 or _interpreting()
+    fp8 = w_gate_up_scale is not None
+    # IEEE: fp32 dots, for fp32 x with unquantized experts (FP8 experts take FP8 dots on the GPU) and the interpreter
+    ieee = (x.dtype == torch.float32 and not fp8) or _interpreting()
     emulate = _interpreting() and x.dtype == torch.bfloat16
-    launch = dict(GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # ws: [E, 2I] / [E, hidden] contiguous scales; unread (any pointer) without FP8
+    ws_up, ws_down = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (w_gate_up, w_down)
+    launch = dict(FP8=fp8, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid_up = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _moe_up_kernel[grid_up](
         x, w_gate_up, h, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, inter, hidden,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ws_up,
         TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     grid_down = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(hidden, cfg.down_block_n),)
     _moe_down_kernel[grid_down](
         h, w_down, y, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), IEEE=ieee, EMULATE_BF16=emulate,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, IEEE=ieee, EMULATE_BF16=emulate,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
     weights = weights.float().contiguous()
     block_n = 32 if _interpreting() else min(1024, triton.next_power_of_2(hidden))
@@ -411,19 +505,21 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
 def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
               scoring: str = "softmax", norm_topk_prob: bool = True, activation: str = "silu",
               gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
+              w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
               config: MoeConfig | None = None) -> torch.Tensor:
-    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics) with nothing read on the host:
-    x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a CUDA graph."""
-    _check_inputs(x, w_gate_up, w_down, top_k, activation)
+    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 experts included) with nothing read
+    on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a CUDA graph."""
+    _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale)
     # the reference's router, renormalisation left to the sum kernel: [T, top_k] fp32 scores and int64 experts
     weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False)
     return fused_experts(x, weights, experts, w_gate_up, w_down, norm_topk_prob, activation, round_weights,
-                         config=config)
+                         w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, config=config)
 
 
 def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
             scoring: str = "softmax", norm_topk_prob: bool = True, activation: str = "silu",
-            gate_bias: torch.Tensor | None = None, round_weights: bool = False) -> torch.Tensor:
+            gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
+            w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference (the runtime's CPU path)."""
     return ops.moe(x, gate_weight, w_gate_up, w_down, top_k, scoring, norm_topk_prob, activation, gate_bias,
-                   round_weights)
+                   round_weights, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.torch_quant import quantize_activation_fp8
+
 
 def embedding(ids: torch.Tensor, table: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
     # ids: [num_tokens] -> [num_tokens, hidden]. The scale is rounded to the table's dtype, as Gemma's
@@ -183,15 +185,30 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tenso
     return weights, experts
 
 
+def expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+    """One expert projection, x [n, in] @ w [out, in]^T in x's dtype. With ``w_scale`` (FP8 experts, the ``moe``
+    op's ``quant`` scheme fp8): w holds float8_e4m3fn codes with one fp32 scale per output channel, and the rows
+    of x are quantized to FP8 per token (dynamic, scale = max|x_row| / 448) as the FP8 linears' are; the codes'
+    products are summed in fp32, times both scales, rounded to x's dtype once."""
+    if w_scale is None:
+        return F.linear(x, w)
+    xq, x_scale = quantize_activation_fp8(x, None)  # [n, in] codes, [n, 1] scales
+    return ((xq.float() @ w.float().t()) * x_scale * w_scale.float()[None, :]).to(x.dtype)
+
+
 def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
         scoring: str = "softmax", norm_topk_prob: bool = True, activation_fn: str = "silu",
-        gate_bias: torch.Tensor | None = None, round_weights: bool = False) -> torch.Tensor:
+        gate_bias: torch.Tensor | None = None, round_weights: bool = False,
+        w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The ``moe`` op: x [T, hidden] routed to its top_k experts, each expert run on the tokens routed to it.
 
     w_gate_up: [num_experts, 2 * intermediate, hidden] (gate rows, then up rows); w_down: [num_experts, hidden,
     intermediate]. Each (token, slot) pair's output is the expert's output times the slot's weight (fp32 unless
     ``round_weights``: rounded to x's dtype first, as Qwen-MoE and OLMoE do), and a token's slots are summed in
     slot order, in that product's dtype, then rounded to x's dtype once: transformers' grouped and batched experts.
+    FP8 experts: w_gate_up / w_down hold float8_e4m3fn codes and ``w_gate_up_scale`` [num_experts, 2 *
+    intermediate] / ``w_down_scale`` [num_experts, hidden] their per-channel fp32 scales; each projection's input
+    rows are quantized per token (:func:`expert_linear`). The router stays in x's dtype.
     NOTE: the per-expert token counts are read on the host (one sync per call), so this cannot be captured in a
     CUDA graph.
     """
@@ -211,7 +228,9 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
             continue
         rows = order[start:start + n]
         start += n
-        gate, up = F.linear(x[rows // top_k], w_gate_up[e]).chunk(2, dim=-1)  # [n, intermediate] each
-        out = F.linear(activation(gate, activation_fn) * up, w_down[e])  # [n, hidden]
+        gate, up = expert_linear(x[rows // top_k], w_gate_up[e],
+                                 None if w_gate_up_scale is None else w_gate_up_scale[e]).chunk(2, dim=-1)
+        out = expert_linear(activation(gate, activation_fn) * up, w_down[e],
+                            None if w_down_scale is None else w_down_scale[e])  # [n, hidden]
         slots[rows] = out * flat_weights[rows, None]
     return slots.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

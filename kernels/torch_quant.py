@@ -55,6 +55,16 @@ def quantize_weight_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tenso
     return q, scale
 
 
+def quantize_experts_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, out, in] -> (e4m3 codes [E, out, in], fp32 scales [E, out]): each expert's rows
+    as :func:`quantize_weight_fp8` per channel, one expert at a time (one expert's fp32 copy at most)."""
+    codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        codes[e], scales[e] = quantize_weight_fp8(w[e], per_channel=True)
+    return codes, scales
+
+
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [out, in] -> (int8 codes [out, in], fp32 scale [out]); per output channel, scale = amax / 127."""
     w = w.float()

@@ -3,6 +3,12 @@
 Weights: scale = amax / 448 per tensor (default) or per output channel; codes are
 ``float8_e4m3fn`` (max 448). Activations: dynamic per-token scales at run time (default), or a
 static per-tensor ``input_scale = amax / 448`` calibrated on the calibration set (max over all tokens).
+
+Mixture-of-experts layers (``moe`` nodes; option ``experts``, default on): every expert's gate/up and down
+weights become e4m3 codes with one scale per output channel (per expert), and their inputs are quantized per token
+at run time (dynamic, whatever ``activations`` says: a static scale per expert would need calibration tokens to
+reach every expert). The router stays in the model dtype. The section's targets / ignore patterns reach a moe
+layer by its module path (``model.layers.N.mlp``).
 """
 
 from __future__ import annotations
@@ -11,10 +17,10 @@ from typing import Any
 
 import torch
 
-from kernels.torch_quant import FP8_MAX, quantize_weight_fp8
+from kernels.torch_quant import FP8_MAX, quantize_experts_fp8, quantize_weight_fp8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
-from passes.quantize import QuantMethod
+from passes.quantize import QuantMethod, _matches
 
 
 @register
@@ -28,6 +34,7 @@ class FP8(QuantMethod):
         self.per_channel = options.get("weight_granularity", "tensor") == "channel"
         self.static = options.get("activations", "dynamic") == "static"
         self.needs_calibration = self.static
+        self.experts = bool(options.get("experts", True))
 
     def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
         amax = x.detach().abs().amax().float()
@@ -43,3 +50,21 @@ class FP8(QuantMethod):
         self.replace_weight(graph, node, self.scheme, tensors, {
             "activations": "static" if self.static else "dynamic",
             "weight_granularity": "channel" if self.per_channel else "tensor"})
+
+    def quantize_experts(self, graph: Graph) -> dict[str, Any]:
+        targets, ignore = self.settings.targets, self.settings.ignore
+        chosen = [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs and self.experts
+                  and (not targets or _matches(targets, [n.source])) and not _matches(ignore, [n.source])]
+        for node in chosen:
+            for role in ("w_gate_up", "w_down"):
+                old = node.weights[role]
+                codes, scales = quantize_experts_fp8(graph.params[old])
+                graph.params[f"{old}.qweight"], graph.params[f"{old}.weight_scale"] = codes, scales
+                node.weights[role], node.weights[f"{role}_scale"] = f"{old}.qweight", f"{old}.weight_scale"
+                if not any(old in n.weights.values() for n in graph.nodes):
+                    graph.params.pop(old, None)
+            node.attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}
+        if not chosen:
+            return {}
+        return {"moe_layers_quantized": len(chosen),
+                "moe_experts": "fp8 e4m3 codes, per-channel scales per expert, activations quantized per token"}

@@ -99,7 +99,7 @@ OPS: dict[str, OpSpec] = {
             "quantization.lm_head), stored quantized like a linear, with in_features / out_features",
     ),
     "moe": OpSpec(
-        (1, 1), ("gate_weight", "w_gate_up", "w_down"), ("gate_bias",),
+        (1, 1), ("gate_weight", "w_gate_up", "w_down"), ("gate_bias", "w_gate_up_scale", "w_down_scale"),
         ("num_experts", "top_k", "scoring", "norm_topk_prob", "activation", "intermediate_size"),
         doc="a mixture of experts, x [T, hidden] -> [T, hidden]. Router: logits = x @ gate_weight.T (+ gate_bias) "
             "[T, num_experts] in x's dtype; scores = softmax or sigmoid (`scoring`) of them in fp32; each token goes "
@@ -108,7 +108,10 @@ OPS: dict[str, OpSpec] = {
             "stay fp32). Expert e: act(x Wg^T) * (x Wu^T) @ Wd^T, [Wg; Wu] = w_gate_up[e] [2 * intermediate_size, "
             "hidden], Wd = w_down[e] [hidden, intermediate_size], act = `activation`. Output: per token, the sum "
             "over its top_k slots in slot order of weight * expert output, accumulated in the weights' dtype and "
-            "rounded to x's dtype once. Shared experts are not part of it: they lift to linears beside it",
+            "rounded to x's dtype once. Shared experts are not part of it: they lift to linears beside it. With a "
+            "`quant` attr (scheme fp8: MOE_QUANT_SCHEMES) the experts are FP8: w_gate_up / w_down hold e4m3 codes "
+            "with per-channel fp32 scales w_gate_up_scale [E, 2 * intermediate_size] / w_down_scale [E, hidden], "
+            "and each projection's input rows are quantized to e4m3 per token (dynamic), as an fp8 linear's",
     ),
     # Tensor parallelism (written by the `shard` pass): collectives over the tp_size ranks of the default
     # process group; identity when tp_size is 1.
@@ -124,6 +127,8 @@ OPS: dict[str, OpSpec] = {
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh")
 MOE_SCORING = ("softmax", "sigmoid")
+# Quantized experts of a `moe` node: scheme -> the weight roles it adds (the router's gate_weight is not quantized)
+MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {"fp8": ("w_gate_up_scale", "w_down_scale")}
 ELEMENTWISE = ("add", "mul", "scale")
 
 
@@ -287,6 +292,17 @@ class Graph:
                                   or not 1 <= n.attrs["top_k"] <= n.attrs["num_experts"]):
                 raise GraphError(f"node {n}: moe needs scoring in {', '.join(MOE_SCORING)}, activation in "
                                  f"{', '.join(ACTIVATIONS)} and 1 <= top_k <= num_experts")
+            if n.op == "moe":  # quantized experts carry their scheme's roles; plain ones none of them
+                scheme = n.attrs.get("quant", {}).get("scheme")
+                if scheme is not None and scheme not in MOE_QUANT_SCHEMES:
+                    raise GraphError(f"node {n}: unknown moe quant scheme {scheme!r}; known: "
+                                     f"{', '.join(MOE_QUANT_SCHEMES)}")
+                need = MOE_QUANT_SCHEMES.get(scheme, ())
+                roles = {r for roles in MOE_QUANT_SCHEMES.values() for r in roles}
+                if any((r in n.weights) != (r in need) for r in roles):
+                    raise GraphError(f"node {n}: a moe with quant scheme {scheme or 'none'} carries exactly the "
+                                     f"weights {list(need) or 'w_gate_up, w_down unquantized'}; it has "
+                                     f"{sorted(n.weights)}")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

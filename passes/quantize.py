@@ -195,6 +195,11 @@ class QuantMethod(Pass):
     def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
         raise NotImplementedError
 
+    def quantize_experts(self, graph: Graph) -> dict[str, Any]:
+        """Quantize the experts of the graph's ``moe`` nodes this section reaches; a summary of what it did (empty:
+        the method leaves experts in the build dtype)."""
+        return {}
+
     # --- lifecycle -------------------------------------------------------------------------
     def select(self, graph: Graph, section: str, warn: bool = True) -> list[int]:
         """The nodes to quantize; ``section`` names the recipe section in errors."""
@@ -221,11 +226,6 @@ class QuantMethod(Pass):
 
     def run(self, graph: Graph, ctx: PassContext) -> PassResult:
         targets = self.prepare(graph, ctx.options.get(self.name, {}))
-        num_moe = sum(n.op == "moe" for n in graph.nodes)
-        if num_moe and any(graph.nodes[i].op in ("linear", "lm_head") for i in targets):  # a weight method
-            log.warning("%s: the experts and routers of the %d mixture-of-experts (moe) layers stay in %s: "
-                        "quantizing experts is not supported yet (shared-expert linears are linears, selected as "
-                        "usual)", self.name, num_moe, graph.meta.get("dtype", "float"))
         if self.needs_calibration and not ctx.calibration:
             raise PassError(f"{self.name} needs calibration data and none was given")
         for i in targets:
@@ -240,15 +240,24 @@ class QuantMethod(Pass):
         left = [graph.nodes[i].source for i in targets if not self.is_applied(graph.nodes[i])]
         if left:
             raise PassError(f"{self.name}: these linears were selected but not quantized: {', '.join(left[:5])}")
-        return PassResult(graph, len(targets), len(targets), self.summary(graph, targets))
+        experts = self.quantize_experts(graph)
+        left_moe = sum(n.op == "moe" and "quant" not in n.attrs for n in graph.nodes)
+        if left_moe and targets:  # a weight method that leaves them alone
+            log.warning("%s: the experts and routers of %d mixture-of-experts (moe) layers stay in %s (shared-expert "
+                        "linears are linears, selected as usual)%s", self.name, left_moe,
+                        graph.meta.get("dtype", "float"),
+                        "" if experts else f": {self.name} does not quantize experts (fp8 does)")
+        summary = self.summary(graph, targets)
+        summary.update(experts)
+        return PassResult(graph, len(targets), len(targets), summary)
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         linears = [i for i in targets if graph.nodes[i].op == "linear"]
         out: dict[str, Any] = {"scheme": self.scheme, "num_linears": len(linears)}
         if len(linears) < len(targets):
             out["lm_head"] = True
-        num_moe = sum(n.op == "moe" for n in graph.nodes)
-        if num_moe and targets:  # their experts are not linears: left in the build dtype
+        num_moe = sum(n.op == "moe" and "quant" not in n.attrs for n in graph.nodes)
+        if num_moe and targets:  # experts no method here quantized: left in the build dtype
             out["moe_layers_not_quantized"] = num_moe
         if self.errors:
             out["layer_errors"] = self.layer_errors()

@@ -648,14 +648,16 @@ def _moe(w, attrs, ex) -> Kernel:
     # On the kernel path, kernels.moe: routing, the expert blocks and both grouped GEMMs on the device, nothing read
     # on the host (CUDA-graph capturable). The torch reference elsewhere: it reads each expert's token count on the
     # host, which a CUDA graph cannot capture
+    # FP8 experts (`quant` scheme fp8): e4m3 codes with per-channel scales, inputs quantized per token
     gate_weight, gate_bias, w_gate_up, w_down = w["gate_weight"], w.get("gate_bias"), w["w_gate_up"], w["w_down"]
+    scales = {"w_gate_up_scale": w.get("w_gate_up_scale"), "w_down_scale": w.get("w_down_scale")}
     top_k, scoring, norm = attrs["top_k"], attrs["scoring"], attrs["norm_topk_prob"]
     fn, round_weights = attrs["activation"], attrs.get("round_weights", False)
     if ex.use_kernels:
         from kernels.moe import fused_moe
 
         return lambda xs, step: (fused_moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn,
-                                           gate_bias, round_weights),)
+                                           gate_bias, round_weights, **scales),)
 
     def kernel(xs, step):
         if xs[0].is_cuda and torch.cuda.is_current_stream_capturing():
@@ -663,7 +665,8 @@ def _moe(w, attrs, ex) -> Kernel:
                                    "which a CUDA graph cannot capture; run it on the kernels (use_kernels, the "
                                    "default on CUDA: kernels.moe) or serve with --no-cuda-graphs "
                                    "(ServingConfig(cuda_graphs=False))")
-        return (ops.moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn, gate_bias, round_weights),)
+        return (ops.moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn, gate_bias, round_weights,
+                        **scales),)
 
     return kernel
 

@@ -39,6 +39,8 @@ QUANT_WEIGHTS = {
     "fp8": ("qweight", "weight_scale"),
 }
 QUANTIZABLE_OPS = ("linear", "lm_head")
+# a moe node's quantized experts (passes/ir.py MOE_QUANT_SCHEMES): scheme -> the weight roles it adds
+MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale")}
 WEIGHT_ONLY_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size")}  # the quant attrs they read
 # safetensors' dtype names -> graph.json's (torch's)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -299,9 +301,12 @@ def _check_quantized(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> N
     for node in nodes:
         op, attrs, where = node.get("op"), node.get("attrs", {}), node.get("source") or node.get("op")
         quant = attrs.get("quant")
+        if op == "moe":
+            _check_moe(node, quant, where)
+            continue
         if quant is not None and op not in QUANTIZABLE_OPS:
             raise ManifestError(f"graph.json {op} node {where} has a quant attr; only {' and '.join(QUANTIZABLE_OPS)} "
-                                f"nodes are stored quantized")
+                                f"and moe nodes are stored quantized")
         if op not in QUANTIZABLE_OPS:
             continue
         scheme = "none" if quant is None else quant.get("scheme") if isinstance(quant, dict) else quant
@@ -314,6 +319,19 @@ def _check_quantized(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> N
             raise ManifestError(f"graph.json {op} {where}: a {scheme} {op} needs {', '.join(missing)}")
         if op == "lm_head":
             _check_lm_head(manifest, attrs, scheme)
+
+
+def _check_moe(node: dict[str, Any], quant: Any, where: str) -> None:
+    """A moe node's experts: unquantized (no scale roles), or a scheme of MOE_QUANT_WEIGHTS with its roles."""
+    scheme = quant.get("scheme") if isinstance(quant, dict) else quant
+    if quant is not None and scheme not in MOE_QUANT_WEIGHTS:
+        raise ManifestError(f"graph.json moe {where}: quant scheme {scheme!r} is not one this runtime executes for "
+                            f"experts; allowed: {', '.join(MOE_QUANT_WEIGHTS)}")
+    need = set(MOE_QUANT_WEIGHTS.get(scheme, ()))
+    roles = {r for rs in MOE_QUANT_WEIGHTS.values() for r in rs} & set(node.get("weights", {}))
+    if roles != need:
+        raise ManifestError(f"graph.json moe {where}: {'a ' + scheme if quant else 'an unquantized'} moe carries the "
+                            f"weights {sorted(need) or 'without scales'}; it has {sorted(roles) or 'none'} of them")
 
 
 def _check_lm_head(manifest: dict[str, Any], attrs: dict[str, Any], scheme: str) -> None:

@@ -3,6 +3,7 @@
     python -m kernels.bench.moe                           # Qwen3-30B-A3B and Mixtral-8x7B layers, T = 1 ... 1024
     python -m kernels.bench.moe --shapes mixtral-8x7b --tokens 1 8
     python -m kernels.bench.moe --sweep                   # also time candidate MoeConfigs (to tune _CUDA_CONFIGS)
+    python -m kernels.bench.moe --fp8                     # FP8 experts against the bf16 ones (--sweep: FP8 configs)
 
 Per (shape, T): fresh random bf16 tokens and weights (router, stacked experts), the shape's routing (top_k,
 renormalised; Qwen3-MoE's weights rounded to bf16). ``fused_moe`` is checked against ``kernels.torch_ops.moe`` (max
@@ -16,6 +17,12 @@ abs error over the output's max; the routing is the same torch calls on both sid
              over a loop of calls, host syncs included, as the runtime ran it before
     GB/s     bytes of the experts the routing activates (counted on the host, outside the timing) and of the router,
              over the fused time: at T = 1 the decode step's bandwidth measure (H100 HBM3: ~3,350 GB/s peak)
+
+``--fp8``: the same bf16 experts quantized per expert and output channel (``quantize_experts_fp8``, as the passes do:
+float8_e4m3fn codes, fp32 scales), the activations per token in the kernels. ``fused_moe`` with FP8 experts is checked
+against ``ref_moe`` with the same scales (the same tolerance: a code at a rounding boundary may differ, the GPU's
+division being approximate, and the fp32 sums run in another order), then timed as above against the bf16 experts'
+``fused_moe``; GB/s counts the FP8 experts' bytes (codes and scales).
 
 Exits 1 when a check fails, 2 without a CUDA device.
 """
@@ -32,7 +39,8 @@ import torch
 
 from kernels import torch_ops as ops
 from kernels.bench.gemm import report, sweep_configs, time_us
-from kernels.moe import MoeConfig, default_config, fused_moe
+from kernels.moe import MoeConfig, default_config, fused_moe, ref_moe
+from kernels.torch_quant import quantize_experts_fp8
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,68 @@ def bench(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: bool) -> l
     return failures
 
 
+def bench_fp8(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: bool) -> list[str]:
+    """FP8 experts against the bf16 ones they are quantized from: checked against ``ref_moe``, both timed."""
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gate, w_gate_up, w_down = _weights(shape, gen)
+    copies = [(gate, w_gate_up, w_down), (gate, *_weights(shape, gen)[1:])]  # one router: the same routing
+    fp8_copies = []  # ((gate, w_gate_up codes, w_down codes), their scales as keywords), from each copy
+    for _, w_gate_up, w_down in copies:
+        (q_gate_up, s_gate_up), (q_down, s_down) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
+        fp8_copies.append(((gate, q_gate_up, q_down), dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down)))
+    e, h, i = shape.num_experts, shape.hidden, shape.intermediate
+    expert_bytes = 3 * h * i + 4 * (2 * i + h)  # codes and scales
+    router_bytes = e * h * DTYPE.itemsize
+    kw = dict(top_k=shape.top_k, round_weights=shape.round_weights)
+    (gate, q_gate_up, q_down), scales = fp8_copies[0]
+    print(f"\n{name}: {e} experts of {h} x {i}, top-{shape.top_k}, {DTYPE} x, FP8 experts (per-channel e4m3, "
+          f"per-token activations) against bf16; times in us")
+    print(f"{'T':>5} | {'bf16':>8} {'fp8':>8} {'speedup':>7} | {'experts':>7} {'GB/s':>6} | rel.err / FP8's  config")
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, h, generator=gen, device="cuda").to(DTYPE)
+        ref = ref_moe(x, gate, q_gate_up, q_down, **kw, **scales)
+        noise = _rel_norm(ref, ref_moe(x, *copies[0], **kw))  # what FP8 itself changes
+        ok, err = _check_fp8(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales), ref, noise)
+        if not ok:
+            failures.append(f"{name} fp8 T={num_tokens}: rel.err {err:.3g} (norm), FP8's own {noise:.3g}")
+        t_bf16 = time_us([lambda c=c: fused_moe(x, *c, **kw) for c in copies])
+        t_fp8 = time_us([lambda c=c, s=s: fused_moe(x, *c, **kw, **s) for c, s in fp8_copies])
+        active = ops.moe_route(x, gate, None, shape.top_k)[1].unique().numel()
+        gbs = (active * expert_bytes + router_bytes) / t_fp8 / 1e3
+        cfg = default_config(num_tokens * shape.top_k, e, x.device, x.element_size(), 1)
+        print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_fp8:8.1f} {t_bf16 / t_fp8:6.2f}x | {active:>7} {gbs:6.0f} | "
+              f"{err:.1e} / {noise:.1e}  {describe(cfg)}", flush=True)
+        if sweep:
+            failures += sweep_configs(
+                f"moe fp8 {name} T={num_tokens}", candidate_configs(num_tokens, shape),
+                lambda cand, n=noise: _check_fp8(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cand),
+                                                 ref, n),
+                lambda cand: [lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cand) for c, s in fp8_copies],
+                indent=f"{'':>5} ")
+    del copies, fp8_copies, gate, w_gate_up, w_down, q_gate_up, q_down, scales
+    torch.cuda.empty_cache()
+    return failures
+
+
 def describe(cfg: MoeConfig) -> str:
     return (f"m{cfg.block_m} up {cfg.block_n}x{cfg.block_k} down {cfg.down_block_n}x{cfg.down_block_k} "
             f"g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}")
+
+
+# FP8 experts on the GPU: the error against the torch op on the same codes, as a share of what FP8 changes against
+# the bf16 experts (both as norms). A one-ulp difference in a GEMM's sum can move a row's maximum of h and with it
+# that row's E4M3 grid, so some tokens differ by a part of the quantization noise; a wrong code or scale is >= 1.
+FP8_NOISE_SHARE = 0.25
+
+
+def _rel_norm(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _check_fp8(out: torch.Tensor, ref: torch.Tensor, noise: float) -> tuple[bool, float]:
+    err = _rel_norm(out, ref)
+    return err < FP8_NOISE_SHARE * noise, err
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
@@ -143,6 +210,7 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape and T")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts against bf16 ones (instead of the torch op)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernels.bench.moe needs a CUDA GPU", file=sys.stderr)
@@ -150,7 +218,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
     for name in args.shapes:
-        failures += bench(name, SHAPES[name], tuple(args.tokens), args.sweep)
+        failures += (bench_fp8 if args.fp8 else bench)(name, SHAPES[name], tuple(args.tokens), args.sweep)
     return report(failures)
 
 

@@ -54,7 +54,7 @@ def test_plan_counts_total_and_active_parameters(tmp_path, model_type):
     assert plan.weights_breakdown["experts"] == expert_bytes
 
 
-def test_plan_quantizes_no_expert_and_refuses_tp(tmp_path):
+def test_plan_counts_fp8_experts_and_refuses_tp(tmp_path):
     shape = read_model_shape(_checkpoint(tmp_path, "qwen2_moe"))
     assert shape.moe.sparse_layers == (0, 2)
     plan = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16", "quantization.algo=fp8"]))
@@ -62,7 +62,15 @@ def test_plan_quantizes_no_expert_and_refuses_tp(tmp_path):
     # layer's gate/up and down
     assert plan.quantized_linears == {"fp8": 3 * 2 + 2 * 3 + 2}
     unquantized = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]))
-    assert plan.weights_breakdown["experts"] == unquantized.weights_breakdown["experts"] > 0
+    e, h, inter = 6, 64, 48
+    assert unquantized.weights_breakdown["experts"] == 2 * e * (3 * h * inter + h) * 2  # bf16 experts and routers
+    # fp8 experts: e4m3 codes, an fp32 scale per output channel of each expert; the routers stay bf16
+    assert plan.weights_breakdown["experts"] == 2 * e * (3 * h * inter + 4 * (2 * inter + h) + 2 * h)
+    assert any("the experts of 2 of them in fp8" in n for n in plan.notes)
+    for off in (["quantization.experts=false"], ["quantization.ignore=[re:mlp$]"]):
+        kept = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16",
+                                                                          "quantization.algo=fp8", *off]))
+        assert kept.weights_breakdown["experts"] == unquantized.weights_breakdown["experts"], off
     with pytest.raises(PlanError, match=r"tp_size 2: a mixture-of-experts model is built with tp_size 1 \(sharding "
                                         r"experts is not supported yet\); pick tp_size 1"):
         make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]), tp_size=2)

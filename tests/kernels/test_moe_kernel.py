@@ -1,8 +1,9 @@
 """The fused MoE kernels (kernels/moe.py) against the ``moe`` op's torch implementation (kernels/torch_ops.py, itself
 checked against Hugging Face's blocks in test_moe.py): the block plan's invariants, then the whole op with fresh
 random inputs at small shapes under the Triton interpreter on CPU (routings where experts get no token and where one
-expert gets them all included). On CUDA (TRITON_INTERPRET=0): the same cases compiled, Qwen3-30B-A3B's and
-Mixtral-8x7B's shapes, and the op captured in a CUDA graph replayed over changing routings."""
+expert gets them all included), with unquantized and with FP8 experts. On CUDA (TRITON_INTERPRET=0): the same cases
+compiled, Qwen3-30B-A3B's and Mixtral-8x7B's shapes, and the op captured in a CUDA graph replayed over changing
+routings."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch  # noqa: E402
 
 from kernels import moe  # noqa: E402
 from kernels import torch_ops as ops  # noqa: E402
+from kernels.torch_quant import quantize_experts_fp8  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRETED:
@@ -51,6 +53,40 @@ def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert out.shape == ref.shape and out.dtype == ref.dtype
     tol = 1e-5 if ref.dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * ref.float().abs().max().item())
+
+
+def _fp8_inputs(num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype, seed: int,
+                bias: bool = False):
+    """``_inputs``' tensors made in fp32: x, router and bias then in ``dtype``, the experts FP8. Returns x, router,
+    (w_gate_up, w_down), (w_gate_up_scale, w_down_scale), router bias."""
+    x, gate, w_gate_up, w_down, gate_bias = _inputs(num_experts, hidden, inter, num_tokens, torch.float32, seed, bias)
+    (w_gate_up, gate_up_scale), (w_down, down_scale) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
+    return (x.to(dtype), gate.to(dtype), (w_gate_up, w_down), (gate_up_scale, down_scale),
+            None if gate_bias is None else gate_bias.to(dtype))
+
+
+FP8_GPU_REL_NORM = 1.5e-2
+
+
+def _assert_close_fp8(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """FP8 experts under the interpreter: the reference's codes (the per-token scales and the quotients both IEEE
+    divisions, E4M3 rounding to nearest even), their products exact in fp32; only the fp32 sums' order differs, so an
+    output (or a gate / up value) within an fp32 ulp of a rounding boundary of x's dtype may round the other way.
+    16-bit: one unit in the last place of the output's largest value. fp32: as ``_assert_close`` (the sums' order;
+    the activation's own fp32 error, e.g. gelu's 1 + erf near -1, can move a code of h by one E4M3 step)."""
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    scale = ref.float().abs().max().item()
+    if out.is_cuda and ref.dtype != torch.float32:
+        # the GPU's 16-bit GEMMs sum in another order: a gate / up value one ulp off can move a row's maximum of h,
+        # and with it the E4M3 grid of that whole row (dynamic per-token scales), so a few tokens differ by a
+        # fraction of the quantization noise (~5% of the output's norm); a wrong scale or code is O(1) or that noise
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert err < FP8_GPU_REL_NORM, f"relative error {err:.3g} (norm) >= {FP8_GPU_REL_NORM}"
+        return
+    if ref.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * scale)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), rtol=0, atol=torch.finfo(ref.dtype).eps * scale)
 
 
 # --- the plan --------------------------------------------------------------------------------------------
@@ -111,9 +147,12 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-T{c[3]}-k{c[4]}-{c[5]}-"
-                                                     f"norm{int(c[6])}-round{int(c[7])}-{c[8]}-{str(c[9])[6:]}"
-                                                     f"{'-bias' if c[10] else ''}")
+def _case_id(c: tuple) -> str:
+    return (f"E{c[0]}-H{c[1]}-I{c[2]}-T{c[3]}-k{c[4]}-{c[5]}-norm{int(c[6])}-round{int(c[7])}-{c[8]}-"
+            f"{str(c[9])[6:]}{'-bias' if c[10] else ''}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_fused_moe_matches_the_torch_op(case):
     num_experts, hidden, inter, num_tokens, top_k, scoring, norm, round_weights, act, dtype, bias = case
     x, gate, w_gate_up, w_down, gate_bias = _inputs(num_experts, hidden, inter, num_tokens, dtype,
@@ -123,12 +162,40 @@ def test_fused_moe_matches_the_torch_op(case):
     _assert_close(out, ref)
 
 
+# (num_experts, hidden, intermediate, num_tokens, top_k, scoring, norm_topk_prob, round_weights, activation, dtype,
+#  router bias): as CASES, with FP8 experts
+FP8_CASES = [
+    (8, 64, 64, 1, 1, "softmax", True, False, "silu", torch.bfloat16, False),  # decode, top-1: 7 experts get nothing
+    (8, 64, 64, 17, 2, "softmax", True, True, "silu", torch.bfloat16, False),
+    (6, 48, 40, 17, 2, "sigmoid", False, False, "gelu_tanh", torch.bfloat16, True),  # K of both GEMMs masked
+    (8, 32, 32, 5, 2, "softmax", True, True, "silu", torch.float16, False),
+    (4, 32, 48, 17, 3, "sigmoid", True, False, "silu", torch.float32, False),
+    (8, 48, 32, 9, 2, "softmax", True, False, "relu", torch.float32, True),
+]
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=_case_id)
+def test_fp8_experts_match_the_torch_op(case):
+    num_experts, hidden, inter, num_tokens, top_k, scoring, norm, round_weights, act, dtype, bias = case
+    x, gate, experts, scales, gate_bias = _fp8_inputs(num_experts, hidden, inter, num_tokens, dtype,
+                                                      seed=num_tokens * 100 + hidden + inter + 1, bias=bias)
+    kw = dict(w_gate_up_scale=scales[0], w_down_scale=scales[1])
+    out = moe.fused_moe(x, gate, *experts, top_k, scoring, norm, act, gate_bias, round_weights, **kw)
+    _assert_close_fp8(out, ops.moe(x, gate, *experts, top_k, scoring, norm, act, gate_bias, round_weights, **kw))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["unquantized", "fp8"])
 @pytest.mark.parametrize("routing", ["one expert takes every token", "half the experts get none"])
-def test_skewed_routings(routing):
+def test_skewed_routings(routing, fp8):
     """A router bias pins the routing: expert 3 first for all 40 tokens (three blocks of it); or experts 0, 1, 4
     and 6 never chosen. Weights and the second choice still come from the router."""
     num_experts, top_k = 8, 2
-    x, gate, w_gate_up, w_down, _ = _inputs(num_experts, 32, 32, 40, torch.bfloat16, seed=11)
+    if fp8:
+        x, gate, (w_gate_up, w_down), scales, _ = _fp8_inputs(num_experts, 32, 32, 40, torch.bfloat16, seed=11)
+        kw, check = dict(w_gate_up_scale=scales[0], w_down_scale=scales[1]), _assert_close_fp8
+    else:
+        x, gate, w_gate_up, w_down, _ = _inputs(num_experts, 32, 32, 40, torch.bfloat16, seed=11)
+        kw, check = {}, _assert_close
     bias = torch.zeros(num_experts, device=DEVICE)
     if routing == "one expert takes every token":
         bias[3] = 8.0
@@ -138,8 +205,8 @@ def test_skewed_routings(routing):
     experts = ops.moe_route(x, gate, bias, top_k)[1].cpu()
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
     assert (counts[3] == 40) if routing.startswith("one") else (counts[[0, 1, 4, 6]].sum() == 0 and counts.min() == 0)
-    out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, "silu", bias)
-    _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, "silu", bias))
+    out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, "silu", bias, **kw)
+    check(out, ops.moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, "silu", bias, **kw))
 
 
 def test_no_tokens():
@@ -158,6 +225,25 @@ def test_bad_inputs_are_named():
         moe.fused_moe(x, gate, w_gate_up, w_down, 5)
     with pytest.raises(ValueError, match="unknown activation"):
         moe.fused_moe(x, gate, w_gate_up, w_down, 2, activation="swish")
+
+
+def test_bad_fp8_scales_are_named():
+    x, gate, (w_gate_up, w_down), (gate_up_scale, down_scale), _ = _fp8_inputs(4, 32, 16, 3, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match=r"w_gate_up_scale is torch.float32 \(4, 16\); expected torch.float32 "
+                                         r"\(4, 32\) \(\[E, 2 \* I\]"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 2, w_gate_up_scale=gate_up_scale[:, :16], w_down_scale=down_scale)
+    with pytest.raises(ValueError, match=r"w_down_scale is torch.bfloat16 \(4, 32\); expected torch.float32 "
+                                         r"\(4, 32\) \(\[E, hidden\]"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 2, w_gate_up_scale=gate_up_scale,
+                      w_down_scale=down_scale.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="only w_down_scale was given"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 2, w_down_scale=down_scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn with w_gate_up_scale and w_down_scale"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 2)  # FP8 codes without their scales
+    with pytest.raises(ValueError, match=r"w_down is torch.bfloat16; with w_down_scale \(FP8 experts\) it must hold "
+                                         r"torch.float8_e4m3fn"):
+        moe.fused_experts(x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int64), w_gate_up,
+                          w_down.to(torch.bfloat16), w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
 
 
 # --- CUDA: real shapes, and a CUDA graph ---------------------------------------------------------------------
@@ -181,6 +267,27 @@ def test_real_shapes_on_cuda(name, num_tokens):
     x = x.to(torch.bfloat16)
     out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, round_weights=round_weights)
     _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, round_weights=round_weights))
+
+
+@functools.cache
+def _real_fp8_weights(name: str):
+    gate, w_gate_up, w_down = _real_weights(name)
+    (w_gate_up, gate_up_scale), (w_down, down_scale) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
+    return gate, (w_gate_up, w_down), (gate_up_scale, down_scale)
+
+
+@on_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024])
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_fp8_real_shapes_on_cuda(name, num_tokens):
+    """FP8 experts quantized from the bf16 ones, against the torch op on the GPU (``_assert_close_fp8``'s GPU
+    criterion: the rows of h whose E4M3 grid moves with a one-ulp difference upstream)."""
+    _, hidden, _, top_k, round_weights = REAL_SHAPES[name]
+    gate, experts, scales = _real_fp8_weights(name)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator("cuda").manual_seed(num_tokens), device="cuda")
+    x = x.to(torch.bfloat16)
+    kw = dict(top_k=top_k, round_weights=round_weights, w_gate_up_scale=scales[0], w_down_scale=scales[1])
+    _assert_close_fp8(moe.fused_moe(x, gate, *experts, **kw), ops.moe(x, gate, *experts, **kw))
 
 
 @on_cuda

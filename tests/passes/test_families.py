@@ -380,6 +380,64 @@ def test_moe_families_lift_to_the_moe_op(build):
     assert "quant" not in moe.attrs and quantized.params[moe.weights["w_gate_up"]].dtype == torch.float32
 
 
+def test_fp8_quantizes_moe_experts(build):
+    """The fp8 method stores each expert's gate/up and down weights as e4m3 codes with an fp32 scale per output
+    channel (the router stays float), recorded in the node's quant attr and the summary; the quantized experts run
+    (inputs quantized per token) close to the float model's logits, and the option experts: false, or an ignore
+    pattern on the layer, leaves them float."""
+    from passes import PassContext, run_passes
+    from passes.ir import Graph, GraphError
+    from runtime.executor import Executor, SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+    from safetensors.torch import load_file
+
+    b = build(next(f for f in SUPPORTED if f.model_type == "mixtral"))
+    graph = Graph.from_dict(json.loads((b.artifact / "graph.json").read_text()),
+                            load_file(b.artifact / "weights.safetensors"))
+    quantized, records = run_passes(graph.copy(), ["fp8"], PassContext())
+    assert records[0].details["moe_layers_quantized"] == 1 and "moe_layers_not_quantized" not in records[0].details
+    moe = next(n for n in quantized.nodes if n.op == "moe")
+    assert moe.attrs["quant"] == {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}
+    before = next(n for n in graph.nodes if n.op == "moe")
+    assert quantized.params[moe.weights["gate_weight"]].dtype == torch.float32
+    for role, rows in (("w_gate_up", 2 * 112), ("w_down", 64)):
+        w = graph.params[before.weights[role]]
+        codes, scales = quantized.params[moe.weights[role]], quantized.params[moe.weights[f"{role}_scale"]]
+        assert codes.dtype == torch.float8_e4m3fn and codes.shape == w.shape and scales.shape == (4, rows)
+        assert before.weights[role] not in quantized.params  # the float experts are not kept
+        # e4m3 keeps 3 mantissa bits: within half a step (2^-4 relative) of each weight, or of the row's finest
+        # subnormal step (2^-9 of its scale)
+        deq = codes.float() * scales[..., None]
+        assert ((deq - w).abs() <= w.abs() * 2 ** -4 + scales[..., None] * 2 ** -9).all()
+    quantized.check()
+    broken = quantized.copy()
+    next(n for n in broken.nodes if n.op == "moe").weights.pop("w_down_scale")
+    with pytest.raises(GraphError, match=r"a moe with quant scheme fp8 carries exactly the weights \['w_gate_up_scale', "
+                                         r"'w_down_scale'\]"):
+        broken.check()
+
+    ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(5))
+
+    def logits(g: Graph) -> torch.Tensor:
+        executor = Executor(g.to_dict(), g.params)
+        kv = SequenceKV(executor.kv_layout(), len(ids))
+        return executor.forward(StepInput(ids, torch.arange(len(ids)), [SeqSlice(kv, 0, len(ids))])).float()
+
+    ref = logits(graph)
+    err = (logits(quantized) - ref).norm() / ref.norm()
+    assert 0 < err < 0.1, err  # fp8 linears and experts, against the float model
+    unscaled = quantized.copy()  # without the scales the codes alone are far off: the check above can fail
+    for role in ("w_gate_up", "w_down"):
+        name = next(n for n in unscaled.nodes if n.op == "moe").weights[f"{role}_scale"]
+        unscaled.params[name] = torch.ones_like(unscaled.params[name])
+    assert (logits(unscaled) - ref).norm() / ref.norm() > 5 * err
+
+    for options in ({"experts": False}, {"ignore": ["re:mlp$"]}):
+        kept, records = run_passes(graph.copy(), ["fp8"], PassContext(options={"fp8": options}))
+        assert records[0].details["moe_layers_not_quantized"] == 1, options
+        assert "quant" not in next(n for n in kept.nodes if n.op == "moe").attrs
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemma_norm_and_embedding_scale_round_as_hf_does(dtype):
     """The runtime's references for Gemma's extras give HF's modules' own outputs bit for bit, in bf16 too: the

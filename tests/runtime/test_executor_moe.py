@@ -19,8 +19,9 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 NUM_EXPERTS, HIDDEN, INTER, VOCAB = 8, 32, 48, 64
 
 
-def _graph(attrs: dict, bias: bool) -> tuple[dict, dict[str, torch.Tensor]]:
-    """embedding -> moe: a graph whose output is the moe node's, with random bf16 weights."""
+def _graph(attrs: dict, bias: bool, fp8: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+    """embedding -> moe: a graph whose output is the moe node's, with random bf16 weights (fp8: the experts as the
+    fp8 pass stores them, e4m3 codes and per-channel scales)."""
     g = torch.Generator().manual_seed(len(attrs) + bias)
     params = {"embed": torch.randn(VOCAB, HIDDEN, generator=g),
               "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=g) * HIDDEN ** -0.5 * 2,
@@ -30,26 +31,36 @@ def _graph(attrs: dict, bias: bool) -> tuple[dict, dict[str, torch.Tensor]]:
     if bias:
         params["router_bias"] = torch.randn(NUM_EXPERTS, generator=g) * 0.5
         weights["gate_bias"] = "router_bias"
+    if fp8:
+        from kernels.torch_quant import quantize_experts_fp8
+
+        for role in ("w_gate_up", "w_down"):
+            params[role], params[f"{role}_scale"] = quantize_experts_fp8(params[role])
+            weights[f"{role}_scale"] = f"{role}_scale"
+        attrs = {**attrs, "quant": {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}}
     nodes = [{"op": "embedding", "inputs": ["input_ids"], "outputs": ["h"], "weights": {"weight": "embed"},
               "attrs": {}},
              {"op": "moe", "inputs": ["h"], "outputs": ["y"], "weights": weights,
               "attrs": {"num_experts": NUM_EXPERTS, "intermediate_size": INTER, "activation": "silu", **attrs}}]
     graph = {"ir_version": GRAPH_IR_VERSION, "nodes": nodes, "outputs": ["y"], "meta": {"dtype": "bfloat16"}}
-    return graph, {name: t.to(DEVICE, torch.bfloat16) for name, t in params.items()}
+    keep = lambda name, t: t.dtype == torch.float8_e4m3fn or name.endswith("_scale")  # noqa: E731
+    return graph, {name: t.to(DEVICE) if keep(name, t) else t.to(DEVICE, torch.bfloat16)
+                   for name, t in params.items()}
 
 
-@pytest.mark.parametrize("attrs,bias", [
-    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False),  # Mixtral's routing
-    (dict(top_k=2, scoring="softmax", norm_topk_prob=False, round_weights=True), False),  # Qwen2-MoE's
-    (dict(top_k=3, scoring="sigmoid", norm_topk_prob=True, round_weights=True), True),
+@pytest.mark.parametrize("attrs,bias,fp8", [
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False, False),  # Mixtral's routing
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=False, round_weights=True), False, False),  # Qwen2-MoE's
+    (dict(top_k=3, scoring="sigmoid", norm_topk_prob=True, round_weights=True), True, False),
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False, True),  # FP8 experts
 ])
-def test_moe_node_runs_the_fused_kernel(attrs, bias, monkeypatch):
+def test_moe_node_runs_the_fused_kernel(attrs, bias, fp8, monkeypatch):
     from kernels import moe
 
     calls = []
     fused = moe.fused_moe
     monkeypatch.setattr(moe, "fused_moe", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    graph, params = _graph(attrs, bias)
+    graph, params = _graph(attrs, bias, fp8)
     ids = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     inp = StepInput(ids, torch.arange(19, device=DEVICE), [])
     ref = Executor(graph, params, use_kernels=False).forward(inp)
@@ -60,9 +71,11 @@ def test_moe_node_runs_the_fused_kernel(attrs, bias, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs: CUDA only (TRITON_INTERPRET=0 on a GPU machine)")
-def test_moe_artifact_serves_from_cuda_graphs(tmp_path):
-    """A two-layer Qwen3-MoE artifact (fp32, head_dim 32, 8 experts, top-2) served on CUDA with its decode steps and
-    the steps carrying prefill replayed from CUDA graphs: the CPU reference path's greedy tokens."""
+@pytest.mark.parametrize("quantization", [{}, {"algo": "fp8"}], ids=["float", "fp8"])
+def test_moe_artifact_serves_from_cuda_graphs(tmp_path, quantization):
+    """A two-layer Qwen3-MoE artifact (fp32, head_dim 32, 8 experts, top-2; also built fp8: linears and experts)
+    served on CUDA with its decode steps and the steps carrying prefill replayed from CUDA graphs: the CPU
+    reference path's greedy tokens."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import build_artifact, save_tokenizer
@@ -81,7 +94,16 @@ def test_moe_artifact_serves_from_cuda_graphs(tmp_path):
         for p in model.parameters():
             p.copy_(0.1 * torch.randn_like(p) + (1.0 if p.dim() == 1 else 0.0))
     model.save_pretrained(ckpt, safe_serialization=True)
-    path = build_artifact(ckpt, tmp_path / "art")
+    if quantization:
+        from builder.pipeline import build
+        from builder.recipe import validate_recipe
+
+        path = build(validate_recipe({
+            "name": "moe-fp8", "model": {"checkpoint": str(ckpt), "dtype": "float32"},
+            "output_dir": str(tmp_path / "art"), "quantization": quantization, "gates": {"enabled": False},
+            "runtime": {"max_seq_len": 256, "max_num_tokens": 64}})).output_dir
+    else:
+        path = build_artifact(ckpt, tmp_path / "art")
     cpu = Engine.load(path, use_kernels=False)
     srv = ServingEngine.load(path, "cuda", ServingConfig(max_num_seqs=4, kv_cache_bytes=64 << 20))
     assert srv.graphs is not None and srv.step_graphs is not None

@@ -277,3 +277,26 @@ def test_inspect_and_serve_exit_1_with_the_message(built, tmp_path):
         assert res.exit_code == 1, (args, res.output)
         assert isinstance(res.exception, SystemExit) and "Traceback" not in res.output
         assert "runtime.tokens_per_block is 0; allowed: a power of two" in res.output, res.output
+
+
+def test_moe_experts_carry_exactly_their_schemes_scales():
+    """A moe node's experts are unquantized (no scale roles) or fp8 with both scales; anything else in graph.json
+    (a scheme the runtime does not run for experts, scales without the scheme, the scheme without scales) is
+    refused, naming the node."""
+    from runtime.manifest import ManifestError, _check_quantized
+
+    weights = {"gate_weight": "router", "w_gate_up": "gu", "w_down": "d"}
+    scales = {"w_gate_up_scale": "gu_s", "w_down_scale": "d_s"}
+    fp8 = {"quant": {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}}
+    _check_quantized({}, [{"op": "moe", "source": "model.layers.0.mlp", "weights": weights, "attrs": {}},
+                          {"op": "moe", "source": "model.layers.1.mlp", "weights": {**weights, **scales}, "attrs": fp8}])
+    bad = [({**weights, **scales}, {"quant": {"scheme": "w4a16"}}, "quant scheme 'w4a16' is not one this runtime "
+                                                                     "executes for experts; allowed: fp8"),
+           ({**weights, **scales}, {}, "an unquantized moe carries the weights without scales; it has "
+                                       r"\['w_down_scale', 'w_gate_up_scale'\]"),
+           ({**weights, "w_down_scale": "d_s"}, fp8, r"a fp8 moe carries the weights \['w_down_scale', "
+                                                     r"'w_gate_up_scale'\]; it has \['w_down_scale'\]")]
+    for node_weights, attrs, needle in bad:
+        with pytest.raises(ManifestError, match="graph.json moe model.layers.3.mlp: " + needle):
+            _check_quantized({}, [{"op": "moe", "source": "model.layers.3.mlp", "weights": node_weights,
+                                   "attrs": attrs}])
