@@ -58,7 +58,9 @@ class FP8(QuantMethod):
         for node in chosen:
             for role in ("w_gate_up", "w_down"):
                 old = node.weights[role]
-                codes, scales = quantize_experts_fp8(graph.params[old])
+                # on the host: the build's device holds the float experts while the passes run (58 GB for a 30B
+                # mixture of experts), and the artifact writer reads host tensors
+                codes, scales = quantize_experts_fp8(graph.params[old], out_device="cpu")
                 graph.params[f"{old}.qweight"], graph.params[f"{old}.weight_scale"] = codes, scales
                 node.weights[role], node.weights[f"{role}_scale"] = f"{old}.qweight", f"{old}.weight_scale"
                 if not any(old in n.weights.values() for n in graph.nodes):
