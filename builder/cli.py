@@ -377,10 +377,14 @@ app.add_typer(bench_app, name="bench")
 
 
 def _empty_cuda_cache(device: str) -> None:
-    """Give the memory of a closed engine back to the device before the next engine or process takes it."""
+    """Give the memory of a closed engine back to the device before the next engine or process takes it: the
+    engine's objects reference each other, so they are freed by a collection of cycles, not when the last name goes."""
     if device.startswith("cuda"):
+        import gc
+
         import torch
 
+        gc.collect()
         torch.cuda.empty_cache()
 
 
@@ -565,10 +569,7 @@ def bench_throughput(
             finally:
                 engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
             del engine
-            if device == "cuda":
-                import torch
-
-                torch.cuda.empty_cache()
+            _empty_cuda_cache(device)
     report(results + spec_results, json_out)
     if record is not None and results:
         name = f"throughput_{input_len}_{output_len}_{tag}"
