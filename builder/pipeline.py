@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -214,12 +215,13 @@ def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None):
     return hook
 
 
-def params_to_host(params: dict[str, torch.Tensor], moved: dict[str, torch.Tensor],
+def params_to_host(params: dict[str, torch.Tensor], moved: dict[str, weakref.ref],
                    host: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``params`` after passes ran on a device copy (``moved``) of ``host``: a tensor the passes left as it was is the
-    host tensor it was copied from (not copied back: the experts of a 30B mixture of experts are 58 GB), a new one
-    is copied to the host."""
-    return {k: host[k] if moved.get(k) is v else v.cpu() for k, v in params.items()}
+    """``params`` after passes ran on a device copy of ``host`` (``moved``: weak references to the copies, so that a
+    copy a pass replaced is freed at once, e.g. a 30B mixture of experts' 58 GB of float experts as its FP8 codes are
+    made): a tensor the passes left as it was is the host tensor it was copied from (not copied back), a new one is
+    copied to the host."""
+    return {k: host[k] if k in moved and moved[k]() is v else v.cpu() for k, v in params.items()}
 
 
 def error_inputs(records: list[PassRecord]) -> str:
@@ -315,8 +317,8 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         ctx.options["kv_cache_quant"] = {"kv_cache_dtype": recipe.runtime.kv_cache_dtype}
         log.info("quantization passes run on %s", device)
         host = graph.params
-        moved = {k: v.to(device) for k, v in host.items()}
-        graph.params = dict(moved)  # the passes put new tensors in it; ``moved`` keeps what was copied
+        graph.params = {k: v.to(device) for k, v in host.items()}  # the passes put new tensors in it
+        moved = {k: weakref.ref(v) for k, v in graph.params.items()}  # what was copied, not kept alive
         try:
             graph, quant_records = run_passes(graph, quant_names, ctx)
         finally:  # the artifact writer and the gates read host tensors

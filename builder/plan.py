@@ -319,19 +319,25 @@ def assign_methods(nodes: list[LinearNode], sections: list[QuantizationSection])
     return chosen
 
 
-def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection]) -> list[int]:
-    """The sparse layers whose experts a section quantizes: the first fp8 section (with ``experts`` not false) whose
-    targets / ignore reach the layer's ``model.layers.N.mlp`` (other methods leave experts in the model dtype)."""
+def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection],
+                      methods: list[Optional[QuantizationSection]]) -> list[int]:
+    """The sparse layers whose experts a section quantizes: an fp8 section with ``experts`` true, or unset and taking
+    a linear (``methods``: each linear node's section; an lm_head-only section quantizes experts only when asked),
+    whose targets / ignore reach the layer's ``model.layers.N.mlp``. Other methods leave experts in the model
+    dtype."""
     from passes.quantize import _matches
 
     if shape.moe is None:
         return []
+    takes = {id(m) for m in methods if m is not None}
     return [layer for layer in shape.moe.sparse_layers
-            if any(q.algo == "fp8" and q.experts is not False and (not q.targets or _matches(q.targets, [name]))
-                   and not _matches(q.ignore, [name]) for q in sections for name in [f"model.layers.{layer}.mlp"])]
+            if any(q.algo == "fp8" and (q.experts or (q.experts is None and id(q) in takes))
+                   and (not q.targets or _matches(q.targets, [name])) and not _matches(q.ignore, [name])
+                   for q in sections for name in [f"model.layers.{layer}.mlp"])]
 
 
-def experts_bytes(shape: ModelShape, sections: list[QuantizationSection], itemsize: int) -> int:
+def experts_bytes(shape: ModelShape, sections: list[QuantizationSection],
+                  methods: list[Optional[QuantizationSection]], itemsize: int) -> int:
     """Bytes of the sparse layers' experts and routers (the moe ops' weights): fp8 experts (fp8_expert_layers) as
     e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate + hidden], the others and every
     router in the model dtype."""
@@ -339,7 +345,7 @@ def experts_bytes(shape: ModelShape, sections: list[QuantizationSection], itemsi
     if m is None:
         return 0
     h, inter = shape.hidden_size, m.expert_intermediate_size
-    fp8 = len(fp8_expert_layers(shape, sections))
+    fp8 = len(fp8_expert_layers(shape, sections, methods))
     return (fp8 * m.num_experts * (3 * h * inter + 4 * (2 * inter + h) + h * itemsize)
             + (len(m.sparse_layers) - fp8) * m.expert_params(h) * itemsize)
 
@@ -522,7 +528,7 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         "norms": (shape.num_layers * per_layer_norms + shape.hidden_size) * itemsize,
         "rope": shape.head_dim // 2 * 4,  # inv_freq, fp32, one table shared by the layers
         "kv_scales": shape.num_layers * 2 * 4 if kv_quantized else 0,  # k_scale, v_scale fp32 per layer
-        "experts": experts_bytes(shape, sections, itemsize),
+        "experts": experts_bytes(shape, sections, methods, itemsize),
     }
     weights = sum(breakdown.values())
     quantized: dict[str, int] = {}
@@ -572,7 +578,7 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
                      f"from its heads, the weights are an estimate (extra norms and biases are not counted; experts "
                      f"are, from config.json's usual keys)")
     if shape.moe is not None:
-        m, fp8_layers = shape.moe, len(fp8_expert_layers(shape, sections))
+        m, fp8_layers = shape.moe, len(fp8_expert_layers(shape, sections, methods))
         notes.append(f"mixture of experts: {shape.num_parameters() / 1e9:.2f} B parameters, "
                      f"{shape.num_active_parameters() / 1e9:.2f} B active per token (top {m.top_k} of {m.num_experts} "
                      f"experts in {len(m.sparse_layers)} of {shape.num_layers} layers); "

@@ -218,7 +218,11 @@ def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, st
              if n.op in ("linear", "lm_head") and "weight" in n.weights for name, lo, hi in member_outputs(n)}
     graph = baseline.copy()
     done: set[int] = set()
-    for cand in targets:
+    for cand in (n for n in targets if n.op == "moe"):  # FP8 experts: the pass's own rule is round to nearest
+        why = _rtn_experts(graph, cand)
+        if why:
+            return None, why
+    for cand in (n for n in targets if n.op != "moe"):
         members = member_outputs(cand)
         if any((cand.op, name) not in where for name, _, _ in members):
             return None, f"the baseline holds no float linear for every member of {cand.source}"
@@ -243,6 +247,25 @@ def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, st
             replace_weight(graph, node, scheme, {**tensors, **shared}, attrs)
             done.add(i)
     return graph, ""
+
+
+def _rtn_experts(graph: Graph, cand: Node) -> str:
+    """The baseline moe node at ``cand``'s source given FP8 experts by round to nearest (in place on ``graph``, a
+    copy of the baseline); "" or why it cannot be."""
+    from kernels.torch_quant import quantize_experts_fp8
+
+    node = next((n for n in graph.nodes if n.op == "moe" and n.source == cand.source and "quant" not in n.attrs), None)
+    if node is None:
+        return f"the baseline holds no float moe layer at {cand.source}"
+    if cand.attrs["quant"].get("scheme") != "fp8":
+        return f"moe scheme {cand.attrs['quant'].get('scheme')} has no round-to-nearest counterpart (only fp8)"
+    for role in ("w_gate_up", "w_down"):
+        name = node.weights[role]
+        graph.params[f"{name}.qweight"], graph.params[f"{name}.weight_scale"] = quantize_experts_fp8(
+            graph.params[name])
+        node.weights[role], node.weights[f"{role}_scale"] = f"{name}.qweight", f"{name}.weight_scale"
+    node.attrs["quant"] = dict(cand.attrs["quant"])
+    return ""
 
 
 def rtn_graph(baseline: Graph, candidate: Graph) -> Graph | None:

@@ -55,14 +55,11 @@ def quantize_weight_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tenso
     return q, scale
 
 
-def quantize_experts_fp8(w: torch.Tensor, out_device: torch.device | str | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked expert weights [E, out, in] -> (e4m3 codes [E, out, in], fp32 scales [E, out]) on ``out_device``
-    (default w's): each expert's rows as :func:`quantize_weight_fp8` per channel, computed where w is, one expert
-    at a time (one expert's fp32 copy at most)."""
-    out_device = w.device if out_device is None else out_device
-    codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=out_device)
-    scales = torch.empty(w.shape[:2], dtype=torch.float32, device=out_device)
+def quantize_experts_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked expert weights [E, out, in] -> (e4m3 codes [E, out, in], fp32 scales [E, out]): each expert's rows
+    as :func:`quantize_weight_fp8` per channel, one expert at a time (one expert's fp32 copy at most)."""
+    codes = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    scales = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
     for e in range(w.shape[0]):
         codes[e], scales[e] = quantize_weight_fp8(w[e], per_channel=True)
     return codes, scales

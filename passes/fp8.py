@@ -4,7 +4,8 @@ Weights: scale = amax / 448 per tensor (default) or per output channel; codes ar
 ``float8_e4m3fn`` (max 448). Activations: dynamic per-token scales at run time (default), or a
 static per-tensor ``input_scale = amax / 448`` calibrated on the calibration set (max over all tokens).
 
-Mixture-of-experts layers (``moe`` nodes; option ``experts``, default on): every expert's gate/up and down
+Mixture-of-experts layers (``moe`` nodes; option ``experts``, default on, except in a section that quantizes the
+lm_head alone, where it must be set): every expert's gate/up and down
 weights become e4m3 codes with one scale per output channel (per expert), and their inputs are quantized per token
 at run time (dynamic, whatever ``activations`` says: a static scale per expert would need calibration tokens to
 reach every expert). The router stays in the model dtype. The section's targets / ignore patterns reach a moe
@@ -34,7 +35,7 @@ class FP8(QuantMethod):
         self.per_channel = options.get("weight_granularity", "tensor") == "channel"
         self.static = options.get("activations", "dynamic") == "static"
         self.needs_calibration = self.static
-        self.experts = bool(options.get("experts", True))
+        self.experts = options.get("experts")  # None: on, unless the section quantizes the lm_head alone
 
     def observe(self, index: int, node: Node, x: torch.Tensor) -> None:
         amax = x.detach().abs().amax().float()
@@ -51,16 +52,20 @@ class FP8(QuantMethod):
             "activations": "static" if self.static else "dynamic",
             "weight_granularity": "channel" if self.per_channel else "tensor"})
 
-    def quantize_experts(self, graph: Graph) -> dict[str, Any]:
-        targets, ignore = self.settings.targets, self.settings.ignore
-        chosen = [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs and self.experts
-                  and (not targets or _matches(targets, [n.source])) and not _matches(ignore, [n.source])]
+    experts_left = ("quantization.experts is false, the section quantizes the lm_head alone, or its targets / ignore "
+                    "leave those layers out")
+
+    def quantize_experts(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        linears = any(graph.nodes[i].op == "linear" for i in targets)
+        if self.experts is False or (self.experts is None and not linears):  # an lm_head-only section: asked
+            return {}
+        patterns, ignore = self.settings.targets, self.settings.ignore
+        chosen = [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs
+                  and (not patterns or _matches(patterns, [n.source])) and not _matches(ignore, [n.source])]
         for node in chosen:
             for role in ("w_gate_up", "w_down"):
                 old = node.weights[role]
-                # on the host: the build's device holds the float experts while the passes run (58 GB for a 30B
-                # mixture of experts), and the artifact writer reads host tensors
-                codes, scales = quantize_experts_fp8(graph.params[old], out_device="cpu")
+                codes, scales = quantize_experts_fp8(graph.params[old])  # where the experts are
                 graph.params[f"{old}.qweight"], graph.params[f"{old}.weight_scale"] = codes, scales
                 node.weights[role], node.weights[f"{role}_scale"] = f"{old}.qweight", f"{old}.weight_scale"
                 if not any(old in n.weights.values() for n in graph.nodes):

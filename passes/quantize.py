@@ -195,9 +195,12 @@ class QuantMethod(Pass):
     def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
         raise NotImplementedError
 
-    def quantize_experts(self, graph: Graph) -> dict[str, Any]:
-        """Quantize the experts of the graph's ``moe`` nodes this section reaches; a summary of what it did (empty:
-        the method leaves experts in the build dtype)."""
+    # why experts this method left are left, for the log
+    experts_left = "{name} does not quantize experts (fp8 does)"
+
+    def quantize_experts(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        """Quantize the experts of the graph's ``moe`` nodes this section reaches (``targets``: the linears and
+        lm_head it quantized); a summary of what it did (empty: the method leaves experts in the build dtype)."""
         return {}
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -240,13 +243,12 @@ class QuantMethod(Pass):
         left = [graph.nodes[i].source for i in targets if not self.is_applied(graph.nodes[i])]
         if left:
             raise PassError(f"{self.name}: these linears were selected but not quantized: {', '.join(left[:5])}")
-        experts = self.quantize_experts(graph)
+        experts = self.quantize_experts(graph, targets)
         left_moe = sum(n.op == "moe" and "quant" not in n.attrs for n in graph.nodes)
-        if left_moe and targets:  # a weight method that leaves them alone
-            log.warning("%s: the experts and routers of %d mixture-of-experts (moe) layers stay in %s (shared-expert "
-                        "linears are linears, selected as usual)%s", self.name, left_moe,
-                        graph.meta.get("dtype", "float"),
-                        "" if experts else f": {self.name} does not quantize experts (fp8 does)")
+        if left_moe and any(graph.nodes[i].op in ("linear", "lm_head") for i in targets):  # a weight method
+            log.warning("%s: the experts of %d mixture-of-experts (moe) layers stay in %s (shared-expert linears are "
+                        "linears, selected as usual): %s", self.name, left_moe, graph.meta.get("dtype", "float"),
+                        self.experts_left.format(name=self.name))
         summary = self.summary(graph, targets)
         summary.update(experts)
         return PassResult(graph, len(targets), len(targets), summary)

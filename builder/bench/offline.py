@@ -157,8 +157,8 @@ def _random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[i
 
 
 # A moe node's weights stacked per expert [num_experts, ...], of which a token reads its top_k experts' rows; the
-# router (gate_weight, gate_bias) is read whole.
-EXPERT_ROLES = ("w_gate_up", "w_down")
+# router (gate_weight, gate_bias) is read whole. FP8 experts' per-channel scales are stacked per expert too.
+EXPERT_ROLES = ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale")
 
 
 def decode_weight_bytes(graph: dict[str, Any], params: dict[str, torch.Tensor]) -> int:
@@ -170,7 +170,7 @@ def decode_weight_bytes(graph: dict[str, Any], params: dict[str, torch.Tensor]) 
         if node["op"] != "moe":
             continue
         num_experts, top_k = node["attrs"]["num_experts"], node["attrs"]["top_k"]
-        for role in EXPERT_ROLES:
+        for role in (r for r in EXPERT_ROLES if r in node["weights"]):
             t = params[node["weights"][role]]
             assert t.shape[0] == num_experts, f"{node['weights'][role]}: {tuple(t.shape)} is not stacked per expert"
             total -= tensor_bytes([t]) // num_experts * (num_experts - top_k)

@@ -385,6 +385,7 @@ def test_fp8_quantizes_moe_experts(build):
     channel (the router stays float), recorded in the node's quant attr and the summary; the quantized experts run
     (inputs quantized per token) close to the float model's logits, and the option experts: false, or an ignore
     pattern on the layer, leaves them float."""
+    from builder.quality import rtn_counterpart
     from passes import PassContext, run_passes
     from passes.ir import Graph, GraphError
     from runtime.executor import Executor, SeqSlice, StepInput
@@ -432,10 +433,26 @@ def test_fp8_quantizes_moe_experts(build):
         unscaled.params[name] = torch.ones_like(unscaled.params[name])
     assert (logits(unscaled) - ref).norm() / ref.norm() > 5 * err
 
+    # the gates' round-to-nearest counterpart rounds the baseline's experts by the pass's own rule: the same codes
+    rtn, why = rtn_counterpart(graph, quantized)
+    assert rtn is not None, why
+    rtn_moe = next(n for n in rtn.nodes if n.op == "moe")
+    for role in ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale"):
+        assert torch.equal(rtn.params[rtn_moe.weights[role]].float(), quantized.params[moe.weights[role]].float())
+
     for options in ({"experts": False}, {"ignore": ["re:mlp$"]}):
         kept, records = run_passes(graph.copy(), ["fp8"], PassContext(options={"fp8": options}))
         assert records[0].details["moe_layers_not_quantized"] == 1, options
         assert "quant" not in next(n for n in kept.nodes if n.op == "moe").attrs
+    # a section that quantizes the lm_head alone (the linears an earlier one's) leaves the experts unless asked
+    for experts, quantized_layers in ((None, 0), (True, 1)):
+        options = {"int8_wo": {}, "fp8": {"lm_head": True, **({} if experts is None else {"experts": experts})}}
+        both, records = run_passes(graph.copy(), ["int8_wo", "fp8"], PassContext(options=options))
+        assert records[1].details.get("moe_layers_quantized", 0) == quantized_layers, experts
+    # the FP8 KV cache's calibration runs the model through the fp8 experts after them
+    kv, records = run_passes(quantized.copy(), ["kv_cache_quant"], PassContext(
+        options={"kv_cache_quant": {"kv_cache_dtype": "fp8"}}, calibration=[ids.tolist()]))
+    assert all(n.attrs.get("kv_cache_dtype") == "fp8" for n in kv.nodes if n.op == "attention")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
