@@ -47,10 +47,14 @@ def precision_of(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
 def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     """The part of figure names that says what ran: the precision (:func:`precision_of`), after ``moe_`` when the
     graph has mixture-of-experts layers, before ``_qhead`` when the lm_head is quantized too (the stock baseline
-    keeps it in the model dtype)."""
-    moe = "moe_" if any(n["op"] == "moe" for n in graph["nodes"]) else ""
+    keeps it in the model dtype), and before ``_float_experts`` when the linears are quantized but the experts are not
+    (fp8 quantizes them by default: ``quantization.experts: false`` keeps them)."""
+    moe_nodes = [n for n in graph["nodes"] if n["op"] == "moe"]
     quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
-    return moe + precision_of(graph, manifest) + ("_qhead" if quant_head else "")
+    quantized = any((n.get("attrs") or {}).get("quant") for n in graph["nodes"] if n["op"] == "linear")
+    float_experts = quantized and any(not (n.get("attrs") or {}).get("quant") for n in moe_nodes)
+    return (("moe_" if moe_nodes else "") + precision_of(graph, manifest) + ("_qhead" if quant_head else "")
+            + ("_float_experts" if float_experts else ""))
 
 
 def device_name(device: torch.device | str) -> str:

@@ -250,3 +250,11 @@ def test_moe_figures_are_named_moe(moe_artifact, artifacts, tmp_path):
     manifest = json.loads((artifacts["llama"] / "manifest.json").read_text())
     assert figure_tag(graph, manifest) == "fp32"
     assert figure_tag(graph, {**manifest, "quantization": {"lm_head": "fp8"}}) == "fp32_qhead"
+    # quantized linears beside experts left in the model dtype say so; quantized experts are the default name
+    linear = {"op": "linear", "attrs": {"quant": {"scheme": "fp8"}}}
+    moe = {"op": "moe", "attrs": {}}
+    fp8 = {**manifest, "quantization": {"algo": "fp8", "lm_head": "none"}}
+    tag = figure_tag({"nodes": [linear, moe]}, fp8)
+    assert tag.startswith("moe_") and tag.endswith("_float_experts")
+    assert not figure_tag({"nodes": [linear, {"op": "moe", "attrs": {"quant": {"scheme": "fp8"}}}]},
+                          fp8).endswith("_float_experts")
