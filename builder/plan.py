@@ -321,18 +321,18 @@ def assign_methods(nodes: list[LinearNode], sections: list[QuantizationSection])
 
 def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection],
                       methods: list[Optional[QuantizationSection]]) -> list[int]:
-    """The sparse layers whose experts a section quantizes: an fp8 section with ``experts`` true, or unset and taking
-    a linear (``methods``: each linear node's section; an lm_head-only section quantizes experts only when asked),
-    whose targets / ignore reach the layer's ``model.layers.N.mlp``. Other methods leave experts in the model
-    dtype."""
+    """The sparse layers whose experts a section quantizes: an fp8 section whose targets / ignore reach the layer's
+    ``model.layers.N.mlp``, with ``experts`` true, or unset and taking a linear (``methods``: each linear node's
+    section) or naming the layer in its targets (an lm_head-only section quantizes experts only when asked). Other
+    methods leave experts in the model dtype."""
     from passes.quantize import _matches
 
     if shape.moe is None:
         return []
     takes = {id(m) for m in methods if m is not None}
     return [layer for layer in shape.moe.sparse_layers
-            if any(q.algo == "fp8" and (q.experts or (q.experts is None and id(q) in takes))
-                   and (not q.targets or _matches(q.targets, [name])) and not _matches(q.ignore, [name])
+            if any(q.algo == "fp8" and (not q.targets or _matches(q.targets, [name])) and not _matches(q.ignore, [name])
+                   and (q.experts or (q.experts is None and (id(q) in takes or bool(q.targets))))
                    for q in sections for name in [f"model.layers.{layer}.mlp"])]
 
 

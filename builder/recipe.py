@@ -153,8 +153,9 @@ class QuantizationSection(_Strict):
     weight_granularity: Optional[Literal["tensor", "channel"]] = None  # fp8 (default tensor)
     # fp8: also quantize mixture-of-experts experts (e4m3 codes, per-channel scales, activations quantized per token
     # at run time whatever `activations` says). Default: on, except in a section that quantizes the lm_head alone.
-    # Targets / ignore narrow the moe layers by module path (model.layers.N.mlp), but a section must still select a
-    # linear: experts alone are not a section yet. The router stays in the model dtype
+    # Targets / ignore reach the moe layers by module path (model.layers.N.mlp); a section whose targets name only
+    # moe layers (e.g. 're:layers.\d+.mlp$', which also names a merged dense gate/up) quantizes their experts alone.
+    # The router stays in the model dtype
     experts: Optional[bool] = None
     # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
     # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.

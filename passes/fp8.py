@@ -5,7 +5,8 @@ Weights: scale = amax / 448 per tensor (default) or per output channel; codes ar
 static per-tensor ``input_scale = amax / 448`` calibrated on the calibration set (max over all tokens).
 
 Mixture-of-experts layers (``moe`` nodes; option ``experts``, default on, except in a section that quantizes the
-lm_head alone, where it must be set): every expert's gate/up and down
+lm_head alone, where it must be set; a section whose targets name moe layers only, e.g. ``re:mlp$``, quantizes their
+experts alone): every expert's gate/up and down
 weights become e4m3 codes with one scale per output channel (per expert), and their inputs are quantized per token
 at run time (dynamic, whatever ``activations`` says: a static scale per expert would need calibration tokens to
 reach every expert). The router stays in the model dtype. The section's targets / ignore patterns reach a moe
@@ -55,13 +56,22 @@ class FP8(QuantMethod):
     experts_left = ("quantization.experts is false, the section quantizes the lm_head alone, or its targets / ignore "
                     "leave those layers out")
 
-    def quantize_experts(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
-        linears = any(graph.nodes[i].op == "linear" for i in targets)
-        if self.experts is False or (self.experts is None and not linears):  # an lm_head-only section: asked
-            return {}
+    def _reached(self, graph: Graph, linears: bool) -> list[Node]:
+        """The unquantized moe nodes whose experts this section quantizes: ``experts`` true and the targets / ignore
+        reach the node; or ``experts`` unset and, besides, the section takes a linear (``linears``) or its targets
+        name the node (a section that quantizes the lm_head alone leaves experts unless asked)."""
+        if self.experts is False:
+            return []
         patterns, ignore = self.settings.targets, self.settings.ignore
-        chosen = [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs
-                  and (not patterns or _matches(patterns, [n.source])) and not _matches(ignore, [n.source])]
+        return [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs
+                and (not patterns or _matches(patterns, [n.source])) and not _matches(ignore, [n.source])
+                and (self.experts or linears or (patterns and _matches(patterns, [n.source])))]
+
+    def selects_experts(self, graph: Graph) -> bool:
+        return bool(self.settings.targets) and bool(self._reached(graph, linears=False))
+
+    def quantize_experts(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
+        chosen = self._reached(graph, any(graph.nodes[i].op == "linear" for i in targets))
         for node in chosen:
             for role in ("w_gate_up", "w_down"):
                 old = node.weights[role]

@@ -112,12 +112,13 @@ def _shown(patterns: list[str]) -> str:
 
 
 def select_linears(graph: Graph, targets: list[str], ignore: list[str], section: str,
-                   warn: bool = True, allow_empty: bool = False) -> list[int]:
+                   warn: bool = True, allow_empty: bool = False, moe: bool = False) -> list[int]:
     """Indices of the linear nodes a quantization section selects: ``targets`` (empty = all) minus
     ``ignore``, minus linears an earlier section quantized.
 
     A section that selects nothing is a PassError naming its patterns, unless ``allow_empty`` (it
-    quantizes the lm_head); with ``warn``, a pattern that matches no linear at all is logged as a warning.
+    quantizes the lm_head, or experts); with ``warn``, a pattern that matches no linear at all (nor, with ``moe``:
+    the method quantizes experts, any moe layer's module path) is logged as a warning.
     """
     linears = [(i, member_names(n)) for i, n in enumerate(graph.nodes) if n.op == "linear"]
     targeted = [(i, names) for i, names in linears if not targets or _matches(targets, names)]
@@ -125,9 +126,10 @@ def select_linears(graph: Graph, targets: list[str], ignore: list[str], section:
     chosen = [i for i, _ in kept if "quant" not in graph.nodes[i].attrs]
     example = linears[0][1][-1] if linears else "model.layers.0.mlp.down_proj"
     if warn:
+        named = linears + ([(i, [n.source]) for i, n in enumerate(graph.nodes) if n.op == "moe"] if moe else [])
         for key, patterns in (("targets", targets), ("ignore", ignore)):
             for pattern in patterns:
-                if not any(_matches([pattern], names) for _, names in linears):
+                if not any(_matches([pattern], names) for _, names in named):
                     log.warning("%s: %s pattern '%s' matches no linear (names look like %r)", section, key,
                                 pattern, example)
     if chosen or allow_empty:
@@ -204,11 +206,18 @@ class QuantMethod(Pass):
         return {}
 
     # --- lifecycle -------------------------------------------------------------------------
+    def selects_experts(self, graph: Graph) -> bool:
+        """Whether this section's targets name moe layers whose experts it will quantize (a section may then select
+        no linear)."""
+        return False
+
     def select(self, graph: Graph, section: str, warn: bool = True) -> list[int]:
         """The nodes to quantize; ``section`` names the recipe section in errors."""
         head = select_lm_head(graph, section) if self.settings.lm_head else None
+        experts = self.selects_experts(graph)
         linears = select_linears(graph, self.settings.targets, self.settings.ignore, section, warn,
-                                 allow_empty=head is not None)
+                                 allow_empty=head is not None or experts, moe=type(self).selects_experts
+                                 is not QuantMethod.selects_experts)
         return linears + ([head] if head is not None else [])
 
     def prepare(self, graph: Graph, options: dict[str, Any], section: str | None = None,

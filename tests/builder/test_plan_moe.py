@@ -67,6 +67,10 @@ def test_plan_counts_fp8_experts_and_refuses_tp(tmp_path):
     # fp8 experts: e4m3 codes, an fp32 scale per output channel of each expert; the routers stay bf16
     assert plan.weights_breakdown["experts"] == 2 * e * (3 * h * inter + 4 * (2 * inter + h) + 2 * h)
     assert any("the experts of 2 of them in fp8" in n for n in plan.notes)
+    only = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16", "quantization.algo=fp8",
+                                                                     "quantization.targets=[re:layers.(0|2).mlp$]"]))
+    assert only.weights_breakdown["experts"] == plan.weights_breakdown["experts"]  # the sparse layers' experts alone
+    assert only.quantized_linears == {}
     for off in (["quantization.experts=false"], ["quantization.ignore=[re:mlp$]"]):  # the experts stay bf16
         kept = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16",
                                                                           "quantization.algo=fp8", *off]))

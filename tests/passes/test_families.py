@@ -444,6 +444,10 @@ def test_fp8_quantizes_moe_experts(build):
         kept, records = run_passes(graph.copy(), ["fp8"], PassContext(options={"fp8": options}))
         assert records[0].details["moe_layers_not_quantized"] == 1, options
         assert "quant" not in next(n for n in kept.nodes if n.op == "moe").attrs
+    # a section whose targets name the moe layer only quantizes its experts alone
+    alone, records = run_passes(graph.copy(), ["fp8"], PassContext(options={"fp8": {"targets": ["re:mlp$"]}}))
+    assert records[0].details["moe_layers_quantized"] == 1 and records[0].details["num_linears"] == 0
+    assert not any(n.attrs.get("quant") for n in alone.nodes if n.op == "linear")
     # a section that quantizes the lm_head alone (the linears an earlier one's) leaves the experts unless asked
     for experts, quantized_layers in ((None, 0), (True, 1)):
         options = {"int8_wo": {}, "fp8": {"lm_head": True, **({} if experts is None else {"experts": experts})}}
