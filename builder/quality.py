@@ -252,19 +252,14 @@ def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, st
 def _rtn_experts(graph: Graph, cand: Node) -> str:
     """The baseline moe node at ``cand``'s source given FP8 experts by round to nearest (in place on ``graph``, a
     copy of the baseline); "" or why it cannot be."""
-    from kernels.torch_quant import quantize_experts_fp8
+    from passes.fp8 import quantize_moe_fp8
 
     node = next((n for n in graph.nodes if n.op == "moe" and n.source == cand.source and "quant" not in n.attrs), None)
     if node is None:
         return f"the baseline holds no float moe layer at {cand.source}"
     if cand.attrs["quant"].get("scheme") != "fp8":
         return f"moe scheme {cand.attrs['quant'].get('scheme')} has no round-to-nearest counterpart (only fp8)"
-    for role in ("w_gate_up", "w_down"):
-        name = node.weights[role]
-        graph.params[f"{name}.qweight"], graph.params[f"{name}.weight_scale"] = quantize_experts_fp8(
-            graph.params[name])
-        node.weights[role], node.weights[f"{role}_scale"] = f"{name}.qweight", f"{name}.weight_scale"
-    node.attrs["quant"] = dict(cand.attrs["quant"])
+    quantize_moe_fp8(graph, node)  # the copy's params only: the baseline keeps its float experts
     return ""
 
 

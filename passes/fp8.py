@@ -53,6 +53,7 @@ class FP8(QuantMethod):
             "activations": "static" if self.static else "dynamic",
             "weight_granularity": "channel" if self.per_channel else "tensor"})
 
+    quantizes_experts = True
     experts_left = ("quantization.experts is false, the section quantizes the lm_head alone, or its targets / ignore "
                     "leave those layers out")
 
@@ -73,15 +74,21 @@ class FP8(QuantMethod):
     def quantize_experts(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         chosen = self._reached(graph, any(graph.nodes[i].op == "linear" for i in targets))
         for node in chosen:
-            for role in ("w_gate_up", "w_down"):
-                old = node.weights[role]
-                codes, scales = quantize_experts_fp8(graph.params[old])  # where the experts are
-                graph.params[f"{old}.qweight"], graph.params[f"{old}.weight_scale"] = codes, scales
-                node.weights[role], node.weights[f"{role}_scale"] = f"{old}.qweight", f"{old}.weight_scale"
-                if not any(old in n.weights.values() for n in graph.nodes):
-                    graph.params.pop(old, None)
-            node.attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}
+            quantize_moe_fp8(graph, node)
         if not chosen:
             return {}
         return {"moe_layers_quantized": len(chosen),
                 "moe_experts": "fp8 e4m3 codes, per-channel scales per expert, activations quantized per token"}
+
+
+def quantize_moe_fp8(graph: Graph, node: Node) -> None:
+    """A moe node's experts as FP8 in place (codes and scales where the float experts were, named
+    ``<name>.qweight`` / ``<name>.weight_scale``); the float tensors leave ``graph.params`` unless another node
+    reads them."""
+    for role in ("w_gate_up", "w_down"):
+        old = node.weights[role]
+        graph.params[f"{old}.qweight"], graph.params[f"{old}.weight_scale"] = quantize_experts_fp8(graph.params[old])
+        node.weights[role], node.weights[f"{role}_scale"] = f"{old}.qweight", f"{old}.weight_scale"
+        if not any(old in n.weights.values() for n in graph.nodes):
+            graph.params.pop(old, None)
+    node.attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}

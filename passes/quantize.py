@@ -197,6 +197,7 @@ class QuantMethod(Pass):
     def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
         raise NotImplementedError
 
+    quantizes_experts = False  # whether quantize_experts / selects_experts do anything (targets may name moe layers)
     # why experts this method left are left, for the log
     experts_left = "{name} does not quantize experts (fp8 does)"
 
@@ -216,8 +217,7 @@ class QuantMethod(Pass):
         head = select_lm_head(graph, section) if self.settings.lm_head else None
         experts = self.selects_experts(graph)
         linears = select_linears(graph, self.settings.targets, self.settings.ignore, section, warn,
-                                 allow_empty=head is not None or experts, moe=type(self).selects_experts
-                                 is not QuantMethod.selects_experts)
+                                 allow_empty=head is not None or experts, moe=self.quantizes_experts)
         return linears + ([head] if head is not None else [])
 
     def prepare(self, graph: Graph, options: dict[str, Any], section: str | None = None,
