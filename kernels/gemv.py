@@ -118,6 +118,14 @@ DENSE_RUNTIME_MAX_ROWS = int(_DENSE_ROWS)
 # docs/BENCHMARKS.md, session 19): a one-row norm that quantizes is one program doing two passes, where each GEMV
 # program's own max over x (from L2) overlaps its weight prefetch
 GEMV_PREQUANT = os.environ.get("KERNELS_GEMV_PREQUANT", "0") == "1"
+# KERNELS_GEMV_WEIGHT_LOAD: the cache hints of the dense and W8A8 GEMVs' weight loads, for A/B runs: "default",
+# "cg" (L2 only: no L1 line for bytes read once), "evict_first" (the first lines to go from the caches)
+_WEIGHT_LOADS = {"default": ("", ""), "cg": (".cg", ""), "evict_first": ("", "evict_first")}
+_WEIGHT_LOAD = os.environ.get("KERNELS_GEMV_WEIGHT_LOAD", "default")
+if _WEIGHT_LOAD not in _WEIGHT_LOADS:
+    raise ValueError(f"KERNELS_GEMV_WEIGHT_LOAD={_WEIGHT_LOAD!r}: expected one of {', '.join(_WEIGHT_LOADS)}")
+_W_CACHE = tl.constexpr(_WEIGHT_LOADS[_WEIGHT_LOAD][0])
+_W_EVICT = tl.constexpr(_WEIGHT_LOADS[_WEIGHT_LOAD][1])
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,15 @@ def default_gemv_config(kernel: str, num_rows: int, device: torch.device, bits: 
 
 
 # --- kernels ---------------------------------------------------------------------------------------
+@triton.jit
+def _load_weights(ptrs, mask, MASKED: tl.constexpr):
+    """:func:`_load` of weight bytes, with the KERNELS_GEMV_WEIGHT_LOAD cache hints."""
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=_W_CACHE, eviction_policy=_W_EVICT)
+    else:
+        return tl.load(ptrs, cache_modifier=_W_CACHE, eviction_policy=_W_EVICT)
+
+
 @triton.jit
 def _load(ptrs, mask, MASKED: tl.constexpr):
     """tl.load, masked (other=0) only where the shapes leave a ragged tile: unmasked loads need no predicates."""
@@ -503,7 +520,7 @@ def _w8a8_gemv_kernel(
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
         offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w = _load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask_n[:, None] & mask_k[None, :],
+        w = _load_weights(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask_n[:, None] & mask_k[None, :],
                   not (EVEN_N and EVEN_K))  # [BLOCK_N, BLOCK_K]
         if INT8:
             w = w.to(tl.int32)
@@ -611,7 +628,7 @@ def _dense_gemv_kernel(
     for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
         offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        w = _load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask_n[:, None] & mask_k[None, :],
+        w = _load_weights(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask_n[:, None] & mask_k[None, :],
                   not (EVEN_N and EVEN_K)).to(tl.float32)  # [BLOCK_N, BLOCK_K]
         acc0 = _dot_chunks(acc0, w, _dense_x_step(x_ptr, offs_k, mask_k, K, GATED, not EVEN_K), VEC)
         if ROWS > 1:

@@ -85,7 +85,7 @@ class FragConfig:
 
     warps: int = 4  # warps (32 output features each) per program
     split_k: int = 0  # programs sharing a tile's K range; 0 = about _PROGRAMS_PER_SM programs per SM
-    depth: int = 2  # K iterations (1 KB of weights per warp each) loaded ahead of the MMAs: 1 or 2
+    depth: int = 2  # K iterations (1 KB of weights per warp each) loaded ahead of the MMAs: 1 to 4
 
 
 def supports(bits: int, group_size: int, in_features: int, out_features: int) -> bool:
@@ -341,6 +341,23 @@ and.b32 c, lane, 3;
 _LANE_REGS = ".reg .u32 tid, lane, warp, g, c;\n.reg .u64 a, o;\n"
 
 
+# The codes' load instruction: the read-only path without an L1 line (bytes read once; the x rows every warp reads
+# stay in L1). Measured on an H100 (docs/BENCHMARKS.md, session 21): one layer's four linears at one row 57.4 against
+# 60.5 us with plain .nc, AWQ int4 batch-1 decode 374.7 against 368.2 tok/s. KERNELS_FRAG_LOAD picks another for
+# A/B runs.
+_LOAD_OPS = {
+    "nc_na": "ld.global.nc.L1::no_allocate.v4.b32",
+    "nc": "ld.global.nc.v4.b32",
+    "nc_256": "ld.global.nc.L2::256B.v4.b32",  # the L2 fetches 256-byte blocks from HBM
+    "nc_na_256": "ld.global.nc.L1::no_allocate.L2::256B.v4.b32",
+    "cs": "ld.global.cs.v4.b32",  # streaming (evict first)
+    "plain": "ld.global.v4.b32",
+}
+_LOAD_OP = os.environ.get("KERNELS_FRAG_LOAD", "nc_na")
+if _LOAD_OP not in _LOAD_OPS:
+    raise ValueError(f"KERNELS_FRAG_LOAD={_LOAD_OP!r}: expected one of {', '.join(_LOAD_OPS)}")
+
+
 def _load_weights_ptx() -> str:
     """$0..$15 <- the lane's 64 bytes of one K iteration (2 tiles x 2 chunks): $16 the program's first tile at
     this iteration (u8*), $17 bytes between tiles."""
@@ -351,12 +368,12 @@ add.u64 a, a, $16;
 mul.wide.u32 o, lane, 16;
 add.u64 a, a, o;
 cvt.u64.u32 o, $17;
-ld.global.nc.v4.b32 {$0, $1, $2, $3}, [a];
-ld.global.nc.v4.b32 {$4, $5, $6, $7}, [a+512];
+LD {$0, $1, $2, $3}, [a];
+LD {$4, $5, $6, $7}, [a+512];
 add.u64 a, a, o;
-ld.global.nc.v4.b32 {$8, $9, $10, $11}, [a];
-ld.global.nc.v4.b32 {$12, $13, $14, $15}, [a+512];
-}""")
+LD {$8, $9, $10, $11}, [a];
+LD {$12, $13, $14, $15}, [a+512];
+}""").replace("LD", _LOAD_OPS[_LOAD_OP])
 
 
 def _load_x_ptx(batch_tiles: int, regs: int = 16) -> str:
@@ -698,17 +715,38 @@ def _w4a16_frag_kernel(
     lanes = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element per thread: each PTX block runs once per thread
     col0 = pid_n * WARPS * 32  # the program's first output feature
     ITER_K: tl.constexpr = 512 // BITS
-    tile_bytes = lanes + 2 * BITS * K  # 16 rows of K BITS / 8 bytes
     first = pid_k * iters_per_split
     num_iters = min(iters_per_split, K // ITER_K - first)
     last = first + num_iters - 1
+    tile_bytes = lanes + 2 * BITS * K  # 16 rows of K BITS / 8 bytes
     w_base = qw_ptr + col0 * (K * BITS // 8)
     w = _load_w(w_base + first * 1024 + lanes, tile_bytes)  # weights are constants: before the wait
     w1 = w
-    if DEPTH == 2:
+    w2 = w
+    w3 = w
+    if DEPTH >= 2:
         w1 = _load_w(w_base + min(first + 1, last) * 1024 + lanes, tile_bytes)
+    if DEPTH >= 3:
+        w2 = _load_w(w_base + min(first + 2, last) * 1024 + lanes, tile_bytes)
+    if DEPTH >= 4:
+        w3 = _load_w(w_base + min(first + 3, last) * 1024 + lanes, tile_bytes)
+    # the groups' scales and zeros are constants too, loaded DEPTH iterations ahead like the codes (one ahead, they
+    # would chain each iteration to an HBM round trip whatever the codes' depth)
     grp = _load_group(_addr(s_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes),
                       z_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes, BITS)
+    g1 = grp
+    g2 = grp
+    g3 = grp
+    if not ONE_GROUP:
+        if DEPTH >= 2:
+            g1 = _load_group(_addr(s_ptr + min(first + 1, last) * N + col0 + lanes),
+                             z_ptr + min(first + 1, last) * N + col0 + lanes, BITS)
+        if DEPTH >= 3:
+            g2 = _load_group(_addr(s_ptr + min(first + 2, last) * N + col0 + lanes),
+                             z_ptr + min(first + 2, last) * N + col0 + lanes, BITS)
+        if DEPTH >= 4:
+            g3 = _load_group(_addr(s_ptr + min(first + 3, last) * N + col0 + lanes),
+                             z_ptr + min(first + 3, last) * N + col0 + lanes, BITS)
     wait_prior(PDL)  # x and the partials are the preceding kernels'
     m = lanes + M
     x_stride = lanes + stride_xm * 2
@@ -717,19 +755,43 @@ def _w4a16_frag_kernel(
     for i in range(0, num_iters):
         it = first + i
         nxt = min(it + 1, last)
-        w2 = _load_w(w_base + min(it + DEPTH, last) * 1024 + lanes, tile_bytes)
+        wn = _load_w(w_base + min(it + DEPTH, last) * 1024 + lanes, tile_bytes)
         x2 = _load_x(_addr(x_ptr + nxt * ITER_K + lanes), x_stride, m, BATCH_TILES, BITS)
-        grp2 = grp
+        gn = grp
         if not ONE_GROUP:
-            grp2 = _load_group(_addr(s_ptr + nxt * N + col0 + lanes), z_ptr + nxt * N + col0 + lanes, BITS)
+            ahead = min(it + DEPTH, last)
+            gn = _load_group(_addr(s_ptr + ahead * N + col0 + lanes), z_ptr + ahead * N + col0 + lanes, BITS)
         t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS)
-        if DEPTH == 2:
+        if DEPTH == 1:
+            w = wn
+        elif DEPTH == 2:
+            w = w1
+            w1 = wn
+        elif DEPTH == 3:
             w = w1
             w1 = w2
+            w2 = wn
         else:
-            w = w2
+            w = w1
+            w1 = w2
+            w2 = w3
+            w3 = wn
         x = x2
-        grp = grp2
+        if not ONE_GROUP:
+            if DEPTH == 1:
+                grp = gn
+            elif DEPTH == 2:
+                grp = g1
+                g1 = gn
+            elif DEPTH == 3:
+                grp = g1
+                g1 = g2
+                g2 = gn
+            else:
+                grp = g1
+                g1 = g2
+                g2 = g3
+                g3 = gn
     _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP,
                     BITS)
     # the last program of this column range (all of it without a split) adds the partials in split order; the
@@ -759,14 +821,34 @@ def _w4a16_frag_kernel(
 # --- host side -------------------------------------------------------------------------------------
 # Picked by rows of x (the first bound >= M), from ``python -m kernels.bench.gemm --frag`` on an H100 at the
 # Llama-3-8B shapes: 4 warps, K split for about _PROGRAMS_PER_SM programs per SM, one K iteration loaded ahead
-# (two ahead was no faster: 1 KB per warp and iteration, ~20 warps per SM, is enough in flight).
+# (two to four ahead were slower, codes and groups alike; with the compute taken out the same loads still read at
+# ~2.6 TB/s: the kernel is bound by the memory side and its fixed costs, not by bytes in flight; session 21).
 _CUDA_CONFIGS: list[tuple[int, FragConfig]] = [
     (ROWS_PER_MMA * 4, FragConfig(warps=4, split_k=0, depth=1)),
 ]
 
 
+def _env_config(value: str | None) -> FragConfig | None:
+    """KERNELS_FRAG_CONFIG="WARPS/SPLIT_K/DEPTH" (e.g. 4/0/2; split 0: auto): one configuration for every row count,
+    for A/B runs of the whole decode step."""
+    if not value:
+        return None
+    parts = value.split("/")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise ValueError(f"KERNELS_FRAG_CONFIG={value!r}: expected WARPS/SPLIT_K/DEPTH, e.g. 4/0/2")
+    warps, split_k, depth = map(int, parts)
+    if warps not in (1, 2, 4, 8) or not 1 <= depth <= 4 or split_k > _MAX_SPLIT_K:
+        raise ValueError(f"KERNELS_FRAG_CONFIG={value!r}: warps take 1, 2, 4 or 8, depth 1-4, split_k 0-{_MAX_SPLIT_K}")
+    return FragConfig(warps=warps, split_k=split_k, depth=depth)
+
+
+_ENV_CONFIG = _env_config(os.environ.get("KERNELS_FRAG_CONFIG"))
+
+
 def default_frag_config(num_rows: int, device: torch.device, out_features: int = 0) -> FragConfig:
     """The configuration for ``num_rows`` rows of x."""
+    if _ENV_CONFIG is not None:
+        return _ENV_CONFIG
     return next((cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound), _CUDA_CONFIGS[-1][1])
 
 
@@ -802,6 +884,8 @@ def w4a16_frag(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: torch.Tensor, cfg: FragConfig) -> None:
     num_rows, n = y.shape
+    if not 1 <= cfg.depth <= 4:
+        raise ValueError(f"FragConfig.depth is {cfg.depth}; the kernel loads 1 to 4 K iterations ahead")
     warps = cfg.warps
     while (n // WARP_N) % warps:
         warps //= 2

@@ -60,6 +60,8 @@
 #                  "- KERNELS_PDL=0 KERNELS_PREFETCH=0"), run $AB_ROUNDS times (default 2) in turn, JSON lines tagged
 #                  with the setting in $OUT/ab_PREC.jsonl
 #   mma-ab         the W4A16 kernel table at 1 and 16 rows under each setting of $AB_SETTINGS (kernel-level A/B)
+#   frag-ab        the frag W4A16 kernel at one row (default config) under each setting of $AB_SETTINGS (default
+#                  "- KERNELS_PDL_EARLY=1")
 #   tree-ab-PREC   PREC's latency (TTFT, batch 1 and the decode step at each of $STEP_BATCH_SIZES, default 96) and
 #                  128/128 throughput at $THROUGHPUT_CONCURRENCY (default 256; empty: none) from this tree (recorded) and from the
 #                  source tree at $AB_TREE (e.g. `git archive BASE | tar -x -C abtree`, carried; printed, tagged
@@ -312,6 +314,13 @@ PY
         echo "--- setting $setting"
         env "${envs[@]}" python3 -m kernels.bench.gemm --mma --bits 4 --rows 1 16 2>&1 | tee -a "$OUT/mma_ab.txt" \
           | grep -v Warning | tail -n 12
+      done ;;
+    frag-ab)
+      for setting in ${AB_SETTINGS:-- KERNELS_PDL_EARLY=1}; do
+        envs=(); [ "$setting" = - ] || IFS=, read -ra envs <<< "$setting"
+        echo "--- setting $setting" | tee -a "$OUT/frag_ab.txt"
+        env "${envs[@]}" python3 -m kernels.bench.gemm --frag --no-sweep --rows 1 2>&1 | tee -a "$OUT/frag_ab.txt" \
+          | grep -v Warning | grep -v dequantize | tail -n 6
       done ;;
     stock-*)
       ckpt

@@ -452,7 +452,7 @@ FRAG_ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
 def frag_candidates() -> list[FragConfig]:
-    return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2) for s in (0, 2, 4, 8, 12, 16)]
+    return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2, 4) for s in (0, 2, 4, 8, 12, 16)]
 
 
 def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,

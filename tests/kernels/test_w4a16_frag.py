@@ -193,7 +193,8 @@ def test_kernel_on_cuda(m, n, k, group_size, bits):
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
     bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
     ref = ref_w4a16_linear(x, **passes, bias=bias).float()
-    for cfg in (None, FragConfig(split_k=1, depth=1), FragConfig(warps=2, split_k=3)):
+    for cfg in (None, FragConfig(split_k=1, depth=1), FragConfig(warps=2, split_k=3), FragConfig(split_k=5, depth=3),
+                FragConfig(warps=8, depth=4)):
         y = w4a16_frag(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
@@ -269,3 +270,13 @@ def test_dequantize_frag_by_words_on_cuda(n, k, group_size, bits):
     assert torch.equal(dequantize_frag(**packed, dtype=torch.float32), ref)
     assert torch.equal(dequantize_frag(**packed, dtype=torch.bfloat16),
                        dequantize_frag(**packed, dtype=torch.bfloat16, by_words=False))
+
+
+def test_env_config_parses_and_refuses():
+    from kernels.w4a16_frag import _env_config
+
+    assert _env_config(None) is None and _env_config("") is None
+    assert _env_config("8/0/4") == FragConfig(warps=8, split_k=0, depth=4)
+    for bad in ("4/0", "4/0/5", "3/0/1", "a/b/c", "4/99/1"):
+        with pytest.raises(ValueError, match="KERNELS_FRAG_CONFIG"):
+            _env_config(bad)
