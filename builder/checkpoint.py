@@ -463,9 +463,15 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
     # Conv1D weights (GPT-2), stored [in, out]: the graph's linears hold them [out, in] like every other linear's, so
     # they are transposed once, here, and the artifact stores them so
     transposed = set(graph.meta.pop("transposed_weights", ()))
+    # gpt-oss's experts, stored [E, in, out] with gate / up interleaved: converted once to the moe op's layout
+    moe_layouts = graph.meta.pop("moe_weight_layouts", {})
+    if moe_layouts:
+        from passes.lift import moe_layout_convert, moe_layout_shape
     for name, stored in wanted.items():
         expected = tuple(graph.params[name].shape)
         expected = expected[::-1] if name in transposed else expected
+        if name in moe_layouts:
+            expected = moe_layout_shape(moe_layouts[name], expected)  # [E, out, in] -> [E, in, out]; biases as held
         if isinstance(stored, Conversion):  # its tensors are its alone: let go of them (copies, when cast) once used
             tensor = _convert(stored, {n: tensors.pop(n) for n in stored.names()}, name, ckpt.path)
         else:
@@ -475,6 +481,8 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
                     if isinstance(stored, Conversion) else f"tensor {stored!r}")
             raise CheckpointError(f"{ckpt.path}: {what} has shape {tuple(tensor.shape)}, config.json implies "
                                   f"{expected}")
+        if name in moe_layouts:
+            tensor = moe_layout_convert(moe_layouts[name], tensor)
         graph.params[name] = tensor.t().contiguous() if name in transposed else tensor
     graph.meta["dtype"] = str(dtype).removeprefix("torch.")
     return imported

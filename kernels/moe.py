@@ -60,7 +60,8 @@ from kernels.w4a16_gemm import _interpreting, grouped_tile
 from kernels.w8a8_gemm import _round_e4m3
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh")  # the IR's, in the kernels' ACT numbering
+# the IR's moe activations (passes.ir.MOE_ACTIVATIONS), in the kernels' ACT numbering; clamped_swiglu is gpt-oss's
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh", "clamped_swiglu")
 _CHUNK_ELEMS = 8192  # slots x experts compared per plan program (a [E, CHUNK] one-hot)
 
 
@@ -239,11 +240,26 @@ def _tanh(v):
 
 
 @triton.jit
-def _act_mul(g, u, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
+def _sigmoid(v):
+    """sigmoid of fp32 v without overflow for large |v|."""
+    e = tl.exp(-tl.abs(v))  # in (0, 1]
+    return tl.where(v >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def _act_mul(g, u, alpha, limit, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
     """act(g) * u in g's dtype with the reference's roundings: act in fp32 rounded to the dtype, then the product
-    in fp32 rounded (ACT numbers ``ACTIVATIONS``: silu, gelu, gelu_tanh, relu, sigmoid, tanh)."""
+    in fp32 rounded (ACT numbers ``ACTIVATIONS``: silu, gelu, gelu_tanh, relu, sigmoid, tanh). ACT 6, clamped_swiglu
+    (gpt-oss): (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit), each op rounded."""
     dtype = g.dtype
     gf = g.to(tl.float32)
+    if ACT == 6:
+        gf = tl.minimum(gf, limit)
+        uf = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
+        sig = _round(_sigmoid(_round(gf * alpha, dtype, EMULATE_BF16).to(tl.float32)), dtype, EMULATE_BF16)
+        glu = _round(gf * sig.to(tl.float32), dtype, EMULATE_BF16).to(tl.float32)
+        up1 = _round(uf + 1.0, dtype, EMULATE_BF16).to(tl.float32)
+        return _round(up1 * glu, dtype, EMULATE_BF16)
     if ACT == 0 or ACT == 4:
         e = tl.exp(-tl.abs(gf))  # in (0, 1]: no overflow for large |g|
         a = tl.where(gf >= 0, 1.0 / (1.0 + e), e / (1.0 + e))  # sigmoid
@@ -313,12 +329,13 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M: tl.cons
 @triton.jit
 def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
                    num_slots, num_experts, num_rows, N, K,
-                   stride_xm, stride_we, stride_wn, stride_hm, ws_ptr,
+                   stride_xm, stride_we, stride_wn, stride_hm, ws_ptr, b_ptr, alpha, limit,
                    TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                   FP8: tl.constexpr,
+                   FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]. FP8: w holds e4m3 codes, ws [E, 2N]
-    # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter)
+    # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter).
+    # HAS_BIAS: b [E, 2N] added to the gate and up outputs once rounded (the reference adds in x's dtype)
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
     if expert >= num_experts:  # a block past the routing's own
@@ -347,17 +364,25 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
         acc_gate = acc_gate * x_scale[:, None] * tl.load(ws, mask=mask_n, other=0.0)[None, :]
         acc_up = acc_up * x_scale[:, None] * tl.load(ws + N, mask=mask_n, other=0.0)[None, :]
     dtype = h_ptr.dtype.element_ty
-    h = _act_mul(_round(acc_gate, dtype, EMULATE_BF16), _round(acc_up, dtype, EMULATE_BF16), ACT, EMULATE_BF16)
+    gate, up = _round(acc_gate, dtype, EMULATE_BF16), _round(acc_up, dtype, EMULATE_BF16)
+    if HAS_BIAS:
+        bias = b_ptr + expert * 2 * N + offs_n
+        gate = _round(gate.to(tl.float32) + tl.load(bias, mask=mask_n, other=0.0).to(tl.float32)[None, :], dtype,
+                      EMULATE_BF16)
+        up = _round(up.to(tl.float32) + tl.load(bias + N, mask=mask_n, other=0.0).to(tl.float32)[None, :], dtype,
+                    EMULATE_BF16)
+    h = _act_mul(gate, up, alpha, limit, ACT, EMULATE_BF16)
     tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h, mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                      num_slots, num_experts, num_rows, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr,
-                     IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr,
+                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr,
+                     IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N]
+    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N].
+    # HAS_BIAS: b [E, N] added to the rounded output, rounded again
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
     if expert >= num_experts:
@@ -378,8 +403,12 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
         acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
     if FP8:
         acc = acc * x_scale[:, None] * tl.load(ws_ptr + expert * N + offs_n, mask=mask_n, other=0.0)[None, :]
-    tl.store(y_ptr + tl.where(valid, slots, 0)[:, None] * stride_ym + offs_n[None, :],
-             _round(acc, y_ptr.dtype.element_ty, EMULATE_BF16), mask=valid[:, None] & mask_n[None, :])
+    out = _round(acc, y_ptr.dtype.element_ty, EMULATE_BF16)
+    if HAS_BIAS:
+        b = tl.load(b_ptr + expert * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        out = _round(out.to(tl.float32) + b[None, :], y_ptr.dtype.element_ty, EMULATE_BF16)
+    tl.store(y_ptr + tl.where(valid, slots, 0)[:, None] * stride_ym + offs_n[None, :], out,
+             mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -409,7 +438,9 @@ def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
 
 # --- entry points ----------------------------------------------------------------------------------------
 def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, activation: str,
-                  w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None) -> None:
+                  w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None,
+                  b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
+                  swiglu_limit: float = 0.0) -> None:
     if not (x.is_cuda or _interpreting()):
         raise RuntimeError("fused_moe runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops.moe "
                            "on the CPU")
@@ -444,6 +475,13 @@ def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         raise ValueError(f"top_k {top_k} is not in 1..{num_experts} (the number of experts)")
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; known: {', '.join(ACTIVATIONS)}")
+    if activation == "clamped_swiglu" and not swiglu_limit > 0:
+        raise ValueError(f"clamped_swiglu needs swiglu_limit > 0, got {swiglu_limit}")
+    for name, b, shape in (("b_gate_up", b_gate_up, (num_experts, two_inter)),
+                           ("b_down", b_down, (num_experts, hidden))):
+        if b is not None and (tuple(b.shape) != shape or not b.is_floating_point()):
+            raise ValueError(f"{name} is {b.dtype} {tuple(b.shape)}; expected a floating-point [E, "
+                             f"{'2 * I' if name == 'b_gate_up' else 'hidden'}] = {shape}")
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -453,13 +491,17 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                   w_down: torch.Tensor, norm_topk_prob: bool = True, activation: str = "silu",
                   round_weights: bool = False, *, w_gate_up_scale: torch.Tensor | None = None,
-                  w_down_scale: torch.Tensor | None = None, config: MoeConfig | None = None) -> torch.Tensor:
+                  w_down_scale: torch.Tensor | None = None, b_gate_up: torch.Tensor | None = None,
+                  b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0,
+                  config: MoeConfig | None = None) -> torch.Tensor:
     """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
     top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype.
     FP8 experts: float8_e4m3fn w_gate_up / w_down with their fp32 per-channel scales ``w_gate_up_scale`` [E, 2 * I]
-    and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s)."""
+    and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s). Expert biases and the clamped SwiGLU as the
+    reference's."""
     top_k = experts.shape[-1]
-    _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale)
+    _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
+                  swiglu_limit)
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be "
                          f"[{x.shape[0]}, top_k]")
@@ -483,16 +525,20 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     # ws: [E, 2I] / [E, hidden] contiguous scales; unread (any pointer) without FP8
     ws_up, ws_down = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (w_gate_up, w_down)
     launch = dict(FP8=fp8, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    b_up = b_gate_up.contiguous() if b_gate_up is not None else w_gate_up  # unread (any pointer) without a bias
+    b_dn = b_down.contiguous() if b_down is not None else w_down
     grid_up = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _moe_up_kernel[grid_up](
         x, w_gate_up, h, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, inter, hidden,
-        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ws_up,
-        TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
+        x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ws_up, b_up, float(swiglu_alpha),
+        float(swiglu_limit), TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
+        HAS_BIAS=b_gate_up is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     grid_down = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(hidden, cfg.down_block_n),)
     _moe_down_kernel[grid_down](
         h, w_down, y, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, IEEE=ieee, EMULATE_BF16=emulate,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, b_dn, IEEE=ieee, EMULATE_BF16=emulate,
+        HAS_BIAS=b_down is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
     weights = weights.float().contiguous()
     block_n = 32 if _interpreting() else min(1024, triton.next_power_of_2(hidden))
@@ -506,20 +552,27 @@ def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tenso
               scoring: str = "softmax", norm_topk_prob: bool = True, activation: str = "silu",
               gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
               w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
-              config: MoeConfig | None = None) -> torch.Tensor:
-    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 experts included) with nothing read
-    on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a CUDA graph."""
-    _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale)
+              b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
+              swiglu_limit: float = 0.0, config: MoeConfig | None = None) -> torch.Tensor:
+    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 experts, expert biases and the
+    clamped SwiGLU included) with nothing read on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a
+    CUDA graph."""
+    _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
+                  swiglu_limit)
     # the reference's router, renormalisation left to the sum kernel: [T, top_k] fp32 scores and int64 experts
     weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False)
     return fused_experts(x, weights, experts, w_gate_up, w_down, norm_topk_prob, activation, round_weights,
-                         w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, config=config)
+                         w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
+                         b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, config=config)
 
 
 def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
             scoring: str = "softmax", norm_topk_prob: bool = True, activation: str = "silu",
             gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
-            w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+            w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
+            b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
+            swiglu_limit: float = 0.0) -> torch.Tensor:
     """The torch reference (the runtime's CPU path)."""
     return ops.moe(x, gate_weight, w_gate_up, w_down, top_k, scoring, norm_topk_prob, activation, gate_bias,
-                   round_weights, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale)
+                   round_weights, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
+                   b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)

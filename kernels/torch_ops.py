@@ -196,10 +196,20 @@ def expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None
     return ((xq.float() @ w.float().t()) * x_scale * w_scale.float()[None, :]).to(x.dtype)
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert gating: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), in
+    gate's dtype (each op rounded, as transformers computes it)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
         scoring: str = "softmax", norm_topk_prob: bool = True, activation_fn: str = "silu",
         gate_bias: torch.Tensor | None = None, round_weights: bool = False,
-        w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
+        w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
+        b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
+        swiglu_limit: float = 0.0) -> torch.Tensor:
     """The ``moe`` op: x [T, hidden] routed to its top_k experts, each expert run on the tokens routed to it.
 
     w_gate_up: [num_experts, 2 * intermediate, hidden] (gate rows, then up rows); w_down: [num_experts, hidden,
@@ -209,6 +219,9 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
     FP8 experts: w_gate_up / w_down hold float8_e4m3fn codes and ``w_gate_up_scale`` [num_experts, 2 *
     intermediate] / ``w_down_scale`` [num_experts, hidden] their per-channel fp32 scales; each projection's input
     rows are quantized per token (:func:`expert_linear`). The router stays in x's dtype.
+    Expert biases (gpt-oss): ``b_gate_up`` [num_experts, 2 * intermediate] and ``b_down`` [num_experts, hidden], each
+    added to its projection's output in x's dtype. ``activation_fn`` "clamped_swiglu": :func:`clamped_swiglu` with
+    ``swiglu_alpha`` and ``swiglu_limit`` instead of act(gate) * up.
     NOTE: the per-expert token counts are read on the host (one sync per call), so this cannot be captured in a
     CUDA graph.
     """
@@ -228,9 +241,16 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
             continue
         rows = order[start:start + n]
         start += n
-        gate, up = expert_linear(x[rows // top_k], w_gate_up[e],
-                                 None if w_gate_up_scale is None else w_gate_up_scale[e]).chunk(2, dim=-1)
-        out = expert_linear(activation(gate, activation_fn) * up, w_down[e],
-                            None if w_down_scale is None else w_down_scale[e])  # [n, hidden]
+        gate_up = expert_linear(x[rows // top_k], w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e])
+        if b_gate_up is not None:
+            gate_up = gate_up + b_gate_up[e]
+        gate, up = gate_up.chunk(2, dim=-1)
+        if activation_fn == "clamped_swiglu":
+            h = clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
+        else:
+            h = activation(gate, activation_fn) * up
+        out = expert_linear(h, w_down[e], None if w_down_scale is None else w_down_scale[e])  # [n, hidden]
+        if b_down is not None:
+            out = out + b_down[e]
         slots[rows] = out * flat_weights[rows, None]
     return slots.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)

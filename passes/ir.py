@@ -99,7 +99,8 @@ OPS: dict[str, OpSpec] = {
             "quantization.lm_head), stored quantized like a linear, with in_features / out_features",
     ),
     "moe": OpSpec(
-        (1, 1), ("gate_weight", "w_gate_up", "w_down"), ("gate_bias", "w_gate_up_scale", "w_down_scale"),
+        (1, 1), ("gate_weight", "w_gate_up", "w_down"),
+        ("gate_bias", "b_gate_up", "b_down", "w_gate_up_scale", "w_down_scale"),
         ("num_experts", "top_k", "scoring", "norm_topk_prob", "activation", "intermediate_size"),
         doc="a mixture of experts, x [T, hidden] -> [T, hidden]. Router: logits = x @ gate_weight.T (+ gate_bias) "
             "[T, num_experts] in x's dtype; scores = softmax or sigmoid (`scoring`) of them in fp32; each token goes "
@@ -108,7 +109,11 @@ OPS: dict[str, OpSpec] = {
             "stay fp32). Expert e: act(x Wg^T) * (x Wu^T) @ Wd^T, [Wg; Wu] = w_gate_up[e] [2 * intermediate_size, "
             "hidden], Wd = w_down[e] [hidden, intermediate_size], act = `activation`. Output: per token, the sum "
             "over its top_k slots in slot order of weight * expert output, accumulated in the weights' dtype and "
-            "rounded to x's dtype once. Shared experts are not part of it: they lift to linears beside it. With a "
+            "rounded to x's dtype once. Expert biases (gpt-oss): b_gate_up [E, 2 * intermediate_size] added to "
+            "x [Wg; Wu]^T, b_down [E, hidden] to the down projection. activation `clamped_swiglu` (moe only, "
+            "gpt-oss): with g = min(gate, swiglu_limit), u = clamp(up, -swiglu_limit, swiglu_limit), the expert's "
+            "hidden is (u + 1) * g * sigmoid(swiglu_alpha * g) instead of act(gate) * up. "
+            "Shared experts are not part of it: they lift to linears beside it. With a "
             "`quant` attr (scheme fp8: MOE_QUANT_SCHEMES) the experts are FP8: w_gate_up / w_down hold e4m3 codes "
             "with per-channel fp32 scales w_gate_up_scale [E, 2 * intermediate_size] / w_down_scale [E, hidden], "
             "and each projection's input rows are quantized to e4m3 per token (dynamic), as an fp8 linear's",
@@ -127,6 +132,8 @@ OPS: dict[str, OpSpec] = {
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid", "tanh")
 MOE_SCORING = ("softmax", "sigmoid")
+# a moe's experts take the IR's activations as act(gate) * up, and gpt-oss's gating (clamped, alpha, up + 1)
+MOE_ACTIVATIONS = ACTIVATIONS + ("clamped_swiglu",)
 # Quantized experts of a `moe` node: scheme -> the weight roles it adds (the router's gate_weight is not quantized)
 MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {"fp8": ("w_gate_up_scale", "w_down_scale")}
 ELEMENTWISE = ("add", "mul", "scale")
@@ -288,10 +295,14 @@ class Graph:
             if n.attrs.get("softcap", 0.0) < 0 or n.op == "activation" and n.attrs["fn"] not in ACTIVATIONS:
                 raise GraphError(f"node {n}: softcap must be >= 0 (0 or absent: off) and an activation's fn one of "
                                  f"{', '.join(ACTIVATIONS)}")
-            if n.op == "moe" and (n.attrs["scoring"] not in MOE_SCORING or n.attrs["activation"] not in ACTIVATIONS
+            if n.op == "moe" and (n.attrs["scoring"] not in MOE_SCORING or n.attrs["activation"] not in MOE_ACTIVATIONS
                                   or not 1 <= n.attrs["top_k"] <= n.attrs["num_experts"]):
                 raise GraphError(f"node {n}: moe needs scoring in {', '.join(MOE_SCORING)}, activation in "
-                                 f"{', '.join(ACTIVATIONS)} and 1 <= top_k <= num_experts")
+                                 f"{', '.join(MOE_ACTIVATIONS)} and 1 <= top_k <= num_experts")
+            if n.op == "moe" and n.attrs["activation"] == "clamped_swiglu" and not (
+                    isinstance(n.attrs.get("swiglu_alpha"), (int, float))
+                    and isinstance(n.attrs.get("swiglu_limit"), (int, float)) and n.attrs["swiglu_limit"] > 0):
+                raise GraphError(f"node {n}: a clamped_swiglu moe needs numeric swiglu_alpha and swiglu_limit > 0")
             if n.op == "moe":  # quantized experts carry their scheme's roles; plain ones none of them
                 scheme = n.attrs.get("quant", {}).get("scheme")
                 if scheme is not None and scheme not in MOE_QUANT_SCHEMES:

@@ -8,9 +8,10 @@ value saying what it is in IR terms:
 - ``Pos``: anything computed only from positions, shapes and buffers (position ids, causal masks,
   rotary cos/sin tables). The runtime recomputes these itself, so they never become IR nodes.
 - ``Param``: a weight, possibly offset by a constant (a norm gain of ``1 + w``).
-- partial patterns (``Sub``, ``Rot``, ``RmsInv``, ``Centered``, ...): intermediate steps of RoPE (rotate-half
-  or interleaved, over all or the first features of each head), RMSNorm, LayerNorm and a GeLU written out with
-  tanh, recognised from their arithmetic, not from module or class names.
+- partial patterns (``Sub``, ``Rot``, ``HalfRope``, ``RmsInv``, ``Centered``, ...): intermediate steps of RoPE
+  (rotate-half, interleaved, or written on each head's halves as gpt-oss does, over all or the first features of
+  each head), RMSNorm, LayerNorm and a GeLU written out with tanh, recognised from their arithmetic, not from
+  module or class names.
 - slices of a linear's output features (q/k/v or gate/up stored as one fused weight) become that linear's split
   outputs (``split_sizes``) once the lift has seen them all.
 - ``Positions``: the position ids themselves (``arange`` over the tokens), followed through views, so that an
@@ -39,9 +40,12 @@ forward dispatches tokens with data-dependent ops (sort, histc, grouped_mm, or n
 (``passes/trace.py``) has every such module, found by the layout attributes transformers' experts interface gives it,
 run as one ``llm_builder::moe_experts`` node (:func:`moe_experts`) instead. The router before it is lifted from its
 arithmetic like everything else: a linear's logits, their softmax (or a sigmoid), the top-k, optionally the top-k
-weights divided by their sum and cast back to the activations' dtype (``Scores``, ``TopK``, ``TopWeights``). The
+weights divided by their sum and cast back to the activations' dtype (``Scores``, ``TopK``, ``TopWeights``); or the
+top-k of the logits with a softmax over those k (gpt-oss's, the same weights as the softmax renormalised). The
 experts node then becomes one ``moe`` op with that routing, the router's linear taken into it. A shared expert
-(Qwen2-MoE's, scaled by a sigmoid gate) is ordinary linears and elementwise ops beside it.
+(Qwen2-MoE's, scaled by a sigmoid gate) is ordinary linears and elementwise ops beside it. gpt-oss's experts, stored
+[experts, in, out] with gate and up columns interleaved and biases, are held in the moe op's layout:
+``meta["moe_weight_layouts"]`` has the checkpoint reader convert them once, as it transposes Conv1D weights.
 
 Small constants the model computes from its own buffers (an embedding scale of sqrt(hidden)) are
 evaluated on the CPU when a per-token value is multiplied by them, and become an attribute.
@@ -169,6 +173,15 @@ class RopeTerm:  # x[..., start:stop] * cos, or rotate(x[..., start:stop]) * sin
 
 
 @dataclass(frozen=True)
+class HalfRope:  # one half of a rotation written on each head's halves (gpt-oss): x_lo * cos - x_hi * sin (lo), or
+    x: Tok       # x_hi * cos + x_lo * sin (hi), over features [start, stop) of each head
+    table: Pos
+    start: int
+    stop: int
+    lo: bool
+
+
+@dataclass(frozen=True)
 class Mean:  # mean(x, -1)
     x: Tok
 
@@ -231,9 +244,9 @@ class Split:  # split / chunk of x along FX dim ``dim``: each piece's [start, st
 
 # A mixture-of-experts router: scores of the router linear's logits, their top-k, the top-k weights' renormalisation.
 @dataclass(frozen=True)
-class Scores:  # softmax or sigmoid of a router's logits (in fp32)
+class Scores:  # softmax or sigmoid of a router's logits (in fp32), or the logits themselves (topk before softmax)
     logits: Tok
-    scoring: str  # "softmax" | "sigmoid"
+    scoring: str  # "softmax" | "sigmoid" | "logits"
     sigmoid: str | None = None  # the sigmoid activation's output value, dropped with the router linear
 
 
@@ -262,7 +275,7 @@ class TopWeightsSum:  # sum(weights, -1, keepdim=True): the denominator of the r
     weights: TopWeights
 
 
-PATTERNS = (Sub, Rot, Stacked, RopeTerm, Mean, Centered, Square, MeanSquare, RmsInv, Normed, Cube, TanhArg,
+PATTERNS = (Sub, Rot, Stacked, RopeTerm, HalfRope, Mean, Centered, Square, MeanSquare, RmsInv, Normed, Cube, TanhArg,
             OnePlusTanh, Split, Scores, TopK, TopIndices, TopWeights, TopWeightsSum)
 GELU_TANH = (math.sqrt(2.0 / math.pi), 0.044715)  # a, b of the tanh approximation
 
@@ -293,17 +306,23 @@ DTYPE_CASTS = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.
 # --- the experts of a mixture-of-experts block --------------------------------------------------------------
 @torch.library.custom_op("llm_builder::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, activation: str) -> torch.Tensor:
+                w_down: torch.Tensor, activation: str, b_gate_up: torch.Tensor | None = None,
+                b_down: torch.Tensor | None = None, layout: str = "stacked", swiglu_alpha: float = 0.0,
+                swiglu_limit: float = 0.0) -> torch.Tensor:
     """Stands for a model's routed experts while tracing (``passes/trace.py`` makes every experts module call it):
     x [T, hidden] goes to experts top_k_index [T, k], expert e computing act(x Wg_e^T) * (x Wu_e^T) Wd_e^T with
     [Wg_e; Wu_e] = w_gate_up[e] and Wd_e = w_down[e], and the outputs are summed with top_k_weights [T, k]. It is
-    one node in the exported graph, where the experts' own code dispatches tokens with data-dependent ops."""
+    one node in the exported graph, where the experts' own code dispatches tokens with data-dependent ops.
+    ``layout`` "in_out_interleaved" (gpt-oss): w_gate_up [E, hidden, 2I] with gate and up columns interleaved,
+    w_down [E, I, hidden], biases b_gate_up [E, 2I] (interleaved too) and b_down [E, hidden], activation
+    "clamped_swiglu" with ``swiglu_alpha`` and ``swiglu_limit``."""
     raise RuntimeError("llm_builder::moe_experts only stands for a model's experts in a traced graph; "
                        "it is never run (the runtime's moe op computes them)")
 
 
 @moe_experts.register_fake
-def _moe_experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, activation):
+def _moe_experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, activation, b_gate_up=None, b_down=None,
+                      layout="stacked", swiglu_alpha=0.0, swiglu_limit=0.0):
     return torch.empty_like(x)
 
 
@@ -355,6 +374,8 @@ class _State:
     passthrough: dict[str, tuple[str, int]] = field(default_factory=dict)
     # a weight stored [in, out] (Conv1D) -> the linears that read it so; the graph holds it transposed
     transposed: dict[str, list[Node]] = field(default_factory=dict)
+    # expert weights held in the moe op's layout, stored otherwise (gpt-oss): name -> moe_layout_convert's kind
+    moe_layouts: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -407,6 +428,8 @@ def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
     graph.outputs = [st.nodes[-1].outputs[0]]
     if st.transposed:
         graph.meta["transposed_weights"] = sorted(st.transposed)
+    if st.moe_layouts:
+        graph.meta["moe_weight_layouts"] = dict(sorted(st.moe_layouts.items()))
     graph.check()
     return graph
 
@@ -502,6 +525,14 @@ def _module_path(fx_node: torch.fx.Node) -> str:
     return (list(stack.values())[-1][0] if stack else "") or "<top>"  # the root module's path is ""
 
 
+def _rotary_uses_only(fx_node: torch.fx.Node, st: _State) -> bool:
+    """Whether every reader of ``fx_node`` multiplies it by a position-derived value (a cos / sin table)."""
+    users = [u for u in fx_node.users if u.target not in IGNORED_OPS]
+    return bool(users) and all(
+        u.target in (aten.mul.Tensor,) and len(u.args) == 2
+        and isinstance(_abstract(u.args[1] if u.args[0] is fx_node else u.args[0], st), Pos) for u in users)
+
+
 def _abstract(arg: Any, st: _State) -> Any:
     if isinstance(arg, torch.fx.Node):
         return st.env.get(arg)
@@ -567,7 +598,10 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
             return (TopWeights(base.scores, base.k), TopIndices(base.scores, base.k))[_const(index)]
         if isinstance(base, Split):
             start, stop = base.bounds[_const(index)]
-            piece = _slice_value(fx_node, base.x, base.dim, start, stop, 1, st, source, fused=True)
+            # a chunk of each head's features that is only multiplied by a rotary table is a half of a rotation
+            # written on the heads' halves (gpt-oss), not a projection of a fused linear
+            halves = base.x.layout.dims[base.dim] == "D" and _rotary_uses_only(fx_node, st)
+            piece = _slice_value(fx_node, base.x, base.dim, start, stop, 1, st, source, fused=not halves)
             if piece is NotImplemented:
                 raise LiftError(f"module {source!r} splits a per-token value along an axis other than its features"
                                 f"{_needs(aten.split.Tensor)}")
@@ -907,6 +941,14 @@ def _neg(fx_node, args, kwargs, st, ctx, source):
 
 def _cat(fx_node, args, kwargs, st, ctx, source):
     parts = args[0]
+    if len(parts) == 2 and all(isinstance(p, HalfRope) for p in parts):
+        lo, hi = parts
+        ndim = fx_node.meta["val"].dim()
+        last = (fx_node.args[1] if len(fx_node.args) > 1 else fx_node.kwargs.get("dim", 0)) % ndim == ndim - 1
+        if lo.lo and not hi.lo and lo.x == hi.x and (lo.start, lo.stop) == (hi.start, hi.stop) and last:
+            # cat(x_lo cos - x_hi sin, x_hi cos + x_lo sin) = x * cos + rotate_half(x) * sin over [start, stop)
+            term = RopeTerm(lo.x, rotated=True, table=lo.table, start=lo.start, stop=lo.stop)
+            return _rope(fx_node, term, lo.table, st, ctx, source)
     if len(parts) == 2 and all(isinstance(p, Sub) and p.step == 1 for p in parts):
         hi, lo = parts
         if (hi.x.value == lo.x.value and hi.neg and not lo.neg and hi.start == lo.stop
@@ -1083,12 +1125,28 @@ def _num_uses(fx_node: torch.fx.Node) -> int:
     return sum(1 for u in fx_node.users if u.target not in IGNORED_OPS)
 
 
+def _half_rope(same: Any, other: Any, lo: bool) -> HalfRope | None:
+    """``same`` = x[..., half] * cos and ``other`` = x[..., other half] * sin, halves of one range [start, stop) of
+    each head (``lo``: the first half's output, x_lo cos - x_hi sin; else x_hi cos + x_lo sin), or None."""
+    if not (isinstance(same, RopeTerm) and isinstance(other, RopeTerm) and same.x == other.x
+            and not same.rotated and not other.rotated and not same.interleaved and not other.interleaved):
+        return None
+    first, second = (same, other) if lo else (other, same)
+    if first.stop != second.start or first.stop - first.start != second.stop - second.start:
+        return None
+    return HalfRope(same.x, same.table, first.start, second.stop, lo)
+
+
 def _add(fx_node, args, kwargs, st, ctx, source):
     a, b = args[0], args[1]
     if isinstance(a, RopeTerm) and isinstance(b, RopeTerm) and a.x == b.x and a.rotated != b.rotated \
             and (a.start, a.stop) == (b.start, b.stop):
         plain, rotated = (b, a) if a.rotated else (a, b)
         return _rope(fx_node, rotated, plain.table, st, ctx, source)
+    if _const(kwargs.get("alpha", Const(1))) == 1:
+        half = _half_rope(a, b, lo=False) or _half_rope(b, a, lo=False)  # x_hi * cos + x_lo * sin
+        if half is not None:
+            return half
     for x, y in ((a, b), (b, a)):
         if isinstance(x, MeanSquare) and isinstance(y, Const):
             return MeanSquare(x.x, x.eps + float(y.value))
@@ -1117,6 +1175,10 @@ def _add_inplace(fx_node, args, kwargs, st, ctx, source):
 
 def _sub_op(fx_node, args, kwargs, st, ctx, source):
     a, b = args[0], args[1]
+    if _const(kwargs.get("alpha", Const(1))) == 1:
+        half = _half_rope(a, b, lo=True)  # x_lo * cos - x_hi * sin
+        if half is not None:
+            return half
     if isinstance(a, Tok) and isinstance(b, Mean) and a.value == b.x.value:
         return Centered(a)  # x - mean(x): LayerNorm's centring
     return NotImplemented
@@ -1292,6 +1354,11 @@ def _softmax(fx_node, args, kwargs, st, ctx, source):
     dim = _const(args[1]) if len(args) > 1 else _const(kwargs.get("dim", Const(None)))
     if isinstance(x, Tok) and x.layout.dims[-1] == "F" and dim in (-1, len(x.layout.dims) - 1):
         return Scores(x, "softmax")
+    if isinstance(x, TopWeights) and x.scores.scoring == "logits" and not (x.renormalized or x.cast) \
+            and dim in (-1, 1):
+        # softmax over the top-k logits (gpt-oss's router): the softmax over all experts renormalised over the
+        # top k, in the logits' (the activations') dtype
+        return TopWeights(x.scores, x.k, renormalized=True, cast=True)
     return NotImplemented
 
 
@@ -1302,10 +1369,13 @@ def _topk(fx_node, args, kwargs, st, ctx, source):
     rest = dict(zip(("dim", "largest", "sorted"), args[2:])) | kwargs
     dim, largest = _const(rest.get("dim", Const(-1))), _const(rest.get("largest", Const(True)))
     if isinstance(x, Tok):
-        sigmoid = st.producer.get(x.value)
-        if sigmoid is None or sigmoid.op != "activation" or sigmoid.attrs["fn"] != "sigmoid":
+        producer = st.producer.get(x.value)
+        if producer is not None and producer.op == "linear" and x.layout.dims[-1] == "F":
+            x = Scores(x, "logits")  # the top-k of the router's logits, softmaxed after (gpt-oss)
+        elif producer is None or producer.op != "activation" or producer.attrs["fn"] != "sigmoid":
             return NotImplemented
-        x = Scores(Tok(sigmoid.inputs[0], x.layout), "sigmoid", sigmoid.outputs[0])
+        else:
+            x = Scores(Tok(producer.inputs[0], x.layout), "sigmoid", producer.outputs[0])
     if not (isinstance(x, Scores) and isinstance(k, int) and largest is True
             and dim in (-1, len(x.logits.layout.dims) - 1)):
         return NotImplemented
@@ -1326,14 +1396,22 @@ def _moe_experts(fx_node, args, kwargs, st, ctx, source):
     """The experts node (trace.py): with the router that chose its experts, one ``moe`` op. The router's linear
     (and a sigmoid's activation) were emitted as IR nodes on the way: they are taken back into the moe node."""
     x, experts, weights, w_gate_up, w_down, activation = args[:6]
+    extra = dict(zip(("b_gate_up", "b_down", "layout", "swiglu_alpha", "swiglu_limit"), args[6:])) | kwargs
+    b_gate_up, b_down = extra.get("b_gate_up", Const(None)), extra.get("b_down", Const(None))
+    layout = _const(extra.get("layout", Const("stacked")))
     if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and isinstance(experts, TopIndices)
             and isinstance(weights, TopWeights) and isinstance(w_gate_up, Param) and isinstance(w_down, Param)
-            and not w_gate_up.offset and not w_down.offset):
+            and not w_gate_up.offset and not w_down.offset
+            and all(isinstance(b, Const) and b.value is None or isinstance(b, Param) and not b.offset
+                    for b in (b_gate_up, b_down))):
         return NotImplemented
     scores = experts.scores
     if weights.scores != scores or weights.k != experts.k:
         raise LiftError(f"the experts at {source!r} are weighted by another router's scores than the one that chose "
                         f"them; the moe op weights each expert by its own routing score")
+    if scores.scoring == "logits" and not weights.renormalized:
+        raise LiftError(f"the experts at {source!r} are weighted by their raw top-k router logits; the moe op weights "
+                        f"them by the scores' softmax (over all experts, or over the top k)")
     router = st.producer.get(scores.logits.value)
     if (router is None or router.op != "linear" or router.inputs != [x.value] or router.outputs != [scores.logits.value]
             or scores.logits.value in st.splits):
@@ -1344,6 +1422,11 @@ def _moe_experts(fx_node, args, kwargs, st, ctx, source):
     if reader is not None:
         raise LiftError(f"the router logits of the experts at {source!r} are also read by {reader.op} at "
                         f"{reader.source!r}; the moe op keeps them to itself")
+    if layout == "in_out_interleaved":  # gpt-oss: held as the moe op's layout, converted once when read
+        _moe_in_out_interleaved(st, w_gate_up.name, w_down.name, b_gate_up.name)
+    elif layout != "stacked":
+        raise LiftError(f"the experts at {source!r} have weights laid out as {layout!r}; the lifter knows 'stacked' "
+                        f"and 'in_out_interleaved'")
     num_experts, two_inter, hidden = st.params[w_gate_up.name].shape
     if tuple(st.params[router.weights["weight"]].shape) != (num_experts, hidden):
         raise LiftError(f"the router of the experts at {source!r} scores {router.attrs['out_features']} experts, "
@@ -1352,14 +1435,55 @@ def _moe_experts(fx_node, args, kwargs, st, ctx, source):
     moe_weights = {"gate_weight": router.weights["weight"], "w_gate_up": w_gate_up.name, "w_down": w_down.name}
     if "bias" in router.weights:
         moe_weights["gate_bias"] = router.weights["bias"]
-    attrs = {"num_experts": int(num_experts), "top_k": experts.k, "scoring": scores.scoring,
+    for role, b in (("b_gate_up", b_gate_up), ("b_down", b_down)):
+        if isinstance(b, Param):
+            moe_weights[role] = b.name
+    attrs = {"num_experts": int(num_experts), "top_k": experts.k,
+             "scoring": "softmax" if scores.scoring == "logits" else scores.scoring,
              "norm_topk_prob": weights.renormalized, "activation": _const(activation),
              "intermediate_size": int(two_inter) // 2}
+    if attrs["activation"] == "clamped_swiglu":
+        attrs["swiglu_alpha"] = float(_const(extra["swiglu_alpha"]))
+        attrs["swiglu_limit"] = float(_const(extra["swiglu_limit"]))
     if weights.cast:
         attrs["round_weights"] = True
     block = ".".join(p for p, q in zip(router.source.split("."), source.split(".")) if p == q)  # their parent
     out = _emit(st, "moe", [x.value], "moe", block or source, weights=moe_weights, attrs=attrs)
     return Tok(out, _layout_of(fx_node))
+
+
+def _moe_in_out_interleaved(st: _State, w_gate_up: str, w_down: str, b_gate_up: str) -> None:
+    """gpt-oss's experts as stored (gate_up [E, hidden, 2I] with gate / up columns interleaved, down [E, I, hidden],
+    b_gate_up [E, 2I] interleaved) are held in the moe op's layout (gate_up [E, 2I, hidden]: gate rows, then up rows;
+    down [E, hidden, I]; b_gate_up gate then up); ``meta["moe_weight_layouts"]`` tells the checkpoint reader
+    (``builder/checkpoint.py``) to convert them once."""
+    layouts = st.moe_layouts
+    for name, kind in ((w_gate_up, "gate_up_in_out_interleaved"), (w_down, "down_in_out"),
+                       (b_gate_up, "bias_interleaved")):
+        if layouts.get(name, kind) != kind:
+            raise LiftError(f"weight {name} is read by experts both as {layouts[name]} and as {kind}")
+        if name not in layouts:
+            layouts[name] = kind
+            meta = st.params[name]
+            st.params[name] = torch.empty(moe_layout_shape(kind, tuple(meta.shape)), dtype=meta.dtype, device="meta")
+
+
+def moe_layout_shape(kind: str, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """The moe op's shape of a weight stored as ``kind`` (``_moe_in_out_interleaved``) with shape ``stored``."""
+    if kind == "bias_interleaved":
+        return stored
+    return (stored[0], stored[2], stored[1])  # [E, in, out] -> [E, out, in]
+
+
+def moe_layout_convert(kind: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A stored expert weight (``_moe_in_out_interleaved``) in the moe op's layout: [E, in, out] -> [E, out, in], and
+    gate / up interleaved -> gate rows, then up rows."""
+    if kind == "bias_interleaved":
+        return torch.cat((tensor[:, 0::2], tensor[:, 1::2]), dim=1).contiguous()
+    t = tensor.transpose(1, 2)
+    if kind == "gate_up_in_out_interleaved":
+        t = torch.cat((t[:, 0::2], t[:, 1::2]), dim=1)
+    return t.contiguous()
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")  # config.layer_types entries the attention op covers

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from kernels.torch_ops import clamped_swiglu
 from passes.ir import ACTIVATIONS, Graph
 from passes.lift import LiftContext, LiftError, attention, lift, moe_experts
 
@@ -128,8 +129,29 @@ EXPERTS_LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 def _traced_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
+    if self.llm_builder_activation == "clamped_swiglu":  # gpt-oss: [in, out] weights, gate / up interleaved, biases
+        return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                           "clamped_swiglu", self.gate_up_proj_bias, self.down_proj_bias, "in_out_interleaved",
+                           float(self.alpha), float(self.limit))
     return moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                        self.llm_builder_activation)
+
+
+def _is_clamped_swiglu(module: torch.nn.Module) -> bool:
+    """Whether the experts module gates as gpt-oss's does: gate and up interleaved in gate_up ([..., ::2] and
+    [..., 1::2]), (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), for its own
+    ``alpha`` and ``limit`` (tried on values past the limit, on the CPU)."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not (isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and limit > 0):
+        return False
+    gate_up = torch.linspace(-2.0 * limit, 2.0 * limit, 2 * 97).reshape(1, -1)
+    gate_up = gate_up[:, torch.randperm(gate_up.shape[1], generator=torch.Generator().manual_seed(0))]
+    try:
+        got = module._apply_gate(gate_up)
+    except Exception:  # a gating that needs more than the tensor
+        return False
+    want = clamped_swiglu(gate_up[..., ::2], gate_up[..., 1::2], float(alpha), float(limit))
+    return isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got, want, rtol=0, atol=1e-6)
 
 
 def trace_experts(model: torch.nn.Module) -> int:
@@ -147,30 +169,45 @@ def trace_experts(model: torch.nn.Module) -> int:
     for path, module in model.named_modules():
         if not all(hasattr(module, a) for a in EXPERTS_LAYOUT):
             continue
-        problems = [what for what, bad in (
-            ("no gate projection (an up projection only)", not module.has_gate),
-            ("biases", module.has_bias),
-            ("weights stored transposed ([experts, in, out])", module.is_transposed),
-            ("gate and up rows interleaved", not module.is_concatenated),
-            ("a norm after each expert", getattr(module, "has_post_expert_norm", False)),
-            ("a gating of its own (it overrides _apply_gate)", getattr(type(module), "_apply_gate", None)
-             is not _default_apply_gate),
-        ) if bad]
         gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-        if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
-                and down.dim() == 3 and gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
-                and gate_up.shape[2] == down.shape[1]):
-            problems.append("weights other than gate_up_proj [experts, 2 * intermediate, hidden] and down_proj "
-                            "[experts, hidden, intermediate]")
-        activation = _activation_name(getattr(module, "act_fn", None))
-        if activation is None:
-            problems.append(f"an activation ({type(getattr(module, 'act_fn', None)).__name__}) other than "
-                            f"{', '.join(ACTIVATIONS)}")
+        oss = (module.has_gate and module.has_bias and module.is_transposed and not module.is_concatenated
+               and not getattr(module, "has_post_expert_norm", False) and _is_clamped_swiglu(module))
+        if oss:  # gpt-oss: gate_up_proj [E, hidden, 2I] (gate / up columns interleaved), down_proj [E, I, hidden]
+            biases = getattr(module, "gate_up_proj_bias", None), getattr(module, "down_proj_bias", None)
+            problems = [] if (
+                isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+                and down.dim() == 3 and gate_up.shape[0] == down.shape[0] and gate_up.shape[2] == 2 * down.shape[1]
+                and gate_up.shape[1] == down.shape[2] and all(isinstance(b, torch.Tensor) for b in biases)
+                and tuple(biases[0].shape) == (gate_up.shape[0], gate_up.shape[2])
+                and tuple(biases[1].shape) == (down.shape[0], down.shape[2])) else [
+                "weights other than gate_up_proj [experts, hidden, 2 * intermediate], down_proj [experts, "
+                "intermediate, hidden] and their biases"]
+            activation = "clamped_swiglu"
+        else:
+            problems = [what for what, bad in (
+                ("no gate projection (an up projection only)", not module.has_gate),
+                ("biases", module.has_bias),
+                ("weights stored transposed ([experts, in, out])", module.is_transposed),
+                ("gate and up rows interleaved", not module.is_concatenated),
+                ("a norm after each expert", getattr(module, "has_post_expert_norm", False)),
+                ("a gating of its own (it overrides _apply_gate)", getattr(type(module), "_apply_gate", None)
+                 is not _default_apply_gate),
+            ) if bad]
+            if not (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
+                    and down.dim() == 3 and gate_up.shape[0] == down.shape[0]
+                    and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[2] == down.shape[1]):
+                problems.append("weights other than gate_up_proj [experts, 2 * intermediate, hidden] and down_proj "
+                                "[experts, hidden, intermediate]")
+            activation = _activation_name(getattr(module, "act_fn", None))
+            if activation is None:
+                problems.append(f"an activation ({type(getattr(module, 'act_fn', None)).__name__}) other than "
+                                f"{', '.join(ACTIVATIONS)}")
         if problems:
             raise LiftError(f"the experts at {path!r} ({type(module).__name__}) have {'; '.join(problems)}: the moe "
                             f"op takes experts stored as gate_up_proj [experts, 2 * intermediate, hidden] (gate rows, "
                             f"then up rows) and down_proj [experts, hidden, intermediate], without biases, each "
-                            f"computing act(gate) * up")
+                            f"computing act(gate) * up; or gpt-oss's experts ([in, out] weights, gate / up "
+                            f"interleaved, biases, its clamped SwiGLU)")
         module.llm_builder_activation = activation
         module.config._experts_implementation = EXPERTS_IMPLEMENTATION
         found += 1

@@ -650,14 +650,18 @@ def _moe(w, attrs, ex) -> Kernel:
     # host, which a CUDA graph cannot capture
     # FP8 experts (`quant` scheme fp8): e4m3 codes with per-channel scales, inputs quantized per token
     gate_weight, gate_bias, w_gate_up, w_down = w["gate_weight"], w.get("gate_bias"), w["w_gate_up"], w["w_down"]
-    scales = {"w_gate_up_scale": w.get("w_gate_up_scale"), "w_down_scale": w.get("w_down_scale")}
+    experts = {"w_gate_up_scale": w.get("w_gate_up_scale"), "w_down_scale": w.get("w_down_scale"),
+               # gpt-oss: expert biases and its clamped SwiGLU
+               "b_gate_up": w.get("b_gate_up"), "b_down": w.get("b_down"),
+               "swiglu_alpha": float(attrs.get("swiglu_alpha", 0.0)),
+               "swiglu_limit": float(attrs.get("swiglu_limit", 0.0))}
     top_k, scoring, norm = attrs["top_k"], attrs["scoring"], attrs["norm_topk_prob"]
     fn, round_weights = attrs["activation"], attrs.get("round_weights", False)
     if ex.use_kernels:
         from kernels.moe import fused_moe
 
         return lambda xs, step: (fused_moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn,
-                                           gate_bias, round_weights, **scales),)
+                                           gate_bias, round_weights, **experts),)
 
     def kernel(xs, step):
         if xs[0].is_cuda and torch.cuda.is_current_stream_capturing():
@@ -666,7 +670,7 @@ def _moe(w, attrs, ex) -> Kernel:
                                    "default on CUDA: kernels.moe) or serve with --no-cuda-graphs "
                                    "(ServingConfig(cuda_graphs=False))")
         return (ops.moe(xs[0], gate_weight, w_gate_up, w_down, top_k, scoring, norm, fn, gate_bias, round_weights,
-                        **scales),)
+                        **experts),)
 
     return kernel
 

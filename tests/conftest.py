@@ -139,10 +139,9 @@ def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture
 def gpt_oss_attention_only(monkeypatch) -> None:
-    """transformers' gpt-oss with its mixture of experts replaced by an identity (no experts) and its rotary written
-    as rotate-half (the same rotation, in the form the lifter knows), while the test runs: what is left is its
-    attention, with sinks and sliding / global layers. Its experts and its rotary on each head's halves do not lift
-    yet (tests/passes/test_families.py, NOT_YET)."""
+    """transformers' gpt-oss with its mixture of experts replaced by an identity (no experts) while the test runs:
+    what is left is its attention (sinks, sliding / global layers, rotary on each head's halves), which shards over
+    tensor-parallel ranks where experts do not yet."""
     from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
     class NoExperts(torch.nn.Module):
@@ -152,14 +151,7 @@ def gpt_oss_attention_only(monkeypatch) -> None:
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
             return x, None
 
-    def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # gpt-oss: (x1 cos - x2 sin, x2 cos + x1 sin) over the halves x1, x2 of each head, cos / sin per frequency
-        half = x.shape[-1] // 2
-        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-        return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
     monkeypatch.setattr(oss, "GptOssMLP", NoExperts)
-    monkeypatch.setattr(oss, "_apply_rotary_emb", rotate_half_rope)
 
 
 BUNDLED = Path(__file__).resolve().parents[1] / "models" / "pystdlib-llama"

@@ -162,6 +162,59 @@ def test_fused_moe_matches_the_torch_op(case):
     _assert_close(out, ref)
 
 
+def _expert_biases(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return ((torch.randn(num_experts, 2 * inter, generator=g, device=DEVICE) * 0.5).to(dtype),
+            (torch.randn(num_experts, hidden, generator=g, device=DEVICE) * 0.5).to(dtype))
+
+
+# gpt-oss's experts: biases on both projections and the clamped SwiGLU (alpha 1.702, limit 7; inputs scaled so that
+# some gate and up values pass the limit); (num_experts, hidden, intermediate, num_tokens, top_k, dtype, fp8)
+OSS_CASES = [
+    (4, 32, 32, 9, 2, torch.float32, False),
+    (8, 64, 32, 17, 2, torch.bfloat16, False),
+    (4, 48, 40, 5, 3, torch.float16, False),  # K of both GEMMs masked
+    (8, 64, 64, 17, 2, torch.bfloat16, True),
+]
+
+
+@pytest.mark.parametrize("case", OSS_CASES, ids=lambda c: f"E{c[0]}-H{c[1]}-I{c[2]}-T{c[3]}-k{c[4]}-{str(c[5])[6:]}"
+                         f"{'-fp8' if c[6] else ''}")
+def test_expert_biases_and_clamped_swiglu_match_the_torch_op(case):
+    num_experts, hidden, inter, num_tokens, top_k, dtype, fp8 = case
+    seed = num_tokens * 100 + hidden + inter + 7
+    if fp8:
+        x, gate, experts, scales, gate_bias = _fp8_inputs(num_experts, hidden, inter, num_tokens, dtype, seed, True)
+        kw = dict(w_gate_up_scale=scales[0], w_down_scale=scales[1])
+    else:
+        x, gate, *experts, gate_bias = _inputs(num_experts, hidden, inter, num_tokens, dtype, seed, bias=True)
+        kw = {}
+    x = x * 8  # gate / up values of a few units: some pass the limit
+    b_gate_up, b_down = _expert_biases(num_experts, hidden, inter, dtype, seed)
+    kw.update(b_gate_up=b_gate_up, b_down=b_down, swiglu_alpha=1.702, swiglu_limit=7.0)
+    args = (x, gate, *experts, top_k, "softmax", True, "clamped_swiglu", gate_bias, False)
+    out, ref = moe.fused_moe(*args, **kw), ops.moe(*args, **kw)
+    (_assert_close_fp8 if fp8 else _assert_close)(out, ref)
+    # the biases and the gating count: without them the op is another one
+    plain = ops.moe(x, gate, *experts, top_k, "softmax", True, "silu", gate_bias, False,
+                    **{k: v for k, v in kw.items() if k.startswith("w_")})
+    assert (ref.float() - plain.float()).abs().max() > 0.1 * ref.float().abs().max()
+
+
+def test_clamped_swiglu_reference_is_gpt_oss_gating():
+    """ops.clamped_swiglu against transformers' own GptOssExperts._apply_gate (gate and up interleaved there)."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    config = AutoConfig.for_model("gpt_oss", hidden_size=16, intermediate_size=8, num_local_experts=2)
+    module = GptOssExperts(config)
+    gate_up = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 6  # past the limit of 7 too
+    want = module._apply_gate(gate_up)
+    got = ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], config.swiglu_alpha, config.swiglu_limit)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 # (num_experts, hidden, intermediate, num_tokens, top_k, scoring, norm_topk_prob, round_weights, activation, dtype,
 #  router bias): as CASES, with FP8 experts
 FP8_CASES = [

@@ -128,16 +128,20 @@ SUPPORTED = [
            "attention scores and final logits soft-capped (c * tanh(x / c)), sliding and global layers, scale "
            "from query_pre_attn_scalar, norms around attention and MLP"),
     FALCON,
+    # gpt-oss: its attention (sinks, sliding and global layers) runs on the tracer's attention node, its experts on
+    # the moe op with biases and the clamped SwiGLU
+    Family("gpt-oss", "gpt_oss", dict(SLIDING, head_dim=16, num_local_experts=4, num_experts_per_tok=2),
+           "mixture of experts with biases, [in, out] weights and gate / up columns interleaved (converted once on "
+           "read), a clamped SwiGLU with alpha (u + 1) * g * sigmoid(alpha g), routed by a softmax over the top-k "
+           "logits; attention sinks, sliding and global layers, rotary written on each head's halves, q/k/v/o "
+           "biases"),
 ]
 
 NOT_YET = [
-    NotYet(Family("gpt-oss", "gpt_oss", dict(num_hidden_layers=1, head_dim=16, num_local_experts=4,
-                                             num_experts_per_tok=2, sliding_window=8)),
-           r"the experts at 'model\.layers\.0\.mlp\.experts' \(GptOssExperts\) have biases; weights stored "
-           r"transposed .*gate and up rows interleaved; a gating of its own",
-           "a moe op for its experts (biases, [in, out] weights, interleaved gate/up, a clamped SwiGLU with alpha, "
-           "routed by a softmax over the top-k logits) and rotary written on each head's halves (its attention sinks "
-           "and sliding / global layers lift)"),
+    NotYet(Family("LFM2 (conv layers)", "lfm2", dict(num_hidden_layers=1, layer_types=["conv"])),
+           r"aten\.transpose\.int at model\.layers\.0\.conv",
+           "a short causal convolution over the tokens, with its state in the KV cache (its gated conv layers; its "
+           "attention layers lift)"),
 ]
 
 
@@ -378,6 +382,46 @@ def test_moe_families_lift_to_the_moe_op(build):
     assert records[0].details["moe_layers_not_quantized"] == 1 and records[0].details["num_linears"] == 2
     moe = next(n for n in quantized.nodes if n.op == "moe")
     assert "quant" not in moe.attrs and quantized.params[moe.weights["w_gate_up"]].dtype == torch.float32
+
+
+def test_gpt_oss_experts_are_converted_once_and_quantize_fp8(build):
+    """gpt-oss's experts (stored [E, in, out], gate / up columns interleaved, with biases) become one moe node in the
+    moe op's layout: the artifact holds each weight converted once from the checkpoint's tensor, the biases as
+    b_gate_up / b_down, the router (top-k of the logits, softmax over them) as softmax scoring renormalised, and the
+    clamped SwiGLU's alpha and limit. The fp8 method quantizes the experts and leaves the biases float."""
+    from safetensors.torch import load_file
+
+    from passes import PassContext, run_passes
+    from passes.ir import Graph
+
+    b = build(next(f for f in SUPPORTED if f.model_type == "gpt_oss"))
+    graph_json = json.loads((b.artifact / "graph.json").read_text())
+    moes = [n for n in graph_json["nodes"] if n["op"] == "moe"]
+    assert [n["source"] for n in moes] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    attrs, weights = moes[0]["attrs"], moes[0]["weights"]
+    assert (attrs["scoring"], attrs["norm_topk_prob"], attrs["activation"], attrs["top_k"]) == \
+        ("softmax", True, "clamped_swiglu", 2)
+    assert (attrs["swiglu_alpha"], attrs["swiglu_limit"]) == (b.model.config.swiglu_alpha, b.model.config.swiglu_limit)
+    prefix = "model.layers.0.mlp"
+    assert weights == {"gate_weight": f"{prefix}.router.weight", "gate_bias": f"{prefix}.router.bias",
+                       "w_gate_up": f"{prefix}.experts.gate_up_proj", "w_down": f"{prefix}.experts.down_proj",
+                       "b_gate_up": f"{prefix}.experts.gate_up_proj_bias", "b_down": f"{prefix}.experts.down_proj_bias"}
+    stored = load_file(b.checkpoint / "model.safetensors")
+    held = load_file(b.artifact / "weights.safetensors")
+    gate_up = stored[f"{prefix}.experts.gate_up_proj"].transpose(1, 2)  # [E, 2I, hidden], rows interleaved
+    assert torch.equal(held[weights["w_gate_up"]], torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1))
+    assert torch.equal(held[weights["w_down"]], stored[f"{prefix}.experts.down_proj"].transpose(1, 2))
+    bias = stored[f"{prefix}.experts.gate_up_proj_bias"]
+    assert torch.equal(held[weights["b_gate_up"]], torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=1))
+    assert "moe_weight_layouts" not in graph_json.get("meta", {})  # converted: nothing left for the runtime to do
+
+    graph = Graph.from_dict(graph_json, held)
+    quantized, records = run_passes(graph.copy(), ["fp8"], PassContext())
+    assert records[0].details["moe_layers_quantized"] == 2
+    moe = next(n for n in quantized.nodes if n.op == "moe")
+    assert quantized.params[moe.weights["w_gate_up"]].dtype == torch.float8_e4m3fn
+    assert torch.equal(quantized.params[moe.weights["b_gate_up"]], held[weights["b_gate_up"]])
+    quantized.check()
 
 
 def test_fp8_quantizes_moe_experts(build):

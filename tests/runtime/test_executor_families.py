@@ -1,8 +1,8 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
-scaled lm_head, learned position embeddings, soft-capped attention and logits, and attention sinks: ops without a
-Triton kernel run their torch reference there, rotary the kernels do not take is not fused into the attention's KV
-write, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels generates the
-reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1."""
+scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
+(biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, rotary the kernels do not take
+is not fused into the attention's KV write, the paged attention kernels soft-cap and add the sinks, and the serving
+engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
     "gpt2": ({}, False),  # an embedding of the positions (the paged steps' own), no rotary at all
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
-    # attention sinks (no experts: conftest); no q/k/v biases, which at 1 + noise would make every query see the
-    # same scores
-    "gpt_oss": (dict(ONE_SLIDING, head_dim=32, attention_bias=False), True),
+    # attention sinks, rotary on each head's halves, experts with biases and the clamped SwiGLU (the fused moe
+    # kernels); no q/k/v biases, which at 1 + noise would make every query see the same scores
+    "gpt_oss": (dict(ONE_SLIDING, head_dim=32, attention_bias=False, num_local_experts=4, num_experts_per_tok=2),
+                True),
 }
 
 
@@ -51,9 +52,7 @@ def _checkpoint(path, model_type: str):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_kernel_path_runs_the_new_ops(family, tmp_path, request):
-    if family == "gpt_oss":
-        request.getfixturevalue("gpt_oss_attention_only")
+def test_kernel_path_runs_the_new_ops(family, tmp_path):
     path = build_artifact(_checkpoint(tmp_path / "ckpt", family), tmp_path / "art")
     ref = Engine.load(path, use_kernels=False)
     fused = ServingEngine(Engine.load(path, use_kernels=True),
