@@ -495,6 +495,9 @@ REFUSED = {
            "one weight scale per tensor or output channel",
     "modelopt": "ModelOpt exports are not imported",
     "bitsandbytes": "bitsandbytes NF4 / LLM.int8 weights are not imported",
+    "mxfp4": "MXFP4 experts (gpt-oss's released checkpoints) are not imported yet: the IR has no 4-bit floating-point "
+             "scheme; dequantize them to bf16 (e.g. transformers' Mxfp4Config(dequantize=True) on load), save the "
+             "model without its quantization_config and build that checkpoint (bf16 experts build)",
 }
 
 
