@@ -56,6 +56,9 @@ class Checkpoint:
     weight_files: list[Path]  # safetensors files, in name order
     weight_map: dict[str, Path]  # tensor name -> file
     quant: QuantFormat | None = None  # the quantization_config of a pre-quantized checkpoint
+    # MXFP4 weights (gpt-oss's experts): the weight's name -> its (blocks, scales) tensors, decoded on read
+    mxfp4: dict[str, tuple[str, str]] = field(default_factory=dict)
+    mxfp4_files: dict[str, Path] = field(default_factory=dict)  # those blocks / scales tensors -> their file
 
     @property
     def model_type(self) -> str:
@@ -92,12 +95,23 @@ class Checkpoint:
         A float weight stored as float8 or integers is a quantized code, not a value: it is refused
         rather than cast (its scales would be lost).
         """
+        out: dict[str, torch.Tensor] = {}
+        packed = [n for n in names if n in self.mxfp4]
+        if packed:
+            parts = Checkpoint(self.path, self.config_dict, self.weight_files, self.mxfp4_files).load_tensors(
+                [t for n in packed for t in self.mxfp4[n]])
+            for name in packed:
+                blocks, scales = (parts.pop(t) for t in self.mxfp4[name])
+                try:
+                    out[name] = decode_mxfp4(blocks, scales, dtype or torch.bfloat16)
+                except ValueError as e:
+                    raise CheckpointError(f"{self.path}: MXFP4 weight {name!r}: {e}") from None
+            names = [n for n in names if n not in self.mxfp4]
         by_file: dict[Path, list[str]] = {}
         for name in names:
             if name not in self.weight_map:
                 raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint's weight files")
             by_file.setdefault(self.weight_map[name], []).append(name)
-        out: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
             try:
                 with safe_open(file, framework="pt") as f:
@@ -113,6 +127,27 @@ class Checkpoint:
                 raise CheckpointError(f"{file}: cannot read tensor data ({e}); the file is corrupt or truncated, "
                                       f"download the checkpoint again") from e
         return out
+
+
+# MXFP4 (OCP microscaling, e2m1 elements): the 16 values of a 4-bit code, and the elements per shared scale
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's MXFP4 expert weight as transformers holds it once dequantized: blocks uint8 [E, rows, G, 16] (two
+    e2m1 codes a byte, the low nibble first), scales uint8 [E, rows, G] (e8m0: 2^(s - 127) per 32 elements) ->
+    [E, G * 32, rows] in ``dtype`` (rows: the projection's outputs, so the weight is [experts, in, out]). Exact in
+    bf16 and fp32 (a code times a power of two)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not [E, rows, G, 16] "
+                         f"and [E, rows, G]")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [E, rows, G, 32]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
+    return values.flatten(-2).transpose(1, 2).to(dtype).contiguous()
 
 
 def _sha256(path: Path) -> str:
@@ -164,7 +199,34 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     _check_dimensions(cfg_file, config)
     _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))
     weight_files, weight_map = _index_weights(p)
-    return Checkpoint(p, config, weight_files, weight_map, quant)
+    mxfp4, mxfp4_files = _mxfp4_weights(cfg_file, config, weight_map)
+    return Checkpoint(p, config, weight_files, weight_map, quant, mxfp4, mxfp4_files)
+
+
+def _mxfp4_weights(cfg_file: Path, config: dict,
+                   weight_map: dict[str, Path]) -> tuple[dict[str, tuple[str, str]], dict[str, Path]]:
+    """An MXFP4 checkpoint (``quant_method: mxfp4``, gpt-oss's release format) holds each quantized weight as
+    ``NAME_blocks`` and ``NAME_scales``; those pairs are listed under NAME in the weight map (read as one float
+    weight: decoding is exact, nothing is lost) and returned with the files of their parts. A blocks tensor without
+    its scales is an error."""
+    section = config.get("quantization_config")
+    if not (isinstance(section, dict) and section.get("quant_method") == "mxfp4"):
+        return {}, {}
+    pairs: dict[str, tuple[str, str]] = {}
+    for name in [n for n in weight_map if n.endswith("_blocks")]:
+        base = name.removesuffix("_blocks")
+        if base + "_scales" not in weight_map:
+            raise CheckpointError(f"{cfg_file.parent}: MXFP4 tensor {name!r} has no {base + '_scales'!r}; the "
+                                  f"checkpoint is incomplete, download it again")
+        pairs[base] = (name, base + "_scales")
+    if not pairs:
+        raise CheckpointError(f"{cfg_file}: quantization_config.quant_method is \"mxfp4\" but no tensor is stored "
+                              f"as NAME_blocks / NAME_scales")
+    files: dict[str, Path] = {}
+    for base, (blocks, scales) in pairs.items():
+        files[blocks], files[scales] = weight_map.pop(blocks), weight_map.pop(scales)
+        weight_map[base] = files[blocks]
+    return pairs, files
 
 
 # Model sizes in config.json, checked when present (a key left out takes the family's default).

@@ -151,12 +151,15 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
                     weights: dict[str, torch.Tensor] | None = None):
     """The Hugging Face model with its real weights (safetensors only), for the verify pass. A pre-quantized
     checkpoint's (``imported``): its float tensors (``weights``, by name) and the format's own dequantization of
-    its quantized linears, whose W8A8 ones also quantize their inputs as the format does."""
+    its quantized linears, whose W8A8 ones also quantize their inputs as the format does. An MXFP4 checkpoint's:
+    every tensor as the build reads it (MXFP4 weights decoded, ``Checkpoint.load_tensors``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if imported is None:
+    if imported is None and ckpt.mxfp4:  # MXFP4 experts: decoded as the build reads them (exact), no HF quantizer
+        model = _model_from_weights(ckpt, dtype, ckpt.load_tensors(sorted(ckpt.weight_map), dtype))
+    elif imported is None:
         model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
             ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))
     else:
@@ -294,6 +297,9 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
     extra: dict = {}
+    if ckpt.mxfp4:  # the source's format, recorded: its MXFP4 weights were decoded (exactly) into the build's dtype
+        extra["source_mxfp4_weights"] = len(ckpt.mxfp4)
+        log.info("decoded %d MXFP4 weights (%s, ...) into %s", len(ckpt.mxfp4), next(iter(ckpt.mxfp4)), dtype)
     if imported is not None:
         extra["algo"] = "prequantized"
         extra["prequantized"] = imported.summary()

@@ -495,9 +495,6 @@ REFUSED = {
            "one weight scale per tensor or output channel",
     "modelopt": "ModelOpt exports are not imported",
     "bitsandbytes": "bitsandbytes NF4 / LLM.int8 weights are not imported",
-    "mxfp4": "MXFP4 experts (gpt-oss's released checkpoints) are not imported yet: the IR has no 4-bit floating-point "
-             "scheme; dequantize them to bf16 (e.g. transformers' Mxfp4Config(dequantize=True) on load), save the "
-             "model without its quantization_config and build that checkpoint (bf16 experts build)",
 }
 
 
@@ -511,6 +508,8 @@ def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
     if not isinstance(section, dict):
         raise _fail(cfg_file, f"{key} is {json.dumps(section)[:80]}; expected an object with quant_method")
     method = section.get("quant_method") or ("compressed-tensors" if key == "compression_config" else None)
+    if method == "mxfp4":  # decoded to float weights as they are read (builder/checkpoint.py): exact, not an import
+        return None
     if method == "gptq":
         return GPTQ(cfg_file, section)
     if method == "awq":

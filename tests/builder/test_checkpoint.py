@@ -77,8 +77,6 @@ def test_any_family_opens_but_model_type_is_required(tmp_path, checkpoints):
      r"quantization_config\.quant_method is \"fp8\": block-scaled FP8 \(weight_scale_inv per weight_block_size "
      r"block\) has no IR scheme"),
     ("quantization_config", {"quant_method": "bitsandbytes"}, r"quant_method is \"bitsandbytes\": bitsandbytes"),
-    ("quantization_config", {"quant_method": "mxfp4"}, r"quant_method is \"mxfp4\": MXFP4 experts \(gpt-oss's "
-                                                       r"released checkpoints\) are not imported yet"),
     ("quantization_config", {"quant_method": "gptq", "bits": 2}, r"quantization_config\.bits is 2; expected one of 4, "
                                                                  r"8"),
     ("compression_config", {"format": "float-quantized"}, r"compression_config\.config_groups is missing or empty"),

@@ -134,7 +134,7 @@ SUPPORTED = [
            "mixture of experts with biases, [in, out] weights and gate / up columns interleaved (converted once on "
            "read), a clamped SwiGLU with alpha (u + 1) * g * sigmoid(alpha g), routed by a softmax over the top-k "
            "logits; attention sinks, sliding and global layers, rotary written on each head's halves, q/k/v/o "
-           "biases"),
+           "biases; MXFP4 experts (the released checkpoints) decoded exactly as they are read"),
 ]
 
 NOT_YET = [
@@ -578,3 +578,50 @@ def test_readme_table_matches_the_cases():
 
 if __name__ == "__main__":
     print(readme_table())
+
+
+def test_gpt_oss_mxfp4_checkpoint_builds_with_its_experts_decoded(tokenizer_dir, tmp_path):
+    """gpt-oss as released: its experts stored MXFP4 (``NAME_blocks`` uint8 [E, rows, G, 16], ``NAME_scales`` uint8
+    [E, rows, G], ``quant_method: mxfp4``). The build decodes them as it reads them (exact: a code times a power of
+    two) and matches the HF model whose experts hold transformers' own dequantization of the same tensors."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from conftest import build_artifact
+    from runtime import Engine
+
+    oss = next(f for f in SUPPORTED if f.model_type == "gpt_oss")
+    family = Family(oss.name, oss.model_type, {**oss.config, "intermediate_size": 96})  # 32-element blocks
+    ckpt = tmp_path / "ckpt"
+    model = make_family_checkpoint(ckpt, family, tokenizer_dir)
+    tensors = load_file(ckpt / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, in_f, out_f = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (experts, out_f, in_f // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(119, 124, (experts, out_f, in_f // 32), generator=gen, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        with torch.no_grad():  # the reference: transformers' own decoding, [E, in, out]
+            model.get_parameter(name).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+    artifact = build_artifact(ckpt, tmp_path / "artifact")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["quantization"]["source_mxfp4_weights"] == 4  # two layers' gate_up and down, recorded
+    engine = Engine.load(artifact)
+    ids = torch.randint(3, model.config.vocab_size, (40,), generator=gen).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), use_cache=False).logits[0]
+    assert (engine.logits(ids) - expected).abs().max().item() < 1e-4
+    # a blocks tensor without its scales is named
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
+    from builder.checkpoint import CheckpointError, open_checkpoint
+
+    with pytest.raises(CheckpointError, match=r"MXFP4 tensor 'model\.layers\.0\.mlp\.experts\.down_proj_blocks' has "
+                                              r"no 'model\.layers\.0\.mlp\.experts\.down_proj_scales'"):
+        open_checkpoint(ckpt)
