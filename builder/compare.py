@@ -64,9 +64,11 @@ class Sizes:
     num_parameters: int  # logical parameters: quantized linears counted as in_features x out_features
     num_linears: int  # linear ops in the graph (lm_head not included)
     num_quantized_linears: int
-    quantized_linear_bytes: int  # qweight, scales, zeros, ... of the quantized linears (and a quantized lm_head)
+    # qweight, scales, zeros, ... of the quantized linears (and a quantized lm_head, and quantized experts)
+    quantized_linear_bytes: int
     quantized_linear_parameters: int
     lm_head_quantized: bool = False  # quantization.lm_head: counted in the quantized bytes and parameters
+    num_quantized_moe_layers: int = 0  # moe nodes whose experts are quantized: counted in the quantized bytes too
 
     @property
     def bpw_quantized(self) -> float | None:
@@ -207,6 +209,13 @@ def weight_sizes(path: Path, manifest: dict[str, Any], graph: dict[str, Any]) ->
     quant_params = sum(n["attrs"]["in_features"] * n["attrs"]["out_features"]
                        + (numel(params[n["weights"]["bias"]]["shape"]) if "bias" in n["weights"] else 0)
                        for n in quantized)
+    # quantized experts (a moe node's fp8 codes and their scales) count with the quantized linears: their codes
+    # hold one logical parameter each, the scales none; the router and expert biases stay float
+    moes = [n for n in graph["nodes"] if n["op"] == "moe" and n["attrs"].get("quant")]
+    for n in moes:
+        roles = [r for r in ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale") if r in n["weights"]]
+        quant_tensors |= {n["weights"][r] for r in roles}
+        quant_params += sum(numel(params[n["weights"][r]]["shape"]) for r in ("w_gate_up", "w_down"))
     other_params = sum(numel(p["shape"]) for name, p in params.items() if name not in quant_tensors)
     return Sizes(
         artifact_bytes=sum(f["bytes"] for f in manifest["files"].values()) + (path / MANIFEST).stat().st_size,
@@ -214,6 +223,7 @@ def weight_sizes(path: Path, manifest: dict[str, Any], graph: dict[str, Any]) ->
         num_parameters=quant_params + other_params,
         num_linears=len(linears),
         num_quantized_linears=len(quantized) - len(heads),
+        num_quantized_moe_layers=len(moes),
         quantized_linear_bytes=sum(nbytes[t] for t in quant_tensors),
         quantized_linear_parameters=quant_params,
         lm_head_quantized=bool(heads),

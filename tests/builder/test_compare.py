@@ -411,3 +411,24 @@ def test_bench_json_lines_are_classified(tmp_path):
     records = read_bench_file(f)
     assert [r.kind for r in records] == ["latency", "throughput"]
     assert [r.throughput for r in records] == [LATENCY_LINE["decode_tok_s"], throughput["output_tok_s"]]
+
+
+def test_sizes_count_fp8_experts_with_the_quantized_weights(tmp_path):
+    """A moe node with fp8 experts: its codes are logical parameters (one each) and, with their scales, quantized
+    bytes; the router and the expert biases stay float parameters."""
+    from builder.compare import weight_sizes
+
+    E, H, I = 4, 8, 6  # noqa: E741
+    params = {"r": ([E, H], "float32"), "gu": ([E, 2 * I, H], "float8_e4m3fn"), "d": ([E, H, I], "float8_e4m3fn"),
+              "gus": ([E, 2 * I], "float32"), "ds": ([E, H], "float32"), "bgu": ([E, 2 * I], "float32")}
+    graph = {"params": {n: {"shape": s, "dtype": d} for n, (s, d) in params.items()},
+             "nodes": [{"op": "moe", "attrs": {"quant": {"scheme": "fp8"}},
+                        "weights": {"gate_weight": "r", "w_gate_up": "gu", "w_down": "d", "w_gate_up_scale": "gus",
+                                    "w_down_scale": "ds", "b_gate_up": "bgu"}}]}
+    (tmp_path / "manifest.json").write_text("{}")
+    sizes = weight_sizes(tmp_path, {"files": {}, "weights": {"bytes": 1}}, graph)
+    codes = E * 2 * I * H + E * H * I
+    assert sizes.quantized_linear_parameters == codes and sizes.num_quantized_moe_layers == 1
+    assert sizes.quantized_linear_bytes == codes + 4 * (E * 2 * I + E * H)
+    assert sizes.num_parameters == codes + E * H + E * 2 * I  # plus the router and the biases, float
+    assert sizes.bpw_quantized == (codes + 4 * (E * 2 * I + E * H)) * 8 / codes  # 8-bit codes + per-channel scales
