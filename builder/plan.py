@@ -84,6 +84,7 @@ class MoeShape:
     expert_intermediate_size: int  # moe_intermediate_size, else intermediate_size (Mixtral, OLMoE)
     shared_intermediate_size: int  # shared_expert_intermediate_size (Qwen2-MoE's gated shared expert); 0: none
     sparse_layers: tuple[int, ...]  # layers with experts; the others (mlp_only_layers, decoder_sparse_step) are dense
+    down_bias: bool = False  # experts that add a bias after their down projection (gpt-oss: swiglu_limit is set)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], num_layers: int) -> Optional[MoeShape]:
@@ -94,11 +95,13 @@ class MoeShape:
         return cls(num_experts, int(config.get("num_experts_per_tok") or 1),
                    int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0),
                    int(config.get("shared_expert_intermediate_size") or 0),
-                   tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
+                   tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+                   config.get("swiglu_limit") is not None)
 
-    def expert_params(self, hidden: int) -> int:
-        """One sparse layer's experts and router (the moe op's weights)."""
-        return self.num_experts * (3 * hidden * self.expert_intermediate_size + hidden)
+    def expert_params(self, hidden: int, tp_size: int = 1) -> int:
+        """One sparse layer's experts and router (the moe op's weights), on one of ``tp_size`` ranks (each holds its
+        share of every expert's intermediate features; the router whole)."""
+        return self.num_experts * (3 * hidden * self.expert_intermediate_size // tp_size + hidden)
 
     def shared_params(self, hidden: int) -> int:
         """One sparse layer's shared expert and its sigmoid gate (plain linears)."""
@@ -241,9 +244,12 @@ class LinearNode:
 def _tp_problem(shape: ModelShape, tp_size: int, vocab_parallel: bool) -> Optional[str]:
     """Why ``tp_size`` cannot split this model (the shard pass's rules, passes/shard.py), or None."""
     heads, kv = shape.num_heads, shape.num_kv_heads
-    if shape.moe is not None and tp_size > 1:
-        return (f"tp_size {tp_size}: a mixture-of-experts model is built with tp_size 1 (sharding experts is not "
-                f"supported yet)")
+    if shape.moe is not None and tp_size > 1 and shape.moe.down_bias:
+        return (f"tp_size {tp_size}: experts with a bias after their down projection (gpt-oss) are built with tp_size "
+                f"1 (sharding them is not supported yet)")
+    if shape.moe is not None and shape.moe.expert_intermediate_size % tp_size:
+        return (f"tp_size {tp_size} does not divide the experts' intermediate size "
+                f"{shape.moe.expert_intermediate_size}")
     if heads % tp_size:
         return f"tp_size {tp_size} does not divide num_attention_heads {heads}"
     if tp_size <= kv and kv % tp_size:
@@ -337,17 +343,18 @@ def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection],
 
 
 def experts_bytes(shape: ModelShape, sections: list[QuantizationSection],
-                  methods: list[Optional[QuantizationSection]], itemsize: int) -> int:
-    """Bytes of the sparse layers' experts and routers (the moe ops' weights): fp8 experts (fp8_expert_layers) as
-    e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate + hidden], the others and every
-    router in the model dtype."""
+                  methods: list[Optional[QuantizationSection]], itemsize: int, tp_size: int = 1) -> int:
+    """Bytes of the sparse layers' experts and routers (the moe ops' weights) on one of ``tp_size`` ranks: fp8
+    experts (fp8_expert_layers) as e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate +
+    hidden], the others and every router in the model dtype; each rank holds 1 / tp_size of every expert's
+    intermediate features (the down projection's scales and the router whole)."""
     m = shape.moe
     if m is None:
         return 0
-    h, inter = shape.hidden_size, m.expert_intermediate_size
+    h, inter = shape.hidden_size, m.expert_intermediate_size // tp_size
     fp8 = len(fp8_expert_layers(shape, sections, methods))
     return (fp8 * m.num_experts * (3 * h * inter + 4 * (2 * inter + h) + h * itemsize)
-            + (len(m.sparse_layers) - fp8) * m.expert_params(h) * itemsize)
+            + (len(m.sparse_layers) - fp8) * m.expert_params(h, tp_size) * itemsize)
 
 
 def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], itemsize: int, tp_size: int) -> int:
@@ -528,7 +535,7 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         "norms": (shape.num_layers * per_layer_norms + shape.hidden_size) * itemsize,
         "rope": shape.head_dim // 2 * 4,  # inv_freq, fp32, one table shared by the layers
         "kv_scales": shape.num_layers * 2 * 4 if kv_quantized else 0,  # k_scale, v_scale fp32 per layer
-        "experts": experts_bytes(shape, sections, methods, itemsize),
+        "experts": experts_bytes(shape, sections, methods, itemsize, tp),
     }
     weights = sum(breakdown.values())
     quantized: dict[str, int] = {}

@@ -2,6 +2,8 @@
 
     embedding ─► norm ─► q/k/v (column: by heads) ─► rope ─► attention (local heads) ─► o_proj (row) ─► all_reduce
                  norm ─► gate/up (column: by intermediate features) ─► silu·mul ─► down_proj (row) ─► all_reduce
+                 norm ─► moe (every expert's gate/up rows and down columns by intermediate features; the router
+                         whole) ─► all_reduce
     norms, residual adds and rope tables are replicated; so are the embedding and lm_head, unless
     ``vocab_parallel``: then both are split by vocabulary rows (masked lookup + all_reduce; partial
     logits + all_gather). A quantized lm_head is split the same way: its codes and per-row scales / zero
@@ -15,6 +17,12 @@ Quantized weights are cut together with their scales and zero points: a column s
 (every scheme); a row split cuts input columns on group boundaries (packed 4-bit codes hold two columns
 per byte); per-channel and per-tensor scales are replicated. A row split that would cut a quantization
 group is an error.
+
+Experts: each rank runs every expert on its share of the intermediate features, so its moe output is a partial
+sum (the routing, computed whole on every rank, agrees). FP8 experts' per-row scales follow their rows, the down
+projection's per-output-channel scales are replicated; each rank quantizes its share of the down projection's input
+per token with its own scale (other codes than one rank's, as close to the float model). Experts with a bias after
+the down projection (gpt-oss) are refused: it would be added once per rank.
 
 Every rank runs the same graph (same shapes); only its weights differ. The result's ``params`` are meta
 tensors of one rank's shapes, and ``graph.shards`` says how each rank's tensors are cut from the full
@@ -248,10 +256,17 @@ def check_tp_size(graph: Graph, tp_size: int, vocab_parallel: bool = False) -> N
         raise _fail(f"tp_size must be >= 1, got {tp_size}")
     if tp_size == 1:
         return
-    moe = [n.source for n in graph.nodes if n.op == "moe"]
-    if moe:
-        raise _fail(f"tp_size {tp_size}: the model has {len(moe)} mixture-of-experts (moe) layers ({moe[0]}, ...) and "
-                    f"sharding their experts is not supported yet; build it with tp_size 1")
+    for n in (n for n in graph.nodes if n.op == "moe"):
+        if "b_down" in n.weights:
+            raise _fail(f"tp_size {tp_size}: the experts of {n.source} add a bias after their down projection "
+                        f"(gpt-oss), which a split of their intermediate features would add once per rank; sharding "
+                        f"such experts is not supported yet; build it with tp_size 1")
+        inter = n.attrs["intermediate_size"]
+        if inter % tp_size:
+            ok = [t for t in range(1, min(inter, 64) + 1) if inter % t == 0]
+            raise _fail(f"tp_size {tp_size} does not divide the experts' intermediate size {inter} of {n.source} "
+                        f"(each rank takes an equal share of every expert's features); pick tp_size "
+                        f"{', '.join(map(str, ok))}")
     m = match(graph)
     why = _divisors_ok(tp_size, graph, m, vocab_parallel)
     if why is not None:
@@ -261,6 +276,20 @@ def check_tp_size(graph: Graph, tp_size: int, vocab_parallel: bool = False) -> N
 
 
 # --- weights -------------------------------------------------------------------------------------
+def _expert_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] | None:
+    """Per rank: the share of a moe node's weight role when every expert's intermediate features are split (each
+    rank runs every expert on its features: gate and up rows, down columns; its output a partial sum); None =
+    replicated (the router; the down projection's per-output-channel scales)."""
+    inter = node.attrs["intermediate_size"]
+    ranges = even_ranges(inter, tp_size)
+    if role in ("w_gate_up", "w_gate_up_scale", "b_gate_up"):  # [E, 2I, ...]: gate rows, then up rows
+        return [(Slice(1, a, b), Slice(1, inter + a, inter + b)) for a, b in ranges]
+    if role == "w_down":  # [E, hidden, I]
+        return [(Slice(2, a, b),) for a, b in ranges]
+    return None
+
+
+
 def _column_slices(col: _Column, tp_size: int) -> list[tuple[Slice, ...]]:
     """Per rank: the rows of each member, in member order (q_r, k_r, v_r / gate_r, up_r); for q/k/v rows held
     per head (``split_heads``), the rows of the rank's heads, one block."""
@@ -381,6 +410,13 @@ class Shard(Pass):
             if bias:
                 assign(bias, None, node.source)
 
+        moes = [n for n in graph.nodes if n.op == "moe"]
+        for node in moes:  # every rank runs every expert on its share of their features; partial sums all-reduced
+            for role, w in node.weights.items():
+                assign(w, _expert_slices(node, role, tp_size), node.source)
+            node.attrs["intermediate_size"] //= tp_size
+            collective(node, "all_reduce")
+
         kv_replicated = any(tp_size > a.attrs["num_kv_heads"] for a in m.attention)
         for attn in m.attention:
             if "sinks" in attn.weights:  # one sink logit per query head: each rank its own heads'
@@ -423,4 +459,6 @@ class Shard(Pass):
             "tp_size": tp_size, "column_linears": len(m.columns), "row_linears": len(m.rows),
             "collectives": len(after), "vocab_parallel": vocab_parallel, "kv_heads_replicated": kv_replicated,
         }
+        if moes:
+            details["moe_layers"] = len(moes)
         return PassResult(graph, num_split, num_split, details)

@@ -54,7 +54,7 @@ def test_plan_counts_total_and_active_parameters(tmp_path, model_type):
     assert plan.weights_breakdown["experts"] == expert_bytes
 
 
-def test_plan_counts_fp8_experts_and_refuses_tp(tmp_path):
+def test_plan_counts_fp8_experts_and_their_tp_shares(tmp_path):
     shape = read_model_shape(_checkpoint(tmp_path, "qwen2_moe"))
     assert shape.moe.sparse_layers == (0, 2)
     plan = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16", "quantization.algo=fp8"]))
@@ -75,6 +75,8 @@ def test_plan_counts_fp8_experts_and_refuses_tp(tmp_path):
         kept = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16",
                                                                           "quantization.algo=fp8", *off]))
         assert kept.weights_breakdown["experts"] == unquantized.weights_breakdown["experts"], off
-    with pytest.raises(PlanError, match=r"tp_size 2: a mixture-of-experts model is built with tp_size 1 \(sharding "
-                                        r"experts is not supported yet\); pick tp_size 1"):
-        make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]), tp_size=2)
+    # two ranks: each holds half of every expert's intermediate features, the routers whole
+    two = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]), tp_size=2)
+    assert two.weights_breakdown["experts"] == 2 * e * (3 * h * inter // 2 + h) * 2
+    with pytest.raises(PlanError, match=r"tp_size 5 does not divide the experts' intermediate size 48"):
+        make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]), tp_size=5)

@@ -373,15 +373,69 @@ def test_moe_families_lift_to_the_moe_op(build):
                        torch.stack([stored[expert.format(e, "w2")] for e in range(4)]))
 
     graph = Graph.from_dict(json.loads((mixtral.artifact / "graph.json").read_text()), weights)
-    with pytest.raises(PassError, match=r"shard: tp_size 2: the model has 1 mixture-of-experts \(moe\) layers "
-                                        r"\(model\.layers\.0\.mlp, \.\.\.\) and sharding their experts is not "
-                                        r"supported yet; build it with tp_size 1"):
-        check_tp_size(graph, 2)
+    with pytest.raises(PassError, match=r"shard: tp_size 3 does not divide the experts' intermediate size 112 of "
+                                        r"model\.layers\.0\.mlp .*pick tp_size 1, 2, 4, 7, 8, 14, 16, 28, 56"):
+        check_tp_size(graph, 3)
     quantized, records = run_passes(graph.copy(), ["int8_wo"], PassContext())
     # the linears are q/k/v (merged) and o_proj; the experts stay fp32
     assert records[0].details["moe_layers_not_quantized"] == 1 and records[0].details["num_linears"] == 2
     moe = next(n for n in quantized.nodes if n.op == "moe")
     assert "quant" not in moe.attrs and quantized.params[moe.weights["w_gate_up"]].dtype == torch.float32
+
+
+@pytest.mark.parametrize("model_type, fp8", [("mixtral", False), ("mixtral", True), ("qwen2_moe", False),
+                                           ("qwen3_moe", False)])
+def test_moe_experts_shard_over_ranks(build, model_type, fp8, monkeypatch):
+    """Tensor parallelism splits every expert's intermediate features (gate and up rows, down columns, FP8 scales
+    with their rows) and all-reduces the moe node's partial sums; the router stays whole on every rank. Two ranks'
+    logits equal the unsharded graph's (Qwen2-MoE's shared expert splits as any MLP)."""
+    from safetensors.torch import load_file
+    from test_shard import run_ranks
+
+    from passes import PassContext, run_passes
+    from passes.ir import Graph
+    from passes.verify import run_graph
+
+    b = build(next(f for f in SUPPORTED if f.model_type == model_type))
+    graph = Graph.from_dict(json.loads((b.artifact / "graph.json").read_text()),
+                            load_file(b.artifact / "weights.safetensors"))
+    float_graph = graph
+    if fp8:
+        graph, _ = run_passes(graph.copy(), ["fp8"], PassContext())
+    sharded, records = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    moes = [n for n in sharded.nodes if n.op == "moe"]
+    assert records[0].details["moe_layers"] == len(moes) >= 1
+    moe = moes[0]
+    full = next(n for n in graph.nodes if n.op == "moe")
+    inter = full.attrs["intermediate_size"]
+    assert moe.attrs["intermediate_size"] == inter // 2
+    up = graph.params[full.weights["w_gate_up"]].float()  # fp8 codes compared as their values
+
+    def rank1(role: str) -> torch.Tensor:
+        return sharded.shards.tensor(moe.weights[role], 1).float()
+
+    assert torch.equal(rank1("w_gate_up"), torch.cat((up[:, inter // 2:inter], up[:, inter + inter // 2:]), dim=1))
+    assert torch.equal(rank1("w_down"), graph.params[full.weights["w_down"]][:, :, inter // 2:].float())
+    if fp8:  # per-row scales follow their rows; the down projection's, per output channel, stay whole
+        scales = graph.params[full.weights["w_gate_up_scale"]]
+        assert torch.equal(rank1("w_gate_up_scale"), torch.cat((scales[:, inter // 2:inter],
+                                                                scales[:, inter + inter // 2:]), dim=1))
+        assert torch.equal(rank1("w_down_scale"), graph.params[full.weights["w_down_scale"]])
+    assert torch.equal(sharded.shards.tensor(moe.weights["gate_weight"], 1), graph.params[full.weights["gate_weight"]])
+    reduce = next(n for n in sharded.nodes if n.op == "all_reduce" and n.inputs == moe.outputs)
+    assert reduce.source == moe.source
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
+    expected, floats = run_graph(graph, prompts), run_graph(float_graph, prompts)
+    for rank_logits in run_ranks(sharded, prompts, monkeypatch):
+        for ours, ref, exact in zip(rank_logits, expected, floats):
+            if fp8:  # each rank quantizes its share of h per token with its own scale: other codes, as far from
+                # the float model as one rank's FP8 (a share cut wrong, or scales of other rows, is far off)
+                def err(x: torch.Tensor) -> float:
+                    return ((x - exact).norm() / exact.norm()).item()
+
+                assert err(ours) < 1.3 * err(ref), (err(ours), err(ref))
+            else:
+                assert (ours - ref).abs().max().item() < 1e-4
 
 
 def test_gpt_oss_experts_are_converted_once_and_quantize_fp8(build):
@@ -391,7 +445,7 @@ def test_gpt_oss_experts_are_converted_once_and_quantize_fp8(build):
     clamped SwiGLU's alpha and limit. The fp8 method quantizes the experts and leaves the biases float."""
     from safetensors.torch import load_file
 
-    from passes import PassContext, run_passes
+    from passes import PassContext, PassError, run_passes
     from passes.ir import Graph
 
     b = build(next(f for f in SUPPORTED if f.model_type == "gpt_oss"))
@@ -416,6 +470,11 @@ def test_gpt_oss_experts_are_converted_once_and_quantize_fp8(build):
     assert "moe_weight_layouts" not in graph_json.get("meta", {})  # converted: nothing left for the runtime to do
 
     graph = Graph.from_dict(graph_json, held)
+    from passes.shard import check_tp_size
+
+    with pytest.raises(PassError, match=r"the experts of model\.layers\.0\.mlp add a bias after their down "
+                                        r"projection \(gpt-oss\).*not supported yet; build it with tp_size 1"):
+        check_tp_size(graph, 2)
     quantized, records = run_passes(graph.copy(), ["fp8"], PassContext())
     assert records[0].details["moe_layers_quantized"] == 2
     moe = next(n for n in quantized.nodes if n.op == "moe")
