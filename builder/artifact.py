@@ -34,7 +34,7 @@ from builder.recipe import Recipe
 from builder.report import render_reports
 from passes import PassRecord
 from passes.ir import Graph
-from runtime.artifact import (FORMAT_NAME, FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS,
+from runtime.artifact import (DRAFT_DIR, FORMAT_NAME, FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS,
                               file_sha256, manifest_digest, rank_weights_file)
 
 TEMP_MARKER = ".llm-builder-temporary"  # in a directory this module made and may delete
@@ -187,6 +187,10 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
     tok_dir.mkdir()
     for f in ckpt.tokenizer_files():
         shutil.copy2(f, tok_dir / f.name)
+    runtime_section = recipe.runtime.model_dump(mode="json")
+    if recipe.runtime.speculative.method == "draft":  # the draft artifact travels inside (checked by the pipeline)
+        shutil.copytree(recipe.runtime.speculative.draft_model, tmp / DRAFT_DIR)
+        runtime_section["speculative"]["draft_model"] = DRAFT_DIR  # relative to the artifact
 
     verify = next((r.details for r in records if r.name == "verify"), None)
     manifest: dict[str, Any] = {
@@ -204,7 +208,7 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
         },
         "model": {**graph.meta, "dtype": recipe.model.dtype,
                   "num_parameters": graph.shards.num_params() if graph.shards else graph.num_params()},
-        "runtime": recipe.runtime.model_dump(mode="json"),
+        "runtime": runtime_section,
         "graph": {"file": GRAPH, "ir_version": graph.version, "num_nodes": len(graph.nodes),
                   "ops": graph.count_ops()},
         "weights": weights,
@@ -309,11 +313,12 @@ def _tensor_bytes(name: str, t: torch.Tensor, spec: torch.Tensor) -> memoryview:
 
 
 def _file_table(root: Path, known_hashes: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of every file under ``root``; ``known_hashes`` (path -> sha256) are files hashed already."""
+    """Size and sha256 of every file under ``root`` (a bundled draft artifact's, its manifest included);
+    ``known_hashes`` (path -> sha256) are files hashed already."""
     known_hashes = known_hashes or {}
     table = {}
     for f in sorted(root.rglob("*")):
-        if f.is_file() and f.name != MANIFEST and f != root / TEMP_MARKER:
+        if f.is_file() and f != root / MANIFEST and f != root / TEMP_MARKER:
             name = f.relative_to(root).as_posix()
             table[name] = {"bytes": f.stat().st_size, "sha256": known_hashes.get(name) or file_sha256(f)}
     return table

@@ -147,6 +147,30 @@ def check_prequantized(recipe: Recipe, ckpt: Checkpoint) -> None:
              "kept, nothing is re-quantized", recipe.quant_algo(), what)
 
 
+def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
+    """``runtime.speculative`` method draft: the draft must be an intact artifact of this toolchain, for one GPU,
+    whose tokenizer is the checkpoint's (its tokens are the target's); it is copied into the artifact when written.
+    Checked before anything is built."""
+    spec = recipe.runtime.speculative
+    if spec.method != "draft":
+        return
+    from runtime.artifact import ArtifactError, open_artifact
+
+    try:
+        draft = open_artifact(spec.draft_model)
+    except ArtifactError as e:
+        raise BuildError(f"runtime.speculative.draft_model: {e}") from None
+    if draft.tp_size != 1:
+        raise BuildError(f"runtime.speculative.draft_model {spec.draft_model} is sharded for tp_size {draft.tp_size}; "
+                         f"a draft model runs on one GPU: build it with tp_size 1")
+    ours = {f.name: f.read_bytes() for f in ckpt.tokenizer_files()}
+    theirs = draft.tokenizer_dir / "tokenizer.json"
+    if not theirs.is_file() or ours.get("tokenizer.json") != theirs.read_bytes():
+        raise BuildError(f"runtime.speculative.draft_model {spec.draft_model}: its tokenizer.json is not the "
+                         f"checkpoint's ({ckpt.path / 'tokenizer.json'}); a draft model must propose the target's "
+                         f"tokens: build it from a checkpoint with the same tokenizer")
+
+
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | None = None,
                     weights: dict[str, torch.Tensor] | None = None):
     """The Hugging Face model with its real weights (safetensors only), for the verify pass. A pre-quantized
@@ -272,6 +296,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
     check_prequantized(recipe, ckpt)
+    check_draft_model(recipe, ckpt)
     prequantized = ckpt.quant is not None
     names, quant_names = resolve_passes(recipe, prequantized)
     t = time.perf_counter()

@@ -74,18 +74,26 @@ class VerifySection(_Strict):
 
 class SpeculativeSection(_Strict):
     """Speculative decoding the artifact serves with unless the server is told otherwise (``runtime.speculative``;
-    see runtime.speculative). The recipe names n-gram lookup, which needs nothing beside the artifact; a draft model
-    is another artifact, named at serve time (``--speculative-config``)."""
+    see runtime.speculative): n-gram lookup, or a draft model, another artifact built by this toolchain with the
+    same tokenizer, which the build copies into the artifact (``draft/``: the artifact still needs nothing else)."""
 
-    method: Optional[Literal["ngram"]] = None  # None: no speculation
+    method: Optional[Literal["ngram", "draft"]] = None  # None: no speculation
     num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="most draft tokens per request and step")
     min_ngram: int = Field(default=2, ge=1)
     max_ngram: int = Field(default=4, ge=1)
+    draft_model: Optional[str] = Field(default=None, description="method draft: the draft artifact's directory")
 
     @model_validator(mode="after")
     def _ngram_range(self) -> SpeculativeSection:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram {self.min_ngram} is above max_ngram {self.max_ngram}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError(f"method 'draft' needs draft_model (a draft artifact's directory, copied into the "
+                             f"artifact), and draft_model needs method 'draft'; got method {self.method!r} and "
+                             f"draft_model {self.draft_model!r}")
+        if self.draft_model is not None and not (Path(self.draft_model) / "manifest.json").is_file():
+            raise ValueError(f"draft_model {self.draft_model!r} is not an artifact directory (no manifest.json); "
+                             f"build the draft model first (builder build) and name its output_dir")
         return self
 
 

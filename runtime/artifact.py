@@ -39,6 +39,7 @@ MANIFEST = "manifest.json"
 GRAPH = "graph.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
+DRAFT_DIR = "draft"  # a draft model's artifact, bundled (runtime.speculative method draft)
 
 
 def rank_weights_file(rank: int) -> str:

@@ -183,6 +183,14 @@ def check_manifest(manifest: dict[str, Any], required: dict[str, str]) -> None:
     if manifest["quantization"]["kv_cache_dtype"] != runtime["kv_cache_dtype"]:
         raise _fail("quantization.kv_cache_dtype", manifest["quantization"]["kv_cache_dtype"],
                     f"the same as runtime.kv_cache_dtype ({runtime['kv_cache_dtype']!r})")
+    spec = runtime.get("speculative")
+    draft = spec.get("draft_model") if isinstance(spec, dict) else None
+    if draft is not None:  # a bundled draft artifact: always at DRAFT_DIR, every file of it listed
+        if draft != "draft":
+            raise _fail("runtime.speculative.draft_model", draft, "'draft' (the bundled draft artifact) or null")
+        if "draft/manifest.json" not in manifest["files"]:
+            raise ManifestError("files does not list 'draft/manifest.json' (runtime.speculative.draft_model); every "
+                                "file the runtime reads must be listed with its sha256")
 
 
 def _check_files(manifest: dict[str, Any], required: dict[str, str]) -> None:

@@ -212,7 +212,9 @@ class ServingEngine:
     def __init__(self, engine: Engine, config: ServingConfig | None = None) -> None:
         config = config or ServingConfig()
         if config.speculative is None:  # the artifact's recipe section (runtime.speculative), else off
-            section = engine.artifact.manifest["runtime"].get("speculative")
+            section = dict(engine.artifact.manifest["runtime"].get("speculative") or {})
+            if section.get("draft_model") is not None:  # a bundled draft: its directory inside the artifact
+                section["draft_model"] = str(engine.artifact.path / section["draft_model"])
             config = replace(config, speculative=SpeculativeConfig.from_dict(section) if section
                              else SpeculativeConfig())
         self.engine = engine  # the offline engine: artifact, executor, tokenizer

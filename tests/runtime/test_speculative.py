@@ -179,7 +179,7 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
                           speculative={"method": "ngram", "num_speculative_tokens": 3, "max_ngram": 3})
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["runtime"]["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "min_ngram": 2,
-                                                  "max_ngram": 3}
+                                                  "max_ngram": 3, "draft_model": None}
     engine = Engine.load(path)
     served = ServingEngine(engine, ServingConfig(num_blocks=64))
     assert served.config.speculative.enabled and served.proposer is not None
@@ -191,7 +191,8 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
     assert served.run([prompt], params)[0].token_ids == plain.run([prompt], params)[0].token_ids
     assert served.spec_num_draft_tokens > 0  # it did speculate
     base = {"name": "x", "model": {"checkpoint": str(checkpoints["llama"])}}
-    for section, message in (({"method": "draft"}, "runtime.speculative.method"),
+    for section, message in (({"method": "draft"}, "method 'draft' needs draft_model"),
+                             ({"method": "draft", "draft_model": str(tmp_path)}, "is not an artifact directory"),
                              ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
                              ({"method": "ngram", "min_ngram": 5}, "min_ngram 5 is above max_ngram 4"),
                              ({"methd": "ngram"}, "unknown key")):
@@ -689,6 +690,45 @@ def test_draft_model_output_is_the_targets(engine, bundled_artifact):
     assert s.memory_plan.weights_bytes == 2 * weights  # the draft's weights are planned beside the target's
     _assert_no_leaks(s)
     assert s.proposer._seqs == {}  # every request's draft cache released
+
+
+def test_a_draft_model_in_the_recipe_travels_inside_the_artifact(engine, bundled_artifact, tiny_artifact, tmp_path):
+    """runtime.speculative method draft: the build copies the draft artifact into the target's (``draft/``, every
+    file hashed by the target's manifest), which then serves with it by default (nothing outside the artifact): the
+    bundled model as its own draft, greedy output equal to the plain one's. A draft whose tokenizer is not the
+    checkpoint's is refused before anything is built; a tampered draft file fails the target's load."""
+    from builder.pipeline import BuildError
+    from conftest import BUNDLED
+
+    target = build_artifact(BUNDLED, tmp_path / "target", max_batch_size=4, max_seq_len=512,
+                            speculative={"method": "draft", "draft_model": str(bundled_artifact),
+                                         "num_speculative_tokens": 3})
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert manifest["runtime"]["speculative"]["draft_model"] == "draft"
+    assert "draft/manifest.json" in manifest["files"] and "draft/weights.safetensors" in manifest["files"]
+    served = ServingEngine(Engine.load(target), ServingConfig(num_blocks=64))
+    assert served.config.speculative.method == "draft" and served.proposer is not None
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:2]]
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    assert [o.token_ids for o in served.run(prompts, greedy)] == \
+        [w.token_ids for w in _references(engine, prompts, greedy)]
+    assert served.stats().spec_num_accepted_tokens > 10
+    with pytest.raises(BuildError, match="its tokenizer.json is not the checkpoint's"):
+        build_artifact(BUNDLED, tmp_path / "other", speculative={"method": "draft", "draft_model": str(tiny_artifact)})
+    from runtime.artifact import ArtifactError, manifest_digest
+
+    elsewhere = json.loads((target / "manifest.json").read_text())
+    elsewhere["runtime"]["speculative"]["draft_model"] = "../other"  # pointing outside, its own hash made to agree
+    elsewhere["manifest_sha256"] = manifest_digest(elsewhere)
+    (target / "manifest.json").write_text(json.dumps(elsewhere))
+    with pytest.raises(ArtifactError, match=r"runtime\.speculative\.draft_model.*'draft' \(the bundled draft"):
+        Engine.load(target)
+    (target / "manifest.json").write_text(json.dumps(manifest))
+    with open(target / "draft" / "graph.json", "a") as f:
+        f.write(" ")
+
+    with pytest.raises(ArtifactError, match="draft/graph.json"):
+        Engine.load(target)
 
 
 def test_draft_model_with_another_vocabulary_is_refused(engine, tiny_artifact):
