@@ -84,7 +84,6 @@ class MoeShape:
     expert_intermediate_size: int  # moe_intermediate_size, else intermediate_size (Mixtral, OLMoE)
     shared_intermediate_size: int  # shared_expert_intermediate_size (Qwen2-MoE's gated shared expert); 0: none
     sparse_layers: tuple[int, ...]  # layers with experts; the others (mlp_only_layers, decoder_sparse_step) are dense
-    down_bias: bool = False  # experts that add a bias after their down projection (gpt-oss: swiglu_limit is set)
 
     @classmethod
     def from_config(cls, config: dict[str, Any], num_layers: int) -> Optional[MoeShape]:
@@ -95,8 +94,7 @@ class MoeShape:
         return cls(num_experts, int(config.get("num_experts_per_tok") or 1),
                    int(config.get("moe_intermediate_size") or config.get("intermediate_size") or 0),
                    int(config.get("shared_expert_intermediate_size") or 0),
-                   tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
-                   config.get("swiglu_limit") is not None)
+                   tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0))
 
     def expert_params(self, hidden: int, tp_size: int = 1) -> int:
         """One sparse layer's experts and router (the moe op's weights), on one of ``tp_size`` ranks (each holds its
@@ -244,9 +242,6 @@ class LinearNode:
 def _tp_problem(shape: ModelShape, tp_size: int, vocab_parallel: bool) -> Optional[str]:
     """Why ``tp_size`` cannot split this model (the shard pass's rules, passes/shard.py), or None."""
     heads, kv = shape.num_heads, shape.num_kv_heads
-    if shape.moe is not None and tp_size > 1 and shape.moe.down_bias:
-        return (f"tp_size {tp_size}: experts with a bias after their down projection (gpt-oss) are built with tp_size "
-                f"1 (sharding them is not supported yet)")
     if shape.moe is not None and shape.moe.expert_intermediate_size % tp_size:
         return (f"tp_size {tp_size} does not divide the experts' intermediate size "
                 f"{shape.moe.expert_intermediate_size}")

@@ -21,8 +21,8 @@ group is an error.
 Experts: each rank runs every expert on its share of the intermediate features, so its moe output is a partial
 sum (the routing, computed whole on every rank, agrees). FP8 experts' per-row scales follow their rows, the down
 projection's per-output-channel scales are replicated; each rank quantizes its share of the down projection's input
-per token with its own scale (other codes than one rank's, as close to the float model). Experts with a bias after
-the down projection (gpt-oss) are refused: it would be added once per rank.
+per token with its own scale (other codes than one rank's, as close to the float model). A bias after the down
+projection (gpt-oss) is added by every rank: each holds it divided by tp_size (exact for powers of two).
 
 Every rank runs the same graph (same shapes); only its weights differ. The result's ``params`` are meta
 tensors of one rank's shapes, and ``graph.shards`` says how each rank's tensors are cut from the full
@@ -257,10 +257,6 @@ def check_tp_size(graph: Graph, tp_size: int, vocab_parallel: bool = False) -> N
     if tp_size == 1:
         return
     for n in (n for n in graph.nodes if n.op == "moe"):
-        if "b_down" in n.weights:
-            raise _fail(f"tp_size {tp_size}: the experts of {n.source} add a bias after their down projection "
-                        f"(gpt-oss), which a split of their intermediate features would add once per rank; sharding "
-                        f"such experts is not supported yet; build it with tp_size 1")
         inter = n.attrs["intermediate_size"]
         if inter % tp_size:
             ok = [t for t in range(1, min(inter, 64) + 1) if inter % t == 0]
@@ -412,6 +408,12 @@ class Shard(Pass):
 
         moes = [n for n in graph.nodes if n.op == "moe"]
         for node in moes:  # every rank runs every expert on its share of their features; partial sums all-reduced
+            if "b_down" in node.weights:  # added by every rank, so 1 / tp_size of it each (exact for powers of 2)
+                name = node.weights["b_down"]
+                if any(name in n.weights.values() for n in graph.nodes if n is not node):
+                    raise _fail(f"the down-projection bias {name} of {node.source} is shared with another node; the "
+                                f"shard pass divides it by tp_size for this one")
+                graph.params[name] = graph.params[name] / tp_size
             for role, w in node.weights.items():
                 assign(w, _expert_slices(node, role, tp_size), node.source)
             node.attrs["intermediate_size"] //= tp_size
