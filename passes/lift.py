@@ -578,7 +578,11 @@ def _layout_of(fx_node: torch.fx.Node) -> Layout:
     labels_before = {0: (), 1: ("B",), 2: ("B", "H"), 3: ("B", "H", "R")}.get(len(before))
     labels_after = {0: (), 1: ("D",) if len(before) >= 2 else ("F",), 2: ("H", "D"), 3: ("G", "H", "D")}.get(len(after))
     if labels_before is None or labels_after is None or (len(before) >= 2 and len(after) != 1):
-        raise LiftError(f"unsupported tensor layout {shape} from {fx_node.target} at {_module_path(fx_node)}")
+        tokens_last = not after and len(before) == 2  # [B, features, T]: a convolution over the tokens' axis
+        need = ("; a per-token value with the tokens as its last axis is the input of a convolution over the tokens "
+                "(a short causal conv, e.g. LFM2's or Mamba's), which the IR has no op for" if tokens_last else
+                "; the IR's per-token values are [B, T, features] or split into heads")
+        raise LiftError(f"unsupported tensor layout {shape} from {fx_node.target} at {_module_path(fx_node)}{need}")
     sizes = tuple(int(s) if isinstance(s, int) else -1 for s in shape)
     return Layout(labels_before + ("T",) + labels_after, sizes)
 

@@ -139,7 +139,8 @@ SUPPORTED = [
 
 NOT_YET = [
     NotYet(Family("LFM2 (conv layers)", "lfm2", dict(num_hidden_layers=1, layer_types=["conv"])),
-           r"aten\.transpose\.int at model\.layers\.0\.conv",
+           r"aten\.transpose\.int at model\.layers\.0\.conv; a per-token value with the tokens as its last axis is "
+           r"the input of a convolution over the tokens",
            "a short causal convolution over the tokens, with its state in the KV cache (its gated conv layers; its "
            "attention layers lift)"),
 ]
