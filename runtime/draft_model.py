@@ -1,8 +1,10 @@
 """The draft-model proposer: a second, smaller artifact with the target's vocabulary drafts k greedy tokens.
 
 It keeps its own KV cache per request (``SequenceKV``, contiguous, sized for the target's max_seq_len: a draft
-model's cache is small) and what the cache holds: the request's tokens as of its last proposal, then the drafts it
-fed then. At the next proposal the request has kept some of those drafts (the accepted ones) and not the others;
+model's cache is small), for at most ``max_seqs`` requests (the speculation policy's ``max_running``: no step
+speculates for more), the least recently used dropped first (a request that speculates again refeeds its tokens);
+the serving memory plan reserves those caches (:meth:`DraftModelProposer.kv_bytes`). It records what a cache
+holds: the request's tokens as of its last proposal, then the drafts it fed then. At the next proposal the request has kept some of those drafts (the accepted ones) and not the others;
 the cache is cut back to the longest prefix both agree on and the tokens after it are fed again:
 
     cache holds:   t_0 .. t_{n-1}  d_1 .. d_{k-1}                (d_k was drafted but never fed)
@@ -19,6 +21,7 @@ are eager launches, which costs what a small model's step costs in launch overhe
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,17 +49,25 @@ class DraftModelProposer(Proposer):
 
     method = "draft"
 
-    def __init__(self, draft: Engine, target_vocab_size: int, target_tokenizer, max_seq_len: int) -> None:
+    def __init__(self, draft: Engine, target_vocab_size: int, target_tokenizer, max_seq_len: int,
+                 max_seqs: int = 8) -> None:
         _check_same_vocabulary(draft, target_vocab_size, target_tokenizer)
+        if max_seqs < 1:
+            raise SpeculativeConfigError(f"a draft model needs room for at least one request's cache, got {max_seqs}")
         self.draft = draft
         self.max_seq_len = min(max_seq_len, draft.limits.max_seq_len)  # the draft cannot look further
-        self._seqs: dict[str, _DraftSeq] = {}
+        self.max_seqs = max_seqs
+        self._seqs: OrderedDict[str, _DraftSeq] = OrderedDict()  # least recently proposed for first
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device, target_vocab_size: int, target_tokenizer,
-             max_seq_len: int) -> DraftModelProposer:
+             max_seq_len: int, max_seqs: int = 8) -> DraftModelProposer:
         """Load the draft artifact on ``device`` (verified like any artifact, see ``Engine.load``)."""
-        return cls(Engine.load(path, device), target_vocab_size, target_tokenizer, max_seq_len)
+        return cls(Engine.load(path, device), target_vocab_size, target_tokenizer, max_seq_len, max_seqs)
+
+    def kv_bytes(self) -> int:
+        """The most bytes the per-request draft caches hold at once: max_seqs caches of max_seq_len tokens."""
+        return self.max_seqs * self.max_seq_len * self.draft.kv_layout.bytes_per_token()
 
     def release(self, request_id: str) -> None:
         self._seqs.pop(request_id, None)
@@ -68,6 +79,7 @@ class DraftModelProposer(Proposer):
         drafts: list[list[int]] = [[] for _ in requests]
         # requests whose tokens plus drafts fit the draft's context; the others get none
         live = [i for i, r in enumerate(requests) if len(r.token_ids) + r.max_tokens <= self.max_seq_len]
+        live = live[:self.max_seqs]  # the policy asks for no more at once; the caches are planned for that many
         if not live:
             return drafts
         pending = [self._catch_up(requests[i]) for i in live]  # per live request: the tokens to feed now
@@ -90,8 +102,11 @@ class DraftModelProposer(Proposer):
         rest in chunks (a new request's prompt), and return the tokens left to feed in the batched step."""
         seq = self._seqs.get(request.request_id)
         if seq is None:
+            while len(self._seqs) >= self.max_seqs:  # the least recently proposed for (none of this step's: the
+                self._seqs.popitem(last=False)       # step's requests were moved to the end as they came)
             seq = self._seqs[request.request_id] = _DraftSeq(SequenceKV(self.draft.kv_layout, self.max_seq_len,
                                                                         self.draft.device))
+        self._seqs.move_to_end(request.request_id)
         token_ids = request.token_ids
         keep = seq.num_known  # equal by construction: the request's tokens only grow
         while keep < min(len(seq.token_ids), len(token_ids) - 1) and seq.token_ids[keep] == token_ids[keep]:

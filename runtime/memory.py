@@ -57,7 +57,7 @@ class MemoryPlan:
     budget_bytes: int  # what the plan may use in all
     weights_bytes: int  # the artifact's tensors as loaded
     workspace_bytes: int  # activations of the largest step (measured on CUDA, estimated on CPU)
-    other_bytes: int  # held outside this allocator (CUDA context, other processes); 0 on CPU
+    other_bytes: int  # held outside this allocator (CUDA context, other processes; a draft model's caches)
     block_size: int  # tokens per block
     bytes_per_block: int  # all layers, K and V
     num_blocks: int

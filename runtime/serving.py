@@ -133,7 +133,8 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int) -
         from runtime.draft_model import DraftModelProposer
 
         vocab = int(target.executor.graph.get("meta", {}).get("vocab_size", 0))
-        return DraftModelProposer.load(config.draft_model, target.device, vocab, target.tokenizer, max_seq_len)
+        return DraftModelProposer.load(config.draft_model, target.device, vocab, target.tokenizer, max_seq_len,
+                                       max_seqs=config.max_running)  # no step speculates for more requests
     raise SpeculativeConfigError(f"no proposer for speculative method {config.method!r}; use one of "
                                  f"{', '.join(METHODS)}")
 
@@ -310,6 +311,7 @@ class ServingEngine:
         cfg, sc = self.config, self.scheduler_config
         layout = self.engine.kv_layout
         weights = tensor_bytes(self.executor.params.values()) + (self.proposer.weights_bytes() if self.proposer else 0)
+        draft_kv = self.proposer.kv_bytes() if self.proposer else 0  # a draft model's own caches, beside the pool
         common = dict(layout=layout, block_size=self.block_size, max_seq_len=sc.max_seq_len)
         per_block = layout.bytes_per_token() * self.block_size
         if cfg.num_blocks is not None or self.device.type != "cuda":
@@ -317,10 +319,11 @@ class ServingEngine:
                                                  self.executor.dtype)
             kv_bytes = (cfg.num_blocks * per_block if cfg.num_blocks is not None
                         else cfg.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
-            return plan_kv_blocks(device=str(self.device), budget_bytes=weights + workspace + kv_bytes,
-                                  weights_bytes=weights, workspace_bytes=workspace, other_bytes=0, **common)
+            return plan_kv_blocks(device=str(self.device), budget_bytes=weights + workspace + draft_kv + kv_bytes,
+                                  weights_bytes=weights, workspace_bytes=workspace, other_bytes=draft_kv, **common)
         workspace = self._profile_cuda_workspace()
         budget, other = cuda_budget(self.device, cfg.gpu_memory_utilization)
+        other += draft_kv
         if cfg.kv_cache_bytes is not None:
             budget = min(budget, weights + workspace + other + cfg.kv_cache_bytes)
         return plan_kv_blocks(device=str(self.device), budget_bytes=budget, weights_bytes=weights,

@@ -185,6 +185,10 @@ class Proposer(abc.ABC):
         """Device memory the proposer's weights take (a draft model's), planned beside the target's weights."""
         return 0
 
+    def kv_bytes(self) -> int:
+        """The most device memory the proposer's own caches take (a draft model's), reserved beside the KV pool."""
+        return 0
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: the tokens that followed the most recent earlier occurrence of the request's last n tokens.

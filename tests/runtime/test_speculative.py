@@ -688,8 +688,33 @@ def test_draft_model_output_is_the_targets(engine, bundled_artifact):
     assert s.stats().spec_num_accepted_tokens > stats.spec_num_accepted_tokens
     weights = sum(t.numel() * t.element_size() for t in engine.executor.params.values())
     assert s.memory_plan.weights_bytes == 2 * weights  # the draft's weights are planned beside the target's
+    # and its caches: max_running of them, each of max_seq_len tokens (the same model: the target's bytes a token)
+    per_token = engine.kv_layout.bytes_per_token()
+    assert s.memory_plan.other_bytes == s.config.speculative.max_running * s.proposer.max_seq_len * per_token
     _assert_no_leaks(s)
     assert s.proposer._seqs == {}  # every request's draft cache released
+
+
+def test_draft_model_keeps_at_most_max_seqs_caches(engine):
+    """A draft holds at most max_seqs request caches, dropping the least recently proposed for; a request whose
+    cache was dropped drafts as before (it refeeds its tokens)."""
+    from runtime.draft_model import DraftModelProposer
+
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+
+    def fresh() -> DraftModelProposer:
+        return DraftModelProposer(engine, vocab, engine.tokenizer, 512)
+
+    small = DraftModelProposer(engine, vocab, engine.tokenizer, 512, max_seqs=2)
+    prompts = {f"r{i}": engine.tokenizer.encode(p) for i, p in enumerate(PROMPTS[:3])}
+    reqs = [DraftRequest(r, ids, 3) for r, ids in prompts.items()]
+    drafts = small.propose(reqs[:2])
+    assert drafts == fresh().propose(reqs[:2])
+    small.propose(reqs[2:])  # r0, the least recent, is dropped for r2
+    assert list(small._seqs) == ["r1", "r2"]
+    later = [DraftRequest("r0", prompts["r0"] + drafts[0][:1], 3)]  # r0 one token on (its first draft accepted)
+    assert small.propose(later) == fresh().propose(later)  # refed from its tokens: the same drafts
+    assert list(small._seqs) == ["r2", "r0"] and small.kv_bytes() == 2 * 512 * engine.kv_layout.bytes_per_token()
 
 
 def test_a_draft_model_in_the_recipe_travels_inside_the_artifact(engine, bundled_artifact, tiny_artifact, tmp_path):
