@@ -145,9 +145,13 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
         raise ValueError(f"blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} are not [E, rows, G, 16] "
                          f"and [E, rows, G]")
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [E, rows, G, 32]
-    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).transpose(1, 2).to(dtype).contiguous()
+    experts, rows, groups, _ = blocks.shape
+    out = torch.empty(experts, groups * MXFP4_BLOCK, rows, dtype=dtype)
+    for e in range(experts):  # one expert at a time: the fp32 temporaries stay an expert's size
+        codes = torch.stack((blocks[e] & 0x0F, blocks[e] >> 4), dim=-1).flatten(-2).to(torch.int32)  # [rows, G, 32]
+        values = torch.ldexp(lut[codes], scales[e].to(torch.int32)[..., None] - 127)
+        out[e] = values.flatten(-2).t()
+    return out
 
 
 def _sha256(path: Path) -> str:
@@ -537,7 +541,7 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
         if isinstance(stored, Conversion):  # its tensors are its alone: let go of them (copies, when cast) once used
             tensor = _convert(stored, {n: tensors.pop(n) for n in stored.names()}, name, ckpt.path)
         else:
-            tensor = tensors[stored]
+            tensor = tensors.pop(stored) if name in moe_layouts else tensors[stored]  # a converted copy replaces it
         if tuple(tensor.shape) != expected:
             what = (f"weight {name!r}, computed from {len(stored.names())} tensors ({', '.join(stored.sources)}),"
                     if isinstance(stored, Conversion) else f"tensor {stored!r}")

@@ -169,6 +169,10 @@ def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
         raise BuildError(f"runtime.speculative.draft_model {spec.draft_model}: its tokenizer.json is not the "
                          f"checkpoint's ({ckpt.path / 'tokenizer.json'}); a draft model must propose the target's "
                          f"tokens: build it from a checkpoint with the same tokenizer")
+    ours_vocab, theirs_vocab = ckpt.config_dict.get("vocab_size"), draft.manifest["model"].get("vocab_size")
+    if ours_vocab != theirs_vocab:  # the runtime's draft proposer refuses this too: its ids would not be the target's
+        raise BuildError(f"runtime.speculative.draft_model {spec.draft_model}: its vocab_size is {theirs_vocab}, the "
+                         f"checkpoint's {ours_vocab}; a draft model must have the target's vocabulary (embedding rows)")
 
 
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | None = None,
@@ -297,6 +301,9 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
     check_prequantized(recipe, ckpt)
     check_draft_model(recipe, ckpt)
+    if ckpt.mxfp4 and dtype == torch.float16:  # e8m0 scales reach 2^127: fp16 cannot hold every MXFP4 value
+        raise BuildError(f"{ckpt.path}: its MXFP4 weights are decoded exactly into bfloat16 or float32 only (their "
+                         f"power-of-two scales run past float16's range); set model.dtype to bfloat16 or float32")
     prequantized = ckpt.quant is not None
     names, quant_names = resolve_passes(recipe, prequantized)
     t = time.perf_counter()
@@ -322,7 +329,8 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
     extra: dict = {}
-    if ckpt.mxfp4:  # the source's format, recorded: its MXFP4 weights were decoded (exactly) into the build's dtype
+    if ckpt.mxfp4:  # the source's format, recorded: its MXFP4 weights were decoded (exactly: bf16 / fp32) into the
+        # build's dtype
         extra["source_mxfp4_weights"] = len(ckpt.mxfp4)
         log.info("decoded %d MXFP4 weights (%s, ...) into %s", len(ckpt.mxfp4), next(iter(ckpt.mxfp4)), dtype)
     if imported is not None:

@@ -1359,7 +1359,7 @@ def _softmax(fx_node, args, kwargs, st, ctx, source):
     if isinstance(x, Tok) and x.layout.dims[-1] == "F" and dim in (-1, len(x.layout.dims) - 1):
         return Scores(x, "softmax")
     if isinstance(x, TopWeights) and x.scores.scoring == "logits" and not (x.renormalized or x.cast) \
-            and dim in (-1, 1):
+            and dim in (-1, len(x.scores.logits.layout.dims) - 1):
         # softmax over the top-k logits (gpt-oss's router): the softmax over all experts renormalised over the
         # top k, in the logits' (the activations') dtype
         return TopWeights(x.scores, x.k, renormalized=True, cast=True)
@@ -1427,6 +1427,9 @@ def _moe_experts(fx_node, args, kwargs, st, ctx, source):
         raise LiftError(f"the router logits of the experts at {source!r} are also read by {reader.op} at "
                         f"{reader.source!r}; the moe op keeps them to itself")
     if layout == "in_out_interleaved":  # gpt-oss: held as the moe op's layout, converted once when read
+        if not isinstance(b_gate_up, Param):
+            raise LiftError(f"the experts at {source!r} store gate and up interleaved without a gate/up bias; the "
+                            f"lifter converts that layout with its bias (gpt-oss)")
         _moe_in_out_interleaved(st, w_gate_up.name, w_down.name, b_gate_up.name)
     elif layout != "stacked":
         raise LiftError(f"the experts at {source!r} have weights laid out as {layout!r}; the lifter knows 'stacked' "

@@ -4,8 +4,9 @@ It keeps its own KV cache per request (``SequenceKV``, contiguous, sized for the
 model's cache is small), for at most ``max_seqs`` requests (the speculation policy's ``max_running``: no step
 speculates for more), the least recently used dropped first (a request that speculates again refeeds its tokens);
 the serving memory plan reserves those caches (:meth:`DraftModelProposer.kv_bytes`). It records what a cache
-holds: the request's tokens as of its last proposal, then the drafts it fed then. At the next proposal the request has kept some of those drafts (the accepted ones) and not the others;
-the cache is cut back to the longest prefix both agree on and the tokens after it are fed again:
+holds: the request's tokens as of its last proposal, then the drafts it fed then. At the next proposal the request
+has kept some of those drafts (the accepted ones) and not the others; the cache is cut back to the longest prefix
+both agree on and the tokens after it are fed again:
 
     cache holds:   t_0 .. t_{n-1}  d_1 .. d_{k-1}                (d_k was drafted but never fed)
     request now:   t_0 .. t_{n-1}  d_1 .. d_a  x_a ...
@@ -82,6 +83,9 @@ class DraftModelProposer(Proposer):
         live = live[:self.max_seqs]  # the policy asks for no more at once; the caches are planned for that many
         if not live:
             return drafts
+        for i in live:  # this step's requests are the most recent: a new one's cache evicts none of theirs
+            if requests[i].request_id in self._seqs:
+                self._seqs.move_to_end(requests[i].request_id)
         pending = [self._catch_up(requests[i]) for i in live]  # per live request: the tokens to feed now
         tokens = self._step([requests[i].request_id for i in live], pending)
         for i, t in zip(live, tokens):
@@ -102,8 +106,8 @@ class DraftModelProposer(Proposer):
         rest in chunks (a new request's prompt), and return the tokens left to feed in the batched step."""
         seq = self._seqs.get(request.request_id)
         if seq is None:
-            while len(self._seqs) >= self.max_seqs:  # the least recently proposed for (none of this step's: the
-                self._seqs.popitem(last=False)       # step's requests were moved to the end as they came)
+            while len(self._seqs) >= self.max_seqs:  # the least recently proposed for: none of this step's (moved
+                self._seqs.popitem(last=False)       # to the end first; a step has at most max_seqs requests)
             seq = self._seqs[request.request_id] = _DraftSeq(SequenceKV(self.draft.kv_layout, self.max_seq_len,
                                                                         self.draft.device))
         self._seqs.move_to_end(request.request_id)

@@ -657,6 +657,9 @@ def _moe(w, attrs, ex) -> Kernel:
                "swiglu_limit": float(attrs.get("swiglu_limit", 0.0))}
     top_k, scoring, norm = attrs["top_k"], attrs["scoring"], attrs["norm_topk_prob"]
     fn, round_weights = attrs["activation"], attrs.get("round_weights", False)
+    if fn == "clamped_swiglu" and not ("swiglu_alpha" in attrs and attrs.get("swiglu_limit", 0) > 0):
+        raise GraphFormatError("graph.json: a moe node with activation clamped_swiglu needs swiglu_alpha and "
+                               "swiglu_limit > 0")
     if ex.use_kernels:
         from kernels.moe import fused_moe
 

@@ -140,8 +140,8 @@ def artifacts(checkpoints, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture
 def gpt_oss_attention_only(monkeypatch) -> None:
     """transformers' gpt-oss with its mixture of experts replaced by an identity (no experts) while the test runs:
-    what is left is its attention (sinks, sliding / global layers, rotary on each head's halves), which shards over
-    tensor-parallel ranks where experts do not yet."""
+    what is left is its attention (sinks, sliding / global layers, rotary on each head's halves), for tests of the
+    attention alone (tensor-parallel sharding of the sinks)."""
     from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
     class NoExperts(torch.nn.Module):

@@ -632,10 +632,6 @@ def test_readme_table_matches_the_cases():
                                       "`python tests/passes/test_families.py` into it")
 
 
-if __name__ == "__main__":
-    print(readme_table())
-
-
 def test_gpt_oss_mxfp4_checkpoint_builds_with_its_experts_decoded(tokenizer_dir, tmp_path):
     """gpt-oss as released: its experts stored MXFP4 (``NAME_blocks`` uint8 [E, rows, G, 16], ``NAME_scales`` uint8
     [E, rows, G], ``quant_method: mxfp4``). The build decodes them as it reads them (exact: a code times a power of
@@ -673,6 +669,10 @@ def test_gpt_oss_mxfp4_checkpoint_builds_with_its_experts_decoded(tokenizer_dir,
     with torch.no_grad():
         expected = model(torch.tensor([ids]), use_cache=False).logits[0]
     assert (engine.logits(ids) - expected).abs().max().item() < 1e-4
+    from builder.pipeline import BuildError
+
+    with pytest.raises(BuildError, match="decoded exactly into bfloat16 or float32 only"):  # fp16: scales past range
+        build_artifact(ckpt, tmp_path / "fp16", dtype="float16")
     # a blocks tensor without its scales is named
     del tensors["model.layers.0.mlp.experts.down_proj_scales"]
     save_file(tensors, ckpt / "model.safetensors", metadata={"format": "pt"})
@@ -681,3 +681,7 @@ def test_gpt_oss_mxfp4_checkpoint_builds_with_its_experts_decoded(tokenizer_dir,
     with pytest.raises(CheckpointError, match=r"MXFP4 tensor 'model\.layers\.0\.mlp\.experts\.down_proj_blocks' has "
                                               r"no 'model\.layers\.0\.mlp\.experts\.down_proj_scales'"):
         open_checkpoint(ckpt)
+
+
+if __name__ == "__main__":
+    print(readme_table())

@@ -196,7 +196,8 @@ def test_falcon_layouts_match_hf(family, split_heads, split_sizes, num_kv_heads,
 def test_gpt_oss_attention_sinks_match_hf(gpt_oss_attention_only, monkeypatch):
     """gpt-oss's attention, traced through the tracer's attention node: its sinks a weight of each attention node,
     sliding then global layers; the graph's logits equal HF's eager attention's. Sharded over two ranks, each keeps
-    its own heads' sinks and the logits stay the same. (Without its experts, which do not shard yet: see conftest.)"""
+    its own heads' sinks and the logits stay the same. (Without its experts: tests/passes/test_families.py shards
+    the whole model.)"""
     model = make_family_model(GPT_OSS, VOCAB)
     graph = _with_weights(trace(family_config(GPT_OSS, VOCAB))[0], model)
     attn = [n for n in graph.nodes if n.op == "attention"]

@@ -715,6 +715,13 @@ def test_draft_model_keeps_at_most_max_seqs_caches(engine):
     later = [DraftRequest("r0", prompts["r0"] + drafts[0][:1], 3)]  # r0 one token on (its first draft accepted)
     assert small.propose(later) == fresh().propose(later)  # refed from its tokens: the same drafts
     assert list(small._seqs) == ["r2", "r0"] and small.kv_bytes() == 2 * 512 * engine.kv_layout.bytes_per_token()
+    # a step's own requests are never evicted for its new one: r2 (cached, older) stays while r1 comes back
+    fed = []
+    forward = small._forward
+    small._forward = lambda seqs, tokens: (fed.extend(tokens), forward(seqs, tokens))[1]
+    small.propose([DraftRequest("r1", prompts["r1"], 2), DraftRequest("r2", prompts["r2"] + [7], 2)])
+    assert set(small._seqs) == {"r1", "r2"}  # r0 went, not r2
+    assert [7] in fed  # r2 fed only its new token: its cache was kept
 
 
 def test_a_draft_model_in_the_recipe_travels_inside_the_artifact(engine, bundled_artifact, tiny_artifact, tmp_path):
@@ -740,6 +747,18 @@ def test_a_draft_model_in_the_recipe_travels_inside_the_artifact(engine, bundled
     assert served.stats().spec_num_accepted_tokens > 10
     with pytest.raises(BuildError, match="its tokenizer.json is not the checkpoint's"):
         build_artifact(BUNDLED, tmp_path / "other", speculative={"method": "draft", "draft_model": str(tiny_artifact)})
+    # the same tokenizer but more embedding rows: refused at build too (the proposer would refuse it at serve time)
+    from transformers import AutoModelForCausalLM
+
+    from conftest import save_tokenizer, tiny_config
+
+    small = make_checkpoint(tmp_path / "small", "llama", num_attention_heads=2, num_key_value_heads=1)
+    save_tokenizer(tmp_path / "wide")  # the same tokenizer, 384 embedding rows
+    AutoModelForCausalLM.from_config(tiny_config("llama", 384, num_attention_heads=2, num_key_value_heads=1)) \
+        .save_pretrained(tmp_path / "wide")
+    wide = build_artifact(tmp_path / "wide", tmp_path / "wide_art")
+    with pytest.raises(BuildError, match=r"its vocab_size is 384, the checkpoint's 320"):
+        build_artifact(small, tmp_path / "other2", speculative={"method": "draft", "draft_model": str(wide)})
     from runtime.artifact import ArtifactError, manifest_digest
 
     elsewhere = json.loads((target / "manifest.json").read_text())
