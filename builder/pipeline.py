@@ -163,9 +163,8 @@ def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
     if draft.tp_size != 1:
         raise BuildError(f"runtime.speculative.draft_model {spec.draft_model} is sharded for tp_size {draft.tp_size}; "
                          f"a draft model runs on one GPU: build it with tp_size 1")
-    ours = {f.name: f.read_bytes() for f in ckpt.tokenizer_files()}
-    theirs = draft.tokenizer_dir / "tokenizer.json"
-    if not theirs.is_file() or ours.get("tokenizer.json") != theirs.read_bytes():
+    ours, theirs = ckpt.path / "tokenizer.json", draft.tokenizer_dir / "tokenizer.json"
+    if not (ours.is_file() and theirs.is_file()) or ours.read_bytes() != theirs.read_bytes():
         raise BuildError(f"runtime.speculative.draft_model {spec.draft_model}: its tokenizer.json is not the "
                          f"checkpoint's ({ckpt.path / 'tokenizer.json'}); a draft model must propose the target's "
                          f"tokens: build it from a checkpoint with the same tokenizer")

@@ -654,6 +654,26 @@ def _load_group(s_it, z_it, BITS: tl.constexpr):
 
 
 @triton.jit
+def _load_group_at(s_ptr, z_ptr, it, N, col0, lanes, BITS: tl.constexpr):
+    """:func:`_load_group` of group (K iteration) ``it`` at the program's columns."""
+    return _load_group(_addr(s_ptr + it * N + col0 + lanes), z_ptr + it * N + col0 + lanes, BITS)
+
+
+@triton.jit
+def _advance(a0, a1, a2, a3, new, DEPTH: tl.constexpr):
+    """The loads in flight moved one iteration on: a0 is used now, a1 .. a(DEPTH - 1) are the next ones, ``new``
+    (loaded DEPTH ahead) joins last; the slots past DEPTH are not touched."""
+    if DEPTH == 1:
+        return new, a1, a2, a3
+    elif DEPTH == 2:
+        return a1, new, a2, a3
+    elif DEPTH == 3:
+        return a1, a2, new, a3
+    else:
+        return a1, a2, a3, new
+
+
+@triton.jit
 def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr, BITS: tl.constexpr):
     """The sums ``t`` after one K iteration on the words ``w``, x registers ``x`` and the group ``grp``."""
     if BITS == 8:
@@ -720,33 +740,24 @@ def _w4a16_frag_kernel(
     last = first + num_iters - 1
     tile_bytes = lanes + 2 * BITS * K  # 16 rows of K BITS / 8 bytes
     w_base = qw_ptr + col0 * (K * BITS // 8)
-    w = _load_w(w_base + first * 1024 + lanes, tile_bytes)  # weights are constants: before the wait
-    w1 = w
-    w2 = w
-    w3 = w
+    # the codes of the first DEPTH iterations, and (groups of 128) their scales and zeros: constants, loaded before
+    # the wait, and in the loop DEPTH iterations ahead alike (groups one ahead would chain each iteration to an HBM
+    # round trip whatever the codes' depth)
+    w = _load_w(w_base + first * 1024 + lanes, tile_bytes)
+    grp = _load_group_at(s_ptr, z_ptr, 0 if ONE_GROUP else first, N, col0, lanes, BITS)
+    w1, w2, w3, g1, g2, g3 = w, w, w, grp, grp, grp
     if DEPTH >= 2:
         w1 = _load_w(w_base + min(first + 1, last) * 1024 + lanes, tile_bytes)
+        if not ONE_GROUP:
+            g1 = _load_group_at(s_ptr, z_ptr, min(first + 1, last), N, col0, lanes, BITS)
     if DEPTH >= 3:
         w2 = _load_w(w_base + min(first + 2, last) * 1024 + lanes, tile_bytes)
+        if not ONE_GROUP:
+            g2 = _load_group_at(s_ptr, z_ptr, min(first + 2, last), N, col0, lanes, BITS)
     if DEPTH >= 4:
         w3 = _load_w(w_base + min(first + 3, last) * 1024 + lanes, tile_bytes)
-    # the groups' scales and zeros are constants too, loaded DEPTH iterations ahead like the codes (one ahead, they
-    # would chain each iteration to an HBM round trip whatever the codes' depth)
-    grp = _load_group(_addr(s_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes),
-                      z_ptr + (0 if ONE_GROUP else first) * N + col0 + lanes, BITS)
-    g1 = grp
-    g2 = grp
-    g3 = grp
-    if not ONE_GROUP:
-        if DEPTH >= 2:
-            g1 = _load_group(_addr(s_ptr + min(first + 1, last) * N + col0 + lanes),
-                             z_ptr + min(first + 1, last) * N + col0 + lanes, BITS)
-        if DEPTH >= 3:
-            g2 = _load_group(_addr(s_ptr + min(first + 2, last) * N + col0 + lanes),
-                             z_ptr + min(first + 2, last) * N + col0 + lanes, BITS)
-        if DEPTH >= 4:
-            g3 = _load_group(_addr(s_ptr + min(first + 3, last) * N + col0 + lanes),
-                             z_ptr + min(first + 3, last) * N + col0 + lanes, BITS)
+        if not ONE_GROUP:
+            g3 = _load_group_at(s_ptr, z_ptr, min(first + 3, last), N, col0, lanes, BITS)
     wait_prior(PDL)  # x and the partials are the preceding kernels'
     m = lanes + M
     x_stride = lanes + stride_xm * 2
@@ -759,39 +770,12 @@ def _w4a16_frag_kernel(
         x2 = _load_x(_addr(x_ptr + nxt * ITER_K + lanes), x_stride, m, BATCH_TILES, BITS)
         gn = grp
         if not ONE_GROUP:
-            ahead = min(it + DEPTH, last)
-            gn = _load_group(_addr(s_ptr + ahead * N + col0 + lanes), z_ptr + ahead * N + col0 + lanes, BITS)
+            gn = _load_group_at(s_ptr, z_ptr, min(it + DEPTH, last), N, col0, lanes, BITS)
         t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS)
-        if DEPTH == 1:
-            w = wn
-        elif DEPTH == 2:
-            w = w1
-            w1 = wn
-        elif DEPTH == 3:
-            w = w1
-            w1 = w2
-            w2 = wn
-        else:
-            w = w1
-            w1 = w2
-            w2 = w3
-            w3 = wn
+        w, w1, w2, w3 = _advance(w, w1, w2, w3, wn, DEPTH)
         x = x2
         if not ONE_GROUP:
-            if DEPTH == 1:
-                grp = gn
-            elif DEPTH == 2:
-                grp = g1
-                g1 = gn
-            elif DEPTH == 3:
-                grp = g1
-                g1 = g2
-                g2 = gn
-            else:
-                grp = g1
-                g1 = g2
-                g2 = g3
-                g3 = gn
+            grp, g1, g2, g3 = _advance(grp, g1, g2, g3, gn, DEPTH)
     _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP,
                     BITS)
     # the last program of this column range (all of it without a split) adds the partials in split order; the
