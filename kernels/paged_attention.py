@@ -4,7 +4,8 @@ Three entry points, each tested against its plain-torch twin at the end of this 
 written plainly: gather each sequence's K/V through its block table, dequantize, fp32 softmax):
 
 - ``write_kv_cache``: scatter new K/V rows into their cache slots, quantizing for fp8/int8 caches.
-- ``paged_decode_attention``: one query token per sequence (split-KV flash-decoding).
+- ``paged_decode_attention``: one query token per sequence (split-KV flash-decoding, merged by the last split to
+  finish: one kernel).
 - ``paged_prefill_attention``: packed variable-length causal prefill, chunked prefill included.
 
 Cache layout (``runtime/paged_kv.py``):
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.gemv import _tile_counters
 from kernels.pdl import pdl_args, wait_prior
 from kernels.rope import cos_sin, rotate
 
@@ -280,110 +282,127 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr,
+        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, counter_ptr,
         qk_scale, window, num_splits, softcap,
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
+        MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
     # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP
     # query heads sharing one kv head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's
     # key tiles.
+    # SPLIT: a sequence's tiles are shared by up to num_splits programs, as many as give each at least MIN_TILES
+    # tiles (its own length, read on the device: a short sequence runs in one program, which writes the output);
+    # the others exit. With several, each writes its partial (m, l, acc) and the last to finish, by a ticket on
+    # counter_ptr[seq, kv_head] (zero before and after), merges them in split order and writes the output.
     # F16 (quantized caches): the matmuls take fp16 operands, into which fp8 e4m3 and int8 values convert exactly
     # (one conversion per two values; bf16 takes more), and q is clamped to fp16's range.
     # SOFTCAP: scores soft-capped (softcap: the cap in the log2 domain); SINKS: each head's sink logit (sinks_ptr)
-    # joins the softmax denominator, here or, split, in the merge.
-    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
+    # joins the softmax denominator, after the last tile or in the merge.
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
-        num_heads = tl.num_programs(0) * GROUP
+        num_kv_heads = tl.num_programs(0)
     else:
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
-        num_heads = tl.num_programs(1) * GROUP
+        num_kv_heads = tl.num_programs(1)
+    num_heads = num_kv_heads * GROUP
     split = tl.program_id(2)
+    # the lengths and block tables are the step's inputs, written before its first kernel: read before the wait
     seq_len = tl.load(seq_lens_ptr + seq)
     lo = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys [lo, seq_len)
-
-    # this split's key tiles: an equal share of the tiles overlapping [lo, seq_len)
     first_tile = lo // BLOCK_N
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-    tiles_per_split = tl.cdiv(num_tiles, num_splits)
-    tile_lo = first_tile + split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
-
-    offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    head = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
-    q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0)
-    if FP32:
-        q = q.to(tl.float32)
-    elif F16:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    if QUANT != 0:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
-    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-
-    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for tile in range(tile_lo, tile_hi):
-        pos = tile * BLOCK_N + offs_n
-        valid = (pos >= lo) & (pos < seq_len)
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-        # masked lanes are left unloaded (garbage): masked out of s and zeroed in v below
-        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
-        s = _mma(q, k.to(q.dtype), FP32) * qk_scale
-        if SOFTCAP:
-            s = _softcap(s, softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
-        v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
-
-    if QUANT != 0:
-        acc = acc * tl.load(v_scale_ptr)
+    used = 1
     if SPLIT:
-        part = (seq * num_heads + head) * num_splits + split  # [GROUP_PAD] rows of [.., num_splits, ..]
-        tl.store(part_m_ptr + part, m_i, mask=g_mask)
-        tl.store(part_l_ptr + part, l_i, mask=g_mask)
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
-    else:
-        if SINKS:
-            l_i = l_i + _sink_share(tl.load(sinks_ptr + head, mask=g_mask, other=0.0), m_i)
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence gets zeros
-        tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        used = tl.minimum(tl.maximum(tl.cdiv(num_tiles, MIN_TILES), 1), num_splits)
+    if split < used:
+        # this split's key tiles: an equal share of the tiles overlapping [lo, seq_len)
+        tiles_per_split = tl.cdiv(num_tiles, used)
+        tile_lo = first_tile + split * tiles_per_split
+        tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
 
+        offs_g = tl.arange(0, GROUP_PAD)
+        offs_d = tl.arange(0, HEAD_DIM)
+        offs_n = tl.arange(0, BLOCK_N)
+        head = kv_head * GROUP + offs_g
+        g_mask = offs_g < GROUP
+        table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        pos = tile_lo * BLOCK_N + offs_n
+        valid = (pos >= lo) & (pos < tl.minimum(seq_len, tile_hi * BLOCK_N))  # none for an empty split
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # the first tile's blocks
 
-@triton.jit(do_not_specialize=["num_splits"])
-def _merge_splits_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, num_splits, stride_os, stride_oh,
-                         HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
-    # grid: (num_seqs, num_heads). Log-sum-exp merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s
-    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < num_splits
-    part = (seq * tl.num_programs(1) + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp2(m - m_max)  # empty splits: m = -1e30, l = 0, acc = 0
-    denom = tl.sum(l_s * w, 0)
-    if SINKS:
-        denom = denom + _sink_share(tl.load(sinks_ptr + head), m_max)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+        wait_prior(PDL)  # q and the new key / value are the preceding kernel's (kernels/pdl.py)
+        # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
+        q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=g_mask[:, None], other=0.0)
+        if FP32:
+            q = q.to(tl.float32)
+        elif F16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        if QUANT != 0:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)
+
+        m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+        acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        for tile in range(tile_lo, tile_hi):
+            pos = tile * BLOCK_N + offs_n
+            valid = (pos >= lo) & (pos < seq_len)
+            row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            # the next tile's blocks, loaded ahead (past the last tile: masked off)
+            nxt = pos + BLOCK_N
+            block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0).to(tl.int64)
+            # masked lanes are left unloaded (garbage): masked out of s and zeroed in v below
+            k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
+            s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+            if SOFTCAP:
+                s = _softcap(s, softcap)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+            v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
+            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+
+        if QUANT != 0:
+            acc = acc * tl.load(v_scale_ptr)
+        out_ptrs = out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :]
+        if used == 1:
+            if SINKS:
+                l_i = l_i + _sink_share(tl.load(sinks_ptr + head, mask=g_mask, other=0.0), m_i)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence gets zeros
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+        else:
+            part = (seq * num_heads + head) * num_splits  # [GROUP_PAD]: each head's first split
+            tl.store(part_m_ptr + part + split, m_i, mask=g_mask)
+            tl.store(part_l_ptr + part + split, l_i, mask=g_mask)
+            tl.store(part_acc_ptr + (part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=g_mask[:, None])
+            tl.debug_barrier()  # every thread's partials stored before the ticket
+            ticket = counter_ptr + seq * num_kv_heads + kv_head
+            if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == used - 1:
+                tl.store(ticket, 0)  # zero again for the next launch
+                # log-sum-exp merge: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, splits in order
+                offs_s = tl.arange(0, SPLITS_PAD)
+                s_mask = g_mask[:, None] & (offs_s[None, :] < used)
+                m_s = tl.load(part_m_ptr + part[:, None] + offs_s[None, :], mask=s_mask, other=-1.0e30,
+                              cache_modifier=".cg")
+                l_s = tl.load(part_l_ptr + part[:, None] + offs_s[None, :], mask=s_mask, other=0.0,
+                              cache_modifier=".cg")
+                m_max = tl.max(m_s, 1)
+                denom = tl.sum(l_s * tl.exp2(m_s - m_max[:, None]), 1)
+                if SINKS:
+                    denom = denom + _sink_share(tl.load(sinks_ptr + head, mask=g_mask, other=0.0), m_max)
+                out = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+                for j in range(0, used):
+                    w = tl.exp2(tl.load(part_m_ptr + part + j, mask=g_mask, other=-1.0e30, cache_modifier=".cg")
+                                - m_max)
+                    a = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                                mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
+                    out += a * w[:, None]
+                out = out / tl.where(denom > 0, denom, 1.0)[:, None]
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -397,8 +416,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     q: [num_seqs, num_heads, head_dim], query i at position seq_lens[i] - 1 (its K/V already written);
     block_tables: [num_seqs, max_blocks] int32 (padded); seq_lens: [num_seqs] int32 (0: output zeros).
-    num_splits: key splits per sequence (flash-decoding); None picks one from shapes alone
-    (``_decode_num_splits``). Any value gives the same result up to fp32 rounding.
+    num_splits: at most this many programs share a sequence's keys (flash-decoding), each given at least
+    ``_MIN_KEYS_PER_SPLIT`` keys of the sequence's own length (read on the device), the last of them merging; None
+    picks it from shapes alone (``_decode_num_splits``). Any value gives the same result up to fp32 rounding.
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks: [num_heads] fp32 sink logits,
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
     config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and program count; the
@@ -420,28 +440,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cfg = config or _decode_config(k_cache.dtype, head_dim, num_seqs * num_kv_heads * num_splits)
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     split = num_splits > 1
-    if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)]
+    if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)], and a ticket per (seq, kv head)
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_m = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
+        counters = _tile_counters(q.device, num_seqs * num_kv_heads)
     else:
         part_acc = part_m = part_l = out  # unused
+        counters = seq_lens
     sinks_t = q if sinks is None else sinks  # a placeholder, never read, without sinks
     grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_first else (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l, sinks_t,
-        scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
+        counters, scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
         FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SPLIT=split,
+        MIN_TILES=max(1, _MIN_KEYS_PER_SPLIT // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(q))
-    if split:
-        _merge_splits_kernel[(num_seqs, num_heads)](
-            part_acc, part_m, part_l, sinks_t, out, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, SPLITS_PAD=triton.next_power_of_2(num_splits), SINKS=sinks is not None, num_warps=4,
-            **pdl_args(q))
     return out
 
 

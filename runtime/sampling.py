@@ -243,8 +243,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         rows = [i for i, p in enumerate(params) if p.structured is not None]
         raise ValueError(f"sample: rows {rows} ask for structured output, which needs the grammar's token mask "
                          f"(token_bitmask); the serving engine (runtime.serving.ServingEngine) computes it")
-    out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows and logits.is_cuda:  # all greedy: two small kernels, the NaN rows found in the same pass
+        from kernels.argmax import greedy_argmax
+
+        return greedy_argmax(logits, INVALID_TOKEN)
+    out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     if len(rows) < num_seqs:  # greedy rows: the argmax of a row holding NaN is meaningless
         # argmax propagates NaN (it picks a NaN when the row has one): one gather, not a pass over the vocab
         invalid = torch.isnan(logits.gather(1, out[:, None])[:, 0])  # invalid: [num_seqs]

@@ -278,7 +278,8 @@ DECODE_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, sliding
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window", DECODE_CASES)
 def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
     """Lengths 1, short, block multiples and not, and past one 128-key tile; one and several splits
-    (the third split of the longest sequence is empty) agree with the reference and each other."""
+    (the longest sequence is shared by two, merged; the shorter ones run in one) agree with the reference and each
+    other."""
     gen = torch.Generator().manual_seed(3)
     lens = [1, 7, 16, 45, 300]
     k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, num_kv_heads, head_dim, 8, dtype, kv_dtype, gen)
@@ -294,6 +295,26 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_d
     # the splits' fp32 partials in another order than one split sums them, so a value may round the other way)
     same = TOL[dtype] / 10 if dtype == torch.float32 else 2 ** -7
     torch.testing.assert_close(several.float(), one.float(), atol=same, rtol=same)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 8])
+def test_decode_splits_follow_each_sequence_and_merge_in_one_kernel(num_splits):
+    """Each sequence takes as many of the num_splits programs as give each >= _MIN_KEYS_PER_SPLIT of its own keys
+    (1, 2 and up to 6 here), the last one merges them (sinks in the merge too), and the tickets are back at zero
+    after the launch, so a second launch gives the same output."""
+    from kernels.gemv import _tile_counters
+
+    gen = torch.Generator().manual_seed(20 + num_splits)
+    lens = [3, 600, 1500]
+    k_cache, v_cache, tables, _, _ = _paged(lens, 2, 32, 16, torch.float32, torch.float32, gen)
+    q = torch.randn(len(lens), 4, 32, generator=gen).to(DEVICE)
+    sinks = torch.randn(4, generator=gen).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), 32 ** -0.5)
+    expected = pa.ref_paged_decode_attention(*args, sinks=sinks)
+    out = pa.paged_decode_attention(*args, num_splits=num_splits, sinks=sinks)
+    _assert_close(out, expected)
+    assert not _tile_counters(q.device, len(lens) * 2)[: len(lens) * 2].any()
+    assert torch.equal(pa.paged_decode_attention(*args, num_splits=num_splits, sinks=sinks), out)
 
 
 @pytest.mark.parametrize("kv_dtype", [FP8, INT8], ids=["fp8kv", "int8kv"])
