@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 _BLOCK = 4096  # entries per program of the first pass (16 KB of fp32)
-_INT_MAX = 2**31 - 1
+_INT32_MAX = 2**31 - 1
+_INT_MAX = tl.constexpr(_INT32_MAX)  # a global the kernels read must be a constexpr
 
 
 @triton.jit
@@ -61,7 +62,7 @@ def greedy_argmax(logits: torch.Tensor, invalid: int) -> torch.Tensor:
         raise ValueError(f"greedy_argmax takes float logits [num_seqs, vocab], got {logits.dtype} "
                          f"{tuple(logits.shape)}")
     num_seqs, vocab = logits.shape
-    if vocab >= _INT_MAX:
+    if vocab >= _INT32_MAX:
         raise ValueError(f"a vocabulary of {vocab} entries is past int32 indices")
     if logits.stride(1) != 1:
         logits = logits.contiguous()

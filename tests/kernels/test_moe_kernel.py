@@ -211,7 +211,7 @@ def test_clamped_swiglu_reference_is_gpt_oss_gating():
     module = GptOssExperts(config)
     gate_up = torch.randn(5, 16, generator=torch.Generator().manual_seed(0)) * 6  # past the limit of 7 too
     want = module._apply_gate(gate_up)
-    got = ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], config.swiglu_alpha, config.swiglu_limit)
+    got = ops.clamped_swiglu(gate_up[:, ::2], gate_up[:, 1::2], module.alpha, module.limit)  # the module's own
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 

@@ -2,7 +2,8 @@
 scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
 (biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, rotary the kernels do not take
 is not fused into the attention's KV write, the paged attention kernels soft-cap and add the sinks, and the serving
-engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1."""
+engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
+GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import torch  # noqa: E402
 from conftest import build_artifact, save_tokenizer  # noqa: E402
 from runtime import Engine, SamplingParams  # noqa: E402
 from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
+
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("compiled Triton needs CUDA (or TRITON_INTERPRET=1)", allow_module_level=True)
 
 # head_dim 32, which the paged attention kernels take; one layer: the ops, not depth, are under test
 SHAPE = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -55,7 +60,7 @@ def _checkpoint(path, model_type: str):
 def test_kernel_path_runs_the_new_ops(family, tmp_path):
     path = build_artifact(_checkpoint(tmp_path / "ckpt", family), tmp_path / "art")
     ref = Engine.load(path, use_kernels=False)
-    fused = ServingEngine(Engine.load(path, use_kernels=True),
+    fused = ServingEngine(Engine.load(path, device=DEVICE, use_kernels=True),
                           ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=128))
     # partial / interleaved rotary: not fused into the KV write
     assert fused.executor.use_kernels and bool(fused.executor._fusions.rope) == FAMILIES[family][1]
