@@ -493,11 +493,11 @@ _PREFETCH_LINES = 256  # lines asked for per loop iteration (two per thread of 4
 def _prefetch_planes(t: torch.Tensor | None, num_pairs: int, num_splits: int, device: torch.device) -> int:
     """Planes of prefetching programs (num_pairs = sequences x kv heads each) for ``prefetch`` tensor ``t``: 0 when
     off, under the interpreter, for a tensor that is not contiguous on this device or is past PREFETCH_MAX_BYTES,
-    or when the (sequence, kv head) pairs alone fill the SMs (from shapes only: stable for CUDA graphs)."""
+    or when the attention's own programs already fill the SMs (from shapes only: stable for CUDA graphs)."""
     if (t is None or not PREFETCH_ENABLED or _interpreted() or not t.is_cuda or t.device != device
             or not t.is_contiguous() or t.numel() * t.element_size() > PREFETCH_MAX_BYTES):
         return 0
-    if num_pairs >= _num_sms(device):  # the splits past a short sequence's keys exit at once: not counted
+    if num_pairs * num_splits >= _num_sms(device):
         return 0
     return triton.cdiv(_PREFETCH_PROGRAMS, num_pairs)
 

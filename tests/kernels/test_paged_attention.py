@@ -331,7 +331,7 @@ def test_decode_prefetch_of_the_next_weights_changes_nothing():
     assert pa._prefetch_planes(weights, 8, 32, q.device) > 0
     assert pa._prefetch_planes(torch.empty(pa.PREFETCH_MAX_BYTES + 1, dtype=torch.uint8, device=DEVICE), 8, 32,
                                q.device) == 0
-    assert pa._prefetch_planes(weights, 64 * 8, 1, q.device) == 0  # 512 (sequence, kv head) pairs
+    assert pa._prefetch_planes(weights, 64 * 8, 1, q.device) == 0
     for splits in (1, 32):
         plain = pa.paged_decode_attention(*args, num_splits=splits)
         assert torch.equal(pa.paged_decode_attention(*args, num_splits=splits, prefetch=weights), plain)
