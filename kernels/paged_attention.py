@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import _tile_counters
-from kernels.pdl import _prefetch, pdl_args, wait_prior
+from kernels.pdl import pdl_args, wait_prior
 from kernels.rope import cos_sin, rotate
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # 256: Gemma, Gemma 2 and 3
@@ -282,12 +282,12 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
-        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, counter_ptr, pf_ptr, pf_lines,
+        out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, counter_ptr,
         qk_scale, window, num_splits, softcap,
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
-        MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr, PF_Z: tl.constexpr, PF_LINES: tl.constexpr,
+        MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
     # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP
@@ -301,18 +301,6 @@ def _paged_decode_kernel(
     # (one conversion per two values; bf16 takes more), and q is clamped to fp16's range.
     # SOFTCAP: scores soft-capped (softcap: the cap in the log2 domain); SINKS: each head's sink logit (sinks_ptr)
     # joins the softmax denominator, after the last tile or in the merge.
-    # PF_Z > 0: the grid's last PF_Z planes ask the L2 for the pf_lines 128-byte lines at pf_ptr (the weights of the
-    # linear after this attention, streamed while the SMs would idle; nothing read, no wait), an equal share each.
-    if PF_Z > 0:
-        if tl.program_id(2) >= num_splits:
-            p = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * PF_Z
-                 + tl.program_id(2) - num_splits)
-            share = tl.cdiv(pf_lines, tl.num_programs(0) * tl.num_programs(1) * PF_Z)
-            first = p * share
-            for i in range(0, share, PF_LINES):
-                line = tl.minimum(first + i + tl.arange(0, PF_LINES), tl.minimum(first + share, pf_lines) - 1)
-                _prefetch(pf_ptr + line.to(tl.int64) * 128)
-            # (split >= num_splits >= used: nothing below runs for it)
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -423,7 +411,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | float | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                           config: DecodeConfig | None = None, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                           config: DecodeConfig | None = None) -> torch.Tensor:
     """Attention of one new query per sequence over its paged cache; returns ``out`` like ``q``.
 
     q: [num_seqs, num_heads, head_dim], query i at position seq_lens[i] - 1 (its K/V already written);
@@ -435,9 +423,6 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
     config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and program count; the
     benchmark sweeps it).
-    prefetch: a contiguous tensor the next kernel streams (the following linear's weights): while this launch leaves
-    SMs idle (few sequences) and it fits ``PREFETCH_MAX_BYTES``, extra programs ask the L2 for all of it
-    (``_prefetch_planes``); nothing is read or written. KERNELS_ATTENTION_PREFETCH=0 turns it off.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -464,42 +449,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out  # unused
         counters = seq_lens
     sinks_t = q if sinks is None else sinks  # a placeholder, never read, without sinks
-    pf_z = _prefetch_planes(prefetch, num_seqs * num_kv_heads, num_splits, q.device)
-    pf_t = prefetch if pf_z else q  # a placeholder, never read, without a prefetch
-    pf_lines = triton.cdiv(pf_t.numel() * pf_t.element_size(), 128) if pf_z else 0
-    grid = (num_kv_heads, num_seqs, num_splits + pf_z) if cfg.heads_first else (num_seqs, num_kv_heads,
-                                                                                 num_splits + pf_z)
+    grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_first else (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l, sinks_t,
-        counters, pf_t, pf_lines, scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
+        counters, scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
         FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SPLIT=split,
         MIN_TILES=max(1, _MIN_KEYS_PER_SPLIT // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        PF_Z=pf_z, PF_LINES=_PREFETCH_LINES,
         SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **pdl_args(q))
     return out
-
-
-# The L2 prefetch of the next linear's weights from decode attention (``paged_decode_attention``'s ``prefetch``)
-PREFETCH_ENABLED = os.environ.get("KERNELS_ATTENTION_PREFETCH", "1") != "0"
-PREFETCH_MAX_BYTES = 24 << 20  # half the H100's L2: the rest of the step's working set stays
-_PREFETCH_PROGRAMS = 128  # prefetching programs in all (about one per SM)
-_PREFETCH_LINES = 256  # lines asked for per loop iteration (two per thread of 4 warps)
-
-
-def _prefetch_planes(t: torch.Tensor | None, num_pairs: int, num_splits: int, device: torch.device) -> int:
-    """Planes of prefetching programs (num_pairs = sequences x kv heads each) for ``prefetch`` tensor ``t``: 0 when
-    off, under the interpreter, for a tensor that is not contiguous on this device or is past PREFETCH_MAX_BYTES,
-    or when the attention's own programs already fill the SMs (from shapes only: stable for CUDA graphs)."""
-    if (t is None or not PREFETCH_ENABLED or _interpreted() or not t.is_cuda or t.device != device
-            or not t.is_contiguous() or t.numel() * t.element_size() > PREFETCH_MAX_BYTES):
-        return 0
-    if num_pairs * num_splits >= _num_sms(device):
-        return 0
-    return triton.cdiv(_PREFETCH_PROGRAMS, num_pairs)
 
 
 @dataclass(frozen=True)

@@ -92,16 +92,12 @@ class _Fusions:
     # norms and SwiGLUs whose rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm):
     # past FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
     quant_producers: dict[int, int] = field(default_factory=dict)  # producer node -> the linear it feeds
-    # attention node -> the linear reading its output (o_proj): decode attention at a few sequences asks the L2 for
-    # that linear's weights while it runs (kernels.paged_attention's ``prefetch``)
-    prefetch: dict[int, int] = field(default_factory=dict)
 
 
 def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                  dtype: torch.dtype = torch.bfloat16, scaled_mm: bool = False) -> _Fusions:
     """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
-    (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the L2 prefetch of the weights of the
-    linear reading an attention's output from that attention's decode kernel (``prefetch``), the SwiGLU of a merged gate/up
+    (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` or an unquantized one
     (``dense_gemv`` at a decode step's rows) (``gated``), and, where
     FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of the
@@ -164,15 +160,6 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             if ((norm_ok or norm["op"] == "silu_mul") and norm["outputs"][0] == node["inputs"][0]
                     and attrs.get("in_features") and attrs.get("out_features")):
                 fusions.quant_producers[j] = i
-    readers: dict[str, list[int]] = {}
-    for i, node in enumerate(nodes):
-        for name in node["inputs"]:
-            readers.setdefault(name, []).append(i)
-    for i, node in enumerate(nodes):
-        if node["op"] == "attention":
-            after = readers.get(node["outputs"][0], [])
-            if len(after) == 1 and nodes[after[0]]["op"] == "linear" and after[0] not in fusions.absorbed:
-                fusions.prefetch[i] = after[0]
     return fusions
 
 
@@ -194,7 +181,6 @@ class Executor:
         # under TRITON_INTERPRET=1 (tests).
         self.use_kernels = use_kernels
         self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
-        self._streams: dict[int, torch.Tensor] = {}  # linear node -> the weight tensor its kernel streams
         nodes = graph["nodes"]
         self._num_consumers: dict[str, int] = {}
         for node in nodes:
@@ -355,8 +341,6 @@ def _linear(w, attrs, ex) -> Kernel:
     else:
         weight, bias = w["weight"], w.get("bias")
         fn = lambda x: ops.linear(x, weight, bias)  # noqa: E731
-    if getattr(fn, "stream", None) is not None:  # what the attention before it may prefetch (plan_fusions)
-        ex._streams[ex._index] = fn.stream
     split, num_heads = attrs.get("split_sizes"), attrs.get("split_heads")
     if split and num_heads:  # [T, H * sum(split)] -> per part [T, H * part], every head's part side by side
         return lambda xs, step: tuple(part.reshape(part.shape[0], -1) for part in
@@ -408,7 +392,6 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
             return w8a8_linear(x, qweight, w_scale, input_scale, bias)
         return large(x)
 
-    linear.stream = qweight
     return linear
 
 
@@ -428,7 +411,6 @@ def _kernel_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,
             x = silu_mul(x)
         return ops.linear(x, weight, bias)
 
-    linear.stream = weight
     return linear
 
 
@@ -479,7 +461,6 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                                   w4a16_frag.FRAG_MAX_ROWS)
             return F.linear(x, w4a16_frag.dequantize_frag(**packed, dtype=x.dtype), bias)
 
-        frag_linear.stream = packed["qweight"]
         return frag_linear
     if w4a16_mma.MMA_ENABLED and w4a16_mma.supports(bits, group, in_features):
         packed = w4a16_mma.repack_mma(qweight, w["scales"], w["zeros"], group, bits)  # once, at load
@@ -495,7 +476,6 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                 return _in_slices(lambda xs: w4a16_mma.w4a16_mma(xs, bias=bias, **packed), x, w4a16_mma.MMA_MAX_ROWS)
             return F.linear(x, w4a16_mma.dequantize_mma(**packed, dtype=x.dtype), bias)
 
-        mma_linear.stream = packed["qweight"]
         return mma_linear
     assert not gated, "plan_fusions gates only linears on the mma layout"
     packed = repack_w4a16(qweight, w["scales"], w["zeros"], group, bits)  # K-major: coalesced loads, once
@@ -505,7 +485,6 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
             return gemv.w4a16_gemv(x, bias=bias, **packed)
         return w4a16_linear(x, bias=bias, **packed)
 
-    linear.stream = packed["qweight"]
     return linear
 
 
@@ -546,9 +525,7 @@ def _attention(w, attrs, ex) -> Kernel:
     # RoPE of q and k done here (plan_fusions): the node reads them unrotated, and the positions after v
     rope = _fused_rope(ex, ex._fusions.rope[ex._index]) if ex._index in ex._fusions.rope else None
 
-    after = ex._fusions.prefetch.get(ex._index)  # the linear after it: its weights, once compiled (plan_fusions)
-    prefetch = (lambda: ex._streams.get(after)) if after is not None else None
-    paged = _paged_attention(w, attrs, rope, prefetch) if ex.use_kernels else None  # None: a head_dim the kernels lack
+    paged = _paged_attention(w, attrs, rope) if ex.use_kernels else None  # None: a head_dim the kernels lack
 
     def kernel(xs, step):
         if step.inp.paged is not None and paged is not None:
@@ -597,13 +574,11 @@ def _fused_rope(ex, planned: tuple[dict[str, Any], str]) -> _FusedRope:
                       rq["attrs"]["head_dim"])
 
 
-def _paged_attention(w, attrs, rope: _FusedRope | None = None,
-                     prefetch: Callable[[], torch.Tensor | None] | None = None
+def _paged_attention(w, attrs, rope: _FusedRope | None = None
                      ) -> Callable[[list[torch.Tensor], PagedAttentionMetadata], tuple] | None:
     """Attention through the Triton kernels: write the step's K/V into the paged cache (quantizing for
     FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables. With
-    ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v.
-    ``prefetch``: the weights of the linear after it (``_Fusions.prefetch``), which decode asks the L2 for."""
+    ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v."""
     from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, paged_decode_attention, paged_prefill_attention,
                                          rope_write_kv_cache, write_kv_cache)
 
@@ -628,8 +603,7 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None,
                            k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
-                                         v_scale=v_scale, sliding_window=window,
-                                         prefetch=prefetch() if prefetch is not None else None, **extra)
+                                         v_scale=v_scale, sliding_window=window, **extra)
         else:
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=window, **extra)

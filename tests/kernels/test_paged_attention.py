@@ -317,28 +317,6 @@ def test_decode_splits_follow_each_sequence_and_merge_in_one_kernel(num_splits):
     assert torch.equal(pa.paged_decode_attention(*args, num_splits=num_splits, sinks=sinks), out)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the L2 prefetch is PTX: compiled kernels on CUDA only")
-def test_decode_prefetch_of_the_next_weights_changes_nothing():
-    """With a tensor to prefetch, one sequence's decode launches extra programs that only ask the L2 for it: the
-    output is bit-identical and the tensor untouched; past PREFETCH_MAX_BYTES or at many sequences, no programs."""
-    gen = torch.Generator().manual_seed(31)
-    lens = [200]
-    k_cache, v_cache, tables, _, _ = _paged(lens, 8, 128, 16, torch.bfloat16, torch.bfloat16, gen)
-    q = torch.randn(1, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
-    args = (q, k_cache, v_cache, tables, _int32(lens), 128 ** -0.5)
-    weights = torch.randint(0, 255, (4096, 2048), dtype=torch.uint8, generator=gen).to(DEVICE)
-    before = weights.clone()
-    assert pa._prefetch_planes(weights, 8, 32, q.device) > 0
-    assert pa._prefetch_planes(torch.empty(pa.PREFETCH_MAX_BYTES + 1, dtype=torch.uint8, device=DEVICE), 8, 32,
-                               q.device) == 0
-    assert pa._prefetch_planes(weights, 64 * 8, 1, q.device) == 0
-    for splits in (1, 32):
-        plain = pa.paged_decode_attention(*args, num_splits=splits)
-        assert torch.equal(pa.paged_decode_attention(*args, num_splits=splits, prefetch=weights), plain)
-    assert torch.equal(weights, before)
-    _assert_close(plain, pa.ref_paged_decode_attention(*args))
-
-
 @pytest.mark.parametrize("kv_dtype", [FP8, INT8], ids=["fp8kv", "int8kv"])
 @pytest.mark.parametrize("config", [pa.DecodeConfig(32, 4, 2, f16=True), pa.DecodeConfig(128, 4, 3, f16=True),
                                     pa.DecodeConfig(256, 4, 2, f16=False), pa.DecodeConfig(64, 4, 2, True, True)],
