@@ -10,13 +10,17 @@ On CUDA the workspace is measured by a profiling step of ``max_num_batched_token
 held outside this process's allocator (the CUDA context, other processes) is subtracted too; on CPU
 it is estimated from the graph's widest activation. A plan whose pool cannot hold one request of
 ``max_seq_len`` tokens is refused at start-up with the figures, not discovered under load.
+
+Tensor parallelism: every rank works out its own block count (``plan_budget`` and ``fit_kv_blocks`` over
+its own device, weights, workspace and KV layout) and every rank's pool gets the least of them
+(``least_kv_blocks``), so that a rank with less free memory than rank 0 cannot run out.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -62,6 +66,7 @@ class MemoryPlan:
     bytes_per_block: int  # all layers, K and V
     num_blocks: int
     max_seq_len: int
+    rank_num_blocks: tuple[int, ...] = ()  # tensor parallelism: each rank's own figure (num_blocks: the least)
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -82,11 +87,35 @@ class MemoryPlan:
                 f"{self.weights_bytes / MiB:.1f} MiB + workspace {self.workspace_bytes / MiB:.1f} MiB + other "
                 f"{self.other_bytes / MiB:.1f} MiB + KV cache {self.kv_cache_bytes / MiB:.1f} MiB "
                 f"({self.num_blocks} blocks x {self.block_size} tokens = {self.num_blocks * self.block_size} "
-                f"tokens; max concurrency at max_seq_len {self.max_seq_len}: {self.max_concurrency:.2f})")
+                f"tokens; max concurrency at max_seq_len {self.max_seq_len}: {self.max_concurrency:.2f})"
+                + (f"; the least of the ranks' {list(self.rank_num_blocks)} blocks" if self.rank_num_blocks else ""))
 
 
 def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def fit_kv_blocks(kv_bytes: int, bytes_per_block: int) -> int:
+    """Whole blocks of ``bytes_per_block`` in ``kv_bytes`` (0 when it is negative, or a block takes nothing)."""
+    return int(max(0, kv_bytes // bytes_per_block)) if bytes_per_block else 0
+
+
+def plan_budget(device: torch.device, *, weights_bytes: int, workspace_bytes: int, other_bytes: int,
+                bytes_per_block: int, gpu_memory_utilization: float, kv_cache_bytes: int | None,
+                num_blocks: int | None) -> tuple[int, int]:
+    """(budget bytes, other bytes) of a plan (ServingConfig's figures as given): ``num_blocks`` blocks, or on CPU
+    the ``kv_cache_bytes`` (default 1 GiB) beside weights, workspace and other; on CUDA the utilization's share of
+    the device, capped at ``kv_cache_bytes`` of KV cache, with the memory held outside this allocator added to
+    ``other_bytes``."""
+    if num_blocks is not None or device.type != "cuda":
+        kv_bytes = (num_blocks * bytes_per_block if num_blocks is not None
+                    else kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
+        return weights_bytes + workspace_bytes + other_bytes + kv_bytes, other_bytes
+    budget, held = cuda_budget(device, gpu_memory_utilization)
+    other = other_bytes + held
+    if kv_cache_bytes is not None:
+        budget = min(budget, weights_bytes + workspace_bytes + other + kv_cache_bytes)
+    return budget, other
 
 
 def plan_kv_blocks(*, device: str, budget_bytes: int, weights_bytes: int, workspace_bytes: int,
@@ -95,7 +124,7 @@ def plan_kv_blocks(*, device: str, budget_bytes: int, weights_bytes: int, worksp
     MemoryPlanError if that is less than one max_seq_len request needs."""
     bytes_per_block = layout.bytes_per_token() * block_size
     kv_bytes = budget_bytes - weights_bytes - workspace_bytes - other_bytes
-    num_blocks = max(0, kv_bytes // bytes_per_block) if bytes_per_block else 0
+    num_blocks = fit_kv_blocks(kv_bytes, bytes_per_block)
     plan = MemoryPlan(device, int(budget_bytes), int(weights_bytes), int(workspace_bytes), int(other_bytes),
                       block_size, int(bytes_per_block), int(num_blocks), max_seq_len)
     if num_blocks < plan.blocks_per_seq:
@@ -106,6 +135,25 @@ def plan_kv_blocks(*, device: str, budget_bytes: int, weights_bytes: int, worksp
             f"{plan.describe()}. Raise gpu_memory_utilization (or the CPU KV budget, --kv-cache-memory), "
             f"or lower max_seq_len")
     return plan
+
+
+def least_kv_blocks(plan: MemoryPlan, rank_num_blocks: list[int]) -> MemoryPlan:
+    """Rank 0's ``plan`` with the least of every rank's block count (``rank_num_blocks``, by rank; rank 0's own
+    is ``plan.num_blocks``): the pool every rank can hold. Raises MemoryPlanError, naming the rank, when that
+    is less than one max_seq_len request needs."""
+    least = min(range(len(rank_num_blocks)), key=lambda r: (rank_num_blocks[r], r))
+    num_blocks = min(rank_num_blocks[least], plan.num_blocks)
+    out = replace(plan, num_blocks=num_blocks, rank_num_blocks=tuple(rank_num_blocks))
+    if num_blocks < plan.blocks_per_seq:
+        raise MemoryPlanError(
+            f"tensor-parallel rank {least} has room for {rank_num_blocks[least]} KV blocks of {plan.block_size} "
+            f"tokens (rank 0: {plan.num_blocks}) but one request of max_seq_len {plan.max_seq_len} needs "
+            f"{plan.blocks_per_seq}; every rank's pool is the least of them. {out.describe()}. Free memory on that "
+            f"rank's device, raise gpu_memory_utilization (or --kv-cache-memory), or lower max_seq_len")
+    if num_blocks < plan.num_blocks:
+        log.info("tensor-parallel rank %d has room for %d KV blocks (rank 0: %d): every rank's pool gets %d",
+                 least, rank_num_blocks[least], plan.num_blocks, num_blocks)
+    return out
 
 
 def estimate_workspace_bytes(graph: dict, max_num_batched_tokens: int, max_num_seqs: int,

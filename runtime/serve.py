@@ -13,7 +13,15 @@ Needs only the runtime's dependencies (``pip install "llm-builder[runtime]"``).
 
 A tensor-parallel artifact (built with ``parallel.tp_size: N``) starts its N - 1 worker ranks itself, one
 per GPU after ``--device``'s; or launch it as ``torchrun --nproc-per-node N -m runtime.serve ARTIFACT``:
-rank 0 serves HTTP, the other ranks only run steps. A rank that dies turns /health to 503.
+rank 0 serves HTTP, the other ranks only run steps. Across nodes, on each of M nodes (M x G = N ranks, the
+artifact at the same path on every node):
+
+    torchrun --nnodes M --nproc-per-node G --node-rank I --master-addr NODE0_ADDRESS --master-port PORT \
+        -m runtime.serve ARTIFACT
+
+Rank 0 (node 0's first process) serves HTTP; a worker rank loads its weight file in its own process, runs
+the steps until rank 0 stops them and exits 0 (it ignores Ctrl-C, as the engine process does: rank 0 stops it
+after its graceful shutdown). A rank that dies turns /health to 503.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import argparse
 import ipaddress
 import logging
 import os
-import re
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -155,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT,
                         force=True)
+    from runtime.tensor_parallel import torchrun_rank
+
+    if torchrun_rank():  # a worker rank of a torchrun launch, on any node: no server
+        return _torchrun_worker(args)
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
     if api_key is not None and not api_key.strip():  # an empty key must not quietly turn authentication off
         source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
@@ -221,6 +233,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         _close(engine)
     return 0
+
+
+def _torchrun_worker(args: argparse.Namespace) -> int:
+    """A torchrun worker rank: load its shard in this process and run the steps rank 0 sends until it stops
+    them (``runtime.tensor_parallel``); returns the exit code (0 once rank 0 stopped it)."""
+    from runtime.artifact import ArtifactError
+    from runtime.engine import DeviceError, Engine, resolve_device
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal: rank 0 stops it
+    try:
+        Engine.load(args.artifact, resolve_device(args.device), allow_failed_gate=args.allow_failed_gate)
+    except SystemExit as e:  # the steps are over
+        return e.code if isinstance(e.code, int) else 1
+    except (ArtifactError, DeviceError) as e:
+        print(f"error: cannot serve {args.artifact} as rank {os.environ['RANK']}: {e}", file=sys.stderr)
+        return 1
+    print(f"error: torchrun started {os.environ['WORLD_SIZE']} processes but {args.artifact} is not sharded "
+          f"(parallel.tp_size 1): serve it without torchrun", file=sys.stderr)
+    return 1
 
 
 def _close(engine) -> None:

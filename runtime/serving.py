@@ -53,8 +53,7 @@ from runtime.env import env_number
 from runtime.cuda_graphs import PackedStep
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_manager import KVCacheManager
-from runtime.memory import (DEFAULT_CPU_KV_CACHE_BYTES, MemoryPlan, cuda_budget, estimate_workspace_bytes,
-                            plan_kv_blocks, tensor_bytes)
+from runtime.memory import MemoryPlan, estimate_workspace_bytes, plan_budget, plan_kv_blocks, tensor_bytes
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compute_logprobs, make_generator, sample,
@@ -312,22 +311,21 @@ class ServingEngine:
         layout = self.engine.kv_layout
         weights = tensor_bytes(self.executor.params.values()) + (self.proposer.weights_bytes() if self.proposer else 0)
         draft_kv = self.proposer.kv_bytes() if self.proposer else 0  # a draft model's own caches, beside the pool
-        common = dict(layout=layout, block_size=self.block_size, max_seq_len=sc.max_seq_len)
         per_block = layout.bytes_per_token() * self.block_size
         if cfg.num_blocks is not None or self.device.type != "cuda":
             workspace = estimate_workspace_bytes(self.executor.graph, sc.max_num_batched_tokens, sc.max_num_seqs,
                                                  self.executor.dtype)
-            kv_bytes = (cfg.num_blocks * per_block if cfg.num_blocks is not None
-                        else cfg.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES)
-            return plan_kv_blocks(device=str(self.device), budget_bytes=weights + workspace + draft_kv + kv_bytes,
-                                  weights_bytes=weights, workspace_bytes=workspace, other_bytes=draft_kv, **common)
-        workspace = self._profile_cuda_workspace()
-        budget, other = cuda_budget(self.device, cfg.gpu_memory_utilization)
-        other += draft_kv
-        if cfg.kv_cache_bytes is not None:
-            budget = min(budget, weights + workspace + other + cfg.kv_cache_bytes)
-        return plan_kv_blocks(device=str(self.device), budget_bytes=budget, weights_bytes=weights,
-                              workspace_bytes=workspace, other_bytes=other, **common)
+        else:
+            workspace = self._profile_cuda_workspace()
+        figures = dict(gpu_memory_utilization=cfg.gpu_memory_utilization, kv_cache_bytes=cfg.kv_cache_bytes,
+                       num_blocks=cfg.num_blocks)
+        budget, other = plan_budget(self.device, weights_bytes=weights, workspace_bytes=workspace, other_bytes=draft_kv,
+                                    bytes_per_block=per_block, **figures)
+        plan = plan_kv_blocks(device=str(self.device), budget_bytes=budget, weights_bytes=weights,
+                              workspace_bytes=workspace, other_bytes=other, layout=layout, block_size=self.block_size,
+                              max_seq_len=sc.max_seq_len)
+        agree = getattr(self.executor, "agree_kv_blocks", None)  # tensor parallelism: the least of every rank's
+        return plan if agree is None else agree(plan, **figures)
 
     def _profile_cuda_workspace(self) -> int:
         """Peak activation bytes of one step of max_num_batched_tokens tokens over random ids."""
@@ -342,7 +340,8 @@ class ServingEngine:
         kv = self.engine._new_cache(num_tokens)
         positions = torch.arange(num_tokens, device=self.device)
         logits_rows = torch.arange(min(sc.max_num_seqs, num_tokens), device=self.device)
-        self.executor.forward(StepInput(ids, positions, [SeqSlice(kv, 0, num_tokens)], logits_rows))
+        forward = getattr(self.executor, "profile_forward", self.executor.forward)  # TP: every rank measures its own
+        forward(StepInput(ids, positions, [SeqSlice(kv, 0, num_tokens)], logits_rows))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         del kv

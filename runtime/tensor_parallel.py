@@ -3,9 +3,9 @@
     rank 0 (this process)                               ranks 1..tp_size-1 (spawned here, or torchrun's)
     engine, scheduler, sampling                         the same graph over their own weight file
     TPExecutor.forward(inp):                            serve_steps():
-      broadcast the step: a small metadata object  ───►   rebuild the StepInput over their own KV cache
-      + one int64 tensor (ids, positions, rows,            (their kv heads, rank 0's block tables)
-        slots, block tables)
+      broadcast the step: a fixed int64 header    ───►   check the header, receive the payload, rebuild the
+        + one int64 payload (sequences, block             StepInput over their own KV cache (their kv heads,
+        tables, ids, positions, rows, slots...)           rank 0's block tables)
       run the local graph: its all_reduce /        ◄──►   run it: the same collectives, in the same order
         all_gather nodes meet the workers' ones
       logits -> sampling, once, on rank 0                 logits: none asked for (replicated lm_head)
@@ -14,13 +14,36 @@ Each rank's KV cache holds its own kv heads; rank 0's block manager decides the 
 since every rank's pool has the same number of blocks. One tensor-parallel engine per process: the
 collectives run on the default process group.
 
+The message (``_send`` / ``_receive``): nothing is pickled; two broadcasts of int64 tensors on the rank's device
+(NCCL on CUDA), the second only when there is a payload:
+
+    header  [len(HEADER)]  magic, kind (index in KINDS), flags (decode_only, profile), meta_len, data_len,
+                           num_seqs, num_tensors, num_freed, paged pool (num_blocks, block_size), graphs
+                           (max_num_seqs, max_seq_len), plan (gpu_memory_utilization as float64 bits,
+                           kv_cache_bytes, num_blocks; -1: not given)
+    payload [meta_len + data_len]
+      meta, read on the host:
+        "step":    per tensor (name index in _PACKED, dtype index in _DTYPES, ndim, 2 dims); per sequence
+                   (num_context, num_new, 0 = paged | 1 = contiguous, table length | cache id, 0 | capacity);
+                   freed cache ids; the paged sequences' block tables, back to back
+        "replay":  positions [n], slots [n], block table lengths [n], the tables back to back
+      data, left on the device: the step's tensors as int64, in order ("step"); the input ids [n] ("replay")
+
+"heartbeat", "stop", "graphs" and "plan" are a header alone; a step is two broadcasts, a decode graph replay two
+(its input ids ride in the payload, on the device when the step in flight sampled them). The receiver checks
+every header field before it reads a payload, and every record against the header: a field out of range or
+counts that disagree raise StepMessageError naming the field, and the worker exits (rank 0 then sees it gone).
+"plan" (the memory plan, ``agree_kv_blocks``) is followed by one all_gather of every rank's own KV block count;
+the least sizes every rank's pool (``runtime.memory.least_kv_blocks``).
+
 Failure: a spawned worker that exits (crash, OOM kill) is seen at once by a thread watching its process
 sentinel; the engine is marked failed with an error log line naming the rank and its exit code, and every
 later step raises WorkerFailure (the server's /health turns 503). A step that raises, or a collective
 that fails or waits past COLLECTIVE_TIMEOUT_S (a hung rank), fails the engine the same way: after a
 broken step the ranks' collectives no longer line up. While idle, rank 0 sends a heartbeat every
 HEARTBEAT_S so the workers' wait for the next step never reaches that timeout. Under torchrun, its agent
-tears the whole group down when a rank dies.
+tears the whole group down when a rank dies. torchrun may span nodes (``--nnodes``): ranks are global, each
+process takes the GPU of its LOCAL_RANK on its own node and the weight file of its RANK.
 
 CUDA graphs (TPDecodeGraphs): every rank captures its shard's decode step for the same buckets in lockstep
 and replays it when rank 0 broadcasts a "replay" message; the all_reduces are NCCL kernels inside the
@@ -38,6 +61,7 @@ import logging
 import multiprocessing.connection
 import os
 import signal
+import struct
 import threading
 import time
 import weakref
@@ -51,6 +75,7 @@ import torch.distributed as dist
 from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.executor import Executor, PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
+from runtime.memory import MemoryPlan, fit_kv_blocks, least_kv_blocks, plan_budget, tensor_bytes
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 
 log = logging.getLogger(__name__)
@@ -105,55 +130,275 @@ def torchrun_rank() -> int | None:
 
 
 # --- the step message ------------------------------------------------------------------------------
-# StepInput tensors packed, in this order, into one int64 tensor (those present)
+# Every message: a header of len(HEADER) int64s, then (when meta_len + data_len > 0) one int64 payload of meta_len
+# ints the receiver reads on the host followed by data_len ints that stay on the device. Nothing is pickled.
+MAGIC = 0x54504D31  # "TPM1": the first field of every header (else the ranks' messages are out of step)
+KINDS = ("heartbeat", "stop", "step", "graphs", "replay", "plan")  # the "kind" field indexes this
+HEADER = ("magic", "kind", "flags", "meta_len", "data_len", "num_seqs", "num_tensors", "num_freed", "pool_blocks",
+          "block_size", "max_num_seqs", "max_seq_len", "gpu_memory_utilization", "kv_cache_bytes", "num_blocks")
+_H = {name: i for i, name in enumerate(HEADER)}
+FLAG_DECODE_ONLY = 1  # "step": paged metadata with one new token per sequence
+FLAG_PROFILE = 2  # "step": the memory plan's profiling step (every rank measures its activation peak)
+MAX_MESSAGE_INTS = 1 << 27  # a payload bound far past any step's (1 GiB of int64)
+# StepInput tensors, in this order when present: each one a record (name index in _PACKED, dtype index in _DTYPES,
+# ndim, dims padded to _MAX_DIMS) in meta, its values (as int64) in data
 _PACKED = ("input_ids", "positions", "logits_indices", "slot_mapping", "block_tables", "seq_lens", "context_lens",
            "cu_seqlens_q")
+_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 2
+_TENSOR_RECORD = 3 + _MAX_DIMS
+_SEQ_RECORD = 5  # (num_context, num_new, kv kind, a, b): paged: a = table length; contiguous: (cache id, capacity)
+_PAGED, _CONTIGUOUS = 0, 1
+
+
+class StepMessageError(ValueError):
+    """A message from rank 0 that does not decode: a field out of range, or counts that disagree."""
 
 
 @dataclass
 class StepMessage:
-    """What rank 0 broadcasts before each step (pickled); the step's integer tensors follow as one tensor."""
+    """What rank 0 broadcasts before each step, decoded; on the wire it is a fixed int64 header and one int64
+    payload (``_encode``, ``_receive``; the module docstring lists the layout)."""
 
-    kind: str  # "step", "graphs" (capture the decode graphs), "replay" (a decode graph), "heartbeat" or "stop"
-    tensors: list[tuple[str, tuple[int, ...], str]] = field(default_factory=list)  # (name, shape, dtype), packed order
+    kind: str  # KINDS: "step", "graphs" (capture the decode graphs), "replay" (a decode graph), "plan" (the memory
+    # plan: every rank's KV block count), "heartbeat" or "stop"
+    tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)  # packed order
     # per sequence: (num_context, num_new, kv) where kv is ("paged", block table) or ("seq", cache id, capacity)
     seqs: list[tuple] = field(default_factory=list)
     paged_pool: tuple[int, int] | None = None  # (num_blocks, block_size) of rank 0's paged KV storage
     decode_only: bool = False  # paged metadata: every sequence has one new token
     freed: list[int] = field(default_factory=list)  # ids of contiguous caches rank 0 has dropped
     graphs: tuple[int, int] | None = None  # "graphs": (max_num_seqs, max_seq_len) of rank 0's DecodeGraphs
-    # "replay": (input ids or None, positions, slots, block tables) as DecodeGraphs.run takes them; None ids:
-    # they are on rank 0's device (sampled by the step in flight) and follow as a broadcast int64 tensor
+    # "replay": (input ids, positions, slots, block tables) as DecodeGraphs.run takes them. Sent: host ids or a device
+    # tensor (sampled by the step in flight); received: always a device tensor (the payload's data)
     replay: tuple | None = None
+    profile: bool = False  # "step": the memory plan's profiling step
+    # "plan": (gpu_memory_utilization, kv_cache_bytes or None, num_blocks or None, block_size) of the ServingConfig
+    plan: tuple[float, int | None, int | None, int] | None = None
 
 
-def _pack(named: list[tuple[str, torch.Tensor]], device: torch.device) -> tuple[list, torch.Tensor | None]:
-    specs = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in named]
-    if not named:
-        return specs, None
-    return specs, torch.cat([t.reshape(-1).to(device=device, dtype=torch.int64) for _, t in named])
+def _encode(msg: StepMessage, data_len: int) -> tuple[list[int], list[int]]:
+    """(header, meta) of ``msg``; its data (``data_len`` ints: the step's tensors, a replay's ids) travels beside."""
+    h = [0] * len(HEADER)
+    h[_H["magic"]], h[_H["kind"]] = MAGIC, KINDS.index(msg.kind)
+    h[_H["flags"]] = FLAG_DECODE_ONLY * msg.decode_only | FLAG_PROFILE * msg.profile
+    if msg.paged_pool is not None:
+        h[_H["pool_blocks"]], h[_H["block_size"]] = msg.paged_pool
+    if msg.graphs is not None:
+        h[_H["max_num_seqs"]], h[_H["max_seq_len"]] = msg.graphs
+    meta: list[int] = []
+    if msg.kind == "step":
+        for name, shape, dtype in msg.tensors:
+            if name not in _PACKED or dtype not in _DTYPES or len(shape) > _MAX_DIMS:
+                raise ValueError(f"step tensor {name} {tuple(shape)} {dtype} has no place in the step message (names "
+                                 f"{_PACKED}, integer dtypes, at most {_MAX_DIMS} dims)")
+            meta += [_PACKED.index(name), _DTYPES.index(dtype), len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
+        tables: list[int] = []
+        for num_context, num_new, kv in msg.seqs:
+            if kv[0] == "paged":
+                meta += [num_context, num_new, _PAGED, len(kv[1]), 0]
+                tables += kv[1]
+            else:
+                meta += [num_context, num_new, _CONTIGUOUS, kv[1], kv[2]]
+        meta += msg.freed
+        meta += tables
+        h[_H["num_tensors"]], h[_H["num_seqs"]], h[_H["num_freed"]] = len(msg.tensors), len(msg.seqs), len(msg.freed)
+    elif msg.kind == "replay":
+        _, positions, slots, tables = msg.replay
+        meta = [*positions, *slots, *(len(t) for t in tables)]
+        for t in tables:
+            meta += t
+        h[_H["num_seqs"]] = len(positions)
+    elif msg.kind == "plan":
+        utilization, kv_cache_bytes, num_blocks, block_size = msg.plan
+        h[_H["gpu_memory_utilization"]] = struct.unpack("<q", struct.pack("<d", utilization))[0]  # the float's bits
+        h[_H["kv_cache_bytes"]] = -1 if kv_cache_bytes is None else kv_cache_bytes
+        h[_H["num_blocks"]] = -1 if num_blocks is None else num_blocks
+        h[_H["block_size"]] = block_size
+    h[_H["meta_len"]], h[_H["data_len"]] = len(meta), data_len
+    return h, meta
 
 
-def _unpack(specs: list, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def _send(msg: StepMessage, data: list, spec: RankSpec) -> None:
+    """Rank 0: broadcast ``msg``: its header, then (unless empty) its payload, meta then ``data`` (int tensors, on
+    the device or the host, or lists of ints) flattened to int64. On CUDA the host part goes in one pinned copy
+    queued on the stream, device tensors are never read back, and both collectives run on the device."""
+    data_len = sum(d.numel() if isinstance(d, torch.Tensor) else len(d) for d in data)
+    header, meta = _encode(msg, data_len)
+    host, parts = header + meta, []
+    for d in data:
+        if isinstance(d, torch.Tensor):
+            parts.append(d.reshape(-1).to(device=spec.device, dtype=torch.int64))
+        elif parts:  # host ints after a device tensor
+            parts.append(torch.tensor(d, dtype=torch.int64).to(spec.device))
+        else:  # host ints straight after the meta: in the same copy
+            host += d
+    cuda = spec.device.type == "cuda"
+    wire = torch.tensor(host, dtype=torch.int64, pin_memory=cuda)
+    if cuda:  # the caching host allocator keeps the pinned block until the copy has run
+        wire = wire.to(spec.device, non_blocking=True)
+    dist.broadcast(wire[:len(HEADER)], src=0)
+    if len(meta) + data_len:
+        payload = torch.cat([wire[len(HEADER):], *parts]) if parts else wire[len(HEADER):]
+        dist.broadcast(payload, src=0)
+
+
+def _receive(spec: RankSpec) -> tuple[StepMessage, dict[str, torch.Tensor]]:
+    """A worker: receive rank 0's next message; returns it and a step's tensors by name (on this rank's device).
+    Raises StepMessageError for a header or payload that does not decode (before reading a payload it announces)."""
+    header = torch.empty(len(HEADER), dtype=torch.int64, device=spec.device)
+    dist.broadcast(header, src=0)
+    h = _check_header(header.tolist())
+    meta_len, data_len = h["meta_len"], h["data_len"]
+    if not meta_len + data_len:
+        return _decode(h, [], None)
+    payload = torch.empty(meta_len + data_len, dtype=torch.int64, device=spec.device)
+    dist.broadcast(payload, src=0)
+    return _decode(h, payload[:meta_len].tolist(), payload[meta_len:])
+
+
+def _bad(name: str, value, expected: str) -> StepMessageError:
+    return StepMessageError(f"malformed message from tensor-parallel rank 0: {name} is {value} ({expected})")
+
+
+def _check_header(values: list[int]) -> dict[str, int]:
+    """The header's fields by name, each checked against what its kind allows."""
+    h = dict(zip(HEADER, values))
+    if h["magic"] != MAGIC:
+        raise _bad("header field 'magic'", hex(h["magic"]), f"expected {hex(MAGIC)}: the ranks' messages are out of "
+                                                            f"step, or the ranks run different versions")
+    if not 0 <= h["kind"] < len(KINDS):
+        raise _bad("header field 'kind'", h["kind"], f"not a message kind: 0..{len(KINDS) - 1} for {', '.join(KINDS)}")
+    kind = KINDS[h["kind"]]
+    if h["flags"] & ~(FLAG_DECODE_ONLY | FLAG_PROFILE) or (h["flags"] and kind != "step"):
+        raise _bad("header field 'flags'", h["flags"], f"a {kind!r} message takes "
+                                                       f"{'bits 1 and 2' if kind == 'step' else 'none'}")
+    for name in HEADER[3:12]:  # counts and sizes
+        if not 0 <= h[name] <= MAX_MESSAGE_INTS:
+            raise _bad(f"header field {name!r}", h[name], f"must be in 0..{MAX_MESSAGE_INTS}")
+    if h["meta_len"] + h["data_len"] > MAX_MESSAGE_INTS:
+        raise _bad("header fields 'meta_len' + 'data_len'", h["meta_len"] + h["data_len"],
+                   f"a payload is at most {MAX_MESSAGE_INTS} ints")
+    if kind in ("heartbeat", "stop", "graphs", "plan"):
+        for name in ("meta_len", "data_len"):
+            if h[name]:
+                raise _bad(f"header field {name!r}", h[name], f"a {kind!r} message has no payload")
+    if kind == "step":
+        if h["num_tensors"] > len(_PACKED):
+            raise _bad("header field 'num_tensors'", h["num_tensors"], f"a step packs at most {len(_PACKED)} tensors")
+        fixed = _TENSOR_RECORD * h["num_tensors"] + _SEQ_RECORD * h["num_seqs"] + h["num_freed"]
+        if h["meta_len"] < fixed:
+            raise _bad("header field 'meta_len'", h["meta_len"], f"its tensor, sequence and freed-cache records "
+                                                                 f"alone take {fixed}")
+        if h["pool_blocks"] and not h["block_size"]:
+            raise _bad("header field 'block_size'", 0, "a paged pool's blocks hold at least one token")
+    elif kind == "replay":
+        if not h["num_seqs"] or h["data_len"] != h["num_seqs"] or h["meta_len"] < 3 * h["num_seqs"]:
+            raise _bad("header fields 'num_seqs', 'data_len', 'meta_len'",
+                       (h["num_seqs"], h["data_len"], h["meta_len"]),
+                       "a replay of n >= 1 sequences has n input ids and at least 3n meta ints")
+    elif kind == "graphs":
+        for name in ("pool_blocks", "block_size", "max_num_seqs", "max_seq_len"):
+            if h[name] < 1:
+                raise _bad(f"header field {name!r}", h[name], "a 'graphs' message needs it >= 1")
+    elif kind == "plan":
+        utilization = struct.unpack("<d", struct.pack("<q", h["gpu_memory_utilization"]))[0]
+        if not 0 < utilization <= 1:
+            raise _bad("header field 'gpu_memory_utilization'", utilization, "must be in (0, 1]")
+        for name in ("kv_cache_bytes", "num_blocks"):
+            if h[name] < -1 or h[name] == 0:
+                raise _bad(f"header field {name!r}", h[name], "-1 (not given) or >= 1")
+        if h["block_size"] < 1:
+            raise _bad("header field 'block_size'", h["block_size"], "must be >= 1")
+    return h
+
+
+class _Reader:
+    """Reads a payload's meta ints in order; too few, or a value out of range, is a StepMessageError."""
+
+    def __init__(self, values: list[int]) -> None:
+        self.values, self.at = values, 0
+
+    def take(self, n: int, what: str) -> list[int]:
+        if self.at + n > len(self.values):
+            raise _bad(f"the payload's {what}", f"past its end ({len(self.values)} meta ints)", "meta_len too small")
+        out = self.values[self.at:self.at + n]
+        self.at += n
+        return out
+
+    def end(self, kind: str) -> None:
+        if self.at != len(self.values):
+            raise _bad("header field 'meta_len'", len(self.values), f"the {kind!r} message's records take {self.at}")
+
+
+def _in_range(values: list[int], lo: int, hi: int, what: str) -> None:
+    """Raise unless every one of ``values`` is in [lo, hi)."""
+    if values and (min(values) < lo or max(values) >= hi):
+        bad = next(v for v in values if not lo <= v < hi)
+        raise _bad(what, bad, f"must be in {lo}..{hi - 1}")
+
+
+def _decode(h: dict[str, int], meta: list[int], data: torch.Tensor | None) -> tuple[StepMessage, dict]:
+    """The message a checked header and its payload (meta ints on the host, data on the device) describe."""
+    kind = KINDS[h["kind"]]
+    msg = StepMessage(kind, decode_only=bool(h["flags"] & FLAG_DECODE_ONLY), profile=bool(h["flags"] & FLAG_PROFILE))
+    if h["pool_blocks"]:
+        msg.paged_pool = (h["pool_blocks"], h["block_size"])
+    if kind == "graphs":
+        msg.graphs = (h["max_num_seqs"], h["max_seq_len"])
+    elif kind == "plan":
+        utilization = struct.unpack("<d", struct.pack("<q", h["gpu_memory_utilization"]))[0]
+        msg.plan = (utilization, None if h["kv_cache_bytes"] == -1 else h["kv_cache_bytes"],
+                    None if h["num_blocks"] == -1 else h["num_blocks"], h["block_size"])
+    elif kind == "replay":
+        n, r = h["num_seqs"], _Reader(meta)
+        positions, slots, lengths = r.take(n, "positions"), r.take(n, "slots"), r.take(n, "block table lengths")
+        _in_range(lengths, 0, MAX_MESSAGE_INTS, "a replay's block table length")
+        _in_range(positions, 0, MAX_MESSAGE_INTS, "a replay's position")
+        tables = [r.take(k, f"block table {i}") for i, k in enumerate(lengths)]
+        r.end(kind)
+        msg.replay = (data, positions, slots, tables)
+    elif kind == "step":
+        r = _Reader(meta)
+        for i in range(h["num_tensors"]):
+            name, dtype, ndim, *dims = r.take(_TENSOR_RECORD, f"tensor record {i}")
+            _in_range([name], 0, len(_PACKED), f"tensor record {i}'s name index")
+            _in_range([dtype], 0, len(_DTYPES), f"tensor {_PACKED[name]}'s dtype code")
+            _in_range([ndim], 0, _MAX_DIMS + 1, f"tensor {_PACKED[name]}'s ndim")
+            _in_range(dims[:ndim], 0, MAX_MESSAGE_INTS, f"a dimension of tensor {_PACKED[name]}")
+            msg.tensors.append((_PACKED[name], tuple(dims[:ndim]), _DTYPES[dtype]))
+        records = [r.take(_SEQ_RECORD, f"sequence record {i}") for i in range(h["num_seqs"])]
+        msg.freed = r.take(h["num_freed"], "freed cache ids")
+        for i, (num_context, num_new, kv, a, b) in enumerate(records):
+            _in_range([num_context, num_new], 0, MAX_MESSAGE_INTS, f"sequence {i}'s num_context / num_new")
+            if kv == _PAGED:
+                if not h["pool_blocks"]:
+                    raise _bad(f"sequence {i}'s kv kind", kv, "a paged sequence in a step with no paged pool")
+                _in_range([a], 0, MAX_MESSAGE_INTS, f"sequence {i}'s block table length")
+                table = r.take(a, f"sequence {i}'s block table")
+                _in_range(table, 0, h["pool_blocks"], f"a block of sequence {i}'s table")
+                msg.seqs.append((num_context, num_new, ("paged", table)))
+            elif kv == _CONTIGUOUS:
+                _in_range([a], 0, 1 << 62, f"sequence {i}'s cache id")
+                _in_range([b], 1, MAX_MESSAGE_INTS, f"sequence {i}'s cache capacity")
+                msg.seqs.append((num_context, num_new, ("seq", a, b)))
+            else:
+                raise _bad(f"sequence {i}'s kv kind", kv, f"{_PAGED} (paged) or {_CONTIGUOUS} (contiguous cache)")
+        r.end(kind)
+        total = sum(_numel(shape) for _, shape, _ in msg.tensors)
+        if total != h["data_len"]:
+            raise _bad("header field 'data_len'", h["data_len"], f"the step's tensors hold {total} values")
+        return msg, _unpack(msg.tensors, data)
+    return msg, {}
+
+
+def _unpack(specs: list, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
     out, start = {}, 0
     for name, shape, dtype in specs:
         n = _numel(shape)
-        out[name] = flat[start:start + n].view(shape).to(getattr(torch, dtype))
+        out[name] = flat[start:start + n].view(shape).to(dtype)
         start += n
     return out
-
-
-def _broadcast(msg: StepMessage | None, packed: torch.Tensor | None, spec: RankSpec) -> tuple[StepMessage, dict]:
-    """Rank 0 sends (msg, packed); the others receive and unpack."""
-    box = [msg]
-    dist.broadcast_object_list(box, src=0, device=spec.device if spec.device.type == "cuda" else None)
-    msg = box[0]
-    total = sum(_numel(shape) for _, shape, _ in msg.tensors)
-    if packed is None:
-        packed = torch.empty(total, dtype=torch.int64, device=spec.device)
-    if total:
-        dist.broadcast(packed, src=0)
-    return msg, _unpack(msg.tensors, packed)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -161,6 +406,15 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def gather_ints(value: int, spec: RankSpec) -> list[int]:
+    """Every rank's ``value``, by rank: one all_gather of an int64 tensor on this rank's device (every rank calls
+    it at the same point of its message loop)."""
+    mine = torch.tensor([value], dtype=torch.int64, device=spec.device)
+    parts = [torch.empty_like(mine) for _ in range(spec.tp_size)]
+    dist.all_gather(parts, mine)
+    return [int(p) for p in torch.cat(parts).tolist()]
 
 
 # --- rank 0 --------------------------------------------------------------------------------------
@@ -194,14 +448,35 @@ class TPExecutor:
         return self.local.kv_layout()
 
     @torch.inference_mode()
-    def forward(self, inp: StepInput) -> torch.Tensor:
-        """Run one step on every rank; returns rank 0's logits [num_selected, vocab] fp32."""
+    def forward(self, inp: StepInput, profile: bool = False) -> torch.Tensor:
+        """Run one step on every rank; returns rank 0's logits [num_selected, vocab] fp32. ``profile``: the memory
+        plan's profiling step (``profile_forward``)."""
         def step() -> torch.Tensor:
-            msg, packed = self._message(inp)
-            _broadcast(msg, packed, self.spec)
+            msg, data = self._message(inp)
+            msg.profile = profile
+            _send(msg, data, self.spec)
             return self.local.forward(inp)
 
         return self.locked(step, "a step")
+
+    def profile_forward(self, inp: StepInput) -> torch.Tensor:
+        """``forward`` for ServingEngine's profiling step: every worker measures its own activation peak over it
+        (CUDA), its workspace in the memory plan that ``agree_kv_blocks`` then asks it for."""
+        return self.forward(inp, profile=True)
+
+    def agree_kv_blocks(self, plan: MemoryPlan, gpu_memory_utilization: float, kv_cache_bytes: int | None,
+                        num_blocks: int | None) -> MemoryPlan:
+        """Rank 0's memory ``plan`` (ServingConfig's figures as given) with the KV block count every rank can hold:
+        each rank computes its own (its free memory, weights and workspace; ``_WorkerState.kv_blocks``), they are
+        gathered, and the least is the pool of all (the ranks' pools must be the same size). Raises MemoryPlanError
+        when that is less than one max_seq_len request needs, naming the rank."""
+        msg = StepMessage("plan", plan=(gpu_memory_utilization, kv_cache_bytes, num_blocks, plan.block_size))
+
+        def agree() -> list[int]:
+            _send(msg, [], self.spec)
+            return gather_ints(plan.num_blocks, self.spec)
+
+        return least_kv_blocks(plan, self.locked(agree, "agreeing on the memory plan"))
 
     def locked(self, fn, what: str):
         """Run ``fn`` (which talks to the workers) holding the group; any failure fails the engine, since
@@ -216,7 +491,7 @@ class TPExecutor:
             finally:
                 self._last_sent = time.monotonic()
 
-    def _message(self, inp: StepInput) -> tuple[StepMessage, torch.Tensor | None]:
+    def _message(self, inp: StepInput) -> tuple[StepMessage, list[torch.Tensor]]:
         msg = StepMessage("step")
         while self._freed:
             msg.freed.append(self._freed.popleft())
@@ -238,8 +513,8 @@ class TPExecutor:
             md = inp.paged
             msg.decode_only = md.decode_only
             named += [(n, getattr(md, n)) for n in _PACKED[3:]]
-        msg.tensors, packed = _pack(named, self.spec.device)
-        return msg, packed
+        msg.tensors = [(name, tuple(t.shape), t.dtype) for name, t in named]
+        return msg, [t for _, t in named]
 
     # --- failure and shutdown --------------------------------------------------------------------
     def _fail(self, reason: str) -> WorkerFailure:
@@ -274,7 +549,7 @@ class TPExecutor:
                 continue
             try:
                 if self.failure is None and not self._closed.is_set():
-                    _broadcast(StepMessage("heartbeat"), None, self.spec)
+                    _send(StepMessage("heartbeat"), [], self.spec)
             except Exception as e:
                 self._fail(f"a heartbeat to the workers failed ({type(e).__name__}: {e})")
             finally:
@@ -289,7 +564,7 @@ class TPExecutor:
         if self._lock.acquire(timeout=COLLECTIVE_TIMEOUT_S):
             try:
                 if self.failure is None:
-                    _broadcast(StepMessage("stop"), None, self.spec)
+                    _send(StepMessage("stop"), [], self.spec)
             except Exception as e:
                 log.warning("could not tell the tensor-parallel workers to stop (%s); terminating them", e)
             finally:
@@ -320,9 +595,9 @@ class TPDecodeGraphs:
 
     Each rank captures its own shard's decode step for the same buckets, in the same order, warm-up steps
     included, so the collectives line up: the warm-ups run them, the captures record them as NCCL kernels.
-    A replay sends the step's host inputs to the workers (one small message; the input ids, when they are
-    still on rank 0's GPU, follow as an NCCL broadcast that stays on the stream) and every rank replays its
-    graph, the recorded all_reduces meeting across ranks."""
+    A replay sends the step's inputs to the workers in two broadcasts, the header and one payload (positions,
+    slots and block tables from the host, then the input ids: host ones, or the device tensor the step in flight
+    sampled, never read back) and every rank replays its graph, the recorded all_reduces meeting across ranks."""
 
     def __init__(self, executor: TPExecutor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int) -> None:
         from runtime.cuda_graphs import DecodeGraphs
@@ -330,7 +605,7 @@ class TPDecodeGraphs:
         self.executor = executor
         msg = StepMessage("graphs", paged_pool=(storage.num_blocks, storage.block_size),
                           graphs=(max_num_seqs, max_seq_len))
-        self.local = executor.locked(lambda: (_broadcast(msg, None, executor.spec),
+        self.local = executor.locked(lambda: (_send(msg, [], executor.spec),
                                               DecodeGraphs(executor.local, storage, max_num_seqs, max_seq_len,
                                                            capture_error_mode=CAPTURE_MODE))[1],
                                      "capturing the decode CUDA graphs")
@@ -345,13 +620,11 @@ class TPDecodeGraphs:
 
     def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
             tables: list[list[int]]) -> torch.Tensor:
-        on_device = isinstance(input_ids, torch.Tensor)
-        msg = StepMessage("replay", replay=(None if on_device else list(input_ids), positions, slots, tables))
+        msg = StepMessage("replay", replay=(input_ids, positions, slots, tables))
+        ids = input_ids if isinstance(input_ids, torch.Tensor) else list(input_ids)
 
         def replay() -> torch.Tensor:
-            _broadcast(msg, None, self.executor.spec)
-            if on_device:
-                dist.broadcast(input_ids.contiguous(), src=0)
+            _send(msg, [ids], self.executor.spec)
             return self.local.run(input_ids, positions, slots, tables)
 
         return self.executor.locked(replay, "a decode graph replay")
@@ -382,6 +655,7 @@ class _WorkerState:
         self.storage: PagedKVStorage | None = None
         self.graphs = None  # DecodeGraphs, once rank 0 asks for them
         self.caches: dict[int, SequenceKV] = {}
+        self.workspace = 0  # activation peak of the memory plan's profiling step (CUDA), bytes
         # with a replicated lm_head no worker needs logits; vocab-parallel logits are gathered by every rank
         self.no_logits = not any(n["op"] == "all_gather" for n in executor.graph["nodes"])
 
@@ -397,11 +671,47 @@ class _WorkerState:
         self.graphs = DecodeGraphs(self.executor, self.storage, *msg.graphs, capture_error_mode=CAPTURE_MODE)
 
     def replay(self, msg: StepMessage) -> None:
-        input_ids, positions, slots, tables = msg.replay
-        if input_ids is None:  # on rank 0's GPU: they follow as a tensor
-            input_ids = torch.empty(len(positions), dtype=torch.long, device=self.spec.device)
-            dist.broadcast(input_ids, src=0)
+        input_ids, positions, slots, tables = msg.replay  # the ids: a device tensor (the payload's data)
+        if self.graphs is None:
+            raise StepMessageError("a 'replay' message before any 'graphs' message: this rank has no decode graphs")
+        if len(positions) > self.graphs.buckets[-1]:
+            raise _bad("a replay's num_seqs", len(positions),
+                       f"the largest captured bucket is {self.graphs.buckets[-1]}")
+        for table in tables:
+            _in_range([len(table)], 0, self.graphs.max_blocks + 1, "a replay's block table length")
+            _in_range(table, 0, self.storage.num_blocks, "a block of a replay's table")
         self.graphs.run(input_ids, positions, slots, tables)
+
+    def profile(self, msg: StepMessage, t: dict[str, torch.Tensor]) -> None:
+        """The memory plan's profiling step: on CUDA measured as ServingEngine measures rank 0's (the activation
+        peak over the step, its cache included); its caches are then dropped, as rank 0 drops its own."""
+        device = self.spec.device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+        inp = self.step_input(msg, t)
+        self.executor.forward(inp)
+        for _, _, kv in msg.seqs:
+            if kv[0] == "seq":
+                self.caches.pop(kv[1], None)
+        del inp
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            self.workspace = int(torch.cuda.max_memory_allocated(device) - before)
+            torch.cuda.empty_cache()
+
+    def kv_blocks(self, msg: StepMessage) -> int:
+        """This rank's figure for the memory plan: how many KV blocks of ``msg.plan``'s block size fit here, from
+        this rank's own free memory (CUDA), weights, profiled workspace and KV layout (``runtime.memory``)."""
+        utilization, kv_cache_bytes, num_blocks, block_size = msg.plan
+        weights, per_block = tensor_bytes(self.executor.params.values()), self.layout.bytes_per_token() * block_size
+        budget, other = plan_budget(self.spec.device, weights_bytes=weights, workspace_bytes=self.workspace,
+                                    other_bytes=0, bytes_per_block=per_block,
+                                    gpu_memory_utilization=utilization, kv_cache_bytes=kv_cache_bytes,
+                                    num_blocks=num_blocks)
+        return fit_kv_blocks(budget - weights - self.workspace - other, per_block)
 
     def step_input(self, msg: StepMessage, t: dict[str, torch.Tensor]) -> StepInput:
         for cache_id in msg.freed:
@@ -431,7 +741,10 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
     state = _WorkerState(executor, spec)
     while True:
         try:
-            msg, tensors = _broadcast(None, None, spec)
+            msg, tensors = _receive(spec)
+        except StepMessageError as e:  # the ranks' collectives cannot line up after it: rank 0 sees this rank exit
+            log.error("tensor-parallel rank %d: %s; exiting", spec.rank, e)
+            return 1
         except Exception as e:
             log.error("tensor-parallel rank %d lost rank 0 (%s: %s); exiting", spec.rank, type(e).__name__, e)
             return 1
@@ -439,12 +752,21 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
             if state.graphs is not None:  # before leaving the process group: they hold NCCL resources
                 state.graphs.close()
             return 0
-        if msg.kind == "step":
-            executor.forward(state.step_input(msg, tensors))
-        elif msg.kind == "graphs":
-            state.capture_graphs(msg)
-        elif msg.kind == "replay":
-            state.replay(msg)
+        try:
+            if msg.kind == "step":
+                if msg.profile:
+                    state.profile(msg, tensors)
+                else:
+                    executor.forward(state.step_input(msg, tensors))
+            elif msg.kind == "graphs":
+                state.capture_graphs(msg)
+            elif msg.kind == "replay":
+                state.replay(msg)
+            elif msg.kind == "plan":
+                gather_ints(state.kv_blocks(msg), spec)
+        except StepMessageError as e:
+            log.error("tensor-parallel rank %d: %s; exiting", spec.rank, e)
+            return 1
 
 
 def _dump_stacks_periodically() -> None:
@@ -491,12 +813,12 @@ def start(artifact: Artifact, device: torch.device, use_kernels: bool, check_has
     """Start the ranks of a sharded artifact and return rank 0's executor.
 
     Spawns tp_size - 1 worker processes (torch.multiprocessing, spawn), one per GPU after ``device``'s, or
-    joins the group torchrun set up (env RANK / WORLD_SIZE / MASTER_ADDR): there, ranks other than 0 run
-    the workers' loop here and exit the process when rank 0 closes the engine."""
+    joins the group torchrun set up (env RANK / WORLD_SIZE / MASTER_ADDR, one or more nodes): there, ranks other
+    than 0 run the workers' loop here and exit the process when rank 0 closes the engine."""
     tp_size = artifact.tp_size
-    check_devices(device, tp_size)
     if (rank := torchrun_rank()) is not None:
         return _join_torchrun(artifact, device, rank, use_kernels)
+    check_devices(device, tp_size)
     if dist.is_initialized():
         raise ArtifactError("a torch.distributed process group already exists in this process; a tensor-parallel "
                             "engine needs its own (close the other engine first)")
@@ -556,12 +878,21 @@ def _wait_for(store, workers: list, stage: str) -> None:
 
 
 def _join_torchrun(artifact: Artifact, device: torch.device, rank: int, use_kernels: bool) -> TPExecutor:
+    """Join the group of torchrun's processes, on one node or several (``--nnodes``): the global RANK picks the
+    weight file, LOCAL_RANK the GPU of this node (cuda:LOCAL_RANK); the node must have LOCAL_WORLD_SIZE GPUs."""
     world = int(os.environ["WORLD_SIZE"])
     if world != artifact.tp_size:
         raise ArtifactError(f"torchrun started {world} processes but the artifact is sharded for tp_size "
-                            f"{artifact.tp_size}; run torchrun --nproc-per-node {artifact.tp_size}")
-    base = torch.device(device.type, 0) if device.type == "cuda" else device
-    spec = rank_spec(base, rank, world)
+                            f"{artifact.tp_size}; run torchrun with --nnodes x --nproc-per-node = {artifact.tp_size} "
+                            f"(e.g. --nproc-per-node {artifact.tp_size})")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    if device.type == "cuda":
+        if (local_world := int(os.environ.get("LOCAL_WORLD_SIZE", world))) > (count := torch.cuda.device_count()):
+            raise ArtifactError(f"torchrun started {local_world} processes on this node (--nproc-per-node) but it "
+                                f"has {count} GPU(s): one rank per GPU")
+        spec = RankSpec(rank, world, torch.device("cuda", local_rank), "nccl")
+    else:
+        spec = rank_spec(device, rank, world)
     _init_group(spec)
     executor = _load_rank(artifact, spec, use_kernels)
     dist.barrier()

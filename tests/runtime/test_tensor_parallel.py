@@ -1,5 +1,7 @@
 """Tensor parallelism on CPU: a TP=2 artifact run by two gloo ranks (this process and a spawned worker)
-against the TP=1 artifact of the same checkpoint, for bf16 and GPTQ 4-bit; the manifest; a killed worker."""
+against the TP=1 artifact of the same checkpoint, for bf16 and GPTQ 4-bit; the manifest; a killed worker;
+the step message's wire format and its malformed headers; torchrun over two nodes (two launchers on this
+host); the memory plan's least block count across ranks."""
 
 from __future__ import annotations
 
@@ -19,8 +21,12 @@ from builder.pipeline import build
 from builder.recipe import validate_recipe
 from runtime import Engine, SamplingParams
 from runtime.artifact import ArtifactError, open_artifact
+from runtime.executor import SeqSlice, StepInput
+from runtime.kv_cache import KVLayout
+from runtime.memory import MemoryPlanError, least_kv_blocks, plan_kv_blocks
 from runtime.serving import ServingConfig, ServingEngine
-from runtime.tensor_parallel import WorkerFailure, check_devices
+from runtime.tensor_parallel import (HEADER, MAGIC, StepMessage, StepMessageError, WorkerFailure, _check_header,
+                                     _decode, _encode, check_devices)
 
 PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 PROMPTS = ["def fibonacci(n):", "import os\nclass Config:"]
@@ -104,6 +110,16 @@ def test_two_gloo_ranks_match_one_rank(method, built):
         serving = ServingEngine(two, ServingConfig(num_blocks=16, max_num_seqs=2))
         assert [o.token_ids for o in serving.run(prompts, params)] == ref_tokens
         assert serving.kv.pool.num_free == serving.kv.pool.num_blocks
+        assert serving.memory_plan.rank_num_blocks == (16, 16)  # each rank's own figure, gathered
+        if method == "bf16":  # a byte budget: each rank divides it by its own block size (the same here)
+            plan = ServingEngine(two, ServingConfig(kv_cache_bytes=1 << 20, max_num_seqs=2)).memory_plan
+            assert plan.rank_num_blocks == (plan.num_blocks,) * 2
+            assert plan.num_blocks == (1 << 20) // plan.bytes_per_block
+            # the memory plan's profiling step (measured on every rank on CUDA) is a step like any other
+            ids = torch.tensor(prompts[0])
+            steps = [StepInput(ids, torch.arange(len(ids)), [SeqSlice(two._new_cache(len(ids)), 0, len(ids))])
+                     for _ in range(2)]
+            assert torch.equal(two.executor.profile_forward(steps[0]), two.executor.forward(steps[1]))
 
 
 def test_under_torchrun_rank_0_generates_and_the_others_serve_steps(built, tmp_path):
@@ -172,3 +188,256 @@ def test_a_worker_killed_mid_request_fails_health_instead_of_hanging(built, capl
             with pytest.raises(WorkerFailure, match="worker rank 1"):
                 engine.generate("def", SamplingParams(max_tokens=2))
             assert time.monotonic() - start < 1
+
+
+# --- the step message on the wire ------------------------------------------------------------------
+def _wire(msg: StepMessage, data: list[torch.Tensor]) -> tuple[list[int], list[int], torch.Tensor]:
+    """What ``_send`` broadcasts for ``msg``: (header, meta, data as one int64 tensor)."""
+    flat = torch.cat([t.reshape(-1).long() for t in data]) if data else torch.empty(0, dtype=torch.long)
+    header, meta = _encode(msg, flat.numel())
+    return header, meta, flat
+
+
+def _received(header: list[int], meta: list[int], flat: torch.Tensor) -> tuple[StepMessage, dict]:
+    return _decode(_check_header(header), meta, flat)
+
+
+def _step_message() -> tuple[StepMessage, list[torch.Tensor]]:
+    tensors = {"input_ids": torch.tensor([5, 6, 7]), "positions": torch.tensor([3, 0, 1]),
+               "slot_mapping": torch.tensor([35, 64, 65]),
+               "block_tables": torch.tensor([[2, 0], [4, 5]], dtype=torch.int32),
+               "cu_seqlens_q": torch.tensor([0, 1, 3], dtype=torch.int32)}
+    msg = StepMessage("step", tensors=[(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
+                      seqs=[(3, 1, ("paged", [2])), (0, 2, ("paged", [4, 5])), (7, 1, ("seq", 12, 64))],
+                      paged_pool=(16, 16), decode_only=False, freed=[3, 9])
+    return msg, list(tensors.values())
+
+
+def test_every_message_kind_round_trips_through_ints():
+    msg, data = _step_message()
+    header, meta, flat = _wire(msg, data)
+    assert len(header) == len(HEADER) and header[0] == MAGIC and all(isinstance(v, int) for v in header + meta)
+    got, tensors = _received(header, meta, flat)
+    assert (got.kind, got.seqs, got.paged_pool, got.freed, got.decode_only) == \
+        ("step", msg.seqs, (16, 16), [3, 9], False)
+    assert got.tensors == msg.tensors
+    for name, t in zip([n for n, _, _ in msg.tensors], data):
+        assert tensors[name].dtype == t.dtype and torch.equal(tensors[name], t)
+    msg.decode_only, msg.profile = True, True
+    got, _ = _received(*_wire(msg, data))
+    assert got.decode_only and got.profile
+
+    ids = torch.tensor([11, 12])
+    got, _ = _received(*_wire(StepMessage("replay", replay=(ids, [4, 9], [68, 9], [[4], [0, 3]])), [ids]))
+    assert torch.equal(got.replay[0], ids) and got.replay[1:] == ([4, 9], [68, 9], [[4], [0, 3]])
+    for msg in (StepMessage("heartbeat"), StepMessage("stop"),
+                StepMessage("graphs", paged_pool=(40, 16), graphs=(8, 128)),
+                StepMessage("plan", plan=(0.85, None, 24, 16)), StepMessage("plan", plan=(1.0, 1 << 30, None, 32))):
+        header, meta, flat = _wire(msg, [])
+        assert not meta and not flat.numel()  # a header alone: one broadcast
+        got, _ = _received(header, meta, flat)
+        assert (got.kind, got.paged_pool, got.graphs, got.plan) == (msg.kind, msg.paged_pool, msg.graphs, msg.plan)
+
+
+def test_send_and_receive_over_a_loopback_broadcast(monkeypatch):
+    """``_send``'s broadcasts, replayed into ``_receive``: a header alone for a heartbeat, header + payload for a
+    step and for a replay (its input ids in the payload, whether host ints or a tensor)."""
+    import runtime.tensor_parallel as tp
+
+    spec = tp.RankSpec(0, 2, torch.device("cpu"), "gloo")
+    msg, data = _step_message()
+    ids = torch.tensor([11, 12])
+    replay = ([4, 9], [68, 9], [[4], [0, 3]])
+    for sent_msg, sent_data, count in [(StepMessage("heartbeat"), [], 1), (msg, data, 2),
+                                       (StepMessage("replay", replay=(ids, *replay)), [ids], 2),
+                                       (StepMessage("replay", replay=([11, 12], *replay)), [[11, 12]], 2)]:
+        wire: list[torch.Tensor] = []
+        monkeypatch.setattr(tp.dist, "broadcast", lambda t, src: wire.append(t.clone()))
+        tp._send(sent_msg, sent_data, spec)
+        assert len(wire) == count and all(t.dtype == torch.int64 for t in wire)
+        feed = iter(wire)
+        monkeypatch.setattr(tp.dist, "broadcast", lambda t, src: t.copy_(next(feed)))
+        got, tensors = tp._receive(spec)
+        assert got.kind == sent_msg.kind
+        if got.kind == "step":
+            assert got.seqs == msg.seqs and got.freed == msg.freed
+            assert all(torch.equal(tensors[n], t) for (n, _, _), t in zip(msg.tensors, data))
+        if got.kind == "replay":
+            assert torch.equal(got.replay[0], ids) and got.replay[1:] == replay
+
+
+def _field(header: list[int], name: str, value: int) -> list[int]:
+    return [value if f == name else v for f, v in zip(HEADER, header)]
+
+
+@pytest.mark.parametrize("name, value, error", [
+    ("magic", 1234, r"'magic' is 0x4d2 \(expected 0x54504d31: the ranks' messages are out of step"),
+    ("kind", 17, r"'kind' is 17 \(not a message kind: 0\.\.5 for heartbeat, stop, step, graphs, replay, plan\)"),
+    ("kind", -1, r"'kind' is -1"),
+    ("flags", 8, r"'flags' is 8 \(a 'step' message takes bits 1 and 2\)"),
+    ("num_seqs", -3, r"'num_seqs' is -3 \(must be in 0\.\.134217728\)"),
+    ("data_len", 1 << 40, r"'data_len' is 1099511627776 \(must be in 0\.\.134217728\)"),
+    ("num_tensors", 9, r"'num_tensors' is 9 \(a step packs at most 8 tensors\)"),
+    ("num_seqs", 100, r"'meta_len' is \d+ \(its tensor, sequence and freed-cache records alone take \d+\)"),
+])
+def test_a_malformed_header_is_refused_naming_the_field(name, value, error):
+    header, _, _ = _wire(*_step_message())
+    with pytest.raises(StepMessageError, match=r"malformed message from tensor-parallel rank 0: header field " + error):
+        _check_header(_field(header, name, value))
+
+
+def test_malformed_headers_of_each_kind_and_payloads_that_disagree_with_them():
+    stop, _, _ = _wire(StepMessage("stop"), [])
+    with pytest.raises(StepMessageError, match=r"'meta_len' is 4 \(a 'stop' message has no payload\)"):
+        _check_header(_field(stop, "meta_len", 4))
+    with pytest.raises(StepMessageError, match=r"'flags' is 1 \(a 'stop' message takes none\)"):
+        _check_header(_field(stop, "flags", 1))
+    graphs, _, _ = _wire(StepMessage("graphs", paged_pool=(40, 16), graphs=(8, 128)), [])
+    with pytest.raises(StepMessageError, match=r"'max_num_seqs' is 0 \(a 'graphs' message needs it >= 1\)"):
+        _check_header(_field(graphs, "max_num_seqs", 0))
+    plan, _, _ = _wire(StepMessage("plan", plan=(0.9, None, None, 16)), [])
+    with pytest.raises(StepMessageError, match=r"'gpu_memory_utilization' is 0\.0 \(must be in \(0, 1\]\)"):
+        _check_header(_field(plan, "gpu_memory_utilization", 0))
+    with pytest.raises(StepMessageError, match=r"'num_blocks' is -5 \(-1 \(not given\) or >= 1\)"):
+        _check_header(_field(plan, "num_blocks", -5))
+    ids = torch.tensor([1])
+    replay, meta, flat = _wire(StepMessage("replay", replay=(ids, [0], [0], [[0]])), [ids])
+    with pytest.raises(StepMessageError, match=r"'num_seqs', 'data_len', 'meta_len' is \(2, 1, 4\)"):
+        _check_header(_field(replay, "num_seqs", 2))
+
+    msg, data = _step_message()
+    header, meta, flat = _wire(msg, data)
+    bad = list(meta)
+    bad[0] = 42  # the first tensor record's name index
+    with pytest.raises(StepMessageError, match=r"tensor record 0's name index is 42 \(must be in 0\.\.7\)"):
+        _received(header, bad, flat)
+    bad = list(meta)
+    bad[-1] = 16  # the last block of the last paged table: past the pool of 16 blocks
+    with pytest.raises(StepMessageError, match=r"a block of sequence 1's table is 16 \(must be in 0\.\.15\)"):
+        _received(header, bad, flat)
+    bad = list(meta)
+    bad[5 * 5 + 2] = 7  # the first sequence record's kv kind
+    with pytest.raises(StepMessageError, match=r"sequence 0's kv kind is 7 \(0 \(paged\) or 1 \(contiguous"):
+        _received(header, bad, flat)
+    with pytest.raises(StepMessageError, match=r"'data_len' is 15 \(the step's tensors hold 16 values\)"):
+        _received(_field(header, "data_len", 15), meta, flat[:15])
+    with pytest.raises(StepMessageError, match=r"the payload's sequence 1's block table is past its end \(44 meta"):
+        _received(_field(header, "meta_len", len(meta) - 1), meta[:-1], flat)
+
+
+def test_a_worker_sent_a_malformed_header_exits_and_the_engine_fails(built):
+    import torch.distributed as dist
+
+    with loaded(built[("bf16", 2)]) as engine:
+        assert engine.generate("def", SamplingParams(max_tokens=2)).token_ids
+        header, _, _ = _wire(StepMessage("heartbeat"), [])
+        bad = torch.tensor(_field(header, "kind", 99))
+        engine.executor.locked(lambda: dist.broadcast(bad, src=0), "a malformed message")
+        deadline = time.monotonic() + 30
+        while engine.executor.failure is None and time.monotonic() < deadline:  # the sentinel thread sees it exit
+            time.sleep(0.02)
+        # its log: "tensor-parallel rank 1: malformed message from tensor-parallel rank 0: header field 'kind' is 99
+        # (not a message kind: 0..5 for heartbeat, stop, step, graphs, replay, plan); exiting"
+        with pytest.raises(WorkerFailure, match=r"worker rank 1 \(pid \d+\) exited with exit code 1"):
+            engine.generate("def", SamplingParams(max_tokens=2))
+
+
+# --- the memory plan across ranks ------------------------------------------------------------------
+def _plan(num_blocks: int) -> object:
+    layout = KVLayout(num_kv_heads=[1, 1], head_dim=[8, 8], dtype=torch.float32)
+    per_block = layout.bytes_per_token() * 16
+    return plan_kv_blocks(device="cpu", budget_bytes=num_blocks * per_block, weights_bytes=0, workspace_bytes=0,
+                          other_bytes=0, layout=layout, block_size=16, max_seq_len=128)
+
+
+def test_the_least_of_the_ranks_block_counts_sizes_every_pool():
+    plan = _plan(40)
+    assert least_kv_blocks(plan, [40, 40]).num_blocks == 40
+    least = least_kv_blocks(plan, [40, 25, 31])
+    assert (least.num_blocks, least.rank_num_blocks, least.budget_bytes) == (25, (40, 25, 31), plan.budget_bytes)
+    assert "the least of the ranks' [40, 25, 31] blocks" in least.describe()
+    with pytest.raises(MemoryPlanError, match=r"tensor-parallel rank 2 has room for 5 KV blocks of 16 tokens \(rank 0: "
+                                              r"40\) but one request of max_seq_len 128 needs 8"):
+        least_kv_blocks(plan, [40, 12, 5, 5])
+
+
+# --- torchrun across nodes -------------------------------------------------------------------------
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_over_two_nodes_matches_one_rank_and_plans_the_least_memory(built, tmp_path):
+    """Two torchrun launchers, one per "node" (--nnodes 2 --node-rank 0/1, gloo over 127.0.0.1), serve the
+    TP=2 artifact: rank 0's greedy tokens (offline and served) are the TP=1 artifact's; rank 1 runs the
+    worker side of ``torchrun ... -m runtime.serve ARTIFACT`` and, given less room for KV blocks than rank 0,
+    sizes every rank's pool, or stops a plan that cannot hold a request; no rank broadcasts a Python object."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "node.py"
+    script.write_text(f"""
+import json, os
+import torch.distributed as dist
+
+def forbidden(*args, **kwargs):
+    raise AssertionError("a Python object was broadcast")
+
+dist.broadcast_object_list = forbidden  # the step messages are int64 tensors only
+from runtime import Engine, SamplingParams
+from runtime.memory import MemoryPlanError
+from runtime.serving import ServingConfig, ServingEngine
+import runtime.tensor_parallel as tp
+
+if __name__ == "__main__":
+    print("NODE", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"], flush=True)
+    if os.environ["RANK"] == "1":  # this rank has room for fewer KV blocks than rank 0, then for too few
+        figures = iter([12, 3])
+        tp._WorkerState.kv_blocks = lambda self, msg: next(figures)
+        from runtime.serve import main
+        raise SystemExit(main([{str(built[("gptq", 2)])!r}, "--device", "cpu"]))  # runs steps until rank 0 stops
+    engine = Engine.load({str(built[("gptq", 2)])!r})
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    out = {{"rank": os.environ["RANK"], "local": os.environ["LOCAL_RANK"],
+            "tokens": engine.generate({PROMPTS[0]!r}, params).token_ids}}
+    serving = ServingEngine(engine, ServingConfig(num_blocks=32, max_num_seqs=2))
+    out["plan"] = [serving.memory_plan.num_blocks, list(serving.memory_plan.rank_num_blocks)]
+    out["served"] = [o.token_ids for o in serving.run([engine.tokenizer.encode(p) for p in {PROMPTS!r}], params)]
+    try:
+        ServingEngine(engine, ServingConfig(num_blocks=32, max_num_seqs=2))
+    except MemoryPlanError as e:
+        out["error"] = str(e)
+    print("RESULT", json.dumps(out))
+    engine.close()
+""")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                               "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              start_new_session=True)
+             for node in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:  # a launcher still waiting (a failed peer): its whole session, the ranks included
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    # one process per node, global ranks 0 and 1, each its node's local rank 0; rank 1 only served steps
+    assert [[x for x in out.splitlines() if x.startswith(("NODE", "RESULT"))][0] for out, _ in outs] == \
+        ["NODE 0 0 0", "NODE 1 0 1"]
+    assert not [x for x in outs[1][0].splitlines() if x.startswith("RESULT")]
+    (line,) = [x for x in outs[0][0].splitlines() if x.startswith("RESULT")]
+    out = json.loads(line.removeprefix("RESULT "))
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with loaded(built[("gptq", 1)]) as one:
+        ref = [one.generate(p, params).token_ids for p in PROMPTS]
+    assert (out["rank"], out["local"], out["tokens"], out["served"]) == ("0", "0", ref[0], ref)
+    assert out["plan"] == [12, [32, 12]]
+    assert "tensor-parallel rank 1 has room for 3 KV blocks of 16 tokens (rank 0: 32)" in out["error"]
