@@ -2,6 +2,7 @@
 
     python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft 4] [--output-len 128]
         [--prompts 4] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
+        [--draft DRAFT_ARTIFACT [--text FILE]]
 
 Speedup (n-gram, the request's own tokens as the draft source): a code-editing workload, each prompt a stretch
 of this project's own Python source followed by an instruction to write it out again and the stretch's first
@@ -12,6 +13,11 @@ after the first over the time from the first token to the last, summed over the 
 speculative rate over the plain one. The token ids of both runs are compared (greedy: they must be equal; a
 differing prompt is reported, as bf16 near-ties can differ with the batch shape) and the acceptance printed.
 
+Draft model (``--draft``): the same comparison with ``--num-draft`` tokens from a draft artifact (same tokenizer)
+in place of n-gram lookup. Either runs on the code-editing prompts or, with ``--text``, on ``--prompts`` stretches
+of ``--input-len`` tokens taken evenly from a text file (held-out text: what a draft distilled from the model is
+for).
+
 Verify cost (``--verify-cost K...``): random prompts of --input-len tokens, batch 1; the median step time with K
 draft tokens fed at every step (a proposer that always proposes K copies of the last token, nearly all
 rejected: the figure is the cost of a step scoring K + 1 tokens, not a speedup) over the median decode step
@@ -19,7 +25,9 @@ without speculation (overlapped, CUDA graphs on CUDA, as served). Verify steps r
 
 Figures (``--record``): spec_speedup_ngram_b1{tag} (x), spec_decode_tok_s_plain_b1{tag} and
 spec_decode_tok_s_ngram_b1{tag} (tok/s), spec_acceptance_ngram_b1{tag} (accepted / proposed drafts),
-spec_verify_cost_k{K}{tag} (x) with spec_step_ms_k{K}{tag} and spec_step_ms_k0{tag} (ms).
+spec_verify_cost_k{K}{tag} (x) with spec_step_ms_k{K}{tag} and spec_step_ms_k0{tag} (ms); with ``--draft``,
+spec_speedup_draft_b1{tag} (x), spec_decode_tok_s_draft_b1{tag} (tok/s), spec_acceptance_draft_b1{tag} (ratio) and
+spec_accepted_per_verify_draft_b1{tag} (tokens).
 """
 
 from __future__ import annotations
@@ -61,6 +69,15 @@ def code_edit_prompts(tokenizer: Tokenizer, num: int, root: Path) -> list[list[i
     return prompts
 
 
+def text_prompts(tokenizer: Tokenizer, num: int, length: int, path: Path) -> list[list[int]]:
+    """``num`` prompts of ``length`` tokens, cut at evenly spaced places of the text file at ``path``."""
+    ids = tokenizer.encode(path.read_text())
+    if len(ids) < num * length:
+        raise ValueError(f"{path} holds {len(ids)} tokens, fewer than {num} prompts of {length}")
+    step = (len(ids) - length) // max(num - 1, 1)
+    return [ids[i * step: i * step + length] for i in range(num)]
+
+
 def _generate(engine: ServingEngine, prompt: list[int], output_len: int) -> tuple[list[int], float]:
     """Greedy tokens of one request alone, and the seconds from its first token to its last."""
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True))
@@ -86,10 +103,14 @@ def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> Serv
                                                           speculative=speculative or SpeculativeConfig()))
 
 
-def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int) -> dict:
-    """Plain and n-gram runs of every prompt (see the module docstring)."""
+def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int,
+            draft: str | None = None) -> dict:
+    """Plain and speculative runs of every prompt (see the module docstring): n-gram drafts, or the ``draft``
+    artifact's (the result's keys keep the n-gram names)."""
     runs = {}
-    for name, spec in (("plain", None), ("ngram", SpeculativeConfig(method="ngram", num_speculative_tokens=num_draft))):
+    spec = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_draft) if draft is None else
+            SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=num_draft))
+    for name, spec in (("plain", None), ("ngram", spec)):
         engine = _load(path, device, spec)
         _generate(engine, prompts[0], 8)  # warm up (kernels, graphs)
         results = [_generate(engine, p, output_len) for p in prompts]
@@ -157,21 +178,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-speedup", action="store_true", help="only the verify cost")
     parser.add_argument("--record")
     parser.add_argument("--tag", default="", help="suffix of the recorded figures' names (e.g. _bundled)")
+    parser.add_argument("--draft", help="a draft model's artifact: its speedup instead of n-gram lookup's")
+    parser.add_argument("--text", help="prompts cut from this text file (default: the code-editing ones)")
     args = parser.parse_args(argv)
     device = str(resolve_device(args.device))
     figures = []
     if not args.no_speedup:
         tokenizer = open_artifact(args.artifact, check_hashes=False).load_tokenizer()
-        prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
-        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len)
-        print(f"n-gram k={args.num_draft}, batch 1, {len(prompts)} code-editing prompts, {args.output_len} tokens: "
+        if args.text:
+            prompts = text_prompts(tokenizer, args.prompts, args.input_len, Path(args.text))
+        else:
+            prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
+        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft)
+        workload = "text" if args.text else "code-editing"
+        name, label = ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram")
+        print(f"{label} k={args.num_draft}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
               f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
               f"{res['speedup']:.2f}x; acceptance {res['acceptance']:.2f}, accepted per verify "
               f"{res['accepted_per_verify']:.2f}; prompts whose tokens differ: {res['differing_prompts'] or 'none'}")
-        figures += [(f"spec_speedup_ngram_b1{args.tag}", res["speedup"], "x"),
+        figures += [(f"spec_speedup_{name}_b1{args.tag}", res["speedup"], "x"),
                     (f"spec_decode_tok_s_plain_b1{args.tag}", res["plain_tok_s"], "tok/s"),
-                    (f"spec_decode_tok_s_ngram_b1{args.tag}", res["ngram_tok_s"], "tok/s"),
-                    (f"spec_acceptance_ngram_b1{args.tag}", res["acceptance"], "ratio")]
+                    (f"spec_decode_tok_s_{name}_b1{args.tag}", res["ngram_tok_s"], "tok/s"),
+                    (f"spec_acceptance_{name}_b1{args.tag}", res["acceptance"], "ratio")]
+        if args.draft:
+            figures.append((f"spec_accepted_per_verify_draft_b1{args.tag}", res["accepted_per_verify"], "tokens"))
     if args.verify_cost:
         vocab = read_manifest(Path(args.artifact))["model"]["vocab_size"]
         prompt = _random_prompts(1, args.input_len, vocab, seed=0)[0]

@@ -19,18 +19,28 @@ def test_there_is_a_recipe_per_method():
             "quickstart-fp8.yaml", "quickstart-int8_wo.yaml"} <= set(RECIPES)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_builds_loads_and_generates(recipe, tmp_path):
-    out = tmp_path / "a"
-    sets = [f"output_dir={out}", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"]
-    if recipe != "quickstart.yaml":
-        sets += ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
-                 "gates.needle_context_len=null"]
+UNQUANTIZED = ("quickstart.yaml", "quickstart-draft.yaml", "quickstart-spec.yaml")
+
+
+def _build(recipe: str, sets: list[str]) -> None:
     args = ["build", str(ROOT / "recipes" / recipe), "--quiet"]
     for s in sets:
         args += ["--set", s]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_builds_loads_and_generates(recipe, tmp_path):
+    out = tmp_path / "a"
+    sets = [f"output_dir={out}", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"]
+    if recipe not in UNQUANTIZED:
+        sets += ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
+                 "gates.needle_context_len=null"]
+    if recipe == "quickstart-spec.yaml":  # its draft first: the bundled one, built as its own recipe does
+        _build("quickstart-draft.yaml", [f"output_dir={tmp_path / 'draft'}"])
+        sets.append(f"runtime.speculative.draft_model={tmp_path / 'draft'}")
+    _build(recipe, sets)
     res = runner.invoke(app, ["generate", str(out), "--prompt", "import os\n", "--max-tokens", "8"])
     assert res.exit_code == 0, res.output
     assert len(res.output.strip()) > len("import os")

@@ -807,3 +807,23 @@ def test_speculative_bench_on_the_bundled_model(bundled_artifact, tmp_path):
     assert figures["spec_acceptance_ngram_b1"] > 0  # the model copies from its prompt
     assert figures["spec_verify_cost_k2"] == pytest.approx(figures["spec_step_ms_k2"] / figures["spec_step_ms_k0"],
                                                            rel=1e-2)
+
+
+def test_speculative_bench_with_a_draft_model_on_text(bundled_artifact, tmp_path):
+    """--draft with --text: the draft model's figures (the bundled model as its own draft: nearly every proposal
+    accepted), prompts cut from a text file."""
+    import json
+
+    from builder.bench import speculative as bench
+
+    record = tmp_path / "figures.jsonl"
+    from pathlib import Path
+
+    text = Path(__file__).resolve().parents[2] / "models" / "pystdlib-llama" / "eval.txt"
+    assert bench.main([str(bundled_artifact), "--device", "cpu", "--prompts", "2", "--output-len", "16",
+                       "--input-len", "48", "--draft", str(bundled_artifact), "--text", str(text),
+                       "--record", str(record)]) == 0
+    figures = {d["figure"]: d["value"] for d in map(json.loads, record.read_text().splitlines())}
+    assert set(figures) == {"spec_speedup_draft_b1", "spec_decode_tok_s_plain_b1", "spec_decode_tok_s_draft_b1",
+                            "spec_acceptance_draft_b1", "spec_accepted_per_verify_draft_b1"}
+    assert figures["spec_acceptance_draft_b1"] > 0.9
