@@ -17,7 +17,9 @@ first K steps already on chip.
 Correctness rests on two rules, kept by every kernel that takes ``PDL``:
 - every program executes :func:`wait_prior` (then ``griddepcontrol.launch_dependents``) on every path, before its
   first read of an activation and its first store: a kernel's completion then implies its predecessors', so
-  ordering stays transitive along the chain;
+  ordering stays transitive along the chain. (The decode attention's splits past a short sequence's keys exit
+  without reading or storing anything; its split 0 always waits, which keeps the chain.) What a kernel reads
+  before the wait must not be written by the kernel launched just before it;
 - only :func:`launch_kwargs` turns the launch attribute on (CUDA, compute capability 9.0+, ``KERNELS_PDL`` not 0),
   and ``PDL`` is passed as ``bool(launch_kwargs(t))``: the wait is compiled in exactly when the launch overlaps.
 

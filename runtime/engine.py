@@ -198,7 +198,8 @@ class Engine:
         num_top = 0 if params.logprobs is None else params.logprobs
         text, emitted, finish = "", 0, "length"
         while True:
-            tokens = sample(logits, [params], [generator], [prompt_ids], [out_ids])  # tokens: [1]
+            tokens = sample(logits, [params], [generator], [prompt_ids], [out_ids],  # tokens: [1]
+                            use_kernels=self.executor.use_kernels)
             if int(tokens[0]) == INVALID_TOKEN:
                 raise RuntimeError(f"sampling failed after {len(out_ids)} tokens: the model's logits gave no valid "
                                    f"token distribution (NaN or inf after penalties and temperature)")

@@ -19,6 +19,8 @@ caller fails that row's request alone.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -203,7 +205,7 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            prompt_ids: list[Sequence[int]] | None = None,
            output_ids: list[Sequence[int]] | None = None, token_bitmask: TokenBitmask | None = None,
-           generator_states: list[torch.Tensor | None] | None = None) -> torch.Tensor:
+           generator_states: list[torch.Tensor | None] | None = None, use_kernels: bool = False) -> torch.Tensor:
     """Pick the next token of each sequence.
 
     logits: [num_seqs, vocab] (any float dtype); returns ids [num_seqs] (int64, same device).
@@ -224,6 +226,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     are NaN: NaN or +inf logits, or none finite) gets INVALID_TOKEN, and the other rows are drawn as
     without it (seeded rows exactly). The check runs on the device: reading the result stays the caller's
     only sync.
+    use_kernels: an all-greedy batch of CUDA logits takes ``kernels.argmax`` (Triton) where it is installed; the
+    same tokens as torch's argmax and NaN check (the executor's ``use_kernels``: a reference path stays on torch).
     """
     num_seqs = logits.shape[0]
     if len(params) != num_seqs or len(generators) != num_seqs:
@@ -244,10 +248,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         raise ValueError(f"sample: rows {rows} ask for structured output, which needs the grammar's token mask "
                          f"(token_bitmask); the serving engine (runtime.serving.ServingEngine) computes it")
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows and logits.is_cuda:  # all greedy: two small kernels, the NaN rows found in the same pass
+    if not rows and use_kernels and logits.is_cuda and _triton_installed():  # all greedy: two small kernels
         from kernels.argmax import greedy_argmax
 
-        return greedy_argmax(logits, INVALID_TOKEN)
+        with torch.cuda.device(logits.device):  # Triton launches on the current device
+            return greedy_argmax(logits, INVALID_TOKEN)
     out = torch.argmax(logits, dim=-1)  # out: [num_seqs]
     if len(rows) < num_seqs:  # greedy rows: the argmax of a row holding NaN is meaningless
         # argmax propagates NaN (it picks a NaN when the row has one): one gather, not a pass over the vocab
@@ -267,6 +272,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             for i, state in zip(rows, states):
                 generator_states[i] = state
     return out.masked_fill(invalid, INVALID_TOKEN)
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None],

@@ -238,19 +238,25 @@ def main(argv: list[str] | None = None) -> int:
 def _torchrun_worker(args: argparse.Namespace) -> int:
     """A torchrun worker rank: load its shard in this process and run the steps rank 0 sends until it stops
     them (``runtime.tensor_parallel``); returns the exit code (0 once rank 0 stopped it)."""
-    from runtime.artifact import ArtifactError
+    from pathlib import Path
+
+    from runtime.artifact import ArtifactError, read_manifest
     from runtime.engine import DeviceError, Engine, resolve_device
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches every process of the terminal: rank 0 stops it
+    unsharded = (f"error: torchrun started {os.environ['WORLD_SIZE']} processes but {args.artifact} is not sharded "
+                 f"(parallel.tp_size 1): serve it without torchrun")
     try:
+        if read_manifest(Path(args.artifact)).get("tensor_parallel", {}).get("tp_size", 1) == 1:
+            print(unsharded, file=sys.stderr)  # before its weights are loaded
+            return 1
         Engine.load(args.artifact, resolve_device(args.device), allow_failed_gate=args.allow_failed_gate)
     except SystemExit as e:  # the steps are over
         return e.code if isinstance(e.code, int) else 1
     except (ArtifactError, DeviceError) as e:
         print(f"error: cannot serve {args.artifact} as rank {os.environ['RANK']}: {e}", file=sys.stderr)
         return 1
-    print(f"error: torchrun started {os.environ['WORLD_SIZE']} processes but {args.artifact} is not sharded "
-          f"(parallel.tp_size 1): serve it without torchrun", file=sys.stderr)
+    print(unsharded, file=sys.stderr)
     return 1
 
 

@@ -518,11 +518,12 @@ class ServingEngine:
         mask, errors = self._token_bitmask(sampling, masks.result() if masks is not None
                                            else self._fill_masks(sampling, tracks))
         try:
-            return self._sample_rows(logits, sampling, generators, mask, draw_states), errors
+            return self._sample_rows(logits, sampling, generators, mask, draw_states,
+                                     self.executor.use_kernels), errors
         except Exception as e:  # one request's parameters or history, or the device: find out row by row
             log.warning("sampling a batch of %d failed (%s: %s); retrying row by row", len(sampling),
                         type(e).__name__, e)
-        rows: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []  # row by row on torch's ops alone (use_kernels off: no kernel to blame)
         rewound: set[int] = set()
         for i, (request, generator, state) in enumerate(zip(sampling, generators, states)):
             if generator is not None and id(generator) not in rewound:  # once: a request's rows draw in turn
@@ -579,15 +580,17 @@ class ServingEngine:
 
     @staticmethod
     def _sample_rows(logits: torch.Tensor, sampling: list[Request], generators: list[torch.Generator | None],
-                     mask: TokenBitmask | None, draw_states: list | None = None) -> torch.Tensor:
+                     mask: TokenBitmask | None, draw_states: list | None = None,
+                     use_kernels: bool = False) -> torch.Tensor:
         """``sample`` over these requests' rows. Token histories (a copy of each request's output so far) are
         built only when a penalty needs them."""
         params = [r.params for r in sampling]
         if not any(p.has_penalties for p in params):
-            return sample(logits, params, generators, token_bitmask=mask, generator_states=draw_states)
+            return sample(logits, params, generators, token_bitmask=mask, generator_states=draw_states,
+                          use_kernels=use_kernels)
         return sample(logits, params, generators, prompt_ids=[r.prompt_token_ids for r in sampling],
                       output_ids=[r.output_token_ids for r in sampling], token_bitmask=mask,
-                      generator_states=draw_states)
+                      generator_states=draw_states, use_kernels=use_kernels)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], sampling: list[Request],

@@ -763,7 +763,13 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
             elif msg.kind == "replay":
                 state.replay(msg)
             elif msg.kind == "plan":
-                gather_ints(state.kv_blocks(msg), spec)
+                try:
+                    blocks = state.kv_blocks(msg)
+                except Exception as e:  # rank 0 waits in the all_gather: answer 0, which it refuses naming this rank
+                    log.error("tensor-parallel rank %d could not plan its KV cache (%s: %s)", spec.rank,
+                              type(e).__name__, e)
+                    blocks = 0
+                gather_ints(blocks, spec)
         except StepMessageError as e:
             log.error("tensor-parallel rank %d: %s; exiting", spec.rank, e)
             return 1

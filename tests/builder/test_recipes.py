@@ -38,7 +38,8 @@ def test_recipe_builds_loads_and_generates(recipe, tmp_path):
         sets += ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
                  "gates.needle_context_len=null"]
     if recipe == "quickstart-spec.yaml":  # its draft first: the bundled one, built as its own recipe does
-        _build("quickstart-draft.yaml", [f"output_dir={tmp_path / 'draft'}"])
+        _build("quickstart-draft.yaml", [f"output_dir={tmp_path / 'draft'}",
+                                         f"model.checkpoint={ROOT / 'models/pystdlib-llama-draft'}"])
         sets.append(f"runtime.speculative.draft_model={tmp_path / 'draft'}")
     _build(recipe, sets)
     res = runner.invoke(app, ["generate", str(out), "--prompt", "import os\n", "--max-tokens", "8"])

@@ -56,8 +56,9 @@ def test_sample_takes_the_kernel_for_greedy_rows():
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(3, 128256, generator=gen)
     logits[1, 5] = float("nan")
-    got = sample(logits.cuda(), [SamplingParams()] * 3, [None] * 3).cpu()
-    assert torch.equal(got, ref_greedy_argmax(logits, INVALID_TOKEN))
+    for use_kernels in (True, False):  # the kernel, or torch's argmax and NaN check: the same tokens
+        got = sample(logits.cuda(), [SamplingParams()] * 3, [None] * 3, use_kernels=use_kernels).cpu()
+        assert torch.equal(got, ref_greedy_argmax(logits, INVALID_TOKEN))
 
 
 def test_rejects_non_float_logits():
