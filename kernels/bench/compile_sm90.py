@@ -1,0 +1,79 @@
+"""Compile kernels for an H100 (sm_90) on a machine without a GPU, before spending device time on them.
+
+    python -m kernels.bench.compile_sm90
+
+The Triton interpreter (the CPU tests) accepts code that compiled Triton refuses, e.g. a kernel reading a plain
+module-level int instead of a ``tl.constexpr``; such a kernel then fails at its first launch on the GPU. This
+compiles the decode-step kernels named below with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device
+needed) in the variants the runtime launches, and prints for each whether it compiled and how many PDL waits its
+PTX holds. Run it with TRITON_INTERPRET unset.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+    """``fn`` (a ``triton.jit`` function) compiled for TARGET: ``types`` gives every runtime argument's Triton type
+    ("*bf16", "i32", ...), ``constexprs`` every constexpr's value."""
+    names = fn.arg_names
+    missing = [n for n in names if n not in types and n not in constexprs]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no type or value for {missing}")
+    signature = {n: types.get(n, "constexpr") for n in names}
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _decode_attention() -> list[tuple[str, object]]:
+    from kernels.paged_attention import _paged_decode_kernel
+
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "out_ptr": "*bf16",
+             "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "sinks_ptr": "*fp32",
+             "counter_ptr": "*i32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "softcap": "fp32",
+             **{n: "i32" for n in ("stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb", "stride_ct",
+                                   "stride_ch", "stride_bt")}}
+    base = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=128, QUANT=0, FP32=False, F16=False,
+                SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, PDL=True)
+    fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    variants = [("split", {}, {}), ("one split", {"SPLIT": False}, {}),
+                ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
+                ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {})]
+    return [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
+        _paged_decode_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
+
+
+def _argmax() -> list[tuple[str, object]]:
+    from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
+
+    return [("argmax, chunks", lambda: compile_kernel(
+                _chunk_argmax_kernel, {"logits_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32",
+                                       "vocab": "i32", "stride": "i32", "num_chunks": "i32"}, {"BLOCK": 4096}, 8)),
+            ("argmax, rows", lambda: compile_kernel(
+                _row_argmax_kernel, {"val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32", "out_ptr": "*i64",
+                                     "num_chunks": "i32", "invalid": "i32"}, {"CHUNKS_PAD": 32}, 1))]
+
+
+def main() -> int:
+    failures = 0
+    for name, build in _decode_attention() + _argmax():
+        try:
+            ptx = build().asm["ptx"]
+            print(f"ok    {name} (PDL waits in the PTX: {ptx.count('griddepcontrol.wait')})", flush=True)
+        except Exception as e:  # report every variant, then fail
+            failures += 1
+            print(f"FAIL  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
