@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", help="a draft model's artifact: its speedup instead of n-gram lookup's")
     parser.add_argument("--text", help="prompts cut from this text file (default: the code-editing ones)")
     args = parser.parse_args(argv)
+    if args.prompts < 1 or args.output_len < 2:
+        parser.error(f"--prompts takes 1 or more (got {args.prompts}) and --output-len 2 or more (got "
+                     f"{args.output_len}): a rate needs tokens after the first")
     device = str(resolve_device(args.device))
     figures = []
     if not args.no_speedup:
