@@ -83,6 +83,19 @@ def _sink_share(sink, m_i):
 
 
 @triton.jit
+def _query_operand(q, FP32: tl.constexpr, F16: tl.constexpr):
+    """q as the matmuls take it: fp32 (FP32), fp16 clamped to its range (F16: a quantized cache's fp16 operands),
+    else as loaded."""
+    if FP32:
+        out = q.to(tl.float32)
+    elif F16:
+        out = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    else:
+        out = q
+    return out
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, FP32: tl.constexpr):
     """Fold one tile into the running (max, sum, acc). s: [R, N] log2-domain scores (-inf where
     masked); v: [N, D] in the compute dtype, zero where masked. m_i starts finite, so no NaN."""
@@ -339,10 +352,7 @@ def _paged_decode_kernel(
         # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
         q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
                     mask=g_mask[:, None], other=0.0)
-        if FP32:
-            q = q.to(tl.float32)
-        elif F16:
-            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = _query_operand(q, FP32, F16)
         if QUANT != 0:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
 
@@ -596,10 +606,7 @@ def _paged_prefill_kernel(
     q_pos = context + offs_t  # absolute positions of the rows' queries
     q = tl.load(q_ptr + (q_start + offs_t)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)
-    if FP32:
-        q = q.to(tl.float32)
-    elif F16:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    q = _query_operand(q, FP32, F16)
     if QUANT != 0:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt

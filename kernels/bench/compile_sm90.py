@@ -4,7 +4,7 @@
 
 The Triton interpreter (the CPU tests) accepts code that compiled Triton refuses, e.g. a kernel reading a plain
 module-level int instead of a ``tl.constexpr``; such a kernel then fails at its first launch on the GPU. This
-compiles the decode-step kernels named below with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device
+compiles the attention and argmax kernels named below with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device
 needed) in the variants the runtime launches, and prints for each whether it compiled and how many PDL waits its
 PTX holds. Run it with TRITON_INTERPRET unset.
 """
@@ -48,8 +48,24 @@ def _decode_attention() -> list[tuple[str, object]]:
     variants = [("split", {}, {}), ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
                 ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {})]
-    return [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
+    out = [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
         _paged_decode_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
+    return out + _prefill_attention(fp8)
+
+
+def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
+    from kernels.paged_attention import _paged_prefill_kernel
+
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+             "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+             "sinks_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32", "window": "i32", "num_seqs": "i32",
+             "softcap": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
+                                                       "stride_ct", "stride_ch", "stride_bt")}}
+    base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
+                F16=False, SOFTCAP=False, SINKS=False, PDL=True)
+    variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8)]
+    return [(f"paged prefill attention, {name}", lambda kw=kw, t=t: compile_kernel(
+        _paged_prefill_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
 
 
 def _argmax() -> list[tuple[str, object]]:
