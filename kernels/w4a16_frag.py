@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from kernels import pdl
+from kernels.activation import silu_mul_values
 from kernels.gemv import _num_sms, _tile_counters
 from kernels.pdl import wait_prior
 from kernels.torch_quant import unpack_int4
@@ -173,6 +174,32 @@ def unrepack_frag(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     codes = codes.reshape(n, k)
     q = codes[:, 0::2] | (codes[:, 1::2] << 4) if bits == 4 else codes
     return q.contiguous(), scales.t().contiguous(), zeros.t().contiguous()
+
+
+def gate_up_order(out_features: int) -> torch.Tensor:
+    """The row order of a merged [gate | up] weight (``out_features`` = 2 I rows, I a multiple of 16) for the gated
+    kernel (``w4a16_frag(..., gated=True)``): 16 gate rows, then the same 16 rows of up, and so on, so that each
+    warp's two tiles are one gate tile and its up tile (any warp count)."""
+    if out_features % (2 * TILE_N):
+        raise ValueError(f"a merged gate/up of {out_features} rows does not split into two halves of whole "
+                         f"{TILE_N}-row tiles")
+    half = torch.arange(out_features // 2).reshape(-1, TILE_N)
+    return torch.stack((half, half + out_features // 2), dim=1).reshape(-1)
+
+
+def interleave_gate_up(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """A merged [gate | up] linear in the passes' layout (rows = output features) in :func:`gate_up_order`, for
+    :func:`repack_frag` then ``w4a16_frag(..., gated=True)``; the bias (or None) alike."""
+    order = gate_up_order(qweight.shape[0]).to(qweight.device)
+    return (qweight[order].contiguous(), scales[order].contiguous(), zeros[order].contiguous(),
+            None if bias is None else bias[order].contiguous())
+
+
+def deinterleave_gate_up(y: torch.Tensor) -> torch.Tensor:
+    """A linear's output [..., 2 I] in :func:`gate_up_order` back to [gate | up] (a copy)."""
+    n = y.shape[-1]
+    return y.reshape(*y.shape[:-1], n // (2 * TILE_N), 2, TILE_N).transpose(-3, -2).reshape(y.shape)
 
 
 @dataclass
@@ -398,6 +425,36 @@ def _load_x_ptx(batch_tiles: int, regs: int = 16) -> str:
     return "\n".join(lines)
 
 
+def _load_gain_ptx(regs: int = 16) -> str:
+    """$0..$(regs - 1) <- a norm's gain (bf16) at the features of the lane's x registers of one K iteration
+    (:func:`_load_x_ptx`'s order; the same for every row). Input: the gain (bf16* at the iteration's first
+    feature)."""
+    lines = ["{", _LANE_REGS, _LANE, "mul.wide.u32 o, c, 16;", f"add.u64 a, ${regs}, o;"]
+    lines += [f"ld.global.nc.v4.b32 {{{', '.join(f'${4 * q + i}' for i in range(4))}}}, [a+{64 * q}];"
+              for q in range(regs // 4)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _norm_x_ptx(batch_tiles: int, regs: int = 16) -> str:
+    """The lane's x registers of one K iteration (bf16x2, a residual stream's total) -> the RMSNorm's output,
+    ``bf16(bf16(x * rstd) * gain)`` per element (``kernels.fused_norm``'s numerics: the normalised value rounded
+    before the gain, the product rounded once). Outputs $0..$(n - 1) (n = regs bt); inputs: the n x registers,
+    ``regs`` gain registers (:func:`_load_gain_ptx`), then one rstd (f32) per batch tile (the lane's row)."""
+    n = regs * batch_tiles
+    lines = ["{", ".reg .b32 lo, hi, neg0;", "mov.b32 neg0, 0x80008000;"]
+    for bt in range(batch_tiles):
+        rs = f"${2 * n + regs + bt}"
+        for i in range(regs):
+            x, gain = f"${n + regs * bt + i}", f"${2 * n + i}"
+            lines += [f"shl.b32 lo, {x}, 16;", f"and.b32 hi, {x}, 0xFFFF0000;",
+                      f"mul.f32 lo, lo, {rs};", f"mul.f32 hi, hi, {rs};",
+                      f"cvt.rn.bf16x2.f32 ${regs * bt + i}, hi, lo;",
+                      f"fma.rn.bf16x2 ${regs * bt + i}, ${regs * bt + i}, {gain}, neg0;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _load_group_ptx(bits: int = 4) -> str:
     """$0..$3 <- the lane's rows' scales (tile 0 rows g, g + 8, tile 1 rows g, g + 8), then the zero registers:
     4 bits, $4..$7 <- their bf16x2 -(128 + zero); 8 bits (one group per channel), $4..$7 <- bf16x2
@@ -599,6 +656,19 @@ _C8_4_PTX, _C8_4_CONS = _C8_PTX[4]
 _S8_1_PTX, _S8_1_CONS = _S8_PTX[1]
 _S8_2_PTX, _S8_2_CONS = _S8_PTX[2]
 _S8_4_PTX, _S8_4_CONS = _S8_PTX[4]
+# a norm applied on load (NORM): the gain's registers, and x's registers normalised
+_GAIN_PTX = {regs: (tl.constexpr(_load_gain_ptx(regs)), _constraints("r", regs, "l")) for regs in (8, 16)}
+_GAIN16_PTX, _GAIN16_CONS = _GAIN_PTX[16]
+_GAIN8_PTX, _GAIN8_CONS = _GAIN_PTX[8]
+_NORM_PTX = {(bt, regs): (tl.constexpr(_norm_x_ptx(bt, regs)),
+                          _constraints("r", regs * bt, ",".join([_regs("r", regs * bt + regs), _regs("f", bt)])))
+             for bt in BATCH_TILE_COUNTS for regs in (8, 16)}
+_NORM1_16_PTX, _NORM1_16_CONS = _NORM_PTX[1, 16]
+_NORM2_16_PTX, _NORM2_16_CONS = _NORM_PTX[2, 16]
+_NORM4_16_PTX, _NORM4_16_CONS = _NORM_PTX[4, 16]
+_NORM1_8_PTX, _NORM1_8_CONS = _NORM_PTX[1, 8]
+_NORM2_8_PTX, _NORM2_8_CONS = _NORM_PTX[2, 8]
+_NORM4_8_PTX, _NORM4_8_CONS = _NORM_PTX[4, 8]
 _GROUP8_PTX = tl.constexpr(_load_group_ptx(8))
 _GROUP8_CONS = tl.constexpr("=f,=f,=f,=f," + _regs("=r", 8) + ",l,l")
 
@@ -638,6 +708,48 @@ def _load_x(x_it, x_stride, m, BATCH_TILES: tl.constexpr, BITS: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(_X4_PTX, _X4_CONS, [x_it, x_stride, m], dtype=_I32X64, is_pure=False,
                                          pack=1)
+
+
+@triton.jit
+def _load_gain(g_it, BITS: tl.constexpr):
+    """A norm's gain at the lane's x registers' features of one K iteration (16 registers; 8-bit codes: 8)."""
+    if BITS == 8:
+        return tl.inline_asm_elementwise(_GAIN8_PTX, _GAIN8_CONS, [g_it], dtype=_I32X8, is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(_GAIN16_PTX, _GAIN16_CONS, [g_it], dtype=_I32X16, is_pure=True, pack=1)
+
+
+@triton.jit
+def _norm_x(x, gain, rs, BATCH_TILES: tl.constexpr, BITS: tl.constexpr):
+    """x's registers normalised (rstd per batch tile ``rs``, gain registers ``gain``)."""
+    if BITS == 8:
+        if BATCH_TILES == 1:
+            return tl.inline_asm_elementwise(_NORM1_8_PTX, _NORM1_8_CONS, x + gain + (rs[0],), dtype=_I32X8,
+                                             is_pure=True, pack=1)
+        elif BATCH_TILES == 2:
+            return tl.inline_asm_elementwise(_NORM2_8_PTX, _NORM2_8_CONS, x + gain + (rs[0], rs[1]), dtype=_I32X16,
+                                             is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(_NORM4_8_PTX, _NORM4_8_CONS, x + gain + rs, dtype=_I32X32,
+                                             is_pure=True, pack=1)
+    elif BATCH_TILES == 1:
+        return tl.inline_asm_elementwise(_NORM1_16_PTX, _NORM1_16_CONS, x + gain + (rs[0],), dtype=_I32X16,
+                                         is_pure=True, pack=1)
+    elif BATCH_TILES == 2:
+        return tl.inline_asm_elementwise(_NORM2_16_PTX, _NORM2_16_CONS, x + gain + (rs[0], rs[1]), dtype=_I32X32,
+                                         is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_NORM4_16_PTX, _NORM4_16_CONS, x + gain + rs, dtype=_I32X64,
+                                         is_pure=True, pack=1)
+
+
+@triton.jit
+def _row_rstd(ss_ptr, row, inv_k, eps, NB: tl.constexpr):
+    """rsqrt(mean square + eps) of x's rows ``row`` from their sums of squares in NB parts (a producer's
+    programs), added in part order (every program the same sum)."""
+    acc = tl.load(ss_ptr + row * NB)
+    for j in tl.static_range(1, NB):
+        acc += tl.load(ss_ptr + row * NB + j)
+    return tl.rsqrt(acc * inv_k + eps)
 
 
 @triton.jit
@@ -723,18 +835,24 @@ def _store_partials(m, t, grp, part, n_stride, BATCH_TILES: tl.constexpr, SCALED
 
 @triton.jit
 def _w4a16_frag_kernel(
-    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
-    M, N, K, stride_xm, iters_per_split,
+    x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr, gain_ptr, xss_ptr, res_ptr, ss_ptr,
+    M, N, K, stride_xm, iters_per_split, eps,
     SPLIT_K: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr,
-    BATCH_TILES: tl.constexpr, DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr,
+    BATCH_TILES: tl.constexpr, DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, NBX: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     # grid (N / (32 WARPS), SPLIT_K); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
-    # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones.
+    # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones. GATED: the
+    # weights are a merged gate/up in interleave_gate_up's row order (each warp's first tile gate rows, its second
+    # the same up rows), and y [M, N / 2] takes silu(gate) * up of the rounded sums. NORM: x is a residual stream's
+    # total whose RMSNorm (gain, rows' sums of squares in NBX parts at xss) the K loop applies to x's registers.
+    # RESIDUAL: y takes bf16(bf16(x W^T) + residual), and ss [M, programs] each program's sums of squares of it.
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     lanes = tl.zeros([32 * WARPS], dtype=tl.int32)  # one element per thread: each PTX block runs once per thread
     col0 = pid_n * WARPS * 32  # the program's first output feature
     ITER_K: tl.constexpr = 512 // BITS
+    HALF: tl.constexpr = WARPS * 16  # GATED: outputs per program
     first = pid_k * iters_per_split
     num_iters = min(iters_per_split, K // ITER_K - first)
     last = first + num_iters - 1
@@ -758,10 +876,25 @@ def _w4a16_frag_kernel(
         w3 = _load_w(w_base + min(first + 3, last) * 1024 + lanes, tile_bytes)
         if not ONE_GROUP:
             g3 = _load_group_at(s_ptr, z_ptr, min(first + 3, last), N, col0, lanes, BITS)
+    gain = lanes
+    if NORM:  # the gain is a constant of the model
+        gain = _load_gain(_addr(gain_ptr + first * ITER_K + lanes), BITS)
     wait_prior(PDL)  # x and the partials are the preceding kernels'
     m = lanes + M
     x_stride = lanes + stride_xm * 2
     x = _load_x(_addr(x_ptr + first * ITER_K + lanes), x_stride, m, BATCH_TILES, BITS)
+    rs = (tl.zeros([32 * WARPS], dtype=tl.float32),) * 4
+    if NORM:  # the rstd of the lane's rows (g + 8 bt, past M the last row's), from the producer's sums of squares
+        g_row = (tl.arange(0, 32 * WARPS) % 32) // 4
+        inv_k = 1.0 / K
+        rs0 = _row_rstd(xss_ptr, tl.minimum(g_row, M - 1), inv_k, eps, NBX)
+        rs1, rs2, rs3 = rs0, rs0, rs0
+        if BATCH_TILES >= 2:
+            rs1 = _row_rstd(xss_ptr, tl.minimum(g_row + 8, M - 1), inv_k, eps, NBX)
+        if BATCH_TILES >= 4:
+            rs2 = _row_rstd(xss_ptr, tl.minimum(g_row + 16, M - 1), inv_k, eps, NBX)
+            rs3 = _row_rstd(xss_ptr, tl.minimum(g_row + 24, M - 1), inv_k, eps, NBX)
+        rs = (rs0, rs1, rs2, rs3)
     t = (tl.zeros([32 * WARPS], dtype=tl.float32),) * (8 * BATCH_TILES * (BITS // 4))
     for i in range(0, num_iters):
         it = first + i
@@ -771,7 +904,12 @@ def _w4a16_frag_kernel(
         gn = grp
         if not ONE_GROUP:
             gn = _load_group_at(s_ptr, z_ptr, min(it + DEPTH, last), N, col0, lanes, BITS)
-        t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS)
+        if NORM:
+            gain2 = _load_gain(_addr(gain_ptr + nxt * ITER_K + lanes), BITS)
+            t = _compute(w, _norm_x(x, gain, rs, BATCH_TILES, BITS), grp, t, BATCH_TILES, not ONE_GROUP, BITS)
+            gain = gain2
+        else:
+            t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS)
         w, w1, w2, w3 = _advance(w, w1, w2, w3, wn, DEPTH)
         x = x2
         if not ONE_GROUP:
@@ -798,7 +936,20 @@ def _w4a16_frag_kernel(
                 tot += tl.load(part_ptr + k * M * N + offs, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 tot += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-            tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
+            if GATED:  # [8, (warp, gate | up, 16)] -> gate, up [8, (warp, 16)]: the linear's rounding, then silu_mul's
+                v = tl.reshape(tot.to(y_ptr.dtype.element_ty), (8, WARPS, 2, 16))
+                g, u = tl.split(tl.reshape(tl.permute(v, (0, 1, 3, 2)), (8, HALF, 2)))
+                h_cols = pid_n * HALF + tl.arange(0, HALF)[None, :]
+                tl.store(y_ptr + rows * (N // 2) + h_cols, silu_mul_values(g, u), mask=rows < M)
+            elif RESIDUAL:  # fused_add_rms_norm's total (the linear's output rounded, plus the residual, rounded)
+                r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+                total = (tot.to(y_ptr.dtype.element_ty).to(tl.float32) + r).to(y_ptr.dtype.element_ty)
+                tl.store(y_ptr + offs, total, mask=mask)
+                tf = total.to(tl.float32)
+                ss_rows = 8 * bt + tl.arange(0, 8)
+                tl.store(ss_ptr + ss_rows * tl.num_programs(0) + pid_n, tl.sum(tf * tf, axis=1), mask=ss_rows < M)
+            else:
+                tl.store(y_ptr + offs, tot.to(y_ptr.dtype.element_ty), mask=mask)
             tl.debug_barrier()
 
 
@@ -841,13 +992,50 @@ def frag_applies(x: torch.Tensor, num_rows: int) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and 1 <= num_rows <= FRAG_MAX_ROWS and not _interpreting()
 
 
-def w4a16_frag(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
-               config: FragConfig | None = None) -> torch.Tensor:
+@dataclass
+class ResidualSum:
+    """A frag linear's output added to the residual stream (``w4a16_frag(..., residual=)``): ``total`` [rows, N] is
+    ``fused_add_rms_norm``'s second output, ``row_ss`` [rows, parts] fp32 the sums of squares of each row's parts
+    (one per program), from which a reader finishes the RMSNorm without a norm kernel (:class:`PendingNorm`)."""
+
+    total: torch.Tensor
+    row_ss: torch.Tensor
+
+
+@dataclass
+class PendingNorm:
+    """``rms_norm(total, weight, eps)`` not applied yet: ``w4a16_frag`` takes it as x and applies it to x's
+    registers (the rstd from ``row_ss``); any other reader calls :meth:`materialize` (the norm kernel)."""
+
+    total: torch.Tensor
+    row_ss: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def materialize(self) -> torch.Tensor:
+        from kernels.fused_norm import rms_norm
+
+        return rms_norm(self.total, self.weight, self.eps)
+
+
+def w4a16_frag(x: torch.Tensor | PendingNorm, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
+               config: FragConfig | None = None, gated: bool = False,
+               residual: torch.Tensor | None = None) -> torch.Tensor | ResidualSum:
     """``x @ ((q - zero) * scale).T + bias`` for 1..FRAG_MAX_ROWS rows of bf16 x on CUDA, on :func:`repack_frag`'s
     weights (``w4a16_frag(x, **repacked)``): one launch per LAUNCH_MAX_ROWS rows. x: [..., K] -> y: [..., N] bf16
-    (fp32 sums)."""
+    (fp32 sums). Fusions, each formed by the kernel (no launch of its own):
+
+    - ``gated``: the weights are a merged gate/up in :func:`gate_up_order` (:func:`interleave_gate_up`) and y
+      [..., N / 2] is ``silu_mul`` of the linear's bf16 output (``kernels.activation``'s numerics);
+    - x a :class:`PendingNorm`: the RMSNorm of its total (``kernels.fused_norm``'s numerics; the rstd from the
+      producer's per-part sums of squares) applied to x as it is loaded;
+    - ``residual`` [..., N]: returns :class:`ResidualSum`, y added to it as ``fused_add_rms_norm`` adds (its
+      ``total``), with the rows' sums of squares per program."""
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
+    norm = x if isinstance(x, PendingNorm) else None
+    if norm is not None:
+        x = norm.total
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1 or x2.data_ptr() % 16 or x2.stride(0) % 8:  # the kernel loads x 16 bytes at a time
         x2 = x2.contiguous()
@@ -859,20 +1047,51 @@ def w4a16_frag(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
         raise ValueError(f"x has {x.shape[-1]} input features, the weights take {w.in_features}")
     if bias is not None and tuple(bias.shape) != (w.out_features,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
-    y = torch.empty((num_rows, w.out_features), dtype=torch.bfloat16, device=x.device)
+    if gated and (w.out_features % (2 * TILE_N) or residual is not None):
+        raise ValueError(f"gated: {w.out_features} output features are not a merged gate/up of whole tiles, or a "
+                         "residual was given too")
+    if norm is not None and (tuple(norm.weight.shape) != (w.in_features,) or norm.weight.dtype != torch.bfloat16
+                             or norm.row_ss.dim() != 2 or norm.row_ss.shape[0] != num_rows
+                             or norm.row_ss.dtype != torch.float32 or not norm.row_ss.is_contiguous()):
+        raise ValueError(f"a PendingNorm needs a bf16 weight of {w.in_features} and fp32 row_ss [{num_rows}, parts], "
+                         f"got {norm.weight.dtype} {tuple(norm.weight.shape)} and {norm.row_ss.dtype} "
+                         f"{tuple(norm.row_ss.shape)}")
+    if residual is not None:
+        residual = residual.reshape(-1, residual.shape[-1]).contiguous()
+        if tuple(residual.shape) != (num_rows, w.out_features) or residual.dtype != torch.bfloat16:
+            raise ValueError(f"residual {residual.dtype} {tuple(residual.shape)} does not match y: bf16 "
+                             f"{(num_rows, w.out_features)}")
+    out_features = w.out_features // 2 if gated else w.out_features
+    y = torch.empty((num_rows, out_features), dtype=torch.bfloat16, device=x.device)
+    row_ss = None
     for r0 in range(0, num_rows, LAUNCH_MAX_ROWS):  # each slice reads the weights again
         rows = min(LAUNCH_MAX_ROWS, num_rows - r0)
-        _launch(x2[r0: r0 + rows], w, bias, y[r0: r0 + rows], config or default_frag_config(rows, x.device))
-    return y.reshape(*x.shape[:-1], w.out_features)
+        cfg = config or default_frag_config(rows, x.device)
+        if residual is not None and row_ss is None:
+            row_ss = torch.empty((num_rows, w.out_features // (WARP_N * _warps(cfg, w.out_features))),
+                                 dtype=torch.float32, device=x.device)
+        _launch(x2[r0: r0 + rows], w, bias, y[r0: r0 + rows], cfg, gated,
+                None if norm is None else (norm.weight, norm.row_ss[r0: r0 + rows], norm.eps),
+                None if residual is None else (residual[r0: r0 + rows], row_ss[r0: r0 + rows]))
+    y = y.reshape(*x.shape[:-1], out_features)
+    return y if residual is None else ResidualSum(y, row_ss)
 
 
-def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: torch.Tensor, cfg: FragConfig) -> None:
-    num_rows, n = y.shape
-    if not 1 <= cfg.depth <= 4:
-        raise ValueError(f"FragConfig.depth is {cfg.depth}; the kernel loads 1 to 4 K iterations ahead")
+def _warps(cfg: FragConfig, n: int) -> int:
+    """Warps per program: the configuration's, halved until the program's 32-feature warps divide N."""
     warps = cfg.warps
     while (n // WARP_N) % warps:
         warps //= 2
+    return warps
+
+
+def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: torch.Tensor, cfg: FragConfig,
+            gated: bool = False, norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+            residual: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    num_rows, n = y.shape[0], w.out_features
+    if not 1 <= cfg.depth <= 4:
+        raise ValueError(f"FragConfig.depth is {cfg.depth}; the kernel loads 1 to 4 K iterations ahead")
+    warps = _warps(cfg, n)
     num_programs = n // (WARP_N * warps)
     total_iters = w.in_features * w.bits // 512  # 1 KB of codes per tile each
     split_k = cfg.split_k
@@ -886,11 +1105,17 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
     part = torch.empty((split_k, num_rows, n), dtype=torch.float32, device=x2.device)
     counters = _tile_counters(x2.device, num_programs) if split_k > 1 else y
     batch_tiles = next(bt for bt in BATCH_TILE_COUNTS if num_rows <= ROWS_PER_MMA * bt)
+    gain, xss, eps = norm if norm is not None else (y, part, 0.0)
+    res, ss = residual if residual is not None else (y, part)
+    if residual is not None and ss.shape[1] != num_programs:
+        raise ValueError(f"row_ss has {ss.shape[1]} parts, this launch {num_programs} programs")
     _w4a16_frag_kernel[(num_programs, split_k)](
-        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, counters,
-        num_rows, n, w.in_features, x2.stride(0), iters_per_split,
+        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, counters, gain, xss, res, ss,
+        num_rows, n, w.in_features, x2.stride(0), iters_per_split, eps,
         SPLIT_K=split_k, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles,
-        DEPTH=cfg.depth, BITS=w.bits, num_warps=warps, **pdl.pdl_args(x2))
+        DEPTH=cfg.depth, BITS=w.bits, GATED=gated, NORM=norm is not None,
+        NBX=xss.shape[1] if norm is not None else 1, RESIDUAL=residual is not None, num_warps=warps,
+        **pdl.pdl_args(x2))
 
 
 # --- a tensor-core GEMM on the same layout (more rows of x: prefill, batched decode) -------------------------

@@ -27,6 +27,7 @@ GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 FUSE_ROPE = os.environ.get("RUNTIME_FUSE_ROPE", "1") != "0"
 FUSE_SWIGLU = os.environ.get("RUNTIME_FUSE_SWIGLU", "1") != "0"
 FUSE_NORM_QUANT = os.environ.get("RUNTIME_FUSE_NORM_QUANT", "1") != "0"
+FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "1") != "0"
 
 
 class GraphFormatError(ValueError):
@@ -92,6 +93,14 @@ class _Fusions:
     # norms and SwiGLUs whose rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm):
     # past FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
     quant_producers: dict[int, int] = field(default_factory=dict)  # producer node -> the linear it feeds
+    # weight-only linears on the frag layout whose merged [gate | up] output feeds a SwiGLU: they output
+    # silu(gate) * up themselves (``w4a16_frag(..., gated=True)``; the SwiGLU node is absorbed)
+    swiglu_out: set[int] = field(default_factory=set)
+    # frag linears whose only reader is a residual-add + RMSNorm: they add their output to the residual (the extra
+    # input named here) and leave its rows' sums of squares (``w4a16_frag(..., residual=)``); the norm node then
+    # passes a ``PendingNorm`` to its readers, frag linears that apply it as they load x (no norm kernel)
+    residual_out: dict[int, str] = field(default_factory=dict)
+    pending_norms: set[int] = field(default_factory=set)
 
 
 def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
@@ -107,9 +116,22 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
     producer = {name: i for i, node in enumerate(nodes) for name in node["outputs"]}
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node["inputs"]:
+            readers.setdefault(name, []).append(i)
     fusions = _Fusions(set(), {}, set())
     for i, node in enumerate(nodes):
         attrs = node.get("attrs", {})
+        if node["op"] == "linear" and FUSE_SWIGLU and _swiglu_producer(node, nodes, readers, dtype):
+            fusions.swiglu_out.add(i)
+            fusions.absorbed.add(readers[node["outputs"][0]][0])
+        if node["op"] == "linear" and FUSE_NORM_INTO_LINEARS and _norm_into_linears(node, nodes, readers, dtype):
+            j = readers[node["outputs"][0]][0]
+            fusions.residual_out[i] = nodes[j]["inputs"][1]
+            fusions.pending_norms.add(j)
+        if i in fusions.swiglu_out:
+            continue
         if node["op"] == "attention" and FUSE_ROPE and attrs["head_dim"] in SUPPORTED_HEAD_DIMS:
             q, k = node["inputs"][:2]
             rq, rk = (nodes[producer[n]] if n in producer else None for n in (q, k))
@@ -135,7 +157,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
             frag = w4a16_frag.runtime_layout(quant["bits"], group, in_features or 0, attrs.get("out_features") or 0,
                                              dtype)
-            if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features
+            if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features and j not in fusions.absorbed
                     and num_consumers.get(node["inputs"][0]) == 1 and w4a16_mma.MMA_ENABLED and not frag
                     and w4a16_mma.supports(quant["bits"], group, in_features)):
                 fusions.absorbed.add(j)
@@ -144,7 +166,8 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
               and gemv.DENSE_RUNTIME_MAX_ROWS > 0 and node["inputs"][0] in producer
               and num_consumers.get(node["inputs"][0]) == 1):
             j = producer[node["inputs"][0]]  # an unquantized down projection: the SwiGLU in dense_gemv's x loads
-            if nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and nodes[j]["outputs"][0] == node["inputs"][0]:
+            if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and j not in fusions.absorbed
+                    and nodes[j]["outputs"][0] == node["inputs"][0]):
                 fusions.absorbed.add(j)
                 fusions.gated.add(i)
         elif (node["op"] == "linear" and FUSE_NORM_QUANT and scaled_mm and dtype in (torch.bfloat16, torch.float16)
@@ -161,6 +184,53 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                     and attrs.get("in_features") and attrs.get("out_features")):
                 fusions.quant_producers[j] = i
     return fusions
+
+
+def _swiglu_producer(node: dict[str, Any], nodes: list[dict[str, Any]], readers: dict[str, list[int]],
+                     dtype: torch.dtype) -> bool:
+    """Whether a linear node forms the SwiGLU of its output itself (``_Fusions.swiglu_out``): a frag linear (not an
+    lm_head, one unsplit output of whole gate and up tiles) whose only reader is a one-input ``silu_mul``."""
+    from kernels import w4a16_frag
+
+    attrs, out = node.get("attrs", {}), node["outputs"]
+    if (attrs.get("split_sizes") or attrs.get("lm_head") or len(out) != 1 or len(readers.get(out[0], [])) != 1
+            or (attrs.get("out_features") or 0) % (2 * w4a16_frag.TILE_N) or not _frag_linear_node(node, dtype)):
+        return False
+    silu = nodes[readers[out[0]][0]]
+    return silu["op"] == "silu_mul" and silu["inputs"] == out
+
+
+def _frag_linear_node(node: dict[str, Any], dtype: torch.dtype) -> bool:
+    """A 4- or 8-bit weight-only linear the runtime keeps on the frag layout (no act-order gather)."""
+    from kernels import w4a16_frag
+
+    attrs = node.get("attrs", {})
+    quant = attrs.get("quant") or {}
+    if node["op"] != "linear" or quant.get("scheme") not in ("w4a16", "w8a16") or "perm" in node.get("weights", {}):
+        return False
+    in_features, out_features = attrs.get("in_features") or 0, attrs.get("out_features") or 0
+    group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
+    return w4a16_frag.runtime_layout(quant.get("bits"), group, in_features, out_features, dtype)
+
+
+def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], readers: dict[str, list[int]],
+                       dtype: torch.dtype) -> bool:
+    """Whether a linear adds its output to the residual stream itself and the residual-add + RMSNorm after it
+    becomes a ``PendingNorm`` for its readers (``_Fusions.residual_out``): a frag linear (not an lm_head, one
+    unsplit output) whose only reader is a ``fused_add_rms_norm`` (bf16, a gain, no offset) taking it as x, and
+    every reader of that norm's output is a frag linear too."""
+    attrs, out = node.get("attrs", {}), node["outputs"]
+    if (dtype != torch.bfloat16 or attrs.get("split_sizes") or attrs.get("lm_head") or len(out) != 1
+            or len(readers.get(out[0], [])) != 1 or not _frag_linear_node(node, dtype)):
+        return False
+    norm = nodes[readers[out[0]][0]]
+    if (norm["op"] != "fused_add_rms_norm" or norm["inputs"][0] != out[0] or len(norm["inputs"]) != 2
+            or norm["attrs"].get("weight_offset") or "weight" not in norm.get("weights", {})
+            or len(norm["outputs"]) != 2):
+        return False
+    normed = readers.get(norm["outputs"][0], [])
+    return bool(normed) and all(_frag_linear_node(nodes[r], dtype) and nodes[r]["inputs"][0] == norm["outputs"][0]
+                                for r in normed)
 
 
 class Executor:
@@ -194,6 +264,7 @@ class Executor:
                 del self._fusions.quant_producers[j]
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
+                  + ([self._fusions.residual_out[i]] if i in self._fusions.residual_out else [])
                   for i, node in enumerate(nodes)]
         last_use: dict[str, int] = {name: i for i, names in enumerate(inputs) for name in names}
         for i, node in enumerate(nodes):
@@ -311,6 +382,16 @@ def _layer_norm(w, attrs, ex) -> Kernel:
 
 def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
     weight, eps, offset = w.get("weight"), attrs["eps"], attrs.get("weight_offset", 0.0)
+    if ex._index in ex._fusions.pending_norms:  # the linear before it added the residual (plan_fusions)
+        from kernels.fused_norm import fused_add_rms_norm
+        from kernels.w4a16_frag import PendingNorm, ResidualSum
+
+        def pending(xs, step):
+            if isinstance(xs[0], ResidualSum):
+                return PendingNorm(xs[0].total, xs[0].row_ss, weight, eps), xs[0].total
+            return fused_add_rms_norm(xs[0], xs[1], weight, eps)  # the linear ran another path (more rows)
+
+        return pending
     fn = ops.fused_add_rms_norm
     if ex.use_kernels and not offset:  # as _rms_norm
         from kernels.fused_norm import fused_add_rms_norm as fn
@@ -330,7 +411,7 @@ def _linear(w, attrs, ex) -> Kernel:
     elif quant and ex.use_kernels and quant["scheme"] in ("w4a16", "w8a16"):
         fn = _kernel_weight_only_linear(w, quant, lm_head=attrs.get("lm_head", False),
                                         gated=not attrs.get("lm_head") and ex._index in ex._fusions.gated,
-                                        dtype=ex.dtype)
+                                        dtype=ex.dtype, swiglu_out=ex._index in ex._fusions.swiglu_out)
     elif quant and ex.use_kernels and quant["scheme"] in ("fp8", "w8a8_int8"):
         fn = _kernel_w8a8_linear(w, quant, ex)
     elif quant:
@@ -341,6 +422,11 @@ def _linear(w, attrs, ex) -> Kernel:
     else:
         weight, bias = w["weight"], w.get("bias")
         fn = lambda x: ops.linear(x, weight, bias)  # noqa: E731
+    if ex._fusions.pending_norms and not getattr(fn, "takes_pending_norm", False):  # plan_fusions saw other shapes
+        inner = fn
+        fn = lambda x: inner(x.materialize() if hasattr(x, "materialize") else x)  # noqa: E731
+    if ex._index in ex._fusions.residual_out and getattr(fn, "takes_residual", False):
+        return lambda xs, step: (fn(xs[0], residual=xs[1]),)  # ResidualSum, or y where the kernel does not run
     split, num_heads = attrs.get("split_sizes"), attrs.get("split_heads")
     if split and num_heads:  # [T, H * sum(split)] -> per part [T, H * part], every head's part side by side
         return lambda xs, step: tuple(part.reshape(part.shape[0], -1) for part in
@@ -428,7 +514,8 @@ def _in_slices(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, step
 
 
 def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = False,
-                               dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
+                               dtype: torch.dtype = torch.bfloat16,
+                               swiglu_out: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). On the frag
     layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then ``frag_gemm``
     where ``gemm_preferred`` (large weights up to GEMM_RUNTIME_MAX_ROWS rows; an lm_head at any size), else the
@@ -437,7 +524,10 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     An lm_head is never dequantized (a [vocab, hidden] temporary per step): more rows run the kernel in slices.
     Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
     ``GEMV_ENABLED``), else the GEMM. ``gated`` (``plan_fusions``, mma layout only): x is a merged [gate | up]
-    and the linear's input silu(gate) * up, formed in the kernel's x loads or by ``silu_mul`` before cuBLAS."""
+    and the linear's input silu(gate) * up, formed in the kernel's x loads or by ``silu_mul`` before cuBLAS.
+    ``swiglu_out`` (``plan_fusions``, frag layout only): the linear is a merged [gate | up] and returns
+    silu(gate) * up, formed by the frag kernel's programs that write y (its rows stored in ``gate_up_order``), or
+    by ``silu_mul`` after the larger paths."""
     from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.activation import silu_mul
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
@@ -447,13 +537,26 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
     if w4a16_frag.runtime_layout(bits, group, in_features, qweight.shape[0], dtype):
         assert not gated, "plan_fusions gates no linear on the frag layout"
-        packed = w4a16_frag.repack_frag(qweight, w["scales"], w["zeros"], group, bits)  # once, at load
+        scales, zeros = w["scales"], w["zeros"]
+        if swiglu_out:  # once, at load
+            qweight, scales, zeros, bias = w4a16_frag.interleave_gate_up(qweight, scales, zeros, bias)
+        packed = w4a16_frag.repack_frag(qweight, scales, zeros, group, bits)  # once, at load
         out_features = qweight.shape[0]
 
-        def frag_linear(x: torch.Tensor) -> torch.Tensor:
+        def frag_linear(x: torch.Tensor | w4a16_frag.PendingNorm,
+                        residual: torch.Tensor | None = None) -> torch.Tensor | w4a16_frag.ResidualSum:
+            xt = x.total if isinstance(x, w4a16_frag.PendingNorm) else x
+            rows = xt.numel() // xt.shape[-1]
+            if rows <= w4a16_frag.FRAG_RUNTIME_MAX_ROWS and w4a16_frag.frag_applies(xt, rows):  # shapes and dtype
+                return w4a16_frag.w4a16_frag(x, bias=bias, gated=swiglu_out, residual=residual, **packed)
+            if isinstance(x, w4a16_frag.PendingNorm):  # plan_fusions: the norm's readers are all frag linears
+                x = x.materialize()
+            if swiglu_out:
+                return silu_mul(w4a16_frag.deinterleave_gate_up(frag_any(x)))
+            return frag_any(x)
+
+        def frag_any(x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1]
-            if rows <= w4a16_frag.FRAG_RUNTIME_MAX_ROWS and w4a16_frag.frag_applies(x, rows):  # shapes and dtype
-                return w4a16_frag.w4a16_frag(x, bias=bias, **packed)
             if lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features):
                 return w4a16_frag.frag_gemm(x, bias=bias, **packed)  # tensor-core tiles, no dequantized temporary
             if lm_head and w4a16_frag.frag_applies(x, 1):  # never a [vocab, hidden] temporary
@@ -461,6 +564,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                                   w4a16_frag.FRAG_MAX_ROWS)
             return F.linear(x, w4a16_frag.dequantize_frag(**packed, dtype=x.dtype), bias)
 
+        frag_linear.takes_residual = frag_linear.takes_pending_norm = True  # plan_fusions' residual_out, pending_norms
         return frag_linear
     if w4a16_mma.MMA_ENABLED and w4a16_mma.supports(bits, group, in_features):
         packed = w4a16_mma.repack_mma(qweight, w["scales"], w["zeros"], group, bits)  # once, at load

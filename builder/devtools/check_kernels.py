@@ -46,14 +46,57 @@ def check_fp8_linear(shapes=((1, 4096, 6144), (16, 4096, 28672), (256, 14336, 40
                           "scaled_mm_us": round(times["scaled_mm"], 1), "bf16_us": round(times["bf16"], 1)}))
 
 
+def check_fusions(path: str, lengths=(1, 5, 12, 32), tokens: int = 24) -> None:
+    """The kernel path with and without the cross-node fusions that change which kernel does what (the SwiGLU in
+    the gate/up linear, the residual-add + RMSNorm split across the frag linears around it), on fresh random
+    prompts of ``lengths`` tokens (1-32 rows: the frag kernel's batch-tile counts) and a greedy generation of
+    ``tokens`` (the decode steps, CUDA graphs on): prints the logit differences, top-1 agreement and whether the
+    generated tokens are equal."""
+    from runtime import SamplingParams, executor
+
+    results = {}
+    flags = ("FUSE_SWIGLU", "FUSE_NORM_INTO_LINEARS")
+    for on in (True, False):
+        saved = {f: getattr(executor, f) for f in flags}
+        for f in flags:
+            setattr(executor, f, on)
+        try:
+            engine = Engine.load(path, "cuda", check_hashes=False, use_kernels=True, allow_failed_gate=True)
+        finally:
+            for f, v in saved.items():
+                setattr(executor, f, v)
+        fusions = engine.executor._fusions
+        vocab = int(engine.executor.graph["meta"]["vocab_size"])
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+        results[on] = {"planned": [len(fusions.swiglu_out), len(fusions.residual_out)],
+                       "logits": [engine.logits(p).float().cpu() for p in prompts],
+                       "tokens": engine.generate(prompts[-1], SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                                             ignore_eos=True)).token_ids}
+        del engine
+        torch.cuda.empty_cache()
+    for n, got, want in zip(lengths, results[True]["logits"], results[False]["logits"]):
+        diff = (got - want).abs().max().item()
+        print(json.dumps({"fusions": path, "rows": n, "planned (swiglu, residual)": results[True]["planned"],
+                          "max_abs_diff": diff, "rel": diff / want.abs().max().item(),
+                          "top1_agreement": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}))
+    print(json.dumps({"fusions": path, "greedy_tokens_equal": results[True]["tokens"] == results[False]["tokens"],
+                      "tokens": len(results[True]["tokens"])}))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", nargs="?")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--fp8-linear", action="store_true", help="check the FP8 linear alone")
+    parser.add_argument("--fusions", action="store_true",
+                        help="compare the kernel path with and without the cross-node fusions instead")
     args = parser.parse_args(argv)
     if args.fp8_linear:
         check_fp8_linear()
+    if args.artifact and args.fusions:
+        check_fusions(args.artifact)
+        return 0
     if not args.artifact:
         return 0
     fused = Engine.load(args.artifact, "cuda", check_hashes=False, use_kernels=True, allow_failed_gate=True)

@@ -54,6 +54,8 @@
 #                  the masks filled beside the record (default) and after it (RUNTIME_MASK_OVERLAP=0); figures in
 #                  $OUT/benchmarks.jsonl (the A/B's second run tagged by its log only), logs $OUT/structured_*.log
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
+#   fusions-PREC   builder.devtools.check_kernels --fusions: PREC's kernel path with and without the cross-node
+#                  fusions (logits at 1-32 rows, greedy tokens), JSON lines in $OUT/fusions_PREC.jsonl
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
 #                  of $AB_SETTINGS (space-separated; a setting is comma-separated VAR=VALUE, "-" for none; default
@@ -264,6 +266,11 @@ PY
       ;;
     build-*)
       artifact "${part#build-}" ;;
+    fusions-*)
+      prec=${part#fusions-}
+      artifact "$prec"
+      python3 -m builder.devtools.check_kernels artifacts/llama3-8b-$prec --fusions 2>&1 | grep '^{' \
+        | tee -a "$OUT/fusions_$prec.jsonl" ;;
     structured-*)
       prec=${part#structured-}
       [ -d checkpoints/bpe-128k ] || python3 -m builder.devtools.train_tokenizer checkpoints/bpe-128k --max-mb 120 \

@@ -4,7 +4,7 @@
 
 The Triton interpreter (the CPU tests) accepts code that compiled Triton refuses, e.g. a kernel reading a plain
 module-level int instead of a ``tl.constexpr``; such a kernel then fails at its first launch on the GPU. This
-compiles the attention and argmax kernels named below with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device
+compiles the attention, frag GEMV and argmax kernels named below with ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device
 needed) in the variants the runtime launches, and prints for each whether it compiled and how many PDL waits its
 PTX holds. Run it with TRITON_INTERPRET unset.
 """
@@ -68,6 +68,27 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
         _paged_prefill_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
 
 
+def _frag() -> list[tuple[str, object]]:
+    from kernels.w4a16_frag import _w4a16_frag_kernel
+
+    types = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+             "part_ptr": "*fp32", "counter_ptr": "*i32", "gain_ptr": "*bf16", "xss_ptr": "*fp32", "res_ptr": "*bf16",
+             "ss_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "iters_per_split": "i32",
+             "eps": "fp32"}
+    base = dict(SPLIT_K=8, ONE_GROUP=False, HAS_BIAS=False, WARPS=4, BATCH_TILES=1, DEPTH=1, BITS=4, PDL=True,
+                GATED=False, NORM=False, NBX=1, RESIDUAL=False)
+    variants = [("4-bit", {}), ("4-bit, SwiGLU out", {"GATED": True}), ("4-bit, 16 rows, SwiGLU out, bias",
+                                                                          {"GATED": True, "BATCH_TILES": 2, "HAS_BIAS": True}),
+                ("8-bit, SwiGLU out", {"BITS": 8, "ONE_GROUP": True, "GATED": True, "SPLIT_K": 1}),
+                ("4-bit, norm in, SwiGLU out", {"NORM": True, "NBX": 32, "GATED": True}),
+                ("4-bit, 32 rows, norm in", {"NORM": True, "NBX": 32, "BATCH_TILES": 4}),
+                ("4-bit, residual out", {"RESIDUAL": True}),
+                ("8-bit, 16 rows, norm in, residual out", {"BITS": 8, "ONE_GROUP": True, "NORM": True, "NBX": 32,
+                                                           "RESIDUAL": True, "BATCH_TILES": 2})]
+    return [(f"frag W4A16 GEMV, {name}", lambda kw=kw: compile_kernel(
+        _w4a16_frag_kernel, types, dict(base, **kw), num_warps=dict(base, **kw)["WARPS"])) for name, kw in variants]
+
+
 def _argmax() -> list[tuple[str, object]]:
     from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
 
@@ -81,7 +102,7 @@ def _argmax() -> list[tuple[str, object]]:
 
 def main() -> int:
     failures = 0
-    for name, build in _decode_attention() + _argmax():
+    for name, build in _decode_attention() + _frag() + _argmax():
         try:
             ptx = build().asm["ptx"]
             print(f"ok    {name} (PDL waits in the PTX: {ptx.count('griddepcontrol.wait')})", flush=True)

@@ -282,6 +282,64 @@ def test_fusions_need_values_no_one_else_reads():
         gemv.DENSE_RUNTIME_MAX_ROWS = original
 
 
+def test_frag_gate_up_forms_the_swiglu(monkeypatch):
+    """A weight-only merged gate/up on the frag layout whose only reader is the SwiGLU forms it in its own kernel
+    (swiglu_out; the SwiGLU absorbed), and then the down projection does not gate it again; an extra reader of its
+    output, an lm_head, an act-order perm or a shape the layout does not take leave it alone."""
+    from kernels import w4a16_frag
+
+    monkeypatch.setattr(w4a16_frag, "runtime_layout", lambda bits, group, k, n, dtype: True)  # CUDA-only layout
+
+    def layer(**gate_up):
+        nodes = _layer()
+        nodes[4]["attrs"].update({"out_features": 128, "quant": {"scheme": "w4a16", "bits": 4, "group_size": 128}},
+                                 **gate_up.get("attrs", {}))
+        nodes[4]["weights"].update(gate_up.get("weights", {}))
+        return nodes + gate_up.get("extra", [])
+
+    plan = _plan(layer())
+    assert plan.swiglu_out == {4} and 5 in plan.absorbed and not plan.gated
+    for kwargs in ({"extra": [_node("elementwise", ["gu", "gu"], ["z"], {"fn": "add"})]},
+                   {"attrs": {"lm_head": True}}, {"weights": {"perm": "p"}}, {"attrs": {"out_features": 48}}):
+        plan = _plan(layer(**kwargs))
+        assert not plan.swiglu_out, kwargs
+    monkeypatch.setattr(w4a16_frag, "runtime_layout", lambda bits, group, k, n, dtype: False)
+    assert not _plan(layer()).swiglu_out and _plan(layer()).gated == {6}
+
+
+def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
+    """o_proj -> fused_add_rms_norm -> gate_up with both linears on the frag layout: o_proj adds the residual (an
+    extra input, the norm's) and the norm becomes a PendingNorm for gate_up; not when the norm has a gain offset,
+    no gain, another reader of o_proj's output, a reader of its output that is not a frag linear, or fp32."""
+    from kernels import w4a16_frag
+    from runtime.executor import plan_fusions
+
+    monkeypatch.setattr(w4a16_frag, "runtime_layout", lambda bits, group, k, n, dtype: True)
+    q = {"scheme": "w4a16", "bits": 4, "group_size": 128}
+
+    def graph(norm_attrs=None, norm_weights=None, extra=(), reader_quant=q):
+        nodes = [_node("linear", ["a"], ["o"], {"in_features": 256, "out_features": 256, "quant": q}),
+                 _node("fused_add_rms_norm", ["o", "r"], ["n", "t"], {"eps": 1e-6, **(norm_attrs or {})},
+                       {"weight": "g"} if norm_weights is None else norm_weights),
+                 _node("linear", ["n"], ["gu"], {"in_features": 256, "out_features": 1024, "quant": reader_quant}),
+                 *extra]
+        consumers: dict[str, int] = {}
+        for n in nodes:
+            for name in n["inputs"]:
+                consumers[name] = consumers.get(name, 0) + 1
+        return nodes, consumers
+
+    plan = plan_fusions(*graph(), torch.bfloat16)
+    assert plan.residual_out == {0: "r"} and plan.pending_norms == {1}
+    assert not plan_fusions(*graph(), torch.float32).residual_out
+    for kwargs in ({"norm_attrs": {"weight_offset": 1.0}}, {"norm_weights": {}},
+                   {"extra": [_node("elementwise", ["o", "o"], ["z"], {"fn": "add"})]},
+                   {"extra": [_node("elementwise", ["n", "n"], ["z"], {"fn": "add"})]},
+                   {"reader_quant": {"scheme": "fp8"}}):
+        plan = plan_fusions(*graph(**kwargs), torch.bfloat16)
+        assert not plan.residual_out and not plan.pending_norms, kwargs
+
+
 def test_norms_quantize_for_the_fp8_linear_they_feed():
     """A norm (or SwiGLU) whose only reader is an FP8 linear with dynamic activations (aligned, not an lm_head) on
     _scaled_mm quantizes its rows itself; any other reader, a static input scale, an act-order perm, a Gemma gain

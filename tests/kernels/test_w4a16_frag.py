@@ -18,8 +18,13 @@ from kernels.torch_quant import dequantize_weight
 from kernels.w4a16_frag import (
     FragConfig,
     GemmConfig,
+    PendingNorm,
+    ResidualSum,
+    deinterleave_gate_up,
     dequantize_frag,
     frag_gemm,
+    gate_up_order,
+    interleave_gate_up,
     repack_frag,
     supports,
     unrepack_frag,
@@ -197,6 +202,89 @@ def test_kernel_on_cuda(m, n, k, group_size, bits):
                 FragConfig(warps=8, depth=4)):
         y = w4a16_frag(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_gate_up_order_pairs_each_gate_tile_with_its_up_tile():
+    """The gated kernel's row order: a warp's two 16-row tiles are gate rows r..r+15 and up rows r..r+15 (the
+    epilogue's reshape), the weights' rows (codes, scales, zeros, bias) move together, and deinterleave_gate_up
+    brings the linear's output back to [gate | up] exactly."""
+    order = gate_up_order(64)
+    assert order.tolist() == list(range(16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+    with pytest.raises(ValueError, match="whole"):
+        gate_up_order(48)
+    passes = _weights(96, 256, 128, seed=3)
+    bias = torch.randn(96)
+    q, s, z, b = interleave_gate_up(passes["qweight"], passes["scales"], passes["zeros"], bias)
+    w = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], 4, 128, torch.float32)
+    w_i = dequantize_weight(q, s, z, 4, 128, torch.float32)
+    x = torch.randn(5, 256)
+    assert torch.equal(deinterleave_gate_up(x @ w_i.T + b), x @ w.T + bias)
+    # the gated epilogue's view of one program's sums (warps x [gate 16 | up 16]) is the gate and up halves
+    y = x @ w_i.T + b
+    warps = 3
+    v = y[:, : warps * 32].reshape(5, warps, 2, 16).permute(0, 1, 3, 2).reshape(5, warps * 16, 2)
+    ref = x @ w.T + bias
+    assert torch.equal(v[..., 0], ref[:, : warps * 16]) and torch.equal(v[..., 1], ref[:, 48: 48 + warps * 16])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="inline PTX: CUDA only")
+@pytest.mark.parametrize("m", [1, 16, 33])
+@pytest.mark.parametrize("n,k,group_size,bits", [(28672, 4096, 128, 4), (1024, 512, -1, 4), (2048, 256, -1, 8)])
+def test_gated_kernel_on_cuda(m, n, k, group_size, bits):
+    """w4a16_frag(gated=True) on interleaved gate/up weights equals silu_mul of the plain kernel's output on the
+    original weights, bit for bit (the same sums in the same order, rounded once, then silu_mul's numerics)."""
+    from kernels.activation import silu_mul
+
+    passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+              _weights(n, k, group_size, seed=m + n, bits=bits).items()}
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    plain = _repack(passes)
+    q, s, z, b = interleave_gate_up(passes["qweight"], passes["scales"], passes["zeros"], bias)
+    gated = repack_frag(q, s, z, group_size, bits)
+    for cfg in (None, FragConfig(warps=2, split_k=3)):
+        ref = silu_mul(w4a16_frag(x, **plain, bias=bias, config=cfg))
+        y = w4a16_frag(x, **gated, bias=b, config=cfg, gated=True)
+        assert y.shape == (m, n // 2)
+        assert torch.equal(y, ref), (cfg, (y.float() - ref.float()).abs().max().item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="inline PTX: CUDA only")
+@pytest.mark.parametrize("m", [1, 16, 40])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_residual_out_and_norm_in_on_cuda(m, bits):
+    """The residual-add + RMSNorm between two frag linears, split across them: the first adds its output to the
+    residual (ResidualSum.total equal to fused_add_rms_norm's total, bit for bit; row_ss its rows' sums of squares
+    per program), the second applies the norm as it loads x (PendingNorm): equal to the plain kernel on
+    fused_add_rms_norm's normed rows up to the rstd's rounding (the sums of squares added in another order)."""
+    from kernels.fused_norm import fused_add_rms_norm
+
+    group = 128 if bits == 4 else -1
+    first = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+             _weights(4096, 1024, group, seed=m, bits=bits).items()}
+    second = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+              _weights(2048, 4096, group, seed=m + 1, bits=bits).items()}
+    p1, p2 = _repack(first), _repack(second)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+    res = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    gain = (1 + 0.1 * torch.randn(4096, generator=gen, device="cuda")).to(torch.bfloat16)
+    for cfg in (None, FragConfig(warps=2, split_k=3)):
+        y = w4a16_frag(x, **p1, config=cfg)
+        normed, total = fused_add_rms_norm(y, res, gain, 1e-5)
+        out = w4a16_frag(x, **p1, config=cfg, residual=res)
+        assert isinstance(out, ResidualSum) and torch.equal(out.total, total)
+        parts = out.row_ss.shape[1]
+        want = total.float().pow(2).reshape(m, parts, -1).sum(-1)
+        torch.testing.assert_close(out.row_ss, want, rtol=1e-5, atol=0)
+        ref = w4a16_frag(normed, **p2, config=cfg).float()
+        got = w4a16_frag(PendingNorm(out.total, out.row_ss, gain, 1e-5), **p2, config=cfg).float()
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+        again = w4a16_frag(PendingNorm(out.total, out.row_ss, gain, 1e-5), **p2, config=cfg)
+        assert torch.equal(again.float(), got)  # deterministic: the same sums on every launch
 
 
 @pytest.mark.parametrize("m,n,k,group_size", [(37, 64, 256, 128), (16, 96, 384, -1), (5, 32, 128, 128),
