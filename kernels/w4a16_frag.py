@@ -715,7 +715,8 @@ def _load_gain(g_it, BITS: tl.constexpr):
     """A norm's gain at the lane's x registers' features of one K iteration (16 registers; 8-bit codes: 8)."""
     if BITS == 8:
         return tl.inline_asm_elementwise(_GAIN8_PTX, _GAIN8_CONS, [g_it], dtype=_I32X8, is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(_GAIN16_PTX, _GAIN16_CONS, [g_it], dtype=_I32X16, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(_GAIN16_PTX, _GAIN16_CONS, [g_it], dtype=_I32X16, is_pure=True, pack=1)
 
 
 @triton.jit

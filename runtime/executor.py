@@ -128,7 +128,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             fusions.absorbed.add(readers[node["outputs"][0]][0])
         if node["op"] == "linear" and FUSE_NORM_INTO_LINEARS and _norm_into_linears(node, nodes, readers, dtype):
             j = readers[node["outputs"][0]][0]
-            fusions.residual_out[i] = nodes[j]["inputs"][1]
+            fusions.residual_out[i] = next(n for n in nodes[j]["inputs"] if n != node["outputs"][0])
             fusions.pending_norms.add(j)
         if i in fusions.swiglu_out:
             continue
@@ -217,14 +217,15 @@ def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], reader
                        dtype: torch.dtype) -> bool:
     """Whether a linear adds its output to the residual stream itself and the residual-add + RMSNorm after it
     becomes a ``PendingNorm`` for its readers (``_Fusions.residual_out``): a frag linear (not an lm_head, one
-    unsplit output) whose only reader is a ``fused_add_rms_norm`` (bf16, a gain, no offset) taking it as x, and
+    unsplit output) whose only reader is a ``fused_add_rms_norm`` (bf16, a gain, no offset) adding it to another
+    value (either input: the sum is the same), and
     every reader of that norm's output is a frag linear too."""
     attrs, out = node.get("attrs", {}), node["outputs"]
     if (dtype != torch.bfloat16 or attrs.get("split_sizes") or attrs.get("lm_head") or len(out) != 1
             or len(readers.get(out[0], [])) != 1 or not _frag_linear_node(node, dtype)):
         return False
     norm = nodes[readers[out[0]][0]]
-    if (norm["op"] != "fused_add_rms_norm" or norm["inputs"][0] != out[0] or len(norm["inputs"]) != 2
+    if (norm["op"] != "fused_add_rms_norm" or out[0] not in norm["inputs"] or len(set(norm["inputs"])) != 2
             or norm["attrs"].get("weight_offset") or "weight" not in norm.get("weights", {})
             or len(norm["outputs"]) != 2):
         return False
@@ -387,8 +388,9 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
         from kernels.w4a16_frag import PendingNorm, ResidualSum
 
         def pending(xs, step):
-            if isinstance(xs[0], ResidualSum):
-                return PendingNorm(xs[0].total, xs[0].row_ss, weight, eps), xs[0].total
+            done = next((x for x in xs if isinstance(x, ResidualSum)), None)
+            if done is not None:
+                return PendingNorm(done.total, done.row_ss, weight, eps), done.total
             return fused_add_rms_norm(xs[0], xs[1], weight, eps)  # the linear ran another path (more rows)
 
         return pending

@@ -331,6 +331,10 @@ def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
 
     plan = plan_fusions(*graph(), torch.bfloat16)
     assert plan.residual_out == {0: "r"} and plan.pending_norms == {1}
+    nodes, consumers = graph()
+    nodes[1]["inputs"] = ["r", "o"]  # the graphs' order: the residual first
+    plan = plan_fusions(nodes, consumers, torch.bfloat16)
+    assert plan.residual_out == {0: "r"} and plan.pending_norms == {1}
     assert not plan_fusions(*graph(), torch.float32).residual_out
     for kwargs in ({"norm_attrs": {"weight_offset": 1.0}}, {"norm_weights": {}},
                    {"extra": [_node("elementwise", ["o", "o"], ["z"], {"fn": "add"})]},
