@@ -840,7 +840,7 @@ def _w4a16_frag_kernel(
     M, N, K, stride_xm, iters_per_split, eps,
     SPLIT_K: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr,
     BATCH_TILES: tl.constexpr, DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, NBX: tl.constexpr, RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, NBX: tl.constexpr, RESIDUAL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
 ):
     # grid (N / (32 WARPS), SPLIT_K); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
     # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones. GATED: the
@@ -880,7 +880,11 @@ def _w4a16_frag_kernel(
     gain = lanes
     if NORM:  # the gain is a constant of the model
         gain = _load_gain(_addr(gain_ptr + first * ITER_K + lanes), BITS)
-    wait_prior(PDL)  # x and the partials are the preceding kernels'
+    if LATE_TRIGGER:  # the next kernel launches once this one's K loops are done (below)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+    else:
+        wait_prior(PDL)  # x and the partials are the preceding kernels'
     m = lanes + M
     x_stride = lanes + stride_xm * 2
     x = _load_x(_addr(x_ptr + first * ITER_K + lanes), x_stride, m, BATCH_TILES, BITS)
@@ -915,6 +919,9 @@ def _w4a16_frag_kernel(
         x = x2
         if not ONE_GROUP:
             grp, g1, g2, g3 = _advance(grp, g1, g2, g3, gn, DEPTH)
+    if LATE_TRIGGER:
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
     _store_partials(m, t, grp, _addr(part_ptr + (pid_k * M) * N + col0 + lanes), lanes + N, BATCH_TILES, ONE_GROUP,
                     BITS)
     # the last program of this column range (all of it without a split) adds the partials in split order; the
@@ -979,6 +986,9 @@ def _env_config(value: str | None) -> FragConfig | None:
 
 
 _ENV_CONFIG = _env_config(os.environ.get("KERNELS_FRAG_CONFIG"))
+# KERNELS_FRAG_LATE_TRIGGER=all|residual|norm (A/B runs): the kernel lets its PDL dependent launch after its K loop
+# instead of right after its wait (all launches, those adding a residual, or those applying a norm)
+_LATE_TRIGGER = os.environ.get("KERNELS_FRAG_LATE_TRIGGER", "0")
 
 
 def default_frag_config(num_rows: int, device: torch.device, out_features: int = 0) -> FragConfig:
@@ -1115,7 +1125,9 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
         num_rows, n, w.in_features, x2.stride(0), iters_per_split, eps,
         SPLIT_K=split_k, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None, WARPS=warps, BATCH_TILES=batch_tiles,
         DEPTH=cfg.depth, BITS=w.bits, GATED=gated, NORM=norm is not None,
-        NBX=xss.shape[1] if norm is not None else 1, RESIDUAL=residual is not None, num_warps=warps,
+        NBX=xss.shape[1] if norm is not None else 1, RESIDUAL=residual is not None,
+        LATE_TRIGGER=_LATE_TRIGGER == "all" or (_LATE_TRIGGER == "residual" and residual is not None)
+        or (_LATE_TRIGGER == "norm" and norm is not None), num_warps=warps,
         **pdl.pdl_args(x2))
 
 
