@@ -27,7 +27,9 @@ GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 FUSE_ROPE = os.environ.get("RUNTIME_FUSE_ROPE", "1") != "0"
 FUSE_SWIGLU = os.environ.get("RUNTIME_FUSE_SWIGLU", "1") != "0"
 FUSE_NORM_QUANT = os.environ.get("RUNTIME_FUSE_NORM_QUANT", "1") != "0"
-FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "1") != "0"
+# RUNTIME_FUSE_NORM_LINEAR=1 turns on plan_fusions' residual_out / pending_norms (off: with PDL on it measured slower
+# than the norm kernels it removes; docs/BENCHMARKS.md, session 23)
+FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 
 
 class GraphFormatError(ValueError):

@@ -312,9 +312,11 @@ def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
     extra input, the norm's) and the norm becomes a PendingNorm for gate_up; not when the norm has a gain offset,
     no gain, another reader of o_proj's output, a reader of its output that is not a frag linear, or fp32."""
     from kernels import w4a16_frag
+    from runtime import executor
     from runtime.executor import plan_fusions
 
     monkeypatch.setattr(w4a16_frag, "runtime_layout", lambda bits, group, k, n, dtype: True)
+    monkeypatch.setattr(executor, "FUSE_NORM_INTO_LINEARS", True)  # off by default (RUNTIME_FUSE_NORM_LINEAR=1)
     q = {"scheme": "w4a16", "bits": 4, "group_size": 128}
 
     def graph(norm_attrs=None, norm_weights=None, extra=(), reader_quant=q):
@@ -331,6 +333,9 @@ def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
 
     plan = plan_fusions(*graph(), torch.bfloat16)
     assert plan.residual_out == {0: "r"} and plan.pending_norms == {1}
+    monkeypatch.setattr(executor, "FUSE_NORM_INTO_LINEARS", False)
+    assert not plan_fusions(*graph(), torch.bfloat16).residual_out
+    monkeypatch.setattr(executor, "FUSE_NORM_INTO_LINEARS", True)
     nodes, consumers = graph()
     nodes[1]["inputs"] = ["r", "o"]  # the graphs' order: the residual first
     plan = plan_fusions(nodes, consumers, torch.bfloat16)
