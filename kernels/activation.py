@@ -41,13 +41,20 @@ def silu_mul_values(g, u):
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, num_cols,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr, TILE: tl.constexpr = 0):
+    # TILE > 0: gate_ptr = up_ptr = a [gate | up] row interleaved per TILE columns (TILE gate columns, the same TILE
+    # up columns, ...): output column c reads gate column (c // TILE) 2 TILE + c % TILE and the up column TILE after
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < num_cols
-    g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
-    u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
+    g_cols = cols
+    u_cols = cols
+    if TILE > 0:
+        g_cols = (cols // TILE) * (2 * TILE) + cols % TILE
+        u_cols = g_cols + TILE
+    g = tl.load(gate_ptr + row * stride_gate + g_cols, mask=mask, other=0.0)
+    u = tl.load(up_ptr + row * stride_up + u_cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -103,6 +110,27 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
     _silu_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
         gate, up, out, gate.stride(0), up.stride(0), out.stride(0), num_cols, BLOCK=block, num_warps=4,
         **pdl_args(out))
+    return out
+
+
+def silu_mul_tiles(gate_up: torch.Tensor, tile: int) -> torch.Tensor:
+    """``silu(gate) * up`` [num_tokens, I] of a merged [gate | up] row interleaved per ``tile`` columns (``tile``
+    gate columns, then the same ``tile`` up columns, ...: ``kernels.w4a16_frag.gate_up_order``'s output), read in
+    place: no de-interleaved copy."""
+    if not (gate_up.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
+        raise RuntimeError("silu_mul_tiles runs on CUDA tensors (or under TRITON_INTERPRET=1)")
+    if gate_up.dim() != 2 or tile < 1 or gate_up.shape[1] % (2 * tile):
+        raise ValueError(f"gate_up {tuple(gate_up.shape)} is not [num_tokens, 2 * intermediate] in whole pairs of "
+                         f"{tile}-column tiles")
+    gate_up = gate_up if gate_up.stride(-1) == 1 else gate_up.contiguous()
+    num_tokens, num_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_tokens, num_cols), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel() == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(num_cols))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
+        gate_up, gate_up, out, gate_up.stride(0), gate_up.stride(0), out.stride(0), num_cols, BLOCK=block,
+        TILE=tile, num_warps=4, **pdl_args(out))
     return out
 
 

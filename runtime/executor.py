@@ -533,7 +533,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     silu(gate) * up, formed by the frag kernel's programs that write y (its rows stored in ``gate_up_order``), or
     by ``silu_mul`` after the larger paths."""
     from kernels import gemv, w4a16_frag, w4a16_mma
-    from kernels.activation import silu_mul
+    from kernels.activation import silu_mul, silu_mul_tiles
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
@@ -555,8 +555,8 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                 return w4a16_frag.w4a16_frag(x, bias=bias, gated=swiglu_out, residual=residual, **packed)
             if isinstance(x, w4a16_frag.PendingNorm):  # plan_fusions: the norm's readers are all frag linears
                 x = x.materialize()
-            if swiglu_out:
-                return silu_mul(w4a16_frag.deinterleave_gate_up(frag_any(x)))
+            if swiglu_out:  # read in gate_up_order, no de-interleaved copy
+                return silu_mul_tiles(frag_any(x), w4a16_frag.TILE_N)
             return frag_any(x)
 
         def frag_any(x: torch.Tensor) -> torch.Tensor:

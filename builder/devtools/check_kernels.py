@@ -46,11 +46,12 @@ def check_fp8_linear(shapes=((1, 4096, 6144), (16, 4096, 28672), (256, 14336, 40
                           "scaled_mm_us": round(times["scaled_mm"], 1), "bf16_us": round(times["bf16"], 1)}))
 
 
-def check_fusions(path: str, lengths=(1, 5, 12, 32), tokens: int = 24) -> None:
+def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) -> None:
     """The kernel path with and without the cross-node fusions that change which kernel does what (the SwiGLU in
     the gate/up linear, the residual-add + RMSNorm split across the frag linears around it), on fresh random
-    prompts of ``lengths`` tokens (1-32 rows: the frag kernel's batch-tile counts) and a greedy generation of
-    ``tokens`` (the decode steps, CUDA graphs on): prints the logit differences, top-1 agreement and whether the
+    prompts of ``lengths`` tokens (1-32 rows: the frag kernel's batch-tile counts; 80 and 130: the GEMM and
+    cuBLAS paths, where the gate/up output is read in its interleaved order) and a greedy generation of
+    ``tokens`` (the decode steps): prints the logit differences, top-1 agreement and whether the
     generated tokens are equal."""
     from runtime import SamplingParams, executor
 

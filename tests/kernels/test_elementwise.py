@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest
 import torch
 
-from kernels.activation import ref_silu_mul, silu_mul
+from kernels.activation import ref_silu_mul, silu_mul, silu_mul_tiles
 from kernels.fused_norm import (
     fused_add_rms_norm,
     ref_fused_add_rms_norm,
@@ -192,3 +192,15 @@ def test_silu_mul_separate_gate_and_up():
     out = silu_mul(gate, up)
     _assert_close(out, ref_silu_mul(gate, up))
     assert not torch.allclose(out.float(), ref_silu_mul(up, gate).float(), atol=1e-2)  # gate is the first
+
+
+@pytest.mark.parametrize("intermediate,tile", [(96, 16), (1536, 16), (64, 8)])  # 1536: several column blocks
+def test_silu_mul_tiles_reads_the_interleaved_rows(intermediate, tile):
+    """silu_mul_tiles of a row interleaved per tile (gate tile, its up tile, ...) equals silu_mul of the same row
+    in [gate | up] order, bit for bit (the same values through the same arithmetic)."""
+    gate_up = _randn(3, 2 * intermediate, dtype=torch.bfloat16, seed=intermediate, scale=3.0)
+    tiles = gate_up.reshape(3, 2, intermediate // tile, tile).transpose(1, 2).reshape(3, 2 * intermediate)
+    assert torch.equal(silu_mul_tiles(tiles, tile), silu_mul(gate_up))
+    with pytest.raises(ValueError, match="whole pairs"):
+        silu_mul_tiles(gate_up[:, :-tile], tile)
+
