@@ -539,7 +539,12 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
-    if w4a16_frag.runtime_layout(bits, group, in_features, qweight.shape[0], dtype):
+    frag = w4a16_frag.runtime_layout(bits, group, in_features, qweight.shape[0], dtype)
+    if swiglu_out and not (frag and qweight.shape[0] % (2 * w4a16_frag.TILE_N) == 0):
+        # planned from the graph's shapes, and these weights (a shard) do not fit: the SwiGLU after the linear
+        inner = _kernel_weight_only_linear(w, quant, lm_head, gated, dtype)
+        return lambda x: silu_mul(inner(x))
+    if frag:
         assert not gated, "plan_fusions gates no linear on the frag layout"
         scales, zeros = w["scales"], w["zeros"]
         if swiglu_out:  # once, at load

@@ -307,6 +307,25 @@ def test_frag_gate_up_forms_the_swiglu(monkeypatch):
     assert not _plan(layer()).swiglu_out and _plan(layer()).gated == {6}
 
 
+def test_swiglu_out_off_the_frag_layout_still_forms_the_swiglu():
+    """A linear planned to form the SwiGLU whose weights the frag layout does not take at load (here: the
+    interpreter, so no frag kernel) still returns silu(gate) * up: its SwiGLU node was absorbed."""
+    from kernels.activation import silu_mul
+    from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+    from runtime.executor import _kernel_weight_only_linear
+
+    g = torch.Generator().manual_seed(5)
+    codes, scales, zeros = quantize_groups(torch.randn(64, 128, generator=g) * 0.05,
+                                           QuantConfig(bits=4, group_size=64, symmetric=False))
+    w = {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros}
+    quant = {"scheme": "w4a16", "bits": 4, "group_size": 64}
+    x = torch.randn(3, 128, generator=g)
+    plain = _kernel_weight_only_linear(w, quant, dtype=torch.float32)
+    fused = _kernel_weight_only_linear(w, quant, dtype=torch.float32, swiglu_out=True)
+    y = fused(x)
+    assert y.shape == (3, 32) and torch.equal(y, silu_mul(plain(x)))
+
+
 def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
     """o_proj -> fused_add_rms_norm -> gate_up with both linears on the frag layout: o_proj adds the residual (an
     extra input, the norm's) and the norm becomes a PendingNorm for gate_up; not when the norm has a gain offset,
