@@ -159,7 +159,8 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
             frag = w4a16_frag.runtime_layout(quant["bits"], group, in_features or 0, attrs.get("out_features") or 0,
                                              dtype)
-            if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features and j not in fusions.absorbed
+            if (nodes[j]["op"] == "silu_mul" and len(nodes[j]["inputs"]) == 1 and in_features
+                    and j not in fusions.absorbed
                     and num_consumers.get(node["inputs"][0]) == 1 and w4a16_mma.MMA_ENABLED and not frag
                     and w4a16_mma.supports(quant["bits"], group, in_features)):
                 fusions.absorbed.add(j)
