@@ -1,9 +1,17 @@
 """int8_wo: INT8 weight-only quantization (W8A16), per output channel, symmetric, round to nearest.
 
-scale = amax / 127 per output channel (not 127.5); codes are stored unsigned with the fixed zero
-point 128 (the w8a16 layout shared with GPTQ's 8-bit output): w = (q - 128) * scale. Activations
-stay in the model dtype; no calibration is needed: the build reads no calibration text and the per-layer
-output error is measured on random inputs (``QuantMethod._probe_errors``).
+Codes are stored unsigned with the fixed zero point 128 (the w8a16 layout shared with GPTQ's 8-bit output):
+w = (q - 128) * scale, q - 128 in [-128, 127]. Each output channel takes whichever of two scales reconstructs its
+weights with the smaller squared error (``two_scale_int8``):
+
+- amax / 127: +-amax exactly representable, codes in [-127, 127] (the project's convention, ``passes.quant_math``);
+- amax / 127.5: a 0.4% finer grid; -amax is exactly -128, +amax rounds to 128 and is clamped to 127 (llm-compressor's
+  convention).
+
+Neither convention wins on every model (docs/QUANTIZATION_COMPARISON.md, session 23: amax / 127.5 alone is 1.5x
+better in KL on one fixture and 1.07x worse on the other); the per-channel choice is ahead of amax / 127 on both.
+Activations stay in the model dtype; no calibration is needed: the build reads no calibration text and the
+per-layer output error is measured on random inputs (``QuantMethod._probe_errors``).
 """
 
 from __future__ import annotations
@@ -12,10 +20,37 @@ from typing import Any
 
 from passes.base import register
 from passes.ir import Graph, Node
-from passes.quant_math import QuantConfig, quantize_groups
+import torch
+
+from passes.quant_math import QuantConfig
 from passes.quantize import QuantMethod
 
 PER_CHANNEL_INT8 = QuantConfig(bits=8, group_size=-1, symmetric=True)
+SCALE_DIVISORS = (127.0, 127.5)  # amax / divisor: the candidates of each output channel
+
+
+def two_scale_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``w`` [out, in] -> codes uint8 [out, in] (zero point 128), scales fp32 [out, 1], zeros uint8 [out, 1]: each
+    row's scale is amax / 127 or amax / 127.5, whichever gives the smaller sum of squared errors (ties: 127)."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    w = w.float()
+    amax = w.abs().amax(dim=1, keepdim=True)
+    amax = torch.where(amax == 0, torch.full_like(amax, 127.0), amax)  # an all-zero row: scale 1, codes 128
+    best_q = best_scale = best_err = None
+    for divisor in SCALE_DIVISORS:
+        scale = amax / divisor
+        q = torch.round(w / scale).clamp(-128, 127)
+        err = ((q * scale - w) ** 2).sum(dim=1, keepdim=True)
+        if best_err is None:
+            best_q, best_scale, best_err = q, scale, err
+        else:
+            better = err < best_err
+            best_q = torch.where(better, q, best_q)
+            best_scale = torch.where(better, scale, best_scale)
+            best_err = torch.where(better, err, best_err)
+    codes = (best_q + 128).to(torch.uint8)
+    return codes, best_scale.contiguous(), torch.full_like(best_scale, 128).to(torch.uint8)
 
 
 @register
@@ -27,6 +62,6 @@ class Int8WeightOnly(QuantMethod):
     needs_calibration = False
 
     def quantize_node(self, graph: Graph, node: Node, stats: Any) -> None:
-        codes, scales, zeros = quantize_groups(graph.params[node.weights["weight"]], PER_CHANNEL_INT8)
+        codes, scales, zeros = two_scale_int8(graph.params[node.weights["weight"]])
         self.replace_weight(graph, node, self.scheme, {"qweight": codes, "scales": scales, "zeros": zeros},
-                            {"bits": 8, "group_size": -1})
+                            {"bits": 8, "group_size": -1, "scale_divisors": list(SCALE_DIVISORS)})
