@@ -38,6 +38,12 @@ last program of a tile group adds the fp32 partials in split order, deterministi
 or two K iterations (128 input features, 1 KB per warp) ahead of the MMAs, in registers; the first weight loads
 are issued before the programmatic-dependent-launch wait (weights are constants), x's after it.
 
+Work of the neighbouring nodes the kernel can take over (``w4a16_frag``'s arguments; ``runtime.executor.plan_fusions``
+decides): the SwiGLU of a merged gate/up (its rows interleaved per tile, :func:`gate_up_order`; the programs that
+write y store silu(gate) * up), the residual add after a linear (those programs add the residual and store their
+rows' sums of squares), and the RMSNorm of x (x's registers normalised as they are loaded, the rstd from the
+producer's sums of squares; :class:`PendingNorm`).
+
 The K loop is inline PTX (``mma.sync``, the unpacking, the loads), run once per thread: a Triton tensor of one
 element per thread carries each register, and the PTX finds its lane from ``%tid.x``, so nothing depends on how
 Triton lays tensors out. It runs on CUDA only (sm_80+); under TRITON_INTERPRET and on the CPU the layout is
