@@ -995,6 +995,8 @@ _ENV_CONFIG = _env_config(os.environ.get("KERNELS_FRAG_CONFIG"))
 # KERNELS_FRAG_LATE_TRIGGER=all|residual|norm (A/B runs): the kernel lets its PDL dependent launch after its K loop
 # instead of right after its wait (all launches, those adding a residual, or those applying a norm)
 _LATE_TRIGGER = os.environ.get("KERNELS_FRAG_LATE_TRIGGER", "0")
+if _LATE_TRIGGER not in ("0", "all", "residual", "norm"):
+    raise ValueError(f"KERNELS_FRAG_LATE_TRIGGER={_LATE_TRIGGER!r}: expected 0, all, residual or norm")
 
 
 def default_frag_config(num_rows: int, device: torch.device, out_features: int = 0) -> FragConfig:

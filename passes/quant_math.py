@@ -1,4 +1,5 @@
-"""Integer weight quantization: the project's one convention, shared by GPTQ, AWQ and int8_wo.
+"""Integer weight quantization: the project's one convention, shared by GPTQ and AWQ (int8_wo chooses per channel
+between this symmetric scale and amax / 127.5: ``passes.int8_wo.two_scale_int8``).
 
 Weights are ``[out, in]``; they are quantized per (output row, group of ``group_size`` consecutive
 input columns). ``group_size = -1`` means one group over the whole input dimension (per output

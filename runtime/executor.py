@@ -130,8 +130,10 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             fusions.absorbed.add(readers[node["outputs"][0]][0])
         if node["op"] == "linear" and FUSE_NORM_INTO_LINEARS and _norm_into_linears(node, nodes, readers, dtype):
             j = readers[node["outputs"][0]][0]
-            fusions.residual_out[i] = next(n for n in nodes[j]["inputs"] if n != node["outputs"][0])
-            fusions.pending_norms.add(j)
+            residual = next(n for n in nodes[j]["inputs"] if n != node["outputs"][0])
+            if j not in fusions.pending_norms and producer.get(residual, -1) < i:  # the residual exists by then
+                fusions.residual_out[i] = residual
+                fusions.pending_norms.add(j)
         if i in fusions.swiglu_out:
             continue
         if node["op"] == "attention" and FUSE_ROPE and attrs["head_dim"] in SUPPORTED_HEAD_DIMS:
@@ -221,7 +223,7 @@ def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], reader
     """Whether a linear adds its output to the residual stream itself and the residual-add + RMSNorm after it
     becomes a ``PendingNorm`` for its readers (``_Fusions.residual_out``): a frag linear (not an lm_head, one
     unsplit output) whose only reader is a ``fused_add_rms_norm`` (bf16, a gain, no offset) adding it to another
-    value (either input: the sum is the same), and
+    value (either input: the sum is the same; ``plan_fusions`` also wants that value made before the linear), and
     every reader of that norm's output is a frag linear too."""
     attrs, out = node.get("attrs", {}), node["outputs"]
     if (dtype != torch.bfloat16 or attrs.get("split_sizes") or attrs.get("lm_head") or len(out) != 1
@@ -234,7 +236,7 @@ def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], reader
         return False
     normed = readers.get(norm["outputs"][0], [])
     return bool(normed) and all(_frag_linear_node(nodes[r], dtype) and nodes[r]["inputs"][0] == norm["outputs"][0]
-                                for r in normed)
+                                and not nodes[r].get("attrs", {}).get("split_heads") for r in normed)
 
 
 class Executor:
@@ -262,6 +264,13 @@ class Executor:
                 self._num_consumers[name] = self._num_consumers.get(name, 0) + 1
         self._fusions = plan_fusions(nodes, self._num_consumers, self.dtype, _scaled_mm_device(self.device)) \
             if use_kernels else _Fusions(set(), {}, set())
+        for i, residual in list(self._fusions.residual_out.items()):  # the norm's gain as loaded: bf16, as x
+            j = next(r for r in self._fusions.pending_norms if residual in nodes[r]["inputs"]
+                     and nodes[i]["outputs"][0] in nodes[r]["inputs"])
+            gain = params.get(nodes[j].get("weights", {}).get("weight", ""))
+            if gain is None or gain.dtype != torch.bfloat16:
+                del self._fusions.residual_out[i]
+                self._fusions.pending_norms.discard(j)
         for j, i in list(self._fusions.quant_producers.items()):  # the shapes cuBLAS takes, as loaded (sharded)
             qweight = params.get(nodes[i].get("weights", {}).get("qweight", ""))
             if qweight is None or qweight.shape[0] % 16 or qweight.shape[1] % 16:

@@ -55,7 +55,7 @@
 #                  $OUT/benchmarks.jsonl (the A/B's second run tagged by its log only), logs $OUT/structured_*.log
 #   build-PREC     only build artifacts/llama3-8b-PREC (and the checkpoint), for later parts on the same machine
 #   fusions-PREC   builder.devtools.check_kernels --fusions: PREC's kernel path with and without the cross-node
-#                  fusions (logits at 1-32 rows, greedy tokens), JSON lines in $OUT/fusions_PREC.jsonl
+#                  fusions (logits at 1-130 rows, greedy tokens), JSON lines in $OUT/fusions_PREC.jsonl
 #   stock-QUANT    the stock-PyTorch baseline alone, QUANT in bf16 int8wo int4
 #   ab-PREC        A/B of kernel launch settings on PREC's batch-1 decode (128 in / 128 out, no baseline): each setting
 #                  of $AB_SETTINGS (space-separated; a setting is comma-separated VAR=VALUE, "-" for none; default

@@ -308,8 +308,8 @@ def test_frag_gate_up_forms_the_swiglu(monkeypatch):
 
 
 def test_swiglu_out_off_the_frag_layout_still_forms_the_swiglu():
-    """A linear planned to form the SwiGLU whose weights the frag layout does not take at load (here: the
-    interpreter, so no frag kernel) still returns silu(gate) * up: its SwiGLU node was absorbed."""
+    """A linear planned to form the SwiGLU whose weights the frag layout does not take at load (here fp32, and the
+    interpreter) still returns silu(gate) * up: its SwiGLU node was absorbed."""
     from kernels.activation import silu_mul
     from passes.quant_math import QuantConfig, pack_int4, quantize_groups
     from runtime.executor import _kernel_weight_only_linear
@@ -366,6 +366,16 @@ def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
                    {"reader_quant": {"scheme": "fp8"}}):
         plan = plan_fusions(*graph(**kwargs), torch.bfloat16)
         assert not plan.residual_out and not plan.pending_norms, kwargs
+    nodes, consumers = graph()
+    nodes[2]["attrs"]["split_heads"] = 4  # a reader that splits per head takes no PendingNorm
+    assert not plan_fusions(nodes, consumers, torch.bfloat16).residual_out
+    # the residual made after the linear (here by another linear, itself a candidate): at most one producer, and
+    # only where the residual exists by the time it runs
+    nodes, consumers = graph()
+    nodes.insert(1, _node("linear", ["b"], ["r"], {"in_features": 256, "out_features": 256, "quant": q}))
+    consumers["b"] = 1
+    plan = plan_fusions(nodes, consumers, torch.bfloat16)
+    assert plan.residual_out == {1: "o"} and plan.pending_norms == {2}
 
 
 def test_norms_quantize_for_the_fp8_linear_they_feed():

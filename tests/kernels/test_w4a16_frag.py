@@ -270,7 +270,9 @@ def test_residual_out_and_norm_in_on_cuda(m, bits):
     p1, p2 = _repack(first), _repack(second)
     gen = torch.Generator(device="cuda").manual_seed(m)
     x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
-    res = torch.randn(m, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    # rows of very different scales: a row normalised with another row's rstd would be off by up to 16x
+    res = (torch.randn(m, 4096, generator=gen, device="cuda")
+           * torch.linspace(0.25, 4.0, m, device="cuda")[:, None]).to(torch.bfloat16)
     gain = (1 + 0.1 * torch.randn(4096, generator=gen, device="cuda")).to(torch.bfloat16)
     for cfg in (None, FragConfig(warps=2, split_k=3)):
         y = w4a16_frag(x, **p1, config=cfg)

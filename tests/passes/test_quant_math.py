@@ -158,3 +158,39 @@ def test_bad_group_size():
         QuantConfig(group_size=0)
     with pytest.raises(ValueError):
         QuantConfig(bits=3)
+
+
+def test_int8_wo_takes_the_better_of_two_scales_per_channel():
+    """two_scale_int8: each row's scale is amax / 127 or amax / 127.5, whichever has the smaller squared error (ties:
+    127); codes use the whole [-128, 127] range around the zero point 128; an all-zero row gets scale 1, codes 128;
+    the gates' round-to-nearest counterpart of an int8_wo build applies the same rule."""
+    from builder.quality import _round_to_nearest
+    from passes.int8_wo import SCALE_DIVISORS, two_scale_int8
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 256, generator=g)
+    w[1] = 0.0
+    w[2, 7] = -w[2].abs().max() * 2  # a negative extreme: -amax lands on -128 under amax / 127.5
+    codes, scales, zeros = two_scale_int8(w)
+    assert codes.dtype == torch.uint8 and scales.shape == (64, 1) and torch.equal(zeros, torch.full((64, 1), 128,
+                                                                                                   dtype=torch.uint8))
+    assert torch.equal(codes[1], torch.full((256,), 128, dtype=torch.uint8)) and scales[1].item() == 1.0
+    amax = w.abs().amax(1, keepdim=True)
+    candidates = []
+    for d in SCALE_DIVISORS:
+        s = amax / d
+        q = torch.round(w / s).clamp(-128, 127)
+        candidates.append((((q * s - w) ** 2).sum(1), s))
+    pick = torch.where(candidates[1][0] < candidates[0][0], 1, 0)
+    rows = [r for r in range(64) if r != 1]
+    for r in rows:  # each row's scale is the candidate with the smaller error
+        assert scales[r].item() == candidates[pick[r]][1][r].item(), r
+    assert 0 < pick[rows].sum() < len(rows)  # both conventions win somewhere on random rows
+    deq = (codes.float() - 128) * scales
+    rtn = (torch.round(w / (amax / 127)).clamp(-127, 127)) * (amax / 127)
+    assert ((deq - w) ** 2).sum(1)[rows].le(((rtn - w) ** 2).sum(1)[rows] + 1e-12).all()  # never worse than /127
+    assert pick[2] == 1 and codes[2, 7].item() == 0  # this row takes amax / 127.5: -amax at -128
+    _, rows_out, _, attrs = _round_to_nearest(w, {"scheme": "w8a16", "bits": 8, "group_size": -1,
+                                                  "scale_divisors": list(SCALE_DIVISORS)}, None, None)
+    assert torch.equal(rows_out["qweight"], codes) and torch.equal(rows_out["scales"], scales)
+    assert attrs["scale_divisors"] == list(SCALE_DIVISORS)
