@@ -16,8 +16,13 @@ One proposal is one varlen step over every request (each request's new tokens, t
 one-token steps; a long first catch-up (a prompt) is fed in chunks of the draft's max_num_tokens first. Drafts are
 the argmax, so the draft distribution is one-hot and ``runtime.speculative.accept_drafts`` verifies them exactly.
 
-The draft runs through the executor's per-sequence attention (no paged cache, no CUDA graphs): on a GPU its steps
-are eager launches, which costs what a small model's step costs in launch overhead.
+Where the draft runs the Triton kernels (CUDA), its caches live in one paged storage instead
+(:class:`PagedDraft`): request slot i owns blocks [i * B, (i + 1) * B) for good (B = blocks of max_seq_len), so its
+block table never changes. A proposal is then two CUDA-graph replays and one read of the tokens: the catch-up step
+(every request's new tokens; ``runtime.cuda_graphs.StepGraphs`` over the draft's storage) and a chain of k - 1
+one-token steps captured as one graph per batch bucket, each step's argmax fed on the device to the next (its
+positions, slots and lengths computed on the device from the first). Without kernels (the CPU reference path) the
+draft runs its per-sequence caches eagerly, as above.
 """
 
 from __future__ import annotations
@@ -30,17 +35,19 @@ from pathlib import Path
 import torch
 
 from runtime.engine import Engine
-from runtime.executor import SeqSlice, StepInput
+from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import tensor_bytes
-from runtime.speculative import DraftRequest, Proposer, SpeculativeConfigError
+from runtime.speculative import MAX_SPECULATIVE_TOKENS, DraftRequest, Proposer, SpeculativeConfigError
+
+CHAIN_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets of the draft chain's CUDA graphs (and max_seqs)
 
 
 @dataclass
 class _DraftSeq:
     """One request's state in the draft model."""
 
-    kv: SequenceKV
+    kv: SequenceKV | int  # its own cache, or its slot in the paged storage (PagedDraft)
     token_ids: list[int] = field(default_factory=list)  # what the cache holds, position by position
     num_known: int = 0  # of those, the leading tokens the request had at the last proposal (kept for good)
 
@@ -51,33 +58,54 @@ class DraftModelProposer(Proposer):
     method = "draft"
 
     def __init__(self, draft: Engine, target_vocab_size: int, target_tokenizer, max_seq_len: int,
-                 max_seqs: int = 8) -> None:
+                 max_seqs: int = 8, max_draft_tokens: int = MAX_SPECULATIVE_TOKENS, paged: bool | None = None,
+                 cuda_graphs: bool = True) -> None:
+        """``max_draft_tokens``: the most drafts a request gets per proposal (the chain's length + 1). ``paged``:
+        the paged storage and its steps (default: where the draft runs the kernels and its head sizes have the
+        paged attention kernel); ``cuda_graphs``: those steps replayed as CUDA graphs (on CUDA; eager otherwise)."""
         _check_same_vocabulary(draft, target_vocab_size, target_tokenizer)
         if max_seqs < 1:
             raise SpeculativeConfigError(f"a draft model needs room for at least one request's cache, got {max_seqs}")
+        if max_draft_tokens < 1:
+            raise SpeculativeConfigError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
         self.draft = draft
         self.max_seq_len = min(max_seq_len, draft.limits.max_seq_len)  # the draft cannot look further
         self.max_seqs = max_seqs
+        self.max_draft_tokens = max_draft_tokens
         self._seqs: OrderedDict[str, _DraftSeq] = OrderedDict()  # least recently proposed for first
+        if paged is None:
+            from kernels.paged_attention import SUPPORTED_HEAD_DIMS
+
+            paged = draft.executor.use_kernels and all(d in SUPPORTED_HEAD_DIMS for d in draft.kv_layout.head_dim)
+        self.paged = PagedDraft(draft, max_seqs, self.max_seq_len, max_draft_tokens,
+                                capture=cuda_graphs and draft.device.type == "cuda") if paged else None
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device, target_vocab_size: int, target_tokenizer,
-             max_seq_len: int, max_seqs: int = 8) -> DraftModelProposer:
+             max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = MAX_SPECULATIVE_TOKENS,
+             cuda_graphs: bool = True) -> DraftModelProposer:
         """Load the draft artifact on ``device`` (verified like any artifact, see ``Engine.load``)."""
-        return cls(Engine.load(path, device), target_vocab_size, target_tokenizer, max_seq_len, max_seqs)
+        return cls(Engine.load(path, device), target_vocab_size, target_tokenizer, max_seq_len, max_seqs,
+                   max_draft_tokens, cuda_graphs=cuda_graphs)
 
     def kv_bytes(self) -> int:
         """The most bytes the per-request draft caches hold at once: max_seqs caches of max_seq_len tokens."""
+        if self.paged is not None:
+            return self.paged.storage.bytes()
         return self.max_seqs * self.max_seq_len * self.draft.kv_layout.bytes_per_token()
 
     def release(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and self.paged is not None:
+            self.paged.free(seq.kv)
 
     def weights_bytes(self) -> int:
         return tensor_bytes(self.draft.executor.params.values())
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in requests]
+        requests = [DraftRequest(r.request_id, r.token_ids, min(r.max_tokens, self.max_draft_tokens))
+                    for r in requests]
         # requests whose tokens plus drafts fit the draft's context; the others get none
         live = [i for i, r in enumerate(requests) if len(r.token_ids) + r.max_tokens <= self.max_seq_len]
         live = live[:self.max_seqs]  # the policy asks for no more at once; the caches are planned for that many
@@ -87,6 +115,8 @@ class DraftModelProposer(Proposer):
             if requests[i].request_id in self._seqs:
                 self._seqs.move_to_end(requests[i].request_id)
         pending = [self._catch_up(requests[i]) for i in live]  # per live request: the tokens to feed now
+        if self.paged is not None:
+            return self._propose_paged(requests, live, pending, drafts)
         tokens = self._step([requests[i].request_id for i in live], pending)
         for i, t in zip(live, tokens):
             drafts[i].append(t)
@@ -101,23 +131,48 @@ class DraftModelProposer(Proposer):
                 seq.num_known = len(requests[i].token_ids)
         return drafts
 
+    def _propose_paged(self, requests: Sequence[DraftRequest], live: list[int], pending: list[list[int]],
+                       drafts: list[list[int]]) -> list[list[int]]:
+        """The drafts of ``live`` through the paged storage: one catch-up step, one chain of k - 1 steps, one read."""
+        seqs = [self._seqs[requests[i].request_id] for i in live]
+        k = max(requests[i].max_tokens for i in live)
+        tokens = self.paged.propose([s.kv for s in seqs], [len(s.token_ids) for s in seqs], pending, k)
+        for col, (i, seq, fed) in enumerate(zip(live, seqs, pending)):
+            mine = [tokens[j][col] for j in range(requests[i].max_tokens)]
+            drafts[i] = mine
+            # the cache holds the fed tokens and the drafts fed after them (the chain's later writes, for a
+            # request that wanted fewer, lie past what token_ids records and are written over when it grows)
+            seq.token_ids += fed + mine[:-1]
+            seq.num_known = len(requests[i].token_ids)
+        return drafts
+
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Cut the request's draft cache back to what still matches its tokens, feed all but the last few of the
         rest in chunks (a new request's prompt), and return the tokens left to feed in the batched step."""
         seq = self._seqs.get(request.request_id)
         if seq is None:
             while len(self._seqs) >= self.max_seqs:  # the least recently proposed for: none of this step's (moved
-                self._seqs.popitem(last=False)       # to the end first; a step has at most max_seqs requests)
-            seq = self._seqs[request.request_id] = _DraftSeq(SequenceKV(self.draft.kv_layout, self.max_seq_len,
-                                                                        self.draft.device))
+                _, old = self._seqs.popitem(last=False)  # to the end first; a step has at most max_seqs requests)
+                if self.paged is not None:
+                    self.paged.free(old.kv)
+            kv = (self.paged.allocate() if self.paged is not None
+                  else SequenceKV(self.draft.kv_layout, self.max_seq_len, self.draft.device))
+            seq = self._seqs[request.request_id] = _DraftSeq(kv)
         self._seqs.move_to_end(request.request_id)
         token_ids = request.token_ids
         keep = seq.num_known  # equal by construction: the request's tokens only grow
         while keep < min(len(seq.token_ids), len(token_ids) - 1) and seq.token_ids[keep] == token_ids[keep]:
             keep += 1
         del seq.token_ids[keep:]
-        seq.kv.truncate(keep)
         chunk = self.draft.limits.max_num_tokens
+        if self.paged is not None:  # the storage needs no truncation: positions past token_ids are written over
+            chunk = self.paged.max_tokens
+            while len(token_ids) - len(seq.token_ids) > chunk:
+                start = len(seq.token_ids)
+                self.paged.feed([seq.kv], [start], [list(token_ids[start:start + chunk])])
+                seq.token_ids += token_ids[start:start + chunk]
+            return list(token_ids[len(seq.token_ids):])
+        seq.kv.truncate(keep)
         while len(token_ids) - len(seq.token_ids) > chunk:
             start = len(seq.token_ids)
             self._forward([seq], [list(token_ids[start:start + chunk])])
@@ -146,6 +201,144 @@ class DraftModelProposer(Proposer):
             seq.token_ids += tokens
             seq.kv.num_tokens = len(seq.token_ids)
         return logits
+
+
+class PagedDraft:
+    """The draft's caches in one paged storage, a fixed run of blocks per request slot, and its two kinds of step:
+    the catch-up (``StepGraphs``) and the chain of one-token steps (a CUDA graph per batch bucket), see the module
+    docstring. ``capture=False`` runs the same steps eagerly (the CPU, under the Triton interpreter)."""
+
+    def __init__(self, draft: Engine, max_seqs: int, max_seq_len: int, max_draft_tokens: int, capture: bool,
+                 buckets: tuple[int, ...] = CHAIN_BUCKETS) -> None:
+        from runtime.cuda_graphs import StepGraphs
+        from runtime.paged_kv import PagedKVStorage
+
+        self.executor, self.device, self.capture = draft.executor, draft.device, capture
+        bs = self.block_size = draft.limits.tokens_per_block
+        self.blocks_per_seq = -(-max_seq_len // bs)
+        self.capacity = self.blocks_per_seq * bs
+        self.storage = PagedKVStorage(draft.kv_layout, max_seqs * self.blocks_per_seq, bs, draft.device)
+        self._free = list(range(max_seqs - 1, -1, -1))  # request slots; pop() takes the lowest
+        self.max_tokens = draft.limits.max_num_tokens
+        self.steps = StepGraphs(self.executor, self.storage, self.max_tokens, max_seqs, max_seq_len, capture=capture)
+        self.chain_len = max_draft_tokens - 1
+        self.buckets = sorted({b for b in buckets if b < max_seqs} | {max_seqs})
+        top, dev = self.buckets[-1], draft.device
+        # slot i's block table, for good: blocks [i * B, (i + 1) * B)
+        self.tables = torch.arange(max_seqs * self.blocks_per_seq, dtype=torch.int32,
+                                   device=dev).view(max_seqs, self.blocks_per_seq)
+        # the chain's static inputs: each row's first token and its position, its slot, and whether it is a request
+        self.first = torch.zeros(top, dtype=torch.long, device=dev)
+        self.first_pos = torch.zeros(top, dtype=torch.long, device=dev)
+        self.slot_rows = torch.zeros(top, dtype=torch.long, device=dev)
+        self.valid = torch.zeros(top, dtype=torch.bool, device=dev)
+        self.rows = torch.arange(top, dtype=torch.long, device=dev)
+        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
+        self.out = torch.zeros(max(self.chain_len, 1), top, dtype=torch.long, device=dev)  # [step, row] the drafts
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, chain length)
+        if capture:
+            pool = torch.cuda.graph_pool_handle()
+            for b in reversed(self.buckets):  # largest first: the smaller ones reuse its memory
+                for length in range(self.chain_len, 0, -1):
+                    self._graphs[b, length] = self._capture(b, length, pool)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def _chain(self, b: int, length: int) -> None:
+        """``length`` one-token steps over rows [0, b): the argmax of each feeds the next; into ``out``."""
+        bs = self.block_size
+        ids = self.first[:b]
+        tables = self.tables.index_select(0, self.slot_rows[:b])
+        for j in range(length):
+            pos = self.first_pos[:b] + j
+            ok = self.valid[:b] & (pos < self.capacity)  # past the cache (a request that wants fewer): unwritten
+            pos = pos.clamp(max=self.capacity - 1)
+            slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long() * bs + pos % bs
+            slot = torch.where(ok, slot, torch.full_like(slot, -1))
+            md = PagedAttentionMetadata(self.storage.k, self.storage.v, slot, tables, (pos + 1).to(torch.int32),
+                                        pos.to(torch.int32), self.cu_seqlens_q[:b + 1], decode_only=True)
+            logits = self.executor.forward(StepInput(ids, pos, [], self.rows[:b], paged=md))
+            ids = torch.argmax(logits, dim=-1)
+            self.out[j, :b].copy_(ids)
+
+    def _capture(self, b: int, length: int, pool) -> torch.cuda.CUDAGraph:
+        self.valid.zero_()  # warm-up and capture write nothing
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # autotuning and lazy initialisation happen outside the capture
+                self._chain(b, length)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self._chain(b, length)
+        return graph
+
+    def _pack(self, slots: list[int], starts: list[int], new_tokens: list[list[int]]):
+        """The step feeding ``new_tokens[i]`` to slot ``slots[i]`` from position ``starts[i]``; logits of each
+        sequence's last new token."""
+        from runtime.cuda_graphs import PackedStep
+
+        bs, per = self.block_size, self.blocks_per_seq
+        ids, positions, slot_ids, cu, rows = [], [], [], [0], []
+        for slot, start, tokens in zip(slots, starts, new_tokens):
+            ids += tokens
+            for p in range(start, start + len(tokens)):
+                positions.append(p)
+                slot_ids.append((slot * per + p // bs) * bs + p % bs)
+            cu.append(len(ids))
+            rows.append(len(ids) - 1)
+        tables = [list(range(slot * per, (slot + 1) * per)) for slot in slots]
+        return PackedStep(ids, positions, slot_ids, cu, list(starts), tables, rows)
+
+    def feed(self, slots: list[int], starts: list[int], new_tokens: list[list[int]]) -> torch.Tensor:
+        """One step feeding each slot its new tokens; the greedy next token of each, on the device."""
+        logits = self.steps.run(self._pack(slots, starts, new_tokens))
+        return torch.argmax(logits, dim=-1)
+
+    def propose(self, slots: list[int], starts: list[int], pending: list[list[int]], k: int) -> list[list[int]]:
+        """Feed each slot its pending tokens (from ``starts``), then draft: returns [k][len(slots)] greedy tokens
+        (rows past the chain's length: none; k is at most chain_len + 1)."""
+        starts, pending = list(starts), [list(p) for p in pending]
+        if sum(map(len, pending)) > self.max_tokens:  # too many for one step: all but each one's last, alone
+            for i in range(len(slots)):
+                while len(pending[i]) > 1:
+                    take = pending[i][:min(self.max_tokens, len(pending[i]) - 1)]
+                    self.feed([slots[i]], [starts[i]], [take])
+                    if self.capture:
+                        torch.cuda.current_stream().synchronize()  # the step's staging buffers are used in turn
+                    starts[i] += len(take)
+                    del pending[i][:len(take)]
+        first = self.feed(slots, starts, pending)
+        k = min(k, self.chain_len + 1)
+        if k == 1:
+            return [first.tolist()]
+        n = len(slots)
+        b = next(x for x in self.buckets if x >= n)
+        host = torch.tensor([[s + len(p) for s, p in zip(starts, pending)] + [0] * (b - n),
+                             list(slots) + [0] * (b - n), [1] * n + [0] * (b - n)], dtype=torch.long)
+        host = host.to(self.device, non_blocking=False)
+        self.first[:n].copy_(first)
+        self.first_pos[:b].copy_(host[0])
+        self.slot_rows[:b].copy_(host[1])
+        self.valid[:b].copy_(host[2].bool())
+        graph = self._graphs.get((b, k - 1))
+        if graph is None:
+            self._chain(b, k - 1)
+        else:
+            graph.replay()
+        return torch.cat([first.unsqueeze(0), self.out[:k - 1, :n]]).tolist()
+
+    def close(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.steps.close()
 
 
 def _check_same_vocabulary(draft: Engine, target_vocab_size: int, target_tokenizer) -> None:

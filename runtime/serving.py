@@ -133,7 +133,8 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int) -
 
         vocab = int(target.executor.graph.get("meta", {}).get("vocab_size", 0))
         return DraftModelProposer.load(config.draft_model, target.device, vocab, target.tokenizer, max_seq_len,
-                                       max_seqs=config.max_running)  # no step speculates for more requests
+                                       max_seqs=config.max_running,  # no step speculates for more requests
+                                       max_draft_tokens=config.num_speculative_tokens)
     raise SpeculativeConfigError(f"no proposer for speculative method {config.method!r}; use one of "
                                  f"{', '.join(METHODS)}")
 

@@ -71,6 +71,17 @@
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
+#   train-sweep    candidate sizes of the bundled model trained side by side on the GPU (builder.devtools.train_bundled
+#                  --device cuda on the stdlib carried in .corpus/stdlib-VERSION.tar.gz, made here by `python -m
+#                  builder.devtools.train_bundled --pack-stdlib .corpus/stdlib-$(python3 -V | cut -d' ' -f2).tar.gz`):
+#                  $TRAIN_CONFIGS, '|'-separated option sets, each into /tmp/cand-N with its log in
+#                  $OUT/train_cand_N.log; a table of held-out perplexities in $OUT/train_sweep.txt
+#   train-bundled  the bundled model trained on the GPU into models/pystdlib-llama with $TRAIN_ARGS (same corpus), then
+#                  its draft (builder.devtools.train_draft --device cuda $DRAFT_ARGS) into models/pystdlib-llama-draft;
+#                  both directories packed into $OUT/bundled.tar.gz.partNN (15 MB parts: cat them, then tar -xzf)
+#   spec-draft     the bundled model and its draft built (recipes/quickstart.yaml, quickstart-draft.yaml), then
+#                  builder.bench.speculative with the draft on held-out text, greedy, batch 1; spec_speedup_draft_b1
+#                  and its companions in $OUT/benchmarks.jsonl
 #   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput at concurrency 64,
 #                  with CUDA-graph decode and eager (TP_EAGER= skips eager); TP_ARTIFACTS="bf16-tp2": TP=2 only
 set -uo pipefail
@@ -346,6 +357,52 @@ PY
       [ "$part" = hf ] && python3 -m builder.bench.hf_baseline $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
       python3 -m builder.bench.hf_baseline $CKPT --compile > "$OUT/hf_compile.log" 2>&1
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
+    train-sweep|train-bundled)
+      tarball=$(ls .corpus/stdlib-*.tar.gz 2>/dev/null | head -n 1)
+      [ -n "$tarball" ] || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }
+      version=$(basename "$tarball" .tar.gz); version=${version#stdlib-}
+      rm -rf /tmp/stdlib && mkdir -p /tmp/stdlib && tar -xzf "$tarball" -C /tmp/stdlib
+      corpus="--stdlib /tmp/stdlib --stdlib-version $version --device cuda"
+      if [ $part = train-sweep ]; then
+        IFS='|' read -ra configs <<< "${TRAIN_CONFIGS:?set TRAIN_CONFIGS}"
+        for i in "${!configs[@]}"; do
+          python3 -m builder.devtools.train_bundled --out /tmp/cand-$i --tokenizer models/pystdlib-llama $corpus \
+            ${configs[$i]} > "$OUT/train_cand_$i.log" 2>&1 &
+        done
+        wait
+        for i in "${!configs[@]}"; do
+          python3 - /tmp/cand-$i "${configs[$i]}" <<'PY' | tee -a "$OUT/train_sweep.txt"
+import json, sys
+from pathlib import Path
+d = Path(sys.argv[1])
+try:
+    m = json.loads((d / "training_metrics.json").read_text())
+except OSError:
+    print(f"{sys.argv[2]}: no metrics (see its log)"); raise SystemExit
+e, t = m["eval"], m["train"]
+print(f"{sys.argv[2]}: {m['parameters']:,} params, {m['checkpoint_dir_bytes']:,} B, {t['epochs']:.1f} epochs, "
+      f"{t['train_seconds']:.0f} s; ppl eval {e['eval_split_ppl']:.2f} calibration {e['calibration_split_ppl']:.2f} "
+      f"eval.txt {e['eval_txt_ppl']:.2f}; validation curve {t.get('validation_curve')}")
+print("  greedy:", json.dumps(m["samples"][0]["greedy"][:300]))
+PY
+        done
+      else
+        python3 -m builder.devtools.train_bundled --out models/pystdlib-llama --tokenizer models/pystdlib-llama \
+          $corpus ${TRAIN_ARGS:-} 2>&1 | tee "$OUT/train_bundled.log" | grep -E --line-buffered "perplexity|^done|Error"
+        python3 -m builder.devtools.train_draft --target models/pystdlib-llama --out models/pystdlib-llama-draft \
+          --stdlib /tmp/stdlib --device cuda ${DRAFT_ARGS:-} 2>&1 | tee "$OUT/train_draft.log" | tail -n 3
+        tar -czf - models/pystdlib-llama models/pystdlib-llama-draft | split -b 15000000 -d - "$OUT/bundled.tar.gz.part"
+      fi ;;
+    spec-draft)
+      for r in "" -draft; do
+        [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2
+      done
+      for k in ${SPEC_K:-2 4}; do
+        python3 -m builder.bench.speculative artifacts/quickstart --device cuda --draft artifacts/quickstart-draft \
+          --text models/pystdlib-llama/eval.txt --prompts ${SPEC_PROMPTS:-8} --num-draft $k --output-len 128 \
+          --record "$OUT/benchmarks.jsonl" $( [ $k = 4 ] || echo --tag _k$k ) 2>&1 | tee -a "$OUT/spec_draft.log" \
+          | grep -E '^\{|speedup|accept'
+      done ;;
     tp-8b)
       ckpt
       for a in ${TP_ARTIFACTS:-bf16 bf16-tp2}; do

@@ -26,6 +26,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import platform
 import shutil
 import sys
@@ -146,6 +147,25 @@ def collect_stdlib_files(root: Path) -> tuple[list[SourceFile], list[str]]:
     return files, undecodable
 
 
+def pack_stdlib(root: Path, out: Path) -> int:
+    """Write the corpus files under ``root`` (the ones :func:`collect_stdlib_files` reads) into a ``.tar.gz``.
+
+    For training on a machine whose Python is another version: unpack it there and pass the directory as
+    ``--stdlib`` with ``--stdlib-version``. Entries are in path order with zeroed times. Returns the file count.
+    """
+    import io
+    import tarfile
+
+    files, _ = collect_stdlib_files(root)
+    with tarfile.open(out, "w:gz") as tar:
+        for f in files:
+            data = (root / f.rel_path).read_bytes()
+            info = tarfile.TarInfo(f.rel_path)
+            info.size, info.mtime = len(data), 0
+            tar.addfile(info, io.BytesIO(data))
+    return len(files)
+
+
 def split_files(files: Sequence[SourceFile]) -> dict[str, list[SourceFile]]:
     """Group files by :func:`assign_split`, keeping the sorted order inside each split."""
     splits: dict[str, list[SourceFile]] = {SPLIT_TRAIN: [], SPLIT_EVAL: [], SPLIT_CALIBRATION: []}
@@ -220,10 +240,14 @@ def build_eval_text(files: Sequence[SourceFile], target_chars: int = 200_000) ->
     return text
 
 
-def write_split_manifest(splits: dict[str, list[SourceFile]], undecodable: list[str], path: Path) -> None:
-    """Record which files were held out, so held-out data can be audited and re-derived."""
+def write_split_manifest(splits: dict[str, list[SourceFile]], undecodable: list[str], path: Path,
+                         version: str | None = None) -> None:
+    """Record which files were held out, so held-out data can be audited and re-derived.
+
+    ``version`` is the Python version whose standard library the corpus is (default: the running interpreter's).
+    """
     manifest = {
-        "python_version": python_version(),
+        "python_version": version or python_version(),
         "stdlib_root_note": "paths are relative to sysconfig.get_paths()['stdlib']",
         "rule": "sha256(rel_path) % 100: 0-89 train, 90-94 eval, 95-99 calibration",
         "counts": {name: len(fs) for name, fs in splits.items()},
@@ -373,6 +397,8 @@ class TrainSpec:
     grad_clip: float = 1.0
     log_every: int = 25
     threads: int = 2
+    device: str = "cpu"  # "cuda" (or "cuda:N"): the steps run under bf16 autocast, the weights stay fp32
+    eval_every: int = 0  # print the validation windows' perplexity every N steps (0: never)
 
 
 @dataclass
@@ -385,6 +411,7 @@ class TrainResult:
     final_loss_avg: float
     tokens_seen: int
     loss_curve: list[tuple[int, float]] = field(default_factory=list)
+    validation_curve: list[tuple[int, float]] = field(default_factory=list)  # (step, perplexity), if asked for
 
 
 MODEL_FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -452,9 +479,15 @@ def batch_order(n_windows: int, batch_size: int, steps: int, seed: int) -> list[
     return batches
 
 
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA (fp32 weights and optimizer state); nothing on the CPU, which trains in fp32."""
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor, grad_clip: float) -> float:
-    """One optimizer step of next-token prediction on ``batch``; returns the batch loss."""
-    loss = model(input_ids=batch, labels=batch).loss
+    """One optimizer step of next-token prediction on ``batch`` (on the model's device); returns the batch loss."""
+    with autocast(batch.device):
+        loss = model(input_ids=batch, labels=batch).loss
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -462,17 +495,22 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     return loss.item()
 
 
-def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) -> TrainResult:
-    """Run the training loop and return the measured loss curve and time.
+def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec,
+                validation: torch.Tensor | None = None) -> TrainResult:
+    """Run the training loop on ``spec.device`` and return the measured loss curve and time.
 
     With ``time_budget_min`` set, the schedule is driven by elapsed time and
-    training stops when the budget is spent (or at ``max_steps``).
+    training stops when the budget is spent (or at ``max_steps``). With
+    ``spec.eval_every`` and ``validation`` windows, their perplexity is printed and recorded every that many steps.
     """
+    device = torch.device(spec.device)
+    model.to(device)
     optimizer = make_optimizer(model, spec)
     batches = batch_order(windows.size(0), spec.batch_size, spec.max_steps, spec.seed)
     budget_s = spec.time_budget_min * 60.0 if spec.time_budget_min else None
     model.train()
     curve: list[tuple[int, float]] = []
+    validation_curve: list[tuple[int, float]] = []
     recent: list[float] = []
     start = time.perf_counter()
     step = 0
@@ -488,8 +526,13 @@ def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) 
             progress = (step - spec.warmup_steps) / max(spec.max_steps - spec.warmup_steps, 1)
         for group in optimizer.param_groups:
             group["lr"] = spec.peak_lr * lr_factor(step, spec.warmup_steps, progress, spec.min_lr_ratio)
-        loss_value = train_step(model, optimizer, windows[idx], spec.grad_clip)
+        loss_value = train_step(model, optimizer, windows[idx].to(device), spec.grad_clip)
         recent = (recent + [loss_value])[-spec.log_every :]
+        if validation is not None and spec.eval_every and (step % spec.eval_every == 0 or step == len(batches)):
+            ppl, _ = perplexity(model, validation)
+            validation_curve.append((step, round(ppl, 3)))
+            print(f"step {step:5d}  validation perplexity {ppl:.3f}", flush=True)
+            model.train()
         if step % spec.log_every == 0 or step == 1 or step == len(batches):
             curve.append((step, round(sum(recent) / len(recent), 4)))
             rate = (time.perf_counter() - start) / step
@@ -509,6 +552,7 @@ def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) 
         final_loss_avg=round(sum(recent) / max(len(recent), 1), 4),
         tokens_seen=step * spec.batch_size * spec.seq_len,
         loss_curve=curve,
+        validation_curve=validation_curve,
     )
 
 
@@ -516,13 +560,14 @@ def train_model(model: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) 
 def perplexity(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 16) -> tuple[float, int]:
     """Perplexity over non-overlapping windows; each window predicts its own last ``seq_len - 1`` tokens.
 
-    Returns ``(perplexity, number_of_predicted_tokens)``.
+    Runs in fp32 on the model's device. Returns ``(perplexity, number_of_predicted_tokens)``.
     """
     model.eval()
+    device = next(model.parameters()).device
     total_nll = 0.0
     total_tokens = 0
     for i in range(0, windows.size(0), batch_size):
-        x = windows[i : i + batch_size]
+        x = windows[i : i + batch_size].to(device)
         n_pred = x.size(0) * (x.size(1) - 1)
         total_nll += model(input_ids=x, labels=x).loss.item() * n_pred
         total_tokens += n_pred
@@ -537,9 +582,10 @@ def generate_samples(
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    device = next(model.parameters()).device
     samples = []
     for prompt in prompts:
-        ids = tok(prompt, return_tensors="pt")["input_ids"]
+        ids = tok(prompt, return_tensors="pt")["input_ids"].to(device)
         common = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         greedy = model.generate(ids, do_sample=False, **common)
         torch.manual_seed(seed)
@@ -604,9 +650,12 @@ def write_training_report(
         "```",
         "",
         f"- seed: {m['seed']}",
-        f"- python: {m['python_version']} (the corpus is this interpreter's standard library)",
+        f"- python: {m['python_version']} (the corpus is this Python version's standard library)",
         f"- torch: {m['torch_version']}, transformers: {m['transformers_version']}, tokenizers: {m['tokenizers_version']}",
-        f"- threads: {m['train']['threads']} (CPU)",
+        (f"- device: {m['train']['device_name']} (bf16 autocast, fp32 weights and optimizer state)"
+         if m["train"].get("device", "cpu") != "cpu" else f"- threads: {m['train']['threads']} (CPU)"),
+        *([f"- tokenizer: read from `{m['tokenizer']['source']}` (not retrained)"]
+          if m["tokenizer"].get("source") else []),
         "",
         "## Data",
         "",
@@ -659,9 +708,19 @@ def write_training_report(
         "",
         "## Held-out evaluation",
         "",
+        "Measured on the weights as stored.",
+        "",
+        *(
+            ["- calibration split perplexity during training (step: perplexity): "
+             + ", ".join(f"{step}: {ppl:.2f}" for step, ppl in m["train"]["validation_curve"])]
+            if m["train"].get("validation_curve") else []
+        ),
         f"- eval split perplexity: **{m['eval']['eval_split_ppl']:.2f}** over {m['eval']['eval_split_tokens']:,}"
         f" predicted tokens (non-overlapping windows of {m['train']['seq_len']})",
         f"- `eval.txt` perplexity: {m['eval']['eval_txt_ppl']:.2f} over {m['eval']['eval_txt_tokens']:,} predicted tokens",
+        *([f"- calibration split perplexity: {m['eval']['calibration_split_ppl']:.2f} over"
+           f" {m['eval']['calibration_split_tokens']:,} predicted tokens"]
+          if "calibration_split_ppl" in m["eval"] else []),
         f"- uniform baseline: {m['tokenizer']['vocab_size']}",
         "",
         "## Samples",
@@ -730,7 +789,51 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=TrainSpec.log_every, help="print the loss every N steps")
     p.add_argument("--threads", type=int, default=TrainSpec.threads)
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib directory (default: this interpreter's)")
+    add_training_options(p)
+    p.add_argument("--pack-stdlib", type=Path, default=None, metavar="FILE",
+                   help="only write the corpus files into FILE (.tar.gz), for --stdlib on another machine, and exit")
     return p.parse_args(argv)
+
+
+def add_training_options(p: argparse.ArgumentParser, spec: ModelSpec | None = None) -> None:
+    """Options every trainer takes: device, size of the model, tokenizer reuse, the corpus' Python version."""
+    spec = spec or ModelSpec()
+    p.add_argument("--device", default=TrainSpec.device,
+                   help="cpu, cuda or cuda:N (CUDA trains under bf16 autocast with fp32 weights; runs are seeded but "
+                        "not bit-reproducible across GPUs)")
+    p.add_argument("--eval-every", type=int, default=TrainSpec.eval_every,
+                   help="print the calibration split's perplexity every N steps (0: never)")
+    p.add_argument("--weight-decay", type=float, default=TrainSpec.weight_decay)
+    p.add_argument("--min-lr-ratio", type=float, default=TrainSpec.min_lr_ratio)
+    p.add_argument("--hidden-size", type=int, default=spec.hidden_size)
+    p.add_argument("--intermediate-size", type=int, default=spec.intermediate_size)
+    p.add_argument("--layers", type=int, default=spec.num_hidden_layers)
+    p.add_argument("--heads", type=int, default=spec.num_attention_heads)
+    p.add_argument("--kv-heads", type=int, default=spec.num_key_value_heads)
+    p.add_argument("--head-dim", type=int, default=spec.head_dim)
+    p.add_argument("--tokenizer", type=Path, default=None,
+                   help="a directory whose tokenizer.json is used as is instead of training one")
+    p.add_argument("--stdlib-version", default=None,
+                   help="the Python version of --stdlib's library, recorded in split.json "
+                        "(default: this interpreter's)")
+
+
+def model_spec_from_args(args: argparse.Namespace, base: ModelSpec) -> ModelSpec:
+    """``base`` with the size options of :func:`add_training_options` applied."""
+    return ModelSpec(**{**asdict(base), "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+                        "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+                        "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim})
+
+
+def load_tokenizer(args: argparse.Namespace) -> Tokenizer | None:
+    """The tokenizer named by ``--tokenizer``, read before the output directory is cleared (it may be the same)."""
+    path = getattr(args, "tokenizer", None)
+    if path is None:
+        return None
+    file = Path(path) / "tokenizer.json"
+    if not file.is_file():
+        raise SystemExit(f"--tokenizer {path}: no tokenizer.json there")
+    return Tokenizer.from_str(file.read_text(encoding="utf-8"))
 
 
 def save_checkpoint(model: torch.nn.Module, out_dir: Path) -> str:
@@ -739,7 +842,8 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Path) -> str:
 
     n_params = sum(p.numel() for p in model.parameters())
     dtype = torch.float32 if n_params * 4 < 17_000_000 else torch.bfloat16
-    model.to(dtype)
+    device = next(model.parameters()).device
+    model.to("cpu").to(dtype)
     model.config.dtype = dtype
     model.generation_config = GenerationConfig(
         bos_token_id=model.config.bos_token_id,
@@ -748,7 +852,7 @@ def save_checkpoint(model: torch.nn.Module, out_dir: Path) -> str:
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
     (out_dir / "model.safetensors").chmod(0o644)
-    model.to(torch.float32)
+    model.to(torch.float32).to(device)  # the stored values, in fp32
     return str(dtype).replace("torch.", "")
 
 
@@ -779,6 +883,8 @@ class Trainer:
 def prepare_out_dir(args: argparse.Namespace) -> tuple[Path, float]:
     """Seed, threads and determinism from ``args``; a fresh ``args.out``. Returns it and the run's start time."""
     run_start = time.perf_counter()
+    if str(getattr(args, "device", "cpu")).startswith("cuda"):
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before CUDA starts
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -790,25 +896,34 @@ def prepare_out_dir(args: argparse.Namespace) -> tuple[Path, float]:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None, out_dir: Path, run_start: float, corpus: Corpus,
-        trainer: Trainer) -> dict[str, Any]:
-    """Write the held-out text, train the tokenizer and the model on ``corpus``, evaluate, write the checkpoint
-    directory and its reports; returns the metrics."""
+        trainer: Trainer, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """Write the held-out text, train the tokenizer (unless one is given) and the model on ``corpus``, evaluate,
+    write the checkpoint directory and its reports; returns the metrics.
+
+    The size options of :func:`add_training_options`, where ``args`` has them, replace ``trainer.model_spec``'s.
+    """
     import tokenizers
     import transformers
 
     splits = corpus.splits
-    write_split_manifest(splits, corpus.skipped, out_dir / "split.json")
+    version = getattr(args, "stdlib_version", None) or python_version()
+    model_spec = model_spec_from_args(args, trainer.model_spec) if hasattr(args, "hidden_size") else trainer.model_spec
+    write_split_manifest(splits, corpus.skipped, out_dir / "split.json", version)
     chunking = {} if trainer.calibration_chunk_chars is None else {"chunk_chars": trainer.calibration_chunk_chars}
     calib = write_calibration_jsonl(splits[SPLIT_CALIBRATION], out_dir / "calibration.jsonl", **chunking)
     eval_text = build_eval_text(splits[SPLIT_EVAL])
     (out_dir / "eval.txt").write_text(eval_text, encoding="utf-8")
 
     t0 = time.perf_counter()
-    train_texts = [f.text for f in splits[SPLIT_TRAIN]]
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
-    save_tokenizer(tokenizer, out_dir, model_max_length=trainer.model_spec.max_position_embeddings)
+    tokenizer_source = getattr(args, "tokenizer", None)
+    if tokenizer is None:
+        tokenizer = train_tokenizer([f.text for f in splits[SPLIT_TRAIN]], args.vocab_size)
+    save_tokenizer(tokenizer, out_dir, model_max_length=model_spec.max_position_embeddings)
     tok_check = check_tokenizer(out_dir, [f.text for f in splits[SPLIT_EVAL][:20]])
-    print(f"tokenizer trained in {time.perf_counter() - t0:.1f}s: {tok_check}", flush=True)
+    if tokenizer_source is not None:
+        tok_check["source"] = str(tokenizer_source)
+    print(f"tokenizer {'read' if tokenizer_source else 'trained'} in {time.perf_counter() - t0:.1f}s: {tok_check}",
+          flush=True)
 
     streams = {name: encode_documents(tokenizer, [f.text for f in fs]) for name, fs in splits.items()}
     spec = TrainSpec(
@@ -821,22 +936,28 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, out_dir: Path, run
         warmup_steps=args.warmup_steps,
         log_every=args.log_every,
         threads=args.threads,
+        device=getattr(args, "device", TrainSpec.device),
+        eval_every=getattr(args, "eval_every", 0),
+        weight_decay=getattr(args, "weight_decay", TrainSpec.weight_decay),
+        min_lr_ratio=getattr(args, "min_lr_ratio", TrainSpec.min_lr_ratio),
     )
     train_windows = pack_windows(streams[SPLIT_TRAIN], spec.seq_len)
     print(f"train tokens {streams[SPLIT_TRAIN].numel():,} -> {train_windows.size(0)} windows", flush=True)
 
     torch.manual_seed(args.seed)
-    model = build_model(trainer.model_spec, tokenizer.get_vocab_size(), family=trainer.family)
+    model = build_model(model_spec, tokenizer.get_vocab_size(), family=trainer.family)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters", flush=True)
-    result = train_model(model, train_windows, spec)
+    validation = pack_windows(streams[SPLIT_CALIBRATION], spec.seq_len) if spec.eval_every else None
+    result = train_model(model, train_windows, spec, validation)
 
+    weights_dtype = save_checkpoint(model, out_dir)  # rounds the weights to the stored dtype: evaluate those
     eval_ppl, eval_tokens = perplexity(model, pack_windows(streams[SPLIT_EVAL], spec.seq_len))
+    calib_ppl, calib_tokens = perplexity(model, pack_windows(streams[SPLIT_CALIBRATION], spec.seq_len))
     eval_txt_ids = torch.tensor(tokenizer.encode(eval_text).ids, dtype=torch.long)
     eval_txt_ppl, eval_txt_tokens = perplexity(model, pack_windows(eval_txt_ids, spec.seq_len))
-    print(f"held-out perplexity: eval split {eval_ppl:.2f} ({eval_tokens} tokens), eval.txt {eval_txt_ppl:.2f}")
-
-    weights_dtype = save_checkpoint(model, out_dir)
+    print(f"held-out perplexity: eval split {eval_ppl:.2f} ({eval_tokens} tokens), calibration split "
+          f"{calib_ppl:.2f}, eval.txt {eval_txt_ppl:.2f}", flush=True)
     samples = generate_samples(model, out_dir, trainer.prompts, args.seed)
     for s in samples:
         print(f"--- {s['prompt']!r}\n[greedy]\n{s['greedy']}\n[sampled]\n{s['sampled']}", flush=True)
@@ -845,7 +966,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, out_dir: Path, run
     metrics: dict[str, Any] = {
         "command": command.strip(),
         "seed": args.seed,
-        "python_version": python_version(),
+        "python_version": version,
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "tokenizers_version": tokenizers.__version__,
@@ -864,19 +985,23 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, out_dir: Path, run
         },
         "tokenizer": {"vocab_size": tokenizer.get_vocab_size(), **tok_check},
         "model": {"architecture": trainer.architecture, "vocab_size": tokenizer.get_vocab_size(),
-                  **asdict(trainer.model_spec), "tie_word_embeddings": True, **trainer.model_extra},
+                  **asdict(model_spec), "tie_word_embeddings": True, **trainer.model_extra},
         "parameters": n_params,
         "weights_dtype": weights_dtype,
         "train": {
             **{k: v for k, v in asdict(spec).items() if k != "seed"},
             **asdict(result),
             "epochs": result.tokens_seen / max(train_windows.numel(), 1),
+            **({"device_name": torch.cuda.get_device_name(torch.device(spec.device))}
+               if spec.device.startswith("cuda") else {}),
         },
         "eval": {
             "eval_split_ppl": round(eval_ppl, 3),
             "eval_split_tokens": eval_tokens,
             "eval_txt_ppl": round(eval_txt_ppl, 3),
             "eval_txt_tokens": eval_txt_tokens,
+            "calibration_split_ppl": round(calib_ppl, 3),
+            "calibration_split_tokens": calib_tokens,
         },
         "samples": samples,
     }
@@ -889,13 +1014,19 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None, out_dir: Path, run
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Build the corpus, tokenizer and model, train, evaluate and write the checkpoint directory."""
     args = parse_args(argv)
+    if args.pack_stdlib is not None:
+        n = pack_stdlib(args.stdlib or stdlib_root(), args.pack_stdlib)
+        print(f"{args.pack_stdlib}: {n} files of Python {python_version()}'s standard library")
+        return {}
+    tokenizer = load_tokenizer(args)
     out_dir, run_start = prepare_out_dir(args)
     root = args.stdlib or stdlib_root()
     files, undecodable = collect_stdlib_files(root)
     splits = split_files(files)
     print(f"stdlib {root}: " + ", ".join(f"{k}={len(v)}" for k, v in splits.items()), flush=True)
     corpus = Corpus(splits, undecodable, {"skipped_not_utf8": undecodable})
-    return run(args, argv, out_dir, run_start, corpus, Trainer("builder.devtools.train_bundled", ModelSpec()))
+    return run(args, argv, out_dir, run_start, corpus, Trainer("builder.devtools.train_bundled", ModelSpec()),
+               tokenizer)
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from typing import Sequence
 
 import torch
 
-from builder.devtools.train_bundled import (SPLIT_EVAL, SPLIT_TRAIN, ModelSpec, TrainSpec, batch_order, build_model,
-                                            collect_stdlib_files, encode_documents, lr_factor, make_optimizer,
-                                            pack_windows, split_files, stdlib_root)
+from builder.devtools.train_bundled import (SPLIT_EVAL, SPLIT_TRAIN, ModelSpec, TrainSpec, autocast, batch_order,
+                                            build_model, collect_stdlib_files, encode_documents, lr_factor,
+                                            make_optimizer, pack_windows, split_files, stdlib_root)
 
 DRAFT_SPEC = ModelSpec(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=32)
@@ -51,8 +51,9 @@ def agreement(draft: torch.nn.Module, target: torch.nn.Module, windows: torch.Te
     draft), and each model's perplexity (each window predicts its own last seq_len - 1 tokens)."""
     same = kl = nll_d = nll_t = 0.0
     n = 0
+    device = next(draft.parameters()).device
     for i in range(0, windows.size(0), batch_size):
-        x = windows[i:i + batch_size]
+        x = windows[i:i + batch_size].to(device)
         d, t = draft(input_ids=x).logits.float(), target(input_ids=x).logits.float()
         same += (d.argmax(-1) == t.argmax(-1)).sum().item()
         kl += distill_loss(d, t).item() * x.numel()
@@ -67,7 +68,9 @@ def agreement(draft: torch.nn.Module, target: torch.nn.Module, windows: torch.Te
 
 
 def distill(draft: torch.nn.Module, target: torch.nn.Module, windows: torch.Tensor, spec: TrainSpec) -> list:
-    """AdamW on ``distill_loss`` over seeded batches of ``windows`` (warmup, then cosine decay); the loss curve."""
+    """AdamW on ``distill_loss`` over seeded batches of ``windows`` (warmup, then cosine decay; bf16 autocast on
+    CUDA); the loss curve."""
+    device = next(draft.parameters()).device
     optimizer = make_optimizer(draft, spec)
     batches = batch_order(windows.size(0), spec.batch_size, spec.max_steps, spec.seed)
     draft.train()
@@ -76,10 +79,11 @@ def distill(draft: torch.nn.Module, target: torch.nn.Module, windows: torch.Tens
         progress = (step - spec.warmup_steps) / max(spec.max_steps - spec.warmup_steps, 1)
         for group in optimizer.param_groups:
             group["lr"] = spec.peak_lr * lr_factor(step, spec.warmup_steps, progress, spec.min_lr_ratio)
-        x = windows[idx]
-        with torch.no_grad():
+        x = windows[idx].to(device)
+        with torch.no_grad(), autocast(device):
             target_logits = target(input_ids=x).logits
-        loss = distill_loss(draft(input_ids=x).logits, target_logits)
+        with autocast(device):
+            loss = distill_loss(draft(input_ids=x).logits, target_logits)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), spec.grad_clip)
@@ -104,6 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib directory (default: this interpreter's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (CUDA: bf16 autocast, fp32 weights)")
     return p.parse_args(argv)
 
 
@@ -114,9 +119,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval().to(device)
     for p in target.parameters():
         p.requires_grad_(False)
     files, _ = collect_stdlib_files(args.stdlib or stdlib_root())
@@ -129,21 +135,24 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
     spec = TrainSpec(seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      peak_lr=args.lr, threads=args.threads)
-    draft = build_model(DRAFT_SPEC, target.config.vocab_size)
+    draft = build_model(DRAFT_SPEC, target.config.vocab_size).to(device)
     before = agreement(draft, target, held_out)
     t1 = time.perf_counter()
     curve = distill(draft, target, train, spec)
     train_s = time.perf_counter() - t1
+    draft.to(torch.bfloat16).to(torch.float32)  # the values stored (bf16): measure those
     after = agreement(draft, target, held_out)
     print(json.dumps({"before": before, "after": after}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    draft.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
+    draft.to("cpu").to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
     for name in TOKENIZER_FILES:
         if (args.target / name).exists():
             shutil.copyfile(args.target / name, args.out / name)
     params = sum(p.numel() for p in draft.parameters())
     metrics = {"target": str(args.target), "model": asdict(DRAFT_SPEC), "parameters": params,
-               "train": asdict(spec), "train_windows": train.size(0), "train_seconds": round(train_s, 1),
+               "train": {**asdict(spec), "device": str(device),
+                         **({"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
+               "train_windows": train.size(0), "train_seconds": round(train_s, 1),
                "loss": "KL(target || draft), nats per position", "loss_curve": curve,
                "held_out": {"windows": held_out.size(0), "seq_len": args.seq_len, "untrained": before,
                             "trained": after},

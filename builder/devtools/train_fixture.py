@@ -34,6 +34,8 @@ SEED = 1234
 MAX_STEPS = 240  # x batch 8 x 256 tokens: about 1 epoch of the train split, inside 20 minutes on 2 CPU cores
 BATCH_SIZE = 8
 WARMUP_STEPS = 20
+SEQ_LEN = 256
+LOG_EVERY = 25
 PEAK_LR = 4e-3  # twice the bundled model's: a smaller model, and fewer steps
 CALIBRATION_CHUNK_CHARS = 1000  # docstring text is short: smaller chunks give enough calibration records
 DEFAULT_PROMPTS = ("Return the number of", "This module provides", "Raise ValueError if")
@@ -119,11 +121,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument("--max-steps", type=int, default=MAX_STEPS, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=BATCH_SIZE)
-    p.add_argument("--seq-len", type=int, default=tb.TrainSpec.seq_len)
+    p.add_argument("--seq-len", type=int, default=SEQ_LEN)
     p.add_argument("--lr", type=float, default=PEAK_LR, help="peak learning rate")
     p.add_argument("--warmup-steps", type=int, default=WARMUP_STEPS)
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
-    p.add_argument("--log-every", type=int, default=tb.TrainSpec.log_every, help="print the loss every N steps")
+    p.add_argument("--log-every", type=int, default=LOG_EVERY, help="print the loss every N steps")
     p.add_argument("--threads", type=int, default=tb.TrainSpec.threads)
     p.add_argument("--stdlib", type=Path, default=None, help="stdlib directory (default: this interpreter's)")
     return p.parse_args(argv)
