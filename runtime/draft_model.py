@@ -235,6 +235,9 @@ class PagedDraft:
         self.rows = torch.arange(top, dtype=torch.long, device=dev)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(max(self.chain_len, 1), top, dtype=torch.long, device=dev)  # [step, row] the drafts
+        # host staging of [first_pos | slot_rows | valid]: pinned, so the copy is queued behind the catch-up step
+        # instead of waiting for it; one set is enough, a proposal ends by reading its drafts back
+        self._staging = torch.zeros(3, top, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, chain length)
         if capture:
             pool = torch.cuda.graph_pool_handle()
@@ -320,13 +323,14 @@ class PagedDraft:
             return [first.tolist()]
         n = len(slots)
         b = next(x for x in self.buckets if x >= n)
-        host = torch.tensor([[s + len(p) for s, p in zip(starts, pending)] + [0] * (b - n),
-                             list(slots) + [0] * (b - n), [1] * n + [0] * (b - n)], dtype=torch.long)
-        host = host.to(self.device, non_blocking=False)
+        host = self._staging
+        host[:, :b] = torch.tensor([[s + len(p) for s, p in zip(starts, pending)] + [0] * (b - n),
+                                    list(slots) + [0] * (b - n), [1] * n + [0] * (b - n)], dtype=torch.long)
+        nb = host.is_pinned()
         self.first[:n].copy_(first)
-        self.first_pos[:b].copy_(host[0])
-        self.slot_rows[:b].copy_(host[1])
-        self.valid[:b].copy_(host[2].bool())
+        self.first_pos[:b].copy_(host[0, :b], non_blocking=nb)
+        self.slot_rows[:b].copy_(host[1, :b], non_blocking=nb)
+        self.valid[:b].copy_(host[2, :b], non_blocking=nb)  # 0/1 into bool
         graph = self._graphs.get((b, k - 1))
         if graph is None:
             self._chain(b, k - 1)

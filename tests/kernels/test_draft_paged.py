@@ -65,8 +65,8 @@ def test_paged_batch_mixed_lengths_long_prompts_and_eviction(engines):
     reused); every proposal equals the reference's."""
     paged, fresh, vocab = _proposers(engines, max_seqs=3)
     g = torch.Generator().manual_seed(4)
-    prompts = {f"r{i}": torch.randint(3, vocab, (n,), generator=g).tolist() for i, n in enumerate((9, 150, 30, 12))}
-    assert 150 > paged.paged.max_tokens
+    prompts = {f"r{i}": torch.randint(3, vocab, (n,), generator=g).tolist() for i, n in enumerate((9, 70, 30, 12))}
+    assert 70 > paged.paged.max_tokens
     reqs = [DraftRequest("r0", prompts["r0"], 4), DraftRequest("r1", prompts["r1"], 2),
             DraftRequest("r2", prompts["r2"], 1)]
     got = paged.propose(reqs)

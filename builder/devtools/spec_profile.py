@@ -1,0 +1,103 @@
+"""Where a speculative decoding step's time goes at batch 1: wall time per step of the serving engine, split by
+the engine's phases (proposal, scheduling, the target's step launch, sampling, recording), plus a cProfile table.
+
+    python -m builder.devtools.spec_profile ARTIFACT --draft DRAFT_ARTIFACT [--num-draft 4] [--text FILE]
+        [--prompts 4] [--output-len 128] [--device cuda] [--top 25]
+
+Each phase's figure is host wall time inside that call, synchronisations included (the proposal ends by reading
+the drafts back, sampling by reading the tokens), so the phases add up to the step and show what the host waits on.
+The plain engine (no speculation) runs the same prompts first for the per-token comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from builder.bench.speculative import _close, _generate, _load, text_prompts
+from runtime.artifact import open_artifact
+from runtime.speculative import SpeculativeConfig
+
+
+def _timed(obj, name: str, totals: dict[str, float], counts: dict[str, int]) -> None:
+    """Wrap ``obj.name`` to add its wall time to ``totals[name]``."""
+    inner = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            totals[name] += time.perf_counter() - start
+            counts[name] += 1
+
+    setattr(obj, name, wrapper)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact")
+    parser.add_argument("--draft", required=True)
+    parser.add_argument("--num-draft", type=int, default=4)
+    parser.add_argument("--text", type=Path, default=Path("models/pystdlib-llama/eval.txt"))
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args(argv)
+    tokenizer = open_artifact(args.artifact, check_hashes=False).load_tokenizer()
+    prompts = text_prompts(tokenizer, args.prompts, args.input_len, args.text)
+
+    plain = _load(args.artifact, args.device, None)
+    _generate(plain, prompts[0], 8)
+    start = time.perf_counter()
+    plain_tokens = sum(len(_generate(plain, p, args.output_len)[0]) for p in prompts)
+    plain_s = time.perf_counter() - start
+    plain_steps = plain.num_steps
+    _close(plain)
+
+    engine = _load(args.artifact, args.device, SpeculativeConfig(method="draft", draft_model=args.draft,
+                                                                 num_speculative_tokens=args.num_draft))
+    _generate(engine, prompts[0], 8)
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    _timed(engine.proposer, "propose", totals, counts)
+    if getattr(engine.proposer, "paged", None) is not None:
+        _timed(engine.proposer.paged, "feed", totals, counts)
+    _timed(engine.scheduler, "schedule", totals, counts)
+    for name in ("_run", "_sample", "_logprobs", "_record", "_verify", "step"):
+        _timed(engine, name, totals, counts)
+    steps0 = engine.num_steps
+    profile = cProfile.Profile()
+    start = time.perf_counter()
+    profile.enable()
+    tokens = sum(len(_generate(engine, p, args.output_len)[0]) for p in prompts)
+    profile.disable()
+    spec_s = time.perf_counter() - start
+    steps = engine.num_steps - steps0
+    stats = engine.stats()
+    _close(engine)
+
+    print(f"plain: {plain_tokens} tokens in {plain_s * 1e3:.1f} ms ({plain_s / plain_tokens * 1e3:.3f} ms a token, "
+          f"{plain_steps} steps)")
+    print(f"speculative (k={args.num_draft}): {tokens} tokens in {spec_s * 1e3:.1f} ms "
+          f"({spec_s / tokens * 1e3:.3f} ms a token), {steps} steps ({spec_s / max(steps, 1) * 1e3:.3f} ms a step); "
+          f"acceptance {stats.spec_acceptance_rate:.2f}, accepted per verify {stats.spec_mean_accepted_tokens:.2f}")
+    print("phase (host wall time inside the call)      calls   ms a call   ms a step")
+    for name in sorted(totals, key=totals.get, reverse=True):
+        print(f"  {name:40s} {counts[name]:7d} {totals[name] / counts[name] * 1e3:10.3f} "
+              f"{totals[name] / max(steps, 1) * 1e3:10.3f}")
+    out = io.StringIO()
+    pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(args.top)
+    print(out.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
