@@ -238,6 +238,9 @@ class StepGraphs:
                           torch.zeros(3 * top_s + 1, dtype=torch.int32, pin_memory=pin),
                           torch.zeros(top_s, self.max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
         self._turn = 0
+        # per staging set, an event recorded after its copies were queued: the set is rewritten only once they ran
+        # (a caller that launches steps back to back without reading any back, e.g. a draft model's long prompt)
+        self._copied: list[torch.cuda.Event | None] = [None, None]
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if capture:
             start = time.perf_counter()
@@ -305,8 +308,11 @@ class StepGraphs:
         key = self.bucket_for(n, num_seqs, rows)
         assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences ({rows} logits rows): no step bucket"
         t, s = key
-        longs, ints, tabs = self._staging[self._turn]
+        turn = self._turn
+        longs, ints, tabs = self._staging[turn]
         self._turn ^= 1
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()  # done already on the serving path, which reads each step back
         pad_t, pad_s = t - n, s - num_seqs
         longs[:3 * t + s] = torch.tensor(step.input_ids + [0] * pad_t + step.positions + [0] * pad_t
                                          + step.slots + [-1] * pad_t + step.logits_rows + [0] * (s - rows),
@@ -332,6 +338,9 @@ class StepGraphs:
             longs[base:base + 2 * k] = torch.tensor(sources + targets, dtype=torch.long)
             index = longs[base:base + 2 * k].to(self.input_ids.device, non_blocking=nb)
             self.input_ids.index_copy_(0, index[k:], tokens.index_select(0, index[:k]))
+        if nb:
+            self._copied[turn] = torch.cuda.Event()
+            self._copied[turn].record()
         graph = self._graphs.get(key)
         if graph is None:  # not captured: the same padded step, eagerly
             return self.executor.forward(self._step_input(t, s))[:rows]

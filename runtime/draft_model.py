@@ -38,7 +38,7 @@ from runtime.engine import Engine
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import tensor_bytes
-from runtime.speculative import MAX_SPECULATIVE_TOKENS, DraftRequest, Proposer, SpeculativeConfigError
+from runtime.speculative import DraftRequest, Proposer, SpeculativeConfigError
 
 CHAIN_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets of the draft chain's CUDA graphs (and max_seqs)
 
@@ -58,7 +58,7 @@ class DraftModelProposer(Proposer):
     method = "draft"
 
     def __init__(self, draft: Engine, target_vocab_size: int, target_tokenizer, max_seq_len: int,
-                 max_seqs: int = 8, max_draft_tokens: int = MAX_SPECULATIVE_TOKENS, paged: bool | None = None,
+                 max_seqs: int = 8, max_draft_tokens: int = 4, paged: bool | None = None,
                  cuda_graphs: bool = True) -> None:
         """``max_draft_tokens``: the most drafts a request gets per proposal (the chain's length + 1). ``paged``:
         the paged storage and its steps (default: where the draft runs the kernels and its head sizes have the
@@ -82,14 +82,15 @@ class DraftModelProposer(Proposer):
 
     @classmethod
     def load(cls, path: str | Path, device: torch.device, target_vocab_size: int, target_tokenizer,
-             max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = MAX_SPECULATIVE_TOKENS,
+             max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4,
              cuda_graphs: bool = True) -> DraftModelProposer:
         """Load the draft artifact on ``device`` (verified like any artifact, see ``Engine.load``)."""
         return cls(Engine.load(path, device), target_vocab_size, target_tokenizer, max_seq_len, max_seqs,
                    max_draft_tokens, cuda_graphs=cuda_graphs)
 
     def kv_bytes(self) -> int:
-        """The most bytes the per-request draft caches hold at once: max_seqs caches of max_seq_len tokens."""
+        """The most bytes the per-request draft caches hold at once: max_seqs caches of max_seq_len tokens (whole
+        blocks of them in the paged storage)."""
         if self.paged is not None:
             return self.paged.storage.bytes()
         return self.max_seqs * self.max_seq_len * self.draft.kv_layout.bytes_per_token()
@@ -98,6 +99,11 @@ class DraftModelProposer(Proposer):
         seq = self._seqs.pop(request_id, None)
         if seq is not None and self.paged is not None:
             self.paged.free(seq.kv)
+
+    def close(self) -> None:
+        """Destroy the draft's CUDA graphs now (idempotent)."""
+        if self.paged is not None:
+            self.paged.close()
 
     def weights_bytes(self) -> int:
         return tensor_bytes(self.draft.executor.params.values())
@@ -160,7 +166,9 @@ class DraftModelProposer(Proposer):
             seq = self._seqs[request.request_id] = _DraftSeq(kv)
         self._seqs.move_to_end(request.request_id)
         token_ids = request.token_ids
-        keep = seq.num_known  # equal by construction: the request's tokens only grow
+        # what the request had at its last proposal is kept (its tokens only grow), but its last token is always fed
+        # again: a request proposed for twice with the same tokens (left unscheduled in between) has one to feed
+        keep = min(seq.num_known, len(token_ids) - 1)
         while keep < min(len(seq.token_ids), len(token_ids) - 1) and seq.token_ids[keep] == token_ids[keep]:
             keep += 1
         del seq.token_ids[keep:]
@@ -220,6 +228,9 @@ class PagedDraft:
         self.storage = PagedKVStorage(draft.kv_layout, max_seqs * self.blocks_per_seq, bs, draft.device)
         self._free = list(range(max_seqs - 1, -1, -1))  # request slots; pop() takes the lowest
         self.max_tokens = draft.limits.max_num_tokens
+        if self.max_tokens < max_seqs:  # the last catch-up feeds each request at least one token in one step
+            raise SpeculativeConfigError(f"the draft artifact takes {self.max_tokens} tokens a step, fewer than the "
+                                         f"{max_seqs} requests that may speculate together (max_running)")
         self.steps = StepGraphs(self.executor, self.storage, self.max_tokens, max_seqs, max_seq_len, capture=capture)
         self.chain_len = max_draft_tokens - 1
         self.buckets = sorted({b for b in buckets if b < max_seqs} | {max_seqs})
@@ -313,8 +324,6 @@ class PagedDraft:
                 while len(pending[i]) > 1:
                     take = pending[i][:min(self.max_tokens, len(pending[i]) - 1)]
                     self.feed([slots[i]], [starts[i]], [take])
-                    if self.capture:
-                        torch.cuda.current_stream().synchronize()  # the step's staging buffers are used in turn
                     starts[i] += len(take)
                     del pending[i][:len(take)]
         first = self.feed(slots, starts, pending)

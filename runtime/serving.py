@@ -123,9 +123,10 @@ class ServingConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
 
-def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int) -> Proposer:
+def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, cuda_graphs: bool = True) -> Proposer:
     """The proposer ``config.method`` names (runtime.speculative.METHODS) for ``target``: a draft model is loaded on
-    its device and must share its vocabulary; ``max_seq_len``: the serving limit."""
+    its device and must share its vocabulary; ``max_seq_len``: the serving limit; ``cuda_graphs``: the draft's steps
+    may be captured (ServingConfig.cuda_graphs)."""
     if config.method == "ngram":
         return NgramProposer(config.min_ngram, config.max_ngram)
     if config.method == "draft":
@@ -134,7 +135,7 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int) -
         vocab = int(target.executor.graph.get("meta", {}).get("vocab_size", 0))
         return DraftModelProposer.load(config.draft_model, target.device, vocab, target.tokenizer, max_seq_len,
                                        max_seqs=config.max_running,  # no step speculates for more requests
-                                       max_draft_tokens=config.num_speculative_tokens)
+                                       max_draft_tokens=config.num_speculative_tokens, cuda_graphs=cuda_graphs)
     raise SpeculativeConfigError(f"no proposer for speculative method {config.method!r}; use one of "
                                  f"{', '.join(METHODS)}")
 
@@ -231,8 +232,15 @@ class ServingEngine:
             max_waiting=config.max_waiting)
         self.block_size = limits.tokens_per_block
         spec = config.speculative  # the proposer first: a draft model's weights are planned with the target's
-        self.proposer: Proposer | None = make_proposer(spec, engine, self.scheduler_config.max_seq_len) \
-            if spec.enabled else None
+        reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
+        self.proposer: Proposer | None = make_proposer(spec, engine, self.scheduler_config.max_seq_len,
+                                                       config.cuda_graphs) if spec.enabled else None
+        # what the draft holds beyond its weights and caches (its CUDA graphs' pools, their static buffers): planned
+        # beside them
+        self._draft_extra_bytes = 0
+        if self.proposer is not None and reserved:
+            self._draft_extra_bytes = max(0, torch.cuda.memory_reserved(engine.device) - reserved
+                                          - self.proposer.weights_bytes() - self.proposer.kv_bytes())
         self.spec_policy = SpeculationPolicy(spec)
         self.memory_plan = self._plan_memory()
         log.info(self.memory_plan.describe())
@@ -304,6 +312,8 @@ class ServingEngine:
             self._grammars.close()
         if self._mask_filler is not None:
             self._mask_filler.shutdown(wait=True)
+        if self.proposer is not None:
+            self.proposer.close()
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
@@ -311,7 +321,8 @@ class ServingEngine:
         cfg, sc = self.config, self.scheduler_config
         layout = self.engine.kv_layout
         weights = tensor_bytes(self.executor.params.values()) + (self.proposer.weights_bytes() if self.proposer else 0)
-        draft_kv = self.proposer.kv_bytes() if self.proposer else 0  # a draft model's own caches, beside the pool
+        # a draft model's own caches (and on CUDA its graphs' memory), beside the pool
+        draft_kv = self.proposer.kv_bytes() + self._draft_extra_bytes if self.proposer else 0
         per_block = layout.bytes_per_token() * self.block_size
         if cfg.num_blocks is not None or self.device.type != "cuda":
             workspace = estimate_workspace_bytes(self.executor.graph, sc.max_num_batched_tokens, sc.max_num_seqs,

@@ -189,6 +189,9 @@ class Proposer(abc.ABC):
         """The most device memory the proposer's own caches take (a draft model's), reserved beside the KV pool."""
         return 0
 
+    def close(self) -> None:
+        """Release what outlives the proposer (a draft model's CUDA graphs); the serving engine's close calls it."""
+
 
 class NgramProposer(Proposer):
     """Prompt lookup: the tokens that followed the most recent earlier occurrence of the request's last n tokens.

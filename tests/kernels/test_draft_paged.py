@@ -24,16 +24,17 @@ def engines(tmp_path_factory):
     return Engine.load(path, use_kernels=True), Engine.load(path, use_kernels=False)
 
 
-def _proposers(engines, **kw):
+def _proposers(engines, max_seq_len: int = 256, **kw):
     from runtime.draft_model import DraftModelProposer
 
     fused, ref = engines
     vocab = int(ref.executor.graph["meta"]["vocab_size"])
-    paged = DraftModelProposer(fused, vocab, fused.tokenizer, 256, max_draft_tokens=4, cuda_graphs=False, **kw)
+    paged = DraftModelProposer(fused, vocab, fused.tokenizer, max_seq_len, max_draft_tokens=4, cuda_graphs=False,
+                               **kw)
     assert paged.paged is not None and not paged.paged._graphs  # eager: the same steps the graphs replay
 
     def fresh():
-        return DraftModelProposer(ref, vocab, ref.tokenizer, 256, max_draft_tokens=4, paged=False)
+        return DraftModelProposer(ref, vocab, ref.tokenizer, max_seq_len, max_draft_tokens=4, paged=False)
 
     return paged, fresh, vocab
 
@@ -63,21 +64,68 @@ def test_paged_batch_mixed_lengths_long_prompts_and_eviction(engines):
     """Three requests in one proposal (a padded chain bucket: 3 rows of 4), wanting 4, 2 and 1 drafts, one prompt
     longer than a step (fed in chunks first); then more than max_seqs requests (the least recent evicted, its slot
     reused); every proposal equals the reference's."""
-    paged, fresh, vocab = _proposers(engines, max_seqs=3)
+    paged, fresh, vocab = _proposers(engines, max_seqs=4)
+    assert paged.paged.buckets == [1, 2, 4]  # 3 rows run padded to 4: a row that writes nothing
     g = torch.Generator().manual_seed(4)
-    prompts = {f"r{i}": torch.randint(3, vocab, (n,), generator=g).tolist() for i, n in enumerate((9, 70, 30, 12))}
+    prompts = {f"r{i}": torch.randint(3, vocab, (n,), generator=g).tolist()
+               for i, n in enumerate((9, 70, 30, 12, 15))}
     assert 70 > paged.paged.max_tokens
     reqs = [DraftRequest("r0", prompts["r0"], 4), DraftRequest("r1", prompts["r1"], 2),
             DraftRequest("r2", prompts["r2"], 1)]
     got = paged.propose(reqs)
     assert [len(d) for d in got] == [4, 2, 1]
     assert got == fresh().propose(reqs)
-    # a step later: r0 accepted 2 drafts, r2 its one; a new request, r3, evicts r1 (not in this step)
+    # a step later: r0 accepted 2 drafts, r2 its one, r3 is new; then r4 evicts r1 (the least recent, not in its step)
     step2 = [DraftRequest("r0", prompts["r0"] + got[0][:2] + [5], 3),
              DraftRequest("r2", prompts["r2"] + got[2] + [6], 4),
              DraftRequest("r3", prompts["r3"], 4)]
     assert paged.propose(step2) == fresh().propose(step2)
-    assert set(paged._seqs) == {"r0", "r2", "r3"}  # r1 went for r3
-    again = [DraftRequest("r1", prompts["r1"] + [got[1][0]], 4)]  # refed from its tokens
+    step3 = [DraftRequest("r4", prompts["r4"], 2)]
+    assert paged.propose(step3) == fresh().propose(step3)
+    assert set(paged._seqs) == {"r0", "r2", "r3", "r4"}
+    again = [DraftRequest("r1", prompts["r1"] + [got[1][0]], 4)]  # refed from its tokens; r0's slot reused
     assert paged.propose(again) == fresh().propose(again)
-    assert len(paged.paged._free) == 0 and len({s.kv for s in paged._seqs.values()}) == 3
+    assert set(paged._seqs) == {"r1", "r2", "r3", "r4"}
+    assert len(paged.paged._free) == 0 and len({s.kv for s in paged._seqs.values()}) == 4
+    # proposed for again with the same tokens (left unscheduled in between): its last token is fed again
+    assert paged.propose(again) == fresh().propose(again)
+
+
+def test_paged_prompts_over_a_step_and_the_cache_end(engines):
+    """New prompts whose tokens together exceed a step (each fed alone first), and a request at the end of its cache
+    wanting 1 draft beside one wanting 4: the chain's later positions fall past its blocks and write nothing."""
+    paged, fresh, vocab = _proposers(engines, max_seq_len=96)
+    g = torch.Generator().manual_seed(5)
+    new = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (50, 40, 7)]
+    reqs = [DraftRequest(f"n{i}", ids, k) for i, (ids, k) in enumerate(zip(new, (4, 2, 3)))]
+    assert sum(map(len, new)) > paged.paged.max_tokens
+    assert paged.propose(reqs) == fresh().propose(reqs)
+    long = torch.randint(3, vocab, (paged.max_seq_len - 2,), generator=g).tolist()
+    assert paged.paged.capacity == paged.max_seq_len
+    end = [DraftRequest("end", long, 1), DraftRequest("n2", new[2] + [9], 4)]
+    assert paged.propose(end) == fresh().propose(end)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available(),
+                    reason="CUDA graphs need a GPU (run with TRITON_INTERPRET=0)")
+def test_captured_draft_on_cuda_with_work_queued(tmp_path):
+    """On the GPU, from its CUDA graphs: the drafts equal the reference path's, also when the stream still holds
+    work as a proposal starts (its long prompt fed in several steps back to back, whose staging buffers are reused
+    only once their copies have run)."""
+    from runtime.draft_model import DraftModelProposer
+
+    path = build_artifact(make_checkpoint(tmp_path / "ckpt", "llama", num_attention_heads=2, num_key_value_heads=1),
+                          tmp_path / "art")
+    fused, ref = Engine.load(path, device="cuda", use_kernels=True), Engine.load(path, use_kernels=False)
+    vocab = int(ref.executor.graph["meta"]["vocab_size"])
+    paged = DraftModelProposer(fused, vocab, fused.tokenizer, 256, max_draft_tokens=4)
+    assert paged.paged is not None and paged.paged._graphs
+    g = torch.Generator().manual_seed(6)
+    for n in (200, 150, 20):
+        tokens = torch.randint(3, vocab, (n,), generator=g).tolist()
+        torch.cuda._sleep(300_000_000)  # the GPU busy while the host packs and queues the steps
+        got = paged.propose([DraftRequest(f"p{n}", tokens, 4)])
+        want = DraftModelProposer(ref, vocab, ref.tokenizer, 256, max_draft_tokens=4, paged=False).propose(
+            [DraftRequest(f"p{n}", tokens, 4)])
+        assert got == want
+    paged.close()
