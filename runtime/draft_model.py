@@ -232,7 +232,7 @@ class PagedDraft:
             raise SpeculativeConfigError(f"the draft artifact takes {self.max_tokens} tokens a step, fewer than the "
                                          f"{max_seqs} requests that may speculate together (max_running)")
         self.steps = StepGraphs(self.executor, self.storage, self.max_tokens, max_seqs, max_seq_len, capture=capture)
-        self.chain_len = max_draft_tokens - 1
+        self.chain_len = max_draft_tokens  # the longest chain: k one-token steps when each request feeds one token
         self.buckets = sorted({b for b in buckets if b < max_seqs} | {max_seqs})
         top, dev = self.buckets[-1], draft.device
         # slot i's block table, for good: blocks [i * B, (i + 1) * B)
@@ -246,9 +246,9 @@ class PagedDraft:
         self.rows = torch.arange(top, dtype=torch.long, device=dev)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(max(self.chain_len, 1), top, dtype=torch.long, device=dev)  # [step, row] the drafts
-        # host staging of [first_pos | slot_rows | valid]: pinned, so the copy is queued behind the catch-up step
-        # instead of waiting for it; one set is enough, a proposal ends by reading its drafts back
-        self._staging = torch.zeros(3, top, dtype=torch.long, pin_memory=dev.type == "cuda")
+        # host staging of [first_pos | slot_rows | valid | first]: pinned, so the copy is queued behind the catch-up
+        # step instead of waiting for it; one set is enough, a proposal ends by reading its drafts back
+        self._staging = torch.zeros(4, top, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, chain length)
         if capture:
             pool = torch.cuda.graph_pool_handle()
@@ -317,7 +317,16 @@ class PagedDraft:
 
     def propose(self, slots: list[int], starts: list[int], pending: list[list[int]], k: int) -> list[list[int]]:
         """Feed each slot its pending tokens (from ``starts``), then draft: returns [k][len(slots)] greedy tokens
-        (rows past the chain's length: none; k is at most chain_len + 1)."""
+        (k is at most chain_len).
+
+        Where every request feeds one token (the usual case after a verify step: the chain fed the drafts the target
+        accepted, so only the target's own token is new), the chain takes it as its first step, with no catch-up
+        step; otherwise the catch-up step feeds the pending tokens and the chain drafts the rest."""
+        k = min(k, self.chain_len)
+        n = len(slots)
+        if all(len(p) == 1 for p in pending):
+            self._run_chain(slots, list(starts), k, first_tokens=[p[0] for p in pending])
+            return self.out[:k, :n].tolist()
         starts, pending = list(starts), [list(p) for p in pending]
         if sum(map(len, pending)) > self.max_tokens:  # too many for one step: all but each one's last, alone
             for i in range(len(slots)):
@@ -327,25 +336,34 @@ class PagedDraft:
                     starts[i] += len(take)
                     del pending[i][:len(take)]
         first = self.feed(slots, starts, pending)
-        k = min(k, self.chain_len + 1)
         if k == 1:
             return [first.tolist()]
+        self._run_chain(slots, [s + len(p) for s, p in zip(starts, pending)], k - 1, first=first)
+        return torch.cat([first.unsqueeze(0), self.out[:k - 1, :n]]).tolist()
+
+    def _run_chain(self, slots: list[int], positions: list[int], length: int, first: torch.Tensor | None = None,
+                   first_tokens: list[int] | None = None) -> None:
+        """Replay the chain of ``length`` steps whose first feeds each slot, at ``positions``, the token of
+        ``first`` (on the device) or ``first_tokens`` (from the host); its drafts go to ``out[:length]``."""
         n = len(slots)
         b = next(x for x in self.buckets if x >= n)
+        pad = [0] * (b - n)
         host = self._staging
-        host[:, :b] = torch.tensor([[s + len(p) for s, p in zip(starts, pending)] + [0] * (b - n),
-                                    list(slots) + [0] * (b - n), [1] * n + [0] * (b - n)], dtype=torch.long)
+        host[:, :b] = torch.tensor([positions + pad, list(slots) + pad, [1] * n + pad,
+                                    (first_tokens if first_tokens is not None else [0] * n) + pad], dtype=torch.long)
         nb = host.is_pinned()
-        self.first[:n].copy_(first)
+        if first is not None:
+            self.first[:n].copy_(first)
+        else:
+            self.first[:b].copy_(host[3, :b], non_blocking=nb)
         self.first_pos[:b].copy_(host[0, :b], non_blocking=nb)
         self.slot_rows[:b].copy_(host[1, :b], non_blocking=nb)
         self.valid[:b].copy_(host[2, :b], non_blocking=nb)  # 0/1 into bool
-        graph = self._graphs.get((b, k - 1))
+        graph = self._graphs.get((b, length))
         if graph is None:
-            self._chain(b, k - 1)
+            self._chain(b, length)
         else:
             graph.replay()
-        return torch.cat([first.unsqueeze(0), self.out[:k - 1, :n]]).tolist()
 
     def close(self) -> None:
         for graph in self._graphs.values():
