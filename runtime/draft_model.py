@@ -18,10 +18,12 @@ the argmax, so the draft distribution is one-hot and ``runtime.speculative.accep
 
 Where the draft runs the Triton kernels (CUDA), its caches live in one paged storage instead
 (:class:`PagedDraft`): request slot i owns blocks [i * B, (i + 1) * B) for good (B = blocks of max_seq_len), so its
-block table never changes. A proposal is then two CUDA-graph replays and one read of the tokens: the catch-up step
-(every request's new tokens; ``runtime.cuda_graphs.StepGraphs`` over the draft's storage) and a chain of k - 1
-one-token steps captured as one graph per batch bucket, each step's argmax fed on the device to the next (its
-positions, slots and lengths computed on the device from the first). Without kernels (the CPU reference path) the
+block table never changes. A proposal is then a chain of one-token steps captured as one CUDA graph per batch bucket
+and length, and one read of the tokens: the chain feeds each request's new tokens (after a verify step one or two:
+the target's own token, and the last draft where all were accepted), then each step's argmax to the next, on the
+device (positions, slots and lengths computed there from the first). A request with more new tokens (a prompt)
+takes a catch-up step first (``runtime.cuda_graphs.StepGraphs`` over the draft's storage) and the chain drafts the
+rest. Without kernels (the CPU reference path) the
 draft runs its per-sequence caches eagerly, as above.
 """
 
@@ -214,7 +216,12 @@ class DraftModelProposer(Proposer):
 class PagedDraft:
     """The draft's caches in one paged storage, a fixed run of blocks per request slot, and its two kinds of step:
     the catch-up (``StepGraphs``) and the chain of one-token steps (a CUDA graph per batch bucket), see the module
-    docstring. ``capture=False`` runs the same steps eagerly (the CPU, under the Triton interpreter)."""
+    docstring. ``capture=False`` runs the same steps eagerly (the CPU, under the Triton interpreter).
+
+    A request with at most 1 + FORCED new tokens (after a verify step: the target's own token, and the last draft
+    too where it accepted all) needs no catch-up step: the chain feeds them first, then drafts."""
+
+    FORCED = 1
 
     def __init__(self, draft: Engine, max_seqs: int, max_seq_len: int, max_draft_tokens: int, capture: bool,
                  buckets: tuple[int, ...] = CHAIN_BUCKETS) -> None:
@@ -232,7 +239,9 @@ class PagedDraft:
             raise SpeculativeConfigError(f"the draft artifact takes {self.max_tokens} tokens a step, fewer than the "
                                          f"{max_seqs} requests that may speculate together (max_running)")
         self.steps = StepGraphs(self.executor, self.storage, self.max_tokens, max_seqs, max_seq_len, capture=capture)
-        self.chain_len = max_draft_tokens  # the longest chain: k one-token steps when each request feeds one token
+        self.max_draft_tokens = max_draft_tokens
+        # the longest chain: k one-token steps after up to FORCED more new tokens of each request (fed first)
+        self.chain_len = max_draft_tokens + self.FORCED
         self.buckets = sorted({b for b in buckets if b < max_seqs} | {max_seqs})
         top, dev = self.buckets[-1], draft.device
         # slot i's block table, for good: blocks [i * B, (i + 1) * B)
@@ -246,9 +255,13 @@ class PagedDraft:
         self.rows = torch.arange(top, dtype=torch.long, device=dev)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(max(self.chain_len, 1), top, dtype=torch.long, device=dev)  # [step, row] the drafts
-        # host staging of [first_pos | slot_rows | valid | first]: pinned, so the copy is queued behind the catch-up
-        # step instead of waiting for it; one set is enough, a proposal ends by reading its drafts back
-        self._staging = torch.zeros(4, top, dtype=torch.long, pin_memory=dev.type == "cuda")
+        # each row's new tokens after its first (fed before the chain drafts), and how many
+        self.forced = torch.zeros(self.FORCED, top, dtype=torch.long, device=dev)
+        self.num_forced = torch.zeros(top, dtype=torch.long, device=dev)
+        # host staging of [first_pos | slot_rows | valid | first | num_forced | forced...]: pinned, so the copy is
+        # queued behind the catch-up step instead of waiting for it; one set is enough, a proposal ends by reading its
+        # drafts back
+        self._staging = torch.zeros(5 + self.FORCED, top, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, chain length)
         if capture:
             pool = torch.cuda.graph_pool_handle()
@@ -263,11 +276,14 @@ class PagedDraft:
         self._free.append(slot)
 
     def _chain(self, b: int, length: int) -> None:
-        """``length`` one-token steps over rows [0, b): the argmax of each feeds the next; into ``out``."""
+        """``length`` one-token steps over rows [0, b): each row's ``first``, then its forced tokens, then the
+        argmax of each step feeds the next; each step's argmax into ``out``."""
         bs = self.block_size
         ids = self.first[:b]
         tables = self.tables.index_select(0, self.slot_rows[:b])
         for j in range(length):
+            if 0 < j <= self.FORCED:  # a row's forced tokens come before its own drafts
+                ids = torch.where(self.num_forced[:b] >= j, self.forced[j - 1, :b], ids)
             pos = self.first_pos[:b] + j
             ok = self.valid[:b] & (pos < self.capacity)  # past the cache (a request that wants fewer): unwritten
             pos = pos.clamp(max=self.capacity - 1)
@@ -317,16 +333,19 @@ class PagedDraft:
 
     def propose(self, slots: list[int], starts: list[int], pending: list[list[int]], k: int) -> list[list[int]]:
         """Feed each slot its pending tokens (from ``starts``), then draft: returns [k][len(slots)] greedy tokens
-        (k is at most chain_len).
+        (k is at most max_draft_tokens).
 
         Where every request feeds one token (the usual case after a verify step: the chain fed the drafts the target
         accepted, so only the target's own token is new), the chain takes it as its first step, with no catch-up
         step; otherwise the catch-up step feeds the pending tokens and the chain drafts the rest."""
-        k = min(k, self.chain_len)
+        k = min(k, self.max_draft_tokens)
         n = len(slots)
-        if all(len(p) == 1 for p in pending):
-            self._run_chain(slots, list(starts), k, first_tokens=[p[0] for p in pending])
-            return self.out[:k, :n].tolist()
+        if all(1 <= len(p) <= 1 + self.FORCED for p in pending):
+            extra = max(map(len, pending)) - 1
+            self._run_chain(slots, list(starts), k + extra, first_tokens=[p[0] for p in pending],
+                            forced=[p[1:] for p in pending])
+            out = self.out[:k + extra, :n].tolist()
+            return [[out[len(p) - 1 + j][i] for i, p in enumerate(pending)] for j in range(k)]
         starts, pending = list(starts), [list(p) for p in pending]
         if sum(map(len, pending)) > self.max_tokens:  # too many for one step: all but each one's last, alone
             for i in range(len(slots)):
@@ -342,20 +361,27 @@ class PagedDraft:
         return torch.cat([first.unsqueeze(0), self.out[:k - 1, :n]]).tolist()
 
     def _run_chain(self, slots: list[int], positions: list[int], length: int, first: torch.Tensor | None = None,
-                   first_tokens: list[int] | None = None) -> None:
+                   first_tokens: list[int] | None = None, forced: list[list[int]] | None = None) -> None:
         """Replay the chain of ``length`` steps whose first feeds each slot, at ``positions``, the token of
-        ``first`` (on the device) or ``first_tokens`` (from the host); its drafts go to ``out[:length]``."""
+        ``first`` (on the device) or ``first_tokens`` (from the host), then its ``forced`` tokens (at most FORCED);
+        each step's argmax goes to ``out[:length]``."""
         n = len(slots)
         b = next(x for x in self.buckets if x >= n)
         pad = [0] * (b - n)
+        forced = forced or [[] for _ in range(n)]
         host = self._staging
         host[:, :b] = torch.tensor([positions + pad, list(slots) + pad, [1] * n + pad,
-                                    (first_tokens if first_tokens is not None else [0] * n) + pad], dtype=torch.long)
+                                    (first_tokens if first_tokens is not None else [0] * n) + pad,
+                                    [len(f) for f in forced] + pad]
+                                   + [[f[j] if j < len(f) else 0 for f in forced] + pad for j in range(self.FORCED)],
+                                   dtype=torch.long)
         nb = host.is_pinned()
         if first is not None:
             self.first[:n].copy_(first)
         else:
             self.first[:b].copy_(host[3, :b], non_blocking=nb)
+        self.num_forced[:b].copy_(host[4, :b], non_blocking=nb)
+        self.forced[:, :b].copy_(host[5:, :b], non_blocking=nb)
         self.first_pos[:b].copy_(host[0, :b], non_blocking=nb)
         self.slot_rows[:b].copy_(host[1, :b], non_blocking=nb)
         self.valid[:b].copy_(host[2, :b], non_blocking=nb)  # 0/1 into bool

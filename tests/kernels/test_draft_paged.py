@@ -99,7 +99,16 @@ def test_paged_prompts_over_a_step_and_the_cache_end(engines):
     new = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (50, 40, 7)]
     reqs = [DraftRequest(f"n{i}", ids, k) for i, (ids, k) in enumerate(zip(new, (4, 2, 3)))]
     assert sum(map(len, new)) > paged.paged.max_tokens
-    assert paged.propose(reqs) == fresh().propose(reqs)
+    first = paged.propose(reqs)
+    assert first == fresh().propose(reqs)
+    # no catch-up step: n0 accepted all 4 drafts (its last one and a token of its own are new), n1 one of 2
+    feeds = []
+    feed = paged.paged.feed
+    paged.paged.feed = lambda *a: (feeds.append(a), feed(*a))[1]
+    both = [DraftRequest("n0", new[0] + first[0] + [11], 4), DraftRequest("n1", new[1] + first[1][:1] + [12], 3)]
+    assert paged.propose(both) == fresh().propose(both)
+    assert feeds == []
+    paged.paged.feed = feed
     long = torch.randint(3, vocab, (paged.max_seq_len - 2,), generator=g).tolist()
     assert paged.paged.capacity == paged.max_seq_len
     end = [DraftRequest("end", long, 1), DraftRequest("n2", new[2] + [9], 4)]
