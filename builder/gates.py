@@ -33,7 +33,8 @@ logits, so large logits neither overflow nor lose the distribution):
     same positions. One quantity, two readings by the ceiling:
 
     * below 1, "must beat rounding": a calibrated 4-bit method (GPTQ, AWQ) no better than rounding fails. On the
-      bundled model GPTQ scores 0.24 and AWQ 0.73 (session 8); the default ceiling is 0.9.
+      bundled model GPTQ scores 0.18 and AWQ 0.62 (session 25; 0.24 and 0.73 in session 8); the default ceiling is
+      0.9.
     * from 1, "no worse than a fresh rounding": INT8 weight-only and FP8 builds *are* that rounding, so a sound
       one scores exactly 1.000 (both trained fixtures, every granularity; no seed enters); SmoothQuant's smoothed
       build scores 0.72 (bundled) and 0.40-0.43 (pydoc-qwen3) over calibration seeds 0-2, 1.000 unsmoothed.

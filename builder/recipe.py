@@ -118,8 +118,9 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "int8_wo": set(),
     "fp8": {"activations", "weight_granularity", "experts"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
-    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size"},
-    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip", "scale_output", "joint_clip"},
+    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales"},
+    "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip",
+            "scale_output", "joint_clip", "refit_scales"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -132,7 +133,7 @@ class QuantizationSection(_Strict):
     bits: Optional[Literal[4, 8]] = None  # gptq (default 4); awq is always 4
     group_size: Optional[int] = None  # awq/gptq (default 128); -1 = per output channel
     symmetric: Optional[bool] = None  # gptq, awq (default False: zero points)
-    act_order: Optional[bool] = None  # gptq (default False); uses static groups
+    act_order: Optional[bool] = None  # gptq (default True): columns by descending input energy, static groups
     damp: Optional[float] = Field(default=None, gt=0, lt=1)  # gptq, awq with rounding gptq (default 0.01)
     block_size: Optional[int] = Field(default=None, ge=1)  # gptq, awq with rounding gptq (default 128)
     n_grid: Optional[int] = Field(default=None, ge=2)  # awq (default 20)
@@ -150,6 +151,9 @@ class QuantizationSection(_Strict):
     # awq: run the clip search inside the scale search, each alpha scored after its clip (default False: slower by
     # n_grid clip searches per group)
     joint_clip: Optional[bool] = None
+    # awq / gptq: once the codes are fixed, re-solve each row's group scales by least squares on the calibration
+    # inputs' second moments, the row's output error (default True)
+    refit_scales: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)

@@ -5,6 +5,9 @@ Runs in llm-compressor's own virtualenv (it imports nothing from this repository
     python builder/bench/peer_llmcompressor.py --model models/pystdlib-llama --windows DIR/calib_windows.json \
         --eval-windows DIR/eval_windows.json --out DIR/llm-compressor [--methods gptq,awq,...]
 
+Methods: gptq, gptq_sym (W4A16 g64, no act-order), gptq_act, gptq_sym_act (the same with actorder="static"),
+awq, smoothquant, smoothquant_static, fp8, int8_wo.
+
 For each method: oneshot() on the HF model loaded from the local dir with the exact calibration token
 windows, then write DIR/<method>/ = config + tokenizer + model.safetensors whose quantized linears hold
 the DEQUANTIZED (fake-quant) fp32 weights, and every other tensor (incl. smoothed norms) as the tool
@@ -62,6 +65,9 @@ def recipe_for(method):
     if method in ("gptq", "gptq_sym"):  # W4A16 g64 (a)symmetric, no act-order, damp 0.01, block 128
         return [GPTQModifier(config_groups=w4_g64(method == "gptq_sym"), ignore=IGNORE, actorder=None,
                              block_size=128, dampening_frac=0.01)]
+    if method in ("gptq_act", "gptq_sym_act"):  # the same with llm-compressor's default act-order, "static"
+        return [GPTQModifier(config_groups=w4_g64(method == "gptq_sym_act"), ignore=IGNORE, actorder="static",
+                             block_size=128, dampening_frac=0.01)]
     if method == "awq":  # AWQ scale search (n_grid 20) + W4A16 g64 asymmetric RTN of the scaled weights
         return [AWQModifier(n_grid=20), QuantizationModifier(config_groups=w4_g64(), ignore=IGNORE)]
     if method == "smoothquant":  # alpha 0.5, then W8A8 INT8: per-channel sym weights, dynamic per-token acts
@@ -101,6 +107,11 @@ def export_fake_quant(model, src: Path, out: Path, method: str) -> dict:
     for f in src.iterdir():
         if f.is_file() and f.suffix in (".json",) and f.name not in ("training_metrics.json", "split.json"):
             shutil.copy(f, out / f.name)
+    # native_logits.safetensors lands in the same directory; the index names model.safetensors as the only weight
+    # file, so a loader that honours it (builder.checkpoint) does not take the logits for extra checkpoint tensors
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in sd.values())},
+         "weight_map": {k: "model.safetensors" for k in sd}}, indent=1))
     changed = [k for k in fq if not torch.equal(fq[k], model.state_dict()[k].float())]
     acts = next(iter(act_schemes.values()), None)
     return {"fake_quant_linears": len(fq), "weights_changed_by_export_qdq": len(changed),
@@ -115,7 +126,9 @@ def main():
     ap.add_argument("--windows", required=True)
     ap.add_argument("--eval-windows", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--methods", default="gptq,gptq_sym,awq,smoothquant,smoothquant_static,fp8,int8_wo")
+    ap.add_argument("--methods", default="gptq,gptq_sym,gptq_act,gptq_sym_act,awq,smoothquant,smoothquant_static,"
+                    "fp8,int8_wo", help="comma-separated; gptq_act / gptq_sym_act are gptq / gptq_sym with "
+                    "actorder='static' (llm-compressor's default activation ordering)")
     a = ap.parse_args()
     src = Path(a.model)
     windows = json.loads(Path(a.windows).read_text())["windows"]

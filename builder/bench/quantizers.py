@@ -68,11 +68,16 @@ SCHEMES = {
 }
 G64 = ("quantization.group_size=64",)
 METHODS = {  # our methods; a peer's directory of the same name is the same method (or a variant in that scheme)
-    "gptq": Method("w4_asym", "gptq", G64, "GPTQ, no act-order, damp 0.01, block 128"),
+    "gptq": Method("w4_asym", "gptq", G64 + ("quantization.act_order=false",),
+                   "GPTQ, no act-order, damp 0.01, block 128"),
+    "gptq_act": Method("w4_asym", "gptq", G64, "GPTQ, static act-order (the default), damp 0.01, block 128"),
     "awq": Method("w4_asym", "awq", G64, "AWQ: per-group scale search (n_grid 20) + clip search, rounded to nearest"),
     "awq_gptq": Method("w4_asym", "awq", G64 + ("quantization.rounding=gptq",),
                        "AWQ scales, then GPTQ rounding on the scaled inputs (rounding: gptq)"),
-    "gptq_sym": Method("w4_sym", "gptq", G64 + ("quantization.symmetric=true",), "GPTQ, symmetric"),
+    "gptq_sym": Method("w4_sym", "gptq", G64 + ("quantization.symmetric=true", "quantization.act_order=false"),
+                       "GPTQ, symmetric, no act-order"),
+    "gptq_sym_act": Method("w4_sym", "gptq", G64 + ("quantization.symmetric=true",),
+                           "GPTQ, symmetric, static act-order (the default)"),
     "awq_sym": Method("w4_sym", "awq", G64 + ("quantization.symmetric=true",), "AWQ (scale + clip search), symmetric"),
     "awq_joint": Method("w4_asym", "awq", G64 + ("quantization.joint_clip=true",),
                         "AWQ with the clip search inside the scale search (joint_clip)"),

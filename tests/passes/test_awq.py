@@ -112,26 +112,35 @@ def _group_err(x, w, w_hat, g):
     return d.pow(2).mean(dim=1)  # [out, n_groups]
 
 
-def test_search_clip_never_increases_the_sampled_error():
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_search_clip_never_increases_the_sampled_error(symmetric):
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=symmetric)
     g = _gen(7)
     x = _x(8)
     w = torch.randn(40, IN, generator=g)
     w[torch.rand(40, IN, generator=g) < 0.02] *= 6  # a few weight outliers make clipping worthwhile
-    t = search_clip(x, w, CFG, oc_batch=16)  # 40 rows: batches of 16, 16 and 8
-    assert t.shape == (40, IN // 32) and t.dtype == torch.float32
-    org_max = w.reshape(40, -1, 32).abs().amax(-1)
-    assert (t <= org_max).all() and (t >= 0.55 * org_max * (1 - 1e-6)).all()
-    assert (t < org_max).any()  # some groups do clip
+    b = search_clip(x, w, cfg, oc_batch=16)  # 40 rows: batches of 16, 16 and 8
+    assert b.shape == (40, IN // 32, 2) and b.dtype == torch.float32
+    wg = w.reshape(40, -1, 32)
+    org_max = wg.abs().amax(-1)
+    lo_0, hi_0 = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    assert (b[..., 0] <= 0).all() and (b[..., 1] >= 0).all()
+    assert (b[..., 1] <= org_max).all() and (-b[..., 0] <= org_max).all()
+    assert (b[..., 1] - b[..., 0] < hi_0 - lo_0).any()  # some groups do clip
 
-    no_clip = _group_err(x, w, fake_quantize_groups(w, CFG), 32)
-    clipped = _group_err(x, w, fake_quantize_groups(apply_clip(w, t, 32), CFG), 32)
+    no_clip = _group_err(x, w, fake_quantize_groups(w, cfg), 32)
+    clipped = _group_err(x, w, fake_quantize_groups(apply_clip(w, b, 32), cfg), 32)
     assert (clipped <= no_clip * (1 + 1e-5)).all()
     assert clipped.sum() < no_clip.sum()
-    # and each group's threshold is the best of the 10 candidates
-    for i in range(10):
-        cand = apply_clip(w, org_max * (1 - i / 20), 32)
-        err = _group_err(x, w, fake_quantize_groups(cand, CFG), 32)
-        assert (clipped <= err * (1 + 1e-4) + 1e-6).all()
+    # each group's bounds are the best of the candidates: +-ratio * max|w| for ratios 1.0 ... 0.55, and for
+    # asymmetric grids also the group's own range [min, max] shrunk by each ratio
+    candidates = [apply_clip(w, org_max * (1 - i / 20), 32) for i in range(10)]
+    if not symmetric:
+        candidates += [apply_clip(w, torch.stack([lo_0, hi_0], -1) * (1 - i / 20), 32) for i in range(10)]
+    errs = torch.stack([_group_err(x, w, fake_quantize_groups(c, cfg), 32) for c in candidates])
+    assert (clipped <= errs.amin(0) * (1 + 1e-4) + 1e-6).all()
+    if not symmetric:  # the range-shrinking candidates are what some groups choose
+        assert (errs[10:].amin(0) < errs[:10].amin(0) * (1 - 1e-3)).any()
 
 
 def test_search_clip_samples_tokens_with_a_stride():
@@ -146,12 +155,15 @@ def test_apply_clip_clamps_per_group():
     w = torch.randn(6, 64, generator=g)
     t = torch.rand(6, 4, generator=g) + 0.2
     out = apply_clip(w, t, 16)
-    ref = w.clone()
+    lo = -torch.rand(6, 4, generator=g) - 0.1
+    both = apply_clip(w, torch.stack([lo, t], -1), 16)
+    ref, ref_both = w.clone(), w.clone()
     for r in range(6):
         for k in range(4):
             ref[r, k * 16:(k + 1) * 16] = w[r, k * 16:(k + 1) * 16].clamp(-t[r, k].item(), t[r, k].item())
-    assert torch.equal(out, ref)
-    assert not torch.equal(out, w)
+            ref_both[r, k * 16:(k + 1) * 16] = w[r, k * 16:(k + 1) * 16].clamp(lo[r, k].item(), t[r, k].item())
+    assert torch.equal(out, ref) and torch.equal(both, ref_both)
+    assert not torch.equal(out, w) and not torch.equal(both, out)
     with pytest.raises(ValueError):
         apply_clip(w, t, 32)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes.gptq import GPTQResult, HessianAccumulator, NotPositiveDefiniteError, gptq_quantize
-from passes.quant_math import QuantConfig, dequantize_groups
+from passes.gptq import GPTQResult, HessianAccumulator, NotPositiveDefiniteError, gptq_quantize, refit_scales
+from passes.quant_math import QuantConfig, dequantize_groups, quantize_groups
 
 OUT, IN, TOKENS = 48, 128, 768
 
@@ -165,3 +165,74 @@ def test_not_positive_definite_is_a_clear_error():
 def test_bad_group_size():
     with pytest.raises(ValueError, match=r"128.*96|96.*128"):
         gptq_quantize(_weight(), torch.eye(IN), QuantConfig(group_size=96))
+
+
+def _objective(w, w_hat, h):
+    d = (w - w_hat).double()
+    return ((d @ h.double()) * d).sum(-1)  # per row
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_refit_scales_recovers_the_scales_that_made_the_weight(sym):
+    """A weight that is exactly (q - z) * s_true per group: from any other positive scales, the least-squares refit
+    returns s_true (the objective's unique minimum, 0)."""
+    g = _gen(21)
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=sym)
+    codes = torch.randint(0, 16, (OUT, IN), generator=g, dtype=torch.uint8)
+    zeros = torch.full((OUT, IN // 32), 8) if sym else torch.randint(0, 16, (OUT, IN // 32), generator=g)
+    zeros = zeros.to(torch.uint8)
+    s_true = torch.rand(OUT, IN // 32, generator=g) + 0.05
+    w = dequantize_groups(codes, s_true, zeros, 32)
+    start = s_true * (0.5 + torch.rand(OUT, IN // 32, generator=g))
+    s = refit_scales(w, codes, start, zeros, _hessian(_correlated_x()), cfg.group_size)
+    torch.testing.assert_close(s, s_true, rtol=1e-4, atol=1e-6)
+
+
+def test_refit_scales_lowers_the_output_error_and_keeps_the_codes():
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=False)
+    w, x = _weight(22), _correlated_x(23)
+    h = _hessian(x)
+    codes, scales, zeros = quantize_groups(w, cfg)  # round to nearest: its scales fit the weights, not the outputs
+    new = refit_scales(w, codes, scales, zeros, h, 32)
+    before = _objective(w, dequantize_groups(codes, scales, zeros, 32), h)
+    after = _objective(w, dequantize_groups(codes, new, zeros, 32), h)
+    assert (after <= before).all()
+    assert after.sum() < 0.95 * before.sum()
+    assert (new > 0).all() and torch.isfinite(new).all()
+    # rows it cannot improve keep their scales: a refit of the refit changes (almost) nothing
+    again = refit_scales(w, codes, new, zeros, h, 32)
+    assert (_objective(w, dequantize_groups(codes, again, zeros, 32), h) <= after * (1 + 1e-6)).all()
+
+
+def test_refit_scales_keeps_the_old_scales_where_the_solution_is_not_positive():
+    """A row whose codes sit at the zero point in one group (c = 0: that group's scale is free) and whose weights
+    run against its codes in another gets a non-positive or singular solution; it keeps its scales."""
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=True)
+    w = _weight(24)[:2]
+    codes, scales, zeros = quantize_groups(w, cfg)
+    codes[0] = 16 - codes[0]  # row 0's codes now say -w: the best scale would be negative
+    new = refit_scales(w, codes, scales, zeros, _hessian(_correlated_x(25)), 32)
+    assert torch.equal(new[0], scales[0])
+    assert not torch.equal(new[1], scales[1])
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_gptq_refit_keeps_the_codes_and_lowers_the_objective(act_order):
+    cfg = QuantConfig(bits=4, group_size=32, symmetric=False)
+    w, x = _weight(26), _correlated_x(27)
+    h = _hessian(x)
+    plain = gptq_quantize(w, h, cfg, act_order=act_order)
+    refit = gptq_quantize(w, h, cfg, act_order=act_order, refit=True)
+    _check_result(refit, cfg)
+    assert torch.equal(plain.codes, refit.codes) and torch.equal(plain.zeros, refit.zeros)
+    before, after = _objective(w, plain.w_hat, h), _objective(w, refit.w_hat, h)
+    assert (after <= before * (1 + 1e-6)).all() and after.sum() < before.sum()
+
+
+def test_refit_scales_rejects_mismatched_shapes():
+    w = _weight()
+    codes, scales, zeros = quantize_groups(w, QuantConfig(group_size=32))
+    with pytest.raises(ValueError, match="H"):
+        refit_scales(w, codes, scales, zeros, torch.eye(IN + 1), 32)
+    with pytest.raises(ValueError, match="scales"):
+        refit_scales(w, codes, scales[:, :2], zeros, torch.eye(IN), 32)
