@@ -152,7 +152,7 @@ def test_awq_scales_the_output_projections(awq_build, setup):
 
 
 def test_awq_joint_clip_beats_round_to_nearest(setup, kl, rtn_kl):
-    quantized, records = _build(setup, "awq", joint_clip=True, n_grid=10)  # a clip search per alpha: a coarser grid
+    quantized, records = _build(setup, "awq", joint_clip=True, n_grid=5)  # a clip search per alpha: a coarse grid
     assert records[0].details["joint_clip"] is True and records[0].details["scale_output"] is True
     assert 0 < kl(quantized) < MAX_KL_VS_RTN * rtn_kl
 
