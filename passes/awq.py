@@ -26,8 +26,8 @@ Past the reference, once a linear's codes are fixed its group scales are refit (
 per output row, the scales that minimise the row's output error on the kept calibration inputs for those codes, by
 least squares (``passes.gptq.refit_scales``). Clipping and rounding choose codes for a grid fitted to the weights;
 the refit fits the grid to the outputs. On pydoc-qwen3 (g64) the two changes took AWQ's KL from 2.149e-4 to
-1.301e-4 (asymmetric, 49% of round-to-nearest's error closed, was 19%) and from 2.822e-4 to 1.893e-4 (symmetric,
-60% closed); on the bundled model from 1.511e-3 to 1.288e-3 (docs/QUANTIZATION_COMPARISON.md, session 25).
+1.287e-4 (asymmetric, 51% of round-to-nearest's error closed, was 19%) and from 2.822e-4 to 1.895e-4 (symmetric,
+60% closed); on the bundled model from 1.511e-3 to 1.285e-3 (docs/QUANTIZATION_COMPARISON.md, session 25).
 
 Defaults (paper §5.1 / the reference): INT4 weights, group size 128, asymmetric with zero points
 (the project's convention, ``passes/quant_math.py``, whose asymmetric range always contains 0 where
@@ -380,6 +380,11 @@ class AWQ(QuantMethod):
                     acc.add(chunk / s if s is not None else chunk)
                 for i in members:
                     hessians[i] = acc.H
+            elif self.refit:  # the refit's: the kept (scaled) inputs' second moments, once for the group
+                xs = inputs[members[0]]
+                H = xs.T @ xs
+                for i in members:
+                    hessians[i] = H
         for i in targets:
             self._clip_and_quantize(graph, graph.nodes[i], inputs[i], hessians.get(i))
 
@@ -419,7 +424,7 @@ class AWQ(QuantMethod):
         if self.rounding == "nearest":
             codes, scales, zeros = quantize_groups(clipped, self.cfg)
             if self.refit:  # the scales that best reproduce the unclipped weight's outputs on the kept inputs
-                scales = refit_scales(w, codes, scales, zeros, x.T @ x, self.cfg.group_size)
+                scales = refit_scales(w, codes, scales, zeros, H, self.cfg.group_size)
         else:
             res = gptq_quantize(clipped, H, self.cfg, block_size=self.block_size, damp=self.damp, refit=self.refit)
             codes, scales, zeros = res.codes, res.scales, res.zeros

@@ -37,7 +37,7 @@ squares on the same objective, ``min_s (w - w_hat(s)) H (w - w_hat(s))^T`` per o
 ``w_hat(s) = sum_k s_k (q_k - z_k)`` is linear in the row's group scales (:func:`refit_scales`). The codes were chosen
 for the scales of the moment; the scales that best reproduce the row's outputs given those codes are found in
 closed form, and a row keeps its old scales unless the new ones lower its objective. On the second trained fixture
-(pydoc-qwen3, g64, asymmetric) KL 4.689e-05 -> 4.527e-05 (docs/QUANTIZATION_COMPARISON.md, session 25).
+(pydoc-qwen3, g64, asymmetric, no act-order) KL 4.689e-05 -> 4.534e-05 (docs/QUANTIZATION_COMPARISON.md, session 25).
 
 This module is pure tensor math: the caller accumulates H (:class:`HessianAccumulator`) from the
 linear's inputs and stores the :class:`GPTQResult`.
