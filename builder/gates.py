@@ -87,9 +87,12 @@ class GateThresholds:
     # ungated top-k variant also forgives a first difference where each model's token is in the other's top-k)
     min_greedy_match_tokens: int = 16
     greedy_top_k: int = 5
-    # fraction of prompts whose N tokens are identical: one near-tie flips a prompt, so with 8 prompts 0.75
-    # lets two flip (a sound build measured: quickstart AWQ 8/8; a KL-5e-4 perturbation of a random model 7/8)
-    min_greedy_agreement: float = 0.75
+    # fraction of prompts whose N tokens are identical. One near-tie flips a prompt, and how often a sound build
+    # meets one depends on the model: the first bundled model (perplexity 71, repetitive) gave 7-8/8 for sound
+    # builds; the retrained one (perplexity 15.7, session 26) gives 3/8 for sound FP8 and GPTQ builds and 4/8 for
+    # SmoothQuant, every first difference within the other model's top-5. 0.25 (2 of 8) passes those and fails a
+    # build that loses most continuations; KL, top-1 and kl_vs_rtn judge the subtler faults
+    min_greedy_agreement: float = 0.25
     needle: bool = True  # run the needle-in-a-haystack check when one is given
     # KL(baseline || candidate) / KL(baseline || round-to-nearest of the same scheme), when the caller gives the
     # round-to-nearest model: below 1 a calibrated method must beat plain rounding, from 1 a build must be no worse
@@ -98,25 +101,25 @@ class GateThresholds:
 
 
 # Starting points, to be tuned against measured results of real checkpoints: tighter for the 8-bit
-# weight / activation / KV-cache methods, looser for 4-bit weight-only (gptq, awq). FP8's top-1 floor is 0.97:
+# weight / activation / KV-cache methods, looser for 4-bit weight-only (gptq, awq). FP8's top-1 floor is 0.96:
 # four FP8 implementations (this one, llm-compressor's, modelopt's, per-channel dynamic) agreeing within 1e-5 KL
 # scored 0.977-0.978 top-1 on a held-out trained 6.8M-parameter model (issue 18), which 0.98 rejected: it judged
-# the scheme, not the build.
+# the scheme, not the build; a sound FP8 build of the retrained bundled model (session 26) scores 0.9655 over
+# 1,275 positions (KL 0.0029, kl_vs_rtn 1.000), which 0.97 rejected. SmoothQuant's floor is 0.95 for the same
+# reason: its smoothed build of the bundled model's outlier variant scores 0.959.
 # The rounding schemes get a kl_vs_rtn ceiling of 1.3: a sound build scores 1.000, other sound rounding conventions
 # at most 1.14, one o_proj's scales x1.25 at least 1.69 (see the module docstring). SmoothQuant only where the recipe
 # sets gates.max_kl_vs_rtn: smoothed builds scored 0.40-0.72 on the trained fixtures but 1.39 on a tiny random model
 # without outliers (93 positions), where smoothing may cost a little and the build is still sound.
 MAX_KL_VS_FRESH_ROUNDING = 1.3
 DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
-    "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.97, max_ppl_ratio=1.01,
+    "fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.96, max_ppl_ratio=1.01,
                           max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
     "int8_wo": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01,
                               max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
-    "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.96, max_ppl_ratio=1.03),
-    "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
-                           max_kl_vs_rtn=0.9),
-    "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.5,
-                          max_kl_vs_rtn=0.9),
+    "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.95, max_ppl_ratio=1.03),
+    "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, max_kl_vs_rtn=0.9),
+    "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, max_kl_vs_rtn=0.9),
     "kv_fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01),
     "kv_int8": GateThresholds(max_kl=0.02, min_top1_agreement=0.97, max_ppl_ratio=1.02),
 }

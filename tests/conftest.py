@@ -219,7 +219,9 @@ def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4,
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(BUNDLED, dst)
-    tensors = load_file(BUNDLED / "model.safetensors")
+    # in fp32 (the bundled weights are stored in bf16): the rescaled gains and columns then compute the same
+    # function to fp32 rounding, where bf16 would round each rescaled weight again
+    tensors = {k: v.float() for k, v in load_file(BUNDLED / "model.safetensors").items()}
     hidden = tensors["model.norm.weight"].shape[0]
     channels = torch.randperm(hidden, generator=torch.Generator().manual_seed(seed))[:num_channels]
     feeds = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -231,6 +233,8 @@ def make_outlier_variant(dst: Path, factor: float = 40.0, num_channels: int = 4,
             for lin in linears:
                 tensors[f"model.layers.{i}.{lin}.weight"][:, channels] /= factor
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": "float32"}, indent=2))
     return dst
 
 

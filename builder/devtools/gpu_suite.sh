@@ -79,6 +79,11 @@
 #   train-bundled  the bundled model trained on the GPU into models/pystdlib-llama with $TRAIN_ARGS (same corpus), then
 #                  its draft (builder.devtools.train_draft --device cuda $DRAFT_ARGS) into models/pystdlib-llama-draft;
 #                  both directories packed into $OUT/bundled.tar.gz.partNN (15 MB parts: cat them, then tar -xzf)
+#   train-candidates  like train-sweep ($TRAIN_CONFIGS side by side into /tmp/cand-N), then a draft for each
+#                  (builder.devtools.train_draft --device cuda $DRAFT_ARGS, side by side into /tmp/cand-N-draft); the
+#                  logs in $OUT/train_logs.txt; each candidate of $PACK_CANDIDATES (default all; a call brings back 8
+#                  files) and its draft packed into $OUT/candN.tar.gz.partNN (15 MB parts); with $SPEC_CANDIDATE=N
+#                  that candidate and its draft are then copied over models/ and spec-draft runs on them
 #   spec-draft     the bundled model and its draft built (recipes/quickstart.yaml, quickstart-draft.yaml), then
 #                  builder.bench.speculative with the draft on held-out text, greedy, batch 1; spec_speedup_draft_b1
 #                  and its companions in $OUT/benchmarks.jsonl
@@ -357,6 +362,36 @@ PY
       [ "$part" = hf ] && python3 -m builder.bench.hf_baseline $CKPT 2>&1 | grep '^{' | tee -a "$OUT/bench_8b.jsonl"
       python3 -m builder.bench.hf_baseline $CKPT --compile > "$OUT/hf_compile.log" 2>&1
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
+    train-candidates)
+      tarball=$(ls .corpus/stdlib-*.tar.gz 2>/dev/null | head -n 1)
+      [ -n "$tarball" ] || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }
+      version=$(basename "$tarball" .tar.gz); version=${version#stdlib-}
+      rm -rf /tmp/stdlib && mkdir -p /tmp/stdlib && tar -xzf "$tarball" -C /tmp/stdlib
+      IFS='|' read -ra configs <<< "${TRAIN_CONFIGS:?set TRAIN_CONFIGS}"
+      for i in "${!configs[@]}"; do
+        python3 -m builder.devtools.train_bundled --out /tmp/cand-$i --tokenizer models/pystdlib-llama \
+          --stdlib /tmp/stdlib --stdlib-version $version --device cuda ${configs[$i]} > /tmp/train_cand_$i.log 2>&1 &
+      done
+      wait
+      for i in "${!configs[@]}"; do
+        grep -E "perplexity|^done|Error" /tmp/train_cand_$i.log | tail -n 4 | sed "s/^/cand $i: /"
+        python3 -m builder.devtools.train_draft --target /tmp/cand-$i --out /tmp/cand-$i-draft --stdlib /tmp/stdlib \
+          --device cuda ${DRAFT_ARGS:-} > /tmp/train_draft_$i.log 2>&1 &
+      done
+      wait
+      for i in "${!configs[@]}"; do
+        tail -n 2 /tmp/train_draft_$i.log | sed "s/^/draft $i: /"
+        for f in /tmp/train_cand_$i.log /tmp/train_draft_$i.log; do echo "=== $f ($(echo "${configs[$i]}"))"; cat $f; done \
+          >> "$OUT/train_logs.txt"
+        case " ${PACK_CANDIDATES:-${!configs[*]}} " in *" $i "*)
+          tar -czf - -C /tmp cand-$i cand-$i-draft | split -b 15000000 -d - "$OUT/cand$i.tar.gz.part" ;; esac
+      done
+      if [ -n "${SPEC_CANDIDATE:-}" ] && [ -d /tmp/cand-$SPEC_CANDIDATE-draft ]; then
+        rm -rf models/pystdlib-llama models/pystdlib-llama-draft artifacts/quickstart artifacts/quickstart-draft
+        cp -r /tmp/cand-$SPEC_CANDIDATE models/pystdlib-llama
+        cp -r /tmp/cand-$SPEC_CANDIDATE-draft models/pystdlib-llama-draft
+        bash "$0" spec-draft
+      fi ;;
     train-sweep|train-bundled)
       tarball=$(ls .corpus/stdlib-*.tar.gz 2>/dev/null | head -n 1)
       [ -n "$tarball" ] || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }

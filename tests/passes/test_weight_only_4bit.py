@@ -88,8 +88,8 @@ def test_bad_group_size_is_an_actionable_error(setup):
     graph, calib, _ = setup
     from passes import PassError
 
-    with pytest.raises(PassError, match="in_features 704, not divisible by group_size 128; use 64, 32, 16"):
-        run_passes(graph.copy(), ["gptq"], PassContext(calibration=calib, options={"gptq": {"group_size": 128}}))
+    with pytest.raises(PassError, match="in_features 384, not divisible by group_size 256; use 128, 64, 32, 16"):
+        run_passes(graph.copy(), ["gptq"], PassContext(calibration=calib, options={"gptq": {"group_size": 256}}))
 
 
 def test_awq_block_runner_reproduces_the_attention_block(setup):
