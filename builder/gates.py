@@ -33,8 +33,8 @@ logits, so large logits neither overflow nor lose the distribution):
     same positions. One quantity, two readings by the ceiling:
 
     * below 1, "must beat rounding": a calibrated 4-bit method (GPTQ, AWQ) no better than rounding fails. On the
-      bundled model GPTQ scores 0.18 and AWQ 0.62 (session 25; 0.24 and 0.73 in session 8); the default ceiling is
-      0.9.
+      bundled model (retrained in session 26; its recipes at g128) GPTQ scores 0.51 and AWQ 0.81 (the first bundled
+      model at g64: 0.18 and 0.62 in session 25, 0.24 and 0.73 in session 8); the default ceiling is 0.9.
     * from 1, "no worse than a fresh rounding": INT8 weight-only and FP8 builds *are* that rounding, so a sound
       one scores exactly 1.000 (both trained fixtures, every granularity; no seed enters); SmoothQuant's smoothed
       build scores 0.72 (bundled) and 0.40-0.43 (pydoc-qwen3) over calibration seeds 0-2, 1.000 unsmoothed.
@@ -89,9 +89,10 @@ class GateThresholds:
     greedy_top_k: int = 5
     # fraction of prompts whose N tokens are identical. One near-tie flips a prompt, and how often a sound build
     # meets one depends on the model: the first bundled model (perplexity 71, repetitive) gave 7-8/8 for sound
-    # builds; the retrained one (perplexity 15.7, session 26) gives 3/8 for sound FP8 and GPTQ builds and 4/8 for
-    # SmoothQuant, every first difference within the other model's top-5. 0.25 (2 of 8) passes those and fails a
-    # build that loses most continuations; KL, top-1 and kl_vs_rtn judge the subtler faults
+    # builds; the retrained one (perplexity 15.7, session 26) gives 3/8 for sound FP8 and GPTQ builds, 4/8 for
+    # SmoothQuant and 2/8 for AWQ g128, every first difference within the other model's top-5. 0.25 (2 of 8; 1 of 8
+    # for the 4-bit methods) passes those and fails a build that loses nearly every continuation; KL, top-1 and
+    # kl_vs_rtn judge the subtler faults
     min_greedy_agreement: float = 0.25
     needle: bool = True  # run the needle-in-a-haystack check when one is given
     # KL(baseline || candidate) / KL(baseline || round-to-nearest of the same scheme), when the caller gives the
@@ -118,8 +119,10 @@ DEFAULT_THRESHOLDS: dict[str, GateThresholds] = {
     "int8_wo": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01,
                               max_kl_vs_rtn=MAX_KL_VS_FRESH_ROUNDING),
     "smoothquant": GateThresholds(max_kl=0.03, min_top1_agreement=0.95, max_ppl_ratio=1.03),
-    "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, max_kl_vs_rtn=0.9),
-    "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, max_kl_vs_rtn=0.9),
+    "gptq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.125,
+                           max_kl_vs_rtn=0.9),
+    "awq": GateThresholds(max_kl=0.1, min_top1_agreement=0.90, max_ppl_ratio=1.10, min_greedy_agreement=0.125,
+                          max_kl_vs_rtn=0.9),
     "kv_fp8": GateThresholds(max_kl=0.01, min_top1_agreement=0.98, max_ppl_ratio=1.01),
     "kv_int8": GateThresholds(max_kl=0.02, min_top1_agreement=0.97, max_ppl_ratio=1.02),
 }

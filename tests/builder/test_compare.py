@@ -27,7 +27,8 @@ FAST = ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_posit
 BUILDS = {
     "fp32": ("quickstart.yaml", []),
     "fp8": ("quickstart-fp8.yaml", FAST + ["gates.min_top1_agreement=0.999"]),
-    "gptq": ("quickstart-gptq.yaml", FAST),
+    # GPTQ beats rounding to nearest on the bundled model from about 4,096 calibration tokens (test_recipes.py)
+    "gptq": ("quickstart-gptq.yaml", FAST + ["calibration.num_samples=16", "calibration.seq_len=256"]),
 }
 runner = CliRunner()
 
@@ -198,7 +199,10 @@ def test_gate_metrics_values_and_pass_fail(report, manifests):
             status = g["status"].upper()  # PASS, FAIL, N/A (a check this baseline cannot judge), INFO (not gated)
             for cell in (html_row(html, g["name"])[col], md_row(md, g["name"])[col]):
                 assert cell.startswith(f"{g['value']:.4g} ") and cell.endswith(status), cell
-                assert (f"{g['threshold']:.4g}" in cell) == (status != "INFO"), cell
+                if status == "INFO":  # reported only: no threshold in the cell
+                    assert cell == f"{g['value']:.4g} INFO", cell
+                else:
+                    assert f"{g['threshold']:.4g}" in cell, cell
         overall = md_row(md, "overall")[col]
         assert overall.startswith("PASSED" if gates["passed"] else "FAILED: " + ", ".join(gates["failed"]))
 

@@ -2,7 +2,7 @@
 projection, the output projection through the v projection, and (without smoothing) static input scales clipped by
 the calibration-error search, against naive static W8A8 and against each part left out.
 
-The fixture is the bundled model (GQA, 8 query heads on 2 kv heads) with fixed-channel activation outliers where
+The fixture is the bundled model (GQA, 6 query heads on 2 kv heads) with fixed-channel activation outliers where
 large real models have them: on channels of the normed inputs of q/k/v and gate/up
 (``conftest.make_outlier_variant``), of the down projection's input (the up projection's rows scaled up, the down
 projection's columns down: the same function) and of the output projection's input (v rows up, o columns down)."""
