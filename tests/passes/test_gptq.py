@@ -24,7 +24,7 @@ def _naive_rtn(w: torch.Tensor, bits: int, group_size: int, sym: bool) -> torch.
         for c0 in range(0, w.shape[1], g):
             grp = w[r, c0:c0 + g]
             if sym:
-                scale = grp.abs().max() / (2 ** (bits - 1) - 1)
+                scale = grp.abs().max() / (7.5 if bits == 4 else 2 ** (bits - 1) - 1)  # INT4: codes -8 .. 7
                 zero = 2 ** (bits - 1)
             else:
                 lo, hi = grp.min().clamp(max=0), grp.max().clamp(min=0)

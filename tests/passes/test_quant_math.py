@@ -23,7 +23,7 @@ def _w(out=16, inp=128, seed=0):
 def _ref_params(wg: torch.Tensor, bits: int, sym: bool):
     """Independent per-group parameters straight from the documented formulas (wg: [rows, g])."""
     if sym:
-        scale = wg.abs().max(dim=1).values / (2 ** (bits - 1) - 1)
+        scale = wg.abs().max(dim=1).values / (7.5 if bits == 4 else 2 ** (bits - 1) - 1)
         zero = torch.full_like(scale, 2 ** (bits - 1))
     else:
         lo = torch.minimum(wg.min(dim=1).values, torch.zeros(wg.shape[0]))
@@ -82,13 +82,16 @@ def test_int8_symmetric_uses_amax_over_127():
     assert w_hat[0, 0].item() == pytest.approx(2.54, rel=1e-6) and w_hat[0, 5].item() == pytest.approx(-2.54, rel=1e-6)
 
 
-def test_int4_symmetric_uses_amax_over_7():
+def test_int4_symmetric_uses_amax_over_7_5():
+    """The whole code range -8 .. 7 (GPTQ's and compressed-tensors' grid): -amax lands on -8, +amax on 7.5, rounded
+    (half to even) to 8 and clamped to 7."""
     w = torch.tensor([[0.7, -0.36, 0.1, -0.7, 0.0, 0.26, 0.44, 0.04]])
     codes, scales, zeros = quantize_groups(w, QuantConfig(bits=4, group_size=8, symmetric=True))
-    assert scales.item() == (torch.tensor(0.7) / 7).item()
+    assert scales.item() == (torch.tensor(0.7) / 7.5).item()
     assert zeros.item() == 8
-    # 0.7->7, -0.36->-3.6->-4, 0.1->1, -0.7->-7, 0->0, 0.26->2.6->3, 0.44->4.4->4, 0.04->0.4->0
-    assert codes.tolist() == [[15, 4, 9, 1, 8, 11, 12, 8]]
+    # 0.7->7.5->8->clamped 7, -0.36->-3.86->-4, 0.1->1.07->1, -0.7->-7.5->-8, 0->0, 0.26->2.79->3, 0.44->4.71->5,
+    # 0.04->0.43->0
+    assert codes.tolist() == [[15, 4, 9, 0, 8, 11, 13, 8]]
 
 
 def test_all_zero_group_gives_no_nan():
