@@ -169,7 +169,8 @@ def test_calibration_jsonl_parses() -> None:
 
 
 def test_eval_perplexity_beats_uniform_baseline(model, hf_tokenizer, config: dict) -> None:
-    """A trained model scores held-out stdlib code far better than guessing (uniform ppl = vocab size)."""
+    """A trained model scores held-out stdlib code far better than guessing (uniform ppl = vocab size), and at the
+    level the retrained model reached: 36.8 on these two windows (the first bundled model, 165)."""
     text = (MODEL_DIR / "eval.txt").read_text(encoding="utf-8")[:20_000]
     ids = hf_tokenizer(text, return_tensors="pt")["input_ids"][0]
     assert ids.numel() >= SEQ_LEN * N_WINDOWS
@@ -177,14 +178,14 @@ def test_eval_perplexity_beats_uniform_baseline(model, hf_tokenizer, config: dic
     with torch.no_grad():
         loss = model(input_ids=windows, labels=windows).loss.item()
     ppl = math.exp(loss)
-    assert ppl < config["vocab_size"] / 10, ppl
+    assert ppl < 50, ppl
 
 
 def test_training_metrics_recorded() -> None:
     """The training record carries the measured numbers the README quotes."""
     metrics = json.loads((MODEL_DIR / "training_metrics.json").read_text(encoding="utf-8"))
     assert metrics["train"]["steps"] > 0 and metrics["train"]["train_seconds"] > 0
-    assert 1.0 < metrics["eval"]["eval_split_ppl"] < metrics["tokenizer"]["vocab_size"] / 10
+    assert 1.0 < metrics["eval"]["eval_split_ppl"] < 20  # 15.68 (models/README.md)
     assert metrics["eval"]["eval_split_tokens"] >= 50_000
     assert len(metrics["samples"]) == 3
 
