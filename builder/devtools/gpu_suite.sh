@@ -114,6 +114,14 @@ throughput_runs() {  # the offline throughput points of issue 17, recorded in $O
   bench throughput artifacts/llama3-8b-$1 --input-len 128 --output-len 2048 --concurrency 256 --num-prompts 256 $rec
 }
 
+unpack_corpus() {  # the stdlib corpus carried in .corpus/stdlib-VERSION.tar.gz into /tmp/stdlib; sets $version
+  local tarball
+  tarball=$(ls .corpus/stdlib-*.tar.gz 2>/dev/null | head -n 1)
+  [ -n "$tarball" ] || return 1
+  version=$(basename "$tarball" .tar.gz); version=${version#stdlib-}
+  rm -rf /tmp/stdlib && mkdir -p /tmp/stdlib && tar -xzf "$tarball" -C /tmp/stdlib
+}
+
 moe_e2e() {  # $1: precision; the Qwen3-30B-A3B-shaped model from checkpoint to throughput (moe-e2e in the header)
   local prec=$1 layers=${MOE_LAYERS:-48} ck=checkpoints/qwen3-30b-a3b-random art=/dev/shm/qwen3-30b-a3b-$1 t0 need
   local rec="--record $OUT/benchmarks.jsonl" log="$OUT/moe_e2e.jsonl"
@@ -363,10 +371,7 @@ PY
       python3 -m builder.bench.hf_baseline $CKPT --compile > "$OUT/hf_compile.log" 2>&1
       grep '^{' "$OUT/hf_compile.log" | tee -a "$OUT/bench_8b.jsonl" || tail -n 20 "$OUT/hf_compile.log" ;;
     train-candidates)
-      tarball=$(ls .corpus/stdlib-*.tar.gz 2>/dev/null | head -n 1)
-      [ -n "$tarball" ] || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }
-      version=$(basename "$tarball" .tar.gz); version=${version#stdlib-}
-      rm -rf /tmp/stdlib && mkdir -p /tmp/stdlib && tar -xzf "$tarball" -C /tmp/stdlib
+      unpack_corpus || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }
       IFS='|' read -ra configs <<< "${TRAIN_CONFIGS:?set TRAIN_CONFIGS}"
       for i in "${!configs[@]}"; do
         python3 -m builder.devtools.train_bundled --out /tmp/cand-$i --tokenizer models/pystdlib-llama \
@@ -393,10 +398,7 @@ PY
         bash "$0" spec-draft
       fi ;;
     train-sweep|train-bundled)
-      tarball=$(ls .corpus/stdlib-*.tar.gz 2>/dev/null | head -n 1)
-      [ -n "$tarball" ] || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }
-      version=$(basename "$tarball" .tar.gz); version=${version#stdlib-}
-      rm -rf /tmp/stdlib && mkdir -p /tmp/stdlib && tar -xzf "$tarball" -C /tmp/stdlib
+      unpack_corpus || { echo "$part: no .corpus/stdlib-*.tar.gz carried"; continue; }
       corpus="--stdlib /tmp/stdlib --stdlib-version $version --device cuda"
       if [ $part = train-sweep ]; then
         IFS='|' read -ra configs <<< "${TRAIN_CONFIGS:?set TRAIN_CONFIGS}"
