@@ -74,6 +74,7 @@ most ``GEMV_RUNTIME_MAX_ROWS`` rows (one: measured faster there only); W4A16 / W
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -138,6 +139,7 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 3  # K steps in flight (tl.range software pipelining of the weight loads)
     reduce_in_kernel: bool = True  # split_k > 1: the tile's last program adds the partials (else reduce_split_k)
+    programs_per_sm: float = 0.0  # split_k 0: about this many programs per SM (0: programs_per_sm(kernel, device))
 
 
 # Picked by rows of x: the first row whose bound is >= M. The one-row configs are the fastest of
@@ -168,7 +170,56 @@ _W8A8_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
 ]
 # Under TRITON_INTERPRET every program runs in Python: small tiles, no split, keep tests fast.
 _INTERPRETER_CONFIG = GemvConfig(32, 32, split_k=1, num_warps=1, num_stages=1)
-_PROGRAMS_PER_SM = 4  # auto split_k: about this many programs per SM (latency hiding: bytes in flight)
+# auto split_k: about this many programs per SM (latency hiding: bytes in flight), per kernel; the H100 figure
+# unless _DEVICE_PROGRAMS_PER_SM names the device
+_PROGRAMS_PER_SM = 4.0
+# measured per device: an H200 (4.1-4.2 TB/s) runs the Llama-3-8B bf16 batch-1 decode step faster with fewer,
+# longer programs (docs/BENCHMARKS.md, session 27)
+_DEVICE_PROGRAMS_PER_SM: dict[str, dict[str, float]] = {
+    "H200": {"dense": 2.0},
+}
+
+
+def _env_programs_per_sm(value: str | None) -> dict[str, float]:
+    """KERNELS_GEMV_PROGRAMS_PER_SM (A/B runs): "2" for every GEMV kernel, or "dense=2,w8a8=3" per kernel."""
+    if not value:
+        return {}
+    kernels = ("w4a16", "w8a8", "dense")
+    out: dict[str, float] = {}
+    for item in value.split(","):
+        name, sep, number = item.rpartition("=")
+        try:
+            target = float(number)
+        except ValueError:
+            target = 0.0
+        if target <= 0 or (sep and name not in kernels):
+            raise ValueError(f"KERNELS_GEMV_PROGRAMS_PER_SM={value!r}: expected a positive number, or KERNEL=NUMBER "
+                             f"pairs separated by commas with KERNEL one of {', '.join(kernels)}")
+        out.update({name: target} if name else dict.fromkeys(kernels, target))
+    return out
+
+
+_ENV_PROGRAMS_PER_SM = _env_programs_per_sm(os.environ.get("KERNELS_GEMV_PROGRAMS_PER_SM"))
+
+
+def programs_per_sm(kernel: str, device: torch.device) -> float:
+    """The auto split-K's target programs per SM for ``kernel`` on ``device``: the environment's, the device's
+    (``_DEVICE_PROGRAMS_PER_SM``, by a name fragment of the CUDA device), or ``_PROGRAMS_PER_SM``."""
+    if kernel in _ENV_PROGRAMS_PER_SM:
+        return _ENV_PROGRAMS_PER_SM[kernel]
+    if device.type == "cuda":
+        name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+        for fragment, table in _DEVICE_PROGRAMS_PER_SM.items():
+            if fragment in name and kernel in table:
+                return table[kernel]
+    return _PROGRAMS_PER_SM
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 _MAX_SPLIT_K = 32
 _MIN_STEPS_PER_SPLIT = 2  # fewer K steps per program and its fixed costs (x's max, the epilogue) dominate
 _MIN_COUNTERS = 4096  # tile counters allocated at once (N / BLOCK_N tiles of one launch)
@@ -184,6 +235,8 @@ def default_gemv_config(kernel: str, num_rows: int, device: torch.device, bits: 
     cfg = next(cfg for bound, cfg in table if num_rows <= bound)
     if kernel == "w4a16" and bits == 8:
         cfg = dataclasses.replace(cfg, block_k=max(cfg.block_k // 2, 16))
+    if not cfg.programs_per_sm:
+        cfg = dataclasses.replace(cfg, programs_per_sm=programs_per_sm(kernel, device))
     return cfg
 
 
@@ -690,6 +743,16 @@ class _SplitPlan:
     counters: torch.Tensor  # the tile counters (y when unused)
 
 
+def auto_split_k(num_tiles: int, num_steps: int, programs_per_sm: float, num_sms: int) -> int:
+    """Programs sharing each output tile's K range when the configuration leaves it to the launch: enough for about
+    ``programs_per_sm`` programs per SM over ``num_tiles`` tiles, at least _MIN_STEPS_PER_SPLIT of the ``num_steps``
+    K steps each, at most _MAX_SPLIT_K; then evened out so that no program gets no K step."""
+    split_k = min(triton.cdiv(int(programs_per_sm * num_sms), num_tiles), num_steps // _MIN_STEPS_PER_SPLIT,
+                  _MAX_SPLIT_K)
+    split_k = max(1, min(split_k, num_steps))
+    return triton.cdiv(num_steps, triton.cdiv(num_steps, split_k))
+
+
 def _split_plan(y: torch.Tensor, num_steps: int, cfg: GemvConfig, acc_dtype: torch.dtype) -> _SplitPlan:
     """Split K over programs: ``cfg.split_k``, or enough for about _PROGRAMS_PER_SM programs per SM."""
     num_rows, n = y.shape
@@ -699,8 +762,8 @@ def _split_plan(y: torch.Tensor, num_steps: int, cfg: GemvConfig, acc_dtype: tor
         split_k = 1
         if y.device.type == "cuda":
             device_index = y.device.index if y.device.index is not None else torch.cuda.current_device()
-            split_k = min(triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device_index), num_tiles),
-                          num_steps // _MIN_STEPS_PER_SPLIT, _MAX_SPLIT_K)
+            split_k = auto_split_k(num_tiles, num_steps, cfg.programs_per_sm or _PROGRAMS_PER_SM,
+                                   _num_sms(device_index))
     split_k = max(1, min(split_k, num_steps))
     steps_per_split = triton.cdiv(num_steps, split_k)
     split_k = triton.cdiv(num_steps, steps_per_split)

@@ -81,7 +81,16 @@ FRAG_MAX_ROWS = 128  # rows of x w4a16_frag takes (launches of LAUNCH_MAX_ROWS, 
 # linears 62 us at 1 row against 78 for the mma kernel, 66 vs 90 at 8, 79 vs 95 at 16, 112 vs 159 at 32.
 FRAG_ENABLED = os.environ.get("KERNELS_W4A16_FRAG", "1") != "0"
 FRAG_RUNTIME_MAX_ROWS = 64
-_PROGRAMS_PER_SM = 3  # auto split_k: the sweep's best splits at 1-8 rows give 384-448 programs on 132 SMs
+# auto split_k: the sweep's best splits at 1-8 rows give 384-448 programs on 132 SMs (H100);
+# KERNELS_FRAG_PROGRAMS_PER_SM sets another target for A/B runs
+_PROGRAMS_PER_SM_SETTING = os.environ.get("KERNELS_FRAG_PROGRAMS_PER_SM", "3")
+try:
+    _PROGRAMS_PER_SM = float(_PROGRAMS_PER_SM_SETTING)
+except ValueError:
+    _PROGRAMS_PER_SM = 0.0
+if not _PROGRAMS_PER_SM > 0:
+    raise ValueError(f"KERNELS_FRAG_PROGRAMS_PER_SM={_PROGRAMS_PER_SM_SETTING!r}: expected a positive number (3 by "
+                     "default; the H100 and H200 sweeps' best, docs/BENCHMARKS.md sessions 21 and 27)")
 _MIN_ITERS_PER_SPLIT = 2
 _MAX_SPLIT_K = 32
 
@@ -1116,7 +1125,7 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
     split_k = cfg.split_k
     if not split_k:
         device_index = x2.device.index if x2.device.index is not None else torch.cuda.current_device()
-        split_k = min(triton.cdiv(_PROGRAMS_PER_SM * _num_sms(device_index), num_programs),
+        split_k = min(triton.cdiv(int(_PROGRAMS_PER_SM * _num_sms(device_index)), num_programs),
                       max(total_iters // _MIN_ITERS_PER_SPLIT, 1), _MAX_SPLIT_K)
     split_k = max(1, min(split_k, total_iters))
     iters_per_split = triton.cdiv(total_iters, split_k)
