@@ -25,6 +25,57 @@ import torch
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+
+def _patch_language_once_per_launch() -> None:
+    """Under TRITON_INTERPRET=1 the interpreter patches ``triton.language`` for a kernel's launch (restored after it)
+    and again, never restored, at every call of a ``@triton.jit`` helper inside it: a walk over the language's
+    members per call, a fifth to a quarter of an interpreted launch's time in the kernels' tests. The modules are
+    the same objects at every level, so a helper whose language modules the launch already patched skips the walk.
+    A helper that sees another module (``triton.language.core`` where the kernel saw only ``triton.language``) is
+    patched as before. Nothing changes when the interpreter's internals are not the ones this knows."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, grid_call = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__", None)
+    if patch is None or grid_call is None or getattr(patch, "once_per_launch", False):
+        return
+    state: dict[str, frozenset[int] | None] = {"patched": None}  # in a launch: the modules patched so far
+
+    class _NoScope:
+        def restore(self) -> None:
+            pass
+
+    def langs(fn) -> frozenset[int]:
+        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+
+    def patch_once(fn):
+        patched = state["patched"]
+        if patched is not None and langs(fn) <= patched:
+            return _NoScope()
+        scope = patch(fn)
+        if patched is not None:
+            state["patched"] = patched | langs(fn)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        outer, state["patched"] = state["patched"], frozenset()
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state["patched"] = outer
+
+    patch_once.once_per_launch = True
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
+
+
+def pytest_collection_finish(session) -> None:
+    # after collection: the test modules set TRITON_INTERPRET before they import the kernels, and triton.language's
+    # own helpers (tl.sum, ...) are interpreted only if it is first imported after that
+    _patch_language_once_per_launch()
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

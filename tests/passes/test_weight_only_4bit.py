@@ -56,15 +56,11 @@ def rtn_kl(setup, kl) -> float:
 
 @pytest.fixture(scope="module")
 def awq_build(setup, kl):
-    """AWQ rounded to nearest (its default), built and scored once for the tests that compare against it."""
-    quantized, records = _build(setup, "awq")
-    return quantized, records, kl(quantized)
-
-
-@pytest.fixture(scope="module")
-def awq_coarse(setup, kl):
-    """AWQ on a coarse grid (5 alphas and clip ratios instead of 20; otherwise the defaults), for the tests that
-    compare one option against the same build without it: a quarter of the search's time."""
+    """AWQ rounded to nearest (its default) on a coarse grid (5 alphas and clip ratios instead of 20; otherwise the
+    defaults: a quarter of the search's time), built and scored once for the tests that compare against it or an
+    option against it. AWQ at its default grid is held below round-to-nearest by
+    tests/test_fixture_model.py::test_calibrated_4bit_beats_round_to_nearest (pydoc-qwen3) and the quickstart-awq
+    recipe's gates."""
     quantized, records = _build(setup, "awq", n_grid=5)
     return quantized, records, kl(quantized)
 
@@ -84,8 +80,8 @@ def test_beats_round_to_nearest(setup, algo, kl, rtn_kl, request):
     assert 0 < kl_method < MAX_KL_VS_RTN * rtn_kl, f"{algo}: KL {kl_method:.5f} vs round-to-nearest {rtn_kl:.5f}"
 
 
-def test_awq_with_gptq_rounding_beats_awq_rounded_to_nearest(setup, kl, awq_coarse):
-    _, nearest, kl_nearest = awq_coarse
+def test_awq_with_gptq_rounding_beats_awq_rounded_to_nearest(setup, kl, awq_build):
+    _, nearest, kl_nearest = awq_build
     assert nearest[0].details["rounding"] == "nearest"
     quantized, records = _build(setup, "awq", rounding="gptq", n_grid=5)
     assert records[0].details["rounding"] == "gptq"
@@ -161,7 +157,7 @@ def test_awq_scales_the_output_projections(awq_build, setup):
 
 
 def test_awq_joint_clip_beats_round_to_nearest(setup, kl, rtn_kl):
-    quantized, records = _build(setup, "awq", joint_clip=True, n_grid=5)  # a clip search per alpha: a coarse grid
+    quantized, records = _build(setup, "awq", joint_clip=True, n_grid=3)  # a clip search per alpha: a coarse grid
     assert records[0].details["joint_clip"] is True and records[0].details["scale_output"] is True
     assert 0 < kl(quantized) < MAX_KL_VS_RTN * rtn_kl
 
@@ -173,10 +169,10 @@ def test_awq_joint_clip_needs_the_clip_search(setup):
         _build(setup, "awq", joint_clip=True, rounding="gptq")
 
 
-def test_awq_scale_refit_lowers_the_kl(setup, kl, awq_coarse):
+def test_awq_scale_refit_lowers_the_kl(setup, kl, awq_build):
     """The default refit of each row's group scales (least squares on the calibration inputs, codes fixed) gives a
     lower KL on the eval text than the same build with the grid fitted to the weights alone."""
-    _, records, kl_refit = awq_coarse
+    _, records, kl_refit = awq_build
     assert records[0].details["refit_scales"] is True
     quantized, plain = _build(setup, "awq", refit_scales=False, n_grid=5)
     assert plain[0].details["refit_scales"] is False
