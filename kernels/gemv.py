@@ -77,6 +77,7 @@ import dataclasses
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -753,6 +754,13 @@ def auto_split_k(num_tiles: int, num_steps: int, programs_per_sm: float, num_sms
     return triton.cdiv(num_steps, triton.cdiv(num_steps, split_k))
 
 
+def split_target(cfg: Any) -> float:
+    """The programs per SM an auto split aims at for a launch configuration: its ``programs_per_sm`` (a
+    GemvConfig's, filled in by ``default_gemv_config``), else _PROGRAMS_PER_SM (kernels.w4a16_mma's MmaConfig has
+    none of its own)."""
+    return getattr(cfg, "programs_per_sm", 0.0) or _PROGRAMS_PER_SM
+
+
 def _split_plan(y: torch.Tensor, num_steps: int, cfg: GemvConfig, acc_dtype: torch.dtype) -> _SplitPlan:
     """Split K over programs: ``cfg.split_k``, or enough for about _PROGRAMS_PER_SM programs per SM."""
     num_rows, n = y.shape
@@ -762,8 +770,7 @@ def _split_plan(y: torch.Tensor, num_steps: int, cfg: GemvConfig, acc_dtype: tor
         split_k = 1
         if y.device.type == "cuda":
             device_index = y.device.index if y.device.index is not None else torch.cuda.current_device()
-            split_k = auto_split_k(num_tiles, num_steps, cfg.programs_per_sm or _PROGRAMS_PER_SM,
-                                   _num_sms(device_index))
+            split_k = auto_split_k(num_tiles, num_steps, split_target(cfg), _num_sms(device_index))
     split_k = max(1, min(split_k, num_steps))
     steps_per_split = triton.cdiv(num_steps, split_k)
     split_k = triton.cdiv(num_steps, steps_per_split)

@@ -4,6 +4,10 @@ test_dense_gemv.py and test_gemv.py)."""
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported, as in the other kernel tests
+
 import pytest
 import torch
 
@@ -61,3 +65,12 @@ def test_programs_per_sm_setting_parses(value, expected):
 def test_a_bad_programs_per_sm_setting_names_what_is_allowed(value):
     with pytest.raises(ValueError, match="KERNELS_GEMV_PROGRAMS_PER_SM=.*KERNEL one of w4a16, w8a8, dense"):
         gemv._env_programs_per_sm(value)
+
+
+def test_every_split_config_has_a_target():
+    # _split_plan serves the GEMVs' GemvConfig and kernels.w4a16_mma's MmaConfig (which has no target of its own)
+    from kernels.w4a16_mma import MmaConfig
+
+    assert gemv.split_target(MmaConfig(block_n=64)) == gemv._PROGRAMS_PER_SM
+    assert gemv.split_target(gemv.GemvConfig(16, 512)) == gemv._PROGRAMS_PER_SM
+    assert gemv.split_target(gemv.GemvConfig(16, 512, programs_per_sm=2.0)) == 2.0
