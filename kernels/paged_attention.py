@@ -50,9 +50,10 @@ _QUANT = {torch.float8_e4m3fn: 1, torch.int8: 2}  # cache storage dtype -> QUANT
 # Decode split heuristic (``_decode_num_splits``).
 # below this a split's partial result costs more to merge than it saves; KERNELS_DECODE_MIN_KEYS_PER_SPLIT sets
 # another floor for A/B runs (a multiple of 64)
-_MIN_KEYS_PER_SPLIT = int(os.environ.get("KERNELS_DECODE_MIN_KEYS_PER_SPLIT", "256"))
+_MIN_KEYS_SETTING = os.environ.get("KERNELS_DECODE_MIN_KEYS_PER_SPLIT", "256")
+_MIN_KEYS_PER_SPLIT = int(_MIN_KEYS_SETTING) if _MIN_KEYS_SETTING.isdigit() else 0
 if _MIN_KEYS_PER_SPLIT < 64 or _MIN_KEYS_PER_SPLIT % 64:
-    raise ValueError(f"KERNELS_DECODE_MIN_KEYS_PER_SPLIT={_MIN_KEYS_PER_SPLIT}: expected a multiple of 64 (256 by "
+    raise ValueError(f"KERNELS_DECODE_MIN_KEYS_PER_SPLIT={_MIN_KEYS_SETTING!r}: expected a multiple of 64 (256 by "
                      "default)")
 _MAX_SPLITS = 32
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
