@@ -216,8 +216,7 @@ def programs_per_sm(kernel: str, device: torch.device) -> float:
     return _PROGRAMS_PER_SM
 
 
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
+def _device_name(index: int) -> str:  # read once per configuration (_cuda_config caches what it decides)
     return torch.cuda.get_device_name(index)
 
 
@@ -232,12 +231,19 @@ def default_gemv_config(kernel: str, num_rows: int, device: torch.device, bits: 
     weights take half the K step (the same bytes per step)."""
     if _interpreting() or device.type != "cuda":
         return _INTERPRETER_CONFIG
+    return _cuda_config(kernel, num_rows, device.index if device.index is not None else torch.cuda.current_device(),
+                        bits)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_config(kernel: str, num_rows: int, device_index: int, bits: int) -> GemvConfig:
+    """``default_gemv_config`` on CUDA, resolved once per argument set (it runs at every GEMV call outside a graph)."""
     table = {"w4a16": _W4A16_CUDA_CONFIGS, "w8a8": _W8A8_CUDA_CONFIGS, "dense": _DENSE_CUDA_CONFIGS}[kernel]
     cfg = next(cfg for bound, cfg in table if num_rows <= bound)
     if kernel == "w4a16" and bits == 8:
         cfg = dataclasses.replace(cfg, block_k=max(cfg.block_k // 2, 16))
     if not cfg.programs_per_sm:
-        cfg = dataclasses.replace(cfg, programs_per_sm=programs_per_sm(kernel, device))
+        cfg = dataclasses.replace(cfg, programs_per_sm=programs_per_sm(kernel, torch.device("cuda", device_index)))
     return cfg
 
 

@@ -47,8 +47,12 @@ def _patch_language_once_per_launch() -> None:
         def restore(self) -> None:
             pass
 
-    def langs(fn) -> frozenset[int]:
-        return frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+    langs_of: dict[object, frozenset[int]] = {}
+
+    def langs(fn) -> frozenset[int]:  # the language modules a function sees, once per function
+        if fn not in langs_of:
+            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return langs_of[fn]
 
     def patch_once(fn):
         patched = state["patched"]
