@@ -102,6 +102,15 @@ def _query_operand(q, FP32: tl.constexpr, F16: tl.constexpr):
 
 
 @triton.jit
+def _rotate_rows(x, pair, first, cos, sin):
+    """Rotate-half RoPE of whole rows x [R, D] (fp32): pair[:, d] = x[:, (d + D/2) % D], first: d < D/2, cos / sin
+    [1, D] of angle d % (D/2); the expressions of ``kernels.rope.rotate`` for each half."""
+    x = x.to(tl.float32)
+    pair = pair.to(tl.float32)
+    return tl.where(first, x * cos - pair * sin, x * cos + pair * sin)
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, FP32: tl.constexpr):
     """Fold one tile into the running (max, sum, acc). s: [R, N] log2-domain scores (-inf where
     masked); v: [N, D] in the compute dtype, zero where masked. m_i starts finite, so no NaN."""
@@ -302,12 +311,15 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
         out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, counter_ptr,
+        kn_ptr, vn_ptr, slot_ptr, pos_ptr, inv_freq_ptr, rope_scaling,
         qk_scale, window, num_splits, softcap,
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_kns, stride_knh, stride_vns, stride_vnh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
         MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr,
-        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, PDL: tl.constexpr):
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, WRITE: tl.constexpr,
+        ROPE: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
     # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP
     # query heads sharing one kv head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's
@@ -320,6 +332,11 @@ def _paged_decode_kernel(
     # (one conversion per two values; bf16 takes more), and q is clamped to fp16's range.
     # SOFTCAP: scores soft-capped (softcap: the cap in the log2 domain); SINKS: each head's sink logit (sinks_ptr)
     # joins the softmax denominator, after the last tile or in the merge.
+    # WRITE: the step's own key and value (kn_ptr, vn_ptr: [num_seqs, num_kv_heads, HEAD_DIM]) are not in the cache
+    # yet: the program whose tiles hold the sequence's last position writes them at slot_ptr[seq] (skipped for a
+    # negative slot) before its key loop, as write_kv_cache would, then reads them back like any other key.
+    # ROPE (with WRITE): q and the new key arrive unrotated; every program rotates its q rows, the writer the key,
+    # with rope_write_kv_cache's numerics (the rotated key rounded to q's dtype before the cache's quantization).
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -356,8 +373,34 @@ def _paged_decode_kernel(
 
         wait_prior(PDL)  # q and the new key / value are the preceding kernel's (kernels/pdl.py)
         # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
-        q = tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=g_mask[:, None], other=0.0)
+        q_rows = q_ptr + seq * stride_qs + head[:, None] * stride_qh
+        q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
+        if ROPE:
+            # rotate-half on whole rows: element d pairs with d +- HALF; cos / sin of angle d % HALF
+            dtype = q_ptr.dtype.element_ty
+            offs_pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM
+            first = (offs_d < HEAD_DIM // 2)[None, :]
+            cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, offs_d % (HEAD_DIM // 2), offs_d < HEAD_DIM,
+                               rope_scaling, dtype)
+            q = _rotate_rows(q, tl.load(q_rows + offs_pair[None, :], mask=g_mask[:, None], other=0.0), first, cos,
+                             sin).to(dtype)
+        if WRITE:
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
+            last_split = ((seq_len - 1) // BLOCK_N - first_tile) // tl.maximum(tiles_per_split, 1)
+            if (slot >= 0) & (split == last_split):
+                kn_row = kn_ptr + seq * stride_kns + kv_head * stride_knh
+                kn = tl.load(kn_row + offs_d)
+                if ROPE:
+                    kn = _rotate_rows(kn[None, :], tl.load(kn_row + offs_pair)[None, :], first, cos, sin)
+                    kn = tl.reshape(kn.to(dtype), [HEAD_DIM])
+                vn = tl.load(vn_ptr + seq * stride_vns + kv_head * stride_vnh + offs_d)
+                if QUANT != 0:
+                    kn = _quantize(kn, k_scale_ptr, QUANT)
+                    vn = _quantize(vn, v_scale_ptr, QUANT)
+                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + offs_d
+                tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty))
+                tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty))
+            tl.debug_barrier()  # the new row stored by every thread before any thread loads its tile
         q = _query_operand(q, FP32, F16)
         if QUANT != 0:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -427,7 +470,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            v_scale: torch.Tensor | float | None = None,
                            sliding_window: int | None = None, num_splits: int | None = None,
                            softcap: float = 0.0, sinks: torch.Tensor | None = None,
-                           config: DecodeConfig | None = None) -> torch.Tensor:
+                           config: DecodeConfig | None = None, new_kv: NewKV | None = None) -> torch.Tensor:
     """Attention of one new query per sequence over its paged cache; returns ``out`` like ``q``.
 
     q: [num_seqs, num_heads, head_dim], query i at position seq_lens[i] - 1 (its K/V already written);
@@ -442,11 +485,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
     config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and program count; the
     benchmark sweeps it).
+    new_kv: the step's key and value, not yet in the cache: the kernel writes them (``write_kv_cache``, or
+    ``rope_write_kv_cache`` with its RoPE, q then arriving unrotated) and attends over them, one launch for two.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs, softcap, sinks)
     assert seq_lens.shape == (num_seqs,), f"seq_lens {tuple(seq_lens.shape)} != ({num_seqs},)"
+    if new_kv is not None:
+        new_kv.check(q, num_kv_heads)
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
@@ -468,18 +515,66 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out  # unused
         counters = seq_lens
     sinks_t = q if sinks is None else sinks  # a placeholder, never read, without sinks
+    rope = new_kv is not None and new_kv.positions is not None
+    if new_kv is None:  # placeholders, never read
+        kn = vn = q
+        slots = pos = inv_freq = seq_lens
+    else:
+        kn, vn, slots = new_kv.k, new_kv.v, new_kv.slot_mapping
+        pos = new_kv.positions if rope else seq_lens
+        inv_freq = new_kv.inv_freq.float() if rope else q
     grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_first else (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l, sinks_t,
-        counters, scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
+        counters, kn, vn, slots, pos, inv_freq, float(new_kv.scaling) if rope else 1.0,
+        scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
         FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SPLIT=split,
         MIN_TILES=max(1, _MIN_KEYS_PER_SPLIT // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-        SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **pdl_args(q))
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, WRITE=new_kv is not None,
+        ROPE=rope, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
     return out
+
+
+@dataclass(frozen=True)
+class NewKV:
+    """A decode step's own keys and values for :func:`paged_decode_attention` to write into the cache itself.
+
+    k, v: [num_seqs, num_kv_heads, head_dim] in q's dtype (rows may be strided, heads contiguous: views into a merged
+    QKV projection); slot_mapping: [num_seqs], each sequence's new slot (negative: write nothing, a padding row).
+    positions, inv_freq, scaling: RoPE (rotate-half, whole heads) of q and k first, as ``rope_write_kv_cache``;
+    positions None: q and k are already rotated (or the model has no RoPE).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor | None = None
+    inv_freq: torch.Tensor | None = None
+    scaling: float = 1.0
+
+    def check(self, q: torch.Tensor, num_kv_heads: int) -> None:
+        num_seqs, _, head_dim = q.shape
+        expected = (num_seqs, num_kv_heads, head_dim)
+        if tuple(self.k.shape) != expected or tuple(self.v.shape) != expected:
+            raise ValueError(f"new_kv: k {tuple(self.k.shape)} and v {tuple(self.v.shape)} must be {expected} "
+                             "(one new key and value per sequence)")
+        if self.k.dtype != q.dtype or self.v.dtype != q.dtype:
+            raise ValueError(f"new_kv: k and v must be in q's dtype {q.dtype}, got {self.k.dtype} / {self.v.dtype}")
+        for name, t in (("k", self.k), ("v", self.v)):
+            if t.stride(2) != 1:
+                raise ValueError(f"new_kv: {name}'s head_dim must be contiguous, got strides {t.stride()}")
+        if tuple(self.slot_mapping.shape) != (num_seqs,):
+            raise ValueError(f"new_kv: slot_mapping {tuple(self.slot_mapping.shape)} != ({num_seqs},)")
+        if self.positions is not None:
+            if tuple(self.positions.shape) != (num_seqs,) or self.inv_freq is None \
+                    or tuple(self.inv_freq.shape) != (head_dim // 2,):
+                raise ValueError(f"new_kv: positions {tuple(self.positions.shape)} / inv_freq "
+                                 f"{None if self.inv_freq is None else tuple(self.inv_freq.shape)} do not match "
+                                 f"{num_seqs} sequences and head_dim {head_dim}")
 
 
 @dataclass(frozen=True)

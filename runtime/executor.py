@@ -27,6 +27,10 @@ GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 FUSE_ROPE = os.environ.get("RUNTIME_FUSE_ROPE", "1") != "0"
 FUSE_SWIGLU = os.environ.get("RUNTIME_FUSE_SWIGLU", "1") != "0"
 FUSE_NORM_QUANT = os.environ.get("RUNTIME_FUSE_NORM_QUANT", "1") != "0"
+# decode-only steps write the step's K/V (after RoPE, when fused) in the decode attention kernel itself
+# (``kernels.paged_attention.NewKV``: one launch per layer instead of two); RUNTIME_FUSE_KV_WRITE=0: the separate
+# write (rope_write_kv_cache / write_kv_cache) before it, as prefill steps do
+FUSE_KV_WRITE = os.environ.get("RUNTIME_FUSE_KV_WRITE", "1") != "0"
 # RUNTIME_FUSE_NORM_LINEAR=1 turns on plan_fusions' residual_out / pending_norms (off: with PDL on it measured slower
 # than the norm kernels it removes; docs/BENCHMARKS.md, session 23)
 FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
@@ -701,8 +705,9 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
                      ) -> Callable[[list[torch.Tensor], PagedAttentionMetadata], tuple] | None:
     """Attention through the Triton kernels: write the step's K/V into the paged cache (quantizing for
     FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables. With
-    ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v."""
-    from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, paged_decode_attention, paged_prefill_attention,
+    ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v. A
+    decode-only step does all of it in the decode kernel (``FUSE_KV_WRITE``)."""
+    from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, NewKV, paged_decode_attention, paged_prefill_attention,
                                          rope_write_kv_cache, write_kv_cache)
 
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
@@ -718,6 +723,12 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         q, k, v = xs[:3]  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
         kc, vc = md.k_caches[layer], md.v_caches[layer]
+        if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
+            rotary = (xs[3], rope.inv_freq, rope.scaling) if rope is not None else ()
+            new_kv = NewKV(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), md.slot_mapping, *rotary)
+            out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
+                                         v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
+            return (out.view(-1, num_heads * head_dim),)
         if rope is not None:
             rope_write_kv_cache(q, k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), xs[3], rope.inv_freq,
                                 rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)

@@ -44,14 +44,20 @@ def _decode_attention() -> list[tuple[str, object]]:
              "seq_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "out_ptr": "*bf16",
              "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "sinks_ptr": "*fp32",
              "counter_ptr": "*i32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "softcap": "fp32",
+             "kn_ptr": "*bf16", "vn_ptr": "*bf16", "slot_ptr": "*i64", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
+             "rope_scaling": "fp32",
              **{n: "i32" for n in ("stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb", "stride_ct",
-                                   "stride_ch", "stride_bt")}}
+                                   "stride_ch", "stride_bt", "stride_kns", "stride_knh", "stride_vns", "stride_vnh")}}
     base = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=128, QUANT=0, FP32=False, F16=False,
-                SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, PDL=True)
+                SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, WRITE=False,
+                ROPE=False, PDL=True)
     fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     variants = [("split", {}, {}), ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
-                ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {})]
+                ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {}),
+                ("new K/V written, RoPE", {"WRITE": True, "ROPE": True}, {}),
+                ("new K/V written, RoPE, one split", {"WRITE": True, "ROPE": True, "SPLIT": False}, {}),
+                ("new K/V written, no RoPE, fp8 cache", {"WRITE": True, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8)]
     out = [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
         _paged_decode_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
     return out + _prefill_attention(fp8)

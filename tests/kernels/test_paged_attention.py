@@ -37,7 +37,7 @@ else:
     pytest.skip("triton was imported before TRITON_INTERPRET=1 was set, and there is no CUDA device: run "
                 "with TRITON_INTERPRET=1 in the environment", allow_module_level=True)
 
-TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 FP8, INT8 = torch.float8_e4m3fn, torch.int8
 
 
@@ -350,6 +350,84 @@ def test_decode_empty_sequence_gives_zeros_and_auto_splits():
         out = pa.paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), 0.2, num_splits=num_splits)
         assert torch.equal(out[1], torch.zeros_like(out[1]))
         _assert_close(out, pa.ref_paged_decode_attention(q, k_cache, v_cache, tables, _int32(lens), 0.2))
+
+
+NEW_KV_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window, rope)
+    pytest.param(8, 2, 32, torch.bfloat16, torch.bfloat16, None, True, id="gqa4-d32-bf16-rope"),
+    pytest.param(4, 4, 64, torch.float16, torch.float16, None, True, id="mha-d64-fp16-rope"),
+    pytest.param(8, 2, 32, torch.float32, torch.float32, 40, False, id="gqa4-d32-fp32-window-norope"),
+    pytest.param(8, 2, 32, torch.bfloat16, FP8, 40, True, id="gqa4-d32-bf16-fp8kv-window-rope"),
+    pytest.param(6, 2, 32, torch.float32, INT8, None, True, id="gqa3-d32-fp32-int8kv-rope"),
+]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window, rope", NEW_KV_CASES)
+def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads, num_kv_heads, head_dim, dtype,
+                                                          kv_dtype, window, rope):
+    """``new_kv``: the decode kernel writes the step's key and value (rotated first with RoPE) into the cache bit for
+    bit as rope_write_kv_cache / write_kv_cache do, skips a padding row's, and attends as the decode kernel after
+    them does; in one program and in splits, including a sequence whose last split is empty (5 key tiles over 4
+    splits: 2, 2, 1, 0), so that the writer is not the last program."""
+    monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 64)  # 64-key tiles (config below), one per split at least
+    from kernels.rope import ref_rope
+
+    gen = torch.Generator().manual_seed(num_heads + head_dim + int(rope))
+    lens = [1, 7, 45, 320, 5, 1]  # the last row is padding: slot -1, as a CUDA graph's unused rows
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, num_kv_heads, head_dim, 8, dtype, kv_dtype, gen)
+    num_seqs, width = len(lens), (num_heads + 2 * num_kv_heads) * head_dim
+    qkv = (torch.randn(num_seqs, width, generator=gen) * 2).to(dtype).to(DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(num_seqs, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_seqs, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_seqs, num_kv_heads, head_dim)
+    pos = torch.tensor(lens, device=DEVICE) - 1
+    slots = tables[torch.arange(num_seqs, device=DEVICE), pos // 8].long() * 8 + pos % 8
+    slots[-1] = -1
+    inv_freq = (1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).to(DEVICE)
+    config = pa.DecodeConfig(64, 4, 2, f16=kv_dtype in (FP8, INT8))
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, "config": config}
+    for num_splits in (1, 4):
+        sep_k, sep_v = k_cache.clone(), v_cache.clone()
+        sep_q = q.clone()
+        if rope:
+            pa.rope_write_kv_cache(sep_q, k, v, pos, inv_freq, 0.75, sep_k, sep_v, slots, k_scale=k_scale,
+                                   v_scale=v_scale)
+        else:
+            pa.write_kv_cache(k, v, sep_k, sep_v, slots, k_scale=k_scale, v_scale=v_scale)
+        args = (tables, _int32(lens), head_dim ** -0.5)
+        separate = pa.paged_decode_attention(sep_q, sep_k, sep_v, *args, num_splits=num_splits, **kw)
+        fused_k, fused_v = k_cache.clone(), v_cache.clone()
+        new_kv = pa.NewKV(k, v, slots, *((pos, inv_freq, 0.75) if rope else ()))
+        q_in = q.clone()
+        fused = pa.paged_decode_attention(q_in, fused_k, fused_v, *args, num_splits=num_splits, new_kv=new_kv, **kw)
+        assert torch.equal(q_in, q), "q is rotated in registers, not in place"
+        for f, s_, c in ((fused_k, sep_k, k_cache), (fused_v, sep_v, v_cache)):
+            assert torch.equal(f.cpu().view(torch.uint8), s_.cpu().view(torch.uint8))
+            changed = (f.cpu().view(torch.uint8) != c.cpu().view(torch.uint8)).flatten(2).any(-1)  # [block, row]
+            assert int(changed.sum()) == num_seqs - 1, "one new row per sequence, none for the padding row"
+        same = 1e-6 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(fused.float(), separate.float(), atol=same, rtol=same)
+        q_ref = ref_rope(q.reshape(num_seqs, -1).cpu(), pos.cpu(), inv_freq.cpu(), num_heads, head_dim, 0.75) \
+            if rope else q.cpu()
+        expected = pa.ref_paged_decode_attention(q_ref.view(num_seqs, num_heads, head_dim).to(DEVICE), fused_k,
+                                                 fused_v, *args, k_scale=k_scale, v_scale=v_scale,
+                                                 sliding_window=window)
+        _assert_close(fused, expected)
+
+
+def test_decode_new_kv_rejects_bad_shapes():
+    q = torch.randn(2, 4, 32, device=DEVICE)
+    cache = torch.zeros(4, 4, 2, 32, device=DEVICE)
+    k = v = torch.randn(2, 2, 32, device=DEVICE)
+    args = (q, cache, cache.clone(), _int32([1, 2]).view(2, 1).abs(), _int32([1, 2]), 0.2)
+    slots = torch.tensor([0, 5], device=DEVICE)
+    with pytest.raises(ValueError, match="one new key and value per sequence"):
+        pa.paged_decode_attention(*args, new_kv=pa.NewKV(k[:1], v[:1], slots))
+    with pytest.raises(ValueError, match="dtype"):
+        pa.paged_decode_attention(*args, new_kv=pa.NewKV(k.half(), v.half(), slots))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        pa.paged_decode_attention(*args, new_kv=pa.NewKV(k, v, slots[:1]))
+    with pytest.raises(ValueError, match="inv_freq"):
+        pa.paged_decode_attention(*args, new_kv=pa.NewKV(k, v, slots, slots, torch.ones(8, device=DEVICE)))
 
 
 def test_decode_split_heuristic(monkeypatch):
