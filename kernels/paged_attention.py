@@ -111,6 +111,22 @@ def _rotate_rows(x, pair, first, cos, sin):
 
 
 @triton.jit
+def _new_key_step(q, kn, vn, qk_scale, softcap, m_i, l_i, acc, SOFTCAP: tl.constexpr):
+    """Fold one key held in registers (kn, vn: [D] fp32 values as the cache stores them) into the running (max, sum,
+    acc) of the query rows q [R, D] (compute dtype), with the tile loop's roundings: operands in q's dtype, fp32
+    score, the weight rounded to q's dtype before it multiplies the value."""
+    s = tl.sum(q.to(tl.float32) * kn.to(q.dtype).to(tl.float32)[None, :], 1) * qk_scale
+    if SOFTCAP:
+        s = _softcap(s, softcap)
+    m_new = tl.maximum(m_i, s)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p.to(q.dtype).to(tl.float32)[:, None] * vn.to(q.dtype).to(tl.float32)[None, :]
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _online_softmax_step(s, v, m_i, l_i, acc, FP32: tl.constexpr):
     """Fold one tile into the running (max, sum, acc). s: [R, N] log2-domain scores (-inf where
     masked); v: [N, D] in the compute dtype, zero where masked. m_i starts finite, so no NaN."""
@@ -334,7 +350,8 @@ def _paged_decode_kernel(
     # joins the softmax denominator, after the last tile or in the merge.
     # WRITE: the step's own key and value (kn_ptr, vn_ptr: [num_seqs, num_kv_heads, HEAD_DIM]) are not in the cache
     # yet: the program whose tiles hold the sequence's last position writes them at slot_ptr[seq] (skipped for a
-    # negative slot) before its key loop, as write_kv_cache would, then reads them back like any other key.
+    # negative slot), as write_kv_cache would, and folds them in from registers after its key loop, which stops
+    # before that position (no wait for the store: its tile loads go out with q's).
     # ROPE (with WRITE): q and the new key arrive unrotated; every program rotates its q rows, the writer the key,
     # with rope_write_kv_cache's numerics (the rotated key rounded to q's dtype before the cache's quantization).
     if HEADS_FIRST:
@@ -370,37 +387,48 @@ def _paged_decode_kernel(
         pos = tile_lo * BLOCK_N + offs_n
         valid = (pos >= lo) & (pos < tl.minimum(seq_len, tile_hi * BLOCK_N))  # none for an empty split
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # the first tile's blocks
+        if ROPE:  # positions are a step input too, and inv_freq a constant: the angles before the wait
+            dtype = q_ptr.dtype.element_ty
+            offs_pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate-half on whole rows: d pairs with d +- HALF
+            first = (offs_d < HEAD_DIM // 2)[None, :]
+            cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, offs_d % (HEAD_DIM // 2), offs_d < HEAD_DIM,
+                               rope_scaling, dtype)
+        if WRITE:
+            # the program whose tiles hold the new position takes the new key and value
+            last = seq_len - 1
+            writer = (seq_len > 0) & (split == (last // BLOCK_N - first_tile) // tl.maximum(tiles_per_split, 1))
+            w_mask = offs_d < tl.where(writer, HEAD_DIM, 0)  # [HEAD_DIM]: all lanes in the writer, none elsewhere
+            slot = tl.load(slot_ptr + seq).to(tl.int64)
 
         wait_prior(PDL)  # q and the new key / value are the preceding kernel's (kernels/pdl.py)
         # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
         q_rows = q_ptr + seq * stride_qs + head[:, None] * stride_qh
         q = tl.load(q_rows + offs_d[None, :], mask=g_mask[:, None], other=0.0)
         if ROPE:
-            # rotate-half on whole rows: element d pairs with d +- HALF; cos / sin of angle d % HALF
-            dtype = q_ptr.dtype.element_ty
-            offs_pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM
-            first = (offs_d < HEAD_DIM // 2)[None, :]
-            cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, offs_d % (HEAD_DIM // 2), offs_d < HEAD_DIM,
-                               rope_scaling, dtype)
             q = _rotate_rows(q, tl.load(q_rows + offs_pair[None, :], mask=g_mask[:, None], other=0.0), first, cos,
                              sin).to(dtype)
         if WRITE:
-            slot = tl.load(slot_ptr + seq).to(tl.int64)
-            last_split = ((seq_len - 1) // BLOCK_N - first_tile) // tl.maximum(tiles_per_split, 1)
-            if (slot >= 0) & (split == last_split):
-                kn_row = kn_ptr + seq * stride_kns + kv_head * stride_knh
-                kn = tl.load(kn_row + offs_d)
-                if ROPE:
-                    kn = _rotate_rows(kn[None, :], tl.load(kn_row + offs_pair)[None, :], first, cos, sin)
-                    kn = tl.reshape(kn.to(dtype), [HEAD_DIM])
-                vn = tl.load(vn_ptr + seq * stride_vns + kv_head * stride_vnh + offs_d)
-                if QUANT != 0:
-                    kn = _quantize(kn, k_scale_ptr, QUANT)
-                    vn = _quantize(vn, v_scale_ptr, QUANT)
-                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + offs_d
-                tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty))
-                tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty))
-            tl.debug_barrier()  # the new row stored by every thread before any thread loads its tile
+            # the new key (rotated, rounded to q's dtype) and value as the cache stores them (fp32 values); zeros
+            # in the other programs
+            kn_row = kn_ptr + seq * stride_kns + kv_head * stride_knh
+            kn = tl.load(kn_row + offs_d, mask=w_mask, other=0.0)
+            if ROPE:
+                pair = tl.load(kn_row + offs_pair, mask=w_mask, other=0.0)
+                kn = tl.reshape(_rotate_rows(kn[None, :], pair[None, :], first, cos, sin).to(dtype), [HEAD_DIM])
+            vn = tl.load(vn_ptr + seq * stride_vns + kv_head * stride_vnh + offs_d, mask=w_mask, other=0.0)
+            if QUANT != 0:
+                kn = _quantize(kn, k_scale_ptr, QUANT)
+                vn = _quantize(vn, v_scale_ptr, QUANT)
+            else:
+                kn = kn.to(tl.float32)
+                vn = vn.to(tl.float32)
+            dst = (tl.maximum(slot, 0) // BLOCK_SIZE) * stride_cb + (tl.maximum(slot, 0) % BLOCK_SIZE) * stride_ct \
+                + kv_head * stride_ch + offs_d
+            stored = offs_d < tl.where(writer & (slot >= 0), HEAD_DIM, 0)  # a negative slot (padding): nothing written
+            tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty), mask=stored)
+            tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty), mask=stored)
+            # the loop below reads the keys before it; the new one joins from registers after it
+            seq_len = last
         q = _query_operand(q, FP32, F16)
         if QUANT != 0:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -424,6 +452,11 @@ def _paged_decode_kernel(
             v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
             v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+        if WRITE:
+            m_w, l_w, acc_w = _new_key_step(q, kn, vn, qk_scale, softcap, m_i, l_i, acc, SOFTCAP)
+            m_i = tl.where(writer, m_w, m_i)
+            l_i = tl.where(writer, l_w, l_i)
+            acc = tl.where(writer, acc_w, acc)
 
         if QUANT != 0:
             acc = acc * tl.load(v_scale_ptr)
