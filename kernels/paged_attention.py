@@ -104,10 +104,10 @@ def _query_operand(q, FP32: tl.constexpr, F16: tl.constexpr):
 @triton.jit
 def _rotate_rows(x, pair, first, cos, sin):
     """Rotate-half RoPE of whole rows x [R, D] (fp32): pair[:, d] = x[:, (d + D/2) % D], first: d < D/2, cos / sin
-    [1, D] of angle d % (D/2); the expressions of ``kernels.rope.rotate`` for each half."""
+    [1, D] of angle d % (D/2); ``kernels.rope.rotate``'s fmas for each half (the same bits)."""
     x = x.to(tl.float32)
     pair = pair.to(tl.float32)
-    return tl.where(first, x * cos - pair * sin, x * cos + pair * sin)
+    return tl.where(first, tl.fma(x, cos, -(pair * sin)), tl.fma(x, cos, pair * sin))
 
 
 @triton.jit

@@ -47,7 +47,9 @@ def rotate(ptrs, mask, cos, sin, HALF: tl.constexpr):
     """The rotated halves (fp32) of the heads whose first halves ``ptrs`` [BLOCK_H, BLOCK_D] point at."""
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+    # explicit fmas: the compiler has no contraction left to choose, so every kernel that rotates (this one, the
+    # decode attention's, kernels.paged_attention._rotate_rows) gives the same bits
+    return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
 
 
 @triton.jit
