@@ -211,13 +211,14 @@ def _sweep_configs(args, f16s):
     """(BLOCK_N, warps, stages, fp16, heads first) candidates: all of them, or --sweep-short's few."""
     if args.sweep_short:
         return [(bn, 4, st, f16, first) for bn, st in ((64, 2), (128, 3)) for f16 in f16s for first in (False, True)]
-    return [(bn, w, st, f16, first) for bn in (32, 64, 128, 256) for w in (4, 8) for st in (2, 3, 4) for f16 in f16s
-            for first in (False, True)]
+    return [(bn, w, st, f16, first) for bn in args.sweep_block_n for w in args.sweep_warps for st in args.sweep_stages
+            for f16 in f16s for first in (False, True)[:args.sweep_orders]]
 
 
 def decode_sweep(gen, args, failures) -> int:
     """Every decode tiling at a few serving shapes, GB/s of each, the default's row marked."""
-    shapes = [(1, 8192), (64, 2048), (64, 8192), (256, 2048), (384, 1024)]
+    shapes = [tuple(map(int, sh.split("x"))) for sh in args.sweep_shapes] if args.sweep_shapes else \
+        [(1, 8192), (64, 2048), (64, 8192), (256, 2048), (384, 1024)]
     print("| kv | batch | context | BLOCK_N | warps | stages | fp16 | heads first | graph us | bandwidth | check |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in args.sweep_kv:
@@ -260,6 +261,9 @@ def decode_sweep(gen, args, failures) -> int:
                       flush=True)
             if best:
                 print(f"best {kv_name} {batch}x{context}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+                c = best[1]  # the same, for KERNELS_DECODE_CONFIG
+                print(f"best-config {kv_name} {batch}x{context} {c.block_n},{c.num_warps},{c.num_stages},"
+                      f"{int(c.heads_first)}", flush=True)
             del p
             torch.cuda.empty_cache()
     for f in failures:
@@ -371,6 +375,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="--decode-sweep over a few tilings only (both program orders)")
     parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
                         help="cache dtypes of --decode-sweep")
+    parser.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128, 256])
+    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--sweep-stages", nargs="+", type=int, default=[2, 3, 4])
+    parser.add_argument("--sweep-orders", type=int, default=2, choices=(1, 2),
+                        help="1: sequence-major program order only (one sequence: the orders are the same)")
+    parser.add_argument("--sweep-shapes", nargs="+", default=None, metavar="BATCHxCONTEXT",
+                        help="--decode-sweep's shapes instead of the serving ones, e.g. 1x192 1x256 (batch-1 decode "
+                             "of the 128-in / 128-out benchmark)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench.attention needs a CUDA device", file=sys.stderr)

@@ -609,3 +609,13 @@ def test_rejects_unsupported_arguments():
     with pytest.raises(ValueError, match="softcap must be >= 0"):
         pa.paged_prefill_attention(q, k_cache, v_cache, tables, _int32([0, 1]), _int32([3]), 0.2, k_scale=1.0,
                                    v_scale=1.0, softcap=-1.0)
+
+
+def test_decode_config_setting_is_parsed_or_refused():
+    """KERNELS_DECODE_CONFIG (A/B runs): BLOCK_N,WARPS,STAGES[,HEADS_FIRST], anything else refused by name."""
+    assert pa._decode_config_override("") is None
+    assert pa._decode_config_override("256,8,2") == (256, 8, 2, False)
+    assert pa._decode_config_override("64,4,3,1") == (64, 4, 3, True)
+    for bad in ("256,8", "100,4,2", "64,3,2", "64,4,0", "64,4,2,2", "a,b,c"):
+        with pytest.raises(ValueError, match="KERNELS_DECODE_CONFIG"):
+            pa._decode_config_override(bad)
