@@ -59,22 +59,23 @@ _MAX_SPLITS = 32
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
 _DECODE_WIDE_PROGRAMS = 1024  # decode programs from which a quantized cache's tiles take 128 keys (_decode_config)
-# KERNELS_DECODE_CONFIG="BLOCK_N,WARPS,STAGES[,HEADS_FIRST]" replaces _decode_config's tiling for 16-bit caches at
-# head_dim <= 128 (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines)
+# KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST]" replaces _decode_config's tiling for 16-bit caches at
+# head_dim <= 128 (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons,
+# since gpu_suite.sh's AB_SETTINGS separate variables with commas)
 _DECODE_CONFIG_SETTING = os.environ.get("KERNELS_DECODE_CONFIG", "")
 
 
 def _decode_config_override(setting: str) -> tuple[int, int, int, bool] | None:
     if not setting:
         return None
-    parts = setting.split(",")
+    parts = setting.split(":")
     ok = len(parts) in (3, 4) and all(p.strip().isdigit() for p in parts)
     values = [int(p) for p in parts] if ok else []
     if not ok or values[0] not in (16, 32, 64, 128, 256) or values[1] not in (1, 2, 4, 8, 16) \
             or not 1 <= values[2] <= 6 or (len(values) == 4 and values[3] not in (0, 1)):
-        raise ValueError(f"KERNELS_DECODE_CONFIG={setting!r}: expected BLOCK_N,WARPS,STAGES[,HEADS_FIRST] with BLOCK_N "
+        raise ValueError(f"KERNELS_DECODE_CONFIG={setting!r}: expected BLOCK_N:WARPS:STAGES[:HEADS_FIRST] with BLOCK_N "
                          "in 16..256 (a power of 2), WARPS in 1..16 (a power of 2), STAGES in 1..6, HEADS_FIRST 0 or "
-                         "1, e.g. 256,8,2")
+                         "1, e.g. 256:4:2")
     return values[0], values[1], values[2], bool(values[3]) if len(values) == 4 else False
 
 

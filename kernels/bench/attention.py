@@ -262,7 +262,7 @@ def decode_sweep(gen, args, failures) -> int:
             if best:
                 print(f"best {kv_name} {batch}x{context}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
                 c = best[1]  # the same, for KERNELS_DECODE_CONFIG
-                print(f"best-config {kv_name} {batch}x{context} {c.block_n},{c.num_warps},{c.num_stages},"
+                print(f"best-config {kv_name} {batch}x{context} {c.block_n}:{c.num_warps}:{c.num_stages}:"
                       f"{int(c.heads_first)}", flush=True)
             del p
             torch.cuda.empty_cache()

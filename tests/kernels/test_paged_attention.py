@@ -612,10 +612,10 @@ def test_rejects_unsupported_arguments():
 
 
 def test_decode_config_setting_is_parsed_or_refused():
-    """KERNELS_DECODE_CONFIG (A/B runs): BLOCK_N,WARPS,STAGES[,HEADS_FIRST], anything else refused by name."""
+    """KERNELS_DECODE_CONFIG (A/B runs): BLOCK_N:WARPS:STAGES[:HEADS_FIRST], anything else refused by name."""
     assert pa._decode_config_override("") is None
-    assert pa._decode_config_override("256,8,2") == (256, 8, 2, False)
-    assert pa._decode_config_override("64,4,3,1") == (64, 4, 3, True)
-    for bad in ("256,8", "100,4,2", "64,3,2", "64,4,0", "64,4,2,2", "a,b,c"):
+    assert pa._decode_config_override("256:8:2") == (256, 8, 2, False)
+    assert pa._decode_config_override("64:4:3:1") == (64, 4, 3, True)
+    for bad in ("256:8", "100:4:2", "64:3:2", "64:4:0", "64:4:2:2", "a:b:c", "64,4,2"):
         with pytest.raises(ValueError, match="KERNELS_DECODE_CONFIG"):
             pa._decode_config_override(bad)
