@@ -115,7 +115,7 @@ class RuntimeSection(_Strict):
 # Which quantization options each algorithm reads; setting another one is an error.
 ALGO_OPTIONS: dict[str, set[str]] = {
     "none": set(),
-    "int8_wo": set(),
+    "int8_wo": {"refit_scales"},
     "fp8": {"activations", "weight_granularity", "experts"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales"},
@@ -152,7 +152,8 @@ class QuantizationSection(_Strict):
     # n_grid clip searches per group)
     joint_clip: Optional[bool] = None
     # awq / gptq: once the codes are fixed, re-solve each row's group scales by least squares on the calibration
-    # inputs' second moments, the row's output error (default True)
+    # inputs' second moments, the row's output error (default True); int8_wo: the same for each row's scale, chosen
+    # first by that error (default False: int8_wo then reads no calibration text)
     refit_scales: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8

@@ -47,6 +47,7 @@ def _quantize(base, algo, **options):
     ("fp8", {"activations": "static", "weight_granularity": "channel"}, "fp8", 0.15),
     ("smoothquant", {}, "w8a8_int8", 0.03),
     ("int8_wo", {}, "w8a16", 0.02),
+    ("int8_wo", {"refit_scales": True}, "w8a16", 0.02),  # scales fitted to the calibration inputs
     # random weights: smoothing the down projection (its own calibration error 3x lower) costs end to end here
     # (0.068 against 0.055 without it); on trained models it cuts static KL 3x (tests/passes/test_smoothquant_static.py)
     ("smoothquant", {"activations": "static", "alpha": 0.8}, "w8a8_int8", 0.075),
@@ -60,6 +61,7 @@ def test_w8a8_methods(base_graph, algo, options, scheme, bound):
     assert graph.params[head.weights["weight"]].dtype == torch.float32
     static = options.get("activations") == "static"
     assert all(("input_scale" in n.weights) == static for n in linears)
+    assert all(n.attrs["quant"].get("refit_scales", False) == bool(options.get("refit_scales")) for n in linears)
     errors = records[0].details["layer_errors"]  # measured on the calibration windows, per merged member
     members = [f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.q_proj", "self_attn.k_proj",
                "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
@@ -164,3 +166,16 @@ def test_pattern_matching_nothing_warns(base_graph, caplog):
     warned = [r.getMessage() for r in caplog.records]
     assert any("targets pattern 're:typo_proj' matches no linear" in m for m in warned), warned
     assert any("ignore pattern 'model.layers.9.mlp' matches no linear" in m for m in warned), warned
+
+
+def test_int8_wo_refit_needs_calibration(base_graph):
+    """int8_wo reads no calibration text unless refit_scales asks for it; then a build without any is refused, and
+    the recipe's needs_calibration says so (the builder loads the calibration set for it)."""
+    from builder.pipeline import needs_calibration
+    from builder.recipe import Recipe
+
+    with pytest.raises(PassError, match="int8_wo needs calibration data"):
+        run_passes(base_graph.copy(), ["int8_wo"], PassContext(options={"int8_wo": {"refit_scales": True}}))
+    base = {"model": {"checkpoint": "x"}, "output_dir": "out", "quantization": {"algo": "int8_wo"}}
+    assert not needs_calibration(Recipe.model_validate(base))
+    assert needs_calibration(Recipe.model_validate({**base, "quantization": {"algo": "int8_wo", "refit_scales": True}}))
