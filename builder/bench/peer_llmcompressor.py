@@ -6,7 +6,7 @@ Runs in llm-compressor's own virtualenv (it imports nothing from this repository
         --eval-windows DIR/eval_windows.json --out DIR/llm-compressor [--methods gptq,awq,...]
 
 Methods: gptq, gptq_sym (W4A16 g64, no act-order), gptq_act, gptq_sym_act (the same with actorder="static"),
-awq, smoothquant, smoothquant_static, fp8, int8_wo.
+awq, awq_sym, smoothquant, smoothquant_static, fp8, int8_wo.
 
 For each method: oneshot() on the HF model loaded from the local dir with the exact calibration token
 windows, then write DIR/<method>/ = config + tokenizer + model.safetensors whose quantized linears hold
@@ -68,8 +68,8 @@ def recipe_for(method):
     if method in ("gptq_act", "gptq_sym_act"):  # the same with llm-compressor's default act-order, "static"
         return [GPTQModifier(config_groups=w4_g64(method == "gptq_sym_act"), ignore=IGNORE, actorder="static",
                              block_size=128, dampening_frac=0.01)]
-    if method == "awq":  # AWQ scale search (n_grid 20) + W4A16 g64 asymmetric RTN of the scaled weights
-        return [AWQModifier(n_grid=20), QuantizationModifier(config_groups=w4_g64(), ignore=IGNORE)]
+    if method in ("awq", "awq_sym"):  # AWQ scale search (n_grid 20) + W4A16 g64 (a)symmetric RTN of the scaled weights
+        return [AWQModifier(n_grid=20), QuantizationModifier(config_groups=w4_g64(method == "awq_sym"), ignore=IGNORE)]
     if method == "smoothquant":  # alpha 0.5, then W8A8 INT8: per-channel sym weights, dynamic per-token acts
         return [SmoothQuantModifier(smoothing_strength=0.5), QuantizationModifier(scheme="W8A8", ignore=IGNORE)]
     if method == "smoothquant_static":  # alpha 0.5, then INT8 per-channel sym weights, static per-tensor acts
