@@ -723,21 +723,19 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         q, k, v = xs[:3]  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
         kc, vc = md.k_caches[layer], md.v_caches[layer]
+        k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
+        new_kv = None
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
             rotary = (xs[3], rope.inv_freq, rope.scaling) if rope is not None else ()
-            new_kv = NewKV(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), md.slot_mapping, *rotary)
-            out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
-                                         v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
-            return (out.view(-1, num_heads * head_dim),)
-        if rope is not None:
-            rope_write_kv_cache(q, k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), xs[3], rope.inv_freq,
-                                rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+            new_kv = NewKV(k, v, md.slot_mapping, *rotary)
+        elif rope is not None:
+            rope_write_kv_cache(q, k, v, xs[3], rope.inv_freq, rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale,
+                                v_scale=v_scale)
         else:
-            write_kv_cache(k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim), kc, vc, md.slot_mapping,
-                           k_scale=k_scale, v_scale=v_scale)
+            write_kv_cache(k, v, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
-                                         v_scale=v_scale, sliding_window=window, **extra)
+                                         v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
         else:
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=window, **extra)
