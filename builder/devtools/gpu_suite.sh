@@ -68,6 +68,10 @@
 #                  128/128 throughput at $THROUGHPUT_CONCURRENCY (default 256; empty: none) from this tree (recorded) and from the
 #                  source tree at $AB_TREE (e.g. `git archive BASE | tar -x -C abtree`, carried; printed, tagged
 #                  "tree": "base" in $OUT/tree_ab_PREC.jsonl), same artifact, one process each
+#   ncu-decode     Nsight Compute (--set full, clocks left alone) of the batch-1 decode kernels at the 8B shape
+#                  (kernels.bench.ncu_decode: frag W4A16 and dense bf16 GEMVs, decode attention over
+#                  $NCU_CONTEXT keys); $OUT/ncu_decode.ncu-rep, the details page in $OUT/ncu_decode.txt and each
+#                  kernel's SASS with its stall counters in $OUT/ncu_source_*.csv ($NCU_KERNELS: which groups)
 #   profile-PREC   torch.profiler of prefill and decode steps of PREC at each concurrency of $PROFILE_CONCURRENCY
 #                  (default 64; concurrency 1 profiles the batch-1 prefill behind TTFT), $PROFILE_INPUT_LEN tokens
 #   hf | hf-compile  the Hugging Face baseline on the same checkpoint
@@ -357,6 +361,20 @@ PY
       ckpt
       python3 -m builder.bench.stock_torch $CKPT --quant ${part#stock-} 2>&1 | tee "$OUT/stock_${part#stock-}.log" \
         | grep '^{' | tee -a "$OUT/bench_8b.jsonl" ;;
+    ncu-decode)
+      ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)
+      [ -n "$ncu_bin" ] || { echo "ncu-decode: no ncu on this machine"; continue; }
+      "$ncu_bin" --version | tail -n 1
+      "$ncu_bin" --profile-from-start off --clock-control none --set full --import-source yes -f \
+        -o "$OUT/ncu_decode" python3 -m kernels.bench.ncu_decode --kernels ${NCU_KERNELS:-w4a16 dense attention} \
+        --context ${NCU_CONTEXT:-192} 2>&1 | grep -v '^==PROF==' | tail -n 12
+      "$ncu_bin" --import "$OUT/ncu_decode.ncu-rep" --page details > "$OUT/ncu_decode.txt" 2>&1
+      grep -E '^  [_a-z]|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Block Size|Grid Size|Warp Cycles Per Issued|Stall|One or More Eligible|Issued Warp' \
+        "$OUT/ncu_decode.txt" | head -n 200
+      for k in _w4a16_frag_kernel _dense_gemv_kernel _paged_decode_kernel; do
+        "$ncu_bin" --import "$OUT/ncu_decode.ncu-rep" --page source --print-source sass --csv -k "$k" \
+          --launch-count 1 > "$OUT/ncu_source_$k.csv" 2>&1 || echo "source page of $k: rc $?"
+      done ;;
     profile-*)
       prec=${part#profile-}
       artifact "$prec"
