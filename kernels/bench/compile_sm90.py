@@ -8,6 +8,11 @@ compiles the attention, frag GEMV and argmax kernels named below with ``triton.c
 ``GPUTarget("cuda", 90, 32)`` (no device needed) in the variants the runtime launches, and prints for each whether
 it compiled and how many PDL waits its PTX holds. Run it with TRITON_INTERPRET unset.
 
+``--sass DIR`` also writes each variant's PTX, TTGIR and SASS (``nvdisasm`` of the cubin, with Triton's own
+binaries) into DIR and prints its registers and the opcodes of its innermost loops, so that a kernel change can
+be read at the instruction level before any device time (session 29: where ptxas placed the frag GEMV's loads,
+and whether Triton's pipeliner staged a load through shared memory: LDGSTS in the SASS).
+
 It compiles with the Triton installed here, which may be newer than the device's: a construct only the device's
 older frontend refuses (session 23: a constexpr ``if`` returning one type and falling through to a return of
 another, refused by Triton 3.6) passes here and still fails there.
@@ -15,6 +20,11 @@ another, refused by Triton 3.6) passes here and still fails there.
 
 from __future__ import annotations
 
+import argparse
+import collections
+import os
+import re
+import subprocess
 import sys
 
 import triton
@@ -24,16 +34,19 @@ from triton.compiler import ASTSource
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3):
+def compile_kernel(fn, types: dict[str, str], constexprs: dict, num_warps: int = 4, num_stages: int = 3,
+                   divisible: tuple[str, ...] = ()):
     """``fn`` (a ``triton.jit`` function) compiled for TARGET: ``types`` gives every runtime argument's Triton type
-    ("*bf16", "i32", ...), ``constexprs`` every constexpr's value."""
+    ("*bf16", "i32", ...), ``constexprs`` every constexpr's value; ``divisible`` names the arguments a launch would
+    specialise as multiples of 16 (pointers and sizes at real shapes), as Triton's JIT marks them."""
     names = fn.arg_names
     missing = [n for n in names if n not in types and n not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: no type or value for {missing}")
     signature = {n: types.get(n, "constexpr") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
     src = ASTSource(fn=fn, signature=signature,
-                    constexprs={(names.index(n),): v for n, v in constexprs.items()})
+                    constexprs={(names.index(n),): v for n, v in constexprs.items()}, attrs=attrs)
     return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
 
 
@@ -95,8 +108,10 @@ def _frag() -> list[tuple[str, object]]:
                 ("4-bit, residual out", {"RESIDUAL": True}), ("4-bit, late trigger", {"LATE_TRIGGER": True}),
                 ("8-bit, 16 rows, norm in, residual out", {"BITS": 8, "ONE_GROUP": True, "NORM": True, "NBX": 32,
                                                            "RESIDUAL": True, "BATCH_TILES": 2})]
+    divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm")
     return [(f"frag W4A16 GEMV, {name}", lambda kw=kw: compile_kernel(
-        _w4a16_frag_kernel, types, dict(base, **kw), num_warps=dict(base, **kw)["WARPS"])) for name, kw in variants]
+        _w4a16_frag_kernel, types, dict(base, **kw), num_warps=dict(base, **kw)["WARPS"], divisible=divisible))
+        for name, kw in variants]
 
 
 def _argmax() -> list[tuple[str, object]]:
@@ -110,12 +125,65 @@ def _argmax() -> list[tuple[str, object]]:
                                      "num_chunks": "i32", "invalid": "i32"}, {"CHUNKS_PAD": 32}, 1))]
 
 
-def main() -> int:
+def _binary(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _loop_opcodes(sass: str) -> list[collections.Counter]:
+    """The opcode counts of each backward-branching loop in ``sass`` (a label, then a branch back to it)."""
+    lines = sass.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line.strip()))}
+    loops = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            ops = collections.Counter()
+            for body in lines[labels[m.group(1)]:i + 1]:
+                op = re.match(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9]+)", body)
+                if op:
+                    ops[op.group(1)] += 1
+            loops.append(ops)
+    return loops
+
+
+def _dump(name: str, kernel, out_dir: str) -> str:
+    """Write the variant's PTX, TTGIR and SASS under out_dir; return its registers and loops' opcodes."""
+    stem = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_"))
+    with open(stem + ".ptx", "w") as f:
+        f.write(kernel.asm["ptx"])
+    with open(stem + ".ttgir", "w") as f:
+        f.write(kernel.asm["ttgir"])
+    with open(stem + ".cubin", "wb") as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([_binary("nvdisasm"), "-c", "-g", stem + ".cubin"], capture_output=True, text=True,
+                          check=True).stdout
+    with open(stem + ".sass", "w") as f:
+        f.write(sass)
+    usage = subprocess.run([_binary("cuobjdump"), "--dump-resource-usage", stem + ".cubin"], capture_output=True,
+                           text=True, check=True).stdout
+    regs = re.search(r"REG:(\d+)", usage)
+    loops = "; ".join(f"loop of {sum(ops.values())}: " + " ".join(f"{op} {n}" for op, n in ops.most_common(8))
+                      for ops in _loop_opcodes(sass))
+    return f"registers {regs.group(1) if regs else '?'}" + (f"; {loops}" if loops else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sass", metavar="DIR", help="write each variant's PTX, TTGIR and SASS here; print its "
+                        "registers and loop opcodes")
+    parser.add_argument("--only", metavar="TEXT", help="only the variants whose name contains TEXT")
+    args = parser.parse_args(argv)
+    if args.sass:
+        os.makedirs(args.sass, exist_ok=True)
     failures = 0
     for name, build in _decode_attention() + _frag() + _argmax():
+        if args.only and args.only not in name:
+            continue
         try:
-            ptx = build().asm["ptx"]
-            print(f"ok    {name} (PDL waits in the PTX: {ptx.count('griddepcontrol.wait')})", flush=True)
+            kernel = build()
+            ptx = kernel.asm["ptx"]
+            detail = f"; {_dump(name, kernel, args.sass)}" if args.sass else ""
+            print(f"ok    {name} (PDL waits in the PTX: {ptx.count('griddepcontrol.wait')}{detail})", flush=True)
         except Exception as e:  # report every variant, then fail
             failures += 1
             print(f"FAIL  {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
