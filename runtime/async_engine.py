@@ -30,7 +30,9 @@ from runtime.serving import ServingEngine
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineNotRunning", "QueueFullError", "RequestError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineNotRunning", "KEEP_ALIVE", "QueueFullError", "RequestError", "RequestStream"]
+
+KEEP_ALIVE = object()  # what __anext__ returns to a consumer woken by RequestStream.nudge, instead of a delta
 
 
 class EngineNotRunning(RuntimeError):
@@ -85,6 +87,8 @@ class RequestStream:
             out, self._pending = self._pending, None
         else:
             out = await self._outputs.get()  # cancellation-safe: asyncio.Queue drops no item for a cancelled get
+        if out is KEEP_ALIVE:
+            return out
         if isinstance(out, BaseException):
             self._finished = True
             raise out
@@ -100,12 +104,20 @@ class RequestStream:
                 out = self._outputs.get_nowait()
             except asyncio.QueueEmpty:
                 break
+            if out is KEEP_ALIVE:
+                continue
             if isinstance(out, BaseException):
                 self._pending = out
                 break
             self._finished = out.finished
             ready.append(out)
         return ready
+
+    def nudge(self) -> None:
+        """Wake a consumer waiting in ``__anext__`` with KEEP_ALIVE when nothing is queued (a server's keep-alive
+        for an idle stream: one timer for all streams instead of a timeout around every wait)."""
+        if not self._finished and self._pending is None and self._outputs.empty():
+            self._outputs.put_nowait(KEEP_ALIVE)
 
     async def aclose(self) -> None:
         if not self._finished:

@@ -90,7 +90,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from runtime.artifact import TOKENIZER_DIR
-from runtime.async_engine import AsyncEngine, EngineNotRunning, RequestStream
+from runtime.async_engine import KEEP_ALIVE, AsyncEngine, EngineNotRunning, RequestStream
 from runtime.engine_process import EngineProcess
 from runtime.engine import RequestError
 from runtime.generation_config import sampling_defaults
@@ -703,6 +703,20 @@ class _Call:
     tracker: RequestTracker
     text_offset: int = 0  # completions logprobs: characters of text so far
     tools: ToolCallParser | None = None  # chat with tools: splits the text into content and tool calls
+    _text_event: tuple[str, str] | None = None  # text_event's frame around the text, made on first use
+
+    def text_event(self, out: RequestOutput, done: bool) -> str | None:
+        """The SSE event of a delta that is only text (no logprobs asked, no tool calls, not the finishing one)
+        as one string format: the chunk's JSON around the text is the same on every such delta, so only the text
+        is encoded (the same bytes as ``_sse(delta_chunk(...))``); None where the delta needs the full chunk."""
+        if done or not out.text or self.want_logprobs or self.tools is not None:
+            return None
+        if self._text_event is None:
+            mark = "\u0000text\u0000"  # json.dumps spells it "\\u0000text\\u0000": no chunk field holds it
+            frame = _sse(self.chunk(mark, None, None)).split(json.dumps(mark, ensure_ascii=False), 1)
+            self._text_event = (frame[0], frame[1])
+        head, tail = self._text_event
+        return f"{head}{json.dumps(out.text, ensure_ascii=False)}{tail}"
 
     def logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
         if not self.want_logprobs or entries is None:
@@ -818,6 +832,38 @@ async def _drain(stream: RequestStream, tracker: RequestTracker) -> list[Request
     return outs
 
 
+class _KeepAlive:
+    """The streams' keep-alives from one timer per app: a ticker wakes every stream that has had no delta for
+    ``interval_s`` (``RequestStream.nudge``: its consumer gets KEEP_ALIVE and sends an SSE comment), checking a
+    quarter of the interval apart, so the comment goes out 1 to 1.25 intervals after the last delta. (A timeout
+    around each wait for a delta did the same at a timer per delta: a tenth of the server's CPU per token.)"""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self.last: dict[RequestStream, float] = {}  # stream -> when it last got a delta (or a keep-alive)
+        self._ticker: asyncio.Task | None = None
+
+    def watch(self, stream: RequestStream) -> None:
+        self.last[stream] = time.monotonic()
+        if self._ticker is None or self._ticker.done():
+            self._ticker = asyncio.get_running_loop().create_task(self._tick())
+
+    def touch(self, stream: RequestStream) -> None:
+        self.last[stream] = time.monotonic()
+
+    def forget(self, stream: RequestStream) -> None:
+        self.last.pop(stream, None)
+
+    async def _tick(self) -> None:
+        while self.last:
+            await asyncio.sleep(self.interval_s / 4)
+            now = time.monotonic()
+            for stream, last in list(self.last.items()):
+                if now - last >= self.interval_s:
+                    stream.nudge()
+                    self.last[stream] = now
+
+
 class _EventStream(StreamingResponse):
     """Server-sent events whose generator is closed however the response ends, so a client that
     disconnects mid-stream aborts its request at once rather than when the generator is collected."""
@@ -845,6 +891,7 @@ class _Handlers:
         self.sampling_defaults = {**OPENAI_SAMPLING_DEFAULTS, **sampling_defaults(
             artifact.file(f"{TOKENIZER_DIR}/{GENERATION_CONFIG_FILE}"))}
         self.sse_keepalive_s = sse_keepalive_s
+        self.keep_alive = _KeepAlive(sse_keepalive_s)
         self.model_name = model_name
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
@@ -982,18 +1029,23 @@ class _Handlers:
                 yield _sse(call.chunk("", None, None, role=True))
             else:
                 yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
+            self.keep_alive.watch(stream)
             while True:
-                try:
-                    async with asyncio.timeout(self.sse_keepalive_s):
-                        out = await stream.__anext__()  # a timeout cancels the wait only: no delta is lost
-                except TimeoutError:
-                    yield SSE_KEEPALIVE
-                    continue
-                if behind := stream.ready_deltas():  # the client fell behind: what is queued goes as one chunk
-                    out = merge_deltas([out, *behind])
+                if behind := stream.ready_deltas():  # queued already (the client fell behind): one chunk, no wait
+                    out = merge_deltas(behind) if len(behind) > 1 else behind[0]
+                else:
+                    out = await stream.__anext__()
+                    if out is KEEP_ALIVE:  # no delta for sse_keepalive_s (queued, prefilling, a stalled engine)
+                        yield SSE_KEEPALIVE
+                        continue
+                    if behind := stream.ready_deltas():  # more came with it: one chunk
+                        out = merge_deltas([out, *behind])
+                self.keep_alive.touch(stream)
                 call.tracker.delta(out)
                 done = out.finished and out.finish_reason in ("stop", "length")
-                if (chunk := call.delta_chunk(out, done)) is not None:
+                if (event := call.text_event(out, done)) is not None:
+                    yield event
+                elif (chunk := call.delta_chunk(out, done)) is not None:
                     yield _sse(chunk)
                 if out.finished:
                     break
@@ -1009,6 +1061,7 @@ class _Handlers:
             call.tracker.finish("error")
             yield _sse(_unavailable(e).body())
         finally:
+            self.keep_alive.forget(stream)
             await stream.aclose()  # a no-op once finished; else it aborts the request (client gone)
             call.tracker.finish("abort")  # a no-op once finished
         yield _sse("[DONE]")

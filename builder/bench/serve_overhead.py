@@ -117,6 +117,16 @@ def serve_stub(args) -> None:
     uvicorn.run(create_app(engine, "stub"), host="127.0.0.1", port=args.port, log_level="warning")
 
 
+def _process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds a running process has used (Linux /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,12 +160,18 @@ def served(args) -> dict:
                str(args.concurrency), "--json", out]
         if args.client_workers:
             cmd += ["--workers", str(args.client_workers)]
+        cpu0 = _process_cpu_s(child.pid)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        cpu1 = _process_cpu_s(child.pid)
         with open(out) as f:
             result = json.load(f)
+        tokens = args.num_prompts * args.output_len
         return {"output_tok_s": round(result["output_token_throughput"], 1), "completed": result["completed"],
                 "failed": result["failed"], "tpot_p50_ms": result["tpot_ms"]["p50"],
-                "ttft_p50_ms": result["ttft_ms"]["p50"]}
+                "ttft_p50_ms": result["ttft_ms"]["p50"],
+                # the API process's own CPU time (the engine runs in its child) per streamed output token
+                "api_cpu_us_per_token": None if cpu0 is None or cpu1 is None else round((cpu1 - cpu0) / tokens * 1e6,
+                                                                                         1)}
     finally:
         child.terminate()
         child.wait(30)

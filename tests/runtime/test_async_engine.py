@@ -92,3 +92,41 @@ def test_admission_is_refused_at_once_when_the_queue_is_full(engine, offline):
 
     with pytest.raises(RequestError, match="empty"):
         asyncio.run(bad())
+
+
+def test_a_nudged_stream_wakes_with_keep_alive_and_loses_no_delta():
+    """RequestStream.nudge (the server's keep-alive ticker): a waiting consumer gets KEEP_ALIVE; with a delta or an
+    error queued, or once finished, a nudge adds nothing; ready_deltas passes over a marker."""
+    from runtime.async_engine import KEEP_ALIVE, RequestStream
+    from runtime.outputs import RequestOutput
+
+    class Front:
+        aborted: list[str] = []
+
+        def abort(self, request_id: str) -> None:
+            self.aborted.append(request_id)
+
+    def delta(text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", text, [1], None, finished, "length" if finished else None, 3, 1)
+
+    async def run() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = RequestStream(Front(), "r", queue)
+        waiter = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        stream.nudge()
+        assert await waiter is KEEP_ALIVE
+        first = delta("a")
+        queue.put_nowait(first)
+        stream.nudge()  # a delta is queued: nothing added
+        assert queue.qsize() == 1 and await stream.__anext__() is first
+        stream.nudge()
+        last = delta("b", finished=True)
+        queue.put_nowait(last)
+        assert stream.ready_deltas() == [last]  # the marker before it is passed over
+        stream.nudge()  # finished: nothing added
+        assert queue.empty()
+        with pytest.raises(StopAsyncIteration):
+            await stream.__anext__()
+
+    asyncio.run(run())

@@ -72,3 +72,20 @@ def test_apps_have_registries_of_their_own():
     assert _samples(a)[("llm_requests_total", (("outcome", "invalid"),))] == 1
     assert _samples(b)[("llm_requests_total", (("outcome", "invalid"),))] == 0
     assert _samples(b)[("llm_num_requests_running", ())] == 9
+
+
+def test_a_long_stream_reaches_the_metrics_every_flush_tokens_and_at_finish():
+    from runtime.metrics import FLUSH_TOKENS
+
+    metrics = ServerMetrics(_stats)
+    tracker = metrics.track(arrival_time=0.0)
+    for i in range(FLUSH_TOKENS + 4):
+        tracker.delta(_delta(1), now=1.0 + 0.01 * i)
+    s = _samples(metrics)
+    assert s[("llm_generation_tokens_total", ())] == FLUSH_TOKENS  # the first FLUSH_TOKENS, while it runs
+    assert s[("llm_inter_token_latency_seconds_count", ())] == FLUSH_TOKENS - 1
+    tracker.finish("length", now=2.0)
+    s = _samples(metrics)
+    assert s[("llm_generation_tokens_total", ())] == FLUSH_TOKENS + 4
+    assert s[("llm_inter_token_latency_seconds_count", ())] == FLUSH_TOKENS + 3
+    assert s[("llm_inter_token_latency_seconds_sum", ())] == pytest.approx(0.01 * (FLUSH_TOKENS + 3))

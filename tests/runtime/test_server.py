@@ -844,3 +844,25 @@ sys.exit(main([{str(tmp_path / 'missing')!r}]))
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                          check=False)
     assert res.returncode == 1 and "error: cannot serve" in res.stderr and "blocked" not in res.stderr, res.stderr
+
+
+def test_a_text_only_delta_event_is_the_full_chunk_byte_for_byte():
+    """_Call.text_event (the streamed text deltas' fast path) writes the same bytes as the chunk built as a dict;
+    a delta it does not cover (finishing, logprobs asked, tool calls, no text) is left to the full chunk."""
+    from runtime.outputs import RequestOutput
+    from runtime.server import _Call, _sse
+
+    def delta(text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", text, [5], None, finished, "stop" if finished else None, 3, 1)
+
+    texts = ["hello", ' sa"id\n', "é😀\\", "\u2028\x00x", "</script>", "\u0000text\u0000"]
+    for chat in (True, False):
+        for include_usage in (True, False):
+            call = _Call(chat, "chatcmpl-1" if chat else "cmpl-1", 1700000000, 'm"odel', False, include_usage, None,
+                         None)
+            for text in texts:
+                assert call.text_event(delta(text), False) == _sse(call.delta_chunk(delta(text), False))
+            assert call.text_event(delta("x", True), True) is None
+            assert call.text_event(delta(""), False) is None
+    logprobs = _Call(True, "chatcmpl-2", 1, "m", True, False, None, None)
+    assert logprobs.text_event(delta("x"), False) is None
