@@ -1031,15 +1031,12 @@ class _Handlers:
                 yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
             self.keep_alive.watch(stream)
             while True:
-                if behind := stream.ready_deltas():  # queued already (the client fell behind): one chunk, no wait
-                    out = merge_deltas(behind) if len(behind) > 1 else behind[0]
-                else:
-                    out = await stream.__anext__()
-                    if out is KEEP_ALIVE:  # no delta for sse_keepalive_s (queued, prefilling, a stalled engine)
-                        yield SSE_KEEPALIVE
-                        continue
-                    if behind := stream.ready_deltas():  # more came with it: one chunk
-                        out = merge_deltas([out, *behind])
+                out = await stream.__anext__()  # no suspension when a delta is queued already
+                if out is KEEP_ALIVE:  # no delta for sse_keepalive_s (queued, prefilling, a stalled engine)
+                    yield SSE_KEEPALIVE
+                    continue
+                if behind := stream.ready_deltas():  # the client fell behind: what is queued goes as one chunk
+                    out = merge_deltas([out, *behind])
                 self.keep_alive.touch(stream)
                 call.tracker.delta(out)
                 done = out.finished and out.finish_reason in ("stop", "length")
