@@ -56,7 +56,10 @@ def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
     at once, so that steps mix several prompts' chunks with the decodes of the others (padded to 2-8 sequences)."""
     from runtime.cuda_graphs import StepGraphs
 
-    path = build_artifact(make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"]), tmp_path / "art")
+    # one layer: the steps' padding is what is under test (test_paged_kernels_match_the_reference_path runs two),
+    # and each layer's kernels cost the interpreter about a minute here
+    path = build_artifact(make_checkpoint(tmp_path / "ckpt", "llama", num_hidden_layers=1, **SHAPES["llama"]),
+                          tmp_path / "art")
     ref = Engine.load(path, use_kernels=False)
     fused = ServingEngine(Engine.load(path, use_kernels=True),
                           ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
