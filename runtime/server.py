@@ -854,6 +854,13 @@ class _KeepAlive:
     def forget(self, stream: RequestStream) -> None:
         self.last.pop(stream, None)
 
+    async def close(self) -> None:
+        """Stop the ticker (the app's shutdown)."""
+        if self._ticker is not None and not self._ticker.done():
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+
     async def _tick(self) -> None:
         while self.last:
             await asyncio.sleep(self.interval_s / 4)
@@ -1098,6 +1105,7 @@ def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: st
         try:
             yield
         finally:
+            await h.keep_alive.close()
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="llm-builder runtime", lifespan=lifespan, docs_url=None, redoc_url=None)
