@@ -897,7 +897,6 @@ class _Handlers:
         # sampling fields a request leaves out (checked now: a bad file stops the start-up, not requests)
         self.sampling_defaults = {**OPENAI_SAMPLING_DEFAULTS, **sampling_defaults(
             artifact.file(f"{TOKENIZER_DIR}/{GENERATION_CONFIG_FILE}"))}
-        self.sse_keepalive_s = sse_keepalive_s
         self.keep_alive = _KeepAlive(sse_keepalive_s)
         self.model_name = model_name
         self.api_key = api_key
