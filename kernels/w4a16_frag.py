@@ -493,6 +493,33 @@ def _load_group_ptx(bits: int = 4) -> str:
     return "\n".join(lines)
 
 
+def _unpack_word_ptx(word: str) -> list[str]:
+    """A word of 4-bit codes -> u0..u3, the A fragment's four bf16x2 registers of 128 + q (exact): two byte
+    permutes, two shifts, four LOPs."""
+    return [f"prmt.b32 t0, {word}, 0, 0x4140;",
+            f"prmt.b32 t1, {word}, 0, 0x4342;",
+            "lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xea;",
+            "lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xea;",
+            "shr.u32 h0, t0, 4;",
+            "shr.u32 h1, t1, 4;",
+            "lop3.b32 u2, h0, 0x000F000F, 0x43004300, 0xea;",
+            "lop3.b32 u3, h1, 0x000F000F, 0x43004300, 0xea;"]
+
+
+def _sink_ptx(batch_tiles: int, x_regs: int = 16, group_regs: int = 8) -> str:
+    """For ``kernels.bench`` only (``_BENCH_LOADS_ONLY``): the sums unchanged but for the loaded words, x and group
+    registers XORed into the first, so that the K loop's loads stay and its compute is gone: what the loads alone
+    read. Inputs as :func:`_compute_ptx`'s (``x_regs`` per batch tile, ``group_regs`` group registers)."""
+    n_out = 8 * batch_tiles
+    n_in = 16 + x_regs * batch_tiles + group_regs
+    lines = ["{", ".reg .b32 r;", ".reg .f32 f;", f"mov.b32 r, ${n_out};"]
+    lines += [f"xor.b32 r, r, ${n_out + i};" for i in range(1, n_in)]
+    lines += ["cvt.rn.f32.u32 f, r;", f"add.f32 $0, ${n_out + n_in}, f;"]
+    lines += [f"mov.f32 ${i}, ${n_out + n_in + i};" for i in range(1, n_out)]
+    lines.append("}")
+    return "\n".join(lines)
+
+
 def _compute_ptx(batch_tiles: int, fold: bool) -> str:
     """One K iteration: 16 words of codes (2 tiles x 2 chunks x 4) -> 16 x batch_tiles MMAs.
     Outputs $0..$(8 bt - 1): the running sums, index (tile x batch_tiles + bt) x 4 + i, i the MMA's C register.
@@ -516,16 +543,8 @@ def _compute_ptx(batch_tiles: int, fold: bool) -> str:
     for tile in range(2):
         za, zb = f"${zz0 + 2 * tile}", f"${zz0 + 2 * tile + 1}"
         for w in range(8):  # chunk w // 4, k16 step w % 4: x registers 2w, 2w + 1
-            word = f"${w0 + 8 * tile + w}"
-            lines += [f"prmt.b32 t0, {word}, 0, 0x4140;",
-                      f"prmt.b32 t1, {word}, 0, 0x4342;",
-                      "lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xea;",
-                      "lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xea;",
-                      "shr.u32 h0, t0, 4;",
-                      "shr.u32 h1, t1, 4;",
-                      "lop3.b32 u2, h0, 0x000F000F, 0x43004300, 0xea;",
-                      "lop3.b32 u3, h1, 0x000F000F, 0x43004300, 0xea;",
-                      f"fma.rn.bf16x2 u0, u0, one, {za};",
+            lines += _unpack_word_ptx(f"${w0 + 8 * tile + w}")
+            lines += [f"fma.rn.bf16x2 u0, u0, one, {za};",
                       f"fma.rn.bf16x2 u1, u1, one, {zb};",
                       f"fma.rn.bf16x2 u2, u2, one, {za};",
                       f"fma.rn.bf16x2 u3, u3, one, {zb};"]
@@ -671,6 +690,9 @@ _C8_4_PTX, _C8_4_CONS = _C8_PTX[4]
 _S8_1_PTX, _S8_1_CONS = _S8_PTX[1]
 _S8_2_PTX, _S8_2_CONS = _S8_PTX[2]
 _S8_4_PTX, _S8_4_CONS = _S8_PTX[4]
+# kernels.bench's loads-only variant (_BENCH_LOADS_ONLY): 4-bit codes, one batch tile
+_SINK1_PTX = tl.constexpr(_sink_ptx(1))
+_SINK1_CONS = _constraints("f", 8, ",".join([_regs("r", 32), _regs("f", 4), _regs("r", 4), _regs("f", 8)]))
 # a norm applied on load (NORM): the gain's registers, and x's registers normalised
 _GAIN_PTX = {regs: (tl.constexpr(_load_gain_ptx(regs)), _constraints("r", regs, "l")) for regs in (8, 16)}
 _GAIN16_PTX, _GAIN16_CONS = _GAIN_PTX[16]
@@ -802,9 +824,13 @@ def _advance(a0, a1, a2, a3, new, DEPTH: tl.constexpr):
 
 
 @triton.jit
-def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr, BITS: tl.constexpr):
+def _compute(w, x, grp, t, BATCH_TILES: tl.constexpr, FOLD: tl.constexpr, BITS: tl.constexpr,
+             LOADS_ONLY: tl.constexpr):
     """The sums ``t`` after one K iteration on the words ``w``, x registers ``x`` and the group ``grp``."""
-    if BITS == 8:
+    if LOADS_ONLY:  # kernels.bench only: 4 bits, one batch tile
+        return tl.inline_asm_elementwise(_SINK1_PTX, _SINK1_CONS, w + x + grp + t, dtype=_F32X8, is_pure=True,
+                                         pack=1)
+    elif BITS == 8:
         zz = (grp[4], grp[5], grp[6], grp[7], grp[8], grp[9], grp[10], grp[11])
         if BATCH_TILES == 1:
             return tl.inline_asm_elementwise(_C8_1_PTX, _C8_1_CONS, w + x + zz + t, dtype=_F32X16, is_pure=True,
@@ -856,6 +882,7 @@ def _w4a16_frag_kernel(
     SPLIT_K: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr,
     BATCH_TILES: tl.constexpr, DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, NBX: tl.constexpr, RESIDUAL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+    LOADS_ONLY: tl.constexpr,
 ):
     # grid (N / (32 WARPS), SPLIT_K); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
     # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones. GATED: the
@@ -926,10 +953,11 @@ def _w4a16_frag_kernel(
             gn = _load_group_at(s_ptr, z_ptr, min(it + DEPTH, last), N, col0, lanes, BITS)
         if NORM:
             gain2 = _load_gain(_addr(gain_ptr + nxt * ITER_K + lanes), BITS)
-            t = _compute(w, _norm_x(x, gain, rs, BATCH_TILES, BITS), grp, t, BATCH_TILES, not ONE_GROUP, BITS)
+            t = _compute(w, _norm_x(x, gain, rs, BATCH_TILES, BITS), grp, t, BATCH_TILES, not ONE_GROUP, BITS,
+                         LOADS_ONLY)
             gain = gain2
         else:
-            t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS)
+            t = _compute(w, x, grp, t, BATCH_TILES, not ONE_GROUP, BITS, LOADS_ONLY)
         w, w1, w2, w3 = _advance(w, w1, w2, w3, wn, DEPTH)
         x = x2
         if not ONE_GROUP:
@@ -1001,6 +1029,8 @@ def _env_config(value: str | None) -> FragConfig | None:
 
 
 _ENV_CONFIG = _env_config(os.environ.get("KERNELS_FRAG_CONFIG"))
+# kernels.bench only: the K loop's compute replaced by an XOR of what it loaded (wrong sums; 4 bits, up to 8 rows)
+_BENCH_LOADS_ONLY = False
 # KERNELS_FRAG_LATE_TRIGGER=all|residual|norm (A/B runs): the kernel lets its PDL dependent launch after its K loop
 # instead of right after its wait (all launches, those adding a residual, or those applying a norm)
 _LATE_TRIGGER = os.environ.get("KERNELS_FRAG_LATE_TRIGGER", "0")
@@ -1144,7 +1174,8 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
         DEPTH=cfg.depth, BITS=w.bits, GATED=gated, NORM=norm is not None,
         NBX=xss.shape[1] if norm is not None else 1, RESIDUAL=residual is not None,
         LATE_TRIGGER=_LATE_TRIGGER == "all" or (_LATE_TRIGGER == "residual" and residual is not None)
-        or (_LATE_TRIGGER == "norm" and norm is not None), num_warps=warps,
+        or (_LATE_TRIGGER == "norm" and norm is not None),
+        LOADS_ONLY=_BENCH_LOADS_ONLY and w.bits == 4 and batch_tiles == 1, num_warps=warps,
         **pdl.pdl_args(x2))
 
 

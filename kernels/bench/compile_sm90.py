@@ -99,15 +99,17 @@ def _frag() -> list[tuple[str, object]]:
              "ss_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "iters_per_split": "i32",
              "eps": "fp32"}
     base = dict(SPLIT_K=8, ONE_GROUP=False, HAS_BIAS=False, WARPS=4, BATCH_TILES=1, DEPTH=1, BITS=4, PDL=True,
-                GATED=False, NORM=False, NBX=1, RESIDUAL=False, LATE_TRIGGER=False)
-    variants = [("4-bit", {}), ("4-bit, SwiGLU out", {"GATED": True}),
+                GATED=False, NORM=False, NBX=1, RESIDUAL=False, LATE_TRIGGER=False, LOADS_ONLY=False)
+    variants = [("4-bit", {}), ("4-bit, loads only (bench)", {"LOADS_ONLY": True}),
+                ("4-bit, SwiGLU out", {"GATED": True}),
                 ("4-bit, 16 rows, SwiGLU out, bias", {"GATED": True, "BATCH_TILES": 2, "HAS_BIAS": True}),
                 ("8-bit, SwiGLU out", {"BITS": 8, "ONE_GROUP": True, "GATED": True, "SPLIT_K": 1}),
                 ("4-bit, norm in, SwiGLU out", {"NORM": True, "NBX": 32, "GATED": True}),
                 ("4-bit, 32 rows, norm in", {"NORM": True, "NBX": 32, "BATCH_TILES": 4}),
                 ("4-bit, residual out", {"RESIDUAL": True}), ("4-bit, late trigger", {"LATE_TRIGGER": True}),
                 ("8-bit, 16 rows, norm in, residual out", {"BITS": 8, "ONE_GROUP": True, "NORM": True, "NBX": 32,
-                                                           "RESIDUAL": True, "BATCH_TILES": 2})]
+                                                           "RESIDUAL": True, "BATCH_TILES": 2}),
+                ("4-bit, one group per channel", {"ONE_GROUP": True})]
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm")
     return [(f"frag W4A16 GEMV, {name}", lambda kw=kw: compile_kernel(
         _w4a16_frag_kernel, types, dict(base, **kw), num_warps=dict(base, **kw)["WARPS"], divisible=divisible))

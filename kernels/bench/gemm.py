@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+import kernels.w4a16_frag as frag_module
 from kernels.activation import ref_silu_mul, silu_mul
 from kernels.fused_norm import (
     fused_add_rms_norm,
@@ -455,6 +456,12 @@ def frag_candidates() -> list[FragConfig]:
     return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2, 4) for s in (0, 2, 4, 8, 12, 16)]
 
 
+# --frag with KERNELS_BENCH_FRAG_LOADS_ONLY=1: the default config's time ("frag") is its K loop's loads alone, the
+# compute replaced by an XOR of what they loaded (4 bits, up to 8 rows): how fast the kernel could go if its
+# instructions cost nothing
+LOADS_ONLY = os.environ.get("KERNELS_BENCH_FRAG_LOADS_ONLY", "0") != "0"
+
+
 def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,
                bits: int = 4) -> list[str]:
     failures = []
@@ -485,7 +492,9 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
             ok, err = _close(w4a16_frag(x, **frag[0]), ref)
             if not ok:
                 failures.append(f"frag {name} M={m}: max rel err {err:.2e}")
+            frag_module._BENCH_LOADS_ONLY = LOADS_ONLY  # checked above with the compute; timed without it
             t_frag = time_us([lambda p=p: w4a16_frag(x, **p) for p in frag])
+            frag_module._BENCH_LOADS_ONLY = False
             best, best_cfg = _fastest(
                 f"frag {name} M={m}", t_frag, frag_candidates() if sweep else [], failures,
                 lambda cand: _close(w4a16_frag(x, **frag[0], config=cand), ref),

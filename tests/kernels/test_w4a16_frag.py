@@ -204,6 +204,27 @@ def test_kernel_on_cuda(m, n, k, group_size, bits):
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="inline PTX: CUDA only")
+@pytest.mark.parametrize("m", [1, 9, 32])
+def test_kernel_rounds_like_one_bf16_rounding_of_the_exact_sum(m):
+    """Groups of 128: y within one bf16 ulp of the fp64 sum (each group's fp32 sum scaled once, the splits' partials
+    added in fp32, rounded once), on x with a common offset (large sums: where an fp32 sum loses bits)."""
+    n, k = 4096, 4096
+    passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+              _weights(n, k, 128, seed=m + 17).items()}
+    packed = _repack(passes)
+    gen = torch.Generator(device="cuda").manual_seed(m + 5)
+    x = (3.0 + torch.randn(m, k, generator=gen, device="cuda")).to(torch.bfloat16)
+    w = dequantize_weight(passes["qweight"], passes["scales"], passes["zeros"], 4, 128, torch.float64)
+    ref = x.double() @ w.T
+    ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))) - 7)  # bf16: 8 significant bits
+    for cfg in (None, FragConfig(split_k=1), FragConfig(warps=2, split_k=5, depth=2)):
+        err = (w4a16_frag(x, **packed, config=cfg).double() - ref).abs()
+        bad = err > ulp + 1e-5 * ref.abs().max()
+        assert not bad.any(), (cfg, bad.sum().item(), (err / ulp).max().item())
+
+
 def test_gate_up_order_pairs_each_gate_tile_with_its_up_tile():
     """The gated kernel's row order: a warp's two 16-row tiles are gate rows r..r+15 and up rows r..r+15 (the
     epilogue's reshape), the weights' rows (codes, scales, zeros, bias) move together, and deinterleave_gate_up
