@@ -530,14 +530,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q: [num_seqs, num_heads, head_dim], query i at position seq_lens[i] - 1 (its K/V already written);
     block_tables: [num_seqs, max_blocks] int32 (padded); seq_lens: [num_seqs] int32 (0: output zeros).
     num_splits: at most this many programs share a sequence's keys (flash-decoding): ceil(its key tiles /
-    (``_MIN_KEYS_PER_SPLIT`` keys' worth)) of them, from its own length (read on the device), the last to finish
+    (the config's ``min_keys``, else ``_MIN_KEYS_PER_SPLIT`` keys' worth)) of them, from its own length (read on the device), the last to finish
     merging; None picks it from shapes alone (``_decode_num_splits``). Any value gives the same result up to fp32
     rounding. ``seq_lens`` and ``block_tables`` are read before the kernel's PDL wait: they must not be written by
     the kernel launched just before this one (the runtime's are step inputs, copied before the step's first
     kernel).
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks: [num_heads] fp32 sink logits,
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
-    config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and program count; the
+    config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and launch width; the
     benchmark sweeps it).
     new_kv: the step's key and value, not yet in the cache: the kernel writes them (``write_kv_cache``, or
     ``rope_write_kv_cache`` with its RoPE, q then arriving unrotated) and attends over them, one launch for two.
@@ -552,12 +552,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs == 0:
         return out
     block_size = k_cache.shape[1]
+    cfg = config or _decode_config(k_cache.dtype, head_dim, num_seqs * num_kv_heads)
+    min_keys = cfg.min_keys or _MIN_KEYS_PER_SPLIT
     if num_splits is None:
-        num_splits = _decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device)
+        num_splits = _decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device,
+                                        min_keys)
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
-    cfg = config or _decode_config(k_cache.dtype, head_dim, num_seqs * num_kv_heads * num_splits)
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     split = num_splits > 1
     if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)], and a ticket per (seq, kv head)
@@ -587,7 +589,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
         FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SPLIT=split,
-        MIN_TILES=max(1, _MIN_KEYS_PER_SPLIT // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        MIN_TILES=max(1, min_keys // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, WRITE=new_kv is not None,
         ROPE=rope, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
     return out
@@ -641,18 +643,28 @@ class DecodeConfig:
     num_stages: int
     f16: bool = False
     heads_first: bool = False  # programs ordered kv head fastest: a sequence's heads side by side
+    min_keys: int = 0  # keys a split takes at least (a multiple of block_n); 0: _MIN_KEYS_PER_SPLIT
 
 
-def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, num_programs: int = 0) -> DecodeConfig:
-    """The decode tiling, measured best on an H100 for Llama-3-8B shapes (``python -m kernels.bench.attention
-    --decode-sweep``). head_dim 256 halves the keys per iteration (and doubles the warps for 16-bit caches) so that
-    a key tile takes the registers a 128 one does. Quantized caches convert to fp16 operands (13-23% faster than
-    to bf16), 64 keys per iteration up to _DECODE_WIDE_PROGRAMS programs (64 sequences x 8 kv heads: 4-9% faster
-    there), 128 beyond (256-384 sequences: 7-8% faster)."""
+# Up to this many (sequence, kv head) pairs a 16-bit cache's decode takes 64-key tiles and splits of 64 keys: at
+# batch 1 (8 pairs) each program's fixed instruction stream (the first tiles' addresses, RoPE, the new K/V) is what
+# the launch waits on, and smaller tiles over more programs shorten it. H200, bf16 batch-1 decode, same artifact and
+# call (docs/BENCHMARKS.md, session 30): 239.6 tok/s against 236.0 / 236.1 with 128-key tiles and 256-key splits.
+_SMALL_DECODE_PAIRS = 16
+
+
+def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0) -> DecodeConfig:
+    """The decode tiling for a launch over ``pairs`` (sequence, kv head) pairs, measured best on an H100 for
+    Llama-3-8B shapes (``python -m kernels.bench.attention --decode-sweep``). head_dim 256 halves the keys per
+    iteration (and doubles the warps for 16-bit caches) so that a key tile takes the registers a 128 one does.
+    Quantized caches convert to fp16 operands (13-23% faster than to bf16), 64 keys per iteration below
+    _DECODE_WIDE_PROGRAMS pairs (64 sequences x 8 kv heads: 4-9% faster there), 128 from there (256-384 sequences:
+    7-8% faster; no launch that wide splits its keys, so pairs are its programs). 16-bit caches: 64-key tiles and
+    splits up to _SMALL_DECODE_PAIRS pairs (H200), 128-key tiles beyond."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
-        if num_programs >= _DECODE_WIDE_PROGRAMS:
+        if pairs >= _DECODE_WIDE_PROGRAMS:
             return DecodeConfig(128, 4, 3, f16=True)
         return DecodeConfig(64, 4, 2, f16=True)
     if cache_dtype == torch.float32:
@@ -660,21 +672,24 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, num_programs: 
     if _DECODE_CONFIG_OVERRIDE is not None:
         block_n, warps, stages, heads_first = _DECODE_CONFIG_OVERRIDE
         return DecodeConfig(block_n, warps, stages, heads_first=heads_first)
+    if 0 < pairs <= _SMALL_DECODE_PAIRS:
+        return DecodeConfig(64, 4, 2, min_keys=64)
     return DecodeConfig(128, 4, 3)
 
 
-def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
+                       min_keys: int = 0) -> int:
     """Key splits per sequence for decode, from shapes only (no host sync; stable for CUDA graphs).
 
     One program per (sequence, kv head) leaves most SMs idle at small batch; splitting each sequence's
     keys over more programs fills them. Heuristic: aim for two waves of programs over the SMs, but give
-    every split at least ``_MIN_KEYS_PER_SPLIT`` keys of the table's capacity (``max_context`` =
+    every split at least ``min_keys`` (0: ``_MIN_KEYS_PER_SPLIT``) keys of the table's capacity (``max_context`` =
     max_blocks * block_size: the real lengths are on the device) and use at most ``_MAX_SPLITS``.
     Each sequence's own tiles are shared out; a split beyond a short sequence's tiles exits at once.
     """
     programs = num_seqs * num_kv_heads
     wanted = -(-2 * _num_sms(device) // programs)
-    by_length = max(1, max_context // _MIN_KEYS_PER_SPLIT)
+    by_length = max(1, max_context // (min_keys or _MIN_KEYS_PER_SPLIT))
     return max(1, min(wanted, by_length, _MAX_SPLITS))
 
 

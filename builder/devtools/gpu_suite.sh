@@ -35,7 +35,8 @@
 #                  (~90 s each); B1_BASELINE=0 leaves it out.
 #   serve-PREC     the HTTP server against the offline engine on PREC, 128 in / 128 out, $SERVE_CONCURRENCY (default 256)
 #                  requests in flight, 4x that many requests: `builder bench throughput` (offline), then `builder serve`
-#                  with the engine in its own process (the default) and with `--engine-thread`, each loaded by
+#                  with the engine in its own process (the default) and with `--engine-thread` ($SERVE_MODES, default
+#                  "process thread"), each loaded by
 #                  `builder bench serve` with each client process count of $SERVE_WORKERS (default "4 1") after a
 #                  warm-up wave; figures recorded (serve_throughput_128_128_PREC, serve_overhead_pct_PREC, ...).
 #                  $SERVE_ARTIFACT overrides the artifact (e.g. artifacts/quickstart for a dry run on the CPU)
@@ -231,7 +232,7 @@ PY
       dev=""; [ -n "${SERVE_DEVICE:-}" ] && dev="--device $SERVE_DEVICE"
       python3 -m builder.cli bench throughput $art --input-len 128 --output-len 128 --concurrency $c $dev \
         --json "$OUT/serve_${prec}_offline.json" 2>&1 | grep '^{'
-      for mode in process thread; do
+      for mode in ${SERVE_MODES:-process thread}; do
         flag=""; [ $mode = thread ] && flag="--engine-thread"
         python3 -m runtime.serve $art --port $port --max-num-seqs $c $flag $dev --log-level warning &
         pid=$!
@@ -245,9 +246,10 @@ PY
         done
         kill -INT $pid; wait $pid
       done
+      thread=(); for f in "$OUT"/serve_${prec}_thread_w*.json; do [ -e "$f" ] && thread+=("$f"); done
       python3 -m builder.bench.serve_overhead --record "$OUT/benchmarks.jsonl" --precision $prec \
         --offline "$OUT/serve_${prec}_offline.json" --served "$OUT"/serve_${prec}_process_w*.json \
-        --thread "$OUT"/serve_${prec}_thread_w*.json ;;
+        ${thread[@]:+--thread "${thread[@]}"} ;;
     goodput-*)
       prec=${part#goodput-}
       art=${SERVE_ARTIFACT:-artifacts/llama3-8b-$prec}; [ -n "${SERVE_ARTIFACT:-}" ] || artifact "$prec"

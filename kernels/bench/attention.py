@@ -202,7 +202,8 @@ def bench_decode(batch, context, kv_name, gen, args, failures) -> str:
     ms, eager_ms = timings(run, args)
     kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
     other = 2 * q.numel() * q.element_size() + sum(-(-n // BLOCK_SIZE) for n in lens) * 4
-    splits = _decode_num_splits(batch, NUM_KV_HEADS, p.block_tables.shape[1] * BLOCK_SIZE, q.device)
+    splits = _decode_num_splits(batch, NUM_KV_HEADS, p.block_tables.shape[1] * BLOCK_SIZE, q.device,
+                                _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS).min_keys)
     return (f"| decode | {kv_name} | {batch} | {context} | {splits} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
             f"{(kv_bytes + other) / ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
@@ -233,11 +234,10 @@ def decode_sweep(gen, args, failures) -> int:
             expected = ref_paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale,
                                                   k_scale=p.k_scale, v_scale=p.v_scale)
             kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
-            splits = _decode_num_splits(batch, NUM_KV_HEADS, p.block_tables.shape[1] * BLOCK_SIZE, q.device)
-            default = _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS * splits)
+            default = _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS)
             best = None
             for block_n, warps, stages, f16, first in _sweep_configs(args, f16s):
-                cfg = DecodeConfig(block_n, warps, stages, f16, first)
+                cfg = DecodeConfig(block_n, warps, stages, f16, first, min_keys=default.min_keys)
 
                 def run(cfg=cfg):
                     return paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens,

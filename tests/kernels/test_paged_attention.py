@@ -445,6 +445,19 @@ def test_decode_split_heuristic(monkeypatch):
     assert pa._decode_num_splits(8, 8, 512, cuda) == 2  # short tables: >= 256 keys per split
     assert pa._decode_num_splits(64, 8, 8192, cuda) == 1  # 512 programs already fill 132 SMs
     assert pa._decode_num_splits(1, 1, 1 << 20, cuda) == 32  # capped
+    assert pa._decode_num_splits(1, 8, 512, cuda, min_keys=64) == 8  # a config's own floor
+
+
+def test_decode_config_by_launch_width():
+    """16-bit caches: 64-key tiles and 64-key splits for a handful of (sequence, kv head) pairs (batch-1 decode),
+    128-key tiles beyond; quantized caches 64 keys below 1024 pairs, 128 from there."""
+    small = pa._decode_config(torch.bfloat16, 128, 8)
+    assert (small.block_n, small.min_keys) == (64, 64)
+    assert pa._decode_config(torch.float16, 128, pa._SMALL_DECODE_PAIRS).min_keys == 64
+    wide = pa._decode_config(torch.bfloat16, 128, pa._SMALL_DECODE_PAIRS + 1)
+    assert (wide.block_n, wide.min_keys) == (128, 0)
+    assert pa._decode_config(FP8, 128, 8).block_n == 64 and pa._decode_config(FP8, 128, 8).min_keys == 0
+    assert pa._decode_config(FP8, 128, 1024).block_n == 128
 
 
 # --- prefill ---------------------------------------------------------------------------------------------
