@@ -236,7 +236,7 @@ PY
         flag=""; [ $mode = thread ] && flag="--engine-thread"
         python3 -m runtime.serve $art --port $port --max-num-seqs $c $flag $dev --log-level warning &
         pid=$!
-        for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+        for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
         client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art --input-len 128 \
           --output-len 128 --concurrency $c --quiet"
         $client --num-requests $c --workers 4 > /dev/null  # warm-up wave
@@ -256,7 +256,7 @@ PY
       port=${SERVE_PORT:-8000}
       python3 -m runtime.serve $art --port $port --log-level warning &
       pid=$!
-      for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; sleep 1; done
+      for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
       lengths="--input-len 128 --output-len 128 --range-ratio 0.5"; load="--duration 10"
       desc="128 +/- 50% tokens in and out"
       if [ "${GOODPUT_LENGTHS:-uniform}" = sharegpt ]; then
