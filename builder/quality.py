@@ -169,14 +169,15 @@ def _round_to_nearest(w: torch.Tensor, quant: dict[str, Any], candidate: Graph, 
     """The float rows ``w`` [out, in] of one candidate linear, rounded by its scheme's plain rule: (scheme,
     tensors by output row, tensors shared by all rows, quant attrs), or why there is no such rounding."""
     from kernels.torch_quant import quantize_weight_fp8, quantize_weight_int8
-    from passes.int8_wo import PER_CHANNEL_INT8, SCALE_DIVISORS, two_scale_int8
+    from passes.int8_wo import PER_CHANNEL_INT8, int8_channels
     from passes.quant_math import QuantConfig, quantize_groups
 
     scheme = quant["scheme"]
-    if scheme == "w8a16" and quant.get("scale_divisors") == list(SCALE_DIVISORS):  # int8_wo's per-channel choice
-        codes, scales, zeros = two_scale_int8(w)
+    if scheme == "w8a16" and quant.get("scale_divisors"):  # int8_wo's rule, as the build recorded it
+        divisors = tuple(float(d) for d in quant["scale_divisors"])
+        codes, scales, zeros = int8_channels(w, divisors)
         return scheme, {"qweight": codes, "scales": scales, "zeros": zeros}, {}, {
-            "bits": 8, "group_size": -1, "scale_divisors": list(SCALE_DIVISORS)}
+            "bits": 8, "group_size": -1, "scale_divisors": list(divisors)}
     if scheme in ("w4a16", "w8a16"):
         # int8_wo records no symmetry: its one rule is symmetric per channel; every other writer records it
         symmetric = quant.get("symmetric", scheme == "w8a16" and PER_CHANNEL_INT8.symmetric)

@@ -1,24 +1,20 @@
 """int8_wo: INT8 weight-only quantization (W8A16), per output channel, symmetric, round to nearest.
 
 Codes are stored unsigned with the fixed zero point 128 (the w8a16 layout shared with GPTQ's 8-bit output):
-w = (q - 128) * scale, q - 128 in [-128, 127]. Each output channel takes whichever of two scales reconstructs its
-weights with the smaller squared error (``two_scale_int8``):
-
-- amax / 127: +-amax exactly representable, codes in [-127, 127] (the project's convention, ``passes.quant_math``);
-- amax / 127.5: a 0.4% finer grid; -amax is exactly -128, +amax rounds to 128 and is clamped to 127 (llm-compressor's
-  convention).
-
-Neither convention wins on every model (docs/QUANTIZATION_COMPARISON.md, session 23: amax / 127.5 alone is 1.5x
-better in KL on one fixture and 1.07x worse on the other); the per-channel choice is ahead of amax / 127 on both.
+w = (q - 128) * scale, q - 128 in [-128, 127]. Each channel's scale is amax / 127.5 (``SCALE_DIVISORS``): the whole
+code range, -amax exactly -128, +amax rounding to 128 and clamped to 127; a 0.4% finer grid than amax / 127 (the
+project's symmetric convention, ``passes.quant_math``, +-amax exact over [-127, 127]). It is also llm-compressor's
+rule. Measured on both trained fixtures (docs/QUANTIZATION_COMPARISON.md, session 30): level with that peer on both;
+each channel taking the better of amax / 127 and amax / 127.5 by weight error (the default of sessions 23-29, still
+read from older artifacts' ``scale_divisors``) was 0.98x the peer on one and 1.19x on the other.
 Activations stay in the model dtype; no calibration is needed: the build reads no calibration text and the
 per-layer output error is measured on random inputs (``QuantMethod._probe_errors``).
 
 ``refit_scales: true`` (off by default) calibrates: each linear's input second moment ``H`` is gathered on the
-calibration text (``passes.gptq.HessianAccumulator``), each row takes whichever of the two scales gives the smaller
-output error ``(w - w_hat) H (w - w_hat)^T`` instead of the smaller weight error, and its scale is then re-solved
-for those codes by least squares on the same objective (``passes.gptq.refit_scales``; a row keeps its scale unless
-that lowers its error). The codes stay round-to-nearest; only the scales see the activations
-(``calibrated_int8``).
+calibration text (``passes.gptq.HessianAccumulator``), and each row's scale is re-solved for its codes by least
+squares on the output error ``(w - w_hat) H (w - w_hat)^T`` (``passes.gptq.refit_scales``; a row keeps its scale
+unless that lowers its error). The codes stay round-to-nearest; only the scales see the activations
+(``calibrated_int8``). Ahead of llm-compressor on both fixtures (0.91x and 0.99x its KL; session 30).
 """
 
 from __future__ import annotations
@@ -35,26 +31,27 @@ from passes.quant_math import QuantConfig
 from passes.quantize import QuantMethod
 
 PER_CHANNEL_INT8 = QuantConfig(bits=8, group_size=-1, symmetric=True)
-SCALE_DIVISORS = (127.0, 127.5)  # amax / divisor: the candidates of each output channel
+SCALE_DIVISORS = (127.5,)  # amax / divisor; more than one: each output channel takes the best (older artifacts)
 
 
-def two_scale_int8(w: torch.Tensor, H: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def int8_channels(w: torch.Tensor, divisors: tuple[float, ...] = SCALE_DIVISORS) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                          torch.Tensor]:
     """``w`` [out, in] -> codes uint8 [out, in] (zero point 128), scales fp32 [out, 1], zeros uint8 [out, 1]: each
-    row's scale is amax / 127 or amax / 127.5, whichever gives the smaller sum of squared errors (ties: 127); with
-    ``H`` [in, in] (the inputs' second moment), the smaller output error ``d H d^T`` (d: the row's error)."""
+    row's scale is amax / d, of the ``divisors`` the one whose rounding (codes clamped to [-128, 127]) has the
+    smaller sum of squared errors (ties: the first); an all-zero row gets scale 1, codes 128."""
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
+    if not divisors or any(not 64 <= float(d) <= 128 for d in divisors):
+        raise ValueError(f"int8 scale divisors must lie in [64, 128] (amax / divisor), got {divisors}")
     w = w.float()
-    if H is not None:
-        H = H.float().to(w.device)
     amax = w.abs().amax(dim=1, keepdim=True)
-    amax = torch.where(amax == 0, torch.full_like(amax, 127.0), amax)  # an all-zero row: scale 1, codes 128
+    amax = torch.where(amax == 0, torch.full_like(amax, 127.5), amax)  # an all-zero row: scale 1, codes 128
     best_q = best_scale = best_err = None
-    for divisor in SCALE_DIVISORS:
-        scale = amax / divisor
+    for divisor in divisors:
+        scale = amax / float(divisor)
         q = torch.round(w / scale).clamp(-128, 127)
         d = q * scale - w
-        err = (d * d if H is None else (d @ H) * d).sum(dim=1, keepdim=True)
+        err = (d * d).sum(dim=1, keepdim=True)
         if best_err is None:
             best_q, best_scale, best_err = q, scale, err
         else:
@@ -67,10 +64,10 @@ def two_scale_int8(w: torch.Tensor, H: torch.Tensor | None = None) -> tuple[torc
 
 
 def calibrated_int8(w: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``two_scale_int8`` choosing by output error on inputs of second moment ``H``, then each row's scale re-solved
-    for its codes by least squares on that error (``refit_scales``: kept where the new one is no better)."""
-    codes, scales, zeros = two_scale_int8(w, H)
-    scales = refit_scales(w, codes, scales, zeros, H, -1)
+    """``int8_channels``' codes, each row's scale re-solved for them by least squares on the output error on inputs
+    of second moment ``H`` (``refit_scales``: kept where the new one is no better)."""
+    codes, scales, zeros = int8_channels(w)
+    scales = refit_scales(w.float(), codes, scales, zeros, H.float().to(w.device), -1)
     return codes, scales.contiguous(), zeros
 
 
@@ -100,5 +97,5 @@ class Int8WeightOnly(QuantMethod):
             codes, scales, zeros = calibrated_int8(w, stats.H)
             quant["refit_scales"] = True
         else:
-            codes, scales, zeros = two_scale_int8(w)
+            codes, scales, zeros = int8_channels(w)
         self.replace_weight(graph, node, self.scheme, {"qweight": codes, "scales": scales, "zeros": zeros}, quant)

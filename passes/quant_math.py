@@ -1,5 +1,5 @@
-"""Integer weight quantization: the project's one convention, shared by GPTQ and AWQ (int8_wo chooses per channel
-between this symmetric scale and amax / 127.5: ``passes.int8_wo.two_scale_int8``).
+"""Integer weight quantization: the project's one convention, shared by GPTQ and AWQ (int8_wo rounds on amax / 127.5
+instead: ``passes.int8_wo.int8_channels``).
 
 Weights are ``[out, in]``; they are quantized per (output row, group of ``group_size`` consecutive
 input columns). ``group_size = -1`` means one group over the whole input dimension (per output
@@ -17,8 +17,8 @@ Symmetric b-bit (``symmetric=True``), over each group (amax = max|w|):
 
     INT4: scale = amax / 7.5         the whole code range -8 .. 7 (GPTQ's reference and compressed-tensors' grid):
                                      -amax is exactly -8, +amax rounds to 8 and is clamped to 7
-    INT8: scale = amax / 127         (NOT amax / 127.5: +-amax are exactly representable; int8_wo chooses per
-                                     channel between the two)
+    INT8: scale = amax / 127         (NOT amax / 127.5: +-amax are exactly representable; int8_wo takes amax /
+                                     127.5, measured level with or ahead of this on its fixtures)
     zero  = 2^(b-1)                  fixed: 8 for INT4, 128 for INT8 (codes are stored unsigned)
     q     = clamp(round(w / scale) + zero, 0, 2^b - 1)
     w_hat = (q - zero) * scale

@@ -89,9 +89,9 @@ METHODS = {  # our methods; a peer's directory of the same name is the same meth
                                                                 "quantization.smooth_output=true"),
                                  "alpha searched per group; norms -> q/k/v, gate/up; up -> down; v -> o"),
     "fp8": Method("fp8", "fp8", ("quantization.weight_granularity=channel",), "no calibration"),
-    "int8_wo": Method("int8_wo", "int8_wo", (), "scale amax / 127 or / 127.5 per channel, no calibration"),
+    "int8_wo": Method("int8_wo", "int8_wo", (), "scale amax / 127.5 per channel, no calibration"),
     "int8_wo_refit": Method("int8_wo", "int8_wo", ("quantization.refit_scales=true",),
-                            "scale chosen, then refit, on the calibration inputs' second moments (refit_scales)"),
+                            "scale amax / 127.5, then refit on the calibration inputs' second moments (refit_scales)"),
 }
 # peers' directories in a scheme besides our method names (ModelOpt's AWQ with its clip search, symmetric)
 PEER_VARIANTS = {"awq_full_sym": "w4_sym"}

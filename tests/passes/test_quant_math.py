@@ -163,48 +163,56 @@ def test_bad_group_size():
         QuantConfig(bits=3)
 
 
-def test_int8_wo_takes_the_better_of_two_scales_per_channel():
-    """two_scale_int8: each row's scale is amax / 127 or amax / 127.5, whichever has the smaller squared error (ties:
-    127); codes use the whole [-128, 127] range around the zero point 128; an all-zero row gets scale 1, codes 128;
-    the gates' round-to-nearest counterpart of an int8_wo build applies the same rule."""
+def test_int8_wo_rounds_on_amax_over_127_5():
+    """int8_channels: by default each row's scale is amax / 127.5 over the whole [-128, 127] code range around the
+    zero point 128 (-amax lands on -128, +amax clamps to 127); an all-zero row gets scale 1, codes 128. Given several
+    divisors (older artifacts recorded amax / 127 and / 127.5), each row takes the one with the smaller squared error.
+    The gates' round-to-nearest counterpart of an int8_wo build applies the rule its attrs record."""
     from builder.quality import _round_to_nearest
-    from passes.int8_wo import SCALE_DIVISORS, two_scale_int8
+    from passes.int8_wo import SCALE_DIVISORS, int8_channels
 
+    assert SCALE_DIVISORS == (127.5,)
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 256, generator=g)
     w[1] = 0.0
-    w[2, 7] = -w[2].abs().max() * 2  # a negative extreme: -amax lands on -128 under amax / 127.5
-    codes, scales, zeros = two_scale_int8(w)
+    w[2, 7] = -w[2].abs().max() * 2  # a negative extreme: -amax lands on -128
+    w[3, 5] = w[3].abs().max() * 2  # a positive extreme: +amax rounds to 128, clamped to 127
+    codes, scales, zeros = int8_channels(w)
     assert codes.dtype == torch.uint8 and scales.shape == (64, 1) and torch.equal(zeros, torch.full((64, 1), 128,
                                                                                                    dtype=torch.uint8))
     assert torch.equal(codes[1], torch.full((256,), 128, dtype=torch.uint8)) and scales[1].item() == 1.0
     amax = w.abs().amax(1, keepdim=True)
-    candidates = []
-    for d in SCALE_DIVISORS:
-        s = amax / d
-        q = torch.round(w / s).clamp(-128, 127)
-        candidates.append((((q * s - w) ** 2).sum(1), s))
-    pick = torch.where(candidates[1][0] < candidates[0][0], 1, 0)
     rows = [r for r in range(64) if r != 1]
-    for r in rows:  # each row's scale is the candidate with the smaller error
-        assert scales[r].item() == candidates[pick[r]][1][r].item(), r
+    torch.testing.assert_close(scales[rows], amax[rows] / 127.5, rtol=0, atol=0)
+    assert torch.equal(codes[rows].long() - 128, torch.round(w / (amax / 127.5)).clamp(-128, 127)[rows].long())
+    assert codes[2, 7].item() == 0 and codes[3, 5].item() == 255
+    # several divisors: the better per row
+    two = (127.0, 127.5)
+    codes2, scales2, _ = int8_channels(w, two)
+    candidates = []
+    for d in two:
+        sc = amax / d
+        q = torch.round(w / sc).clamp(-128, 127)
+        candidates.append((((q * sc - w) ** 2).sum(1), sc))
+    pick = torch.where(candidates[1][0] < candidates[0][0], 1, 0)
+    for r in rows:
+        assert scales2[r].item() == candidates[pick[r]][1][r].item(), r
     assert 0 < pick[rows].sum() < len(rows)  # both conventions win somewhere on random rows
-    deq = (codes.float() - 128) * scales
-    rtn = (torch.round(w / (amax / 127)).clamp(-127, 127)) * (amax / 127)
-    assert ((deq - w) ** 2).sum(1)[rows].le(((rtn - w) ** 2).sum(1)[rows] + 1e-12).all()  # never worse than /127
-    assert pick[2] == 1 and codes[2, 7].item() == 0  # this row takes amax / 127.5: -amax at -128
-    _, rows_out, _, attrs = _round_to_nearest(w, {"scheme": "w8a16", "bits": 8, "group_size": -1,
-                                                  "scale_divisors": list(SCALE_DIVISORS)}, None, None)
-    assert torch.equal(rows_out["qweight"], codes) and torch.equal(rows_out["scales"], scales)
-    assert attrs["scale_divisors"] == list(SCALE_DIVISORS)
+    for recorded, (c, s_) in ((list(SCALE_DIVISORS), (codes, scales)), ([127.0, 127.5], (codes2, scales2))):
+        _, rows_out, _, attrs = _round_to_nearest(w, {"scheme": "w8a16", "bits": 8, "group_size": -1,
+                                                      "scale_divisors": recorded}, None, None)
+        assert torch.equal(rows_out["qweight"], c) and torch.equal(rows_out["scales"], s_)
+        assert attrs["scale_divisors"] == recorded
+    with pytest.raises(ValueError, match="divisors"):
+        int8_channels(w, (12.0,))
 
 
-def test_int8_wo_refit_chooses_and_refits_on_the_output_error():
-    """calibrated_int8 (int8_wo's refit_scales): each row's scale is the candidate with the smaller output error on
-    inputs of second moment H (not the smaller weight error), then re-solved for the same codes; every row's output
-    error is at most the weight-only choice's, and lower in total on inputs with outlier features."""
+def test_int8_wo_refit_fits_the_scales_to_the_output_error():
+    """calibrated_int8 (int8_wo's refit_scales): the default rule's codes, each row's scale re-solved for them on
+    inputs of second moment H: no row's output error above the plain rounding's, and lower in total on inputs with
+    outlier features."""
     from passes.gptq import HessianAccumulator
-    from passes.int8_wo import SCALE_DIVISORS, calibrated_int8, two_scale_int8
+    from passes.int8_wo import calibrated_int8, int8_channels
 
     g = torch.Generator().manual_seed(3)
     w = torch.randn(96, 128, generator=g)
@@ -218,18 +226,10 @@ def test_int8_wo_refit_chooses_and_refits_on_the_output_error():
         d = (codes.float() - 128) * scales - w
         return ((d @ H) * d).sum(1)
 
-    weight_pick = two_scale_int8(w)
-    h_codes, h_scales, _ = two_scale_int8(w, H)
+    plain = int8_channels(w)
     codes, scales, zeros = calibrated_int8(w, H)
-    amax = w.abs().amax(1, keepdim=True)
-    errs = []
-    for dv in SCALE_DIVISORS:
-        s = amax / dv
-        q = torch.round(w / s).clamp(-128, 127)
-        errs.append(out_err(q + 128, s))
-    assert torch.allclose(out_err(h_codes, h_scales), torch.minimum(*errs))  # the better candidate, by output error
-    assert torch.equal(codes, h_codes) and torch.equal(zeros, torch.full((96, 1), 128, dtype=torch.uint8))
-    before, after = out_err(*weight_pick[:2]), out_err(codes, scales)
-    assert (after <= out_err(h_codes, h_scales) * (1 + 1e-6)).all() and (after <= before * (1 + 1e-6)).all()
+    assert torch.equal(codes, plain[0]) and torch.equal(zeros, plain[2])
+    before, after = out_err(*plain[:2]), out_err(codes, scales)
+    assert (after <= before * (1 + 1e-6)).all()
     assert after.sum() < 0.97 * before.sum()
-    assert not torch.equal(scales, h_scales)  # the refit moved scales
+    assert not torch.equal(scales, plain[1])  # the refit moved scales
