@@ -891,8 +891,9 @@ class _Handlers:
     """What the routes do, for one app over one engine."""
 
     def __init__(self, engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None,
-                 sse_keepalive_s: float) -> None:
+                 sse_keepalive_s: float, stream_interval: int = 1) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval
         artifact = engine.artifact
         # sampling fields a request leaves out (checked now: a bad file stops the start-up, not requests)
         self.sampling_defaults = {**OPENAI_SAMPLING_DEFAULTS, **sampling_defaults(
@@ -1036,6 +1037,7 @@ class _Handlers:
             else:
                 yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
             self.keep_alive.watch(stream)
+            sent = 0  # tokens sent so far
             while True:
                 out = await stream.__anext__()  # no suspension when a delta is queued already
                 if out is KEEP_ALIVE:  # no delta for sse_keepalive_s (queued, prefilling, a stalled engine)
@@ -1043,6 +1045,9 @@ class _Handlers:
                     continue
                 if behind := stream.ready_deltas():  # the client fell behind: what is queued goes as one chunk
                     out = merge_deltas([out, *behind])
+                if sent and not out.finished and len(out.token_ids) < self.stream_interval:
+                    out = await _gather_tokens(stream, out, self.stream_interval)
+                sent += len(out.token_ids)
                 self.keep_alive.touch(stream)
                 call.tracker.delta(out)
                 done = out.finished and out.finish_reason in ("stop", "length")
@@ -1070,6 +1075,19 @@ class _Handlers:
         yield _sse("[DONE]")
 
 
+async def _gather_tokens(stream: RequestStream, out: RequestOutput, interval: int) -> RequestOutput:
+    """``out`` merged with the stream's next deltas until they hold ``interval`` tokens, the request finishes, or a
+    keep-alive comes (the engine stalled: what is held goes out rather than wait longer)."""
+    held, num_tokens = [out], len(out.token_ids)
+    while num_tokens < interval and not held[-1].finished:
+        nxt = await stream.__anext__()
+        if nxt is KEEP_ALIVE:
+            break
+        held.append(nxt)
+        num_tokens += len(nxt.token_ids)
+    return merge_deltas(held) if len(held) > 1 else out
+
+
 def _unavailable(e: Exception) -> APIError:
     return APIError(503, f"the engine is not available: {e}", type="server_error", code="engine_unavailable")
 
@@ -1083,10 +1101,12 @@ def _refusal(e: QueueFullError | RequestError, chat: bool) -> APIError:
 
 
 def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None = None, *,
-               sse_keepalive_s: float = SSE_KEEPALIVE_S) -> FastAPI:
+               sse_keepalive_s: float = SSE_KEEPALIVE_S, stream_interval: int = 1) -> FastAPI:
     """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
     down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes.
     ``sse_keepalive_s``: how long a stream goes without a delta before it gets a keep-alive comment.
+    ``stream_interval``: tokens a streamed response gathers per event after its first (1: an event per engine step;
+    N: a write and its framing per N tokens, for servers whose event loop is the limit at high concurrency).
     Raises ValueError for an empty key, and GenerationConfigError (a ValueError) when the artifact's
     generation_config.json sets a sampling default that is not allowed."""
     if api_key is not None and not api_key.strip():
@@ -1094,7 +1114,9 @@ def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: st
                          f"or None to serve without one")
     if not sse_keepalive_s > 0:
         raise ValueError(f"sse_keepalive_s must be > 0, got {sse_keepalive_s}")
-    h = _Handlers(engine, model_name, api_key, sse_keepalive_s)
+    if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+        raise ValueError(f"stream_interval must be a whole number of tokens >= 1, got {stream_interval!r}")
+    h = _Handlers(engine, model_name, api_key, sse_keepalive_s, stream_interval)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

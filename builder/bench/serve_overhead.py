@@ -114,7 +114,8 @@ def serve_stub(args) -> None:
     else:
         engine = EngineProcess(args.artifact, "cpu", serving_config(args), check_hashes=False, allow_failed_gate=True,
                                loader=loader)
-    uvicorn.run(create_app(engine, "stub"), host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(create_app(engine, "stub", stream_interval=args.stream_interval), host="127.0.0.1", port=args.port,
+                log_level="warning")
 
 
 def _process_cpu_s(pid: int) -> float | None:
@@ -138,7 +139,8 @@ def served(args) -> dict:
     child = subprocess.Popen([sys.executable, "-m", "builder.bench.serve_overhead", args.artifact, "--serve-stub",
                               "--port", str(port), "--step-ms", str(args.step_ms), "--concurrency",
                               str(args.concurrency), "--input-len", str(args.input_len), "--output-len",
-                              str(args.output_len)] + (["--engine-thread"] if args.engine_thread else []),
+                              str(args.output_len), "--stream-interval", str(args.stream_interval)]
+                             + (["--engine-thread"] if args.engine_thread else []),
                              env={**os.environ})
     try:
         import httpx
@@ -258,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--client-workers", type=int, default=0, help="benchmark client processes (0: its default)")
     parser.add_argument("--engine-thread", action="store_true", help="the server's engine in a thread, not a process")
+    parser.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     parser.add_argument("--serve-stub", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -279,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     off = offline(args)
     srv = served(args)
-    print(json.dumps({"step_ms": args.step_ms, "concurrency": args.concurrency, "engine_thread": args.engine_thread, "offline": off, "served": srv,
+    print(json.dumps({"step_ms": args.step_ms, "concurrency": args.concurrency, "engine_thread": args.engine_thread,
+                      "stream_interval": args.stream_interval, "offline": off, "served": srv,
                       "overhead_pct": round(100 * (1 - srv["output_tok_s"] / off["output_tok_s"]), 1)}))
     return 0
 

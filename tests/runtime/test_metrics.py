@@ -83,9 +83,32 @@ def test_a_long_stream_reaches_the_metrics_every_flush_tokens_and_at_finish():
         tracker.delta(_delta(1), now=1.0 + 0.01 * i)
     s = _samples(metrics)
     assert s[("llm_generation_tokens_total", ())] == FLUSH_TOKENS  # the first FLUSH_TOKENS, while it runs
-    assert s[("llm_inter_token_latency_seconds_count", ())] == FLUSH_TOKENS - 1
+    assert s[("llm_inter_token_latency_seconds_count", ())] == FLUSH_TOKENS + 3  # latencies at once
     tracker.finish("length", now=2.0)
     s = _samples(metrics)
     assert s[("llm_generation_tokens_total", ())] == FLUSH_TOKENS + 4
     assert s[("llm_inter_token_latency_seconds_count", ())] == FLUSH_TOKENS + 3
     assert s[("llm_inter_token_latency_seconds_sum", ())] == pytest.approx(0.01 * (FLUSH_TOKENS + 3))
+
+
+def test_the_latency_histogram_exports_what_prometheus_client_would():
+    """The ITL histogram takes a delta of k tokens as one observation of weight k; its exposition equals
+    prometheus_client's Histogram fed the same k values one by one (buckets cumulative, +Inf, count, sum)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from runtime.metrics import ITL_BUCKETS, _WeightedHistogram
+
+    ours = _WeightedHistogram("x_seconds", "doc", ITL_BUCKETS)
+    registry = CollectorRegistry()
+    registry.register(ours)
+    theirs_registry = CollectorRegistry()
+    theirs = Histogram("x_seconds", "doc", buckets=ITL_BUCKETS, registry=theirs_registry)
+    for value, k in ((0.0005, 1), (0.02, 3), (0.0025, 2), (7.0, 1), (0.3, 5), (0.015, 1)):
+        ours.observe(value, k)
+        for _ in range(k):
+            theirs.observe(value)
+
+    def lines(reg):
+        return sorted(line for line in generate_latest(reg).decode().splitlines()
+                      if line.startswith("x_seconds_") and "_created" not in line)
+    assert lines(registry) == lines(theirs_registry)

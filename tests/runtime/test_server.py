@@ -866,3 +866,22 @@ def test_a_text_only_delta_event_is_the_full_chunk_byte_for_byte():
             assert call.text_event(delta(""), False) is None
     logprobs = _Call(True, "chatcmpl-2", 1, "m", True, False, None, None)
     assert logprobs.text_event(delta("x"), False) is None
+
+
+def test_stream_interval_gathers_tokens_per_event(bundled_artifact, offline):
+    """create_app(stream_interval=4): a streamed completion sends its first token at once, then events of at least
+    4 tokens (the last may hold fewer), and the same text and tokens as the offline engine; 0 is refused."""
+    with pytest.raises(ValueError, match="stream_interval"):
+        create_app(AsyncEngine(ServingEngine.load(bundled_artifact, config=ServingConfig(num_blocks=64))), MODEL,
+                   stream_interval=0)
+    serving = ServingEngine.load(bundled_artifact, config=ServingConfig(num_blocks=64, max_num_seqs=4))
+    ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=23, ignore_eos=True))
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 23, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    with serve_app(create_app(AsyncEngine(serving), MODEL, api_key=API_KEY, stream_interval=4)) as url:
+        with Server(url, serving).client() as client:
+            events, done = streamed(client, "/v1/completions", body)
+    assert done
+    counts = [len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c["logprobs"]]
+    assert sum(counts) == 23 and counts[0] == 1, counts
+    assert all(n >= 4 for n in counts[1:-1]) and len(counts) <= 1 + -(-22 // 4), counts
+    assert joined_text(events, chat=False) == ref.text
