@@ -244,6 +244,13 @@ def verdicts(rows: list[dict]) -> list[str]:
     return out
 
 
+def _set_seed(seed: int) -> None:
+    """The calibration windows' seed, for the dumped windows and our builds' recipes."""
+    global SEED, COMMON
+    SEED = seed
+    COMMON = [o for o in COMMON if not o.startswith("calibration.seed=")] + [f"calibration.seed={seed}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m builder.bench.quantizers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="a trained checkpoint with calibration.jsonl "
@@ -255,9 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-build", action="store_true", help="reuse artifacts already in --work-dir")
     ap.add_argument("--json", type=Path, help="also write the measured rows as JSON here")
     ap.add_argument("--dump-windows", type=Path, metavar="DIR", help="write calib/eval token windows as JSON and exit")
+    ap.add_argument("--calib-seed", type=int, default=SEED, help="which calibration windows (ours and the dumped "
+                    "ones alike; default 0)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     model = args.model.resolve()
+    _set_seed(args.calib_seed)
     if args.dump_windows:
         dump_windows(model, args.dump_windows)
         return 0
