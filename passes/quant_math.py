@@ -18,7 +18,7 @@ Symmetric b-bit (``symmetric=True``), over each group (amax = max|w|):
     INT4: scale = amax / 7.5         the whole code range -8 .. 7 (GPTQ's reference and compressed-tensors' grid):
                                      -amax is exactly -8, +amax rounds to 8 and is clamped to 7
     INT8: scale = amax / 127         (NOT amax / 127.5: +-amax are exactly representable; int8_wo takes amax /
-                                     127.5, measured level with or ahead of this on its fixtures)
+                                     127.5: docs/QUANTIZATION_COMPARISON.md, session 30)
     zero  = 2^(b-1)                  fixed: 8 for INT4, 128 for INT8 (codes are stored unsigned)
     q     = clamp(round(w / scale) + zero, 0, 2^b - 1)
     w_hat = (q - zero) * scale
