@@ -36,11 +36,12 @@ PER_CHANNEL_INT8 = QuantConfig(bits=8, group_size=-1, symmetric=True)
 SCALE_DIVISORS = (127.5,)  # amax / divisor; more than one: each output channel takes the best (older artifacts)
 
 
-def int8_channels(w: torch.Tensor, divisors: tuple[float, ...] = SCALE_DIVISORS) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                          torch.Tensor]:
+def int8_channels(w: torch.Tensor, divisors: tuple[float, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
     """``w`` [out, in] -> codes uint8 [out, in] (zero point 128), scales fp32 [out, 1], zeros uint8 [out, 1]: each
-    row's scale is amax / d, of the ``divisors`` the one whose rounding (codes clamped to [-128, 127]) has the
-    smaller sum of squared errors (ties: the first); an all-zero row gets scale 1, codes 128."""
+    row's scale is amax / d, of the ``divisors`` (default ``SCALE_DIVISORS``) the one whose rounding (codes clamped to
+    [-128, 127]) has the smaller sum of squared errors (ties: the first); an all-zero row gets scale 1, codes 128."""
+    divisors = SCALE_DIVISORS if divisors is None else divisors
     if w.dim() != 2:
         raise ValueError(f"expected a 2-D weight [out, in], got shape {tuple(w.shape)}")
     if not divisors or any(not 64 <= float(d) <= 128 for d in divisors):
