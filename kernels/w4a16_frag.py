@@ -493,25 +493,12 @@ def _load_group_ptx(bits: int = 4) -> str:
     return "\n".join(lines)
 
 
-def _unpack_word_ptx(word: str) -> list[str]:
-    """A word of 4-bit codes -> u0..u3, the A fragment's four bf16x2 registers of 128 + q (exact): two byte
-    permutes, two shifts, four LOPs."""
-    return [f"prmt.b32 t0, {word}, 0, 0x4140;",
-            f"prmt.b32 t1, {word}, 0, 0x4342;",
-            "lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xea;",
-            "lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xea;",
-            "shr.u32 h0, t0, 4;",
-            "shr.u32 h1, t1, 4;",
-            "lop3.b32 u2, h0, 0x000F000F, 0x43004300, 0xea;",
-            "lop3.b32 u3, h1, 0x000F000F, 0x43004300, 0xea;"]
-
-
-def _sink_ptx(batch_tiles: int, x_regs: int = 16, group_regs: int = 8) -> str:
+def _sink_ptx(batch_tiles: int) -> str:
     """For ``kernels.bench`` only (``_BENCH_LOADS_ONLY``): the sums unchanged but for the loaded words, x and group
     registers XORed into the first, so that the K loop's loads stay and its compute is gone: what the loads alone
-    read. Inputs as :func:`_compute_ptx`'s (``x_regs`` per batch tile, ``group_regs`` group registers)."""
+    read. Inputs as :func:`_compute_ptx`'s (4-bit codes: 16 x registers per batch tile, 8 group registers)."""
     n_out = 8 * batch_tiles
-    n_in = 16 + x_regs * batch_tiles + group_regs
+    n_in = 16 + 16 * batch_tiles + 8
     lines = ["{", ".reg .b32 r;", ".reg .f32 f;", f"mov.b32 r, ${n_out};"]
     lines += [f"xor.b32 r, r, ${n_out + i};" for i in range(1, n_in)]
     lines += ["cvt.rn.f32.u32 f, r;", f"add.f32 $0, ${n_out + n_in}, f;"]
@@ -543,8 +530,16 @@ def _compute_ptx(batch_tiles: int, fold: bool) -> str:
     for tile in range(2):
         za, zb = f"${zz0 + 2 * tile}", f"${zz0 + 2 * tile + 1}"
         for w in range(8):  # chunk w // 4, k16 step w % 4: x registers 2w, 2w + 1
-            lines += _unpack_word_ptx(f"${w0 + 8 * tile + w}")
-            lines += [f"fma.rn.bf16x2 u0, u0, one, {za};",
+            word = f"${w0 + 8 * tile + w}"
+            lines += [f"prmt.b32 t0, {word}, 0, 0x4140;",
+                      f"prmt.b32 t1, {word}, 0, 0x4342;",
+                      "lop3.b32 u0, t0, 0x000F000F, 0x43004300, 0xea;",
+                      "lop3.b32 u1, t1, 0x000F000F, 0x43004300, 0xea;",
+                      "shr.u32 h0, t0, 4;",
+                      "shr.u32 h1, t1, 4;",
+                      "lop3.b32 u2, h0, 0x000F000F, 0x43004300, 0xea;",
+                      "lop3.b32 u3, h1, 0x000F000F, 0x43004300, 0xea;",
+                      f"fma.rn.bf16x2 u0, u0, one, {za};",
                       f"fma.rn.bf16x2 u1, u1, one, {zb};",
                       f"fma.rn.bf16x2 u2, u2, one, {za};",
                       f"fma.rn.bf16x2 u3, u3, one, {zb};"]

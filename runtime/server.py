@@ -891,7 +891,7 @@ class _Handlers:
     """What the routes do, for one app over one engine."""
 
     def __init__(self, engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None,
-                 sse_keepalive_s: float, stream_interval: int = 1) -> None:
+                 sse_keepalive_s: float, stream_interval: int) -> None:
         self.engine = engine
         self.stream_interval = stream_interval
         artifact = engine.artifact
@@ -1045,7 +1045,8 @@ class _Handlers:
                     continue
                 if behind := stream.ready_deltas():  # the client fell behind: what is queued goes as one chunk
                     out = merge_deltas([out, *behind])
-                if sent and not out.finished and len(out.token_ids) < self.stream_interval:
+                if self.stream_interval > 1 and sent and not out.finished \
+                        and len(out.token_ids) < self.stream_interval:
                     out = await _gather_tokens(stream, out, self.stream_interval)
                 sent += len(out.token_ids)
                 self.keep_alive.touch(stream)
