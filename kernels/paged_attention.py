@@ -532,9 +532,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_splits: at most this many programs share a sequence's keys (flash-decoding): ceil(its key tiles / (the
     config's ``min_keys``, else ``_MIN_KEYS_PER_SPLIT``, keys' worth)) of them, from its own length (read on the
     device), the last to finish merging; None picks it from shapes alone (``_decode_num_splits``). Any value gives
-    the same result up to fp32 rounding. ``seq_lens`` and ``block_tables`` are read before the kernel's PDL wait: they must not be written by
-    the kernel launched just before this one (the runtime's are step inputs, copied before the step's first
-    kernel).
+    the same result up to fp32 rounding. ``seq_lens`` and ``block_tables`` are read before the kernel's PDL wait:
+    they must not be written by the kernel launched just before this one (the runtime's are step inputs, copied
+    before the step's first kernel).
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks: [num_heads] fp32 sink logits,
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
     config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and launch width; the
