@@ -56,6 +56,7 @@ if _MIN_KEYS_PER_SPLIT < 64 or _MIN_KEYS_PER_SPLIT % 64:
     raise ValueError(f"KERNELS_DECODE_MIN_KEYS_PER_SPLIT={_MIN_KEYS_SETTING!r}: expected a multiple of 64 (256 by "
                      "default)")
 _MAX_SPLITS = 32
+_MERGE_UNROLL = 4  # a decode merge's partials loaded per iteration, in flight together
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
 _DECODE_WIDE_PROGRAMS = 1024  # decode programs from which a quantized cache's tiles take 128 keys (_decode_config)
@@ -354,7 +355,7 @@ def _paged_decode_kernel(
         stride_kns, stride_knh, stride_vns, stride_vnh,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
-        MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_UNROLL: tl.constexpr, EARLY: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, WRITE: tl.constexpr,
         ROPE: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
@@ -420,6 +421,19 @@ def _paged_decode_kernel(
             writer = (seq_len > 0) & (split == (last // BLOCK_N - first_tile) // tl.maximum(tiles_per_split, 1))
             w_mask = offs_d < tl.where(writer, HEAD_DIM, 0)  # [HEAD_DIM]: all lanes in the writer, none elsewhere
             slot = tl.load(slot_ptr + seq).to(tl.int64)
+            # the loop below reads the keys before it; the new one joins from registers after it
+            seq_len = last
+        if EARLY:
+            # the first tile's keys and values: earlier steps wrote them (the kernels before this one's predecessor
+            # have completed), so their loads go out before the wait, under the preceding kernel's tail; a program
+            # of one tile (batch 1: 64-key splits) then waits for nothing but q. Masked lanes are left unloaded
+            # (garbage): masked out of s and zeroed in v below.
+            valid = (pos >= lo) & (pos < tl.minimum(seq_len, tile_hi * BLOCK_N))
+            row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            k0 = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
+            v0 = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+            nxt = pos + BLOCK_N
+            block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0).to(tl.int64)  # the next tile's
 
         wait_prior(PDL)  # q and the new key / value are the preceding kernel's (kernels/pdl.py)
         # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
@@ -448,8 +462,6 @@ def _paged_decode_kernel(
             stored = offs_d < tl.where(writer & (slot >= 0), HEAD_DIM, 0)  # a negative slot (padding): nothing written
             tl.store(k_cache_ptr + dst, kn.to(k_cache_ptr.dtype.element_ty), mask=stored)
             tl.store(v_cache_ptr + dst, vn.to(v_cache_ptr.dtype.element_ty), mask=stored)
-            # the loop below reads the keys before it; the new one joins from registers after it
-            seq_len = last
         q = _query_operand(q, FP32, F16)
         if QUANT != 0:
             qk_scale = qk_scale * tl.load(k_scale_ptr)
@@ -457,7 +469,16 @@ def _paged_decode_kernel(
         m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-        for tile in range(tile_lo, tile_hi):
+        start = tile_lo
+        if EARLY:  # the first tile, loaded before the wait
+            s = _mma(q, k0.to(q.dtype), FP32) * qk_scale
+            if SOFTCAP:
+                s = _softcap(s, softcap)
+            s = tl.where(valid[None, :], s, float("-inf"))
+            v0 = tl.where(valid[:, None], v0.to(q.dtype), 0.0)
+            m_i, l_i, acc = _online_softmax_step(s, v0, m_i, l_i, acc, FP32)
+            start = tile_lo + 1
+        for tile in range(start, tile_hi):
             pos = tile * BLOCK_N + offs_n
             valid = (pos >= lo) & (pos < seq_len)
             row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
@@ -508,12 +529,17 @@ def _paged_decode_kernel(
                 if SINKS:
                     denom = denom + _sink_share(tl.load(sinks_ptr + head, mask=g_mask, other=0.0), m_max)
                 out = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-                for j in range(0, used):
-                    w = tl.exp2(tl.load(part_m_ptr + part + j, mask=g_mask, other=-1.0e30, cache_modifier=".cg")
-                                - m_max)
-                    a = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :],
-                                mask=g_mask[:, None], other=0.0, cache_modifier=".cg")
-                    out += a * w[:, None]
+                # MERGE_UNROLL splits' partials per iteration, their loads in flight together (one L2 round trip
+                # per split in turn was most of a short merge), added in split order
+                for j0 in range(0, used, MERGE_UNROLL):
+                    for jj in tl.static_range(MERGE_UNROLL):
+                        j = j0 + jj
+                        j_mask = g_mask & (offs_g * 0 + j < used)  # [GROUP_PAD]
+                        w = tl.exp2(tl.load(part_m_ptr + part + j, mask=j_mask, other=-1.0e30, cache_modifier=".cg")
+                                    - m_max)
+                        a = tl.load(part_acc_ptr + (part + j)[:, None] * HEAD_DIM + offs_d[None, :],
+                                    mask=j_mask[:, None], other=0.0, cache_modifier=".cg")
+                        out += a * w[:, None]
                 out = out / tl.where(denom > 0, denom, 1.0)[:, None]
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
@@ -590,6 +616,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
         FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SPLIT=split,
         MIN_TILES=max(1, min_keys // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        MERGE_UNROLL=_MERGE_UNROLL, EARLY=cfg.early,
         SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, WRITE=new_kv is not None,
         ROPE=rope, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
     return out
@@ -644,6 +671,7 @@ class DecodeConfig:
     f16: bool = False
     heads_first: bool = False  # programs ordered kv head fastest: a sequence's heads side by side
     min_keys: int = 0  # keys a split takes at least (a multiple of block_n); 0: _MIN_KEYS_PER_SPLIT
+    early: bool = False  # the first tile's keys and values loaded before the PDL wait (registers: small tiles only)
 
 
 # Up to this many (sequence, kv head) pairs a 16-bit cache's decode takes 64-key tiles and splits of 64 keys: at
@@ -651,6 +679,9 @@ class DecodeConfig:
 # the launch waits on, and smaller tiles over more programs shorten it. H200, bf16 batch-1 decode, same artifact and
 # call (docs/BENCHMARKS.md, session 30): 239.6 tok/s against 236.0 / 236.1 with 128-key tiles and 256-key splits.
 _SMALL_DECODE_PAIRS = 16
+# There, each program's first tile is loaded before its PDL wait (DecodeConfig.early); KERNELS_DECODE_EARLY=0 loads it
+# after, as wider launches do (A/B runs)
+_EARLY_TILE = os.environ.get("KERNELS_DECODE_EARLY", "1") != "0"
 
 
 def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0) -> DecodeConfig:
@@ -660,7 +691,8 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     Quantized caches convert to fp16 operands (13-23% faster than to bf16), 64 keys per iteration below
     _DECODE_WIDE_PROGRAMS pairs (64 sequences x 8 kv heads: 4-9% faster there), 128 from there (256-384 sequences:
     7-8% faster; no launch that wide splits its keys, so pairs are its programs). 16-bit caches: 64-key tiles and
-    splits up to _SMALL_DECODE_PAIRS pairs (H200), 128-key tiles beyond."""
+    splits up to _SMALL_DECODE_PAIRS pairs (H200), each program's first tile loaded before the PDL wait there
+    (``early``: 32 KB of keys and values in registers, which a 128-key tile would double), 128-key tiles beyond."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
@@ -673,7 +705,7 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
         block_n, warps, stages, heads_first = _DECODE_CONFIG_OVERRIDE
         return DecodeConfig(block_n, warps, stages, heads_first=heads_first)
     if 0 < pairs <= _SMALL_DECODE_PAIRS:
-        return DecodeConfig(64, 4, 2, min_keys=64)
+        return DecodeConfig(64, 4, 2, min_keys=64, early=_EARLY_TILE)
     return DecodeConfig(128, 4, 3)
 
 

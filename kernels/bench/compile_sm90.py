@@ -62,17 +62,22 @@ def _decode_attention() -> list[tuple[str, object]]:
              **{n: "i32" for n in ("stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb", "stride_ct",
                                    "stride_ch", "stride_bt", "stride_kns", "stride_knh", "stride_vns", "stride_vnh")}}
     base = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=128, QUANT=0, FP32=False, F16=False,
-                SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, WRITE=False,
+                SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, MERGE_UNROLL=4, EARLY=False, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, WRITE=False,
                 ROPE=False, PDL=True)
     fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     variants = [("split", {}, {}), ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
                 ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {}),
                 ("new K/V written, RoPE", {"WRITE": True, "ROPE": True}, {}),
+                ("batch 1: new K/V written, RoPE, 64-key tiles, the first loaded early",
+                 {"WRITE": True, "ROPE": True, "BLOCK_N": 64, "MIN_TILES": 1, "EARLY": True}, {}),
                 ("new K/V written, RoPE, one split", {"WRITE": True, "ROPE": True, "SPLIT": False}, {}),
                 ("new K/V written, no RoPE, fp8 cache", {"WRITE": True, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8)]
+    # pointers and strides as a launch at real shapes specialises them (multiples of 16): without the hint the
+    # cache tiles' loads compile to one element each
+    divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     out = [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
-        _paged_decode_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
+        _paged_decode_kernel, dict(types, **t), dict(base, **kw), divisible=divisible)) for name, kw, t in variants]
     return out + _prefill_attention(fp8)
 
 

@@ -385,7 +385,8 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     slots = tables[torch.arange(num_seqs, device=DEVICE), pos // 8].long() * 8 + pos % 8
     slots[-1] = -1
     inv_freq = (1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).to(DEVICE)
-    config = pa.DecodeConfig(64, 4, 2, f16=kv_dtype in (FP8, INT8))
+    # with RoPE (the runtime's batch-1 path) each program's first tile is loaded before the PDL wait, as there
+    config = pa.DecodeConfig(64, 4, 2, f16=kv_dtype in (FP8, INT8), early=rope)
     extra = _extra(num_heads, 2.0, True, gen) if window == 30 else {}  # the soft-capped score of the new key too
     kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, "config": config, **extra}
     for num_splits in (1, 4):
@@ -449,13 +450,13 @@ def test_decode_split_heuristic(monkeypatch):
 
 
 def test_decode_config_by_launch_width():
-    """16-bit caches: 64-key tiles and 64-key splits for a handful of (sequence, kv head) pairs (batch-1 decode),
-    128-key tiles beyond; quantized caches 64 keys below 1024 pairs, 128 from there."""
+    """16-bit caches: 64-key tiles and 64-key splits, the first tile loaded before the PDL wait, for a handful of
+    (sequence, kv head) pairs (batch-1 decode), 128-key tiles beyond; quantized caches 64 keys below 1024 pairs, 128 from there."""
     small = pa._decode_config(torch.bfloat16, 128, 8)
-    assert (small.block_n, small.min_keys) == (64, 64)
+    assert (small.block_n, small.min_keys, small.early) == (64, 64, pa._EARLY_TILE)
     assert pa._decode_config(torch.float16, 128, pa._SMALL_DECODE_PAIRS).min_keys == 64
     wide = pa._decode_config(torch.bfloat16, 128, pa._SMALL_DECODE_PAIRS + 1)
-    assert (wide.block_n, wide.min_keys) == (128, 0)
+    assert (wide.block_n, wide.min_keys, wide.early) == (128, 0, False)  # a 128-key tile early: too many registers
     assert pa._decode_config(FP8, 128, 8).block_n == 64 and pa._decode_config(FP8, 128, 8).min_keys == 0
     assert pa._decode_config(FP8, 128, 1024).block_n == 128
 
