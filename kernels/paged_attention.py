@@ -692,7 +692,10 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     _DECODE_WIDE_PROGRAMS pairs (64 sequences x 8 kv heads: 4-9% faster there), 128 from there (256-384 sequences:
     7-8% faster; no launch that wide splits its keys, so pairs are its programs). 16-bit caches: 64-key tiles and
     splits up to _SMALL_DECODE_PAIRS pairs (H200), each program's first tile loaded before the PDL wait there
-    (``early``: 32 KB of keys and values in registers, which a 128-key tile would double), 128-key tiles beyond."""
+    (``early``: 32 KB of keys and values in registers, which a 128-key tile would double); beyond, 32-key tiles in 3
+    stages, the fastest of 12 tilings at every serving shape swept on the H200 (docs/BENCHMARKS.md, session 31):
+    98 us against 244 for the former 128:4:3 at 512 sequences of 150 keys, 517 against 707 at 256 x 2,048, 267
+    against 357 at 32 x 8,192."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
@@ -706,7 +709,7 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
         return DecodeConfig(block_n, warps, stages, heads_first=heads_first)
     if 0 < pairs <= _SMALL_DECODE_PAIRS:
         return DecodeConfig(64, 4, 2, min_keys=64, early=_EARLY_TILE)
-    return DecodeConfig(128, 4, 3)
+    return DecodeConfig(32, 4, 3)
 
 
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device,
