@@ -368,9 +368,9 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     """``new_kv``: the decode kernel writes the step's key and value (rotated first with RoPE) into the cache bit for
     bit as rope_write_kv_cache / write_kv_cache do, skips a padding row's, and attends as the decode kernel after
     them does (the new key folded in from registers, after the cached ones); in one program and in splits,
-    including a sequence whose last split is empty (5 key tiles over 4 splits: 2, 2, 1, 0), so that the writer is
-    not the last program."""
-    monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 64)  # 64-key tiles (config below), one per split at least
+    including (64-key tiles, with RoPE) a sequence whose last split is empty (5 key tiles over 4 splits: 2, 2, 1, 0),
+    so that the writer is not the last program."""
+    monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 64)  # 64 keys per split at least
     from kernels.rope import ref_rope
 
     gen = torch.Generator().manual_seed(num_heads + head_dim + int(rope))
@@ -385,8 +385,10 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     slots = tables[torch.arange(num_seqs, device=DEVICE), pos // 8].long() * 8 + pos % 8
     slots[-1] = -1
     inv_freq = (1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).to(DEVICE)
-    # with RoPE (the runtime's batch-1 path) each program's first tile is loaded before the PDL wait, as there
-    config = pa.DecodeConfig(64, 4, 2, f16=kv_dtype in (FP8, INT8), early=rope)
+    # with RoPE the batch-1 tiling (the first tile loaded before the PDL wait), without it the wide launches' 32-key
+    # tiles in 3 stages (10 tiles of the longest sequence over 4 splits: 3, 3, 3, 1)
+    f16 = kv_dtype in (FP8, INT8)
+    config = pa.DecodeConfig(64, 4, 2, f16=f16, early=True) if rope else pa.DecodeConfig(32, 4, 3, f16=f16)
     extra = _extra(num_heads, 2.0, True, gen) if window == 30 else {}  # the soft-capped score of the new key too
     kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, "config": config, **extra}
     for num_splits in (1, 4):
