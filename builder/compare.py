@@ -209,13 +209,16 @@ def weight_sizes(path: Path, manifest: dict[str, Any], graph: dict[str, Any]) ->
     quant_params = sum(n["attrs"]["in_features"] * n["attrs"]["out_features"]
                        + (numel(params[n["weights"]["bias"]]["shape"]) if "bias" in n["weights"] else 0)
                        for n in quantized)
-    # quantized experts (a moe node's fp8 codes and their scales) count with the quantized linears: their codes
-    # hold one logical parameter each, the scales none; the router and expert biases stay float
+    # quantized experts (a moe node's fp8 codes, or packed int4 codes, and their scales) count with the quantized
+    # linears: their codes hold one logical parameter each (two a byte for int4), the scales and zeros none; the
+    # router and expert biases stay float
     moes = [n for n in graph["nodes"] if n["op"] == "moe" and n["attrs"].get("quant")]
     for n in moes:
-        roles = [r for r in ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale") if r in n["weights"]]
+        roles = [r for r in ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale", "w_gate_up_scales",
+                             "w_gate_up_zeros", "w_down_scales", "w_down_zeros") if r in n["weights"]]
         quant_tensors |= {n["weights"][r] for r in roles}
-        quant_params += sum(numel(params[n["weights"][r]]["shape"]) for r in ("w_gate_up", "w_down"))
+        per_code = 2 if n["attrs"]["quant"].get("scheme") == "w4a16" else 1  # w4a16: two codes a byte
+        quant_params += per_code * sum(numel(params[n["weights"][r]]["shape"]) for r in ("w_gate_up", "w_down"))
     other_params = sum(numel(p["shape"]) for name, p in params.items() if name not in quant_tensors)
     return Sizes(
         artifact_bytes=sum(f["bytes"] for f in manifest["files"].values()) + (path / MANIFEST).stat().st_size,

@@ -320,36 +320,70 @@ def assign_methods(nodes: list[LinearNode], sections: list[QuantizationSection])
     return chosen
 
 
-def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection],
-                      methods: list[Optional[QuantizationSection]]) -> list[int]:
-    """The sparse layers whose experts a section quantizes: an fp8 section whose targets / ignore reach the layer's
+def _expert_section(q: QuantizationSection) -> Optional[str]:
+    """The experts' scheme a section writes: fp8, w4a16 (awq; gptq with bits 4), or None (its method leaves them)."""
+    if q.algo == "fp8":
+        return "fp8"
+    if q.algo == "awq" or (q.algo == "gptq" and (q.bits or 4) == 4):
+        return "w4a16"
+    return None
+
+
+def expert_layers(shape: ModelShape, sections: list[QuantizationSection],
+                  methods: list[Optional[QuantizationSection]]) -> dict[int, QuantizationSection]:
+    """The sparse layers whose experts a section quantizes, with that section (the first that reaches the layer): a
+    section of a method that quantizes experts (fp8, awq, gptq with bits 4) whose targets / ignore reach the layer's
     ``model.layers.N.mlp``, with ``experts`` true, or unset and taking a linear (``methods``: each linear node's
     section) or naming the layer in its targets (an lm_head-only section quantizes experts only when asked). Other
     methods leave experts in the model dtype."""
     from passes.quantize import _matches
 
     if shape.moe is None:
-        return []
+        return {}
     takes = {id(m) for m in methods if m is not None}
-    return [layer for layer in shape.moe.sparse_layers
-            if any(q.algo == "fp8" and (not q.targets or _matches(q.targets, [name])) and not _matches(q.ignore, [name])
-                   and (q.experts or (q.experts is None and (id(q) in takes or bool(q.targets))))
-                   for q in sections for name in [f"model.layers.{layer}.mlp"])]
+    out: dict[int, QuantizationSection] = {}
+    for layer in shape.moe.sparse_layers:
+        name = f"model.layers.{layer}.mlp"
+        q = next((q for q in sections if _expert_section(q) and (not q.targets or _matches(q.targets, [name]))
+                  and not _matches(q.ignore, [name])
+                  and (q.experts or (q.experts is None and (id(q) in takes or bool(q.targets))))), None)
+        if q is not None:
+            out[layer] = q
+    return out
+
+
+def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection],
+                      methods: list[Optional[QuantizationSection]]) -> list[int]:
+    """The sparse layers whose experts a section quantizes to fp8 (:func:`expert_layers`)."""
+    return [layer for layer, q in expert_layers(shape, sections, methods).items() if _expert_section(q) == "fp8"]
 
 
 def experts_bytes(shape: ModelShape, sections: list[QuantizationSection],
                   methods: list[Optional[QuantizationSection]], itemsize: int, tp_size: int = 1) -> int:
     """Bytes of the sparse layers' experts and routers (the moe ops' weights) on one of ``tp_size`` ranks: fp8
-    experts (fp8_expert_layers) as e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate +
-    hidden], the others and every router in the model dtype; each rank holds 1 / tp_size of every expert's
-    intermediate features (the down projection's scales and the router whole)."""
+    experts as e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate + hidden]; w4a16 experts
+    (awq, gptq 4-bit) as packed codes [E, 3 * intermediate, hidden / 2] + fp32 scales and uint8 zeros per group
+    ([E, 2 * intermediate, hidden / G] and [E, hidden, intermediate / G]); the others and every router in the model
+    dtype (:func:`expert_layers`); each rank holds 1 / tp_size of every expert's intermediate features (the down
+    projection's fp8 scales and the router whole)."""
     m = shape.moe
     if m is None:
         return 0
     h, inter = shape.hidden_size, m.expert_intermediate_size // tp_size
-    fp8 = len(fp8_expert_layers(shape, sections, methods))
-    return (fp8 * m.num_experts * (3 * h * inter + 4 * (2 * inter + h) + h * itemsize)
-            + (len(m.sparse_layers) - fp8) * m.expert_params(h, tp_size) * itemsize)
+    total = 0
+    chosen = expert_layers(shape, sections, methods)
+    for layer in m.sparse_layers:
+        q = chosen.get(layer)
+        scheme = _expert_section(q) if q is not None else None
+        if scheme == "fp8":
+            total += m.num_experts * (3 * h * inter + 4 * (2 * inter + h) + h * itemsize)
+        elif scheme == "w4a16":
+            g = q.group_size or 128
+            groups = 2 * inter * (h // (h if g == -1 else g)) + h * (inter // (inter if g == -1 else g))
+            total += m.num_experts * (3 * h * inter // 2 + 5 * groups + h * itemsize)
+        else:
+            total += m.expert_params(h, tp_size) * itemsize
+    return total
 
 
 def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], itemsize: int, tp_size: int) -> int:
@@ -580,12 +614,17 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
                      f"from its heads, the weights are an estimate (extra norms and biases are not counted; experts "
                      f"are, from config.json's usual keys)")
     if shape.moe is not None:
-        m, fp8_layers = shape.moe, len(fp8_expert_layers(shape, sections, methods))
+        m, chosen = shape.moe, expert_layers(shape, sections, methods)
+        fp8_layers = sum(_expert_section(q) == "fp8" for q in chosen.values())
+        int4_layers = len(chosen) - fp8_layers
+        parts = ([f"{fp8_layers} of them in fp8 (e4m3, per-channel scales)"] if fp8_layers else []) + (
+            [f"{int4_layers} in w4a16 (4-bit codes in groups, each expert calibrated on its routed tokens)"]
+            if int4_layers else [])
         notes.append(f"mixture of experts: {shape.num_parameters() / 1e9:.2f} B parameters, "
                      f"{shape.num_active_parameters() / 1e9:.2f} B active per token (top {m.top_k} of {m.num_experts} "
                      f"experts in {len(m.sparse_layers)} of {shape.num_layers} layers); "
-                     + (f"the experts of {fp8_layers} of them in fp8 (e4m3, per-channel scales), the rest and the "
-                        f"routers in {s.dtype}" if fp8_layers else f"the experts stay in {s.dtype}"))
+                     + (f"the experts of {' and '.join(parts)}, the rest and the routers in {s.dtype}" if chosen
+                        else f"the experts stay in {s.dtype}"))
     if shape.max_position_embeddings and s.max_seq_len > shape.max_position_embeddings:
         notes.append(f"max_seq_len {s.max_seq_len} exceeds the model's max_position_embeddings "
                      f"{shape.max_position_embeddings}: `builder build` refuses this recipe")

@@ -223,7 +223,7 @@ def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, st
              if n.op in ("linear", "lm_head") and "weight" in n.weights for name, lo, hi in member_outputs(n)}
     graph = baseline.copy()
     done: set[int] = set()
-    for cand in (n for n in targets if n.op == "moe"):  # FP8 experts: the pass's own rule is round to nearest
+    for cand in (n for n in targets if n.op == "moe"):  # FP8 or W4A16 experts rounded to nearest
         why = _rtn_experts(graph, cand)
         if why:
             return None, why
@@ -255,16 +255,23 @@ def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, st
 
 
 def _rtn_experts(graph: Graph, cand: Node) -> str:
-    """The baseline moe node at ``cand``'s source given FP8 experts by round to nearest (in place on ``graph``, a
-    copy of the baseline); "" or why it cannot be."""
+    """The baseline moe node at ``cand``'s source given the candidate's experts by round to nearest (in place on
+    ``graph``, a copy of the baseline): FP8 (the fp8 pass's own rule), or W4A16 with the candidate's group size and
+    symmetry (what awq / gptq give an expert no calibration token reached); "" or why it cannot be."""
     from passes.fp8 import quantize_moe_fp8
+    from passes.moe_int4 import rtn_experts
+    from passes.quant_math import QuantConfig
 
     node = next((n for n in graph.nodes if n.op == "moe" and n.source == cand.source and "quant" not in n.attrs), None)
     if node is None:
         return f"the baseline holds no float moe layer at {cand.source}"
-    if cand.attrs["quant"].get("scheme") != "fp8":
-        return f"moe scheme {cand.attrs['quant'].get('scheme')} has no round-to-nearest counterpart (only fp8)"
-    quantize_moe_fp8(graph, node)  # the copy's params only: the baseline keeps its float experts
+    quant = cand.attrs["quant"]
+    if quant.get("scheme") == "fp8":
+        quantize_moe_fp8(graph, node)  # the copy's params only: the baseline keeps its float experts
+    elif quant.get("scheme") == "w4a16":
+        rtn_experts(graph, node, QuantConfig(4, int(quant["group_size"]), bool(quant.get("symmetric", False))))
+    else:
+        return f"moe scheme {quant.get('scheme')} has no round-to-nearest counterpart (fp8 and w4a16 have)"
     return ""
 
 

@@ -118,9 +118,9 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "int8_wo": {"refit_scales"},
     "fp8": {"activations", "weight_granularity", "experts"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
-    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales"},
+    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales", "experts"},
     "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip",
-            "scale_output", "joint_clip", "refit_scales"},
+            "scale_output", "joint_clip", "refit_scales", "experts"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -168,7 +168,8 @@ class QuantizationSection(_Strict):
     # at run time whatever `activations` says). Default: on, except in a section that quantizes the lm_head alone.
     # Targets / ignore reach the moe layers by module path (model.layers.N.mlp); a section whose targets name only
     # moe layers (e.g. 're:layers.\d+.mlp$', which also names a merged dense gate/up) quantizes their experts alone.
-    # The router stays in the model dtype
+    # The router stays in the model dtype. awq / gptq (bits 4): the same option, W4A16 experts (4-bit codes in the
+    # section's groups, each expert calibrated on the tokens routed to it: passes/moe_int4.py)
     experts: Optional[bool] = None
     # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
     # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.

@@ -318,6 +318,19 @@ def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _int4_tile(w_ptrs, shift, mask, scale_ptrs, zero_ptrs, mask_n, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One [BLOCK_K, BLOCK_N] tile of W4A16 expert weights in ``dtype``: the bytes at ``w_ptrs`` (each holding the
+    codes of two consecutive inputs; ``shift`` [BLOCK_K, 1] 0 for an even input, 4 for an odd one) unpacked, minus
+    the group's zero point, times its scale (``scale_ptrs`` / ``zero_ptrs`` [BLOCK_N]: the K step lies in one group),
+    in fp32, rounded to ``dtype`` (the reference's dequantized weight); 0 where ``mask`` is off."""
+    q = (tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) >> shift) & 0xF
+    scale = tl.load(scale_ptrs, mask=mask_n, other=0.0)
+    zero = tl.load(zero_ptrs, mask=mask_n, other=0).to(tl.float32)
+    w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]
+    return _round(tl.where(mask, w, 0.0), dtype, EMULATE_BF16)
+
+
+@triton.jit
 def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M: tl.constexpr):
     """(expert, rows [BLOCK_M], slots [BLOCK_M], valid [BLOCK_M]) of block ``pid_m``."""
     expert = tl.load(block_expert_ptr + pid_m)
@@ -330,11 +343,14 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M: tl.cons
 def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
                    num_slots, num_experts, num_rows, N, K,
                    stride_xm, stride_we, stride_wn, stride_hm, ws_ptr, b_ptr, alpha, limit,
+                   wz_ptr, group_size, num_groups,
                    TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                   FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   FP8: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]. FP8: w holds e4m3 codes, ws [E, 2N]
     # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter).
+    # INT4: w holds 4-bit codes [E, 2N, K / 2] (strides in bytes), ws fp32 / wz uint8 [E, 2N, num_groups] the
+    # groups' scales and zero points (groups of group_size inputs; each K step of BLOCK_K lies in one group).
     # HAS_BIAS: b [E, 2N] added to the gate and up outputs once rounded (the reference adds in x's dtype)
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
@@ -345,7 +361,13 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     x_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    if INT4:  # each byte twice: the codes of inputs 2j and 2j + 1
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
+        shift = ((offs_k % 2) * 4)[:, None]
+        g_gate = expert.to(tl.int64) * 2 * N * num_groups + offs_n * num_groups  # [BN] row starts of ws / wz
+        g_up = g_gate + N * num_groups
+    else:
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     w_up = w_gate + N * stride_wn
     if FP8:
         x_scale = _fp8_row_scales(x_ptr + tokens[:, None] * stride_xm, valid, K, BLOCK_M, BLOCK_K)
@@ -357,8 +379,15 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
         if FP8:
             a = _fp8_codes(a, x_scale, IEEE)
         w_mask = mask_k[:, None] & mask_n[None, :]
-        acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
-        acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
+        if INT4:
+            g = k0 // group_size
+            acc_gate = _dot(a, _int4_tile(w_gate + k0 // 2, shift, w_mask, ws_ptr + g_gate + g, wz_ptr + g_gate + g,
+                                          mask_n, x_ptr.dtype.element_ty, EMULATE_BF16), acc_gate, IEEE)
+            acc_up = _dot(a, _int4_tile(w_up + k0 // 2, shift, w_mask, ws_ptr + g_up + g, wz_ptr + g_up + g,
+                                        mask_n, x_ptr.dtype.element_ty, EMULATE_BF16), acc_up, IEEE)
+        else:
+            acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
+            acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
     if FP8:  # the reference's order: (sum * row scale) * channel scale
         ws = ws_ptr + expert * 2 * N + offs_n
         acc_gate = acc_gate * x_scale[:, None] * tl.load(ws, mask=mask_n, other=0.0)[None, :]
@@ -378,10 +407,12 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                      num_slots, num_experts, num_rows, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr,
+                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr, wz_ptr, group_size, num_groups,
                      IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     INT4: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N].
+    # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N]. INT4: as the
+    # up kernel's, w [E, N, K / 2], ws / wz [E, N, num_groups].
     # HAS_BIAS: b [E, N] added to the rounded output, rounded again
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
@@ -391,7 +422,12 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     h_rows = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
+    if INT4:
+        w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
+        shift = ((offs_k % 2) * 4)[:, None]
+        g_rows = expert.to(tl.int64) * N * num_groups + offs_n * num_groups
+    else:
+        w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     if FP8:
         x_scale = _fp8_row_scales(h_ptr + rows[:, None] * stride_hm, valid, K, BLOCK_M, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -400,7 +436,13 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
         a = tl.load(h_rows + k0, mask=valid[:, None] & mask_k[None, :], other=0.0)
         if FP8:
             a = _fp8_codes(a, x_scale, IEEE)
-        acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
+        if INT4:
+            g = k0 // group_size
+            w = _int4_tile(w_cols + k0 // 2, shift, mask_k[:, None] & mask_n[None, :], ws_ptr + g_rows + g,
+                           wz_ptr + g_rows + g, mask_n, h_ptr.dtype.element_ty, EMULATE_BF16)
+            acc = _dot(a, w, acc, IEEE)
+        else:
+            acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
     if FP8:
         acc = acc * x_scale[:, None] * tl.load(ws_ptr + expert * N + offs_n, mask=mask_n, other=0.0)[None, :]
     out = _round(acc, y_ptr.dtype.element_ty, EMULATE_BF16)
@@ -437,10 +479,72 @@ def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
 
 
 # --- entry points ----------------------------------------------------------------------------------------
+@dataclass
+class Int4Experts:
+    """W4A16 experts (``kernels.torch_ops.moe``'s): packed codes are the w_gate_up / w_down arguments; these are
+    their groups' fp32 scales and uint8 zero points [E, out, in / group_size]."""
+
+    w_gate_up_scales: torch.Tensor
+    w_gate_up_zeros: torch.Tensor
+    w_down_scales: torch.Tensor
+    w_down_zeros: torch.Tensor
+    group_size: int
+
+    @classmethod
+    def of(cls, w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros, group_size) -> Int4Experts | None:
+        given = [t is not None for t in (w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros)]
+        if not any(given):
+            return None
+        if not all(given):
+            names = ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")
+            raise ValueError(f"W4A16 experts take w_gate_up_scales, w_gate_up_zeros, w_down_scales and w_down_zeros; "
+                             f"missing: {', '.join(n for n, g in zip(names, given) if not g)}")
+        return cls(w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros, int(group_size))
+
+
+def int4_block_k(block_k: int, group_size: int, in_features: int) -> int:
+    """A K step for W4A16 experts that never crosses a group boundary (one scale and zero point per column and step):
+    ``block_k`` itself for one group per row, else the largest power of two <= block_k dividing group_size (>= 16,
+    tl.dot's least K)."""
+    g = in_features if group_size == -1 else group_size
+    if g == in_features:
+        return block_k
+    bk = block_k
+    while bk > 16 and g % bk:
+        bk //= 2
+    if g % bk:
+        raise ValueError(f"W4A16 experts: group_size {group_size} is not a multiple of 16; the fused kernel takes group "
+                         f"sizes that are (16, 32, 64, 128, ...) or -1 (one group per row)")
+    return bk
+
+
+def _check_int4(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, q: Int4Experts) -> None:
+    num_experts, two_inter, half_hidden = w_gate_up.shape
+    hidden, inter = x.shape[1], two_inter // 2
+    if (w_gate_up.dtype != torch.uint8 or w_down.dtype != torch.uint8 or 2 * half_hidden != hidden or two_inter % 2
+            or tuple(w_down.shape) != (num_experts, hidden, inter // 2) or inter % 2):
+        raise ValueError(f"W4A16 experts hold uint8 codes packed two per byte: w_gate_up [E, 2 * I, hidden / 2], "
+                         f"w_down [E, hidden, I / 2]; got {w_gate_up.dtype} {tuple(w_gate_up.shape)} and {w_down.dtype} "
+                         f"{tuple(w_down.shape)} for x {tuple(x.shape)}")
+    for name, in_f, rows, scales, zeros in (("w_gate_up", hidden, two_inter, q.w_gate_up_scales, q.w_gate_up_zeros),
+                                            ("w_down", inter, hidden, q.w_down_scales, q.w_down_zeros)):
+        g = in_f if q.group_size == -1 else q.group_size
+        if g < 1 or in_f % g:
+            raise ValueError(f"group_size {q.group_size} does not tile {name}'s {in_f} input features")
+        want = (num_experts, rows, in_f // g)
+        if scales.dtype != torch.float32 or tuple(scales.shape) != want:
+            raise ValueError(f"{name}_scales is {scales.dtype} {tuple(scales.shape)}; expected torch.float32 {want} "
+                             f"([E, out, in / group_size])")
+        if zeros.dtype != torch.uint8 or tuple(zeros.shape) != want:
+            raise ValueError(f"{name}_zeros is {zeros.dtype} {tuple(zeros.shape)}; expected torch.uint8 {want} "
+                             f"([E, out, in / group_size])")
+        int4_block_k(16, q.group_size, in_f)
+
+
 def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, activation: str,
                   w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None,
                   b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-                  swiglu_limit: float = 0.0) -> None:
+                  swiglu_limit: float = 0.0, int4: Int4Experts | None = None) -> None:
     if not (x.is_cuda or _interpreting()):
         raise RuntimeError("fused_moe runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops.moe "
                            "on the CPU")
@@ -450,17 +554,25 @@ def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
         raise ValueError(f"expected x [T, hidden], w_gate_up [E, 2 * I, hidden], w_down [E, hidden, I]; got "
                          f"{tuple(x.shape)}, {tuple(w_gate_up.shape)}, {tuple(w_down.shape)}")
     num_experts, two_inter, hidden = w_gate_up.shape
-    if (hidden != x.shape[1] or two_inter % 2 or tuple(w_down.shape) != (num_experts, hidden, two_inter // 2)):
+    if int4 is not None:
+        if w_gate_up_scale is not None or w_down_scale is not None:
+            raise ValueError("experts are FP8 (w_gate_up_scale / w_down_scale) or W4A16 (*_scales / *_zeros), not both")
+        _check_int4(x, w_gate_up, w_down, int4)
+        hidden = x.shape[1]
+    elif (hidden != x.shape[1] or two_inter % 2 or tuple(w_down.shape) != (num_experts, hidden, two_inter // 2)):
         raise ValueError(f"x {tuple(x.shape)}, w_gate_up {tuple(w_gate_up.shape)} and w_down {tuple(w_down.shape)} "
                          f"are not [T, hidden], [E, 2 * I, hidden] and [E, hidden, I]")
-    if (w_gate_up_scale is None) != (w_down_scale is None):
+    if int4 is None and (w_gate_up_scale is None) != (w_down_scale is None):
         given = "w_gate_up_scale" if w_down_scale is None else "w_down_scale"
         raise ValueError(f"FP8 experts take both w_gate_up_scale and w_down_scale; only {given} was given")
-    if w_gate_up_scale is None:
+    if int4 is not None:
+        pass  # checked above
+    elif w_gate_up_scale is None:
         if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
-            raise ValueError(f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must be in x's dtype {x.dtype}, or "
-                             f"float8_e4m3fn with w_gate_up_scale and w_down_scale (FP8 experts; no other quantized "
-                             f"experts are supported)")
+            raise ValueError(f"expert weights ({w_gate_up.dtype}, {w_down.dtype}) must be in x's dtype {x.dtype}, "
+                             f"float8_e4m3fn with w_gate_up_scale and w_down_scale (FP8 experts), or packed uint8 "
+                             f"4-bit codes with *_scales and *_zeros (W4A16 experts); no other quantized experts are "
+                             f"supported")
     else:
         for name, w, scale, rows in (("w_gate_up", w_gate_up, w_gate_up_scale, "2 * I"),
                                      ("w_down", w_down, w_down_scale, "hidden")):
@@ -493,26 +605,34 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   round_weights: bool = False, *, w_gate_up_scale: torch.Tensor | None = None,
                   w_down_scale: torch.Tensor | None = None, b_gate_up: torch.Tensor | None = None,
                   b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0,
-                  config: MoeConfig | None = None) -> torch.Tensor:
+                  w_gate_up_scales: torch.Tensor | None = None, w_gate_up_zeros: torch.Tensor | None = None,
+                  w_down_scales: torch.Tensor | None = None, w_down_zeros: torch.Tensor | None = None,
+                  group_size: int = -1, config: MoeConfig | None = None) -> torch.Tensor:
     """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
     top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype.
     FP8 experts: float8_e4m3fn w_gate_up / w_down with their fp32 per-channel scales ``w_gate_up_scale`` [E, 2 * I]
-    and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s). Expert biases and the clamped SwiGLU as the
+    and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s). W4A16 experts: uint8 w_gate_up [E, 2 * I, hidden /
+    2] / w_down [E, hidden, I / 2] packed 4-bit codes with ``*_scales`` fp32 / ``*_zeros`` uint8 [E, out, in /
+    group_size] (the reference's; group_size a multiple of 16 or -1). Expert biases and the clamped SwiGLU as the
     reference's."""
     top_k = experts.shape[-1]
+    int4 = Int4Experts.of(w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros, group_size)
     _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
-                  swiglu_limit)
+                  swiglu_limit, int4)
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be "
                          f"[{x.shape[0]}, top_k]")
     num_tokens, hidden = x.shape
-    num_experts, inter = w_gate_up.shape[0], w_down.shape[2]
+    num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     num_slots = num_tokens * top_k
     if num_slots == 0:
         return out
     x, w_gate_up, w_down = (_last_dim_contiguous(t) for t in (x, w_gate_up, w_down))
     cfg = config or default_config(num_slots, num_experts, x.device, x.element_size(), w_gate_up.element_size())
+    if int4 is not None:  # K steps inside one group of the codes
+        cfg = dataclasses.replace(cfg, block_k=int4_block_k(cfg.block_k, int4.group_size, hidden),
+                                  down_block_k=int4_block_k(cfg.down_block_k, int4.group_size, inter))
     plan = moe_align(experts, num_experts, cfg.block_m)
     num_rows = plan.sorted_slots.numel()
     # h: [num_rows, I] each row's act(gate) * up; y: [T * top_k, hidden] each slot's expert output
@@ -522,22 +642,32 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     # IEEE: fp32 dots, for fp32 x with unquantized experts (FP8 experts take FP8 dots on the GPU) and the interpreter
     ieee = (x.dtype == torch.float32 and not fp8) or _interpreting()
     emulate = _interpreting() and x.dtype == torch.bfloat16
-    # ws: [E, 2I] / [E, hidden] contiguous scales; unread (any pointer) without FP8
+    # ws: [E, 2I] / [E, hidden] contiguous FP8 scales, or [E, 2I, groups] / [E, hidden, groups] W4A16 group scales
+    # (wz their zero points, groups = in / group_size); unread (any pointer) without them
     ws_up, ws_down = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (w_gate_up, w_down)
-    launch = dict(FP8=fp8, GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    wz_up, wz_down, g_up, g_down, ng_up, ng_down = w_gate_up, w_down, 1, 1, 1, 1
+    if int4 is not None:
+        ws_up, ws_down = int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()
+        wz_up, wz_down = int4.w_gate_up_zeros.contiguous(), int4.w_down_zeros.contiguous()
+        g_up = hidden if int4.group_size == -1 else int4.group_size
+        g_down = inter if int4.group_size == -1 else int4.group_size
+        ng_up, ng_down = hidden // g_up, inter // g_down
+    launch = dict(FP8=fp8, INT4=int4 is not None, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     b_up = b_gate_up.contiguous() if b_gate_up is not None else w_gate_up  # unread (any pointer) without a bias
     b_dn = b_down.contiguous() if b_down is not None else w_down
     grid_up = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
     _moe_up_kernel[grid_up](
         x, w_gate_up, h, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, inter, hidden,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ws_up, b_up, float(swiglu_alpha),
-        float(swiglu_limit), TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
+        float(swiglu_limit), wz_up, g_up, ng_up, TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
         HAS_BIAS=b_gate_up is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     grid_down = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(hidden, cfg.down_block_n),)
     _moe_down_kernel[grid_down](
         h, w_down, y, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, b_dn, IEEE=ieee, EMULATE_BF16=emulate,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, b_dn, wz_down, g_down, ng_down,
+        IEEE=ieee, EMULATE_BF16=emulate,
         HAS_BIAS=b_down is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
     weights = weights.float().contiguous()
@@ -553,17 +683,22 @@ def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tenso
               gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
               w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
               b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
-              swiglu_limit: float = 0.0, config: MoeConfig | None = None) -> torch.Tensor:
-    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 experts, expert biases and the
-    clamped SwiGLU included) with nothing read on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a
-    CUDA graph."""
+              swiglu_limit: float = 0.0, w_gate_up_scales: torch.Tensor | None = None,
+              w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
+              w_down_zeros: torch.Tensor | None = None, group_size: int = -1,
+              config: MoeConfig | None = None) -> torch.Tensor:
+    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 and W4A16 experts, expert biases and
+    the clamped SwiGLU included) with nothing read on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable
+    in a CUDA graph."""
+    int4 = dict(w_gate_up_scales=w_gate_up_scales, w_gate_up_zeros=w_gate_up_zeros, w_down_scales=w_down_scales,
+                w_down_zeros=w_down_zeros, group_size=group_size)
     _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
-                  swiglu_limit)
+                  swiglu_limit, Int4Experts.of(**int4))
     # the reference's router, renormalisation left to the sum kernel: [T, top_k] fp32 scores and int64 experts
     weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False)
     return fused_experts(x, weights, experts, w_gate_up, w_down, norm_topk_prob, activation, round_weights,
                          w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
-                         b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, config=config)
+                         b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, config=config, **int4)
 
 
 def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -571,8 +706,9 @@ def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor,
             gate_bias: torch.Tensor | None = None, round_weights: bool = False, *,
             w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
             b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
-            swiglu_limit: float = 0.0) -> torch.Tensor:
-    """The torch reference (the runtime's CPU path)."""
+            swiglu_limit: float = 0.0, **int4) -> torch.Tensor:
+    """The torch reference (the runtime's CPU path); ``int4``: W4A16 experts' ``*_scales``, ``*_zeros``,
+    ``group_size``."""
     return ops.moe(x, gate_weight, w_gate_up, w_down, top_k, scoring, norm_topk_prob, activation, gate_bias,
                    round_weights, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
-                   b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                   b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, **int4)

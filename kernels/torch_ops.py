@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.torch_quant import quantize_activation_fp8
+from kernels.torch_quant import dequantize_weight, quantize_activation_fp8
 
 
 def embedding(ids: torch.Tensor, table: torch.Tensor, scale: float | torch.Tensor | None = None) -> torch.Tensor:
@@ -185,11 +185,18 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tenso
     return weights, experts
 
 
-def expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> torch.Tensor:
+def expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
+                  scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
+                  group_size: int = -1) -> torch.Tensor:
     """One expert projection, x [n, in] @ w [out, in]^T in x's dtype. With ``w_scale`` (FP8 experts, the ``moe``
     op's ``quant`` scheme fp8): w holds float8_e4m3fn codes with one fp32 scale per output channel, and the rows
     of x are quantized to FP8 per token (dynamic, scale = max|x_row| / 448) as the FP8 linears' are; the codes'
-    products are summed in fp32, times both scales, rounded to x's dtype once."""
+    products are summed in fp32, times both scales, rounded to x's dtype once. With ``scales`` / ``zeros`` (W4A16
+    experts, scheme w4a16): w holds 4-bit codes packed two per byte [out, in / 2], ``scales`` fp32 / ``zeros`` uint8
+    [out, in / group_size]; the weight is dequantized as a w4a16 linear's ((q - zero) * scale in fp32, rounded to
+    x's dtype), then multiplied as an unquantized one."""
+    if scales is not None:
+        return F.linear(x, dequantize_weight(w, scales, zeros, 4, group_size, x.dtype))
     if w_scale is None:
         return F.linear(x, w)
     xq, x_scale = quantize_activation_fp8(x, None)  # [n, in] codes, [n, 1] scales
@@ -209,7 +216,9 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
         gate_bias: torch.Tensor | None = None, round_weights: bool = False,
         w_gate_up_scale: torch.Tensor | None = None, w_down_scale: torch.Tensor | None = None,
         b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
-        swiglu_limit: float = 0.0) -> torch.Tensor:
+        swiglu_limit: float = 0.0, w_gate_up_scales: torch.Tensor | None = None,
+        w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
+        w_down_zeros: torch.Tensor | None = None, group_size: int = -1) -> torch.Tensor:
     """The ``moe`` op: x [T, hidden] routed to its top_k experts, each expert run on the tokens routed to it.
 
     w_gate_up: [num_experts, 2 * intermediate, hidden] (gate rows, then up rows); w_down: [num_experts, hidden,
@@ -219,6 +228,11 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
     FP8 experts: w_gate_up / w_down hold float8_e4m3fn codes and ``w_gate_up_scale`` [num_experts, 2 *
     intermediate] / ``w_down_scale`` [num_experts, hidden] their per-channel fp32 scales; each projection's input
     rows are quantized per token (:func:`expert_linear`). The router stays in x's dtype.
+    W4A16 experts (scheme w4a16): w_gate_up [E, 2 * intermediate, hidden / 2] and w_down [E, hidden, intermediate /
+    2] hold uint8 4-bit codes packed two per byte along the input (low nibble = even input index), ``*_scales`` fp32
+    and ``*_zeros`` uint8 [E, out, in / group_size] (group_size -1: one group per row) their groups' scales and zero
+    points: each expert's weight is (q - zero) * scale in fp32 rounded to x's dtype, then used as an unquantized
+    expert's (the layout of a w4a16 linear's qweight / scales / zeros, one per expert, stacked).
     Expert biases (gpt-oss): ``b_gate_up`` [num_experts, 2 * intermediate] and ``b_down`` [num_experts, hidden], each
     added to its projection's output in x's dtype. ``activation_fn`` "clamped_swiglu": :func:`clamped_swiglu` with
     ``swiglu_alpha`` and ``swiglu_limit`` instead of act(gate) * up.
@@ -241,7 +255,12 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
             continue
         rows = order[start:start + n]
         start += n
-        gate_up = expert_linear(x[rows // top_k], w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e])
+        int4_up = {} if w_gate_up_scales is None else dict(scales=w_gate_up_scales[e], zeros=w_gate_up_zeros[e],
+                                                           group_size=group_size)
+        int4_down = {} if w_down_scales is None else dict(scales=w_down_scales[e], zeros=w_down_zeros[e],
+                                                          group_size=group_size)
+        gate_up = expert_linear(x[rows // top_k], w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e],
+                                **int4_up)
         if b_gate_up is not None:
             gate_up = gate_up + b_gate_up[e]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -249,7 +268,7 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
             h = clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
         else:
             h = activation(gate, activation_fn) * up
-        out = expert_linear(h, w_down[e], None if w_down_scale is None else w_down_scale[e])  # [n, hidden]
+        out = expert_linear(h, w_down[e], None if w_down_scale is None else w_down_scale[e], **int4_down)  # [n, hidden]
         if b_down is not None:
             out = out + b_down[e]
         slots[rows] = out * flat_weights[rows, None]

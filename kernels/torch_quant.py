@@ -65,6 +65,16 @@ def quantize_experts_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, scales
 
 
+def dequantize_experts_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """W4A16 experts (the ``moe`` op's quant scheme w4a16) back to weights: codes uint8 [E, out, in / 2] (two per
+    byte, low nibble = even input index, as a w4a16 linear's ``qweight``), ``scales`` fp32 and ``zeros`` uint8 [E, out,
+    in / group_size] (group_size -1: one group per row) -> [E, out, in] in ``dtype``: (q - zero) * scale in fp32,
+    rounded to ``dtype`` once, each expert exactly as :func:`dequantize_weight` dequantizes a linear."""
+    return torch.stack([dequantize_weight(codes[e], scales[e], zeros[e], 4, group_size, dtype)
+                        for e in range(codes.shape[0])])
+
+
 def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w: [out, in] -> (int8 codes [out, in], fp32 scale [out]); per output channel, scale = amax / 127."""
     w = w.float()

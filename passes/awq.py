@@ -75,6 +75,7 @@ from passes.base import PassError, register
 from passes.gptq import HessianAccumulator, gptq_quantize, refit_scales
 from passes.ir import Graph, Node
 from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
+from passes.moe_int4 import MAX_KEPT_ROWS, ExpertInputs, Int4Experts
 from passes.quantize import QuantMethod, check_group_size, norm_can_absorb, v_projection_rows
 from runtime.executor import Executor, SeqSlice, StepInput, kv_layout_of
 from runtime.kv_cache import SequenceKV
@@ -317,12 +318,14 @@ def _block_end(graph: Graph, members: list[int]) -> int | None:
 
 
 @register
-class AWQ(QuantMethod):
+class AWQ(Int4Experts, QuantMethod):
     """Quantize linear weights to 4 bits (grouped; asymmetric unless ``symmetric``) after AWQ's activation-aware
-    scaling and clipping."""
+    scaling and clipping; also the experts of mixture-of-experts layers (W4A16 experts, passes/moe_int4.py: each
+    expert's clip searched and its scales refit on the calibration tokens routed to it, no activation scale)."""
 
     name = "awq"
     scheme = "w4a16"
+    keep_expert_rows = MAX_KEPT_ROWS
 
     def configure(self, options: dict[str, Any]) -> None:
         self.cfg = QuantConfig(bits=4, group_size=int(options.get("group_size", 128)),
@@ -343,6 +346,10 @@ class AWQ(QuantMethod):
             raise PassError("awq: joint_clip scores each scale candidate after its clip search; it needs the clip "
                             "search (clip: true, rounding: nearest)")
         self.duo_groups = 0  # groups whose best scale had the weight term
+        self.configure_experts(options)
+        self.expert_rounding = ("GPTQ-rounded" if self.rounding == "gptq" else
+                                ("clip-searched, " if self.clip else "") + "rounded to nearest"
+                                + (", scales refit" if self.refit else ""))
         self.alphas: dict[str, float] = {}
         self.block_objective: dict[str, bool] = {}  # group -> scale searched on the whole block's output
 
@@ -417,6 +424,20 @@ class AWQ(QuantMethod):
             name = graph.nodes[i].weights["weight"]
             graph.params[name] = (w * s[None, :]).to(graph.params[name].dtype)
         return s
+
+    def quantize_expert(self, role: str, e: int, w: torch.Tensor, stats: ExpertInputs):
+        """An expert's weight as a linear of this section would be, minus the activation scale (nothing can absorb
+        a per-expert one): clip searched on its kept routed rows and rounded to nearest, scales refit on its routed
+        rows' Hessian; or GPTQ on that Hessian (``rounding: gptq``)."""
+        H = stats.hessian(role, e)
+        if self.rounding == "gptq":
+            res = gptq_quantize(w, H, self.cfg, block_size=self.block_size, damp=self.damp, refit=self.refit)
+            return res.codes, res.scales, res.zeros
+        clipped = apply_clip(w, search_clip(stats.rows(role, e), w, self.cfg), self.cfg.group_size) if self.clip else w
+        codes, scales, zeros = quantize_groups(clipped, self.cfg)
+        if self.refit:
+            scales = refit_scales(w, codes, scales, zeros, H, self.cfg.group_size)
+        return codes, scales, zeros
 
     def _clip_and_quantize(self, graph: Graph, node: Node, x: torch.Tensor, H: torch.Tensor | None) -> None:
         w = graph.params[node.weights["weight"]].float()

@@ -22,7 +22,7 @@ import torch
 from kernels.torch_quant import FP8_MAX, quantize_experts_fp8, quantize_weight_fp8
 from passes.base import PassError, register
 from passes.ir import Graph, Node
-from passes.quantize import QuantMethod, _matches
+from passes.quantize import QuantMethod
 
 
 @register
@@ -56,20 +56,6 @@ class FP8(QuantMethod):
     quantizes_experts = True
     experts_left = ("quantization.experts is false, the section quantizes the lm_head alone, or its targets / ignore "
                     "leave those layers out")
-
-    def _reached(self, graph: Graph, linears: bool) -> list[Node]:
-        """The unquantized moe nodes whose experts this section quantizes: ``experts`` true and the targets / ignore
-        reach the node; or ``experts`` unset and, besides, the section takes a linear (``linears``) or its targets
-        name the node (a section that quantizes the lm_head alone leaves experts unless asked)."""
-        if self.experts is False:
-            return []
-        patterns, ignore = self.settings.targets, self.settings.ignore
-        return [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs
-                and (not patterns or _matches(patterns, [n.source])) and not _matches(ignore, [n.source])
-                and (self.experts or linears or (patterns and _matches(patterns, [n.source])))]
-
-    def selects_experts(self, graph: Graph) -> bool:
-        return bool(self.settings.targets) and bool(self._reached(graph, linears=False))
 
     def quantize_experts(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         chosen = self._reached(graph, any(graph.nodes[i].op == "linear" for i in targets))

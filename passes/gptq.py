@@ -56,6 +56,7 @@ from passes.base import PassError, register
 from passes.ir import Graph, Node
 from passes.quant_math import (QuantConfig, compute_qparams, dequantize, dequantize_groups, group_size_for,
                                pack_int4, quantize)
+from passes.moe_int4 import ExpertInputs, Int4Experts
 from passes.quantize import QuantMethod, check_group_size
 
 __all__ = ["HessianAccumulator", "GPTQResult", "NotPositiveDefiniteError", "gptq_quantize", "refit_scales"]
@@ -282,10 +283,13 @@ def gptq_quantize(weight: Tensor, H: Tensor, cfg: QuantConfig, *, block_size: in
 # The pass
 # --------------------------------------------------------------------------------------------
 @register
-class GPTQ(QuantMethod):
-    """Quantize linear weights to 4 or 8 bits with GPTQ's Hessian-aware error compensation."""
+class GPTQ(Int4Experts, QuantMethod):
+    """Quantize linear weights to 4 or 8 bits with GPTQ's Hessian-aware error compensation; with 4 bits, also the
+    experts of mixture-of-experts layers (W4A16 experts, passes/moe_int4.py: each expert's GPTQ on the Hessian of the
+    calibration tokens routed to it)."""
 
     name = "gptq"
+    expert_rounding = "GPTQ"
 
     def configure(self, options: dict[str, Any]) -> None:
         self.cfg = QuantConfig(bits=int(options.get("bits", 4)), group_size=int(options.get("group_size", 128)),
@@ -299,6 +303,18 @@ class GPTQ(QuantMethod):
         self.act_order = bool(options.get("act_order", True))
         self.refit = bool(options.get("refit_scales", True))
         self.total_loss = 0.0
+        self.configure_experts(options)
+        if self.cfg.bits != 4:
+            if self.experts:
+                raise PassError(f"gptq: experts: true needs bits 4 (W4A16 experts); bits is {self.cfg.bits}")
+            self.experts = False
+            self.experts_left = "gptq quantizes experts with bits 4 only (W4A16 experts); this section has bits 8"
+
+    def quantize_expert(self, role: str, e: int, w: torch.Tensor, stats: ExpertInputs):
+        res = gptq_quantize(w, stats.hessian(role, e), self.cfg, block_size=self.block_size, damp=self.damp,
+                            act_order=self.act_order, static_groups=True, refit=self.refit)
+        self.total_loss += float(res.loss)
+        return res.codes, res.scales, res.zeros
 
     def validate_node(self, graph: Graph, node: Node) -> None:
         check_group_size(graph, node, self.cfg.group_size, self.name)

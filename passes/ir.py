@@ -100,7 +100,8 @@ OPS: dict[str, OpSpec] = {
     ),
     "moe": OpSpec(
         (1, 1), ("gate_weight", "w_gate_up", "w_down"),
-        ("gate_bias", "b_gate_up", "b_down", "w_gate_up_scale", "w_down_scale"),
+        ("gate_bias", "b_gate_up", "b_down", "w_gate_up_scale", "w_down_scale", "w_gate_up_scales", "w_gate_up_zeros",
+         "w_down_scales", "w_down_zeros"),
         ("num_experts", "top_k", "scoring", "norm_topk_prob", "activation", "intermediate_size"),
         doc="a mixture of experts, x [T, hidden] -> [T, hidden]. Router: logits = x @ gate_weight.T (+ gate_bias) "
             "[T, num_experts] in x's dtype; scores = softmax or sigmoid (`scoring`) of them in fp32; each token goes "
@@ -116,7 +117,12 @@ OPS: dict[str, OpSpec] = {
             "Shared experts are not part of it: they lift to linears beside it. With a "
             "`quant` attr (scheme fp8: MOE_QUANT_SCHEMES) the experts are FP8: w_gate_up / w_down hold e4m3 codes "
             "with per-channel fp32 scales w_gate_up_scale [E, 2 * intermediate_size] / w_down_scale [E, hidden], "
-            "and each projection's input rows are quantized to e4m3 per token (dynamic), as an fp8 linear's",
+            "and each projection's input rows are quantized to e4m3 per token (dynamic), as an fp8 linear's. "
+            "Scheme w4a16 (W4A16 experts, `quant` also holding bits 4, group_size, symmetric): w_gate_up [E, 2 * "
+            "intermediate_size, hidden / 2] / w_down [E, hidden, intermediate_size / 2] hold 4-bit codes packed two per "
+            "byte along the input (low nibble = even input index), w_gate_up_scales / w_down_scales fp32 and "
+            "w_gate_up_zeros / w_down_zeros uint8 [E, out, in / group_size] their groups' scales and zero points: "
+            "each expert's weight is (q - zero) * scale rounded to x's dtype (a w4a16 linear's layout, stacked)",
     ),
     # Tensor parallelism (written by the `shard` pass): collectives over the tp_size ranks of the default
     # process group; identity when tp_size is 1.
@@ -135,7 +141,10 @@ MOE_SCORING = ("softmax", "sigmoid")
 # a moe's experts take the IR's activations as act(gate) * up, and gpt-oss's gating (clamped, alpha, up + 1)
 MOE_ACTIVATIONS = ACTIVATIONS + ("clamped_swiglu",)
 # Quantized experts of a `moe` node: scheme -> the weight roles it adds (the router's gate_weight is not quantized)
-MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {"fp8": ("w_gate_up_scale", "w_down_scale")}
+MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
+    "fp8": ("w_gate_up_scale", "w_down_scale"),
+    "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros"),
+}
 ELEMENTWISE = ("add", "mul", "scale")
 
 
@@ -314,6 +323,11 @@ class Graph:
                     raise GraphError(f"node {n}: a moe with quant scheme {scheme or 'none'} carries exactly the "
                                      f"weights {list(need) or 'w_gate_up, w_down unquantized'}; it has "
                                      f"{sorted(n.weights)}")
+                q = n.attrs.get("quant", {})
+                if scheme == "w4a16" and not (q.get("bits") == 4 and isinstance(q.get("group_size"), int)
+                                              and (q["group_size"] == -1 or q["group_size"] >= 1)):
+                    raise GraphError(f"node {n}: w4a16 experts need quant bits 4 and an integer group_size (-1: one "
+                                     f"group per row); quant is {q}")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

@@ -206,11 +206,37 @@ class QuantMethod(Pass):
         lm_head it quantized); a summary of what it did (empty: the method leaves experts in the build dtype)."""
         return {}
 
+    def expert_targets(self, graph: Graph, targets: list[int]) -> list[int]:
+        """Indices of the ``moe`` nodes whose experts this method quantizes during calibration, layer by layer, on the
+        calibration tokens routed to each expert (:meth:`observe_experts`, then :meth:`apply_experts` once the
+        segment's statistics are in); [] for a method that quantizes experts afterwards, on the weights alone."""
+        return []
+
+    def observe_experts(self, index: int, node: Node, inputs: list[torch.Tensor]) -> None:
+        """Accumulate statistics of a moe node's input (inputs[0]: [num_tokens, hidden], before routing)."""
+
+    def apply_experts(self, graph: Graph, indices: list[int]) -> None:
+        """Quantize the experts of the moe nodes ``indices`` (one segment's), from :meth:`observe_experts`'s
+        statistics."""
+
     # --- lifecycle -------------------------------------------------------------------------
+    def _reached(self, graph: Graph, linears: bool) -> list[Node]:
+        """The unquantized moe nodes whose experts this section quantizes (methods that quantize experts): option
+        ``experts`` (``self.experts``) true and the targets / ignore reach the node; or ``experts`` unset and, besides,
+        the section takes a linear (``linears``) or its targets name the node (a section that quantizes the lm_head
+        alone leaves experts unless asked)."""
+        experts = getattr(self, "experts", None)
+        if not self.quantizes_experts or experts is False:
+            return []
+        patterns, ignore = self.settings.targets, self.settings.ignore
+        return [n for n in graph.nodes if n.op == "moe" and "quant" not in n.attrs
+                and (not patterns or _matches(patterns, [n.source])) and not _matches(ignore, [n.source])
+                and (experts or linears or (patterns and _matches(patterns, [n.source])))]
+
     def selects_experts(self, graph: Graph) -> bool:
         """Whether this section's targets name moe layers whose experts it will quantize (a section may then select
         no linear)."""
-        return False
+        return bool(self.settings.targets) and bool(self._reached(graph, linears=False))
 
     def select(self, graph: Graph, section: str, warn: bool = True) -> list[int]:
         """The nodes to quantize; ``section`` names the recipe section in errors."""
@@ -245,7 +271,8 @@ class QuantMethod(Pass):
                 log.info("%s: the lm_head shares its weight with the embedding; untied: the embedding keeps the "
                          "%s table, the lm_head gets its own quantized copy", self.name, graph.meta.get("dtype", "float"))
         if ctx.calibration and self.needs_calibration:  # also measures each linear's output error on that data
-            self._calibrate_and_apply(graph, targets, ctx.calibration, ctx.progress)
+            self._calibrate_and_apply(graph, targets, ctx.calibration, ctx.progress,
+                                      self.expert_targets(graph, targets))
         else:  # nothing to fit on activations: no pass over the model, the errors measured on random inputs
             self.apply_segment(graph, targets)
             self._probe_errors(graph, targets)
@@ -326,8 +353,8 @@ class QuantMethod(Pass):
         return observe
 
     def _calibrate_and_apply(self, graph: Graph, targets: list[int], windows: list[list[int]],
-                             progress: Progress | None = None) -> None:
-        wanted = set(targets)
+                             progress: Progress | None = None, experts: list[int] | None = None) -> None:
+        wanted, wanted_moe = set(targets), set(experts or ())
         executor = Executor(graph.to_dict(), graph.params)
         layout = executor.kv_layout()
         device = executor.device  # calibration runs where the weights are (the pipeline's choice)
@@ -338,17 +365,23 @@ class QuantMethod(Pass):
         def observer(index: int, inputs: list[torch.Tensor]) -> None:
             if index in wanted:
                 self.observe_inputs(index, graph.nodes[index], inputs)
+            elif index in wanted_moe:
+                self.observe_experts(index, graph.nodes[index], inputs)
 
         segs = segments(graph)
         for k, seg in enumerate(segs):
             seg_targets = [i for i in targets if seg.start <= i < seg.end]
+            seg_moe = sorted(i for i in wanted_moe if seg.start <= i < seg.end)
             for kv in caches:
                 for layer in seg.attention_layers:
                     kv.allocate_layer(layer, layout, device)
-            if seg_targets:
+            if seg_targets or seg_moe:
                 for env in envs:  # statistics pass over a copy: the env must stay at the segment start
                     executor.run_nodes(dict(env), seg.start, seg.end, observer)
-                self.apply_segment(graph, seg_targets)
+                if seg_targets:
+                    self.apply_segment(graph, seg_targets)
+                if seg_moe:  # the experts on their routed tokens (observed with the segment's linears still float)
+                    self.apply_experts(graph, seg_moe)
                 self.stats.clear()
                 for value, divisor in self.rescaled_values.items():
                     for env in envs:

@@ -278,8 +278,20 @@ def _expert_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...
     replicated (the router; the down projection's per-output-channel scales)."""
     inter = node.attrs["intermediate_size"]
     ranges = even_ranges(inter, tp_size)
-    if role in ("w_gate_up", "w_gate_up_scale", "b_gate_up"):  # [E, 2I, ...]: gate rows, then up rows
-        return [(Slice(1, a, b), Slice(1, inter + a, inter + b)) for a, b in ranges]
+    if role in ("w_gate_up", "w_gate_up_scale", "b_gate_up", "w_gate_up_scales", "w_gate_up_zeros"):
+        return [(Slice(1, a, b), Slice(1, inter + a, inter + b)) for a, b in ranges]  # [E, 2I, ...]: gate, up rows
+    quant = node.attrs.get("quant") or {}
+    if quant.get("scheme") == "w4a16" and role in ("w_down", "w_down_scales", "w_down_zeros"):
+        # W4A16 experts: the down projection's input columns are packed two per byte [E, hidden, I / 2] and grouped
+        # [E, hidden, I / group_size]: each rank's share must start and end on a group boundary
+        g = quant["group_size"]
+        if g == -1 or any(a % g or b % g for a, b in ranges):
+            raise _fail(f"{node.source}: its w4a16 experts' down projection has groups of "
+                        f"{'all ' if g == -1 else ''}{inter if g == -1 else g} of the {inter} intermediate features; "
+                        f"tp_size {tp_size} would cut a group (each rank takes {inter // tp_size}); pick a tp_size "
+                        f"whose share is a multiple of the group size, or a smaller group_size")
+        div = 2 if role == "w_down" else g
+        return [(Slice(2, a // div, b // div),) for a, b in ranges]
     if role == "w_down":  # [E, hidden, I]
         return [(Slice(2, a, b),) for a, b in ranges]
     return None

@@ -40,7 +40,8 @@ QUANT_WEIGHTS = {
 }
 QUANTIZABLE_OPS = ("linear", "lm_head")
 # a moe node's quantized experts (passes/ir.py MOE_QUANT_SCHEMES): scheme -> the weight roles it adds
-MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale")}
+MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale"),
+                     "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
 WEIGHT_ONLY_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size")}  # the quant attrs they read
 # safetensors' dtype names -> graph.json's (torch's)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
@@ -340,6 +341,9 @@ def _check_moe(node: dict[str, Any], quant: Any, where: str) -> None:
     if roles != need:
         raise ManifestError(f"graph.json moe {where}: {'a ' + scheme if quant else 'an unquantized'} moe carries the "
                             f"weights {sorted(need) or 'without scales'}; it has {sorted(roles) or 'none'} of them")
+    if scheme == "w4a16" and not (quant.get("bits") == 4 and isinstance(quant.get("group_size"), int)):
+        raise ManifestError(f"graph.json moe {where}: w4a16 experts need quant bits 4 and an integer group_size; "
+                            f"quant is {quant}")
 
 
 def _check_lm_head(manifest: dict[str, Any], attrs: dict[str, Any], scheme: str) -> None:

@@ -157,8 +157,10 @@ def _random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[i
 
 
 # A moe node's weights stacked per expert [num_experts, ...], of which a token reads its top_k experts' rows; the
-# router (gate_weight, gate_bias) is read whole. FP8 experts' per-channel scales are stacked per expert too.
-EXPERT_ROLES = ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale")
+# router (gate_weight, gate_bias) is read whole. FP8 experts' per-channel scales, and W4A16 experts' group scales and
+# zero points, are stacked per expert too.
+EXPERT_ROLES = ("w_gate_up", "w_down", "w_gate_up_scale", "w_down_scale", "w_gate_up_scales", "w_gate_up_zeros",
+                "w_down_scales", "w_down_zeros")
 
 
 def decode_weight_bytes(graph: dict[str, Any], params: dict[str, torch.Tensor]) -> int:

@@ -80,3 +80,20 @@ def test_plan_counts_fp8_experts_and_their_tp_shares(tmp_path):
     assert two.weights_breakdown["experts"] == 2 * e * (3 * h * inter // 2 + h) * 2
     with pytest.raises(PlanError, match=r"tp_size 5 does not divide the experts' intermediate size 48"):
         make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]), tp_size=5)
+
+
+def test_plan_counts_w4a16_experts(tmp_path):
+    """awq and 4-bit gptq sections quantize the experts to W4A16: packed codes (two a byte) and an fp32 scale and a
+    uint8 zero point per group of each expert's rows; the routers stay bf16. 8-bit gptq leaves them bf16."""
+    _checkpoint(tmp_path, "qwen2_moe")
+    e, h, inter, g = 6, 64, 48, 16
+    int4 = 2 * e * (3 * h * inter // 2 + 5 * (2 * inter * (h // g) + h * (inter // g)) + 2 * h)
+    for algo in ("awq", "gptq"):
+        plan = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", [
+            "model.dtype=bfloat16", f"quantization.algo={algo}", f"quantization.group_size={g}"]))
+        assert plan.weights_breakdown["experts"] == int4, algo
+        assert any("the experts of 2 in w4a16" in n for n in plan.notes), plan.notes
+    unquantized = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", ["model.dtype=bfloat16"]))
+    eight = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", [
+        "model.dtype=bfloat16", "quantization.algo=gptq", "quantization.bits=8", f"quantization.group_size={g}"]))
+    assert eight.weights_breakdown["experts"] == unquantized.weights_breakdown["experts"]

@@ -1,7 +1,7 @@
 """The fused MoE kernels (kernels/moe.py) against the ``moe`` op's torch implementation (kernels/torch_ops.py, itself
 checked against Hugging Face's blocks in test_moe.py): the block plan's invariants, then the whole op with fresh
 random inputs at small shapes under the Triton interpreter on CPU (routings where experts get no token and where one
-expert gets them all included), with unquantized and with FP8 experts. On CUDA (TRITON_INTERPRET=0): the same cases
+expert gets them all included), with unquantized, FP8 and W4A16 experts. On CUDA (TRITON_INTERPRET=0): the same cases
 compiled, Qwen3-30B-A3B's and Mixtral-8x7B's shapes, and the op captured in a CUDA graph replayed over changing
 routings."""
 
@@ -299,6 +299,125 @@ def test_bad_fp8_scales_are_named():
                           w_down.to(torch.bfloat16), w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
 
 
+# --- W4A16 experts -----------------------------------------------------------------------------------------
+def _int4_experts(w: torch.Tensor, group_size: int, symmetric: bool):
+    """Stacked float experts [E, out, in] -> (codes uint8 [E, out, in / 2], scales fp32, zeros uint8 [E, out, in /
+    group_size]), each expert rounded to nearest as the passes' W4A16 experts store it (passes/moe_int4.py)."""
+    from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+
+    cfg = QuantConfig(4, group_size, symmetric)
+    parts = [quantize_groups(w[e].float().cpu(), cfg) for e in range(w.shape[0])]
+    return (torch.stack([pack_int4(c) for c, _, _ in parts]).to(w.device),
+            torch.stack([s for _, s, _ in parts]).to(w.device), torch.stack([z for _, _, z in parts]).to(w.device))
+
+
+def _int4_inputs(num_experts: int, hidden: int, inter: int, num_tokens: int, dtype: torch.dtype, seed: int,
+                 group_size: int, symmetric: bool, bias: bool = False):
+    """``_inputs``' tensors, the experts as W4A16 codes: x, router, (w_gate_up, w_down) codes, the int4 keyword
+    arguments (scales, zeros, group_size), router bias."""
+    x, gate, w_gate_up, w_down, gate_bias = _inputs(num_experts, hidden, inter, num_tokens, dtype, seed, bias)
+    (up_codes, up_scales, up_zeros), (down_codes, down_scales, down_zeros) = (
+        _int4_experts(w, group_size, symmetric) for w in (w_gate_up, w_down))
+    kw = dict(w_gate_up_scales=up_scales, w_gate_up_zeros=up_zeros, w_down_scales=down_scales,
+              w_down_zeros=down_zeros, group_size=group_size)
+    return x, gate, (up_codes, down_codes), kw, gate_bias
+
+
+# (num_experts, hidden, intermediate, num_tokens, top_k, scoring, norm_topk_prob, round_weights, activation, dtype,
+#  router bias, group_size, symmetric)
+INT4_CASES = [
+    (8, 64, 64, 17, 2, "softmax", True, False, "silu", torch.bfloat16, False, 32, False),  # Mixtral's routing
+    (8, 64, 64, 17, 2, "softmax", False, True, "silu", torch.bfloat16, False, 16, True),  # not renormalised
+    (16, 64, 32, 5, 8, "softmax", True, True, "silu", torch.bfloat16, False, 32, True),  # Qwen3-MoE's top-8
+    (16, 64, 64, 1, 8, "softmax", False, False, "silu", torch.bfloat16, False, 64, False),  # decode, top-8
+    (16, 64, 64, 9, 8, "sigmoid", False, False, "gelu_tanh", torch.bfloat16, True, 16, False),
+    (6, 48, 32, 9, 2, "softmax", True, False, "silu", torch.bfloat16, False, 16, True),  # K masked past 48: 3 groups
+    (8, 64, 32, 9, 2, "softmax", True, False, "silu", torch.float32, False, 32, False),
+    (8, 32, 32, 5, 2, "softmax", True, True, "silu", torch.float16, False, -1, True),  # one group per row
+]
+
+
+def _int4_id(c: tuple) -> str:
+    return _case_id(c[:11]) + f"-g{c[11]}-{'sym' if c[12] else 'asym'}"
+
+
+def _assert_close_int4(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """W4A16 experts against the reference on the same codes: both dequantize each weight to (q - zero) * scale in
+    fp32 rounded to x's dtype (the same values), then sum exact products in fp32 (the interpreter's dots, IEEE);
+    only the sums' order differs. As ``_assert_close_fp8`` (the FP8 tests' criterion): a gate / up / h value within
+    an fp32 ulp of a rounding boundary of x's dtype may round the other way, so 16-bit outputs are within one unit
+    in the last place of the output's largest value, fp32 ones within fp32 rounding. On the GPU the 16-bit dots sum
+    in another order still: a few units (``_assert_close``)."""
+    if out.is_cuda:
+        _assert_close(out, ref)
+    else:
+        _assert_close_fp8(out, ref)
+
+
+@pytest.mark.parametrize("case", INT4_CASES, ids=_int4_id)
+def test_int4_experts_match_the_torch_op(case):
+    num_experts, hidden, inter, num_tokens, top_k, scoring, norm, round_weights, act, dtype, bias, group, sym = case
+    x, gate, experts, kw, gate_bias = _int4_inputs(num_experts, hidden, inter, num_tokens, dtype,
+                                                   seed=num_tokens * 100 + hidden + inter + 2, group_size=group,
+                                                   symmetric=sym, bias=bias)
+    args = (x, gate, *experts, top_k, scoring, norm, act, gate_bias, round_weights)
+    ref = ops.moe(*args, **kw)
+    _assert_close_int4(moe.fused_moe(*args, **kw), ref)
+    # the reference is the dequantized experts run as float ones, bit for bit: the artifact's meaning
+    floats = [_dequantized(experts[0], kw["w_gate_up_scales"], kw["w_gate_up_zeros"], dtype),
+              _dequantized(experts[1], kw["w_down_scales"], kw["w_down_zeros"], dtype)]
+    torch.testing.assert_close(ops.moe(x, gate, *floats, top_k, scoring, norm, act, gate_bias, round_weights), ref,
+                               rtol=0, atol=0)
+    # the codes' nibble order, the zero points and the scales each count: swapped or dropped, the op is another one
+    swapped = tuple(((c >> 4) | (c << 4)).to(torch.uint8) for c in experts)
+    for other, kw2 in ((swapped, kw), (experts, {**kw, "w_gate_up_zeros": torch.zeros_like(kw["w_gate_up_zeros"])}),
+                       (experts, {**kw, "w_down_scales": kw["w_down_scales"].flip(0)})):
+        changed = ops.moe(x, gate, *other, top_k, scoring, norm, act, gate_bias, round_weights, **kw2)
+        assert (changed.float() - ref.float()).abs().max() > 0.1 * ref.float().abs().max()
+
+
+def _dequantized(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Packed codes [E, out, in / 2] (low nibble first) with scales / zeros [E, out, groups] -> [E, out, in] in
+    ``dtype``: (q - zero) * scale in fp32, rounded once (written here apart from the reference's own unpacking)."""
+    q = torch.stack((codes & 0x0F, codes >> 4), dim=-1).reshape(*codes.shape[:2], -1).float()
+    g = q.shape[2] // scales.shape[2]
+    return ((q - zeros.float().repeat_interleave(g, 2)) * scales.float().repeat_interleave(g, 2)).to(dtype)
+
+
+def test_int4_skewed_routing():
+    """Experts 0, 1, 4 and 6 never chosen (a router bias), expert 3 first for every token: empty experts, and three
+    blocks of one expert, with W4A16 experts."""
+    x, gate, experts, kw, _ = _int4_inputs(8, 32, 32, 40, torch.bfloat16, seed=12, group_size=16, symmetric=False)
+    bias = torch.zeros(8, device=DEVICE)
+    bias[[0, 1, 4, 6]] = -8.0
+    bias[3] = 8.0
+    bias = bias.to(torch.bfloat16)
+    counts = torch.bincount(ops.moe_route(x, gate, bias, 2)[1].cpu().reshape(-1), minlength=8)
+    assert counts[3] == 40 and counts[[0, 1, 4, 6]].sum() == 0
+    _assert_close_int4(moe.fused_moe(x, gate, *experts, 2, gate_bias=bias, **kw),
+                       ops.moe(x, gate, *experts, 2, gate_bias=bias, **kw))
+
+
+def test_bad_int4_experts_are_named():
+    x, gate, (up, down), kw, _ = _int4_inputs(4, 32, 32, 3, torch.bfloat16, seed=4, group_size=16, symmetric=False)
+    with pytest.raises(ValueError, match="missing: w_down_zeros"):
+        moe.fused_moe(x, gate, up, down, 2, **{**kw, "w_down_zeros": None})
+    with pytest.raises(ValueError, match=r"w_gate_up_scales is torch.float32 \(4, 64, 1\); expected torch.float32 "
+                                         r"\(4, 64, 2\)"):
+        moe.fused_moe(x, gate, up, down, 2, **{**kw, "w_gate_up_scales": kw["w_gate_up_scales"][:, :, :1]})
+    with pytest.raises(ValueError, match=r"w_down_zeros is torch.int32 .* expected torch.uint8"):
+        moe.fused_moe(x, gate, up, down, 2, **{**kw, "w_down_zeros": kw["w_down_zeros"].int()})
+    with pytest.raises(ValueError, match=r"packed two per byte: w_gate_up \[E, 2 \* I, hidden / 2\]"):
+        moe.fused_moe(x, gate, up.float(), down, 2, **kw)
+    with pytest.raises(ValueError, match="group_size 8 is not a multiple of 16"):
+        moe.fused_moe(x, gate, up, down, 2, **{**kw, "group_size": 8, "w_gate_up_scales": kw["w_gate_up_scales"].repeat(
+            1, 1, 2), "w_gate_up_zeros": kw["w_gate_up_zeros"].repeat(1, 1, 2), "w_down_scales": kw[
+            "w_down_scales"].repeat(1, 1, 2), "w_down_zeros": kw["w_down_zeros"].repeat(1, 1, 2)})
+    _, _, _, fp8_scales, _ = _fp8_inputs(4, 32, 32, 3, torch.bfloat16, seed=4)
+    with pytest.raises(ValueError, match="not both"):
+        moe.fused_moe(x, gate, up, down, 2, w_gate_up_scale=fp8_scales[0], w_down_scale=fp8_scales[1], **kw)
+
+
 # --- CUDA: real shapes, and a CUDA graph ---------------------------------------------------------------------
 # name: (num_experts, hidden, intermediate per expert, top_k, round_weights); both renormalise
 REAL_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, True), "mixtral-8x7b": (8, 4096, 14336, 2, False)}
@@ -341,6 +460,21 @@ def test_fp8_real_shapes_on_cuda(name, num_tokens):
     x = x.to(torch.bfloat16)
     kw = dict(top_k=top_k, round_weights=round_weights, w_gate_up_scale=scales[0], w_down_scale=scales[1])
     _assert_close_fp8(moe.fused_moe(x, gate, *experts, **kw), ops.moe(x, gate, *experts, **kw))
+
+
+@on_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024])
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_int4_real_shapes_on_cuda(name, num_tokens):
+    """W4A16 experts (group 128, asymmetric) rounded from the bf16 ones, against the torch op on the GPU."""
+    _, hidden, _, top_k, round_weights = REAL_SHAPES[name]
+    gate, w_gate_up, w_down = _real_weights(name)
+    (up, up_s, up_z), (down, down_s, down_z) = (_int4_experts(w, 128, False) for w in (w_gate_up, w_down))
+    kw = dict(top_k=top_k, round_weights=round_weights, w_gate_up_scales=up_s, w_gate_up_zeros=up_z,
+              w_down_scales=down_s, w_down_zeros=down_z, group_size=128)
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator("cuda").manual_seed(num_tokens), device="cuda")
+    x = x.to(torch.bfloat16)
+    _assert_close_int4(moe.fused_moe(x, gate, up, down, **kw), ops.moe(x, gate, up, down, **kw))
 
 
 @on_cuda

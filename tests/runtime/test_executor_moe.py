@@ -19,9 +19,10 @@ if DEVICE == "cuda" and not torch.cuda.is_available():
 NUM_EXPERTS, HIDDEN, INTER, VOCAB = 8, 32, 48, 64
 
 
-def _graph(attrs: dict, bias: bool, fp8: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
+def _graph(attrs: dict, bias: bool, fp8: bool = False, int4: bool = False) -> tuple[dict, dict[str, torch.Tensor]]:
     """embedding -> moe: a graph whose output is the moe node's, with random bf16 weights (fp8: the experts as the
-    fp8 pass stores them, e4m3 codes and per-channel scales)."""
+    fp8 pass stores them, e4m3 codes and per-channel scales; int4: as the awq / gptq passes store them, W4A16 codes
+    in groups of 16 with scales and zero points, rounded to nearest)."""
     g = torch.Generator().manual_seed(len(attrs) + bias)
     params = {"embed": torch.randn(VOCAB, HIDDEN, generator=g),
               "router": torch.randn(NUM_EXPERTS, HIDDEN, generator=g) * HIDDEN ** -0.5 * 2,
@@ -38,29 +39,44 @@ def _graph(attrs: dict, bias: bool, fp8: bool = False) -> tuple[dict, dict[str, 
             params[role], params[f"{role}_scale"] = quantize_experts_fp8(params[role])
             weights[f"{role}_scale"] = f"{role}_scale"
         attrs = {**attrs, "quant": {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}}
+    if int4:
+        from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+
+        cfg = QuantConfig(4, 16, False)
+        for role in ("w_gate_up", "w_down"):
+            parts = [quantize_groups(w, cfg) for w in params[role]]
+            params[role] = torch.stack([pack_int4(c) for c, _, _ in parts])
+            params[f"{role}.scales"] = torch.stack([sc for _, sc, _ in parts])
+            params[f"{role}.zeros"] = torch.stack([z for _, _, z in parts])
+            weights[f"{role}_scales"], weights[f"{role}_zeros"] = f"{role}.scales", f"{role}.zeros"
+        attrs = {**attrs, "quant": {"scheme": "w4a16", "bits": 4, "group_size": 16, "symmetric": False}}
     nodes = [{"op": "embedding", "inputs": ["input_ids"], "outputs": ["h"], "weights": {"weight": "embed"},
               "attrs": {}},
              {"op": "moe", "inputs": ["h"], "outputs": ["y"], "weights": weights,
               "attrs": {"num_experts": NUM_EXPERTS, "intermediate_size": INTER, "activation": "silu", **attrs}}]
     graph = {"ir_version": GRAPH_IR_VERSION, "nodes": nodes, "outputs": ["y"], "meta": {"dtype": "bfloat16"}}
-    keep = lambda name, t: t.dtype == torch.float8_e4m3fn or name.endswith("_scale")  # noqa: E731
+    keep = lambda name, t: not t.dtype.is_floating_point or t.dtype == torch.float8_e4m3fn or name.endswith(  # noqa: E731
+        ("_scale", ".scales"))
     return graph, {name: t.to(DEVICE) if keep(name, t) else t.to(DEVICE, torch.bfloat16)
                    for name, t in params.items()}
 
 
-@pytest.mark.parametrize("attrs,bias,fp8", [
-    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False, False),  # Mixtral's routing
-    (dict(top_k=2, scoring="softmax", norm_topk_prob=False, round_weights=True), False, False),  # Qwen2-MoE's
-    (dict(top_k=3, scoring="sigmoid", norm_topk_prob=True, round_weights=True), True, False),
-    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False, True),  # FP8 experts
+@pytest.mark.parametrize("attrs,bias,fp8,int4", [
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False, False, False),  # Mixtral's routing
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=False, round_weights=True), False, False, False),  # Qwen2-MoE's
+    (dict(top_k=3, scoring="sigmoid", norm_topk_prob=True, round_weights=True), True, False, False),
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=True), False, True, False),  # FP8 experts
+    (dict(top_k=2, scoring="softmax", norm_topk_prob=False, round_weights=True), False, False, True),  # W4A16 experts
 ])
-def test_moe_node_runs_the_fused_kernel(attrs, bias, fp8, monkeypatch):
+def test_moe_node_runs_the_fused_kernel(attrs, bias, fp8, int4, monkeypatch):
     from kernels import moe
 
     calls = []
     fused = moe.fused_moe
     monkeypatch.setattr(moe, "fused_moe", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    graph, params = _graph(attrs, bias, fp8)
+    graph, params = _graph(attrs, bias, fp8, int4)
+    if int4:
+        assert {"w_gate_up_scales", "w_down_zeros"} <= set(graph["nodes"][1]["weights"])
     ids = torch.randint(0, VOCAB, (19,), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     inp = StepInput(ids, torch.arange(19, device=DEVICE), [])
     ref = Executor(graph, params, use_kernels=False).forward(inp)

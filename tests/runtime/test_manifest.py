@@ -280,18 +280,28 @@ def test_inspect_and_serve_exit_1_with_the_message(built, tmp_path):
 
 
 def test_moe_experts_carry_exactly_their_schemes_scales():
-    """A moe node's experts are unquantized (no scale roles) or fp8 with both scales; anything else in graph.json
-    (a scheme the runtime does not run for experts, scales without the scheme, the scheme without scales) is
-    refused, naming the node."""
+    """A moe node's experts are unquantized (no scale roles), fp8 with both scales, or w4a16 with both projections'
+    group scales and zero points (and its group_size); anything else in graph.json (a scheme the runtime does not run
+    for experts, scales without the scheme, the scheme without scales, another scheme's scales) is refused, naming
+    the node."""
     from runtime.manifest import ManifestError, _check_quantized
 
     weights = {"gate_weight": "router", "w_gate_up": "gu", "w_down": "d"}
     scales = {"w_gate_up_scale": "gu_s", "w_down_scale": "d_s"}
     fp8 = {"quant": {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}}
+    int4_roles = {"w_gate_up_scales": "gu_s", "w_gate_up_zeros": "gu_z", "w_down_scales": "d_s", "w_down_zeros": "d_z"}
+    int4 = {"quant": {"scheme": "w4a16", "bits": 4, "group_size": 64, "symmetric": False}}
     _check_quantized({}, [{"op": "moe", "source": "model.layers.0.mlp", "weights": weights, "attrs": {}},
-                          {"op": "moe", "source": "model.layers.1.mlp", "weights": {**weights, **scales}, "attrs": fp8}])
-    bad = [({**weights, **scales}, {"quant": {"scheme": "w4a16"}}, "quant scheme 'w4a16' is not one this runtime "
-                                                                     "executes for experts; allowed: fp8"),
+                          {"op": "moe", "source": "model.layers.1.mlp", "weights": {**weights, **scales}, "attrs": fp8},
+                          {"op": "moe", "source": "model.layers.2.mlp", "weights": {**weights, **int4_roles},
+                           "attrs": int4}])
+    bad = [({**weights, **scales}, {"quant": {"scheme": "w8a16"}}, "quant scheme 'w8a16' is not one this runtime "
+                                                                     "executes for experts; allowed: fp8, w4a16"),
+           ({**weights, **scales}, int4, r"a w4a16 moe carries the weights \['w_down_scales', 'w_down_zeros', "
+                                         r"'w_gate_up_scales', 'w_gate_up_zeros'\]; it has \['w_down_scale', "
+                                         r"'w_gate_up_scale'\]"),
+           ({**weights, **int4_roles}, {"quant": {"scheme": "w4a16", "bits": 4}},
+            "w4a16 experts need quant bits 4 and an integer group_size"),
            ({**weights, **scales}, {}, "an unquantized moe carries the weights without scales; it has "
                                        r"\['w_down_scale', 'w_gate_up_scale'\]"),
            ({**weights, "w_down_scale": "d_s"}, fp8, r"a fp8 moe carries the weights \['w_down_scale', "
