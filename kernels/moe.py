@@ -37,8 +37,17 @@ expert and output channel): each GEMM quantizes its input rows (x's gathered row
 loaded tile quantized in registers (E4M3, nearest even), FP8 dots accumulated in fp32 (promoted once per K step), the
 sums times the row's scale, then the channel's, before the roundings above. The router stays in x's dtype.
 
+W4A16 experts (the reference's ``*_scales`` / ``*_zeros`` / ``group_size``: uint8 codes packed two per byte along the
+input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]): each K step
+loads the bytes of its tile (each byte read for its two inputs), takes the input's nibble (low = even), and computes
+(q - zero) * scale in fp32 with the group's scale and zero point, rounded to x's dtype in registers: the reference's
+dequantized weight, exactly; then the 16-bit ``tl.dot`` with fp32 accumulation and the roundings above. A K step never
+crosses a group (BLOCK_K is cut to a power of two dividing group_size, so one scale / zero load per column and step;
+group_size a multiple of 16, or -1 for one group per row). A separate constexpr branch (INT4): the bf16 and FP8 paths
+compile as before.
+
 NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow; FP8 dots with FP8 experts); experts stacked, in x's
-dtype or FP8. On the GPU the FP8 quotients use the approximate fp32 division: a value at a code's rounding boundary can
+dtype, FP8 or W4A16 codes. On the GPU the FP8 quotients use the approximate fp32 division: a value at a code's rounding boundary can
 get the neighbouring code. The kernels are launched without PDL (``kernels.pdl``): each starts once the previous kernel
 has finished. Under TRITON_INTERPRET the kernels run on the CPU (tests at small shapes), with fp32 dots on the 16-bit
 operands (the interpreter's 16-bit dot is wrong), bf16 rounding done on the bits (its conversion truncates) and FP8

@@ -209,3 +209,51 @@ def test_int4_expert_bytes_and_errors(float_graph):
     next(n for n in broken.nodes if n.op == "moe").attrs["quant"].pop("group_size")
     with pytest.raises(GraphError, match="w4a16 experts need quant bits 4 and an integer group_size"):
         broken.check()
+
+
+def test_int4_experts_shard_over_ranks(float_graph, monkeypatch):
+    """Two ranks: each holds its half of every expert's intermediate features, codes, scales and zero points cut with
+    their rows (gate / up) and their groups (down: codes two a byte, groups of 16); both ranks' summed outputs are the
+    one-rank model's (exact up to the all-reduce's fp32 sum). A share that would cut a group is an error."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_shard import run_ranks
+
+    from passes import PassContext, run_passes
+    from passes.base import PassError
+    from passes.moe_int4 import rtn_experts
+    from passes.quant_math import QuantConfig
+    from passes.verify import run_graph
+
+    graph = float_graph.copy()
+    for node in graph.nodes:
+        if node.op == "moe":
+            rtn_experts(graph, node, QuantConfig(4, 16, False))
+    sharded, _ = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    moe = next(n for n in sharded.nodes if n.op == "moe")
+    full = next(n for n in graph.nodes if n.op == "moe")
+    half = INTER // 2
+
+    def rank1(role: str) -> torch.Tensor:
+        return sharded.shards.tensor(moe.weights[role], 1)
+
+    for role in ("w_gate_up", "w_gate_up_scales", "w_gate_up_zeros"):
+        t = graph.params[full.weights[role]]
+        assert torch.equal(rank1(role), torch.cat((t[:, half:INTER], t[:, INTER + half:]), dim=1)), role
+    assert torch.equal(rank1("w_down"), graph.params[full.weights["w_down"]][:, :, half // 2:])
+    for role in ("w_down_scales", "w_down_zeros"):
+        assert torch.equal(rank1(role), graph.params[full.weights[role]][:, :, half // 16:]), role
+    prompts = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
+    expected = run_graph(graph, prompts)
+    for rank_logits in run_ranks(sharded, prompts, monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-4
+
+    coarse = float_graph.copy()
+    for node in coarse.nodes:
+        if node.op == "moe":
+            rtn_experts(coarse, node, QuantConfig(4, 64, False))
+    with pytest.raises(PassError, match=r"w4a16 experts' down projection has groups of 64 of the 64 intermediate "
+                                        r"features; tp_size 2 would cut a group"):
+        run_passes(coarse, ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
