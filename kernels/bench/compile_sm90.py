@@ -121,6 +121,33 @@ def _frag() -> list[tuple[str, object]]:
         for name, kw in variants]
 
 
+def _moe() -> list[tuple[str, object]]:
+    from kernels.moe import _moe_down_kernel, _moe_up_kernel
+
+    ints = ("num_slots", "num_experts", "num_rows", "N", "K", "group_size", "num_groups")
+    up_types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
+                "ws_ptr": "*fp32", "b_ptr": "*bf16", "wz_ptr": "*u8", "alpha": "fp32", "limit": "fp32",
+                **{n: "i32" for n in ints + ("stride_xm", "stride_we", "stride_wn", "stride_hm")}}
+    down_types = {"h_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "sorted_ptr": "*i32",
+                  "block_expert_ptr": "*i32", "ws_ptr": "*fp32", "b_ptr": "*bf16", "wz_ptr": "*u8",
+                  **{n: "i32" for n in ints + ("stride_hm", "stride_we", "stride_wn", "stride_ym")}}
+    tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
+    base = dict(IEEE=False, EMULATE_BF16=False, FP8=False, HAS_BIAS=False, INT4=False, **tiles)
+    variants = [("bf16 experts", {}, {}), ("FP8 experts", {"FP8": True}, {"w_ptr": "*fp8e4nv"}),
+                ("W4A16 experts", {"INT4": True}, {"w_ptr": "*u8"})]
+    divisible = ("x_ptr", "h_ptr", "y_ptr", "w_ptr", "N", "K", "stride_xm", "stride_hm", "stride_we", "stride_wn",
+                 "stride_ym")
+    out = []
+    for name, kw, t in variants:
+        out.append((f"fused MoE up GEMM, {name}", lambda kw=kw, t=t: compile_kernel(
+            _moe_up_kernel, dict(up_types, **t), dict(base, TOP_K=8, ACT=0, **kw),
+            divisible=tuple(n for n in divisible if n in up_types))))
+        out.append((f"fused MoE down GEMM, {name}", lambda kw=kw, t=t: compile_kernel(
+            _moe_down_kernel, dict(down_types, **t), dict(base, **kw),
+            divisible=tuple(n for n in divisible if n in down_types))))
+    return out
+
+
 def _argmax() -> list[tuple[str, object]]:
     from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
 
@@ -183,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
-    for name, build in _decode_attention() + _frag() + _argmax():
+    for name, build in _decode_attention() + _frag() + _moe() + _argmax():
         if args.only and args.only not in name:
             continue
         try:
