@@ -45,7 +45,6 @@ linear's inputs and stores the :class:`GPTQResult`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +56,7 @@ from passes.ir import Graph, Node
 from passes.quant_math import (QuantConfig, compute_qparams, dequantize, dequantize_groups, group_size_for,
                                pack_int4, quantize)
 from passes.moe_int4 import ExpertInputs, Int4Experts
+from passes.quant_math import HessianAccumulator
 from passes.quantize import QuantMethod, check_group_size
 
 __all__ = ["HessianAccumulator", "GPTQResult", "NotPositiveDefiniteError", "gptq_quantize", "refit_scales"]
@@ -64,37 +64,6 @@ __all__ = ["HessianAccumulator", "GPTQResult", "NotPositiveDefiniteError", "gptq
 
 class NotPositiveDefiniteError(ValueError):
     """The (dampened) Hessian is not positive definite."""
-
-
-class HessianAccumulator:
-    """Running average of ``2 x^T x`` over every calibration token seen, in fp32."""
-
-    def __init__(self, in_features: int):
-        if in_features < 1:
-            raise ValueError(f"in_features must be >= 1, got {in_features}")
-        self.in_features = in_features
-        self.H = torch.zeros(in_features, in_features, dtype=torch.float32)
-        self._n = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return self._n
-
-    def add(self, x: Tensor) -> None:
-        """x: ``[num_tokens, in_features]`` (leading dims are flattened), any float dtype."""
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"expected inputs with {self.in_features} features, got shape {tuple(x.shape)}")
-        x = x.detach().reshape(-1, self.in_features)
-        m = x.shape[0]
-        if m == 0:
-            return
-        if self.H.device != x.device:
-            self.H = self.H.to(x.device)
-        # H_new = (n H_old + 2 x^T x) / (n + m), written as the reference does.
-        self.H *= self._n / (self._n + m)
-        self._n += m
-        x = x.float() * math.sqrt(2.0 / self._n)
-        self.H += x.t() @ x
 
 
 @dataclass

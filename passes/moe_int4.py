@@ -54,7 +54,7 @@ from torch import Tensor
 from kernels import torch_ops as ops
 from passes.base import PassError
 from passes.ir import Graph, Node
-from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+from passes.quant_math import HessianAccumulator, QuantConfig, pack_int4, quantize_groups
 
 __all__ = ["ExpertInputs", "Int4Experts", "routed_inputs", "quantize_moe_int4", "check_expert_groups"]
 
@@ -115,15 +115,13 @@ class ExpertInputs:
     num_experts: int
     keep_rows: int = 0  # rows kept per expert and projection (awq's clip search); 0: none
     counts: list[int] = field(default_factory=list)
-    hessians: dict[tuple[str, int], Any] = field(default_factory=dict)  # passes.gptq.HessianAccumulator
+    hessians: dict[tuple[str, int], Any] = field(default_factory=dict)  # passes.quant_math.HessianAccumulator
     kept: dict[tuple[str, int], list[Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.counts = self.counts or [0] * self.num_experts
 
     def add(self, e: int, xe: Tensor, h: Tensor) -> None:
-        from passes.gptq import HessianAccumulator  # passes.gptq imports this module
-
         self.counts[e] += xe.shape[0]
         for role, rows in (("w_gate_up", xe), ("w_down", h)):
             acc = self.hessians.setdefault((role, e), HessianAccumulator(rows.shape[-1]))

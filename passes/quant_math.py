@@ -41,6 +41,7 @@ Rounding is ``torch.round`` (half to even). Everything is computed in float32.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -177,3 +178,34 @@ def unpack_int4(packed: Tensor) -> Tensor:
     if packed.dim() != 2 or packed.dtype != torch.uint8:
         raise ValueError(f"unpack_int4 needs uint8 [out, in // 2], got {packed.dtype} {tuple(packed.shape)}")
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+class HessianAccumulator:
+    """Running average of ``2 x^T x`` over every calibration token seen, in fp32."""
+
+    def __init__(self, in_features: int):
+        if in_features < 1:
+            raise ValueError(f"in_features must be >= 1, got {in_features}")
+        self.in_features = in_features
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float32)
+        self._n = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._n
+
+    def add(self, x: Tensor) -> None:
+        """x: ``[num_tokens, in_features]`` (leading dims are flattened), any float dtype."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"expected inputs with {self.in_features} features, got shape {tuple(x.shape)}")
+        x = x.detach().reshape(-1, self.in_features)
+        m = x.shape[0]
+        if m == 0:
+            return
+        if self.H.device != x.device:
+            self.H = self.H.to(x.device)
+        # H_new = (n H_old + 2 x^T x) / (n + m), written as the reference does.
+        self.H *= self._n / (self._n + m)
+        self._n += m
+        x = x.float() * math.sqrt(2.0 / self._n)
+        self.H += x.t() @ x
