@@ -17,8 +17,8 @@ output is closest (MSE) to the unquantized output (:func:`search_scale`). alpha 
 plain round-to-nearest. Then, on the scaled weights and inputs, a per-(row, group) max-value clip
 is searched (:func:`search_clip`): thresholds ``(1 - i / n_grid) * max|w|`` for
 ``i < n_grid * max_shrink`` (``n_grid = 20``, ``max_shrink = 0.5``: ratios 1.0 ... 0.55), measured on
-``n_sample_tokens = 512`` tokens (a fixed stride over the calibration tokens, as the reference:
-every ``n // 512``-th token), picking per group the threshold with the least output error. For asymmetric
+``n_sample_tokens = 4096`` tokens (every kept calibration token, ``MAX_TOKENS_KEPT``; the reference takes a fixed
+stride of 512), picking per group the threshold with the least output error. For asymmetric
 grids the group's own range ``[min, max]`` shrunk by the same ratios is tried too (past the reference, whose
 clip at ``+-ratio * max|w|`` shortens only the longer side of an asymmetric range).
 
@@ -165,7 +165,7 @@ def search_scale(x: Tensor, weights: list[Tensor], block_fn: Callable[[Tensor, l
 
 @torch.no_grad()
 def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, max_shrink: float = 0.5,
-                n_sample_tokens: int = 512, oc_batch: int = 256) -> Tensor:
+                n_sample_tokens: int = 4096, oc_batch: int = 256) -> Tensor:
     """Search a clip per (output row, group) of ``weight`` ``[out, in]``.
 
     For each ratio ``1 - i / n_grid`` with ``i < n_grid * max_shrink`` (i = 0, no clipping, is always
@@ -175,6 +175,12 @@ def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, m
     of the group's own range, ``[ratio * min(w, 0), ratio * max(w, 0)]``: their grid spans [min, max], so a clip
     at +-ratio * max|w| shortens only the longer side of it, and shrinking both sides is what narrows the step
     (pydoc-qwen3, g64: AWQ's KL 2.149e-4 -> 1.844e-4 before the scale refit; docs/QUANTIZATION_COMPARISON.md).
+    ``n_sample_tokens``: the tokens scored, every ``n // n_sample_tokens``-th of ``x``; 4096, ModelOpt's count (64
+    per calibration window, every window), was 512 (the reference's). Each (row, group) picks its clip on these
+    tokens alone, and on 512 the pick follows the sample. With 4096, every token AWQ keeps (8x the arithmetic),
+    symmetric AWQ on the bundled model went 1.409e-2 -> 1.364e-2 at calibration seed 0 and 1.350e-2 -> 1.315e-2 at
+    seed 1 (ModelOpt's awq_full: 1.358e-2); on pydoc-qwen3 1.631e-4 -> 1.648e-4 and 1.848e-4 -> 1.656e-4;
+    asymmetric 1.142e-2 -> 1.139e-2 and 1.287e-4 -> 1.258e-4 (seed 0; docs/QUANTIZATION_COMPARISON.md, session 31).
     ``x``: ``[num_tokens, in]``, already divided by the AWQ scale if one was applied. Returns fp32 bounds
     ``[out, n_groups, 2]`` (low, high) for :func:`apply_clip`. Output rows are processed ``oc_batch`` at a time
     to bound memory.

@@ -144,9 +144,10 @@ def test_search_clip_never_increases_the_sampled_error(symmetric):
 
 
 def test_search_clip_samples_tokens_with_a_stride():
-    x = _x(9).repeat(4, 1)  # 1536 tokens -> every 3rd token is used
+    x = _x(9).repeat(32, 1)  # 12,288 tokens -> every 3rd token is used (4096 by default)
     w = torch.randn(8, IN, generator=_gen(10))
     torch.testing.assert_close(search_clip(x, w, CFG), search_clip(x[::3], w, CFG))
+    torch.testing.assert_close(search_clip(x, w, CFG, n_sample_tokens=512), search_clip(x[::24], w, CFG))
     assert torch.equal(search_clip(x, w, CFG), search_clip(x, w, CFG))  # deterministic
 
 
