@@ -269,6 +269,8 @@ def serve(
                                                   "object (see python -m runtime.serve --help)"),
     allow_failed_gate: bool = typer.Option(False, "--allow-failed-gate", help="serve an artifact that failed its gates"),
     stream_interval: int = typer.Option(1, min=1, help="tokens a streamed response gathers per event after its first"),
+    api_servers: int = typer.Option(1, min=1, help="HTTP server processes sharing the port over one engine process "
+                                    "(more than 1 when one process's event loop is the limit)"),
     log_level: str = typer.Option("info", help="debug | info | warning | error"),
 ) -> None:
     """Serve an artifact over HTTP: OpenAI-compatible /v1 API, /health, Prometheus /metrics."""
@@ -276,7 +278,7 @@ def serve(
 
     argv = [str(artifact), "--host", host, "--port", str(port), "--device", device, "--max-waiting", str(max_waiting),
             "--gpu-memory-utilization", str(gpu_memory_utilization), "--log-level", log_level,
-            "--stream-interval", str(stream_interval)]
+            "--stream-interval", str(stream_interval), "--api-servers", str(api_servers)]
     options = {"--api-key": api_key, "--served-model-name": served_model_name, "--max-num-seqs": max_num_seqs,
                "--max-num-batched-tokens": max_num_batched_tokens, "--max-seq-len": max_seq_len,
                "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout,

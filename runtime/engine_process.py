@@ -19,6 +19,14 @@ server process against limits the engine reports when it is ready (vocabulary, m
 refusal is still known before a response starts; the rare refusal the engine makes itself (a race on its waiting
 queue) arrives as the first item of the request's stream, as with ``AsyncEngine``.
 
+Several server processes (``builder serve --api-servers N``, ``runtime.api_servers``): past ~15k streamed tokens a
+second one event loop is the limit (docs/BENCHMARKS.md, session 30), so the HTTP work can be spread over N
+processes sharing the listening socket. The engine process then has N channels (a pipe pair each,
+``start_engine_process(num_channels=N)``), each server process an ``EngineClient`` on its own: a request's results
+go back on the channel that sent it, every channel gets the shared stats each step, and a channel that closes (its
+process exited) has its requests aborted while the others keep being served. The engine stops on a "stop" message
+or once every channel has closed.
+
 Messages (``json.dumps`` of a list; ``arrival`` is ``time.monotonic()``, one clock for both processes on Linux):
 
     to the engine:   ["add", request_id, prompt_token_ids, sampling_params_fields, timeout_s, arrival]
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import json
 import logging
@@ -63,7 +72,7 @@ from runtime.serving import ServingConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EngineProcess", "EngineStartError"]
+__all__ = ["EngineClient", "EngineProcess", "EngineStartError", "start_engine_process", "stop_process"]
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the server's log lines (runtime.serve) and these
 START_TIMEOUT_S = 1800.0  # loading a large artifact and capturing its CUDA graphs
@@ -100,60 +109,124 @@ def load_engine(artifact: str, device: str, config: ServingConfig, check_hashes:
     return ServingEngine.load(artifact, device, config, check_hashes=check_hashes, allow_failed_gate=allow_failed_gate)
 
 
-def _engine_main(inbound, outbound, loader: Callable, artifact: str, device: str, config: dict[str, Any],
-                 check_hashes: bool, allow_failed_gate: bool, log_level: int) -> None:
-    """The child's entry point: load, report ready (or the error), then step until told to stop."""
+def _engine_main(channels: list[tuple[Any, Any]], loader: Callable, artifact: str, device: str,
+                 config: dict[str, Any], check_hashes: bool, allow_failed_gate: bool, log_level: int) -> None:
+    """The child's entry point: load, report ready (or the error) on every channel, then step until told to stop or
+    until every channel has closed. ``channels``: one (inbound, outbound) pair of pipe ends per server process; a
+    request's results go back on the channel it came from."""
     # Ctrl-C in a terminal reaches the whole process group: the server shuts down gracefully and stops this process
     # with a "stop" message, so the interrupt must not kill it first (requests in flight would lose their engine)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=LOG_FORMAT, force=True)  # its log lines go where the server's go
     try:
         engine = loader(artifact, device, ServingConfig(**config), check_hashes, allow_failed_gate)
-    except BaseException as e:  # reported to the server process, which raises it as EngineStartError
-        outbound.send_bytes(_dumps(["error", type(e).__name__, str(e)]))
+    except BaseException as e:  # reported to the server processes, which raise it as EngineStartError
+        for _, outbound in channels:
+            outbound.send_bytes(_dumps(["error", type(e).__name__, str(e)]))
         return
-    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    inbox: queue.SimpleQueue = queue.SimpleQueue()  # (channel, message)
     wake = threading.Event()
 
-    def receive() -> None:
+    def receive(channel: int, inbound) -> None:
         while True:
             try:
                 data = inbound.recv_bytes()
-            except (EOFError, OSError):  # the server process is gone
-                inbox.put(["stop"])
+            except (EOFError, OSError):  # that server process is gone
+                inbox.put((channel, ["closed"]))
                 wake.set()
                 return
-            inbox.put(json.loads(data))
+            inbox.put((channel, json.loads(data)))
             wake.set()
 
-    threading.Thread(target=receive, name="engine-receive", daemon=True).start()
+    for channel, (inbound, _) in enumerate(channels):
+        threading.Thread(target=receive, args=(channel, inbound), name=f"engine-receive-{channel}",
+                         daemon=True).start()
     sc = engine.scheduler_config
-    outbound.send_bytes(_dumps(["ready", {
+    ready = _dumps(["ready", {
         "max_seq_len": sc.max_seq_len, "vocab_size": int(engine.executor.graph.get("meta", {}).get("vocab_size", 0)),
-        "block_size": engine.block_size, "num_blocks": engine.kv.pool.num_blocks, "max_waiting": sc.max_waiting}]))
+        "block_size": engine.block_size, "num_blocks": engine.kv.pool.num_blocks, "max_waiting": sc.max_waiting}])
+    for _, outbound in channels:
+        outbound.send_bytes(ready)
     try:
-        _step_loop(engine, inbox, wake, outbound)
+        _step_loop(engine, inbox, wake, [outbound for _, outbound in channels])
     finally:
         engine.close()
 
 
-def _step_loop(engine, inbox: queue.SimpleQueue, wake: threading.Event, outbound) -> None:
-    adds_taken = 0
+class _Channels:
+    """The engine process's side of its server processes' pipes: which channel each request came from, what each has
+    had admitted, which are still open. A channel whose process has gone (its pipe closed, or a send failing) has
+    its requests aborted; the others keep being served."""
+
+    def __init__(self, engine, outbounds: list) -> None:
+        self.engine = engine
+        self.outbounds = outbounds
+        self.open = set(range(len(outbounds)))
+        self.owner: dict[str, int] = {}  # request id -> channel, until the request finishes
+        self.adds_taken = [0] * len(outbounds)
+        self.refusals: list[list[list]] = [[] for _ in outbounds]
+
+    def close(self, channel: int) -> None:
+        """Channel ``channel``'s process is gone: its requests are aborted (their results have no reader)."""
+        if channel not in self.open:
+            return
+        self.open.discard(channel)
+        with contextlib.suppress(OSError):
+            self.outbounds[channel].close()  # that process's reader, if it still runs, sees the end
+        for rid in [r for r, c in self.owner.items() if c == channel]:
+            self.engine.abort(rid)
+
+    def send_all(self, msg: list) -> None:
+        data = _dumps(msg)
+        for channel in sorted(self.open):
+            self._send(channel, data)
+
+    def _send(self, channel: int, data: bytes) -> None:
+        try:
+            self.outbounds[channel].send_bytes(data)
+        except (OSError, ValueError):  # that process is gone (its reader will not come back)
+            self.close(channel)
+
+    def send_step(self, outputs: list[RequestOutput]) -> None:
+        """One step message per open channel: its requests' outputs and refusals, the shared stats."""
+        stats = self.engine.stats()
+        row = [getattr(stats, f) for f in _STATS_FIELDS] + [self.engine.scheduler._num_new_waiting]
+        per_channel: list[list] = [[] for _ in self.outbounds]
+        for out in outputs:
+            channel = self.owner.get(out.request_id)
+            if channel is None:
+                continue
+            if out.finished:
+                del self.owner[out.request_id]
+            per_channel[channel].append(_encode_output(out))
+        for channel in sorted(self.open):
+            self._send(channel, _dumps(["step", self.adds_taken[channel], row, per_channel[channel],
+                                        self.refusals[channel]]))
+        self.refusals = [[] for _ in self.outbounds]
+
+    @property
+    def has_refusals(self) -> bool:
+        return any(self.refusals)
+
+
+def _step_loop(engine, inbox: queue.SimpleQueue, wake: threading.Event, outbounds: list) -> None:
+    channels = _Channels(engine, outbounds)
     while True:
-        refusals: list[list] = []
         stop = False
         while True:
             try:
-                msg = inbox.get_nowait()
+                channel, msg = inbox.get_nowait()
             except queue.Empty:
                 break
             kind = msg[0]
             if kind == "add":
-                adds_taken += 1
+                channels.adds_taken[channel] += 1
                 _, rid, ids, fields, timeout_s, arrival = msg
+                refusals = channels.refusals[channel]
                 try:
                     engine.add_request(ids, SamplingParams(**fields), request_id=rid, timeout_s=timeout_s,
                                        arrival_time=arrival)
+                    channels.owner[rid] = channel
                 except QueueFullError as e:
                     refusals.append([rid, "queue_full", str(e)])
                 except (RequestError, ValueError) as e:
@@ -164,18 +237,20 @@ def _step_loop(engine, inbox: queue.SimpleQueue, wake: threading.Event, outbound
                                                    f"{type(e).__name__}: {e}"])
             elif kind == "abort":
                 engine.abort(msg[1])
+            elif kind == "closed":
+                channels.close(channel)
+                stop = stop or not channels.open
             elif kind == "stop":
                 stop = True
         if stop:
-            _send_step(outbound, engine, adds_taken, engine.finish_all("abort", "the server is shutting down"),
-                       refusals)
+            channels.send_step(engine.finish_all("abort", "the server is shutting down"))
             return
         if engine.failure is not None:  # a dead tensor-parallel rank: nothing can run any more
-            outbound.send_bytes(_dumps(["failed", str(engine.failure)]))
+            channels.send_all(["failed", str(engine.failure)])
             return
         if not engine.has_unfinished:
-            if refusals:
-                _send_step(outbound, engine, adds_taken, [], refusals)
+            if channels.has_refusals:
+                channels.send_step([])
             wake.wait(0.1)
             wake.clear()
             continue
@@ -184,13 +259,7 @@ def _step_loop(engine, inbox: queue.SimpleQueue, wake: threading.Event, outbound
         except Exception as e:  # the shared step failed: fail the requests in flight, keep serving
             log.exception("engine step failed; failing %d requests", engine.scheduler.num_unfinished)
             outputs = engine.finish_all("error", f"the engine step failed: {type(e).__name__}: {e}")
-        _send_step(outbound, engine, adds_taken, outputs, refusals)
-
-
-def _send_step(outbound, engine, adds_taken: int, outputs: list[RequestOutput], refusals: list[list]) -> None:
-    stats = engine.stats()
-    row = [getattr(stats, f) for f in _STATS_FIELDS] + [engine.scheduler._num_new_waiting]
-    outbound.send_bytes(_dumps(["step", adds_taken, row, [_encode_output(o) for o in outputs], refusals]))
+        channels.send_step(outputs)
 
 
 # --- the server side ----------------------------------------------------------------------------------------------
@@ -200,32 +269,76 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
 
 
-class EngineProcess(EngineFront):
-    """A ServingEngine stepping in a child process, with ``AsyncEngine``'s interface (module docstring).
-
-    The constructor starts the process and waits until the artifact is loaded: a load failure raises
-    EngineStartError with the engine's message. ``start`` starts reading its results; ``shutdown`` stops it.
-    ``loader``: a module-level function (or a functools.partial of one) with ``load_engine``'s signature that the
-    engine process calls to make its ServingEngine (benchmarks substitute a simulated device)."""
-
-    def __init__(self, artifact: str | Path, device: str | torch.device = "cpu", config: ServingConfig | None = None,
-                 *, check_hashes: bool = True, allow_failed_gate: bool = False,
-                 start_timeout_s: float = START_TIMEOUT_S, loader: Callable = load_engine) -> None:
-        self.artifact = open_artifact(artifact, check_hashes=False)  # the engine process checks the hashes
-        self.tokenizer = self.artifact.load_tokenizer()
-        ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
-        inbound, self._to_engine = ctx.Pipe(duplex=False)  # (receiving end, sending end)
-        self._from_engine, outbound = ctx.Pipe(duplex=False)
-        config = config or ServingConfig()
-        # daemonic (ended with this process) unless it must start tensor-parallel ranks of its own, which a daemonic
-        # process may not; either way the exit hook below stops it
-        self._proc = ctx.Process(target=_engine_main, name="engine-core", daemon=self.artifact.tp_size == 1, args=(
-            inbound, outbound, loader, str(artifact), str(device), dataclasses.asdict(config), check_hashes,
-            allow_failed_gate, logging.getLogger().getEffectiveLevel()))
-        self._proc.start()
-        atexit.register(self._kill)  # runs before multiprocessing's own exit hook, which would wait for the child
+def start_engine_process(artifact: str | Path, device: str | torch.device, config: ServingConfig, *,
+                         num_channels: int = 1, check_hashes: bool = True, allow_failed_gate: bool = False,
+                         start_timeout_s: float = START_TIMEOUT_S, loader: Callable = load_engine,
+                         tp_size: int = 1) -> tuple[mp.process.BaseProcess, list[tuple[Any, Any]], dict]:
+    """Start the engine process with ``num_channels`` pipe pairs (one per server process) and wait until it has
+    loaded the artifact: ``(process, [(to_engine, from_engine), ...], limits)``, the limits being its "ready"
+    message. A load failure raises EngineStartError with the engine's message (the process has exited)."""
+    ctx = mp.get_context("spawn")  # CUDA cannot be used in a forked child
+    ends, server_ends = [], []
+    for _ in range(num_channels):
+        inbound, to_engine = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+        from_engine, outbound = ctx.Pipe(duplex=False)
+        ends.append((inbound, outbound))
+        server_ends.append((to_engine, from_engine))
+    # daemonic (ended with this process) unless it must start tensor-parallel ranks of its own, which a daemonic
+    # process may not; either way the caller stops it
+    proc = ctx.Process(target=_engine_main, name="engine-core", daemon=tp_size == 1, args=(
+        ends, loader, str(artifact), str(device), dataclasses.asdict(config), check_hashes, allow_failed_gate,
+        logging.getLogger().getEffectiveLevel()))
+    proc.start()
+    for inbound, outbound in ends:
         inbound.close()
         outbound.close()
+    try:
+        limits = [_wait_ready(proc, from_engine, start_timeout_s) for _, from_engine in server_ends]
+    except EngineStartError:
+        stop_process(proc)
+        raise
+    return proc, server_ends, limits[0]
+
+
+def _wait_ready(proc, from_engine, timeout_s: float) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while not from_engine.poll(0.5):
+        if not proc.is_alive():
+            raise EngineStartError(f"the engine process exited with code {proc.exitcode} while loading")
+        if time.monotonic() > deadline:
+            raise EngineStartError(f"the engine did not load within {timeout_s:g} s")
+    try:
+        msg = json.loads(from_engine.recv_bytes())
+    except (EOFError, OSError):
+        proc.join(5)
+        raise EngineStartError(f"the engine process exited with code {proc.exitcode} while loading") from None
+    if msg[0] == "error":
+        proc.join(30)
+        raise EngineStartError(msg[2] if msg[1] in ("ArtifactError", "TokenizerError", "MemoryPlanError",
+                                                     "ValueError", "DeviceError") else f"{msg[1]}: {msg[2]}")
+    return msg[1]
+
+
+def stop_process(proc, timeout: float = 10.0) -> None:
+    """Terminate ``proc`` if it is still running (SIGTERM, then SIGKILL after ``timeout`` s)."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+
+
+class EngineClient(EngineFront):
+    """A server process's side of an engine process: ``AsyncEngine``'s interface over one channel's pipe ends
+    (``to_engine``, ``from_engine``) and the limits the engine reported when it was ready. It does not own the
+    engine: ``shutdown`` closes its channel (the engine aborts this channel's requests and keeps serving the
+    others; it stops once every channel has closed). ``EngineProcess`` is the client that owns its engine."""
+
+    def __init__(self, artifact: str | Path, to_engine, from_engine, limits: dict) -> None:
+        self.artifact = open_artifact(artifact, check_hashes=False)  # the engine process checks the hashes
+        self.tokenizer = self.artifact.load_tokenizer()
+        self._to_engine, self._from_engine = to_engine, from_engine
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()  # guards _streams, _adds_sent and the stats below
         self._streams: dict[str, _Stream] = {}
@@ -235,32 +348,11 @@ class EngineProcess(EngineFront):
         self._reader: threading.Thread | None = None
         self.errored: BaseException | None = None
         self._stopping = False
-        info = self._wait_ready(start_timeout_s)
-        self.max_seq_len: int = info["max_seq_len"]
-        self._vocab: int = info["vocab_size"]
-        self._block_size: int = info["block_size"]
-        self._num_blocks: int = info["num_blocks"]
-        self._max_waiting: int = info["max_waiting"]
-
-    def _wait_ready(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while not self._from_engine.poll(0.5):
-            if not self._proc.is_alive():
-                raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while loading")
-            if time.monotonic() > deadline:
-                self._kill()
-                raise EngineStartError(f"the engine did not load within {timeout_s:g} s")
-        try:
-            msg = json.loads(self._from_engine.recv_bytes())
-        except (EOFError, OSError):
-            self._proc.join(5)
-            raise EngineStartError(f"the engine process exited with code {self._proc.exitcode} while loading") \
-                from None
-        if msg[0] == "error":
-            self._proc.join(30)
-            raise EngineStartError(msg[2] if msg[1] in ("ArtifactError", "TokenizerError", "MemoryPlanError",
-                                                         "ValueError", "DeviceError") else f"{msg[1]}: {msg[2]}")
-        return msg[1]
+        self.max_seq_len: int = limits["max_seq_len"]
+        self._vocab: int = limits["vocab_size"]
+        self._block_size: int = limits["block_size"]
+        self._num_blocks: int = limits["num_blocks"]
+        self._max_waiting: int = limits["max_waiting"]
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -270,31 +362,17 @@ class EngineProcess(EngineFront):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
-        if self._proc.is_alive():
-            try:
-                self._send(["stop"])
-            except (OSError, ValueError):
-                pass
-            self._proc.join(timeout)
-        self._kill()
-        atexit.unregister(self._kill)
+        with contextlib.suppress(OSError):
+            self._to_engine.close()  # the engine sees this channel close
         if self._reader is not None:
             self._reader.join(timeout)
             self._reader = None
 
-    def _kill(self) -> None:
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-
     @property
     def ready(self) -> bool:
-        """Loaded and stepping (what /health reports)."""
+        """Reading the engine's results, and the engine has not failed (what /health reports)."""
         return (self._reader is not None and self._reader.is_alive() and self.errored is None
-                and self._proc.is_alive() and not self._stopping)
+                and not self._stopping)
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -395,3 +473,43 @@ class EngineProcess(EngineFront):
             rids = list(self._streams)
         self._deliver([(rid, error) for rid in rids])
 
+
+
+class EngineProcess(EngineClient):
+    """A ServingEngine stepping in a child process, with ``AsyncEngine``'s interface (module docstring): the client of
+    a one-channel engine process it starts and stops itself.
+
+    The constructor starts the process and waits until the artifact is loaded: a load failure raises
+    EngineStartError with the engine's message. ``start`` starts reading its results; ``shutdown`` stops it.
+    ``loader``: a module-level function (or a functools.partial of one) with ``load_engine``'s signature that the
+    engine process calls to make its ServingEngine (benchmarks substitute a simulated device)."""
+
+    def __init__(self, artifact: str | Path, device: str | torch.device = "cpu", config: ServingConfig | None = None,
+                 *, check_hashes: bool = True, allow_failed_gate: bool = False,
+                 start_timeout_s: float = START_TIMEOUT_S, loader: Callable = load_engine) -> None:
+        tp_size = open_artifact(artifact, check_hashes=False).tp_size
+        self._proc, [(to_engine, from_engine)], limits = start_engine_process(
+            artifact, device, config or ServingConfig(), check_hashes=check_hashes,
+            allow_failed_gate=allow_failed_gate, start_timeout_s=start_timeout_s, loader=loader, tp_size=tp_size)
+        atexit.register(self._kill)  # runs before multiprocessing's own exit hook, which would wait for the child
+        super().__init__(artifact, to_engine, from_engine, limits)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._proc.is_alive():
+            try:
+                self._send(["stop"])
+            except (OSError, ValueError):
+                pass
+            self._proc.join(timeout)
+        self._kill()
+        atexit.unregister(self._kill)
+        super().shutdown(timeout)
+
+    def _kill(self) -> None:
+        stop_process(self._proc)
+
+    @property
+    def ready(self) -> bool:
+        """Loaded and stepping (what /health reports)."""
+        return super().ready and self._proc.is_alive()

@@ -12,6 +12,11 @@ that arrive together with the first one add no inter-token latency.
 Engine state (running and waiting requests, KV cache usage, prefix-cache hit rate, preemptions, speculative
 draft tokens proposed and accepted) is read from ``engine.stats()`` when /metrics is scraped, so it is never
 stale and costs nothing per step.
+
+With several server processes (``builder serve --api-servers N``) each process records its own requests into
+prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``, which must be set before prometheus_client is
+imported: ``runtime.api_servers`` does) and a scrape of any of them sums every process's: ``ServerMetrics(...,
+multiprocess=True)``.
 """
 
 from __future__ import annotations
@@ -101,17 +106,42 @@ class _WeightedHistogram:
         yield HistogramMetricFamily(self.name, self.documentation, buckets=buckets, sum_value=self.total)
 
 
-class ServerMetrics:
-    """The metrics of one server app; ``render`` is what /metrics returns."""
+class _RepeatedHistogram:
+    """``_WeightedHistogram``'s interface over prometheus_client's Histogram, observed ``count`` times: the form the
+    multiprocess files hold (a delta's k tokens are k observations, as before that class)."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self.histogram = Histogram(name, documentation, buckets=buckets, registry=None)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        for _ in range(count):
+            self.histogram.observe(value)
+
+
+class ServerMetrics:
+    """The metrics of one server app; ``render`` is what /metrics returns. ``multiprocess``: this app is one of
+    several server processes, whose requests' metrics a scrape sums (module docstring)."""
+
+    def __init__(self, stats: Callable[[], EngineStats], multiprocess: bool = False) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        if multiprocess:
+            from prometheus_client import multiprocess as mp_metrics
+            from prometheus_client import values
+
+            if values.ValueClass is values.MutexValue:  # metrics would stay in this process, unseen by the others
+                raise RuntimeError("multiprocess metrics need PROMETHEUS_MULTIPROC_DIR set before prometheus_client "
+                                   "is imported (runtime.api_servers sets it)")
+            mp_metrics.MultiProcessCollector(self.registry)
+            r = None  # the metrics live in the files; the collector reads every process's
+            self.itl = _RepeatedHistogram("llm_inter_token_latency_seconds",
+                                          "Time between generated tokens, per token.", ITL_BUCKETS)
+        else:
+            r = self.registry
+            self.itl = _WeightedHistogram("llm_inter_token_latency_seconds",
+                                          "Time between generated tokens, per token.", ITL_BUCKETS)
+            r.register(self.itl)
         self.ttft = Histogram("llm_time_to_first_token_seconds", "Request arrival to its first token.",
                               buckets=TTFT_BUCKETS, registry=r)
-        self.itl = _WeightedHistogram("llm_inter_token_latency_seconds", "Time between generated tokens, per token.",
-                                      ITL_BUCKETS)
-        r.register(self.itl)
         self.e2e = Histogram("llm_e2e_request_latency_seconds", "Request arrival to its last token or error.",
                              buckets=E2E_BUCKETS, registry=r)
         self.requests = Counter("llm_requests", "Requests to the generation routes, by how they ended.",
@@ -120,7 +150,7 @@ class ServerMetrics:
             self.requests.labels(outcome)  # every outcome is exported from the start, at 0
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of requests that ran.", registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens.", registry=r)
-        r.register(_EngineCollector(stats))
+        self.registry.register(_EngineCollector(stats))
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition and its content type."""

@@ -11,6 +11,9 @@ it for process managers), 1 when the API key is empty or the artifact cannot be 
 plan does not fit, 2 for bad options.
 Needs only the runtime's dependencies (``pip install "llm-builder[runtime]"``).
 
+``--api-servers N`` runs N HTTP server processes sharing the port over the one engine process
+(``runtime.api_servers``), for loads where one process's event loop is the limit.
+
 A tensor-parallel artifact (built with ``parallel.tp_size: N``) starts its N - 1 worker ranks itself, one
 per GPU after ``--device``'s; or launch it as ``torchrun --nproc-per-node N -m runtime.serve ARTIFACT``:
 rank 0 serves HTTP, the other ranks only run steps. Across nodes, on each of M nodes (M x G = N ranks, the
@@ -117,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens a streamed response gathers per server-sent event after its first (default 1: one "
                         "event per engine step); more cuts the server's CPU per token when its event loop is the "
                         "limit, at the cost of burstier deltas")
+    p.add_argument("--api-servers", type=_positive(int), default=1, metavar="N",
+                   help="HTTP server processes sharing the port over one engine process (runtime.api_servers): more "
+                        "than 1 when one process's event loop is the limit (many concurrent streams)")
     p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact that failed its quality gates")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -203,6 +209,18 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_bytes=args.kv_cache_memory, num_blocks=args.num_blocks, request_timeout_s=args.request_timeout,
             cuda_graphs=not args.no_cuda_graphs, speculative=speculative,
             **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}))
+        if args.api_servers > 1:
+            if args.engine_thread:
+                print("error: --api-servers N > 1 runs the engine in its own process; leave out --engine-thread",
+                      file=sys.stderr)
+                return 2
+            from runtime import api_servers
+
+            return api_servers.serve(args.artifact, device, config, num_servers=args.api_servers, host=args.host,
+                                     port=args.port, model_name=args.served_model_name, api_key=api_key,
+                                     stream_interval=args.stream_interval, log_level=args.log_level,
+                                     allow_failed_gate=args.allow_failed_gate,
+                                     graceful_shutdown_s=GRACEFUL_SHUTDOWN_S)
         if args.engine_thread:
             serving = ServingEngine.load(args.artifact, device=device, config=config,
                                          allow_failed_gate=args.allow_failed_gate)
@@ -211,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
             engine = EngineProcess(args.artifact, device, config, allow_failed_gate=args.allow_failed_gate)
     except (ArtifactError, TokenizerError, MemoryPlanError, EngineStartError, ValueError) as e:
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # --api-servers: the address could not be bound
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
     model_name = args.served_model_name or engine.artifact.manifest["name"]
     log.info("serving %r as %r on %s (engine %s): max_num_seqs %s, max_num_batched_tokens %s, max_seq_len %d, "

@@ -91,7 +91,7 @@ from starlette.types import Receive, Scope, Send
 
 from runtime.artifact import TOKENIZER_DIR
 from runtime.async_engine import KEEP_ALIVE, AsyncEngine, EngineNotRunning, RequestStream
-from runtime.engine_process import EngineProcess
+from runtime.engine_process import EngineClient
 from runtime.engine import RequestError
 from runtime.generation_config import sampling_defaults
 from runtime.metrics import RequestTracker, ServerMetrics
@@ -890,8 +890,8 @@ class _EventStream(StreamingResponse):
 class _Handlers:
     """What the routes do, for one app over one engine."""
 
-    def __init__(self, engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None,
-                 sse_keepalive_s: float, stream_interval: int) -> None:
+    def __init__(self, engine: AsyncEngine | EngineClient, model_name: str, api_key: str | None,
+                 sse_keepalive_s: float, stream_interval: int, multiprocess_metrics: bool) -> None:
         self.engine = engine
         self.stream_interval = stream_interval
         artifact = engine.artifact
@@ -903,7 +903,7 @@ class _Handlers:
         self.api_key = api_key
         self.tokenizer = engine.tokenizer
         self.max_seq_len = engine.max_seq_len
-        self.metrics = ServerMetrics(engine.stats)
+        self.metrics = ServerMetrics(engine.stats, multiprocess=multiprocess_metrics)
         self.token_text = TokenText(self.tokenizer)
         self.created = int(time.time())
 
@@ -1101,13 +1101,16 @@ def _refusal(e: QueueFullError | RequestError, chat: bool) -> APIError:
     return _invalid(str(e), param="messages" if chat else "prompt")
 
 
-def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: str | None = None, *,
-               sse_keepalive_s: float = SSE_KEEPALIVE_S, stream_interval: int = 1) -> FastAPI:
+def create_app(engine: AsyncEngine | EngineClient, model_name: str, api_key: str | None = None, *,
+               sse_keepalive_s: float = SSE_KEEPALIVE_S, stream_interval: int = 1,
+               multiprocess_metrics: bool = False) -> FastAPI:
     """The server app over ``engine``; the app starts the engine (if it is not running yet) and shuts it
     down with itself. ``api_key``: required as ``Authorization: Bearer <key>`` on /v1 routes.
     ``sse_keepalive_s``: how long a stream goes without a delta before it gets a keep-alive comment.
     ``stream_interval``: tokens a streamed response gathers per event after its first (1: an event per engine step;
     N: a write and its framing per N tokens, for servers whose event loop is the limit at high concurrency).
+    ``multiprocess_metrics``: this app is one of several server processes over one engine (``runtime.api_servers``);
+    /metrics sums every process's request metrics (``runtime.metrics``).
     Raises ValueError for an empty key, and GenerationConfigError (a ValueError) when the artifact's
     generation_config.json sets a sampling default that is not allowed."""
     if api_key is not None and not api_key.strip():
@@ -1117,7 +1120,7 @@ def create_app(engine: AsyncEngine | EngineProcess, model_name: str, api_key: st
         raise ValueError(f"sse_keepalive_s must be > 0, got {sse_keepalive_s}")
     if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
         raise ValueError(f"stream_interval must be a whole number of tokens >= 1, got {stream_interval!r}")
-    h = _Handlers(engine, model_name, api_key, sse_keepalive_s, stream_interval)
+    h = _Handlers(engine, model_name, api_key, sse_keepalive_s, stream_interval, multiprocess_metrics)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

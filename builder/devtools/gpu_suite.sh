@@ -36,7 +36,8 @@
 #   serve-PREC     the HTTP server against the offline engine on PREC, 128 in / 128 out, $SERVE_CONCURRENCY (default 256)
 #                  requests in flight, 4x that many requests: `builder bench throughput` (offline), then `builder serve`
 #                  with the engine in its own process (the default) and with `--engine-thread` ($SERVE_MODES, default
-#                  "process thread"; $SERVE_STREAM_INTERVAL: the server's --stream-interval, default 1), each loaded by
+#                  "process thread"; $SERVE_STREAM_INTERVAL: the server's --stream-interval, default 1;
+#                  $SERVE_API_SERVERS: the process mode's --api-servers, default 1), each loaded by
 #                  `builder bench serve` with each client process count of $SERVE_WORKERS (default "4 1") after a
 #                  warm-up wave; figures recorded (serve_throughput_128_128_PREC, serve_overhead_pct_PREC, ...).
 #                  $SERVE_ARTIFACT overrides the artifact (e.g. artifacts/quickstart for a dry run on the CPU)
@@ -234,8 +235,9 @@ PY
         --json "$OUT/serve_${prec}_offline.json" 2>&1 | grep '^{'
       for mode in ${SERVE_MODES:-process thread}; do
         flag=""; [ $mode = thread ] && flag="--engine-thread"
+        api=""; [ $mode = process ] && api="--api-servers ${SERVE_API_SERVERS:-1}"
         python3 -m runtime.serve $art --port $port --max-num-seqs $c $flag $dev --log-level warning \
-          --stream-interval ${SERVE_STREAM_INTERVAL:-1} &
+          --stream-interval ${SERVE_STREAM_INTERVAL:-1} $api &
         pid=$!
         for _ in $(seq 300); do curl -sf localhost:$port/health >/dev/null && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
         client="python3 -m builder.cli bench serve --url http://127.0.0.1:$port --tokenizer $art --input-len 128 \

@@ -180,3 +180,46 @@ def test_merge_deltas_joins_what_a_slow_consumer_missed():
     assert merge_deltas([b]) is b
     no_logprobs = RequestOutput("r", "x", [9], None, False, None, 5, 1)
     assert merge_deltas([no_logprobs, no_logprobs]).logprobs is None
+
+
+def test_several_channels_route_results_and_survive_a_closed_one(bundled_artifact, offline):
+    """One engine process, two channels (what ``--api-servers 2`` runs): each client's streams equal the offline
+    generations, served side by side in one step loop; a client that closes with a request in flight has it aborted
+    (its blocks freed) while the other keeps streaming; the engine stops once its last channel has closed."""
+    from runtime.engine_process import EngineClient, start_engine_process, stop_process
+
+    proc, channels, limits = start_engine_process(bundled_artifact, "cpu",
+                                                  ServingConfig(num_blocks=160, max_num_seqs=4), num_channels=2)
+    try:
+        a, b = (EngineClient(bundled_artifact, to_engine, from_engine, limits) for to_engine, from_engine in channels)
+        a.start()
+        b.start()
+        prompts = [offline.tokenizer.encode(p) for p in ("def add(a, b):", "import json\n", "class Node:\n    ")]
+        params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+        async def both():
+            return await asyncio.gather(_collect(a, prompts[0], params), _collect(b, prompts[1], params),
+                                        _collect(a, prompts[2], params))
+
+        for prompt, (text, ids, reason, _) in zip(prompts, asyncio.run(both())):
+            ref = offline.generate(prompt, params)
+            assert (text, ids, reason) == (ref.text, ref.token_ids, ref.finish_reason)
+
+        async def close_a_mid_stream():
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            a.submit(prompts[0], long)  # never read: a's process is about to exit
+            stream = b.generate(prompts[1], SamplingParams(max_tokens=30, ignore_eos=True))
+            first = await stream.__anext__()
+            a.shutdown()  # its channel closes: the engine aborts a's request
+            rest = [out async for out in stream]
+            return [first, *rest]
+
+        outs = asyncio.run(close_a_mid_stream())
+        assert outs[-1].finish_reason == "length" and sum(len(o.token_ids) for o in outs) == 30
+        _idle(b)  # a's request was aborted: every block free again
+        assert b.ready and not a.ready
+        b.shutdown()
+        proc.join(30)
+        assert not proc.is_alive() and proc.exitcode == 0, "the engine stops once its last channel has closed"
+    finally:
+        stop_process(proc)

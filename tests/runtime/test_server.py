@@ -7,6 +7,7 @@ the server; every test that sends work ends by checking that the server's KV poo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -820,6 +821,50 @@ def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("example.com")
+
+
+def test_serve_cli_api_servers_share_the_port_and_the_metrics(bundled_artifact):
+    """``--api-servers 2``: two server processes over one engine process answer on one port, every /metrics scrape
+    (whichever process takes it) counts every request, and Ctrl-C stops the servers and the engine, exit 0."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", str(bundled_artifact), "--port", str(port),
+                             "--num-blocks", "64", "--max-num-seqs", "4", "--api-servers", "2", "--served-model-name",
+                             "m"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, "runtime.serve did not come up"
+            time.sleep(0.2)
+
+        def ask(i: int) -> int:  # a connection each: the two processes take turns at the socket
+            body = {"model": "m", "prompt": f"def f{i}(", "max_tokens": 4, "stream": i % 2 == 1}
+            r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            return 4 if body["stream"] else r.json()["usage"]["completion_tokens"]
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            tokens = sum(pool.map(ask, range(8)))
+        for _ in range(4):
+            text = httpx.get(f"{url}/metrics", timeout=10).text
+            counts = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                      if line.startswith(("llm_requests_total{", "llm_generation_tokens_total "))}
+            assert sum(v for k, v in counts.items() if k.startswith("llm_requests_total")) == 8, text
+            assert counts["llm_generation_tokens_total"] == tokens
+            assert "llm_kv_cache_num_blocks 64.0" in text  # the engine's gauges, from its stats
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    assert "with 2 server processes over one engine process" in out
+    assert out.count("Finished server process") == 2
 
 
 def torch_has_cuda() -> bool:
