@@ -211,6 +211,29 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+def slots_by_expert(experts: torch.Tensor, num_experts: int):
+    """(expert, its slots) for every expert with at least one: ``experts`` [T, top_k] routed experts, a slot ``s``
+    being token ``s // top_k``'s routing slot ``s % top_k``; each expert's slots in order (one host read of the
+    counts)."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots grouped by expert
+    start = 0
+    for e, n in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if n:
+            yield e, order[start:start + n]
+            start += n
+
+
+def expert_activation(gate_up: torch.Tensor, activation_fn: str, swiglu_alpha: float = 0.0,
+                      swiglu_limit: float = 0.0) -> torch.Tensor:
+    """An expert's hidden rows from its gate/up projection's output (gate columns, then up): act(gate) * up, or
+    :func:`clamped_swiglu` for ``clamped_swiglu``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation_fn == "clamped_swiglu":
+        return clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
+    return activation(gate, activation_fn) * up
+
+
 def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
         scoring: str = "softmax", norm_topk_prob: bool = True, activation_fn: str = "silu",
         gate_bias: torch.Tensor | None = None, round_weights: bool = False,
@@ -246,15 +269,8 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
     # slots: [T * top_k, hidden], row t * top_k + j = token t's slot j
     slots = torch.zeros(num_tokens * top_k, hidden, dtype=torch.promote_types(x.dtype, weights.dtype),
                         device=x.device)
-    flat_experts, flat_weights = experts.reshape(-1), weights.reshape(-1)
-    order = torch.argsort(flat_experts, stable=True)  # slot rows grouped by expert
-    counts = torch.bincount(flat_experts, minlength=w_gate_up.shape[0]).tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = order[start:start + n]
-        start += n
+    flat_weights = weights.reshape(-1)
+    for e, rows in slots_by_expert(experts, w_gate_up.shape[0]):
         int4_up = {} if w_gate_up_scales is None else dict(scales=w_gate_up_scales[e], zeros=w_gate_up_zeros[e],
                                                            group_size=group_size)
         int4_down = {} if w_down_scales is None else dict(scales=w_down_scales[e], zeros=w_down_zeros[e],
@@ -263,11 +279,7 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
                                 **int4_up)
         if b_gate_up is not None:
             gate_up = gate_up + b_gate_up[e]
-        gate, up = gate_up.chunk(2, dim=-1)
-        if activation_fn == "clamped_swiglu":
-            h = clamped_swiglu(gate, up, swiglu_alpha, swiglu_limit)
-        else:
-            h = activation(gate, activation_fn) * up
+        h = expert_activation(gate_up, activation_fn, swiglu_alpha, swiglu_limit)
         out = expert_linear(h, w_down[e], None if w_down_scale is None else w_down_scale[e], **int4_down)  # [n, hidden]
         if b_down is not None:
             out = out + b_down[e]

@@ -87,25 +87,13 @@ def routed_inputs(graph: Graph, node: Node, x: Tensor):
     a = node.attrs
     top_k = int(a["top_k"])
     _, experts = ops.moe_route(x, w["gate_weight"], w.get("gate_bias"), top_k, a["scoring"], a["norm_topk_prob"])
-    flat = experts.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=int(a["num_experts"])).tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = order[start:start + n]
-        start += n
+    for e, rows in ops.slots_by_expert(experts, int(a["num_experts"])):
         xe = x[rows // top_k]
         gate_up = F.linear(xe, w["w_gate_up"][e].to(x.dtype))
         if "b_gate_up" in w:
             gate_up = gate_up + w["b_gate_up"][e].to(x.dtype)
-        gate, up = gate_up.chunk(2, dim=-1)
-        if a["activation"] == "clamped_swiglu":
-            h = ops.clamped_swiglu(gate, up, float(a["swiglu_alpha"]), float(a["swiglu_limit"]))
-        else:
-            h = ops.activation(gate, a["activation"]) * up
-        yield e, xe, h
+        yield e, xe, ops.expert_activation(gate_up, a["activation"], float(a.get("swiglu_alpha", 0.0)),
+                                           float(a.get("swiglu_limit", 0.0)))
 
 
 @dataclass

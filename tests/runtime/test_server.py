@@ -788,24 +788,30 @@ def test_serve_cli_help_and_errors(bundled_artifact, tmp_path):
     assert build_parser().parse_args(["x"]).device == "auto"
 
 
-def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
+def _start_serve(*args: str, env: dict | None = None, timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
+    """``python -m runtime.serve *args`` on a free port, once /health answers 200: (process, base URL)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
-    env = {**os.environ, "LLM_BUILDER_API_KEY": "env-key"}
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", str(bundled_artifact), "--port", str(port),
-                             "--num-blocks", "40", "--served-model-name", "m"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", *args, "--port", str(port)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"runtime.serve did not come up: {proc.communicate()[0]}")
+        time.sleep(0.1)
+
+
+def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
+    env = {**os.environ, "LLM_BUILDER_API_KEY": "env-key"}
+    proc, url = _start_serve(str(bundled_artifact), "--num-blocks", "40", "--served-model-name", "m", env=env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "runtime.serve did not come up"
-            time.sleep(0.1)
         assert httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "def"}).status_code == 401
         r = httpx.post(f"{url}/v1/completions", json={"model": "m", "prompt": "def", "max_tokens": 3},
                        headers={"Authorization": "Bearer env-key"}, timeout=30)
@@ -826,23 +832,9 @@ def test_serve_cli_serves_with_the_key_from_the_environment(bundled_artifact):
 def test_serve_cli_api_servers_share_the_port_and_the_metrics(bundled_artifact):
     """``--api-servers 2``: two server processes over one engine process answer on one port, every /metrics scrape
     (whichever process takes it) counts every request, and Ctrl-C stops the servers and the engine, exit 0."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", str(bundled_artifact), "--port", str(port),
-                             "--num-blocks", "64", "--max-num-seqs", "4", "--api-servers", "2", "--served-model-name",
-                             "m"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = _start_serve(str(bundled_artifact), "--num-blocks", "64", "--max-num-seqs", "4", "--api-servers", "2",
+                             "--served-model-name", "m")
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            assert proc.poll() is None and time.monotonic() < deadline, "runtime.serve did not come up"
-            time.sleep(0.2)
-
         def ask(i: int) -> int:  # a connection each: the two processes take turns at the socket
             body = {"model": "m", "prompt": f"def f{i}(", "max_tokens": 4, "stream": i % 2 == 1}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
