@@ -39,7 +39,7 @@ sums times the row's scale, then the channel's, before the roundings above. The 
 
 W4A16 experts (the reference's ``*_scales`` / ``*_zeros`` / ``group_size``: uint8 codes packed two per byte along the
 input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]): each K step
-loads the bytes of its tile (each byte read for its two inputs), takes the input's nibble (low = even), and computes
+loads the bytes of its tile once (each byte holds two inputs' codes), unpacks both nibbles (low = even input), computes
 (q - zero) * scale in fp32 with the group's scale and zero point, rounded to x's dtype in registers: the reference's
 dequantized weight, exactly; then the 16-bit ``tl.dot`` with fp32 accumulation and the roundings above. A K step never
 crosses a group (BLOCK_K is cut to a power of two dividing group_size, so one scale / zero load per column and step;
@@ -327,16 +327,19 @@ def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile(w_ptrs, shift, mask, scale_ptrs, zero_ptrs, mask_n, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """One [BLOCK_K, BLOCK_N] tile of W4A16 expert weights in ``dtype``: the bytes at ``w_ptrs`` (each holding the
-    codes of two consecutive inputs; ``shift`` [BLOCK_K, 1] 0 for an even input, 4 for an odd one) unpacked, minus
+def _int4_tile(w_ptrs, mask, scale_ptrs, zero_ptrs, mask_n, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """One [2 R, BLOCK_N] tile of W4A16 expert weights in ``dtype`` from the R rows of bytes at ``w_ptrs`` [R,
+    BLOCK_N] (byte j: the codes of inputs 2j, low nibble, and 2j + 1, high), each byte loaded once: both nibbles minus
     the group's zero point, times its scale (``scale_ptrs`` / ``zero_ptrs`` [BLOCK_N]: the K step lies in one group),
-    in fp32, rounded to ``dtype`` (the reference's dequantized weight); 0 where ``mask`` is off."""
-    q = (tl.load(w_ptrs, mask=mask, other=0).to(tl.int32) >> shift) & 0xF
-    scale = tl.load(scale_ptrs, mask=mask_n, other=0.0)
-    zero = tl.load(zero_ptrs, mask=mask_n, other=0).to(tl.float32)
-    w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]
-    return _round(tl.where(mask, w, 0.0), dtype, EMULATE_BF16)
+    in fp32, rounded to ``dtype`` (the reference's dequantized weight), interleaved back into input order; 0 where
+    ``mask`` [R, BLOCK_N] is off."""
+    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    scale = tl.load(scale_ptrs, mask=mask_n, other=0.0)[None, :]
+    zero = tl.load(zero_ptrs, mask=mask_n, other=0).to(tl.float32)[None, :]
+    lo = tl.where(mask, ((b & 0xF).to(tl.float32) - zero) * scale, 0.0)
+    hi = tl.where(mask, ((b >> 4).to(tl.float32) - zero) * scale, 0.0)
+    w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * lo.shape[0], lo.shape[1]))
+    return _round(w, dtype, EMULATE_BF16)
 
 
 @triton.jit
@@ -370,9 +373,9 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     x_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    if INT4:  # each byte twice: the codes of inputs 2j and 2j + 1
-        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
-        shift = ((offs_k % 2) * 4)[:, None]
+    offs_kh = tl.arange(0, BLOCK_K // 2)  # INT4: a K step's bytes, each the codes of inputs 2j and 2j + 1
+    if INT4:
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kh[:, None]
         g_gate = expert.to(tl.int64) * 2 * N * num_groups + offs_n * num_groups  # [BN] row starts of ws / wz
         g_up = g_gate + N * num_groups
     else:
@@ -390,9 +393,10 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
         w_mask = mask_k[:, None] & mask_n[None, :]
         if INT4:
             g = k0 // group_size
-            acc_gate = _dot(a, _int4_tile(w_gate + k0 // 2, shift, w_mask, ws_ptr + g_gate + g, wz_ptr + g_gate + g,
+            b_mask = (2 * offs_kh < K - k0)[:, None] & mask_n[None, :]  # K is even: a byte's two inputs together
+            acc_gate = _dot(a, _int4_tile(w_gate + k0 // 2, b_mask, ws_ptr + g_gate + g, wz_ptr + g_gate + g,
                                           mask_n, x_ptr.dtype.element_ty, EMULATE_BF16), acc_gate, IEEE)
-            acc_up = _dot(a, _int4_tile(w_up + k0 // 2, shift, w_mask, ws_ptr + g_up + g, wz_ptr + g_up + g,
+            acc_up = _dot(a, _int4_tile(w_up + k0 // 2, b_mask, ws_ptr + g_up + g, wz_ptr + g_up + g,
                                         mask_n, x_ptr.dtype.element_ty, EMULATE_BF16), acc_up, IEEE)
         else:
             acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
@@ -431,9 +435,9 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
     h_rows = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]
+    offs_kh = tl.arange(0, BLOCK_K // 2)  # INT4: a K step's bytes, each the codes of inputs 2j and 2j + 1
     if INT4:
-        w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + (offs_k // 2)[:, None]
-        shift = ((offs_k % 2) * 4)[:, None]
+        w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kh[:, None]
         g_rows = expert.to(tl.int64) * N * num_groups + offs_n * num_groups
     else:
         w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -447,7 +451,7 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
             a = _fp8_codes(a, x_scale, IEEE)
         if INT4:
             g = k0 // group_size
-            w = _int4_tile(w_cols + k0 // 2, shift, mask_k[:, None] & mask_n[None, :], ws_ptr + g_rows + g,
+            w = _int4_tile(w_cols + k0 // 2, (2 * offs_kh < K - k0)[:, None] & mask_n[None, :], ws_ptr + g_rows + g,
                            wz_ptr + g_rows + g, mask_n, h_ptr.dtype.element_ty, EMULATE_BF16)
             acc = _dot(a, w, acc, IEEE)
         else:
