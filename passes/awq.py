@@ -433,13 +433,17 @@ class AWQ(Int4Experts, QuantMethod):
 
     def quantize_expert(self, role: str, e: int, w: torch.Tensor, stats: ExpertInputs):
         """An expert's weight as a linear of this section would be, minus the activation scale (nothing can absorb
-        a per-expert one): clip searched on its kept routed rows and rounded to nearest, scales refit on its routed
-        rows' Hessian; or GPTQ on that Hessian (``rounding: gptq``)."""
-        H = stats.hessian(role, e)
+        a per-expert one): :meth:`_round` on its kept routed rows and their Hessian."""
+        return self._round(w, stats.rows(role, e) if self.clip else None, stats.hessian(role, e))
+
+    def _round(self, w: torch.Tensor, x: torch.Tensor | None, H: torch.Tensor | None):
+        """(codes, scales, zeros) of ``w``: its clip searched on inputs ``x`` and rounded to nearest, the scales refit
+        on ``H`` (the clipped codes reproducing the unclipped weight's outputs); or GPTQ on ``H`` (``rounding:
+        gptq``, no clip)."""
         if self.rounding == "gptq":
             res = gptq_quantize(w, H, self.cfg, block_size=self.block_size, damp=self.damp, refit=self.refit)
             return res.codes, res.scales, res.zeros
-        clipped = apply_clip(w, search_clip(stats.rows(role, e), w, self.cfg), self.cfg.group_size) if self.clip else w
+        clipped = apply_clip(w, search_clip(x, w, self.cfg), self.cfg.group_size) if self.clip else w
         codes, scales, zeros = quantize_groups(clipped, self.cfg)
         if self.refit:
             scales = refit_scales(w, codes, scales, zeros, H, self.cfg.group_size)
@@ -447,14 +451,7 @@ class AWQ(Int4Experts, QuantMethod):
 
     def _clip_and_quantize(self, graph: Graph, node: Node, x: torch.Tensor, H: torch.Tensor | None) -> None:
         w = graph.params[node.weights["weight"]].float()
-        clipped = apply_clip(w, search_clip(x, w, self.cfg), self.cfg.group_size) if self.clip else w
-        if self.rounding == "nearest":
-            codes, scales, zeros = quantize_groups(clipped, self.cfg)
-            if self.refit:  # the scales that best reproduce the unclipped weight's outputs on the kept inputs
-                scales = refit_scales(w, codes, scales, zeros, H, self.cfg.group_size)
-        else:
-            res = gptq_quantize(clipped, H, self.cfg, block_size=self.block_size, damp=self.damp, refit=self.refit)
-            codes, scales, zeros = res.codes, res.scales, res.zeros
+        codes, scales, zeros = self._round(w, x, H)
         self.replace_weight(graph, node, self.scheme, {"qweight": pack_int4(codes), "scales": scales, "zeros": zeros},
                             {"bits": 4, "group_size": self.cfg.group_size, "symmetric": self.cfg.symmetric}, reference=w)
 
