@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_ops as ops
+from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
 from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear, permute_input
 
@@ -873,12 +874,11 @@ def _all_reduce(w, attrs, ex) -> Kernel:
 
     _group_size(tp_size)
     upcast = dist.get_backend() == "gloo"  # CPU: sum 16-bit partials in fp32 (gloo's 16-bit sums are slow)
+    reduce = all_reduce_for(ex.device, torch.float32 if upcast else ex.dtype)
 
     def kernel(xs, step):
         x = xs[0]  # [num_tokens, features]: this rank's partial sum (the row-parallel linear's fresh output)
-        y = x.float() if upcast and x.dtype != torch.float32 else x
-        dist.all_reduce(y)
-        y = y.to(x.dtype)
+        y = reduce(x.float() if upcast and x.dtype != torch.float32 else x).to(x.dtype)
         return (y if bias is None else y + bias,)
 
     return kernel

@@ -72,6 +72,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from runtime import collectives
 from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.executor import Executor, PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
@@ -583,6 +584,7 @@ class TPExecutor:
 def _destroy_group(timeout: float) -> None:
     """Leave the process group, giving up after ``timeout`` seconds: NCCL's teardown can wait forever on
     resources still held elsewhere, and closing an engine must not hang (the group is then left as is)."""
+    collectives.reset()
     t = threading.Thread(target=dist.destroy_process_group, name="tp-destroy-group", daemon=True)
     t.start()
     t.join(timeout)
@@ -851,6 +853,7 @@ def start(artifact: Artifact, device: torch.device, use_kernels: bool, check_has
         for p in workers:
             p.terminate()
         if dist.is_initialized():
+            collectives.reset()
             dist.destroy_process_group()
         raise
     log.info("tensor parallel: %d ranks on %s (backend %s), worker pids %s", tp_size,

@@ -93,8 +93,13 @@
 #   spec-draft     the bundled model and its draft built (recipes/quickstart.yaml, quickstart-draft.yaml), then
 #                  builder.bench.speculative with the draft on held-out text, greedy, batch 1; spec_speedup_draft_b1
 #                  and its companions in $OUT/benchmarks.jsonl
+#   tp-check       (2 GPUs) tests/runtime/test_collectives.py (the one-shot all-reduce against NCCL), then
+#                  builder.devtools.tp_check on CUDA: the bundled model (fp32) and the tiny MoE preset (bf16 and fp8),
+#                  each built at tp_size 1 and 2 (greedy tokens and logits, offline and serving engines)
 #   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput at concurrency 64,
-#                  with CUDA-graph decode and eager (TP_EAGER= skips eager); TP_ARTIFACTS="bf16-tp2": TP=2 only
+#                  with CUDA-graph decode and eager (TP_EAGER= skips eager); TP_ARTIFACTS="bf16-tp2": TP=2 only;
+#                  tp2_speedup_b1_8b recorded when both ran; each $TP_ONE_SHOT_AB value (e.g. "0") runs the TP=2
+#                  artifact again with LLM_BUILDER_TP_ONE_SHOT_BYTES set to it
 set -uo pipefail
 OUT=${OUT:-gpu-results}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-}:$PWD
@@ -471,12 +476,43 @@ PY
       done
       wait
       for a in ${TP_ARTIFACTS:-bf16 bf16-tp2}; do
-        bench latency artifacts/llama3-8b-$a --input-len 128 --output-len 128
+        python3 -m builder.cli bench latency artifacts/llama3-8b-$a --input-len 128 --output-len 128 \
+          --json "$OUT/lat_$a.jsonl" 2>&1 | grep '^{'
         bench throughput artifacts/llama3-8b-$a --input-len 128 --output-len 128 --concurrency 64
         if [ -n "${TP_EAGER-1}" ]; then
           bench latency artifacts/llama3-8b-$a --input-len 128 --output-len 128 --no-cuda-graphs
           bench throughput artifacts/llama3-8b-$a --input-len 128 --output-len 128 --concurrency 64 --no-cuda-graphs
         fi
+      done
+      if [ -f "$OUT/lat_bf16.jsonl" ] && [ -f "$OUT/lat_bf16-tp2.jsonl" ]; then
+        python3 -m builder.devtools.tp_speedup --one "$OUT/lat_bf16.jsonl" --sharded "$OUT/lat_bf16-tp2.jsonl" \
+          --tp-size 2 --name 8b --record "$OUT/benchmarks.jsonl" --command "builder bench latency \
+artifacts/llama3-8b-{bf16,bf16-tp2} --input-len 128 --output-len 128 (gpu_suite.sh tp-8b)"
+      fi
+      for v in ${TP_ONE_SHOT_AB-}; do
+        echo "== TP=2 with LLM_BUILDER_TP_ONE_SHOT_BYTES=$v"
+        LLM_BUILDER_TP_ONE_SHOT_BYTES=$v bench latency artifacts/llama3-8b-bf16-tp2 --input-len 128 --output-len 128
+        LLM_BUILDER_TP_ONE_SHOT_BYTES=$v bench throughput artifacts/llama3-8b-bf16-tp2 --input-len 128 \
+          --output-len 128 --concurrency 64
+      done ;;
+    tp-check)
+      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_collectives.py 2>&1 | tail -15
+      for tp in 1 2; do
+        python3 -m builder.cli build recipes/quickstart.yaml --quiet --set output_dir=/tmp/tpc/qs-tp$tp \
+          --set parallel.tp_size=$tp 2>&1 | tail -1
+      done
+      python3 -m builder.devtools.tp_check /tmp/tpc/qs-tp1 /tmp/tpc/qs-tp2 --device cuda 2>&1 | grep -v "^\[" | tail -6
+      python3 -m builder.devtools.make_checkpoint --preset tiny-moe --out /tmp/tpc/tiny-moe 2>&1 | tail -1
+      for prec in bf16 fp8; do
+        for tp in 1 2; do
+          python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-$prec.yaml --quiet \
+            --set model.checkpoint=/tmp/tpc/tiny-moe --set output_dir=/tmp/tpc/moe-$prec-tp$tp \
+            --set runtime.max_seq_len=512 --set runtime.max_batch_size=8 --set runtime.max_num_tokens=512 \
+            --set parallel.tp_size=$tp 2>&1 | tail -1
+        done
+        echo "== tiny MoE $prec, tp_size 2 against 1"
+        python3 -m builder.devtools.tp_check /tmp/tpc/moe-$prec-tp1 /tmp/tpc/moe-$prec-tp2 --device cuda 2>&1 \
+          | grep -v "^\[" | tail -6
       done ;;
     *) echo "unknown part $part" ;;
   esac
