@@ -21,14 +21,14 @@ NCCL, the dtype is float32 or bfloat16 and the sum is at most ``LLM_BUILDER_TP_O
 256-sequence decode step of a 4096-wide bf16 model); NCCL otherwise (prefill chunks, other hosts, CPU's gloo).
 ``LLM_BUILDER_TP_ONE_SHOT_BYTES=0`` turns it off. Setting it up is collective: every rank allocates and exchanges
 its buffer when it compiles its first all_reduce node (the ranks compile the same graph in the same order), then
-the ranks agree by an all_reduce of a flag, so a rank that could not set it up makes all of them use NCCL.
+the ranks agree by an all_reduce of a flag, so a rank that could not set it up makes all of them use NCCL. One
+process group per process sets it up (:func:`all_reduce_for`): a second engine in the same process sums over NCCL.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -76,11 +76,9 @@ class PeerAllReduce:
     def __init__(self, device: torch.device, dtype: torch.dtype, capacity: int) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
+        # rendezvous resolves the group by name, as it is now: no enable_symm_mem_for_group, whose store it caches
+        # by name would outlive this group and hang the rendezvous of the next engine's group of the same name
         self.group_name = dist.group.WORLD.group_name
-        if not getattr(symm_mem, "is_symm_mem_enabled_for_group", lambda _: False)(self.group_name):
-            with warnings.catch_warnings():  # deprecated (a no-op) in later PyTorch; required in earlier ones
-                warnings.simplefilter("ignore", FutureWarning)
-                symm_mem.enable_symm_mem_for_group(self.group_name)
         self.capacity = capacity
         self.buffer = symm_mem.empty(capacity, dtype=dtype, device=device)
         self.handle = symm_mem.rendezvous(self.buffer, dist.group.WORLD)
@@ -115,16 +113,26 @@ def _agree(ok: bool, device: torch.device) -> bool:
 
 
 _peers: dict[tuple[str, torch.dtype], PeerAllReduce | None] = {}
+_generation = 0  # process groups left (reset) in this process
+_set_up_in: int | None = None  # the generation whose group set symmetric memory up in this process
 
 
 def reset() -> None:
     """Forget the buffers (the process group they belong to is being destroyed)."""
+    global _generation
     _peers.clear()
+    _generation += 1
 
 
 def all_reduce_for(device: torch.device, dtype: torch.dtype) -> AllReduce:
     """The sum over the default group's ranks for partial sums of ``dtype`` on ``device``: one-shot where it fits
-    (module docstring), NCCL / gloo (in place) otherwise. Collective on first use per (device, dtype)."""
+    (module docstring), NCCL / gloo (in place) otherwise. Collective on first use per (device, dtype).
+
+    A process sets symmetric memory up for one process group only: PyTorch numbers its rendezvous exchanges per
+    process, so a later group's rendezvous between this process (rank 0 of a second engine) and freshly started
+    workers would wait on keys the others never write. The ranks agree on that first; a later group sums over
+    NCCL."""
+    global _set_up_in
     key = (str(device), dtype)
     if key not in _peers:
         world = dist.get_world_size()
@@ -133,6 +141,12 @@ def all_reduce_for(device: torch.device, dtype: torch.dtype) -> AllReduce:
         why = one_shot_refusal(device, dtype, dist.get_backend(), world, local_world, limit)
         peer = None
         if why is None:
+            earlier = _set_up_in not in (None, _generation)
+            if not _agree(not earlier, device):
+                why = "symmetric memory was set up for an earlier process group in this process" if earlier else \
+                    "another rank's process set symmetric memory up for an earlier process group"
+        if why is None:
+            _set_up_in = _generation
             try:
                 peer = PeerAllReduce(device, dtype, limit // dtype.itemsize)
             except Exception as e:  # no peer access or no symmetric memory in this build: NCCL, on every rank

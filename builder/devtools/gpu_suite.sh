@@ -496,12 +496,12 @@ artifacts/llama3-8b-{bf16,bf16-tp2} --input-len 128 --output-len 128 (gpu_suite.
           --output-len 128 --concurrency 64
       done ;;
     tp-check)
-      python3 -m pytest -q -p no:cacheprovider tests/runtime/test_collectives.py 2>&1 | tail -15
+      timeout -k 10 300 python3 -m pytest -q -p no:cacheprovider tests/runtime/test_collectives.py -s 2>&1 | tail -30
       for tp in 1 2; do
         python3 -m builder.cli build recipes/quickstart.yaml --quiet --set output_dir=/tmp/tpc/qs-tp$tp \
           --set parallel.tp_size=$tp 2>&1 | tail -1
       done
-      python3 -m builder.devtools.tp_check /tmp/tpc/qs-tp1 /tmp/tpc/qs-tp2 --device cuda 2>&1 | grep -v "^\[" | tail -6
+      timeout -k 10 300 python3 -m builder.devtools.tp_check /tmp/tpc/qs-tp1 /tmp/tpc/qs-tp2 --device cuda 2>&1 | grep -v "^\[" | tail -6
       python3 -m builder.devtools.make_checkpoint --preset tiny-moe --out /tmp/tpc/tiny-moe 2>&1 | tail -1
       for prec in bf16 fp8; do
         for tp in 1 2; do
@@ -511,7 +511,7 @@ artifacts/llama3-8b-{bf16,bf16-tp2} --input-len 128 --output-len 128 (gpu_suite.
             --set parallel.tp_size=$tp 2>&1 | tail -1
         done
         echo "== tiny MoE $prec, tp_size 2 against 1"
-        python3 -m builder.devtools.tp_check /tmp/tpc/moe-$prec-tp1 /tmp/tpc/moe-$prec-tp2 --device cuda 2>&1 \
+        timeout -k 10 300 python3 -m builder.devtools.tp_check /tmp/tpc/moe-$prec-tp1 /tmp/tpc/moe-$prec-tp2 --device cuda 2>&1 \
           | grep -v "^\[" | tail -6
       done ;;
     *) echo "unknown part $part" ;;

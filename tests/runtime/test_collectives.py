@@ -1,5 +1,6 @@
 """The tensor-parallel all-reduce: when the one-shot path over peer memory is taken, and, on a host with two GPUs,
-that it sums exactly what NCCL sums (eager and inside a CUDA graph, each rank's result bit-equal to the others')."""
+that it sums exactly what NCCL sums (eager and inside a CUDA graph, each rank's result bit-equal to the others'),
+and that a second group in the same process sums over NCCL instead."""
 
 from __future__ import annotations
 
@@ -54,6 +55,41 @@ def test_gloo_ranks_sum_in_place_without_symmetric_memory(tmp_path):
         dist.destroy_process_group()
 
 
+def test_a_process_sets_symmetric_memory_up_for_its_first_group_only(tmp_path, monkeypatch, caplog):
+    """A later group in the same process (a second engine) is refused before any rendezvous, and sums in place.
+    One gloo rank stands in for the ranks; the refusal checks and the buffer are replaced (no GPU here)."""
+    made = []
+
+    class FakePeer:
+        def __init__(self, device, dtype, capacity):
+            made.append(capacity)
+            self.capacity = capacity
+
+        def fits(self, x):
+            return x.numel() <= self.capacity
+
+        def __call__(self, x):
+            return x * 1.0  # a new tensor, as the one-shot op returns
+
+    monkeypatch.setattr(collectives, "one_shot_refusal", lambda *args: None)
+    monkeypatch.setattr(collectives, "PeerAllReduce", FakePeer)
+    monkeypatch.setattr(collectives, "_set_up_in", None)
+    caplog.set_level("INFO", logger="runtime.collectives")
+    x = torch.randn(2, 8)
+    for attempt in ("first", "second"):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / attempt}", rank=0, world_size=1)
+        try:
+            reduce = collectives.all_reduce_for(torch.device("cpu"), torch.float32)
+            y = reduce(x)
+            torch.testing.assert_close(y, x)
+            assert (y is x) == (attempt == "second")  # the fake's copy, then gloo in place
+        finally:
+            collectives.reset()
+            dist.destroy_process_group()
+    assert len(made) == 1
+    assert "set up for an earlier process group in this process" in caplog.text
+
+
 def _two_gpu_worker(rank: int, store_path: str, results: str) -> None:
     torch.cuda.set_device(rank)
     os.environ["LOCAL_WORLD_SIZE"] = "2"
@@ -104,6 +140,16 @@ def _two_gpu_worker(rank: int, store_path: str, results: str) -> None:
                 dist.all_reduce(want)
                 torch.testing.assert_close(static_out, want, rtol=2e-2, atol=2e-2)
             lines.append(f"{rank} {str(dtype)} graph replays ok")
+        # the next engine in this process: its group sums over NCCL (a rendezvous would not meet a fresh worker's)
+        collectives.reset()
+        dist.destroy_process_group()
+        dist.init_process_group("nccl", init_method=f"file://{store_path}-again", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=120))
+        reduce = collectives.all_reduce_for(device, torch.bfloat16)
+        assert collectives._peers[(str(device), torch.bfloat16)] is None
+        x = torch.full((2, 4096), float(rank + 1), device=device, dtype=torch.bfloat16)
+        assert torch.equal(reduce(x), torch.full_like(x, 3.0))
+        lines.append(f"{rank} second group ok")
     finally:
         collectives.reset()
         dist.destroy_process_group()
@@ -122,4 +168,4 @@ def test_one_shot_sums_what_nccl_sums_on_two_gpus():
             with open(f"{results}.{rank}") as f:
                 text = f.read()
             print(text, end="")
-            assert text.count("graph replays ok") == 2
+            assert text.count("graph replays ok") == 2 and "second group ok" in text
