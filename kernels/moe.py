@@ -38,13 +38,25 @@ loaded tile quantized in registers (E4M3, nearest even), FP8 dots accumulated in
 sums times the row's scale, then the channel's, before the roundings above. The router stays in x's dtype.
 
 W4A16 experts (the reference's ``*_scales`` / ``*_zeros`` / ``group_size``: uint8 codes packed two per byte along the
-input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]): each K step
-loads the bytes of its tile once (each byte holds two inputs' codes), unpacks both nibbles (low = even input), computes
-(q - zero) * scale in fp32 with the group's scale and zero point, rounded to x's dtype in registers: the reference's
-dequantized weight, exactly; then the 16-bit ``tl.dot`` with fp32 accumulation and the roundings above. A K step never
-crosses a group (BLOCK_K is cut to a power of two dividing group_size, so one scale / zero load per column and step;
-group_size a multiple of 16, or -1 for one group per row). A separate constexpr branch (INT4): the bf16 and FP8 paths
-compile as before.
+input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]). A K step never
+crosses a group (BLOCK_K is cut to a power of two dividing group_size; group_size a multiple of 16, or -1 for one group
+per row), so within it the scale and zero point are constants of the column and
+
+    sum_k x[m, k] (q[n, k] - z[n]) s[n] = s[n] * sum_k x[m, k] (q[n, k] - z[n])
+
+Each K step loads the bytes of its tile once ([BLOCK_N, BLOCK_K / 2]: byte j holds the codes of inputs 2j, low nibble,
+and 2j + 1, high), turns both nibbles into q - zero in x's dtype (exact: small integers; on bf16 x in PTX,
+``kernels.w4a16_mma._codes_minus_zero``: per 4 bytes 2 byte permutes, 2 shifts and 4 LOPs place the 8 nibbles in the
+mantissas of bf16 128.0, then one packed bf16 add of -(128 + zero) per two codes; fp16 / fp32 x and the interpreter
+take plain integer ops to the same values), takes the low nibbles' products with
+the step's even inputs and the high nibbles' with its odd ones (two 16-bit ``tl.dot`` of K = BLOCK_K / 2, fp32 sums),
+and adds those sums times the group's scale to the fp32 accumulator; then the roundings above.
+
+NOTE: the reference rounds each dequantized weight (q - zero) * scale to x's dtype before its GEMMs; the kernels never
+form it, so their sums are those of the unrounded weights, each within half an ulp of the reference's: gate / up / h
+values differ from the reference's as much as a GEMM summed in another order does (``tests/kernels/test_moe_kernel.py``
+measures it), and agree to fp32 rounding where the scales are powers of two (the weights then exact in x's dtype).
+A separate constexpr branch (INT4): the bf16 and FP8 paths compile as before.
 
 NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow; FP8 dots with FP8 experts); experts stacked, in x's
 dtype, FP8 or W4A16 codes. On the GPU the FP8 quotients use the approximate fp32 division: a value at a code's rounding boundary can
@@ -66,6 +78,7 @@ import triton.language as tl
 
 from kernels import torch_ops as ops
 from kernels.w4a16_gemm import _interpreting, grouped_tile
+from kernels.w4a16_mma import _codes_minus_zero
 from kernels.w8a8_gemm import _round_e4m3
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -327,19 +340,17 @@ def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _int4_tile(w_ptrs, mask, scale_ptrs, zero_ptrs, mask_n, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """One [2 R, BLOCK_N] tile of W4A16 expert weights in ``dtype`` from the R rows of bytes at ``w_ptrs`` [R,
-    BLOCK_N] (byte j: the codes of inputs 2j, low nibble, and 2j + 1, high), each byte loaded once: both nibbles minus
-    the group's zero point, times its scale (``scale_ptrs`` / ``zero_ptrs`` [BLOCK_N]: the K step lies in one group),
-    in fp32, rounded to ``dtype`` (the reference's dequantized weight), interleaved back into input order; 0 where
-    ``mask`` [R, BLOCK_N] is off."""
-    b = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    scale = tl.load(scale_ptrs, mask=mask_n, other=0.0)[None, :]
-    zero = tl.load(zero_ptrs, mask=mask_n, other=0).to(tl.float32)[None, :]
-    lo = tl.where(mask, ((b & 0xF).to(tl.float32) - zero) * scale, 0.0)
-    hi = tl.where(mask, ((b >> 4).to(tl.float32) - zero) * scale, 0.0)
-    w = tl.reshape(tl.permute(tl.join(lo, hi), (0, 2, 1)), (2 * lo.shape[0], lo.shape[1]))
-    return _round(w, dtype, EMULATE_BF16)
+def _int4_dot(a_even, a_odd, w_ptrs, mask, scale_ptrs, zero_ptrs, mask_n, acc, IEEE: tl.constexpr):
+    """acc + one K step of W4A16 expert weights: the R bytes of each of BLOCK_N rows at ``w_ptrs`` [BLOCK_N, R] (byte
+    j: the codes of inputs 2j, low nibble, and 2j + 1, high), each loaded once, against a_even / a_odd [BLOCK_M, R]
+    (the step's even and odd inputs). Codes minus the group's zero point exactly in the dot's dtype, their products
+    summed in fp32, times the group's scale (``scale_ptrs`` / ``zero_ptrs`` [BLOCK_N]: the K step lies in one group).
+    Masked bytes are 0: finite weights against inputs that are 0 there, or in columns never stored."""
+    b = tl.load(w_ptrs, mask=mask, other=0)
+    zero = tl.load(zero_ptrs, mask=mask_n, other=0).to(tl.int32)
+    lo, hi = _codes_minus_zero(b, zero, a_even.dtype, not IEEE and a_even.dtype == tl.bfloat16)
+    part = _dot(a_odd, tl.trans(hi), _dot(a_even, tl.trans(lo), None, IEEE), IEEE)
+    return acc + tl.load(scale_ptrs, mask=mask_n, other=0.0)[None, :] * part
 
 
 @triton.jit
@@ -374,8 +385,8 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
     mask_n = offs_n < N
     x_rows = x_ptr + tokens[:, None] * stride_xm + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     offs_kh = tl.arange(0, BLOCK_K // 2)  # INT4: a K step's bytes, each the codes of inputs 2j and 2j + 1
-    if INT4:
-        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kh[:, None]
+    if INT4:  # [BN, BK / 2]
+        w_gate = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_kh[None, :]
         g_gate = expert.to(tl.int64) * 2 * N * num_groups + offs_n * num_groups  # [BN] row starts of ws / wz
         g_up = g_gate + N * num_groups
     else:
@@ -393,11 +404,12 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
         w_mask = mask_k[:, None] & mask_n[None, :]
         if INT4:
             g = k0 // group_size
-            b_mask = (2 * offs_kh < K - k0)[:, None] & mask_n[None, :]  # K is even: a byte's two inputs together
-            acc_gate = _dot(a, _int4_tile(w_gate + k0 // 2, b_mask, ws_ptr + g_gate + g, wz_ptr + g_gate + g,
-                                          mask_n, x_ptr.dtype.element_ty, EMULATE_BF16), acc_gate, IEEE)
-            acc_up = _dot(a, _int4_tile(w_up + k0 // 2, b_mask, ws_ptr + g_up + g, wz_ptr + g_up + g,
-                                        mask_n, x_ptr.dtype.element_ty, EMULATE_BF16), acc_up, IEEE)
+            b_mask = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]  # K is even: a byte's two inputs together
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            acc_gate = _int4_dot(a_even, a_odd, w_gate + k0 // 2, b_mask, ws_ptr + g_gate + g, wz_ptr + g_gate + g,
+                                 mask_n, acc_gate, IEEE)
+            acc_up = _int4_dot(a_even, a_odd, w_up + k0 // 2, b_mask, ws_ptr + g_up + g, wz_ptr + g_up + g, mask_n,
+                               acc_up, IEEE)
         else:
             acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
             acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
@@ -436,8 +448,8 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
     mask_n = offs_n < N
     h_rows = h_ptr + rows[:, None] * stride_hm + offs_k[None, :]
     offs_kh = tl.arange(0, BLOCK_K // 2)  # INT4: a K step's bytes, each the codes of inputs 2j and 2j + 1
-    if INT4:
-        w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_kh[:, None]
+    if INT4:  # [BN, BK / 2]
+        w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None] * stride_wn + offs_kh[None, :]
         g_rows = expert.to(tl.int64) * N * num_groups + offs_n * num_groups
     else:
         w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
@@ -451,9 +463,9 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
             a = _fp8_codes(a, x_scale, IEEE)
         if INT4:
             g = k0 // group_size
-            w = _int4_tile(w_cols + k0 // 2, (2 * offs_kh < K - k0)[:, None] & mask_n[None, :], ws_ptr + g_rows + g,
-                           wz_ptr + g_rows + g, mask_n, h_ptr.dtype.element_ty, EMULATE_BF16)
-            acc = _dot(a, w, acc, IEEE)
+            a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
+            acc = _int4_dot(a_even, a_odd, w_cols + k0 // 2, mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :],
+                            ws_ptr + g_rows + g, wz_ptr + g_rows + g, mask_n, acc, IEEE)
         else:
             acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
     if FP8:
