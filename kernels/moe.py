@@ -50,7 +50,8 @@ and 2j + 1, high), turns both nibbles into q - zero in x's dtype (exact: small i
 mantissas of bf16 128.0, then one packed bf16 add of -(128 + zero) per two codes; fp16 / fp32 x and the interpreter
 take plain integer ops to the same values), takes the low nibbles' products with
 the step's even inputs and the high nibbles' with its odd ones (two 16-bit ``tl.dot`` of K = BLOCK_K / 2, fp32 sums),
-and adds those sums times the group's scale to the fp32 accumulator; then the roundings above.
+and adds those sums times the group's scale to the fp32 accumulator; then the roundings above. The zero points are
+loaded a step ahead (they gate the step's first MMA; its scales are only read at its end).
 
 NOTE: the reference rounds each dequantized weight (q - zero) * scale to x's dtype before its GEMMs; the kernels never
 form it, so their sums are those of the unrounded weights, each within half an ulp of the reference's: gate / up / h
@@ -340,14 +341,19 @@ def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _int4_dot(a_even, a_odd, w_ptrs, mask, scale_ptrs, zero_ptrs, mask_n, acc, IEEE: tl.constexpr):
+def _int4_zeros(wz_ptr, rows, g, mask_n):
+    """Group g's zero points (int32 [BLOCK_N]) of the rows of wz starting at ``rows`` [BLOCK_N]."""
+    return tl.load(wz_ptr + rows + g, mask=mask_n, other=0).to(tl.int32)
+
+
+@triton.jit
+def _int4_dot(a_even, a_odd, w_ptrs, mask, zero, scale_ptrs, mask_n, acc, IEEE: tl.constexpr):
     """acc + one K step of W4A16 expert weights: the R bytes of each of BLOCK_N rows at ``w_ptrs`` [BLOCK_N, R] (byte
     j: the codes of inputs 2j, low nibble, and 2j + 1, high), each loaded once, against a_even / a_odd [BLOCK_M, R]
-    (the step's even and odd inputs). Codes minus the group's zero point exactly in the dot's dtype, their products
-    summed in fp32, times the group's scale (``scale_ptrs`` / ``zero_ptrs`` [BLOCK_N]: the K step lies in one group).
-    Masked bytes are 0: finite weights against inputs that are 0 there, or in columns never stored."""
+    (the step's even and odd inputs). Codes minus the group's zero point ``zero`` exactly in the dot's dtype, their
+    products summed in fp32, times the group's scale (``scale_ptrs`` [BLOCK_N]: the K step lies in one group). Masked
+    bytes are 0: finite weights against inputs that are 0 there, or in columns never stored."""
     b = tl.load(w_ptrs, mask=mask, other=0)
-    zero = tl.load(zero_ptrs, mask=mask_n, other=0).to(tl.int32)
     lo, hi = _codes_minus_zero(b, zero, a_even.dtype, not IEEE and a_even.dtype == tl.bfloat16)
     part = _dot(a_odd, tl.trans(hi), _dot(a_even, tl.trans(lo), None, IEEE), IEEE)
     return acc + tl.load(scale_ptrs, mask=mask_n, other=0.0)[None, :] * part
@@ -366,14 +372,15 @@ def _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M: tl.cons
 def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
                    num_slots, num_experts, num_rows, N, K,
                    stride_xm, stride_we, stride_wn, stride_hm, ws_ptr, b_ptr, alpha, limit,
-                   wz_ptr, group_size, num_groups,
+                   wz_ptr, num_groups,
                    TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
-                   FP8: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr,
+                   FP8: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]. FP8: w holds e4m3 codes, ws [E, 2N]
     # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter).
     # INT4: w holds 4-bit codes [E, 2N, K / 2] (strides in bytes), ws fp32 / wz uint8 [E, 2N, num_groups] the
-    # groups' scales and zero points (groups of group_size inputs; each K step of BLOCK_K lies in one group).
+    # groups' scales and zero points (groups of GROUP_SIZE inputs, a constant: no division by a runtime value per
+    # step; each K step of BLOCK_K lies in one group).
     # HAS_BIAS: b [E, 2N] added to the gate and up outputs once rounded (the reference adds in x's dtype)
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_rows, N, BLOCK_M, BLOCK_N, GROUP_M)
     expert, rows, slots, valid = _block_rows(sorted_ptr, block_expert_ptr, pid_m, num_slots, BLOCK_M)
@@ -394,6 +401,9 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
     w_up = w_gate + N * stride_wn
     if FP8:
         x_scale = _fp8_row_scales(x_ptr + tokens[:, None] * stride_xm, valid, K, BLOCK_M, BLOCK_K)
+    if INT4:  # the first step's zero points; each step loads the next one's, their latency behind its work (a
+        # step's scales are read at its end)
+        z_gate, z_up = _int4_zeros(wz_ptr, g_gate, 0, mask_n), _int4_zeros(wz_ptr, g_up, 0, mask_n)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -403,13 +413,16 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
             a = _fp8_codes(a, x_scale, IEEE)
         w_mask = mask_k[:, None] & mask_n[None, :]
         if INT4:
-            g = k0 // group_size
+            g = k0 // GROUP_SIZE
+            g_next = tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, num_groups - 1)
+            z_gate_next = _int4_zeros(wz_ptr, g_gate, g_next, mask_n)
+            z_up_next = _int4_zeros(wz_ptr, g_up, g_next, mask_n)
             b_mask = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]  # K is even: a byte's two inputs together
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            acc_gate = _int4_dot(a_even, a_odd, w_gate + k0 // 2, b_mask, ws_ptr + g_gate + g, wz_ptr + g_gate + g,
-                                 mask_n, acc_gate, IEEE)
-            acc_up = _int4_dot(a_even, a_odd, w_up + k0 // 2, b_mask, ws_ptr + g_up + g, wz_ptr + g_up + g, mask_n,
-                               acc_up, IEEE)
+            acc_gate = _int4_dot(a_even, a_odd, w_gate + k0 // 2, b_mask, z_gate, ws_ptr + g_gate + g, mask_n,
+                                 acc_gate, IEEE)
+            acc_up = _int4_dot(a_even, a_odd, w_up + k0 // 2, b_mask, z_up, ws_ptr + g_up + g, mask_n, acc_up, IEEE)
+            z_gate, z_up = z_gate_next, z_up_next
         else:
             acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
             acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
@@ -432,9 +445,9 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
 @triton.jit
 def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                      num_slots, num_experts, num_rows, N, K,
-                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr, wz_ptr, group_size, num_groups,
+                     stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr, wz_ptr, num_groups,
                      IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     INT4: tl.constexpr,
+                     INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N]. INT4: as the
     # up kernel's, w [E, N, K / 2], ws / wz [E, N, num_groups].
@@ -455,6 +468,8 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
         w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]
     if FP8:
         x_scale = _fp8_row_scales(h_ptr + rows[:, None] * stride_hm, valid, K, BLOCK_M, BLOCK_K)
+    if INT4:  # as the up kernel's: each step loads the next one's zero points
+        zero = _int4_zeros(wz_ptr, g_rows, 0, mask_n)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
@@ -462,10 +477,11 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
         if FP8:
             a = _fp8_codes(a, x_scale, IEEE)
         if INT4:
-            g = k0 // group_size
+            zero_next = _int4_zeros(wz_ptr, g_rows, tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, num_groups - 1), mask_n)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             acc = _int4_dot(a_even, a_odd, w_cols + k0 // 2, mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :],
-                            ws_ptr + g_rows + g, wz_ptr + g_rows + g, mask_n, acc, IEEE)
+                            zero, ws_ptr + g_rows + k0 // GROUP_SIZE, mask_n, acc, IEEE)
+            zero = zero_next
         else:
             acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
     if FP8:
@@ -674,6 +690,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     if int4 is not None:
         ws_up, ws_down = int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()
         wz_up, wz_down = int4.w_gate_up_zeros.contiguous(), int4.w_down_zeros.contiguous()
+        # the kernels' GROUP_SIZE, a constexpr: a division by a run-time value per K step took ~25 instructions
         g_up = hidden if int4.group_size == -1 else int4.group_size
         g_down = inter if int4.group_size == -1 else int4.group_size
         ng_up, ng_down = hidden // g_up, inter // g_down
@@ -685,14 +702,14 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     _moe_up_kernel[grid_up](
         x, w_gate_up, h, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, inter, hidden,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ws_up, b_up, float(swiglu_alpha),
-        float(swiglu_limit), wz_up, g_up, ng_up, TOP_K=top_k, ACT=ACTIVATIONS.index(activation), IEEE=ieee, EMULATE_BF16=emulate,
-        HAS_BIAS=b_gate_up is not None,
+        float(swiglu_limit), wz_up, ng_up, GROUP_SIZE=g_up, TOP_K=top_k, ACT=ACTIVATIONS.index(activation),
+        IEEE=ieee, EMULATE_BF16=emulate, HAS_BIAS=b_gate_up is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     grid_down = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(hidden, cfg.down_block_n),)
     _moe_down_kernel[grid_down](
         h, w_down, y, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, hidden, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, b_dn, wz_down, g_down, ng_down,
-        IEEE=ieee, EMULATE_BF16=emulate,
+        h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, b_dn, wz_down, ng_down,
+        GROUP_SIZE=g_down, IEEE=ieee, EMULATE_BF16=emulate,
         HAS_BIAS=b_down is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
     weights = weights.float().contiguous()

@@ -124,7 +124,7 @@ def _frag() -> list[tuple[str, object]]:
 def _moe() -> list[tuple[str, object]]:
     from kernels.moe import _moe_down_kernel, _moe_up_kernel
 
-    ints = ("num_slots", "num_experts", "num_rows", "N", "K", "group_size", "num_groups")
+    ints = ("num_slots", "num_experts", "num_rows", "N", "K", "num_groups")
     up_types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16", "sorted_ptr": "*i32", "block_expert_ptr": "*i32",
                 "ws_ptr": "*fp32", "b_ptr": "*bf16", "wz_ptr": "*u8", "alpha": "fp32", "limit": "fp32",
                 **{n: "i32" for n in ints + ("stride_xm", "stride_we", "stride_wn", "stride_hm")}}
@@ -132,9 +132,9 @@ def _moe() -> list[tuple[str, object]]:
                   "block_expert_ptr": "*i32", "ws_ptr": "*fp32", "b_ptr": "*bf16", "wz_ptr": "*u8",
                   **{n: "i32" for n in ints + ("stride_hm", "stride_we", "stride_wn", "stride_ym")}}
     tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
-    base = dict(IEEE=False, EMULATE_BF16=False, FP8=False, HAS_BIAS=False, INT4=False, **tiles)
+    base = dict(IEEE=False, EMULATE_BF16=False, FP8=False, HAS_BIAS=False, INT4=False, GROUP_SIZE=1, **tiles)
     variants = [("bf16 experts", {}, {}), ("FP8 experts", {"FP8": True}, {"w_ptr": "*fp8e4nv"}),
-                ("W4A16 experts", {"INT4": True}, {"w_ptr": "*u8"})]
+                ("W4A16 experts, groups of 128", {"INT4": True, "GROUP_SIZE": 128}, {"w_ptr": "*u8"})]
     divisible = ("x_ptr", "h_ptr", "y_ptr", "w_ptr", "N", "K", "stride_xm", "stride_hm", "stride_we", "stride_wn",
                  "stride_ym")
     out = []
