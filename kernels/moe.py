@@ -347,6 +347,17 @@ def _int4_zeros(wz_ptr, rows, g, mask_n):
 
 
 @triton.jit
+def _int4_mask(mask_n, offs_kh, k_left, EVEN_K: tl.constexpr):
+    """[BLOCK_N, R] which of a K step's bytes to load: in columns < N, and among the ``k_left`` inputs left (K is
+    even: a byte's two inputs together) unless EVEN_K (the group size a multiple of the step, so K is too): a mask
+    constant along K keeps the codes' copies 16 bytes wide (8 with the K mask)."""
+    if EVEN_K:
+        return tl.broadcast_to(mask_n[:, None], (mask_n.shape[0], offs_kh.shape[0]))
+    else:
+        return mask_n[:, None] & (offs_kh < k_left // 2)[None, :]
+
+
+@triton.jit
 def _int4_dot(a_even, a_odd, w_ptrs, mask, zero, scale_ptrs, mask_n, acc, IEEE: tl.constexpr):
     """acc + one K step of W4A16 expert weights: the R bytes of each of BLOCK_N rows at ``w_ptrs`` [BLOCK_N, R] (byte
     j: the codes of inputs 2j, low nibble, and 2j + 1, high), each loaded once, against a_even / a_odd [BLOCK_M, R]
@@ -417,7 +428,7 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
             g_next = tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, num_groups - 1)
             z_gate_next = _int4_zeros(wz_ptr, g_gate, g_next, mask_n)
             z_up_next = _int4_zeros(wz_ptr, g_up, g_next, mask_n)
-            b_mask = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]  # K is even: a byte's two inputs together
+            b_mask = _int4_mask(mask_n, offs_kh, K - k0, GROUP_SIZE % BLOCK_K == 0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             acc_gate = _int4_dot(a_even, a_odd, w_gate + k0 // 2, b_mask, z_gate, ws_ptr + g_gate + g, mask_n,
                                  acc_gate, IEEE)
@@ -479,8 +490,9 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
         if INT4:
             zero_next = _int4_zeros(wz_ptr, g_rows, tl.minimum((k0 + BLOCK_K) // GROUP_SIZE, num_groups - 1), mask_n)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
-            acc = _int4_dot(a_even, a_odd, w_cols + k0 // 2, mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :],
-                            zero, ws_ptr + g_rows + k0 // GROUP_SIZE, mask_n, acc, IEEE)
+            b_mask = _int4_mask(mask_n, offs_kh, K - k0, GROUP_SIZE % BLOCK_K == 0)
+            acc = _int4_dot(a_even, a_odd, w_cols + k0 // 2, b_mask, zero, ws_ptr + g_rows + k0 // GROUP_SIZE, mask_n,
+                            acc, IEEE)
             zero = zero_next
         else:
             acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
