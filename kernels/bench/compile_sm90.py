@@ -180,9 +180,14 @@ def _loop_opcodes(sass: str) -> list[collections.Counter]:
     return loops
 
 
+def dump_stem(out_dir: str, name: str) -> str:
+    """The path, less its suffix (.ptx, .ttgir, .cubin, .sass), where ``--sass out_dir`` writes variant ``name``."""
+    return os.path.join(out_dir, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_"))
+
+
 def _dump(name: str, kernel, out_dir: str) -> str:
     """Write the variant's PTX, TTGIR and SASS under out_dir; return its registers and loops' opcodes."""
-    stem = os.path.join(out_dir, re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_"))
+    stem = dump_stem(out_dir, name)
     with open(stem + ".ptx", "w") as f:
         f.write(kernel.asm["ptx"])
     with open(stem + ".ttgir", "w") as f:

@@ -1,6 +1,21 @@
-"""kernels.bench.compile_sm90 --sass: the loop opcode counts read off nvdisasm's text (no GPU, no compile)."""
+"""kernels.bench.compile_sm90 --sass: the loop opcode counts read off nvdisasm's text; and with them the fused MoE's
+W4A16 K loop against the bf16 experts' one, compiled for sm_90 (no GPU: Triton's own ptxas and nvdisasm).
 
-from kernels.bench.compile_sm90 import _loop_opcodes
+NOTE: triton is imported in the tests, not at collection: the kernels' test modules set TRITON_INTERPRET=1 before
+they first import it, and triton.language's own helpers are interpreted only if it is first imported after that.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SASS = """
         /*0000*/                   LDC R1, c[0x0][0x28] ;
@@ -19,6 +34,56 @@ SASS = """
 
 
 def test_counts_the_opcodes_of_each_backward_branch_only():
+    from kernels.bench.compile_sm90 import _loop_opcodes
+
     loops = _loop_opcodes(SASS)
     assert len(loops) == 1, "the forward branch to .L_x_3 is not a loop"
     assert loops[0] == {"LDG": 1, "HMMA": 2, "LOP3": 1, "BRA": 1}
+
+
+@pytest.fixture(scope="module")
+def moe_sass(tmp_path_factory) -> str:
+    """The fused MoE variants of ``compile_sm90 --sass``, compiled in a process of its own: in this one a test module
+    that set TRITON_INTERPRET=1 before importing the kernels made them the interpreter's functions."""
+    from kernels.bench.compile_sm90 import _binary
+
+    if not os.path.exists(_binary("nvdisasm")):
+        pytest.skip("no nvdisasm beside Triton's ptxas")
+    out = str(tmp_path_factory.mktemp("sass"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only", "fused MoE"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def _k_loop(sass_dir: str, name: str) -> collections.Counter:
+    from kernels.bench.compile_sm90 import _loop_opcodes, dump_stem
+
+    with open(dump_stem(sass_dir, name) + ".sass") as f:
+        loops = [ops for ops in _loop_opcodes(f.read()) if sum(ops.values()) > 1]
+    assert len(loops) == 1, f"{name}: {len(loops)} loops; expected the K loop alone"
+    return loops[0]
+
+
+# codes per thread and K step at compile_sm90's MoE tiles (BLOCK_N 64, BLOCK_K 128, 4 warps); the up GEMM has two
+# weight tiles (gate and up)
+W4A16_CODES_PER_THREAD = {"up": 2 * 64 * 128 // 128, "down": 64 * 128 // 128}
+# the W4A16 K step's instructions over the bf16 experts' (Triton 3.9: up 400 / 155, down 251 / 113; Triton 3.6: 508 /
+# 150 and 297 / 110); the per-code fp32 dequantization the kernels had before took 1,701 and 843 (11.0x, 7.5x)
+MAX_W4A16_OVER_BF16 = 3.5
+
+
+@pytest.mark.parametrize("gemm", ["up", "down"])
+def test_moe_w4a16_k_loop(moe_sass, gemm):
+    """The W4A16 experts' K step at the bf16 experts' tiles: the same MMAs, one packed bf16 add (minus 128 + zero)
+    per two codes, no code converted to float or rounded one at a time, at most MAX_W4A16_OVER_BF16 times the
+    instructions."""
+    bf16 = _k_loop(moe_sass, f"fused MoE {gemm} GEMM, bf16 experts")
+    int4 = _k_loop(moe_sass, f"fused MoE {gemm} GEMM, W4A16 experts, groups of 128")
+    assert int4["HMMA"] == bf16["HMMA"]
+    assert int4["HADD2"] + int4["HFMA2"] == W4A16_CODES_PER_THREAD[gemm] // 2, int4
+    assert not [op for op in ("I2F", "I2FP", "F2FP", "FMUL", "FADD") if int4[op]], int4
+    ratio = sum(int4.values()) / sum(bf16.values())
+    assert ratio <= MAX_W4A16_OVER_BF16, f"{sum(int4.values())} instructions per K step, {ratio:.2f}x the bf16 loop's"
