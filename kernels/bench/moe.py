@@ -4,6 +4,7 @@
     python -m kernels.bench.moe --shapes mixtral-8x7b --tokens 1 8
     python -m kernels.bench.moe --sweep                   # also time candidate MoeConfigs (to tune _CUDA_CONFIGS)
     python -m kernels.bench.moe --fp8                     # FP8 experts against the bf16 ones (--sweep: FP8 configs)
+    python -m kernels.bench.moe --int4                    # W4A16 experts against the bf16 ones (--sweep: theirs)
 
 Per (shape, T): fresh random bf16 tokens and weights (router, stacked experts), the shape's routing (top_k,
 renormalised; Qwen3-MoE's weights rounded to bf16). ``fused_moe`` is checked against ``kernels.torch_ops.moe`` (max
@@ -24,6 +25,12 @@ against ``ref_moe`` with the same scales (the same tolerance: a code at a roundi
 division being approximate, and the fp32 sums run in another order), then timed as above against the bf16 experts'
 ``fused_moe``; GB/s counts the FP8 experts' bytes (codes and scales).
 
+``--int4``: W4A16 experts of the same shapes, random 4-bit codes with fp32 scales and uint8 zero points in groups of
+``INT4_GROUP_SIZE`` inputs (as ``kernels.bench.gemm``'s W4A16 weights; their weights spread about as the bf16 ones).
+``fused_moe`` is checked against ``ref_moe`` on the same codes (max abs error over the output's max, as the bf16
+experts: the reference rounds each dequantized weight to bf16, the kernels do not), then timed against the bf16
+experts' ``fused_moe``; GB/s counts the W4A16 experts' bytes (codes, scales and zero points).
+
 Exits 1 when a check fails, 2 without a CUDA device.
 """
 
@@ -34,6 +41,7 @@ import itertools
 import statistics
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -136,46 +144,102 @@ def bench(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: bool) -> l
     return failures
 
 
-def bench_fp8(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: bool) -> list[str]:
-    """FP8 experts against the bf16 ones they are quantized from: checked against ``ref_moe``, both timed."""
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A quantized form of the experts for ``--fp8`` / ``--int4``: how to make it, its bytes and its check."""
+
+    name: str  # the table's column and the failures' prefix
+    title: str  # what the table's heading says of it
+    make: Callable  # (w_gate_up, w_down, generator) -> ((w_gate_up codes, w_down codes), fused_moe's keywords)
+    expert_bytes: Callable[[int, int], float]  # (hidden, intermediate) -> one expert's bytes: codes, scales, zeros
+    noise_share: float  # > 0: pass below this share of what the quantization changes (norms); 0: _check's REL_TOL
+
+
+def _fp8_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, gen: torch.Generator):
+    """The bf16 experts quantized per expert and output channel, as the passes do."""
+    (q_gate_up, s_gate_up), (q_down, s_down) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
+    return (q_gate_up, q_down), dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down)
+
+
+INT4_GROUP_SIZE = 128
+
+
+def _int4_experts(w_gate_up: torch.Tensor, w_down: torch.Tensor, gen: torch.Generator):
+    """Random W4A16 experts of the bf16 ones' shapes, their weights (q - zero) * scale spread about as theirs
+    (in ** -0.5: |q - zero| is ~6 on average over random codes and zero points)."""
+    codes, kw = [], dict(group_size=INT4_GROUP_SIZE)
+    for role, w in (("w_gate_up", w_gate_up), ("w_down", w_down)):
+        num_experts, out_f, in_f = w.shape
+        groups = (num_experts, out_f, in_f // INT4_GROUP_SIZE)
+        codes.append(torch.randint(0, 256, (num_experts, out_f, in_f // 2), dtype=torch.uint8, generator=gen,
+                                   device="cuda"))
+        kw[f"{role}_scales"] = (torch.rand(groups, generator=gen, device="cuda") + 0.5) * in_f ** -0.5 / 6
+        kw[f"{role}_zeros"] = torch.randint(0, 16, groups, dtype=torch.uint8, generator=gen, device="cuda")
+    return tuple(codes), kw
+
+
+# FP8 experts on the GPU: the error against the torch op on the same codes, as a share of what FP8 changes against
+# the bf16 experts (both as norms). A one-ulp difference in a GEMM's sum can move a row's maximum of h and with it
+# that row's E4M3 grid, so some tokens differ by a part of the quantization noise; a wrong code or scale is >= 1.
+FP8_NOISE_SHARE = 0.25
+
+QUANTIZED = {
+    "fp8": QuantizedExperts("fp8", "FP8 experts (per-channel e4m3, per-token activations)", _fp8_experts,
+                            lambda h, i: 3 * h * i + 4 * (2 * i + h), FP8_NOISE_SHARE),
+    "int4": QuantizedExperts("int4", f"W4A16 experts (random codes, groups of {INT4_GROUP_SIZE}, zero points)",
+                             _int4_experts, lambda h, i: 3 * h * i * (0.5 + 5 / INT4_GROUP_SIZE), 0.0),
+}
+
+
+def bench_quantized(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: bool,
+                    quant: QuantizedExperts) -> list[str]:
+    """Quantized experts against bf16 ones of the same shapes: checked against ``ref_moe`` on the same codes, both
+    timed."""
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(0)
     gate, w_gate_up, w_down = _weights(shape, gen)
     copies = [(gate, w_gate_up, w_down), (gate, *_weights(shape, gen)[1:])]  # one router: the same routing
-    fp8_copies = []  # ((gate, w_gate_up codes, w_down codes), their scales as keywords), from each copy
+    q_copies = []  # ((gate, w_gate_up codes, w_down codes), their scales (and zeros) as keywords), one per copy
     for _, w_gate_up, w_down in copies:
-        (q_gate_up, s_gate_up), (q_down, s_down) = quantize_experts_fp8(w_gate_up), quantize_experts_fp8(w_down)
-        fp8_copies.append(((gate, q_gate_up, q_down), dict(w_gate_up_scale=s_gate_up, w_down_scale=s_down)))
+        q_experts, q_kw = quant.make(w_gate_up, w_down, gen)
+        q_copies.append(((gate, *q_experts), q_kw))
     e, h, i = shape.num_experts, shape.hidden, shape.intermediate
-    expert_bytes = 3 * h * i + 4 * (2 * i + h)  # codes and scales
     router_bytes = e * h * DTYPE.itemsize
     kw = dict(top_k=shape.top_k, round_weights=shape.round_weights)
-    (gate, q_gate_up, q_down), scales = fp8_copies[0]
-    print(f"\n{name}: {e} experts of {h} x {i}, top-{shape.top_k}, {DTYPE} x, FP8 experts (per-channel e4m3, "
-          f"per-token activations) against bf16; times in us")
-    print(f"{'T':>5} | {'bf16':>8} {'fp8':>8} {'speedup':>7} | {'experts':>7} {'GB/s':>6} | rel.err / FP8's  config")
+    (gate, q_gate_up, q_down), scales = q_copies[0]
+    print(f"\n{name}: {e} experts of {h} x {i}, top-{shape.top_k}, {DTYPE} x, {quant.title} against bf16; times "
+          f"in us")
+    own = f" / {quant.name}'s" if quant.noise_share else ""  # the error its own quantization makes
+    print(f"{'T':>5} | {'bf16':>8} {quant.name:>8} {'speedup':>7} | {'experts':>7} {'GB/s':>6} | rel.err{own}  config")
     for num_tokens in tokens:
         x = torch.randn(num_tokens, h, generator=gen, device="cuda").to(DTYPE)
         ref = ref_moe(x, gate, q_gate_up, q_down, **kw, **scales)
-        noise = _rel_norm(ref, ref_moe(x, *copies[0], **kw))  # what FP8 itself changes
-        ok, err = _check_fp8(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales), ref, noise)
+        noise = _rel_norm(ref, ref_moe(x, *copies[0], **kw)) if quant.noise_share else 0.0  # what it changes
+
+        def check(out: torch.Tensor, ref=ref, noise=noise) -> tuple[bool, float]:
+            if not quant.noise_share:
+                return _check(out, ref)
+            err = _rel_norm(out, ref)
+            return err < quant.noise_share * noise, err
+
+        ok, err = check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales))
         if not ok:
-            failures.append(f"{name} fp8 T={num_tokens}: rel.err {err:.3g} (norm), FP8's own {noise:.3g}")
+            failures.append(f"{name} {quant.name} T={num_tokens}: rel.err {err:.3g}"
+                            + (f" (norm), {quant.name}'s own {noise:.3g}" if quant.noise_share else ""))
         t_bf16 = time_us([lambda c=c: fused_moe(x, *c, **kw) for c in copies])
-        t_fp8 = time_us([lambda c=c, s=s: fused_moe(x, *c, **kw, **s) for c, s in fp8_copies])
+        t_quant = time_us([lambda c=c, s=s: fused_moe(x, *c, **kw, **s) for c, s in q_copies])
         active = ops.moe_route(x, gate, None, shape.top_k)[1].unique().numel()
-        gbs = (active * expert_bytes + router_bytes) / t_fp8 / 1e3
+        gbs = (active * quant.expert_bytes(h, i) + router_bytes) / t_quant / 1e3
         cfg = default_config(num_tokens * shape.top_k, e, x.device, x.element_size(), 1)
-        print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_fp8:8.1f} {t_bf16 / t_fp8:6.2f}x | {active:>7} {gbs:6.0f} | "
-              f"{err:.1e} / {noise:.1e}  {describe(cfg)}", flush=True)
+        print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_quant:8.1f} {t_bf16 / t_quant:6.2f}x | {active:>7} {gbs:6.0f} | "
+              f"{err:.1e}{f' / {noise:.1e}' if quant.noise_share else ''}  {describe(cfg)}", flush=True)
         if sweep:
             failures += sweep_configs(
-                f"moe fp8 {name} T={num_tokens}", candidate_configs(num_tokens, shape),
-                lambda cand, n=noise: _check_fp8(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cand),
-                                                 ref, n),
-                lambda cand: [lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cand) for c, s in fp8_copies],
+                f"moe {quant.name} {name} T={num_tokens}", candidate_configs(num_tokens, shape),
+                lambda cand: check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cand)),
+                lambda cand: [lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cand) for c, s in q_copies],
                 indent=f"{'':>5} ")
-    del copies, fp8_copies, gate, w_gate_up, w_down, q_gate_up, q_down, scales
+    del copies, q_copies, gate, w_gate_up, w_down, q_gate_up, q_down, scales
     torch.cuda.empty_cache()
     return failures
 
@@ -185,19 +249,8 @@ def describe(cfg: MoeConfig) -> str:
             f"g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}")
 
 
-# FP8 experts on the GPU: the error against the torch op on the same codes, as a share of what FP8 changes against
-# the bf16 experts (both as norms). A one-ulp difference in a GEMM's sum can move a row's maximum of h and with it
-# that row's E4M3 grid, so some tokens differ by a part of the quantization noise; a wrong code or scale is >= 1.
-FP8_NOISE_SHARE = 0.25
-
-
 def _rel_norm(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
-def _check_fp8(out: torch.Tensor, ref: torch.Tensor, noise: float) -> tuple[bool, float]:
-    err = _rel_norm(out, ref)
-    return err < FP8_NOISE_SHARE * noise, err
 
 
 def _check(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float]:
@@ -210,7 +263,9 @@ def main() -> int:
     parser.add_argument("--shapes", nargs="*", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--tokens", nargs="*", type=int, default=list(TOKENS))
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape and T")
-    parser.add_argument("--fp8", action="store_true", help="FP8 experts against bf16 ones (instead of the torch op)")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--fp8", action="store_true", help="FP8 experts against bf16 ones (instead of the torch op)")
+    kind.add_argument("--int4", action="store_true", help="W4A16 experts against bf16 ones (instead of the torch op)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernels.bench.moe needs a CUDA GPU", file=sys.stderr)
@@ -218,7 +273,11 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     failures = []
     for name in args.shapes:
-        failures += (bench_fp8 if args.fp8 else bench)(name, SHAPES[name], tuple(args.tokens), args.sweep)
+        if args.fp8 or args.int4:
+            failures += bench_quantized(name, SHAPES[name], tuple(args.tokens), args.sweep,
+                                        QUANTIZED["fp8" if args.fp8 else "int4"])
+        else:
+            failures += bench(name, SHAPES[name], tuple(args.tokens), args.sweep)
     return report(failures)
 
 
