@@ -48,16 +48,20 @@ Each K step loads the bytes of its tile once ([BLOCK_N, BLOCK_K / 2]: byte j hol
 and 2j + 1, high), turns both nibbles into q - zero in x's dtype (exact: small integers; on bf16 x in PTX,
 ``kernels.w4a16_mma._codes_minus_zero``: per 4 bytes 2 byte permutes, 2 shifts and 4 LOPs place the 8 nibbles in the
 mantissas of bf16 128.0, then one packed bf16 add of -(128 + zero) per two codes; fp16 / fp32 x and the interpreter
-take plain integer ops to the same values), takes the low nibbles' products with
-the step's even inputs and the high nibbles' with its odd ones (two 16-bit ``tl.dot`` of K = BLOCK_K / 2, fp32 sums),
-and adds those sums times the group's scale to the fp32 accumulator; then the roundings above. The zero points are
-loaded a step ahead (they gate the step's first MMA; its scales are only read at its end).
+take plain integer ops to the same values), multiplies the low nibbles by the step's even inputs and the high ones by
+its odd inputs (two 16-bit ``tl.dot`` of K = BLOCK_K / 2, fp32 sums: nothing is interleaved back) and adds those sums
+times the group's scale to the fp32 accumulator; then the roundings above. The zero points are loaded a step ahead
+(they gate the step's first MMA; its scales are read at its end). The group size is a constexpr of the kernels (the
+group index a shift, not a division), and where it is a multiple of BLOCK_K the codes are loaded without a K mask.
+A separate constexpr branch (INT4): the bf16 and FP8 paths compile as before; sm_90 SASS per 128-wide K step at 16 x
+64 tiles (``kernels.bench.compile_sm90 --sass``, Triton 3.9): up GEMM 400 instructions, down 251 (bf16 experts: 155,
+113; the fp32 dequantization per weight before: 1,701, 843). They launch with the bf16 experts' configurations
+(``_CUDA_CONFIGS``, not yet timed for W4A16: ``python -m kernels.bench.moe --int4 --sweep``).
 
 NOTE: the reference rounds each dequantized weight (q - zero) * scale to x's dtype before its GEMMs; the kernels never
 form it, so their sums are those of the unrounded weights, each within half an ulp of the reference's: gate / up / h
 values differ from the reference's as much as a GEMM summed in another order does (``tests/kernels/test_moe_kernel.py``
 measures it), and agree to fp32 rounding where the scales are powers of two (the weights then exact in x's dtype).
-A separate constexpr branch (INT4): the bf16 and FP8 paths compile as before.
 
 NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow; FP8 dots with FP8 experts); experts stacked, in x's
 dtype, FP8 or W4A16 codes. On the GPU the FP8 quotients use the approximate fp32 division: a value at a code's rounding boundary can
@@ -65,7 +69,7 @@ get the neighbouring code. The kernels are launched without PDL (``kernels.pdl``
 has finished. Under TRITON_INTERPRET the kernels run on the CPU (tests at small shapes), with fp32 dots on the 16-bit
 operands (the interpreter's 16-bit dot is wrong), bf16 rounding done on the bits (its conversion truncates) and FP8
 codes rounded in fp32 (``_round_e4m3``: its fp8 conversion is wrong; its divisions are IEEE: the reference's codes);
-``python -m kernels.bench.moe`` (``--fp8``) checks and times the GPU path at real shapes.
+``python -m kernels.bench.moe`` (``--fp8``, ``--int4``) checks and times the GPU path at real shapes.
 """
 
 from __future__ import annotations
