@@ -66,9 +66,11 @@ class DecodeGraphs:
     """CUDA graphs of the decode step for every bucket up to ``max_num_seqs``."""
 
     def __init__(self, executor: Executor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture_error_mode: str = "global") -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture_error_mode: str = "global",
+                 logits: bool = True) -> None:
         self.executor = executor
         self.capture_error_mode = capture_error_mode
+        self.logits = logits  # False: no logits rows (a tensor-parallel worker's replicated lm_head is not run)
         device = storage.device
         self.buckets = sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs})
         top = self.buckets[-1]
@@ -101,7 +103,7 @@ class DecodeGraphs:
         md = PagedAttentionMetadata(self.storage.k, self.storage.v, self.slot_mapping[:b], self.block_tables[:b],
                                     self.seq_lens[:b], self.context_lens[:b], self.cu_seqlens_q[:b + 1],
                                     decode_only=True)
-        return StepInput(self.input_ids[:b], self.positions[:b], [], self.rows[:b], paged=md)
+        return StepInput(self.input_ids[:b], self.positions[:b], [], self.rows[:b if self.logits else 0], paged=md)
 
     def _capture(self, b: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         log.debug("capturing the decode step for batch size %d", b)

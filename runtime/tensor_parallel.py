@@ -658,7 +658,8 @@ class _WorkerState:
         self.graphs = None  # DecodeGraphs, once rank 0 asks for them
         self.caches: dict[int, SequenceKV] = {}
         self.workspace = 0  # activation peak of the memory plan's profiling step (CUDA), bytes
-        # with a replicated lm_head no worker needs logits; vocab-parallel logits are gathered by every rank
+        # with a replicated lm_head no worker needs logits (its eager steps and decode graphs skip the lm_head's
+        # GEMM, a full read of it per step); vocab-parallel logits are gathered by every rank
         self.no_logits = not any(n["op"] == "all_gather" for n in executor.graph["nodes"])
 
     def _paged_storage(self, pool: tuple[int, int] | None) -> None:
@@ -670,7 +671,8 @@ class _WorkerState:
         from runtime.cuda_graphs import DecodeGraphs
 
         self._paged_storage(msg.paged_pool)
-        self.graphs = DecodeGraphs(self.executor, self.storage, *msg.graphs, capture_error_mode=CAPTURE_MODE)
+        self.graphs = DecodeGraphs(self.executor, self.storage, *msg.graphs, capture_error_mode=CAPTURE_MODE,
+                                   logits=not self.no_logits)
 
     def replay(self, msg: StepMessage) -> None:
         input_ids, positions, slots, tables = msg.replay  # the ids: a device tensor (the payload's data)
