@@ -3,8 +3,8 @@
     rank 0 (this process)                               ranks 1..tp_size-1 (spawned here, or torchrun's)
     engine, scheduler, sampling                         the same graph over their own weight file
     TPExecutor.forward(inp):                            serve_steps():
-      broadcast the step: a fixed int64 header    ───►   check the header, receive the payload, rebuild the
-        + one int64 payload (sequences, block             StepInput over their own KV cache (their kv heads,
+      broadcast the step: a fixed int64 header    ───►   check the header, take the payload, rebuild the
+        and its int64 payload (sequences, block           StepInput over their own KV cache (their kv heads,
         tables, ids, positions, rows, slots...)           rank 0's block tables)
       run the local graph: its all_reduce /        ◄──►   run it: the same collectives, in the same order
         all_gather nodes meet the workers' ones
@@ -14,8 +14,9 @@ Each rank's KV cache holds its own kv heads; rank 0's block manager decides the 
 since every rank's pool has the same number of blocks. One tensor-parallel engine per process: the
 collectives run on the default process group.
 
-The message (``_send`` / ``_receive``): nothing is pickled; two broadcasts of int64 tensors on the rank's device
-(NCCL on CUDA), the second only when there is a payload:
+The message (``_send`` / ``_receive``): nothing is pickled; the header and its payload back to back, int64 on the
+rank's device (NCCL on CUDA), in one broadcast of FIRST_INTS ints (the tail unused) and a second of the rest only
+when the message is longer (a step carrying long prompts, a replay with long block tables):
 
     header  [len(HEADER)]  magic, kind (index in KINDS), flags (decode_only, profile), meta_len, data_len,
                            num_seqs, num_tensors, num_freed, paged pool (num_blocks, block_size), graphs
@@ -29,9 +30,9 @@ The message (``_send`` / ``_receive``): nothing is pickled; two broadcasts of in
         "replay":  positions [n], slots [n], block table lengths [n], the tables back to back
       data, left on the device: the step's tensors as int64, in order ("step"); the input ids [n] ("replay")
 
-"heartbeat", "stop", "graphs" and "plan" are a header alone; a step is two broadcasts, a decode graph replay two
-(its input ids ride in the payload, on the device when the step in flight sampled them). The receiver checks
-every header field before it reads a payload, and every record against the header: a field out of range or
+"heartbeat", "stop", "graphs" and "plan" are a header alone; a decode graph replay's input ids ride in its payload,
+on the device when the step in flight sampled them. The receiver reads the first broadcast to the host once; it
+checks every header field before it reads a payload, and every record against the header: a field out of range or
 counts that disagree raise StepMessageError naming the field, and the worker exits (rank 0 then sees it gone).
 "plan" (the memory plan, ``agree_kv_blocks``) is followed by one all_gather of every rank's own KV block count;
 the least sizes every rank's pool (``runtime.memory.least_kv_blocks``).
@@ -131,8 +132,9 @@ def torchrun_rank() -> int | None:
 
 
 # --- the step message ------------------------------------------------------------------------------
-# Every message: a header of len(HEADER) int64s, then (when meta_len + data_len > 0) one int64 payload of meta_len
-# ints the receiver reads on the host followed by data_len ints that stay on the device. Nothing is pickled.
+# Every message: a header of len(HEADER) int64s, then (when meta_len + data_len > 0) a payload of meta_len ints the
+# receiver reads on the host followed by data_len ints that stay on the device, back to back, broadcast as FIRST_INTS
+# ints (the tail unused when shorter) and, when longer, a second broadcast of the rest. Nothing is pickled.
 MAGIC = 0x54504D31  # "TPM1": the first field of every header (else the ranks' messages are out of step)
 KINDS = ("heartbeat", "stop", "step", "graphs", "replay", "plan")  # the "kind" field indexes this
 HEADER = ("magic", "kind", "flags", "meta_len", "data_len", "num_seqs", "num_tensors", "num_freed", "pool_blocks",
@@ -141,6 +143,7 @@ _H = {name: i for i, name in enumerate(HEADER)}
 FLAG_DECODE_ONLY = 1  # "step": paged metadata with one new token per sequence
 FLAG_PROFILE = 2  # "step": the memory plan's profiling step (every rank measures its activation peak)
 MAX_MESSAGE_INTS = 1 << 27  # a payload bound far past any step's (1 GiB of int64)
+FIRST_INTS = 8192  # a message's first broadcast (64 KiB): a decode replay of 64 sequences of 64 blocks takes 4,367
 # StepInput tensors, in this order when present: each one a record (name index in _PACKED, dtype index in _DTYPES,
 # ndim, dims padded to _MAX_DIMS) in meta, its values (as int64) in data
 _PACKED = ("input_ids", "positions", "logits_indices", "slot_mapping", "block_tables", "seq_lens", "context_lens",
@@ -221,41 +224,54 @@ def _encode(msg: StepMessage, data_len: int) -> tuple[list[int], list[int]]:
 
 
 def _send(msg: StepMessage, data: list, spec: RankSpec) -> None:
-    """Rank 0: broadcast ``msg``: its header, then (unless empty) its payload, meta then ``data`` (int tensors, on
-    the device or the host, or lists of ints) flattened to int64. On CUDA the host part goes in one pinned copy
-    queued on the stream, device tensors are never read back, and both collectives run on the device."""
+    """Rank 0: broadcast ``msg``: its header, its meta and its ``data`` (int tensors, on the device or the host, or
+    lists of ints) flattened to int64, in one broadcast of FIRST_INTS when they fit (a decode replay of up to a few
+    hundred short sequences), else that and one more of the rest. On CUDA the host part goes in one pinned copy
+    queued on the stream, device tensors are never read back, and the collectives run on the device."""
     data_len = sum(d.numel() if isinstance(d, torch.Tensor) else len(d) for d in data)
     header, meta = _encode(msg, data_len)
     host, parts = header + meta, []
     for d in data:
         if isinstance(d, torch.Tensor):
-            parts.append(d.reshape(-1).to(device=spec.device, dtype=torch.int64))
+            parts.append(d.reshape(-1))
         elif parts:  # host ints after a device tensor
-            parts.append(torch.tensor(d, dtype=torch.int64).to(spec.device))
+            parts.append(torch.tensor(d, dtype=torch.int64))
         else:  # host ints straight after the meta: in the same copy
             host += d
     cuda = spec.device.type == "cuda"
+    total = len(host) + sum(p.numel() for p in parts)
+    flat = torch.empty(max(total, FIRST_INTS), dtype=torch.int64, device=spec.device)
     wire = torch.tensor(host, dtype=torch.int64, pin_memory=cuda)
-    if cuda:  # the caching host allocator keeps the pinned block until the copy has run
-        wire = wire.to(spec.device, non_blocking=True)
-    dist.broadcast(wire[:len(HEADER)], src=0)
-    if len(meta) + data_len:
-        payload = torch.cat([wire[len(HEADER):], *parts]) if parts else wire[len(HEADER):]
-        dist.broadcast(payload, src=0)
+    flat[:len(host)].copy_(wire, non_blocking=cuda)  # the caching host allocator keeps the pinned block until it ran
+    at = len(host)
+    for part in parts:
+        flat[at:at + part.numel()].copy_(part, non_blocking=cuda)
+        at += part.numel()
+    dist.broadcast(flat[:FIRST_INTS], src=0)
+    if total > FIRST_INTS:
+        dist.broadcast(flat[FIRST_INTS:], src=0)
 
 
 def _receive(spec: RankSpec) -> tuple[StepMessage, dict[str, torch.Tensor]]:
     """A worker: receive rank 0's next message; returns it and a step's tensors by name (on this rank's device).
-    Raises StepMessageError for a header or payload that does not decode (before reading a payload it announces)."""
-    header = torch.empty(len(HEADER), dtype=torch.int64, device=spec.device)
-    dist.broadcast(header, src=0)
-    h = _check_header(header.tolist())
+    Raises StepMessageError for a header or payload that does not decode (before reading a payload it announces).
+    One read to the host per message: the header and meta of the first broadcast (and of the second, if any)."""
+    first = torch.empty(FIRST_INTS, dtype=torch.int64, device=spec.device)
+    dist.broadcast(first, src=0)
+    head = first.cpu()
+    h = _check_header(head[:len(HEADER)].tolist())
     meta_len, data_len = h["meta_len"], h["data_len"]
+    total = len(HEADER) + meta_len + data_len
+    if total <= FIRST_INTS:
+        payload, host = first[len(HEADER):total], head[len(HEADER):total]
+    else:
+        rest = torch.empty(total - FIRST_INTS, dtype=torch.int64, device=spec.device)
+        dist.broadcast(rest, src=0)
+        payload = torch.cat([first[len(HEADER):], rest])
+        host = payload[:meta_len].cpu() if meta_len > FIRST_INTS - len(HEADER) else head[len(HEADER):]
     if not meta_len + data_len:
         return _decode(h, [], None)
-    payload = torch.empty(meta_len + data_len, dtype=torch.int64, device=spec.device)
-    dist.broadcast(payload, src=0)
-    return _decode(h, payload[:meta_len].tolist(), payload[meta_len:])
+    return _decode(h, host[:meta_len].tolist(), payload[meta_len:])
 
 
 def _bad(name: str, value, expected: str) -> StepMessageError:
@@ -597,9 +613,10 @@ class TPDecodeGraphs:
 
     Each rank captures its own shard's decode step for the same buckets, in the same order, warm-up steps
     included, so the collectives line up: the warm-ups run them, the captures record them as NCCL kernels.
-    A replay sends the step's inputs to the workers in two broadcasts, the header and one payload (positions,
-    slots and block tables from the host, then the input ids: host ones, or the device tensor the step in flight
-    sampled, never read back) and every rank replays its graph, the recorded all_reduces meeting across ranks."""
+    A replay sends the step's inputs to the workers in one broadcast (two with long block tables), the header and
+    its payload (positions, slots and block tables from the host, then the input ids: host ones, or the device tensor
+    the step in flight sampled, never read back) and every rank replays its graph, the recorded all_reduces meeting
+    across ranks."""
 
     def __init__(self, executor: TPExecutor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int) -> None:
         from runtime.cuda_graphs import DecodeGraphs

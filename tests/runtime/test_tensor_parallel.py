@@ -25,8 +25,8 @@ from runtime.executor import SeqSlice, StepInput
 from runtime.kv_cache import KVLayout
 from runtime.memory import MemoryPlanError, least_kv_blocks, plan_kv_blocks
 from runtime.serving import ServingConfig, ServingEngine
-from runtime.tensor_parallel import (HEADER, MAGIC, StepMessage, StepMessageError, WorkerFailure, _check_header,
-                                     _decode, _encode, check_devices)
+from runtime.tensor_parallel import (FIRST_INTS, HEADER, MAGIC, StepMessage, StepMessageError, WorkerFailure,
+                                     _check_header, _decode, _encode, check_devices)
 
 PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 PROMPTS = ["def fibonacci(n):", "import os\nclass Config:"]
@@ -240,21 +240,34 @@ def test_every_message_kind_round_trips_through_ints():
 
 
 def test_send_and_receive_over_a_loopback_broadcast(monkeypatch):
-    """``_send``'s broadcasts, replayed into ``_receive``: a header alone for a heartbeat, header + payload for a
-    step and for a replay (its input ids in the payload, whether host ints or a tensor)."""
+    """``_send``'s broadcasts, replayed into ``_receive``: one of FIRST_INTS for a heartbeat, a step and a replay (its
+    input ids in the payload, whether host ints or a tensor); a second of the rest for a replay whose block tables
+    (meta) or input ids (data) run past it."""
     import runtime.tensor_parallel as tp
 
     spec = tp.RankSpec(0, 2, torch.device("cpu"), "gloo")
     msg, data = _step_message()
     ids = torch.tensor([11, 12])
     replay = ([4, 9], [68, 9], [[4], [0, 3]])
-    for sent_msg, sent_data, count in [(StepMessage("heartbeat"), [], 1), (msg, data, 2),
-                                       (StepMessage("replay", replay=(ids, *replay)), [ids], 2),
-                                       (StepMessage("replay", replay=([11, 12], *replay)), [[11, 12]], 2)]:
+    n = tp.FIRST_INTS // 3  # past the first broadcast with their meta (3n) alone
+    gen = torch.Generator().manual_seed(0)
+    long_tables = [torch.randint(0, 40, (2,), generator=gen).tolist() for _ in range(n)]
+    long_replay = (list(range(n)), list(range(n)), long_tables)
+    long_ids = torch.randint(0, 500, (n,), generator=gen)
+    # tables of t blocks: the meta (6 + t) and the first input id fill the first broadcast, the second id is past it
+    t = tp.FIRST_INTS - len(HEADER) - 6 - 1
+    wide_ids = torch.randint(0, 500, (2,), generator=gen)
+    for sent_msg, sent_data, count in [(StepMessage("heartbeat"), [], 1), (msg, data, 1),
+                                       (StepMessage("replay", replay=(ids, *replay)), [ids], 1),
+                                       (StepMessage("replay", replay=([11, 12], *replay)), [[11, 12]], 1),
+                                       (StepMessage("replay", replay=(long_ids, *long_replay)), [long_ids], 2),
+                                       (StepMessage("replay", replay=(wide_ids, [4, 9], [68, 9],
+                                                                      [[1] * (t // 2), [2] * (t - t // 2)])),
+                                        [wide_ids], 2)]:
         wire: list[torch.Tensor] = []
         monkeypatch.setattr(tp.dist, "broadcast", lambda t, src: wire.append(t.clone()))
         tp._send(sent_msg, sent_data, spec)
-        assert len(wire) == count and all(t.dtype == torch.int64 for t in wire)
+        assert len(wire) == count and wire[0].numel() == tp.FIRST_INTS and all(t.dtype == torch.int64 for t in wire)
         feed = iter(wire)
         monkeypatch.setattr(tp.dist, "broadcast", lambda t, src: t.copy_(next(feed)))
         got, tensors = tp._receive(spec)
@@ -263,7 +276,8 @@ def test_send_and_receive_over_a_loopback_broadcast(monkeypatch):
             assert got.seqs == msg.seqs and got.freed == msg.freed
             assert all(torch.equal(tensors[n], t) for (n, _, _), t in zip(msg.tensors, data))
         if got.kind == "replay":
-            assert torch.equal(got.replay[0], ids) and got.replay[1:] == replay
+            sent_ids = sent_data[0] if isinstance(sent_data[0], torch.Tensor) else torch.tensor(sent_data[0])
+            assert torch.equal(got.replay[0], sent_ids) and got.replay[1:] == sent_msg.replay[1:]
 
 
 def _field(header: list[int], name: str, value: int) -> list[int]:
@@ -331,7 +345,8 @@ def test_a_worker_sent_a_malformed_header_exits_and_the_engine_fails(built):
     with loaded(built[("bf16", 2)]) as engine:
         assert engine.generate("def", SamplingParams(max_tokens=2)).token_ids
         header, _, _ = _wire(StepMessage("heartbeat"), [])
-        bad = torch.tensor(_field(header, "kind", 99))
+        bad = torch.zeros(FIRST_INTS, dtype=torch.int64)  # a message's first broadcast, its header's kind unknown
+        bad[:len(header)] = torch.tensor(_field(header, "kind", 99))
         engine.executor.locked(lambda: dist.broadcast(bad, src=0), "a malformed message")
         deadline = time.monotonic() + 30
         while engine.executor.failure is None and time.monotonic() < deadline:  # the sentinel thread sees it exit
