@@ -38,7 +38,8 @@ def _rank(rank: int, port: int, stack_after: float) -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     name = dist.group.WORLD.group_name
-    _say(rank, t0, f"backend {symm_mem.get_backend(torch.device('cuda', rank)) if hasattr(symm_mem, 'get_backend') else '?'}")
+    backend = symm_mem.get_backend(torch.device("cuda", rank)) if hasattr(symm_mem, "get_backend") else "?"
+    _say(rank, t0, f"symmetric memory backend {backend}")
     buf = symm_mem.empty(1 << 16, dtype=torch.bfloat16, device=torch.device("cuda", rank))
     _say(rank, t0, "symm_mem.empty ok")
     handle = symm_mem.rendezvous(buf, dist.group.WORLD)
