@@ -192,14 +192,35 @@ class _InFlight:
         self.done.record()
         return self
 
-    def read(self) -> list[int]:
+    def read(self, failure: Callable[[], BaseException | None] | None = None) -> list[int]:
+        """The sampled tokens, once the step is done. ``failure``: the engine's (a tensor-parallel engine's), polled
+        while waiting and raised when set: a rank that died mid-step leaves this GPU waiting in the step's
+        collectives for good, and the wait would never return."""
         if self.tokens is None:  # dropped before it sampled: wait for its forward all the same (see _drop_inflight)
             if self.logits is not None and self.logits.is_cuda:
-                torch.cuda.current_stream(self.logits.device).synchronize()
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.logits.device))
+                wait_for_device(done, failure)
             return []
         if self.done is not None:
-            self.done.synchronize()
+            wait_for_device(self.done, failure)
         return self.host_tokens.tolist()
+
+
+FAILURE_POLL_S = 2e-4  # how often a wait for a tensor-parallel step checks whether a rank died (after a spin)
+FAILURE_SPIN_S = 2e-3  # how long it first polls without sleeping (a step's tail: the sleep's granularity would show)
+
+
+def wait_for_device(event, failure: Callable[[], BaseException | None] | None) -> None:
+    """``event.synchronize()``; with ``failure``, polled instead: ``failure()`` is raised as soon as it is set."""
+    if failure is None:
+        event.synchronize()
+        return
+    start = time.perf_counter()
+    while not event.query():
+        if (error := failure()) is not None:
+            raise error
+        time.sleep(0 if time.perf_counter() - start < FAILURE_SPIN_S else FAILURE_POLL_S)
 
 
 def _feed(ids: torch.Tensor, feed: tuple[torch.Tensor, list[int], list[int]]) -> torch.Tensor:
@@ -297,6 +318,12 @@ class ServingEngine:
     def failure(self) -> BaseException | None:
         """Why this engine can never step again (a tensor-parallel rank died), or None."""
         return getattr(self.executor, "failure", None)
+
+    @property
+    def _device_failure(self) -> Callable[[], BaseException | None] | None:
+        """What a wait for the device polls (``wait_for_device``): a tensor-parallel engine's failure; None (a plain
+        synchronize) for one rank."""
+        return (lambda: self.executor.failure) if hasattr(self.executor, "failure") else None
 
     def close(self) -> None:
         """Release what outlives the object: the decode CUDA graphs and a tensor-parallel engine's worker
@@ -838,7 +865,7 @@ class ServingEngine:
     def _complete(self, step: _InFlight) -> list[RequestOutput]:
         """Read back an in-flight step's tokens (waiting for that step only), record and emit them, and
         commit the KV slots reserved for the step launched after it."""
-        tokens = step.read()
+        tokens = step.read(self._device_failure)
         live = [(r, t, None) for r, t in zip(step.sampling, tokens) if r.status is RequestStatus.RUNNING]
         outputs = self._record(step.sched, live, step.errors,
                                before_emit=self._start_masks if self.config.mask_overlap else None)
@@ -861,8 +888,8 @@ class ServingEngine:
             if step.masks is not None:
                 wait_futures([step.masks])
             try:
-                step.read()
-            except Exception as e:  # a failed device (finish_all after an error) must not fail the cleanup
+                step.read(self._device_failure)
+            except Exception as e:  # a failed device or rank (finish_all after an error) must not fail the cleanup
                 log.warning("dropping the in-flight decode step: %s", e)
     def _pack(self, sched: SchedulerOutput) -> tuple[PackedStep, list[Request]]:
         """The scheduled sequences packed back to back on the host, and the requests that sample, in order."""

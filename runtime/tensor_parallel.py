@@ -49,8 +49,10 @@ process takes the GPU of its LOCAL_RANK on its own node and the weight file of i
 CUDA graphs (TPDecodeGraphs): every rank captures its shard's decode step for the same buckets in lockstep
 and replays it when rank 0 broadcasts a "replay" message; the all_reduces are NCCL kernels inside the
 graphs. No collective timeout covers those kernels: if a worker dies during a replay, rank 0's GPU waits in
-the graph, and the engine thread with it, but the sentinel thread still marks the engine failed (health
-503, the log line). The graphs hold NCCL resources, so they are destroyed before the group is left.
+the graph for good. The engine thread does not: its wait for the step's tokens polls the engine's failure
+(``runtime.serving.wait_for_device``), which the sentinel thread sets, and raises it, so the step's requests fail
+with it and /health turns 503 (the log line names the rank). The graphs hold NCCL resources, so they are destroyed
+before the group is left.
 """
 
 from __future__ import annotations

@@ -456,3 +456,57 @@ if __name__ == "__main__":
     assert (out["rank"], out["local"], out["tokens"], out["served"]) == ("0", "0", ref[0], ref)
     assert out["plan"] == [12, [32, 12]]
     assert "tensor-parallel rank 1 has room for 3 KV blocks of 16 tokens (rank 0: 32)" in out["error"]
+
+
+# --- a rank that dies while rank 0's GPU waits in a step ----------------------------------------------
+class _NeverDone:
+    """A CUDA event of a step whose collectives wait for a dead rank: never done."""
+
+    def __init__(self) -> None:
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return False
+
+    def synchronize(self) -> None:
+        raise AssertionError("a blocking wait would never return")
+
+
+def test_a_wait_for_a_step_raises_the_engine_failure_instead_of_waiting_forever():
+    from runtime.serving import wait_for_device
+
+    event, polls = _NeverDone(), []
+    failure = WorkerFailure("tensor-parallel worker rank 1 (pid 7) exited with signal SIGKILL")
+
+    def seen() -> WorkerFailure | None:
+        polls.append(1)
+        return failure if len(polls) > 3 else None  # the sentinel thread marks the engine failed a moment later
+
+    with pytest.raises(WorkerFailure, match="rank 1"):
+        wait_for_device(event, seen)
+    assert event.queries == 4 and len(polls) == 4
+
+
+def test_a_wait_without_a_failure_to_poll_blocks_and_one_that_finishes_returns():
+    from runtime.serving import wait_for_device
+
+    class Done:
+        synchronized = False
+
+        def __init__(self, after: int) -> None:
+            self.left = after
+
+        def query(self) -> bool:
+            self.left -= 1
+            return self.left < 0
+
+        def synchronize(self) -> None:
+            self.synchronized = True
+
+    plain = Done(0)
+    wait_for_device(plain, None)  # one rank: a plain synchronize
+    assert plain.synchronized
+    polled = Done(5)
+    wait_for_device(polled, lambda: None)
+    assert polled.left == -1 and not polled.synchronized
