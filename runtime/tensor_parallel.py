@@ -636,7 +636,11 @@ class TPDecodeGraphs:
         return self.local.bucket_for(num_seqs)
 
     def close(self) -> None:
-        """Rank 0's graphs; the workers destroy theirs when told to stop."""
+        """Rank 0's graphs; the workers destroy theirs when told to stop. After a rank died they are left as they
+        are: a replay may still be waiting for it on this GPU, and closing them would wait with it."""
+        if self.executor.failure is not None:
+            log.warning("tensor parallel: the decode graphs are left as they are (%s)", self.executor.failure)
+            return
         self.local.close()
 
     def run(self, input_ids: list[int] | torch.Tensor, positions: list[int], slots: list[int],
