@@ -9,6 +9,11 @@ Storage conventions (written by the quantization passes, see passes/README.md):
   int8 per token (dynamic) or with the calibrated per-tensor ``input_scale`` (static); scale = amax / 127.
 - fp8: ``qweight`` float8_e4m3fn [out, in], ``weight_scale`` fp32 [out] or [1]; activations e4m3 per
   token (dynamic) or with ``input_scale`` (static); scale = amax / 448.
+- fp8_block: ``qweight`` float8_e4m3fn [out, in], ``weight_scale`` fp32 [ceil(out / bn), ceil(in / bk)] for the
+  ``block_size`` [bn, bk] of the node's ``quant``: w[n, k] = q[n, k] * scale[n // bn, k // bk] (a partial last
+  block along either dimension has its own scale); activations e4m3 per token and bk-wide group along in (the
+  last group may be narrower), scale = the group's amax / 448 (dynamic). Fine-grained FP8 checkpoints
+  (DeepSeek-V3, Qwen3-FP8) store this.
 - any scheme may carry ``perm`` int32 [in] (an act-order checkpoint's input channels sorted by group, so
   groups are contiguous): the linear computes ``x[:, perm] @ W.T``, W's columns being in that order.
 """
@@ -99,6 +104,37 @@ def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -
         scale = input_scale.float().reshape(1, 1)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
+
+
+def expand_blocks(scales: torch.Tensor, block: int, size: int, dim: int) -> torch.Tensor:
+    """Each scale repeated ``block`` times along ``dim``, cut to ``size`` (a partial last block)."""
+    return scales.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
+
+
+def dequantize_weight_fp8_blocks(qweight: torch.Tensor, weight_scale: torch.Tensor,
+                                 block_size: tuple[int, int] | list[int]) -> torch.Tensor:
+    """fp8_block codes [N, K] and block scales [ceil(N / bn), ceil(K / bk)] -> w [N, K] fp32, each code times its
+    block's scale (one fp32 product per element: exactly ``q.float() * scale[n // bn, k // bk]``)."""
+    (n, k), (bn, bk) = qweight.shape, block_size
+    w = qweight.float()
+    rows = expand_blocks(weight_scale.float(), bn, n, 0)  # [N, ceil(K / bk)]: each row's scales along K
+    full = k // bk
+    w[:, :full * bk].unflatten(1, (full, bk)).mul_(rows[:, :full, None])  # whole blocks: a view, no [N, K] scales
+    if k % bk:
+        w[:, full * bk:].mul_(rows[:, full:])
+    return w
+
+
+def quantize_activation_fp8_blocks(x: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [num_tokens, K] -> (e4m3 codes [num_tokens, K], fp32 scales [num_tokens, ceil(K / block_k)]): each token's
+    groups of ``block_k`` along K (the last may be narrower) scaled by their own amax / 448, floored as the per-token
+    path's (an all-zero group gets codes 0 where transformers' kernel divides 0 by 0)."""
+    num_tokens, k = x.shape
+    num_groups = -(-k // block_k)
+    groups = F.pad(x.float(), (0, num_groups * block_k - k)).view(num_tokens, num_groups, block_k)  # zeros: no max
+    scale = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [num_tokens, num_groups]
+    q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(num_tokens, num_groups * block_k)[:, :k], scale
 
 
 def _int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
@@ -194,4 +230,16 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtyp
             return (y + bias.float() if bias is not None else y).to(x.dtype)
 
         return fp8_linear
+    if scheme == "fp8_block":
+        _, block_k = quant["block_size"]
+        w_deq = dequantize_weight_fp8_blocks(w["qweight"], w["weight_scale"], quant["block_size"])
+
+        def fp8_block_linear(x: torch.Tensor) -> torch.Tensor:
+            x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
+            xq, x_scale = quantize_activation_fp8_blocks(x2, block_k)
+            y = (xq.float() * expand_blocks(x_scale, block_k, x2.shape[1], 1)) @ w_deq.t()
+            y = y + bias.float() if bias is not None else y
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
+
+        return fp8_block_linear
     raise ValueError(f"unknown quant scheme {scheme!r}")

@@ -28,6 +28,8 @@ QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
     "w8a16": ("qweight", "scales", "zeros"),  # 8-bit codes, per-group (or per-channel) scale and zero
     "w8a8_int8": ("qweight", "weight_scale"),  # int8 weight per channel; activations int8 (+ input_scale if static)
     "fp8": ("qweight", "weight_scale"),  # e4m3 weight per tensor/channel; activations e4m3 (+ input_scale if static)
+    # e4m3 weight with one scale per block_size [bn, bk] block; activations e4m3 per token and bk-wide group (dynamic)
+    "fp8_block": ("qweight", "weight_scale"),
 }
 # `perm` (optional, any scheme; int32 [in]): imported act-order checkpoints store W's input columns sorted by group,
 # so groups are contiguous; the linear reads x[:, perm].
@@ -146,6 +148,12 @@ MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
     "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros"),
 }
 ELEMENTWISE = ("add", "mul", "scale")
+
+
+def block_size_ok(block: Any) -> bool:
+    """An fp8_block linear's ``block_size``: [rows, columns] of one weight scale, positive integers."""
+    return isinstance(block, list) and len(block) == 2 and all(
+        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
 
 
 @dataclass(frozen=True)
@@ -296,6 +304,9 @@ class Graph:
                 for role in QUANT_SCHEMES[scheme]:
                     if role not in n.weights:
                         raise GraphError(f"node {n}: a {scheme} {n.op} needs weight {role!r}")
+                if scheme == "fp8_block" and not block_size_ok(n.attrs["quant"].get("block_size")):
+                    raise GraphError(f"node {n}: an fp8_block {n.op} needs quant block_size [rows, columns] of "
+                                     f"positive integers; quant is {n.attrs['quant']}")
                 sizes = n.attrs.get("split_sizes")
                 if sizes is not None and (len(sizes) != len(n.outputs) or sum(sizes) * n.attrs.get("split_heads", 1)
                                           != n.attrs.get("out_features")):

@@ -22,11 +22,15 @@ SHARED_ROLES = ("input_scale", "perm")
 def can_merge(graph: Graph, group: list[Node]) -> bool:
     """Whether ``group`` can become one linear: all with or all without bias, and stored alike (all float, or
     all in one quant scheme with equal settings and equal shared tensors: a pre-quantized checkpoint's input
-    scales and act-order permutations)."""
+    scales and act-order permutations). fp8_block members stack their block scales by rows, so every member but
+    the last must hold whole blocks of rows."""
     if len({"bias" in n.weights for n in group}) != 1 or len({tuple(sorted(n.weights)) for n in group}) != 1:
         return False
     quants = [n.attrs.get("quant") for n in group]
     if any(q != quants[0] for q in quants):
+        return False
+    if quants[0] and quants[0]["scheme"] == "fp8_block" and any(
+            n.attrs["out_features"] % quants[0]["block_size"][0] for n in group[:-1]):
         return False
     return all(torch.equal(graph.params[n.weights[role]], graph.params[group[0].weights[role]])
                for n in group for role in SHARED_ROLES if role in n.weights)
@@ -51,7 +55,7 @@ def merge_linear_group(graph: Graph, group: list[Node]) -> Node:
             graph.params[weights[role]] = graph.params[names[0]]
             continue
         parts = [graph.params[w] for w in names]
-        if role == "weight_scale":  # per tensor [1] or per channel [out]: per channel when stacked
+        if role == "weight_scale" and parts[0].dim() <= 1:  # per tensor [1] or channel [out]: per channel stacked
             parts = [t.reshape(-1).expand(size) for t, size in zip(parts, sizes)]
         graph.params[weights[role]] = torch.cat(parts, dim=0)
     attrs = {"in_features": group[0].attrs["in_features"], "out_features": sum(sizes), "split_sizes": sizes}

@@ -15,8 +15,9 @@ each rank holds the one kv head its q heads read (kv head r*KV // tp), replicate
 
 Quantized weights are cut together with their scales and zero points: a column split cuts output rows
 (every scheme); a row split cuts input columns on group boundaries (packed 4-bit codes hold two columns
-per byte); per-channel and per-tensor scales are replicated. A row split that would cut a quantization
-group is an error.
+per byte); per-channel and per-tensor scales are replicated. fp8_block scales [out / bn, in / bk] are cut by
+whole blocks, rows with a column split, columns with a row split. A split that would cut a quantization
+group or scale block is an error.
 
 Experts: each rank runs every expert on its share of the intermediate features, so its moe output is a partial
 sum (the routing, computed whole on every rank, agrees). FP8 experts' per-row scales follow their rows, the down
@@ -321,6 +322,9 @@ def _row_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] 
     local = in_f // tp_size
     quant = node.attrs.get("quant") or {}
     scheme = quant.get("scheme", "none")
+    if role == "weight_scale" and scheme == "fp8_block":  # [out blocks, in blocks]: each rank its input blocks
+        return _block_slices(node, [(Slice(1, r * local, (r + 1) * local),) for r in range(tp_size)],
+                            quant["block_size"][1], tp_size)
     if role in ("weight_scale", "input_scale"):  # per output channel or per tensor: whole on every rank
         return None
     if role == "perm":
@@ -344,6 +348,32 @@ def _row_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] 
                         f"or another tp_size")
         return [(Slice(1, r * local // group, (r + 1) * local // group),) for r in range(tp_size)]
     return [(Slice(1, r * local, (r + 1) * local),) for r in range(tp_size)]
+
+
+def _block_slices(node: Node, pieces: list[tuple[Slice, ...]], block: int, tp_size: int) -> list[tuple[Slice, ...]]:
+    """Per rank: the rows (dim 0) or columns (dim 1) of an fp8_block weight's scales [out / bn, in / bk] for the
+    pieces ``pieces`` of its codes, one scale per ``block`` codes; a piece that does not start and end on a block
+    boundary would split a block's scale between ranks (and misalign the rank's blocks), and is an error."""
+    for piece in (p for rank in pieces for p in rank):
+        if piece.start % block or piece.stop % block:
+            what = "output rows" if piece.dim == 0 else "input columns"
+            size = piece.stop - piece.start
+            raise _fail(f"tp_size {tp_size} splits the {what} of {node.source} into pieces of {size} (from "
+                        f"{piece.start}), which cut its fp8_block scale blocks of {block} {what}; pick a tp_size whose "
+                        f"share of every projection is a multiple of {block}, or build with tp_size 1")
+    return [tuple(Slice(p.dim, p.start // block, p.stop // block) for p in rank) for rank in pieces]
+
+
+def _per_row_slices(graph: Graph, node: Node, role: str, rows: list[tuple[Slice, ...]],
+                    num_rows: int) -> list[tuple[Slice, ...]] | None:
+    """Per rank: a column- or vocab-parallel node's weight role cut by the output rows ``rows`` of its codes: per-row
+    tensors with the rows, fp8_block scales with their row blocks; None = replicated (per-tensor scales, perm)."""
+    quant = node.attrs.get("quant") or {}
+    if role == "weight_scale" and quant.get("scheme") == "fp8_block":
+        return _block_slices(node, rows, quant["block_size"][0], len(rows))
+    t = graph.params[node.weights[role]]
+    per_row = role not in ("input_scale", "perm") and t.dim() >= 1 and t.shape[0] == num_rows
+    return rows if per_row else None
 
 
 class _Assigner:
@@ -395,11 +425,8 @@ class Shard(Pass):
             n = col.node
             assert RULES[col.role].split == "column" and RULES[col.role].collective is None
             rows = _column_slices(col, tp_size)
-            for role, w in n.weights.items():
-                t = graph.params[w]
-                per_row = (role not in ("input_scale", "perm") and t.dim() >= 1
-                           and t.shape[0] == n.attrs["out_features"])
-                assign(w, rows if per_row else None, n.source)  # per-tensor scales: replicated
+            for role, w in n.weights.items():  # per-tensor scales: replicated
+                assign(w, _per_row_slices(graph, n, role, rows, n.attrs["out_features"]), n.source)
             local = [sum(mem.local_size(tp_size) for mem in col.members[i]) for i in sorted(col.members)]
             n.attrs["out_features"] = sum(local)
             if "split_heads" in n.attrs:  # the same parts per head, fewer heads
@@ -445,10 +472,9 @@ class Shard(Pass):
         if vocab_parallel:
             for n in _vocab_nodes(graph):
                 rows = _vocab_rows(graph, n)
-                for role, w in n.weights.items():
-                    per_row = role not in ("input_scale", "perm") and graph.params[w].shape[0] == rows
-                    ranges = [(Slice(0, a, b),) for a, b in even_ranges(rows, tp_size)]
-                    assign(w, ranges if per_row else None, n.source)  # per-tensor scales: replicated
+                ranges = [(Slice(0, a, b),) for a, b in even_ranges(rows, tp_size)]
+                for role, w in n.weights.items():  # per-tensor scales: replicated
+                    assign(w, _per_row_slices(graph, n, role, ranges, rows), n.source)
                 if n.op == "embedding":
                     n.attrs["vocab_parallel"] = True
                 if "out_features" in n.attrs:  # a quantized lm_head records its shape per rank, as linears do

@@ -37,12 +37,14 @@ QUANT_WEIGHTS = {
     "w8a16": ("qweight", "scales", "zeros"),
     "w8a8_int8": ("qweight", "weight_scale"),
     "fp8": ("qweight", "weight_scale"),
+    "fp8_block": ("qweight", "weight_scale"),
 }
 QUANTIZABLE_OPS = ("linear", "lm_head")
 # a moe node's quantized experts (passes/ir.py MOE_QUANT_SCHEMES): scheme -> the weight roles it adds
 MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale"),
                      "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
-WEIGHT_ONLY_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size")}  # the quant attrs they read
+# the quant attrs a scheme's runtime reads
+SCHEME_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size"), "fp8_block": ("block_size",)}
 # safetensors' dtype names -> graph.json's (torch's)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -323,7 +325,7 @@ def _check_quantized(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> N
             raise ManifestError(f"graph.json {op} {where}: quant scheme {scheme!r} is not one this runtime executes; "
                                 f"allowed: {', '.join(s for s in QUANT_WEIGHTS if s != 'none')}")
         missing = [r for r in QUANT_WEIGHTS[scheme] if r not in node.get("weights", {})]
-        missing += [a for a in WEIGHT_ONLY_ATTRS.get(scheme, ()) if a not in quant]
+        missing += [a for a in SCHEME_ATTRS.get(scheme, ()) if a not in quant]
         if missing:
             raise ManifestError(f"graph.json {op} {where}: a {scheme} {op} needs {', '.join(missing)}")
         if op == "lm_head":
