@@ -433,6 +433,8 @@ def _linear(w, attrs, ex) -> Kernel:
                                         dtype=ex.dtype, swiglu_out=ex._index in ex._fusions.swiglu_out)
     elif quant and ex.use_kernels and quant["scheme"] in ("fp8", "w8a8_int8"):
         fn = _kernel_w8a8_linear(w, quant, ex)
+    elif quant and ex.use_kernels and quant["scheme"] == "fp8_block":
+        fn = _kernel_fp8_block_linear(w, quant, ex.dtype)
     elif quant:
         fn = make_quant_linear(quant["scheme"], w, quant, ex.dtype)
     elif ex.use_kernels:
@@ -498,6 +500,18 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         return large(x)
 
     return linear
+
+
+def _kernel_fp8_block_linear(w, quant, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Block-scaled FP8 (fine-grained FP8 checkpoints): the Triton GEMM at every size (``kernels.fp8_block_gemm``;
+    cuBLAS's ``_scaled_mm`` here takes per-row scales, not per-block ones); a block width it does not take runs the
+    torch reference."""
+    from kernels import fp8_block_gemm
+
+    if not fp8_block_gemm.supports(quant["block_size"]):
+        return make_quant_linear("fp8_block", w, quant, dtype)
+    qweight, scales, bias, block = w["qweight"], w["weight_scale"], w.get("bias"), quant["block_size"]
+    return lambda x: fp8_block_gemm.fp8_block_linear(x, qweight, scales, block, bias)
 
 
 def _kernel_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,

@@ -1,0 +1,131 @@
+"""The block-scaled FP8 (fp8_block) Triton GEMM against the runtime's reference linear, under the Triton interpreter
+on CPU, with fresh random weights, block scales and inputs; shapes whose N and K are not multiples of the block
+exercise the partial last blocks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+
+from kernels.fp8_block_gemm import BlockConfig, fp8_block_linear, ref_fp8_block_linear, supports
+from kernels.torch_quant import dequantize_weight_fp8_blocks, quantize_activation_fp8_blocks
+
+
+def _weights(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 codes over their whole range and block scales that differ by up to 100x."""
+    g = torch.Generator().manual_seed(seed)
+    codes = (torch.randn(n, k, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 1e-3 + 1e-5
+    return codes, scales
+
+
+def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    x[:, 3] *= 30  # an outlier channel: its group's scale differs from the others'
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("m,n,k,block", [(1, 48, 64, (16, 32)), (5, 72, 80, (32, 16)), (3, 200, 300, (128, 128)),
+                                         (17, 40, 96, (32, 32))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_reference(m, n, k, block, dtype):
+    seed = m * 1000 + n + k
+    qweight, scales = _weights(n, k, block, seed)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    x = _x(m, k, dtype, seed + 2)
+    y = fp8_block_linear(x, qweight, scales, block, bias)
+    ref = ref_fp8_block_linear(x, qweight, scales, block, bias)
+    assert y.dtype == dtype and y.shape == (m, n) and ref.abs().max() > 0
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    else:  # the reference rounds the same fp32 result to bf16; allow one bf16 ulp
+        torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+def test_split_k_and_3d_input():
+    """K split over programs (partial sums added with the bias by the reduction) and a [batch, tokens, K] x."""
+    block = (32, 32)
+    qweight, scales = _weights(40, 160, block, 7)
+    x = _x(6, 160, torch.float32, 8).reshape(2, 3, 160)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(9))
+    y = fp8_block_linear(x, qweight, scales, block, bias, config=BlockConfig(16, 16, split_k=3, group_m=2,
+                                                                             num_warps=1, num_stages=1))
+    ref = ref_fp8_block_linear(x, qweight, scales, block, bias)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_reference_is_the_block_formula():
+    """The reference linear is y = sum over groups of x's group codes * x_scale times the weight's codes * its
+    block's scale, written here element by element."""
+    n, k, block = 20, 50, (8, 16)
+    qweight, scales = _weights(n, k, block, 3)
+    x = _x(4, k, torch.float32, 4)
+    w = torch.stack([torch.stack([qweight[i, j].float() * scales[i // 8, j // 16] for j in range(k)])
+                     for i in range(n)])
+    assert torch.equal(dequantize_weight_fp8_blocks(qweight, scales, block), w)
+    xq, x_scale = quantize_activation_fp8_blocks(x, 16)
+    for g in range(-(-k // 16)):  # each group's codes span the e4m3 range: its max maps to 448
+        cols = slice(16 * g, min(16 * (g + 1), k))
+        assert torch.allclose(x_scale[:, g], x[:, cols].abs().amax(1) / 448)
+        assert torch.equal(xq[:, cols].float().abs().amax(1), torch.full((4,), 448.0))
+    x_deq = torch.cat([xq[:, 16 * g: 16 * (g + 1)].float() * x_scale[:, g: g + 1] for g in range(-(-k // 16))], 1)
+    torch.testing.assert_close(ref_fp8_block_linear(x, qweight, scales, block), x_deq @ w.t(), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_inputs_are_named():
+    qweight, scales = _weights(16, 64, (16, 32), 0)
+    with pytest.raises(ValueError, match="input features"):
+        fp8_block_linear(torch.randn(2, 63), qweight, scales, (16, 32))
+    with pytest.raises(ValueError, match=r"weight_scale is torch.float32 \(1, 2\); expected row-major float32 "
+                                         r"\(1, 4\) \(one scale per 16 x 16 block"):
+        fp8_block_linear(torch.randn(2, 64), qweight, scales, (16, 16))
+    with pytest.raises(ValueError, match="block width along K that is a power of two"):
+        fp8_block_linear(torch.randn(2, 64), qweight, scales, (16, 24))
+    assert supports((128, 128)) and supports((1, 16)) and not supports((128, 96)) and not supports((128, 512))
+
+
+def test_executor_runs_fp8_block_linears_on_the_kernel(monkeypatch):
+    """An fp8_block linear of a graph runs the kernel on the kernel path (at one row and at many, a block width the
+    kernel takes) and the torch reference otherwise (a block width it does not take), with the same logits."""
+    from kernels import fp8_block_gemm
+    from passes.ir import Graph, Node
+    from runtime.executor import Executor, StepInput
+
+    def graph(block: tuple[int, int]) -> Graph:
+        g = torch.Generator().manual_seed(11)
+        codes, scales = _weights(72, 80, block, 12)
+        params = {"embed.weight": torch.randn(50, 80, generator=g), "up.qweight": codes, "up.weight_scale": scales,
+                  "up.bias": torch.randn(72, generator=g), "head.weight": torch.randn(50, 72, generator=g) * 0.1}
+        nodes = [Node("embedding", ["input_ids"], ["h"], {"weight": "embed.weight"}),
+                 Node("linear", ["h"], ["y"], {"qweight": "up.qweight", "weight_scale": "up.weight_scale",
+                                               "bias": "up.bias"},
+                      {"in_features": 80, "out_features": 72,
+                       "quant": {"scheme": "fp8_block", "block_size": list(block), "activations": "dynamic"}}),
+                 Node("lm_head", ["y"], ["logits"], {"weight": "head.weight"})]
+        graph = Graph(nodes, ["input_ids", "positions"], ["logits"], params, {"dtype": "float32"})
+        graph.check()
+        return graph
+
+    calls, real = [], fp8_block_gemm.fp8_block_linear
+
+    def spy(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(fp8_block_gemm, "fp8_block_linear", spy)
+    for block, on_kernel in (((32, 16), True), ((24, 40), False)):
+        g = graph(block)
+        ref, fused = Executor(g.to_dict(), g.params), Executor(g.to_dict(), g.params, use_kernels=True)
+        for num_tokens in (1, 9):
+            ids = torch.randint(0, 50, (num_tokens,), generator=torch.Generator().manual_seed(num_tokens))
+            inp = StepInput(ids, torch.arange(num_tokens), [])
+            want = ref.forward(inp)
+            torch.testing.assert_close(fused.forward(inp), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        assert calls == ([1, 9] if on_kernel else []), (block, calls)
+        calls.clear()
