@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemm import _interpreting, grouped_tile, reduce_split_k, split_k_plan
+from kernels.w4a16_gemm import _interpreting, output_tile, reduce_split_k, split_k_plan, store_output_tile
 from kernels.w8a8_gemm import X_DTYPES, _round_e4m3
 
 BLOCK_K_RANGE = (16, 256)  # the block widths along K the kernel takes (powers of two: one K step per group)
@@ -84,13 +84,7 @@ def _fp8_block_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n, pid_k = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     ws_rows = ws_ptr + (offs_n // BN) * stride_sn  # [BLOCK_N]: each column's row of block scales
 
@@ -114,14 +108,8 @@ def _fp8_block_gemm_kernel(
         w_scale = tl.load(ws_rows + group, mask=mask_n, other=0.0)  # [BLOCK_N]
         acc += part * x_scale[:, None] * w_scale[None, :]
 
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask_out)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=mask_out)
+    store_output_tile(out_ptr, acc, bias_ptr, offs_m, offs_n, mask_m, mask_n, pid_k, stride_om, stride_os,
+                      HAS_BIAS, SPLIT_K)
 
 
 def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,

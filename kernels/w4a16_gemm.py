@@ -153,6 +153,31 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def output_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """A split-K GEMM program's share (grid axis 0: output tiles in grouped order; axis 1: K splits): its rows
+    offs_m, columns offs_n, their masks, and its K split pid_k."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N, tl.program_id(1)
+
+
+@triton.jit
+def store_output_tile(out_ptr, y, bias_ptr, offs_m, offs_n, mask_m, mask_n, pid_k, stride_om, stride_os,
+                      HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+    """A tile's fp32 sums y [BLOCK_M, BLOCK_N] to ``out``: y [M, N] in out's dtype, bias added; or, split over K,
+    this split's partial sums [SPLIT_K, M, N] fp32, which ``reduce_split_k`` adds with the bias."""
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask_out)
+    else:
+        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask_out)
+
+
+@triton.jit
 def _mma(a, w, acc, DOT: tl.constexpr):
     """acc + a @ w. a: x's dtype; w: fp32 dequantized weights. DOT: _DOT_NATIVE = tensor cores on x's
     dtype (w rounded to it); _DOT_TF32 = tf32 tensor cores on fp32 operands (x is exact in tf32, w is
@@ -220,13 +245,7 @@ def _w4a16_gemm_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n, pid_k = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # this split's K steps; the last split may have fewer, so every step starts inside K
@@ -269,15 +288,8 @@ def _w4a16_gemm_kernel(
             a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
             acc = _mma(a, _dequant(q, s, zs), acc, DOT)
 
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], acc,
-                 mask=mask_out)
+    store_output_tile(out_ptr, acc, bias_ptr, offs_m, offs_n, mask_m, mask_n, pid_k, stride_om, stride_os,
+                      HAS_BIAS, SPLIT_K)
 
 
 @triton.jit

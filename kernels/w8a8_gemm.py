@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemm import _interpreting, grouped_tile, reduce_split_k, split_k_plan
+from kernels.w4a16_gemm import _interpreting, output_tile, reduce_split_k, split_k_plan, store_output_tile
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 W_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -107,13 +107,7 @@ def _w8a8_gemm_kernel(
     SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    pid_k = tl.program_id(1)
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n, pid_k = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     qmax, eps = _qrange(INT8)
 
@@ -157,14 +151,8 @@ def _w8a8_gemm_kernel(
     else:
         w_scale = tl.zeros((BLOCK_N,), dtype=tl.float32) + tl.load(ws_ptr)
     y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
-    mask_out = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=mask_out)
-    else:
-        tl.store(out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask_out)
+    store_output_tile(out_ptr, y, bias_ptr, offs_m, offs_n, mask_m, mask_n, pid_k, stride_om, stride_os, HAS_BIAS,
+                      SPLIT_K)
 
 
 # --- entry points ----------------------------------------------------------------------------------

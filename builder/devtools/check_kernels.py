@@ -1,9 +1,11 @@
 """Check an artifact on CUDA: the executor on the Triton/cuBLASLt kernels against its torch reference ops.
 
     python -m builder.devtools.check_kernels artifacts/llama3-8b-fp8 [--tokens 32]
+    python -m builder.devtools.check_kernels --fp8-linear --fp8-block-linear
 
 Loads the artifact twice on the GPU (``use_kernels`` on and off), runs the same fresh random prompt
-through both and prints the max absolute and relative logit difference and the top-1 agreement.
+through both and prints the max absolute and relative logit difference and the top-1 agreement. The flags check
+single linears at real shapes instead (error against the reference, time against bf16).
 """
 
 from __future__ import annotations
@@ -31,19 +33,44 @@ def check_fp8_linear(shapes=((1, 4096, 6144), (16, 4096, 28672), (256, 14336, 40
         ref = make_quant_linear("fp8", weights, {}, torch.bfloat16)
         got, want = fast(x).float(), ref(x).float()
         wb = w.to(torch.bfloat16)
-        times = {}
-        for name, fn in (("scaled_mm", lambda: fast(x)), ("bf16", lambda: torch.nn.functional.linear(x, wb))):
-            for _ in range(3):
-                fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(50):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times[name] = start.elapsed_time(end) / 50 * 1e3
         print(json.dumps({"fp8_linear": [m, k, n], "rel_err": ((got - want).abs().max() / want.abs().max()).item(),
-                          "scaled_mm_us": round(times["scaled_mm"], 1), "bf16_us": round(times["bf16"], 1)}))
+                          "scaled_mm_us": _time_us(lambda: fast(x)),
+                          "bf16_us": _time_us(lambda: torch.nn.functional.linear(x, wb))}))
+
+
+def check_fp8_block_linear(shapes=((1, 4096, 6144), (16, 4096, 24576), (256, 12288, 4096), (1, 7168, 2112),
+                                   (33, 4000, 1000))) -> None:
+    """``kernels.fp8_block_gemm`` (128 x 128 blocks) against the reference fp8_block linear on fresh random bf16
+    inputs and block scales (the last shape ends in partial blocks along N and K), and its time against a bf16
+    F.linear of the same shape."""
+    from kernels.fp8_block_gemm import fp8_block_linear, ref_fp8_block_linear
+    from kernels.torch_quant import dequantize_weight_fp8_blocks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for m, k, n in shapes:
+        codes = (torch.randn(n, k, generator=g, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scales = torch.rand(-(-n // 128), -(-k // 128), generator=g, device="cuda") * 1e-4 + 1e-5
+        x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+        got = fp8_block_linear(x, codes, scales, (128, 128)).float()
+        want = ref_fp8_block_linear(x, codes, scales, (128, 128)).float()
+        wb = dequantize_weight_fp8_blocks(codes, scales, (128, 128)).to(torch.bfloat16)
+        rel_err = ((got - want).abs().max() / want.abs().max()).item()
+        print(json.dumps({"fp8_block_linear": [m, k, n], "rel_err": rel_err,
+                          "kernel_us": _time_us(lambda: fp8_block_linear(x, codes, scales, (128, 128))),
+                          "bf16_us": _time_us(lambda: torch.nn.functional.linear(x, wb))}))
+
+
+def _time_us(fn, repeats: int = 50) -> float:
+    """Mean CUDA time of ``fn`` in microseconds, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) / repeats * 1e3, 1)
 
 
 def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) -> None:
@@ -90,11 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact", nargs="?")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--fp8-linear", action="store_true", help="check the FP8 linear alone")
+    parser.add_argument("--fp8-block-linear", action="store_true",
+                        help="check the block-scaled FP8 (fine-grained FP8) linear alone")
     parser.add_argument("--fusions", action="store_true",
                         help="compare the kernel path with and without the cross-node fusions instead")
     args = parser.parse_args(argv)
     if args.fp8_linear:
         check_fp8_linear()
+    if args.fp8_block_linear:
+        check_fp8_block_linear()
     if args.artifact and args.fusions:
         check_fusions(args.artifact)
         return 0

@@ -4,7 +4,7 @@
 
 The Triton interpreter (the CPU tests) accepts code that compiled Triton refuses, e.g. a kernel reading a plain
 module-level int instead of a ``tl.constexpr``; such a kernel then fails at its first launch on the GPU. This
-compiles the attention, frag GEMV and argmax kernels named below with ``triton.compile`` for
+compiles the attention, frag GEMV, MoE, fp8_block GEMM and argmax kernels named below with ``triton.compile`` for
 ``GPUTarget("cuda", 90, 32)`` (no device needed) in the variants the runtime launches, and prints for each whether
 it compiled and how many PDL waits its PTX holds. Run it with TRITON_INTERPRET unset.
 
@@ -148,6 +148,24 @@ def _moe() -> list[tuple[str, object]]:
     return out
 
 
+def _fp8_block() -> list[tuple[str, object]]:
+    from kernels.fp8_block_gemm import _CUDA_CONFIGS, _fp8_block_gemm_kernel
+
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+             **{n: "i32" for n in ("M", "N", "K", "BN", "k_steps_per_split", "stride_xm", "stride_wn", "stride_sn",
+                                   "stride_om", "stride_os")}}
+    divisible = ("x_ptr", "w_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+    out = []
+    for bound, cfg in _CUDA_CONFIGS:
+        for split in (1, 4) if cfg.split_k != 1 else (1,):
+            constexprs = dict(HAS_BIAS=False, SPLIT_K=split, EMULATE_FP8=False, BLOCK_M=cfg.block_m,
+                              BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m)
+            out.append((f"fp8_block GEMM, {cfg.block_m}x{cfg.block_n} tiles, split_k {split}",
+                        lambda c=constexprs, cfg=cfg: compile_kernel(
+                            _fp8_block_gemm_kernel, types, c, cfg.num_warps, cfg.num_stages, divisible)))
+    return out
+
+
 def _argmax() -> list[tuple[str, object]]:
     from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
 
@@ -215,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
-    for name, build in _decode_attention() + _frag() + _moe() + _argmax():
+    for name, build in _decode_attention() + _frag() + _moe() + _fp8_block() + _argmax():
         if args.only and args.only.lower() not in name.lower():
             continue
         try:
