@@ -7,10 +7,10 @@ Tensor names are bound to the traced model's weights as transformers maps them w
 (:func:`map_tensor_names`: its registered renamings and base-model prefix; transformers is imported at build time
 only); a weight transformers computes from several tensors on load (a mixture of experts' per-expert tensors stacked
 into one) is computed by the same conversion operations.
-Checkpoints already quantized by GPTQ, AutoAWQ or llm-compressor (a ``quantization_config`` in
-config.json) are imported with their own codes and scales (``builder/prequantized.py``); other
-quantization formats, and float8 or integer weight tensors that no such config describes, are refused:
-their codes would be read as plain floats and their scales dropped.
+Checkpoints already quantized by GPTQ, AutoAWQ, llm-compressor, transformers' fine-grained FP8 or ModelOpt (a
+``quantization_config`` in config.json, or ModelOpt's hf_quant_config.json) are imported with their own codes and
+scales (``builder/prequantized.py``); other quantization formats, and float8 or integer weight tensors that no such
+config describes, are refused: their codes would be read as plain floats and their scales dropped.
 """
 
 from __future__ import annotations
@@ -79,13 +79,16 @@ class Checkpoint:
         return [self.path / f for f in TOKENIZER_FILES if (self.path / f).is_file()]
 
     def file_hashes(self) -> dict[str, str]:
-        """sha256 of config, weight and tokenizer files, for the manifest. The files are hashed side by side
-        (hashlib and file reads release the GIL): the 15 shards of a 61 GB checkpoint in 10 s on the 16-core H100
-        machine, where one after another would take about 50 s at its 1.2 GB/s of sha256 per core."""
+        """sha256 of config, weight and tokenizer files (and ModelOpt's hf_quant_config.json where the import read
+        it), for the manifest. The files are hashed side by side (hashlib and file reads release the GIL): the 15
+        shards of a 61 GB checkpoint in 10 s on the 16-core H100 machine, where one after another would take about
+        50 s at its 1.2 GB/s of sha256 per core."""
         files = [self.path / "config.json", *self.weight_files, *self.tokenizer_files()]
         index = self.path / INDEX_FILE
         if index.is_file():
             files.append(index)
+        if self.quant is not None and self.quant.cfg_file.name != "config.json":
+            files.append(self.quant.cfg_file)
         with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(files))) as pool:
             return dict(zip((f.name for f in files), pool.map(_sha256, files)))
 

@@ -191,8 +191,8 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
             ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))
     else:
         model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
-        for module, (scheme, input_scale) in imported.activation_quant().items():
-            model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale))
+        for module, (scheme, input_scale, group) in imported.activation_quant().items():
+            model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale, group))
     model.eval()
 
     @torch.inference_mode()
@@ -231,15 +231,21 @@ def _model_from_weights(ckpt: Checkpoint, dtype: torch.dtype, weights: dict[str,
     return model
 
 
-def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None):
-    """A forward pre-hook: the module's input quantized as a W8A8 scheme's runtime does, then dequantized."""
-    from kernels.torch_quant import quantize_activation_fp8, quantize_activation_int8
+def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: int | None = None):
+    """A forward pre-hook: the module's input quantized as a W8A8 scheme's runtime does, then dequantized (fp8_block:
+    per token and ``group`` columns)."""
+    from kernels.torch_quant import (expand_blocks, quantize_activation_fp8, quantize_activation_fp8_blocks,
+                                     quantize_activation_int8)
 
-    quantize = quantize_activation_fp8 if scheme == "fp8" else quantize_activation_int8
+    def quantize(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if scheme == "fp8_block":
+            xq, scales = quantize_activation_fp8_blocks(x2, group)
+            return xq, expand_blocks(scales, group, x2.shape[1], 1)
+        return (quantize_activation_fp8 if scheme == "fp8" else quantize_activation_int8)(x2, input_scale)
 
     def hook(module, args):
         x = args[0]  # [batch, tokens, in]
-        xq, scale = quantize(x.reshape(-1, x.shape[-1]), input_scale)
+        xq, scale = quantize(x.reshape(-1, x.shape[-1]))
         return ((xq.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
 
     return hook

@@ -1,4 +1,5 @@
-"""Importing checkpoints another tool already quantized: GPTQ, AutoAWQ and compressed-tensors.
+"""Importing checkpoints another tool already quantized: GPTQ, AutoAWQ, compressed-tensors, transformers'
+fine-grained FP8 and NVIDIA ModelOpt.
 
 A pre-quantized checkpoint's linears keep the checkpoint's own codes, scales and zero points: each is mapped,
 without re-quantizing, onto an IR scheme (``passes/ir.py`` QUANT_SCHEMES), and the import checks that the IR's
@@ -17,16 +18,36 @@ store per linear (N = out features, K = in features, G = groups along K):
     compressed-tensors float-quantized      weight float8_e4m3fn [N, K], weight_scale [N, 1] or [1],
                                             input_scale [1] (static activations)
     compressed-tensors int-quantized        weight int8 [N, K], weight_scale [N, 1], input_scale [1]? (static)
+    fp8 (fine-grained, weight_block_size    weight float8_e4m3fn [N, K], weight_scale_inv fp32 [ceil(N/bn),
+        [bn, bk]: DeepSeek-V3, Qwen3-FP8)   ceil(K/bk)]: w[n, k] = q * weight_scale_inv[n // bn, k // bk], partial
+                                            last blocks included; activations e4m3 per token and bk-wide group
+                                            (dynamic); every linear but lm_head and modules_to_not_convert
+    modelopt FP8                            weight float8_e4m3fn [N, K], weight_scale fp32 [] (amax / 448),
+                                            input_scale fp32 [] (static); k_proj.k_scale / v_proj.v_scale [] with
+                                            kv_cache_quant_algo FP8
+    modelopt FP8_PER_CHANNEL_PER_TOKEN      weight float8_e4m3fn [N, K], weight_scale [N]; activations per token
+    modelopt W8A16                          weight int8 [N, K], weight_scale [N] (amax / 127)
+
+ModelOpt's settings come from hf_quant_config.json beside config.json (``quantization``: quant_algo,
+kv_cache_quant_algo, exclude_modules as fnmatch patterns, quantized_layers for MIXED_PRECISION); exports from
+ModelOpt 0.29 on also carry a flat ``quantization_config`` (``quant_method: modelopt``, ``ignore``), read where
+hf_quant_config.json is absent. FP8 maps onto the IR's fp8 with static activations (compressed-tensors' per-tensor
+path), FP8_PER_CHANNEL_PER_TOKEN onto fp8 per channel with dynamic activations, W8A16 onto w8a16 (zero point 128);
+fine-grained FP8 onto fp8_block. The KV cache's k_scale / v_scale are read and checked, not applied: the build's
+KV cache is runtime.kv_cache_dtype's.
 
 Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous along K, so input channels are
 sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
 
-Block-scaled FP8 (``quant_method: fp8`` with ``weight_block_size``) and ModelOpt exports are refused: the IR
-has no scheme with per-block weight scales, and ModelOpt's per-module layouts are not read here.
+Refused, naming the setting: ModelOpt's fp8_pb_wo (block FP8 weights with unquantized activations: no IR scheme
+keeps them in the model dtype), W4A16_AWQ / W4A8_AWQ / W8A8_SQ_PER_CHANNEL (their pre_quant_scale, a
+per-input-channel scaling left on o_proj / down_proj, has no IR role), NVFP4 (no FP4 scheme); fine-grained FP8
+with static activations, ue8m0 scales or per-tensor scales (weight_block_size null).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
 from dataclasses import dataclass, field
@@ -36,7 +57,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from kernels.torch_quant import dequantize_weight
+from kernels.torch_quant import dequantize_weight, dequantize_weight_fp8_blocks
+from passes.ir import block_size_ok
 from passes.quant_math import pack_int4
 
 class PrequantizedError(ValueError):
@@ -45,9 +67,10 @@ class PrequantizedError(ValueError):
 
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble i of a word holds column 8 * word + AWQ_ORDER[i]
-SUPPORTED = "gptq, awq (version gemm), compressed-tensors (pack-quantized, float-quantized, int-quantized)"
+SUPPORTED = ("gptq, awq (version gemm), compressed-tensors (pack-quantized, float-quantized, int-quantized), fp8 "
+             "(fine-grained, weight_block_size), modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16)")
 # What a recipe quantization section must say to agree with an import: algo -> the IR schemes it writes.
-ALGO_SCHEMES = {"gptq": ("w4a16", "w8a16"), "awq": ("w4a16",), "int8_wo": ("w8a16",), "fp8": ("fp8",),
+ALGO_SCHEMES = {"gptq": ("w4a16", "w8a16"), "awq": ("w4a16",), "int8_wo": ("w8a16",), "fp8": ("fp8", "fp8_block"),
                 "smoothquant": ("w8a8_int8",)}
 
 
@@ -139,6 +162,8 @@ def ir_dequantize(imported: ImportedLinear, dtype: torch.dtype = torch.float32) 
     t, q = imported.tensors, imported.quant
     if imported.scheme in ("w4a16", "w8a16"):
         w = dequantize_weight(t["qweight"], t["scales"], t["zeros"], q["bits"], q["group_size"], torch.float32)
+    elif imported.scheme == "fp8_block":
+        w = dequantize_weight_fp8_blocks(t["qweight"], t["weight_scale"], q["block_size"])
     else:
         w = t["qweight"].float() * t["weight_scale"].float().reshape(-1, 1)
     if "perm" in t:
@@ -425,44 +450,53 @@ class CompressedTensors(QuantFormat):
 
     def _read_8bit(self, module: str, s: _CTScheme, tensors: dict[str, Tensor], in_f: int,
                    out_f: int) -> ImportedLinear:
-        names = {r: f"{module}.{r}" for r in ("weight", "weight_scale", "input_scale", "weight_zero_point",
-                                               "input_zero_point")}
-        fp8 = s.fmt == "float-quantized"
-        weight, scale = tensors[names["weight"]], tensors[names["weight_scale"]]
-        _check(names["weight"], weight, (torch.float8_e4m3fn,) if fp8 else (torch.int8,), (out_f, in_f),
-               "the linear's codes [out_features, in_features]")
-        per_channel = s.weights["strategy"] == "channel"
-        shapes = [(out_f, 1), (out_f,)] if per_channel else [(1,), (), (1, 1)]
-        if scale.dtype not in FLOATS or tuple(scale.shape) not in shapes:
-            raise PrequantizedError(f"tensor {names['weight_scale']!r} is {str(scale.dtype).removeprefix('torch.')} "
-                                  f"{tuple(scale.shape)}; expected a float tensor of shape {shapes[0]} (one scale "
-                                  f"{'per output channel' if per_channel else 'for the whole tensor'})")
-        for zp in ("weight_zero_point", "input_zero_point"):
-            if names[zp] in tensors and bool(tensors[names[zp]].ne(0).any()):
-                raise PrequantizedError(f"tensor {names[zp]!r} holds non-zero zero points; imported: symmetric "
-                                      f"weights and activations")
-        w_scale = scale.float().reshape(-1)
-        reference = weight.float() * w_scale.reshape(-1, 1)  # the format's dequantization: q * scale
+        zero_points = [f"{module}.{r}" for r in ("weight_zero_point", "input_zero_point")]
+        for zp in (n for n in zero_points if n in tensors):
+            if bool(tensors[zp].ne(0).any()):
+                raise PrequantizedError(f"tensor {zp!r} holds non-zero zero points; imported: symmetric weights and "
+                                      f"activations")
         static = s.inputs is not None and not s.inputs.get("dynamic", False)
-        input_scale = tensors.get(names["input_scale"])
-        if static and input_scale is None:
-            raise PrequantizedError(f"tensor {names['input_scale']!r} is missing; config group {s.name} quantizes "
-                                  f"activations with a static per-tensor scale")
-        ir_scheme = self._ir_scheme(s)
-        if ir_scheme == "w8a16":  # int8 weights only: the unsigned w8a16 layout, zero point 128
-            tensors_ir = {"qweight": (weight.to(torch.int16) + 128).to(torch.uint8),
-                          "scales": w_scale.reshape(out_f, 1).contiguous(),
-                          "zeros": torch.full((out_f, 1), 128, dtype=torch.uint8)}
-            quant = {"bits": 8, "group_size": -1, "source": "compressed-tensors"}
-        else:
-            tensors_ir = {"qweight": weight.contiguous(), "weight_scale": w_scale.contiguous()}
-            quant = {"activations": "static" if static else "dynamic", "source": "compressed-tensors"}
-            if fp8:
-                quant["weight_granularity"] = "channel" if per_channel else "tensor"
-            if static:
-                _check(names["input_scale"], input_scale.reshape(-1), FLOATS, (1,), "one activation scale")
-                tensors_ir["input_scale"] = input_scale.float().reshape(1)
-        return ImportedLinear(ir_scheme, tensors_ir, quant, reference, [n for n in names.values() if n in tensors])
+        lin = _read_8bit(module, tensors, in_f, out_f, self._ir_scheme(s), s.weights["strategy"] == "channel",
+                         static, "compressed-tensors", f"config group {s.name}")
+        lin.consumed += [n for n in zero_points if n in tensors]
+        return lin
+
+
+def _read_8bit(module: str, tensors: dict[str, Tensor], in_f: int, out_f: int, ir_scheme: str, per_channel: bool,
+               static: bool, source: str, where: str) -> ImportedLinear:
+    """A linear stored as 8-bit codes ``weight`` [N, K] (e4m3 for fp8, int8 otherwise) with ``weight_scale`` per
+    tensor or output channel and, with static activations, one ``input_scale``: IR fp8 / w8a8_int8, or w8a16 (int8
+    weights only: the unsigned layout, zero point 128). ``where`` names what asks for static activations."""
+    names = {r: f"{module}.{r}" for r in ("weight", "weight_scale", "input_scale")}
+    fp8 = ir_scheme == "fp8"
+    weight, scale = tensors[names["weight"]], tensors[names["weight_scale"]]
+    _check(names["weight"], weight, (torch.float8_e4m3fn,) if fp8 else (torch.int8,), (out_f, in_f),
+           "the linear's codes [out_features, in_features]")
+    shapes = [(out_f, 1), (out_f,)] if per_channel else [(1,), (), (1, 1)]
+    if scale.dtype not in FLOATS or tuple(scale.shape) not in shapes:
+        raise PrequantizedError(f"tensor {names['weight_scale']!r} is {str(scale.dtype).removeprefix('torch.')} "
+                              f"{tuple(scale.shape)}; expected a float tensor of shape {shapes[0]} (one scale "
+                              f"{'per output channel' if per_channel else 'for the whole tensor'})")
+    w_scale = scale.float().reshape(-1)
+    reference = weight.float() * w_scale.reshape(-1, 1)  # the format's dequantization: q * scale
+    input_scale = tensors.get(names["input_scale"])
+    if static and input_scale is None:
+        raise PrequantizedError(f"tensor {names['input_scale']!r} is missing; {where} quantizes activations with a "
+                              f"static per-tensor scale")
+    if ir_scheme == "w8a16":  # int8 weights only: the unsigned w8a16 layout, zero point 128
+        tensors_ir = {"qweight": (weight.to(torch.int16) + 128).to(torch.uint8),
+                      "scales": w_scale.reshape(out_f, 1).contiguous(),
+                      "zeros": torch.full((out_f, 1), 128, dtype=torch.uint8)}
+        quant = {"bits": 8, "group_size": -1, "source": source}
+    else:
+        tensors_ir = {"qweight": weight.contiguous(), "weight_scale": w_scale.contiguous()}
+        quant = {"activations": "static" if static else "dynamic", "source": source}
+        if fp8:
+            quant["weight_granularity"] = "channel" if per_channel else "tensor"
+        if static:
+            _check(names["input_scale"], input_scale.reshape(-1), FLOATS, (1,), "one activation scale")
+            tensors_ir["input_scale"] = input_scale.float().reshape(1)
+    return ImportedLinear(ir_scheme, tensors_ir, quant, reference, [n for n in names.values() if n in tensors])
 
 
 def _fp8_inputs(a: dict | None) -> bool:
@@ -489,21 +523,193 @@ def _ct_matches(patterns: list[str], module: str) -> bool:
     return False
 
 
+class FineGrainedFP8(QuantFormat):
+    """transformers' fine-grained FP8 (DeepSeek-V3, Qwen3-*-FP8): ``quant_method: fp8`` with ``weight_block_size``;
+    every linear but the lm_head and ``modules_to_not_convert`` holds e4m3 codes and block scales."""
+
+    SETTINGS = {  # key -> (the value imported, what else means)
+        "activation_scheme": ("dynamic", "a static activation_scale per linear is not imported"),
+        "scale_fmt": ("float", "ue8m0 (power-of-two) scales are not imported"),
+        "fmt": ("e4m3", "e5m2 codes are not imported"),
+    }
+
+    def __init__(self, cfg_file: Path, section: dict) -> None:
+        super().__init__("fp8", cfg_file, section)
+        block = section.get("weight_block_size")
+        block = list(block) if isinstance(block, (list, tuple)) else block
+        if not block_size_ok(block):
+            raise _fail(cfg_file, f"quantization_config.weight_block_size is {json.dumps(block)}; imported: [rows, "
+                                  f"columns] of positive integers, e.g. [128, 128] (per-tensor FP8, null, is not)")
+        for key, (want, other) in self.SETTINGS.items():
+            value = section.get(key) or want
+            if str(value).lower() != want:
+                raise _fail(cfg_file, f"quantization_config.{key} is {json.dumps(value)}; imported: {want} ({other})")
+        self.block_size = block
+        self.not_converted = ["lm_head", *(section.get("modules_to_not_convert") or [])]  # transformers adds lm_head
+        self.bits, self.group_size, self.scheme = 8, block[1], "fp8_block"
+        self.details = {"weight_block_size": block, "activations": "dynamic", "weight_granularity": "block"}
+
+    names_modules = True
+
+    def tensor_names(self, module: str) -> tuple[list[str], list[str]] | None:
+        if _hf_not_converted(self.not_converted, module):
+            return None
+        return [f"{module}.weight", f"{module}.weight_scale_inv"], []
+
+    def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
+        (bn, bk), names = self.block_size, {r: f"{module}.{r}" for r in ("weight", "weight_scale_inv")}
+        weight, scale = tensors[names["weight"]], tensors[names["weight_scale_inv"]]
+        _check(names["weight"], weight, (torch.float8_e4m3fn,), (out_f, in_f),
+               "the linear's codes [out_features, in_features]")
+        blocks = (-(-out_f // bn), -(-in_f // bk))
+        _check(names["weight_scale_inv"], scale, FLOATS, blocks,
+               f"one scale per {bn} x {bk} block of the {out_f} x {in_f} weight, partial blocks included")
+        # the format's dequantization: w[n, k] = q[n, k] * weight_scale_inv[n // bn, k // bk]
+        rows, cols = torch.arange(out_f) // bn, torch.arange(in_f) // bk
+        reference = weight.float() * scale.float()[rows][:, cols]
+        ir = {"qweight": weight.contiguous(), "weight_scale": scale.float().contiguous()}
+        quant = {"block_size": list(self.block_size), "activations": "dynamic", "source": "fp8"}
+        return ImportedLinear("fp8_block", ir, quant, reference, list(names.values()))
+
+
+def _hf_not_converted(patterns: list[str], module: str) -> bool:
+    """transformers' ``modules_to_not_convert``: a pattern names a module and what it holds, matched from the start
+    to a module boundary (as a regex) or as a suffix at one."""
+    for p in patterns:
+        if module == p or module.endswith(f".{p}"):
+            return True
+        try:
+            if re.match(rf"(?:{p})(?:\.|$)", module):
+                return True
+        except re.error:  # not a regex: a plain name, matched above
+            pass
+    return False
+
+
+MODELOPT_ALGOS = {  # ModelOpt's quant_algo -> (IR scheme, weight scale per channel (else per tensor), static inputs)
+    "FP8": ("fp8", False, True),
+    "FP8_PER_CHANNEL_PER_TOKEN": ("fp8", True, False),
+    "W8A16": ("w8a16", True, False),
+}
+MODELOPT_REFUSED = {  # why other algorithms are not imported
+    "FP8_PB_WO": "FP8 weights in blocks with unquantized activations; the IR's fp8_block quantizes its activations",
+    "W4A16_AWQ": "its pre_quant_scale (AWQ's per-input-channel scales, left on o_proj / down_proj) has no IR role",
+    "W4A8_AWQ": "its pre_quant_scale (AWQ's per-input-channel scales) has no IR role, nor int4 x fp8 weights",
+    "W8A8_SQ_PER_CHANNEL": "its pre_quant_scale (SmoothQuant's per-input-channel smoothing) has no IR role",
+    "NVFP4": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
+    "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
+}
+
+
+class ModelOpt(QuantFormat):
+    """NVIDIA TensorRT Model Optimizer's ``export_hf_checkpoint``: ``hf_quant_config.json`` beside config.json (read
+    first: exports before ModelOpt 0.29 have only it, later ones also a flat ``quantization_config`` with
+    ``quant_method: modelopt``). ``quant_algo`` for every linear not in ``exclude_modules`` (fnmatch patterns), or
+    MIXED_PRECISION with one per module in ``quantized_layers``."""
+
+    def __init__(self, cfg_file: Path, section: dict) -> None:
+        super().__init__("modelopt", cfg_file, section)
+        q = section.get("quantization", section)  # hf_quant_config.json nests it; config.json's is flat
+        self.where = "quantization" if "quantization" in section else "quantization_config"
+        if not isinstance(q, dict):
+            raise _fail(cfg_file, f"quantization is {json.dumps(q)[:80]}; expected an object with quant_algo")
+        self.exclude = list(q.get("exclude_modules", q.get("ignore")) or [])
+        kv = q.get("kv_cache_quant_algo", q.get("kv_cache_scheme"))
+        if isinstance(kv, dict):  # config.json's form of FP8: {"num_bits": 8, "type": "float", ...}
+            kv = "FP8" if kv.get("num_bits") == 8 and kv.get("type") == "float" else json.dumps(kv)
+        if kv not in (None, "FP8"):
+            raise _fail(cfg_file, f"{self.where}.kv_cache_quant_algo is {json.dumps(kv)}; imported: FP8 (its "
+                                  f"k_scale / v_scale are read) or none")
+        self.kv_algo = kv
+        algo = q.get("quant_algo")
+        if algo is None:
+            raise _fail(cfg_file, f"{self.where}.quant_algo is null: the linears are not quantized (an export of the "
+                                  f"KV cache alone, whose k_scale / v_scale are not imported); build from the "
+                                  f"unquantized checkpoint with runtime.kv_cache_dtype: fp8")
+        self.layers: dict[str, str] | None = None  # MIXED_PRECISION: module -> its algo
+        if str(algo).upper() == "MIXED_PRECISION":
+            layers = q.get("quantized_layers")
+            if not isinstance(layers, dict) or not layers:
+                raise _fail(cfg_file, f"{self.where}.quant_algo is MIXED_PRECISION but quantized_layers is missing "
+                                      f"or empty; expected module -> {{quant_algo}}")
+            self.layers = {m: self._algo((c or {}).get("quant_algo") if isinstance(c, dict) else c,
+                                         f"{self.where}.quantized_layers.{m}.quant_algo") for m, c in layers.items()}
+            first = next(iter(self.layers.values()))
+        else:
+            first = self._algo(algo, f"{self.where}.quant_algo")
+        self.algo = "MIXED_PRECISION" if self.layers is not None else first
+        scheme, per_channel, static = MODELOPT_ALGOS[first]
+        self.scheme, self.bits, self.group_size = scheme, 8, -1
+        self.details = {"quant_algo": self.algo, "kv_cache_quant_algo": kv,
+                        "version": (section.get("producer") or {}).get("version")}
+        if self.layers is None and scheme == "fp8":
+            self.details.update(activations="static" if static else "dynamic",
+                                weight_granularity="channel" if per_channel else "tensor")
+
+    def _algo(self, value: Any, where: str) -> str:
+        algo = str(value).upper()
+        if algo not in MODELOPT_ALGOS:
+            why = MODELOPT_REFUSED.get(algo, "it is not an algorithm the import reads")
+            raise _fail(self.cfg_file, f"{where} is {json.dumps(value)}: {why}; imported: "
+                                       f"{', '.join(MODELOPT_ALGOS)}")
+        return algo
+
+    def algo_of(self, module: str) -> str | None:
+        """The module's quant_algo; None: left in floating point."""
+        if self.layers is not None:
+            return self.layers.get(module)
+        return None if any(fnmatch.fnmatchcase(module, p) for p in self.exclude) else self.algo
+
+    names_modules = True
+
+    def tensor_names(self, module: str) -> tuple[list[str], list[str]] | None:
+        algo = self.algo_of(module)
+        if algo is None:
+            return None
+        static = MODELOPT_ALGOS[algo][2]
+        required = ("weight", "weight_scale") + (("input_scale",) if static else ())
+        return [f"{module}.{r}" for r in required], [f"{module}.{r}" for r in ("k_scale", "v_scale")]
+
+    def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
+        algo = self.algo_of(module)
+        scheme, per_channel, static = MODELOPT_ALGOS[algo]
+        lin = _read_8bit(module, tensors, in_f, out_f, scheme, per_channel, static, "modelopt", f"quant_algo {algo}")
+        for name in (f"{module}.{r}" for r in ("k_scale", "v_scale") if f"{module}.{r}" in tensors):
+            # the KV cache's scales (the amax of k, v over 448), on k_proj / v_proj: read, not applied (the KV cache
+            # is runtime.kv_cache_dtype's)
+            _check(name, tensors[name].reshape(-1), FLOATS, (1,), f"one KV-cache scale, kv_cache_quant_algo "
+                                                                  f"{self.kv_algo}")
+            lin.consumed.append(name)
+        return lin
+
+
 # --- config -----------------------------------------------------------------------------------------
 REFUSED = {
-    "fp8": "block-scaled FP8 (weight_scale_inv per weight_block_size block) has no IR scheme: the IR's fp8 takes "
-           "one weight scale per tensor or output channel",
-    "modelopt": "ModelOpt exports are not imported",
     "bitsandbytes": "bitsandbytes NF4 / LLM.int8 weights are not imported",
 }
+
+
+MODELOPT_FILE = "hf_quant_config.json"  # ModelOpt's own record of the export, beside config.json
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise _fail(path, f"cannot be read as JSON ({e}); export the checkpoint again") from None
+    if not isinstance(data, dict):
+        raise _fail(path, f"holds a JSON {type(data).__name__}; expected an object with producer and quantization")
+    return data
 
 
 def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
     """The checkpoint's quantization format from config.json (None for a floating-point checkpoint); a format or
     setting the import does not read is a PrequantizedError naming it and what is imported."""
     key = next((k for k in ("quantization_config", "compression_config") if config.get(k) is not None), None)
-    if key is None:
-        return None
+    modelopt = cfg_file.parent / MODELOPT_FILE
+    if key is None:  # ModelOpt before 0.29 wrote hf_quant_config.json alone
+        section = _read_json(modelopt) if modelopt.is_file() else {}
+        return ModelOpt(modelopt, section) if "quantization" in section else None
     section = config[key]
     if not isinstance(section, dict):
         raise _fail(cfg_file, f"{key} is {json.dumps(section)[:80]}; expected an object with quant_method")
@@ -516,6 +722,17 @@ def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
         return AWQ(cfg_file, section)
     if method == "compressed-tensors":
         return CompressedTensors(cfg_file, section, key)
+    if method == "fp8":
+        return FineGrainedFP8(cfg_file, section)
+    if method == "modelopt":
+        if not modelopt.is_file():
+            return ModelOpt(cfg_file, section)
+        full = _read_json(modelopt)
+        ours, theirs = section.get("quant_algo"), (full.get("quantization") or {}).get("quant_algo")
+        if ours is not None and str(ours).upper() != str(theirs).upper():
+            raise _fail(cfg_file, f"{key}.quant_algo is {json.dumps(ours)} but {modelopt.name} beside it says "
+                                  f"{json.dumps(theirs)}; export the checkpoint again")
+        return ModelOpt(modelopt, full)
     why = REFUSED.get(str(method), "it is not a format the import reads")
     raise _fail(cfg_file, f"{key}.quant_method is {json.dumps(method)}: {why}; imported: {SUPPORTED}; or build "
                           f"from the unquantized checkpoint and quantize with the recipe's quantization section")
@@ -524,7 +741,8 @@ def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
 def recipe_disagreement(fmt: QuantFormat, sections: list) -> str | None:
     """Why the recipe's quantization sections do not describe this checkpoint's quantization (None: they do).
     A section agrees when its algo writes the checkpoint's scheme (and, for GPTQ and AWQ checkpoints, is that
-    method) and every bits / group_size it sets is the checkpoint's."""
+    method) and every bits / group_size it sets is the checkpoint's, as are the activations / weight_granularity of
+    an fp8 section where the format records them."""
     for q in sections:
         schemes = ALGO_SCHEMES.get(q.algo, ())
         method_ok = q.algo == fmt.source if fmt.source in ("gptq", "awq") else True
@@ -537,6 +755,10 @@ def recipe_disagreement(fmt: QuantFormat, sections: list) -> str | None:
             value = getattr(q, key, None)
             if value is not None and value != getattr(fmt, key):
                 return f"{key} {value} (the checkpoint's is {getattr(fmt, key)})"
+        for key in ("activations", "weight_granularity"):
+            value, have = getattr(q, key, None), fmt.details.get(key)
+            if value is not None and have is not None and value != have:
+                return f"{key} {value} (the checkpoint's is {have})"
     return None
 
 
@@ -557,11 +779,12 @@ class Imported:
             lin.reference = None
         return out
 
-    def activation_quant(self) -> dict[str, tuple[str, Tensor | None]]:
-        """module -> (scheme, static input scale or None) of the W8A8 linears, whose activations the format
-        quantizes too (fp8 / int8, per token or with the static scale)."""
-        return {m: (lin.scheme, lin.tensors.get("input_scale")) for m, lin in self.linears.items()
-                if lin.scheme in ("fp8", "w8a8_int8")}
+    def activation_quant(self) -> dict[str, tuple[str, Tensor | None, int | None]]:
+        """module -> (scheme, static input scale or None, group width along K or None) of the W8A8 linears, whose
+        activations the format quantizes too (fp8 / int8 per token or with the static scale; fp8_block per token and
+        group)."""
+        return {m: (lin.scheme, lin.tensors.get("input_scale"), lin.quant.get("block_size", [None, None])[1])
+                for m, lin in self.linears.items() if lin.scheme in ("fp8", "w8a8_int8", "fp8_block")}
 
     def summary(self) -> dict[str, Any]:
         """The manifest's record of the import."""
@@ -612,7 +835,8 @@ def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype) -> Importe
         imported.linears[module] = lin
         imported.consumed.update(lin.consumed)
     if not imported.linears:
-        raise PrequantizedError(f"{ckpt.path}: config.json says the checkpoint is {fmt.source}-quantized but no linear "
-                              f"of the model has its quantized tensors (e.g. "
-                              f"{', '.join(fmt.tensor_names('model.layers.0.mlp.down_proj')[0])})")
+        example = fmt.tensor_names("model.layers.0.mlp.down_proj")  # None where the config leaves it unquantized
+        raise PrequantizedError(f"{ckpt.path}: {fmt.cfg_file.name} says the checkpoint is {fmt.source}-quantized but "
+                              f"no linear of the model has its quantized tensors"
+                              + (f" (e.g. {', '.join(example[0])})" if example else ""))
     return imported

@@ -361,7 +361,8 @@ def check_baseline_source(manifest: dict, baseline: Path) -> None:
 
 
 # the method whose default thresholds gate a pre-quantized artifact, by the scheme it imported
-PREQUANTIZED_METHOD = {"w4a16": "gptq", "w8a16": "int8_wo", "fp8": "fp8", "w8a8_int8": "smoothquant"}
+PREQUANTIZED_METHOD = {"w4a16": "gptq", "w8a16": "int8_wo", "fp8": "fp8", "fp8_block": "fp8",
+                       "w8a8_int8": "smoothquant"}
 
 
 def prequantized_method(imported: dict) -> str:

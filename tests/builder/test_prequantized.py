@@ -1,13 +1,19 @@
-"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors) build into artifacts holding their own codes.
+"""Pre-quantized checkpoints (GPTQ, AWQ, compressed-tensors, fine-grained FP8, ModelOpt) build into artifacts holding
+their own codes.
 
 A tiny fp32 Llama is quantized here, in each format, by this file's own round-to-nearest, and packed from the
 formats' specifications (written independently of ``builder/prequantized.py``'s unpacking): GPTQ packs codes
 along in_features into int32 words [K/8, N] (low bits = lower k) and v1 stores zero points minus one; AWQ packs
 along out_features [K, N/8] in the nibble order 0 2 4 6 1 3 5 7; compressed-tensors packs signed codes + 8 along
-in_features [N, K/8] and asymmetric zero points along out_features. Each checkpoint is built with ``builder
-build`` and checked: the artifact's dequantized weights equal this file's dequantization exactly, the runtime's
-logits match a Hugging Face model holding those weights within 1e-4 (fp32), and 32 greedy tokens are the ones HF
-picks. Malformed checkpoints and recipes fail with one-line errors.
+in_features [N, K/8] and asymmetric zero points along out_features; fine-grained FP8 stores e4m3 codes [N, K] and
+one fp32 ``weight_scale_inv`` per 128 x 128 block (on a Llama whose N and K are not multiples of 128: partial
+blocks); ModelOpt stores e4m3 or int8 codes with a 0-d or per-channel ``weight_scale``, a 0-d static ``input_scale``
+and the KV cache's ``k_scale`` / ``v_scale``, described by hf_quant_config.json. Each checkpoint is built with
+``builder build`` and checked: the artifact's dequantized weights equal this file's dequantization exactly, the
+runtime's logits match a Hugging Face model holding those weights (its W8A8 linears quantizing their inputs as the
+format says) within 1e-4 (fp32) up to the first position where an activation on a rounding boundary takes another
+code on either side (:func:`same_activation_codes`), and 32 greedy tokens are the ones HF picks. Malformed
+checkpoints and recipes fail with one-line errors.
 """
 
 from __future__ import annotations
@@ -117,7 +123,10 @@ class Case:
     config: dict  # quantization_config
     quantize: object  # (module, weight [N, K], layer) -> (checkpoint tensors, dequantized weight) or None = float
     expect: dict = field(default_factory=dict)  # manifest prequantized fields
-    w8a8: bool = False  # its layer-1 linears quantize their inputs (fake_quantize_input)
+    inputs: object = None  # (module, x) -> x as the format quantizes the linear's input (W8A8), or None: unquantized
+    base: str = "base"  # the fixture of the floating-point checkpoint it quantizes
+    files: dict = field(default_factory=dict)  # other JSON files the format writes beside config.json
+    expect_agree: int = 40  # leading positions of the 40-token comparison before an activation code moves
 
 
 def _gptq_v1_act_order(module: str, w: torch.Tensor, layer: int):
@@ -175,10 +184,15 @@ def _ct_mixed(module: str, w: torch.Tensor, layer: int):
     return {"weight": codes, "weight_scale": scale}, codes.float() * scale
 
 
+def fp8_static(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x quantized to e4m3 with a static per-tensor scale (clipped at +-448 * scale), dequantized."""
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
 def fake_quantize_input(module: str, x: torch.Tensor) -> torch.Tensor:
     """The activation quantization of _ct_mixed's W8A8 linears, as compressed-tensors specifies it."""
     if ".layers.1.self_attn." in module:  # fp8, static per-tensor scale
-        return (x / FP8_INPUT_SCALE).clamp(-448, 448).to(torch.float8_e4m3fn).float() * FP8_INPUT_SCALE
+        return fp8_static(x, FP8_INPUT_SCALE)
     if ".layers.1.mlp." in module:  # int8, dynamic per token: scale = amax / 127
         scale = x.abs().amax(-1, keepdim=True) / 127.0
         return torch.round(x / scale).clamp(-128, 127) * scale
@@ -205,6 +219,85 @@ CT_MIXED = {
     },
     "ignore": ["lm_head"]}
 
+# --- fine-grained FP8 (transformers' quant_method fp8) and ModelOpt ---------------------------------------
+BLOCK = 128
+
+
+def block_scaled(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest of w [N, K] to e4m3, one scale (amax / 448) per block of rows x columns, partial last
+    blocks included: (codes, scales [ceil(N / rows), ceil(K / columns)])."""
+    (n, k), (bn, bk) = w.shape, block
+    scales = torch.zeros(-(-n // bn), -(-k // bk))
+    codes = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            scales[i, j] = w[rows, cols].abs().max() / 448
+            codes[rows, cols] = (w[rows, cols] / scales[i, j]).to(torch.float8_e4m3fn)
+    return codes, scales
+
+
+def block_dequantize(codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """w[n, k] = q[n, k] * scale[n // rows, k // columns], element by element."""
+    n, k = codes.shape
+    return codes.float() * scales[torch.arange(n) // block[0]][:, torch.arange(k) // block[1]]
+
+
+def fine_grained(block: tuple[int, int], not_converted: tuple[str, ...] = ()):
+    """The writer of fine-grained FP8 with ``block``: e4m3 ``weight`` and fp32 ``weight_scale_inv`` per block; the
+    modules ``not_converted`` stay in fp32."""
+    def write(module: str, w: torch.Tensor, layer: int):
+        if module.endswith(not_converted):
+            return None
+        codes, scales = block_scaled(w, block)
+        return {"weight": codes, "weight_scale_inv": scales}, block_dequantize(codes, scales, block)
+
+    return write
+
+
+def fake_quantize_groups(module: str, x: torch.Tensor) -> torch.Tensor:
+    """Fine-grained FP8's activations: per token and group of 128 along in_features (the last one narrower),
+    scale = the group's amax / 448, e4m3 codes, dequantized."""
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[-1], BLOCK):
+        group = x[..., start:start + BLOCK]
+        scale = group.abs().amax(-1, keepdim=True) / 448
+        out[..., start:start + BLOCK] = (group / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return out
+
+
+FINE_GRAINED = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [BLOCK, BLOCK]}
+# ModelOpt FP8: static activation scales shared by the linears that read one input (q/k/v, gate/up)
+MODELOPT_INPUT_SCALES = {"q_proj": 4 / 448, "k_proj": 4 / 448, "v_proj": 4 / 448, "o_proj": 0.5 / 448,
+                         "gate_proj": 3 / 448, "up_proj": 3 / 448, "down_proj": 1 / 448}
+MODELOPT_FP8 = {"producer": {"name": "modelopt", "version": "0.47.0"},
+                "quantization": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8",
+                                 "exclude_modules": ["lm_head", "model.embed_tokens"]}}
+MODELOPT_CONFIG = {  # the quantization_config ModelOpt writes into config.json since 0.29
+    "config_groups": {"group_0": {"input_activations": {"dynamic": False, "num_bits": 8, "type": "float"},
+                                  "weights": {"dynamic": False, "num_bits": 8, "type": "float"},
+                                  "targets": ["Linear"]}},
+    "ignore": ["lm_head", "model.embed_tokens"], "quant_algo": "FP8",
+    "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"}, "producer": MODELOPT_FP8["producer"]}
+
+
+def _modelopt_fp8(module: str, w: torch.Tensor, layer: int):
+    """ModelOpt's FP8: e4m3 codes with one 0-d fp32 weight_scale (amax / 448) and a 0-d input_scale; k_proj and
+    v_proj also carry the KV cache's k_scale / v_scale."""
+    scale = w.abs().amax() / 448
+    codes = (w / scale).to(torch.float8_e4m3fn)
+    leaf = module.rsplit(".", 1)[1]
+    out = {"weight": codes, "weight_scale": scale.reshape(()), "input_scale": torch.tensor(MODELOPT_INPUT_SCALES[leaf])}
+    if leaf in ("k_proj", "v_proj"):
+        out[f"{leaf[0]}_scale"] = torch.tensor(0.02 + layer)
+    return out, codes.float() * scale
+
+
+def modelopt_inputs(module: str, x: torch.Tensor) -> torch.Tensor:
+    return fp8_static(x, MODELOPT_INPUT_SCALES[module.rsplit(".", 1)[1]])
+
+
 GPTQ_V1 = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": True, "sym": False,
            "checkpoint_format": "gptq", "lm_head": False}
 CASES = [
@@ -213,9 +306,15 @@ CASES = [
     Case("awq", {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm",
                  "modules_to_not_convert": ["model.layers.1.mlp.down_proj"]}, _awq,
          expect={"source": "awq", "schemes": {"w4a16": 13}}),
-    Case("compressed-tensors", CT_MIXED, _ct_mixed, w8a8=True,
+    Case("compressed-tensors", CT_MIXED, _ct_mixed, inputs=fake_quantize_input,
          expect={"source": "compressed-tensors", "schemes": {"w4a16": 7, "fp8": 4, "w8a8_int8": 3},
                  "act_order_linears": 3}),
+    Case("fp8-blocks", {**FINE_GRAINED, "modules_to_not_convert": ["layers.1.mlp.down_proj"]},
+         fine_grained((BLOCK, BLOCK), ("layers.1.mlp.down_proj",)), inputs=fake_quantize_groups, base="block_base",
+         expect_agree=9, expect={"source": "fp8", "schemes": {"fp8_block": 13}, "weight_block_size": [128, 128]}),
+    Case("modelopt-fp8", {**MODELOPT_CONFIG, "quant_method": "modelopt"}, _modelopt_fp8, inputs=modelopt_inputs,
+         files={"hf_quant_config.json": MODELOPT_FP8},
+         expect={"source": "modelopt", "schemes": {"fp8": 14}, "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}),
 ]
 
 
@@ -228,9 +327,21 @@ def base(tmp_path_factory) -> Path:
                            tie_word_embeddings=False)
 
 
-def write_quantized(base_dir: Path, out: Path, config: dict, quantize_fn) -> dict[str, torch.Tensor]:
-    """``base_dir`` quantized by ``quantize_fn``; returns each quantized linear's dequantized weight (this
-    file's own)."""
+@pytest.fixture(scope="module")
+def block_base(tmp_path_factory) -> Path:
+    """A tiny fp32 Llama whose projections are not multiples of 128 (hidden 192, intermediate 320, head_dim 64, one
+    kv head): 128 x 128 blocks end in partial ones along both dimensions."""
+    from conftest import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("prequant") / "blocks", "llama", seed=6, hidden_size=192,
+                           intermediate_size=320, num_attention_heads=3, num_key_value_heads=1,
+                           tie_word_embeddings=False)
+
+
+def write_quantized(base_dir: Path, out: Path, config: dict, quantize_fn,
+                    files: dict | None = None) -> dict[str, torch.Tensor]:
+    """``base_dir`` quantized by ``quantize_fn`` (``files``: other JSON files to write beside config.json); returns
+    each quantized linear's dequantized weight (this file's own)."""
     shutil.copytree(base_dir, out)
     tensors = load_file(out / "model.safetensors")
     expected = {}
@@ -245,8 +356,11 @@ def write_quantized(base_dir: Path, out: Path, config: dict, quantize_fn) -> dic
             tensors.update({f"{module}.{k}": v for k, v in stored.items()})
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = config
+    if config is not None:
+        cfg["quantization_config"] = config
     (out / "config.json").write_text(json.dumps(cfg))
+    for name, data in (files or {}).items():
+        (out / name).write_text(json.dumps(data))
     return expected
 
 
@@ -270,13 +384,14 @@ class Built:
 
 
 @pytest.fixture(scope="module")
-def built(base, tmp_path_factory):
+def built(request, tmp_path_factory):
     cache: dict[str, Built] = {}
 
     def get(case: Case) -> Built:
         if case.name not in cache:
             root = tmp_path_factory.mktemp(case.name)
-            expected = write_quantized(base, root / "ckpt", case.config, case.quantize)
+            expected = write_quantized(request.getfixturevalue(case.base), root / "ckpt", case.config, case.quantize,
+                                       case.files)
             res = run_build(root / "ckpt", root / "artifact")
             assert res.exit_code == 0, res.output
             cache[case.name] = Built(root / "ckpt", root / "artifact", expected)
@@ -300,6 +415,8 @@ def ir_weights(nodes: list[dict], params: dict[str, torch.Tensor]) -> dict[str, 
         if quant["scheme"] in ("w4a16", "w8a16"):
             weight = dequantize_weight(w["qweight"], w["scales"], w["zeros"], quant["bits"], quant["group_size"],
                                        torch.float32)
+        elif quant["scheme"] == "fp8_block":
+            weight = block_dequantize(w["qweight"], w["weight_scale"], quant["block_size"])
         else:
             weight = w["qweight"].float() * w["weight_scale"].float().reshape(-1, 1)
         if "perm" in w:
@@ -315,21 +432,60 @@ def ir_weights(nodes: list[dict], params: dict[str, torch.Tensor]) -> dict[str, 
     return out
 
 
-def hf_model(checkpoint: Path, weights: dict[str, torch.Tensor], w8a8: bool = False) -> torch.nn.Module:
+def hf_model(checkpoint: Path, weights: dict[str, torch.Tensor], inputs=None) -> torch.nn.Module:
     """The checkpoint's model (config without its quantization_config) holding ``weights`` for its linears;
-    ``w8a8``: the W8A8 linears quantize their inputs (fake_quantize_input)."""
+    ``inputs``: (module, x) -> x quantized as the format quantizes that linear's input (W8A8)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(checkpoint)
-    del config.quantization_config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {k: v for k, v in load_file(checkpoint / "model.safetensors").items() if k in model.state_dict()}
     state.update({f"{m}.weight": w for m, w in weights.items()})
     model.load_state_dict(state, strict=True)
-    for module in weights if w8a8 else []:
+    for module in weights if inputs is not None else []:
         model.get_submodule(module).register_forward_pre_hook(
-            lambda mod, args, module=module: (fake_quantize_input(module, args[0]),))
+            lambda mod, args, module=module: (inputs(module, args[0]),))
     return model.eval()
+
+
+def same_activation_codes(model, ex, ids: list[int], inputs) -> int:
+    """How many leading positions of ``ids`` every linear that quantizes its input (``inputs``) quantizes it alike
+    in the HF model and in the runtime. Activation quantization is discontinuous: an input on an e4m3 rounding
+    boundary can move one code (1/16 of its value) on the 1e-6 by which HF's attention and norms differ from the
+    runtime's in fp32, and the logits after it by up to ~0.1. Asserts that the first such move is one: the two
+    inputs it came from agree to 1e-5."""
+    from runtime.executor import SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+
+    ours, theirs = {}, {}  # module -> its input [tokens, in_features] in the runtime's executor ``ex`` / in HF's
+
+    def observe(index: int, xs: list[torch.Tensor]) -> None:
+        node = ex.graph["nodes"][index]
+        if node["op"] == "linear" and node["attrs"].get("quant"):  # a merged linear's members read one input
+            parent, _, leaves = node["weights"]["qweight"].rsplit(".", 1)[0].rpartition(".")
+            ours.update({f"{parent}.{leaf}": xs[0].clone() for leaf in leaves.split("+")})
+
+    kv = SequenceKV(ex.kv_layout(), len(ids))
+    ex.run_nodes(ex.start(StepInput(torch.tensor(ids), torch.arange(len(ids)), [SeqSlice(kv, 0, len(ids))])), 0,
+                 len(ex.graph["nodes"]), observe)
+    hooks = [model.get_submodule(m).register_forward_pre_hook(
+        lambda mod, args, m=m: theirs.__setitem__(m, args[0][0].clone()), prepend=True) for m in ours]
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    first, where = len(ids), None
+    for m, x in theirs.items():  # in the order the model runs them
+        a, b = (inputs(m, t) if inputs is not None else t for t in (x, ours[m]))
+        moved = ((a - b).abs() > 1e-3 * torch.maximum(a.abs(), b.abs())).any(-1).nonzero().flatten()
+        if a is not x and len(moved) and moved[0] < first:  # (a code step is >= 1/16 of the value; int8 1/127)
+            first, where = int(moved[0]), m
+    if where is not None:
+        gap = (theirs[where][first] - ours[where][first]).abs().max().item()
+        assert gap <= 1e-5 * theirs[where][first].abs().max().item(), (where, first, gap)
+    return first
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -349,15 +505,18 @@ def test_prequantized_checkpoint_builds_with_its_own_codes(case, built):
     for key, value in case.expect.items():
         assert record[key] == value, (key, record)
     assert f"pre-quantized by {case.expect['source']}" in (b.artifact / "report.md").read_text()
+    assert all(name in manifest["source"]["files"] for name in case.files)  # hashed with the checkpoint
 
-    model = hf_model(b.checkpoint, b.expected, case.w8a8)
+    model = hf_model(b.checkpoint, b.expected, case.inputs)
     engine = Engine.load(b.artifact)
     gen = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (40,), generator=gen).tolist()
     with torch.no_grad():
         expected = model(torch.tensor([ids]), use_cache=False).logits[0]
-    err = (engine.logits(ids) - expected).abs().max().item()
+    agree = same_activation_codes(model, engine.executor, ids, case.inputs)
+    assert agree >= case.expect_agree, agree
+    err = (engine.logits(ids)[:agree] - expected[:agree]).abs().max().item()
     assert err < 1e-4, f"logits differ from HF by {err:.3g}"
     prompt = torch.randint(3, vocab, (12,), generator=gen).tolist()
     tokens = engine.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)).token_ids
@@ -408,6 +567,85 @@ def test_gptq_v2_8bit_imports_exactly_and_runs(traced, base, tmp_path):
     assert (run_graph(graph, [ids])[0] - ref).abs().max().item() < 1e-4
 
 
+def _per_channel(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ModelOpt's per-channel rounding of w: (codes, weight_scale [N], dequantized): e4m3 with amax / 448, or int8
+    with amax / 127 rounded and clipped to -128..127."""
+    if kind == "fp8":
+        scale = w.abs().amax(1) / 448
+        codes = (w / scale[:, None]).to(torch.float8_e4m3fn)
+    else:
+        scale = w.abs().amax(1) / 127
+        codes = (w / scale[:, None]).round().clamp(-128, 127).to(torch.int8)
+    return codes, scale, codes.float() * scale[:, None]
+
+
+def _modelopt_per_channel(module: str, w: torch.Tensor, layer: int):
+    """FP8_PER_CHANNEL_PER_TOKEN, layer 1's MLP excluded (left in fp32)."""
+    if layer == 1 and ".mlp." in module:
+        return None
+    codes, scale, deq = _per_channel(w, "fp8")
+    return {"weight": codes, "weight_scale": scale}, deq
+
+
+def _modelopt_mixed(module: str, w: torch.Tensor, layer: int):
+    """MIXED_PRECISION: layer 0 FP8_PER_CHANNEL_PER_TOKEN, layer 1's attention W8A16, its MLP left in fp32."""
+    if layer == 0:
+        return _modelopt_per_channel(module, w, layer)
+    if ".mlp." in module:
+        return None
+    codes, scale, deq = _per_channel(w, "int8")
+    return {"weight": codes, "weight_scale": scale}, deq
+
+
+def per_token_fp8(module: str, x: torch.Tensor) -> torch.Tensor:
+    """FP8_PER_CHANNEL_PER_TOKEN's activations: e4m3 per token, scale = amax / 448."""
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    return (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+
+def per_token_fp8_layer0(module: str, x: torch.Tensor) -> torch.Tensor:
+    return per_token_fp8(module, x) if ".layers.0." in module else x
+
+
+def _modelopt_layers() -> dict:
+    return {f"model.layers.{layer}.{lin}": {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN" if layer == 0 else "W8A16"}
+            for layer in range(2) for lin in LINEARS if layer == 0 or "self_attn" in lin}
+
+
+@pytest.mark.parametrize("config, files, quantize_fn, inputs, schemes", [
+    (None, {"hf_quant_config.json": {"producer": {"name": "modelopt", "version": "0.27.1"}, "quantization": {
+        "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "kv_cache_quant_algo": None,
+        "exclude_modules": ["lm_head", "model.layers.1.mlp*"]}}},
+     _modelopt_per_channel, per_token_fp8, {"fp8": 11}),
+    ({"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "ignore": ["lm_head"]},
+     {"hf_quant_config.json": {"producer": {"name": "modelopt", "version": "0.47.0"}, "quantization": {
+         "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": None, "quantized_layers": _modelopt_layers()}}},
+     _modelopt_mixed, per_token_fp8_layer0, {"fp8": 7, "w8a16": 4}),
+], ids=["hf_quant_config-only-per-channel", "mixed-precision"])
+def test_modelopt_per_channel_w8a16_and_mixed_import_exactly_and_run(traced, base, tmp_path, config, files,
+                                                                     quantize_fn, inputs, schemes):
+    """An export that has only hf_quant_config.json (ModelOpt before 0.29: no quantization_config in config.json),
+    with an exclude pattern; MIXED_PRECISION, whose quantized_layers say each module's algorithm."""
+    from passes.verify import run_graph
+    from runtime.executor import Executor
+
+    expected = write_quantized(base, tmp_path / "ckpt", config, quantize_fn, files)
+    graph = attach(traced, tmp_path / "ckpt")
+    nodes = [{"op": n.op, "attrs": n.attrs, "weights": n.weights} for n in graph.nodes]
+    ours = ir_weights(nodes, graph.params)
+    assert sorted(ours) == sorted(expected) and all(torch.equal(ours[m], w) for m, w in expected.items())
+    found: dict[str, int] = {}
+    for n in (n for n in graph.nodes if "quant" in n.attrs):
+        found[n.attrs["quant"]["scheme"]] = found.get(n.attrs["quant"]["scheme"], 0) + 1
+    assert found == schemes
+    ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    model = hf_model(tmp_path / "ckpt", expected, inputs)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), use_cache=False).logits[0]
+    assert same_activation_codes(model, Executor(graph.to_dict(), graph.params), ids, inputs) == len(ids)
+    assert (run_graph(graph, [ids])[0] - ref).abs().max().item() < 1e-4
+
+
 def _gptq_plain(module: str, w: torch.Tensor, layer: int):
     q = quantize(w, 4, sym=True, g_idx=torch.arange(w.shape[1]) // GROUP)
     return gptq_tensors(q, 4, v1=True), q.dequantize()
@@ -439,8 +677,22 @@ Q = "model.layers.0.self_attn.q_proj"
     ({**GPTQ_V1, "checkpoint_format": "marlin"}, {}, r"checkpoint_format is \"marlin\"; imported: gptq"),
     ({"quant_method": "hqq", "nbits": 4}, {},
      r"quantization_config\.quant_method is \"hqq\": it is not a format the import reads; imported: gptq, awq"),
-    ({"quant_method": "fp8", "weight_block_size": [128, 128]}, {},
-     r"quant_method is \"fp8\": block-scaled FP8 .* has no IR scheme"),
+    ({"quant_method": "fp8", "weight_block_size": None}, {},
+     r"quantization_config\.weight_block_size is null; imported: \[rows, columns\] of positive integers, e\.g\. "
+     r"\[128, 128\] \(per-tensor FP8, null, is not\)"),
+    ({**FINE_GRAINED, "activation_scheme": "static"}, {},
+     r"quantization_config\.activation_scheme is \"static\"; imported: dynamic \(a static activation_scale"),
+    ({"quant_method": "modelopt", "quant_algo": "FP4_MAGIC"}, {},
+     r"quantization_config\.quant_algo is \"FP4_MAGIC\": it is not an algorithm the import reads; imported: FP8, "
+     r"FP8_PER_CHANNEL_PER_TOKEN, W8A16"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, {},
+     r"quant_algo is \"NVFP4\": FP4 \(e2m1\) weights with fp8 scales per 16 have no IR scheme"),
+    ({"quant_method": "modelopt", "quant_algo": "fp8_pb_wo"}, {},
+     r"quant_algo is \"fp8_pb_wo\": FP8 weights in blocks with unquantized activations; the IR's fp8_block "
+     r"quantizes its activations"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}, {}, r"quant_algo is \"W4A16_AWQ\": its pre_quant_scale"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}, {},
+     r"quantization_config\.kv_cache_quant_algo is \"INT8\"; imported: FP8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, {},
      r"quantization_config\.version is \"gemv\"; imported: gemm"),
     ({**CT_MIXED, "config_groups": {"group_0": _ct_group(["Linear"], "pack-quantized", _w4a16_args(False, None),
@@ -448,7 +700,8 @@ Q = "model.layers.0.self_attn.q_proj"
      rf"tensor '{Q}\.weight_packed' is missing; a compressed-tensors quantized linear stores weight_packed, "
      rf"weight_scale \(found none of them\)"),
 ], ids=["missing-qzeros", "qweight-shape", "scales-groups", "g_idx-uneven", "bits-3", "gptq-marlin", "hqq",
-        "fp8-blocks", "awq-gemv", "ct-not-packed"])
+        "fp8-per-tensor", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo", "modelopt-awq",
+        "modelopt-kv-int8", "awq-gemv", "ct-not-packed"])
 def test_malformed_checkpoint_fails_naming_the_tensor(traced, base, tmp_path, config, edit, message):
     from builder.checkpoint import CheckpointError
 
@@ -457,6 +710,73 @@ def test_malformed_checkpoint_fails_naming_the_tensor(traced, base, tmp_path, co
     with pytest.raises(CheckpointError, match=message) as info:
         attach(traced, tmp_path / "ckpt")
     assert "\n" not in str(info.value)
+
+
+QK = "model.layers.0.self_attn.k_proj"
+FINE_32 = {**FINE_GRAINED, "weight_block_size": [32, 32]}
+
+
+@pytest.mark.parametrize("config, files, writer, edit, message", [
+    (FINE_32, {}, fine_grained((32, 32)), dict(drop=f"{Q}.weight_scale_inv"),
+     rf"tensor '{Q}\.weight_scale_inv' is missing; a fp8 quantized linear stores weight, weight_scale_inv \(found "
+     rf"weight\)"),
+    (FINE_32, {}, fine_grained((32, 32)), dict(replace={f"{Q}.weight_scale_inv": torch.ones(2, 3)}),
+     rf"tensor '{Q}\.weight_scale_inv' is float32 \(2, 3\); expected float16 or bfloat16 or float32 \(2, 2\) \(one "
+     rf"scale per 32 x 32 block of the 64 x 64 weight, partial blocks included\)"),
+    (FINE_32, {}, fine_grained((32, 32)), dict(replace={f"{QK}.weight_scale_inv": torch.ones(2, 2)}),
+     rf"tensor '{QK}\.weight_scale_inv' is float32 \(2, 2\); expected .* \(1, 2\) \(one scale per 32 x 32 block "
+     rf"of the 32 x 64 weight"),
+    (FINE_32, {}, fine_grained((32, 32)), dict(replace={f"{Q}.weight": torch.ones(64, 64, dtype=torch.bfloat16)}),
+     rf"tensor '{Q}\.weight' is bfloat16 \(64, 64\); expected float8_e4m3fn \(64, 64\) \(the linear's codes"),
+    ({**MODELOPT_CONFIG, "quant_method": "modelopt"}, {}, _modelopt_fp8, dict(drop=f"{Q}.input_scale"),
+     rf"tensor '{Q}\.input_scale' is missing; a modelopt quantized linear stores weight, weight_scale, input_scale "
+     rf"\(found weight, weight_scale\)"),
+    ({**MODELOPT_CONFIG, "quant_method": "modelopt"}, {}, _modelopt_fp8,
+     dict(replace={f"{Q}.weight_scale": torch.ones(64)}),
+     rf"tensor '{Q}\.weight_scale' is float32 \(64,\); expected a float tensor of shape \(1,\) \(one scale for "
+     rf"the whole tensor\)"),
+    ({**MODELOPT_CONFIG, "quant_method": "modelopt"},
+     {"hf_quant_config.json": {**MODELOPT_FP8,
+                               "quantization": {**MODELOPT_FP8["quantization"], "quant_algo": "W8A16"}}},
+     _modelopt_fp8, {}, r"quantization_config\.quant_algo is \"FP8\" but hf_quant_config\.json beside it says "
+                        r"\"W8A16\""),
+], ids=["missing-scale-inv", "scale-blocks", "k_proj-scale-rows", "weight-not-fp8", "modelopt-no-input-scale",
+        "modelopt-per-channel-scale", "modelopt-configs-disagree"])
+def test_malformed_fp8_block_and_modelopt_checkpoints_fail_naming_the_tensor(traced, base, tmp_path, config, files,
+                                                                            writer, edit, message):
+    from builder.checkpoint import CheckpointError
+
+    write_quantized(base, tmp_path / "ckpt", config, writer, files)
+    _edit(tmp_path / "ckpt", **edit)
+    with pytest.raises(CheckpointError, match=message) as info:
+        attach(traced, tmp_path / "ckpt")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name, recipe, message", [
+    ("fp8-blocks", "quantization:\n  algo: gptq\n",
+     r"quantization: algo gptq does not describe the checkpoint, which is already quantized by fp8 \(fp8_block, "
+     r"8-bit, group_size 128\)"),
+    ("fp8-blocks", "quantization:\n  algo: fp8\n  weight_granularity: channel\n",
+     r"quantization: weight_granularity channel \(the checkpoint's is block\) does not describe the checkpoint"),
+    ("modelopt-fp8", "quantization:\n  algo: fp8\n  activations: dynamic\n",
+     r"quantization: activations dynamic \(the checkpoint's is static\) does not describe the checkpoint, which is "
+     r"already quantized by modelopt \(fp8, 8-bit, group_size -1\)"),
+], ids=["fp8-blocks-gptq", "fp8-blocks-per-channel", "modelopt-dynamic"])
+def test_a_recipe_that_disagrees_with_the_import_is_refused(request, name, recipe, message, tmp_path):
+    """A recipe quantization section is checked against the checkpoint's before anything is built; ``algo: fp8``
+    alone describes both (it writes fp8 W8A8, which both are)."""
+    from builder.checkpoint import open_checkpoint
+    from builder.prequantized import recipe_disagreement
+    from builder.recipe import QuantizationSection
+
+    case = next(c for c in CASES if c.name == name)
+    write_quantized(request.getfixturevalue(case.base), tmp_path / "ckpt", case.config, case.quantize, case.files)
+    res = run_build(tmp_path / "ckpt", tmp_path / "out", recipe)
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), lines
+    assert recipe_disagreement(open_checkpoint(tmp_path / "ckpt").quant, [QuantizationSection(algo="fp8")]) is None
 
 
 def test_cli_refuses_a_recipe_that_requantizes_and_an_unknown_format(base, tmp_path):
