@@ -73,9 +73,8 @@ def test_any_family_opens_but_model_type_is_required(tmp_path, checkpoints):
 
 
 @pytest.mark.parametrize("key, section, message", [
-    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128]},
-     r"quantization_config\.quant_method is \"fp8\": block-scaled FP8 \(weight_scale_inv per weight_block_size "
-     r"block\) has no IR scheme"),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+     r"quantization_config\.activation_scheme is \"static\"; imported: dynamic"),
     ("quantization_config", {"quant_method": "bitsandbytes"}, r"quant_method is \"bitsandbytes\": bitsandbytes"),
     ("quantization_config", {"quant_method": "gptq", "bits": 2}, r"quantization_config\.bits is 2; expected one of 4, "
                                                                  r"8"),

@@ -264,8 +264,9 @@ CASES = [
          checkpoint=_config(num_key_value_heads=3)),
     Case("config-rejected-by-transformers", "transformers cannot read this llama config",
          checkpoint=_config(rms_norm_eps="tiny")),
-    Case("pre-quantized-block-fp8", "quantization_config.quant_method is \"fp8\": block-scaled FP8",
-         checkpoint=_config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]})),
+    Case("pre-quantized-block-fp8-static", "quantization_config.activation_scheme is \"static\"; imported: dynamic",
+         checkpoint=_config(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                 "activation_scheme": "static"})),
     Case("pre-quantized-without-codes", "config.json says the checkpoint is gptq-quantized but no linear of the "
          "model has its quantized tensors", before_weights=False,
          checkpoint=_config(quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 32})),
