@@ -177,13 +177,18 @@ def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, m
     (pydoc-qwen3, g64: AWQ's KL 2.149e-4 -> 1.844e-4 before the scale refit; docs/QUANTIZATION_COMPARISON.md).
     ``n_sample_tokens``: the tokens scored, every ``n // n_sample_tokens``-th of ``x``; 4096, ModelOpt's count (64
     per calibration window, every window), was 512 (the reference's). Each (row, group) picks its clip on these
-    tokens alone, and on 512 the pick follows the sample. With 4096, every token AWQ keeps (8x the arithmetic),
-    symmetric AWQ on the bundled model went 1.409e-2 -> 1.364e-2 at calibration seed 0 and 1.350e-2 -> 1.315e-2 at
+    tokens alone, and on 512 the pick follows the sample. With 4096, every token AWQ keeps, symmetric AWQ on the bundled model went 1.409e-2 -> 1.364e-2 at calibration seed 0 and 1.350e-2 -> 1.315e-2 at
     seed 1 (ModelOpt's awq_full: 1.358e-2); on pydoc-qwen3 1.631e-4 -> 1.648e-4 and 1.848e-4 -> 1.656e-4;
     asymmetric 1.142e-2 -> 1.139e-2 and 1.287e-4 -> 1.258e-4 (seed 0; docs/QUANTIZATION_COMPARISON.md, session 31).
     ``x``: ``[num_tokens, in]``, already divided by the AWQ scale if one was applied. Returns fp32 bounds
     ``[out, n_groups, 2]`` (low, high) for :func:`apply_clip`. Output rows are processed ``oc_batch`` at a time
     to bound memory.
+
+    NOTE: a candidate's error is ``mean_t (x_t . d)^2 = d^T G d`` per (row, group), with ``d`` the group's rounding
+    error (clipped and fake-quantized minus unquantized weights) and ``G = x^T x / t`` the group's Gram matrix over
+    the sampled tokens, formed once in fp64: each candidate costs ``g^2`` per (row, group) whatever the number of
+    tokens (``t g`` through the outputs; 64x less at 4096 tokens and g 64), and the difference of two nearly equal
+    fp32 outputs is never taken.
     """
     if n_grid < 1 or n_sample_tokens < 1 or oc_batch < 1:
         raise ValueError(f"n_grid ({n_grid}), n_sample_tokens ({n_sample_tokens}) and oc_batch ({oc_batch}) "
@@ -202,7 +207,8 @@ def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, m
     ng = in_f // g
 
     step = max(1, x.shape[0] // n_sample_tokens)
-    xs = x[::step].reshape(-1, ng, g).permute(1, 0, 2)  # [ng, t, g]
+    xs = x[::step].reshape(-1, ng, g).permute(1, 0, 2).double()  # [ng, t, g]
+    gram = torch.bmm(xs.transpose(1, 2), xs) / xs.shape[1]  # [ng, g, g]
     n_steps = max(1, math.ceil(n_grid * max_shrink - 1e-9))
 
     w_all = weight.detach().float().reshape(out_f, ng, g)
@@ -212,17 +218,16 @@ def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, m
         ob = w.shape[0]
         org_max = w.abs().amax(dim=-1, keepdim=True)  # [ob, ng, 1]
         lo_0, hi_0 = w.amin(dim=-1, keepdim=True).clamp(max=0), w.amax(dim=-1, keepdim=True).clamp(min=0)
-        org_out = torch.bmm(xs, w.permute(1, 2, 0))  # [ng, t, ob]
         best_lo, best_hi = -org_max, org_max.clone()
-        min_err = torch.full_like(org_max, math.inf)
+        min_err = torch.full_like(org_max, math.inf, dtype=torch.float64)
         candidates = [(-org_max * (1 - i / n_grid), org_max * (1 - i / n_grid)) for i in range(n_steps)]
         if not cfg.symmetric:  # i = 0 is the unclipped range again
             candidates += [(lo_0 * (1 - i / n_grid), hi_0 * (1 - i / n_grid)) for i in range(1, n_steps)]
         for lo, hi in candidates:
             cur = torch.maximum(torch.minimum(w, hi), lo)
             q = fake_quantize_groups(cur.reshape(ob, in_f), cfg).reshape(ob, ng, g)
-            out = torch.bmm(xs, q.permute(1, 2, 0))  # [ng, t, ob]
-            err = (out - org_out).pow(2).mean(dim=1).t().unsqueeze(-1)  # [ob, ng, 1]
+            d = (q - w).permute(1, 0, 2).double()  # [ng, ob, g]
+            err = (torch.bmm(d, gram) * d).sum(dim=-1).t().unsqueeze(-1)  # [ob, ng, 1]
             better = err < min_err
             min_err = torch.where(better, err, min_err)
             best_lo, best_hi = torch.where(better, lo, best_lo), torch.where(better, hi, best_hi)
