@@ -113,3 +113,19 @@ def test_quantize_rows_matches_the_reference_quantization(dtype, x_dtype):
     assert torch.equal(q.view(torch.int8), q_ref.view(torch.int8))
     with pytest.raises(ValueError, match="int8 or float8_e4m3fn"):
         quantize_rows(x, torch.float16)
+
+
+@pytest.mark.parametrize("k", [1024, 1025])
+def test_reference_int8_matmul_is_exact_on_both_sides_of_the_float32_bound(k):
+    """The CPU reference multiplies INT8 codes in float32 up to K = 1024 and in float64 beyond: exact either way, on
+    codes at the extremes. The first row and column's sum is odd and, past K = 1024, beyond float32's 2**24."""
+    from kernels.torch_quant import _int8_matmul
+
+    g = torch.Generator().manual_seed(k)
+    xq = torch.where(torch.rand(3, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    wq = torch.where(torch.rand(5, k, generator=g) < 0.5, -128, 127).to(torch.int8)
+    xq[0], wq[0] = -128, -128
+    xq[0, 0], wq[0, 0] = 127, 127
+    out = _int8_matmul(xq, wq)
+    assert out.dtype == torch.int32 and int(out[0, 0]) == 128 * 128 * (k - 1) + 127 * 127
+    assert torch.equal(out.long(), xq.long() @ wq.long().t())
