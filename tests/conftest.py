@@ -80,6 +80,33 @@ def pytest_collection_finish(session) -> None:
     # own helpers (tl.sum, ...) are interpreted only if it is first imported after that
     _patch_language_once_per_launch()
 
+
+@pytest.fixture(scope="session", autouse=True)
+def export_once_per_model() -> Iterator[None]:
+    """``torch.export`` of a model this worker has exported before (same class, config and module classes) returns
+    that export again. Exporting is nearly all of a tiny build's trace (4 s of 4.1 for the bundled model), and the
+    suite builds the same checkpoints over and over (the bundled model about twenty times); the lifting and all
+    that follows it still run every time. A test that swaps a modeling module class changes the key; a test that
+    patches ``export_model`` itself replaces this for its duration; a failed export is not kept."""
+    import passes.trace
+
+    export = passes.trace.export_model
+    exported: dict[tuple, torch.export.ExportedProgram] = {}
+
+    def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
+        config = getattr(model, "config", None)
+        if config is None:  # not a transformers model (the lifter's own test modules): no key to know it by
+            return export(model)
+        key = (type(model), config.to_json_string(), tuple(type(m) for m in model.modules()))
+        if key not in exported:
+            exported[key] = export(model)
+        return exported[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(passes.trace, "export_model", export_model)
+        yield
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SPECIAL = ["<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
