@@ -8,9 +8,11 @@ would hide a norm applied in the wrong place).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -244,6 +246,53 @@ def bundled_artifact(tmp_path_factory) -> Path:
     """The bundled model built fp32 with small serving limits (8 sequences, 512 tokens, 64-token steps)."""
     return build_artifact(BUNDLED, tmp_path_factory.mktemp("bundled") / "pystdlib", max_batch_size=8,
                           max_seq_len=512, max_num_tokens=64)
+
+
+@dataclass
+class SharedBuild:
+    """A ``builder build`` of a shipped recipe that several test files read."""
+    path: Path  # the artifact directory: read it, copy it to change it
+    exit_code: int  # builder build's: 0 built, 3 built and marked gate-failed
+    output: str  # what it printed
+
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@pytest.fixture(scope="session")
+def shared_build(tmp_path_factory) -> Callable[[str, list[str]], SharedBuild]:
+    """``builder build recipes/RECIPE --quiet --set SET ...``, run once per test run for every test file that asks
+    for the same recipe as validated (its output_dir aside): the quickstart builds are what several files check
+    (every recipe builds, ``builder compare``, ``builder gate``), and under xdist those files run on different
+    workers. The builds live in the run's temporary directory, which the workers share, each behind its file lock."""
+    from filelock import FileLock
+    from typer.testing import CliRunner
+
+    from builder.cli import app
+    from builder.recipe import load_recipe
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory: each worker's own lies below it
+    root = root / "shared_builds"
+    root.mkdir(exist_ok=True)
+
+    def get(recipe: str, sets: list[str]) -> SharedBuild:
+        resolved = load_recipe(RECIPES / recipe, [*sets, "output_dir=."]).model_dump(mode="json")
+        key = hashlib.sha256(json.dumps(resolved, sort_keys=True).encode()).hexdigest()[:16]
+        out, result = root / key / Path(recipe).stem, root / key / "result.json"
+        with FileLock(root / f"{key}.lock"):
+            if not result.is_file():
+                result.parent.mkdir(exist_ok=True)
+                args = ["build", str(RECIPES / recipe), "--quiet", "--set", f"output_dir={out}"]
+                for s in sets:
+                    args += ["--set", s]
+                res = CliRunner().invoke(app, args)
+                result.write_text(json.dumps({"exit_code": res.exit_code, "output": res.output}))
+        done = json.loads(result.read_text())
+        return SharedBuild(out, done["exit_code"], done["output"])
+
+    return get
 
 
 FIXTURE = Path(__file__).resolve().parents[1] / "models" / "pydoc-qwen3"

@@ -24,11 +24,11 @@ def _build(recipe: str, out: Path, *sets: str):
 
 
 @pytest.fixture(scope="module")
-def smoothquant_artifact(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sq") / "sq"
-    res = _build("quickstart-smoothquant.yaml", out)
+def smoothquant_artifact(shared_build) -> Path:
+    """The SmoothQuant recipe built as test_recipes.py builds it (once per test run)."""
+    res = shared_build("quickstart-smoothquant.yaml", FAST[:-1])
     assert res.exit_code == 0, res.output
-    return out
+    return res.path
 
 
 def test_manifest_records_calibration_and_gates(smoothquant_artifact):

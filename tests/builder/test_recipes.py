@@ -22,18 +22,17 @@ def test_there_is_a_recipe_per_method():
 UNQUANTIZED = ("quickstart.yaml", "quickstart-draft.yaml", "quickstart-spec.yaml")
 
 
-def _build(recipe: str, sets: list[str]) -> None:
-    args = ["build", str(ROOT / "recipes" / recipe), "--quiet"]
-    for s in sets:
-        args += ["--set", s]
-    res = runner.invoke(app, args)
-    assert res.exit_code == 0, res.output
+def _build(shared_build, recipe: str, sets: list[str]) -> Path:
+    """The recipe built by ``builder build`` (once per test run: test_compare.py and test_gate_cli.py read some of
+    the same builds)."""
+    built = shared_build(recipe, sets)
+    assert built.exit_code == 0, built.output
+    return built.path
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_builds_loads_and_generates(recipe, tmp_path):
-    out = tmp_path / "a"
-    sets = [f"output_dir={out}", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"]
+def test_recipe_builds_loads_and_generates(recipe, shared_build):
+    sets = [f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"]
     if recipe not in UNQUANTIZED:
         sets += ["calibration.num_samples=8", "calibration.seq_len=128", "gates.num_positions=1024",
                  "gates.needle_context_len=null"]
@@ -45,10 +44,10 @@ def test_recipe_builds_loads_and_generates(recipe, tmp_path):
             # options and gates still apply; AWQ's quality at its defaults is test_fixture_model's and test_awq's
             sets += ["quantization.n_grid=5"]
     if recipe == "quickstart-spec.yaml":  # its draft first: the bundled one, built as its own recipe does
-        _build("quickstart-draft.yaml", [f"output_dir={tmp_path / 'draft'}",
-                                         f"model.checkpoint={ROOT / 'models/pystdlib-llama-draft'}"])
-        sets.append(f"runtime.speculative.draft_model={tmp_path / 'draft'}")
-    _build(recipe, sets)
+        draft = _build(shared_build, "quickstart-draft.yaml",
+                       [f"model.checkpoint={ROOT / 'models/pystdlib-llama-draft'}"])
+        sets.append(f"runtime.speculative.draft_model={draft}")
+    out = _build(shared_build, recipe, sets)
     res = runner.invoke(app, ["generate", str(out), "--prompt", "import os\n", "--max-tokens", "8"])
     assert res.exit_code == 0, res.output
     assert len(res.output.strip()) > len("import os")
