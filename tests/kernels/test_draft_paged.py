@@ -18,9 +18,12 @@ from runtime.speculative import DraftRequest  # noqa: E402
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
+    # one layer: the proposer's steps over the paged storage are what is under test (the executor's layers on the
+    # same kernels and storage are tests/kernels/test_executor_kernels.py's, two of them); the second layer's kernels
+    # cost the interpreter as much as the first (the three tests: 162 s with two layers, 80 s with one)
     root = tmp_path_factory.mktemp("draft_paged")
-    path = build_artifact(make_checkpoint(root / "ckpt", "llama", num_attention_heads=2, num_key_value_heads=1),
-                          root / "art")
+    path = build_artifact(make_checkpoint(root / "ckpt", "llama", num_hidden_layers=1, num_attention_heads=2,
+                                          num_key_value_heads=1), root / "art")
     return Engine.load(path, use_kernels=True), Engine.load(path, use_kernels=False)
 
 
