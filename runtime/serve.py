@@ -163,6 +163,12 @@ def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if api_key is not None and not api_key.strip():  # an empty key must not quietly turn authentication off
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        print(f"error: {source} is empty; give a non-empty key to require one, or leave out --api-key and unset "
+              f"{API_KEY_ENV} to serve without a key", file=sys.stderr)
+        return 1  # before torch is imported: a second, not the seconds of a start-up
     from runtime.speculative import SpeculativeConfigError
 
     try:
@@ -177,12 +183,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if torchrun_rank():  # a worker rank of a torchrun launch, on any node: no server
         return _torchrun_worker(args)
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
-    if api_key is not None and not api_key.strip():  # an empty key must not quietly turn authentication off
-        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
-        print(f"error: {source} is empty; give a non-empty key to require one, or leave out --api-key and unset "
-              f"{API_KEY_ENV} to serve without a key", file=sys.stderr)
-        return 1
     _warn_if_exposed(args.host, args.port, api_key)
 
     import uvicorn
