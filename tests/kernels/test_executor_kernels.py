@@ -135,7 +135,9 @@ def test_quantized_linears_on_the_gemm_kernels(tmp_path, monkeypatch, algo):
     from builder.pipeline import build
     from builder.recipe import validate_recipe
 
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
+    # one layer: its four linears (q/k/v, o, gate/up, down) are every kind of linear the kernels take; a second
+    # layer would run the same kernels again (two layers: test_paged_kernels_match_the_reference_path)
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", num_hidden_layers=1, **SHAPES["llama"])
     quant = {"gptq": {"algo": "gptq", "group_size": 16}, "int8_wo": {"algo": "int8_wo"},
              "smoothquant": {"algo": "smoothquant"},
              "fp8": {"algo": "fp8", "weight_granularity": "channel"}}[algo]
