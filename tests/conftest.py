@@ -404,18 +404,18 @@ def serve_app(app) -> Iterator[str]:
     assert not thread.is_alive(), "the server did not shut down"
 
 
-# The suite's heaviest files, longest first (seconds of one CPU per file, measured on the 2-core CI machine's kind in
-# session 27: 430, 290, 270, ... down to ~50). `--dist loadfile` hands files to the workers in collection order, and
-# collection is alphabetical: these went out late (tests/passes, tests/runtime, tests/test_fixture_model.py) and the
-# run ended on one worker. Longest first, the other files fill in behind them.
+# The suite's heaviest files, longest first (seconds of one CPU per file, measured on a loaded 2-core machine of the
+# CI's kind: 320, 250, 230, ... down to ~20). `--dist loadfile` hands files to the workers in collection order, and
+# collection is alphabetical: the heaviest went out late (tests/passes, tests/runtime, tests/test_fixture_model.py)
+# and the run ended on one worker. Longest first, the other files fill in behind them.
 HEAVY_FILES = (
-    "kernels/test_executor_kernels.py", "passes/test_weight_only_4bit.py", "builder/test_recipes.py",
-    "runtime/test_server.py", "passes/test_families.py", "kernels/test_paged_attention.py",
-    "kernels/test_draft_paged.py", "builder/test_gate_regressions.py", "passes/test_smoothquant_static.py",
-    "builder/test_gate_cli.py", "builder/test_outlier_gates.py", "runtime/test_speculative.py",
-    "builder/test_compare.py", "runtime/test_tensor_parallel.py", "builder/bench/test_offline.py",
-    "test_fixture_model.py", "kernels/test_moe_kernel.py", "builder/test_plan.py",
-    "runtime/test_executor_families.py", "passes/test_lift.py",
+    "runtime/test_server.py", "kernels/test_executor_kernels.py", "passes/test_families.py",
+    "kernels/test_paged_attention.py", "kernels/test_moe_kernel.py", "passes/test_weight_only_4bit.py",
+    "runtime/test_speculative.py", "builder/test_recipes.py", "kernels/test_draft_paged.py",
+    "builder/test_gate_regressions.py", "passes/test_smoothquant_static.py", "builder/test_compare.py",
+    "kernels/test_gemm.py", "runtime/test_tensor_parallel.py", "builder/test_outlier_gates.py",
+    "builder/test_malformed_inputs.py", "test_fixture_model.py", "passes/test_lift_primitives.py",
+    "builder/test_plan.py", "kernels/test_gemv.py",
 )
 
 
