@@ -177,7 +177,8 @@ def search_clip(x: Tensor, weight: Tensor, cfg: QuantConfig, n_grid: int = 20, m
     (pydoc-qwen3, g64: AWQ's KL 2.149e-4 -> 1.844e-4 before the scale refit; docs/QUANTIZATION_COMPARISON.md).
     ``n_sample_tokens``: the tokens scored, every ``n // n_sample_tokens``-th of ``x``; 4096, ModelOpt's count (64
     per calibration window, every window), was 512 (the reference's). Each (row, group) picks its clip on these
-    tokens alone, and on 512 the pick follows the sample. With 4096, every token AWQ keeps, symmetric AWQ on the bundled model went 1.409e-2 -> 1.364e-2 at calibration seed 0 and 1.350e-2 -> 1.315e-2 at
+    tokens alone, and on 512 the pick follows the sample. With 4096, every token AWQ keeps, symmetric AWQ on the
+    bundled model went 1.409e-2 -> 1.364e-2 at calibration seed 0 and 1.350e-2 -> 1.315e-2 at
     seed 1 (ModelOpt's awq_full: 1.358e-2); on pydoc-qwen3 1.631e-4 -> 1.648e-4 and 1.848e-4 -> 1.656e-4;
     asymmetric 1.142e-2 -> 1.139e-2 and 1.287e-4 -> 1.258e-4 (seed 0; docs/QUANTIZATION_COMPARISON.md, session 31).
     ``x``: ``[num_tokens, in]``, already divided by the AWQ scale if one was applied. Returns fp32 bounds
