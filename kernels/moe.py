@@ -39,8 +39,8 @@ sums times the row's scale, then the channel's, before the roundings above. The 
 
 W4A16 experts (the reference's ``*_scales`` / ``*_zeros`` / ``group_size``: uint8 codes packed two per byte along the
 input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]). A K step never
-crosses a group (BLOCK_K is cut to a power of two dividing group_size; group_size a multiple of 16, or -1 for one group
-per row), so within it the scale and zero point are constants of the column and
+crosses a group (BLOCK_K is cut to a power of two dividing group_size, and is at least 32: each dot's K is BLOCK_K / 2
+bytes of codes, and tl.dot takes K >= 16 on the GPU; so group_size is a multiple of 32, or -1 for one group per row), so within it the scale and zero point are constants of the column and
 
     sum_k x[m, k] (q[n, k] - z[n]) s[n] = s[n] * sum_k x[m, k] (q[n, k] - z[n])
 
@@ -559,19 +559,24 @@ class Int4Experts:
         return cls(w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros, int(group_size))
 
 
+INT4_MIN_BLOCK_K = 32  # the least K step of W4A16 experts, inputs (16 bytes of codes per row)
+
+
 def int4_block_k(block_k: int, group_size: int, in_features: int) -> int:
     """A K step for W4A16 experts that never crosses a group boundary (one scale and zero point per column and step):
-    ``block_k`` itself for one group per row, else the largest power of two <= block_k dividing group_size (>= 16,
-    tl.dot's least K)."""
+    for one group per row ``block_k`` itself, else the largest power of two <= block_k dividing group_size; at least
+    INT4_MIN_BLOCK_K either way (each of the step's two dots takes BLOCK_K / 2 bytes of codes as its K, and tl.dot
+    takes K >= 16 on the GPU; the interpreter would run less, the compiler does not)."""
     g = in_features if group_size == -1 else group_size
     if g == in_features:
-        return block_k
-    bk = block_k
-    while bk > 16 and g % bk:
+        return max(block_k, INT4_MIN_BLOCK_K)
+    bk = max(block_k, INT4_MIN_BLOCK_K)
+    while bk > INT4_MIN_BLOCK_K and g % bk:
         bk //= 2
     if g % bk:
-        raise ValueError(f"W4A16 experts: group_size {group_size} is not a multiple of 16; the fused kernel takes group "
-                         f"sizes that are (16, 32, 64, 128, ...) or -1 (one group per row)")
+        raise ValueError(f"W4A16 experts: group_size {group_size} is not a multiple of {INT4_MIN_BLOCK_K}; the fused "
+                         f"kernel takes group sizes that are ({', '.join(str(INT4_MIN_BLOCK_K << i) for i in range(3))}, "
+                         f"...) or -1 (one group per row)")
     return bk
 
 

@@ -68,15 +68,19 @@ ExpertQuantizer = Callable[[str, int, Tensor], tuple[Tensor, Tensor, Tensor]]
 
 
 def check_expert_groups(graph: Graph, node: Node, group_size: int, method: str) -> None:
-    """PassError unless both projections' inputs (hidden, intermediate) are even and tiled by ``group_size``."""
+    """PassError unless group_size is one the fused experts kernel takes (a multiple of INT4_MIN_BLOCK_K, or -1) and
+    both projections' inputs (hidden, intermediate) are even and tiled by it."""
+    from kernels.moe import INT4_MIN_BLOCK_K
+
     hidden = int(graph.params[node.weights["w_gate_up"]].shape[-1])
     for what, in_f in (("hidden size", hidden), ("intermediate size", int(node.attrs["intermediate_size"]))):
-        if in_f % 2 or (group_size != -1 and in_f % group_size):
-            options = [g for g in (256, 128, 64, 32, 16) if in_f % g == 0]
-            raise PassError(f"{method}: the experts of {node.source} read inputs of {in_f} features (the {what}), "
-                            f"not divisible by group_size {group_size} (or odd: 4-bit codes are packed two per byte); "
-                            f"use {', '.join(map(str, options)) or 'a divisor of it'} or -1 (per channel), or leave "
-                            f"the experts unquantized (experts: false)")
+        if in_f % 2 or (group_size != -1 and (in_f % group_size or group_size % INT4_MIN_BLOCK_K)):
+            options = [g for g in (256, 128, 64, 32) if in_f % g == 0]
+            raise PassError(f"{method}: the experts of {node.source} read inputs of {in_f} features (the {what}); "
+                            f"group_size {group_size} does not fit them: 4-bit experts take a group size that divides "
+                            f"it and is a multiple of {INT4_MIN_BLOCK_K} (the fused kernel's least K step), and an "
+                            f"even size (codes are packed two per byte); use {', '.join(map(str, options)) or '-1'}, "
+                            f"-1 (per channel), or leave the experts unquantized (experts: false)")
 
 
 @torch.no_grad()

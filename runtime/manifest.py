@@ -346,6 +346,9 @@ def _check_moe(node: dict[str, Any], quant: Any, where: str) -> None:
     if scheme == "w4a16" and not (quant.get("bits") == 4 and isinstance(quant.get("group_size"), int)):
         raise ManifestError(f"graph.json moe {where}: w4a16 experts need quant bits 4 and an integer group_size; "
                             f"quant is {quant}")
+    if scheme == "w4a16" and quant["group_size"] != -1 and (quant["group_size"] < 1 or quant["group_size"] % 32):
+        raise ManifestError(f"graph.json moe {where}: w4a16 experts in groups of {quant['group_size']}: the experts "
+                            f"kernel takes group sizes that are multiples of 32, or -1 (one group per row)")
 
 
 def _check_lm_head(manifest: dict[str, Any], attrs: dict[str, Any], scheme: str) -> None:

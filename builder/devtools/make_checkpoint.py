@@ -137,7 +137,8 @@ PRESETS: dict[str, Shape] = {
     # Qwen3-30B-A3B: 30.5B parameters (61 GB in bf16), 3.3B active per token (8 of 128 experts)
     "qwen3-30b-a3b": Qwen3MoeShape(151936, 2048, 48, 32, 4, 128, num_experts=128, num_experts_per_tok=8,
                                    moe_intermediate_size=768, intermediate_size=6144),
-    "tiny-moe": Qwen3MoeShape(512, 64, 2, 4, 2, 16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    # head_dim 32: the least the paged attention kernels take, so it runs in CUDA graphs (gpu_suite.sh tp-check)
+    "tiny-moe": Qwen3MoeShape(512, 64, 2, 4, 2, 32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                               intermediate_size=128, max_position_embeddings=512),
 }
 

@@ -327,11 +327,11 @@ def _int4_inputs(num_experts: int, hidden: int, inter: int, num_tokens: int, dty
 #  router bias, group_size, symmetric)
 INT4_CASES = [
     (8, 64, 64, 17, 2, "softmax", True, False, "silu", torch.bfloat16, False, 32, False),  # Mixtral's routing
-    (8, 64, 64, 17, 2, "softmax", False, True, "silu", torch.bfloat16, False, 16, True),  # not renormalised
+    (8, 64, 64, 17, 2, "softmax", False, True, "silu", torch.bfloat16, False, 32, True),  # not renormalised
     (16, 64, 32, 5, 8, "softmax", True, True, "silu", torch.bfloat16, False, 32, True),  # Qwen3-MoE's top-8
     (16, 64, 64, 1, 8, "softmax", False, False, "silu", torch.bfloat16, False, 64, False),  # decode, top-8
-    (16, 64, 64, 9, 8, "sigmoid", False, False, "gelu_tanh", torch.bfloat16, True, 16, False),
-    (6, 48, 32, 9, 2, "softmax", True, False, "silu", torch.bfloat16, False, 16, True),  # K masked past 48: 3 groups
+    (16, 64, 64, 9, 8, "sigmoid", False, False, "gelu_tanh", torch.bfloat16, True, 32, False),
+    (6, 96, 32, 9, 2, "softmax", True, False, "silu", torch.bfloat16, False, 32, True),  # 3 groups of 32
     (8, 64, 32, 9, 2, "softmax", True, False, "silu", torch.float32, False, 32, False),
     (8, 32, 32, 5, 2, "softmax", True, True, "silu", torch.float16, False, -1, True),  # one group per row
 ]
@@ -420,7 +420,7 @@ def test_int4_exact_weights(case):
 def test_int4_skewed_routing():
     """Experts 0, 1, 4 and 6 never chosen (a router bias), expert 3 first for every token: empty experts, and three
     blocks of one expert, with W4A16 experts."""
-    x, gate, experts, kw, _ = _int4_inputs(8, 32, 32, 40, torch.bfloat16, seed=12, group_size=16, symmetric=False)
+    x, gate, experts, kw, _ = _int4_inputs(8, 64, 32, 40, torch.bfloat16, seed=12, group_size=32, symmetric=False)
     bias = torch.zeros(8, device=DEVICE)
     bias[[0, 1, 4, 6]] = -8.0
     bias[3] = 8.0
@@ -432,7 +432,7 @@ def test_int4_skewed_routing():
 
 
 def test_bad_int4_experts_are_named():
-    x, gate, (up, down), kw, _ = _int4_inputs(4, 32, 32, 3, torch.bfloat16, seed=4, group_size=16, symmetric=False)
+    x, gate, (up, down), kw, _ = _int4_inputs(4, 64, 32, 3, torch.bfloat16, seed=4, group_size=32, symmetric=False)
     with pytest.raises(ValueError, match="missing: w_down_zeros"):
         moe.fused_moe(x, gate, up, down, 2, **{**kw, "w_down_zeros": None})
     with pytest.raises(ValueError, match=r"w_gate_up_scales is torch.float32 \(4, 64, 1\); expected torch.float32 "
@@ -442,8 +442,8 @@ def test_bad_int4_experts_are_named():
         moe.fused_moe(x, gate, up, down, 2, **{**kw, "w_down_zeros": kw["w_down_zeros"].int()})
     with pytest.raises(ValueError, match=r"packed two per byte: w_gate_up \[E, 2 \* I, hidden / 2\]"):
         moe.fused_moe(x, gate, up.float(), down, 2, **kw)
-    with pytest.raises(ValueError, match="group_size 8 is not a multiple of 16"):
-        moe.fused_moe(x, gate, up, down, 2, **{**kw, "group_size": 8, "w_gate_up_scales": kw["w_gate_up_scales"].repeat(
+    with pytest.raises(ValueError, match="group_size 16 is not a multiple of 32"):
+        moe.fused_moe(x, gate, up, down, 2, **{**kw, "group_size": 16, "w_gate_up_scales": kw["w_gate_up_scales"].repeat(
             1, 1, 2), "w_gate_up_zeros": kw["w_gate_up_zeros"].repeat(1, 1, 2), "w_down_scales": kw[
             "w_down_scales"].repeat(1, 1, 2), "w_down_zeros": kw["w_down_zeros"].repeat(1, 1, 2)})
     _, _, _, fp8_scales, _ = _fp8_inputs(4, 32, 32, 3, torch.bfloat16, seed=4)

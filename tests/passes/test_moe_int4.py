@@ -177,6 +177,10 @@ def test_int4_expert_bytes_and_errors(float_graph):
                                         r"group_size 48"):
         run_passes(float_graph.copy(), ["awq"], PassContext(options={"awq": {"group_size": 48, "targets": ["re:mlp$"]}},
                                                              calibration=[[5, 6]]))
+    with pytest.raises(PassError, match=r"group_size 16 does not fit them: 4-bit experts take a group size that "
+                                        r"divides it and is a multiple of 32 .*; use 64, 32, -1 \(per channel\)"):
+        run_passes(float_graph.copy(), ["awq"], PassContext(options={"awq": {"group_size": 16, "targets": ["re:mlp$"]}},
+                                                             calibration=[[5, 6]]))
     with pytest.raises(PassError, match="experts: true needs bits 4"):
         run_passes(float_graph.copy(), ["gptq"], PassContext(options={"gptq": {"bits": 8, "experts": True}},
                                                               calibration=[[5, 6]]))

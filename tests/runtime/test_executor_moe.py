@@ -42,14 +42,14 @@ def _graph(attrs: dict, bias: bool, fp8: bool = False, int4: bool = False) -> tu
     if int4:
         from passes.quant_math import QuantConfig, pack_int4, quantize_groups
 
-        cfg = QuantConfig(4, 16, False)
+        cfg = QuantConfig(4, -1, False)  # one group per row: INTER (48) is no multiple of 32
         for role in ("w_gate_up", "w_down"):
             parts = [quantize_groups(w, cfg) for w in params[role]]
             params[role] = torch.stack([pack_int4(c) for c, _, _ in parts])
             params[f"{role}.scales"] = torch.stack([sc for _, sc, _ in parts])
             params[f"{role}.zeros"] = torch.stack([z for _, _, z in parts])
             weights[f"{role}_scales"], weights[f"{role}_zeros"] = f"{role}.scales", f"{role}.zeros"
-        attrs = {**attrs, "quant": {"scheme": "w4a16", "bits": 4, "group_size": 16, "symmetric": False}}
+        attrs = {**attrs, "quant": {"scheme": "w4a16", "bits": 4, "group_size": -1, "symmetric": False}}
     nodes = [{"op": "embedding", "inputs": ["input_ids"], "outputs": ["h"], "weights": {"weight": "embed"},
               "attrs": {}},
              {"op": "moe", "inputs": ["h"], "outputs": ["y"], "weights": weights,

@@ -302,6 +302,8 @@ def test_moe_experts_carry_exactly_their_schemes_scales():
                                          r"'w_gate_up_scale'\]"),
            ({**weights, **int4_roles}, {"quant": {"scheme": "w4a16", "bits": 4}},
             "w4a16 experts need quant bits 4 and an integer group_size"),
+           ({**weights, **int4_roles}, {"quant": {"scheme": "w4a16", "bits": 4, "group_size": 16}},
+            "w4a16 experts in groups of 16: the experts kernel takes group sizes that are multiples of 32"),
            ({**weights, **scales}, {}, "an unquantized moe carries the weights without scales; it has "
                                        r"\['w_down_scale', 'w_gate_up_scale'\]"),
            ({**weights, "w_down_scale": "d_s"}, fp8, r"a fp8 moe carries the weights \['w_down_scale', "
