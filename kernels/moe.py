@@ -362,14 +362,15 @@ def _int4_mask(mask_n, offs_kh, k_left, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _int4_dot(a_even, a_odd, w_ptrs, mask, zero, scale_ptrs, mask_n, acc, IEEE: tl.constexpr):
+def _int4_dot(a_even, a_odd, w_ptrs, mask, zero, scale_ptrs, mask_n, acc, IEEE: tl.constexpr, PTX: tl.constexpr):
     """acc + one K step of W4A16 expert weights: the R bytes of each of BLOCK_N rows at ``w_ptrs`` [BLOCK_N, R] (byte
     j: the codes of inputs 2j, low nibble, and 2j + 1, high), each loaded once, against a_even / a_odd [BLOCK_M, R]
     (the step's even and odd inputs). Codes minus the group's zero point ``zero`` exactly in the dot's dtype, their
     products summed in fp32, times the group's scale (``scale_ptrs`` [BLOCK_N]: the K step lies in one group). Masked
-    bytes are 0: finite weights against inputs that are 0 there, or in columns never stored."""
+    bytes are 0: finite weights against inputs that are 0 there, or in columns never stored. PTX: unpack four bytes
+    at a time with one zero point (bf16 x, rows of a multiple of 16 bytes: see ``_int4_ptx``)."""
     b = tl.load(w_ptrs, mask=mask, other=0)
-    lo, hi = _codes_minus_zero(b, zero, a_even.dtype, not IEEE and a_even.dtype == tl.bfloat16)
+    lo, hi = _codes_minus_zero(b, zero, a_even.dtype, PTX)
     part = _dot(a_odd, tl.trans(hi), _dot(a_even, tl.trans(lo), None, IEEE), IEEE)
     return acc + tl.load(scale_ptrs, mask=mask_n, other=0.0)[None, :] * part
 
@@ -390,6 +391,7 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
                    wz_ptr, num_groups,
                    TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
                    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                   PTX: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]. FP8: w holds e4m3 codes, ws [E, 2N]
     # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter).
@@ -435,8 +437,9 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
             b_mask = _int4_mask(mask_n, offs_kh, K - k0, GROUP_SIZE % BLOCK_K == 0)
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             acc_gate = _int4_dot(a_even, a_odd, w_gate + k0 // 2, b_mask, z_gate, ws_ptr + g_gate + g, mask_n,
-                                 acc_gate, IEEE)
-            acc_up = _int4_dot(a_even, a_odd, w_up + k0 // 2, b_mask, z_up, ws_ptr + g_up + g, mask_n, acc_up, IEEE)
+                                 acc_gate, IEEE, PTX)
+            acc_up = _int4_dot(a_even, a_odd, w_up + k0 // 2, b_mask, z_up, ws_ptr + g_up + g, mask_n, acc_up, IEEE,
+                               PTX)
             z_gate, z_up = z_gate_next, z_up_next
         else:
             acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
@@ -462,7 +465,7 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                      num_slots, num_experts, num_rows, N, K,
                      stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr, wz_ptr, num_groups,
                      IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                     INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, PTX: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N]. INT4: as the
     # up kernel's, w [E, N, K / 2], ws / wz [E, N, num_groups].
@@ -496,7 +499,7 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
             a_even, a_odd = tl.split(tl.reshape(a, (BLOCK_M, BLOCK_K // 2, 2)))
             b_mask = _int4_mask(mask_n, offs_kh, K - k0, GROUP_SIZE % BLOCK_K == 0)
             acc = _int4_dot(a_even, a_odd, w_cols + k0 // 2, b_mask, zero, ws_ptr + g_rows + k0 // GROUP_SIZE, mask_n,
-                            acc, IEEE)
+                            acc, IEEE, PTX)
             zero = zero_next
         else:
             acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
@@ -578,6 +581,15 @@ def int4_block_k(block_k: int, group_size: int, in_features: int) -> int:
                          f"kernel takes group sizes that are ({', '.join(str(INT4_MIN_BLOCK_K << i) for i in range(3))}, "
                          f"...) or -1 (one group per row)")
     return bk
+
+
+def _int4_ptx(int4: Int4Experts | None, dtype: torch.dtype, ieee: bool, in_features: int) -> bool:
+    """Whether W4A16 experts unpack their codes with the PTX magic numbers (``_codes_minus_zero``): bf16 dots only,
+    and rows of a multiple of 16 bytes (in_features % 32 == 0). The asm takes a thread's four consecutive bytes as
+    one row's, under one zero point; only a 16-byte-aligned row stride (which Triton specialises on) gives each
+    thread runs of a row's bytes. Otherwise the layout may hand a thread bytes of four rows (on an H200, experts of
+    40 inputs gave O(1) errors that way)."""
+    return int4 is not None and not ieee and dtype == torch.bfloat16 and in_features % 32 == 0
 
 
 def _check_int4(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, q: Int4Experts) -> None:
@@ -723,14 +735,15 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     _moe_up_kernel[grid_up](
         x, w_gate_up, h, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, inter, hidden,
         x.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0), ws_up, b_up, float(swiglu_alpha),
-        float(swiglu_limit), wz_up, ng_up, GROUP_SIZE=g_up, TOP_K=top_k, ACT=ACTIVATIONS.index(activation),
+        float(swiglu_limit), wz_up, ng_up, GROUP_SIZE=g_up, PTX=_int4_ptx(int4, x.dtype, ieee, hidden), TOP_K=top_k,
+        ACT=ACTIVATIONS.index(activation),
         IEEE=ieee, EMULATE_BF16=emulate, HAS_BIAS=b_gate_up is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **launch)
     grid_down = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(hidden, cfg.down_block_n),)
     _moe_down_kernel[grid_down](
         h, w_down, y, plan.sorted_slots, plan.block_expert, num_slots, num_experts, num_rows, hidden, inter,
         h.stride(0), w_down.stride(0), w_down.stride(1), y.stride(0), ws_down, b_dn, wz_down, ng_down,
-        GROUP_SIZE=g_down, IEEE=ieee, EMULATE_BF16=emulate,
+        GROUP_SIZE=g_down, PTX=_int4_ptx(int4, x.dtype, ieee, inter), IEEE=ieee, EMULATE_BF16=emulate,
         HAS_BIAS=b_down is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
     weights = weights.float().contiguous()
