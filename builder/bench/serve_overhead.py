@@ -214,7 +214,8 @@ def record(args) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     conc = served["config"]["concurrency"]
     append_figures(args.record, figures, device, f"bash builder/devtools/gpu_suite.sh serve-{p} "
-                                                 f"(SERVE_CONCURRENCY={conc}; client workers "
+                                                 f"(SERVE_CONCURRENCY={conc}; SERVE_API_SERVERS={args.api_servers}; "
+                                                 f"client workers "
                                                  f"{served['config']['workers']}; offline {offline_tok_s:.1f} tok/s)")
     out = {name: round(value, 2) for name, value, _ in figures}
     print(json.dumps({"offline_output_tok_s": offline_tok_s, **out}))
@@ -259,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact", nargs="?")
     parser.add_argument("--record", default=None, help="append figures from the JSON files below to this record")
     parser.add_argument("--precision", default=None)
+    parser.add_argument("--api-servers", type=int, default=1, help="the served runs' `builder serve --api-servers` "
+                                                                   "(recorded with the figures)")
     parser.add_argument("--offline", default=None, help="`builder bench throughput --json` output")
     parser.add_argument("--served", nargs="*", default=[], help="`builder bench serve --json` files, engine process")
     parser.add_argument("--thread", nargs="*", default=None, help="`builder bench serve --json` files, --engine-thread")

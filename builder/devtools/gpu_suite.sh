@@ -256,6 +256,7 @@ PY
       done
       thread=(); for f in "$OUT"/serve_${prec}_thread_w*.json; do [ -e "$f" ] && thread+=("$f"); done
       python3 -m builder.bench.serve_overhead --record "$OUT/benchmarks.jsonl" --precision $prec \
+        --api-servers ${SERVE_API_SERVERS:-1} \
         --offline "$OUT/serve_${prec}_offline.json" --served "$OUT"/serve_${prec}_process_w*.json \
         ${thread[@]:+--thread "${thread[@]}"} ;;
     goodput-*)
