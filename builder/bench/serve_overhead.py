@@ -260,8 +260,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact", nargs="?")
     parser.add_argument("--record", default=None, help="append figures from the JSON files below to this record")
     parser.add_argument("--precision", default=None)
-    parser.add_argument("--api-servers", type=int, default=1, help="the served runs' `builder serve --api-servers` "
-                                                                   "(recorded with the figures)")
     parser.add_argument("--offline", default=None, help="`builder bench throughput --json` output")
     parser.add_argument("--served", nargs="*", default=[], help="`builder bench serve --json` files, engine process")
     parser.add_argument("--thread", nargs="*", default=None, help="`builder bench serve --json` files, --engine-thread")
