@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -85,6 +86,9 @@ from kernels import torch_ops as ops
 from kernels.w4a16_gemm import _interpreting, grouped_tile
 from kernels.w4a16_mma import _codes_minus_zero
 from kernels.w8a8_gemm import _round_e4m3
+
+if TYPE_CHECKING:
+    from kernels.moe_gemv import MoeGemvConfig
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the IR's moe activations (passes.ir.MOE_ACTIVATIONS), in the kernels' ACT numbering; clamped_swiglu is gpt-oss's
@@ -681,14 +685,16 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0,
                   w_gate_up_scales: torch.Tensor | None = None, w_gate_up_zeros: torch.Tensor | None = None,
                   w_down_scales: torch.Tensor | None = None, w_down_zeros: torch.Tensor | None = None,
-                  group_size: int = -1, config: MoeConfig | None = None) -> torch.Tensor:
+                  group_size: int = -1, config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
     """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
     top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype.
     FP8 experts: float8_e4m3fn w_gate_up / w_down with their fp32 per-channel scales ``w_gate_up_scale`` [E, 2 * I]
     and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s). W4A16 experts: uint8 w_gate_up [E, 2 * I, hidden /
     2] / w_down [E, hidden, I / 2] packed 4-bit codes with ``*_scales`` fp32 / ``*_zeros`` uint8 [E, out, in /
-    group_size] (the reference's; group_size a multiple of 16 or -1). Expert biases and the clamped SwiGLU as the
-    reference's."""
+    group_size] (the reference's; group_size a multiple of 32 or -1). Expert biases and the clamped SwiGLU as the
+    reference's. W4A16 experts at up to ``kernels.moe_gemv.GEMV_MAX_SLOTS`` slots (T * top_k) run on that module's
+    GEMV kernels, more on the grouped GEMMs; ``config`` forces a path and its launch: a MoeConfig the grouped GEMMs,
+    a MoeGemvConfig the GEMV kernels (W4A16 experts only)."""
     top_k = experts.shape[-1]
     int4 = Int4Experts.of(w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros, group_size)
     _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
@@ -703,6 +709,21 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     if num_slots == 0:
         return out
     x, w_gate_up, w_down = (_last_dim_contiguous(t) for t in (x, w_gate_up, w_down))
+    # a decode step's few slots with W4A16 experts: GEMV kernels (kernels.moe_gemv, which imports this module's
+    # roundings and activations: imported here, not at the top)
+    from kernels import moe_gemv
+
+    if int4 is not None and (isinstance(config, moe_gemv.MoeGemvConfig)
+                             or (config is None and num_slots <= moe_gemv.GEMV_MAX_SLOTS)):
+        y = moe_gemv.int4_experts_gemv(
+            x, experts, w_gate_up, w_down, (int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()),
+            (int4.w_gate_up_zeros.contiguous(), int4.w_down_zeros.contiguous()), int4.group_size,
+            ACTIVATIONS.index(activation), b_gate_up, b_down, swiglu_alpha, swiglu_limit, config)
+        _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights)
+        return out
+    if isinstance(config, moe_gemv.MoeGemvConfig):
+        raise ValueError("a MoeGemvConfig (the small-slot GEMV path) applies to W4A16 experts only; these experts are "
+                         f"{'FP8' if w_gate_up_scale is not None else w_gate_up.dtype}: pass a MoeConfig or None")
     cfg = config or default_config(num_slots, num_experts, x.device, x.element_size(), w_gate_up.element_size())
     if int4 is not None:  # K steps inside one group of the codes
         cfg = dataclasses.replace(cfg, block_k=int4_block_k(cfg.block_k, int4.group_size, hidden),
@@ -746,12 +767,21 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         GROUP_SIZE=g_down, PTX=_int4_ptx(int4, x.dtype, ieee, inter), IEEE=ieee, EMULATE_BF16=emulate,
         HAS_BIAS=b_down is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
+    _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights)
+    return out
+
+
+def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, top_k: int, norm_topk_prob: bool,
+                  round_weights: bool) -> None:
+    """out [T, hidden] = each token's slots of y [T * top_k, hidden] weighted by ``weights`` [T, top_k] (the raw
+    scores: see the module docstring's sum)."""
+    num_tokens, hidden = out.shape
     weights = weights.float().contiguous()
     block_n = 32 if _interpreting() else min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
-        NORM=norm_topk_prob, ROUND=round_weights, EMULATE_BF16=emulate, BLOCK_N=block_n, num_warps=4)
-    return out
+        NORM=norm_topk_prob, ROUND=round_weights, EMULATE_BF16=_interpreting() and out.dtype == torch.bfloat16,
+        BLOCK_N=block_n, num_warps=4)
 
 
 def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -762,7 +792,7 @@ def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tenso
               swiglu_limit: float = 0.0, w_gate_up_scales: torch.Tensor | None = None,
               w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
               w_down_zeros: torch.Tensor | None = None, group_size: int = -1,
-              config: MoeConfig | None = None) -> torch.Tensor:
+              config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
     """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 and W4A16 experts, expert biases and
     the clamped SwiGLU included) with nothing read on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable
     in a CUDA graph."""
