@@ -135,21 +135,25 @@ def _leader_slots(experts_ptr, pid_s, num_slots, S_POW2: tl.constexpr):
 
 
 @triton.jit
-def _pass_slots(same, rank, count, p0, ROWS: tl.constexpr, S_POW2: tl.constexpr):
-    """(slots [ROWS], valid [ROWS]): the expert's slots of ranks p0 .. p0 + ROWS - 1 (0 past the last)."""
-    want = p0 + tl.arange(0, ROWS)
-    sel = same[None, :] & (rank[None, :] == want[:, None])  # [ROWS, S_POW2]
-    slots = tl.sum(tl.where(sel, tl.arange(0, S_POW2)[None, :], 0), axis=1)
-    return slots, want < count
+def _pass_slot(same, rank, count, r):
+    """(slot, valid): the expert's slot of rank r (slot 0, not valid, past its last)."""
+    idx = tl.arange(0, same.shape[0])
+    return tl.sum(tl.where(same & (rank == r), idx, 0), axis=0), r < count
 
 
 @triton.jit
-def _int4_rows_step(acc, a, w_ptrs, mask_w, zs_ptrs, mask_n, EVEN: tl.constexpr, PTX: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
-    """acc [ROWS, BLOCK_N, BLOCK_K / 32] + one K step: the bytes [BLOCK_N, BLOCK_K / 2] at ``w_ptrs`` unpacked to
-    (q - zero) / 16 in input order, times a [ROWS, BLOCK_K] (fp32 inputs), summed per thread's run of 32 inputs, times
-    16 * the group's scale. ``zs_ptrs``: (zero point, scale) pointers [BLOCK_N] of the step's group."""
-    z_ptrs, s_ptrs = zs_ptrs
+def _masked(mask, valid):
+    """mask & the scalar ``valid``, as a boolean mask (the interpreter's & of the two is int32, which it refuses as a
+    mask; the compiler folds the comparison)."""
+    return (mask & valid) != 0
+
+
+@triton.jit
+def _int4_weights(w_ptrs, mask_w, z_ptrs, s_ptrs, mask_n, EVEN: tl.constexpr, PTX: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One K step of codes: (w, s16), w the bytes [BLOCK_N, BLOCK_K / 2] at ``w_ptrs`` as (q - zero) / 16 in input
+    order [BLOCK_N, BLOCK_K] fp32 (exact), s16 [BLOCK_N] 16 times the step's group scales; ``z_ptrs`` / ``s_ptrs``
+    [BLOCK_N] the group's zero points and scales. Masked bytes give finite weights: their inputs are 0."""
     if EVEN:
         b = tl.load(w_ptrs)
         zf = tl.load(z_ptrs).to(tl.float32)
@@ -160,22 +164,75 @@ def _int4_rows_step(acc, a, w_ptrs, mask_w, zs_ptrs, mask_n, EVEN: tl.constexpr,
         s16 = tl.load(s_ptrs, mask=mask_n, other=0.0) * 16.0
     zf = 1.0 + zf * 0.0625  # 1 + zero / 16, exact
     lo, hi = _unpack_nibbles(b, PTX)  # 1 + q / 16 per nibble, fp32 [BLOCK_N, BLOCK_K / 2]
-    w = tl.reshape(tl.join(lo - zf[:, None], hi - zf[:, None]), (BLOCK_N, BLOCK_K))  # (q - zero) / 16, input order
-    prod = w[None, :, :] * a[:, None, :]  # [ROWS, BLOCK_N, BLOCK_K]
-    part = tl.sum(tl.reshape(prod, (ROWS, BLOCK_N, BLOCK_K // 32, 32)), axis=3)
-    return acc + part * s16[None, :, None]
+    # the nibbles back in input order: a thread's 16 bytes become its 32 contiguous inputs (no data movement)
+    return tl.reshape(tl.join(lo - zf[:, None], hi - zf[:, None]), (BLOCK_N, BLOCK_K)), s16
 
 
 @triton.jit
-def _load_inputs(rows_ptrs, valid, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[ROWS, BLOCK_K] fp32: inputs k0 .. k0 + BLOCK_K of the rows at ``rows_ptrs`` [ROWS, 1] (0 on invalid rows and
-    past K)."""
+def _row_inputs(row_ptr, valid, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_K] fp32: inputs k0 .. k0 + BLOCK_K of the row at ``row_ptr`` (0 where not valid, and past K)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        mask = tl.broadcast_to(valid[:, None], (valid.shape[0], BLOCK_K))
+    mask = _masked(tl.full((BLOCK_K,), 1, tl.int1) if EVEN_K else offs_k < K, valid)
+    return tl.load(row_ptr + offs_k, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _chunk_sums(acc, w, a, s16):
+    """acc [BLOCK_N, BLOCK_K / 32] + w [BLOCK_N, BLOCK_K] * a [BLOCK_K] summed over each thread's run of 32 inputs
+    (in registers), times the group's 16 * scale [BLOCK_N]."""
+    prod = w * a[None, :]
+    return acc + tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1] // 32, 32)), axis=2) * s16[:, None]
+
+
+@triton.jit
+def _rows_chunk_sums(acc0, acc1, acc2, acc3, w, s16, a0, a1, a2, a3, ROWS: tl.constexpr):
+    """``_chunk_sums`` of the pass's ROWS rows of inputs against one step of codes."""
+    acc0 = _chunk_sums(acc0, w, a0, s16)
+    if ROWS > 1:
+        acc1 = _chunk_sums(acc1, w, a1, s16)
+    if ROWS > 2:
+        acc2 = _chunk_sums(acc2, w, a2, s16)
+        acc3 = _chunk_sums(acc3, w, a3, s16)
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _split_sum(part, mask, stride_split, SPLIT_K: tl.constexpr):
+    """The partial sums at ``part`` [BLOCK_N] of each split (``stride_split`` apart) added in split order; read from
+    L2, past L1, where other SMs wrote them. The split count is a constexpr: the loads unrolled, in flight together."""
+    tot = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_K):
+        tot += tl.load(part + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
+    return tot
+
+
+@triton.jit
+def _up_out(acc_gate, acc_up, slot, valid, h_ptr, b_ptr, part_ptr, expert, offs_n, mask_n, pid_k, num_slots, N,
+            stride_hm, alpha, limit, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr,
+            SPLIT_K: tl.constexpr):
+    """One slot's sums [BLOCK_N, BLOCK_K / 32]: its h columns (one split), or its partial sums."""
+    gate, up = tl.sum(acc_gate, axis=1), tl.sum(acc_up, axis=1)
+    if SPLIT_K == 1:
+        _up_epilogue(gate, up, slot, valid, h_ptr, b_ptr, expert, offs_n, mask_n, N, stride_hm, alpha, limit, ACT,
+                     HAS_BIAS, EMULATE_BF16)
     else:
-        mask = valid[:, None] & (offs_k < K)[None, :]
-    return tl.load(rows_ptrs + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        part = part_ptr + (pid_k * num_slots + slot) * 2 * N + offs_n
+        tl.store(part, gate, mask=_masked(mask_n, valid))
+        tl.store(part + N, up, mask=_masked(mask_n, valid))
+
+
+@triton.jit
+def _up_epilogue(gate, up, slot, valid, h_ptr, b_ptr, expert, offs_n, mask_n, N, stride_hm, alpha, limit,
+                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr):
+    """h[slot, offs_n] = act(gate) * up from the fp32 sums [BLOCK_N], rounded as ``kernels.moe``'s up GEMM."""
+    dtype = h_ptr.dtype.element_ty
+    gate, up = _round(gate, dtype, EMULATE_BF16), _round(up, dtype, EMULATE_BF16)
+    if HAS_BIAS:
+        bias = b_ptr + expert * 2 * N + offs_n
+        gate = _round(gate.to(tl.float32) + tl.load(bias, mask=mask_n, other=0.0).to(tl.float32), dtype, EMULATE_BF16)
+        up = _round(up.to(tl.float32) + tl.load(bias + N, mask=mask_n, other=0.0).to(tl.float32), dtype, EMULATE_BF16)
+    tl.store(h_ptr + slot * stride_hm + offs_n, _act_mul(gate, up, alpha, limit, ACT, EMULATE_BF16),
+             mask=_masked(mask_n, valid))
 
 
 @triton.jit
@@ -188,7 +245,8 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, h_ptr, experts_ptr,
                         BLOCK_K: tl.constexpr):
     # x: [T, K]; w: [E, 2N, K / 2] codes (gate rows, then up rows; strides in bytes); ws fp32 / wz uint8 [E, 2N,
     # num_groups]; b: [E, 2N] (HAS_BIAS); h: [num_slots, N]; experts: [num_slots] (slot = token * TOP_K + j);
-    # part: [SPLIT_K, num_slots, 2, N] fp32 partial sums (SPLIT_K > 1)
+    # part: [SPLIT_K, num_slots, 2, N] fp32 partial sums (SPLIT_K > 1). ROWS (1, 2 or 4) slots per pass, each with
+    # its own accumulators [BLOCK_N, BLOCK_K / 32] (2D: the codes' layout, each thread's 32 inputs in its registers)
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -205,67 +263,83 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, h_ptr, experts_ptr,
     g_up = g_gate + N * num_groups
     first_step = pid_k * steps_per_split
     num_steps = tl.minimum(steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
+    even: tl.constexpr = EVEN_N and EVEN_K
     for p0 in range(0, count, ROWS):
-        slots, valid = _pass_slots(same, rank, count, p0, ROWS, S_POW2)
-        x_rows = x_ptr + (slots // TOP_K)[:, None] * stride_xm  # [ROWS, 1]
-        acc_gate = tl.zeros((ROWS, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
-        acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        slot0, v0 = _pass_slot(same, rank, count, p0)
+        slot1, v1 = _pass_slot(same, rank, count, p0 + 1)
+        slot2, v2 = _pass_slot(same, rank, count, p0 + 2)
+        slot3, v3 = _pass_slot(same, rank, count, p0 + 3)
+        acc_g0 = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        acc_u0 = acc_g0
+        acc_g1 = acc_g0
+        acc_u1 = acc_g0
+        acc_g2 = acc_g0
+        acc_u2 = acc_g0
+        acc_g3 = acc_g0
+        acc_u3 = acc_g0
         for step in range(0, num_steps):
             k0 = (first_step + step) * BLOCK_K
             g = k0 // GROUP_SIZE
-            a = _load_inputs(x_rows, valid, k0, K, EVEN_K, BLOCK_K)
             mask_w = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]
-            acc_gate = _int4_rows_step(acc_gate, a, w_gate + k0 // 2, mask_w, (wz_ptr + g_gate + g, ws_ptr + g_gate + g),
-                                       mask_n, EVEN_N and EVEN_K, PTX, BLOCK_N, BLOCK_K, ROWS)
-            acc_up = _int4_rows_step(acc_up, a, w_up + k0 // 2, mask_w, (wz_ptr + g_up + g, ws_ptr + g_up + g),
-                                     mask_n, EVEN_N and EVEN_K, PTX, BLOCK_N, BLOCK_K, ROWS)
-        gate, up = tl.sum(acc_gate, axis=2), tl.sum(acc_up, axis=2)  # [ROWS, BLOCK_N] fp32
-        if SPLIT_K == 1:
-            _up_epilogue(gate, up, h_ptr, b_ptr, slots, valid, expert, offs_n, mask_n, N, stride_hm, alpha, limit,
-                         ACT, HAS_BIAS, EMULATE_BF16)
-        else:
-            part = part_ptr + ((pid_k * num_slots + slots) * 2 * N)[:, None] + offs_n[None, :]
-            tl.store(part, gate, mask=valid[:, None] & mask_n[None, :])
-            tl.store(part + N, up, mask=valid[:, None] & mask_n[None, :])
+            # the gate rows' codes, then the up rows': one step of unpacked codes live at a time
+            a0 = _row_inputs(x_ptr + (slot0 // TOP_K) * stride_xm, v0, k0, K, EVEN_K, BLOCK_K)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+            if ROWS > 1:
+                a1 = _row_inputs(x_ptr + (slot1 // TOP_K) * stride_xm, v1, k0, K, EVEN_K, BLOCK_K)
+            if ROWS > 2:
+                a2 = _row_inputs(x_ptr + (slot2 // TOP_K) * stride_xm, v2, k0, K, EVEN_K, BLOCK_K)
+                a3 = _row_inputs(x_ptr + (slot3 // TOP_K) * stride_xm, v3, k0, K, EVEN_K, BLOCK_K)
+            w, s16 = _int4_weights(w_gate + k0 // 2, mask_w, wz_ptr + g_gate + g, ws_ptr + g_gate + g, mask_n, even,
+                                   PTX, BLOCK_N, BLOCK_K)
+            acc_g0, acc_g1, acc_g2, acc_g3 = _rows_chunk_sums(acc_g0, acc_g1, acc_g2, acc_g3, w, s16, a0, a1, a2, a3,
+                                                              ROWS)
+            w, s16 = _int4_weights(w_up + k0 // 2, mask_w, wz_ptr + g_up + g, ws_ptr + g_up + g, mask_n, even, PTX,
+                                   BLOCK_N, BLOCK_K)
+            acc_u0, acc_u1, acc_u2, acc_u3 = _rows_chunk_sums(acc_u0, acc_u1, acc_u2, acc_u3, w, s16, a0, a1, a2, a3,
+                                                              ROWS)
+        out = (h_ptr, b_ptr, part_ptr, expert, offs_n, mask_n, pid_k, num_slots, N, stride_hm, alpha, limit)
+        _up_out(acc_g0, acc_u0, slot0, v0, *out, ACT, HAS_BIAS, EMULATE_BF16, SPLIT_K)
+        if ROWS > 1:
+            _up_out(acc_g1, acc_u1, slot1, v1, *out, ACT, HAS_BIAS, EMULATE_BF16, SPLIT_K)
+        if ROWS > 2:
+            _up_out(acc_g2, acc_u2, slot2, v2, *out, ACT, HAS_BIAS, EMULATE_BF16, SPLIT_K)
+            _up_out(acc_g3, acc_u3, slot3, v3, *out, ACT, HAS_BIAS, EMULATE_BF16, SPLIT_K)
     if SPLIT_K > 1:
         counter = counter_ptr + pid_s * tl.num_programs(1) + pid_n
         if _arrive(counter, SPLIT_K):
             tl.store(counter, 0)  # zero again for the next launch
-            for p0 in range(0, count, ROWS):
-                slots, valid = _pass_slots(same, rank, count, p0, ROWS, S_POW2)
-                part = part_ptr + (slots * 2 * N)[:, None] + offs_n[None, :]
-                mask = valid[:, None] & mask_n[None, :]
-                gate = _split_rows_sum(part, mask, num_slots * 2 * N, SPLIT_K)
-                up = _split_rows_sum(part + N, mask, num_slots * 2 * N, SPLIT_K)
-                _up_epilogue(gate, up, h_ptr, b_ptr, slots, valid, expert, offs_n, mask_n, N, stride_hm, alpha,
-                             limit, ACT, HAS_BIAS, EMULATE_BF16)
+            for r in range(0, count):
+                slot, valid = _pass_slot(same, rank, count, r)
+                part = part_ptr + slot * 2 * N + offs_n
+                gate = _split_sum(part, mask_n, num_slots * 2 * N, SPLIT_K)
+                up = _split_sum(part + N, mask_n, num_slots * 2 * N, SPLIT_K)
+                _up_epilogue(gate, up, slot, valid, h_ptr, b_ptr, expert, offs_n, mask_n, N, stride_hm, alpha, limit,
+                             ACT, HAS_BIAS, EMULATE_BF16)
 
 
 @triton.jit
-def _split_rows_sum(part, mask, stride_split, SPLIT_K: tl.constexpr):
-    """The partial sums at ``part`` [ROWS, BLOCK_N] of each split (``stride_split`` apart) added in split order; read
-    from L2, past L1, where other SMs wrote them. The split count is a constexpr: the loads unrolled, in flight
-    together."""
-    tot = tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
-    for s in tl.static_range(1, SPLIT_K):
-        tot += tl.load(part + s * stride_split, mask=mask, other=0.0, cache_modifier=".cg")
-    return tot
+def _down_out(acc, slot, valid, y_ptr, b_ptr, part_ptr, expert, offs_n, mask_n, pid_k, num_slots, N, stride_ym,
+              HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr, SPLIT_K: tl.constexpr):
+    """One slot's sums [BLOCK_N, BLOCK_K / 32]: its y columns (one split), or its partial sums."""
+    out = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        _down_epilogue(out, slot, valid, y_ptr, b_ptr, expert, offs_n, mask_n, N, stride_ym, HAS_BIAS, EMULATE_BF16)
+    else:
+        tl.store(part_ptr + (pid_k * num_slots + slot) * N + offs_n, out, mask=_masked(mask_n, valid))
 
 
 @triton.jit
-def _up_epilogue(gate, up, h_ptr, b_ptr, slots, valid, expert, offs_n, mask_n, N, stride_hm, alpha, limit,
-                 ACT: tl.constexpr, HAS_BIAS: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """h[slots, offs_n] = act(gate) * up from the fp32 sums [ROWS, BLOCK_N], rounded as ``kernels.moe``'s up GEMM."""
-    dtype = h_ptr.dtype.element_ty
-    gate, up = _round(gate, dtype, EMULATE_BF16), _round(up, dtype, EMULATE_BF16)
+def _down_epilogue(out, slot, valid, y_ptr, b_ptr, expert, offs_n, mask_n, N, stride_ym, HAS_BIAS: tl.constexpr,
+                   EMULATE_BF16: tl.constexpr):
+    """y[slot, offs_n] from the fp32 sums [BLOCK_N], rounded as ``kernels.moe``'s down GEMM."""
+    dtype = y_ptr.dtype.element_ty
+    y = _round(out, dtype, EMULATE_BF16)
     if HAS_BIAS:
-        bias = b_ptr + expert * 2 * N + offs_n
-        gate = _round(gate.to(tl.float32) + tl.load(bias, mask=mask_n, other=0.0).to(tl.float32)[None, :], dtype,
-                      EMULATE_BF16)
-        up = _round(up.to(tl.float32) + tl.load(bias + N, mask=mask_n, other=0.0).to(tl.float32)[None, :], dtype,
-                    EMULATE_BF16)
-    h = _act_mul(gate, up, alpha, limit, ACT, EMULATE_BF16)
-    tl.store(h_ptr + slots[:, None] * stride_hm + offs_n[None, :], h, mask=valid[:, None] & mask_n[None, :])
+        b = tl.load(b_ptr + expert * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        y = _round(y.to(tl.float32) + b, dtype, EMULATE_BF16)
+    tl.store(y_ptr + slot * stride_ym + offs_n, y, mask=_masked(mask_n, valid))
 
 
 @triton.jit
@@ -275,7 +349,7 @@ def _moe_gemv_down_kernel(h_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, y_ptr, experts_pt
                           PTX: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, S_POW2: tl.constexpr,
                           ROWS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # h: [num_slots, K]; w: [E, N, K / 2] codes; ws / wz [E, N, num_groups]; b: [E, N]; y: [num_slots, N];
-    # part: [SPLIT_K, num_slots, N] fp32 (SPLIT_K > 1)
+    # part: [SPLIT_K, num_slots, N] fp32 (SPLIT_K > 1). As the up kernel, one matrix
     pid_s = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -290,46 +364,48 @@ def _moe_gemv_down_kernel(h_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, y_ptr, experts_pt
     g_rows = expert * N * num_groups + offs_n * num_groups
     first_step = pid_k * steps_per_split
     num_steps = tl.minimum(steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
+    even: tl.constexpr = EVEN_N and EVEN_K
     for p0 in range(0, count, ROWS):
-        slots, valid = _pass_slots(same, rank, count, p0, ROWS, S_POW2)
-        h_rows = h_ptr + slots[:, None] * stride_hm
-        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        slot0, v0 = _pass_slot(same, rank, count, p0)
+        slot1, v1 = _pass_slot(same, rank, count, p0 + 1)
+        slot2, v2 = _pass_slot(same, rank, count, p0 + 2)
+        slot3, v3 = _pass_slot(same, rank, count, p0 + 3)
+        acc0 = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        acc1 = acc0
+        acc2 = acc0
+        acc3 = acc0
         for step in range(0, num_steps):
             k0 = (first_step + step) * BLOCK_K
             g = k0 // GROUP_SIZE
-            a = _load_inputs(h_rows, valid, k0, K, EVEN_K, BLOCK_K)
             mask_w = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]
-            acc = _int4_rows_step(acc, a, w_rows + k0 // 2, mask_w, (wz_ptr + g_rows + g, ws_ptr + g_rows + g), mask_n,
-                                  EVEN_N and EVEN_K, PTX, BLOCK_N, BLOCK_K, ROWS)
-        out = tl.sum(acc, axis=2)
-        if SPLIT_K == 1:
-            _down_epilogue(out, y_ptr, b_ptr, slots, valid, expert, offs_n, mask_n, N, stride_ym, HAS_BIAS,
-                           EMULATE_BF16)
-        else:
-            tl.store(part_ptr + ((pid_k * num_slots + slots) * N)[:, None] + offs_n[None, :], out,
-                     mask=valid[:, None] & mask_n[None, :])
+            a0 = _row_inputs(h_ptr + slot0 * stride_hm, v0, k0, K, EVEN_K, BLOCK_K)
+            a1 = a0
+            a2 = a0
+            a3 = a0
+            if ROWS > 1:
+                a1 = _row_inputs(h_ptr + slot1 * stride_hm, v1, k0, K, EVEN_K, BLOCK_K)
+            if ROWS > 2:
+                a2 = _row_inputs(h_ptr + slot2 * stride_hm, v2, k0, K, EVEN_K, BLOCK_K)
+                a3 = _row_inputs(h_ptr + slot3 * stride_hm, v3, k0, K, EVEN_K, BLOCK_K)
+            w, s16 = _int4_weights(w_rows + k0 // 2, mask_w, wz_ptr + g_rows + g, ws_ptr + g_rows + g, mask_n, even,
+                                   PTX, BLOCK_N, BLOCK_K)
+            acc0, acc1, acc2, acc3 = _rows_chunk_sums(acc0, acc1, acc2, acc3, w, s16, a0, a1, a2, a3, ROWS)
+        out = (y_ptr, b_ptr, part_ptr, expert, offs_n, mask_n, pid_k, num_slots, N, stride_ym)
+        _down_out(acc0, slot0, v0, *out, HAS_BIAS, EMULATE_BF16, SPLIT_K)
+        if ROWS > 1:
+            _down_out(acc1, slot1, v1, *out, HAS_BIAS, EMULATE_BF16, SPLIT_K)
+        if ROWS > 2:
+            _down_out(acc2, slot2, v2, *out, HAS_BIAS, EMULATE_BF16, SPLIT_K)
+            _down_out(acc3, slot3, v3, *out, HAS_BIAS, EMULATE_BF16, SPLIT_K)
     if SPLIT_K > 1:
         counter = counter_ptr + pid_s * tl.num_programs(1) + pid_n
         if _arrive(counter, SPLIT_K):
             tl.store(counter, 0)
-            for p0 in range(0, count, ROWS):
-                slots, valid = _pass_slots(same, rank, count, p0, ROWS, S_POW2)
-                out = _split_rows_sum(part_ptr + (slots * N)[:, None] + offs_n[None, :],
-                                      valid[:, None] & mask_n[None, :], num_slots * N, SPLIT_K)
-                _down_epilogue(out, y_ptr, b_ptr, slots, valid, expert, offs_n, mask_n, N, stride_ym, HAS_BIAS,
+            for r in range(0, count):
+                slot, valid = _pass_slot(same, rank, count, r)
+                out = _split_sum(part_ptr + slot * N + offs_n, mask_n, num_slots * N, SPLIT_K)
+                _down_epilogue(out, slot, valid, y_ptr, b_ptr, expert, offs_n, mask_n, N, stride_ym, HAS_BIAS,
                                EMULATE_BF16)
-
-
-@triton.jit
-def _down_epilogue(out, y_ptr, b_ptr, slots, valid, expert, offs_n, mask_n, N, stride_ym, HAS_BIAS: tl.constexpr,
-                   EMULATE_BF16: tl.constexpr):
-    """y[slots, offs_n] from the fp32 sums [ROWS, BLOCK_N], rounded as ``kernels.moe``'s down GEMM."""
-    dtype = y_ptr.dtype.element_ty
-    y = _round(out, dtype, EMULATE_BF16)
-    if HAS_BIAS:
-        b = tl.load(b_ptr + expert * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        y = _round(y.to(tl.float32) + b[None, :], dtype, EMULATE_BF16)
-    tl.store(y_ptr + slots[:, None] * stride_ym + offs_n[None, :], y, mask=valid[:, None] & mask_n[None, :])
 
 
 # --- host side -----------------------------------------------------------------------------------------
@@ -347,8 +423,9 @@ def int4_experts_gemv(x: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.T
     num_experts, inter = w_gate_up.shape[0], w_gate_up.shape[1] // 2
     num_slots = num_tokens * top_k
     cfg = config or default_gemv_config(x.device)
-    assert all(v >= 1 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.down_block_n, cfg.slots_per_pass)), \
-        f"{cfg}: block_n, down_block_n and slots_per_pass must be powers of 2"
+    assert all(v >= 1 and v & (v - 1) == 0 for v in (cfg.block_n, cfg.down_block_n)), \
+        f"{cfg}: block_n and down_block_n must be powers of 2"
+    assert cfg.slots_per_pass in (1, 2, 4), f"{cfg}: slots_per_pass takes 1, 2 or 4"
     flat = experts.reshape(-1)
     flat = flat if flat.is_contiguous() else flat.contiguous()
     rows = min(cfg.slots_per_pass, triton.next_power_of_2(num_tokens))  # an expert gets at most T slots (top-k)

@@ -146,6 +146,37 @@ def _moe() -> list[tuple[str, object]]:
         out.append((f"fused MoE down GEMM, {name}", lambda kw=kw, t=t: compile_kernel(
             _moe_down_kernel, dict(down_types, **t), dict(base, **kw),
             divisible=tuple(n for n in divisible if n in down_types))))
+    return out + _moe_gemv()
+
+
+def _moe_gemv() -> list[tuple[str, object]]:
+    from kernels.moe_gemv import _CUDA_CONFIG, _moe_gemv_down_kernel, _moe_gemv_up_kernel
+
+    ints = ("num_slots", "N", "K", "num_groups", "steps_per_split")
+    ptrs = {"w_ptr": "*u8", "ws_ptr": "*fp32", "wz_ptr": "*u8", "b_ptr": "*bf16", "experts_ptr": "*i64",
+            "part_ptr": "*fp32", "counter_ptr": "*i32"}
+    up_types = {"x_ptr": "*bf16", "h_ptr": "*bf16", "alpha": "fp32", "limit": "fp32", **ptrs,
+                **{n: "i32" for n in ints + ("stride_xm", "stride_we", "stride_wn", "stride_hm")}}
+    down_types = {"h_ptr": "*bf16", "y_ptr": "*bf16", **ptrs,
+                  **{n: "i32" for n in ints + ("stride_hm", "stride_we", "stride_wn", "stride_ym")}}
+    cfg = _CUDA_CONFIG
+    base = dict(HAS_BIAS=False, GROUP_SIZE=128, EMULATE_BF16=False, PTX=True, EVEN_N=True, EVEN_K=True, S_POW2=8,
+                ROWS=1, SPLIT_K=1)
+    variants = [("1 slot per pass", {}), ("2 slots per pass, split 4", {"ROWS": 2, "SPLIT_K": 4, "S_POW2": 16}),
+                ("4 slots per pass, split 4", {"ROWS": 4, "SPLIT_K": 4, "S_POW2": 32}),
+                ("4 slots per pass, 64-row tiles", {"ROWS": 4, "S_POW2": 32, "BLOCK_N": 64})]
+    divisible = ("x_ptr", "h_ptr", "y_ptr", "w_ptr", "part_ptr", "N", "K", "stride_xm", "stride_hm", "stride_we",
+                 "stride_wn", "stride_ym")
+    out = []
+    for name, kw in variants:
+        out.append((f"MoE W4A16 GEMV up, {name}", lambda kw=kw: compile_kernel(
+            _moe_gemv_up_kernel, up_types, dict(base, TOP_K=8, ACT=0, **dict(dict(BLOCK_N=cfg.block_n,
+                                                                                  BLOCK_K=cfg.block_k), **kw)),
+            cfg.num_warps, cfg.num_stages, tuple(n for n in divisible if n in up_types))))
+        out.append((f"MoE W4A16 GEMV down, {name}", lambda kw=kw: compile_kernel(
+            _moe_gemv_down_kernel, down_types, dict(base, **dict(dict(BLOCK_N=cfg.down_block_n,
+                                                                      BLOCK_K=cfg.down_block_k), **kw)),
+            cfg.num_warps, cfg.num_stages, tuple(n for n in divisible if n in down_types))))
     return out
 
 
