@@ -75,7 +75,8 @@ class MoeGemvConfig:
     block_k: int = 128  # up: inputs per K step (cut to divide the group size)
     down_block_n: int = 128  # down: hidden rows per program
     down_block_k: int = 128  # down: intermediate inputs per K step (cut as block_k)
-    slots_per_pass: int = 2  # slots of one expert sharing each loaded step of codes (cut to next_pow2(T))
+    slots_per_pass: int = 2  # slots of one expert sharing each loaded step of codes: 1, 2 or 4 (cut to next_pow2(T);
+    # at 4 the up kernel's tiles are cut to 64 rows)
     split_k: int = 0  # up: programs per tile's K range; 0: from the routed tiles and the SM count
     down_split_k: int = 0  # down: as split_k
     num_warps: int = 4
@@ -438,6 +439,8 @@ def int4_experts_gemv(x: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.T
     for name, (out_f, in_f, w, block_n, block_k, split) in {
             "up": (inter, hidden, w_gate_up, cfg.block_n, cfg.block_k, cfg.split_k),
             "down": (hidden, inter, w_down, cfg.down_block_n, cfg.down_block_k, cfg.down_split_k)}.items():
+        if rows == 4 and name == "up":
+            block_n = min(block_n, 64)  # 128 gate and 128 up rows for four slots spill registers (sm_90: 255 + ~300 LDL)
         group = in_f if group_size == -1 else group_size
         block_k = _step_k(block_k, group, in_f)
         num_tiles = triton.cdiv(out_f, block_n)

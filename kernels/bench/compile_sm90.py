@@ -163,8 +163,7 @@ def _moe_gemv() -> list[tuple[str, object]]:
     base = dict(HAS_BIAS=False, GROUP_SIZE=128, EMULATE_BF16=False, PTX=True, EVEN_N=True, EVEN_K=True, S_POW2=8,
                 ROWS=1, SPLIT_K=1)
     variants = [("1 slot per pass", {}), ("2 slots per pass, split 4", {"ROWS": 2, "SPLIT_K": 4, "S_POW2": 16}),
-                ("4 slots per pass, split 4", {"ROWS": 4, "SPLIT_K": 4, "S_POW2": 32}),
-                ("4 slots per pass, 64-row tiles", {"ROWS": 4, "S_POW2": 32, "BLOCK_N": 64})]
+                ("4 slots per pass, 64-row tiles, split 4", {"ROWS": 4, "SPLIT_K": 4, "S_POW2": 32, "BLOCK_N": 64})]
     divisible = ("x_ptr", "h_ptr", "y_ptr", "w_ptr", "part_ptr", "N", "K", "stride_xm", "stride_hm", "stride_we",
                  "stride_wn", "stride_ym")
     out = []

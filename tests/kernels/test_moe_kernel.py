@@ -15,7 +15,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import moe  # noqa: E402
+from kernels import moe, moe_gemv  # noqa: E402
 from kernels import torch_ops as ops  # noqa: E402
 from kernels.torch_quant import quantize_experts_fp8  # noqa: E402
 
@@ -535,3 +535,91 @@ def test_captured_in_a_cuda_graph():
             bias[list(pin)] = -8.0
         graph.replay()
         _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias))
+
+
+# --- W4A16 experts, the small-slot (GEMV) path --------------------------------------------------------------
+def _gemv_config(slots_per_pass: int = 2, split_k: int = 1) -> moe_gemv.MoeGemvConfig:
+    """Small tiles (32 rows, K steps of 64 inputs: several per row), a forced split."""
+    return moe_gemv.MoeGemvConfig(32, 64, 32, 64, slots_per_pass=slots_per_pass, split_k=split_k,
+                                  down_split_k=split_k, num_warps=1 if INTERPRETED else 4, num_stages=1)
+
+
+# (num_experts, hidden, intermediate, num_tokens, top_k, scoring, norm_topk_prob, round_weights, activation, dtype,
+#  router bias, group_size, symmetric, slots_per_pass, split_k): INT4_CASES' fields, then the launch's
+GEMV_INT4_CASES = [
+    (8, 64, 64, 1, 1, "softmax", True, False, "silu", torch.bfloat16, False, 32, False, 2, 1),  # decode, top-1
+    (8, 128, 64, 1, 2, "softmax", True, False, "silu", torch.bfloat16, False, 64, True, 2, 2),  # Mixtral's routing
+    (16, 64, 64, 2, 8, "softmax", True, True, "gelu_tanh", torch.float16, False, -1, False, 2, 1),  # top-8, repeats
+    (4, 64, 32, 3, 2, "sigmoid", False, False, "silu", torch.float32, True, 32, False, 1, 2),  # 6 slots, 4 experts
+    (4, 64, 64, 8, 2, "softmax", True, False, "silu", torch.bfloat16, False, 64, True, 2, 3),  # passes of 2 slots
+    (4, 64, 64, 8, 2, "softmax", False, True, "silu", torch.bfloat16, True, 32, False, 4, 1),  # passes of 4 slots
+    (6, 48, 40, 3, 2, "softmax", True, False, "silu", torch.bfloat16, False, -1, False, 2, 2),  # K and N masked
+]
+
+
+def _gemv_id(c: tuple) -> str:
+    return _int4_id(c[:13]) + f"-rows{c[13]}-split{c[14]}"
+
+
+@pytest.mark.parametrize("case", GEMV_INT4_CASES, ids=_gemv_id)
+def test_int4_gemv_matches_the_torch_op(case):
+    """The small-slot kernels forced (``config``), against the torch op on the same codes; the slots of a step
+    routed to one expert share its programs (several passes where they outnumber a pass's slots)."""
+    *fields, rows, split = case
+    num_experts, hidden, inter, num_tokens, top_k, scoring, norm, round_weights, act, dtype, bias, group, sym = fields
+    x, gate, experts, kw, gate_bias = _int4_inputs(num_experts, hidden, inter, num_tokens, dtype,
+                                                   seed=num_tokens * 100 + hidden + inter + 5, group_size=group,
+                                                   symmetric=sym, bias=bias)
+    args = (x, gate, *experts, top_k, scoring, norm, act, gate_bias, round_weights)
+    out = moe.fused_moe(*args, **kw, config=_gemv_config(rows, split))
+    _assert_close_int4(out, ops.moe(*args, **kw))
+
+
+@pytest.mark.parametrize("rows,split", [(2, 1), (1, 3)])
+def test_int4_gemv_exact_weights_one_expert(rows, split):
+    """Power-of-two group scales (``test_int4_exact_weights``: the reference's weights exact, only the fp32 sums'
+    order differs) and a router bias sending every token first to expert 3: its 7 slots in passes, the other experts'
+    programs, the split partials. The interpreter holds the kernels to ``_assert_close_fp8``'s one unit in the last
+    place, which a code, zero point or scale out of place misses."""
+    x, gate, experts, kw, _ = _int4_inputs(6, 128, 64, 7, torch.bfloat16, seed=31, group_size=64, symmetric=False)
+    kw = _power_of_two_scales(kw)
+    bias = torch.zeros(6, device=DEVICE)
+    bias[3] = 8.0
+    bias = bias.to(torch.bfloat16)
+    assert (ops.moe_route(x, gate, bias, 2)[1][:, 0] == 3).all()
+    out = moe.fused_moe(x, gate, *experts, 2, gate_bias=bias, **kw, config=_gemv_config(rows, split))
+    (_assert_close if out.is_cuda else _assert_close_fp8)(out, ops.moe(x, gate, *experts, 2, gate_bias=bias, **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_int4_gemv_expert_biases_and_clamped_swiglu(dtype):
+    x, gate, experts, kw, gate_bias = _int4_inputs(4, 64, 32, 3, dtype, seed=41, group_size=32, symmetric=False,
+                                                   bias=True)
+    x = x * 8  # gate / up values of a few units: some pass the limit
+    b_gate_up, b_down = _expert_biases(4, 64, 32, dtype, seed=41)
+    kw.update(b_gate_up=b_gate_up, b_down=b_down, swiglu_alpha=1.702, swiglu_limit=7.0)
+    args = (x, gate, *experts, 2, "softmax", True, "clamped_swiglu", gate_bias, False)
+    _assert_close_int4(moe.fused_moe(*args, **kw, config=_gemv_config(2, 2)), ops.moe(*args, **kw))
+
+
+def test_int4_dispatch_by_slot_count(monkeypatch):
+    """W4A16 experts go to the GEMV kernels up to GEMV_MAX_SLOTS slots and to the grouped GEMMs above (and whenever a
+    MoeConfig is given); a MoeGemvConfig with other experts is refused."""
+    calls = []
+    gemv = moe_gemv.int4_experts_gemv
+    monkeypatch.setattr(moe_gemv, "int4_experts_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or gemv(*a, **k))
+    monkeypatch.setattr(moe_gemv, "GEMV_MAX_SLOTS", 8)
+    for num_tokens, top_k, want in ((1, 2, [1]), (4, 2, [4]), (5, 2, [])):
+        calls.clear()
+        x, gate, experts, kw, _ = _int4_inputs(4, 32, 32, num_tokens, torch.bfloat16, seed=num_tokens,
+                                               group_size=32, symmetric=False)
+        out = moe.fused_moe(x, gate, *experts, top_k, **kw)
+        assert calls == want, f"{num_tokens * top_k} slots"
+        _assert_close_int4(out, ops.moe(x, gate, *experts, top_k, **kw))
+    calls.clear()
+    x, gate, experts, kw, _ = _int4_inputs(4, 32, 32, 1, torch.bfloat16, seed=1, group_size=32, symmetric=False)
+    moe.fused_moe(x, gate, *experts, 2, **kw, config=moe.default_config(2, 4, x.device))
+    assert calls == []
+    x, gate, w_gate_up, w_down, _ = _inputs(4, 32, 32, 1, torch.bfloat16, seed=2)
+    with pytest.raises(ValueError, match="applies to W4A16 experts only"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, 2, config=_gemv_config())
