@@ -5,6 +5,7 @@
     python -m kernels.bench.moe --sweep                   # also time candidate MoeConfigs (to tune _CUDA_CONFIGS)
     python -m kernels.bench.moe --fp8                     # FP8 experts against the bf16 ones (--sweep: FP8 configs)
     python -m kernels.bench.moe --int4                    # W4A16 experts against the bf16 ones (--sweep: theirs)
+    python -m kernels.bench.moe --int4 --path both --tokens 1 2 4 8 16   # W4A16: grouped GEMMs and GEMV kernels
 
 Per (shape, T): fresh random bf16 tokens and weights (router, stacked experts), the shape's routing (top_k,
 renormalised; Qwen3-MoE's weights rounded to bf16). ``fused_moe`` is checked against ``kernels.torch_ops.moe`` (max
@@ -29,7 +30,10 @@ division being approximate, and the fp32 sums run in another order), then timed 
 ``INT4_GROUP_SIZE`` inputs (as ``kernels.bench.gemm``'s W4A16 weights; their weights spread about as the bf16 ones).
 ``fused_moe`` is checked against ``ref_moe`` on the same codes (max abs error over the output's max, as the bf16
 experts: the reference rounds each dequantized weight to bf16, the kernels do not), then timed against the bf16
-experts' ``fused_moe``; GB/s counts the W4A16 experts' bytes (codes, scales and zero points).
+experts' ``fused_moe``; GB/s counts the W4A16 experts' bytes (codes, scales and zero points). ``--path`` picks the
+W4A16 kernels: ``auto`` (``fused_moe``'s dispatch: the GEMV kernels of ``kernels.moe_gemv`` up to GEMV_MAX_SLOTS
+slots), ``tile`` (the grouped GEMMs forced), ``gemv`` (the GEMV kernels forced), ``both`` (a row for each: the A/B
+that sets GEMV_MAX_SLOTS). ``--sweep`` then times candidate configurations of each path shown.
 
 Exits 1 when a check fails, 2 without a CUDA device.
 """
@@ -48,6 +52,7 @@ import torch
 from kernels import torch_ops as ops
 from kernels.bench.gemm import report, sweep_configs, time_us
 from kernels.moe import MoeConfig, default_config, fused_moe, ref_moe
+from kernels.moe_gemv import GEMV_MAX_SLOTS, MoeGemvConfig, default_gemv_config
 from kernels.torch_quant import quantize_experts_fp8
 
 
@@ -191,8 +196,27 @@ QUANTIZED = {
 }
 
 
+def gemv_candidates(num_tokens: int) -> list[MoeGemvConfig]:
+    """Up to 14 small-slot configurations around the default: tile rows and K steps by slots per pass (those a
+    step of ``num_tokens`` tokens can use: an expert gets at most one slot per token), auto splits; then fixed
+    splits of the default tiles."""
+    rows = [r for r in (1, 2, 4) if r <= num_tokens] or [1]
+    out = [MoeGemvConfig(bn, bk, bn, bk, slots_per_pass=r)
+           for (bn, bk), r in itertools.product([(128, 128), (64, 128), (128, 64), (64, 256)], rows)]
+    return out + [MoeGemvConfig(slots_per_pass=rows[-1], split_k=split, down_split_k=split) for split in (2, 8)]
+
+
+def _path_config(path: str, num_slots: int, shape: MoeShape, device: torch.device) -> MoeConfig | MoeGemvConfig | None:
+    """The ``config`` that forces ``path`` ("tile", "gemv"), or None (``fused_moe``'s dispatch)."""
+    if path == "tile":
+        return default_config(num_slots, shape.num_experts, device, 2, 1)
+    if path == "gemv":
+        return default_gemv_config(device)
+    return None
+
+
 def bench_quantized(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: bool,
-                    quant: QuantizedExperts) -> list[str]:
+                    quant: QuantizedExperts, path: str = "auto") -> list[str]:
     """Quantized experts against bf16 ones of the same shapes: checked against ``ref_moe`` on the same codes, both
     timed."""
     failures = []
@@ -222,29 +246,39 @@ def bench_quantized(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: 
             err = _rel_norm(out, ref)
             return err < quant.noise_share * noise, err
 
-        ok, err = check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales))
-        if not ok:
-            failures.append(f"{name} {quant.name} T={num_tokens}: rel.err {err:.3g}"
-                            + (f" (norm), {quant.name}'s own {noise:.3g}" if quant.noise_share else ""))
         t_bf16 = time_us([lambda c=c: fused_moe(x, *c, **kw) for c in copies])
-        t_quant = time_us([lambda c=c, s=s: fused_moe(x, *c, **kw, **s) for c, s in q_copies])
         active = ops.moe_route(x, gate, None, shape.top_k)[1].unique().numel()
-        gbs = (active * quant.expert_bytes(h, i) + router_bytes) / t_quant / 1e3
-        cfg = default_config(num_tokens * shape.top_k, e, x.device, x.element_size(), 1)
-        print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_quant:8.1f} {t_bf16 / t_quant:6.2f}x | {active:>7} {gbs:6.0f} | "
-              f"{err:.1e}{f' / {noise:.1e}' if quant.noise_share else ''}  {describe(cfg)}", flush=True)
-        if sweep:
-            failures += sweep_configs(
-                f"moe {quant.name} {name} T={num_tokens}", candidate_configs(num_tokens, shape),
-                lambda cand: check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cand)),
-                lambda cand: [lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cand) for c, s in q_copies],
-                indent=f"{'':>5} ")
+        paths = (["tile", "gemv"] if path == "both" else [path]) if quant.name == "int4" else ["auto"]
+        for p in paths:
+            cfg = _path_config(p, num_tokens * shape.top_k, shape, x.device)
+            ok, err = check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cfg))
+            if not ok:
+                failures.append(f"{name} {quant.name} {p} T={num_tokens}: rel.err {err:.3g}"
+                                + (f" (norm), {quant.name}'s own {noise:.3g}" if quant.noise_share else ""))
+            t_quant = time_us([lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cfg) for c, s in q_copies])
+            gbs = (active * quant.expert_bytes(h, i) + router_bytes) / t_quant / 1e3
+            shown = cfg or (default_gemv_config(x.device) if quant.name == "int4" and num_tokens * shape.top_k
+                            <= GEMV_MAX_SLOTS else default_config(num_tokens * shape.top_k, e, x.device, 2, 1))
+            print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_quant:8.1f} {t_bf16 / t_quant:6.2f}x | {active:>7} {gbs:6.0f} | "
+                  f"{err:.1e}{f' / {noise:.1e}' if quant.noise_share else ''}  {p}: {describe(shown)}", flush=True)
+            if sweep:
+                candidates = gemv_candidates(num_tokens) if isinstance(shown, MoeGemvConfig) else candidate_configs(num_tokens,
+                                                                                                          shape)
+                failures += sweep_configs(
+                    f"moe {quant.name} {name} T={num_tokens}", candidates,
+                    lambda cand: check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cand)),
+                    lambda cand: [lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cand) for c, s in q_copies],
+                    indent=f"{'':>5} ")
     del copies, q_copies, gate, w_gate_up, w_down, q_gate_up, q_down, scales
     torch.cuda.empty_cache()
     return failures
 
 
-def describe(cfg: MoeConfig) -> str:
+def describe(cfg: MoeConfig | MoeGemvConfig) -> str:
+    if isinstance(cfg, MoeGemvConfig):
+        return (f"gemv up {cfg.block_n}x{cfg.block_k} down {cfg.down_block_n}x{cfg.down_block_k} "
+                f"rows{cfg.slots_per_pass} split {cfg.split_k or 'auto'}/{cfg.down_split_k or 'auto'} "
+                f"w{cfg.num_warps} s{cfg.num_stages}")
     return (f"m{cfg.block_m} up {cfg.block_n}x{cfg.block_k} down {cfg.down_block_n}x{cfg.down_block_k} "
             f"g{cfg.group_m} w{cfg.num_warps} s{cfg.num_stages}")
 
@@ -266,6 +300,9 @@ def main() -> int:
     kind = parser.add_mutually_exclusive_group()
     kind.add_argument("--fp8", action="store_true", help="FP8 experts against bf16 ones (instead of the torch op)")
     kind.add_argument("--int4", action="store_true", help="W4A16 experts against bf16 ones (instead of the torch op)")
+    parser.add_argument("--path", choices=("auto", "tile", "gemv", "both"), default="auto",
+                        help="--int4: the W4A16 kernels timed: fused_moe's dispatch, the grouped GEMMs, the GEMV "
+                             "kernels, or both (one row each)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernels.bench.moe needs a CUDA GPU", file=sys.stderr)
@@ -275,7 +312,7 @@ def main() -> int:
     for name in args.shapes:
         if args.fp8 or args.int4:
             failures += bench_quantized(name, SHAPES[name], tuple(args.tokens), args.sweep,
-                                        QUANTIZED["fp8" if args.fp8 else "int4"])
+                                        QUANTIZED["fp8" if args.fp8 else "int4"], args.path)
         else:
             failures += bench(name, SHAPES[name], tuple(args.tokens), args.sweep)
     return report(failures)
