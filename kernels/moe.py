@@ -27,6 +27,10 @@ every buffer and grid is sized from T (tokens) and the weights' shapes alone.
                  when round_weights), then sum_j weight_j * y[t * k + j] in slot order in fp32 (each product rounded
                  to x's dtype first when round_weights), rounded to x's dtype once: deterministic
 
+W4A16 experts at a decode step's few slots (up to ``kernels.moe_gemv.GEMV_MAX_SLOTS``) skip the plan and the grouped
+GEMMs: ``kernels.moe_gemv``'s GEMV kernels (one program per routed expert, column tile and K split, CUDA-core fp32
+sums: at one or two slots per expert a 16-row tile is mostly padding), then the same sum kernel.
+
 The plan takes one kernel when the slots fit one chunk (decode: ``_CHUNK_ELEMS`` / next_pow2(E) slots, 64 for 128
 experts) and two otherwise (per-chunk expert counts, then the scatter, each program summing the counts of the chunks
 before its own). Neither reads anything on the host.

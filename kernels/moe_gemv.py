@@ -440,7 +440,7 @@ def int4_experts_gemv(x: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.T
             "up": (inter, hidden, w_gate_up, cfg.block_n, cfg.block_k, cfg.split_k),
             "down": (hidden, inter, w_down, cfg.down_block_n, cfg.down_block_k, cfg.down_split_k)}.items():
         if rows == 4 and name == "up":
-            block_n = min(block_n, 64)  # 128 gate and 128 up rows for four slots spill registers (sm_90: 255 + ~300 LDL)
+            block_n = min(block_n, 64)  # 128 gate and 128 up rows for four slots spill (sm_90: 255 registers, ~300 LDL)
         group = in_f if group_size == -1 else group_size
         block_k = _step_k(block_k, group, in_f)
         num_tiles = triton.cdiv(out_f, block_n)

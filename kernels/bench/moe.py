@@ -262,8 +262,8 @@ def bench_quantized(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: 
             print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_quant:8.1f} {t_bf16 / t_quant:6.2f}x | {active:>7} {gbs:6.0f} | "
                   f"{err:.1e}{f' / {noise:.1e}' if quant.noise_share else ''}  {p}: {describe(shown)}", flush=True)
             if sweep:
-                candidates = gemv_candidates(num_tokens) if isinstance(shown, MoeGemvConfig) else candidate_configs(num_tokens,
-                                                                                                          shape)
+                gemv = isinstance(shown, MoeGemvConfig)
+                candidates = gemv_candidates(num_tokens) if gemv else candidate_configs(num_tokens, shape)
                 failures += sweep_configs(
                     f"moe {quant.name} {name} T={num_tokens}", candidates,
                     lambda cand: check(fused_moe(x, gate, q_gate_up, q_down, **kw, **scales, config=cand)),

@@ -496,10 +496,11 @@ def test_fp8_real_shapes_on_cuda(name, num_tokens):
 
 
 @on_cuda
-@pytest.mark.parametrize("num_tokens", [1, 64, 1024])
+@pytest.mark.parametrize("num_tokens", [1, 4, 16, 64, 1024])
 @pytest.mark.parametrize("name", sorted(REAL_SHAPES))
 def test_int4_real_shapes_on_cuda(name, num_tokens):
-    """W4A16 experts (group 128, asymmetric) rounded from the bf16 ones, against the torch op on the GPU."""
+    """W4A16 experts (group 128, asymmetric) rounded from the bf16 ones, against the torch op on the GPU (the GEMV
+    kernels up to GEMV_MAX_SLOTS slots, the grouped GEMMs above)."""
     _, hidden, _, top_k, round_weights = REAL_SHAPES[name]
     gate, w_gate_up, w_down = _real_weights(name)
     (up, up_s, up_z), (down, down_s, down_z) = (_int4_experts(w, 128, False) for w in (w_gate_up, w_down))
@@ -623,3 +624,38 @@ def test_int4_dispatch_by_slot_count(monkeypatch):
     x, gate, w_gate_up, w_down, _ = _inputs(4, 32, 32, 1, torch.bfloat16, seed=2)
     with pytest.raises(ValueError, match="applies to W4A16 experts only"):
         moe.fused_moe(x, gate, w_gate_up, w_down, 2, config=_gemv_config())
+
+
+@on_cuda
+@pytest.mark.parametrize("split_k", [0, 4], ids=["auto-split", "split4"])
+def test_int4_gemv_captured_in_a_cuda_graph(split_k):
+    """The small-slot kernels captured once at 2 tokens, top-4 of 16 experts, replayed over new tokens and router
+    biases (every token to expert 3 first: one program runs both its slots; then experts 0 and 1 never): each replay
+    equals the torch op on its inputs, so the split-K counters are zero again after every launch."""
+    num_experts, top_k = 16, 4
+    x, gate, experts, kw, bias = _int4_inputs(num_experts, 256, 128, 2, torch.bfloat16, seed=7, group_size=64,
+                                              symmetric=False, bias=True)
+    cfg = moe_gemv.MoeGemvConfig(split_k=split_k, down_split_k=split_k)
+
+    def run() -> torch.Tensor:
+        return moe.fused_moe(x, gate, *experts, top_k, gate_bias=bias, **kw, config=cfg)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compiles, and allocates the split-K counters, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    g = torch.Generator("cuda").manual_seed(8)
+    for pin in (None, 3, (0, 1), None):
+        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
+        bias.copy_(torch.randn(num_experts, generator=g, device="cuda") * 0.5)
+        if pin == 3:
+            bias[3] = 8.0
+        elif pin:
+            bias[list(pin)] = -8.0
+        graph.replay()
+        _assert_close_int4(out, ops.moe(x, gate, *experts, top_k, gate_bias=bias, **kw))
