@@ -1,49 +1,91 @@
-"""Block-scaled FP8 W8A8 GEMM (the IR's ``fp8_block``: fine-grained FP8 checkpoints such as DeepSeek-V3's and
-Qwen3-FP8's) with the activation quantization fused in.
+"""Block-scaled FP8 W8A8 linear (the IR's ``fp8_block``: fine-grained FP8 checkpoints such as DeepSeek-V3's and
+Qwen3-FP8's) with the activation quantization in the kernels: a GEMV at 1 to ``GEMV_ROWS`` rows (decode), a
+tensor-core GEMM above.
 
 ``y = sum over K groups g of (quant(x)[:, g] @ qweight[:, g].T) * x_scale[:, g] * weight_scale[n // bn, g] + bias``,
 x in fp16/bf16/fp32 and y in x's dtype: the arithmetic of the reference ``fp8_block`` path of
 ``kernels.torch_quant.make_quant_linear``:
 
     x_scale       dynamic, per token and group of bk along K (the last may be narrower): max|x| over the
-                  group / 448 (floored at 1e-12 / 448)
-    quant         x / x_scale clamped to +-448, rounded to E4M3 (round-half-even)
+                  group / 448 (floored at 1e-12 / 448), IEEE division
+    quant         x / x_scale (IEEE division) clamped to +-448, rounded to E4M3 (round-half-even)
     qweight       float8_e4m3fn [N, K]; weight_scale fp32 [ceil(N / bn), ceil(K / bk)] for block_size [bn, bk]
-    acc           fp32: each group's dot (exact E4M3 products) scaled by its two scales, then added
+    acc           fp32: each group's sum of exact E4M3 products scaled by its two scales, then added
 
-One K step is one activation group (BLOCK_K = bk), so a program quantizes its rows' x step in registers from the
-step's own max (no separate quantization kernel, and x is read once per output tile), multiplies it by the
-[BLOCK_K, BLOCK_N] weight tile on tensor cores, and adds the step's fp32 sum times x_scale [BLOCK_M] x
-weight_scale [BLOCK_N] (one scale per bn output rows: a decode step reads the 1-byte codes and one scale per
-block). The step's dot starts from zero, so Hopper's reduced-precision FP8 accumulation spans one group at most.
-Small M leaves few output tiles, so K is split across programs whose scaled partial sums ``reduce_split_k`` adds
-with the bias (as in ``kernels.w8a8_gemm``). The kernel takes block_k a power of two from 16 to 256
-(:func:`supports`); the runtime runs other block sizes on the torch reference.
+Both kernels keep the reference's values: the same scales and codes (the divisions are IEEE ``div_rn``, not the
+fast approximate ``/``), exact products; they differ from it only in the order of the fp32 sums.
+
+GEMV (``_fp8_block_gemv_kernel``, 1 to ``kernels.gemv.GEMV_MAX_ROWS`` rows; ``kernels.gemv``'s W8A8 GEMV with per-group
+scales). Decode reads each weight byte once and is bound by HBM: no tensor cores, no 15/16 padding of a 16-row
+tile. A program owns BLOCK_N output features and a K range of whole steps; a K step is G_STEP whole activation
+groups (a config's block_k rounded up to a multiple of bk), so a step quantizes its own rows of x with no
+cross-step state::
+
+    one K step of a program, weights [BLOCK_N, G_STEP, bk] (16-byte vector loads along K)
+                     group g0        group g0 + 1     ...   group g0 + G_STEP - 1
+    x row r      | max -> x_scale | max -> x_scale |     |                |   codes: x / x_scale, E4M3
+    n0 .. +BN    | sum of VEC-wide runs of exact products, per thread, in fp32 | -> acc += runs * x_scale * ws[n, g]
+
+The group's max spans the threads holding its bk features (warp shuffles); the per-run sums stay in registers
+and are scaled once per step (one FMA per VEC products). Small N leaves few column tiles for the SMs, so K is split
+over programs; the last program of a column tile adds the partial sums in split order (``kernels.gemv``'s tile
+counters: one launch). With PDL the program asks the L2 for its first weight step before waiting for the previous
+kernel (``kernels.pdl``).
+
+GEMM (``_fp8_block_gemm_kernel``): one K step is one group (BLOCK_K = bk); the step's [BLOCK_M, BLOCK_K] codes are
+multiplied by the [BLOCK_K, BLOCK_N] weight tile on tensor cores from a zero accumulator (so Hopper's reduced-precision
+FP8 accumulation spans one group at most) and the step's fp32 sums are added times x_scale [BLOCK_M] x weight_scale
+[BLOCK_N]. Where the config says ``prequant`` (the larger M), x is quantized once per (row, group) by a small
+kernel (``quantize_groups``: codes [M, K], scales [num_groups, M]); otherwise each program quantizes its rows'
+step itself, which re-does the divisions once per column tile, cheap only for a few rows. Few output tiles split K
+over programs, the tile's last one adding the partial sums (as the GEMV). The kernel takes block_k a power of two
+from 16 to 256 (:func:`supports`); the runtime runs other block sizes on the torch reference.
 
 NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion is wrong (``kernels.w8a8_gemm``), so the
 interpreter rounds x to E4M3 with ``_round_e4m3`` and multiplies in fp32; the GPU converts with the hardware's
-round-to-nearest-even and multiplies FP8 on tensor cores. Divisions are IEEE (``div_rn``), as the reference's.
-No host synchronisation: grids come from shapes (CUDA-graph capturable). The CUDA configurations are first
-guesses, not tuned.
+round-to-nearest-even and multiplies FP8 on tensor cores (GEMM) or in fp32 (GEMV). No host synchronisation: grids
+and splits come from shapes (CUDA-graph capturable); the tile counters are allocated on first use, which must come
+before any capture (``kernels.gemv``). The CUDA configurations are first guesses, to be set from
+``python -m kernels.bench.fp8_block --sweep``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.w4a16_gemm import _interpreting, output_tile, reduce_split_k, split_k_plan, store_output_tile
-from kernels.w8a8_gemm import X_DTYPES, _round_e4m3
+from kernels.gemv import (
+    GEMV_MAX_ROWS,
+    GemvConfig,
+    _arrive,
+    _check_config,
+    _load,
+    _load_weights,
+    _split_plan,
+    _sums_epilogue,
+    _tile_counters,
+)
+from kernels.pdl import pdl_args, prefetch_l2_rows, prefetch_rows_plan, wait_prior
+from kernels.w4a16_gemm import _interpreting, output_tile, split_k_plan
+from kernels.w8a8_gemm import X_DTYPES, _codes, _round_e4m3
 
-BLOCK_K_RANGE = (16, 256)  # the block widths along K the kernel takes (powers of two: one K step per group)
+BLOCK_K_RANGE = (16, 256)  # the block widths along K the kernels take (powers of two: whole groups per K step)
+# fp8_block_linear runs the GEMV up to this many rows of x, the GEMM above. Two, from the GEMV's K loop in SASS for
+# sm_90 (``kernels.bench.compile_sm90``): 5.2 instructions per weight byte at one row, 8.1 at two, 16.6 at four (the
+# fp32 products and sums grow with the rows; an H200 issues about 7 per byte at 4.8 TB/s), so at four rows it would
+# be bound by the SMs, not HBM. To be confirmed from the GEMV and GEMM columns of ``python -m kernels.bench.fp8_block``
+GEMV_ROWS = 2
+assert GEMV_ROWS <= GEMV_MAX_ROWS, "the GEMV kernel keeps one accumulator per row, GEMV_MAX_ROWS at most"
+_FP8_MAX = tl.constexpr(448.0)  # the largest E4M3 code
 
 
 @dataclass(frozen=True)
 class BlockConfig:
-    """One launch configuration; the K step is the checkpoint's block width, not a choice."""
+    """One launch configuration of the GEMM; the K step is the checkpoint's block width, not a choice."""
 
     block_m: int  # rows of x per tile (>= 16: tl.dot's minimum)
     block_n: int  # output features per tile
@@ -51,41 +93,221 @@ class BlockConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
+    prequant: bool = False  # x quantized once by quantize_groups (else by each program, per column tile)
 
 
-# Picked by M: the first row whose bound is >= M
+# Picked by M: the first row whose bound is >= M. First guesses (not yet timed): at a few rows each program
+# quantizes its own 16 rows (no extra launch); from 17 rows on the divisions would be repeated per column tile, so x
+# is quantized once; 64- and 128-row tiles take Hopper's wgmma path, 8 warps for 128 rows.
 _CUDA_CONFIGS: list[tuple[int, BlockConfig]] = [
-    (16, BlockConfig(16, 128)),
-    (32, BlockConfig(32, 128)),
-    (64, BlockConfig(64, 128)),
-    (1 << 62, BlockConfig(128, 128, split_k=1, num_warps=8)),
+    (16, BlockConfig(16, 128, num_warps=4, num_stages=4)),
+    (32, BlockConfig(32, 128, num_warps=4, num_stages=4, prequant=True)),
+    (64, BlockConfig(64, 128, num_warps=4, num_stages=4, prequant=True)),
+    (1 << 62, BlockConfig(128, 128, num_warps=8, num_stages=3, prequant=True)),
 ]
 _INTERPRETER_CONFIG = BlockConfig(16, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
 
+# GEMV, picked by rows of x likewise (4 rows: benchmarks and forced configs only). First guesses from the SASS
+# (instructions per weight byte in the K loop, registers): one row 16 x 2048 (kernels.gemv's FP8 one-row tile: each
+# thread's 16 bytes of 16 weight rows per step, each x feature quantized once per program; 5.2, 195 registers); at
+# two and four rows a deeper pipeline spills (255 registers), so one stage and warps in flight hide the loads (8.1 /
+# 16.6, 249 / 207 registers, no spills)
+_GEMV_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
+    (1, GemvConfig(16, 2048, num_warps=4, num_stages=3)),
+    (2, GemvConfig(16, 1024, num_warps=4, num_stages=1)),
+    (GEMV_MAX_ROWS, GemvConfig(16, 512, num_warps=4, num_stages=1)),
+]
+_GEMV_INTERPRETER_CONFIG = GemvConfig(16, 32, split_k=1, num_warps=1, num_stages=1)
+
 
 def default_config(num_rows: int, device: torch.device) -> BlockConfig:
+    """The GEMM's configuration at ``num_rows`` rows of x."""
     if _interpreting() or device.type != "cuda":
         return _INTERPRETER_CONFIG
     return next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
 
 
+def default_gemv_config(num_rows: int, device: torch.device) -> GemvConfig:
+    """The GEMV's configuration at ``num_rows`` (1 to GEMV_MAX_ROWS) rows of x."""
+    if _interpreting() or device.type != "cuda":
+        return _GEMV_INTERPRETER_CONFIG
+    return next(cfg for bound, cfg in _GEMV_CUDA_CONFIGS if num_rows <= bound)
+
+
 def supports(block_size: list[int] | tuple[int, int]) -> bool:
-    """Whether the kernel takes weights of this block size: any bn, a power-of-two bk in BLOCK_K_RANGE."""
+    """Whether the kernels take weights of this block size: any bn, a power-of-two bk in BLOCK_K_RANGE."""
     block_k = block_size[1]
     return BLOCK_K_RANGE[0] <= block_k <= BLOCK_K_RANGE[1] and block_k & (block_k - 1) == 0
 
 
+# --- GEMV ------------------------------------------------------------------------------------------
+@triton.jit
+def _group_codes(x_row, offs_k, mask_k, EMULATE_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """One row's x over a K step of whole groups (offs_k [G_STEP, GK]) quantized as the reference does: (E4M3 values
+    as fp32 [G_STEP, GK], 0 where masked; the groups' x_scale [G_STEP]). Masked features are 0: no effect on a max."""
+    a = _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
+    x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12), _FP8_MAX)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(a, x_scale[:, None]), -_FP8_MAX), _FP8_MAX)
+    if EMULATE_FP8:
+        return _round_e4m3(v), x_scale
+    else:
+        return v.to(tl.float8e4nv).to(tl.float32), x_scale
+
+
+@triton.jit
+def _group_dot(acc, w, q, scale, VEC: tl.constexpr):
+    """acc [BLOCK_N, G_STEP, GK / VEC] + the products w [BLOCK_N, G_STEP, GK] * q [G_STEP, GK] summed over each run of
+    VEC input features (a thread's vector load: the sums stay in registers; E4M3 products are exact in fp32), times
+    their group's scale [BLOCK_N, G_STEP] (x_scale * weight_scale)."""
+    prod = w * q[None, :, :]
+    runs = tl.sum(tl.reshape(prod, (prod.shape[0], prod.shape[1], prod.shape[2] // VEC, VEC)), axis=3)
+    return acc + runs * scale[:, :, None]
+
+
+@triton.jit
+def _group_scales(ws_ptr, ws_rows, groups, num_groups, mask_n, pid_n, stride_sn, BN: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The weight scales of the step's groups for the tile's columns, [BLOCK_N, G_STEP]: loaded once per group when the
+    tile lies in one block row (BN a multiple of BLOCK_N: every column has the same scale), else per column."""
+    mask_g = groups < num_groups
+    if BN % BLOCK_N == 0:
+        ws = tl.load(ws_ptr + (pid_n * BLOCK_N // BN) * stride_sn + groups, mask=mask_g, other=0.0)
+        return tl.zeros((BLOCK_N, 1), dtype=tl.float32) + ws[None, :]
+    else:
+        return tl.load(ws_rows[:, None] + groups[None, :], mask=mask_n[:, None] & mask_g[None, :], other=0.0)
+
+
+@triton.jit
+def _fp8_block_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
+    N, K, num_groups, steps_per_split,
+    stride_xm, stride_wn, stride_sn,
+    ROWS: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    G_STEP: tl.constexpr, GK: tl.constexpr, VEC: tl.constexpr, NUM_STAGES: tl.constexpr,
+    PREFETCH_ROWS: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
+):
+    # x: [ROWS, K], w: [N, K] -> y: [ROWS, N] contiguous. A K step is G_STEP groups of GK (= bk) features: the weight
+    # tile [BLOCK_N, G_STEP, GK], each row's codes [G_STEP, GK] and scales [G_STEP]; accumulators [BLOCK_N, G_STEP,
+    # GK / VEC] per row of x, scaled per step, reduced once at the end.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    ws_rows = ws_ptr + (offs_n // BN) * stride_sn  # [BLOCK_N]: each column's row of block scales
+    first_step = pid_k * steps_per_split
+    if PDL and PREFETCH_ROWS > 0:  # weights are constants: ask for the first step's tile before the wait
+        prefetch_l2_rows(w_ptr + (pid_n * BLOCK_N) * stride_wn + first_step * G_STEP * GK, stride_wn,
+                         N - pid_n * BLOCK_N, K - first_step * G_STEP * GK, PREFETCH_ROWS, PREFETCH_LINES, 128)
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
+
+    acc0 = tl.zeros((BLOCK_N, G_STEP, GK // VEC), dtype=tl.float32)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    offs_g = tl.arange(0, G_STEP)
+    offs_c = tl.arange(0, GK)
+    num_steps = min(steps_per_split, tl.cdiv(num_groups, G_STEP) - first_step)
+    for step in tl.range(0, num_steps, num_stages=NUM_STAGES):
+        groups = (first_step + step) * G_STEP + offs_g  # [G_STEP]
+        offs_k = groups[:, None] * GK + offs_c[None, :]  # [G_STEP, GK]
+        mask_k = offs_k < K
+        w = _load_weights(w_ptr + offs_n[:, None, None] * stride_wn + offs_k[None, :, :],
+                          mask_n[:, None, None] & mask_k[None, :, :], not (EVEN_N and EVEN_K))
+        w = w.to(tl.float32)  # [BLOCK_N, G_STEP, GK]
+        ws = _group_scales(ws_ptr, ws_rows, groups, num_groups, mask_n, pid_n, stride_sn, BN, BLOCK_N)
+        q, xs = _group_codes(x_ptr, offs_k, mask_k, EMULATE_FP8, not EVEN_K)
+        acc0 = _group_dot(acc0, w, q, ws * xs[None, :], VEC)
+        if ROWS > 1:
+            q, xs = _group_codes(x_ptr + stride_xm, offs_k, mask_k, EMULATE_FP8, not EVEN_K)
+            acc1 = _group_dot(acc1, w, q, ws * xs[None, :], VEC)
+        if ROWS > 2:
+            q, xs = _group_codes(x_ptr + 2 * stride_xm, offs_k, mask_k, EMULATE_FP8, not EVEN_K)
+            acc2 = _group_dot(acc2, w, q, ws * xs[None, :], VEC)
+        if ROWS > 3:
+            q, xs = _group_codes(x_ptr + 3 * stride_xm, offs_k, mask_k, EMULATE_FP8, not EVEN_K)
+            acc3 = _group_dot(acc3, w, q, ws * xs[None, :], VEC)
+
+    # the runs summed per group, then (in _sums_epilogue) over the groups: [BLOCK_N] per row of x
+    _sums_epilogue(tl.sum(acc0, axis=2), tl.sum(acc1, axis=2), tl.sum(acc2, axis=2), tl.sum(acc3, axis=2), y_ptr,
+                   part_ptr, counter_ptr, bias_ptr, offs_n, mask_n, N, pid_n, pid_k, 1, ROWS, HAS_BIAS, SPLIT_K, True)
+
+
+def _gemv(x2: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, block_size: list[int] | tuple[int, int],
+          bias: torch.Tensor | None, y: torch.Tensor, cfg: GemvConfig) -> None:
+    """y [M, N] = the fp8_block linear of x2 [M, K] (M <= GEMV_MAX_ROWS) by the GEMV kernel."""
+    _check_config(cfg, 1, 1)
+    (n, k), (bn, bk) = qweight.shape, block_size
+    g_step = max(1, cfg.block_k // bk)  # the K step: whole groups, at least one
+    step_k = g_step * bk
+    num_groups = triton.cdiv(k, bk)
+    plan = _split_plan(y, triton.cdiv(num_groups, g_step), dataclasses.replace(cfg, reduce_in_kernel=True),
+                       torch.float32)
+    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, step_k)
+    _fp8_block_gemv_kernel[plan.grid](
+        x2, qweight, weight_scale, bias if bias is not None else y, y, plan.part, plan.counters,
+        n, k, num_groups, plan.steps_per_split, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
+        ROWS=x2.shape[0], BN=bn, HAS_BIAS=bias is not None, SPLIT_K=plan.split_k, EMULATE_FP8=_interpreting(),
+        EVEN_N=n % cfg.block_n == 0, EVEN_K=k % step_k == 0, BLOCK_N=cfg.block_n, G_STEP=g_step, GK=bk,
+        VEC=min(bk, 16), NUM_STAGES=cfg.num_stages, PREFETCH_ROWS=prefetch_rows, PREFETCH_LINES=lines_per_row,
+        num_warps=cfg.num_warps, **pdl_args(x2))
+
+
+# --- GEMM ------------------------------------------------------------------------------------------
+@triton.jit
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, M, K, num_groups, stride_xm, EMULATE_FP8: tl.constexpr,
+                            GK: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+    # program (row, j): groups j * GROUPS ... of one row of x [M, K] -> codes q [M, K] (contiguous), scales s
+    # [num_groups, M] (a GEMM step reads its rows' scales of one group as one contiguous vector)
+    wait_prior(PDL)
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    offs_k = groups[:, None] * GK + tl.arange(0, GK)[None, :]  # [GROUPS, GK]
+    mask = offs_k < K
+    a = tl.load(x_ptr + row * stride_xm + offs_k, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12), _FP8_MAX)  # [GROUPS]
+    tl.store(q_ptr + row * K + offs_k, _codes(tl.math.div_rn(a, scale[:, None]), _FP8_MAX, q_ptr, False, EMULATE_FP8),
+             mask=mask)
+    tl.store(s_ptr + groups * M + row, scale, mask=groups < num_groups)
+
+
+def quantize_groups(x2: torch.Tensor, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 [M, K] (unit stride along K) -> (E4M3 codes [M, K], fp32 scales [ceil(K / block_k), M]): the reference's
+    ``quantize_activation_fp8_blocks`` (the same codes and scales; the scales transposed) in one kernel."""
+    num_rows, k = x2.shape
+    num_groups = triton.cdiv(k, block_k)
+    codes = torch.empty((num_rows, k), dtype=torch.float8_e4m3fn, device=x2.device)
+    scales = torch.empty((num_groups, num_rows), dtype=torch.float32, device=x2.device)
+    if num_rows:
+        groups = max(1, (64 if _interpreting() else 2048) // block_k)  # features per program: 2048 on the GPU
+        _quantize_groups_kernel[(num_rows, triton.cdiv(num_groups, groups))](
+            x2, codes, scales, num_rows, k, num_groups, x2.stride(0), EMULATE_FP8=_interpreting(), GK=block_k,
+            GROUPS=groups, num_warps=4, **pdl_args(x2))
+    return codes, scales
+
+
+@triton.jit
+def _store_rows(y_ptr, val, bias_ptr, offs_m, offs_n, mask_out, mask_n, N, HAS_BIAS: tl.constexpr):
+    """y [M, N] at the tile = val (fp32 [BLOCK_M, BLOCK_N]) + bias, in y's dtype."""
+    if HAS_BIAS:
+        val += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], val.to(y_ptr.dtype.element_ty), mask=mask_out)
+
+
 @triton.jit
 def _fp8_block_gemm_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, part_ptr, counter_ptr,
     M, N, K, BN, k_steps_per_split,
     stride_xm, stride_wn, stride_sn,
-    stride_om, stride_os,  # out: y [M, N] (stride_os unused), or partial sums [SPLIT_K, M, N] fp32
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PREQUANT: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
+    # x: [M, K] in x's dtype, or its E4M3 codes with their scales xs [num_groups, M] (PREQUANT); w: [N, K] ->
+    # y: [M, N] contiguous. Split over K: partial sums [SPLIT_K, M, N] fp32 added by the tile's last program.
     offs_m, offs_n, mask_m, mask_n, pid_k = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
+    w_rows = w_ptr + offs_n[:, None] * stride_wn
     ws_rows = ws_ptr + (offs_n // BN) * stride_sn  # [BLOCK_N]: each column's row of block scales
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -95,23 +317,61 @@ def _fp8_block_gemm_kernel(
         group = first_step + step
         offs_k = group * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
-        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        # the group's scale per row (masked lanes are 0: no effect on the max), then its codes
-        x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12), 448.0)  # [BLOCK_M]
-        v = tl.minimum(tl.maximum(tl.math.div_rn(a, x_scale[:, None]), -448.0), 448.0)
-        w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
-                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if PREQUANT:  # codes and the group's scales, as quantize_groups wrote them
+            x_scale = tl.load(xs_ptr + group * M + offs_m, mask=mask_m, other=0.0)  # [BLOCK_M]
+        else:  # the group's scale per row (masked lanes are 0: no effect on the max), then its codes
+            a = a.to(tl.float32)
+            x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12), _FP8_MAX)
+            a = tl.minimum(tl.maximum(tl.math.div_rn(a, x_scale[:, None]), -_FP8_MAX), _FP8_MAX)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
         if EMULATE_FP8:
-            part = tl.dot(_round_e4m3(v), w.to(tl.float32), input_precision="ieee")
+            if PREQUANT:
+                a = a.to(tl.float32)
+            else:
+                a = _round_e4m3(a)
+            part = tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
-            part = tl.dot(v.to(tl.float8e4nv), w)
+            part = tl.dot(a.to(tl.float8e4nv), tl.trans(w))
         w_scale = tl.load(ws_rows + group, mask=mask_n, other=0.0)  # [BLOCK_N]
         acc += part * x_scale[:, None] * w_scale[None, :]
 
-    store_output_tile(out_ptr, acc, bias_ptr, offs_m, offs_n, mask_m, mask_n, pid_k, stride_om, stride_os,
-                      HAS_BIAS, SPLIT_K)
+    mask_out = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        _store_rows(y_ptr, acc, bias_ptr, offs_m, offs_n, mask_out, mask_n, N, HAS_BIAS)
+    else:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + tile, acc, mask=mask_out)
+        tile_id = tl.program_id(0)
+        if _arrive(counter_ptr + tile_id, SPLIT_K):  # the last of the tile's programs: all partials are in
+            tl.store(counter_ptr + tile_id, 0)  # zero again for the next launch
+            tot = tl.load(part_ptr + tile, mask=mask_out, other=0.0, cache_modifier=".cg")
+            for s in range(1, SPLIT_K):  # split order: deterministic
+                tot += tl.load(part_ptr + s * M * N + tile, mask=mask_out, other=0.0, cache_modifier=".cg")
+            _store_rows(y_ptr, tot, bias_ptr, offs_m, offs_n, mask_out, mask_n, N, HAS_BIAS)
 
 
+def _gemm(x2: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, block_size: list[int] | tuple[int, int],
+          bias: torch.Tensor | None, y: torch.Tensor, cfg: BlockConfig) -> None:
+    """y [M, N] = the fp8_block linear of x2 [M, K] by the GEMM kernel."""
+    assert cfg.block_m >= 16 and cfg.block_m & (cfg.block_m - 1) == 0, f"{cfg}: block_m must be a power of 2 >= 16"
+    assert cfg.block_n >= 16 and cfg.block_n & (cfg.block_n - 1) == 0, f"{cfg}: block_n must be a power of 2 >= 16"
+    (n, k), (bn, bk) = qweight.shape, block_size
+    num_rows = x2.shape[0]
+    num_tiles, split_k, steps_per_split, part, _, _ = split_k_plan(y, k, cfg.block_m, cfg.block_n, bk, cfg.split_k)
+    counters = _tile_counters(y.device, num_tiles) if split_k > 1 else y
+    xs = y  # never read without prequant
+    if cfg.prequant:
+        x2, xs = quantize_groups(x2, bk)
+    _fp8_block_gemm_kernel[(num_tiles, split_k)](
+        x2, xs, qweight, weight_scale, bias if bias is not None else y, y, part, counters,
+        num_rows, n, k, bn, steps_per_split, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, PREQUANT=cfg.prequant, EMULATE_FP8=_interpreting(),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
+
+
+# --- entry points ----------------------------------------------------------------------------------
 def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                   block_size: list[int] | tuple[int, int], bias: torch.Tensor | None) -> torch.Tensor:
     """Validates the inputs (user-facing errors); returns x as [M, K] with unit stride along K."""
@@ -140,27 +400,22 @@ def _check_inputs(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Te
 
 def fp8_block_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                      block_size: list[int] | tuple[int, int], bias: torch.Tensor | None = None, *,
-                     config: BlockConfig | None = None) -> torch.Tensor:
+                     config: BlockConfig | GemvConfig | None = None) -> torch.Tensor:
     """An fp8_block linear (see the module docstring): x [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype, at any
-    number of rows (``config`` forces one configuration)."""
+    number of rows: the GEMV up to GEMV_ROWS rows, the GEMM above. ``config`` forces a kernel and its configuration
+    (a GemvConfig: the GEMV, at most GEMV_MAX_ROWS rows; a BlockConfig: the GEMM), for benchmarks and tests."""
     x2 = _check_inputs(x, qweight, weight_scale, block_size, bias)
     (n, k), num_rows = qweight.shape, x2.shape[0]
+    if isinstance(config, GemvConfig) and num_rows > GEMV_MAX_ROWS:
+        raise ValueError(f"a GemvConfig runs the GEMV, which takes at most GEMV_MAX_ROWS = {GEMV_MAX_ROWS} rows of x, "
+                         f"got {num_rows} (x {tuple(x.shape)}); pass a BlockConfig or no config for more")
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return y.reshape(*x.shape[:-1], n)
-    cfg = config or default_config(num_rows, x.device)
-    bn, bk = block_size
-    num_tiles, split_k, steps_per_split, out, stride_om, stride_os = split_k_plan(
-        y, k, cfg.block_m, cfg.block_n, bk, cfg.split_k)
-    bias_arg = bias if bias is not None else y
-    _fp8_block_gemm_kernel[(num_tiles, split_k)](
-        x2, qweight, weight_scale, bias_arg, out, num_rows, n, k, bn, steps_per_split,
-        x2.stride(0), qweight.stride(0), weight_scale.stride(0), stride_om, stride_os,
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, EMULATE_FP8=_interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split_k > 1:
-        reduce_split_k(out, bias_arg, y, split_k, bias is not None)
+    if isinstance(config, GemvConfig) or (config is None and num_rows <= GEMV_ROWS):
+        _gemv(x2, qweight, weight_scale, block_size, bias, y, config or default_gemv_config(num_rows, x.device))
+    else:
+        _gemm(x2, qweight, weight_scale, block_size, bias, y, config or default_config(num_rows, x.device))
     return y.reshape(*x.shape[:-1], n)
 
 

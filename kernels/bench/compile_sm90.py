@@ -180,20 +180,40 @@ def _moe_gemv() -> list[tuple[str, object]]:
 
 
 def _fp8_block() -> list[tuple[str, object]]:
-    from kernels.fp8_block_gemm import _CUDA_CONFIGS, _fp8_block_gemm_kernel
+    from kernels.fp8_block_gemm import (_CUDA_CONFIGS, _GEMV_CUDA_CONFIGS, _fp8_block_gemm_kernel,
+                                        _fp8_block_gemv_kernel, _quantize_groups_kernel)
 
-    types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "out_ptr": "*bf16",
-             **{n: "i32" for n in ("M", "N", "K", "BN", "k_steps_per_split", "stride_xm", "stride_wn", "stride_sn",
-                                   "stride_om", "stride_os")}}
-    divisible = ("x_ptr", "w_ptr", "ws_ptr", "out_ptr", "N", "K", "stride_xm", "stride_wn", "stride_om")
+    types = {"x_ptr": "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+             "y_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+             **{n: "i32" for n in ("M", "N", "K", "BN", "k_steps_per_split", "stride_xm", "stride_wn", "stride_sn")}}
+    divisible = ("x_ptr", "w_ptr", "ws_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn")
     out = []
     for bound, cfg in _CUDA_CONFIGS:
         for split in (1, 4) if cfg.split_k != 1 else (1,):
-            constexprs = dict(HAS_BIAS=False, SPLIT_K=split, EMULATE_FP8=False, BLOCK_M=cfg.block_m,
-                              BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m)
-            out.append((f"fp8_block GEMM, {cfg.block_m}x{cfg.block_n} tiles, split_k {split}",
+            constexprs = dict(HAS_BIAS=False, SPLIT_K=split, PREQUANT=cfg.prequant, EMULATE_FP8=False,
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, PDL=True)
+            t = dict(types, x_ptr="*fp8e4nv") if cfg.prequant else types
+            out.append((f"fp8_block GEMM, {cfg.block_m}x{cfg.block_n} tiles, split_k {split}"
+                        f"{', x quantized before' if cfg.prequant else ''}",
+                        lambda c=constexprs, cfg=cfg, t=t: compile_kernel(
+                            _fp8_block_gemm_kernel, t, c, cfg.num_warps, cfg.num_stages, divisible)))
+    out.append(("fp8_block x quantization (groups of 128)", lambda: compile_kernel(
+        _quantize_groups_kernel, {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "M": "i32", "K": "i32",
+                                  "num_groups": "i32", "stride_xm": "i32"},
+        dict(EMULATE_FP8=False, GK=128, GROUPS=16, PDL=True), divisible=("x_ptr", "q_ptr", "K", "stride_xm"))))
+    gemv_types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+                  "part_ptr": "*fp32", "counter_ptr": "*i32",
+                  **{n: "i32" for n in ("N", "K", "num_groups", "steps_per_split", "stride_xm", "stride_wn",
+                                        "stride_sn")}}
+    gemv_divisible = ("x_ptr", "w_ptr", "ws_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_wn")
+    for rows, cfg in _GEMV_CUDA_CONFIGS:
+        for split in (1, 4):
+            constexprs = dict(ROWS=rows, BN=128, HAS_BIAS=False, SPLIT_K=split, EMULATE_FP8=False, EVEN_N=True,
+                              EVEN_K=True, BLOCK_N=cfg.block_n, G_STEP=max(1, cfg.block_k // 128), GK=128, VEC=16,
+                              NUM_STAGES=cfg.num_stages, PREFETCH_ROWS=cfg.block_n, PREFETCH_LINES=2, PDL=True)
+            out.append((f"fp8_block GEMV, {rows} rows, {cfg.block_n}x{cfg.block_k} tiles, split_k {split}",
                         lambda c=constexprs, cfg=cfg: compile_kernel(
-                            _fp8_block_gemm_kernel, types, c, cfg.num_warps, cfg.num_stages, divisible)))
+                            _fp8_block_gemv_kernel, gemv_types, c, cfg.num_warps, cfg.num_stages, gemv_divisible)))
     return out
 
 
