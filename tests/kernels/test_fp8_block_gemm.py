@@ -1,6 +1,6 @@
-"""The block-scaled FP8 (fp8_block) Triton GEMM against the runtime's reference linear, under the Triton interpreter
-on CPU, with fresh random weights, block scales and inputs; shapes whose N and K are not multiples of the block
-exercise the partial last blocks."""
+"""The block-scaled FP8 (fp8_block) Triton GEMV and GEMM against the runtime's reference linear, under the Triton
+interpreter on CPU, with fresh random weights, block scales and inputs; shapes whose N and K are not multiples of the
+block or the tile exercise the partial last blocks and the masked loads."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 import pytest
 import torch
 
-from kernels.fp8_block_gemm import BlockConfig, fp8_block_linear, ref_fp8_block_linear, supports
+from kernels import fp8_block_gemm
+from kernels.fp8_block_gemm import (GEMV_ROWS, BlockConfig, GemvConfig, fp8_block_linear, quantize_groups,
+                                    ref_fp8_block_linear, supports)
+from kernels.gemv import GEMV_MAX_ROWS, _tile_counters
 from kernels.torch_quant import dequantize_weight_fp8_blocks, quantize_activation_fp8_blocks
 
 
@@ -45,6 +48,96 @@ def test_matches_reference(m, n, k, block, dtype):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     else:  # the reference rounds the same fp32 result to bf16; allow one bf16 ulp
         torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+def _assert_matches(y: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: the reference's value up to the order of the fp32 sums; fp16 / bf16: the reference rounds the same fp32
+    result to x's dtype, so one ulp of it apart at most."""
+    assert y.dtype == ref.dtype and y.shape == ref.shape and ref.abs().max() > 0
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    else:
+        rtol = 8e-3 if y.dtype == torch.bfloat16 else 1e-3
+        torch.testing.assert_close(y.float(), ref.float(), rtol=rtol, atol=1e-6)
+
+
+# (rows, N, K, block): N, K multiples of the 16 x 32 tile and its two-group step (no masks); N and K ending in a
+# partial tile and a partial step; bn not a multiple of the tile's 16 columns (scales gathered per column) and K
+# ending in a partial group; bk wider than the config's 32-feature step (the step is one whole group); 128 x 128
+@pytest.mark.parametrize("m,n,k,block", [(1, 64, 128, (64, 16)), (2, 72, 80, (32, 16)), (3, 50, 200, (24, 64)),
+                                         (4, 33, 300, (16, 128)), (2, 130, 260, (128, 128))])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_gemv_matches_reference(m, n, k, block, split_k):
+    """The GEMV at 1-4 rows, K unsplit and split over three programs (the tile's last one adds the partial sums and
+    the bias, then zeroes its counter), in fp32, bf16 and fp16 x."""
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[(m + n) % 3]
+    seed = 100 * m + n + k + split_k
+    qweight, scales = _weights(n, k, block, seed)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    x = _x(m, k, dtype, seed + 2)
+    cfg = GemvConfig(16, 32, split_k=split_k, num_warps=1, num_stages=1)
+    y = fp8_block_linear(x, qweight, scales, block, bias, config=cfg)
+    _assert_matches(y, ref_fp8_block_linear(x, qweight, scales, block, bias))
+    assert not _tile_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gemv_without_bias_at_the_default_config(dtype):
+    """The dispatch's own GEMV configuration (no config passed) at one and two rows, no bias, a [1, 1, K] x."""
+    block = (32, 32)
+    qweight, scales = _weights(48, 160, block, 21)
+    for m in range(1, GEMV_ROWS + 1):
+        x = _x(m, 160, dtype, 22 + m).reshape(m, 1, 160)
+        y = fp8_block_linear(x, qweight, scales, block)
+        assert y.shape == (m, 1, 48)
+        _assert_matches(y, ref_fp8_block_linear(x, qweight, scales, block))
+
+
+@pytest.mark.parametrize("m,split_k", [(5, 1), (17, 3), (3, 2)])
+def test_gemm_with_x_quantized_first(m, split_k):
+    """The GEMM on the pre-pass's codes and scales (prequant), with and without split K, partial blocks and tiles."""
+    block = (32, 32)
+    qweight, scales = _weights(70, 150, block, 30 + m)
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(31))
+    x = _x(m, 150, torch.float16, 32 + m)
+    cfg = BlockConfig(16, 32, split_k=split_k, group_m=2, num_warps=1, num_stages=1, prequant=True)
+    y = fp8_block_linear(x, qweight, scales, block, bias.half(), config=cfg)
+    _assert_matches(y, ref_fp8_block_linear(x, qweight, scales, block, bias.half()))
+    assert not _tile_counters(x.device, 1).any()
+
+
+@pytest.mark.parametrize("k,block_k", [(96, 32), (100, 16), (40, 64)])
+def test_quantize_groups_gives_the_reference_codes_and_scales(k, block_k):
+    """The GEMM's pre-pass: bit for bit the reference's codes and scales (the scales stored [num_groups, M])."""
+    x = _x(6, k, torch.bfloat16, k + block_k)
+    codes, scales = quantize_groups(x, block_k)
+    ref_codes, ref_scales = quantize_activation_fp8_blocks(x, block_k)
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == (6, k) and scales.shape == (-(-k // block_k), 6)
+    assert torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
+    assert torch.equal(scales, ref_scales.t())
+
+
+def test_dispatch_runs_the_gemv_at_few_rows(monkeypatch):
+    """Without a config: the GEMV up to GEMV_ROWS rows, the GEMM above; a GemvConfig forces the GEMV up to
+    GEMV_MAX_ROWS rows and is refused beyond, a BlockConfig forces the GEMM at any size."""
+    calls = []
+    for name in ("_gemv", "_gemm"):
+        real = getattr(fp8_block_gemm, name)
+        monkeypatch.setattr(fp8_block_gemm, name, lambda *a, _n=name, _r=real: (calls.append((_n, a[0].shape[0])),
+                                                                               _r(*a))[1])
+    block = (16, 16)
+    qweight, scales = _weights(24, 48, block, 40)
+    for m in range(1, GEMV_ROWS + 3):
+        x = _x(m, 48, torch.float32, 41 + m)
+        _assert_matches(fp8_block_linear(x, qweight, scales, block), ref_fp8_block_linear(x, qweight, scales, block))
+    assert calls == ([("_gemv", m) for m in range(1, GEMV_ROWS + 1)]
+                     + [("_gemm", GEMV_ROWS + 1), ("_gemm", GEMV_ROWS + 2)])
+    calls.clear()
+    fp8_block_linear(_x(GEMV_MAX_ROWS, 48, torch.float32, 50), qweight, scales, block, config=GemvConfig(16, 16))
+    fp8_block_linear(_x(1, 48, torch.float32, 51), qweight, scales, block, config=BlockConfig(16, 16))
+    assert calls == [("_gemv", GEMV_MAX_ROWS), ("_gemm", 1)]
+    with pytest.raises(ValueError, match=f"takes at most GEMV_MAX_ROWS = {GEMV_MAX_ROWS} rows of x, got 5"):
+        fp8_block_linear(_x(5, 48, torch.float32, 52), qweight, scales, block, config=GemvConfig(16, 16))
 
 
 def test_split_k_and_3d_input():
