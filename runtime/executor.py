@@ -503,9 +503,9 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def _kernel_fp8_block_linear(w, quant, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Block-scaled FP8 (fine-grained FP8 checkpoints): the Triton GEMM at every size (``kernels.fp8_block_gemm``;
-    cuBLAS's ``_scaled_mm`` here takes per-row scales, not per-block ones); a block width it does not take runs the
-    torch reference."""
+    """Block-scaled FP8 (fine-grained FP8 checkpoints): the Triton kernels at every size (``kernels.fp8_block_gemm``:
+    the GEMV at a few rows, the GEMM above; cuBLAS's ``_scaled_mm`` here takes per-row scales, not per-block ones); a
+    block width they do not take runs the torch reference."""
     from kernels import fp8_block_gemm
 
     if not fp8_block_gemm.supports(quant["block_size"]):

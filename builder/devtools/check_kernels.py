@@ -38,11 +38,14 @@ def check_fp8_linear(shapes=((1, 4096, 6144), (16, 4096, 28672), (256, 14336, 40
                           "bf16_us": _time_us(lambda: torch.nn.functional.linear(x, wb))}))
 
 
-def check_fp8_block_linear(shapes=((1, 4096, 6144), (16, 4096, 24576), (256, 12288, 4096), (1, 7168, 2112),
-                                   (33, 4000, 1000))) -> None:
-    """``kernels.fp8_block_gemm`` (128 x 128 blocks) against the reference fp8_block linear on fresh random bf16
-    inputs and block scales (the last shape ends in partial blocks along N and K), and its time against a bf16
-    F.linear of the same shape."""
+def check_fp8_block_linear(shapes=((1, 4096, 6144), (2, 4096, 6144), (4, 4096, 6144), (16, 4096, 24576),
+                                   (256, 12288, 4096), (1, 7168, 2112), (4, 7168, 2112), (33, 4000, 1000))) -> None:
+    """``kernels.fp8_block_gemm`` (128 x 128 blocks; the GEMV at few rows, the GEMM above) against the reference
+    fp8_block linear on fresh random bf16 inputs and block scales (the last shape ends in partial blocks along N and
+    K), and its time against a bf16 F.linear of the same shape: back-to-back calls (``kernel_us``, ``bf16_us``: the
+    Python launch included, so the few-row times are bound by the host) and CUDA-graph replays (``*_graph_us``: the
+    GPU's time alone; weights not rotated, see ``python -m kernels.bench.fp8_block`` for HBM-bound timings)."""
+    from kernels.bench.gemm import time_us
     from kernels.fp8_block_gemm import fp8_block_linear, ref_fp8_block_linear
     from kernels.torch_quant import dequantize_weight_fp8_blocks
 
@@ -55,9 +58,16 @@ def check_fp8_block_linear(shapes=((1, 4096, 6144), (16, 4096, 24576), (256, 122
         want = ref_fp8_block_linear(x, codes, scales, (128, 128)).float()
         wb = dequantize_weight_fp8_blocks(codes, scales, (128, 128)).to(torch.bfloat16)
         rel_err = ((got - want).abs().max() / want.abs().max()).item()
+
+        def kernel():
+            return fp8_block_linear(x, codes, scales, (128, 128))
+
+        def bf16():
+            return torch.nn.functional.linear(x, wb)
+
         print(json.dumps({"fp8_block_linear": [m, k, n], "rel_err": rel_err,
-                          "kernel_us": _time_us(lambda: fp8_block_linear(x, codes, scales, (128, 128))),
-                          "bf16_us": _time_us(lambda: torch.nn.functional.linear(x, wb))}))
+                          "kernel_us": _time_us(kernel), "bf16_us": _time_us(bf16),
+                          "kernel_graph_us": round(time_us([kernel]), 1), "bf16_graph_us": round(time_us([bf16]), 1)}))
 
 
 def _time_us(fn, repeats: int = 50) -> float:

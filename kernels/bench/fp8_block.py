@@ -154,8 +154,8 @@ def bench(shapes: list[tuple[str, int, int]], rows: list[int], sweep: bool) -> l
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"\nfp8_block linear, {BLOCK[0]} x {BLOCK[1]} blocks, bf16 x: us per call (CUDA graphs, weights rotated past "
           f"the L2); TB/s of FP8 weight bytes; speedup = bf16 / default")
-    print(f"{'shape':>28} {'M':>4} | {'default':>8} {'gemv':>8} {'gemm':>8} {'bf16':>8} | {'TB/s':>5} | {'speedup':>7} | "
-          "rel.err  path")
+    print(f"{'shape':>28} {'M':>4} | {'default':>8} {'gemv':>8} {'gemm':>8} {'bf16':>8} | {'TB/s':>5} | "
+          f"{'speedup':>7} | rel.err  path")
     for name, k, n in shapes:
         w = _Shape(k, n, gen)
         for m in rows:
