@@ -13,10 +13,11 @@ x in fp16/bf16/fp32 and y in x's dtype: the arithmetic of the reference ``fp8_bl
     acc           fp32: each group's sum of exact E4M3 products scaled by its two scales, then added
 
 Both kernels keep the reference's values: the same scales and codes (the divisions are IEEE ``div_rn``, not the
-fast approximate ``/``), exact products; they differ from it only in the order of the fp32 sums.
+fast approximate ``/``), exact products; they differ from it in the order of the fp32 sums (and the GEMM, on Hopper's
+FP8 tensor cores, in their reduced-precision accumulation within one group).
 
-GEMV (``_fp8_block_gemv_kernel``, 1 to ``kernels.gemv.GEMV_MAX_ROWS`` rows; ``kernels.gemv``'s W8A8 GEMV with per-group
-scales). Decode reads each weight byte once and is bound by HBM: no tensor cores, no 15/16 padding of a 16-row
+GEMV (``_fp8_block_gemv_kernel``, 1 to ``kernels.gemv.GEMV_MAX_ROWS`` rows; ``kernels.gemv``'s W8A8 GEMV with
+per-group scales). Decode reads each weight byte once and is bound by HBM: no tensor cores, no 15/16 padding of a 16-row
 tile. A program owns BLOCK_N output features and a K range of whole steps; a K step is G_STEP whole activation
 groups (a config's block_k rounded up to a multiple of bk), so a step quantizes its own rows of x with no
 cross-step state::
