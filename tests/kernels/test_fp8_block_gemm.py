@@ -1,6 +1,7 @@
 """The block-scaled FP8 (fp8_block) Triton GEMV and GEMM against the runtime's reference linear, under the Triton
 interpreter on CPU, with fresh random weights, block scales and inputs; shapes whose N and K are not multiples of the
-block or the tile exercise the partial last blocks and the masked loads."""
+block or the tile exercise the partial last blocks and the masked loads. With TRITON_INTERPRET=0 on a CUDA machine the
+same tests run the compiled kernels on the GPU (the same seeded values, moved there)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,14 @@ from kernels.fp8_block_gemm import (GEMV_ROWS, BlockConfig, GemvConfig, fp8_bloc
                                     ref_fp8_block_linear, supports)
 from kernels.gemv import GEMV_MAX_ROWS, _tile_counters
 from kernels.torch_quant import dequantize_weight_fp8_blocks, quantize_activation_fp8_blocks
+from kernels.w4a16_gemm import _interpreting
+
+if _interpreting():
+    DEVICE = "cpu"
+elif torch.cuda.is_available():
+    DEVICE = "cuda"  # compiled kernels (TRITON_INTERPRET=0)
+else:
+    pytest.skip("TRITON_INTERPRET=0 and no CUDA device", allow_module_level=True)
 
 
 def _weights(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -23,14 +32,14 @@ def _weights(n: int, k: int, block: tuple[int, int], seed: int) -> tuple[torch.T
     g = torch.Generator().manual_seed(seed)
     codes = (torch.randn(n, k, generator=g) * 120).clamp(-448, 448).to(torch.float8_e4m3fn)
     scales = torch.rand(-(-n // block[0]), -(-k // block[1]), generator=g) * 1e-3 + 1e-5
-    return codes, scales
+    return codes.to(DEVICE), scales.to(DEVICE)
 
 
 def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g) * 2
     x[:, 3] *= 30  # an outlier channel: its group's scale differs from the others'
-    return x.to(dtype)
+    return x.to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("m,n,k,block", [(1, 48, 64, (16, 32)), (5, 72, 80, (32, 16)), (3, 200, 300, (128, 128)),
@@ -39,7 +48,7 @@ def _x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 def test_matches_reference(m, n, k, block, dtype):
     seed = m * 1000 + n + k
     qweight, scales = _weights(n, k, block, seed)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEVICE)
     x = _x(m, k, dtype, seed + 2)
     y = fp8_block_linear(x, qweight, scales, block, bias)
     ref = ref_fp8_block_linear(x, qweight, scales, block, bias)
@@ -73,7 +82,7 @@ def test_gemv_matches_reference(m, n, k, block, split_k):
     dtype = (torch.float32, torch.bfloat16, torch.float16)[(m + n) % 3]
     seed = 100 * m + n + k + split_k
     qweight, scales = _weights(n, k, block, seed)
-    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEVICE)
     x = _x(m, k, dtype, seed + 2)
     cfg = GemvConfig(16, 32, split_k=split_k, num_warps=1, num_stages=1)
     y = fp8_block_linear(x, qweight, scales, block, bias, config=cfg)
@@ -98,7 +107,7 @@ def test_gemm_with_x_quantized_first(m, split_k):
     """The GEMM on the pre-pass's codes and scales (prequant), with and without split K, partial blocks and tiles."""
     block = (32, 32)
     qweight, scales = _weights(70, 150, block, 30 + m)
-    bias = torch.randn(70, generator=torch.Generator().manual_seed(31))
+    bias = torch.randn(70, generator=torch.Generator().manual_seed(31)).to(DEVICE)
     x = _x(m, 150, torch.float16, 32 + m)
     cfg = BlockConfig(16, 32, split_k=split_k, group_m=2, num_warps=1, num_stages=1, prequant=True)
     y = fp8_block_linear(x, qweight, scales, block, bias.half(), config=cfg)
@@ -145,7 +154,7 @@ def test_split_k_and_3d_input():
     block = (32, 32)
     qweight, scales = _weights(40, 160, block, 7)
     x = _x(6, 160, torch.float32, 8).reshape(2, 3, 160)
-    bias = torch.randn(40, generator=torch.Generator().manual_seed(9))
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     y = fp8_block_linear(x, qweight, scales, block, bias, config=BlockConfig(16, 16, split_k=3, group_m=2,
                                                                              num_warps=1, num_stages=1))
     ref = ref_fp8_block_linear(x, qweight, scales, block, bias)
@@ -157,8 +166,8 @@ def test_reference_is_the_block_formula():
     """The reference linear is y = sum over groups of x's group codes * x_scale times the weight's codes * its
     block's scale, written here element by element."""
     n, k, block = 20, 50, (8, 16)
-    qweight, scales = _weights(n, k, block, 3)
-    x = _x(4, k, torch.float32, 4)
+    qweight, scales = (t.cpu() for t in _weights(n, k, block, 3))  # torch only: on the CPU wherever the kernels run
+    x = _x(4, k, torch.float32, 4).cpu()
     w = torch.stack([torch.stack([qweight[i, j].float() * scales[i // 8, j // 16] for j in range(k)])
                      for i in range(n)])
     assert torch.equal(dequantize_weight_fp8_blocks(qweight, scales, block), w)
@@ -174,15 +183,16 @@ def test_reference_is_the_block_formula():
 def test_bad_inputs_are_named():
     qweight, scales = _weights(16, 64, (16, 32), 0)
     with pytest.raises(ValueError, match="input features"):
-        fp8_block_linear(torch.randn(2, 63), qweight, scales, (16, 32))
+        fp8_block_linear(torch.randn(2, 63, device=DEVICE), qweight, scales, (16, 32))
     with pytest.raises(ValueError, match=r"weight_scale is torch.float32 \(1, 2\); expected row-major float32 "
                                          r"\(1, 4\) \(one scale per 16 x 16 block"):
-        fp8_block_linear(torch.randn(2, 64), qweight, scales, (16, 16))
+        fp8_block_linear(torch.randn(2, 64, device=DEVICE), qweight, scales, (16, 16))
     with pytest.raises(ValueError, match="block width along K that is a power of two"):
-        fp8_block_linear(torch.randn(2, 64), qweight, scales, (16, 24))
+        fp8_block_linear(torch.randn(2, 64, device=DEVICE), qweight, scales, (16, 24))
     assert supports((128, 128)) and supports((1, 16)) and not supports((128, 96)) and not supports((128, 512))
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the executor here holds CPU weights (the interpreter's path)")
 def test_executor_runs_fp8_block_linears_on_the_kernel(monkeypatch):
     """An fp8_block linear of a graph runs the kernel on the kernel path (at one row and at many, a block width the
     kernel takes) and the torch reference otherwise (a block width it does not take), with the same logits."""
