@@ -174,6 +174,16 @@ def powers(base: int, limit: int) -> tuple[int, ...]:
     return tuple(sorted(set(out) | {limit}))
 
 
+def step_buckets(max_tokens: int, max_num_seqs: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
+                 seq_buckets: tuple[int, ...] | None = None) -> tuple[list[int], list[int]]:
+    """StepGraphs' (token buckets, sequence buckets): those given below the largest step, and the largest. Given the
+    lists this returns, it returns them again (a tensor-parallel worker rebuilds rank 0's buckets from them)."""
+    tokens = sorted({b for b in token_buckets if b < max_tokens} | {max_tokens})
+    top_seqs = min(max_num_seqs, max_tokens)
+    seq_buckets = powers(4, top_seqs) if seq_buckets is None else seq_buckets
+    return tokens, sorted({b for b in seq_buckets if b < top_seqs} | {top_seqs})
+
+
 @dataclass
 class PackedStep:
     """A step's sequences packed on the host: what the eager path turns into tensors and the step graphs copy
@@ -210,19 +220,19 @@ class StepGraphs:
 
     Every graph copies its logits into one static buffer [max sequences, vocab] outside the graphs' pool, so
     the pool holds one step's activations whatever the number of graphs; they are shared: replays are
-    stream-ordered and a step's logits are consumed before the next replay is queued."""
+    stream-ordered and a step's logits are consumed before the next replay is queued. ``logits=False``: no logits
+    rows, and no such buffer (a tensor-parallel worker's replicated lm_head is not run, as in DecodeGraphs)."""
 
     def __init__(self, executor: Executor, storage: PagedKVStorage, max_tokens: int, max_num_seqs: int,
                  max_seq_len: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
                  seq_buckets: tuple[int, ...] | None = None, capture: bool = True,
-                 capture_error_mode: str = "global") -> None:
+                 capture_error_mode: str = "global", logits: bool = True) -> None:
         self.executor, self.storage = executor, storage
-        self.token_buckets = sorted({b for b in token_buckets if b < max_tokens} | {max_tokens})
-        top_seqs = min(max_num_seqs, max_tokens)
-        seq_buckets = powers(4, top_seqs) if seq_buckets is None else seq_buckets
-        self.seq_buckets = sorted({b for b in seq_buckets if b < top_seqs} | {top_seqs})
+        self.token_buckets, self.seq_buckets = step_buckets(max_tokens, max_num_seqs, token_buckets, seq_buckets)
+        self.wants_logits = logits
         device = storage.device
         top_t, top_s = self.token_buckets[-1], self.seq_buckets[-1]
+        self.max_seq_len = max_seq_len
         self.max_blocks = -(-max_seq_len // storage.block_size)
         self.input_ids = torch.zeros(top_t, dtype=torch.long, device=device)
         self.positions = torch.zeros(top_t, dtype=torch.long, device=device)
@@ -232,7 +242,7 @@ class StepGraphs:
         self.seq_lens = torch.zeros(top_s, dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(top_s, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.zeros(top_s + 1, dtype=torch.int32, device=device)
-        self.logits: torch.Tensor | None = None  # [top_s, vocab], allocated at the first capture
+        self.logits: torch.Tensor | None = None  # [top_s, vocab] ([0, vocab] without logits), at the first capture
         pin = device.type == "cuda"
         # host staging, two sets used in turn: [ids | positions | slots | logits rows | fed rows | their targets],
         # [seq_lens | context_lens | cu_seqlens_q], block tables
@@ -259,7 +269,8 @@ class StepGraphs:
         md = PagedAttentionMetadata(self.storage.k, self.storage.v, self.slot_mapping[:t], self.block_tables[:s],
                                     self.seq_lens[:s], self.context_lens[:s], self.cu_seqlens_q[:s + 1],
                                     decode_only=False)
-        return StepInput(self.input_ids[:t], self.positions[:t], [], self.logits_index[:s], paged=md)
+        return StepInput(self.input_ids[:t], self.positions[:t], [], self.logits_index[:s if self.wants_logits else 0],
+                         paged=md)
 
     def _capture(self, t: int, s: int, pool, capture_error_mode: str) -> torch.cuda.CUDAGraph:
         log.debug("capturing the step of %d tokens over %d sequences", t, s)
@@ -279,7 +290,8 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         if self.logits is None:
-            self.logits = torch.empty(self.seq_buckets[-1], out.shape[1], dtype=out.dtype, device=out.device)
+            rows = self.seq_buckets[-1] if self.wants_logits else 0
+            self.logits = torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
         del out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
@@ -287,6 +299,13 @@ class StepGraphs:
         return graph
 
     def close(self) -> None:
+        """Destroy the graphs now (idempotent); as DecodeGraphs.close, after the work queued on the device: graphs
+        that recorded NCCL collectives (tensor parallelism) must go before the process group is left."""
+        if self._graphs:
+            try:
+                torch.cuda.synchronize(self.storage.device)
+            except RuntimeError as e:  # a failed device: the graphs still go
+                log.warning("closing the step graphs: %s", e)
         for graph in self._graphs.values():
             graph.reset()
         self._graphs.clear()

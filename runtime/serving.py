@@ -273,20 +273,20 @@ class ServingEngine:
         if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
             from runtime.cuda_graphs import DecodeGraphs, StepGraphs
 
-            graphs = DecodeGraphs
-            tp = getattr(self.executor, "tp_size", 1) > 1
-            if tp:  # every rank captures and replays its shard's step
+            graphs, step_graphs = DecodeGraphs, StepGraphs
+            if getattr(self.executor, "tp_size", 1) > 1:  # every rank captures and replays its shard's steps
                 from runtime.tensor_parallel import TPDecodeGraphs as graphs
+                from runtime.tensor_parallel import TPStepGraphs as step_graphs
             self.graphs = graphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
                                  self.scheduler_config.max_seq_len)
             max_tokens = min(config.prefill_graph_tokens, self.scheduler_config.max_num_batched_tokens)
-            if not tp and max_tokens > 1:  # (tensor parallelism: the ranks would need to replay in lockstep)
+            if max_tokens > 1:
                 max_rows = self.scheduler_config.max_num_seqs
                 spec = config.speculative
                 if spec.enabled:  # verify steps replay them too: k + 1 logits rows per speculating decode
                     max_rows = max(max_rows, min(max_rows, spec.max_running) * (spec.num_speculative_tokens + 1))
-                self.step_graphs = StepGraphs(self.executor, self.storage, max_tokens, max_rows,
-                                              self.scheduler_config.max_seq_len)
+                self.step_graphs = step_graphs(self.executor, self.storage, max_tokens, max_rows,
+                                               self.scheduler_config.max_seq_len)
             # decode-only steps are graph replays and much cheaper than eager ones that carry a prompt
             self.scheduler_config.prefill_hold_s = config.prefill_hold_ms / 1000
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
@@ -323,14 +323,14 @@ class ServingEngine:
         return (lambda: self.executor.failure) if hasattr(self.executor, "failure") else None
 
     def close(self) -> None:
-        """Release what outlives the object: the decode CUDA graphs and a tensor-parallel engine's worker
+        """Release what outlives the object: the decode and step CUDA graphs and a tensor-parallel engine's worker
         ranks (see Engine.close). The engine cannot step afterwards."""
         if self.graphs is not None:
             self._drop_inflight()
             self.graphs.close()  # before the ranks leave the process group: the graphs hold NCCL resources
             self.graphs = None
         if self.step_graphs is not None:
-            self.step_graphs.close()
+            self.step_graphs.close()  # likewise (tensor parallelism: every rank's step graphs record collectives)
             self.step_graphs = None
         if self._grammars is not None:
             self._grammars.close()

@@ -77,6 +77,7 @@ import torch.distributed as dist
 
 from runtime import collectives
 from runtime.artifact import Artifact, ArtifactError, open_artifact
+from runtime.cuda_graphs import PackedStep
 from runtime.executor import Executor, PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import MemoryPlan, fit_kv_blocks, least_kv_blocks, plan_budget, tensor_bytes
@@ -138,14 +139,19 @@ def torchrun_rank() -> int | None:
 # receiver reads on the host followed by data_len ints that stay on the device, back to back, broadcast as FIRST_INTS
 # ints (the tail unused when shorter) and, when longer, a second broadcast of the rest. Nothing is pickled.
 MAGIC = 0x54504D31  # "TPM1": the first field of every header (else the ranks' messages are out of step)
-KINDS = ("heartbeat", "stop", "step", "graphs", "replay", "plan")  # the "kind" field indexes this
-HEADER = ("magic", "kind", "flags", "meta_len", "data_len", "num_seqs", "num_tensors", "num_freed", "pool_blocks",
-          "block_size", "max_num_seqs", "max_seq_len", "gpu_memory_utilization", "kv_cache_bytes", "num_blocks")
+KINDS = ("heartbeat", "stop", "step", "graphs", "replay", "plan", "step_graphs", "step_replay")  # "kind" indexes this
+HEADER = ("magic", "kind", "flags", "meta_len", "data_len", "num_seqs", "num_tensors", "num_freed", "num_tokens",
+          "num_rows", "num_fed", "pool_blocks", "block_size", "max_num_seqs", "max_seq_len", "gpu_memory_utilization",
+          "kv_cache_bytes", "num_blocks")
 _H = {name: i for i, name in enumerate(HEADER)}
+_COUNTS = HEADER[_H["meta_len"]:_H["gpu_memory_utilization"]]  # counts and sizes: each in 0..MAX_MESSAGE_INTS
 FLAG_DECODE_ONLY = 1  # "step": paged metadata with one new token per sequence
 FLAG_PROFILE = 2  # "step": the memory plan's profiling step (every rank measures its activation peak)
+FLAG_CAPTURE = 4  # "step_graphs": capture CUDA graphs; without it every rank runs the padded steps eagerly (CPU)
+_FLAGS = {"step": (FLAG_DECODE_ONLY | FLAG_PROFILE, "bits 1 and 2"), "step_graphs": (FLAG_CAPTURE, "bit 4")}
 MAX_MESSAGE_INTS = 1 << 27  # a payload bound far past any step's (1 GiB of int64)
-FIRST_INTS = 8192  # a message's first broadcast (64 KiB): a decode replay of 64 sequences of 64 blocks takes 4,367
+FIRST_INTS = 8192  # a message's first broadcast (64 KiB): a decode replay of 64 sequences of 64 blocks takes 4,370; a
+# step replay of a 128-token prompt of 8 blocks beside 7 decodes of 64 blocks, 1,005
 # StepInput tensors, in this order when present: each one a record (name index in _PACKED, dtype index in _DTYPES,
 # ndim, dims padded to _MAX_DIMS) in meta, its values (as int64) in data
 _PACKED = ("input_ids", "positions", "logits_indices", "slot_mapping", "block_tables", "seq_lens", "context_lens",
@@ -166,8 +172,9 @@ class StepMessage:
     """What rank 0 broadcasts before each step, decoded; on the wire it is a fixed int64 header and one int64
     payload (``_encode``, ``_receive``; the module docstring lists the layout)."""
 
-    kind: str  # KINDS: "step", "graphs" (capture the decode graphs), "replay" (a decode graph), "plan" (the memory
-    # plan: every rank's KV block count), "heartbeat" or "stop"
+    kind: str  # KINDS: "step", "graphs" (capture the decode graphs), "replay" (a decode graph), "step_graphs" (capture
+    # the graphs of steps carrying prefill), "step_replay" (one of them), "plan" (the memory plan: every rank's KV
+    # block count), "heartbeat" or "stop"
     tensors: list[tuple[str, tuple[int, ...], torch.dtype]] = field(default_factory=list)  # packed order
     # per sequence: (num_context, num_new, kv) where kv is ("paged", block table) or ("seq", cache id, capacity)
     seqs: list[tuple] = field(default_factory=list)
@@ -181,13 +188,20 @@ class StepMessage:
     profile: bool = False  # "step": the memory plan's profiling step
     # "plan": (gpu_memory_utilization, kv_cache_bytes or None, num_blocks or None, block_size) of the ServingConfig
     plan: tuple[float, int | None, int | None, int] | None = None
+    # "step_graphs": rank 0's StepGraphs' (token buckets, sequence buckets), with ``graphs`` = (max rows, max_seq_len)
+    buckets: tuple[list[int], list[int]] | None = None
+    capture: bool = False  # "step_graphs": CUDA graphs, else the padded steps run eagerly (StepGraphs(capture=False))
+    packed: PackedStep | None = None  # "step_replay": the packed step, as StepGraphs.run takes it
+    # "step_replay": StepGraphs.run's feed (tokens, rows, packed rows): the tokens the step in flight sampled, on the
+    # device (sent and received: the payload's data), rows into them, the packed rows they go to; None: no feed
+    feed: tuple[torch.Tensor, list[int], list[int]] | None = None
 
 
 def _encode(msg: StepMessage, data_len: int) -> tuple[list[int], list[int]]:
     """(header, meta) of ``msg``; its data (``data_len`` ints: the step's tensors, a replay's ids) travels beside."""
     h = [0] * len(HEADER)
     h[_H["magic"]], h[_H["kind"]] = MAGIC, KINDS.index(msg.kind)
-    h[_H["flags"]] = FLAG_DECODE_ONLY * msg.decode_only | FLAG_PROFILE * msg.profile
+    h[_H["flags"]] = FLAG_DECODE_ONLY * msg.decode_only | FLAG_PROFILE * msg.profile | FLAG_CAPTURE * msg.capture
     if msg.paged_pool is not None:
         h[_H["pool_blocks"]], h[_H["block_size"]] = msg.paged_pool
     if msg.graphs is not None:
@@ -215,6 +229,19 @@ def _encode(msg: StepMessage, data_len: int) -> tuple[list[int], list[int]]:
         for t in tables:
             meta += t
         h[_H["num_seqs"]] = len(positions)
+    elif msg.kind == "step_graphs":
+        tokens, seqs = msg.buckets
+        meta = [*tokens, *seqs]
+        h[_H["num_tokens"]], h[_H["num_seqs"]] = len(tokens), len(seqs)
+    elif msg.kind == "step_replay":
+        step = msg.packed
+        _, rows, targets = msg.feed or (None, [], [])
+        meta = [*step.input_ids, *step.positions, *step.slots, *step.cu_seqlens_q, *step.context_lens,
+                *(len(t) for t in step.block_tables), *step.logits_rows, *rows, *targets]
+        for t in step.block_tables:
+            meta += t
+        h[_H["num_tokens"]], h[_H["num_seqs"]] = step.num_tokens, step.num_seqs
+        h[_H["num_rows"]], h[_H["num_fed"]] = len(step.logits_rows), len(rows)
     elif msg.kind == "plan":
         utilization, kv_cache_bytes, num_blocks, block_size = msg.plan
         h[_H["gpu_memory_utilization"]] = struct.unpack("<q", struct.pack("<d", utilization))[0]  # the float's bits
@@ -289,10 +316,10 @@ def _check_header(values: list[int]) -> dict[str, int]:
     if not 0 <= h["kind"] < len(KINDS):
         raise _bad("header field 'kind'", h["kind"], f"not a message kind: 0..{len(KINDS) - 1} for {', '.join(KINDS)}")
     kind = KINDS[h["kind"]]
-    if h["flags"] & ~(FLAG_DECODE_ONLY | FLAG_PROFILE) or (h["flags"] and kind != "step"):
-        raise _bad("header field 'flags'", h["flags"], f"a {kind!r} message takes "
-                                                       f"{'bits 1 and 2' if kind == 'step' else 'none'}")
-    for name in HEADER[3:12]:  # counts and sizes
+    flags, which = _FLAGS.get(kind, (0, "none"))
+    if h["flags"] & ~flags:
+        raise _bad("header field 'flags'", h["flags"], f"a {kind!r} message takes {which}")
+    for name in _COUNTS:
         if not 0 <= h[name] <= MAX_MESSAGE_INTS:
             raise _bad(f"header field {name!r}", h[name], f"must be in 0..{MAX_MESSAGE_INTS}")
     if h["meta_len"] + h["data_len"] > MAX_MESSAGE_INTS:
@@ -316,10 +343,26 @@ def _check_header(values: list[int]) -> dict[str, int]:
             raise _bad("header fields 'num_seqs', 'data_len', 'meta_len'",
                        (h["num_seqs"], h["data_len"], h["meta_len"]),
                        "a replay of n >= 1 sequences has n input ids and at least 3n meta ints")
-    elif kind == "graphs":
-        for name in ("pool_blocks", "block_size", "max_num_seqs", "max_seq_len"):
+    elif kind in ("graphs", "step_graphs"):
+        for name in ("pool_blocks", "block_size", "max_num_seqs", "max_seq_len") + \
+                (("num_tokens", "num_seqs") if kind == "step_graphs" else ()):
             if h[name] < 1:
-                raise _bad(f"header field {name!r}", h[name], "a 'graphs' message needs it >= 1")
+                raise _bad(f"header field {name!r}", h[name], f"a {kind!r} message needs it >= 1")
+        if kind == "step_graphs" and (h["data_len"] or h["meta_len"] != h["num_tokens"] + h["num_seqs"]):
+            raise _bad("header fields 'meta_len', 'data_len'", (h["meta_len"], h["data_len"]),
+                       f"a 'step_graphs' message has its {h['num_tokens']} token and {h['num_seqs']} sequence buckets "
+                       f"in its meta, and no data")
+    elif kind == "step_replay":
+        if h["num_tokens"] < 1 or h["num_seqs"] < 1:
+            raise _bad("header fields 'num_tokens', 'num_seqs'", (h["num_tokens"], h["num_seqs"]),
+                       "a step replay has at least one token and one sequence")
+        if (h["num_fed"] == 0) != (h["data_len"] == 0):
+            raise _bad("header fields 'num_fed', 'data_len'", (h["num_fed"], h["data_len"]),
+                       "fed rows take their tokens from the data, and only they do: both 0, or both >= 1")
+        fixed = 3 * h["num_tokens"] + 3 * h["num_seqs"] + 1 + h["num_rows"] + 2 * h["num_fed"]
+        if h["meta_len"] < fixed:
+            raise _bad("header field 'meta_len'", h["meta_len"], f"a step replay's records before its block tables "
+                                                                 f"alone take {fixed}")
     elif kind == "plan":
         utilization = struct.unpack("<d", struct.pack("<q", h["gpu_memory_utilization"]))[0]
         if not 0 < utilization <= 1:
@@ -377,6 +420,20 @@ def _decode(h: dict[str, int], meta: list[int], data: torch.Tensor | None) -> tu
         tables = [r.take(k, f"block table {i}") for i, k in enumerate(lengths)]
         r.end(kind)
         msg.replay = (data, positions, slots, tables)
+    elif kind == "step_graphs":
+        msg.graphs, msg.capture = (h["max_num_seqs"], h["max_seq_len"]), bool(h["flags"] & FLAG_CAPTURE)
+        r = _Reader(meta)
+        tokens, seqs = r.take(h["num_tokens"], "token buckets"), r.take(h["num_seqs"], "sequence buckets")
+        _increasing(tokens, "the token buckets")
+        _increasing(seqs, "the sequence buckets")
+        top = min(h["max_num_seqs"], tokens[-1])
+        if seqs[-1] != top:  # else a worker's StepGraphs would derive other buckets than rank 0's
+            raise _bad("the largest sequence bucket", seqs[-1], f"must be min(max_num_seqs {h['max_num_seqs']}, the "
+                                                                f"largest token bucket {tokens[-1]}) = {top}")
+        r.end(kind)
+        msg.buckets = (tokens, seqs)
+    elif kind == "step_replay":
+        msg.packed, msg.feed = _decode_step_replay(h, _Reader(meta), data)
     elif kind == "step":
         r = _Reader(meta)
         for i in range(h["num_tensors"]):
@@ -409,6 +466,36 @@ def _decode(h: dict[str, int], meta: list[int], data: torch.Tensor | None) -> tu
             raise _bad("header field 'data_len'", h["data_len"], f"the step's tensors hold {total} values")
         return msg, _unpack(msg.tensors, data)
     return msg, {}
+
+
+def _increasing(values: list[int], what: str) -> None:
+    """Raise unless ``values`` are bucket sizes: each >= 1, strictly increasing, at most MAX_MESSAGE_INTS."""
+    _in_range(values, 1, MAX_MESSAGE_INTS + 1, f"one of {what}")
+    if any(a >= b for a, b in zip(values, values[1:])):
+        raise _bad(what, values, "must increase strictly")
+
+
+def _decode_step_replay(h: dict[str, int], r: _Reader,
+                        data: torch.Tensor | None) -> tuple[PackedStep, tuple | None]:
+    """A "step_replay" payload's packed step and feed, each field checked against the header's counts; the worker
+    checks them against its captured buckets and its paged pool (``_WorkerState.step_replay``)."""
+    n, num_seqs, num_fed = h["num_tokens"], h["num_seqs"], h["num_fed"]
+    ids, positions, slots = r.take(n, "input ids"), r.take(n, "positions"), r.take(n, "slots")
+    cu, context = r.take(num_seqs + 1, "cu_seqlens_q"), r.take(num_seqs, "context lengths")
+    lengths, rows = r.take(num_seqs, "block table lengths"), r.take(h["num_rows"], "logits rows")
+    fed, targets = r.take(num_fed, "fed rows"), r.take(num_fed, "fed targets")
+    for values, what in ((ids, "input id"), (positions, "position"), (slots, "slot"),
+                         (context, "context length"), (lengths, "block table length")):
+        _in_range(values, 0, MAX_MESSAGE_INTS, f"a step replay's {what}")
+    if cu[0] != 0 or cu[-1] != n or any(a > b for a, b in zip(cu, cu[1:])):
+        raise _bad("a step replay's cu_seqlens_q", cu if len(cu) <= 16 else f"{cu[:8]}...{cu[-8:]}",
+                   f"must rise from 0 to its {n} tokens, never falling")
+    _in_range(rows, 0, n, "a step replay's logits row")
+    _in_range(fed, 0, h["data_len"], "a step replay's fed row (an index into its data's fed tokens)")
+    _in_range(targets, 0, n, "a step replay's fed target (a packed row)")
+    tables = [r.take(k, f"sequence {i}'s block table") for i, k in enumerate(lengths)]
+    r.end("step_replay")
+    return PackedStep(ids, positions, slots, cu, context, tables, rows), (data, fed, targets) if num_fed else None
 
 
 def _unpack(specs: list, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -655,6 +742,56 @@ class TPDecodeGraphs:
         return self.executor.locked(replay, "a decode graph replay")
 
 
+class TPStepGraphs:
+    """Steps carrying prefill in CUDA graphs on every rank (StepGraphs' interface, for ServingEngine on rank 0).
+
+    As TPDecodeGraphs: a "step_graphs" message carries rank 0's buckets (token and sequence buckets, max rows,
+    max_seq_len, the paged pool) and every rank captures its shard's StepGraphs for exactly those buckets, in the
+    same order (largest first), warm-ups included, so the collectives of each step line up across ranks. A run sends
+    the packed step and its feed in a "step_replay" message (the host fields in its meta, the fed tokens the step in
+    flight sampled as its data, never read back) and every rank stages it into its own static buffers and replays
+    the same graph. ``capture=False``: every rank runs the same padded steps eagerly (tests on the CPU)."""
+
+    def __init__(self, executor: TPExecutor, storage: PagedKVStorage, max_tokens: int, max_num_seqs: int,
+                 max_seq_len: int, token_buckets: tuple[int, ...] | None = None,
+                 seq_buckets: tuple[int, ...] | None = None, capture: bool = True) -> None:
+        from runtime.cuda_graphs import DEFAULT_STEP_TOKEN_BUCKETS, StepGraphs, step_buckets
+
+        self.executor = executor
+        tokens, seqs = step_buckets(max_tokens, max_num_seqs, token_buckets or DEFAULT_STEP_TOKEN_BUCKETS,
+                                    seq_buckets)
+        msg = StepMessage("step_graphs", paged_pool=(storage.num_blocks, storage.block_size),
+                          graphs=(max_num_seqs, max_seq_len), buckets=(tokens, seqs), capture=capture)
+
+        def capture_all():
+            _send(msg, [], executor.spec)
+            return StepGraphs(executor.local, storage, max_tokens, max_num_seqs, max_seq_len, tokens, seqs,
+                              capture=capture, capture_error_mode=CAPTURE_MODE)
+
+        self.local = executor.locked(capture_all, "capturing the step CUDA graphs")
+        self.token_buckets, self.seq_buckets = self.local.token_buckets, self.local.seq_buckets
+
+    def bucket_for(self, num_tokens: int, num_seqs: int, num_rows: int = 0) -> tuple[int, int] | None:
+        return self.local.bucket_for(num_tokens, num_seqs, num_rows)
+
+    def close(self) -> None:
+        """Rank 0's graphs, as TPDecodeGraphs.close: the workers destroy theirs when told to stop; after a rank died
+        they are left as they are."""
+        if self.executor.failure is not None:
+            log.warning("tensor parallel: the step graphs are left as they are (%s)", self.executor.failure)
+            return
+        self.local.close()
+
+    def run(self, step: PackedStep, feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:
+        msg = StepMessage("step_replay", packed=step, feed=feed)
+
+        def replay() -> torch.Tensor:
+            _send(msg, [feed[0]] if feed is not None else [], self.executor.spec)
+            return self.local.run(step, feed)
+
+        return self.executor.locked(replay, "a step graph replay")
+
+
 def _close_at_exit(ref: weakref.ref) -> None:
     executor = ref()
     if executor is not None:
@@ -679,16 +816,18 @@ class _WorkerState:
         self.layout = executor.kv_layout()
         self.storage: PagedKVStorage | None = None
         self.graphs = None  # DecodeGraphs, once rank 0 asks for them
+        self.step_graphs = None  # StepGraphs, likewise
         self.caches: dict[int, SequenceKV] = {}
         self.workspace = 0  # activation peak of the memory plan's profiling step (CUDA), bytes
         # with a replicated lm_head no worker needs logits (its eager steps and decode graphs skip the lm_head's
         # GEMM, a full read of it per step); vocab-parallel logits are gathered by every rank
         self.no_logits = not any(n["op"] == "all_gather" for n in executor.graph["nodes"])
+        self.vocab_size = int(executor.graph.get("meta", {}).get("vocab_size", 0)) or MAX_MESSAGE_INTS
 
     def _paged_storage(self, pool: tuple[int, int] | None) -> None:
         if pool is not None and (self.storage is None or (self.storage.num_blocks, self.storage.block_size) != pool):
             self.storage = PagedKVStorage(self.layout, *pool, self.spec.device)
-            self.graphs = None  # captured over the old storage
+            self.graphs = self.step_graphs = None  # captured over the old storage
 
     def capture_graphs(self, msg: StepMessage) -> None:
         from runtime.cuda_graphs import DecodeGraphs
@@ -708,6 +847,43 @@ class _WorkerState:
             _in_range([len(table)], 0, self.graphs.max_blocks + 1, "a replay's block table length")
             _in_range(table, 0, self.storage.num_blocks, "a block of a replay's table")
         self.graphs.run(input_ids, positions, slots, tables)
+
+    def capture_step_graphs(self, msg: StepMessage) -> None:
+        """Rank 0's StepGraphs' buckets over this rank's shard and pool, in the same order (StepGraphs captures
+        the keys largest first), so that each capture's collectives meet rank 0's."""
+        from runtime.cuda_graphs import StepGraphs
+
+        self._paged_storage(msg.paged_pool)
+        tokens, seqs = msg.buckets
+        max_rows, max_seq_len = msg.graphs
+        self.step_graphs = StepGraphs(self.executor, self.storage, tokens[-1], max_rows, max_seq_len, tokens, seqs,
+                                      capture=msg.capture, capture_error_mode=CAPTURE_MODE,
+                                      logits=not self.no_logits)
+        assert (self.step_graphs.token_buckets, self.step_graphs.seq_buckets) == (tokens, seqs), \
+            "a worker's step buckets must be rank 0's"
+
+    def step_replay(self, msg: StepMessage) -> None:
+        """Check the packed step against the captured buckets and this rank's pool, then run it as rank 0 does."""
+        graphs, step = self.step_graphs, msg.packed
+        if graphs is None:
+            raise StepMessageError("a 'step_replay' message before any 'step_graphs' message: this rank has no step "
+                                   "graphs")
+        counts = (step.num_tokens, step.num_seqs, len(step.logits_rows))
+        if graphs.bucket_for(*counts) is None:
+            raise _bad("a step replay's (num_tokens, num_seqs, num_rows)", counts,
+                       f"no captured bucket holds it: token buckets {graphs.token_buckets}, sequence buckets "
+                       f"{graphs.seq_buckets} (at most the token bucket; they bound the logits rows too)")
+        block_size, num_blocks = self.storage.block_size, self.storage.num_blocks
+        _in_range(step.input_ids, 0, self.vocab_size, "a step replay's input id")
+        _in_range(step.positions, 0, graphs.max_blocks * block_size, "a step replay's position")
+        _in_range(step.slots, 0, num_blocks * block_size, "a step replay's slot")
+        for i, (table, seq_len) in enumerate(zip(step.block_tables, step.seq_lens)):
+            _in_range([len(table)], 0, graphs.max_blocks + 1, f"a step replay's sequence {i}'s block table length")
+            _in_range(table, 0, num_blocks, f"a block of a step replay's sequence {i}'s table")
+            if seq_len > len(table) * block_size:
+                raise _bad(f"a step replay's sequence {i}'s length (context + new tokens)", seq_len,
+                           f"its table of {len(table)} blocks holds {len(table) * block_size} tokens")
+        graphs.run(step, msg.feed)
 
     def profile(self, msg: StepMessage, t: dict[str, torch.Tensor]) -> None:
         """The memory plan's profiling step: on CUDA measured as ServingEngine measures rank 0's (the activation
@@ -776,8 +952,9 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
             log.error("tensor-parallel rank %d lost rank 0 (%s: %s); exiting", spec.rank, type(e).__name__, e)
             return 1
         if msg.kind == "stop":
-            if state.graphs is not None:  # before leaving the process group: they hold NCCL resources
-                state.graphs.close()
+            for graphs in (state.graphs, state.step_graphs):  # before leaving the process group: NCCL resources
+                if graphs is not None:
+                    graphs.close()
             return 0
         try:
             if msg.kind == "step":
@@ -789,6 +966,10 @@ def serve_steps(executor: Executor, spec: RankSpec) -> int:
                 state.capture_graphs(msg)
             elif msg.kind == "replay":
                 state.replay(msg)
+            elif msg.kind == "step_graphs":
+                state.capture_step_graphs(msg)
+            elif msg.kind == "step_replay":
+                state.step_replay(msg)
             elif msg.kind == "plan":
                 try:
                     blocks = state.kv_blocks(msg)
