@@ -1,32 +1,40 @@
 """Tensor parallelism on CPU: a TP=2 artifact run by two gloo ranks (this process and a spawned worker)
-against the TP=1 artifact of the same checkpoint, for bf16 and GPTQ 4-bit; the manifest; a killed worker;
-the step message's wire format and its malformed headers; torchrun over two nodes (two launchers on this
-host); the memory plan's least block count across ranks."""
+against the TP=1 artifact of the same checkpoint, for bf16 and GPTQ 4-bit; steps carrying prefill through every
+rank's StepGraphs (the kernels under TRITON_INTERPRET=1); the manifest; a killed worker; the step message's wire
+format and its malformed headers and payloads; torchrun over two nodes (two launchers on this host); the memory
+plan's least block count across ranks."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
 import os
-import signal
-import time
-from pathlib import Path
 
-import pytest
-import torch
-from safetensors import safe_open
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the step graphs' padded steps run the kernels (spawned ranks too)
 
-from builder.pipeline import build
-from builder.recipe import validate_recipe
-from runtime import Engine, SamplingParams
-from runtime.artifact import ArtifactError, open_artifact
-from runtime.executor import SeqSlice, StepInput
-from runtime.kv_cache import KVLayout
-from runtime.memory import MemoryPlanError, least_kv_blocks, plan_kv_blocks
-from runtime.serving import ServingConfig, ServingEngine
-from runtime.tensor_parallel import (FIRST_INTS, HEADER, MAGIC, StepMessage, StepMessageError, WorkerFailure,
-                                     _check_header, _decode, _encode, check_devices)
+import contextlib  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import signal  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+
+from builder.pipeline import build  # noqa: E402
+from builder.recipe import validate_recipe  # noqa: E402
+from conftest import make_checkpoint  # noqa: E402
+from runtime import Engine, SamplingParams  # noqa: E402
+from runtime.artifact import ArtifactError, open_artifact  # noqa: E402
+from runtime.cuda_graphs import PackedStep, StepGraphs  # noqa: E402
+from runtime.executor import SeqSlice, StepInput  # noqa: E402
+from runtime.kv_cache import KVLayout  # noqa: E402
+from runtime.memory import MemoryPlanError, least_kv_blocks, plan_kv_blocks  # noqa: E402
+from runtime.paged_kv import PagedKVStorage  # noqa: E402
+from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
+from runtime.tensor_parallel import (FIRST_INTS, HEADER, MAGIC, StepMessage, StepMessageError,  # noqa: E402
+                                     TPStepGraphs, WorkerFailure, _check_header, _decode, _encode, _WorkerState,
+                                     check_devices)
 
 PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 PROMPTS = ["def fibonacci(n):", "import os\nclass Config:"]
@@ -122,6 +130,90 @@ def test_two_gloo_ranks_match_one_rank(method, built):
             assert torch.equal(two.executor.profile_forward(steps[0]), two.executor.forward(steps[1]))
 
 
+@pytest.fixture(scope="module")
+def kernel_built(tmp_path_factory) -> dict[int, Path]:
+    """tp_size -> fp32 artifact of a one-layer Llama with head_dim 32 (the kernels take 32 and up): two heads and two
+    kv heads, one of each per rank at TP=2. One layer: every step's kernels run under the interpreter, on both ranks."""
+    root = tmp_path_factory.mktemp("tp-kernels")
+    checkpoint = make_checkpoint(root / "ckpt", "llama", seed=2, num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2)  # seed 2: greedy tokens that change along the way
+    return {tp: _build(checkpoint, root / f"tp{tp}", "float32", tp) for tp in (1, 2)}
+
+
+class _NoDecodeGraphs:
+    """No decode graphs (they need a GPU), yet the overlapped pipeline on: every step goes through the step graphs,
+    and steps launched ahead take the tokens the step in flight sampled from the device (StepGraphs.run's feed)."""
+
+    def bucket_for(self, num_seqs: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def test_steps_carrying_prefill_replay_every_ranks_step_graphs_as_one_rank(kernel_built, monkeypatch, capfd):
+    """A TP=2 serving engine whose steps go through TPStepGraphs (each rank's StepGraphs runs its padded step
+    eagerly here; on CUDA it replays the captured graph of exactly that step) gives the TP=1 reference path's greedy
+    tokens and logprobs: prompts padded to their token and sequence buckets, one prefilled in chunks; without logprobs
+    the steps run ahead and decodes are fed the tokens in flight. Every step is one 'step_replay' message, after one 'step_graphs'; then a replay naming a
+    block past the pool makes the worker exit, naming the field, and fails the engine."""
+    import runtime.tensor_parallel as tp
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
+    with loaded(kernel_built[1]) as one:
+        texts = ["def fibonacci(n):", "import os\nclass Config:", "x = [1, 2, 3]\nfor i in x:\n    print(i)\n" * 2]
+        prompts = [one.tokenizer.encode(p) for p in texts]
+        assert max(map(len, prompts)) > 32, "one prompt must be prefilled in chunks"
+        wants = [one.generate(p, params) for p in prompts]
+    engine = Engine.load(kernel_built[2], use_kernels=True)
+    try:
+        serving = ServingEngine(engine, ServingConfig(num_blocks=16, max_num_seqs=4, max_num_batched_tokens=32))
+        kinds: list[str] = []
+        real_send = tp._send
+        monkeypatch.setattr(tp, "_send", lambda msg, data, spec: (kinds.append(msg.kind), real_send(msg, data, spec)))
+        serving.step_graphs = graphs = TPStepGraphs(engine.executor, serving.storage, 32, 4, 128,
+                                                    token_buckets=(8, 16, 32), capture=False)
+        assert (graphs.token_buckets, graphs.seq_buckets) == ([8, 16, 32], [1, 4])
+        serving.graphs = _NoDecodeGraphs()
+        runs, real_run = [], graphs.run
+
+        def spy(step, feed=None):
+            runs.append((step.num_tokens, step.num_seqs, len(step.logits_rows), 0 if feed is None else len(feed[1])))
+            return real_run(step, feed)
+
+        graphs.run = spy
+        outs = serving.run(prompts, params)
+        for out, want in zip(outs, wants):
+            assert out.token_ids == want.token_ids
+            got = torch.tensor([lp.logprob for lp in out.logprobs])
+            assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
+        assert kinds == ["step_graphs"] + ["step_replay"] * len(runs), kinds  # no eager "step" message
+        assert any(t > s and t not in graphs.token_buckets for t, s, _, _ in runs), runs  # prefill, padded
+        assert any(s not in graphs.seq_buckets for _, s, _, _ in runs), runs  # sequences padded too
+        assert (32, 3, 2, 0) in runs  # the first step: two prompts whole, the third's first chunk (no logits row)
+        assert serving.kv.pool.num_free == serving.kv.pool.num_blocks
+        runs.clear()  # without logprobs the steps run ahead of the host: decodes take their tokens from the device
+        plain = SamplingParams(max_tokens=6, ignore_eos=True)
+        assert [o.token_ids for o in serving.run(prompts, plain)] == [w.token_ids for w in wants]
+        assert max(fed for _, _, _, fed in runs) > 1, runs
+        assert kinds == ["step_graphs"] + ["step_replay"] * (len(kinds) - 1)
+        assert serving.kv.pool.num_free == serving.kv.pool.num_blocks
+
+        # a step replay that passes rank 0's checks of the message but names a block past the worker's pool
+        step = PackedStep([5, 6], [0, 1], [0, 1], [0, 2], [0], [[16]], [1])
+        engine.executor.locked(lambda: real_send(StepMessage("step_replay", packed=step), [], engine.executor.spec),
+                               "a malformed step replay")
+        deadline = time.monotonic() + 30
+        while engine.executor.failure is None and time.monotonic() < deadline:  # the sentinel thread sees it exit
+            time.sleep(0.02)
+        with pytest.raises(WorkerFailure, match=r"worker rank 1 \(pid \d+\) exited with exit code 1"):
+            engine.generate("def", SamplingParams(max_tokens=2))
+        assert "tensor-parallel rank 1: malformed message from tensor-parallel rank 0: a block of a step replay's " \
+               "sequence 0's table is 16 (must be in 0..15); exiting" in capfd.readouterr().err
+    finally:
+        engine.close()
+
+
 def test_under_torchrun_rank_0_generates_and_the_others_serve_steps(built, tmp_path):
     import subprocess
     import sys
@@ -213,6 +305,13 @@ def _step_message() -> tuple[StepMessage, list[torch.Tensor]]:
     return msg, list(tensors.values())
 
 
+def _packed_step() -> PackedStep:
+    """A step of a 5-token prompt chunk (after 16 cached tokens) beside two decodes, the second's token in flight."""
+    return PackedStep(input_ids=[9, 8, 7, 6, 5, 41, 0], positions=[16, 17, 18, 19, 20, 3, 30],
+                      slots=[48, 49, 50, 51, 52, 67, 94], cu_seqlens_q=[0, 5, 6, 7], context_lens=[16, 3, 30],
+                      block_tables=[[2, 3], [4], [1, 5]], logits_rows=[4, 5, 6])
+
+
 def test_every_message_kind_round_trips_through_ints():
     msg, data = _step_message()
     header, meta, flat = _wire(msg, data)
@@ -238,6 +337,24 @@ def test_every_message_kind_round_trips_through_ints():
         got, _ = _received(header, meta, flat)
         assert (got.kind, got.paged_pool, got.graphs, got.plan) == (msg.kind, msg.paged_pool, msg.graphs, msg.plan)
 
+    for capture in (True, False):
+        msg = StepMessage("step_graphs", paged_pool=(40, 16), graphs=(8, 128), buckets=([16, 32, 48], [1, 4, 8]),
+                          capture=capture)
+        header, meta, flat = _wire(msg, [])
+        assert meta == [16, 32, 48, 1, 4, 8] and not flat.numel()
+        got, _ = _received(header, meta, flat)
+        assert (got.kind, got.paged_pool, got.graphs, got.buckets, got.capture) == \
+            ("step_graphs", (40, 16), (8, 128), ([16, 32, 48], [1, 4, 8]), capture)
+    step, tokens = _packed_step(), torch.tensor([70, 71, 72])
+    for feed in (None, (tokens, [2], [6])):
+        msg = StepMessage("step_replay", packed=step, feed=feed)
+        got, _ = _received(*_wire(msg, [tokens] if feed else []))
+        assert got.kind == "step_replay" and got.packed == step
+        if feed is None:
+            assert got.feed is None
+        else:
+            assert torch.equal(got.feed[0], tokens) and got.feed[1:] == ([2], [6])
+
 
 def test_send_and_receive_over_a_loopback_broadcast(monkeypatch):
     """``_send``'s broadcasts, replayed into ``_receive``: one of FIRST_INTS for a heartbeat, a step and a replay (its
@@ -257,13 +374,19 @@ def test_send_and_receive_over_a_loopback_broadcast(monkeypatch):
     # tables of t blocks: the meta (6 + t) and the first input id fill the first broadcast, the second id is past it
     t = tp.FIRST_INTS - len(HEADER) - 6 - 1
     wide_ids = torch.randint(0, 500, (2,), generator=gen)
+    # a step replay: with its fed tokens (the data), and a prompt whose ids, positions and slots alone run past it
+    step, fed = _packed_step(), torch.tensor([70, 71, 72])
+    m = tp.FIRST_INTS // 2
+    long_step = PackedStep(list(range(m)), list(range(m)), list(range(m)), [0, m], [0], [[1] * (m // 16)], [m - 1])
     for sent_msg, sent_data, count in [(StepMessage("heartbeat"), [], 1), (msg, data, 1),
                                        (StepMessage("replay", replay=(ids, *replay)), [ids], 1),
                                        (StepMessage("replay", replay=([11, 12], *replay)), [[11, 12]], 1),
                                        (StepMessage("replay", replay=(long_ids, *long_replay)), [long_ids], 2),
                                        (StepMessage("replay", replay=(wide_ids, [4, 9], [68, 9],
                                                                       [[1] * (t // 2), [2] * (t - t // 2)])),
-                                        [wide_ids], 2)]:
+                                        [wide_ids], 2),
+                                       (StepMessage("step_replay", packed=step, feed=(fed, [2], [6])), [fed], 1),
+                                       (StepMessage("step_replay", packed=long_step), [], 2)]:
         wire: list[torch.Tensor] = []
         monkeypatch.setattr(tp.dist, "broadcast", lambda t, src: wire.append(t.clone()))
         tp._send(sent_msg, sent_data, spec)
@@ -278,6 +401,11 @@ def test_send_and_receive_over_a_loopback_broadcast(monkeypatch):
         if got.kind == "replay":
             sent_ids = sent_data[0] if isinstance(sent_data[0], torch.Tensor) else torch.tensor(sent_data[0])
             assert torch.equal(got.replay[0], sent_ids) and got.replay[1:] == sent_msg.replay[1:]
+        if got.kind == "step_replay":
+            assert got.packed == sent_msg.packed
+            assert (got.feed is None) == (sent_msg.feed is None)
+            if got.feed is not None:
+                assert torch.equal(got.feed[0], fed) and got.feed[1:] == ([2], [6])
 
 
 def _field(header: list[int], name: str, value: int) -> list[int]:
@@ -286,7 +414,8 @@ def _field(header: list[int], name: str, value: int) -> list[int]:
 
 @pytest.mark.parametrize("name, value, error", [
     ("magic", 1234, r"'magic' is 0x4d2 \(expected 0x54504d31: the ranks' messages are out of step"),
-    ("kind", 17, r"'kind' is 17 \(not a message kind: 0\.\.5 for heartbeat, stop, step, graphs, replay, plan\)"),
+    ("kind", 17, r"'kind' is 17 \(not a message kind: 0\.\.7 for heartbeat, stop, step, graphs, replay, plan, "
+                 r"step_graphs, step_replay\)"),
     ("kind", -1, r"'kind' is -1"),
     ("flags", 8, r"'flags' is 8 \(a 'step' message takes bits 1 and 2\)"),
     ("num_seqs", -3, r"'num_seqs' is -3 \(must be in 0\.\.134217728\)"),
@@ -339,6 +468,122 @@ def test_malformed_headers_of_each_kind_and_payloads_that_disagree_with_them():
         _received(_field(header, "meta_len", len(meta) - 1), meta[:-1], flat)
 
 
+def _fed_replay() -> tuple[list[int], list[int], torch.Tensor]:
+    step, tokens = _packed_step(), torch.tensor([70, 71, 72])
+    return _wire(StepMessage("step_replay", packed=step, feed=(tokens, [2], [6])), [tokens])
+
+
+def _meta_field(meta: list[int], at: int, value: int) -> list[int]:
+    return [value if i == at else v for i, v in enumerate(meta)]
+
+
+def test_malformed_step_graphs_and_step_replay_messages_are_refused_naming_the_field():
+    header, meta, flat = _wire(StepMessage("step_graphs", paged_pool=(40, 16), graphs=(8, 128),
+                                           buckets=([16, 32], [1, 4, 8]), capture=True), [])
+    with pytest.raises(StepMessageError, match=r"'flags' is 1 \(a 'step_graphs' message takes bit 4\)"):
+        _check_header(_field(header, "flags", 1))
+    with pytest.raises(StepMessageError, match=r"'num_seqs' is 0 \(a 'step_graphs' message needs it >= 1\)"):
+        _check_header(_field(header, "num_seqs", 0))
+    with pytest.raises(StepMessageError, match=r"'meta_len', 'data_len' is \(5, 1\) \(a 'step_graphs' message has "
+                                               r"its 2 token and 3 sequence buckets in its meta, and no data\)"):
+        _check_header(_field(header, "data_len", 1))
+    with pytest.raises(StepMessageError, match=r"the token buckets is \[32, 16\] \(must increase strictly\)"):
+        _received(header, [32, 16, 1, 4, 8], flat)
+    with pytest.raises(StepMessageError, match=r"one of the sequence buckets is 0 \(must be in 1\.\.134217728\)"):
+        _received(header, [16, 32, 0, 4, 8], flat)
+    with pytest.raises(StepMessageError, match=r"the largest sequence bucket is 16 \(must be min\(max_num_seqs 8, the "
+                                               r"largest token bucket 32\) = 8\)"):
+        _received(header, [16, 32, 1, 4, 16], flat)
+
+    header, meta, flat = _fed_replay()
+    assert _received(header, meta, flat)[0].packed == _packed_step()
+    with pytest.raises(StepMessageError, match=r"'num_tokens', 'num_seqs' is \(0, 3\) \(a step replay has at least "
+                                               r"one token and one sequence\)"):
+        _check_header(_field(header, "num_tokens", 0))
+    with pytest.raises(StepMessageError, match=r"'num_fed', 'data_len' is \(0, 3\) \(fed rows take their tokens from "
+                                               r"the data, and only they do"):
+        _check_header(_field(header, "num_fed", 0))
+    with pytest.raises(StepMessageError, match=r"'meta_len' is 20 \(a step replay's records before its block tables "
+                                               r"alone take 36\)"):
+        _check_header(_field(header, "meta_len", 20))
+    # meta: ids [0, 7), positions [7, 14), slots [14, 21), cu_seqlens_q [21, 25), context lengths [25, 28), table
+    # lengths [28, 31), logits rows [31, 34), fed row 34, fed target 35, tables [36, 41)
+    for at, value, error in [
+        (22, 8, r"a step replay's cu_seqlens_q is \[0, 8, 6, 7\] \(must rise from 0 to its 7 tokens, never falling\)"),
+        (24, 6, r"a step replay's cu_seqlens_q is \[0, 5, 6, 6\] \(must rise from 0 to its 7 tokens"),
+        (8, -1, r"a step replay's position is -1 \(must be in 0\.\.134217727\)"),
+        (33, 7, r"a step replay's logits row is 7 \(must be in 0\.\.6\)"),
+        (34, 3, r"a step replay's fed row \(an index into its data's fed tokens\) is 3 \(must be in 0\.\.2\)"),
+        (35, 7, r"a step replay's fed target \(a packed row\) is 7 \(must be in 0\.\.6\)"),
+        (28, 3, r"the payload's sequence 2's block table is past its end \(41 meta ints\)"),
+    ]:
+        with pytest.raises(StepMessageError, match=error):
+            _received(header, _meta_field(meta, at, value), flat)
+    with pytest.raises(StepMessageError, match=r"'meta_len' is 41 \(the 'step_replay' message's records take 40\)"):
+        _received(header, _meta_field(meta, 28, 1), flat)
+
+
+def _worker_state(no_logits: bool = True) -> _WorkerState:
+    """A worker's state over a CPU pool of 16 blocks of 4 tokens, as rank 0's 'step_graphs' message left it (the
+    padded steps eager: no executor runs in these checks)."""
+    state = _WorkerState.__new__(_WorkerState)
+    state.executor, state.spec = None, None
+    state.storage = PagedKVStorage(KVLayout(num_kv_heads=[1], head_dim=[8], dtype=torch.float32), 16, 4, "cpu")
+    state.graphs = state.step_graphs = None
+    state.no_logits, state.vocab_size = no_logits, 100
+    return state
+
+
+def test_a_worker_captures_rank_0s_step_buckets_and_checks_each_replay_against_them_and_its_pool():
+    rank0 = StepGraphs(None, _worker_state().storage, 24, 6, 32, token_buckets=(8, 16), capture=False)
+    msg = StepMessage("step_graphs", paged_pool=(16, 4), graphs=(6, 32),
+                      buckets=(rank0.token_buckets, rank0.seq_buckets), capture=False)
+    msg, _ = _received(*_wire(msg, []))
+    for no_logits in (True, False):  # a replicated lm_head: no logits rows; vocab-parallel: every rank gathers them
+        state = _worker_state(no_logits)
+        with pytest.raises(StepMessageError, match="a 'step_replay' message before any 'step_graphs' message"):
+            state.step_replay(StepMessage("step_replay", packed=_packed_step()))
+        storage = state.storage
+        state.capture_step_graphs(msg)
+        graphs = state.step_graphs
+        assert state.storage is storage  # the same pool: kept
+        assert (graphs.token_buckets, graphs.seq_buckets) == (rank0.token_buckets, rank0.seq_buckets) == \
+            ([8, 16, 24], [1, 4, 6])
+        assert graphs.wants_logits is not no_logits and graphs.max_blocks == 8
+
+    ran = []
+    state.step_graphs.run = lambda step, feed: ran.append((step, feed))
+    tables = [[2, 3, 12, 13, 14, 15], [4], [1, 5, 6, 7, 8, 9, 10, 11]]  # blocks of 4 tokens: 21, 4 and 31 tokens
+    good = PackedStep(**{**_packed_step().__dict__, "block_tables": tables, "slots": [56, 57, 58, 59, 60, 19, 46]})
+    feed = (torch.tensor([70, 71, 72]), [2], [6])
+    state.step_replay(StepMessage("step_replay", packed=good, feed=feed))
+    assert ran == [(good, feed)]
+
+    def bad(**fields) -> StepMessage:
+        step = PackedStep(**{**good.__dict__, **fields})
+        return StepMessage("step_replay", packed=step)
+
+    for msg, error in [
+        (bad(input_ids=list(range(30)), positions=[0] * 30, slots=[0] * 30, cu_seqlens_q=[0, 28, 29, 30]),
+         r"a step replay's \(num_tokens, num_seqs, num_rows\) is \(30, 3, 3\) \(no captured bucket holds it: token "
+         r"buckets \[8, 16, 24\], sequence buckets \[1, 4, 6\]"),
+        (bad(logits_rows=[0] * 7), r"is \(7, 3, 7\) \(no captured bucket holds it"),
+        (bad(input_ids=[9, 8, 7, 6, 5, 100, 0]), r"a step replay's input id is 100 \(must be in 0\.\.99\)"),
+        (bad(positions=[16, 17, 18, 19, 20, 3, 32]), r"a step replay's position is 32 \(must be in 0\.\.31\)"),
+        (bad(slots=[56, 57, 58, 59, 64, 19, 46]), r"a step replay's slot is 64 \(must be in 0\.\.63\)"),
+        (bad(block_tables=[[2, 3, 12, 13, 14, 15], [16], [1]]),
+         r"a block of a step replay's sequence 1's table is 16 \(must be in 0\.\.15\)"),
+        (bad(block_tables=[[2, 3, 12, 13, 14, 15], [4], [0] * 9]),
+         r"a step replay's sequence 2's block table length is 9 \(must be in 0\.\.8\)"),
+        (bad(block_tables=[[2, 3, 12, 13], [4], [1]]),
+         r"a step replay's sequence 0's length \(context \+ new tokens\) is 21 \(its table of 4 blocks holds 16 "
+         r"tokens\)"),
+    ]:
+        with pytest.raises(StepMessageError, match=error):
+            state.step_replay(msg)
+    assert len(ran) == 1
+
+
 def test_a_worker_sent_a_malformed_header_exits_and_the_engine_fails(built):
     import torch.distributed as dist
 
@@ -352,7 +597,7 @@ def test_a_worker_sent_a_malformed_header_exits_and_the_engine_fails(built):
         while engine.executor.failure is None and time.monotonic() < deadline:  # the sentinel thread sees it exit
             time.sleep(0.02)
         # its log: "tensor-parallel rank 1: malformed message from tensor-parallel rank 0: header field 'kind' is 99
-        # (not a message kind: 0..5 for heartbeat, stop, step, graphs, replay, plan); exiting"
+        # (not a message kind: 0..7 for heartbeat, stop, step, graphs, replay, plan, step_graphs, step_replay); exiting"
         with pytest.raises(WorkerFailure, match=r"worker rank 1 \(pid \d+\) exited with exit code 1"):
             engine.generate("def", SamplingParams(max_tokens=2))
 
