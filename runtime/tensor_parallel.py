@@ -18,22 +18,29 @@ The message (``_send`` / ``_receive``): nothing is pickled; the header and its p
 rank's device (NCCL on CUDA), in one broadcast of FIRST_INTS ints (the tail unused) and a second of the rest only
 when the message is longer (a step carrying long prompts, a replay with long block tables):
 
-    header  [len(HEADER)]  magic, kind (index in KINDS), flags (decode_only, profile), meta_len, data_len,
-                           num_seqs, num_tensors, num_freed, paged pool (num_blocks, block_size), graphs
-                           (max_num_seqs, max_seq_len), plan (gpu_memory_utilization as float64 bits,
-                           kv_cache_bytes, num_blocks; -1: not given)
+    header  [len(HEADER)]  magic, kind (index in KINDS), flags (decode_only, profile; capture), meta_len, data_len,
+                           num_seqs, num_tensors, num_freed, num_tokens, num_rows, num_fed, paged pool (num_blocks,
+                           block_size), graphs (max_num_seqs, max_seq_len), plan (gpu_memory_utilization as
+                           float64 bits, kv_cache_bytes, num_blocks; -1: not given)
     payload [meta_len + data_len]
       meta, read on the host:
-        "step":    per tensor (name index in _PACKED, dtype index in _DTYPES, ndim, 2 dims); per sequence
-                   (num_context, num_new, 0 = paged | 1 = contiguous, table length | cache id, 0 | capacity);
-                   freed cache ids; the paged sequences' block tables, back to back
-        "replay":  positions [n], slots [n], block table lengths [n], the tables back to back
-      data, left on the device: the step's tensors as int64, in order ("step"); the input ids [n] ("replay")
+        "step":        per tensor (name index in _PACKED, dtype index in _DTYPES, ndim, 2 dims); per sequence
+                       (num_context, num_new, 0 = paged | 1 = contiguous, table length | cache id, 0 | capacity);
+                       freed cache ids; the paged sequences' block tables, back to back
+        "replay":      positions [n], slots [n], block table lengths [n], the tables back to back
+        "step_graphs": token buckets [num_tokens], sequence buckets [num_seqs] (rank 0's StepGraphs', exactly)
+        "step_replay": a packed step of T = num_tokens tokens over S = num_seqs sequences: input ids [T],
+                       positions [T], slots [T], cu_seqlens_q [S + 1], context lengths [S], block table
+                       lengths [S], logits rows [num_rows], fed rows [num_fed] (indices into the data), their
+                       packed rows [num_fed], the tables back to back
+      data, left on the device: the step's tensors as int64, in order ("step"); the input ids [n] ("replay"); the
+        tokens the step in flight sampled ("step_replay" with fed rows; none without)
 
 "heartbeat", "stop", "graphs" and "plan" are a header alone; a decode graph replay's input ids ride in its payload,
-on the device when the step in flight sampled them. The receiver reads the first broadcast to the host once; it
-checks every header field before it reads a payload, and every record against the header: a field out of range or
-counts that disagree raise StepMessageError naming the field, and the worker exits (rank 0 then sees it gone).
+on the device when the step in flight sampled them, as do a step replay's fed tokens. The receiver reads the first
+broadcast to the host once; it checks every header field before it reads a payload, and every record against the
+header: a field out of range or counts that disagree raise StepMessageError naming the field, and the worker exits
+(rank 0 then sees it gone). A replay is then checked against the worker's captured buckets and its paged pool.
 "plan" (the memory plan, ``agree_kv_blocks``) is followed by one all_gather of every rank's own KV block count;
 the least sizes every rank's pool (``runtime.memory.least_kv_blocks``).
 
@@ -46,10 +53,11 @@ HEARTBEAT_S so the workers' wait for the next step never reaches that timeout. U
 tears the whole group down when a rank dies. torchrun may span nodes (``--nnodes``): ranks are global, each
 process takes the GPU of its LOCAL_RANK on its own node and the weight file of its RANK.
 
-CUDA graphs (TPDecodeGraphs): every rank captures its shard's decode step for the same buckets in lockstep
-and replays it when rank 0 broadcasts a "replay" message; the all_reduces are NCCL kernels inside the
-graphs. No collective timeout covers those kernels: if a worker dies during a replay, rank 0's GPU waits in
-the graph for good. The engine thread does not: its wait for the step's tokens polls the engine's failure
+CUDA graphs (TPDecodeGraphs, TPStepGraphs): every rank captures its shard's decode step ("graphs") and its steps
+carrying prefill ("step_graphs": rank 0's token and sequence buckets) for the same buckets in lockstep, and replays
+one when rank 0 broadcasts a "replay" or "step_replay" message; the all_reduces are NCCL (or one-shot all-reduce)
+kernels inside the graphs. No collective timeout covers those kernels: if a worker dies during a replay, rank 0's
+GPU waits in the graph for good. The engine thread does not: its wait for the step's tokens polls the engine's failure
 (``runtime.serving.wait_for_device``), which the sentinel thread sets, and raises it, so the step's requests fail
 with it and /health turns 503 (the log line names the rank). The graphs hold NCCL resources, so they are destroyed
 before the group is left.

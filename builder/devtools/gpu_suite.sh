@@ -95,7 +95,8 @@
 #                  and its companions in $OUT/benchmarks.jsonl
 #   tp-check       (2 GPUs) tests/runtime/test_collectives.py (the one-shot all-reduce against NCCL), then
 #                  builder.devtools.tp_check on CUDA: the bundled model (fp32) and the tiny MoE preset (bf16 and fp8),
-#                  each built at tp_size 1 and 2 (greedy tokens and logits, offline and serving engines)
+#                  each built at tp_size 1 and 2 (greedy tokens and logits, offline and serving engines; the serving
+#                  engine's decode and prefill steps replay CUDA graphs on every rank, TPDecodeGraphs / TPStepGraphs)
 #   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput at concurrency 64,
 #                  with CUDA-graph decode and eager (TP_EAGER= skips eager); TP_ARTIFACTS="bf16-tp2": TP=2 only;
 #                  tp2_speedup_b1_8b recorded when both ran; each $TP_ONE_SHOT_AB value (e.g. "0") runs the TP=2

@@ -5,8 +5,9 @@
 Loads each artifact with the offline engine (a tp_size > 1 artifact starts its other ranks: NCCL on
 cuda:0..N-1, gloo on CPU), generates 64 greedy tokens for four prompts, runs one fresh random prompt for
 logits, and prints the agreement and each engine's batch-1 decode rate. Then the same prompts through the
-serving engine (paged KV cache; on CUDA the decode steps in CUDA graphs on every rank, overlapped with the
-host), one batch, greedy tokens compared with the offline one-rank engine's.
+serving engine (paged KV cache; on CUDA the decode steps and the steps carrying prefill in CUDA graphs on every
+rank, overlapped with the host), one batch, greedy tokens compared with the offline one-rank engine's. On CUDA the
+prompts' prefill step must have replayed the step graphs (else it fails: their buckets missed it).
 """
 
 from __future__ import annotations
@@ -48,12 +49,30 @@ def main(argv: list[str] | None = None) -> int:
     diff = (ref_logits - tp_logits).abs().max().item()
     print(f"greedy tokens equal: {equal}/{total}; max |logit difference| {diff:.3g}")
     serving = ServingEngine.load(args.sharded, args.device, ServingConfig(max_num_seqs=8, kv_cache_bytes=256 << 20))
+    replayed = _count_runs(serving.step_graphs)
     outs = serving.run([serving.tokenizer.encode(p) for p in PROMPTS], params)
     graphs = type(serving.graphs).__name__ if serving.graphs is not None else "eager"
+    prefill = "eager" if serving.step_graphs is None else f"{type(serving.step_graphs).__name__}, {replayed[0]} step(s)"
+    missed = serving.step_graphs is not None and not replayed[0]
     serving.close()
     served = sum(a == b for x, o in zip(ref_tokens, outs) for a, b in zip(x, o.token_ids))
-    print(f"serving engine ({graphs} decode) greedy tokens equal to the one-rank offline engine: {served}/{total}")
-    return 0 if equal == total and served == total else 1
+    print(f"serving engine ({graphs} decode, {prefill} prefill) greedy tokens equal to the one-rank offline engine: "
+          f"{served}/{total}" + ("; no step replayed the step graphs" if missed else ""))
+    return 0 if equal == total and served == total and not missed else 1
+
+
+def _count_runs(step_graphs) -> list[int]:
+    """A counter of the steps that go through ``step_graphs`` (the steps carrying prefill replayed as CUDA graphs)."""
+    count = [0]
+    if step_graphs is not None:
+        run = step_graphs.run
+
+        def counted(*args, **kwargs):
+            count[0] += 1
+            return run(*args, **kwargs)
+
+        step_graphs.run = counted
+    return count
 
 
 if __name__ == "__main__":  # spawned ranks re-import this module: nothing may run at import
