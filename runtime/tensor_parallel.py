@@ -85,7 +85,7 @@ import torch.distributed as dist
 
 from runtime import collectives
 from runtime.artifact import Artifact, ArtifactError, open_artifact
-from runtime.cuda_graphs import PackedStep
+from runtime.cuda_graphs import DEFAULT_STEP_TOKEN_BUCKETS, PackedStep, StepGraphs, step_buckets
 from runtime.executor import Executor, PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import MemoryPlan, fit_kv_blocks, least_kv_blocks, plan_budget, tensor_bytes
@@ -761,13 +761,10 @@ class TPStepGraphs:
     the same graph. ``capture=False``: every rank runs the same padded steps eagerly (tests on the CPU)."""
 
     def __init__(self, executor: TPExecutor, storage: PagedKVStorage, max_tokens: int, max_num_seqs: int,
-                 max_seq_len: int, token_buckets: tuple[int, ...] | None = None,
+                 max_seq_len: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
                  seq_buckets: tuple[int, ...] | None = None, capture: bool = True) -> None:
-        from runtime.cuda_graphs import DEFAULT_STEP_TOKEN_BUCKETS, StepGraphs, step_buckets
-
         self.executor = executor
-        tokens, seqs = step_buckets(max_tokens, max_num_seqs, token_buckets or DEFAULT_STEP_TOKEN_BUCKETS,
-                                    seq_buckets)
+        tokens, seqs = step_buckets(max_tokens, max_num_seqs, token_buckets, seq_buckets)
         msg = StepMessage("step_graphs", paged_pool=(storage.num_blocks, storage.block_size),
                           graphs=(max_num_seqs, max_seq_len), buckets=(tokens, seqs), capture=capture)
 
@@ -859,8 +856,6 @@ class _WorkerState:
     def capture_step_graphs(self, msg: StepMessage) -> None:
         """Rank 0's StepGraphs' buckets over this rank's shard and pool, in the same order (StepGraphs captures
         the keys largest first), so that each capture's collectives meet rank 0's."""
-        from runtime.cuda_graphs import StepGraphs
-
         self._paged_storage(msg.paged_pool)
         tokens, seqs = msg.buckets
         max_rows, max_seq_len = msg.graphs
