@@ -27,7 +27,7 @@ every buffer and grid is sized from T (tokens) and the weights' shapes alone.
                  when round_weights), then sum_j weight_j * y[t * k + j] in slot order in fp32 (each product rounded
                  to x's dtype first when round_weights), rounded to x's dtype once: deterministic
 
-W4A16 experts at a decode step's few slots (up to ``kernels.moe_gemv.GEMV_MAX_SLOTS``) skip the plan and the grouped
+W4A16 experts at a decode step's few slots (up to ``kernels.moe_gemv.gemv_max_slots``) skip the plan and the grouped
 GEMMs: ``kernels.moe_gemv``'s GEMV kernels (one program per routed expert, column tile and K split, CUDA-core fp32
 sums: at one or two slots per expert a 16-row tile is mostly padding), then the same sum kernel.
 
@@ -44,7 +44,8 @@ sums times the row's scale, then the channel's, before the roundings above. The 
 W4A16 experts (the reference's ``*_scales`` / ``*_zeros`` / ``group_size``: uint8 codes packed two per byte along the
 input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]). A K step never
 crosses a group (BLOCK_K is cut to a power of two dividing group_size, and is at least 32: each dot's K is BLOCK_K / 2
-bytes of codes, and tl.dot takes K >= 16 on the GPU; so group_size is a multiple of 32, or -1 for one group per row), so within it the scale and zero point are constants of the column and
+bytes of codes, and tl.dot takes K >= 16 on the GPU; so group_size is a multiple of 32, or -1 for one group per
+row), so within it the scale and zero point are constants of the column and
 
     sum_k x[m, k] (q[n, k] - z[n]) s[n] = s[n] * sum_k x[m, k] (q[n, k] - z[n])
 
@@ -585,9 +586,9 @@ def int4_block_k(block_k: int, group_size: int, in_features: int) -> int:
     while bk > INT4_MIN_BLOCK_K and g % bk:
         bk //= 2
     if g % bk:
+        sizes = ", ".join(str(INT4_MIN_BLOCK_K << i) for i in range(3))
         raise ValueError(f"W4A16 experts: group_size {group_size} is not a multiple of {INT4_MIN_BLOCK_K}; the fused "
-                         f"kernel takes group sizes that are ({', '.join(str(INT4_MIN_BLOCK_K << i) for i in range(3))}, "
-                         f"...) or -1 (one group per row)")
+                         f"kernel takes group sizes that are ({sizes}, ...) or -1 (one group per row)")
     return bk
 
 
@@ -696,7 +697,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s). W4A16 experts: uint8 w_gate_up [E, 2 * I, hidden /
     2] / w_down [E, hidden, I / 2] packed 4-bit codes with ``*_scales`` fp32 / ``*_zeros`` uint8 [E, out, in /
     group_size] (the reference's; group_size a multiple of 32 or -1). Expert biases and the clamped SwiGLU as the
-    reference's. W4A16 experts at up to ``kernels.moe_gemv.GEMV_MAX_SLOTS`` slots (T * top_k) run on that module's
+    reference's. W4A16 experts at up to ``kernels.moe_gemv.gemv_max_slots`` slots (T * top_k) run on that module's
     GEMV kernels, more on the grouped GEMMs; ``config`` forces a path and its launch: a MoeConfig the grouped GEMMs,
     a MoeGemvConfig the GEMV kernels (W4A16 experts only)."""
     top_k = experts.shape[-1]
@@ -718,7 +719,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     from kernels import moe_gemv
 
     if int4 is not None and (isinstance(config, moe_gemv.MoeGemvConfig)
-                             or (config is None and num_slots <= moe_gemv.GEMV_MAX_SLOTS)):
+                             or (config is None and num_slots <= moe_gemv.gemv_max_slots(num_experts))):
         y = moe_gemv.int4_experts_gemv(
             x, experts, w_gate_up, w_down, (int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()),
             (int4.w_gate_up_zeros.contiguous(), int4.w_down_zeros.contiguous()), int4.group_size,

@@ -1,6 +1,6 @@
 """The ``moe`` op's experts for a decode step's few slots, W4A16 experts: GEMV kernels, no tensor cores.
 
-At a few tokens (T * top_k slots up to ``GEMV_MAX_SLOTS``) the experts are bound by their weight bytes. The grouped
+At a few tokens (T * top_k slots up to ``gemv_max_slots``) the experts are bound by their weight bytes. The grouped
 GEMMs of ``kernels.moe`` give each routed expert a 16-row ``tl.dot`` tile, mostly padding at one or two slots per
 expert, and spend their issue slots on the MMA operands' shared-memory traffic: on an H200 the W4A16 experts of
 Mixtral-8x7B at T = 1 ran at 0.75 TB/s, slower than the bf16 experts reading four times the bytes. Here each program
@@ -56,13 +56,24 @@ from kernels.gemv import _arrive, _tile_counters, _unpack_nibbles, auto_split_k
 from kernels.moe import _act_mul, _round
 from kernels.w4a16_gemm import _interpreting, _num_sms
 
-# Slots (T * top_k) up to which ``kernels.moe.fused_experts`` takes this path for W4A16 experts; above it, the
-# grouped GEMMs. KERNELS_MOE_GEMV_SLOTS overrides it (A/B runs: 0 sends every step to the grouped GEMMs).
-# NOTE: 32 is not yet measured: ``python -m kernels.bench.moe --int4 --path both`` times both paths per T
-_MAX_SLOTS_ENV = os.environ.get("KERNELS_MOE_GEMV_SLOTS", "32")
-if not _MAX_SLOTS_ENV.isdigit():
+# Slots (T * top_k) up to which ``kernels.moe.fused_experts`` takes this path for W4A16 experts (``gemv_max_slots``);
+# above it, the grouped GEMMs. Measured on an H200 (session 33, ``python -m kernels.bench.moe --int4 --path both``,
+# GEMV / grouped GEMMs us): Mixtral-8x7B (8 experts, top-2) 130 / 233 at 2 slots, 453 / 645 at 8, 801 / 672 at 16;
+# Qwen3-30B-A3B (128 experts, top-8) 37 / 53 at 8 slots, 95 / 116 at 32, 157 / 164 at 64, 242 / 217 at 128. The GEMV
+# wins while the slots are few against the experts (each expert's weights read for one or two slots), so the bound
+# is max(8, experts / 2). KERNELS_MOE_GEMV_SLOTS sets a fixed bound instead (A/B runs: 0 sends every step to the
+# grouped GEMMs).
+_MAX_SLOTS_ENV = os.environ.get("KERNELS_MOE_GEMV_SLOTS", "")
+if _MAX_SLOTS_ENV and not _MAX_SLOTS_ENV.isdigit():
     raise ValueError(f"KERNELS_MOE_GEMV_SLOTS={_MAX_SLOTS_ENV!r} is not a slot count (0 or more; 0: never this path)")
-GEMV_MAX_SLOTS = int(_MAX_SLOTS_ENV)
+GEMV_MAX_SLOTS: int | None = int(_MAX_SLOTS_ENV) if _MAX_SLOTS_ENV else None
+
+
+def gemv_max_slots(num_experts: int) -> int:
+    """The most slots a step of ``num_experts`` W4A16 experts runs on the GEMV kernels (see GEMV_MAX_SLOTS)."""
+    return GEMV_MAX_SLOTS if GEMV_MAX_SLOTS is not None else max(8, num_experts // 2)
+
+
 _VEC_INPUTS = 32  # inputs per thread's run of codes (16 bytes: one vector load), summed in registers
 _PROGRAMS_PER_SM = 4.0  # the auto split-K's target, counting one program per routed (expert, tile)
 

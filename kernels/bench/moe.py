@@ -31,9 +31,9 @@ division being approximate, and the fp32 sums run in another order), then timed 
 ``fused_moe`` is checked against ``ref_moe`` on the same codes (max abs error over the output's max, as the bf16
 experts: the reference rounds each dequantized weight to bf16, the kernels do not), then timed against the bf16
 experts' ``fused_moe``; GB/s counts the W4A16 experts' bytes (codes, scales and zero points). ``--path`` picks the
-W4A16 kernels: ``auto`` (``fused_moe``'s dispatch: the GEMV kernels of ``kernels.moe_gemv`` up to GEMV_MAX_SLOTS
+W4A16 kernels: ``auto`` (``fused_moe``'s dispatch: the GEMV kernels of ``kernels.moe_gemv`` up to gemv_max_slots
 slots), ``tile`` (the grouped GEMMs forced), ``gemv`` (the GEMV kernels forced), ``both`` (a row for each: the A/B
-that sets GEMV_MAX_SLOTS). ``--sweep`` then times candidate configurations of each path shown.
+that sets gemv_max_slots). ``--sweep`` then times candidate configurations of each path shown.
 
 Exits 1 when a check fails, 2 without a CUDA device.
 """
@@ -52,7 +52,7 @@ import torch
 from kernels import torch_ops as ops
 from kernels.bench.gemm import report, sweep_configs, time_us
 from kernels.moe import MoeConfig, default_config, fused_moe, ref_moe
-from kernels.moe_gemv import GEMV_MAX_SLOTS, MoeGemvConfig, default_gemv_config
+from kernels.moe_gemv import MoeGemvConfig, default_gemv_config, gemv_max_slots
 from kernels.torch_quant import quantize_experts_fp8
 
 
@@ -258,7 +258,7 @@ def bench_quantized(name: str, shape: MoeShape, tokens: tuple[int, ...], sweep: 
             t_quant = time_us([lambda c=c, s=s: fused_moe(x, *c, **kw, **s, config=cfg) for c, s in q_copies])
             gbs = (active * quant.expert_bytes(h, i) + router_bytes) / t_quant / 1e3
             shown = cfg or (default_gemv_config(x.device) if quant.name == "int4" and num_tokens * shape.top_k
-                            <= GEMV_MAX_SLOTS else default_config(num_tokens * shape.top_k, e, x.device, 2, 1))
+                            <= gemv_max_slots(e) else default_config(num_tokens * shape.top_k, e, x.device, 2, 1))
             print(f"{num_tokens:>5} | {t_bf16:8.1f} {t_quant:8.1f} {t_bf16 / t_quant:6.2f}x | {active:>7} {gbs:6.0f} | "
                   f"{err:.1e}{f' / {noise:.1e}' if quant.noise_share else ''}  {p}: {describe(shown)}", flush=True)
             if sweep:

@@ -443,9 +443,8 @@ def test_bad_int4_experts_are_named():
     with pytest.raises(ValueError, match=r"packed two per byte: w_gate_up \[E, 2 \* I, hidden / 2\]"):
         moe.fused_moe(x, gate, up.float(), down, 2, **kw)
     with pytest.raises(ValueError, match="group_size 16 is not a multiple of 32"):
-        moe.fused_moe(x, gate, up, down, 2, **{**kw, "group_size": 16, "w_gate_up_scales": kw["w_gate_up_scales"].repeat(
-            1, 1, 2), "w_gate_up_zeros": kw["w_gate_up_zeros"].repeat(1, 1, 2), "w_down_scales": kw[
-            "w_down_scales"].repeat(1, 1, 2), "w_down_zeros": kw["w_down_zeros"].repeat(1, 1, 2)})
+        doubled = {k: kw[k].repeat(1, 1, 2) for k in kw if k.endswith(("_scales", "_zeros"))}
+        moe.fused_moe(x, gate, up, down, 2, **{**kw, "group_size": 16, **doubled})
     _, _, _, fp8_scales, _ = _fp8_inputs(4, 32, 32, 3, torch.bfloat16, seed=4)
     with pytest.raises(ValueError, match="not both"):
         moe.fused_moe(x, gate, up, down, 2, w_gate_up_scale=fp8_scales[0], w_down_scale=fp8_scales[1], **kw)
@@ -500,7 +499,7 @@ def test_fp8_real_shapes_on_cuda(name, num_tokens):
 @pytest.mark.parametrize("name", sorted(REAL_SHAPES))
 def test_int4_real_shapes_on_cuda(name, num_tokens):
     """W4A16 experts (group 128, asymmetric) rounded from the bf16 ones, against the torch op on the GPU (the GEMV
-    kernels up to GEMV_MAX_SLOTS slots, the grouped GEMMs above)."""
+    kernels up to gemv_max_slots, the grouped GEMMs above)."""
     _, hidden, _, top_k, round_weights = REAL_SHAPES[name]
     gate, w_gate_up, w_down = _real_weights(name)
     (up, up_s, up_z), (down, down_s, down_z) = (_int4_experts(w, 128, False) for w in (w_gate_up, w_down))
@@ -604,7 +603,7 @@ def test_int4_gemv_expert_biases_and_clamped_swiglu(dtype):
 
 
 def test_int4_dispatch_by_slot_count(monkeypatch):
-    """W4A16 experts go to the GEMV kernels up to GEMV_MAX_SLOTS slots and to the grouped GEMMs above (and whenever a
+    """W4A16 experts go to the GEMV kernels up to a fixed bound's slots and to the grouped GEMMs above (and whenever a
     MoeConfig is given); a MoeGemvConfig with other experts is refused."""
     calls = []
     gemv = moe_gemv.int4_experts_gemv
@@ -624,6 +623,15 @@ def test_int4_dispatch_by_slot_count(monkeypatch):
     x, gate, w_gate_up, w_down, _ = _inputs(4, 32, 32, 1, torch.bfloat16, seed=2)
     with pytest.raises(ValueError, match="applies to W4A16 experts only"):
         moe.fused_moe(x, gate, w_gate_up, w_down, 2, config=_gemv_config())
+
+
+def test_int4_gemv_bound_by_experts(monkeypatch):
+    """Without KERNELS_MOE_GEMV_SLOTS the GEMV kernels take up to max(8, experts / 2) slots (the H200's A/B:
+    Mixtral's 8 experts up to 8 slots, Qwen3-MoE's 128 up to 64)."""
+    monkeypatch.setattr(moe_gemv, "GEMV_MAX_SLOTS", None)
+    assert [moe_gemv.gemv_max_slots(e) for e in (4, 8, 16, 64, 128)] == [8, 8, 8, 32, 64]
+    monkeypatch.setattr(moe_gemv, "GEMV_MAX_SLOTS", 0)
+    assert moe_gemv.gemv_max_slots(128) == 0
 
 
 @on_cuda
