@@ -81,19 +81,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels import moe_gemv
 from kernels import torch_ops as ops
+from kernels.moe_activation import _act_mul, _round
+from kernels.moe_gemv import MoeGemvConfig
 from kernels.w4a16_gemm import _interpreting, grouped_tile
 from kernels.w4a16_mma import _codes_minus_zero
 from kernels.w8a8_gemm import _round_e4m3
-
-if TYPE_CHECKING:
-    from kernels.moe_gemv import MoeGemvConfig
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the IR's moe activations (passes.ir.MOE_ACTIVATIONS), in the kernels' ACT numbering; clamped_swiglu is gpt-oss's
@@ -256,63 +255,6 @@ def moe_align(experts: torch.Tensor, num_experts: int, block_m: int) -> MoePlan:
 
 
 # --- grouped GEMMs -------------------------------------------------------------------------------------
-@triton.jit
-def _round(v, dtype: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """fp32 v rounded to ``dtype`` (nearest, ties to even). EMULATE_BF16: for the interpreter, whose fp32 -> bf16
-    conversion truncates: the rounding done on the bits, the conversion then exact."""
-    if EMULATE_BF16:
-        bits = v.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        v = bits.to(tl.float32, bitcast=True)
-    return v.to(dtype)
-
-
-@triton.jit
-def _tanh(v):
-    """tanh of fp32 v: (1 - t) / (1 + t) with t = exp(-2|v|), near 0 its series (where 1 - t loses precision)."""
-    t = tl.exp(-2.0 * tl.abs(v))
-    mag = tl.where(tl.abs(v) < 4e-3, tl.abs(v) * (1.0 - v * v / 3.0), (1.0 - t) / (1.0 + t))
-    return tl.where(v < 0, -mag, mag)
-
-
-@triton.jit
-def _sigmoid(v):
-    """sigmoid of fp32 v without overflow for large |v|."""
-    e = tl.exp(-tl.abs(v))  # in (0, 1]
-    return tl.where(v >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-@triton.jit
-def _act_mul(g, u, alpha, limit, ACT: tl.constexpr, EMULATE_BF16: tl.constexpr):
-    """act(g) * u in g's dtype with the reference's roundings: act in fp32 rounded to the dtype, then the product
-    in fp32 rounded (ACT numbers ``ACTIVATIONS``: silu, gelu, gelu_tanh, relu, sigmoid, tanh). ACT 6, clamped_swiglu
-    (gpt-oss): (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'), g' = min(g, limit), each op rounded."""
-    dtype = g.dtype
-    gf = g.to(tl.float32)
-    if ACT == 6:
-        gf = tl.minimum(gf, limit)
-        uf = tl.minimum(tl.maximum(u.to(tl.float32), -limit), limit)
-        sig = _round(_sigmoid(_round(gf * alpha, dtype, EMULATE_BF16).to(tl.float32)), dtype, EMULATE_BF16)
-        glu = _round(gf * sig.to(tl.float32), dtype, EMULATE_BF16).to(tl.float32)
-        up1 = _round(uf + 1.0, dtype, EMULATE_BF16).to(tl.float32)
-        return _round(up1 * glu, dtype, EMULATE_BF16)
-    if ACT == 0 or ACT == 4:
-        e = tl.exp(-tl.abs(gf))  # in (0, 1]: no overflow for large |g|
-        a = tl.where(gf >= 0, 1.0 / (1.0 + e), e / (1.0 + e))  # sigmoid
-        if ACT == 0:
-            a = gf * a
-    elif ACT == 1:
-        a = 0.5 * gf * (1.0 + tl.math.erf(gf * 0.7071067811865476))
-    elif ACT == 2:
-        a = 0.5 * gf * (1.0 + _tanh(0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)))  # torch's formula
-    elif ACT == 3:
-        a = tl.maximum(gf, 0.0)
-    else:
-        a = _tanh(gf)
-    a = _round(a, dtype, EMULATE_BF16).to(tl.float32)
-    return _round(a * u.to(tl.float32), dtype, EMULATE_BF16)
-
-
 @triton.jit
 def _dot(a, w, acc, IEEE: tl.constexpr):
     if IEEE:  # fp32 x: exact fp32 products, as the reference's fp32 linear; also the interpreter (its 16-bit dot
@@ -714,11 +656,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     if num_slots == 0:
         return out
     x, w_gate_up, w_down = (_last_dim_contiguous(t) for t in (x, w_gate_up, w_down))
-    # a decode step's few slots with W4A16 experts: GEMV kernels (kernels.moe_gemv, which imports this module's
-    # roundings and activations: imported here, not at the top)
-    from kernels import moe_gemv
-
-    if int4 is not None and (isinstance(config, moe_gemv.MoeGemvConfig)
+    # a decode step's few slots with W4A16 experts: GEMV kernels (kernels.moe_gemv)
+    if int4 is not None and (isinstance(config, MoeGemvConfig)
                              or (config is None and num_slots <= moe_gemv.gemv_max_slots(num_experts))):
         y = moe_gemv.int4_experts_gemv(
             x, experts, w_gate_up, w_down, (int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()),
@@ -726,7 +665,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
             ACTIVATIONS.index(activation), b_gate_up, b_down, swiglu_alpha, swiglu_limit, config)
         _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights)
         return out
-    if isinstance(config, moe_gemv.MoeGemvConfig):
+    if isinstance(config, MoeGemvConfig):
         raise ValueError("a MoeGemvConfig (the small-slot GEMV path) applies to W4A16 experts only; these experts are "
                          f"{'FP8' if w_gate_up_scale is not None else w_gate_up.dtype}: pass a MoeConfig or None")
     cfg = config or default_config(num_slots, num_experts, x.device, x.element_size(), w_gate_up.element_size())
