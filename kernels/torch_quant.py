@@ -132,7 +132,11 @@ def quantize_activation_fp8_blocks(x: torch.Tensor, block_k: int) -> tuple[torch
     num_tokens, k = x.shape
     num_groups = -(-k // block_k)
     groups = F.pad(x.float(), (0, num_groups * block_k - k)).view(num_tokens, num_groups, block_k)  # zeros: no max
-    scale = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX  # [num_tokens, num_groups]
+    amax = groups.abs().amax(-1).clamp(min=1e-12)  # [num_tokens, num_groups]
+    # The IEEE quotient on every device, as the kernels (kernels.fp8_block_gemm) divide: on CUDA, torch divides by a
+    # Python scalar through its fp32 reciprocal, one ulp off in some scales; then a code a bf16 x puts exactly on a
+    # rounding tie goes to its neighbour (one step of a group's top binade is 1/16 of its max)
+    scale = amax / amax.new_full((), FP8_MAX)
     q = (groups / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q.view(num_tokens, num_groups * block_k)[:, :k], scale
 

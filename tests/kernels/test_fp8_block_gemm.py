@@ -126,6 +126,18 @@ def test_quantize_groups_gives_the_reference_codes_and_scales(k, block_k):
     assert torch.equal(scales, ref_scales.t())
 
 
+def test_reference_scales_are_ieee_quotients_on_every_device():
+    """The reference's x_scale is max|group| / 448 rounded once, as the kernels divide, on the device the tests run
+    on: on CUDA torch divides by a Python scalar through its fp32 reciprocal, one ulp off for about half of these
+    maxima, and that moves the codes a bf16 x puts exactly on a rounding tie (the reference's codes are the CPU's)."""
+    x = _x(64, 1000, torch.bfloat16, 5)  # 7 groups of 128 and a partial one of 104
+    codes, scales = quantize_activation_fp8_blocks(x, 128)
+    amax = torch.nn.functional.pad(x.cpu().float(), (0, 24)).view(64, 8, 128).abs().amax(-1)
+    assert torch.equal(scales.cpu(), (amax.double() / 448).float())  # correctly rounded: 53 >= 2 * 24 + 2 bits
+    cpu_codes, _ = quantize_activation_fp8_blocks(x.cpu(), 128)
+    assert torch.equal(codes.cpu().view(torch.uint8), cpu_codes.view(torch.uint8))
+
+
 def test_dispatch_runs_the_gemv_at_few_rows(monkeypatch):
     """Without a config: the GEMV up to GEMV_ROWS rows, the GEMM above; a GemvConfig forces the GEMV up to
     GEMV_MAX_ROWS rows and is refused beyond, a BlockConfig forces the GEMM at any size."""
