@@ -40,7 +40,8 @@ FP8 accumulation spans one group at most) and the step's fp32 sums are added tim
 kernel (``quantize_groups``: codes [M, K], scales [num_groups, M]); otherwise each program quantizes its rows'
 step itself, which re-does the divisions once per column tile, cheap only for a few rows. Few output tiles split K
 over programs, the tile's last one adding the partial sums (as the GEMV). The kernel takes block_k a power of two
-from 16 to 256 (:func:`supports`); the runtime runs other block sizes on the torch reference.
+from 16 to 256 (:func:`supports`); the runtime runs other block sizes on the torch reference. An FP8 dot compiles
+for K >= 32 only (FP8_DOT_MIN_K), so at bk 16 a step multiplies the codes as fp16: exact, the same sums.
 
 NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion is wrong (``kernels.w8a8_gemm``), so the
 interpreter rounds x to E4M3 with ``_round_e4m3`` and multiplies in fp32; the GPU converts with the hardware's
@@ -75,6 +76,10 @@ from kernels.w4a16_gemm import _interpreting, output_tile, split_k_plan
 from kernels.w8a8_gemm import X_DTYPES, _codes, _round_e4m3
 
 BLOCK_K_RANGE = (16, 256)  # the block widths along K the kernels take (powers of two: whole groups per K step)
+# tl.dot on FP8 operands compiles for K >= 32 only on the GPU (the FP8 MMA's K; the interpreter takes any): the GEMM's
+# K step, one group, is narrower for bk = 16, so those steps multiply fp16 operands (:func:`_dot_in_fp16`)
+FP8_DOT_MIN_K = 32
+_FP8_DOT_MIN_K = tl.constexpr(FP8_DOT_MIN_K)
 # fp8_block_linear runs the GEMV up to this many rows of x, the GEMM above. Two, from the GEMV's K loop in SASS for
 # sm_90 (``kernels.bench.compile_sm90``): 5.2 instructions per weight byte at one row, 8.1 at two, 16.6 at four (the
 # fp32 products and sums grow with the rows; an H200 issues about 7 per byte at 4.8 TB/s), so at four rows it would
@@ -133,6 +138,13 @@ def default_gemv_config(num_rows: int, device: torch.device) -> GemvConfig:
     if _interpreting() or device.type != "cuda":
         return _GEMV_INTERPRETER_CONFIG
     return next(cfg for bound, cfg in _GEMV_CUDA_CONFIGS if num_rows <= bound)
+
+
+def _dot_in_fp16(block_k: int) -> bool:
+    """Whether the GEMM's K steps (one group of ``block_k`` features each) multiply fp16 operands, not FP8: below
+    FP8_DOT_MIN_K, where the FP8 dot does not compile. E4M3 codes are exact in fp16 and their products in the fp32
+    accumulator, so the sums are the FP8 dot's (at half its tensor-core rate, for the few checkpoints with bk 16)."""
+    return block_k < FP8_DOT_MIN_K
 
 
 def supports(block_size: list[int] | tuple[int, int]) -> bool:
@@ -301,10 +313,13 @@ def _fp8_block_gemm_kernel(
     M, N, K, BN, k_steps_per_split,
     stride_xm, stride_wn, stride_sn,
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, PREQUANT: tl.constexpr, EMULATE_FP8: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # x: [M, K] in x's dtype, or its E4M3 codes with their scales xs [num_groups, M] (PREQUANT); w: [N, K] ->
     # y: [M, N] contiguous. Split over K: partial sums [SPLIT_K, M, N] fp32 added by the tile's last program.
+    # DOT_FP16: the step's dot on the codes as fp16 (exact), for groups narrower than the FP8 dot's K.
+    tl.static_assert(DOT_FP16 or BLOCK_K >= _FP8_DOT_MIN_K, "an FP8 dot needs K >= FP8_DOT_MIN_K: DOT_FP16 below it")
     offs_m, offs_n, mask_m, mask_n, pid_k = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -326,14 +341,18 @@ def _fp8_block_gemm_kernel(
             x_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(a), axis=1), 1e-12), _FP8_MAX)
             a = tl.minimum(tl.maximum(tl.math.div_rn(a, x_scale[:, None]), -_FP8_MAX), _FP8_MAX)
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if EMULATE_FP8:
-            if PREQUANT:
-                a = a.to(tl.float32)
-            else:
-                a = _round_e4m3(a)
-            part = tl.dot(a, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        if not EMULATE_FP8:  # float8e4nv codes (already, with PREQUANT)
+            q = a.to(tl.float8e4nv)
+        elif PREQUANT:  # the interpreter: the codes' values in fp32 (its conversion to float8e4nv is wrong)
+            q = a.to(tl.float32)
         else:
-            part = tl.dot(a.to(tl.float8e4nv), tl.trans(w))
+            q = _round_e4m3(a)
+        if DOT_FP16:
+            part = tl.dot(q.to(tl.float16), tl.trans(w.to(tl.float16)))
+        elif EMULATE_FP8:
+            part = tl.dot(q, tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(q, tl.trans(w))
         w_scale = tl.load(ws_rows + group, mask=mask_n, other=0.0)  # [BLOCK_N]
         acc += part * x_scale[:, None] * w_scale[None, :]
 
@@ -361,6 +380,8 @@ def _gemm(x2: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, b
     num_rows = x2.shape[0]
     num_tiles, split_k, steps_per_split, part, _, _ = split_k_plan(y, k, cfg.block_m, cfg.block_n, bk, cfg.split_k)
     counters = _tile_counters(y.device, num_tiles) if split_k > 1 else y
+    dot_fp16 = _dot_in_fp16(bk)
+    assert dot_fp16 or bk >= FP8_DOT_MIN_K, f"block_k {bk}: an FP8 dot needs K >= {FP8_DOT_MIN_K} on the GPU"
     xs = y  # never read without prequant
     if cfg.prequant:
         x2, xs = quantize_groups(x2, bk)
@@ -368,7 +389,7 @@ def _gemm(x2: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, b
         x2, xs, qweight, weight_scale, bias if bias is not None else y, y, part, counters,
         num_rows, n, k, bn, steps_per_split, x2.stride(0), qweight.stride(0), weight_scale.stride(0),
         HAS_BIAS=bias is not None, SPLIT_K=split_k, PREQUANT=cfg.prequant, EMULATE_FP8=_interpreting(),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
+        DOT_FP16=dot_fp16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=bk, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2))
 
 

@@ -191,7 +191,8 @@ def _fp8_block() -> list[tuple[str, object]]:
     for bound, cfg in _CUDA_CONFIGS:
         for split in (1, 4) if cfg.split_k != 1 else (1,):
             constexprs = dict(HAS_BIAS=False, SPLIT_K=split, PREQUANT=cfg.prequant, EMULATE_FP8=False,
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128, GROUP_M=cfg.group_m, PDL=True)
+                              DOT_FP16=False, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128,
+                              GROUP_M=cfg.group_m, PDL=True)
             t = dict(types, x_ptr="*fp8e4nv") if cfg.prequant else types
             out.append((f"fp8_block GEMM, {cfg.block_m}x{cfg.block_n} tiles, split_k {split}"
                         f"{', x quantized before' if cfg.prequant else ''}",

@@ -102,10 +102,11 @@ def test_gemv_without_bias_at_the_default_config(dtype):
         _assert_matches(y, ref_fp8_block_linear(x, qweight, scales, block))
 
 
-@pytest.mark.parametrize("m,split_k", [(5, 1), (17, 3), (3, 2)])
-def test_gemm_with_x_quantized_first(m, split_k):
-    """The GEMM on the pre-pass's codes and scales (prequant), with and without split K, partial blocks and tiles."""
-    block = (32, 32)
+@pytest.mark.parametrize("m,split_k,block_k", [(5, 1, 32), (17, 3, 32), (3, 2, 32), (17, 2, 16)])
+def test_gemm_with_x_quantized_first(m, split_k, block_k):
+    """The GEMM on the pre-pass's codes and scales (prequant), with and without split K, partial blocks and tiles; at
+    bk 16 its steps multiply the codes as fp16 (narrower than the FP8 dot's K)."""
+    block = (32, block_k)
     qweight, scales = _weights(70, 150, block, 30 + m)
     bias = torch.randn(70, generator=torch.Generator().manual_seed(31)).to(DEVICE)
     x = _x(m, 150, torch.float16, 32 + m)
@@ -159,6 +160,21 @@ def test_dispatch_runs_the_gemv_at_few_rows(monkeypatch):
     assert calls == [("_gemv", GEMV_MAX_ROWS), ("_gemm", 1)]
     with pytest.raises(ValueError, match=f"takes at most GEMV_MAX_ROWS = {GEMV_MAX_ROWS} rows of x, got 5"):
         fp8_block_linear(_x(5, 48, torch.float32, 52), qweight, scales, block, config=GemvConfig(16, 16))
+
+
+def test_no_fp8_dot_narrower_than_its_minimum_k(monkeypatch):
+    """The GEMM's steps at bk 16 (one group each) are narrower than an FP8 dot compiles for on the GPU, which the
+    interpreter does not check: they run on fp16 operands, and both the host and the kernel refuse an FP8 dot there."""
+    assert [fp8_block_gemm._dot_in_fp16(bk) for bk in (16, 32, 64, 128, 256)] == [True, False, False, False, False]
+    qweight, scales = _weights(24, 48, (16, 16), 60)
+    x = _x(5, 48, torch.float32, 61)
+    cfg = BlockConfig(16, 16, split_k=1, num_warps=1, num_stages=1)
+    monkeypatch.setattr(fp8_block_gemm, "_dot_in_fp16", lambda block_k: False)
+    with pytest.raises(AssertionError, match="block_k 16: an FP8 dot needs K >= 32 on the GPU"):
+        fp8_block_linear(x, qweight, scales, (16, 16), config=cfg)
+    monkeypatch.setattr(fp8_block_gemm, "FP8_DOT_MIN_K", 16)  # past the host's check: the kernel's own
+    with pytest.raises(Exception, match="an FP8 dot needs K >= FP8_DOT_MIN_K"):
+        fp8_block_linear(x, qweight, scales, (16, 16), config=cfg)
 
 
 def test_split_k_and_3d_input():
