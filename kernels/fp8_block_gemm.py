@@ -47,8 +47,8 @@ NOTE: under TRITON_INTERPRET the fp32 -> float8e4nv conversion is wrong (``kerne
 interpreter rounds x to E4M3 with ``_round_e4m3`` and multiplies in fp32; the GPU converts with the hardware's
 round-to-nearest-even and multiplies FP8 on tensor cores (GEMM) or in fp32 (GEMV). No host synchronisation: grids
 and splits come from shapes (CUDA-graph capturable); the tile counters are allocated on first use, which must come
-before any capture (``kernels.gemv``). The CUDA configurations are first guesses, to be set from
-``python -m kernels.bench.fp8_block --sweep``.
+before any capture (``kernels.gemv``). The CUDA configurations are first guesses (but the GEMV's at one and two
+rows, measured), to be set from ``python -m kernels.bench.fp8_block --sweep``.
 """
 
 from __future__ import annotations
@@ -113,13 +113,15 @@ _CUDA_CONFIGS: list[tuple[int, BlockConfig]] = [
 ]
 _INTERPRETER_CONFIG = BlockConfig(16, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
 
-# GEMV, picked by rows of x likewise (4 rows: benchmarks and forced configs only). First guesses from the SASS
-# (instructions per weight byte in the K loop, registers): one row 16 x 2048 (kernels.gemv's FP8 one-row tile: each
-# thread's 16 bytes of 16 weight rows per step, each x feature quantized once per program; 5.2, 195 registers); at
-# two and four rows a deeper pipeline spills (255 registers), so one stage and warps in flight hide the loads (8.1 /
-# 16.6, 249 / 207 registers, no spills)
+# GEMV, picked by rows of x likewise (4 rows: benchmarks and forced configs only). One and two rows: measured on an
+# H200, session 33: the one-row first guess, 16 x 2048 in 3 stages (kernels.gemv's FP8 one-row tile), took 183 us at
+# one row on Llama-3-8B's qkv (4096 -> 6144) and 757 us on gate_up, against 20.8 and 69.6 us for the two-row
+# 16 x 1024 in 1 stage at two rows, so one row takes that config too (its time at one row is still to be read from
+# ``python -m kernels.bench.fp8_block``). The two- and four-row ones come from the SASS (instructions per weight
+# byte in the K loop, registers): a deeper pipeline spills (255 registers), so one stage and warps in flight hide the
+# loads (8.1 / 16.6, 249 / 207 registers, no spills)
 _GEMV_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
-    (1, GemvConfig(16, 2048, num_warps=4, num_stages=3)),
+    (1, GemvConfig(16, 1024, num_warps=4, num_stages=1)),
     (2, GemvConfig(16, 1024, num_warps=4, num_stages=1)),
     (GEMV_MAX_ROWS, GemvConfig(16, 512, num_warps=4, num_stages=1)),
 ]
