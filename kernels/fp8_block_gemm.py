@@ -80,11 +80,13 @@ BLOCK_K_RANGE = (16, 256)  # the block widths along K the kernels take (powers o
 # K step, one group, is narrower for bk = 16, so those steps multiply fp16 operands (:func:`_dot_in_fp16`)
 FP8_DOT_MIN_K = 32
 _FP8_DOT_MIN_K = tl.constexpr(FP8_DOT_MIN_K)
-# fp8_block_linear runs the GEMV up to this many rows of x, the GEMM above. Two, from the GEMV's K loop in SASS for
-# sm_90 (``kernels.bench.compile_sm90``): 5.2 instructions per weight byte at one row, 8.1 at two, 16.6 at four (the
-# fp32 products and sums grow with the rows; an H200 issues about 7 per byte at 4.8 TB/s), so at four rows it would
-# be bound by the SMs, not HBM. To be confirmed from the GEMV and GEMM columns of ``python -m kernels.bench.fp8_block``
-GEMV_ROWS = 2
+# fp8_block_linear runs the GEMV up to this many rows of x, the GEMM above. One, measured on an H200 (session 33,
+# ``python -m kernels.bench.fp8_block --sweep --rows 1 2 --shapes llama3-8b``, us per call against bf16's): at one row
+# the GEMV leads (qkv 10.1 / 15.8, o_proj 7.0 / 13.9, gate_up 35.0 / 55.8); at two rows the GEMM on x quantized once
+# (16 x 128 tiles) beats the GEMV by 1.5-2x (qkv 12.0 against 21.0, o_proj 9.3 / 14.4, gate_up 33.7 / 69.7): the
+# GEMV's fp32 products and sums double with the rows (SASS: 5.2 instructions per weight byte at one row, 8.1 at two;
+# an H200 issues about 7 per byte at 4.8 TB/s), the GEMM's tensor cores take the second row for free
+GEMV_ROWS = 1
 assert GEMV_ROWS <= GEMV_MAX_ROWS, "the GEMV kernel keeps one accumulator per row, GEMV_MAX_ROWS at most"
 _FP8_MAX = tl.constexpr(448.0)  # the largest E4M3 code
 
@@ -102,26 +104,26 @@ class BlockConfig:
     prequant: bool = False  # x quantized once by quantize_groups (else by each program, per column tile)
 
 
-# Picked by M: the first row whose bound is >= M. First guesses (not yet timed): at a few rows each program
-# quantizes its own 16 rows (no extra launch); from 17 rows on the divisions would be repeated per column tile, so x
-# is quantized once; 64- and 128-row tiles take Hopper's wgmma path, 8 warps for 128 rows.
+# Picked by M: the first row whose bound is >= M. Up to 16 rows: the H200 sweep's fastest at two rows (session 33;
+# 16 x 128 tiles, 8 warps, 3 stages, x quantized once by quantize_groups: 12.0 / 9.3 / 33.7 us on Llama-3-8B's qkv /
+# o_proj / gate_up, where the same tiles quantizing x in each program took 33.8 / 21.3 / 133.2: every column tile
+# repeated the divisions); 4 to 16 rows were not swept. Above 16 rows, first guesses (not yet timed): x quantized once,
+# 64- and 128-row tiles on Hopper's wgmma path, 8 warps for 128 rows.
 _CUDA_CONFIGS: list[tuple[int, BlockConfig]] = [
-    (16, BlockConfig(16, 128, num_warps=4, num_stages=4)),
+    (16, BlockConfig(16, 128, num_warps=8, num_stages=3, prequant=True)),
     (32, BlockConfig(32, 128, num_warps=4, num_stages=4, prequant=True)),
     (64, BlockConfig(64, 128, num_warps=4, num_stages=4, prequant=True)),
     (1 << 62, BlockConfig(128, 128, num_warps=8, num_stages=3, prequant=True)),
 ]
 _INTERPRETER_CONFIG = BlockConfig(16, 32, split_k=1, group_m=4, num_warps=1, num_stages=1)
 
-# GEMV, picked by rows of x likewise (4 rows: benchmarks and forced configs only). One and two rows: measured on an
-# H200, session 33: the one-row first guess, 16 x 2048 in 3 stages (kernels.gemv's FP8 one-row tile), took 183 us at
-# one row on Llama-3-8B's qkv (4096 -> 6144) and 757 us on gate_up, against 20.8 and 69.6 us for the two-row
-# 16 x 1024 in 1 stage at two rows, so one row takes that config too (its time at one row is still to be read from
-# ``python -m kernels.bench.fp8_block``). The two- and four-row ones come from the SASS (instructions per weight
-# byte in the K loop, registers): a deeper pipeline spills (255 registers), so one stage and warps in flight hide the
-# loads (8.1 / 16.6, 249 / 207 registers, no spills)
+# GEMV, picked by rows of x likewise (two and four rows: benchmarks and forced configs only). One row: the H200
+# sweep's fastest on qkv and o_proj (session 33: 64 x 256 tiles, one stage, about 4 programs per SM; 10.1 and 7.0 us,
+# against 11.4 and 7.9 for 16 x 1024; the first guess, 16 x 2048 in 3 stages, took 183 us on qkv). Two and four
+# rows from the SASS (instructions per weight byte in the K loop, registers): a deeper pipeline spills (255
+# registers), so one stage and warps in flight hide the loads (8.1 / 16.6, 249 / 207 registers, no spills)
 _GEMV_CUDA_CONFIGS: list[tuple[int, GemvConfig]] = [
-    (1, GemvConfig(16, 1024, num_warps=4, num_stages=1)),
+    (1, GemvConfig(64, 256, num_warps=4, num_stages=1, programs_per_sm=4)),
     (2, GemvConfig(16, 1024, num_warps=4, num_stages=1)),
     (GEMV_MAX_ROWS, GemvConfig(16, 512, num_warps=4, num_stages=1)),
 ]

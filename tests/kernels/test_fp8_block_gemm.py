@@ -91,11 +91,11 @@ def test_gemv_matches_reference(m, n, k, block, split_k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_gemv_without_bias_at_the_default_config(dtype):
-    """The dispatch's own GEMV configuration (no config passed) at one and two rows, no bias, a [1, 1, K] x."""
+def test_default_configs_without_bias(dtype):
+    """The dispatch's own configurations (no config passed) at one to three rows, no bias, a [M, 1, K] x."""
     block = (32, 32)
     qweight, scales = _weights(48, 160, block, 21)
-    for m in range(1, GEMV_ROWS + 1):
+    for m in range(1, GEMV_ROWS + 3):
         x = _x(m, 160, dtype, 22 + m).reshape(m, 1, 160)
         y = fp8_block_linear(x, qweight, scales, block)
         assert y.shape == (m, 1, 48)
