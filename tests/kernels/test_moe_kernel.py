@@ -516,25 +516,34 @@ def test_captured_in_a_cuda_graph():
     expert 3 first; then experts 0 and 1 never): each replay equals the torch op on that replay's inputs."""
     num_experts, top_k = 16, 4
     x, gate, w_gate_up, w_down, bias = _inputs(num_experts, 256, 128, 24, torch.bfloat16, seed=5, bias=True)
+    _replay_over_routings(lambda: moe.fused_moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias), x, bias, 6,
+                          (None, 3, (0, 1)),
+                          lambda out: _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias)))
+
+
+def _replay_over_routings(run, x: torch.Tensor, bias: torch.Tensor, seed: int, pins: tuple, check) -> None:
+    """``run`` (the op on x and the router bias) once eagerly (compiles, allocates what it keeps, outside the
+    capture), then captured in a CUDA graph and replayed over new x and biases, ``check``-ed on each replay's output:
+    per pin, none (random biases), one expert every token's first (3), or experts never chosen ((0, 1))."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        moe.fused_moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias)  # compiles outside the capture
+        run()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias)
-    g = torch.Generator("cuda").manual_seed(6)
-    for pin in (None, 3, (0, 1)):
+        out = run()
+    g = torch.Generator("cuda").manual_seed(seed)
+    for pin in pins:
         x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        bias.copy_(torch.randn(num_experts, generator=g, device="cuda") * 0.5)
+        bias.copy_(torch.randn(bias.shape[0], generator=g, device="cuda") * 0.5)
         if pin == 3:
             bias[3] = 8.0
         elif pin:
             bias[list(pin)] = -8.0
         graph.replay()
-        _assert_close(out, ops.moe(x, gate, w_gate_up, w_down, top_k, gate_bias=bias))
+        check(out)
 
 
 # --- W4A16 experts, the small-slot (GEMV) path --------------------------------------------------------------
@@ -645,25 +654,6 @@ def test_int4_gemv_captured_in_a_cuda_graph(split_k):
                                               symmetric=False, bias=True)
     cfg = moe_gemv.MoeGemvConfig(split_k=split_k, down_split_k=split_k)
 
-    def run() -> torch.Tensor:
-        return moe.fused_moe(x, gate, *experts, top_k, gate_bias=bias, **kw, config=cfg)
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()  # compiles, and allocates the split-K counters, outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    g = torch.Generator("cuda").manual_seed(8)
-    for pin in (None, 3, (0, 1), None):
-        x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
-        bias.copy_(torch.randn(num_experts, generator=g, device="cuda") * 0.5)
-        if pin == 3:
-            bias[3] = 8.0
-        elif pin:
-            bias[list(pin)] = -8.0
-        graph.replay()
-        _assert_close_int4(out, ops.moe(x, gate, *experts, top_k, gate_bias=bias, **kw))
+    _replay_over_routings(lambda: moe.fused_moe(x, gate, *experts, top_k, gate_bias=bias, **kw, config=cfg), x, bias,
+                          8, (None, 3, (0, 1), None),  # the eager run also allocates the split-K counters
+                          lambda out: _assert_close_int4(out, ops.moe(x, gate, *experts, top_k, gate_bias=bias, **kw)))
