@@ -29,8 +29,9 @@ so every sum over the products x (q - zero) is exact in its codes and in fp32, a
 (16 scale and (q - zero) / 16: powers of two, the same fp32 values), as ``kernels.moe``'s W4A16 tiles do; the weights
 (q - zero) * scale are never formed, so never rounded (the reference rounds them to x's dtype: the tiles' NOTE).
 The up kernel runs the gate and up rows of a column tile together (the inputs loaded once for both), then rounds as
-the tiles do (each GEMM output to x's dtype, the expert bias in x's dtype, ``kernels.moe_activation._act_mul``) and stores
-h [num_slots, I]; the down kernel stores y [num_slots, hidden]; ``kernels.moe._moe_sum_kernel`` adds a token's slots.
+the tiles do (each GEMM output to x's dtype, the expert bias in x's dtype, ``kernels.moe_activation._act_mul``) and
+stores h [num_slots, I]; the down kernel stores y [num_slots, hidden]; ``kernels.moe._moe_sum_kernel`` adds a token's
+slots.
 
 Split-K: where the column tiles of the routed experts leave SMs idle (Qwen3-30B-A3B's I = 768: 6 tiles of 128 per
 expert), ``split_k`` programs share a tile's K range; each stores its fp32 partial sums [split_k, num_slots, ...] and

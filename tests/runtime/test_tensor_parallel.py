@@ -155,8 +155,9 @@ def test_steps_carrying_prefill_replay_every_ranks_step_graphs_as_one_rank(kerne
     """A TP=2 serving engine whose steps go through TPStepGraphs (each rank's StepGraphs runs its padded step
     eagerly here; on CUDA it replays the captured graph of exactly that step) gives the TP=1 reference path's greedy
     tokens and logprobs: prompts padded to their token and sequence buckets, one prefilled in chunks; without logprobs
-    the steps run ahead and decodes are fed the tokens in flight. Every step is one 'step_replay' message, after one 'step_graphs'; then a replay naming a
-    block past the pool makes the worker exit, naming the field, and fails the engine."""
+    the steps run ahead and decodes are fed the tokens in flight. Every step is one 'step_replay' message, after one
+    'step_graphs'; then a replay naming a block past the pool makes the worker exit, naming the field, and fails the
+    engine."""
     import runtime.tensor_parallel as tp
 
     params = SamplingParams(max_tokens=6, ignore_eos=True, logprobs=0)
