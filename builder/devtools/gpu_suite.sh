@@ -94,7 +94,7 @@
 #                  builder.bench.speculative with the draft on held-out text, greedy, batch 1; spec_speedup_draft_b1
 #                  and its companions in $OUT/benchmarks.jsonl
 #   tp-check       (2 GPUs) tests/runtime/test_collectives.py (the one-shot all-reduce against NCCL), then
-#                  builder.devtools.tp_check on CUDA: the bundled model (fp32) and the tiny MoE preset (bf16 and fp8),
+#                  builder.devtools.tp_check on CUDA: the bundled model (fp32) and the tiny MoE preset (fp32, bf16, fp8),
 #                  each built at tp_size 1 and 2 (greedy tokens and logits, offline and serving engines; the serving
 #                  engine's decode and prefill steps replay CUDA graphs on every rank, TPDecodeGraphs / TPStepGraphs)
 #   tp-8b          (2 GPUs) Llama-3-8B bf16 TP=1 vs TP=2: batch-1 latency and 128/128 throughput at concurrency 64,
@@ -505,9 +505,13 @@ artifacts/llama3-8b-{bf16,bf16-tp2} --input-len 128 --output-len 128 (gpu_suite.
       done
       timeout -k 10 300 python3 -m builder.devtools.tp_check /tmp/tpc/qs-tp1 /tmp/tpc/qs-tp2 --device cuda 2>&1 | grep -v "^\[" | tail -6
       python3 -m builder.devtools.make_checkpoint --preset tiny-moe --out /tmp/tpc/tiny-moe 2>&1 | tail -1
-      for prec in bf16 fp8; do
+      # fp32: the sharding checked tightly (on the CPU, gloo: 256/256 tokens, max |logit difference| 2.4e-7); bf16
+      # sums split over the ranks round differently (CPU: 156/256, 4.3e-3 on the random model's near ties); FP8
+      # quantizes each rank's half of a row-parallel input per token
+      for prec in fp32 bf16 fp8; do
+        recipe=$prec; dtype=""; [ $prec = fp32 ] && { recipe=bf16; dtype="--set model.dtype=float32"; }
         for tp in 1 2; do
-          python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-$prec.yaml --quiet \
+          python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-$recipe.yaml --quiet $dtype \
             --set model.checkpoint=/tmp/tpc/tiny-moe --set output_dir=/tmp/tpc/moe-$prec-tp$tp \
             --set runtime.max_seq_len=512 --set runtime.max_batch_size=8 --set runtime.max_num_tokens=512 \
             --set parallel.tp_size=$tp 2>&1 | tail -1
