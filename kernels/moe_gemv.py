@@ -155,6 +155,16 @@ def _pass_slot(same, rank, count, r):
 
 
 @triton.jit
+def _pass_slots(same, rank, count, p0):
+    """(slot, valid) of ranks p0 .. p0 + 3 of the expert's slots: one pass's four rows (``_pass_slot`` each)."""
+    slot0, v0 = _pass_slot(same, rank, count, p0)
+    slot1, v1 = _pass_slot(same, rank, count, p0 + 1)
+    slot2, v2 = _pass_slot(same, rank, count, p0 + 2)
+    slot3, v3 = _pass_slot(same, rank, count, p0 + 3)
+    return slot0, v0, slot1, v1, slot2, v2, slot3, v3
+
+
+@triton.jit
 def _masked(mask, valid):
     """mask & the scalar ``valid``, as a boolean mask (the interpreter's & of the two is int32, which it refuses as a
     mask; the compiler folds the comparison)."""
@@ -187,6 +197,23 @@ def _row_inputs(row_ptr, valid, k0, K, EVEN_K: tl.constexpr, BLOCK_K: tl.constex
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = _masked(tl.full((BLOCK_K,), 1, tl.int1) if EVEN_K else offs_k < K, valid)
     return tl.load(row_ptr + offs_k, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _pass_inputs(base_ptr, stride, DIV: tl.constexpr, slot0, v0, slot1, v1, slot2, v2, slot3, v3, k0, K,
+                 EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """One K step's inputs of a pass's ROWS slots (``_row_inputs``; the rest repeat the first, unused): slot s reads
+    row s // DIV of ``base_ptr`` (x: a token's TOP_K slots share its row; h: a row per slot)."""
+    a0 = _row_inputs(base_ptr + (slot0 // DIV) * stride, v0, k0, K, EVEN_K, BLOCK_K)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    if ROWS > 1:
+        a1 = _row_inputs(base_ptr + (slot1 // DIV) * stride, v1, k0, K, EVEN_K, BLOCK_K)
+    if ROWS > 2:
+        a2 = _row_inputs(base_ptr + (slot2 // DIV) * stride, v2, k0, K, EVEN_K, BLOCK_K)
+        a3 = _row_inputs(base_ptr + (slot3 // DIV) * stride, v3, k0, K, EVEN_K, BLOCK_K)
+    return a0, a1, a2, a3
 
 
 @triton.jit
@@ -278,10 +305,7 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, h_ptr, experts_ptr,
     num_steps = tl.minimum(steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
     even: tl.constexpr = EVEN_N and EVEN_K
     for p0 in range(0, count, ROWS):
-        slot0, v0 = _pass_slot(same, rank, count, p0)
-        slot1, v1 = _pass_slot(same, rank, count, p0 + 1)
-        slot2, v2 = _pass_slot(same, rank, count, p0 + 2)
-        slot3, v3 = _pass_slot(same, rank, count, p0 + 3)
+        slot0, v0, slot1, v1, slot2, v2, slot3, v3 = _pass_slots(same, rank, count, p0)
         acc_g0 = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         acc_u0 = acc_g0
         acc_g1 = acc_g0
@@ -295,15 +319,8 @@ def _moe_gemv_up_kernel(x_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, h_ptr, experts_ptr,
             g = k0 // GROUP_SIZE
             mask_w = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]
             # the gate rows' codes, then the up rows': one step of unpacked codes live at a time
-            a0 = _row_inputs(x_ptr + (slot0 // TOP_K) * stride_xm, v0, k0, K, EVEN_K, BLOCK_K)
-            a1 = a0
-            a2 = a0
-            a3 = a0
-            if ROWS > 1:
-                a1 = _row_inputs(x_ptr + (slot1 // TOP_K) * stride_xm, v1, k0, K, EVEN_K, BLOCK_K)
-            if ROWS > 2:
-                a2 = _row_inputs(x_ptr + (slot2 // TOP_K) * stride_xm, v2, k0, K, EVEN_K, BLOCK_K)
-                a3 = _row_inputs(x_ptr + (slot3 // TOP_K) * stride_xm, v3, k0, K, EVEN_K, BLOCK_K)
+            a0, a1, a2, a3 = _pass_inputs(x_ptr, stride_xm, TOP_K, slot0, v0, slot1, v1, slot2, v2, slot3, v3, k0, K,
+                                          EVEN_K, BLOCK_K, ROWS)
             w, s16 = _int4_weights(w_gate + k0 // 2, mask_w, wz_ptr + g_gate + g, ws_ptr + g_gate + g, mask_n, even,
                                    PTX, BLOCK_N, BLOCK_K)
             acc_g0, acc_g1, acc_g2, acc_g3 = _rows_chunk_sums(acc_g0, acc_g1, acc_g2, acc_g3, w, s16, a0, a1, a2, a3,
@@ -379,10 +396,7 @@ def _moe_gemv_down_kernel(h_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, y_ptr, experts_pt
     num_steps = tl.minimum(steps_per_split, tl.cdiv(K, BLOCK_K) - first_step)
     even: tl.constexpr = EVEN_N and EVEN_K
     for p0 in range(0, count, ROWS):
-        slot0, v0 = _pass_slot(same, rank, count, p0)
-        slot1, v1 = _pass_slot(same, rank, count, p0 + 1)
-        slot2, v2 = _pass_slot(same, rank, count, p0 + 2)
-        slot3, v3 = _pass_slot(same, rank, count, p0 + 3)
+        slot0, v0, slot1, v1, slot2, v2, slot3, v3 = _pass_slots(same, rank, count, p0)
         acc0 = tl.zeros((BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         acc1 = acc0
         acc2 = acc0
@@ -391,15 +405,8 @@ def _moe_gemv_down_kernel(h_ptr, w_ptr, ws_ptr, wz_ptr, b_ptr, y_ptr, experts_pt
             k0 = (first_step + step) * BLOCK_K
             g = k0 // GROUP_SIZE
             mask_w = mask_n[:, None] & (offs_kh < (K - k0) // 2)[None, :]
-            a0 = _row_inputs(h_ptr + slot0 * stride_hm, v0, k0, K, EVEN_K, BLOCK_K)
-            a1 = a0
-            a2 = a0
-            a3 = a0
-            if ROWS > 1:
-                a1 = _row_inputs(h_ptr + slot1 * stride_hm, v1, k0, K, EVEN_K, BLOCK_K)
-            if ROWS > 2:
-                a2 = _row_inputs(h_ptr + slot2 * stride_hm, v2, k0, K, EVEN_K, BLOCK_K)
-                a3 = _row_inputs(h_ptr + slot3 * stride_hm, v3, k0, K, EVEN_K, BLOCK_K)
+            a0, a1, a2, a3 = _pass_inputs(h_ptr, stride_hm, 1, slot0, v0, slot1, v1, slot2, v2, slot3, v3, k0, K,
+                                          EVEN_K, BLOCK_K, ROWS)
             w, s16 = _int4_weights(w_rows + k0 // 2, mask_w, wz_ptr + g_rows + g, ws_ptr + g_rows + g, mask_n, even,
                                    PTX, BLOCK_N, BLOCK_K)
             acc0, acc1, acc2, acc3 = _rows_chunk_sums(acc0, acc1, acc2, acc3, w, s16, a0, a1, a2, a3, ROWS)
