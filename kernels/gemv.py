@@ -182,6 +182,30 @@ _DEVICE_PROGRAMS_PER_SM: dict[str, dict[str, float]] = {
 }
 
 
+# Per device and weight shape (out_features, in_features): the one-row W8A8 GEMV configurations that beat the rows'
+# table by more than a run's spread at that shape in ``python -m kernels.bench.w8a8 --gemv-sweep --kind fp8`` (H200,
+# Llama-3-8B shapes, docs/BENCHMARKS.md session 34: o_proj 9.9 -> 7.7 us, gate_up 34.0 -> 32.7, down 21.8 -> 19.0; qkv
+# kept its 10.3). Shapes not listed take the rows' table. KERNELS_SHAPE_CONFIGS=0 leaves every shape table of the
+# kernels out (this one and ``kernels.w4a16_frag``'s), for A/B runs.
+SHAPE_CONFIGS = os.environ.get("KERNELS_SHAPE_CONFIGS", "1") != "0"
+_W8A8_SHAPE_CONFIGS: dict[str, dict[tuple[int, int], GemvConfig]] = {
+    "H200": {
+        (4096, 4096): GemvConfig(16, 2048, num_warps=8, num_stages=4),
+        (28672, 4096): GemvConfig(16, 512, num_warps=4, num_stages=3),
+        (4096, 14336): GemvConfig(16, 1024, num_warps=4, num_stages=3, programs_per_sm=2.0),
+    },
+}
+
+
+def shape_config(tables: dict[str, dict[tuple, Any]], key: tuple, device: torch.device) -> Any:
+    """The entry for ``key`` in the table of ``device``'s kind (a name fragment of the CUDA device, as
+    ``_DEVICE_PROGRAMS_PER_SM``), or None: no table for the device, no entry, not CUDA, or KERNELS_SHAPE_CONFIGS=0."""
+    if not SHAPE_CONFIGS or device.type != "cuda" or _interpreting():
+        return None
+    name = _device_name(device.index if device.index is not None else torch.cuda.current_device())
+    return next((table[key] for fragment, table in tables.items() if fragment in name and key in table), None)
+
+
 def _env_programs_per_sm(value: str | None) -> dict[str, float]:
     """KERNELS_GEMV_PROGRAMS_PER_SM (A/B runs): "2" for every GEMV kernel, or "dense=2,w8a8=3" per kernel."""
     if not value:
@@ -217,7 +241,8 @@ def programs_per_sm(kernel: str, device: torch.device) -> float:
     return _PROGRAMS_PER_SM
 
 
-def _device_name(index: int) -> str:  # read once per configuration (_cuda_config caches what it decides)
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int) -> str:  # read once per device (shape_config runs at every GEMV call outside a graph)
     return torch.cuda.get_device_name(index)
 
 
@@ -890,7 +915,8 @@ def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_sca
     if num_rows == 0:
         return y.reshape(*x.shape[:-1], n)
 
-    cfg = config or default_gemv_config("w8a8", num_rows, x.device)
+    cfg = config or (num_rows == 1 and shape_config(_W8A8_SHAPE_CONFIGS, (n, k), x.device)) \
+        or default_gemv_config("w8a8", num_rows, x.device)
     _check_config(cfg, 1, 1)
     int8 = qweight.dtype == torch.int8
     plan = _split_plan(y, triton.cdiv(k, cfg.block_k), cfg, torch.int32 if int8 else torch.float32)

@@ -62,7 +62,7 @@ import triton.language as tl
 
 from kernels import pdl
 from kernels.activation import silu_mul_values
-from kernels.gemv import _num_sms, _tile_counters
+from kernels.gemv import _num_sms, _tile_counters, shape_config
 from kernels.pdl import wait_prior
 from kernels.torch_quant import unpack_int4
 from kernels.w4a16_gemm import _check_device, _interpreting
@@ -1033,10 +1033,37 @@ if _LATE_TRIGGER not in ("0", "all", "residual", "norm"):
     raise ValueError(f"KERNELS_FRAG_LATE_TRIGGER={_LATE_TRIGGER!r}: expected 0, all, residual or norm")
 
 
-def default_frag_config(num_rows: int, device: torch.device, out_features: int = 0) -> FragConfig:
-    """The configuration for ``num_rows`` rows of x."""
+# Per device and weight (bits, out_features, in_features): configurations for up to SHAPE_CONFIG_MAX_ROWS rows that beat
+# the auto split by more than a run's spread in two sweeps (``SWEEP_VERBOSE=1 python -m kernels.bench.gemm --frag
+# --bits B --rows 1 2 4 8 16``; H200, Llama-3-8B shapes, us at 1 / 8 rows, docs/BENCHMARKS.md session 34). The auto
+# split aims at 3 programs per SM for every shape; the 8-bit codes (twice the K iterations of 4-bit ones) and the
+# widest linear want more, and no one programs-per-SM target fits the four shapes (the sweep's table).
+#   8-bit qkv     11.3 / 12.3 -> 11.0 / 11.4     8-bit o_proj 10.9 / 11.9 -> 8.5 / 9.7
+#   8-bit gate_up 37.2 / 37.8 -> 32.2 / 32.8     8-bit down   27.1 / 27.9 -> 20.0 / 21.4
+#   4-bit gate_up 22.1 / 22.6 -> 19.6 / 20.7     (4-bit qkv, o_proj and down: within 0.5 us of the auto split)
+# At 16 rows the auto split is as fast or faster for most shapes; shapes not listed take the rows' table.
+# KERNELS_SHAPE_CONFIGS=0 leaves the table out (A/B runs; ``kernels.gemv.SHAPE_CONFIGS``).
+SHAPE_CONFIG_MAX_ROWS = 8
+_SHAPE_CONFIGS: dict[str, dict[tuple[int, int, int], FragConfig]] = {
+    "H200": {
+        (8, 6144, 4096): FragConfig(warps=2, split_k=16, depth=1),
+        (8, 4096, 4096): FragConfig(warps=8, split_k=16, depth=1),
+        (8, 28672, 4096): FragConfig(warps=4, split_k=4, depth=1),
+        (8, 4096, 14336): FragConfig(warps=8, split_k=16, depth=1),
+        (4, 28672, 4096): FragConfig(warps=4, split_k=4, depth=1),
+    },
+}
+
+
+def default_frag_config(num_rows: int, device: torch.device, out_features: int = 0, in_features: int = 0,
+                        bits: int = 4) -> FragConfig:
+    """The configuration for ``num_rows`` rows of x (and, where the device's shape table has the weight, for it)."""
     if _ENV_CONFIG is not None:
         return _ENV_CONFIG
+    if num_rows <= SHAPE_CONFIG_MAX_ROWS:
+        tuned = shape_config(_SHAPE_CONFIGS, (bits, out_features, in_features), device)
+        if tuned is not None:
+            return tuned
     return next((cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound), _CUDA_CONFIGS[-1][1])
 
 
@@ -1117,9 +1144,11 @@ def w4a16_frag(x: torch.Tensor | PendingNorm, qweight: torch.Tensor, scales: tor
     out_features = w.out_features // 2 if gated else w.out_features
     y = torch.empty((num_rows, out_features), dtype=torch.bfloat16, device=x.device)
     row_ss = None
+    # one configuration for every slice: a residual's row_ss has one part per program, the same for all rows
+    cfg = config or default_frag_config(min(num_rows, LAUNCH_MAX_ROWS), x.device, w.out_features, w.in_features,
+                                        w.bits)
     for r0 in range(0, num_rows, LAUNCH_MAX_ROWS):  # each slice reads the weights again
         rows = min(LAUNCH_MAX_ROWS, num_rows - r0)
-        cfg = config or default_frag_config(rows, x.device)
         if residual is not None and row_ss is None:
             row_ss = torch.empty((num_rows, w.out_features // (WARP_N * _warps(cfg, w.out_features))),
                                  dtype=torch.float32, device=x.device)

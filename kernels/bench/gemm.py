@@ -453,7 +453,8 @@ FRAG_ROWS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
 def frag_candidates() -> list[FragConfig]:
-    return [FragConfig(warps=w, split_k=s, depth=d) for w in (4, 8) for d in (1, 2, 4) for s in (0, 2, 4, 8, 12, 16)]
+    return [FragConfig(warps=w, split_k=s, depth=d) for w in (2, 4, 8) for d in (1, 2, 4)
+            for s in (0, 2, 4, 8, 12, 16, 24, 32)]
 
 
 # --frag with KERNELS_BENCH_FRAG_LOADS_ONLY=1: the default config's time ("frag") is its K loop's loads alone, the

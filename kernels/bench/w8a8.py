@@ -150,8 +150,11 @@ def gemv_candidates() -> list[GemvConfig]:
     # narrow tiles with long K steps (1-2 KB of each weight row per step): the dense GEMV's fastest shape (session 19)
     rows += [(bn, bk, 0, w, st) for bn in (16, 32) for bk in (512, 1024, 2048) for w in (4, 8) for st in (3, 4)
              if bn * bk <= 32768]
+    # the auto split's target programs per SM (the H200 ran the dense GEMV fastest at 2, session 27)
+    targets = [GemvConfig(bn, bk, num_warps=4, num_stages=st, programs_per_sm=p)
+               for bn, bk in ((16, 2048), (16, 1024), (32, 1024)) for st in (3, 4) for p in (2.0, 3.0, 6.0, 8.0)]
     return ([GemvConfig(bn, bk, split_k=s, num_warps=w, num_stages=st) for bn, bk, s, w, st in rows]
-            + [GemvConfig(128, 128, num_warps=4, num_stages=3, reduce_in_kernel=False)])
+            + [GemvConfig(128, 128, num_warps=4, num_stages=3, reduce_in_kernel=False)] + targets)
 
 
 def bench_gemv(kind: str, sweep: bool) -> list[str]:

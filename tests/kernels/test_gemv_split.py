@@ -74,3 +74,33 @@ def test_every_split_config_has_a_target():
     assert gemv.split_target(MmaConfig(block_n=64)) == gemv._PROGRAMS_PER_SM
     assert gemv.split_target(gemv.GemvConfig(16, 512)) == gemv._PROGRAMS_PER_SM
     assert gemv.split_target(gemv.GemvConfig(16, 512, programs_per_sm=2.0)) == 2.0
+
+
+def test_the_shape_tables_apply_on_their_device_up_to_their_rows(monkeypatch):
+    """The per-device, per-weight-shape configurations (``kernels.w4a16_frag._SHAPE_CONFIGS``,
+    ``gemv._W8A8_SHAPE_CONFIGS``) replace the rows' table only on that device, for those shapes, up to their rows,
+    and not with KERNELS_SHAPE_CONFIGS=0."""
+    from kernels import w4a16_frag
+    from kernels.w4a16_frag import FragConfig, default_frag_config
+
+    cuda = torch.device("cuda", 0)  # a device object only: nothing runs on it
+    monkeypatch.setattr(gemv, "_interpreting", lambda: False)
+    monkeypatch.setattr(w4a16_frag, "_ENV_CONFIG", None)
+    monkeypatch.setattr(gemv, "_device_name", lambda index: "NVIDIA H200")
+    auto = w4a16_frag._CUDA_CONFIGS[-1][1]
+    gate_up_8bit = (1, cuda, 28672, 4096, 8)
+    assert default_frag_config(*gate_up_8bit) == FragConfig(warps=4, split_k=4, depth=1) != auto
+    assert default_frag_config(w4a16_frag.SHAPE_CONFIG_MAX_ROWS, cuda, 28672, 4096, 8) != auto
+    assert default_frag_config(w4a16_frag.SHAPE_CONFIG_MAX_ROWS + 1, cuda, 28672, 4096, 8) == auto
+    assert default_frag_config(1, cuda, 6144, 4096, 4) == auto  # 4-bit qkv: not in the table
+    assert default_frag_config(1, cuda, 28672, 2048, 8) == auto  # another shape
+    assert default_frag_config(1, torch.device("cpu"), 28672, 4096, 8) == auto
+    fp8_down = gemv.shape_config(gemv._W8A8_SHAPE_CONFIGS, (4096, 14336), cuda)
+    assert fp8_down is not None and fp8_down.programs_per_sm == 2.0
+    monkeypatch.setattr(gemv, "SHAPE_CONFIGS", False)  # KERNELS_SHAPE_CONFIGS=0
+    assert default_frag_config(*gate_up_8bit) == auto
+    assert gemv.shape_config(gemv._W8A8_SHAPE_CONFIGS, (4096, 14336), cuda) is None
+    monkeypatch.setattr(gemv, "SHAPE_CONFIGS", True)
+    monkeypatch.setattr(gemv, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    assert default_frag_config(*gate_up_8bit) == auto
+    assert gemv.shape_config(gemv._W8A8_SHAPE_CONFIGS, (4096, 14336), cuda) is None
