@@ -1,6 +1,6 @@
 """How the GEMV kernels split K when their configuration leaves it to the launch: the per-kernel, per-device
-programs-per-SM target and its environment override (host-side arithmetic; the kernels' sums are tested in
-test_dense_gemv.py and test_gemv.py)."""
+programs-per-SM target and its environment override, and the per-device, per-weight-shape configurations (host-side
+arithmetic; the kernels' sums are tested in test_dense_gemv.py and test_gemv.py)."""
 
 from __future__ import annotations
 
@@ -92,7 +92,7 @@ def test_the_shape_tables_apply_on_their_device_up_to_their_rows(monkeypatch):
     assert default_frag_config(*gate_up_8bit) == FragConfig(warps=4, split_k=4, depth=1) != auto
     assert default_frag_config(w4a16_frag.SHAPE_CONFIG_MAX_ROWS, cuda, 28672, 4096, 8) != auto
     assert default_frag_config(w4a16_frag.SHAPE_CONFIG_MAX_ROWS + 1, cuda, 28672, 4096, 8) == auto
-    assert default_frag_config(1, cuda, 6144, 4096, 4) == auto  # 4-bit qkv: not in the table
+    assert default_frag_config(1, cuda, 28672, 4096, 4) == auto  # 4-bit gate_up: not in the table
     assert default_frag_config(1, cuda, 28672, 2048, 8) == auto  # another shape
     assert default_frag_config(1, torch.device("cpu"), 28672, 4096, 8) == auto
     fp8_down = gemv.shape_config(gemv._W8A8_SHAPE_CONFIGS, (4096, 14336), cuda)
