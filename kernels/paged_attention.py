@@ -59,9 +59,8 @@ _MAX_SPLITS = 32
 _MERGE_UNROLL = 4  # a decode merge's partials loaded per iteration, in flight together
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
-_DECODE_WIDE_PROGRAMS = 1024  # decode programs from which a quantized cache's tiles take 128 keys (_decode_config)
-# KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST]" replaces _decode_config's tiling for 16-bit caches at
-# head_dim <= 128 (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons,
+# KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST]" replaces _decode_config's tiling for 16-bit and quantized
+# caches (fp16 operands) at head_dim <= 128 (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons,
 # since gpu_suite.sh's AB_SETTINGS separate variables with commas)
 _DECODE_CONFIG_SETTING = os.environ.get("KERNELS_DECODE_CONFIG", "")
 
@@ -688,9 +687,11 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     """The decode tiling for a launch over ``pairs`` (sequence, kv head) pairs, measured best on an H100 for
     Llama-3-8B shapes (``python -m kernels.bench.attention --decode-sweep``). head_dim 256 halves the keys per
     iteration (and doubles the warps for 16-bit caches) so that a key tile takes the registers a 128 one does.
-    Quantized caches convert to fp16 operands (13-23% faster than to bf16), 64 keys per iteration below
-    _DECODE_WIDE_PROGRAMS pairs (64 sequences x 8 kv heads: 4-9% faster there), 128 from there (256-384 sequences:
-    7-8% faster; no launch that wide splits its keys, so pairs are its programs). 16-bit caches: 64-key tiles and
+    Quantized caches convert to fp16 operands (11-18% faster than bf16 ones at 64:4:3 on the H200), 64-key tiles, in
+    3 stages past _SMALL_DECODE_PAIRS pairs: the H200 sweep over six serving shapes (docs/BENCHMARKS.md, session 34)
+    put 64:4:3 within 4% of each shape's best from 200 keys on and 10% behind at 512 x 150 (best 32:4:3), 11-33% ahead
+    of the 128:4:3 chosen on an H100 (session 18) for 2,048 pairs and more, 4-7% ahead of 64:4:2 below. 16-bit
+    caches: 64-key tiles and
     splits up to _SMALL_DECODE_PAIRS pairs (H200), each program's first tile loaded before the PDL wait there
     (``early``: 32 KB of keys and values in registers, which a 128-key tile would double); beyond, 32-key tiles in 3
     stages, the fastest of 12 tilings at every serving shape swept on the H200 (docs/BENCHMARKS.md, session 31):
@@ -698,15 +699,14 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     against 357 at 32 x 8,192."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
-    if cache_dtype.itemsize == 1:  # fp8 / int8: converted in registers before the matmul
-        if pairs >= _DECODE_WIDE_PROGRAMS:
-            return DecodeConfig(128, 4, 3, f16=True)
-        return DecodeConfig(64, 4, 2, f16=True)
     if cache_dtype == torch.float32:
         return DecodeConfig(64, 4, 2)
+    quantized = cache_dtype.itemsize == 1  # fp8 / int8: converted to fp16 in registers before the matmul
     if _DECODE_CONFIG_OVERRIDE is not None:
         block_n, warps, stages, heads_first = _DECODE_CONFIG_OVERRIDE
-        return DecodeConfig(block_n, warps, stages, heads_first=heads_first)
+        return DecodeConfig(block_n, warps, stages, f16=quantized, heads_first=heads_first)
+    if quantized:
+        return DecodeConfig(64, 4, 2 if 0 < pairs <= _SMALL_DECODE_PAIRS else 3, f16=True)
     if 0 < pairs <= _SMALL_DECODE_PAIRS:
         return DecodeConfig(64, 4, 2, min_keys=64, early=_EARLY_TILE)
     return DecodeConfig(32, 4, 3)

@@ -453,14 +453,18 @@ def test_decode_split_heuristic(monkeypatch):
 
 def test_decode_config_by_launch_width():
     """16-bit caches: 64-key tiles and 64-key splits, the first tile loaded before the PDL wait, for a handful of
-    (sequence, kv head) pairs (batch-1 decode), 32-key tiles in 3 stages beyond; quantized caches 64 keys below 1024 pairs, 128 from there."""
+    (sequence, kv head) pairs (batch-1 decode), 32-key tiles in 3 stages beyond; quantized caches 64-key tiles in fp16,
+    2 stages for a handful of pairs and 3 beyond."""
     small = pa._decode_config(torch.bfloat16, 128, 8)
     assert (small.block_n, small.min_keys, small.early) == (64, 64, pa._EARLY_TILE)
     assert pa._decode_config(torch.float16, 128, pa._SMALL_DECODE_PAIRS).min_keys == 64
     wide = pa._decode_config(torch.bfloat16, 128, pa._SMALL_DECODE_PAIRS + 1)
     assert (wide.block_n, wide.num_stages, wide.min_keys, wide.early) == (32, 3, 0, False)
     assert pa._decode_config(FP8, 128, 8).block_n == 64 and pa._decode_config(FP8, 128, 8).min_keys == 0
-    assert pa._decode_config(FP8, 128, 1024).block_n == 128
+    for pairs in (pa._SMALL_DECODE_PAIRS + 1, 1024, 4096):
+        wide = pa._decode_config(FP8, 128, pairs)
+        assert (wide.block_n, wide.num_stages, wide.f16, wide.min_keys) == (64, 3, True, 0)
+    assert pa._decode_config(FP8, 128, pa._SMALL_DECODE_PAIRS).num_stages == 2
 
 
 # --- prefill ---------------------------------------------------------------------------------------------
