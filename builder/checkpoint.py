@@ -506,6 +506,35 @@ def _convert(conversion: Conversion, tensors: dict[str, torch.Tensor], name: str
     return next(iter(collected.values()))
 
 
+def quantized_expert_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
+                             taken: set[str]) -> dict[str, tuple[dict[str, list[str]], Any]]:
+    """For a pre-quantized checkpoint: each moe weight (graph name) that transformers stacks from per-expert linears
+    the checkpoint stores quantized -> (source pattern -> ``<module>.weight`` names in expert order, a function
+    stacking float tensors by those names with transformers' own conversion), for
+    ``builder.prequantized.import_experts``. The names are mapped as transformers maps checkpoint names on load
+    (:func:`map_tensor_names`), ``<module>.weight`` standing for the module's quantized tensors."""
+    from builder.prequantized import expert_modules
+
+    if ckpt.quant is None or not any(n.op == "moe" for n in graph.nodes):
+        return {}
+    pseudo = expert_modules(ckpt, ckpt.quant, taken)
+    if not pseudo:
+        return {}
+    names = map_tensor_names(meta_model, sorted(pseudo))
+    out: dict[str, tuple[dict[str, list[str]], Any]] = {}
+    for node in graph.nodes:
+        if node.op != "moe":
+            continue
+        for role in ("w_gate_up", "w_down"):
+            name = node.weights.get(role, "")
+            if name not in graph.params or not graph.params[name].is_meta:
+                continue
+            conversion = _conversion(names, [name])
+            if conversion is not None:
+                out[name] = (conversion.sources, lambda refs, c=conversion, n=name: _convert(c, refs, n, ckpt.path))
+    return out
+
+
 def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
                    dtype: torch.dtype) -> Imported | None:
     """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``.
@@ -520,10 +549,13 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
     """
     imported = None
     if ckpt.quant is not None:
-        from builder.prequantized import PrequantizedError, import_linears
+        from builder.prequantized import PrequantizedError, check_imported, import_experts, import_linears
 
         try:
-            imported = import_linears(graph, ckpt, ckpt.quant, dtype)
+            imported = import_linears(graph, ckpt, ckpt.quant, dtype, require=False)
+            import_experts(graph, ckpt, ckpt.quant, dtype, imported,
+                           quantized_expert_sources(graph, ckpt, meta_model, imported.consumed))
+            check_imported(imported, ckpt)
         except PrequantizedError as e:
             raise CheckpointError(str(e)) from None
     wanted = weight_sources(graph, ckpt, meta_model, frozenset(imported.consumed) if imported else frozenset())

@@ -36,6 +36,11 @@ path), FP8_PER_CHANNEL_PER_TOKEN onto fp8 per channel with dynamic activations, 
 fine-grained FP8 onto fp8_block. The KV cache's k_scale / v_scale are read and checked, not applied: the build's
 KV cache is runtime.kv_cache_dtype's.
 
+Mixture-of-experts layers whose experts are stored quantized, one linear per expert and projection
+(``experts.3.gate_proj.qweight`` ...): each expert's linear is read as above, and the experts are stacked into the
+moe op's W4A16 layout the way transformers stacks float experts (:func:`import_experts`; the names are mapped with
+transformers' own loading rules by ``builder/checkpoint.py``). 4-bit weight-only experts only.
+
 Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous along K, so input channels are
 sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
 
@@ -770,13 +775,20 @@ class Imported:
     fmt: QuantFormat
     linears: dict[str, ImportedLinear]  # module path -> its IR tensors and reference weight
     consumed: set[str]  # checkpoint tensors the import read
+    # mixture-of-experts weights (the graph's stacked name, e.g. ``...mlp.experts.gate_up_proj``) -> the format's own
+    # dequantization of every expert's linears, stacked as transformers stacks them (None once handed over)
+    experts: dict[str, Tensor | None] = field(default_factory=dict)
+    expert_linears: int = 0  # per-expert checkpoint linears imported into them
 
     def pop_reference_weights(self) -> dict[str, Tensor]:
-        """``<module>.weight`` -> the format's own dequantization, for the Hugging Face reference model; handed
-        over (the import keeps none of them: a float copy of every quantized weight is the model's size again)."""
+        """``<module>.weight`` (and the stacked experts' weight names) -> the format's own dequantization, for the
+        Hugging Face reference model; handed over (the import keeps none of them: a float copy of every quantized
+        weight is the model's size again)."""
         out = {f"{m}.weight": lin.reference for m, lin in self.linears.items() if lin.reference is not None}
+        out.update({name: w for name, w in self.experts.items() if w is not None})
         for lin in self.linears.values():
             lin.reference = None
+        self.experts = dict.fromkeys(self.experts)
         return out
 
     def activation_quant(self) -> dict[str, tuple[str, Tensor | None, int | None]]:
@@ -791,15 +803,20 @@ class Imported:
         schemes: dict[str, int] = {}
         for lin in self.linears.values():
             schemes[lin.scheme] = schemes.get(lin.scheme, 0) + 1
-        return {**self.fmt.summary(), "num_linears": len(self.linears), "schemes": schemes,
-                "act_order_linears": sum("perm" in lin.tensors for lin in self.linears.values())}
+        out = {**self.fmt.summary(), "num_linears": len(self.linears), "schemes": schemes,
+               "act_order_linears": sum("perm" in lin.tensors for lin in self.linears.values())}
+        if self.experts:
+            out["moe_weights"] = len(self.experts)
+            out["expert_linears"] = self.expert_linears
+        return out
 
 
-def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype) -> Imported:
+def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, require: bool = True) -> Imported:
     """Give each linear (and an untied lm_head) the checkpoint stores quantized its IR scheme, from the
     checkpoint's own tensors; the others keep their meta ``weight`` for the float loader. Each linear's reference
     weight is kept in ``dtype`` (the build's). Raises PrequantizedError on a missing or malformed tensor, naming
-    it."""
+    it, and (``require``) when no linear is quantized (:func:`check_imported`: experts may be, see
+    :func:`import_experts`)."""
     from passes.quantize import replace_weight
 
     imported = Imported(fmt, {}, set())
@@ -834,9 +851,123 @@ def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype) -> Importe
         replace_weight(graph, node, lin.scheme, lin.tensors, lin.quant)
         imported.linears[module] = lin
         imported.consumed.update(lin.consumed)
-    if not imported.linears:
-        example = fmt.tensor_names("model.layers.0.mlp.down_proj")  # None where the config leaves it unquantized
-        raise PrequantizedError(f"{ckpt.path}: {fmt.cfg_file.name} says the checkpoint is {fmt.source}-quantized but "
-                              f"no linear of the model has its quantized tensors"
-                              + (f" (e.g. {', '.join(example[0])})" if example else ""))
+    if require:
+        check_imported(imported, ckpt)
     return imported
+
+
+def check_imported(imported: Imported, ckpt) -> None:
+    """PrequantizedError when the import found no quantized linear and no quantized experts."""
+    if imported.linears or imported.experts:
+        return
+    fmt = imported.fmt
+    example = fmt.tensor_names("model.layers.0.mlp.down_proj")  # None where the config leaves it unquantized
+    raise PrequantizedError(f"{ckpt.path}: {fmt.cfg_file.name} says the checkpoint is {fmt.source}-quantized but "
+                            f"no linear of the model has its quantized tensors"
+                            + (f" (e.g. {', '.join(example[0])})" if example else ""))
+
+
+EXPERT_ROLES = ("w_gate_up", "w_down")  # a moe node's stacked expert weights: [E, 2I, hidden], [E, hidden, I]
+
+
+def expert_modules(ckpt, fmt: QuantFormat, taken: set[str]) -> dict[str, str]:
+    """``<module>.weight`` -> module for the checkpoint's modules stored quantized (their format's required tensors
+    present, no float ``weight``) that no linear imported (``taken``: tensors read already): a mixture of experts'
+    per-expert linears, which the model holds stacked. The ``.weight`` name stands for the module's quantized
+    tensors where transformers' loading rules (stacking the experts) are applied to names."""
+    out = {}
+    for module in sorted({n.rsplit(".", 1)[0] for n in ckpt.weight_map if n not in taken and "." in n}):
+        names = fmt.tensor_names(module)
+        if names and names[0] and all(n in ckpt.weight_map for n in names[0]) \
+                and f"{module}.weight" not in ckpt.weight_map:
+            out[f"{module}.weight"] = module
+    return out
+
+
+def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: Imported,
+                   sources: dict[str, tuple[dict[str, list[str]], Any]]) -> None:
+    """Mixture-of-experts layers whose experts the checkpoint stores quantized, one linear per expert and projection
+    (``experts.3.gate_proj.qweight`` ...): each expert's linear read as the dense linears are
+    (:meth:`QuantFormat.read`), then stacked into the ``moe`` node's W4A16 layout (passes/moe_int4.py: codes, scales
+    and zeros [E, out, ...], gate rows then up rows). ``sources``: the moe weight's graph name -> (its source
+    pattern -> the ``<module>.weight`` names, in expert order, transformers stacks it from; ``stack(references)``,
+    transformers' own conversion of float tensors by those names), from ``builder/checkpoint.py``. The stacked IR
+    tensors' dequantization must equal the format's own, stacked by that conversion, bit for bit. 4-bit weight-only
+    experts only (the moe op's w4a16 scheme), without act-order, one group size for the layer; anything else is
+    refused, naming it."""
+    from kernels.moe import INT4_MIN_BLOCK_K
+
+    for node in graph.nodes:
+        if node.op != "moe":
+            continue
+        found = [r for r in EXPERT_ROLES if node.weights[r] in sources]
+        if not found:
+            continue
+        if len(found) < len(EXPERT_ROLES):
+            what = {"w_gate_up": "gate and up", "w_down": "down"}[found[0]]
+            raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} store their {what} projections "
+                                    f"{fmt.source}-quantized and the others in floating point; a moe layer's experts "
+                                    f"are imported quantized all together or not at all")
+        group = None
+        made: dict[str, tuple[dict[str, Tensor], Tensor, list[str]]] = {}
+        for role in EXPERT_ROLES:
+            name = node.weights[role]
+            by_pattern, stack = sources[name]
+            num_experts, out_total, in_f = graph.params[name].shape
+            out_f = out_total // len(by_pattern)
+            per_expert: list[list[ImportedLinear]] = [[] for _ in range(num_experts)]
+            consumed: list[str] = []
+            references: dict[str, Tensor] = {}
+            for pattern, names in by_pattern.items():
+                if len(names) != num_experts:
+                    raise PrequantizedError(f"{ckpt.path}: {len(names)} quantized experts match {pattern!r} in "
+                                            f"{node.source}; its config has {num_experts}")
+                for e, pseudo in enumerate(names):
+                    module = pseudo.removesuffix(".weight")
+                    required, optional = fmt.tensor_names(module)
+                    tensors = ckpt.load_tensors([n for n in required + optional if n in ckpt.weight_map])
+                    try:
+                        lin = fmt.read(module, tensors, int(in_f), int(out_f))
+                    except PrequantizedError as err:
+                        raise PrequantizedError(f"{ckpt.path}: {err}") from None
+                    what = f"{ckpt.path}: expert linear {module}"
+                    if lin.scheme != "w4a16" or "perm" in lin.tensors:
+                        kind = "act-order (desc_act)" if "perm" in lin.tensors else f"{lin.scheme}"
+                        raise PrequantizedError(f"{what} is {kind}; quantized experts import as 4-bit weight-only "
+                                                f"codes in groups along the input without act-order (the moe op's "
+                                                f"w4a16 scheme)")
+                    if group is not None and lin.quant["group_size"] != group:
+                        raise PrequantizedError(f"{what} has group_size {lin.quant['group_size']}, other experts of "
+                                                f"{node.source} {group}: a moe layer takes one group size")
+                    group = lin.quant["group_size"]
+                    per_expert[e].append(lin)
+                    consumed += lin.consumed
+                    references[pseudo] = lin.reference
+            tensors = {key: torch.stack([torch.cat([lin.tensors[key] for lin in parts]) for parts in per_expert])
+                       .contiguous() for key in ("qweight", "scales", "zeros")}
+            reference = stack(references)
+            ours = torch.stack([dequantize_weight(tensors["qweight"][e], tensors["scales"][e], tensors["zeros"][e], 4,
+                                                  group, torch.float32) for e in range(num_experts)])
+            if ours.shape != reference.shape or not torch.equal(ours, reference.float()):
+                raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} ({name}) are stacked by "
+                                        f"transformers in a layout the import does not rebuild (its conversion gives "
+                                        f"{tuple(reference.shape)}); import of these experts is not supported")
+            made[role] = (tensors, reference.to(dtype), consumed)
+        if group != -1 and group % INT4_MIN_BLOCK_K:
+            raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} are quantized in groups of {group}; "
+                                    f"the fused experts kernel takes group sizes that are multiples of "
+                                    f"{INT4_MIN_BLOCK_K} (its least K step) or -1 (per channel), so these experts "
+                                    f"cannot run as stored: build the unquantized model with the awq or gptq method "
+                                    f"instead")
+        for role, (tensors, reference, consumed) in made.items():
+            name = node.weights[role]
+            for key, t in tensors.items():
+                graph.params[f"{name}.{key}"] = t
+            node.weights[role] = f"{name}.qweight"
+            node.weights[f"{role}_scales"], node.weights[f"{role}_zeros"] = f"{name}.scales", f"{name}.zeros"
+            graph.params.pop(name)
+            imported.experts[name] = reference
+            imported.consumed.update(consumed)
+            imported.expert_linears += reference.shape[0] * len(sources[name][0])  # experts x projections
+        node.attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": group, "symmetric": False,
+                               "source": fmt.source}

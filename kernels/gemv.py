@@ -185,8 +185,9 @@ _DEVICE_PROGRAMS_PER_SM: dict[str, dict[str, float]] = {
 # Per device and weight shape (out_features, in_features): the one-row W8A8 GEMV configurations that beat the rows'
 # table by more than a run's spread at that shape in ``python -m kernels.bench.w8a8 --gemv-sweep --kind fp8`` (H200,
 # Llama-3-8B shapes, docs/BENCHMARKS.md session 34: o_proj 9.9 -> 7.7 us, gate_up 34.0 -> 32.7, down 21.8 -> 19.0; qkv
-# kept its 10.3; end to end, FP8 batch 1 in one call: 335.1 -> 354.1 tok/s). Shapes not listed take the rows' table. KERNELS_SHAPE_CONFIGS=0 leaves every shape table of the
-# kernels out (this one and ``kernels.w4a16_frag``'s), for A/B runs.
+# kept its 10.3; end to end, FP8 batch 1 in one call: 335.1 -> 354.1 tok/s). Shapes not listed take the rows' table.
+# KERNELS_SHAPE_CONFIGS=0 leaves every shape table of the kernels out (this one and ``kernels.w4a16_frag``'s), for
+# A/B runs.
 SHAPE_CONFIGS = os.environ.get("KERNELS_SHAPE_CONFIGS", "1") != "0"
 _W8A8_SHAPE_CONFIGS: dict[str, dict[tuple[int, int], GemvConfig]] = {
     "H200": {
