@@ -193,6 +193,10 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
         model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
         for module, (scheme, input_scale, group) in imported.activation_quant().items():
             model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale, group))
+        if imported.expert_inputs:  # transformers' eager experts: each expert's projections by nn.functional.linear
+            model.set_experts_implementation("eager")
+        for module, scheme in imported.expert_inputs.items():
+            _fake_quantize_expert_inputs(model.get_submodule(module), scheme)
     model.eval()
 
     @torch.inference_mode()
@@ -249,6 +253,34 @@ def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: i
         return ((xq.float() * scale).to(x.dtype).reshape(x.shape), *args[1:])
 
     return hook
+
+
+def _fake_quantize_expert_inputs(experts: torch.nn.Module, scheme: str) -> None:
+    """transformers' experts module (one per mixture-of-experts layer) computes every expert's projections with
+    ``nn.functional.linear`` in its forward: while it runs, that function quantizes its input first
+    (:func:`_fake_quantize_input`: fp8 per token), as the format's expert linears do; a forward that made no such
+    call (another experts implementation) is an error, not an unquantized reference."""
+    import torch.nn.functional as F
+
+    original, fake = F.linear, _fake_quantize_input(scheme, None)
+    calls = [0]
+
+    def linear(x, weight, bias=None):
+        calls[0] += 1
+        return original(fake(experts, (x,))[0], weight, bias)
+
+    def enter(module, args):
+        calls[0] = 0
+        F.linear = linear
+
+    def leave(module, args, output):
+        F.linear = original
+        if not calls[0]:
+            raise RuntimeError(f"the reference model's {type(module).__name__} ran without nn.functional.linear, so "
+                               f"its experts' inputs could not be quantized as the checkpoint's are")
+
+    experts.register_forward_pre_hook(enter)
+    experts.register_forward_hook(leave, always_call=True)
 
 
 def params_to_host(params: dict[str, torch.Tensor], moved: dict[str, weakref.ref],

@@ -38,8 +38,9 @@ KV cache is runtime.kv_cache_dtype's.
 
 Mixture-of-experts layers whose experts are stored quantized, one linear per expert and projection
 (``experts.3.gate_proj.qweight`` ...): each expert's linear is read as above, and the experts are stacked into the
-moe op's W4A16 layout the way transformers stacks float experts (:func:`import_experts`; the names are mapped with
-transformers' own loading rules by ``builder/checkpoint.py``). 4-bit weight-only experts only.
+moe op's W4A16 or FP8 layout the way transformers stacks float experts (:func:`import_experts`; the names are mapped
+with transformers' own loading rules by ``builder/checkpoint.py``): 4-bit weight-only experts, and FP8 ones per channel
+or tensor with dynamic per-token inputs.
 
 Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous along K, so input channels are
 sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
@@ -779,6 +780,9 @@ class Imported:
     # dequantization of every expert's linears, stacked as transformers stacks them (None once handed over)
     experts: dict[str, Tensor | None] = field(default_factory=dict)
     expert_linears: int = 0  # per-expert checkpoint linears imported into them
+    # the model's experts modules (``...mlp.experts``) whose linears quantize their inputs -> the scheme (fp8: per
+    # token), for the reference model
+    expert_inputs: dict[str, str] = field(default_factory=dict)
 
     def pop_reference_weights(self) -> dict[str, Tensor]:
         """``<module>.weight`` (and the stacked experts' weight names) -> the format's own dequantization, for the
@@ -872,29 +876,68 @@ EXPERT_ROLES = ("w_gate_up", "w_down")  # a moe node's stacked expert weights: [
 
 def expert_modules(ckpt, fmt: QuantFormat, taken: set[str]) -> dict[str, str]:
     """``<module>.weight`` -> module for the checkpoint's modules stored quantized (their format's required tensors
-    present, no float ``weight``) that no linear imported (``taken``: tensors read already): a mixture of experts'
-    per-expert linears, which the model holds stacked. The ``.weight`` name stands for the module's quantized
-    tensors where transformers' loading rules (stacking the experts) are applied to names."""
+    present, and no ``weight`` but the format's own: FP8 formats store the codes as ``weight``) that no linear
+    imported (``taken``: tensors read already): a mixture of experts' per-expert linears, which the model holds
+    stacked. The ``.weight`` name stands for the module's quantized tensors where transformers' loading rules
+    (stacking the experts) are applied to names."""
     out = {}
     for module in sorted({n.rsplit(".", 1)[0] for n in ckpt.weight_map if n not in taken and "." in n}):
         names = fmt.tensor_names(module)
         if names and names[0] and all(n in ckpt.weight_map for n in names[0]) \
-                and f"{module}.weight" not in ckpt.weight_map:
-            out[f"{module}.weight"] = module
+                and (f"{module}.weight" not in ckpt.weight_map or f"{module}.weight" in names[0]):
+            out[f"{module}.weight"] = module  # FP8 formats store the codes as the module's weight itself
     return out
+
+
+def _expert_scheme(lin: ImportedLinear, what: str) -> tuple:
+    """The moe scheme an expert linear imports as, with what must agree across a layer: ("w4a16", group size) or
+    ("fp8",); PrequantizedError for anything the moe op does not run."""
+    if lin.scheme == "w4a16" and "perm" not in lin.tensors:
+        return "w4a16", lin.quant["group_size"]
+    if lin.scheme == "fp8" and "input_scale" not in lin.tensors:
+        return ("fp8",)
+    kind = ("act-order (desc_act)" if "perm" in lin.tensors else
+            "FP8 with a static input scale" if lin.scheme == "fp8" else
+            "fp8_block (FP8 in blocks)" if lin.scheme == "fp8_block" else lin.scheme)
+    raise PrequantizedError(f"{what} is {kind}; quantized experts import as 4-bit weight-only codes in groups along "
+                            f"the input without act-order (the moe op's w4a16 scheme) or as FP8 per channel or tensor "
+                            f"with inputs quantized per token (its fp8 scheme)")
+
+
+def _scheme_name(scheme: tuple) -> str:
+    return "fp8" if scheme[0] == "fp8" else f"{scheme[0]} with group_size {scheme[1]}"
+
+
+def _stack_experts(per_expert: list[list[ImportedLinear]], scheme: tuple) -> tuple[dict[str, Tensor], Tensor]:
+    """The moe layout of one projection's experts (``per_expert[e]``: its linears in the conversion's order, gate
+    then up), and its dequantization [E, out, in] in fp32."""
+    if scheme[0] == "w4a16":
+        tensors = {key: torch.stack([torch.cat([lin.tensors[key] for lin in parts]) for parts in per_expert])
+                   .contiguous() for key in ("qweight", "scales", "zeros")}
+        ours = torch.stack([dequantize_weight(tensors["qweight"][e], tensors["scales"][e], tensors["zeros"][e], 4,
+                                              scheme[1], torch.float32) for e in range(len(per_expert))])
+        return tensors, ours
+
+    def row_scales(lin: ImportedLinear) -> Tensor:  # a per-tensor scale repeated per row
+        return lin.tensors["weight_scale"].float().reshape(-1).expand(lin.tensors["qweight"].shape[0])
+
+    codes = torch.stack([torch.cat([lin.tensors["qweight"] for lin in parts]) for parts in per_expert]).contiguous()
+    scales = torch.stack([torch.cat([row_scales(lin) for lin in parts]) for parts in per_expert]).contiguous()
+    return {"qweight": codes, "weight_scale": scales}, codes.float() * scales[..., None]
 
 
 def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: Imported,
                    sources: dict[str, tuple[dict[str, list[str]], Any]]) -> None:
     """Mixture-of-experts layers whose experts the checkpoint stores quantized, one linear per expert and projection
     (``experts.3.gate_proj.qweight`` ...): each expert's linear read as the dense linears are
-    (:meth:`QuantFormat.read`), then stacked into the ``moe`` node's W4A16 layout (passes/moe_int4.py: codes, scales
-    and zeros [E, out, ...], gate rows then up rows). ``sources``: the moe weight's graph name -> (its source
-    pattern -> the ``<module>.weight`` names, in expert order, transformers stacks it from; ``stack(references)``,
-    transformers' own conversion of float tensors by those names), from ``builder/checkpoint.py``. The stacked IR
-    tensors' dequantization must equal the format's own, stacked by that conversion, bit for bit. 4-bit weight-only
-    experts only (the moe op's w4a16 scheme), without act-order, one group size for the layer; anything else is
-    refused, naming it."""
+    (:meth:`QuantFormat.read`), then stacked into the ``moe`` node's layout, gate rows then up rows: W4A16
+    (passes/moe_int4.py: codes, scales and zeros [E, out, ...]) or FP8 (passes/fp8.py: e4m3 codes [E, out, in] and
+    per-channel scales [E, out], a per-tensor scale repeated per row; inputs quantized per token, as the format's
+    dynamic activations are). ``sources``: the moe weight's graph name -> (its source pattern -> the
+    ``<module>.weight`` names, in expert order, transformers stacks it from; ``stack(references)``, transformers' own
+    conversion of float tensors by those names), from ``builder/checkpoint.py``. The stacked IR tensors'
+    dequantization must equal the format's own, stacked by that conversion, bit for bit. Experts without act-order,
+    one scheme (and group size) for the layer; anything else is refused, naming it."""
     from kernels.moe import INT4_MIN_BLOCK_K
 
     for node in graph.nodes:
@@ -908,7 +951,7 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
             raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} store their {what} projections "
                                     f"{fmt.source}-quantized and the others in floating point; a moe layer's experts "
                                     f"are imported quantized all together or not at all")
-        group = None
+        scheme: tuple = ()
         made: dict[str, tuple[dict[str, Tensor], Tensor, list[str]]] = {}
         for role in EXPERT_ROLES:
             name = node.weights[role]
@@ -931,31 +974,25 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
                     except PrequantizedError as err:
                         raise PrequantizedError(f"{ckpt.path}: {err}") from None
                     what = f"{ckpt.path}: expert linear {module}"
-                    if lin.scheme != "w4a16" or "perm" in lin.tensors:
-                        kind = "act-order (desc_act)" if "perm" in lin.tensors else f"{lin.scheme}"
-                        raise PrequantizedError(f"{what} is {kind}; quantized experts import as 4-bit weight-only "
-                                                f"codes in groups along the input without act-order (the moe op's "
-                                                f"w4a16 scheme)")
-                    if group is not None and lin.quant["group_size"] != group:
-                        raise PrequantizedError(f"{what} has group_size {lin.quant['group_size']}, other experts of "
-                                                f"{node.source} {group}: a moe layer takes one group size")
-                    group = lin.quant["group_size"]
+                    this = _expert_scheme(lin, what)
+                    if scheme and this != scheme:
+                        raise PrequantizedError(f"{what} is {_scheme_name(this)}, other experts of {node.source} "
+                                                f"{_scheme_name(scheme)}: a moe layer's experts take one scheme and "
+                                                f"group size")
+                    scheme = this
                     per_expert[e].append(lin)
                     consumed += lin.consumed
                     references[pseudo] = lin.reference
-            tensors = {key: torch.stack([torch.cat([lin.tensors[key] for lin in parts]) for parts in per_expert])
-                       .contiguous() for key in ("qweight", "scales", "zeros")}
+            tensors, ours = _stack_experts(per_expert, scheme)
             reference = stack(references)
-            ours = torch.stack([dequantize_weight(tensors["qweight"][e], tensors["scales"][e], tensors["zeros"][e], 4,
-                                                  group, torch.float32) for e in range(num_experts)])
             if ours.shape != reference.shape or not torch.equal(ours, reference.float()):
                 raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} ({name}) are stacked by "
                                         f"transformers in a layout the import does not rebuild (its conversion gives "
                                         f"{tuple(reference.shape)}); import of these experts is not supported")
             made[role] = (tensors, reference.to(dtype), consumed)
-        if group != -1 and group % INT4_MIN_BLOCK_K:
-            raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} are quantized in groups of {group}; "
-                                    f"the fused experts kernel takes group sizes that are multiples of "
+        if scheme[0] == "w4a16" and scheme[1] != -1 and scheme[1] % INT4_MIN_BLOCK_K:
+            raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} are quantized in groups of "
+                                    f"{scheme[1]}; the fused experts kernel takes group sizes that are multiples of "
                                     f"{INT4_MIN_BLOCK_K} (its least K step) or -1 (per channel), so these experts "
                                     f"cannot run as stored: build the unquantized model with the awq or gptq method "
                                     f"instead")
@@ -964,10 +1001,19 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
             for key, t in tensors.items():
                 graph.params[f"{name}.{key}"] = t
             node.weights[role] = f"{name}.qweight"
-            node.weights[f"{role}_scales"], node.weights[f"{role}_zeros"] = f"{name}.scales", f"{name}.zeros"
+            if scheme[0] == "w4a16":
+                node.weights[f"{role}_scales"], node.weights[f"{role}_zeros"] = f"{name}.scales", f"{name}.zeros"
+            else:
+                node.weights[f"{role}_scale"] = f"{name}.weight_scale"
             graph.params.pop(name)
             imported.experts[name] = reference
             imported.consumed.update(consumed)
             imported.expert_linears += reference.shape[0] * len(sources[name][0])  # experts x projections
-        node.attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": group, "symmetric": False,
-                               "source": fmt.source}
+        if scheme[0] == "w4a16":
+            node.attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": scheme[1], "symmetric": False,
+                                   "source": fmt.source}
+        else:
+            node.attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel",
+                                   "source": fmt.source}
+            experts_module = node.weights["w_gate_up"].removesuffix(".qweight").rsplit(".", 1)[0]
+            imported.expert_inputs[experts_module] = "fp8"

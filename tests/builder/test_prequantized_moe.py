@@ -8,7 +8,9 @@ built with ``builder build`` (whose verify compares the artifact with a Hugging 
 dequantization, experts stacked by transformers' conversion) and checked: the moe nodes carry the w4a16 experts
 scheme and their dequantized experts equal this file's, stacked gate rows then up rows; the runtime's logits match a
 Hugging Face model holding this file's dequantized weights within 1e-4 (fp32), and its 24 greedy tokens are that
-model's. Experts the moe op cannot run (act-order, a group size the fused kernel does not take) fail naming why.
+model's. An FP8 Qwen3-MoE (compressed-tensors, per-channel codes, inputs per token) imports into the moe op's fp8
+experts, checked through the build's verify. Experts the moe op cannot run (act-order, a group size the fused kernel
+does not take) fail naming why.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_prequantized import (GROUP, _w4a16_args, act_order_g_idx, awq_tensors, ct_packed_tensors, gptq_tensors,
-                               quantize, run_build)
+from test_prequantized import (FINE_GRAINED, GROUP, _w4a16_args, act_order_g_idx, awq_tensors, block_scaled,
+                               ct_packed_tensors, gptq_tensors, quantize, run_build)
 
 QWEN3_MOE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -106,11 +108,29 @@ def _ct(module: str, w: torch.Tensor):
     return ct_packed_tensors(q, sym=False), q.dequantize()
 
 
+CT_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+          "config_groups": {"group_0": {
+              "targets": ["Linear"], "format": "float-quantized",
+              "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+              "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                    "dynamic": True}}},
+          "ignore": ["lm_head", "re:.*mlp\\.gate$"]}
+
+
+def _ct_fp8(module: str, w: torch.Tensor):
+    """compressed-tensors FP8: e4m3 codes per output channel (scale amax / 448, stored [N, 1]), inputs per token."""
+    scale = w.abs().amax(1, keepdim=True) / 448
+    codes = (w / scale).to(torch.float8_e4m3fn)
+    return {"weight": codes, "weight_scale": scale}, codes.float() * scale
+
+
 CASES = {  # name -> (model type, its config, quantization_config, packer)
     "qwen3_moe-gptq": ("qwen3_moe", QWEN3_MOE, GPTQ, _gptq),
     "qwen3_moe-compressed-tensors": ("qwen3_moe", QWEN3_MOE, CT, _ct),
     "mixtral-awq": ("mixtral", MIXTRAL, AWQ, _awq),
+    "qwen3_moe-compressed-tensors-fp8": ("qwen3_moe", QWEN3_MOE, CT_FP8, _ct_fp8),
 }
+FP8_CASES = ("qwen3_moe-compressed-tensors-fp8",)
 
 
 def stacked_experts(expected: dict[str, torch.Tensor], layer: str, names: tuple[str, str, str]) -> tuple:
@@ -151,9 +171,11 @@ def test_quantized_experts_import_with_their_own_codes(name, built):
     graph = json.loads((artifact / "graph.json").read_text())
     params = load_file(artifact / "weights.safetensors")
     moe = [n for n in graph["nodes"] if n["op"] == "moe"]
-    assert moe and all(n["attrs"]["quant"] == {"scheme": "w4a16", "bits": 4, "group_size": GROUP,
-                                               "symmetric": False, "source": CASES[name][2]["quant_method"]}
-                       for n in moe)
+    fp8 = name in FP8_CASES
+    source = CASES[name][2]["quant_method"]
+    want_quant = ({"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel", "source": source}
+                  if fp8 else {"scheme": "w4a16", "bits": 4, "group_size": GROUP, "symmetric": False, "source": source})
+    assert moe and all(n["attrs"]["quant"] == want_quant for n in moe)
     names = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
     for node in moe:
         w = {role: params[t] for role, t in node["weights"].items()}
@@ -162,14 +184,25 @@ def test_quantized_experts_import_with_their_own_codes(name, built):
             layer = layer.replace(".mlp", ".block_sparse_moe")
         gate_up, down = stacked_experts(expected, layer, names)
         for role, want in (("w_gate_up", gate_up), ("w_down", down)):
-            ours = torch.stack([dequantize_weight(w[role][e], w[f"{role}_scales"][e], w[f"{role}_zeros"][e], 4,
-                                                  GROUP, torch.float32) for e in range(want.shape[0])])
+            if fp8:
+                assert w[role].dtype == torch.float8_e4m3fn and w[f"{role}_scale"].shape == want.shape[:2]
+                ours = w[role].float() * w[f"{role}_scale"][..., None]
+            else:
+                ours = torch.stack([dequantize_weight(w[role][e], w[f"{role}_scales"][e], w[f"{role}_zeros"][e], 4,
+                                                      GROUP, torch.float32) for e in range(want.shape[0])])
             assert torch.equal(ours, want), f"{node['weights'][role]}: not the checkpoint's experts"
     manifest = json.loads((artifact / "manifest.json").read_text())
     record = manifest["quantization"]["prequantized"]
     num_experts = sum(1 for m in expected if ".experts." in m)
     assert record["expert_linears"] == num_experts and record["moe_weights"] == 2 * len(moe)
     assert record["num_linears"] == len(expected) - num_experts  # attention and dense MLP linears
+    if fp8:
+        # every linear quantizes its input per token: the build's verify compared the artifact with the HF model whose
+        # linears and experts' projections did so too, at the fp32 tolerance (an activation on a rounding boundary can
+        # move a later logit more: no comparison of this file's own here)
+        verify = manifest["build"]["verify"] if "verify" in manifest["build"] else manifest["verify"]
+        assert verify["max_abs_logit_err"] <= verify["atol"] == 1e-4 and verify["top1_agreement"] == 1.0
+        return
 
     from transformers import AutoModelForCausalLM  # the float model, holding this file's dequantization instead
 
@@ -220,11 +253,17 @@ def _gptq_no_down(module: str, w: torch.Tensor):
     return _gptq(module, w)
 
 
+def _fp8_blocks(module: str, w: torch.Tensor):
+    codes, scales = block_scaled(w, (128, 128))
+    return {"weight": codes, "weight_scale_inv": scales}, w
+
+
 @pytest.mark.parametrize("config, pack, message", [
     ({**GPTQ, "desc_act": True}, _gptq_act_order_experts, r"experts\.0\.gate_proj is act-order .* w4a16 scheme"),
     ({**GPTQ, "group_size": 16}, _gptq_group16, r"in groups of 16; the fused experts kernel takes group sizes that are "
                                                 r"multiples of 32 .* cannot run as stored"),
     (GPTQ, _gptq_no_down, r"store their gate and up projections gptq-quantized and the others in floating point"),
+    (FINE_GRAINED, _fp8_blocks, r"experts\.0\.gate_proj is fp8_block \(FP8 in blocks\); quantized experts import as"),
 ])
 def test_experts_the_moe_op_cannot_run_are_refused_naming_why(tmp_path_factory, config, pack, message):
     root = tmp_path_factory.mktemp("refused")
