@@ -527,8 +527,11 @@ def make_plan(recipe: Recipe, *, tp_size: int | None = None, gpu_memory: str | i
         raise PlanError(f"gpu_memory_utilization {utilization} must lie in (0, 1]")
     rt = recipe.runtime
     recipe_tp_size, recipe_vocab_parallel = _recipe_parallel(recipe)
+    sections, imported_note = recipe.quant_sections(), None
+    if not sections:  # a pre-quantized checkpoint: its linears and experts as the import stores them
+        sections, imported_note = prequantized_sections(recipe.model.checkpoint)
     settings = PlanSettings(
-        dtype=recipe.model.dtype, quantization=[q.algo for q in recipe.quant_sections()],
+        dtype=recipe.model.dtype, quantization=[q.algo for q in sections],
         kv_cache_dtype=rt.kv_cache_dtype, tp_size=tp_size if tp_size is not None else recipe_tp_size,
         vocab_parallel=vocab_parallel if vocab_parallel is not None else recipe_vocab_parallel,
         max_seq_len=rt.max_seq_len, max_batch_size=rt.max_batch_size,
@@ -536,8 +539,49 @@ def make_plan(recipe: Recipe, *, tp_size: int | None = None, gpu_memory: str | i
         gpu_memory_bytes=memory if isinstance(memory, int) else parse_memory(memory),
         gpu_memory_utilization=float(utilization))
     shape = read_model_shape(recipe.model.checkpoint)
-    return plan_memory(shape, settings, recipe.quant_sections(), list(recipe.passes),
-                       source or recipe.model.checkpoint, recipe.name or Path(recipe.model.checkpoint).name)
+    plan = plan_memory(shape, settings, sections, list(recipe.passes), source or recipe.model.checkpoint,
+                       recipe.name or Path(recipe.model.checkpoint).name)
+    if imported_note:
+        plan.notes.append(imported_note)
+    return plan
+
+
+# the IR scheme a pre-quantized checkpoint's import writes -> the recipe method that writes it too
+_IMPORTED_METHOD = {"w4a16": "gptq", "w8a16": "int8_wo", "fp8": "fp8", "fp8_block": "fp8", "w8a8_int8": "smoothquant"}
+
+
+def prequantized_sections(checkpoint: str | Path) -> tuple[list[QuantizationSection], str | None]:
+    """For a checkpoint another tool quantized (``builder/prequantized.py`` reads its config): one quantization section
+    of the method that writes the scheme its import stores (GPTQ / AWQ / 4-bit compressed-tensors: W4A16 in the
+    checkpoint's groups; FP8 ...), reaching every linear and expert as the import does, and a note saying so. ([], None)
+    for a floating-point checkpoint (or a config.json :func:`read_model_shape` reports on)."""
+    from builder.prequantized import PrequantizedError, read_quant_config
+
+    cfg_file = Path(checkpoint) / "config.json"
+    try:
+        config = json.loads(cfg_file.read_text())
+        fmt = read_quant_config(cfg_file, config) if isinstance(config, dict) else None
+    except (OSError, json.JSONDecodeError):
+        return [], None
+    except PrequantizedError as e:
+        raise PlanError(str(e)) from None
+    if fmt is None or fmt.scheme not in _IMPORTED_METHOD:
+        return [], None
+    algo = _IMPORTED_METHOD[fmt.scheme]
+    if algo == "gptq":
+        section = QuantizationSection(algo=algo, bits=4, group_size=fmt.group_size)
+    elif algo == "fp8":  # FP8 scales per channel (compressed-tensors' channel strategy, ModelOpt's PER_CHANNEL)
+        ct = getattr(fmt, "schemes", None)
+        channel = (fmt.scheme == "fp8_block" or (ct and ct[0].weights.get("strategy") == "channel")
+                   or "PER_CHANNEL" in str(getattr(fmt, "algo", "")).upper())
+        section = QuantizationSection(algo=algo, weight_granularity="channel" if channel else "tensor")
+    else:
+        section = QuantizationSection(algo=algo)
+    groups = f" in groups of {fmt.group_size}" if algo == "gptq" and fmt.group_size != -1 else ""
+    note = (f"pre-quantized checkpoint ({fmt.source}): its linears and mixture-of-experts experts are planned as the "
+            f"import stores them, {SCHEME_NAMES[algo]}{groups} ({fmt.scheme}); modules the checkpoint keeps in "
+            f"floating point and other schemes of a mixed-precision config are not told apart")
+    return [section], note
 
 
 def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationSection], passes: list[str],
@@ -618,7 +662,7 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         fp8_layers = sum(_expert_section(q) == "fp8" for q in chosen.values())
         int4_layers = len(chosen) - fp8_layers
         parts = ([f"{fp8_layers} of them in fp8 (e4m3, per-channel scales)"] if fp8_layers else []) + (
-            [f"{int4_layers} in w4a16 (4-bit codes in groups, each expert calibrated on its routed tokens)"]
+            [f"{int4_layers} in w4a16 (4-bit codes in groups, scales and zero points per group)"]
             if int4_layers else [])
         notes.append(f"mixture of experts: {shape.num_parameters() / 1e9:.2f} B parameters, "
                      f"{shape.num_active_parameters() / 1e9:.2f} B active per token (top {m.top_k} of {m.num_experts} "

@@ -273,3 +273,29 @@ def test_experts_the_moe_op_cannot_run_are_refused_naming_why(tmp_path_factory, 
     res = run_build(root / "ckpt", root / "artifact")
     assert res.exit_code != 0
     assert re.search(message, res.output), res.output
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-gptq", "mixtral-awq", "qwen3_moe-compressed-tensors-fp8"])
+def test_plan_counts_a_prequantized_checkpoint_as_imported(name, built, tmp_path):
+    """``builder plan`` of a pre-quantized checkpoint (a recipe without a quantization section) counts its linears and
+    experts as the import stores them: the artifact's tensor bytes, less the q/k norms a Llama-style plan of Qwen3
+    does not count."""
+    from safetensors import safe_open
+
+    from builder.plan import make_plan
+    from builder.recipe import load_recipe
+
+    _, artifact, _ = built(name)
+    recipe = tmp_path / "plan.yaml"
+    recipe.write_text(f"model:\n  checkpoint: {artifact.parent / 'ckpt'}\n  dtype: float32\n"
+                      f"output_dir: {tmp_path / 'a'}\nruntime:\n  max_seq_len: 256\n")
+    stored = 0
+    with safe_open(artifact / "weights.safetensors", "pt") as f:
+        for key in f.keys():
+            if not key.endswith(("q_norm.weight", "k_norm.weight")):
+                t = f.get_tensor(key)
+                stored += t.numel() * t.element_size()
+    plan = make_plan(load_recipe(recipe))
+    assert plan.weights_bytes == stored, plan.weights_breakdown
+    source = CASES[name][2]["quant_method"]
+    assert any(n.startswith(f"pre-quantized checkpoint ({source})") for n in plan.notes), plan.notes
