@@ -195,8 +195,8 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
             model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale, group))
         if imported.expert_inputs:  # transformers' eager experts: each expert's projections by nn.functional.linear
             model.set_experts_implementation("eager")
-        for module, scheme in imported.expert_inputs.items():
-            _fake_quantize_expert_inputs(model.get_submodule(module), scheme)
+        for module, (scheme, group) in imported.expert_inputs.items():
+            _fake_quantize_expert_inputs(model.get_submodule(module), scheme, group)
     model.eval()
 
     @torch.inference_mode()
@@ -255,14 +255,15 @@ def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: i
     return hook
 
 
-def _fake_quantize_expert_inputs(experts: torch.nn.Module, scheme: str) -> None:
+def _fake_quantize_expert_inputs(experts: torch.nn.Module, scheme: str, group: int | None = None) -> None:
     """transformers' experts module (one per mixture-of-experts layer) computes every expert's projections with
     ``nn.functional.linear`` in its forward: while it runs, that function quantizes its input first
-    (:func:`_fake_quantize_input`: fp8 per token), as the format's expert linears do; a forward that made no such
+    (:func:`_fake_quantize_input`: fp8 per token; fp8_block per token and ``group`` columns), as the format's expert
+    linears do; a forward that made no such
     call (another experts implementation) is an error, not an unquantized reference."""
     import torch.nn.functional as F
 
-    original, fake = F.linear, _fake_quantize_input(scheme, None)
+    original, fake = F.linear, _fake_quantize_input(scheme, None, group)
     calls = [0]
 
     def linear(x, weight, bias=None):

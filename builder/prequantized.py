@@ -39,8 +39,8 @@ KV cache is runtime.kv_cache_dtype's.
 Mixture-of-experts layers whose experts are stored quantized, one linear per expert and projection
 (``experts.3.gate_proj.qweight`` ...): each expert's linear is read as above, and the experts are stacked into the
 moe op's W4A16 or FP8 layout the way transformers stacks float experts (:func:`import_experts`; the names are mapped
-with transformers' own loading rules by ``builder/checkpoint.py``): 4-bit weight-only experts, and FP8 ones per channel
-or tensor with dynamic per-token inputs.
+with transformers' own loading rules by ``builder/checkpoint.py``): 4-bit weight-only experts, FP8 ones per channel
+or tensor with dynamic per-token inputs, and fine-grained (block) FP8 ones.
 
 Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous along K, so input channels are
 sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
@@ -780,9 +780,9 @@ class Imported:
     # dequantization of every expert's linears, stacked as transformers stacks them (None once handed over)
     experts: dict[str, Tensor | None] = field(default_factory=dict)
     expert_linears: int = 0  # per-expert checkpoint linears imported into them
-    # the model's experts modules (``...mlp.experts``) whose linears quantize their inputs -> the scheme (fp8: per
-    # token), for the reference model
-    expert_inputs: dict[str, str] = field(default_factory=dict)
+    # the model's experts modules (``...mlp.experts``) whose linears quantize their inputs -> (scheme, group width):
+    # fp8 per token, fp8_block per token and group along the input; for the reference model
+    expert_inputs: dict[str, tuple[str, int | None]] = field(default_factory=dict)
 
     def pop_reference_weights(self) -> dict[str, Tensor]:
         """``<module>.weight`` (and the stacked experts' weight names) -> the format's own dequantization, for the
@@ -896,16 +896,18 @@ def _expert_scheme(lin: ImportedLinear, what: str) -> tuple:
         return "w4a16", lin.quant["group_size"]
     if lin.scheme == "fp8" and "input_scale" not in lin.tensors:
         return ("fp8",)
+    if lin.scheme == "fp8_block":
+        return "fp8_block", tuple(lin.quant["block_size"])
     kind = ("act-order (desc_act)" if "perm" in lin.tensors else
-            "FP8 with a static input scale" if lin.scheme == "fp8" else
-            "fp8_block (FP8 in blocks)" if lin.scheme == "fp8_block" else lin.scheme)
+            "FP8 with a static input scale" if lin.scheme == "fp8" else lin.scheme)
     raise PrequantizedError(f"{what} is {kind}; quantized experts import as 4-bit weight-only codes in groups along "
-                            f"the input without act-order (the moe op's w4a16 scheme) or as FP8 per channel or tensor "
-                            f"with inputs quantized per token (its fp8 scheme)")
+                            f"the input without act-order (the moe op's w4a16 scheme), as FP8 per channel or tensor "
+                            f"with inputs quantized per token (its fp8 scheme) or as FP8 in blocks (fp8_block)")
 
 
 def _scheme_name(scheme: tuple) -> str:
-    return "fp8" if scheme[0] == "fp8" else f"{scheme[0]} with group_size {scheme[1]}"
+    return {"fp8": "fp8", "fp8_block": f"fp8_block with block_size {list(scheme[1:])}"}.get(
+        scheme[0], f"{scheme[0]} with group_size {scheme[-1]}")
 
 
 def _stack_experts(per_expert: list[list[ImportedLinear]], scheme: tuple) -> tuple[dict[str, Tensor], Tensor]:
@@ -918,10 +920,17 @@ def _stack_experts(per_expert: list[list[ImportedLinear]], scheme: tuple) -> tup
                                               scheme[1], torch.float32) for e in range(len(per_expert))])
         return tensors, ours
 
+    codes = torch.stack([torch.cat([lin.tensors["qweight"] for lin in parts]) for parts in per_expert]).contiguous()
+    if scheme[0] == "fp8_block":  # block rows stacked: every member but the last whole blocks of rows (the caller)
+        scales = torch.stack([torch.cat([lin.tensors["weight_scale"].float() for lin in parts])
+                              for parts in per_expert]).contiguous()
+        ours = torch.stack([dequantize_weight_fp8_blocks(codes[e], scales[e], list(scheme[1]))
+                            for e in range(len(per_expert))])
+        return {"qweight": codes, "weight_scale": scales}, ours
+
     def row_scales(lin: ImportedLinear) -> Tensor:  # a per-tensor scale repeated per row
         return lin.tensors["weight_scale"].float().reshape(-1).expand(lin.tensors["qweight"].shape[0])
 
-    codes = torch.stack([torch.cat([lin.tensors["qweight"] for lin in parts]) for parts in per_expert]).contiguous()
     scales = torch.stack([torch.cat([row_scales(lin) for lin in parts]) for parts in per_expert]).contiguous()
     return {"qweight": codes, "weight_scale": scales}, codes.float() * scales[..., None]
 
@@ -933,7 +942,8 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
     (:meth:`QuantFormat.read`), then stacked into the ``moe`` node's layout, gate rows then up rows: W4A16
     (passes/moe_int4.py: codes, scales and zeros [E, out, ...]) or FP8 (passes/fp8.py: e4m3 codes [E, out, in] and
     per-channel scales [E, out], a per-tensor scale repeated per row; inputs quantized per token, as the format's
-    dynamic activations are). ``sources``: the moe weight's graph name -> (its source pattern -> the
+    dynamic activations are) or block FP8 (scheme fp8_block: e4m3 codes and the blocks' scales [E, out / bn, in / bk]
+    kept as stored, gate rows whole blocks). ``sources``: the moe weight's graph name -> (its source pattern -> the
     ``<module>.weight`` names, in expert order, transformers stacks it from; ``stack(references)``, transformers' own
     conversion of float tensors by those names), from ``builder/checkpoint.py``. The stacked IR tensors'
     dequantization must equal the format's own, stacked by that conversion, bit for bit. Experts without act-order,
@@ -983,6 +993,10 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
                     per_expert[e].append(lin)
                     consumed += lin.consumed
                     references[pseudo] = lin.reference
+            if scheme[0] == "fp8_block" and len(by_pattern) > 1 and out_f % scheme[1][0]:
+                raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} have {out_f} rows per gate / up "
+                                        f"projection, not a multiple of their FP8 blocks' {scheme[1][0]}: stacked "
+                                        f"gate then up, their block scales would not line up")
             tensors, ours = _stack_experts(per_expert, scheme)
             reference = stack(references)
             if ours.shape != reference.shape or not torch.equal(ours, reference.float()):
@@ -1009,11 +1023,14 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
             imported.experts[name] = reference
             imported.consumed.update(consumed)
             imported.expert_linears += reference.shape[0] * len(sources[name][0])  # experts x projections
+        experts_module = node.weights["w_gate_up"].removesuffix(".qweight").rsplit(".", 1)[0]
         if scheme[0] == "w4a16":
             node.attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": scheme[1], "symmetric": False,
                                    "source": fmt.source}
+        elif scheme[0] == "fp8_block":
+            node.attrs["quant"] = {"scheme": "fp8_block", "block_size": list(scheme[1]), "source": fmt.source}
+            imported.expert_inputs[experts_module] = ("fp8_block", scheme[1][1])
         else:
             node.attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel",
                                    "source": fmt.source}
-            experts_module = node.weights["w_gate_up"].removesuffix(".qweight").rsplit(".", 1)[0]
-            imported.expert_inputs[experts_module] = "fp8"
+            imported.expert_inputs[experts_module] = ("fp8", None)

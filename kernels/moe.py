@@ -41,6 +41,12 @@ expert and output channel): each GEMM quantizes its input rows (x's gathered row
 loaded tile quantized in registers (E4M3, nearest even), FP8 dots accumulated in fp32 (promoted once per K step), the
 sums times the row's scale, then the channel's, before the roundings above. The router stays in x's dtype.
 
+Block-FP8 experts (``block_size`` [bn, bk], fine-grained FP8 checkpoints: the scales one per block,
+[E, ceil(out / bn), ceil(in / bk)]): a K step is one block's width (BLOCK_K = bk), its inputs quantized per row on
+their own (max(max|group|, 1e-12) / 448, the reference's per-token-and-group scales), dotted with the step's codes
+into a fresh fp32 sum, which is added times the rows' scales and each column's block scale. Interpreter-tested and
+compiled for sm_90 (``kernels.bench.compile_sm90``); not yet run on a GPU, nor tuned.
+
 W4A16 experts (the reference's ``*_scales`` / ``*_zeros`` / ``group_size``: uint8 codes packed two per byte along the
 input, [E, out, in / 2], with fp32 scales and uint8 zero points per group, [E, out, in / group_size]). A K step never
 crosses a group (BLOCK_K is cut to a power of two dividing group_size, and is at least 32: each dot's K is BLOCK_K / 2
@@ -296,6 +302,20 @@ def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def _block_fp8_step(a, w_ptrs, w_mask, ws_rows, kb, mask_n, acc, IEEE: tl.constexpr):
+    """acc + one K step of block-FP8 experts: the step's inputs a [BLOCK_M, BLOCK_K] (one bk-wide group of each row,
+    masked entries 0) quantized to E4M3 with their own per-row scale max(max|group|, 1e-12) / 448 (the reference's
+    ``quantize_activation_fp8_blocks``), dotted with the step's e4m3 weight tile at ``w_ptrs`` [BLOCK_K, BLOCK_N] in
+    fp32, times the row scales and each column's block scale (``ws_rows`` [BLOCK_N]: its block row's scales, this
+    step's k-block ``kb``)."""
+    amax = tl.max(tl.abs(a.to(tl.float32)), axis=1)
+    x_scale = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.zeros_like(amax) + 448.0)
+    part = _dot(_fp8_codes(a, x_scale, IEEE), tl.load(w_ptrs, mask=w_mask, other=0.0), None, IEEE)
+    ws = tl.load(ws_rows + kb, mask=mask_n, other=0.0)
+    return acc + part * x_scale[:, None] * ws[None, :]
+
+
+@triton.jit
 def _int4_zeros(wz_ptr, rows, g, mask_n):
     """Group g's zero points (int32 [BLOCK_N]) of the rows of wz starting at ``rows`` [BLOCK_N]."""
     return tl.load(wz_ptr + rows + g, mask=mask_n, other=0).to(tl.int32)
@@ -342,8 +362,10 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
                    wz_ptr, num_groups,
                    TOP_K: tl.constexpr, ACT: tl.constexpr, IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr,
                    FP8: tl.constexpr, HAS_BIAS: tl.constexpr, INT4: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                   PTX: tl.constexpr,
+                   PTX: tl.constexpr, BLOCK_FP8: tl.constexpr, SCALE_ROWS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # BLOCK_FP8: w holds e4m3 codes, ws [E, ceil(2N / SCALE_ROWS), num_groups] one fp32 scale per block of SCALE_ROWS
+    # rows and BLOCK_K (the blocks' width) inputs; each step's inputs are quantized per row on their own
     # x: [T, K]; w: [E, 2N, K] (gate rows, then up rows); h: [num_rows, N]. FP8: w holds e4m3 codes, ws [E, 2N]
     # fp32 their per-row scales, and each block row of x is quantized per token (IEEE: emulated, the interpreter).
     # INT4: w holds 4-bit codes [E, 2N, K / 2] (strides in bytes), ws fp32 / wz uint8 [E, 2N, num_groups] the
@@ -392,6 +414,12 @@ def _moe_up_kernel(x_ptr, w_ptr, h_ptr, sorted_ptr, block_expert_ptr,
             acc_up = _int4_dot(a_even, a_odd, w_up + k0 // 2, b_mask, z_up, ws_ptr + g_up + g, mask_n, acc_up, IEEE,
                                PTX)
             z_gate, z_up = z_gate_next, z_up_next
+        elif BLOCK_FP8:
+            ws_e = ws_ptr + expert.to(tl.int64) * tl.cdiv(2 * N, SCALE_ROWS) * num_groups
+            acc_gate = _block_fp8_step(a, w_gate + k0, w_mask, ws_e + (offs_n // SCALE_ROWS) * num_groups,
+                                       k0 // BLOCK_K, mask_n, acc_gate, IEEE)
+            acc_up = _block_fp8_step(a, w_up + k0, w_mask, ws_e + ((N + offs_n) // SCALE_ROWS) * num_groups,
+                                     k0 // BLOCK_K, mask_n, acc_up, IEEE)
         else:
             acc_gate = _dot(a, tl.load(w_gate + k0, mask=w_mask, other=0.0), acc_gate, IEEE)
             acc_up = _dot(a, tl.load(w_up + k0, mask=w_mask, other=0.0), acc_up, IEEE)
@@ -416,7 +444,8 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                      num_slots, num_experts, num_rows, N, K,
                      stride_hm, stride_we, stride_wn, stride_ym, ws_ptr, b_ptr, wz_ptr, num_groups,
                      IEEE: tl.constexpr, EMULATE_BF16: tl.constexpr, FP8: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, PTX: tl.constexpr,
+                     INT4: tl.constexpr, GROUP_SIZE: tl.constexpr, PTX: tl.constexpr, BLOCK_FP8: tl.constexpr,
+                     SCALE_ROWS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # h: [num_rows, K]; w: [E, N, K]; y: [num_slots, N], row = slot. FP8: as the up kernel's, ws [E, N]. INT4: as the
     # up kernel's, w [E, N, K / 2], ws / wz [E, N, num_groups].
@@ -452,6 +481,10 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
             acc = _int4_dot(a_even, a_odd, w_cols + k0 // 2, b_mask, zero, ws_ptr + g_rows + k0 // GROUP_SIZE, mask_n,
                             acc, IEEE, PTX)
             zero = zero_next
+        elif BLOCK_FP8:  # as the up kernel's: ws [E, ceil(N / SCALE_ROWS), num_groups]
+            ws_e = ws_ptr + expert.to(tl.int64) * tl.cdiv(N, SCALE_ROWS) * num_groups
+            acc = _block_fp8_step(a, w_cols + k0, mask_k[:, None] & mask_n[None, :],
+                                  ws_e + (offs_n // SCALE_ROWS) * num_groups, k0 // BLOCK_K, mask_n, acc, IEEE)
         else:
             acc = _dot(a, tl.load(w_cols + k0, mask=mask_k[:, None] & mask_n[None, :], other=0.0), acc, IEEE)
     if FP8:
@@ -569,7 +602,8 @@ def _check_int4(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, 
 def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int, activation: str,
                   w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None,
                   b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None,
-                  swiglu_limit: float = 0.0, int4: Int4Experts | None = None) -> None:
+                  swiglu_limit: float = 0.0, int4: Int4Experts | None = None,
+                  block_size: tuple[int, int] | None = None) -> None:
     if not (x.is_cuda or _interpreting()):
         raise RuntimeError("fused_moe runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops.moe "
                            "on the CPU")
@@ -598,6 +632,8 @@ def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                              f"float8_e4m3fn with w_gate_up_scale and w_down_scale (FP8 experts), or packed uint8 "
                              f"4-bit codes with *_scales and *_zeros (W4A16 experts); no other quantized experts are "
                              f"supported")
+    elif block_size is not None:
+        _check_block_fp8(w_gate_up, w_down, w_gate_up_scale, w_down_scale, block_size)
     else:
         for name, w, scale, rows in (("w_gate_up", w_gate_up, w_gate_up_scale, "2 * I"),
                                      ("w_down", w_down, w_down_scale, "hidden")):
@@ -621,6 +657,28 @@ def _check_inputs(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
                              f"{'2 * I' if name == 'b_gate_up' else 'hidden'}] = {shape}")
 
 
+BLOCK_FP8_WIDTHS = (16, 32, 64, 128, 256)  # block-FP8 experts' block widths along the input: a K step each
+
+
+def _check_block_fp8(w_gate_up: torch.Tensor, w_down: torch.Tensor, w_gate_up_scale: torch.Tensor,
+                     w_down_scale: torch.Tensor, block_size: tuple[int, int]) -> None:
+    """Block-FP8 experts: e4m3 codes, fp32 scales [E, ceil(out / bn), ceil(in / bk)], gate rows whole blocks (the gate
+    and up halves' blocks stacked), bk one of BLOCK_FP8_WIDTHS (the kernels' K step)."""
+    bn, bk = block_size
+    if bk not in BLOCK_FP8_WIDTHS or bn < 1:
+        raise ValueError(f"block-FP8 experts take blocks {list(BLOCK_FP8_WIDTHS)} inputs wide (the kernels' K step) "
+                         f"and at least one row; got block_size {list(block_size)}")
+    if (w_gate_up.shape[1] // 2) % bn:
+        raise ValueError(f"block-FP8 experts need the gate's {w_gate_up.shape[1] // 2} rows in whole blocks of {bn}")
+    for name, w, scale in (("w_gate_up", w_gate_up, w_gate_up_scale), ("w_down", w_down, w_down_scale)):
+        want = (w.shape[0], -(-w.shape[1] // bn), -(-w.shape[2] // bk))
+        if w.dtype != torch.float8_e4m3fn or scale is None or scale.dtype != torch.float32 \
+                or tuple(scale.shape) != want:
+            got = None if scale is None else (scale.dtype, tuple(scale.shape))
+            raise ValueError(f"{name} {w.dtype} with scales {got}: block-FP8 experts hold torch.float8_e4m3fn codes "
+                             f"and torch.float32 scales {want}")
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -632,20 +690,23 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0, swiglu_limit: float = 0.0,
                   w_gate_up_scales: torch.Tensor | None = None, w_gate_up_zeros: torch.Tensor | None = None,
                   w_down_scales: torch.Tensor | None = None, w_down_zeros: torch.Tensor | None = None,
-                  group_size: int = -1, config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
+                  group_size: int = -1, block_size: tuple[int, int] | None = None,
+                  config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
     """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
     top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype.
     FP8 experts: float8_e4m3fn w_gate_up / w_down with their fp32 per-channel scales ``w_gate_up_scale`` [E, 2 * I]
     and ``w_down_scale`` [E, hidden] (``kernels.torch_ops.moe``'s). W4A16 experts: uint8 w_gate_up [E, 2 * I, hidden /
     2] / w_down [E, hidden, I / 2] packed 4-bit codes with ``*_scales`` fp32 / ``*_zeros`` uint8 [E, out, in /
-    group_size] (the reference's; group_size a multiple of 32 or -1). Expert biases and the clamped SwiGLU as the
+    group_size] (the reference's; group_size a multiple of 32 or -1). Block-FP8 experts (``block_size`` [bn, bk]): e4m3
+    codes with ``w_gate_up_scale`` / ``w_down_scale`` fp32 [E, ceil(out / bn), ceil(in / bk)], inputs quantized per
+    token and bk-wide group, one K step of bk per block. Expert biases and the clamped SwiGLU as the
     reference's. W4A16 experts at up to ``kernels.moe_gemv.gemv_max_slots`` slots (T * top_k) run on that module's
     GEMV kernels, more on the grouped GEMMs; ``config`` forces a path and its launch: a MoeConfig the grouped GEMMs,
     a MoeGemvConfig the GEMV kernels (W4A16 experts only)."""
     top_k = experts.shape[-1]
     int4 = Int4Experts.of(w_gate_up_scales, w_gate_up_zeros, w_down_scales, w_down_zeros, group_size)
     _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
-                  swiglu_limit, int4)
+                  swiglu_limit, int4, block_size)
     if weights.shape != experts.shape or experts.shape[0] != x.shape[0]:
         raise ValueError(f"weights {tuple(weights.shape)} and experts {tuple(experts.shape)} must both be "
                          f"[{x.shape[0]}, top_k]")
@@ -672,19 +733,25 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     if int4 is not None:  # K steps inside one group of the codes
         cfg = dataclasses.replace(cfg, block_k=int4_block_k(cfg.block_k, int4.group_size, hidden),
                                   down_block_k=int4_block_k(cfg.down_block_k, int4.group_size, inter))
+    if block_size is not None:  # one K step per block of the scales
+        cfg = dataclasses.replace(cfg, block_k=block_size[1], down_block_k=block_size[1])
     plan = moe_align(experts, num_experts, cfg.block_m)
     num_rows = plan.sorted_slots.numel()
     # h: [num_rows, I] each row's act(gate) * up; y: [T * top_k, hidden] each slot's expert output
     h = torch.empty(num_rows, inter, dtype=x.dtype, device=x.device)
     y = torch.empty(num_slots, hidden, dtype=x.dtype, device=x.device)
-    fp8 = w_gate_up_scale is not None
+    block = block_size is not None
+    fp8 = w_gate_up_scale is not None and not block
     # IEEE: fp32 dots, for fp32 x with unquantized experts (FP8 experts take FP8 dots on the GPU) and the interpreter
-    ieee = (x.dtype == torch.float32 and not fp8) or _interpreting()
+    ieee = (x.dtype == torch.float32 and not (fp8 or block)) or _interpreting()
     emulate = _interpreting() and x.dtype == torch.bfloat16
     # ws: [E, 2I] / [E, hidden] contiguous FP8 scales, or [E, 2I, groups] / [E, hidden, groups] W4A16 group scales
     # (wz their zero points, groups = in / group_size); unread (any pointer) without them
-    ws_up, ws_down = (w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 else (w_gate_up, w_down)
+    ws_up, ws_down = ((w_gate_up_scale.contiguous(), w_down_scale.contiguous()) if fp8 or block
+                      else (w_gate_up, w_down))
     wz_up, wz_down, g_up, g_down, ng_up, ng_down = w_gate_up, w_down, 1, 1, 1, 1
+    if block:  # num_groups: the scales' blocks along each GEMM's input
+        ng_up, ng_down = triton.cdiv(hidden, block_size[1]), triton.cdiv(inter, block_size[1])
     if int4 is not None:
         ws_up, ws_down = int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()
         wz_up, wz_down = int4.w_gate_up_zeros.contiguous(), int4.w_down_zeros.contiguous()
@@ -692,8 +759,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         g_up = hidden if int4.group_size == -1 else int4.group_size
         g_down = inter if int4.group_size == -1 else int4.group_size
         ng_up, ng_down = hidden // g_up, inter // g_down
-    launch = dict(FP8=fp8, INT4=int4 is not None, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+    launch = dict(FP8=fp8, INT4=int4 is not None, BLOCK_FP8=block, SCALE_ROWS=block_size[0] if block else 1,
+                  GROUP_M=cfg.group_m, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     b_up = b_gate_up.contiguous() if b_gate_up is not None else w_gate_up  # unread (any pointer) without a bias
     b_dn = b_down.contiguous() if b_down is not None else w_down
     grid_up = (triton.cdiv(num_rows, cfg.block_m) * triton.cdiv(inter, cfg.block_n),)
@@ -736,6 +803,7 @@ def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tenso
               swiglu_limit: float = 0.0, w_gate_up_scales: torch.Tensor | None = None,
               w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
               w_down_zeros: torch.Tensor | None = None, group_size: int = -1,
+              block_size: tuple[int, int] | None = None,
               config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
     """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 and W4A16 experts, expert biases and
     the clamped SwiGLU included) with nothing read on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable
@@ -743,12 +811,13 @@ def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tenso
     int4 = dict(w_gate_up_scales=w_gate_up_scales, w_gate_up_zeros=w_gate_up_zeros, w_down_scales=w_down_scales,
                 w_down_zeros=w_down_zeros, group_size=group_size)
     _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
-                  swiglu_limit, Int4Experts.of(**int4))
+                  swiglu_limit, Int4Experts.of(**int4), block_size)
     # the reference's router, renormalisation left to the sum kernel: [T, top_k] fp32 scores and int64 experts
     weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False)
     return fused_experts(x, weights, experts, w_gate_up, w_down, norm_topk_prob, activation, round_weights,
                          w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
-                         b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, config=config, **int4)
+                         b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, block_size=block_size,
+                         config=config, **int4)
 
 
 def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,

@@ -187,14 +187,21 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tenso
 
 def expert_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None,
                   scales: torch.Tensor | None = None, zeros: torch.Tensor | None = None,
-                  group_size: int = -1) -> torch.Tensor:
+                  group_size: int = -1, block_size: tuple[int, int] | list[int] | None = None) -> torch.Tensor:
     """One expert projection, x [n, in] @ w [out, in]^T in x's dtype. With ``w_scale`` (FP8 experts, the ``moe``
     op's ``quant`` scheme fp8): w holds float8_e4m3fn codes with one fp32 scale per output channel, and the rows
     of x are quantized to FP8 per token (dynamic, scale = max|x_row| / 448) as the FP8 linears' are; the codes'
     products are summed in fp32, times both scales, rounded to x's dtype once. With ``scales`` / ``zeros`` (W4A16
     experts, scheme w4a16): w holds 4-bit codes packed two per byte [out, in / 2], ``scales`` fp32 / ``zeros`` uint8
     [out, in / group_size]; the weight is dequantized as a w4a16 linear's ((q - zero) * scale in fp32, rounded to
-    x's dtype), then multiplied as an unquantized one."""
+    x's dtype), then multiplied as an unquantized one. With ``block_size`` [bn, bk] (block-FP8 experts, scheme
+    fp8_block): w holds e4m3 codes and ``w_scale`` fp32 [ceil(out / bn), ceil(in / bk)] one scale per block, and x is
+    quantized per token and bk-wide group: the ``fp8_block`` linear's arithmetic (``kernels.torch_quant``)."""
+    if block_size is not None:
+        from kernels.torch_quant import make_quant_linear
+
+        return make_quant_linear("fp8_block", {"qweight": w, "weight_scale": w_scale},
+                                 {"block_size": list(block_size)}, x.dtype)(x)
     if scales is not None:
         return F.linear(x, dequantize_weight(w, scales, zeros, 4, group_size, x.dtype))
     if w_scale is None:
@@ -241,7 +248,8 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
         b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
         swiglu_limit: float = 0.0, w_gate_up_scales: torch.Tensor | None = None,
         w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
-        w_down_zeros: torch.Tensor | None = None, group_size: int = -1) -> torch.Tensor:
+        w_down_zeros: torch.Tensor | None = None, group_size: int = -1,
+        block_size: tuple[int, int] | list[int] | None = None) -> torch.Tensor:
     """The ``moe`` op: x [T, hidden] routed to its top_k experts, each expert run on the tokens routed to it.
 
     w_gate_up: [num_experts, 2 * intermediate, hidden] (gate rows, then up rows); w_down: [num_experts, hidden,
@@ -250,7 +258,9 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
     slot order, in that product's dtype, then rounded to x's dtype once: transformers' grouped and batched experts.
     FP8 experts: w_gate_up / w_down hold float8_e4m3fn codes and ``w_gate_up_scale`` [num_experts, 2 *
     intermediate] / ``w_down_scale`` [num_experts, hidden] their per-channel fp32 scales; each projection's input
-    rows are quantized per token (:func:`expert_linear`). The router stays in x's dtype.
+    rows are quantized per token (:func:`expert_linear`); with ``block_size`` [bn, bk] (block-FP8 experts) the
+    scales are one per block, [num_experts, ceil(out / bn), ceil(in / bk)], and the rows are quantized per token and
+    bk-wide group. The router stays in x's dtype.
     W4A16 experts (scheme w4a16): w_gate_up [E, 2 * intermediate, hidden / 2] and w_down [E, hidden, intermediate /
     2] hold uint8 4-bit codes packed two per byte along the input (low nibble = even input index), ``*_scales`` fp32
     and ``*_zeros`` uint8 [E, out, in / group_size] (group_size -1: one group per row) their groups' scales and zero
@@ -276,11 +286,12 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
         int4_down = {} if w_down_scales is None else dict(scales=w_down_scales[e], zeros=w_down_zeros[e],
                                                           group_size=group_size)
         gate_up = expert_linear(x[rows // top_k], w_gate_up[e], None if w_gate_up_scale is None else w_gate_up_scale[e],
-                                **int4_up)
+                                block_size=block_size, **int4_up)
         if b_gate_up is not None:
             gate_up = gate_up + b_gate_up[e]
         h = expert_activation(gate_up, activation_fn, swiglu_alpha, swiglu_limit)
-        out = expert_linear(h, w_down[e], None if w_down_scale is None else w_down_scale[e], **int4_down)  # [n, hidden]
+        out = expert_linear(h, w_down[e], None if w_down_scale is None else w_down_scale[e], block_size=block_size,
+                            **int4_down)  # [n, hidden]
         if b_down is not None:
             out = out + b_down[e]
         slots[rows] = out * flat_weights[rows, None]

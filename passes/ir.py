@@ -146,6 +146,7 @@ MOE_ACTIVATIONS = ACTIVATIONS + ("clamped_swiglu",)
 MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
     "fp8": ("w_gate_up_scale", "w_down_scale"),
     "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros"),
+    "fp8_block": ("w_gate_up_scale", "w_down_scale"),  # one scale per [bn, bk] block of each expert (quant block_size)
 }
 ELEMENTWISE = ("add", "mul", "scale")
 
@@ -339,6 +340,9 @@ class Graph:
                                               and (q["group_size"] == -1 or q["group_size"] >= 1)):
                     raise GraphError(f"node {n}: w4a16 experts need quant bits 4 and an integer group_size (-1: one "
                                      f"group per row); quant is {q}")
+                if scheme == "fp8_block" and not block_size_ok(q.get("block_size")):
+                    raise GraphError(f"node {n}: fp8_block experts need quant block_size [rows, columns] of positive "
+                                     f"integers; quant is {q}")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

@@ -278,6 +278,9 @@ def _expert_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...
     rank runs every expert on its features: gate and up rows, down columns; its output a partial sum); None =
     replicated (the router; the down projection's per-output-channel scales)."""
     inter = node.attrs["intermediate_size"]
+    if (node.attrs.get("quant") or {}).get("scheme") == "fp8_block":
+        raise _fail(f"{node.source}: its block-FP8 experts (a scale per block of rows and columns) are not split "
+                    f"across ranks; build them at tp_size 1")
     ranges = even_ranges(inter, tp_size)
     if role in ("w_gate_up", "w_gate_up_scale", "b_gate_up", "w_gate_up_scales", "w_gate_up_zeros"):
         return [(Slice(1, a, b), Slice(1, inter + a, inter + b)) for a, b in ranges]  # [E, 2I, ...]: gate, up rows

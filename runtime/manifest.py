@@ -42,7 +42,8 @@ QUANT_WEIGHTS = {
 QUANTIZABLE_OPS = ("linear", "lm_head")
 # a moe node's quantized experts (passes/ir.py MOE_QUANT_SCHEMES): scheme -> the weight roles it adds
 MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale"),
-                     "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
+                     "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros"),
+                     "fp8_block": ("w_gate_up_scale", "w_down_scale")}
 # the quant attrs a scheme's runtime reads
 SCHEME_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size"), "fp8_block": ("block_size",)}
 # safetensors' dtype names -> graph.json's (torch's)
@@ -349,6 +350,11 @@ def _check_moe(node: dict[str, Any], quant: Any, where: str) -> None:
     if scheme == "w4a16" and quant["group_size"] != -1 and (quant["group_size"] < 1 or quant["group_size"] % 32):
         raise ManifestError(f"graph.json moe {where}: w4a16 experts in groups of {quant['group_size']}: the experts "
                             f"kernel takes group sizes that are multiples of 32, or -1 (one group per row)")
+    block = quant.get("block_size") if isinstance(quant, dict) else None
+    if scheme == "fp8_block" and not (isinstance(block, list) and len(block) == 2
+                                      and all(_is_int(b) and b >= 1 for b in block)):
+        raise ManifestError(f"graph.json moe {where}: fp8_block experts need quant block_size [rows, columns] of "
+                            f"positive integers; quant is {quant}")
 
 
 def _check_lm_head(manifest: dict[str, Any], attrs: dict[str, Any], scheme: str) -> None:

@@ -133,9 +133,11 @@ def _moe() -> list[tuple[str, object]]:
                   **{n: "i32" for n in ints + ("stride_hm", "stride_we", "stride_wn", "stride_ym")}}
     tiles = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1)
     base = dict(IEEE=False, EMULATE_BF16=False, FP8=False, HAS_BIAS=False, INT4=False, GROUP_SIZE=1, PTX=False,
-                **tiles)
+                BLOCK_FP8=False, SCALE_ROWS=1, **tiles)
     variants = [("bf16 experts", {}, {}), ("FP8 experts", {"FP8": True}, {"w_ptr": "*fp8e4nv"}),
-                ("W4A16 experts, groups of 128", {"INT4": True, "GROUP_SIZE": 128, "PTX": True}, {"w_ptr": "*u8"})]
+                ("W4A16 experts, groups of 128", {"INT4": True, "GROUP_SIZE": 128, "PTX": True}, {"w_ptr": "*u8"}),
+                ("block-FP8 experts, 128 x 128 blocks", {"BLOCK_FP8": True, "SCALE_ROWS": 128},
+                 {"w_ptr": "*fp8e4nv"})]
     divisible = ("x_ptr", "h_ptr", "y_ptr", "w_ptr", "N", "K", "stride_xm", "stride_hm", "stride_we", "stride_wn",
                  "stride_ym")
     out = []

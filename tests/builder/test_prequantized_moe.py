@@ -8,9 +8,10 @@ built with ``builder build`` (whose verify compares the artifact with a Hugging 
 dequantization, experts stacked by transformers' conversion) and checked: the moe nodes carry the w4a16 experts
 scheme and their dequantized experts equal this file's, stacked gate rows then up rows; the runtime's logits match a
 Hugging Face model holding this file's dequantized weights within 1e-4 (fp32), and its 24 greedy tokens are that
-model's. An FP8 Qwen3-MoE (compressed-tensors, per-channel codes, inputs per token) imports into the moe op's fp8
-experts, checked through the build's verify. Experts the moe op cannot run (act-order, a group size the fused kernel
-does not take) fail naming why.
+model's. FP8 Qwen3-MoEs (compressed-tensors per-channel codes, inputs per token; transformers' fine-grained FP8 in
+32 x 32 blocks) import into the moe op's fp8 and fp8_block experts, checked through the build's verify. Experts the
+moe op cannot run (act-order, a group size the fused kernel does not take, blocks that cut the gate rows) fail naming
+why.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_prequantized import (FINE_GRAINED, GROUP, _w4a16_args, act_order_g_idx, awq_tensors, block_scaled,
-                               ct_packed_tensors, gptq_tensors, quantize, run_build)
+from test_prequantized import (FINE_GRAINED, GROUP, _w4a16_args, act_order_g_idx, awq_tensors, block_dequantize,
+                               block_scaled, ct_packed_tensors, gptq_tensors, quantize, run_build)
 
 QWEN3_MOE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
@@ -124,13 +125,23 @@ def _ct_fp8(module: str, w: torch.Tensor):
     return {"weight": codes, "weight_scale": scale}, codes.float() * scale
 
 
+FP8_BLOCKS = {**FINE_GRAINED, "weight_block_size": [32, 32]}
+
+
+def _fp8_blocks32(module: str, w: torch.Tensor):
+    """transformers' fine-grained FP8: e4m3 codes, one scale per 32 x 32 block (stored as weight_scale_inv)."""
+    codes, scales = block_scaled(w, (32, 32))
+    return {"weight": codes, "weight_scale_inv": scales}, block_dequantize(codes, scales, (32, 32))
+
+
 CASES = {  # name -> (model type, its config, quantization_config, packer)
     "qwen3_moe-gptq": ("qwen3_moe", QWEN3_MOE, GPTQ, _gptq),
     "qwen3_moe-compressed-tensors": ("qwen3_moe", QWEN3_MOE, CT, _ct),
     "mixtral-awq": ("mixtral", MIXTRAL, AWQ, _awq),
     "qwen3_moe-compressed-tensors-fp8": ("qwen3_moe", QWEN3_MOE, CT_FP8, _ct_fp8),
+    "qwen3_moe-fp8-blocks": ("qwen3_moe", QWEN3_MOE, FP8_BLOCKS, _fp8_blocks32),
 }
-FP8_CASES = ("qwen3_moe-compressed-tensors-fp8",)
+FP8_CASES = ("qwen3_moe-compressed-tensors-fp8", "qwen3_moe-fp8-blocks")
 
 
 def stacked_experts(expected: dict[str, torch.Tensor], layer: str, names: tuple[str, str, str]) -> tuple:
@@ -173,7 +184,9 @@ def test_quantized_experts_import_with_their_own_codes(name, built):
     moe = [n for n in graph["nodes"] if n["op"] == "moe"]
     fp8 = name in FP8_CASES
     source = CASES[name][2]["quant_method"]
-    want_quant = ({"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel", "source": source}
+    blocks = CASES[name][2].get("weight_block_size")
+    want_quant = ({"scheme": "fp8_block", "block_size": blocks, "source": source} if blocks else
+                  {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel", "source": source}
                   if fp8 else {"scheme": "w4a16", "bits": 4, "group_size": GROUP, "symmetric": False, "source": source})
     assert moe and all(n["attrs"]["quant"] == want_quant for n in moe)
     names = ("w1", "w3", "w2") if model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
@@ -184,7 +197,11 @@ def test_quantized_experts_import_with_their_own_codes(name, built):
             layer = layer.replace(".mlp", ".block_sparse_moe")
         gate_up, down = stacked_experts(expected, layer, names)
         for role, want in (("w_gate_up", gate_up), ("w_down", down)):
-            if fp8:
+            if blocks:
+                assert w[role].dtype == torch.float8_e4m3fn
+                ours = torch.stack([block_dequantize(w[role][e], w[f"{role}_scale"][e], tuple(blocks))
+                                    for e in range(want.shape[0])])
+            elif fp8:
                 assert w[role].dtype == torch.float8_e4m3fn and w[f"{role}_scale"].shape == want.shape[:2]
                 ours = w[role].float() * w[f"{role}_scale"][..., None]
             else:
@@ -253,8 +270,8 @@ def _gptq_no_down(module: str, w: torch.Tensor):
     return _gptq(module, w)
 
 
-def _fp8_blocks(module: str, w: torch.Tensor):
-    codes, scales = block_scaled(w, (128, 128))
+def _fp8_blocks48(module: str, w: torch.Tensor):
+    codes, scales = block_scaled(w, (48, 32))
     return {"weight": codes, "weight_scale_inv": scales}, w
 
 
@@ -263,7 +280,8 @@ def _fp8_blocks(module: str, w: torch.Tensor):
     ({**GPTQ, "group_size": 16}, _gptq_group16, r"in groups of 16; the fused experts kernel takes group sizes that are "
                                                 r"multiples of 32 .* cannot run as stored"),
     (GPTQ, _gptq_no_down, r"store their gate and up projections gptq-quantized and the others in floating point"),
-    (FINE_GRAINED, _fp8_blocks, r"experts\.0\.gate_proj is fp8_block \(FP8 in blocks\); quantized experts import as"),
+    ({**FINE_GRAINED, "weight_block_size": [48, 32]}, _fp8_blocks48,
+     r"64 rows per gate / up projection, not a multiple of their FP8 blocks' 48"),
 ])
 def test_experts_the_moe_op_cannot_run_are_refused_naming_why(tmp_path_factory, config, pack, message):
     root = tmp_path_factory.mktemp("refused")

@@ -237,6 +237,46 @@ def test_fp8_experts_match_the_torch_op(case):
     _assert_close_fp8(out, ops.moe(x, gate, *experts, top_k, scoring, norm, act, gate_bias, round_weights, **kw))
 
 
+def _block_fp8_experts(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert of w [E, out, in] (fp32) as e4m3 codes with one scale (amax / 448) per block of rows x inputs,
+    partial last blocks included: (codes, scales [E, ceil(out / bn), ceil(in / bk)])."""
+    (e, n, k), (bn, bk) = w.shape, block
+    scales = torch.zeros(e, -(-n // bn), -(-k // bk), device=w.device)
+    codes = torch.zeros(e, n, k, dtype=torch.float8_e4m3fn, device=w.device)
+    for i in range(scales.shape[1]):
+        for j in range(scales.shape[2]):
+            tile = w[:, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            scales[:, i, j] = tile.abs().amax(dim=(1, 2)) / 448
+            codes[:, i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (tile / scales[:, i, j, None, None]).to(
+                torch.float8_e4m3fn)
+    return codes, scales
+
+
+# (num_experts, hidden, intermediate, num_tokens, top_k, activation, dtype, block): block-FP8 experts (one scale per
+# [bn, bk] block, inputs quantized per token and bk-wide group); hidden 48 / intermediate 40 end in partial blocks
+BLOCK_FP8_CASES = [
+    (8, 64, 64, 1, 2, "silu", torch.bfloat16, (32, 32)),
+    (8, 64, 64, 17, 2, "silu", torch.bfloat16, (16, 32)),
+    (6, 48, 32, 9, 2, "gelu_tanh", torch.float16, (32, 16)),
+    (4, 48, 32, 5, 3, "silu", torch.float32, (16, 32)),
+]
+
+
+@pytest.mark.parametrize("case", BLOCK_FP8_CASES, ids=lambda c: f"e{c[0]}-h{c[1]}-i{c[2]}-t{c[3]}-{c[6]}-b{c[7]}")
+def test_block_fp8_experts_match_the_torch_op(case):
+    num_experts, hidden, inter, num_tokens, top_k, act, dtype, block = case
+    x, gate, w_gate_up, w_down, _ = _inputs(num_experts, hidden, inter, num_tokens, torch.float32,
+                                            seed=num_tokens * 31 + hidden + block[0])
+    (w_gate_up, s_up), (w_down, s_down) = (_block_fp8_experts(w, block) for w in (w_gate_up, w_down))
+    kw = dict(w_gate_up_scale=s_up, w_down_scale=s_down, block_size=block)
+    x, gate = x.to(dtype), gate.to(dtype)
+    out = moe.fused_moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, act, **kw)
+    _assert_close_fp8(out, ops.moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, act, **kw))
+    with pytest.raises(ValueError, match="block-FP8 experts hold torch.float8_e4m3fn codes and torch.float32 scales"):
+        moe.fused_moe(x, gate, w_gate_up, w_down, top_k, "softmax", True, act,
+                      **dict(kw, w_down_scale=s_down[:, :1]))
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["unquantized", "fp8"])
 @pytest.mark.parametrize("routing", ["one expert takes every token", "half the experts get none"])
 def test_skewed_routings(routing, fp8):
