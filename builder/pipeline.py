@@ -259,8 +259,8 @@ def _fake_quantize_expert_inputs(experts: torch.nn.Module, scheme: str, group: i
     """transformers' experts module (one per mixture-of-experts layer) computes every expert's projections with
     ``nn.functional.linear`` in its forward: while it runs, that function quantizes its input first
     (:func:`_fake_quantize_input`: fp8 per token; fp8_block per token and ``group`` columns), as the format's expert
-    linears do; a forward that made no such
-    call (another experts implementation) is an error, not an unquantized reference."""
+    linears do. A forward that made no such call (another experts implementation) is an error, not an unquantized
+    reference."""
     import torch.nn.functional as F
 
     original, fake = F.linear, _fake_quantize_input(scheme, None, group)

@@ -799,13 +799,14 @@ def _moe(w, attrs, ex) -> Kernel:
     # (scheme w4a16): packed 4-bit codes with group scales and zero points, dequantized to x's dtype. Block-FP8 experts
     # (scheme fp8_block): e4m3 codes with a scale per [bn, bk] block, inputs quantized per token and bk-wide group
     gate_weight, gate_bias, w_gate_up, w_down = w["gate_weight"], w.get("gate_bias"), w["w_gate_up"], w["w_down"]
-    int4 = {}
+    scheme_args = {}  # W4A16 experts' group scales, zero points and size; block-FP8 experts' block size
     if attrs.get("quant", {}).get("scheme") == "w4a16":
-        int4 = {role: w[role] for role in ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
-        int4["group_size"] = int(attrs["quant"]["group_size"])
-    if attrs.get("quant", {}).get("scheme") == "fp8_block":  # block-FP8 experts: scales per [bn, bk] block
-        int4["block_size"] = tuple(int(b) for b in attrs["quant"]["block_size"])
-    experts = {**int4, "w_gate_up_scale": w.get("w_gate_up_scale"), "w_down_scale": w.get("w_down_scale"),
+        scheme_args = {role: w[role] for role in ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales",
+                                                  "w_down_zeros")}
+        scheme_args["group_size"] = int(attrs["quant"]["group_size"])
+    if attrs.get("quant", {}).get("scheme") == "fp8_block":
+        scheme_args["block_size"] = tuple(int(b) for b in attrs["quant"]["block_size"])
+    experts = {**scheme_args, "w_gate_up_scale": w.get("w_gate_up_scale"), "w_down_scale": w.get("w_down_scale"),
                # gpt-oss: expert biases and its clamped SwiGLU
                "b_gate_up": w.get("b_gate_up"), "b_down": w.get("b_down"),
                "swiglu_alpha": float(attrs.get("swiglu_alpha", 0.0)),
