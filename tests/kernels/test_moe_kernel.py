@@ -535,6 +535,22 @@ def test_fp8_real_shapes_on_cuda(name, num_tokens):
 
 
 @on_cuda
+@pytest.mark.parametrize("num_tokens", [1, 64, 1024])
+@pytest.mark.parametrize("name", sorted(REAL_SHAPES))
+def test_block_fp8_real_shapes_on_cuda(name, num_tokens):
+    """Block-FP8 experts (128 x 128 blocks, Qwen3-30B-A3B-FP8's) rounded from the bf16 ones, against the torch op on
+    the GPU (``_assert_close_fp8``'s GPU criterion)."""
+    _, hidden, _, top_k, round_weights = REAL_SHAPES[name]
+    gate, w_gate_up, w_down = _real_weights(name)
+    (w_gate_up, s_up), (w_down, s_down) = (_block_fp8_experts(w.float(), (128, 128)) for w in (w_gate_up, w_down))
+    kw = dict(top_k=top_k, round_weights=round_weights, w_gate_up_scale=s_up, w_down_scale=s_down,
+              block_size=(128, 128))
+    x = torch.randn(num_tokens, hidden, generator=torch.Generator("cuda").manual_seed(num_tokens), device="cuda")
+    x = x.to(torch.bfloat16)
+    _assert_close_fp8(moe.fused_moe(x, gate, w_gate_up, w_down, **kw), ops.moe(x, gate, w_gate_up, w_down, **kw))
+
+
+@on_cuda
 @pytest.mark.parametrize("num_tokens", [1, 4, 16, 64, 1024])
 @pytest.mark.parametrize("name", sorted(REAL_SHAPES))
 def test_int4_real_shapes_on_cuda(name, num_tokens):
