@@ -971,14 +971,16 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
             per_expert: list[list[ImportedLinear]] = [[] for _ in range(num_experts)]
             consumed: list[str] = []
             references: dict[str, Tensor] = {}
+            stored = {pseudo: [n for n in sum(fmt.tensor_names(pseudo.removesuffix(".weight")), [])
+                               if n in ckpt.weight_map] for names in by_pattern.values() for pseudo in names}
+            loaded = ckpt.load_tensors([n for names in stored.values() for n in names])  # one read per file
             for pattern, names in by_pattern.items():
                 if len(names) != num_experts:
                     raise PrequantizedError(f"{ckpt.path}: {len(names)} quantized experts match {pattern!r} in "
                                             f"{node.source}; its config has {num_experts}")
                 for e, pseudo in enumerate(names):
                     module = pseudo.removesuffix(".weight")
-                    required, optional = fmt.tensor_names(module)
-                    tensors = ckpt.load_tensors([n for n in required + optional if n in ckpt.weight_map])
+                    tensors = {n: loaded.pop(n) for n in stored[pseudo]}
                     try:
                         lin = fmt.read(module, tensors, int(in_f), int(out_f))
                     except PrequantizedError as err:
