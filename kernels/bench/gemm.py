@@ -229,6 +229,11 @@ def sweep_configs(label: str, candidates: list, check: Callable[[object], tuple[
     return failures
 
 
+def sweep_line(label: str, cand: object, us: float) -> str:
+    """One candidate's line under SWEEP_VERBOSE (``kernels.bench.shape_table`` reads them back)."""
+    return f"    {label} {cand}: {us:.1f} us"
+
+
 def _fastest(label: str, default_us: float, candidates: list, failures: list[str],
              check: Callable[[object], tuple[bool, float]], timed: Callable[[object], list[Callable[[], object]]]
              ) -> tuple[float, str]:
@@ -246,7 +251,7 @@ def _fastest(label: str, default_us: float, candidates: list, failures: list[str
             continue
         t = time_us(timed(cand))
         if SWEEP_VERBOSE:
-            print(f"    {label} {cand}: {t:.1f} us", flush=True)
+            print(sweep_line(label, cand, t), flush=True)
         if t < best:
             best, best_cfg = t, str(cand)
     return best, best_cfg
