@@ -9,7 +9,8 @@
 #                  tests/runtime/test_executor_moe.py: a tiny MoE artifact served from CUDA graphs vs the CPU path),
 #                  then `python -m kernels.bench.moe` (fused vs torch op, T = 1 ... 1024) in $OUT/bench_moe.txt;
 #                  MOE_SWEEP=1 also times candidate configs at T = 1, 64, 1024 (tuning kernels/moe.py _CUDA_CONFIGS)
-#   moe-e2e[-PREC] Qwen3-30B-A3B shape (recipes/bench/qwen3-30b-a3b-PREC.yaml, PREC bf16 by default, or fp8) end to
+#   moe-e2e[-PREC] Qwen3-30B-A3B shape (recipes/bench/qwen3-30b-a3b-PREC.yaml, PREC bf16 by default, fp8, or
+#                  fp8blocks: a checkpoint pre-quantized as Qwen3-30B-A3B-FP8 is, made with --fp8-blocks 128) end to
 #                  end in one call, about 6 minutes on an H100 (run it alone or first: its checkpoint takes 57 of the
 #                  disk's 64 GiB): the random checkpoint on the GPU into checkpoints/qwen3-30b-a3b-random (kept if
 #                  there), the build into /dev/shm (RAM: the disk cannot hold a second 57 GiB), batch-1 latency and
@@ -136,7 +137,9 @@ unpack_corpus() {  # the stdlib corpus carried in .corpus/stdlib-VERSION.tar.gz 
 
 moe_e2e() {  # $1: precision; the Qwen3-30B-A3B-shaped model from checkpoint to throughput (moe-e2e in the header)
   local prec=$1 layers=${MOE_LAYERS:-48} ck=checkpoints/qwen3-30b-a3b-random art=/dev/shm/qwen3-30b-a3b-$1 t0 need
-  local rec="--record $OUT/benchmarks.jsonl" log="$OUT/moe_e2e.jsonl"
+  local rec="--record $OUT/benchmarks.jsonl" log="$OUT/moe_e2e.jsonl" make="" bytes=2
+  # fp8blocks: a checkpoint pre-quantized as Qwen3-30B-A3B-FP8 is published (fine-grained FP8, 128 x 128 blocks)
+  [ "$prec" = fp8blocks ] && { ck=checkpoints/qwen3-30b-a3b-fp8blocks; make="--fp8-blocks 128"; bytes=1; }
   # a dry run's figures are those of another model: recorded apart, under the same names
   [ "$layers" = 48 ] || { ck=$ck-L$layers; art=$art-L$layers; rec="--record $OUT/moe_dry_run_L$layers.jsonl"; }
   phase() {  # phase NAME STATUS: the seconds since t0
@@ -145,14 +148,14 @@ moe_e2e() {  # $1: precision; the Qwen3-30B-A3B-shaped model from checkpoint to 
   }
   t0=$(date +%s)
   if [ ! -f $ck/calibration.jsonl ]; then  # make_checkpoint's last file
-    need=$(( (623 * layers + 623) * 2 / 1000 + 2 ))  # GB: 623M parameters a layer, 623M for embedding and lm_head
+    need=$(( (623 * layers * bytes + 623 * 2) / 1000 + 2 ))  # GB: 623M parameters a layer, 623M embedding + lm_head
     if [ $(( $(df --output=avail -B1000000000 . | tail -1) )) -lt $need ]; then
       echo "moe-e2e: the checkpoint needs ${need} GB of disk, $(df -h --output=avail . | tail -1) free: run moe-e2e" \
         "first in a call (the checkpoints of other parts take the room)"; return 1
     fi
     rm -rf $ck
     python3 -m builder.devtools.make_checkpoint --preset qwen3-30b-a3b --num-hidden-layers $layers --device cuda \
-      --out $ck 2>&1 | tail -1
+      --out $ck $make 2>&1 | tail -1
     phase checkpoint ${PIPESTATUS[0]}
   fi
   rm -rf /dev/shm/qwen3-30b-a3b-*  # one 57 GiB artifact in RAM at a time

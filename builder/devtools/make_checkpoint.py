@@ -170,24 +170,58 @@ def plan_shards(specs: list[TensorSpec], dtype: torch.dtype) -> list[list[Tensor
     return shards
 
 
+ROUTER_MODULES = ("mlp.gate",)  # left in floating point in fine-grained FP8 checkpoints (modules_to_not_convert)
+
+
+def fp8_block_quantize(name: str, t: torch.Tensor, block: int) -> dict[str, torch.Tensor]:
+    """A linear's weight [out, in] as transformers' fine-grained FP8 stores it: e4m3 codes under ``name`` and one fp32
+    ``weight_scale_inv`` (amax / 448) per block x block tile, partial last tiles included; norms, embeddings, the
+    lm_head and routers (any other tensor) as they are."""
+    module = name.removesuffix(".weight")
+    if (t.dim() != 2 or not name.endswith(".weight") or ".layers." not in name or "norm" in name
+            or any(module.endswith(f".{r}") for r in ROUTER_MODULES)):
+        return {name: t}
+    n, k = t.shape
+    rows, cols = -(-n // block), -(-k // block)
+    padded = torch.zeros(rows * block, cols * block, dtype=torch.float32, device=t.device)
+    padded[:n, :k] = t.float()
+    tiles = padded.view(rows, block, cols, block)
+    scales = tiles.abs().amax(dim=(1, 3)) / 448  # [rows, cols]; all-zero padding never is a whole tile
+    codes = (tiles / scales[:, None, :, None]).view(rows * block, cols * block)[:n, :k].to(torch.float8_e4m3fn)
+    return {name: codes, f"{module}.weight_scale_inv": scales}
+
+
 def make_checkpoint(out: str | Path, shape: Shape, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                    device: str = "cpu", expert_tensors: str = "stacked") -> Path:
+                    device: str = "cpu", expert_tensors: str = "stacked", fp8_blocks: int = 0) -> Path:
     """Write the checkpoint into ``out`` (created); returns its path.
 
     ``expert_tensors`` (mixture-of-experts shapes): ``stacked``, the model's own state-dict names, which
     transformers >= 5 loads as they are and ``builder build`` reads without copying; ``per-expert``, the layout of
     the published checkpoints (``experts.3.gate_proj.weight``), which transformers and the build stack on load. Both
     hold the same weights for one seed.
+
+    ``fp8_blocks`` B > 0: the linears written as transformers' fine-grained FP8 (``quant_method: fp8``, B x B blocks,
+    dynamic activations; Qwen3-30B-A3B-FP8's layout): e4m3 codes and fp32 ``weight_scale_inv`` per block
+    (:func:`fp8_block_quantize`), drawn from the same weights; embeddings, norms, the lm_head and the routers stay in
+    ``dtype``. Experts then take the per-expert layout.
     """
     assert expert_tensors in EXPERT_TENSORS, f"expert_tensors {expert_tensors!r} is not one of {EXPERT_TENSORS}"
+    if fp8_blocks:
+        expert_tensors = "per-expert"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shape.hf_config(dtype).save_pretrained(out)
+    config = shape.hf_config(dtype)
+    if fp8_blocks:
+        config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                      "weight_block_size": [fp8_blocks, fp8_blocks],
+                                      "modules_to_not_convert": list(ROUTER_MODULES)}
+    config.save_pretrained(out)
     generator = torch.Generator(device=device).manual_seed(seed)
     shards = plan_shards(shape.tensors(), dtype)
     # every shard's tensors are views of one host buffer, reused shard after shard
     buffer_bytes = max(sum(prod(s) for _, s, _ in shard) for shard in shards) * dtype.itemsize
-    staging = torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=torch.device(device).type == "cuda")
+    staging = torch.empty(0 if fp8_blocks else buffer_bytes, dtype=torch.uint8,
+                          pin_memory=torch.device(device).type == "cuda" and not fp8_blocks)
     weight_map, total = {}, 0
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -197,6 +231,11 @@ def make_checkpoint(out: str | Path, shape: Shape, *, dtype: torch.dtype = torch
             t = torch.randn(tshape, generator=generator, device=device, dtype=torch.float32) * 0.02
             if is_norm:
                 t += 1.0
+            if fp8_blocks:  # quantized from the device copy, then to the host (shards of FP8 codes are smaller)
+                for part_name, part in (per_expert_tensors(name, t.to(dtype)) if expert_tensors == "per-expert"
+                                        else {name: t.to(dtype)}).items():
+                    tensors.update({k: v.cpu() for k, v in fp8_block_quantize(part_name, part, fp8_blocks).items()})
+                continue
             nbytes = t.numel() * dtype.itemsize
             host = staging[offset:offset + nbytes].view(dtype).view(tshape)
             host.copy_(t.to(dtype))
@@ -248,7 +287,12 @@ def main(argv: list[str] | None = None) -> int:
                              "them without copying) or per-expert (the published checkpoints' layout)")
     parser.add_argument("--num-hidden-layers", type=int, default=None,
                         help="fewer (or more) layers than the preset, e.g. to measure a build at a smaller size")
+    parser.add_argument("--fp8-blocks", type=int, default=0, metavar="B",
+                        help="write the linears as transformers' fine-grained FP8 in B x B blocks (e.g. 128: "
+                             "Qwen3-30B-A3B-FP8's layout; experts per expert), a pre-quantized checkpoint")
     args = parser.parse_args(argv)
+    if args.fp8_blocks < 0:
+        parser.error(f"--fp8-blocks {args.fp8_blocks}: give a block size (e.g. 128), or 0 for none")
     shape = PRESETS[args.preset]
     if args.num_hidden_layers is not None:
         if args.num_hidden_layers < 1:
@@ -258,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--expert-tensors {args.expert_tensors}: preset {args.preset} has no experts")
     start = time.perf_counter()
     path = make_checkpoint(args.out, shape, dtype=getattr(torch, args.dtype), seed=args.seed, device=args.device,
-                           expert_tensors=args.expert_tensors)
+                           expert_tensors=args.expert_tensors, fp8_blocks=args.fp8_blocks)
     layers = "" if args.num_hidden_layers is None else f", {shape.num_hidden_layers} layers"
     print(f"wrote {args.preset} ({args.dtype}{layers}) to {path} in {time.perf_counter() - start:.1f}s")
     return 0

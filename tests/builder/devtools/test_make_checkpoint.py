@@ -130,3 +130,32 @@ def test_options_that_do_not_fit_the_preset_are_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--preset", "tiny-moe", "--out", str(tmp_path / "b"), "--num-hidden-layers", "0"])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_fp8_blocks_write_a_fine_grained_fp8_checkpoint_the_build_imports(tmp_path):
+    """--fp8-blocks: the tiny MoE's linears and experts as transformers' fine-grained FP8 (e4m3 codes, a scale per
+    block, per-expert tensors; routers, norms, embedding and lm_head float), drawn from the same weights as the float
+    checkpoint (codes times scales within e4m3's rounding of them), imported by the build as fp8_block linears and
+    experts, its verify against the format's own dequantization passed."""
+    from safetensors.torch import load_file
+
+    shape = PRESETS["tiny-moe"]
+    for name, extra in (("float", []), ("fp8", ["--fp8-blocks", "32"])):
+        assert main(["--preset", "tiny-moe", "--out", str(tmp_path / name), "--dtype", "float32", "--device", "cpu",
+                     "--expert-tensors", "per-expert", *extra]) == 0
+    floats = {k: v for f in sorted((tmp_path / "float").glob("*.safetensors")) for k, v in load_file(f).items()}
+    fp8 = {k: v for f in sorted((tmp_path / "fp8").glob("*.safetensors")) for k, v in load_file(f).items()}
+    expert = "model.layers.1.mlp.experts.7.up_proj"
+    codes, scales = fp8[f"{expert}.weight"], fp8[f"{expert}.weight_scale_inv"]
+    assert codes.dtype == torch.float8_e4m3fn and scales.shape == (1, 2)  # [32 rows, 64 inputs] in 32 x 32 blocks
+    w = floats[f"{expert}.weight"]
+    deq = codes.float() * scales.repeat_interleave(32, 0).repeat_interleave(32, 1)
+    assert ((deq - w).abs() <= w.abs() / 16 + 1e-6).all()  # e4m3 keeps 3 mantissa bits
+    for kept in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(fp8[kept], floats[kept]) and f"{kept}_scale_inv" not in fp8
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "fp8" and config["weight_block_size"] == [32, 32]
+    manifest = json.loads((build_artifact(tmp_path / "fp8", tmp_path / "art") / "manifest.json").read_text())
+    record = manifest["quantization"]["prequantized"]
+    assert record["schemes"] == {"fp8_block": 4 * shape.num_hidden_layers}  # q, k, v and o_proj of each layer
+    assert record["expert_linears"] == 3 * shape.num_experts * shape.num_hidden_layers
