@@ -18,6 +18,9 @@
 #                  ttft_128_moe_PREC, throughput_128_128_moe_PREC[_cC]), each phase's seconds in $OUT/moe_e2e.jsonl,
 #                  logs in $OUT/moe_*_PREC.log. MOE_LAYERS=N builds N of the 48 layers (a dry run: paths get -LN,
 #                  figures go to $OUT/moe_dry_run_LN.jsonl instead)
+#   moe-prequant-smoke  block-FP8 experts on the GPU: tests/kernels/test_moe_kernel.py -k block_fp8 (real shapes
+#                  too), then the tiny-moe preset written as fine-grained FP8 (make_checkpoint --fp8-blocks 32), built
+#                  (bf16) and run by builder.devtools.cuda_smoke (CUDA greedy tokens vs the CPU path)
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -189,6 +192,19 @@ for part in "$@"; do
         tests/runtime/test_executor_moe.py 2>&1 | tee "$OUT/moe_tests.txt" | tail -n 15
       sweep=""; [ "${MOE_SWEEP:-0}" = 1 ] && sweep="--sweep --tokens 1 64 1024"
       python3 -m kernels.bench.moe $sweep 2>&1 | tee "$OUT/bench_moe.txt" | tail -n 40 ;;
+    moe-prequant-smoke)
+      # block-FP8 experts on the GPU: the kernels' tests (real shapes included), then a tiny MoE pre-quantized as
+      # fine-grained FP8 (32 x 32 blocks), built and served on CUDA against the CPU path (greedy tokens)
+      TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernel.py -k block_fp8 2>&1 \
+        | tee "$OUT/moe_block_fp8_tests.txt" | tail -n 5
+      rm -rf /tmp/tiny-moe-fp8blocks /tmp/tiny-moe-fp8blocks-art
+      python3 -m builder.devtools.make_checkpoint --preset tiny-moe --out /tmp/tiny-moe-fp8blocks --dtype bfloat16 \
+        --fp8-blocks 32 2>&1 | tail -1
+      python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-fp8blocks.yaml \
+        --set model.checkpoint=/tmp/tiny-moe-fp8blocks --set output_dir=/tmp/tiny-moe-fp8blocks-art \
+        --set runtime.max_seq_len=512 --quiet 2>&1 | tail -2
+      python3 -m builder.devtools.cuda_smoke /tmp/tiny-moe-fp8blocks-art 2>&1 | grep --line-buffered -v Warning \
+        | tee "$OUT/moe_prequant_smoke.txt" ;;
     moe-e2e|moe-e2e-*)
       prec=${part#moe-e2e}; prec=${prec#-}; moe_e2e "${prec:-bf16}"
       ;;
