@@ -293,7 +293,8 @@ def _expert_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...
             raise _fail(f"{node.source}: its w4a16 experts' down projection has groups of "
                         f"{'all ' if g == -1 else ''}{inter if g == -1 else g} of the {inter} intermediate features; "
                         f"tp_size {tp_size} would cut a group (each rank takes {inter // tp_size}); pick a tp_size "
-                        f"whose share is a multiple of the group size, or a smaller group_size")
+                        f"whose share is a multiple of the group size"
+                        + ("" if quant.get("source") else ", or a smaller group_size"))
         div = 2 if role == "w_down" else g
         return [(Slice(2, a // div, b // div),) for a, b in ranges]
     if role == "w_down":  # [E, hidden, I]
@@ -344,11 +345,15 @@ def _row_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] 
         if group == -1:  # one group per output row: the same scale for every column of the row
             return None
         if local % group:
+            cut = (f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns per rank, "
+                   f"which cuts its quantization groups of {group}")
+            if quant.get("source"):  # a pre-quantized checkpoint's groups are as they were made
+                raise _fail(f"{cut} (the {quant['source']} checkpoint's own); pick a tp_size whose share of the "
+                            f"{in_f} columns is a multiple of {group}")
             fits = [g for g in (256, 128, 64, 32, 16, 8) if local % g == 0]
-            raise _fail(f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns per "
-                        f"rank, which cuts its quantization groups of {group}; build with a group_size dividing "
-                        f"{local} ({', '.join(map(str, fits)) or 'none of the usual sizes'}), per channel (-1), "
-                        f"or another tp_size")
+            raise _fail(f"{cut}; build with a group_size dividing {local} "
+                        f"({', '.join(map(str, fits)) or 'none of the usual sizes'}), per channel (-1), or another "
+                        f"tp_size")
         return [(Slice(1, r * local // group, (r + 1) * local // group),) for r in range(tp_size)]
     return [(Slice(1, r * local, (r + 1) * local),) for r in range(tp_size)]
 

@@ -317,3 +317,14 @@ def test_plan_counts_a_prequantized_checkpoint_as_imported(name, built, tmp_path
     assert plan.weights_bytes == stored, plan.weights_breakdown
     source = CASES[name][2]["quant_method"]
     assert any(n.startswith(f"pre-quantized checkpoint ({source})") for n in plan.notes), plan.notes
+
+
+def test_tensor_parallel_names_the_checkpoints_groups(built, tmp_path):
+    """At tp_size 2 the dense MLP's 96 input columns give 48 per rank, which cut the GPTQ checkpoint's groups of 32:
+    the build fails naming the checkpoint's own groups and the tp_size to change (not a group size to rebuild with)."""
+    _, artifact, _ = built("qwen3_moe-gptq")
+    res = run_build(artifact.parent / "ckpt", tmp_path / "tp2", "parallel:\n  tp_size: 2\n")
+    assert res.exit_code != 0
+    assert re.search(r"cuts its quantization groups of 32 \(the gptq checkpoint's own\); pick a tp_size", res.output), \
+        res.output
+    assert "build with a group_size" not in res.output
