@@ -278,13 +278,20 @@ def _expert_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...
     rank runs every expert on its features: gate and up rows, down columns; its output a partial sum); None =
     replicated (the router; the down projection's per-output-channel scales)."""
     inter = node.attrs["intermediate_size"]
-    if (node.attrs.get("quant") or {}).get("scheme") == "fp8_block":
-        raise _fail(f"{node.source}: its block-FP8 experts (a scale per block of rows and columns) are not split "
-                    f"across ranks; build them at tp_size 1")
     ranges = even_ranges(inter, tp_size)
+    quant = node.attrs.get("quant") or {}
+    if quant.get("scheme") == "fp8_block":  # scales per [bn, bk] block: each rank's share whole blocks both ways
+        bn, bk = quant["block_size"]
+        if any(a % bn or b % bn or a % bk or b % bk for a, b in ranges):
+            raise _fail(f"{node.source}: its block-FP8 experts have blocks of {bn} x {bk}; tp_size {tp_size} gives "
+                        f"each rank {inter // tp_size} of the {inter} intermediate features, which cuts a block; "
+                        f"pick a tp_size whose share is a multiple of {max(bn, bk)}")
+        if role == "w_gate_up_scale":  # [E, 2I / bn, hidden / bk]: gate and up row blocks
+            return [(Slice(1, a // bn, b // bn), Slice(1, (inter + a) // bn, (inter + b) // bn)) for a, b in ranges]
+        if role == "w_down_scale":  # [E, hidden / bn, I / bk]: column blocks
+            return [(Slice(2, a // bk, b // bk),) for a, b in ranges]
     if role in ("w_gate_up", "w_gate_up_scale", "b_gate_up", "w_gate_up_scales", "w_gate_up_zeros"):
         return [(Slice(1, a, b), Slice(1, inter + a, inter + b)) for a, b in ranges]  # [E, 2I, ...]: gate, up rows
-    quant = node.attrs.get("quant") or {}
     if quant.get("scheme") == "w4a16" and role in ("w_down", "w_down_scales", "w_down_zeros"):
         # W4A16 experts: the down projection's input columns are packed two per byte [E, hidden, I / 2] and grouped
         # [E, hidden, I / group_size]: each rank's share must start and end on a group boundary

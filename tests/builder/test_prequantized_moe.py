@@ -328,3 +328,4 @@ def test_tensor_parallel_names_the_checkpoints_groups(built, tmp_path):
     assert re.search(r"cuts its quantization groups of 32 \(the gptq checkpoint's own\); pick a tp_size", res.output), \
         res.output
     assert "build with a group_size" not in res.output
+

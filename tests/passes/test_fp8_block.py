@@ -1,8 +1,10 @@
 """fp8_block linears (e4m3 codes with one scale per [bn, bk] block) through the passes that stack or cut weights:
 the merges stack block scales by rows only where every member but the last holds whole row blocks; the shard pass
-cuts them by whole blocks (rows for column splits, columns for row splits) and refuses a split inside a block.
+cuts them by whole blocks (rows for column splits, columns for row splits) and refuses a split inside a block, the
+block-FP8 experts of a mixture of experts too.
 
-The tiny Llama's linears are block-quantized here by this file's own rounding (amax / 448 per block)."""
+The tiny Llama's linears are block-quantized here by this file's own rounding (amax / 448 per block); the MoE is a
+fine-grained FP8 checkpoint written by ``make_checkpoint --fp8-blocks``."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from passes import PassContext, PassError, run_passes
 from passes.quantize import replace_weight
 from passes.trace import trace
 from runtime.executor import Executor
-from test_shard import PROMPTS, _logits, _shard, run_ranks
+from test_shard import PIPELINE, PROMPTS, _logits, _shard, run_ranks
 
 MERGES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce"]
 
@@ -97,3 +99,36 @@ def test_a_split_inside_a_block_is_an_error(llama, block, message):
     graph = quantized_graph(llama, block)
     with pytest.raises(PassError, match=message):
         _shard(graph, 2)
+
+
+def test_block_fp8_experts_shard_by_whole_blocks_and_match_one_device(tmp_path, monkeypatch):
+    """tp_size 2 over a fine-grained FP8 tiny MoE (make_checkpoint --fp8-blocks 16: 32 intermediate features per
+    expert): each rank takes 16 of every expert's gate and up rows and down columns, and their block scales; the
+    ranks' logits (threads, test_shard's runner) are one device's. Blocks of 32 would be cut: refused by name."""
+    from builder.devtools.make_checkpoint import main as make
+
+    def graph_of(block: int):
+        path = tmp_path / f"b{block}"
+        assert make(["--preset", "tiny-moe", "--out", str(path), "--dtype", "float32", "--device", "cpu",
+                     "--fp8-blocks", str(block)]) == 0
+        ckpt = open_checkpoint(path)
+        graph, meta_model = trace(ckpt.hf_config())
+        attach_weights(graph, ckpt, meta_model, torch.float32)
+        return run_passes(graph, PIPELINE, PassContext())[0]
+
+    graph = graph_of(16)
+    moe = next(n for n in graph.nodes if n.op == "moe")
+    assert moe.attrs["quant"]["scheme"] == "fp8_block"
+    refs = _logits(Executor(graph.to_dict(), graph.params), PROMPTS)
+    sharded, _ = _shard(graph, 2)
+    scale = moe.weights["w_gate_up_scale"]  # [E, 2I / 16 = 4 row blocks (gate 2, up 2), hidden / 16 = 4]
+    full = graph.params[scale]
+    assert torch.equal(sharded.shards.tensor(scale, 1), torch.cat([full[:, 1:2], full[:, 3:4]], dim=1))
+    down = moe.weights["w_down_scale"]  # [E, hidden / 16, I / 16 = 2 column blocks]
+    assert torch.equal(sharded.shards.tensor(down, 0), graph.params[down][:, :, :1])
+    for rank_logits in run_ranks(sharded, PROMPTS, monkeypatch):
+        for ours, ref in zip(rank_logits, refs):
+            assert (ours - ref).abs().max().item() < 1e-4
+    with pytest.raises(PassError, match=r"block-FP8 experts have blocks of 32 x 32; tp_size 2 gives each rank 16 .* "
+                                        r"cuts a block"):
+        _shard(graph_of(32), 2)
