@@ -570,10 +570,10 @@ def prequantized_sections(checkpoint: str | Path) -> tuple[list[QuantizationSect
     algo = _IMPORTED_METHOD[fmt.scheme]
     if algo == "gptq":
         section = QuantizationSection(algo=algo, bits=4, group_size=fmt.group_size)
-    elif algo == "fp8":  # FP8 scales per channel (compressed-tensors' channel strategy, ModelOpt's PER_CHANNEL)
+    elif algo == "fp8":  # scales per channel (or block) as the format records them; compressed-tensors per group
         ct = getattr(fmt, "schemes", None)
-        channel = (fmt.scheme == "fp8_block" or (ct and ct[0].weights.get("strategy") == "channel")
-                   or "PER_CHANNEL" in str(getattr(fmt, "algo", "")).upper())
+        channel = (fmt.details.get("weight_granularity") in ("channel", "block")
+                   or bool(ct and ct[0].weights.get("strategy") == "channel"))
         section = QuantizationSection(algo=algo, weight_granularity="channel" if channel else "tensor")
     else:
         section = QuantizationSection(algo=algo)
