@@ -20,7 +20,9 @@
 #                  figures go to $OUT/moe_dry_run_LN.jsonl instead)
 #   moe-prequant-smoke  block-FP8 experts on the GPU: tests/kernels/test_moe_kernel.py -k block_fp8 (real shapes
 #                  too), then the tiny-moe preset written as fine-grained FP8 (make_checkpoint --fp8-blocks 32), built
-#                  (bf16) and run by builder.devtools.cuda_smoke (CUDA greedy tokens vs the CPU path)
+#                  and run by builder.devtools.cuda_smoke (CUDA greedy tokens vs the CPU path), in each dtype of
+#                  $SMOKE_DTYPES (default "bfloat16 float32": in fp32 the two paths round the same inputs to FP8, so
+#                  their tokens can be compared closely; in bf16 activations rounded differently flip FP8 codes)
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -30,6 +32,8 @@
 #                  $THROUGHPUT_CONCURRENCY, default 64 128 256; 2048/128, 128/2048)
 #   thr-PREC       only 8b-PREC's throughput points (after building), every figure recorded in $OUT/benchmarks.jsonl
 #                  (throughput_IN_OUT_PREC: the best concurrency; _cC and preemptions_* per point)
+#   thr-long-PREC  only the 128 in / 2048 out point, at each concurrency of $LONG_CONCURRENCY (default "256 512"), as
+#                  many prompts as requests in flight (the long outputs fill the KV cache: FP8 vs bf16 caches)
 #   b1-PREC        Llama-3-8B shape (PREC as for 8b-PREC), 128 in / 128 out: batch-1 latency and the decode step time
 #                  at each batch size of $STEP_BATCH_SIZES (default 2 4 8 16; empty: batch 1 only), each beside the
 #                  stock-PyTorch baseline (builder/bench/stock_torch.py) of the artifact's precision: bf16 for bf16,
@@ -197,14 +201,16 @@ for part in "$@"; do
       # fine-grained FP8 (32 x 32 blocks), built and served on CUDA against the CPU path (greedy tokens)
       TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernel.py -k block_fp8 2>&1 \
         | tee "$OUT/moe_block_fp8_tests.txt" | tail -n 5
-      rm -rf /tmp/tiny-moe-fp8blocks /tmp/tiny-moe-fp8blocks-art
-      python3 -m builder.devtools.make_checkpoint --preset tiny-moe --out /tmp/tiny-moe-fp8blocks --dtype bfloat16 \
-        --fp8-blocks 32 2>&1 | tail -1
-      python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-fp8blocks.yaml \
-        --set model.checkpoint=/tmp/tiny-moe-fp8blocks --set output_dir=/tmp/tiny-moe-fp8blocks-art \
-        --set runtime.max_seq_len=512 --quiet 2>&1 | tail -2
-      python3 -m builder.devtools.cuda_smoke /tmp/tiny-moe-fp8blocks-art 2>&1 | grep --line-buffered -v Warning \
-        | tee "$OUT/moe_prequant_smoke.txt" ;;
+      for dt in ${SMOKE_DTYPES:-bfloat16 float32}; do
+        ck=/tmp/tiny-moe-fp8blocks-$dt
+        rm -rf $ck $ck-art
+        python3 -m builder.devtools.make_checkpoint --preset tiny-moe --out $ck --dtype $dt --fp8-blocks 32 2>&1 \
+          | tail -1
+        python3 -m builder.cli build recipes/bench/qwen3-30b-a3b-fp8blocks.yaml --set model.checkpoint=$ck \
+          --set output_dir=$ck-art --set model.dtype=$dt --set runtime.max_seq_len=512 --quiet 2>&1 | tail -2
+        python3 -m builder.devtools.cuda_smoke $ck-art 2>&1 | grep --line-buffered -v Warning \
+          | tee -a "$OUT/moe_prequant_smoke.txt"
+      done ;;
     moe-e2e|moe-e2e-*)
       prec=${part#moe-e2e}; prec=${prec#-}; moe_e2e "${prec:-bf16}"
       ;;
@@ -239,6 +245,13 @@ PY
       python3 -m builder.devtools.check_kernels artifacts/llama3-8b-$prec 2>&1 | tail -1 | tee -a "$OUT/bench_8b.jsonl"
       bench latency artifacts/llama3-8b-$prec --input-len 128 --input-len 2048 --output-len 128
       throughput_runs "$prec" ;;
+    thr-long-*)
+      prec=${part#thr-long-}
+      artifact "$prec"
+      for c in ${LONG_CONCURRENCY:-256 512}; do
+        bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 --concurrency $c --num-prompts $c \
+          --record "$OUT/benchmarks.jsonl"
+      done ;;
     thr-*)
       prec=${part#thr-}
       artifact "$prec"
