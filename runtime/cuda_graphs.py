@@ -31,8 +31,10 @@ executor's kernel path and ``kernels.paged_attention`` are written for that (gri
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +64,42 @@ def capture_step(executor: Executor, inp: StepInput, pool,
     return graph, logits
 
 
+class TableStaging:
+    """A host buffer of block tables, [rows, max_blocks] int32 (pinned on CUDA), written row by row.
+
+    Building the padded tables as a nested list and turning it into a tensor costs the host O(rows x blocks) Python
+    work per step: 9.8 ms for 512 sequences of 136 blocks (2,176 tokens) on the 2-core development machine. Here
+    each row is copied from its list in one slice assignment, the buffer's memory seen as a memoryview of C ints
+    (no numpy needed): 1.3 ms there. ``written[i]``: how many leading entries of row i hold values of an
+    earlier fill; every entry past it is zero, so each fill leaves what a full rewrite would: each row its table,
+    then zeros."""
+
+    def __init__(self, rows: int, max_blocks: int, pin: bool) -> None:
+        self.tensor = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.stride = max_blocks
+        self._ints = memoryview((ctypes.c_int32 * self.tensor.numel()).from_address(self.tensor.data_ptr())) \
+            .cast("B").cast("i")
+        self._written = [0] * rows
+
+    def fill(self, tables: list[list[int]], rows: int) -> int:
+        """Rows 0 .. len(tables) - 1 hold ``tables``, rows up to ``rows`` are zero (padding); returns the widest
+        table's length (the columns to copy)."""
+        ints, stride, written = self._ints, self.stride, self._written
+        width = 0
+        for i, table in enumerate(tables):
+            n, at = len(table), i * stride
+            ints[at:at + n] = array("i", table)
+            if written[i] > n:
+                ints[at + n:at + written[i]] = array("i", bytes(4 * (written[i] - n)))
+            written[i] = n
+            width = max(width, n)
+        for i in range(len(tables), rows):
+            if written[i]:
+                ints[i * stride:i * stride + written[i]] = array("i", bytes(4 * written[i]))
+                written[i] = 0
+        return width
+
+
 class DecodeGraphs:
     """CUDA graphs of the decode step for every bucket up to ``max_num_seqs``."""
 
@@ -89,7 +127,7 @@ class DecodeGraphs:
         # block tables
         self._staging = [(torch.zeros(3, top, dtype=torch.long).pin_memory(),
                           torch.zeros(2, top, dtype=torch.int32).pin_memory(),
-                          torch.zeros(top, self.max_blocks, dtype=torch.int32).pin_memory()) for _ in range(2)]
+                          TableStaging(top, self.max_blocks, pin=True)) for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
@@ -143,10 +181,9 @@ class DecodeGraphs:
         longs[:, :b] = torch.tensor([positions + [0] * pad, slots + [-1] * pad,
                                      [0] * b if on_device else input_ids + [0] * pad], dtype=torch.long)
         ints[:, :b] = torch.tensor([[p + 1 for p in positions] + [1] * pad, positions + [0] * pad], dtype=torch.int32)
-        # only the columns in use: entries past a sequence's length are never read (seq_lens bounds the kernel)
-        width = max(len(t) for t in tables)
-        tabs[:b, :width] = torch.tensor([t + [0] * (width - len(t)) for t in tables] + [[0] * width] * pad,
-                                        dtype=torch.int32)
+        # only the columns in use are copied: entries past a sequence's length are never read (seq_lens bounds the
+        # kernel)
+        width = tabs.fill(tables, b)
         if on_device:
             self.input_ids[:n].copy_(input_ids)  # device to device, after the step that sampled them
         else:
@@ -155,7 +192,7 @@ class DecodeGraphs:
         self.slot_mapping[:b].copy_(longs[1, :b], non_blocking=True)
         self.seq_lens[:b].copy_(ints[0, :b], non_blocking=True)
         self.context_lens[:b].copy_(ints[1, :b], non_blocking=True)
-        self.block_tables[:b, :width].copy_(tabs[:b, :width], non_blocking=True)
+        self.block_tables[:b, :width].copy_(tabs.tensor[:b, :width], non_blocking=True)
         graph, logits = self._graphs[b]
         graph.replay()
         return logits[:n]
@@ -248,7 +285,7 @@ class StepGraphs:
         # [seq_lens | context_lens | cu_seqlens_q], block tables
         self._staging = [(torch.zeros(3 * top_t + 3 * top_s, dtype=torch.long, pin_memory=pin),
                           torch.zeros(3 * top_s + 1, dtype=torch.int32, pin_memory=pin),
-                          torch.zeros(top_s, self.max_blocks, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+                          TableStaging(top_s, self.max_blocks, pin)) for _ in range(2)]
         self._turn = 0
         # per staging set, an event recorded after its copies were queued: the set is rewritten only once they ran
         # (a caller that launches steps back to back without reading any back, e.g. a draft model's long prompt)
@@ -340,9 +377,7 @@ class StepGraphs:
                                          dtype=torch.long)
         ints[:3 * s + 1] = torch.tensor(step.seq_lens + [0] * pad_s + step.context_lens + [0] * pad_s
                                         + step.cu_seqlens_q + [n] * pad_s, dtype=torch.int32)
-        width = max(len(table) for table in step.block_tables)
-        tabs[:s, :width] = torch.tensor([table + [0] * (width - len(table)) for table in step.block_tables]
-                                        + [[0] * width] * pad_s, dtype=torch.int32)
+        width = tabs.fill(step.block_tables, s)
         nb = longs.is_pinned()
         self.input_ids[:t].copy_(longs[:t], non_blocking=nb)
         self.positions[:t].copy_(longs[t:2 * t], non_blocking=nb)
@@ -351,7 +386,7 @@ class StepGraphs:
         self.seq_lens[:s].copy_(ints[:s], non_blocking=nb)
         self.context_lens[:s].copy_(ints[s:2 * s], non_blocking=nb)
         self.cu_seqlens_q[:s + 1].copy_(ints[2 * s:3 * s + 1], non_blocking=nb)
-        self.block_tables[:s, :width].copy_(tabs[:s, :width], non_blocking=nb)
+        self.block_tables[:s, :width].copy_(tabs.tensor[:s, :width], non_blocking=nb)
         if feed is not None:
             tokens, sources, targets = feed
             k = len(sources)

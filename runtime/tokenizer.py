@@ -361,21 +361,29 @@ class StopChecker:
     """Finds stop strings in generated text across token boundaries.
 
     The caller appends each new piece of text and asks ``check``; text that might be the start of a stop
-    string is not yet safe to show, since the next token may complete the stop string."""
+    string is not yet safe to show, since the next token may complete the stop string. Each call searches only
+    where a match not seen before can start (the new text and the stop strings' longest length less one before
+    it), so a request's checks cost the length of its text in all, not its square."""
 
     def __init__(self, stop: list[str]) -> None:
         self.stop = [s for s in dict.fromkeys(stop) if s]  # empty strings would match everywhere
+        self._reach = max((len(s) for s in self.stop), default=1) - 1  # a match reaches this far before new text
+        self._searched = ""  # the text the last call searched without a match
 
     def check(self, text: str) -> tuple[int | None, int]:
         """Returns (where the earliest stop string starts in ``text`` or None, how many leading characters
         of ``text`` are safe to emit). Without a match, the safe count is ``len(text)`` minus the longest
-        suffix of ``text`` that is a proper prefix of some stop string; with one, it is the match index."""
+        suffix of ``text`` that is a proper prefix of some stop string; with one, it is the match index.
+        ``text``: all the text so far; one that does not extend the last one searched is searched from its start
+        (a prefix comparison, far cheaper than the search)."""
         if not self.stop:
             return None, len(text)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        start = max(0, len(self._searched) - self._reach) if text.startswith(self._searched) else 0
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
             cut = min(hits)
             return cut, cut
+        self._searched = text
         return None, len(text) - self._held_back(text)
 
     def _held_back(self, text: str) -> int:

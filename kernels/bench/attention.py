@@ -21,6 +21,7 @@ Exits 1 when any correctness check fails (the timing still prints), 2 without a 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -60,9 +61,11 @@ class Paged:
 def make_paged(lens: list[int], num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
                kv_dtype: torch.dtype, gen: torch.Generator) -> Paged:
     """Random K/V in shuffled blocks for sequences of ``lens`` tokens; the few blocks no table lists
-    are NaN (int8: saturated), so a kernel reading through a wrong block id fails the check."""
+    are NaN (int8: saturated), so a kernel reading through a wrong block id fails the check. The pool holds
+    ``KERNELS_BENCH_POOL_BLOCKS`` blocks when that is more (a serving-sized cache, the tables' blocks spread over it,
+    as a long-running engine's are), else only the blocks the tables need and 3 spares."""
     max_blocks = max(1, max(-(-n // block_size) for n in lens))
-    num_blocks = len(lens) * max_blocks + 3
+    num_blocks = max(len(lens) * max_blocks + 3, int(os.environ.get("KERNELS_BENCH_POOL_BLOCKS", "0")))
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
     v = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)

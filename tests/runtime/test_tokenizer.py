@@ -357,3 +357,24 @@ def test_stop_checker_over_real_token_stream(tok):
         assert "\n#" not in out[emitted:safe] and out[:safe] == "print(i)"[:safe]
         emitted = max(emitted, safe)
     assert cut == len("print(i)") and out[:cut] == "print(i)"
+
+
+def test_stop_checker_searches_only_new_text_and_agrees_with_a_fresh_one():
+    """The checker searches from where a new match can start; over random appends (and a text that does not extend
+    the last) it gives what a checker searching the whole text gives."""
+    import random
+
+    rng = random.Random(7)
+    alphabet = "ab\nc"
+    for trial in range(200):
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        checker, text = StopChecker(stops), ""
+        for _ in range(rng.randint(1, 30)):
+            if rng.random() < 0.05:
+                text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 8)))  # not an extension
+            else:
+                text += "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 3)))
+            got = checker.check(text)
+            assert got == StopChecker(stops).check(text), (stops, text)
+            if got[0] is not None:
+                break
