@@ -250,6 +250,8 @@ def test_moe_figures_are_named_moe(moe_artifact, artifacts, tmp_path):
     manifest = json.loads((artifacts["llama"] / "manifest.json").read_text())
     assert figure_tag(graph, manifest) == "fp32"
     assert figure_tag(graph, {**manifest, "quantization": {"lm_head": "fp8"}}) == "fp32_qhead"
+    # a quantized KV cache names its figures apart: the same weights with a bf16 cache are another artifact
+    assert figure_tag(graph, {**manifest, "runtime": {**manifest["runtime"], "kv_cache_dtype": "fp8"}}) == "fp32_kvfp8"
     # quantized linears beside experts left in the model dtype say so; quantized experts are the default name
     linear = {"op": "linear", "attrs": {"quant": {"scheme": "fp8"}}}
     moe = {"op": "moe", "attrs": {}}
