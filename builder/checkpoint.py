@@ -536,11 +536,12 @@ def quantized_expert_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.n
 
 
 def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
-                   dtype: torch.dtype) -> Imported | None:
+                   dtype: torch.dtype, keep_references: bool = True) -> Imported | None:
     """Replace the traced graph's meta params with the checkpoint's tensors, cast to ``dtype``.
 
     A pre-quantized checkpoint's quantized linears get their IR scheme from its own codes and scales first
-    (``builder/prequantized.py``); what that import made is returned (None for a floating-point checkpoint).
+    (``builder/prequantized.py``); what that import made is returned (None for a floating-point checkpoint), with
+    the format's dequantized weights for a reference model when ``keep_references`` (only the verify pass needs them).
 
     NOTE host memory: safetensors maps the weight files, so a tensor stored in ``dtype`` is not copied (its pages
     are the page cache's, read when the artifact is written). Cast tensors and weights computed from several tensors
@@ -552,7 +553,7 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
         from builder.prequantized import PrequantizedError, check_imported, import_experts, import_linears
 
         try:
-            imported = import_linears(graph, ckpt, ckpt.quant, dtype, require=False)
+            imported = import_linears(graph, ckpt, ckpt.quant, dtype, require=False, keep_references=keep_references)
             import_experts(graph, ckpt, ckpt.quant, dtype, imported,
                            quantized_expert_sources(graph, ckpt, meta_model, imported.consumed))
             check_imported(imported, ckpt)

@@ -363,7 +363,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         calib_s = time.perf_counter() - t
         check_eval_data(recipe)
     t = time.perf_counter()
-    imported = attach_weights(graph, ckpt, meta_model, dtype)
+    imported = attach_weights(graph, ckpt, meta_model, dtype, keep_references="verify" in names)
     load_s = time.perf_counter() - t
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
     extra: dict = {}

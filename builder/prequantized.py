@@ -783,11 +783,17 @@ class Imported:
     # the model's experts modules (``...mlp.experts``) whose linears quantize their inputs -> (scheme, group width):
     # fp8 per token, fp8_block per token and group along the input; for the reference model
     expert_inputs: dict[str, tuple[str, int | None]] = field(default_factory=dict)
+    # the dequantized references are kept for the verify pass's Hugging Face model only; a build that does not verify
+    # lets each go once it is checked (a float copy of every quantized weight is the model's size again: 60 GB of
+    # bf16 experts for a 30B mixture of experts stored in 31 GB of FP8)
+    keep_references: bool = True
 
     def pop_reference_weights(self) -> dict[str, Tensor]:
         """``<module>.weight`` (and the stacked experts' weight names) -> the format's own dequantization, for the
         Hugging Face reference model; handed over (the import keeps none of them: a float copy of every quantized
         weight is the model's size again)."""
+        if not self.keep_references:
+            raise ValueError("the import was told not to keep its reference weights (keep_references=False)")
         out = {f"{m}.weight": lin.reference for m, lin in self.linears.items() if lin.reference is not None}
         out.update({name: w for name, w in self.experts.items() if w is not None})
         for lin in self.linears.values():
@@ -815,15 +821,16 @@ class Imported:
         return out
 
 
-def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, require: bool = True) -> Imported:
+def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, require: bool = True,
+                   keep_references: bool = True) -> Imported:
     """Give each linear (and an untied lm_head) the checkpoint stores quantized its IR scheme, from the
     checkpoint's own tensors; the others keep their meta ``weight`` for the float loader. Each linear's reference
-    weight is kept in ``dtype`` (the build's). Raises PrequantizedError on a missing or malformed tensor, naming
-    it, and (``require``) when no linear is quantized (:func:`check_imported`: experts may be, see
-    :func:`import_experts`)."""
+    weight is kept in ``dtype`` (the build's), with ``keep_references`` (the verify pass's reference model needs
+    them), else dropped once checked. Raises PrequantizedError on a missing or malformed tensor, naming it, and
+    (``require``) when no linear is quantized (:func:`check_imported`: experts may be, see :func:`import_experts`)."""
     from passes.quantize import replace_weight
 
-    imported = Imported(fmt, {}, set())
+    imported = Imported(fmt, {}, set(), keep_references=keep_references)
     for node in list(graph.nodes):
         name = node.weights.get("weight", "")
         if node.op not in ("linear", "lm_head") or not name.endswith(".weight") or not graph.params[name].is_meta:
@@ -851,7 +858,7 @@ def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, require: b
             raise PrequantizedError(f"{ckpt.path}: {e}") from None
         ours = ir_dequantize(lin)
         assert torch.equal(ours, lin.reference), f"{module}: the IR's dequantization differs from {fmt.source}'s"
-        lin.reference = lin.reference.to(dtype)
+        lin.reference = lin.reference.to(dtype) if keep_references else None
         replace_weight(graph, node, lin.scheme, lin.tensors, lin.quant)
         imported.linears[module] = lin
         imported.consumed.update(lin.consumed)
@@ -910,29 +917,28 @@ def _scheme_name(scheme: tuple) -> str:
         scheme[0], f"{scheme[0]} with group_size {scheme[-1]}")
 
 
-def _stack_experts(per_expert: list[list[ImportedLinear]], scheme: tuple) -> tuple[dict[str, Tensor], Tensor]:
+def _stack_experts(per_expert: list[list[ImportedLinear]], scheme: tuple) -> tuple[dict[str, Tensor], Any]:
     """The moe layout of one projection's experts (``per_expert[e]``: its linears in the conversion's order, gate
-    then up), and its dequantization [E, out, in] in fp32."""
+    then up), and a function giving expert e's dequantization [out, in] in fp32 (one expert at a time: the stacked
+    fp32 copy of a 30B model's experts would be 4x their FP8 bytes)."""
     if scheme[0] == "w4a16":
         tensors = {key: torch.stack([torch.cat([lin.tensors[key] for lin in parts]) for parts in per_expert])
                    .contiguous() for key in ("qweight", "scales", "zeros")}
-        ours = torch.stack([dequantize_weight(tensors["qweight"][e], tensors["scales"][e], tensors["zeros"][e], 4,
-                                              scheme[1], torch.float32) for e in range(len(per_expert))])
-        return tensors, ours
+        return tensors, lambda e: dequantize_weight(tensors["qweight"][e], tensors["scales"][e], tensors["zeros"][e],
+                                                    4, scheme[1], torch.float32)
 
     codes = torch.stack([torch.cat([lin.tensors["qweight"] for lin in parts]) for parts in per_expert]).contiguous()
     if scheme[0] == "fp8_block":  # block rows stacked: every member but the last whole blocks of rows (the caller)
         scales = torch.stack([torch.cat([lin.tensors["weight_scale"].float() for lin in parts])
                               for parts in per_expert]).contiguous()
-        ours = torch.stack([dequantize_weight_fp8_blocks(codes[e], scales[e], list(scheme[1]))
-                            for e in range(len(per_expert))])
-        return {"qweight": codes, "weight_scale": scales}, ours
+        return ({"qweight": codes, "weight_scale": scales},
+                lambda e: dequantize_weight_fp8_blocks(codes[e], scales[e], list(scheme[1])))
 
     def row_scales(lin: ImportedLinear) -> Tensor:  # a per-tensor scale repeated per row
         return lin.tensors["weight_scale"].float().reshape(-1).expand(lin.tensors["qweight"].shape[0])
 
     scales = torch.stack([torch.cat([row_scales(lin) for lin in parts]) for parts in per_expert]).contiguous()
-    return {"qweight": codes, "weight_scale": scales}, codes.float() * scales[..., None]
+    return {"qweight": codes, "weight_scale": scales}, lambda e: codes[e].float() * scales[e, :, None]
 
 
 def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: Imported,
@@ -999,13 +1005,17 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
                 raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} have {out_f} rows per gate / up "
                                         f"projection, not a multiple of their FP8 blocks' {scheme[1][0]}: stacked "
                                         f"gate then up, their block scales would not line up")
-            tensors, ours = _stack_experts(per_expert, scheme)
+            tensors, dequantized = _stack_experts(per_expert, scheme)
+            del per_expert  # each expert's own copies of its codes and scales
             reference = stack(references)
-            if ours.shape != reference.shape or not torch.equal(ours, reference.float()):
+            del references
+            if reference.shape != (num_experts, out_total, in_f) or not all(
+                    torch.equal(dequantized(e), reference[e].float()) for e in range(num_experts)):
                 raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} ({name}) are stacked by "
                                         f"transformers in a layout the import does not rebuild (its conversion gives "
                                         f"{tuple(reference.shape)}); import of these experts is not supported")
-            made[role] = (tensors, reference.to(dtype), consumed)
+            made[role] = (tensors, reference.to(dtype) if imported.keep_references else None, consumed)
+            del reference  # this projection's float copy, before the next's is made
         if scheme[0] == "w4a16" and scheme[1] != -1 and scheme[1] % INT4_MIN_BLOCK_K:
             raise PrequantizedError(f"{ckpt.path}: the experts of {node.source} are quantized in groups of "
                                     f"{scheme[1]}; the fused experts kernel takes group sizes that are multiples of "
@@ -1024,7 +1034,7 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
             graph.params.pop(name)
             imported.experts[name] = reference
             imported.consumed.update(consumed)
-            imported.expert_linears += reference.shape[0] * len(sources[name][0])  # experts x projections
+            imported.expert_linears += tensors["qweight"].shape[0] * len(sources[name][0])  # experts x projections
         experts_module = node.weights["w_gate_up"].removesuffix(".qweight").rsplit(".", 1)[0]
         if scheme[0] == "w4a16":
             node.attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": scheme[1], "symmetric": False,

@@ -329,3 +329,30 @@ def test_tensor_parallel_names_the_checkpoints_groups(built, tmp_path):
         res.output
     assert "build with a group_size" not in res.output
 
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe-fp8-blocks", "qwen3_moe-gptq"])
+def test_import_keeps_no_float_copies_unless_verify_needs_them(name, tmp_path_factory):
+    """A build without the verify pass keeps none of the format's dequantized weights (a float copy of every quantized
+    weight is the model's size again): the imported tensors are the same, the references gone."""
+    from builder.checkpoint import attach_weights, open_checkpoint
+    from passes.trace import trace
+
+    model_type, config, quant, pack = CASES[name]
+    root = tmp_path_factory.mktemp(f"{name}-refs")
+    write_quantized(make_moe_checkpoint(root / "fp32", model_type, config, seed=11), root / "ckpt", quant, pack)
+    ckpt = open_checkpoint(root / "ckpt")
+    made = {}
+    for keep in (True, False):
+        graph, meta_model = trace(ckpt.hf_config())
+        made[keep] = (graph, attach_weights(graph, ckpt, meta_model, torch.float32, keep_references=keep))
+    (kept_graph, kept), (graph, imported) = made[True], made[False]
+    assert graph.params.keys() == kept_graph.params.keys()
+    assert all(torch.equal(graph.params[k], kept_graph.params[k]) for k in graph.params)
+    assert imported.experts.keys() == kept.experts.keys() and imported.experts
+    assert all(w is None for w in imported.experts.values()) and all(w is not None for w in kept.experts.values())
+    assert all(lin.reference is None for lin in imported.linears.values()) and imported.linears
+    assert imported.summary() == kept.summary()
+    with pytest.raises(ValueError, match="keep_references"):
+        imported.pop_reference_weights()
+    assert kept.pop_reference_weights()
