@@ -164,6 +164,13 @@ class KVCacheManager:
                              f"num_lookahead_tokens={num_lookahead_tokens}")
         bs, pool = self.block_size, self.pool
         state = self._requests.get(request_id)
+        if state is not None and not computed_blocks:  # a running request's next tokens (every decode step)
+            num_tokens = state.num_tokens + num_new_tokens
+            if (-(-(num_tokens + num_lookahead_tokens) // bs) <= len(state.blocks) and len(token_ids) >= num_tokens
+                    and (not self.enable_prefix_caching or num_tokens // bs <= state.num_cached_blocks)):
+                # its blocks hold them and none becomes full: what the general path below would do comes to this
+                state.num_tokens = num_tokens
+                return []
         computed = list(computed_blocks or ())
         if state is not None and computed:
             raise ValueError(f"request {request_id!r} already holds blocks; computed_blocks only go with "
