@@ -2,9 +2,13 @@
 
 Semantics are ``kernels/torch_ops.rope_tables`` + ``kernels/torch_ops.rope`` (the reference), rotate-half layout:
 
-    angle[t, i] = fp32(positions[t]) * inv_freq[i]                  i < head_dim / 2
+    angle[t, i] = fp32(positions[t]) * inv_freq[i]                  i < rotary_dim / 2
     cos, sin    = to_dtype(cos(angle) * attention_scaling), to_dtype(sin(angle) * attention_scaling)
-    x[t, h, :half], x[t, h, half:] = x1 * cos - x2 * sin,  x2 * cos + x1 * sin
+    x[t, h, :half], x[t, h, half:rotary_dim] = x1 * cos - x2 * sin,  x2 * cos + x1 * sin     half = rotary_dim / 2
+
+rotary_dim is head_dim unless the model rotates part of each head (StableLM, Phi-2, GPT-NeoX): features
+[rotary_dim, head_dim) pass through. The interleaved (GPT-J) layout pairs neighbours instead, x1 = x[0::2] and
+x2 = x[1::2] of the first rotary_dim features (Cohere).
 
 No tables are materialised. The angle is reduced to [-pi, pi] (Cody-Waite, 2*pi split in three) before
 ``tl.cos`` / ``tl.sin``, so accuracy does not depend on how the backend handles large arguments
@@ -44,7 +48,8 @@ def cos_sin(pos, inv_freq_ptr, offs_d, mask_d, scaling, dtype: tl.constexpr):
 
 @triton.jit
 def rotate(ptrs, mask, cos, sin, HALF: tl.constexpr):
-    """The rotated halves (fp32) of the heads whose first halves ``ptrs`` [BLOCK_H, BLOCK_D] point at."""
+    """The rotated pairs (fp32) whose first features ``ptrs`` [BLOCK_H, BLOCK_D] point at, their partners ``HALF``
+    features further (a head's halves; 1 for the interleaved layout)."""
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
     # explicit fmas: the compiler has no contraction left to choose, so every kernel that rotates (this one, the
@@ -54,8 +59,10 @@ def rotate(ptrs, mask, cos, sin, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_xt, num_heads, scaling,
-                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                 PDL: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr,
+                 BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    # HALF: the frequencies (rotary_dim / 2). Pair i is features (STEP * i, STEP * i + PAIR): (i, HALF + i)
+    # rotate-half (STEP 1, PAIR HALF), (2i, 2i + 1) interleaved (STEP 2, PAIR 1)
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -64,43 +71,49 @@ def _rope_kernel(x_ptr, pos_ptr, inv_freq_ptr, stride_xt, num_heads, scaling,
     mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
     dtype = x_ptr.dtype.element_ty
     cos, sin = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, offs_d, mask_d, scaling, dtype)
-    ptrs = x_ptr + t * stride_xt + offs_h[:, None] * HEAD_DIM + offs_d[None, :]  # first halves
-    y1, y2 = rotate(ptrs, mask, cos, sin, HALF)
+    ptrs = x_ptr + t * stride_xt + offs_h[:, None] * HEAD_DIM + STEP * offs_d[None, :]  # each pair's first
+    y1, y2 = rotate(ptrs, mask, cos, sin, PAIR)
     tl.store(ptrs, y1.to(dtype), mask=mask)
-    tl.store(ptrs + HALF, y2.to(dtype), mask=mask)
+    tl.store(ptrs + PAIR, y2.to(dtype), mask=mask)
 
 
 def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int,
-                head_dim: int, attention_scaling: float = 1.0) -> torch.Tensor:
+                head_dim: int, attention_scaling: float = 1.0, rotary_dim: int | None = None,
+                interleaved: bool = False) -> torch.Tensor:
     """Rotate ``x`` [num_tokens, num_heads * head_dim] in place (rows may be strided); returns ``x``.
 
-    positions: [num_tokens] integer; inv_freq: [head_dim / 2] fp32.
+    positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32. ``rotary_dim`` (default head_dim): the leading
+    features of each head that rotate, the rest pass through; ``interleaved``: neighbouring features pair up (GPT-J)
+    instead of the two halves.
     """
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         raise RuntimeError("apply_rope_ runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops on the CPU")
     if head_dim % 2 or x.dim() != 2 or x.shape[1] != num_heads * head_dim:
         raise ValueError(f"x {tuple(x.shape)} is not [num_tokens, num_heads * head_dim] = [*, {num_heads} * "
                          f"{head_dim}] with an even head_dim")
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if rot % 2 or not 0 < rot <= head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} is not an even number of features in (0, head_dim {head_dim}]")
     if x.stride(1) != 1:
         raise ValueError("apply_rope_ writes in place and needs x's features contiguous (x.stride(1) == 1)")
-    if tuple(positions.shape) != (x.shape[0],) or tuple(inv_freq.shape) != (head_dim // 2,):
+    if tuple(positions.shape) != (x.shape[0],) or tuple(inv_freq.shape) != (rot // 2,):
         raise ValueError(f"positions {tuple(positions.shape)} / inv_freq {tuple(inv_freq.shape)} do not match "
-                         f"{x.shape[0]} tokens and head_dim {head_dim} (expected [{head_dim // 2}] frequencies)")
+                         f"{x.shape[0]} tokens and rotary_dim {rot} (expected [{rot // 2}] frequencies)")
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return x
-    half = head_dim // 2
+    half = rot // 2
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(num_heads), max(4096 // block_d, 1))
     grid = (num_tokens, triton.cdiv(num_heads, block_h))
     _rope_kernel[grid](x, positions, inv_freq.float(), x.stride(0), num_heads, float(attention_scaling),
-                       HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-                       **pdl_args(x))
+                       HEAD_DIM=head_dim, HALF=half, STEP=2 if interleaved else 1, PAIR=1 if interleaved else half,
+                       BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4, **pdl_args(x))
     return x
 
 
 def ref_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, num_heads: int, head_dim: int,
-             attention_scaling: float = 1.0) -> torch.Tensor:
+             attention_scaling: float = 1.0, rotary_dim: int | None = None, interleaved: bool = False) -> torch.Tensor:
     """Reference (out of place): the runtime's tables and rotation."""
-    cos, sin = ops.rope_tables(positions, inv_freq.float(), attention_scaling, x.dtype)
-    return ops.rope(x, cos, sin, num_heads, head_dim)
+    cos, sin = ops.rope_tables(positions, inv_freq.float(), attention_scaling, x.dtype, interleaved)
+    return ops.rope(x, cos, sin, num_heads, head_dim, rotary_dim, interleaved)

@@ -635,9 +635,9 @@ def _rope(w, attrs, ex) -> Kernel:
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
     rotary_dim, interleaved = attrs.get("rotary_dim"), bool(attrs.get("interleaved"))
     key = f"{id(w['inv_freq'])}:{interleaved}"
-    # NOTE: partial and interleaved rotary run the torch reference on CUDA too (kernels.rope rotates whole heads,
-    # rotate-half)
-    if ex.use_kernels and not rotary_dim and not interleaved:
+    # partial and interleaved rotary too (StableLM, Phi-2, GPT-NeoX; Cohere): one kernel, though not fused into the
+    # attention's KV write as whole-head rotate-half rotary is (``_Fusions.rope``)
+    if ex.use_kernels:
         from kernels.rope import apply_rope_
 
         # in place when this node is the only reader of its input (q/k fresh from the QKV projection)
@@ -645,7 +645,9 @@ def _rope(w, attrs, ex) -> Kernel:
 
         def rope_kernel(xs, step):
             x, positions = xs
-            return (apply_rope_(x if exclusive else x.clone(), positions, inv_freq, num_heads, head_dim, scaling),)
+            if not exclusive or x.stride(-1) != 1:
+                x = x.contiguous() if exclusive else x.clone()
+            return (apply_rope_(x, positions, inv_freq, num_heads, head_dim, scaling, rotary_dim, interleaved),)
 
         return rope_kernel
 

@@ -153,12 +153,35 @@ def test_rope_on_a_split_view_leaves_the_rest():
     assert torch.equal(qkv[:, 2 * num_heads * head_dim:], before[:, 2 * num_heads * head_dim:])
 
 
+@pytest.mark.parametrize("head_dim,rotary_dim,interleaved", [(32, 8, False), (64, 32, False), (32, 32, True),
+                                                             (64, 16, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_partial_and_interleaved(head_dim, rotary_dim, interleaved, dtype):
+    """Rotary on the first rotary_dim features of each head (StableLM, Phi-2, GPT-NeoX), the rest untouched, and the
+    interleaved (GPT-J) pairs (Cohere): the torch reference's results, in place."""
+    num_heads = 3
+    positions = torch.tensor(POSITIONS, dtype=torch.int64)
+    x = _randn(len(POSITIONS), num_heads * head_dim, dtype=dtype, seed=head_dim + rotary_dim + interleaved)
+    inv_freq = _inv_freq(rotary_dim, 10000.0)
+    expected = ref_rope(x, positions, inv_freq, num_heads, head_dim, 1.0, rotary_dim, interleaved)
+    before = x.clone().view(len(POSITIONS), num_heads, head_dim)
+    apply_rope_(x, positions, inv_freq, num_heads, head_dim, 1.0, rotary_dim, interleaved)
+    _assert_close(x, expected)
+    heads = x.view(len(POSITIONS), num_heads, head_dim)
+    assert torch.equal(heads[..., rotary_dim:], before[..., rotary_dim:])  # passed through, bit for bit
+    assert not torch.equal(heads[1:, :, :rotary_dim], before[1:, :, :rotary_dim])
+
+
 def test_rope_rejects_bad_shapes():
     x = torch.randn(3, 64)
     with pytest.raises(ValueError, match="num_heads \\* head_dim"):
         apply_rope_(x, torch.arange(3), _inv_freq(32, 1e4), 3, 32)
     with pytest.raises(ValueError, match="inv_freq"):
         apply_rope_(x, torch.arange(3), _inv_freq(64, 1e4), 2, 32)
+    with pytest.raises(ValueError, match="inv_freq"):  # partial rotary: rotary_dim / 2 frequencies
+        apply_rope_(x, torch.arange(3), _inv_freq(32, 1e4), 2, 32, rotary_dim=16)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        apply_rope_(x, torch.arange(3), _inv_freq(40, 1e4), 2, 32, rotary_dim=40)
 
 
 # --- silu_mul ---------------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
 scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
-(biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, rotary the kernels do not take
-is not fused into the attention's KV write, the paged attention kernels soft-cap and add the sinks, and the serving
+(biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, partial and interleaved rotary
+run the rotary kernel but are not fused into the attention's KV write, the paged attention kernels soft-cap and add
+the sinks, and the serving
 engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
 GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
@@ -29,6 +30,8 @@ ONE_SLIDING = dict(sliding_window=8, layer_types=["sliding_attention"])  # promp
 FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused into the KV write)
     "stablelm": ({}, False),  # layer_norm with bias, rotary on 8 of 32 features per head
     "cohere": ({}, False),  # layer_norm without bias, interleaved rotary, lm_head scale
+    "phi": ({}, False),  # parallel attention and MLP on one layer_norm, rotary on half of each head
+    "gpt_neox": ({}, False),  # q/k/v fused per head, rotary on a quarter of each head, two layer_norms
     "gpt2": ({}, False),  # an embedding of the positions (the paged steps' own), no rotary at all
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
