@@ -2,8 +2,7 @@
 scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
 (biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, partial and interleaved rotary
 run the rotary kernel but are not fused into the attention's KV write, the paged attention kernels soft-cap and add
-the sinks, and the serving
-engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
+the sinks, and the serving engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
 GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
