@@ -1,4 +1,4 @@
-"""RMSNorm and residual-add + RMSNorm, one row per program, with the runtime's numerics.
+"""RMSNorm and residual-add + RMSNorm, and LayerNorm, one row per program, with the runtime's numerics.
 
 Semantics are ``kernels/torch_ops.rms_norm`` / ``kernels/torch_ops.fused_add_rms_norm`` (the references):
 
@@ -8,6 +8,10 @@ Semantics are ``kernels/torch_ops.rms_norm`` / ``kernels/torch_ops.fused_add_rms
 
 and ``fused_add_rms_norm`` returns ``(normed, total)``. Outputs are new tensors (x and residual are
 not written). A row is held in registers (hidden sizes up to a few tens of thousands).
+
+``layer_norm`` is ``kernels/torch_ops.layer_norm``: the row centred and scaled in fp32 (biased variance), the gain
+and bias applied in fp32, one rounding to the activation dtype (LayerNorm families: GPT-2, Phi-2, StableLM, GPT-NeoX,
+Falcon, Starcoder2, Cohere, OLMo). One kernel where the reference takes three (a cast to fp32, the norm, a cast back).
 
 ``quantize_to`` (int8 or float8_e4m3fn): the normed rows leave quantized per token instead, as
 ``kernels.w8a8_gemm.QuantizedRows`` equal to ``quantize_rows(normed)``, for a W8A8 linear that reads them: one
@@ -64,6 +68,24 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, s_ptr,
         quantize_row_store(h, mask, out_ptr + row * stride_out + cols, s_ptr + row, QUANT == 2, EMULATE_FP8)
     else:
         tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, stride_x, stride_out, num_cols, eps,
+                       HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < num_cols
+    h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    mean = tl.sum(h, axis=0) / num_cols
+    d = tl.where(mask, h - mean, 0.0)
+    y = d * tl.rsqrt(tl.sum(d * d, axis=0) / num_cols + eps)
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block: int) -> int:
@@ -157,6 +179,24 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return out.reshape(x.shape), total.reshape(x.shape)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm of each row of ``x`` [..., features], in x's dtype (``kernels.torch_ops.layer_norm``)."""
+    _check_device(x)
+    x2 = _rows(x)
+    num_rows, num_cols = x2.shape
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and tuple(t.shape) != (num_cols,):
+            raise ValueError(f"layer_norm {name} {tuple(t.shape)} does not match the {num_cols} normalised features")
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if num_rows:
+        block = triton.next_power_of_2(num_cols)
+        _layer_norm_kernel[(num_rows,)](
+            x2, weight if weight is not None else out, bias if bias is not None else out, out, x2.stride(0),
+            out.stride(0), num_cols, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=block,
+            num_warps=_num_warps(block), **pdl_args(x2))
+    return out.reshape(x.shape)
+
+
 # --- references ------------------------------------------------------------------------------------
 def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0,
                  head_dim: int | None = None) -> torch.Tensor:
@@ -166,3 +206,7 @@ def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weigh
 def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
                            weight_offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.fused_add_rms_norm(x, residual, weight, eps, weight_offset)
+
+
+def ref_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return ops.layer_norm(x, weight, bias, eps)

@@ -393,8 +393,11 @@ def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | N
 
 
 def _layer_norm(w, attrs, ex) -> Kernel:
-    # NOTE: the torch reference on CUDA too (no fused kernel yet)
     weight, bias, eps = w.get("weight"), w.get("bias"), attrs["eps"]
+    if ex.use_kernels:  # one Triton kernel (kernels.fused_norm.layer_norm); the residual add before it stays apart
+        from kernels.fused_norm import layer_norm
+
+        return lambda xs, step: (layer_norm(xs[0], weight, bias, eps),)
     return lambda xs, step: (ops.layer_norm(xs[0], weight, bias, eps),)
 
 

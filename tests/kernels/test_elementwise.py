@@ -13,7 +13,9 @@ import torch
 from kernels.activation import ref_silu_mul, silu_mul, silu_mul_tiles
 from kernels.fused_norm import (
     fused_add_rms_norm,
+    layer_norm,
     ref_fused_add_rms_norm,
+    ref_layer_norm,
     ref_rms_norm,
     rms_norm,
 )
@@ -97,6 +99,24 @@ def test_rms_norm_strided_rows():
     k = qkv[:, 96:]  # a split of a merged projection: row stride 160
     weight = _randn(64, dtype=torch.float32, seed=5, shift=1.0)
     _assert_close(rms_norm(k, weight, 1e-6), ref_rms_norm(k, weight, 1e-6))
+
+
+@pytest.mark.parametrize("hidden", [96, 200, 64])
+@pytest.mark.parametrize("affine", ["weight_bias", "weight", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm(hidden, affine, dtype):
+    """LayerNorm with a gain and bias (GPT-2, Phi-2, ...), a gain only (Cohere) or neither (OLMo), on rows far from
+    centred: the reference's fp32 statistics and one rounding."""
+    x = _randn(7, hidden, dtype=dtype, seed=hidden + 3, scale=3.0, shift=2.5)
+    weight = _randn(hidden, dtype=dtype, seed=8, scale=0.2, shift=1.0) if affine != "none" else None
+    bias = _randn(hidden, dtype=dtype, seed=9, scale=0.5) if affine == "weight_bias" else None
+    out = layer_norm(x, weight, bias, 1e-5)
+    assert out.dtype == x.dtype
+    _assert_close(out, ref_layer_norm(x, weight, bias, 1e-5))
+    k = _randn(6, hidden + 32, dtype=dtype, seed=10)[:, 32:]  # strided rows (a split of a merged projection)
+    _assert_close(layer_norm(k, weight, bias, 1e-5), ref_layer_norm(k, weight, bias, 1e-5))
+    with pytest.raises(ValueError, match="bias"):
+        layer_norm(x, weight, torch.zeros(hidden + 1, dtype=dtype), 1e-5)
 
 
 @pytest.mark.parametrize("hidden", [96, 200])
