@@ -23,6 +23,10 @@
 #                  and run by builder.devtools.cuda_smoke (CUDA greedy tokens vs the CPU path), in each dtype of
 #                  $SMOKE_DTYPES (default "bfloat16 float32": in fp32 the two paths round the same inputs to FP8, so
 #                  their tokens can be compared closely; in bf16 activations rounded differently flip FP8 codes)
+#   families       the elementwise kernels' tests (RMSNorm, LayerNorm, RoPE with partial and interleaved rotary, ...)
+#                  and the executor's kernel path on the LayerNorm / partial-rotary / soft-cap / sinks families
+#                  (tests/runtime/test_executor_families.py: tiny models served on CUDA from CUDA graphs against the
+#                  CPU reference), compiled for the GPU; the pytest tails in $OUT/families_tests.txt
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -211,6 +215,9 @@ for part in "$@"; do
         python3 -m builder.devtools.cuda_smoke $ck-art 2>&1 | grep --line-buffered -v Warning \
           | tee -a "$OUT/moe_prequant_smoke.txt"
       done ;;
+    families)
+      TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_elementwise.py \
+        tests/runtime/test_executor_families.py 2>&1 | tee "$OUT/families_tests.txt" | tail -n 15 ;;
     moe-e2e|moe-e2e-*)
       prec=${part#moe-e2e}; prec=${prec#-}; moe_e2e "${prec:-bf16}"
       ;;
