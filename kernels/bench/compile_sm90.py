@@ -4,9 +4,9 @@
 
 The Triton interpreter (the CPU tests) accepts code that compiled Triton refuses, e.g. a kernel reading a plain
 module-level int instead of a ``tl.constexpr``; such a kernel then fails at its first launch on the GPU. This
-compiles the attention, frag GEMV, MoE, fp8_block GEMM and argmax kernels named below with ``triton.compile`` for
-``GPUTarget("cuda", 90, 32)`` (no device needed) in the variants the runtime launches, and prints for each whether
-it compiled and how many PDL waits its PTX holds. Run it with TRITON_INTERPRET unset.
+compiles the attention, frag GEMV, MoE, fp8_block GEMM, argmax, LayerNorm and RoPE kernels named below with
+``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device needed) in the variants the runtime launches, and
+prints for each whether it compiled and how many PDL waits its PTX holds. Run it with TRITON_INTERPRET unset.
 
 ``--sass DIR`` also writes each variant's PTX, TTGIR and SASS (``nvdisasm`` of the cubin, with Triton's own
 binaries) into DIR and prints its registers and the opcodes of its innermost loops, so that a kernel change can
@@ -231,6 +231,29 @@ def _argmax() -> list[tuple[str, object]]:
                                      "num_chunks": "i32", "invalid": "i32"}, {"CHUNKS_PAD": 32}, 1))]
 
 
+def _norms_and_rope() -> list[tuple[str, object]]:
+    from kernels.fused_norm import _layer_norm_kernel
+    from kernels.rope import _rope_kernel
+
+    ln = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
+          "stride_out": "i32", "num_cols": "i32", "eps": "fp32"}
+    rope = {"x_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "stride_xt": "i32", "num_heads": "i32",
+            "scaling": "fp32"}
+    out = [(f"layer_norm, {'gain' if w else 'no gain'}{' and bias' if b else ''}, 2560",
+            lambda w=w, b=b: compile_kernel(_layer_norm_kernel, ln,
+                                            {"HAS_WEIGHT": w, "HAS_BIAS": b, "BLOCK": 4096, "PDL": True}, 4))
+           for w, b in ((True, True), (True, False), (False, False))]
+    # head_dim, rotary_dim, interleaved: Llama (whole heads), Phi-2 (half), GPT-NeoX / StableLM (a quarter), Cohere
+    for head_dim, rot, inter in ((128, 128, False), (80, 40, False), (128, 32, False), (128, 128, True)):
+        half = rot // 2
+        out.append((f"rope, head_dim {head_dim}, rotary_dim {rot}{', interleaved' if inter else ''}",
+                    lambda head_dim=head_dim, half=half, inter=inter: compile_kernel(
+                        _rope_kernel, rope, {"HEAD_DIM": head_dim, "HALF": half, "STEP": 2 if inter else 1,
+                                             "PAIR": 1 if inter else half, "BLOCK_H": 32,
+                                             "BLOCK_D": 1 << (half - 1).bit_length(), "PDL": True}, 4)))
+    return out
+
+
 def _binary(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -287,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
-    for name, build in _decode_attention() + _frag() + _moe() + _fp8_block() + _argmax():
+    for name, build in _decode_attention() + _frag() + _moe() + _fp8_block() + _argmax() + _norms_and_rope():
         if args.only and args.only.lower() not in name.lower():
             continue
         try:
