@@ -18,6 +18,13 @@
 #                  ttft_128_moe_PREC, throughput_128_128_moe_PREC[_cC]), each phase's seconds in $OUT/moe_e2e.jsonl,
 #                  logs in $OUT/moe_*_PREC.log. MOE_LAYERS=N builds N of the 48 layers (a dry run: paths get -LN,
 #                  figures go to $OUT/moe_dry_run_LN.jsonl instead)
+#   70b-fp8        (issue 22; the 2-GPU kind: 256 GB of RAM, 128 GB of disk) the Llama-3-70B shape pre-quantized as
+#                  compressed-tensors FP8 (make_checkpoint --preset llama3-70b --fp8-channel, 72 GB, into /dev/shm; kept
+#                  if there), built at tp_size $TP70 (default 1) into artifacts/llama3-70b-fp8-tpN (one such artifact on
+#                  the disk at a time), then batch-1 latency and 128/128 throughput ($THROUGHPUT70, default
+#                  "--concurrency 64 --concurrency 128 --concurrency 256"); figures renamed for the model and the ranks
+#                  into $OUT/benchmarks.jsonl: tpN_decode_b1_fp8_70b, tpN_roofline_pct_b1_70b (the bench's own roofline
+#                  of the bytes a step reads), tpN_throughput_128_128_fp8_70b[_cC], ...; phases' seconds printed
 #   moe-prequant-smoke  block-FP8 experts on the GPU: tests/kernels/test_moe_kernel.py -k block_fp8 (real shapes
 #                  too), then the tiny-moe preset written as fine-grained FP8 (make_checkpoint --fp8-blocks 32), built
 #                  and run by builder.devtools.cuda_smoke (CUDA greedy tokens vs the CPU path), in each dtype of
@@ -218,6 +225,47 @@ for part in "$@"; do
     families)
       TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_elementwise.py \
         tests/runtime/test_executor_families.py 2>&1 | tee "$OUT/families_tests.txt" | tail -n 15 ;;
+    70b-fp8)
+      tp=${TP70:-1}; ck=/dev/shm/llama3-70b-fp8; art=artifacts/llama3-70b-fp8-tp$tp; t0=$(date +%s)
+      if [ ! -f $ck/calibration.jsonl ]; then  # make_checkpoint's last file
+        rm -rf $ck
+        python3 -m builder.devtools.make_checkpoint --preset llama3-70b --fp8-channel --device cuda --out $ck 2>&1 \
+          | tail -1
+      fi
+      echo "{\"phase\": \"checkpoint\", \"seconds\": $(( $(date +%s) - t0 ))}"
+      if [ ! -f $art/manifest.json ]; then
+        rm -rf artifacts/llama3-70b-fp8-tp*  # one 70 GB artifact on the disk at a time
+        if [ $(( $(df --output=avail -B1000000000 . | tail -1) )) -lt 75 ]; then
+          echo "70b-fp8: the artifact needs 75 GB of disk, $(df -h --output=avail . | tail -1) free"; continue
+        fi
+        t0=$(date +%s)
+        python3 -m builder.cli build recipes/bench/llama3-70b-fp8.yaml --set parallel.tp_size=$tp \
+          --set output_dir=$art --quiet 2>&1 | tail -2
+        echo "{\"phase\": \"build\", \"tp\": $tp, \"seconds\": $(( $(date +%s) - t0 ))}"
+      fi
+      raw="$OUT/raw_70b_tp$tp.jsonl"; lat="$OUT/lat_70b_tp$tp.jsonl"
+      python3 -m builder.cli bench latency $art --input-len 128 --output-len 128 --json "$lat" --record "$raw" 2>&1 \
+        | grep '^{'
+      python3 -m builder.cli bench throughput $art --input-len 128 --output-len 128 \
+        ${THROUGHPUT70:---concurrency 64 --concurrency 128 --concurrency 256} --record "$raw" 2>&1 | grep '^{'
+      python3 - "$raw" "$lat" "$tp" "$OUT/benchmarks.jsonl" <<'PY'
+import json, re, sys
+
+raw, lat, tp, out = sys.argv[1:]
+rows = [json.loads(line) for line in open(raw)]
+for row in rows:  # decode_b1_fp8 -> tp1_decode_b1_fp8_70b; throughput_128_128_fp8_c64 -> tp1_..._fp8_70b_c64
+    m = re.fullmatch(r"(.*?)(_c\d+)?", row["figure"])
+    row["figure"] = f"tp{tp}_{m.group(1)}_70b{m.group(2) or ''}"
+b1 = next((r for r in rows if r["figure"] == f"tp{tp}_decode_b1_fp8_70b"), None)
+pct = [json.loads(line).get("roofline_pct") for line in open(lat)]
+if b1 is not None and pct and pct[0] is not None:
+    rows.append({**b1, "figure": f"tp{tp}_roofline_pct_b1_70b", "value": pct[0], "unit": "%"})
+with open(out, "a") as f:
+    for row in rows:
+        print(json.dumps(row))
+        f.write(json.dumps(row) + "\n")
+PY
+      ;;
     moe-e2e|moe-e2e-*)
       prec=${part#moe-e2e}; prec=${prec#-}; moe_e2e "${prec:-bf16}"
       ;;

@@ -133,6 +133,8 @@ Shape = LlamaShape | Qwen3MoeShape
 PRESETS: dict[str, Shape] = {
     "llama3-8b": LlamaShape(128256, 4096, 14336, 32, 32, 8),
     "llama3-1b": LlamaShape(128256, 2048, 8192, 16, 32, 8, tie_word_embeddings=True),
+    # Llama-3-70B: 70.6B parameters, 141 GB in bf16; written with --fp8-channel it takes 72 GB (issue 22's runs)
+    "llama3-70b": LlamaShape(128256, 8192, 28672, 80, 64, 8),
     "tiny": LlamaShape(512, 64, 128, 2, 4, 2, max_position_embeddings=512),
     # Qwen3-30B-A3B: 30.5B parameters (61 GB in bf16), 3.3B active per token (8 of 128 experts)
     "qwen3-30b-a3b": Qwen3MoeShape(151936, 2048, 48, 32, 4, 128, num_experts=128, num_experts_per_tok=8,
@@ -178,8 +180,7 @@ def fp8_block_quantize(name: str, t: torch.Tensor, block: int) -> dict[str, torc
     ``weight_scale_inv`` (amax / 448) per block x block tile, partial last tiles included; norms, embeddings, the
     lm_head and routers (any other tensor) as they are."""
     module = name.removesuffix(".weight")
-    if (t.dim() != 2 or not name.endswith(".weight") or ".layers." not in name or "norm" in name
-            or any(module.endswith(f".{r}") for r in ROUTER_MODULES)):
+    if not _quantizes(name, t):
         return {name: t}
     n, k = t.shape
     rows, cols = -(-n // block), -(-k // block)
@@ -191,8 +192,38 @@ def fp8_block_quantize(name: str, t: torch.Tensor, block: int) -> dict[str, torc
     return {name: codes, f"{module}.weight_scale_inv": scales}
 
 
+# compressed-tensors FP8 (llm-compressor's FP8_DYNAMIC preset): e4m3 weights with one scale per output channel,
+# inputs quantized per token at run time; the lm_head left in floating point
+COMPRESSED_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                  "config_groups": {"group_0": {
+                      "targets": ["Linear"], "format": "float-quantized",
+                      "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                                  "dynamic": False},
+                      "input_activations": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token",
+                                            "dynamic": True}}},
+                  "ignore": ["lm_head", "re:.*mlp\\.gate$"]}
+
+
+def _quantizes(name: str, t: torch.Tensor) -> bool:
+    """Whether a pre-quantized checkpoint stores this tensor quantized: a decoder layer's linear weight, not a norm's
+    or a router's."""
+    module = name.removesuffix(".weight")
+    return (t.dim() == 2 and name.endswith(".weight") and ".layers." in name and "norm" not in name
+            and not any(module.endswith(f".{r}") for r in ROUTER_MODULES))
+
+
+def fp8_channel_quantize(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A linear's weight [out, in] as compressed-tensors FP8 stores it: e4m3 codes under ``name`` and one fp32
+    ``weight_scale`` [out, 1] (amax / 448) per output channel; any other tensor as it is."""
+    if not _quantizes(name, t):
+        return {name: t}
+    scale = t.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
+    return {name: (t.float() / scale).to(torch.float8_e4m3fn), f"{name.removesuffix('.weight')}.weight_scale": scale}
+
+
 def make_checkpoint(out: str | Path, shape: Shape, *, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                    device: str = "cpu", expert_tensors: str = "stacked", fp8_blocks: int = 0) -> Path:
+                    device: str = "cpu", expert_tensors: str = "stacked", fp8_blocks: int = 0,
+                    fp8_channel: bool = False) -> Path:
     """Write the checkpoint into ``out`` (created); returns its path.
 
     ``expert_tensors`` (mixture-of-experts shapes): ``stacked``, the model's own state-dict names, which
@@ -204,9 +235,15 @@ def make_checkpoint(out: str | Path, shape: Shape, *, dtype: torch.dtype = torch
     dynamic activations; Qwen3-30B-A3B-FP8's layout): e4m3 codes and fp32 ``weight_scale_inv`` per block
     (:func:`fp8_block_quantize`), drawn from the same weights; embeddings, norms, the lm_head and the routers stay in
     ``dtype``. Experts then take the per-expert layout.
+
+    ``fp8_channel``: the linears written as compressed-tensors FP8 (:data:`COMPRESSED_FP8`: e4m3 codes, one fp32
+    ``weight_scale`` per output channel, inputs per token; :func:`fp8_channel_quantize`), half the bf16 bytes.
     """
     assert expert_tensors in EXPERT_TENSORS, f"expert_tensors {expert_tensors!r} is not one of {EXPERT_TENSORS}"
-    if fp8_blocks:
+    assert not (fp8_blocks and fp8_channel), "one FP8 layout: blocks or channels"
+    quantize = ((lambda name, t: fp8_block_quantize(name, t, fp8_blocks)) if fp8_blocks
+                else fp8_channel_quantize if fp8_channel else None)
+    if quantize is not None:
         expert_tensors = "per-expert"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,13 +252,15 @@ def make_checkpoint(out: str | Path, shape: Shape, *, dtype: torch.dtype = torch
         config.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                                       "weight_block_size": [fp8_blocks, fp8_blocks],
                                       "modules_to_not_convert": list(ROUTER_MODULES)}
+    elif fp8_channel:
+        config.quantization_config = COMPRESSED_FP8
     config.save_pretrained(out)
     generator = torch.Generator(device=device).manual_seed(seed)
     shards = plan_shards(shape.tensors(), dtype)
     # every shard's tensors are views of one host buffer, reused shard after shard
     buffer_bytes = max(sum(prod(s) for _, s, _ in shard) for shard in shards) * dtype.itemsize
-    staging = torch.empty(0 if fp8_blocks else buffer_bytes, dtype=torch.uint8,
-                          pin_memory=torch.device(device).type == "cuda" and not fp8_blocks)
+    staging = torch.empty(0 if quantize else buffer_bytes, dtype=torch.uint8,
+                          pin_memory=torch.device(device).type == "cuda" and not quantize)
     weight_map, total = {}, 0
     for k, shard in enumerate(shards):
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -231,10 +270,10 @@ def make_checkpoint(out: str | Path, shape: Shape, *, dtype: torch.dtype = torch
             t = torch.randn(tshape, generator=generator, device=device, dtype=torch.float32) * 0.02
             if is_norm:
                 t += 1.0
-            if fp8_blocks:  # quantized from the device copy, then to the host (shards of FP8 codes are smaller)
+            if quantize:  # quantized from the device copy, then to the host (shards of FP8 codes are smaller)
                 for part_name, part in (per_expert_tensors(name, t.to(dtype)) if expert_tensors == "per-expert"
                                         else {name: t.to(dtype)}).items():
-                    tensors.update({k: v.cpu() for k, v in fp8_block_quantize(part_name, part, fp8_blocks).items()})
+                    tensors.update({k: v.cpu() for k, v in quantize(part_name, part).items()})
                 continue
             nbytes = t.numel() * dtype.itemsize
             host = staging[offset:offset + nbytes].view(dtype).view(tshape)
@@ -290,9 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fp8-blocks", type=int, default=0, metavar="B",
                         help="write the linears as transformers' fine-grained FP8 in B x B blocks (e.g. 128: "
                              "Qwen3-30B-A3B-FP8's layout; experts per expert), a pre-quantized checkpoint")
+    parser.add_argument("--fp8-channel", action="store_true",
+                        help="write the linears as compressed-tensors FP8 (e4m3, a scale per output channel, inputs "
+                             "per token: llm-compressor's FP8_DYNAMIC), a pre-quantized checkpoint at half the bytes")
     args = parser.parse_args(argv)
     if args.fp8_blocks < 0:
         parser.error(f"--fp8-blocks {args.fp8_blocks}: give a block size (e.g. 128), or 0 for none")
+    if args.fp8_blocks and args.fp8_channel:
+        parser.error("--fp8-blocks and --fp8-channel: give one FP8 layout")
     shape = PRESETS[args.preset]
     if args.num_hidden_layers is not None:
         if args.num_hidden_layers < 1:
@@ -302,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--expert-tensors {args.expert_tensors}: preset {args.preset} has no experts")
     start = time.perf_counter()
     path = make_checkpoint(args.out, shape, dtype=getattr(torch, args.dtype), seed=args.seed, device=args.device,
-                           expert_tensors=args.expert_tensors, fp8_blocks=args.fp8_blocks)
+                           expert_tensors=args.expert_tensors, fp8_blocks=args.fp8_blocks,
+                           fp8_channel=args.fp8_channel)
     layers = "" if args.num_hidden_layers is None else f", {shape.num_hidden_layers} layers"
     print(f"wrote {args.preset} ({args.dtype}{layers}) to {path} in {time.perf_counter() - start:.1f}s")
     return 0
