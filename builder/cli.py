@@ -540,7 +540,9 @@ def bench_throughput(
     input_len: int = typer.Option(128),
     output_len: int = typer.Option(128),
     concurrency: list[int] = typer.Option([64], help="max_num_seqs values to sweep (repeat the option)"),
-    num_prompts: Optional[int] = typer.Option(None, help="requests per point (default: 4 x concurrency)"),
+    num_prompts: Optional[int] = typer.Option(None, help="requests per point (default: --waves x concurrency)"),
+    waves: int = typer.Option(4, min=1, help="requests per point as a multiple of its concurrency, when "
+                              "--num-prompts is not given (1: one wave, as long outputs are measured)"),
     max_seq_len: Optional[int] = typer.Option(None),
     max_num_batched_tokens: Optional[int] = typer.Option(None),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
@@ -568,7 +570,7 @@ def bench_throughput(
             engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs, spec)
             try:
                 (results if spec is None else spec_results).append(
-                    throughput(engine, input_len, output_len, num_prompts or 4 * c))
+                    throughput(engine, input_len, output_len, num_prompts or waves * c))
                 tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)
             finally:
                 engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
@@ -590,7 +592,8 @@ def bench_throughput(
                          s.spec_accepted_tokens / s.spec_draft_tokens if s.spec_draft_tokens else 0.0, "ratio")]
         command = ["builder", "bench", "throughput", str(artifact), "--device", device, "--input-len", str(input_len),
                    "--output-len", str(output_len), *[a for c in concurrency for a in ("--concurrency", str(c))]]
-        for flag, value in (("--num-prompts", num_prompts), ("--max-seq-len", max_seq_len),
+        for flag, value in (("--num-prompts", num_prompts), ("--waves", waves if waves != 4 else None),
+                            ("--max-seq-len", max_seq_len),
                             ("--max-num-batched-tokens", max_num_batched_tokens),
                             ("--speculative-ngram", speculative_ngram)):
             command += [flag, str(value)] if value is not None else []

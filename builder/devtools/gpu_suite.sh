@@ -303,10 +303,9 @@ PY
     thr-long-*)
       prec=${part#thr-long-}
       artifact "$prec"
-      for c in ${LONG_CONCURRENCY:-256 512}; do
-        bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 --concurrency $c --num-prompts $c \
-          --record "$OUT/benchmarks.jsonl"
-      done ;;
+      sweep=""; for c in ${LONG_CONCURRENCY:-256 512}; do sweep="$sweep --concurrency $c"; done
+      bench throughput artifacts/llama3-8b-$prec --input-len 128 --output-len 2048 $sweep --waves 1 \
+        --record "$OUT/benchmarks.jsonl" ;;
     thr-*)
       prec=${part#thr-}
       artifact "$prec"
