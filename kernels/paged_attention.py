@@ -257,10 +257,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def _rope_write_kv_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
         num_heads, num_kv_heads, q_blocks, scaling, stride_qt, stride_kt, stride_vt, stride_cb, stride_ct, stride_ch,
-        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr, ROT: tl.constexpr,
+        TAIL_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
     # in place; the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache.
+    # HALF frequencies rotate pairs of features (STEP * i, STEP * i + PAIR) of the first ROT: (i, HALF + i) rotate-half,
+    # (2i, 2i + 1) interleaved (kernels.rope); a key's features [ROT, HEAD_DIM) go to the cache as they are.
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     t = tl.program_id(0)
     hb = tl.program_id(1)
@@ -271,10 +274,10 @@ def _rope_write_kv_kernel(
     if hb < q_blocks:
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
-        ptrs = q_ptr + t * stride_qt + offs_h[:, None] * HEAD_DIM + offs_d[None, :]
-        y1, y2 = rotate(ptrs, mask, cos, sin, HALF)
+        ptrs = q_ptr + t * stride_qt + offs_h[:, None] * HEAD_DIM + STEP * offs_d[None, :]
+        y1, y2 = rotate(ptrs, mask, cos, sin, PAIR)
         tl.store(ptrs, y1.to(dtype), mask=mask)
-        tl.store(ptrs + HALF, y2.to(dtype), mask=mask)
+        tl.store(ptrs + PAIR, y2.to(dtype), mask=mask)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:  # a negative slot is a padding token: nothing to write
@@ -283,8 +286,8 @@ def _rope_write_kv_kernel(
             mask = mask_h & mask_d[None, :]
             dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch
             # the key rounded to the activation dtype first, as the separate RoPE kernel stores it
-            y1, y2 = rotate(k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM + offs_d[None, :], mask, cos, sin,
-                            HALF)
+            k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
+            y1, y2 = rotate(k_row + STEP * offs_d[None, :], mask, cos, sin, PAIR)
             y1 = y1.to(dtype)
             y2 = y2.to(dtype)
             offs_v = tl.arange(0, HEAD_DIM)
@@ -293,22 +296,31 @@ def _rope_write_kv_kernel(
                 y1 = _quantize(y1, k_scale_ptr, QUANT)
                 y2 = _quantize(y2, k_scale_ptr, QUANT)
                 v = _quantize(v, v_scale_ptr, QUANT)
-            tl.store(k_cache_ptr + dst + offs_d[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF + offs_d[None, :], y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + STEP * offs_d[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + PAIR + STEP * offs_d[None, :], y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(v_cache_ptr + dst + offs_v[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
+            if ROT < HEAD_DIM:  # partial rotary: the key's other features as they are
+                offs_r = ROT + tl.arange(0, TAIL_PAD)
+                mask_r = mask_h & (offs_r < HEAD_DIM)[None, :]
+                rest = tl.load(k_row + offs_r[None, :], mask=mask_r)
+                if QUANT != 0:
+                    rest = _quantize(rest, k_scale_ptr, QUANT)
+                tl.store(k_cache_ptr + dst + offs_r[None, :], rest.to(k_cache_ptr.dtype.element_ty), mask=mask_r)
 
 
 def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         inv_freq: torch.Tensor, attention_scaling: float, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                         k_scale: torch.Tensor | float | None = None,
-                        v_scale: torch.Tensor | float | None = None) -> torch.Tensor:
+                        v_scale: torch.Tensor | float | None = None, rotary_dim: int | None = None,
+                        interleaved: bool = False) -> torch.Tensor:
     """``kernels.rope.apply_rope_`` on q and k, then :func:`write_kv_cache` of the rotated k and v, in one kernel
     (a decode step's three launches per layer in one). q is rotated in place and returned; k is not modified (its
     rotation goes to the cache only).
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided, e.g.
-    views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [head_dim / 2] fp32.
+    views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32;
+    ``rotary_dim`` (default head_dim) and ``interleaved`` as ``apply_rope_``'s (partial rotary, GPT-J pairs).
     Same numerics as the three kernels (the rotated key is rounded to q's dtype before the cache's quantization).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -319,16 +331,17 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                          "head_dim] with one even head_dim and the same kv heads")
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
-    if tuple(positions.shape) != (num_tokens,) or tuple(inv_freq.shape) != (head_dim // 2,) \
+    rot = _rotary_dim(rotary_dim, head_dim)
+    if tuple(positions.shape) != (num_tokens,) or tuple(inv_freq.shape) != (rot // 2,) \
             or tuple(slot_mapping.shape) != (num_tokens,):
         raise ValueError(f"positions {tuple(positions.shape)} / slot_mapping {tuple(slot_mapping.shape)} / inv_freq "
-                         f"{tuple(inv_freq.shape)} do not match {num_tokens} tokens and head_dim {head_dim}")
+                         f"{tuple(inv_freq.shape)} do not match {num_tokens} tokens and rotary_dim {rot}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name} must have contiguous heads (strides (*, {head_dim}, 1)), got {t.stride()}")
     if num_tokens == 0:
         return q
-    half = head_dim // 2
+    half = rot // 2
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(512 // block_d, 1))
     q_blocks = triton.cdiv(num_heads, block_h)
@@ -336,9 +349,19 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     _rope_write_kv_kernel[(num_tokens, q_blocks + triton.cdiv(num_kv_heads, block_h))](
         q, k, v, positions, inv_freq.float(), k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t,
         num_heads, num_kv_heads, q_blocks, float(attention_scaling), q.stride(0), k.stride(0), v.stride(0),
-        *k_cache.stride()[:3], HEAD_DIM=head_dim, HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0), num_warps=4, **pdl_args(q))
+        *k_cache.stride()[:3], HEAD_DIM=head_dim, HALF=half, STEP=2 if interleaved else 1,
+        PAIR=1 if interleaved else half, ROT=rot, TAIL_PAD=triton.next_power_of_2(max(head_dim - rot, 1)),
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0),
+        num_warps=4, **pdl_args(q))
     return q
+
+
+def _rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
+    """The rotated features of each head: head_dim, or an even number below it (partial rotary)."""
+    rot = head_dim if rotary_dim is None else rotary_dim
+    if rot % 2 or not 0 < rot <= head_dim:
+        raise ValueError(f"rotary_dim {rotary_dim} is not an even number of features in (0, head_dim {head_dim}]")
+    return rot
 
 
 # --- decode -----------------------------------------------------------------------------------------
@@ -356,7 +379,7 @@ def _paged_decode_kernel(
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, SPLIT: tl.constexpr,
         MIN_TILES: tl.constexpr, SPLITS_PAD: tl.constexpr, MERGE_UNROLL: tl.constexpr, EARLY: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, HEADS_FIRST: tl.constexpr, WRITE: tl.constexpr,
-        ROPE: tl.constexpr, PDL: tl.constexpr):
+        ROPE: tl.constexpr, ROT: tl.constexpr, INTERLEAVED: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_seqs, num_kv_heads, num_splits), or (num_kv_heads, num_seqs, num_splits) with HEADS_FIRST (a
     # sequence's kv heads run side by side, so that together they read whole cache rows). One program: the GROUP
     # query heads sharing one kv head (padded to GROUP_PAD rows for tl.dot), over split `split` of the sequence's
@@ -374,7 +397,8 @@ def _paged_decode_kernel(
     # negative slot), as write_kv_cache would, and folds them in from registers after its key loop, which stops
     # before that position (no wait for the store: its tile loads go out with q's).
     # ROPE (with WRITE): q and the new key arrive unrotated; every program rotates its q rows, the writer the key,
-    # with rope_write_kv_cache's numerics (the rotated key rounded to q's dtype before the cache's quantization).
+    # with rope_write_kv_cache's numerics (the rotated key rounded to q's dtype before the cache's quantization):
+    # the first ROT features of each head, rotate-half or (INTERLEAVED) in neighbouring pairs; the rest pass through.
     if HEADS_FIRST:
         kv_head = tl.program_id(0)
         seq = tl.program_id(1)
@@ -410,10 +434,26 @@ def _paged_decode_kernel(
         block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # the first tile's blocks
         if ROPE:  # positions are a step input too, and inv_freq a constant: the angles before the wait
             dtype = q_ptr.dtype.element_ty
-            offs_pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate-half on whole rows: d pairs with d +- HALF
-            first = (offs_d < HEAD_DIM // 2)[None, :]
-            cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, offs_d % (HEAD_DIM // 2), offs_d < HEAD_DIM,
-                               rope_scaling, dtype)
+            if INTERLEAVED or ROT < HEAD_DIM:
+                # partial or interleaved rotary: d < ROT pairs with its partner, the others with themselves at angle
+                # 0 (cos 1, sin 0: x * 1 -+ x * 0, the value itself)
+                rotates = offs_d < ROT
+                if INTERLEAVED:
+                    offs_pair = tl.where(rotates, offs_d ^ 1, offs_d)
+                    first = ((offs_d % 2) == 0)[None, :]
+                    freq = offs_d // 2
+                else:
+                    offs_pair = tl.where(rotates, (offs_d + ROT // 2) % ROT, offs_d)
+                    first = (offs_d < ROT // 2)[None, :]
+                    freq = offs_d % (ROT // 2)
+                cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, freq, rotates, rope_scaling, dtype)
+                cos = tl.where(rotates[None, :], cos, 1.0)
+                sin = tl.where(rotates[None, :], sin, 0.0)
+            else:
+                offs_pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate-half on whole rows: d pairs with d +- HALF
+                first = (offs_d < HEAD_DIM // 2)[None, :]
+                cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, offs_d % (HEAD_DIM // 2), offs_d < HEAD_DIM,
+                                   rope_scaling, dtype)
         if WRITE:
             # the program whose tiles hold the new position takes the new key and value
             last = seq_len - 1
@@ -617,7 +657,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         MIN_TILES=max(1, min_keys // cfg.block_n), SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
         MERGE_UNROLL=_MERGE_UNROLL, EARLY=cfg.early,
         SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, WRITE=new_kv is not None,
-        ROPE=rope, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q))
+        ROPE=rope, ROT=(new_kv.rotary_dim or head_dim) if rope else head_dim,
+        INTERLEAVED=bool(rope and new_kv.interleaved), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(q))
     return out
 
 
@@ -627,8 +669,8 @@ class NewKV:
 
     k, v: [num_seqs, num_kv_heads, head_dim] in q's dtype (rows may be strided, heads contiguous: views into a merged
     QKV projection); slot_mapping: [num_seqs], each sequence's new slot (negative: write nothing, a padding row).
-    positions, inv_freq, scaling: RoPE (rotate-half, whole heads) of q and k first, as ``rope_write_kv_cache``;
-    positions None: q and k are already rotated (or the model has no RoPE).
+    positions, inv_freq, scaling, rotary_dim, interleaved: RoPE of q and k first, as ``rope_write_kv_cache``
+    (rotate-half on whole heads by default); positions None: q and k are already rotated (or the model has no RoPE).
     """
 
     k: torch.Tensor
@@ -637,6 +679,8 @@ class NewKV:
     positions: torch.Tensor | None = None
     inv_freq: torch.Tensor | None = None
     scaling: float = 1.0
+    rotary_dim: int | None = None  # the rotated features of each head (None: all)
+    interleaved: bool = False  # GPT-J pairs (2i, 2i + 1) instead of the halves
 
     def check(self, q: torch.Tensor, num_kv_heads: int) -> None:
         num_seqs, _, head_dim = q.shape
@@ -652,11 +696,12 @@ class NewKV:
         if tuple(self.slot_mapping.shape) != (num_seqs,):
             raise ValueError(f"new_kv: slot_mapping {tuple(self.slot_mapping.shape)} != ({num_seqs},)")
         if self.positions is not None:
+            rot = _rotary_dim(self.rotary_dim, head_dim)
             if tuple(self.positions.shape) != (num_seqs,) or self.inv_freq is None \
-                    or tuple(self.inv_freq.shape) != (head_dim // 2,):
+                    or tuple(self.inv_freq.shape) != (rot // 2,):
                 raise ValueError(f"new_kv: positions {tuple(self.positions.shape)} / inv_freq "
                                  f"{None if self.inv_freq is None else tuple(self.inv_freq.shape)} do not match "
-                                 f"{num_seqs} sequences and head_dim {head_dim}")
+                                 f"{num_seqs} sequences and rotary_dim {rot}")
 
 
 @dataclass(frozen=True)

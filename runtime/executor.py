@@ -148,10 +148,9 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                     or num_consumers.get(q) != 1 or num_consumers.get(k) != 1
                     or num_consumers.get(rq["inputs"][0]) != 1 or num_consumers.get(rk["inputs"][0]) != 1):
                 continue
-            if any(r["attrs"].get("rotary_dim") or r["attrs"].get("interleaved") for r in (rq, rk)):
-                continue  # the fused kernel rotates whole heads, rotate-half
             same = (rq["weights"]["inv_freq"] == rk["weights"]["inv_freq"] and rq["inputs"][1] == rk["inputs"][1]
-                    and rq["attrs"].get("attention_scaling", 1.0) == rk["attrs"].get("attention_scaling", 1.0))
+                    and all(rq["attrs"].get(a, d) == rk["attrs"].get(a, d) for a, d in
+                            (("attention_scaling", 1.0), ("rotary_dim", None), ("interleaved", False))))
             heads = (rq["attrs"]["num_heads"] == attrs["num_heads"]
                      and rk["attrs"]["num_heads"] == attrs["num_kv_heads"]
                      and rq["attrs"]["head_dim"] == rk["attrs"]["head_dim"] == attrs["head_dim"])
@@ -705,20 +704,23 @@ def _attention(w, attrs, ex) -> Kernel:
 class _FusedRope:
     """The RoPE an attention node applies to its q and k (``_Fusions.rope``)."""
 
-    inv_freq: torch.Tensor  # fp32 [head_dim / 2]
+    inv_freq: torch.Tensor  # fp32 [rotary_dim / 2]
     scaling: float  # attention_scaling
     head_dim: int
+    rotary_dim: int | None = None  # partial rotary: the first rotary_dim features of each head (None: all)
+    interleaved: bool = False  # GPT-J pairs
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
         from kernels.rope import apply_rope_
 
-        return apply_rope_(x, positions, self.inv_freq, num_heads, self.head_dim, self.scaling)
+        return apply_rope_(x, positions, self.inv_freq, num_heads, self.head_dim, self.scaling, self.rotary_dim,
+                           self.interleaved)
 
 
 def _fused_rope(ex, planned: tuple[dict[str, Any], str]) -> _FusedRope:
     rq = planned[0]
     return _FusedRope(ex.params[rq["weights"]["inv_freq"]].float(), rq["attrs"].get("attention_scaling", 1.0),
-                      rq["attrs"]["head_dim"])
+                      rq["attrs"]["head_dim"], rq["attrs"].get("rotary_dim"), bool(rq["attrs"].get("interleaved")))
 
 
 def _paged_attention(w, attrs, rope: _FusedRope | None = None
@@ -746,11 +748,12 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         new_kv = None
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
-            rotary = (xs[3], rope.inv_freq, rope.scaling) if rope is not None else ()
+            rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved) if rope is not None \
+                else ()
             new_kv = NewKV(k, v, md.slot_mapping, *rotary)
         elif rope is not None:
             rope_write_kv_cache(q, k, v, xs[3], rope.inv_freq, rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale,
-                                v_scale=v_scale)
+                                v_scale=v_scale, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved)
         else:
             write_kv_cache(k, v, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:

@@ -63,7 +63,7 @@ def _decode_attention() -> list[tuple[str, object]]:
                                    "stride_ch", "stride_bt", "stride_kns", "stride_knh", "stride_vns", "stride_vnh")}}
     base = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=128, QUANT=0, FP32=False, F16=False,
                 SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, MERGE_UNROLL=4, EARLY=False, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, WRITE=False,
-                ROPE=False, PDL=True)
+                ROPE=False, ROT=128, INTERLEAVED=False, PDL=True)
     fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     variants = [("split", {}, {}), ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
@@ -72,13 +72,35 @@ def _decode_attention() -> list[tuple[str, object]]:
                 ("batch 1: new K/V written, RoPE, 64-key tiles, the first loaded early",
                  {"WRITE": True, "ROPE": True, "BLOCK_N": 64, "MIN_TILES": 1, "EARLY": True}, {}),
                 ("new K/V written, RoPE, one split", {"WRITE": True, "ROPE": True, "SPLIT": False}, {}),
-                ("new K/V written, no RoPE, fp8 cache", {"WRITE": True, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8)]
+                ("new K/V written, no RoPE, fp8 cache", {"WRITE": True, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
+                ("new K/V written, partial RoPE (a quarter)", {"WRITE": True, "ROPE": True, "ROT": 32}, {}),
+                ("new K/V written, interleaved RoPE", {"WRITE": True, "ROPE": True, "INTERLEAVED": True}, {})]
     # pointers and strides as a launch at real shapes specialises them (multiples of 16): without the hint the
     # cache tiles' loads compile to one element each
     divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     out = [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
         _paged_decode_kernel, dict(types, **t), dict(base, **kw), divisible=divisible)) for name, kw, t in variants]
-    return out + _prefill_attention(fp8)
+    return out + _prefill_attention(fp8) + _rope_write_kv()
+
+
+def _rope_write_kv() -> list[tuple[str, object]]:
+    from kernels.paged_attention import _rope_write_kv_kernel
+
+    types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
+             "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
+             "v_scale_ptr": "*fp32", "scaling": "fp32",
+             **{n: "i32" for n in ("num_heads", "num_kv_heads", "q_blocks", "stride_qt", "stride_kt", "stride_vt",
+                                   "stride_cb", "stride_ct", "stride_ch")}}
+    out = []
+    for name, rot, inter in (("whole heads", 128, False), ("a quarter (partial)", 32, False),
+                             ("interleaved", 128, True)):
+        half = rot // 2
+        consts = dict(HEAD_DIM=128, HALF=half, STEP=2 if inter else 1, PAIR=1 if inter else half, ROT=rot,
+                      TAIL_PAD=max(1, 1 << (128 - rot - 1).bit_length()) if rot < 128 else 1, BLOCK_H=8,
+                      BLOCK_D=1 << (half - 1).bit_length(), BLOCK_SIZE=16, QUANT=0, PDL=True)
+        out.append((f"rope + KV write, {name}",
+                    lambda consts=consts: compile_kernel(_rope_write_kv_kernel, types, consts, 4)))
+    return out
 
 
 def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:

@@ -161,21 +161,34 @@ def test_write_kv_cache_matches_reference(dtype, kv_dtype):
 
 
 # --- rope_write_kv_cache: RoPE on q and k plus the KV write in one kernel ----------------------------------
-@pytest.mark.parametrize("dtype, kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                             (torch.float16, torch.float16), (torch.bfloat16, FP8),
-                                             (torch.float32, INT8)])
+ROTARY = {"whole": (None, False), "partial": ("quarter", False), "interleaved": (None, True),
+          "partial-interleaved": ("half", True)}  # (rotated features, GPT-J pairs)
+
+
+def _rot(rotary: str, head_dim: int) -> tuple[int | None, bool]:
+    part, interleaved = ROTARY[rotary]
+    return {None: None, "quarter": head_dim // 4, "half": head_dim // 2}[part], interleaved
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, rotary", [
+    *[(d, kv, "whole") for d, kv in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                      (torch.float16, torch.float16), (torch.bfloat16, FP8), (torch.float32, INT8)]],
+    (torch.float32, torch.float32, "partial"), (torch.bfloat16, FP8, "partial"),
+    (torch.bfloat16, torch.bfloat16, "interleaved"), (torch.float32, INT8, "partial-interleaved")])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(4, 2, 32), (3, 3, 64), (20, 4, 32)])
-def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, num_heads, num_kv_heads, head_dim):
+def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, rotary, num_heads, num_kv_heads, head_dim):
     """Bit for bit what RoPE on q, RoPE on k and write_kv_cache give (the executor's unfused path), on views of
-    one packed QKV projection; and close to the torch references."""
+    one packed QKV projection; and close to the torch references. Partial rotary (StableLM, Phi-2, GPT-NeoX: the
+    key's other features written as they are) and GPT-J's interleaved pairs (Cohere) too."""
     from kernels.rope import apply_rope_, ref_rope
 
+    rot, inter = _rot(rotary, head_dim)
     gen = torch.Generator().manual_seed(num_heads * 7 + head_dim)
     num_tokens, num_blocks, block_size = 9, 8, 4
     width = (num_heads + 2 * num_kv_heads) * head_dim
     qkv = (torch.randn(num_tokens, width + 16, generator=gen) * 3).to(dtype)
     positions = torch.tensor([0, 5, 17, 130, 1023, 4097, 2, 3, 32767])
-    inv_freq = 1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    inv_freq = 1.0 / 5e5 ** (torch.arange(0, rot or head_dim, 2, dtype=torch.float32) / (rot or head_dim))
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[3] = -1  # a padding token: its q is rotated, nothing is written
     scales = (torch.tensor([0.013]), 0.0071) if kv_dtype in pa.KV_QMAX else (None, None)
@@ -191,8 +204,8 @@ def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, num_he
     # the unfused kernels
     sep_qkv, sep_caches = qkv.clone().to(DEVICE), [c.clone().to(DEVICE) for c in caches]
     q, k, v = split(sep_qkv)
-    apply_rope_(q, positions.to(DEVICE), inv_freq.to(DEVICE), num_heads, head_dim, 0.75)
-    apply_rope_(k, positions.to(DEVICE), inv_freq.to(DEVICE), num_kv_heads, head_dim, 0.75)
+    apply_rope_(q, positions.to(DEVICE), inv_freq.to(DEVICE), num_heads, head_dim, 0.75, rot, inter)
+    apply_rope_(k, positions.to(DEVICE), inv_freq.to(DEVICE), num_kv_heads, head_dim, 0.75, rot, inter)
     k_scale = scales[0].to(DEVICE) if scales[0] is not None else None
     pa.write_kv_cache(k.view(num_tokens, num_kv_heads, head_dim), v.view(num_tokens, num_kv_heads, head_dim),
                       *sep_caches, slots.to(DEVICE), k_scale=k_scale, v_scale=scales[1])
@@ -202,7 +215,7 @@ def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, num_he
     out = pa.rope_write_kv_cache(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
                                  v.view(num_tokens, num_kv_heads, head_dim), positions.to(DEVICE),
                                  inv_freq.to(DEVICE), 0.75, *fused_caches, slots.to(DEVICE), k_scale=k_scale,
-                                 v_scale=scales[1])
+                                 v_scale=scales[1], rotary_dim=rot, interleaved=inter)
     assert out.data_ptr() == q.data_ptr()
     nq = num_heads * head_dim
     assert torch.equal(fused_qkv[:, :nq].cpu(), sep_qkv[:, :nq].cpu())  # q rotated in place, identically
@@ -210,19 +223,21 @@ def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, num_he
     for f, s_, c in zip(fused_caches, sep_caches, caches):
         assert not torch.equal(f.cpu().view(torch.uint8), c.view(torch.uint8)), "the write changed nothing"
         assert torch.equal(f.cpu().view(torch.uint8), s_.cpu().view(torch.uint8))
-    # and the references: rotated q, and the rotated k (then v) where the slots say
-    q_ref = ref_rope(qkv[:, :nq], positions, inv_freq, num_heads, head_dim, 0.75)
-    torch.testing.assert_close(fused_qkv[:, :nq].cpu().float(), q_ref.float(), atol=TOL.get(dtype, 1e-2),
-                               rtol=TOL.get(dtype, 1e-2))
-    k_ref = ref_rope(split(qkv)[1], positions, inv_freq, num_kv_heads, head_dim, 0.75)
+    # and the references: rotated q, and the rotated k (then v) where the slots say. The reference rounds x * cos,
+    # the partner * sin and their sum to a 16-bit dtype apart, the kernels once (fp32 fmas): two roundings at the
+    # inputs' magnitude apart where the two products cancel
+    tol = TOL.get(dtype, 1e-2)
+    ref_atol = tol if dtype == torch.float32 else max(tol, 2 * 2.0 ** -8 * float(qkv.float().abs().max()))
+    q_ref = ref_rope(qkv[:, :nq], positions, inv_freq, num_heads, head_dim, 0.75, rot, inter)
+    torch.testing.assert_close(fused_qkv[:, :nq].cpu().float(), q_ref.float(), atol=ref_atol, rtol=tol)
+    k_ref = ref_rope(split(qkv)[1], positions, inv_freq, num_kv_heads, head_dim, 0.75, rot, inter)
     expected = [c.clone() for c in caches]
     pa.ref_write_kv_cache(k_ref.view(num_tokens, num_kv_heads, head_dim),
                           split(qkv)[2].reshape(num_tokens, num_kv_heads, head_dim), *expected, slots,
                           k_scale=scales[0], v_scale=scales[1])
     assert torch.equal(fused_caches[1].cpu().view(torch.uint8), expected[1].view(torch.uint8))  # v: exact
     if kv_dtype == dtype:
-        torch.testing.assert_close(fused_caches[0].cpu().float(), expected[0].float(), atol=TOL.get(dtype, 1e-2),
-                                   rtol=TOL.get(dtype, 1e-2))
+        torch.testing.assert_close(fused_caches[0].cpu().float(), expected[0].float(), atol=ref_atol, rtol=tol)
 
 
 def test_rope_write_kv_cache_rejects_bad_shapes():
@@ -359,6 +374,11 @@ NEW_KV_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window,
     pytest.param(8, 2, 32, torch.float32, torch.float32, 40, False, id="gqa4-d32-fp32-window-norope"),
     pytest.param(8, 2, 32, torch.bfloat16, FP8, 40, True, id="gqa4-d32-bf16-fp8kv-window-rope"),
     pytest.param(6, 2, 32, torch.float32, INT8, None, True, id="gqa3-d32-fp32-int8kv-rope"),
+    pytest.param(4, 2, 32, torch.float32, torch.float32, None, "partial", id="gqa2-d32-fp32-partial-rope"),
+    pytest.param(8, 2, 64, torch.bfloat16, FP8, None, "partial", id="gqa4-d64-bf16-fp8kv-partial-rope"),
+    pytest.param(4, 4, 32, torch.bfloat16, torch.bfloat16, 30, "interleaved", id="mha-d32-bf16-interleaved-rope"),
+    pytest.param(4, 2, 64, torch.float32, torch.float32, None, "partial-interleaved",
+                 id="gqa2-d64-fp32-partial-interleaved-rope"),
 ]
 
 
@@ -373,7 +393,9 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 64)  # 64 keys per split at least
     from kernels.rope import ref_rope
 
-    gen = torch.Generator().manual_seed(num_heads + head_dim + int(rope))
+    rot, inter = _rot(rope, head_dim) if isinstance(rope, str) else (None, False)  # True: whole-head rotate-half
+
+    gen = torch.Generator().manual_seed(num_heads + head_dim + int(bool(rope)) + (rot or 0) + inter)
     lens = [1, 7, 45, 320, 5, 1]  # the last row is padding: slot -1, as a CUDA graph's unused rows
     k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, num_kv_heads, head_dim, 8, dtype, kv_dtype, gen)
     num_seqs, width = len(lens), (num_heads + 2 * num_kv_heads) * head_dim
@@ -384,7 +406,7 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     pos = torch.tensor(lens, device=DEVICE) - 1
     slots = tables[torch.arange(num_seqs, device=DEVICE), pos // 8].long() * 8 + pos % 8
     slots[-1] = -1
-    inv_freq = (1.0 / 5e5 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).to(DEVICE)
+    inv_freq = (1.0 / 5e5 ** (torch.arange(0, rot or head_dim, 2, dtype=torch.float32) / (rot or head_dim))).to(DEVICE)
     # with RoPE the batch-1 tiling (the first tile loaded before the PDL wait), without it the wide launches' 32-key
     # tiles in 3 stages (10 tiles of the longest sequence over 4 splits: 3, 3, 3, 1)
     f16 = kv_dtype in (FP8, INT8)
@@ -396,13 +418,13 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
         sep_q = q.clone()
         if rope:
             pa.rope_write_kv_cache(sep_q, k, v, pos, inv_freq, 0.75, sep_k, sep_v, slots, k_scale=k_scale,
-                                   v_scale=v_scale)
+                                   v_scale=v_scale, rotary_dim=rot, interleaved=inter)
         else:
             pa.write_kv_cache(k, v, sep_k, sep_v, slots, k_scale=k_scale, v_scale=v_scale)
         args = (tables, _int32(lens), head_dim ** -0.5)
         separate = pa.paged_decode_attention(sep_q, sep_k, sep_v, *args, num_splits=num_splits, **kw)
         fused_k, fused_v = k_cache.clone(), v_cache.clone()
-        new_kv = pa.NewKV(k, v, slots, *((pos, inv_freq, 0.75) if rope else ()))
+        new_kv = pa.NewKV(k, v, slots, *((pos, inv_freq, 0.75, rot, inter) if rope else ()))
         q_in = q.clone()
         fused = pa.paged_decode_attention(q_in, fused_k, fused_v, *args, num_splits=num_splits, new_kv=new_kv, **kw)
         assert torch.equal(q_in, q), "q is rotated in registers, not in place"
@@ -415,8 +437,8 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
         fused, separate = fused[:-1], separate[:-1]
         same = 1e-5 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(fused.float(), separate.float(), atol=same, rtol=same)
-        q_ref = ref_rope(q.reshape(num_seqs, -1).cpu(), pos.cpu(), inv_freq.cpu(), num_heads, head_dim, 0.75) \
-            if rope else q.cpu()
+        q_ref = ref_rope(q.reshape(num_seqs, -1).cpu(), pos.cpu(), inv_freq.cpu(), num_heads, head_dim, 0.75, rot,
+                         inter) if rope else q.cpu()
         expected = pa.ref_paged_decode_attention(q_ref.view(num_seqs, num_heads, head_dim).to(DEVICE), fused_k,
                                                  fused_v, *args, k_scale=k_scale, v_scale=v_scale,
                                                  sliding_window=window, **extra)

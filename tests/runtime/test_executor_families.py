@@ -1,8 +1,8 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
 scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
 (biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, partial and interleaved rotary
-run the rotary kernel but are not fused into the attention's KV write, the paged attention kernels soft-cap and add
-the sinks, and the serving engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
+are fused into the attention's KV write as whole-head rotary is, the paged attention kernels soft-cap and add the
+sinks, and the serving engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
 GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ SHAPE = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=1, num_att
              max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
 ONE_SLIDING = dict(sliding_window=8, layer_types=["sliding_attention"])  # prompts of 40 tokens pass the window
 FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused into the KV write)
-    "stablelm": ({}, False),  # layer_norm with bias, rotary on 8 of 32 features per head
-    "cohere": ({}, False),  # layer_norm without bias, interleaved rotary, lm_head scale
-    "phi": ({}, False),  # parallel attention and MLP on one layer_norm, rotary on half of each head
-    "gpt_neox": ({}, False),  # q/k/v fused per head, rotary on a quarter of each head, two layer_norms
+    "stablelm": ({}, True),  # layer_norm with bias, rotary on 8 of 32 features per head
+    "cohere": ({}, True),  # layer_norm without bias, interleaved rotary, lm_head scale
+    "phi": ({}, True),  # parallel attention and MLP on one layer_norm, rotary on half of each head
+    "gpt_neox": ({}, True),  # q/k/v fused per head, rotary on a quarter of each head, two layer_norms
     "gpt2": ({}, False),  # an embedding of the positions (the paged steps' own), no rotary at all
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
@@ -64,7 +64,7 @@ def test_kernel_path_runs_the_new_ops(family, tmp_path):
     ref = Engine.load(path, use_kernels=False)
     fused = ServingEngine(Engine.load(path, device=DEVICE, use_kernels=True),
                           ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=128))
-    # partial / interleaved rotary: not fused into the KV write
+    # every rotary the kernels take is fused into the KV write (partial and interleaved too); gpt2 has none
     assert fused.executor.use_kernels and bool(fused.executor._fusions.rope) == FAMILIES[family][1]
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40)]  # 40: prefilled in two chunks
