@@ -12,6 +12,7 @@ not written). A row is held in registers (hidden sizes up to a few tens of thous
 ``layer_norm`` is ``kernels/torch_ops.layer_norm``: the row centred and scaled in fp32 (biased variance), the gain
 and bias applied in fp32, one rounding to the activation dtype (LayerNorm families: GPT-2, Phi-2, StableLM, GPT-NeoX,
 Falcon, Starcoder2, Cohere, OLMo). One kernel where the reference takes three (a cast to fp32, the norm, a cast back).
+``fused_add_layer_norm`` adds the residual first, as ``fused_add_rms_norm`` does, and returns ``(normed, total)``.
 
 ``quantize_to`` (int8 or float8_e4m3fn): the normed rows leave quantized per token instead, as
 ``kernels.w8a8_gemm.QuantizedRows`` equal to ``quantize_rows(normed)``, for a W8A8 linear that reads them: one
@@ -71,13 +72,19 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, s_ptr,
 
 
 @triton.jit
-def _layer_norm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, stride_x, stride_out, num_cols, eps,
-                       HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _layer_norm_kernel(x_ptr, res_ptr, w_ptr, b_ptr, out_ptr, total_ptr, stride_x, stride_res, stride_out,
+                       stride_total, num_cols, eps, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:  # the residual stream's new value, rounded to its dtype as the add stores it, is what is normed
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        total = (h + r).to(total_ptr.dtype.element_ty)
+        tl.store(total_ptr + row * stride_total + cols, total, mask=mask)
+        h = total.to(tl.float32)
     mean = tl.sum(h, axis=0) / num_cols
     d = tl.where(mask, h - mean, 0.0)
     y = d * tl.rsqrt(tl.sum(d * d, axis=0) / num_cols + eps)
@@ -179,22 +186,42 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     return out.reshape(x.shape), total.reshape(x.shape)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """LayerNorm of each row of ``x`` [..., features], in x's dtype (``kernels.torch_ops.layer_norm``)."""
-    _check_device(x)
-    x2 = _rows(x)
+def _launch_layer_norm(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor | None,
+                       bias: torch.Tensor | None, eps: float, out: torch.Tensor, total: torch.Tensor | None) -> None:
     num_rows, num_cols = x2.shape
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and tuple(t.shape) != (num_cols,):
             raise ValueError(f"layer_norm {name} {tuple(t.shape)} does not match the {num_cols} normalised features")
-    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if num_rows:
         block = triton.next_power_of_2(num_cols)
         _layer_norm_kernel[(num_rows,)](
-            x2, weight if weight is not None else out, bias if bias is not None else out, out, x2.stride(0),
-            out.stride(0), num_cols, eps, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK=block,
-            num_warps=_num_warps(block), **pdl_args(x2))
+            x2, res2 if res2 is not None else out, weight if weight is not None else out,
+            bias if bias is not None else out, out, total if total is not None else out, x2.stride(0),
+            res2.stride(0) if res2 is not None else 0, out.stride(0), total.stride(0) if total is not None else 0,
+            num_cols, eps, HAS_RESIDUAL=res2 is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK=block, num_warps=_num_warps(block), **pdl_args(x2))
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm of each row of ``x`` [..., features], in x's dtype (``kernels.torch_ops.layer_norm``)."""
+    _check_device(x)
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_layer_norm(x2, None, weight, bias, eps, out, None)
     return out.reshape(x.shape)
+
+
+def fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                         bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(layer_norm(x + residual), x + residual)`` in one kernel: the normed row and the new residual stream."""
+    _check_device(x)
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
+    x2, res2 = _rows(x), _rows(residual)
+    total = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
+    out = torch.empty(x2.shape, dtype=total.dtype, device=x.device)
+    _launch_layer_norm(x2, res2, weight, bias, eps, out, total)
+    return out.reshape(x.shape), total.reshape(x.shape)
 
 
 # --- references ------------------------------------------------------------------------------------
@@ -210,3 +237,9 @@ def ref_fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torc
 
 def ref_layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     return ops.layer_norm(x, weight, bias, eps)
+
+
+def ref_fused_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                             bias: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    total = x + residual
+    return ops.layer_norm(total, weight, bias, eps), total

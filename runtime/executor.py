@@ -108,6 +108,10 @@ class _Fusions:
     # passes a ``PendingNorm`` to its readers, frag linears that apply it as they load x (no norm kernel)
     residual_out: dict[int, str] = field(default_factory=dict)
     pending_norms: set[int] = field(default_factory=set)
+    # residual adds whose sum a LayerNorm reads -> that norm: the add's node computes both in one kernel
+    # (``kernels.fused_norm.fused_add_layer_norm``, as fused_add_rms_norm does for RMSNorm) and the norm's node does
+    # nothing; the sum is still the add's output for its other readers
+    add_layer_norms: dict[int, int] = field(default_factory=dict)
 
 
 def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
@@ -192,6 +196,14 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
             if ((norm_ok or norm["op"] == "silu_mul") and norm["outputs"][0] == node["inputs"][0]
                     and attrs.get("in_features") and attrs.get("out_features")):
                 fusions.quant_producers[j] = i
+    for i, node in enumerate(nodes):  # residual add -> LayerNorm (GPT-2, StableLM, Starcoder2, OLMo, Falcon, ...)
+        if (node["op"] != "elementwise" or node.get("attrs", {}).get("fn") != "add" or len(node["inputs"]) != 2
+                or i in fusions.absorbed):
+            continue
+        norms = [j for j in readers.get(node["outputs"][0], []) if nodes[j]["op"] == "layer_norm"
+                 and nodes[j]["inputs"][0] == node["outputs"][0] and j not in fusions.absorbed]
+        if len(norms) == 1 and norms[0] not in fusions.add_layer_norms.values():
+            fusions.add_layer_norms[i] = norms[0]
     return fusions
 
 
@@ -292,8 +304,16 @@ class Executor:
             weights = {role: params[name] for role, name in node.get("weights", {}).items()}
             self._node, self._index = node, i
             kernel = _identity if i in self._fusions.absorbed else compile_fn(weights, node.get("attrs", {}), self)
+            outputs = node["outputs"]
+            if i in self._fusions.add_layer_norms:  # the sum and the norm of it (see _Fusions.add_layer_norms)
+                norm = nodes[self._fusions.add_layer_norms[i]]
+                kernel = _fused_add_layer_norm({r: params[n] for r, n in norm.get("weights", {}).items()},
+                                               norm.get("attrs", {}))
+                outputs = outputs + norm["outputs"]
+            elif i in self._fusions.add_layer_norms.values():
+                kernel = _done_before  # its output came with the add's
             dead = [n for n in inputs[i] if last_use.get(n) == i and n not in self.outputs]
-            self._program.append((kernel, inputs[i], node["outputs"], sorted(set(dead))))
+            self._program.append((kernel, inputs[i], outputs, sorted(set(dead))))
         self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
 
     def kv_layout(self) -> KVLayout:
@@ -389,6 +409,28 @@ def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | N
     gemv_rows = gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED and gemv.GEMV_PREQUANT else 0
     return lambda x: (torch.float8_e4m3fn if x.numel() > FUSED_MAX_ROWS * x.shape[-1]
                       or x.numel() <= gemv_rows * x.shape[-1] else None)
+
+
+def _fused_add_layer_norm(w, attrs) -> Kernel:
+    """A residual add and the LayerNorm reading its sum, in one kernel: (sum, normed). Operands of other shapes than
+    each other (a broadcast add) take the add, then the norm."""
+    from kernels.fused_norm import fused_add_layer_norm, layer_norm
+
+    weight, bias, eps = w.get("weight"), w.get("bias"), attrs["eps"]
+
+    def kernel(xs, step):
+        x, residual = xs
+        if x.shape != residual.shape or x.dtype != residual.dtype:
+            total = x + residual
+            return total, layer_norm(total, weight, bias, eps)
+        return fused_add_layer_norm(x, residual, weight, bias, eps)[::-1]
+
+    return kernel
+
+
+def _done_before(xs, step) -> tuple:
+    """A node whose output an earlier node's kernel produced (see _Fusions.add_layer_norms): nothing to do."""
+    return ()
 
 
 def _layer_norm(w, attrs, ex) -> Kernel:

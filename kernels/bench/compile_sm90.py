@@ -257,14 +257,16 @@ def _norms_and_rope() -> list[tuple[str, object]]:
     from kernels.fused_norm import _layer_norm_kernel
     from kernels.rope import _rope_kernel
 
-    ln = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "stride_x": "i32",
-          "stride_out": "i32", "num_cols": "i32", "eps": "fp32"}
+    ln = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16",
+          "total_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "stride_total": "i32",
+          "num_cols": "i32", "eps": "fp32"}
     rope = {"x_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "stride_xt": "i32", "num_heads": "i32",
             "scaling": "fp32"}
-    out = [(f"layer_norm, {'gain' if w else 'no gain'}{' and bias' if b else ''}, 2560",
-            lambda w=w, b=b: compile_kernel(_layer_norm_kernel, ln,
-                                            {"HAS_WEIGHT": w, "HAS_BIAS": b, "BLOCK": 4096, "PDL": True}, 4))
-           for w, b in ((True, True), (True, False), (False, False))]
+    out = [(f"layer_norm, {'gain' if w else 'no gain'}{' and bias' if b else ''}{', residual add' if r else ''}, 2560",
+            lambda w=w, b=b, r=r: compile_kernel(
+                _layer_norm_kernel, ln, {"HAS_RESIDUAL": r, "HAS_WEIGHT": w, "HAS_BIAS": b, "BLOCK": 4096,
+                                         "PDL": True}, 4))
+           for w, b, r in ((True, True, False), (True, False, False), (False, False, False), (True, True, True))]
     # head_dim, rotary_dim, interleaved: Llama (whole heads), Phi-2 (half), GPT-NeoX / StableLM (a quarter), Cohere
     for head_dim, rot, inter in ((128, 128, False), (80, 40, False), (128, 32, False), (128, 128, True)):
         half = rot // 2

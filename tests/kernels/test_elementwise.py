@@ -12,8 +12,10 @@ import torch
 
 from kernels.activation import ref_silu_mul, silu_mul, silu_mul_tiles
 from kernels.fused_norm import (
+    fused_add_layer_norm,
     fused_add_rms_norm,
     layer_norm,
+    ref_fused_add_layer_norm,
     ref_fused_add_rms_norm,
     ref_layer_norm,
     ref_rms_norm,
@@ -117,6 +119,26 @@ def test_layer_norm(hidden, affine, dtype):
     _assert_close(layer_norm(k, weight, bias, 1e-5), ref_layer_norm(k, weight, bias, 1e-5))
     with pytest.raises(ValueError, match="bias"):
         layer_norm(x, weight, torch.zeros(hidden + 1, dtype=dtype), 1e-5)
+
+
+@pytest.mark.parametrize("hidden", [96, 200])
+@pytest.mark.parametrize("affine", ["weight_bias", "none"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_layer_norm(hidden, affine, dtype):
+    """The residual add and the LayerNorm of its sum in one kernel: the sum as torch adds it, the norm of it."""
+    x = _randn(9, hidden, dtype=dtype, seed=hidden + 11, scale=2.0)
+    residual = _randn(9, hidden, dtype=dtype, seed=hidden + 12, scale=4.0, shift=1.5)
+    weight = _randn(hidden, dtype=dtype, seed=13, scale=0.2, shift=1.0) if affine != "none" else None
+    bias = _randn(hidden, dtype=dtype, seed=14, scale=0.5) if affine != "none" else None
+    normed, total = fused_add_layer_norm(x, residual, weight, bias, 1e-5)
+    ref_normed, ref_total = ref_fused_add_layer_norm(x, residual, weight, bias, 1e-5)
+    if dtype == torch.float32:
+        assert torch.equal(total, ref_total)
+    else:
+        _assert_close(total, ref_total)  # the interpreter truncates fp32 -> bf16 (the GPU rounds to nearest)
+    _assert_close(normed, ref_normed)
+    with pytest.raises(ValueError, match="differ in shape"):
+        fused_add_layer_norm(x, residual[:, 1:], weight, bias, 1e-5)
 
 
 @pytest.mark.parametrize("hidden", [96, 200])

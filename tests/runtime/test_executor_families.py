@@ -1,9 +1,10 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
 scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
-(biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, partial and interleaved rotary
-are fused into the attention's KV write as whole-head rotary is, the paged attention kernels soft-cap and add the
-sinks, and the serving engine on the kernels generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a
-GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
+(biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, LayerNorm runs its kernel with
+the residual add before it, partial and interleaved rotary are fused into the attention's KV write as whole-head
+rotary is, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels generates the
+reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the
+kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
 
@@ -66,6 +67,9 @@ def test_kernel_path_runs_the_new_ops(family, tmp_path):
                           ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=128))
     # every rotary the kernels take is fused into the KV write (partial and interleaved too); gpt2 has none
     assert fused.executor.use_kernels and bool(fused.executor._fusions.rope) == FAMILIES[family][1]
+    # a residual add whose sum a LayerNorm reads runs with it (the LayerNorm families' sequential or parallel blocks)
+    has_layer_norm = any(n["op"] == "layer_norm" for n in fused.executor.graph["nodes"])
+    assert bool(fused.executor._fusions.add_layer_norms) == has_layer_norm
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40)]  # 40: prefilled in two chunks
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
