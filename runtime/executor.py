@@ -121,8 +121,8 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` or an unquantized one
     (``dense_gemv`` at a decode step's rows) (``gated``), and, where
     FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of the
-    rows of a norm or a SwiGLU into that kernel (``quant_producers``). A value a fusion would hide must have no
-    other reader."""
+    rows of a norm or a SwiGLU into that kernel (``quant_producers``), and a residual add with the LayerNorm of its
+    sum (``add_layer_norms``). A value a fusion would hide must have no other reader."""
     from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
@@ -435,7 +435,8 @@ def _done_before(xs, step) -> tuple:
 
 def _layer_norm(w, attrs, ex) -> Kernel:
     weight, bias, eps = w.get("weight"), w.get("bias"), attrs["eps"]
-    if ex.use_kernels:  # one Triton kernel (kernels.fused_norm.layer_norm); the residual add before it stays apart
+    if ex.use_kernels:  # one Triton kernel (kernels.fused_norm.layer_norm); after a residual add, the add's node runs
+        # both instead (_Fusions.add_layer_norms) and this one is not called
         from kernels.fused_norm import layer_norm
 
         return lambda xs, step: (layer_norm(xs[0], weight, bias, eps),)
@@ -679,8 +680,8 @@ def _rope(w, attrs, ex) -> Kernel:
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
     rotary_dim, interleaved = attrs.get("rotary_dim"), bool(attrs.get("interleaved"))
     key = f"{id(w['inv_freq'])}:{interleaved}"
-    # partial and interleaved rotary too (StableLM, Phi-2, GPT-NeoX; Cohere): one kernel, though not fused into the
-    # attention's KV write as whole-head rotate-half rotary is (``_Fusions.rope``)
+    # partial and interleaved rotary too (StableLM, Phi-2, GPT-NeoX; Cohere): one kernel; where the attention rotates
+    # q and k itself, in its KV write (``_Fusions.rope``), this node is absorbed instead
     if ex.use_kernels:
         from kernels.rope import apply_rope_
 
