@@ -329,13 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sass", metavar="DIR", help="write each variant's PTX, TTGIR and SASS here; print its "
                         "registers and loop opcodes")
-    parser.add_argument("--only", metavar="TEXT", help="only the variants whose name contains TEXT (any case)")
+    parser.add_argument("--only", metavar="TEXT", nargs="+",
+                        help="only the variants whose name contains one of the TEXTs (any case)")
     args = parser.parse_args(argv)
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
     for name, build in _decode_attention() + _frag() + _moe() + _fp8_block() + _argmax() + _norms_and_rope():
-        if args.only and args.only.lower() not in name.lower():
+        if args.only and not any(text.lower() in name.lower() for text in args.only):
             continue
         try:
             kernel = build()
