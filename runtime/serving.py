@@ -50,7 +50,7 @@ import torch
 from runtime.block_pool import BlockPool
 from runtime.engine import Engine, RequestError
 from runtime.env import env_number
-from runtime.cuda_graphs import PackedStep
+from runtime.cuda_graphs import PackedStep, TableStaging
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_manager import KVCacheManager
 from runtime.memory import MemoryPlan, estimate_workspace_bytes, plan_budget, plan_kv_blocks, tensor_bytes
@@ -916,17 +916,17 @@ class ServingEngine:
         device = self.device
 
         def tensor(values, dtype=torch.long):
-            t = torch.tensor(values, dtype=dtype)
+            t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
             return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
         seqs = [SeqSlice(PagedSequenceKV(self.storage, table, q.num_context), q.num_context, q.num_new)
                 for q, table in zip(sched.seqs, step.block_tables)]
         inp = StepInput(tensor(step.input_ids), tensor(step.positions), seqs, tensor(step.logits_rows))
         if self.executor.use_kernels:  # the fused attention kernels read the cache through these
-            width = max(len(t) for t in step.block_tables)
+            tables = TableStaging(len(step.block_tables), max([1, *map(len, step.block_tables)]), pin=False)
+            tables.fill(step.block_tables, len(step.block_tables))  # row by row: see TableStaging
             inp.paged = PagedAttentionMetadata(
-                self.storage.k, self.storage.v, tensor(step.slots),
-                tensor([t + [0] * (width - len(t)) for t in step.block_tables], torch.int32),
+                self.storage.k, self.storage.v, tensor(step.slots), tensor(tables.tensor),
                 tensor(step.seq_lens, torch.int32), tensor(step.context_lens, torch.int32),
                 tensor(step.cu_seqlens_q, torch.int32),
                 all(q.num_new == 1 for q in sched.seqs))
