@@ -1,5 +1,5 @@
-"""RMSNorm, residual-add RMSNorm, RoPE and SiLU-mul Triton kernels against the runtime's torch ops,
-under the Triton interpreter on CPU."""
+"""RMSNorm, residual-add RMSNorm, LayerNorm, RoPE and SiLU-mul Triton kernels against the runtime's torch ops,
+under the Triton interpreter on CPU (CI), or compiled on CUDA with TRITON_INTERPRET=0 (the device's check)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ from kernels.fused_norm import (
 )
 from kernels.rope import apply_rope_, ref_rope
 
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+if DEVICE == "cuda" and not torch.cuda.is_available():
+    pytest.skip("TRITON_INTERPRET=0 runs these kernels on CUDA, and there is no CUDA device", allow_module_level=True)
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16: a few rounding steps (the interpreter truncates fp32 -> bf16 where the GPU rounds to nearest,
 # and a norm rounds up to three times: the new residual, the normed row, the product with the gain)
@@ -31,7 +34,14 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 3e-2}
 
 def _randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale + shift).to(dtype)
+    return (torch.randn(*shape, generator=g, device="cpu") * scale + shift).to(DEVICE, dtype)
+
+
+@pytest.fixture(autouse=True)
+def _on_device():
+    """Every tensor a test makes is on DEVICE (the kernels refuse CPU tensors outside the interpreter)."""
+    with torch.device(DEVICE):
+        yield
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
