@@ -19,9 +19,10 @@ the argmax, so the draft distribution is one-hot and ``runtime.speculative.accep
 Where the draft runs the Triton kernels (CUDA), its caches live in one paged storage instead
 (:class:`PagedDraft`): request slot i owns blocks [i * B, (i + 1) * B) for good (B = blocks of max_seq_len), so its
 block table never changes. A proposal is then a chain of one-token steps captured as one CUDA graph per batch bucket
-and length, and one read of the tokens: the chain feeds each request's new tokens (after a verify step one or two:
-the target's own token, and the last draft where all were accepted), then each step's argmax to the next, on the
-device (positions, slots and lengths computed there from the first). A request with more new tokens (a prompt)
+and length, whose drafts stay on the device (``propose_pending``: the serving engine feeds them to the verify step
+there and reads them back with its tokens; ``propose`` reads them at once). The chain feeds each request's new
+tokens (after a verify step one or two: the target's own token, and the last draft where all were accepted), then
+each step's argmax to the next, on the device (positions, slots and lengths computed there from the first). A request with more new tokens (a prompt)
 takes a catch-up step first (``runtime.cuda_graphs.StepGraphs`` over the draft's storage) and the chain drafts the
 rest. Without kernels (the CPU reference path) the
 draft runs its per-sequence caches eagerly, as above.
@@ -40,7 +41,7 @@ from runtime.engine import Engine
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import tensor_bytes
-from runtime.speculative import DraftRequest, Proposer, SpeculativeConfigError
+from runtime.speculative import DraftRequest, PendingDrafts, Proposer, SpeculativeConfigError
 
 CHAIN_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets of the draft chain's CUDA graphs (and max_seqs)
 
@@ -111,6 +112,12 @@ class DraftModelProposer(Proposer):
         return tensor_bytes(self.draft.executor.params.values())
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        drafts = self.propose_pending(requests)
+        return drafts.resolve() if isinstance(drafts, PendingDrafts) else drafts
+
+    def propose_pending(self, requests: Sequence[DraftRequest]) -> list[list[int]] | PendingDrafts:
+        """As ``propose``; on the paged storage the drafts stay on the device (``PendingDrafts``): the chain is
+        queued and this returns at once, so the host prepares the verify step while the device drafts."""
         drafts: list[list[int]] = [[] for _ in requests]
         requests = [DraftRequest(r.request_id, r.token_ids, min(r.max_tokens, self.max_draft_tokens))
                     for r in requests]
@@ -124,7 +131,7 @@ class DraftModelProposer(Proposer):
                 self._seqs.move_to_end(requests[i].request_id)
         pending = [self._catch_up(requests[i]) for i in live]  # per live request: the tokens to feed now
         if self.paged is not None:
-            return self._propose_paged(requests, live, pending, drafts)
+            return self._propose_paged(requests, live, pending)
         tokens = self._step([requests[i].request_id for i in live], pending)
         for i, t in zip(live, tokens):
             drafts[i].append(t)
@@ -139,20 +146,26 @@ class DraftModelProposer(Proposer):
                 seq.num_known = len(requests[i].token_ids)
         return drafts
 
-    def _propose_paged(self, requests: Sequence[DraftRequest], live: list[int], pending: list[list[int]],
-                       drafts: list[list[int]]) -> list[list[int]]:
-        """The drafts of ``live`` through the paged storage: one catch-up step, one chain of k - 1 steps, one read."""
+    def _propose_paged(self, requests: Sequence[DraftRequest], live: list[int],
+                       pending: list[list[int]]) -> PendingDrafts:
+        """The drafts of ``live`` through the paged storage: one catch-up step, one chain of k - 1 steps, left on
+        the device; what the caches hold is recorded once they are read (``PendingDrafts.resolve``)."""
         seqs = [self._seqs[requests[i].request_id] for i in live]
         k = max(requests[i].max_tokens for i in live)
-        tokens = self.paged.propose([s.kv for s in seqs], [len(s.token_ids) for s in seqs], pending, k)
-        for col, (i, seq, fed) in enumerate(zip(live, seqs, pending)):
-            mine = [tokens[j][col] for j in range(requests[i].max_tokens)]
-            drafts[i] = mine
-            # the cache holds the fed tokens and the drafts fed after them (the chain's later writes, for a
-            # request that wanted fewer, lie past what token_ids records and are written over when it grows)
-            seq.token_ids += fed + mine[:-1]
-            seq.num_known = len(requests[i].token_ids)
-        return drafts
+        tokens, where = self.paged.launch([s.kv for s in seqs], [len(s.token_ids) for s in seqs], pending, k)
+        sources: list[list[int]] = [[] for _ in requests]
+        for col, i in enumerate(live):
+            sources[i] = where[col][:requests[i].max_tokens]
+        known = [len(requests[i].token_ids) for i in live]
+
+        def record(drafts: list[list[int]]) -> None:
+            for i, seq, fed, num_known in zip(live, seqs, pending, known):
+                # the cache holds the fed tokens and the drafts fed after them (the chain's later writes, for a
+                # request that wanted fewer, lie past what token_ids records and are written over when it grows)
+                seq.token_ids += fed + drafts[i][:-1]
+                seq.num_known = num_known
+
+        return PendingDrafts(tokens, sources, record)
 
     def _catch_up(self, request: DraftRequest) -> list[int]:
         """Cut the request's draft cache back to what still matches its tokens, feed all but the last few of the
@@ -333,7 +346,16 @@ class PagedDraft:
 
     def propose(self, slots: list[int], starts: list[int], pending: list[list[int]], k: int) -> list[list[int]]:
         """Feed each slot its pending tokens (from ``starts``), then draft: returns [k][len(slots)] greedy tokens
-        (k is at most max_draft_tokens).
+        (k is at most max_draft_tokens), read back (:meth:`launch` leaves them on the device)."""
+        tokens, sources = self.launch(slots, starts, pending, k)
+        flat = tokens.tolist()
+        return [[flat[sources[i][j]] for i in range(len(slots))] for j in range(min(k, self.max_draft_tokens))]
+
+    def launch(self, slots: list[int], starts: list[int], pending: list[list[int]],
+               k: int) -> tuple[torch.Tensor, list[list[int]]]:
+        """Queue the proposal of :meth:`propose` without waiting for it: returns a flat tensor on the device and,
+        per slot, the indices of its k drafts in it, in order. The tensor is the chain's output buffer (or a copy):
+        it holds these drafts until the next proposal is launched.
 
         Where every request feeds one token (the usual case after a verify step: the chain fed the drafts the target
         accepted, so only the target's own token is new), the chain takes it as its first step, with no catch-up
@@ -344,8 +366,8 @@ class PagedDraft:
             extra = max(map(len, pending)) - 1
             self._run_chain(slots, list(starts), k + extra, first_tokens=[p[0] for p in pending],
                             forced=[p[1:] for p in pending])
-            out = self.out[:k + extra, :n].tolist()
-            return [[out[len(p) - 1 + j][i] for i, p in enumerate(pending)] for j in range(k)]
+            top = self.out.shape[1]  # out is [step, row]: row i's draft j is step len(p) - 1 + j
+            return self.out.view(-1), [[(len(p) - 1 + j) * top + i for j in range(k)] for i, p in enumerate(pending)]
         starts, pending = list(starts), [list(p) for p in pending]
         if sum(map(len, pending)) > self.max_tokens:  # too many for one step: all but each one's last, alone
             for i in range(len(slots)):
@@ -355,10 +377,10 @@ class PagedDraft:
                     starts[i] += len(take)
                     del pending[i][:len(take)]
         first = self.feed(slots, starts, pending)
-        if k == 1:
-            return [first.tolist()]
-        self._run_chain(slots, [s + len(p) for s, p in zip(starts, pending)], k - 1, first=first)
-        return torch.cat([first.unsqueeze(0), self.out[:k - 1, :n]]).tolist()
+        if k > 1:
+            self._run_chain(slots, [s + len(p) for s, p in zip(starts, pending)], k - 1, first=first)
+            first = torch.cat([first.unsqueeze(0), self.out[:k - 1, :n]])
+        return first.reshape(-1), [[j * n + i for j in range(k)] for i in range(n)]
 
     def _run_chain(self, slots: list[int], positions: list[int], length: int, first: torch.Tensor | None = None,
                    first_tokens: list[int] | None = None, forced: list[list[int]] | None = None) -> None:

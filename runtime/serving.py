@@ -24,7 +24,10 @@ drafts tokens for the decoding requests that may speculate (free text, no logpro
 more than ``max_running`` decodes, nor for a request whose acceptance fell); each such decode is fed its last token
 and its drafts and gets a logits row for each (``_verify``). The drafts up to the first one the sampler disagrees
 with are kept, plus the sampler's own token, each through the stop checks in turn; their KV slots are committed and
-the rest returned. Such a step runs synchronously (the overlapped pipeline, see ``step``, waits for it).
+the rest returned. Such a step runs synchronously (the overlapped pipeline, see ``step``, waits for it). A draft
+model's drafts stay on the device until then (``PendingDrafts``): the host schedules and packs the verify step while
+the device drafts, the draft rows are fed from the proposer's buffer, and the drafts are read back with the sampled
+tokens, one wait per speculative step.
 
 Failures: what belongs to one request - its sampling, logprobs, detokenization, stop check, grammar - finishes
 that request alone with finish_reason "error" and a message, and the rest of the batch goes on. A
@@ -59,8 +62,8 @@ from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
 from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compute_logprobs, make_generator, sample,
                               to_device)
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, Proposer, SpeculationPolicy,
-                                 SpeculativeConfig, SpeculativeConfigError, accept_rows)
+from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, PendingDrafts, Proposer,
+                                 SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_rows)
 from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
@@ -218,6 +221,36 @@ def wait_for_device(event, failure: Callable[[], BaseException | None] | None) -
         if (error := failure()) is not None:
             raise error
         time.sleep(0)
+
+
+class _DeviceDrafts:
+    """A step's drafts still on the device (``PendingDrafts``), with each request's index among the proposal's."""
+
+    def __init__(self, pending: PendingDrafts, index: dict[str, int]) -> None:
+        self.pending, self.index = pending, index
+
+    def feed(self, seqs: list[ScheduledSeq], starts: list[int]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """``_feed``'s (tokens, rows, packed rows) for the draft rows of a packed verify step: a decode's drafts
+        follow its last known token (``starts``: each seq's first packed row); the scheduler may have kept fewer
+        than were proposed (the first ones)."""
+        sources, targets = [], []
+        for start, q in zip(starts, seqs):
+            if q.num_draft:
+                first = start + q.num_new - q.num_draft
+                sources += self.pending.sources[self.index[q.request.request_id]][:q.num_draft]
+                targets += range(first, first + q.num_draft)
+        return self.pending.tokens, sources, targets
+
+    def read_with(self, token_ids: torch.Tensor, seqs: list[ScheduledSeq]) -> list[int]:
+        """Read the sampled ``token_ids`` and the drafts back in one copy; the drafts replace the seqs'
+        placeholders (and the proposer records them); returns the sampled tokens."""
+        n = token_ids.numel()
+        both = torch.cat([token_ids.reshape(-1).to(self.pending.tokens.dtype), self.pending.tokens]).tolist()
+        drafts = self.pending.resolve(both[n:])
+        for q in seqs:
+            if q.num_draft:
+                q.draft_token_ids = drafts[self.index[q.request.request_id]][:q.num_draft]
+        return both[:n]
 
 
 def _feed(ids: torch.Tensor, feed: tuple[torch.Tensor, list[int], list[int]]) -> torch.Tensor:
@@ -480,16 +513,20 @@ class ServingEngine:
                     step = self._inflight
                     step.launch_sampled(self._sample(step.logits, step.sampling, masks=step.masks))
                 return outputs
-        sched = self.scheduler.schedule(self._propose())
+        proposed, drafts = self._propose()
+        sched = self.scheduler.schedule(proposed)
+        if drafts is not None and not sched.num_draft_tokens:
+            drafts.pending.resolve()  # the scheduler kept none of them: the proposer's bookkeeping now
+            drafts = None
         if sched.empty:
             return outputs
-        logits, sampling = self._run(sched)
+        logits, sampling = self._run(sched, drafts=drafts)
         self.num_steps += 1
         if not sampling:
             self.scheduler.update(sched, {})
             return outputs
         if sched.num_draft_tokens:
-            return outputs + self._verify(sched, logits, sampling)
+            return outputs + self._verify(sched, logits, sampling, drafts)
         if self.graphs is not None and self._overlappable(sampling) and not self._wants_drafts(sampling):
             self._inflight = _InFlight(sched, sampling, logits).launch_sampled(self._sample(logits, sampling))
             return outputs
@@ -499,12 +536,14 @@ class ServingEngine:
         logprobs = self._logprobs(logits, token_ids, wanted, sampling, errors)
         return outputs + self._record(sched, list(zip(sampling, tokens, logprobs)), errors)
 
-    def _run(self, sched: SchedulerOutput, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, list[Request]]:
+    def _run(self, sched: SchedulerOutput, tokens: torch.Tensor | None = None,
+             drafts: _DeviceDrafts | None = None) -> tuple[torch.Tensor, list[Request]]:
         """Launch the step: the decode graphs for a step of one-token decodes, else the step graphs of its
         buckets, else eagerly. Returns the logits of the requests that sample (one row each; k + 1 for a decode
         with k drafts), and those requests in order. ``tokens``: the step in flight's sampled tokens on the
         device, the inputs of the seqs with an ``in_flight_row`` (a failed row's INVALID_TOKEN computes from token
-        0; that request is finished when the step in flight is read back)."""
+        0; that request is finished when the step in flight is read back). ``drafts``: drafts still on the device,
+        the inputs of a verify step's draft rows (their ``draft_token_ids`` are placeholders until resolved)."""
         if tokens is not None:
             tokens = tokens.clamp(min=0)
         seqs = sched.seqs
@@ -527,6 +566,9 @@ class ServingEngine:
         if moved:
             starts = packed.cu_seqlens_q
             feed = (tokens, [r for _, r in moved], [starts[i] for i, _ in moved])
+        if drafts is not None:  # a verify step's drafts, from the proposer's buffer (the synchronous path: no moved)
+            assert feed is None, "a verify step runs on the synchronous path, with no step in flight"
+            feed = drafts.feed(seqs, packed.cu_seqlens_q)
         # prefill with the decodes beside it, or a verify step (k + 1 logits rows for a decode with k drafts)
         num_rows = len(packed.logits_rows)
         if self.step_graphs is not None \
@@ -728,15 +770,17 @@ class ServingEngine:
                 return True
         return False
 
-    def _propose(self) -> dict[str, list[int]]:
+    def _propose(self) -> tuple[dict[str, list[int]], _DeviceDrafts | None]:
         """Draft tokens for this step's decoding requests (request id -> drafts): none when speculation is off or
         the step has more decoding requests than ``SpeculativeConfig.max_running``. A request drafts at most what
-        its max_tokens and max_seq_len leave after the bonus token, so a verify step never computes past them."""
+        its max_tokens and max_seq_len leave after the bonus token, so a verify step never computes past them.
+        Drafts a proposer left on the device (``PendingDrafts``) come as placeholders of their number, with the
+        ``_DeviceDrafts`` that feeds them to the verify step and resolves them after it."""
         if self.proposer is None:
-            return {}
+            return {}, None
         decoding = [r for r in self.scheduler.running if r.num_pending == 1]
         if not self.spec_policy.step_allows(len(decoding)):
-            return {}
+            return {}, None
         max_seq_len = self.scheduler_config.max_seq_len
         asks = []
         for request in decoding:
@@ -749,21 +793,35 @@ class ServingEngine:
             if num_draft > 0:
                 asks.append(DraftRequest(request.request_id, request.token_ids, num_draft))
         if not asks:
-            return {}
-        proposals = self.proposer.propose(asks)
-        return {ask.request_id: drafts[:ask.max_tokens] for ask, drafts in zip(asks, proposals) if drafts}
+            return {}, None
+        proposals = self.proposer.propose_pending(asks)
+        if isinstance(proposals, PendingDrafts):
+            counts = [min(n, ask.max_tokens) for ask, n in zip(asks, proposals.counts)]
+            placeholders = {ask.request_id: [0] * n for ask, n in zip(asks, counts) if n}
+            if not placeholders:
+                proposals.resolve()
+                return {}, None
+            return placeholders, _DeviceDrafts(proposals, {ask.request_id: i for i, ask in enumerate(asks)})
+        return {ask.request_id: drafts[:ask.max_tokens] for ask, drafts in zip(asks, proposals) if drafts}, None
 
-    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
+    def _verify(self, sched: SchedulerOutput, logits: torch.Tensor, sampling: list[Request],
+                device_drafts: _DeviceDrafts | None = None) -> list[RequestOutput]:
         """Sample and record a step that carried drafts (synchronous). A request with k drafts has k + 1 logits
         rows, sampled in turn from its generator as k + 1 one-token steps would be; ``accept_rows`` keeps the
         drafts up to the first that differs from the sampled token, then that token, and rewinds the generator to
-        just after the last draw kept (so a seeded request's stream is the one it has without speculation)."""
-        by_request = {id(q.request): q.draft_token_ids for q in sched.seqs}
-        drafts = [by_request.get(id(r), []) for r in sampling]
-        rows = [r for r, d in zip(sampling, drafts) for _ in range(len(d) + 1)]  # the request of each logits row
+        just after the last draw kept (so a seeded request's stream is the one it has without speculation).
+        ``device_drafts``: drafts still on the device, read back with the sampled tokens (one wait)."""
+        by_count = {id(q.request): q.num_draft for q in sched.seqs}
+        # the request of each logits row (the drafts' values are not needed for sampling, only their number)
+        rows = [r for r in sampling for _ in range(by_count.get(id(r), 0) + 1)]
         draw_states: list[torch.Tensor | None] = [None] * len(rows)
         token_ids, errors = self._sample(logits, rows, draw_states)
-        tokens = token_ids.tolist()
+        if device_drafts is not None:
+            tokens = device_drafts.read_with(token_ids, sched.seqs)
+        else:
+            tokens = token_ids.tolist()
+        by_request = {id(q.request): q.draft_token_ids for q in sched.seqs}
+        drafts = [by_request.get(id(r), []) for r in sampling]
         # (a speculating request never asks for logprobs: wanted is None on its rows)
         wanted = [r.params.logprobs if t != INVALID_TOKEN else None for r, t in zip(rows, tokens)]
         logprobs = self._logprobs(logits, token_ids, wanted, rows, errors)

@@ -28,7 +28,9 @@ KV cache: the drafts' slots are reserved as lookahead slots (``KVCacheManager.al
 to the prefix cache); after verification the accepted drafts' slots are committed and the blocks past the
 request's last committed token are returned (``KVCacheManager.free_lookahead``). On CUDA a verify step replays the
 graphs of steps carrying prefill (``runtime.cuda_graphs.StepGraphs``), but synchronously: the next step's drafts
-depend on its tokens, so the overlapped pipeline cannot launch ahead of it.
+depend on its tokens, so the overlapped pipeline cannot launch ahead of it. A proposer that drafts on the device
+returns ``PendingDrafts`` from ``propose_pending``: the verify step is fed the drafts there, and they are read back
+with its tokens, so a speculative step waits for the device once.
 
 Proposers (``Proposer``): ``NgramProposer`` (prompt lookup over the request's own prompt and output) and
 ``runtime.draft_model.DraftModelProposer`` (a second artifact of the same vocabulary with its own engine and KV
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import abc
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -159,6 +161,37 @@ class DraftRequest:
     max_tokens: int  # most draft tokens wanted (>= 1)
 
 
+class PendingDrafts:
+    """Drafts still on the device (a draft model's chain queued, not waited for): per request, the indices of its
+    drafts in the flat tensor ``tokens``, in order. The serving engine feeds them to the verify step on the device
+    (its draft rows' inputs) and reads them with the verify step's tokens: one wait per speculative step instead of
+    two, and the host packs the verify step while the device drafts. ``resolve`` reads them back (once) and runs
+    ``on_read`` with them, the proposer's bookkeeping of what its caches hold; it must be called before the next
+    proposal, which reuses the buffer behind ``tokens``."""
+
+    def __init__(self, tokens: torch.Tensor, sources: list[list[int]],
+                 on_read: Callable[[list[list[int]]], None] | None = None) -> None:
+        self.tokens, self.sources = tokens, sources
+        self._on_read = on_read
+        self._values: list[list[int]] | None = None
+
+    @property
+    def counts(self) -> list[int]:
+        """Drafts per request, known before their values."""
+        return [len(s) for s in self.sources]
+
+    def resolve(self, flat: list[int] | None = None) -> list[list[int]]:
+        """The drafts' values, per request (read back the first time, waiting for the device; ``flat``: the
+        values of ``tokens``, read by the caller with its own)."""
+        if self._values is None:
+            if flat is None:
+                flat = self.tokens.tolist() if any(self.sources) else []
+            self._values = [[flat[i] for i in src] for src in self.sources]
+            if self._on_read is not None:
+                self._on_read(self._values)
+        return self._values
+
+
 class Proposer(abc.ABC):
     """Proposes draft tokens for decoding requests; the target verifies them (see the module docstring).
 
@@ -170,6 +203,11 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
         """Up to ``max_tokens`` draft tokens per request (possibly none), in the order given."""
+
+    def propose_pending(self, requests: Sequence[DraftRequest]) -> list[list[int]] | PendingDrafts:
+        """As ``propose``, but a proposer that drafts on the device may return its drafts before they are computed
+        (``PendingDrafts``); the caller resolves them before it proposes again. By default: ``propose``."""
+        return self.propose(requests)
 
     def may_propose(self, token_ids: Sequence[int]) -> bool:
         """Whether proposing for a request whose known tokens are ``token_ids`` would likely give drafts. The engine

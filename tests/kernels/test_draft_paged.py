@@ -141,3 +141,45 @@ def test_captured_draft_on_cuda_with_work_queued(tmp_path):
             [DraftRequest(f"p{n}", tokens, 4)])
         assert got == want
     paged.close()
+
+
+@pytest.mark.parametrize("draft", ["same", "other"])
+def test_serving_takes_the_paged_drafts_from_the_device(engines, tmp_path_factory, draft):
+    """The serving engine with the paged draft: the chain's drafts stay on the device, the verify step's draft rows
+    are fed from its buffer and read back with the sampled tokens; greedy output is the non-speculative one. The
+    target as its own draft accepts every draft; a draft of other weights (same vocabulary) gets them rejected.
+    Prompts of several lengths: the first proposal of each takes a catch-up step (the drafts then come from a copy
+    of the chain's buffer), the later ones the chain alone."""
+    from runtime import SamplingParams
+    from runtime.draft_model import DraftModelProposer
+    from runtime.serving import ServingConfig, ServingEngine
+    from runtime.speculative import PendingDrafts
+
+    fused, ref = engines
+    if draft == "other":
+        root = tmp_path_factory.mktemp("other_draft")
+        other = build_artifact(make_checkpoint(root / "ckpt", "llama", seed=5, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1), root / "art")
+        fused = Engine.load(other, use_kernels=True)
+    vocab = int(ref.executor.graph["meta"]["vocab_size"])
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (9, 30, 2)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = ServingEngine(ref, ServingConfig(num_blocks=32)).run(prompts, params)
+    s = ServingEngine(ref, ServingConfig(num_blocks=32, speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                                                      "min_acceptance": 0.0}))
+    s.proposer = DraftModelProposer(fused, vocab, ref.tokenizer, 256, max_seqs=8, max_draft_tokens=3,
+                                    cuda_graphs=False)
+    pending = []
+    propose = s.proposer.propose_pending
+    s.proposer.propose_pending = lambda asks: (pending.append(propose(asks)), pending[-1])[1]
+    got = s.run(prompts, params)
+    assert [o.token_ids for o in got] == [w.token_ids for w in want]
+    stats = s.stats()
+    assert pending and all(isinstance(p, PendingDrafts) for p in pending)
+    assert stats.spec_num_draft_tokens > 10
+    if draft == "same":
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    else:
+        assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert s.proposer._seqs == {} and sorted(s.proposer.paged._free) == list(range(8))  # every slot released

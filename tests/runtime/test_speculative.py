@@ -28,8 +28,8 @@ from runtime.sampling import sample  # noqa: E402
 from runtime.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 from runtime.speculative import (  # noqa: E402
-    MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, Proposer, SpeculationPolicy,
-    SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
+    MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, PendingDrafts, Proposer,
+    SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
 
 NGRAM = {"method": "ngram"}
 # Upper 1% points of the chi-square distribution by degrees of freedom (a statistic above one has p < 0.01), from
@@ -80,6 +80,39 @@ class ScriptedProposer(Proposer):
                 drafts[j] = (drafts[j] + 1) % self.vocab
             out.append(drafts)
         return out
+
+
+class DeviceScriptedProposer(ScriptedProposer):
+    """ScriptedProposer's drafts left "on the device" (``PendingDrafts``), as a draft model's chain leaves them: each
+    request's drafts at scattered places of a flat tensor among junk tokens, read only when the engine resolves
+    them. Counts its proposals and its reads (each proposal must be read before the next)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.num_pending = self.num_read = 0
+        self._gen = torch.Generator().manual_seed(11)
+
+    def propose_pending(self, requests: Sequence[DraftRequest]) -> PendingDrafts:
+        assert self.num_read == self.num_pending, "a proposal was not resolved before the next"
+        drafts = super().propose(requests)
+        total = sum(map(len, drafts))
+        tokens = torch.randint(0, self.vocab, (3 * total + 5,), generator=self._gen)  # junk around the drafts
+        places = torch.randperm(tokens.numel(), generator=self._gen)[:total].tolist()
+        sources, i = [], 0
+        for d in drafts:
+            sources.append(places[i:i + len(d)])
+            tokens[places[i:i + len(d)]] = torch.tensor(d, dtype=tokens.dtype)
+            i += len(d)
+        self.num_pending += 1
+
+        def on_read(values: list[list[int]]) -> None:
+            assert values == drafts
+            self.num_read += 1
+
+        return PendingDrafts(tokens, sources, on_read)
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        raise AssertionError("the serving engine takes drafts left on the device through propose_pending")
 
 
 def _record_runs(s: ServingEngine) -> list[tuple[str, int, int]]:
@@ -379,6 +412,34 @@ def test_greedy_equality_under_preemption_and_chunked_prefill(engine):
     _assert_no_leaks(s)
 
 
+@pytest.mark.parametrize("wrong", [None, 0, 2])
+def test_drafts_left_on_the_device_are_fed_and_verified(engine, wrong):
+    """A proposer that leaves its drafts on the device (a draft model's chain): the verify step's draft rows are fed
+    from its tensor, the drafts are read back with the sampled tokens, and the output is the non-speculative one,
+    with the drafts before the wrong one accepted; under preemption and a token budget that cuts drafts short. A
+    draft row fed anything but the draft (its placeholder, another request's) changes the tokens after it."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    config = dict(num_blocks=14, max_seq_len=192, max_num_batched_tokens=24, max_num_seqs=4)
+    want = _serving(engine, **config).run(prompts, params)
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s = _serving(engine, {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0.0}, **config)
+    s.proposer = proposer = DeviceScriptedProposer([p + w.token_ids for p, w in zip(prompts, want)], vocab,
+                                                   wrong_at=None if wrong is None else (lambda k: wrong))
+    runs = _record_runs(s)
+    got = s.run(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    stats = s.stats()
+    assert proposer.num_pending > 10 and proposer.num_read == proposer.num_pending
+    assert stats.spec_num_draft_tokens > 50 and s.scheduler.num_preemptions > 0
+    if wrong is None:  # every draft right: all accepted, whatever number the scheduler kept
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    else:  # the drafts before the wrong one (fewer where the scheduler kept fewer than wrong + 1)
+        assert all(emitted - 1 <= wrong for _, emitted, _ in runs)
+        assert any(emitted - 1 == wrong for _, emitted, _ in runs)
+    _assert_no_leaks(s)
+
+
 @pytest.mark.parametrize("stop_kind", ["string", "token"])
 def test_a_stop_in_the_middle_of_an_accepted_run_ends_it_there(engine, stop_kind):
     """Drafts are the reference continuation (all accepted: runs of k + 1 tokens); a stop string or stop token first
@@ -445,9 +506,9 @@ def test_blocks_of_rejected_drafts_are_returned_mid_run(engine):
     held_while_verifying = []
     verify = s._verify
 
-    def spy(sched, logits, sampling):
+    def spy(sched, logits, sampling, device_drafts=None):
         held_while_verifying.append(len(s.kv.blocks("r")))
-        return verify(sched, logits, sampling)
+        return verify(sched, logits, sampling, device_drafts)
 
     s._verify = spy
     s.add_request(prompt, params, request_id="r")
