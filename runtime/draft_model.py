@@ -22,10 +22,10 @@ block table never changes. A proposal is then a chain of one-token steps capture
 and length, whose drafts stay on the device (``propose_pending``: the serving engine feeds them to the verify step
 there and reads them back with its tokens; ``propose`` reads them at once). The chain feeds each request's new
 tokens (after a verify step one or two: the target's own token, and the last draft where all were accepted), then
-each step's argmax to the next, on the device (positions, slots and lengths computed there from the first). A request with more new tokens (a prompt)
-takes a catch-up step first (``runtime.cuda_graphs.StepGraphs`` over the draft's storage) and the chain drafts the
-rest. Without kernels (the CPU reference path) the
-draft runs its per-sequence caches eagerly, as above.
+each step's argmax to the next, on the device (positions, slots and lengths computed there from the first). A
+request with more new tokens (a prompt) takes a catch-up step first (``runtime.cuda_graphs.StepGraphs`` over the
+draft's storage) and the chain drafts the rest. Without kernels (the CPU reference path) the draft runs its
+per-sequence caches eagerly, as above.
 """
 
 from __future__ import annotations
