@@ -4,8 +4,9 @@ the engine's phases (proposal, scheduling, the target's step launch, sampling, r
     python -m builder.devtools.spec_profile ARTIFACT --draft DRAFT_ARTIFACT [--num-draft 4] [--text FILE]
         [--prompts 4] [--output-len 128] [--device cuda] [--top 25]
 
-Each phase's figure is host wall time inside that call, synchronisations included (the proposal ends by reading
-the drafts back, sampling by reading the tokens), so the phases add up to the step and show what the host waits on.
+Each phase's figure is host wall time inside that call, synchronisations included (a draft model's proposal queues
+its chain and returns; the verify step's tokens and the drafts are read back together in ``_verify``), so the phases
+add up to the step and show what the host waits on.
 The plain engine (no speculation) runs the same prompts first for the per-token comparison.
 """
 
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     _generate(engine, prompts[0], 8)
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    _timed(engine.proposer, "propose", totals, counts)
+    _timed(engine.proposer, "propose_pending", totals, counts)  # what the engine calls (drafts left on the device)
     if getattr(engine.proposer, "paged", None) is not None:
         _timed(engine.proposer.paged, "feed", totals, counts)
     _timed(engine.scheduler, "schedule", totals, counts)
