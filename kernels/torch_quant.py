@@ -16,6 +16,10 @@ Storage conventions (written by the quantization passes, see passes/README.md):
   (DeepSeek-V3, Qwen3-FP8) store this.
 - any scheme may carry ``perm`` int32 [in] (an act-order checkpoint's input channels sorted by group, so
   groups are contiguous): the linear computes ``x[:, perm] @ W.T``, W's columns being in that order.
+- any scheme may carry ``pre_quant_scale`` fp32 [in] (a per-input-channel scale s a checkpoint's exporter left on the
+  linear: ModelOpt's AWQ on o_proj / down_proj): the linear computes ``(x * s) @ W.T``, x * s taken in fp32 and
+  rounded to x's dtype (as the exporter's own bf16 ``x * s`` rounds), before a ``perm`` gather and any activation
+  quantization.
 """
 
 from __future__ import annotations
@@ -198,11 +202,36 @@ def permute_input(fn: Callable[[torch.Tensor], torch.Tensor],
     return lambda x: fn(x.index_select(-1, index))
 
 
+def scale_input(fn: Callable[[torch.Tensor], torch.Tensor], scale: torch.Tensor | None,
+                dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``fn`` reading ``x * scale`` (a ``pre_quant_scale`` role: one fp32 scale per input channel), the product in
+    fp32 rounded to x's dtype; ``fn`` itself when there is none. ``dtype``: the activations' dtype, in which the
+    scale is held once at load when it is exact there (every bf16 / fp16 exporter's is): torch multiplies two bf16
+    tensors in fp32 and rounds once, so that is one elementwise kernel with the same result, the same inside a CUDA
+    graph. Its cost on the kernel path: one extra read and write of x per linear (the fusions that hand a linear
+    anything but plain rows skip these linears, ``runtime/executor.py`` plan_fusions)."""
+    if scale is None:
+        return fn
+    s32 = scale.float().reshape(-1)
+    held = s32.to(dtype)
+    same = bool(torch.equal(held.float(), s32))
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == dtype and same:
+            return fn(x * held)
+        return fn((x.float() * s32).to(x.dtype))
+
+    return scaled
+
+
 def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtype: torch.dtype,
                       quantize: Quantize | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes, or imported with a
-    ``perm``). ``quantize``: the dynamic per-token activation quantization of the W8A8 schemes (a fused kernel);
-    default the torch ops."""
+    ``perm`` and / or a ``pre_quant_scale``). ``quantize``: the dynamic per-token activation quantization of the W8A8
+    schemes (a fused kernel); default the torch ops."""
+    if "pre_quant_scale" in w:
+        rest = {role: t for role, t in w.items() if role != "pre_quant_scale"}
+        return scale_input(make_quant_linear(scheme, rest, quant, dtype, quantize), w["pre_quant_scale"], dtype)
     if "perm" in w:
         rest = {role: t for role, t in w.items() if role != "perm"}
         return permute_input(make_quant_linear(scheme, rest, quant, dtype, quantize), w["perm"])

@@ -33,7 +33,12 @@ QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
 }
 # `perm` (optional, any scheme; int32 [in]): imported act-order checkpoints store W's input columns sorted by group,
 # so groups are contiguous; the linear reads x[:, perm].
-QUANT_ROLES = ("qweight", "scales", "zeros", "weight_scale", "input_scale", "perm")
+# `pre_quant_scale` (optional, any scheme but none; fp32 [in]): a per-input-channel scale s the checkpoint's exporter
+# left on the linear instead of folding it into what came before (ModelOpt's AWQ keeps AWQ's s on o_proj and
+# down_proj, whose inputs no norm writes; folding it into the rows of v_proj / up_proj would need their codes made
+# again): the linear reads x * s, the product taken in fp32 and rounded to x's dtype, before a `perm` gather and any
+# activation quantization. s is indexed by x's own channels.
+QUANT_ROLES = ("qweight", "scales", "zeros", "weight_scale", "input_scale", "perm", "pre_quant_scale")
 
 
 @dataclass(frozen=True)
@@ -305,6 +310,11 @@ class Graph:
                 for role in QUANT_SCHEMES[scheme]:
                     if role not in n.weights:
                         raise GraphError(f"node {n}: a {scheme} {n.op} needs weight {role!r}")
+                if "pre_quant_scale" in n.weights and (scheme == "none" or tuple(
+                        self.params[n.weights["pre_quant_scale"]].shape) != (n.attrs.get("in_features"),)):
+                    raise GraphError(f"node {n}: a pre_quant_scale is one scale per input feature "
+                                     f"({n.attrs.get('in_features')}) of a quantized {n.op}; it has shape "
+                                     f"{tuple(self.params[n.weights['pre_quant_scale']].shape)}, scheme {scheme}")
                 if scheme == "fp8_block" and not block_size_ok(n.attrs["quant"].get("block_size")):
                     raise GraphError(f"node {n}: an fp8_block {n.op} needs quant block_size [rows, columns] of "
                                      f"positive integers; quant is {n.attrs['quant']}")

@@ -16,14 +16,14 @@ def merged_name(weight_names: list[str], suffix: str) -> str:
 
 
 # Roles one tensor of which serves the whole linear (not one row per output feature): merged members must agree.
-SHARED_ROLES = ("input_scale", "perm")
+SHARED_ROLES = ("input_scale", "perm", "pre_quant_scale")
 
 
 def can_merge(graph: Graph, group: list[Node]) -> bool:
     """Whether ``group`` can become one linear: all with or all without bias, and stored alike (all float, or
     all in one quant scheme with equal settings and equal shared tensors: a pre-quantized checkpoint's input
-    scales and act-order permutations). fp8_block members stack their block scales by rows, so every member but
-    the last must hold whole blocks of rows."""
+    scales, act-order permutations and pre_quant_scales). fp8_block members stack their block scales by rows, so
+    every member but the last must hold whole blocks of rows."""
     if len({"bias" in n.weights for n in group}) != 1 or len({tuple(sorted(n.weights)) for n in group}) != 1:
         return False
     quants = [n.attrs.get("quant") for n in group]

@@ -342,6 +342,8 @@ def _row_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] 
         raise _fail(f"{node.source} reads its input in act-order (a `perm` of all {in_f} input columns, from a "
                     f"pre-quantized checkpoint), which a row-parallel split cannot cut; build with tp_size 1 or "
                     f"from a checkpoint quantized without act-order (desc_act false)")
+    if role == "pre_quant_scale":  # [in]: each rank scales its own input columns
+        return [(Slice(0, r * local, (r + 1) * local),) for r in range(tp_size)]
     if role == "qweight" and scheme == "w4a16":
         if local % 2:
             raise _fail(f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns, an odd "
@@ -382,12 +384,13 @@ def _block_slices(node: Node, pieces: list[tuple[Slice, ...]], block: int, tp_si
 def _per_row_slices(graph: Graph, node: Node, role: str, rows: list[tuple[Slice, ...]],
                     num_rows: int) -> list[tuple[Slice, ...]] | None:
     """Per rank: a column- or vocab-parallel node's weight role cut by the output rows ``rows`` of its codes: per-row
-    tensors with the rows, fp8_block scales with their row blocks; None = replicated (per-tensor scales, perm)."""
+    tensors with the rows, fp8_block scales with their row blocks; None = replicated (per-tensor scales, and what
+    applies to the input, whole on every rank: perm, pre_quant_scale)."""
     quant = node.attrs.get("quant") or {}
     if role == "weight_scale" and quant.get("scheme") == "fp8_block":
         return _block_slices(node, rows, quant["block_size"][0], len(rows))
     t = graph.params[node.weights[role]]
-    per_row = role not in ("input_scale", "perm") and t.dim() >= 1 and t.shape[0] == num_rows
+    per_row = role not in ("input_scale", "perm", "pre_quant_scale") and t.dim() >= 1 and t.shape[0] == num_rows
     return rows if per_row else None
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from kernels import torch_ops as ops
 from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
-from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear, permute_input
+from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear, permute_input, scale_input
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 # the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 /
@@ -35,6 +35,11 @@ FUSE_KV_WRITE = os.environ.get("RUNTIME_FUSE_KV_WRITE", "1") != "0"
 # RUNTIME_FUSE_NORM_LINEAR=1 turns on plan_fusions' residual_out / pending_norms (off: with PDL on it measured slower
 # than the norm kernels it removes; docs/BENCHMARKS.md, session 23)
 FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
+# Weight roles of a linear / lm_head that act on its input before the matmul (an imported act-order gather, an
+# exporter's per-input-channel scale): such a linear reads plain rows, so no fusion hands it anything else
+INPUT_ROLES = ("perm", "pre_quant_scale")
+# every weight role a linear / lm_head may carry (passes/ir.py QUANT_SCHEMES and QUANT_ROLES); another is refused
+LINEAR_ROLES = ("weight", "bias", "qweight", "scales", "zeros", "weight_scale", "input_scale") + INPUT_ROLES
 
 
 class GraphFormatError(ValueError):
@@ -163,7 +168,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                 fusions.rope[i] = (rq, rq["inputs"][1])
         elif (node["op"] == "linear" and FUSE_SWIGLU and (attrs.get("quant") or {}).get("scheme") in ("w4a16", "w8a16")
               and not attrs.get("split_sizes") and node["inputs"][0] in producer
-              and "perm" not in node.get("weights", {})):  # act-order: x is gathered first, no SwiGLU in the loads
+              and not set(INPUT_ROLES) & set(node.get("weights", {}))):  # x gathered / scaled first: no SwiGLU
             j = producer[node["inputs"][0]]
             quant, in_features = attrs["quant"], attrs.get("in_features")
             group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
@@ -185,7 +190,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                 fusions.gated.add(i)
         elif (node["op"] == "linear" and FUSE_NORM_QUANT and scaled_mm and dtype in (torch.bfloat16, torch.float16)
               and (attrs.get("quant") or {}).get("scheme") == "fp8" and not attrs.get("lm_head")
-              and not {"input_scale", "perm"} & set(node.get("weights", {}))
+              and not {"input_scale", *INPUT_ROLES} & set(node.get("weights", {}))
               and (attrs.get("in_features") or 1) % 16 == 0 and (attrs.get("out_features") or 1) % 16 == 0
               and node["inputs"][0] in producer and num_consumers.get(node["inputs"][0]) == 1):
             j = producer[node["inputs"][0]]
@@ -222,12 +227,14 @@ def _swiglu_producer(node: dict[str, Any], nodes: list[dict[str, Any]], readers:
 
 
 def _frag_linear_node(node: dict[str, Any], dtype: torch.dtype) -> bool:
-    """A 4- or 8-bit weight-only linear the runtime keeps on the frag layout (no act-order gather)."""
+    """A 4- or 8-bit weight-only linear the runtime keeps on the frag layout (no act-order gather, no input
+    scale)."""
     from kernels import w4a16_frag
 
     attrs = node.get("attrs", {})
     quant = attrs.get("quant") or {}
-    if node["op"] != "linear" or quant.get("scheme") not in ("w4a16", "w8a16") or "perm" in node.get("weights", {}):
+    if (node["op"] != "linear" or quant.get("scheme") not in ("w4a16", "w8a16")
+            or set(INPUT_ROLES) & set(node.get("weights", {}))):
         return False
     in_features, out_features = attrs.get("in_features") or 0, attrs.get("out_features") or 0
     group = in_features if quant.get("group_size") == -1 else quant.get("group_size")
@@ -468,7 +475,16 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 
 def _linear(w, attrs, ex) -> Kernel:
     quant = attrs.get("quant")
-    if quant and "perm" in w and ex.use_kernels:  # act-order import: every kernel path reads x[:, perm]
+    unknown = sorted(set(w) - set(LINEAR_ROLES))
+    if unknown:  # run without it, the linear would compute something else than the graph says
+        raise GraphFormatError(f"{ex._node.get('op', 'linear')} {ex._node.get('source') or ''} carries weight role(s) "
+                               f"{', '.join(unknown)}, which this runtime does not run; it runs "
+                               f"{', '.join(LINEAR_ROLES)}: update the runtime or rebuild the artifact")
+    if quant and "pre_quant_scale" in w and ex.use_kernels:  # an exporter's input scale: x * s, then any kernel path
+        rest = {role: t for role, t in w.items() if role != "pre_quant_scale"}
+        inner = _linear(rest, {k: v for k, v in attrs.items() if k != "split_sizes"}, ex)
+        fn = scale_input(lambda x: inner([x], None)[0], w["pre_quant_scale"], ex.dtype)
+    elif quant and "perm" in w and ex.use_kernels:  # act-order import: every kernel path reads x[:, perm]
         rest = {role: t for role, t in w.items() if role != "perm"}
         inner = _linear(rest, {k: v for k, v in attrs.items() if k != "split_sizes"}, ex)
         fn = permute_input(lambda x: inner([x], None)[0], w["perm"])

@@ -40,6 +40,9 @@ QUANT_WEIGHTS = {
     "fp8_block": ("qweight", "weight_scale"),
 }
 QUANTIZABLE_OPS = ("linear", "lm_head")
+# the roles a quantized linear may carry beside its scheme's (kernels/torch_quant.py): a static activation scale, an
+# imported act-order permutation, an exporter's per-input-channel scale (ModelOpt AWQ's pre_quant_scale)
+QUANT_OPTIONAL_WEIGHTS = ("bias", "input_scale", "perm", "pre_quant_scale")
 # a moe node's quantized experts (passes/ir.py MOE_QUANT_SCHEMES): scheme -> the weight roles it adds
 MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale"),
                      "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros"),
@@ -329,6 +332,11 @@ def _check_quantized(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> N
         missing += [a for a in SCHEME_ATTRS.get(scheme, ()) if a not in quant]
         if missing:
             raise ManifestError(f"graph.json {op} {where}: a {scheme} {op} needs {', '.join(missing)}")
+        allowed = QUANT_WEIGHTS[scheme] + (("bias",) if scheme == "none" else QUANT_OPTIONAL_WEIGHTS)
+        unknown = [r for r in node.get("weights", {}) if r not in allowed]
+        if unknown:  # run without it, the node would compute something else than the graph says
+            raise ManifestError(f"graph.json {op} {where}: a {scheme} {op} carries weight role(s) "
+                                f"{', '.join(unknown)}, which this runtime does not run; allowed: {', '.join(allowed)}")
         if op == "lm_head":
             _check_lm_head(manifest, attrs, scheme)
 
