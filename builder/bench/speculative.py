@@ -1,16 +1,18 @@
 """What speculative decoding buys at batch 1, and what a verify step costs.
 
     python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft 4] [--output-len 128]
-        [--prompts 4] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
+        [--prompts 4] [--rounds 3] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
         [--draft DRAFT_ARTIFACT [--text FILE]]
 
 Speedup (n-gram, the request's own tokens as the draft source): a code-editing workload, each prompt a stretch
 of this project's own Python source followed by an instruction to write it out again and the stretch's first
 line, so a model that copies finds its continuation in the prompt. Each prompt is decoded greedily at batch 1
 (EOS ignored, --output-len tokens) by an engine without speculation and by one with ``--num-draft`` n-gram drafts
-(adaptive, as served); the engines run one after the other (one in memory at a time). Decode rate: the tokens
-after the first over the time from the first token to the last, summed over the prompts; the speedup is the
-speculative rate over the plain one. The token ids of both runs are compared (greedy: they must be equal; a
+(adaptive, as served). Both engines are loaded side by side and take turns, prompt by prompt, over
+``--rounds`` rounds (the first of each pair alternating), so that a drift in the host's speed (a shared machine's
+CPU; at batch 1 a small model's step is host time) weighs on both alike. Decode rate: the tokens after the first
+over the time from the first token to the last, summed over the prompts and rounds; the speedup is the speculative
+rate over the plain one, and each round's speedup is printed to show the spread. The token ids of both runs are compared (greedy: they must be equal; a
 differing prompt is reported, as bf16 near-ties can differ with the batch shape) and the acceptance printed.
 
 Draft model (``--draft``): the same comparison with ``--num-draft`` tokens from a draft artifact (same tokenizer)
@@ -104,25 +106,40 @@ def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> Serv
 
 
 def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int,
-            draft: str | None = None) -> dict:
-    """Plain and speculative runs of every prompt (see the module docstring): n-gram drafts, or the ``draft``
-    artifact's (the result's keys keep the n-gram names)."""
-    runs = {}
+            draft: str | None = None, rounds: int = 3) -> dict:
+    """Plain and speculative runs of every prompt, taking turns (see the module docstring): n-gram drafts, or the
+    ``draft`` artifact's (the result's keys keep the n-gram names)."""
     spec = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_draft) if draft is None else
             SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=num_draft))
-    for name, spec in (("plain", None), ("ngram", spec)):
-        engine = _load(path, device, spec)
-        _generate(engine, prompts[0], 8)  # warm up (kernels, graphs)
-        results = [_generate(engine, p, output_len) for p in prompts]
-        stats = engine.stats()
-        _close(engine)
-        tokens = sum(len(t) - 1 for t, _ in results)
-        runs[name] = {"tokens": [t for t, _ in results], "rate": tokens / sum(s for _, s in results),
-                      "acceptance": stats.spec_acceptance_rate, "accepted": stats.spec_mean_accepted_tokens}
-    differing = [i for i, (a, b) in enumerate(zip(runs["plain"]["tokens"], runs["ngram"]["tokens"])) if a != b]
-    return {"plain_tok_s": runs["plain"]["rate"], "ngram_tok_s": runs["ngram"]["rate"],
-            "speedup": runs["ngram"]["rate"] / runs["plain"]["rate"], "acceptance": runs["ngram"]["acceptance"],
-            "accepted_per_verify": runs["ngram"]["accepted"], "differing_prompts": differing}
+    engines = {"plain": _load(path, device, None), "ngram": _load(path, device, spec)}
+    try:
+        for engine in engines.values():
+            _generate(engine, prompts[0], 8)  # warm up (kernels, graphs)
+        tokens = {name: 0 for name in engines}
+        seconds = {name: 0.0 for name in engines}
+        per_round, differing = [], set()
+        for r in range(rounds):
+            got: dict[str, list[list[int]]] = {name: [] for name in engines}
+            round_tokens, round_s = dict.fromkeys(engines, 0), dict.fromkeys(engines, 0.0)
+            for i, prompt in enumerate(prompts):
+                for name in (("plain", "ngram") if (r + i) % 2 == 0 else ("ngram", "plain")):
+                    ids, secs = _generate(engines[name], prompt, output_len)
+                    got[name].append(ids)
+                    round_tokens[name] += len(ids) - 1
+                    round_s[name] += secs
+            differing |= {i for i, (a, b) in enumerate(zip(got["plain"], got["ngram"])) if a != b}
+            per_round.append((round_tokens["ngram"] / round_s["ngram"]) / (round_tokens["plain"] / round_s["plain"]))
+            for name in engines:
+                tokens[name] += round_tokens[name]
+                seconds[name] += round_s[name]
+        stats = engines["ngram"].stats()
+    finally:
+        for engine in engines.values():
+            _close(engine)
+    rate = {name: tokens[name] / seconds[name] for name in engines}
+    return {"plain_tok_s": rate["plain"], "ngram_tok_s": rate["ngram"], "speedup": rate["ngram"] / rate["plain"],
+            "speedup_rounds": per_round, "acceptance": stats.spec_acceptance_rate,
+            "accepted_per_verify": stats.spec_mean_accepted_tokens, "differing_prompts": sorted(differing)}
 
 
 def _close(engine: ServingEngine) -> None:
@@ -173,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-draft", type=int, default=4)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the prompts, the engines taking turns")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--verify-cost", type=int, nargs="*", default=[])
     parser.add_argument("--no-speedup", action="store_true", help="only the verify cost")
@@ -181,9 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", help="a draft model's artifact: its speedup instead of n-gram lookup's")
     parser.add_argument("--text", help="prompts cut from this text file (default: the code-editing ones)")
     args = parser.parse_args(argv)
-    if args.prompts < 1 or args.output_len < 2:
-        parser.error(f"--prompts takes 1 or more (got {args.prompts}) and --output-len 2 or more (got "
-                     f"{args.output_len}): a rate needs tokens after the first")
+    if args.prompts < 1 or args.output_len < 2 or args.rounds < 1:
+        parser.error(f"--prompts and --rounds take 1 or more (got {args.prompts}, {args.rounds}) and --output-len 2 "
+                     f"or more (got {args.output_len}): a rate needs tokens after the first")
     device = str(resolve_device(args.device))
     figures = []
     if not args.no_speedup:
@@ -192,12 +210,13 @@ def main(argv: list[str] | None = None) -> int:
             prompts = text_prompts(tokenizer, args.prompts, args.input_len, Path(args.text))
         else:
             prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
-        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft)
+        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft, args.rounds)
         workload = "text" if args.text else "code-editing"
         name, label = ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram")
         print(f"{label} k={args.num_draft}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
               f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
-              f"{res['speedup']:.2f}x; acceptance {res['acceptance']:.2f}, accepted per verify "
+              f"{res['speedup']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in res['speedup_rounds'])}); "
+              f"acceptance {res['acceptance']:.2f}, accepted per verify "
               f"{res['accepted_per_verify']:.2f}; prompts whose tokens differ: {res['differing_prompts'] or 'none'}")
         figures += [(f"spec_speedup_{name}_b1{args.tag}", res["speedup"], "x"),
                     (f"spec_decode_tok_s_plain_b1{args.tag}", res["plain_tok_s"], "tok/s"),

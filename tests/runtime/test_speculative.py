@@ -861,8 +861,8 @@ def test_speculative_bench_on_the_bundled_model(bundled_artifact, tmp_path):
     from builder.bench import speculative as bench
 
     record = tmp_path / "figures.jsonl"
-    assert bench.main([str(bundled_artifact), "--device", "cpu", "--prompts", "1", "--output-len", "24",
-                       "--verify-cost", "2", "--input-len", "32", "--record", str(record)]) == 0
+    assert bench.main([str(bundled_artifact), "--device", "cpu", "--prompts", "1", "--output-len", "24", "--rounds",
+                       "2", "--verify-cost", "2", "--input-len", "32", "--record", str(record)]) == 0
     figures = {d["figure"]: d["value"] for d in map(json.loads, record.read_text().splitlines())}
     assert set(figures) == {"spec_speedup_ngram_b1", "spec_decode_tok_s_plain_b1", "spec_decode_tok_s_ngram_b1",
                             "spec_acceptance_ngram_b1", "spec_step_ms_k0", "spec_verify_cost_k2", "spec_step_ms_k2"}
@@ -883,7 +883,7 @@ def test_speculative_bench_with_a_draft_model_on_text(bundled_artifact, tmp_path
 
     text = Path(__file__).resolve().parents[2] / "models" / "pystdlib-llama" / "eval.txt"
     assert bench.main([str(bundled_artifact), "--device", "cpu", "--prompts", "2", "--output-len", "16",
-                       "--input-len", "48", "--draft", str(bundled_artifact), "--text", str(text),
+                       "--input-len", "48", "--rounds", "1", "--draft", str(bundled_artifact), "--text", str(text),
                        "--record", str(record)]) == 0
     figures = {d["figure"]: d["value"] for d in map(json.loads, record.read_text().splitlines())}
     assert set(figures) == {"spec_speedup_draft_b1", "spec_decode_tok_s_plain_b1", "spec_decode_tok_s_draft_b1",
