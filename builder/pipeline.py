@@ -178,7 +178,8 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
                     weights: dict[str, torch.Tensor] | None = None):
     """The Hugging Face model with its real weights (safetensors only), for the verify pass. A pre-quantized
     checkpoint's (``imported``): its float tensors (``weights``, by name) and the format's own dequantization of
-    its quantized linears, whose W8A8 ones also quantize their inputs as the format does. An MXFP4 checkpoint's:
+    its quantized linears, whose W8A8 ones also quantize their inputs as the format does and whose pre_quant_scale
+    (ModelOpt's AWQ) multiplies their inputs first. An MXFP4 checkpoint's:
     every tensor as the build reads it (MXFP4 weights decoded, ``Checkpoint.load_tensors``)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -191,6 +192,8 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
             ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))
     else:
         model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
+        for module, scale in imported.input_scales().items():  # registered first: they run before the quantization
+            model.get_submodule(module).register_forward_pre_hook(_scale_input(scale))
         for module, (scheme, input_scale, group) in imported.activation_quant().items():
             model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale, group))
         if imported.expert_inputs:  # transformers' eager experts: each expert's projections by nn.functional.linear
@@ -233,6 +236,16 @@ def _model_from_weights(ckpt: Checkpoint, dtype: torch.dtype, weights: dict[str,
     untied = [n for n, p in model.named_parameters(remove_duplicate=False) if n in missing and id(p) not in loaded]
     assert not untied and not unexpected, f"reference model: weights missing {untied[:3]}, unexpected {unexpected[:3]}"
     return model
+
+
+def _scale_input(scale: torch.Tensor):
+    """A forward pre-hook: the module's input times a per-input-channel scale (an exporter's pre_quant_scale), the
+    product in fp32 rounded to the input's dtype, as the runtime's linear takes it (``kernels/torch_quant.py``)."""
+    def hook(module, args):
+        x = args[0]
+        return ((x.float() * scale.to(x.device)).to(x.dtype), *args[1:])
+
+    return hook
 
 
 def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: int | None = None):

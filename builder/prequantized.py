@@ -27,14 +27,24 @@ store per linear (N = out features, K = in features, G = groups along K):
                                             kv_cache_quant_algo FP8
     modelopt FP8_PER_CHANNEL_PER_TOKEN      weight float8_e4m3fn [N, K], weight_scale [N]; activations per token
     modelopt W8A16                          weight int8 [N, K], weight_scale [N] (amax / 127)
+    modelopt W4A16_AWQ                      weight uint8 [N/2, K]: signed 4-bit codes (-8..7) along N, row 2i in
+                                            the low nibble, 2i+1 in the high one; weight_scale fp32 [N, K/group]
+                                            (amax / 7): w[n, k] = q * s[n, k // group], no zero points;
+                                            pre_quant_scale [K] (model dtype) where the export kept AWQ's scale on
+                                            the linear (o_proj, down_proj: no norm writes their input): y = W (x * s)
 
 ModelOpt's settings come from hf_quant_config.json beside config.json (``quantization``: quant_algo,
 kv_cache_quant_algo, exclude_modules as fnmatch patterns, quantized_layers for MIXED_PRECISION); exports from
 ModelOpt 0.29 on also carry a flat ``quantization_config`` (``quant_method: modelopt``, ``ignore``), read where
 hf_quant_config.json is absent. FP8 maps onto the IR's fp8 with static activations (compressed-tensors' per-tensor
-path), FP8_PER_CHANNEL_PER_TOKEN onto fp8 per channel with dynamic activations, W8A16 onto w8a16 (zero point 128);
-fine-grained FP8 onto fp8_block. The KV cache's k_scale / v_scale are read and checked, not applied: the build's
-KV cache is runtime.kv_cache_dtype's.
+path), FP8_PER_CHANNEL_PER_TOKEN onto fp8 per channel with dynamic activations, W8A16 onto w8a16 (zero point 128),
+W4A16_AWQ onto w4a16 (zero point 8, group_size from hf_quant_config.json: config.json's quantization_config does not
+carry it) with the linear's pre_quant_scale as its ``pre_quant_scale`` role (x * s in fp32, rounded to the activations'
+dtype, as the exporter's own bf16 product; the reference model applies it with a pre-hook); fine-grained FP8 onto
+fp8_block. ModelOpt itself folds AWQ's scale into the norm before q/k/v and gate/up (those linears arrive without
+one); the ones it keeps are not folded into the rows of v_proj / up_proj here either, which would mean making their
+codes again. The KV cache's k_scale / v_scale are read and checked, not applied: the build's KV cache is
+runtime.kv_cache_dtype's.
 
 Mixture-of-experts layers whose experts are stored quantized, one linear per expert and projection
 (``experts.3.gate_proj.qweight`` ...): each expert's linear is read as above, and the experts are stacked into the
@@ -46,9 +56,11 @@ Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous 
 sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
 
 Refused, naming the setting: ModelOpt's fp8_pb_wo (block FP8 weights with unquantized activations: no IR scheme
-keeps them in the model dtype), W4A16_AWQ / W4A8_AWQ / W8A8_SQ_PER_CHANNEL (their pre_quant_scale, a
-per-input-channel scaling left on o_proj / down_proj, has no IR role), NVFP4 (no FP4 scheme); fine-grained FP8
-with static activations, ue8m0 scales or per-tensor scales (weight_block_size null).
+keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), W8A8_SQ_PER_CHANNEL (its
+static int8 activations round x * 127 / amax to -128..127, the IR's w8a8_int8 x / input_scale to -127..127: an input
+below -amax would take another code), NVFP4 (no FP4 scheme), a W4A16_AWQ with zero points or without its group_size,
+and experts that carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations,
+ue8m0 scales or per-tensor scales (weight_block_size null).
 """
 
 from __future__ import annotations
@@ -74,7 +86,7 @@ class PrequantizedError(ValueError):
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble i of a word holds column 8 * word + AWQ_ORDER[i]
 SUPPORTED = ("gptq, awq (version gemm), compressed-tensors (pack-quantized, float-quantized, int-quantized), fp8 "
-             "(fine-grained, weight_block_size), modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16)")
+             "(fine-grained, weight_block_size), modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ)")
 # What a recipe quantization section must say to agree with an import: algo -> the IR schemes it writes.
 ALGO_SCHEMES = {"gptq": ("w4a16", "w8a16"), "awq": ("w4a16",), "int8_wo": ("w8a16",), "fp8": ("fp8", "fp8_block"),
                 "smoothquant": ("w8a8_int8",)}
@@ -596,12 +608,14 @@ MODELOPT_ALGOS = {  # ModelOpt's quant_algo -> (IR scheme, weight scale per chan
     "FP8": ("fp8", False, True),
     "FP8_PER_CHANNEL_PER_TOKEN": ("fp8", True, False),
     "W8A16": ("w8a16", True, False),
+    "W4A16_AWQ": ("w4a16", False, False),  # scales per group of group_size inputs (:meth:`ModelOpt._read_int4`)
 }
 MODELOPT_REFUSED = {  # why other algorithms are not imported
     "FP8_PB_WO": "FP8 weights in blocks with unquantized activations; the IR's fp8_block quantizes its activations",
-    "W4A16_AWQ": "its pre_quant_scale (AWQ's per-input-channel scales, left on o_proj / down_proj) has no IR role",
-    "W4A8_AWQ": "its pre_quant_scale (AWQ's per-input-channel scales) has no IR role, nor int4 x fp8 weights",
-    "W8A8_SQ_PER_CHANNEL": "its pre_quant_scale (SmoothQuant's per-input-channel smoothing) has no IR role",
+    "W4A8_AWQ": "int4 weights with a second, fp8 scale and static fp8 activations (an int4 x fp8 matmul) have no IR "
+                "scheme",
+    "W8A8_SQ_PER_CHANNEL": "its static int8 activations round x * 127 / amax to codes -128..127; the IR's w8a8_int8 "
+                           "rounds x / input_scale to -127..127, so an input below -amax would take another code",
     "NVFP4": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
     "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
 }
@@ -611,7 +625,7 @@ class ModelOpt(QuantFormat):
     """NVIDIA TensorRT Model Optimizer's ``export_hf_checkpoint``: ``hf_quant_config.json`` beside config.json (read
     first: exports before ModelOpt 0.29 have only it, later ones also a flat ``quantization_config`` with
     ``quant_method: modelopt``). ``quant_algo`` for every linear not in ``exclude_modules`` (fnmatch patterns), or
-    MIXED_PRECISION with one per module in ``quantized_layers``."""
+    MIXED_PRECISION with one per module in ``quantized_layers`` (each with its own group_size where it has one)."""
 
     def __init__(self, cfg_file: Path, section: dict) -> None:
         super().__init__("modelopt", cfg_file, section)
@@ -633,19 +647,27 @@ class ModelOpt(QuantFormat):
                                   f"KV cache alone, whose k_scale / v_scale are not imported); build from the "
                                   f"unquantized checkpoint with runtime.kv_cache_dtype: fp8")
         self.layers: dict[str, str] | None = None  # MIXED_PRECISION: module -> its algo
+        self.groups: dict[str, int] = {}  # MIXED_PRECISION: W4A16_AWQ module -> its group size
         if str(algo).upper() == "MIXED_PRECISION":
             layers = q.get("quantized_layers")
             if not isinstance(layers, dict) or not layers:
                 raise _fail(cfg_file, f"{self.where}.quant_algo is MIXED_PRECISION but quantized_layers is missing "
                                       f"or empty; expected module -> {{quant_algo}}")
-            self.layers = {m: self._algo((c or {}).get("quant_algo") if isinstance(c, dict) else c,
-                                         f"{self.where}.quantized_layers.{m}.quant_algo") for m, c in layers.items()}
+            self.layers = {}
+            for m, c in layers.items():
+                where = f"{self.where}.quantized_layers.{m}"
+                self.layers[m] = self._algo((c or {}).get("quant_algo") if isinstance(c, dict) else c,
+                                            f"{where}.quant_algo")
+                if MODELOPT_ALGOS[self.layers[m]][0] == "w4a16":
+                    self.groups[m] = self._int4_group(c, where)
             first = next(iter(self.layers.values()))
+            group = next(iter(self.groups.values()), -1)
         else:
             first = self._algo(algo, f"{self.where}.quant_algo")
+            group = self._int4_group(q, self.where) if MODELOPT_ALGOS[first][0] == "w4a16" else -1
         self.algo = "MIXED_PRECISION" if self.layers is not None else first
         scheme, per_channel, static = MODELOPT_ALGOS[first]
-        self.scheme, self.bits, self.group_size = scheme, 8, -1
+        self.scheme, self.bits, self.group_size = scheme, 4 if scheme == "w4a16" else 8, group
         self.details = {"quant_algo": self.algo, "kv_cache_quant_algo": kv,
                         "version": (section.get("producer") or {}).get("version")}
         if self.layers is None and scheme == "fp8":
@@ -660,6 +682,21 @@ class ModelOpt(QuantFormat):
                                        f"{', '.join(MODELOPT_ALGOS)}")
         return algo
 
+    def _int4_group(self, q: Any, where: str) -> int:
+        """W4A16_AWQ's group size (ModelOpt's awq_block_size: input features per weight_scale), and a check that it
+        stores no zero points."""
+        q = q if isinstance(q, dict) else {}
+        group = q.get("group_size")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1:
+            raise _fail(self.cfg_file, f"{where}.group_size is {json.dumps(group)}; W4A16_AWQ needs the positive "
+                                       f"number of input features that share one weight_scale (e.g. 128; ModelOpt "
+                                       f"writes it to hf_quant_config.json, not to config.json's quantization_config: "
+                                       f"keep that file beside config.json)")
+        if q.get("has_zero_point", False) is not False:
+            raise _fail(self.cfg_file, f"{where}.has_zero_point is {json.dumps(q.get('has_zero_point'))}; imported: "
+                                       f"false (ModelOpt's W4A16_AWQ is symmetric: codes -8..7 times weight_scale)")
+        return group
+
     def algo_of(self, module: str) -> str | None:
         """The module's quant_algo; None: left in floating point."""
         if self.layers is not None:
@@ -672,14 +709,19 @@ class ModelOpt(QuantFormat):
         algo = self.algo_of(module)
         if algo is None:
             return None
-        static = MODELOPT_ALGOS[algo][2]
+        scheme, _, static = MODELOPT_ALGOS[algo]
         required = ("weight", "weight_scale") + (("input_scale",) if static else ())
-        return [f"{module}.{r}" for r in required], [f"{module}.{r}" for r in ("k_scale", "v_scale")]
+        optional = ("k_scale", "v_scale") + (("pre_quant_scale",) if scheme == "w4a16" else ())
+        return [f"{module}.{r}" for r in required], [f"{module}.{r}" for r in optional]
 
     def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
         algo = self.algo_of(module)
         scheme, per_channel, static = MODELOPT_ALGOS[algo]
-        lin = _read_8bit(module, tensors, in_f, out_f, scheme, per_channel, static, "modelopt", f"quant_algo {algo}")
+        if scheme == "w4a16":
+            lin = self._read_int4(module, tensors, in_f, out_f, self.groups.get(module, self.group_size))
+        else:
+            lin = _read_8bit(module, tensors, in_f, out_f, scheme, per_channel, static, "modelopt",
+                             f"quant_algo {algo}")
         for name in (f"{module}.{r}" for r in ("k_scale", "v_scale") if f"{module}.{r}" in tensors):
             # the KV cache's scales (the amax of k, v over 448), on k_proj / v_proj: read, not applied (the KV cache
             # is runtime.kv_cache_dtype's)
@@ -687,6 +729,45 @@ class ModelOpt(QuantFormat):
                                                                   f"{self.kv_algo}")
             lin.consumed.append(name)
         return lin
+
+    @staticmethod
+    def _read_int4(module: str, tensors: dict[str, Tensor], in_f: int, out_f: int, group: int) -> ImportedLinear:
+        """W4A16_AWQ (``pack_int4_in_uint8``): signed 4-bit codes packed along out_features, two rows a byte, ``weight``
+        uint8 [N/2, K] holding row 2i in its low nibble and row 2i+1 in its high one (two's complement, -8..7);
+        ``weight_scale`` [N, K / group] (amax / 7, fp32 as exported): w[n, k] = q[n, k] * weight_scale[n, k // group].
+        IR w4a16 with zero point 8 (codes + 8, as the IR's unsigned layout stores a symmetric code). Where the export
+        could not fold AWQ's per-input-channel scale s into the norm before the linear (o_proj, down_proj), it keeps
+        it as ``pre_quant_scale`` [K] (the model dtype) and the linear computes W (x * s): the IR's pre_quant_scale
+        role, kept in fp32 (exact)."""
+        if in_f % group:
+            raise PrequantizedError(f"{module}: W4A16_AWQ's group_size {group} does not divide its in_features {in_f}; "
+                                    f"its weight_scale groups must tile the input (a group_size dividing every "
+                                    f"quantized linear's in_features, e.g. 128 or 64)")
+        num_groups = in_f // group
+        if out_f % 2:
+            raise PrequantizedError(f"{module}: out_features {out_f} is odd; W4A16_AWQ packs two output rows a byte")
+        names = {r: f"{module}.{r}" for r in ("weight", "weight_scale", "pre_quant_scale")}
+        weight, scale = tensors[names["weight"]], tensors[names["weight_scale"]]
+        _check(names["weight"], weight, (torch.uint8, torch.int8), (out_f // 2, in_f),
+               f"4-bit codes of the {out_f} x {in_f} weight, two output rows a byte")
+        _check(names["weight_scale"], scale, FLOATS, (out_f, num_groups),
+               f"one scale per output row and group of {group} of the {in_f} input features")
+        packed = weight.view(torch.uint8).to(torch.int32)
+        nibbles = torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(out_f, in_f)  # row 2i low, 2i + 1 high
+        codes = nibbles - 16 * (nibbles >= 8).to(torch.int32)  # two's complement: -8..7
+        # the format's dequantization: w[n, k] = q[n, k] * weight_scale[n, k // group]
+        reference = codes.float() * scale.float()[:, torch.arange(in_f) // group]
+        zeros = torch.full((out_f, num_groups), 8, dtype=torch.int32)
+        ir, quant = _weight_only(codes + 8, zeros, scale, 4, group, None, "modelopt", module)
+        pqs = tensors.get(names["pre_quant_scale"])
+        if pqs is not None:
+            _check(names["pre_quant_scale"], pqs, FLOATS, (in_f,),
+                   f"one scale per input feature of the {in_f}: the linear computes W (x * pre_quant_scale)")
+            if not bool(torch.isfinite(pqs).all()):
+                raise PrequantizedError(f"tensor {names['pre_quant_scale']!r} holds inf or nan; expected finite "
+                                        f"scales (AWQ's, positive)")
+            ir["pre_quant_scale"] = pqs.float().contiguous()
+        return ImportedLinear("w4a16", ir, quant, reference, [n for n in names.values() if n in tensors])
 
 
 # --- config -----------------------------------------------------------------------------------------
@@ -801,6 +882,12 @@ class Imported:
         self.experts = dict.fromkeys(self.experts)
         return out
 
+    def input_scales(self) -> dict[str, Tensor]:
+        """module -> the per-input-channel scale (fp32 [in]) its linear multiplies its input by before the matmul
+        (ModelOpt AWQ's pre_quant_scale), for the reference model: applied before any activation quantization."""
+        return {m: lin.tensors["pre_quant_scale"] for m, lin in self.linears.items()
+                if "pre_quant_scale" in lin.tensors}
+
     def activation_quant(self) -> dict[str, tuple[str, Tensor | None, int | None]]:
         """module -> (scheme, static input scale or None, group width along K or None) of the W8A8 linears, whose
         activations the format quantizes too (fp8 / int8 per token or with the static scale; fp8_block per token and
@@ -814,7 +901,8 @@ class Imported:
         for lin in self.linears.values():
             schemes[lin.scheme] = schemes.get(lin.scheme, 0) + 1
         out = {**self.fmt.summary(), "num_linears": len(self.linears), "schemes": schemes,
-               "act_order_linears": sum("perm" in lin.tensors for lin in self.linears.values())}
+               "act_order_linears": sum("perm" in lin.tensors for lin in self.linears.values()),
+               "pre_quant_scale_linears": sum("pre_quant_scale" in lin.tensors for lin in self.linears.values())}
         if self.experts:
             out["moe_weights"] = len(self.experts)
             out["expert_linears"] = self.expert_linears
@@ -899,14 +987,15 @@ def expert_modules(ckpt, fmt: QuantFormat, taken: set[str]) -> dict[str, str]:
 def _expert_scheme(lin: ImportedLinear, what: str) -> tuple:
     """The moe scheme an expert linear imports as, with what must agree across a layer: ("w4a16", group size) or
     ("fp8",); PrequantizedError for anything the moe op does not run."""
-    if lin.scheme == "w4a16" and "perm" not in lin.tensors:
+    if lin.scheme == "w4a16" and not {"perm", "pre_quant_scale"} & set(lin.tensors):
         return "w4a16", lin.quant["group_size"]
     if lin.scheme == "fp8" and "input_scale" not in lin.tensors:
         return ("fp8",)
     if lin.scheme == "fp8_block":
         return "fp8_block", tuple(lin.quant["block_size"])
     kind = ("act-order (desc_act)" if "perm" in lin.tensors else
-            "FP8 with a static input scale" if lin.scheme == "fp8" else lin.scheme)
+            "scaled on its input (a pre_quant_scale, which the moe op does not apply)" if "pre_quant_scale" in
+            lin.tensors else "FP8 with a static input scale" if lin.scheme == "fp8" else lin.scheme)
     raise PrequantizedError(f"{what} is {kind}; quantized experts import as 4-bit weight-only codes in groups along "
                             f"the input without act-order (the moe op's w4a16 scheme), as FP8 per channel or tensor "
                             f"with inputs quantized per token (its fp8 scheme) or as FP8 in blocks (fp8_block)")

@@ -366,9 +366,12 @@ PREQUANTIZED_METHOD = {"w4a16": "gptq", "w8a16": "int8_wo", "fp8": "fp8", "fp8_b
 
 
 def prequantized_method(imported: dict) -> str:
-    """The thresholds of a pre-quantized artifact: its format's method (gptq, awq), else its scheme's."""
+    """The thresholds of a pre-quantized artifact: its format's method (gptq, awq; ModelOpt's W4A16_AWQ is awq), else
+    its scheme's."""
     if imported.get("source") in ("gptq", "awq"):
         return imported["source"]
+    if imported.get("quant_algo") == "W4A16_AWQ":
+        return "awq"
     return PREQUANTIZED_METHOD.get(imported.get("scheme", ""), "none")
 
 

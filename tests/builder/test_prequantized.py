@@ -684,13 +684,17 @@ Q = "model.layers.0.self_attn.q_proj"
      r"quantization_config\.activation_scheme is \"static\"; imported: dynamic \(a static activation_scale"),
     ({"quant_method": "modelopt", "quant_algo": "FP4_MAGIC"}, {},
      r"quantization_config\.quant_algo is \"FP4_MAGIC\": it is not an algorithm the import reads; imported: FP8, "
-     r"FP8_PER_CHANNEL_PER_TOKEN, W8A16"),
+     r"FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ"),
     ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, {},
      r"quant_algo is \"NVFP4\": FP4 \(e2m1\) weights with fp8 scales per 16 have no IR scheme"),
     ({"quant_method": "modelopt", "quant_algo": "fp8_pb_wo"}, {},
      r"quant_algo is \"fp8_pb_wo\": FP8 weights in blocks with unquantized activations; the IR's fp8_block "
      r"quantizes its activations"),
-    ({"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}, {}, r"quant_algo is \"W4A16_AWQ\": its pre_quant_scale"),
+    ({"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}, {},  # config.json's flat form carries no group size
+     r"quantization_config\.group_size is null; W4A16_AWQ needs the positive number of input features that share "
+     r"one weight_scale"),
+    ({"quant_method": "modelopt", "quant_algo": "W8A8_SQ_PER_CHANNEL"}, {},
+     r"quant_algo is \"W8A8_SQ_PER_CHANNEL\": its static int8 activations round x \* 127 / amax to codes -128\.\.127"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}, {},
      r"quantization_config\.kv_cache_quant_algo is \"INT8\"; imported: FP8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, {},
@@ -700,8 +704,8 @@ Q = "model.layers.0.self_attn.q_proj"
      rf"tensor '{Q}\.weight_packed' is missing; a compressed-tensors quantized linear stores weight_packed, "
      rf"weight_scale \(found none of them\)"),
 ], ids=["missing-qzeros", "qweight-shape", "scales-groups", "g_idx-uneven", "bits-3", "gptq-marlin", "hqq",
-        "fp8-per-tensor", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo", "modelopt-awq",
-        "modelopt-kv-int8", "awq-gemv", "ct-not-packed"])
+        "fp8-per-tensor", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
+        "modelopt-awq-no-group-size", "modelopt-smoothquant", "modelopt-kv-int8", "awq-gemv", "ct-not-packed"])
 def test_malformed_checkpoint_fails_naming_the_tensor(traced, base, tmp_path, config, edit, message):
     from builder.checkpoint import CheckpointError
 
