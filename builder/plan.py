@@ -359,13 +359,16 @@ def fp8_expert_layers(shape: ModelShape, sections: list[QuantizationSection],
 
 
 def experts_bytes(shape: ModelShape, sections: list[QuantizationSection],
-                  methods: list[Optional[QuantizationSection]], itemsize: int, tp_size: int = 1) -> int:
+                  methods: list[Optional[QuantizationSection]], itemsize: int, tp_size: int = 1,
+                  fp8_blocks: Optional[tuple[int, int]] = None) -> int:
     """Bytes of the sparse layers' experts and routers (the moe ops' weights) on one of ``tp_size`` ranks: fp8
-    experts as e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate + hidden]; w4a16 experts
-    (awq, gptq 4-bit) as packed codes [E, 3 * intermediate, hidden / 2] + fp32 scales and uint8 zeros per group
-    ([E, 2 * intermediate, hidden / G] and [E, hidden, intermediate / G]); the others and every router in the model
-    dtype (:func:`expert_layers`); each rank holds 1 / tp_size of every expert's intermediate features (the down
-    projection's fp8 scales and the router whole)."""
+    experts as e4m3 codes [E, 3 * intermediate, hidden] + fp32 scales [E, 2 * intermediate + hidden], or, imported
+    from a fine-grained FP8 checkpoint (``fp8_blocks`` [bn, bk]), one fp32 scale per bn x bk block of each
+    projection ([E, 2 * ceil(intermediate / bn), ceil(hidden / bk)] and [E, ceil(hidden / bn), ceil(intermediate /
+    bk)]); w4a16 experts (awq, gptq 4-bit) as packed codes [E, 3 * intermediate, hidden / 2] + fp32 scales and uint8
+    zeros per group ([E, 2 * intermediate, hidden / G] and [E, hidden, intermediate / G]); the others and every router
+    in the model dtype (:func:`expert_layers`); each rank holds 1 / tp_size of every expert's intermediate features
+    (the down projection's per-channel fp8 scales and the router whole)."""
     m = shape.moe
     if m is None:
         return 0
@@ -375,7 +378,11 @@ def experts_bytes(shape: ModelShape, sections: list[QuantizationSection],
     for layer in m.sparse_layers:
         q = chosen.get(layer)
         scheme = _expert_section(q) if q is not None else None
-        if scheme == "fp8":
+        if scheme == "fp8" and fp8_blocks is not None:  # the moe op's fp8_block experts: the blocks as stored
+            bn, bk = fp8_blocks
+            blocks = 2 * -(-inter // bn) * -(-h // bk) + -(-h // bn) * -(-inter // bk)  # gate, up; down
+            total += m.num_experts * (3 * h * inter + 4 * blocks + h * itemsize)
+        elif scheme == "fp8":
             total += m.num_experts * (3 * h * inter + 4 * (2 * inter + h) + h * itemsize)
         elif scheme == "w4a16":
             g = q.group_size or 128
@@ -386,7 +393,8 @@ def experts_bytes(shape: ModelShape, sections: list[QuantizationSection],
     return total
 
 
-def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], itemsize: int, tp_size: int) -> int:
+def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], itemsize: int, tp_size: int,
+                 fp8_blocks: Optional[tuple[int, int]] = None) -> int:
     """Bytes of one linear node on one rank as the passes store it (passes/README.md, quant_math.py):
 
         none          weight [out, in] in the model dtype
@@ -395,6 +403,8 @@ def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], items
                       int8_wo: one group per row)
         W8A8 INT8     codes int8 [out, in] + weight_scale fp32 [out] (+ input_scale fp32 [1] if static)
         FP8           codes e4m3 [out, in] + weight_scale fp32 [out] or [1] (+ input_scale fp32 [1] if static)
+        FP8 blocks    codes e4m3 [out, in] + weight_scale fp32 [ceil(out/bn), ceil(in/bk)] per member (``fp8_blocks``
+                      [bn, bk]: a fine-grained FP8 checkpoint's fp8_block, imported; merged members stack their rows)
 
     A bias stays in the model dtype. Per-tensor and input scales belong to the node, so a merged q/k/v
     node has one of each.
@@ -422,6 +432,9 @@ def linear_bytes(node: LinearNode, section: Optional[QuantizationSection], items
     static = 4 if section.activations == "static" else 0
     if algo == "smoothquant":
         return total + out_f * in_f + out_f * 4 + static
+    if algo == "fp8" and fp8_blocks is not None:
+        bn, bk = fp8_blocks
+        return total + out_f * in_f + 4 * sum(-(-out // bn) for out in node.out_features) * -(-in_f // bk)
     if algo == "fp8":
         return total + out_f * in_f + (out_f * 4 if section.weight_granularity == "channel" else 4) + static
     raise AssertionError(f"linear_bytes: unhandled quantization algo {algo!r}")
@@ -527,9 +540,9 @@ def make_plan(recipe: Recipe, *, tp_size: int | None = None, gpu_memory: str | i
         raise PlanError(f"gpu_memory_utilization {utilization} must lie in (0, 1]")
     rt = recipe.runtime
     recipe_tp_size, recipe_vocab_parallel = _recipe_parallel(recipe)
-    sections, imported_note = recipe.quant_sections(), None
+    sections, imported_note, fp8_blocks = recipe.quant_sections(), None, None
     if not sections:  # a pre-quantized checkpoint: its linears and experts as the import stores them
-        sections, imported_note = prequantized_sections(recipe.model.checkpoint)
+        sections, imported_note, fp8_blocks = prequantized_sections(recipe.model.checkpoint)
     settings = PlanSettings(
         dtype=recipe.model.dtype, quantization=[q.algo for q in sections],
         kv_cache_dtype=rt.kv_cache_dtype, tp_size=tp_size if tp_size is not None else recipe_tp_size,
@@ -540,7 +553,7 @@ def make_plan(recipe: Recipe, *, tp_size: int | None = None, gpu_memory: str | i
         gpu_memory_utilization=float(utilization))
     shape = read_model_shape(recipe.model.checkpoint)
     plan = plan_memory(shape, settings, sections, list(recipe.passes), source or recipe.model.checkpoint,
-                       recipe.name or Path(recipe.model.checkpoint).name)
+                       recipe.name or Path(recipe.model.checkpoint).name, fp8_blocks)
     if imported_note:
         plan.notes.append(imported_note)
     return plan
@@ -550,11 +563,13 @@ def make_plan(recipe: Recipe, *, tp_size: int | None = None, gpu_memory: str | i
 _IMPORTED_METHOD = {"w4a16": "gptq", "w8a16": "int8_wo", "fp8": "fp8", "fp8_block": "fp8", "w8a8_int8": "smoothquant"}
 
 
-def prequantized_sections(checkpoint: str | Path) -> tuple[list[QuantizationSection], str | None]:
+def prequantized_sections(checkpoint: str | Path) -> tuple[list[QuantizationSection], str | None,
+                                                          tuple[int, int] | None]:
     """For a checkpoint another tool quantized (``builder/prequantized.py`` reads its config): one quantization section
     of the method that writes the scheme its import stores (GPTQ / AWQ / 4-bit compressed-tensors: W4A16 in the
-    checkpoint's groups; FP8 ...), reaching every linear and expert as the import does, and a note saying so. ([], None)
-    for a floating-point checkpoint (or a config.json :func:`read_model_shape` reports on)."""
+    checkpoint's groups; FP8 ...), reaching every linear and expert as the import does, a note saying so, and a
+    fine-grained FP8 checkpoint's [bn, bk] (its fp8_block weights hold one scale per block, not per channel; else None).
+    ([], None, None) for a floating-point checkpoint (or a config.json :func:`read_model_shape` reports on)."""
     from builder.prequantized import PrequantizedError, read_quant_config
 
     cfg_file = Path(checkpoint) / "config.json"
@@ -562,11 +577,11 @@ def prequantized_sections(checkpoint: str | Path) -> tuple[list[QuantizationSect
         config = json.loads(cfg_file.read_text())
         fmt = read_quant_config(cfg_file, config) if isinstance(config, dict) else None
     except (OSError, json.JSONDecodeError):
-        return [], None
+        return [], None, None
     except PrequantizedError as e:
         raise PlanError(str(e)) from None
     if fmt is None or fmt.scheme not in _IMPORTED_METHOD:
-        return [], None
+        return [], None, None
     algo = _IMPORTED_METHOD[fmt.scheme]
     if algo == "gptq":
         section = QuantizationSection(algo=algo, bits=4, group_size=fmt.group_size)
@@ -577,16 +592,19 @@ def prequantized_sections(checkpoint: str | Path) -> tuple[list[QuantizationSect
         section = QuantizationSection(algo=algo, weight_granularity="channel" if channel else "tensor")
     else:
         section = QuantizationSection(algo=algo)
-    groups = f" in groups of {fmt.group_size}" if algo == "gptq" and fmt.group_size != -1 else ""
+    blocks = tuple(fmt.details["weight_block_size"]) if fmt.scheme == "fp8_block" else None
+    groups = (f" in groups of {fmt.group_size}" if algo == "gptq" and fmt.group_size != -1 else
+              f" with a scale per {blocks[0]} x {blocks[1]} block" if blocks else "")
     note = (f"pre-quantized checkpoint ({fmt.source}): its linears and mixture-of-experts experts are planned as the "
             f"import stores them, {SCHEME_NAMES[algo]}{groups} ({fmt.scheme}); modules the checkpoint keeps in "
             f"floating point and other schemes of a mixed-precision config are not told apart")
-    return [section], note
+    return [section], note, blocks
 
 
 def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationSection], passes: list[str],
-                source: str, name: str) -> Plan:
-    """The plan itself: pure arithmetic on the shape and the settings."""
+                source: str, name: str, fp8_blocks: Optional[tuple[int, int]] = None) -> Plan:
+    """The plan itself: pure arithmetic on the shape and the settings (``fp8_blocks``: a fine-grained FP8
+    checkpoint's [bn, bk], whose fp8 weights hold one scale per block)."""
     tp, itemsize = s.tp_size, DTYPE_BYTES[s.dtype]
     _, kv_heads = shard_heads(shape, tp, s.vocab_parallel)
     nodes = linear_nodes(shape, tp, passes)
@@ -598,17 +616,17 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
     head_section = next((q for q in sections if q.lm_head), None)
     if head_section is not None:  # its own quantized copy, tied or not
         head = LinearNode("lm_head", ("lm_head",), shape.hidden_size, (vocab_rows,), False)
-        head_bytes = linear_bytes(head, head_section, itemsize, tp)
+        head_bytes = linear_bytes(head, head_section, itemsize, tp, fp8_blocks)
     else:
         head_bytes = 0 if shape.tie_word_embeddings else table  # a tied lm_head is the embedding table
     breakdown = {
         "embedding": table,
         "lm_head": head_bytes,
-        "linears": sum(linear_bytes(n, m, itemsize, tp) for n, m in zip(nodes, methods)),
+        "linears": sum(linear_bytes(n, m, itemsize, tp, fp8_blocks) for n, m in zip(nodes, methods)),
         "norms": (shape.num_layers * per_layer_norms + shape.hidden_size) * itemsize,
         "rope": shape.head_dim // 2 * 4,  # inv_freq, fp32, one table shared by the layers
         "kv_scales": shape.num_layers * 2 * 4 if kv_quantized else 0,  # k_scale, v_scale fp32 per layer
-        "experts": experts_bytes(shape, sections, methods, itemsize, tp),
+        "experts": experts_bytes(shape, sections, methods, itemsize, tp, fp8_blocks),
     }
     weights = sum(breakdown.values())
     quantized: dict[str, int] = {}
@@ -661,7 +679,8 @@ def plan_memory(shape: ModelShape, s: PlanSettings, sections: list[QuantizationS
         m, chosen = shape.moe, expert_layers(shape, sections, methods)
         fp8_layers = sum(_expert_section(q) == "fp8" for q in chosen.values())
         int4_layers = len(chosen) - fp8_layers
-        parts = ([f"{fp8_layers} of them in fp8 (e4m3, per-channel scales)"] if fp8_layers else []) + (
+        scales = f"a scale per {fp8_blocks[0]} x {fp8_blocks[1]} block" if fp8_blocks else "per-channel scales"
+        parts = ([f"{fp8_layers} of them in fp8 (e4m3, {scales})"] if fp8_layers else []) + (
             [f"{int4_layers} in w4a16 (4-bit codes in groups, scales and zero points per group)"]
             if int4_layers else [])
         notes.append(f"mixture of experts: {shape.num_parameters() / 1e9:.2f} B parameters, "

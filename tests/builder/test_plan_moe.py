@@ -97,3 +97,28 @@ def test_plan_counts_w4a16_experts(tmp_path):
     eight = make_plan(recipe_for_checkpoint(tmp_path / "qwen2_moe", [
         "model.dtype=bfloat16", "quantization.algo=gptq", "quantization.bits=8", f"quantization.group_size={g}"]))
     assert eight.weights_breakdown["experts"] == unquantized.weights_breakdown["experts"]
+
+
+def test_plan_counts_block_fp8_scales_per_block(tmp_path):
+    """A fine-grained FP8 checkpoint (transformers' ``quant_method: fp8`` with ``weight_block_size``) is planned as the
+    import stores it: e4m3 codes and one fp32 scale per bn x bk block of each projection (partial blocks included;
+    a merged q/k/v stacks its members' row blocks), not one per output channel; the experts likewise, per expert."""
+    bn, bk = 16, 32
+    path = _checkpoint(tmp_path, "mixtral")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [bn, bk]}
+    (path / "config.json").write_text(json.dumps(config))
+    plan = make_plan(recipe_for_checkpoint(path, ["model.dtype=bfloat16"]))
+
+    def blocks(rows: int, cols: int) -> int:  # a weight's scales: whole blocks plus the partial last ones
+        return ((rows + bn - 1) // bn) * ((cols + bk - 1) // bk)
+
+    layers, e, h, inter, kv = 3, 8, 64, 112, 32  # head_dim 16: q 64 rows, k and v 32 each
+    attention = (64 + 2 * kv) * h + h * h + 4 * (blocks(64, h) + 2 * blocks(kv, h) + blocks(h, h))
+    assert plan.weights_breakdown["linears"] == layers * attention
+    expert = 3 * h * inter + 4 * (2 * blocks(inter, h) + blocks(h, inter))  # gate, up; down
+    assert plan.weights_breakdown["experts"] == layers * e * (expert + 2 * h)  # the router stays bf16
+    assert layers * e * 4 * (2 * blocks(inter, h) + blocks(h, inter)) < layers * e * 4 * (2 * inter + h)  # per channel
+    assert any("with a scale per 16 x 32 block (fp8_block)" in n for n in plan.notes), plan.notes
+    assert any("fp8 (e4m3, a scale per 16 x 32 block)" in n for n in plan.notes), plan.notes

@@ -293,7 +293,8 @@ def test_experts_the_moe_op_cannot_run_are_refused_naming_why(tmp_path_factory, 
     assert re.search(message, res.output), res.output
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe-gptq", "mixtral-awq", "qwen3_moe-compressed-tensors-fp8"])
+@pytest.mark.parametrize("name", ["qwen3_moe-gptq", "mixtral-awq", "qwen3_moe-compressed-tensors-fp8",
+                                  "qwen3_moe-fp8-blocks"])
 def test_plan_counts_a_prequantized_checkpoint_as_imported(name, built, tmp_path):
     """``builder plan`` of a pre-quantized checkpoint (a recipe without a quantization section) counts its linears and
     experts as the import stores them: the artifact's tensor bytes, less the q/k norms a Llama-style plan of Qwen3
