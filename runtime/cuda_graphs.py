@@ -65,39 +65,66 @@ def capture_step(executor: Executor, inp: StepInput, pool,
 
 
 class TableStaging:
-    """A host buffer of block tables, [rows, max_blocks] int32 (pinned on CUDA), written row by row.
+    """A host buffer of block tables (pinned on CUDA), filled row by row into a compact [rows, width] block, width the
+    longest table's length: one contiguous source for the copy to the device.
 
     Building the padded tables as a nested list and turning it into a tensor costs the host O(rows x blocks) Python
     work per step: 9.8 ms for 512 sequences of 136 blocks (2,176 tokens) on the 2-core development machine. Here
     each row is copied from its list in one slice assignment, the buffer's memory seen as a memoryview of C ints
-    (no numpy needed): 1.3 ms there. ``written[i]``: how many leading entries of row i hold values of an
-    earlier fill; every entry past it is zero, so each fill leaves what a full rewrite would: each row its table,
-    then zeros."""
+    (no numpy needed): 1.3 ms there. The block is compact rather than [rows, max_blocks] sliced to the width: a
+    strided host source makes torch stage the copy through a pageable temporary (a synchronous copy of the host
+    per step, "Memcpy HtoD (Pageable -> Device)" in a profile)."""
 
     def __init__(self, rows: int, max_blocks: int, pin: bool) -> None:
-        self.tensor = torch.zeros(rows, max_blocks, dtype=torch.int32, pin_memory=pin)
-        self.stride = max_blocks
+        self.tensor = torch.zeros(rows * max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.max_blocks = max_blocks
         self._ints = memoryview((ctypes.c_int32 * self.tensor.numel()).from_address(self.tensor.data_ptr())) \
             .cast("B").cast("i")
-        self._written = [0] * rows
+        self._zeros = memoryview(array("i", bytes(4 * max_blocks)))
 
-    def fill(self, tables: list[list[int]], rows: int) -> int:
-        """Rows 0 .. len(tables) - 1 hold ``tables``, rows up to ``rows`` are zero (padding); returns the widest
-        table's length (the columns to copy)."""
-        ints, stride, written = self._ints, self.stride, self._written
-        width = 0
+    def fill(self, tables: list[list[int]], rows: int) -> torch.Tensor:
+        """[rows, width] (a view of the buffer, contiguous): row i holds ``tables[i]`` then zeros, rows past the
+        tables are zeros (padding); width is the longest table's length (0 for none)."""
+        ints, zeros = self._ints, self._zeros
+        width = max(map(len, tables), default=0)
         for i, table in enumerate(tables):
-            n, at = len(table), i * stride
+            n, at = len(table), i * width
             ints[at:at + n] = array("i", table)
-            if written[i] > n:
-                ints[at + n:at + written[i]] = array("i", bytes(4 * (written[i] - n)))
-            written[i] = n
-            width = max(width, n)
+            if n < width:
+                ints[at + n:at + width] = zeros[:width - n]
         for i in range(len(tables), rows):
-            if written[i]:
-                ints[i * stride:i * stride + written[i]] = array("i", bytes(4 * written[i]))
-                written[i] = 0
-        return width
+            ints[i * width:(i + 1) * width] = zeros[:width]
+        return self.tensor[:rows * width].view(rows, width)
+
+
+class StagedInputs:
+    """A captured step's static inputs as views of one device buffer, staged in pinned host buffers of the same
+    layout used in turn: one copy a step instead of one per input (each costs the host ~5-12 us to queue).
+    ``fields``: name -> (dtype, shape); each field starts at a multiple of 8 bytes. ``device[name]`` is the view the
+    graphs read, ``host(turn)[name]`` the view to fill; ``copy(turn)`` queues the whole buffer (a few KB: every
+    field in full, the parts a step does not use included, which its graph does not read)."""
+
+    def __init__(self, fields: dict[str, tuple[torch.dtype, tuple[int, ...]]], device: torch.device, pin: bool,
+                 sets: int = 2) -> None:
+        layout, size = {}, 0
+        for name, (dtype, shape) in fields.items():
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            layout[name] = (size, nbytes, dtype, shape)
+            size += -(-nbytes // 8) * 8
+        self._layout, self.pin = layout, pin
+        self._device = torch.zeros(size, dtype=torch.uint8, device=device)
+        self._hosts = [torch.zeros(size, dtype=torch.uint8, pin_memory=pin) for _ in range(sets)]
+        self.device = self._views(self._device)
+        self._host_views = [self._views(h) for h in self._hosts]
+
+    def _views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: buf[at:at + n].view(dtype).view(shape) for name, (at, n, dtype, shape) in self._layout.items()}
+
+    def host(self, turn: int) -> dict[str, torch.Tensor]:
+        return self._host_views[turn]
+
+    def copy(self, turn: int) -> None:
+        self._device.copy_(self._hosts[turn], non_blocking=self.pin)
 
 
 class DecodeGraphs:
@@ -113,21 +140,20 @@ class DecodeGraphs:
         self.buckets = sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs})
         top = self.buckets[-1]
         self.max_blocks = -(-max_seq_len // storage.block_size)
-        # static inputs: sized for the largest bucket; each graph reads a prefix
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((top,), -1, dtype=torch.long, device=device)
+        # static inputs: sized for the largest bucket; each graph reads a prefix. [positions, slots, ids] and
+        # [seq_lens, context_lens] in one buffer, staged in two pinned sets used in turn (see run)
+        self._inputs = StagedInputs({"longs": (torch.long, (3, top)), "ints": (torch.int32, (2, top))}, device,
+                                    pin=True)
+        longs, ints = self._inputs.device["longs"], self._inputs.device["ints"]
+        self.positions, self.slot_mapping, self.input_ids = longs[0], longs[1], longs[2]
+        self.seq_lens, self.context_lens = ints[0], ints[1]
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
         self.block_tables = torch.zeros(top, self.max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(top, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(top, dtype=torch.long, device=device)
         self.storage = storage
-        # pinned host staging, two sets used in turn (see run): [positions, slots, ids], [seq_lens, context_lens],
-        # block tables
-        self._staging = [(torch.zeros(3, top, dtype=torch.long).pin_memory(),
-                          torch.zeros(2, top, dtype=torch.int32).pin_memory(),
-                          TableStaging(top, self.max_blocks, pin=True)) for _ in range(2)]
+        self._tables = [TableStaging(top, self.max_blocks, pin=True) for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
@@ -176,23 +202,21 @@ class DecodeGraphs:
         assert b is not None, f"{n} sequences exceed the largest captured bucket {self.buckets[-1]}"
         pad = b - n
         on_device = isinstance(input_ids, torch.Tensor)
-        longs, ints, tabs = self._staging[self._turn]
+        turn = self._turn
         self._turn ^= 1
-        longs[:, :b] = torch.tensor([positions + [0] * pad, slots + [-1] * pad,
-                                     [0] * b if on_device else input_ids + [0] * pad], dtype=torch.long)
-        ints[:, :b] = torch.tensor([[p + 1 for p in positions] + [1] * pad, positions + [0] * pad], dtype=torch.int32)
-        # only the columns in use are copied: entries past a sequence's length are never read (seq_lens bounds the
-        # kernel)
-        width = tabs.fill(tables, b)
+        host = self._inputs.host(turn)
+        host["longs"][:, :b] = torch.tensor([positions + [0] * pad, slots + [-1] * pad,
+                                             [0] * b if on_device else input_ids + [0] * pad], dtype=torch.long)
+        host["ints"][:, :b] = torch.tensor([[p + 1 for p in positions] + [1] * pad, positions + [0] * pad],
+                                           dtype=torch.int32)
+        self._inputs.copy(turn)
         if on_device:
             self.input_ids[:n].copy_(input_ids)  # device to device, after the step that sampled them
-        else:
-            self.input_ids[:b].copy_(longs[2, :b], non_blocking=True)
-        self.positions[:b].copy_(longs[0, :b], non_blocking=True)
-        self.slot_mapping[:b].copy_(longs[1, :b], non_blocking=True)
-        self.seq_lens[:b].copy_(ints[0, :b], non_blocking=True)
-        self.context_lens[:b].copy_(ints[1, :b], non_blocking=True)
-        self.block_tables[:b, :width].copy_(tabs.tensor[:b, :width], non_blocking=True)
+        # only the columns in use are copied: entries past a sequence's length are never read (seq_lens bounds the
+        # kernel)
+        tables = self._tables[turn].fill(tables, b)
+        if tables.shape[1]:
+            self.block_tables[:b, :tables.shape[1]].copy_(tables, non_blocking=True)
         graph, logits = self._graphs[b]
         graph.replay()
         return logits[:n]
@@ -271,21 +295,21 @@ class StepGraphs:
         top_t, top_s = self.token_buckets[-1], self.seq_buckets[-1]
         self.max_seq_len = max_seq_len
         self.max_blocks = -(-max_seq_len // storage.block_size)
-        self.input_ids = torch.zeros(top_t, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top_t, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((top_t,), -1, dtype=torch.long, device=device)
-        self.logits_index = torch.zeros(top_s, dtype=torch.long, device=device)
-        self.block_tables = torch.zeros(top_s, self.max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(top_s, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(top_s, dtype=torch.int32, device=device)
-        self.cu_seqlens_q = torch.zeros(top_s + 1, dtype=torch.int32, device=device)
-        self.logits: torch.Tensor | None = None  # [top_s, vocab] ([0, vocab] without logits), at the first capture
         pin = device.type == "cuda"
-        # host staging, two sets used in turn: [ids | positions | slots | logits rows | fed rows | their targets],
-        # [seq_lens | context_lens | cu_seqlens_q], block tables
-        self._staging = [(torch.zeros(3 * top_t + 3 * top_s, dtype=torch.long, pin_memory=pin),
-                          torch.zeros(3 * top_s + 1, dtype=torch.int32, pin_memory=pin),
-                          TableStaging(top_s, self.max_blocks, pin)) for _ in range(2)]
+        # static inputs, one buffer staged in two host sets used in turn: [ids, positions, slots] of the tokens,
+        # the logits rows, [seq_lens, context_lens, cu_seqlens_q] of the sequences (the first two padded by one)
+        self._inputs = StagedInputs({"tokens": (torch.long, (3, top_t)), "rows": (torch.long, (top_s,)),
+                                     "seqs": (torch.int32, (3, top_s + 1))}, device, pin)
+        tokens, seqs = self._inputs.device["tokens"], self._inputs.device["seqs"]
+        self.input_ids, self.positions, self.slot_mapping = tokens[0], tokens[1], tokens[2]
+        self.slot_mapping.fill_(-1)
+        self.logits_index = self._inputs.device["rows"]
+        self.seq_lens, self.context_lens, self.cu_seqlens_q = seqs[0, :top_s], seqs[1, :top_s], seqs[2]
+        self.block_tables = torch.zeros(top_s, self.max_blocks, dtype=torch.int32, device=device)
+        self.logits: torch.Tensor | None = None  # [top_s, vocab] ([0, vocab] without logits), at the first capture
+        # per host set: the block tables, and [fed rows | their targets] (a feed's index, see run)
+        self._staging = [(TableStaging(top_s, self.max_blocks, pin),
+                          torch.zeros(2 * top_t, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
         self._turn = 0
         # per staging set, an event recorded after its copies were queued: the set is rewritten only once they ran
         # (a caller that launches steps back to back without reading any back, e.g. a draft model's long prompt)
@@ -367,32 +391,28 @@ class StepGraphs:
         assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences ({rows} logits rows): no step bucket"
         t, s = key
         turn = self._turn
-        longs, ints, tabs = self._staging[turn]
+        tabs, fed = self._staging[turn]
         self._turn ^= 1
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()  # done already on the serving path, which reads each step back
         pad_t, pad_s = t - n, s - num_seqs
-        longs[:3 * t + s] = torch.tensor(step.input_ids + [0] * pad_t + step.positions + [0] * pad_t
-                                         + step.slots + [-1] * pad_t + step.logits_rows + [0] * (s - rows),
-                                         dtype=torch.long)
-        ints[:3 * s + 1] = torch.tensor(step.seq_lens + [0] * pad_s + step.context_lens + [0] * pad_s
-                                        + step.cu_seqlens_q + [n] * pad_s, dtype=torch.int32)
-        width = tabs.fill(step.block_tables, s)
-        nb = longs.is_pinned()
-        self.input_ids[:t].copy_(longs[:t], non_blocking=nb)
-        self.positions[:t].copy_(longs[t:2 * t], non_blocking=nb)
-        self.slot_mapping[:t].copy_(longs[2 * t:3 * t], non_blocking=nb)
-        self.logits_index[:s].copy_(longs[3 * t:3 * t + s], non_blocking=nb)
-        self.seq_lens[:s].copy_(ints[:s], non_blocking=nb)
-        self.context_lens[:s].copy_(ints[s:2 * s], non_blocking=nb)
-        self.cu_seqlens_q[:s + 1].copy_(ints[2 * s:3 * s + 1], non_blocking=nb)
-        self.block_tables[:s, :width].copy_(tabs.tensor[:s, :width], non_blocking=nb)
+        host = self._inputs.host(turn)
+        host["tokens"][:, :t] = torch.tensor([step.input_ids + [0] * pad_t, step.positions + [0] * pad_t,
+                                              step.slots + [-1] * pad_t], dtype=torch.long)
+        host["rows"][:s] = torch.tensor(step.logits_rows + [0] * (s - rows), dtype=torch.long)
+        zeros = [0] * (pad_s + 1)
+        host["seqs"][:, :s + 1] = torch.tensor([step.seq_lens + zeros, step.context_lens + zeros,
+                                                step.cu_seqlens_q + [n] * pad_s], dtype=torch.int32)
+        nb = self._inputs.pin
+        self._inputs.copy(turn)
+        tables = tabs.fill(step.block_tables, s)
+        if tables.shape[1]:
+            self.block_tables[:s, :tables.shape[1]].copy_(tables, non_blocking=nb)
         if feed is not None:
             tokens, sources, targets = feed
             k = len(sources)
-            base = 3 * t + s
-            longs[base:base + 2 * k] = torch.tensor(sources + targets, dtype=torch.long)
-            index = longs[base:base + 2 * k].to(self.input_ids.device, non_blocking=nb)
+            fed[:2 * k] = torch.tensor(sources + targets, dtype=torch.long)
+            index = fed[:2 * k].to(self.input_ids.device, non_blocking=nb)
             self.input_ids.index_copy_(0, index[k:], tokens.index_select(0, index[:k]))
         if nb:
             self._copied[turn] = torch.cuda.Event()

@@ -238,7 +238,7 @@ class PagedDraft:
 
     def __init__(self, draft: Engine, max_seqs: int, max_seq_len: int, max_draft_tokens: int, capture: bool,
                  buckets: tuple[int, ...] = CHAIN_BUCKETS) -> None:
-        from runtime.cuda_graphs import StepGraphs
+        from runtime.cuda_graphs import StagedInputs, StepGraphs
         from runtime.paged_kv import PagedKVStorage
 
         self.executor, self.device, self.capture = draft.executor, draft.device, capture
@@ -260,21 +260,19 @@ class PagedDraft:
         # slot i's block table, for good: blocks [i * B, (i + 1) * B)
         self.tables = torch.arange(max_seqs * self.blocks_per_seq, dtype=torch.int32,
                                    device=dev).view(max_seqs, self.blocks_per_seq)
-        # the chain's static inputs: each row's first token and its position, its slot, and whether it is a request
-        self.first = torch.zeros(top, dtype=torch.long, device=dev)
-        self.first_pos = torch.zeros(top, dtype=torch.long, device=dev)
-        self.slot_rows = torch.zeros(top, dtype=torch.long, device=dev)
-        self.valid = torch.zeros(top, dtype=torch.bool, device=dev)
+        # the chain's static inputs, one buffer [first_pos | slot_rows | valid | first | num_forced | forced...]: each
+        # row's first token and its position, its slot, whether it is a request (1 / 0), and its new tokens after
+        # the first (fed before the chain drafts) and how many. Staged in pinned memory and copied at once, queued
+        # behind the catch-up step instead of waiting for it; one set is enough: a proposal's drafts are read back
+        # (``PendingDrafts.resolve``) before the next proposal
+        self._inputs = StagedInputs({"rows": (torch.long, (5 + self.FORCED, top))}, dev, dev.type == "cuda", sets=1)
+        rows = self._inputs.device["rows"]
+        self.first_pos, self.slot_rows, self.valid, self.first, self.num_forced = rows[0], rows[1], rows[2], rows[3], \
+            rows[4]
+        self.forced = rows[5:]
         self.rows = torch.arange(top, dtype=torch.long, device=dev)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=dev)
         self.out = torch.zeros(max(self.chain_len, 1), top, dtype=torch.long, device=dev)  # [step, row] the drafts
-        # each row's new tokens after its first (fed before the chain drafts), and how many
-        self.forced = torch.zeros(self.FORCED, top, dtype=torch.long, device=dev)
-        self.num_forced = torch.zeros(top, dtype=torch.long, device=dev)
-        # host staging of [first_pos | slot_rows | valid | first | num_forced | forced...]: pinned, so the copy is
-        # queued behind the catch-up step instead of waiting for it; one set is enough, a proposal ends by reading its
-        # drafts back
-        self._staging = torch.zeros(5 + self.FORCED, top, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (batch bucket, chain length)
         if capture:
             pool = torch.cuda.graph_pool_handle()
@@ -298,7 +296,7 @@ class PagedDraft:
             if 0 < j <= self.FORCED:  # a row's forced tokens come before its own drafts
                 ids = torch.where(self.num_forced[:b] >= j, self.forced[j - 1, :b], ids)
             pos = self.first_pos[:b] + j
-            ok = self.valid[:b] & (pos < self.capacity)  # past the cache (a request that wants fewer): unwritten
+            ok = (self.valid[:b] != 0) & (pos < self.capacity)  # past the cache (a request that wants fewer): unwritten
             pos = pos.clamp(max=self.capacity - 1)
             slot = tables.gather(1, (pos // bs).unsqueeze(1)).squeeze(1).long() * bs + pos % bs
             slot = torch.where(ok, slot, torch.full_like(slot, -1))
@@ -391,22 +389,13 @@ class PagedDraft:
         b = next(x for x in self.buckets if x >= n)
         pad = [0] * (b - n)
         forced = forced or [[] for _ in range(n)]
-        host = self._staging
-        host[:, :b] = torch.tensor([positions + pad, list(slots) + pad, [1] * n + pad,
-                                    (first_tokens if first_tokens is not None else [0] * n) + pad,
-                                    [len(f) for f in forced] + pad]
-                                   + [[f[j] if j < len(f) else 0 for f in forced] + pad for j in range(self.FORCED)],
-                                   dtype=torch.long)
-        nb = host.is_pinned()
+        self._inputs.host(0)["rows"][:, :b] = torch.tensor(
+            [positions + pad, list(slots) + pad, [1] * n + pad,
+             (first_tokens if first_tokens is not None else [0] * n) + pad, [len(f) for f in forced] + pad]
+            + [[f[j] if j < len(f) else 0 for f in forced] + pad for j in range(self.FORCED)], dtype=torch.long)
+        self._inputs.copy(0)
         if first is not None:
-            self.first[:n].copy_(first)
-        else:
-            self.first[:b].copy_(host[3, :b], non_blocking=nb)
-        self.num_forced[:b].copy_(host[4, :b], non_blocking=nb)
-        self.forced[:, :b].copy_(host[5:, :b], non_blocking=nb)
-        self.first_pos[:b].copy_(host[0, :b], non_blocking=nb)
-        self.slot_rows[:b].copy_(host[1, :b], non_blocking=nb)
-        self.valid[:b].copy_(host[2, :b], non_blocking=nb)  # 0/1 into bool
+            self.first[:n].copy_(first)  # after the staged copy, which wrote the host's zeros there
         graph = self._graphs.get((b, length))
         if graph is None:
             self._chain(b, length)

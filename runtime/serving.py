@@ -981,10 +981,13 @@ class ServingEngine:
                 for q, table in zip(sched.seqs, step.block_tables)]
         inp = StepInput(tensor(step.input_ids), tensor(step.positions), seqs, tensor(step.logits_rows))
         if self.executor.use_kernels:  # the fused attention kernels read the cache through these
-            tables = TableStaging(len(step.block_tables), max([1, *map(len, step.block_tables)]), pin=False)
-            tables.fill(step.block_tables, len(step.block_tables))  # row by row: see TableStaging
+            num_seqs = len(step.block_tables)
+            tables = TableStaging(num_seqs, max([1, *map(len, step.block_tables)]), pin=False) \
+                .fill(step.block_tables, num_seqs)  # row by row: see TableStaging
+            if tables.shape[1] == 0:  # no sequence holds a block yet: one column of zeros
+                tables = torch.zeros(num_seqs, 1, dtype=torch.int32)
             inp.paged = PagedAttentionMetadata(
-                self.storage.k, self.storage.v, tensor(step.slots), tensor(tables.tensor),
+                self.storage.k, self.storage.v, tensor(step.slots), tensor(tables),
                 tensor(step.seq_lens, torch.int32), tensor(step.context_lens, torch.int32),
                 tensor(step.cu_seqlens_q, torch.int32),
                 all(q.num_new == 1 for q in sched.seqs))

@@ -194,11 +194,11 @@ def test_prompts_and_chunks_join_the_pipeline(engine):
     ahead: list[tuple[int, int]] = []  # (prompt tokens, decodes fed from the device) of steps launched ahead
     run = overlapped._run
 
-    def spy(sched, tokens=None):
+    def spy(sched, tokens=None, **kwargs):
         if tokens is not None:
             ahead.append((sum(q.num_new for q in sched.seqs if q.in_flight_row is None),
                           sum(q.in_flight_row is not None for q in sched.seqs)))
-        return run(sched, tokens)
+        return run(sched, tokens, **kwargs)
 
     overlapped._run = spy
     prompts = _prompts(engine, 7, seed=8)
