@@ -208,6 +208,35 @@ def test_awq_export_builds_with_its_codes_and_scales(family, built):
     assert tokens == hf_next.tolist()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernel path on a GPU")
+def test_awq_export_on_cuda_gives_the_cpu_paths_tokens(tmp_path):
+    """On CUDA (the kernels, the serving engine's CUDA graphs) the export's artifact gives the CPU reference path's
+    logits and greedy tokens: the pre_quant_scale multiply before the W4A16 kernels, on a GPU. Heads of 32 (the
+    kernels' smallest)."""
+    from conftest import make_checkpoint
+
+    from runtime import Engine, SamplingParams
+    from runtime.serving import ServingConfig, ServingEngine
+
+    base = make_checkpoint(tmp_path / "base", "llama", seed=3, num_attention_heads=2, num_key_value_heads=1,
+                           **FAMILIES["llama"])
+    exp = export(base, tmp_path / "ckpt", torch.bfloat16)
+    res = run_build(exp.checkpoint, tmp_path / "artifact")
+    assert res.exit_code == 0, res.output
+    cpu, gpu = Engine.load(tmp_path / "artifact"), Engine.load(tmp_path / "artifact", device="cuda")
+    assert gpu.executor.use_kernels
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, cpu.tokenizer.vocab_size, (40,), generator=gen).tolist()
+    err = (cpu.logits(ids) - gpu.logits(ids).cpu()).abs().max().item()
+    assert err < 1e-3, err
+    prompts = [torch.randint(3, cpu.tokenizer.vocab_size, (n,), generator=gen).tolist() for n in (12, 5, 30)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [cpu.generate(p, params).token_ids for p in prompts]
+    assert [gpu.generate(p, params).token_ids for p in prompts] == want
+    served = ServingEngine(gpu, ServingConfig(num_blocks=64)).run(prompts, params)
+    assert [o.token_ids for o in served] == want
+
+
 def test_a_graph_with_a_role_the_runtime_does_not_know_is_refused(built):
     """A linear carrying a weight role the runtime does not run fails at load, naming it, instead of running without
     it (the manifest check and the executor both)."""
