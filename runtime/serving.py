@@ -20,8 +20,9 @@ is launched first and its sampling waits until the tokens in flight are read bac
 the masks while the device runs that step's forward. Preemption keeps the state (recompute emits nothing again).
 
 Speculative decoding (``ServingConfig.speculative``, runtime.speculative): before a step is scheduled, the proposer
-drafts tokens for the decoding requests that may speculate (free text, no logprobs, no penalties; not in a step with
-more than ``max_running`` decodes, nor for a request whose acceptance fell); each such decode is fed its last token
+drafts tokens for the decoding requests that may speculate (no logprobs, no penalties; not in a step with more than
+``max_running`` decodes, nor for a request whose acceptance fell; a structured request's drafts cut to what its grammar
+accepts, its verified rows masked by the grammar after each draft); each such decode is fed its last token
 and its drafts and gets a logits row for each (``_verify``). The drafts up to the first one the sampler disagrees
 with are kept, plus the sampler's own token, each through the stop checks in turn; their KV slots are committed and
 the rest returned. Such a step runs synchronously (the overlapped pipeline, see ``step``, waits for it). A draft
@@ -64,7 +65,7 @@ from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compu
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, PendingDrafts, Proposer,
                                  SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_rows)
-from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks
+from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks, fill_bitmasks_with_drafts
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -580,7 +581,8 @@ class ServingEngine:
         return self.executor.forward(inp), sampling  # logits: [num_sampling, vocab] fp32
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request],
-                draw_states: list[torch.Tensor | None] | None = None, masks: Future | None = None
+                draw_states: list[torch.Tensor | None] | None = None, masks: Future | None = None,
+                filled: tuple[list[int], list[GrammarState], torch.Tensor] | None = None
                 ) -> tuple[torch.Tensor, dict[str, str]]:
         """Each request's next token, on the logits' device (no host sync), and why sampling failed for the
         requests it raised for (their rows hold INVALID_TOKEN, as do rows without a valid distribution).
@@ -588,13 +590,17 @@ class ServingEngine:
         before the batched call, so the others keep the tokens they would have drawn.
         A request may have several consecutive rows (a verify step, see ``_verify``): they draw from its generator
         in turn, and ``draw_states`` (see ``sample``'s ``generator_states``) gets its state after each draw.
-        ``masks``: the structured rows' masks being filled already (``_start_masks``), else they are filled here."""
+        ``masks``: the structured rows' masks being filled already (``_start_masks``); ``filled``: filled already
+        (a verify step's, ``_verify_masks``); else they are filled here."""
         # (a request that finished while its sampling waited, see _InFlight, draws unseeded and unmasked: discarded)
         tracks = [self._tracks.get(r.request_id) for r in sampling]
         generators = [t.generator if t is not None else None for t in tracks]
         states = [g.get_state() if g is not None else None for g in generators]
-        mask, errors = self._token_bitmask(sampling, masks.result() if masks is not None
-                                           else self._fill_masks(sampling, tracks))
+        if masks is not None:
+            filled = masks.result()
+        elif filled is None:
+            filled = self._fill_masks(sampling, tracks)
+        mask, errors = self._token_bitmask(sampling, filled)
         try:
             return self._sample_rows(logits, sampling, generators, mask, draw_states,
                                      self.executor.use_kernels), errors
@@ -750,10 +756,12 @@ class ServingEngine:
     # --- speculative decoding (runtime.speculative) ----------------------------------------------------------------
     @staticmethod
     def _speculates(params: SamplingParams) -> bool:
-        """Whether a request of these parameters may speculate. Not: structured output (each draft would have to
-        advance the grammar and be rolled back), logprobs and penalties (every verified position would need its
-        own token history and logprobs); such requests decode one token per step beside the others."""
-        return params.structured is None and params.logprobs is None and not params.has_penalties
+        """Whether a request of these parameters may speculate. Not: logprobs and penalties (every verified position
+        would need its own token history and logprobs); such requests decode one token per step beside the others.
+        Structured requests do: their drafts are cut to what the grammar accepts (``_propose``), each verified row
+        is masked by the grammar after the drafts before it (``_verify_masks``), and the grammar takes the emitted
+        tokens in turn (``_record_verified``)."""
+        return params.logprobs is None and not params.has_penalties
 
     def _wants_drafts(self, requests: list[Request]) -> bool:
         """Whether the next step of these decoding requests would speculate: then it runs on the synchronous path
@@ -795,6 +803,12 @@ class ServingEngine:
         if not asks:
             return {}, None
         proposals = self.proposer.propose_pending(asks)
+        grammars = {ask.request_id: g for ask in asks if (g := self._tracks[ask.request_id].grammar) is not None}
+        if grammars:  # structured requests keep the drafts their grammar accepts: their values are needed now
+            if isinstance(proposals, PendingDrafts):
+                proposals = proposals.resolve()
+            proposals = [d[:grammars[ask.request_id].num_valid_prefix(d[:ask.max_tokens])]
+                         if ask.request_id in grammars and d else d for ask, d in zip(asks, proposals)]
         if isinstance(proposals, PendingDrafts):
             counts = [min(n, ask.max_tokens) for ask, n in zip(asks, proposals.counts)]
             placeholders = {ask.request_id: [0] * n for ask, n in zip(asks, counts) if n}
@@ -815,7 +829,7 @@ class ServingEngine:
         # the request of each logits row (the drafts' values are not needed for sampling, only their number)
         rows = [r for r in sampling for _ in range(by_count.get(id(r), 0) + 1)]
         draw_states: list[torch.Tensor | None] = [None] * len(rows)
-        token_ids, errors = self._sample(logits, rows, draw_states)
+        token_ids, errors = self._sample(logits, rows, draw_states, filled=self._verify_masks(sched, sampling))
         if device_drafts is not None:
             tokens = device_drafts.read_with(token_ids, sched.seqs)
         else:
@@ -837,6 +851,28 @@ class ServingEngine:
         self.spec_num_steps += 1
         return self._record(sched, plain, errors, verified)
 
+    def _verify_masks(self, sched: SchedulerOutput, sampling: list[Request]
+                      ) -> tuple[list[int], list[GrammarState], torch.Tensor] | None:
+        """``_fill_masks``' result for a verify step's rows: a structured request with k drafts has k + 1 rows, the
+        grammar's mask at each (after each draft, ``fill_bitmasks_with_drafts``; its drafts were cut to what the
+        grammar accepts at proposal, and their values are on the host). None when no request is structured."""
+        by_request = {id(q.request): q for q in sched.seqs}
+        rows, states, drafts, row = [], [], [], 0
+        for request in sampling:
+            q = by_request.get(id(request))
+            k = q.num_draft if q is not None else 0
+            track = self._tracks.get(request.request_id)
+            if track is not None and track.grammar is not None:
+                rows += range(row, row + k + 1)
+                states += [track.grammar] * (k + 1)
+                drafts.append(q.draft_token_ids if k else [])
+            row += k + 1
+        if not rows:
+            return None
+        unique = list(dict.fromkeys(states))  # each state once, in order (its k + 1 rows are consecutive)
+        return rows, states, fill_bitmasks_with_drafts(unique, drafts, self.grammars.num_words,
+                                                       pin_memory=self.device.type == "cuda")
+
     def _record_verified(self, request: Request, drafts: list[int], emitted: list[int]) -> RequestOutput:
         """Append a verified decode's emitted tokens one at a time, each through the stop checks as a decode step
         would (a stop, EOS or max_tokens in the middle drops the rest), then commit the accepted drafts' KV slots
@@ -849,6 +885,9 @@ class ServingEngine:
         self.spec_policy.update(track.draft, len(drafts), num_accepted, self.num_steps)
         finish: str | None = None
         for token in emitted:
+            if track.grammar is not None and not track.grammar.advance(token):  # a structured request's, in turn
+                return self._fail(request, f"structured output: token {token} was sampled outside the grammar "
+                                           f"({track.grammar.error})")
             request.token_ids.append(token)
             finish = self._stop_check(request, track, token)
             if finish is not None:

@@ -183,8 +183,9 @@ def _escape(key: str) -> str:
 class GrammarState:
     """One request's position in its grammar: which tokens may come next, advanced by each emitted token.
 
-    Preemption keeps the state (recompute does not re-emit tokens). ``num_valid_prefix`` and ``rollback`` are the
-    hooks speculative decoding needs: how many draft tokens the grammar accepts, and undoing rejected ones."""
+    Preemption keeps the state (recompute does not re-emit tokens). ``num_valid_prefix`` and ``rollback`` serve
+    speculative decoding: how many draft tokens the grammar accepts, and undoing advances (a verify step's masks,
+    ``fill_bitmasks_with_drafts``)."""
 
     def __init__(self, matcher: LLMatcher) -> None:
         self.matcher = matcher
@@ -368,3 +369,25 @@ def fill_bitmasks(states: list[GrammarState], num_words: int, pin_memory: bool =
     _executor.unsafe_compute_mask_ptr([(s.matcher, i) for i, s in enumerate(states)], bitmask.data_ptr(),
                                       row_bytes, len(states))
     return bitmask
+
+
+def fill_bitmasks_with_drafts(states: list[GrammarState], drafts: list[list[int]], num_words: int,
+                              pin_memory: bool = False) -> torch.Tensor:
+    """The masks of a speculative verify step's rows: for a state with drafts d_1..d_k, k + 1 rows, the state's own
+    mask, then its mask after d_1, ..., after d_1..d_k (each row j is what the grammar allows in the position the
+    verify step's row j samples), the states' rows back to back. Every draft must be one the grammar accepts in
+    turn (``GrammarState.num_valid_prefix``); the states are left as they were (advanced, then rolled back)."""
+    rows = sum(len(d) + 1 for d in drafts)
+    bitmask = torch.empty((rows, num_words), dtype=torch.int32, pin_memory=pin_memory)
+    row_bytes, row = num_words * 4, 0
+    for state, tokens in zip(states, drafts):
+        for j in range(len(tokens) + 1):
+            state.matcher.unsafe_compute_mask_ptr(bitmask[row].data_ptr(), row_bytes)
+            row += 1
+            if j < len(tokens) and not state.advance(tokens[j]):
+                raise ValueError(f"draft token {tokens[j]} is outside the grammar (drafts must be validated first: "
+                                 f"GrammarState.num_valid_prefix)")
+        if tokens:
+            state.rollback(len(tokens))
+    return bitmask
+

@@ -223,7 +223,7 @@ def test_bitmask_allows_exactly_the_tokens_that_keep_a_choice_possible(engine, c
 
 
 def test_draft_tokens_are_checked_without_advancing_and_rolled_back(engine, compiler):
-    """The hooks speculative decoding will use: how many draft tokens the grammar takes, and undoing them."""
+    """The hooks speculative decoding uses: how many draft tokens the grammar takes, and undoing them."""
     tok = engine.tokenizer
     state = compiler.compile(StructuredOutput.json_schema(SCHEMAS["flat_object"])).new_state()
     good = tok.encode('{"name": "x", "age": 4', add_special_tokens=False)
@@ -496,4 +496,99 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(engine):
     s.abort(rid)
     outs = s.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [(rid, "abort")]
+    _assert_no_leaks(s)
+
+
+# --- speculative decoding -----------------------------------------------------------------------------------------
+def test_masks_with_drafts_are_each_positions_mask(engine, compiler):
+    """A verify step's masks (fill_bitmasks_with_drafts): row j is the grammar's mask after the first j drafts, as
+    advancing a state by hand gives it, and the state is left where it was."""
+    from runtime.structured import fill_bitmasks_with_drafts
+
+    tok = engine.tokenizer
+    states = [compiler.compile(StructuredOutput.json_schema(SCHEMAS[n])).new_state()
+              for n in ("flat_object", "array_of_ints")]
+    drafts = [tok.encode('{"name": "ab', add_special_tokens=False), tok.encode("[1, -", add_special_tokens=False)]
+    assert all(s.num_valid_prefix(d) == len(d) for s, d in zip(states, drafts))
+    words = compiler.num_words
+    before = fill_bitmasks(states, words)
+    got = fill_bitmasks_with_drafts(states, drafts, words)
+    assert got.shape == (sum(len(d) + 1 for d in drafts), words)
+    want, row = [], 0
+    for state, tokens in zip(states, drafts):
+        for j in range(len(tokens) + 1):
+            want.append(fill_bitmasks([state], words)[0])
+            if j < len(tokens):
+                assert state.advance(tokens[j])
+        state.rollback(len(tokens))
+    assert torch.equal(got, torch.stack(want))
+    assert len({tuple(r.tolist()) for r in got}) > 3  # the masks differ from row to row
+    assert torch.equal(fill_bitmasks(states, words), before)  # rolled back
+
+
+class _ScriptedDrafts:
+    """Drafts the reference continuation of each request, the one at ``wrong_at`` replaced by the next token id (the
+    grammar refuses most such tokens: the drafts are cut there; where it allows one, the verification rejects it)."""
+
+    method = "scripted"
+
+    def __init__(self, references: list[list[int]], vocab: int, wrong_at: int | None, on_device: bool) -> None:
+        self.references, self.vocab, self.wrong_at, self.on_device = references, vocab, wrong_at, on_device
+        self.proposed = 0
+
+    def propose_pending(self, requests):
+        out = []
+        for r in requests:
+            ref = next((ref for ref in self.references if ref[:len(r.token_ids)] == list(r.token_ids)), None)
+            drafts = [] if ref is None else ref[len(r.token_ids):len(r.token_ids) + r.max_tokens]
+            if self.wrong_at is not None and self.wrong_at < len(drafts):
+                drafts[self.wrong_at] = (drafts[self.wrong_at] + 1) % self.vocab
+            self.proposed += len(drafts)
+            out.append(drafts)
+        if not self.on_device:
+            return out
+        from runtime.speculative import PendingDrafts  # as a draft model leaves them: values read when resolved
+
+        flat = [t for d in out for t in d]
+        starts = [sum(map(len, out[:i])) for i in range(len(out))]
+        return PendingDrafts(torch.tensor(flat, dtype=torch.long),
+                             [list(range(a, a + len(d))) for a, d in zip(starts, out)])
+
+    def may_propose(self, token_ids) -> bool:
+        return True
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("wrong_at, on_device", [(None, False), (1, False), (3, False), (2, True)])
+def test_structured_requests_speculate_with_the_plain_output(engine, wrong_at, on_device):
+    """Structured requests verify drafts: each is cut to what the grammar accepts, each verified row is masked by the
+    grammar after the drafts before it, the grammar takes the emitted tokens in turn. Greedy and seeded output is
+    the non-speculative output (valid documents), with drafts accepted, beside a free request. Drafts left on the
+    device (a draft model's) are read at once when a structured request has some."""
+    names = ["nested_object", "array_of_objects", "enum_in_object", "string_patterns"]
+    prompt = engine.tokenizer.encode(PROMPT)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0 if i % 2 else 0.9, seed=i,
+                             structured=StructuredOutput.json_schema(SCHEMAS[n])) for i, n in enumerate(names)]
+    params.append(SamplingParams(max_tokens=24, ignore_eos=True))
+    want = _serving(engine).run([prompt] * len(params), params)
+    s = _serving(engine, speculative={"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0.0})
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s.proposer = proposer = _ScriptedDrafts([prompt + w.token_ids for w in want], vocab, wrong_at, on_device)
+    got = s.run([prompt] * len(params), params)
+    for g, w, name in zip(got, want, names):
+        assert (g.token_ids, g.finish_reason) == (w.token_ids, "stop"), (name, g.text, w.text, g.error)
+        assert validates(g.text, SCHEMAS[name]), (name, g.text)
+    assert got[-1].token_ids == want[-1].token_ids
+    stats = s.stats()
+    assert stats.spec_num_accepted_tokens > 20
+    if wrong_at is None:
+        assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens
+    else:  # cut at the wrong draft (or rejected there): never more than wrong_at accepted per verify
+        assert stats.spec_num_draft_tokens < proposer.proposed or stats.spec_num_accepted_tokens < \
+            stats.spec_num_draft_tokens
     _assert_no_leaks(s)
