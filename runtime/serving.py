@@ -28,7 +28,8 @@ with are kept, plus the sampler's own token, each through the stop checks in tur
 the rest returned. Such a step runs synchronously (the overlapped pipeline, see ``step``, waits for it). A draft
 model's drafts stay on the device until then (``PendingDrafts``): the host schedules and packs the verify step while
 the device drafts, the draft rows are fed from the proposer's buffer, and the drafts are read back with the sampled
-tokens, one wait per speculative step.
+tokens, one wait per speculative step. ``step`` times each call for the policy's rate check (``_time_step``): drafts
+only while they measure faster than none.
 
 Failures: what belongs to one request - its sampling, logprobs, detokenization, stop check, grammar - finishes
 that request alone with finish_reason "error" and a message, and the rest of the batch goes on. A
@@ -330,6 +331,10 @@ class ServingEngine:
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
         self._mask_filler: ThreadPoolExecutor | None = None  # fills an in-flight step's masks (see _start_masks)
         self._inflight: _InFlight | None = None  # a launched step not yet read back (overlap)
+        # speculation's rate check (SpeculationPolicy.record_step): the end of the last step call, its requests, whether
+        # it verified drafts and whether every request was decoding (no prompt, admission or compile in the way)
+        self._rate_mark: tuple[float, int, bool, bool] | None = None
+        self._verified_this_call = False
         self.num_steps = 0
         self.spec_num_steps = 0  # steps that verified drafts
         self.spec_num_verified = 0  # decodes verified with drafts (a request in a step)
@@ -502,6 +507,30 @@ class ServingEngine:
         before), or a request would speculate (its drafts are proposed from the tokens the step before sampled,
         and the verified tokens' count decides the next step's positions: see ``_propose``).
         """
+        self._verified_this_call = False
+        outputs = self._step()
+        if self.spec_policy.rate_check is not None:
+            self._time_step(outputs)
+        return outputs
+
+    def _time_step(self, outputs: list[RequestOutput]) -> None:
+        """Time this step call for the speculation policy's rate check: a call between two in which every running
+        request was decoding, the same requests, the same mode (drafts verified or not), gives the tokens they got
+        over its wall time since the call before."""
+        now = time.perf_counter()
+        running = self.scheduler.running
+        if len(running) > self.spec_policy.config.max_running:  # no speculation at this load: nothing to compare
+            self._rate_mark = None
+            return
+        steady = not self.scheduler.waiting and not self._compiling and all(r.num_pending <= 1 for r in running)
+        prev, self._rate_mark = self._rate_mark, (now, len(running), self._verified_this_call, steady)
+        if prev is None or not (prev[3] and steady) or prev[1:3] != (len(running), self._verified_this_call):
+            return
+        self.spec_policy.record_step(len(running), self._verified_this_call, sum(len(o.token_ids) for o in outputs),
+                                     now - prev[0])
+
+    def _step(self) -> list[RequestOutput]:
+        """``step``'s work (its docstring)."""
         outputs = self._reap()
         if self._compiling:
             outputs += self._take_compiled()
@@ -768,7 +797,7 @@ class ServingEngine:
         (the overlapped pipeline launches a step before the host knows the tokens drafts are proposed from). Only
         where the proposer may have drafts (``Proposer.may_propose`` on the tokens known now), so that text without
         repeats keeps the pipeline's overlap."""
-        if self.proposer is None or not self.spec_policy.step_allows(len(requests)):
+        if self.proposer is None or not self.spec_policy.step_allows(len(requests), self.num_steps):
             return False
         for request in requests:
             track = self._tracks.get(request.request_id)
@@ -787,7 +816,7 @@ class ServingEngine:
         if self.proposer is None:
             return {}, None
         decoding = [r for r in self.scheduler.running if r.num_pending == 1]
-        if not self.spec_policy.step_allows(len(decoding)):
+        if not self.spec_policy.step_allows(len(decoding), self.num_steps):
             return {}, None
         max_seq_len = self.scheduler_config.max_seq_len
         asks = []
@@ -849,6 +878,7 @@ class ServingEngine:
                 plain.append((request, emits[0], logprobs[row]))
             row += len(draft) + 1
         self.spec_num_steps += 1
+        self._verified_this_call = True
         return self._record(sched, plain, errors, verified)
 
     def _verify_masks(self, sched: SchedulerOutput, sampling: list[Request]

@@ -43,7 +43,12 @@ Adaptivity (``SpeculationPolicy``): no speculation in a step with more than ``ma
 (the target step stops being bandwidth-bound and drafts cost real compute); per request, the number of drafts
 grows by one when all were accepted and falls to one more than were accepted otherwise, and speculation stops for
 ``PROBE_INTERVAL`` engine steps when the acceptance rate (an EWMA of accepted / proposed) falls below
-``min_acceptance``, then probes again with one draft.
+``min_acceptance``, then probes again with one draft. And by measurement (``RateCheck``, ``min_gain``): the engine
+times its decode steps with and without drafts, per number of decoding requests, and speculates only while the
+decoding requests' tokens per second with drafts are at least ``min_gain`` times those without; the mode not in use
+is probed for ``RATE_PROBE_STEPS`` of every ``RATE_CYCLE_STEPS`` engine steps. Acceptance alone cannot say whether
+speculation pays: a verify step and the draft's proposal cost what they cost on this machine (at batch 1 a small
+model's steps are host time, and the bundled draft at 63% acceptance decodes slower than no draft, session 36).
 """
 
 from __future__ import annotations
@@ -63,6 +68,10 @@ METHODS = ("ngram", "draft")  # proposers implemented ("draft": a draft-model ar
 MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
 ACCEPTANCE_EWMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance rate
 PROBE_INTERVAL = 32  # engine steps a request runs without drafts once its acceptance fell below min_acceptance
+RATE_CYCLE_STEPS = 256  # RateCheck: every this many engine steps, the mode not in use is probed ...
+RATE_PROBE_STEPS = 16  # ... for this many steps
+RATE_MIN_SAMPLES = 6  # timed steps of both modes (at one batch size) before the rates decide
+RATE_EWMA_WEIGHT = 0.2  # weight of the newest timed step in a mode's rate
 
 
 class SpeculativeConfigError(ValueError):
@@ -89,8 +98,11 @@ class SpeculativeConfig:
     # a request stops speculating (for PROBE_INTERVAL engine steps) while its acceptance rate, an EWMA of accepted /
     # proposed drafts, is below this; in [0, 1], 0 never stops; default from RUNTIME_SPEC_MIN_ACCEPTANCE, else 0.2
     min_acceptance: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_ACCEPTANCE", 0.2, float))
-    # False: every request asks for num_speculative_tokens drafts at every step, whatever its acceptance (the step
-    # limit max_running still holds); for measuring a verify step's cost (builder.bench.speculative)
+    # speculate only while the decoding requests' measured tokens per second with drafts are at least min_gain times
+    # those without (RateCheck); >= 0, 0 never stops for it; default from RUNTIME_SPEC_MIN_GAIN, else 1.0
+    min_gain: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_GAIN", 1.0, float))
+    # False: every request asks for num_speculative_tokens drafts at every step, whatever its acceptance or the
+    # rates (the step limit max_running still holds); for measuring a verify step's cost (builder.bench.speculative)
     adaptive: bool = True
 
     def __post_init__(self) -> None:
@@ -120,6 +132,9 @@ class SpeculativeConfig:
                 or not 0 <= self.min_acceptance <= 1:
             raise SpeculativeConfigError(f"speculative min_acceptance: {self.min_acceptance!r} is not a number in "
                                          f"[0, 1] (0: never stop speculating)")
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not self.min_gain >= 0:
+            raise SpeculativeConfigError(f"speculative min_gain: {self.min_gain!r} is not a number >= 0 (the least "
+                                         f"measured speedup speculation must keep; 0: never stop for it)")
 
     @property
     def enabled(self) -> bool:
@@ -341,19 +356,67 @@ class DraftState:
     resume_step: int = 0  # no drafts before this engine step (its acceptance fell below min_acceptance)
 
 
+class RateCheck:
+    """Whether speculating pays, measured (module docstring): per number of decoding requests, an EWMA of the tokens
+    per second they get with drafts and one without, from the engine's timed decode steps. The mode chosen is the
+    faster (speculation while its rate is at least ``min_gain`` times the other's, and until both are measured);
+    the first ``RATE_PROBE_STEPS`` of every ``RATE_CYCLE_STEPS`` engine steps run the other mode, so both stay
+    measured as the load and the text change."""
+
+    def __init__(self, min_gain: float) -> None:
+        self.min_gain = min_gain
+        self.rates: dict[tuple[int, bool], float] = {}  # (decoding requests, speculated) -> tokens per second
+        self.samples: dict[tuple[int, bool], int] = {}
+        self.chosen: dict[int, bool] = {}  # decoding requests -> speculate (absent: yes, until measured)
+
+    def speculates(self, num_decoding: int, step: int) -> bool:
+        chosen = self.chosen.get(num_decoding, True)
+        return chosen != (step % RATE_CYCLE_STEPS < RATE_PROBE_STEPS)  # a probe runs the other mode
+
+    def record(self, num_decoding: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """One decode step of ``num_decoding`` requests, with drafts or not: ``num_tokens`` emitted in ``seconds``
+        (the step's wall time, from the end of the step before)."""
+        if seconds <= 0 or num_tokens <= 0:
+            return
+        key = (num_decoding, speculated)
+        rate = num_tokens / seconds
+        old = self.rates.get(key)
+        self.rates[key] = rate if old is None else old + RATE_EWMA_WEIGHT * (rate - old)
+        self.samples[key] = self.samples.get(key, 0) + 1
+        if min(self.samples.get((num_decoding, m), 0) for m in (True, False)) >= RATE_MIN_SAMPLES:
+            self.chosen[num_decoding] = \
+                self.rates[num_decoding, True] >= self.min_gain * self.rates[num_decoding, False]
+
+    def gain(self, num_decoding: int) -> float | None:
+        """The measured rate with drafts over the rate without, at ``num_decoding`` requests (None: not both)."""
+        spec, plain = self.rates.get((num_decoding, True)), self.rates.get((num_decoding, False))
+        return spec / plain if spec is not None and plain else None
+
+
 class SpeculationPolicy:
-    """When and how much to speculate: per step by load, per request by its acceptance (module docstring).
-    Steps are counted by the engine's step counter, whichever path (synchronous, overlapped) ran them."""
+    """When and how much to speculate: per step by load and by the measured rates, per request by its acceptance
+    (module docstring). Steps are counted by the engine's step counter, whichever path (synchronous, overlapped)
+    ran them."""
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
+        self.rate_check = RateCheck(config.min_gain) \
+            if config.enabled and config.adaptive and config.min_gain > 0 else None
 
     def new_state(self) -> DraftState:
         return DraftState(self.config.num_speculative_tokens)
 
-    def step_allows(self, num_decoding: int) -> bool:
-        """Whether a step with ``num_decoding`` decoding requests speculates at all."""
-        return self.config.enabled and num_decoding <= self.config.max_running
+    def step_allows(self, num_decoding: int, step: int | None = None) -> bool:
+        """Whether a step with ``num_decoding`` decoding requests speculates at all (``step``: the engine step, for
+        the rate check; None leaves it out)."""
+        if not (self.config.enabled and num_decoding <= self.config.max_running):
+            return False
+        return step is None or self.rate_check is None or self.rate_check.speculates(num_decoding, step)
+
+    def record_step(self, num_decoding: int, speculated: bool, num_tokens: int, seconds: float) -> None:
+        """A timed decode step, for the rate check (see ``RateCheck.record``)."""
+        if self.rate_check is not None and num_decoding <= self.config.max_running:
+            self.rate_check.record(num_decoding, speculated, num_tokens, seconds)
 
     def num_draft(self, state: DraftState, step: int) -> int:
         """Drafts to ask for in engine step ``step`` (0 while the request is paused)."""

@@ -1,7 +1,7 @@
 """What speculative decoding buys at batch 1, and what a verify step costs.
 
     python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft 4] [--output-len 128]
-        [--prompts 4] [--rounds 3] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
+        [--prompts 4] [--rounds 3] [--min-gain G] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
         [--draft DRAFT_ARTIFACT [--text FILE]]
 
 Speedup (n-gram, the request's own tokens as the draft source): a code-editing workload, each prompt a stretch
@@ -12,7 +12,10 @@ line, so a model that copies finds its continuation in the prompt. Each prompt i
 ``--rounds`` rounds (the first of each pair alternating), so that a drift in the host's speed (a shared machine's
 CPU; at batch 1 a small model's step is host time) weighs on both alike. Decode rate: the tokens after the first
 over the time from the first token to the last, summed over the prompts and rounds; the speedup is the speculative
-rate over the plain one, and each round's speedup is printed to show the spread. The token ids of both runs are compared (greedy: they must be equal; a
+rate over the plain one, and each round's speedup is printed to show the spread. The speculative engine's rate check
+(``min_gain``, which turns drafts off where they measure slower) is off unless ``--min-gain`` is given: the figure is
+what the drafts do; with ``--min-gain 1`` it is what a served engine does with them (the share of steps that
+verified drafts is printed). The token ids of both runs are compared (greedy: they must be equal; a
 differing prompt is reported, as bf16 near-ties can differ with the batch shape) and the acceptance printed.
 
 Draft model (``--draft``): the same comparison with ``--num-draft`` tokens from a draft artifact (same tokenizer)
@@ -106,11 +109,12 @@ def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> Serv
 
 
 def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int,
-            draft: str | None = None, rounds: int = 3) -> dict:
+            draft: str | None = None, rounds: int = 3, min_gain: float = 0.0) -> dict:
     """Plain and speculative runs of every prompt, taking turns (see the module docstring): n-gram drafts, or the
-    ``draft`` artifact's (the result's keys keep the n-gram names)."""
-    spec = (SpeculativeConfig(method="ngram", num_speculative_tokens=num_draft) if draft is None else
-            SpeculativeConfig(method="draft", draft_model=draft, num_speculative_tokens=num_draft))
+    ``draft`` artifact's (the result's keys keep the n-gram names). ``min_gain``: the speculative engine's rate
+    check (0, the default here: off, so that the figure is what the drafts do, not what the policy chose)."""
+    method = {"method": "ngram"} if draft is None else {"method": "draft", "draft_model": draft}
+    spec = SpeculativeConfig(**method, num_speculative_tokens=num_draft, min_gain=min_gain)
     engines = {"plain": _load(path, device, None), "ngram": _load(path, device, spec)}
     try:
         for engine in engines.values():
@@ -133,12 +137,13 @@ def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], ou
                 tokens[name] += round_tokens[name]
                 seconds[name] += round_s[name]
         stats = engines["ngram"].stats()
+        verify_share = stats.spec_num_steps / max(stats.num_steps, 1)
     finally:
         for engine in engines.values():
             _close(engine)
     rate = {name: tokens[name] / seconds[name] for name in engines}
     return {"plain_tok_s": rate["plain"], "ngram_tok_s": rate["ngram"], "speedup": rate["ngram"] / rate["plain"],
-            "speedup_rounds": per_round, "acceptance": stats.spec_acceptance_rate,
+            "speedup_rounds": per_round, "verify_share": verify_share, "acceptance": stats.spec_acceptance_rate,
             "accepted_per_verify": stats.spec_mean_accepted_tokens, "differing_prompts": sorted(differing)}
 
 
@@ -191,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the prompts, the engines taking turns")
+    parser.add_argument("--min-gain", type=float, default=0.0,
+                        help="the speculative engine's rate check (0: off, the drafts' own speedup; 1.0: as served)")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--verify-cost", type=int, nargs="*", default=[])
     parser.add_argument("--no-speedup", action="store_true", help="only the verify cost")
@@ -210,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             prompts = text_prompts(tokenizer, args.prompts, args.input_len, Path(args.text))
         else:
             prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
-        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft, args.rounds)
+        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft, args.rounds,
+                      args.min_gain)
         workload = "text" if args.text else "code-editing"
         name, label = ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram")
         print(f"{label} k={args.num_draft}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
               f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
-              f"{res['speedup']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in res['speedup_rounds'])}); "
+              f"{res['speedup']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in res['speedup_rounds'])}; "
+              f"{res['verify_share']:.0%} of steps verified drafts); "
               f"acceptance {res['acceptance']:.2f}, accepted per verify "
               f"{res['accepted_per_verify']:.2f}; prompts whose tokens differ: {res['differing_prompts'] or 'none'}")
         figures += [(f"spec_speedup_{name}_b1{args.tag}", res["speedup"], "x"),

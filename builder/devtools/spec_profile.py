@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     plain_steps = plain.num_steps
     _close(plain)
 
-    engine = _load(args.artifact, args.device, SpeculativeConfig(method="draft", draft_model=args.draft,
+    engine = _load(args.artifact, args.device, SpeculativeConfig(method="draft", draft_model=args.draft, min_gain=0.0,
                                                                  num_speculative_tokens=args.num_draft))
     _generate(engine, prompts[0], 8)
     totals: dict[str, float] = defaultdict(float)

@@ -889,3 +889,83 @@ def test_speculative_bench_with_a_draft_model_on_text(bundled_artifact, tmp_path
     assert set(figures) == {"spec_speedup_draft_b1", "spec_decode_tok_s_plain_b1", "spec_decode_tok_s_draft_b1",
                             "spec_acceptance_draft_b1", "spec_accepted_per_verify_draft_b1"}
     assert figures["spec_acceptance_draft_b1"] > 0.9
+
+
+# --- the rate check: speculation only where it measures faster -----------------------------------------------------
+def test_rate_check_chooses_the_faster_mode_and_keeps_probing_the_other():
+    from runtime.speculative import RATE_CYCLE_STEPS, RATE_MIN_SAMPLES, RATE_PROBE_STEPS, RateCheck
+
+    check = RateCheck(min_gain=1.1)
+    assert check.speculates(1, RATE_PROBE_STEPS) and not check.speculates(1, 0)  # unmeasured: drafts, plain probed
+    for _ in range(RATE_MIN_SAMPLES - 1):
+        check.record(1, True, 5, 0.010)  # 500 tok/s with drafts
+        check.record(1, False, 1, 0.0025)  # 400 without
+    assert check.chosen == {} and check.gain(1) == pytest.approx(1.25)
+    check.record(1, True, 5, 0.010)
+    check.record(1, False, 1, 0.0025)
+    assert check.chosen == {1: True}  # 1.25x >= min_gain 1.1
+    assert check.speculates(1, RATE_CYCLE_STEPS + RATE_PROBE_STEPS) and not check.speculates(1, RATE_CYCLE_STEPS)
+    for _ in range(20):  # the drafts stop paying: 5 tokens in 14 ms, 357 tok/s
+        check.record(1, True, 5, 0.014)
+    assert check.chosen[1] is False and check.gain(1) < 1.1
+    assert not check.speculates(1, RATE_PROBE_STEPS) and check.speculates(1, 2 * RATE_CYCLE_STEPS)  # probed
+    assert check.speculates(2, RATE_PROBE_STEPS)  # another batch size: its own rates
+    check.record(1, True, 0, 0.01)
+    check.record(1, True, 3, 0.0)  # nothing to learn from: ignored
+    assert check.samples[1, True] == RATE_MIN_SAMPLES + 20
+
+
+def test_min_gain_is_checked_and_zero_or_fixed_k_turns_the_rate_check_off(monkeypatch):
+    for bad in (-0.5, "1", True, float("nan")):
+        with pytest.raises(SpeculativeConfigError, match="min_gain"):
+            SpeculativeConfig(method="ngram", min_gain=bad)
+    monkeypatch.setenv("RUNTIME_SPEC_MIN_GAIN", "1.2")
+    assert SpeculativeConfig(method="ngram").min_gain == 1.2
+    assert SpeculationPolicy(SpeculativeConfig(method="ngram")).rate_check.min_gain == 1.2
+    for off in (dict(min_gain=0.0), dict(adaptive=False), dict(method=None)):
+        assert SpeculationPolicy(SpeculativeConfig(**{"method": "ngram", **off})).rate_check is None
+
+
+class _SlowProposer(ScriptedProposer):
+    """Right drafts, each proposal costing ``delay`` seconds (a draft model far too slow for its target)."""
+
+    def __init__(self, *args, delay: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        import time
+
+        time.sleep(self.delay)
+        return super().propose(requests)
+
+
+@pytest.mark.parametrize("pays", [False, True])
+def test_drafts_that_do_not_pay_are_turned_off_by_measurement(engine, pays):
+    """Every draft right (acceptance 1.0), but a proposal costs eight plain steps: the measured rate with drafts is
+    about half the rate without, so after the first measurements the engine decodes without them (probing them
+    again each cycle); the same drafts at no cost are kept. The tokens are the non-speculative ones either way."""
+    import time
+
+    from runtime.speculative import RATE_MIN_SAMPLES, RATE_PROBE_STEPS
+
+    prompt = engine.tokenizer.encode(PROMPTS[1])
+    params = SamplingParams(max_tokens=72, ignore_eos=True)
+    start = time.perf_counter()
+    want = _serving(engine).run([prompt], params)[0]
+    delay = 0.0 if pays else 8 * (time.perf_counter() - start) / len(want.token_ids)  # eight plain steps
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s = _serving(engine, {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0.0, "min_gain": 1.0})
+    s.proposer = _SlowProposer([prompt + want.token_ids], vocab, delay=delay)
+    got = s.run([prompt], params)[0]
+    assert got.token_ids == want.token_ids
+    stats, check = s.stats(), s.spec_policy.rate_check
+    assert check.chosen == {1: pays}, check.rates
+    assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    plain_steps = stats.num_steps - stats.spec_num_steps
+    if pays:  # past the first probe (plain steps), every step verifies drafts
+        assert stats.spec_num_steps > RATE_MIN_SAMPLES and plain_steps <= RATE_PROBE_STEPS + 3 and check.gain(1) > 1
+    else:  # a few verify steps to measure, then plain decoding to the end
+        assert stats.spec_num_steps <= RATE_MIN_SAMPLES + 2 and plain_steps > RATE_PROBE_STEPS + 10
+        assert check.gain(1) < 1
+    _assert_no_leaks(s)
