@@ -22,9 +22,25 @@ import triton.language as tl
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
 from kernels.w4a16_gemm import _interpreting
-from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, quantize_row_store
+from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, _codes, _qrange, quantize_row_store
 
 _BLOCK = 1024
+
+
+def _quant_chunk() -> int:
+    """KERNELS_SILU_QUANT_CHUNK: columns per pass of the two-pass quantized SiLU-mul (a power of two >= 16) for rows
+    wider than it; 0 (the default) keeps every row in one program's registers. An A/B knob: the one-pass kernel holds
+    a 14,336-column row in one program of 16 warps, one program per SM, so its loads stop while it reduces and
+    stores (2.0 TB/s measured in a prefill step's profile on the H200, session 35); the two-pass one reads the row
+    twice (the second time mostly from L2) in small programs, several per SM. Not yet measured on a GPU."""
+    value = os.environ.get("KERNELS_SILU_QUANT_CHUNK", "0")
+    try:
+        chunk = int(value)
+    except ValueError:
+        chunk = -1
+    if chunk != 0 and (chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"KERNELS_SILU_QUANT_CHUNK={value!r} is not 0 or a power of two >= 16")
+    return chunk
 
 
 @triton.jit
@@ -72,6 +88,36 @@ def _silu_mul_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, stride_u
     quantize_row_store(v, mask, q_ptr + row * stride_q + cols, s_ptr + row, INT8, EMULATE_FP8)
 
 
+@triton.jit
+def _silu_mul_quant_2pass_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, stride_up, stride_q, num_cols,
+                                 INT8: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr,
+                                 PDL: tl.constexpr):
+    # one program per row in BLOCK-column chunks: the row's max |silu(gate) * up| first, then its codes from the
+    # same values recomputed (the same arithmetic as _silu_mul_quant_kernel: the same scale and codes, bit for bit)
+    wait_prior(PDL)
+    row = tl.program_id(0)
+    g_row = gate_ptr + row * stride_gate
+    u_row = up_ptr + row * stride_up
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, num_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < num_cols
+        g = tl.load(g_row + cols, mask=mask, other=0.0)
+        u = tl.load(u_row + cols, mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.abs(tl.where(mask, silu_mul_values(g, u).to(tl.float32), 0.0)))
+    qmax, eps = _qrange(INT8)
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), qmax)
+    tl.store(s_ptr + row, scale)
+    q_row = q_ptr + row * stride_q
+    for start in range(0, num_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < num_cols
+        g = tl.load(g_row + cols, mask=mask, other=0.0)
+        u = tl.load(u_row + cols, mask=mask, other=0.0)
+        v = tl.where(mask, silu_mul_values(g, u).to(tl.float32), 0.0)
+        tl.store(q_row + cols, _codes(tl.math.div_rn(v, scale), qmax, q_row + cols, INT8, EMULATE_FP8), mask=mask)
+
+
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
              quantize_to: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
     """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I]); with
@@ -96,7 +142,13 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
             raise ValueError(f"quantize_to takes {W_DTYPES}, got {quantize_to}")
         codes = torch.empty((num_tokens, num_cols), dtype=quantize_to, device=gate.device)
         scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate.device)
-        if num_tokens:
+        chunk = _quant_chunk()
+        if num_tokens and chunk and num_cols > chunk:  # the two-pass kernel (see _quant_chunk)
+            _silu_mul_quant_2pass_kernel[(num_tokens,)](
+                gate, up, codes, scales, gate.stride(0), up.stride(0), codes.stride(0), num_cols,
+                INT8=quantize_to == torch.int8, EMULATE_FP8=_interpreting(), BLOCK=chunk,
+                num_warps=min(max(chunk // 512, 4), 8), **pdl_args(codes))
+        elif num_tokens:
             block = triton.next_power_of_2(num_cols)
             _silu_mul_quant_kernel[(num_tokens,)](
                 gate, up, codes, scales, gate.stride(0), up.stride(0), codes.stride(0), num_cols,

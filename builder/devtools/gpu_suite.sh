@@ -4,6 +4,9 @@
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
+#   silu-quant     the quantized SiLU-mul, one pass against two (kernels.bench.silu_quant: us and TB/s at 1-8192
+#                  rows of 14336, each chunk of $SILU_CHUNKS, default "0 1024 2048 4096"), and the elementwise tests
+#                  on the GPU (tests/kernels/test_elementwise.py with TRITON_INTERPRET=0)
 #   moe            fused MoE (kernels/moe.py): its tests compiled on the GPU (tests/kernels/test_moe_kernel.py: small
 #                  shapes, Qwen3-30B-A3B and Mixtral-8x7B layers, a CUDA graph over changing routings;
 #                  tests/runtime/test_executor_moe.py: a tiny MoE artifact served from CUDA graphs vs the CPU path),
@@ -200,6 +203,10 @@ for part in "$@"; do
       python3 -m kernels.bench.attention 2>&1 | tee "$OUT/bench_attention.txt" | tail -n 25
       python3 -m kernels.bench.gemm 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 40
       python3 -m kernels.bench.w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
+    silu-quant)
+      TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_elementwise.py 2>&1 | tail -n 3
+      python3 -m kernels.bench.silu_quant --chunks ${SILU_CHUNKS:-0 1024 2048 4096} 2>&1 \
+        | tee "$OUT/bench_silu_quant.txt" ;;
     w8a8-sweep)
       python3 -m kernels.bench.w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
     moe)

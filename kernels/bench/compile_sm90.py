@@ -278,6 +278,18 @@ def _norms_and_rope() -> list[tuple[str, object]]:
     return out
 
 
+def _silu_quant() -> list[tuple[str, object]]:
+    from kernels.activation import _silu_mul_quant_2pass_kernel, _silu_mul_quant_kernel
+
+    types = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_gate": "i32",
+             "stride_up": "i32", "stride_q": "i32", "num_cols": "i32"}
+    consts = {"INT8": False, "EMULATE_FP8": False, "PDL": True}
+    return [("silu_mul quantized, one pass, 14336", lambda: compile_kernel(
+                _silu_mul_quant_kernel, types, {**consts, "BLOCK": 16384}, 16)),
+            ("silu_mul quantized, two passes of 2048", lambda: compile_kernel(
+                _silu_mul_quant_2pass_kernel, types, {**consts, "BLOCK": 2048}, 4))]
+
+
 def _binary(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -335,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
-    for name, build in _decode_attention() + _frag() + _moe() + _fp8_block() + _argmax() + _norms_and_rope():
+    for name, build in (_decode_attention() + _frag() + _moe() + _fp8_block() + _argmax() + _norms_and_rope()
+                        + _silu_quant()):
         if args.only and not any(text.lower() in name.lower() for text in args.only):
             continue
         try:

@@ -89,19 +89,20 @@ def test_moe_w4a16_k_loop(moe_sass, gemm):
     assert ratio <= MAX_W4A16_OVER_BF16, f"{sum(int4.values())} instructions per K step, {ratio:.2f}x the bf16 loop's"
 
 
-def test_layer_norm_rope_and_partial_rotary_attention_compile_for_sm90():
-    """The LayerNorm (with and without the residual add), RoPE (partial, interleaved) and partial / interleaved
-    rotary attention variants compile for sm_90 with Triton's own ptxas (the interpreter accepts code compiled
-    Triton refuses), in a process of its own (see ``moe_sass``)."""
+def test_layer_norm_rope_partial_rotary_attention_and_silu_quant_compile_for_sm90():
+    """The LayerNorm (with and without the residual add), RoPE (partial, interleaved), partial / interleaved rotary
+    attention and quantized SiLU-mul (one pass, two passes) variants compile for sm_90 with Triton's own ptxas (the
+    interpreter accepts code compiled Triton refuses), in a process of its own (see ``moe_sass``)."""
     from kernels.bench.compile_sm90 import _binary
 
     if not os.path.exists(_binary("ptxas")):
         pytest.skip("no ptxas beside Triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    only = ["partial RoPE", "interleaved RoPE", "rope + KV write", "layer_norm", "rope, head_dim"]
+    only = ["partial RoPE", "interleaved RoPE", "rope + KV write", "layer_norm", "rope, head_dim", "silu_mul quantized"]
     proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--only", *only], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    assert len(compiled) == 13, proc.stdout  # 2 attention, 3 rope + KV write, 4 LayerNorm, 4 RoPE variants
+    # 2 attention, 3 rope + KV write, 4 LayerNorm, 4 RoPE, 2 quantized SiLU-mul variants
+    assert len(compiled) == 15, proc.stdout

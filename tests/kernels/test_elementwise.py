@@ -279,3 +279,20 @@ def test_silu_mul_tiles_reads_the_interleaved_rows(intermediate, tile):
     with pytest.raises(ValueError, match="whole pairs"):
         silu_mul_tiles(gate_up[:, :-tile], tile)
 
+
+
+@pytest.mark.parametrize("chunk", [32, 128])
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_silu_mul_quantized_in_two_passes_equals_one(chunk, quant, monkeypatch):
+    """KERNELS_SILU_QUANT_CHUNK: the two-pass kernel (the row's max over chunks, then its codes) gives the one-pass
+    kernel's scales and codes bit for bit, rows of several chunks and a partial last one included."""
+    gate_up = _randn(5, 2 * 300, dtype=torch.bfloat16, seed=43, scale=3.0)
+    gate_up[2, 290] = 40.0  # the row's max in its last, partial chunk
+    one = silu_mul(gate_up, quantize_to=quant)
+    monkeypatch.setenv("KERNELS_SILU_QUANT_CHUNK", str(chunk))
+    two = silu_mul(gate_up, quantize_to=quant)
+    torch.testing.assert_close(two.scales, one.scales, rtol=0, atol=0)
+    assert torch.equal(two.codes.view(torch.uint8), one.codes.view(torch.uint8))
+    monkeypatch.setenv("KERNELS_SILU_QUANT_CHUNK", "100")
+    with pytest.raises(ValueError, match="KERNELS_SILU_QUANT_CHUNK"):
+        silu_mul(gate_up, quantize_to=quant)
