@@ -80,6 +80,27 @@ def _decode_config_override(setting: str) -> tuple[int, int, int, bool] | None:
 
 
 _DECODE_CONFIG_OVERRIDE = _decode_config_override(_DECODE_CONFIG_SETTING)
+# KERNELS_PREFILL_CONFIG="BLOCK_M:BLOCK_N:WARPS:STAGES" replaces _prefill_config's tiling for 16-bit queries at
+# head_dim <= 128 (A/B runs against `python -m kernels.bench.attention --prefill-sweep`'s best-config lines)
+_PREFILL_CONFIG_SETTING = os.environ.get("KERNELS_PREFILL_CONFIG", "")
+
+
+def prefill_config_override(setting: str) -> tuple[int, int, int, int] | None:
+    """``KERNELS_PREFILL_CONFIG``'s (BLOCK_M, BLOCK_N, num_warps, num_stages), or None when unset."""
+    if not setting:
+        return None
+    parts = setting.split(":")
+    ok = len(parts) == 4 and all(p.strip().isdigit() for p in parts)
+    values = [int(p) for p in parts] if ok else []
+    if not ok or values[0] not in (16, 32, 64, 128, 256) or values[1] not in (16, 32, 64, 128, 256) \
+            or values[2] not in (1, 2, 4, 8, 16) or not 1 <= values[3] <= 6:
+        raise ValueError(f"KERNELS_PREFILL_CONFIG={setting!r}: expected BLOCK_M:BLOCK_N:WARPS:STAGES with BLOCK_M and "
+                         "BLOCK_N in 16..256 (powers of 2), WARPS in 1..16 (a power of 2), STAGES in 1..6, e.g. "
+                         "128:64:8:3")
+    return values[0], values[1], values[2], values[3]
+
+
+_PREFILL_CONFIG_OVERRIDE = prefill_config_override(_PREFILL_CONFIG_SETTING)
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: larger than any position
 
@@ -904,7 +925,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             scale: float, *, k_scale: torch.Tensor | float | None = None,
                             v_scale: torch.Tensor | float | None = None,
                             sliding_window: int | None = None, softcap: float = 0.0,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None,
+                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged caches; returns ``out`` like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
@@ -912,7 +934,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     context_lens[i] + j (context_lens: [num_seqs] int32; > 0 for a chunked prefill). Their K/V are
     already written to the cache, so every key, old or new, is read through block_tables:
     [num_seqs, max_blocks] int32. Rows past cu_seqlens_q[-1] (padding) are left unwritten.
-    softcap and sinks: as ``paged_decode_attention``.
+    softcap and sinks: as ``paged_decode_attention``. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place
+    of ``_prefill_config``'s (a tiling sweep's candidates).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -923,7 +946,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_seqs == 0:
         return out
     q = _last_dim_contiguous(q)
-    block_m, block_n, num_warps, num_stages = _prefill_config(q.dtype, head_dim)
+    block_m, block_n, num_warps, num_stages = config or _prefill_config(q.dtype, head_dim)
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     group_p2 = triton.next_power_of_2(group)
@@ -935,7 +958,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
-        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
+        SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 
 
@@ -948,6 +972,8 @@ def _prefill_config(dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int, 
     as wide)."""
     if dtype == torch.float32:
         return (16, 16, 4, 1) if head_dim > 128 else (32, 32, 4, 2)
+    if head_dim <= 128 and _PREFILL_CONFIG_OVERRIDE is not None:
+        return _PREFILL_CONFIG_OVERRIDE
     return (64, 32, 8, 2) if head_dim > 128 else (64, 64, 4, 2)
 
 

@@ -4,6 +4,9 @@
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
+#   prefill-sweep  the prefill attention kernel's tilings (kernels.bench.attention --prefill-sweep: BLOCK_M x BLOCK_N
+#                  x warps x stages over 2,048-token prompts, bf16 and fp8 caches; best-config lines for
+#                  KERNELS_PREFILL_CONFIG) into $OUT/prefill_sweep.txt
 #   silu-quant     the quantized SiLU-mul, one pass against two (kernels.bench.silu_quant: us and TB/s at 1-8192
 #                  rows of 14336, each chunk of $SILU_CHUNKS, default "0 1024 2048 4096"), and the elementwise tests
 #                  on the GPU (tests/kernels/test_elementwise.py with TRITON_INTERPRET=0)
@@ -203,6 +206,9 @@ for part in "$@"; do
       python3 -m kernels.bench.attention 2>&1 | tee "$OUT/bench_attention.txt" | tail -n 25
       python3 -m kernels.bench.gemm 2>&1 | tee "$OUT/bench_gemm.txt" | tail -n 40
       python3 -m kernels.bench.w8a8 2>&1 | tee "$OUT/bench_w8a8.txt" ;;
+    prefill-sweep)
+      python3 -m kernels.bench.attention --prefill-sweep 2>&1 | tee "$OUT/prefill_sweep.txt" \
+        | grep -E '^best-config|FAIL|Error' ;;
     silu-quant)
       TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_elementwise.py 2>&1 | tail -n 3
       python3 -m kernels.bench.silu_quant --chunks ${SILU_CHUNKS:-0 1024 2048 4096} 2>&1 \

@@ -14,6 +14,9 @@
 3. Steps that mix decodes with a prompt through the prefill kernel (``--mixed-only``: these alone).
 4. ``--decode-sweep``: the decode kernel's tilings (keys per iteration, warps, stages; fp16 operands for
    quantized caches) at serving shapes, each checked against the reference, the default marked.
+5. ``--prefill-sweep``: the prefill kernel's tilings (rows of (token, head) pairs, keys per tile, warps, stages)
+   over a 2,048-token prompt, the same after 6,144 cached tokens, and four 2,000-token prompts in one step, with
+   bf16 and fp8 caches; ``best-config`` lines in ``KERNELS_PREFILL_CONFIG``'s form for an end-to-end A/B.
 
 Exits 1 when any correctness check fails (the timing still prints), 2 without a CUDA device.
 """
@@ -33,6 +36,7 @@ from kernels.paged_attention import (
     DecodeConfig,
     _decode_config,
     _decode_num_splits,
+    _prefill_config,
     paged_decode_attention,
     paged_prefill_attention,
     quantize_kv,
@@ -303,6 +307,59 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     return rows
 
 
+def prefill_sweep(gen, args, failures) -> int:
+    """Every prefill tiling (BLOCK_M rows of (token, head) pairs, BLOCK_N keys, warps, stages) at three prompt
+    shapes, attention TFLOP/s of each, the default's row marked; ``best-config`` lines in KERNELS_PREFILL_CONFIG's
+    form."""
+    shapes = (([2048], [0]), ([2048], [6144]), ([2000] * 4, [0] * 4))
+    configs = [(bm, bn, w, st) for bm in args.sweep_block_m for bn in args.sweep_block_n for w in args.sweep_warps
+               for st in args.sweep_stages]
+    print("| kv | shape | BLOCK_M | BLOCK_N | warps | stages | graph us | throughput | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for kv_name in args.sweep_kv:
+        kv_dtype = KV_DTYPES[kv_name]
+        for q_lens, ctx_lens in shapes:
+            p = make_paged([c + n for c, n in zip(ctx_lens, q_lens)], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
+                           torch.bfloat16, kv_dtype, gen)
+            q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
+            cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+            ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
+            scale = HEAD_DIM ** -0.5
+            expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
+                                                   k_scale=p.k_scale, v_scale=p.v_scale)
+            pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, ctx_lens))
+            flops = 4 * NUM_HEADS * HEAD_DIM * pairs
+            shape = f"{len(q_lens)}x{q_lens[0]} new, ctx {ctx_lens[0]}"
+            default = _prefill_config(torch.bfloat16, HEAD_DIM)
+            best = None
+            for cfg in configs:
+                def run(cfg=cfg):
+                    return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
+                                                   k_scale=p.k_scale, v_scale=p.v_scale, config=cfg)
+                try:
+                    ok, err = close(run(), expected)
+                    ms, _ = timings(run, args)
+                except Exception as e:  # out of shared memory or registers: not a candidate
+                    print(f"| {kv_name} | {shape} | {' | '.join(map(str, cfg))} | - | - | {type(e).__name__} |",
+                          flush=True)
+                    continue
+                if not ok:
+                    failures.append(f"prefill sweep {kv_name} {shape} {cfg}: max err {err:.3g}")
+                elif best is None or ms < best[0]:
+                    best = (ms, cfg)
+                mark = " (default)" if cfg == default else ""
+                print(f"| {kv_name} | {shape} | {' | '.join(map(str, cfg))} | {ms * 1e3:8.1f}{mark} | "
+                      f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |", flush=True)
+            if best:
+                print(f"best-config {kv_name} {shape}: {':'.join(map(str, best[1]))} {best[0] * 1e3:.1f} us "
+                      f"({flops / best[0] / 1e9:.1f} TFLOP/s)", flush=True)
+            del p
+            torch.cuda.empty_cache()
+    for f in failures:
+        print("FAIL", f)
+    return 1 if failures else 0
+
+
 def bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures) -> str:
     """A serving step that carries prefill: ``num_decodes`` sequences of one new token after ``context`` cached
     ones, then a fresh ``prompt``-token sequence, all through the varlen prefill kernel (what a step-graph replay
@@ -374,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the steps that mix decodes with a prompt (prefill kernel vs decode kernel)")
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode kernel's tilings (see above)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill table (no sweep)")
+    parser.add_argument("--prefill-sweep", action="store_true",
+                        help="only the prefill kernel's tilings (--sweep-block-m/-n, --sweep-warps, --sweep-stages)")
+    parser.add_argument("--sweep-block-m", nargs="+", type=int, default=[64, 128])
     parser.add_argument("--sweep-short", action="store_true",
                         help="--decode-sweep over a few tilings only (both program orders)")
     parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
@@ -398,6 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         return _mixed_table(gen, args, failures)
     if args.decode_sweep:
         return decode_sweep(gen, args, failures)
+    if args.prefill_sweep:
+        return prefill_sweep(gen, args, failures)
     if args.prefill_only:
         _prefill_table(gen, args, failures)
         for f in failures:

@@ -661,3 +661,27 @@ def test_decode_config_setting_is_parsed_or_refused():
     for bad in ("256:8", "100:4:2", "64:3:2", "64:4:0", "64:4:2:2", "a:b:c", "64,4,2"):
         with pytest.raises(ValueError, match="KERNELS_DECODE_CONFIG"):
             pa._decode_config_override(bad)
+
+
+def test_prefill_config_setting_is_parsed_or_refused():
+    """KERNELS_PREFILL_CONFIG (A/B runs of --prefill-sweep's best tilings): BLOCK_M:BLOCK_N:WARPS:STAGES."""
+    assert pa.prefill_config_override("") is None
+    assert pa.prefill_config_override("128:64:8:3") == (128, 64, 8, 3)
+    for bad in ("128:64:8", "100:64:8:3", "128:48:8:3", "128:64:3:3", "128:64:8:0", "a:b:c:d", "128,64,8,3"):
+        with pytest.raises(ValueError, match="KERNELS_PREFILL_CONFIG"):
+            pa.prefill_config_override(bad)
+
+
+@pytest.mark.parametrize("config", [(32, 16, 4, 1), (16, 32, 2, 2), (64, 16, 4, 3)])
+def test_prefill_tilings_match_the_reference(config):
+    """A tiling the sweep may choose (``config``): rows of (token, head) pairs per tile down to one token of a
+    group of 4 padded to 4, keys per tile below and above the block size; the reference's output."""
+    gen = torch.Generator().manual_seed(9)
+    q_lens, ctx_lens = [40, 1, 17], [0, 29, 50]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 8, torch.bfloat16, torch.float8_e4m3fn, gen)
+    q = torch.randn(sum(q_lens), 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale}
+    _assert_close(pa.paged_prefill_attention(*args, **kw, config=config), pa.ref_paged_prefill_attention(*args, **kw))
