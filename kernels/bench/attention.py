@@ -278,14 +278,21 @@ def decode_sweep(gen, args, failures) -> int:
     return 1 if failures else 0
 
 
-def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
-    kv_dtype = KV_DTYPES[kv_name]
+def _prefill_inputs(q_lens, ctx_lens, kv_dtype, gen):
+    """A prefill step's (paged cache, queries, cu_seqlens_q, context lengths, scale, attention flops): sequence i
+    feeds q_lens[i] new tokens after ctx_lens[i] cached ones (4 * head_dim flops per visible (query, key) pair per
+    head)."""
     p = make_paged([c + n for c, n in zip(ctx_lens, q_lens)], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16,
                    kv_dtype, gen)
     q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
-    scale = HEAD_DIM ** -0.5
+    pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, ctx_lens))  # visible (query, key) pairs
+    return p, q, cu, ctx, HEAD_DIM ** -0.5, 4 * NUM_HEADS * HEAD_DIM * pairs
+
+
+def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
+    p, q, cu, ctx, scale, flops = _prefill_inputs(q_lens, ctx_lens, KV_DTYPES[kv_name], gen)
 
     def run():
         return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
@@ -298,8 +305,6 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     if not ok:
         failures.append(f"prefill {shape} kv={kv_name}: max err {err:.3g}")
     ms, eager_ms = timings(run, args)
-    pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, ctx_lens))  # visible (query, key) pairs
-    flops = 4 * NUM_HEADS * HEAD_DIM * pairs
     rows = [(f"| prefill | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
              f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")]
     if kv_name == "bf16" and len(set(ctx_lens)) == 1 and len(set(q_lens)) == 1:
@@ -319,16 +324,9 @@ def prefill_sweep(gen, args, failures) -> int:
     for kv_name in args.sweep_kv:
         kv_dtype = KV_DTYPES[kv_name]
         for q_lens, ctx_lens in shapes:
-            p = make_paged([c + n for c, n in zip(ctx_lens, q_lens)], NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE,
-                           torch.bfloat16, kv_dtype, gen)
-            q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=gen, device="cuda", dtype=torch.bfloat16)
-            cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-            ctx = torch.tensor(ctx_lens, dtype=torch.int32, device="cuda")
-            scale = HEAD_DIM ** -0.5
+            p, q, cu, ctx, scale, flops = _prefill_inputs(q_lens, ctx_lens, kv_dtype, gen)
             expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
                                                    k_scale=p.k_scale, v_scale=p.v_scale)
-            pairs = sum(n * c + n * (n + 1) // 2 for n, c in zip(q_lens, ctx_lens))
-            flops = 4 * NUM_HEADS * HEAD_DIM * pairs
             shape = f"{len(q_lens)}x{q_lens[0]} new, ctx {ctx_lens[0]}"
             default = _prefill_config(torch.bfloat16, HEAD_DIM)
             best = None

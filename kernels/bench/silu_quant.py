@@ -1,6 +1,6 @@
 """The quantized SiLU-mul (``kernels.activation.silu_mul(..., quantize_to=)``) at Llama-3-8B's intermediate size:
 the one-pass kernel against the two-pass one at each chunk size (``KERNELS_SILU_QUANT_CHUNK``), us per launch and the
-bandwidth of its bytes (gate and up read once, codes and scales written), from CUDA-graph replays.
+bandwidth of its bytes (gate and up read once, codes and scales written), from CUDA-graph replays (median of 50).
 
     python -m kernels.bench.silu_quant [--rows 1 16 256 2048 8192] [--cols 14336] [--chunks 0 1024 2048 4096]
 
@@ -12,33 +12,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
 
-def _time_us(fn, iters: int = 50) -> float:
-    """Median us of ``fn`` replayed from a CUDA graph (launch overhead out of the figure)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
 def main(argv: list[str] | None = None) -> int:
     from kernels.activation import silu_mul
+    from kernels.bench.attention import timings  # (graph, eager) median ms
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
@@ -63,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                       and torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))):
                 print(f"rows {rows}, chunk {chunk}: codes or scales differ from the one-pass kernel's", file=sys.stderr)
                 return 1
-            us = _time_us(lambda: silu_mul(gate_up, quantize_to=torch.float8_e4m3fn))
+            us = 1e3 * timings(lambda: silu_mul(gate_up, quantize_to=torch.float8_e4m3fn),
+                               SimpleNamespace(warmup=5, iters=50))[0]
             cells.append(f"{us:9.1f} us {nbytes / us / 1e6:5.2f} TB/s")
         print(f"{rows:>6} " + " ".join(f"{c:>22}" for c in cells), flush=True)
     os.environ.pop("KERNELS_SILU_QUANT_CHUNK", None)
