@@ -194,8 +194,9 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
         model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
         for module, scale in imported.input_scales().items():  # registered first: they run before the quantization
             model.get_submodule(module).register_forward_pre_hook(_scale_input(scale))
-        for module, (scheme, input_scale, group) in imported.activation_quant().items():
-            model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale, group))
+        for module, (scheme, input_scale, group, qmin) in imported.activation_quant().items():
+            model.get_submodule(module).register_forward_pre_hook(_fake_quantize_input(scheme, input_scale, group,
+                                                                                       qmin))
         if imported.expert_inputs:  # transformers' eager experts: each expert's projections by nn.functional.linear
             model.set_experts_implementation("eager")
         for module, (scheme, group) in imported.expert_inputs.items():
@@ -248,9 +249,9 @@ def _scale_input(scale: torch.Tensor):
     return hook
 
 
-def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: int | None = None):
+def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: int | None = None, qmin: int = -127):
     """A forward pre-hook: the module's input quantized as a W8A8 scheme's runtime does, then dequantized (fp8_block:
-    per token and ``group`` columns)."""
+    per token and ``group`` columns; int8: codes down to ``qmin``, the linear's act_qmin)."""
     from kernels.torch_quant import (expand_blocks, quantize_activation_fp8, quantize_activation_fp8_blocks,
                                      quantize_activation_int8)
 
@@ -258,7 +259,9 @@ def _fake_quantize_input(scheme: str, input_scale: torch.Tensor | None, group: i
         if scheme == "fp8_block":
             xq, scales = quantize_activation_fp8_blocks(x2, group)
             return xq, expand_blocks(scales, group, x2.shape[1], 1)
-        return (quantize_activation_fp8 if scheme == "fp8" else quantize_activation_int8)(x2, input_scale)
+        if scheme == "fp8":
+            return quantize_activation_fp8(x2, input_scale)
+        return quantize_activation_int8(x2, input_scale, qmin)
 
     def hook(module, args):
         x = args[0]  # [batch, tokens, in]

@@ -17,7 +17,9 @@ store per linear (N = out features, K = in features, G = groups along K):
                                             stored + 2^(b-1)
     compressed-tensors float-quantized      weight float8_e4m3fn [N, K], weight_scale [N, 1] or [1],
                                             input_scale [1] (static activations)
-    compressed-tensors int-quantized        weight int8 [N, K], weight_scale [N, 1], input_scale [1]? (static)
+    compressed-tensors int-quantized        weight int8 [N, K], weight_scale [N, 1], input_scale [1]? (static:
+                                            codes round(clamp(x / input_scale, -128, 127)), calculate_range's
+                                            int8 range; input_scale = amax / 127.5)
     fp8 (fine-grained, weight_block_size    weight float8_e4m3fn [N, K], weight_scale_inv fp32 [ceil(N/bn),
         [bn, bk]: DeepSeek-V3, Qwen3-FP8)   ceil(K/bk)]: w[n, k] = q * weight_scale_inv[n // bn, k // bk], partial
                                             last blocks included; activations e4m3 per token and bk-wide group
@@ -32,6 +34,13 @@ store per linear (N = out features, K = in features, G = groups along K):
                                             (amax / 7): w[n, k] = q * s[n, k // group], no zero points;
                                             pre_quant_scale [K] (model dtype) where the export kept AWQ's scale on
                                             the linear (o_proj, down_proj: no norm writes their input): y = W (x * s)
+    modelopt W8A8_SQ_PER_CHANNEL            weight int8 [N, K] (round(w / scale) clamped to -128..127, of the
+                                            smoothed w / s), weight_scale fp32 [N] (amax / 127), input_scale fp32
+                                            [] (amax of x * s over calibration / 127: static), pre_quant_scale [K]
+                                            (model dtype) on every linear (SmoothQuant's s, never folded into a
+                                            norm; the linears reading one input share s and input_scale): y =
+                                            W (x * s), x * s quantized to round-half-even(x * s / input_scale)
+                                            clamped to -128..127 (narrow_range false)
 
 ModelOpt's settings come from hf_quant_config.json beside config.json (``quantization``: quant_algo,
 kv_cache_quant_algo, exclude_modules as fnmatch patterns, quantized_layers for MIXED_PRECISION); exports from
@@ -40,11 +49,14 @@ hf_quant_config.json is absent. FP8 maps onto the IR's fp8 with static activatio
 path), FP8_PER_CHANNEL_PER_TOKEN onto fp8 per channel with dynamic activations, W8A16 onto w8a16 (zero point 128),
 W4A16_AWQ onto w4a16 (zero point 8, group_size from hf_quant_config.json: config.json's quantization_config does not
 carry it) with the linear's pre_quant_scale as its ``pre_quant_scale`` role (x * s in fp32, rounded to the activations'
-dtype, as the exporter's own bf16 product; the reference model applies it with a pre-hook); fine-grained FP8 onto
-fp8_block. ModelOpt itself folds AWQ's scale into the norm before q/k/v and gate/up (those linears arrive without
-one); the ones it keeps are not folded into the rows of v_proj / up_proj here either, which would mean making their
-codes again. The KV cache's k_scale / v_scale are read and checked, not applied: the build's KV cache is
-runtime.kv_cache_dtype's.
+dtype, as the exporter's own bf16 product; the reference model applies it with a pre-hook), W8A8_SQ_PER_CHANNEL onto
+w8a8_int8 with static activations, ``act_qmin`` -128 and the pre_quant_scale role (applied before the activation
+quantization, as ModelOpt's input quantizer multiplies first); fine-grained FP8 onto fp8_block. compressed-tensors'
+static int8 activations (int-quantized, ``input_activations`` strategy tensor, not dynamic) import with ``act_qmin``
+-128 too: both formats clamp int8 activation codes at -128, the SmoothQuant pass's (the IR's default) at -127.
+ModelOpt itself folds AWQ's scale into the norm before q/k/v and gate/up (those linears arrive without one); the ones
+it keeps are not folded into the rows of v_proj / up_proj here either, which would mean making their codes again.
+The KV cache's k_scale / v_scale are read and checked, not applied: the build's KV cache is runtime.kv_cache_dtype's.
 
 Mixture-of-experts layers whose experts are stored quantized, one linear per expert and projection
 (``experts.3.gate_proj.qweight`` ...): each expert's linear is read as above, and the experts are stacked into the
@@ -55,12 +67,15 @@ or tensor with dynamic per-token inputs, and fine-grained (block) FP8 ones.
 Act-order (a g_idx that is not k // group_size): the IR's groups are contiguous along K, so input channels are
 sorted by group (``perm``, stable) and the linear reads ``x[:, perm]`` (its ``perm`` weight role).
 
+Static int8 codes are x / input_scale in fp32 (an IEEE division) rounded half to even: ModelOpt's own fake
+quantization multiplies by 127 / amax instead (``_tensor_quant``: round(x * (127 / amax))), which can differ from
+x / (amax / 127) in the last bit, so a value within an ulp of a rounding boundary may take the neighbouring code; the
+exported input_scale is what a deployment divides by.
+
 Refused, naming the setting: ModelOpt's fp8_pb_wo (block FP8 weights with unquantized activations: no IR scheme
-keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), W8A8_SQ_PER_CHANNEL (its
-static int8 activations round x * 127 / amax to -128..127, the IR's w8a8_int8 x / input_scale to -127..127: an input
-below -amax would take another code), NVFP4 (no FP4 scheme), a W4A16_AWQ with zero points or without its group_size,
-and experts that carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations,
-ue8m0 scales or per-tensor scales (weight_block_size null).
+keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), NVFP4 (no FP4 scheme), a
+W4A16_AWQ with zero points or without its group_size, and experts that carry a pre_quant_scale (the moe op has no
+input scale); fine-grained FP8 with static activations, ue8m0 scales or per-tensor scales (weight_block_size null).
 """
 
 from __future__ import annotations
@@ -86,7 +101,8 @@ class PrequantizedError(ValueError):
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ gemm: nibble i of a word holds column 8 * word + AWQ_ORDER[i]
 SUPPORTED = ("gptq, awq (version gemm), compressed-tensors (pack-quantized, float-quantized, int-quantized), fp8 "
-             "(fine-grained, weight_block_size), modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ)")
+             "(fine-grained, weight_block_size), modelopt (FP8, FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ, "
+             "W8A8_SQ_PER_CHANNEL)")
 # What a recipe quantization section must say to agree with an import: algo -> the IR schemes it writes.
 ALGO_SCHEMES = {"gptq": ("w4a16", "w8a16"), "awq": ("w4a16",), "int8_wo": ("w8a16",), "fp8": ("fp8", "fp8_block"),
                 "smoothquant": ("w8a8_int8",)}
@@ -484,7 +500,13 @@ def _read_8bit(module: str, tensors: dict[str, Tensor], in_f: int, out_f: int, i
                static: bool, source: str, where: str) -> ImportedLinear:
     """A linear stored as 8-bit codes ``weight`` [N, K] (e4m3 for fp8, int8 otherwise) with ``weight_scale`` per
     tensor or output channel and, with static activations, one ``input_scale``: IR fp8 / w8a8_int8, or w8a16 (int8
-    weights only: the unsigned layout, zero point 128). ``where`` names what asks for static activations."""
+    weights only: the unsigned layout, zero point 128). ``where`` names what asks for static activations.
+
+    Static int8 activations take the full int8 range in both formats that store them: compressed-tensors quantizes
+    round(clamp(x / input_scale, q_min, q_max)) with q_min, q_max = -128, 127 for 8-bit ints (``calculate_range``,
+    its scales amax / 127.5, so that -amax itself is code -128), ModelOpt's W8A8_SQ_PER_CHANNEL clamps
+    round(x * 127 / amax) to -128..127 (its input quantizer's narrow_range is false): the IR linear's
+    ``act_qmin`` -128, not the SmoothQuant pass's -127."""
     names = {r: f"{module}.{r}" for r in ("weight", "weight_scale", "input_scale")}
     fp8 = ir_scheme == "fp8"
     weight, scale = tensors[names["weight"]], tensors[names["weight_scale"]]
@@ -513,8 +535,27 @@ def _read_8bit(module: str, tensors: dict[str, Tensor], in_f: int, out_f: int, i
             quant["weight_granularity"] = "channel" if per_channel else "tensor"
         if static:
             _check(names["input_scale"], input_scale.reshape(-1), FLOATS, (1,), "one activation scale")
+            if not (bool(torch.isfinite(input_scale).all()) and float(input_scale.reshape(-1)[0]) > 0):
+                raise PrequantizedError(f"tensor {names['input_scale']!r} is {float(input_scale.reshape(-1)[0])}; "
+                                        f"expected a positive finite activation scale")
             tensors_ir["input_scale"] = input_scale.float().reshape(1)
+            if ir_scheme == "w8a8_int8":  # codes -128..127 (the docstring); the IR's default stops at -127
+                quant["act_qmin"] = -128
     return ImportedLinear(ir_scheme, tensors_ir, quant, reference, [n for n in names.values() if n in tensors])
+
+
+def _read_pre_quant_scale(name: str, tensors: dict[str, Tensor], in_f: int, ir: dict[str, Tensor],
+                          why: str) -> None:
+    """A ModelOpt linear's ``pre_quant_scale`` [in] (its input quantizer's per-input-channel scale s, the model's
+    dtype; ``why`` whose), where the export kept one: the IR's pre_quant_scale role, in fp32 (exact)."""
+    pqs = tensors.get(name)
+    if pqs is None:
+        return
+    _check(name, pqs, FLOATS, (in_f,), f"one scale per input feature of the {in_f}: the linear computes "
+                                       f"W (x * pre_quant_scale)")
+    if not bool(torch.isfinite(pqs).all()):
+        raise PrequantizedError(f"tensor {name!r} holds inf or nan; expected finite scales ({why}, positive)")
+    ir["pre_quant_scale"] = pqs.float().contiguous()
 
 
 def _fp8_inputs(a: dict | None) -> bool:
@@ -609,13 +650,13 @@ MODELOPT_ALGOS = {  # ModelOpt's quant_algo -> (IR scheme, weight scale per chan
     "FP8_PER_CHANNEL_PER_TOKEN": ("fp8", True, False),
     "W8A16": ("w8a16", True, False),
     "W4A16_AWQ": ("w4a16", False, False),  # scales per group of group_size inputs (:meth:`ModelOpt._read_int4`)
+    "W8A8_SQ_PER_CHANNEL": ("w8a8_int8", True, True),  # static int8 inputs -128..127, a pre_quant_scale per linear
 }
+PRE_QUANT_SCALED = ("w4a16", "w8a8_int8")  # the IR schemes of the algorithms whose linears may keep a pre_quant_scale
 MODELOPT_REFUSED = {  # why other algorithms are not imported
     "FP8_PB_WO": "FP8 weights in blocks with unquantized activations; the IR's fp8_block quantizes its activations",
     "W4A8_AWQ": "int4 weights with a second, fp8 scale and static fp8 activations (an int4 x fp8 matmul) have no IR "
                 "scheme",
-    "W8A8_SQ_PER_CHANNEL": "its static int8 activations round x * 127 / amax to codes -128..127; the IR's w8a8_int8 "
-                           "rounds x / input_scale to -127..127, so an input below -amax would take another code",
     "NVFP4": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
     "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
 }
@@ -673,6 +714,8 @@ class ModelOpt(QuantFormat):
         if self.layers is None and scheme == "fp8":
             self.details.update(activations="static" if static else "dynamic",
                                 weight_granularity="channel" if per_channel else "tensor")
+        if self.layers is None and scheme == "w8a8_int8":
+            self.details.update(activations="static")
 
     def _algo(self, value: Any, where: str) -> str:
         algo = str(value).upper()
@@ -711,7 +754,7 @@ class ModelOpt(QuantFormat):
             return None
         scheme, _, static = MODELOPT_ALGOS[algo]
         required = ("weight", "weight_scale") + (("input_scale",) if static else ())
-        optional = ("k_scale", "v_scale") + (("pre_quant_scale",) if scheme == "w4a16" else ())
+        optional = ("k_scale", "v_scale") + (("pre_quant_scale",) if scheme in PRE_QUANT_SCALED else ())
         return [f"{module}.{r}" for r in required], [f"{module}.{r}" for r in optional]
 
     def read(self, module: str, tensors: dict[str, Tensor], in_f: int, out_f: int) -> ImportedLinear:
@@ -722,6 +765,10 @@ class ModelOpt(QuantFormat):
         else:
             lin = _read_8bit(module, tensors, in_f, out_f, scheme, per_channel, static, "modelopt",
                              f"quant_algo {algo}")
+            if scheme == "w8a8_int8":  # SmoothQuant's s on every linear (never folded into a norm): W (x * s)
+                name = f"{module}.pre_quant_scale"
+                _read_pre_quant_scale(name, tensors, in_f, lin.tensors, "SmoothQuant's")
+                lin.consumed += [name] if name in tensors else []
         for name in (f"{module}.{r}" for r in ("k_scale", "v_scale") if f"{module}.{r}" in tensors):
             # the KV cache's scales (the amax of k, v over 448), on k_proj / v_proj: read, not applied (the KV cache
             # is runtime.kv_cache_dtype's)
@@ -759,14 +806,7 @@ class ModelOpt(QuantFormat):
         reference = codes.float() * scale.float()[:, torch.arange(in_f) // group]
         zeros = torch.full((out_f, num_groups), 8, dtype=torch.int32)
         ir, quant = _weight_only(codes + 8, zeros, scale, 4, group, None, "modelopt", module)
-        pqs = tensors.get(names["pre_quant_scale"])
-        if pqs is not None:
-            _check(names["pre_quant_scale"], pqs, FLOATS, (in_f,),
-                   f"one scale per input feature of the {in_f}: the linear computes W (x * pre_quant_scale)")
-            if not bool(torch.isfinite(pqs).all()):
-                raise PrequantizedError(f"tensor {names['pre_quant_scale']!r} holds inf or nan; expected finite "
-                                        f"scales (AWQ's, positive)")
-            ir["pre_quant_scale"] = pqs.float().contiguous()
+        _read_pre_quant_scale(names["pre_quant_scale"], tensors, in_f, ir, "AWQ's")
         return ImportedLinear("w4a16", ir, quant, reference, [n for n in names.values() if n in tensors])
 
 
@@ -888,11 +928,12 @@ class Imported:
         return {m: lin.tensors["pre_quant_scale"] for m, lin in self.linears.items()
                 if "pre_quant_scale" in lin.tensors}
 
-    def activation_quant(self) -> dict[str, tuple[str, Tensor | None, int | None]]:
-        """module -> (scheme, static input scale or None, group width along K or None) of the W8A8 linears, whose
-        activations the format quantizes too (fp8 / int8 per token or with the static scale; fp8_block per token and
-        group)."""
-        return {m: (lin.scheme, lin.tensors.get("input_scale"), lin.quant.get("block_size", [None, None])[1])
+    def activation_quant(self) -> dict[str, tuple[str, Tensor | None, int | None, int]]:
+        """module -> (scheme, static input scale or None, group width along K or None, lowest int8 code) of the
+        W8A8 linears, whose activations the format quantizes too (fp8 / int8 per token or with the static scale, int8
+        codes down to act_qmin; fp8_block per token and group)."""
+        return {m: (lin.scheme, lin.tensors.get("input_scale"), lin.quant.get("block_size", [None, None])[1],
+                    lin.quant.get("act_qmin", -127))
                 for m, lin in self.linears.items() if lin.scheme in ("fp8", "w8a8_int8", "fp8_block")}
 
     def summary(self) -> dict[str, Any]:

@@ -33,7 +33,8 @@ figures below are the K loops' SASS for sm_90.
 ``w8a8_gemv``: ``y = (quant(x) @ qweight.T) * x_scale * weight_scale + bias`` for int8 / float8_e4m3fn
 ``qweight`` [N, K] (``ref_w8a8_linear``): each program first reads its rows of x over all of K for the
 per-token max (or loads the static ``input_scale``), then per K step quantizes each row's x step once, in
-registers (int8: round half to even, clamp to +-127; fp8: clamp to +-448, round to E4M3), and multiplies it by
+registers (int8: round half to even, clamp to act_qmin..127, act_qmin -127 or -128 as the linear's ``quant`` says
+(``kernels.torch_quant.int8_act_qmin``); fp8: clamp to +-448, round to E4M3), and multiplies it by
 the [BLOCK_N, BLOCK_K] weight tile (rows contiguous over k). Each thread holds 16 contiguous codes of a row
 per vector load and sums their products in registers every step (``_dot_chunks``): [BLOCK_N, BLOCK_K / 16]
 accumulators, so a thread can own many rows and its quantized x serves them all. Exact int32 products and
@@ -97,6 +98,7 @@ from kernels.w4a16_gemm import (
 from kernels.w8a8_gemm import (
     _MAGIC,
     QuantizedRows,
+    act_qmin_arg,
     _check_inputs as _check_w8a8_inputs,
     _qrange,
     _round_e4m3,
@@ -499,10 +501,10 @@ def _absmax(x_row, offs, mask, amax):
 
 
 @triton.jit
-def _quantize_step(x_row, offs_k, mask_k, x_scale, qmax, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr,
+def _quantize_step(x_row, offs_k, mask_k, x_scale, qmax, qmin, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr,
                    MASKED: tl.constexpr, PREQUANT: tl.constexpr):
-    """One row's x step [BLOCK_K] quantized with ``x_scale`` as the reference does: int8 codes as int32, E4M3
-    values as fp32 (0 where masked). PREQUANT: x holds the codes already."""
+    """One row's x step [BLOCK_K] quantized with ``x_scale`` as the reference does, clamped to ``qmin``..``qmax``:
+    int8 codes as int32, E4M3 values as fp32 (0 where masked). PREQUANT: x holds the codes already."""
     if PREQUANT:
         if INT8:
             return _load(x_row + offs_k, mask_k, MASKED).to(tl.int32)
@@ -511,7 +513,7 @@ def _quantize_step(x_row, offs_k, mask_k, x_scale, qmax, INT8: tl.constexpr, EMU
     a = _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
     # Triton's fp32 ``/`` is the fast approximate division on the GPU (as in kernels.w8a8_gemm): a value within
     # an ulp of a rounding boundary can get the neighbouring code
-    v = tl.minimum(tl.maximum(a / x_scale, -qmax), qmax)
+    v = tl.minimum(tl.maximum(a / x_scale, qmin), qmax)
     if INT8:
         return (v + _MAGIC).to(tl.int32, bitcast=True) - 0x4B400000  # bits of 1.5 * 2^23 + code, ties to even
     elif EMULATE_FP8:
@@ -543,11 +545,12 @@ def _w8a8_gemv_kernel(
     HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE_IN_KERNEL: tl.constexpr, EMULATE_FP8: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
     AMAX_BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr, PREQUANT: tl.constexpr, PREFETCH_ROWS: tl.constexpr,
-    PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr, QMIN: tl.constexpr,
 ):
     # x: [ROWS, K], w: [N, K] -> y: [ROWS, N] contiguous. A K step quantizes each row's x step once and multiplies
     # it by the [BLOCK_N, BLOCK_K] weight tile into [BLOCK_N, BLOCK_K / VEC] accumulators (``_dot_chunks``).
-    # PREQUANT: x is already codes (a norm quantized it, ``QuantizedRows``) and xs_ptr its per-row scales.
+    # PREQUANT: x is already codes (a norm quantized it, ``QuantizedRows``) and xs_ptr its per-row scales. QMIN: the
+    # lowest code (fp32): -qmax, or -128.0 for int8 codes that take the full range (act_qmin -128)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -613,16 +616,16 @@ def _w8a8_gemv_kernel(
             w = w.to(tl.int32)
         else:
             w = w.to(tl.float32)
-        acc0 = _dot_chunks(acc0, w, _quantize_step(x_ptr, offs_k, mask_k, xs0, qmax, INT8, EMULATE_FP8, not EVEN_K,
-                                                   PREQUANT), VEC)
+        acc0 = _dot_chunks(acc0, w, _quantize_step(x_ptr, offs_k, mask_k, xs0, qmax, QMIN, INT8, EMULATE_FP8,
+                                                   not EVEN_K, PREQUANT), VEC)
         if ROWS > 1:
-            acc1 = _dot_chunks(acc1, w, _quantize_step(x_ptr + stride_xm, offs_k, mask_k, xs1, qmax, INT8,
+            acc1 = _dot_chunks(acc1, w, _quantize_step(x_ptr + stride_xm, offs_k, mask_k, xs1, qmax, QMIN, INT8,
                                                        EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
         if ROWS > 2:
-            acc2 = _dot_chunks(acc2, w, _quantize_step(x_ptr + 2 * stride_xm, offs_k, mask_k, xs2, qmax, INT8,
+            acc2 = _dot_chunks(acc2, w, _quantize_step(x_ptr + 2 * stride_xm, offs_k, mask_k, xs2, qmax, QMIN, INT8,
                                                        EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
         if ROWS > 3:
-            acc3 = _dot_chunks(acc3, w, _quantize_step(x_ptr + 3 * stride_xm, offs_k, mask_k, xs3, qmax, INT8,
+            acc3 = _dot_chunks(acc3, w, _quantize_step(x_ptr + 3 * stride_xm, offs_k, mask_k, xs3, qmax, QMIN, INT8,
                                                        EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
 
     if PER_CHANNEL:
@@ -886,7 +889,8 @@ def w4a16_gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zer
 
 def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_scale: torch.Tensor,
               input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-              out_dtype: torch.dtype | None = None, config: GemvConfig | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, config: GemvConfig | None = None,
+              act_qmin: int = -127) -> torch.Tensor:
     """:func:`kernels.w8a8_gemm.w8a8_linear` (INT8 when ``qweight`` is int8, FP8 when float8_e4m3fn) for at
     most ``GEMV_MAX_ROWS`` rows of x: the activation quantized per token (``input_scale`` None) or with the
     static ``input_scale`` [1] inside the kernel, exactly as ``ref_w8a8_linear``; or taken as quantized
@@ -894,7 +898,9 @@ def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_sca
 
     x: [..., K] fp16/bf16/fp32 with prod(leading dims) <= GEMV_MAX_ROWS -> y: [..., N] in x's dtype (for
     QuantizedRows: ``out_dtype``, default bf16). ``config`` forces a configuration (benchmarks and tests).
+    ``act_qmin``: the lowest int8 activation code, -127 or -128 (rows already quantized keep their codes).
     """
+    qmin = act_qmin_arg("w8a8_gemv", qweight, act_qmin)
     prequant = isinstance(x, QuantizedRows)
     if prequant:
         if input_scale is not None:
@@ -935,7 +941,7 @@ def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_sca
         EMULATE_FP8=_interpreting() and not int8, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, VEC=min(cfg.block_k, 16), AMAX_BLOCK=amax_block,
         NUM_STAGES=cfg.num_stages, PREQUANT=prequant, PREFETCH_ROWS=prefetch_rows, PREFETCH_LINES=lines_per_row,
-        num_warps=cfg.num_warps, **pdl_args(x2))
+        QMIN=qmin, num_warps=cfg.num_warps, **pdl_args(x2))
     _finish_split(plan, cfg, bias, y)
     return y.reshape(*x.shape[:-1], n)
 

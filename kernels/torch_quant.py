@@ -6,7 +6,11 @@ Storage conventions (written by the quantization passes, see passes/README.md):
   index), ``scales`` [out, num_groups], ``zeros`` [out, num_groups] integer codes;
   w = (q - zero) * scale.
 - w8a8_int8: ``qweight`` int8 [out, in], ``weight_scale`` fp32 [out]; activations quantized to
-  int8 per token (dynamic) or with the calibrated per-tensor ``input_scale`` (static); scale = amax / 127.
+  int8 per token (dynamic) or with the calibrated per-tensor ``input_scale`` (static); scale = amax / 127;
+  codes round-half-even(x / scale) clamped to ``act_qmin``..127, ``act_qmin`` the node's ``quant`` attr (-127 where
+  absent: the SmoothQuant pass's symmetric range; -128, the full int8 range, for imported checkpoints whose format
+  quantizes static activations so: ModelOpt's W8A8_SQ_PER_CHANNEL, compressed-tensors). Only a static scale can
+  take a code below -127: a per-token scale amax / 127 puts every x / scale within +-127 (and a hair).
 - fp8: ``qweight`` float8_e4m3fn [out, in], ``weight_scale`` fp32 [out] or [1]; activations e4m3 per
   token (dynamic) or with ``input_scale`` (static); scale = amax / 448.
 - fp8_block: ``qweight`` float8_e4m3fn [out, in], ``weight_scale`` fp32 [ceil(out / bn), ceil(in / bk)] for the
@@ -37,6 +41,24 @@ FP8_MAX = 448.0
 # session 18). Off by default: the quality gates run the reference arithmetic and cannot judge it.
 FP8_FAST_ACCUM = os.environ.get("RUNTIME_FP8_FAST_ACCUM", "0") == "1"
 INT8_MAX = 127.0
+# the lower bounds of the int8 activation codes a w8a8_int8 linear's ``quant`` may name (``act_qmin``); the first is
+# the default (the attr absent). Every path honours both: this file, kernels/w8a8_gemm.py and kernels/gemv.py
+INT8_ACT_QMINS = (-127, -128)
+
+
+def int8_act_qmin(quant: dict | None) -> int:
+    """The lower bound of a w8a8_int8 linear's activation codes (its ``quant`` attr's ``act_qmin``, default -127);
+    ValueError naming the value for one this runtime does not run (another value, or the attr on another scheme)."""
+    quant = quant or {}
+    if "act_qmin" not in quant:
+        return INT8_ACT_QMINS[0]
+    value = quant["act_qmin"]
+    if quant.get("scheme", "w8a8_int8") != "w8a8_int8" or isinstance(value, bool) \
+            or not isinstance(value, int) or value not in INT8_ACT_QMINS:
+        raise ValueError(f"quant act_qmin {value!r} on scheme {quant.get('scheme')!r}: this runtime runs act_qmin "
+                         f"{' or '.join(map(str, INT8_ACT_QMINS))} on w8a8_int8 linears only (the lower bound of "
+                         f"their int8 activation codes)")
+    return int(value)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -91,13 +113,15 @@ def quantize_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale[:, None]).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
-def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [num_tokens, in] -> (int8 codes, scale [num_tokens, 1] or [1, 1])."""
+def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None,
+                             qmin: int = -127) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [num_tokens, in] -> (int8 codes, scale [num_tokens, 1] or [1, 1]): round-half-even(x / scale) in fp32 (an
+    IEEE division) clamped to ``qmin``..127 (``qmin`` -127 or -128: :func:`int8_act_qmin`)."""
     if input_scale is None:
         scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / INT8_MAX
     else:
         scale = input_scale.float().reshape(1, 1)
-    q = (x.float() / scale).round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = (x.float() / scale).round().clamp(qmin, INT8_MAX).to(torch.int8)
     return q, scale
 
 
@@ -242,13 +266,13 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtyp
     input_scale = w.get("input_scale")
     w_scale = w["weight_scale"].float().reshape(1, -1)
     if scheme == "w8a8_int8":
-        wq = w["qweight"]
+        wq, qmin = w["qweight"], int8_act_qmin({**quant, "scheme": scheme})
 
         def int8_linear(x: torch.Tensor) -> torch.Tensor:
             if quantize is not None and input_scale is None and x.dim() == 2:
-                xq, x_scale = quantize(x)
+                xq, x_scale = quantize(x)  # per token: no code below -127 (INT8_ACT_QMINS), whatever qmin says
             else:
-                xq, x_scale = quantize_activation_int8(x, input_scale)
+                xq, x_scale = quantize_activation_int8(x, input_scale, qmin)
             y = _int8_matmul(xq, wq).float() * x_scale * w_scale
             return (y + bias.float() if bias is not None else y).to(x.dtype)
 

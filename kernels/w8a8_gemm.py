@@ -5,8 +5,9 @@ dtype, the arithmetic of the reference ``w8a8_int8`` / ``fp8`` paths of ``kernel
 
     x_scale  dynamic: per token (row), max|x_row| / QMAX (floored at 1e-8 for int8, 1e-12 for fp8);
              static: the calibrated ``input_scale`` [1]
-    quant    int8: round-half-even(x / x_scale) clamped to +-127;  fp8: x / x_scale clamped to +-448,
-             rounded to E4M3 (round-half-even)
+    quant    int8: round-half-even(x / x_scale) clamped to act_qmin..127 (act_qmin -127, or -128 for imported
+             checkpoints whose static activations take the full int8 range: ``torch_quant.int8_act_qmin``);
+             fp8: x / x_scale clamped to +-448, rounded to E4M3 (round-half-even)
     qweight  int8 or float8_e4m3fn [N, K] (as the passes write it), weight_scale fp32 [N] or [1]
     acc      int8: exact int32;  fp8: fp32 tensor-core accumulation
 
@@ -104,9 +105,10 @@ def _w8a8_gemm_kernel(
     stride_xm, stride_wn,
     stride_om, stride_os,  # out: y [M, N] (stride_os unused), or partial sums [SPLIT_K, M, N] fp32
     INT8: tl.constexpr, STATIC: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    SPLIT_K: tl.constexpr, EMULATE_FP8: tl.constexpr, QMIN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
+    # QMIN: the lowest code (fp32): -qmax, or -128.0 for int8 codes that take the full range (act_qmin -128)
     offs_m, offs_n, mask_m, mask_n, pid_k = output_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     qmax, eps = _qrange(INT8)
@@ -135,7 +137,7 @@ def _w8a8_gemm_kernel(
         a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         # Triton's fp32 ``/`` is the fast approximate division (IEEE div_rn measured 1.5x slower here): a
         # value within an ulp of a rounding boundary can get the neighbouring code
-        v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -qmax), qmax)  # [BLOCK_M, BLOCK_K]
+        v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], QMIN), qmax)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if INT8:
@@ -181,15 +183,31 @@ def _check_inputs(name: str, x: torch.Tensor, qweight: torch.Tensor, weight_scal
             x2 if x2.stride(-1) == 1 else x2.contiguous())
 
 
+def act_qmin_arg(name: str, qweight: torch.Tensor, act_qmin: int) -> float:
+    """The kernels' QMIN (the lowest activation code, fp32) for ``act_qmin``: -127 or -128 for int8 weights
+    (``kernels.torch_quant.INT8_ACT_QMINS``), -127 (the default, ignored: e4m3's is -448) for fp8 ones."""
+    from kernels.torch_quant import INT8_ACT_QMINS
+
+    if qweight.dtype != torch.int8:
+        if act_qmin != INT8_ACT_QMINS[0]:
+            raise ValueError(f"{name}: act_qmin {act_qmin} bounds int8 activation codes; the weight is {qweight.dtype}")
+        return -448.0
+    if isinstance(act_qmin, bool) or act_qmin not in INT8_ACT_QMINS:
+        raise ValueError(f"{name}: act_qmin {act_qmin!r} is not one of {INT8_ACT_QMINS}")
+    return float(act_qmin)
+
+
 def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, *,
-                config: W8A8Config | None = None) -> torch.Tensor:
+                config: W8A8Config | None = None, act_qmin: int = -127) -> torch.Tensor:
     """W8A8 linear (INT8 when ``qweight`` is int8, FP8 when float8_e4m3fn); see the module docstring.
 
     x: [..., K] fp16/bf16/fp32 -> [..., N] in x's dtype. ``input_scale`` None = dynamic per-token
-    activation scales, else the static scale [1]. Runs the fused kernel at any M (``config`` forces one
-    configuration); the runtime sends at most ``FUSED_MAX_ROWS`` rows here.
+    activation scales, else the static scale [1]. ``act_qmin``: the lowest int8 activation code, -127 or -128.
+    Runs the fused kernel at any M (``config`` forces one configuration); the runtime sends at most
+    ``FUSED_MAX_ROWS`` rows here.
     """
+    qmin = act_qmin_arg("w8a8_linear", qweight, act_qmin)
     qweight, x2 = _check_inputs("w8a8_linear", x, qweight, weight_scale, bias)
     (n, k), num_rows = qweight.shape, x2.shape[0]
     y = torch.empty((num_rows, n), dtype=x.dtype, device=x.device)
@@ -206,7 +224,7 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
         x2, qweight, ws, xs, bias_arg, out, num_rows, n, k, steps_per_split,
         x2.stride(0), qweight.stride(0), stride_om, stride_os,
         INT8=int8, STATIC=input_scale is not None, PER_CHANNEL=ws.numel() == n and n > 1,
-        HAS_BIAS=bias is not None, SPLIT_K=split_k, EMULATE_FP8=_interpreting() and not int8,
+        HAS_BIAS=bias is not None, SPLIT_K=split_k, EMULATE_FP8=_interpreting() and not int8, QMIN=qmin,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split_k > 1:
@@ -290,8 +308,9 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 
 def ref_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference: the runtime's reference ``w8a8_int8`` / ``fp8`` linear."""
+                    input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                    act_qmin: int = -127) -> torch.Tensor:
+    """The torch reference: the runtime's reference ``w8a8_int8`` / ``fp8`` linear (``act_qmin``: its quant attr)."""
     from kernels.torch_quant import make_quant_linear
 
     scheme = "w8a8_int8" if qweight.dtype == torch.int8 else "fp8"
@@ -300,4 +319,4 @@ def ref_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.
         w["input_scale"] = input_scale
     if bias is not None:
         w["bias"] = bias
-    return make_quant_linear(scheme, w, {}, x.dtype)(x)
+    return make_quant_linear(scheme, w, {"act_qmin": act_qmin} if act_qmin != -127 else {}, x.dtype)(x)

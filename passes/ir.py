@@ -39,6 +39,11 @@ QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
 # again): the linear reads x * s, the product taken in fp32 and rounded to x's dtype, before a `perm` gather and any
 # activation quantization. s is indexed by x's own channels.
 QUANT_ROLES = ("qweight", "scales", "zeros", "weight_scale", "input_scale", "perm", "pre_quant_scale")
+# `act_qmin` (optional quant attr, w8a8_int8 only): the lowest int8 activation code, -127 (absent: the SmoothQuant
+# pass's symmetric range) or -128 (the full int8 range, as formats whose static activations clamp there store it:
+# ModelOpt's W8A8_SQ_PER_CHANNEL, compressed-tensors' int8); codes are round-half-even(x / scale) clamped to
+# act_qmin..127 on every path (kernels/torch_quant.py int8_act_qmin)
+INT8_ACT_QMINS = (-127, -128)
 
 
 @dataclass(frozen=True)
@@ -315,6 +320,11 @@ class Graph:
                     raise GraphError(f"node {n}: a pre_quant_scale is one scale per input feature "
                                      f"({n.attrs.get('in_features')}) of a quantized {n.op}; it has shape "
                                      f"{tuple(self.params[n.weights['pre_quant_scale']].shape)}, scheme {scheme}")
+                qmin = n.attrs.get("quant", {}).get("act_qmin", INT8_ACT_QMINS[0])
+                if (scheme != "w8a8_int8" and "act_qmin" in n.attrs.get("quant", {})) or isinstance(qmin, bool) \
+                        or not isinstance(qmin, int) or qmin not in INT8_ACT_QMINS:
+                    raise GraphError(f"node {n}: quant act_qmin {qmin!r} on scheme {scheme}: the lowest int8 "
+                                     f"activation code of a w8a8_int8 {n.op} is one of {INT8_ACT_QMINS}")
                 if scheme == "fp8_block" and not block_size_ok(n.attrs["quant"].get("block_size")):
                     raise GraphError(f"node {n}: an fp8_block {n.op} needs quant block_size [rows, columns] of "
                                      f"positive integers; quant is {n.attrs['quant']}")

@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from kernels import torch_ops as ops
 from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
-from kernels.torch_quant import make_fp8_scaled_mm_linear, make_quant_linear, permute_input, scale_input
+from kernels.torch_quant import (int8_act_qmin, make_fp8_scaled_mm_linear, make_quant_linear, permute_input,
+                                  scale_input)
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 # the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 /
@@ -480,6 +481,12 @@ def _linear(w, attrs, ex) -> Kernel:
         raise GraphFormatError(f"{ex._node.get('op', 'linear')} {ex._node.get('source') or ''} carries weight role(s) "
                                f"{', '.join(unknown)}, which this runtime does not run; it runs "
                                f"{', '.join(LINEAR_ROLES)}: update the runtime or rebuild the artifact")
+    if quant and "act_qmin" in quant:  # a bound on the int8 activation codes: run as written, or not at all
+        try:
+            int8_act_qmin(quant)
+        except ValueError as e:
+            raise GraphFormatError(f"{ex._node.get('op', 'linear')} {ex._node.get('source') or ''}: {e}; update the "
+                                   f"runtime or rebuild the artifact") from None
     if quant and "pre_quant_scale" in w and ex.use_kernels:  # an exporter's input scale: x * s, then any kernel path
         rest = {role: t for role, t in w.items() if role != "pre_quant_scale"}
         inner = _linear(rest, {k: v for k, v in attrs.items() if k != "split_sizes"}, ex)
@@ -522,7 +529,9 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 / INT8 W8A8: up to ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
     ``GEMV_ENABLED``), up to ``FUSED_MAX_ROWS`` the Triton GEMM, both with the activation quantization fused in;
     more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
-    ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six)."""
+    ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six). Every path clamps INT8
+    activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
+    per-token ones (``quantize_rows``, a norm's ``QuantizedRows``) never reach below -127."""
     from kernels import gemv
     from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, w8a8_linear
 
@@ -532,12 +541,13 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         return quantize_rows(x2, storage)
 
     qweight, w_scale, input_scale, bias = w["qweight"], w["weight_scale"], w.get("input_scale"), w.get("bias")
+    qmin = int8_act_qmin(quant)
     # cuBLAS's _scaled_mm takes weights whose dimensions are multiples of 16, _int_mm multiples of 8: a quantized
     # lm_head over a vocabulary such as 32001 is not, and runs the Triton GEMM at every size instead
     align = 16 if quant["scheme"] == "fp8" else 8
     takes_quantized = False
     if qweight.shape[0] % align or qweight.shape[1] % align:
-        large = lambda x: w8a8_linear(x, qweight, w_scale, input_scale, bias)  # noqa: E731
+        large = lambda x: w8a8_linear(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)  # noqa: E731
     elif (quant["scheme"] == "fp8" and _scaled_mm_device(w["qweight"].device)
           and ex.dtype in (torch.bfloat16, torch.float16)):
         large = make_fp8_scaled_mm_linear(w, quantize, ex.dtype)
@@ -555,9 +565,9 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
             return large(x)
         # shapes only: no sync, the same inside a CUDA graph
         if gemv.GEMV_ENABLED and x.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
-            return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias)
+            return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)
         if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
-            return w8a8_linear(x, qweight, w_scale, input_scale, bias)
+            return w8a8_linear(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)
         return large(x)
 
     return linear

@@ -49,6 +49,9 @@ MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale"),
                      "fp8_block": ("w_gate_up_scale", "w_down_scale")}
 # the quant attrs a scheme's runtime reads
 SCHEME_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size"), "fp8_block": ("block_size",)}
+# optional quant attrs that change what a linear computes: attr -> (the scheme that may carry it, the values this
+# runtime runs); another value, or the attr on another scheme, is refused (kernels/torch_quant.py int8_act_qmin)
+SCHEME_OPTIONAL_ATTRS = {"act_qmin": ("w8a8_int8", (-127, -128))}  # kernels/torch_quant.py INT8_ACT_QMINS
 # safetensors' dtype names -> graph.json's (torch's)
 SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -332,6 +335,13 @@ def _check_quantized(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> N
         missing += [a for a in SCHEME_ATTRS.get(scheme, ()) if a not in quant]
         if missing:
             raise ManifestError(f"graph.json {op} {where}: a {scheme} {op} needs {', '.join(missing)}")
+        for attr, (owner, values) in SCHEME_OPTIONAL_ATTRS.items():
+            value = (quant or {}).get(attr, MISSING)
+            if value is not MISSING and (scheme != owner or isinstance(value, bool) or not isinstance(value, int)
+                                         or value not in values):
+                raise ManifestError(f"graph.json {op} {where}: quant {attr} {_show(value)} on a {scheme} {op} is not "
+                                    f"one this runtime runs; allowed: {' or '.join(map(str, values))}, on {owner} "
+                                    f"linears only")
         allowed = QUANT_WEIGHTS[scheme] + (("bias",) if scheme == "none" else QUANT_OPTIONAL_WEIGHTS)
         unknown = [r for r in node.get("weights", {}) if r not in allowed]
         if unknown:  # run without it, the node would compute something else than the graph says

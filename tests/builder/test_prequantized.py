@@ -646,6 +646,92 @@ def test_modelopt_per_channel_w8a16_and_mixed_import_exactly_and_run(traced, bas
     assert (run_graph(graph, [ids])[0] - ref).abs().max().item() < 1e-4
 
 
+CT_INT8_STATIC = {  # llm-compressor's W8A8 INT8 with static per-tensor activation scales
+    "quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": _ct_group(["Linear"], "int-quantized",
+                                           {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+                                           {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+                                            "dynamic": False})},
+    "ignore": ["lm_head"]}
+
+
+def input_amax(checkpoint: Path, ids: list[int]) -> dict[str, torch.Tensor]:
+    """module -> max |x| of each decoder linear's input on ``ids`` (the floating-point model)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    amax: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: amax.__setitem__(name, args[0].abs().amax()))
+             for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def ct_int8_codes(x: torch.Tensor, scale: torch.Tensor, q_min: int = -128) -> torch.Tensor:
+    """compressed-tensors' quantize of int8 activations (quantization/lifecycle/forward.py ``_quantize``):
+    round(clamp(x / scale, q_min, q_max)), with calculate_range's q_min, q_max = -128, 127 for 8-bit ints."""
+    return torch.round(torch.clamp(x / scale, q_min, 127))
+
+
+def test_compressed_tensors_static_int8_activations_take_code_minus_128(traced, base, tmp_path):
+    """compressed-tensors' static int8 activations clamp at -128 (its scales are amax / 127.5: -amax itself is code
+    -128); the import's w8a8_int8 linears carry act_qmin -128, so an input below -127.5 * input_scale takes the
+    format's code: the runtime's logits are a Hugging Face model's whose inputs compressed-tensors quantizes, and the
+    graph clamped at -127 (the IR's default, the import before issue 19) is off by as much as that model clamped so."""
+    from kernels.torch_quant import quantize_activation_int8
+    from passes.verify import run_graph
+    from runtime.executor import Executor, SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+
+    ids = torch.randint(3, 300, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    scales = {m: (0.6 * a / 127.5).reshape(1) for m, a in input_amax(base, ids).items()}  # 0.6: inputs saturate
+
+    def write(module: str, w: torch.Tensor, layer: int):
+        scale = w.abs().amax(1, keepdim=True) / 127.0
+        codes = torch.round(w / scale).clamp(-128, 127).to(torch.int8)
+        return {"weight": codes, "weight_scale": scale, "input_scale": scales[module]}, codes.float() * scale
+
+    expected = write_quantized(base, tmp_path / "ckpt", CT_INT8_STATIC, write)
+    graph = attach(traced, tmp_path / "ckpt")
+    quantized = [n for n in graph.nodes if "quant" in n.attrs]
+    assert len(quantized) == 14 and all(n.attrs["quant"] == {"scheme": "w8a8_int8", "activations": "static",
+                                                             "source": "compressed-tensors", "act_qmin": -128}
+                                        for n in quantized)
+    inputs = {}  # module -> the runtime's input to it
+
+    def observe(index: int, xs: list[torch.Tensor]) -> None:
+        node = graph.nodes[index]
+        if "quant" in node.attrs:
+            inputs[node.weights["qweight"].removesuffix(".qweight")] = xs[0].clone()
+
+    ex = Executor(graph.to_dict(), graph.params)
+    kv = SequenceKV(ex.kv_layout(), len(ids))
+    ex.run_nodes(ex.start(StepInput(torch.tensor(ids), torch.arange(len(ids)), [SeqSlice(kv, 0, len(ids))])), 0,
+                 len(graph.nodes), observe)
+    moved = 0
+    for module, x in inputs.items():  # the runtime's codes are the format's, -128 included; -127 would move some
+        theirs = ct_int8_codes(x, scales[module])
+        assert torch.equal(quantize_activation_int8(x, scales[module], -128)[0].float(), theirs), module
+        moved += int((quantize_activation_int8(x, scales[module])[0].float() != theirs).sum())
+    assert moved > 20 and moved == sum(int((ct_int8_codes(x, scales[m]) == -128).sum()) for m, x in inputs.items())
+
+    def model(q_min: int):
+        return hf_model(tmp_path / "ckpt", expected, lambda m, x: ct_int8_codes(x, scales[m], q_min) * scales[m])
+
+    with torch.no_grad():
+        ref, ref_127 = (model(q)(torch.tensor([ids]), use_cache=False).logits[0] for q in (-128, -127))
+    assert same_activation_codes(model(-128), ex, ids, lambda m, x: ct_int8_codes(x, scales[m])) == len(ids)
+    err = (run_graph(graph, [ids])[0] - ref).abs().max().item()
+    assert err < 1e-5, err
+    for q in quantized:
+        q.attrs["quant"].pop("act_qmin")
+    clamped = run_graph(graph, [ids])[0]
+    assert (clamped - ref).abs().max().item() > 1e-3 and (clamped - ref_127).abs().max().item() < 1e-5
+
+
 def _gptq_plain(module: str, w: torch.Tensor, layer: int):
     q = quantize(w, 4, sym=True, g_idx=torch.arange(w.shape[1]) // GROUP)
     return gptq_tensors(q, 4, v1=True), q.dequantize()
@@ -693,8 +779,9 @@ Q = "model.layers.0.self_attn.q_proj"
     ({"quant_method": "modelopt", "quant_algo": "W4A16_AWQ"}, {},  # config.json's flat form carries no group size
      r"quantization_config\.group_size is null; W4A16_AWQ needs the positive number of input features that share "
      r"one weight_scale"),
-    ({"quant_method": "modelopt", "quant_algo": "W8A8_SQ_PER_CHANNEL"}, {},
-     r"quant_algo is \"W8A8_SQ_PER_CHANNEL\": its static int8 activations round x \* 127 / amax to codes -128\.\.127"),
+    ({"quant_method": "modelopt", "quant_algo": "W8A8_SQ_PER_CHANNEL"}, {},  # imported, but these are GPTQ's tensors
+     rf"tensor '{Q}\.weight' is missing; a modelopt quantized linear stores weight, weight_scale, input_scale \(found "
+     rf"none of them\)"),
     ({"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "INT8"}, {},
      r"quantization_config\.kv_cache_quant_algo is \"INT8\"; imported: FP8"),
     ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}, {},

@@ -142,6 +142,25 @@ def test_w8a8_gemv_per_tensor_scale_and_leading_dims():
     _check_w8a8("int8", (1, 1, 2), 32, 64, torch.float32, True, True, seed=10)
 
 
+@pytest.mark.parametrize("m,config", [(1, None), (3, GemvConfig(16, 32, split_k=2)),
+                                      (2, GemvConfig(16, 32, split_k=3, reduce_in_kernel=False))])
+def test_w8a8_gemv_static_int8_codes_down_to_act_qmin(m, config):
+    """act_qmin -128 (an imported checkpoint's full int8 range): inputs below -127.5 * input_scale take code -128
+    in the kernel, as in the reference; the default -127 clamps them to -127 (outputs measurably apart)."""
+    qweight, w_scale = _w8a8_weights("int8", 40, 80, True, seed=30 + m)
+    x, b = _x_bias((m, 80), 40, torch.float32, True, seed=31 + m)
+    x[:, 3] *= 30
+    input_scale = torch.tensor([3.0 / 127])  # |x| > 3 (1.5 sigma) saturates, at both ends
+    assert (x / input_scale < -127.5).sum() > 2
+    y = w8a8_gemv(x, qweight, w_scale, input_scale, b, config=config, act_qmin=-128)
+    ref = ref_w8a8_linear(x, qweight, w_scale, input_scale, b, act_qmin=-128)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    y127 = w8a8_gemv(x, qweight, w_scale, input_scale, b, config=config)
+    torch.testing.assert_close(y127, ref_w8a8_linear(x, qweight, w_scale, input_scale, b), rtol=1e-5,
+                               atol=1e-5 * ref.abs().max().item())
+    assert (y127 - y).abs().max().item() > 1e-3 * ref.abs().max().item()
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_w8a8_gemv_zero_rows(kind):
     qweight, w_scale = _w8a8_weights(kind, 32, 64, True, seed=11)

@@ -63,6 +63,30 @@ def test_static_scale_and_split_k(kind):
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_static_int8_codes_down_to_act_qmin(split_k):
+    """act_qmin -128 (an imported checkpoint's full int8 range): inputs below -127.5 * input_scale take code -128,
+    as the reference's; the default -127 clamps them to -127 (outputs measurably apart on such rows)."""
+    m, k, n = 4, 96, 40
+    qweight, w_scale = _weights("int8", n, k, per_channel=True, seed=17)
+    x = _x(m, k, torch.float32, 18)
+    input_scale = torch.tensor([4.0 / 127])  # |x| > 4 (2 sigma) saturates, at both ends
+    assert (x / input_scale < -127.5).sum() > 2
+    cfg = W8A8Config(16, 16, 32, split_k=split_k, group_m=2, num_warps=1, num_stages=1)
+    y = w8a8_linear(x, qweight, w_scale, input_scale=input_scale, config=cfg, act_qmin=-128)
+    ref = ref_w8a8_linear(x, qweight, w_scale, input_scale=input_scale, act_qmin=-128)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    y127 = w8a8_linear(x, qweight, w_scale, input_scale=input_scale, config=cfg)
+    torch.testing.assert_close(y127, ref_w8a8_linear(x, qweight, w_scale, input_scale=input_scale), rtol=1e-5,
+                               atol=1e-5 * ref.abs().max().item())
+    assert (y127 - y).abs().max().item() > 1e-3 * ref.abs().max().item()
+    with pytest.raises(ValueError, match=r"act_qmin -129 is not one of \(-127, -128\)"):
+        w8a8_linear(x, qweight, w_scale, input_scale=input_scale, act_qmin=-129)
+    fp8_weight, fp8_scale = _weights("fp8", n, k, per_channel=True, seed=17)
+    with pytest.raises(ValueError, match="act_qmin -128 bounds int8 activation codes"):
+        w8a8_linear(x, fp8_weight, fp8_scale, input_scale=input_scale, act_qmin=-128)
+
+
 def test_bad_inputs_are_named():
     qweight, w_scale = _weights("fp8", 16, 32, True, 0)
     with pytest.raises(ValueError, match="input features"):
