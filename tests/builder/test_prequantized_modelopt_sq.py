@@ -48,6 +48,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_prequantized import attach, ir_weights, run_build
+from test_prequantized_modelopt_awq import _edit  # drops or replaces a checkpoint's tensors
 
 ATTN_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
@@ -404,13 +405,6 @@ def test_tensor_parallel_keeps_the_scales_whole_or_cuts_them_with_the_input_colu
 # --- malformed exports ------------------------------------------------------------------------------------------
 Q = "model.layers.0.self_attn.q_proj"
 D = "model.layers.1.mlp.down_proj"
-
-
-def _edit(path: Path, drop: str = "", replace: dict | None = None) -> None:
-    tensors = load_file(path / "model.safetensors")
-    tensors.pop(drop, None)
-    tensors.update(replace or {})
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.mark.parametrize("edit, message", [
