@@ -80,6 +80,12 @@ class _EngineCollector:
         yield GaugeMetricFamily("llm_spec_mean_accepted_tokens",
                                 "Accepted draft tokens per verified decode, since start (emitted tokens: this + 1).",
                                 value=s.spec_mean_accepted_tokens)
+        yield GaugeMetricFamily("llm_spec_measured_gain",
+                                "Decode tokens per second with drafts over without, at the batch size last timed "
+                                "(0 until both are measured).", value=s.spec_measured_gain)
+        yield GaugeMetricFamily("llm_spec_drafting",
+                                "1 while speculation runs at the batch size last timed, 0 where the rate check "
+                                "turned it off (or speculation is off).", value=s.spec_drafting)
 
 
 class _WeightedHistogram:

@@ -52,6 +52,10 @@ class EngineStats:
     spec_num_verified: int = 0  # decodes verified with drafts (one request in one step)
     spec_num_draft_tokens: int = 0  # draft tokens proposed and verified
     spec_num_accepted_tokens: int = 0  # of those, accepted (each verified decode also emits one token of its own)
+    # the rate check (runtime.speculative.RateCheck) at the number of decoding requests it last timed: tokens per
+    # second with drafts over without (0 until both are measured), and whether it lets drafts run there (1) or not (0)
+    spec_measured_gain: float = 0.0
+    spec_drafting: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

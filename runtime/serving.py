@@ -335,6 +335,7 @@ class ServingEngine:
         # it verified drafts and whether every request was decoding (no prompt, admission or compile in the way)
         self._rate_mark: tuple[float, int, bool, bool] | None = None
         self._verified_this_call = False
+        self._clock: Callable[[], float] = time.perf_counter  # the rate check's (tests give it a virtual one)
         self.num_steps = 0
         self.spec_num_steps = 0  # steps that verified drafts
         self.spec_num_verified = 0  # decodes verified with drafts (a request in a step)
@@ -488,7 +489,20 @@ class ServingEngine:
                            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
                            spec_num_steps=self.spec_num_steps, spec_num_verified=self.spec_num_verified,
                            spec_num_draft_tokens=self.spec_num_draft_tokens,
-                           spec_num_accepted_tokens=self.spec_num_accepted_tokens)
+                           spec_num_accepted_tokens=self.spec_num_accepted_tokens, **self._rate_stats())
+
+    def _rate_stats(self) -> dict:
+        """The rate check's view for EngineStats (spec_measured_gain, spec_drafting); speculation off: zeros, and
+        without the check, drafting whenever speculation is on."""
+        if not self.spec_policy.config.enabled:
+            return {}
+        check = self.spec_policy.rate_check
+        if check is None:
+            return {"spec_drafting": 1}
+        if check.last is None:
+            return {"spec_drafting": 1}
+        return {"spec_measured_gain": check.gain(check.last) or 0.0,
+                "spec_drafting": int(check.chosen.get(check.last, True))}
 
     # --- a step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -517,7 +531,7 @@ class ServingEngine:
         """Time this step call for the speculation policy's rate check: a call between two in which every running
         request was decoding, the same requests, the same mode (drafts verified or not), gives the tokens they got
         over its wall time since the call before."""
-        now = time.perf_counter()
+        now = self._clock()
         running = self.scheduler.running
         if len(running) > self.spec_policy.config.max_running:  # no speculation at this load: nothing to compare
             self._rate_mark = None

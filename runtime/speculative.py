@@ -368,6 +368,7 @@ class RateCheck:
         self.rates: dict[tuple[int, bool], float] = {}  # (decoding requests, speculated) -> tokens per second
         self.samples: dict[tuple[int, bool], int] = {}
         self.chosen: dict[int, bool] = {}  # decoding requests -> speculate (absent: yes, until measured)
+        self.last: int | None = None  # the number of decoding requests last timed
 
     def speculates(self, num_decoding: int, step: int) -> bool:
         chosen = self.chosen.get(num_decoding, True)
@@ -379,6 +380,7 @@ class RateCheck:
         if seconds <= 0 or num_tokens <= 0:
             return
         key = (num_decoding, speculated)
+        self.last = num_decoding
         rate = num_tokens / seconds
         old = self.rates.get(key)
         self.rates[key] = rate if old is None else old + RATE_EWMA_WEIGHT * (rate - old)

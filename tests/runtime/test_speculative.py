@@ -926,46 +926,58 @@ def test_min_gain_is_checked_and_zero_or_fixed_k_turns_the_rate_check_off(monkey
         assert SpeculationPolicy(SpeculativeConfig(**{"method": "ngram", **off})).rate_check is None
 
 
-class _SlowProposer(ScriptedProposer):
-    """Right drafts, each proposal costing ``delay`` seconds (a draft model far too slow for its target)."""
+class _VirtualClock:
+    """The rate check's clock in virtual seconds: one per engine step call, plus what proposals cost."""
 
-    def __init__(self, *args, delay: float, **kwargs) -> None:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+class _CostlyProposer(ScriptedProposer):
+    """Right drafts, each proposal costing ``cost`` virtual seconds (a draft model too slow for its target)."""
+
+    def __init__(self, *args, clock: _VirtualClock, cost: float, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.delay = delay
+        self.clock, self.cost = clock, cost
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        import time
-
-        time.sleep(self.delay)
+        self.clock.now += self.cost
         return super().propose(requests)
 
 
 @pytest.mark.parametrize("pays", [False, True])
 def test_drafts_that_do_not_pay_are_turned_off_by_measurement(engine, pays):
-    """Every draft right (acceptance 1.0), but a proposal costs eight plain steps: the measured rate with drafts is
-    about half the rate without, so after the first measurements the engine decodes without them (probing them
-    again each cycle); the same drafts at no cost are kept. The tokens are the non-speculative ones either way."""
-    import time
-
+    """Every draft right (acceptance 1.0): on a virtual clock where a step call takes one second, a proposal that
+    costs eight more makes 5 tokens in 9 s against 1 a second without drafts, so after the first measurements the
+    engine decodes without them (probing them again each cycle); the same drafts at no cost are kept. The tokens are
+    the non-speculative ones either way; /metrics reports the measured gain and whether drafts run."""
     from runtime.speculative import RATE_MIN_SAMPLES, RATE_PROBE_STEPS
 
     prompt = engine.tokenizer.encode(PROMPTS[1])
     params = SamplingParams(max_tokens=72, ignore_eos=True)
-    start = time.perf_counter()
     want = _serving(engine).run([prompt], params)[0]
-    delay = 0.0 if pays else 8 * (time.perf_counter() - start) / len(want.token_ids)  # eight plain steps
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
     s = _serving(engine, {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0.0, "min_gain": 1.0})
-    s.proposer = _SlowProposer([prompt + want.token_ids], vocab, delay=delay)
+    s._clock = clock = _VirtualClock()
+    s.proposer = _CostlyProposer([prompt + want.token_ids], vocab, clock=clock, cost=0.0 if pays else 8.0)
     got = s.run([prompt], params)[0]
     assert got.token_ids == want.token_ids
     stats, check = s.stats(), s.spec_policy.rate_check
     assert check.chosen == {1: pays}, check.rates
     assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens > 0
+    assert check.gain(1) == pytest.approx(5.0 if pays else 5.0 / 9.0)
+    assert stats.spec_drafting == int(pays) and stats.spec_measured_gain == pytest.approx(check.gain(1))
+    body, _ = ServerMetrics(s.stats).render()
+    samples = {x.name: x.value for f in text_string_to_metric_families(body.decode()) for x in f.samples}
+    assert samples["llm_spec_drafting"] == int(pays)
+    assert samples["llm_spec_measured_gain"] == pytest.approx(check.gain(1))
     plain_steps = stats.num_steps - stats.spec_num_steps
     if pays:  # past the first probe (plain steps), every step verifies drafts
-        assert stats.spec_num_steps > RATE_MIN_SAMPLES and plain_steps <= RATE_PROBE_STEPS + 3 and check.gain(1) > 1
+        assert stats.spec_num_steps > RATE_MIN_SAMPLES and plain_steps <= RATE_PROBE_STEPS + 3
     else:  # a few verify steps to measure, then plain decoding to the end
         assert stats.spec_num_steps <= RATE_MIN_SAMPLES + 2 and plain_steps > RATE_PROBE_STEPS + 10
-        assert check.gain(1) < 1
     _assert_no_leaks(s)
