@@ -213,6 +213,7 @@ class Normed:  # x * rsqrt(mean(x ** 2) + eps) (RMSNorm), or centred (LayerNorm)
     x: Tok
     eps: float
     centered: bool = False
+    source: str = ""  # the module that normalises
 
 
 # GeLU written out with tanh (transformers' gelu_new, gelu_python_tanh): 0.5 * x * (1 + tanh(a * (x + b * x^3)))
@@ -618,6 +619,9 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
             return _weight_expression(fx_node, args, kwargs, source)
         # Only positions, shapes, buffers and constants feed this op: position machinery.
         return _positions(fx_node, args) or _pos_union(args + list(kwargs.values()))
+    if any(isinstance(a, Normed) for a in args) and not _takes_normed(target, args):
+        args = [_weightless_norm(fx_arg, a, st) if isinstance(a, Normed) else a
+                for fx_arg, a in zip(fx_node.args, args)]
     rule = RULES.get(target)
     if rule is None:
         known = "" if target in NEEDS else f"; the lifter knows: {', '.join(sorted(str(t) for t in RULES))}"
@@ -628,6 +632,29 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
         raise LiftError(f"op {target} at module {source!r} is used in a pattern the lifter does not "
                         f"know (operands: {', '.join(type(a).__name__ for a in args)}){_needs(target)}")
     return result
+
+
+def _takes_normed(target: Any, args: list) -> bool:
+    """Whether an op keeps a norm pending: a cast (the gain may follow it), or a product with the gain (a weight)
+    or with 1."""
+    if target in IDENTITY_OPS:
+        return True
+    return target == aten.mul.Tensor and any(isinstance(a, Param) or isinstance(a, Const) and a.value == 1
+                                             for a in args)
+
+
+def _weightless_norm(fx_arg: torch.fx.Node, normed: Normed, st: _State) -> Tok:
+    """A norm without a gain (NanoChat's RMSNorm: x * rsqrt(mean(x^2) + eps), nothing after) read by an op other
+    than a product with a weight: the norm op without its weight, emitted once for that FX value."""
+    x, source = normed.x, normed.source or _module_path(fx_arg)
+    attrs: dict[str, Any] = {"eps": normed.eps}
+    if x.layout.dims[-1] == "D":
+        if normed.centered:
+            raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
+        attrs["head_dim"] = x.layout.size("D")
+    out = _emit(st, "layer_norm" if normed.centered else "rms_norm", [x.value], "norm", source, attrs=attrs)
+    tok = st.env[fx_arg] = Tok(out, _layout_of(fx_arg), x.repeat)
+    return tok
 
 
 # What an op the lifter stops at usually stands for, and the IR primitive lifting it would take.
@@ -848,6 +875,11 @@ def _bounds(start: int | None, stop: int | None, size: int) -> tuple[int, int]:
 def _slice(fx_node, args, kwargs, st, ctx, source):
     defaults = [Const(0), Const(None), Const(None), Const(1)]  # dim, start, end, step
     dim, start, stop, step = (_const(a) for a in (args[1:] + defaults[len(args) - 1:]))
+    val = fx_node.args[0].meta.get("val") if isinstance(fx_node.args[0], torch.fx.Node) else None
+    if not isinstance(args[0], Tok) and isinstance(val, torch.Tensor) and isinstance(dim, int) and step == 1:
+        size = val.shape[dim]  # a slice that keeps a whole axis (x[:, :, :, ::2] slices the others whole first)
+        if start in (0, None) and (stop is None or stop >= 2**62 or isinstance(size, int) and stop >= size):
+            return args[0]
     return _slice_value(fx_node, args[0], dim, start, stop, step, st, source)
 
 
@@ -958,6 +990,10 @@ def _cat(fx_node, args, kwargs, st, ctx, source):
         if (hi.x.value == lo.x.value and hi.neg and not lo.neg and hi.start == lo.stop
                 and hi.stop - hi.start == lo.stop - lo.start):
             return Rot(lo.x, lo.start, hi.stop)  # rotate_half(x[..., lo.start:hi.stop])
+        if (hi.x.value == lo.x.value and lo.neg and not hi.neg and hi.start == lo.stop
+                and hi.stop - hi.start == lo.stop - lo.start):  # cat(x2, -x1) = -rotate_half(x) (NanoChat's)
+            raise LiftError(f"module {source!r} rotates by minus the angle (rotate_half written cat(x2, -x1)), "
+                            f"which the rope op does not compute")
     return _reassemble(fx_node, parts, st)
 
 
@@ -1002,7 +1038,8 @@ def _mul(fx_node, args, kwargs, st, ctx, source):
             return _norm(fx_node, x, y, st, source)
         if isinstance(x, (Tok, Centered)) and isinstance(y, RmsInv) and _base(x) == _base(y.x) \
                 and isinstance(x, Centered) == isinstance(y.x, Centered):
-            return Normed(x.x if isinstance(x, Centered) else x, y.eps, centered=isinstance(x, Centered))
+            return Normed(x.x if isinstance(x, Centered) else x, y.eps, centered=isinstance(x, Centered),
+                          source=source)
         if isinstance(x, Tok) and isinstance(y, Pos) and _is_scalar(y_fx):
             return _scale(x, x_fx, float(_evaluate(y_fx, st, ctx, source)), st, source)
         if isinstance(x, Tok) and isinstance(y, Pos):
@@ -1061,6 +1098,10 @@ def _layer_norm(fx_node, args, kwargs, st, ctx, source):
     """aten.layer_norm(x, [features], weight?, bias?, eps): with or without a gain and a bias (OLMo has none)."""
     x, shape = args[0], _const(args[1])
     weight, bias, eps = (args + [Const(None), Const(None), Const(1e-5)])[2:5]
+    if isinstance(x, Tok) and x.layout.dims[-1] == "D":
+        raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
+    if isinstance(weight, Param) and weight.offset:
+        raise LiftError(f"LayerNorm at {source!r} has a gain of {weight.offset:g} + w; the layer_norm op takes w")
     if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and shape == [x.layout.sizes[-1]]):
         return NotImplemented
     weights = {}
@@ -1249,11 +1290,25 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
 
 def _pow(fx_node, args, kwargs, st, ctx, source):
     x, p = args[0], args[1]
+    if isinstance(x, Tok) and _const(p) == 2 and not _feeds_mean(fx_node):
+        # squared ReLU (relu2: torch.square(relu(x))) and other squares that are not a norm's: x * x, exactly
+        out = _emit(st, "elementwise", [x.value, x.value], "mul", source, attrs={"fn": "mul"})
+        return Tok(out, _layout_of(fx_node))
     if isinstance(x, (Tok, Centered)) and _const(p) == 2:
         return Square(x)
     if isinstance(x, Tok) and _const(p) == 3:
         return Cube(x)
     return NotImplemented
+
+
+def _square(fx_node, args, kwargs, st, ctx, source):
+    return _pow(fx_node, [args[0], Const(2)], {}, st, ctx, source)
+
+
+def _feeds_mean(fx_node: torch.fx.Node) -> bool:
+    """Whether every reader of ``fx_node`` (through casts) is a mean: the mean of squares of a norm."""
+    users = [u for u in fx_node.users if u.target not in IGNORED_OPS]
+    return bool(users) and all(u.target == aten.mean.dim or u.target in IDENTITY_OPS and _feeds_mean(u) for u in users)
 
 
 def _mean(fx_node, args, kwargs, st, ctx, source):
@@ -1289,6 +1344,7 @@ def _activation(fx_node, args, kwargs, st, ctx, source):
 
 def _sdpa(fx_node, args, kwargs, st, ctx, source):
     q, k, v = args[:3]
+    _check_scaled_by_position(q, k, v, source)
     if not all(isinstance(t, Tok) for t in (q, k, v)):
         return NotImplemented
     for t in (q, k, v):
@@ -1313,10 +1369,21 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     return _emit_attention(fx_node, q, k, v, num_kv_heads, float(scale), st, ctx, source)
 
 
+def _check_scaled_by_position(q: Any, k: Any, v: Any, source: str) -> None:
+    """A query, key or value multiplied by a position-derived table that no rotation completes: a factor per
+    position (Llama 4's and Ministral 3's attention temperature, llama_4_scaling_beta)."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if isinstance(t, RopeTerm) and not t.rotated:
+            raise LiftError(f"the attention at {source!r} takes a {name} multiplied by a factor computed from the "
+                            f"positions outside a rotary embedding (an attention temperature per position, "
+                            f"llama_4_scaling_beta), which the attention op does not compute")
+
+
 def _traced_attention(fx_node, args, kwargs, st, ctx, source):
     """One attention call through the tracer's own implementation (``attention``): its scale, soft-cap and sinks
     (a per-head weight) become the attention op's attributes and weight."""
     q, k, v, sinks, scale, softcap = args[:6]
+    _check_scaled_by_position(q, k, v, source)
     if not all(isinstance(t, Tok) and t.layout.dims[-2:] == ("T", "D") for t in (q, k, v)):
         return NotImplemented
     if not (isinstance(sinks, Param) and not sinks.offset or isinstance(sinks, Const) and sinks.value is None):
@@ -1539,6 +1606,7 @@ RULES: dict[Any, Callable] = {
     aten.mul.Tensor: _mul,
     aten.add.Tensor: _add,
     aten.pow.Tensor_Scalar: _pow,
+    aten.square.default: _square,
     aten.mean.dim: _mean,
     aten.rsqrt.default: _rsqrt,
     aten.sub.Tensor: _sub_op,

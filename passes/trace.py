@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import logging
 import time
@@ -31,6 +32,12 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Config settings whose attention the IR's attention op does not compute: what each adds, refused before tracing.
 UNSUPPORTED_ATTENTION = {
     "alibi": "ALiBi position biases added to the attention scores",
+}
+# Layer types (config.layer_types) whose token mixing is not attention over a KV cache: what each is, refused
+# before tracing (their modeling code would take torch.export long to trace, only to stop at its first op).
+UNSUPPORTED_LAYER_TYPES = {
+    "linear_attention": "linear attention (Gated DeltaNet, lightning attention: a recurrent state per sequence "
+                        "in place of a KV cache)",
 }
 
 
@@ -81,6 +88,13 @@ def check_attention(config, name: str) -> None:
             raise LiftError(f"{name} has {key} = {getattr(config, key)!r} in its config.json: {what}, which the "
                             f"attention op does not compute (it takes a causal mask, a sliding window, a soft-cap "
                             f"and attention sinks); the model would need an attention op with position biases")
+    layer_types = getattr(config, "layer_types", None) or []
+    for kind, what in UNSUPPORTED_LAYER_TYPES.items():
+        layers = [i for i, t in enumerate(layer_types) if t == kind]
+        if layers:
+            raise LiftError(f"{name} has {kind} layers ({', '.join(map(str, layers[:8]))}"
+                            f"{', ...' if len(layers) > 8 else ''} in layer_types): {what}, which the IR has no op "
+                            f"for")
 
 
 # --- attention a model computes its own way -----------------------------------------------------------------
@@ -278,13 +292,18 @@ def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
     # torch.export prints the partial graph of some failures to stderr: kept for the debug log instead, so that a
     # failed build says one line
     printed = io.StringIO()
+    kwargs, shapes = {"input_ids": ids}, {"input_ids": {1: seq}}
+    config = getattr(model, "config", None)
+    use_cache = getattr(config, "use_cache", None)
+    if "use_cache" in inspect.signature(model.forward).parameters:
+        kwargs["use_cache"], shapes["use_cache"] = False, None
+    elif config is not None:  # a forward that passes use_cache on in **kwargs (GraniteMoE's): its config's, off
+        # (torch.export cannot take a dynamic_shapes entry for an argument inside **kwargs)
+        config.use_cache = False
     with warnings.catch_warnings(), contextlib.redirect_stderr(printed), ListIndexAsSlice():
         warnings.simplefilter("ignore")
         try:
-            return torch.export.export(
-                model, (), {"input_ids": ids, "use_cache": False},
-                dynamic_shapes={"input_ids": {1: seq}, "use_cache": None}, strict=False,
-            )
+            return torch.export.export(model, (), kwargs, dynamic_shapes=shapes, strict=False)
         except LiftError:  # the tracer's own attention implementation refused what the model asked of it
             raise
         except Exception as e:  # torch.export raises many kinds (UserError, GuardOnDataDependentSymNode, ...)
@@ -293,6 +312,8 @@ def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
                             f"number of tokens ({type(e).__name__}: {reason[:400]}); the lifter needs one graph "
                             f"for every prompt length") from e
         finally:
+            if "use_cache" not in kwargs and config is not None:
+                config.use_cache = use_cache
             if printed.getvalue():
                 log.debug("torch.export printed:\n%s", printed.getvalue())
 

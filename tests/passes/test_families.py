@@ -69,6 +69,8 @@ GPT2 = Family("GPT-2", "gpt2", dict(n_inner=112),
               "learned absolute position embeddings (a table looked up by the positions), Conv1D linears stored "
               "[in, out] (transposed once on read), q/k/v in one Conv1D (split outputs), LayerNorm with bias, GeLU "
               "written out with tanh (gelu_new), biases everywhere, tied embeddings")
+GRANITE_MULTIPLIERS = dict(embedding_multiplier=6.0, residual_multiplier=0.4, attention_multiplier=0.1,
+                          logits_scaling=4.0)
 SUPPORTED = [
     Family("Llama", "llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -89,6 +91,13 @@ SUPPORTED = [
     Family("Hunyuan (dense)", "hunyuan_v1_dense", dict(head_dim=16), "per-head q/k RMSNorm"),
     Family("CWM", "cwm", dict(SLIDING, head_dim=16), "sliding and global layers"),
     Family("IQuest-Coder", "iquestcoder", dict(head_dim=16), "Llama-style"),
+    Family("Cohere 2", "cohere2", dict(SLIDING, head_dim=16),
+           "sliding layers with interleaved rotary, global layers without rotary embeddings, parallel attention "
+           "and MLP on one LayerNorm without bias, logits x logit_scale, tied embeddings"),
+    Family("VaultGemma", "vaultgemma", dict(SLIDING, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+                                            final_logit_softcapping=2.0),
+           "Gemma 2's soft-capped attention scores and logits, sliding and global layers, without its norms after "
+           "attention and MLP"),
     GPT2,
     # one layer each below: what these cases add is within a layer, and a second costs tracing time
     Family("Phi-3", "phi3", dict(num_hidden_layers=1),
@@ -108,6 +117,18 @@ SUPPORTED = [
                                       attention_multiplier=0.1, logits_scaling=4.0),
            "embedding, residual and attention multipliers, logits / logits_scaling"),
     GPT_NEOX,
+    Family("GLM", "glm", dict(num_hidden_layers=1, head_dim=16),
+           "interleaved (GPT-J) rotary on half of each head, q/k/v biases, gate/up stored as one fused weight"),
+    Family("GLM-4", "glm4", dict(num_hidden_layers=1, head_dim=16),
+           "GLM's attention and fused gate/up, with norms after attention and MLP as well as before"),
+    Family("Helium", "helium", dict(num_hidden_layers=1, head_dim=16), "interleaved (GPT-J) rotary"),
+    Family("ERNIE 4.5", "ernie4_5", dict(num_hidden_layers=1, head_dim=16),
+           "interleaved (GPT-J) rotary, tied embeddings"),
+    Family("Arcee (AFM)", "arcee", dict(num_hidden_layers=1, head_dim=16),
+           "squared-ReLU MLP without a gate (relu2: torch.square(relu(x)), lifted as x * x)"),
+    Family("GPT-BigCode (StarCoder)", "gpt_bigcode", dict(num_hidden_layers=1, n_inner=112, multi_query=True),
+           "multi-query attention with q/k/v in one linear, learned absolute position embeddings, LayerNorm with "
+           "bias, GeLU-tanh MLP, tied embeddings"),
     # mixture of experts: 4 experts, 2 per token (the moe op)
     Family("Mixtral", "mixtral", dict(num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2),
            "mixture of experts (router softmax, top-2, renormalised; fp32 routing weights), per-expert checkpoint "
@@ -127,6 +148,23 @@ SUPPORTED = [
                                      final_logit_softcapping=2.0),
            "attention scores and final logits soft-capped (c * tanh(x / c)), sliding and global layers, scale "
            "from query_pre_attn_scalar, norms around attention and MLP"),
+    Family("FlexOlmo", "flex_olmo", dict(num_hidden_layers=1, num_experts=4, num_experts_per_tok=2),
+           "mixture of experts without renormalisation, OLMo 2's norms (after attention and MLP, q/k over all "
+           "heads)"),
+    Family("Hunyuan (MoE)", "hunyuan_v1_moe", dict(num_hidden_layers=1, head_dim=16, num_experts=4, moe_topk=2,
+                                                   moe_intermediate_size=48),
+           "mixture of experts plus a shared MLP added unscaled, per-head q/k RMSNorm"),
+    Family("GraniteMoE", "granitemoe", dict(num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+                                            **GRANITE_MULTIPLIERS),
+           "mixture of experts routed by a softmax over the top-k logits, experts stored stacked (input_linear / "
+           "output_linear, renamed as transformers renames them on load), Granite's multipliers; a causal LM that "
+           "passes use_cache on in **kwargs (traced with it off in the config)"),
+    Family("GraniteMoE (shared)", "granitemoeshared", dict(num_hidden_layers=1, num_local_experts=4,
+                                                           num_experts_per_tok=2, shared_intermediate_size=80,
+                                                           **GRANITE_MULTIPLIERS),
+           "GraniteMoE with a shared MLP beside the experts"),
+    Family("Cohere 2 (MoE)", "cohere2_moe", dict(SLIDING, head_dim=16, num_experts=4, num_experts_per_tok=2),
+           "Cohere 2's layers (sliding with rotary, global without) with a mixture of experts"),
     FALCON,
     # gpt-oss: its attention (sinks, sliding and global layers) runs on the tracer's attention node, its experts on
     # the moe op with biases and the clamped SwiGLU
@@ -143,6 +181,63 @@ NOT_YET = [
            r"the input of a convolution over the tokens",
            "a short causal convolution over the tokens, with its state in the KV cache (its gated conv layers; its "
            "attention layers lift)"),
+    # one layer each, the dense one where the family has both (first_k_dense_replace): the attention is what stops it
+    NotYet(Family("DeepSeek-V3", "deepseek_v3", dict(
+        num_hidden_layers=1, num_key_value_heads=4, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48)),
+           r"aten\.mul\.Tensor at module 'model\.layers\.0\.self_attn' is used in a pattern the lifter does not know",
+           "multi-head latent attention (MLA: keys and values expanded from a low-rank latent that the cache would "
+           "hold, one rotary part shared by all heads, q/k heads wider than v's); its experts need GLM-4.5's router"),
+    NotYet(Family("GLM-4.5 (MoE)", "glm4_moe", dict(
+        num_hidden_layers=1, head_dim=16, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48)),
+           r"aten\.add\.Tensor at module 'model\.layers\.0\.mlp\.gate' is used in a pattern the lifter does not know",
+           "a router that picks the top-k by sigmoid scores plus a per-expert bias (e_score_correction_bias) and "
+           "weighs them by the scores alone, times routed_scaling_factor (DeepSeek-V3's, also dots1's, ERNIE 4.5 "
+           "MoE's and MiniMax-M2's)"),
+    NotYet(Family("Qwen3-Next", "qwen3_next", dict(
+        num_hidden_layers=1, head_dim=16, layer_types=["linear_attention"], num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, shared_expert_intermediate_size=48, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
+           r"model_type 'qwen3_next'\) has linear_attention layers \(0 in layer_types\): linear attention \(Gated "
+           r"DeltaNet",
+           "linear attention (Gated DeltaNet: a short causal convolution and a recurrent state per sequence, kept "
+           "beside the KV cache) in three of every four layers"),
+    NotYet(Family("Falcon-H1", "falcon_h1", dict(num_hidden_layers=1, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                                                mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                                                mamba_chunk_size=16)),
+           r"aten\.exp\.default at module 'model\.layers\.0\.mamba' computes a new tensor from weight "
+           r"model\.layers\.0\.mamba\.A_log",
+           "Mamba-2 state-space mixers (a selective scan with a state per sequence, a short causal convolution) "
+           "beside the attention; Jamba's, Bamba's, Zamba's and Nemotron-H's Mamba layers likewise"),
+    NotYet(Family("Llama 4 (text)", "llama4_text", dict(num_hidden_layers=1, head_dim=16, num_local_experts=4,
+                                                       num_experts_per_tok=1, intermediate_size_mlp=112)),
+           r"unsupported op aten\.view_as_complex\.default applied to per-token values at module "
+           r"'model\.layers\.0\.self_attn'",
+           "rotary embeddings written as a complex product (view_as_complex); beyond it, chunked attention layers, "
+           "a query temperature per position and experts fed the input scaled by the router's score"),
+    NotYet(Family("Ministral 3", "ministral3", dict(num_hidden_layers=1, head_dim=16)),
+           r"attention at 'model\.layers\.0\.self_attn' takes a query multiplied by a factor computed from the "
+           r"positions outside a rotary embedding",
+           "a query scaled per position (the attention temperature of llama_4_scaling_beta)"),
+    NotYet(Family("GPT-J", "gptj", dict(num_hidden_layers=1, rotary_dim=8)),
+           r"rotary embedding at 'transformer\.h\.0\.attn': cannot tell which inv_freq buffer its cos/sin come from",
+           "rotary cos / sin read from a precomputed sin / cos table (embed_positions) instead of inv_freq (CodeGen "
+           "too)"),
+    NotYet(Family("Nemotron", "nemotron", dict(num_hidden_layers=1, head_dim=16)),
+           r"LayerNorm at 'model\.layers\.0\.input_layernorm' has a gain of 1 \+ w; the layer_norm op takes w",
+           "LayerNorm with a (1 + w) gain (its squared-ReLU MLP and partial rotary lift)"),
+    NotYet(Family("Persimmon", "persimmon", dict(num_hidden_layers=1)),
+           r"LayerNorm per head at 'model\.layers\.0\.self_attn\.q_layernorm'",
+           "LayerNorm over each head's features (its q/k norms)"),
+    NotYet(Family("Apertus", "apertus", dict(num_hidden_layers=1, head_dim=16)),
+           r"aten\.softplus\.default at module 'model\.layers\.0\.mlp\.act_fn' computes a new tensor from weight",
+           "the xIELU activation (its alpha_p / alpha_n weights taken through softplus)"),
+    NotYet(Family("NanoChat", "nanochat", dict(num_hidden_layers=1)),
+           r"module 'model\.layers\.0\.self_attn' rotates by minus the angle",
+           "rotary embeddings by minus the angle (rotate_half written cat(x2, -x1)); its norms without gains and "
+           "squared-ReLU MLP lift"),
 ]
 
 

@@ -390,6 +390,52 @@ def test_index_lists_of_contiguous_constants_are_slices(contiguous):
     assert fused.attrs["split_sizes"] == [16, 16, 16] and len(fused.outputs) == 3
 
 
+class _WeightlessNormSquares(torch.nn.Module):
+    """NanoChat's and Arcee's pieces: an RMSNorm without a gain (x * rsqrt(mean(x^2) + eps) in fp32, nothing after)
+    read by two linears, and squares that are not a norm's (relu2 = torch.square(relu(x)), and a pow(x, 2))."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 32)
+        self.up = torch.nn.Linear(32, 48)
+        self.other = torch.nn.Linear(32, 48)
+        self.down = torch.nn.Linear(48, 32)
+        self.head = torch.nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, use_cache=False):
+        x = self.embed(input_ids)
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).type_as(x)
+        y = torch.square(torch.relu(self.up(h))) + self.other(h).pow(2)
+        return self.head(x + self.down(y))
+
+
+def test_weightless_norm_and_squares_lift_to_existing_ops():
+    """A norm with no gain after it is an rms_norm without a weight, emitted once for its two readers; a square
+    that no mean reads (squared ReLU) is x * x. The graph's logits are the module's."""
+    from passes.lift import LiftContext, lift
+    from passes.trace import export_model
+
+    model = _WeightlessNormSquares().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    meta = _WeightlessNormSquares().eval().to("meta")
+    graph = lift(export_model(meta), LiftContext(model=meta, rotary=lambda buffer: (torch.ones(1), 1.0)))
+    norms = [n for n in graph.nodes if n.op == "rms_norm"]
+    assert len(norms) == 1 and not norms[0].weights and norms[0].attrs["eps"] == 1e-6
+    squares = [n for n in graph.nodes if n.op == "elementwise" and n.attrs["fn"] == "mul"]
+    assert len(squares) == 2 and all(n.inputs[0] == n.inputs[1] for n in squares)
+    assert [n.attrs["fn"] for n in graph.nodes if n.op == "activation"] == ["relu"]
+    graph.params = {k: state[k] for k in graph.params}
+    prompts = _prompts()
+    with torch.no_grad():
+        expected = [model(torch.tensor([p]))[0] for p in prompts]
+    for ours, ref in zip(run_graph(graph, prompts), expected):
+        assert (ours - ref).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("family, error", [
     # Falcon-RW's ALiBi biases would trace as an SDPA mask the lifter takes for a causal one: refused by name
     (Family("Falcon", "falcon", dict(num_hidden_layers=1, alibi=True)),
