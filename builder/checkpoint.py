@@ -241,13 +241,28 @@ DIMENSIONS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
+PER_LAYER_DIMENSIONS = ("intermediate_size",)  # may be a list, one size per layer (Gemma 3n's MLPs)
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _check_dimensions(cfg_file: Path, config: dict) -> None:
-    """The sizes the model is built from: positive whole numbers, heads that group evenly."""
+    """The sizes the model is built from: positive whole numbers (one per layer where a family sizes its layers
+    apart), heads that group evenly."""
     for key in DIMENSIONS:
         value = config.get(key)
         if value is None and key in ("num_key_value_heads", "head_dim"):  # null: derived from the heads
             continue
-        if key in config and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if key in PER_LAYER_DIMENSIONS and isinstance(value, list):
+            layers = config.get("num_hidden_layers")
+            if not value or not all(map(_positive_int, value)) or (_positive_int(layers) and len(value) != layers):
+                raise CheckpointError(f"{cfg_file}: {key} is {json.dumps(value)[:120]}, expected a positive whole "
+                                      f"number or a list of them, one per layer ({layers} layers); the config is "
+                                      f"corrupt, download the checkpoint again")
+            continue
+        if key in config and not _positive_int(value):
             raise CheckpointError(f"{cfg_file}: {key} is {json.dumps(value)}, expected a positive whole number; "
                                   f"the config is corrupt, download the checkpoint again")
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")

@@ -260,6 +260,10 @@ CASES = [
          checkpoint=_config(hidden_size="64")),
     Case("config-zero-heads", "num_attention_heads is 0, expected a positive whole number",
          checkpoint=_config(num_attention_heads=0)),
+    Case("config-per-layer-sizes-short", "intermediate_size is [64], expected a positive whole number or a list of "
+         "them, one per layer (2 layers)", checkpoint=_config(intermediate_size=[64])),
+    Case("config-per-layer-size-zero", "intermediate_size is [64, 0], expected a positive whole number or a list",
+         checkpoint=_config(intermediate_size=[64, 0])),
     Case("config-kv-heads-not-dividing", "num_key_value_heads 3 does not divide num_attention_heads 4",
          checkpoint=_config(num_key_value_heads=3)),
     Case("config-rejected-by-transformers", "transformers cannot read this llama config",
