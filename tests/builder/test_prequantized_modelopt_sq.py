@@ -48,7 +48,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_prequantized import attach, ir_weights, run_build
-from test_prequantized_modelopt_awq import _edit  # drops or replaces a checkpoint's tensors
+from test_prequantized_modelopt_awq import _edit, assert_cuda_matches_cpu
 
 ATTN_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
@@ -322,26 +322,12 @@ def test_sq_export_on_cuda_gives_the_cpu_paths_tokens(tmp_path):
     codes down to -128. Heads of 32 (the kernels' smallest); pre_quant_scale stored bf16, as a bf16 export's."""
     from conftest import make_checkpoint
 
-    from runtime import Engine, SamplingParams
-    from runtime.serving import ServingConfig, ServingEngine
-
     base = make_checkpoint(tmp_path / "base", "llama", seed=3, num_attention_heads=2, num_key_value_heads=1,
                            intermediate_size=128, tie_word_embeddings=False)
     exp = export(base, tmp_path / "ckpt", random_ids(CALIB_SEED, 40, vocab_of(base)), torch.bfloat16)
     res = run_build(exp.checkpoint, tmp_path / "artifact")
     assert res.exit_code == 0, res.output
-    cpu, gpu = Engine.load(tmp_path / "artifact"), Engine.load(tmp_path / "artifact", device="cuda")
-    assert gpu.executor.use_kernels
-    vocab = cpu.tokenizer.vocab_size
-    ids = random_ids(PROMPT_SEED, 40, vocab)
-    err = (cpu.logits(ids) - gpu.logits(ids).cpu()).abs().max().item()
-    assert err < 1e-3, err
-    prompts = [random_ids(PROMPT_SEED + n, n, vocab) for n in (12, 5, 30)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    want = [cpu.generate(p, params).token_ids for p in prompts]
-    assert [gpu.generate(p, params).token_ids for p in prompts] == want
-    served = ServingEngine(gpu, ServingConfig(num_blocks=64)).run(prompts, params)
-    assert [o.token_ids for o in served] == want
+    assert_cuda_matches_cpu(tmp_path / "artifact", torch.Generator().manual_seed(PROMPT_SEED))
 
 
 def test_an_act_qmin_the_runtime_does_not_run_is_refused(built):
