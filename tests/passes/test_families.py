@@ -238,6 +238,13 @@ NOT_YET = [
            r"module 'model\.layers\.0\.self_attn' rotates by minus the angle",
            "rotary embeddings by minus the angle (rotate_half written cat(x2, -x1)); its norms without gains and "
            "squared-ReLU MLP lift"),
+    NotYet(Family("Gemma 3n (text)", "gemma3n_text",
+                  dict(head_dim=16, intermediate_size=[64, 64], laurel_rank=4, altup_num_inputs=2,
+                       hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=0,
+                       activation_sparsity_pattern=[0.0, 0.0], **SLIDING)),
+           r"unsupported op aten\.ge\.Scalar applied to per-token values at module 'model'",
+           "per-layer input embeddings (token ids checked against a second vocabulary), AltUp's predicted and "
+           "corrected streams, LAuReL's low-rank residual; its per-layer MLP sizes are read"),
 ]
 
 
