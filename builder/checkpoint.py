@@ -577,6 +577,11 @@ def attach_weights(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
     wanted = weight_sources(graph, ckpt, meta_model, frozenset(imported.consumed) if imported else frozenset())
     stored_names = {n for s in wanted.values() for n in (s.names() if isinstance(s, Conversion) else [s])}
     tensors = ckpt.load_tensors(sorted(stored_names), dtype)
+    # weights the family keeps in fp32 whatever its dtype (a router's selection bias, its fp32 router's weight: the
+    # lift's meta["fp32_weights"], from transformers' _keep_in_fp32_modules): read again, as fp32
+    fp32 = {wanted[n] for n in graph.meta.pop("fp32_weights", ()) if isinstance(wanted.get(n), str)}
+    if fp32:
+        tensors.update({n: t.float() for n, t in ckpt.load_tensors(sorted(fp32), None).items()})
     # Conv1D weights (GPT-2), stored [in, out]: the graph's linears hold them [out, in] like every other linear's, so
     # they are transposed once, here, and the artifact stores them so
     transposed = set(graph.meta.pop("transposed_weights", ()))

@@ -4,7 +4,8 @@ Semantics are ``kernels/torch_ops.moe`` (the reference; the IR's ``moe`` op). It
 expert's token count on the host; here nothing does, so a step with MoE layers can be captured in a CUDA graph:
 every buffer and grid is sized from T (tokens) and the weights' shapes alone.
 
-    route        the reference's own router (x @ gate_weight.T (+ bias), softmax / sigmoid in fp32, torch.topk):
+    route        the reference's own router (x @ gate_weight.T (+ bias), softmax / sigmoid in fp32, torch.topk of
+                 the scores plus the selection bias where set, the weights gathered from the scores alone):
                  raw top-k scores [T, k] fp32 and experts [T, k]. torch.topk's choice among tied scores is part
                  of the op, so it is torch.topk that chooses (no host read: fixed shapes)
     plan         ``moe_align``: the T * k slots (slot s = token s // k, its routing slot s % k) grouped by
@@ -23,7 +24,8 @@ every buffer and grid is sized from T (tokens) and the weights' shapes alone.
                  dtype, the activation in fp32 rounded, the product rounded): h [max_rows, I]
     down GEMM    per (block, column tile): h rows @ w_down[e]^T, rounded to x's dtype, stored at the slot's row of
                  y [S, H] (one writer per row: no atomics)
-    sum          per token: its k routing weights (renormalised to sum 1 when norm_topk_prob, rounded to x's dtype
+    sum          per token: its k routing weights (renormalised to sum 1 when norm_topk_prob, times
+                 routed_scaling_factor where it is not 1, rounded to x's dtype
                  when round_weights), then sum_j weight_j * y[t * k + j] in slot order in fp32 (each product rounded
                  to x's dtype first when round_weights), rounded to x's dtype once: deterministic
 
@@ -498,9 +500,9 @@ def _moe_down_kernel(h_ptr, w_ptr, y_ptr, sorted_ptr, block_expert_ptr,
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
+def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om, scale,
                     TOP_K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, ROUND: tl.constexpr,
-                    EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr):
+                    EMULATE_BF16: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SCALE: tl.constexpr = False):
     # y: [T * TOP_K, N] each slot's expert output; weights: [T, TOP_K] fp32 raw top-k scores; out: [T, N]
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -509,6 +511,8 @@ def _moe_sum_kernel(y_ptr, weights_ptr, out_ptr, N, stride_ym, stride_om,
     w = tl.load(weights_ptr + token * TOP_K + ks, mask=ks < TOP_K, other=0.0)
     if NORM:
         w = tl.math.div_rn(w, tl.zeros_like(w) + tl.sum(w, axis=0))  # IEEE division, as torch's
+    if HAS_SCALE:  # routed_scaling_factor, after the renormalisation (the reference's order)
+        w = w * scale
     dtype = out_ptr.dtype.element_ty
     if ROUND:
         w = _round(w, dtype, EMULATE_BF16).to(tl.float32)
@@ -691,7 +695,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                   w_gate_up_scales: torch.Tensor | None = None, w_gate_up_zeros: torch.Tensor | None = None,
                   w_down_scales: torch.Tensor | None = None, w_down_zeros: torch.Tensor | None = None,
                   group_size: int = -1, block_size: tuple[int, int] | None = None,
-                  config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
+                  config: MoeConfig | MoeGemvConfig | None = None, routed_scaling_factor: float = 1.0) -> torch.Tensor:
     """The experts' part of the ``moe`` op for a given routing: x [T, hidden], weights [T, top_k] fp32 (the raw
     top-k scores: renormalised here when ``norm_topk_prob``), experts [T, top_k] -> [T, hidden] in x's dtype.
     FP8 experts: float8_e4m3fn w_gate_up / w_down with their fp32 per-channel scales ``w_gate_up_scale`` [E, 2 * I]
@@ -724,7 +728,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
             x, experts, w_gate_up, w_down, (int4.w_gate_up_scales.contiguous(), int4.w_down_scales.contiguous()),
             (int4.w_gate_up_zeros.contiguous(), int4.w_down_zeros.contiguous()), int4.group_size,
             ACTIVATIONS.index(activation), b_gate_up, b_down, swiglu_alpha, swiglu_limit, config)
-        _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights)
+        _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights, routed_scaling_factor)
         return out
     if isinstance(config, MoeGemvConfig):
         raise ValueError("a MoeGemvConfig (the small-slot GEMV path) applies to W4A16 experts only; these experts are "
@@ -778,21 +782,22 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         GROUP_SIZE=g_down, PTX=_int4_ptx(int4, x.dtype, ieee, inter), IEEE=ieee, EMULATE_BF16=emulate,
         HAS_BIAS=b_down is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.down_block_n, BLOCK_K=cfg.down_block_k, **launch)
-    _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights)
+    _weighted_sum(y, weights, out, top_k, norm_topk_prob, round_weights, routed_scaling_factor)
     return out
 
 
 def _weighted_sum(y: torch.Tensor, weights: torch.Tensor, out: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                  round_weights: bool) -> None:
+                  round_weights: bool, routed_scaling_factor: float = 1.0) -> None:
     """out [T, hidden] = each token's slots of y [T * top_k, hidden] weighted by ``weights`` [T, top_k] (the raw
-    scores: see the module docstring's sum)."""
+    scores: see the module docstring's sum; times ``routed_scaling_factor`` after the renormalisation)."""
     num_tokens, hidden = out.shape
     weights = weights.float().contiguous()
     block_n = 32 if _interpreting() else min(1024, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        y, weights, out, hidden, y.stride(0), out.stride(0), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
+        y, weights, out, hidden, y.stride(0), out.stride(0), float(routed_scaling_factor), TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k),
         NORM=norm_topk_prob, ROUND=round_weights, EMULATE_BF16=_interpreting() and out.dtype == torch.bfloat16,
-        BLOCK_N=block_n, num_warps=4)
+        BLOCK_N=block_n, HAS_SCALE=routed_scaling_factor != 1.0, num_warps=4)
 
 
 def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -804,20 +809,23 @@ def fused_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tenso
               w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
               w_down_zeros: torch.Tensor | None = None, group_size: int = -1,
               block_size: tuple[int, int] | None = None,
-              config: MoeConfig | MoeGemvConfig | None = None) -> torch.Tensor:
-    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 and W4A16 experts, expert biases and
-    the clamped SwiGLU included) with nothing read on the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable
-    in a CUDA graph."""
+              config: MoeConfig | MoeGemvConfig | None = None, select_bias: torch.Tensor | None = None,
+              routed_scaling_factor: float = 1.0, router_fp32: bool = False) -> torch.Tensor:
+    """The ``moe`` op (``kernels.torch_ops.moe``'s arguments and semantics, FP8 and W4A16 experts, expert biases,
+    the clamped SwiGLU and the router's selection bias, scaling factor and fp32 logits included) with nothing read on
+    the host: x [T, hidden] -> [T, hidden] in x's dtype. Capturable in a CUDA graph."""
     int4 = dict(w_gate_up_scales=w_gate_up_scales, w_gate_up_zeros=w_gate_up_zeros, w_down_scales=w_down_scales,
                 w_down_zeros=w_down_zeros, group_size=group_size)
     _check_inputs(x, w_gate_up, w_down, top_k, activation, w_gate_up_scale, w_down_scale, b_gate_up, b_down,
                   swiglu_limit, Int4Experts.of(**int4), block_size)
     # the reference's router, renormalisation left to the sum kernel: [T, top_k] fp32 scores and int64 experts
-    weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False)
+    # (the selection bias picks the experts there; the scaling factor is applied by the sum kernel, after it)
+    weights, experts = ops.moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob=False,
+                                     select_bias=select_bias, router_fp32=router_fp32)
     return fused_experts(x, weights, experts, w_gate_up, w_down, norm_topk_prob, activation, round_weights,
                          w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
                          b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, block_size=block_size,
-                         config=config, **int4)
+                         config=config, routed_scaling_factor=routed_scaling_factor, **int4)
 
 
 def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, top_k: int,
@@ -827,7 +835,7 @@ def ref_moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor,
             b_gate_up: torch.Tensor | None = None, b_down: torch.Tensor | None = None, swiglu_alpha: float = 0.0,
             swiglu_limit: float = 0.0, **int4) -> torch.Tensor:
     """The torch reference (the runtime's CPU path); ``int4``: W4A16 experts' ``*_scales``, ``*_zeros``,
-    ``group_size``."""
+    ``group_size``; and the router's ``select_bias``, ``routed_scaling_factor``, ``router_fp32``."""
     return ops.moe(x, gate_weight, w_gate_up, w_down, top_k, scoring, norm_topk_prob, activation, gate_bias,
                    round_weights, w_gate_up_scale=w_gate_up_scale, w_down_scale=w_down_scale, b_gate_up=b_gate_up,
                    b_down=b_down, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, **int4)

@@ -167,11 +167,18 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor
 
 
 def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tensor | None, top_k: int,
-              scoring: str = "softmax", norm_topk_prob: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+              scoring: str = "softmax", norm_topk_prob: bool = True, select_bias: torch.Tensor | None = None,
+              routed_scaling_factor: float = 1.0, router_fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A mixture-of-experts router: (weights [T, top_k] fp32, experts [T, top_k] int64) of x [T, hidden].
 
-    The logits in x's dtype, their softmax (or sigmoid) in fp32, torch.topk's choice (its order and its
-    tie-breaking), renormalised to sum 1 when ``norm_topk_prob``: Mixtral's, Qwen-MoE's and OLMoE's routers."""
+    The logits in x's dtype (in fp32, x and gate_weight cast to it, when ``router_fp32``), their softmax (or
+    sigmoid) in fp32, torch.topk's choice (its order and its tie-breaking) of the scores plus ``select_bias`` [E]
+    (or [1, E]; added in fp32) where given (DeepSeek-V3's e_score_correction_bias: it picks the experts, the weights
+    are the scores alone), renormalised to sum 1 when ``norm_topk_prob``, then times ``routed_scaling_factor``:
+    Mixtral's, Qwen-MoE's, OLMoE's, GLM-4.5's, dots1's, ERNIE 4.5 MoE's, MiniMax-M2's and AFMoE's routers."""
+    if router_fp32:
+        x, gate_weight = x.float(), gate_weight.float()
+        gate_bias = None if gate_bias is None else gate_bias.float()
     logits = F.linear(x, gate_weight, gate_bias)  # [T, num_experts]
     if scoring == "softmax":
         scores = torch.softmax(logits.float(), dim=-1)
@@ -179,9 +186,15 @@ def moe_route(x: torch.Tensor, gate_weight: torch.Tensor, gate_bias: torch.Tenso
         scores = torch.sigmoid(logits.float())
     else:
         raise ValueError(f"unknown router scoring {scoring!r}")
-    weights, experts = torch.topk(scores, top_k, dim=-1)
+    if select_bias is None:
+        weights, experts = torch.topk(scores, top_k, dim=-1)
+    else:
+        experts = torch.topk(scores + select_bias.float().reshape(-1), top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routed_scaling_factor != 1.0:
+        weights = weights * routed_scaling_factor
     return weights, experts
 
 
@@ -249,7 +262,8 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
         swiglu_limit: float = 0.0, w_gate_up_scales: torch.Tensor | None = None,
         w_gate_up_zeros: torch.Tensor | None = None, w_down_scales: torch.Tensor | None = None,
         w_down_zeros: torch.Tensor | None = None, group_size: int = -1,
-        block_size: tuple[int, int] | list[int] | None = None) -> torch.Tensor:
+        block_size: tuple[int, int] | list[int] | None = None, select_bias: torch.Tensor | None = None,
+        routed_scaling_factor: float = 1.0, router_fp32: bool = False) -> torch.Tensor:
     """The ``moe`` op: x [T, hidden] routed to its top_k experts, each expert run on the tokens routed to it.
 
     w_gate_up: [num_experts, 2 * intermediate, hidden] (gate rows, then up rows); w_down: [num_experts, hidden,
@@ -268,12 +282,14 @@ def moe(x: torch.Tensor, gate_weight: torch.Tensor, w_gate_up: torch.Tensor, w_d
     expert's (the layout of a w4a16 linear's qweight / scales / zeros, one per expert, stacked).
     Expert biases (gpt-oss): ``b_gate_up`` [num_experts, 2 * intermediate] and ``b_down`` [num_experts, hidden], each
     added to its projection's output in x's dtype. ``activation_fn`` "clamped_swiglu": :func:`clamped_swiglu` with
-    ``swiglu_alpha`` and ``swiglu_limit`` instead of act(gate) * up.
+    ``swiglu_alpha`` and ``swiglu_limit`` instead of act(gate) * up. ``select_bias``, ``routed_scaling_factor``,
+    ``router_fp32``: the router's (:func:`moe_route`).
     NOTE: the per-expert token counts are read on the host (one sync per call), so this cannot be captured in a
     CUDA graph.
     """
     num_tokens, hidden = x.shape
-    weights, experts = moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob)
+    weights, experts = moe_route(x, gate_weight, gate_bias, top_k, scoring, norm_topk_prob, select_bias,
+                                 routed_scaling_factor, router_fp32)
     if round_weights:
         weights = weights.to(x.dtype)
     # slots: [T * top_k, hidden], row t * top_k + j = token t's slot j

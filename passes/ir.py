@@ -113,13 +113,20 @@ OPS: dict[str, OpSpec] = {
     "moe": OpSpec(
         (1, 1), ("gate_weight", "w_gate_up", "w_down"),
         ("gate_bias", "b_gate_up", "b_down", "w_gate_up_scale", "w_down_scale", "w_gate_up_scales", "w_gate_up_zeros",
-         "w_down_scales", "w_down_zeros"),
+         "w_down_scales", "w_down_zeros", "select_bias"),
         ("num_experts", "top_k", "scoring", "norm_topk_prob", "activation", "intermediate_size"),
         doc="a mixture of experts, x [T, hidden] -> [T, hidden]. Router: logits = x @ gate_weight.T (+ gate_bias) "
             "[T, num_experts] in x's dtype; scores = softmax or sigmoid (`scoring`) of them in fp32; each token goes "
             "to its top_k experts by score (torch.topk's order and tie-breaking), weighted by their scores, "
             "renormalised to sum 1 when norm_topk_prob, rounded to x's dtype first when `round_weights` (else they "
-            "stay fp32). Expert e: act(x Wg^T) * (x Wu^T) @ Wd^T, [Wg; Wu] = w_gate_up[e] [2 * intermediate_size, "
+            "stay fp32). Selection bias (DeepSeek-V3's e_score_correction_bias: GLM-4.5, dots1, ERNIE 4.5 MoE, "
+            "MiniMax-M2, AFMoE): with select_bias [num_experts] (or [1, num_experts]; fp32 where the family keeps it "
+            "so, else the model's dtype; added in fp32) the top_k are chosen by scores + select_bias (torch.topk "
+            "of that sum), each weighted by its score alone (gathered from the scores); `routed_scaling_factor` "
+            "(default 1) multiplies the weights after the renormalisation (fp32, before round_weights); "
+            "`router_fp32` (default false): the logits are computed in fp32 (x and gate_weight cast to fp32) "
+            "instead of x's dtype. "
+            "Expert e: act(x Wg^T) * (x Wu^T) @ Wd^T, [Wg; Wu] = w_gate_up[e] [2 * intermediate_size, "
             "hidden], Wd = w_down[e] [hidden, intermediate_size], act = `activation`. Output: per token, the sum "
             "over its top_k slots in slot order of weight * expert output, accumulated in the weights' dtype and "
             "rounded to x's dtype once. Expert biases (gpt-oss): b_gate_up [E, 2 * intermediate_size] added to "
@@ -344,6 +351,15 @@ class Graph:
                     isinstance(n.attrs.get("swiglu_alpha"), (int, float))
                     and isinstance(n.attrs.get("swiglu_limit"), (int, float)) and n.attrs["swiglu_limit"] > 0):
                 raise GraphError(f"node {n}: a clamped_swiglu moe needs numeric swiglu_alpha and swiglu_limit > 0")
+            if n.op == "moe" and ("select_bias" in n.weights and tuple(self.params[n.weights["select_bias"]].shape)
+                                  not in ((n.attrs["num_experts"],), (1, n.attrs["num_experts"]))
+                                  or not isinstance(n.attrs.get("routed_scaling_factor", 1.0), (int, float))
+                                  or isinstance(n.attrs.get("routed_scaling_factor", 1.0), bool)
+                                  or not n.attrs.get("routed_scaling_factor", 1.0) > 0
+                                  or not isinstance(n.attrs.get("router_fp32", False), bool)):
+                raise GraphError(f"node {n}: a moe's select_bias is one value per expert ([num_experts] or [1, "
+                                 f"num_experts]), its routed_scaling_factor a number > 0 and router_fp32 a bool; "
+                                 f"attrs {n.attrs}")
             if n.op == "moe":  # quantized experts carry their scheme's roles; plain ones none of them
                 scheme = n.attrs.get("quant", {}).get("scheme")
                 if scheme is not None and scheme not in MOE_QUANT_SCHEMES:

@@ -41,7 +41,11 @@ forward dispatches tokens with data-dependent ops (sort, histc, grouped_mm, or n
 run as one ``llm_builder::moe_experts`` node (:func:`moe_experts`) instead. The router before it is lifted from its
 arithmetic like everything else: a linear's logits, their softmax (or a sigmoid), the top-k, optionally the top-k
 weights divided by their sum and cast back to the activations' dtype (``Scores``, ``TopK``, ``TopWeights``); or the
-top-k of the logits with a softmax over those k (gpt-oss's, the same weights as the softmax renormalised). The
+top-k of the logits with a softmax over those k (gpt-oss's, the same weights as the softmax renormalised). Routers
+that choose by the scores plus a per-expert selection bias (DeepSeek-V3's e_score_correction_bias: GLM-4.5, dots1,
+ERNIE 4.5 MoE, MiniMax-M2, AFMoE), written as chains of group masks, are traced whole as one
+``llm_builder::moe_router`` node (:func:`moe_router`, ``trace_routers``) carrying their arithmetic; the bias becomes
+the moe op's ``select_bias`` (kept in fp32 where the family keeps it so: ``meta["fp32_weights"]``). The
 experts node then becomes one ``moe`` op with that routing, the router's linear taken into it. A shared expert
 (Qwen2-MoE's, scaled by a sigmoid gate) is ordinary linears and elementwise ops beside it. gpt-oss's experts, stored
 [experts, in, out] with gate and up columns interleaved and biases, are held in the moe op's layout:
@@ -249,12 +253,17 @@ class Scores:  # softmax or sigmoid of a router's logits (in fp32), or the logit
     logits: Tok
     scoring: str  # "softmax" | "sigmoid" | "logits"
     sigmoid: str | None = None  # the sigmoid activation's output value, dropped with the router linear
+    # a router traced whole (``moe_router``): its selection bias (a weight's name), scaling factor, fp32 logits
+    select_bias: str | None = None
+    scale: float = 1.0
+    fp32: bool = False
 
 
 @dataclass(frozen=True)
 class TopK:  # topk(scores, k): the (values, indices) pair, taken by getitem
     scores: Scores
     k: int
+    weights: Any = None  # a router traced whole (``moe_router``): its routing weights (a TopWeights)
 
 
 @dataclass(frozen=True)
@@ -330,6 +339,29 @@ def _moe_experts_fake(x, top_k_index, top_k_weights, w_gate_up, w_down, activati
 MOE_EXPERTS_OP = torch.ops.llm_builder.moe_experts.default
 
 
+@torch.library.custom_op("llm_builder::moe_router", mutates_args=())
+def moe_router(x: torch.Tensor, weight: torch.Tensor, select_bias: torch.Tensor, top_k: int, scoring: str,
+               norm_topk_prob: bool, routed_scaling_factor: float, router_fp32: bool,
+               round_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stands for a router that picks experts by its scores plus a per-expert selection bias (DeepSeek-V3's
+    e_score_correction_bias: GLM-4.5's, dots1's, ERNIE 4.5 MoE's, MiniMax-M2's) while tracing (``passes/trace.py``
+    makes those routers call it): (weights [T, top_k], experts [T, top_k]) of x [T, hidden] as
+    ``kernels.torch_ops.moe_route`` computes them with these arguments (weights rounded to x's dtype when
+    ``round_weights``). One node in the exported graph, where the router's own code is a chain of group masks."""
+    raise RuntimeError("llm_builder::moe_router only stands for a model's router in a traced graph; it is never run")
+
+
+@moe_router.register_fake
+def _moe_router_fake(x, weight, select_bias, top_k, scoring, norm_topk_prob, routed_scaling_factor, router_fp32,
+                     round_weights):
+    n = x.shape[0]
+    return (x.new_empty((n, top_k), dtype=x.dtype if round_weights else torch.float32),
+            x.new_empty((n, top_k), dtype=torch.int64))
+
+
+MOE_ROUTER_OP = torch.ops.llm_builder.moe_router.default
+
+
 # --- attention the model computes its own way (soft-capping, sinks) -----------------------------------------
 @torch.library.custom_op("llm_builder::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float,
@@ -377,6 +409,8 @@ class _State:
     transposed: dict[str, list[Node]] = field(default_factory=dict)
     # expert weights held in the moe op's layout, stored otherwise (gpt-oss): name -> moe_layout_convert's kind
     moe_layouts: dict[str, str] = field(default_factory=dict)
+    # weights the checkpoint reader keeps in fp32 (a router's selection bias and weight where the family does)
+    fp32_weights: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -431,6 +465,8 @@ def lift(exported: torch.export.ExportedProgram, ctx: LiftContext) -> Graph:
         graph.meta["transposed_weights"] = sorted(st.transposed)
     if st.moe_layouts:
         graph.meta["moe_weight_layouts"] = dict(sorted(st.moe_layouts.items()))
+    if st.fp32_weights:
+        graph.meta["fp32_weights"] = sorted(st.fp32_weights & set(graph.params))
     graph.check()
     return graph
 
@@ -600,7 +636,7 @@ def _lift_call(fx_node: torch.fx.Node, st: _State, ctx: LiftContext) -> Any:
         if isinstance(base, Pos):
             return base
         if isinstance(base, TopK):  # (values, indices) = topk(scores, k)
-            return (TopWeights(base.scores, base.k), TopIndices(base.scores, base.k))[_const(index)]
+            return (base.weights or TopWeights(base.scores, base.k), TopIndices(base.scores, base.k))[_const(index)]
         if isinstance(base, Split):
             start, stop = base.bounds[_const(index)]
             # a chunk of each head's features that is only multiplied by a rotary table is a half of a rotation
@@ -1463,6 +1499,32 @@ def _sum(fx_node, args, kwargs, st, ctx, source):
     return NotImplemented
 
 
+def _moe_router(fx_node, args, kwargs, st, ctx, source):
+    """A router traced whole (``moe_router``): its linear emitted (taken into the moe node by the experts node), the
+    (weights, experts) pair as a topk's, with the selection bias, the scaling factor and the fp32 logits."""
+    x, weight, bias = args[:3]
+    top_k, scoring, norm, scale, fp32, round_weights = (_const(a) for a in args[3:9])
+    bias_name = (bias.name if isinstance(bias, Param) and not bias.offset
+                 else next(iter(bias.buffers)) if isinstance(bias, Pos) and len(bias.buffers) == 1 else None)
+    if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and isinstance(weight, Param) and not weight.offset
+            and bias_name is not None and scoring in ("softmax", "sigmoid")):
+        return NotImplemented
+    if bias_name not in st.params:  # a buffer (GLM-4.5's, MiniMax-M2's): a moe weight, read from the checkpoint
+        val = fx_node.args[2].meta["val"]
+        st.params[bias_name] = torch.empty(tuple(val.shape), dtype=val.dtype, device="meta")
+    num_experts, hidden = st.params[weight.name].shape
+    logits = _emit(st, "linear", [x.value], "router", source, weights={"weight": weight.name},
+                   attrs={"in_features": int(hidden), "out_features": int(num_experts)})
+    # the weights the family keeps in fp32 whatever the model's dtype (transformers' _keep_in_fp32_modules_strict:
+    # GLM-4.5's, dots1's, ERNIE 4.5 MoE's gate.weight and bias); others in the model's dtype, as transformers loads them
+    keep = tuple(getattr(type(ctx.model), "_keep_in_fp32_modules_strict", None) or ())
+    for name in (weight.name, bias_name):
+        if any(k in name.split(".") or name.endswith("." + k) or ("." + k + ".") in name for k in keep):
+            st.fp32_weights.add(name)
+    scores = Scores(Tok(logits, x.layout), scoring, select_bias=bias_name, scale=float(scale), fp32=bool(fp32))
+    return TopK(scores, int(top_k), TopWeights(scores, int(top_k), bool(norm), bool(round_weights)))
+
+
 def _moe_experts(fx_node, args, kwargs, st, ctx, source):
     """The experts node (trace.py): with the router that chose its experts, one ``moe`` op. The router's linear
     (and a sigmoid's activation) were emitted as IR nodes on the way: they are taken back into the moe node."""
@@ -1509,6 +1571,8 @@ def _moe_experts(fx_node, args, kwargs, st, ctx, source):
     moe_weights = {"gate_weight": router.weights["weight"], "w_gate_up": w_gate_up.name, "w_down": w_down.name}
     if "bias" in router.weights:
         moe_weights["gate_bias"] = router.weights["bias"]
+    if scores.select_bias is not None:
+        moe_weights["select_bias"] = scores.select_bias
     for role, b in (("b_gate_up", b_gate_up), ("b_down", b_down)):
         if isinstance(b, Param):
             moe_weights[role] = b.name
@@ -1521,6 +1585,10 @@ def _moe_experts(fx_node, args, kwargs, st, ctx, source):
         attrs["swiglu_limit"] = float(_const(extra["swiglu_limit"]))
     if weights.cast:
         attrs["round_weights"] = True
+    if scores.scale != 1.0:
+        attrs["routed_scaling_factor"] = scores.scale
+    if scores.fp32:
+        attrs["router_fp32"] = True
     block = ".".join(p for p, q in zip(router.source.split("."), source.split(".")) if p == q)  # their parent
     out = _emit(st, "moe", [x.value], "moe", block or source, weights=moe_weights, attrs=attrs)
     return Tok(out, _layout_of(fx_node))
@@ -1617,6 +1685,7 @@ RULES: dict[Any, Callable] = {
     aten.topk.default: _topk,
     aten.sum.dim_IntList: _sum,
     MOE_EXPERTS_OP: _moe_experts,
+    MOE_ROUTER_OP: _moe_router,
     aten.tanh.default: _tanh,
     aten.stack.default: _stack,
     aten.split.Tensor: _split,

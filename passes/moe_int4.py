@@ -90,7 +90,9 @@ def routed_inputs(graph: Graph, node: Node, x: Tensor):
     w = {role: graph.params[name] for role, name in node.weights.items()}
     a = node.attrs
     top_k = int(a["top_k"])
-    _, experts = ops.moe_route(x, w["gate_weight"], w.get("gate_bias"), top_k, a["scoring"], a["norm_topk_prob"])
+    _, experts = ops.moe_route(x, w["gate_weight"], w.get("gate_bias"), top_k, a["scoring"], a["norm_topk_prob"],
+                               w.get("select_bias"), float(a.get("routed_scaling_factor", 1.0)),
+                               bool(a.get("router_fp32", False)))  # the op's own choice, selection bias included
     for e, rows in ops.slots_by_expert(experts, int(a["num_experts"])):
         xe = x[rows // top_k]
         gate_up = F.linear(xe, w["w_gate_up"][e].to(x.dtype))

@@ -12,6 +12,7 @@ import inspect
 import io
 import logging
 import time
+import types
 import warnings
 from typing import Callable
 
@@ -21,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.torch_ops import clamped_swiglu
 from passes.ir import ACTIVATIONS, Graph
-from passes.lift import LiftContext, LiftError, attention, lift, moe_experts
+from passes.lift import LiftContext, LiftError, attention, lift, moe_experts, moe_router
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def build_meta_model(config) -> torch.nn.Module:
                         f"({type(e).__name__}: {reason[:300]})") from e
     model.eval()
     trace_experts(model)
+    trace_routers(model)
     return model
 
 
@@ -228,6 +230,82 @@ def trace_experts(model: torch.nn.Module) -> int:
         found += 1
     if found:
         ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, _traced_experts_forward)
+    return found
+
+
+# --- routers with a selection bias ------------------------------------------------------------------------------
+# DeepSeek-V3's router ("noaux_tc") and its kin pick each token's experts by their scores plus a per-expert bias
+# (e_score_correction_bias), weigh them by the scores alone, then renormalise and scale; DeepSeek-V3's own also limits
+# the choice to the best topk_group of n_group expert groups (a chain of masks). For tracing, these routers run this
+# implementation: one ``llm_builder::moe_router`` node carrying the arithmetic, which the lifter reads into the moe op.
+# By class (their forwards, in transformers' modeling code): the attributes each reads and its arithmetic.
+#   GLM-4.5, dots1, DeepSeek-V3 (``*TopkRouter``): logits in fp32 (x and weight cast), sigmoid, choice by scores +
+#     e_score_correction_bias (within the top topk_group of n_group groups), weights gathered from the scores,
+#     / (sum + 1e-20) when norm_topk_prob, then * routed_scaling_factor; fp32 weights
+#   ERNIE 4.5 MoE (``Ernie4_5_MoeTopKRouter``): logits in fp32, softmax, choice by scores + moe_statics'
+#     e_score_correction_bias [1, E], weights gathered, / clamp(sum, min=moe_norm_min), rounded to x's dtype
+#   MiniMax-M2 (``MiniMaxM2TopKRouter``, its bias passed by its block): logits in the weight's (x's) dtype, sigmoid in
+#     fp32, choice by scores + bias, weights gathered, / sum; fp32 weights
+#   AFMoE (``AfmoeTokenChoiceRouter``, its expert_bias passed by its block): logits in x's dtype (its gate linear),
+#     sigmoid in fp32, choice by scores + expert_bias, weights gathered, / (sum + 1e-20), * route_scale
+# The eps of 1e-20 (and ERNIE's clamp at 1e-6 or so) is a no-op for any fp32 sum of top-k sigmoid / softmax scores
+# the moe op meets (sigmoid scores are > 0; a top-k softmax sums to at least top_k / num_experts): the moe op
+# renormalises by the sum itself.
+SIGMOID_TOPK_ROUTERS = ("Glm4MoeTopkRouter", "Dots1TopkRouter", "DeepseekV3TopkRouter")
+
+
+def _grouped_router_forward(self, hidden_states):
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    weights, experts = moe_router(x, self.weight, self.e_score_correction_bias, int(self.top_k), "sigmoid",
+                                  bool(self.norm_topk_prob), float(self.routed_scaling_factor), True, False)
+    return weights, weights, experts  # (router_logits: unused by the block, weights, experts)
+
+
+def _ernie_router_forward(self, hidden_states):
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    weights, experts = moe_router(x, self.weight, self.moe_statics.e_score_correction_bias, int(self.top_k),
+                                  "softmax", True, 1.0, True, True)
+    return weights, weights, experts
+
+
+def _minimax_router_forward(self, hidden_states, e_score_correction_bias):
+    x = hidden_states.reshape(-1, self.hidden_dim)
+    weights, experts = moe_router(x, self.weight, e_score_correction_bias, int(self.top_k), "sigmoid", True, 1.0,
+                                  False, False)
+    return weights, weights, experts
+
+
+def _afmoe_router_forward(self, hidden_states, expert_bias):
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    weights, experts = moe_router(x, self.gate.weight, expert_bias, int(self.top_k), "sigmoid", True,
+                                  float(self.route_scale), False, False)
+    return weights, weights, experts
+
+
+def trace_routers(model: torch.nn.Module) -> int:
+    """Make every router with a selection bias (``SIGMOID_TOPK_ROUTERS``, ERNIE 4.5 MoE's, MiniMax-M2's) trace as one
+    ``moe_router`` node; returns how many there are. A group-limited choice (topk_group < n_group) stops the trace
+    with a LiftError: the moe op chooses among all experts."""
+    found = 0
+    for path, module in model.named_modules():
+        name = type(module).__name__
+        if name in SIGMOID_TOPK_ROUTERS:
+            n_group, topk_group = int(module.num_group), int(module.topk_group)
+            if topk_group < n_group:
+                raise LiftError(f"the router at {path!r} ({name}) limits each token's experts to the best "
+                                f"topk_group={topk_group} of n_group={n_group} expert groups (config n_group / "
+                                f"topk_group); the moe op chooses among all experts (n_group 1, or topk_group equal "
+                                f"to n_group)")
+            module.forward = types.MethodType(_grouped_router_forward, module)
+        elif name == "Ernie4_5_MoeTopKRouter":
+            module.forward = types.MethodType(_ernie_router_forward, module)
+        elif name == "MiniMaxM2TopKRouter":
+            module.forward = types.MethodType(_minimax_router_forward, module)
+        elif name == "AfmoeTokenChoiceRouter" and getattr(module.gate, "bias", None) is None:
+            module.forward = types.MethodType(_afmoe_router_forward, module)
+        else:
+            continue
+        found += 1
     return found
 
 

@@ -887,7 +887,11 @@ def _moe(w, attrs, ex) -> Kernel:
                # gpt-oss: expert biases and its clamped SwiGLU
                "b_gate_up": w.get("b_gate_up"), "b_down": w.get("b_down"),
                "swiglu_alpha": float(attrs.get("swiglu_alpha", 0.0)),
-               "swiglu_limit": float(attrs.get("swiglu_limit", 0.0))}
+               "swiglu_limit": float(attrs.get("swiglu_limit", 0.0)),
+               # GLM-4.5, dots1, ERNIE 4.5 MoE, MiniMax-M2: a selection bias, a scaling factor, fp32 logits
+               "select_bias": w.get("select_bias"),
+               "routed_scaling_factor": float(attrs.get("routed_scaling_factor", 1.0)),
+               "router_fp32": bool(attrs.get("router_fp32", False))}
     top_k, scoring, norm = attrs["top_k"], attrs["scoring"], attrs["norm_topk_prob"]
     fn, round_weights = attrs["activation"], attrs.get("round_weights", False)
     if fn == "clamped_swiglu" and not ("swiglu_alpha" in attrs and attrs.get("swiglu_limit", 0) > 0):

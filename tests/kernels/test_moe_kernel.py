@@ -713,3 +713,102 @@ def test_int4_gemv_captured_in_a_cuda_graph(split_k):
     _replay_over_routings(lambda: moe.fused_moe(x, gate, *experts, top_k, gate_bias=bias, **kw, config=cfg), x, bias,
                           8, (None, 3, (0, 1), None),  # the eager run also allocates the split-K counters
                           lambda out: _assert_close_int4(out, ops.moe(x, gate, *experts, top_k, gate_bias=bias, **kw)))
+
+
+# --- a router's selection bias (DeepSeek-V3's e_score_correction_bias: GLM-4.5, dots1, ERNIE 4.5 MoE, MiniMax-M2) ---
+# (scoring, norm_topk_prob, round_weights, routed_scaling_factor, router_fp32, dtype, experts: plain / fp8 / int4)
+SELECT_CASES = [
+    ("sigmoid", True, False, 2.5, True, torch.bfloat16, "plain"),  # GLM-4.5's / dots1's
+    ("sigmoid", False, False, 2.5, True, torch.float32, "plain"),  # not renormalised: the scale alone
+    ("softmax", True, True, 1.0, True, torch.bfloat16, "plain"),  # ERNIE 4.5 MoE's: weights rounded
+    ("sigmoid", True, False, 1.0, False, torch.float16, "plain"),  # MiniMax-M2's: logits in x's dtype
+    ("sigmoid", True, False, 2.5, True, torch.bfloat16, "fp8"),
+    ("sigmoid", True, False, 2.5, True, torch.bfloat16, "int4"),  # few slots: the GEMV kernels' path
+]
+
+
+def _select_bias(x: torch.Tensor, gate: torch.Tensor, top_k: int, scoring: str, fp32: bool) -> torch.Tensor:
+    """A selection bias [E] fp32 that moves some token's choice: the experts each token ranks first get -1, the
+    others up to +0.5 (scores are in (0, 1): the bias outweighs them)."""
+    scores = ops.moe_route(x, gate, None, top_k, scoring, router_fp32=fp32)[1]
+    bias = torch.linspace(0.5, 0.0, gate.shape[0], device=x.device)
+    bias[scores[:, 0].unique()] = -1.0
+    return bias
+
+
+@pytest.mark.parametrize("case", SELECT_CASES, ids=lambda c: f"{c[0]}-norm{int(c[1])}-round{int(c[2])}-s{c[3]}-"
+                         f"fp32{int(c[4])}-{str(c[5])[6:]}-{c[6]}")
+def test_selection_bias_matches_the_torch_op(case):
+    scoring, norm, round_weights, scale, fp32, dtype, experts = case
+    num_experts, hidden, inter, num_tokens, top_k = 8, 64, 64, 3 if experts == "int4" else 17, 2
+    seed = num_tokens * 100 + hidden + inter + 11
+    if experts == "fp8":
+        x, gate, weights, scales, _ = _fp8_inputs(num_experts, hidden, inter, num_tokens, dtype, seed)
+        kw = dict(w_gate_up_scale=scales[0], w_down_scale=scales[1])
+    elif experts == "int4":
+        x, gate, weights, kw, _ = _int4_inputs(num_experts, hidden, inter, num_tokens, dtype, seed, 32, False)
+    else:
+        x, gate, *weights, _ = _inputs(num_experts, hidden, inter, num_tokens, dtype, seed)
+        kw = {}
+    select_bias = _select_bias(x, gate, top_k, scoring, fp32)
+    route = dict(select_bias=select_bias, routed_scaling_factor=scale, router_fp32=fp32)
+    args = (x, gate, *weights, top_k, scoring, norm, "silu", None, round_weights)
+    out, ref = moe.fused_moe(*args, **kw, **route), ops.moe(*args, **kw, **route)
+    (_assert_close_fp8 if experts == "fp8" else _assert_close_int4 if experts == "int4" else _assert_close)(out, ref)
+    # the bias changes the choice (each token's first expert is never chosen), and the weights are the scores alone
+    chosen = ops.moe_route(x, gate, None, top_k, scoring, norm, select_bias, scale, fp32)
+    unbiased = ops.moe_route(x, gate, None, top_k, scoring, norm, None, scale, fp32)
+    assert not torch.equal(chosen[1], unbiased[1])
+    logits = x.float() @ gate.float().t() if fp32 else (x @ gate.t()).float()
+    scores = torch.softmax(logits, -1) if scoring == "softmax" else torch.sigmoid(logits)
+    want = scores.gather(1, chosen[1])
+    want = (want / want.sum(-1, keepdim=True) if norm else want) * scale
+    torch.testing.assert_close(chosen[0], want, rtol=1e-5, atol=1e-6)
+    # without the bias (or the scale) the op is another one
+    for other in [dict(route, select_bias=None)] + ([dict(route, routed_scaling_factor=1.0)] if scale != 1.0 else []):
+        changed = ops.moe(*args, **kw, **other)
+        assert (changed.float() - ref.float()).abs().max() > 0.1 * ref.float().abs().max()
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "ernie4_5_moe", "minimax_m2"])
+def test_selection_bias_reference_is_the_families_routers(model_type):
+    """kernels.torch_ops.moe_route with the moe op's attrs as the lifter sets them is each family's router in
+    transformers (the experts it picks, their weights), on a bias that changes the choice."""
+    pytest.importorskip("transformers")
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        pytest.skip(f"transformers has no model_type {model_type!r}")
+    E, H, k = 8, 32, 2
+    kw = {"glm4_moe": dict(n_routed_experts=E, num_experts_per_tok=k, routed_scaling_factor=2.5, norm_topk_prob=True),
+          "ernie4_5_moe": dict(moe_num_experts=E, moe_k=k),
+          "minimax_m2": dict(num_local_experts=E, num_experts_per_tok=k)}[model_type]
+    cfg = AutoConfig.for_model(model_type, hidden_size=H, **kw)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, H, generator=g)
+    weight = torch.randn(E, H, generator=g) * 0.5
+    bias = _select_bias(x, weight, k, "softmax" if model_type == "ernie4_5_moe" else "sigmoid", True)
+    if model_type == "glm4_moe":
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+        router = Glm4MoeTopkRouter(cfg)
+        router.e_score_correction_bias.copy_(bias)
+        attrs = dict(scoring="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5, router_fp32=True)
+    elif model_type == "ernie4_5_moe":
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeTopKRouter
+        router = Ernie4_5_MoeTopKRouter(cfg)
+        router.moe_statics.e_score_correction_bias.data.copy_(bias[None])
+        attrs = dict(scoring="softmax", norm_topk_prob=True, router_fp32=True)
+    else:
+        from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+        router = MiniMaxM2TopKRouter(cfg)
+        attrs = dict(scoring="sigmoid", norm_topk_prob=True)
+    with torch.no_grad():
+        router.weight.copy_(weight)
+        got = [t.detach() for t in (router(x)[1:] if model_type != "minimax_m2" else router(x, bias)[1:])]
+    weights, experts = ops.moe_route(x, weight, None, k, select_bias=bias, **attrs)
+    order = got[1].sort(-1).indices  # transformers' topk is unsorted for some: compare as sets, with their weights
+    mine = experts.sort(-1).indices
+    assert torch.equal(got[1].gather(1, order), experts.gather(1, mine))
+    torch.testing.assert_close(got[0].gather(1, order).float(), weights.gather(1, mine), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(experts, ops.moe_route(x, weight, None, k, attrs["scoring"])[1])  # the bias counts

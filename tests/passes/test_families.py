@@ -165,6 +165,34 @@ SUPPORTED = [
            "GraniteMoE with a shared MLP beside the experts"),
     Family("Cohere 2 (MoE)", "cohere2_moe", dict(SLIDING, head_dim=16, num_experts=4, num_experts_per_tok=2),
            "Cohere 2's layers (sliding with rotary, global without) with a mixture of experts"),
+    # routers that choose by the scores plus a per-expert selection bias (e_score_correction_bias, randomised here as
+    # every weight is: it changes the choice), weighing the experts by the scores alone
+    Family("GLM-4.5 (MoE)", "glm4_moe", dict(num_hidden_layers=1, head_dim=16, first_k_dense_replace=0,
+                                            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                            routed_scaling_factor=2.5),
+           "mixture of experts chosen by sigmoid scores plus a per-expert selection bias (e_score_correction_bias), "
+           "weighted by the scores alone, renormalised, times routed_scaling_factor, router in fp32; a shared "
+           "expert MLP beside it"),
+    Family("dots1", "dots1", dict(num_hidden_layers=1, n_routed_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=48, n_shared_experts=1, first_k_dense_replace=0,
+                                  norm_topk_prob=True, routed_scaling_factor=2.5),
+           "GLM-4.5's router (selection bias, scaling factor, fp32) with a shared expert, per-head q/k RMSNorm"),
+    Family("ERNIE 4.5 (MoE)", "ernie4_5_moe", dict(num_hidden_layers=1, head_dim=16, moe_num_experts=4, moe_k=2,
+                                                   moe_intermediate_size=48, moe_num_shared_experts=1,
+                                                   moe_layer_start_index=0),
+           "mixture of experts chosen by fp32 softmax scores plus a per-expert selection bias (moe_statics), "
+           "weighted by the scores alone, renormalised and rounded to the activations' dtype; shared experts, "
+           "interleaved rotary"),
+    Family("MiniMax-M2", "minimax_m2", dict(num_hidden_layers=1, head_dim=16, num_local_experts=4,
+                                            num_experts_per_tok=2),
+           "mixture of experts chosen by sigmoid scores plus a per-expert selection bias, renormalised, q/k "
+           "RMSNorm over all heads"),
+    Family("AFMoE (Arcee Trinity)", "afmoe", dict(head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=48, num_dense_layers=1, num_shared_experts=1,
+                                                route_scale=2.5, global_attn_every_n_layers=2, sliding_window=8),
+           "a dense layer then a mixture of experts chosen by sigmoid scores plus a per-expert selection bias "
+           "(expert_bias), renormalised, times route_scale, a shared expert; attention output gated by a sigmoid, "
+           "sliding layers with rotary and global ones without, q/k RMSNorm, norms around attention and MLP"),
     FALCON,
     # gpt-oss: its attention (sinks, sliding and global layers) runs on the tracer's attention node, its experts on
     # the moe op with biases and the clamped SwiGLU
@@ -188,14 +216,8 @@ NOT_YET = [
         moe_intermediate_size=48)),
            r"aten\.mul\.Tensor at module 'model\.layers\.0\.self_attn' is used in a pattern the lifter does not know",
            "multi-head latent attention (MLA: keys and values expanded from a low-rank latent that the cache would "
-           "hold, one rotary part shared by all heads, q/k heads wider than v's); its experts need GLM-4.5's router"),
-    NotYet(Family("GLM-4.5 (MoE)", "glm4_moe", dict(
-        num_hidden_layers=1, head_dim=16, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=48)),
-           r"aten\.add\.Tensor at module 'model\.layers\.0\.mlp\.gate' is used in a pattern the lifter does not know",
-           "a router that picks the top-k by sigmoid scores plus a per-expert bias (e_score_correction_bias) and "
-           "weighs them by the scores alone, times routed_scaling_factor (DeepSeek-V3's, also dots1's, ERNIE 4.5 "
-           "MoE's and MiniMax-M2's)"),
+           "hold, one rotary part shared by all heads, q/k heads wider than v's); its router lifts as GLM-4.5's where "
+           "topk_group equals n_group"),
     NotYet(Family("Qwen3-Next", "qwen3_next", dict(
         num_hidden_layers=1, head_dim=16, layer_types=["linear_attention"], num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=48, shared_expert_intermediate_size=48, linear_num_value_heads=4,
@@ -278,6 +300,12 @@ def make_family_model(family: Family, vocab_size: int, seed: int = 0) -> torch.n
                 p.copy_(1.0 + 0.2 * torch.randn_like(p) if "norm" in name else 0.1 * torch.randn_like(p))
             else:
                 p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():  # a router's selection bias is a buffer (GLM-4.5's): random too
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn_like(b))
+        for name, p in model.named_parameters():  # ERNIE 4.5 MoE's is a [1, experts] parameter: as large
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     return model.eval()
 
 

@@ -261,3 +261,21 @@ def test_int4_experts_shard_over_ranks(float_graph, monkeypatch):
     with pytest.raises(PassError, match=r"w4a16 experts' down projection has groups of 64 of the 64 intermediate "
                                         r"features; tp_size 2 would cut a group"):
         run_passes(coarse, ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+
+
+def test_calibration_routes_with_the_selection_bias(float_graph):
+    """The experts' calibration rows are routed as the op routes them: with a selection bias (GLM-4.5's router), the
+    experts it chooses, not those the scores alone would."""
+    from kernels import torch_ops as ops
+    from passes.moe_int4 import routed_inputs
+
+    graph = float_graph.copy()
+    node = next(n for n in graph.nodes if n.op == "moe")
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(0))
+    first = ops.moe_route(x, graph.params[node.weights["gate_weight"]], None, TOP_K, node.attrs["scoring"])[1]
+    bias = torch.zeros(NUM_EXPERTS)
+    bias[first.unique()] = -10.0  # the experts the scores alone pick are never chosen
+    graph.params["select_bias"] = bias
+    node.weights["select_bias"] = "select_bias"
+    seen = {e for e, *_ in routed_inputs(graph, node, x)}
+    assert seen and seen.isdisjoint(first.unique().tolist())

@@ -1,10 +1,11 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
-scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks and gpt-oss's experts
-(biases, clamped SwiGLU): ops without a Triton kernel run their torch reference there, LayerNorm runs its kernel with
-the residual add before it, partial and interleaved rotary are fused into the attention's KV write as whole-head
-rotary is, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels generates the
-reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the
-kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
+scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks, gpt-oss's experts
+(biases, clamped SwiGLU) and GLM-4.5's router (a selection bias, a scaling factor): ops without a Triton kernel run
+their torch reference there, LayerNorm runs its kernel with the residual add before it, partial and interleaved
+rotary are fused into the attention's KV write as whole-head rotary is, the paged attention kernels soft-cap and add
+the sinks, and the serving engine on the kernels generates the reference path's tokens. On CPU the kernels run under
+TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the
+CPU reference."""
 
 from __future__ import annotations
 
@@ -39,6 +40,10 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
     # kernels); no q/k/v biases, which at 1 + noise would make every query see the same scores
     "gpt_oss": (dict(ONE_SLIDING, head_dim=32, attention_bias=False, num_local_experts=4, num_experts_per_tok=2),
                 True),
+    # GLM-4.5's router: experts chosen by sigmoid scores plus a selection bias (a random buffer), weighted by the
+    # scores alone, times routed_scaling_factor, logits in fp32 (the fused moe kernels' routing and sum)
+    "glm4_moe": (dict(head_dim=32, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=48, routed_scaling_factor=2.5), True),
 }
 
 
@@ -55,6 +60,9 @@ def _checkpoint(path, model_type: str):
             p.copy_(0.1 * torch.randn_like(p) + (1.0 if p.dim() == 1 else 0.0))
             if name.endswith(".sinks"):  # sink logits far apart: equal ones only scale every head alike, which the
                 p.normal_(0.0, 2.0)  # final norm undoes, and a kernel that dropped them would pass
+        for name, b in model.named_buffers():  # a router's selection bias (GLM-4.5's): random, large enough to choose
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
