@@ -162,17 +162,24 @@ def built(bases, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_awq_export_builds_with_its_codes_and_scales(family, built):
-    from runtime import Engine, SamplingParams
-
-    exp, artifact = built(family)
+def graph_with_the_exports_weights(artifact: Path, exp) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The artifact's graph and parameters, after checking that its linears' weights (as the IR dequantizes them)
+    are the export's, module for module."""
     graph = json.loads((artifact / "graph.json").read_text())
     params = load_file(artifact / "weights.safetensors")
     ours = ir_weights(graph["nodes"], params)
     assert sorted(ours) == sorted(exp.weights)
     for module, w in exp.weights.items():
         assert torch.equal(ours[module], w), f"{module}: the artifact's weight is not the export's"
+    return graph, params
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_awq_export_builds_with_its_codes_and_scales(family, built):
+    from runtime import Engine, SamplingParams
+
+    exp, artifact = built(family)
+    graph, params = graph_with_the_exports_weights(artifact, exp)
     scaled = {n["source"]: params[n["weights"]["pre_quant_scale"]] for n in graph["nodes"]
               if "pre_quant_scale" in n["weights"]}
     assert sorted(scaled) == sorted(exp.scales)  # o_proj, down_proj; the merged q/k/v and gate/up carry none

@@ -47,8 +47,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_prequantized import attach, ir_weights, run_build
-from test_prequantized_modelopt_awq import _edit, assert_cuda_matches_cpu
+from test_prequantized import attach, run_build
+from test_prequantized_modelopt_awq import _edit, assert_cuda_matches_cpu, graph_with_the_exports_weights
 
 ATTN_IN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_IN = ("mlp.gate_proj", "mlp.up_proj")
@@ -222,12 +222,7 @@ def test_sq_export_builds_with_its_codes_scales_and_full_int8_range(built):
     from runtime import Engine, SamplingParams
 
     exp, artifact = built
-    graph = json.loads((artifact / "graph.json").read_text())
-    params = load_file(artifact / "weights.safetensors")
-    ours = ir_weights(graph["nodes"], params)
-    assert sorted(ours) == sorted(exp.weights)
-    for module, w in exp.weights.items():
-        assert torch.equal(ours[module], w), f"{module}: the artifact's weight is not the export's"
+    graph, params = graph_with_the_exports_weights(artifact, exp)
     linears = [n for n in graph["nodes"] if n["attrs"].get("quant")]
     assert len(linears) == 8  # q/k/v and gate/up merged: they share s and input_scale, as the export makes them
     for node in linears:
