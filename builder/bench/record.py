@@ -85,3 +85,42 @@ def append_figures(path: str | Path, figures: list[tuple[str, float, str]], devi
     with open(path, "a") as f:
         for name, value, unit in figures:
             f.write(json.dumps({"figure": name, "value": round(value, 3), "unit": unit, **common}) + "\n")
+
+
+def latest_figures(path: str | Path, patterns: list[str] | None = None) -> list[dict[str, Any]]:
+    """The current line of each figure in the record (its latest), sorted by name; ``patterns``: only the names
+    containing one of them. A line that is not a JSON object with a figure name is an error naming its number."""
+    latest: dict[str, dict[str, Any]] = {}
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{number}: not a JSON line ({e})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("figure"), str):
+            raise ValueError(f"{path}:{number}: not a figure (a JSON object with a \"figure\" name)")
+        latest[row["figure"]] = row
+    names = sorted(n for n in latest if not patterns or any(p in n for p in patterns))
+    return [latest[n] for n in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m builder.bench.record [--record docs/benchmarks.jsonl] [PATTERN ...]``: the current figures as a
+    markdown table (name, value, unit, device, date)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="the current value of each recorded benchmark figure")
+    parser.add_argument("patterns", nargs="*", help="only figures whose name contains one of these")
+    parser.add_argument("--record", default="docs/benchmarks.jsonl")
+    args = parser.parse_args(argv)
+    print("| figure | value | unit | device | date |")
+    print("| --- | ---: | --- | --- | --- |")
+    for row in latest_figures(args.record, args.patterns):
+        print(f"| {row['figure']} | {row.get('value')} | {row.get('unit', '')} | {row.get('device', '')} | "
+              f"{str(row.get('date', ''))[:10]} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
