@@ -497,9 +497,7 @@ class ServingEngine:
         if not self.spec_policy.config.enabled:
             return {}
         check = self.spec_policy.rate_check
-        if check is None:
-            return {"spec_drafting": 1}
-        if check.last is None:
+        if check is None or check.last is None:  # no check, or nothing timed yet: drafts run
             return {"spec_drafting": 1}
         return {"spec_measured_gain": check.gain(check.last) or 0.0,
                 "spec_drafting": int(check.chosen.get(check.last, True))}
