@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kernels.gemv import _tile_counters
 from kernels.pdl import pdl_args, wait_prior
-from kernels.rope import cos_sin, rotate
+from kernels.rope import NO_LONG_TABLE, cos_sin, rope_table, rotate
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)  # 256: Gemma, Gemma 2 and 3
 QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -277,8 +277,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 @triton.jit
 def _rope_write_kv_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
-        num_heads, num_kv_heads, q_blocks, scaling, stride_qt, stride_kt, stride_vt, stride_cb, stride_ct, stride_ch,
-        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr, ROT: tl.constexpr,
+        num_heads, num_kv_heads, q_blocks, scaling, long_from, stride_qt, stride_kt, stride_vt, stride_cb, stride_ct,
+        stride_ch, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr, ROT: tl.constexpr,
         TAIL_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
@@ -291,7 +291,7 @@ def _rope_write_kv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HALF
     dtype = q_ptr.dtype.element_ty
-    cos, sin = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, offs_d, mask_d, scaling, dtype)
+    cos, sin = cos_sin(tl.load(pos_ptr + t), inv_freq_ptr, offs_d, mask_d, scaling, long_from, HALF, dtype)
     if hb < q_blocks:
         offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
@@ -334,14 +334,15 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                         k_scale: torch.Tensor | float | None = None,
                         v_scale: torch.Tensor | float | None = None, rotary_dim: int | None = None,
-                        interleaved: bool = False) -> torch.Tensor:
+                        interleaved: bool = False, long_from: int | None = None) -> torch.Tensor:
     """``kernels.rope.apply_rope_`` on q and k, then :func:`write_kv_cache` of the rotated k and v, in one kernel
     (a decode step's three launches per layer in one). q is rotated in place and returned; k is not modified (its
     rotation goes to the cache only).
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided, e.g.
-    views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32;
-    ``rotary_dim`` (default head_dim) and ``interleaved`` as ``apply_rope_``'s (partial rotary, GPT-J pairs).
+    views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32 (or two
+    tables with ``long_from``); ``rotary_dim`` (default head_dim), ``interleaved`` and ``long_from`` as
+    ``apply_rope_``'s (partial rotary, GPT-J pairs, LongRoPE).
     Same numerics as the three kernels (the rotated key is rounded to q's dtype before the cache's quantization).
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -353,10 +354,10 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     if q.dtype != k.dtype or k.dtype != v.dtype:
         raise ValueError(f"q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
     rot = _rotary_dim(rotary_dim, head_dim)
-    if tuple(positions.shape) != (num_tokens,) or tuple(inv_freq.shape) != (rot // 2,) \
-            or tuple(slot_mapping.shape) != (num_tokens,):
-        raise ValueError(f"positions {tuple(positions.shape)} / slot_mapping {tuple(slot_mapping.shape)} / inv_freq "
-                         f"{tuple(inv_freq.shape)} do not match {num_tokens} tokens and rotary_dim {rot}")
+    if tuple(positions.shape) != (num_tokens,) or tuple(slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"positions {tuple(positions.shape)} / slot_mapping {tuple(slot_mapping.shape)} do not match "
+                         f"{num_tokens} tokens")
+    table, long_from = rope_table(inv_freq, long_from, rot)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name} must have contiguous heads (strides (*, {head_dim}, 1)), got {t.stride()}")
@@ -368,8 +369,8 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     q_blocks = triton.cdiv(num_heads, block_h)
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     _rope_write_kv_kernel[(num_tokens, q_blocks + triton.cdiv(num_kv_heads, block_h))](
-        q, k, v, positions, inv_freq.float(), k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t,
-        num_heads, num_kv_heads, q_blocks, float(attention_scaling), q.stride(0), k.stride(0), v.stride(0),
+        q, k, v, positions, table, k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t,
+        num_heads, num_kv_heads, q_blocks, float(attention_scaling), long_from, q.stride(0), k.stride(0), v.stride(0),
         *k_cache.stride()[:3], HEAD_DIM=head_dim, HALF=half, STEP=2 if interleaved else 1,
         PAIR=1 if interleaved else half, ROT=rot, TAIL_PAD=triton.next_power_of_2(max(head_dim - rot, 1)),
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0),
@@ -392,7 +393,7 @@ def _rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
         out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, counter_ptr,
-        kn_ptr, vn_ptr, slot_ptr, pos_ptr, inv_freq_ptr, rope_scaling,
+        kn_ptr, vn_ptr, slot_ptr, pos_ptr, inv_freq_ptr, rope_scaling, long_from,
         qk_scale, window, num_splits, softcap,
         stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         stride_kns, stride_knh, stride_vns, stride_vnh,
@@ -467,14 +468,15 @@ def _paged_decode_kernel(
                     offs_pair = tl.where(rotates, (offs_d + ROT // 2) % ROT, offs_d)
                     first = (offs_d < ROT // 2)[None, :]
                     freq = offs_d % (ROT // 2)
-                cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, freq, rotates, rope_scaling, dtype)
+                cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, freq, rotates, rope_scaling, long_from,
+                                   ROT // 2, dtype)
                 cos = tl.where(rotates[None, :], cos, 1.0)
                 sin = tl.where(rotates[None, :], sin, 0.0)
             else:
                 offs_pair = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # rotate-half on whole rows: d pairs with d +- HALF
                 first = (offs_d < HEAD_DIM // 2)[None, :]
                 cos, sin = cos_sin(tl.load(pos_ptr + seq), inv_freq_ptr, offs_d % (HEAD_DIM // 2), offs_d < HEAD_DIM,
-                                   rope_scaling, dtype)
+                                   rope_scaling, long_from, HEAD_DIM // 2, dtype)
         if WRITE:
             # the program whose tiles hold the new position takes the new key and value
             last = seq_len - 1
@@ -661,14 +663,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if new_kv is None:  # placeholders, never read
         kn = vn = q
         slots = pos = inv_freq = seq_lens
+        long_from = NO_LONG_TABLE
     else:
         kn, vn, slots = new_kv.k, new_kv.v, new_kv.slot_mapping
         pos = new_kv.positions if rope else seq_lens
-        inv_freq = new_kv.inv_freq.float() if rope else q
+        inv_freq, long_from = rope_table(new_kv.inv_freq, new_kv.long_from, new_kv.rotary_dim or head_dim) if rope \
+            else (q, NO_LONG_TABLE)
     grid = (num_kv_heads, num_seqs, num_splits) if cfg.heads_first else (num_seqs, num_kv_heads, num_splits)
     _paged_decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, part_acc, part_m, part_l, sinks_t,
-        counters, kn, vn, slots, pos, inv_freq, float(new_kv.scaling) if rope else 1.0,
+        counters, kn, vn, slots, pos, inv_freq, float(new_kv.scaling) if rope else 1.0, long_from,
         scale * _LOG2E, sliding_window or _NO_WINDOW, num_splits, softcap * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
@@ -690,7 +694,7 @@ class NewKV:
 
     k, v: [num_seqs, num_kv_heads, head_dim] in q's dtype (rows may be strided, heads contiguous: views into a merged
     QKV projection); slot_mapping: [num_seqs], each sequence's new slot (negative: write nothing, a padding row).
-    positions, inv_freq, scaling, rotary_dim, interleaved: RoPE of q and k first, as ``rope_write_kv_cache``
+    positions, inv_freq, scaling, rotary_dim, interleaved, long_from: RoPE of q and k first, as ``rope_write_kv_cache``
     (rotate-half on whole heads by default); positions None: q and k are already rotated (or the model has no RoPE).
     """
 
@@ -702,6 +706,7 @@ class NewKV:
     scaling: float = 1.0
     rotary_dim: int | None = None  # the rotated features of each head (None: all)
     interleaved: bool = False  # GPT-J pairs (2i, 2i + 1) instead of the halves
+    long_from: int | None = None  # LongRoPE: inv_freq holds two tables, the second from this position on
 
     def check(self, q: torch.Tensor, num_kv_heads: int) -> None:
         num_seqs, _, head_dim = q.shape
@@ -718,11 +723,11 @@ class NewKV:
             raise ValueError(f"new_kv: slot_mapping {tuple(self.slot_mapping.shape)} != ({num_seqs},)")
         if self.positions is not None:
             rot = _rotary_dim(self.rotary_dim, head_dim)
-            if tuple(self.positions.shape) != (num_seqs,) or self.inv_freq is None \
-                    or tuple(self.inv_freq.shape) != (rot // 2,):
+            if tuple(self.positions.shape) != (num_seqs,) or self.inv_freq is None:
                 raise ValueError(f"new_kv: positions {tuple(self.positions.shape)} / inv_freq "
                                  f"{None if self.inv_freq is None else tuple(self.inv_freq.shape)} do not match "
                                  f"{num_seqs} sequences and rotary_dim {rot}")
+            rope_table(self.inv_freq, self.long_from, rot)  # raises for a table of another shape
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,8 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                 continue
             same = (rq["weights"]["inv_freq"] == rk["weights"]["inv_freq"] and rq["inputs"][1] == rk["inputs"][1]
                     and all(rq["attrs"].get(a, d) == rk["attrs"].get(a, d) for a, d in
-                            (("attention_scaling", 1.0), ("rotary_dim", None), ("interleaved", False))))
+                            (("attention_scaling", 1.0), ("rotary_dim", None), ("interleaved", False),
+                             ("long_from", None))))
             heads = (rq["attrs"]["num_heads"] == attrs["num_heads"]
                      and rk["attrs"]["num_heads"] == attrs["num_kv_heads"]
                      and rq["attrs"]["head_dim"] == rk["attrs"]["head_dim"] == attrs["head_dim"])
@@ -705,6 +706,7 @@ def _rope(w, attrs, ex) -> Kernel:
     inv_freq = w["inv_freq"].float()
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
     rotary_dim, interleaved = attrs.get("rotary_dim"), bool(attrs.get("interleaved"))
+    long_from = attrs.get("long_from")  # LongRoPE: inv_freq is [2, rotary_dim / 2], the second table from there on
     key = f"{id(w['inv_freq'])}:{interleaved}"
     # partial and interleaved rotary too (StableLM, Phi-2, GPT-NeoX; Cohere): one kernel; where the attention rotates
     # q and k itself, in its KV write (``_Fusions.rope``), this node is absorbed instead
@@ -718,7 +720,8 @@ def _rope(w, attrs, ex) -> Kernel:
             x, positions = xs
             if not exclusive or x.stride(-1) != 1:
                 x = x.contiguous() if exclusive else x.clone()
-            return (apply_rope_(x, positions, inv_freq, num_heads, head_dim, scaling, rotary_dim, interleaved),)
+            return (apply_rope_(x, positions, inv_freq, num_heads, head_dim, scaling, rotary_dim, interleaved,
+                                long_from),)
 
         return rope_kernel
 
@@ -726,7 +729,8 @@ def _rope(w, attrs, ex) -> Kernel:
         x, positions = xs
         tables = step.rope_cache.get(key)
         if tables is None:
-            tables = step.rope_cache[key] = ops.rope_tables(positions, inv_freq, scaling, x.dtype, interleaved)
+            tables = step.rope_cache[key] = ops.rope_tables(positions, inv_freq, scaling, x.dtype, interleaved,
+                                                            long_from)
         return (ops.rope(x, *tables, num_heads, head_dim, rotary_dim, interleaved),)
 
     return kernel
@@ -773,23 +777,25 @@ def _attention(w, attrs, ex) -> Kernel:
 class _FusedRope:
     """The RoPE an attention node applies to its q and k (``_Fusions.rope``)."""
 
-    inv_freq: torch.Tensor  # fp32 [rotary_dim / 2]
+    inv_freq: torch.Tensor  # fp32 [rotary_dim / 2], or [2, rotary_dim / 2] with long_from
     scaling: float  # attention_scaling
     head_dim: int
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim features of each head (None: all)
     interleaved: bool = False  # GPT-J pairs
+    long_from: int | None = None  # LongRoPE: positions from here on take inv_freq's second table
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
         from kernels.rope import apply_rope_
 
         return apply_rope_(x, positions, self.inv_freq, num_heads, self.head_dim, self.scaling, self.rotary_dim,
-                           self.interleaved)
+                           self.interleaved, self.long_from)
 
 
 def _fused_rope(ex, planned: tuple[dict[str, Any], str]) -> _FusedRope:
     rq = planned[0]
     return _FusedRope(ex.params[rq["weights"]["inv_freq"]].float(), rq["attrs"].get("attention_scaling", 1.0),
-                      rq["attrs"]["head_dim"], rq["attrs"].get("rotary_dim"), bool(rq["attrs"].get("interleaved")))
+                      rq["attrs"]["head_dim"], rq["attrs"].get("rotary_dim"), bool(rq["attrs"].get("interleaved")),
+                      rq["attrs"].get("long_from"))
 
 
 def _paged_attention(w, attrs, rope: _FusedRope | None = None
@@ -817,12 +823,13 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         new_kv = None
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
-            rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved) if rope is not None \
-                else ()
+            rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved, rope.long_from) \
+                if rope is not None else ()
             new_kv = NewKV(k, v, md.slot_mapping, *rotary)
         elif rope is not None:
             rope_write_kv_cache(q, k, v, xs[3], rope.inv_freq, rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale,
-                                v_scale=v_scale, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved)
+                                v_scale=v_scale, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
+                                long_from=rope.long_from)
         else:
             write_kv_cache(k, v, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:

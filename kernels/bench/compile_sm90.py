@@ -58,7 +58,7 @@ def _decode_attention() -> list[tuple[str, object]]:
              "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "sinks_ptr": "*fp32",
              "counter_ptr": "*i32", "qk_scale": "fp32", "window": "i32", "num_splits": "i32", "softcap": "fp32",
              "kn_ptr": "*bf16", "vn_ptr": "*bf16", "slot_ptr": "*i64", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
-             "rope_scaling": "fp32",
+             "rope_scaling": "fp32", "long_from": "i32",
              **{n: "i32" for n in ("stride_qs", "stride_qh", "stride_os", "stride_oh", "stride_cb", "stride_ct",
                                    "stride_ch", "stride_bt", "stride_kns", "stride_knh", "stride_vns", "stride_vnh")}}
     base = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=128, QUANT=0, FP32=False, F16=False,
@@ -88,7 +88,7 @@ def _rope_write_kv() -> list[tuple[str, object]]:
 
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
              "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
-             "v_scale_ptr": "*fp32", "scaling": "fp32",
+             "v_scale_ptr": "*fp32", "scaling": "fp32", "long_from": "i32",
              **{n: "i32" for n in ("num_heads", "num_kv_heads", "q_blocks", "stride_qt", "stride_kt", "stride_vt",
                                    "stride_cb", "stride_ct", "stride_ch")}}
     out = []
@@ -261,7 +261,7 @@ def _norms_and_rope() -> list[tuple[str, object]]:
           "total_ptr": "*bf16", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "stride_total": "i32",
           "num_cols": "i32", "eps": "fp32"}
     rope = {"x_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "stride_xt": "i32", "num_heads": "i32",
-            "scaling": "fp32"}
+            "scaling": "fp32", "long_from": "i32"}
     out = [(f"layer_norm, {'gain' if w else 'no gain'}{' and bias' if b else ''}{', residual add' if r else ''}, 2560",
             lambda w=w, b=b, r=r: compile_kernel(
                 _layer_norm_kernel, ln, {"HAS_RESIDUAL": r, "HAS_WEIGHT": w, "HAS_BIAS": b, "BLOCK": 4096,

@@ -224,6 +224,29 @@ def test_rope_partial_and_interleaved(head_dim, rotary_dim, interleaved, dtype):
     assert not torch.equal(heads[1:, :, :rotary_dim], before[1:, :, :rotary_dim])
 
 
+@pytest.mark.parametrize("rotary_dim, interleaved", [(32, False), (16, False), (32, True)])
+def test_rope_two_tables_switch_at_long_from(rotary_dim, interleaved):
+    """LongRoPE: inv_freq [2, rotary_dim / 2]; a position before long_from rotates as the first table alone does, one
+    at or after it as the second alone does (bit for bit), and both match the torch reference."""
+    num_heads, head_dim, long_from = 3, 32, 130
+    positions = torch.tensor(POSITIONS, dtype=torch.int64)
+    x = _randn(len(POSITIONS), num_heads * head_dim, dtype=torch.float32, seed=rotary_dim + interleaved)
+    short = _inv_freq(rotary_dim, 10000.0)
+    tables = torch.stack([short, short / torch.linspace(1.0, 8.0, rotary_dim // 2)])
+    args = (num_heads, head_dim, 1.19, rotary_dim, interleaved)
+    expected = ref_rope(x, positions, tables, *args, long_from)
+    out = apply_rope_(x.clone(), positions, tables, *args, long_from)
+    _assert_close(out, expected)
+    before = positions < long_from
+    assert 0 < int(before.sum()) < len(POSITIONS)
+    assert torch.equal(out[before], apply_rope_(x.clone(), positions, short, *args)[before])
+    assert torch.equal(out[~before], apply_rope_(x.clone(), positions, tables[1], *args)[~before])
+    with pytest.raises(ValueError, match=rf"\[2, {rotary_dim // 2}\] \(two tables\) with long_from >= 0"):
+        apply_rope_(x.clone(), positions, tables, *args)  # two tables without long_from
+    with pytest.raises(ValueError, match="two frequency tables"):
+        ref_rope(x, positions, tables, *args)
+
+
 def test_rope_rejects_bad_shapes():
     x = torch.randn(3, 64)
     with pytest.raises(ValueError, match="num_heads \\* head_dim"):
