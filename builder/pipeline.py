@@ -174,6 +174,22 @@ def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
                          f"checkpoint's {ours_vocab}; a draft model must have the target's vocabulary (embedding rows)")
 
 
+def check_longrope(config, max_seq_len: int) -> None:
+    """Refuse a runtime.max_seq_len past LongRoPE's switch (original_max_position_embeddings). Hugging Face rotates a
+    sequence within it with the short_factor table and, once the sequence grows past it, all of it with the
+    long_factor table (Phi-3's generation drops its cache there and recomputes every position). The artifact carries
+    both tables, and the runtime rotates each position by its own index: within the switch that is the model, past it
+    it would not be (the earlier positions would keep the short table)."""
+    from passes.trace import longrope_from
+
+    long_from = longrope_from(config)
+    if long_from is not None and max_seq_len > long_from:
+        raise BuildError(f"runtime.max_seq_len {max_seq_len} passes this model's LongRoPE switch at "
+                         f"original_max_position_embeddings {long_from}: past it Hugging Face rotates the whole "
+                         f"sequence with the long_factor table (recomputing its cache), which the runtime does not do "
+                         f"yet; set runtime.max_seq_len to at most {long_from}")
+
+
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | None = None,
                     weights: dict[str, torch.Tensor] | None = None):
     """The Hugging Face model with its real weights (safetensors only), for the verify pass. A pre-quantized
@@ -353,6 +369,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if max_pos and recipe.runtime.max_seq_len > max_pos:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
+    check_longrope(config, recipe.runtime.max_seq_len)
     check_prequantized(recipe, ckpt)
     check_draft_model(recipe, ckpt)
     if ckpt.mxfp4 and dtype == torch.float16:  # e8m0 scales reach 2^127: fp16 cannot hold every MXFP4 value

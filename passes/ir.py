@@ -90,7 +90,8 @@ OPS: dict[str, OpSpec] = {
         (2, 2), ("inv_freq",), (), ("head_dim", "num_heads"),
         doc="(x, positions) -> x rotated (rotate-half layout; GPT-J's pairs with `interleaved`), cos/sin from "
             "inv_freq * attention_scaling; with rotary_dim, only each head's first rotary_dim features rotate "
-            "(2 * len(inv_freq) == rotary_dim), the rest pass through",
+            "(2 * len(inv_freq) == rotary_dim), the rest pass through; with long_from (LongRoPE), inv_freq holds two "
+            "tables [2, rotary_dim / 2] and positions from long_from on take the second",
     ),
     "attention": OpSpec(
         (3, 3), (), ("k_scale", "v_scale", "sinks"), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),

@@ -388,6 +388,8 @@ class LiftContext:
     rotary: Callable[[str], tuple[torch.Tensor, float]]  # buffer target -> (inv_freq, attention_scaling)
     # buffer target -> its real value (the traced model's buffers are meta); None: constants cannot be evaluated
     buffer: Callable[[str], torch.Tensor] | None = None
+    # buffer target -> LongRoPE's second table and the first position it rotates, or None (one table)
+    long_rotary: Callable[[str], tuple[torch.Tensor, int] | None] | None = None
 
 
 @dataclass
@@ -1301,11 +1303,11 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
                         f"come from (found {inv_freq_buffers or 'none'})")
     buffer = inv_freq_buffers[0]
     key = frozenset([buffer])
-    if key not in st.rope_tables:
-        inv_freq, scaling = ctx.rotary(buffer)
-        st.params[buffer] = inv_freq
-        st.rope_tables[key] = buffer
     inv_freq, scaling = ctx.rotary(buffer)
+    long = ctx.long_rotary(buffer) if ctx.long_rotary is not None else None
+    if key not in st.rope_tables:  # LongRoPE's two tables as one [2, rotary_dim / 2] parameter
+        st.params[buffer] = inv_freq if long is None else torch.stack([inv_freq, long[0]])
+        st.rope_tables[key] = buffer
     num_heads, head_dim = x.layout.size("H"), x.layout.size("D")
     if "R" not in x.layout.dims:  # heads already broadcast over their query heads (Falcon's kv): the data's own
         num_heads //= x.repeat
@@ -1313,6 +1315,8 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
         raise LiftError(f"rotary embedding at {source!r} rotates features [{term.start}, {term.stop}) of each head "
                         f"with {inv_freq.numel()} frequencies; the rope op rotates the first 2 * frequencies")
     attrs = {"num_heads": num_heads, "head_dim": head_dim, "attention_scaling": float(scaling)}
+    if long is not None:
+        attrs["long_from"] = long[1]
     if term.stop != head_dim:
         attrs["rotary_dim"] = term.stop
     if term.interleaved:

@@ -26,8 +26,9 @@ from passes.lift import LiftContext, LiftError, attention, lift, moe_experts, mo
 
 log = logging.getLogger(__name__)
 
-# Rotary variants whose frequencies do not depend on the sequence length: the runtime precomputes them.
-STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Rotary variants the rope op computes: frequencies that do not depend on the sequence length, and LongRoPE's two
+# tables (the second for positions from original_max_position_embeddings on, see ``longrope_from``).
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 # Config settings whose attention the IR's attention op does not compute: what each adds, refused before tracing.
@@ -423,6 +424,78 @@ def rotary_tables(model: torch.nn.Module):
     return table
 
 
+def long_rotary_tables(model: torch.nn.Module):
+    """Map an ``inv_freq`` buffer target to LongRoPE's second table and the first position it rotates
+    (original_max_position_embeddings), or to None where the buffer's rotary is not LongRoPE.
+
+    Hugging Face rotates a sequence within original_max_position_embeddings with the first table (short_factor) and,
+    once it is longer, all of it with the second (long_factor): Phi-3's generation drops its cache at that point and
+    recomputes every position. The rope op holds both tables and picks per position, which is the model within the
+    switch; builds whose runtime.max_seq_len passes it are refused (``builder.pipeline.check_longrope``) until the
+    runtime re-rotates a sequence that crosses it.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    def table(buffer_target: str) -> tuple[torch.Tensor, int] | None:
+        module_path, buffer = buffer_target.rsplit(".", 1)
+        module = model.get_submodule(module_path)
+        layer_type = buffer.removesuffix("inv_freq").removesuffix("_")
+        rope_type = getattr(module, "rope_type", "default")
+        if isinstance(rope_type, dict):
+            rope_type = rope_type.get(layer_type, "default")
+        if rope_type != "longrope":
+            return None
+        long_from = longrope_from(module.config, layer_type or None)
+        init = ROPE_INIT_FUNCTIONS["longrope"]
+        kwargs = {"layer_type": layer_type} if layer_type and "layer_type" in inspect.signature(init).parameters \
+            else {}
+        long_inv_freq, _ = init(copy.deepcopy(module.config), torch.device("cpu"), seq_len=long_from + 1, **kwargs)
+        return long_inv_freq.detach().to(torch.float32).clone(), long_from
+
+    return table
+
+
+def longrope_from(config, layer_type: str | None = None) -> int | None:
+    """The first position LongRoPE's second table rotates (original_max_position_embeddings: Hugging Face takes the
+    second table for a forward call whose sequence is longer), or None where the config's rotary is not LongRoPE."""
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if not isinstance(params, dict) or not params:
+            continue
+        per_layer_type = all(isinstance(v, dict) for v in params.values())
+        if per_layer_type:
+            found = [params[layer_type]] if layer_type in params else list(params.values())
+        else:
+            found = [params]
+        for p in found:
+            if (p.get("rope_type") or p.get("type")) == "longrope":
+                return int(p.get("original_max_position_embeddings")
+                           or getattr(config, "original_max_position_embeddings", None)
+                           or config.max_position_embeddings)
+    return None
+
+
+@contextlib.contextmanager
+def tables_per_position(model: torch.nn.Module):
+    """LongRoPE modules traced as static rotary: Hugging Face's forward picks its table for the call (by the largest
+    position), which the lifter cannot take; the lifter gives the rope op both tables instead (``long_rotary_tables``).
+    Each such module's ``rope_type`` reads "default" while tracing (the forward then skips the pick)."""
+    changed = []
+    for module in model.modules():
+        rope_type = module.__dict__.get("rope_type")
+        if rope_type == "longrope":
+            changed.append((module, rope_type))
+            module.rope_type = "default"
+        elif isinstance(rope_type, dict) and "longrope" in rope_type.values():
+            changed.append((module, rope_type))
+            module.rope_type = {k: "default" if v == "longrope" else v for k, v in rope_type.items()}
+    try:
+        yield
+    finally:
+        for module, rope_type in changed:
+            module.rope_type = rope_type
+
+
 def buffer_values(model: torch.nn.Module) -> Callable[[str], torch.Tensor]:
     """Map a buffer target to its real value, for constants the lifter folds (an embedding scale).
 
@@ -486,9 +559,11 @@ def trace(config) -> tuple[Graph, torch.nn.Module]:
     check_rope(config)
     model = build_meta_model(config)
     start = time.perf_counter()
-    exported = export_model(model)
+    with tables_per_position(model):
+        exported = export_model(model)
     try:
-        graph = lift(exported, LiftContext(model=model, rotary=rotary_tables(model), buffer=buffer_values(model)))
+        graph = lift(exported, LiftContext(model=model, rotary=rotary_tables(model), buffer=buffer_values(model),
+                                           long_rotary=long_rotary_tables(model)))
     except LiftError:
         raise
     except Exception as e:  # a graph the lifter's rules did not expect: still one line for the user, not a traceback
