@@ -99,6 +99,7 @@ from kernels.w8a8_gemm import (
     _MAGIC,
     QuantizedRows,
     act_qmin_arg,
+    div_exact,
     _check_inputs as _check_w8a8_inputs,
     _qrange,
     _round_e4m3,
@@ -501,19 +502,18 @@ def _absmax(x_row, offs, mask, amax):
 
 
 @triton.jit
-def _quantize_step(x_row, offs_k, mask_k, x_scale, qmax, qmin, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr,
+def _quantize_step(x_row, offs_k, mask_k, x_scale, x_rcp, qmax, qmin, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr,
                    MASKED: tl.constexpr, PREQUANT: tl.constexpr):
-    """One row's x step [BLOCK_K] quantized with ``x_scale`` as the reference does, clamped to ``qmin``..``qmax``:
-    int8 codes as int32, E4M3 values as fp32 (0 where masked). PREQUANT: x holds the codes already."""
+    """One row's x step [BLOCK_K] quantized with ``x_scale`` (``x_rcp``: its reciprocal, correctly rounded) as the
+    reference does, clamped to ``qmin``..``qmax``: int8 codes as int32, E4M3 values as fp32 (0 where masked).
+    PREQUANT: x holds the codes already."""
     if PREQUANT:
         if INT8:
             return _load(x_row + offs_k, mask_k, MASKED).to(tl.int32)
         else:
             return _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
     a = _load(x_row + offs_k, mask_k, MASKED).to(tl.float32)
-    # Triton's fp32 ``/`` is the fast approximate division on the GPU (as in kernels.w8a8_gemm): a value within
-    # an ulp of a rounding boundary can get the neighbouring code
-    v = tl.minimum(tl.maximum(a / x_scale, qmin), qmax)
+    v = tl.minimum(tl.maximum(div_exact(a, x_scale, x_rcp), qmin), qmax)  # the reference's quotient (w8a8_gemm)
     if INT8:
         return (v + _MAGIC).to(tl.int32, bitcast=True) - 0x4B400000  # bits of 1.5 * 2^23 + code, ties to even
     elif EMULATE_FP8:
@@ -594,10 +594,15 @@ def _w8a8_gemv_kernel(
                 m2 = _absmax(x_ptr + 2 * stride_xm, offs, mask, m2)
             if ROWS > 3:
                 m3 = _absmax(x_ptr + 3 * stride_xm, offs, mask, m3)
-        xs0 = tl.maximum(tl.max(m0, axis=0), eps) / qmax
-        xs1 = tl.maximum(tl.max(m1, axis=0), eps) / qmax
-        xs2 = tl.maximum(tl.max(m2, axis=0), eps) / qmax
-        xs3 = tl.maximum(tl.max(m3, axis=0), eps) / qmax
+        # IEEE divisions, as the reference's (Triton's ``/`` is approximate on the GPU)
+        xs0 = tl.math.div_rn(tl.maximum(tl.max(m0, axis=0), eps), qmax)
+        xs1 = tl.math.div_rn(tl.maximum(tl.max(m1, axis=0), eps), qmax)
+        xs2 = tl.math.div_rn(tl.maximum(tl.max(m2, axis=0), eps), qmax)
+        xs3 = tl.math.div_rn(tl.maximum(tl.max(m3, axis=0), eps), qmax)
+    xr0 = tl.math.div_rn(xs0 * 0.0 + 1.0, xs0)  # reciprocals for div_exact, once per row
+    xr1 = tl.math.div_rn(xs1 * 0.0 + 1.0, xs1)
+    xr2 = tl.math.div_rn(xs2 * 0.0 + 1.0, xs2)
+    xr3 = tl.math.div_rn(xs3 * 0.0 + 1.0, xs3)
 
     if INT8:
         acc0 = tl.zeros((BLOCK_N, BLOCK_K // VEC), dtype=tl.int32)
@@ -616,16 +621,18 @@ def _w8a8_gemv_kernel(
             w = w.to(tl.int32)
         else:
             w = w.to(tl.float32)
-        acc0 = _dot_chunks(acc0, w, _quantize_step(x_ptr, offs_k, mask_k, xs0, qmax, QMIN, INT8, EMULATE_FP8,
+        acc0 = _dot_chunks(acc0, w, _quantize_step(x_ptr, offs_k, mask_k, xs0, xr0, qmax, QMIN, INT8, EMULATE_FP8,
                                                    not EVEN_K, PREQUANT), VEC)
         if ROWS > 1:
-            acc1 = _dot_chunks(acc1, w, _quantize_step(x_ptr + stride_xm, offs_k, mask_k, xs1, qmax, QMIN, INT8,
+            acc1 = _dot_chunks(acc1, w, _quantize_step(x_ptr + stride_xm, offs_k, mask_k, xs1, xr1, qmax, QMIN, INT8,
                                                        EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
         if ROWS > 2:
-            acc2 = _dot_chunks(acc2, w, _quantize_step(x_ptr + 2 * stride_xm, offs_k, mask_k, xs2, qmax, QMIN, INT8,
+            acc2 = _dot_chunks(acc2, w, _quantize_step(x_ptr + 2 * stride_xm, offs_k, mask_k, xs2, xr2, qmax, QMIN,
+                                                       INT8,
                                                        EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
         if ROWS > 3:
-            acc3 = _dot_chunks(acc3, w, _quantize_step(x_ptr + 3 * stride_xm, offs_k, mask_k, xs3, qmax, QMIN, INT8,
+            acc3 = _dot_chunks(acc3, w, _quantize_step(x_ptr + 3 * stride_xm, offs_k, mask_k, xs3, xr3, qmax, QMIN,
+                                                       INT8,
                                                        EMULATE_FP8, not EVEN_K, PREQUANT), VEC)
 
     if PER_CHANNEL:

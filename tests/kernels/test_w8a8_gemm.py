@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.w8a8_gemm import W8A8Config, _round_e4m3, ref_w8a8_linear, w8a8_linear
+from kernels.w8a8_gemm import W8A8Config, _round_e4m3, div_exact, ref_w8a8_linear, w8a8_linear
 from kernels.torch_quant import quantize_weight_fp8, quantize_weight_int8
 
 
@@ -117,6 +117,39 @@ def test_fp8_rounding_emulation_matches_torch_everywhere():
     _round_kernel[(triton.cdiv(v.numel(), 256),)](v, out, v.numel(), BLOCK=256)
     expected = v.to(torch.float8_e4m3fn).float()
     assert torch.equal(out, expected), (v[out != expected][:5], out[out != expected][:5])
+
+
+@triton.jit
+def _div_kernel(a_ptr, s_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(a_ptr + offs, mask=offs < n, other=1.0)
+    s = tl.load(s_ptr + offs, mask=offs < n, other=1.0)
+    tl.store(out_ptr + offs, div_exact(a, s, tl.math.div_rn(s * 0.0 + 1.0, s)), mask=offs < n)
+
+
+def test_div_exact_is_the_ieee_quotient():
+    """div_exact (the activation quantization's x / x_scale in the GEMV, GEMM and MoE kernels) gives torch's IEEE
+    quotient bit for bit: random quotients, quotients one ulp either side of the codes' rounding boundaries k + 0.5
+    (where the GPU's approximate ``/`` took the neighbouring code) and on them, and quotients past fp32's range
+    (infinities of the right sign, not NaN); zeros stay zero. On the GPU with TRITON_INTERPRET=0 (the tensors are made there)."""
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    gen = torch.Generator().manual_seed(5)
+    n = 1 << 16
+    s = 10.0 ** (torch.rand(n, generator=gen, dtype=torch.float64) * 6 - 5)
+    k = torch.randint(-128, 127, (n,), generator=gen).double()
+    boundary = ((k + 0.5) * s).float()
+    a = torch.cat([(torch.rand(n, generator=gen, dtype=torch.float64) * 280 - 140).mul(s).float(), boundary,
+                   torch.nextafter(boundary, torch.full_like(boundary, float("inf"))),
+                   torch.nextafter(boundary, torch.full_like(boundary, float("-inf"))),
+                   torch.tensor([3e38, -3e38, 0.0, -0.0])])
+    s = torch.cat([s.float()] * 4 + [torch.tensor([1e-3, 1e-3, 0.5, 0.5])])
+    a, s = a.to(device), s.to(device)
+    out = torch.empty_like(a)
+    _div_kernel[(triton.cdiv(a.numel(), 1024),)](a, s, out, a.numel(), BLOCK=1024)
+    expected = a / s
+    # equal as numbers (a zero's sign may differ: -0 / s comes out +0, the same code)
+    assert torch.equal(out, expected), (a[out != expected][:4], s[out != expected][:4])
+    assert out[-4:-2].tolist() == [float("inf"), float("-inf")]
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
