@@ -117,8 +117,9 @@ def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None,
                              qmin: int = -127) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [num_tokens, in] -> (int8 codes, scale [num_tokens, 1] or [1, 1]): round-half-even(x / scale) in fp32 (an
     IEEE division) clamped to ``qmin``..127 (``qmin`` -127 or -128: :func:`int8_act_qmin`)."""
-    if input_scale is None:
-        scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8) / INT8_MAX
+    if input_scale is None:  # a tensor divisor: the IEEE quotient on CUDA too (see quantize_activation_fp8_blocks)
+        amax = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-8)
+        scale = amax / amax.new_full((), INT8_MAX)
     else:
         scale = input_scale.float().reshape(1, 1)
     q = (x.float() / scale).round().clamp(qmin, INT8_MAX).to(torch.int8)
@@ -126,8 +127,9 @@ def quantize_activation_int8(x: torch.Tensor, input_scale: torch.Tensor | None,
 
 
 def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    if input_scale is None:
-        scale = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
+    if input_scale is None:  # a tensor divisor: the IEEE quotient on CUDA too (see quantize_activation_fp8_blocks)
+        amax = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)
+        scale = amax / amax.new_full((), FP8_MAX)
     else:
         scale = input_scale.float().reshape(1, 1)
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
