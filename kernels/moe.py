@@ -77,8 +77,8 @@ values differ from the reference's as much as a GEMM summed in another order doe
 measures it), and agree to fp32 rounding where the scales are powers of two (the weights then exact in x's dtype).
 
 NOTE: x in fp16 / bf16 (fp32 works, with exact fp32 dots: slow; FP8 dots with FP8 experts); experts stacked, in x's
-dtype, FP8 or W4A16 codes. The FP8 quotients are IEEE ones on the GPU too (``kernels.w8a8_gemm.div_exact``): the
-reference's codes. The kernels are launched without PDL (``kernels.pdl``): each starts once the previous kernel
+dtype, FP8 or W4A16 codes. On the GPU the FP8 quotients use the approximate fp32 division: a value at a code's rounding boundary can
+get the neighbouring code. The kernels are launched without PDL (``kernels.pdl``): each starts once the previous kernel
 has finished. Under TRITON_INTERPRET the kernels run on the CPU (tests at small shapes), with fp32 dots on the 16-bit
 operands (the interpreter's 16-bit dot is wrong), bf16 rounding done on the bits (its conversion truncates) and FP8
 codes rounded in fp32 (``_round_e4m3``: its fp8 conversion is wrong; its divisions are IEEE: the reference's codes);
@@ -100,7 +100,7 @@ from kernels.moe_activation import _act_mul, _round
 from kernels.moe_gemv import MoeGemvConfig
 from kernels.w4a16_gemm import _interpreting, grouped_tile
 from kernels.w4a16_mma import _codes_minus_zero
-from kernels.w8a8_gemm import _round_e4m3, div_exact
+from kernels.w8a8_gemm import _round_e4m3
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # the IR's moe activations (passes.ir.MOE_ACTIVATIONS), in the kernels' ACT numbering; clamped_swiglu is gpt-oss's
@@ -294,10 +294,9 @@ def _fp8_row_scales(rows_ptr, mask_m, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.cons
 def _fp8_codes(a, x_scale, EMULATE: tl.constexpr):
     """a [BLOCK_M, BLOCK_K] over its rows' scales x_scale [BLOCK_M], clamped to +-448, rounded to E4M3 (ties to
     even): float8e4nv codes; under EMULATE (the interpreter, whose fp8 conversion is wrong) their values in fp32.
-    The quotient is the reference's IEEE one (``kernels.w8a8_gemm.div_exact``: Triton's fp32 ``/`` is approximate on
-    the GPU)."""
-    rcp = tl.math.div_rn(tl.zeros_like(x_scale) + 1.0, x_scale)
-    v = tl.minimum(tl.maximum(div_exact(a.to(tl.float32), x_scale[:, None], rcp[:, None]), -448.0), 448.0)
+    The quotient is Triton's fp32 ``/``, approximate on the GPU (IEEE div_rn measured 1.5x slower in
+    ``kernels.w8a8_gemm``), IEEE in the interpreter."""
+    v = tl.minimum(tl.maximum(a.to(tl.float32) / x_scale[:, None], -448.0), 448.0)
     if EMULATE:
         return _round_e4m3(v)
     else:

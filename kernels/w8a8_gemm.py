@@ -96,7 +96,8 @@ def div_exact(a, s, r):
     q + (a - q s) r, which rounds to the correctly rounded quotient (Markstein's theorem; 40M random and
     rounding-boundary cases checked against IEEE division in fp32, no mismatch). Three operations: the GPU's ``/`` is
     an approximation within 2 ulp, so a value next to a rounding boundary took the neighbouring code there (the CPU
-    reference's tokens parted from the GPU's), and ``div_rn`` per element measured 1.5x slower here. A quotient past
+    reference's tokens parted from the GPU's), and ``div_rn`` per element measured 1.5x slower in the GEMM. Used where a
+    static scale defines the codes (kernels.gemv's W8A8 GEMV says why not for per-token scales). A quotient past
     fp32's range (a huge a over a tiny static scale) keeps a * r's infinity, which the clamp after takes."""
     q = a * r
     exact = tl.fma(tl.fma(-q, s, a), r, q)
@@ -138,7 +139,7 @@ def _w8a8_gemm_kernel(
         x_scale = tl.math.div_rn(tl.maximum(amax, eps), tl.zeros_like(amax) + qmax)  # IEEE, as the reference's
     else:
         x_scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(xs_ptr).to(tl.float32)
-    x_rcp = tl.math.div_rn(tl.zeros_like(x_scale) + 1.0, x_scale)
+    x_rcp = tl.math.div_rn(tl.zeros_like(x_scale) + 1.0, x_scale)  # for div_exact (static scales)
 
     if INT8:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
@@ -150,8 +151,14 @@ def _w8a8_gemm_kernel(
         offs_k = (first_step + step) * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        # x / x_scale as the reference divides (div_exact: Triton's fp32 ``/`` is approximate on the GPU)
-        v = tl.minimum(tl.maximum(div_exact(a.to(tl.float32), x_scale[:, None], x_rcp[:, None]), QMIN), qmax)
+        # x / x_scale: a static scale's (it defines the codes) as the reference divides, per-token ones by Triton's
+        # ``/``, approximate on the GPU (a value within an ulp of a rounding boundary may take the neighbouring code;
+        # the policy and its cost: kernels.gemv's W8A8 GEMV)
+        if STATIC:
+            v = div_exact(a.to(tl.float32), x_scale[:, None], x_rcp[:, None])
+        else:
+            v = a.to(tl.float32) / x_scale[:, None]
+        v = tl.minimum(tl.maximum(v, QMIN), qmax)  # [BLOCK_M, BLOCK_K]
         w = tl.load(w_ptr + offs_n[None, :] * stride_wn + offs_k[:, None],
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if INT8:
