@@ -174,20 +174,24 @@ def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
                          f"checkpoint's {ours_vocab}; a draft model must have the target's vocabulary (embedding rows)")
 
 
-def check_longrope(config, max_seq_len: int) -> None:
-    """Refuse a runtime.max_seq_len past LongRoPE's switch (original_max_position_embeddings). Hugging Face rotates a
-    sequence within it with the short_factor table and, once the sequence grows past it, all of it with the
-    long_factor table (Phi-3's generation drops its cache there and recomputes every position). The artifact carries
-    both tables, and the runtime rotates each position by its own index: within the switch that is the model, past it
-    it would not be (the earlier positions would keep the short table)."""
+def check_longrope(config, max_seq_len: int, tp_size: int) -> None:
+    """LongRoPE past its switch (original_max_position_embeddings) runs on one rank: the tensor-parallel step messages
+    carry positions without the second table's offset (runtime.executor.LONG_ROPE_OFFSET) yet. Hugging Face rotates a
+    sequence within the switch with the short_factor table and, once it is longer, all of it with the long_factor
+    table (Phi-3's generation drops its cache and recomputes there); the runtime does the same (runtime.scheduler)."""
     from passes.trace import longrope_from
+    from runtime.executor import LONG_ROPE_OFFSET
 
     long_from = longrope_from(config)
-    if long_from is not None and max_seq_len > long_from:
+    if long_from is None or max_seq_len <= long_from:
+        return
+    if tp_size > 1:
         raise BuildError(f"runtime.max_seq_len {max_seq_len} passes this model's LongRoPE switch at "
-                         f"original_max_position_embeddings {long_from}: past it Hugging Face rotates the whole "
-                         f"sequence with the long_factor table (recomputing its cache), which the runtime does not do "
-                         f"yet; set runtime.max_seq_len to at most {long_from}")
+                         f"original_max_position_embeddings {long_from}, which tensor parallelism does not run yet "
+                         f"(parallel.tp_size {tp_size}); set runtime.max_seq_len to at most {long_from} or tp_size "
+                         f"to 1")
+    if max_seq_len >= LONG_ROPE_OFFSET:
+        raise BuildError(f"runtime.max_seq_len {max_seq_len}: LongRoPE's positions run below {LONG_ROPE_OFFSET}")
 
 
 def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | None = None,
@@ -369,7 +373,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if max_pos and recipe.runtime.max_seq_len > max_pos:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
-    check_longrope(config, recipe.runtime.max_seq_len)
+    check_longrope(config, recipe.runtime.max_seq_len, recipe.parallel.tp_size)
     check_prequantized(recipe, ckpt)
     check_draft_model(recipe, ckpt)
     if ckpt.mxfp4 and dtype == torch.float16:  # e8m0 scales reach 2^127: fp16 cannot hold every MXFP4 value

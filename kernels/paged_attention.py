@@ -278,7 +278,8 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def _rope_write_kv_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
         num_heads, num_kv_heads, q_blocks, scaling, long_from, stride_qt, stride_kt, stride_vt, stride_cb, stride_ct,
-        stride_ch, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr, ROT: tl.constexpr,
+        stride_ch, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr,
+        ROT: tl.constexpr,
         TAIL_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token

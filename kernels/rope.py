@@ -3,7 +3,8 @@
 Semantics are ``kernels/torch_ops.rope_tables`` + ``kernels/torch_ops.rope`` (the reference), rotate-half layout:
 
     angle[t, i] = fp32(positions[t]) * inv_freq[i]                  i < rotary_dim / 2
-    (two tables, LongRoPE: inv_freq [2, rotary_dim / 2] and long_from; a position >= long_from takes inv_freq[1, i])
+    (two tables, LongRoPE: inv_freq [2, rotary_dim / 2] and long_from; a position p >= long_from stands for position
+    p - long_from on the second table: the caller offsets the positions of a sequence the second table rotates)
     cos, sin    = to_dtype(cos(angle) * attention_scaling), to_dtype(sin(angle) * attention_scaling)
     x[t, h, :half], x[t, h, half:rotary_dim] = x1 * cos - x2 * sin,  x2 * cos + x1 * sin     half = rotary_dim / 2
 
@@ -38,9 +39,12 @@ _TWO_PI_LO = tl.constexpr(1.2556658930407139e-06)
 @triton.jit
 def cos_sin(pos, inv_freq_ptr, offs_d, mask_d, scaling, long_from, NUM_FREQS: tl.constexpr, dtype: tl.constexpr):
     """cos, sin [1, BLOCK_D] (fp32 values of ``dtype``: the reference's tables) of one position's angles. A position
-    at or past ``long_from`` reads the second table, NUM_FREQS entries on (LongRoPE; see ``rope_tables``)."""
+    at or past ``long_from`` is position pos - long_from on the second table, NUM_FREQS entries on (LongRoPE; see
+    ``rope_tables``)."""
+    long = pos >= long_from
+    table = inv_freq_ptr + tl.where(long, NUM_FREQS, 0)
+    pos = tl.where(long, pos - long_from, pos)
     # angle: [BLOCK_D], >= 0 (positions and inverse frequencies are non-negative)
-    table = inv_freq_ptr + tl.where(pos >= long_from, NUM_FREQS, 0)
     angle = pos.to(tl.float32) * tl.load(table + offs_d, mask=mask_d, other=0.0)
     k = (angle * _INV_TWO_PI + 0.5).to(tl.int32).to(tl.float32)  # round to nearest (angle >= 0)
     r = ((angle - k * _TWO_PI_HI) - k * _TWO_PI_MID) - k * _TWO_PI_LO
@@ -86,9 +90,9 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
     """Rotate ``x`` [num_tokens, num_heads * head_dim] in place (rows may be strided); returns ``x``.
 
     positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32, or [2, rotary_dim / 2] with ``long_from`` (two
-    tables, LongRoPE: positions from long_from on take the second). ``rotary_dim`` (default head_dim): the leading
-    features of each head that rotate, the rest pass through; ``interleaved``: neighbouring features pair up (GPT-J)
-    instead of the two halves.
+    tables, LongRoPE: a position p >= long_from is p - long_from on the second). ``rotary_dim`` (default head_dim):
+    the leading features of each head that rotate, the rest pass through; ``interleaved``: neighbouring features pair
+    up (GPT-J) instead of the two halves.
     """
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         raise RuntimeError("apply_rope_ runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops on the CPU")
@@ -117,8 +121,9 @@ def apply_rope_(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 
 
 def rope_table(inv_freq: torch.Tensor, long_from: int | None, rotary_dim: int) -> tuple[torch.Tensor, int]:
-    """The kernels' (flat fp32 frequency table, first position of its second table) for ``inv_freq`` [rotary_dim / 2]
-    (one table: no position reaches the second) or [2, rotary_dim / 2] with ``long_from`` >= 0 (LongRoPE)."""
+    """The kernels' (flat fp32 frequency table, the offset of positions on its second table) for ``inv_freq``
+    [rotary_dim / 2] (one table: no position reaches the offset) or [2, rotary_dim / 2] with ``long_from`` >= 0
+    (LongRoPE)."""
     half = rotary_dim // 2
     if tuple(inv_freq.shape) == (half,) and long_from is None:
         return inv_freq.float().contiguous(), NO_LONG_TABLE

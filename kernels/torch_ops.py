@@ -66,11 +66,14 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                 long_from: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin: [num_tokens, rotary_dim] (rotary_dim = 2 * len(inv_freq)): each frequency twice, the halves
     side by side for the rotate-half layout, or pair by pair for the interleaved (GPT-J) one. LongRoPE's two tables:
-    inv_freq [2, rotary_dim / 2], the second for positions from ``long_from`` on (the first for those before)."""
+    inv_freq [2, rotary_dim / 2]; a position p >= ``long_from`` is position p - long_from on the second (the caller
+    offsets the positions of a sequence the second table rotates), the others are on the first."""
     if inv_freq.dim() == 2:
         if long_from is None:
             raise ValueError("two frequency tables (inv_freq [2, rotary_dim / 2]) need long_from")
-        inv_freq = torch.where((positions >= long_from)[:, None], inv_freq[1][None, :], inv_freq[0][None, :])
+        long = positions >= long_from
+        inv_freq = torch.where(long[:, None], inv_freq[1][None, :], inv_freq[0][None, :])
+        positions = torch.where(long, positions - long_from, positions)
     freqs = positions.to(torch.float32)[:, None] * inv_freq  # [num_tokens, rotary_dim / 2]
     emb = freqs.repeat_interleave(2, dim=-1) if interleaved else torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)

@@ -430,9 +430,9 @@ def long_rotary_tables(model: torch.nn.Module):
 
     Hugging Face rotates a sequence within original_max_position_embeddings with the first table (short_factor) and,
     once it is longer, all of it with the second (long_factor): Phi-3's generation drops its cache at that point and
-    recomputes every position. The rope op holds both tables and picks per position, which is the model within the
-    switch; builds whose runtime.max_seq_len passes it are refused (``builder.pipeline.check_longrope``) until the
-    runtime re-rotates a sequence that crosses it.
+    recomputes every position. The rope op holds both tables; the engines offset the positions of a sequence past the
+    switch onto the second (runtime.executor.LONG_ROPE_OFFSET) and recompute one that grows past it
+    (runtime.scheduler).
     """
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 

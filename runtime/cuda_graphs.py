@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.executor import Executor, PagedAttentionMetadata, StepInput
+from runtime.executor import LONG_ROPE_OFFSET, Executor, PagedAttentionMetadata, StepInput
 from runtime.paged_kv import PagedKVStorage
 
 log = logging.getLogger(__name__)
@@ -207,8 +207,10 @@ class DecodeGraphs:
         host = self._inputs.host(turn)
         host["longs"][:, :b] = torch.tensor([positions + [0] * pad, slots + [-1] * pad,
                                              [0] * b if on_device else input_ids + [0] * pad], dtype=torch.long)
-        host["ints"][:, :b] = torch.tensor([[p + 1 for p in positions] + [1] * pad, positions + [0] * pad],
-                                           dtype=torch.int32)
+        # the lengths without LongRoPE's offset, which only the rotary reads (runtime.executor.LONG_ROPE_OFFSET)
+        real = [p & (LONG_ROPE_OFFSET - 1) for p in positions] if self.executor.long_rope_from is not None \
+            else positions
+        host["ints"][:, :b] = torch.tensor([[p + 1 for p in real] + [1] * pad, real + [0] * pad], dtype=torch.int32)
         self._inputs.copy(turn)
         if on_device:
             self.input_ids[:n].copy_(input_ids)  # device to device, after the step that sampled them

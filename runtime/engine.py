@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from runtime.artifact import Artifact, ArtifactError, open_artifact
-from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.executor import LONG_ROPE_OFFSET, Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.outputs import TokenLogprob
 from runtime.sampling import INVALID_TOKEN, SamplingParams, compute_logprobs, make_generator, sample
@@ -149,14 +149,17 @@ class Engine:
     def _new_cache(self, num_tokens: int) -> SequenceKV:
         return SequenceKV(self.kv_layout, num_tokens, self.device)
 
-    def _run(self, kv: SequenceKV, token_ids: list[int], start: int, all_logits: bool) -> torch.Tensor:
-        """Feed ``token_ids`` at positions start.. in chunks of max_num_tokens; returns logits."""
+    def _run(self, kv: SequenceKV, token_ids: list[int], start: int, all_logits: bool,
+             long_rope: bool = False) -> torch.Tensor:
+        """Feed ``token_ids`` at positions start.. in chunks of max_num_tokens; returns logits. ``long_rope``: the
+        sequence is past LongRoPE's switch (its positions offset onto the second table, ``LONG_ROPE_OFFSET``)."""
         outs = []
         step = self.limits.max_num_tokens
+        offset = LONG_ROPE_OFFSET if long_rope else 0
         for lo in range(0, len(token_ids), step):
             chunk = token_ids[lo:lo + step]
             ids = torch.tensor(chunk, dtype=torch.long, device=self.device)
-            positions = torch.arange(start + lo, start + lo + len(chunk), device=self.device)
+            positions = torch.arange(offset + start + lo, offset + start + lo + len(chunk), device=self.device)
             last = torch.tensor([len(chunk) - 1], device=self.device)
             inp = StepInput(ids, positions, [SeqSlice(kv, start + lo, len(chunk))], None if all_logits else last)
             outs.append(self.executor.forward(inp))
@@ -166,7 +169,13 @@ class Engine:
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([num_tokens, vocab], fp32), as one sequence."""
         self._check_prompt(token_ids)
-        return self._run(self._new_cache(len(token_ids)), token_ids, 0, all_logits=True)
+        return self._run(self._new_cache(len(token_ids)), token_ids, 0, all_logits=True,
+                         long_rope=self._long_rope(len(token_ids)))
+
+    def _long_rope(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` is past LongRoPE's switch (see runtime.executor.LONG_ROPE_OFFSET)."""
+        switch = self.executor.long_rope_from
+        return switch is not None and num_tokens > switch
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -190,7 +199,8 @@ class Engine:
         stop_ids = eos | set(params.stop_token_ids)
 
         t0 = time.perf_counter()
-        logits = self._run(kv, prompt_ids, 0, all_logits=False)  # [1, vocab]
+        long_rope = self._long_rope(len(prompt_ids))
+        logits = self._run(kv, prompt_ids, 0, all_logits=False, long_rope=long_rope)  # [1, vocab]
         prefill_s = time.perf_counter() - t0
         out_ids: list[int] = []
         logprobs: list[float] = []
@@ -222,7 +232,13 @@ class Engine:
                 emitted = safe
             if len(out_ids) >= params.max_tokens or kv.num_tokens + 1 > total:
                 break
-            logits = self._run(kv, [token], kv.num_tokens, all_logits=False)
+            if not long_rope and self._long_rope(kv.num_tokens + 1):
+                # past LongRoPE's switch: every position again on the second table, as Hugging Face recomputes
+                long_rope = True
+                kv = self._new_cache(total)
+                logits = self._run(kv, prompt_ids + out_ids, 0, all_logits=False, long_rope=True)
+            else:
+                logits = self._run(kv, [token], kv.num_tokens, all_logits=False, long_rope=long_rope)
         if finish == "length":
             text += detok.flush()
             cut, _ = stops.check(text)

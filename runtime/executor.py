@@ -39,6 +39,18 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # Weight roles of a linear / lm_head that act on its input before the matmul (an imported act-order gather, an
 # exporter's per-input-channel scale): such a linear reads plain rows, so no fusion hands it anything else
 INPUT_ROLES = ("perm", "pre_quant_scale")
+# LongRoPE (a rope node's long_from: its model's original_max_position_embeddings): Hugging Face rotates a sequence
+# within long_from tokens with the first table and, once it is longer, all of it with the second (Phi-3's generation
+# recomputes its cache then; see runtime.scheduler). The engines give a sequence on the second table positions offset
+# by LONG_ROPE_OFFSET; the rope ops read p + LONG_ROPE_OFFSET as position p on the second table, and everything else
+# that reads positions takes them modulo the offset (DecodeGraphs' lengths).
+LONG_ROPE_OFFSET = 1 << 24
+
+
+def long_rope_from(graph: dict[str, Any]) -> int | None:
+    """The sequence length past which the graph's LongRoPE rotates with its second table, or None (one table)."""
+    return next((n["attrs"]["long_from"] for n in graph["nodes"]
+                 if n["op"] == "rope" and n.get("attrs", {}).get("long_from") is not None), None)
 # every weight role a linear / lm_head may carry (passes/ir.py QUANT_SCHEMES and QUANT_ROLES); another is refused
 LINEAR_ROLES = ("weight", "bias", "qweight", "scales", "zeros", "weight_scale", "input_scale") + INPUT_ROLES
 
@@ -276,6 +288,7 @@ class Executor:
         self.dtype = getattr(torch, graph.get("meta", {}).get("dtype", "")) if graph.get("meta", {}).get("dtype") \
             else next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
         self.outputs: list[str] = graph["outputs"]
+        self.long_rope_from = long_rope_from(graph)  # LongRoPE's switch (see LONG_ROPE_OFFSET), or None
         self.device = next((t.device for t in params.values()), torch.device("cpu"))  # where the weights live
         # Triton kernels (``kernels/``) for attention over a paged cache, norms, RoPE, SwiGLU and W4A16/W8A16
         # GEMMs; otherwise the torch reference ops. On for CUDA by default (Engine.load); on CPU only
@@ -706,7 +719,8 @@ def _rope(w, attrs, ex) -> Kernel:
     inv_freq = w["inv_freq"].float()
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
     rotary_dim, interleaved = attrs.get("rotary_dim"), bool(attrs.get("interleaved"))
-    long_from = attrs.get("long_from")  # LongRoPE: inv_freq is [2, rotary_dim / 2], the second table from there on
+    # LongRoPE: inv_freq is [2, rotary_dim / 2]; positions offset by LONG_ROPE_OFFSET take the second table
+    long_from = LONG_ROPE_OFFSET if attrs.get("long_from") is not None else None
     key = f"{id(w['inv_freq'])}:{interleaved}"
     # partial and interleaved rotary too (StableLM, Phi-2, GPT-NeoX; Cohere): one kernel; where the attention rotates
     # q and k itself, in its KV write (``_Fusions.rope``), this node is absorbed instead
@@ -782,7 +796,7 @@ class _FusedRope:
     head_dim: int
     rotary_dim: int | None = None  # partial rotary: the first rotary_dim features of each head (None: all)
     interleaved: bool = False  # GPT-J pairs
-    long_from: int | None = None  # LongRoPE: positions from here on take inv_freq's second table
+    long_from: int | None = None  # LongRoPE: LONG_ROPE_OFFSET (positions offset by it take inv_freq's second table)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor, num_heads: int) -> torch.Tensor:
         from kernels.rope import apply_rope_
@@ -795,7 +809,7 @@ def _fused_rope(ex, planned: tuple[dict[str, Any], str]) -> _FusedRope:
     rq = planned[0]
     return _FusedRope(ex.params[rq["weights"]["inv_freq"]].float(), rq["attrs"].get("attention_scaling", 1.0),
                       rq["attrs"]["head_dim"], rq["attrs"].get("rotary_dim"), bool(rq["attrs"].get("interleaved")),
-                      rq["attrs"].get("long_from"))
+                      LONG_ROPE_OFFSET if rq["attrs"].get("long_from") is not None else None)
 
 
 def _paged_attention(w, attrs, rope: _FusedRope | None = None

@@ -45,6 +45,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from runtime.executor import LONG_ROPE_OFFSET
 from runtime.kv_manager import KVCacheManager
 from runtime.sampling import SamplingParams
 
@@ -76,6 +77,10 @@ class SchedulerConfig:
     prefill_hold_s: float = 0.0
     prefill_hold_tokens: int = 0
     prefill_hold_min_running: int = 16
+    # LongRoPE's switch (runtime.executor.long_rope_from): a request longer than this many tokens runs on the second
+    # rotary table throughout; one that grows past it while running is recomputed (Request.long_rope). None: no
+    # LongRoPE
+    long_rope_from: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
@@ -106,6 +111,19 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     order: int = field(default_factory=lambda: next(_ids))  # admission order, for stable tie-breaks
+    # past LongRoPE's switch: its positions are offset onto the second rotary table (runtime.executor.LONG_ROPE_OFFSET),
+    # and its KV blocks hash apart from the first table's (kv_extra); set once, never cleared
+    long_rope: bool = False
+
+    @property
+    def kv_extra(self) -> tuple:
+        """What this request's KV block hashes carry besides the tokens: the rotary table its keys were made with."""
+        return ("long_rope",) if self.long_rope else ()
+
+    @property
+    def rope_offset(self) -> int:
+        """What its positions carry for the rotary embedding (runtime.executor.LONG_ROPE_OFFSET on the second table)."""
+        return LONG_ROPE_OFFSET if self.long_rope else 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -247,6 +265,7 @@ class Scheduler:
                                  f"(max_waiting {self.config.max_waiting})")
         self._requests[request.request_id] = request
         self._num_new_waiting += 1
+        self._check_long_rope(request)
         if ready:
             request.status = RequestStatus.WAITING
             self.waiting.append(request)
@@ -300,6 +319,9 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            if self._check_long_rope(request):  # grew past LongRoPE's switch: recomputed on the second table
+                self._requeue(request)
+                continue
             num_new = min(request.num_pending, budget)
             draft = drafts.get(request.request_id, []) if request.num_pending == 1 else []
             draft = draft[:budget - num_new]
@@ -329,10 +351,12 @@ class Scheduler:
         (prefix-cache hits included): each one's first chunk is appended to ``seqs``. Returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            computed, num_computed = self.kv.get_computed_blocks(request.request_id, request.token_ids)
+            self._check_long_rope(request)  # (a preempted request may have grown past LongRoPE's switch)
+            computed, num_computed = self.kv.get_computed_blocks(request.request_id, request.token_ids,
+                                                                 extra=request.kv_extra)
             num_new = min(request.num_tokens - num_computed, budget)
             if self.kv.allocate_slots(request.request_id, request.token_ids, num_new, computed,
-                                      count_stats=request.num_cached_tokens < 0) is None:
+                                      extra=request.kv_extra, count_stats=request.num_cached_tokens < 0) is None:
                 break  # not enough free blocks: wait for running requests to finish
             self.waiting.popleft()
             if request.num_cached_tokens < 0:
@@ -347,13 +371,28 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         """Free the request's blocks and put it at the front of the waiting queue, to recompute later."""
+        self._requeue(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+
+    def _requeue(self, request: Request) -> None:
+        """Free a running request's blocks and put it at the front of the waiting queue: its tokens are computed
+        again when it is admitted."""
         self.running.remove(request)
         self.kv.free(request.request_id)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
+
+    def _check_long_rope(self, request: Request) -> bool:
+        """Put ``request`` on LongRoPE's second table once it is longer than the switch; returns True where it had
+        KV from the first table, which must be computed again: Hugging Face rotates a sequence past the switch with
+        the second table throughout (Phi-3's generation drops its cache and recomputes there)."""
+        switch = self.config.long_rope_from
+        if switch is None or request.long_rope or request.num_tokens <= switch:
+            return False
+        request.long_rope = True
+        return request.num_computed_tokens > 0 or request.request_id in self.kv
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         """Record that the step ran: scheduled tokens are computed, and each request that sampled gets

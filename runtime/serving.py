@@ -282,7 +282,7 @@ class ServingEngine:
             max_num_seqs=config.max_num_seqs or limits.max_batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens or limits.max_num_tokens,
             max_seq_len=config.max_seq_len or limits.max_seq_len,
-            max_waiting=config.max_waiting)
+            max_waiting=config.max_waiting, long_rope_from=engine.executor.long_rope_from)
         self.block_size = limits.tokens_per_block
         spec = config.speculative  # the proposer first: a draft model's weights are planned with the target's
         reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
@@ -830,7 +830,7 @@ class ServingEngine:
         decoding = [r for r in self.scheduler.running if r.num_pending == 1]
         if not self.spec_policy.step_allows(len(decoding), self.num_steps):
             return {}, None
-        max_seq_len = self.scheduler_config.max_seq_len
+        max_seq_len, long_rope_from = self.scheduler_config.max_seq_len, self.scheduler_config.long_rope_from
         asks = []
         for request in decoding:
             track = self._tracks[request.request_id]
@@ -839,6 +839,8 @@ class ServingEngine:
             num_draft = min(self.spec_policy.num_draft(track.draft, self.num_steps),
                             request.params.max_tokens - request.num_output_tokens - 1,
                             max_seq_len - request.num_tokens - 1)
+            if long_rope_from is not None and not request.long_rope:  # its verify step stays before the switch
+                num_draft = min(num_draft, long_rope_from - request.num_tokens)
             if num_draft > 0:
                 asks.append(DraftRequest(request.request_id, request.token_ids, num_draft))
         if not asks:
@@ -959,6 +961,7 @@ class ServingEngine:
         if self._wants_drafts([r for r in previous.sampling if r.status is RequestStatus.RUNNING]):
             return None  # speculation verifies on the synchronous path (see step)
         max_seq_len = self.scheduler_config.max_seq_len
+        long_rope_from = self.scheduler_config.long_rope_from
         budget = self.scheduler_config.max_num_batched_tokens
         seqs: list[ScheduledSeq] = []
         in_flight = {id(r) for r in previous.sampling}
@@ -968,6 +971,8 @@ class ServingEngine:
             # the token in flight is the request's last when it reaches max_tokens or max_seq_len
             if request.num_output_tokens + 1 >= request.params.max_tokens or request.num_tokens + 1 >= max_seq_len:
                 continue
+            if long_rope_from is not None and not request.long_rope and request.num_tokens + 1 > long_rope_from:
+                return None  # its token in flight passes LongRoPE's switch: recomputed by the synchronous path
             if budget == 0:
                 break
             if self.kv.allocate_slots(request.request_id, request.token_ids, 0, num_lookahead_tokens=1) is None:
@@ -1039,7 +1044,7 @@ class ServingEngine:
             # follow a decode's last token, in its lookahead slots
             step.input_ids.extend([0] if seq.in_flight_row is not None
                                   else request.token_ids[start:start + n - seq.num_draft] + seq.draft_token_ids)
-            step.positions.extend(range(start, start + n))
+            step.positions.extend(range(start + request.rope_offset, start + n + request.rope_offset))
             step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             step.cu_seqlens_q.append(len(step.input_ids))
             step.context_lens.append(start)
@@ -1083,7 +1088,7 @@ class ServingEngine:
             p, table = q.num_context, self.kv.block_table(q.request.request_id)
             if input_ids is None:
                 ids.append(q.request.token_ids[p])
-            positions.append(p)
+            positions.append(p + q.request.rope_offset)  # (DecodeGraphs reads the lengths without the offset)
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
         return self.graphs.run(ids if input_ids is None else input_ids, positions, slots, tables)

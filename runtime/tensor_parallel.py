@@ -540,6 +540,7 @@ class TPExecutor:
         self.graph, self.params, self.dtype = local.graph, local.params, local.dtype
         self.device, self.use_kernels, self.outputs, self.num_layers = (local.device, local.use_kernels,
                                                                         local.outputs, local.num_layers)
+        self.long_rope_from = local.long_rope_from  # builds refuse LongRoPE past its switch with tp_size > 1
         self.spec = spec
         self.tp_size = spec.tp_size
         self.failure: WorkerFailure | None = None  # set once, by whichever thread sees the failure first

@@ -225,22 +225,22 @@ def test_rope_partial_and_interleaved(head_dim, rotary_dim, interleaved, dtype):
 
 
 @pytest.mark.parametrize("rotary_dim, interleaved", [(32, False), (16, False), (32, True)])
-def test_rope_two_tables_switch_at_long_from(rotary_dim, interleaved):
-    """LongRoPE: inv_freq [2, rotary_dim / 2]; a position before long_from rotates as the first table alone does, one
-    at or after it as the second alone does (bit for bit), and both match the torch reference."""
-    num_heads, head_dim, long_from = 3, 32, 130
+def test_rope_two_tables_by_offset_positions(rotary_dim, interleaved):
+    """LongRoPE: inv_freq [2, rotary_dim / 2] and long_from; a position p + long_from rotates as the second table alone
+    does at p, a position below long_from as the first alone does (bit for bit), and both match the torch
+    reference."""
+    num_heads, head_dim, long_from = 3, 32, 1 << 24
     positions = torch.tensor(POSITIONS, dtype=torch.int64)
+    long = torch.arange(len(POSITIONS)) % 2 == 1
+    offset = torch.where(long, positions + long_from, positions)
     x = _randn(len(POSITIONS), num_heads * head_dim, dtype=torch.float32, seed=rotary_dim + interleaved)
     short = _inv_freq(rotary_dim, 10000.0)
     tables = torch.stack([short, short / torch.linspace(1.0, 8.0, rotary_dim // 2)])
     args = (num_heads, head_dim, 1.19, rotary_dim, interleaved)
-    expected = ref_rope(x, positions, tables, *args, long_from)
-    out = apply_rope_(x.clone(), positions, tables, *args, long_from)
-    _assert_close(out, expected)
-    before = positions < long_from
-    assert 0 < int(before.sum()) < len(POSITIONS)
-    assert torch.equal(out[before], apply_rope_(x.clone(), positions, short, *args)[before])
-    assert torch.equal(out[~before], apply_rope_(x.clone(), positions, tables[1], *args)[~before])
+    out = apply_rope_(x.clone(), offset, tables, *args, long_from)
+    _assert_close(out, ref_rope(x, offset, tables, *args, long_from))
+    assert torch.equal(out[~long], apply_rope_(x.clone(), positions, short, *args)[~long])
+    assert torch.equal(out[long], apply_rope_(x.clone(), positions, tables[1], *args)[long])
     with pytest.raises(ValueError, match=rf"\[2, {rotary_dim // 2}\] \(two tables\) with long_from >= 0"):
         apply_rope_(x.clone(), positions, tables, *args)  # two tables without long_from
     with pytest.raises(ValueError, match="two frequency tables"):

@@ -379,11 +379,12 @@ NEW_KV_CASES = [  # (num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window,
     pytest.param(4, 4, 32, torch.bfloat16, torch.bfloat16, 30, "interleaved", id="mha-d32-bf16-interleaved-rope"),
     pytest.param(4, 2, 64, torch.float32, torch.float32, None, "partial-interleaved",
                  id="gqa2-d64-fp32-partial-interleaved-rope"),
-    # LongRoPE's two tables, the second from position 40 on (two of the rows are past it)
+    # LongRoPE's two tables: the odd rows' sequences on the second (their positions offset by LONG_FROM)
     pytest.param(8, 2, 32, torch.bfloat16, FP8, None, "long", id="gqa4-d32-bf16-fp8kv-longrope"),
-    pytest.param(4, 2, 64, torch.float32, torch.float32, 30, "partial-long", id="gqa2-d64-fp32-window-partial-longrope"),
+    pytest.param(4, 2, 64, torch.float32, torch.float32, 30, "partial-long",
+                 id="gqa2-d64-fp32-window-partial-longrope"),
 ]
-LONG_FROM = 40
+LONG_FROM = 1 << 24  # the runtime's offset (runtime.executor.LONG_ROPE_OFFSET)
 
 
 def _long_tables(inv_freq: torch.Tensor, rope) -> tuple[torch.Tensor, int | None]:
@@ -423,6 +424,8 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     slots[-1] = -1
     inv_freq = (1.0 / 5e5 ** (torch.arange(0, rot or head_dim, 2, dtype=torch.float32) / (rot or head_dim))).to(DEVICE)
     inv_freq, long_from = _long_tables(inv_freq, rope)
+    rpos = pos if long_from is None else torch.where(torch.arange(num_seqs, device=DEVICE) % 2 == 1, pos + long_from,
+                                                     pos)  # the positions RoPE reads
     # with RoPE the batch-1 tiling (the first tile loaded before the PDL wait), without it the wide launches' 32-key
     # tiles in 3 stages (10 tiles of the longest sequence over 4 splits: 3, 3, 3, 1)
     f16 = kv_dtype in (FP8, INT8)
@@ -433,14 +436,14 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
         sep_k, sep_v = k_cache.clone(), v_cache.clone()
         sep_q = q.clone()
         if rope:
-            pa.rope_write_kv_cache(sep_q, k, v, pos, inv_freq, 0.75, sep_k, sep_v, slots, k_scale=k_scale,
+            pa.rope_write_kv_cache(sep_q, k, v, rpos, inv_freq, 0.75, sep_k, sep_v, slots, k_scale=k_scale,
                                    v_scale=v_scale, rotary_dim=rot, interleaved=inter, long_from=long_from)
         else:
             pa.write_kv_cache(k, v, sep_k, sep_v, slots, k_scale=k_scale, v_scale=v_scale)
         args = (tables, _int32(lens), head_dim ** -0.5)
         separate = pa.paged_decode_attention(sep_q, sep_k, sep_v, *args, num_splits=num_splits, **kw)
         fused_k, fused_v = k_cache.clone(), v_cache.clone()
-        new_kv = pa.NewKV(k, v, slots, *((pos, inv_freq, 0.75, rot, inter, long_from) if rope else ()))
+        new_kv = pa.NewKV(k, v, slots, *((rpos, inv_freq, 0.75, rot, inter, long_from) if rope else ()))
         q_in = q.clone()
         fused = pa.paged_decode_attention(q_in, fused_k, fused_v, *args, num_splits=num_splits, new_kv=new_kv, **kw)
         assert torch.equal(q_in, q), "q is rotated in registers, not in place"
@@ -453,7 +456,7 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
         fused, separate = fused[:-1], separate[:-1]
         same = 1e-5 if dtype == torch.float32 else 2 ** -7
         torch.testing.assert_close(fused.float(), separate.float(), atol=same, rtol=same)
-        q_ref = ref_rope(q.reshape(num_seqs, -1).cpu(), pos.cpu(), inv_freq.cpu(), num_heads, head_dim, 0.75, rot,
+        q_ref = ref_rope(q.reshape(num_seqs, -1).cpu(), rpos.cpu(), inv_freq.cpu(), num_heads, head_dim, 0.75, rot,
                          inter, long_from) if rope else q.cpu()
         expected = pa.ref_paged_decode_attention(q_ref.view(num_seqs, num_heads, head_dim).to(DEVICE), fused_k,
                                                  fused_v, *args, k_scale=k_scale, v_scale=v_scale,

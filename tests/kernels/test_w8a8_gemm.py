@@ -131,7 +131,8 @@ def test_div_exact_is_the_ieee_quotient():
     """div_exact (the activation quantization's x / x_scale in the GEMV, GEMM and MoE kernels) gives torch's IEEE
     quotient bit for bit: random quotients, quotients one ulp either side of the codes' rounding boundaries k + 0.5
     (where the GPU's approximate ``/`` took the neighbouring code) and on them, and quotients past fp32's range
-    (infinities of the right sign, not NaN); zeros stay zero. On the GPU with TRITON_INTERPRET=0 (the tensors are made there)."""
+    (infinities of the right sign, not NaN); zeros stay zero. On the GPU with TRITON_INTERPRET=0 (the tensors are
+    made there)."""
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
     gen = torch.Generator().manual_seed(5)
     n = 1 << 16

@@ -1,11 +1,12 @@
 """LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini): two rotary tables, the second for sequences past
-original_max_position_embeddings.
+original_max_position_embeddings (the switch).
 
-Hugging Face rotates a sequence within original_max_position_embeddings with the short_factor table; once the sequence
-is longer, Phi-3's generation drops its cache and rotates all of it with the long_factor table. The artifact's rope
-op holds both tables (the second taken from position long_from on, a kernel test checks the switch), and a build
-whose runtime.max_seq_len passes the switch is refused: within it the runtime computes the model exactly, checked
-here against HF's logits and HF's ``generate``.
+Hugging Face rotates a sequence within the switch with the short_factor table; a longer one is rotated with the
+long_factor table throughout, and Phi-3's generation drops its cache and recomputes every position when a sequence
+grows past the switch. The artifact's rope op holds both tables; the engines offset the positions of a sequence past
+the switch onto the second table (runtime.executor.LONG_ROPE_OFFSET) and recompute a running one that grows past it
+(runtime.scheduler). Checked here against HF's logits and HF's own ``generate``, across the switch and from a prompt
+past it, offline and served (chunked prefill, the prefix cache, speculative decoding).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from conftest import build_artifact, save_tokenizer
 
-LONG_FROM = 64  # original_max_position_embeddings of the tiny model (max_position_embeddings 512: factor 8)
+LONG_FROM = 16  # original_max_position_embeddings of the tiny model (max_position_embeddings 512: factor 32)
 HALF = 8  # frequencies per table (head_dim 16)
 SHORT = [1.0 + 0.1 * i for i in range(HALF)]
 LONG = [1.0 + 0.9 * i for i in range(HALF)]
@@ -45,12 +46,19 @@ def _phi3_longrope(path, seed: int = 0):
 def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("longrope")
     model = _phi3_longrope(root / "ckpt")
-    return model, root, build_artifact(root / "ckpt", root / "artifact", max_seq_len=LONG_FROM)
+    return model, root, build_artifact(root / "ckpt", root / "artifact", max_seq_len=128, tokens_per_block=4)
 
 
-def test_the_rope_op_holds_both_tables_and_the_switch(built):
-    """Each rope node: inv_freq [2, 8] (short_factor's table, then long_factor's), long_from 64, and HF's attention
-    factor for both, sqrt(1 + ln(512 / 64) / ln(64))."""
+def _hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=2)
+    return out[0, len(prompt):].tolist()
+
+
+def test_the_rope_op_holds_both_tables(built):
+    """Each rope node: inv_freq [2, 8] (short_factor's table, then long_factor's), long_from 16, and HF's attention
+    factor for both, sqrt(1 + ln(512 / 16) / ln(16)) = 1.5."""
     import json
 
     from safetensors.torch import load_file
@@ -67,37 +75,62 @@ def test_the_rope_op_holds_both_tables_and_the_switch(built):
     torch.testing.assert_close(params[ropes[0]["weights"]["inv_freq"]], expected)
 
 
-def test_logits_and_greedy_tokens_are_hfs(built):
-    """Within original_max_position_embeddings: logits of 60 fresh random tokens within 1e-4 of HF's, and HF's
-    ``generate`` tokens (positions up to 49), offline and from the serving engine with its prefill in chunks."""
-    from runtime import Engine, SamplingParams
-    from runtime.serving import ServingConfig, ServingEngine
+@pytest.mark.parametrize("length", [LONG_FROM, 40])
+def test_logits_are_hfs_within_and_past_the_switch(built, length):
+    """HF's one forward: 16 tokens on the first table, 40 on the second throughout (fresh random tokens)."""
+    from runtime import Engine
 
     model, _, artifact = built
-    engine = Engine.load(artifact)
-    gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(3, model.config.vocab_size, (60,), generator=gen).tolist()
+    ids = torch.randint(3, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
     with torch.no_grad():
         expected = model(torch.tensor([ids]), use_cache=False).logits[0]
-    assert (engine.logits(ids) - expected).abs().max().item() < 1e-4
-    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (10, 3)]
-    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    with torch.no_grad():
-        want = [model.generate(torch.tensor([p]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                               pad_token_id=2)[0, len(p):].tolist() for p in prompts]
+    assert (Engine.load(artifact).logits(ids) - expected).abs().max().item() < 1e-4
+
+
+def test_greedy_tokens_are_hf_generates_across_the_switch(built):
+    """HF's ``generate`` tokens for a 10-token prompt growing past the switch (recomputed on the second table at 17
+    tokens, as HF does), a 30-token prompt past it from the start, and a 12-token prompt whose first 12 tokens the
+    30-token one starts with (its KV blocks, on the first table, must not serve the other): offline, and from the
+    serving engine with prefill chunks of 8 tokens and the prefix cache, with and without n-gram speculation. The
+    first table alone would part from HF's tokens (checked: the switch changes them)."""
+    from runtime import Engine, SamplingParams
+    from runtime.serving import ServingConfig, ServingEngine
+    from runtime.speculative import SpeculativeConfig
+
+    model, _, artifact = built
+    gen = torch.Generator().manual_seed(9)
+    vocab = model.config.vocab_size
+    base = torch.randint(3, vocab, (30,), generator=gen).tolist()
+    prompts = [torch.randint(3, vocab, (10,), generator=gen).tolist(), base, base[:12]]
+    want = [_hf_generate(model, p, 24) for p in prompts]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = Engine.load(artifact)
     assert [engine.generate(p, params).token_ids for p in prompts] == want
-    served = ServingEngine(engine, ServingConfig(num_blocks=32, max_num_batched_tokens=8)).run(prompts, params)
-    assert [o.token_ids for o in served] == want
+    for spec in (SpeculativeConfig(), SpeculativeConfig(method="ngram", num_speculative_tokens=3, min_gain=0.0)):
+        srv = ServingEngine(engine, ServingConfig(num_blocks=96, max_num_batched_tokens=8, speculative=spec))
+        assert [o.token_ids for o in srv.run(prompts, params)] == want
+        assert srv.scheduler.num_preemptions == 0  # the switch's recompute is not a preemption
+    # without the switch (the first table for every position) the first prompt's tokens are not HF's
+    import runtime.scheduler as scheduler
+
+    assert scheduler.Request(request_id="x", prompt_token_ids=[1], params=params).rope_offset == 0
+    srv = ServingEngine(engine, ServingConfig(num_blocks=96, max_num_batched_tokens=8))
+    srv.scheduler.config.long_rope_from = None
+    assert srv.run(prompts[:1], params)[0].token_ids != want[0]
 
 
-def test_a_max_seq_len_past_the_switch_is_refused(built):
-    """runtime.max_seq_len 65 (one past original_max_position_embeddings) stops the build before tracing, naming the
-    switch and the largest max_seq_len allowed; nothing is written."""
-    from builder.pipeline import BuildError
+def test_tensor_parallelism_past_the_switch_is_refused(built):
+    """tp_size 2 with runtime.max_seq_len past the switch stops the build before tracing, naming both and what to
+    set; nothing is written."""
+    from builder.pipeline import BuildError, build
+    from builder.recipe import validate_recipe
 
     _, root, _ = built
-    with pytest.raises(BuildError, match=r"runtime\.max_seq_len 65 passes this model's LongRoPE switch at "
-                                         r"original_max_position_embeddings 64: .*set runtime\.max_seq_len to at most "
-                                         r"64"):
-        build_artifact(root / "ckpt", root / "too-long", max_seq_len=LONG_FROM + 1)
-    assert not (root / "too-long").exists()
+    recipe = validate_recipe({"name": "tp", "model": {"checkpoint": str(root / "ckpt"), "dtype": "float32"},
+                              "output_dir": str(root / "tp"), "parallel": {"tp_size": 2},
+                              "runtime": {"max_seq_len": 64, "max_num_tokens": 64}})
+    with pytest.raises(BuildError, match=r"runtime\.max_seq_len 64 passes this model's LongRoPE switch at "
+                                         r"original_max_position_embeddings 16, which tensor parallelism does not "
+                                         r"run yet \(parallel\.tp_size 2\)"):
+        build(recipe)
+    assert not (root / "tp").exists()

@@ -1,11 +1,11 @@
-"""The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a
-scaled lm_head, learned position embeddings, soft-capped attention and logits, attention sinks, LongRoPE's two
-rotary tables, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a selection bias, a scaling factor): ops without a Triton kernel run
-their torch reference there, LayerNorm runs its kernel with the residual add before it, partial and interleaved
-rotary are fused into the attention's KV write as whole-head rotary is, the paged attention kernels soft-cap and add
-the sinks, and the serving engine on the kernels generates the reference path's tokens. On CPU the kernels run under
-TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the
-CPU reference."""
+"""The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a scaled
+lm_head, learned position embeddings, soft-capped attention and logits, attention sinks, LongRoPE's two rotary
+tables, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a selection bias, a scaling factor): ops
+without a Triton kernel run their torch reference there, LayerNorm runs its kernel with the residual add before it,
+partial and interleaved rotary are fused into the attention's KV write as whole-head rotary is, the paged attention
+kernels soft-cap and add the sinks, and the serving engine on the kernels generates the reference path's tokens. On
+CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA,
+from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
     # scores alone, times routed_scaling_factor, logits in fp32 (the fused moe kernels' routing and sum)
     "glm4_moe": (dict(head_dim=32, first_k_dense_replace=0, n_routed_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=48, routed_scaling_factor=2.5), True),
-    # LongRoPE (Phi-3.5 / Phi-4-mini): the graph's two rotary tables (the runtime's 256 positions within the switch,
-    # as builds must be) and HF's attention factor through the fused RoPE + KV write and the decode kernel's RoPE
-    "phi3": (dict(original_max_position_embeddings=256, rope_parameters={
+    # LongRoPE (Phi-3.5 / Phi-4-mini): two rotary tables, the switch at 6 tokens: the 5-token prompt grows past it
+    # (recomputed on the second table), the 40-token one is past it from the start (offset positions through the
+    # fused RoPE + KV write and the decode kernel's RoPE)
+    "phi3": (dict(original_max_position_embeddings=6, rope_parameters={
         "rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0 + 0.05 * i for i in range(16)],
         "long_factor": [1.0 + 0.6 * i for i in range(16)]}), True),
 }
