@@ -397,6 +397,18 @@ def export_model(model: torch.nn.Module) -> torch.export.ExportedProgram:
                 log.debug("torch.export printed:\n%s", printed.getvalue())
 
 
+def _rotary_of(model: torch.nn.Module, buffer_target: str) -> tuple[torch.nn.Module, str, str, str]:
+    """An ``inv_freq`` buffer target's (rotary module, its path, its layer type or "", its rope_type): one table per
+    layer type (Gemma 3: sliding_attention_inv_freq) has its own rope_type and scaling."""
+    module_path, buffer = buffer_target.rsplit(".", 1)
+    module = model.get_submodule(module_path)
+    layer_type = buffer.removesuffix("inv_freq").removesuffix("_")
+    rope_type = getattr(module, "rope_type", "default")
+    if isinstance(rope_type, dict):
+        rope_type = rope_type.get(layer_type, "default")
+    return module, module_path, layer_type, rope_type
+
+
 def rotary_tables(model: torch.nn.Module):
     """Map an ``inv_freq`` buffer target to its real (inv_freq, attention_scaling).
 
@@ -405,13 +417,8 @@ def rotary_tables(model: torch.nn.Module):
     """
 
     def table(buffer_target: str) -> tuple[torch.Tensor, float]:
-        module_path, buffer = buffer_target.rsplit(".", 1)
-        meta_module = model.get_submodule(module_path)
-        # one table per layer type (Gemma 3: sliding_attention_inv_freq) has its own rope_type and scaling
-        layer_type = buffer.removesuffix("inv_freq").removesuffix("_")
-        rope_type = getattr(meta_module, "rope_type", "default")
-        if isinstance(rope_type, dict):
-            rope_type = rope_type.get(layer_type, "default")
+        meta_module, module_path, layer_type, rope_type = _rotary_of(model, buffer_target)
+        buffer = buffer_target.rsplit(".", 1)[1]
         if rope_type not in STATIC_ROPE_TYPES:
             raise LiftError(f"rope_type {rope_type!r} at {module_path!r} is not supported; "
                             f"supported: {', '.join(STATIC_ROPE_TYPES)}")
@@ -437,12 +444,7 @@ def long_rotary_tables(model: torch.nn.Module):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     def table(buffer_target: str) -> tuple[torch.Tensor, int] | None:
-        module_path, buffer = buffer_target.rsplit(".", 1)
-        module = model.get_submodule(module_path)
-        layer_type = buffer.removesuffix("inv_freq").removesuffix("_")
-        rope_type = getattr(module, "rope_type", "default")
-        if isinstance(rope_type, dict):
-            rope_type = rope_type.get(layer_type, "default")
+        module, _, layer_type, rope_type = _rotary_of(model, buffer_target)
         if rope_type != "longrope":
             return None
         long_from = longrope_from(module.config, layer_type or None)
