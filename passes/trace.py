@@ -478,7 +478,7 @@ def longrope_from(config, layer_type: str | None = None) -> int | None:
 
 
 @contextlib.contextmanager
-def tables_per_position(model: torch.nn.Module):
+def without_longrope_pick(model: torch.nn.Module):
     """LongRoPE modules traced as static rotary: Hugging Face's forward picks its table for the call (by the largest
     position), which the lifter cannot take; the lifter gives the rope op both tables instead (``long_rotary_tables``).
     Each such module's ``rope_type`` reads "default" while tracing (the forward then skips the pick)."""
@@ -561,7 +561,7 @@ def trace(config) -> tuple[Graph, torch.nn.Module]:
     check_rope(config)
     model = build_meta_model(config)
     start = time.perf_counter()
-    with tables_per_position(model):
+    with without_longrope_pick(model):
         exported = export_model(model)
     try:
         graph = lift(exported, LiftContext(model=model, rotary=rotary_tables(model), buffer=buffer_values(model),
