@@ -22,7 +22,7 @@ from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresh
                            make_eval_set, text_needle, thresholds_for)
 from builder.recipe import GatesSection, gates_section
 from passes.ir import Graph, Node
-from runtime.executor import Executor, SeqSlice, StepInput
+from runtime.executor import Executor, SeqSlice, StepInput, sequence_positions
 from runtime.kv_cache import SequenceKV
 from runtime.tokenizer import Tokenizer
 
@@ -38,19 +38,30 @@ class GraphModel:
 
     def logits(self, ids: list[int]) -> torch.Tensor:
         kv = SequenceKV(self.layout, len(ids))
-        return self.executor.forward(StepInput(torch.tensor(ids), torch.arange(len(ids)), [SeqSlice(kv, 0, len(ids))]))
+        positions = sequence_positions(self.executor.long_rope_from, 0, len(ids), len(ids))
+        return self.executor.forward(StepInput(torch.tensor(ids), positions, [SeqSlice(kv, 0, len(ids))]))
+
+    def _prefill(self, ids: list[int], total: int) -> tuple[SequenceKV, torch.Tensor]:
+        kv = SequenceKV(self.layout, total)
+        positions = sequence_positions(self.executor.long_rope_from, 0, len(ids), len(ids))
+        return kv, self.executor.forward(StepInput(torch.tensor(ids), positions, [SeqSlice(kv, 0, len(ids))],
+                                                   torch.tensor([len(ids) - 1])))
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
-        kv = SequenceKV(self.layout, len(prompt) + n)
-        last = torch.tensor([len(prompt) - 1])
-        logits = self.executor.forward(StepInput(torch.tensor(prompt), torch.arange(len(prompt)),
-                                                 [SeqSlice(kv, 0, len(prompt))], last))
+        switch = self.executor.long_rope_from
+        kv, logits = self._prefill(prompt, len(prompt) + n)
         out, pos = [], len(prompt)
+        short = switch is not None and len(prompt) <= switch  # on LongRoPE's first table so far
         for _ in range(n):
             token = int(logits[-1].argmax())
             out.append(token)
-            logits = self.executor.forward(StepInput(torch.tensor([token]), torch.tensor([pos]),
-                                                     [SeqSlice(kv, pos, 1)]))
+            if short and pos + 1 > switch:
+                # past LongRoPE's switch: every position again on its second table, as Hugging Face recomputes
+                short = False
+                kv, logits = self._prefill(prompt + out, len(prompt) + n)
+            else:
+                positions = sequence_positions(switch, pos, 1, pos + 1)
+                logits = self.executor.forward(StepInput(torch.tensor([token]), positions, [SeqSlice(kv, pos, 1)]))
             pos += 1
         return out
 

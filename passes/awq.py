@@ -77,7 +77,7 @@ from passes.ir import Graph, Node
 from passes.quant_math import QuantConfig, fake_quantize_groups, group_size_for, pack_int4, quantize_groups
 from passes.moe_int4 import MAX_KEPT_ROWS, ExpertInputs, Int4Experts
 from passes.quantize import QuantMethod, check_group_size, norm_can_absorb, v_projection_rows
-from runtime.executor import Executor, SeqSlice, StepInput, kv_layout_of
+from runtime.executor import Executor, SeqSlice, StepInput, kv_layout_of, sequence_positions
 from runtime.kv_cache import SequenceKV
 
 __all__ = ["activation_stat", "search_scale", "search_clip", "apply_clip"]
@@ -307,7 +307,7 @@ class BlockRunner:
         # every window in one step, packed back to back: the token-wise ops see all rows at once, attention
         # still runs per window over that window's own cache
         seqs = [SeqSlice(SequenceKV(self.layout, n, ex.device, layers=self.layers), 0, n) for n in self.lengths]
-        positions = torch.cat([torch.arange(n, device=ex.device) for n in self.lengths])
+        positions = torch.cat([sequence_positions(ex.long_rope_from, 0, n, n, ex.device) for n in self.lengths])
         env = ex.start(StepInput(torch.empty(0, dtype=torch.long, device=ex.device), positions, seqs))
         env[self.value] = x.to(ex.dtype)
         ex.run_nodes(env, 0, len(self.nodes))

@@ -39,7 +39,7 @@ from passes.base import Pass, PassContext, PassError, PassResult, Progress
 from passes.ir import Graph, Node
 import torch.nn.functional as F
 
-from runtime.executor import Executor, Observer, SeqSlice, StepInput
+from runtime.executor import Executor, Observer, SeqSlice, StepInput, sequence_positions
 from kernels.torch_quant import make_quant_linear
 from runtime.kv_cache import SequenceKV
 
@@ -359,7 +359,8 @@ class QuantMethod(Pass):
         layout = executor.kv_layout()
         device = executor.device  # calibration runs where the weights are (the pipeline's choice)
         caches = [SequenceKV(layout, len(w), device, layers=set()) for w in windows]
-        envs = [executor.start(StepInput(torch.tensor(w, device=device), torch.arange(len(w), device=device),
+        envs = [executor.start(StepInput(torch.tensor(w, device=device),
+                                         sequence_positions(executor.long_rope_from, 0, len(w), len(w), device),
                                          [SeqSlice(kv, 0, len(w))])) for w, kv in zip(windows, caches)]
 
         def observer(index: int, inputs: list[torch.Tensor]) -> None:

@@ -6,7 +6,7 @@ import torch
 
 from passes.base import Pass, PassContext, PassError, PassResult, register
 from passes.ir import Graph
-from runtime.executor import LONG_ROPE_OFFSET, Executor, SeqSlice, StepInput
+from runtime.executor import Executor, SeqSlice, StepInput, sequence_positions
 from runtime.kv_cache import SequenceKV
 
 
@@ -17,11 +17,9 @@ def run_graph(graph: Graph, prompts: list[list[int]], device: str = "cpu") -> li
     outs = []
     for ids in prompts:
         kv = SequenceKV(layout, len(ids), device)
-        # a prompt past LongRoPE's switch is on its second table throughout, as HF's one forward has it
-        switch = executor.long_rope_from
-        offset = LONG_ROPE_OFFSET if switch is not None and len(ids) > switch else 0
-        inp = StepInput(torch.tensor(ids, device=device), torch.arange(offset, offset + len(ids), device=device),
-                        [SeqSlice(kv, 0, len(ids))])
+        # (a prompt past LongRoPE's switch is on its second table throughout, as HF's one forward has it)
+        positions = sequence_positions(executor.long_rope_from, 0, len(ids), len(ids), device)
+        inp = StepInput(torch.tensor(ids, device=device), positions, [SeqSlice(kv, 0, len(ids))])
         outs.append(executor.forward(inp))
     return outs
 

@@ -47,6 +47,14 @@ INPUT_ROLES = ("perm", "pre_quant_scale")
 LONG_ROPE_OFFSET = 1 << 24
 
 
+def sequence_positions(long_from: int | None, start: int, num: int, length: int,
+                       device: torch.device | str | None = None) -> torch.Tensor:
+    """Positions start .. start + num - 1 of a sequence of ``length`` tokens, offset onto LongRoPE's second table
+    (LONG_ROPE_OFFSET) where the sequence is longer than the switch ``long_from`` (None: no LongRoPE)."""
+    offset = LONG_ROPE_OFFSET if long_from is not None and length > long_from else 0
+    return torch.arange(offset + start, offset + start + num, device=device)
+
+
 def long_rope_from(graph: dict[str, Any]) -> int | None:
     """The sequence length past which the graph's LongRoPE rotates with its second table, or None (one table)."""
     return next((n["attrs"]["long_from"] for n in graph["nodes"]

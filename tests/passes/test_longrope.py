@@ -119,6 +119,30 @@ def test_greedy_tokens_are_hf_generates_across_the_switch(built):
     assert srv.run(prompts[:1], params)[0].token_ids != want[0]
 
 
+def test_the_gates_graph_model_runs_the_switch_as_the_engine(built):
+    """builder.quality.GraphModel (the quality gates' logits and greedy agreement, over a graph): its greedy tokens
+    across the switch are the engine's (HF's), and its logits past it the engine's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from builder.quality import GraphModel
+    from passes.ir import Graph
+    from runtime import Engine, SamplingParams
+
+    model, _, artifact = built
+    graph = Graph.from_dict(json.loads((artifact / "graph.json").read_text()),
+                            load_file(artifact / "weights.safetensors"))
+    engine = Engine.load(artifact)
+    gen = torch.Generator().manual_seed(21)
+    prompt = torch.randint(3, model.config.vocab_size, (10,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    assert GraphModel(graph).greedy(prompt, 20) == engine.generate(prompt, params).token_ids == _hf_generate(model,
+                                                                                                           prompt, 20)
+    ids = torch.randint(3, model.config.vocab_size, (30,), generator=gen).tolist()
+    assert (GraphModel(graph).logits(ids) - engine.logits(ids)).abs().max().item() < 1e-5
+
+
 def test_tensor_parallelism_past_the_switch_is_refused(built):
     """tp_size 2 with runtime.max_seq_len past the switch stops the build before tracing, naming both and what to
     set; nothing is written."""
