@@ -97,11 +97,13 @@ def div_exact(a, s, r):
     rounding-boundary cases checked against IEEE division in fp32, no mismatch). Three operations: the GPU's ``/`` is
     an approximation within 2 ulp, so a value next to a rounding boundary took the neighbouring code there (the CPU
     reference's tokens parted from the GPU's), and ``div_rn`` per element measured 1.5x slower in the GEMM. Used where a
-    static scale defines the codes (kernels.gemv's W8A8 GEMV says why not for per-token scales). A quotient past
-    fp32's range (a huge a over a tiny static scale) keeps a * r's infinity, which the clamp after takes."""
+    static scale defines the codes (kernels.gemv's W8A8 GEMV says why not for per-token scales). Where the correction
+    is NaN - a quotient past fp32's range (inf * s - inf), or r itself infinite or NaN (a subnormal or infinite s) -
+    the plain quotient a / s is taken instead: such scales are degenerate, and a / s is what the reference computes
+    up to its last ulp."""
     q = a * r
     exact = tl.fma(tl.fma(-q, s, a), r, q)
-    return tl.where(exact == exact, exact, q)  # inf * s - inf is NaN: the product's inf instead
+    return tl.where(exact == exact, exact, a / s)
 
 
 @triton.jit

@@ -131,8 +131,9 @@ def test_div_exact_is_the_ieee_quotient():
     """div_exact (the activation quantization's x / x_scale in the GEMV, GEMM and MoE kernels) gives torch's IEEE
     quotient bit for bit: random quotients, quotients one ulp either side of the codes' rounding boundaries k + 0.5
     (where the GPU's approximate ``/`` took the neighbouring code) and on them, and quotients past fp32's range
-    (infinities of the right sign, not NaN); zeros stay zero. On the GPU with TRITON_INTERPRET=0 (the tensors are
-    made there)."""
+    (infinities of the right sign, not NaN); zeros stay zero; subnormal and infinite scales (their reciprocal
+    overflows or vanishes) give the plain quotient. On the GPU with TRITON_INTERPRET=0 (the tensors are made
+    there)."""
     device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
     gen = torch.Generator().manual_seed(5)
     n = 1 << 16
@@ -142,15 +143,16 @@ def test_div_exact_is_the_ieee_quotient():
     a = torch.cat([(torch.rand(n, generator=gen, dtype=torch.float64) * 280 - 140).mul(s).float(), boundary,
                    torch.nextafter(boundary, torch.full_like(boundary, float("inf"))),
                    torch.nextafter(boundary, torch.full_like(boundary, float("-inf"))),
-                   torch.tensor([3e38, -3e38, 0.0, -0.0])])
-    s = torch.cat([s.float()] * 4 + [torch.tensor([1e-3, 1e-3, 0.5, 0.5])])
+                   torch.tensor([3e38, -3e38, 0.0, -0.0, 1e-40, 0.0, 2.0, 0.0])])
+    # the last four: subnormal scales (1 / s overflows) and an infinite one
+    s = torch.cat([s.float()] * 4 + [torch.tensor([1e-3, 1e-3, 0.5, 0.5, 1e-39, 1e-39, float("inf"), float("inf")])])
     a, s = a.to(device), s.to(device)
     out = torch.empty_like(a)
     _div_kernel[(triton.cdiv(a.numel(), 1024),)](a, s, out, a.numel(), BLOCK=1024)
     expected = a / s
     # equal as numbers (a zero's sign may differ: -0 / s comes out +0, the same code)
     assert torch.equal(out, expected), (a[out != expected][:4], s[out != expected][:4])
-    assert out[-4:-2].tolist() == [float("inf"), float("-inf")]
+    assert out[-8:-6].tolist() == [float("inf"), float("-inf")]
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
