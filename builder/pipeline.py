@@ -174,23 +174,13 @@ def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
                          f"checkpoint's {ours_vocab}; a draft model must have the target's vocabulary (embedding rows)")
 
 
-def check_longrope(config, max_seq_len: int, tp_size: int) -> None:
-    """LongRoPE past its switch (original_max_position_embeddings) runs on one rank: the tensor-parallel step messages
-    carry positions without the second table's offset (runtime.executor.LONG_ROPE_OFFSET) yet. Hugging Face rotates a
-    sequence within the switch with the short_factor table and, once it is longer, all of it with the long_factor
-    table (Phi-3's generation drops its cache and recomputes there); the runtime does the same (runtime.scheduler)."""
+def check_longrope(config, max_seq_len: int) -> None:
+    """LongRoPE's positions past its switch carry an offset (runtime.executor.LONG_ROPE_OFFSET) below which every
+    position must stay."""
     from passes.trace import longrope_from
     from runtime.executor import LONG_ROPE_OFFSET
 
-    long_from = longrope_from(config)
-    if long_from is None or max_seq_len <= long_from:
-        return
-    if tp_size > 1:
-        raise BuildError(f"runtime.max_seq_len {max_seq_len} passes this model's LongRoPE switch at "
-                         f"original_max_position_embeddings {long_from}, which tensor parallelism does not run yet "
-                         f"(parallel.tp_size {tp_size}); set runtime.max_seq_len to at most {long_from} or tp_size "
-                         f"to 1")
-    if max_seq_len >= LONG_ROPE_OFFSET:
+    if longrope_from(config) is not None and max_seq_len >= LONG_ROPE_OFFSET:
         raise BuildError(f"runtime.max_seq_len {max_seq_len}: LongRoPE's positions run below {LONG_ROPE_OFFSET}")
 
 
@@ -373,7 +363,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     if max_pos and recipe.runtime.max_seq_len > max_pos:
         raise BuildError(f"runtime.max_seq_len {recipe.runtime.max_seq_len} exceeds the model's "
                          f"max_position_embeddings {max_pos}; set it to at most {max_pos}")
-    check_longrope(config, recipe.runtime.max_seq_len, recipe.parallel.tp_size)
+    check_longrope(config, recipe.runtime.max_seq_len)
     check_prequantized(recipe, ckpt)
     check_draft_model(recipe, ckpt)
     if ckpt.mxfp4 and dtype == torch.float16:  # e8m0 scales reach 2^127: fp16 cannot hold every MXFP4 value

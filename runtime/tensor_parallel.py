@@ -86,7 +86,7 @@ import torch.distributed as dist
 from runtime import collectives
 from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.cuda_graphs import DEFAULT_STEP_TOKEN_BUCKETS, PackedStep, StepGraphs, step_buckets
-from runtime.executor import Executor, PagedAttentionMetadata, SeqSlice, StepInput
+from runtime.executor import LONG_ROPE_OFFSET, Executor, PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import MemoryPlan, fit_kv_blocks, least_kv_blocks, plan_budget, tensor_bytes
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
@@ -540,7 +540,7 @@ class TPExecutor:
         self.graph, self.params, self.dtype = local.graph, local.params, local.dtype
         self.device, self.use_kernels, self.outputs, self.num_layers = (local.device, local.use_kernels,
                                                                         local.outputs, local.num_layers)
-        self.long_rope_from = local.long_rope_from  # builds refuse LongRoPE past its switch with tp_size > 1
+        self.long_rope_from = local.long_rope_from
         self.spec = spec
         self.tp_size = spec.tp_size
         self.failure: WorkerFailure | None = None  # set once, by whichever thread sees the failure first
@@ -879,7 +879,11 @@ class _WorkerState:
                        f"{graphs.seq_buckets} (at most the token bucket; they bound the logits rows too)")
         block_size, num_blocks = self.storage.block_size, self.storage.num_blocks
         _in_range(step.input_ids, 0, self.vocab_size, "a step replay's input id")
-        _in_range(step.positions, 0, graphs.max_blocks * block_size, "a step replay's position")
+        positions = step.positions
+        if getattr(self.executor, "long_rope_from", None) is not None:  # LongRoPE's offset: the rotary's alone
+            _in_range(positions, 0, 2 * LONG_ROPE_OFFSET, "a step replay's position (with LongRoPE's offset)")
+            positions = [p & (LONG_ROPE_OFFSET - 1) for p in positions]
+        _in_range(positions, 0, graphs.max_blocks * block_size, "a step replay's position")
         _in_range(step.slots, 0, num_blocks * block_size, "a step replay's slot")
         for i, (table, seq_len) in enumerate(zip(step.block_tables, step.seq_lens)):
             _in_range([len(table)], 0, graphs.max_blocks + 1, f"a step replay's sequence {i}'s block table length")

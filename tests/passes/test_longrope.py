@@ -143,18 +143,28 @@ def test_the_gates_graph_model_runs_the_switch_as_the_engine(built):
     assert (GraphModel(graph).logits(ids) - engine.logits(ids)).abs().max().item() < 1e-5
 
 
-def test_tensor_parallelism_past_the_switch_is_refused(built):
-    """tp_size 2 with runtime.max_seq_len past the switch stops the build before tracing, naming both and what to
-    set; nothing is written."""
-    from builder.pipeline import BuildError, build
+def test_two_gloo_ranks_run_the_switch_as_one(built):
+    """A TP=2 artifact (two gloo ranks on CPU) generates HF's tokens across the switch and from a prompt past it,
+    offline and served: the step messages carry the offset positions to the other rank."""
+    from builder.pipeline import build
     from builder.recipe import validate_recipe
+    from runtime import Engine, SamplingParams
+    from runtime.serving import ServingConfig, ServingEngine
 
-    _, root, _ = built
-    recipe = validate_recipe({"name": "tp", "model": {"checkpoint": str(root / "ckpt"), "dtype": "float32"},
-                              "output_dir": str(root / "tp"), "parallel": {"tp_size": 2},
-                              "runtime": {"max_seq_len": 64, "max_num_tokens": 64}})
-    with pytest.raises(BuildError, match=r"runtime\.max_seq_len 64 passes this model's LongRoPE switch at "
-                                         r"original_max_position_embeddings 16, which tensor parallelism does not "
-                                         r"run yet \(parallel\.tp_size 2\)"):
-        build(recipe)
-    assert not (root / "tp").exists()
+    model, root, _ = built
+    recipe = validate_recipe({"name": "tp2", "model": {"checkpoint": str(root / "ckpt"), "dtype": "float32"},
+                              "output_dir": str(root / "tp2"), "parallel": {"tp_size": 2},
+                              "runtime": {"max_seq_len": 64, "max_num_tokens": 32, "tokens_per_block": 4}})
+    artifact = build(recipe).output_dir
+    gen = torch.Generator().manual_seed(33)
+    prompts = [torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist() for n in (10, 20)]
+    want = [_hf_generate(model, p, 12) for p in prompts]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    engine = Engine.load(artifact)
+    try:
+        assert engine.executor.tp_size == 2
+        assert [engine.generate(p, params).token_ids for p in prompts] == want
+        srv = ServingEngine(engine, ServingConfig(num_blocks=48, max_num_batched_tokens=8))
+        assert [o.token_ids for o in srv.run(prompts, params)] == want
+    finally:
+        engine.close()

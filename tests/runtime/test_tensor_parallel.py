@@ -585,6 +585,35 @@ def test_a_worker_captures_rank_0s_step_buckets_and_checks_each_replay_against_t
     assert len(ran) == 1
 
 
+def test_a_worker_takes_longrope_offset_positions_and_checks_them_without_the_offset():
+    """With LongRoPE (the worker's executor has a switch), a step replay's positions may carry LONG_ROPE_OFFSET (a
+    sequence on the second rotary table): the worker checks them without it against its pool, and refuses a position
+    past one offset."""
+    from types import SimpleNamespace
+
+    from runtime.executor import LONG_ROPE_OFFSET
+
+    rank0 = StepGraphs(None, _worker_state().storage, 24, 6, 32, token_buckets=(8, 16), capture=False)
+    msg, _ = _received(*_wire(StepMessage("step_graphs", paged_pool=(16, 4), graphs=(6, 32),
+                                          buckets=(rank0.token_buckets, rank0.seq_buckets), capture=False), []))
+    state = _worker_state()
+    state.executor = SimpleNamespace(long_rope_from=16)
+    state.capture_step_graphs(msg)
+    ran = []
+    state.step_graphs.run = lambda step, feed: ran.append(step)
+    tables = [[2, 3, 12, 13, 14, 15], [4], [1, 5, 6, 7, 8, 9, 10, 11]]
+    good = PackedStep(**{**_packed_step().__dict__, "block_tables": tables, "slots": [56, 57, 58, 59, 60, 19, 46]})
+    offset = PackedStep(**{**good.__dict__, "positions": [p + LONG_ROPE_OFFSET for p in good.positions]})
+    state.step_replay(StepMessage("step_replay", packed=offset))
+    assert ran == [offset]
+    for positions, error in [([LONG_ROPE_OFFSET + 32] + good.positions[1:], r"a step replay's position is 32 "),
+                             ([2 * LONG_ROPE_OFFSET] + good.positions[1:],
+                              r"a step replay's position \(with LongRoPE's offset\) is 33554432")]:
+        with pytest.raises(StepMessageError, match=error):
+            state.step_replay(StepMessage("step_replay", packed=PackedStep(**{**good.__dict__,
+                                                                               "positions": positions})))
+
+
 def test_a_worker_sent_a_malformed_header_exits_and_the_engine_fails(built):
     import torch.distributed as dist
 
