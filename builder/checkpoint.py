@@ -9,8 +9,9 @@ only); a weight transformers computes from several tensors on load (a mixture of
 into one) is computed by the same conversion operations.
 Checkpoints already quantized by GPTQ, AutoAWQ, llm-compressor, transformers' fine-grained FP8 or ModelOpt (a
 ``quantization_config`` in config.json, or ModelOpt's hf_quant_config.json) are imported with their own codes and
-scales (``builder/prequantized.py``); other quantization formats, and float8 or integer weight tensors that no such
-config describes, are refused: their codes would be read as plain floats and their scales dropped.
+scales (``builder/prequantized.py``); MXFP4 (gpt-oss) and ModelOpt NVFP4 weights are decoded to float weights as
+they are read. Other quantization formats, and float8 or integer weight tensors that no such config describes, are
+refused: their codes would be read as plain floats and their scales dropped.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class Checkpoint:
     # MXFP4 weights (gpt-oss's experts): the weight's name -> its (blocks, scales) tensors, decoded on read
     mxfp4: dict[str, tuple[str, str]] = field(default_factory=dict)
     mxfp4_files: dict[str, Path] = field(default_factory=dict)  # those blocks / scales tensors -> their file
+    # ModelOpt NVFP4 weights: the weight's name -> its (codes, block scales, global scale) tensors, decoded on read
+    # (:func:`decode_nvfp4`); nvfp4_dropped: the activation and KV-cache scales left unread (see _nvfp4_weights)
+    nvfp4: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    nvfp4_files: dict[str, Path] = field(default_factory=dict)  # those three tensors -> their file
+    nvfp4_dropped: list[str] = field(default_factory=list)
 
     @property
     def model_type(self) -> str:
@@ -99,6 +105,17 @@ class Checkpoint:
         rather than cast (its scales would be lost).
         """
         out: dict[str, torch.Tensor] = {}
+        fp4 = [n for n in names if n in self.nvfp4]
+        if fp4:
+            parts = Checkpoint(self.path, self.config_dict, self.weight_files, self.nvfp4_files).load_tensors(
+                [t for n in fp4 for t in self.nvfp4[n]])
+            for name in fp4:
+                codes, scales, scale_2 = (parts.pop(t) for t in self.nvfp4[name])
+                try:
+                    out[name] = decode_nvfp4(codes, scales, scale_2, dtype or torch.bfloat16)
+                except ValueError as e:
+                    raise CheckpointError(f"{self.path}: NVFP4 weight {name!r}: {e}") from None
+            names = [n for n in names if n not in self.nvfp4]
         packed = [n for n in names if n in self.mxfp4]
         if packed:
             parts = Checkpoint(self.path, self.config_dict, self.weight_files, self.mxfp4_files).load_tensors(
@@ -157,6 +174,28 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
     return out
 
 
+NVFP4_BLOCK = 16  # NVFP4: e2m1 elements per fp8 (e4m3) block scale
+
+
+def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ModelOpt NVFP4 weight as ModelOpt dequantizes it: codes uint8 [N, K / 2] (two e2m1 codes a byte, the even
+    column in the low nibble), scales float8_e4m3fn [N, K / 16] (one per 16 columns), scale_2 fp32 (one number) ->
+    [N, K] in ``dtype``: each code's value times (its block's scale * scale_2), in fp32, then rounded once to
+    ``dtype``."""
+    if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or scale_2.numel() != 1 \
+            or not scale_2.is_floating_point():
+        raise ValueError(f"expected uint8 codes, float8_e4m3fn block scales and one float global scale, got "
+                         f"{codes.dtype}, {scales.dtype} and {scale_2.dtype} {tuple(scale_2.shape)}")
+    if codes.dim() != 2 or scales.dim() != 2 or codes.shape[0] != scales.shape[0] \
+            or 2 * codes.shape[1] != NVFP4_BLOCK * scales.shape[1]:
+        raise ValueError(f"codes {tuple(codes.shape)} and block scales {tuple(scales.shape)} are not [N, K / 2] and "
+                         f"[N, K / {NVFP4_BLOCK}]")
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    values = lut[torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2).to(torch.int64)]  # [N, K]
+    block = scales.to(torch.float32) * scale_2.reshape(()).to(torch.float32)  # [N, K / 16]
+    return (values.view(codes.shape[0], -1, NVFP4_BLOCK) * block[..., None]).flatten(-2).to(dtype)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -207,7 +246,41 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))
     weight_files, weight_map = _index_weights(p)
     mxfp4, mxfp4_files = _mxfp4_weights(cfg_file, config, weight_map)
-    return Checkpoint(p, config, weight_files, weight_map, quant, mxfp4, mxfp4_files)
+    nvfp4, nvfp4_files, dropped = _nvfp4_weights(cfg_file, config, weight_map)
+    return Checkpoint(p, config, weight_files, weight_map, quant, mxfp4, mxfp4_files, nvfp4, nvfp4_files, dropped)
+
+
+def _nvfp4_weights(cfg_file: Path, config: dict, weight_map: dict[str, Path]
+                   ) -> tuple[dict[str, tuple[str, str, str]], dict[str, Path], list[str]]:
+    """A ModelOpt NVFP4 export (``quant_algo: NVFP4``) holds each quantized linear's weight as ``W`` (packed e2m1
+    codes), ``W_scale`` (fp8 block scales) and ``W_scale_2`` (a global scale): returned as W -> those three, decoded
+    to float weights as they are read (:func:`decode_nvfp4`: the format's own dequantization; the build then holds
+    no FP4 scheme, and the recipe's quantization section may quantize the weights again). The linears' FP4
+    activation scales (``input_scale``) and an FP8 KV cache's ``k_scale`` / ``v_scale`` are left unread and listed:
+    the artifact computes with unquantized activations and the KV cache of its recipe. Their weight-map entries are
+    removed (the scales are parts of their weights, not weights)."""
+    from builder.prequantized import nvfp4_export
+
+    if not nvfp4_export(cfg_file, config):
+        return {}, {}, []
+    parts: dict[str, tuple[str, str, str]] = {}
+    for name in [n for n in weight_map if n.endswith(".weight_scale_2")]:
+        base = name.removesuffix("_scale_2")
+        for t in (base, base + "_scale"):
+            if t not in weight_map:
+                raise CheckpointError(f"{cfg_file.parent}: NVFP4 tensor {name!r} has no {t!r}; the checkpoint is "
+                                      f"incomplete, export it again")
+        parts[base] = (base, base + "_scale", name)
+    if not parts:
+        raise CheckpointError(f"{cfg_file}: the ModelOpt export's quant_algo is \"NVFP4\" but no tensor is stored as "
+                              f"NAME.weight / NAME.weight_scale / NAME.weight_scale_2")
+    files: dict[str, Path] = {}
+    for codes, scale, scale_2 in parts.values():
+        files[codes], files[scale], files[scale_2] = weight_map[codes], weight_map.pop(scale), weight_map.pop(scale_2)
+    dropped = [n for n in weight_map if n.endswith((".input_scale", ".k_scale", ".v_scale"))]
+    for n in dropped:
+        del weight_map[n]
+    return parts, files, dropped
 
 
 def _mxfp4_weights(cfg_file: Path, config: dict,

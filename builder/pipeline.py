@@ -195,7 +195,7 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if imported is None and ckpt.mxfp4:  # MXFP4 experts: decoded as the build reads them (exact), no HF quantizer
+    if imported is None and (ckpt.mxfp4 or ckpt.nvfp4):  # decoded as the build reads them, no HF quantizer
         model = _model_from_weights(ckpt, dtype, ckpt.load_tensors(sorted(ckpt.weight_map), dtype))
     elif imported is None:
         model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
@@ -398,6 +398,13 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
         # build's dtype
         extra["source_mxfp4_weights"] = len(ckpt.mxfp4)
         log.info("decoded %d MXFP4 weights (%s, ...) into %s", len(ckpt.mxfp4), next(iter(ckpt.mxfp4)), dtype)
+    if ckpt.nvfp4:  # a ModelOpt NVFP4 export, decoded as ModelOpt dequantizes it; its FP4 activations are not kept
+        extra["source_nvfp4_weights"] = len(ckpt.nvfp4)
+        extra["source_nvfp4_unread_scales"] = len(ckpt.nvfp4_dropped)
+        log.warning("decoded %d NVFP4 weights (%s, ...) into %s as ModelOpt dequantizes them; the export's FP4 "
+                    "activation scales and KV-cache scales (%d tensors) are not used: the artifact computes with "
+                    "unquantized activations and its recipe's KV cache", len(ckpt.nvfp4), next(iter(ckpt.nvfp4)),
+                    dtype, len(ckpt.nvfp4_dropped))
     if imported is not None:
         extra["algo"] = "prequantized"
         extra["prequantized"] = imported.summary()

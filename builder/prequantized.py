@@ -73,9 +73,10 @@ x / (amax / 127) in the last bit, so a value within an ulp of a rounding boundar
 exported input_scale is what a deployment divides by.
 
 Refused, naming the setting: ModelOpt's fp8_pb_wo (block FP8 weights with unquantized activations: no IR scheme
-keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), NVFP4 (no FP4 scheme), a
-W4A16_AWQ with zero points or without its group_size, and experts that carry a pre_quant_scale (the moe op has no
-input scale); fine-grained FP8 with static activations, ue8m0 scales or per-tensor scales (weight_block_size null).
+keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), NVFP4_AWQ and NVFP4 in a
+mixed-precision export (no FP4 scheme; an NVFP4 export alone is decoded to float weights as it is read,
+``builder.checkpoint._nvfp4_weights``), a W4A16_AWQ with zero points or without its group_size, and experts that
+carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations, ue8m0 scales or per-tensor scales (weight_block_size null).
 """
 
 from __future__ import annotations
@@ -657,8 +658,9 @@ MODELOPT_REFUSED = {  # why other algorithms are not imported
     "FP8_PB_WO": "FP8 weights in blocks with unquantized activations; the IR's fp8_block quantizes its activations",
     "W4A8_AWQ": "int4 weights with a second, fp8 scale and static fp8 activations (an int4 x fp8 matmul) have no IR "
                 "scheme",
-    "NVFP4": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
-    "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme",
+    "NVFP4": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme (an export of NVFP4 alone is decoded to "
+             "float weights; here it is one of a mixed-precision export's)",
+    "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 and a pre_quant_scale have no IR scheme",
 }
 
 
@@ -829,11 +831,36 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def nvfp4_export(cfg_file: Path, config: dict) -> bool:
+    """Whether the checkpoint is a ModelOpt NVFP4 export (``quant_algo`` NVFP4 for every quantized linear; its
+    weights are decoded as they are read, ``builder.checkpoint._nvfp4_weights``). Its KV cache algorithm must be none
+    or FP8 (whose scales are left unread), and NVFP4_AWQ or a mixed precision export is not this."""
+    section = config.get("quantization_config")
+    if isinstance(section, dict) and section.get("quant_method") == "modelopt":
+        q = section
+    else:
+        modelopt = cfg_file.parent / MODELOPT_FILE
+        if not (section is None and modelopt.is_file()):
+            return False
+        q = _read_json(modelopt).get("quantization") or {}
+    if str(q.get("quant_algo")).upper() != "NVFP4":
+        return False
+    kv = q.get("kv_cache_quant_algo")
+    if isinstance(kv, dict):
+        kv = "FP8" if kv.get("num_bits") == 8 and kv.get("type") == "float" else json.dumps(kv)
+    if kv not in (None, "FP8"):
+        raise _fail(cfg_file, f"kv_cache_quant_algo is {json.dumps(kv)} beside NVFP4 weights; imported: FP8 (its "
+                              f"scales are left unread: the KV cache is the recipe's) or none")
+    return True
+
+
 def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
     """The checkpoint's quantization format from config.json (None for a floating-point checkpoint); a format or
     setting the import does not read is a PrequantizedError naming it and what is imported."""
     key = next((k for k in ("quantization_config", "compression_config") if config.get(k) is not None), None)
     modelopt = cfg_file.parent / MODELOPT_FILE
+    if nvfp4_export(cfg_file, config):  # decoded to float weights as they are read (builder/checkpoint.py)
+        return None
     if key is None:  # ModelOpt before 0.29 wrote hf_quant_config.json alone
         section = _read_json(modelopt) if modelopt.is_file() else {}
         return ModelOpt(modelopt, section) if "quantization" in section else None

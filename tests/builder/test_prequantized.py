@@ -771,8 +771,9 @@ Q = "model.layers.0.self_attn.q_proj"
     ({"quant_method": "modelopt", "quant_algo": "FP4_MAGIC"}, {},
      r"quantization_config\.quant_algo is \"FP4_MAGIC\": it is not an algorithm the import reads; imported: FP8, "
      r"FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ"),
-    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, {},
-     r"quant_algo is \"NVFP4\": FP4 \(e2m1\) weights with fp8 scales per 16 have no IR scheme"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, {},  # decoded on read, but these are GPTQ's tensors
+     r"the ModelOpt export's quant_algo is \"NVFP4\" but no tensor is stored as NAME\.weight / NAME\.weight_scale / "
+     r"NAME\.weight_scale_2"),
     ({"quant_method": "modelopt", "quant_algo": "fp8_pb_wo"}, {},
      r"quant_algo is \"fp8_pb_wo\": FP8 weights in blocks with unquantized activations; the IR's fp8_block "
      r"quantizes its activations"),

@@ -1,0 +1,158 @@
+"""NVIDIA ModelOpt NVFP4 exports (``quant_algo: NVFP4``: e2m1 weight codes, fp8 scales per 16 columns, a global scale)
+build: each quantized weight is decoded as it is read, as ModelOpt dequantizes it (code value times block scale
+times global scale, in fp32, rounded once to the build's dtype), and the build proceeds on those float weights. The
+export's FP4 activation scales and FP8 KV-cache scales are left unread (the artifact computes with unquantized
+activations and its recipe's KV cache), and the manifest says how many of each it decoded and dropped.
+
+The export is written here independently of ``builder/checkpoint.py``, as ModelOpt's NVFP4QTensor lays it out:
+global scale = amax / (6 * 448); a block of 16 columns' scale = its amax / (6 * global), cast to float8_e4m3fn (1 where
+the block is all zeros); codes = the nearest e2m1 value of w / (block scale * global), sign in bit 3; two codes a byte,
+the even column in the low nibble. The runtime's logits and greedy tokens are the Hugging Face model's holding the
+dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import build_artifact, make_checkpoint
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes uint8 [N, K / 2], block scales fp8 [N, K / 16], global scale fp32 [], the dequantized weight fp32)."""
+    w = w.float()
+    scale_2 = w.abs().amax() / (6.0 * 448.0)
+    blocks = w.view(w.shape[0], -1, 16)
+    block_scale = blocks.abs().amax(-1) / (6.0 * scale_2)
+    block_scale[block_scale == 0] = 1.0
+    block_scale = block_scale.to(torch.float8_e4m3fn)
+    scaled = blocks / (block_scale.float() * scale_2)[..., None]
+    index = (scaled.abs()[..., None] - E2M1).abs().argmin(-1)  # nearest magnitude (the lower one on a tie)
+    codes = (index + 8 * (scaled < 0)).to(torch.uint8).flatten(-2)  # sign in bit 3
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    dequant = (torch.where(scaled < 0, -1.0, 1.0) * E2M1[index] * (block_scale.float() * scale_2)[..., None])
+    return packed, block_scale, scale_2.reshape(()), dequant.flatten(-2)
+
+
+def export(base: Path, out: Path, kv_cache: str | None = "FP8") -> dict[str, torch.Tensor]:
+    """The tiny checkpoint at ``base`` as a ModelOpt NVFP4 export at ``out``; returns the dequantized weights."""
+    out.mkdir(parents=True)
+    for f in base.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            (out / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(base / "model.safetensors")
+    stored, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            prefix = name.removesuffix(".weight")
+            codes, scales, scale_2, dequantized[name] = quantize_nvfp4(t)
+            stored.update({name: codes, f"{prefix}.weight_scale": scales, f"{prefix}.weight_scale_2": scale_2,
+                           f"{prefix}.input_scale": torch.tensor(0.02)})
+        else:
+            stored[name] = t
+    layers = json.loads((base / "config.json").read_text())["num_hidden_layers"]
+    for i in range(layers):  # an FP8 KV cache's scales: left unread
+        stored[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.1)
+        stored[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.2)
+    save_file(stored, out / "model.safetensors")
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                     "kv_cache_quant_algo": kv_cache, "exclude_modules": ["lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nvfp4")
+    base = make_checkpoint(root / "base", "llama", seed=4, tie_word_embeddings=False)
+    dequantized = export(base, root / "ckpt")
+    return root, dequantized, build_artifact(root / "ckpt", root / "artifact")
+
+
+def test_the_reader_decodes_each_weight_as_modelopt_dequantizes_it(exported):
+    """Every quantized weight read from the export equals the dequantization above in fp32, bit for bit, and rounds
+    once to bf16; its scales and the activation / KV-cache scales are not weights of the checkpoint."""
+    from builder.checkpoint import open_checkpoint
+
+    root, dequantized, _ = exported
+    ckpt = open_checkpoint(root / "ckpt")
+    assert ckpt.quant is None and sorted(ckpt.nvfp4) == sorted(dequantized)
+    assert len(ckpt.nvfp4_dropped) == len(dequantized) + 4  # input scales, then two layers' k / v scales
+    assert not any(re.search(r"(scale|scale_2)$", n) for n in ckpt.weight_map)
+    read = ckpt.load_tensors(sorted(dequantized), torch.float32)
+    for name, want in dequantized.items():
+        assert torch.equal(read[name], want), name
+    bf16 = ckpt.load_tensors([next(iter(dequantized))], torch.bfloat16)
+    assert torch.equal(bf16[next(iter(dequantized))], dequantized[next(iter(dequantized))].to(torch.bfloat16))
+
+
+def test_the_artifact_computes_what_hf_does_with_the_dequantized_weights(exported):
+    """Logits of fresh random tokens within 1e-5 of the Hugging Face model holding the dequantized weights, and its
+    greedy tokens; the manifest records the decoded weights and the unread scales."""
+    from transformers import AutoModelForCausalLM
+
+    from runtime import Engine, SamplingParams
+
+    root, dequantized, artifact = exported
+    model = AutoModelForCausalLM.from_pretrained(root / "base", dtype=torch.float32).eval()
+    model.load_state_dict({**model.state_dict(), **dequantized})
+    engine = Engine.load(artifact)
+    gen = torch.Generator().manual_seed(8)
+    ids = torch.randint(3, model.config.vocab_size, (40,), generator=gen).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), use_cache=False).logits[0]
+    assert (engine.logits(ids) - expected).abs().max().item() < 1e-5
+    prompt = ids[:9]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              pad_token_id=2)[0, len(prompt):].tolist()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert engine.generate(prompt, params).token_ids == want
+    manifest = (artifact / "manifest.json").read_text()
+    assert '"source_nvfp4_weights": 14' in manifest and '"source_nvfp4_unread_scales": 18' in manifest
+
+
+def test_malformed_nvfp4_exports_fail_naming_the_tensor(exported, tmp_path):
+    """A weight without its block scales, block scales of the wrong shape, and a KV-cache algorithm that is not FP8
+    each stop the build naming the tensor or setting; NVFP4_AWQ stays refused."""
+    from builder.checkpoint import CheckpointError, open_checkpoint
+
+    root, _, _ = exported
+    q = "model.layers.0.self_attn.q_proj"
+
+    def edited(name: str, edit) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        for f in (root / "ckpt").iterdir():
+            (out / f.name).write_bytes(f.read_bytes())
+        tensors = load_file(out / "model.safetensors")
+        config = json.loads((out / "config.json").read_text())
+        edit(tensors, config)
+        save_file(tensors, out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps(config))
+        return out
+
+    no_scale = edited("no-scale", lambda t, c: t.pop(f"{q}.weight_scale"))
+    with pytest.raises(CheckpointError, match=rf"NVFP4 tensor '{q}\.weight_scale_2' has no '{q}\.weight_scale'"):
+        open_checkpoint(no_scale)
+    bad_shape = edited("bad-shape", lambda t, c: t.update(
+        {f"{q}.weight_scale": t[f"{q}.weight_scale"][:, :-1].contiguous()}))
+    with pytest.raises(CheckpointError, match=rf"NVFP4 weight '{q}\.weight': codes \(64, 32\) and block scales "
+                                              rf"\(64, 3\) are not \[N, K / 2\] and \[N, K / 16\]"):
+        open_checkpoint(bad_shape).load_tensors([f"{q}.weight"], torch.float32)
+    kv = edited("kv", lambda t, c: c["quantization_config"].update(kv_cache_quant_algo="NVFP4"))
+    with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo is \"NVFP4\" beside NVFP4 weights; imported: FP8"):
+        open_checkpoint(kv)
+    awq = edited("awq", lambda t, c: c["quantization_config"].update(quant_algo="NVFP4_AWQ"))
+    with pytest.raises(CheckpointError, match=r"quant_algo is \"NVFP4_AWQ\": FP4 \(e2m1\) weights with fp8 scales "
+                                              r"per 16 and a pre_quant_scale have no IR scheme"):
+        open_checkpoint(awq)
