@@ -175,6 +175,7 @@ def decode_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype)
 
 
 NVFP4_BLOCK = 16  # NVFP4: e2m1 elements per fp8 (e4m3) block scale
+NVFP4_ROWS = 1024  # rows decoded at a time
 
 
 def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -191,9 +192,14 @@ def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tenso
         raise ValueError(f"codes {tuple(codes.shape)} and block scales {tuple(scales.shape)} are not [N, K / 2] and "
                          f"[N, K / {NVFP4_BLOCK}]")
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
-    values = lut[torch.stack((codes & 0x0F, codes >> 4), dim=-1).flatten(-2).to(torch.int64)]  # [N, K]
-    block = scales.to(torch.float32) * scale_2.reshape(()).to(torch.float32)  # [N, K / 16]
-    return (values.view(codes.shape[0], -1, NVFP4_BLOCK) * block[..., None]).flatten(-2).to(dtype)
+    rows, half = codes.shape
+    out = torch.empty(rows, 2 * half, dtype=dtype)
+    for r in range(0, rows, NVFP4_ROWS):  # rows at a time: the fp32 and index temporaries stay bounded
+        c = codes[r:r + NVFP4_ROWS]
+        values = lut[torch.stack((c & 0x0F, c >> 4), dim=-1).flatten(-2).to(torch.int64)]  # [rows, K]
+        block = scales[r:r + NVFP4_ROWS].to(torch.float32) * scale_2.reshape(()).to(torch.float32)  # [rows, K / 16]
+        out[r:r + NVFP4_ROWS] = (values.view(len(c), -1, NVFP4_BLOCK) * block[..., None]).flatten(-2).to(dtype)
+    return out
 
 
 def _sha256(path: Path) -> str:

@@ -78,10 +78,15 @@ def exported(tmp_path_factory):
     return root, dequantized, build_artifact(root / "ckpt", root / "artifact")
 
 
-def test_the_reader_decodes_each_weight_as_modelopt_dequantizes_it(exported):
+@pytest.mark.parametrize("rows_at_a_time", [1024, 5])
+def test_the_reader_decodes_each_weight_as_modelopt_dequantizes_it(exported, rows_at_a_time, monkeypatch):
     """Every quantized weight read from the export equals the dequantization above in fp32, bit for bit, and rounds
-    once to bf16; its scales and the activation / KV-cache scales are not weights of the checkpoint."""
+    once to bf16 (decoded whole, and 5 rows at a time); its scales and the activation / KV-cache scales are not
+    weights of the checkpoint."""
+    import builder.checkpoint
     from builder.checkpoint import open_checkpoint
+
+    monkeypatch.setattr(builder.checkpoint, "NVFP4_ROWS", rows_at_a_time)
 
     root, dequantized, _ = exported
     ckpt = open_checkpoint(root / "ckpt")
