@@ -143,6 +143,23 @@ def test_the_gates_graph_model_runs_the_switch_as_the_engine(built):
     assert (GraphModel(graph).logits(ids) - engine.logits(ids)).abs().max().item() < 1e-5
 
 
+def test_a_graph_with_longrope_and_a_position_table_is_refused(built):
+    """The engines offset a long sequence's positions for the rotary; a learned position table would read them as
+    they are, so the executor refuses a graph with both rather than running it wrong."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from runtime.executor import Executor, GraphFormatError
+
+    _, _, artifact = built
+    graph = json.loads((artifact / "graph.json").read_text())
+    graph["nodes"].insert(0, {"op": "embedding", "inputs": ["positions"], "outputs": ["pos_emb"], "weights": {},
+                              "attrs": {}, "name": "wpe"})
+    with pytest.raises(GraphFormatError, match="LongRoPE and a learned position table"):
+        Executor(graph, load_file(artifact / "weights.safetensors"))
+
+
 def test_two_gloo_ranks_run_the_switch_as_one(built):
     """A TP=2 artifact (two gloo ranks on CPU) generates HF's tokens across the switch and from a prompt past it,
     offline and served: the step messages carry the offset positions to the other rank."""
