@@ -186,8 +186,7 @@ class RequestTracker:
         self.unflushed_tokens = 0  # generated tokens not yet in the shared counter
 
     def delta(self, out: RequestOutput, now: float | None = None) -> None:
-        """Record one delta from the engine: its inter-token latencies as one weighted observation (every token after
-        a request's first has one, 0 for those that came with the first), its tokens in
+        """Record one delta from the engine: its inter-token latencies as one weighted observation, its tokens in
         the shared counter every FLUSH_TOKENS tokens and at ``finish`` (each update of a Prometheus counter takes
         its lock: per delta they were a tenth of a streamed token's CPU in the server)."""
         now = time.monotonic() if now is None else now
@@ -198,8 +197,6 @@ class RequestTracker:
         self.unflushed_tokens += num_tokens
         if self.last_token_time is None:
             self.metrics.ttft.observe(now - self.arrival_time)
-            if num_tokens > 1:  # the tokens after the first that came with it (a delta the server caught up on)
-                self.metrics.itl.observe(0.0, num_tokens - 1)
         else:
             self.metrics.itl.observe((now - self.last_token_time) / num_tokens, num_tokens)
         self.last_token_time = now

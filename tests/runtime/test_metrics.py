@@ -91,20 +91,6 @@ def test_a_long_stream_reaches_the_metrics_every_flush_tokens_and_at_finish():
     assert s[("llm_inter_token_latency_seconds_sum", ())] == pytest.approx(0.01 * (FLUSH_TOKENS + 3))
 
 
-def test_every_token_after_the_first_has_one_inter_token_latency():
-    """A first delta carrying 3 tokens (a server that caught up on two steps): one time to first token, and 0 s for
-    the two that came with it; then a delta of 2 tokens 0.1 s later: 0.05 s each. 5 tokens, 4 latencies."""
-    metrics = ServerMetrics(_stats)
-    tracker = metrics.track(arrival_time=0.0)
-    tracker.delta(_delta(3), now=1.0)
-    tracker.delta(_delta(2), now=1.1)
-    tracker.finish("length", now=1.2)
-    s = _samples(metrics)
-    assert s[("llm_time_to_first_token_seconds_count", ())] == 1
-    assert s[("llm_inter_token_latency_seconds_count", ())] == 4
-    assert s[("llm_inter_token_latency_seconds_sum", ())] == pytest.approx(0.1)
-
-
 def test_the_latency_histogram_exports_what_prometheus_client_would():
     """The ITL histogram takes a delta of k tokens as one observation of weight k; its exposition equals
     prometheus_client's Histogram fed the same k values one by one (buckets cumulative, +Inf, count, sum)."""

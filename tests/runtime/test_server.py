@@ -624,7 +624,10 @@ def test_metrics_count_what_was_served(server):
     assert delta("llm_prompt_tokens_total") == sum(u["prompt_tokens"] for u in usages)
     assert delta("llm_time_to_first_token_seconds_count") == 6
     assert delta("llm_e2e_request_latency_seconds_count") == 6
-    assert delta("llm_inter_token_latency_seconds_count") == sum(n - 1 for n in num_tokens)  # one token per step
+    # one latency per token after those that came with the first (runtime.metrics): one per token after the first
+    # when each first delta carries one token; under load the server may catch up on a request's first two at once
+    assert sum(n - 2 for n in num_tokens) <= delta("llm_inter_token_latency_seconds_count") <= \
+        sum(n - 1 for n in num_tokens)
     assert 0 < delta("llm_time_to_first_token_seconds_sum") < delta("llm_e2e_request_latency_seconds_sum")
     assert delta("llm_inter_token_latency_seconds_sum") > 0
     assert after[("llm_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] >= 6
