@@ -95,6 +95,8 @@ class Checkpoint:
             files.append(index)
         if self.quant is not None and self.quant.cfg_file.name != "config.json":
             files.append(self.quant.cfg_file)
+        elif self.nvfp4 and (self.path / "hf_quant_config.json").is_file():  # it may be what said NVFP4
+            files.append(self.path / "hf_quant_config.json")
         with ThreadPoolExecutor(max_workers=min(HASH_THREADS, len(files))) as pool:
             return dict(zip((f.name for f in files), pool.map(_sha256, files)))
 
@@ -112,7 +114,7 @@ class Checkpoint:
             for name in fp4:
                 codes, scales, scale_2 = (parts.pop(t) for t in self.nvfp4[name])
                 try:
-                    out[name] = decode_nvfp4(codes, scales, scale_2, dtype or torch.bfloat16)
+                    out[name] = decode_nvfp4(codes, scales, scale_2, dtype or torch.float32)  # fp32: exact
                 except ValueError as e:
                     raise CheckpointError(f"{self.path}: NVFP4 weight {name!r}: {e}") from None
             names = [n for n in names if n not in self.nvfp4]
@@ -283,7 +285,9 @@ def _nvfp4_weights(cfg_file: Path, config: dict, weight_map: dict[str, Path]
     files: dict[str, Path] = {}
     for codes, scale, scale_2 in parts.values():
         files[codes], files[scale], files[scale_2] = weight_map[codes], weight_map.pop(scale), weight_map.pop(scale_2)
-    dropped = [n for n in weight_map if n.endswith((".input_scale", ".k_scale", ".v_scale"))]
+    # the NVFP4 linears' activation scales, and the attention modules' KV-cache scales
+    dropped = [n for n in (codes.removesuffix("weight") + "input_scale" for codes in parts) if n in weight_map]
+    dropped += [n for n in weight_map if n.endswith((".k_scale", ".v_scale"))]
     for n in dropped:
         del weight_map[n]
     return parts, files, dropped

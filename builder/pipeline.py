@@ -195,8 +195,10 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if imported is None and (ckpt.mxfp4 or ckpt.nvfp4):  # decoded as the build reads them, no HF quantizer
+    if imported is None and ckpt.mxfp4:  # decoded as the build reads them, no HF quantizer
         model = _model_from_weights(ckpt, dtype, ckpt.load_tensors(sorted(ckpt.weight_map), dtype))
+    elif imported is None and ckpt.nvfp4:  # the build's own decoded weights, under the model's names (experts stacked)
+        model = _model_from_weights(ckpt, dtype, weights or {})
     elif imported is None:
         model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
             ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))

@@ -845,7 +845,7 @@ def nvfp4_export(cfg_file: Path, config: dict) -> bool:
         q = _read_json(modelopt).get("quantization") or {}
     if str(q.get("quant_algo")).upper() != "NVFP4":
         return False
-    kv = q.get("kv_cache_quant_algo")
+    kv = q.get("kv_cache_quant_algo", q.get("kv_cache_scheme"))  # config.json's form names it kv_cache_scheme
     if isinstance(kv, dict):
         kv = "FP8" if kv.get("num_bits") == 8 and kv.get("type") == "float" else json.dumps(kv)
     if kv not in (None, "FP8"):

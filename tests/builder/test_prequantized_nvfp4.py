@@ -157,7 +157,64 @@ def test_malformed_nvfp4_exports_fail_naming_the_tensor(exported, tmp_path):
     kv = edited("kv", lambda t, c: c["quantization_config"].update(kv_cache_quant_algo="NVFP4"))
     with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo is \"NVFP4\" beside NVFP4 weights; imported: FP8"):
         open_checkpoint(kv)
+    scheme = edited("kv-scheme", lambda t, c: (c["quantization_config"].pop("kv_cache_quant_algo"),
+                                               c["quantization_config"].update(kv_cache_scheme="NVFP4")))
+    with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo is \"NVFP4\" beside NVFP4 weights"):
+        open_checkpoint(scheme)  # config.json's own key for it
     awq = edited("awq", lambda t, c: c["quantization_config"].update(quant_algo="NVFP4_AWQ"))
     with pytest.raises(CheckpointError, match=r"quant_algo is \"NVFP4_AWQ\": FP4 \(e2m1\) weights with fp8 scales "
                                               r"per 16 and a pre_quant_scale have no IR scheme"):
         open_checkpoint(awq)
+
+
+def test_an_hf_quant_config_only_export_builds_and_its_file_is_hashed(exported, tmp_path):
+    """ModelOpt before 0.29 wrote hf_quant_config.json alone (no quantization_config in config.json): the export
+    builds the same, and the manifest's source hashes include that file, which said how the weights decode."""
+    root, dequantized, _ = exported
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for f in (root / "ckpt").iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    q = config.pop("quantization_config")
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt", "version": "0.27.0"},
+                                                          "quantization": {k: v for k, v in q.items()
+                                                                           if k != "quant_method"}}))
+    artifact = build_artifact(out, tmp_path / "artifact")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert '"source_nvfp4_weights": 14' in json.dumps(manifest)
+    assert "hf_quant_config.json" in json.dumps(manifest)
+
+
+def test_an_moe_export_with_experts_stored_one_by_one_builds(tmp_path):
+    """A Qwen3-MoE-style export whose experts are stored per expert (the names transformers stacks on load): every
+    2-D linear of the layers decoded, the experts stacked as the float build stacks them, and the build's verify
+    pass (the Hugging Face model holding the decoded weights) passes."""
+    from safetensors.torch import load_file, save_file
+    from test_prequantized_moe import QWEN3_MOE, make_moe_checkpoint
+
+    base = make_moe_checkpoint(tmp_path / "base", "qwen3_moe", QWEN3_MOE, seed=3)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    stored = {}
+    for name, t in load_file(base / "model.safetensors").items():
+        if name.endswith(".weight") and ".layers." in name and t.dim() == 2 and "norm" not in name \
+                and not name.endswith("mlp.gate.weight"):
+            prefix = name.removesuffix(".weight")
+            codes, scales, scale_2, _ = quantize_nvfp4(t)
+            stored.update({name: codes, f"{prefix}.weight_scale": scales, f"{prefix}.weight_scale_2": scale_2})
+        else:
+            stored[name] = t
+    assert any(".experts.0." in n for n in stored)
+    save_file(stored, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+    (out / "config.json").write_text(json.dumps(config))
+    artifact = build_artifact(out, tmp_path / "artifact")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    num_quantized = sum(1 for n in stored if n.endswith(".weight_scale_2"))
+    assert f'"source_nvfp4_weights": {num_quantized}' in json.dumps(manifest)
