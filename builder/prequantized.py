@@ -76,7 +76,8 @@ Refused, naming the setting: ModelOpt's fp8_pb_wo (block FP8 weights with unquan
 keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), NVFP4_AWQ and NVFP4 in a
 mixed-precision export (no FP4 scheme; an NVFP4 export alone is decoded to float weights as it is read,
 ``builder.checkpoint._nvfp4_weights``), a W4A16_AWQ with zero points or without its group_size, and experts that
-carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations, ue8m0 scales or per-tensor scales (weight_block_size null).
+carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations, ue8m0 scales or
+per-tensor scales (weight_block_size null).
 """
 
 from __future__ import annotations
