@@ -60,9 +60,10 @@ class Checkpoint:
     # MXFP4 weights (gpt-oss's experts): the weight's name -> its (blocks, scales) tensors, decoded on read
     mxfp4: dict[str, tuple[str, str]] = field(default_factory=dict)
     mxfp4_files: dict[str, Path] = field(default_factory=dict)  # those blocks / scales tensors -> their file
-    # ModelOpt NVFP4 weights: the weight's name -> its (codes, block scales, global scale) tensors, decoded on read
-    # (:func:`decode_nvfp4`); nvfp4_dropped: the activation and KV-cache scales left unread (see _nvfp4_weights)
-    nvfp4: dict[str, tuple[str, str, str]] = field(default_factory=dict)
+    # ModelOpt NVFP4 weights: the weight's name -> its (codes, block scales, global scale[, pre_quant_scale]) tensors,
+    # decoded on read (:func:`decode_nvfp4`); nvfp4_dropped: the activation and KV-cache scales left unread (see
+    # _nvfp4_weights)
+    nvfp4: dict[str, tuple[str, ...]] = field(default_factory=dict)
     nvfp4_files: dict[str, Path] = field(default_factory=dict)  # those three tensors -> their file
     nvfp4_dropped: list[str] = field(default_factory=list)
 
@@ -112,9 +113,9 @@ class Checkpoint:
             parts = Checkpoint(self.path, self.config_dict, self.weight_files, self.nvfp4_files).load_tensors(
                 [t for n in fp4 for t in self.nvfp4[n]])
             for name in fp4:
-                codes, scales, scale_2 = (parts.pop(t) for t in self.nvfp4[name])
-                try:
-                    out[name] = decode_nvfp4(codes, scales, scale_2, dtype or torch.float32)  # fp32: exact
+                codes, scales, scale_2, *pqs = (parts.pop(t) for t in self.nvfp4[name])
+                try:  # (dtype None: fp32, exact)
+                    out[name] = decode_nvfp4(codes, scales, scale_2, dtype or torch.float32, *pqs)
                 except ValueError as e:
                     raise CheckpointError(f"{self.path}: NVFP4 weight {name!r}: {e}") from None
             names = [n for n in names if n not in self.nvfp4]
@@ -180,11 +181,13 @@ NVFP4_BLOCK = 16  # NVFP4: e2m1 elements per fp8 (e4m3) block scale
 NVFP4_ROWS = 1024  # rows decoded at a time
 
 
-def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype,
+                 pre_quant_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A ModelOpt NVFP4 weight as ModelOpt dequantizes it: codes uint8 [N, K / 2] (two e2m1 codes a byte, the even
     column in the low nibble), scales float8_e4m3fn [N, K / 16] (one per 16 columns), scale_2 fp32 (one number) ->
     [N, K] in ``dtype``: each code's value times (its block's scale * scale_2), in fp32, then rounded once to
-    ``dtype``."""
+    ``dtype``. ``pre_quant_scale`` [K] (NVFP4_AWQ: the linear computes W (s * x)) is folded into the columns in fp32
+    first: W diag(s), the same product."""
     if codes.dtype != torch.uint8 or scales.dtype != torch.float8_e4m3fn or scale_2.numel() != 1 \
             or not scale_2.is_floating_point():
         raise ValueError(f"expected uint8 codes, float8_e4m3fn block scales and one float global scale, got "
@@ -193,6 +196,9 @@ def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tenso
             or 2 * codes.shape[1] != NVFP4_BLOCK * scales.shape[1]:
         raise ValueError(f"codes {tuple(codes.shape)} and block scales {tuple(scales.shape)} are not [N, K / 2] and "
                          f"[N, K / {NVFP4_BLOCK}]")
+    if pre_quant_scale is not None and tuple(pre_quant_scale.shape) != (2 * codes.shape[1],):
+        raise ValueError(f"pre_quant_scale {tuple(pre_quant_scale.shape)} is not [K] = [{2 * codes.shape[1]}]")
+    columns = pre_quant_scale.to(torch.float32) if pre_quant_scale is not None else None
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
     rows, half = codes.shape
     out = torch.empty(rows, 2 * half, dtype=dtype)
@@ -200,7 +206,8 @@ def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tenso
         c = codes[r:r + NVFP4_ROWS]
         values = lut[torch.stack((c & 0x0F, c >> 4), dim=-1).flatten(-2).to(torch.int64)]  # [rows, K]
         block = scales[r:r + NVFP4_ROWS].to(torch.float32) * scale_2.reshape(()).to(torch.float32)  # [rows, K / 16]
-        out[r:r + NVFP4_ROWS] = (values.view(len(c), -1, NVFP4_BLOCK) * block[..., None]).flatten(-2).to(dtype)
+        w = (values.view(len(c), -1, NVFP4_BLOCK) * block[..., None]).flatten(-2)
+        out[r:r + NVFP4_ROWS] = (w if columns is None else w * columns).to(dtype)
     return out
 
 
@@ -259,9 +266,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
 
 
 def _nvfp4_weights(cfg_file: Path, config: dict, weight_map: dict[str, Path]
-                   ) -> tuple[dict[str, tuple[str, str, str]], dict[str, Path], list[str]]:
+                   ) -> tuple[dict[str, tuple[str, ...]], dict[str, Path], list[str]]:
     """A ModelOpt NVFP4 export (``quant_algo: NVFP4``) holds each quantized linear's weight as ``W`` (packed e2m1
-    codes), ``W_scale`` (fp8 block scales) and ``W_scale_2`` (a global scale): returned as W -> those three, decoded
+    codes), ``W_scale`` (fp8 block scales) and ``W_scale_2`` (a global scale); NVFP4_AWQ's linears may also keep AWQ's
+    ``pre_quant_scale`` (folded into the decoded columns). Returned as W -> those tensors, decoded
     to float weights as they are read (:func:`decode_nvfp4`: the format's own dequantization; the build then holds
     no FP4 scheme, and the recipe's quantization section may quantize the weights again). The linears' FP4
     activation scales (``input_scale``) and an FP8 KV cache's ``k_scale`` / ``v_scale`` are left unread and listed:
@@ -269,22 +277,25 @@ def _nvfp4_weights(cfg_file: Path, config: dict, weight_map: dict[str, Path]
     removed (the scales are parts of their weights, not weights)."""
     from builder.prequantized import nvfp4_export
 
-    if not nvfp4_export(cfg_file, config):
+    algo = nvfp4_export(cfg_file, config)
+    if algo is None:
         return {}, {}, []
-    parts: dict[str, tuple[str, str, str]] = {}
+    parts: dict[str, tuple[str, ...]] = {}
     for name in [n for n in weight_map if n.endswith(".weight_scale_2")]:
         base = name.removesuffix("_scale_2")
         for t in (base, base + "_scale"):
             if t not in weight_map:
                 raise CheckpointError(f"{cfg_file.parent}: NVFP4 tensor {name!r} has no {t!r}; the checkpoint is "
                                       f"incomplete, export it again")
-        parts[base] = (base, base + "_scale", name)
+        pqs = base.removesuffix("weight") + "pre_quant_scale"
+        parts[base] = (base, base + "_scale", name) + ((pqs,) if algo == "NVFP4_AWQ" and pqs in weight_map else ())
     if not parts:
-        raise CheckpointError(f"{cfg_file}: the ModelOpt export's quant_algo is \"NVFP4\" but no tensor is stored as "
+        raise CheckpointError(f"{cfg_file}: the ModelOpt export's quant_algo is \"{algo}\" but no tensor is stored as "
                               f"NAME.weight / NAME.weight_scale / NAME.weight_scale_2")
     files: dict[str, Path] = {}
-    for codes, scale, scale_2 in parts.values():
-        files[codes], files[scale], files[scale_2] = weight_map[codes], weight_map.pop(scale), weight_map.pop(scale_2)
+    for codes, *scales in parts.values():
+        files[codes] = weight_map[codes]
+        files.update({t: weight_map.pop(t) for t in scales})
     # the NVFP4 linears' activation scales, and the attention modules' KV-cache scales
     dropped = [n for n in (codes.removesuffix("weight") + "input_scale" for codes in parts) if n in weight_map]
     dropped += [n for n in weight_map if n.endswith((".k_scale", ".v_scale"))]

@@ -73,8 +73,8 @@ x / (amax / 127) in the last bit, so a value within an ulp of a rounding boundar
 exported input_scale is what a deployment divides by.
 
 Refused, naming the setting: ModelOpt's fp8_pb_wo (block FP8 weights with unquantized activations: no IR scheme
-keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), NVFP4_AWQ and NVFP4 in a
-mixed-precision export (no FP4 scheme; an NVFP4 export alone is decoded to float weights as it is read,
+keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no IR scheme), NVFP4 and NVFP4_AWQ in a
+mixed-precision export (no FP4 scheme; an export of either alone is decoded to float weights as it is read,
 ``builder.checkpoint._nvfp4_weights``), a W4A16_AWQ with zero points or without its group_size, and experts that
 carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations, ue8m0 scales or
 per-tensor scales (weight_block_size null).
@@ -661,7 +661,8 @@ MODELOPT_REFUSED = {  # why other algorithms are not imported
                 "scheme",
     "NVFP4": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme (an export of NVFP4 alone is decoded to "
              "float weights; here it is one of a mixed-precision export's)",
-    "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 and a pre_quant_scale have no IR scheme",
+    "NVFP4_AWQ": "FP4 (e2m1) weights with fp8 scales per 16 have no IR scheme (an export of NVFP4_AWQ alone is "
+                 "decoded to float weights; here it is one of a mixed-precision export's)",
 }
 
 
@@ -832,27 +833,29 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def nvfp4_export(cfg_file: Path, config: dict) -> bool:
-    """Whether the checkpoint is a ModelOpt NVFP4 export (``quant_algo`` NVFP4 for every quantized linear; its
-    weights are decoded as they are read, ``builder.checkpoint._nvfp4_weights``). Its KV cache algorithm must be none
-    or FP8 (whose scales are left unread), and NVFP4_AWQ or a mixed precision export is not this."""
+def nvfp4_export(cfg_file: Path, config: dict) -> str | None:
+    """The quant_algo of a ModelOpt NVFP4 export (NVFP4, or NVFP4_AWQ whose linears may keep AWQ's pre_quant_scale,
+    for every quantized linear: its weights are decoded as they are read, ``builder.checkpoint._nvfp4_weights``), or
+    None for any other checkpoint (a mixed precision export too). Its KV cache algorithm must be none or FP8 (whose
+    scales are left unread)."""
     section = config.get("quantization_config")
     if isinstance(section, dict) and section.get("quant_method") == "modelopt":
         q = section
     else:
         modelopt = cfg_file.parent / MODELOPT_FILE
         if not (section is None and modelopt.is_file()):
-            return False
+            return None
         q = _read_json(modelopt).get("quantization") or {}
-    if str(q.get("quant_algo")).upper() != "NVFP4":
-        return False
+    algo = str(q.get("quant_algo")).upper()
+    if algo not in ("NVFP4", "NVFP4_AWQ"):
+        return None
     kv = q.get("kv_cache_quant_algo", q.get("kv_cache_scheme"))  # config.json's form names it kv_cache_scheme
     if isinstance(kv, dict):
         kv = "FP8" if kv.get("num_bits") == 8 and kv.get("type") == "float" else json.dumps(kv)
     if kv not in (None, "FP8"):
         raise _fail(cfg_file, f"kv_cache_quant_algo is {json.dumps(kv)} beside NVFP4 weights; imported: FP8 (its "
                               f"scales are left unread: the KV cache is the recipe's) or none")
-    return True
+    return algo
 
 
 def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:

@@ -431,7 +431,6 @@ def test_malformed_awq_export_fails_naming_the_tensor_or_field(bases, tmp_path, 
 @pytest.mark.parametrize("algo, message", [
     ("W4A8_AWQ", r"int4 weights with a second, fp8 scale and static fp8 activations \(an int4 x fp8 matmul\) have no "
                  r"IR scheme"),
-    ("NVFP4_AWQ", r"FP4 \(e2m1\) weights with fp8 scales per 16 and a pre_quant_scale have no IR scheme"),
 ])
 def test_other_awq_algorithms_stay_refused(bases, tmp_path, algo, message):
     from builder.checkpoint import CheckpointError, open_checkpoint

@@ -128,7 +128,7 @@ def test_the_artifact_computes_what_hf_does_with_the_dequantized_weights(exporte
 
 def test_malformed_nvfp4_exports_fail_naming_the_tensor(exported, tmp_path):
     """A weight without its block scales, block scales of the wrong shape, and a KV-cache algorithm that is not FP8
-    each stop the build naming the tensor or setting; NVFP4_AWQ stays refused."""
+    each stop the build naming the tensor or setting; NVFP4_AWQ inside a mixed-precision export stays refused."""
     from builder.checkpoint import CheckpointError, open_checkpoint
 
     root, _, _ = exported
@@ -161,10 +161,11 @@ def test_malformed_nvfp4_exports_fail_naming_the_tensor(exported, tmp_path):
                                                c["quantization_config"].update(kv_cache_scheme="NVFP4")))
     with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo is \"NVFP4\" beside NVFP4 weights"):
         open_checkpoint(scheme)  # config.json's own key for it
-    awq = edited("awq", lambda t, c: c["quantization_config"].update(quant_algo="NVFP4_AWQ"))
+    mixed = edited("mixed", lambda t, c: c["quantization_config"].update(
+        quant_algo="MIXED_PRECISION", quantized_layers={f"{q}": {"quant_algo": "NVFP4_AWQ"}}))
     with pytest.raises(CheckpointError, match=r"quant_algo is \"NVFP4_AWQ\": FP4 \(e2m1\) weights with fp8 scales "
-                                              r"per 16 and a pre_quant_scale have no IR scheme"):
-        open_checkpoint(awq)
+                                              r"per 16 have no IR scheme \(an export of NVFP4_AWQ alone is decoded"):
+        open_checkpoint(mixed)
 
 
 def test_an_hf_quant_config_only_export_builds_and_its_file_is_hashed(exported, tmp_path):
@@ -218,3 +219,49 @@ def test_an_moe_export_with_experts_stored_one_by_one_builds(tmp_path):
     manifest = json.loads((artifact / "manifest.json").read_text())
     num_quantized = sum(1 for n in stored if n.endswith(".weight_scale_2"))
     assert f'"source_nvfp4_weights": {num_quantized}' in json.dumps(manifest)
+
+
+def test_an_nvfp4_awq_export_folds_its_pre_quant_scales(tmp_path):
+    """NVFP4_AWQ: ModelOpt keeps AWQ's per-input-channel scale s on the linears whose input no norm absorbs (o_proj,
+    down_proj), their weights quantized as W / s, so that the linear computes W' (s * x). The decoded weight is
+    dequant(W') * s, folded in fp32; the artifact's logits are the Hugging Face model's holding those weights."""
+    from transformers import AutoModelForCausalLM
+
+    from builder.checkpoint import open_checkpoint
+    from runtime import Engine
+
+    base = make_checkpoint(tmp_path / "base", "llama", seed=6, tie_word_embeddings=False)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    for f in base.iterdir():
+        if f.suffix != ".safetensors":
+            (out / f.name).write_bytes(f.read_bytes())
+    gen = torch.Generator().manual_seed(2)
+    stored, folded = {}, {}
+    for name, t in load_file(base / "model.safetensors").items():
+        if name.endswith(".weight") and name.split(".")[-2] in LINEARS:
+            prefix = name.removesuffix(".weight")
+            smoothed = name.split(".")[-2] in ("o_proj", "down_proj")
+            s = 0.5 + 1.5 * torch.rand(t.shape[1], generator=gen) if smoothed else torch.ones(t.shape[1])
+            codes, scales, scale_2, dequant = quantize_nvfp4(t.float() / s)
+            stored.update({name: codes, f"{prefix}.weight_scale": scales, f"{prefix}.weight_scale_2": scale_2})
+            if smoothed:
+                stored[f"{prefix}.pre_quant_scale"] = s
+            folded[name] = dequant * s
+        else:
+            stored[name] = t
+    save_file(stored, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4_AWQ", "group_size": 16}
+    (out / "config.json").write_text(json.dumps(config))
+    ckpt = open_checkpoint(out)
+    read = ckpt.load_tensors(sorted(folded), torch.float32)
+    assert all(torch.equal(read[n], folded[n]) for n in folded)
+    assert sum(len(parts) == 4 for parts in ckpt.nvfp4.values()) == 4  # two layers' o_proj and down_proj
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model.load_state_dict({**model.state_dict(), **folded})
+    engine = Engine.load(build_artifact(out, tmp_path / "artifact"))
+    ids = torch.randint(3, model.config.vocab_size, (30,), generator=gen).tolist()
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), use_cache=False).logits[0]
+    assert (engine.logits(ids) - expected).abs().max().item() < 1e-5
