@@ -1035,6 +1035,7 @@ class ServingEngine:
     def _pack(self, sched: SchedulerOutput) -> tuple[PackedStep, list[Request]]:
         """The scheduled sequences packed back to back on the host, and the requests that sample, in order."""
         bs = self.block_size
+        long_rope = self.scheduler_config.long_rope_from is not None  # (the offset is read only where there is one)
         step = PackedStep([], [], [], [0], [], [], [])
         sampling: list[Request] = []
         for seq in sched.seqs:
@@ -1044,7 +1045,8 @@ class ServingEngine:
             # follow a decode's last token, in its lookahead slots
             step.input_ids.extend([0] if seq.in_flight_row is not None
                                   else request.token_ids[start:start + n - seq.num_draft] + seq.draft_token_ids)
-            step.positions.extend(range(start + request.rope_offset, start + n + request.rope_offset))
+            offset = request.rope_offset if long_rope else 0
+            step.positions.extend(range(start + offset, start + n + offset))
             step.slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             step.cu_seqlens_q.append(len(step.input_ids))
             step.context_lens.append(start)
@@ -1083,12 +1085,14 @@ class ServingEngine:
         """A decode-only step through its captured CUDA graph. ``input_ids``: the step's tokens on the device
         (sampled by the step in flight), else read from the requests."""
         bs = self.block_size
+        long_rope = self.scheduler_config.long_rope_from is not None
         ids, positions, slots, tables = [], [], [], []
         for q in sched.seqs:
             p, table = q.num_context, self.kv.block_table(q.request.request_id)
             if input_ids is None:
                 ids.append(q.request.token_ids[p])
-            positions.append(p + q.request.rope_offset)  # (DecodeGraphs reads the lengths without the offset)
+            # (DecodeGraphs reads the lengths without LongRoPE's offset)
+            positions.append(p + q.request.rope_offset if long_rope else p)
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
         return self.graphs.run(ids if input_ids is None else input_ids, positions, slots, tables)
