@@ -118,7 +118,8 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "int8_wo": {"refit_scales"},
     "fp8": {"activations", "weight_granularity", "experts"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
-    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales", "experts"},
+    "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales", "true_sequential",
+             "experts"},
     "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip",
             "scale_output", "joint_clip", "refit_scales", "experts"},
 }
@@ -155,6 +156,9 @@ class QuantizationSection(_Strict):
     # inputs' second moments, the row's output error (default True); int8_wo: the same for each row's scale, chosen
     # first by that error (default False: int8_wo then reads no calibration text)
     refit_scales: Optional[bool] = None
+    # gptq: each linear's Hessian on inputs through the quantized linears before it in its layer (default False:
+    # every linear of a layer on inputs through the layer's float weights, the quantized earlier layers' outputs)
+    true_sequential: Optional[bool] = None
     alpha: Optional[float] = Field(default=None, ge=0, le=1)  # smoothquant (default 0.5)
     smoothing: Optional[bool] = None  # smoothquant (default True); False = plain (naive) W8A8 INT8
     activations: Optional[Literal["dynamic", "static"]] = None  # smoothquant/fp8 (default dynamic)

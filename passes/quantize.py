@@ -71,9 +71,13 @@ class Segment:
     attention_layers: list[int]  # KV layers written inside the segment
 
 
-def segments(graph: Graph) -> list[Segment]:
-    """Cut the node list right after each attention node."""
+def segments(graph: Graph, at_linears: bool = False) -> list[Segment]:
+    """Cut the node list right after each attention node; ``at_linears``: also right before each linear, so that a
+    linear's calibration inputs come through the quantized linears before it in its layer (GPTQ's "true
+    sequential" order) rather than through their float weights."""
     cuts = [i + 1 for i, n in enumerate(graph.nodes) if n.op == "attention"]
+    if at_linears:
+        cuts = sorted(set(cuts) | {i for i, n in enumerate(graph.nodes) if n.op == "linear" and i > 0})
     bounds = [0] + cuts + ([len(graph.nodes)] if not cuts or cuts[-1] < len(graph.nodes) else [])
     out = []
     for a, b in zip(bounds, bounds[1:]):
@@ -161,6 +165,9 @@ class QuantMethod(Pass):
 
     needs_calibration = True
     scheme = ""  # the IR quant scheme this method writes
+    # calibrate each linear on inputs through the quantized linears before it in its layer (segments(at_linears)):
+    # for methods whose statistics are per linear (GPTQ's Hessian), not per layer block (AWQ, SmoothQuant)
+    true_sequential = False
 
     def __init__(self) -> None:
         self.settings = QuantSettings()
@@ -369,7 +376,7 @@ class QuantMethod(Pass):
             elif index in wanted_moe:
                 self.observe_experts(index, graph.nodes[index], inputs)
 
-        segs = segments(graph)
+        segs = segments(graph, at_linears=self.true_sequential)
         for k, seg in enumerate(segs):
             seg_targets = [i for i in targets if seg.start <= i < seg.end]
             seg_moe = sorted(i for i in wanted_moe if seg.start <= i < seg.end)

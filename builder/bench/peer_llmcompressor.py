@@ -6,7 +6,8 @@ Runs in llm-compressor's own virtualenv (it imports nothing from this repository
         --eval-windows DIR/eval_windows.json --out DIR/llm-compressor [--methods gptq,awq,...]
 
 Methods: gptq, gptq_sym (W4A16 g64, no act-order), gptq_act, gptq_sym_act (the same with actorder="static"),
-awq, awq_sym, smoothquant, smoothquant_static, fp8, int8_wo.
+awq, awq_sym, smoothquant, smoothquant_static, fp8, int8_wo, int8_wo_gptq (W8A16 per-channel symmetric GPTQ,
+actorder "static", damp 0.01, block 128).
 
 For each method: oneshot() on the HF model loaded from the local dir with the exact calibration token
 windows, then write DIR/<method>/ = config + tokenizer + model.safetensors whose quantized linears hold
@@ -79,6 +80,9 @@ def recipe_for(method):
         return [QuantizationModifier(scheme="FP8_DYNAMIC", ignore=IGNORE)]
     if method == "int8_wo":  # W8A16 per-channel symmetric RTN
         return [QuantizationModifier(config_groups=w8_channel_sym(), ignore=IGNORE)]
+    if method == "int8_wo_gptq":  # W8A16 per-channel symmetric GPTQ, static act-order (its default)
+        return [GPTQModifier(config_groups=w8_channel_sym(), ignore=IGNORE, actorder="static", block_size=128,
+                             dampening_frac=0.01)]
     raise SystemExit(f"unknown method {method}")
 
 

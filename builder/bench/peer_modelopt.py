@@ -25,7 +25,8 @@ not all of 128):
   quantizers, which its per-token dynamic setting (``block_sizes {-1: None}``) refuses ("Axis and block_sizes are
   both set", 0.47.0): its INT8 SmoothQuant is static.
 - ``fp8``: ``FP8_PER_CHANNEL_PER_TOKEN_CFG`` (E4M3 per-channel weights, dynamic per-token activations).
-- ``int8_wo``: ``INT8_WEIGHT_ONLY_CFG`` (INT8 per-channel weights).
+- ``int8_wo``: ``INT8_WEIGHT_ONLY_CFG`` (INT8 per-channel weights); ``int8_wo_gptq``: the same with algorithm
+  ``gptq`` (damp 0.01, block 128).
 """
 
 import argparse
@@ -43,7 +44,7 @@ import modelopt
 import modelopt.torch.quantization as mtq
 
 GROUP = 64
-METHODS = ["gptq_sym", "awq_sym", "awq_full_sym", "smoothquant_static", "fp8", "int8_wo"]
+METHODS = ["gptq_sym", "awq_sym", "awq_full_sym", "smoothquant_static", "fp8", "int8_wo", "int8_wo_gptq"]
 
 
 def _with(base: dict, algorithm=None, weight=None) -> dict:
@@ -71,6 +72,8 @@ def config_for(method: str) -> dict:
         return copy.deepcopy(mtq.FP8_PER_CHANNEL_PER_TOKEN_CFG)
     if method == "int8_wo":
         return copy.deepcopy(mtq.INT8_WEIGHT_ONLY_CFG)
+    if method == "int8_wo_gptq":
+        return _with(mtq.INT8_WEIGHT_ONLY_CFG, {"method": "gptq", "perc_damp": 0.01, "block_size": 128})
     raise ValueError(f"unknown method {method}; one of {', '.join(METHODS)}")
 
 

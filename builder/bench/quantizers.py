@@ -92,7 +92,29 @@ METHODS = {  # our methods; a peer's directory of the same name is the same meth
     "int8_wo": Method("int8_wo", "int8_wo", (), "scale amax / 127.5 per channel, no calibration"),
     "int8_wo_refit": Method("int8_wo", "int8_wo", ("quantization.refit_scales=true",),
                             "scale amax / 127.5, then refit on the calibration inputs' second moments (refit_scales)"),
+    "int8_wo_gptq": Method("int8_wo", "gptq", ("quantization.bits=8", "quantization.group_size=-1",
+                                               "quantization.symmetric=true"),
+                           "GPTQ at 8 bits per channel, symmetric (amax / 127.5), static act-order, damp 0.01"),
 }
+# variants measured once (docs/QUANTIZATION_COMPARISON.md, session 38), run by name: --methods gptq_act_true_seq,...
+VARIANTS = {
+    "gptq_true_seq": Method("w4_asym", "gptq", G64 + ("quantization.act_order=false",
+                                                      "quantization.true_sequential=true"),
+                            "GPTQ, no act-order, each linear calibrated through the quantized ones before it"),
+    "gptq_act_true_seq": Method("w4_asym", "gptq", G64 + ("quantization.true_sequential=true",),
+                                "GPTQ, act-order, each linear calibrated through the quantized ones before it"),
+    "gptq_sym_true_seq": Method("w4_sym", "gptq", G64 + ("quantization.symmetric=true", "quantization.act_order=false",
+                                                         "quantization.true_sequential=true"),
+                                "GPTQ, symmetric, no act-order, true sequential"),
+    "gptq_sym_act_true_seq": Method("w4_sym", "gptq", G64 + ("quantization.symmetric=true",
+                                                             "quantization.true_sequential=true"),
+                                    "GPTQ, symmetric, act-order, true sequential"),
+    "int8_wo_gptq_true_seq": Method("int8_wo", "gptq", ("quantization.bits=8", "quantization.group_size=-1",
+                                                        "quantization.symmetric=true",
+                                                        "quantization.true_sequential=true"),
+                                    "GPTQ at 8 bits per channel, true sequential"),
+}
+ALL_METHODS = {**METHODS, **VARIANTS}
 # peers' directories in a scheme besides our method names (ModelOpt's AWQ with its clip search, symmetric)
 PEER_VARIANTS = {"awq_full_sym": "w4_sym"}
 NAIVE_STATIC = ("quantization.activations=static", "quantization.smoothing=false", "quantization.static_scale=max")
@@ -258,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=DIR",
                     help="a peer tool's output, one sub-directory per method (repeatable)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/qbench/ours"), help="where our artifacts are built")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(ALL_METHODS)}")
     ap.add_argument("--skip-build", action="store_true", help="reuse artifacts already in --work-dir")
     ap.add_argument("--json", type=Path, help="also write the measured rows as JSON here")
     ap.add_argument("--dump-windows", type=Path, metavar="DIR", help="write calib/eval token windows as JSON and exit")
@@ -278,9 +300,9 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--peer {spec!r}: expected NAME=DIR with an existing DIR")
         peers[name] = Path(path)
     methods = [m for m in args.methods.split(",") if m]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in ALL_METHODS]
     if unknown:
-        ap.error(f"unknown methods {unknown}; known: {', '.join(METHODS)}")
+        ap.error(f"unknown methods {unknown}; known: {', '.join(ALL_METHODS)}")
 
     from builder.quality import GraphModel, load_graph, rtn_counterpart
 
@@ -301,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     for name in methods:
-        m = METHODS[name]
+        m = ALL_METHODS[name]
         row = {"scheme": m.scheme, "method": name, "impl": "ours", "note": m.note}
         graph = None
         try:
@@ -327,10 +349,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 log.warning("no round-to-nearest counterpart for %s: %s", name, why)
 
-    wanted = set(methods) | {v for v, sch in PEER_VARIANTS.items() if sch in {METHODS[m].scheme for m in methods}}
+    wanted = set(methods) | {v for v, sch in PEER_VARIANTS.items() if sch in {ALL_METHODS[m].scheme for m in methods}}
     for peer, root in peers.items():
         for d in sorted(p for p in root.iterdir() if p.is_dir() and p.name in wanted):
-            scheme = METHODS[d.name].scheme if d.name in METHODS else PEER_VARIANTS[d.name]
+            scheme = ALL_METHODS[d.name].scheme if d.name in ALL_METHODS else PEER_VARIANTS[d.name]
             if (d / "config.json").is_file():
                 add({"scheme": scheme, "method": d.name, "impl": f"{peer} (fake-quant checkpoint)"},
                     lambda: score(baseline, GraphModel(load_graph(d)[0]).logits, es))

@@ -178,3 +178,26 @@ def test_awq_scale_refit_lowers_the_kl(setup, kl, awq_build):
     assert plain[0].details["refit_scales"] is False
     kl_plain = kl(quantized)
     assert 0 < kl_refit < kl_plain, (kl_refit, kl_plain)
+
+
+def test_gptq_true_sequential_calibrates_each_linear_through_the_quantized_ones_before_it(setup):
+    """``true_sequential: true`` calibrates a layer's linears in turn, each on inputs through the quantized linears
+    before it (``segments(at_linears=True)``); the default calibrates them all through the layer's float weights.
+    The first linear of the model reads the embeddings either way, so its codes agree; a later one's differ."""
+    from passes.quantize import segments
+
+    graph, _, _ = setup
+    cuts = segments(graph, at_linears=True)
+    starts = {s.start for s in cuts}
+    linears = [i for i, n in enumerate(graph.nodes) if n.op == "linear"]
+    assert set(linears[1:]) <= starts and cuts[0].start == 0 and cuts[-1].end == len(graph.nodes)
+    assert all(a.end == b.start for a, b in zip(cuts, cuts[1:]))
+    layers = [layer for s in cuts for layer in s.attention_layers]
+    assert layers == sorted(layers) and len(layers) == sum(n.op == "attention" for n in graph.nodes)
+    assert len(segments(graph)) < len(cuts)
+
+    seq, _ = _build(setup, "gptq", true_sequential=True)
+    flat, _ = _build(setup, "gptq")
+    codes = [[g.params[n.weights["qweight"]] for n in g.nodes if n.op == "linear"] for g in (seq, flat)]
+    assert torch.equal(codes[0][0], codes[1][0])
+    assert any(not torch.equal(a, b) for a, b in zip(codes[0][1:], codes[1][1:]))
