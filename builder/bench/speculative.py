@@ -68,6 +68,8 @@ def code_edit_prompts(tokenizer: Tokenizer, num: int, root: Path) -> list[list[i
     for i in range(num):
         lines = (root / SOURCES[i % len(SOURCES)]).read_text().splitlines()
         start = min(40 + 17 * (i // len(SOURCES)), max(len(lines) - SNIPPET_LINES, 0))
+        while start < len(lines) - 1 and not lines[start].strip():  # the cue is the stretch's first line: not a blank
+            start += 1
         snippet = "\n".join(lines[start: start + SNIPPET_LINES])
         text = f"{snippet}\n\n# The code above, written out again unchanged:\n{lines[start]}\n"
         prompts.append(tokenizer.encode(text))

@@ -871,6 +871,24 @@ def test_speculative_bench_on_the_bundled_model(bundled_artifact, tmp_path):
                                                            rel=1e-2)
 
 
+def test_code_editing_prompts_end_on_the_stretchs_first_nonblank_line(bundled_artifact):
+    """Each code-editing prompt ends with the instruction and the stretch's first line, which is never blank (a blank
+    cue left the model nothing to copy from: the stretches of three of the six files started on one)."""
+    from pathlib import Path
+
+    from builder.bench.speculative import SNIPPET_LINES, code_edit_prompts
+    from runtime.artifact import open_artifact
+
+    tokenizer = open_artifact(bundled_artifact, check_hashes=False).load_tokenizer()
+    root = Path(__file__).resolve().parents[2]
+    marker = "# The code above, written out again unchanged:\n"
+    for ids in code_edit_prompts(tokenizer, 6, root):
+        text = tokenizer.decode(ids)
+        snippet, cue = text.split(marker)
+        assert cue.strip() and cue.endswith("\n") and snippet.startswith(cue[:-1])
+        assert len(snippet.splitlines()) <= SNIPPET_LINES + 2
+
+
 def test_speculative_bench_with_a_draft_model_on_text(bundled_artifact, tmp_path):
     """--draft with --text: the draft model's figures (the bundled model as its own draft: nearly every proposal
     accepted), prompts cut from a text file."""
