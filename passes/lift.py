@@ -1124,8 +1124,6 @@ def _norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -> To
             raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
         attrs["head_dim"] = x.layout.size("D")
     if weight.offset:  # gain (offset + w), e.g. Gemma's 1 + w
-        if normed.centered:
-            raise LiftError(f"LayerNorm at {source!r} has a gain of {weight.offset:g} + w; the layer_norm op takes w")
         attrs["weight_offset"] = weight.offset
     op = "layer_norm" if normed.centered else "rms_norm"
     out = _emit(st, op, [x.value], "norm", source, weights={"weight": weight.name}, attrs=attrs)
@@ -1138,17 +1136,17 @@ def _layer_norm(fx_node, args, kwargs, st, ctx, source):
     weight, bias, eps = (args + [Const(None), Const(None), Const(1e-5)])[2:5]
     if isinstance(x, Tok) and x.layout.dims[-1] == "D":
         raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
-    if isinstance(weight, Param) and weight.offset:
-        raise LiftError(f"LayerNorm at {source!r} has a gain of {weight.offset:g} + w; the layer_norm op takes w")
     if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and shape == [x.layout.sizes[-1]]):
         return NotImplemented
-    weights = {}
+    weights, attrs = {}, {"eps": float(_const(eps))}
     for role, w in (("weight", weight), ("bias", bias)):
-        if isinstance(w, Param) and not w.offset:
+        if isinstance(w, Param) and (role == "weight" or not w.offset):
             weights[role] = w.name
         elif not (isinstance(w, Const) and w.value is None):
             return NotImplemented
-    out = _emit(st, "layer_norm", [x.value], "norm", source, weights=weights, attrs={"eps": float(_const(eps))})
+    if isinstance(weight, Param) and weight.offset:  # a gain of offset + w (Nemotron's LayerNorm1P: 1 + w)
+        attrs["weight_offset"] = weight.offset
+    out = _emit(st, "layer_norm", [x.value], "norm", source, weights=weights, attrs=attrs)
     return Tok(out, _layout_of(fx_node), x.repeat)
 
 

@@ -446,12 +446,21 @@ def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | N
                       or x.numel() <= gemv_rows * x.shape[-1] else None)
 
 
+def _layer_norm_gain(w, attrs) -> torch.Tensor | None:
+    """A layer_norm's gain: its weight, or with a ``weight_offset`` the weight plus it, formed once in the weight's
+    dtype (Nemotron's LayerNorm1P computes ``self.weight + 1`` in the parameter's dtype)."""
+    weight, offset = w.get("weight"), attrs.get("weight_offset", 0.0)
+    if weight is None or not offset:
+        return weight
+    return (weight + offset).to(weight.dtype)
+
+
 def _fused_add_layer_norm(w, attrs) -> Kernel:
     """A residual add and the LayerNorm reading its sum, in one kernel: (sum, normed). Operands of other shapes than
     each other (a broadcast add) take the add, then the norm."""
     from kernels.fused_norm import fused_add_layer_norm, layer_norm
 
-    weight, bias, eps = w.get("weight"), w.get("bias"), attrs["eps"]
+    weight, bias, eps = _layer_norm_gain(w, attrs), w.get("bias"), attrs["eps"]
 
     def kernel(xs, step):
         x, residual = xs
@@ -469,7 +478,7 @@ def _done_before(xs, step) -> tuple:
 
 
 def _layer_norm(w, attrs, ex) -> Kernel:
-    weight, bias, eps = w.get("weight"), w.get("bias"), attrs["eps"]
+    weight, bias, eps = _layer_norm_gain(w, attrs), w.get("bias"), attrs["eps"]
     if ex.use_kernels:  # one Triton kernel (kernels.fused_norm.layer_norm); after a residual add, the add's node runs
         # both instead (_Fusions.add_layer_norms) and this one is not called
         from kernels.fused_norm import layer_norm

@@ -110,6 +110,8 @@ SUPPORTED = [
     Family("Starcoder2", "starcoder2", dict(num_hidden_layers=1, sliding_window=8),
            "LayerNorm with bias, tanh-GeLU MLP without gate, biases, sliding-window attention"),
     Family("OLMo", "olmo", dict(num_hidden_layers=1), "LayerNorm without weight or bias"),
+    Family("Nemotron", "nemotron", dict(num_hidden_layers=1, head_dim=16),
+           "LayerNorm with a (1 + w) gain (LayerNorm1P), squared-ReLU MLP without a gate, partial rotary"),
     Family("Cohere", "cohere", dict(num_hidden_layers=1),
            "LayerNorm without bias written out, parallel attention and MLP, interleaved (GPT-J) rotary, "
            "logits x logit_scale, tied embeddings"),
@@ -247,9 +249,6 @@ NOT_YET = [
            r"rotary embedding at 'transformer\.h\.0\.attn': cannot tell which inv_freq buffer its cos/sin come from",
            "rotary cos / sin read from a precomputed sin / cos table (embed_positions) instead of inv_freq (CodeGen "
            "too)"),
-    NotYet(Family("Nemotron", "nemotron", dict(num_hidden_layers=1, head_dim=16)),
-           r"LayerNorm at 'model\.layers\.0\.input_layernorm' has a gain of 1 \+ w; the layer_norm op takes w",
-           "LayerNorm with a (1 + w) gain (its squared-ReLU MLP and partial rotary lift)"),
     NotYet(Family("Persimmon", "persimmon", dict(num_hidden_layers=1)),
            r"LayerNorm per head at 'model\.layers\.0\.self_attn\.q_layernorm'",
            "LayerNorm over each head's features (its q/k norms)"),

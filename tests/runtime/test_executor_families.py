@@ -1,11 +1,11 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a scaled
 lm_head, learned position embeddings, soft-capped attention and logits, attention sinks, LongRoPE's two rotary
-tables, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a selection bias, a scaling factor): ops
-without a Triton kernel run their torch reference there, LayerNorm runs its kernel with the residual add before it,
-partial and interleaved rotary are fused into the attention's KV write as whole-head rotary is, the paged attention
-kernels soft-cap and add the sinks, and the serving engine on the kernels generates the reference path's tokens. On
-CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the kernel path runs on CUDA,
-from CUDA graphs, against the CPU reference."""
+tables, Nemotron's (1 + w) LayerNorm gain, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a
+selection bias, a scaling factor): ops without a Triton kernel run their torch reference there, LayerNorm runs its
+kernel with the residual add before it, partial and interleaved rotary are fused into the attention's KV write as
+whole-head rotary is, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels
+generates the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine
+(TRITON_INTERPRET=0) the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
     "phi": ({}, True),  # parallel attention and MLP on one layer_norm, rotary on half of each head
     "gpt_neox": ({}, True),  # q/k/v fused per head, rotary on a quarter of each head, two layer_norms
     "gpt2": ({}, False),  # an embedding of the positions (the paged steps' own), no rotary at all
+    # LayerNorm1P: the layer_norm kernels (alone and after the residual add) with the (1 + w) gain, squared ReLU
+    "nemotron": (dict(head_dim=32), True),
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
     # attention sinks, rotary on each head's halves, experts with biases and the clamped SwiGLU (the fused moe
