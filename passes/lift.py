@@ -159,6 +159,7 @@ class Rot:  # rotate_half(x[..., start:stop]) = cat(-x_hi, x_lo); interleaved: G
     start: int
     stop: int
     interleaved: bool = False
+    neg: bool = False  # cat(x_hi, -x_lo) = -rotate_half(x): a rotation by minus the angle (NanoChat's)
 
 
 @dataclass(frozen=True)
@@ -174,6 +175,7 @@ class RopeTerm:  # x[..., start:stop] * cos, or rotate(x[..., start:stop]) * sin
     start: int
     stop: int
     interleaved: bool = False
+    neg: bool = False  # rotated by minus the angle (see Rot)
 
 
 @dataclass(frozen=True)
@@ -1030,8 +1032,7 @@ def _cat(fx_node, args, kwargs, st, ctx, source):
             return Rot(lo.x, lo.start, hi.stop)  # rotate_half(x[..., lo.start:hi.stop])
         if (hi.x.value == lo.x.value and lo.neg and not hi.neg and hi.start == lo.stop
                 and hi.stop - hi.start == lo.stop - lo.start):  # cat(x2, -x1) = -rotate_half(x) (NanoChat's)
-            raise LiftError(f"module {source!r} rotates by minus the angle (rotate_half written cat(x2, -x1)), "
-                            f"which the rope op does not compute")
+            return Rot(lo.x, lo.start, hi.stop, neg=True)  # -rotate_half(x[..., lo.start:hi.stop])
     return _reassemble(fx_node, parts, st)
 
 
@@ -1085,7 +1086,8 @@ def _mul(fx_node, args, kwargs, st, ctx, source):
         if isinstance(x, Sub) and x.step == 1 and not x.neg and isinstance(y, Pos):
             return RopeTerm(x.x, rotated=False, table=y, start=x.start, stop=x.stop)
         if isinstance(x, Rot) and isinstance(y, Pos):
-            return RopeTerm(x.x, rotated=True, table=y, start=x.start, stop=x.stop, interleaved=x.interleaved)
+            return RopeTerm(x.x, rotated=True, table=y, start=x.start, stop=x.stop, interleaved=x.interleaved,
+                            neg=x.neg)
         if isinstance(y, Const) and isinstance(y.value, (int, float)) and not isinstance(y.value, bool):
             if isinstance(x, Cube):
                 return Cube(x.x, x.coef * y.value)
@@ -1300,9 +1302,13 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
         raise LiftError(f"rotary embedding at {source!r}: cannot tell which inv_freq buffer its cos/sin "
                         f"come from (found {inv_freq_buffers or 'none'})")
     buffer = inv_freq_buffers[0]
-    key = frozenset([buffer])
     inv_freq, scaling = ctx.rotary(buffer)
     long = ctx.long_rotary(buffer) if ctx.long_rotary is not None else None
+    if term.neg:  # x cos - rotate_half(x) sin: the rotation by minus each angle, i.e. by the negated frequencies
+        if long is not None:
+            raise LiftError(f"rotary embedding at {source!r} rotates by minus the angle with two (LongRoPE) tables")
+        inv_freq, buffer = -inv_freq, f"{buffer}.negated"
+    key = frozenset([buffer])
     if key not in st.rope_tables:  # LongRoPE's two tables as one [2, rotary_dim / 2] parameter
         st.params[buffer] = inv_freq if long is None else torch.stack([inv_freq, long[0]])
         st.rope_tables[key] = buffer

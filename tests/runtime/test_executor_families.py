@@ -1,6 +1,6 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a scaled
 lm_head, learned position embeddings, soft-capped attention and logits, attention sinks, LongRoPE's two rotary
-tables, Nemotron's (1 + w) LayerNorm gain, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a
+tables, Nemotron's (1 + w) LayerNorm gain, NanoChat's negated rotary, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a
 selection bias, a scaling factor): ops without a Triton kernel run their torch reference there, LayerNorm runs its
 kernel with the residual add before it, partial and interleaved rotary are fused into the attention's KV write as
 whole-head rotary is, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels
@@ -36,6 +36,9 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
     "gpt2": ({}, False),  # an embedding of the positions (the paged steps' own), no rotary at all
     # LayerNorm1P: the layer_norm kernels (alone and after the residual add) with the (1 + w) gain, squared ReLU
     "nemotron": (dict(head_dim=32), True),
+    # rotary by minus the angle (negated frequencies through the rope kernel: the q/k norms after it keep it apart
+    # from the KV write), RMSNorm without gains
+    "nanochat": ({}, False),
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
     # attention sinks, rotary on each head's halves, experts with biases and the clamped SwiGLU (the fused moe
