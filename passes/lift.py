@@ -1122,8 +1122,6 @@ def _norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -> To
     x = normed.x
     attrs: dict[str, Any] = {"eps": normed.eps}
     if x.layout.dims[-1] == "D":  # normalised per head (e.g. q/k norms)
-        if normed.centered:
-            raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
         attrs["head_dim"] = x.layout.size("D")
     if weight.offset:  # gain (offset + w), e.g. Gemma's 1 + w
         attrs["weight_offset"] = weight.offset
@@ -1136,11 +1134,11 @@ def _layer_norm(fx_node, args, kwargs, st, ctx, source):
     """aten.layer_norm(x, [features], weight?, bias?, eps): with or without a gain and a bias (OLMo has none)."""
     x, shape = args[0], _const(args[1])
     weight, bias, eps = (args + [Const(None), Const(None), Const(1e-5)])[2:5]
-    if isinstance(x, Tok) and x.layout.dims[-1] == "D":
-        raise LiftError(f"LayerNorm per head at {source!r}: the layer_norm op normalises whole rows only")
-    if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and shape == [x.layout.sizes[-1]]):
+    if not (isinstance(x, Tok) and x.layout.dims[-1] in ("F", "D") and shape == [x.layout.sizes[-1]]):
         return NotImplemented
     weights, attrs = {}, {"eps": float(_const(eps))}
+    if x.layout.dims[-1] == "D":  # over each head's features (Persimmon's q/k LayerNorms), one gain for every head
+        attrs["head_dim"] = x.layout.size("D")
     for role, w in (("weight", weight), ("bias", bias)):
         if isinstance(w, Param) and (role == "weight" or not w.offset):
             weights[role] = w.name

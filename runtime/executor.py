@@ -228,7 +228,8 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                 or i in fusions.absorbed):
             continue
         norms = [j for j in readers.get(node["outputs"][0], []) if nodes[j]["op"] == "layer_norm"
-                 and nodes[j]["inputs"][0] == node["outputs"][0] and j not in fusions.absorbed]
+                 and nodes[j]["inputs"][0] == node["outputs"][0] and j not in fusions.absorbed
+                 and not nodes[j].get("attrs", {}).get("head_dim")]
         if len(norms) == 1 and norms[0] not in fusions.add_layer_norms.values():
             fusions.add_layer_norms[i] = norms[0]
     return fusions
@@ -479,12 +480,14 @@ def _done_before(xs, step) -> tuple:
 
 def _layer_norm(w, attrs, ex) -> Kernel:
     weight, bias, eps = _layer_norm_gain(w, attrs), w.get("bias"), attrs["eps"]
+    fn = ops.layer_norm
     if ex.use_kernels:  # one Triton kernel (kernels.fused_norm.layer_norm); after a residual add, the add's node runs
         # both instead (_Fusions.add_layer_norms) and this one is not called
-        from kernels.fused_norm import layer_norm
-
-        return lambda xs, step: (layer_norm(xs[0], weight, bias, eps),)
-    return lambda xs, step: (ops.layer_norm(xs[0], weight, bias, eps),)
+        from kernels.fused_norm import layer_norm as fn
+    head_dim = attrs.get("head_dim")
+    if head_dim:  # each head's features a row of their own, one gain and bias for every head
+        return lambda xs, step: (fn(xs[0].reshape(-1, head_dim), weight, bias, eps).reshape(xs[0].shape),)
+    return lambda xs, step: (fn(xs[0], weight, bias, eps),)
 
 
 def _fused_add_rms_norm(w, attrs, ex) -> Kernel:

@@ -113,6 +113,9 @@ SUPPORTED = [
     Family("NanoChat", "nanochat", dict(num_hidden_layers=1),
            "rotary by minus the angle (rotate_half written cat(x2, -x1): the negated frequencies), RMSNorm without "
            "gains, squared-ReLU MLP"),
+    Family("Persimmon", "persimmon", dict(num_hidden_layers=1),
+           "LayerNorm over each head's features (q/k norms with biases), q/k/v fused per head, rotary on half of "
+           "each head, squared-ReLU MLP"),
     Family("Nemotron", "nemotron", dict(num_hidden_layers=1, head_dim=16),
            "LayerNorm with a (1 + w) gain (LayerNorm1P), squared-ReLU MLP without a gate, partial rotary"),
     Family("Cohere", "cohere", dict(num_hidden_layers=1),
@@ -252,9 +255,6 @@ NOT_YET = [
            r"rotary embedding at 'transformer\.h\.0\.attn': cannot tell which inv_freq buffer its cos/sin come from",
            "rotary cos / sin read from a precomputed sin / cos table (embed_positions) instead of inv_freq (CodeGen "
            "too)"),
-    NotYet(Family("Persimmon", "persimmon", dict(num_hidden_layers=1)),
-           r"LayerNorm per head at 'model\.layers\.0\.self_attn\.q_layernorm'",
-           "LayerNorm over each head's features (its q/k norms)"),
     NotYet(Family("Apertus", "apertus", dict(num_hidden_layers=1, head_dim=16)),
            r"aten\.softplus\.default at module 'model\.layers\.0\.mlp\.act_fn' computes a new tensor from weight",
            "the xIELU activation (its alpha_p / alpha_n weights taken through softplus)"),
