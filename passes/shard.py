@@ -63,6 +63,7 @@ RULES: dict[str, Rule] = {
 
 # Ops that run unchanged on a rank's share of the features (all their inputs split alike).
 _LOCAL_OPS = ("rope", "activation", "silu_mul", "elementwise", "attention")
+PER_HEAD_NORMS = ("rms_norm", "layer_norm")  # with a head_dim attr: each head normalised alone, whatever rank holds it
 
 
 def even_ranges(size: int, tp_size: int) -> Ranges:
@@ -139,7 +140,7 @@ def match(graph: Graph) -> _Match:
         a = attn.attrs
         for value, num in zip(attn.inputs, (a["num_heads"], a["num_kv_heads"], a["num_kv_heads"])):
             v, p = value, producers.get(value)
-            while p is not None and (p.op == "rope" or (p.op == "rms_norm" and p.attrs.get("head_dim"))):
+            while p is not None and (p.op == "rope" or (p.op in PER_HEAD_NORMS and p.attrs.get("head_dim"))):
                 if p.op == "rope":  # its num_heads attr becomes the rank's
                     m.head_nodes[id(p)] = (p, num)
                 v = p.inputs[0]
@@ -205,7 +206,7 @@ def _check_split_values(graph: Graph, m: _Match) -> None:
             continue
         if not any(reads):
             continue
-        local = n.op in _LOCAL_OPS or (n.op == "rms_norm" and n.attrs.get("head_dim"))
+        local = n.op in _LOCAL_OPS or (n.op in PER_HEAD_NORMS and n.attrs.get("head_dim"))
         if not local or not all(reads):
             raise _fail(f"{n.op} {n.source or n.outputs[0]} reads a value split across ranks "
                         f"({', '.join(i for i in n.inputs if i in split)}); the shard pass only runs rope, per-head "

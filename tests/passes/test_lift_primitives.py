@@ -450,3 +450,25 @@ def test_attention_the_op_does_not_compute_is_refused(family, error):
 
     with pytest.raises(LiftError, match=error):
         trace(family_config(family, VOCAB))
+
+
+PERSIMMON = Family("Persimmon", "persimmon", dict(num_hidden_layers=1))
+
+
+def test_shard_runs_per_head_layer_norms_on_each_ranks_heads(monkeypatch):
+    """Persimmon's q/k LayerNorms over each head's features (layer_norm with head_dim) run on a rank's own heads, as
+    per-head RMSNorms do; their gain and bias, one per head feature, stay whole. Two ranks' logits equal the
+    unsharded graph's, which equal HF's."""
+    graph, model = traced(PERSIMMON)
+    norms = [n for n in graph.nodes if n.op == "layer_norm" and n.attrs.get("head_dim")]
+    assert len(norms) == 2
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+    sharded, _ = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    for n in (n for n in sharded.nodes if n.op == "layer_norm" and n.attrs.get("head_dim")):
+        assert list(sharded.params[n.weights["weight"]].shape) == [n.attrs["head_dim"]]
+    expected = run_graph(graph, prompts[1:])
+    for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5
