@@ -38,6 +38,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, head_dim:
     return out.reshape(shape)
 
 
+def position_scale(x: torch.Tensor, positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
+    # x: [num_tokens, features]; each row times 1 + beta log(1 + floor(p / period)) (fp32, rounded to x's dtype)
+    factor = 1.0 + beta * torch.log(1.0 + torch.floor(positions.to(torch.float32) / period))
+    return x * factor.to(x.dtype)[:, None]
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     # x: [num_tokens, features]; mean-centred and scaled in fp32, the gain and bias applied there too, one rounding
     # (what HF's nn.LayerNorm does inside the kernel, and Cohere's and OLMo's norms in their own fp32 code)

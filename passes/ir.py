@@ -95,6 +95,12 @@ OPS: dict[str, OpSpec] = {
             "(2 * len(inv_freq) == rotary_dim), the rest pass through; with long_from (LongRoPE), inv_freq holds two "
             "tables [2, rotary_dim / 2] and positions from long_from on take the second",
     ),
+    "position_scale": OpSpec(
+        (2, 2), (), (), ("beta", "period"),
+        doc="(x, positions) -> each token's row of x times 1 + beta * log(1 + floor(p / period)), the factor computed "
+            "in fp32 and rounded to x's dtype before the product (Ministral 3's attention temperature on the "
+            "rotated query, rope_parameters' llama_4_scaling_beta over original_max_position_embeddings)",
+    ),
     "attention": OpSpec(
         (3, 3), (), ("k_scale", "v_scale", "sinks"), ("layer", "num_heads", "num_kv_heads", "head_dim", "scale"),
         doc="causal attention of q over the KV cache of layer `layer` after appending k, v: scores q k^T * scale, "

@@ -1385,8 +1385,7 @@ def _activation(fx_node, args, kwargs, st, ctx, source):
 
 
 def _sdpa(fx_node, args, kwargs, st, ctx, source):
-    q, k, v = args[:3]
-    _check_scaled_by_position(q, k, v, source)
+    q, k, v = _scaled_by_position(*args[:3], st, ctx, source)
     if not all(isinstance(t, Tok) for t in (q, k, v)):
         return NotImplemented
     for t in (q, k, v):
@@ -1411,21 +1410,31 @@ def _sdpa(fx_node, args, kwargs, st, ctx, source):
     return _emit_attention(fx_node, q, k, v, num_kv_heads, float(scale), st, ctx, source)
 
 
-def _check_scaled_by_position(q: Any, k: Any, v: Any, source: str) -> None:
-    """A query, key or value multiplied by a position-derived table that no rotation completes: a factor per
-    position (Llama 4's and Ministral 3's attention temperature, llama_4_scaling_beta)."""
+def _scaled_by_position(q: Any, k: Any, v: Any, st: _State, ctx: LiftContext, source: str) -> tuple[Any, Any, Any]:
+    """(q, k, v) with a query multiplied by a position-derived factor that no rotation completes lifted: Ministral 3's
+    attention temperature, 1 + beta log(1 + floor(p / period)) (rope_parameters' llama_4_scaling_beta and
+    original_max_position_embeddings), becomes a ``position_scale`` op on the query. Any other such factor, or one on
+    the key or value, stops the lift."""
+    rope = getattr(getattr(ctx.model, "config", None), "rope_parameters", None) or {}
+    beta, period = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    if (isinstance(q, RopeTerm) and not q.rotated and not q.interleaved and q.start == 0
+            and q.stop == q.x.layout.size("D") and beta is not None and period):
+        out = _emit(st, "position_scale", [q.x.value, "positions"], "q_scaled", source,
+                    attrs={"beta": float(beta), "period": int(period)})
+        q = Tok(out, q.x.layout, q.x.repeat)
     for name, t in (("query", q), ("key", k), ("value", v)):
         if isinstance(t, RopeTerm) and not t.rotated:
             raise LiftError(f"the attention at {source!r} takes a {name} multiplied by a factor computed from the "
                             f"positions outside a rotary embedding (an attention temperature per position, "
                             f"llama_4_scaling_beta), which the attention op does not compute")
+    return q, k, v
 
 
 def _traced_attention(fx_node, args, kwargs, st, ctx, source):
     """One attention call through the tracer's own implementation (``attention``): its scale, soft-cap and sinks
     (a per-head weight) become the attention op's attributes and weight."""
     q, k, v, sinks, scale, softcap = args[:6]
-    _check_scaled_by_position(q, k, v, source)
+    q, k, v = _scaled_by_position(q, k, v, st, ctx, source)
     if not all(isinstance(t, Tok) and t.layout.dims[-2:] == ("T", "D") for t in (q, k, v)):
         return NotImplemented
     if not (isinstance(sinks, Param) and not sinks.offset or isinstance(sinks, Const) and sinks.value is None):

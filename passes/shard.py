@@ -62,7 +62,7 @@ RULES: dict[str, Rule] = {
 }
 
 # Ops that run unchanged on a rank's share of the features (all their inputs split alike).
-_LOCAL_OPS = ("rope", "activation", "silu_mul", "elementwise", "attention")
+_LOCAL_OPS = ("rope", "position_scale", "activation", "silu_mul", "elementwise", "attention")
 PER_HEAD_NORMS = ("rms_norm", "layer_norm")  # with a head_dim attr: each head normalised alone, whatever rank holds it
 
 
@@ -140,7 +140,8 @@ def match(graph: Graph) -> _Match:
         a = attn.attrs
         for value, num in zip(attn.inputs, (a["num_heads"], a["num_kv_heads"], a["num_kv_heads"])):
             v, p = value, producers.get(value)
-            while p is not None and (p.op == "rope" or (p.op in PER_HEAD_NORMS and p.attrs.get("head_dim"))):
+            while p is not None and (p.op in ("rope", "position_scale")
+                                     or (p.op in PER_HEAD_NORMS and p.attrs.get("head_dim"))):
                 if p.op == "rope":  # its num_heads attr becomes the rank's
                     m.head_nodes[id(p)] = (p, num)
                 v = p.inputs[0]
@@ -199,7 +200,8 @@ def _check_split_values(graph: Graph, m: _Match) -> None:
     row-parallel linear (whose partial sums are all-reduced): anything else would see part of a tensor."""
     split = {o for col in m.columns.values() for o in col.node.outputs}
     for n in graph.nodes:
-        reads = [i in split for i in n.inputs[:1 if n.op == "rope" else None]]  # rope's positions are whole
+        # rope's and position_scale's positions are whole
+        reads = [i in split for i in n.inputs[:1 if n.op in ("rope", "position_scale") else None]]
         if id(n) in m.rows:
             if not all(reads):
                 raise _fail(f"{n.source} was matched as row-parallel but reads a whole (replicated) value")

@@ -740,6 +740,12 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     return linear
 
 
+def _position_scale(w, attrs, ex) -> Kernel:
+    """Ministral 3's query temperature (``ops.position_scale``): a few elementwise ops on the device, in graphs too."""
+    beta, period = float(attrs["beta"]), int(attrs["period"])
+    return lambda xs, step: (ops.position_scale(xs[0], xs[1], beta, period),)
+
+
 def _rope(w, attrs, ex) -> Kernel:
     inv_freq = w["inv_freq"].float()
     num_heads, head_dim, scaling = attrs["num_heads"], attrs["head_dim"], attrs.get("attention_scaling", 1.0)
@@ -1069,6 +1075,7 @@ _COMPILERS: dict[str, Callable[..., Kernel]] = {
     "fused_add_rms_norm": _fused_add_rms_norm,
     "linear": _linear,
     "rope": _rope,
+    "position_scale": _position_scale,
     "attention": _attention,
     "activation": _activation,
     "silu_mul": _silu_mul,

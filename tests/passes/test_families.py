@@ -87,6 +87,12 @@ SUPPORTED = [
     Family("EXAONE 4", "exaone4", SLIDING,
            "global layers without rotary embeddings, a window kept on every module but used on sliding layers only"),
     Family("Ministral", "ministral", dict(SLIDING, head_dim=16), "sliding and global layers"),
+    # the temperature's period cut to 4 tokens (16,384 in the released configs), so the test's prompts cross it
+    Family("Ministral 3", "ministral3", dict(head_dim=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 4,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}),
+           "a query temperature per position, 1 + beta log(1 + floor(p / original_max_position_embeddings)) "
+           "(llama_4_scaling_beta), after YaRN rotary"),
     Family("Seed-OSS", "seed_oss", dict(head_dim=16), "q/k/v biases"),
     Family("Hunyuan (dense)", "hunyuan_v1_dense", dict(head_dim=16), "per-head q/k RMSNorm"),
     Family("CWM", "cwm", dict(SLIDING, head_dim=16), "sliding and global layers"),
@@ -247,10 +253,6 @@ NOT_YET = [
            r"'model\.layers\.0\.self_attn'",
            "rotary embeddings written as a complex product (view_as_complex); beyond it, chunked attention layers, "
            "a query temperature per position and experts fed the input scaled by the router's score"),
-    NotYet(Family("Ministral 3", "ministral3", dict(num_hidden_layers=1, head_dim=16)),
-           r"attention at 'model\.layers\.0\.self_attn' takes a query multiplied by a factor computed from the "
-           r"positions outside a rotary embedding",
-           "a query scaled per position (the attention temperature of llama_4_scaling_beta)"),
     NotYet(Family("GPT-J", "gptj", dict(num_hidden_layers=1, rotary_dim=8)),
            r"rotary embedding at 'transformer\.h\.0\.attn': cannot tell which inv_freq buffer its cos/sin come from",
            "rotary cos / sin read from a precomputed sin / cos table (embed_positions) instead of inv_freq (CodeGen "

@@ -472,3 +472,24 @@ def test_shard_runs_per_head_layer_norms_on_each_ranks_heads(monkeypatch):
     for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
         for ours, ref in zip(rank_logits, expected):
             assert (ours - ref).abs().max().item() < 1e-5
+
+
+MINISTRAL3 = Family("Ministral 3", "ministral3", dict(num_hidden_layers=1, head_dim=16, rope_parameters={
+    "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 4, "beta_fast": 32.0,
+    "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}))
+
+
+def test_shard_runs_the_query_temperature_on_each_ranks_heads(monkeypatch):
+    """Ministral 3's query temperature (position_scale, 1 + beta log(1 + floor(p / 4)) here) runs on a rank's own
+    query heads with the whole positions. Two ranks' logits equal the unsharded graph's, which equal HF's."""
+    graph, model = traced(MINISTRAL3)
+    scale = next(n for n in graph.nodes if n.op == "position_scale")
+    assert scale.attrs == {"beta": 0.1, "period": 4} and scale.inputs[1] == "positions"
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+    sharded, _ = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    expected = run_graph(graph, prompts[1:])
+    for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5
