@@ -1296,12 +1296,16 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
     """x * cos + rotate(x) * sin over features [0, rotary_dim) of each head; the rest pass through."""
     x = term.x
     inv_freq_buffers = sorted(b for b in table.buffers if b.endswith("inv_freq") and "original" not in b)
+    if not inv_freq_buffers and len(table.buffers) == 1:  # cos / sin read from a precomputed table (GPT-J's)
+        inv_freq_buffers = sorted(table.buffers)
     if len(inv_freq_buffers) != 1:
         raise LiftError(f"rotary embedding at {source!r}: cannot tell which inv_freq buffer its cos/sin "
                         f"come from (found {inv_freq_buffers or 'none'})")
     buffer = inv_freq_buffers[0]
     inv_freq, scaling = ctx.rotary(buffer)
-    long = ctx.long_rotary(buffer) if ctx.long_rotary is not None else None
+    long = ctx.long_rotary(buffer) if ctx.long_rotary is not None and buffer.endswith("inv_freq") else None
+    if not buffer.endswith("inv_freq"):
+        buffer = f"{buffer}.inv_freq"  # the frequencies, not the table, are the rope op's weight
     if term.neg:  # x cos - rotate_half(x) sin: the rotation by minus each angle, i.e. by the negated frequencies
         if long is not None:
             raise LiftError(f"rotary embedding at {source!r} rotates by minus the angle with two (LongRoPE) tables")

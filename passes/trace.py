@@ -11,6 +11,7 @@ import copy
 import inspect
 import io
 import logging
+import math
 import time
 import types
 import warnings
@@ -417,6 +418,8 @@ def rotary_tables(model: torch.nn.Module):
     """
 
     def table(buffer_target: str) -> tuple[torch.Tensor, float]:
+        if not buffer_target.endswith("inv_freq"):  # a precomputed [positions, sin | cos] table (GPT-J's)
+            return sinusoid_frequencies(model, buffer_target), 1.0
         meta_module, module_path, layer_type, rope_type = _rotary_of(model, buffer_target)
         buffer = buffer_target.rsplit(".", 1)[1]
         if rope_type not in STATIC_ROPE_TYPES:
@@ -429,6 +432,35 @@ def rotary_tables(model: torch.nn.Module):
         return inv_freq, float(getattr(real, "attention_scaling", 1.0) if scaling is None else scaling)
 
     return table
+
+
+def sinusoid_frequencies(model: torch.nn.Module, buffer_target: str) -> torch.Tensor:
+    """The frequencies of a rotary module's precomputed table ``[positions, sin(p f) | cos(p f)]`` (GPT-J's and
+    CodeGen's ``embed_positions``): the module built again on the CPU from its config, its table read, and accepted
+    only where it is exactly the table of f = 1 / base ** (2i / dim) for the base its second frequency gives (the
+    rope op computes cos / sin from the frequencies, not from a table)."""
+    module_path, name = buffer_target.rsplit(".", 1)
+    meta_module = model.get_submodule(module_path)
+    try:
+        with torch.device("cpu"):
+            real = type(meta_module)(getattr(meta_module, "config", None) or model.config)
+        sincos = getattr(real, name).detach().to(torch.float32)
+    except Exception as e:  # a module that cannot be rebuilt from its config alone
+        raise LiftError(f"rotary table {buffer_target!r}: cannot rebuild {type(meta_module).__name__} on the CPU "
+                        f"({type(e).__name__}: {e})") from e
+    if sincos.dim() != 2 or sincos.shape[1] % 2 or sincos.shape[0] < 2 or sincos.shape[1] < 4:
+        raise LiftError(f"rotary table {buffer_target!r} has shape {tuple(sincos.shape)}; the lifter reads a "
+                        f"[positions, sin | cos] table")
+    dim = sincos.shape[1]
+    f1 = math.atan2(float(sincos[1, 1]), float(sincos[1, dim // 2 + 1]))  # the second frequency, base ** (-2 / dim)
+    base = round(f1 ** (-dim / 2)) if 0 < f1 < 1 else 0
+    if base > 1:
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+        angles = torch.arange(sincos.shape[0], dtype=torch.int64).float()[:, None] * inv_freq
+        if torch.equal(torch.cat((torch.sin(angles), torch.cos(angles)), dim=1), sincos):
+            return inv_freq.to(torch.float32)
+    raise LiftError(f"rotary table {buffer_target!r} is not sin | cos of positions times 1 / base ** (2i / dim) "
+                    f"for any base; the rope op computes its cos / sin from such frequencies")
 
 
 def long_rotary_tables(model: torch.nn.Module):

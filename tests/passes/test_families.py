@@ -135,6 +135,13 @@ SUPPORTED = [
            "interleaved (GPT-J) rotary on half of each head, q/k/v biases, gate/up stored as one fused weight"),
     Family("GLM-4", "glm4", dict(num_hidden_layers=1, head_dim=16),
            "GLM's attention and fused gate/up, with norms after attention and MLP as well as before"),
+    Family("GPT-J", "gptj", dict(num_hidden_layers=1, rotary_dim=8),
+           "rotary cos / sin read from a precomputed [positions, sin | cos] table (embed_positions: its frequencies "
+           "recovered and checked against the table), interleaved on half of each head, parallel attention and "
+           "MLP on one LayerNorm, lm_head bias"),
+    Family("CodeGen", "codegen", dict(num_hidden_layers=1, rotary_dim=8, n_inner=112),
+           "GPT-J's precomputed rotary table, q/k/v stored as one weight in CodeGen's order (four groups of [q v k] "
+           "rows)"),
     Family("Helium", "helium", dict(num_hidden_layers=1, head_dim=16), "interleaved (GPT-J) rotary"),
     Family("ERNIE 4.5", "ernie4_5", dict(num_hidden_layers=1, head_dim=16),
            "interleaved (GPT-J) rotary, tied embeddings"),
@@ -253,10 +260,6 @@ NOT_YET = [
            r"'model\.layers\.0\.self_attn'",
            "rotary embeddings written as a complex product (view_as_complex); beyond it, chunked attention layers, "
            "a query temperature per position and experts fed the input scaled by the router's score"),
-    NotYet(Family("GPT-J", "gptj", dict(num_hidden_layers=1, rotary_dim=8)),
-           r"rotary embedding at 'transformer\.h\.0\.attn': cannot tell which inv_freq buffer its cos/sin come from",
-           "rotary cos / sin read from a precomputed sin / cos table (embed_positions) instead of inv_freq (CodeGen "
-           "too)"),
     NotYet(Family("Apertus", "apertus", dict(num_hidden_layers=1, head_dim=16)),
            r"aten\.softplus\.default at module 'model\.layers\.0\.mlp\.act_fn' computes a new tensor from weight",
            "the xIELU activation (its alpha_p / alpha_n weights taken through softplus)"),
