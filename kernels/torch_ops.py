@@ -38,6 +38,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, head_dim:
     return out.reshape(shape)
 
 
+def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+          eps: torch.Tensor) -> torch.Tensor:
+    # transformers' XIELUActivation (its Python path), the same expressions on the same tensors
+    a_p = F.softplus(alpha_p)
+    a_n = beta + F.softplus(alpha_n)
+    return torch.where(x > 0, a_p * x * x + beta * x, (torch.expm1(torch.min(x, eps)) - x) * a_n + beta * x)
+
+
 def position_scale(x: torch.Tensor, positions: torch.Tensor, beta: float, period: int) -> torch.Tensor:
     # x: [num_tokens, features]; each row times 1 + beta log(1 + floor(p / period)) (fp32, rounded to x's dtype)
     factor = 1.0 + beta * torch.log(1.0 + torch.floor(positions.to(torch.float32) / period))

@@ -95,6 +95,12 @@ OPS: dict[str, OpSpec] = {
             "(2 * len(inv_freq) == rotary_dim), the rest pass through; with long_from (LongRoPE), inv_freq holds two "
             "tables [2, rotary_dim / 2] and positions from long_from on take the second",
     ),
+    "xielu": OpSpec(
+        (1, 1), ("alpha_p", "alpha_n", "beta", "eps"), (), (),
+        doc="xIELU (Apertus): with a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n) (one-element weights), "
+            "a_p x^2 + beta x where x > 0, else (expm1(min(x, eps)) - x) a_n + beta x, in the model's order and "
+            "dtypes",
+    ),
     "position_scale": OpSpec(
         (2, 2), (), (), ("beta", "period"),
         doc="(x, positions) -> each token's row of x times 1 + beta * log(1 + floor(p / period)), the factor computed "

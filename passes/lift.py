@@ -364,6 +364,25 @@ def _moe_router_fake(x, weight, select_bias, top_k, scoring, norm_topk_prob, rou
 MOE_ROUTER_OP = torch.ops.llm_builder.moe_router.default
 
 
+# --- xIELU (Apertus's activation) --------------------------------------------------------------------------------
+@torch.library.custom_op("llm_builder::xielu", mutates_args=())
+def xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+          eps: torch.Tensor) -> torch.Tensor:
+    """Stands for transformers' XIELUActivation while tracing (``passes/trace.py`` makes each such module call it):
+    with a_p = softplus(alpha_p) and a_n = beta + softplus(alpha_n), a_p x^2 + beta x where x > 0, else
+    (expm1(min(x, eps)) - x) a_n + beta x (``kernels.torch_ops.xielu``). One node in the exported graph, where the
+    module's own code is a where() over two branches of scalars computed from its weights and buffers."""
+    raise RuntimeError("llm_builder::xielu only stands for an xIELU activation in a traced graph; it is never run")
+
+
+@xielu.register_fake
+def _xielu_fake(x, alpha_p, alpha_n, beta, eps):
+    return torch.empty_like(x)
+
+
+XIELU_OP = torch.ops.llm_builder.xielu.default
+
+
 # --- attention the model computes its own way (soft-capping, sinks) -----------------------------------------
 @torch.library.custom_op("llm_builder::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None, scale: float,
@@ -1544,6 +1563,23 @@ def _moe_router(fx_node, args, kwargs, st, ctx, source):
     return TopK(scores, int(top_k), TopWeights(scores, int(top_k), bool(norm), bool(round_weights)))
 
 
+def _xielu(fx_node, args, kwargs, st, ctx, source):
+    """The xIELU node (trace.py): an ``xielu`` op reading the module's two scalar weights and its beta and eps
+    buffers (stored in the checkpoint, read from it as weights)."""
+    x, alpha_p, alpha_n, beta, eps = args[:5]
+    buffers = [next(iter(b.buffers)) if isinstance(b, Pos) and len(b.buffers) == 1 else None for b in (beta, eps)]
+    if not (isinstance(x, Tok) and x.layout.dims[-1] == "F" and None not in buffers
+            and all(isinstance(w, Param) and not w.offset for w in (alpha_p, alpha_n))):
+        raise LiftError(f"xIELU at {source!r}: the xielu op takes a per-token value, the module's two scalar weights "
+                        f"as stored and its beta and eps buffers")
+    for name in buffers:  # read from the checkpoint as the weights are (attach_weights loads meta params by name)
+        if name not in st.params:
+            st.params[name] = ctx.model.get_buffer(name)
+    out = _emit(st, "xielu", [x.value], "act", source, weights={"alpha_p": alpha_p.name, "alpha_n": alpha_n.name,
+                                                                 "beta": buffers[0], "eps": buffers[1]})
+    return Tok(out, x.layout, x.repeat)
+
+
 def _moe_experts(fx_node, args, kwargs, st, ctx, source):
     """The experts node (trace.py): with the router that chose its experts, one ``moe`` op. The router's linear
     (and a sigmoid's activation) were emitted as IR nodes on the way: they are taken back into the moe node."""
@@ -1704,6 +1740,7 @@ RULES: dict[Any, Callable] = {
     aten.topk.default: _topk,
     aten.sum.dim_IntList: _sum,
     MOE_EXPERTS_OP: _moe_experts,
+    XIELU_OP: _xielu,
     MOE_ROUTER_OP: _moe_router,
     aten.tanh.default: _tanh,
     aten.stack.default: _stack,

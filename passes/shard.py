@@ -62,7 +62,8 @@ RULES: dict[str, Rule] = {
 }
 
 # Ops that run unchanged on a rank's share of the features (all their inputs split alike).
-_LOCAL_OPS = ("rope", "position_scale", "activation", "silu_mul", "elementwise", "attention")
+_LOCAL_OPS = ("rope", "position_scale", "activation", "xielu", "silu_mul", "elementwise", "attention")
+UNARY_ACTIVATIONS = ("activation", "xielu")  # one value in, one out, elementwise (their weights, if any, whole)
 PER_HEAD_NORMS = ("rms_norm", "layer_norm")  # with a head_dim attr: each head normalised alone, whatever rank holds it
 
 
@@ -160,8 +161,8 @@ def match(graph: Graph) -> _Match:
         if down.op != "linear" or id(down) in m.rows:
             continue
         p = producers.get(down.inputs[0])
-        up = producers.get(p.inputs[0]) if p is not None and p.op == "activation" else None
-        plain = up is not None and up.op == "linear"  # fc1 -> act -> fc2 (Phi-2, GPT-NeoX, Starcoder2)
+        up = producers.get(p.inputs[0]) if p is not None and p.op in UNARY_ACTIVATIONS else None
+        plain = up is not None and up.op == "linear"  # fc1 -> act -> fc2 (Phi-2, GPT-NeoX, Starcoder2; Apertus's xIELU)
         if p is None or not (p.op == "silu_mul" or (p.op == "elementwise" and p.attrs["fn"] == "mul") or plain):
             continue
         m.rows[id(down)] = (down, "down_proj")
@@ -176,7 +177,7 @@ def match(graph: Graph) -> _Match:
                 column(p, "gate_up").members[p.outputs.index(v)] = [_Member(s) for s in sizes]
             elif p is not None and p.op == "silu_mul":
                 frontier += [(i, len(p.inputs) == 1) for i in p.inputs]
-            elif p is not None and (p.op == "activation" or (p.op == "elementwise" and p.attrs["fn"] == "mul")):
+            elif p is not None and (p.op in UNARY_ACTIVATIONS or (p.op == "elementwise" and p.attrs["fn"] == "mul")):
                 frontier += [(i, False) for i in p.inputs]
             else:
                 raise _fail(f"the MLP input of {down.source} comes from {p.op if p else 'a graph input'} "

@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 
 from kernels.torch_ops import clamped_swiglu
 from passes.ir import ACTIVATIONS, Graph
-from passes.lift import LiftContext, LiftError, attention, lift, moe_experts, moe_router
+from passes.lift import LiftContext, LiftError, attention, lift, moe_experts, moe_router, xielu
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ def build_meta_model(config) -> torch.nn.Module:
     model.eval()
     trace_experts(model)
     trace_routers(model)
+    trace_xielu(model)
     return model
 
 
@@ -282,6 +283,22 @@ def _afmoe_router_forward(self, hidden_states, expert_bias):
     weights, experts = moe_router(x, self.gate.weight, expert_bias, int(self.top_k), "sigmoid", True,
                                   float(self.route_scale), False, False)
     return weights, weights, experts
+
+
+def _xielu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return xielu(x, self.alpha_p, self.alpha_n, self.beta, self.eps)
+
+
+def trace_xielu(model: torch.nn.Module) -> int:
+    """Make every xIELU activation of ``model`` (transformers' XIELUActivation: Apertus) trace as one ``xielu`` node;
+    returns how many there are."""
+    found = 0
+    for module in model.modules():
+        if type(module).__name__ == "XIELUActivation" and all(
+                isinstance(getattr(module, a, None), torch.Tensor) for a in ("alpha_p", "alpha_n", "beta", "eps")):
+            module.forward = types.MethodType(_xielu_forward, module)
+            found += 1
+    return found
 
 
 def trace_routers(model: torch.nn.Module) -> int:

@@ -740,6 +740,12 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     return linear
 
 
+def _xielu(w, attrs, ex) -> Kernel:
+    """Apertus's activation (``ops.xielu``): torch ops on CPU and CUDA alike, in graphs too."""
+    alpha_p, alpha_n, beta, eps = w["alpha_p"], w["alpha_n"], w["beta"], w["eps"]
+    return lambda xs, step: (ops.xielu(xs[0], alpha_p, alpha_n, beta, eps),)
+
+
 def _position_scale(w, attrs, ex) -> Kernel:
     """Ministral 3's query temperature (``ops.position_scale``): a few elementwise ops on the device, in graphs too."""
     beta, period = float(attrs["beta"]), int(attrs["period"])
@@ -1076,6 +1082,7 @@ _COMPILERS: dict[str, Callable[..., Kernel]] = {
     "linear": _linear,
     "rope": _rope,
     "position_scale": _position_scale,
+    "xielu": _xielu,
     "attention": _attention,
     "activation": _activation,
     "silu_mul": _silu_mul,

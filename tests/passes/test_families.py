@@ -116,6 +116,9 @@ SUPPORTED = [
     Family("Starcoder2", "starcoder2", dict(num_hidden_layers=1, sliding_window=8),
            "LayerNorm with bias, tanh-GeLU MLP without gate, biases, sliding-window attention"),
     Family("OLMo", "olmo", dict(num_hidden_layers=1), "LayerNorm without weight or bias"),
+    Family("Apertus", "apertus", dict(num_hidden_layers=1, head_dim=16),
+           "the xIELU activation (two scalar weights per layer through softplus), an MLP without gate, per-head q/k "
+           "RMSNorm"),
     Family("NanoChat", "nanochat", dict(num_hidden_layers=1),
            "rotary by minus the angle (rotate_half written cat(x2, -x1): the negated frequencies), RMSNorm without "
            "gains, squared-ReLU MLP"),
@@ -260,9 +263,6 @@ NOT_YET = [
            r"'model\.layers\.0\.self_attn'",
            "rotary embeddings written as a complex product (view_as_complex); beyond it, chunked attention layers, "
            "a query temperature per position and experts fed the input scaled by the router's score"),
-    NotYet(Family("Apertus", "apertus", dict(num_hidden_layers=1, head_dim=16)),
-           r"aten\.softplus\.default at module 'model\.layers\.0\.mlp\.act_fn' computes a new tensor from weight",
-           "the xIELU activation (its alpha_p / alpha_n weights taken through softplus)"),
     NotYet(Family("Gemma 3n (text)", "gemma3n_text",
                   dict(head_dim=16, intermediate_size=[64, 64], laurel_rank=4, altup_num_inputs=2,
                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=0,

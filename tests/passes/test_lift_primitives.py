@@ -493,3 +493,25 @@ def test_shard_runs_the_query_temperature_on_each_ranks_heads(monkeypatch):
     for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
         for ours, ref in zip(rank_logits, expected):
             assert (ours - ref).abs().max().item() < 1e-5
+
+
+APERTUS = Family("Apertus", "apertus", dict(num_hidden_layers=1, head_dim=16))
+
+
+def test_xielu_reads_its_weights_and_buffers_and_runs_on_each_ranks_share(monkeypatch):
+    """Apertus's xIELU is one xielu op reading the module's alpha_p / alpha_n weights and its beta / eps buffers;
+    split across ranks with the MLP's intermediate features, its four scalars stay whole on each. Two ranks' logits
+    equal the unsharded graph's, which equal HF's."""
+    graph, model = traced(APERTUS)
+    act = next(n for n in graph.nodes if n.op == "xielu")
+    assert sorted(act.weights) == ["alpha_n", "alpha_p", "beta", "eps"]
+    assert all(graph.params[w].numel() == 1 for w in act.weights.values())
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+    sharded, records = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    assert records[0].details["column_linears"] == records[0].details["row_linears"] == 2  # the MLP split too
+    expected = run_graph(graph, prompts[1:])
+    for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5

@@ -1,12 +1,12 @@
 """The executor's kernel path (what runs on CUDA) on graphs with LayerNorm, partial and interleaved rotary, a scaled
 lm_head, learned position embeddings, soft-capped attention and logits, attention sinks, LongRoPE's two rotary
 tables, Nemotron's (1 + w) LayerNorm gain, Persimmon's per-head LayerNorm, NanoChat's negated rotary, Ministral 3's
-query temperature, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a selection bias, a scaling
-factor): ops without a Triton kernel run their torch reference there, LayerNorm runs its kernel with the residual add
-before it, partial and interleaved rotary are fused into the attention's KV write as whole-head rotary is, the paged
-attention kernels soft-cap and add the sinks, and the serving engine on the kernels generates the reference path's
-tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0) the kernel path runs
-on CUDA, from CUDA graphs, against the CPU reference."""
+query temperature, Apertus's xIELU, gpt-oss's experts (biases, clamped SwiGLU) and GLM-4.5's router (a selection
+bias, a scaling factor): ops without a Triton kernel run their torch reference there, LayerNorm runs its kernel with
+the residual add before it, partial and interleaved rotary are fused into the attention's KV write as whole-head
+rotary is, the paged attention kernels soft-cap and add the sinks, and the serving engine on the kernels generates
+the reference path's tokens. On CPU the kernels run under TRITON_INTERPRET=1; on a GPU machine (TRITON_INTERPRET=0)
+the kernel path runs on CUDA, from CUDA graphs, against the CPU reference."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 4,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}),
         False),
-    "persimmon": ({}, True),  # LayerNorm over each head's features (q/k norms, the layer_norm kernel on rows of 32)
+    "persimmon": ({}, True),
+    "apertus": (dict(head_dim=32), True),  # the xIELU activation (torch ops on CUDA too), per-head q/k RMSNorm  # LayerNorm over each head's features (q/k norms, the layer_norm kernel on rows of 32)
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
     # attention sinks, rotary on each head's halves, experts with biases and the clamped SwiGLU (the fused moe
