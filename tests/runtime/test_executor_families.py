@@ -45,8 +45,8 @@ FAMILIES = {  # model_type -> (config on top of SHAPE, whether RoPE is fused int
         "rope_type": "yarn", "rope_theta": 1e6, "factor": 16.0, "original_max_position_embeddings": 4,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}),
         False),
-    "persimmon": ({}, True),
-    "apertus": (dict(head_dim=32), True),  # the xIELU activation (torch ops on CUDA too), per-head q/k RMSNorm  # LayerNorm over each head's features (q/k norms, the layer_norm kernel on rows of 32)
+    "persimmon": ({}, True),  # LayerNorm over each head's features (q/k norms, the layer_norm kernel on rows of 32)
+    "apertus": (dict(head_dim=32), True),  # the xIELU activation (torch ops on CUDA too), per-head q/k RMSNorm
     # scores and logits soft-capped (caps that bend these tiny models' values), a sliding window
     "gemma2": (dict(ONE_SLIDING, head_dim=32, attn_logit_softcapping=1.0, final_logit_softcapping=2.0), True),
     # attention sinks, rotary on each head's halves, experts with biases and the clamped SwiGLU (the fused moe
