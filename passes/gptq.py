@@ -273,7 +273,7 @@ class GPTQ(Int4Experts, QuantMethod):
         self.refit = bool(options.get("refit_scales", True))
         # true_sequential: each linear's Hessian on inputs through the quantized linears before it in its layer
         # (o_proj after the quantized q/k/v, down after gate/up). Off by default: on the two fixtures it moved KL by
-        # -3.6% to +2.5% by row, within the spread of a thread count (docs/QUANTIZATION_COMPARISON.md, session 38)
+        # -3.6% to +4.6% by row, within the spread of a thread count (docs/QUANTIZATION_COMPARISON.md, session 38)
         self.true_sequential = bool(options.get("true_sequential", False))
         self.total_loss = 0.0
         self.configure_experts(options)

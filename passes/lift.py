@@ -1140,9 +1140,20 @@ def _norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -> To
     """An RMSNorm, or a LayerNorm written out (Cohere's: mean-centred, no bias), with its gain."""
     x = normed.x
     attrs: dict[str, Any] = {"eps": normed.eps}
-    if x.layout.dims[-1] == "D":  # normalised per head (e.g. q/k norms)
+    per_head = x.layout.dims[-1] == "D"
+    if per_head:  # normalised per head (e.g. q/k norms)
         attrs["head_dim"] = x.layout.size("D")
+    gain = tuple(st.params[weight.name].shape) if weight.name in st.params else None
+    if gain is not None and gain != (x.layout.sizes[-1],):  # e.g. Cohere's q/k norm: one gain per head, [H, D]
+        raise LiftError(f"{'LayerNorm' if normed.centered else 'RMSNorm'} {'per head ' if per_head else ''}at "
+                        f"{source!r} has a gain of shape {gain}; the {'layer_norm' if normed.centered else 'rms_norm'} "
+                        f"op takes one of {x.layout.sizes[-1]} features, the same for every "
+                        f"{'head' if per_head else 'token'}")
     if weight.offset:  # gain (offset + w), e.g. Gemma's 1 + w
+        if normed.centered:  # the layer_norm op forms it in the weight's dtype (Nemotron's); code written out may not
+            raise LiftError(f"LayerNorm at {source!r} has a gain of {weight.offset:g} + w computed in its own code; "
+                            f"the layer_norm op takes w + offset formed in the weight's dtype, as aten.layer_norm "
+                            f"callers do")
         attrs["weight_offset"] = weight.offset
     op = "layer_norm" if normed.centered else "rms_norm"
     out = _emit(st, op, [x.value], "norm", source, weights={"weight": weight.name}, attrs=attrs)
@@ -1438,10 +1449,14 @@ def _scaled_by_position(q: Any, k: Any, v: Any, st: _State, ctx: LiftContext, so
     attention temperature, 1 + beta log(1 + floor(p / period)) (rope_parameters' llama_4_scaling_beta and
     original_max_position_embeddings), becomes a ``position_scale`` op on the query. Any other such factor, or one on
     the key or value, stops the lift."""
-    rope = getattr(getattr(ctx.model, "config", None), "rope_parameters", None) or {}
+    try:  # the attention module's own config (a text config nested in a multimodal model's)
+        config = getattr(ctx.model.get_submodule(source), "config", None) or ctx.model.config
+    except AttributeError:
+        config = getattr(ctx.model, "config", None)
+    rope = getattr(config, "rope_parameters", None) or {}
     beta, period = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
-    if (isinstance(q, RopeTerm) and not q.rotated and not q.interleaved and q.start == 0
-            and q.stop == q.x.layout.size("D") and beta is not None and period):
+    if (isinstance(q, RopeTerm) and not q.rotated and not q.interleaved and q.start == 0 and not q.table.buffers
+            and q.stop == q.x.layout.size("D") and beta is not None and period):  # a factor of the positions alone
         out = _emit(st, "position_scale", [q.x.value, "positions"], "q_scaled", source,
                     attrs={"beta": float(beta), "period": int(period)})
         q = Tok(out, q.x.layout, q.x.repeat)

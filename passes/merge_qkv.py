@@ -8,14 +8,16 @@ from passes.merge_linears import can_merge, merge_linear_group, sibling_linears
 
 
 def _reaches_attention(graph: Graph, value: str, attn_inputs: set[str]) -> bool:
-    """Follow rope / per-head norm nodes from ``value`` to an attention input."""
+    """Follow rope, position_scale (Ministral 3's query temperature) and per-head norm nodes from ``value`` to an
+    attention input."""
     users = graph.users()
     frontier = [value]
     while frontier:
         v = frontier.pop()
         if v in attn_inputs:
             return True
-        frontier += [u.outputs[0] for u in users.get(v, []) if u.op in ("rope", "rms_norm") and u.inputs[0] == v]
+        frontier += [u.outputs[0] for u in users.get(v, []) if u.inputs[0] == v and (
+            u.op in ("rope", "position_scale", "rms_norm") or (u.op == "layer_norm" and u.attrs.get("head_dim")))]
     return False
 
 

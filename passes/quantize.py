@@ -77,7 +77,7 @@ def segments(graph: Graph, at_linears: bool = False) -> list[Segment]:
     sequential" order) rather than through their float weights."""
     cuts = [i + 1 for i, n in enumerate(graph.nodes) if n.op == "attention"]
     if at_linears:
-        cuts = sorted(set(cuts) | {i for i, n in enumerate(graph.nodes) if n.op == "linear" and i > 0})
+        cuts = sorted(set(cuts) | {i for i, n in enumerate(graph.nodes) if n.op in ("linear", "lm_head") and i > 0})
     bounds = [0] + cuts + ([len(graph.nodes)] if not cuts or cuts[-1] < len(graph.nodes) else [])
     out = []
     for a, b in zip(bounds, bounds[1:]):

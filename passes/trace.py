@@ -456,8 +456,11 @@ def sinusoid_frequencies(model: torch.nn.Module, buffer_target: str) -> torch.Te
     CodeGen's ``embed_positions``): the module built again on the CPU from its config, its table read, and accepted
     only where it is exactly the table of f = 1 / base ** (2i / dim) for the base its second frequency gives (the
     rope op computes cos / sin from the frequencies, not from a table)."""
-    module_path, name = buffer_target.rsplit(".", 1)
-    meta_module = model.get_submodule(module_path)
+    module_path, _, name = buffer_target.rpartition(".")
+    meta_module = model.get_submodule(module_path) if module_path else model
+    if not module_path or any(True for _ in meta_module.parameters()):  # rebuild a small table module only
+        raise LiftError(f"rotary table {buffer_target!r} belongs to {type(meta_module).__name__}, which holds "
+                        f"weights; the lifter rebuilds a rotary module that holds its tables alone")
     try:
         with torch.device("cpu"):
             real = type(meta_module)(getattr(meta_module, "config", None) or model.config)

@@ -285,6 +285,10 @@ def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], reader
                                 and not nodes[r].get("attrs", {}).get("split_heads") for r in normed)
 
 
+# ops besides rope that read the positions, as a LongRoPE graph's refusal names them
+_POSITION_READERS = {"embedding": "a learned position table", "position_scale": "a query temperature per position"}
+
+
 class Executor:
     """A compiled graph bound to its weights on one device."""
 
@@ -298,11 +302,12 @@ class Executor:
             else next((t.dtype for t in params.values() if t.is_floating_point()), torch.float32)
         self.outputs: list[str] = graph["outputs"]
         self.long_rope_from = long_rope_from(graph)  # LongRoPE's switch (see LONG_ROPE_OFFSET), or None
-        if self.long_rope_from is not None and any(n["op"] == "embedding" and "positions" in n["inputs"]
-                                                   for n in graph["nodes"]):
-            raise GraphFormatError("this graph has LongRoPE and a learned position table: the engines offset a long "
-                                   "sequence's positions for the rotary (LONG_ROPE_OFFSET), which the table would "
-                                   "read as they are; no family has both, and this runtime does not run it")
+        readers = [_POSITION_READERS.get(n["op"], f"a {n['op']} op") for n in graph["nodes"]
+                   if "positions" in n["inputs"] and n["op"] != "rope"]
+        if self.long_rope_from is not None and readers:
+            raise GraphFormatError(f"this graph has LongRoPE and {readers[0]}: the engines offset a long sequence's "
+                                   f"positions for the rotary (LONG_ROPE_OFFSET), which it would read as they are; "
+                                   f"no family has both, and this runtime does not run it")
         self.device = next((t.device for t in params.values()), torch.device("cpu"))  # where the weights live
         # Triton kernels (``kernels/``) for attention over a paged cache, norms, RoPE, SwiGLU and W4A16/W8A16
         # GEMMs; otherwise the torch reference ops. On for CUDA by default (Engine.load); on CPU only

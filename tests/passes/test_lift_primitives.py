@@ -485,6 +485,7 @@ def test_shard_runs_the_query_temperature_on_each_ranks_heads(monkeypatch):
     graph, model = traced(MINISTRAL3)
     scale = next(n for n in graph.nodes if n.op == "position_scale")
     assert scale.attrs == {"beta": 0.1, "period": 4} and scale.inputs[1] == "positions"
+    assert any(n.op == "linear" and len(n.outputs) == 3 for n in graph.nodes)  # q/k/v merged through the scale
     prompts = _prompts()
     for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
         assert (ours - ref).abs().max().item() < 1e-4

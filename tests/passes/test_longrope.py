@@ -144,8 +144,9 @@ def test_the_gates_graph_model_runs_the_switch_as_the_engine(built):
 
 
 def test_a_graph_with_longrope_and_a_position_table_is_refused(built):
-    """The engines offset a long sequence's positions for the rotary; a learned position table would read them as
-    they are, so the executor refuses a graph with both rather than running it wrong."""
+    """The engines offset a long sequence's positions for the rotary; a learned position table (or a query
+    temperature per position) would read them as they are, so the executor refuses a graph with both rather than
+    running it wrong."""
     import json
 
     from safetensors.torch import load_file
@@ -157,6 +158,10 @@ def test_a_graph_with_longrope_and_a_position_table_is_refused(built):
     graph["nodes"].insert(0, {"op": "embedding", "inputs": ["positions"], "outputs": ["pos_emb"], "weights": {},
                               "attrs": {}, "name": "wpe"})
     with pytest.raises(GraphFormatError, match="LongRoPE and a learned position table"):
+        Executor(graph, load_file(artifact / "weights.safetensors"))
+    graph["nodes"][0] = {"op": "position_scale", "inputs": ["input_ids", "positions"], "outputs": ["scaled"],
+                         "weights": {}, "attrs": {"beta": 0.1, "period": 4}, "name": "temperature"}
+    with pytest.raises(GraphFormatError, match="LongRoPE and a query temperature per position"):
         Executor(graph, load_file(artifact / "weights.safetensors"))
 
 
