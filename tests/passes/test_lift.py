@@ -127,3 +127,46 @@ def test_rope_types_read_every_form():
     assert rope_types(SimpleNamespace(rope_scaling={"type": "linear", "factor": 2.0})) == ["linear"]
     assert rope_types(SimpleNamespace(rope_parameters=None, rope_scaling=None)) == []
     assert rope_types(tiny_config("llama", 320)) == ["llama3", "llama3"]  # transformers 5 keeps both keys
+
+
+def test_a_rotary_table_is_read_only_where_it_is_exactly_a_sinusoid():
+    """``sinusoid_frequencies`` (GPT-J's and CodeGen's precomputed [positions, sin | cos] tables): the frequencies of
+    a standard table come back exactly; a table off by one ulp somewhere, one whose rotary module holds weights, and a
+    buffer at the model's root are refused with a LiftError naming the buffer."""
+    import torch
+
+    from passes.trace import sinusoid_frequencies
+
+    def table(num_pos: int, dim: int, base: int = 10000) -> torch.Tensor:
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64) / dim))
+        angles = torch.arange(num_pos, dtype=torch.int64).float()[:, None] * inv_freq
+        return torch.cat((torch.sin(angles), torch.cos(angles)), dim=1)
+
+    class Rotary(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.register_buffer("embed_positions", config.make(), persistent=False)
+
+    class Model(torch.nn.Module):
+        def __init__(self, make, weights: bool = False):
+            super().__init__()
+            self.config = type("Config", (), {"make": staticmethod(make)})()
+            self.rotary = Rotary(self.config)
+            if weights:
+                self.rotary.proj = torch.nn.Linear(2, 2)
+
+    for base in (10000, 500000):
+        got = sinusoid_frequencies(Model(lambda: table(64, 16, base)), "rotary.embed_positions")
+        assert torch.equal(got, (1.0 / (base ** (torch.arange(0, 16, 2, dtype=torch.int64) / 16))).float())
+
+    def off_by_one_ulp() -> torch.Tensor:
+        t = table(64, 16)
+        t[40, 3] = torch.nextafter(t[40, 3], torch.tensor(2.0))
+        return t
+
+    with pytest.raises(LiftError, match="rotary.embed_positions.*is not sin | cos"):
+        sinusoid_frequencies(Model(off_by_one_ulp), "rotary.embed_positions")
+    with pytest.raises(LiftError, match="holds weights"):
+        sinusoid_frequencies(Model(lambda: table(64, 16), weights=True), "rotary.embed_positions")
+    with pytest.raises(LiftError, match="'embed_positions'"):
+        sinusoid_frequencies(Model(lambda: table(64, 16)), "embed_positions")
