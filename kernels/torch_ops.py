@@ -52,6 +52,19 @@ def position_scale(x: torch.Tensor, positions: torch.Tensor, beta: float, period
     return x * factor.to(x.dtype)[:, None]
 
 
+def layer_norm_heads(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+                     head_dim: int) -> torch.Tensor:
+    # x: [num_tokens, heads * head_dim], each head normalised in fp32, then a gain (and bias) of its own per head
+    # ([heads, head_dim]: Command R+'s q/k LayerNorms) applied in fp32, one rounding
+    shape = x.shape
+    h = F.layer_norm(x.float().view(shape[0], -1, head_dim), (head_dim,), None, None, eps)
+    if weight is not None:
+        h = h * weight.float().view(-1, head_dim)
+    if bias is not None:
+        h = h + bias.float().view(-1, head_dim)
+    return h.to(x.dtype).reshape(shape)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     # x: [num_tokens, features]; mean-centred and scaled in fp32, the gain and bias applied there too, one rounding
     # (what HF's nn.LayerNorm does inside the kernel, and Cohere's and OLMo's norms in their own fp32 code)

@@ -75,7 +75,8 @@ OPS: dict[str, OpSpec] = {
         doc="(x - mean(x)) * rsqrt(var(x) + eps) * weight + bias over each row, computed in fp32 and rounded once; "
             "weight and bias are optional (OLMo's norm has neither). With weight_offset the gain is weight + "
             "weight_offset, formed in the weight's dtype (Nemotron's LayerNorm1P: 1 + w). With head_dim, over each "
-            "head's features, one gain and bias of that size for every head (Persimmon's q/k norms)",
+            "head's features, with one gain and bias of that size for every head (Persimmon's q/k norms) or a "
+            "[heads, head_dim] gain, one per head (Command R+'s)",
     ),
     "fused_add_rms_norm": OpSpec(
         (2, 2), (), ("weight",), ("eps",),

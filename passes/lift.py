@@ -1144,7 +1144,8 @@ def _norm(fx_node, normed: Normed, weight: Param, st: _State, source: str) -> To
     if per_head:  # normalised per head (e.g. q/k norms)
         attrs["head_dim"] = x.layout.size("D")
     gain = tuple(st.params[weight.name].shape) if weight.name in st.params else None
-    if gain is not None and gain != (x.layout.sizes[-1],):  # e.g. Cohere's q/k norm: one gain per head, [H, D]
+    heads_gain = per_head and normed.centered and gain == (x.layout.size("H"), x.layout.sizes[-1])
+    if gain is not None and gain != (x.layout.sizes[-1],) and not heads_gain:  # a gain the norm ops cannot apply
         raise LiftError(f"{'LayerNorm' if normed.centered else 'RMSNorm'} {'per head ' if per_head else ''}at "
                         f"{source!r} has a gain of shape {gain}; the {'layer_norm' if normed.centered else 'rms_norm'} "
                         f"op takes one of {x.layout.sizes[-1]} features, the same for every "

@@ -118,6 +118,8 @@ class _Match:
     columns: dict[int, _Column] = field(default_factory=dict)  # id(node) -> column-parallel linear
     rows: dict[int, tuple[Node, str]] = field(default_factory=dict)  # id(node) -> (row-parallel linear, role)
     head_nodes: dict[int, tuple[Node, int]] = field(default_factory=dict)  # id(rope) -> (node, full num_heads)
+    # id(norm) -> (a per-head norm whose gain is one per head, [heads, head_dim], full num_heads): split by heads
+    head_gains: dict[int, tuple[Node, int]] = field(default_factory=dict)
     attention: list[Node] = field(default_factory=list)
 
 
@@ -145,6 +147,8 @@ def match(graph: Graph) -> _Match:
                                      or (p.op in PER_HEAD_NORMS and p.attrs.get("head_dim"))):
                 if p.op == "rope":  # its num_heads attr becomes the rank's
                     m.head_nodes[id(p)] = (p, num)
+                elif "weight" in p.weights and graph.params[p.weights["weight"]].dim() == 2:
+                    m.head_gains[id(p)] = (p, num)
                 v = p.inputs[0]
                 p = producers.get(v)
             if p is None or p.op != "linear":
@@ -490,6 +494,11 @@ class Shard(Pass):
             attn.attrs["num_kv_heads"] = local_heads(attn.attrs["num_kv_heads"], tp_size)
         for node, num in m.head_nodes.values():
             node.attrs["num_heads"] = local_heads(num, tp_size)
+        for node, num in m.head_gains.values():  # [heads, head_dim] gains (and biases): each rank its own heads' rows
+            for role in ("weight", "bias"):
+                if role in node.weights:
+                    assign(node.weights[role], [(Slice(0, a, b),) for a, b in head_ranges(num, 1, tp_size)],
+                           node.source)
 
         if vocab_parallel:
             for n in _vocab_nodes(graph):

@@ -490,6 +490,8 @@ def _layer_norm(w, attrs, ex) -> Kernel:
         # both instead (_Fusions.add_layer_norms) and this one is not called
         from kernels.fused_norm import layer_norm as fn
     head_dim = attrs.get("head_dim")
+    if head_dim and weight is not None and weight.dim() == 2:  # a gain per head, [heads, head_dim]: torch ops, CUDA too
+        return lambda xs, step: (ops.layer_norm_heads(xs[0], weight, bias, eps, head_dim),)
     if head_dim:  # each head's features a row of their own, one gain and bias for every head
         return lambda xs, step: (fn(xs[0].reshape(-1, head_dim), weight, bias, eps).reshape(xs[0].shape),)
     return lambda xs, step: (fn(xs[0], weight, bias, eps),)

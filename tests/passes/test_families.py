@@ -130,6 +130,8 @@ SUPPORTED = [
     Family("Cohere", "cohere", dict(num_hidden_layers=1),
            "LayerNorm without bias written out, parallel attention and MLP, interleaved (GPT-J) rotary, "
            "logits x logit_scale, tied embeddings"),
+    Family("Cohere (q/k norms)", "cohere", dict(num_hidden_layers=1, use_qk_norm=True),
+           "Command R+'s q/k LayerNorms: each head normalised, with a gain of its own per head ([heads, head_dim])"),
     Family("Granite", "granite", dict(num_hidden_layers=1, embedding_multiplier=6.0, residual_multiplier=0.4,
                                       attention_multiplier=0.1, logits_scaling=4.0),
            "embedding, residual and attention multipliers, logits / logits_scaling"),
@@ -263,10 +265,6 @@ NOT_YET = [
            r"'model\.layers\.0\.self_attn'",
            "rotary embeddings written as a complex product (view_as_complex); beyond it, chunked attention layers, "
            "a query temperature per position and experts fed the input scaled by the router's score"),
-    # Command R+'s q/k LayerNorms: one gain per head ([heads, head_dim]), where the IR's per-head norms share one
-    NotYet(Family("Cohere (q/k norms)", "cohere", dict(num_hidden_layers=1, use_qk_norm=True)),
-           r"LayerNorm per head at 'model\.layers\.0\.self_attn\.q_norm' has a gain of shape \(4, 16\)",
-           "LayerNorm per head with a gain of its own for each head (Command R+'s use_qk_norm)"),
     NotYet(Family("Gemma 3n (text)", "gemma3n_text",
                   dict(head_dim=16, intermediate_size=[64, 64], laurel_rank=4, altup_num_inputs=2,
                        hidden_size_per_layer_input=8, vocab_size_per_layer_input=96, num_kv_shared_layers=0,

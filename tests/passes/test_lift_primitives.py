@@ -516,3 +516,28 @@ def test_xielu_reads_its_weights_and_buffers_and_runs_on_each_ranks_share(monkey
     for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
         for ours, ref in zip(rank_logits, expected):
             assert (ours - ref).abs().max().item() < 1e-5
+
+
+COHERE_QK = Family("Cohere (q/k norms)", "cohere", dict(num_hidden_layers=1, use_qk_norm=True))
+
+
+def test_shard_splits_per_head_gains_with_their_heads(monkeypatch):
+    """Command R+'s q/k LayerNorms carry a gain per head ([heads, head_dim]): each rank keeps its own heads' rows of
+    it (q: 4 heads, 2 a rank; k: 2 kv heads, 1 a rank). Two ranks' logits equal the unsharded graph's, which equal
+    HF's."""
+    graph, model = traced(COHERE_QK)
+    norms = [n for n in graph.nodes if n.op == "layer_norm" and n.attrs.get("head_dim")]
+    assert sorted(tuple(graph.params[n.weights["weight"]].shape) for n in norms) == [(2, 16), (4, 16)]
+    prompts = _prompts()
+    for ours, ref in zip(run_graph(graph, prompts), _hf_logits(model, prompts)):
+        assert (ours - ref).abs().max().item() < 1e-4
+    sharded, _ = run_passes(graph.copy(), ["shard"], PassContext(options={"shard": {"tp_size": 2}}))
+    for n in (n for n in sharded.nodes if n.op == "layer_norm" and n.attrs.get("head_dim")):
+        name = n.weights["weight"]
+        full = graph.params[name]
+        assert sharded.params[name].shape[0] == full.shape[0] // 2
+        assert torch.equal(sharded.shards.tensor(name, 1), full[full.shape[0] // 2:])
+    expected = run_graph(graph, prompts[1:])
+    for rank_logits in run_ranks(sharded, prompts[1:], monkeypatch):
+        for ours, ref in zip(rank_logits, expected):
+            assert (ours - ref).abs().max().item() < 1e-5
