@@ -421,6 +421,8 @@ class _State:
     names: NameGen = field(default_factory=NameGen)
     num_attention: int = 0
     rope_tables: dict[frozenset[str], str] = field(default_factory=dict)  # buffers -> inv_freq param
+    # a rotary buffer -> ctx.rotary's (inv_freq, attention_scaling) and ctx.long_rotary's answer for it
+    rotaries: dict[str, tuple[torch.Tensor, float, tuple[torch.Tensor, int] | None]] = field(default_factory=dict)
     inputs: dict[str, Any] = field(default_factory=dict)  # placeholder name -> its InputSpec
     constants: dict[str, Any] = field(default_factory=dict)  # the exported program's lifted constant tensors
     evaluated: dict[torch.fx.Node, torch.Tensor] = field(default_factory=dict)  # constants computed so far
@@ -1333,8 +1335,10 @@ def _rope(fx_node, term: RopeTerm, table: Pos, st: _State, ctx: LiftContext, sou
         raise LiftError(f"rotary embedding at {source!r}: cannot tell which inv_freq buffer its cos/sin "
                         f"come from (found {inv_freq_buffers or 'none'})")
     buffer = inv_freq_buffers[0]
-    inv_freq, scaling = ctx.rotary(buffer)
-    long = ctx.long_rotary(buffer) if ctx.long_rotary is not None and buffer.endswith("inv_freq") else None
+    if buffer not in st.rotaries:  # the rotary module rebuilt on the CPU once per table, not for every q and k
+        st.rotaries[buffer] = (*ctx.rotary(buffer), ctx.long_rotary(buffer) if ctx.long_rotary is not None
+                               and buffer.endswith("inv_freq") else None)
+    inv_freq, scaling, long = st.rotaries[buffer]
     if not buffer.endswith("inv_freq"):
         buffer = f"{buffer}.inv_freq"  # the frequencies, not the table, are the rope op's weight
     if term.neg:  # x cos - rotate_half(x) sin: the rotation by minus each angle, i.e. by the negated frequencies
@@ -1450,12 +1454,14 @@ def _scaled_by_position(q: Any, k: Any, v: Any, st: _State, ctx: LiftContext, so
     attention temperature, 1 + beta log(1 + floor(p / period)) (rope_parameters' llama_4_scaling_beta and
     original_max_position_embeddings), becomes a ``position_scale`` op on the query. Any other such factor, or one on
     the key or value, stops the lift."""
-    try:  # the attention module's own config (a text config nested in a multimodal model's)
-        config = getattr(ctx.model.get_submodule(source), "config", None) or ctx.model.config
-    except AttributeError:
-        config = getattr(ctx.model, "config", None)
-    rope = getattr(config, "rope_parameters", None) or {}
-    beta, period = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
+    beta = period = None
+    if isinstance(q, RopeTerm) and not q.rotated:  # the config read only where a query is scaled
+        try:  # the attention module's own config (a text config nested in a multimodal model's)
+            config = getattr(ctx.model.get_submodule(source), "config", None) or ctx.model.config
+        except AttributeError:
+            config = getattr(ctx.model, "config", None)
+        rope = getattr(config, "rope_parameters", None) or {}
+        beta, period = rope.get("llama_4_scaling_beta"), rope.get("original_max_position_embeddings")
     if (isinstance(q, RopeTerm) and not q.rotated and not q.interleaved and q.start == 0 and not q.table.buffers
             and q.stop == q.x.layout.size("D") and beta is not None and period):  # a factor of the positions alone
         out = _emit(st, "position_scale", [q.x.value, "positions"], "q_scaled", source,
