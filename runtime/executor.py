@@ -444,11 +444,14 @@ def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | N
     same inside a CUDA graph; else None (its Triton GEMM takes bf16 rows). None for any other node."""
     if ex._index not in ex._fusions.quant_producers or (weight is not None and weight.dtype != ex.dtype):
         return None
-    from kernels import gemv
+    from kernels import gemv, w8a8_rows
     from kernels.w8a8_gemm import FUSED_MAX_ROWS
 
     gemv_rows = gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED and gemv.GEMV_PREQUANT else 0
-    return lambda x: (torch.float8_e4m3fn if x.numel() > FUSED_MAX_ROWS * x.shape[-1]
+    # from the rows GEMM's first row count on (kernels.w8a8_rows.RUNTIME_MIN_ROWS) or past the fused GEMM's rows
+    quant_from = min(FUSED_MAX_ROWS + 1, max(w8a8_rows.RUNTIME_MIN_ROWS, gemv.GEMV_RUNTIME_MAX_ROWS + 1)
+                     if w8a8_rows.RUNTIME_MAX_ROWS else FUSED_MAX_ROWS + 1)
+    return lambda x: (torch.float8_e4m3fn if x.numel() >= quant_from * x.shape[-1]
                       or x.numel() <= gemv_rows * x.shape[-1] else None)
 
 
@@ -578,7 +581,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six). Every path clamps INT8
     activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
     per-token ones (``quantize_rows``, a norm's ``QuantizedRows``) never reach below -127."""
-    from kernels import gemv
+    from kernels import gemv, w8a8_rows
     from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, w8a8_linear
 
     storage = w["qweight"].dtype
@@ -602,17 +605,24 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
 
     def linear(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): the GEMV or cuBLAS's _scaled_mm
-            if x.codes.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
+        rows = x.codes.numel() // x.shape[-1] if isinstance(x, QuantizedRows) else x.numel() // x.shape[-1]
+        if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): the GEMV, the rows GEMM or cuBLAS
+            if rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
                 return gemv.w8a8_gemv(x, qweight, w_scale, None, bias, out_dtype=ex.dtype)
+            if w8a8_rows.runtime_applies(rows):
+                return w8a8_rows.w8a8_rows_linear(x.codes, x.scales, qweight, w_scale, bias, out_dtype=ex.dtype)
             if not takes_quantized:
                 raise RuntimeError(f"a norm fed quantized rows {tuple(x.shape)} to a linear of weight "
                                    f"{tuple(qweight.shape)} that does not run _scaled_mm (plan_fusions)")
             return large(x)
         # shapes only: no sync, the same inside a CUDA graph
-        if gemv.GEMV_ENABLED and x.numel() <= gemv.GEMV_RUNTIME_MAX_ROWS * x.shape[-1]:
+        if gemv.GEMV_ENABLED and rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
             return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)
-        if x.numel() <= FUSED_MAX_ROWS * x.shape[-1]:
+        if input_scale is None and w8a8_rows.runtime_applies(rows):  # dynamic per-token scales: one kernel each
+            codes, scales = quantize(x.reshape(-1, x.shape[-1]))
+            y = w8a8_rows.w8a8_rows_linear(codes, scales, qweight, w_scale, bias, out_dtype=x.dtype)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if rows <= FUSED_MAX_ROWS:
             return w8a8_linear(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)
         return large(x)
 

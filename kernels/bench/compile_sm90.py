@@ -290,6 +290,25 @@ def _silu_quant() -> list[tuple[str, object]]:
                 _silu_mul_quant_2pass_kernel, types, {**consts, "BLOCK": 2048}, 4))]
 
 
+def _w8a8_rows() -> list[tuple[str, object]]:
+    from kernels.w8a8_rows import _CUDA_CONFIGS, _w8a8_rows_kernel
+
+    out = []
+    for code in ("fp8e4nv", "i8"):
+        types = {"x_ptr": f"*{code}", "xs_ptr": "*fp32", "w_ptr": f"*{code}", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
+                 "y_ptr": "*bf16", "part_ptr": "*i32" if code == "i8" else "*fp32", "counter_ptr": "*i32",
+                 **{n: "i32" for n in ("M", "N", "K", "steps_per_split", "stride_xm", "stride_wn", "stride_ym")}}
+        for bound, cfg in _CUDA_CONFIGS:
+            consts = dict(INT8=code == "i8", PER_CHANNEL=True, HAS_BIAS=False, SPLIT_K=4, SWAP=cfg.swap, EMULATE=False,
+                          EVEN=True, PROMOTE=cfg.promote, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          BLOCK_K=cfg.block_k, PREFETCH_ROWS=32, PREFETCH_LINES=1, PDL=True)
+            out.append((f"w8a8 rows {code}, {cfg.block_m}x{cfg.block_n}x{cfg.block_k}{' swap' if cfg.swap else ''}",
+                        lambda t=types, c=consts, cfg=cfg: compile_kernel(
+                            _w8a8_rows_kernel, t, c, cfg.num_warps, cfg.num_stages,
+                            divisible=("x_ptr", "w_ptr", "K", "N", "stride_xm", "stride_wn", "stride_ym"))))
+    return out
+
+
 def _binary(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
@@ -348,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
     for name, build in (_decode_attention() + _frag() + _moe() + _fp8_block() + _argmax() + _norms_and_rope()
-                        + _silu_quant()):
+                        + _silu_quant() + _w8a8_rows()):
         if args.only and not any(text.lower() in name.lower() for text in args.only):
             continue
         try:

@@ -16,6 +16,9 @@ GEMV: ``kernels.gemv.w8a8_gemv`` at M = 1, 2, 4 (dynamic per-token scales), chec
 to ``w8a8_linear`` and the bf16 ``F.linear``; TB/s of weight bytes (codes + scales). ``--gemv-sweep`` times
 candidate ``GemvConfig``s (to tune ``kernels.gemv._W8A8_CUDA_CONFIGS``).
 
+``--rows`` / ``--rows-sweep``: only ``kernels.w8a8_rows.w8a8_rows_linear`` (rows quantized beforehand, as a norm
+hands them over) at 8-256 rows against cuBLAS on the same codes, with candidate configs per M for the sweep.
+
 ``--fast-accum``: only ``torch._scaled_mm`` at the runtime's large-M sizes (128 ... 8192 rows) with and without
 ``use_fast_accum`` (Hopper's FP8 MMA accumulating without periodic promotion to fp32), the time of each and the
 largest difference of the fast result from the fp32-promoted one, relative to the output's largest magnitude.
@@ -31,7 +34,8 @@ import torch.nn.functional as F
 
 from kernels.bench.gemm import SHAPES, report, sweep_configs, time_us
 from kernels.gemv import GemvConfig, default_gemv_config, w8a8_gemv
-from kernels.w8a8_gemm import W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
+from kernels.w8a8_gemm import QuantizedRows, W8A8Config, default_config, quantize_rows, ref_w8a8_linear, w8a8_linear
+from kernels.w8a8_rows import RowsConfig, default_config as default_rows_config, w8a8_rows_linear
 from kernels.torch_quant import (make_fp8_scaled_mm_linear, quantize_activation_int8, quantize_weight_fp8,
                                  quantize_weight_int8)
 
@@ -224,6 +228,76 @@ def bench_fast_accum() -> None:
                   flush=True)
 
 
+ROWS_M = (8, 16, 32, 64, 128, 256)
+
+
+def rows_candidates(m: int) -> list[RowsConfig]:
+    """Configurations ``--rows-sweep`` tries at ``m`` rows (kernels.w8a8_rows)."""
+    bm = max(16, 1 << (m - 1).bit_length())
+    out = []
+    if bm <= 64:  # the weights as the MMA's M operand: x's rows fill its N
+        for bn, bk, warps, stages in ((64, 128, 4, 4), (128, 128, 4, 4), (128, 128, 4, 5), (128, 256, 4, 3),
+                                      (64, 256, 4, 4), (128, 128, 8, 4), (256, 128, 8, 3)):
+            out.append(RowsConfig(bm, bn, bk, num_warps=warps, num_stages=stages))
+        out += [RowsConfig(bm, 128, 128, num_warps=4, num_stages=4, programs_per_sm=p) for p in (1.0, 3.0, 4.0)]
+        out.append(RowsConfig(bm, 128, 128, num_warps=4, num_stages=4, promote=128))
+    for bm2, bn, bk, warps, stages in ((64, 128, 128, 4, 4), (128, 128, 128, 8, 4), (128, 128, 128, 8, 3),
+                                       (64, 256, 128, 8, 3), (128, 64, 128, 4, 4)):
+        if bm2 <= max(bm, 64):
+            out.append(RowsConfig(bm2, bn, bk, swap=False, num_warps=warps, num_stages=stages))
+    out.append(RowsConfig(min(bm, 128), 128, 128, swap=False, num_warps=8, num_stages=4, promote=128))
+    return out
+
+
+def bench_rows(kind: str, sweep: bool) -> list[str]:
+    """``w8a8_rows_linear`` on rows quantized by ``quantize_rows`` (what a norm hands an FP8 / INT8 linear) at
+    ROWS_M rows, checked against the reference linear of the unquantized rows, timed next to cuBLAS on the same codes
+    (``_scaled_mm`` / ``_int_mm``, the runtime's path before it) and the bf16 ``F.linear``; TB/s of weight codes."""
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dtype = torch.float8_e4m3fn if kind == "fp8" else torch.int8
+    print(f"\nW8A8 {kind} on quantized rows (kernels.w8a8_rows): us (CUDA graphs, weights rotated past L2); TB/s of "
+          "weight codes; rel.err of each against the reference linear")
+    print(f"{'shape':>8} {'M':>4} | {'rows':>8} {'cublas':>8} {'bf16':>8} | {'rows':>5} {'cublas':>6} | "
+          "err rows  err cublas  config")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+        qweight, w_scale = _quantize(w.float(), kind)
+        copies = [(qweight.clone(), w_scale.clone()) for _ in range(max(2, COPIES_BYTES // qweight.numel()))]
+        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
+        for m in ROWS_M:
+            x = _x(m, k, gen)
+            rows = QuantizedRows(*quantize_rows(x, dtype))
+            ref = ref_w8a8_linear(x, qweight, w_scale)
+            err = _rel_err(w8a8_rows_linear(rows.codes, rows.scales, qweight, w_scale), ref)
+            if not err < REL_TOL:
+                failures.append(f"{kind} rows {name} M={m}: rel.err {err:.3g}")
+            t = time_us([lambda q=q, s=s: w8a8_rows_linear(rows.codes, rows.scales, q, s) for q, s in copies])
+            if kind == "fp8":
+                fns = [make_fp8_scaled_mm_linear({"qweight": q, "weight_scale": s}) for q, s in copies]
+                err_cublas = _rel_err(fns[0](rows), ref)
+                t_cublas = time_us([lambda f=f: f(rows) for f in fns])
+            else:
+                def int_mm(q, s):
+                    return (torch._int_mm(rows.codes, q.t()).float() * rows.scales * s).to(torch.bfloat16)
+                err_cublas = _rel_err(int_mm(qweight, w_scale), ref)
+                t_cublas = time_us([lambda q=q, s=s: int_mm(q, s) for q, s in copies])
+            t_bf16 = time_us([lambda wb=wb: F.linear(x, wb) for wb in wbs])
+            cfg = default_rows_config(m, x.device)
+            print(f"{name:>8} {m:>4} | {t:8.1f} {t_cublas:8.1f} {t_bf16:8.1f} | {qweight.numel() / t / 1e6:5.2f} "
+                  f"{qweight.numel() / t_cublas / 1e6:6.2f} | {err:.1e}  {err_cublas:.1e}    {cfg}", flush=True)
+            if sweep:
+                failures += sweep_configs(
+                    f"{kind} rows {name} M={m}", rows_candidates(m),
+                    lambda cfg: _check(w8a8_rows_linear(rows.codes, rows.scales, qweight, w_scale, config=cfg), ref),
+                    lambda cfg: [lambda q=q, s=s: w8a8_rows_linear(rows.codes, rows.scales, q, s, config=cfg)
+                                 for q, s in copies],
+                    indent=f"{'':>8} {'':>4}   ", weight_bytes=qweight.numel(), reps=10)
+        del copies, wbs
+        torch.cuda.empty_cache()
+    return failures
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape")
@@ -232,6 +306,8 @@ def main() -> int:
     parser.add_argument("--gemv", action="store_true", help="only the GEMV tables (no sweep)")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
     parser.add_argument("--fast-accum", action="store_true", help="only _scaled_mm with and without fast accumulation")
+    parser.add_argument("--rows", action="store_true", help="only the quantized-rows kernel's tables (kernels.w8a8_rows)")
+    parser.add_argument("--rows-sweep", action="store_true", help="those tables, timing candidate configs per M")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_w8a8 needs a CUDA GPU", file=sys.stderr)
@@ -242,6 +318,9 @@ def main() -> int:
         return 0
     failures = []
     for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):
+        if args.rows or args.rows_sweep:
+            failures += bench_rows(kind, args.rows_sweep)
+            continue
         if not (args.gemv_sweep or args.gemv):
             failures += bench(kind, args.sweep)
         failures += bench_gemv(kind, args.gemv_sweep)

@@ -1,0 +1,103 @@
+"""The W8A8 linear on rows already quantized per token (``kernels.w8a8_rows``) against the runtime's reference
+linear, under the Triton interpreter on CPU: fresh random activations quantized by the reference's own per-token
+quantization, weights quantized by the passes' functions. On a GPU, ``python -m kernels.bench.w8a8 --rows`` checks
+the compiled kernel at the Llama-3-8B shapes against the same reference."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+
+from kernels.gemv import _tile_counters
+from kernels.torch_quant import (quantize_activation_fp8, quantize_activation_int8, quantize_weight_fp8,
+                                 quantize_weight_int8)
+from kernels.w8a8_gemm import ref_w8a8_linear
+from kernels.w8a8_rows import RowsConfig, w8a8_rows_linear
+
+
+def _weights(kind: str, n: int, k: int, per_channel: bool, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[: n // 3] *= 4  # rows with different ranges: per-channel scales differ
+    return quantize_weight_int8(w) if kind == "int8" else quantize_weight_fp8(w, per_channel)
+
+
+def _rows(kind: str, m: int, k: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    x[:, 3] *= 30  # an outlier channel, as real activations have
+    x = x.to(dtype)
+    codes, scales = quantize_activation_int8(x, None) if kind == "int8" else quantize_activation_fp8(x, None)
+    return x, codes, scales
+
+
+CONFIGS = [RowsConfig(16, 32, 32, split_k=1, num_warps=1, num_stages=1),
+           RowsConfig(16, 32, 32, split_k=3, num_warps=1, num_stages=1),
+           RowsConfig(16, 32, 32, split_k=2, swap=False, num_warps=1, num_stages=1)]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("m,k,n", [(1, 96, 64), (5, 80, 40), (19, 128, 72)])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["one-split", "three-splits", "unswapped"])
+def test_matches_the_reference_linear(kind, m, k, n, cfg):
+    seed = m * 1000 + k + n
+    qweight, w_scale = _weights(kind, n, k, per_channel=True, seed=seed)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed + 1))
+    x, codes, scales = _rows(kind, m, k, torch.float32, seed + 2)
+    y = w8a8_rows_linear(codes, scales, qweight, w_scale, bias, out_dtype=torch.float32, config=cfg)
+    ref = ref_w8a8_linear(x, qweight, w_scale, bias=bias)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    if kind == "int8":  # exact int32 sums, then the reference's float(sum) * x_scale * weight_scale + bias
+        torch.testing.assert_close(y, ref, rtol=0, atol=0)
+    else:  # fp32 sums of exact products, summed in another order
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_bf16_out_per_tensor_scale_and_leading_dims(kind):
+    qweight, w_scale = _weights(kind, 48, 64, per_channel=False, seed=3)
+    if kind == "int8":  # one scale for the tensor (the reference reads the same codes with it)
+        w_scale = w_scale.amax().reshape(1)
+    x, codes, scales = _rows(kind, 6, 64, torch.bfloat16, seed=4)
+    y = w8a8_rows_linear(codes.reshape(2, 3, 64), scales.reshape(2, 3, 1), qweight, w_scale,
+                         out_dtype=torch.bfloat16)
+    ref = ref_w8a8_linear(x, qweight, w_scale)
+    assert y.shape == (2, 3, 48) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.reshape(6, 48).float(), ref.float(), rtol=8e-3, atol=1e-6)
+
+
+def test_split_counters_are_zero_again_and_results_repeat():
+    qweight, w_scale = _weights("fp8", 64, 128, per_channel=True, seed=5)
+    _, codes, scales = _rows("fp8", 3, 128, torch.float32, seed=6)
+    cfg = RowsConfig(16, 32, 32, split_k=4, num_warps=1, num_stages=1)
+    first = w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32, config=cfg)
+    assert int(_tile_counters(codes.device, 2).abs().sum()) == 0
+    again = w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32, config=cfg)
+    assert torch.equal(first, again)  # the partials are added in split order whichever program is last
+
+
+def test_empty_rows():
+    qweight, w_scale = _weights("fp8", 32, 32, per_channel=True, seed=7)
+    y = w8a8_rows_linear(torch.empty(0, 32, dtype=torch.float8_e4m3fn), torch.empty(0, 1), qweight, w_scale)
+    assert y.shape == (0, 32)
+
+
+def test_bad_inputs_are_named():
+    qweight, w_scale = _weights("fp8", 32, 64, per_channel=True, seed=8)
+    _, codes, scales = _rows("fp8", 2, 64, torch.float32, seed=9)
+    with pytest.raises(ValueError, match="quantize the rows to the weight's dtype"):
+        w8a8_rows_linear(codes.view(torch.int8), scales, qweight, w_scale)
+    with pytest.raises(ValueError, match="input features"):
+        w8a8_rows_linear(codes[:, :32], scales, qweight, w_scale)
+    with pytest.raises(ValueError, match="one per row"):
+        w8a8_rows_linear(codes, scales[:1], qweight, w_scale)
+    with pytest.raises(ValueError, match="weight_scale"):
+        w8a8_rows_linear(codes, scales, qweight, w_scale[:3])
+    with pytest.raises(ValueError, match="bias"):
+        w8a8_rows_linear(codes, scales, qweight, w_scale, torch.zeros(31))
+    with pytest.raises(ValueError, match="out_dtype"):
+        w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.int32)
