@@ -1,5 +1,4 @@
-"""W8A8 linear on rows already quantized per token (FP8 E4M3 and INT8), for decode batches of a few to a few
-hundred sequences.
+"""W8A8 linear on rows already quantized per token (FP8 E4M3 and INT8), for decode batches of 2 to 64 sequences.
 
 ``y = (codes @ qweight.T) * x_scale * weight_scale + bias`` where ``codes`` [M, K] and ``x_scale`` [M, 1] come
 from the kernel that made the rows (a norm or the SwiGLU quantizes its output: ``kernels.w8a8_gemm.QuantizedRows``,
@@ -10,7 +9,8 @@ the arithmetic of ``kernels.w8a8_gemm.ref_w8a8_linear`` on those codes (int8: ex
 Past the GEMV's rows the runtime handed these rows to cuBLAS (``torch._scaled_mm`` / ``torch._int_mm``). At a decode
 batch a linear is still bound by its weight bytes, and cuBLAS's kernels for FP8 with row-wise scales read them at
 about half of the H200's bandwidth (64 rows: 26 us per Llama-3-8B linear on average, 2.1 TB/s of codes; profile in
-docs/BENCHMARKS.md, session 39). Here a program streams a [BLOCK_N, BLOCK_K] tile of weight codes per K step
+docs/BENCHMARKS.md, session 39); here a layer's four linears take 19-42% less time from 8 to 64 rows. From 128
+rows cuBLAS's tiles win (``_CUDA_CONFIGS``). Here a program streams a [BLOCK_N, BLOCK_K] tile of weight codes per K step
 (contiguous rows, pipelined through shared memory) against the rows' [BLOCK_M, BLOCK_K] codes on tensor cores. With
 ``swap`` the weights are the MMA's M operand and the rows its N: ``acc^T = W x^T``, so 8-64 rows of x fill an MMA
 whose M would otherwise need 64 (Hopper's wgmma). K is split across programs when the output tiles are too few for
@@ -19,7 +19,8 @@ of each tile (a ticket on ``kernels.gemv``'s tile counters, as the GEMV does): o
 
 Accumulation: Hopper's FP8 MMA keeps fewer bits than fp32 in its accumulator. ``tl.dot``'s
 ``max_num_imprecise_acc`` promotes the partial sum into an fp32 accumulator every ``promote`` input features
-(default 32: every MMA instruction, as exact as fp32 sums get), cuBLAS's own default does the same every 128 or so.
+(default 32: every MMA instruction); the bench's error against the fp32 reference is cuBLAS's or lower (with
+``use_fast_accum`` off, as the runtime calls it).
 
 Under TRITON_INTERPRET the fp8 codes are multiplied in fp32 (exact: the interpreter has no FP8 MMA). The launch takes
 PDL (``kernels.pdl``): the first weight tile is asked of the L2 before the wait for the producer of the rows.
@@ -56,13 +57,15 @@ class RowsConfig:
     programs_per_sm: float = 2.0  # the auto split's target
 
 
-# Picked by rows (the first bound >= M); tuned with ``python -m kernels.bench.w8a8 --rows-sweep`` at the
-# Llama-3-8B shapes (docs/BENCHMARKS.md).
+# Picked by rows (the first bound >= M): the fastest summed over the four Llama-3-8B linears in
+# ``python -m kernels.bench.w8a8 --rows-sweep --kind fp8`` on an H200 (docs/BENCHMARKS.md, session 39), us per layer
+# (qkv + o_proj + gate_up + down) against cuBLAS's _scaled_mm on the same codes: 8 rows 67.8 vs 116.0, 16 rows
+# 70.3 vs 109.9, 32 rows 75.4 vs 107.5, 64 rows ~88 vs 108.3. From 128 rows cuBLAS is faster on every shape (qkv
+# 14.5 vs 26.2 us at 128 rows), so the runtime stops at RUNTIME_MAX_ROWS.
 _CUDA_CONFIGS: list[tuple[int, RowsConfig]] = [
-    (32, RowsConfig(32, 128, 128, num_warps=4, num_stages=5)),
-    (64, RowsConfig(64, 128, 128, num_warps=4, num_stages=4)),
-    (128, RowsConfig(128, 128, 128, swap=False, num_warps=8, num_stages=4)),
-    (1 << 62, RowsConfig(128, 256, 128, swap=False, num_warps=8, num_stages=3)),
+    (16, RowsConfig(16, 64, 256, num_warps=4, num_stages=4)),
+    (32, RowsConfig(32, 64, 128, num_warps=4, num_stages=4)),
+    (1 << 62, RowsConfig(64, 64, 128, num_warps=4, num_stages=4)),
 ]
 _INTERPRETER_CONFIG = RowsConfig(16, 32, 32, num_warps=1, num_stages=1)
 
@@ -74,11 +77,12 @@ def _env_rows(name: str, default: int) -> int:
     return int(value)
 
 
-# The runtime's dynamic W8A8 linears run this kernel from KERNELS_W8A8_ROWS_MIN to KERNELS_W8A8_ROWS_MAX rows (the
-# norms before them then hand over quantized rows), the fused GEMM (kernels.w8a8_gemm) below and cuBLAS above;
-# KERNELS_W8A8_ROWS_MAX=0: never (A/B runs)
-RUNTIME_MIN_ROWS = _env_rows("KERNELS_W8A8_ROWS_MIN", 17)
-RUNTIME_MAX_ROWS = _env_rows("KERNELS_W8A8_ROWS_MAX", 256)
+# The runtime's dynamic FP8 linears run this kernel from KERNELS_W8A8_ROWS_MIN to KERNELS_W8A8_ROWS_MAX rows (the norms
+# before them then hand over quantized rows), the one-row GEMV below and cuBLAS above; KERNELS_W8A8_ROWS_MAX=0: never
+# (A/B runs). INT8 linears only with KERNELS_W8A8_ROWS_INT8=1: not yet measured against cuBLAS's _int_mm.
+RUNTIME_MIN_ROWS = _env_rows("KERNELS_W8A8_ROWS_MIN", 2)
+RUNTIME_MAX_ROWS = _env_rows("KERNELS_W8A8_ROWS_MAX", 64)
+RUNTIME_INT8 = os.environ.get("KERNELS_W8A8_ROWS_INT8", "0") == "1"
 
 
 def default_config(num_rows: int, device: torch.device) -> RowsConfig:
@@ -87,9 +91,9 @@ def default_config(num_rows: int, device: torch.device) -> RowsConfig:
     return next(cfg for bound, cfg in _CUDA_CONFIGS if num_rows <= bound)
 
 
-def runtime_applies(num_rows: int) -> bool:
-    """Whether the runtime's dynamic W8A8 linears run this kernel at this many rows (shapes only)."""
-    return RUNTIME_MIN_ROWS <= num_rows <= RUNTIME_MAX_ROWS
+def runtime_applies(num_rows: int, dtype: torch.dtype) -> bool:
+    """Whether the runtime's dynamic W8A8 linears with weights of ``dtype`` run this kernel at this many rows."""
+    return RUNTIME_MIN_ROWS <= num_rows <= RUNTIME_MAX_ROWS and (dtype == torch.float8_e4m3fn or RUNTIME_INT8)
 
 
 # --- kernel ----------------------------------------------------------------------------------------

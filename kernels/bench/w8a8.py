@@ -277,11 +277,13 @@ def bench_rows(kind: str, sweep: bool) -> list[str]:
                 fns = [make_fp8_scaled_mm_linear({"qweight": q, "weight_scale": s}) for q, s in copies]
                 err_cublas = _rel_err(fns[0](rows), ref)
                 t_cublas = time_us([lambda f=f: f(rows) for f in fns])
-            else:
+            elif m > 16:  # _int_mm takes more than 16 rows
                 def int_mm(q, s):
                     return (torch._int_mm(rows.codes, q.t()).float() * rows.scales * s).to(torch.bfloat16)
                 err_cublas = _rel_err(int_mm(qweight, w_scale), ref)
                 t_cublas = time_us([lambda q=q, s=s: int_mm(q, s) for q, s in copies])
+            else:
+                err_cublas = t_cublas = float("nan")
             t_bf16 = time_us([lambda wb=wb: F.linear(x, wb) for wb in wbs])
             cfg = default_rows_config(m, x.device)
             print(f"{name:>8} {m:>4} | {t:8.1f} {t_cublas:8.1f} {t_bf16:8.1f} | {qweight.numel() / t / 1e6:5.2f} "
@@ -306,7 +308,8 @@ def main() -> int:
     parser.add_argument("--gemv", action="store_true", help="only the GEMV tables (no sweep)")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
     parser.add_argument("--fast-accum", action="store_true", help="only _scaled_mm with and without fast accumulation")
-    parser.add_argument("--rows", action="store_true", help="only the quantized-rows kernel's tables (kernels.w8a8_rows)")
+    parser.add_argument("--rows", action="store_true",
+                        help="only the quantized-rows kernel's tables (kernels.w8a8_rows)")
     parser.add_argument("--rows-sweep", action="store_true", help="those tables, timing candidate configs per M")
     args = parser.parse_args()
     if not torch.cuda.is_available():

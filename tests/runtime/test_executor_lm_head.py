@@ -82,8 +82,9 @@ def test_quantized_lm_head_on_the_kernels(graph, monkeypatch, algo, options, mac
 @pytest.mark.parametrize("scheme", ["fp8", "w8a8_int8"])
 def test_w8a8_rows_past_the_fused_kernel_with_unaligned_outputs(monkeypatch, scheme):
     """cuBLAS's _scaled_mm / _int_mm take no weight dimension that is not a multiple of 16 / 8 (a vocabulary of 32001
-    tokens): such a W8A8 linear runs the Triton GEMM past FUSED_MAX_ROWS rows too, and equals the reference."""
-    from kernels import w8a8_gemm
+    tokens): such a W8A8 linear runs the Triton GEMM past FUSED_MAX_ROWS rows too (FP8: past the rows GEMM's rows,
+    kernels.w8a8_rows, which takes them below), and equals the reference."""
+    from kernels import w8a8_gemm, w8a8_rows
     from kernels.torch_quant import make_quant_linear, quantize_weight_fp8, quantize_weight_int8
     from runtime import executor
 
@@ -99,8 +100,20 @@ def test_w8a8_rows_past_the_fused_kernel_with_unaligned_outputs(monkeypatch, sch
 
     monkeypatch.setattr(w8a8_gemm, "w8a8_linear", spy)
     linear = executor._kernel_w8a8_linear(w, quant, type("Ex", (), {"dtype": torch.float32})())
-    x = torch.randn(w8a8_gemm.FUSED_MAX_ROWS + 4, 64, generator=g)
-    want = make_quant_linear(scheme, w, quant, torch.float32)(x)
-    got = linear(x)
-    assert calls == [x.shape[0]]
-    assert torch.allclose(got, want, atol=2e-2 * want.abs().max()), (got - want).abs().max()
+    rows_calls, real_rows = [], w8a8_rows.w8a8_rows_linear
+
+    def spy_rows(codes, *args, **kwargs):
+        rows_calls.append(codes.shape[0])
+        return real_rows(codes, *args, **kwargs)
+
+    monkeypatch.setattr(w8a8_rows, "w8a8_rows_linear", spy_rows)
+    past = max(w8a8_gemm.FUSED_MAX_ROWS, w8a8_rows.RUNTIME_MAX_ROWS if scheme == "fp8" else 0) + 4
+    for num_rows in sorted({w8a8_gemm.FUSED_MAX_ROWS + 4, past}):
+        x = torch.randn(num_rows, 64, generator=g)
+        want = make_quant_linear(scheme, w, quant, torch.float32)(x)
+        got = linear(x)
+        assert torch.allclose(got, want, atol=2e-2 * want.abs().max()), (got - want).abs().max()
+    if scheme == "fp8":  # the rows GEMM below its last row count, the fused GEMM past it
+        assert rows_calls == [w8a8_gemm.FUSED_MAX_ROWS + 4] and calls == [past], (rows_calls, calls)
+    else:
+        assert rows_calls == [] and calls == [past], (rows_calls, calls)
