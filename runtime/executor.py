@@ -609,7 +609,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): the GEMV, the rows GEMM or cuBLAS
             if rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
                 return gemv.w8a8_gemv(x, qweight, w_scale, None, bias, out_dtype=ex.dtype)
-            if w8a8_rows.runtime_applies(rows, storage):
+            if w8a8_rows.runtime_applies(rows, storage, ex.dtype):
                 return w8a8_rows.w8a8_rows_linear(x.codes, x.scales, qweight, w_scale, bias, out_dtype=ex.dtype)
             if not takes_quantized:
                 raise RuntimeError(f"a norm fed quantized rows {tuple(x.shape)} to a linear of weight "
@@ -618,7 +618,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         # shapes only: no sync, the same inside a CUDA graph
         if gemv.GEMV_ENABLED and rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
             return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)
-        if input_scale is None and w8a8_rows.runtime_applies(rows, storage):  # per-token scales: one kernel each
+        if input_scale is None and w8a8_rows.runtime_applies(rows, storage, x.dtype):  # per-token scales
             codes, scales = quantize(x.reshape(-1, x.shape[-1]))
             y = w8a8_rows.w8a8_rows_linear(codes, scales, qweight, w_scale, bias, out_dtype=x.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1])

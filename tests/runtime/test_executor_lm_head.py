@@ -107,13 +107,14 @@ def test_w8a8_rows_past_the_fused_kernel_with_unaligned_outputs(monkeypatch, sch
         return real_rows(codes, *args, **kwargs)
 
     monkeypatch.setattr(w8a8_rows, "w8a8_rows_linear", spy_rows)
-    past = max(w8a8_gemm.FUSED_MAX_ROWS, w8a8_rows.RUNTIME_MAX_ROWS if scheme == "fp8" else 0) + 4
-    for num_rows in sorted({w8a8_gemm.FUSED_MAX_ROWS + 4, past}):
+    past = max(w8a8_gemm.FUSED_MAX_ROWS, w8a8_rows.RUNTIME_MAX_ROWS, w8a8_rows.RUNTIME_MAX_ROWS_INT8) + 4
+    counts = sorted({w8a8_gemm.FUSED_MAX_ROWS + 4, past})
+    for num_rows in counts:
         x = torch.randn(num_rows, 64, generator=g)
         want = make_quant_linear(scheme, w, quant, torch.float32)(x)
         got = linear(x)
         assert torch.allclose(got, want, atol=2e-2 * want.abs().max()), (got - want).abs().max()
-    if scheme == "fp8":  # the rows GEMM below its last row count, the fused GEMM past it
-        assert rows_calls == [w8a8_gemm.FUSED_MAX_ROWS + 4] and calls == [past], (rows_calls, calls)
-    else:
-        assert rows_calls == [] and calls == [past], (rows_calls, calls)
+    # the rows GEMM where it applies (INT8; FP8 on bf16 / fp16 rows only), the fused GEMM past its rows
+    on_rows = [r for r in counts if w8a8_rows.runtime_applies(r, codes.dtype, torch.float32)]
+    assert rows_calls == on_rows and calls == [r for r in counts if r not in on_rows], (rows_calls, calls)
+    assert past in calls and (scheme == "fp8" or on_rows)
