@@ -2,10 +2,13 @@
 
     python -m builder.bench.profile_step artifacts/llama3-8b-fp8 --concurrency 64 --input-len 128 [--steps 20]
 
-Fills the engine with ``concurrency`` random prompts, runs until every request is decoding, then
-profiles ``--steps`` decode steps (and, separately, the prefill-bearing steps of a fresh wave). Prints,
-per phase: wall time per step (unprofiled steps, the profiler's tracing inflates host time), GPU kernel
-time per step (sum of kernel durations in the profiled steps; kernels do not overlap on one stream), the
+Two phases, after a warm-up wave: the prefill-bearing steps of a fresh wave of ``concurrency`` random prompts (until
+every request has its first token), then ``--steps`` decode steps of that wave. The engine launches a step before it
+reads the last one's tokens, so a step's kernels do not run inside its own ``step()`` call: each phase is profiled
+whole (the prefill phase's GPU time includes the decode step its last call launched). Prints, per phase: wall time
+per step (unprofiled: the prefill phase of another fresh wave, dropped after it, its abort included; the profiler's
+tracing inflates host time), GPU kernel time per step (sum of kernel durations in the profiled steps; kernels do not
+overlap on one stream), the
 host share (1 − GPU / wall), host time per stage (scheduling, graph launch, eager packing, detokenize and
 emit; the rest of a step is sampling and the wait for the GPU), and the top kernels and host functions. This
 is the evidence behind the "where the time goes" notes in docs/BENCHMARKS.md.
@@ -61,20 +64,37 @@ def _steps(engine, num_steps: int) -> int:
     return steps
 
 
-def _profile(engine, num_steps: int, label: str, top: int) -> dict:
-    # first without the profiler (its tracing inflates host time): wall per step and where the host spends it
+def _prefill_steps(engine) -> int:
+    """Steps until every request has its first token (the prefill-bearing steps of a wave)."""
+    steps = 0
+    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+        steps += 1
+    return steps
+
+
+def _sync(engine) -> None:
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _profile(engine, plain_run, profiled_run, label: str, top: int) -> dict:
+    """``plain_run()`` without the profiler (its tracing inflates host time: wall per step and where the host spends
+    it), then ``profiled_run()`` under it (GPU kernel time per step, top kernels); each runs steps and returns how
+    many."""
     timers = _HostTimers(engine)
-    torch.cuda.synchronize()
+    _sync(engine)
     t0 = time.perf_counter()
-    plain_steps = _steps(engine, num_steps)
-    torch.cuda.synchronize()
+    plain_steps = plain_run()
+    _sync(engine)
     plain_wall = time.perf_counter() - t0
     timers.remove()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    _sync(engine)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
-        steps = _steps(engine, num_steps)
-        torch.cuda.synchronize()
+        steps = profiled_run()
+        _sync(engine)
         wall = time.perf_counter() - t0
     gpu_us = sum(evt.device_time for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA)
     row = {"phase": label, "steps": steps, "wall_ms_per_step": 1e3 * plain_wall / max(plain_steps, 1),
@@ -88,7 +108,7 @@ def _profile(engine, num_steps: int, label: str, top: int) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
     parser.add_argument("--concurrency", type=int, default=64)
@@ -97,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (no GPU time: a dry run)")
     args = parser.parse_args(argv)
-    engine = load_for_bench(args.artifact, "cuda", max_num_seqs=args.concurrency, max_seq_len=None,
+    engine = load_for_bench(args.artifact, args.device, max_num_seqs=args.concurrency, max_seq_len=None,
                             max_num_batched_tokens=None, cuda_graphs=not args.no_cuda_graphs)
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
     params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
@@ -106,22 +127,36 @@ def main(argv: list[str] | None = None) -> int:
     warmup = _random_prompts(args.concurrency, args.input_len, vocab, 1)
     engine.run(warmup, SamplingParams(max_tokens=4, ignore_eos=True))
     engine.kv.pool.reset_prefix_cache()
-    for i, prompt in enumerate(_random_prompts(args.concurrency, args.input_len, vocab, 2)):
-        engine.add_request(prompt, params, request_id=f"p{i}")
+
+    def wave(seed: int, tag: str) -> None:
+        for i, prompt in enumerate(_random_prompts(args.concurrency, args.input_len, vocab, seed)):
+            engine.add_request(prompt, params, request_id=f"{tag}{i}")
+
+    def plain_prefill() -> int:  # a fresh wave's prefill-bearing steps, unprofiled; then that wave is dropped
+        wave(2, "a")
+        steps = _prefill_steps(engine)
+        _sync(engine)
+        engine.finish_all("abort")
+        engine.kv.pool.reset_prefix_cache()
+        return steps
+
+    def profiled_prefill() -> int:  # another fresh wave's, profiled; it then decodes below
+        wave(3, "b")
+        return _prefill_steps(engine)
+
     rows = []
-    # prefill-bearing steps: until every request has its first token
-    first_step = engine.num_steps
-    while any(not r.output_token_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
-        if engine.num_steps == first_step:  # one unprofiled and one profiled prefill-bearing step
-            rows.append(_profile(engine, 1, "first prefill step", args.top))
-        else:
-            engine.step()
-    num_prefill_steps = engine.num_steps - first_step
-    rows.append(_profile(engine, args.steps, f"decode, batch {args.concurrency}", args.top))
+    # the steps are launched ahead of the host's read of their tokens, so a step's kernels do not run inside its own
+    # step() call: a phase is profiled whole (the GPU time of the prefill phase includes the decode step its last
+    # step call launched)
+    rows.append(_profile(engine, plain_prefill, profiled_prefill,
+                         f"prefill-bearing steps, {args.concurrency} x {args.input_len} tokens", args.top))
+    num_prefill_steps = rows[-1]["steps"]
+    rows.append(_profile(engine, lambda: _steps(engine, args.steps), lambda: _steps(engine, args.steps),
+                         f"decode, batch {args.concurrency}", args.top))
     print(json.dumps({"prefill_steps": num_prefill_steps}))
     engine.finish_all("abort")
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()
