@@ -7,8 +7,9 @@ every request has its first token), then ``--steps`` decode steps of that wave. 
 reads the last one's tokens, so a step's kernels do not run inside its own ``step()`` call: each phase is profiled
 whole (the prefill phase's GPU time includes the decode step its last call launched). Prints, per phase: wall time
 per step (unprofiled: the prefill phase of another fresh wave, dropped after it, its abort included; the profiler's
-tracing inflates host time), GPU kernel time per step (sum of kernel durations in the profiled steps; kernels do not
-overlap on one stream), the
+tracing inflates host time), GPU time per step (the union of the kernels' spans in the profiled steps; with PDL a
+kernel starts under its predecessor and waits inside, so the per-kernel durations in the tables include that wait,
+and their sum, ``gpu_kernel_sum_ms_per_step``, can exceed the wall time), the
 host share (1 − GPU / wall), host time per stage (scheduling, graph launch, eager packing, detokenize and
 emit; the rest of a step is sampling and the wait for the GPU), and the top kernels and host functions. This
 is the evidence behind the "where the time goes" notes in docs/BENCHMARKS.md.
@@ -73,6 +74,18 @@ def _prefill_steps(engine) -> int:
     return steps
 
 
+def busy_us(spans: list[tuple[float, float]]) -> float:
+    """The time covered by the union of the (start, end) spans: the GPU's busy time. Kernels launched with PDL
+    (``kernels.pdl``) start while their predecessor still runs and wait for it inside, so their durations overlap
+    and their sum (``gpu_kernel_sum_ms_per_step``) exceeds the time the GPU was busy."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
 def _sync(engine) -> None:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -96,10 +109,12 @@ def _profile(engine, plain_run, profiled_run, label: str, top: int) -> dict:
         steps = profiled_run()
         _sync(engine)
         wall = time.perf_counter() - t0
-    gpu_us = sum(evt.device_time for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA)
+    device = [evt for evt in prof.events() if evt.device_type == torch.autograd.DeviceType.CUDA]
     row = {"phase": label, "steps": steps, "wall_ms_per_step": 1e3 * plain_wall / max(plain_steps, 1),
            "profiled_wall_ms_per_step": 1e3 * wall / max(steps, 1),
-           "gpu_kernel_ms_per_step": gpu_us / 1e3 / max(steps, 1)}
+           "gpu_kernel_ms_per_step": busy_us([(e.time_range.start, e.time_range.end) for e in device])
+           / 1e3 / max(steps, 1),
+           "gpu_kernel_sum_ms_per_step": sum(e.device_time for e in device) / 1e3 / max(steps, 1)}
     row["host_share"] = 1 - row["gpu_kernel_ms_per_step"] / row["wall_ms_per_step"]
     row.update({f"host_{k}_ms_per_step": 1e3 * v / max(plain_steps, 1) for k, v in timers.totals.items()})
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}))

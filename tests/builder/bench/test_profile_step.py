@@ -18,3 +18,9 @@ def test_phases_profile_the_prefill_bearing_steps_then_decode(artifacts, capsys)
     assert prefill["gpu_kernel_ms_per_step"] == 0 and prefill["wall_ms_per_step"] > 0  # no CUDA on the CPU
     printed = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert printed[-1] == {"prefill_steps": prefill["steps"]}
+
+
+def test_busy_time_is_the_union_of_the_spans():
+    """PDL kernels start under their predecessor: overlapping spans count once, gaps not at all."""
+    assert profile_step.busy_us([(0.0, 10.0), (4.0, 12.0), (20.0, 25.0), (21.0, 22.0)]) == 17.0
+    assert profile_step.busy_us([]) == 0.0
