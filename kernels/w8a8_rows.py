@@ -57,11 +57,12 @@ class RowsConfig:
     programs_per_sm: float = 2.0  # the auto split's target
 
 
-# Picked by rows (the first bound >= M): the fastest summed over the four Llama-3-8B linears in
-# ``python -m kernels.bench.w8a8 --rows-sweep --kind fp8`` on an H200 (docs/BENCHMARKS.md, session 39), us per layer
-# (qkv + o_proj + gate_up + down) against cuBLAS's _scaled_mm on the same codes: 8 rows 67.8 vs 116.0, 16 rows
-# 70.3 vs 109.9, 32 rows 75.4 vs 107.5, 64 rows ~88 vs 108.3. From 128 rows cuBLAS is faster on every shape (qkv
-# 14.5 vs 26.2 us at 128 rows), so the runtime stops at RUNTIME_MAX_ROWS.
+# Picked by rows (the first bound >= M), from ``python -m kernels.bench.w8a8 --rows-sweep --kind fp8`` on an H200 at the
+# Llama-3-8B shapes (docs/BENCHMARKS.md, session 39): each bucket's tiling was the best or second best of its sweep on
+# qkv, o_proj and down (gate_up's best was a 128-wide tile). Per layer, the best tiling of each shape against cuBLAS's
+# _scaled_mm on the same codes: 8 rows 67.8 vs 116.0 us, 16 rows 69.5 vs 109.9, 32 rows 74.2 vs 107.5, 64 rows 87.3
+# vs 108.3. From 128 rows cuBLAS is faster on three of the four shapes (qkv 14.5 vs 26.2 us at 128 rows), so the
+# runtime's FP8 linears stop at RUNTIME_MAX_ROWS.
 _CUDA_CONFIGS: list[tuple[int, RowsConfig]] = [
     (16, RowsConfig(16, 64, 256, num_warps=4, num_stages=4)),
     (32, RowsConfig(32, 64, 128, num_warps=4, num_stages=4)),
@@ -80,9 +81,9 @@ def _env_rows(name: str, default: int) -> int:
 # The runtime's dynamic W8A8 linears run this kernel from KERNELS_W8A8_ROWS_MIN rows (the norms before FP8 ones then
 # hand over quantized rows) to KERNELS_W8A8_ROWS_MAX (FP8) / KERNELS_W8A8_ROWS_MAX_INT8 rows, the one-row GEMV below
 # and cuBLAS above; a maximum of 0: never (A/B runs). INT8 sums are exact and the kernel beat _int_mm at every row
-# count measured (32-256: 0.65x its time per layer), FP8 loses to _scaled_mm from 128 rows. FP8 only for bf16 / fp16
-# activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's partial sums
-# within a promotion interval keep fewer bits).
+# count measured (32-256 rows: 0.57-0.66x its time per layer); FP8 loses to _scaled_mm from 128 rows. FP8 only for
+# bf16 / fp16 activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's
+# partial sums within a promotion interval keep fewer bits).
 RUNTIME_MIN_ROWS = _env_rows("KERNELS_W8A8_ROWS_MIN", 2)
 RUNTIME_MAX_ROWS = _env_rows("KERNELS_W8A8_ROWS_MAX", 64)
 RUNTIME_MAX_ROWS_INT8 = _env_rows("KERNELS_W8A8_ROWS_MAX_INT8", 256)
