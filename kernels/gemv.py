@@ -56,8 +56,8 @@ order (deterministic), scales, adds the bias and writes y: one launch, where a s
 GEMV (8 MB of 4-bit weights: ~3 us on an H100).
 
 NOTE: the tile counters are one int32 buffer per device (``_tile_counters``), zero between launches: the last
-program of a tile resets its counter. The frag GEMV, the decode attention's split merge and the fp8_block GEMV and
-GEMM (``kernels.fp8_block_gemm``) take theirs from it too. Split-K launches that may run concurrently on one device
+program of a tile resets its counter. The frag GEMV, the decode attention's split merge, the fp8_block GEMV and
+GEMM (``kernels.fp8_block_gemm``) and the W8A8 rows GEMM (``kernels.w8a8_rows``) take theirs from it too. Split-K launches that may run concurrently on one device
 (several streams) would share counters; the runtime runs one stream per device. The buffer is allocated on first use,
 which must come before any CUDA-graph capture (the runtime warms up before capturing). No host
 synchronisation: grids, splits and tiles come from shapes only (CUDA-graph capturable).

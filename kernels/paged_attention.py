@@ -776,7 +776,7 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     quantized = cache_dtype.itemsize == 1  # fp8 / int8: converted to fp16 in registers before the matmul
     if _DECODE_CONFIG_OVERRIDE is not None:
         block_n, warps, stages, heads_first = _DECODE_CONFIG_OVERRIDE
-        if not quantized and 0 < pairs <= _SMALL_DECODE_PAIRS:  # the tiling replaced; the small launch's splits kept
+        if not quantized and 0 < pairs <= _SMALL_DECODE_PAIRS:  # the tiling replaced; splits of one tile (64 keys)
             return DecodeConfig(block_n, warps, stages, heads_first=heads_first, min_keys=max(block_n, 64),
                                 early=_EARLY_TILE and block_n <= 64)
         return DecodeConfig(block_n, warps, stages, f16=quantized, heads_first=heads_first)

@@ -1,4 +1,5 @@
-"""W8A8 linear on rows already quantized per token (FP8 E4M3 and INT8), for decode batches of 2 to 64 sequences.
+"""W8A8 linear on rows already quantized per token (FP8 E4M3 and INT8), for decode batches (the runtime: FP8 at 2 to 64
+rows, INT8 at 2 to 256).
 
 ``y = (codes @ qweight.T) * x_scale * weight_scale + bias`` where ``codes`` [M, K] and ``x_scale`` [M, 1] come
 from the kernel that made the rows (a norm or the SwiGLU quantizes its output: ``kernels.w8a8_gemm.QuantizedRows``,
@@ -6,7 +7,8 @@ from the kernel that made the rows (a norm or the SwiGLU quantizes its output: `
 the arithmetic of ``kernels.w8a8_gemm.ref_w8a8_linear`` on those codes (int8: exact int32 sums, then
 ``float(sum) * x_scale * weight_scale``; fp8: fp32 sums of exact products).
 
-Past the GEMV's rows the runtime handed these rows to cuBLAS (``torch._scaled_mm`` / ``torch._int_mm``). At a decode
+Past the GEMV's one row the runtime ran the fused Triton GEMM (``kernels.w8a8_gemm``, which quantizes x again per
+output tile) up to 16 rows and cuBLAS (``torch._scaled_mm`` / ``torch._int_mm``) beyond. At a decode
 batch a linear is still bound by its weight bytes, and cuBLAS's kernels for FP8 with row-wise scales read them at
 about half of the H200's bandwidth (64 rows: 26 us per Llama-3-8B linear on average, 2.1 TB/s of codes; profile in
 docs/BENCHMARKS.md, session 39); here a layer's four linears take 19-42% less time from 8 to 64 rows. From 128
@@ -46,7 +48,7 @@ W_DTYPES = (torch.int8, torch.float8_e4m3fn)
 class RowsConfig:
     """One launch configuration."""
 
-    block_m: int  # rows of x per tile (16, 32, 64, ...; with swap any multiple of 16 from 16 up)
+    block_m: int  # rows of x per tile: a power of 2 from 16
     block_n: int  # output features per tile (>= 64 with swap: the MMA's M)
     block_k: int  # input features per K step (>= 32)
     split_k: int = 0  # programs sharing one tile's K range; 0: enough for programs_per_sm programs per SM
@@ -79,7 +81,8 @@ def _env_rows(name: str, default: int) -> int:
 
 
 # The runtime's dynamic W8A8 linears run this kernel from KERNELS_W8A8_ROWS_MIN rows (the norms before FP8 ones then
-# hand over quantized rows) to KERNELS_W8A8_ROWS_MAX (FP8) / KERNELS_W8A8_ROWS_MAX_INT8 rows, the one-row GEMV below
+# hand over quantized rows) to KERNELS_W8A8_ROWS_MAX (FP8) / KERNELS_W8A8_ROWS_MAX_INT8 rows (INT8), the one-row GEMV
+# below
 # and cuBLAS above; a maximum of 0: never (A/B runs). INT8 sums are exact and the kernel beat _int_mm at every row
 # count measured (32-256 rows: 0.57-0.66x its time per layer); FP8 loses to _scaled_mm from 128 rows. FP8 only for
 # bf16 / fp16 activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's
@@ -167,10 +170,10 @@ def _w8a8_rows_kernel(
     if SWAP:
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
     mask = mask_m[:, None] & mask_n[None, :]
-    offs = offs_m[:, None] * N + offs_n[None, :]
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # 64-bit: M x N x splits may pass 2^31
     done = True
     if SPLIT_K > 1:
-        tl.store(part_ptr + pid_k * M * N + offs, acc, mask=mask)
+        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=mask)
         tl.debug_barrier()  # every thread's partials stored before the ticket
         tile = pid_m * tl.num_programs(0) + pid_n
         done = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
@@ -179,7 +182,7 @@ def _w8a8_rows_kernel(
             tl.store(counter_ptr + tile, 0)  # zero again for the next launch
             acc = tl.load(part_ptr + offs, mask=mask, other=0, cache_modifier=".cg")
             for k in tl.static_range(1, SPLIT_K):  # in split order: the same sums whichever program is last
-                acc += tl.load(part_ptr + k * M * N + offs, mask=mask, other=0, cache_modifier=".cg")
+                acc += tl.load(part_ptr + (k * M).to(tl.int64) * N + offs, mask=mask, other=0, cache_modifier=".cg")
         x_scale = tl.load(xs_ptr + offs_m, mask=mask_m, other=0.0)
         if PER_CHANNEL:
             w_scale = tl.load(ws_ptr + offs_n, mask=mask_n, other=0.0)
@@ -188,7 +191,8 @@ def _w8a8_rows_kernel(
         y = acc.to(tl.float32) * x_scale[:, None] * w_scale[None, :]
         if HAS_BIAS:
             y += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 # --- entry point -----------------------------------------------------------------------------------
@@ -237,6 +241,10 @@ def w8a8_rows_linear(codes: torch.Tensor, x_scale: torch.Tensor, qweight: torch.
     xs = x_scale.reshape(-1).float().contiguous()
     ws = weight_scale.reshape(-1).float().contiguous()
     cfg = config or default_config(num_rows, codes.device)
+    sizes = (cfg.block_m, cfg.block_n, cfg.block_k)
+    if any(b & (b - 1) for b in sizes) or cfg.block_m < 16 or cfg.block_n < 16 or cfg.block_k < 32:
+        raise ValueError(f"RowsConfig tiles {sizes}: block_m, block_n and block_k must be powers of 2, at least 16, 16 "
+                         "and 32")
     tiles_n, tiles_m = triton.cdiv(n, cfg.block_n), triton.cdiv(num_rows, cfg.block_m)
     steps = triton.cdiv(k, cfg.block_k)
     split = cfg.split_k or _auto_split(tiles_n * tiles_m, steps, cfg, codes.device)

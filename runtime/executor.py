@@ -439,9 +439,10 @@ def _rms_norm(w, attrs, ex) -> Kernel:
 
 def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | None:
     """For a norm or SwiGLU of ``_Fusions.quant_producers``: x -> the dtype its rows leave in, FP8 where the linear
-    reading them quantizes them for cuBLAS (more than FUSED_MAX_ROWS rows) or runs the GEMV (up to
-    GEMV_RUNTIME_MAX_ROWS, which then skips its own per-token max; ``kernels.gemv.GEMV_PREQUANT``), shapes only, the
-    same inside a CUDA graph; else None (its Triton GEMM takes bf16 rows). None for any other node."""
+    reading them takes quantized rows: from ``kernels.w8a8_rows.RUNTIME_MIN_ROWS`` rows on while that kernel runs (the
+    rows GEMM, cuBLAS past it), else past FUSED_MAX_ROWS (cuBLAS), and up to GEMV_RUNTIME_MAX_ROWS when the GEMV takes
+    them (``kernels.gemv.GEMV_PREQUANT``: it then skips its own per-token max); shapes only, the same inside a CUDA
+    graph; else None (the fused Triton GEMM takes bf16 rows). None for any other node."""
     if ex._index not in ex._fusions.quant_producers or (weight is not None and weight.dtype != ex.dtype):
         return None
     from kernels import gemv, w8a8_rows
@@ -576,9 +577,11 @@ def _linear(w, attrs, ex) -> Kernel:
 
 def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 / INT8 W8A8: up to ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
-    ``GEMV_ENABLED``), up to ``FUSED_MAX_ROWS`` the Triton GEMM, both with the activation quantization fused in;
-    more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
-    ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six). Every path clamps INT8
+    ``GEMV_ENABLED``); dynamic per-token activations where ``kernels.w8a8_rows.runtime_applies`` (FP8 on bf16/fp16
+    rows, INT8 on any) the rows GEMM on rows a norm quantized (``QuantizedRows``) or ``quantize_rows`` quantizes; up
+    to ``FUSED_MAX_ROWS`` the fused Triton GEMM (the activation quantization inside); more tokens go to cuBLAS
+    (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after ``quantize_rows``, one kernel for the dynamic
+    per-token quantization (torch's takes six). Every path clamps INT8
     activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
     per-token ones (``quantize_rows``, a norm's ``QuantizedRows``) never reach below -127."""
     from kernels import gemv, w8a8_rows

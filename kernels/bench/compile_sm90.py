@@ -291,6 +291,7 @@ def _silu_quant() -> list[tuple[str, object]]:
 
 
 def _w8a8_rows() -> list[tuple[str, object]]:
+    from kernels.pdl import prefetch_rows_plan
     from kernels.w8a8_rows import _CUDA_CONFIGS, _w8a8_rows_kernel
 
     out = []
@@ -298,14 +299,17 @@ def _w8a8_rows() -> list[tuple[str, object]]:
         types = {"x_ptr": f"*{code}", "xs_ptr": "*fp32", "w_ptr": f"*{code}", "ws_ptr": "*fp32", "bias_ptr": "*bf16",
                  "y_ptr": "*bf16", "part_ptr": "*i32" if code == "i8" else "*fp32", "counter_ptr": "*i32",
                  **{n: "i32" for n in ("M", "N", "K", "steps_per_split", "stride_xm", "stride_wn", "stride_ym")}}
-        for bound, cfg in _CUDA_CONFIGS:
-            consts = dict(INT8=code == "i8", PER_CHANNEL=True, HAS_BIAS=False, SPLIT_K=4, SWAP=cfg.swap, EMULATE=False,
-                          EVEN=True, PROMOTE=cfg.promote, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          BLOCK_K=cfg.block_k, PREFETCH_ROWS=32, PREFETCH_LINES=1, PDL=True)
-            out.append((f"w8a8 rows {code}, {cfg.block_m}x{cfg.block_n}x{cfg.block_k}{' swap' if cfg.swap else ''}",
-                        lambda t=types, c=consts, cfg=cfg: compile_kernel(
-                            _w8a8_rows_kernel, t, c, cfg.num_warps, cfg.num_stages,
-                            divisible=("x_ptr", "w_ptr", "K", "N", "stride_xm", "stride_wn", "stride_ym"))))
+        for (bound, cfg), (split, even, bias) in zip(_CUDA_CONFIGS, ((4, True, False), (1, True, True),
+                                                                     (4, False, True))):
+            rows, lines = prefetch_rows_plan(cfg.block_n, cfg.block_k)
+            consts = dict(INT8=code == "i8", PER_CHANNEL=True, HAS_BIAS=bias, SPLIT_K=split, SWAP=cfg.swap,
+                          EMULATE=False, EVEN=even, PROMOTE=cfg.promote, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          BLOCK_K=cfg.block_k, PREFETCH_ROWS=rows, PREFETCH_LINES=lines, PDL=True)
+            name = (f"w8a8 rows {code}, {cfg.block_m}x{cfg.block_n}x{cfg.block_k}{' swap' if cfg.swap else ''}, "
+                    f"split {split}{'' if even else ', masked'}{', bias' if bias else ''}")
+            out.append((name, lambda t=types, c=consts, cfg=cfg: compile_kernel(
+                _w8a8_rows_kernel, t, c, cfg.num_warps, cfg.num_stages,
+                divisible=("x_ptr", "w_ptr", "K", "N", "stride_xm", "stride_wn", "stride_ym"))))
     return out
 
 

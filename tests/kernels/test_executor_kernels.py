@@ -462,6 +462,25 @@ def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
     monkeypatch.setattr(gemv, "w8a8_gemv", spy_gemv)
     assert torch.equal(fused.logits(ids[:1]), plain.logits(ids[:1]))
     assert sum(quantized) == 3 * layers and len(quantized) == 2 * 4 * layers, quantized
+    # 5 rows (a decode batch): the norms quantize them too, for the W8A8 rows GEMM (kernels.w8a8_rows), which gets the
+    # norms' codes for qkv, gate/up and down and quantize_rows' for o_proj
+    from kernels import w8a8_rows
+
+    monkeypatch.setattr(gemv, "GEMV_PREQUANT", False)
+    assert w8a8_rows.runtime_applies(5, torch.float8_e4m3fn, torch.bfloat16)
+    fused = Engine.load(path, use_kernels=True)
+    rows_calls, real_rows = [], w8a8_rows.w8a8_rows_linear
+
+    def spy_rows(codes, *args, **kwargs):
+        rows_calls.append((codes.shape[0], codes.dtype))
+        return real_rows(codes, *args, **kwargs)
+
+    monkeypatch.setattr(w8a8_rows, "w8a8_rows_linear", spy_rows)
+    calls.clear()
+    assert torch.equal(fused.logits(ids[:5]), plain.logits(ids[:5]))
+    fused_rows = [c for c in rows_calls[:len(rows_calls) // 2]]  # the fused engine ran first
+    assert fused_rows == [(5, torch.float8_e4m3fn)] * (4 * layers), rows_calls
+    assert len(calls) == layers + 4 * layers, len(calls)  # o_proj's input in the fused engine; every input in the plain
 
 
 def test_kernel_or_dequantize_by_the_measured_crossover():

@@ -70,14 +70,30 @@ def test_bf16_out_per_tensor_scale_and_leading_dims(kind):
     torch.testing.assert_close(y.reshape(6, 48).float(), ref.float(), rtol=8e-3, atol=1e-6)
 
 
-def test_split_counters_are_zero_again_and_results_repeat():
+def test_split_counters_are_zero_again():
     qweight, w_scale = _weights("fp8", 64, 128, per_channel=True, seed=5)
     _, codes, scales = _rows("fp8", 3, 128, torch.float32, seed=6)
     cfg = RowsConfig(16, 32, 32, split_k=4, num_warps=1, num_stages=1)
-    first = w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32, config=cfg)
-    assert int(_tile_counters(codes.device, 2).abs().sum()) == 0
-    again = w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32, config=cfg)
-    assert torch.equal(first, again)  # the partials are added in split order whichever program is last
+    w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32, config=cfg)
+    assert int(_tile_counters(codes.device, 2).abs().sum()) == 0  # the last program of each tile reset its own
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_default_config_splits_k_and_matches(kind):
+    """No config: the interpreter's default tiles with the automatic split (two splits past four K steps)."""
+    qweight, w_scale = _weights(kind, 40, 160, per_channel=True, seed=10)
+    x, codes, scales = _rows(kind, 21, 160, torch.float32, seed=11)
+    y = w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32)
+    ref = ref_w8a8_linear(x, qweight, w_scale)
+    torch.testing.assert_close(y, ref, rtol=0 if kind == "int8" else 1e-5,
+                               atol=0 if kind == "int8" else 1e-5 * ref.abs().max().item())
+
+
+def test_tiles_must_be_powers_of_two():
+    qweight, w_scale = _weights("fp8", 32, 64, per_channel=True, seed=12)
+    _, codes, scales = _rows("fp8", 2, 64, torch.float32, seed=13)
+    with pytest.raises(ValueError, match="powers of 2"):
+        w8a8_rows_linear(codes, scales, qweight, w_scale, config=RowsConfig(48, 32, 32))
 
 
 def test_empty_rows():
