@@ -49,6 +49,16 @@ def _quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_weight_fp8(w, True) if kind == "fp8" else quantize_weight_int8(w)
 
 
+def _shape_weights(kind: str, n: int, k: int, gen: torch.Generator):
+    """A random bf16 weight [n, k], its quantized codes and scales, copies of those and of the bf16 weight to rotate
+    past the L2 in the timings: (w, qweight, w_scale, copies, bf16 copies)."""
+    w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
+    qweight, w_scale = _quantize(w.float(), kind)
+    copies = [(qweight.clone(), w_scale.clone()) for _ in range(max(2, COPIES_BYTES // qweight.numel()))]
+    wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
+    return w, qweight, w_scale, copies, wbs
+
+
 def _int_mm_linear(qweight: torch.Tensor, w_scale: torch.Tensor):
     wt = qweight.t()
 
@@ -79,11 +89,7 @@ def bench(kind: str, sweep: bool) -> list[str]:
     print(f"{'shape':>8} {'M':>4} | {'triton':>8} {'cublas8':>8} {'+qrows':>8} {'bf16':>8} | {'GB/s':>6} | "
           "rel.err  config")
     for name, k, n in SHAPES:
-        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-        qweight, w_scale = _quantize(w.float(), kind)
-        num_copies = max(2, COPIES_BYTES // qweight.numel())
-        copies = [(qweight.clone(), w_scale.clone()) for _ in range(num_copies)]
-        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
+        w, qweight, w_scale, copies, wbs = _shape_weights(kind, n, k, gen)
         for m in ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda") * 2
             x[:, 7] *= 40
@@ -170,11 +176,8 @@ def bench_gemv(kind: str, sweep: bool) -> list[str]:
     print(f"{'shape':>8} {'M':>3} | {'gemv':>8} {'gemm':>8} {'bf16':>8} | {'gemv':>6} {'gemm':>6} {'bf16':>6} | "
           "rel.err  config")
     for name, k, n in SHAPES:
-        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-        qweight, w_scale = _quantize(w.float(), kind)
+        w, qweight, w_scale, copies, wbs = _shape_weights(kind, n, k, gen)
         weight_bytes = qweight.numel() + 4 * w_scale.numel()
-        copies = [(qweight.clone(), w_scale.clone()) for _ in range(max(2, COPIES_BYTES // qweight.numel()))]
-        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
         for m in GEMV_ROWS:
             x = _x(m, k, gen)
             ref = ref_w8a8_linear(x, qweight, w_scale)
@@ -261,10 +264,7 @@ def bench_rows(kind: str, sweep: bool) -> list[str]:
     print(f"{'shape':>8} {'M':>4} | {'rows':>8} {'cublas':>8} {'bf16':>8} | {'rows':>5} {'cublas':>6} | "
           "err rows  err cublas  config")
     for name, k, n in SHAPES:
-        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) * 0.02
-        qweight, w_scale = _quantize(w.float(), kind)
-        copies = [(qweight.clone(), w_scale.clone()) for _ in range(max(2, COPIES_BYTES // qweight.numel()))]
-        wbs = [w.clone() for _ in range(max(2, COPIES_BYTES // (2 * w.numel())))]
+        w, qweight, w_scale, copies, wbs = _shape_weights(kind, n, k, gen)
         for m in ROWS_M:
             x = _x(m, k, gen)
             rows = QuantizedRows(*quantize_rows(x, dtype))
