@@ -297,6 +297,52 @@ def quantize_row_store(v, mask, q_row_ptr, s_ptr, INT8: tl.constexpr, EMULATE_FP
     tl.store(q_row_ptr, _codes(tl.math.div_rn(v, scale), qmax, q_row_ptr, INT8, EMULATE_FP8), mask=mask)
 
 
+@triton.jit
+def _quantize_rows_static_kernel(x_ptr, s_ptr, q_ptr, K, stride_xm, stride_qm, QMIN: tl.constexpr,
+                                 INT8: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    # program (row, K block): codes of x [M, K] at the static scale s [1], the reference's arithmetic (an IEEE
+    # quotient, div_exact; int8 round half to even clamped to QMIN..127, fp8 clamped to +-448 and rounded to e4m3)
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = offs < K
+    qmax, eps = _qrange(INT8)
+    scale = tl.zeros((BLOCK_K,), dtype=tl.float32) + tl.load(s_ptr).to(tl.float32)
+    rcp = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.minimum(tl.maximum(div_exact(x, scale, rcp), QMIN), qmax)
+    if INT8:
+        codes = ((v + _MAGIC) - _MAGIC).to(tl.int8)
+    elif EMULATE_FP8:
+        codes = _round_e4m3(v).to(q_ptr.dtype.element_ty)
+    else:
+        codes = v.to(tl.float8e4nv)
+    tl.store(q_ptr + row * stride_qm + offs, codes, mask=mask)
+
+
+def quantize_rows_static(x: torch.Tensor, input_scale: torch.Tensor, dtype: torch.dtype,
+                         act_qmin: int = -127) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static per-tensor quantization in one kernel: x [M, K] -> (codes [M, K] in ``dtype``, the scale expanded to
+    [M, 1] fp32), the codes of ``kernels.torch_quant.quantize_activation_int8 / _fp8(x, input_scale)`` (``act_qmin``:
+    the lowest int8 code, -127 or -128). Feeds ``kernels.w8a8_rows`` for linears with a calibrated input scale."""
+    if dtype not in W_DTYPES:
+        raise ValueError(f"quantize_rows_static: dtype {dtype} is not int8 or float8_e4m3fn")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_rows_static: expected x [M, K], got shape {tuple(x.shape)}")
+    if input_scale.numel() != 1:
+        raise ValueError(f"quantize_rows_static: input_scale has {input_scale.numel()} values; expected one")
+    qmin = act_qmin_arg("quantize_rows_static", torch.empty(0, dtype=dtype), act_qmin)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    num_rows, k = x.shape
+    q = torch.empty((num_rows, k), dtype=dtype, device=x.device)
+    s = input_scale.reshape(1).float()
+    if num_rows:
+        block = 32 if _interpreting() else 1024
+        _quantize_rows_static_kernel[(num_rows, triton.cdiv(k, block))](
+            x, s, q, k, x.stride(0), q.stride(0), QMIN=qmin, INT8=dtype == torch.int8, EMULATE_FP8=_interpreting(),
+            BLOCK_K=block, num_warps=4)
+    return q, s.expand(num_rows, 1)
+
+
 class QuantizedRows(NamedTuple):
     """Activations already quantized per token, as ``quantize_rows`` returns them, passed from the kernel that made
     them (a norm) to the W8A8 linear that reads them (``runtime.executor.plan_fusions``)."""

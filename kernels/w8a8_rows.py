@@ -80,15 +80,15 @@ def _env_rows(name: str, default: int) -> int:
     return int(value)
 
 
-# The runtime's dynamic W8A8 linears run this kernel from KERNELS_W8A8_ROWS_MIN rows (the norms before FP8 ones then
-# hand over quantized rows) to KERNELS_W8A8_ROWS_MAX (FP8) / KERNELS_W8A8_ROWS_MAX_INT8 rows (INT8), the one-row GEMV
-# below
-# and cuBLAS above; a maximum of 0: never (A/B runs). INT8 sums are exact and the kernel beat _int_mm at every row
-# count measured (32-256 rows: 0.57-0.66x its time per layer) and, with quantize_rows before it, the fused GEMM at
-# 2-16 rows (an INT8 SmoothQuant 8B decode step at 4 / 16 sequences 3.41 / 3.63 ms against 3.86 / 4.10, H200);
-# FP8 loses to _scaled_mm from 128 rows. FP8 only for
-# bf16 / fp16 activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's
-# partial sums within a promotion interval keep fewer bits).
+# The runtime's W8A8 linears (per-token or static activation scales) run this kernel from KERNELS_W8A8_ROWS_MIN rows
+# (the norms before FP8 ones with per-token scales then hand over quantized rows) to KERNELS_W8A8_ROWS_MAX (FP8) /
+# KERNELS_W8A8_ROWS_MAX_INT8 rows (INT8), the one-row GEMV below and cuBLAS above; a maximum of 0: never (A/B runs).
+# INT8 sums are exact and the kernel beat _int_mm at every row count measured (32-256 rows: 0.57-0.66x its time per
+# layer) and, with quantize_rows before it, the fused GEMM at 2-16 rows (an INT8 SmoothQuant 8B decode step at 4 / 16
+# sequences 3.41 / 3.63 ms against 3.86 / 4.10, H200); FP8 loses to _scaled_mm from 128 rows. FP8 only for bf16 /
+# fp16 activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's partial
+# sums within a promotion interval keep fewer bits). Static scales were not timed end to end: their rows take
+# quantize_rows_static (one elementwise kernel) where dynamic ones take quantize_rows.
 RUNTIME_MIN_ROWS = _env_rows("KERNELS_W8A8_ROWS_MIN", 2)
 RUNTIME_MAX_ROWS = _env_rows("KERNELS_W8A8_ROWS_MAX", 64)
 RUNTIME_MAX_ROWS_INT8 = _env_rows("KERNELS_W8A8_ROWS_MAX_INT8", 256)
@@ -101,7 +101,7 @@ def default_config(num_rows: int, device: torch.device) -> RowsConfig:
 
 
 def runtime_applies(num_rows: int, dtype: torch.dtype, act_dtype: torch.dtype) -> bool:
-    """Whether the runtime's dynamic W8A8 linears with weights of ``dtype`` run this kernel at this many rows of
+    """Whether the runtime's W8A8 linears with weights of ``dtype`` run this kernel at this many rows of
     ``act_dtype`` activations (shapes only)."""
     if dtype == torch.int8:
         return RUNTIME_MIN_ROWS <= num_rows <= RUNTIME_MAX_ROWS_INT8

@@ -577,15 +577,16 @@ def _linear(w, attrs, ex) -> Kernel:
 
 def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 / INT8 W8A8: up to ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
-    ``GEMV_ENABLED``); dynamic per-token activations where ``kernels.w8a8_rows.runtime_applies`` (FP8 on bf16/fp16
-    rows, INT8 on any) the rows GEMM on rows a norm quantized (``QuantizedRows``) or ``quantize_rows`` quantizes; up
+    ``GEMV_ENABLED``); where ``kernels.w8a8_rows.runtime_applies`` (FP8 on bf16/fp16 rows, INT8 on any) the rows GEMM
+    on rows a norm quantized (``QuantizedRows``), or ``quantize_rows`` (per token) / ``quantize_rows_static`` (a
+    calibrated input scale) quantizes; up
     to ``FUSED_MAX_ROWS`` the fused Triton GEMM (the activation quantization inside); more tokens go to cuBLAS
     (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after ``quantize_rows``, one kernel for the dynamic
     per-token quantization (torch's takes six). Every path clamps INT8
     activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
     per-token ones (``quantize_rows``, a norm's ``QuantizedRows``) never reach below -127."""
     from kernels import gemv, w8a8_rows
-    from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, w8a8_linear
+    from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, quantize_rows_static, w8a8_linear
 
     storage = w["qweight"].dtype
 
@@ -621,8 +622,10 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         # shapes only: no sync, the same inside a CUDA graph
         if gemv.GEMV_ENABLED and rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
             return gemv.w8a8_gemv(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)
-        if input_scale is None and w8a8_rows.runtime_applies(rows, storage, x.dtype):  # per-token scales
-            codes, scales = quantize(x.reshape(-1, x.shape[-1]))
+        if w8a8_rows.runtime_applies(rows, storage, x.dtype):  # per-token scales, or the static one per row
+            x2 = x.reshape(-1, x.shape[-1])
+            codes, scales = quantize(x2) if input_scale is None else quantize_rows_static(x2, input_scale, storage,
+                                                                                          act_qmin=qmin)
             y = w8a8_rows.w8a8_rows_linear(codes, scales, qweight, w_scale, bias, out_dtype=x.dtype)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         if rows <= FUSED_MAX_ROWS:

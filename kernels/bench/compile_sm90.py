@@ -310,6 +310,14 @@ def _w8a8_rows() -> list[tuple[str, object]]:
             out.append((name, lambda t=types, c=consts, cfg=cfg: compile_kernel(
                 _w8a8_rows_kernel, t, c, cfg.num_warps, cfg.num_stages,
                 divisible=("x_ptr", "w_ptr", "K", "N", "stride_xm", "stride_wn", "stride_ym"))))
+    from kernels.w8a8_gemm import _quantize_rows_static_kernel
+
+    for code, qmin in (("fp8e4nv", -448.0), ("i8", -128.0)):
+        types = {"x_ptr": "*bf16", "s_ptr": "*fp32", "q_ptr": f"*{code}", "K": "i32", "stride_xm": "i32",
+                 "stride_qm": "i32"}
+        consts = dict(QMIN=qmin, INT8=code == "i8", EMULATE_FP8=False, BLOCK_K=1024)
+        out.append((f"quantize_rows_static {code}", lambda t=types, c=consts: compile_kernel(
+            _quantize_rows_static_kernel, t, c, 4, divisible=("x_ptr", "q_ptr", "K", "stride_xm", "stride_qm"))))
     return out
 
 

@@ -279,24 +279,29 @@ def test_sq_export_builds_with_its_codes_scales_and_full_int8_range(built):
 
 
 def test_the_triton_kernels_clamp_at_minus_128_and_give_the_reference_paths_tokens(built, monkeypatch):
-    """The kernel path (under TRITON_INTERPRET=1 on the CPU): a prefill's rows run the fused W8A8 GEMM, a decode
-    step's row the GEMV, both told act_qmin -128 (each clamps its static codes there, tests/kernels/test_w8a8_gemm.py
-    and test_gemv.py), after the pre_quant_scale multiply: the reference path's logits and greedy tokens."""
+    """The kernel path (under TRITON_INTERPRET=1 on the CPU): a prefill's rows are quantized at the static scale for the
+    W8A8 rows GEMM (``kernels.w8a8_rows``; ``quantize_rows_static``), a decode step's row runs the GEMV, both told
+    act_qmin -128 (each clamps its static codes there, tests/kernels/test_w8a8_rows.py and test_gemv.py), after the
+    pre_quant_scale multiply: the reference path's logits and greedy tokens."""
     from kernels import gemv, w8a8_gemm
     from runtime import Engine, SamplingParams
 
     exp, artifact = built
-    calls, below = [], {"gemm": 0, "gemv": 0}  # kernel -> inputs (x * s) below -127.5 * input_scale it was handed
+    calls, below = [], {"rows": 0, "gemv": 0}  # kernel -> inputs (x * s) below -127.5 * input_scale it was handed
 
-    def spy(kind, real):
-        def run(x, qweight, weight_scale, input_scale, *args, **kwargs):
-            calls.append((kind, kwargs.get("act_qmin")))
-            below[kind] += int((x.float() / input_scale < QMIN + 0.5).sum())
-            return real(x, qweight, weight_scale, input_scale, *args, **kwargs)
-        return run
+    def spy_gemv(x, qweight, weight_scale, input_scale, *args, **kwargs):
+        calls.append(("gemv", kwargs.get("act_qmin")))
+        below["gemv"] += int((x.float() / input_scale < QMIN + 0.5).sum())
+        return real_gemv(x, qweight, weight_scale, input_scale, *args, **kwargs)
 
-    monkeypatch.setattr(gemv, "w8a8_gemv", spy("gemv", gemv.w8a8_gemv))
-    monkeypatch.setattr(w8a8_gemm, "w8a8_linear", spy("gemm", w8a8_gemm.w8a8_linear))  # read when a linear loads
+    def spy_rows(x, input_scale, dtype, act_qmin=-127):
+        calls.append(("rows", act_qmin))
+        below["rows"] += int((x.float() / input_scale < QMIN + 0.5).sum())
+        return real_rows(x, input_scale, dtype, act_qmin=act_qmin)
+
+    real_gemv, real_rows = gemv.w8a8_gemv, w8a8_gemm.quantize_rows_static
+    monkeypatch.setattr(gemv, "w8a8_gemv", spy_gemv)
+    monkeypatch.setattr(w8a8_gemm, "quantize_rows_static", spy_rows)  # read when a linear loads
     ref, fused = Engine.load(artifact), Engine.load(artifact, use_kernels=True)
     assert fused.executor.use_kernels
     vocab = vocab_of(exp.checkpoint)
@@ -305,14 +310,14 @@ def test_the_triton_kernels_clamp_at_minus_128_and_give_the_reference_paths_toke
     assert err < 1e-4, err
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     assert fused.generate(ids, params).token_ids == ref.generate(ids, params).token_ids
-    assert sorted(set(calls)) == [("gemm", -128), ("gemv", -128)], sorted(set(calls))
-    assert below["gemm"] > 0 and below["gemv"] > 0, below  # codes of -128 went through both kernels
+    assert sorted(set(calls)) == [("gemv", -128), ("rows", -128)], sorted(set(calls))
+    assert below["rows"] > 0 and below["gemv"] > 0, below  # codes of -128 went through both paths
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="the Triton kernel path on a GPU (TRITON_INTERPRET=0)")
 def test_sq_export_on_cuda_gives_the_cpu_paths_tokens(tmp_path):
-    """On CUDA (the kernels, cuBLAS's _int_mm past FUSED_MAX_ROWS rows, the serving engine's CUDA graphs) the export's
+    """On CUDA (the kernels, the W8A8 rows GEMM at 2-256 rows, the serving engine's CUDA graphs) the export's
     artifact gives the CPU reference path's logits and greedy tokens: the pre_quant_scale multiply, then static int8
     codes down to -128. Heads of 32 (the kernels' smallest); pre_quant_scale stored bf16, as a bf16 export's."""
     from conftest import make_checkpoint

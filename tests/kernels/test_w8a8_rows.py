@@ -117,3 +117,56 @@ def test_bad_inputs_are_named():
         w8a8_rows_linear(codes, scales, qweight, w_scale, torch.zeros(31))
     with pytest.raises(ValueError, match="out_dtype"):
         w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kind,act_qmin", [("int8", -127), ("int8", -128), ("fp8", -127)])
+def test_static_scale_rows_are_the_references_codes(kind, act_qmin):
+    """quantize_rows_static gives the codes of the reference's static quantization (an outlier past the range
+    clamps), and the rows GEMM on them equals the reference linear with that input scale."""
+    from kernels.w8a8_gemm import quantize_rows_static
+
+    qweight, w_scale = _weights(kind, 48, 96, per_channel=True, seed=14)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(7, 96, generator=g) * 2
+    x[0, :3] = torch.tensor([1e4, -1e4, -0.0])
+    s = torch.tensor([0.03])
+    codes, scales = quantize_rows_static(x, s, qweight.dtype, act_qmin=act_qmin)
+    if kind == "int8":
+        want, _ = quantize_activation_int8(x, s, act_qmin)
+        assert torch.equal(codes, want) and int(codes.min()) == act_qmin
+    else:
+        want, _ = quantize_activation_fp8(x, s)
+        assert torch.equal(codes.float(), want.float())  # values: the interpreter's e4m3 rounding drops -0's sign
+    assert scales.shape == (7, 1) and torch.equal(scales, s.expand(7, 1))
+    y = w8a8_rows_linear(codes, scales, qweight, w_scale, out_dtype=torch.float32)
+    ref = ref_w8a8_linear(x, qweight, w_scale, input_scale=s, act_qmin=act_qmin)
+    torch.testing.assert_close(y, ref, rtol=0 if kind == "int8" else 1e-5,
+                               atol=0 if kind == "int8" else 1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("scheme,dtype", [("fp8", torch.bfloat16), ("w8a8_int8", torch.float32)])
+def test_the_runtime_linear_runs_static_scales_on_the_rows_gemm(monkeypatch, scheme, dtype):
+    """A W8A8 linear with a calibrated input scale (ModelOpt / compressed-tensors FP8, static SmoothQuant) at a decode
+    batch's rows: the static codes go to the rows GEMM, and the result is the reference linear's."""
+    from kernels import w8a8_rows
+    from kernels.torch_quant import make_quant_linear
+    from runtime import executor
+
+    codes_kind = "int8" if scheme == "w8a8_int8" else "fp8"
+    qweight, w_scale = _weights(codes_kind, 64, 96, per_channel=True, seed=16)
+    w = {"qweight": qweight, "weight_scale": w_scale, "input_scale": torch.tensor([0.02])}
+    calls, real = [], w8a8_rows.w8a8_rows_linear
+
+    def spy(codes, *args, **kwargs):
+        calls.append(codes.shape[0])
+        return real(codes, *args, **kwargs)
+
+    monkeypatch.setattr(w8a8_rows, "w8a8_rows_linear", spy)
+    linear = executor._kernel_w8a8_linear(w, {"scheme": scheme}, type("Ex", (), {"dtype": dtype})())
+    x = (torch.randn(20, 96, generator=torch.Generator().manual_seed(17)) * 2).to(dtype)
+    assert w8a8_rows.runtime_applies(20, qweight.dtype, dtype)
+    got = linear(x)
+    want = make_quant_linear(scheme, w, {"scheme": scheme}, dtype)(x)
+    assert calls == [20]
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-5 * want.float().abs().max().item())
