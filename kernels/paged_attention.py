@@ -281,9 +281,10 @@ def _rope_write_kv_kernel(
         stride_ch, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr,
         ROT: tl.constexpr,
         TAIL_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr, K_INPLACE: tl.constexpr = False):
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
-    # in place; the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache.
+    # in place; the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache, and with
+    # K_INPLACE the rotated keys (rounded to the activation dtype) back into k too.
     # HALF frequencies rotate pairs of features (STEP * i, STEP * i + PAIR) of the first ROT: (i, HALF + i) rotate-half,
     # (2i, 2i + 1) interleaved (kernels.rope); a key's features [ROT, HEAD_DIM) go to the cache as they are.
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
@@ -312,6 +313,9 @@ def _rope_write_kv_kernel(
             y1, y2 = rotate(k_row + STEP * offs_d[None, :], mask, cos, sin, PAIR)
             y1 = y1.to(dtype)
             y2 = y2.to(dtype)
+            if K_INPLACE:
+                tl.store(k_row + STEP * offs_d[None, :], y1, mask=mask)
+                tl.store(k_row + PAIR + STEP * offs_d[None, :], y2, mask=mask)
             offs_v = tl.arange(0, HEAD_DIM)
             v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :], mask=mask_h)
             if QUANT != 0:
@@ -335,10 +339,12 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, *,
                         k_scale: torch.Tensor | float | None = None,
                         v_scale: torch.Tensor | float | None = None, rotary_dim: int | None = None,
-                        interleaved: bool = False, long_from: int | None = None) -> torch.Tensor:
+                        interleaved: bool = False, long_from: int | None = None,
+                        k_in_place: bool = False) -> torch.Tensor:
     """``kernels.rope.apply_rope_`` on q and k, then :func:`write_kv_cache` of the rotated k and v, in one kernel
     (a decode step's three launches per layer in one). q is rotated in place and returned; k is not modified (its
-    rotation goes to the cache only).
+    rotation goes to the cache only) unless ``k_in_place``: then k holds the rotated keys too, rounded to its dtype
+    (for attention over the step's own keys, ``paged_prefill_attention(contiguous_kv=)``).
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided, e.g.
     views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32 (or two
@@ -375,7 +381,7 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         *k_cache.stride()[:3], HEAD_DIM=head_dim, HALF=half, STEP=2 if interleaved else 1,
         PAIR=1 if interleaved else half, ROT=rot, TAIL_PAD=triton.next_power_of_2(max(head_dim - rot, 1)),
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0),
-        num_warps=4, **pdl_args(q))
+        K_INPLACE=k_in_place, num_warps=4, **pdl_args(q))
     return q
 
 
@@ -826,17 +832,23 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
 def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
                       qk_scale, softcap, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
-                      SOFTCAP: tl.constexpr):
+                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr):
     """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile. MASKED: the tile may
-    hold keys past the sequence, after a query (causal) or before its window; else all are visible."""
+    hold keys past the sequence, after a query (causal) or before its window; else all are visible. CONTIG: the
+    keys are rows pos of the step's own K/V tensors from the sequence's first (k_cache_ptr / v_cache_ptr point at
+    its kv head there), stride_ct per row: 32-bit offsets from one base, not a 64-bit address per element."""
     pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         in_seq = pos < kv_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+    if CONTIG:
+        row = pos * stride_ct
     else:
-        block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-    row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        if MASKED:
+            block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
+        else:
+            block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
     if MASKED:  # masked lanes stay unloaded (garbage): masked out of s and zeroed in v
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=in_seq[None, :])  # [HEAD_DIM, BLOCK_N]
         v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=in_seq[:, None])  # [BLOCK_N, HEAD_DIM]
@@ -860,8 +872,10 @@ def _paged_prefill_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
-        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
-    # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel.
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False):
+    # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: every sequence is a fresh
+    # prompt (no context) and k_cache_ptr / v_cache_ptr are the step's own K/V [num_tokens, kv heads, head_dim]
+    # (stride_ct per token, stride_ch per head; the block tables unread).
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
     # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
     # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
@@ -904,21 +918,28 @@ def _paged_prefill_kernel(
     b = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, a), hi)
     c = tl.maximum(tl.minimum(((first_pos + 1) // BLOCK_N) * BLOCK_N, hi), b)
 
+    k_src, v_src = k_cache_ptr, v_cache_ptr
+    if CONTIG:  # the sequence's first row of the step's own K/V, at this kv head
+        k_src = k_cache_ptr + q_start.to(tl.int64) * stride_ct + kv_head * stride_ch
+        v_src = v_cache_ptr + q_start.to(tl.int64) * stride_ct + kv_head * stride_ch
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(a, b, BLOCK_N):
-        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP)
+                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                          SOFTCAP, CONTIG)
     for start in range(b, c, BLOCK_N):
-        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP)
+                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
+                                          SOFTCAP, CONTIG)
     for start in range(c, hi, BLOCK_N):
-        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP)
+                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                          SOFTCAP, CONTIG)
 
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)
@@ -935,7 +956,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             v_scale: torch.Tensor | float | None = None,
                             sliding_window: int | None = None, softcap: float = 0.0,
                             sinks: torch.Tensor | None = None,
-                            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                            config: tuple[int, int, int, int] | None = None,
+                            contiguous_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged caches; returns ``out`` like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
@@ -945,10 +967,28 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     [num_seqs, max_blocks] int32. Rows past cu_seqlens_q[-1] (padding) are left unwritten.
     softcap and sinks: as ``paged_decode_attention``. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place
     of ``_prefill_config``'s (a tiling sweep's candidates).
+    ``contiguous_kv``: (k, v) [num_tokens, num_kv_heads, head_dim], the step's own keys (rotated) and values in q's
+    dtype, read in place of the cache: for a step of fresh prompts only (every context length 0, which is the
+    caller's to know: it is not read back), over a 16-bit cache (its values are these rounded to the cache's dtype;
+    a quantized cache's would differ). The keys are contiguous rows, which the kernel can stream without the block
+    tables' indirection.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
     _check_attention_args(q, k_cache, v_cache, block_tables, num_seqs, softcap, sinks)
+    if contiguous_kv is not None:
+        k, v = contiguous_kv
+        if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim \
+                or k.shape[1] != k_cache.shape[2] or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise ValueError(f"contiguous_kv {tuple(k.shape)} / {tuple(v.shape)} ({k.dtype}, {v.dtype}) are not the "
+                             f"step's [{num_tokens}, {k_cache.shape[2]}, {head_dim}] keys and values in {q.dtype}")
+        if k_cache.dtype in _QUANT:
+            raise ValueError(f"contiguous_kv reads unquantized keys: the cache is {k_cache.dtype}, whose attention "
+                             "reads its codes (use the paged path)")
+        if k.stride(2) != 1 or v.stride(2) != 1 or k.stride()[:2] != v.stride()[:2]:
+            k, v = k.contiguous(), v.contiguous()
+        if num_tokens * k.stride(0) >= 2**31:  # past the kernel's 32-bit row offsets: the cache's blocks instead
+            contiguous_kv = None
     assert cu_seqlens_q.shape == (num_seqs + 1,), \
         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} != ({num_seqs + 1},) for {num_seqs} sequences"
     out = torch.empty_like(q)
@@ -961,14 +1001,17 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_p2 = triton.next_power_of_2(group)
     block_t = max(1, block_m // group_p2)  # tokens per tile: BLOCK_M rows of (token, head) pairs
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
+    keys, values = (k_cache, v_cache) if contiguous_kv is None else (k, v)
+    strides = k_cache.stride()[:3] if contiguous_kv is None else (0, k.stride(0), k.stride(1))
     _paged_prefill_kernel[(num_tokens // block_t + num_seqs, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t,
+        q, keys, values, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t,
         q if sinks is None else sinks, out, scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs, softcap * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
+        SINKS=sinks is not None, CONTIG=contiguous_kv is not None, num_warps=num_warps, num_stages=num_stages,
+        **pdl_args(q))
     return out
 
 

@@ -36,6 +36,11 @@ FUSE_KV_WRITE = os.environ.get("RUNTIME_FUSE_KV_WRITE", "1") != "0"
 # RUNTIME_FUSE_NORM_LINEAR=1 turns on plan_fusions' residual_out / pending_norms (off: with PDL on it measured slower
 # than the norm kernels it removes; docs/BENCHMARKS.md, session 23)
 FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
+# RUNTIME_PREFILL_OWN_KV=1: an eager step of fresh prompts only (no cached context, ``PagedAttentionMetadata.fresh``)
+# over a 16-bit cache runs its attention over the step's own rotated keys and values (contiguous rows) instead of the
+# cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
+# the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
+PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
 # Weight roles of a linear / lm_head that act on its input before the matmul (an imported act-order gather, an
 # exporter's per-input-channel scale): such a linear reads plain rows, so no fusion hands it anything else
 INPUT_ROLES = ("perm", "pre_quant_scale")
@@ -89,6 +94,7 @@ class PagedAttentionMetadata:
     context_lens: torch.Tensor  # [num_seqs] int32: tokens cached before this step
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: packed row offsets of each sequence's new tokens
     decode_only: bool  # every sequence has exactly one new token (the decode kernel applies)
+    fresh: bool = False  # every sequence is a prompt with no cached context (set by the eager path only; graphs: False)
 
 
 @dataclass
@@ -896,14 +902,17 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         kc, vc = md.k_caches[layer], md.v_caches[layer]
         k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         new_kv = None
+        # a step of fresh prompts over a 16-bit cache: attention over the step's own rotated keys (PREFILL_OWN_KV)
+        own_kv = PREFILL_OWN_KV and md.fresh and not md.decode_only and kc.dtype == q.dtype
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
             rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved, rope.long_from) \
                 if rope is not None else ()
             new_kv = NewKV(k, v, md.slot_mapping, *rotary)
         elif rope is not None:
+            # q is rotated in place; with own_kv k too (the attention is their only reader)
             rope_write_kv_cache(q, k, v, xs[3], rope.inv_freq, rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale,
                                 v_scale=v_scale, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
-                                long_from=rope.long_from)
+                                long_from=rope.long_from, k_in_place=own_kv)
         else:
             write_kv_cache(k, v, kc, vc, md.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         if md.decode_only:
@@ -911,7 +920,8 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
                                          v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
         else:
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
-                                          k_scale=k_scale, v_scale=v_scale, sliding_window=window, **extra)
+                                          k_scale=k_scale, v_scale=v_scale, sliding_window=window,
+                                          contiguous_kv=(k, v) if own_kv else None, **extra)
         return (out.view(-1, num_heads * head_dim),)
 
     return run

@@ -1078,7 +1078,7 @@ class ServingEngine:
                 self.storage.k, self.storage.v, tensor(step.slots), tensor(tables),
                 tensor(step.seq_lens, torch.int32), tensor(step.context_lens, torch.int32),
                 tensor(step.cu_seqlens_q, torch.int32),
-                all(q.num_new == 1 for q in sched.seqs))
+                all(q.num_new == 1 for q in sched.seqs), fresh=all(q.num_context == 0 for q in sched.seqs))
         return inp
 
     def _replay(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:

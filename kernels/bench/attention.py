@@ -291,6 +291,17 @@ def _prefill_inputs(q_lens, ctx_lens, kv_dtype, gen):
     return p, q, cu, ctx, HEAD_DIM ** -0.5, 4 * NUM_HEADS * HEAD_DIM * pairs
 
 
+def _own_kv(p, q_lens):
+    """The keys and values of fresh prompts (no context) as the step's own contiguous [tokens, kv heads, head_dim]
+    tensors, gathered from the cache (``paged_prefill_attention(contiguous_kv=)``)."""
+    ks, vs = [], []
+    for table, n in zip(p.block_tables, q_lens):
+        pos = torch.arange(n, device="cuda")
+        ks.append(p.k_cache[table.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE])
+        vs.append(p.v_cache[table.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE])
+    return torch.cat(ks), torch.cat(vs)
+
+
 def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     p, q, cu, ctx, scale, flops = _prefill_inputs(q_lens, ctx_lens, KV_DTYPES[kv_name], gen)
 
@@ -307,6 +318,18 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     ms, eager_ms = timings(run, args)
     rows = [(f"| prefill | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
              f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")]
+    if kv_name == "bf16" and not any(ctx_lens):  # fresh prompts: the same kernel over the step's own K/V
+        own = _own_kv(p, q_lens)
+
+        def run_own():
+            return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, contiguous_kv=own)
+
+        ok, err = close(run_own(), expected)
+        if not ok:
+            failures.append(f"prefill {shape} over its own K/V: max err {err:.3g}")
+        ms, eager_ms = timings(run_own, args)
+        rows.append(f"| prefill, the step's own K/V | bf16 | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
+                    f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
     if kv_name == "bf16" and len(set(ctx_lens)) == 1 and len(set(q_lens)) == 1:
         rows.append(_sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args))
     return rows
@@ -330,10 +353,14 @@ def prefill_sweep(gen, args, failures) -> int:
             shape = f"{len(q_lens)}x{q_lens[0]} new, ctx {ctx_lens[0]}"
             default = _prefill_config(torch.bfloat16, HEAD_DIM)
             best = None
+            own = _own_kv(p, q_lens) if args.sweep_own_kv and kv_name == "bf16" and not any(ctx_lens) else None
+            if own is not None:
+                shape += ", own K/V"
             for cfg in configs:
                 def run(cfg=cfg):
                     return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
-                                                   k_scale=p.k_scale, v_scale=p.v_scale, config=cfg)
+                                                   k_scale=p.k_scale, v_scale=p.v_scale, config=cfg,
+                                                   contiguous_kv=own)
                 try:
                     ok, err = close(run(), expected)
                     ms, _ = timings(run, args)
@@ -436,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--decode-sweep over a few tilings only (both program orders)")
     parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
                         help="cache dtypes of --decode-sweep")
+    parser.add_argument("--sweep-own-kv", action="store_true",
+                        help="--prefill-sweep: fresh bf16 prompts over the step's own K/V (contiguous_kv)")
     parser.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128, 256])
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--sweep-stages", nargs="+", type=int, default=[2, 3, 4])

@@ -97,7 +97,7 @@ def _rope_write_kv() -> list[tuple[str, object]]:
         half = rot // 2
         consts = dict(HEAD_DIM=128, HALF=half, STEP=2 if inter else 1, PAIR=1 if inter else half, ROT=rot,
                       TAIL_PAD=max(1, 1 << (128 - rot - 1).bit_length()) if rot < 128 else 1, BLOCK_H=8,
-                      BLOCK_D=1 << (half - 1).bit_length(), BLOCK_SIZE=16, QUANT=0, PDL=True)
+                      BLOCK_D=1 << (half - 1).bit_length(), BLOCK_SIZE=16, QUANT=0, PDL=True, K_INPLACE=False)
         out.append((f"rope + KV write, {name}",
                     lambda consts=consts: compile_kernel(_rope_write_kv_kernel, types, consts, 4)))
     return out
@@ -112,10 +112,13 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
              "softcap": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
                                                        "stride_ct", "stride_ch", "stride_bt")}}
     base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
-                F16=False, SOFTCAP=False, SINKS=False, PDL=True)
-    variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8)]
+                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False)
+    variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8),
+                ("fresh prompts over their own K/V", {"CONTIG": True}, {})]
+    # pointers and strides as a launch at real shapes specialises them (multiples of 16), as for the decode kernel
+    divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     return [(f"paged prefill attention, {name}", lambda kw=kw, t=t: compile_kernel(
-        _paged_prefill_kernel, dict(types, **t), dict(base, **kw))) for name, kw, t in variants]
+        _paged_prefill_kernel, dict(types, **t), dict(base, **kw), divisible=divisible)) for name, kw, t in variants]
 
 
 def _frag() -> list[tuple[str, object]]:

@@ -48,6 +48,38 @@ def test_paged_kernels_match_the_reference_path(tmp_path, shape):
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
+@pytest.mark.parametrize("shape", ["llama", "mistral"])
+def test_fresh_prompts_attend_over_their_own_keys(tmp_path, monkeypatch, shape):
+    """RUNTIME_PREFILL_OWN_KV: the eager steps of fresh prompts only run the prefill attention over the step's own
+    rotated keys (contiguous rows), the others (a chunk after its context, decodes) over the cache; tokens and
+    logprobs equal the cache-only path's exactly (the same values, the same arithmetic)."""
+    from kernels import paged_attention
+    from runtime import executor
+
+    path = build_artifact(make_checkpoint(tmp_path / "ckpt", shape, **SHAPES[shape]), tmp_path / "art")
+    calls, real = [], paged_attention.paged_prefill_attention
+
+    def spy(*args, contiguous_kv=None, **kwargs):
+        calls.append(contiguous_kv is not None)
+        return real(*args, contiguous_kv=contiguous_kv, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "paged_prefill_attention", spy)
+    tok = Engine.load(path, use_kernels=False).tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0)
+    runs = {}
+    for own in (False, True):
+        monkeypatch.setattr(executor, "PREFILL_OWN_KV", own)
+        calls.clear()
+        engine = ServingEngine(Engine.load(path, use_kernels=True),
+                               ServingConfig(num_blocks=24, max_num_batched_tokens=32, max_seq_len=128))
+        runs[own] = [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in engine.run(prompts, params)]
+        used = sum(calls)
+    assert runs[True] == runs[False]
+    layers = engine.executor.num_layers
+    assert used >= layers and len(calls) > used, (used, len(calls))  # a fresh step's layers; a chunk after context
+
+
 def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
     """StepGraphs' padded step (tokens past the step: slot -1, position 0, past cu_seqlens_q's end; sequences past
     it: no new tokens; logits rows past the sampling ones: row 0, dropped), run eagerly through the kernels here

@@ -704,3 +704,63 @@ def test_prefill_tilings_match_the_reference(config):
     args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
     kw = {"k_scale": k_scale, "v_scale": v_scale}
     _assert_close(pa.paged_prefill_attention(*args, **kw, config=config), pa.ref_paged_prefill_attention(*args, **kw))
+
+
+# --- a step of fresh prompts over its own K/V (contiguous_kv) -------------------------------------------------
+@pytest.mark.parametrize("num_heads, num_kv_heads, dtype, window, softcap", [
+    (4, 2, torch.bfloat16, None, 0.0), (6, 2, torch.float32, 7, 0.0), (4, 1, torch.float32, None, 1.5)])
+def test_prefill_over_the_steps_own_keys_equals_the_paged_one(num_heads, num_kv_heads, dtype, window, softcap):
+    """Fresh prompts (no context), the step's rotated keys written to the cache and kept in k (rope_write_kv_cache's
+    k_in_place): attention over k and v themselves gives what the paged path gives over the cache, bit for bit (the
+    same arithmetic on the same values); q, k, v are views of one packed projection."""
+    head_dim, block_size = 32, 8
+    gen = torch.Generator().manual_seed(21)
+    q_lens = [19, 1, 40, 7]
+    num_tokens = sum(q_lens)
+    qkv = (torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
+    q = qkv[:, :num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_tokens, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_tokens, num_kv_heads, head_dim)
+    blocks = [-(-n // block_size) for n in q_lens]
+    perm = torch.randperm(sum(blocks) + 1, generator=gen).tolist()
+    tables, slots, start = [], [], 0
+    for n, nb in zip(q_lens, blocks):
+        row = perm[start:start + nb]
+        start += nb
+        tables.append(row + [perm[-1]] * (max(blocks) - nb))
+        slots += [row[p // block_size] * block_size + p % block_size for p in range(n)]
+    k_cache = torch.full((len(perm), block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = k_cache.clone()
+    positions = torch.cat([torch.arange(n) for n in q_lens]).to(DEVICE)
+    inv_freq = (1.0 / 1e4 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)).to(DEVICE)
+    k_before = k.clone()
+    pa.rope_write_kv_cache(q, k, v, positions, inv_freq, 1.0, k_cache, v_cache,
+                           torch.tensor(slots, device=DEVICE), k_in_place=True)
+    slot_t = torch.tensor(slots, device=DEVICE)
+    cached_k = k_cache.view(-1, num_kv_heads, head_dim)[slot_t]
+    assert torch.equal(k, cached_k) and not torch.equal(k, k_before)  # the rotated keys, as the cache holds them
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device=DEVICE), cu, _int32([0] * len(q_lens)),
+            head_dim ** -0.5)
+    kw = {"sliding_window": window, "softcap": softcap}
+    paged = pa.paged_prefill_attention(*args, **kw)
+    own = pa.paged_prefill_attention(*args, contiguous_kv=(k, v), **kw)
+    assert torch.isfinite(own.float()).all()
+    assert torch.equal(own, paged)
+    _assert_close(own, pa.ref_paged_prefill_attention(*args, **kw))
+
+
+def test_prefill_over_the_steps_own_keys_refuses_what_it_cannot_read():
+    gen = torch.Generator().manual_seed(22)
+    k_cache, v_cache, tables, k_scale, v_scale = _paged([5], 2, 32, 8, torch.bfloat16, FP8, gen)
+    q = torch.randn(5, 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    kv = torch.randn(5, 2, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32([0, 5]), _int32([0]), 0.1)
+    with pytest.raises(ValueError, match="reads unquantized keys"):
+        pa.paged_prefill_attention(*args, k_scale=k_scale, v_scale=v_scale, contiguous_kv=(kv, kv))
+    bf16 = _paged([5], 2, 32, 8, torch.bfloat16, torch.bfloat16, gen)
+    args = (q, bf16[0], bf16[1], bf16[2], _int32([0, 5]), _int32([0]), 0.1)
+    with pytest.raises(ValueError, match="are not the step's"):
+        pa.paged_prefill_attention(*args, contiguous_kv=(kv[:4], kv[:4]))
+    with pytest.raises(ValueError, match="are not the step's"):
+        pa.paged_prefill_attention(*args, contiguous_kv=(kv.float(), kv.float()))
