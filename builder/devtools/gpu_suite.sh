@@ -7,6 +7,10 @@
 #   prefill-sweep  the prefill attention kernel's tilings (kernels.bench.attention --prefill-sweep: BLOCK_M x BLOCK_N
 #                  x warps x stages over 2,048-token prompts, bf16 and fp8 caches; best-config lines for
 #                  KERNELS_PREFILL_CONFIG) into $OUT/prefill_sweep.txt
+#   own-kv-PREC    the prefill attention of fresh prompts over the step's own K/V (RUNTIME_PREFILL_OWN_KV): its tilings
+#                  (kernels.bench.attention --prefill-sweep --sweep-kv bf16 --sweep-own-kv, $OUT/prefill_own_kv_sweep.txt),
+#                  then PREC's 2048/128 throughput at concurrency 64 and 2,048-token TTFT with it off and on
+#                  ($OUT/own_kv_PREC.jsonl, tagged "own_kv")
 #   silu-quant     the quantized SiLU-mul, one pass against two (kernels.bench.silu_quant: us and TB/s at 1-8192
 #                  rows of 14336, each chunk of $SILU_CHUNKS, default "0 1024 2048 4096"), and the elementwise tests
 #                  on the GPU (tests/kernels/test_elementwise.py with TRITON_INTERPRET=0)
@@ -209,6 +213,21 @@ for part in "$@"; do
     prefill-sweep)
       python3 -m kernels.bench.attention --prefill-sweep 2>&1 | tee "$OUT/prefill_sweep.txt" \
         | grep -E '^best-config|FAIL|Error' ;;
+    own-kv-*)
+      # the prefill attention of fresh prompts over the step's own K/V (RUNTIME_PREFILL_OWN_KV) against the cache's
+      # blocks: its tilings at the sweep's shapes, then PREC's 2048/128 throughput and 2,048-token TTFT with it off / on
+      prec=${part#own-kv-}
+      python3 -m kernels.bench.attention --prefill-sweep --sweep-kv bf16 --sweep-own-kv 2>&1 \
+        | tee "$OUT/prefill_own_kv_sweep.txt" | grep -E '^best-config|FAIL|Error'
+      artifact "$prec"
+      for own in 0 1; do
+        RUNTIME_PREFILL_OWN_KV=$own python3 -m builder.cli bench throughput artifacts/llama3-8b-$prec \
+          --input-len 2048 --output-len 128 --concurrency 64 2>&1 | grep '^{' | sed "s|^{|{\"own_kv\": $own, |" \
+          | tee -a "$OUT/own_kv_$prec.jsonl"
+        RUNTIME_PREFILL_OWN_KV=$own python3 -m builder.cli bench latency artifacts/llama3-8b-$prec \
+          --input-len 2048 --output-len 32 2>&1 | grep '^{' | sed "s|^{|{\"own_kv\": $own, |" \
+          | tee -a "$OUT/own_kv_$prec.jsonl"
+      done ;;
     silu-quant)
       TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_elementwise.py 2>&1 | tail -n 3
       python3 -m kernels.bench.silu_quant --chunks ${SILU_CHUNKS:-0 1024 2048 4096} 2>&1 \
