@@ -8,8 +8,8 @@
 #                  x warps x stages over 2,048-token prompts, bf16 and fp8 caches; best-config lines for
 #                  KERNELS_PREFILL_CONFIG) into $OUT/prefill_sweep.txt
 #   own-kv-PREC    the prefill attention of fresh prompts over the step's own K/V (RUNTIME_PREFILL_OWN_KV): its tilings
-#                  (kernels.bench.attention --prefill-sweep --sweep-kv bf16 --sweep-own-kv, $OUT/prefill_own_kv_sweep.txt),
-#                  then PREC's 2048/128 throughput at concurrency 64 and 2,048-token TTFT with it off and on
+#                  (kernels.bench.attention --prefill-sweep --sweep-kv bf16 --sweep-own-kv, in
+#                  $OUT/prefill_own_kv_sweep.txt), then PREC's 2048/128 throughput at concurrency 64 and 2,048-token TTFT with it off and on
 #                  ($OUT/own_kv_PREC.jsonl, tagged "own_kv")
 #   silu-quant     the quantized SiLU-mul, one pass against two (kernels.bench.silu_quant: us and TB/s at 1-8192
 #                  rows of 14336, each chunk of $SILU_CHUNKS, default "0 1024 2048 4096"), and the elementwise tests
