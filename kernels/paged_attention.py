@@ -303,35 +303,37 @@ def _rope_write_kv_kernel(
         tl.store(ptrs + PAIR, y2.to(dtype), mask=mask)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:  # a negative slot is a padding token: nothing to write
-            offs_h = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
-            mask_h = (offs_h < num_kv_heads)[:, None]
-            mask = mask_h & mask_d[None, :]
-            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch
+        offs_h = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = (offs_h < num_kv_heads)[:, None]
+        mask = mask_h & mask_d[None, :]
+        k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
+        if K_INPLACE or slot >= 0:  # a negative slot is a padding token: nothing goes to the cache
             # the key rounded to the activation dtype first, as the separate RoPE kernel stores it
-            k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
             y1, y2 = rotate(k_row + STEP * offs_d[None, :], mask, cos, sin, PAIR)
             y1 = y1.to(dtype)
             y2 = y2.to(dtype)
-            if K_INPLACE:
+            if K_INPLACE:  # every token's key, whatever its slot
                 tl.store(k_row + STEP * offs_d[None, :], y1, mask=mask)
                 tl.store(k_row + PAIR + STEP * offs_d[None, :], y2, mask=mask)
-            offs_v = tl.arange(0, HEAD_DIM)
-            v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :], mask=mask_h)
-            if QUANT != 0:
-                y1 = _quantize(y1, k_scale_ptr, QUANT)
-                y2 = _quantize(y2, k_scale_ptr, QUANT)
-                v = _quantize(v, v_scale_ptr, QUANT)
-            tl.store(k_cache_ptr + dst + STEP * offs_d[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + PAIR + STEP * offs_d[None, :], y2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + dst + offs_v[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
-            if ROT < HEAD_DIM:  # partial rotary: the key's other features as they are
-                offs_r = ROT + tl.arange(0, TAIL_PAD)
-                mask_r = mask_h & (offs_r < HEAD_DIM)[None, :]
-                rest = tl.load(k_row + offs_r[None, :], mask=mask_r)
+            if slot >= 0:
+                dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch
+                offs_v = tl.arange(0, HEAD_DIM)
+                v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :], mask=mask_h)
                 if QUANT != 0:
-                    rest = _quantize(rest, k_scale_ptr, QUANT)
-                tl.store(k_cache_ptr + dst + offs_r[None, :], rest.to(k_cache_ptr.dtype.element_ty), mask=mask_r)
+                    y1 = _quantize(y1, k_scale_ptr, QUANT)
+                    y2 = _quantize(y2, k_scale_ptr, QUANT)
+                    v = _quantize(v, v_scale_ptr, QUANT)
+                tl.store(k_cache_ptr + dst + STEP * offs_d[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(k_cache_ptr + dst + PAIR + STEP * offs_d[None, :], y2.to(k_cache_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.store(v_cache_ptr + dst + offs_v[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
+                if ROT < HEAD_DIM:  # partial rotary: the key's other features as they are
+                    offs_r = ROT + tl.arange(0, TAIL_PAD)
+                    mask_r = mask_h & (offs_r < HEAD_DIM)[None, :]
+                    rest = tl.load(k_row + offs_r[None, :], mask=mask_r)
+                    if QUANT != 0:
+                        rest = _quantize(rest, k_scale_ptr, QUANT)
+                    tl.store(k_cache_ptr + dst + offs_r[None, :], rest.to(k_cache_ptr.dtype.element_ty), mask=mask_r)
 
 
 def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -830,32 +832,35 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
-                      qk_scale, softcap, stride_cb, stride_ct, stride_ch, HEAD_DIM: tl.constexpr,
+                      qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
                       SOFTCAP: tl.constexpr, CONTIG: tl.constexpr):
     """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile. MASKED: the tile may
     hold keys past the sequence, after a query (causal) or before its window; else all are visible. CONTIG: the
     keys are rows pos of the step's own K/V tensors from the sequence's first (k_cache_ptr / v_cache_ptr point at
-    its kv head there), stride_ct per row: 32-bit offsets from one base, not a 64-bit address per element."""
+    its kv head there), stride_ct per key row, stride_vt per value row: 32-bit offsets from one base, not a 64-bit
+    address per element."""
     pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         in_seq = pos < kv_len
     if CONTIG:
         row = pos * stride_ct
+        v_row = pos * stride_vt
     else:
         if MASKED:
             block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         else:
             block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
         row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        v_row = row
     if MASKED:  # masked lanes stay unloaded (garbage): masked out of s and zeroed in v
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=in_seq[None, :])  # [HEAD_DIM, BLOCK_N]
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=in_seq[:, None])  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :], mask=in_seq[:, None])  # [BLOCK_N, HEAD_DIM]
         v = tl.where(in_seq[:, None], v.to(q.dtype), 0.0)
     else:
         k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None])
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :]).to(q.dtype)
+        v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :]).to(q.dtype)
     s = _mma(q, k.to(q.dtype), FP32) * qk_scale
     if SOFTCAP:
         s = _softcap(s, softcap)
@@ -869,13 +874,13 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
 def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, qk_scale, window, num_seqs, softcap,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_vt, stride_vh,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False):
     # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: every sequence is a fresh
     # prompt (no context) and k_cache_ptr / v_cache_ptr are the step's own K/V [num_tokens, kv heads, head_dim]
-    # (stride_ct per token, stride_ch per head; the block tables unread).
+    # (keys: stride_ct per token, stride_ch per head; values: stride_vt, stride_vh; the block tables unread).
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
     # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
     # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
@@ -921,24 +926,24 @@ def _paged_prefill_kernel(
     k_src, v_src = k_cache_ptr, v_cache_ptr
     if CONTIG:  # the sequence's first row of the step's own K/V, at this kv head
         k_src = k_cache_ptr + q_start.to(tl.int64) * stride_ct + kv_head * stride_ch
-        v_src = v_cache_ptr + q_start.to(tl.int64) * stride_ct + kv_head * stride_ch
+        v_src = v_cache_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start in range(a, b, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                          stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
                                           SOFTCAP, CONTIG)
     for start in range(b, c, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
+                                          stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
                                           SOFTCAP, CONTIG)
     for start in range(c, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                          stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
                                           SOFTCAP, CONTIG)
 
     if QUANT != 0:
@@ -985,9 +990,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         if k_cache.dtype in _QUANT:
             raise ValueError(f"contiguous_kv reads unquantized keys: the cache is {k_cache.dtype}, whose attention "
                              "reads its codes (use the paged path)")
-        if k.stride(2) != 1 or v.stride(2) != 1 or k.stride()[:2] != v.stride()[:2]:
-            k, v = k.contiguous(), v.contiguous()
-        if num_tokens * k.stride(0) >= 2**31:  # past the kernel's 32-bit row offsets: the cache's blocks instead
+        if k.stride(2) != 1:
+            k = k.contiguous()
+        if v.stride(2) != 1:
+            v = v.contiguous()
+        if num_tokens * max(k.stride(0), v.stride(0)) >= 2**31:  # past the 32-bit row offsets: the cache's blocks
             contiguous_kv = None
     assert cu_seqlens_q.shape == (num_seqs + 1,), \
         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} != ({num_seqs + 1},) for {num_seqs} sequences"
@@ -1003,10 +1010,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
     keys, values = (k_cache, v_cache) if contiguous_kv is None else (k, v)
     strides = k_cache.stride()[:3] if contiguous_kv is None else (0, k.stride(0), k.stride(1))
+    v_strides = (0, 0) if contiguous_kv is None else (v.stride(0), v.stride(1))
     _paged_prefill_kernel[(num_tokens // block_t + num_seqs, num_kv_heads)](
         q, keys, values, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t,
         q if sinks is None else sinks, out, scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs, softcap * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), *v_strides,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,

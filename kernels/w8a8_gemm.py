@@ -309,7 +309,10 @@ def _quantize_rows_static_kernel(x_ptr, s_ptr, q_ptr, K, stride_xm, stride_qm, Q
     scale = tl.zeros((BLOCK_K,), dtype=tl.float32) + tl.load(s_ptr).to(tl.float32)
     rcp = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.minimum(tl.maximum(div_exact(x, scale, rcp), QMIN), qmax)
+    # NaN stays NaN on the GPU (the reference's clamp keeps it: an fp8 NaN code, a NaN output; the interpreter's fp8
+    # conversion does not represent it)
+    v = tl.minimum(tl.maximum(div_exact(x, scale, rcp), QMIN, propagate_nan=tl.PropagateNan.ALL), qmax,
+                   propagate_nan=tl.PropagateNan.ALL)
     if INT8:
         codes = ((v + _MAGIC) - _MAGIC).to(tl.int8)
     elif EMULATE_FP8:

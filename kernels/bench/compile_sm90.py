@@ -110,7 +110,8 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
              "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
              "sinks_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32", "window": "i32", "num_seqs": "i32",
              "softcap": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
-                                                       "stride_ct", "stride_ch", "stride_bt")}}
+                                                       "stride_ct", "stride_ch", "stride_bt", "stride_vt",
+                                                       "stride_vh")}}
     base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
                 F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False)
     variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8),

@@ -48,11 +48,12 @@ def test_paged_kernels_match_the_reference_path(tmp_path, shape):
     assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
-@pytest.mark.parametrize("shape", ["llama", "mistral"])
+@pytest.mark.parametrize("shape", ["llama", "mistral", "qwen3"])
 def test_fresh_prompts_attend_over_their_own_keys(tmp_path, monkeypatch, shape):
     """RUNTIME_PREFILL_OWN_KV: the eager steps of fresh prompts only run the prefill attention over the step's own
     rotated keys (contiguous rows), the others (a chunk after its context, decodes) over the cache; tokens and
-    logprobs equal the cache-only path's exactly (the same values, the same arithmetic)."""
+    logprobs equal the cache-only path's exactly (the same values, the same arithmetic). Qwen3's per-head k norm
+    makes k a tensor of its own while v stays a view of the QKV projection: rows of different strides."""
     from kernels import paged_attention
     from runtime import executor
 

@@ -238,6 +238,17 @@ def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, rotary
     assert torch.equal(fused_caches[1].cpu().view(torch.uint8), expected[1].view(torch.uint8))  # v: exact
     if kv_dtype == dtype:
         torch.testing.assert_close(fused_caches[0].cpu().float(), expected[0].float(), atol=ref_atol, rtol=tol)
+    # k_in_place: every token's key rotated in k as the separate RoPE kernel rotates it, the padding token's (slot
+    # -1) too; q, v and the caches as without it
+    inplace_qkv, inplace_caches = qkv.clone().to(DEVICE), [c.clone().to(DEVICE) for c in caches]
+    q, k, v = split(inplace_qkv)
+    pa.rope_write_kv_cache(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                           v.view(num_tokens, num_kv_heads, head_dim), positions.to(DEVICE), inv_freq.to(DEVICE), 0.75,
+                           *inplace_caches, slots.to(DEVICE), k_scale=k_scale, v_scale=scales[1], rotary_dim=rot,
+                           interleaved=inter, k_in_place=True)
+    assert torch.equal(inplace_qkv.cpu(), sep_qkv.cpu())  # q and k rotated as the separate kernels, v untouched
+    for f, c in zip(inplace_caches, fused_caches):
+        assert torch.equal(f.cpu().view(torch.uint8), c.cpu().view(torch.uint8))
 
 
 def test_rope_write_kv_cache_rejects_bad_shapes():
@@ -748,6 +759,8 @@ def test_prefill_over_the_steps_own_keys_equals_the_paged_one(num_heads, num_kv_
     assert torch.isfinite(own.float()).all()
     assert torch.equal(own, paged)
     _assert_close(own, pa.ref_paged_prefill_attention(*args, **kw))
+    # keys of their own (a per-head norm's output) beside values still a view of the projection: other row strides
+    assert torch.equal(pa.paged_prefill_attention(*args, contiguous_kv=(k.contiguous(), v), **kw), paged)
 
 
 def test_prefill_over_the_steps_own_keys_refuses_what_it_cannot_read():
