@@ -306,8 +306,8 @@ def _quantize_rows_static_kernel(x_ptr, s_ptr, q_ptr, K, stride_xm, stride_qm, Q
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = offs < K
     qmax, eps = _qrange(INT8)
-    scale = tl.zeros((BLOCK_K,), dtype=tl.float32) + tl.load(s_ptr).to(tl.float32)
-    rcp = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    scale = tl.load(s_ptr).to(tl.float32)
+    rcp = tl.math.div_rn(scale * 0.0 + 1.0, scale)  # once per program, for div_exact
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
     # NaN stays NaN on the GPU (the reference's clamp keeps it: an fp8 NaN code, a NaN output; the interpreter's fp8
     # conversion does not represent it)

@@ -456,8 +456,9 @@ def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | N
 
     gemv_rows = gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED and gemv.GEMV_PREQUANT else 0
     # from the rows GEMM's first row count on (kernels.w8a8_rows.RUNTIME_MIN_ROWS) or past the fused GEMM's rows
-    quant_from = min(FUSED_MAX_ROWS + 1, max(w8a8_rows.RUNTIME_MIN_ROWS, gemv.GEMV_RUNTIME_MAX_ROWS + 1)
-                     if w8a8_rows.RUNTIME_MAX_ROWS else FUSED_MAX_ROWS + 1)
+    quant_from = FUSED_MAX_ROWS + 1
+    if w8a8_rows.RUNTIME_MAX_ROWS:
+        quant_from = min(quant_from, max(w8a8_rows.RUNTIME_MIN_ROWS, gemv.GEMV_RUNTIME_MAX_ROWS + 1))
     return lambda x: (torch.float8_e4m3fn if x.numel() >= quant_from * x.shape[-1]
                       or x.numel() <= gemv_rows * x.shape[-1] else None)
 
@@ -585,10 +586,9 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 / INT8 W8A8: up to ``GEMV_RUNTIME_MAX_ROWS`` tokens the Triton GEMV (``kernels.gemv``, while
     ``GEMV_ENABLED``); where ``kernels.w8a8_rows.runtime_applies`` (FP8 on bf16/fp16 rows, INT8 on any) the rows GEMM
     on rows a norm quantized (``QuantizedRows``), or ``quantize_rows`` (per token) / ``quantize_rows_static`` (a
-    calibrated input scale) quantizes; up
-    to ``FUSED_MAX_ROWS`` the fused Triton GEMM (the activation quantization inside); more tokens go to cuBLAS
-    (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after ``quantize_rows``, one kernel for the dynamic
-    per-token quantization (torch's takes six). Every path clamps INT8
+    calibrated input scale) quantizes; up to ``FUSED_MAX_ROWS`` the fused Triton GEMM (the activation quantization
+    inside); more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
+    ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six). Every path clamps INT8
     activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
     per-token ones (``quantize_rows``, a norm's ``QuantizedRows``) never reach below -127."""
     from kernels import gemv, w8a8_rows
@@ -615,7 +615,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
 
     def linear(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        rows = x.codes.numel() // x.shape[-1] if isinstance(x, QuantizedRows) else x.numel() // x.shape[-1]
+        rows = (x.codes if isinstance(x, QuantizedRows) else x).numel() // x.shape[-1]
         if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): the GEMV, the rows GEMM or cuBLAS
             if rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
                 return gemv.w8a8_gemv(x, qweight, w_scale, None, bias, out_dtype=ex.dtype)
