@@ -309,24 +309,26 @@ def _rope_write_kv_kernel(
         k_row = k_ptr + t * stride_kt + offs_h[:, None] * HEAD_DIM
         if K_INPLACE or slot >= 0:  # a negative slot is a padding token: nothing goes to the cache
             # the key rounded to the activation dtype first, as the separate RoPE kernel stores it
-            y1, y2 = rotate(k_row + STEP * offs_d[None, :], mask, cos, sin, PAIR)
-            y1 = y1.to(dtype)
-            y2 = y2.to(dtype)
+            # (names of this branch's own: a name both branches of `hb < q_blocks` assign must keep one type)
+            r1, r2 = rotate(k_row + STEP * offs_d[None, :], mask, cos, sin, PAIR)
+            k1 = r1.to(dtype)
+            k2 = r2.to(dtype)
             if K_INPLACE:  # every token's key, whatever its slot
-                tl.store(k_row + STEP * offs_d[None, :], y1, mask=mask)
-                tl.store(k_row + PAIR + STEP * offs_d[None, :], y2, mask=mask)
+                tl.store(k_row + STEP * offs_d[None, :], k1, mask=mask)
+                tl.store(k_row + PAIR + STEP * offs_d[None, :], k2, mask=mask)
             if slot >= 0:
                 dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch
                 offs_v = tl.arange(0, HEAD_DIM)
                 v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :], mask=mask_h)
+                c1, c2, cv = k1, k2, v
                 if QUANT != 0:
-                    y1 = _quantize(y1, k_scale_ptr, QUANT)
-                    y2 = _quantize(y2, k_scale_ptr, QUANT)
-                    v = _quantize(v, v_scale_ptr, QUANT)
-                tl.store(k_cache_ptr + dst + STEP * offs_d[None, :], y1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-                tl.store(k_cache_ptr + dst + PAIR + STEP * offs_d[None, :], y2.to(k_cache_ptr.dtype.element_ty),
+                    c1 = _quantize(k1, k_scale_ptr, QUANT)
+                    c2 = _quantize(k2, k_scale_ptr, QUANT)
+                    cv = _quantize(v, v_scale_ptr, QUANT)
+                tl.store(k_cache_ptr + dst + STEP * offs_d[None, :], c1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+                tl.store(k_cache_ptr + dst + PAIR + STEP * offs_d[None, :], c2.to(k_cache_ptr.dtype.element_ty),
                          mask=mask)
-                tl.store(v_cache_ptr + dst + offs_v[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
+                tl.store(v_cache_ptr + dst + offs_v[None, :], cv.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
                 if ROT < HEAD_DIM:  # partial rotary: the key's other features as they are
                     offs_r = ROT + tl.arange(0, TAIL_PAD)
                     mask_r = mask_h & (offs_r < HEAD_DIM)[None, :]
