@@ -255,6 +255,8 @@ def serve(
     max_waiting: int = typer.Option(256, help="queued requests; past it requests get 429"),
     kv_cache_memory: str | None = typer.Option(None, help="KV pool size, e.g. 512MiB (CPU default 1GiB)"),
     num_blocks: int | None = typer.Option(None, help="exact number of KV blocks"),
+    tokens_per_block: int | None = typer.Option(None, help="tokens per KV block, a power of two (default: "
+                                                "$RUNTIME_TOKENS_PER_BLOCK, else the artifact's)"),
     gpu_memory_utilization: float = typer.Option(0.9, help="CUDA: fraction of device memory to use"),
     request_timeout: float | None = typer.Option(None, help="per-request deadline in seconds"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
@@ -281,7 +283,8 @@ def serve(
             "--stream-interval", str(stream_interval), "--api-servers", str(api_servers)]
     options = {"--api-key": api_key, "--served-model-name": served_model_name, "--max-num-seqs": max_num_seqs,
                "--max-num-batched-tokens": max_num_batched_tokens, "--max-seq-len": max_seq_len,
-               "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--request-timeout": request_timeout,
+               "--kv-cache-memory": kv_cache_memory, "--num-blocks": num_blocks, "--tokens-per-block": tokens_per_block,
+               "--request-timeout": request_timeout,
                "--prefill-hold-ms": prefill_hold_ms, "--speculative-ngram": speculative_ngram,
                "--speculative-config": speculative_config}
     argv += [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]

@@ -400,6 +400,48 @@ def _rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
 # --- decode -----------------------------------------------------------------------------------------
 # Step-varying integers (sequence counts, splits, the block-table width) are not specialized: Triton would
 # compile a new variant whenever one became 1 or a multiple of 16, mid-serving (seconds per compile).
+@triton.jit
+def _e4m3_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
+    """fp8 e4m3 values as ``dtype``. PTX (fp16): two per conversion instruction, in x's own layout: an opaque
+    step, which the compiler leaves where it stands; a plain conversion it moves past the value tile's change to
+    the matmul's operand layout, which then reads the tile from shared memory a byte at a time."""
+    if PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi;\n mov.b32 {lo, hi}, $2;\n cvt.rn.f16x2.e4m3x2 $0, lo;\n"
+            " cvt.rn.f16x2.e4m3x2 $1, hi; }", "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _tile_blocks(table, tile, pos, valid, any_valid, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The cache blocks of key tile ``tile`` (keys ``pos``): [BLOCK_N] ids, one per key, or where a block holds
+    whole tiles (BLOCK_SIZE a multiple of BLOCK_N) the tile's one id, a scalar; 0 where nothing is to be read."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        block = tl.load(table + (tile * BLOCK_N) // BLOCK_SIZE, mask=any_valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block
+
+
+@triton.jit
+def _tile_rows(block, tile, pos, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Offsets of key tile ``tile``'s rows for its keys ([HEAD_DIM, BLOCK_N], as k_offs adds them) and values
+    ([BLOCK_N, HEAD_DIM]): per key from its block id, or (one block per tile) the tile's base alone, to which the
+    loop-invariant k_offs / v_offs add each key's row."""
+    if BLOCK_SIZE % BLOCK_N == 0:
+        base = block * stride_cb + ((tile * BLOCK_N) % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        k_rows = base
+        v_rows = base
+    else:
+        row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        k_rows = row[None, :]
+        v_rows = row[:, None]
+    return k_rows, v_rows
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
@@ -462,9 +504,17 @@ def _paged_decode_kernel(
         head = kv_head * GROUP + offs_g
         g_mask = offs_g < GROUP
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        ONE_BLOCK: tl.constexpr = BLOCK_SIZE % BLOCK_N == 0
         pos = tile_lo * BLOCK_N + offs_n
         valid = (pos >= lo) & (pos < tl.minimum(seq_len, tile_hi * BLOCK_N))  # none for an empty split
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)  # the first tile's blocks
+        # the first tile's blocks: one per key, or (ONE_BLOCK: the cache's blocks hold whole tiles) the tile's one
+        block = _tile_blocks(table, tile_lo, pos, valid, tile_lo < tile_hi, BLOCK_SIZE, BLOCK_N)
+        if ONE_BLOCK:  # a tile's keys and values from one base: 32-bit offsets, the same for every tile
+            k_offs = offs_n[None, :] * stride_ct + offs_d[:, None]
+            v_offs = offs_n[:, None] * stride_ct + offs_d[None, :]
+        else:
+            k_offs = offs_d[:, None]
+            v_offs = offs_d[None, :]
         if ROPE:  # positions are a step input too, and inv_freq a constant: the angles before the wait
             dtype = q_ptr.dtype.element_ty
             if INTERLEAVED or ROT < HEAD_DIM:
@@ -502,11 +552,13 @@ def _paged_decode_kernel(
             # of one tile (batch 1: 64-key splits) then waits for nothing but q. Masked lanes are left unloaded
             # (garbage): masked out of s and zeroed in v below.
             valid = (pos >= lo) & (pos < tl.minimum(seq_len, tile_hi * BLOCK_N))
-            row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-            k0 = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
-            v0 = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+            k_rows, v_rows = _tile_rows(block, tile_lo, pos, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                                        BLOCK_N)
+            k0 = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
+            v0 = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
             nxt = pos + BLOCK_N
-            block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0).to(tl.int64)  # the next tile's
+            block = _tile_blocks(table, tile_lo + 1, nxt, nxt < seq_len, (tile_lo + 1) * BLOCK_N < seq_len,
+                                 BLOCK_SIZE, BLOCK_N)  # the next tile's
 
         wait_prior(PDL)  # q and the new key / value are the preceding kernel's (kernels/pdl.py)
         # q: [GROUP_PAD, HEAD_DIM]; padding rows are zero and never stored
@@ -554,18 +606,25 @@ def _paged_decode_kernel(
         for tile in range(start, tile_hi):
             pos = tile * BLOCK_N + offs_n
             valid = (pos >= lo) & (pos < seq_len)
-            row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+            k_rows, v_rows = _tile_rows(block, tile, pos, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE,
+                                        BLOCK_N)
             # the next tile's blocks, loaded ahead (past the last tile: masked off)
             nxt = pos + BLOCK_N
-            block = tl.load(table + nxt // BLOCK_SIZE, mask=nxt < seq_len, other=0).to(tl.int64)
+            block = _tile_blocks(table, tile + 1, nxt, nxt < seq_len, (tile + 1) * BLOCK_N < seq_len, BLOCK_SIZE,
+                                 BLOCK_N)
             # masked lanes are left unloaded (garbage): masked out of s and zeroed in v below
-            k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
+            k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
             s = _mma(q, k.to(q.dtype), FP32) * qk_scale
             if SOFTCAP:
                 s = _softcap(s, softcap)
             s = tl.where(valid[None, :], s, float("-inf"))
-            v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
-            v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
+            if QUANT == 1 and (F16 or FP32):  # masked lanes zero-filled by the load: no select
+                v = _e4m3_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0), q.dtype, F16)
+            elif QUANT == 0:
+                v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+            else:
+                v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+                v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
             m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
         if WRITE:
             m_w, l_w, acc_w = _new_key_step(q, kn, vn, qk_scale, softcap, m_i, l_i, acc, SOFTCAP)

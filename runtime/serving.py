@@ -73,6 +73,7 @@ log = logging.getLogger(__name__)
 
 INVALID_ROW_ERROR = ("sampling failed: the model's logits for this request gave no valid token distribution "
                      "(NaN or inf after penalties and temperature)")
+MAX_TOKENS_PER_BLOCK = 1024  # ServingConfig.tokens_per_block's bound
 COMPILE_POLL_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
 
 
@@ -88,6 +89,11 @@ class ServingConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device the plan may use
     kv_cache_bytes: int | None = None  # explicit KV pool size in bytes (CPU default: 1 GiB)
     num_blocks: int | None = None  # explicit number of KV blocks (tests, benchmarks); overrides the bytes
+    # tokens per KV block (a power of two); default from RUNTIME_TOKENS_PER_BLOCK, else the artifact's
+    # tokens_per_block. A block of a multiple of the decode attention's key tile (64 keys for FP8 / INT8 caches,
+    # 32 for 16-bit ones past batch 2) gives each tile one block id and one base address: fewer instructions per
+    # key (docs/BENCHMARKS.md, session 40); prefix caching then shares whole blocks of that size
+    tokens_per_block: int | None = field(default_factory=lambda: env_number("RUNTIME_TOKENS_PER_BLOCK", None))
     request_timeout_s: float | None = None  # default per-request deadline, from arrival; None = none
     cuda_graphs: bool = True  # capture decode steps in CUDA graphs (CUDA with kernels only); off to debug
     # with cuda_graphs: steps that carry prefill (with the decodes beside them) of up to this many tokens replay
@@ -124,6 +130,11 @@ class ServingConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.tokens_per_block is not None and not (
+                0 < self.tokens_per_block <= MAX_TOKENS_PER_BLOCK
+                and self.tokens_per_block & (self.tokens_per_block - 1) == 0):
+            raise ValueError(f"tokens_per_block {self.tokens_per_block} must be a power of two from 1 to "
+                             f"{MAX_TOKENS_PER_BLOCK} (e.g. 16 or 64)")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
 
@@ -283,7 +294,7 @@ class ServingEngine:
             max_num_batched_tokens=config.max_num_batched_tokens or limits.max_num_tokens,
             max_seq_len=config.max_seq_len or limits.max_seq_len,
             max_waiting=config.max_waiting, long_rope_from=engine.executor.long_rope_from)
-        self.block_size = limits.tokens_per_block
+        self.block_size = config.tokens_per_block or limits.tokens_per_block
         spec = config.speculative  # the proposer first: a draft model's weights are planned with the target's
         reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
         self.proposer: Proposer | None = make_proposer(spec, engine, self.scheduler_config.max_seq_len,

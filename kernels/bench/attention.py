@@ -447,7 +447,10 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BLOCK_SIZE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help=f"tokens per cache block (default {BLOCK_SIZE}; the serving setting tokens_per_block)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
@@ -474,11 +477,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="--decode-sweep's shapes instead of the serving ones, e.g. 1x192 1x256 (batch-1 decode "
                              "of the 128-in / 128-out benchmark)")
     args = parser.parse_args(argv)
+    BLOCK_SIZE = args.block_size
     if not torch.cuda.is_available():
         print("kernels.bench.attention needs a CUDA device", file=sys.stderr)
         return 2
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {_triton_version()}; cache "
+          f"blocks of {BLOCK_SIZE} tokens")
     failures: list[str] = []
 
     if args.mixed_only:

@@ -65,14 +65,20 @@ def _decode_attention() -> list[tuple[str, object]]:
                 SPLIT=True, MIN_TILES=2, SPLITS_PAD=32, MERGE_UNROLL=4, EARLY=False, SOFTCAP=False, SINKS=False, HEADS_FIRST=False, WRITE=False,
                 ROPE=False, ROT=128, INTERLEAVED=False, PDL=True)
     fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
-    variants = [("split", {}, {}), ("one split", {"SPLIT": False}, {}),
+    variants = [("split", {}, {}), ("split, 32-key tiles (a wide launch's)", {"BLOCK_N": 32}, {}),
+                ("split, 32-key tiles, 64-token blocks", {"BLOCK_N": 32, "BLOCK_SIZE": 64}, {}), ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
-                ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {}),
+                ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
+                ("fp8 cache, 64-token blocks", {"QUANT": 1, "F16": True, "BLOCK_N": 64, "BLOCK_SIZE": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {}),
                 ("new K/V written, RoPE", {"WRITE": True, "ROPE": True}, {}),
                 ("batch 1: new K/V written, RoPE, 64-key tiles, the first loaded early",
                  {"WRITE": True, "ROPE": True, "BLOCK_N": 64, "MIN_TILES": 1, "EARLY": True}, {}),
                 ("new K/V written, RoPE, one split", {"WRITE": True, "ROPE": True, "SPLIT": False}, {}),
                 ("new K/V written, no RoPE, fp8 cache", {"WRITE": True, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
+                ("new K/V written, RoPE, fp8 cache", {"WRITE": True, "ROPE": True, "QUANT": 1, "F16": True,
+                                                      "BLOCK_N": 64}, fp8),
+                ("batch 1: new K/V written, RoPE, fp8 cache, bf16 operands", {"WRITE": True, "ROPE": True, "QUANT": 1,
+                                                                              "BLOCK_N": 64, "EARLY": True}, fp8),
                 ("new K/V written, partial RoPE (a quarter)", {"WRITE": True, "ROPE": True, "ROT": 32}, {}),
                 ("new K/V written, interleaved RoPE", {"WRITE": True, "ROPE": True, "INTERLEAVED": True}, {})]
     # pointers and strides as a launch at real shapes specialises them (multiples of 16): without the hint the
@@ -100,6 +106,14 @@ def _rope_write_kv() -> list[tuple[str, object]]:
                       BLOCK_D=1 << (half - 1).bit_length(), BLOCK_SIZE=16, QUANT=0, PDL=True, K_INPLACE=False)
         out.append((f"rope + KV write, {name}",
                     lambda consts=consts: compile_kernel(_rope_write_kv_kernel, types, consts, 4)))
+    # an FP8 cache (the keys quantized after their rounding to the activation dtype), with and without the rotated
+    # keys written back (the own-K/V prefill's k_in_place)
+    fp8 = dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
+    for inplace in (False, True):
+        consts = dict(HEAD_DIM=128, HALF=64, STEP=1, PAIR=64, ROT=128, TAIL_PAD=1, BLOCK_H=8, BLOCK_D=64,
+                      BLOCK_SIZE=16, QUANT=1, PDL=True, K_INPLACE=inplace)
+        out.append((f"rope + KV write, fp8 cache{', keys in place' if inplace else ''}",
+                    lambda consts=consts: compile_kernel(_rope_write_kv_kernel, fp8, consts, 4)))
     return out
 
 

@@ -366,6 +366,25 @@ def test_decode_tilings_and_fp16_operands(kv_dtype, config):
     assert torch.isfinite(out.float()).all()
 
 
+@pytest.mark.parametrize("block_size, config, kv_dtype, window", [
+    (64, pa.DecodeConfig(32, 4, 3), torch.bfloat16, None), (64, pa.DecodeConfig(64, 4, 3, f16=True), FP8, None),
+    (128, pa.DecodeConfig(64, 4, 3, f16=True), FP8, 70), (128, pa.DecodeConfig(32, 4, 2), torch.bfloat16, 45)],
+    ids=["bf16-64x32", "fp8-64x64", "fp8-128x64-window", "bf16-128x32-window"])
+def test_decode_over_blocks_holding_whole_key_tiles(block_size, config, kv_dtype, window):
+    """Cache blocks of a multiple of the key tile (one block id and one base address per tile, the tile's keys and
+    values at offsets that do not change from tile to tile, a tile starting mid-block) agree with the reference,
+    split and not, windowed and not; the poisoned slots past each sequence stay unread."""
+    gen = torch.Generator().manual_seed(17)
+    lens = [1, 40, 64, 130, 300]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 64, block_size, torch.bfloat16, kv_dtype, gen)
+    q = torch.randn(len(lens), 8, 64, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), 64 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
+    expected = pa.ref_paged_decode_attention(*args, **kw)
+    for splits in (1, 3):
+        _assert_close(pa.paged_decode_attention(*args, num_splits=splits, config=config, **kw), expected)
+
+
 def test_decode_empty_sequence_gives_zeros_and_auto_splits():
     """A padding sequence (length 0) yields zeros; num_splits=None runs (one split on CPU)."""
     gen = torch.Generator().manual_seed(4)

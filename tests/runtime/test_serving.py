@@ -183,6 +183,30 @@ def test_memory_plan(engine):
         _serving(engine, max_seq_len=1024)
 
 
+def test_tokens_per_block_overrides_the_artifacts(engine, monkeypatch):
+    """Serving with 64-token blocks (the artifact's are 16): the pool, the storage and the plan use them, the
+    tokens match one-at-a-time generation with shared prefixes and preemption, no block leaks; the environment
+    sets the default; a value that is not a power of two is refused."""
+    assert engine.limits.tokens_per_block == 16
+    s = _serving(engine, num_blocks=4, max_seq_len=192, max_num_batched_tokens=64, max_num_seqs=4, tokens_per_block=64)
+    assert s.block_size == s.storage.block_size == s.kv.block_size == 64 and s.memory_plan.block_size == 64
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    prompts.append(prompts[2][:70] + prompts[0])  # a shared prefix of one whole 64-token block and more
+    params = SamplingParams(max_tokens=60, ignore_eos=True)  # every sequence past its first block
+    outs = s.run(prompts, params)
+    assert s.scheduler.num_preemptions > 0, "4 blocks of 64 tokens were meant to force preemption"
+    for prompt, out in zip(prompts, outs):
+        _assert_same_greedy(engine, prompt, out, engine.generate(prompt, params))
+    _assert_no_leaks(s)
+    monkeypatch.setenv("RUNTIME_TOKENS_PER_BLOCK", "32")
+    assert ServingConfig().tokens_per_block == 32 and ServingConfig(tokens_per_block=128).tokens_per_block == 128
+    monkeypatch.delenv("RUNTIME_TOKENS_PER_BLOCK")
+    assert ServingConfig().tokens_per_block is None  # the artifact's
+    for bad in (0, 48, 2048):
+        with pytest.raises(ValueError, match=f"tokens_per_block {bad} must be a power of two from 1 to 1024"):
+            ServingConfig(tokens_per_block=bad)
+
+
 def test_prefill_graph_tokens_from_the_environment_and_checked(monkeypatch):
     from runtime.serving import ServingConfig
 
