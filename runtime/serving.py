@@ -131,7 +131,7 @@ class ServingConfig:
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.tokens_per_block is not None and not (
-                0 < self.tokens_per_block <= MAX_TOKENS_PER_BLOCK
+                type(self.tokens_per_block) is int and 0 < self.tokens_per_block <= MAX_TOKENS_PER_BLOCK
                 and self.tokens_per_block & (self.tokens_per_block - 1) == 0):
             raise ValueError(f"tokens_per_block {self.tokens_per_block} must be a power of two from 1 to "
                              f"{MAX_TOKENS_PER_BLOCK} (e.g. 16 or 64)")

@@ -446,10 +446,18 @@ def _name(dtype: torch.dtype) -> str:
             torch.float8_e4m3fn: "fp8", torch.int8: "int8"}[dtype]
 
 
+def _block_size(text: str) -> int:
+    """--block-size: a power of two, as the runtime's tokens_per_block."""
+    value = int(text)
+    if value < 1 or value & (value - 1):
+        raise argparse.ArgumentTypeError(f"{text} is not a power of two (e.g. 16 or 64)")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     global BLOCK_SIZE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+    parser.add_argument("--block-size", type=_block_size, default=BLOCK_SIZE,
                         help=f"tokens per cache block (default {BLOCK_SIZE}; the serving setting tokens_per_block)")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)

@@ -185,24 +185,31 @@ def test_memory_plan(engine):
 
 def test_tokens_per_block_overrides_the_artifacts(engine, monkeypatch):
     """Serving with 64-token blocks (the artifact's are 16): the pool, the storage and the plan use them, the
-    tokens match one-at-a-time generation with shared prefixes and preemption, no block leaks; the environment
-    sets the default; a value that is not a power of two is refused."""
+    tokens match one-at-a-time generation through preemption and a prefix-cache hit of a whole block, no block
+    leaks; the environment sets the default; a value that is not a power of two (or a bool) is refused."""
     assert engine.limits.tokens_per_block == 16
     s = _serving(engine, num_blocks=4, max_seq_len=192, max_num_batched_tokens=64, max_num_seqs=4, tokens_per_block=64)
     assert s.block_size == s.storage.block_size == s.kv.block_size == 64 and s.memory_plan.block_size == 64
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    prompts.append(prompts[2][:70] + prompts[0])  # a shared prefix of one whole 64-token block and more
     params = SamplingParams(max_tokens=60, ignore_eos=True)  # every sequence past its first block
     outs = s.run(prompts, params)
     assert s.scheduler.num_preemptions > 0, "4 blocks of 64 tokens were meant to force preemption"
     for prompt, out in zip(prompts, outs):
         _assert_same_greedy(engine, prompt, out, engine.generate(prompt, params))
     _assert_no_leaks(s)
+    # a prompt sharing a whole 64-token block with one served before it reads that block from the prefix cache
+    hits = s.kv.stats.hits
+    s.run([prompts[2]], params)
+    shared = prompts[2][:64] + prompts[3]
+    out, = s.run([shared], params)
+    assert s.kv.stats.hits - hits >= 64, "the shared 64-token block was not reused"
+    _assert_same_greedy(engine, shared, out, engine.generate(shared, params))
+    _assert_no_leaks(s)
     monkeypatch.setenv("RUNTIME_TOKENS_PER_BLOCK", "32")
     assert ServingConfig().tokens_per_block == 32 and ServingConfig(tokens_per_block=128).tokens_per_block == 128
     monkeypatch.delenv("RUNTIME_TOKENS_PER_BLOCK")
     assert ServingConfig().tokens_per_block is None  # the artifact's
-    for bad in (0, 48, 2048):
+    for bad in (0, 48, 2048, True):
         with pytest.raises(ValueError, match=f"tokens_per_block {bad} must be a power of two from 1 to 1024"):
             ServingConfig(tokens_per_block=bad)
 
