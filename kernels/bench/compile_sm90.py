@@ -15,7 +15,11 @@ and whether Triton's pipeliner staged a load through shared memory: LDGSTS in th
 
 It compiles with the Triton installed here, which may be newer than the device's: a construct only the device's
 older frontend refuses (session 23: a constexpr ``if`` returning one type and falling through to a return of
-another, refused by Triton 3.6) passes here and still fails there.
+another; session 40: a variable given another type inside a runtime ``if``; both refused by Triton 3.6) passes here
+and still fails there. To compile with the device's frontend, unpack its wheel and put it first on the path:
+
+    pip download --no-deps triton==3.6.0 -d /tmp/tr36 && unzip -q -d /tmp/tr36/site /tmp/tr36/triton-3.6.0-*.whl
+    env -u TRITON_INTERPRET PYTHONPATH=/tmp/tr36/site:. python -m kernels.bench.compile_sm90
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ def _decode_attention() -> list[tuple[str, object]]:
                 ("split, 32-key tiles, 64-token blocks", {"BLOCK_N": 32, "BLOCK_SIZE": 64}, {}), ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
                 ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
-                ("fp8 cache, 64-token blocks", {"QUANT": 1, "F16": True, "BLOCK_N": 64, "BLOCK_SIZE": 64}, fp8), ("heads first", {"HEADS_FIRST": True}, {}),
+                ("fp8 cache, 64-token blocks", {"QUANT": 1, "F16": True, "BLOCK_N": 64, "BLOCK_SIZE": 64}, fp8),
+                ("int8 cache", {"QUANT": 2, "F16": True, "BLOCK_N": 64}, {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}),
+                ("heads first", {"HEADS_FIRST": True}, {}),
                 ("new K/V written, RoPE", {"WRITE": True, "ROPE": True}, {}),
                 ("batch 1: new K/V written, RoPE, 64-key tiles, the first loaded early",
                  {"WRITE": True, "ROPE": True, "BLOCK_N": 64, "MIN_TILES": 1, "EARLY": True}, {}),
@@ -114,6 +120,12 @@ def _rope_write_kv() -> list[tuple[str, object]]:
                       BLOCK_SIZE=16, QUANT=1, PDL=True, K_INPLACE=inplace)
         out.append((f"rope + KV write, fp8 cache{', keys in place' if inplace else ''}",
                     lambda consts=consts: compile_kernel(_rope_write_kv_kernel, fp8, consts, 4)))
+    # partial rotary (a quarter) into an INT8 cache: the key's other features quantized as they are
+    int8 = dict(types, k_cache_ptr="*i8", v_cache_ptr="*i8")
+    consts = dict(HEAD_DIM=128, HALF=16, STEP=1, PAIR=16, ROT=32, TAIL_PAD=128, BLOCK_H=8, BLOCK_D=16, BLOCK_SIZE=16,
+                  QUANT=2, PDL=True, K_INPLACE=False)
+    out.append(("rope + KV write, a quarter (partial), int8 cache",
+                lambda consts=consts: compile_kernel(_rope_write_kv_kernel, int8, consts, 4)))
     return out
 
 
