@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -396,7 +397,8 @@ def _empty_cuda_cache(device: str) -> None:
 
 
 def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: Optional[int],
-                  max_num_batched_tokens: Optional[int], no_cuda_graphs: bool, speculative: dict | None = None):
+                  max_num_batched_tokens: Optional[int], no_cuda_graphs: bool, speculative: dict | None = None,
+                  tokens_per_block: Optional[int] = None):
     from builder.bench.offline import load_for_bench
     from runtime.artifact import ArtifactError
     from runtime.memory import MemoryPlanError
@@ -404,9 +406,21 @@ def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: O
     try:
         return load_for_bench(str(artifact), device, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                               max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs,
-                              speculative=speculative)
+                              speculative=speculative, tokens_per_block=tokens_per_block)
     except (ArtifactError, MemoryPlanError, ValueError) as e:
         _fail(f"cannot load {artifact}: {e}")
+
+
+TOKENS_PER_BLOCK_HELP = "tokens per KV block, a power of two (default: $RUNTIME_TOKENS_PER_BLOCK, else the artifact's)"
+
+
+def _block_size_args(tokens_per_block: Optional[int]) -> tuple[list[str], str]:
+    """A recorded bench command's block size: (its flag, or none) and (an environment prefix when the block size
+    came from $RUNTIME_TOKENS_PER_BLOCK, else "")."""
+    if tokens_per_block is not None:
+        return ["--tokens-per-block", str(tokens_per_block)], ""
+    env = os.environ.get("RUNTIME_TOKENS_PER_BLOCK")
+    return [], (f"RUNTIME_TOKENS_PER_BLOCK={shlex.quote(env)} " if env else "")
 
 
 def _batch_size(value: str) -> int:
@@ -431,6 +445,7 @@ def bench_latency(
     max_seq_len: Optional[int] = typer.Option(None, help="lower the artifact's max_seq_len (smaller KV tables)"),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="prefill chunk (default: the artifact's)"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    tokens_per_block: Optional[int] = typer.Option(None, help=TOKENS_PER_BLOCK_HELP),
     json_out: Optional[str] = typer.Option(None, "--json", help="append the results as JSON lines to this file"),
     baseline: Optional[Path] = typer.Option(None, help="checkpoint the artifact was built from: also time the "
                                             "stock-PyTorch baseline (torch.compile) on it and print the ratio"),
@@ -455,7 +470,8 @@ def bench_latency(
     if batch_size and output_len < 4:
         _fail(f"--output-len {output_len}: --batch-size needs at least 4 (the decode step figure leaves out the "
               f"prefill, the first decode step and the last)")
-    engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs)
+    engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs,
+                           tokens_per_block=tokens_per_block)
     try:
         results = [latency(engine, n, output_len, repeats) for n in input_len]
         precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
@@ -472,7 +488,8 @@ def bench_latency(
         _empty_cuda_cache(device)
         try:  # a failure here (e.g. no memory plan for max(batch_size) sequences) keeps the batch-1 figures
             engine = load_for_bench(str(artifact), device, max_num_seqs=max(batch_size), max_seq_len=max_seq_len,
-                                    max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs)
+                                    max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs,
+                                    tokens_per_block=tokens_per_block)
         except (ArtifactError, MemoryPlanError, ValueError, RuntimeError) as e:
             failure, engine = f"cannot load {artifact} for batch {max(batch_size)}: {e}", None
         if engine is not None:
@@ -531,7 +548,9 @@ def bench_latency(
         for flag, value in (("--baseline", baseline), ("--baseline-quant", baseline_quant),
                             ("--max-seq-len", max_seq_len), ("--max-num-batched-tokens", max_num_batched_tokens)):
             command += [flag, str(value)] if value is not None else []
-        append_figures(record, figures, device, shlex.join(command + (["--no-cuda-graphs"] if no_cuda_graphs else [])))
+        block_flag, env = _block_size_args(tokens_per_block)
+        append_figures(record, figures, device, env + shlex.join(command + block_flag + (
+            ["--no-cuda-graphs"] if no_cuda_graphs else [])))
     if failure is not None:
         _fail(failure)
 
@@ -549,6 +568,7 @@ def bench_throughput(
     max_seq_len: Optional[int] = typer.Option(None),
     max_num_batched_tokens: Optional[int] = typer.Option(None),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
+    tokens_per_block: Optional[int] = typer.Option(None, help=TOKENS_PER_BLOCK_HELP),
     json_out: Optional[str] = typer.Option(None, "--json"),
     record: Optional[Path] = typer.Option(None, help="append the figures to this record (docs/benchmarks.jsonl): "
                                           "throughput_IN_OUT_PREC (output tok/s, the best concurrency; not "
@@ -570,7 +590,8 @@ def bench_throughput(
                                                             "num_speculative_tokens": speculative_ngram}]
     for c in concurrency:
         for spec in specs:
-            engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs, spec)
+            engine = _bench_engine(artifact, device, c, max_seq_len, max_num_batched_tokens, no_cuda_graphs, spec,
+                                   tokens_per_block)
             try:
                 (results if spec is None else spec_results).append(
                     throughput(engine, input_len, output_len, num_prompts or waves * c))
@@ -600,7 +621,9 @@ def bench_throughput(
                             ("--max-num-batched-tokens", max_num_batched_tokens),
                             ("--speculative-ngram", speculative_ngram)):
             command += [flag, str(value)] if value is not None else []
-        append_figures(record, figures, device, shlex.join(command + (["--no-cuda-graphs"] if no_cuda_graphs else [])))
+        block_flag, env = _block_size_args(tokens_per_block)
+        append_figures(record, figures, device, env + shlex.join(command + block_flag + (
+            ["--no-cuda-graphs"] if no_cuda_graphs else [])))
 
 
 @bench_app.command("serve")

@@ -343,11 +343,14 @@ def throughput(engine: ServingEngine, input_len: int, output_len: int, num_promp
 
 def load_for_bench(artifact: str, device: str, *, max_num_seqs: int, max_seq_len: int | None,
                    max_num_batched_tokens: int | None, cuda_graphs: bool, check_hashes: bool = False,
-                   gpu_memory_utilization: float = 0.9, speculative: dict | None = None) -> ServingEngine:
+                   gpu_memory_utilization: float = 0.9, speculative: dict | None = None,
+                   tokens_per_block: int | None = None) -> ServingEngine:
+    """A serving engine for the benches; ``tokens_per_block`` None: $RUNTIME_TOKENS_PER_BLOCK, else the artifact's."""
     config = ServingConfig(max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                            max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=cuda_graphs,
                            max_waiting=1 << 20, gpu_memory_utilization=gpu_memory_utilization,
-                           speculative=speculative if speculative is not None else {"method": None})  # plain: off
+                           speculative=speculative if speculative is not None else {"method": None},  # plain: off
+                           **({} if tokens_per_block is None else {"tokens_per_block": tokens_per_block}))
     return ServingEngine.load(artifact, device, config, check_hashes=check_hashes, allow_failed_gate=True)
 
 

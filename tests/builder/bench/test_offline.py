@@ -162,6 +162,41 @@ def test_bench_throughput_records_the_best_point_and_each_concurrency(artifacts,
     assert all(x["command"].endswith("--concurrency 1 --concurrency 2 --num-prompts 2") for x in lines)
 
 
+def test_bench_block_size_is_run_and_recorded(artifacts, tmp_path, monkeypatch):
+    """--tokens-per-block (or $RUNTIME_TOKENS_PER_BLOCK) sets the engine's KV block size, and the recorded command
+    says which, as a flag or as the environment's setting; a block size that is not a power of two fails cleanly."""
+    from typer.testing import CliRunner
+
+    import runtime.serving as serving
+    from builder.cli import app
+
+    sizes = []
+    real = serving.ServingEngine.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        sizes.append(self.block_size)
+
+    monkeypatch.setattr(serving.ServingEngine, "__init__", spy)
+    base = ["bench", "throughput", str(artifacts["llama"]), "--device", "cpu", "--input-len", "8", "--output-len",
+            "4", "--concurrency", "2", "--num-prompts", "2"]
+    record = tmp_path / "flag.jsonl"
+    res = CliRunner().invoke(app, base + ["--tokens-per-block", "32", "--record", str(record)])
+    assert res.exit_code == 0, res.output
+    assert sizes == [32]
+    assert all(json.loads(x)["command"].endswith("--num-prompts 2 --tokens-per-block 32")
+               for x in record.read_text().splitlines())
+    monkeypatch.setenv("RUNTIME_TOKENS_PER_BLOCK", "8")
+    record = tmp_path / "env.jsonl"
+    res = CliRunner().invoke(app, base + ["--record", str(record)])
+    assert res.exit_code == 0, res.output
+    assert sizes == [32, 8]
+    assert all(json.loads(x)["command"].startswith("RUNTIME_TOKENS_PER_BLOCK=8 builder bench throughput ")
+               for x in record.read_text().splitlines())
+    res = CliRunner().invoke(app, base + ["--tokens-per-block", "48"])
+    assert res.exit_code != 0 and "tokens_per_block 48 must be a power of two" in res.output
+
+
 def test_bench_throughput_with_and_without_speculation(artifacts, tmp_path):
     """--speculative-ngram K runs each point twice and records the pair's ratio and the acceptance, from the
     measured rows (issue 21: spec_throughput_ratio_cC), and each point, but not the headline best point."""
