@@ -79,6 +79,8 @@ def _decode_attention() -> list[tuple[str, object]]:
                 ("new K/V written, RoPE", {"WRITE": True, "ROPE": True}, {}),
                 ("batch 1: new K/V written, RoPE, 64-key tiles, the first loaded early",
                  {"WRITE": True, "ROPE": True, "BLOCK_N": 64, "MIN_TILES": 1, "EARLY": True}, {}),
+                ("batch 1: new K/V written, RoPE, 64-key tiles, the first loaded early, 64-token blocks",
+                 {"WRITE": True, "ROPE": True, "BLOCK_N": 64, "MIN_TILES": 1, "EARLY": True, "BLOCK_SIZE": 64}, {}),
                 ("new K/V written, RoPE, one split", {"WRITE": True, "ROPE": True, "SPLIT": False}, {}),
                 ("new K/V written, no RoPE, fp8 cache", {"WRITE": True, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
                 ("new K/V written, RoPE, fp8 cache", {"WRITE": True, "ROPE": True, "QUANT": 1, "F16": True,
