@@ -612,7 +612,8 @@ def _paged_decode_kernel(
             nxt = pos + BLOCK_N
             block = _tile_blocks(table, tile + 1, nxt, nxt < seq_len, (tile + 1) * BLOCK_N < seq_len, BLOCK_SIZE,
                                  BLOCK_N)
-            # masked lanes are left unloaded (garbage): masked out of s and zeroed in v below
+            # the keys' masked lanes are left unloaded (garbage), masked out of s; the values' are zero-filled by
+            # their load (16-bit and FP8 caches), or zeroed after it (INT8, whose conversion is left to the compiler)
             k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
             s = _mma(q, k.to(q.dtype), FP32) * qk_scale
             if SOFTCAP:
