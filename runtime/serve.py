@@ -92,8 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV pool size, e.g. 512MiB (CPU default 1GiB; on CUDA a cap under the utilization budget)")
     m.add_argument("--num-blocks", type=_positive(int), default=None, help="exact number of KV blocks (overrides bytes)")
     m.add_argument("--tokens-per-block", type=_positive(int), default=None,
-                   help="tokens per KV block, a power of two (default: $RUNTIME_TOKENS_PER_BLOCK, else the artifact's); "
-                        "a multiple of the decode attention's key tile (64 for FP8 caches) reads faster")
+                   help="tokens per KV block, a power of two (default: $RUNTIME_TOKENS_PER_BLOCK, else the "
+                        "artifact's); a multiple of the decode attention's key tile (64 for FP8 caches) reads faster")
     m.add_argument("--gpu-memory-utilization", type=_positive(float), default=0.9,
                    help="CUDA: fraction of device memory for weights, workspace and KV cache")
     m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse KV blocks of shared prompt prefixes")

@@ -70,7 +70,8 @@ def _decode_attention() -> list[tuple[str, object]]:
                 ROPE=False, ROT=128, INTERLEAVED=False, PDL=True)
     fp8 = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
     variants = [("split", {}, {}), ("split, 32-key tiles (a wide launch's)", {"BLOCK_N": 32}, {}),
-                ("split, 32-key tiles, 64-token blocks", {"BLOCK_N": 32, "BLOCK_SIZE": 64}, {}), ("one split", {"SPLIT": False}, {}),
+                ("split, 32-key tiles, 64-token blocks", {"BLOCK_N": 32, "BLOCK_SIZE": 64}, {}),
+                ("one split", {"SPLIT": False}, {}),
                 ("sinks, softcap", {"SINKS": True, "SOFTCAP": True}, {}),
                 ("fp8 cache", {"QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
                 ("fp8 cache, 64-token blocks", {"QUANT": 1, "F16": True, "BLOCK_N": 64, "BLOCK_SIZE": 64}, fp8),
