@@ -781,6 +781,10 @@ def test_serve_cli_help_and_errors(bundled_artifact, tmp_path):
     assert res.returncode == 1 and "WITHOUT AN API KEY" not in res.stderr
     res = _serve(str(bundled_artifact), "--num-blocks", "1")  # one request of 512 tokens needs 32 blocks
     assert res.returncode == 1 and "needs 32 blocks" in res.stderr
+    res = _serve(str(bundled_artifact), "--num-blocks", "1", "--tokens-per-block", "256")  # 2 blocks of 256 tokens
+    assert res.returncode == 1 and "needs 2 blocks" in res.stderr
+    res = _serve(str(bundled_artifact), "--tokens-per-block", "48")
+    assert res.returncode == 1 and "tokens_per_block 48 must be a power of two" in res.stderr
     res = _serve(str(bundled_artifact), "--kv-cache-memory", "lots")
     assert res.returncode == 2 and "byte count" in res.stderr
     res = _serve(str(bundled_artifact), "--device", "gpu")
