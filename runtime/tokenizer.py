@@ -15,6 +15,7 @@ file in the directory is ignored, as if absent.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from datetime import datetime
@@ -28,6 +29,7 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _Backend
+from tokenizers import decoders as _decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -42,6 +44,15 @@ REPLACEMENT_CHAR = "\ufffd"  # what decoding yields for an incomplete UTF-8 sequ
 # Prompt tokens decoded in front of the first generated tokens, so that a leading space the decoder
 # strips at the start of a text (SentencePiece-style) is kept when it continues the prompt.
 DETOK_CONTEXT_TOKENS = 5
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): the character each byte is written as in the vocabulary -> the byte.
+    Printable Latin-1 bytes stand for themselves; the other 68 (controls, space, 0x7f-0xa0, 0xad) take the
+    characters from U+0100 on, in byte order."""
+    own = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in own]
+    return {**{chr(b): b for b in own}, **{chr(0x100 + i): b for i, b in enumerate(others)}}
 
 
 class TokenizerError(ValueError):
@@ -196,6 +207,9 @@ class Tokenizer:
         eos = [self._id_of(self.eos_token)] + list(extra_eos_token_ids or [])
         self.eos_token_ids: list[int] = list(dict.fromkeys(i for i in eos if i is not None))
         self._template: jinja2.Template | None = None
+        # (each id's bytes, each id's text where its bytes are whole characters) or None; False: not built yet
+        self._token_bytes: tuple[list[bytes], list[str | None]] | None | bool = False
+        self._special_ids: frozenset[int] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, files: Collection[str] | None = None) -> "Tokenizer":
@@ -252,6 +266,50 @@ class Tokenizer:
         """Text of ``ids``; special tokens (BOS, EOS, chat markers) are left out unless asked for."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self) -> list[bytes] | None:
+        """For a byte-level BPE tokenizer (decoder ByteLevel, as GPT-2's, Llama 3's, Qwen's), each id's bytes: the
+        text of any ids is then their bytes joined and decoded as UTF-8 (invalid sequences replaced), as
+        ``decode(ids, skip_special_tokens=False)`` gives it. Built on first use and checked id by id against the
+        tokenizer's own decode of that id alone (one batched call); None for other decoders, or when any id
+        disagrees (``IncrementalDetokenizer`` then decodes through the tokenizer)."""
+        if self._token_bytes is False:
+            self._token_bytes = self._build_token_bytes()
+        return None if self._token_bytes is None else self._token_bytes[0]
+
+    def token_texts(self) -> list[str | None] | None:
+        """With ``token_bytes``: each id's text where its bytes are whole UTF-8 characters (most ids), else None."""
+        return None if self.token_bytes() is None else self._token_bytes[1]
+
+    def _build_token_bytes(self) -> tuple[list[bytes], list[str | None]] | None:
+        if not isinstance(self._backend.decoder, _decoders.ByteLevel):
+            return None
+        alphabet = _byte_level_alphabet()
+        ids = range(self.vocab_size)
+        decoded = self._backend.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        table, texts = [], []
+        for i, text in zip(ids, decoded):
+            token = self._backend.id_to_token(i)
+            if token is None:  # a hole in the ids: decodes to nothing
+                raw = b""
+            elif all(c in alphabet for c in token):
+                raw = bytes(alphabet[c] for c in token)
+            else:  # an added token written as plain text (it is not byte-level encoded)
+                raw = text.encode("utf-8")
+            if raw.decode("utf-8", errors="replace") != text:
+                return None
+            table.append(raw)
+            try:
+                texts.append(raw.decode("utf-8"))
+            except UnicodeDecodeError:  # part of a character: through the incremental decoder
+                texts.append(None)
+        return table, texts
+
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids ``decode(..., skip_special_tokens=True)`` leaves out: the added tokens marked special."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
+
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of one id (the raw token, e.g. ``Ġworld``), for debugging and reports."""
         return self._backend.id_to_token(token_id)
@@ -302,12 +360,26 @@ class IncrementalDetokenizer:
     With ``prompt_ids``, the last few prompt tokens are the first context window, so a leading space
     of the first generated token is kept: it separates the continuation from the prompt. (That is the
     one place where the pieces can differ from ``decode(generated)``, which strips it.)
+
+    A byte-level BPE tokenizer (``Tokenizer.token_bytes``) strips nothing and decodes each token to fixed bytes, so
+    its stream is the tokens' bytes through an incremental UTF-8 decoder: no call into the tokenizer per token (two
+    before), which at hundreds of sequences a step was most of the engine's host time per token. Invalid bytes come
+    out as U+FFFD as ``decode`` writes them; an incomplete character waits for its next bytes, or ``flush``.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
                  skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._table = tokenizer.token_bytes()
+        if self._table is not None:  # byte level: no context needed, nothing is stripped
+            self._texts = tokenizer.token_texts()
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._skip = tokenizer.special_token_ids() if skip_special_tokens else frozenset()
+            self._ids = []
+            self._num_context = 0
+            self._emitted = []
+            return
         context = list(prompt_ids or [])[-DETOK_CONTEXT_TOKENS:]
         if self._decode(context).endswith(REPLACEMENT_CHAR):
             context = []  # the prompt ends mid-character: its text is no clean prefix to diff against
@@ -341,11 +413,23 @@ class IncrementalDetokenizer:
     @property
     def text(self) -> str:
         """All text emitted so far plus what is pending (which may end in an incomplete character)."""
+        if self._table is not None:
+            return "".join(self._emitted) + self._utf8.getstate()[0].decode("utf-8", errors="replace")
         return "".join(self._emitted) + self._pending()
 
     def push(self, token_id: int) -> str:
         """Add one generated id; returns the text it made stable (often "", e.g. mid-character)."""
-        self._ids.append(int(token_id))
+        token_id = int(token_id)
+        self._ids.append(token_id)
+        if self._table is not None:
+            if token_id in self._skip or not 0 <= token_id < len(self._table):
+                return ""
+            piece = self._texts[token_id]  # whole characters after whole characters: the token's own text
+            if piece is None or self._utf8.buffer:
+                piece = self._utf8.decode(self._table[token_id])
+            if piece:
+                self._emitted.append(piece)
+            return piece
         piece = self._pending()
         if not piece or piece.endswith(REPLACEMENT_CHAR):
             return ""
@@ -353,6 +437,11 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """The held-back remainder at the end of generation (as decode() would render it)."""
+        if self._table is not None:
+            piece = self._utf8.decode(b"", final=True)
+            if piece:
+                self._emitted.append(piece)
+            return piece
         piece = self._pending()
         return self._advance(piece) if piece else ""
 

@@ -276,6 +276,69 @@ def test_incomplete_character_is_held_until_flush(tok):
     assert emitted + detok.flush() == tok.decode(ids[:cut])  # flush gives what decode() gives
 
 
+def _through_the_tokenizer(tok: Tokenizer) -> Tokenizer:
+    """The same tokenizer with its byte table turned off: its streams decode through the tokenizer."""
+    slow = Tokenizer(tok._backend, special_tokens=tok.special_tokens)
+    slow._token_bytes = None
+    return slow
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_byte_level_streams_equal_decode_at_every_token(tok, skip_special_tokens):
+    """A byte-level tokenizer's streams run on its byte table (no tokenizer call per token): after every token the
+    text equals decode() of the ids so far, and the pieces never split a character; the same streams through the
+    tokenizer (the table off) emit the same text. Random ids: specials, the added tokens, ids past the vocabulary,
+    characters cut anywhere (invalid UTF-8 included)."""
+    import random
+
+    assert tok.token_bytes() is not None and len(tok.token_bytes()) == tok.vocab_size
+    slow_tok = _through_the_tokenizer(tok)
+    rng = random.Random(5)
+    for trial in range(40):
+        ids = [rng.randrange(tok.vocab_size + 3) for _ in range(rng.randrange(1, 40))]
+        if trial % 4 == 0:  # real text, cut mid-character at the end
+            ids = tok.encode(MULTIBYTE_TEXT, add_special_tokens=False)[:rng.randrange(1, 40)]
+        fast = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+        slow = IncrementalDetokenizer(slow_tok, skip_special_tokens=skip_special_tokens)
+        pieces = []
+        for n, i in enumerate(ids, 1):
+            pieces.append(fast.push(i))
+            slow.push(i)
+            assert fast.text == tok.decode(ids[:n], skip_special_tokens=skip_special_tokens), (ids[:n], trial)
+        rest = fast.flush()
+        whole = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(pieces) + rest == whole == "".join(slow._emitted) + slow.flush()
+        assert fast.token_ids == ids
+        # a piece ends on a character boundary: its text is the decode of whole tokens' bytes, with no replacement
+        # character that the full text does not have at that place
+        emitted = ""
+        for p in pieces:
+            emitted += p
+            assert whole.startswith(emitted)
+
+
+def test_byte_table_is_checked_against_the_tokenizer(tok_dir, monkeypatch):
+    """An added token written as plain text (a space, CJK: not byte-level characters) takes its decoded text's
+    bytes; a table that disagrees with the tokenizer's decode of any id is not used; a tokenizer whose decoder is
+    not byte-level has none."""
+    import runtime.tokenizer as tokenizer_module
+
+    backend = Backend.from_file(str(tok_dir / "tokenizer.json"))
+    backend.add_tokens([" <tool call>", "你好吗"])
+    added = Tokenizer(backend)
+    table = added.token_bytes()
+    assert table is not None
+    for text in (" <tool call>", "你好吗"):
+        ids = added.encode(f"x{text}y", add_special_tokens=False)
+        assert table[backend.token_to_id(text)] == text.encode()
+        detok = IncrementalDetokenizer(added)
+        assert "".join(detok.push(i) for i in ids) + detok.flush() == added.decode(ids) == f"x{text}y"
+    wrong = {**tokenizer_module._byte_level_alphabet(), "!": ord("?")}
+    monkeypatch.setattr(tokenizer_module, "_byte_level_alphabet", lambda: wrong)
+    assert Tokenizer(Backend.from_file(str(tok_dir / "tokenizer.json"))).token_bytes() is None
+    assert sentencepiece_style().token_bytes() is None
+
+
 def sentencepiece_style() -> Tokenizer:
     """A word-level tokenizer with Metaspace (``▁`` for space) pre-tokenizer and decoder, as SentencePiece
     models have: decoding drops the leading space of the first token of a text."""
