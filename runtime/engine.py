@@ -108,6 +108,8 @@ class Engine:
         self.limits = RuntimeLimits(**{k: manifest["runtime"][k] for k in
                                        ("max_batch_size", "max_seq_len", "max_num_tokens", "tokens_per_block")})
         self.kv_layout = executor.kv_layout()
+        tokenizer.token_bytes()  # a byte-level tokenizer's table for streaming, built now, not in a first request
+        tokenizer.special_token_ids()
 
     @classmethod
     def load(cls, path: str | Path, device: str | torch.device = "cpu", check_hashes: bool = True,

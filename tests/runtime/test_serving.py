@@ -183,6 +183,12 @@ def test_memory_plan(engine):
         _serving(engine, max_seq_len=1024)
 
 
+def test_the_engine_builds_the_streaming_table_when_it_loads(engine):
+    """The bundled (byte-level) tokenizer's byte table for streaming is built with the engine, not in its first
+    request."""
+    assert engine.tokenizer._token_bytes is not False and engine.tokenizer.token_bytes() is not None
+
+
 def test_tokens_per_block_overrides_the_artifacts(engine, monkeypatch):
     """Serving with 64-token blocks (the artifact's are 16): the pool, the storage and the plan use them, the
     tokens match one-at-a-time generation through preemption and a prefix-cache hit of a whole block, no block

@@ -283,14 +283,44 @@ def _through_the_tokenizer(tok: Tokenizer) -> Tokenizer:
     return slow
 
 
+@pytest.fixture(scope="module")
+def added_tok(tok_dir) -> Tokenizer:
+    """The byte-level tokenizer with added tokens that are not special: plain text (a space, CJK) and byte-level
+    text (``Ġx``: a space and an x once decoded)."""
+    backend = Backend.from_file(str(tok_dir / "tokenizer.json"))
+    backend.add_tokens([" <tool call>", "你好吗", "Ġx"])
+    return Tokenizer(backend)
+
+
+def _byte_id(tok: Tokenizer, byte: int) -> int:
+    """The id of the token of one byte (its byte-level character)."""
+    from runtime.tokenizer import _byte_level_alphabet
+
+    char = next(c for c, b in _byte_level_alphabet().items() if b == byte)
+    return tok._backend.token_to_id(char)
+
+
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
-def test_byte_level_streams_equal_decode_at_every_token(tok, skip_special_tokens):
+def test_a_special_token_inside_a_character(tok, skip_special_tokens):
+    """中 is E4 B8 AD: with a special token between its first byte and the rest, skipping it joins the character,
+    keeping it leaves a replaced first byte, the special, then the rest replaced, as decode() has it."""
+    ids = [_byte_id(tok, 0xE4), tok.eos_token_ids[0], _byte_id(tok, 0xB8), _byte_id(tok, 0xAD)]
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip_special_tokens)
+    pieces = [detok.push(i) for i in ids]
+    expected = "中" if skip_special_tokens else "\ufffd<|eos|>\ufffd\ufffd"
+    assert "".join(pieces) + detok.flush() == tok.decode(ids, skip_special_tokens=skip_special_tokens) == expected
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("which", ["specials", "added"])
+def test_byte_level_streams_equal_decode_at_every_token(tok, added_tok, skip_special_tokens, which):
     """A byte-level tokenizer's streams run on its byte table (no tokenizer call per token): after every token the
     text equals decode() of the ids so far, and the pieces never split a character; the same streams through the
     tokenizer (the table off) emit the same text. Random ids: specials, the added tokens, ids past the vocabulary,
     characters cut anywhere (invalid UTF-8 included)."""
     import random
 
+    tok = tok if which == "specials" else added_tok
     assert tok.token_bytes() is not None and len(tok.token_bytes()) == tok.vocab_size
     slow_tok = _through_the_tokenizer(tok)
     rng = random.Random(5)
@@ -319,8 +349,9 @@ def test_byte_level_streams_equal_decode_at_every_token(tok, skip_special_tokens
 
 def test_byte_table_is_checked_against_the_tokenizer(tok_dir, monkeypatch):
     """An added token written as plain text (a space, CJK: not byte-level characters) takes its decoded text's
-    bytes; a table that disagrees with the tokenizer's decode of any id is not used; a tokenizer whose decoder is
-    not byte-level has none."""
+    bytes; a table that disagrees with the tokenizer's decode of an id alone, or of a special token inside a
+    character with specials skipped, is not used, and streams then decode through the tokenizer; a tokenizer whose
+    decoder is not byte-level has none."""
     import runtime.tokenizer as tokenizer_module
 
     backend = Backend.from_file(str(tok_dir / "tokenizer.json"))
@@ -333,9 +364,16 @@ def test_byte_table_is_checked_against_the_tokenizer(tok_dir, monkeypatch):
         assert table[backend.token_to_id(text)] == text.encode()
         detok = IncrementalDetokenizer(added)
         assert "".join(detok.push(i) for i in ids) + detok.flush() == added.decode(ids) == f"x{text}y"
+    unskipped = Tokenizer(Backend.from_file(str(tok_dir / "tokenizer.json")))
+    monkeypatch.setattr(unskipped, "special_token_ids", frozenset)  # as if no token were special: skip disagrees
+    assert unskipped.token_bytes() is None
     wrong = {**tokenizer_module._byte_level_alphabet(), "!": ord("?")}
     monkeypatch.setattr(tokenizer_module, "_byte_level_alphabet", lambda: wrong)
-    assert Tokenizer(Backend.from_file(str(tok_dir / "tokenizer.json"))).token_bytes() is None
+    off = Tokenizer(Backend.from_file(str(tok_dir / "tokenizer.json")))
+    assert off.token_bytes() is None
+    ids = off.encode(MULTIBYTE_TEXT + "!", add_special_tokens=False)
+    detok = IncrementalDetokenizer(off)
+    assert "".join(detok.push(i) for i in ids) + detok.flush() == MULTIBYTE_TEXT + "!"
     assert sentencepiece_style().token_bytes() is None
 
 
