@@ -41,7 +41,8 @@ would declare that need and receive them after each verified step. Not implement
 
 Adaptivity (``SpeculationPolicy``): no speculation in a step with more than ``max_running`` decoding requests
 (the target step stops being bandwidth-bound and drafts cost real compute); per request, the number of drafts
-grows by one when all were accepted and falls to one more than were accepted otherwise, and speculation stops for
+falls to one more than were accepted after a miss, and after a step whose drafts were all accepted goes back to k
+(n-gram drafts cost nothing to make) or grows by one (a draft model's); speculation stops for
 ``PROBE_INTERVAL`` engine steps when the acceptance rate (an EWMA of accepted / proposed) falls below
 ``min_acceptance``, then probes again with one draft. And by measurement (``RateCheck``, ``min_gain``): the engine
 times its decode steps with and without drafts, per number of decoding requests, and speculates only while the
@@ -433,7 +434,10 @@ class SpeculationPolicy:
             return
         k_max = self.config.num_speculative_tokens
         state.acceptance += ACCEPTANCE_EWMA_WEIGHT * (num_accepted / num_proposed - state.acceptance)
-        state.num_draft = min(state.num_draft + 1 if num_accepted == num_proposed else num_accepted + 1, k_max)
+        if num_accepted < num_proposed:
+            state.num_draft = min(num_accepted + 1, k_max)
+        else:  # n-gram drafts cost nothing to make: all k again; a draft model's grow one at a time
+            state.num_draft = k_max if self.config.method == "ngram" else min(state.num_draft + 1, k_max)
         if state.acceptance < self.config.min_acceptance:
             # probe again later with one draft, starting from the threshold: one good step resumes, a bad one pauses
             state.resume_step, state.num_draft = step + PROBE_INTERVAL, 1

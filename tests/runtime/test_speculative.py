@@ -554,9 +554,15 @@ def test_seeded_sampling_is_reproducible_and_the_same_as_without(engine):
 
 
 # --- adaptivity ----------------------------------------------------------------------------------------------------
-def test_policy_grows_and_shrinks_k_and_pauses_on_low_acceptance():
-    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=4, max_running=2,
-                                                 min_acceptance=0.5))
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_policy_grows_and_shrinks_k_and_pauses_on_low_acceptance(method, tmp_path):
+    """After a miss, one more draft than were accepted; after a step whose drafts were all accepted, n-gram drafts
+    (free to make) go back to k at once, a draft model's grow by one; low acceptance pauses, then probes with one."""
+    draft = {"draft_model": str(tmp_path)} if method == "draft" else {}
+    if draft:
+        (tmp_path / "manifest.json").write_text("{}")
+    policy = SpeculationPolicy(SpeculativeConfig(method=method, num_speculative_tokens=4, max_running=2,
+                                                 min_acceptance=0.5, **draft))
     assert policy.step_allows(2) and not policy.step_allows(3)
     state = policy.new_state()
     assert policy.num_draft(state, step=0) == 4
@@ -565,8 +571,9 @@ def test_policy_grows_and_shrinks_k_and_pauses_on_low_acceptance():
     policy.update(state, 4, 1, step=1)
     assert state.num_draft == 2  # one more than were accepted
     policy.update(state, 2, 2, step=2)
-    assert state.num_draft == 3 and policy.num_draft(state, step=3) == 3
-    policy.update(state, 3, 0, step=3)
+    grown = 4 if method == "ngram" else 3
+    assert state.num_draft == grown and policy.num_draft(state, step=3) == grown
+    policy.update(state, grown, 0, step=3)
     policy.update(state, 1, 0, step=4)  # the acceptance rate falls below 0.5: paused
     assert policy.num_draft(state, step=5) == 0 and policy.num_draft(state, step=4 + PROBE_INTERVAL - 1) == 0
     assert policy.num_draft(state, step=4 + PROBE_INTERVAL) == 1  # then probes with one draft
