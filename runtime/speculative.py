@@ -68,7 +68,10 @@ if TYPE_CHECKING:  # the config is read by the server's command line before torc
 METHODS = ("ngram", "draft")  # proposers implemented ("draft": a draft-model artifact); EAGLE / MTP heads are not yet
 MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
 ACCEPTANCE_EWMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance rate
-PROBE_INTERVAL = 32  # engine steps a request runs without drafts once its acceptance fell below min_acceptance
+# engine steps a request runs without drafts once its acceptance fell below min_acceptance; 8 (was 32): a copy
+# workload's acceptance dips where the model stops copying and recovers a few tokens later (the bundled model on
+# code-editing prompts, CPU: 1.62x -> 1.85x at k = 4, docs/BENCHMARKS.md, session 40)
+PROBE_INTERVAL = 8
 RATE_CYCLE_STEPS = 256  # RateCheck: every this many engine steps, the mode not in use is probed ...
 RATE_PROBE_STEPS = 16  # ... for this many steps
 RATE_MIN_SAMPLES = 6  # timed steps of both modes (at one batch size) before the rates decide

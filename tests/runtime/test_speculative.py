@@ -609,9 +609,12 @@ def test_a_request_with_low_acceptance_pauses(engine):
     s = _serving(engine, {"method": "ngram", "min_acceptance": 0.5})
     s.proposer = ScriptedProposer([prompt + want.token_ids], vocab, wrong_at=lambda k: 0)  # never accepted
     assert s.run([prompt], params)[0].token_ids == want.token_ids
-    # the acceptance EWMA goes 1 -> 0.7 -> 0.49 < 0.5: two verified steps, then a pause longer than the request
-    assert PROBE_INTERVAL > params.max_tokens
-    assert s.stats().spec_num_verified == 2
+    # the acceptance EWMA goes 1 -> 0.7 -> 0.49 < 0.5: two verified steps (k drafts, then one more than were
+    # accepted: 1), then a pause of PROBE_INTERVAL steps, a probe with one draft (refused: 0.5 -> 0.35), another
+    # pause, and so on to the 30th token
+    probes = s.stats().spec_num_verified - 2
+    assert 2 <= probes <= params.max_tokens // PROBE_INTERVAL
+    assert s.stats().spec_num_draft_tokens == 4 + 1 + probes
 
 
 def test_the_overlapped_pipeline_falls_back_to_verify_steps(engine):
