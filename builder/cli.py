@@ -17,6 +17,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Turn a Hugging Face checkpoint into a self-contained engine artifact, and run it.")
 
 
+TOKENS_PER_BLOCK_HELP = "tokens per KV block, a power of two (default: $RUNTIME_TOKENS_PER_BLOCK, else the artifact's)"
+
+
 def _setup_logging(quiet: bool) -> None:
     from rich.logging import RichHandler
 
@@ -256,8 +259,7 @@ def serve(
     max_waiting: int = typer.Option(256, help="queued requests; past it requests get 429"),
     kv_cache_memory: str | None = typer.Option(None, help="KV pool size, e.g. 512MiB (CPU default 1GiB)"),
     num_blocks: int | None = typer.Option(None, help="exact number of KV blocks"),
-    tokens_per_block: int | None = typer.Option(None, help="tokens per KV block, a power of two (default: "
-                                                "$RUNTIME_TOKENS_PER_BLOCK, else the artifact's)"),
+    tokens_per_block: int | None = typer.Option(None, help=TOKENS_PER_BLOCK_HELP),
     gpu_memory_utilization: float = typer.Option(0.9, help="CUDA: fraction of device memory to use"),
     request_timeout: float | None = typer.Option(None, help="per-request deadline in seconds"),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching"),
@@ -409,9 +411,6 @@ def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: O
                               speculative=speculative, tokens_per_block=tokens_per_block)
     except (ArtifactError, MemoryPlanError, ValueError) as e:
         _fail(f"cannot load {artifact}: {e}")
-
-
-TOKENS_PER_BLOCK_HELP = "tokens per KV block, a power of two (default: $RUNTIME_TOKENS_PER_BLOCK, else the artifact's)"
 
 
 def _block_size_args(tokens_per_block: Optional[int]) -> tuple[list[str], str]:
