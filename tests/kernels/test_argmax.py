@@ -50,15 +50,23 @@ def test_nan_rows_are_invalid_and_inf_rows_pick_the_first():
 
 
 @pytest.mark.skipif(INTERPRETING, reason="sample() takes the kernel on CUDA logits only")
-def test_sample_takes_the_kernel_for_greedy_rows():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_takes_the_kernel_for_greedy_rows(dtype):
     from runtime.sampling import INVALID_TOKEN, SamplingParams, sample
 
     gen = torch.Generator().manual_seed(11)
-    logits = torch.randn(3, 128256, generator=gen)
+    logits = (torch.randn(3, 128256, generator=gen) * 4).to(dtype)  # bf16: read as it is, no fp32 copy first
     logits[1, 5] = float("nan")
     for use_kernels in (True, False):  # the kernel, or torch's argmax and NaN check: the same tokens
         got = sample(logits.cuda(), [SamplingParams()] * 3, [None] * 3, use_kernels=use_kernels).cpu()
         assert torch.equal(got, ref_greedy_argmax(logits, INVALID_TOKEN))
+    # with a penalty the logits change first: the kernel then reads the penalised fp32 rows, as torch's path does
+    params = [SamplingParams(repetition_penalty=1.5)] * 3
+    history = [[int(torch.argmax(logits[i].float().nan_to_num(-1e9)))] for i in range(3)]
+    want = sample(logits.cuda(), params, [None] * 3, history, [[]] * 3, use_kernels=False).cpu()
+    got = sample(logits.cuda(), params, [None] * 3, history, [[]] * 3, use_kernels=True).cpu()
+    assert torch.equal(got, want)
+    assert got[0] != history[0][0] or got[2] != history[2][0]  # the penalty moved a row's argmax
 
 
 def test_rejects_non_float_logits():
