@@ -65,18 +65,18 @@ PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
 _DECODE_CONFIG_SETTING = os.environ.get("KERNELS_DECODE_CONFIG", "")
 
 
-def _decode_config_override(setting: str) -> tuple[int, int, int, bool] | None:
+def _decode_config_override(setting: str) -> tuple[int, int, int, bool, int] | None:
     if not setting:
         return None
     parts = setting.split(":")
-    ok = len(parts) in (3, 4) and all(p.strip().isdigit() for p in parts)
-    values = [int(p) for p in parts] if ok else []
+    ok = len(parts) in (3, 4, 5) and all(p.strip().isdigit() for p in parts)
+    values = [int(p) for p in parts] + [0, 1][len(parts) - 3:] if ok else []
     if not ok or values[0] not in (16, 32, 64, 128, 256) or values[1] not in (1, 2, 4, 8, 16) \
-            or not 1 <= values[2] <= 6 or (len(values) == 4 and values[3] not in (0, 1)):
-        raise ValueError(f"KERNELS_DECODE_CONFIG={setting!r}: expected BLOCK_N:WARPS:STAGES[:HEADS_FIRST] with BLOCK_N "
-                         "in 16..256 (a power of 2), WARPS in 1..16 (a power of 2), STAGES in 1..6, HEADS_FIRST 0 or "
-                         "1, e.g. 256:4:2")
-    return values[0], values[1], values[2], bool(values[3]) if len(values) == 4 else False
+            or not 1 <= values[2] <= 6 or values[3] not in (0, 1) or values[4] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"KERNELS_DECODE_CONFIG={setting!r}: expected BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]] with "
+                         "BLOCK_N in 16..256 (a power of 2), WARPS in 1..16 (a power of 2), STAGES in 1..6, HEADS_FIRST "
+                         "0 or 1, HEADS (kv heads per program) in 1..16 (a power of 2), e.g. 256:4:2 or 64:4:3:0:8")
+    return values[0], values[1], values[2], bool(values[3]), values[4]
 
 
 _DECODE_CONFIG_OVERRIDE = _decode_config_override(_DECODE_CONFIG_SETTING)
@@ -278,12 +278,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_ca
 def _rope_write_kv_kernel(
         q_ptr, k_ptr, v_ptr, pos_ptr, inv_freq_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
         num_heads, num_kv_heads, q_blocks, scaling, long_from, stride_qt, stride_kt, stride_vt, stride_cb, stride_ct,
-        stride_ch, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr, PAIR: tl.constexpr,
-        ROT: tl.constexpr,
+        stride_ch, qo_ptr, stride_qot, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, STEP: tl.constexpr,
+        PAIR: tl.constexpr, ROT: tl.constexpr,
         TAIL_PAD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr, K_INPLACE: tl.constexpr = False):
+        BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr, K_INPLACE: tl.constexpr = False,
+        Q_COPY: tl.constexpr = False):
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
-    # in place; the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache, and with
+    # in place (Q_COPY: into qo_ptr's rows instead, the features past ROT copied as they are); the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache, and with
     # K_INPLACE the rotated keys (rounded to the activation dtype) back into k too.
     # HALF frequencies rotate pairs of features (STEP * i, STEP * i + PAIR) of the first ROT: (i, HALF + i) rotate-half,
     # (2i, 2i + 1) interleaved (kernels.rope); a key's features [ROT, HEAD_DIM) go to the cache as they are.
@@ -299,8 +300,14 @@ def _rope_write_kv_kernel(
         mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
         ptrs = q_ptr + t * stride_qt + offs_h[:, None] * HEAD_DIM + STEP * offs_d[None, :]
         y1, y2 = rotate(ptrs, mask, cos, sin, PAIR)
-        tl.store(ptrs, y1.to(dtype), mask=mask)
-        tl.store(ptrs + PAIR, y2.to(dtype), mask=mask)
+        o_ptrs = qo_ptr + t * stride_qot + offs_h[:, None] * HEAD_DIM + STEP * offs_d[None, :]
+        tl.store(o_ptrs, y1.to(dtype), mask=mask)
+        tl.store(o_ptrs + PAIR, y2.to(dtype), mask=mask)
+        if Q_COPY and ROT < HEAD_DIM:  # partial rotary: the features the rotation leaves, into the copy too
+            offs_r = ROT + tl.arange(0, TAIL_PAD)
+            mask_r = (offs_h < num_heads)[:, None] & (offs_r < HEAD_DIM)[None, :]
+            rest = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * HEAD_DIM + offs_r[None, :], mask=mask_r)
+            tl.store(qo_ptr + t * stride_qot + offs_h[:, None] * HEAD_DIM + offs_r[None, :], rest, mask=mask_r)
     else:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         offs_h = (hb - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -344,11 +351,12 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         k_scale: torch.Tensor | float | None = None,
                         v_scale: torch.Tensor | float | None = None, rotary_dim: int | None = None,
                         interleaved: bool = False, long_from: int | None = None,
-                        k_in_place: bool = False) -> torch.Tensor:
+                        k_in_place: bool = False, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.rope.apply_rope_`` on q and k, then :func:`write_kv_cache` of the rotated k and v, in one kernel
     (a decode step's three launches per layer in one). q is rotated in place and returned; k is not modified (its
     rotation goes to the cache only) unless ``k_in_place``: then k holds the rotated keys too, rounded to its dtype
-    (for attention over the step's own keys, ``paged_prefill_attention(contiguous_kv=)``).
+    (for attention over the step's own keys, ``paged_prefill_attention(contiguous_kv=)``). ``q_out`` (q's shape and
+    dtype, heads contiguous): the rotated q goes there instead, and is returned; q is then left as it is.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided, e.g.
     views into a merged QKV projection); positions: [num_tokens] integer; inv_freq: [rotary_dim / 2] fp32 (or two
@@ -369,11 +377,14 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         raise ValueError(f"positions {tuple(positions.shape)} / slot_mapping {tuple(slot_mapping.shape)} do not match "
                          f"{num_tokens} tokens")
     table, long_from = rope_table(inv_freq, long_from, rot)
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    if q_out is not None and (q_out.shape != q.shape or q_out.dtype != q.dtype or q_out.device != q.device):
+        raise ValueError(f"q_out {tuple(q_out.shape)} ({q_out.dtype}) is not q's {tuple(q.shape)} ({q.dtype})")
+    out = q if q_out is None else q_out
+    for name, t in (("q", q), ("k", k), ("v", v), ("q_out", out)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name} must have contiguous heads (strides (*, {head_dim}, 1)), got {t.stride()}")
     if num_tokens == 0:
-        return q
+        return out
     half = rot // 2
     block_d = triton.next_power_of_2(half)
     block_h = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(512 // block_d, 1))
@@ -382,11 +393,11 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     _rope_write_kv_kernel[(num_tokens, q_blocks + triton.cdiv(num_kv_heads, block_h))](
         q, k, v, positions, table, k_cache, v_cache, slot_mapping.contiguous(), k_scale_t, v_scale_t,
         num_heads, num_kv_heads, q_blocks, float(attention_scaling), long_from, q.stride(0), k.stride(0), v.stride(0),
-        *k_cache.stride()[:3], HEAD_DIM=head_dim, HALF=half, STEP=2 if interleaved else 1,
+        *k_cache.stride()[:3], out, out.stride(0), HEAD_DIM=head_dim, HALF=half, STEP=2 if interleaved else 1,
         PAIR=1 if interleaved else half, ROT=rot, TAIL_PAD=triton.next_power_of_2(max(head_dim - rot, 1)),
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_SIZE=k_cache.shape[1], QUANT=_QUANT.get(k_cache.dtype, 0),
-        K_INPLACE=k_in_place, num_warps=4, **pdl_args(q))
-    return q
+        K_INPLACE=k_in_place, Q_COPY=q_out is not None, num_warps=4, **pdl_args(q))
+    return out
 
 
 def _rotary_dim(rotary_dim: int | None, head_dim: int) -> int:
@@ -677,6 +688,91 @@ def _paged_decode_kernel(
                 tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_decode_heads_kernel(
+        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr, out_ptr, sinks_ptr,
+        qk_scale, window, softcap, stride_qs, stride_qh, stride_os, stride_oh, stride_cb, stride_ct, stride_ch,
+        stride_bt, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr, HEADS: tl.constexpr,
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
+    # _paged_decode_kernel's attention (its numerics; no splits, no new K/V: those are written first) for many short
+    # sequences. grid (num_seqs, num_kv_heads // HEADS): a program takes HEADS kv heads of one sequence, one after the
+    # other, in ONE loop over (kv head, key tile) pairs. A program per (sequence, kv head) spends a fixed prologue
+    # (the sequence's length and block table, the pipeline's first loads, q) on the few tiles of a short sequence;
+    # here the software pipeline runs on from one head's last tile into the next head's first, and the length and
+    # table are read once for HEADS heads. At a head's first tile its query rows are loaded; at its last its output
+    # is stored and the running softmax starts over.
+    seq = tl.program_id(0)
+    kv0 = tl.program_id(1) * HEADS
+    seq_len = tl.load(seq_lens_ptr + seq)
+    lo = tl.maximum(seq_len - window, 0)  # the query at seq_len - 1 sees keys [lo, seq_len)
+    first_tile = lo // BLOCK_N
+    num_tiles = tl.maximum(tl.cdiv(seq_len, BLOCK_N) - first_tile, 1)  # an empty sequence: one empty tile (zeros)
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if BLOCK_SIZE % BLOCK_N == 0:  # a tile's keys and values from one base (see _paged_decode_kernel)
+        k_offs = offs_n[None, :] * stride_ct + offs_d[:, None]
+        v_offs = offs_n[:, None] * stride_ct + offs_d[None, :]
+    else:
+        k_offs = offs_d[:, None]
+        v_offs = offs_d[None, :]
+    pos = first_tile * BLOCK_N + offs_n
+    block = _tile_blocks(table, first_tile, pos, (pos >= lo) & (pos < seq_len), first_tile * BLOCK_N < seq_len,
+                         BLOCK_SIZE, BLOCK_N)
+
+    wait_prior(PDL)  # q is the preceding kernel's (kernels/pdl.py)
+    if QUANT != 0:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    q = _query_operand(tl.zeros([GROUP_PAD, HEAD_DIM], dtype=q_ptr.dtype.element_ty), FP32, F16)  # set per head
+    m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for it in range(0, HEADS * num_tiles):
+        h = it // num_tiles
+        j = it - h * num_tiles
+        kv_head = kv0 + h
+        head = kv_head * GROUP + offs_g
+        tile = first_tile + j
+        if j == 0:  # a head's first tile: its query rows (padding rows zero, never stored)
+            q = _query_operand(tl.load(q_ptr + seq * stride_qs + head[:, None] * stride_qh + offs_d[None, :],
+                                       mask=g_mask[:, None], other=0.0), FP32, F16)
+        pos = tile * BLOCK_N + offs_n
+        valid = (pos >= lo) & (pos < seq_len)
+        k_rows, v_rows = _tile_rows(block, tile, pos, kv_head, stride_cb, stride_ct, stride_ch, BLOCK_SIZE, BLOCK_N)
+        # the next iteration's blocks, loaded ahead: the next tile's, or the first tile's again for the next head
+        nxt_tile = tl.where(j + 1 == num_tiles, first_tile, tile + 1)
+        nxt = nxt_tile * BLOCK_N + offs_n
+        block = _tile_blocks(table, nxt_tile, nxt, (nxt >= lo) & (nxt < seq_len), nxt_tile * BLOCK_N < seq_len,
+                             BLOCK_SIZE, BLOCK_N)
+        k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
+        s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+        if SOFTCAP:
+            s = _softcap(s, softcap)
+        s = tl.where(valid[None, :], s, float("-inf"))
+        if QUANT == 1 and (F16 or FP32):  # masked lanes zero-filled by the load: no select
+            v = _e4m3_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0), q.dtype, F16)
+        elif QUANT == 0:
+            v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+            v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+        if j == num_tiles - 1:  # the head's last tile: its output; the next head's softmax starts over
+            if QUANT != 0:
+                acc = acc * tl.load(v_scale_ptr)
+            if SINKS:
+                l_i = l_i + _sink_share(tl.load(sinks_ptr + head, mask=g_mask, other=0.0), m_i)
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty sequence gets zeros
+            tl.store(out_ptr + seq * stride_os + head[:, None] * stride_oh + offs_d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+            m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
+            l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+            acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, *,
                            k_scale: torch.Tensor | float | None = None,
@@ -697,7 +793,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2); sinks: [num_heads] fp32 sink logits,
     one per head, in each head's softmax denominator (gpt-oss). Either off compiles the kernel without its code.
     config: the kernel's tiling (``_decode_config`` picks one by cache dtype, head_dim and launch width; the
-    benchmark sweeps it).
+    benchmark sweeps it). A config of ``heads`` > 1 (dividing the kv heads) runs one program per sequence and that
+    many of its kv heads, one after the other, without splits (num_splits is then not read); its ``new_kv`` is
+    written (and q rotated, into a copy) by a kernel before it, two launches.
     new_kv: the step's key and value, not yet in the cache: the kernel writes them (``write_kv_cache``, or
     ``rope_write_kv_cache`` with its RoPE, q then arriving unrotated) and attends over them, one launch for two.
     """
@@ -711,7 +809,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_seqs == 0:
         return out
     block_size = k_cache.shape[1]
-    cfg = config or _decode_config(k_cache.dtype, head_dim, num_seqs * num_kv_heads)
+    cfg = config or _decode_config(k_cache.dtype, head_dim, num_seqs * num_kv_heads, num_kv_heads,
+                                   _num_sms(q.device) if q.is_cuda else 0)
     min_keys = cfg.min_keys or _MIN_KEYS_PER_SPLIT
     if num_splits is None:
         num_splits = _decode_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, q.device,
@@ -720,6 +819,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     q = _last_dim_contiguous(q)
     group = num_heads // num_kv_heads
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
+    if cfg.heads > 1 and num_kv_heads % cfg.heads == 0:
+        return _decode_by_heads(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale_t, v_scale_t,
+                                sliding_window, softcap, sinks, cfg, new_kv, out)
     split = num_splits > 1
     if split:  # fp32 partials: [num_seqs, num_heads, num_splits, (head_dim | -)], and a ticket per (seq, kv head)
         part_acc = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -755,6 +857,34 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         SOFTCAP=softcap > 0, SINKS=sinks is not None, HEADS_FIRST=cfg.heads_first, WRITE=new_kv is not None,
         ROPE=rope, ROT=(new_kv.rotary_dim or head_dim) if rope else head_dim,
         INTERLEAVED=bool(rope and new_kv.interleaved), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(q))
+    return out
+
+
+def _decode_by_heads(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale_t, v_scale_t, sliding_window,
+                     softcap, sinks, cfg: DecodeConfig, new_kv: NewKV | None, out: torch.Tensor) -> torch.Tensor:
+    """paged_decode_attention through _paged_decode_heads_kernel: the step's new K/V written first (with q rotated
+    into a copy of its own under RoPE: the caller's q is left as it is), by the kernels the prefill path runs."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if new_kv is not None and new_kv.positions is not None:
+        q_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        q = rope_write_kv_cache(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.inv_freq, new_kv.scaling, k_cache,
+                                v_cache, new_kv.slot_mapping, k_scale=k_scale_t, v_scale=v_scale_t,
+                                rotary_dim=new_kv.rotary_dim, interleaved=new_kv.interleaved,
+                                long_from=new_kv.long_from, q_out=q_rot)
+    elif new_kv is not None:
+        write_kv_cache(new_kv.k, new_kv.v, k_cache, v_cache, new_kv.slot_mapping, k_scale=k_scale_t,
+                       v_scale=v_scale_t)
+    group = num_heads // num_kv_heads
+    _paged_decode_heads_kernel[(num_seqs, num_kv_heads // cfg.heads)](
+        q, k_cache, v_cache, block_tables, seq_lens, k_scale_t, v_scale_t, out, q if sinks is None else sinks,
+        scale * _LOG2E, sliding_window or _NO_WINDOW, softcap * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=cfg.block_n, QUANT=_QUANT.get(k_cache.dtype, 0),
+        FP32=_fp32_dot(q.dtype), F16=cfg.f16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), HEADS=cfg.heads,
+        SOFTCAP=softcap > 0, SINKS=sinks is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl_args(q))
     return out
 
@@ -813,6 +943,10 @@ class DecodeConfig:
     heads_first: bool = False  # programs ordered kv head fastest: a sequence's heads side by side
     min_keys: int = 0  # keys a split takes at least (a multiple of block_n); 0: _MIN_KEYS_PER_SPLIT
     early: bool = False  # the first tile's keys and values loaded before the PDL wait (registers: small tiles only)
+    # kv heads per program: > 1 (dividing the model's kv heads) runs _paged_decode_heads_kernel, one program per
+    # sequence and that many of its kv heads in one loop, no splits (many short sequences); 1: a program per
+    # (sequence, kv head) and its splits
+    heads: int = 1
 
 
 # Up to this many (sequence, kv head) pairs a 16-bit cache's decode takes 64-key tiles and splits of 64 keys: at
@@ -825,8 +959,27 @@ _SMALL_DECODE_PAIRS = 16
 _EARLY_TILE = os.environ.get("KERNELS_DECODE_EARLY", "1") != "0"
 
 
-def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0) -> DecodeConfig:
-    """The decode tiling for a launch over ``pairs`` (sequence, kv head) pairs, measured best on an H100 for
+# Quantized caches past _SMALL_DECODE_PAIRS pairs: as many kv heads per program (DecodeConfig.heads, 8 / 4 / 2,
+# dividing the model's) as still leave at least this many programs per SM (the by-heads kernel); fewer: a program per
+# pair and its splits. H200, FP8 cache, 64-token blocks, 64:4:3 (docs/BENCHMARKS.md, session 41): by-heads 7-11%
+# faster than a program per pair at 512 x 150-1,152 and 256 x 250-2,048 with >= 2 programs per SM, slower with 1
+# (256 x 2,048 at 8 heads: 383 against 318 us) and at 64 x 2,048 (splits win); 128/128 at 512 sequences 24,125 ->
+# 24,952 tok/s at 4 heads (1,024 programs), 24,722 at 8
+_HEADS_MIN_PROGRAMS_PER_SM = 4
+
+
+def _decode_heads(pairs: int, num_kv_heads: int, sms: int) -> int:
+    """kv heads per program for a wide decode over a quantized cache (see _HEADS_MIN_PROGRAMS_PER_SM)."""
+    for heads in (8, 4, 2):
+        if num_kv_heads % heads == 0 and pairs // heads >= _HEADS_MIN_PROGRAMS_PER_SM * sms:
+            return heads
+    return 1
+
+
+def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0, num_kv_heads: int = 0,
+                   sms: int = 0) -> DecodeConfig:
+    """The decode tiling for a launch over ``pairs`` (sequence, kv head) pairs of ``num_kv_heads`` kv heads each on a
+    GPU of ``sms`` SMs (0: unknown, then a program per pair), measured best on an H100 for
     Llama-3-8B shapes (``python -m kernels.bench.attention --decode-sweep``). head_dim 256 halves the keys per
     iteration (and doubles the warps for 16-bit caches) so that a key tile takes the registers a 128 one does.
     Quantized caches convert to fp16 operands (11-18% faster than bf16 ones at 64:4:3 on the H200), 64-key tiles, in
@@ -838,20 +991,24 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     (``early``: 32 KB of keys and values in registers, which a 128-key tile would double); beyond, 32-key tiles in 3
     stages, the fastest of 12 tilings at every serving shape swept on the H200 (docs/BENCHMARKS.md, session 31):
     98 us against 244 for the former 128:4:3 at 512 sequences of 150 keys, 517 against 707 at 256 x 2,048, 267
-    against 357 at 32 x 8,192."""
+    against 357 at 32 x 8,192 (by heads: level with a program per pair, H200, session 41). Wide launches over
+    quantized caches take several kv heads per program (``_decode_heads``)."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype == torch.float32:
         return DecodeConfig(64, 4, 2)
     quantized = cache_dtype.itemsize == 1  # fp8 / int8: converted to fp16 in registers before the matmul
     if _DECODE_CONFIG_OVERRIDE is not None:
-        block_n, warps, stages, heads_first = _DECODE_CONFIG_OVERRIDE
+        block_n, warps, stages, heads_first, heads = _DECODE_CONFIG_OVERRIDE
         if not quantized and 0 < pairs <= _SMALL_DECODE_PAIRS:  # the tiling replaced; splits of one tile (64 keys)
             return DecodeConfig(block_n, warps, stages, heads_first=heads_first, min_keys=max(block_n, 64),
                                 early=_EARLY_TILE and block_n <= 64)
-        return DecodeConfig(block_n, warps, stages, f16=quantized, heads_first=heads_first)
+        return DecodeConfig(block_n, warps, stages, f16=quantized, heads_first=heads_first,
+                            heads=heads if pairs > _SMALL_DECODE_PAIRS else 1)
     if quantized:
-        return DecodeConfig(64, 4, 2 if 0 < pairs <= _SMALL_DECODE_PAIRS else 3, f16=True)
+        if 0 < pairs <= _SMALL_DECODE_PAIRS:
+            return DecodeConfig(64, 4, 2, f16=True)
+        return DecodeConfig(64, 4, 3, f16=True, heads=_decode_heads(pairs, num_kv_heads, sms) if sms else 1)
     if 0 < pairs <= _SMALL_DECODE_PAIRS:
         return DecodeConfig(64, 4, 2, min_keys=64, early=_EARLY_TILE)
     return DecodeConfig(32, 4, 3)

@@ -36,6 +36,7 @@ from kernels.paged_attention import (
     DecodeConfig,
     _decode_config,
     _decode_num_splits,
+    _num_sms,
     _prefill_config,
     paged_decode_attention,
     paged_prefill_attention,
@@ -210,25 +211,30 @@ def bench_decode(batch, context, kv_name, gen, args, failures) -> str:
     kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
     other = 2 * q.numel() * q.element_size() + sum(-(-n // BLOCK_SIZE) for n in lens) * 4
     splits = _decode_num_splits(batch, NUM_KV_HEADS, p.block_tables.shape[1] * BLOCK_SIZE, q.device,
-                                _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS).min_keys)
+                                _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS, NUM_KV_HEADS,
+                                               _num_sms(q.device)).min_keys)
     return (f"| decode | {kv_name} | {batch} | {context} | {splits} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
             f"{(kv_bytes + other) / ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
 
 def _sweep_configs(args, f16s):
-    """(BLOCK_N, warps, stages, fp16, heads first) candidates: all of them, or --sweep-short's few."""
+    """(BLOCK_N, warps, stages, fp16, heads first, kv heads per program) candidates: all of them, or --sweep-short's
+    few. A program order only matters with one kv head per program."""
     if args.sweep_short:
-        return [(bn, 4, st, f16, first) for bn, st in ((64, 2), (128, 3)) for f16 in f16s for first in (False, True)]
-    return [(bn, w, st, f16, first) for bn in args.sweep_block_n for w in args.sweep_warps for st in args.sweep_stages
-            for f16 in f16s for first in (False, True)[:args.sweep_orders]]
+        return [(bn, 4, st, f16, first, 1) for bn, st in ((64, 2), (128, 3)) for f16 in f16s
+                for first in (False, True)]
+    return [(bn, w, st, f16, first, heads) for bn in args.sweep_block_n for w in args.sweep_warps
+            for st in args.sweep_stages for f16 in f16s for heads in args.sweep_heads
+            for first in (False, True)[:args.sweep_orders if heads == 1 else 1]]
 
 
 def decode_sweep(gen, args, failures) -> int:
     """Every decode tiling at a few serving shapes, GB/s of each, the default's row marked."""
     shapes = [tuple(map(int, sh.split("x"))) for sh in args.sweep_shapes] if args.sweep_shapes else \
         [(1, 8192), (64, 2048), (64, 8192), (256, 2048), (384, 1024)]
-    print("| kv | batch | context | BLOCK_N | warps | stages | fp16 | heads first | graph us | bandwidth | check |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| kv | batch | context | BLOCK_N | warps | stages | fp16 | heads first | kv heads per program | graph us | "
+          "bandwidth | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in args.sweep_kv:
         kv_dtype = KV_DTYPES[kv_name]
         f16s = (False, True) if kv_dtype in KV_QMAX else (False,)
@@ -241,10 +247,10 @@ def decode_sweep(gen, args, failures) -> int:
             expected = ref_paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens, scale,
                                                   k_scale=p.k_scale, v_scale=p.v_scale)
             kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
-            default = _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS)
+            default = _decode_config(kv_dtype, HEAD_DIM, batch * NUM_KV_HEADS, NUM_KV_HEADS, _num_sms(q.device))
             best = None
-            for block_n, warps, stages, f16, first in _sweep_configs(args, f16s):
-                cfg = DecodeConfig(block_n, warps, stages, f16, first, min_keys=default.min_keys)
+            for block_n, warps, stages, f16, first, heads in _sweep_configs(args, f16s):
+                cfg = DecodeConfig(block_n, warps, stages, f16, first, min_keys=default.min_keys, heads=heads)
 
                 def run(cfg=cfg):
                     return paged_decode_attention(q, p.k_cache, p.v_cache, p.block_tables, seq_lens,
@@ -255,7 +261,7 @@ def decode_sweep(gen, args, failures) -> int:
                     ms, _ = timings(run, args)
                 except Exception as e:  # out of shared memory or registers: not a candidate
                     print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} "
-                          f"| {first} | - | - | {type(e).__name__} |", flush=True)
+                          f"| {first} | {heads} | - | - | {type(e).__name__} |", flush=True)
                     continue
                 if not ok:
                     failures.append(f"decode sweep {kv_name} {batch}x{context} {cfg}: max err {err:.3g}")
@@ -264,13 +270,13 @@ def decode_sweep(gen, args, failures) -> int:
                 if ok and (best is None or ms < best[0]):
                     best = (ms, cfg)
                 print(f"| {kv_name} | {batch} | {context} | {block_n} | {warps} | {stages} | {f16} | "
-                      f"{first} | {ms * 1e3:7.1f}{mark} | {gbs:6.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |",
-                      flush=True)
+                      f"{first} | {heads} | {ms * 1e3:7.1f}{mark} | {gbs:6.0f} GB/s | {'ok' if ok else 'FAIL'} "
+                      f"{err:.1e} |", flush=True)
             if best:
                 print(f"best {kv_name} {batch}x{context}: {best[1]} {best[0] * 1e3:.1f} us", flush=True)
                 c = best[1]  # the same, for KERNELS_DECODE_CONFIG
                 print(f"best-config {kv_name} {batch}x{context} {c.block_n}:{c.num_warps}:{c.num_stages}:"
-                      f"{int(c.heads_first)}", flush=True)
+                      f"{int(c.heads_first)}:{c.heads}", flush=True)
             del p
             torch.cuda.empty_cache()
     for f in failures:
@@ -479,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128, 256])
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--sweep-stages", nargs="+", type=int, default=[2, 3, 4])
+    parser.add_argument("--sweep-heads", nargs="+", type=int, default=[1],
+                        help="kv heads per program (DecodeConfig.heads; > 1: the by-heads kernel, if they divide the "
+                             "model's 8)")
     parser.add_argument("--sweep-orders", type=int, default=2, choices=(1, 2),
                         help="1: sequence-major program order only (one sequence: the orders are the same)")
     parser.add_argument("--sweep-shapes", nargs="+", default=None, metavar="BATCHxCONTEXT",

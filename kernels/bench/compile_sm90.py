@@ -95,7 +95,29 @@ def _decode_attention() -> list[tuple[str, object]]:
     divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     out = [(f"paged decode attention, {name}", lambda kw=kw, t=t: compile_kernel(
         _paged_decode_kernel, dict(types, **t), dict(base, **kw), divisible=divisible)) for name, kw, t in variants]
-    return out + _prefill_attention(fp8) + _rope_write_kv()
+    return out + _decode_by_heads(types, base, fp8, divisible) + _prefill_attention(fp8) + _rope_write_kv()
+
+
+def _decode_by_heads(types, base, fp8, divisible) -> list[tuple[str, object]]:
+    """The decode kernel that takes several kv heads of a sequence per program (many short sequences)."""
+    from kernels.paged_attention import _paged_decode_heads_kernel
+
+    names = set(_paged_decode_heads_kernel.arg_names)
+    h_types = {n: t for n, t in types.items() if n in names}
+    h_base = {n: v for n, v in base.items() if n in names}
+    h_div = tuple(n for n in divisible if n in names)
+    serving = {"BLOCK_SIZE": 64, "HEADS": 8}
+    variants = [("fp8 cache, 64-token blocks", {**serving, "QUANT": 1, "F16": True, "BLOCK_N": 64}, fp8),
+                ("fp8 cache, 64-token blocks, 4 heads", {**serving, "QUANT": 1, "F16": True, "BLOCK_N": 64,
+                                                         "HEADS": 4}, fp8),
+                ("bf16 cache, 32-key tiles, 64-token blocks", {**serving, "BLOCK_N": 32}, {}),
+                ("bf16 cache, 32-key tiles, 16-token blocks", {**serving, "BLOCK_N": 32, "BLOCK_SIZE": 16}, {}),
+                ("int8 cache, 16-token blocks, sinks, softcap",
+                 {**serving, "QUANT": 2, "F16": True, "BLOCK_N": 64, "BLOCK_SIZE": 16, "SINKS": True,
+                  "SOFTCAP": True}, {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"})]
+    return [(f"paged decode attention by heads, {name}", lambda kw=kw, t=t: compile_kernel(
+        _paged_decode_heads_kernel, dict(h_types, **t), dict(h_base, **kw), divisible=h_div))
+        for name, kw, t in variants]
 
 
 def _rope_write_kv() -> list[tuple[str, object]]:
@@ -103,16 +125,17 @@ def _rope_write_kv() -> list[tuple[str, object]]:
 
     types = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32",
              "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "slot_ptr": "*i64", "k_scale_ptr": "*fp32",
-             "v_scale_ptr": "*fp32", "scaling": "fp32", "long_from": "i32",
+             "v_scale_ptr": "*fp32", "scaling": "fp32", "long_from": "i32", "qo_ptr": "*bf16",
              **{n: "i32" for n in ("num_heads", "num_kv_heads", "q_blocks", "stride_qt", "stride_kt", "stride_vt",
-                                   "stride_cb", "stride_ct", "stride_ch")}}
+                                   "stride_cb", "stride_ct", "stride_ch", "stride_qot")}}
     out = []
     for name, rot, inter in (("whole heads", 128, False), ("a quarter (partial)", 32, False),
                              ("interleaved", 128, True)):
         half = rot // 2
         consts = dict(HEAD_DIM=128, HALF=half, STEP=2 if inter else 1, PAIR=1 if inter else half, ROT=rot,
                       TAIL_PAD=max(1, 1 << (128 - rot - 1).bit_length()) if rot < 128 else 1, BLOCK_H=8,
-                      BLOCK_D=1 << (half - 1).bit_length(), BLOCK_SIZE=16, QUANT=0, PDL=True, K_INPLACE=False)
+                      BLOCK_D=1 << (half - 1).bit_length(), BLOCK_SIZE=16, QUANT=0, PDL=True, K_INPLACE=False,
+                      Q_COPY=False)
         out.append((f"rope + KV write, {name}",
                     lambda consts=consts: compile_kernel(_rope_write_kv_kernel, types, consts, 4)))
     # an FP8 cache (the keys quantized after their rounding to the activation dtype), with and without the rotated
@@ -120,13 +143,18 @@ def _rope_write_kv() -> list[tuple[str, object]]:
     fp8 = dict(types, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv")
     for inplace in (False, True):
         consts = dict(HEAD_DIM=128, HALF=64, STEP=1, PAIR=64, ROT=128, TAIL_PAD=1, BLOCK_H=8, BLOCK_D=64,
-                      BLOCK_SIZE=16, QUANT=1, PDL=True, K_INPLACE=inplace)
+                      BLOCK_SIZE=16, QUANT=1, PDL=True, K_INPLACE=inplace, Q_COPY=False)
         out.append((f"rope + KV write, fp8 cache{', keys in place' if inplace else ''}",
                     lambda consts=consts: compile_kernel(_rope_write_kv_kernel, fp8, consts, 4)))
+    # q rotated into a copy (the decode by heads), partial rotary: its other features copied
+    consts = dict(HEAD_DIM=128, HALF=16, STEP=1, PAIR=16, ROT=32, TAIL_PAD=128, BLOCK_H=8, BLOCK_D=16, BLOCK_SIZE=64,
+                  QUANT=1, PDL=True, K_INPLACE=False, Q_COPY=True)
+    out.append(("rope + KV write, fp8 cache, q into a copy, a quarter (partial)",
+                lambda consts=consts: compile_kernel(_rope_write_kv_kernel, fp8, consts, 4)))
     # partial rotary (a quarter) into an INT8 cache: the key's other features quantized as they are
     int8 = dict(types, k_cache_ptr="*i8", v_cache_ptr="*i8")
     consts = dict(HEAD_DIM=128, HALF=16, STEP=1, PAIR=16, ROT=32, TAIL_PAD=128, BLOCK_H=8, BLOCK_D=16, BLOCK_SIZE=16,
-                  QUANT=2, PDL=True, K_INPLACE=False)
+                  QUANT=2, PDL=True, K_INPLACE=False, Q_COPY=False)
     out.append(("rope + KV write, a quarter (partial), int8 cache",
                 lambda consts=consts: compile_kernel(_rope_write_kv_kernel, int8, consts, 4)))
     return out

@@ -249,6 +249,19 @@ def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, rotary
     assert torch.equal(inplace_qkv.cpu(), sep_qkv.cpu())  # q and k rotated as the separate kernels, v untouched
     for f, c in zip(inplace_caches, fused_caches):
         assert torch.equal(f.cpu().view(torch.uint8), c.cpu().view(torch.uint8))
+    # q_out: the rotated q (the features past a partial rotary's too) into a tensor of its own, q left as it is
+    copy_qkv, copy_caches = qkv.clone().to(DEVICE), [c.clone().to(DEVICE) for c in caches]
+    q, k, v = split(copy_qkv)
+    q_out = torch.full((num_tokens, num_heads, head_dim), float("nan"), device=DEVICE).to(dtype)
+    got = pa.rope_write_kv_cache(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+                                 v.view(num_tokens, num_kv_heads, head_dim), positions.to(DEVICE),
+                                 inv_freq.to(DEVICE), 0.75, *copy_caches, slots.to(DEVICE), k_scale=k_scale,
+                                 v_scale=scales[1], rotary_dim=rot, interleaved=inter, q_out=q_out)
+    assert got.data_ptr() == q_out.data_ptr()
+    assert torch.equal(copy_qkv.cpu(), qkv)  # q (and k, v) untouched
+    assert torch.equal(q_out.reshape(num_tokens, nq).cpu(), sep_qkv[:, :nq].cpu())
+    for f, c in zip(copy_caches, fused_caches):
+        assert torch.equal(f.cpu().view(torch.uint8), c.cpu().view(torch.uint8))
 
 
 def test_rope_write_kv_cache_rejects_bad_shapes():
@@ -323,6 +336,48 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_d
     torch.testing.assert_close(several.float(), one.float(), atol=same, rtol=same)
 
 
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window", DECODE_CASES)
+def test_decode_by_heads_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
+    """A program per sequence and HEADS of its kv heads (all of them, and a share where there are several), one after
+    the other in one loop over (head, key tile): the same attention as the reference and as a program per (sequence,
+    kv head), whatever num_splits says; an empty sequence gets zeros, a one-key sequence its one value."""
+    gen = torch.Generator().manual_seed(30 + head_dim)
+    lens = [1, 7, 16, 0, 45, 300]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged([max(n, 1) for n in lens], num_kv_heads, head_dim, 8, dtype,
+                                                        kv_dtype, gen)
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), head_dim ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
+    expected = pa.ref_paged_decode_attention(*args, **kw)
+    one = pa.paged_decode_attention(*args, num_splits=1, **kw)
+    f16 = kv_dtype in (FP8, INT8)
+    for heads in sorted({num_kv_heads, max(num_kv_heads // 2, 1)}):
+        if heads == 1:
+            continue
+        for splits in (1, 3):
+            got = pa.paged_decode_attention(*args, num_splits=splits, config=pa.DecodeConfig(32, 4, 3, f16, heads=heads),
+                                            **kw)
+            _assert_close(got, expected)
+            assert torch.equal(got[3], torch.zeros_like(got[3]))
+            same = TOL[dtype] / 10 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(got.float(), one.float(), atol=same, rtol=same)
+
+
+def test_decode_by_heads_softcap_sinks_and_uneven_heads():
+    """Soft-capped scores and sinks in the by-heads kernel (each head's sinks at its own last tile); a config whose
+    heads do not divide the model's kv heads runs a program per (sequence, kv head) instead."""
+    gen = torch.Generator().manual_seed(12)
+    lens = [1, 7, 45, 300]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 4, 32, 16, torch.bfloat16, FP8, gen)
+    q = (torch.randn(len(lens), 8, 32, generator=gen) * 3).to(torch.bfloat16).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": 100, **_extra(8, 2.0, True, gen)}
+    expected = pa.ref_paged_decode_attention(*args, **kw)
+    for heads in (2, 4, 3):
+        _assert_close(pa.paged_decode_attention(*args, config=pa.DecodeConfig(64, 4, 3, True, heads=heads), **kw),
+                      expected)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
 def test_decode_splits_follow_each_sequence_and_merge_in_one_kernel(num_splits):
     """Each sequence takes as many of the num_splits programs as give each >= _MIN_KEYS_PER_SPLIT of its own keys
@@ -345,8 +400,9 @@ def test_decode_splits_follow_each_sequence_and_merge_in_one_kernel(num_splits):
 
 @pytest.mark.parametrize("kv_dtype", [FP8, INT8], ids=["fp8kv", "int8kv"])
 @pytest.mark.parametrize("config", [pa.DecodeConfig(32, 4, 2, f16=True), pa.DecodeConfig(128, 4, 3, f16=True),
-                                    pa.DecodeConfig(256, 4, 2, f16=False), pa.DecodeConfig(64, 4, 2, True, True)],
-                         ids=["f16-32", "f16-128", "bf16-256", "heads-first"])
+                                    pa.DecodeConfig(256, 4, 2, f16=False), pa.DecodeConfig(64, 4, 2, True, True),
+                                    pa.DecodeConfig(32, 4, 3, f16=True, heads=2)],
+                         ids=["f16-32", "f16-128", "bf16-256", "heads-first", "by-heads"])
 def test_decode_tilings_and_fp16_operands(kv_dtype, config):
     """Other tilings than the default, and a quantized cache's matmuls on fp16 operands (the values convert
     exactly; the query is clamped to fp16's range), agree with the reference, split and not; a query beyond
@@ -370,9 +426,11 @@ def test_decode_tilings_and_fp16_operands(kv_dtype, config):
     (64, pa.DecodeConfig(32, 4, 3), torch.bfloat16, None), (64, pa.DecodeConfig(64, 4, 3, f16=True), FP8, None),
     (128, pa.DecodeConfig(64, 4, 3, f16=True), FP8, 70), (128, pa.DecodeConfig(32, 4, 2), torch.bfloat16, 45),
     (64, pa.DecodeConfig(64, 4, 3, f16=True, min_keys=64), FP8, 100),
-    (128, pa.DecodeConfig(32, 4, 2, min_keys=32, early=True), torch.bfloat16, 37)],
+    (128, pa.DecodeConfig(32, 4, 2, min_keys=32, early=True), torch.bfloat16, 37),
+    (64, pa.DecodeConfig(64, 4, 3, f16=True, heads=2), FP8, 70), (64, pa.DecodeConfig(32, 4, 3, heads=2),
+                                                                    torch.bfloat16, None)],
     ids=["bf16-64x32", "fp8-64x64", "fp8-128x64-window", "bf16-128x32-window", "fp8-64x64-window-tile-splits",
-         "bf16-128x32-window-tile-splits-early"])
+         "bf16-128x32-window-tile-splits-early", "fp8-64x64-window-by-heads", "bf16-64x32-by-heads"])
 def test_decode_over_blocks_holding_whole_key_tiles(block_size, config, kv_dtype, window):
     """Cache blocks of a multiple of the key tile (one block id and one base address per tile, the tile's keys and
     values at offsets that do not change from tile to tile, a tile starting mid-block) agree with the reference,
@@ -430,10 +488,11 @@ def _long_tables(inv_freq: torch.Tensor, rope) -> tuple[torch.Tensor, int | None
     return torch.stack([inv_freq, inv_freq / factors]), LONG_FROM
 
 
-@pytest.mark.parametrize("block_size", [8, 64], ids=["blocks8", "blocks64"])
+@pytest.mark.parametrize("block_size, by_heads", [(8, False), (64, False), (64, True)],
+                         ids=["blocks8", "blocks64", "blocks64-by-heads"])
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window, rope", NEW_KV_CASES)
 def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads, num_kv_heads, head_dim, dtype,
-                                                          kv_dtype, window, rope, block_size):
+                                                          kv_dtype, window, rope, block_size, by_heads):
     """``new_kv``: the decode kernel writes the step's key and value (rotated first with RoPE) into the cache bit for
     bit as rope_write_kv_cache / write_kv_cache do, skips a padding row's, and attends as the decode kernel after
     them does (the new key folded in from registers, after the cached ones); in one program and in splits,
@@ -466,6 +525,8 @@ def test_decode_writes_the_new_kv_as_the_separate_kernels(monkeypatch, num_heads
     # tiles in 3 stages (10 tiles of the longest sequence over 4 splits: 3, 3, 3, 1)
     f16 = kv_dtype in (FP8, INT8)
     config = pa.DecodeConfig(64, 4, 2, f16=f16, early=True) if rope else pa.DecodeConfig(32, 4, 3, f16=f16)
+    if by_heads:  # the new K/V written (q rotated into a copy) before the by-heads kernel: two launches
+        config = pa.DecodeConfig(32, 4, 3, f16=f16, heads=num_kv_heads)
     extra = _extra(num_heads, 2.0, True, gen) if window == 30 else {}  # the soft-capped score of the new key too
     kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, "config": config, **extra}
     for num_splits in (1, 4):
@@ -545,6 +606,15 @@ def test_decode_config_by_launch_width():
         wide = pa._decode_config(FP8, 128, pairs)
         assert (wide.block_n, wide.num_stages, wide.f16, wide.min_keys) == (64, 3, True, 0)
     assert pa._decode_config(FP8, 128, pa._SMALL_DECODE_PAIRS).num_stages == 2
+    # wide launches over a quantized cache: as many kv heads per program (dividing the model's) as leave >= 4
+    # programs per SM; 16-bit caches, an unknown GPU (sms 0) and narrow launches a program per pair
+    assert [pa._decode_config(FP8, 128, pairs, 8, 132).heads for pairs in (4096, 4095, 2112, 2048, 1024, 16)] == \
+        [4, 4, 4, 2, 1, 1]
+    assert pa._decode_config(INT8, 128, 8448, 8, 132).heads == 8
+    assert pa._decode_config(FP8, 128, 4096, 2, 132).heads == 2  # at most the model's kv heads
+    assert pa._decode_config(FP8, 128, 4096, 3, 132).heads == 1  # none of 8, 4, 2 divides 3
+    assert pa._decode_config(FP8, 128, 4096, 8, 0).heads == 1
+    assert pa._decode_config(torch.bfloat16, 128, 4096, 8, 132).heads == 1
 
 
 # --- prefill ---------------------------------------------------------------------------------------------
@@ -712,11 +782,12 @@ def test_rejects_unsupported_arguments():
 
 
 def test_decode_config_setting_is_parsed_or_refused():
-    """KERNELS_DECODE_CONFIG (A/B runs): BLOCK_N:WARPS:STAGES[:HEADS_FIRST], anything else refused by name."""
+    """KERNELS_DECODE_CONFIG (A/B runs): BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]], anything else refused by name."""
     assert pa._decode_config_override("") is None
-    assert pa._decode_config_override("256:8:2") == (256, 8, 2, False)
-    assert pa._decode_config_override("64:4:3:1") == (64, 4, 3, True)
-    for bad in ("256:8", "100:4:2", "64:3:2", "64:4:0", "64:4:2:2", "a:b:c", "64,4,2"):
+    assert pa._decode_config_override("256:8:2") == (256, 8, 2, False, 1)
+    assert pa._decode_config_override("64:4:3:1") == (64, 4, 3, True, 1)
+    assert pa._decode_config_override("64:4:3:0:8") == (64, 4, 3, False, 8)
+    for bad in ("256:8", "100:4:2", "64:3:2", "64:4:0", "64:4:2:2", "a:b:c", "64,4,2", "64:4:3:0:3", "64:4:3:0:8:1"):
         with pytest.raises(ValueError, match="KERNELS_DECODE_CONFIG"):
             pa._decode_config_override(bad)
 
@@ -805,3 +876,17 @@ def test_prefill_over_the_steps_own_keys_refuses_what_it_cannot_read():
         pa.paged_prefill_attention(*args, contiguous_kv=(kv[:4], kv[:4]))
     with pytest.raises(ValueError, match="are not the step's"):
         pa.paged_prefill_attention(*args, contiguous_kv=(kv.float(), kv.float()))
+
+
+def test_attention_bench_sweeps_kv_heads_per_program():
+    """`python -m kernels.bench.attention --decode-sweep --sweep-heads ...`: each tiling with each number of kv heads
+    per program, both program orders only where a program takes one kv head (the orders are the same otherwise)."""
+    from types import SimpleNamespace
+
+    from kernels.bench.attention import _sweep_configs
+
+    args = SimpleNamespace(sweep_short=False, sweep_block_n=[32, 64], sweep_warps=[4], sweep_stages=[3],
+                           sweep_heads=[1, 8], sweep_orders=2)
+    assert _sweep_configs(args, (True,)) == [(32, 4, 3, True, False, 1), (32, 4, 3, True, True, 1),
+                                             (32, 4, 3, True, False, 8), (64, 4, 3, True, False, 1),
+                                             (64, 4, 3, True, True, 1), (64, 4, 3, True, False, 8)]
