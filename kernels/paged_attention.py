@@ -59,8 +59,8 @@ _MAX_SPLITS = 32
 _MERGE_UNROLL = 4  # a decode merge's partials loaded per iteration, in flight together
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
-# KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST]" replaces _decode_config's tiling for 16-bit and quantized
-# caches (fp16 operands) at head_dim <= 128 (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons,
+# KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]]" replaces _decode_config's tiling for 16-bit and
+# quantized caches (fp16 operands) at head_dim <= 128, HEADS kv heads per program past _SMALL_DECODE_PAIRS pairs (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons,
 # since gpu_suite.sh's AB_SETTINGS separate variables with commas)
 _DECODE_CONFIG_SETTING = os.environ.get("KERNELS_DECODE_CONFIG", "")
 
@@ -74,8 +74,9 @@ def _decode_config_override(setting: str) -> tuple[int, int, int, bool, int] | N
     if not ok or values[0] not in (16, 32, 64, 128, 256) or values[1] not in (1, 2, 4, 8, 16) \
             or not 1 <= values[2] <= 6 or values[3] not in (0, 1) or values[4] not in (1, 2, 4, 8, 16):
         raise ValueError(f"KERNELS_DECODE_CONFIG={setting!r}: expected BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]] with "
-                         "BLOCK_N in 16..256 (a power of 2), WARPS in 1..16 (a power of 2), STAGES in 1..6, HEADS_FIRST "
-                         "0 or 1, HEADS (kv heads per program) in 1..16 (a power of 2), e.g. 256:4:2 or 64:4:3:0:8")
+                         "BLOCK_N in 16..256 (a power of 2), WARPS in 1..16 (a power of 2), STAGES in 1..6, "
+                         "HEADS_FIRST 0 or 1, HEADS (kv heads per program) in 1..16 (a power of 2), e.g. 256:4:2 or "
+                         "64:4:3:0:8")
     return values[0], values[1], values[2], bool(values[3]), values[4]
 
 
@@ -284,8 +285,9 @@ def _rope_write_kv_kernel(
         BLOCK_SIZE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr, K_INPLACE: tl.constexpr = False,
         Q_COPY: tl.constexpr = False):
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
-    # in place (Q_COPY: into qo_ptr's rows instead, the features past ROT copied as they are); the others rotate BLOCK_H key heads and write them (and those heads' values) into the cache, and with
-    # K_INPLACE the rotated keys (rounded to the activation dtype) back into k too.
+    # in place (Q_COPY: into qo_ptr's rows instead, the features past ROT copied as they are); the others rotate
+    # BLOCK_H key heads and write them (and those heads' values) into the cache, and with K_INPLACE the rotated keys
+    # (rounded to the activation dtype) back into k too.
     # HALF frequencies rotate pairs of features (STEP * i, STEP * i + PAIR) of the first ROT: (i, HALF + i) rotate-half,
     # (2i, 2i + 1) interleaved (kernels.rope); a key's features [ROT, HEAD_DIM) go to the cache as they are.
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
@@ -868,11 +870,13 @@ def _decode_by_heads(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if new_kv is not None and new_kv.positions is not None:
+        # (rope_write_kv_cache reads heads at a stride of head_dim, which NewKV does not ask of k and v)
+        k, v = (t if t.stride(1) == head_dim else t.contiguous() for t in (new_kv.k, new_kv.v))
         q_rot = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        q = rope_write_kv_cache(q, new_kv.k, new_kv.v, new_kv.positions, new_kv.inv_freq, new_kv.scaling, k_cache,
-                                v_cache, new_kv.slot_mapping, k_scale=k_scale_t, v_scale=v_scale_t,
-                                rotary_dim=new_kv.rotary_dim, interleaved=new_kv.interleaved,
-                                long_from=new_kv.long_from, q_out=q_rot)
+        q = rope_write_kv_cache(q if q.stride(1) == head_dim else q.contiguous(), k, v, new_kv.positions,
+                                new_kv.inv_freq, new_kv.scaling, k_cache, v_cache, new_kv.slot_mapping,
+                                k_scale=k_scale_t, v_scale=v_scale_t, rotary_dim=new_kv.rotary_dim,
+                                interleaved=new_kv.interleaved, long_from=new_kv.long_from, q_out=q_rot)
     elif new_kv is not None:
         write_kv_cache(new_kv.k, new_kv.v, k_cache, v_cache, new_kv.slot_mapping, k_scale=k_scale_t,
                        v_scale=v_scale_t)
@@ -961,10 +965,11 @@ _EARLY_TILE = os.environ.get("KERNELS_DECODE_EARLY", "1") != "0"
 
 # Quantized caches past _SMALL_DECODE_PAIRS pairs: as many kv heads per program (DecodeConfig.heads, 8 / 4 / 2,
 # dividing the model's) as still leave at least this many programs per SM (the by-heads kernel); fewer: a program per
-# pair and its splits. H200, FP8 cache, 64-token blocks, 64:4:3 (docs/BENCHMARKS.md, session 41): by-heads 7-11%
-# faster than a program per pair at 512 x 150-1,152 and 256 x 250-2,048 with >= 2 programs per SM, slower with 1
-# (256 x 2,048 at 8 heads: 383 against 318 us) and at 64 x 2,048 (splits win); 128/128 at 512 sequences 24,125 ->
-# 24,952 tok/s at 4 heads (1,024 programs), 24,722 at 8
+# pair and its splits. H200, FP8 cache, 64-token blocks, 64:4:3 (docs/BENCHMARKS.md, session 41): by heads, 5-8%
+# faster than a program per pair at 512 x 150-1,152 with 4 heads (7-11% with 8) and 3-8% at 256 x 250-2,048 with
+# 2 or 4; slower with 1 program per SM (256 x 2,048 at 8 heads: 383 against 318 us) and at 64 x 2,048 (splits win).
+# 4 rather than 2 programs per SM: end to end, 128/128 at 512 sequences gave 24,952 tok/s at 4 heads (1,024
+# programs) and 24,722 at 8 in one run each, a difference within the spread of two runs of one setting (~3%)
 _HEADS_MIN_PROGRAMS_PER_SM = 4
 
 
@@ -991,8 +996,8 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     (``early``: 32 KB of keys and values in registers, which a 128-key tile would double); beyond, 32-key tiles in 3
     stages, the fastest of 12 tilings at every serving shape swept on the H200 (docs/BENCHMARKS.md, session 31):
     98 us against 244 for the former 128:4:3 at 512 sequences of 150 keys, 517 against 707 at 256 x 2,048, 267
-    against 357 at 32 x 8,192 (by heads: level with a program per pair, H200, session 41). Wide launches over
-    quantized caches take several kv heads per program (``_decode_heads``)."""
+    against 357 at 32 x 8,192; for these 16-bit caches the by-heads kernel measured level with a program per pair (H200,
+    session 41). Wide launches over quantized caches take several kv heads per program (``_decode_heads``)."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype == torch.float32:
@@ -1053,33 +1058,48 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
 def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
                       qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
-                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr):
-    """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile. MASKED: the tile may
-    hold keys past the sequence, after a query (causal) or before its window; else all are visible. CONTIG: the
-    keys are rows pos of the step's own K/V tensors from the sequence's first (k_cache_ptr / v_cache_ptr point at
-    its kv head there), stride_ct per key row, stride_vt per value row: 32-bit offsets from one base, not a 64-bit
-    address per element."""
+                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr):
+    """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile (start: a multiple of BLOCK_N).
+    MASKED: the tile may hold keys past the sequence, after a query (causal) or before its window; else all are
+    visible. CONTIG: the keys are rows pos of the step's own K/V tensors from the sequence's first (k_cache_ptr /
+    v_cache_ptr point at its kv head there), stride_ct per key row, stride_vt per value row: 32-bit offsets from one
+    base, not a 64-bit address per element. Cache blocks holding whole tiles (BLOCK_SIZE a multiple of BLOCK_N): the
+    tile's one block id and base, as in the decode kernel (_tile_blocks / _tile_rows)."""
     pos = start + tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         in_seq = pos < kv_len
     if CONTIG:
-        row = pos * stride_ct
-        v_row = pos * stride_vt
+        k_ptrs = k_cache_ptr + (pos * stride_ct)[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+        v_ptrs = v_cache_ptr + (pos * stride_vt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+    elif BLOCK_SIZE % BLOCK_N == 0:  # start < kv_len: its block is the sequence's
+        block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
+        base = block * stride_cb + (start % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
+        k_ptrs = k_cache_ptr + base + (offs_n[None, :] * stride_ct + offs_d[:, None])
+        v_ptrs = v_cache_ptr + base + (offs_n[:, None] * stride_ct + offs_d[None, :])
     else:
         if MASKED:
             block = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         else:
             block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
         row = block * stride_cb + (pos % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
-        v_row = row
-    if MASKED:  # masked lanes stay unloaded (garbage): masked out of s and zeroed in v
-        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None], mask=in_seq[None, :])  # [HEAD_DIM, BLOCK_N]
-        v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :], mask=in_seq[:, None])  # [BLOCK_N, HEAD_DIM]
-        v = tl.where(in_seq[:, None], v.to(q.dtype), 0.0)
+        k_ptrs = k_cache_ptr + row[None, :] + offs_d[:, None]
+        v_ptrs = v_cache_ptr + row[:, None] + offs_d[None, :]
+    if MASKED:  # the keys' masked lanes stay unloaded (garbage), masked out of s; the values' are zeros
+        k = tl.load(k_ptrs, mask=in_seq[None, :])
+        if QUANT == 1 and (F16 or FP32):  # zero-filled by the load (no select), converted two at a time
+            v = _e4m3_to(tl.load(v_ptrs, mask=in_seq[:, None], other=0.0), q.dtype, F16)
+        elif QUANT == 0:
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0).to(q.dtype)
+        else:
+            v = tl.where(in_seq[:, None], tl.load(v_ptrs, mask=in_seq[:, None]).to(q.dtype), 0.0)
     else:
-        k = tl.load(k_cache_ptr + row[None, :] + offs_d[:, None])
-        v = tl.load(v_cache_ptr + v_row[:, None] + offs_d[None, :]).to(q.dtype)
+        k = tl.load(k_ptrs)
+        if QUANT == 1 and (F16 or FP32):
+            v = _e4m3_to(tl.load(v_ptrs), q.dtype, F16)
+        else:
+            v = tl.load(v_ptrs).to(q.dtype)
     s = _mma(q, k.to(q.dtype), FP32) * qk_scale
     if SOFTCAP:
         s = _softcap(s, softcap)
@@ -1153,17 +1173,17 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
                                           stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                          SOFTCAP, CONTIG)
+                                          SOFTCAP, CONTIG, QUANT, F16)
     for start in range(b, c, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
                                           stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
-                                          SOFTCAP, CONTIG)
+                                          SOFTCAP, CONTIG, QUANT, F16)
     for start in range(c, hi, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
                                           kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
                                           stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                          SOFTCAP, CONTIG)
+                                          SOFTCAP, CONTIG, QUANT, F16)
 
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)

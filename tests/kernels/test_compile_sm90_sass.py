@@ -104,9 +104,9 @@ def test_layer_norm_rope_partial_rotary_attention_and_silu_quant_compile_for_sm9
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     compiled = [line for line in proc.stdout.splitlines() if line.startswith("ok ")]
-    # 2 attention, 6 rope + KV write (2 into an FP8 cache, 1 into an INT8 one), 4 LayerNorm, 4 RoPE, 2 quantized
-    # SiLU-mul variants
-    assert len(compiled) == 18, proc.stdout
+    # 2 attention, 7 rope + KV write (3 into an FP8 cache, one of them q into a copy; 1 into an INT8 one), 4 LayerNorm,
+    # 4 RoPE, 2 quantized SiLU-mul variants
+    assert len(compiled) == 19, proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +146,41 @@ def test_fp8_decode_attention_key_loop(decode_sass):
         assert loop["PRMT"] == 0 and loop["SEL"] <= 16 and loop["F2FP"] == 68, loop
     assert whole["LDG"] == 1 and plain["LDG"] > 1, (whole, plain)
     assert sum(whole.values()) <= 0.85 * sum(plain.values()) and sum(plain.values()) <= 600, (whole, plain)
+
+
+@pytest.fixture(scope="module")
+def prefill_sass(tmp_path_factory) -> str:
+    """The FP8-cache prefill attention variants of ``compile_sm90 --sass`` (a process of its own, as ``moe_sass``)."""
+    from kernels.bench.compile_sm90 import _binary
+
+    if not os.path.exists(_binary("nvdisasm")):
+        pytest.skip("no nvdisasm beside Triton's ptxas")
+    out = str(tmp_path_factory.mktemp("sass"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only",
+                           "paged prefill attention, fp8 cache"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out
+
+
+def test_fp8_prefill_attention_key_loops(prefill_sass):
+    """The prefill attention's three key loops (masked, unmasked, masked) over an FP8 cache: the masked tiles' values
+    are zero-filled by their load and convert by pairs (no per-element select and repack: SEL 80 and PRMT 88 before,
+    session 41), and with 64-token blocks a key tile's keys and values come from one block id and one base (the
+    unmasked loop 557 -> 459 instructions with Triton 3.6, 549 -> 480 with 3.9)."""
+    from kernels.bench.compile_sm90 import _loop_opcodes, dump_stem
+
+    def loops(name: str) -> list[collections.Counter]:
+        with open(dump_stem(prefill_sass, name) + ".sass") as f:
+            return [ops for ops in _loop_opcodes(f.read()) if sum(ops.values()) > 100]
+
+    plain = loops("paged prefill attention, fp8 cache")
+    whole = loops("paged prefill attention, fp8 cache, 64-token blocks")
+    assert len(plain) == len(whole) == 3, (plain, whole)
+    for loop in plain + whole:
+        assert loop["PRMT"] == 0 and loop["SEL"] <= 16 and loop["F2FP"] == 80, loop
+    unmasked = [min(ls, key=lambda ops: sum(ops.values())) for ls in (plain, whole)]
+    assert sum(unmasked[1].values()) <= 0.9 * sum(unmasked[0].values()), unmasked
+    assert unmasked[1]["LDGSTS"] < unmasked[0]["LDGSTS"], unmasked  # one block id a tile, not one a key row

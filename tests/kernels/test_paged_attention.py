@@ -336,11 +336,25 @@ def test_decode_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_d
     torch.testing.assert_close(several.float(), one.float(), atol=same, rtol=same)
 
 
-@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window", DECODE_CASES)
-def test_decode_by_heads_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
+def _by_heads_spy(monkeypatch) -> list[int]:
+    """Count the launches that take the by-heads path (one entry per call of ``_decode_by_heads``)."""
+    calls, inner = [], pa._decode_by_heads
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    monkeypatch.setattr(pa, "_decode_by_heads", spy)
+    return calls
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window",
+                         [c for c in DECODE_CASES if c.values[1] > 1])  # one kv head: nothing to take together
+def test_decode_by_heads_matches_reference(monkeypatch, num_heads, num_kv_heads, head_dim, dtype, kv_dtype, window):
     """A program per sequence and HEADS of its kv heads (all of them, and a share where there are several), one after
     the other in one loop over (head, key tile): the same attention as the reference and as a program per (sequence,
     kv head), whatever num_splits says; an empty sequence gets zeros, a one-key sequence its one value."""
+    calls = _by_heads_spy(monkeypatch)
     gen = torch.Generator().manual_seed(30 + head_dim)
     lens = [1, 7, 16, 0, 45, 300]
     k_cache, v_cache, tables, k_scale, v_scale = _paged([max(n, 1) for n in lens], num_kv_heads, head_dim, 8, dtype,
@@ -355,17 +369,55 @@ def test_decode_by_heads_matches_reference(num_heads, num_kv_heads, head_dim, dt
         if heads == 1:
             continue
         for splits in (1, 3):
-            got = pa.paged_decode_attention(*args, num_splits=splits, config=pa.DecodeConfig(32, 4, 3, f16, heads=heads),
-                                            **kw)
+            config = pa.DecodeConfig(32, 4, 3, f16, heads=heads)
+            got = pa.paged_decode_attention(*args, num_splits=splits, config=config, **kw)
             _assert_close(got, expected)
             assert torch.equal(got[3], torch.zeros_like(got[3]))
             same = TOL[dtype] / 10 if dtype == torch.float32 else 2 ** -7
             torch.testing.assert_close(got.float(), one.float(), atol=same, rtol=same)
+    assert len(calls) == 2 * len({num_kv_heads, num_kv_heads // 2} - {1})  # every config above took the by-heads path
 
 
-def test_decode_by_heads_softcap_sinks_and_uneven_heads():
+def test_decode_by_heads_starts_each_heads_softmax_over(monkeypatch):
+    """Each head's running max, sum and output start over at its first tile: with one kv group's scores ~100x
+    another's, a max carried over from the large head would underflow the small head's weights."""
+    calls = _by_heads_spy(monkeypatch)
+    gen = torch.Generator().manual_seed(13)
+    lens = [3, 70, 130]
+    k_cache, v_cache, tables, _, _ = _paged(lens, 2, 32, 16, torch.float32, torch.float32, gen)
+    q = torch.randn(len(lens), 8, 32, generator=gen)
+    q[:, :4] *= 60.0  # kv head 0's query heads: scores of hundreds; kv head 1's: of a few
+    q = q.to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), 32 ** -0.5)
+    expected = pa.ref_paged_decode_attention(*args)
+    _assert_close(pa.paged_decode_attention(*args, config=pa.DecodeConfig(32, 4, 2, heads=2)), expected)
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the default config counts the GPU's SMs")
+def test_decode_by_heads_is_the_default_for_wide_fp8_launches(monkeypatch):
+    """On a GPU a wide decode over an FP8 cache takes the by-heads path by default (as many kv heads per program as
+    leave 4 programs per SM) and agrees with the reference; a narrow one does not."""
+    calls = _by_heads_spy(monkeypatch)
+    gen = torch.Generator().manual_seed(14)
+    sms = pa._num_sms(torch.device("cuda"))
+    num_seqs = 4 * sms * 2 // 8 + 5  # pairs // 2 >= 4 programs per SM at 8 kv heads
+    lens = [40 + (i * 37) % 150 for i in range(num_seqs)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 8, 128, 64, torch.bfloat16, FP8, gen)
+    q = torch.randn(num_seqs, 32, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    args = (q, k_cache, v_cache, tables, _int32(lens), 128 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale}
+    assert pa._decode_config(FP8, 128, num_seqs * 8, 8, sms).heads >= 2
+    _assert_close(pa.paged_decode_attention(*args, **kw), pa.ref_paged_decode_attention(*args, **kw))
+    assert len(calls) == 1
+    pa.paged_decode_attention(q[:2], k_cache, v_cache, tables[:2], _int32(lens[:2]), 128 ** -0.5, **kw)
+    assert len(calls) == 1
+
+
+def test_decode_by_heads_softcap_sinks_and_uneven_heads(monkeypatch):
     """Soft-capped scores and sinks in the by-heads kernel (each head's sinks at its own last tile); a config whose
     heads do not divide the model's kv heads runs a program per (sequence, kv head) instead."""
+    calls = _by_heads_spy(monkeypatch)
     gen = torch.Generator().manual_seed(12)
     lens = [1, 7, 45, 300]
     k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 4, 32, 16, torch.bfloat16, FP8, gen)
@@ -376,6 +428,7 @@ def test_decode_by_heads_softcap_sinks_and_uneven_heads():
     for heads in (2, 4, 3):
         _assert_close(pa.paged_decode_attention(*args, config=pa.DecodeConfig(64, 4, 3, True, heads=heads), **kw),
                       expected)
+    assert len(calls) == 2  # 3 does not divide 4 kv heads: a program per pair
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 8])
@@ -648,6 +701,26 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_
     args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), head_dim ** -0.5)
     kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
     _assert_close(pa.paged_prefill_attention(*args, **kw), pa.ref_paged_prefill_attention(*args, **kw))
+
+
+@pytest.mark.parametrize("block_size, config, kv_dtype, window", [
+    (64, (64, 64, 4, 2), torch.bfloat16, None), (64, (64, 64, 4, 2), FP8, 50), (128, (64, 32, 4, 2), INT8, None),
+    (128, (32, 64, 4, 2), FP8, None), (64, (32, 32, 4, 2), torch.float32, 23)],
+    ids=["bf16-64x64", "fp8-64x64-window", "int8-128x32", "fp8-128x64", "fp32-64x32-window"])
+def test_prefill_over_blocks_holding_whole_key_tiles(block_size, config, kv_dtype, window):
+    """Cache blocks of a multiple of the key tile: one block id and one base per key tile (a tile starting mid-block
+    too), masked tiles' values zero-filled by their load; fresh prompts, chunks after a context, a decode row in the
+    same step, windows; the poisoned slots past each sequence stay unread."""
+    dtype = torch.float32 if kv_dtype == torch.float32 else torch.bfloat16
+    gen = torch.Generator().manual_seed(block_size + config[1])
+    q_lens, ctx_lens = [150, 1, 9, 70, 0], [0, 200, 64, 130, 7]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, block_size, dtype, kv_dtype, gen)
+    q = torch.randn(sum(q_lens), 8, 32, generator=gen).to(dtype).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window}
+    _assert_close(pa.paged_prefill_attention(*args, config=config, **kw), pa.ref_paged_prefill_attention(*args, **kw))
 
 
 def test_prefill_of_one_token_equals_decode():
