@@ -78,7 +78,9 @@ class SpeculativeSection(_Strict):
     same tokenizer, which the build copies into the artifact (``draft/``: the artifact still needs nothing else)."""
 
     method: Optional[Literal["ngram", "draft"]] = None  # None: no speculation
-    num_speculative_tokens: int = Field(default=4, ge=1, le=16, description="most draft tokens per request and step")
+    num_speculative_tokens: Optional[int] = Field(default=None, ge=1, le=16,
+                                                  description="most draft tokens per request and step (default: 8 "
+                                                              "for ngram, 4 for draft)")
     min_ngram: int = Field(default=2, ge=1)
     max_ngram: int = Field(default=4, ge=1)
     draft_model: Optional[str] = Field(default=None, description="method draft: the draft artifact's directory")

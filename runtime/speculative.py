@@ -67,6 +67,11 @@ if TYPE_CHECKING:  # the config is read by the server's command line before torc
 
 METHODS = ("ngram", "draft")  # proposers implemented ("draft": a draft-model artifact); EAGLE / MTP heads are not yet
 MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
+# num_speculative_tokens when a section leaves it out. n-gram drafts cost nothing to make and a verify step costs
+# about the same for k = 1-8 (Llama-3-8B shape, H100, session 24): bundled model, code-editing prompts, on the H200
+# k = 8 gave 1.497x against 1.428x at k = 4 (docs/BENCHMARKS.md, session 41), on the CPU 1.985x against 1.845x. A
+# draft model pays one forward per draft: 4
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 8, "draft": 4}
 ACCEPTANCE_EWMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance rate
 # engine steps a request runs without drafts once its acceptance fell below min_acceptance; 8 (was 32): a copy
 # workload's acceptance dips where the model stops copying and recovers a few tokens later (the bundled model on
@@ -91,7 +96,9 @@ class SpeculativeConfig:
     """Speculative decoding settings (the ``speculative`` section of the serving config). ``method`` None: off."""
 
     method: str | None = None  # None (off) or one of METHODS
-    num_speculative_tokens: int = 4  # most draft tokens per request and step (k), 1..MAX_SPECULATIVE_TOKENS
+    # most draft tokens per request and step (k), 1..MAX_SPECULATIVE_TOKENS; None: the method's default
+    # (DEFAULT_SPECULATIVE_TOKENS), set when the config is made
+    num_speculative_tokens: int | None = None
     # n-gram: the last n tokens (n from max_ngram down to min_ngram) are looked up in the request's earlier tokens
     min_ngram: int = 2
     max_ngram: int = 4
@@ -115,9 +122,13 @@ class SpeculativeConfig:
             planned = " (EAGLE / MTP head proposers are not implemented yet)" if self.method in ("eagle", "mtp") else ""
             raise SpeculativeConfigError(f"speculative method {self.method!r} is not available{planned}; use one of "
                                          f"{', '.join(METHODS)}, or leave method unset (None) for no speculation")
+        if self.num_speculative_tokens is None and self.method is not None:
+            self.num_speculative_tokens = DEFAULT_SPECULATIVE_TOKENS[self.method]
         for name, low, high in (("num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS), ("min_ngram", 1, None),
                                 ("max_ngram", 1, None), ("max_running", 1, None)):
             value = getattr(self, name)
+            if value is None and name == "num_speculative_tokens":  # no method: nothing to draft
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
                 allowed = f"in [{low}, {high}]" if high else f">= {low}"
                 raise SpeculativeConfigError(f"speculative {name}: {value!r} is not an int {allowed}")

@@ -1,6 +1,6 @@
 """What speculative decoding buys at batch 1, and what a verify step costs.
 
-    python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft 4] [--output-len 128]
+    python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft K] [--output-len 128]
         [--prompts 4] [--rounds 3] [--min-gain G] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
         [--draft DRAFT_ARTIFACT [--text FILE]]
 
@@ -8,7 +8,8 @@ Speedup (n-gram, the request's own tokens as the draft source): a code-editing w
 of this project's own Python source followed by an instruction to write it out again and the stretch's first
 line, so a model that copies finds its continuation in the prompt. Each prompt is decoded greedily at batch 1
 (EOS ignored, --output-len tokens) by an engine without speculation and by one with ``--num-draft`` n-gram drafts
-(adaptive, as served). Both engines are loaded side by side and take turns, prompt by prompt, over
+(adaptive, as served; default the runtime's: 8 for n-gram, 4 for a draft model).
+Both engines are loaded side by side and take turns, prompt by prompt, over
 ``--rounds`` rounds (the first of each pair alternating), so that a drift in the host's speed (a shared machine's
 CPU; at batch 1 a small model's step is host time) weighs on both alike. Decode rate: the tokens after the first
 over the time from the first token to the last, summed over the prompts and rounds; the speedup is the speculative
@@ -53,7 +54,7 @@ from runtime.artifact import open_artifact, read_manifest
 from runtime.engine import resolve_device
 from runtime.sampling import SamplingParams
 from runtime.serving import ServingConfig, ServingEngine
-from runtime.speculative import DraftRequest, Proposer, SpeculativeConfig
+from runtime.speculative import DEFAULT_SPECULATIVE_TOKENS, DraftRequest, Proposer, SpeculativeConfig
 from runtime.tokenizer import Tokenizer
 
 SOURCES = ("runtime/scheduler.py", "runtime/block_pool.py", "runtime/sampling.py", "runtime/kv_manager.py",
@@ -110,13 +111,13 @@ def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> Serv
                                                           speculative=speculative or SpeculativeConfig()))
 
 
-def speedup(path: str, device: str, num_draft: int, prompts: list[list[int]], output_len: int,
+def speedup(path: str, device: str, num_draft: int | None, prompts: list[list[int]], output_len: int,
             draft: str | None = None, rounds: int = 3, min_gain: float = 0.0) -> dict:
     """Plain and speculative runs of every prompt, taking turns (see the module docstring): n-gram drafts, or the
     ``draft`` artifact's (the result's keys keep the n-gram names). ``min_gain``: the speculative engine's rate
     check (0, the default here: off, so that the figure is what the drafts do, not what the policy chose)."""
     method = {"method": "ngram"} if draft is None else {"method": "draft", "draft_model": draft}
-    spec = SpeculativeConfig(**method, num_speculative_tokens=num_draft, min_gain=min_gain)
+    spec = SpeculativeConfig(**method, num_speculative_tokens=num_draft, min_gain=min_gain)  # None: the default
     engines = {"plain": _load(path, device, None), "ngram": _load(path, device, spec)}
     try:
         for engine in engines.values():
@@ -194,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
     parser.add_argument("--device", default="auto")
-    parser.add_argument("--num-draft", type=int, default=4)
+    parser.add_argument("--num-draft", type=int, default=None,
+                        help="most drafts per step (default: the runtime's, 8 for n-gram and 4 for a draft model)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the prompts, the engines taking turns")
@@ -223,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                       args.min_gain)
         workload = "text" if args.text else "code-editing"
         name, label = ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram")
-        print(f"{label} k={args.num_draft}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
+        k = args.num_draft or DEFAULT_SPECULATIVE_TOKENS["draft" if args.draft else "ngram"]
+        print(f"{label} k={k}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
               f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
               f"{res['speedup']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in res['speedup_rounds'])}; "
               f"{res['verify_share']:.0%} of steps verified drafts); "

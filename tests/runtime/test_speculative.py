@@ -28,8 +28,8 @@ from runtime.sampling import sample  # noqa: E402
 from runtime.scheduler import Request, Scheduler, SchedulerConfig  # noqa: E402
 from runtime.serving import ServingConfig, ServingEngine  # noqa: E402
 from runtime.speculative import (  # noqa: E402
-    MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, PendingDrafts, Proposer,
-    SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
+    DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, PendingDrafts,
+    Proposer, SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
 
 NGRAM = {"method": "ngram"}
 # Upper 1% points of the chi-square distribution by degrees of freedom (a statistic above one has p < 0.01), from
@@ -189,6 +189,20 @@ def test_bad_settings_are_refused_with_what_is_allowed(section, message):
         ServingConfig(speculative=section)
 
 
+def test_the_number_of_drafts_defaults_by_method(tmp_path):
+    """num_speculative_tokens left out: 8 n-gram drafts (free to make), 4 from a draft model (a forward each); an
+    explicit value wins; with no method there is nothing to draft. A resolved section crosses the process boundary
+    as it is."""
+    assert DEFAULT_SPECULATIVE_TOKENS == {"ngram": 8, "draft": 4}
+    assert SpeculativeConfig(method="ngram").num_speculative_tokens == 8
+    assert SpeculativeConfig(method="draft", draft_model=str(tmp_path)).num_speculative_tokens == 4
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": None}).num_speculative_tokens == 8
+    assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).num_speculative_tokens == 3
+    assert SpeculativeConfig().num_speculative_tokens is None
+    config = ServingConfig(speculative={"method": "ngram"})
+    assert ServingConfig(**dataclasses.asdict(config)).speculative.num_speculative_tokens == 8
+
+
 def test_settings_from_the_environment_and_across_the_process_boundary(monkeypatch):
     assert ServingConfig().speculative is None  # the artifact's section, else off (see the recipe test)
     monkeypatch.setenv("RUNTIME_SPEC_MAX_RUNNING", "3")
@@ -224,6 +238,11 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
     assert served.run([prompt], params)[0].token_ids == plain.run([prompt], params)[0].token_ids
     assert served.spec_num_draft_tokens > 0  # it did speculate
     base = {"name": "x", "model": {"checkpoint": str(checkpoints["llama"])}}
+    # a section without num_speculative_tokens records none: the server's default for the method (8 n-gram drafts)
+    bare = build_artifact(checkpoints["llama"], tmp_path / "bare", speculative={"method": "ngram"})
+    assert json.loads((bare / "manifest.json").read_text())["runtime"]["speculative"]["num_speculative_tokens"] is None
+    served = ServingEngine(Engine.load(bare), ServingConfig(num_blocks=64))
+    assert served.config.speculative.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS["ngram"]
     for section, message in (({"method": "draft"}, "method 'draft' needs draft_model"),
                              ({"method": "draft", "draft_model": str(tmp_path)}, "is not an artifact directory"),
                              ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
@@ -614,7 +633,7 @@ def test_a_request_with_low_acceptance_pauses(engine):
     # pause, and so on to the 30th token
     probes = s.stats().spec_num_verified - 2
     assert 2 <= probes <= params.max_tokens // PROBE_INTERVAL
-    assert s.stats().spec_num_draft_tokens == 4 + 1 + probes
+    assert s.stats().spec_num_draft_tokens == DEFAULT_SPECULATIVE_TOKENS["ngram"] + 1 + probes
 
 
 def test_the_overlapped_pipeline_falls_back_to_verify_steps(engine):
