@@ -206,3 +206,15 @@ def test_executor_with_paged_cache_and_prefix_hits_matches_recompute():
         step({"b": 1, "a": 1})
     assert manager.block_table("a") == [11, 10, 9, 7] and manager.num_tokens("a") == 15
     assert manager.stats.hits == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA cache")
+def test_a_cuda_cache_starts_zeroed():
+    """On CUDA every slot starts at zero (the padding rows of a captured decode step read block 0's first slot,
+    which no sequence may have written: an FP8 byte left by the allocator can be NaN)."""
+    layout = KVLayout(num_kv_heads=[2], head_dim=[64], dtype=torch.float8_e4m3fn)
+    junk = torch.full((8, 16, 2, 64), 0x7F, dtype=torch.uint8, device="cuda")  # NaN as e4m3
+    del junk  # its memory goes back to the caching allocator, which hands it to the cache below
+    storage = PagedKVStorage(layout, num_blocks=8, block_size=16, device="cuda")
+    for t in storage.k + storage.v:
+        assert not t.view(torch.uint8).any()
