@@ -455,6 +455,30 @@ def _tile_rows(block, tile, pos, kv_head, stride_cb, stride_ct, stride_ch, BLOCK
     return k_rows, v_rows
 
 
+@triton.jit
+def _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs, valid, qk_scale, softcap, m_i, l_i,
+                     acc, QUANT: tl.constexpr, F16: tl.constexpr, FP32: tl.constexpr, SOFTCAP: tl.constexpr):
+    """Fold one key tile of a decode query's rows q into the running (max, sum, acc): keys [HEAD_DIM, BLOCK_N] at
+    k_cache_ptr + k_rows + k_offs and values [BLOCK_N, HEAD_DIM] at v_cache_ptr + v_rows + v_offs (_tile_rows), the
+    keys ``valid`` [BLOCK_N] visible. The keys' masked lanes are
+    left unloaded (garbage), masked out of s; the values' are zero-filled by their load (16-bit and FP8 caches: no
+    select; FP8 converted two at a time, _e4m3_to), or zeroed after it (INT8, whose conversion is left to the
+    compiler)."""
+    k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])
+    s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+    if SOFTCAP:
+        s = _softcap(s, softcap)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    if QUANT == 1 and (F16 or FP32):
+        v = _e4m3_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0), q.dtype, F16)
+    elif QUANT == 0:
+        v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+    else:
+        v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
+        v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
+    return _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])
 def _paged_decode_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, k_scale_ptr, v_scale_ptr,
@@ -625,21 +649,8 @@ def _paged_decode_kernel(
             nxt = pos + BLOCK_N
             block = _tile_blocks(table, tile + 1, nxt, nxt < seq_len, (tile + 1) * BLOCK_N < seq_len, BLOCK_SIZE,
                                  BLOCK_N)
-            # the keys' masked lanes are left unloaded (garbage), masked out of s; the values' are zero-filled by
-            # their load (16-bit and FP8 caches), or zeroed after it (INT8, whose conversion is left to the compiler)
-            k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
-            s = _mma(q, k.to(q.dtype), FP32) * qk_scale
-            if SOFTCAP:
-                s = _softcap(s, softcap)
-            s = tl.where(valid[None, :], s, float("-inf"))
-            if QUANT == 1 and (F16 or FP32):  # masked lanes zero-filled by the load: no select
-                v = _e4m3_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0), q.dtype, F16)
-            elif QUANT == 0:
-                v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0).to(q.dtype)
-            else:
-                v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
-                v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
-            m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+            m_i, l_i, acc = _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs, valid,
+                                             qk_scale, softcap, m_i, l_i, acc, QUANT, F16, FP32, SOFTCAP)
         if WRITE:
             m_w, l_w, acc_w = _new_key_step(q, kn, vn, qk_scale, softcap, m_i, l_i, acc, SOFTCAP)
             m_i = tl.where(writer, m_w, m_i)
@@ -749,19 +760,8 @@ def _paged_decode_heads_kernel(
         nxt = nxt_tile * BLOCK_N + offs_n
         block = _tile_blocks(table, nxt_tile, nxt, (nxt >= lo) & (nxt < seq_len), nxt_tile * BLOCK_N < seq_len,
                              BLOCK_SIZE, BLOCK_N)
-        k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
-        s = _mma(q, k.to(q.dtype), FP32) * qk_scale
-        if SOFTCAP:
-            s = _softcap(s, softcap)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        if QUANT == 1 and (F16 or FP32):  # masked lanes zero-filled by the load: no select
-            v = _e4m3_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0), q.dtype, F16)
-        elif QUANT == 0:
-            v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0).to(q.dtype)
-        else:
-            v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
-            v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
-        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, FP32)
+        m_i, l_i, acc = _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs, valid,
+                                         qk_scale, softcap, m_i, l_i, acc, QUANT, F16, FP32, SOFTCAP)
         if j == num_tiles - 1:  # the head's last tile: its output; the next head's softmax starts over
             if QUANT != 0:
                 acc = acc * tl.load(v_scale_ptr)

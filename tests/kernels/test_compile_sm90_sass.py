@@ -41,10 +41,9 @@ def test_counts_the_opcodes_of_each_backward_branch_only():
     assert loops[0] == {"LDG": 1, "HMMA": 2, "LOP3": 1, "BRA": 1}
 
 
-@pytest.fixture(scope="module")
-def moe_sass(tmp_path_factory) -> str:
-    """The fused MoE variants of ``compile_sm90 --sass``, compiled in a process of its own: in this one a test module
-    that set TRITON_INTERPRET=1 before importing the kernels made them the interpreter's functions."""
+def _sass_dir(tmp_path_factory, only: str) -> str:
+    """``compile_sm90 --sass DIR --only ONLY`` in a process of its own (in this one a test module that set
+    TRITON_INTERPRET=1 before importing the kernels made them the interpreter's functions); returns DIR."""
     from kernels.bench.compile_sm90 import _binary
 
     if not os.path.exists(_binary("nvdisasm")):
@@ -52,10 +51,16 @@ def moe_sass(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("sass"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only", "fused MoE"],
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only", only],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def moe_sass(tmp_path_factory) -> str:
+    """The fused MoE variants of ``compile_sm90 --sass``."""
+    return _sass_dir(tmp_path_factory, "fused MoE")
 
 
 def _k_loop(sass_dir: str, name: str) -> collections.Counter:
@@ -111,19 +116,8 @@ def test_layer_norm_rope_partial_rotary_attention_and_silu_quant_compile_for_sm9
 
 @pytest.fixture(scope="module")
 def decode_sass(tmp_path_factory) -> str:
-    """The FP8-cache decode attention variants of ``compile_sm90 --sass`` (a process of its own, as ``moe_sass``)."""
-    from kernels.bench.compile_sm90 import _binary
-
-    if not os.path.exists(_binary("nvdisasm")):
-        pytest.skip("no nvdisasm beside Triton's ptxas")
-    out = str(tmp_path_factory.mktemp("sass"))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only",
-                           "paged decode attention, fp8 cache"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
+    """The FP8-cache decode attention variants of ``compile_sm90 --sass``."""
+    return _sass_dir(tmp_path_factory, "paged decode attention, fp8 cache")
 
 
 def _key_loop(sass_dir: str, name: str) -> collections.Counter:
@@ -150,19 +144,8 @@ def test_fp8_decode_attention_key_loop(decode_sass):
 
 @pytest.fixture(scope="module")
 def prefill_sass(tmp_path_factory) -> str:
-    """The FP8-cache prefill attention variants of ``compile_sm90 --sass`` (a process of its own, as ``moe_sass``)."""
-    from kernels.bench.compile_sm90 import _binary
-
-    if not os.path.exists(_binary("nvdisasm")):
-        pytest.skip("no nvdisasm beside Triton's ptxas")
-    out = str(tmp_path_factory.mktemp("sass"))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only",
-                           "paged prefill attention, fp8 cache"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return out
+    """The FP8-cache prefill attention variants of ``compile_sm90 --sass``."""
+    return _sass_dir(tmp_path_factory, "paged prefill attention, fp8 cache")
 
 
 def test_fp8_prefill_attention_key_loops(prefill_sass):
