@@ -188,6 +188,13 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
     for f in ckpt.tokenizer_files():
         shutil.copy2(f, tok_dir / f.name)
     runtime_section = recipe.runtime.model_dump(mode="json")
+    spec = runtime_section["speculative"]
+    if spec["num_speculative_tokens"] is None:  # the method's default, as a number: a runtime from before the
+        # method-dependent default (DEFAULT_SPECULATIVE_TOKENS) refuses a null
+        from runtime.speculative import DEFAULT_SPECULATIVE_TOKENS
+
+        spec["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS.get(spec["method"],
+                                                                        DEFAULT_SPECULATIVE_TOKENS["draft"])
     if recipe.runtime.speculative.method == "draft":  # the draft artifact travels inside (checked by the pipeline)
         shutil.copytree(recipe.runtime.speculative.draft_model, tmp / DRAFT_DIR)
         runtime_section["speculative"]["draft_model"] = DRAFT_DIR  # relative to the artifact

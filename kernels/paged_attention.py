@@ -464,7 +464,7 @@ def _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs
     left unloaded (garbage), masked out of s; the values' are zero-filled by their load (16-bit and FP8 caches: no
     select; FP8 converted two at a time, _e4m3_to), or zeroed after it (INT8, whose conversion is left to the
     compiler)."""
-    k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])
+    k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
     s = _mma(q, k.to(q.dtype), FP32) * qk_scale
     if SOFTCAP:
         s = _softcap(s, softcap)

@@ -238,9 +238,9 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
     assert served.run([prompt], params)[0].token_ids == plain.run([prompt], params)[0].token_ids
     assert served.spec_num_draft_tokens > 0  # it did speculate
     base = {"name": "x", "model": {"checkpoint": str(checkpoints["llama"])}}
-    # a section without num_speculative_tokens records none: the server's default for the method (8 n-gram drafts)
+    # a section without num_speculative_tokens records the method's default (8 n-gram drafts) as a number
     bare = build_artifact(checkpoints["llama"], tmp_path / "bare", speculative={"method": "ngram"})
-    assert json.loads((bare / "manifest.json").read_text())["runtime"]["speculative"]["num_speculative_tokens"] is None
+    assert json.loads((bare / "manifest.json").read_text())["runtime"]["speculative"]["num_speculative_tokens"] == 8
     served = ServingEngine(Engine.load(bare), ServingConfig(num_blocks=64))
     assert served.config.speculative.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS["ngram"]
     for section, message in (({"method": "draft"}, "method 'draft' needs draft_model"),
