@@ -103,11 +103,12 @@ def _silu_mul_quant_rows_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, str
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     step = tl.num_programs(0)
+    row_bytes = num_cols * (gate_ptr.dtype.element_ty.primitive_bitwidth // 8)
     for row in range(tl.program_id(0), num_rows, step):
         if PREFETCH:
             nxt = tl.minimum(row + step, num_rows - 1)  # (the last row again, harmlessly, past the end)
-            prefetch_l2((gate_ptr + nxt * stride_gate).to(tl.pointer_type(tl.uint8)), num_cols * 2, LINES)
-            prefetch_l2((up_ptr + nxt * stride_up).to(tl.pointer_type(tl.uint8)), num_cols * 2, LINES)
+            prefetch_l2((gate_ptr + nxt * stride_gate).to(tl.pointer_type(tl.uint8)), row_bytes, LINES)
+            prefetch_l2((up_ptr + nxt * stride_up).to(tl.pointer_type(tl.uint8)), row_bytes, LINES)
         g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
         u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
         v = tl.where(mask, silu_mul_values(g, u).to(tl.float32), 0.0)
