@@ -60,8 +60,9 @@ _MERGE_UNROLL = 4  # a decode merge's partials loaded per iteration, in flight t
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
 # KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]]" replaces _decode_config's tiling for 16-bit and
-# quantized caches (fp16 operands) at head_dim <= 128, HEADS kv heads per program past _SMALL_DECODE_PAIRS pairs (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons,
-# since gpu_suite.sh's AB_SETTINGS separate variables with commas)
+# quantized caches (fp16 operands) at head_dim <= 128, HEADS kv heads per program past _SMALL_DECODE_PAIRS pairs
+# (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons, since
+# gpu_suite.sh's AB_SETTINGS separate variables with commas)
 _DECODE_CONFIG_SETTING = os.environ.get("KERNELS_DECODE_CONFIG", "")
 
 
@@ -460,10 +461,9 @@ def _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs
                      acc, QUANT: tl.constexpr, F16: tl.constexpr, FP32: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold one key tile of a decode query's rows q into the running (max, sum, acc): keys [HEAD_DIM, BLOCK_N] at
     k_cache_ptr + k_rows + k_offs and values [BLOCK_N, HEAD_DIM] at v_cache_ptr + v_rows + v_offs (_tile_rows), the
-    keys ``valid`` [BLOCK_N] visible. The keys' masked lanes are
-    left unloaded (garbage), masked out of s; the values' are zero-filled by their load (16-bit and FP8 caches: no
-    select; FP8 converted two at a time, _e4m3_to), or zeroed after it (INT8, whose conversion is left to the
-    compiler)."""
+    keys ``valid`` [BLOCK_N] visible. The keys' masked lanes are left unloaded (garbage), masked out of s; the
+    values' are zero-filled by their load (16-bit and FP8 caches: no select; FP8 converted two at a time, _e4m3_to),
+    or zeroed after it (INT8, whose conversion is left to the compiler)."""
     k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
     s = _mma(q, k.to(q.dtype), FP32) * qk_scale
     if SOFTCAP:
@@ -996,8 +996,8 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     (``early``: 32 KB of keys and values in registers, which a 128-key tile would double); beyond, 32-key tiles in 3
     stages, the fastest of 12 tilings at every serving shape swept on the H200 (docs/BENCHMARKS.md, session 31):
     98 us against 244 for the former 128:4:3 at 512 sequences of 150 keys, 517 against 707 at 256 x 2,048, 267
-    against 357 at 32 x 8,192; for these 16-bit caches the by-heads kernel measured level with a program per pair (H200,
-    session 41). Wide launches over quantized caches take several kv heads per program (``_decode_heads``)."""
+    against 357 at 32 x 8,192; for these 16-bit caches the by-heads kernel measured level with a program per pair
+    (H200, session 41). Wide launches over quantized caches take several kv heads per program (``_decode_heads``)."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype == torch.float32:
