@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from kernels import torch_ops as ops
-from kernels.pdl import pdl_args, prefetch_l2, wait_prior
-from kernels.w4a16_gemm import _interpreting, _num_sms
+from kernels.pdl import pdl_args, wait_prior
+from kernels.w4a16_gemm import _interpreting
 from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, _codes, _qrange, quantize_row_store
 
 _BLOCK = 1024
@@ -91,31 +91,6 @@ def _silu_mul_quant_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, stride_u
 
 
 @triton.jit
-def _silu_mul_quant_rows_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, stride_up, stride_q, num_rows, num_cols,
-                                INT8: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr,
-                                LINES: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
-    # _silu_mul_quant_kernel's rows (the same arithmetic: the same scales and codes, bit for bit) by fewer programs,
-    # about one per SM: program p takes rows p, p + P, ... in turn, and (PREFETCH) asks the L2 for its next row's
-    # gate and up (LINES 128-byte lines of each) before it loads, reduces and stores this one, so that the SM's
-    # memory traffic goes on while it reduces and stores (a program per row holds the SM alone: 16 warps of 117
-    # registers, and nothing is loading while it reduces)
-    wait_prior(PDL)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < num_cols
-    step = tl.num_programs(0)
-    row_bytes = num_cols * (gate_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    for row in range(tl.program_id(0), num_rows, step):
-        if PREFETCH:
-            nxt = tl.minimum(row + step, num_rows - 1)  # (the last row again, harmlessly, past the end)
-            prefetch_l2((gate_ptr + nxt * stride_gate).to(tl.pointer_type(tl.uint8)), row_bytes, LINES)
-            prefetch_l2((up_ptr + nxt * stride_up).to(tl.pointer_type(tl.uint8)), row_bytes, LINES)
-        g = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0)
-        u = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0)
-        v = tl.where(mask, silu_mul_values(g, u).to(tl.float32), 0.0)
-        quantize_row_store(v, mask, q_ptr + row * stride_q + cols, s_ptr + row, INT8, EMULATE_FP8)
-
-
-@triton.jit
 def _silu_mul_quant_2pass_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, stride_up, stride_q, num_cols,
                                  INT8: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr,
                                  PDL: tl.constexpr):
@@ -145,16 +120,6 @@ def _silu_mul_quant_2pass_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, st
         tl.store(q_row + cols, _codes(tl.math.div_rn(v, scale), qmax, q_row + cols, INT8, EMULATE_FP8), mask=mask)
 
 
-def _quant_persistent() -> bool:
-    """KERNELS_SILU_QUANT_PERSISTENT=1: the quantized SiLU-mul by about one program per SM, each asking the L2 for its
-    next row while it works on this one (_silu_mul_quant_rows_kernel); 0 (the default): a program per row. An A/B
-    knob, not yet measured on a GPU (session 41)."""
-    value = os.environ.get("KERNELS_SILU_QUANT_PERSISTENT", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"KERNELS_SILU_QUANT_PERSISTENT={value!r} is not 0 or 1")
-    return value == "1"
-
-
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
              quantize_to: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
     """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I]); with
@@ -180,15 +145,7 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
         codes = torch.empty((num_tokens, num_cols), dtype=quantize_to, device=gate.device)
         scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate.device)
         chunk = _quant_chunk()
-        if num_tokens and _quant_persistent():  # the persistent kernel (see _quant_persistent)
-            block = triton.next_power_of_2(num_cols)
-            programs = min(num_tokens, 2 if _interpreting() else _num_sms(gate.device.index))
-            _silu_mul_quant_rows_kernel[(programs,)](
-                gate, up, codes, scales, gate.stride(0), up.stride(0), codes.stride(0), num_tokens, num_cols,
-                INT8=quantize_to == torch.int8, EMULATE_FP8=_interpreting(), BLOCK=block,
-                LINES=triton.next_power_of_2(triton.cdiv(num_cols * gate.element_size(), 128)),
-                PREFETCH=not _interpreting(), num_warps=min(max(block // 1024, 4), 16), **pdl_args(codes))
-        elif num_tokens and chunk and num_cols > chunk:  # the two-pass kernel (see _quant_chunk)
+        if num_tokens and chunk and num_cols > chunk:  # the two-pass kernel (see _quant_chunk)
             _silu_mul_quant_2pass_kernel[(num_tokens,)](
                 gate, up, codes, scales, gate.stride(0), up.stride(0), codes.stride(0), num_cols,
                 INT8=quantize_to == torch.int8, EMULATE_FP8=_interpreting(), BLOCK=chunk,

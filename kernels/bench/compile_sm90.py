@@ -344,20 +344,15 @@ def _norms_and_rope() -> list[tuple[str, object]]:
 
 
 def _silu_quant() -> list[tuple[str, object]]:
-    from kernels.activation import _silu_mul_quant_2pass_kernel, _silu_mul_quant_kernel, _silu_mul_quant_rows_kernel
+    from kernels.activation import _silu_mul_quant_2pass_kernel, _silu_mul_quant_kernel
 
     types = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_gate": "i32",
              "stride_up": "i32", "stride_q": "i32", "num_cols": "i32"}
     consts = {"INT8": False, "EMULATE_FP8": False, "PDL": True}
-    rows = dict(types, num_rows="i32")
     return [("silu_mul quantized, one pass, 14336", lambda: compile_kernel(
                 _silu_mul_quant_kernel, types, {**consts, "BLOCK": 16384}, 16)),
             ("silu_mul quantized, two passes of 2048", lambda: compile_kernel(
-                _silu_mul_quant_2pass_kernel, types, {**consts, "BLOCK": 2048}, 4))] + [
-            (f"silu_mul quantized, persistent{', the next row prefetched' if pf else ''}, 14336",
-             lambda pf=pf: compile_kernel(_silu_mul_quant_rows_kernel, rows,
-                                          {**consts, "BLOCK": 16384, "LINES": 256, "PREFETCH": pf}, 16))
-            for pf in (False, True)]
+                _silu_mul_quant_2pass_kernel, types, {**consts, "BLOCK": 2048}, 4))]
 
 
 def _w8a8_rows() -> list[tuple[str, object]]:

@@ -1,10 +1,8 @@
 """The quantized SiLU-mul (``kernels.activation.silu_mul(..., quantize_to=)``) at Llama-3-8B's intermediate size:
-the one-pass kernel against the two-pass one at each chunk size (``KERNELS_SILU_QUANT_CHUNK``) and the persistent one
-(``KERNELS_SILU_QUANT_PERSISTENT=1``, the column "persistent"), us per launch and the bandwidth of its bytes (gate
-and up read once, codes and scales written), from CUDA-graph replays (median of 50).
+the one-pass kernel against the two-pass one at each chunk size (``KERNELS_SILU_QUANT_CHUNK``), us per launch and the
+bandwidth of its bytes (gate and up read once, codes and scales written), from CUDA-graph replays (median of 50).
 
     python -m kernels.bench.silu_quant [--rows 1 16 256 2048 8192] [--cols 14336] [--chunks 0 1024 2048 4096]
-        [--no-persistent]
 
 Each row's codes and scale are checked equal to the one-pass kernel's before it is timed.
 """
@@ -27,36 +25,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
     parser.add_argument("--cols", type=int, default=14336)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 1024, 2048, 4096])
-    parser.add_argument("--no-persistent", action="store_true", help="leave out the persistent kernel's column")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("kernels.bench.silu_quant times CUDA kernels; no CUDA device", file=sys.stderr)
         return 1
-    settings = [("KERNELS_SILU_QUANT_CHUNK", str(c), f"chunk {c}" if c else "one pass") for c in args.chunks]
-    if not args.no_persistent:
-        settings.append(("KERNELS_SILU_QUANT_PERSISTENT", "1", "persistent"))
-    print(f"{'rows':>6} " + " ".join(f"{label:>22}" for _, _, label in settings))
+    print(f"{'rows':>6} " + " ".join(f"{'chunk ' + str(c) if c else 'one pass':>22}" for c in args.chunks))
     for rows in args.rows:
         gen = torch.Generator(device="cuda").manual_seed(rows)
         gate_up = (torch.randn(rows, 2 * args.cols, device="cuda", generator=gen) * 3).to(torch.bfloat16)
         nbytes = gate_up.numel() * 2 + rows * args.cols + rows * 4
         cells, want = [], None
-        for var, value, label in settings:
-            os.environ[var] = value
-            try:
-                got = silu_mul(gate_up, quantize_to=torch.float8_e4m3fn)
-                if want is None:
-                    want = got
-                elif not (torch.equal(got.scales, want.scales)
-                          and torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))):
-                    print(f"rows {rows}, {label}: codes or scales differ from the one-pass kernel's", file=sys.stderr)
-                    return 1
-                us = 1e3 * timings(lambda: silu_mul(gate_up, quantize_to=torch.float8_e4m3fn),
-                                   SimpleNamespace(warmup=5, iters=50))[0]
-            finally:
-                os.environ.pop(var, None)
+        for chunk in args.chunks:
+            os.environ["KERNELS_SILU_QUANT_CHUNK"] = str(chunk)
+            got = silu_mul(gate_up, quantize_to=torch.float8_e4m3fn)
+            if want is None:
+                want = got
+            elif not (torch.equal(got.scales, want.scales)
+                      and torch.equal(got.codes.view(torch.uint8), want.codes.view(torch.uint8))):
+                print(f"rows {rows}, chunk {chunk}: codes or scales differ from the one-pass kernel's", file=sys.stderr)
+                return 1
+            us = 1e3 * timings(lambda: silu_mul(gate_up, quantize_to=torch.float8_e4m3fn),
+                               SimpleNamespace(warmup=5, iters=50))[0]
             cells.append(f"{us:9.1f} us {nbytes / us / 1e6:5.2f} TB/s")
         print(f"{rows:>6} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+    os.environ.pop("KERNELS_SILU_QUANT_CHUNK", None)
     return 0
 
 

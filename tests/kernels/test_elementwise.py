@@ -319,21 +319,3 @@ def test_silu_mul_quantized_in_two_passes_equals_one(chunk, quant, monkeypatch):
     monkeypatch.setenv("KERNELS_SILU_QUANT_CHUNK", "100")
     with pytest.raises(ValueError, match="KERNELS_SILU_QUANT_CHUNK"):
         silu_mul(gate_up, quantize_to=quant)
-
-
-@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
-def test_silu_mul_quantized_by_persistent_programs_equals_one_per_row(quant, monkeypatch):
-    """KERNELS_SILU_QUANT_PERSISTENT=1: fewer programs than rows, each taking every P-th row in turn (2 programs
-    over 5 rows under the interpreter), give the program-per-row kernel's scales and codes bit for bit."""
-    gate_up = _randn(5, 2 * 300, dtype=torch.bfloat16, seed=44, scale=3.0)
-    gate_up[3, 17] = -50.0  # one row's max far from the others'
-    one = silu_mul(gate_up, quantize_to=quant)
-    monkeypatch.setenv("KERNELS_SILU_QUANT_PERSISTENT", "1")
-    rows = silu_mul(gate_up, quantize_to=quant)
-    torch.testing.assert_close(rows.scales, one.scales, rtol=0, atol=0)
-    assert torch.equal(rows.codes.view(torch.uint8), one.codes.view(torch.uint8))
-    assert torch.equal(silu_mul(gate_up[:1], quantize_to=quant).codes.view(torch.uint8),
-                       one.codes[:1].view(torch.uint8))  # fewer rows than programs
-    monkeypatch.setenv("KERNELS_SILU_QUANT_PERSISTENT", "yes")
-    with pytest.raises(ValueError, match="KERNELS_SILU_QUANT_PERSISTENT"):
-        silu_mul(gate_up, quantize_to=quant)
