@@ -6,7 +6,8 @@ written plainly: gather each sequence's K/V through its block table, dequantize,
 - ``write_kv_cache``: scatter new K/V rows into their cache slots, quantizing for fp8/int8 caches.
 - ``paged_decode_attention``: one query token per sequence (split-KV flash-decoding, merged by the last split to
   finish: one kernel).
-- ``paged_prefill_attention``: packed variable-length causal prefill, chunked prefill included.
+- ``paged_prefill_attention``: packed variable-length causal prefill, chunked prefill included
+  (``paged_mixed_attention``: a step mixing decodes with prompts, its decodes on the decode kernel).
 
 Cache layout (``runtime/paged_kv.py``):
 
@@ -1116,10 +1117,13 @@ def _paged_prefill_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_vt, stride_vh,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
-        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False):
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False,
+        SKIP_SINGLE: tl.constexpr = False):
     # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: every sequence is a fresh
     # prompt (no context) and k_cache_ptr / v_cache_ptr are the step's own K/V [num_tokens, kv heads, head_dim]
     # (keys: stride_ct per token, stride_ch per head; values: stride_vt, stride_vh; the block tables unread).
+    # SKIP_SINGLE: sequences of exactly one new token are left alone (their rows unwritten: paged_mixed_attention
+    # gives them to the decode kernel).
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
     # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
     # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
@@ -1134,6 +1138,8 @@ def _paged_prefill_kernel(
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     t_start = (tile - (q_start // BLOCK_T + seq)) * BLOCK_T  # first token of the tile within the sequence
     if t_start >= q_len:  # a spare tile
+        return
+    if SKIP_SINGLE and q_len == 1:
         return
     kv_head = tl.program_id(1)
     context = tl.load(context_lens_ptr + seq)
@@ -1201,7 +1207,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             sliding_window: int | None = None, softcap: float = 0.0,
                             sinks: torch.Tensor | None = None,
                             config: tuple[int, int, int, int] | None = None,
-                            contiguous_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            contiguous_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                            out: torch.Tensor | None = None, skip_single: bool = False) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged caches; returns ``out`` like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
@@ -1216,6 +1223,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     caller's to know: it is not read back), over a 16-bit cache (its values are these rounded to the cache's dtype;
     a quantized cache's would differ). The keys are contiguous rows, which the kernel can stream without the block
     tables' indirection.
+    ``out``: where to write (like q; a new tensor by default). ``skip_single``: leave the rows of sequences with
+    exactly one new token unwritten (``paged_mixed_attention``).
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -1237,7 +1246,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             contiguous_kv = None
     assert cu_seqlens_q.shape == (num_seqs + 1,), \
         f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} != ({num_seqs + 1},) for {num_seqs} sequences"
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out {tuple(out.shape)} ({out.dtype}) is not like q {tuple(q.shape)} ({q.dtype}) with "
+                         "contiguous heads")
     if num_tokens == 0 or num_seqs == 0:
         return out
     q = _last_dim_contiguous(q)
@@ -1257,9 +1270,51 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, CONTIG=contiguous_kv is not None, num_warps=num_warps, num_stages=num_stages,
-        **pdl_args(q))
+        SINKS=sinks is not None, CONTIG=contiguous_kv is not None, SKIP_SINGLE=skip_single, num_warps=num_warps,
+        num_stages=num_stages, **pdl_args(q))
     return out
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A step's sequences of exactly one new token (``decode_rows``), for ``paged_mixed_attention``; made once per
+    step, on the device, from shapes alone (a CUDA graph replays it)."""
+
+    gather: torch.Tensor  # [num_seqs] int64: each sequence's last new row (0 where it has none)
+    scatter: torch.Tensor  # [num_seqs] int64: that row for a sequence of one new token, else num_tokens (a spare row)
+    seq_lens: torch.Tensor  # [num_seqs] int32: its length for a sequence of one new token, else 0 (no work)
+
+
+def decode_rows(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int) -> DecodeRows:
+    """``DecodeRows`` of a packed step: cu_seqlens_q [num_seqs + 1] and seq_lens [num_seqs] int32 as
+    ``paged_prefill_attention`` and ``paged_decode_attention`` take them, over num_tokens rows."""
+    one = cu_seqlens_q[1:] - cu_seqlens_q[:-1] == 1
+    last = (cu_seqlens_q[1:].long() - 1).clamp(min=0)
+    return DecodeRows(last, torch.where(one, last, num_tokens), torch.where(one, seq_lens, 0).to(torch.int32))
+
+
+def paged_mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                          scale: float, rows: DecodeRows, *, k_scale: torch.Tensor | float | None = None,
+                          v_scale: torch.Tensor | float | None = None, sliding_window: int | None = None,
+                          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_prefill_attention`` of a step that mixes decodes with prompts, its sequences of one new token on the
+    decode kernel: their queries gathered (``rows``, ``decode_rows``), attended over their caches by
+    ``paged_decode_attention`` (the others get length 0: no work) and scattered back, the other sequences by the
+    prefill kernel, which leaves the decodes' rows alone. The prefill kernel reads a decode's keys with a tile of
+    BLOCK_M rows of which it fills one GQA group, without splitting the keys; the decode kernel splits them and
+    reads them at about twice the bandwidth (kernels.bench.attention --mixed-only). The same result up to fp32
+    rounding. Three more launches (gather, decode, scatter) than the prefill kernel alone."""
+    num_tokens = q.shape[0]
+    out = q.new_empty((num_tokens + 1, *q.shape[1:]))  # the last row takes the scatter of non-decode sequences
+    dec = paged_decode_attention(q.index_select(0, rows.gather), k_cache, v_cache, block_tables, rows.seq_lens, scale,
+                                 k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap,
+                                 sinks=sinks)
+    out.index_copy_(0, rows.scatter, dec)
+    paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scale=k_scale,
+                            v_scale=v_scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                            out=out[:num_tokens], skip_single=True)
+    return out[:num_tokens]
 
 
 def _prefill_config(dtype: torch.dtype, head_dim: int = 128) -> tuple[int, int, int, int]:

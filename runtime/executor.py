@@ -41,6 +41,12 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
 # the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
 PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
+# RUNTIME_MIXED_DECODE_SPLIT=1: a step that mixes decodes with prompts attends its decodes (sequences of one new
+# token) on the decode kernel and the rest on the prefill kernel (``kernels.paged_attention.paged_mixed_attention``)
+# instead of all on the prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth (H200,
+# FP8 cache, 256 decodes over 2,048 keys beside a 512-token prompt: 656 us through the prefill kernel, 300 us for
+# the decodes alone on the decode kernel; docs/BENCHMARKS.md, session 42). Off until timed end to end on a GPU
+MIXED_DECODE_SPLIT = os.environ.get("RUNTIME_MIXED_DECODE_SPLIT", "0") == "1"
 # Weight roles of a linear / lm_head that act on its input before the matmul (an imported act-order gather, an
 # exporter's per-input-channel scale): such a linear reads plain rows, so no fusion hands it anything else
 INPUT_ROLES = ("perm", "pre_quant_scale")
@@ -114,6 +120,7 @@ class _Step:
 
     inp: StepInput
     rope_cache: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    decode_rows: Any = None  # kernels.paged_attention.DecodeRows of a mixed step, made by its first attention layer
 
 
 Kernel = Callable[[list[torch.Tensor], _Step], tuple[torch.Tensor, ...]]
@@ -828,7 +835,7 @@ def _attention(w, attrs, ex) -> Kernel:
 
     def kernel(xs, step):
         if step.inp.paged is not None and paged is not None:
-            return paged(xs, step.inp.paged)
+            return paged(xs, step.inp.paged, step)
         if step.inp.paged is not None and not step.inp.seqs:  # a CUDA-graph step carries only the paged cache
             from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
@@ -879,13 +886,14 @@ def _fused_rope(ex, planned: tuple[dict[str, Any], str]) -> _FusedRope:
 
 
 def _paged_attention(w, attrs, rope: _FusedRope | None = None
-                     ) -> Callable[[list[torch.Tensor], PagedAttentionMetadata], tuple] | None:
+                     ) -> Callable[[list[torch.Tensor], PagedAttentionMetadata, _Step], tuple] | None:
     """Attention through the Triton kernels: write the step's K/V into the paged cache (quantizing for
     FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables. With
     ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v. A
     decode-only step does all of it in the decode kernel (``FUSE_KV_WRITE``)."""
-    from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, NewKV, paged_decode_attention, paged_prefill_attention,
-                                         rope_write_kv_cache, write_kv_cache)
+    from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, NewKV, decode_rows, paged_decode_attention,
+                                         paged_mixed_attention, paged_prefill_attention, rope_write_kv_cache,
+                                         write_kv_cache)
 
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
@@ -896,7 +904,7 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
     extra = {"softcap": attrs.get("softcap", 0.0),  # made once: the step passes the same tensors (CUDA graphs)
              "sinks": w["sinks"].float().contiguous() if "sinks" in w else None}
 
-    def run(xs, md: PagedAttentionMetadata):
+    def run(xs, md: PagedAttentionMetadata, step: _Step):
         q, k, v = xs[:3]  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
         q = q.view(-1, num_heads, head_dim)
         kc, vc = md.k_caches[layer], md.v_caches[layer]
@@ -918,6 +926,12 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
+        elif MIXED_DECODE_SPLIT and not own_kv:
+            if step.decode_rows is None:  # once per step, on the device (captured with a step graph)
+                step.decode_rows = decode_rows(md.cu_seqlens_q, md.seq_lens, q.shape[0])
+            out = paged_mixed_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
+                                        step.decode_rows, k_scale=k_scale, v_scale=v_scale, sliding_window=window,
+                                        **extra)
         else:
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=window,

@@ -38,7 +38,9 @@ from kernels.paged_attention import (
     _decode_num_splits,
     _num_sms,
     _prefill_config,
+    decode_rows,
     paged_decode_attention,
+    paged_mixed_attention,
     paged_prefill_attention,
     quantize_kv,
     ref_paged_decode_attention,
@@ -394,8 +396,9 @@ def prefill_sweep(gen, args, failures) -> int:
 def bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures) -> str:
     """A serving step that carries prefill: ``num_decodes`` sequences of one new token after ``context`` cached
     ones, then a fresh ``prompt``-token sequence, all through the varlen prefill kernel (what a step-graph replay
-    runs), beside the decode kernel over the decode rows alone (the K/V reads they need). Bandwidth counts the
-    K/V bytes every sequence must read once."""
+    runs), beside the decode kernel over the decode rows alone (the K/V reads they need) and the split step
+    (``paged_mixed_attention``: the decodes on the decode kernel, the prompt on the prefill kernel, with the gather
+    and scatter; RUNTIME_MIXED_DECODE_SPLIT). Bandwidth counts the K/V bytes every sequence must read once."""
     kv_dtype = KV_DTYPES[kv_name]
     lens = [max(1, context - (i % 7)) for i in range(num_decodes)] + [prompt]
     q_lens = [1] * num_decodes + [prompt]
@@ -414,16 +417,28 @@ def bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures) -> s
         return paged_decode_attention(q[:num_decodes], p.k_cache, p.v_cache, p.block_tables[:num_decodes], seq_lens,
                                       scale, **kw)
 
-    ok, err = close(mixed(), ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, **kw))
+    all_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+    def split():  # the per-step DecodeRows included (the runtime makes them once per step, not once per layer)
+        rows = decode_rows(cu, all_lens, q.shape[0])
+        return paged_mixed_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, rows, **kw)
+
+    expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, **kw)
+    ok, err = close(mixed(), expected)
+    split_ok, split_err = close(split(), expected)
     if not ok:
         failures.append(f"mixed {num_decodes}x{context}+{prompt} kv={kv_name}: max err {err:.3g}")
+    if not split_ok:
+        failures.append(f"mixed, split {num_decodes}x{context}+{prompt} kv={kv_name}: max err {split_err:.3g}")
+    ok, err = ok and split_ok, max(err, split_err)
     ms, _ = timings(mixed, args)
     decode_ms, _ = timings(decode, args)
+    split_ms, _ = timings(split, args)
     kv_bytes = sum(lens) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
     decode_bytes = sum(lens[:num_decodes]) * NUM_KV_HEADS * HEAD_DIM * p.k_cache.element_size() * 2
     return (f"| {num_decodes} decodes x ctx {context} + {prompt}-token prompt | {kv_name} | {ms * 1e3:8.1f} | "
             f"{kv_bytes / ms / 1e6:7.0f} GB/s | {decode_ms * 1e3:8.1f} | {decode_bytes / decode_ms / 1e6:7.0f} GB/s | "
-            f"{'ok' if ok else 'FAIL'} {err:.1e} |")
+            f"{split_ms * 1e3:8.1f} | {kv_bytes / split_ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
 
 def _sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args) -> str:
@@ -550,8 +565,8 @@ def _prefill_table(gen, args, failures) -> None:
 
 def _mixed_table(gen, args, failures) -> int:
     print("\n| step (prefill kernel) | kv | graph us | K/V bandwidth | decode rows alone, decode kernel us | "
-          "its bandwidth | check |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "its bandwidth | split step (decodes on the decode kernel) us | its K/V bandwidth | check |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in ("bf16", "fp8"):
         for num_decodes, context, prompt in ((64, 512, 128), (256, 700, 256), (256, 2048, 512)):
             print(bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures), flush=True)

@@ -170,10 +170,12 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
                                                        "stride_ct", "stride_ch", "stride_bt", "stride_vt",
                                                        "stride_vh")}}
     base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
-                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False)
+                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False, SKIP_SINGLE=False)
     variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8),
                 ("bf16 cache, 64-token blocks", {"BLOCK_SIZE": 64}, {}),
                 ("fp8 cache, 64-token blocks", {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64}, fp8),
+                ("fp8 cache, 64-token blocks, one-token sequences skipped (the mixed step's)",
+                 {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "SKIP_SINGLE": True}, fp8),
                 ("int8 cache, 64-token blocks", {"QUANT": 2, "F16": True, "BLOCK_SIZE": 64},
                  {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}),
                 ("fresh prompts over their own K/V", {"CONTIG": True}, {})]

@@ -81,6 +81,45 @@ def test_fresh_prompts_attend_over_their_own_keys(tmp_path, monkeypatch, shape):
     assert used >= layers and len(calls) > used, (used, len(calls))  # a fresh step's layers; a chunk after context
 
 
+@pytest.mark.parametrize("shape", ["llama", "mistral"])
+def test_mixed_steps_attend_their_decodes_on_the_decode_kernel(tmp_path, monkeypatch, shape):
+    """RUNTIME_MIXED_DECODE_SPLIT: steps that mix decodes with prompts (and chunks) run paged_mixed_attention, eagerly
+    and as StepGraphs pads them (sequences without new tokens, tokens past the step), with the reference path's
+    greedy tokens and logprobs; steps of one kind do not."""
+    from kernels import paged_attention
+    from runtime import executor
+    from runtime.cuda_graphs import StepGraphs
+
+    path = build_artifact(make_checkpoint(tmp_path / "ckpt", shape, num_hidden_layers=1, **SHAPES[shape]),
+                          tmp_path / "art")
+    ref = Engine.load(path, use_kernels=False)
+    calls, real = [], paged_attention.paged_mixed_attention
+
+    def spy(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return real(q, *args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "paged_mixed_attention", spy)
+    monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", True)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40, 13, 3, 26)]
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logprobs=0)
+    wants = [ref.generate(prompt, params) for prompt in prompts]
+    for padded in (False, True):
+        calls.clear()
+        fused = ServingEngine(Engine.load(path, use_kernels=True),
+                              ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
+        if padded:
+            fused.step_graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 128, token_buckets=(8, 16, 32),
+                                           capture=False)
+        for out, want in zip(fused.run(prompts, params), wants):
+            assert out.token_ids == want.token_ids
+            got = torch.tensor([lp.logprob for lp in out.logprobs])
+            assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
+        assert calls, "no step mixed decodes with prompts"
+        assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
+
+
 def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
     """StepGraphs' padded step (tokens past the step: slot -1, position 0, past cu_seqlens_q's end; sequences past
     it: no new tokens; logits rows past the sampling ones: row 0, dropped), run eagerly through the kernels here

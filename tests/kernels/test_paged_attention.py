@@ -735,8 +735,8 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, dtype, kv_
 
 @pytest.mark.parametrize("block_size, config, kv_dtype, window", [
     (64, (64, 64, 4, 2), torch.bfloat16, None), (64, (64, 64, 4, 2), FP8, 50), (128, (64, 32, 4, 2), INT8, None),
-    (128, (32, 64, 4, 2), FP8, None), (64, (32, 32, 4, 2), torch.float32, 23)],
-    ids=["bf16-64x64", "fp8-64x64-window", "int8-128x32", "fp8-128x64", "fp32-64x32-window"])
+    (128, (32, 64, 4, 2), FP8, None), (64, (32, 32, 4, 2), torch.float32, 23), (64, (128, 64, 4, 2), FP8, None)],
+    ids=["bf16-64x64", "fp8-64x64-window", "int8-128x32", "fp8-128x64", "fp32-64x32-window", "fp8-128-rows"])
 def test_prefill_over_blocks_holding_whole_key_tiles(block_size, config, kv_dtype, window):
     """Cache blocks of a multiple of the key tile: one block id and one base per key tile (a tile starting mid-block
     too), masked tiles' values zero-filled by their load; fresh prompts, chunks after a context, a decode row in the
@@ -815,6 +815,64 @@ def test_prefill_softcap_and_sinks_match_reference(dtype, kv_dtype, softcap, sin
     # kernel changes). The interpreter's state behind it was not found; the bound is 2e-4 there
     _assert_close(pa.paged_prefill_attention(*args, **kw), expected,
                   2e-4 if softcap and dtype == torch.float32 else None)
+
+
+MIXED_CASES = [  # (dtype, kv_dtype, block_size, softcap, sinks, window)
+    pytest.param(torch.bfloat16, torch.bfloat16, 8, 0.0, False, None, id="bf16"),
+    pytest.param(torch.bfloat16, FP8, 16, 0.0, False, None, id="fp8kv"),
+    pytest.param(torch.bfloat16, INT8, 8, 0.0, False, 20, id="int8kv-window"),
+    pytest.param(torch.float32, torch.float32, 8, 2.0, True, 20, id="fp32-softcap-sinks-window"),
+]
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, block_size, softcap, sinks, window", MIXED_CASES)
+def test_mixed_step_with_decodes_on_the_decode_kernel(dtype, kv_dtype, block_size, softcap, sinks, window):
+    """A step mixing decodes (one new token after a context, a one-token fresh prompt, a one-token chunk) with a
+    fresh prompt, a chunk after a context and sequences without new tokens (a graph's padding: first, between and
+    last, whose gather row is another sequence's): paged_mixed_attention equals the reference, and its rows are the
+    decode kernel's for the decodes and the prefill kernel's for the rest; the spare row takes no sequence's rows."""
+    gen = torch.Generator().manual_seed(21)
+    q_lens, ctx_lens = [0, 1, 33, 1, 1, 0, 17, 1, 0], [5, 60, 0, 0, 41, 9, 23, 130, 3]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, block_size, dtype, kv_dtype, gen)
+    num_tokens = sum(q_lens)
+    q = (torch.randn(num_tokens, 8, 32, generator=gen) * 2).to(dtype).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, **_extra(8, softcap, sinks, gen)}
+    rows = pa.decode_rows(cu, _int32(lens), num_tokens)
+    one = [n == 1 for n in q_lens]
+    last = [max(e - 1, 0) for e in cu[1:].tolist()]
+    assert rows.gather.tolist() == last
+    assert rows.scatter.tolist() == [r if o else num_tokens for r, o in zip(last, one)]
+    assert rows.seq_lens.tolist() == [n if o else 0 for n, o in zip(lens, one)]
+    expected = pa.ref_paged_prefill_attention(*args, **kw)
+    tol = 2e-4 if softcap and dtype == torch.float32 else None  # see test_prefill_softcap_and_sinks_match_reference
+    out = pa.paged_mixed_attention(*args, rows, **kw)
+    _assert_close(out, expected, tol)
+    decodes = [r for r, o in zip(last, one) if o]
+    dec = pa.paged_decode_attention(q[decodes], k_cache, v_cache, tables[[i for i, o in enumerate(one) if o]],
+                                    _int32([n for n, o in zip(lens, one) if o]), 32 ** -0.5, **kw)
+    torch.testing.assert_close(out[decodes], dec, atol=0, rtol=0)
+    others = [r for r in range(num_tokens) if r not in decodes]
+    torch.testing.assert_close(out[others], pa.paged_prefill_attention(*args, **kw)[others], atol=0, rtol=0)
+
+
+def test_prefill_skipping_single_token_sequences_leaves_their_rows():
+    """skip_single: the rows of sequences of one new token keep what ``out`` held; the others are written."""
+    gen = torch.Generator().manual_seed(22)
+    q_lens, ctx_lens = [1, 12, 1], [30, 4, 0]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, _, _ = _paged(lens, 2, 32, 8, torch.bfloat16, torch.bfloat16, gen)
+    q = torch.randn(sum(q_lens), 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    out = torch.full_like(q, 7.0)
+    assert pa.paged_prefill_attention(*args, out=out, skip_single=True) is out
+    assert (out[[0, 13]] == 7.0).all()
+    torch.testing.assert_close(out[1:13], pa.paged_prefill_attention(*args)[1:13], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="is not like q"):
+        pa.paged_prefill_attention(*args, out=out[:, :4])
 
 
 def test_reference_softcap_and_sinks_match_attention_one():
