@@ -1278,7 +1278,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 @dataclass(frozen=True)
 class DecodeRows:
     """A step's sequences of exactly one new token (``decode_rows``), for ``paged_mixed_attention``; made once per
-    step, on the device, from shapes alone (a CUDA graph replays it)."""
+    step, on the device, without a host sync (a CUDA graph replays it)."""
 
     gather: torch.Tensor  # [num_seqs] int64: each sequence's last new row (0 where it has none)
     scatter: torch.Tensor  # [num_seqs] int64: that row for a sequence of one new token, else num_tokens (a spare row)
@@ -1304,9 +1304,15 @@ def paged_mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     prefill kernel, which leaves the decodes' rows alone. The prefill kernel reads a decode's keys with a tile of
     BLOCK_M rows of which it fills one GQA group, without splitting the keys; the decode kernel splits them and
     reads them at about twice the bandwidth (kernels.bench.attention --mixed-only). The same result up to fp32
-    rounding. Three more launches (gather, decode, scatter) than the prefill kernel alone."""
+    rounding. Three more launches a layer (gather, decode, scatter) than the prefill kernel alone, and
+    ``decode_rows``' few small ops once a step."""
     num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return torch.empty_like(q)
     out = q.new_empty((num_tokens + 1, *q.shape[1:]))  # the last row takes the scatter of non-decode sequences
+    # PDL: the decode kernel reads rows.seq_lens and block_tables before its wait, so the kernel launched just before
+    # it must not write them: that is the gather, an ordinary launch (which starts once all before it are done)
+    # after decode_rows' ops. Keep a plain launch between decode_rows and this kernel.
     dec = paged_decode_attention(q.index_select(0, rows.gather), k_cache, v_cache, block_tables, rows.seq_lens, scale,
                                  k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap,
                                  sinks=sinks)

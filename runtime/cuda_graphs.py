@@ -39,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runtime.executor import LONG_ROPE_OFFSET, Executor, PagedAttentionMetadata, StepInput
+from runtime import executor as _executor
+from runtime.executor import LONG_ROPE_OFFSET, Executor, PagedAttentionMetadata, StepInput, mixed_step
 from runtime.paged_kv import PagedKVStorage
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,10 @@ class StepGraphs:
     Every graph copies its logits into one static buffer [max sequences, vocab] outside the graphs' pool, so
     the pool holds one step's activations whatever the number of graphs; they are shared: replays are
     stream-ordered and a step's logits are consumed before the next replay is queued. ``logits=False``: no logits
-    rows, and no such buffer (a tensor-parallel worker's replicated lm_head is not run, as in DecodeGraphs)."""
+    rows, and no such buffer (a tensor-parallel worker's replicated lm_head is not run, as in DecodeGraphs).
+    With ``runtime.executor.MIXED_DECODE_SPLIT`` on (read when the graphs are made), a sequence bucket of two or
+    more has a second graph for steps that mix decodes with prompts or chunks (``PagedAttentionMetadata.mixed``:
+    their decodes on the decode kernel), the other steps keeping the first."""
 
     def __init__(self, executor: Executor, storage: PagedKVStorage, max_tokens: int, max_num_seqs: int,
                  max_seq_len: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
@@ -316,7 +320,8 @@ class StepGraphs:
         # per staging set, an event recorded after its copies were queued: the set is rewritten only once they ran
         # (a caller that launches steps back to back without reading any back, e.g. a draft model's long prompt)
         self._copied: list[torch.cuda.Event | None] = [None, None]
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.split_mixed = _executor.MIXED_DECODE_SPLIT
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         if capture:
             start = time.perf_counter()
             pool = torch.cuda.graph_pool_handle()  # its own: a decode graph's logits may still be read
@@ -325,18 +330,20 @@ class StepGraphs:
             log.info("captured %d CUDA graphs of steps carrying prefill (tokens %s x sequences %s) in %.1fs",
                      len(self._graphs), self.token_buckets, self.seq_buckets, time.perf_counter() - start)
 
-    def keys(self) -> list[tuple[int, int]]:
-        return [(t, s) for t in self.token_buckets for s in self.seq_buckets if s <= t]
+    def keys(self) -> list[tuple[int, int, bool]]:
+        """(token bucket, sequence bucket, mixed) of every graph (mixed: see the class docstring)."""
+        return [(t, s, mixed) for t in self.token_buckets for s in self.seq_buckets if s <= t
+                for mixed in ((False, True) if self.split_mixed and s > 1 else (False,))]
 
-    def _step_input(self, t: int, s: int) -> StepInput:
+    def _step_input(self, t: int, s: int, mixed: bool = False) -> StepInput:
         md = PagedAttentionMetadata(self.storage.k, self.storage.v, self.slot_mapping[:t], self.block_tables[:s],
                                     self.seq_lens[:s], self.context_lens[:s], self.cu_seqlens_q[:s + 1],
-                                    decode_only=False)
+                                    decode_only=False, mixed=mixed)
         return StepInput(self.input_ids[:t], self.positions[:t], [], self.logits_index[:s if self.wants_logits else 0],
                          paged=md)
 
-    def _capture(self, t: int, s: int, pool, capture_error_mode: str) -> torch.cuda.CUDAGraph:
-        log.debug("capturing the step of %d tokens over %d sequences", t, s)
+    def _capture(self, t: int, s: int, mixed: bool, pool, capture_error_mode: str) -> torch.cuda.CUDAGraph:
+        log.debug("capturing the step of %d tokens over %d sequences%s", t, s, " (mixed)" if mixed else "")
         # warm-up state: all t tokens one sequence's, written nowhere (slot -1)
         self.slot_mapping[:t].fill_(-1)
         self.cu_seqlens_q[:s + 1].fill_(t)
@@ -344,7 +351,7 @@ class StepGraphs:
         self.context_lens[:s].zero_()
         self.seq_lens[:s].fill_(0)
         self.seq_lens[0] = t
-        inp = self._step_input(t, s)
+        inp = self._step_input(t, s, mixed)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -392,6 +399,8 @@ class StepGraphs:
         key = self.bucket_for(n, num_seqs, rows)
         assert key is not None and n >= 1, f"{n} tokens over {num_seqs} sequences ({rows} logits rows): no step bucket"
         t, s = key
+        cu = step.cu_seqlens_q
+        mixed = self.split_mixed and mixed_step([b - a for a, b in zip(cu, cu[1:])])
         turn = self._turn
         tabs, fed = self._staging[turn]
         self._turn ^= 1
@@ -419,8 +428,8 @@ class StepGraphs:
         if nb:
             self._copied[turn] = torch.cuda.Event()
             self._copied[turn].record()
-        graph = self._graphs.get(key)
+        graph = self._graphs.get((t, s, mixed))
         if graph is None:  # not captured: the same padded step, eagerly
-            return self.executor.forward(self._step_input(t, s))[:rows]
+            return self.executor.forward(self._step_input(t, s, mixed))[:rows]
         graph.replay()
         return self.logits[:rows]

@@ -11,6 +11,7 @@ attention op is the only one that sees sequence boundaries, through ``StepInput.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -41,9 +42,10 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
 # the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
 PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
-# RUNTIME_MIXED_DECODE_SPLIT=1: a step that mixes decodes with prompts attends its decodes (sequences of one new
-# token) on the decode kernel and the rest on the prefill kernel (``kernels.paged_attention.paged_mixed_attention``)
-# instead of all on the prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth (H200,
+# RUNTIME_MIXED_DECODE_SPLIT=1: a step that mixes decodes with prompts or chunks (``PagedAttentionMetadata.mixed``)
+# attends its decodes (sequences of one new token) on the decode kernel and the rest on the prefill kernel
+# (``kernels.paged_attention.paged_mixed_attention``; StepGraphs then captures such steps apart) instead of all on the
+# prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth (H200,
 # FP8 cache, 256 decodes over 2,048 keys beside a 512-token prompt: 656 us through the prefill kernel, 300 us for
 # the decodes alone on the decode kernel; docs/BENCHMARKS.md, session 42). Off until timed end to end on a GPU
 MIXED_DECODE_SPLIT = os.environ.get("RUNTIME_MIXED_DECODE_SPLIT", "0") == "1"
@@ -101,6 +103,15 @@ class PagedAttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: packed row offsets of each sequence's new tokens
     decode_only: bool  # every sequence has exactly one new token (the decode kernel applies)
     fresh: bool = False  # every sequence is a prompt with no cached context (set by the eager path only; graphs: False)
+    # some sequences have exactly one new token and some more (MIXED_DECODE_SPLIT's steps); set by the host, which
+    # knows it: the eager paths from their sequences, StepGraphs by a graph of its own for such steps
+    mixed: bool = False
+
+
+def mixed_step(num_new: Sequence[int]) -> bool:
+    """Whether a step of sequences with these numbers of new tokens mixes decodes (one new token) with others: the
+    steps ``MIXED_DECODE_SPLIT`` applies to (``PagedAttentionMetadata.mixed``)."""
+    return 1 in num_new and any(n > 1 for n in num_new)
 
 
 @dataclass
@@ -926,7 +937,7 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
-        elif MIXED_DECODE_SPLIT and not own_kv:
+        elif MIXED_DECODE_SPLIT and md.mixed and not own_kv:
             if step.decode_rows is None:  # once per step, on the device (captured with a step graph)
                 step.decode_rows = decode_rows(md.cu_seqlens_q, md.seq_lens, q.shape[0])
             out = paged_mixed_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,

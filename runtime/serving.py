@@ -56,7 +56,7 @@ from runtime.block_pool import BlockPool
 from runtime.engine import Engine, RequestError
 from runtime.env import env_number
 from runtime.cuda_graphs import PackedStep, TableStaging
-from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
+from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput, mixed_step
 from runtime.kv_manager import KVCacheManager
 from runtime.memory import MemoryPlan, estimate_workspace_bytes, plan_budget, plan_kv_blocks, tensor_bytes
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
@@ -1089,7 +1089,8 @@ class ServingEngine:
                 self.storage.k, self.storage.v, tensor(step.slots), tensor(tables),
                 tensor(step.seq_lens, torch.int32), tensor(step.context_lens, torch.int32),
                 tensor(step.cu_seqlens_q, torch.int32),
-                all(q.num_new == 1 for q in sched.seqs), fresh=all(q.num_context == 0 for q in sched.seqs))
+                all(q.num_new == 1 for q in sched.seqs), fresh=all(q.num_context == 0 for q in sched.seqs),
+                mixed=mixed_step([q.num_new for q in sched.seqs]))
         return inp
 
     def _replay(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:

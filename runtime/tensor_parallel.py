@@ -86,7 +86,7 @@ import torch.distributed as dist
 from runtime import collectives
 from runtime.artifact import Artifact, ArtifactError, open_artifact
 from runtime.cuda_graphs import DEFAULT_STEP_TOKEN_BUCKETS, PackedStep, StepGraphs, step_buckets
-from runtime.executor import LONG_ROPE_OFFSET, Executor, PagedAttentionMetadata, SeqSlice, StepInput
+from runtime.executor import LONG_ROPE_OFFSET, Executor, PagedAttentionMetadata, SeqSlice, StepInput, mixed_step
 from runtime.kv_cache import SequenceKV
 from runtime.memory import MemoryPlan, fit_kv_blocks, least_kv_blocks, plan_budget, tensor_bytes
 from runtime.paged_kv import PagedKVStorage, PagedSequenceKV
@@ -943,7 +943,8 @@ class _WorkerState:
         inp = StepInput(t["input_ids"], t["positions"], seqs, rows)
         if "slot_mapping" in t:
             inp.paged = PagedAttentionMetadata(self.storage.k, self.storage.v, t["slot_mapping"], t["block_tables"],
-                                               t["seq_lens"], t["context_lens"], t["cu_seqlens_q"], msg.decode_only)
+                                               t["seq_lens"], t["context_lens"], t["cu_seqlens_q"], msg.decode_only,
+                                               mixed=mixed_step([num_new for _, num_new, _ in msg.seqs]))
         return inp
 
 

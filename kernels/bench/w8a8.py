@@ -19,6 +19,12 @@ candidate ``GemvConfig``s (to tune ``kernels.gemv._W8A8_CUDA_CONFIGS``).
 ``--rows`` / ``--rows-sweep``: only ``kernels.w8a8_rows.w8a8_rows_linear`` (rows quantized beforehand, as a norm
 hands them over) at 8-256 rows against cuBLAS on the same codes, with candidate configs per M for the sweep.
 
+``--scaling``: only ``torch._scaled_mm`` at the runtime's large-M sizes with row-wise scales (per-token x
+per-channel: what every FP8 linear passes today, static per-tensor scales broadcast to rows and columns) against one
+scale per operand (tensor-wise: what a build of per-tensor weights and static per-tensor activations could pass), the
+same codes; the time of each, TFLOP/s and the largest difference of the results relative to the output's largest
+magnitude.
+
 ``--fast-accum``: only ``torch._scaled_mm`` at the runtime's large-M sizes (128 ... 8192 rows) with and without
 ``use_fast_accum`` (Hopper's FP8 MMA accumulating without periodic promotion to fp32), the time of each and the
 largest difference of the fast result from the fp32-promoted one, relative to the output's largest magnitude.
@@ -231,6 +237,38 @@ def bench_fast_accum() -> None:
                   flush=True)
 
 
+def bench_scaling() -> None:
+    """``_scaled_mm`` with row-wise against tensor-wise scales at the Llama-3-8B shapes (see the module docstring)."""
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    print("\n| shape | M | row-wise us | TFLOP/s | tensor-wise us | TFLOP/s | speedup | max rel diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, k, n in SHAPES:
+        w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        w_amax = w.abs().amax().float().clamp(min=1e-12)
+        w_scale1 = (w_amax / 448.0).reshape(())
+        q = (w.float() / w_scale1).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        w_rows = w_scale1.reshape(1, 1).expand(1, n).contiguous()
+        qs = [q.clone().t() for _ in range(max(1, COPIES_BYTES // q.numel()))]
+        for m in (128, 512, 2048, 8192):
+            x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+            x_scale1 = (x.abs().amax().float() / 448.0).reshape(())
+            xq = (x.float() / x_scale1).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            x_rows = x_scale1.reshape(1, 1).expand(m, 1).contiguous()
+
+            def rowwise(b):
+                return torch._scaled_mm(xq, b, scale_a=x_rows, scale_b=w_rows, out_dtype=torch.bfloat16)
+
+            def tensorwise(b):
+                return torch._scaled_mm(xq, b, scale_a=x_scale1, scale_b=w_scale1, out_dtype=torch.bfloat16)
+            a, b = rowwise(qs[0]).float(), tensorwise(qs[0]).float()
+            rel = ((a - b).abs().max() / a.abs().max()).item()
+            row_us = time_us([lambda b=b: rowwise(b) for b in qs])
+            ten_us = time_us([lambda b=b: tensorwise(b) for b in qs])
+            tflops = 2 * m * n * k / 1e6  # TFLOP/s at a time in us
+            print(f"| {name} | {m} | {row_us:.1f} | {tflops / row_us:.0f} | {ten_us:.1f} | {tflops / ten_us:.0f} | "
+                  f"{row_us / ten_us:.2f}x | {rel:.1e} |", flush=True)
+
+
 ROWS_M = (8, 16, 32, 64, 128, 256)
 
 
@@ -308,6 +346,8 @@ def main() -> int:
     parser.add_argument("--gemv", action="store_true", help="only the GEMV tables (no sweep)")
     parser.add_argument("--kind", choices=("fp8", "int8", "both"), default="both")
     parser.add_argument("--fast-accum", action="store_true", help="only _scaled_mm with and without fast accumulation")
+    parser.add_argument("--scaling", action="store_true",
+                        help="only _scaled_mm with row-wise against tensor-wise scales")
     parser.add_argument("--rows", action="store_true",
                         help="only the quantized-rows kernel's tables (kernels.w8a8_rows)")
     parser.add_argument("--rows-sweep", action="store_true", help="those tables, timing candidate configs per M")
@@ -318,6 +358,9 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     if args.fast_accum:
         bench_fast_accum()
+        return 0
+    if args.scaling:
+        bench_scaling()
         return 0
     failures = []
     for kind in (("fp8", "int8") if args.kind == "both" else (args.kind,)):

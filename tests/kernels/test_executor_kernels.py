@@ -84,8 +84,8 @@ def test_fresh_prompts_attend_over_their_own_keys(tmp_path, monkeypatch, shape):
 @pytest.mark.parametrize("shape", ["llama", "mistral"])
 def test_mixed_steps_attend_their_decodes_on_the_decode_kernel(tmp_path, monkeypatch, shape):
     """RUNTIME_MIXED_DECODE_SPLIT: steps that mix decodes with prompts (and chunks) run paged_mixed_attention, eagerly
-    and as StepGraphs pads them (sequences without new tokens, tokens past the step), with the reference path's
-    greedy tokens and logprobs; steps of one kind do not."""
+    and as StepGraphs pads them (sequences without new tokens, tokens past the step; a graph of their own), with the
+    reference path's greedy tokens and logprobs; steps of prompts alone keep the prefill kernel alone."""
     from kernels import paged_attention
     from runtime import executor
     from runtime.cuda_graphs import StepGraphs
@@ -93,13 +93,24 @@ def test_mixed_steps_attend_their_decodes_on_the_decode_kernel(tmp_path, monkeyp
     path = build_artifact(make_checkpoint(tmp_path / "ckpt", shape, num_hidden_layers=1, **SHAPES[shape]),
                           tmp_path / "art")
     ref = Engine.load(path, use_kernels=False)
-    calls, real = [], paged_attention.paged_mixed_attention
+    calls, plain = [], []  # each step's new tokens per sequence (padding's zeros left out): split, prefill alone
+    real_mixed, real_prefill = paged_attention.paged_mixed_attention, paged_attention.paged_prefill_attention
 
-    def spy(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return real(q, *args, **kwargs)
+    def q_lens(cu: torch.Tensor) -> list[int]:
+        return [n for n in (cu[1:] - cu[:-1]).tolist() if n]
 
-    monkeypatch.setattr(paged_attention, "paged_mixed_attention", spy)
+    def spy_mixed(q, k_cache, v_cache, block_tables, cu_seqlens_q, *args, **kwargs):
+        calls.append(q_lens(cu_seqlens_q))
+        return real_mixed(q, k_cache, v_cache, block_tables, cu_seqlens_q, *args, **kwargs)
+
+    def spy_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, *args, skip_single=False, **kwargs):
+        if not skip_single:
+            plain.append(q_lens(cu_seqlens_q))
+        return real_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, *args, skip_single=skip_single,
+                            **kwargs)
+
+    monkeypatch.setattr(paged_attention, "paged_mixed_attention", spy_mixed)
+    monkeypatch.setattr(paged_attention, "paged_prefill_attention", spy_prefill)
     monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", True)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40, 13, 3, 26)]
@@ -107,16 +118,21 @@ def test_mixed_steps_attend_their_decodes_on_the_decode_kernel(tmp_path, monkeyp
     wants = [ref.generate(prompt, params) for prompt in prompts]
     for padded in (False, True):
         calls.clear()
+        plain.clear()
         fused = ServingEngine(Engine.load(path, use_kernels=True),
                               ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
         if padded:
-            fused.step_graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 128, token_buckets=(8, 16, 32),
-                                           capture=False)
+            fused.step_graphs = graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 128,
+                                                    token_buckets=(8, 16, 32), capture=False)
+            keys = graphs.keys()
+            assert (32, 4, True) in keys and (32, 4, False) in keys and not any(k[1] == 1 and k[2] for k in keys)
         for out, want in zip(fused.run(prompts, params), wants):
             assert out.token_ids == want.token_ids
             got = torch.tensor([lp.logprob for lp in out.logprobs])
             assert torch.allclose(got, torch.tensor(want.logprobs), atol=1e-4)
         assert calls, "no step mixed decodes with prompts"
+        assert all(1 in lens and max(lens) > 1 for lens in calls), calls
+        assert plain and not any(1 in lens and max(lens) > 1 for lens in plain), plain  # prompts alone
         assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 

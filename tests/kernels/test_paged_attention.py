@@ -858,6 +858,33 @@ def test_mixed_step_with_decodes_on_the_decode_kernel(dtype, kv_dtype, block_siz
     torch.testing.assert_close(out[others], pa.paged_prefill_attention(*args, **kw)[others], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("path", ["splits", "by-heads"])
+def test_mixed_step_decodes_through_key_splits_and_by_heads(monkeypatch, path):
+    """The decode kernel's other paths in paged_mixed_attention, whose prompt sequences have length 0 there: key
+    splits merged by the last program (bf16; forced on the CPU, where one split is the default), and the by-heads
+    kernel (FP8, 2 kv heads a program past 16 pairs, as KERNELS_DECODE_CONFIG sets it)."""
+    calls = _by_heads_spy(monkeypatch)
+    if path == "splits":
+        monkeypatch.setattr(pa, "_MIN_KEYS_PER_SPLIT", 64)
+        monkeypatch.setattr(pa, "_decode_num_splits", lambda *args, **kwargs: 4)
+        kv_dtype = torch.bfloat16
+    else:
+        monkeypatch.setattr(pa, "_DECODE_CONFIG_OVERRIDE", (64, 4, 2, False, 2))
+        kv_dtype = FP8
+    gen = torch.Generator().manual_seed(23)
+    q_lens, ctx_lens = [1, 40, 1, 0, 1, 1, 1, 9, 1, 0], [300, 0, 190, 0, 5, 0, 70, 130, 250, 3]
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 16, torch.bfloat16, kv_dtype, gen)
+    num_tokens = sum(q_lens)
+    q = torch.randn(num_tokens, 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    kw = {"k_scale": k_scale, "v_scale": v_scale}
+    out = pa.paged_mixed_attention(*args, pa.decode_rows(cu, _int32(lens), num_tokens), **kw)
+    _assert_close(out, pa.ref_paged_prefill_attention(*args, **kw))
+    assert len(calls) == (path == "by-heads")
+
+
 def test_prefill_skipping_single_token_sequences_leaves_their_rows():
     """skip_single: the rows of sequences of one new token keep what ``out`` held; the others are written."""
     gen = torch.Generator().manual_seed(22)
@@ -873,6 +900,10 @@ def test_prefill_skipping_single_token_sequences_leaves_their_rows():
     torch.testing.assert_close(out[1:13], pa.paged_prefill_attention(*args)[1:13], atol=0, rtol=0)
     with pytest.raises(ValueError, match="is not like q"):
         pa.paged_prefill_attention(*args, out=out[:, :4])
+    empty = q[:0]  # no tokens (sequences without new tokens): an empty result, as the prefill kernel's
+    rows = pa.decode_rows(_int32([0, 0, 0]), _int32([3, 5]), 0)
+    assert pa.paged_mixed_attention(empty, *args[1:4], _int32([0, 0, 0]), _int32([3, 5]), 32 ** -0.5,
+                                    rows).shape == empty.shape
 
 
 def test_reference_softcap_and_sinks_match_attention_one():
