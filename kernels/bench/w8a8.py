@@ -210,6 +210,17 @@ def _gemv_sweep(kind: str, name: str, x: torch.Tensor, ref: torch.Tensor, copies
                          indent=f"{'':>8} {'':>3}   ", weight_bytes=weight_bytes, reps=10)
 
 
+SCALED_MM_ROWS = (128, 512, 2048, 8192)  # the runtime's large-M sizes (--fast-accum, --scaling)
+
+
+def _scaled_mm_ab(fn_a, fn_b, weights: list[torch.Tensor]) -> tuple[float, float, float]:
+    """(us of fn_a, us of fn_b, their largest difference relative to fn_a's largest magnitude): each fn takes a
+    weight copy ([in, out] FP8 codes) and runs one ``_scaled_mm``; times cycle through the copies (past the L2)."""
+    a, b = fn_a(weights[0]).float(), fn_b(weights[0]).float()
+    rel = ((a - b).abs().max() / a.abs().max()).item()
+    return (time_us([lambda w=w: fn_a(w) for w in weights]), time_us([lambda w=w: fn_b(w) for w in weights]), rel)
+
+
 def bench_fast_accum() -> None:
     """``_scaled_mm`` with and without fast accumulation at the Llama-3-8B shapes (see the module docstring)."""
     gen = torch.Generator(device="cuda").manual_seed(7)
@@ -218,10 +229,9 @@ def bench_fast_accum() -> None:
     for name, k, n in SHAPES:
         w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         q, ws = quantize_weight_fp8(w, True)
-        wt, w_scale = q.t(), ws.float().reshape(1, -1).expand(1, n).contiguous()
-        copies = max(1, COPIES_BYTES // q.numel())
-        qs = [q.clone().t() for _ in range(copies)]
-        for m in (128, 512, 2048, 8192):
+        w_scale = ws.float().reshape(1, -1).expand(1, n).contiguous()
+        qs = [q.clone().t() for _ in range(max(1, COPIES_BYTES // q.numel()))]
+        for m in SCALED_MM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
             xq, xs = quantize_rows(x, torch.float8_e4m3fn)
             xs = xs.expand(m, 1).contiguous()
@@ -229,10 +239,7 @@ def bench_fast_accum() -> None:
             def mm(b, fast):
                 return torch._scaled_mm(xq, b, scale_a=xs, scale_b=w_scale, out_dtype=torch.bfloat16,
                                         use_fast_accum=fast)
-            exact, fast = mm(wt, False).float(), mm(wt, True).float()
-            rel = ((fast - exact).abs().max() / exact.abs().max()).item()
-            slow_us = time_us([lambda b=b: mm(b, False) for b in qs])
-            fast_us = time_us([lambda b=b: mm(b, True) for b in qs])
+            slow_us, fast_us, rel = _scaled_mm_ab(lambda b: mm(b, False), lambda b: mm(b, True), qs)
             print(f"| {name} | {m} | {slow_us:.1f} | {fast_us:.1f} | {slow_us / fast_us:.2f}x | {rel:.1e} |",
                   flush=True)
 
@@ -244,26 +251,18 @@ def bench_scaling() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, k, n in SHAPES:
         w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        w_amax = w.abs().amax().float().clamp(min=1e-12)
-        w_scale1 = (w_amax / 448.0).reshape(())
+        w_scale1 = (w.abs().amax().float().clamp(min=1e-12) / 448.0).reshape(())
         q = (w.float() / w_scale1).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         w_rows = w_scale1.reshape(1, 1).expand(1, n).contiguous()
         qs = [q.clone().t() for _ in range(max(1, COPIES_BYTES // q.numel()))]
-        for m in (128, 512, 2048, 8192):
+        for m in SCALED_MM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
             x_scale1 = (x.abs().amax().float() / 448.0).reshape(())
             xq = (x.float() / x_scale1).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
             x_rows = x_scale1.reshape(1, 1).expand(m, 1).contiguous()
-
-            def rowwise(b):
-                return torch._scaled_mm(xq, b, scale_a=x_rows, scale_b=w_rows, out_dtype=torch.bfloat16)
-
-            def tensorwise(b):
-                return torch._scaled_mm(xq, b, scale_a=x_scale1, scale_b=w_scale1, out_dtype=torch.bfloat16)
-            a, b = rowwise(qs[0]).float(), tensorwise(qs[0]).float()
-            rel = ((a - b).abs().max() / a.abs().max()).item()
-            row_us = time_us([lambda b=b: rowwise(b) for b in qs])
-            ten_us = time_us([lambda b=b: tensorwise(b) for b in qs])
+            row_us, ten_us, rel = _scaled_mm_ab(
+                lambda b: torch._scaled_mm(xq, b, scale_a=x_rows, scale_b=w_rows, out_dtype=torch.bfloat16),
+                lambda b: torch._scaled_mm(xq, b, scale_a=x_scale1, scale_b=w_scale1, out_dtype=torch.bfloat16), qs)
             tflops = 2 * m * n * k / 1e6  # TFLOP/s at a time in us
             print(f"| {name} | {m} | {row_us:.1f} | {tflops / row_us:.0f} | {ten_us:.1f} | {tflops / ten_us:.0f} | "
                   f"{row_us / ten_us:.2f}x | {rel:.1e} |", flush=True)

@@ -91,6 +91,19 @@ def _int32(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
+def _prefill_case(q_lens: list[int], ctx_lens: list[int], block_size: int, dtype: torch.dtype,
+                  kv_dtype: torch.dtype, gen: torch.Generator, q_mul: float = 1.0) -> tuple[tuple, dict, list[int]]:
+    """A packed step of sequences with ``q_lens`` new tokens after ``ctx_lens`` cached ones (8 query heads over 2 kv
+    heads of 32): the prefill entry points' positional args, the cache's scales as kwargs, and each sequence's
+    length."""
+    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
+    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, block_size, dtype, kv_dtype, gen)
+    q = (torch.randn(sum(q_lens), 8, 32, generator=gen) * q_mul).to(dtype).to(DEVICE)
+    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    return args, {"k_scale": k_scale, "v_scale": v_scale}, lens
+
+
 # --- the references against the runtime ----------------------------------------------------------------
 @pytest.mark.parametrize("num_kv_heads, context, window", [(4, 0, None), (2, 9, None), (1, 9, 5), (2, 0, 6)])
 def test_reference_prefill_matches_attention_one(num_kv_heads, context, window):
@@ -833,13 +846,10 @@ def test_mixed_step_with_decodes_on_the_decode_kernel(dtype, kv_dtype, block_siz
     decode kernel's for the decodes and the prefill kernel's for the rest; the spare row takes no sequence's rows."""
     gen = torch.Generator().manual_seed(21)
     q_lens, ctx_lens = [0, 1, 33, 1, 1, 0, 17, 1, 0], [5, 60, 0, 0, 41, 9, 23, 130, 3]
-    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, block_size, dtype, kv_dtype, gen)
+    args, kw, lens = _prefill_case(q_lens, ctx_lens, block_size, dtype, kv_dtype, gen, q_mul=2.0)
+    q, k_cache, v_cache, tables, cu = args[:5]
     num_tokens = sum(q_lens)
-    q = (torch.randn(num_tokens, 8, 32, generator=gen) * 2).to(dtype).to(DEVICE)
-    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
-    kw = {"k_scale": k_scale, "v_scale": v_scale, "sliding_window": window, **_extra(8, softcap, sinks, gen)}
+    kw.update(sliding_window=window, **_extra(8, softcap, sinks, gen))
     rows = pa.decode_rows(cu, _int32(lens), num_tokens)
     one = [n == 1 for n in q_lens]
     last = [max(e - 1, 0) for e in cu[1:].tolist()]
@@ -873,14 +883,8 @@ def test_mixed_step_decodes_through_key_splits_and_by_heads(monkeypatch, path):
         kv_dtype = FP8
     gen = torch.Generator().manual_seed(23)
     q_lens, ctx_lens = [1, 40, 1, 0, 1, 1, 1, 9, 1, 0], [300, 0, 190, 0, 5, 0, 70, 130, 250, 3]
-    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 16, torch.bfloat16, kv_dtype, gen)
-    num_tokens = sum(q_lens)
-    q = torch.randn(num_tokens, 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
-    kw = {"k_scale": k_scale, "v_scale": v_scale}
-    out = pa.paged_mixed_attention(*args, pa.decode_rows(cu, _int32(lens), num_tokens), **kw)
+    args, kw, lens = _prefill_case(q_lens, ctx_lens, 16, torch.bfloat16, kv_dtype, gen)
+    out = pa.paged_mixed_attention(*args, pa.decode_rows(args[4], _int32(lens), sum(q_lens)), **kw)
     _assert_close(out, pa.ref_paged_prefill_attention(*args, **kw))
     assert len(calls) == (path == "by-heads")
 
@@ -888,12 +892,8 @@ def test_mixed_step_decodes_through_key_splits_and_by_heads(monkeypatch, path):
 def test_prefill_skipping_single_token_sequences_leaves_their_rows():
     """skip_single: the rows of sequences of one new token keep what ``out`` held; the others are written."""
     gen = torch.Generator().manual_seed(22)
-    q_lens, ctx_lens = [1, 12, 1], [30, 4, 0]
-    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    k_cache, v_cache, tables, _, _ = _paged(lens, 2, 32, 8, torch.bfloat16, torch.bfloat16, gen)
-    q = torch.randn(sum(q_lens), 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
+    args, _, _ = _prefill_case([1, 12, 1], [30, 4, 0], 8, torch.bfloat16, torch.bfloat16, gen)
+    q = args[0]
     out = torch.full_like(q, 7.0)
     assert pa.paged_prefill_attention(*args, out=out, skip_single=True) is out
     assert (out[[0, 13]] == 7.0).all()
@@ -1002,13 +1002,7 @@ def test_prefill_tilings_match_the_reference(config):
     """A tiling the sweep may choose (``config``): rows of (token, head) pairs per tile down to one token of a
     group of 4 padded to 4, keys per tile below and above the block size; the reference's output."""
     gen = torch.Generator().manual_seed(9)
-    q_lens, ctx_lens = [40, 1, 17], [0, 29, 50]
-    lens = [c + n for c, n in zip(ctx_lens, q_lens)]
-    k_cache, v_cache, tables, k_scale, v_scale = _paged(lens, 2, 32, 8, torch.bfloat16, torch.float8_e4m3fn, gen)
-    q = torch.randn(sum(q_lens), 8, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    cu = _int32([0, *torch.tensor(q_lens).cumsum(0).tolist()])
-    args = (q, k_cache, v_cache, tables, cu, _int32(ctx_lens), 32 ** -0.5)
-    kw = {"k_scale": k_scale, "v_scale": v_scale}
+    args, kw, _ = _prefill_case([40, 1, 17], [0, 29, 50], 8, torch.bfloat16, torch.float8_e4m3fn, gen)
     _assert_close(pa.paged_prefill_attention(*args, **kw, config=config), pa.ref_paged_prefill_attention(*args, **kw))
 
 
