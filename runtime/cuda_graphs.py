@@ -286,9 +286,10 @@ class StepGraphs:
     the pool holds one step's activations whatever the number of graphs; they are shared: replays are
     stream-ordered and a step's logits are consumed before the next replay is queued. ``logits=False``: no logits
     rows, and no such buffer (a tensor-parallel worker's replicated lm_head is not run, as in DecodeGraphs).
-    With ``runtime.executor.MIXED_DECODE_SPLIT`` on (read when the graphs are made), a sequence bucket of two or
-    more has a second graph for steps that mix decodes with prompts or chunks (``PagedAttentionMetadata.mixed``:
-    their decodes on the decode kernel), the other steps keeping the first."""
+    Where ``runtime.executor.mixed_decode_split`` takes a layer of the cache (read when the graphs are made: by
+    default a quantized cache), a sequence bucket of two or more has a second graph for steps that mix decodes with
+    prompts or chunks (``PagedAttentionMetadata.mixed``: their decodes on the decode kernel), the other steps keeping
+    the first."""
 
     def __init__(self, executor: Executor, storage: PagedKVStorage, max_tokens: int, max_num_seqs: int,
                  max_seq_len: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
@@ -320,7 +321,7 @@ class StepGraphs:
         # per staging set, an event recorded after its copies were queued: the set is rewritten only once they ran
         # (a caller that launches steps back to back without reading any back, e.g. a draft model's long prompt)
         self._copied: list[torch.cuda.Event | None] = [None, None]
-        self.split_mixed = _executor.MIXED_DECODE_SPLIT
+        self.split_mixed = any(_executor.mixed_decode_split(t.dtype) for t in storage.k)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         if capture:
             start = time.perf_counter()

@@ -42,13 +42,31 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
 # the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
 PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
-# RUNTIME_MIXED_DECODE_SPLIT=1: a step that mixes decodes with prompts or chunks (``PagedAttentionMetadata.mixed``)
+# RUNTIME_MIXED_DECODE_SPLIT: a step that mixes decodes with prompts or chunks (``PagedAttentionMetadata.mixed``)
 # attends its decodes (sequences of one new token) on the decode kernel and the rest on the prefill kernel
 # (``kernels.paged_attention.paged_mixed_attention``; StepGraphs then captures such steps apart) instead of all on the
-# prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth (H200,
-# FP8 cache, 256 decodes over 2,048 keys beside a 512-token prompt: 656 us through the prefill kernel, 300 us for
-# the decodes alone on the decode kernel; docs/BENCHMARKS.md, session 42). Off until timed end to end on a GPU
-MIXED_DECODE_SPLIT = os.environ.get("RUNTIME_MIXED_DECODE_SPLIT", "0") == "1"
+# prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth over a quantized cache.
+# "auto" (the default): layers whose cache is quantized (FP8, INT8); "1": every layer; "0": none. Measured on an H200
+# (docs/BENCHMARKS.md, session 43): FP8 cache, 256 decodes over 2,048 keys beside a 512-token prompt 653.9 -> 362.9
+# us, and an FP8-KV 8B artifact at 2048/128, 256 sequences, 2,900 -> 2,990 output tok/s; a bf16 cache 560.0 -> 584.9
+# us (its prefill kernel reads decodes within 1.1x of the decode kernel, and the split adds three launches a layer).
+# INT8 caches take the same dequantizing prefill path as FP8 ones; not timed.
+_MIXED_SPLIT_MODES = {"auto": None, "1": True, "0": False}
+_mixed_split_env = os.environ.get("RUNTIME_MIXED_DECODE_SPLIT", "auto")
+if _mixed_split_env not in _MIXED_SPLIT_MODES:
+    raise ValueError(f"RUNTIME_MIXED_DECODE_SPLIT={_mixed_split_env!r} is not one of "
+                     f"{', '.join(_MIXED_SPLIT_MODES)}")
+MIXED_DECODE_SPLIT: bool | None = _MIXED_SPLIT_MODES[_mixed_split_env]
+
+
+def mixed_decode_split(kv_dtype: torch.dtype) -> bool:
+    """Whether a layer whose cache stores ``kv_dtype`` attends a mixed step's decodes on the decode kernel
+    (``MIXED_DECODE_SPLIT``; None: when the cache is quantized)."""
+    if MIXED_DECODE_SPLIT is not None:
+        return MIXED_DECODE_SPLIT
+    return kv_dtype in KV_STORAGE.values()
+
+
 # Weight roles of a linear / lm_head that act on its input before the matmul (an imported act-order gather, an
 # exporter's per-input-channel scale): such a linear reads plain rows, so no fusion hands it anything else
 INPUT_ROLES = ("perm", "pre_quant_scale")
@@ -103,14 +121,14 @@ class PagedAttentionMetadata:
     cu_seqlens_q: torch.Tensor  # [num_seqs + 1] int32: packed row offsets of each sequence's new tokens
     decode_only: bool  # every sequence has exactly one new token (the decode kernel applies)
     fresh: bool = False  # every sequence is a prompt with no cached context (set by the eager path only; graphs: False)
-    # some sequences have exactly one new token and some more (MIXED_DECODE_SPLIT's steps); set by the host, which
+    # some sequences have exactly one new token and some more (the steps of mixed_decode_split); set by the host, which
     # knows it: the eager paths from their sequences, StepGraphs by a graph of its own for such steps
     mixed: bool = False
 
 
 def mixed_step(num_new: Sequence[int]) -> bool:
     """Whether a step of sequences with these numbers of new tokens mixes decodes (one new token) with others: the
-    steps ``MIXED_DECODE_SPLIT`` applies to (``PagedAttentionMetadata.mixed``)."""
+    steps ``mixed_decode_split`` applies to (``PagedAttentionMetadata.mixed``)."""
     return 1 in num_new and any(n > 1 for n in num_new)
 
 
@@ -707,14 +725,14 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                                dtype: torch.dtype = torch.bfloat16,
                                swiglu_out: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). On the frag
-    layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then ``frag_gemm``
-    where ``gemm_preferred`` (large weights up to GEMM_RUNTIME_MAX_ROWS rows; an lm_head at any size), else the
-    weight dequantized for cuBLAS. Else, where ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its tensor-core kernel where it is
-    the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into a temporary for cuBLAS.
-    An lm_head is never dequantized (a [vocab, hidden] temporary per step): more rows run the kernel in slices.
-    Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``, while
-    ``GEMV_ENABLED``), else the GEMM. ``gated`` (``plan_fusions``, mma layout only): x is a merged [gate | up]
-    and the linear's input silu(gate) * up, formed in the kernel's x loads or by ``silu_mul`` before cuBLAS.
+    layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then ``frag_gemm`` where
+    ``gemm_preferred`` (large weights up to GEMM_RUNTIME_MAX_ROWS rows; an lm_head at any size), else the weight
+    dequantized for cuBLAS. Else, where ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its
+    tensor-core kernel where it is the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into
+    a temporary for cuBLAS. An lm_head is never dequantized (a [vocab, hidden] temporary per step): more rows run the
+    kernel in slices. Otherwise the K-major layout: the GEMV up to ``GEMV_RUNTIME_MAX_ROWS`` tokens (``kernels.gemv``,
+    while ``GEMV_ENABLED``), else the GEMM. ``gated`` (``plan_fusions``, mma layout only): x is a merged [gate | up] and
+    the linear's input silu(gate) * up, formed in the kernel's x loads or by ``silu_mul`` before cuBLAS.
     ``swiglu_out`` (``plan_fusions``, frag layout only): the linear is a merged [gate | up] and returns
     silu(gate) * up, formed by the frag kernel's programs that write y (its rows stored in ``gate_up_order``), or
     by ``silu_mul`` after the larger paths."""
@@ -937,7 +955,7 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
-        elif MIXED_DECODE_SPLIT and md.mixed and not own_kv:
+        elif md.mixed and not own_kv and mixed_decode_split(kc.dtype):
             if step.decode_rows is None:  # once per step, on the device (captured with a step graph)
                 step.decode_rows = decode_rows(md.cu_seqlens_q, md.seq_lens, q.shape[0])
             out = paged_mixed_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,

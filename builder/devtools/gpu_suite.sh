@@ -55,8 +55,9 @@
 #                  (throughput_IN_OUT_PREC: the best concurrency; _cC and preemptions_* per point)
 #   thr-ab-PREC    A/B of settings on PREC's throughput: `builder bench throughput` with $AB_THROUGHPUT (default
 #                  "--input-len 2048 --output-len 128 --concurrency 256") under each setting of $AB_SETTINGS (as ab-PREC;
-#                  default "- RUNTIME_MIXED_DECODE_SPLIT=1"), $AB_ROUNDS rounds (default 1), one process each; JSON
-#                  lines tagged with the setting in $OUT/thr_ab_PREC.jsonl (nothing recorded)
+#                  default "- RUNTIME_MIXED_DECODE_SPLIT=0"), $AB_ROUNDS rounds (default 1), one process each; JSON
+#                  lines tagged with the setting in $OUT/thr_ab_PREC.jsonl; with AB_RECORD=1 the figures of the
+#                  default setting ("-") recorded in $OUT/benchmarks.jsonl
 #   thr-long-PREC  only the 128 in / 2048 out point, at each concurrency of $LONG_CONCURRENCY (default "256 512"), as
 #                  many prompts as requests in flight (the long outputs fill the KV cache: FP8 vs bf16 caches)
 #   b1-PREC        Llama-3-8B shape (PREC as for 8b-PREC), 128 in / 128 out: batch-1 latency and the decode step time
@@ -346,10 +347,11 @@ PY
       prec=${part#thr-ab-}
       artifact "$prec"
       for round in $(seq ${AB_ROUNDS:-1}); do
-        for setting in ${AB_SETTINGS:-- RUNTIME_MIXED_DECODE_SPLIT=1}; do
+        for setting in ${AB_SETTINGS:-- RUNTIME_MIXED_DECODE_SPLIT=0}; do
           envs=(); [ "$setting" = - ] || IFS=, read -ra envs <<< "$setting"
+          rec=(); [ "$setting" = - ] && [ "${AB_RECORD:-0}" = 1 ] && rec=(--record "$OUT/benchmarks.jsonl")
           env "${envs[@]}" python3 -m builder.cli bench throughput artifacts/llama3-8b-$prec \
-            ${AB_THROUGHPUT:---input-len 2048 --output-len 128 --concurrency 256} 2>&1 | grep '^{' \
+            ${AB_THROUGHPUT:---input-len 2048 --output-len 128 --concurrency 256} "${rec[@]}" 2>&1 | grep '^{' \
             | sed "s|^{|{\"setting\": \"$setting\", \"round\": $round, |" | tee -a "$OUT/thr_ab_$prec.jsonl" \
             | cut -c1-300
         done

@@ -136,6 +136,68 @@ def test_mixed_steps_attend_their_decodes_on_the_decode_kernel(tmp_path, monkeyp
         assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
 
 
+def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypatch):
+    """RUNTIME_MIXED_DECODE_SPLIT's default ("auto"): layers whose cache is quantized split a mixed step's decodes off,
+    others do not; "1" / "0" force it; any other value is refused at import, naming the allowed ones. An FP8-KV
+    artifact's mixed steps take paged_mixed_attention by default, eagerly and as StepGraphs keys them, with the
+    offline engine's greedy tokens and the logprobs of the same engine with the split off (the offline engine attends
+    a prompt over its unquantized keys, the paged kernels over the cache's codes)."""
+    import subprocess
+    import sys
+
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+    from kernels import paged_attention
+    from runtime import executor
+    from runtime.cuda_graphs import StepGraphs
+
+    assert executor.MIXED_DECODE_SPLIT is None  # the default, unless the environment sets it
+    split = executor.mixed_decode_split
+    assert split(torch.float8_e4m3fn) and split(torch.int8)
+    assert not split(torch.bfloat16) and not split(torch.float16) and not split(torch.float32)
+    for forced in (True, False):
+        monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", forced)
+        assert split(torch.bfloat16) is forced and split(torch.float8_e4m3fn) is forced
+    monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", None)
+    env = {**os.environ, "RUNTIME_MIXED_DECODE_SPLIT": "yes"}
+    bad = subprocess.run([sys.executable, "-c", "import runtime.executor"], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "RUNTIME_MIXED_DECODE_SPLIT='yes' is not one of auto, 1, 0" in bad.stderr
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", num_hidden_layers=1, **SHAPES["llama"])
+    recipe = validate_recipe({
+        "model": {"checkpoint": str(ckpt)}, "output_dir": str(tmp_path / "art"),
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32, "kv_cache_dtype": "fp8"},
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
+    path = build(recipe).output_dir
+    calls, real = [], paged_attention.paged_mixed_attention
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(paged_attention, "paged_mixed_attention", spy)
+    ref = Engine.load(path)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 30, 3, 21)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
+    outs = {}
+    for mode in (None, False):
+        monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", mode)
+        fused = ServingEngine(Engine.load(path, use_kernels=True),
+                              ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
+        assert all(t.dtype == torch.float8_e4m3fn for t in fused.storage.k)
+        graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 128, token_buckets=(8, 16, 32), capture=False)
+        assert graphs.split_mixed is (mode is None) and ((32, 4, True) in graphs.keys()) is (mode is None)
+        calls.clear()
+        outs[mode] = fused.run(prompts, params)
+        assert bool(calls) is (mode is None), calls  # the default split the mixed steps; "0" none
+    for prompt, out, plain in zip(prompts, outs[None], outs[False]):
+        assert out.token_ids == plain.token_ids == ref.generate(prompt, params).token_ids
+        assert torch.allclose(torch.tensor([lp.logprob for lp in out.logprobs]),
+                              torch.tensor([lp.logprob for lp in plain.logprobs]), atol=1e-4)
+
+
 def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
     """StepGraphs' padded step (tokens past the step: slot -1, position 0, past cu_seqlens_q's end; sequences past
     it: no new tokens; logits rows past the sampling ones: row 0, dropped), run eagerly through the kernels here

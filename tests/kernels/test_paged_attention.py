@@ -861,9 +861,10 @@ def test_mixed_step_with_decodes_on_the_decode_kernel(dtype, kv_dtype, block_siz
     out = pa.paged_mixed_attention(*args, rows, **kw)
     _assert_close(out, expected, tol)
     decodes = [r for r, o in zip(last, one) if o]
-    dec = pa.paged_decode_attention(q[decodes], k_cache, v_cache, tables[[i for i, o in enumerate(one) if o]],
-                                    _int32([n for n, o in zip(lens, one) if o]), 32 ** -0.5, **kw)
-    torch.testing.assert_close(out[decodes], dec, atol=0, rtol=0)
+    # the decode kernel over the step's sequences (the others of length 0), as paged_mixed_attention launches it: its
+    # key splits follow the number of sequences, so a launch over the decodes alone may round differently on a GPU
+    dec = pa.paged_decode_attention(q[last], k_cache, v_cache, tables, rows.seq_lens, 32 ** -0.5, **kw)
+    torch.testing.assert_close(out[decodes], dec[[i for i, o in enumerate(one) if o]], atol=0, rtol=0)
     others = [r for r in range(num_tokens) if r not in decodes]
     torch.testing.assert_close(out[others], pa.paged_prefill_attention(*args, **kw)[others], atol=0, rtol=0)
 
