@@ -324,29 +324,37 @@ def _rope_write_kv_kernel(
             r1, r2 = rotate(k_row + STEP * offs_d[None, :], mask, cos, sin, PAIR)
             k1 = r1.to(dtype)
             k2 = r2.to(dtype)
-            if K_INPLACE:  # every token's key, whatever its slot
-                tl.store(k_row + STEP * offs_d[None, :], k1, mask=mask)
-                tl.store(k_row + PAIR + STEP * offs_d[None, :], k2, mask=mask)
+            offs_v = tl.arange(0, HEAD_DIM)
+            v_row = v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :]
+            v = tl.load(v_row, mask=mask_h)
+            c1, c2, cv = k1, k2, v
+            if QUANT != 0:
+                c1 = _quantize(k1, k_scale_ptr, QUANT)
+                c2 = _quantize(k2, k_scale_ptr, QUANT)
+                cv = _quantize(v, v_scale_ptr, QUANT)
+            if ROT < HEAD_DIM:  # partial rotary: the key's other features as they are
+                offs_kr = ROT + tl.arange(0, TAIL_PAD)
+                mask_kr = mask_h & (offs_kr < HEAD_DIM)[None, :]
+                k_tail = tl.load(k_row + offs_kr[None, :], mask=mask_kr)
+                if QUANT != 0:
+                    k_tail = _quantize(k_tail, k_scale_ptr, QUANT)
             if slot >= 0:
                 dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + offs_h[:, None] * stride_ch
-                offs_v = tl.arange(0, HEAD_DIM)
-                v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * HEAD_DIM + offs_v[None, :], mask=mask_h)
-                c1, c2, cv = k1, k2, v
-                if QUANT != 0:
-                    c1 = _quantize(k1, k_scale_ptr, QUANT)
-                    c2 = _quantize(k2, k_scale_ptr, QUANT)
-                    cv = _quantize(v, v_scale_ptr, QUANT)
                 tl.store(k_cache_ptr + dst + STEP * offs_d[None, :], c1.to(k_cache_ptr.dtype.element_ty), mask=mask)
                 tl.store(k_cache_ptr + dst + PAIR + STEP * offs_d[None, :], c2.to(k_cache_ptr.dtype.element_ty),
                          mask=mask)
                 tl.store(v_cache_ptr + dst + offs_v[None, :], cv.to(v_cache_ptr.dtype.element_ty), mask=mask_h)
-                if ROT < HEAD_DIM:  # partial rotary: the key's other features as they are
-                    offs_r = ROT + tl.arange(0, TAIL_PAD)
-                    mask_r = mask_h & (offs_r < HEAD_DIM)[None, :]
-                    rest = tl.load(k_row + offs_r[None, :], mask=mask_r)
-                    if QUANT != 0:
-                        rest = _quantize(rest, k_scale_ptr, QUANT)
-                    tl.store(k_cache_ptr + dst + offs_r[None, :], rest.to(k_cache_ptr.dtype.element_ty), mask=mask_r)
+                if ROT < HEAD_DIM:
+                    tl.store(k_cache_ptr + dst + offs_kr[None, :], k_tail.to(k_cache_ptr.dtype.element_ty),
+                             mask=mask_kr)
+            if K_INPLACE:  # every token's row, whatever its slot: the rotated key, or a quantized cache's codes
+                # (exact in the activation dtype) of the key, its unrotated features and the value
+                tl.store(k_row + STEP * offs_d[None, :], c1.to(dtype), mask=mask)
+                tl.store(k_row + PAIR + STEP * offs_d[None, :], c2.to(dtype), mask=mask)
+                if QUANT != 0:
+                    tl.store(v_row, cv.to(dtype), mask=mask_h)
+                    if ROT < HEAD_DIM:
+                        tl.store(k_row + offs_kr[None, :], k_tail.to(dtype), mask=mask_kr)
 
 
 def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -358,8 +366,9 @@ def rope_write_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
                         k_in_place: bool = False, q_out: torch.Tensor | None = None) -> torch.Tensor:
     """``kernels.rope.apply_rope_`` on q and k, then :func:`write_kv_cache` of the rotated k and v, in one kernel
     (a decode step's three launches per layer in one). q is rotated in place and returned; k is not modified (its
-    rotation goes to the cache only) unless ``k_in_place``: then k holds the rotated keys too, rounded to its dtype
-    (for attention over the step's own keys, ``paged_prefill_attention(contiguous_kv=)``). ``q_out`` (q's shape and
+    rotation goes to the cache only) unless ``k_in_place``: then k holds the rotated keys too, rounded to its dtype,
+    or over a quantized cache k and v hold the codes the cache takes (exact in their dtype), for attention over the
+    step's own keys (``paged_prefill_attention(contiguous_kv=)``). ``q_out`` (q's shape and
     dtype, heads contiguous): the rotated q goes there instead, and is returned; q is then left as it is.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim] (rows may be strided, e.g.
@@ -1059,21 +1068,22 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
 def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
                       qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
-                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr):
-    """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile (start: a multiple of BLOCK_N).
-    MASKED: the tile may hold keys past the sequence, after a query (causal) or before its window; else all are
-    visible. CONTIG: the keys are rows pos of the step's own K/V tensors from the sequence's first (k_cache_ptr /
-    v_cache_ptr point at its kv head there), stride_ct per key row, stride_vt per value row: 32-bit offsets from one
-    base, not a 64-bit address per element. Cache blocks holding whole tiles (BLOCK_SIZE a multiple of BLOCK_N): the
-    tile's one block id and base, as in the decode kernel (_tile_blocks / _tile_rows)."""
+                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, own0=0):
+    """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile (start: a multiple of BLOCK_N
+    in the cache; any position in the step's own rows). MASKED: the tile may hold keys past kv_len, after a query
+    (causal) or before its window; else all are visible. CONTIG: the keys are the step's own K/V rows, position
+    pos at row pos - own0 from the sequence's first (k_cache_ptr / v_cache_ptr point at its kv head there),
+    stride_ct per key row, stride_vt per value row: 32-bit offsets from one base, not a 64-bit address per element.
+    Cache blocks holding whole tiles (BLOCK_SIZE a multiple of BLOCK_N): the tile's one block id and base, as in the
+    decode kernel (_tile_blocks / _tile_rows)."""
     pos = start + tl.arange(0, BLOCK_N)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     if MASKED:
         in_seq = pos < kv_len
     if CONTIG:
-        k_ptrs = k_cache_ptr + (pos * stride_ct)[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
-        v_ptrs = v_cache_ptr + (pos * stride_vt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
+        k_ptrs = k_cache_ptr + ((pos - own0) * stride_ct)[None, :] + offs_d[:, None]  # [HEAD_DIM, BLOCK_N]
+        v_ptrs = v_cache_ptr + ((pos - own0) * stride_vt)[:, None] + offs_d[None, :]  # [BLOCK_N, HEAD_DIM]
     elif BLOCK_SIZE % BLOCK_N == 0:  # start < kv_len: its block is the sequence's
         block = tl.load(table + start // BLOCK_SIZE).to(tl.int64)
         base = block * stride_cb + (start % BLOCK_SIZE) * stride_ct + kv_head * stride_ch
@@ -1112,16 +1122,19 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
 
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_prefill_kernel(
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr, k_own_ptr, v_own_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
         k_scale_ptr, v_scale_ptr, sinks_ptr, out_ptr, qk_scale, window, num_seqs, softcap,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt, stride_vt, stride_vh,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ct, stride_ch, stride_bt,
+        stride_kt, stride_kh, stride_vt, stride_vh,
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False,
         SKIP_SINGLE: tl.constexpr = False):
-    # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: every sequence is a fresh
-    # prompt (no context) and k_cache_ptr / v_cache_ptr are the step's own K/V [num_tokens, kv heads, head_dim]
-    # (keys: stride_ct per token, stride_ch per head; values: stride_vt, stride_vh; the block tables unread).
+    # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: a sequence's new tokens
+    # attend over the step's own K/V [num_tokens, kv heads, head_dim] in q's dtype (k_own_ptr: stride_kt per token,
+    # stride_kh per head; v_own_ptr: stride_vt, stride_vh), its context over the cache (none for fresh prompts: the
+    # block tables unread). Over a quantized cache the own rows hold the cache's codes (exact in q's dtype), scaled
+    # as the cache's are: the same values, without a conversion per key tile.
     # SKIP_SINGLE: sequences of exactly one new token are left alone (their rows unwritten: paged_mixed_attention
     # gives them to the decode kernel).
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
@@ -1154,8 +1167,9 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + (q_start + offs_t)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)
     q = _query_operand(q, FP32, F16)
+    qk_cache = qk_scale
     if QUANT != 0:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        qk_cache = qk_scale * tl.load(k_scale_ptr)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
 
     # Key tiles [a, hi) in three runs: [a, b) and [c, hi) need masks, [b, c) is visible to every row:
@@ -1168,29 +1182,68 @@ def _paged_prefill_kernel(
     b = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(last_pos - window + 1, 0), BLOCK_N) * BLOCK_N, a), hi)
     c = tl.maximum(tl.minimum(((first_pos + 1) // BLOCK_N) * BLOCK_N, hi), b)
 
-    k_src, v_src = k_cache_ptr, v_cache_ptr
-    if CONTIG:  # the sequence's first row of the step's own K/V, at this kv head
-        k_src = k_cache_ptr + q_start.to(tl.int64) * stride_ct + kv_head * stride_ch
-        v_src = v_cache_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start in range(a, b, BLOCK_N):
-        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
-                                          kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                          SOFTCAP, CONTIG, QUANT, F16)
-    for start in range(b, c, BLOCK_N):
-        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
-                                          kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
-                                          SOFTCAP, CONTIG, QUANT, F16)
-    for start in range(c, hi, BLOCK_N):
-        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src,
-                                          kv_head, kv_len, window, qk_scale, softcap, stride_cb, stride_ct,
-                                          stride_ch, stride_vt, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                          SOFTCAP, CONTIG, QUANT, F16)
-
+    if CONTIG:
+        # the context's keys [a, context) from the cache: whole tiles visible to every row from b on (past every
+        # row's window start) up to the last whole tile, c; a partial last tile masked at context
+        cb = tl.maximum(tl.minimum(b, (context // BLOCK_N) * BLOCK_N), a)
+        cc = tl.maximum((context // BLOCK_N) * BLOCK_N, cb)
+        for start in range(a, cb, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                              kv_head, context, window, qk_cache, softcap, stride_cb, stride_ct,
+                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                              SOFTCAP, False, QUANT, F16)
+        for start in range(cb, cc, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                              kv_head, context, window, qk_cache, softcap, stride_cb, stride_ct,
+                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
+                                              SOFTCAP, False, QUANT, F16)
+        for start in range(cc, context, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                              kv_head, context, window, qk_cache, softcap, stride_cb, stride_ct,
+                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                              SOFTCAP, False, QUANT, F16)
+        # the step's own keys [context, hi) (the sequence's first row of k_own / v_own at this kv head), in tiles
+        # from context: the same three runs, counted from there
+        k_src = k_own_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
+        v_src = v_own_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        oa = context + (tl.maximum(first_pos - window + 1 - context, 0) // BLOCK_N) * BLOCK_N
+        ob = tl.minimum(tl.maximum(context + tl.cdiv(tl.maximum(last_pos - window + 1 - context, 0), BLOCK_N) * BLOCK_N,
+                                   oa), hi)
+        oc = tl.maximum(tl.minimum(context + ((first_pos + 1 - context) // BLOCK_N) * BLOCK_N, hi), ob)
+        for start in range(oa, ob, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
+                                              window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
+                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, F16,
+                                              context)
+        for start in range(ob, oc, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
+                                              window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
+                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP, True, 0, F16,
+                                              context)
+        for start in range(oc, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
+                                              window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
+                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, F16,
+                                              context)
+    else:
+        for start in range(a, b, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                              kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct,
+                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                              SOFTCAP, False, QUANT, F16)
+        for start in range(b, c, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                              kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct,
+                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
+                                              SOFTCAP, False, QUANT, F16)
+        for start in range(c, hi, BLOCK_N):
+            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                              kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct,
+                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
+                                              SOFTCAP, False, QUANT, F16)
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)
     if SINKS:
@@ -1218,11 +1271,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     [num_seqs, max_blocks] int32. Rows past cu_seqlens_q[-1] (padding) are left unwritten.
     softcap and sinks: as ``paged_decode_attention``. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place
     of ``_prefill_config``'s (a tiling sweep's candidates).
-    ``contiguous_kv``: (k, v) [num_tokens, num_kv_heads, head_dim], the step's own keys (rotated) and values in q's
-    dtype, read in place of the cache: for a step of fresh prompts only (every context length 0, which is the
-    caller's to know: it is not read back), over a 16-bit cache (its values are these rounded to the cache's dtype;
-    a quantized cache's would differ). The keys are contiguous rows, which the kernel can stream without the block
-    tables' indirection.
+    ``contiguous_kv``: (k, v) [num_tokens, num_kv_heads, head_dim] in q's dtype, the step's own keys (rotated) and
+    values as the cache holds them, read in place of the cache for the new tokens' keys (contiguous rows, streamed
+    without the block tables' indirection, and over a quantized cache without converting its codes per key tile);
+    a context's keys still come from the cache. Over a 16-bit cache of q's dtype: the rotated keys and the values
+    (``rope_write_kv_cache(k_in_place=True)``); over a quantized cache: their codes (the same call writes them), which
+    k_scale / v_scale scale as the cache's. The same values as the paged path's (bit for bit for fresh prompts over
+    a 16-bit cache; else up to the order of the fp32 sums, the key tiles starting at the context's end).
     ``out``: where to write (like q; a new tensor by default). ``skip_single``: leave the rows of sequences with
     exactly one new token unwritten (``paged_mixed_attention``).
     """
@@ -1235,9 +1290,6 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                 or k.shape[1] != k_cache.shape[2] or k.dtype != q.dtype or v.dtype != q.dtype:
             raise ValueError(f"contiguous_kv {tuple(k.shape)} / {tuple(v.shape)} ({k.dtype}, {v.dtype}) are not the "
                              f"step's [{num_tokens}, {k_cache.shape[2]}, {head_dim}] keys and values in {q.dtype}")
-        if k_cache.dtype in _QUANT:
-            raise ValueError(f"contiguous_kv reads unquantized keys: the cache is {k_cache.dtype}, whose attention "
-                             "reads its codes (use the paged path)")
         if k.stride(2) != 1:
             k = k.contiguous()
         if v.stride(2) != 1:
@@ -1260,17 +1312,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     group_p2 = triton.next_power_of_2(group)
     block_t = max(1, block_m // group_p2)  # tokens per tile: BLOCK_M rows of (token, head) pairs
     k_scale_t, v_scale_t = _scales(k_cache, k_scale, v_scale, q.device)
-    keys, values = (k_cache, v_cache) if contiguous_kv is None else (k, v)
-    strides = k_cache.stride()[:3] if contiguous_kv is None else (0, k.stride(0), k.stride(1))
-    v_strides = (0, 0) if contiguous_kv is None else (v.stride(0), v.stride(1))
+    own = contiguous_kv is not None
+    k_own, v_own = (k, v) if own else (q, q)
+    own_strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1)) if own else (0, 0, 0, 0)
     _paged_prefill_kernel[(num_tokens // block_t + num_seqs, num_kv_heads)](
-        q, keys, values, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t,
+        q, k_cache, v_cache, k_own, v_own, block_tables, cu_seqlens_q, context_lens, k_scale_t, v_scale_t,
         q if sinks is None else sinks, out, scale * _LOG2E, sliding_window or _NO_WINDOW, num_seqs, softcap * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *strides, block_tables.stride(0), *v_strides,
-        GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
+        *own_strides, GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
-        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, CONTIG=contiguous_kv is not None, SKIP_SINGLE=skip_single, num_warps=num_warps,
+        # fp16 operands for a quantized cache's codes, not for the own keys in q's dtype (a conversion per tile)
+        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype) and not own, SOFTCAP=softcap > 0,
+        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single, num_warps=num_warps,
         num_stages=num_stages, **pdl_args(q))
     return out
 
@@ -1507,11 +1560,14 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
                                 k_scale: torch.Tensor | float | None = None,
                                 v_scale: torch.Tensor | float | None = None,
                                 sliding_window: int | None = None, softcap: float = 0.0,
-                                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                                sinks: torch.Tensor | None = None,
+                                contiguous_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Causal attention of packed new tokens over their sequences' cached keys; like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's rows cu_seqlens_q[i]:cu_seqlens_q[i + 1] sit at
-    positions context_lens[i] + j, and their own K/V are already in the cache.
+    positions context_lens[i] + j, and their own K/V are already in the cache; with ``contiguous_kv`` (k, v) like
+    ``paged_prefill_attention``'s, the new tokens' keys and values are those rows instead (codes, over a quantized
+    cache, scaled as its own).
     """
     out = torch.empty_like(q)
     cu, ctx = cu_seqlens_q.tolist(), context_lens.tolist()
@@ -1522,6 +1578,12 @@ def ref_paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         num_keys = ctx[i] + end - start
         k = gather_kv(k_cache, block_tables[i], num_keys, k_scale)
         v = gather_kv(v_cache, block_tables[i], num_keys, v_scale)
+        if contiguous_kv is not None:  # the cache's values of the new tokens, from the rows (codes if quantized)
+            k, v = k.clone(), v.clone()
+            for dst, rows, s in ((k, contiguous_kv[0], k_scale), (v, contiguous_kv[1], v_scale)):
+                dst[ctx[i]:] = rows[start:end].float()
+                if k_cache.dtype in KV_QMAX:
+                    dst[ctx[i]:] *= torch.as_tensor(s, dtype=torch.float32, device=dst.device)
         q_pos = torch.arange(ctx[i], num_keys, device=q.device)
         out[start:end] = attend(q[start:end], k, v, q_pos, scale, sliding_window, softcap, sinks).to(q.dtype)
     return out

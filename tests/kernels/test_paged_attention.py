@@ -252,14 +252,25 @@ def test_rope_write_kv_cache_equals_the_separate_kernels(dtype, kv_dtype, rotary
     if kv_dtype == dtype:
         torch.testing.assert_close(fused_caches[0].cpu().float(), expected[0].float(), atol=ref_atol, rtol=tol)
     # k_in_place: every token's key rotated in k as the separate RoPE kernel rotates it, the padding token's (slot
-    # -1) too; q, v and the caches as without it
+    # -1) too; q, v and the caches as without it. Over a quantized cache k and v take the codes instead, as the
+    # separate write_kv_cache makes them from the separately rotated keys (every token's: one slot each here)
     inplace_qkv, inplace_caches = qkv.clone().to(DEVICE), [c.clone().to(DEVICE) for c in caches]
     q, k, v = split(inplace_qkv)
     pa.rope_write_kv_cache(q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
                            v.view(num_tokens, num_kv_heads, head_dim), positions.to(DEVICE), inv_freq.to(DEVICE), 0.75,
                            *inplace_caches, slots.to(DEVICE), k_scale=k_scale, v_scale=scales[1], rotary_dim=rot,
                            interleaved=inter, k_in_place=True)
-    assert torch.equal(inplace_qkv.cpu(), sep_qkv.cpu())  # q and k rotated as the separate kernels, v untouched
+    want = sep_qkv.clone()
+    if kv_dtype in pa.KV_QMAX:
+        codes = [torch.zeros(num_tokens, 1, num_kv_heads, head_dim, dtype=kv_dtype, device=DEVICE) for _ in range(2)]
+        _, sep_k, sep_v = split(sep_qkv)
+        pa.write_kv_cache(sep_k.reshape(num_tokens, num_kv_heads, head_dim),
+                          sep_v.reshape(num_tokens, num_kv_heads, head_dim), *codes,
+                          torch.arange(num_tokens, device=DEVICE), k_scale=k_scale, v_scale=scales[1])
+        _, want_k, want_v = split(want)
+        want_k.copy_(codes[0].reshape(num_tokens, -1).to(dtype))
+        want_v.copy_(codes[1].reshape(num_tokens, -1).to(dtype))
+    assert torch.equal(inplace_qkv.cpu(), want.cpu())  # q and k rotated as the separate kernels (codes), v (codes)
     for f, c in zip(inplace_caches, fused_caches):
         assert torch.equal(f.cpu().view(torch.uint8), c.cpu().view(torch.uint8))
     # q_out: the rotated q (the features past a partial rotary's too) into a tensor of its own, q left as it is
@@ -1053,14 +1064,71 @@ def test_prefill_over_the_steps_own_keys_equals_the_paged_one(num_heads, num_kv_
     assert torch.equal(pa.paged_prefill_attention(*args, contiguous_kv=(k.contiguous(), v), **kw), paged)
 
 
+@pytest.mark.parametrize("dtype, kv_dtype, block_size, window, softcap, sinks", [
+    (torch.bfloat16, FP8, 8, None, 0.0, False), (torch.bfloat16, INT8, 16, 13, 0.0, False),
+    (torch.float16, FP8, 64, None, 1.5, True), (torch.bfloat16, torch.bfloat16, 8, None, 0.0, False),
+    (torch.float32, FP8, 8, 9, 0.0, False)])
+def test_prefill_over_the_steps_own_keys_after_a_cached_context(dtype, kv_dtype, block_size, window, softcap, sinks):
+    """contiguous_kv with context (chunks after cached tokens, fresh prompts, a decode, a sequence without new
+    tokens): the context's keys come from the cache, the new tokens' from the step's own rows (a quantized cache's
+    codes in q's dtype, scaled as the cache's), which differ from what the cache holds in their slots (random
+    there): the reference reading the same. Key tiles straddling the context's end, windows reaching into the
+    context or not."""
+    gen = torch.Generator().manual_seed(23)
+    q_lens, ctx_lens = [37, 1, 20, 0, 9, 70], [21, 50, 0, 4, 64, 3]
+    args, kw, _ = _prefill_case(q_lens, ctx_lens, block_size, dtype, kv_dtype, gen)
+    num_tokens = sum(q_lens)
+    kv = torch.randn(num_tokens, 2, 2, 32, generator=gen)  # [k | v] rows, strided
+    if kv_dtype == FP8:
+        kv = (kv * 60).to(FP8)
+    elif kv_dtype == INT8:
+        kv = (kv * 40).round().clamp(-127, 127)
+    kv = kv.to(dtype).to(DEVICE)
+    own = (kv[:, 0], kv[:, 1])
+    kw.update(sliding_window=window, **_extra(8, softcap, sinks, gen))
+    expected = pa.ref_paged_prefill_attention(*args, **kw, contiguous_kv=own)
+    got = pa.paged_prefill_attention(*args, **kw, contiguous_kv=own)
+    _assert_close(got, expected, 2e-4 if softcap and dtype == torch.float32 else None)
+    cached = pa.ref_paged_prefill_attention(*args, **kw)  # what the cache's own slots would give: not this
+    assert not torch.allclose(got.float(), cached.float(), atol=0.05)
+
+
+@pytest.mark.parametrize("kv_dtype, rotary_dim", [(FP8, None), (INT8, 16)])
+def test_rope_writes_a_quantized_caches_codes_for_the_steps_own_keys(kv_dtype, rotary_dim):
+    """rope_write_kv_cache(k_in_place=True) over a quantized cache leaves in k and v the codes it wrote to the cache
+    (the key's unrotated features too, with partial rotary), every token's, a padding token's (slot -1) included;
+    prefill over them (contiguous_kv) equals the paged path over the cache, after a cached context."""
+    gen = torch.Generator().manual_seed(24)
+    q_lens, ctx_lens = [30, 9, 1], [0, 21, 40]
+    args, kw, lens = _prefill_case(q_lens, ctx_lens, 16, torch.bfloat16, kv_dtype, gen)
+    q, k_cache, v_cache, tables, cu, ctx, scale = args
+    num_tokens = sum(q_lens)
+    qkv = (torch.randn(num_tokens + 1, 12, 32, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
+    k, v = qkv[:, 8:10], qkv[:, 10:]
+    q_rows = q.clone()
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx_lens, q_lens)] + [torch.zeros(1)]).long()
+    slots = []
+    for i, (c, n) in enumerate(zip(ctx_lens, q_lens)):
+        slots += [int(tables[i, p // 16]) * 16 + p % 16 for p in range(c, c + n)]
+    slot_t = torch.tensor(slots + [-1], device=DEVICE)  # one padding token past the step
+    inv_freq = (1.0 / 1e4 ** (torch.arange(0, rotary_dim or 32, 2, dtype=torch.float32) / (rotary_dim or 32)))
+    k_before, v_before = k.clone(), v.clone()
+    pa.rope_write_kv_cache(torch.cat([q_rows, q_rows[:1]]), k, v, positions.to(DEVICE), inv_freq.to(DEVICE), 1.0,
+                           k_cache, v_cache, slot_t, rotary_dim=rotary_dim, k_in_place=True, **kw)
+    flat_k, flat_v = k_cache.view(-1, 2, 32), v_cache.view(-1, 2, 32)
+    assert torch.equal(k[:num_tokens], flat_k[slot_t[:-1]].to(torch.bfloat16))
+    assert torch.equal(v[:num_tokens], flat_v[slot_t[:-1]].to(torch.bfloat16))
+    assert not torch.equal(k, k_before) and not torch.equal(v, v_before)
+    assert not torch.equal(k[-1], k_before[-1]) and not torch.equal(v[-1], v_before[-1])  # padding: codes too
+    own = pa.paged_prefill_attention(*args, **kw, contiguous_kv=(k[:num_tokens], v[:num_tokens]))
+    _assert_close(own, pa.paged_prefill_attention(*args, **kw))
+    _assert_close(own, pa.ref_paged_prefill_attention(*args, **kw))
+
+
 def test_prefill_over_the_steps_own_keys_refuses_what_it_cannot_read():
     gen = torch.Generator().manual_seed(22)
-    k_cache, v_cache, tables, k_scale, v_scale = _paged([5], 2, 32, 8, torch.bfloat16, FP8, gen)
     q = torch.randn(5, 4, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
     kv = torch.randn(5, 2, 32, generator=gen).to(torch.bfloat16).to(DEVICE)
-    args = (q, k_cache, v_cache, tables, _int32([0, 5]), _int32([0]), 0.1)
-    with pytest.raises(ValueError, match="reads unquantized keys"):
-        pa.paged_prefill_attention(*args, k_scale=k_scale, v_scale=v_scale, contiguous_kv=(kv, kv))
     bf16 = _paged([5], 2, 32, 8, torch.bfloat16, torch.bfloat16, gen)
     args = (q, bf16[0], bf16[1], bf16[2], _int32([0, 5]), _int32([0]), 0.1)
     with pytest.raises(ValueError, match="are not the step's"):
