@@ -1350,7 +1350,8 @@ def paged_mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                           scale: float, rows: DecodeRows, *, k_scale: torch.Tensor | float | None = None,
                           v_scale: torch.Tensor | float | None = None, sliding_window: int | None = None,
-                          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                          contiguous_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``paged_prefill_attention`` of a step that mixes decodes with prompts, its sequences of one new token on the
     decode kernel: their queries gathered (``rows``, ``decode_rows``), attended over their caches by
     ``paged_decode_attention`` (the others get length 0: no work) and scattered back, the other sequences by the
@@ -1358,7 +1359,8 @@ def paged_mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     BLOCK_M rows of which it fills one GQA group, without splitting the keys; the decode kernel splits them and
     reads them at about twice the bandwidth (kernels.bench.attention --mixed-only). The same result up to fp32
     rounding. Three more launches a layer (gather, decode, scatter) than the prefill kernel alone, and
-    ``decode_rows``' few small ops once a step."""
+    ``decode_rows``' few small ops once a step. ``contiguous_kv``: as ``paged_prefill_attention``'s, for the prefill
+    kernel's sequences (the decodes read their keys from the cache)."""
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return torch.empty_like(q)
@@ -1372,7 +1374,7 @@ def paged_mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     out.index_copy_(0, rows.scatter, dec)
     paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, k_scale=k_scale,
                             v_scale=v_scale, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                            out=out[:num_tokens], skip_single=True)
+                            out=out[:num_tokens], skip_single=True, contiguous_kv=contiguous_kv)
     return out[:num_tokens]
 
 

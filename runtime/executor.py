@@ -42,6 +42,12 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
 # the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
 PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
+# RUNTIME_PREFILL_OWN_CODES=1: a step carrying prefill over a quantized cache (FP8, INT8), in a layer with RoPE, has the
+# rope kernel leave the codes it writes to the cache in k and v too (exact in the activation dtype), and its new
+# tokens attend over those rows, their context over the cache (``paged_prefill_attention(contiguous_kv=)``): the same
+# values, without converting each key tile's codes for every query tile (an H200 prefill of one 2,048-token prompt:
+# 177.4 us over an FP8 cache, 127.1 over a bf16 one; docs/BENCHMARKS.md, session 42). Off until timed on a GPU
+PREFILL_OWN_CODES = os.environ.get("RUNTIME_PREFILL_OWN_CODES", "0") == "1"
 # RUNTIME_MIXED_DECODE_SPLIT: a step that mixes decodes with prompts or chunks (``PagedAttentionMetadata.mixed``)
 # attends its decodes (sequences of one new token) on the decode kernel and the rest on the prefill kernel
 # (``kernels.paged_attention.paged_mixed_attention``; StepGraphs then captures such steps apart) instead of all on the
@@ -939,14 +945,18 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         kc, vc = md.k_caches[layer], md.v_caches[layer]
         k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         new_kv = None
-        # a step of fresh prompts over a 16-bit cache: attention over the step's own rotated keys (PREFILL_OWN_KV)
-        own_kv = PREFILL_OWN_KV and md.fresh and not md.decode_only and kc.dtype == q.dtype
+        # attention over the step's own rows: a step of fresh prompts over a 16-bit cache, its rotated keys
+        # (PREFILL_OWN_KV); a step carrying prefill over a quantized cache, the codes (PREFILL_OWN_CODES)
+        quantized = kc.dtype in KV_STORAGE.values()
+        own_kv = not md.decode_only and (
+            (PREFILL_OWN_KV and md.fresh and kc.dtype == q.dtype)
+            or (PREFILL_OWN_CODES and quantized and rope is not None))
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
             rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved, rope.long_from) \
                 if rope is not None else ()
             new_kv = NewKV(k, v, md.slot_mapping, *rotary)
         elif rope is not None:
-            # q is rotated in place; with own_kv k too (the attention is their only reader)
+            # q is rotated in place; with own_kv k too, or k and v hold the codes (the attention is their only reader)
             rope_write_kv_cache(q, k, v, xs[3], rope.inv_freq, rope.scaling, kc, vc, md.slot_mapping, k_scale=k_scale,
                                 v_scale=v_scale, rotary_dim=rope.rotary_dim, interleaved=rope.interleaved,
                                 long_from=rope.long_from, k_in_place=own_kv)
@@ -955,12 +965,12 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
-        elif md.mixed and not own_kv and mixed_decode_split(kc.dtype):
+        elif md.mixed and mixed_decode_split(kc.dtype):
             if step.decode_rows is None:  # once per step, on the device (captured with a step graph)
                 step.decode_rows = decode_rows(md.cu_seqlens_q, md.seq_lens, q.shape[0])
             out = paged_mixed_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                         step.decode_rows, k_scale=k_scale, v_scale=v_scale, sliding_window=window,
-                                        **extra)
+                                        contiguous_kv=(k, v) if own_kv else None, **extra)
         else:
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=window,

@@ -299,14 +299,14 @@ def _prefill_inputs(q_lens, ctx_lens, kv_dtype, gen):
     return p, q, cu, ctx, HEAD_DIM ** -0.5, 4 * NUM_HEADS * HEAD_DIM * pairs
 
 
-def _own_kv(p, q_lens):
-    """The keys and values of fresh prompts (no context) as the step's own contiguous [tokens, kv heads, head_dim]
-    tensors, gathered from the cache (``paged_prefill_attention(contiguous_kv=)``)."""
+def _own_kv(p, q_lens, ctx_lens=None):
+    """The new tokens' keys and values as the step's own contiguous [tokens, kv heads, head_dim] bf16 tensors
+    (a quantized cache's codes), gathered from the cache (``paged_prefill_attention(contiguous_kv=)``)."""
     ks, vs = [], []
-    for table, n in zip(p.block_tables, q_lens):
-        pos = torch.arange(n, device="cuda")
-        ks.append(p.k_cache[table.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE])
-        vs.append(p.v_cache[table.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE])
+    for table, n, c in zip(p.block_tables, q_lens, ctx_lens or [0] * len(q_lens)):
+        pos = torch.arange(c, c + n, device="cuda")
+        ks.append(p.k_cache[table.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE].to(torch.bfloat16))
+        vs.append(p.v_cache[table.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE].to(torch.bfloat16))
     return torch.cat(ks), torch.cat(vs)
 
 
@@ -326,18 +326,21 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     ms, eager_ms = timings(run, args)
     rows = [(f"| prefill | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
              f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")]
-    if kv_name == "bf16" and not any(ctx_lens):  # fresh prompts: the same kernel over the step's own K/V
-        own = _own_kv(p, q_lens)
+    # the same kernel with the new tokens over the step's own rows (a quantized cache's codes in bf16), the context
+    # over the cache: RUNTIME_PREFILL_OWN_KV (fresh prompts, bf16) and RUNTIME_PREFILL_OWN_CODES
+    own = _own_kv(p, q_lens, ctx_lens)
 
-        def run_own():
-            return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, contiguous_kv=own)
+    def run_own():
+        return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, k_scale=p.k_scale,
+                                       v_scale=p.v_scale, contiguous_kv=own)
 
-        ok, err = close(run_own(), expected)
-        if not ok:
-            failures.append(f"prefill {shape} over its own K/V: max err {err:.3g}")
-        ms, eager_ms = timings(run_own, args)
-        rows.append(f"| prefill, the step's own K/V | bf16 | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
-                    f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
+    ok, err = close(run_own(), expected)
+    if not ok:
+        failures.append(f"prefill {shape} kv={kv_name} over its own rows: max err {err:.3g}")
+    ms, eager_ms = timings(run_own, args)
+    what = "K/V" if kv_name == "bf16" else "codes"
+    rows.append(f"| prefill, the step's own {what} | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
+                f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
     if kv_name == "bf16" and len(set(ctx_lens)) == 1 and len(set(q_lens)) == 1:
         rows.append(_sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args))
     return rows

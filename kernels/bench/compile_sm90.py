@@ -144,7 +144,7 @@ def _rope_write_kv() -> list[tuple[str, object]]:
     for inplace in (False, True):
         consts = dict(HEAD_DIM=128, HALF=64, STEP=1, PAIR=64, ROT=128, TAIL_PAD=1, BLOCK_H=8, BLOCK_D=64,
                       BLOCK_SIZE=16, QUANT=1, PDL=True, K_INPLACE=inplace, Q_COPY=False)
-        out.append((f"rope + KV write, fp8 cache{', keys in place' if inplace else ''}",
+        out.append((f"rope + KV write, fp8 cache{', codes in place' if inplace else ''}",
                     lambda consts=consts: compile_kernel(_rope_write_kv_kernel, fp8, consts, 4)))
     # q rotated into a copy (the decode by heads), partial rotary: its other features copied
     consts = dict(HEAD_DIM=128, HALF=16, STEP=1, PAIR=16, ROT=32, TAIL_PAD=128, BLOCK_H=8, BLOCK_D=16, BLOCK_SIZE=64,
@@ -163,12 +163,13 @@ def _rope_write_kv() -> list[tuple[str, object]]:
 def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
     from kernels.paged_attention import _paged_prefill_kernel
 
-    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32",
+    types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_own_ptr": "*bf16",
+             "v_own_ptr": "*bf16", "block_tables_ptr": "*i32",
              "cu_seqlens_q_ptr": "*i32", "context_lens_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
              "sinks_ptr": "*fp32", "out_ptr": "*bf16", "qk_scale": "fp32", "window": "i32", "num_seqs": "i32",
              "softcap": "fp32", **{n: "i32" for n in ("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb",
-                                                       "stride_ct", "stride_ch", "stride_bt", "stride_vt",
-                                                       "stride_vh")}}
+                                                       "stride_ct", "stride_ch", "stride_bt", "stride_kt",
+                                                       "stride_kh", "stride_vt", "stride_vh")}}
     base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
                 F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False, SKIP_SINGLE=False)
     variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8),
@@ -178,7 +179,11 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
                  {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "SKIP_SINGLE": True}, fp8),
                 ("int8 cache, 64-token blocks", {"QUANT": 2, "F16": True, "BLOCK_SIZE": 64},
                  {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}),
-                ("fresh prompts over their own K/V", {"CONTIG": True}, {})]
+                ("the new tokens over their own K/V", {"CONTIG": True}, {}),
+                ("fp8 cache, 64-token blocks, the new tokens over their own codes",
+                 {"QUANT": 1, "BLOCK_SIZE": 64, "CONTIG": True}, fp8),
+                ("fp8 cache, 64-token blocks, own codes, one-token sequences skipped",
+                 {"QUANT": 1, "BLOCK_SIZE": 64, "CONTIG": True, "SKIP_SINGLE": True}, fp8)]
     # pointers and strides as a launch at real shapes specialises them (multiples of 16), as for the decode kernel
     divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     return [(f"paged prefill attention, {name}", lambda kw=kw, t=t: compile_kernel(

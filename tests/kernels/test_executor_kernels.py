@@ -141,7 +141,8 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
     others do not; "1" / "0" force it; any other value is refused at import, naming the allowed ones. An FP8-KV
     artifact's mixed steps take paged_mixed_attention by default, eagerly and as StepGraphs keys them, with the
     offline engine's greedy tokens and the logprobs of the same engine with the split off (the offline engine attends
-    a prompt over its unquantized keys, the paged kernels over the cache's codes)."""
+    a prompt over its unquantized keys, the paged kernels over the cache's codes); so does RUNTIME_PREFILL_OWN_CODES
+    (prefill over the step's own codes), with the split and without."""
     import subprocess
     import sys
 
@@ -170,32 +171,45 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32, "kv_cache_dtype": "fp8"},
         "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
     path = build(recipe).output_dir
-    calls, real = [], paged_attention.paged_mixed_attention
+    calls, own, real_mixed, real_prefill = [], [], paged_attention.paged_mixed_attention, \
+        paged_attention.paged_prefill_attention
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
+        return real_mixed(*args, **kwargs)
+
+    def spy_prefill(*args, contiguous_kv=None, **kwargs):
+        own.append(contiguous_kv is not None)
+        return real_prefill(*args, contiguous_kv=contiguous_kv, **kwargs)
 
     monkeypatch.setattr(paged_attention, "paged_mixed_attention", spy)
+    monkeypatch.setattr(paged_attention, "paged_prefill_attention", spy_prefill)
     ref = Engine.load(path)
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 30, 3, 21)]
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
     outs = {}
-    for mode in (None, False):
+    # (split, own codes): the default; neither; RUNTIME_PREFILL_OWN_CODES=1 with the split and without
+    for mode, codes in ((None, False), (False, False), (None, True), (False, True)):
         monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", mode)
+        monkeypatch.setattr(executor, "PREFILL_OWN_CODES", codes)
         fused = ServingEngine(Engine.load(path, use_kernels=True),
                               ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
         assert all(t.dtype == torch.float8_e4m3fn for t in fused.storage.k)
         graphs = StepGraphs(fused.executor, fused.storage, 32, 8, 128, token_buckets=(8, 16, 32), capture=False)
         assert graphs.split_mixed is (mode is None) and ((32, 4, True) in graphs.keys()) is (mode is None)
         calls.clear()
-        outs[mode] = fused.run(prompts, params)
+        own.clear()
+        outs[mode, codes] = fused.run(prompts, params)
         assert bool(calls) is (mode is None), calls  # the default split the mixed steps; "0" none
-    for prompt, out, plain in zip(prompts, outs[None], outs[False]):
-        assert out.token_ids == plain.token_ids == ref.generate(prompt, params).token_ids
-        assert torch.allclose(torch.tensor([lp.logprob for lp in out.logprobs]),
-                              torch.tensor([lp.logprob for lp in plain.logprobs]), atol=1e-4)
+        assert own and all(o is codes for o in own), own  # every prefill-carrying step over its own codes, or none
+    for prompt, *runs in zip(prompts, *outs.values()):
+        plain = runs[1]
+        assert plain.token_ids == ref.generate(prompt, params).token_ids
+        for out in runs:
+            assert out.token_ids == plain.token_ids
+            assert torch.allclose(torch.tensor([lp.logprob for lp in out.logprobs]),
+                                  torch.tensor([lp.logprob for lp in plain.logprobs]), atol=1e-4)
 
 
 def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
