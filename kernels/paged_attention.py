@@ -1134,7 +1134,8 @@ def _paged_prefill_kernel(
     # attend over the step's own K/V [num_tokens, kv heads, head_dim] in q's dtype (k_own_ptr: stride_kt per token,
     # stride_kh per head; v_own_ptr: stride_vt, stride_vh), its context over the cache (none for fresh prompts: the
     # block tables unread). Over a quantized cache the own rows hold the cache's codes (exact in q's dtype), scaled
-    # as the cache's are: the same values, without a conversion per key tile.
+    # as the cache's are: the same values, without a conversion per key tile (with F16 the context's codes take fp16
+    # operands, the own rows q as loaded).
     # SKIP_SINGLE: sequences of exactly one new token are left alone (their rows unwritten: paged_mixed_attention
     # gives them to the decode kernel).
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
@@ -1209,6 +1210,10 @@ def _paged_prefill_kernel(
         # from context: the same three runs, counted from there
         k_src = k_own_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
         v_src = v_own_ptr + q_start.to(tl.int64) * stride_vt + kv_head * stride_vh
+        if F16:  # the cache's codes took fp16 operands; the own rows are in q's dtype: q as loaded (again)
+            q = tl.load(q_ptr + (q_start + offs_t)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        mask=m_mask[:, None], other=0.0)
+            q = _query_operand(q, FP32, False)
         oa = context + (tl.maximum(first_pos - window + 1 - context, 0) // BLOCK_N) * BLOCK_N
         ob = tl.minimum(tl.maximum(context + tl.cdiv(tl.maximum(last_pos - window + 1 - context, 0), BLOCK_N) * BLOCK_N,
                                    oa), hi)
@@ -1216,17 +1221,17 @@ def _paged_prefill_kernel(
         for start in range(oa, ob, BLOCK_N):
             m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
                                               window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, F16,
+                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, False,
                                               context)
         for start in range(ob, oc, BLOCK_N):
             m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
                                               window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP, True, 0, F16,
+                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP, True, 0, False,
                                               context)
         for start in range(oc, hi, BLOCK_N):
             m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
                                               window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, F16,
+                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, False,
                                               context)
     else:
         for start in range(a, b, BLOCK_N):
@@ -1321,8 +1326,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], block_tables.stride(0),
         *own_strides, GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
-        # fp16 operands for a quantized cache's codes, not for the own keys in q's dtype (a conversion per tile)
-        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype) and not own, SOFTCAP=softcap > 0,
+        F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
         SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single, num_warps=num_warps,
         num_stages=num_stages, **pdl_args(q))
     return out

@@ -42,12 +42,14 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
 # the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
 PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
-# RUNTIME_PREFILL_OWN_CODES=1: a step carrying prefill over a quantized cache (FP8, INT8), in a layer with RoPE, has the
-# rope kernel leave the codes it writes to the cache in k and v too (exact in the activation dtype), and its new
-# tokens attend over those rows, their context over the cache (``paged_prefill_attention(contiguous_kv=)``): the same
-# values, without converting each key tile's codes for every query tile (an H200 prefill of one 2,048-token prompt:
-# 177.4 us over an FP8 cache, 127.1 over a bf16 one; docs/BENCHMARKS.md, session 42). Off until timed on a GPU
-PREFILL_OWN_CODES = os.environ.get("RUNTIME_PREFILL_OWN_CODES", "0") == "1"
+# RUNTIME_PREFILL_OWN_CODES (on; "0": off): a step carrying prefill over a quantized cache (FP8, INT8), in a layer
+# with RoPE, has the rope kernel leave the codes it writes to the cache in k and v too (exact in the activation
+# dtype), and its new tokens attend over those rows, their context over the cache
+# (``paged_prefill_attention(contiguous_kv=)``): the same values, without converting each key tile's codes for every
+# query tile. H200, FP8 cache (docs/BENCHMARKS.md, session 43): one fresh 2,048-token prompt 174.8 -> 140.7 us,
+# four of 512 63.4 -> 57.3; an FP8-KV 8B artifact at 2048/128, 256 sequences, 2,948 / 2,960 -> 2,990 / 2,990 output
+# tok/s (two rounds)
+PREFILL_OWN_CODES = os.environ.get("RUNTIME_PREFILL_OWN_CODES", "1") != "0"
 # RUNTIME_MIXED_DECODE_SPLIT: a step that mixes decodes with prompts or chunks (``PagedAttentionMetadata.mixed``)
 # attends its decodes (sequences of one new token) on the decode kernel and the rest on the prefill kernel
 # (``kernels.paged_attention.paged_mixed_attention``; StepGraphs then captures such steps apart) instead of all on the

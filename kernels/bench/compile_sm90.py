@@ -181,9 +181,9 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
                  {"k_cache_ptr": "*i8", "v_cache_ptr": "*i8"}),
                 ("the new tokens over their own K/V", {"CONTIG": True}, {}),
                 ("fp8 cache, 64-token blocks, the new tokens over their own codes",
-                 {"QUANT": 1, "BLOCK_SIZE": 64, "CONTIG": True}, fp8),
+                 {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "CONTIG": True}, fp8),
                 ("fp8 cache, 64-token blocks, own codes, one-token sequences skipped",
-                 {"QUANT": 1, "BLOCK_SIZE": 64, "CONTIG": True, "SKIP_SINGLE": True}, fp8)]
+                 {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "CONTIG": True, "SKIP_SINGLE": True}, fp8)]
     # pointers and strides as a launch at real shapes specialises them (multiples of 16), as for the decode kernel
     divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     return [(f"paged prefill attention, {name}", lambda kw=kw, t=t: compile_kernel(
