@@ -1120,6 +1120,29 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
     return _online_softmax_step(s, v, m_i, l_i, acc, FP32)
 
 
+@triton.jit
+def _prefill_key_runs(a, b, c, end, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len, window, qk_scale,
+                      softcap, stride_cb, stride_ct, stride_ch, stride_vt, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr, SOFTCAP: tl.constexpr,
+                      CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, own0):
+    """Keys [a, end) in tiles of BLOCK_N from a (_prefill_key_tile's arguments): [a, b) and [c, end) masked, [b, c)
+    visible to every row."""
+    for start in range(a, b, BLOCK_N):
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len,
+                                          window, qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, CONTIG, QUANT, F16, own0)
+    for start in range(b, c, BLOCK_N):
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len,
+                                          window, qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP, CONTIG, QUANT, F16,
+                                          own0)
+    for start in range(c, end, BLOCK_N):
+        m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len,
+                                          window, qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, CONTIG, QUANT, F16, own0)
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _paged_prefill_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, k_own_ptr, v_own_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
@@ -1191,21 +1214,10 @@ def _paged_prefill_kernel(
         # row's window start) up to the last whole tile, c; a partial last tile masked at context
         cb = tl.maximum(tl.minimum(b, (context // BLOCK_N) * BLOCK_N), a)
         cc = tl.maximum((context // BLOCK_N) * BLOCK_N, cb)
-        for start in range(a, cb, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                              kv_head, context, window, qk_cache, softcap, stride_cb, stride_ct,
-                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                              SOFTCAP, False, QUANT, F16)
-        for start in range(cb, cc, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                              kv_head, context, window, qk_cache, softcap, stride_cb, stride_ct,
-                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
-                                              SOFTCAP, False, QUANT, F16)
-        for start in range(cc, context, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                              kv_head, context, window, qk_cache, softcap, stride_cb, stride_ct,
-                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                              SOFTCAP, False, QUANT, F16)
+        m_i, l_i, acc = _prefill_key_runs(a, cb, cc, context, q, q_pos, m_i, l_i, acc, table, k_cache_ptr,
+                                          v_cache_ptr, kv_head, context, window, qk_cache, softcap, stride_cb,
+                                          stride_ct, stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32,
+                                          SOFTCAP, False, QUANT, F16, 0)
         # the step's own keys [context, hi) (the sequence's first row of k_own / v_own at this kv head), in tiles
         # from context: the same three runs, counted from there
         k_src = k_own_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
@@ -1218,37 +1230,14 @@ def _paged_prefill_kernel(
         ob = tl.minimum(tl.maximum(context + tl.cdiv(tl.maximum(last_pos - window + 1 - context, 0), BLOCK_N) * BLOCK_N,
                                    oa), hi)
         oc = tl.maximum(tl.minimum(context + ((first_pos + 1 - context) // BLOCK_N) * BLOCK_N, hi), ob)
-        for start in range(oa, ob, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
-                                              window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, False,
-                                              context)
-        for start in range(ob, oc, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
-                                              window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP, True, 0, False,
-                                              context)
-        for start in range(oc, hi, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head, kv_len,
-                                              window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                              HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, True, 0, False,
-                                              context)
+        m_i, l_i, acc = _prefill_key_runs(oa, ob, oc, hi, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head,
+                                          kv_len, window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32, SOFTCAP, True, 0, False, context)
     else:
-        for start in range(a, b, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                              kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct,
-                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                              SOFTCAP, False, QUANT, F16)
-        for start in range(b, c, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                              kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct,
-                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32,
-                                              SOFTCAP, False, QUANT, F16)
-        for start in range(c, hi, BLOCK_N):
-            m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
-                                              kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct,
-                                              stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32,
-                                              SOFTCAP, False, QUANT, F16)
+        m_i, l_i, acc = _prefill_key_runs(a, b, c, hi, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
+                                          kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct, stride_ch,
+                                          stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32, SOFTCAP, False, QUANT, F16,
+                                          0)
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)
     if SINKS:
