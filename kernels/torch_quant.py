@@ -185,17 +185,30 @@ Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # x [M, 
 
 
 def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | None = None,
-                              dtype: torch.dtype = torch.bfloat16) -> Callable[[torch.Tensor], torch.Tensor]:
+                              dtype: torch.dtype = torch.bfloat16,
+                              quantize_static: Callable[[torch.Tensor, torch.Tensor],
+                                                        tuple[torch.Tensor, torch.Tensor]] | None = None,
+                              ) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 W8A8 on Hopper tensor cores: ``torch._scaled_mm`` with row-wise scales (per-token activation
     scales x per-channel weight scales, a per-tensor scale broadcast to every row/column), bf16/fp16 out.
     Same arithmetic as the reference ``fp8`` path of ``make_quant_linear``, with fp32 accumulation.
-    ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops. x may also
+    ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops.
+    ``quantize_static(x2, input_scale)``: the same for a calibrated input scale (default the torch ops). x may also
     be rows already quantized (``kernels.w8a8_gemm.QuantizedRows``: codes [tokens, in], scales [tokens, 1]),
-    whose output is ``dtype`` (the model's activation dtype)."""
+    whose output is ``dtype`` (the model's activation dtype).
+
+    A calibrated input scale beside a per-tensor weight scale (ModelOpt's FP8, the fp8 recipe's static activations
+    on tensor granularity) runs cuBLAS's tensor-wise kernel, one scale per operand: the same products and scales,
+    and on an H200 (``python -m kernels.bench.w8a8 --scaling``, docs/BENCHMARKS.md, session 43) a Llama-3-8B layer's
+    four linears took 79.4 us against the row-wise kernel's 124.4 at 128 rows, 181.1 against 189.0 at 512, 722.9
+    against 726.9 at 2,048 and 2,915 against 3,016 at 8,192."""
     wq_t = w["qweight"].t()  # [in, out] column-major view of the row-major [out, in] weight, as cuBLASLt wants
     out_features = wq_t.shape[1]
     w_scale = w["weight_scale"].float().reshape(1, -1).expand(1, out_features).contiguous()  # [1, out]
     input_scale, bias = w.get("input_scale"), w.get("bias")
+    tensorwise = input_scale is not None and input_scale.numel() == 1 and w["weight_scale"].numel() == 1
+    if tensorwise:
+        scale_a, scale_b = input_scale.float().reshape(()), w["weight_scale"].float().reshape(())
 
     def fp8_linear(x: torch.Tensor) -> torch.Tensor:
         if isinstance(x, tuple):  # kernels.w8a8_gemm.QuantizedRows: rows a norm quantized, [num_tokens, in]
@@ -203,11 +216,17 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
             shape, out_dtype = xq.shape, dtype
         else:
             x2 = x.reshape(-1, x.shape[-1])  # [num_tokens, in]
-            if quantize is not None and input_scale is None:
-                xq, x_scale = quantize(x2)
+            if input_scale is None:
+                xq, x_scale = quantize(x2) if quantize is not None else quantize_activation_fp8(x2, None)
             else:
-                xq, x_scale = quantize_activation_fp8(x2, input_scale)
+                xq, x_scale = (quantize_static or quantize_activation_fp8)(x2, input_scale)
             shape, out_dtype = x.shape, x.dtype
+            if tensorwise:
+                y = torch._scaled_mm(xq, wq_t, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                                     use_fast_accum=FP8_FAST_ACCUM and xq.is_cuda)
+                if bias is not None:
+                    y = y + bias
+                return y.reshape(*shape[:-1], out_features)
         x_scale = x_scale.expand(xq.shape[0], 1).contiguous()  # [num_tokens, 1]
         y = torch._scaled_mm(xq, wq_t, scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
                              use_fast_accum=FP8_FAST_ACCUM and xq.is_cuda)

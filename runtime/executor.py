@@ -653,7 +653,8 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         large = lambda x: w8a8_linear(x, qweight, w_scale, input_scale, bias, act_qmin=qmin)  # noqa: E731
     elif (quant["scheme"] == "fp8" and _scaled_mm_device(w["qweight"].device)
           and ex.dtype in (torch.bfloat16, torch.float16)):
-        large = make_fp8_scaled_mm_linear(w, quantize, ex.dtype)
+        large = make_fp8_scaled_mm_linear(w, quantize, ex.dtype, lambda x2, scale: quantize_rows_static(
+            x2, scale, storage, act_qmin=qmin))
         takes_quantized = True
     else:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)

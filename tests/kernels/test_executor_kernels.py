@@ -576,6 +576,63 @@ def test_norms_quantize_for_the_fp8_linear_they_feed():
         assert not plan_fusions(*graph(**kwargs), torch.bfloat16, scaled_mm=True).quant_producers, kwargs
 
 
+def test_static_tensor_fp8_linears_run_scaled_mm_tensorwise(tmp_path, monkeypatch):
+    """FP8 with calibrated (static) input scales on per-tensor weight scales: past the rows kernels every linear
+    quantizes x in one kernel (quantize_rows_static) and runs _scaled_mm with one scale per operand (run on the CPU
+    here), the same codes and scales as the row-wise call (test_norm_quantized_fp8_step_equals_the_unfused_one and
+    the kernels' tests check that path against the references), so the logits of a 20-token step equal the
+    row-wise path's; per-channel weight scales keep the row-wise call."""
+    import kernels.torch_quant as tq
+    from kernels import w8a8_gemm, w8a8_rows
+    from runtime import executor
+
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
+    monkeypatch.setattr(executor, "_scaled_mm_device", lambda device: True)
+    statics, scales, real_static, real_mm = [], [], w8a8_gemm.quantize_rows_static, torch._scaled_mm
+
+    def spy_static(x, *args, **kwargs):
+        statics.append(x.shape[0])
+        return real_static(x, *args, **kwargs)
+
+    def spy_mm(a, b, *, scale_a, scale_b, **kwargs):
+        scales.append((scale_a.numel(), scale_b.numel()))
+        return real_mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(w8a8_gemm, "quantize_rows_static", spy_static)
+    monkeypatch.setattr(tq.torch, "_scaled_mm", spy_mm)
+    monkeypatch.setattr(w8a8_rows, "RUNTIME_MAX_ROWS", 0)  # 20 rows past the rows GEMM (KERNELS_W8A8_ROWS_MAX=0)
+    ids = torch.randint(3, 300, (20,), generator=torch.Generator().manual_seed(6)).tolist()
+    for granularity in ("tensor", "channel"):
+        recipe = validate_recipe({
+            "model": {"checkpoint": str(ckpt), "dtype": "bfloat16"}, "output_dir": str(tmp_path / granularity),
+            "runtime": {"max_seq_len": 128, "max_num_tokens": 32},
+            "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"},
+            "quantization": {"algo": "fp8", "activations": "static", "weight_granularity": granularity},
+            "gates": {"enabled": False}})
+        engine = Engine.load(build(recipe).output_dir, use_kernels=True)
+        layers = engine.executor.num_layers
+        statics.clear()
+        scales.clear()
+        got = engine.logits(ids)
+        assert len(statics) == 4 * layers and set(statics) == {20}, statics  # qkv, o_proj, gate/up, down
+        if granularity == "tensor":
+            assert scales == [(1, 1)] * 4 * layers, scales
+            monkeypatch.setattr(tq.torch, "_scaled_mm", lambda a, b, *, scale_a, scale_b, **kw: real_mm(
+                a, b, scale_a=scale_a.reshape(1, 1).expand(a.shape[0], 1).contiguous(),
+                scale_b=scale_b.reshape(1, 1).expand(1, b.shape[1]).contiguous(), **kw))
+            rowwise = Engine.load(build(recipe).output_dir, use_kernels=True).logits(ids)
+            if got.is_cuda:  # two cuBLAS kernels: the fp32 epilogue's rounding may differ
+                torch.testing.assert_close(got, rowwise, atol=2e-2, rtol=2e-2)
+            else:
+                assert torch.equal(got, rowwise)
+            monkeypatch.setattr(tq.torch, "_scaled_mm", spy_mm)
+        else:
+            assert all(a == 20 and b > 1 for a, b in scales) and len(scales) == 4 * layers, scales
+
+
 def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
     """A bf16 FP8 artifact on the kernels with the norms and the SwiGLU quantizing for _scaled_mm (run on the CPU
     here) gives the logits of the same executor with the fusion off, exactly, over a 20-token step (above
