@@ -289,7 +289,7 @@ def _rope_write_kv_kernel(
     # grid: (num_tokens, q_blocks + kv blocks). Programs below q_blocks rotate BLOCK_H query heads of their token
     # in place (Q_COPY: into qo_ptr's rows instead, the features past ROT copied as they are); the others rotate
     # BLOCK_H key heads and write them (and those heads' values) into the cache, and with K_INPLACE the rotated keys
-    # (rounded to the activation dtype) back into k too.
+    # (rounded to the activation dtype) back into k too, or over a quantized cache the codes into k and v.
     # HALF frequencies rotate pairs of features (STEP * i, STEP * i + PAIR) of the first ROT: (i, HALF + i) rotate-half,
     # (2i, 2i + 1) interleaved (kernels.rope); a key's features [ROT, HEAD_DIM) go to the cache as they are.
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
@@ -1262,7 +1262,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     (cu_seqlens_q: [num_seqs + 1] int32, starting at 0, ending at num_tokens) at positions
     context_lens[i] + j (context_lens: [num_seqs] int32; > 0 for a chunked prefill). Their K/V are
     already written to the cache, so every key, old or new, is read through block_tables:
-    [num_seqs, max_blocks] int32. Rows past cu_seqlens_q[-1] (padding) are left unwritten.
+    [num_seqs, max_blocks] int32 (the new ones from ``contiguous_kv`` when given). Rows past cu_seqlens_q[-1]
+    (padding) are left unwritten.
     softcap and sinks: as ``paged_decode_attention``. ``config``: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place
     of ``_prefill_config``'s (a tiling sweep's candidates).
     ``contiguous_kv``: (k, v) [num_tokens, num_kv_heads, head_dim] in q's dtype, the step's own keys (rotated) and
@@ -1270,8 +1271,10 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     without the block tables' indirection, and over a quantized cache without converting its codes per key tile);
     a context's keys still come from the cache. Over a 16-bit cache of q's dtype: the rotated keys and the values
     (``rope_write_kv_cache(k_in_place=True)``); over a quantized cache: their codes (the same call writes them), which
-    k_scale / v_scale scale as the cache's. The same values as the paged path's (bit for bit for fresh prompts over
-    a 16-bit cache; else up to the order of the fp32 sums, the key tiles starting at the context's end).
+    k_scale / v_scale scale as the cache's; nothing checks that they are (real keys there would be scaled as codes).
+    The same keys and values as the paged path's: bit for bit for fresh prompts over a 16-bit cache; else up to the
+    order of the fp32 sums (the key tiles start at the context's end) and, over a quantized cache with fp16 operands
+    (``PREFILL_F16``), the own rows' products, whose operands are q's dtype (bf16 probabilities, not fp16).
     ``out``: where to write (like q; a new tensor by default). ``skip_single``: leave the rows of sequences with
     exactly one new token unwritten (``paged_mixed_attention``).
     """

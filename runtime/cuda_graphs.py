@@ -287,7 +287,7 @@ class StepGraphs:
     stream-ordered and a step's logits are consumed before the next replay is queued. ``logits=False``: no logits
     rows, and no such buffer (a tensor-parallel worker's replicated lm_head is not run, as in DecodeGraphs).
     Where ``runtime.executor.mixed_decode_split`` takes a layer of the cache (read when the graphs are made: by
-    default a quantized cache), a sequence bucket of two or more has a second graph for steps that mix decodes with
+    default an FP8 cache), a sequence bucket of two or more has a second graph for steps that mix decodes with
     prompts or chunks (``PagedAttentionMetadata.mixed``: their decodes on the decode kernel), the other steps keeping
     the first."""
 

@@ -42,37 +42,55 @@ FUSE_NORM_INTO_LINEARS = os.environ.get("RUNTIME_FUSE_NORM_LINEAR", "0") == "1"
 # cache's blocks (``paged_prefill_attention(contiguous_kv=)``; the same values, bit for bit). Off until timed on a GPU:
 # the paged prefill kernel was about half of SDPA's speed on fresh 2,048-token prompts (docs/BENCHMARKS.md, session 39)
 PREFILL_OWN_KV = os.environ.get("RUNTIME_PREFILL_OWN_KV", "0") == "1"
-# RUNTIME_PREFILL_OWN_CODES (on; "0": off): a step carrying prefill over a quantized cache (FP8, INT8), in a layer
-# with RoPE, has the rope kernel leave the codes it writes to the cache in k and v too (exact in the activation
-# dtype), and its new tokens attend over those rows, their context over the cache
-# (``paged_prefill_attention(contiguous_kv=)``): the same values, without converting each key tile's codes for every
-# query tile. H200, FP8 cache (docs/BENCHMARKS.md, session 43): one fresh 2,048-token prompt 174.8 -> 140.7 us,
-# four of 512 63.4 -> 57.3; an FP8-KV 8B artifact at 2048/128, 256 sequences, 2,948 / 2,960 -> 2,990 / 2,990 output
-# tok/s (two rounds)
-PREFILL_OWN_CODES = os.environ.get("RUNTIME_PREFILL_OWN_CODES", "1") != "0"
+
+
+def _auto_setting(name: str) -> bool | None:
+    """An ``auto`` / ``1`` / ``0`` environment setting (case and surrounding spaces ignored, empty: auto) as None,
+    True or False."""
+    raw = os.environ.get(name, "auto")
+    modes = {"auto": None, "1": True, "0": False}
+    value = raw.strip().lower() or "auto"
+    if value not in modes:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(modes)}")
+    return modes[value]
+
+
+# RUNTIME_PREFILL_OWN_CODES: a step carrying prefill over a quantized cache, in a layer with RoPE, has the rope kernel
+# leave the codes it writes to the cache in k and v too (exact in the activation dtype), and its new tokens attend
+# over those rows, their context over the cache (``paged_prefill_attention(contiguous_kv=)``): the same keys and
+# values, without converting each key tile's codes for every query tile (the own rows' products take the activation
+# dtype's operands, where a quantized cache's take fp16 ones). "auto" (the default): FP8 caches; "1": INT8 ones too
+# (not timed); "0": none. H200, FP8 cache (docs/BENCHMARKS.md, session 43, the kernel as it is): one fresh
+# 2,048-token prompt 184.1 -> 147.2 us, after a 6,144-token context 966.0 -> 918.5, four of 512 63.9 -> 62.1; an
+# FP8-KV 8B artifact at 2048/128, 256 sequences, 3,027 output tok/s with it and the mixed split (an earlier version
+# of the kernel, with bf16 operands throughout: 2,948 / 2,960 -> 2,990 / 2,990 in one call)
+PREFILL_OWN_CODES: bool | None = _auto_setting("RUNTIME_PREFILL_OWN_CODES")
 # RUNTIME_MIXED_DECODE_SPLIT: a step that mixes decodes with prompts or chunks (``PagedAttentionMetadata.mixed``)
 # attends its decodes (sequences of one new token) on the decode kernel and the rest on the prefill kernel
 # (``kernels.paged_attention.paged_mixed_attention``; StepGraphs then captures such steps apart) instead of all on the
-# prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth over a quantized cache.
-# "auto" (the default): layers whose cache is quantized (FP8, INT8); "1": every layer; "0": none. Measured on an H200
+# prefill kernel, which reads a decode's keys at about half the decode kernel's bandwidth over an FP8 cache.
+# "auto" (the default): layers whose cache is FP8; "1": every layer; "0": none. Measured on an H200
 # (docs/BENCHMARKS.md, session 43): FP8 cache, 256 decodes over 2,048 keys beside a 512-token prompt 653.9 -> 362.9
-# us, and an FP8-KV 8B artifact at 2048/128, 256 sequences, 2,900 -> 2,990 output tok/s; a bf16 cache 560.0 -> 584.9
-# us (its prefill kernel reads decodes within 1.1x of the decode kernel, and the split adds three launches a layer).
-# INT8 caches take the same dequantizing prefill path as FP8 ones; not timed.
-_MIXED_SPLIT_MODES = {"auto": None, "1": True, "0": False}
-_mixed_split_env = os.environ.get("RUNTIME_MIXED_DECODE_SPLIT", "auto")
-if _mixed_split_env not in _MIXED_SPLIT_MODES:
-    raise ValueError(f"RUNTIME_MIXED_DECODE_SPLIT={_mixed_split_env!r} is not one of "
-                     f"{', '.join(_MIXED_SPLIT_MODES)}")
-MIXED_DECODE_SPLIT: bool | None = _MIXED_SPLIT_MODES[_mixed_split_env]
+# us (64 decodes over 512 keys beside 128 prompt tokens: 59.4 -> 62.1), and an FP8-KV 8B artifact at 2048/128, 256
+# sequences, 2,900 -> 2,990 output tok/s in one call; a bf16 cache 560.0 -> 584.9 us (its prefill kernel reads
+# decodes within 1.1x of the decode kernel, and the split adds three launches a layer). INT8 caches: not timed.
+MIXED_DECODE_SPLIT: bool | None = _auto_setting("RUNTIME_MIXED_DECODE_SPLIT")
 
 
 def mixed_decode_split(kv_dtype: torch.dtype) -> bool:
     """Whether a layer whose cache stores ``kv_dtype`` attends a mixed step's decodes on the decode kernel
-    (``MIXED_DECODE_SPLIT``; None: when the cache is quantized)."""
+    (``MIXED_DECODE_SPLIT``; auto: an FP8 cache)."""
     if MIXED_DECODE_SPLIT is not None:
         return MIXED_DECODE_SPLIT
-    return kv_dtype in KV_STORAGE.values()
+    return kv_dtype == torch.float8_e4m3fn
+
+
+def prefill_own_codes(kv_dtype: torch.dtype) -> bool:
+    """Whether a layer whose cache stores ``kv_dtype`` prefills over the step's own codes (``PREFILL_OWN_CODES``;
+    auto: an FP8 cache; on: any quantized cache)."""
+    if PREFILL_OWN_CODES is None:
+        return kv_dtype == torch.float8_e4m3fn
+    return PREFILL_OWN_CODES and kv_dtype in KV_STORAGE.values()
 
 
 # Weight roles of a linear / lm_head that act on its input before the matmul (an imported act-order gather, an
@@ -949,11 +967,9 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         new_kv = None
         # attention over the step's own rows: a step of fresh prompts over a 16-bit cache, its rotated keys
-        # (PREFILL_OWN_KV); a step carrying prefill over a quantized cache, the codes (PREFILL_OWN_CODES)
-        quantized = kc.dtype in KV_STORAGE.values()
+        # (PREFILL_OWN_KV); a step carrying prefill over a quantized cache, the codes (prefill_own_codes)
         own_kv = not md.decode_only and (
-            (PREFILL_OWN_KV and md.fresh and kc.dtype == q.dtype)
-            or (PREFILL_OWN_CODES and quantized and rope is not None))
+            (PREFILL_OWN_KV and md.fresh and kc.dtype == q.dtype) or (rope is not None and prefill_own_codes(kc.dtype)))
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
             rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved, rope.long_from) \
                 if rope is not None else ()

@@ -137,12 +137,12 @@ def test_mixed_steps_attend_their_decodes_on_the_decode_kernel(tmp_path, monkeyp
 
 
 def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypatch):
-    """RUNTIME_MIXED_DECODE_SPLIT's default ("auto"): layers whose cache is quantized split a mixed step's decodes off,
-    others do not; "1" / "0" force it; any other value is refused at import, naming the allowed ones. An FP8-KV
-    artifact's mixed steps take paged_mixed_attention by default, eagerly and as StepGraphs keys them, with the
-    offline engine's greedy tokens and the logprobs of the same engine with the split off (the offline engine attends
-    a prompt over its unquantized keys, the paged kernels over the cache's codes); so does RUNTIME_PREFILL_OWN_CODES
-    (prefill over the step's own codes), with the split and without."""
+    """RUNTIME_MIXED_DECODE_SPLIT's and RUNTIME_PREFILL_OWN_CODES's default ("auto"): layers whose cache is FP8 take
+    them, others do not; "1" / "0" force them (the own codes over quantized caches only); case and spaces are
+    ignored, any other value is refused at import, naming the allowed ones. An FP8-KV artifact's mixed steps take
+    paged_mixed_attention and its prefill steps its own codes by default, eagerly and as StepGraphs keys them, with
+    the offline engine's greedy tokens and the logprobs of the same engine with both off (the offline engine attends
+    a prompt over its unquantized keys, the paged kernels over the cache's codes), each alone too."""
     import subprocess
     import sys
 
@@ -152,16 +152,25 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
     from runtime import executor
     from runtime.cuda_graphs import StepGraphs
 
-    assert executor.MIXED_DECODE_SPLIT is None  # the default, unless the environment sets it
-    split = executor.mixed_decode_split
-    assert split(torch.float8_e4m3fn) and split(torch.int8)
-    assert not split(torch.bfloat16) and not split(torch.float16) and not split(torch.float32)
+    # the defaults, unless the environment sets them: auto, an FP8 cache only (INT8 ones were not timed)
+    assert executor.MIXED_DECODE_SPLIT is None and executor.PREFILL_OWN_CODES is None
+    split, codes = executor.mixed_decode_split, executor.prefill_own_codes
+    for fn in (split, codes):
+        assert fn(torch.float8_e4m3fn) and not fn(torch.int8)
+        assert not fn(torch.bfloat16) and not fn(torch.float16) and not fn(torch.float32)
     for forced in (True, False):
         monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", forced)
         assert split(torch.bfloat16) is forced and split(torch.float8_e4m3fn) is forced
+        monkeypatch.setattr(executor, "PREFILL_OWN_CODES", forced)  # "1": every quantized cache, never a 16-bit one
+        assert codes(torch.int8) is forced and codes(torch.float8_e4m3fn) is forced and not codes(torch.bfloat16)
     monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", None)
-    env = {**os.environ, "RUNTIME_MIXED_DECODE_SPLIT": "yes"}
-    bad = subprocess.run([sys.executable, "-c", "import runtime.executor"], env=env, capture_output=True, text=True)
+    monkeypatch.setattr(executor, "PREFILL_OWN_CODES", None)
+    probe = "import runtime.executor as e; print(e.MIXED_DECODE_SPLIT, e.PREFILL_OWN_CODES)"
+    env = {**os.environ, "RUNTIME_MIXED_DECODE_SPLIT": " Auto ", "RUNTIME_PREFILL_OWN_CODES": "0"}
+    ok = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.split() == ["None", "False"], ok.stderr
+    env["RUNTIME_MIXED_DECODE_SPLIT"] = "yes"
+    bad = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
     assert bad.returncode != 0
     assert "RUNTIME_MIXED_DECODE_SPLIT='yes' is not one of auto, 1, 0" in bad.stderr
 
@@ -189,10 +198,10 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
     prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 30, 3, 21)]
     params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
     outs = {}
-    # (split, own codes): the default; neither; RUNTIME_PREFILL_OWN_CODES=1 with the split and without
-    for mode, codes in ((None, False), (False, False), (None, True), (False, True)):
+    # (split, own codes): the defaults (auto: both on over this FP8 cache); neither; each alone
+    for mode, own_codes in ((None, None), (False, False), (None, False), (False, None)):
         monkeypatch.setattr(executor, "MIXED_DECODE_SPLIT", mode)
-        monkeypatch.setattr(executor, "PREFILL_OWN_CODES", codes)
+        monkeypatch.setattr(executor, "PREFILL_OWN_CODES", own_codes)
         fused = ServingEngine(Engine.load(path, use_kernels=True),
                               ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
         assert all(t.dtype == torch.float8_e4m3fn for t in fused.storage.k)
@@ -200,9 +209,9 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
         assert graphs.split_mixed is (mode is None) and ((32, 4, True) in graphs.keys()) is (mode is None)
         calls.clear()
         own.clear()
-        outs[mode, codes] = fused.run(prompts, params)
+        outs[mode, own_codes] = fused.run(prompts, params)
         assert bool(calls) is (mode is None), calls  # the default split the mixed steps; "0" none
-        assert own and all(o is codes for o in own), own  # every prefill-carrying step over its own codes, or none
+        assert own and all(o is (own_codes is None) for o in own), own  # every prefill step over its own codes, or none
     for prompt, *runs in zip(prompts, *outs.values()):
         plain = runs[1]
         assert plain.token_ids == ref.generate(prompt, params).token_ids
