@@ -221,14 +221,11 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
             else:
                 xq, x_scale = (quantize_static or quantize_activation_fp8)(x2, input_scale)
             shape, out_dtype = x.shape, x.dtype
-            if tensorwise:
-                y = torch._scaled_mm(xq, wq_t, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
-                                     use_fast_accum=FP8_FAST_ACCUM and xq.is_cuda)
-                if bias is not None:
-                    y = y + bias
-                return y.reshape(*shape[:-1], out_features)
-        x_scale = x_scale.expand(xq.shape[0], 1).contiguous()  # [num_tokens, 1]
-        y = torch._scaled_mm(xq, wq_t, scale_a=x_scale, scale_b=w_scale, out_dtype=out_dtype,
+        if tensorwise and not isinstance(x, tuple):
+            sa, sb = scale_a, scale_b
+        else:
+            sa, sb = x_scale.expand(xq.shape[0], 1).contiguous(), w_scale  # [num_tokens, 1], [1, out]
+        y = torch._scaled_mm(xq, wq_t, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                              use_fast_accum=FP8_FAST_ACCUM and xq.is_cuda)
         if bias is not None:
             y = y + bias
