@@ -8,7 +8,8 @@ half of each row is the gate, the second the up projection, and
 (the silu is rounded to the activation dtype before the product, as torch's ``F.silu(gate) * up`` does).
 Separate ``gate`` and ``up`` tensors are accepted too, as ``ops.silu_mul`` accepts them. ``quantize_to`` (int8 or
 float8_e4m3fn): the rows leave quantized per token (``kernels.w8a8_gemm.QuantizedRows``, equal to
-``quantize_rows(out)``) for the W8A8 linear that reads them, one row per program.
+``quantize_rows(out)``) for the W8A8 linear that reads them, one row per program; with ``input_scale`` (the linear's
+calibrated scale) the codes of ``quantize_rows_static(out, input_scale)``, elementwise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import triton.language as tl
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
 from kernels.w4a16_gemm import _interpreting
-from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, _codes, _qrange, quantize_row_store
+from kernels.w8a8_gemm import (W_DTYPES, QuantizedRows, _codes, _qrange, act_qmin_arg, quantize_row_store,
+                               static_codes)
 
 _BLOCK = 1024
 
@@ -59,9 +61,12 @@ def silu_mul_values(g, u):
 
 @triton.jit
 def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, num_cols,
-                     BLOCK: tl.constexpr, PDL: tl.constexpr, TILE: tl.constexpr = 0):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr, TILE: tl.constexpr = 0, s_ptr=None,
+                     STATIC: tl.constexpr = False, INT8: tl.constexpr = False, QMIN: tl.constexpr = -127.0,
+                     EMULATE_FP8: tl.constexpr = False):
     # TILE > 0: gate_ptr = up_ptr = a [gate | up] row interleaved per TILE columns (TILE gate columns, the same TILE
-    # up columns, ...): output column c reads gate column (c // TILE) 2 TILE + c % TILE and the up column TILE after
+    # up columns, ...): output column c reads gate column (c // TILE) 2 TILE + c % TILE and the up column TILE after.
+    # STATIC: out_ptr takes the codes of the values at the calibrated scale s_ptr holds (static_codes)
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -73,7 +78,12 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_o
         u_cols = g_cols + TILE
     g = tl.load(gate_ptr + row * stride_gate + g_cols, mask=mask, other=0.0)
     u = tl.load(up_ptr + row * stride_up + u_cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
+    if STATIC:
+        codes = static_codes(silu_mul_values(g, u).to(tl.float32), tl.load(s_ptr).to(tl.float32), out_ptr, QMIN,
+                             INT8, EMULATE_FP8)
+        tl.store(out_ptr + row * stride_out + cols, codes, mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -121,9 +131,11 @@ def _silu_mul_quant_2pass_kernel(gate_ptr, up_ptr, q_ptr, s_ptr, stride_gate, st
 
 
 def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
-             quantize_to: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
+             quantize_to: torch.dtype | None = None, input_scale: torch.Tensor | None = None,
+             act_qmin: int = -127) -> torch.Tensor | QuantizedRows:
     """``silu(gate) * up`` for ``gate_up`` [num_tokens, 2 * I] (or separate gate, up [num_tokens, I]); with
-    ``quantize_to`` quantized per token (``QuantizedRows``)."""
+    ``quantize_to`` quantized (``QuantizedRows``): per token, or at ``input_scale`` (a calibrated scale, the codes
+    of ``quantize_rows_static``; ``act_qmin`` its lowest int8 code), elementwise."""
     if not (gate_up.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"):
         raise RuntimeError("silu_mul runs on CUDA tensors (or under TRITON_INTERPRET=1); use kernels.torch_ops on the CPU")
     if up is None:
@@ -143,6 +155,18 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
         if quantize_to not in W_DTYPES:
             raise ValueError(f"quantize_to takes {W_DTYPES}, got {quantize_to}")
         codes = torch.empty((num_tokens, num_cols), dtype=quantize_to, device=gate.device)
+        if input_scale is not None:
+            if input_scale.numel() != 1:
+                raise ValueError(f"input_scale has {input_scale.numel()} values; static codes take one")
+            scale = input_scale.reshape(1).float()
+            if codes.numel():
+                block = min(_BLOCK, triton.next_power_of_2(num_cols))
+                _silu_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
+                    gate, up, codes, gate.stride(0), up.stride(0), codes.stride(0), num_cols, BLOCK=block,
+                    num_warps=4, s_ptr=scale, STATIC=True, INT8=quantize_to == torch.int8,
+                    QMIN=act_qmin_arg("silu_mul's static codes", codes[:0], act_qmin), EMULATE_FP8=_interpreting(),
+                    **pdl_args(codes))
+            return QuantizedRows(codes, scale.expand(num_tokens, 1))
         scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate.device)
         chunk = _quant_chunk()
         if num_tokens and chunk and num_cols > chunk:  # the two-pass kernel (see _quant_chunk)

@@ -17,11 +17,13 @@ Falcon, Starcoder2, Cohere, OLMo). One kernel where the reference takes three (a
 ``quantize_to`` (int8 or float8_e4m3fn): the normed rows leave quantized per token instead, as
 ``kernels.w8a8_gemm.QuantizedRows`` equal to ``quantize_rows(normed)``, for a W8A8 linear that reads them: one
 kernel and one write of 1-byte codes where the norm and the quantization took two kernels and a 2-byte round trip.
+With ``input_scale`` (a linear's calibrated scale) the codes are ``quantize_rows_static(normed, input_scale)``'s.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,7 +32,7 @@ import triton.language as tl
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
 from kernels.w4a16_gemm import _interpreting
-from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, quantize_row_store
+from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, act_qmin_arg, quantize_row_store, static_codes
 
 
 @triton.jit
@@ -38,9 +40,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, s_ptr,
                      stride_x, stride_res, stride_out, stride_total,
                      num_cols, eps, weight_offset,
                      HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_OFFSET: tl.constexpr,
-                     QUANT: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+                     QUANT: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                     STATIC: tl.constexpr = False, QMIN: tl.constexpr = -127.0):
     # QUANT (1: fp8, 2: int8): out_ptr takes the row's codes and s_ptr its scale; the normed row in the activation
-    # dtype (total's, or x's) is what they quantize
+    # dtype (total's, or x's) is what they quantize. STATIC: s_ptr holds a calibrated scale, the codes' (QMIN: the
+    # lowest code), and nothing is stored there
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -66,7 +70,11 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, total_ptr, s_ptr,
     if QUANT != 0:
         act = total_ptr.dtype.element_ty if HAS_RESIDUAL else x_ptr.dtype.element_ty
         h = tl.where(mask, h.to(act).to(tl.float32), 0.0)
-        quantize_row_store(h, mask, out_ptr + row * stride_out + cols, s_ptr + row, QUANT == 2, EMULATE_FP8)
+        if STATIC:
+            tl.store(out_ptr + row * stride_out + cols, static_codes(h, tl.load(s_ptr).to(tl.float32), out_ptr, QMIN,
+                                                                     QUANT == 2, EMULATE_FP8), mask=mask)
+        else:
+            quantize_row_store(h, mask, out_ptr + row * stride_out + cols, s_ptr + row, QUANT == 2, EMULATE_FP8)
     else:
         tl.store(out_ptr + row * stride_out + cols, h.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -113,7 +121,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
             weight_offset: float, out: torch.Tensor, total: torch.Tensor | None,
-            scales: torch.Tensor | None = None) -> None:
+            scales: torch.Tensor | None = None, static: bool = False, qmin: float = -127.0) -> None:
     num_rows, num_cols = x2.shape
     if num_rows == 0:
         return
@@ -129,17 +137,31 @@ def _launch(x2: torch.Tensor, res2: torch.Tensor | None, weight: torch.Tensor | 
         num_cols, eps, weight_offset,
         HAS_RESIDUAL=res2 is not None, HAS_WEIGHT=weight is not None, HAS_OFFSET=bool(weight_offset),
         QUANT=0 if scales is None else (2 if out.dtype == torch.int8 else 1), EMULATE_FP8=_interpreting(),
-        BLOCK=block, num_warps=_num_warps(block), **pdl_args(x2))
+        BLOCK=block, num_warps=_num_warps(block), STATIC=static, QMIN=qmin, **pdl_args(x2))
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
     return x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype)
 
 
+class _Quant(NamedTuple):
+    codes: torch.Tensor  # [num_rows, num_cols]
+    kernel_scales: torch.Tensor  # what the kernel's s_ptr is: the rows' scales it writes, or the static one it reads
+    scales: torch.Tensor  # [num_rows, 1], the QuantizedRows'
+    static: bool
+    qmin: float
+
+    def launch_args(self) -> dict:
+        return {"scales": self.kernel_scales, "static": self.static, "qmin": self.qmin}
+
+
 def _quantized_out(x2: torch.Tensor, quantize_to: torch.dtype | None, weight: torch.Tensor | None,
-                   weight_offset: float, head_dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(codes, scales) buffers for ``quantize_to``, or None for a plain normed output. The kernel quantizes the
-    normed row rounded to the activation dtype: the weight must be in it too (the normed output's dtype)."""
+                   weight_offset: float, head_dim: int | None = None, input_scale: torch.Tensor | None = None,
+                   act_qmin: int = -127) -> _Quant | None:
+    """The buffers and launch arguments for ``quantize_to``, or None for a plain normed output. The kernel quantizes
+    the normed row rounded to the activation dtype: the weight must be in it too (the normed output's dtype). With
+    ``input_scale`` (one calibrated value) the codes are ``quantize_rows_static``'s at it, and the rows' scales are
+    it expanded to [num_tokens, 1], as that function returns them."""
     if quantize_to is None:
         return None
     if (quantize_to not in W_DTYPES or head_dim or weight_offset
@@ -147,40 +169,51 @@ def _quantized_out(x2: torch.Tensor, quantize_to: torch.dtype | None, weight: to
         raise ValueError(f"quantize_to takes {W_DTYPES} for a whole-row norm without weight_offset whose weight "
                          f"is in the activation dtype, got {quantize_to} (head_dim {head_dim}, weight_offset "
                          f"{weight_offset}, weight {None if weight is None else weight.dtype}, x {x2.dtype})")
-    return (torch.empty(x2.shape, dtype=quantize_to, device=x2.device),
-            torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device))
+    codes = torch.empty(x2.shape, dtype=quantize_to, device=x2.device)
+    if input_scale is None:
+        scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device)
+        return _Quant(codes, scales, scales, False, -127.0)
+    if input_scale.numel() != 1:
+        raise ValueError(f"input_scale has {input_scale.numel()} values; a norm's static codes take one")
+    scale = input_scale.reshape(1).float()
+    qmin = act_qmin_arg("the norm's static codes", codes[:0], act_qmin)
+    return _Quant(codes, scale, scale.expand(x2.shape[0], 1), True, qmin)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, weight_offset: float = 0.0,
-             head_dim: int | None = None, quantize_to: torch.dtype | None = None) -> torch.Tensor | QuantizedRows:
+             head_dim: int | None = None, quantize_to: torch.dtype | None = None,
+             input_scale: torch.Tensor | None = None, act_qmin: int = -127) -> torch.Tensor | QuantizedRows:
     """RMSNorm of each row of ``x`` [num_tokens, features] (per head of ``head_dim`` when given); with
-    ``quantize_to`` the rows quantized per token (``QuantizedRows``, [num_tokens, features])."""
+    ``quantize_to`` the rows quantized (``QuantizedRows``, [num_tokens, features]): per token, or at ``input_scale``
+    (a calibrated scale; ``act_qmin`` the lowest int8 code, as ``quantize_rows_static`` takes it)."""
     _check_device(x)
     shape = x.shape
     x2 = _rows(x.reshape(-1, head_dim) if head_dim else x)  # x2: [num_rows, num_cols]
-    quant = _quantized_out(x2, quantize_to, weight, weight_offset, head_dim)
+    quant = _quantized_out(x2, quantize_to, weight, weight_offset, head_dim, input_scale, act_qmin)
     if quant is not None:
-        _launch(x2, None, weight, eps, weight_offset, quant[0], None, quant[1])
-        return QuantizedRows(*quant)
+        _launch(x2, None, weight, eps, weight_offset, quant.codes, None, **quant.launch_args())
+        return QuantizedRows(quant.codes, quant.scales)
     out = torch.empty(x2.shape, dtype=_out_dtype(x, weight), device=x.device)
     _launch(x2, None, weight, eps, weight_offset, out, None)
     return out.reshape(shape)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                       weight_offset: float = 0.0, quantize_to: torch.dtype | None = None
+                       weight_offset: float = 0.0, quantize_to: torch.dtype | None = None,
+                       input_scale: torch.Tensor | None = None, act_qmin: int = -127,
                        ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)``: the normed row and the new residual stream; with
-    ``quantize_to`` the normed rows quantized per token (``QuantizedRows``, [num_tokens, features])."""
+    ``quantize_to`` the normed rows quantized (``QuantizedRows``, [num_tokens, features]), per token or at
+    ``input_scale`` (see ``rms_norm``)."""
     _check_device(x)
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ in shape")
     x2, res2 = _rows(x), _rows(residual)
     total = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
-    quant = _quantized_out(x2, quantize_to, weight, weight_offset)
+    quant = _quantized_out(x2, quantize_to, weight, weight_offset, None, input_scale, act_qmin)
     if quant is not None:
-        _launch(x2, res2, weight, eps, weight_offset, quant[0], total, quant[1])
-        return QuantizedRows(*quant), total.reshape(x.shape)
+        _launch(x2, res2, weight, eps, weight_offset, quant.codes, total, **quant.launch_args())
+        return QuantizedRows(quant.codes, quant.scales), total.reshape(x.shape)
     out = torch.empty(x2.shape, dtype=_out_dtype(total, weight), device=x.device)
     _launch(x2, res2, weight, eps, weight_offset, out, total)
     return out.reshape(x.shape), total.reshape(x.shape)

@@ -923,7 +923,8 @@ def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_sca
                              "static input_scale")
         if x.codes.dtype != qweight.dtype:
             raise ValueError(f"w8a8_gemv: the rows' codes are {x.codes.dtype}, the weight's {qweight.dtype}")
-        scales, out_dtype = x.scales.reshape(-1).float(), out_dtype or torch.bfloat16
+        # contiguous: a static scale comes expanded over the rows (stride 0)
+        scales, out_dtype = x.scales.reshape(-1).float().contiguous(), out_dtype or torch.bfloat16
         x = x.codes
         qweight, x2 = _check_w8a8_inputs("w8a8_gemv", x, qweight, weight_scale, bias, x_dtypes=(qweight.dtype,))
         if scales.numel() != x2.shape[0]:

@@ -221,7 +221,7 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
             else:
                 xq, x_scale = (quantize_static or quantize_activation_fp8)(x2, input_scale)
             shape, out_dtype = x.shape, x.dtype
-        if tensorwise and not isinstance(x, tuple):
+        if tensorwise:  # rows a norm quantized for this linear come at its input scale (plan_fusions)
             sa, sb = scale_a, scale_b
         else:
             sa, sb = x_scale.expand(xq.shape[0], 1).contiguous(), w_scale  # [num_tokens, 1], [1, out]

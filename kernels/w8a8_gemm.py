@@ -305,21 +305,29 @@ def _quantize_rows_static_kernel(x_ptr, s_ptr, q_ptr, K, stride_xm, stride_qm, Q
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = offs < K
-    qmax, eps = _qrange(INT8)
-    scale = tl.load(s_ptr).to(tl.float32)
-    rcp = tl.math.div_rn(scale * 0.0 + 1.0, scale)  # once per program, for div_exact
     x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(q_ptr + row * stride_qm + offs, static_codes(x, tl.load(s_ptr).to(tl.float32), q_ptr, QMIN, INT8,
+                                                           EMULATE_FP8), mask=mask)
+
+
+@triton.jit
+def static_codes(x, scale, q_ptr, QMIN: tl.constexpr, INT8: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """Values ``x`` (fp32) as codes of ``q_ptr``'s dtype at a calibrated (static) ``scale`` (fp32 scalar): the
+    reference's arithmetic (an IEEE quotient, div_exact; int8 round half to even clamped to QMIN..127, fp8 clamped to
+    +-448 and rounded to e4m3). Shared by ``quantize_rows_static`` and the kernels that make rows for a linear with
+    an input scale (the norms, the SwiGLU: ``runtime.executor.plan_fusions``)."""
+    qmax, _ = _qrange(INT8)
+    rcp = tl.math.div_rn(scale * 0.0 + 1.0, scale)  # once per program, for div_exact
     # NaN stays NaN on the GPU (the reference's clamp keeps it: an fp8 NaN code, a NaN output; the interpreter's fp8
     # conversion does not represent it)
     v = tl.minimum(tl.maximum(div_exact(x, scale, rcp), QMIN, propagate_nan=tl.PropagateNan.ALL), qmax,
                    propagate_nan=tl.PropagateNan.ALL)
     if INT8:
-        codes = ((v + _MAGIC) - _MAGIC).to(tl.int8)
+        return ((v + _MAGIC) - _MAGIC).to(tl.int8)
     elif EMULATE_FP8:
-        codes = _round_e4m3(v).to(q_ptr.dtype.element_ty)
+        return _round_e4m3(v).to(q_ptr.dtype.element_ty)
     else:
-        codes = v.to(tl.float8e4nv)
-    tl.store(q_ptr + row * stride_qm + offs, codes, mask=mask)
+        return v.to(tl.float8e4nv)
 
 
 def quantize_rows_static(x: torch.Tensor, input_scale: torch.Tensor, dtype: torch.dtype,

@@ -191,9 +191,11 @@ class _Fusions:
     rope: dict[int, tuple[dict[str, Any], str]]  # attention node -> (its q rope node, the positions' value name)
     gated: set[int]  # weight-only (mma layout) and unquantized linears that form silu(gate) * up from the [gate | up]
     # they read
-    # norms and SwiGLUs whose rows feed one FP8 linear (dynamic per-token activations, on cuBLAS's _scaled_mm):
-    # past FUSED_MAX_ROWS rows (where that linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows
+    # norms and SwiGLUs whose rows feed one FP8 linear (on cuBLAS's _scaled_mm): past FUSED_MAX_ROWS rows (where that
+    # linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows: per token (dynamic activations), or at
+    # the linear's calibrated input scale (static_inputs)
     quant_producers: dict[int, int] = field(default_factory=dict)  # producer node -> the linear it feeds
+    static_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # producer node -> that linear's input_scale
     # weight-only linears on the frag layout whose merged [gate | up] output feeds a SwiGLU: they output
     # silu(gate) * up themselves (``w4a16_frag(..., gated=True)``; the SwiGLU node is absorbed)
     swiglu_out: set[int] = field(default_factory=set)
@@ -280,7 +282,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                 fusions.gated.add(i)
         elif (node["op"] == "linear" and FUSE_NORM_QUANT and scaled_mm and dtype in (torch.bfloat16, torch.float16)
               and (attrs.get("quant") or {}).get("scheme") == "fp8" and not attrs.get("lm_head")
-              and not {"input_scale", *INPUT_ROLES} & set(node.get("weights", {}))
+              and not set(INPUT_ROLES) & set(node.get("weights", {}))
               and (attrs.get("in_features") or 1) % 16 == 0 and (attrs.get("out_features") or 1) % 16 == 0
               and node["inputs"][0] in producer and num_consumers.get(node["inputs"][0]) == 1):
             j = producer[node["inputs"][0]]
@@ -398,8 +400,12 @@ class Executor:
                 self._fusions.pending_norms.discard(j)
         for j, i in list(self._fusions.quant_producers.items()):  # the shapes cuBLAS takes, as loaded (sharded)
             qweight = params.get(nodes[i].get("weights", {}).get("qweight", ""))
-            if qweight is None or qweight.shape[0] % 16 or qweight.shape[1] % 16:
+            input_scale = params.get(nodes[i].get("weights", {}).get("input_scale", ""))
+            if (qweight is None or qweight.shape[0] % 16 or qweight.shape[1] % 16
+                    or (input_scale is not None and input_scale.numel() != 1)):
                 del self._fusions.quant_producers[j]
+            elif input_scale is not None:  # a calibrated scale: the producer writes the codes of quantize_rows_static
+                self._fusions.static_inputs[j] = input_scale
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
                   + ([self._fusions.residual_out[i]] if i in self._fusions.residual_out else [])
@@ -500,7 +506,9 @@ def _rms_norm(w, attrs, ex) -> Kernel:
 
         quantize_to = _quantize_to(ex, weight)
         if quantize_to is not None:
-            return lambda xs, step: (rms_norm(xs[0], weight, eps, quantize_to=quantize_to(xs[0])),)
+            static = ex._fusions.static_inputs.get(ex._index)
+            return lambda xs, step: (rms_norm(xs[0], weight, eps, quantize_to=quantize_to(xs[0]),
+                                              input_scale=static),)
         return lambda xs, step: (rms_norm(xs[0], weight, eps, offset, head_dim),)
     return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
 
@@ -589,7 +597,9 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 
         quantize_to = _quantize_to(ex, weight)
         if quantize_to is not None:
-            return lambda xs, step: fn(xs[0], xs[1], weight, eps, quantize_to=quantize_to(xs[0]))
+            static = ex._fusions.static_inputs.get(ex._index)
+            return lambda xs, step: fn(xs[0], xs[1], weight, eps, quantize_to=quantize_to(xs[0]),
+                                       input_scale=static)
     return lambda xs, step: fn(xs[0], xs[1], weight, eps, offset)
 
 
@@ -1026,7 +1036,8 @@ def _silu_mul(w, attrs, ex) -> Kernel:
 
         quantize_to = _quantize_to(ex, None)  # for an FP8 down projection (plan_fusions)
         if quantize_to is not None:
-            return lambda xs, step: (silu_mul(*xs, quantize_to=quantize_to(xs[0])),)
+            static = ex._fusions.static_inputs.get(ex._index)
+            return lambda xs, step: (silu_mul(*xs, quantize_to=quantize_to(xs[0]), input_scale=static),)
         return lambda xs, step: (silu_mul(*xs),)
     return lambda xs, step: (ops.silu_mul(*xs),)
 

@@ -356,10 +356,31 @@ def _silu_quant() -> list[tuple[str, object]]:
     types = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_gate": "i32",
              "stride_up": "i32", "stride_q": "i32", "num_cols": "i32"}
     consts = {"INT8": False, "EMULATE_FP8": False, "PDL": True}
+    from kernels.activation import _silu_mul_kernel
+    from kernels.fused_norm import _rms_norm_kernel
+
+    static = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "stride_gate": "i32", "stride_up": "i32",
+              "stride_out": "i32", "num_cols": "i32", "s_ptr": "*fp32"}
+    norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "total_ptr": "*bf16",
+            "s_ptr": "*fp32", "stride_x": "i32", "stride_res": "i32", "stride_out": "i32", "stride_total": "i32",
+            "num_cols": "i32", "eps": "fp32", "weight_offset": "fp32"}
+    norm_consts = {"HAS_RESIDUAL": True, "HAS_WEIGHT": True, "HAS_OFFSET": False, "QUANT": 1, "EMULATE_FP8": False,
+                   "BLOCK": 4096, "PDL": True, "STATIC": False, "QMIN": -127.0}
+    plain = {k: v for k, v in static.items() if k not in ("s_ptr", "out_ptr")} | {"out_ptr": "*bf16"}
     return [("silu_mul quantized, one pass, 14336", lambda: compile_kernel(
                 _silu_mul_quant_kernel, types, {**consts, "BLOCK": 16384}, 16)),
             ("silu_mul quantized, two passes of 2048", lambda: compile_kernel(
-                _silu_mul_quant_2pass_kernel, types, {**consts, "BLOCK": 2048}, 4))]
+                _silu_mul_quant_2pass_kernel, types, {**consts, "BLOCK": 2048}, 4)),
+            ("silu_mul, static fp8 codes", lambda: compile_kernel(
+                _silu_mul_kernel, static, {"BLOCK": 1024, "PDL": True, "TILE": 0, "STATIC": True, "INT8": False,
+                                           "QMIN": -448.0, "EMULATE_FP8": False}, 4)),
+            ("silu_mul, bf16 out", lambda: compile_kernel(
+                _silu_mul_kernel, plain, {"BLOCK": 1024, "PDL": True, "TILE": 0, "s_ptr": None, "STATIC": False,
+                                          "INT8": False, "QMIN": -127.0, "EMULATE_FP8": False}, 4)),
+            ("residual add + rms_norm, per-token fp8 codes, 4096", lambda: compile_kernel(
+                _rms_norm_kernel, norm, norm_consts, 8)),
+            ("residual add + rms_norm, static fp8 codes, 4096", lambda: compile_kernel(
+                _rms_norm_kernel, norm, {**norm_consts, "STATIC": True, "QMIN": -448.0}, 8))]
 
 
 def _w8a8_rows() -> list[tuple[str, object]]:

@@ -79,6 +79,38 @@ def test_norm_quantized_out_equals_quantize_rows_of_the_norm(quant, residual, dt
     assert (err <= half_step + TOL[dtype] * (1 + ref.float().abs())).all()
 
 
+@pytest.mark.parametrize("quant,qmin", [(torch.float8_e4m3fn, -127), (torch.int8, -127), (torch.int8, -128)],
+                         ids=["fp8", "int8", "int8-128"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add-norm"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norm_static_codes_equal_quantize_rows_static_of_the_norm(quant, qmin, residual, dtype):
+    """quantize_to with input_scale (a linear's calibrated scale): the codes are exactly quantize_rows_static of the
+    kernel's own normed rows at that scale, values past the scale's range clamped, the rows' scales are the input
+    scale, and the new residual is unchanged."""
+    from kernels.w8a8_gemm import QuantizedRows, quantize_rows_static
+
+    x, res = _randn(5, 200, dtype=dtype, seed=34, scale=3.0), _randn(5, 200, dtype=dtype, seed=35)
+    weight = _randn(200, dtype=dtype, seed=36, shift=1.0)
+    # a scale below the rows' largest values: some codes clamp at the range's ends (+-448, qmin / 127)
+    input_scale = torch.tensor([1.7 / (448.0 if quant == torch.float8_e4m3fn else 127.0)])
+    if residual:
+        (qr, total), (normed, total2) = (
+            fused_add_rms_norm(x, res, weight, 1e-6, quantize_to=quant, input_scale=input_scale, act_qmin=qmin),
+            fused_add_rms_norm(x, res, weight, 1e-6))
+        torch.testing.assert_close(total, total2, rtol=0, atol=0)
+    else:
+        qr = rms_norm(x, weight, 1e-6, quantize_to=quant, input_scale=input_scale, act_qmin=qmin)
+        normed = rms_norm(x, weight, 1e-6)
+    assert isinstance(qr, QuantizedRows) and qr.codes.dtype == quant and qr.shape == (5, 200)
+    codes, scales = quantize_rows_static(normed, input_scale, quant, act_qmin=qmin)
+    assert torch.equal(qr.scales, scales) and qr.scales.shape == (5, 1)
+    assert torch.equal(qr.codes.view(torch.uint8), codes.view(torch.uint8))
+    top = 448.0 if quant == torch.float8_e4m3fn else 127.0
+    assert (qr.codes.float().abs() == top).any() and (qr.codes.float().abs() < top).any()  # clamped and not
+    with pytest.raises(ValueError, match="input_scale"):
+        rms_norm(x, weight, 1e-6, quantize_to=quant, input_scale=torch.ones(2))
+
+
 def test_norm_quantized_out_refuses_what_it_cannot_quantize():
     x = _randn(2, 64, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="quantize_to"):
@@ -282,6 +314,26 @@ def test_silu_mul_quantized_out_equals_quantize_rows_of_it(quant, dtype):
     assert torch.equal(qr.codes.view(torch.uint8), codes.view(torch.uint8))
     with pytest.raises(ValueError, match="quantize_to"):
         silu_mul(gate_up, quantize_to=torch.float16)
+
+
+@pytest.mark.parametrize("quant", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_static_codes_equal_quantize_rows_static_of_it(quant, dtype):
+    """quantize_to with input_scale: exactly quantize_rows_static of the kernel's own silu(gate) * up rows at that
+    scale (1,536 columns: two column blocks of the elementwise grid), the rows' scales the input scale."""
+    from kernels.w8a8_gemm import QuantizedRows, quantize_rows_static
+
+    gate_up = _randn(3, 2 * 1536, dtype=dtype, seed=42, scale=3.0)
+    input_scale = torch.tensor([2.5 / (448.0 if quant == torch.float8_e4m3fn else 127.0)])
+    qr = silu_mul(gate_up, quantize_to=quant, input_scale=input_scale)
+    assert isinstance(qr, QuantizedRows) and qr.shape == (3, 1536)
+    codes, scales = quantize_rows_static(silu_mul(gate_up), input_scale, quant)
+    assert torch.equal(qr.scales, scales)
+    assert torch.equal(qr.codes.view(torch.uint8), codes.view(torch.uint8))
+    top = 448.0 if quant == torch.float8_e4m3fn else 127.0
+    assert (qr.codes.float().abs() == top).any() and (qr.codes.float() != 0).sum() > 1000
+    with pytest.raises(ValueError, match="input_scale"):
+        silu_mul(gate_up, quantize_to=quant, input_scale=torch.ones(3))
 
 
 def test_silu_mul_separate_gate_and_up():

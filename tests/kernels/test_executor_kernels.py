@@ -557,9 +557,10 @@ def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
 
 
 def test_norms_quantize_for_the_fp8_linear_they_feed():
-    """A norm (or SwiGLU) whose only reader is an FP8 linear with dynamic activations (aligned, not an lm_head) on
-    _scaled_mm quantizes its rows itself; any other reader, a static input scale, an act-order perm, a Gemma gain
-    offset, a per-head norm, another producer, or a device without _scaled_mm leaves it alone."""
+    """A norm (or SwiGLU) whose only reader is an FP8 linear (aligned, not an lm_head) on _scaled_mm quantizes its
+    rows itself, dynamic activations or a static input scale (whose value the executor checks as loaded); any other
+    reader, an act-order perm, a smoothing pre-quant scale, a Gemma gain offset, a per-head norm, another producer,
+    or a device without _scaled_mm leaves it alone."""
     from runtime.executor import plan_fusions
 
     def graph(norm_attrs=None, linear_attrs=None, weights=None, extra_reader=False, producer="fused_add_rms_norm"):
@@ -578,7 +579,8 @@ def test_norms_quantize_for_the_fp8_linear_they_feed():
     assert plan_fusions(*graph(producer="silu_mul"), torch.bfloat16, scaled_mm=True).quant_producers == {0: 1}
     assert not plan_fusions(*graph(), torch.bfloat16, scaled_mm=False).quant_producers
     assert not plan_fusions(*graph(), torch.float32, scaled_mm=True).quant_producers
-    for kwargs in ({"extra_reader": True}, {"weights": {"input_scale": "i"}}, {"weights": {"perm": "p"}},
+    assert plan_fusions(*graph(weights={"input_scale": "i"}), torch.bfloat16, scaled_mm=True).quant_producers == {0: 1}
+    for kwargs in ({"extra_reader": True}, {"weights": {"perm": "p"}}, {"weights": {"pre_quant_scale": "q"}},
                    {"norm_attrs": {"weight_offset": 1.0}}, {"norm_attrs": {"head_dim": 32}},
                    {"linear_attrs": {"lm_head": True}}, {"linear_attrs": {"out_features": 100}},
                    {"linear_attrs": {"quant": {"scheme": "w8a8_int8"}}}, {"producer": "elementwise"}):
@@ -587,10 +589,12 @@ def test_norms_quantize_for_the_fp8_linear_they_feed():
 
 def test_static_tensor_fp8_linears_run_scaled_mm_tensorwise(tmp_path, monkeypatch):
     """FP8 with calibrated (static) input scales on per-tensor weight scales: past the rows kernels every linear
-    quantizes x in one kernel (quantize_rows_static) and runs _scaled_mm with one scale per operand (run on the CPU
-    here), the same codes and scales as the row-wise call (test_norm_quantized_fp8_step_equals_the_unfused_one and
-    the kernels' tests check that path against the references), so the logits of a 20-token step equal the
-    row-wise path's; per-channel weight scales keep the row-wise call."""
+    runs _scaled_mm with one scale per operand (run on the CPU here), the same codes and scales as the row-wise call
+    (test_norm_quantized_fp8_step_equals_the_unfused_one and the kernels' tests check that path against the
+    references), so the logits of a 20-token step equal the row-wise path's; per-channel weight scales keep the
+    row-wise call. The norms and the SwiGLU write their linears' codes at the input scale (plan_fusions'
+    static_inputs), so only o_proj's input takes quantize_rows_static, and the logits equal those of the step with
+    every linear quantizing its own input (FUSE_NORM_QUANT off), exactly."""
     import kernels.torch_quant as tq
     from kernels import w8a8_gemm, w8a8_rows
     from runtime import executor
@@ -621,18 +625,27 @@ def test_static_tensor_fp8_linears_run_scaled_mm_tensorwise(tmp_path, monkeypatc
             "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"},
             "quantization": {"algo": "fp8", "activations": "static", "weight_granularity": granularity},
             "gates": {"enabled": False}})
-        engine = Engine.load(build(recipe).output_dir, use_kernels=True)
-        layers = engine.executor.num_layers
+        path = build(recipe).output_dir
+        monkeypatch.setattr(executor, "FUSE_NORM_QUANT", False)
+        plain = Engine.load(path, use_kernels=True)
+        layers = plain.executor.num_layers
+        statics.clear()
+        unfused = plain.logits(ids)
+        assert len(statics) == 4 * layers, statics  # every linear
+        monkeypatch.setattr(executor, "FUSE_NORM_QUANT", True)
+        engine = Engine.load(path, use_kernels=True)
+        assert len(engine.executor._fusions.static_inputs) == 3 * layers  # the norms before qkv, gate/up; the SwiGLU
         statics.clear()
         scales.clear()
         got = engine.logits(ids)
-        assert len(statics) == 4 * layers and set(statics) == {20}, statics  # qkv, o_proj, gate/up, down
+        assert torch.equal(got, unfused)
+        assert len(statics) == layers and set(statics) == {20}, statics  # o_proj's input only
         if granularity == "tensor":
             assert scales == [(1, 1)] * 4 * layers, scales
             monkeypatch.setattr(tq.torch, "_scaled_mm", lambda a, b, *, scale_a, scale_b, **kw: real_mm(
                 a, b, scale_a=scale_a.reshape(1, 1).expand(a.shape[0], 1).contiguous(),
                 scale_b=scale_b.reshape(1, 1).expand(1, b.shape[1]).contiguous(), **kw))
-            rowwise = Engine.load(build(recipe).output_dir, use_kernels=True).logits(ids)
+            rowwise = Engine.load(path, use_kernels=True).logits(ids)
             if got.is_cuda:  # two cuBLAS kernels: the fp32 epilogue's rounding may differ
                 torch.testing.assert_close(got, rowwise, atol=2e-2, rtol=2e-2)
             else:
