@@ -10,7 +10,8 @@ Figure names: ``decode_b1_{precision}`` (tok/s), ``ttft_{input_len}_{precision}`
 suffix on the decode figures when the prompts are not 128 tokens, and ``baseline_<name>`` for the
 stock-PyTorch baseline's figure measured in the same run. The precision part is :func:`figure_tag`'s: a
 mixture-of-experts model's figures are ``moe_{precision}`` (``decode_b1_moe_bf16``), an artifact with a quantized
-lm_head's ``{precision}_qhead``, one with a quantized KV cache's ``{precision}_kvfp8`` (or ``_kvint8``).
+lm_head's ``{precision}_qhead``, one with a quantized KV cache's ``{precision}_kvfp8`` (or ``_kvint8``), one whose
+W8A8 linears take calibrated (static) activation scales ``{precision}_static`` (``fp8_static_kvfp8``).
 """
 
 from __future__ import annotations
@@ -47,16 +48,20 @@ def precision_of(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
 def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     """The part of figure names that says what ran: the precision (:func:`precision_of`), after ``moe_`` when the
     graph has mixture-of-experts layers, before ``_qhead`` when the lm_head is quantized too (the stock baseline
-    keeps it in the model dtype), and before ``_float_experts`` when the linears are quantized but the experts are not
+    keeps it in the model dtype), after ``_static`` when linears take calibrated (static) activation scales, and
+    before ``_float_experts`` when the linears are quantized but the experts are not
     (fp8 quantizes them by default: ``quantization.experts: false`` keeps them), then ``_kv{dtype}`` when the KV cache
     is quantized (``runtime.kv_cache_dtype`` fp8 or int8: the same weights with another cache are another artifact)."""
     moe_nodes = [n for n in graph["nodes"] if n["op"] == "moe"]
     quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
-    quantized = any((n.get("attrs") or {}).get("quant") for n in graph["nodes"] if n["op"] == "linear")
+    quants = [(n.get("attrs") or {}).get("quant") or {} for n in graph["nodes"] if n["op"] == "linear"]
+    quantized = any(quants)
+    static = any(q.get("activations") == "static" for q in quants)
     float_experts = quantized and any(not (n.get("attrs") or {}).get("quant") for n in moe_nodes)
     kv = (manifest.get("runtime") or {}).get("kv_cache_dtype", "auto")
-    return (("moe_" if moe_nodes else "") + precision_of(graph, manifest) + ("_qhead" if quant_head else "")
-            + ("_float_experts" if float_experts else "") + (f"_kv{kv}" if kv != "auto" else ""))
+    return (("moe_" if moe_nodes else "") + precision_of(graph, manifest) + ("_static" if static else "")
+            + ("_qhead" if quant_head else "") + ("_float_experts" if float_experts else "")
+            + (f"_kv{kv}" if kv != "auto" else ""))
 
 
 def device_name(device: torch.device | str) -> str:

@@ -295,3 +295,9 @@ def test_moe_figures_are_named_moe(moe_artifact, artifacts, tmp_path):
     assert tag.startswith("moe_") and tag.endswith("_float_experts")
     assert not figure_tag({"nodes": [linear, {"op": "moe", "attrs": {"quant": {"scheme": "fp8"}}}]},
                           fp8).endswith("_float_experts")
+    # calibrated (static) activation scales name their figures apart from per-token ones
+    static = {"op": "linear", "attrs": {"quant": {"scheme": "fp8", "activations": "static"}}}
+    kv = {**fp8, "runtime": {**manifest["runtime"], "kv_cache_dtype": "fp8"}}
+    assert figure_tag({"nodes": [static]}, kv) == "fp8_static_kvfp8"
+    assert figure_tag({"nodes": [{"op": "linear", "attrs": {"quant": {"scheme": "fp8", "activations": "dynamic"}}}]},
+                      kv) == "fp8_kvfp8"
