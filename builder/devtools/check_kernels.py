@@ -85,7 +85,8 @@ def _time_us(fn, repeats: int = 50) -> float:
 
 def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) -> None:
     """The kernel path with and without the cross-node fusions that change which kernel does what (the SwiGLU in
-    the gate/up linear, the residual-add + RMSNorm split across the frag linears around it), on fresh random
+    the gate/up linear, the residual-add + RMSNorm split across the frag linears around it, the norms and the SwiGLU
+    quantizing for the W8A8 linear they feed), on fresh random
     prompts of ``lengths`` tokens (1-32 rows: the frag kernel's batch-tile counts; 80 and 130: the GEMM and
     cuBLAS paths, where the gate/up output is read in its interleaved order) and a greedy generation of
     ``tokens`` (the decode steps): prints the logit differences, top-1 agreement and whether the
@@ -93,7 +94,7 @@ def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) 
     from runtime import SamplingParams, executor
 
     results = {}
-    flags = ("FUSE_SWIGLU", "FUSE_NORM_INTO_LINEARS")
+    flags = ("FUSE_SWIGLU", "FUSE_NORM_INTO_LINEARS", "FUSE_NORM_QUANT")
     for on in (True, False):
         saved = {f: getattr(executor, f) for f in flags}
         for f in flags:
@@ -107,7 +108,7 @@ def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) 
         vocab = int(engine.executor.graph["meta"]["vocab_size"])
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-        results[on] = {"planned": [len(fusions.swiglu_out), len(fusions.residual_out)],
+        results[on] = {"planned": [len(fusions.swiglu_out), len(fusions.residual_out), len(fusions.quant_producers)],
                        "logits": [engine.logits(p).float().cpu() for p in prompts],
                        "tokens": engine.generate(prompts[-1], SamplingParams(max_tokens=tokens, temperature=0.0,
                                                                              ignore_eos=True)).token_ids}
@@ -115,7 +116,7 @@ def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) 
         torch.cuda.empty_cache()
     for n, got, want in zip(lengths, results[True]["logits"], results[False]["logits"]):
         diff = (got - want).abs().max().item()
-        print(json.dumps({"fusions": path, "rows": n, "planned (swiglu, residual)": results[True]["planned"],
+        print(json.dumps({"fusions": path, "rows": n, "planned (swiglu, residual, quant)": results[True]["planned"],
                           "max_abs_diff": diff, "rel": diff / want.abs().max().item(),
                           "top1_agreement": (got.argmax(-1) == want.argmax(-1)).float().mean().item()}))
     print(json.dumps({"fusions": path, "greedy_tokens_equal": results[True]["tokens"] == results[False]["tokens"],
