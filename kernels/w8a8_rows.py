@@ -87,8 +87,8 @@ def _env_rows(name: str, default: int) -> int:
 # layer) and, with quantize_rows before it, the fused GEMM at 2-16 rows (an INT8 SmoothQuant 8B decode step at 4 / 16
 # sequences 3.41 / 3.63 ms against 3.86 / 4.10, H200); FP8 loses to _scaled_mm from 128 rows. FP8 only for bf16 /
 # fp16 activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's partial
-# sums within a promotion interval keep fewer bits). Static scales were not timed end to end: their rows take
-# quantize_rows_static (one elementwise kernel) where dynamic ones take quantize_rows.
+# sums within a promotion interval keep fewer bits). Static (calibrated) scales take the same rows: a norm or the SwiGLU
+# writes their codes at the input scale (runtime.executor._Fusions.static_inputs), o_proj's input quantize_rows_static.
 RUNTIME_MIN_ROWS = _env_rows("KERNELS_W8A8_ROWS_MIN", 2)
 RUNTIME_MAX_ROWS = _env_rows("KERNELS_W8A8_ROWS_MAX", 64)
 RUNTIME_MAX_ROWS_INT8 = _env_rows("KERNELS_W8A8_ROWS_MAX_INT8", 256)
