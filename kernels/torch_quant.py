@@ -195,7 +195,9 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
     ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops.
     ``quantize_static(x2, input_scale)``: the same for a calibrated input scale (default the torch ops). x may also
     be rows already quantized (``kernels.w8a8_gemm.QuantizedRows``: codes [tokens, in], scales [tokens, 1]),
-    whose output is ``dtype`` (the model's activation dtype).
+    whose output is ``dtype`` (the model's activation dtype); on the tensor-wise path below, rows that come with one
+    scale expanded over them (stride 0: a norm wrote them at this linear's input scale, ``runtime.executor``'s
+    ``_Fusions.static_inputs``) take the scalar scales, and rows with scales of their own the row-wise call.
 
     A calibrated input scale beside a per-tensor weight scale (ModelOpt's FP8, the fp8 recipe's static activations
     on tensor granularity) runs cuBLAS's tensor-wise kernel, one scale per operand: the same products and scales,
@@ -221,7 +223,7 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
             else:
                 xq, x_scale = (quantize_static or quantize_activation_fp8)(x2, input_scale)
             shape, out_dtype = x.shape, x.dtype
-        if tensorwise:  # rows a norm quantized for this linear come at its input scale (plan_fusions)
+        if tensorwise and (not isinstance(x, tuple) or x_scale.stride(0) == 0):  # shapes only, as in a CUDA graph
             sa, sb = scale_a, scale_b
         else:
             sa, sb = x_scale.expand(xq.shape[0], 1).contiguous(), w_scale  # [num_tokens, 1], [1, out]

@@ -216,8 +216,9 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
     (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` or an unquantized one
     (``dense_gemv`` at a decode step's rows) (``gated``), and, where
-    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the per-token quantization of the
-    rows of a norm or a SwiGLU into that kernel (``quant_producers``), and a residual add with the LayerNorm of its
+    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the quantization of the rows of a norm
+    or a SwiGLU into that kernel, per token or at the linear's calibrated scale (``quant_producers``; the scales
+    are filled in at load: ``static_inputs``), and a residual add with the LayerNorm of its
     sum (``add_layer_norms``). A value a fusion would hide must have no other reader."""
     from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
@@ -405,7 +406,9 @@ class Executor:
                     or (input_scale is not None and input_scale.numel() != 1)):
                 del self._fusions.quant_producers[j]
             elif input_scale is not None:  # a calibrated scale: the producer writes the codes of quantize_rows_static
-                self._fusions.static_inputs[j] = input_scale
+                # (FP8 only, as planned: INT8 static codes would need the linear's act_qmin passed too)
+                assert nodes[i]["attrs"]["quant"]["scheme"] == "fp8", nodes[i]["attrs"]["quant"]
+                self._fusions.static_inputs[j] = input_scale.reshape(1).float()
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
                   + ([self._fusions.residual_out[i]] if i in self._fusions.residual_out else [])
@@ -662,7 +665,8 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     inside); more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
     ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six). Every path clamps INT8
     activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
-    per-token ones (``quantize_rows``, a norm's ``QuantizedRows``) never reach below -127."""
+    per-token ones (``quantize_rows``, a norm's per-token ``QuantizedRows``) never reach below -127; a norm writes
+    static codes for FP8 linears only."""
     from kernels import gemv, w8a8_rows
     from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, quantize_rows_static, w8a8_linear
 

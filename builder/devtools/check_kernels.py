@@ -86,11 +86,10 @@ def _time_us(fn, repeats: int = 50) -> float:
 def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) -> None:
     """The kernel path with and without the cross-node fusions that change which kernel does what (the SwiGLU in
     the gate/up linear, the residual-add + RMSNorm split across the frag linears around it, the norms and the SwiGLU
-    quantizing for the W8A8 linear they feed), on fresh random
-    prompts of ``lengths`` tokens (1-32 rows: the frag kernel's batch-tile counts; 80 and 130: the GEMM and
-    cuBLAS paths, where the gate/up output is read in its interleaved order) and a greedy generation of
-    ``tokens`` (the decode steps): prints the logit differences, top-1 agreement and whether the
-    generated tokens are equal."""
+    quantizing for the W8A8 linear they feed), on fresh random prompts of ``lengths`` tokens (1-32 rows: the frag
+    kernel's batch-tile counts; 80 and 130: the GEMM and cuBLAS paths, where the gate/up output is read in its
+    interleaved order) and a greedy generation of ``tokens`` (the decode steps): prints the logit differences, top-1
+    agreement and whether the generated tokens are equal."""
     from runtime import SamplingParams, executor
 
     results = {}

@@ -653,6 +653,29 @@ def test_static_tensor_fp8_linears_run_scaled_mm_tensorwise(tmp_path, monkeypatc
             monkeypatch.setattr(tq.torch, "_scaled_mm", spy_mm)
         else:
             assert all(a == 20 and b > 1 for a, b in scales) and len(scales) == 4 * layers, scales
+    # a decode batch and one row: the rows GEMM (5 rows) and, with KERNELS_GEMV_PREQUANT=1, the GEMV (1 row) take the
+    # norms' static codes, their one scale expanded over the rows, and give the unfused step's logits exactly
+    from kernels import gemv
+
+    monkeypatch.setattr(w8a8_rows, "RUNTIME_MAX_ROWS", 64)
+    monkeypatch.setattr(gemv, "GEMV_PREQUANT", True)
+    engines = {}
+    for fused in (False, True):
+        monkeypatch.setattr(executor, "FUSE_NORM_QUANT", fused)
+        engines[fused] = Engine.load(path, use_kernels=True)
+    rows_scales, real_rows = [], w8a8_rows.w8a8_rows_linear
+
+    def spy_rows(codes, x_scale, *args, **kwargs):
+        rows_scales.append(x_scale.stride(0))
+        return real_rows(codes, x_scale, *args, **kwargs)
+
+    monkeypatch.setattr(w8a8_rows, "w8a8_rows_linear", spy_rows)
+    for n in (5, 1):
+        want = engines[False].logits(ids[:n])
+        rows_scales.clear()
+        assert torch.equal(engines[True].logits(ids[:n]), want), n
+        if n == 5:  # qkv, gate/up and down on the norms' codes (stride 0), o_proj on quantize_rows_static's (also 0)
+            assert rows_scales == [0] * 4 * layers, rows_scales
 
 
 def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):

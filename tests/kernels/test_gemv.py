@@ -191,6 +191,22 @@ def test_w8a8_gemv_takes_quantized_rows(kind, m):
         w8a8_gemv(QuantizedRows(codes, scales[:0]), qweight, w_scale)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_w8a8_gemv_takes_rows_at_a_static_scale(kind):
+    """Rows a norm quantized at a linear's calibrated scale come with that one scale expanded over the rows (stride
+    0, as quantize_rows_static returns it): the GEMV gives what it gives when it quantizes the rows itself at that
+    static scale."""
+    from kernels.w8a8_gemm import QuantizedRows, quantize_rows_static
+
+    qweight, w_scale = _w8a8_weights(kind, 40, 80, True, seed=31)
+    x, b = _x_bias((3, 80), 40, torch.bfloat16, True, seed=32)
+    input_scale = x.float().abs().amax().reshape(1) / (448.0 if kind == "fp8" else 127.0)
+    codes, scales = quantize_rows_static(x, input_scale, qweight.dtype)
+    assert scales.stride(0) == 0 and scales.shape == (3, 1)
+    y = w8a8_gemv(QuantizedRows(codes, scales), qweight, w_scale, None, b, out_dtype=torch.bfloat16)
+    torch.testing.assert_close(y, w8a8_gemv(x, qweight, w_scale, input_scale, b), rtol=0, atol=0)
+
+
 def test_split_counters_are_zero_after_each_launch():
     """The tile counters (one buffer per device) must be zero between launches: the last program resets them."""
     _check_w4a16((2,), 48, 128, 32, torch.float32, False, seed=12, config=GemvConfig(16, 32, split_k=4))
