@@ -47,9 +47,9 @@ def precision_of(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
 
 def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     """The part of figure names that says what ran: the precision (:func:`precision_of`), after ``moe_`` when the
-    graph has mixture-of-experts layers, before ``_qhead`` when the lm_head is quantized too (the stock baseline
-    keeps it in the model dtype) and after ``_static`` (linears with calibrated, static, activation scales), and
-    before ``_float_experts`` when the linears are quantized but the experts are not
+    graph has mixture-of-experts layers, followed by ``_static`` when linears take calibrated (static) activation
+    scales, then ``_qhead`` when the lm_head is quantized too (the stock baseline keeps it in the model dtype), and
+    ``_float_experts`` when the linears are quantized but the experts are not
     (fp8 quantizes them by default: ``quantization.experts: false`` keeps them), then ``_kv{dtype}`` when the KV cache
     is quantized (``runtime.kv_cache_dtype`` fp8 or int8: the same weights with another cache are another artifact)."""
     moe_nodes = [n for n in graph["nodes"] if n["op"] == "moe"]

@@ -351,14 +351,12 @@ def _norms_and_rope() -> list[tuple[str, object]]:
 
 
 def _silu_quant() -> list[tuple[str, object]]:
-    from kernels.activation import _silu_mul_quant_2pass_kernel, _silu_mul_quant_kernel
+    from kernels.activation import _silu_mul_kernel, _silu_mul_quant_2pass_kernel, _silu_mul_quant_kernel
+    from kernels.fused_norm import _rms_norm_kernel
 
     types = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "stride_gate": "i32",
              "stride_up": "i32", "stride_q": "i32", "num_cols": "i32"}
     consts = {"INT8": False, "EMULATE_FP8": False, "PDL": True}
-    from kernels.activation import _silu_mul_kernel
-    from kernels.fused_norm import _rms_norm_kernel
-
     static = {"gate_ptr": "*bf16", "up_ptr": "*bf16", "out_ptr": "*fp8e4nv", "stride_gate": "i32", "stride_up": "i32",
               "stride_out": "i32", "num_cols": "i32", "s_ptr": "*fp32"}
     norm = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp8e4nv", "total_ptr": "*bf16",
