@@ -272,7 +272,8 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtyp
                       quantize: Quantize | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
     """A function x -> x @ W.T + bias for a quantized linear (W as stored by the passes, or imported with a
     ``perm`` and / or a ``pre_quant_scale``). ``quantize``: the dynamic per-token activation quantization of the W8A8
-    schemes (a fused kernel); default the torch ops."""
+    schemes (a fused kernel); default the torch ops. The INT8 one also takes rows already quantized
+    (``kernels.w8a8_gemm.QuantizedRows``, per token or at its input scale), whose output is ``dtype``."""
     if "pre_quant_scale" in w:
         rest = {role: t for role, t in w.items() if role != "pre_quant_scale"}
         return scale_input(make_quant_linear(scheme, rest, quant, dtype, quantize), w["pre_quant_scale"], dtype)
@@ -289,12 +290,17 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtyp
         wq, qmin = w["qweight"], int8_act_qmin({**quant, "scheme": scheme})
 
         def int8_linear(x: torch.Tensor) -> torch.Tensor:
-            if quantize is not None and input_scale is None and x.dim() == 2:
+            out_dtype = dtype
+            if isinstance(x, tuple):  # kernels.w8a8_gemm.QuantizedRows: rows a norm quantized, [num_tokens, in]
+                xq, x_scale = x
+            elif quantize is not None and input_scale is None and x.dim() == 2:
                 xq, x_scale = quantize(x)  # per token: no code below -127 (INT8_ACT_QMINS), whatever qmin says
+                out_dtype = x.dtype
             else:
                 xq, x_scale = quantize_activation_int8(x, input_scale, qmin)
+                out_dtype = x.dtype
             y = _int8_matmul(xq, wq).float() * x_scale * w_scale
-            return (y + bias.float() if bias is not None else y).to(x.dtype)
+            return (y + bias.float() if bias is not None else y).to(out_dtype)
 
         return int8_linear
     if scheme == "fp8":

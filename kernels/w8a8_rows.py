@@ -81,11 +81,12 @@ def _env_rows(name: str, default: int) -> int:
 
 
 # The runtime's W8A8 linears (per-token or static activation scales) run this kernel from KERNELS_W8A8_ROWS_MIN rows
-# (the norms before FP8 ones with per-token scales then hand over quantized rows) to KERNELS_W8A8_ROWS_MAX (FP8) /
+# (the norms and the SwiGLU before them then hand over quantized rows, FP8 and INT8) to KERNELS_W8A8_ROWS_MAX (FP8) /
 # KERNELS_W8A8_ROWS_MAX_INT8 rows (INT8), the one-row GEMV below and cuBLAS above; a maximum of 0: never (A/B runs).
 # INT8 sums are exact and the kernel beat _int_mm at every row count measured (32-256 rows: 0.57-0.66x its time per
 # layer) and, with quantize_rows before it, the fused GEMM at 2-16 rows (an INT8 SmoothQuant 8B decode step at 4 / 16
-# sequences 3.41 / 3.63 ms against 3.86 / 4.10, H200); FP8 loses to _scaled_mm from 128 rows. FP8 only for bf16 /
+# sequences 3.41 / 3.63 ms against 3.86 / 4.10, H200, session 39: before the norms wrote INT8 codes, which is not
+# timed); FP8 loses to _scaled_mm from 128 rows. FP8 only for bf16 /
 # fp16 activations: an fp32 model keeps the reference's exact fp32 sums past the fused GEMM's rows (the MMA's partial
 # sums within a promotion interval keep fewer bits). Static (calibrated) scales take the same rows: a norm or the SwiGLU
 # writes their codes at the input scale (runtime.executor._Fusions.static_inputs), o_proj's input quantize_rows_static.

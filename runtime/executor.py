@@ -191,11 +191,12 @@ class _Fusions:
     rope: dict[int, tuple[dict[str, Any], str]]  # attention node -> (its q rope node, the positions' value name)
     gated: set[int]  # weight-only (mma layout) and unquantized linears that form silu(gate) * up from the [gate | up]
     # they read
-    # norms and SwiGLUs whose rows feed one FP8 linear (on cuBLAS's _scaled_mm): past FUSED_MAX_ROWS rows (where that
-    # linear quantizes them for cuBLAS) they leave quantized, as QuantizedRows: per token (dynamic activations), or at
-    # the linear's calibrated input scale (static_inputs)
+    # norms and SwiGLUs whose rows feed one W8A8 linear (FP8 on cuBLAS's _scaled_mm, or INT8): where that linear
+    # takes quantized rows (_quantize_to) they leave quantized, as QuantizedRows: per token (dynamic activations), or
+    # at the linear's calibrated input scale (static_inputs)
     quant_producers: dict[int, int] = field(default_factory=dict)  # producer node -> the linear it feeds
-    static_inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # producer node -> that linear's input_scale
+    # producer node -> that linear's (input_scale, act_qmin: its lowest INT8 code), filled at load
+    static_inputs: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)
     # weight-only linears on the frag layout whose merged [gate | up] output feeds a SwiGLU: they output
     # silu(gate) * up themselves (``w4a16_frag(..., gated=True)``; the SwiGLU node is absorbed)
     swiglu_out: set[int] = field(default_factory=set)
@@ -216,9 +217,10 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
     (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` or an unquantized one
     (``dense_gemv`` at a decode step's rows) (``gated``), and, where
-    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), the quantization of the rows of a norm
-    or a SwiGLU into that kernel, per token or at the linear's calibrated scale (``quant_producers``; the scales
-    are filled in at load: ``static_inputs``), and a residual add with the LayerNorm of its
+    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), and for INT8 W8A8 linears, the
+    quantization of the rows of a norm or a SwiGLU into that kernel, per token or at the linear's calibrated scale
+    (``quant_producers``; the scales are filled in at load: ``static_inputs``), and a residual add with the LayerNorm
+    of its
     sum (``add_layer_norms``). A value a fusion would hide must have no other reader."""
     from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
@@ -281,8 +283,11 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                     and nodes[j]["outputs"][0] == node["inputs"][0]):
                 fusions.absorbed.add(j)
                 fusions.gated.add(i)
-        elif (node["op"] == "linear" and FUSE_NORM_QUANT and scaled_mm and dtype in (torch.bfloat16, torch.float16)
-              and (attrs.get("quant") or {}).get("scheme") == "fp8" and not attrs.get("lm_head")
+        elif (node["op"] == "linear" and FUSE_NORM_QUANT and not attrs.get("lm_head")
+              and (((attrs.get("quant") or {}).get("scheme") == "fp8" and scaled_mm
+                    and dtype in (torch.bfloat16, torch.float16))
+                   or ((attrs.get("quant") or {}).get("scheme") == "w8a8_int8"
+                       and dtype in (torch.bfloat16, torch.float16, torch.float32)))
               and not set(INPUT_ROLES) & set(node.get("weights", {}))
               and (attrs.get("in_features") or 1) % 16 == 0 and (attrs.get("out_features") or 1) % 16 == 0
               and node["inputs"][0] in producer and num_consumers.get(node["inputs"][0]) == 1):
@@ -406,9 +411,9 @@ class Executor:
                     or (input_scale is not None and input_scale.numel() != 1)):
                 del self._fusions.quant_producers[j]
             elif input_scale is not None:  # a calibrated scale: the producer writes the codes of quantize_rows_static
-                # (FP8 only, as planned: INT8 static codes would need the linear's act_qmin passed too)
-                assert nodes[i]["attrs"]["quant"]["scheme"] == "fp8", nodes[i]["attrs"]["quant"]
-                self._fusions.static_inputs[j] = input_scale.reshape(1).float()
+                quant = nodes[i]["attrs"]["quant"]
+                self._fusions.static_inputs[j] = (input_scale.reshape(1).float(),
+                                                  int8_act_qmin(quant) if quant["scheme"] == "w8a8_int8" else -127)
         # what each node reads: an attention that applies RoPE itself also reads the positions
         inputs = [node["inputs"] + ([self._fusions.rope[i][1]] if i in self._fusions.rope else [])
                   + ([self._fusions.residual_out[i]] if i in self._fusions.residual_out else [])
@@ -509,30 +514,33 @@ def _rms_norm(w, attrs, ex) -> Kernel:
 
         quantize_to = _quantize_to(ex, weight)
         if quantize_to is not None:
-            static = ex._fusions.static_inputs.get(ex._index)
+            scale, qmin = ex._fusions.static_inputs.get(ex._index, (None, -127))
             return lambda xs, step: (rms_norm(xs[0], weight, eps, quantize_to=quantize_to(xs[0]),
-                                              input_scale=static),)
+                                              input_scale=scale, act_qmin=qmin),)
         return lambda xs, step: (rms_norm(xs[0], weight, eps, offset, head_dim),)
     return lambda xs, step: (ops.rms_norm(xs[0], weight, eps, head_dim, offset),)
 
 
 def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | None:
-    """For a norm or SwiGLU of ``_Fusions.quant_producers``: x -> the dtype its rows leave in, FP8 where the linear
-    reading them takes quantized rows: from ``kernels.w8a8_rows.RUNTIME_MIN_ROWS`` rows on while that kernel runs (the
-    rows GEMM, cuBLAS past it), else past FUSED_MAX_ROWS (cuBLAS), and up to GEMV_RUNTIME_MAX_ROWS when the GEMV takes
-    them (``kernels.gemv.GEMV_PREQUANT``: it then skips its own per-token max); shapes only, the same inside a CUDA
-    graph; else None (the fused Triton GEMM takes bf16 rows). None for any other node."""
+    """For a norm or SwiGLU of ``_Fusions.quant_producers``: x -> the dtype its rows leave in, the codes of the linear
+    reading them (FP8 or INT8) where it takes quantized rows: from ``kernels.w8a8_rows.RUNTIME_MIN_ROWS`` rows on
+    while that kernel runs for the scheme (the rows GEMM, cuBLAS past it), else past FUSED_MAX_ROWS (cuBLAS), and up
+    to GEMV_RUNTIME_MAX_ROWS when the GEMV takes them (``kernels.gemv.GEMV_PREQUANT``: it then skips its own
+    per-token max); shapes only, the same inside a CUDA graph; else None (the fused Triton GEMM takes the activation
+    dtype's rows). None for any other node."""
     if ex._index not in ex._fusions.quant_producers or (weight is not None and weight.dtype != ex.dtype):
         return None
     from kernels import gemv, w8a8_rows
     from kernels.w8a8_gemm import FUSED_MAX_ROWS
 
+    int8 = ex.graph["nodes"][ex._fusions.quant_producers[ex._index]]["attrs"]["quant"]["scheme"] == "w8a8_int8"
+    codes = torch.int8 if int8 else torch.float8_e4m3fn
     gemv_rows = gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED and gemv.GEMV_PREQUANT else 0
     # from the rows GEMM's first row count on (kernels.w8a8_rows.RUNTIME_MIN_ROWS) or past the fused GEMM's rows
     quant_from = FUSED_MAX_ROWS + 1
-    if w8a8_rows.RUNTIME_MAX_ROWS:
+    if w8a8_rows.RUNTIME_MAX_ROWS_INT8 if int8 else w8a8_rows.RUNTIME_MAX_ROWS:
         quant_from = min(quant_from, max(w8a8_rows.RUNTIME_MIN_ROWS, gemv.GEMV_RUNTIME_MAX_ROWS + 1))
-    return lambda x: (torch.float8_e4m3fn if x.numel() >= quant_from * x.shape[-1]
+    return lambda x: (codes if x.numel() >= quant_from * x.shape[-1]
                       or x.numel() <= gemv_rows * x.shape[-1] else None)
 
 
@@ -600,9 +608,9 @@ def _fused_add_rms_norm(w, attrs, ex) -> Kernel:
 
         quantize_to = _quantize_to(ex, weight)
         if quantize_to is not None:
-            static = ex._fusions.static_inputs.get(ex._index)
+            scale, qmin = ex._fusions.static_inputs.get(ex._index, (None, -127))
             return lambda xs, step: fn(xs[0], xs[1], weight, eps, quantize_to=quantize_to(xs[0]),
-                                       input_scale=static)
+                                       input_scale=scale, act_qmin=qmin)
     return lambda xs, step: fn(xs[0], xs[1], weight, eps, offset)
 
 
@@ -690,11 +698,12 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
         takes_quantized = True
     else:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)
+        takes_quantized = quant["scheme"] == "w8a8_int8"  # past the rows GEMM's rows: _int_mm on a norm's codes
 
     def linear(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         rows = (x.codes if isinstance(x, QuantizedRows) else x).numel() // x.shape[-1]
         if isinstance(x, QuantizedRows):  # a norm quantized them (plan_fusions): the GEMV, the rows GEMM or cuBLAS
-            if rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
+            if gemv.GEMV_ENABLED and rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
                 return gemv.w8a8_gemv(x, qweight, w_scale, None, bias, out_dtype=ex.dtype)
             if w8a8_rows.runtime_applies(rows, storage, ex.dtype):
                 return w8a8_rows.w8a8_rows_linear(x.codes, x.scales, qweight, w_scale, bias, out_dtype=ex.dtype)
@@ -1040,8 +1049,9 @@ def _silu_mul(w, attrs, ex) -> Kernel:
 
         quantize_to = _quantize_to(ex, None)  # for an FP8 down projection (plan_fusions)
         if quantize_to is not None:
-            static = ex._fusions.static_inputs.get(ex._index)
-            return lambda xs, step: (silu_mul(*xs, quantize_to=quantize_to(xs[0]), input_scale=static),)
+            scale, qmin = ex._fusions.static_inputs.get(ex._index, (None, -127))
+            return lambda xs, step: (silu_mul(*xs, quantize_to=quantize_to(xs[0]), input_scale=scale,
+                                              act_qmin=qmin),)
         return lambda xs, step: (silu_mul(*xs),)
     return lambda xs, step: (ops.silu_mul(*xs),)
 

@@ -560,10 +560,11 @@ def test_frag_linears_take_over_the_residual_add_and_norm(monkeypatch):
 
 
 def test_norms_quantize_for_the_fp8_linear_they_feed():
-    """A norm (or SwiGLU) whose only reader is an FP8 linear (aligned, not an lm_head) on _scaled_mm quantizes its
-    rows itself, dynamic activations or a static input scale (whose value the executor checks as loaded); any other
-    reader, an act-order perm, a smoothing pre-quant scale, a Gemma gain offset, a per-head norm, another producer,
-    or a device without _scaled_mm leaves it alone."""
+    """A norm (or SwiGLU) whose only reader is a W8A8 linear (aligned, not an lm_head) quantizes its rows itself:
+    FP8 on _scaled_mm in bf16/fp16, INT8 on any device and activation dtype; dynamic activations or a static input
+    scale (whose value the executor checks as loaded); any other reader, an act-order perm, a smoothing pre-quant
+    scale, a Gemma gain offset, a per-head norm, another producer, a weight-only linear, or FP8 on a device without
+    _scaled_mm or in fp32 leaves it alone."""
     from runtime.executor import plan_fusions
 
     def graph(norm_attrs=None, linear_attrs=None, weights=None, extra_reader=False, producer="fused_add_rms_norm"):
@@ -583,10 +584,14 @@ def test_norms_quantize_for_the_fp8_linear_they_feed():
     assert not plan_fusions(*graph(), torch.bfloat16, scaled_mm=False).quant_producers
     assert not plan_fusions(*graph(), torch.float32, scaled_mm=True).quant_producers
     assert plan_fusions(*graph(weights={"input_scale": "i"}), torch.bfloat16, scaled_mm=True).quant_producers == {0: 1}
+    int8 = {"linear_attrs": {"quant": {"scheme": "w8a8_int8"}}}
+    for dtype in (torch.bfloat16, torch.float32):
+        assert plan_fusions(*graph(**int8), dtype, scaled_mm=False).quant_producers == {0: 1}, dtype
     for kwargs in ({"extra_reader": True}, {"weights": {"perm": "p"}}, {"weights": {"pre_quant_scale": "q"}},
                    {"norm_attrs": {"weight_offset": 1.0}}, {"norm_attrs": {"head_dim": 32}},
                    {"linear_attrs": {"lm_head": True}}, {"linear_attrs": {"out_features": 100}},
-                   {"linear_attrs": {"quant": {"scheme": "w8a8_int8"}}}, {"producer": "elementwise"}):
+                   {"linear_attrs": {"quant": {"scheme": "w8a16", "bits": 8, "group_size": -1}}},
+                   {"producer": "elementwise"}):
         assert not plan_fusions(*graph(**kwargs), torch.bfloat16, scaled_mm=True).quant_producers, kwargs
 
 
@@ -679,6 +684,72 @@ def test_static_tensor_fp8_linears_run_scaled_mm_tensorwise(tmp_path, monkeypatc
         assert torch.equal(engines[True].logits(ids[:n]), want), n
         if n == 5:  # qkv, gate/up and down on the norms' codes (stride 0), o_proj on quantize_rows_static's (also 0)
             assert rows_scales == [0] * 4 * layers, rows_scales
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static", "static-128"])
+def test_int8_norms_quantize_for_the_linear_they_feed(tmp_path, monkeypatch, activations):
+    """An INT8 W8A8 (SmoothQuant) artifact on the kernels: the norms and the SwiGLU write the codes of the linear they
+    feed (per token; at its calibrated scale with its act_qmin, -127 or -128), so only o_proj's input is quantized by
+    the linear, and the logits equal the same executor's with that fusion off, exactly (INT8 sums are exact), at 5
+    and 20 rows (the rows GEMM) and at 300 (past KERNELS_W8A8_ROWS_MAX_INT8: the torch INT8 matmul on the codes)."""
+    import json
+    import shutil
+
+    from kernels import w8a8_gemm, w8a8_rows
+    from runtime import executor
+
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
+    recipe = validate_recipe({
+        "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
+        "runtime": {"max_seq_len": 512, "max_num_tokens": 512},
+        "quantization": {"algo": "smoothquant", "activations": activations.split("-")[0]},
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
+    path = build(recipe).output_dir
+    if activations == "static-128":  # compressed-tensors' static INT8 codes reach -128 (the quant attr's act_qmin)
+        from runtime.artifact import file_sha256, manifest_digest
+
+        path = shutil.copytree(path, tmp_path / "art-128")
+        graph = json.loads((path / "graph.json").read_text())
+        for node in graph["nodes"]:
+            if (node.get("attrs") or {}).get("quant", {}).get("scheme") == "w8a8_int8":
+                node["attrs"]["quant"]["act_qmin"] = -128
+        (path / "graph.json").write_text(json.dumps(graph))
+        manifest = json.loads((path / "manifest.json").read_text())  # re-hashed: the artifact as an import makes it
+        manifest["files"]["graph.json"] = {"bytes": (path / "graph.json").stat().st_size,
+                                           "sha256": file_sha256(path / "graph.json")}
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        (path / "manifest.json").write_text(json.dumps(manifest))
+    import kernels.torch_quant as tq
+
+    quantizing = []
+    for module, name in ((w8a8_gemm, "quantize_rows"), (w8a8_gemm, "quantize_rows_static"),
+                         (tq, "quantize_activation_int8")):  # the last: a static linear's own, past the rows GEMM
+        monkeypatch.setattr(module, name, lambda x, *a, real=getattr(module, name), **k: quantizing.append(
+            x.reshape(-1, x.shape[-1]).shape[0]) or real(x, *a, **k))
+    engines = {}
+    for fused in (False, True):
+        monkeypatch.setattr(executor, "FUSE_NORM_QUANT", fused)
+        engines[fused] = Engine.load(path, use_kernels=True)
+    layers = engines[True].executor.num_layers
+    fusions = engines[True].executor._fusions
+    assert len(fusions.quant_producers) == 3 * layers  # the norms before qkv, gate/up; the SwiGLU
+    assert len(fusions.static_inputs) == (0 if activations == "dynamic" else 3 * layers)
+    if activations == "static-128":
+        assert {qmin for _, qmin in fusions.static_inputs.values()} == {-128}
+    ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(7)).tolist()
+    for n in (5, 20, 300):
+        assert n <= w8a8_rows.RUNTIME_MAX_ROWS_INT8 or n == 300
+        want = engines[False].logits(ids[:n])
+        quantizing.clear()
+        got = engines[True].logits(ids[:n])
+        assert torch.equal(got, want), (n, (got - want).abs().max())
+        assert quantizing == [n] * layers, (n, quantizing)  # o_proj's input only
+    if activations == "static-128":  # the bound matters on these inputs: codes clamped at -127 give other logits
+        monkeypatch.setattr(executor, "int8_act_qmin", lambda quant: -127)
+        assert not torch.equal(Engine.load(path, use_kernels=True).logits(ids), want)
 
 
 def test_norm_quantized_fp8_step_equals_the_unfused_one(tmp_path, monkeypatch):
