@@ -118,7 +118,7 @@ _DENSE_ROWS = os.environ.get("KERNELS_DENSE_GEMV_ROWS", "2")
 if not _DENSE_ROWS.isdigit() or int(_DENSE_ROWS) > 4:
     raise ValueError(f"KERNELS_DENSE_GEMV_ROWS={_DENSE_ROWS!r} is not a row count from 0 to 4")
 DENSE_RUNTIME_MAX_ROWS = int(_DENSE_ROWS)
-# KERNELS_GEMV_PREQUANT=1: a norm or SwiGLU feeding an FP8 linear writes its rows quantized (codes and per-token
+# KERNELS_GEMV_PREQUANT=1: a norm or SwiGLU feeding a W8A8 linear writes its rows quantized (codes and per-token
 # scale) for the one-row GEMV too, which then skips its own pass over x for the max. Off by default: measured slower
 # (Llama-3-8B FP8 batch-1 decode on an H100, two rounds in one call: 266.5 / 266.1 tok/s on, 271.6 / 270.5 off;
 # docs/BENCHMARKS.md, session 19): a one-row norm that quantizes is one program doing two passes, where each GEMV

@@ -216,12 +216,11 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
     """The fusions the Triton kernels take: RoPE of q and k into the attention's KV write
     (``kernels.paged_attention.rope_write_kv_cache``: one kernel for three), the SwiGLU of a merged gate/up
     into the down projection when that is a weight-only linear on ``kernels.w4a16_mma`` or an unquantized one
-    (``dense_gemv`` at a decode step's rows) (``gated``), and, where
-    FP8 linears run ``_scaled_mm`` (``scaled_mm``: ``_scaled_mm_device``), and for INT8 W8A8 linears, the
-    quantization of the rows of a norm or a SwiGLU into that kernel, per token or at the linear's calibrated scale
-    (``quant_producers``; the scales are filled in at load: ``static_inputs``), and a residual add with the LayerNorm
-    of its
-    sum (``add_layer_norms``). A value a fusion would hide must have no other reader."""
+    (``dense_gemv`` at a decode step's rows) (``gated``), the quantization of the rows of a norm or a SwiGLU into
+    the W8A8 linear reading them (FP8 where it runs ``_scaled_mm``: ``scaled_mm``, ``_scaled_mm_device``; INT8 on
+    any device), per token or at the linear's calibrated scale (``quant_producers``; the scales are filled in at
+    load: ``static_inputs``), and a residual add with the LayerNorm of its sum (``add_layer_norms``). A value a
+    fusion would hide must have no other reader."""
     from kernels import gemv, w4a16_frag, w4a16_mma
     from kernels.paged_attention import SUPPORTED_HEAD_DIMS
 
@@ -536,12 +535,16 @@ def _quantize_to(ex, weight) -> Callable[[torch.Tensor], torch.dtype | None] | N
     int8 = ex.graph["nodes"][ex._fusions.quant_producers[ex._index]]["attrs"]["quant"]["scheme"] == "w8a8_int8"
     codes = torch.int8 if int8 else torch.float8_e4m3fn
     gemv_rows = gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED and gemv.GEMV_PREQUANT else 0
-    # from the rows GEMM's first row count on (kernels.w8a8_rows.RUNTIME_MIN_ROWS) or past the fused GEMM's rows
-    quant_from = FUSED_MAX_ROWS + 1
-    if w8a8_rows.RUNTIME_MAX_ROWS_INT8 if int8 else w8a8_rows.RUNTIME_MAX_ROWS:
-        quant_from = min(quant_from, max(w8a8_rows.RUNTIME_MIN_ROWS, gemv.GEMV_RUNTIME_MAX_ROWS + 1))
-    return lambda x: (codes if x.numel() >= quant_from * x.shape[-1]
-                      or x.numel() <= gemv_rows * x.shape[-1] else None)
+    # exactly where the linear takes codes (_kernel_w8a8_linear): the GEMV's rows when it skips its own max, the rows
+    # GEMM's (past the GEMV's), and past the fused GEMM's rows (cuBLAS, or the INT8 matmul)
+    rows_from = max(w8a8_rows.RUNTIME_MIN_ROWS, gemv.GEMV_RUNTIME_MAX_ROWS + 1)
+    rows_to = w8a8_rows.RUNTIME_MAX_ROWS_INT8 if int8 else w8a8_rows.RUNTIME_MAX_ROWS
+
+    def quantize_to(x: torch.Tensor) -> torch.dtype | None:
+        rows = x.numel() // x.shape[-1]
+        return codes if rows <= gemv_rows or rows_from <= rows <= rows_to or rows > FUSED_MAX_ROWS else None
+
+    return quantize_to
 
 
 def _layer_norm_gain(w, attrs) -> torch.Tensor | None:
@@ -673,8 +676,8 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     inside); more tokens go to cuBLAS (``_scaled_mm`` for FP8 in bf16/fp16, ``_int_mm`` for INT8) after
     ``quantize_rows``, one kernel for the dynamic per-token quantization (torch's takes six). Every path clamps INT8
     activation codes at the quant attr's ``act_qmin`` (-127, or -128: ``kernels.torch_quant.int8_act_qmin``); the
-    per-token ones (``quantize_rows``, a norm's per-token ``QuantizedRows``) never reach below -127; a norm writes
-    static codes for FP8 linears only."""
+    per-token ones (``quantize_rows``, a norm's per-token ``QuantizedRows``) never reach below -127; a norm's static
+    codes take the linear's ``act_qmin`` (``_Fusions.static_inputs``)."""
     from kernels import gemv, w8a8_rows
     from kernels.w8a8_gemm import FUSED_MAX_ROWS, QuantizedRows, quantize_rows, quantize_rows_static, w8a8_linear
 
@@ -709,7 +712,8 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
                 return w8a8_rows.w8a8_rows_linear(x.codes, x.scales, qweight, w_scale, bias, out_dtype=ex.dtype)
             if not takes_quantized:
                 raise RuntimeError(f"a norm fed quantized rows {tuple(x.shape)} to a linear of weight "
-                                   f"{tuple(qweight.shape)} that does not run _scaled_mm (plan_fusions)")
+                                   f"{tuple(qweight.shape)} that does not take them past the rows GEMM "
+                                   f"(_scaled_mm or the INT8 matmul; plan_fusions)")
             return large(x)
         # shapes only: no sync, the same inside a CUDA graph
         if gemv.GEMV_ENABLED and rows <= gemv.GEMV_RUNTIME_MAX_ROWS:
@@ -1047,7 +1051,7 @@ def _silu_mul(w, attrs, ex) -> Kernel:
     if ex.use_kernels:
         from kernels.activation import silu_mul
 
-        quantize_to = _quantize_to(ex, None)  # for an FP8 down projection (plan_fusions)
+        quantize_to = _quantize_to(ex, None)  # for an FP8 or INT8 down projection (plan_fusions)
         if quantize_to is not None:
             scale, qmin = ex._fusions.static_inputs.get(ex._index, (None, -127))
             return lambda xs, step: (silu_mul(*xs, quantize_to=quantize_to(xs[0]), input_scale=scale,

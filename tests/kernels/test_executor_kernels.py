@@ -686,24 +686,26 @@ def test_static_tensor_fp8_linears_run_scaled_mm_tensorwise(tmp_path, monkeypatc
             assert rows_scales == [0] * 4 * layers, rows_scales
 
 
-@pytest.mark.parametrize("activations", ["dynamic", "static", "static-128"])
+@pytest.mark.parametrize("activations", ["dynamic", "dynamic-bf16", "static", "static-128"])
 def test_int8_norms_quantize_for_the_linear_they_feed(tmp_path, monkeypatch, activations):
     """An INT8 W8A8 (SmoothQuant) artifact on the kernels: the norms and the SwiGLU write the codes of the linear they
     feed (per token; at its calibrated scale with its act_qmin, -127 or -128), so only o_proj's input is quantized by
     the linear, and the logits equal the same executor's with that fusion off, exactly (INT8 sums are exact), at 5
-    and 20 rows (the rows GEMM) and at 300 (past KERNELS_W8A8_ROWS_MAX_INT8: the torch INT8 matmul on the codes)."""
+    and 20 rows (the rows GEMM) and at 300 (past KERNELS_W8A8_ROWS_MAX_INT8: the torch INT8 matmul on the codes);
+    fp32 and bf16 activations, and one row on the GEMV with KERNELS_GEMV_PREQUANT=1 (bf16)."""
     import json
     import shutil
 
-    from kernels import w8a8_gemm, w8a8_rows
+    from kernels import gemv, w8a8_gemm, w8a8_rows
     from runtime import executor
 
     from builder.pipeline import build
     from builder.recipe import validate_recipe
 
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
+    dtype = "bfloat16" if activations.endswith("bf16") else "float32"
     recipe = validate_recipe({
-        "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"),
+        "model": {"checkpoint": str(ckpt), "dtype": dtype}, "output_dir": str(tmp_path / "art"),
         "runtime": {"max_seq_len": 512, "max_num_tokens": 512},
         "quantization": {"algo": "smoothquant", "activations": activations.split("-")[0]},
         "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
@@ -729,6 +731,8 @@ def test_int8_norms_quantize_for_the_linear_they_feed(tmp_path, monkeypatch, act
                          (tq, "quantize_activation_int8")):  # the last: a static linear's own, past the rows GEMM
         monkeypatch.setattr(module, name, lambda x, *a, real=getattr(module, name), **k: quantizing.append(
             x.reshape(-1, x.shape[-1]).shape[0]) or real(x, *a, **k))
+    if dtype == "bfloat16":  # one row: the norms quantize for the GEMV too (read at load)
+        monkeypatch.setattr(gemv, "GEMV_PREQUANT", True)
     engines = {}
     for fused in (False, True):
         monkeypatch.setattr(executor, "FUSE_NORM_QUANT", fused)
@@ -736,18 +740,25 @@ def test_int8_norms_quantize_for_the_linear_they_feed(tmp_path, monkeypatch, act
     layers = engines[True].executor.num_layers
     fusions = engines[True].executor._fusions
     assert len(fusions.quant_producers) == 3 * layers  # the norms before qkv, gate/up; the SwiGLU
-    assert len(fusions.static_inputs) == (0 if activations == "dynamic" else 3 * layers)
+    assert len(fusions.static_inputs) == (0 if activations.startswith("dynamic") else 3 * layers)
     if activations == "static-128":
         assert {qmin for _, qmin in fusions.static_inputs.values()} == {-128}
     ids = torch.randint(3, 300, (300,), generator=torch.Generator().manual_seed(7)).tolist()
-    for n in (5, 20, 300):
-        assert n <= w8a8_rows.RUNTIME_MAX_ROWS_INT8 or n == 300
+    assert 20 <= w8a8_rows.RUNTIME_MAX_ROWS_INT8 < 300
+    gemv_rows = []
+    monkeypatch.setattr(gemv, "w8a8_gemv", lambda x, *a, real=gemv.w8a8_gemv, **k: gemv_rows.append(
+        isinstance(x, w8a8_gemm.QuantizedRows)) or real(x, *a, **k))
+    for n in ((1,) if dtype == "bfloat16" else ()) + (5, 20, 300):
         want = engines[False].logits(ids[:n])
         quantizing.clear()
+        gemv_rows.clear()
         got = engines[True].logits(ids[:n])
         assert torch.equal(got, want), (n, (got - want).abs().max())
-        assert quantizing == [n] * layers, (n, quantizing)  # o_proj's input only
-    if activations == "static-128":  # the bound matters on these inputs: codes clamped at -127 give other logits
+        if n == 1:  # the norms' and the SwiGLU's codes reach the GEMV; o_proj's input the GEMV quantizes itself
+            assert gemv_rows == [True, False, True, True] * layers, gemv_rows
+        else:
+            assert quantizing == [n] * layers, (n, quantizing)  # o_proj's input only
+    if activations == "static-128":  # -128 codes occur on these inputs: clamped at -127 the logits are others
         monkeypatch.setattr(executor, "int8_act_qmin", lambda quant: -127)
         assert not torch.equal(Engine.load(path, use_kernels=True).logits(ids), want)
 
