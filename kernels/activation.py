@@ -23,8 +23,8 @@ import triton.language as tl
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
 from kernels.w4a16_gemm import _interpreting
-from kernels.w8a8_gemm import (W_DTYPES, QuantizedRows, _codes, _qrange, act_qmin_arg, quantize_row_store,
-                               static_codes)
+from kernels.w8a8_gemm import (W_DTYPES, QuantizedRows, _codes, _qrange, quantize_row_store, static_codes,
+                               static_scale_arg)
 
 _BLOCK = 1024
 
@@ -156,16 +156,13 @@ def silu_mul(gate_up: torch.Tensor, up: torch.Tensor | None = None,
             raise ValueError(f"quantize_to takes {W_DTYPES}, got {quantize_to}")
         codes = torch.empty((num_tokens, num_cols), dtype=quantize_to, device=gate.device)
         if input_scale is not None:
-            if input_scale.numel() != 1:
-                raise ValueError(f"input_scale has {input_scale.numel()} values; static codes take one")
-            scale = input_scale.reshape(1).float()
+            scale, qmin = static_scale_arg("silu_mul", input_scale, codes, act_qmin)
             if codes.numel():
                 block = min(_BLOCK, triton.next_power_of_2(num_cols))
                 _silu_mul_kernel[(num_tokens, triton.cdiv(num_cols, block))](
                     gate, up, codes, gate.stride(0), up.stride(0), codes.stride(0), num_cols, BLOCK=block,
-                    num_warps=4, s_ptr=scale, STATIC=True, INT8=quantize_to == torch.int8,
-                    QMIN=act_qmin_arg("silu_mul's static codes", codes[:0], act_qmin), EMULATE_FP8=_interpreting(),
-                    **pdl_args(codes))
+                    num_warps=4, s_ptr=scale, STATIC=True, INT8=quantize_to == torch.int8, QMIN=qmin,
+                    EMULATE_FP8=_interpreting(), **pdl_args(codes))
             return QuantizedRows(codes, scale.expand(num_tokens, 1))
         scales = torch.empty((num_tokens, 1), dtype=torch.float32, device=gate.device)
         chunk = _quant_chunk()

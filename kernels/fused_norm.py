@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels import torch_ops as ops
 from kernels.pdl import pdl_args, wait_prior
 from kernels.w4a16_gemm import _interpreting
-from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, act_qmin_arg, quantize_row_store, static_codes
+from kernels.w8a8_gemm import W_DTYPES, QuantizedRows, quantize_row_store, static_codes, static_scale_arg
 
 
 @triton.jit
@@ -173,10 +173,7 @@ def _quantized_out(x2: torch.Tensor, quantize_to: torch.dtype | None, weight: to
     if input_scale is None:
         scales = torch.empty((x2.shape[0], 1), dtype=torch.float32, device=x2.device)
         return _Quant(codes, scales, scales, False, -127.0)
-    if input_scale.numel() != 1:
-        raise ValueError(f"input_scale has {input_scale.numel()} values; a norm's static codes take one")
-    scale = input_scale.reshape(1).float()
-    qmin = act_qmin_arg("the norm's static codes", codes[:0], act_qmin)
+    scale, qmin = static_scale_arg("rms_norm", input_scale, codes, act_qmin)
     return _Quant(codes, scale, scale.expand(x2.shape[0], 1), True, qmin)
 
 

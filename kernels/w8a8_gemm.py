@@ -330,6 +330,15 @@ def static_codes(x, scale, q_ptr, QMIN: tl.constexpr, INT8: tl.constexpr, EMULAT
         return v.to(tl.float8e4nv)
 
 
+def static_scale_arg(what: str, input_scale: torch.Tensor, codes: torch.Tensor,
+                     act_qmin: int) -> tuple[torch.Tensor, float]:
+    """(the scale as the kernels read it, fp32 [1]; their QMIN) for a kernel writing ``codes`` at a calibrated
+    ``input_scale`` (one value), ``act_qmin`` its lowest int8 code (ValueError naming ``what`` otherwise)."""
+    if input_scale.numel() != 1:
+        raise ValueError(f"{what}: input_scale has {input_scale.numel()} values; static codes take one")
+    return input_scale.reshape(1).float(), act_qmin_arg(what, codes, act_qmin)
+
+
 def quantize_rows_static(x: torch.Tensor, input_scale: torch.Tensor, dtype: torch.dtype,
                          act_qmin: int = -127) -> tuple[torch.Tensor, torch.Tensor]:
     """Static per-tensor quantization in one kernel: x [M, K] -> (codes [M, K] in ``dtype``, the scale expanded to

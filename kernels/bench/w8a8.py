@@ -251,14 +251,14 @@ def bench_scaling() -> None:
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, k, n in SHAPES:
         w = torch.randn(n, k, generator=gen, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-        w_scale1 = (w.abs().amax().float().clamp(min=1e-12) / 448.0).reshape(())
-        q = (w.float() / w_scale1).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        q, w_scale1 = quantize_weight_fp8(w, False)
+        w_scale1 = w_scale1.reshape(())
         w_rows = w_scale1.reshape(1, 1).expand(1, n).contiguous()
         qs = [q.clone().t() for _ in range(max(1, COPIES_BYTES // q.numel()))]
         for m in SCALED_MM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda", dtype=torch.bfloat16)
-            x_scale1 = (x.abs().amax().float() / 448.0).reshape(())
-            xq = (x.float() / x_scale1).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+            xq, x_scale1 = quantize_weight_fp8(x, False)  # one scale for all of x: amax / 448
+            x_scale1 = x_scale1.reshape(())
             x_rows = x_scale1.reshape(1, 1).expand(m, 1).contiguous()
             row_us, ten_us, rel = _scaled_mm_ab(
                 lambda b: torch._scaled_mm(xq, b, scale_a=x_rows, scale_b=w_rows, out_dtype=torch.bfloat16),
