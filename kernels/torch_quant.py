@@ -36,10 +36,24 @@ import torch
 import torch.nn.functional as F
 
 FP8_MAX = 448.0
-# RUNTIME_FP8_FAST_ACCUM=1: _scaled_mm accumulates without Hopper's periodic promotion to fp32 (5-19% faster at
-# 128-8192 rows on an H100, ~1% of the output's largest magnitude apart at Llama-3-8B shapes: docs/BENCHMARKS.md,
-# session 18). Off by default: the quality gates run the reference arithmetic and cannot judge it.
-FP8_FAST_ACCUM = os.environ.get("RUNTIME_FP8_FAST_ACCUM", "0") == "1"
+# How cuBLAS's FP8 GEMMs (_scaled_mm) accumulate on Hopper: "promoted" (partial sums moved into fp32 periodically, the
+# default) or "fast" (use_fast_accum: the MMA's own accumulator throughout; 5-19% faster at 128-8192 rows, ~1% of the
+# output's largest magnitude apart at Llama-3-8B shapes: docs/BENCHMARKS.md, session 18). An artifact says which in
+# its manifest (runtime.fp8_accumulation, the recipe's); RUNTIME_FP8_FAST_ACCUM=1|0 overrides it for A/B runs.
+FP8_ACCUMULATIONS = ("promoted", "fast")
+
+
+def fp8_fast_accum(setting: str | None = None) -> bool:
+    """Whether FP8 GEMMs accumulate fast: RUNTIME_FP8_FAST_ACCUM (1 or 0) when set, else ``setting`` (an artifact's
+    runtime.fp8_accumulation; None: promoted)."""
+    env = os.environ.get("RUNTIME_FP8_FAST_ACCUM", "")
+    if env not in ("", "0", "1"):
+        raise ValueError(f"RUNTIME_FP8_FAST_ACCUM={env!r} is not 1 (fast) or 0 (promoted)")
+    if env:
+        return env == "1"
+    if setting not in (None, *FP8_ACCUMULATIONS):
+        raise ValueError(f"fp8_accumulation {setting!r} is not one of {', '.join(FP8_ACCUMULATIONS)}")
+    return setting == "fast"
 INT8_MAX = 127.0
 # the lower bounds of the int8 activation codes a w8a8_int8 linear's ``quant`` may name (``act_qmin``); the first is
 # the default (the attr absent). Every path honours both: this file, kernels/w8a8_gemm.py and kernels/gemv.py
@@ -188,10 +202,11 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
                               dtype: torch.dtype = torch.bfloat16,
                               quantize_static: Callable[[torch.Tensor, torch.Tensor],
                                                         tuple[torch.Tensor, torch.Tensor]] | None = None,
-                              ) -> Callable[[torch.Tensor], torch.Tensor]:
+                              fast_accum: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """FP8 W8A8 on Hopper tensor cores: ``torch._scaled_mm`` with row-wise scales (per-token activation
     scales x per-channel weight scales, a per-tensor scale broadcast to every row/column), bf16/fp16 out.
-    Same arithmetic as the reference ``fp8`` path of ``make_quant_linear``, with fp32 accumulation.
+    Same arithmetic as the reference ``fp8`` path of ``make_quant_linear``, with fp32 accumulation (``fast_accum``:
+    on CUDA the MMA's own accumulator, without the periodic promotion to fp32; see :func:`fp8_fast_accum`).
     ``quantize``: the dynamic per-token quantization to use (a fused kernel); default the torch ops.
     ``quantize_static(x2, input_scale)``: the same for a calibrated input scale (default the torch ops). x may also
     be rows already quantized (``kernels.w8a8_gemm.QuantizedRows``: codes [tokens, in], scales [tokens, 1]),
@@ -228,7 +243,7 @@ def make_fp8_scaled_mm_linear(w: dict[str, torch.Tensor], quantize: Quantize | N
         else:
             sa, sb = x_scale.expand(xq.shape[0], 1).contiguous(), w_scale  # [num_tokens, 1], [1, out]
         y = torch._scaled_mm(xq, wq_t, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
-                             use_fast_accum=FP8_FAST_ACCUM and xq.is_cuda)
+                             use_fast_accum=fast_accum and xq.is_cuda)
         if bias is not None:
             y = y + bias
         return y.reshape(*shape[:-1], out_features)

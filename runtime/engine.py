@@ -136,7 +136,8 @@ class Engine:
 
             executor = tensor_parallel.start(artifact, device, use_kernels, check_hashes)
         else:
-            executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels)
+            executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels,
+                                fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
         tokenizer = artifact.load_tokenizer()  # only the files the manifest lists
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
         return cls(artifact, executor, tokenizer, device)

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from kernels import torch_ops as ops
 from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
-from kernels.torch_quant import (int8_act_qmin, make_fp8_scaled_mm_linear, make_quant_linear, permute_input,
-                                  scale_input)
+from kernels.torch_quant import (fp8_fast_accum, int8_act_qmin, make_fp8_scaled_mm_linear, make_quant_linear,
+                                  permute_input, scale_input)
 
 GRAPH_IR_VERSION = 1  # the graph IR version this runtime executes
 # the kernel path's fusions across nodes (plan_fusions); RUNTIME_FUSE_ROPE=0 / RUNTIME_FUSE_SWIGLU=0 /
@@ -367,7 +367,8 @@ _POSITION_READERS = {"embedding": "a learned position table", "position_scale": 
 class Executor:
     """A compiled graph bound to its weights on one device."""
 
-    def __init__(self, graph: dict[str, Any], params: dict[str, torch.Tensor], use_kernels: bool = False) -> None:
+    def __init__(self, graph: dict[str, Any], params: dict[str, torch.Tensor], use_kernels: bool = False,
+                 fp8_accumulation: str | None = None) -> None:
         if graph.get("ir_version") != GRAPH_IR_VERSION:
             raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this "
                                    f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
@@ -388,6 +389,9 @@ class Executor:
         # GEMMs; otherwise the torch reference ops. On for CUDA by default (Engine.load); on CPU only
         # under TRITON_INTERPRET=1 (tests).
         self.use_kernels = use_kernels
+        # cuBLAS's FP8 GEMMs without the periodic promotion to fp32 (the artifact's runtime.fp8_accumulation, or
+        # RUNTIME_FP8_FAST_ACCUM: kernels.torch_quant.fp8_fast_accum)
+        self.fp8_fast_accum = fp8_fast_accum(fp8_accumulation)
         self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
         nodes = graph["nodes"]
         self._num_consumers: dict[str, int] = {}
@@ -697,7 +701,7 @@ def _kernel_w8a8_linear(w, quant, ex) -> Callable[[torch.Tensor], torch.Tensor]:
     elif (quant["scheme"] == "fp8" and _scaled_mm_device(w["qweight"].device)
           and ex.dtype in (torch.bfloat16, torch.float16)):
         large = make_fp8_scaled_mm_linear(w, quantize, ex.dtype, lambda x2, scale: quantize_rows_static(
-            x2, scale, storage, act_qmin=qmin))
+            x2, scale, storage, act_qmin=qmin), fast_accum=ex.fp8_fast_accum)
         takes_quantized = True
     else:
         large = make_quant_linear(quant["scheme"], w, quant, ex.dtype, quantize)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+from kernels.torch_quant import FP8_ACCUMULATIONS
+
 MISSING = object()  # a key the manifest does not have
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
@@ -115,6 +117,7 @@ SCHEMA: list[tuple[str, Rule]] = [
     ("runtime.max_num_tokens", POSITIVE),
     ("runtime.tokens_per_block", POWER_OF_TWO),
     ("runtime.kv_cache_dtype", one_of(*KV_CACHE_DTYPES)),
+    ("runtime.fp8_accumulation", optional(one_of(*FP8_ACCUMULATIONS))),  # absent: promoted (an older toolchain)
     ("graph", OBJECT), ("graph.file", NAME), ("graph.ir_version", POSITIVE), ("graph.num_nodes", POSITIVE),
     ("graph.ops", OBJECT),
     ("weights", OBJECT), ("weights.files", ARRAY), ("weights.files[]", NAME),

@@ -1007,7 +1007,8 @@ def _init_group(spec: RankSpec, store=None) -> None:
 
 
 def _load_rank(artifact: Artifact, spec: RankSpec, use_kernels: bool) -> Executor:
-    return Executor(artifact.graph, artifact.load_weights(spec.device, rank=spec.rank), use_kernels=use_kernels)
+    return Executor(artifact.graph, artifact.load_weights(spec.device, rank=spec.rank), use_kernels=use_kernels,
+                    fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
 
 
 def _worker_main(rank: int, tp_size: int, device: str, path: str, port: int, check_hashes: bool,

@@ -2,6 +2,8 @@
 
     python -m builder.devtools.check_kernels artifacts/llama3-8b-fp8 [--tokens 32]
     python -m builder.devtools.check_kernels --fp8-linear --fp8-block-linear
+    python -m builder.devtools.check_kernels artifacts/quickstart-fp8 --fast-accum --reference artifacts/quickstart \
+        --text models/pystdlib-llama/eval.txt
 
 Loads the artifact twice on the GPU (``use_kernels`` on and off), runs the same fresh random prompt
 through both and prints the max absolute and relative logit difference and the top-1 agreement. The flags check
@@ -122,6 +124,72 @@ def check_fusions(path: str, lengths=(1, 5, 12, 32, 80, 130), tokens: int = 24) 
                       "tokens": len(results[True]["tokens"])}))
 
 
+def _load_with_accumulation(path: str, fast: bool | None) -> Engine:
+    """The artifact on CUDA with its kernels, its FP8 GEMMs accumulating fast (True), promoted (False) or as the
+    artifact says (None): RUNTIME_FP8_FAST_ACCUM for the load (each linear takes it when the executor is built)."""
+    import os
+
+    saved = os.environ.pop("RUNTIME_FP8_FAST_ACCUM", None)
+    if fast is not None:
+        os.environ["RUNTIME_FP8_FAST_ACCUM"] = "1" if fast else "0"
+    try:
+        return Engine.load(path, "cuda", check_hashes=False, use_kernels=True, allow_failed_gate=True)
+    finally:
+        os.environ.pop("RUNTIME_FP8_FAST_ACCUM", None)
+        if saved is not None:
+            os.environ["RUNTIME_FP8_FAST_ACCUM"] = saved
+
+
+def _windows(engine: Engine, text: str | None, count: int, length: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens: consecutive stretches of ``text`` (a file), else fresh random ids."""
+    if text:
+        with open(text, encoding="utf-8") as f:
+            ids = engine.tokenizer.encode(f.read())
+        if len(ids) < count * length:
+            raise SystemExit(f"{text}: {len(ids)} tokens, fewer than {count} windows of {length}")
+        step = len(ids) // count
+        return [ids[i * step:i * step + length] for i in range(count)]
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(3, vocab, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+def check_fast_accum(path: str, reference: str | None = None, text: str | None = None, windows: int = 8,
+                     length: int = 256) -> None:
+    """What fast FP8 accumulation (``runtime.fp8_accumulation: fast``) changes, on the GPU, where it runs: the
+    artifact's logits over ``windows`` windows of ``length`` tokens (prefill rows: cuBLAS's FP8 GEMMs) with its GEMMs
+    promoted and fast. Prints KL(promoted || fast) per position, their top-1 agreement and the largest log-probability
+    difference; with ``reference`` (the unquantized model's artifact) each one's KL from
+    it and top-1 agreement with it, on the gates' metric (``builder.gates._kl_rows``; use the gates' evaluation text,
+    ``text``, for a trained model)."""
+    from builder.gates import _kl_rows
+
+    logits: dict[str, list[torch.Tensor]] = {}
+    ids: list[list[int]] = []
+    for name, fast in (("promoted", False), ("fast", True), ("reference", None)):
+        where = reference if name == "reference" else path
+        if where is None:
+            continue
+        engine = _load_with_accumulation(where, fast)
+        if not ids:
+            ids = _windows(engine, text, windows, length)
+        logits[name] = [engine.logits(w).float().cpu().log_softmax(-1) for w in ids]
+        del engine
+        torch.cuda.empty_cache()
+    rows = {name: torch.cat(lp) for name, lp in logits.items()}
+    p, f = rows["promoted"], rows["fast"]
+    out = {"fast_accum": path, "positions": p.shape[0], "text": text or "random ids",
+           "kl_promoted_fast": _kl_rows(p, f).mean().item(),
+           "top1_promoted_fast": (p.argmax(-1) == f.argmax(-1)).float().mean().item()}
+    out["max_logprob_diff"] = (p - f).abs().max().item()
+    if "reference" in rows:
+        r = rows["reference"]
+        for name in ("promoted", "fast"):
+            out[f"kl_reference_{name}"] = _kl_rows(r, rows[name]).mean().item()
+            out[f"top1_reference_{name}"] = (r.argmax(-1) == rows[name].argmax(-1)).float().mean().item()
+    print(json.dumps(out))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", nargs="?")
@@ -131,7 +199,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="check the block-scaled FP8 (fine-grained FP8) linear alone")
     parser.add_argument("--fusions", action="store_true",
                         help="compare the kernel path with and without the cross-node fusions instead")
+    parser.add_argument("--fast-accum", action="store_true",
+                        help="what fast FP8 accumulation changes (runtime.fp8_accumulation: fast) instead")
+    parser.add_argument("--reference", help="--fast-accum: the unquantized model's artifact, to score both against")
+    parser.add_argument("--text", help="--fast-accum: windows of this text (the gates' evaluation text) instead of "
+                        "random ids")
+    parser.add_argument("--windows", type=int, default=8, help="--fast-accum: how many windows")
+    parser.add_argument("--window-len", type=int, default=256, help="--fast-accum: tokens per window")
     args = parser.parse_args(argv)
+    if args.artifact and args.fast_accum:
+        check_fast_accum(args.artifact, args.reference, args.text, args.windows, args.window_len)
+        return 0
     if args.fp8_linear:
         check_fp8_linear()
     if args.fp8_block_linear:

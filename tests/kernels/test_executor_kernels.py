@@ -844,3 +844,49 @@ def test_kernel_or_dequantize_by_the_measured_crossover():
         assert all(prefers_kernel(rows, n, k) for n, k in (qkv, o_proj, gate_up, down))
     assert [prefers_kernel(128, n, k) for n, k in (qkv, o_proj, gate_up, down)] == [False, False, True, True]
     assert not prefers_kernel(MMA_RUNTIME_MAX_ROWS + 1, *gate_up)
+
+
+def test_fp8_accumulation_reaches_the_scaled_mm_linears(tmp_path, monkeypatch):
+    """runtime.fp8_accumulation goes from the recipe to the manifest to every FP8 linear on cuBLAS (the executor
+    builds them with ``fast_accum``); RUNTIME_FP8_FAST_ACCUM overrides it either way for one process; a build with no
+    FP8 linear refuses 'fast', which would name nothing."""
+    import json
+
+    from runtime import executor
+
+    from builder.pipeline import BuildError, build
+    from builder.recipe import validate_recipe
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", **SHAPES["llama"])
+    monkeypatch.setattr(executor, "_scaled_mm_device", lambda device: True)
+    monkeypatch.delenv("RUNTIME_FP8_FAST_ACCUM", raising=False)
+    made, real = [], executor.make_fp8_scaled_mm_linear
+
+    def spy(*args, fast_accum=False, **kwargs):
+        made.append(fast_accum)
+        return real(*args, fast_accum=fast_accum, **kwargs)
+
+    monkeypatch.setattr(executor, "make_fp8_scaled_mm_linear", spy)
+
+    def recipe(name: str, algo: str, accumulation: str) -> dict:
+        return {"model": {"checkpoint": str(ckpt), "dtype": "bfloat16"}, "output_dir": str(tmp_path / name),
+                "runtime": {"max_seq_len": 128, "max_num_tokens": 32, "fp8_accumulation": accumulation},
+                "quantization": {"algo": algo}, "gates": {"enabled": False}}
+
+    path = build(validate_recipe(recipe("fast", "fp8", "fast"))).output_dir
+    assert json.loads((path / "manifest.json").read_text())["runtime"]["fp8_accumulation"] == "fast"
+    engine = Engine.load(path, use_kernels=True)
+    layers = engine.executor.num_layers
+    assert engine.executor.fp8_fast_accum and made == [True] * 4 * layers, made
+    for env, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("RUNTIME_FP8_FAST_ACCUM", env)
+        made.clear()
+        assert Engine.load(path, use_kernels=True).executor.fp8_fast_accum is want
+        assert made == [want] * 4 * layers, (env, made)
+    monkeypatch.delenv("RUNTIME_FP8_FAST_ACCUM")
+    made.clear()
+    promoted = build(validate_recipe(recipe("promoted", "fp8", "promoted"))).output_dir
+    assert not Engine.load(promoted, use_kernels=True).executor.fp8_fast_accum and made == [False] * 4 * layers
+    with pytest.raises(BuildError, match="runtime.fp8_accumulation is 'fast' but the model has no FP8 linear"):
+        build(validate_recipe(recipe("int8", "int8_wo", "fast")))
+    assert not (tmp_path / "int8").exists()

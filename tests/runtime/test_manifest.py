@@ -94,6 +94,7 @@ EDITS = [
     ("runtime.max_num_tokens", 1.5, "runtime.max_num_tokens is 1.5"),
     ("runtime.kv_cache_dtype", "fp4", "runtime.kv_cache_dtype is 'fp4'; allowed: one of auto, fp8, int8"),
     ("runtime.kv_cache_dtype", "fp8", "quantization.kv_cache_dtype is 'auto'"),
+    ("runtime.fp8_accumulation", "sloppy", "runtime.fp8_accumulation is 'sloppy'; allowed: one of promoted, fast"),
     ("runtime", DELETE, "runtime is missing; allowed: a JSON object"),
     ("runtime", [], "runtime is []"),
     ("files", DELETE, "files is missing"),

@@ -301,3 +301,26 @@ def test_moe_figures_are_named_moe(moe_artifact, artifacts, tmp_path):
     assert figure_tag({"nodes": [static]}, kv) == "fp8_static_kvfp8"
     assert figure_tag({"nodes": [{"op": "linear", "attrs": {"quant": {"scheme": "fp8", "activations": "dynamic"}}}]},
                       kv) == "fp8_kvfp8"
+
+
+def test_figures_name_fast_fp8_accumulation(monkeypatch):
+    from builder.bench.record import figure_tag
+
+    monkeypatch.delenv("RUNTIME_FP8_FAST_ACCUM", raising=False)
+    fp8 = {"op": "linear", "attrs": {"quant": {"scheme": "fp8", "activations": "static"}}}
+    fast = {"model": {"dtype": "bfloat16"}, "quantization": {"algo": "fp8", "lm_head": "none"},
+            "runtime": {"kv_cache_dtype": "fp8", "fp8_accumulation": "fast"}}
+    promoted = {**fast, "runtime": {"kv_cache_dtype": "fp8", "fp8_accumulation": "promoted"}}
+    older = {**fast, "runtime": {"kv_cache_dtype": "fp8"}}  # a manifest from before the setting: promoted
+    assert figure_tag({"nodes": [fp8]}, fast) == "fp8_static_kvfp8_fastacc"
+    assert figure_tag({"nodes": [fp8]}, promoted) == figure_tag({"nodes": [fp8]}, older) == "fp8_static_kvfp8"
+    # the process's override (A/B runs of one artifact) names what ran
+    monkeypatch.setenv("RUNTIME_FP8_FAST_ACCUM", "1")
+    assert figure_tag({"nodes": [fp8]}, promoted) == "fp8_static_kvfp8_fastacc"
+    int8 = {"op": "linear", "attrs": {"quant": {"scheme": "w8a8_int8"}}}  # no FP8 GEMM: nothing to name
+    assert figure_tag({"nodes": [int8]}, fast) == "int8_kvfp8"
+    monkeypatch.setenv("RUNTIME_FP8_FAST_ACCUM", "0")
+    assert figure_tag({"nodes": [fp8]}, fast) == "fp8_static_kvfp8"
+    monkeypatch.setenv("RUNTIME_FP8_FAST_ACCUM", "yes")
+    with pytest.raises(ValueError, match="RUNTIME_FP8_FAST_ACCUM='yes'"):
+        figure_tag({"nodes": [fp8]}, fast)
