@@ -295,16 +295,18 @@ class SmoothQuant(QuantMethod):
     def _static_scale(self, amax: torch.Tensor, x: torch.Tensor | None, wq: torch.Tensor | None) -> torch.Tensor:
         """The per-tensor input scale: amax / 127, or the clipped candidate whose activation rounding, carried
         through the quantized weight, costs least on the calibration rows ``x`` (already smoothed): "mse" the least,
-        "auto" the least clipping within CLIP_STANDARD_ERRORS standard errors of the least (the module docstring)."""
+        "auto" the least clipping within CLIP_STANDARD_ERRORS standard errors of the least (the module docstring).
+        On ``amax``'s device, beside the weights it scales: the calibration forward of later segments runs the
+        quantized linears on that device."""
         if x is None:
-            return (amax / INT8_MAX).float().cpu()
+            return (amax / INT8_MAX).float()
         rows = {r: (self._fake_x(x, amax.to(x.device) * r / INT8_MAX) - x).matmul(wq.t()).pow(2).sum(dim=1)
                 for r in CLIP_RATIOS}  # per calibration row
         best = min(CLIP_RATIOS, key=lambda r: float(rows[r].sum()))
         if self.static_scale == "auto":
             best = next(r for r in CLIP_RATIOS if within_standard_errors(rows[r], rows[best], CLIP_STANDARD_ERRORS))
         self.clip_ratios.append(best)
-        return (amax * best / INT8_MAX).float().cpu()
+        return (amax * best / INT8_MAX).float()
 
     def summary(self, graph: Graph, targets: list[int]) -> dict[str, Any]:
         alphas = self.chosen_alphas

@@ -50,3 +50,14 @@ def test_auto_still_clips_where_every_row_gains():
     mse, auto = _ratio("mse", x, w), _ratio("auto", x, w)
     assert mse <= 0.3 + 1e-6 and mse <= auto < 0.6, (mse, auto)
     assert CLIP_RATIOS[0] == 1.0  # the candidates run from no clipping down
+
+
+def test_static_scale_stays_on_the_calibration_device():
+    """The input scale is made where the statistics are (a GPU calibration's device), beside the weights it scales:
+    a later segment's calibration forward runs the quantized linear there (a CPU scale beside CUDA activations stopped
+    a static build calibrated on the GPU). The meta device stands in for the GPU: a copy to the host fails there."""
+    amax = torch.tensor(3.0, device="meta")
+    assert _method("max")._static_scale(amax, None, None).device == amax.device
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    w = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    assert _method("auto")._static_scale(x.abs().amax(), x, w).device == x.device
