@@ -30,22 +30,30 @@ log = logging.getLogger("builder.gates")
 
 
 class GraphModel:
-    """Logits and greedy generation of a graph, through the runtime's executor (compiled once)."""
+    """Logits and greedy generation of a graph, through the runtime's executor (compiled once): on the CPU with the
+    reference ops, or on a GPU (``device``) with the runtime's kernels and ``fp8_accumulation`` (the arithmetic the
+    artifact runs there; the logits come back to the host)."""
 
-    def __init__(self, graph: Graph) -> None:
-        self.executor = Executor(graph.to_dict(), graph.params)
+    def __init__(self, graph: Graph, device: str | torch.device = "cpu", fp8_accumulation: str | None = None) -> None:
+        self.device = torch.device(device)
+        params = graph.params if self.device.type == "cpu" else {k: v.to(self.device) for k, v in graph.params.items()}
+        self.executor = Executor(graph.to_dict(), params, use_kernels=self.device.type == "cuda",
+                                 fp8_accumulation=fp8_accumulation)
         self.layout = self.executor.kv_layout()
 
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, device=self.device)
+
     def logits(self, ids: list[int]) -> torch.Tensor:
-        kv = SequenceKV(self.layout, len(ids))
-        positions = sequence_positions(self.executor.long_rope_from, 0, len(ids), len(ids))
-        return self.executor.forward(StepInput(torch.tensor(ids), positions, [SeqSlice(kv, 0, len(ids))]))
+        kv = SequenceKV(self.layout, len(ids), self.device)
+        positions = sequence_positions(self.executor.long_rope_from, 0, len(ids), len(ids), self.device)
+        return self.executor.forward(StepInput(self._ids(ids), positions, [SeqSlice(kv, 0, len(ids))])).cpu()
 
     def _prefill(self, ids: list[int], total: int) -> tuple[SequenceKV, torch.Tensor]:
-        kv = SequenceKV(self.layout, total)
-        positions = sequence_positions(self.executor.long_rope_from, 0, len(ids), len(ids))
-        return kv, self.executor.forward(StepInput(torch.tensor(ids), positions, [SeqSlice(kv, 0, len(ids))],
-                                                   torch.tensor([len(ids) - 1])))
+        kv = SequenceKV(self.layout, total, self.device)
+        positions = sequence_positions(self.executor.long_rope_from, 0, len(ids), len(ids), self.device)
+        return kv, self.executor.forward(StepInput(self._ids(ids), positions, [SeqSlice(kv, 0, len(ids))],
+                                                   self._ids([len(ids) - 1])))
 
     def greedy(self, prompt: list[int], n: int) -> list[int]:
         switch = self.executor.long_rope_from
@@ -60,8 +68,8 @@ class GraphModel:
                 short = False
                 kv, logits = self._prefill(prompt + out, len(prompt) + n)
             else:
-                positions = sequence_positions(switch, pos, 1, pos + 1)
-                logits = self.executor.forward(StepInput(torch.tensor([token]), positions, [SeqSlice(kv, pos, 1)]))
+                positions = sequence_positions(switch, pos, 1, pos + 1, self.device)
+                logits = self.executor.forward(StepInput(self._ids([token]), positions, [SeqSlice(kv, pos, 1)]))
             pos += 1
         return out
 
@@ -133,12 +141,29 @@ def thresholds(algo: str, section: GatesSection) -> GateThresholds:
     return thresholds_for(algo, **overrides)
 
 
+def fast_accumulation_scoring(fp8_accumulation: str | None) -> tuple[str, MetricResult | None]:
+    """Where the gates score a candidate whose FP8 GEMMs accumulate ``fp8_accumulation``, and the report's row that
+    says so: fast accumulation exists only on a GPU (cuBLAS on Hopper), so such a candidate runs there, through the
+    runtime's kernels; without a GPU the gates score the reference arithmetic and the row says it was not judged."""
+    if fp8_accumulation != "fast":
+        return "cpu", None
+    if torch.cuda.is_available():
+        return "cuda", MetricResult("fp8_accumulation", 0.0, 0.0, True, "<=", "fast: the candidate was scored on "
+                                    "the GPU through the runtime's kernels, the arithmetic the artifact runs",
+                                    status="info")
+    return "cpu", MetricResult("fp8_accumulation", 0.0, 0.0, True, "<=", "not judged: fast FP8 accumulation runs on a "
+                               "GPU and this machine has none, so the gates scored the promoted reference arithmetic "
+                               "(measure it on a GPU: python -m builder.devtools.check_kernels ARTIFACT --fast-accum)",
+                               status="n/a")
+
+
 def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate: Graph,
                    tokenizer: Tokenizer, checkpoint: str | Path, rtn_check: bool = False,
-                   eval_key: str = "gates.eval_dataset") -> GateReport:
+                   eval_key: str = "gates.eval_dataset", fp8_accumulation: str | None = None) -> GateReport:
     """Gate ``candidate`` against ``baseline`` on the section's held-out text (``checkpoint``: the source model,
     which decides whether the shipped text may stand in for an unset ``eval_dataset``). ``rtn_check``: also
-    against round-to-nearest of the same scheme (:func:`rtn_counterpart`), when the method's thresholds ask for it."""
+    against round-to-nearest of the same scheme (:func:`rtn_counterpart`), when the method's thresholds ask for it.
+    ``fp8_accumulation``: the artifact's ``runtime.fp8_accumulation`` (:func:`fast_accumulation_scoring`)."""
     path, warning = resolve_text(section.eval_dataset, DEFAULT_EVAL, checkpoint, eval_key)
     if warning:
         log.warning("%s", warning)
@@ -149,18 +174,27 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
     if section.needle_context_len:
         filler = "".join(read_texts(path)[0])[:20000]
         needle = text_needle(encode, filler, section.needle_context_len)
-    base, cand = CachedModel(GraphModel(baseline), graph_digest(baseline)), GraphModel(candidate)
+    device, accumulation = fast_accumulation_scoring(fp8_accumulation)
+    base = CachedModel(GraphModel(baseline), graph_digest(baseline))
+    cand = GraphModel(candidate, device, fp8_accumulation)
     limits = thresholds(algo, section)
     rtn, why = (rtn_counterpart(baseline, candidate) if rtn_check and limits.max_kl_vs_rtn is not None
                 else (None, ""))
-    # the rounding depends on the baseline and the scheme alone: its logits are cached like the baseline's
-    rtn_model = CachedModel(GraphModel(rtn), graph_digest(rtn)) if rtn is not None else None
+    # the rounding depends on the baseline and the scheme alone: its logits are cached like the baseline's; scored
+    # in the candidate's arithmetic (the ratio judges the algorithm, not the accumulation)
+    arithmetic = "" if accumulation is None or device == "cpu" else f"-{device}-{fp8_accumulation}"
+    rtn_model = (CachedModel(GraphModel(rtn, device, fp8_accumulation), graph_digest(rtn) + arithmetic)
+                 if rtn is not None else None)
     report = compare(base.logits, cand.logits, eval_set, limits, base.greedy, cand.greedy, needle,
                      rtn_model.logits if rtn_model is not None else None)
     if why:  # asked for, not computable: say so
         why = f"not applicable: no round-to-nearest counterpart of this build ({why})"
         log.warning("quality gates: kl_vs_rtn %s", why)
         report.metrics.append(MetricResult("kl_vs_rtn", 0.0, limits.max_kl_vs_rtn, True, "<=", why, status="n/a"))
+    if accumulation is not None:
+        if accumulation.status == "n/a":
+            log.warning("quality gates: fp8_accumulation %s", accumulation.detail)
+        report.metrics.append(accumulation)
     if rtn_model is not None:
         rtn_model.save()
     base.save()
@@ -308,7 +342,8 @@ def rtn_applies(algo: str, kv_cache_dtype: str) -> bool:
 def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer) -> GateReport:
     method = gate_method(recipe.quant_algo(), recipe.runtime.kv_cache_dtype)
     return compare_graphs(method, recipe.gates, baseline, candidate, tokenizer, recipe.model.checkpoint,
-                          rtn_applies(recipe.quant_algo(), recipe.runtime.kv_cache_dtype))
+                          rtn_applies(recipe.quant_algo(), recipe.runtime.kv_cache_dtype),
+                          fp8_accumulation=recipe.runtime.fp8_accumulation)
 
 
 def load_graph(path: Path, dtype: str | None = None) -> tuple[Graph, dict | None]:
@@ -431,4 +466,5 @@ def gate_artifact(artifact: Path, baseline: Path, section: GatesSection | None =
     # the bundled model by content (the recorded path may be relative to another directory or clone)
     source = BUNDLED_MODEL if is_bundled_source(manifest) else manifest["source"]["checkpoint"]
     return compare_graphs(algo, section, base, candidate, tokenizer, source, rtn,
-                          eval_key="gates.eval_dataset (builder gate: --eval-dataset)")
+                          eval_key="gates.eval_dataset (builder gate: --eval-dataset)",
+                          fp8_accumulation=manifest["runtime"].get("fp8_accumulation"))

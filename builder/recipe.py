@@ -106,8 +106,8 @@ class RuntimeSection(_Strict):
     tokens_per_block: int = Field(default=16, ge=1)
     kv_cache_dtype: Literal["auto", "fp8", "int8"] = "auto"  # auto = the model dtype; fp8/int8 are calibrated
     # FP8 linears on cuBLAS (prefill, large batches) on Hopper: "promoted" moves the MMA's partial sums into fp32
-    # periodically; "fast" keeps the MMA's own accumulator (faster GEMMs, a larger rounding error that the gates'
-    # reference arithmetic does not include; kernels.torch_quant.fp8_fast_accum)
+    # periodically; "fast" keeps the MMA's own accumulator (faster GEMMs, a larger rounding error, which the gates
+    # score on the GPU: builder.quality.fast_accumulation_scoring; kernels.torch_quant.fp8_fast_accum)
     fp8_accumulation: Literal["promoted", "fast"] = "promoted"
     speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
 
