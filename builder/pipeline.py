@@ -394,6 +394,10 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     t = time.perf_counter()
     imported = attach_weights(graph, ckpt, meta_model, dtype, keep_references="verify" in names)
     load_s = time.perf_counter() - t
+    if recipe.runtime.fp8_accumulation == "fast" and recipe.quant_algo() != "fp8" and not any(
+            (n.attrs.get("quant") or {}).get("scheme") == "fp8" for n in graph.nodes):  # nor an FP8 checkpoint's
+        raise BuildError("runtime.fp8_accumulation is 'fast' but the model has no FP8 linear (quantization.algo fp8, "
+                         "or an FP8 checkpoint); leave it out or set 'promoted'")
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
     extra: dict = {}
     if ckpt.mxfp4:  # the source's format, recorded: its MXFP4 weights were decoded (exactly: bf16 / fp32) into the
@@ -452,14 +456,6 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
             extra["gates"] = report.to_dict()
             extra["gates"]["worst_layers"] = worst_layers(records)
             extra["gates"]["worst_layers_inputs"] = error_inputs(records)
-    if recipe.runtime.fp8_accumulation == "fast":
-        fp8 = sum((n.attrs.get("quant") or {}).get("scheme") == "fp8" for n in graph.nodes if n.op in ("linear", "moe"))
-        if not fp8:
-            raise BuildError("runtime.fp8_accumulation is 'fast' but the model has no FP8 linear (quantization.algo "
-                             "fp8, or an FP8 checkpoint); leave it out or set 'promoted'")
-        log.info("runtime.fp8_accumulation 'fast': %d FP8 linears run cuBLAS's GEMMs without the periodic promotion to "
-                 "fp32 on the GPU (the gates score the build there when this machine has one; measure it: python -m "
-                 "builder.devtools.check_kernels ARTIFACT --fast-accum)", fp8)
     if shard_names := parallel_passes(recipe):  # per-rank weights are cut while writing, one tensor at a time
         ctx.options["shard"] = {"tp_size": par.tp_size, "vocab_parallel": par.vocab_parallel}
         graph, shard_records = run_passes(graph, shard_names, ctx)

@@ -54,6 +54,8 @@ def fp8_fast_accum(setting: str | None = None) -> bool:
     if setting not in (None, *FP8_ACCUMULATIONS):
         raise ValueError(f"fp8_accumulation {setting!r} is not one of {', '.join(FP8_ACCUMULATIONS)}")
     return setting == "fast"
+
+
 INT8_MAX = 127.0
 # the lower bounds of the int8 activation codes a w8a8_int8 linear's ``quant`` may name (``act_qmin``); the first is
 # the default (the attr absent). Every path honours both: this file, kernels/w8a8_gemm.py and kernels/gemv.py

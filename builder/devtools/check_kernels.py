@@ -159,9 +159,8 @@ def check_fast_accum(path: str, reference: str | None = None, text: str | None =
     """What fast FP8 accumulation (``runtime.fp8_accumulation: fast``) changes, on the GPU, where it runs: the
     artifact's logits over ``windows`` windows of ``length`` tokens (prefill rows: cuBLAS's FP8 GEMMs) with its GEMMs
     promoted and fast. Prints KL(promoted || fast) per position, their top-1 agreement and the largest log-probability
-    difference; with ``reference`` (the unquantized model's artifact) each one's KL from
-    it and top-1 agreement with it, on the gates' metric (``builder.gates._kl_rows``; use the gates' evaluation text,
-    ``text``, for a trained model)."""
+    difference; with ``reference`` (the unquantized model's artifact) each one's KL from it and top-1 agreement with
+    it, on the gates' metric (``builder.gates._kl_rows``; for a trained model, ``text``: the gates' evaluation text)."""
     from builder.gates import _kl_rows
 
     logits: dict[str, list[torch.Tensor]] = {}
@@ -180,8 +179,8 @@ def check_fast_accum(path: str, reference: str | None = None, text: str | None =
     p, f = rows["promoted"], rows["fast"]
     out = {"fast_accum": path, "positions": p.shape[0], "text": text or "random ids",
            "kl_promoted_fast": _kl_rows(p, f).mean().item(),
-           "top1_promoted_fast": (p.argmax(-1) == f.argmax(-1)).float().mean().item()}
-    out["max_logprob_diff"] = (p - f).abs().max().item()
+           "top1_promoted_fast": (p.argmax(-1) == f.argmax(-1)).float().mean().item(),
+           "max_logprob_diff": (p - f).abs().max().item()}
     if "reference" in rows:
         r = rows["reference"]
         for name in ("promoted", "fast"):
