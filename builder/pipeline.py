@@ -147,6 +147,26 @@ def check_prequantized(recipe: Recipe, ckpt: Checkpoint) -> None:
              "kept, nothing is re-quantized", recipe.quant_algo(), what)
 
 
+def fast_without_fp8(recipe: Recipe) -> bool:
+    """Whether the recipe asks fast FP8 accumulation without an fp8 quantization section (only a pre-quantized FP8
+    checkpoint's linears can then take it, which the graph shows once its weights are attached)."""
+    return recipe.runtime.fp8_accumulation == "fast" and "fp8" not in {q.algo for q in recipe.quant_sections()}
+
+
+def check_fp8_accumulation(recipe: Recipe, prequantized: bool) -> None:
+    """``runtime.fp8_accumulation: fast`` names cuBLAS's FP8 GEMMs, which run on bf16 / fp16 activations: refused for
+    another model dtype, and for a model with no FP8 linear (checked here for a checkpoint that is not pre-quantized,
+    before any weight is read)."""
+    if recipe.runtime.fp8_accumulation != "fast":
+        return
+    if recipe.model.dtype not in ("bfloat16", "float16"):
+        raise BuildError(f"runtime.fp8_accumulation is 'fast' but model.dtype is {recipe.model.dtype}: FP8 GEMMs on "
+                         f"cuBLAS run on bfloat16 or float16 activations; set one of those, or 'promoted'")
+    if fast_without_fp8(recipe) and not prequantized:
+        raise BuildError(f"runtime.fp8_accumulation is 'fast' but no quantization section is fp8 (quantization.algo: "
+                         f"{recipe.quant_algo()}); leave it out or set 'promoted'")
+
+
 def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
     """``runtime.speculative`` method draft: the draft must be an intact artifact of this toolchain, for one GPU,
     whose tokenizer is the checkpoint's (its tokens are the target's); it is copied into the artifact when written.
@@ -368,6 +388,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     check_longrope(config, recipe.runtime.max_seq_len)
     check_prequantized(recipe, ckpt)
     check_draft_model(recipe, ckpt)
+    check_fp8_accumulation(recipe, prequantized=ckpt.quant is not None)
     if ckpt.mxfp4 and dtype == torch.float16:  # e8m0 scales reach 2^127: fp16 cannot hold every MXFP4 value
         raise BuildError(f"{ckpt.path}: its MXFP4 weights are decoded exactly into bfloat16 or float32 only (their "
                          f"power-of-two scales run past float16's range); set model.dtype to bfloat16 or float32")
@@ -394,10 +415,10 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     t = time.perf_counter()
     imported = attach_weights(graph, ckpt, meta_model, dtype, keep_references="verify" in names)
     load_s = time.perf_counter() - t
-    if recipe.runtime.fp8_accumulation == "fast" and recipe.quant_algo() != "fp8" and not any(
-            (n.attrs.get("quant") or {}).get("scheme") == "fp8" for n in graph.nodes):  # nor an FP8 checkpoint's
-        raise BuildError("runtime.fp8_accumulation is 'fast' but the model has no FP8 linear (quantization.algo fp8, "
-                         "or an FP8 checkpoint); leave it out or set 'promoted'")
+    if fast_without_fp8(recipe) and not any((n.attrs.get("quant") or {}).get("scheme") == "fp8"
+                                             for n in graph.nodes if n.op in ("linear", "lm_head")):
+        raise BuildError(f"runtime.fp8_accumulation is 'fast' but {ckpt.path} has no FP8 linear; leave it out or set "
+                         f"'promoted'")
     log.info("loaded %d tensors (%.1fM parameters) in %.2fs", len(graph.params), graph.num_params() / 1e6, load_s)
     extra: dict = {}
     if ckpt.mxfp4:  # the source's format, recorded: its MXFP4 weights were decoded (exactly: bf16 / fp32) into the
@@ -451,7 +472,7 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
                 extra["calibration"]["warning"] = calib_warning
         if recipe.gates.enabled:
             t = time.perf_counter()
-            report = run_gates(recipe, baseline, graph, tokenizer)
+            report = run_gates(recipe, baseline, graph, tokenizer, device)
             timings["gates_s"] = time.perf_counter() - t
             extra["gates"] = report.to_dict()
             extra["gates"]["worst_layers"] = worst_layers(records)

@@ -22,7 +22,7 @@ from builder.gates import (DEFAULT_THRESHOLDS, GateError, GateReport, GateThresh
                            make_eval_set, text_needle, thresholds_for)
 from builder.recipe import GatesSection, gates_section
 from passes.ir import Graph, Node
-from runtime.executor import Executor, SeqSlice, StepInput, sequence_positions
+from runtime.executor import Executor, SeqSlice, StepInput, fp8_cublas_min_rows, sequence_positions
 from runtime.kv_cache import SequenceKV
 from runtime.tokenizer import Tokenizer
 
@@ -38,7 +38,7 @@ class GraphModel:
         self.device = torch.device(device)
         params = graph.params if self.device.type == "cpu" else {k: v.to(self.device) for k, v in graph.params.items()}
         self.executor = Executor(graph.to_dict(), params, use_kernels=self.device.type == "cuda",
-                                 fp8_accumulation=fp8_accumulation)
+                                 fp8_accumulation=fp8_accumulation, fp8_env=False)
         self.layout = self.executor.kv_layout()
 
     def _ids(self, ids: list[int]) -> torch.Tensor:
@@ -141,29 +141,48 @@ def thresholds(algo: str, section: GatesSection) -> GateThresholds:
     return thresholds_for(algo, **overrides)
 
 
-def fast_accumulation_scoring(fp8_accumulation: str | None) -> tuple[str, MetricResult | None]:
-    """Where the gates score a candidate whose FP8 GEMMs accumulate ``fp8_accumulation``, and the report's row that
-    says so: fast accumulation exists only on a GPU (cuBLAS on Hopper), so such a candidate runs there, through the
-    runtime's kernels; without a GPU the gates score the reference arithmetic and the row says it was not judged."""
+def fast_accumulation_scoring(fp8_accumulation: str | None, window: int,
+                              device: torch.device | None = None) -> tuple[str, MetricResult | None]:
+    """Where the gates score a candidate whose FP8 GEMMs accumulate ``fp8_accumulation`` (the artifact's setting; the
+    process's RUNTIME_FP8_FAST_ACCUM does not apply to the gates), and the report's row that says so. Fast
+    accumulation exists only in cuBLAS's FP8 GEMMs on a GPU, so a fast candidate is scored there, through the
+    runtime's kernels (their roundings included: the arithmetic the artifact runs), when ``device`` (the build's
+    calibration device; None: any) is such a GPU (compute capability 8.9+) and the gate windows are long enough to
+    reach cuBLAS; otherwise on the CPU's reference arithmetic, with a row saying the accumulation was not judged."""
     if fp8_accumulation != "fast":
         return "cpu", None
-    if torch.cuda.is_available():
-        return "cuda", MetricResult("fp8_accumulation", 0.0, 0.0, True, "<=", "fast: the candidate was scored on "
-                                    "the GPU through the runtime's kernels, the arithmetic the artifact runs",
-                                    status="info")
-    return "cpu", MetricResult("fp8_accumulation", 0.0, 0.0, True, "<=", "not judged: fast FP8 accumulation runs on a "
-                               "GPU and this machine has none, so the gates scored the promoted reference arithmetic "
-                               "(measure it on a GPU: python -m builder.devtools.check_kernels ARTIFACT --fast-accum)",
-                               status="n/a")
+
+    def not_judged(why: str) -> tuple[str, MetricResult]:
+        return "cpu", MetricResult("fp8_accumulation", 0.0, 0.0, True, "<=", f"not judged: {why}, so the gates "
+                                   f"scored the promoted reference arithmetic (measure it on a GPU: python -m "
+                                   f"builder.devtools.check_kernels ARTIFACT --fast-accum)", status="n/a")
+
+    rows = fp8_cublas_min_rows()
+    if window < rows:
+        return not_judged(f"gate windows of {window} tokens run no FP8 GEMM on cuBLAS (it takes {rows} rows or more; "
+                          f"set gates.window to at least {rows})")
+    if device is not None and device.type != "cuda":
+        return not_judged(f"the build ran on {device} (calibration.device)")
+    if not torch.cuda.is_available():
+        return not_judged("fast FP8 accumulation runs on a GPU and this machine has none")
+    gpu = device if device is not None else torch.device("cuda")
+    if torch.cuda.get_device_capability(gpu) < (8, 9):
+        return not_judged(f"{torch.cuda.get_device_name(gpu)} has no FP8 GEMM (compute capability 8.9 or later)")
+    return str(gpu), MetricResult("fp8_accumulation", 0.0, 0.0, True, "<=", "fast: the candidate was scored on the "
+                                  "GPU through the runtime's kernels (their roundings included), the arithmetic the "
+                                  "artifact runs; the baseline and round-to-nearest on the CPU reference",
+                                  status="info")
 
 
 def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate: Graph,
                    tokenizer: Tokenizer, checkpoint: str | Path, rtn_check: bool = False,
-                   eval_key: str = "gates.eval_dataset", fp8_accumulation: str | None = None) -> GateReport:
+                   eval_key: str = "gates.eval_dataset", fp8_accumulation: str | None = None,
+                   device: torch.device | None = None) -> GateReport:
     """Gate ``candidate`` against ``baseline`` on the section's held-out text (``checkpoint``: the source model,
     which decides whether the shipped text may stand in for an unset ``eval_dataset``). ``rtn_check``: also
     against round-to-nearest of the same scheme (:func:`rtn_counterpart`), when the method's thresholds ask for it.
-    ``fp8_accumulation``: the artifact's ``runtime.fp8_accumulation`` (:func:`fast_accumulation_scoring`)."""
+    ``fp8_accumulation``: the artifact's ``runtime.fp8_accumulation``; ``device``: where the build ran
+    (:func:`fast_accumulation_scoring`)."""
     path, warning = resolve_text(section.eval_dataset, DEFAULT_EVAL, checkpoint, eval_key)
     if warning:
         log.warning("%s", warning)
@@ -174,17 +193,15 @@ def compare_graphs(algo: str, section: GatesSection, baseline: Graph, candidate:
     if section.needle_context_len:
         filler = "".join(read_texts(path)[0])[:20000]
         needle = text_needle(encode, filler, section.needle_context_len)
-    device, accumulation = fast_accumulation_scoring(fp8_accumulation)
+    where, accumulation = fast_accumulation_scoring(fp8_accumulation, section.window, device)
     base = CachedModel(GraphModel(baseline), graph_digest(baseline))
-    cand = GraphModel(candidate, device, fp8_accumulation)
+    cand = GraphModel(candidate, where, fp8_accumulation)
     limits = thresholds(algo, section)
     rtn, why = (rtn_counterpart(baseline, candidate) if rtn_check and limits.max_kl_vs_rtn is not None
                 else (None, ""))
-    # the rounding depends on the baseline and the scheme alone: its logits are cached like the baseline's; scored
-    # in the candidate's arithmetic (the ratio judges the algorithm, not the accumulation)
-    arithmetic = "" if accumulation is None or device == "cpu" else f"-{device}-{fp8_accumulation}"
-    rtn_model = (CachedModel(GraphModel(rtn, device, fp8_accumulation), graph_digest(rtn) + arithmetic)
-                 if rtn is not None else None)
+    # the rounding depends on the baseline and the scheme alone: its logits are cached like the baseline's (on the
+    # CPU reference: a candidate scored on the GPU is judged against reference rounding, its arithmetic included)
+    rtn_model = CachedModel(GraphModel(rtn), graph_digest(rtn)) if rtn is not None else None
     report = compare(base.logits, cand.logits, eval_set, limits, base.greedy, cand.greedy, needle,
                      rtn_model.logits if rtn_model is not None else None)
     if why:  # asked for, not computable: say so
@@ -339,11 +356,13 @@ def rtn_applies(algo: str, kv_cache_dtype: str) -> bool:
     return algo in ("gptq", "awq", "smoothquant", "int8_wo", "fp8") and kv_cache_dtype == "auto"
 
 
-def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer) -> GateReport:
+def run_gates(recipe, baseline: Graph, candidate: Graph, tokenizer: Tokenizer,
+              device: torch.device | None = None) -> GateReport:
+    """The build's gates (``device``: where its quantization passes ran)."""
     method = gate_method(recipe.quant_algo(), recipe.runtime.kv_cache_dtype)
     return compare_graphs(method, recipe.gates, baseline, candidate, tokenizer, recipe.model.checkpoint,
                           rtn_applies(recipe.quant_algo(), recipe.runtime.kv_cache_dtype),
-                          fp8_accumulation=recipe.runtime.fp8_accumulation)
+                          fp8_accumulation=recipe.runtime.fp8_accumulation, device=device)
 
 
 def load_graph(path: Path, dtype: str | None = None) -> tuple[Graph, dict | None]:

@@ -43,14 +43,14 @@ FP8_MAX = 448.0
 FP8_ACCUMULATIONS = ("promoted", "fast")
 
 
-def fp8_fast_accum(setting: str | None = None) -> bool:
-    """Whether FP8 GEMMs accumulate fast: RUNTIME_FP8_FAST_ACCUM (1 or 0) when set, else ``setting`` (an artifact's
-    runtime.fp8_accumulation; None: promoted)."""
-    env = os.environ.get("RUNTIME_FP8_FAST_ACCUM", "")
-    if env not in ("", "0", "1"):
-        raise ValueError(f"RUNTIME_FP8_FAST_ACCUM={env!r} is not 1 (fast) or 0 (promoted)")
-    if env:
-        return env == "1"
+def fp8_fast_accum(setting: str | None = None, env: bool = True) -> bool:
+    """Whether FP8 GEMMs accumulate fast: RUNTIME_FP8_FAST_ACCUM (1 or 0) when set and ``env``, else ``setting`` (an
+    artifact's runtime.fp8_accumulation; None: promoted)."""
+    value = os.environ.get("RUNTIME_FP8_FAST_ACCUM", "") if env else ""
+    if value not in ("", "0", "1"):
+        raise ValueError(f"RUNTIME_FP8_FAST_ACCUM={value!r} is not 1 (fast) or 0 (promoted)")
+    if value:
+        return value == "1"
     if setting not in (None, *FP8_ACCUMULATIONS):
         raise ValueError(f"fp8_accumulation {setting!r} is not one of {', '.join(FP8_ACCUMULATIONS)}")
     return setting == "fast"

@@ -368,7 +368,7 @@ class Executor:
     """A compiled graph bound to its weights on one device."""
 
     def __init__(self, graph: dict[str, Any], params: dict[str, torch.Tensor], use_kernels: bool = False,
-                 fp8_accumulation: str | None = None) -> None:
+                 fp8_accumulation: str | None = None, fp8_env: bool = True) -> None:
         if graph.get("ir_version") != GRAPH_IR_VERSION:
             raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this "
                                    f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
@@ -389,9 +389,9 @@ class Executor:
         # GEMMs; otherwise the torch reference ops. On for CUDA by default (Engine.load); on CPU only
         # under TRITON_INTERPRET=1 (tests).
         self.use_kernels = use_kernels
-        # cuBLAS's FP8 GEMMs without the periodic promotion to fp32 (the artifact's runtime.fp8_accumulation, or
-        # RUNTIME_FP8_FAST_ACCUM: kernels.torch_quant.fp8_fast_accum)
-        self.fp8_fast_accum = fp8_fast_accum(fp8_accumulation)
+        # cuBLAS's FP8 GEMMs without the periodic promotion to fp32 (the artifact's runtime.fp8_accumulation, or, with
+        # ``fp8_env``, RUNTIME_FP8_FAST_ACCUM: kernels.torch_quant.fp8_fast_accum)
+        self.fp8_fast_accum = fp8_fast_accum(fp8_accumulation, env=fp8_env)
         self._program: list[tuple[Kernel, list[str], list[str], list[str]]] = []
         nodes = graph["nodes"]
         self._num_consumers: dict[str, int] = {}
@@ -764,6 +764,15 @@ def _kernel_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,
         return ops.linear(x, weight, bias)
 
     return linear
+
+
+def fp8_cublas_min_rows() -> int:
+    """The fewest rows of x with which an FP8 linear on bf16 / fp16 activations runs cuBLAS's ``_scaled_mm`` on CUDA
+    (fewer take the GEMV, the rows GEMM or the fused GEMM: ``_kernel_w8a8_linear``)."""
+    from kernels import gemv, w8a8_rows
+    from kernels.w8a8_gemm import FUSED_MAX_ROWS
+
+    return max(gemv.GEMV_RUNTIME_MAX_ROWS if gemv.GEMV_ENABLED else 0, w8a8_rows.RUNTIME_MAX_ROWS, FUSED_MAX_ROWS) + 1
 
 
 def _scaled_mm_device(device: torch.device) -> bool:

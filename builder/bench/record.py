@@ -53,8 +53,8 @@ def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     ``_float_experts`` when the linears are quantized but the experts are not
     (fp8 quantizes them by default: ``quantization.experts: false`` keeps them), then ``_kv{dtype}`` when the KV cache
     is quantized (``runtime.kv_cache_dtype`` fp8 or int8: the same weights with another cache are another artifact),
-    and ``_fastacc`` when FP8 linears accumulate fast on cuBLAS (``runtime.fp8_accumulation``, or
-    RUNTIME_FP8_FAST_ACCUM for this process: ``kernels.torch_quant.fp8_fast_accum``)."""
+    and ``_fastacc`` when FP8 linears (on bf16 / fp16 activations) accumulate fast on cuBLAS
+    (``runtime.fp8_accumulation``, or RUNTIME_FP8_FAST_ACCUM for this process: ``kernels.torch_quant.fp8_fast_accum``)."""
     moe_nodes = [n for n in graph["nodes"] if n["op"] == "moe"]
     quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
     quants = [(n.get("attrs") or {}).get("quant") or {} for n in graph["nodes"] if n["op"] == "linear"]
@@ -62,9 +62,10 @@ def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     static = any(q.get("activations") == "static" for q in quants)
     float_experts = quantized and any(not (n.get("attrs") or {}).get("quant") for n in moe_nodes)
     kv = (manifest.get("runtime") or {}).get("kv_cache_dtype", "auto")
-    fp8 = any(q.get("scheme") == "fp8" for q in quants) or any(
-        ((n.get("attrs") or {}).get("quant") or {}).get("scheme") == "fp8" for n in moe_nodes)
-    fast = fp8 and fp8_fast_accum((manifest.get("runtime") or {}).get("fp8_accumulation"))
+    # cuBLAS's FP8 GEMMs: FP8 linears on bf16 / fp16 activations (experts run the fused MoE kernels)
+    scaled_mm = any(q.get("scheme") == "fp8" for q in quants) and \
+        (manifest.get("model") or {}).get("dtype") in ("bfloat16", "float16")
+    fast = scaled_mm and fp8_fast_accum((manifest.get("runtime") or {}).get("fp8_accumulation"))
     return (("moe_" if moe_nodes else "") + precision_of(graph, manifest) + ("_static" if static else "")
             + ("_qhead" if quant_head else "") + ("_float_experts" if float_experts else "")
             + (f"_kv{kv}" if kv != "auto" else "") + ("_fastacc" if fast else ""))

@@ -7,7 +7,8 @@
 
 Loads the artifact twice on the GPU (``use_kernels`` on and off), runs the same fresh random prompt
 through both and prints the max absolute and relative logit difference and the top-1 agreement. The flags check
-single linears at real shapes instead (error against the reference, time against bf16).
+single linears at real shapes instead (error against the reference, time against bf16), the kernel path with and
+without its cross-node fusions (``--fusions``), or what fast FP8 accumulation changes (``--fast-accum``).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def _windows(engine: Engine, text: str | None, count: int, length: int) -> list[
     """``count`` windows of ``length`` tokens: consecutive stretches of ``text`` (a file), else fresh random ids."""
     if text:
         with open(text, encoding="utf-8") as f:
-            ids = engine.tokenizer.encode(f.read())
+            ids = engine.tokenizer.encode(f.read(), add_special_tokens=False)  # as the gates' windows
         if len(ids) < count * length:
             raise SystemExit(f"{text}: {len(ids)} tokens, fewer than {count} windows of {length}")
         step = len(ids) // count
@@ -162,7 +163,12 @@ def check_fast_accum(path: str, reference: str | None = None, text: str | None =
     difference; with ``reference`` (the unquantized model's artifact) each one's KL from it and top-1 agreement with
     it, on the gates' metric (``builder.gates._kl_rows``; for a trained model, ``text``: the gates' evaluation text)."""
     from builder.gates import _kl_rows
+    from runtime.executor import fp8_cublas_min_rows
 
+    rows = fp8_cublas_min_rows()
+    if length < rows:
+        raise SystemExit(f"--window-len {length}: FP8 GEMMs run on cuBLAS (where fast accumulation applies) from "
+                         f"{rows} rows; take at least {rows}")
     logits: dict[str, list[torch.Tensor]] = {}
     ids: list[list[int]] = []
     for name, fast in (("promoted", False), ("fast", True), ("reference", None)):
@@ -170,9 +176,13 @@ def check_fast_accum(path: str, reference: str | None = None, text: str | None =
         if where is None:
             continue
         engine = _load_with_accumulation(where, fast)
+        if engine.limits.max_num_tokens < rows:
+            raise SystemExit(f"{where}: runtime.max_num_tokens {engine.limits.max_num_tokens} feeds fewer than the "
+                             f"{rows} rows that reach cuBLAS's FP8 GEMMs")
         if not ids:
             ids = _windows(engine, text, windows, length)
         logits[name] = [engine.logits(w).float().cpu().log_softmax(-1) for w in ids]
+        engine.close()
         del engine
         torch.cuda.empty_cache()
     rows = {name: torch.cat(lp) for name, lp in logits.items()}
@@ -206,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=8, help="--fast-accum: how many windows")
     parser.add_argument("--window-len", type=int, default=256, help="--fast-accum: tokens per window")
     args = parser.parse_args(argv)
+    if args.fast_accum and not args.artifact:
+        parser.error("--fast-accum needs an FP8 artifact")
     if args.artifact and args.fast_accum:
         check_fast_accum(args.artifact, args.reference, args.text, args.windows, args.window_len)
         return 0

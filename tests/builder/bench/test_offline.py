@@ -319,6 +319,10 @@ def test_figures_name_fast_fp8_accumulation(monkeypatch):
     assert figure_tag({"nodes": [fp8]}, promoted) == "fp8_static_kvfp8_fastacc"
     int8 = {"op": "linear", "attrs": {"quant": {"scheme": "w8a8_int8"}}}  # no FP8 GEMM: nothing to name
     assert figure_tag({"nodes": [int8]}, fast) == "int8_kvfp8"
+    fp32 = {**fast, "model": {"dtype": "float32"}}  # FP8 linears on fp32 activations run the reference arithmetic
+    assert figure_tag({"nodes": [fp8]}, fp32) == "fp8_static_kvfp8"
+    experts = {"op": "moe", "attrs": {"quant": {"scheme": "fp8"}}}  # the fused MoE kernels, not cuBLAS
+    assert not figure_tag({"nodes": [int8, experts]}, fast).endswith("_fastacc")
     monkeypatch.setenv("RUNTIME_FP8_FAST_ACCUM", "0")
     assert figure_tag({"nodes": [fp8]}, fast) == "fp8_static_kvfp8"
     monkeypatch.setenv("RUNTIME_FP8_FAST_ACCUM", "yes")
