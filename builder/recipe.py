@@ -81,8 +81,8 @@ class SpeculativeSection(_Strict):
     num_speculative_tokens: Optional[int] = Field(default=None, ge=1, le=16,
                                                   description="most draft tokens per request and step (default: 8 "
                                                               "for ngram, 4 for draft)")
-    min_ngram: int = Field(default=2, ge=1)
-    max_ngram: int = Field(default=4, ge=1)
+    min_ngram: int = Field(default=3, ge=1)
+    max_ngram: int = Field(default=6, ge=1)
     draft_model: Optional[str] = Field(default=None, description="method draft: the draft artifact's directory")
 
     @model_validator(mode="after")

@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "one step; output is unchanged (greedy: token for token; sampling: the same distribution)")
     d.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='the speculative section as a JSON object, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 8, "min_ngram": 2, "max_ngram": 4, "max_running": 8, '
-                        '"min_acceptance": 0.2}\' (num_speculative_tokens: 8 for ngram, 4 for draft if left out; '
+                        '"num_speculative_tokens": 12, "min_ngram": 3, "max_ngram": 6, "max_running": 8, '
+                        '"min_acceptance": 0.2}\' (num_speculative_tokens: 12 for ngram, 4 for draft if left out; '
                         'max_running: no drafts in a step with more decoding requests; '
                         'min_acceptance: a request whose acceptance rate falls below it pauses), or {"method": '
                         '"draft", "draft_model": DIR} to draft with a second artifact of the same tokenizer, or {"method": null} '

@@ -68,10 +68,12 @@ if TYPE_CHECKING:  # the config is read by the server's command line before torc
 METHODS = ("ngram", "draft")  # proposers implemented ("draft": a draft-model artifact); EAGLE / MTP heads are not yet
 MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
 # num_speculative_tokens when a section leaves it out. n-gram drafts cost nothing to make and a verify step costs
-# about the same for k = 1-8 (Llama-3-8B shape, H100, session 24): bundled model, code-editing prompts, on the H200
-# k = 8 gave 1.497x against 1.428x at k = 4 (docs/BENCHMARKS.md, session 41), on the CPU 1.985x against 1.845x. A
-# draft model pays one forward per draft: 4
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 8, "draft": 4}
+# about the same for k = 1-8 (Llama-3-8B shape and the bundled model, H100, session 24): bundled model, code-editing
+# prompts, on the H200 k = 8 gave 1.497x against 1.428x at k = 4 (docs/BENCHMARKS.md, session 41). With n-grams of 3-6
+# tokens (the n-gram defaults below), k = 12 (session 45, CPU counts of verify steps and tokens under the bundled
+# model's measured verify cost of ~2 plain steps: 1.54x -> 1.71x estimated on the code-editing prompts, 1.93x -> 2.08x
+# on held-out text; not yet measured on a GPU). A draft model pays one forward per draft: 4
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 12, "draft": 4}
 ACCEPTANCE_EWMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance rate
 # engine steps a request runs without drafts once its acceptance fell below min_acceptance; 8 (was 32): a copy
 # workload's acceptance dips where the model stops copying and recovers a few tokens later (the bundled model on
@@ -99,9 +101,12 @@ class SpeculativeConfig:
     # most draft tokens per request and step (k), 1..MAX_SPECULATIVE_TOKENS; None: the method's default
     # (DEFAULT_SPECULATIVE_TOKENS), set when the config is made
     num_speculative_tokens: int | None = None
-    # n-gram: the last n tokens (n from max_ngram down to min_ngram) are looked up in the request's earlier tokens
-    min_ngram: int = 2
-    max_ngram: int = 4
+    # n-gram: the last n tokens (n from max_ngram down to min_ngram) are looked up in the request's earlier tokens;
+    # 3-6 (were 2-4): fewer verify steps, each accepting more (session 45: 2.70 -> 4.00 tokens a verify on the
+    # code-editing prompts, 4.27 -> 5.79 on held-out text, with k = 12), which pays wherever a verify step costs more
+    # than a plain one
+    min_ngram: int = 3
+    max_ngram: int = 6
     # draft: the draft model's artifact directory (same tokenizer as the target, built by the same toolchain)
     draft_model: str | None = None
     # no speculation in a step with more decoding requests than this; default from RUNTIME_SPEC_MAX_RUNNING, else 8
@@ -271,7 +276,7 @@ class NgramProposer(Proposer):
 
     method = "ngram"
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 4) -> None:
+    def __init__(self, min_ngram: int = 3, max_ngram: int = 6) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise SpeculativeConfigError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got min_ngram "
                                          f"{min_ngram} and max_ngram {max_ngram}")

@@ -2,13 +2,13 @@
 
     python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft K] [--output-len 128]
         [--prompts 4] [--rounds 3] [--min-gain G] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
-        [--draft DRAFT_ARTIFACT [--text FILE]]
+        [--draft DRAFT_ARTIFACT [--text FILE]] [--ngram-sweep MIN:MAX:K ... [--cost C]]
 
 Speedup (n-gram, the request's own tokens as the draft source): a code-editing workload, each prompt a stretch
 of this project's own Python source followed by an instruction to write it out again and the stretch's first
 line, so a model that copies finds its continuation in the prompt. Each prompt is decoded greedily at batch 1
 (EOS ignored, --output-len tokens) by an engine without speculation and by one with ``--num-draft`` n-gram drafts
-(adaptive, as served; default the runtime's: 8 for n-gram, 4 for a draft model).
+(adaptive, as served; default the runtime's: 12 for n-gram, 4 for a draft model).
 Both engines are loaded side by side and take turns, prompt by prompt, over
 ``--rounds`` rounds (the first of each pair alternating), so that a drift in the host's speed (a shared machine's
 CPU; at batch 1 a small model's step is host time) weighs on both alike. Decode rate: the tokens after the first
@@ -28,6 +28,13 @@ Verify cost (``--verify-cost K...``): random prompts of --input-len tokens, batc
 draft tokens fed at every step (a proposer that always proposes K copies of the last token, nearly all
 rejected: the figure is the cost of a step scoring K + 1 tokens, not a speedup) over the median decode step
 without speculation (overlapped, CUDA graphs on CUDA, as served). Verify steps run on the synchronous path.
+
+N-gram settings (``--ngram-sweep MIN:MAX:K ...``): each setting's n-gram engine decodes the prompts once (greedy,
+one pass, no timing), beside one plain pass; printed per setting: the steps, the verify steps among them, tokens
+accepted per verify and the acceptance, and the speedup those counts give where a verify step costs ``--cost`` plain
+steps (default 2.0: the bundled model's measured verify cost on the H100, ``spec_verify_cost_k*_bundled``; about
+1.1 for the 8B shape): plain steps / (speculative steps + (cost - 1) x verify steps). Counts, not times: a way to
+choose settings on any machine, the GPU's figure still to be measured.
 
 Figures (``--record``): spec_speedup_ngram_b1{tag} (x), spec_decode_tok_s_plain_b1{tag} and
 spec_decode_tok_s_ngram_b1{tag} (tok/s), spec_acceptance_ngram_b1{tag} (accepted / proposed drafts),
@@ -150,6 +157,32 @@ def speedup(path: str, device: str, num_draft: int | None, prompts: list[list[in
             "accepted_per_verify": stats.spec_mean_accepted_tokens, "differing_prompts": sorted(differing)}
 
 
+def ngram_sweep(path: str, device: str, settings: list[tuple[int, int, int]], prompts: list[list[int]],
+                output_len: int, cost: float) -> list[dict]:
+    """``--ngram-sweep``'s counts (the module docstring) for each (min_ngram, max_ngram, k)."""
+    plain = _load(path, device, None)
+    try:
+        plain_tokens = [_generate(plain, p, output_len)[0] for p in prompts]
+        plain_steps = plain.stats().num_steps
+    finally:
+        _close(plain)
+    out = []
+    for low, high, k in settings:
+        spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, min_ngram=low, max_ngram=high, min_gain=0.0)
+        engine = _load(path, device, spec)
+        try:
+            tokens = [_generate(engine, p, output_len)[0] for p in prompts]
+            stats = engine.stats()
+        finally:
+            _close(engine)
+        steps, verify = stats.num_steps, stats.spec_num_steps
+        out.append({"min_ngram": low, "max_ngram": high, "k": k, "steps": steps, "verify_steps": verify,
+                    "plain_steps": plain_steps, "accepted_per_verify": stats.spec_mean_accepted_tokens,
+                    "acceptance": stats.spec_acceptance_rate, "tokens_equal": tokens == plain_tokens,
+                    "estimated_speedup": plain_steps / (steps + (cost - 1.0) * verify)})
+    return out
+
+
 def _close(engine: ServingEngine) -> None:
     engine.close()
     del engine
@@ -196,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("artifact")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--num-draft", type=int, default=None,
-                        help="most drafts per step (default: the runtime's, 8 for n-gram and 4 for a draft model)")
+                        help="most drafts per step (default: the runtime's, 12 for n-gram and 4 for a draft model)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the prompts, the engines taking turns")
@@ -209,7 +242,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the recorded figures' names (e.g. _bundled)")
     parser.add_argument("--draft", help="a draft model's artifact: its speedup instead of n-gram lookup's")
     parser.add_argument("--text", help="prompts cut from this text file (default: the code-editing ones)")
+    parser.add_argument("--ngram-sweep", nargs="+", metavar="MIN:MAX:K",
+                        help="count the steps of these n-gram settings instead (module docstring)")
+    parser.add_argument("--cost", type=float, default=2.0,
+                        help="--ngram-sweep: a verify step's cost in plain steps (default 2.0: the bundled model's)")
     args = parser.parse_args(argv)
+    if args.ngram_sweep:
+        try:
+            settings = [tuple(int(v) for v in s.split(":")) for s in args.ngram_sweep]
+        except ValueError:
+            settings = []
+        if not settings or any(len(t) != 3 or not 1 <= t[0] <= t[1] or not 1 <= t[2] <= 16 for t in settings):
+            parser.error(f"--ngram-sweep takes MIN:MAX:K triples with 1 <= MIN <= MAX and 1 <= K <= 16, got "
+                         f"{' '.join(args.ngram_sweep)}")
+        tokenizer = open_artifact(args.artifact, check_hashes=False).load_tokenizer()
+        prompts = (text_prompts(tokenizer, args.prompts, args.input_len, Path(args.text)) if args.text else
+                   code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2]))
+        for row in ngram_sweep(args.artifact, str(resolve_device(args.device)), settings, prompts, args.output_len,
+                               args.cost):
+            print(f"n-gram {row['min_ngram']}-{row['max_ngram']}, k={row['k']}: {row['steps']} steps "
+                  f"({row['verify_steps']} verifying) against {row['plain_steps']} plain; accepted per verify "
+                  f"{row['accepted_per_verify']:.2f}, acceptance {row['acceptance']:.2f}; estimated speedup at a "
+                  f"verify cost of {args.cost}: {row['estimated_speedup']:.3f}x; tokens equal: {row['tokens_equal']}")
+        return 0
     if args.prompts < 1 or args.output_len < 2 or args.rounds < 1:
         parser.error(f"--prompts and --rounds take 1 or more (got {args.prompts}, {args.rounds}) and --output-len 2 "
                      f"or more (got {args.output_len}): a rate needs tokens after the first")

@@ -31,7 +31,8 @@ from runtime.speculative import (  # noqa: E402
     DEFAULT_SPECULATIVE_TOKENS, MAX_SPECULATIVE_TOKENS, PROBE_INTERVAL, DraftRequest, NgramProposer, PendingDrafts,
     Proposer, SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_drafts, accept_rows)
 
-NGRAM = {"method": "ngram"}
+# 2-grams: these tests' short generations draft often (the defaults, 3-6 tokens, draft less and accept more)
+NGRAM = {"method": "ngram", "min_ngram": 2, "max_ngram": 4}
 # Upper 1% points of the chi-square distribution by degrees of freedom (a statistic above one has p < 0.01), from
 # the standard table: NIST/SEMATECH e-Handbook of Statistical Methods, section 1.3.6.7.4 (scipy.stats.chi2.ppf(0.99,
 # df) gives the same values).
@@ -174,7 +175,7 @@ def test_ngram_refuses_bad_sizes():
 @pytest.mark.parametrize("section, message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens: 0 is not an int in \[1, 16\]"),
     ({"method": "ngram", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1}, r"17 is not an int in \[1, 16\]"),
-    ({"method": "ngram", "min_ngram": 5}, "min_ngram 5 is above max_ngram 4"),
+    ({"method": "ngram", "min_ngram": 7}, "min_ngram 7 is above max_ngram 6"),
     ({"method": "ngram", "max_running": 0}, "max_running: 0 is not an int >= 1"),
     ({"method": "ngram", "min_acceptance": 1.5}, r"min_acceptance: 1.5 is not a number in \[0, 1\]"),
     ({"method": "eagle"}, "'eagle' is not available .*not implemented yet.*use one of ngram, draft"),
@@ -190,17 +191,17 @@ def test_bad_settings_are_refused_with_what_is_allowed(section, message):
 
 
 def test_the_number_of_drafts_defaults_by_method(tmp_path):
-    """num_speculative_tokens left out: 8 n-gram drafts (free to make), 4 from a draft model (a forward each); an
+    """num_speculative_tokens left out: 12 n-gram drafts (free to make), 4 from a draft model (a forward each); an
     explicit value wins; with no method there is nothing to draft. A resolved section crosses the process boundary
     as it is."""
-    assert DEFAULT_SPECULATIVE_TOKENS == {"ngram": 8, "draft": 4}
-    assert SpeculativeConfig(method="ngram").num_speculative_tokens == 8
+    assert DEFAULT_SPECULATIVE_TOKENS == {"ngram": 12, "draft": 4}
+    assert SpeculativeConfig(method="ngram").num_speculative_tokens == 12
     assert SpeculativeConfig(method="draft", draft_model=str(tmp_path)).num_speculative_tokens == 4
-    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": None}).num_speculative_tokens == 8
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": None}).num_speculative_tokens == 12
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=3).num_speculative_tokens == 3
     assert SpeculativeConfig().num_speculative_tokens is None
     config = ServingConfig(speculative={"method": "ngram"})
-    assert ServingConfig(**dataclasses.asdict(config)).speculative.num_speculative_tokens == 8
+    assert ServingConfig(**dataclasses.asdict(config)).speculative.num_speculative_tokens == 12
 
 
 def test_settings_from_the_environment_and_across_the_process_boundary(monkeypatch):
@@ -225,7 +226,7 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
     path = build_artifact(checkpoints["llama"], tmp_path / "art",
                           speculative={"method": "ngram", "num_speculative_tokens": 3, "max_ngram": 3})
     manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["runtime"]["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "min_ngram": 2,
+    assert manifest["runtime"]["speculative"] == {"method": "ngram", "num_speculative_tokens": 3, "min_ngram": 3,
                                                   "max_ngram": 3, "draft_model": None}
     engine = Engine.load(path)
     served = ServingEngine(engine, ServingConfig(num_blocks=64))
@@ -238,15 +239,15 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
     assert served.run([prompt], params)[0].token_ids == plain.run([prompt], params)[0].token_ids
     assert served.spec_num_draft_tokens > 0  # it did speculate
     base = {"name": "x", "model": {"checkpoint": str(checkpoints["llama"])}}
-    # a section without num_speculative_tokens records the method's default (8 n-gram drafts) as a number
+    # a section without num_speculative_tokens records the method's default (12 n-gram drafts) as a number
     bare = build_artifact(checkpoints["llama"], tmp_path / "bare", speculative={"method": "ngram"})
-    assert json.loads((bare / "manifest.json").read_text())["runtime"]["speculative"]["num_speculative_tokens"] == 8
+    assert json.loads((bare / "manifest.json").read_text())["runtime"]["speculative"]["num_speculative_tokens"] == 12
     served = ServingEngine(Engine.load(bare), ServingConfig(num_blocks=64))
     assert served.config.speculative.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS["ngram"]
     for section, message in (({"method": "draft"}, "method 'draft' needs draft_model"),
                              ({"method": "draft", "draft_model": str(tmp_path)}, "is not an artifact directory"),
                              ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
-                             ({"method": "ngram", "min_ngram": 5}, "min_ngram 5 is above max_ngram 4"),
+                             ({"method": "ngram", "min_ngram": 7}, "min_ngram 7 is above max_ngram 6"),
                              ({"methd": "ngram"}, "unknown key")):
         with pytest.raises(RecipeError, match=message):
             validate_recipe({**base, "runtime": {"speculative": section}})
@@ -602,7 +603,7 @@ def test_policy_grows_and_shrinks_k_and_pauses_on_low_acceptance(method, tmp_pat
 
 def test_speculation_stays_off_above_max_running_and_for_excluded_requests(engine):
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[2:5]]
-    s = _serving(engine, {"method": "ngram", "max_running": 2})
+    s = _serving(engine, {"method": "ngram", "max_running": 2, "min_ngram": 2, "max_ngram": 4})
     s.run(prompts, SamplingParams(max_tokens=20, ignore_eos=True))  # three decode together to the end
     assert s.stats().spec_num_steps == 0
     excluded = [SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1),
@@ -625,7 +626,7 @@ def test_a_request_with_low_acceptance_pauses(engine):
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     want = _references(engine, [prompt], params)[0]
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
-    s = _serving(engine, {"method": "ngram", "min_acceptance": 0.5})
+    s = _serving(engine, {"method": "ngram", "min_acceptance": 0.5, "min_ngram": 2, "max_ngram": 4})
     s.proposer = ScriptedProposer([prompt + want.token_ids], vocab, wrong_at=lambda k: 0)  # never accepted
     assert s.run([prompt], params)[0].token_ids == want.token_ids
     # the acceptance EWMA goes 1 -> 0.7 -> 0.49 < 0.5: two verified steps (k drafts, then one more than were
@@ -644,7 +645,7 @@ def test_the_overlapped_pipeline_falls_back_to_verify_steps(engine):
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (10, 14, 40, 45, 50)]
     want = _references(engine, prompts, params)
-    s = _serving(engine, {"method": "ngram", "max_running": 2}, max_num_seqs=5)
+    s = _serving(engine, {"method": "ngram", "max_running": 2, "min_ngram": 2, "max_ngram": 4}, max_num_seqs=5)
     s.graphs = graphs = EagerGraphs(s, 5)
     got = s.run(prompts, params)
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
@@ -936,6 +937,27 @@ def test_speculative_bench_with_a_draft_model_on_text(bundled_artifact, tmp_path
     assert set(figures) == {"spec_speedup_draft_b1", "spec_decode_tok_s_plain_b1", "spec_decode_tok_s_draft_b1",
                             "spec_acceptance_draft_b1", "spec_accepted_per_verify_draft_b1"}
     assert figures["spec_acceptance_draft_b1"] > 0.9
+
+
+def test_ngram_sweep_counts_steps_and_estimates_the_speedup(bundled_artifact):
+    """--ngram-sweep: each setting's steps against a plain pass, tokens equal, and the estimate from the counts (plain
+    steps over speculative steps with each verify step weighed at the cost)."""
+    from pathlib import Path
+
+    from builder.bench.speculative import code_edit_prompts, ngram_sweep
+    from runtime.artifact import open_artifact
+
+    tokenizer = open_artifact(bundled_artifact, check_hashes=False).load_tokenizer()
+    prompts = code_edit_prompts(tokenizer, 2, Path(__file__).resolve().parents[2])
+    rows = ngram_sweep(str(bundled_artifact), "cpu", [(2, 4, 8), (3, 6, 12)], prompts, 32, cost=2.0)
+    assert [(r["min_ngram"], r["max_ngram"], r["k"]) for r in rows] == [(2, 4, 8), (3, 6, 12)]
+    for r in rows:
+        assert r["tokens_equal"] and 0 < r["verify_steps"] <= r["steps"] < r["plain_steps"], r
+        assert r["estimated_speedup"] == pytest.approx(r["plain_steps"] / (r["steps"] + r["verify_steps"]))
+    with pytest.raises(SystemExit):
+        from builder.bench import speculative as bench
+
+        bench.main([str(bundled_artifact), "--device", "cpu", "--ngram-sweep", "4:2:8"])
 
 
 # --- the rate check: speculation only where it measures faster -----------------------------------------------------
