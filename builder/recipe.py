@@ -79,7 +79,7 @@ class SpeculativeSection(_Strict):
 
     method: Optional[Literal["ngram", "draft"]] = None  # None: no speculation
     num_speculative_tokens: Optional[int] = Field(default=None, ge=1, le=16,
-                                                  description="most draft tokens per request and step (default: 8 "
+                                                  description="most draft tokens per request and step (default: 12 "
                                                               "for ngram, 4 for draft)")
     min_ngram: int = Field(default=3, ge=1)
     max_ngram: int = Field(default=6, ge=1)
