@@ -54,7 +54,7 @@ def figure_tag(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
     (fp8 quantizes them by default: ``quantization.experts: false`` keeps them), then ``_kv{dtype}`` when the KV cache
     is quantized (``runtime.kv_cache_dtype`` fp8 or int8: the same weights with another cache are another artifact),
     and ``_fastacc`` when FP8 linears (on bf16 / fp16 activations) accumulate fast on cuBLAS
-    (``runtime.fp8_accumulation``, or RUNTIME_FP8_FAST_ACCUM for this process: ``kernels.torch_quant.fp8_fast_accum``)."""
+    (``runtime.fp8_accumulation``, or RUNTIME_FP8_FAST_ACCUM for this process: ``torch_quant.fp8_fast_accum``)."""
     moe_nodes = [n for n in graph["nodes"] if n["op"] == "moe"]
     quant_head = (manifest.get("quantization") or {}).get("lm_head", "none") != "none"
     quants = [(n.get("attrs") or {}).get("quant") or {} for n in graph["nodes"] if n["op"] == "linear"]
