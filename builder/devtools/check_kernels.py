@@ -129,16 +129,13 @@ def _load_with_accumulation(path: str, fast: bool | None) -> Engine:
     """The artifact on CUDA with its kernels, its FP8 GEMMs accumulating fast (True), promoted (False) or as the
     artifact says (None): RUNTIME_FP8_FAST_ACCUM for the load (each linear takes it when the executor is built)."""
     import os
+    from unittest import mock
 
-    saved = os.environ.pop("RUNTIME_FP8_FAST_ACCUM", None)
-    if fast is not None:
-        os.environ["RUNTIME_FP8_FAST_ACCUM"] = "1" if fast else "0"
-    try:
-        return Engine.load(path, "cuda", check_hashes=False, use_kernels=True, allow_failed_gate=True)
-    finally:
+    with mock.patch.dict(os.environ):  # the process's environment as it was, afterwards
         os.environ.pop("RUNTIME_FP8_FAST_ACCUM", None)
-        if saved is not None:
-            os.environ["RUNTIME_FP8_FAST_ACCUM"] = saved
+        if fast is not None:
+            os.environ["RUNTIME_FP8_FAST_ACCUM"] = "1" if fast else "0"
+        return Engine.load(path, "cuda", check_hashes=False, use_kernels=True, allow_failed_gate=True)
 
 
 def _windows(engine: Engine, text: str | None, count: int, length: int) -> list[list[int]]:
