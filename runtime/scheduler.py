@@ -280,8 +280,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def finish_request(self, request_id: str) -> Request | None:
-        """Remove a request (done, aborted or timed out) and free its blocks now. Unknown ids: None."""
-        request = self._requests.pop(request_id, None)
+        """Remove a request (done, aborted or timed out) and free its blocks now. Unknown ids: None. The request
+        leaves ``num_unfinished`` only once its blocks are free, so a reader on another thread that sees no
+        unfinished request sees every block back in the pool."""
+        request = self._requests.get(request_id)
         if request is None:
             return None
         if request.status is RequestStatus.RUNNING:
@@ -294,7 +296,10 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 self._num_new_waiting -= 1
         request.status = RequestStatus.FINISHED
-        self.kv.free(request_id)
+        try:
+            self.kv.free(request_id)
+        finally:
+            del self._requests[request_id]
         return request
 
     # --- a step --------------------------------------------------------------------------------

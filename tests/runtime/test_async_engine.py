@@ -59,7 +59,9 @@ def test_closing_the_stream_aborts_and_frees_blocks(engine, offline):
             break  # the client goes away after the first delta
         await stream.aclose()
         deadline = time.monotonic() + 10
-        while engine.engine.scheduler.num_unfinished and time.monotonic() < deadline:
+        pool = engine.engine.kv.pool
+        while (engine.engine.scheduler.num_unfinished or pool.num_free != pool.num_blocks) \
+                and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
 
     asyncio.run(main())

