@@ -36,6 +36,8 @@ class Verify(Pass):
         max_err, agree, total = 0.0, 0, 0
         for ids, ours in zip(ctx.verify_prompts, run_graph(graph, ctx.verify_prompts)):
             ref = ctx.reference(ids)
+            if not (torch.isfinite(ours).all() and torch.isfinite(ref).all()):  # max() would pass a NaN by
+                raise PassError(_not_finite(graph, ours, ref))
             max_err = max(max_err, (ours - ref).abs().max().item())
             agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
             total += len(ids)
@@ -46,3 +48,15 @@ class Verify(Pass):
                             f"(tolerance {ctx.verify_atol:g}, top-1 agreement {agree}/{total}); "
                             f"the graph does not compute what the checkpoint does")
         return PassResult(graph, len(ctx.verify_prompts), 0, details)
+
+
+def _not_finite(graph: Graph, ours: torch.Tensor, ref: torch.Tensor) -> str:
+    """Why verify stops on NaN or inf logits, naming the first weight that is not finite when there is one."""
+    whose = ("the source model's and the graph's" if not torch.isfinite(ref).all() and not torch.isfinite(ours).all()
+             else "the source model's" if not torch.isfinite(ref).all() else "the graph's")
+    bad = next((name for name, t in graph.params.items()
+                if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    where = (f"; the weight {bad!r} holds NaN or inf: the checkpoint is broken" if bad is not None
+             else "; every weight is finite, so the computation overflows (or, if only the graph's are, the graph is "
+                  "wrong)")
+    return f"verify: {whose} logits are not finite (NaN or inf){where}"

@@ -94,6 +94,23 @@ def test_verify_pass_accepts_faithful_graph_and_rejects_a_wrong_one(checkpoints)
         run_passes(graph, ["verify"], ctx)
 
 
+def test_verify_stops_on_logits_that_are_not_finite(checkpoints):
+    """max(err, nan) is err: a NaN in the graph's logits (or the source model's) must not pass as no error."""
+    path = checkpoints["qwen2"]
+    graph = _real_graph(path)
+    ctx = PassContext(reference=lambda ids: hf_logits(path, ids), verify_prompts=_prompts(320)[1:3],
+                      verify_atol=1e-4)
+    w = "model.layers.0.mlp.up_proj.weight"
+    graph.params[w] = graph.params[w].clone()
+    graph.params[w][0, 0] = float("nan")
+    with pytest.raises(PassError, match=r"the graph's logits are not finite.*'model.layers.0.mlp.up_proj.weight'"):
+        run_passes(graph, ["verify"], ctx)
+    nan_ref = PassContext(reference=lambda ids: hf_logits(path, ids) * float("nan"),
+                          verify_prompts=ctx.verify_prompts, verify_atol=1e-4)
+    with pytest.raises(PassError, match="source model's and the graph's logits are not finite"):
+        run_passes(graph, ["verify"], nan_ref)
+
+
 def test_every_pass_has_name_and_docstring():
     for name, cls in PASSES.items():
         assert cls.name == name
