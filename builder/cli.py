@@ -224,7 +224,8 @@ def generate(
                                 seed=seed, stop=list(stop))
         engine = Engine.load(artifact, device=device, allow_failed_gate=allow_failed_gate)
         ids = (engine.tokenizer.encode(engine.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}]), add_special_tokens=False) if chat else prompt)
+            [{"role": "user", "content": prompt}]), add_special_tokens=False) if chat
+               else engine.tokenizer.encode(prompt))  # encoded before anything is printed
         if not chat:
             sys.stdout.write(prompt)
         stream = engine.stream(ids, params)

@@ -27,6 +27,7 @@ from runtime.outputs import EngineStats, RequestOutput
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.serving import ServingEngine
+from runtime.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,11 @@ class EngineFront:
                timeout_s: float | None = None, arrival_time: float | None = None) -> RequestStream:
         raise NotImplementedError
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """A structured-output compiler for the engine's vocabulary, for checks before a request is submitted."""
+        raise NotImplementedError
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, *,
                        request_id: str | None = None, timeout_s: float | None = None,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -163,6 +169,11 @@ class AsyncEngine(EngineFront):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errored: BaseException | None = None  # set if the step loop died
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's own compiler: a grammar checked here is compiled already when its request is admitted."""
+        return self.engine.grammars
 
     # --- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:

@@ -136,8 +136,13 @@ class Engine:
 
             executor = tensor_parallel.start(artifact, device, use_kernels, check_hashes)
         else:
-            executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels,
-                                fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
+            weights = artifact.load_weights(device)
+            try:
+                executor = Executor(artifact.graph, weights, use_kernels=use_kernels,
+                                    fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
+            except (ValueError, KeyError, TypeError) as e:  # GraphFormatError, or a node missing what it needs
+                raise ArtifactError(f"{path}: this runtime cannot run the artifact's graph ({type(e).__name__}: "
+                                    f"{e}); rebuild it with this version of the toolchain") from e
         tokenizer = artifact.load_tokenizer()  # only the files the manifest lists
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
         return cls(artifact, executor, tokenizer, device)
@@ -183,6 +188,9 @@ class Engine:
     def _check_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise RequestError("the prompt is empty")
+        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
+        if vocab and any(not 0 <= t < vocab for t in token_ids):
+            raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
         if len(token_ids) >= self.limits.max_seq_len:
             raise RequestError(f"the prompt has {len(token_ids)} tokens; this engine's max_seq_len is "
                                f"{self.limits.max_seq_len} (prompt plus at least one generated token)")

@@ -69,6 +69,7 @@ from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.serving import ServingConfig
+from runtime.structured import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -353,6 +354,17 @@ class EngineClient(EngineFront):
         self._block_size: int = limits["block_size"]
         self._num_blocks: int = limits["num_blocks"]
         self._max_waiting: int = limits["max_waiting"]
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """A compiler of this process's own for checks before a request is sent (the engine process compiles the
+        request's grammar again, from its own cache)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self._vocab)
+            return self._grammars
 
     # --- lifecycle -----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -362,6 +374,8 @@ class EngineClient(EngineFront):
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
+        if self._grammars is not None:
+            self._grammars.close()
         with contextlib.suppress(OSError):
             self._to_engine.close()  # the engine sees this channel close
         if self._reader is not None:

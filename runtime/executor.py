@@ -364,6 +364,21 @@ def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], reader
 _POSITION_READERS = {"embedding": "a learned position table", "position_scale": "a query temperature per position"}
 
 
+def _check_dataflow(graph: dict[str, Any]) -> None:
+    """GraphFormatError unless every node reads only the graph's inputs and earlier nodes' outputs, and the graph's
+    outputs are written (a graph with a node dropped or reordered would otherwise fail mid-forward)."""
+    known = set(graph["inputs"])
+    for i, node in enumerate(graph["nodes"]):
+        missing = next((name for name in node["inputs"] if name not in known), None)
+        if missing is not None:
+            raise GraphFormatError(f"node {i} ({node['op']}, from {node.get('source') or 'unknown'}) reads "
+                                   f"{missing!r}, which no earlier node writes and the graph does not take as an input")
+        known.update(node["outputs"])
+    missing = next((name for name in graph["outputs"] if name not in known), None)
+    if missing is not None:
+        raise GraphFormatError(f"the graph's output {missing!r} is written by no node")
+
+
 class Executor:
     """A compiled graph bound to its weights on one device."""
 
@@ -372,6 +387,7 @@ class Executor:
         if graph.get("ir_version") != GRAPH_IR_VERSION:
             raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this "
                                    f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
+        _check_dataflow(graph)
         self.graph = graph
         self.params = params
         self.dtype = getattr(torch, graph.get("meta", {}).get("dtype", "")) if graph.get("meta", {}).get("dtype") \

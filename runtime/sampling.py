@@ -24,6 +24,7 @@ import importlib.util
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +47,10 @@ INVALID_TOKEN = -1  # what ``sample`` returns for a row whose logits give no val
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed accepts [0, 2**64)
 MAX_LOGPROBS = 20  # most alternatives a request may ask for per token (OpenAI's limit)
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+# stop strings are checked against the new text at every step of the shared engine loop: bounded, so one request's
+# list cannot slow the others (OpenAI takes 4)
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class SamplingError(ValueError):
@@ -58,6 +63,24 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class _Shown:
+    """A value as an error message shows it: its repr, cut short (a request's list can be megabytes)."""
+
+    def __init__(self, value: Any, limit: int = 200) -> None:
+        text = repr(value)
+        if len(text) > limit:
+            size = f", {len(value)} items" if isinstance(value, (list, tuple, str)) else ""
+            text = f"{text[:limit]}... ({len(text)} characters{size})"
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _shown(value: Any) -> Any:
+    return _Shown(value) if isinstance(value, (list, tuple, str, dict)) else value
 
 
 @dataclass
@@ -103,10 +126,13 @@ class SamplingParams:
                       "in [0, 1); 0 is off, larger values drop more of the unlikely tokens")
         self._require("seed", self.seed is None or (_is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
                       f"None or an int in [0, {MAX_SEED}]")
-        self._require("stop", isinstance(self.stop, (list, tuple))
-                      and all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings")
+        self._require("stop", isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS
+                      and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+                      f"a list of at most {MAX_STOP_STRINGS} strings of 1 to {MAX_STOP_CHARS} characters")
         self._require("stop_token_ids", isinstance(self.stop_token_ids, (list, tuple))
-                      and all(_is_int(i) and i >= 0 for i in self.stop_token_ids), "a list of ints >= 0")
+                      and len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS
+                      and all(_is_int(i) and i >= 0 for i in self.stop_token_ids),
+                      f"a list of at most {MAX_STOP_TOKEN_IDS} ints >= 0")
         self._require("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")
         self._require("repetition_penalty", _is_number(self.repetition_penalty)
                       and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
@@ -123,7 +149,7 @@ class SamplingParams:
 
     def _require(self, name: str, ok: bool, allowed: str) -> None:
         if not ok:
-            value = getattr(self, name)
+            value = _shown(getattr(self, name))
             if allowed.startswith(("in ", "True")):
                 raise SamplingError(f"{name}: {value!r} is not {allowed}")
             raise SamplingError(f"{name}: {value!r} is not allowed; it must be {allowed}")

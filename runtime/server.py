@@ -98,7 +98,8 @@ from runtime.metrics import RequestTracker, ServerMetrics
 from runtime.outputs import RequestOutput, TokenLogprob, merge_deltas
 from runtime.sampling import SamplingError, SamplingParams
 from runtime.scheduler import QueueFullError
-from runtime.structured import ANY_JSON_OBJECT, StructuredOutput, StructuredOutputError, check, locate_error
+from runtime.structured import (ANY_JSON_OBJECT, GRAMMAR_ERROR_PREFIX, GrammarCompiler, StructuredOutput,
+                                StructuredOutputError, check, locate_error)
 from runtime.tokenizer import GENERATION_CONFIG_FILE, Tokenizer, TokenizerError
 from runtime.tool_calls import (Tool, ToolCallParser, ToolError, message_for_template, parse_tools,
                                 resolve_tool_choice, system_prompt, tool_grammar)
@@ -185,6 +186,9 @@ class _GenerationBody(_Body):
             if getattr(self, name) not in allowed:
                 raise _invalid(f"{name}: {getattr(self, name)!r} is not supported by this server "
                                f"(leave it out or send {allowed[-1]!r})", param=name, code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:  # as OpenAI: it would be silently ignored
+            raise _invalid("stream_options is only allowed with stream: true", param="stream_options",
+                           code="invalid_value")
 
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens and logprobs are resolved apart)."""
@@ -220,7 +224,7 @@ class CompletionBody(_GenerationBody):
 
     model_config = ConfigDict(json_schema_extra=_prompt_is_required)
 
-    # str | list[int] | [str] | [list[int]]: checked by _completion_prompt_ids
+    # str | list[int] | [str] | [list[int]]: checked by _completion_prompt
     prompt: Annotated[Any, WithJsonSchema(_PROMPT_SCHEMA)] = None
     logprobs: int | None = None  # top alternatives per token, 0..20 (OpenAI allows 0..5)
     best_of: int | None = None
@@ -437,6 +441,9 @@ def _parse(raw: bytes, model: type[_Body]) -> Any:
         raise _validation_error(e.errors()) from None
 
 
+_UNION_MEMBERS = frozenset(("str", "int", "float", "bool", "list", "dict", "none"))  # type names, not fields
+
+
 def _validation_error(errors: list[dict]) -> APIError:
     """The first of pydantic's (or FastAPI's) validation errors as an OpenAI 400."""
     first = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
@@ -448,40 +455,79 @@ def _validation_error(errors: list[dict]) -> APIError:
         return _invalid("the request body must be a JSON object", code="invalid_json")
     param = loc[0] if loc else None
     # union members show up as type names in the location: keep field names and list indices only
-    path = ".".join(p for p in loc if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|\d+", p))
+    path = ".".join(p for p in loc if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*|\d+", p) and p not in _UNION_MEMBERS)
     return _invalid(f"{path or 'body'}: {first['msg']}", param=param, code="invalid_type"
                     if first["type"].endswith("_type") else "invalid_value")
 
 
 # --- prompts and parameters -------------------------------------------------------------------------
-def _completion_prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
-    """Token ids of a completions prompt: a string (encoded with BOS), token ids, or a one-element list."""
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _completion_prompt(prompt: Any) -> str | list[int]:
+    """A completions prompt as text to encode (with BOS) or as token ids: a string, token ids, or a one-element
+    list of either."""
     if prompt is None:
         raise _invalid("prompt is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _invalid("prompt is empty", param="prompt")
-        return tokenizer.encode(prompt)
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        if not prompt:
-            raise _invalid("prompt is empty", param="prompt")
-        return list(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise _invalid(f"prompt: a batch of {len(prompt)} prompts is not supported; send one request per prompt",
-                       param="prompt", code="unsupported_parameter")
+        if len(prompt) > 1:
+            raise _invalid(f"prompt: a batch of {len(prompt)} prompts is not supported; send one request per prompt",
+                           param="prompt", code="unsupported_parameter")
+        prompt = prompt[0]
+        if not isinstance(prompt, str) and not _is_token_ids(prompt):
+            raise _invalid("prompt[0] must be a string or a list of token ids (a one-element list holds one prompt)",
+                           param="prompt", code="invalid_type")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        if not prompt:
+            raise _invalid("prompt is empty", param="prompt")
+        return prompt if isinstance(prompt, str) else list(prompt)
     raise _invalid("prompt must be a string, a list of token ids, or a one-element list of either",
                    param="prompt", code="invalid_type")
+
+
+# A prompt text longer than this is first counted in pieces of about this many characters, and refused as soon as
+# the count shows it cannot fit: the work of refusing a huge prompt stays near that of one max_seq_len prompt (the
+# tokenizer holds the GIL, so one whole encode of megabytes would stall every other request). The pieces end at a
+# space, where the tokenizers' pre-tokenizers split anyway; a piece's own start can still add a token or two (a
+# dummy prefix, a merge across the cut), hence the slack per piece before a count refuses.
+COUNT_PIECE_CHARS = 1 << 15
+COUNT_SLACK_PER_PIECE = 8
+
+
+async def _encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bool, max_seq_len: int,
+                         param: str) -> list[int]:
+    """``text``'s token ids; a text that cannot fit in ``max_seq_len`` tokens is refused after counting at most
+    about that many (``COUNT_PIECE_CHARS``), yielding to the event loop between pieces."""
+    if len(text) > max(COUNT_PIECE_CHARS, max_seq_len):
+        count, start, pieces = 0, 0, 0
+        while start < len(text):
+            end = min(len(text), start + COUNT_PIECE_CHARS)
+            if end < len(text):
+                cut = text.rfind(" ", start + COUNT_PIECE_CHARS // 2, end)
+                end = cut if cut > start else end
+            count += len(tokenizer.encode(text[start:end], add_special_tokens=False))
+            pieces += 1
+            start = end
+            if count > max_seq_len + COUNT_SLACK_PER_PIECE * pieces:
+                raise _invalid(f"the prompt has more than {max_seq_len} tokens ({len(text)} characters; refused "
+                               f"after counting {count} tokens in its first {start} characters); this model's "
+                               f"max_seq_len is {max_seq_len} (prompt plus at least one generated token)",
+                               param=param, code="context_length_exceeded")
+            await asyncio.sleep(0)  # other requests' events between pieces
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
     content = message.content
     if isinstance(content, list):
-        bad = [p.type for p in content if p.type != "text" or p.text is None]
+        bad = [p.type for p in content if p.type != "text"]
         if bad:
             raise _invalid(f"messages[{i}].content: only text parts are supported, got {bad[0]!r}",
                            param="messages", code="unsupported_parameter")
+        if (j := next((j for j, p in enumerate(content) if p.text is None), None)) is not None:
+            raise _invalid(f"messages[{i}].content[{j}]: a text part needs its text: {{\"type\": \"text\", "
+                           f"\"text\": \"...\"}}", param="messages", code="invalid_value")
         content = "".join(p.text for p in content)
     out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
@@ -496,9 +542,13 @@ def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
 
 
 def _chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, tools: list[Tool]) -> list[int]:
-    """The conversation rendered with the checkpoint's chat template, then encoded (the template holds
-    the special tokens, so none are added). ``tools``: the functions the model may call (runtime.tool_calls says
-    how a template that does not render them is told about them)."""
+    """``_chat_prompt_text`` encoded (the template holds the special tokens, so none are added)."""
+    return tokenizer.encode(_chat_prompt_text(messages, tokenizer, tools), add_special_tokens=False)
+
+
+def _chat_prompt_text(messages: list[ChatMessage], tokenizer: Tokenizer, tools: list[Tool]) -> str:
+    """The conversation rendered with the checkpoint's chat template. ``tools``: the functions the model may call
+    (runtime.tool_calls says how a template that does not render them is told about them)."""
     if not messages:
         raise _invalid("messages is empty; send at least one message", param="messages")
     dicts = [message_for_template(_message_dict(i, m), tokenizer.chat_template_uses("tool_calls"))
@@ -513,10 +563,9 @@ def _chat_prompt_ids(messages: list[ChatMessage], tokenizer: Tokenizer, tools: l
         else:
             dicts.insert(0, {"role": "system", "content": prompt})
     try:
-        text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
+        return tokenizer.apply_chat_template(dicts, add_generation_prompt=True, **extra)
     except TokenizerError as e:
         raise _invalid(str(e), param="messages") from None
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _structured_output(body: _GenerationBody) -> tuple[StructuredOutput, str, Any] | None:
@@ -559,11 +608,14 @@ def _structured_output(body: _GenerationBody) -> tuple[StructuredOutput, str, An
     return asked[0] if asked else None
 
 
-async def _checked_grammar(spec: StructuredOutput, param: str, schema: Any = None) -> StructuredOutput:
-    """``spec`` once it compiles (checked in a worker thread: a large schema must not hold up the event loop); else
-    400 naming ``param``, what is wrong and, for a JSON schema, where."""
+async def _checked_grammar(grammars: GrammarCompiler, spec: StructuredOutput, param: str,
+                           schema: Any = None) -> StructuredOutput:
+    """``spec`` once it compiles, for the model's vocabulary too, and can produce a first token (checked in worker
+    threads: a large schema must not hold up the event loop); else 400 naming ``param``, what is wrong and, for a
+    JSON schema, where."""
     try:
         await asyncio.to_thread(check, spec)
+        await asyncio.wrap_future(grammars.submit(spec))  # cached by the spec's hash
     except StructuredOutputError as e:
         where = locate_error(schema, str(e)) if schema is not None else None
         raise _invalid(f"{param}: {e}" + (f" (at {where} in the schema)" if where else ""),
@@ -582,8 +634,9 @@ def _sampling_params(fields: dict[str, Any], max_tokens: int | None, logprobs: i
         params = SamplingParams(max_tokens=min(DEFAULT_MAX_TOKENS, room) if max_tokens is None else max_tokens,
                                 logprobs=logprobs, **{**defaults, **fields})
     except SamplingError as e:
-        field = str(e).split(":", 1)[0]
-        raise _invalid(str(e), param=param_names.get(field, field), code="invalid_value") from None
+        field, _, rest = str(e).partition(":")
+        name = param_names.get(field, field)  # the request's own name for the field, in the message too
+        raise _invalid(f"{name}:{rest}", param=name, code="invalid_value") from None
     if params.max_tokens > room:
         name = param_names.get("max_tokens", "max_tokens")
         raise _invalid(f"{name} {params.max_tokens} does not fit: this model's max_seq_len is {max_seq_len} tokens "
@@ -800,6 +853,8 @@ def _finish_error(out: RequestOutput) -> APIError:
         return APIError(504, out.error or "the request timed out", type="timeout_error", code="request_timeout")
     if out.finish_reason == "abort":
         return APIError(503, out.error or "the request was aborted", type="server_error", code="aborted")
+    if out.error and out.error.startswith(GRAMMAR_ERROR_PREFIX):  # the request's own grammar: the client's error
+        return APIError(400, out.error, code="invalid_grammar")
     return APIError(500, out.error or "the engine failed the request", type="server_error", code="engine_error")
 
 
@@ -945,11 +1000,13 @@ class _Handlers:
         body: CompletionBody = _parse(await _read_body(request), CompletionBody)
         self._check_model(body.model)
         body.check_supported()
-        ids = _completion_prompt_ids(body.prompt, self.tokenizer)
+        prompt = _completion_prompt(body.prompt)
+        ids = prompt if isinstance(prompt, list) else await _encode_prompt(self.tokenizer, prompt, True,
+                                                                              self.max_seq_len, "prompt")
         _check_prompt_len(len(ids), self.max_seq_len, "prompt")
         fields = body.sampling_fields()
         if (asked := _structured_output(body)) is not None:
-            fields["structured"] = await _checked_grammar(*asked)
+            fields["structured"] = await _checked_grammar(self.engine.grammars, *asked)
         params = _sampling_params(fields, body.max_tokens, body.logprobs, len(ids),
                                   self.max_seq_len, {}, self.sampling_defaults)
         return await self._serve(request, False, ids, params, body, arrival)
@@ -974,13 +1031,15 @@ class _Handlers:
                                f"format; leave one out or send tool_choice 'none'", param=asked[1],
                                code="unsupported_parameter")
             for i, tool in enumerate(tools):
-                await _checked_grammar(StructuredOutput.json_schema(tool.parameters),
+                await _checked_grammar(self.engine.grammars, StructuredOutput.json_schema(tool.parameters),
                                        f"tools[{i}].function.parameters", tool.parameters)
             fields["structured"] = await _checked_grammar(
+                self.engine.grammars,
                 tool_grammar(tools, choice, body.parallel_tool_calls is not False), "tools")
         elif asked is not None:
-            fields["structured"] = await _checked_grammar(*asked)
-        ids = _chat_prompt_ids(body.messages, self.tokenizer, tools if choice != "none" else [])
+            fields["structured"] = await _checked_grammar(self.engine.grammars, *asked)
+        text = _chat_prompt_text(body.messages, self.tokenizer, tools if choice != "none" else [])
+        ids = await _encode_prompt(self.tokenizer, text, False, self.max_seq_len, "messages")
         _check_prompt_len(len(ids), self.max_seq_len, "messages")
         max_tokens, names = body.max_tokens, {"logprobs": "top_logprobs"}
         if body.max_completion_tokens is not None:
@@ -1158,6 +1217,7 @@ def create_app(engine: AsyncEngine | EngineClient, model_name: str, api_key: str
 
     auth = [Depends(h.check_api_key)]
     bearer = _BEARER if api_key is not None else {}
+    app.add_api_route("/health", h.health, methods=["HEAD"], include_in_schema=False)  # uptime probes that ask HEAD
     app.add_api_route("/health", h.health, methods=["GET"], response_model=None,
                       responses={200: {"model": HealthResponse, "description": "the engine is stepping"},
                                  **_error_responses(503)})

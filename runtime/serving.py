@@ -66,7 +66,8 @@ from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compu
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, PendingDrafts, Proposer,
                                  SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_rows)
-from runtime.structured import GrammarCompiler, GrammarState, fill_bitmasks, fill_bitmasks_with_drafts
+from runtime.structured import (GRAMMAR_ERROR_PREFIX, GrammarCompiler, GrammarState, fill_bitmasks,
+                                fill_bitmasks_with_drafts)
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -695,7 +696,7 @@ class ServingEngine:
         if filled is None:
             return None, {}
         rows, states, bitmask = filled
-        errors = {sampling[i].request_id: f"structured output: the grammar cannot continue ({s.error})"
+        errors = {sampling[i].request_id: f"{GRAMMAR_ERROR_PREFIX}the grammar cannot continue ({s.error})"
                   for i, s in zip(rows, states) if s.error is not None}
         return TokenBitmask(rows, bitmask.to(self.device, non_blocking=True)), errors
 
@@ -767,7 +768,7 @@ class ServingEngine:
             if request.request_id not in failed and track is not None and track.grammar is not None \
                     and not track.grammar.advance(token):
                 failed.add(request.request_id)
-                errors[request.request_id] = (f"structured output: token {token} was sampled outside the grammar "
+                errors[request.request_id] = (f"{GRAMMAR_ERROR_PREFIX}token {token} was sampled outside the grammar "
                                               f"({track.grammar.error})")
         self.scheduler.update(sched, {r.request_id: t for r, t, _ in rows if r.request_id not in failed})
         if before_emit is not None:
@@ -941,7 +942,7 @@ class ServingEngine:
         finish: str | None = None
         for token in emitted:
             if track.grammar is not None and not track.grammar.advance(token):  # a structured request's, in turn
-                return self._fail(request, f"structured output: token {token} was sampled outside the grammar "
+                return self._fail(request, f"{GRAMMAR_ERROR_PREFIX}token {token} was sampled outside the grammar "
                                            f"({track.grammar.error})")
             request.token_ids.append(token)
             finish = self._stop_check(request, track, token)
@@ -1197,7 +1198,7 @@ class ServingEngine:
             request = self.scheduler.get(request_id)
             error = future.exception()
             if error is not None:
-                outputs.append(self._fail(request, f"structured output: {error}"))
+                outputs.append(self._fail(request, f"{GRAMMAR_ERROR_PREFIX}{error}"))
                 continue
             self._tracks[request_id].grammar = future.result().new_state()
             self.scheduler.mark_ready(request_id)

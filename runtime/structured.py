@@ -114,6 +114,11 @@ _checked: OrderedDict[str, str] = OrderedDict()  # spec key -> error ("" when va
 _checked_lock = threading.Lock()
 
 
+# how the engine's messages about a request's own grammar begin (a compile that failed, a grammar that cannot
+# continue): the server answers those as the client's error, not the engine's
+GRAMMAR_ERROR_PREFIX = "structured output: "
+
+
 def check(spec: StructuredOutput) -> None:
     """Raise StructuredOutputError naming what is wrong when ``spec`` does not compile (checked without the
     vocabulary; results are remembered by the spec's hash)."""
@@ -314,6 +319,14 @@ class GrammarCompiler:
         matcher = new_matcher(self.tokenizer(), text)
         if matcher.is_error():
             raise StructuredOutputError(matcher.get_error())
+        # the first mask, on a copy: a grammar that compiles but cannot produce a first token (a definition that
+        # only refers to itself) fails here, before its request is admitted, instead of at its first step
+        probe = matcher.deep_copy()
+        fill_bitmasks([GrammarState(probe)], self.num_words)
+        if probe.is_error():
+            reason = probe.get_error().split("\n")[0].strip()
+            raise StructuredOutputError(f"the grammar cannot produce a first token with this vocabulary ({reason}); "
+                                        f"a definition that only refers to itself, for example")
         compiled = CompiledGrammar(matcher, self.spread)
         if compiled.spread > 1:
             self._pool.submit(self._spread, compiled, text)

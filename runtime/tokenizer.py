@@ -261,7 +261,16 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. With special tokens, the post-processor adds them (BOS for most models);
         if the config asks for BOS and the post-processor did not add it, it is prepended here."""
-        ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the backend takes str only, and only valid Unicode
+            if not isinstance(text, str):
+                raise TokenizerError(f"the text to encode must be a str, got {type(text).__name__}") from None
+            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if at is None:
+                raise
+            raise TokenizerError(f"the text is not valid Unicode: a lone surrogate at character {at} (input bytes "
+                                 f"that are not UTF-8?)") from None
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids

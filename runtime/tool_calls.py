@@ -186,6 +186,24 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _cut_tail(arguments: str) -> int:
+    """At the end of an output cut off inside a call: how many characters at the end of ``arguments`` are the
+    start of the call's closing (``_TAIL``), not arguments. With a line break in it that is certain (the arguments
+    are one line); a lone "}" is the closing's when the arguments parse without it and not with it."""
+    held = _held_back(arguments, _TAIL)
+    if held >= 2:
+        return held
+    return held if held == 1 and not _is_json(arguments) and _is_json(arguments[:-1]) else 0
+
+
 class ToolCallParser:
     """Splits the generated text into content and tool calls as it arrives (the format in the module docstring;
     the grammar guarantees it, so a call is recognised by position, not by guessing).
@@ -220,7 +238,10 @@ class ToolCallParser:
         buf = self._buffer
         if self._state == "content":
             at = buf.find(CALL_OPEN)
-            end = at if at >= 0 else len(buf) - (0 if final else _held_back(buf, CALL_OPEN))
+            held = _held_back(buf, CALL_OPEN)
+            # at the end of the output, a cut-off "<t..." is the start of a call that max_tokens stopped, not
+            # content (a lone "<" is too common in text to drop)
+            end = at if at >= 0 else len(buf) - (held if not final or held >= 2 else 0)
             self._add_content(delta, buf[:end], final and at < 0)
             if at < 0:
                 self._buffer = buf[end:]
@@ -240,7 +261,12 @@ class ToolCallParser:
             self._buffer, self._state = buf[match.end():], "arguments"
             return True
         at = buf.find(_TAIL)  # arguments: compact JSON on one line, so the first "}\n</tool_call>" ends them
-        end = at if at >= 0 else len(buf) - (0 if final else _held_back(buf, _TAIL))
+        if at >= 0:
+            end = at
+        elif final:  # judged on the call's whole arguments (what was sent already included)
+            end = len(buf) - min(len(buf), _cut_tail(self.calls[-1].arguments + buf))
+        else:
+            end = len(buf) - _held_back(buf, _TAIL)
         if end > 0:
             self.calls[-1].arguments += buf[:end]
             delta.add_call(len(self.calls) - 1, None, buf[:end])

@@ -139,3 +139,46 @@ def test_unlisted_files_do_not_change_the_output(artifact_copy, rel):
         probed = Tokenizer.from_dir(artifact_copy / "tokenizer")
         assert (probed.chat_template, probed.eos_token_ids, probed.special_tokens) != (
             Engine.load(artifact_copy).tokenizer.chat_template, before["eos"], before["special"])
+
+
+def _rewrite(path, rel, text: str, graph: dict | None = None) -> None:
+    """Replace a listed file and re-hash it in the manifest (with the summary of ``graph`` when given): an artifact
+    a newer (or broken) toolchain wrote, consistent in itself."""
+    import collections
+    import hashlib
+
+    (path / rel).write_text(text)
+    m = json.loads((path / MANIFEST).read_text())
+    data = (path / rel).read_bytes()
+    m["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    if graph is not None:
+        m["graph"].update(ir_version=graph["ir_version"], num_nodes=len(graph["nodes"]),
+                          ops=dict(collections.Counter(n["op"] for n in graph["nodes"])))
+    m["manifest_sha256"] = manifest_digest(m)
+    (path / MANIFEST).write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda g: g.update(ir_version=g["ir_version"] + 1), "IR version"),  # a graph a newer toolchain wrote
+    (lambda g: g["nodes"][1].update(op="frobnicate"), "frobnicate"),
+    (lambda g: g["nodes"].pop(1), "Error"),  # a node missing: what reads its output cannot run
+])
+def test_a_graph_this_runtime_cannot_run_is_an_artifact_error(artifact_copy, change, says):
+    graph = json.loads((artifact_copy / "graph.json").read_text())
+    change(graph)
+    _rewrite(artifact_copy, "graph.json", json.dumps(graph), graph)
+    with pytest.raises(ArtifactError, match=f"cannot run the artifact's graph.*{says}"):
+        Engine.load(artifact_copy)
+
+
+def test_prompts_the_model_cannot_read_are_request_errors(artifacts):
+    from runtime import RequestError
+    from runtime.tokenizer import TokenizerError
+
+    engine = Engine.load(artifacts["llama"])
+    vocab = engine.executor.graph["meta"]["vocab_size"]
+    for ids in ([vocab], [-1], [1, 10**9]):
+        with pytest.raises(RequestError, match=rf"must be in \[0, {vocab}\)"):
+            engine.generate(ids, SamplingParams(max_tokens=2))
+    with pytest.raises(TokenizerError, match="lone surrogate at character 3"):
+        engine.generate("caf\udce9", SamplingParams(max_tokens=2))  # a byte that was not UTF-8, as argv keeps it

@@ -422,9 +422,12 @@ def test_unseeded_rows_drawn_together_follow_the_filtered_distribution_beside_se
     ("min_p", -0.5, "[0, 1)"),
     ("seed", -3, "None or an int"),
     ("seed", "42", "None or an int"),
-    ("stop", "END", "list of non-empty strings"),
-    ("stop", ["ok", ""], "list of non-empty strings"),
-    ("stop_token_ids", [3, -1], "list of ints"),
+    ("stop", "END", "list of at most 64 strings of 1 to 1024 characters"),
+    ("stop", ["ok", ""], "list of at most 64 strings of 1 to 1024 characters"),
+    ("stop", [f"s{i}" for i in range(65)], "list of at most 64 strings"),  # each is checked at every step
+    ("stop", ["s" * 1025], "strings of 1 to 1024 characters"),
+    ("stop_token_ids", [3, -1], "list of at most 1024 ints >= 0"),
+    ("stop_token_ids", list(range(1025)), "list of at most 1024 ints"),
     ("ignore_eos", "yes", "True or False"),
     ("repetition_penalty", 0.0, "in [0.01, 100]"),
     ("repetition_penalty", -1.2, "in [0.01, 100]"),
@@ -446,7 +449,8 @@ def test_invalid_params_name_the_field(field, value, allowed):
     with pytest.raises(SamplingError) as info:
         SamplingParams(**{field: value})
     message = str(info.value)
-    assert message.startswith(f"{field}: {value!r}") and allowed in message
+    assert message.startswith(f"{field}: {repr(value)[:150]}") and allowed in message
+    assert len(message) < 500  # a long value is quoted cut short
 
 
 def test_sampling_error_is_value_error_and_example_message():

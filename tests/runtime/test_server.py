@@ -423,6 +423,16 @@ BAD_REQUESTS = [
     ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 400}]}, 400,
      "messages"),
     ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("prompt of megabytes", "/v1/completions", {"prompt": "x = 1\n" * 400_000}, 400, "prompt"),
+    ("chat of megabytes", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 400_000}]},
+     400, "messages"),
+    ("prompt nested twice", "/v1/completions", {"prompt": [["a"]]}, 400, "prompt"),
+    ("text part without text", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     400, "messages"),
+    ("stop list too long", "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, 400, "stop"),
+    ("stop string too long", "/v1/completions", {"prompt": "x", "stop": ["s" * 1025]}, 400, "stop"),
+    ("stop_token_ids too many", "/v1/completions", {"prompt": "x", "stop_token_ids": list(range(1025))}, 400,
+     "stop_token_ids"),
     ("empty prompt", "/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("empty token list", "/v1/completions", {"prompt": []}, 400, "prompt"),
     ("token id out of vocabulary", "/v1/completions", {"prompt": [5, 10**6]}, 400, "prompt"),
@@ -440,6 +450,8 @@ BAD_REQUESTS = [
      "top_logprobs"),
     ("top_logprobs without logprobs", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, 400,
      "top_logprobs"),
+    ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
     ("n 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("best_of 2", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
@@ -460,10 +472,28 @@ def test_bad_request_gets_an_openai_error(server, path, body, status, param):
         error = assert_error(r, status, param)
         if status == 400:
             assert error["type"] == "invalid_request_error"
-        if param in ("temperature", "top_p", "logprobs", "presence_penalty", "repetition_penalty") \
-                and isinstance(body, dict):
-            assert error["message"].startswith(param)  # SamplingError's message, naming the field
+        if param in ("temperature", "top_p", "logprobs", "presence_penalty", "repetition_penalty", "top_logprobs",
+                     "max_completion_tokens", "stop") and isinstance(body, dict):
+            assert error["message"].startswith(param)  # SamplingError's message, naming the request's field
     server.wait_idle()
+
+
+@pytest.mark.parametrize("path, body, says", [
+    # counted in pieces and refused once the count passes max_seq_len, not encoded whole (the tokenizer holds the
+    # GIL: a whole encode of megabytes would stall every other request)
+    ("/v1/completions", {"prompt": "x = 1\n" * 400_000}, "refused after counting"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 400_000}]},
+     "refused after counting"),
+    ("/v1/completions", {"prompt": [["a"]]}, "prompt[0] must be a string or a list of token ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0]: a text part needs its text"),
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(65)]}, "at most 64 strings"),
+])
+def test_bad_input_messages_say_what_is_wrong(server, path, body, says):
+    with server.client() as client:
+        error = assert_error(client.post(path, json=body), 400)
+    assert says in error["message"], error
+    assert len(error["message"]) < 1000, "the message quotes the request's input in full"
 
 
 def test_unknown_routes_methods_and_fields(server):
@@ -471,6 +501,7 @@ def test_unknown_routes_methods_and_fields(server):
         assert_error(client.get("/v1/nope"), 404)
         assert_error(client.get("/nope"), 404)
         assert_error(client.get("/v1/completions"), 405)
+        assert client.head("/health").status_code == 200  # uptime probes that ask HEAD
         # unknown fields are ignored (OpenAI-compatible servers' policy); known OpenAI defaults are accepted
         r = client.post("/v1/completions", json={"prompt": "def", "max_tokens": 3, "frobnicate": {"x": 1},
                                                  "n": 1, "echo": False, "user": "u1"})

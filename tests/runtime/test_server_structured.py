@@ -182,6 +182,8 @@ def test_completions_take_vllm_guided_fields(server):
 
 
 BAD_SCHEMA = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+# compiles (valid JSON schema, valid grammar) but admits no document: caught by the first mask with the vocabulary
+SELF_REFERRING = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 BAD = [
     ("unsupported keyword", "/v1/chat/completions",
      {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}},
@@ -199,6 +201,11 @@ BAD = [
     ("tool with a bad schema", "/v1/chat/completions",
      {"tools": [{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}]}, "tools",
      "tools[0].function.parameters", "/properties/tags/uniqueItems"),
+    ("schema that only refers to itself", "/v1/completions", {"guided_json": {"$ref": "#"}}, "guided_json",
+     "cannot produce a first token", None),
+    ("definitions that only refer to each other", "/v1/chat/completions",
+     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REFERRING}}},
+     "response_format", "cannot produce a first token", None),
     ("unknown tool named", "/v1/chat/completions",
      {"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice", "'sub'",
      None),
@@ -216,6 +223,31 @@ def test_a_bad_schema_or_combination_is_a_400_naming_it(server, path, body, para
     server.wait_idle()
 
 
+def test_a_grammar_that_cannot_start_is_refused_before_the_stream_starts(server):
+    body = {"messages": USER, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REFERRING}}}
+    with server.client() as http:
+        error = assert_error(http.post("/v1/chat/completions", json=body), 400, "response_format")
+        assert "cannot produce a first token" in error["message"], error
+    server.wait_idle()
+
+
+def test_the_engines_grammar_failures_are_the_clients_errors():
+    """A grammar that fails once generation has started (a lexer limit reached at some step) finishes its request
+    with the engine's structured-output message: answered as the client's 400, any other failure as a 500."""
+    from runtime.outputs import RequestOutput
+    from runtime.server import _finish_error
+    from runtime.structured import GRAMMAR_ERROR_PREFIX
+
+    def failed(error: str) -> RequestOutput:
+        return RequestOutput("r", "", [], None, True, "error", 3, 1, error=error)
+
+    grammar = _finish_error(failed(f"{GRAMMAR_ERROR_PREFIX}the grammar cannot continue (lexer error)"))
+    assert (grammar.status, grammar.body()["error"]["code"], grammar.body()["error"]["type"]) == \
+        (400, "invalid_grammar", "invalid_request_error")
+    assert _finish_error(failed("the forward pass failed")).status == 500
+
+
 def test_through_the_engine_process(bundled_artifact):
     """With the engine in its own process the grammar crosses as JSON text and compiles there."""
     engine = EngineProcess(bundled_artifact, "cpu", ServingConfig(num_blocks=64, max_num_seqs=4))
@@ -226,3 +258,6 @@ def test_through_the_engine_process(bundled_artifact):
         r = client.chat.completions.create(model=MODEL, messages=USER, tools=[ADD], tool_choice="required",
                                            parallel_tool_calls=False, **GREEDY)
         _check_call(r.choices[0].message.tool_calls[0], [ADD])
+        with pytest.raises(openai.BadRequestError, match="cannot produce a first token"):  # the server's own check
+            client.chat.completions.create(model=MODEL, messages=USER, **GREEDY, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REFERRING}})

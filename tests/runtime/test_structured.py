@@ -23,7 +23,8 @@ from runtime.scheduler import RequestStatus
 from runtime.serving import ServingConfig, ServingEngine
 from runtime.structured import (CompiledGrammar, GrammarCompiler, GrammarState, StructuredOutput,
                                 StructuredOutputError, check, fill_bitmasks, locate_error, mask_threads)
-from runtime.tool_calls import ToolCallParser, ToolError, format_call, parse_tools, resolve_tool_choice, tool_grammar
+from runtime.tool_calls import (CALL_OPEN, ToolCallParser, ToolError, format_call, parse_tools, resolve_tool_choice,
+                                tool_grammar)
 
 
 def _str(n: int) -> dict:
@@ -325,6 +326,30 @@ def test_tool_call_parser_streams_what_it_returns_whole():
     cut.feed(format_call("add", '{"a": 1, "b": 2}').split(", \"b")[0])
     cut.finish()
     assert [(c.name, c.arguments, c.complete) for c in cut.calls] == [("add", '{"a": 1', False)]
+
+
+@pytest.mark.parametrize("cut_after, arguments, content", [
+    ('{"x": 1}}\n</to', '{"x": 1}', ""),  # inside the closing: none of it is arguments
+    ('{"x": 1}}\n', '{"x": 1}', ""),
+    ('{"x": 1}}', '{"x": 1}', ""),  # the first "}" of the closing: the arguments parse without it
+    ('{"x": {"y": 1}}', '{"x": {"y": 1}}', ""),  # the arguments' own last "}": they parse with it
+    ('{"x": 1}}\n</tool_call>\n<to', '{"x": 1}', ""),  # a second call's opening cut short: not content
+])
+def test_a_call_cut_off_by_max_tokens_keeps_only_its_arguments(cut_after, arguments, content):
+    """Whole or streamed in any pieces, the markup of a call cut off by max_tokens never reaches its arguments or
+    the content."""
+    text = CALL_OPEN + '\n{"name": "get", "arguments": ' + cut_after
+    rng = random.Random(0)
+    for _ in range(20):
+        parser, args, said, cuts = ToolCallParser(), "", "", [0]
+        while cuts[-1] < len(text):
+            cuts.append(min(len(text), cuts[-1] + rng.randint(1, 6)))
+        for delta in [parser.feed(text[a:b]) for a, b in zip(cuts, cuts[1:])] + [parser.finish()]:
+            said += delta.content
+            args += "".join(piece for _, _, piece in delta.calls)
+        assert (parser.calls[0].arguments, args, said, parser.content) == (arguments, arguments, content, content)
+    prose = ToolCallParser()  # a lone "<" at the end of content is text
+    assert prose.feed("if a <").content + prose.finish().content == prose.content == "if a <"
 
 
 # --- the serving engine on the bundled model -----------------------------------------------------------------------
