@@ -20,6 +20,7 @@ import platform
 import shutil
 import socket
 import struct
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -92,6 +93,12 @@ def check_output_dir(out: Path) -> None:
     parent = next((p for p in out.absolute().parents if p.exists() or p.is_symlink()), None)
     if parent is not None and not parent.is_dir():
         raise OutputDirError(f"output_dir {out}: {parent} is a file, not a directory; choose another output_dir")
+    if parent is not None:  # the build writes a staging directory beside output_dir: can it, before it starts?
+        try:
+            tempfile.TemporaryDirectory(dir=parent, prefix=".builder-probe-").cleanup()
+        except OSError as e:
+            raise OutputDirError(f"output_dir {out}: cannot write in {parent} ({e.strerror or e}); choose a "
+                                 f"writable place") from None
     if out.is_symlink():
         raise OutputDirError(f"output_dir {out} is a symbolic link (to {os.readlink(out)}); set output_dir to a "
                              f"real path, remove the link, {overwrite} (the link, not its target)")
@@ -107,6 +114,20 @@ def check_output_dir(out: Path) -> None:
             raise OutputDirError(f"{tmp} exists but was not made by `builder build` (it has no {TEMP_MARKER} "
                                  f"file); the build stages output_dir {out} there and would delete it: rename it, "
                                  f"or remove it if it is left over from an interrupted build")
+
+
+def check_not_an_input(out: Path, inputs: dict[str, str | Path | None]) -> None:
+    """Raise OutputDirError when ``out`` is, or holds, one of the build's inputs (``inputs``: what the recipe
+    calls it -> its path) or the working directory: replacing it (the build does, and ``--overwrite`` deletes it
+    first) would destroy what the build reads."""
+    target = out.absolute().resolve()
+    for name, path in [*inputs.items(), ("the working directory", Path.cwd())]:
+        if path is None:
+            continue
+        where = Path(path).absolute().resolve()
+        if where == target or target in where.parents:
+            raise OutputDirError(f"output_dir {out} {'is' if where == target else 'holds'} {name} ({path}): the build "
+                                 f"replaces output_dir and would destroy it; choose another output_dir")
 
 
 def remove_output_dir(out: Path) -> None:
@@ -179,6 +200,17 @@ def _swap_in(tmp: Path, out: Path, old: Path) -> None:
     _remove_ours(old)
 
 
+def _copy_artifact(src: Path, dst: Path) -> None:
+    """An artifact's manifest and the files it lists (their contents: a link is not copied as a link), nothing
+    else: files someone added beside them, or links out of the directory, do not travel into the new artifact."""
+    manifest = json.loads((src / MANIFEST).read_text())
+    dst.mkdir()
+    shutil.copyfile(src / MANIFEST, dst / MANIFEST)
+    for rel in manifest["files"]:
+        (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src / rel, dst / rel)
+
+
 def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, records: list[PassRecord],
                     started_at: str, start: float, timings: dict[str, float], extra: dict[str, Any]) -> None:
     (tmp / GRAPH).write_text(graph.to_json())
@@ -196,7 +228,7 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
         spec["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS.get(spec["method"],
                                                                         DEFAULT_SPECULATIVE_TOKENS["draft"])
     if recipe.runtime.speculative.method == "draft":  # the draft artifact travels inside (checked by the pipeline)
-        shutil.copytree(recipe.runtime.speculative.draft_model, tmp / DRAFT_DIR)
+        _copy_artifact(Path(recipe.runtime.speculative.draft_model), tmp / DRAFT_DIR)
         runtime_section["speculative"]["draft_model"] = DRAFT_DIR  # relative to the artifact
 
     verify = next((r.details for r in records if r.name == "verify"), None)

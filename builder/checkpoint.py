@@ -400,7 +400,8 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     index = p / INDEX_FILE
     if index.is_file():
         try:
-            mapping = json.loads(index.read_bytes())["weight_map"]
+            data = json.loads(index.read_bytes())
+            mapping = data["weight_map"]
             files = sorted({p / f for f in mapping.values()})
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (expected a JSON object whose "
@@ -409,6 +410,10 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{p}: shards named in {INDEX_FILE} are missing: {', '.join(missing)}")
+        if not isinstance(data.get("metadata"), dict):  # transformers (the verify pass's reference) reads it
+            raise CheckpointError(f"{index} has no \"metadata\" object, which transformers needs to load the "
+                                  f"checkpoint (it holds total_size); add \"metadata\": {{}} or download the "
+                                  f"checkpoint again")
     else:
         files = sorted(p.glob("*.safetensors"))
         if not files:
@@ -416,6 +421,9 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
             extra = (f" (found {', '.join(pickles)}: pickled weights are never loaded; convert them to "
                      f"safetensors first)" if pickles else "; download the model's *.safetensors files into it")
             raise CheckpointError(f"{p} has no *.safetensors weight files{extra}")
+    special = next((f for f in files if not f.is_file()), None)  # a pipe or a device would block the read
+    if special is not None:
+        raise CheckpointError(f"{special} is not a regular file; a checkpoint's weights are files")
     weight_map: dict[Path, Path] = {}
     for f in files:
         try:

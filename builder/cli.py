@@ -67,7 +67,7 @@ def build(
 ) -> None:
     """Build an engine artifact from a recipe."""
     _setup_logging(quiet)
-    from builder.artifact import OutputDirError, check_output_dir, is_replaceable, remove_output_dir
+    from builder.artifact import OutputDirError, check_not_an_input, check_output_dir, is_replaceable, remove_output_dir
     from builder.checkpoint import CheckpointError
     from builder.calibration import DataError
     from builder.pipeline import BuildError, build as run_build
@@ -80,6 +80,10 @@ def build(
     try:
         r = load_recipe(recipe, set_)
         out = Path(r.output_dir)
+        check_not_an_input(out, {"the recipe": recipe, "model.checkpoint": r.model.checkpoint,
+                                 "calibration.dataset": r.calibration.dataset, "gates.eval_dataset":
+                                 r.gates.eval_dataset, "runtime.speculative.draft_model":
+                                 r.runtime.speculative.draft_model})
         if overwrite and not is_replaceable(out):
             logging.getLogger("builder").warning("--overwrite: deleting %s", out)
             remove_output_dir(out)
@@ -91,6 +95,8 @@ def build(
     except (RecipeError, CheckpointError, DataError, BuildError, LiftError, PassError, GraphError,
             OutputDirError) as e:
         _fail(str(e))
+    except OSError as e:  # a disk that filled up or went read-only mid-build: the message names the path
+        _fail(f"the build could not read or write a file: {e}")
     typer.echo(f"artifact: {result.output_dir} ({result.seconds:.1f}s); report: {result.output_dir / 'report.html'}")
 
 
@@ -171,11 +177,13 @@ def gate(
 
     try:
         manifest = open_artifact(artifact).manifest
-        section = gates_section(manifest["recipe"].get("gates"), f"{artifact}/manifest.json")
-        if eval_dataset is not None:
-            section.eval_dataset = str(eval_dataset)
-        if num_positions is not None:
-            section.num_positions = num_positions
+        recorded = manifest["recipe"].get("gates")
+        section = gates_section(recorded, f"{artifact}/manifest.json")
+        options = {k: v for k, v in (("eval_dataset", None if eval_dataset is None else str(eval_dataset)),
+                                     ("num_positions", num_positions)) if v is not None}
+        if options:  # validated as the recipe's section is: a bad value is named with what is allowed
+            section = gates_section({**section.model_dump(exclude_unset=True), **options},
+                                    "the command's options (--eval-dataset, --num-positions)")
         report = gate_artifact(artifact, baseline, section, any_baseline=any_baseline)
     except (ArtifactError, CheckpointError, DataError, GateError, RecipeError) as e:
         _fail(str(e))

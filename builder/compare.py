@@ -843,16 +843,25 @@ def write_reports(c: Comparison, html_path: Path) -> list[Path]:
                            f"beside it")
     if html_path.is_dir():
         raise CompareError(f"-o {html_path} is a directory; name the HTML file, e.g. {html_path / 'compare.html'}")
-    html_path.parent.mkdir(parents=True, exist_ok=True)
+    where = html_path.parent.absolute().resolve()
+    inside = next((e for e in c.entries if where == (root := Path(e.path).absolute().resolve())
+                   or root in where.parents), None)
+    if inside is not None:  # its own report.html / report.md are files its manifest lists: the artifact would break
+        raise CompareError(f"-o {html_path} is inside the artifact {inside.path} being compared; an artifact's files "
+                           f"are fixed by its manifest: write the report elsewhere")
     plots = make_plots(c)
     plot_files = {p.slug: f"{html_path.stem}-{p.slug}.svg" for p in plots}
     text = render(c, plots, plot_files)
     md_path = html_path.with_suffix(".md")
     written = [html_path, md_path]
-    html_path.write_text(text["html"])
-    md_path.write_text(text["md"])
-    for p in plots:
-        f = html_path.parent / plot_files[p.slug]
-        f.write_text(p.svg)
-        written.append(f)
+    try:
+        html_path.parent.mkdir(parents=True, exist_ok=True)
+        html_path.write_text(text["html"])
+        md_path.write_text(text["md"])
+        for p in plots:
+            f = html_path.parent / plot_files[p.slug]
+            f.write_text(p.svg)
+            written.append(f)
+    except OSError as e:
+        raise CompareError(f"-o {html_path}: cannot write the report ({e})") from None
     return written

@@ -220,8 +220,13 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
     elif imported is None and ckpt.nvfp4:  # the build's own decoded weights, under the model's names (experts stacked)
         model = _model_from_weights(ckpt, dtype, weights or {})
     elif imported is None:
-        model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
-            ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))
+        try:
+            model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
+                ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # what transformers raises on files it cannot read
+            raise BuildError(f"transformers could not load {ckpt.path} as the reference model for verify "
+                             f"({type(e).__name__}: {e}); the checkpoint's files do not form a model transformers "
+                             f"reads") from e
     else:
         model = _model_from_weights(ckpt, dtype, {**(weights or {}), **imported.pop_reference_weights()})
         for module, scale in imported.input_scales().items():  # registered first: they run before the quantization
@@ -389,6 +394,13 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     check_prequantized(recipe, ckpt)
     check_draft_model(recipe, ckpt)
     check_fp8_accumulation(recipe, prequantized=ckpt.quant is not None)
+    from runtime.generation_config import GenerationConfigError, sampling_defaults
+    from runtime.tokenizer import GENERATION_CONFIG_FILE
+
+    try:  # the artifact carries it and the server reads its sampling defaults: refused now, not at serve time
+        sampling_defaults(ckpt.path / GENERATION_CONFIG_FILE)
+    except GenerationConfigError as e:
+        raise CheckpointError(f"{e} (the artifact would carry it, and the server refuses it)") from None
     if ckpt.mxfp4 and dtype == torch.float16:  # e8m0 scales reach 2^127: fp16 cannot hold every MXFP4 value
         raise BuildError(f"{ckpt.path}: its MXFP4 weights are decoded exactly into bfloat16 or float32 only (their "
                          f"power-of-two scales run past float16's range); set model.dtype to bfloat16 or float32")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import reprlib
 import hashlib
 import json
 from pathlib import Path
@@ -535,8 +536,12 @@ def _shown(value: Any) -> str:
     """A value as it reads in YAML."""
     if isinstance(value, bool):
         return str(value).lower()
-    text = repr(value)
+    text = _REPR.repr(value)  # bounded in depth and width: an aliased YAML value can expand to billions of items
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 60, 60
 
 
 def _kind_of(value: Any) -> str:

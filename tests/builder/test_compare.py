@@ -388,6 +388,11 @@ def test_option_errors(built, tmp_path):
     arts = [str(built["fp32"]), str(built["gptq"])]
     compare_fails([*arts, "-o", str(tmp_path / "r.md")], "name the HTML file")
     compare_fails([*arts, "--quality-metric", "bleu", "-o", str(tmp_path / "r.html")], "'bleu'", "kl")
+    report = built["gptq"] / "report.html"  # the artifact's own report, which its manifest lists
+    before = report.read_bytes()
+    compare_fails([*arts, "-o", str(report)], "is inside the artifact", "write the report elsewhere")
+    assert report.read_bytes() == before
+    compare_fails([*arts, "-o", "/proc/llm-builder-compare/r.html"], "cannot write the report")
 
 
 # ---------------------------------------------------------------- units

@@ -140,3 +140,12 @@ def test_regression_blocks_the_build(tmp_path):
     res = runner.invoke(app, ["gate", str(out), "--baseline", str(ROOT / "models/pystdlib-llama"),
                               "--num-positions", "256", "--quiet"])
     assert res.exit_code == 3 and "gate FAILED (kl" in res.output, res.output  # a failed gate, as builder build
+
+
+@pytest.mark.parametrize("option, says", [(["--num-positions", "0"], "gates.num_positions: 0"),
+                                          (["--num-positions", "-5"], "greater than or equal to 1")])
+def test_gate_command_names_a_bad_option_value(smoothquant_artifact, option, says):
+    res = runner.invoke(app, ["gate", str(smoothquant_artifact), "--baseline", str(ROOT / "models/pystdlib-llama"),
+                              *option, "--quiet"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output  # a message, no traceback
+    assert "the command's options" in res.output and says in res.output, res.output

@@ -4,6 +4,7 @@ and fails before any expensive step (reading weights, running passes)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,6 +148,14 @@ def _shard_index(ckpt: Path) -> None:
         n: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, n in enumerate(names)}}))
 
 
+def _whole_index(ckpt: Path) -> None:
+    """An index over the one shard there is, without the "metadata" object transformers reads."""
+    data = (ckpt / "model.safetensors").read_bytes()
+    names = [k for k in json.loads(data[8:8 + int.from_bytes(data[:8], "little")]) if k != "__metadata__"]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        n: "model.safetensors" for n in names}}))
+
+
 def _replace_with_file(ckpt: Path) -> None:
     shutil.rmtree(ckpt)
     ckpt.write_text("not a directory")
@@ -277,16 +286,22 @@ CASES = [
     Case("no-weights", "has no *.safetensors weight files", checkpoint=_remove("model.safetensors")),
     Case("pickled-weights-only", "pickled weights are never loaded; convert them to safetensors first",
          checkpoint=lambda c: ((c / "model.safetensors").rename(c / "pytorch_model.bin"))),
+    Case("weights-a-pipe", "model.safetensors is not a regular file",
+         checkpoint=lambda c: ((c / "model.safetensors").unlink(), os.mkfifo(c / "model.safetensors"))),
     Case("truncated-weights", "model.safetensors: not a readable safetensors file",
          checkpoint=_truncate("model.safetensors", 1000)),
     Case("garbage-weights", "model.safetensors: not a readable safetensors file",
          checkpoint=_write("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")),
     Case("index-names-missing-shard", "shards named in model.safetensors.index.json are missing: "
          "model-00002-of-00002.safetensors", checkpoint=_shard_index),
+    Case("index-without-metadata", 'model.safetensors.index.json has no "metadata" object',
+         checkpoint=_whole_index),
     Case("index-not-json", "model.safetensors.index.json is not a valid safetensors index",
          checkpoint=_write("model.safetensors.index.json", "{")),
     Case("index-without-weight-map", "model.safetensors.index.json is not a valid safetensors index",
          checkpoint=_write("model.safetensors.index.json", json.dumps({"metadata": {}}))),
+    Case("generation-config-out-of-range", "temperature: -5 is not in",
+         checkpoint=_write("generation_config.json", json.dumps({"temperature": -5}))),
     Case("no-tokenizer", "ckpt/tokenizer.json: no such file", checkpoint=_remove("tokenizer.json")),
     Case("tokenizer-not-json", "tokenizer.json: not a valid tokenizer file", checkpoint=_write("tokenizer.json", "{oops")),
     Case("tokenizer-past-vocab", "the tokenizer has 320 tokens (ids 0..319, added tokens included) but config.json "

@@ -151,3 +151,43 @@ def test_output_dir_changed_during_the_build_is_refused_at_write_time(tmp_path, 
         build_artifact(checkpoint, out)
     assert (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art"]
+
+
+@pytest.mark.parametrize("where", ["the checkpoint", "above the checkpoint", "the working directory"])
+def test_an_output_dir_that_is_or_holds_an_input_is_refused_even_with_overwrite(tmp_path, checkpoint, where,
+                                                                                no_build, monkeypatch):
+    import shutil
+
+    copy = tmp_path / "inputs" / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    out = {"the checkpoint": copy, "above the checkpoint": copy.parent, "the working directory": tmp_path / "wd"}[where]
+    out.mkdir(exist_ok=True)
+    monkeypatch.chdir(tmp_path / "wd" if where == "the working directory" else tmp_path)
+    res = _build(tmp_path, copy, out, "--overwrite")
+    _refused(res, str(out), "would destroy it")
+    assert (copy / "config.json").is_file()  # nothing was deleted
+
+
+def test_an_output_dir_nothing_can_be_written_beside_is_refused_before_the_build(tmp_path, checkpoint, no_build):
+    out = Path("/proc/llm-builder-test/out")  # a place no one may create files in (root included)
+    _refused(_build(tmp_path, checkpoint, out), str(out), "cannot write in /proc")
+
+
+def test_a_draft_artifact_travels_as_the_files_its_manifest_lists(artifacts, tmp_path):
+    """What someone added to the draft's directory (a file, a link out of it) stays out of the new artifact."""
+    import os
+    import shutil
+
+    from builder.artifact import _copy_artifact
+    from runtime.artifact import open_artifact
+
+    draft = tmp_path / "draft"
+    shutil.copytree(artifacts["llama"], draft)
+    (draft / "junk").mkdir()
+    (draft / "junk" / "x.txt").write_text("not the draft's")
+    os.symlink("/etc/hostname", draft / "leak")
+    _copy_artifact(draft, tmp_path / "copy")
+    listed = set(json.loads((draft / MANIFEST).read_text())["files"]) | {MANIFEST}
+    copied = {str(p.relative_to(tmp_path / "copy")) for p in (tmp_path / "copy").rglob("*") if p.is_file()}
+    assert copied == listed and not any(p.is_symlink() for p in (tmp_path / "copy").rglob("*"))
+    open_artifact(tmp_path / "copy")  # intact

@@ -177,3 +177,15 @@ def test_lm_head_option(tmp_path):
         _load(tmp_path, BASE, ["quantization.lm_head=true"])
     with pytest.raises(RecipeError, match="lm_head: true in sections 0, 1; .* set it in one section only"):
         _load(tmp_path, BASE + "quantization:\n  - algo: gptq\n    lm_head: true\n  - algo: fp8\n    lm_head: true\n")
+
+
+def test_a_value_that_aliases_expand_to_billions_of_items_is_quoted_without_walking_it(tmp_path):
+    """YAML aliases make a kilobyte recipe hold a list of 2**40 strings (shared, so it costs no memory): the error
+    quotes the start of it, bounded in depth and width, instead of writing it all out first."""
+    lines = ["name: bomb", "model:", "  checkpoint: models/pystdlib-llama", "output_dir: out",
+             'a0: &a0 ["x", "x"]'] + [f"a{i}: &a{i} [*a{i - 1}, *a{i - 1}]" for i in range(1, 40)] + ["passes: *a39"]
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    quoted = r"passes\[0\]: \[\[\[\[\.\.\.\], \[\.\.\.\]\].*\.\.\. is a list; expected a string"
+    with pytest.raises(RecipeError, match=quoted):
+        load_recipe(path)
