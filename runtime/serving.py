@@ -41,6 +41,7 @@ shared step (scheduling, the forward pass) raises out of ``step``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections import deque
@@ -341,6 +342,7 @@ class ServingEngine:
         self._aborts: deque[tuple[str, str]] = deque()  # (request id, reason); appended from any thread
         self._compiling: dict[str, Future] = {}  # PREPARING request id -> its grammar's compile
         self._grammars: GrammarCompiler | None = None  # made by the first structured request
+        self._grammars_lock = threading.Lock()  # the server's checks reach it from their own threads
         self._mask_filler: ThreadPoolExecutor | None = None  # fills an in-flight step's masks (see _start_masks)
         self._inflight: _InFlight | None = None  # a launched step not yet read back (overlap)
         # speculation's rate check (SpeculationPolicy.record_step): the end of the last step call, its requests, whether
@@ -444,10 +446,11 @@ class ServingEngine:
     @property
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this model's vocabulary (made on first use)."""
-        if self._grammars is None:
-            vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0)) or self.tokenizer.vocab_size
-            self._grammars = GrammarCompiler(self.tokenizer, vocab)
-        return self._grammars
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0)) or self.tokenizer.vocab_size
+                self._grammars = GrammarCompiler(self.tokenizer, vocab)
+            return self._grammars
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, timeout_s: float | None = None,
