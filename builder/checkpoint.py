@@ -400,8 +400,7 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     index = p / INDEX_FILE
     if index.is_file():
         try:
-            data = json.loads(index.read_bytes())
-            mapping = data["weight_map"]
+            mapping = json.loads(index.read_bytes())["weight_map"]
             files = sorted({p / f for f in mapping.values()})
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index (expected a JSON object whose "
@@ -410,10 +409,6 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"{p}: shards named in {INDEX_FILE} are missing: {', '.join(missing)}")
-        if not isinstance(data.get("metadata"), dict):  # transformers (the verify pass's reference) reads it
-            raise CheckpointError(f"{index} has no \"metadata\" object, which transformers needs to load the "
-                                  f"checkpoint (it holds total_size); add \"metadata\": {{}} or download the "
-                                  f"checkpoint again")
     else:
         files = sorted(p.glob("*.safetensors"))
         if not files:

@@ -244,8 +244,8 @@ def generate(
             except StopIteration as done:
                 result = done.value
                 break
-    except (ArtifactError, RequestError, SamplingError, TokenizerError) as e:
-        _fail(str(e))
+    except (ArtifactError, RequestError, SamplingError, TokenizerError, ValueError) as e:  # ValueError: a bad
+        _fail(str(e))  # RUNTIME_* setting in the environment
     sys.stdout.write("\n")
     if stats:
         typer.echo(f"[{len(result.prompt_token_ids)} prompt tokens, {len(result.token_ids)} generated, "

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import weakref
@@ -18,7 +19,7 @@ import torch
 from builder.artifact import write_artifact
 from builder.calibration import (DEFAULT_CALIBRATION, DEFAULT_EVAL, DataError, TokenData, read_texts, resolve_text,
                                  token_windows)
-from builder.checkpoint import Checkpoint, CheckpointError, attach_weights, open_checkpoint
+from builder.checkpoint import INDEX_FILE, Checkpoint, CheckpointError, attach_weights, open_checkpoint
 from builder.prequantized import Imported
 from builder.quality import run_gates
 from builder.plan import check_target
@@ -220,6 +221,11 @@ def reference_model(ckpt: Checkpoint, dtype: torch.dtype, imported: Imported | N
     elif imported is None and ckpt.nvfp4:  # the build's own decoded weights, under the model's names (experts stacked)
         model = _model_from_weights(ckpt, dtype, weights or {})
     elif imported is None:
+        index = ckpt.path / INDEX_FILE
+        if index.is_file() and not isinstance(json.loads(index.read_bytes()).get("metadata"), dict):
+            raise CheckpointError(f"{index} has no \"metadata\" object, which transformers needs to load the "
+                                  f"checkpoint as the reference model for verify (it holds total_size); add "
+                                  f"\"metadata\": {{}}, or download the checkpoint again")
         try:
             model = _sdpa_or_eager(lambda attn: AutoModelForCausalLM.from_pretrained(
                 ckpt.path, dtype=dtype, attn_implementation=attn, local_files_only=True, use_safetensors=True))

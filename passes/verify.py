@@ -54,9 +54,14 @@ def _not_finite(graph: Graph, ours: torch.Tensor, ref: torch.Tensor) -> str:
     """Why verify stops on NaN or inf logits, naming the first weight that is not finite when there is one."""
     whose = ("the source model's and the graph's" if not torch.isfinite(ref).all() and not torch.isfinite(ours).all()
              else "the source model's" if not torch.isfinite(ref).all() else "the graph's")
-    bad = next((name for name, t in graph.params.items()
-                if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    bad = next((name for name, t in graph.params.items() if t.is_floating_point() and not _finite(t)), None)
     where = (f"; the weight {bad!r} holds NaN or inf: the checkpoint is broken" if bad is not None
              else "; every weight is finite, so the computation overflows (or, if only the graph's are, the graph is "
                   "wrong)")
     return f"verify: {whose} logits are not finite (NaN or inf){where}"
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """Whether every value of a floating-point weight is finite; FP8 codes (which isfinite does not take) are read
+    as float32."""
+    return bool(torch.isfinite(t.float() if t.element_size() == 1 else t).all())

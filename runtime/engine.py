@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from runtime.artifact import Artifact, ArtifactError, open_artifact
-from runtime.executor import LONG_ROPE_OFFSET, Executor, SeqSlice, StepInput
+from runtime.executor import LONG_ROPE_OFFSET, Executor, GraphFormatError, SeqSlice, StepInput, check_graph
 from runtime.kv_cache import SequenceKV
 from runtime.outputs import TokenLogprob
 from runtime.sampling import INVALID_TOKEN, SamplingParams, compute_logprobs, make_generator, sample
@@ -131,18 +131,17 @@ class Engine:
                                 f"was built; load it anyway with allow_failed_gate=True (--allow-failed-gate)")
         if use_kernels is None:
             use_kernels = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        try:  # a graph a newer (or broken) toolchain wrote, refused before any rank or kernel starts
+            check_graph(artifact.graph)
+        except GraphFormatError as e:
+            raise ArtifactError(f"{path}: this runtime cannot run the artifact's graph: {e}") from e
         if artifact.tp_size > 1:  # starts the other ranks; this process is rank 0 (see runtime/tensor_parallel.py)
             from runtime import tensor_parallel
 
             executor = tensor_parallel.start(artifact, device, use_kernels, check_hashes)
         else:
-            weights = artifact.load_weights(device)
-            try:
-                executor = Executor(artifact.graph, weights, use_kernels=use_kernels,
-                                    fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
-            except (ValueError, KeyError, TypeError) as e:  # GraphFormatError, or a node missing what it needs
-                raise ArtifactError(f"{path}: this runtime cannot run the artifact's graph ({type(e).__name__}: "
-                                    f"{e}); rebuild it with this version of the toolchain") from e
+            executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels,
+                                fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
         tokenizer = artifact.load_tokenizer()  # only the files the manifest lists
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
         return cls(artifact, executor, tokenizer, device)

@@ -363,7 +363,7 @@ class EngineClient(EngineFront):
         request's grammar again, from its own cache)."""
         with self._grammars_lock:
             if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self._vocab)
+                self._grammars = GrammarCompiler(self.tokenizer, self._vocab, spread=1)  # checks: one matcher each
             return self._grammars
 
     # --- lifecycle -----------------------------------------------------------------------------------------------

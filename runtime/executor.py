@@ -364,9 +364,18 @@ def _norm_into_linears(node: dict[str, Any], nodes: list[dict[str, Any]], reader
 _POSITION_READERS = {"embedding": "a learned position table", "position_scale": "a query temperature per position"}
 
 
-def _check_dataflow(graph: dict[str, Any]) -> None:
-    """GraphFormatError unless every node reads only the graph's inputs and earlier nodes' outputs, and the graph's
-    outputs are written (a graph with a node dropped or reordered would otherwise fail mid-forward)."""
+def check_graph(graph: dict[str, Any]) -> None:
+    """An artifact's graph as loaded, before anything is compiled: GraphFormatError unless this runtime runs its IR
+    version and every op, every node reads only the graph's inputs and earlier nodes' outputs, and the graph's
+    outputs are written (a graph with a node dropped or reordered would otherwise fail mid-forward). The engines
+    call it on what they load; graphs built in memory (the passes' calibration sub-graphs) are not artifacts."""
+    if graph.get("ir_version") != GRAPH_IR_VERSION:
+        raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this runtime (it "
+                               f"runs version {GRAPH_IR_VERSION}); rebuild the artifact")
+    unknown = next((n for n in graph["nodes"] if n["op"] not in _COMPILERS), None)
+    if unknown is not None:
+        raise GraphFormatError(f"op {unknown['op']!r} (from {unknown.get('source') or 'unknown'}) is not implemented "
+                               f"by this runtime; known: {', '.join(_COMPILERS)}")
     known = set(graph["inputs"])
     for i, node in enumerate(graph["nodes"]):
         missing = next((name for name in node["inputs"] if name not in known), None)
@@ -387,7 +396,6 @@ class Executor:
         if graph.get("ir_version") != GRAPH_IR_VERSION:
             raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this "
                                    f"runtime (it runs version {GRAPH_IR_VERSION}); rebuild the artifact")
-        _check_dataflow(graph)
         self.graph = graph
         self.params = params
         self.dtype = getattr(torch, graph.get("meta", {}).get("dtype", "")) if graph.get("meta", {}).get("dtype") \

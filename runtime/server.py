@@ -608,14 +608,18 @@ def _structured_output(body: _GenerationBody) -> tuple[StructuredOutput, str, An
     return asked[0] if asked else None
 
 
-async def _checked_grammar(grammars: GrammarCompiler, spec: StructuredOutput, param: str,
+async def _checked_grammar(grammars: GrammarCompiler | None, spec: StructuredOutput, param: str,
                            schema: Any = None) -> StructuredOutput:
-    """``spec`` once it compiles, for the model's vocabulary too, and can produce a first token (checked in worker
-    threads: a large schema must not hold up the event loop); else 400 naming ``param``, what is wrong and, for a
-    JSON schema, where."""
+    """``spec`` once it compiles and, with ``grammars``, compiles for the model's vocabulary and can produce a first
+    token (checked in worker threads: a large schema must not hold up the event loop); else 400 naming ``param``,
+    what is wrong and, for a JSON schema, where."""
     try:
         await asyncio.to_thread(check, spec)
-        await asyncio.wrap_future(grammars.submit(spec))  # cached by the spec's hash
+        if grammars is not None:  # cached by the spec's hash; shielded: a cancelled handler must not cancel a
+            # compile the engine shares
+            await asyncio.shield(asyncio.wrap_future(grammars.submit(spec)))
+    except RuntimeError as e:  # the compiler's pool is closed: the engine is shutting down
+        raise APIError(503, f"the engine is shutting down ({e})", type="server_error", code="shutting_down") from None
     except StructuredOutputError as e:
         where = locate_error(schema, str(e)) if schema is not None else None
         raise _invalid(f"{param}: {e}" + (f" (at {where} in the schema)" if where else ""),
@@ -794,7 +798,7 @@ class _Call:
             choice["message"] = {"role": "assistant", "content": text}
             if self.tools is not None:
                 self.tools.feed(text)
-                self.tools.finish()
+                self.tools.finish(cut_off=finish == "length")
                 choice["message"]["content"] = self.tools.content or None
                 if self.tools.calls:
                     choice["message"]["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -815,7 +819,7 @@ class _Call:
             return None
         delta = self.tools.feed(out.text)
         if done:
-            delta.extend(self.tools.finish())
+            delta.extend(self.tools.finish(cut_off=out.finish_reason == "length"))
             finish = "tool_calls" if finish == "stop" and self.tools.calls else finish
         if not (delta.content or delta.calls or (out.token_ids and self.want_logprobs) or done):
             return None
@@ -1030,8 +1034,9 @@ class _Handlers:
                 raise _invalid(f"{asked[1]} and tools cannot be combined: the answer is either tool calls or the "
                                f"format; leave one out or send tool_choice 'none'", param=asked[1],
                                code="unsupported_parameter")
-            for i, tool in enumerate(tools):
-                await _checked_grammar(self.engine.grammars, StructuredOutput.json_schema(tool.parameters),
+            for i, tool in enumerate(tools):  # each schema checked alone (named in a 400); compiled with the
+                # vocabulary below, within the tools' grammar
+                await _checked_grammar(None, StructuredOutput.json_schema(tool.parameters),
                                        f"tools[{i}].function.parameters", tool.parameters)
             fields["structured"] = await _checked_grammar(
                 self.engine.grammars,

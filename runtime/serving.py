@@ -67,8 +67,8 @@ from runtime.sampling import (INVALID_TOKEN, SamplingParams, TokenBitmask, compu
 from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, PendingDrafts, Proposer,
                                  SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_rows)
-from runtime.structured import (GRAMMAR_ERROR_PREFIX, GrammarCompiler, GrammarState, fill_bitmasks,
-                                fill_bitmasks_with_drafts)
+from runtime.structured import (GRAMMAR_ERROR_PREFIX, GrammarCompiler, GrammarState, StructuredOutputError,
+                                fill_bitmasks, fill_bitmasks_with_drafts)
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -272,6 +272,12 @@ def _feed(ids: torch.Tensor, feed: tuple[torch.Tensor, list[int], list[int]]) ->
     """``ids`` with ids[targets[i]] = tokens[sources[i]], on the device (tokens the step in flight sampled)."""
     tokens, sources, targets = feed
     return ids.index_copy_(0, to_device(targets, ids.device), tokens.index_select(0, to_device(sources, tokens.device)))
+
+
+def _outside_grammar(token: int, grammar: GrammarState) -> str:
+    """A sampled token the request's grammar refuses: the mask allowed it, so the engine's fault (not prefixed as
+    the client's, GRAMMAR_ERROR_PREFIX), with llguidance's word on it (a limit it reached, for one)."""
+    return f"token {token} was sampled outside the request's grammar (structured output; {grammar.error})"
 
 
 class ServingEngine:
@@ -771,8 +777,7 @@ class ServingEngine:
             if request.request_id not in failed and track is not None and track.grammar is not None \
                     and not track.grammar.advance(token):
                 failed.add(request.request_id)
-                errors[request.request_id] = (f"{GRAMMAR_ERROR_PREFIX}token {token} was sampled outside the grammar "
-                                              f"({track.grammar.error})")
+                errors[request.request_id] = _outside_grammar(token, track.grammar)
         self.scheduler.update(sched, {r.request_id: t for r, t, _ in rows if r.request_id not in failed})
         if before_emit is not None:
             before_emit()
@@ -945,8 +950,7 @@ class ServingEngine:
         finish: str | None = None
         for token in emitted:
             if track.grammar is not None and not track.grammar.advance(token):  # a structured request's, in turn
-                return self._fail(request, f"{GRAMMAR_ERROR_PREFIX}token {token} was sampled outside the grammar "
-                                           f"({track.grammar.error})")
+                return self._fail(request, _outside_grammar(token, track.grammar))
             request.token_ids.append(token)
             finish = self._stop_check(request, track, token)
             if finish is not None:
@@ -1199,9 +1203,12 @@ class ServingEngine:
         for request_id, future in [(i, f) for i, f in self._compiling.items() if f.done()]:
             del self._compiling[request_id]
             request = self.scheduler.get(request_id)
-            error = future.exception()
-            if error is not None:
-                outputs.append(self._fail(request, f"{GRAMMAR_ERROR_PREFIX}{error}"))
+            error = StructuredOutputError("the compile was cancelled (the engine is closing)") if future.cancelled() \
+                else future.exception()
+            if error is not None:  # the grammar's own fault (the client's), or the compiler's
+                outputs.append(self._fail(request, f"{GRAMMAR_ERROR_PREFIX}{error}"
+                                          if isinstance(error, StructuredOutputError)
+                                          else f"compiling the grammar failed: {type(error).__name__}: {error}"))
                 continue
             self._tracks[request_id].grammar = future.result().new_state()
             self.scheduler.mark_ready(request_id)

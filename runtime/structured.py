@@ -302,7 +302,7 @@ class GrammarCompiler:
         key = spec.key
         with self._cache_lock:
             future = self._cache.get(key)
-            if future is not None:
+            if future is not None and not future.cancelled():  # a cancelled one compiled nothing: queued again
                 self._cache.move_to_end(key)
                 return future
             future = self._cache[key] = self._pool.submit(self._compile, spec)

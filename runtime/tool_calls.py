@@ -218,6 +218,7 @@ class ToolCallParser:
         self._state = "content"  # content | head (reading the name) | arguments
         self._pending_space = ""  # whitespace held until content that is not whitespace follows
         self._after_call = False  # a call just ended: the whitespace after it is dropped
+        self._cut_off = False  # finish's: the output ended at max_tokens
 
     def feed(self, text: str) -> ToolCallDelta:
         delta = ToolCallDelta()
@@ -226,9 +227,12 @@ class ToolCallParser:
             pass
         return delta
 
-    def finish(self) -> ToolCallDelta:
-        """The rest, at the end of the output (an unfinished call keeps the arguments it has)."""
+    def finish(self, cut_off: bool = False) -> ToolCallDelta:
+        """The rest, at the end of the output (an unfinished call keeps the arguments it has). ``cut_off``: the
+        output ended at max_tokens, so content ending in the start of a call's opening ("<tool_call" cut short) is
+        that call's, not text."""
         delta = ToolCallDelta()
+        self._cut_off = cut_off
         while self._step(delta, final=True):
             pass
         return delta
@@ -239,9 +243,9 @@ class ToolCallParser:
         if self._state == "content":
             at = buf.find(CALL_OPEN)
             held = _held_back(buf, CALL_OPEN)
-            # at the end of the output, a cut-off "<t..." is the start of a call that max_tokens stopped, not
-            # content (a lone "<" is too common in text to drop)
-            end = at if at >= 0 else len(buf) - (held if not final or held >= 2 else 0)
+            # at the end of an output max_tokens cut off, a "<t..." is the start of a call, not content (a lone "<"
+            # is too common in text to drop); at the end of one that finished, it is text
+            end = at if at >= 0 else len(buf) - (held if not final or (self._cut_off and held >= 2) else 0)
             self._add_content(delta, buf[:end], final and at < 0)
             if at < 0:
                 self._buffer = buf[end:]

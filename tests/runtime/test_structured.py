@@ -344,12 +344,14 @@ def test_a_call_cut_off_by_max_tokens_keeps_only_its_arguments(cut_after, argume
         parser, args, said, cuts = ToolCallParser(), "", "", [0]
         while cuts[-1] < len(text):
             cuts.append(min(len(text), cuts[-1] + rng.randint(1, 6)))
-        for delta in [parser.feed(text[a:b]) for a, b in zip(cuts, cuts[1:])] + [parser.finish()]:
+        for delta in [parser.feed(text[a:b]) for a, b in zip(cuts, cuts[1:])] + [parser.finish(cut_off=True)]:
             said += delta.content
             args += "".join(piece for _, _, piece in delta.calls)
         assert (parser.calls[0].arguments, args, said, parser.content) == (arguments, arguments, content, content)
     prose = ToolCallParser()  # a lone "<" at the end of content is text
-    assert prose.feed("if a <").content + prose.finish().content == prose.content == "if a <"
+    assert prose.feed("if a <").content + prose.finish(cut_off=True).content == prose.content == "if a <"
+    ended = ToolCallParser()  # an output that finished (EOS, a stop string) ending in "<to" ends in text
+    assert ended.feed("compare a<to").content + ended.finish().content == ended.content == "compare a<to"
 
 
 # --- the serving engine on the bundled model -----------------------------------------------------------------------
@@ -473,7 +475,7 @@ def test_a_token_the_grammar_refuses_fails_that_request_alone(engine, monkeypatc
     held, free = s.run([prompt, prompt], [
         SamplingParams(max_tokens=16, structured=StructuredOutput.json_schema(SCHEMAS["flat_object"])),
         SamplingParams(max_tokens=16, ignore_eos=True)])
-    assert held.finish_reason == "error" and "sampled outside the grammar" in held.error, held
+    assert held.finish_reason == "error" and "sampled outside the request's grammar" in held.error, held
     assert free.finish_reason == "length" and len(free.token_ids) == 16
     assert refused_on == ["MainThread"], refused_on  # advanced where the step is recorded
     _assert_no_leaks(s)
@@ -617,3 +619,22 @@ def test_structured_requests_speculate_with_the_plain_output(engine, wrong_at, o
         assert stats.spec_num_draft_tokens < proposer.proposed or stats.spec_num_accepted_tokens < \
             stats.spec_num_draft_tokens
     _assert_no_leaks(s)
+
+
+def test_a_cancelled_compile_is_not_served_from_the_cache(engine):
+    """A compile cancelled while queued (a pool shutting down, a caller that gave up without a shield) compiled
+    nothing: the next submit of the spec queues it again instead of handing out the cancelled future."""
+    import threading
+
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    compiler = GrammarCompiler(engine.tokenizer, vocab, max_workers=1, spread=1)
+    gate = threading.Event()
+    compiler._pool.submit(gate.wait, 30)  # the only worker is busy: the next compile stays queued
+    spec = StructuredOutput("regex", "[0-9]{3}")
+    queued = compiler.submit(spec)
+    assert queued.cancel() and queued.cancelled()
+    again = compiler.submit(spec)
+    assert again is not queued
+    gate.set()
+    assert again.result(30).new_state().matcher is not None
+    compiler.close()
