@@ -299,7 +299,7 @@ def serve(
                "--request-timeout": request_timeout,
                "--prefill-hold-ms": prefill_hold_ms, "--speculative-ngram": speculative_ngram,
                "--speculative-config": speculative_config}
-    argv += [str(a) for flag, value in options.items() if value is not None for a in (flag, value)]
+    argv += [f"{flag}={value}" for flag, value in options.items() if value is not None]  # a value may begin with "-"
     argv += [flag for flag, on in (("--no-prefix-caching", no_prefix_caching), ("--no-cuda-graphs", no_cuda_graphs),
                                    ("--allow-failed-gate", allow_failed_gate), ("--engine-thread", engine_thread))
               if on]
@@ -443,13 +443,22 @@ def _batch_size(value: str) -> int:
     return size
 
 
+def _check_record(record: Path | None) -> None:
+    """--record's file must be writable before minutes of measuring are spent."""
+    if record is None:
+        return
+    if record.is_dir() or not record.parent.is_dir() or not os.access(record.parent, os.W_OK) \
+            or (record.exists() and not os.access(record, os.W_OK)):
+        _fail(f"--record {record}: not a file that can be appended to (its directory must exist and be writable)")
+
+
 @bench_app.command("latency")
 def bench_latency(
     artifact: Path = typer.Argument(..., help="artifact directory"),
     device: str = typer.Option("cuda", help="cuda | cpu"),
-    input_len: list[int] = typer.Option([128], help="prompt lengths (repeat the option for several)"),
-    output_len: int = typer.Option(128, help="tokens generated per repeat"),
-    repeats: int = typer.Option(3, help="median over this many runs"),
+    input_len: list[int] = typer.Option([128], min=1, help="prompt lengths (repeat the option for several)"),
+    output_len: int = typer.Option(128, min=1, help="tokens generated per repeat"),
+    repeats: int = typer.Option(3, min=1, help="median over this many runs"),
     max_seq_len: Optional[int] = typer.Option(None, help="lower the artifact's max_seq_len (smaller KV tables)"),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="prefill chunk (default: the artifact's)"),
     no_cuda_graphs: bool = typer.Option(False, "--no-cuda-graphs"),
@@ -470,8 +479,10 @@ def bench_latency(
     from builder.bench.record import STOCK_QUANT, append_figures, figure_tag, precision_of
     from builder.bench.stock_torch import QUANT_MODES, StockModelError, run_stock_baseline
     from runtime.engine import RequestError
+    from runtime.sampling import SamplingError
 
     _setup_logging(False)
+    _check_record(record)
     if baseline_quant is not None and baseline_quant not in QUANT_MODES:
         _fail(f"--baseline-quant {baseline_quant!r} is not one of {', '.join(QUANT_MODES)}")
     batch_size = sorted(set(batch_size))
@@ -484,6 +495,8 @@ def bench_latency(
         results = [latency(engine, n, output_len, repeats) for n in input_len]
         precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
         tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)  # the figures' precision part
+    except (RequestError, SamplingError) as e:  # a prompt or output the engine refuses (--input-len past the context)
+        _fail(f"{e} (--input-len {input_len if len(input_len) > 1 else input_len[0]}, --output-len {output_len})")
     finally:
         engine.close()  # a tensor-parallel engine's worker ranks
     del engine
@@ -567,10 +580,11 @@ def bench_latency(
 def bench_throughput(
     artifact: Path = typer.Argument(..., help="artifact directory"),
     device: str = typer.Option("cuda", help="cuda | cpu"),
-    input_len: int = typer.Option(128),
-    output_len: int = typer.Option(128),
+    input_len: int = typer.Option(128, min=1),
+    output_len: int = typer.Option(128, min=1),
     concurrency: list[int] = typer.Option([64], help="max_num_seqs values to sweep (repeat the option)"),
-    num_prompts: Optional[int] = typer.Option(None, help="requests per point (default: --waves x concurrency)"),
+    num_prompts: Optional[int] = typer.Option(None, min=1, help="requests per point (default: --waves x "
+                                              "concurrency)"),
     waves: int = typer.Option(4, min=1, help="requests per point as a multiple of its concurrency, when "
                               "--num-prompts is not given (1: one wave, as long outputs are measured)"),
     max_seq_len: Optional[int] = typer.Option(None),
@@ -591,8 +605,11 @@ def bench_throughput(
     """Output tokens/s of many requests submitted at once, at each concurrency."""
     from builder.bench.offline import report, throughput
     from builder.bench.record import append_figures, figure_tag
+    from runtime.engine import RequestError
+    from runtime.sampling import SamplingError
 
     _setup_logging(False)
+    _check_record(record)
     results, spec_results, tag = [], [], None
     specs = [None] if speculative_ngram is None else [None, {"method": "ngram",
                                                             "num_speculative_tokens": speculative_ngram}]
@@ -604,6 +621,8 @@ def bench_throughput(
                 (results if spec is None else spec_results).append(
                     throughput(engine, input_len, output_len, num_prompts or waves * c))
                 tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)
+            except (RequestError, SamplingError) as e:  # a request the engine refuses (--input-len past the context)
+                _fail(f"{e} (--input-len {input_len}, --output-len {output_len})")
             finally:
                 engine.close()  # a tensor-parallel engine's ranks leave the process group before the next point
             del engine

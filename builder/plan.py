@@ -75,6 +75,10 @@ def parse_memory(text: str) -> int:
 EXACT_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+# the planner builds an object per layer: a config beyond any model's is refused rather than planned for hours
+_MAX_DIMENSION = {"num_hidden_layers": 10_000}
+
+
 @dataclass(frozen=True)
 class MoeShape:
     """A mixture-of-experts decoder's experts, from config.json's usual keys (Mixtral, Qwen-MoE, OLMoE)."""
@@ -129,18 +133,25 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], source: str = "config.json") -> ModelShape:
+        """The shape ``config`` (a checkpoint's config.json) describes; PlanError naming a missing or bad value."""
         model_type = config.get("model_type")
         if not isinstance(model_type, str) or not model_type:
             raise PlanError(f"{source}: model_type is {json.dumps(model_type)}; the planner needs the model's family")
         config = standard_keys(config)
 
         def need(key: str, default: int | None = None) -> int:
-            value = config.get(key) or default
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"{source}: {key} is {config.get(key)!r}; a positive integer is needed to plan")
+            value = config.get(key)
+            value = default if value is None else value  # a 0 is a value (refused below), not a missing key
+            bound = _MAX_DIMENSION.get(key, 1 << 31)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= bound:
+                raise PlanError(f"{source}: {key} is {config.get(key)!r}; a positive integer is needed to plan"
+                                + (f" (at most {_MAX_DIMENSION[key]:,})" if key in _MAX_DIMENSION else ""))
             return value
 
         hidden, heads = need("hidden_size"), need("num_attention_heads")
+        if heads % need("num_key_value_heads", heads):
+            raise PlanError(f"{source}: num_key_value_heads {config.get('num_key_value_heads')} does not divide "
+                            f"num_attention_heads {heads}: each key/value head serves a whole group of query heads")
         attention_bias = bool(config.get("attention_bias", False))
         return cls(
             model_type=model_type, num_layers=need("num_hidden_layers"), hidden_size=hidden, num_heads=heads,

@@ -86,8 +86,8 @@ class SchedulerConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_waiting < 0:
-            raise ValueError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.max_waiting < 1:  # every request is admitted through the waiting queue: 0 would admit none
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
         if not self.prefill_hold_s >= 0 or self.prefill_hold_tokens < 0:
             raise ValueError(f"prefill_hold_s and prefill_hold_tokens must be >= 0, got {self.prefill_hold_s} and "
                              f"{self.prefill_hold_tokens}")

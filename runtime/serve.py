@@ -68,17 +68,36 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (any free one) to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; it must be in 0..65535 (0: any free one)")
+    return value
+
+
+def _name(text: str) -> str:
+    """An argparse type: a non-blank model name."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("the name is empty; give one, or leave the option out for the artifact's")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m runtime.serve", description=__doc__.split("\n\n")[0].strip("`"),
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("artifact", help="artifact directory (built by `builder build`)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind; 0.0.0.0 exposes the server to the network")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1 routes (default: ${API_KEY_ENV}, else none)")
     p.add_argument("--device", default="auto", help="auto (CUDA when this machine has it, else the CPU), cpu, cuda "
                                                    "or cuda:N")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the artifact's name)")
+    p.add_argument("--served-model-name", type=_name, default=None,
+                   help="the model id clients send (default: the artifact's name)")
     g = p.add_argument_group("serving limits (default: the artifact's runtime section)")
     g.add_argument("--max-num-seqs", type=_positive(int), default=None, help="requests in the running batch")
     g.add_argument("--max-num-batched-tokens", type=_positive(int), default=None, help="tokens per engine step")
@@ -205,6 +224,15 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    sock = None
+    if args.api_servers == 1:  # bound before the engine loads: a taken port or a bad host fails at once
+        from runtime.api_servers import bind_socket
+
+        try:
+            sock = bind_socket(args.host, args.port)
+        except (OSError, UnicodeError, OverflowError) as e:
+            print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+            return 1
     try:
         config = ServingConfig(
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -234,9 +262,11 @@ def main(argv: list[str] | None = None) -> int:
             engine = EngineProcess(args.artifact, device, config, allow_failed_gate=args.allow_failed_gate)
     except (ArtifactError, TokenizerError, MemoryPlanError, EngineStartError, ValueError) as e:
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
+        _close_socket(sock)
         return 1
-    except OSError as e:  # --api-servers: the address could not be bound
+    except (OSError, UnicodeError, OverflowError) as e:  # --api-servers: the address could not be bound
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        _close_socket(sock)
         return 1
     model_name = args.served_model_name or engine.artifact.manifest["name"]
     log.info("serving %r as %r on %s (engine %s): max_num_seqs %s, max_num_batched_tokens %s, max_seq_len %d, "
@@ -254,15 +284,23 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the checkpoint's generation_config.json sets a sampling default not allowed
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
         _close(engine)
+        _close_socket(sock)
         return 1
+    log.info("listening on %s:%d", args.host, sock.getsockname()[1])
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_config=None, log_level=args.log_level,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=args.log_level,
+                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
         pass
     finally:
         _close(engine)
+        _close_socket(sock)
     return 0
+
+
+def _close_socket(sock) -> None:
+    if sock is not None:
+        sock.close()
 
 
 def _torchrun_worker(args: argparse.Namespace) -> int:

@@ -128,17 +128,18 @@ class ServingConfig:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
         if not self.prefill_hold_ms >= 0:
             raise ValueError(f"prefill_hold_ms must be >= 0, got {self.prefill_hold_ms}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "kv_cache_bytes", "num_blocks"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "kv_cache_bytes", "num_blocks",
+                     "max_waiting"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.tokens_per_block is not None and not (
                 type(self.tokens_per_block) is int and 0 < self.tokens_per_block <= MAX_TOKENS_PER_BLOCK
                 and self.tokens_per_block & (self.tokens_per_block - 1) == 0):
             raise ValueError(f"tokens_per_block {self.tokens_per_block} must be a power of two from 1 to "
                              f"{MAX_TOKENS_PER_BLOCK} (e.g. 16 or 64)")
-        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:  # NaN included
+            raise ValueError(f"request_timeout_s must be > 0 seconds (None: no timeout), got {self.request_timeout_s}")
 
 
 def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, cuda_graphs: bool = True) -> Proposer:

@@ -89,6 +89,10 @@ def test_serve_delegates_to_the_runtime_server(monkeypatch, tmp_path):
     assert (args.max_num_seqs, args.kv_cache_memory, args.no_prefix_caching, args.request_timeout) == (
         4, 512 << 20, True, 2.5)
     assert (args.max_num_batched_tokens, args.num_blocks, args.allow_failed_gate) == (None, None, False)
+    res = runner.invoke(app, ["serve", str(tmp_path), "--api-key", "-starts-with-a-dash", "--served-model-name", "-m"])
+    assert res.exit_code == 0, res.output  # values that look like options travel as --flag=value
+    args = runtime.serve.build_parser().parse_args(seen[1])
+    assert (args.api_key, args.served_model_name) == ("-starts-with-a-dash", "-m")
 
 
 def test_serve_missing_artifact_exits_1(tmp_path):
@@ -123,3 +127,22 @@ def test_bench_latency_batch_sizes_need_four_output_tokens(tmp_path):
     res = runner.invoke(app, ["bench", "latency", str(tmp_path / "missing"), "--device", "cpu", "--batch-size", "2",
                               "--output-len", "3"])
     assert res.exit_code == 1 and "--output-len 3: --batch-size needs at least 4" in res.output, res.output
+
+
+@pytest.mark.parametrize("command, option", [("latency", "--input-len"), ("latency", "--output-len"),
+                                             ("latency", "--repeats"), ("throughput", "--input-len"),
+                                             ("throughput", "--output-len"), ("throughput", "--num-prompts")])
+def test_bench_refuses_counts_below_one_while_parsing(command, option, tmp_path):
+    res = runner.invoke(app, ["bench", command, str(tmp_path / "missing"), "--device", "cpu", option, "0"])
+    assert res.exit_code == 2, res.output
+    assert f"Invalid value for '{option}'" in " ".join(res.output.replace("│", " ").split())
+
+
+def test_bench_refuses_a_prompt_past_the_context_and_an_unwritable_record(quickstart, tmp_path):
+    res = runner.invoke(app, ["bench", "throughput", str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "2", "--concurrency", "1", "--record", "/proc/nope/x.jsonl"])
+    assert res.exit_code == 1 and "--record /proc/nope/x.jsonl: not a file that can be appended to" in res.output
+    res = runner.invoke(app, ["bench", "latency", str(quickstart), "--device", "cpu", "--input-len", "5000",
+                              "--output-len", "2", "--repeats", "1"])
+    assert res.exit_code == 1 and isinstance(res.exception, SystemExit), res.output  # a message, no traceback
+    assert "the prompt has 5000 tokens" in res.output and "--input-len 5000" in res.output

@@ -4,6 +4,7 @@ built artifacts (weight bytes as stored, KV bytes per token, the runtime's own b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,17 @@ def test_kv_heads_replicate_past_num_kv_heads_and_bad_tp_sizes_are_named(tmp_pat
     with pytest.raises(PlanError, match="not divisible by group_size 100"):
         make_plan(recipe_for_checkpoint(recipe.model.checkpoint, ["quantization.algo=gptq",
                                                                   "quantization.group_size=100"]))
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"num_key_value_heads": 0}, "num_key_value_heads is 0; a positive integer is needed"),  # was read as "unset"
+    ({"head_dim": 0}, "head_dim is 0; a positive integer is needed"),
+    ({"num_key_value_heads": 12}, "num_key_value_heads 12 does not divide num_attention_heads 32"),
+    ({"num_hidden_layers": 10**12}, "(at most 10,000)"),  # an object per layer: planned for hours before
+])
+def test_config_values_that_describe_no_model_are_named(tmp_path, change, says):
+    with pytest.raises(PlanError, match=re.escape(says)):
+        make_plan(load_plan_input(config_dir(tmp_path / "c", {**LLAMA3_8B, **change})))
 
 
 def test_tp_size_comes_from_the_recipe(tmp_path):

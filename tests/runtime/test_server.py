@@ -312,6 +312,24 @@ sys.exit(main([{str(bundled_artifact)!r}, '--num-blocks', '40']))
     assert "Traceback" not in res.stderr
 
 
+def test_a_port_it_cannot_listen_on_stops_the_start_up_before_the_engine_loads(bundled_artifact, capsys, monkeypatch):
+    import runtime.serve
+
+    loads = []
+    monkeypatch.setattr("runtime.engine_process.EngineProcess.__init__", lambda *a, **k: loads.append(1))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        assert runtime.serve.main([str(bundled_artifact), "--port", str(port), "--device", "cpu"]) == 1
+    assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and not loads
+    assert runtime.serve.main([str(bundled_artifact), "--host", "no..such..host", "--device", "cpu"]) == 1
+    assert "error: cannot listen on no..such..host" in capsys.readouterr().err and not loads
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error
+        runtime.serve.main([str(bundled_artifact), "--port", "70000"])
+    assert exited.value.code == 2 and "must be in 0..65535" in capsys.readouterr().err
+
+
 # --- 3. logprobs ------------------------------------------------------------------------------------------
 def test_completion_logprobs(server, offline):
     body = {"prompt": "def fibonacci(n):", "max_tokens": 10, "logprobs": 3, "temperature": 0, "ignore_eos": True}

@@ -3,6 +3,7 @@ preemption, shared prefixes included), seeds, aborts, timeouts, stop conditions,
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -218,6 +219,19 @@ def test_tokens_per_block_overrides_the_artifacts(engine, monkeypatch):
     for bad in (0, 48, 2048, True):
         with pytest.raises(ValueError, match=f"tokens_per_block {bad} must be a power of two from 1 to 1024"):
             ServingConfig(tokens_per_block=bad)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("max_waiting", 0, "max_waiting must be a whole number >= 1, got 0"),  # admitted nothing: run() spun forever
+    ("max_num_seqs", 2.5, "max_num_seqs must be a whole number >= 1, got 2.5"),
+    ("max_seq_len", True, "max_seq_len must be a whole number >= 1, got True"),
+    ("request_timeout_s", float("nan"), "request_timeout_s must be > 0 seconds"),  # never timed out
+])
+def test_serving_config_refuses_values_that_would_serve_wrongly(field, value, says):
+    from runtime.serving import ServingConfig
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        ServingConfig(**{field: value})
 
 
 def test_prefill_graph_tokens_from_the_environment_and_checked(monkeypatch):
