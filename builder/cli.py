@@ -447,9 +447,13 @@ def _check_record(record: Path | None) -> None:
     """--record's file must be writable before minutes of measuring are spent."""
     if record is None:
         return
-    if record.is_dir() or not record.parent.is_dir() or not os.access(record.parent, os.W_OK) \
-            or (record.exists() and not os.access(record, os.W_OK)):
-        _fail(f"--record {record}: not a file that can be appended to (its directory must exist and be writable)")
+    if record.exists():  # appended to: the file itself must be writable
+        ok = not record.is_dir() and os.access(record, os.W_OK)
+    else:  # created: in a directory that exists and takes new files
+        ok = record.parent.is_dir() and os.access(record.parent, os.W_OK)
+    if not ok:
+        _fail(f"--record {record}: not a file that can be appended to (an existing writable file, or a new one in a "
+              f"writable directory)")
 
 
 @bench_app.command("latency")

@@ -34,6 +34,7 @@ import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -224,12 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    sock = None
+    socks: list = []
     if args.api_servers == 1:  # bound before the engine loads: a taken port or a bad host fails at once
-        from runtime.api_servers import bind_socket
-
         try:
-            sock = bind_socket(args.host, args.port)
+            socks = bind_sockets(args.host, args.port)
         except (OSError, UnicodeError, OverflowError) as e:
             print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
             return 1
@@ -262,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             engine = EngineProcess(args.artifact, device, config, allow_failed_gate=args.allow_failed_gate)
     except (ArtifactError, TokenizerError, MemoryPlanError, EngineStartError, ValueError) as e:
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
-        _close_socket(sock)
+        _close_sockets(socks)
         return 1
     except (OSError, UnicodeError, OverflowError) as e:  # --api-servers: the address could not be bound
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        _close_socket(sock)
+        _close_sockets(socks)
         return 1
     model_name = args.served_model_name or engine.artifact.manifest["name"]
     log.info("serving %r as %r on %s (engine %s): max_num_seqs %s, max_num_batched_tokens %s, max_seq_len %d, "
@@ -284,22 +283,52 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the checkpoint's generation_config.json sets a sampling default not allowed
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
         _close(engine)
-        _close_socket(sock)
+        _close_sockets(socks)
         return 1
-    log.info("listening on %s:%d", args.host, sock.getsockname()[1])
+    log.info("listening on %s", ", ".join(_address(sock) for sock in socks))
     try:
         uvicorn.Server(uvicorn.Config(app, log_config=None, log_level=args.log_level,
-                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run(sockets=[sock])
+                                      timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)).run(sockets=socks)
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C
         pass
     finally:
         _close(engine)
-        _close_socket(sock)
+        _close_sockets(socks)
     return 0
 
 
-def _close_socket(sock) -> None:
-    if sock is not None:
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address ``host`` resolves to (as asyncio's create_server binds them: IPv6 ones IPv6
+    only, Nagle off through IPPROTO_TCP), not yet listening: the server listens once the engine has loaded, so until
+    then a connection is refused rather than left unanswered. Raises OSError (a taken port, a host that does not
+    resolve), UnicodeError (a malformed host name)."""
+    infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP,
+                               flags=socket.AI_PASSIVE)
+    socks, seen = [], set()
+    try:
+        for family, kind, proto, _, address in infos:
+            if (family, address) in seen:
+                continue
+            seen.add((family, address))
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except BaseException:
+        _close_sockets(socks)
+        raise
+    return socks
+
+
+def _address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
+
+
+def _close_sockets(socks: list) -> None:
+    for sock in socks:
         sock.close()
 
 

@@ -899,7 +899,17 @@ def test_serve_cli_api_servers_share_the_port_and_the_metrics(bundled_artifact):
     (whichever process takes it) counts every request, and Ctrl-C stops the servers and the engine, exit 0."""
     proc, url = _start_serve(str(bundled_artifact), "--num-blocks", "64", "--max-num-seqs", "4", "--api-servers", "2",
                              "--served-model-name", "m")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
+        # /health answered by one process; a second still starting on a loaded machine would die by the SIGTERM of
+        # the shutdown before uvicorn's graceful handling is in place: wait until both have started
+        deadline = time.monotonic() + 120
+        while sum("Application startup complete" in line for line in list(lines)) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)
+            time.sleep(0.1)
+
         def ask(i: int) -> int:  # a connection each: the two processes take turns at the socket
             body = {"model": "m", "prompt": f"def f{i}(", "max_tokens": 4, "stream": i % 2 == 1}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -917,7 +927,9 @@ def test_serve_cli_api_servers_share_the_port_and_the_metrics(bundled_artifact):
             assert "llm_kv_cache_num_blocks 64.0" in text  # the engine's gauges, from its stats
     finally:
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(timeout=30)
+    out = "".join(lines)
     assert proc.returncode == 0, out
     assert "Traceback" not in out
     assert "with 2 server processes over one engine process" in out
