@@ -270,6 +270,10 @@ class ParallelSection(_Strict):
         return self
 
 
+# passes the quantization section runs (resolve_passes), never listed in ``passes``
+_QUANTIZATION_PASSES = frozenset(("awq", "gptq", "smoothquant", "fp8", "int8_wo", "kv_cache_quant"))
+
+
 class Recipe(_Strict):
     name: Optional[NonBlank] = None
     model: ModelSection
@@ -295,6 +299,23 @@ class Recipe(_Strict):
             if name == "shard":
                 raise ValueError(f"passes[{i}]: 'shard' runs last, after quantization, when parallel.tp_size > 1; "
                                  f"set parallel.tp_size instead of listing it")
+            if name in _QUANTIZATION_PASSES:  # run from the list it would quantize ungated, the manifest saying "none"
+                setting = ("kv_cache_dtype: fp8 or int8" if name == "kv_cache_quant" else f"algo: {name}")
+                raise ValueError(f"passes[{i}]: {name!r} is a quantization method: the build runs it from the "
+                                 f"quantization section (calibrated, gated and recorded in the manifest); set "
+                                 f"quantization.{setting} and leave it out of passes")
+        return self
+
+    @model_validator(mode="after")
+    def _gates_fit_the_context(self) -> Recipe:
+        """Gate lengths a recipe sets fit runtime.max_seq_len: the gates judge the artifact on inputs it can serve.
+        (The defaults are left as they are: a small model's recipe need not restate them.)"""
+        limit = self.runtime.max_seq_len
+        for key, most in (("window", limit), ("needle_context_len", limit), ("greedy_tokens", limit - 1)):
+            value = getattr(self.gates, key)
+            if key in self.gates.model_fields_set and value is not None and value > most:
+                raise ValueError(f"gates.{key} {value} is past runtime.max_seq_len {limit}: the gates would judge "
+                                 f"the build on inputs the artifact cannot serve; set it to at most {most}")
         return self
 
     @model_validator(mode="after")

@@ -189,3 +189,17 @@ def test_a_value_that_aliases_expand_to_billions_of_items_is_quoted_without_walk
     quoted = r"passes\[0\]: \[\[\[\[\.\.\.\], \[\.\.\.\]\].*\.\.\. is a list; expected a string"
     with pytest.raises(RecipeError, match=quoted):
         load_recipe(path)
+
+
+@pytest.mark.parametrize("name", ["int8_wo", "fp8", "awq", "gptq", "smoothquant", "kv_cache_quant"])
+def test_a_quantization_method_in_passes_is_refused(tmp_path, name):
+    """Listed as a pass it quantized the graph ungated, and the manifest said the artifact was unquantized."""
+    with pytest.raises(RecipeError, match=rf"passes\[1\]: '{name}' is a quantization method.*quantization\."):
+        _load(tmp_path, BASE + f"passes: [merge_qkv, {name}, verify]\n")
+
+
+@pytest.mark.parametrize("key, value", [("window", 2048), ("needle_context_len", 4000), ("greedy_tokens", 1024)])
+def test_gate_lengths_past_the_context_are_refused(tmp_path, key, value):
+    with pytest.raises(RecipeError, match=rf"gates.{key} {value} is past runtime.max_seq_len 1024"):
+        _load(tmp_path, BASE + f"runtime:\n  max_seq_len: 1024\ngates:\n  {key}: {value}\n")
+    _load(tmp_path, BASE + f"runtime:\n  max_seq_len: {value + 1}\ngates:\n  {key}: {value}\n")  # within it: fine
