@@ -300,10 +300,11 @@ class Recipe(_Strict):
                 raise ValueError(f"passes[{i}]: 'shard' runs last, after quantization, when parallel.tp_size > 1; "
                                  f"set parallel.tp_size instead of listing it")
             if name in _QUANTIZATION_PASSES:  # run from the list it would quantize ungated, the manifest saying "none"
-                setting = ("kv_cache_dtype: fp8 or int8" if name == "kv_cache_quant" else f"algo: {name}")
+                setting = ("runtime.kv_cache_dtype: fp8 or int8" if name == "kv_cache_quant"
+                           else f"quantization.algo: {name}")
                 raise ValueError(f"passes[{i}]: {name!r} is a quantization method: the build runs it from the "
-                                 f"quantization section (calibrated, gated and recorded in the manifest); set "
-                                 f"quantization.{setting} and leave it out of passes")
+                                 f"recipe's settings (calibrated, gated and recorded in the manifest); set {setting} "
+                                 f"and leave it out of passes")
         return self
 
     @model_validator(mode="after")

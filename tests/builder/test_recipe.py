@@ -194,7 +194,8 @@ def test_a_value_that_aliases_expand_to_billions_of_items_is_quoted_without_walk
 @pytest.mark.parametrize("name", ["int8_wo", "fp8", "awq", "gptq", "smoothquant", "kv_cache_quant"])
 def test_a_quantization_method_in_passes_is_refused(tmp_path, name):
     """Listed as a pass it quantized the graph ungated, and the manifest said the artifact was unquantized."""
-    with pytest.raises(RecipeError, match=rf"passes\[1\]: '{name}' is a quantization method.*quantization\."):
+    key = "runtime.kv_cache_dtype" if name == "kv_cache_quant" else f"quantization.algo: {name}"
+    with pytest.raises(RecipeError, match=rf"passes\[1\]: '{name}' is a quantization method.*set {key}"):
         _load(tmp_path, BASE + f"passes: [merge_qkv, {name}, verify]\n")
 
 
