@@ -502,4 +502,5 @@ def check_group_size(graph: Graph, node: Node, group_size: int, method: str) -> 
     if group_size != -1 and in_f % group_size:
         options = [g for g in (256, 128, 64, 32, 16) if in_f % g == 0]
         raise PassError(f"{method}: {node.source} has in_features {in_f}, not divisible by group_size "
-                        f"{group_size}; use {', '.join(map(str, options)) or 'a divisor of it'} or -1 (per channel)")
+                        f"{group_size}; use {', '.join(map(str, options)) or 'a divisor of it'} or -1 (per channel) "
+                        f"as the quantization section's group_size")

@@ -329,6 +329,7 @@ CASES = [
     Case("targets-match-nothing", "quantization (algo fp8) selects no linear: targets ['re:attn\\.qproj']",
          recipe=Q + "fp8\n  targets: ['re:attn\\.qproj']\n"),
     Case("group-size-not-dividing", "not divisible by group_size 48", recipe=Q + "gptq\n  group_size: 48\n"),
+    Case("group-size-names-the-key", "as the quantization section's group_size", recipe=Q + "gptq\n  group_size: 48\n"),
     Case("tp-size-not-dividing-heads", "tp_size 3 does not divide num_attention_heads 4",
          args=("--set", "parallel.tp_size=3")),
     # found when the weights are read
