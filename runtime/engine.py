@@ -184,12 +184,16 @@ class Engine:
         switch = self.executor.long_rope_from
         return switch is not None and num_tokens > switch
 
-    def _check_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise RequestError("the prompt is empty")
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """RequestError unless every id has an embedding row (the offline and the serving engines' check)."""
         vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
         if vocab and any(not 0 <= t < vocab for t in token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        self.check_token_ids(token_ids)
         if len(token_ids) >= self.limits.max_seq_len:
             raise RequestError(f"the prompt has {len(token_ids)} tokens; this engine's max_seq_len is "
                                f"{self.limits.max_seq_len} (prompt plus at least one generated token)")

@@ -489,9 +489,7 @@ class ServingEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise RequestError if the request could never run here (empty, too long, token ids outside the
         vocabulary, larger than the KV pool). Reads only fixed state: safe from any thread."""
-        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
-        if vocab and any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
+        self.engine.check_token_ids(prompt_token_ids)
         try:
             self.scheduler.check(len(prompt_token_ids), params.max_tokens)
         except ValueError as e:
