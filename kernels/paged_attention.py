@@ -753,9 +753,9 @@ def _paged_decode_heads_kernel(
     m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    h = kv0 * 0  # the iteration's kv head (from kv0) and tile (from first_tile), counted: no division per tile
+    j = kv0 * 0
     for it in range(0, HEADS * num_tiles):
-        h = it // num_tiles
-        j = it - h * num_tiles
         kv_head = kv0 + h
         head = kv_head * GROUP + offs_g
         tile = first_tile + j
@@ -783,6 +783,9 @@ def _paged_decode_heads_kernel(
             m_i = tl.full([GROUP_PAD], -1.0e30, dtype=tl.float32)
             l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
             acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+        last = j + 1 == num_tiles
+        h = tl.where(last, h + 1, h)
+        j = tl.where(last, 0, j + 1)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -239,7 +239,7 @@ def decode_sweep(gen, args, failures) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in args.sweep_kv:
         kv_dtype = KV_DTYPES[kv_name]
-        f16s = (False, True) if kv_dtype in KV_QMAX else (False,)
+        f16s = ((True,) if args.sweep_fp16_only else (False, True)) if kv_dtype in KV_QMAX else (False,)
         for batch, context in shapes:
             lens = [max(1, context - (i % 7)) for i in range(batch)]
             p = make_paged(lens, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, torch.bfloat16, kv_dtype, gen)
@@ -500,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="cache dtypes of --decode-sweep")
     parser.add_argument("--sweep-own-kv", action="store_true",
                         help="--prefill-sweep: fresh bf16 prompts over the step's own K/V (contiguous_kv)")
+    parser.add_argument("--sweep-fp16-only", action="store_true",
+                        help="quantized caches: only the tilings on fp16 operands (the serving default), not bf16")
     parser.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128, 256])
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--sweep-stages", nargs="+", type=int, default=[2, 3, 4])
