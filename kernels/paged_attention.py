@@ -986,6 +986,13 @@ _EARLY_TILE = os.environ.get("KERNELS_DECODE_EARLY", "1") != "0"
 _HEADS_MIN_PROGRAMS_PER_SM = 4
 
 
+# Quantized caches from this many (sequence, kv head) pairs: programs of 2 warps. In one H200 sweep (docs/BENCHMARKS.md,
+# session 47; FP8, 64-token blocks) 64:2:3 was the best of 48 tilings at 512 x 300 / 1,152 / 2,048 and 256 x 2,048
+# (2,048 to 4,096 pairs), 2.2-4.9% under 64:4:3, every 4- and 8-warp tiling slower; narrower launches, not swept,
+# keep 4 warps (fewer warps per SM where a program per pair leaves few programs)
+_TWO_WARP_DECODE_PAIRS = 2048
+
+
 def _decode_heads(pairs: int, num_kv_heads: int, sms: int) -> int:
     """kv heads per program for a wide decode over a quantized cache (see _HEADS_MIN_PROGRAMS_PER_SM)."""
     for heads in (8, 4, 2):
@@ -1010,7 +1017,8 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     stages, the fastest of 12 tilings at every serving shape swept on the H200 (docs/BENCHMARKS.md, session 31):
     98 us against 244 for the former 128:4:3 at 512 sequences of 150 keys, 517 against 707 at 256 x 2,048, 267
     against 357 at 32 x 8,192; for these 16-bit caches the by-heads kernel measured level with a program per pair
-    (H200, session 41). Wide launches over quantized caches take several kv heads per program (``_decode_heads``)."""
+    (H200, session 41). Wide launches over quantized caches take several kv heads per program (``_decode_heads``),
+    on 2 warps from _TWO_WARP_DECODE_PAIRS pairs on."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype == torch.float32:
@@ -1026,7 +1034,8 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     if quantized:
         if 0 < pairs <= _SMALL_DECODE_PAIRS:
             return DecodeConfig(64, 4, 2, f16=True)
-        return DecodeConfig(64, 4, 3, f16=True, heads=_decode_heads(pairs, num_kv_heads, sms) if sms else 1)
+        warps = 2 if pairs >= _TWO_WARP_DECODE_PAIRS else 4
+        return DecodeConfig(64, warps, 3, f16=True, heads=_decode_heads(pairs, num_kv_heads, sms) if sms else 1)
     if 0 < pairs <= _SMALL_DECODE_PAIRS:
         return DecodeConfig(64, 4, 2, min_keys=64, early=_EARLY_TILE)
     return DecodeConfig(32, 4, 3)
