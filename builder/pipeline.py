@@ -27,7 +27,8 @@ from builder.recipe import Recipe
 from passes import PASSES, PassContext, PassRecord, run_passes
 from passes.base import Progress
 from passes.ir import Graph
-from passes.shard import check_tp_size
+from passes.quant_math import QuantConfig
+from passes.shard import check_tp_groups, check_tp_size
 from passes.trace import refuses_sdpa, trace
 from runtime.tokenizer import Tokenizer, TokenizerError
 
@@ -83,7 +84,8 @@ def parallel_passes(recipe: Recipe) -> list[str]:
 
 def check_quantization(recipe: Recipe, graph: Graph) -> None:
     """Fail before any pass runs when a quantization section cannot apply to the traced graph: it
-    selects no linear, or a selected linear does not fit its options (e.g. group_size).
+    selects no linear, a selected linear does not fit its options (e.g. group_size), or its groups would be cut by
+    the tensor-parallel split (``parallel.tp_size``; call it after ``check_tp_size``).
 
     The quantization pass checks again on the graph it gets (after merges, and after earlier
     sections); a section that selects nothing here selects nothing there either.
@@ -92,7 +94,11 @@ def check_quantization(recipe: Recipe, graph: Graph) -> None:
     for i, q in enumerate(recipe.quantization if is_list else [recipe.quantization]):
         if q.algo != "none":
             key = f"quantization[{i}]" if is_list else "quantization"
-            PASSES[q.algo]().prepare(graph, q.method_options(), f"{key} (algo {q.algo})", warn=False)
+            method = PASSES[q.algo]()
+            targets = method.prepare(graph, q.method_options(), f"{key} (algo {q.algo})", warn=False)
+            cfg = getattr(method, "cfg", None)  # grouped weight methods (AWQ, GPTQ): their QuantConfig
+            if isinstance(cfg, QuantConfig):
+                check_tp_groups(graph, recipe.parallel.tp_size, targets, cfg.group_size, cfg.bits, key)
 
 
 def calibration_data(recipe: Recipe, tokenizer: Tokenizer) -> tuple[TokenData, str | None]:
@@ -417,9 +423,9 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
     trace_s = time.perf_counter() - t
     par = recipe.parallel
     # structure and shapes only: a section or tp_size that cannot apply stops the build before any weight is read
+    check_tp_size(graph, par.tp_size, par.vocab_parallel)
     if not prequantized:
         check_quantization(recipe, graph)
-    check_tp_size(graph, par.tp_size, par.vocab_parallel)
     if quant_names:  # data problems, too, surface before the weights are read and any pass runs
         device = calibration_device(recipe.calibration.device)
         t = time.perf_counter()

@@ -280,6 +280,28 @@ def check_tp_size(graph: Graph, tp_size: int, vocab_parallel: bool = False) -> N
         raise _fail(f"{why}; pick tp_size {', '.join(map(str, ok[:-1]))}{' or ' if len(ok) > 1 else ''}{ok[-1]}")
 
 
+def check_tp_groups(graph: Graph, tp_size: int, targets: list[int], group_size: int, bits: int, key: str) -> None:
+    """Raise PassError before calibration if the quantization about to run (groups of ``group_size`` input columns,
+    ``bits``-bit codes, on the linears ``targets``) would leave a row-parallel linear whose rank share of input
+    columns cuts a group (or, 4-bit, a packed byte): what the shard pass would refuse after calibration and gates.
+    ``key`` names the recipe's section."""
+    if tp_size == 1 or group_size == -1:
+        return
+    rows = match(graph).rows
+    for i in targets:
+        node = graph.nodes[i]
+        if id(node) not in rows:
+            continue
+        in_f = node.attrs["in_features"]
+        local = in_f // tp_size
+        if local % group_size or (bits == 4 and local % 2):
+            fits = ", ".join(str(g) for g in (256, 128, 64, 32, 16, 8) if local % g == 0) or "none of the usual sizes"
+            raise _fail(f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns per "
+                        f"rank, which cuts the quantization groups of {group_size} that {key} asks for; set "
+                        f"{key}.group_size to one dividing {local} ({fits}) or -1 (per channel), or pick another "
+                        f"tp_size")
+
+
 # --- weights -------------------------------------------------------------------------------------
 def _expert_slices(node: Node, role: str, tp_size: int) -> list[tuple[Slice, ...]] | None:
     """Per rank: the share of a moe node's weight role when every expert's intermediate features are split (each

@@ -15,7 +15,7 @@ from builder.checkpoint import open_checkpoint
 from builder.checkpoint import attach_weights
 from passes import PassContext, PassError, run_passes
 from passes.ir import Graph
-from passes.shard import check_tp_size
+from passes.shard import check_tp_groups, check_tp_size
 from passes.trace import trace
 from runtime.executor import Executor, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
@@ -256,6 +256,26 @@ def test_a_split_that_cuts_a_quantization_group_is_an_error(checkpoints):
     with pytest.raises(PassError, match=r"down_proj \(112\) into 56 columns per rank, which cuts its "
                                         r"quantization groups of 16; build with a group_size dividing 56 \(8\)"):
         _shard(graph, 2)
+
+
+def test_a_recipe_whose_groups_the_split_would_cut_fails_before_calibration(checkpoints, tmp_path, monkeypatch):
+    """The same groups asked for by a recipe at tp_size 2 stop the build right after tracing, naming the recipe's
+    key and the sizes that fit, before any calibration text is read (the shard pass alone would refuse them only
+    after calibration, quantization and the gates)."""
+    import builder.pipeline as pipeline
+    from builder.recipe import validate_recipe
+
+    monkeypatch.setattr(pipeline, "calibration_data", lambda *a, **k: pytest.fail("calibration text was read"))
+    sections = {"name": "cut", "model": {"checkpoint": str(checkpoints["llama"]), "dtype": "float32"},
+                "output_dir": str(tmp_path / "cut"), "parallel": {"tp_size": 2}, "runtime": {"max_seq_len": 128},
+                "quantization": [{"algo": "gptq", "group_size": 16}], "gates": {"enabled": False}}
+    with pytest.raises(PassError, match=r"down_proj \(112\) into 56 columns per rank, which cuts the quantization "
+                                        r"groups of 16 that quantization\[0\] asks for; set "
+                                        r"quantization\[0\]\.group_size to one dividing 56 \(8\) or -1"):
+        pipeline.build(validate_recipe(sections))
+    assert not (tmp_path / "cut").exists()
+    graph = _graph(checkpoints["llama"])
+    check_tp_groups(graph, 2, list(range(len(graph.nodes))), 8, 4, "quantization")  # groups of 8 fit 56 columns
 
 
 def test_tp_sizes_that_do_not_fit_the_model(checkpoints, one_kv_head):
