@@ -68,7 +68,7 @@ from runtime.scheduler import Request, RequestStatus, ScheduledSeq, Scheduler, S
 from runtime.speculative import (METHODS, DraftRequest, DraftState, NgramProposer, PendingDrafts, Proposer,
                                  SpeculationPolicy, SpeculativeConfig, SpeculativeConfigError, accept_rows)
 from runtime.structured import (GRAMMAR_ERROR_PREFIX, GrammarCompiler, GrammarState, StructuredOutputError,
-                                fill_bitmasks, fill_bitmasks_with_drafts)
+                                fill_bitmasks, fill_bitmasks_with_drafts, is_limit_error)
 from runtime.tokenizer import IncrementalDetokenizer, StopChecker
 
 log = logging.getLogger(__name__)
@@ -276,8 +276,12 @@ def _feed(ids: torch.Tensor, feed: tuple[torch.Tensor, list[int], list[int]]) ->
 
 
 def _outside_grammar(token: int, grammar: GrammarState) -> str:
-    """A sampled token the request's grammar refuses: the mask allowed it, so the engine's fault (not prefixed as
-    the client's, GRAMMAR_ERROR_PREFIX), with llguidance's word on it (a limit it reached, for one)."""
+    """A sampled token the request's grammar refuses. The mask allowed it: a limit the grammar ran into when it
+    took the token (llguidance's lexer or parser outgrew its bounds) is the grammar's, the client's error
+    (GRAMMAR_ERROR_PREFIX); anything else the engine's fault, with llguidance's word on it."""
+    if is_limit_error(grammar.error):
+        return (f"{GRAMMAR_ERROR_PREFIX}the grammar became too complex to follow at token {token} "
+                f"({grammar.error.splitlines()[0]}); bound its repetitions and lengths more tightly")
     return f"token {token} was sampled outside the request's grammar (structured output; {grammar.error})"
 
 

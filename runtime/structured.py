@@ -322,11 +322,21 @@ class GrammarCompiler:
         # the first mask, on a copy: a grammar that compiles but cannot produce a first token (a definition that
         # only refers to itself) fails here, before its request is admitted, instead of at its first step
         probe = matcher.deep_copy()
-        fill_bitmasks([GrammarState(probe)], self.num_words)
+        mask = fill_bitmasks([GrammarState(probe)], self.num_words)
         if probe.is_error():
             reason = probe.get_error().split("\n")[0].strip()
             raise StructuredOutputError(f"the grammar cannot produce a first token with this vocabulary ({reason}); "
                                         f"a definition that only refers to itself, for example")
+        # then a few tokens down one path (the lowest allowed id each time): a grammar whose lexer outgrows
+        # llguidance's limits as soon as it moves (a regex repeated 99,999,999 times) fails here too, not mid-request
+        for _ in range(PROBE_TOKENS):
+            token = first_allowed(mask[0])
+            if token is None or probe.is_stopped() or not probe.consume_token(token):
+                break
+            mask = fill_bitmasks([GrammarState(probe)], self.num_words)
+        if probe.is_error() and is_limit_error(probe.get_error()):
+            raise StructuredOutputError(f"the grammar is too complex to follow ({probe.get_error().split(chr(10))[0]}"
+                                        f"); bound its repetitions and lengths more tightly")
         compiled = CompiledGrammar(matcher, self.spread)
         if compiled.spread > 1:
             self._pool.submit(self._spread, compiled, text)
@@ -365,6 +375,28 @@ def mask_threads() -> int:
         return threads
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(32, round(0.8 * cpus)))
+
+
+# tokens a compile walks past the first mask (GrammarCompiler._compile)
+PROBE_TOKENS = 4
+# how llguidance words a limit of its own that a request's grammar ran into (its lexer's or parser's size or fuel)
+_LIMIT_ERRORS = ("too many", "fuel", "limit", "too large", "too complex", "max_")
+
+
+def is_limit_error(error: str | None) -> bool:
+    """Whether a matcher's error is a limit its grammar ran into (the grammar's size, not a token outside it)."""
+    first = (error or "").split("\n")[0].lower()
+    return any(word in first for word in _LIMIT_ERRORS)
+
+
+def first_allowed(row: torch.Tensor) -> int | None:
+    """The lowest token id a bitmask row [num_words] int32 allows, or None."""
+    words = row.nonzero()
+    if not len(words):
+        return None
+    w = int(words[0])
+    bits = int(row[w]) & 0xFFFFFFFF
+    return w * 32 + ((bits & -bits).bit_length() - 1)
 
 
 def fill_bitmasks(states: list[GrammarState], num_words: int, pin_memory: bool = False) -> torch.Tensor:

@@ -206,6 +206,8 @@ BAD = [
     ("definitions that only refer to each other", "/v1/chat/completions",
      {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SELF_REFERRING}}},
      "response_format", "cannot produce a first token", None),
+    ("a regex that outgrows the lexer once it moves", "/v1/completions", {"guided_regex": "a{99999999}"},
+     "guided_regex", "too complex to follow", None),
     ("unknown tool named", "/v1/chat/completions",
      {"tools": [ADD], "tool_choice": {"type": "function", "function": {"name": "sub"}}}, "tool_choice", "'sub'",
      None),

@@ -21,8 +21,9 @@ from runtime import Engine, SamplingParams
 from runtime.sampling import SamplingError, TokenBitmask, apply_token_bitmask, sample
 from runtime.scheduler import RequestStatus
 from runtime.serving import ServingConfig, ServingEngine
-from runtime.structured import (CompiledGrammar, GrammarCompiler, GrammarState, StructuredOutput,
-                                StructuredOutputError, check, fill_bitmasks, locate_error, mask_threads)
+from runtime.structured import (GRAMMAR_ERROR_PREFIX, CompiledGrammar, GrammarCompiler, GrammarState,
+                                StructuredOutput, StructuredOutputError, check, fill_bitmasks, first_allowed,
+                                locate_error, mask_threads)
 from runtime.tool_calls import (CALL_OPEN, ToolCallParser, ToolError, format_call, parse_tools, resolve_tool_choice,
                                 tool_grammar)
 
@@ -509,6 +510,36 @@ def test_a_slow_compile_holds_up_only_its_own_request(engine, monkeypatch):
             finished.update({o.request_id: o} if o.finished else {})
     assert finished[slow_id].finish_reason == "stop" and validates(text, SCHEMAS["const_and_enum"])
     _assert_no_leaks(s)
+
+
+def test_a_grammar_that_outgrows_its_limits_once_it_moves_is_refused_at_compile(compiler):
+    """a{99999999} compiles and yields a first mask; its lexer then runs past llguidance's limits at the first
+    token. The compile walks a few tokens down one path, so the request is refused before it is admitted (the
+    server's 400), and a JSON schema of every table entry still compiles."""
+    with pytest.raises(StructuredOutputError, match=r"too complex to follow \(lexer error: too many expressions"):
+        compiler.compile(StructuredOutput("regex", "a{99999999}"))
+    compiler.compile(StructuredOutput("regex", "a{1,40}b"))
+    row = torch.zeros(4, dtype=torch.int32)
+    assert first_allowed(row) is None
+    row[2] = -(1 << 31) | (1 << 5)  # bit 31: the int32's sign bit
+    assert first_allowed(row) == 69
+    row[2] = -(1 << 31)
+    assert first_allowed(row) == 95
+
+
+def test_a_limit_reached_mid_request_is_the_grammars_error_anything_else_the_engines():
+    """A token the mask allowed but the grammar then refused: when llguidance says a limit was reached, the request's
+    grammar is at fault (GRAMMAR_ERROR_PREFIX: the server's 400); otherwise the engine is (a 500)."""
+    from runtime.serving import _outside_grammar
+
+    class Dead:
+        def __init__(self, error):
+            self.error = error
+
+    limit = _outside_grammar(7, Dead("lexer error: too many expressions constructed\n<non-verbose/>"))
+    assert limit.startswith(GRAMMAR_ERROR_PREFIX) and "too complex to follow at token 7" in limit, limit
+    other = _outside_grammar(7, Dead("token 7 is not allowed"))
+    assert not other.startswith(GRAMMAR_ERROR_PREFIX) and "sampled outside the request's grammar" in other
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_alone(engine):
