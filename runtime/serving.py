@@ -1206,8 +1206,13 @@ class ServingEngine:
         for request_id, future in [(i, f) for i, f in self._compiling.items() if f.done()]:
             del self._compiling[request_id]
             request = self.scheduler.get(request_id)
-            error = StructuredOutputError("the compile was cancelled (the engine is closing)") if future.cancelled() \
-                else future.exception()
+            if future.cancelled():  # the compiler was closed under it: the engine's shutdown, not the client's fault
+                log.warning("request %s aborted: its grammar's compile was cancelled (the engine is closing)",
+                            request_id)
+                outputs.append(self._delta(request, self._tracks[request_id], "abort",
+                                           "the engine is closing: the request's grammar compile was cancelled"))
+                continue
+            error = future.exception()
             if error is not None:  # the grammar's own fault (the client's), or the compiler's
                 outputs.append(self._fail(request, f"{GRAMMAR_ERROR_PREFIX}{error}"
                                           if isinstance(error, StructuredOutputError)

@@ -652,6 +652,23 @@ def test_structured_requests_speculate_with_the_plain_output(engine, wrong_at, o
     _assert_no_leaks(s)
 
 
+def test_a_compile_cancelled_by_the_engine_closing_aborts_its_request_as_the_engines(engine, monkeypatch):
+    """The compiler closed under a queued compile (the engine shutting down): the request is aborted (the server's
+    503), not failed as its grammar's fault (GRAMMAR_ERROR_PREFIX, a 400), and leaves nothing behind."""
+    from concurrent.futures import Future
+
+    s = _serving(engine)
+    cancelled = Future()
+    assert cancelled.cancel()
+    monkeypatch.setattr(s.grammars, "submit", lambda spec: cancelled)
+    rid = s.add_request(engine.tokenizer.encode(PROMPT),
+                        SamplingParams(structured=StructuredOutput.json_schema(SCHEMAS["tuple"])))
+    done = [o for o in s.step() if o.finished]
+    assert [(o.request_id, o.finish_reason) for o in done] == [(rid, "abort")], done
+    assert "the engine is closing" in done[0].error and not done[0].error.startswith(GRAMMAR_ERROR_PREFIX)
+    _assert_no_leaks(s)
+
+
 def test_a_cancelled_compile_is_not_served_from_the_cache(engine):
     """A compile cancelled while queued (a pool shutting down, a caller that gave up without a shield) compiled
     nothing: the next submit of the spec queues it again instead of handing out the cancelled future."""
