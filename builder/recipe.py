@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_PASSES = ["merge_qkv", "merge_gate_up", "fuse_silu_mul", "fuse_add_rms_norm", "dce", "verify"]
 DEFAULT_VERIFY_PROMPTS = [
@@ -234,7 +234,15 @@ class GatesSection(_Strict):
                                            "0.9); INT8 weight-only and FP8 must be no worse than a fresh "
                                            "rounding (default 1.3); SmoothQuant only when set; .inf turns it off")
     greedy_tokens: int = Field(default=16, ge=1)
-    needle_context_len: Optional[int] = Field(default=None, ge=32, description="0/None = no needle check")
+    needle_context_len: Optional[int] = Field(default=None, description="tokens of the needle check's context, "
+                                              "at least 32; 0 or null: no needle check")
+
+    @field_validator("needle_context_len")
+    @classmethod
+    def _needle_off_or_long_enough(cls, value: Optional[int]) -> Optional[int]:
+        if value is not None and value != 0 and value < 32:
+            raise ValueError(f"{value} is too short for a needle check: at least 32 tokens, or 0 / null for none")
+        return value or None
 
 
 class TargetSection(_Strict):
@@ -310,8 +318,12 @@ class Recipe(_Strict):
     @model_validator(mode="after")
     def _gates_fit_the_context(self) -> Recipe:
         """Gate lengths a recipe sets fit runtime.max_seq_len: the gates judge the artifact on inputs it can serve.
-        (The defaults are left as they are: a small model's recipe need not restate them.)"""
+        The defaults, a window of 256 tokens and 16 greedy tokens, are shortened to fit a shorter max_seq_len."""
         limit = self.runtime.max_seq_len
+        if "window" not in self.gates.model_fields_set and self.gates.window > limit:
+            self.gates.window = max(limit, 8)  # the default, shortened to what the artifact serves
+        if "greedy_tokens" not in self.gates.model_fields_set and self.gates.greedy_tokens > limit - 1:
+            self.gates.greedy_tokens = max(limit - 1, 1)
         for key, most in (("window", limit), ("needle_context_len", limit), ("greedy_tokens", limit - 1)):
             value = getattr(self.gates, key)
             if key in self.gates.model_fields_set and value is not None and value > most:
