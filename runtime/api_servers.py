@@ -2,9 +2,10 @@
 
 One server process's event loop does the HTTP work of every stream: parsing, JSON, server-sent-event framing, the
 socket writes. Past ~15k streamed tokens a second that loop is the limit (docs/BENCHMARKS.md, session 30:
-``serve_overhead_pct_fp8`` 15.6% on an H200). Here the parent binds the listening socket, starts the engine process
-with N channels (``runtime.engine_process.start_engine_process``), then N server processes that each accept on the
-shared socket (the kernel spreads the connections) and talk to the engine over their own channel:
+``serve_overhead_pct_fp8`` 15.6% on an H200). Here the parent binds the sockets (``runtime.serve.bind_sockets``: every
+address the host resolves to), starts the engine process with N channels
+(``runtime.engine_process.start_engine_process``), then N server processes that each listen and accept on the shared
+sockets (the kernel spreads the connections) and talk to the engine over their own channel:
 
     parent: bind, start the engine, start the servers, wait; SIGINT / SIGTERM -> SIGTERM to each server
     server i (uvicorn over the socket): runtime.server's app over an EngineClient on channel i
@@ -36,21 +37,10 @@ log = logging.getLogger("runtime.serve")
 ENGINE_STOP_TIMEOUT_S = 30.0  # after the servers have exited, how long the engine may take to finish
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host``:``port`` that the server processes share."""
-    host = host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)  # uvicorn's default backlog
-    return sock
-
-
-def _server_main(index: int, sock: socket.socket, to_engine, from_engine, limits: dict, artifact: str,
+def _server_main(index: int, socks: list[socket.socket], to_engine, from_engine, limits: dict, artifact: str,
                  model_name: str, api_key: str | None, stream_interval: int, log_level: str, metrics_dir: str,
                  graceful_shutdown_s: float) -> None:
-    """Server process ``index``: the app over its channel's EngineClient, served by uvicorn on the shared socket."""
+    """Server process ``index``: the app over its channel's EngineClient, served by uvicorn on the shared sockets."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before prometheus_client is imported (runtime.metrics)
     from runtime.engine_process import LOG_FORMAT
 
@@ -64,7 +54,7 @@ def _server_main(index: int, sock: socket.socket, to_engine, from_engine, limits
     app = create_app(client, model_name, api_key, stream_interval=stream_interval, multiprocess_metrics=True)
     config = uvicorn.Config(app, log_config=None, log_level=log_level, timeout_graceful_shutdown=graceful_shutdown_s)
     log.info("server process %d accepting", index)
-    uvicorn.Server(config).run(sockets=[sock])
+    uvicorn.Server(config).run(sockets=socks)
 
 
 def serve(artifact: str, device: Any, config: Any, *, num_servers: int, host: str, port: int, model_name: str | None,
@@ -76,26 +66,29 @@ def serve(artifact: str, device: Any, config: Any, *, num_servers: int, host: st
     bound. ``loader``: the engine process's (``start_engine_process``'s; benchmarks simulate the device)."""
     from runtime.artifact import open_artifact
     from runtime.engine_process import start_engine_process, stop_process
+    from runtime.serve import bind_sockets, close_sockets
 
     opened = open_artifact(artifact, check_hashes=False)  # the engine process checks the hashes
     model_name = model_name or opened.manifest["name"]
-    sock = bind_socket(host, port)  # before the engine loads: a taken port fails at once
+    # bound before the engine loads (a taken port fails at once) as the one-server path binds them: every address
+    # the host resolves to; each server process listens on them once it starts
+    socks = bind_sockets(host, port)
     try:
         engine, channels, limits = start_engine_process(
             artifact, device, config, num_channels=num_servers, check_hashes=check_hashes,
             allow_failed_gate=allow_failed_gate, tp_size=opened.tp_size, **({} if loader is None else {"loader": loader}))
     except BaseException:
-        sock.close()
+        close_sockets(socks)
         raise
     metrics_dir = tempfile.mkdtemp(prefix="llm-builder-metrics-")
     ctx = mp.get_context("spawn")
     servers = [ctx.Process(target=_server_main, name=f"api-server-{i}", args=(
-        i, sock, to_engine, from_engine, limits, str(artifact), model_name, api_key, stream_interval, log_level,
+        i, socks, to_engine, from_engine, limits, str(artifact), model_name, api_key, stream_interval, log_level,
         metrics_dir, graceful_shutdown_s)) for i, (to_engine, from_engine) in enumerate(channels)]
     for p in servers:
         p.start()
     # the servers hold their own copies now: an engine channel ends when its server's copy closes
-    sock.close()
+    close_sockets(socks)
     for to_engine, from_engine in channels:
         to_engine.close()
         from_engine.close()

@@ -261,11 +261,11 @@ def main(argv: list[str] | None = None) -> int:
             engine = EngineProcess(args.artifact, device, config, allow_failed_gate=args.allow_failed_gate)
     except (ArtifactError, TokenizerError, MemoryPlanError, EngineStartError, ValueError) as e:
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
-        _close_sockets(socks)
+        close_sockets(socks)
         return 1
     except (OSError, UnicodeError, OverflowError) as e:  # --api-servers: the address could not be bound
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
-        _close_sockets(socks)
+        close_sockets(socks)
         return 1
     model_name = args.served_model_name or engine.artifact.manifest["name"]
     log.info("serving %r as %r on %s (engine %s): max_num_seqs %s, max_num_batched_tokens %s, max_seq_len %d, "
@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # the checkpoint's generation_config.json sets a sampling default not allowed
         print(f"error: cannot serve {args.artifact}: {e}", file=sys.stderr)
         _close(engine)
-        _close_sockets(socks)
+        close_sockets(socks)
         return 1
     log.info("listening on %s", ", ".join(_address(sock) for sock in socks))
     try:
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     finally:
         _close(engine)
-        _close_sockets(socks)
+        close_sockets(socks)
     return 0
 
 
@@ -317,7 +317,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
     except BaseException:
-        _close_sockets(socks)
+        close_sockets(socks)
         raise
     return socks
 
@@ -327,7 +327,7 @@ def _address(sock: socket.socket) -> str:
     return f"[{host}]:{port}" if sock.family == socket.AF_INET6 else f"{host}:{port}"
 
 
-def _close_sockets(socks: list) -> None:
+def close_sockets(socks: list) -> None:
     for sock in socks:
         sock.close()
 
