@@ -164,6 +164,35 @@ def test_ngram_caps_at_k_and_continues_a_repeating_stretch():
         [DraftRequest("a", tokens, 3), DraftRequest("b", [4, 4, 4], 2)]) == [[1, 2, 3], [4, 4]]
 
 
+def test_ngram_index_of_a_growing_token_list_finds_what_a_full_scan_finds():
+    """A request's token list is indexed as it grows (n-gram end positions): every lookup equals the backward scan
+    over all positions, on random sequences of small vocabularies (many repeats) and every n-gram range; a list
+    replaced, shortened or released is indexed again; tuples are scanned."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(400):
+        low = rng.randint(1, 4)
+        proposer = NgramProposer(low, rng.randint(low, 7))
+        vocab, tokens = rng.choice([2, 3, 5, 20]), []
+        for _ in range(rng.randint(1, 50)):
+            tokens.append(rng.randrange(vocab))
+            expected = proposer._scan(tokens) if len(tokens) > low else None
+            assert proposer._match(tokens) == expected, (proposer.min_ngram, proposer.max_ngram, tokens)
+            assert proposer._match(tuple(tokens)) == expected
+    proposer = NgramProposer(2, 3)
+    tokens = [1, 2, 3, 1, 2]
+    assert proposer.propose([DraftRequest("r", tokens, 2)]) == [[3, 1]] and len(proposer._indexes) == 1
+    first = proposer._indexes[id(tokens)]
+    del tokens[3:]  # shorter than what was indexed (no request's list shrinks): indexed again
+    assert proposer._match(tokens) is None is proposer._scan(tokens) and proposer._indexes[id(tokens)] is not first
+    tokens += [5, 1, 2]
+    assert proposer._match(tokens) == proposer._scan(tokens) == 2
+    assert proposer.propose([DraftRequest("r", list(tokens), 2)]) == [[3, 5]]  # another list: its own index
+    proposer.release("r")
+    assert len(proposer._indexes) == 1 and not proposer._request_lists  # the released request's index is gone
+
+
 def test_ngram_refuses_bad_sizes():
     with pytest.raises(SpeculativeConfigError, match="min_ngram <= max_ngram, got min_ngram 3 and max_ngram 2"):
         NgramProposer(3, 2)
