@@ -419,14 +419,22 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
     special = next((f for f in files if not f.is_file()), None)  # a pipe or a device would block the read
     if special is not None:
         raise CheckpointError(f"{special} is not a regular file; a checkpoint's weights are files")
-    weight_map: dict[Path, Path] = {}
+    indexed = {name: p / f for name, f in mapping.items()} if index.is_file() else {}
+    weight_map: dict[str, Path] = {}
     for f in files:
         try:
             with safe_open(f, framework="pt") as handle:
-                for name in handle.keys():
-                    weight_map[name] = f
+                names = list(handle.keys())
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: not a readable safetensors file ({e}); download the checkpoint again") from e
+        for name in names:
+            first = weight_map.setdefault(name, f)
+            if first is not f:  # which copy a loader reads depends on the loader (transformers: the last shard read)
+                where = (f" ({INDEX_FILE} names {indexed[name].name})" if name in indexed
+                         else "" if indexed else f" (no {INDEX_FILE})")
+                raise CheckpointError(f"{p}: tensor {name!r} is stored in both {first.name} and {f.name}{where}; a "
+                                      f"checkpoint stores each tensor once: remove the stale copy or download the "
+                                      f"checkpoint again")
     return files, weight_map
 
 

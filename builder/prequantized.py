@@ -157,13 +157,18 @@ def _groups(in_f: int, group_size: int, where: str) -> int:
     return in_f // group_size
 
 
+def _check_group_ids(g_idx: Tensor, num_groups: int, name: str) -> None:
+    """A g_idx names groups 0..num_groups - 1 only (checked before anything is indexed with it)."""
+    if int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups:
+        raise PrequantizedError(f"tensor {name!r} holds group ids {int(g_idx.min())}..{int(g_idx.max())}; "
+                              f"expected 0..{num_groups - 1}")
+
+
 def _contiguous_groups(g_idx: Tensor, num_groups: int, group_size: int, name: str) -> Tensor | None:
     """The permutation of input channels that makes a g_idx's groups contiguous; None when they already are.
     Every group must hold group_size channels (what GPTQ's act-order writes)."""
     in_f = g_idx.numel()
-    if int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups:
-        raise PrequantizedError(f"tensor {name!r} holds group ids {int(g_idx.min())}..{int(g_idx.max())}; "
-                              f"expected 0..{num_groups - 1}")
+    _check_group_ids(g_idx, num_groups, name)
     size = in_f if group_size == -1 else group_size
     if torch.equal(g_idx.long(), torch.arange(in_f) // size):
         return None
@@ -291,6 +296,7 @@ class GPTQ(QuantFormat):
         if g_idx is None:
             g_idx = torch.arange(in_f, dtype=torch.int32) // (in_f if self.group_size == -1 else self.group_size)
         _check(names["g_idx"], g_idx, (torch.int32, torch.int64), (in_f,), "the group of each input channel")
+        _check_group_ids(g_idx, num_groups, names["g_idx"])
         codes = _unpack(qweight, bits, 0)  # [K, N]
         zeros = _unpack(qzeros, bits, 1) + (1 if self.v1 else 0)  # [G, N]; v1 stores zero - 1
         # the format's dequantization: w[k, n] = (q[k, n] - z[g_idx[k], n]) * s[g_idx[k], n]
@@ -368,7 +374,7 @@ class CompressedTensors(QuantFormat):
         if not isinstance(groups, dict) or not groups:
             raise _fail(cfg_file, f"{key}.config_groups is missing or empty; expected the groups of modules and "
                                   f"their weight / input_activations settings")
-        self.ignore = list(section.get("ignore") or [])
+        self.ignore = _patterns(cfg_file, section, "ignore", f"{key}.ignore", "re:")
         self.schemes = [self._scheme(name, g, section.get("format")) for name, g in groups.items()]
         first = self.schemes[0]
         self.bits = int(first.weights.get("num_bits", 0))
@@ -409,7 +415,7 @@ class CompressedTensors(QuantFormat):
         if strategy == "group" and not (isinstance(w.get("group_size"), int) and w["group_size"] > 0):
             raise _fail(self.cfg_file, f"{where}: strategy group needs a positive group_size, got "
                                        f"{json.dumps(w.get('group_size'))}")
-        return _CTScheme(name, list(group.get("targets") or []), w, a, fmt)
+        return _CTScheme(name, _patterns(self.cfg_file, group, "targets", f"{where}.targets", "re:"), w, a, fmt)
 
     @staticmethod
     def _ir_scheme(s: _CTScheme) -> str:
@@ -477,6 +483,7 @@ class CompressedTensors(QuantFormat):
         if g_idx is not None:
             _check(names["weight_g_idx"], g_idx, (torch.int32, torch.int64), (in_f,),
                    "the group of each input channel")
+            _check_group_ids(g_idx, num_groups, names["weight_g_idx"])
         g = g_idx.long() if g_idx is not None else torch.arange(in_f) // (in_f if group_size == -1 else group_size)
         # the format's dequantization: w = (q_signed - zp_signed) * scale, the group of column k being g[k]
         reference = ((codes - offset) - (zeros[:, g] - offset)).float() * scale.float()[:, g]
@@ -572,6 +579,28 @@ def _int8_inputs(a: dict | None) -> bool:
                               or (a.get("strategy") == "tensor" and not a.get("dynamic"))))
 
 
+def _patterns(cfg_file: Path, section: dict, key: str, where: str, regex: str = "") -> list[str]:
+    """``section[key]``: a list of module names / patterns (absent or null: none), each a non-empty string;
+    ``regex``: the prefix that makes an entry a regular expression (``re:``), checked to compile. ``where`` names the
+    key in errors."""
+    value = section.get(key)
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise _fail(cfg_file, f"{where} is {json.dumps(value)[:80]}; expected a list of module names or patterns")
+    for i, p in enumerate(value):
+        if not isinstance(p, str) or not p:
+            raise _fail(cfg_file, f"{where}[{i}] is {json.dumps(p)[:80]}; expected a module name or pattern (a "
+                                  f"non-empty string)")
+        if regex and p.startswith(regex):
+            try:
+                re.compile(p[len(regex):])
+            except re.error as e:
+                raise _fail(cfg_file, f"{where}[{i}] {json.dumps(p)[:80]} is not a valid regular expression ({e})") \
+                    from None
+    return list(value)
+
+
 def _ct_matches(patterns: list[str], module: str) -> bool:
     """compressed-tensors targets / ignore: a module path, ``re:`` and a regex (matched from the start), or a
     class name (every module here is a Linear)."""
@@ -606,7 +635,9 @@ class FineGrainedFP8(QuantFormat):
             if str(value).lower() != want:
                 raise _fail(cfg_file, f"quantization_config.{key} is {json.dumps(value)}; imported: {want} ({other})")
         self.block_size = block
-        self.not_converted = ["lm_head", *(section.get("modules_to_not_convert") or [])]  # transformers adds lm_head
+        # the checkpoint's own list, and the lm_head, which transformers adds to it
+        self.not_converted = ["lm_head", *_patterns(cfg_file, section, "modules_to_not_convert",
+                                                    "quantization_config.modules_to_not_convert")]
         self.bits, self.group_size, self.scheme = 8, block[1], "fp8_block"
         self.details = {"weight_block_size": block, "activations": "dynamic", "weight_granularity": "block"}
 
@@ -678,7 +709,8 @@ class ModelOpt(QuantFormat):
         self.where = "quantization" if "quantization" in section else "quantization_config"
         if not isinstance(q, dict):
             raise _fail(cfg_file, f"quantization is {json.dumps(q)[:80]}; expected an object with quant_algo")
-        self.exclude = list(q.get("exclude_modules", q.get("ignore")) or [])
+        key = "exclude_modules" if "exclude_modules" in q else "ignore"
+        self.exclude = _patterns(cfg_file, q, key, f"{self.where}.{key}")
         kv = q.get("kv_cache_quant_algo", q.get("kv_cache_scheme"))
         if isinstance(kv, dict):  # config.json's form of FP8: {"num_bits": 8, "type": "float", ...}
             kv = "FP8" if kv.get("num_bits") == 8 and kv.get("type") == "float" else json.dumps(kv)
@@ -833,6 +865,17 @@ def _read_json(path: Path) -> dict:
     return data
 
 
+def _modelopt_quantization(path: Path, data: dict) -> dict:
+    """hf_quant_config.json's ``quantization`` object ({} when absent)."""
+    q = data.get("quantization")
+    if q is None:
+        return {}
+    if not isinstance(q, dict):
+        raise _fail(path, f"quantization is {json.dumps(q)[:80]}; expected an object with quant_algo; export the "
+                          f"checkpoint again")
+    return q
+
+
 def nvfp4_export(cfg_file: Path, config: dict) -> str | None:
     """The quant_algo of a ModelOpt NVFP4 export (NVFP4, or NVFP4_AWQ whose linears may keep AWQ's pre_quant_scale,
     for every quantized linear: its weights are decoded as they are read, ``builder.checkpoint._nvfp4_weights``), or
@@ -845,7 +888,7 @@ def nvfp4_export(cfg_file: Path, config: dict) -> str | None:
         modelopt = cfg_file.parent / MODELOPT_FILE
         if not (section is None and modelopt.is_file()):
             return None
-        q = _read_json(modelopt).get("quantization") or {}
+        q = _modelopt_quantization(modelopt, _read_json(modelopt))
     algo = str(q.get("quant_algo")).upper()
     if algo not in ("NVFP4", "NVFP4_AWQ"):
         return None
@@ -886,7 +929,7 @@ def read_quant_config(cfg_file: Path, config: dict) -> QuantFormat | None:
         if not modelopt.is_file():
             return ModelOpt(cfg_file, section)
         full = _read_json(modelopt)
-        ours, theirs = section.get("quant_algo"), (full.get("quantization") or {}).get("quant_algo")
+        ours, theirs = section.get("quant_algo"), _modelopt_quantization(modelopt, full).get("quant_algo")
         if ours is not None and str(ours).upper() != str(theirs).upper():
             raise _fail(cfg_file, f"{key}.quant_algo is {json.dumps(ours)} but {modelopt.name} beside it says "
                                   f"{json.dumps(theirs)}; export the checkpoint again")
@@ -1012,6 +1055,7 @@ def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, require: b
                                   f"stores {', '.join(n.rsplit('.', 1)[1] for n in required)} (found {have})")
         out_f, in_f = graph.params[name].shape
         tensors = ckpt.load_tensors(present + [n for n in optional if n in ckpt.weight_map])
+        check_finite(ckpt.path, tensors)
         try:
             lin = fmt.read(module, tensors, int(in_f), int(out_f))
         except PrequantizedError as e:
@@ -1025,6 +1069,20 @@ def import_linears(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, require: b
     if require:
         check_imported(imported, ckpt)
     return imported
+
+
+def check_finite(path: Path, tensors: dict[str, Tensor]) -> None:
+    """Refuse a pre-quantized checkpoint whose scales or FP8 codes hold NaN or infinity (a corrupt file): named,
+    with the first such element, before any dequantization compares them."""
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            continue
+        bad = ~torch.isfinite(t if t.element_size() > 1 else t.float())
+        if bad.any():
+            at = [int(i) for i in bad.nonzero()[0]]
+            value = t[tuple(at)].float().item()
+            raise PrequantizedError(f"{path}: tensor {name!r} holds {value} at {at} ({int(bad.sum())} of {t.numel()} "
+                                    f"values are not finite); the checkpoint is corrupt, download it again")
 
 
 def check_imported(imported: Imported, ckpt) -> None:
@@ -1141,6 +1199,7 @@ def import_experts(graph, ckpt, fmt: QuantFormat, dtype: torch.dtype, imported: 
             stored = {pseudo: [n for n in sum(fmt.tensor_names(pseudo.removesuffix(".weight")), [])
                                if n in ckpt.weight_map] for names in by_pattern.values() for pseudo in names}
             loaded = ckpt.load_tensors([n for names in stored.values() for n in names])  # one read per file
+            check_finite(ckpt.path, loaded)
             for pattern, names in by_pattern.items():
                 if len(names) != num_experts:
                     raise PrequantizedError(f"{ckpt.path}: {len(names)} quantized experts match {pattern!r} in "

@@ -38,6 +38,31 @@ def test_sharded_checkpoint_reads_all_shards(tmp_path):
     assert torch.equal(ckpt.load_tensors([name])[name], model.state_dict()[name])
 
 
+def test_a_tensor_stored_twice_is_refused_naming_both_files(tmp_path):
+    """Which copy a loader reads depends on the loader (transformers: the last shard it reads, whatever the index
+    says), so a tensor in two files is refused: two shards with an index that names one, and a stale file beside an
+    unsharded checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    src = make_checkpoint(tmp_path / "one", "llama")
+    AutoModelForCausalLM.from_pretrained(src).save_pretrained(tmp_path / "sharded", max_shard_size="100KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    other = next(f for f in sorted(set(index.values())) if f != index[name])
+    tensors = load_file(tmp_path / "sharded" / other)
+    tensors[name] = torch.zeros(load_file(tmp_path / "sharded" / index[name])[name].shape)
+    save_file(tensors, tmp_path / "sharded" / other, metadata={"format": "pt"})
+    first, second = sorted([index[name], other])
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored in both {first} and {second} "
+                                              rf"\(model\.safetensors\.index\.json names {index[name]}\)"):
+        open_checkpoint(tmp_path / "sharded")
+    shutil.copy(src / "model.safetensors", src / "zz-old.safetensors")
+    with pytest.raises(CheckpointError, match=r"is stored in both model\.safetensors and zz-old\.safetensors \(no "
+                                              r"model\.safetensors\.index\.json\); a checkpoint stores each tensor"):
+        open_checkpoint(src)
+
+
 def test_pickle_only_checkpoint_is_refused(tmp_path):
     d = tmp_path / "pickled"
     d.mkdir()

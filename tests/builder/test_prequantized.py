@@ -791,9 +791,26 @@ Q = "model.layers.0.self_attn.q_proj"
                                                          None)}}, {},
      rf"tensor '{Q}\.weight_packed' is missing; a compressed-tensors quantized linear stores weight_packed, "
      rf"weight_scale \(found none of them\)"),
+    (GPTQ_V1, dict(replace={f"{Q}.scales": torch.ones(2, 64, dtype=torch.float16).index_fill_(1, torch.tensor([5]),
+                                                                                             float("nan"))}),
+     rf"tensor '{Q}\.scales' holds nan at \[0, 5\] \(2 of 128 values are not finite\); the checkpoint is corrupt"),
+    (GPTQ_V1, dict(replace={f"{Q}.g_idx": torch.arange(64, dtype=torch.int32) // 32 * 5}),  # before any indexing
+     rf"tensor '{Q}\.g_idx' holds group ids 0\.\.5; expected 0\.\.1"),
+    ({**CT_MIXED, "ignore": "lm_head"}, {},
+     r"quantization_config\.ignore is \"lm_head\"; expected a list of module names or patterns"),
+    ({**CT_MIXED, "ignore": ["lm_head", 5]}, {},
+     r"quantization_config\.ignore\[1\] is 5; expected a module name or pattern \(a non-empty string\)"),
+    ({**CT_MIXED, "ignore": ["re:("]}, {},
+     r"quantization_config\.ignore\[0\] \"re:\(\" is not a valid regular expression \(missing \)"),
+    ({**FINE_GRAINED, "modules_to_not_convert": "model.layers.1.mlp.down_proj"}, {},
+     r"quantization_config\.modules_to_not_convert is \"model\.layers\.1\.mlp\.down_proj\"; expected a list"),
+    ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": [1]}, {},
+     r"quantization_config\.exclude_modules\[0\] is 1; expected a module name or pattern"),
 ], ids=["missing-qzeros", "qweight-shape", "scales-groups", "g_idx-uneven", "bits-3", "gptq-marlin", "hqq",
         "fp8-per-tensor", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
-        "modelopt-awq-no-group-size", "modelopt-smoothquant", "modelopt-kv-int8", "awq-gemv", "ct-not-packed"])
+        "modelopt-awq-no-group-size", "modelopt-smoothquant", "modelopt-kv-int8", "awq-gemv", "ct-not-packed",
+        "scales-nan", "g_idx-past-the-groups", "ct-ignore-a-string", "ct-ignore-not-a-string", "ct-ignore-bad-regex",
+        "fp8-not-converted-a-string", "modelopt-exclude-not-a-string"])
 def test_malformed_checkpoint_fails_naming_the_tensor(traced, base, tmp_path, config, edit, message):
     from builder.checkpoint import CheckpointError
 
@@ -832,8 +849,10 @@ FINE_32 = {**FINE_GRAINED, "weight_block_size": [32, 32]}
                                "quantization": {**MODELOPT_FP8["quantization"], "quant_algo": "W8A16"}}},
      _modelopt_fp8, {}, r"quantization_config\.quant_algo is \"FP8\" but hf_quant_config\.json beside it says "
                         r"\"W8A16\""),
+    ({"quant_method": "modelopt"}, {"hf_quant_config.json": {**MODELOPT_FP8, "quantization": "FP8"}}, _modelopt_fp8, {},
+     r"hf_quant_config\.json: quantization is \"FP8\"; expected an object with quant_algo"),
 ], ids=["missing-scale-inv", "scale-blocks", "k_proj-scale-rows", "weight-not-fp8", "modelopt-no-input-scale",
-        "modelopt-per-channel-scale", "modelopt-configs-disagree"])
+        "modelopt-per-channel-scale", "modelopt-configs-disagree", "modelopt-quantization-a-string"])
 def test_malformed_fp8_block_and_modelopt_checkpoints_fail_naming_the_tensor(traced, base, tmp_path, config, files,
                                                                             writer, edit, message):
     from builder.checkpoint import CheckpointError

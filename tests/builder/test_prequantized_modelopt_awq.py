@@ -389,7 +389,8 @@ def _edit(path: Path, drop: str = "", replace: dict | None = None) -> None:
      rf"tensor '{O}\.pre_quant_scale' is float32 \(63,\); expected float16 or bfloat16 or float32 \(64,\) \(one scale "
      rf"per input feature of the 64: the linear computes W \(x \* pre_quant_scale\)\)"),
     (None, None, dict(replace={f"{O}.pre_quant_scale": torch.full((64,), float("inf"))}),
-     rf"tensor '{O}\.pre_quant_scale' holds inf or nan; expected finite scales"),
+     rf"tensor '{O}\.pre_quant_scale' holds inf at \[0\] \(64 of 64 values are not finite\); the checkpoint is "
+     rf"corrupt"),
     (None, None, dict(drop=f"{Q}.weight_scale"),
      rf"tensor '{Q}\.weight_scale' is missing; a modelopt quantized linear stores weight, weight_scale \(found "
      rf"weight\)"),

@@ -408,7 +408,8 @@ D = "model.layers.1.mlp.down_proj"
     (dict(replace={f"{D}.pre_quant_scale": torch.ones(64)}),  # down_proj reads the 128 intermediate features
      rf"tensor '{D}\.pre_quant_scale' is float32 \(64,\); expected float16 or bfloat16 or float32 \(128,\)"),
     (dict(replace={f"{Q}.pre_quant_scale": torch.full((64,), float("nan"))}),
-     rf"tensor '{Q}\.pre_quant_scale' holds inf or nan; expected finite scales \(SmoothQuant's, positive\)"),
+     rf"tensor '{Q}\.pre_quant_scale' holds nan at \[0\] \(64 of 64 values are not finite\); the checkpoint is "
+     rf"corrupt"),
     (dict(replace={f"{Q}.weight_scale": torch.ones(1)}),
      rf"tensor '{Q}\.weight_scale' is float32 \(1,\); expected a float tensor of shape \(64, 1\) \(one scale per "
      rf"output channel\)"),
