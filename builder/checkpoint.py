@@ -260,6 +260,7 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     _check_dimensions(cfg_file, config)
     _check_tokenizer_fits(p / "tokenizer.json", config.get("vocab_size"))
     weight_files, weight_map = _index_weights(p)
+    _check_layer_count(cfg_file, config, weight_map)
     mxfp4, mxfp4_files = _mxfp4_weights(cfg_file, config, weight_map)
     nvfp4, nvfp4_files, dropped = _nvfp4_weights(cfg_file, config, weight_map)
     return Checkpoint(p, config, weight_files, weight_map, quant, mxfp4, mxfp4_files, nvfp4, nvfp4_files, dropped)
@@ -367,6 +368,27 @@ def _check_dimensions(cfg_file: Path, config: dict) -> None:
     if heads and hidden and not config.get("head_dim") and hidden % heads:
         raise CheckpointError(f"{cfg_file}: num_attention_heads {heads} does not divide hidden_size {hidden} and "
                               f"no head_dim is given; the config is corrupt, download the checkpoint again")
+    top_k = config.get("num_experts_per_tok")
+    experts_key = next((k for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if _positive_int(config.get(k))), None)
+    if _positive_int(top_k) and experts_key is not None and top_k > config[experts_key]:
+        raise CheckpointError(f"{cfg_file}: num_experts_per_tok {top_k} is more than the {config[experts_key]} "
+                              f"experts ({experts_key}); a token is routed to at most every expert: the config is "
+                              f"corrupt, download the checkpoint again")
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")  # model.layers.N., transformer.h.N., ...
+
+
+def _check_layer_count(cfg_file: Path, config: dict, weight_map: dict[str, Path]) -> None:
+    """config.json's num_hidden_layers against the layers the files hold: a count past them fails now, not after
+    every one of them has been traced (a corrupt 100,000 took minutes to reach the missing weight)."""
+    layers = config.get("num_hidden_layers")
+    stored = {int(m.group(1)) for name in weight_map if (m := _LAYER_INDEX.search(name))}
+    if _positive_int(layers) and stored and layers > max(stored) + 1:
+        raise CheckpointError(f"{cfg_file}: num_hidden_layers is {layers} but the safetensors files hold layers "
+                              f"0..{max(stored)}; the config or the files are incomplete, download the checkpoint "
+                              f"again")
 
 
 def tokenizer_size(tokenizer_json: dict) -> int:
@@ -566,6 +588,15 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
                    else "; the checkpoint is incomplete")
             raise CheckpointError(f"{ckpt.path}: weight {name!r} (or an alias of it) is missing from the "
                                   f"safetensors files, under its own name and any name transformers maps to it{how}")
+        if len(sources) > 1:  # one weight of the model (tied) stored under several names: they must agree
+            stored = ckpt.load_tensors(sources)
+            differing = next((s for s in sources[1:] if not torch.equal(stored[s], stored[sources[0]])), None)
+            if differing is not None:
+                raise CheckpointError(f"{ckpt.path}: {sources[0]!r} and {differing!r} are one weight of the "
+                                      f"{ckpt.model_type} model as config.json builds it (tied: tie_word_embeddings "
+                                      f"is {json.dumps(ckpt.config_dict.get('tie_word_embeddings'))}) but the files store "
+                                      f"different values; if the model has its own lm_head, set "
+                                      f"tie_word_embeddings to false in config.json")
         wanted[name] = sources[0]
         read.update(sources)
     unread = sorted(n for n in ckpt.weight_map if n not in read and not n.endswith(UNREAD_OK_SUFFIXES))

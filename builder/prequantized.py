@@ -93,7 +93,7 @@ import torch
 from torch import Tensor
 
 from kernels.torch_quant import dequantize_weight, dequantize_weight_fp8_blocks
-from passes.ir import block_size_ok
+from passes.ir import MAX_SCALE_BLOCK, block_size_ok
 from passes.quant_math import pack_int4
 
 class PrequantizedError(ValueError):
@@ -629,7 +629,8 @@ class FineGrainedFP8(QuantFormat):
         block = list(block) if isinstance(block, (list, tuple)) else block
         if not block_size_ok(block):
             raise _fail(cfg_file, f"quantization_config.weight_block_size is {json.dumps(block)}; imported: [rows, "
-                                  f"columns] of positive integers, e.g. [128, 128] (per-tensor FP8, null, is not)")
+                                  f"columns] of integers in 1..{MAX_SCALE_BLOCK}, e.g. [128, 128] (per-tensor FP8, "
+                                  f"null, is not)")
         for key, (want, other) in self.SETTINGS.items():
             value = section.get(key) or want
             if str(value).lower() != want:

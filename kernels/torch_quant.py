@@ -153,8 +153,9 @@ def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -
 
 
 def expand_blocks(scales: torch.Tensor, block: int, size: int, dim: int) -> torch.Tensor:
-    """Each scale repeated ``block`` times along ``dim``, cut to ``size`` (a partial last block)."""
-    return scales.repeat_interleave(block, dim=dim).narrow(dim, 0, size)
+    """Each scale repeated ``block`` times along ``dim``, cut to ``size`` (a partial last block); a block past
+    ``size`` is one scale, repeated ``size`` times."""
+    return scales.repeat_interleave(min(block, size), dim=dim).narrow(dim, 0, size)
 
 
 def dequantize_weight_fp8_blocks(qweight: torch.Tensor, weight_scale: torch.Tensor,

@@ -184,10 +184,13 @@ MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
 ELEMENTWISE = ("add", "mul", "scale")
 
 
+MAX_SCALE_BLOCK = 65536  # rows or columns of one fp8_block weight scale, at most (checkpoints use 128)
+
+
 def block_size_ok(block: Any) -> bool:
-    """An fp8_block linear's ``block_size``: [rows, columns] of one weight scale, positive integers."""
+    """An fp8_block linear's ``block_size``: [rows, columns] of one weight scale, integers in 1..MAX_SCALE_BLOCK."""
     return isinstance(block, list) and len(block) == 2 and all(
-        isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        isinstance(b, int) and not isinstance(b, bool) and 0 < b <= MAX_SCALE_BLOCK for b in block)
 
 
 @dataclass(frozen=True)
@@ -350,7 +353,7 @@ class Graph:
                                      f"activation code of a w8a8_int8 {n.op} is one of {INT8_ACT_QMINS}")
                 if scheme == "fp8_block" and not block_size_ok(n.attrs["quant"].get("block_size")):
                     raise GraphError(f"node {n}: an fp8_block {n.op} needs quant block_size [rows, columns] of "
-                                     f"positive integers; quant is {n.attrs['quant']}")
+                                     f"integers in 1..{MAX_SCALE_BLOCK}; quant is {n.attrs['quant']}")
                 sizes = n.attrs.get("split_sizes")
                 if sizes is not None and (len(sizes) != len(n.outputs) or sum(sizes) * n.attrs.get("split_heads", 1)
                                           != n.attrs.get("out_features")):
@@ -393,8 +396,8 @@ class Graph:
                     raise GraphError(f"node {n}: w4a16 experts need quant bits 4 and an integer group_size (-1: one "
                                      f"group per row); quant is {q}")
                 if scheme == "fp8_block" and not block_size_ok(q.get("block_size")):
-                    raise GraphError(f"node {n}: fp8_block experts need quant block_size [rows, columns] of positive "
-                                     f"integers; quant is {q}")
+                    raise GraphError(f"node {n}: fp8_block experts need quant block_size [rows, columns] of integers "
+                                     f"in 1..{MAX_SCALE_BLOCK}; quant is {q}")
             for o in n.outputs:
                 if o in defined:
                     raise GraphError(f"node {n}: value %{o} is written twice")

@@ -63,6 +63,42 @@ def test_a_tensor_stored_twice_is_refused_naming_both_files(tmp_path):
         open_checkpoint(src)
 
 
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_config_counts_the_files_do_not_hold_are_refused_before_tracing(tmp_path):
+    """num_hidden_layers past the layers the files hold (a corrupt 100,000 traced for minutes before the missing
+    weight was found), and more experts per token than experts."""
+    src = make_checkpoint(tmp_path / "c", "llama")
+    layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    _edit_config(src, num_hidden_layers=100_000)
+    with pytest.raises(CheckpointError, match=rf"num_hidden_layers is 100000 but the safetensors files hold layers "
+                                              rf"0\.\.{layers - 1}"):
+        open_checkpoint(src)
+    _edit_config(src, num_hidden_layers=layers, num_experts_per_tok=6, num_local_experts=4)
+    with pytest.raises(CheckpointError, match=r"num_experts_per_tok 6 is more than the 4 experts \(num_local_experts\)"):
+        open_checkpoint(src)
+
+
+def test_a_tied_weight_stored_twice_with_different_values_is_refused(tmp_path):
+    """config.json ties the lm_head to the embedding but the files store an lm_head of its own, with other values:
+    transformers would not tie them, the graph would; refused naming both tensors and the setting."""
+    from builder.checkpoint import weight_sources
+    from passes.trace import trace
+
+    src = make_checkpoint(tmp_path / "c", "llama", tie_word_embeddings=False)
+    _edit_config(src, tie_word_embeddings=True)
+    ckpt = open_checkpoint(src)
+    graph, meta = trace(ckpt.hf_config())
+    with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' and 'lm_head\.weight' are one weight of "
+                                              r"the llama model .* tie_word_embeddings is true\) but the files store "
+                                              r"different values; .* set tie_word_embeddings to false"):
+        weight_sources(graph, ckpt, meta)
+
+
 def test_pickle_only_checkpoint_is_refused(tmp_path):
     d = tmp_path / "pickled"
     d.mkdir()

@@ -764,8 +764,11 @@ Q = "model.layers.0.self_attn.q_proj"
     ({"quant_method": "hqq", "nbits": 4}, {},
      r"quantization_config\.quant_method is \"hqq\": it is not a format the import reads; imported: gptq, awq"),
     ({"quant_method": "fp8", "weight_block_size": None}, {},
-     r"quantization_config\.weight_block_size is null; imported: \[rows, columns\] of positive integers, e\.g\. "
-     r"\[128, 128\] \(per-tensor FP8, null, is not\)"),
+     r"quantization_config\.weight_block_size is null; imported: \[rows, columns\] of integers in 1\.\.65536, "
+     r"e\.g\. \[128, 128\] \(per-tensor FP8, null, is not\)"),
+    ({"quant_method": "fp8", "weight_block_size": [10 ** 12, 10 ** 12]}, {},  # was a 4 TB allocation
+     r"quantization_config\.weight_block_size is \[1000000000000, 1000000000000\]; imported: \[rows, columns\] of "
+     r"integers in 1\.\.65536"),
     ({**FINE_GRAINED, "activation_scheme": "static"}, {},
      r"quantization_config\.activation_scheme is \"static\"; imported: dynamic \(a static activation_scale"),
     ({"quant_method": "modelopt", "quant_algo": "FP4_MAGIC"}, {},
@@ -807,7 +810,7 @@ Q = "model.layers.0.self_attn.q_proj"
     ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": [1]}, {},
      r"quantization_config\.exclude_modules\[0\] is 1; expected a module name or pattern"),
 ], ids=["missing-qzeros", "qweight-shape", "scales-groups", "g_idx-uneven", "bits-3", "gptq-marlin", "hqq",
-        "fp8-per-tensor", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
+        "fp8-per-tensor", "fp8-huge-blocks", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
         "modelopt-awq-no-group-size", "modelopt-smoothquant", "modelopt-kv-int8", "awq-gemv", "ct-not-packed",
         "scales-nan", "g_idx-past-the-groups", "ct-ignore-a-string", "ct-ignore-not-a-string", "ct-ignore-bad-regex",
         "fp8-not-converted-a-string", "modelopt-exclude-not-a-string"])
