@@ -632,7 +632,8 @@ class FineGrainedFP8(QuantFormat):
                                   f"columns] of integers in 1..{MAX_SCALE_BLOCK}, e.g. [128, 128] (per-tensor FP8, "
                                   f"null, is not)")
         for key, (want, other) in self.SETTINGS.items():
-            value = section.get(key) or want
+            value = section.get(key)
+            value = want if value is None else value  # absent or null: the default; false or "" are not it
             if str(value).lower() != want:
                 raise _fail(cfg_file, f"quantization_config.{key} is {json.dumps(value)}; imported: {want} ({other})")
         self.block_size = block

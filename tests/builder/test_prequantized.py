@@ -771,6 +771,8 @@ Q = "model.layers.0.self_attn.q_proj"
      r"integers in 1\.\.65536"),
     ({**FINE_GRAINED, "activation_scheme": "static"}, {},
      r"quantization_config\.activation_scheme is \"static\"; imported: dynamic \(a static activation_scale"),
+    ({**FINE_GRAINED, "activation_scheme": False}, {},
+     r"quantization_config\.activation_scheme is false; imported: dynamic"),
     ({"quant_method": "modelopt", "quant_algo": "FP4_MAGIC"}, {},
      r"quantization_config\.quant_algo is \"FP4_MAGIC\": it is not an algorithm the import reads; imported: FP8, "
      r"FP8_PER_CHANNEL_PER_TOKEN, W8A16, W4A16_AWQ"),
@@ -810,7 +812,7 @@ Q = "model.layers.0.self_attn.q_proj"
     ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": [1]}, {},
      r"quantization_config\.exclude_modules\[0\] is 1; expected a module name or pattern"),
 ], ids=["missing-qzeros", "qweight-shape", "scales-groups", "g_idx-uneven", "bits-3", "gptq-marlin", "hqq",
-        "fp8-per-tensor", "fp8-huge-blocks", "fp8-static", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
+        "fp8-per-tensor", "fp8-huge-blocks", "fp8-static", "fp8-activations-false", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
         "modelopt-awq-no-group-size", "modelopt-smoothquant", "modelopt-kv-int8", "awq-gemv", "ct-not-packed",
         "scales-nan", "g_idx-past-the-groups", "ct-ignore-a-string", "ct-ignore-not-a-string", "ct-ignore-bad-regex",
         "fp8-not-converted-a-string", "modelopt-exclude-not-a-string"])
