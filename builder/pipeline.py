@@ -199,6 +199,20 @@ def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
     if ours_vocab != theirs_vocab:  # the runtime's draft proposer refuses this too: its ids would not be the target's
         raise BuildError(f"runtime.speculative.draft_model {spec.draft_model}: its vocab_size is {theirs_vocab}, the "
                          f"checkpoint's {ours_vocab}; a draft model must have the target's vocabulary (embedding rows)")
+    if (draft.path / "draft" / "manifest.json").is_file():
+        raise BuildError(f"runtime.speculative.draft_model {spec.draft_model} carries a draft model of its own (it was "
+                         f"built with runtime.speculative); name the plain draft artifact")
+    gates = draft.manifest.get("quantization", {}).get("gates") or {}
+    if not gates.get("passed", True):  # served anyway: the target verifies every draft token
+        log.warning("runtime.speculative.draft_model %s failed its quality gates (%s) when it was built; the "
+                    "runtime serves with it (the target verifies every draft token), at whatever acceptance it has",
+                    spec.draft_model, ", ".join(gates.get("failed", [])))
+    draft_bytes = sum(f.stat().st_size for f in draft.path.glob("weights*.safetensors"))
+    target_bytes = sum(f.stat().st_size for f in ckpt.weight_files)
+    if draft_bytes >= target_bytes / 2:
+        log.warning("runtime.speculative.draft_model %s holds %.1f MiB of weights against the checkpoint's %.1f MiB: "
+                    "a draft reads its weights for every token it proposes, so one this large saves little or "
+                    "nothing", spec.draft_model, draft_bytes / 2**20, target_bytes / 2**20)
 
 
 def check_longrope(config, max_seq_len: int) -> None:

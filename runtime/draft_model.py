@@ -30,6 +30,7 @@ per-sequence caches eagerly, as above.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,11 +38,14 @@ from pathlib import Path
 
 import torch
 
+from runtime.artifact import ArtifactError, open_artifact
 from runtime.engine import Engine
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput
 from runtime.kv_cache import SequenceKV
 from runtime.memory import tensor_bytes
 from runtime.speculative import DraftRequest, PendingDrafts, Proposer, SpeculativeConfigError
+
+log = logging.getLogger(__name__)
 
 CHAIN_BUCKETS = (1, 2, 4, 8, 16, 32)  # batch buckets of the draft chain's CUDA graphs (and max_seqs)
 
@@ -87,9 +91,19 @@ class DraftModelProposer(Proposer):
     def load(cls, path: str | Path, device: torch.device, target_vocab_size: int, target_tokenizer,
              max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4,
              cuda_graphs: bool = True) -> DraftModelProposer:
-        """Load the draft artifact on ``device`` (verified like any artifact, see ``Engine.load``)."""
-        return cls(Engine.load(path, device), target_vocab_size, target_tokenizer, max_seq_len, max_seqs,
-                   max_draft_tokens, cuda_graphs=cuda_graphs)
+        """Load the draft artifact on ``device`` (verified like any artifact, see ``Engine.load``). A draft for
+        one GPU only (a sharded one is refused before any rank starts). Its quality gates do not stop it: the target
+        verifies every draft token, so a poor draft costs acceptance, never output (a failed one is logged)."""
+        opened = open_artifact(path, check_hashes=False)  # Engine.load checks the hashes
+        if opened.tp_size > 1:
+            raise ArtifactError(f"{path} is sharded for tp_size {opened.tp_size}; a draft model runs on one GPU "
+                                f"beside the target: build it with parallel.tp_size 1")
+        gates = opened.manifest.get("quantization", {}).get("gates") or {}
+        if not gates.get("passed", True):
+            log.warning("draft model %s failed its quality gates (%s) when it was built; serving with it anyway: "
+                        "the target verifies every draft token", path, ", ".join(gates.get("failed", [])))
+        return cls(Engine.load(path, device, allow_failed_gate=True), target_vocab_size, target_tokenizer,
+                   max_seq_len, max_seqs, max_draft_tokens, cuda_graphs=cuda_graphs)
 
     def kv_bytes(self) -> int:
         """The most bytes the per-request draft caches hold at once: max_seqs caches of max_seq_len tokens (whole

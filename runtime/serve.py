@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -173,11 +174,17 @@ def _warn_if_exposed(host: str, port: int, api_key: str | None) -> None:
 def speculative_config(args: argparse.Namespace) -> dict[str, Any] | None:
     """The speculative section from ``--speculative-config`` and ``--speculative-ngram``, checked (raises
     ``runtime.speculative.SpeculativeConfigError``); None when neither is given (the artifact's section)."""
-    from runtime.speculative import SpeculativeConfig
+    from runtime.speculative import SpeculativeConfig, SpeculativeConfigError
 
     if args.speculative_config is None and args.speculative_ngram is None:
         return None  # the artifact's (its recipe's runtime.speculative section), else off
     config = SpeculativeConfig.from_json(args.speculative_config) if args.speculative_config else SpeculativeConfig()
+    given = sorted(set(json.loads(args.speculative_config)) - {"method"}) if args.speculative_config else []
+    if config.method is None and args.speculative_ngram is None and given:
+        raise SpeculativeConfigError(f"--speculative-config sets {', '.join(given)} but no method: it replaces the "
+                                     f"artifact's whole speculative section, so without a method speculation is off; "
+                                     f"name the method (\"ngram\" or \"draft\") beside the settings, or pass '{{}}' "
+                                     f"to turn speculation off")
     if args.speculative_ngram is not None:
         config = SpeculativeConfig.from_dict({**config.to_dict(), "method": "ngram",
                                               "num_speculative_tokens": args.speculative_ngram})

@@ -142,19 +142,34 @@ class ServingConfig:
             raise ValueError(f"request_timeout_s must be > 0 seconds (None: no timeout), got {self.request_timeout_s}")
 
 
-def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, cuda_graphs: bool = True) -> Proposer:
+def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, cuda_graphs: bool = True,
+                  max_num_seqs: int | None = None) -> Proposer:
     """The proposer ``config.method`` names (runtime.speculative.METHODS) for ``target``: a draft model is loaded on
     its device and must share its vocabulary; ``max_seq_len``: the serving limit; ``cuda_graphs``: the draft's steps
-    may be captured (ServingConfig.cuda_graphs)."""
+    may be captured (ServingConfig.cuda_graphs); ``max_num_seqs``: the most requests that run at once (the draft's
+    caches are planned for no more of them than that and ``max_running``)."""
     if config.method == "ngram":
         return NgramProposer(config.min_ngram, config.max_ngram)
     if config.method == "draft":
+        from runtime.artifact import ArtifactError
         from runtime.draft_model import DraftModelProposer
 
         vocab = int(target.executor.graph.get("meta", {}).get("vocab_size", 0))
-        return DraftModelProposer.load(config.draft_model, target.device, vocab, target.tokenizer, max_seq_len,
-                                       max_seqs=config.max_running,  # no step speculates for more requests
-                                       max_draft_tokens=config.num_speculative_tokens, cuda_graphs=cuda_graphs)
+        try:
+            proposer = DraftModelProposer.load(
+                config.draft_model, target.device, vocab, target.tokenizer, max_seq_len,
+                max_seqs=min(config.max_running, max_num_seqs or config.max_running),  # speculating at once, at most
+                max_draft_tokens=config.num_speculative_tokens, cuda_graphs=cuda_graphs)
+        except ArtifactError as e:
+            where = "" if Path(config.draft_model).is_absolute() else \
+                f" (a relative path, read from the working directory {Path.cwd()})"
+            raise ArtifactError(f"speculative draft_model{where}: {e}") from None
+        draft_bytes, target_bytes = proposer.weights_bytes(), tensor_bytes(target.executor.params.values())
+        if draft_bytes >= target_bytes:
+            log.warning("the draft model %s has %.1f MiB of weights, the target %.1f MiB: a draft as large as the "
+                        "target reads as many bytes per token as the target saves; speculation will not pay",
+                        config.draft_model, draft_bytes / 2**20, target_bytes / 2**20)
+        return proposer
     raise SpeculativeConfigError(f"no proposer for speculative method {config.method!r}; use one of "
                                  f"{', '.join(METHODS)}")
 
@@ -311,7 +326,8 @@ class ServingEngine:
         spec = config.speculative  # the proposer first: a draft model's weights are planned with the target's
         reserved = torch.cuda.memory_reserved(engine.device) if engine.device.type == "cuda" else 0
         self.proposer: Proposer | None = make_proposer(spec, engine, self.scheduler_config.max_seq_len,
-                                                       config.cuda_graphs) if spec.enabled else None
+                                                       config.cuda_graphs, self.scheduler_config.max_num_seqs
+                                                       ) if spec.enabled else None
         # what the draft holds beyond its weights and caches (its CUDA graphs' pools, their static buffers): planned
         # beside them
         self._draft_extra_bytes = 0

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import abc
 import json
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -90,8 +91,15 @@ class SpeculativeConfigError(ValueError):
     """A speculative decoding setting outside what is allowed."""
 
 
-def _env(name: str, default: float, kind: type) -> Any:
-    return env_number(name, default, kind, SpeculativeConfigError)
+def _env(name: str, default: float, kind: type, low: float, high: float | None = None) -> Any:
+    """A setting's default from the environment variable ``name``, checked here so that an error names the
+    variable (the user set no field)."""
+    value = env_number(name, default, kind, SpeculativeConfigError)
+    if not (value >= low and (high is None or value <= high)):  # NaN fails
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise SpeculativeConfigError(f"{name}={os.environ.get(name)!r} is not {allowed} (unset it for the default "
+                                     f"{default})")
+    return value
 
 
 @dataclass
@@ -111,13 +119,13 @@ class SpeculativeConfig:
     # draft: the draft model's artifact directory (same tokenizer as the target, built by the same toolchain)
     draft_model: str | None = None
     # no speculation in a step with more decoding requests than this; default from RUNTIME_SPEC_MAX_RUNNING, else 8
-    max_running: int = field(default_factory=lambda: _env("RUNTIME_SPEC_MAX_RUNNING", 8, int))
+    max_running: int = field(default_factory=lambda: _env("RUNTIME_SPEC_MAX_RUNNING", 8, int, 1))
     # a request stops speculating (for PROBE_INTERVAL engine steps) while its acceptance rate, an EWMA of accepted /
     # proposed drafts, is below this; in [0, 1], 0 never stops; default from RUNTIME_SPEC_MIN_ACCEPTANCE, else 0.2
-    min_acceptance: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_ACCEPTANCE", 0.2, float))
+    min_acceptance: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_ACCEPTANCE", 0.2, float, 0, 1))
     # speculate only while the decoding requests' measured tokens per second with drafts are at least min_gain times
     # those without (RateCheck); >= 0, 0 never stops for it; default from RUNTIME_SPEC_MIN_GAIN, else 1.0
-    min_gain: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_GAIN", 1.0, float))
+    min_gain: float = field(default_factory=lambda: _env("RUNTIME_SPEC_MIN_GAIN", 1.0, float, 0))
     # False: every request asks for num_speculative_tokens drafts at every step, whatever its acceptance or the
     # rates (the step limit max_running still holds); for measuring a verify step's cost (builder.bench.speculative)
     adaptive: bool = True

@@ -244,6 +244,16 @@ def test_settings_from_the_environment_and_across_the_process_boundary(monkeypat
     monkeypatch.setenv("RUNTIME_SPEC_MAX_RUNNING", "many")
     with pytest.raises(SpeculativeConfigError, match="RUNTIME_SPEC_MAX_RUNNING='many' is not a whole number"):
         SpeculativeConfig()
+    # out of range: the variable named, not a field the user never set
+    for name, value, message in (("RUNTIME_SPEC_MAX_RUNNING", "0", r"'0' is not >= 1 \(unset it for the default 8\)"),
+                                 ("RUNTIME_SPEC_MIN_ACCEPTANCE", "2", r"'2' is not in \[0, 1\]"),
+                                 ("RUNTIME_SPEC_MIN_GAIN", "nan", r"'nan' is not >= 0")):
+        monkeypatch.delenv("RUNTIME_SPEC_MAX_RUNNING")
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SpeculativeConfigError, match=rf"{name}={message}"):
+            SpeculativeConfig()
+        monkeypatch.delenv(name)
+        monkeypatch.setenv("RUNTIME_SPEC_MAX_RUNNING", "3")
 
 
 def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
@@ -294,7 +304,14 @@ def test_serve_flags_build_the_speculative_section():
         ["x", "--speculative-config", '{"method": "ngram", "max_running": 2, "min_ngram": 1}',
          "--speculative-ngram", "3"]))
     assert (section["max_running"], section["min_ngram"], section["num_speculative_tokens"]) == (2, 1, 3)
-    for bad in (["--speculative-ngram", "17"], ["--speculative-config", "{oops"]):
+    assert speculative_config(parser.parse_args(["x", "--speculative-config", "{}"]))["method"] is None  # off
+    # settings without a method would silently turn the artifact's speculation off
+    with pytest.raises(SpeculativeConfigError, match=r"--speculative-config sets min_gain, num_speculative_tokens "
+                                                     r"but no method: it replaces the artifact's whole speculative"):
+        speculative_config(parser.parse_args(["x", "--speculative-config",
+                                              '{"num_speculative_tokens": 2, "min_gain": 0}']))
+    for bad in (["--speculative-ngram", "17"], ["--speculative-config", "{oops"],
+                ["--speculative-config", '{"num_speculative_tokens": 2}']):
         with pytest.raises(SystemExit) as exit_info:  # a bad option: exit 2, before anything is loaded
             main(["no-such-artifact", *bad])
         assert exit_info.value.code == 2
@@ -868,6 +885,8 @@ def test_a_draft_model_in_the_recipe_travels_inside_the_artifact(engine, bundled
     assert served.stats().spec_num_accepted_tokens > 10
     with pytest.raises(BuildError, match="its tokenizer.json is not the checkpoint's"):
         build_artifact(BUNDLED, tmp_path / "other", speculative={"method": "draft", "draft_model": str(tiny_artifact)})
+    with pytest.raises(BuildError, match=r"carries a draft model of its own .*; name the plain draft artifact"):
+        build_artifact(BUNDLED, tmp_path / "other", speculative={"method": "draft", "draft_model": str(target)})
     # the same tokenizer but more embedding rows: refused at build too (the proposer would refuse it at serve time)
     from transformers import AutoModelForCausalLM
 
@@ -894,6 +913,41 @@ def test_a_draft_model_in_the_recipe_travels_inside_the_artifact(engine, bundled
 
     with pytest.raises(ArtifactError, match="draft/graph.json"):
         Engine.load(target)
+
+
+def test_a_draft_runs_on_one_gpu_whatever_its_gates_and_errors_name_its_setting(engine, bundled_artifact, monkeypatch,
+                                                                               caplog):
+    """A sharded draft is refused before any rank starts (it tried to start its ranks from the engine process); a
+    draft that failed its quality gates is served with a warning (the target verifies every draft token; it was
+    refused whatever --allow-failed-gate said); a draft path that is not an artifact is named as the speculative
+    setting, relative to the working directory; the draft's caches are planned for the requests that can run."""
+    import types
+
+    import runtime.draft_model as dm
+    from runtime.artifact import ArtifactError, open_artifact
+
+    spec = {"method": "draft", "draft_model": str(bundled_artifact), "num_speculative_tokens": 3}
+    monkeypatch.setattr(dm, "open_artifact", lambda path, **kw: types.SimpleNamespace(tp_size=2, manifest={}))
+    with pytest.raises(ArtifactError, match=r"speculative draft_model: .* is sharded for tp_size 2; a draft model "
+                                            r"runs on one GPU beside the target: build it with parallel\.tp_size 1"):
+        _serving(engine, spec)
+
+    def gate_failed(path, **kw):
+        opened = open_artifact(path, **kw)
+        opened.manifest = {**opened.manifest, "quantization": {"gates": {"passed": False, "failed": ["kl"]}}}
+        return opened
+
+    loads = []
+    real_load = dm.Engine.load
+    monkeypatch.setattr(dm, "open_artifact", gate_failed)
+    monkeypatch.setattr(dm.Engine, "load", lambda *a, **kw: loads.append(kw) or real_load(*a, **kw))
+    with caplog.at_level("WARNING", logger="runtime.draft_model"):
+        served = _serving(engine, {**spec, "max_running": 100_000}, max_num_seqs=4)
+    assert loads == [{"allow_failed_gate": True}] and "failed its quality gates (kl)" in caplog.text
+    assert served.proposer.max_seqs == 4  # not 100,000 caches
+    with pytest.raises(ArtifactError, match=r"speculative draft_model \(a relative path, read from the working "
+                                            r"directory .*\): no-such-draft"):
+        _serving(engine, {**spec, "draft_model": "no-such-draft"})
 
 
 def test_draft_model_with_another_vocabulary_is_refused(engine, tiny_artifact):
