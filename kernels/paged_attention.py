@@ -982,15 +982,18 @@ _EARLY_TILE = os.environ.get("KERNELS_DECODE_EARLY", "1") != "0"
 # faster than a program per pair at 512 x 150-1,152 with 4 heads (7-11% with 8) and 3-8% at 256 x 250-2,048 with
 # 2 or 4; slower with 1 program per SM (256 x 2,048 at 8 heads: 383 against 318 us) and at 64 x 2,048 (splits win).
 # 4 rather than 2 programs per SM: end to end, 128/128 at 512 sequences gave 24,952 tok/s at 4 heads (1,024
-# programs) and 24,722 at 8 in one run each, a difference within the spread of two runs of one setting (~3%)
-_HEADS_MIN_PROGRAMS_PER_SM = 4
+# programs) and 24,722 at 8 in one run each, a difference within the spread of two runs of one setting (~3%).
+# 3 since the programs have 2 warps (_TWO_WARP_DECODE_PAIRS; session 47's second sweep): it picks the best heads, or
+# one within 0.6% of it, at all five shapes swept (128 x 1,024: 2 heads, 80.7 us against 83.5 for a program per pair)
+_HEADS_MIN_PROGRAMS_PER_SM = 3
 
 
-# Quantized caches from this many (sequence, kv head) pairs: programs of 2 warps. In one H200 sweep (docs/BENCHMARKS.md,
-# session 47; FP8, 64-token blocks) 64:2:3 was the best of 48 tilings at 512 x 300 / 1,152 / 2,048 and 256 x 2,048
-# (2,048 to 4,096 pairs), 2.2-4.9% under 64:4:3, every 4- and 8-warp tiling slower; narrower launches, not swept,
-# keep 4 warps (fewer warps per SM where a program per pair leaves few programs)
-_TWO_WARP_DECODE_PAIRS = 2048
+# Quantized caches from this many (sequence, kv head) pairs: programs of 2 warps. In two H200 sweeps (docs/BENCHMARKS.md,
+# session 47; FP8, 64-token blocks) 64:2:3 was the best tiling at every shape, 512 to 4,096 pairs: 2.2-4.9% under
+# 64:4:3 at 512 x 300 / 1,152 / 2,048 and 256 x 2,048 (48 tilings), 8.5% at 128 x 1,024 and 11.8% at 64 x 2,048 with a
+# program per pair (64 tilings: 32- and 64-key tiles, 3 and 4 stages, 2 and 4 warps); narrower launches, not swept,
+# keep 4 warps
+_TWO_WARP_DECODE_PAIRS = 512
 
 
 def _decode_heads(pairs: int, num_kv_heads: int, sms: int) -> int:

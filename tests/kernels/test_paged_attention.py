@@ -702,7 +702,7 @@ def test_decode_split_heuristic(monkeypatch):
 def test_decode_config_by_launch_width():
     """16-bit caches: 64-key tiles and 64-key splits, the first tile loaded before the PDL wait, for a handful of
     (sequence, kv head) pairs (batch-1 decode), 32-key tiles in 3 stages beyond; quantized caches 64-key tiles in fp16,
-    2 stages for a handful of pairs and 3 beyond, on 2 warps from 2,048 pairs."""
+    2 stages for a handful of pairs and 3 beyond, on 2 warps from 512 pairs."""
     small = pa._decode_config(torch.bfloat16, 128, 8)
     assert (small.block_n, small.min_keys, small.early) == (64, 64, pa._EARLY_TILE)
     assert pa._decode_config(torch.float16, 128, pa._SMALL_DECODE_PAIRS).min_keys == 64
@@ -714,10 +714,10 @@ def test_decode_config_by_launch_width():
         assert (wide.block_n, wide.num_stages, wide.f16, wide.min_keys) == (64, 3, True, 0)
         assert wide.num_warps == (2 if pairs >= pa._TWO_WARP_DECODE_PAIRS else 4)
     assert pa._decode_config(FP8, 128, pa._SMALL_DECODE_PAIRS).num_stages == 2
-    # wide launches over a quantized cache: as many kv heads per program (dividing the model's) as leave >= 4
+    # wide launches over a quantized cache: as many kv heads per program (dividing the model's) as leave >= 3
     # programs per SM; 16-bit caches, an unknown GPU (sms 0) and narrow launches a program per pair
-    assert [pa._decode_config(FP8, 128, pairs, 8, 132).heads for pairs in (4096, 4095, 2112, 2048, 1024, 16)] == \
-        [4, 4, 4, 2, 1, 1]
+    assert [pa._decode_config(FP8, 128, pairs, 8, 132).heads for pairs in (4096, 3168, 3167, 2048, 1024, 792, 791,
+                                                                           16)] == [8, 8, 4, 4, 2, 2, 1, 1]
     assert pa._decode_config(INT8, 128, 8448, 8, 132).heads == 8
     assert pa._decode_config(FP8, 128, 4096, 2, 132).heads == 2  # at most the model's kv heads
     assert pa._decode_config(FP8, 128, 4096, 3, 132).heads == 1  # none of 8, 4, 2 divides 3
