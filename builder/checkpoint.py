@@ -451,13 +451,21 @@ def _index_weights(p: Path) -> tuple[list[Path], dict[str, Path]]:
             raise CheckpointError(f"{f}: not a readable safetensors file ({e}); download the checkpoint again") from e
         for name in names:
             first = weight_map.setdefault(name, f)
-            if first is not f:  # which copy a loader reads depends on the loader (transformers: the last shard read)
+            if first is not f and not _same_tensor(name, first, f):  # which copy is read depends on the loader
                 where = (f" ({INDEX_FILE} names {indexed[name].name})" if name in indexed
                          else "" if indexed else f" (no {INDEX_FILE})")
-                raise CheckpointError(f"{p}: tensor {name!r} is stored in both {first.name} and {f.name}{where}; a "
-                                      f"checkpoint stores each tensor once: remove the stale copy or download the "
-                                      f"checkpoint again")
+                raise CheckpointError(f"{p}: tensor {name!r} is stored in both {first.name} and {f.name} with "
+                                      f"different values{where}; which copy a loader reads depends on the loader "
+                                      f"(transformers: the last file it reads): remove the stale copy or download "
+                                      f"the checkpoint again")
     return files, weight_map
+
+
+def _same_tensor(name: str, a: Path, b: Path) -> bool:
+    """Whether files ``a`` and ``b`` hold the same tensor ``name`` (dtype, shape and values)."""
+    with safe_open(a, framework="pt") as fa, safe_open(b, framework="pt") as fb:
+        x, y = fa.get_tensor(name), fb.get_tensor(name)
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
 
 
 @dataclass
@@ -593,10 +601,8 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
             differing = next((s for s in sources[1:] if not torch.equal(stored[s], stored[sources[0]])), None)
             if differing is not None:
                 raise CheckpointError(f"{ckpt.path}: {sources[0]!r} and {differing!r} are one weight of the "
-                                      f"{ckpt.model_type} model as config.json builds it (tied: tie_word_embeddings "
-                                      f"is {json.dumps(ckpt.config_dict.get('tie_word_embeddings'))}) but the files store "
-                                      f"different values; if the model has its own lm_head, set "
-                                      f"tie_word_embeddings to false in config.json")
+                                      f"{ckpt.model_type} model as config.json builds it (tied) but the files store "
+                                      f"different values{_tie_hint(ckpt, [sources[0], differing])}")
         wanted[name] = sources[0]
         read.update(sources)
     unread = sorted(n for n in ckpt.weight_map if n not in read and not n.endswith(UNREAD_OK_SUFFIXES))
@@ -615,6 +621,20 @@ def weight_sources(graph: Graph, ckpt: Checkpoint, meta_model: torch.nn.Module,
                               f"a checkpoint with extra tensors (quantization "
                               f"scales, adapters) is not imported: {QUANTIZE_INSTEAD}")
     return wanted
+
+
+def _tie_hint(ckpt: Checkpoint, names: list[str]) -> str:
+    """What to change when an embedding and an lm_head stored apart are tied by the config: its effective
+    tie_word_embeddings (the model class's default when config.json does not set it)."""
+    if not any("lm_head" in n or "embed_out" in n for n in names):
+        return "; the checkpoint and its config.json disagree, download the checkpoint again"
+    try:
+        tied = getattr(ckpt.hf_config(), "tie_word_embeddings", None)
+    except CheckpointError:
+        tied = ckpt.config_dict.get("tie_word_embeddings")
+    said = "sets" if "tie_word_embeddings" in ckpt.config_dict else "leaves to the model's default"
+    return (f" (config.json {said} tie_word_embeddings: {json.dumps(tied)}); if the model has its own lm_head, set "
+            f"tie_word_embeddings to false in config.json")
 
 
 def _natural_key(name: str) -> tuple:

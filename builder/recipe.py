@@ -320,13 +320,15 @@ class Recipe(_Strict):
         """Gate lengths a recipe sets fit runtime.max_seq_len: the gates judge the artifact on inputs it can serve.
         The defaults, a window of 256 tokens and 16 greedy tokens, are shortened to fit a shorter max_seq_len."""
         limit = self.runtime.max_seq_len
-        if "window" not in self.gates.model_fields_set and self.gates.window > limit:
-            self.gates.window = max(limit, 8)  # the default, shortened to what the artifact serves
-        if "greedy_tokens" not in self.gates.model_fields_set and self.gates.greedy_tokens > limit - 1:
-            self.gates.greedy_tokens = max(limit - 1, 1)
+        given = set(self.gates.model_fields_set)  # what the recipe set; a default shortened below stays a default
+        for key, fit in (("window", limit), ("greedy_tokens", limit - 1)):
+            low = GatesSection.model_fields[key].metadata[0].ge  # (a context under the window's least, 8: unchanged)
+            if key not in given and getattr(self.gates, key) > fit >= low:
+                setattr(self.gates, key, fit)
+                self.gates.model_fields_set.discard(key)
         for key, most in (("window", limit), ("needle_context_len", limit), ("greedy_tokens", limit - 1)):
             value = getattr(self.gates, key)
-            if key in self.gates.model_fields_set and value is not None and value > most:
+            if key in given and value is not None and value > most:
                 raise ValueError(f"gates.{key} {value} is past runtime.max_seq_len {limit}: the gates would judge "
                                  f"the build on inputs the artifact cannot serve; set it to at most {most}")
         return self

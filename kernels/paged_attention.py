@@ -983,23 +983,27 @@ _EARLY_TILE = os.environ.get("KERNELS_DECODE_EARLY", "1") != "0"
 # 2 or 4; slower with 1 program per SM (256 x 2,048 at 8 heads: 383 against 318 us) and at 64 x 2,048 (splits win).
 # 4 rather than 2 programs per SM: end to end, 128/128 at 512 sequences gave 24,952 tok/s at 4 heads (1,024
 # programs) and 24,722 at 8 in one run each, a difference within the spread of two runs of one setting (~3%).
-# 3 since the programs have 2 warps (_TWO_WARP_DECODE_PAIRS; session 47's second sweep): it picks the best heads, or
-# one within 0.6% of it, at all five shapes swept (128 x 1,024: 2 heads, 80.7 us against 83.5 for a program per pair)
-_HEADS_MIN_PROGRAMS_PER_SM = 3
+_HEADS_MIN_PROGRAMS_PER_SM = 4
+# Programs of 2 warps (_TWO_WARP_DECODE_PAIRS): 3 per SM. In session 47's second sweep (FP8) that picks the best heads,
+# or heads within 0.6% of it, at all five shapes (128 x 1,024: 2 heads, 80.7 us against 83.5 for a program per pair);
+# in the first, 8 heads at 512 x 1,152 and 512 x 2,048 were 1.1% and 0.1% behind that sweep's best (4 heads)
+_HEADS_MIN_PROGRAMS_PER_SM_2_WARPS = 3
 
 
-# Quantized caches from this many (sequence, kv head) pairs: programs of 2 warps. In two H200 sweeps (docs/BENCHMARKS.md,
+# FP8 caches from this many (sequence, kv head) pairs: programs of 2 warps. In two H200 sweeps (docs/BENCHMARKS.md,
 # session 47; FP8, 64-token blocks) 64:2:3 was the best tiling at every shape, 512 to 4,096 pairs: 2.2-4.9% under
 # 64:4:3 at 512 x 300 / 1,152 / 2,048 and 256 x 2,048 (48 tilings), 8.5% at 128 x 1,024 and 11.8% at 64 x 2,048 with a
-# program per pair (64 tilings: 32- and 64-key tiles, 3 and 4 stages, 2 and 4 warps); narrower launches, not swept,
-# keep 4 warps
+# program per pair (64 tilings: 32- and 64-key tiles, 3 and 4 stages, 2 and 4 warps). Narrower launches, not swept,
+# and INT8 caches, whose conversion is another instruction stream, not measured with 2 warps, keep 4
 _TWO_WARP_DECODE_PAIRS = 512
 
 
-def _decode_heads(pairs: int, num_kv_heads: int, sms: int) -> int:
-    """kv heads per program for a wide decode over a quantized cache (see _HEADS_MIN_PROGRAMS_PER_SM)."""
+def _decode_heads(pairs: int, num_kv_heads: int, sms: int, warps: int = 4) -> int:
+    """kv heads per program for a wide decode over a quantized cache, programs of ``warps`` warps (see
+    _HEADS_MIN_PROGRAMS_PER_SM)."""
+    least = _HEADS_MIN_PROGRAMS_PER_SM_2_WARPS if warps == 2 else _HEADS_MIN_PROGRAMS_PER_SM
     for heads in (8, 4, 2):
-        if num_kv_heads % heads == 0 and pairs // heads >= _HEADS_MIN_PROGRAMS_PER_SM * sms:
+        if num_kv_heads % heads == 0 and pairs // heads >= least * sms:
             return heads
     return 1
 
@@ -1021,7 +1025,7 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     98 us against 244 for the former 128:4:3 at 512 sequences of 150 keys, 517 against 707 at 256 x 2,048, 267
     against 357 at 32 x 8,192; for these 16-bit caches the by-heads kernel measured level with a program per pair
     (H200, session 41). Wide launches over quantized caches take several kv heads per program (``_decode_heads``),
-    on 2 warps from _TWO_WARP_DECODE_PAIRS pairs on."""
+    FP8 ones on 2 warps from _TWO_WARP_DECODE_PAIRS pairs on."""
     if head_dim > 128:
         return DecodeConfig(32, 4, 2) if cache_dtype == torch.float32 else DecodeConfig(64, 8, 2)
     if cache_dtype == torch.float32:
@@ -1037,8 +1041,8 @@ def _decode_config(cache_dtype: torch.dtype, head_dim: int = 128, pairs: int = 0
     if quantized:
         if 0 < pairs <= _SMALL_DECODE_PAIRS:
             return DecodeConfig(64, 4, 2, f16=True)
-        warps = 2 if pairs >= _TWO_WARP_DECODE_PAIRS else 4
-        return DecodeConfig(64, warps, 3, f16=True, heads=_decode_heads(pairs, num_kv_heads, sms) if sms else 1)
+        warps = 2 if cache_dtype == torch.float8_e4m3fn and pairs >= _TWO_WARP_DECODE_PAIRS else 4
+        return DecodeConfig(64, warps, 3, f16=True, heads=_decode_heads(pairs, num_kv_heads, sms, warps) if sms else 1)
     if 0 < pairs <= _SMALL_DECODE_PAIRS:
         return DecodeConfig(64, 4, 2, min_keys=64, early=_EARLY_TILE)
     return DecodeConfig(32, 4, 3)

@@ -285,7 +285,7 @@ def check_tp_groups(graph: Graph, tp_size: int, targets: list[int], group_size: 
     ``bits``-bit codes, on the linears ``targets``) would leave a row-parallel linear whose rank share of input
     columns cuts a group (or, 4-bit, a packed byte): what the shard pass would refuse after calibration and gates.
     ``key`` names the recipe's section."""
-    if tp_size == 1 or group_size == -1:
+    if tp_size == 1 or (group_size == -1 and bits != 4):
         return
     rows = match(graph).rows
     for i in targets:
@@ -294,7 +294,11 @@ def check_tp_groups(graph: Graph, tp_size: int, targets: list[int], group_size: 
             continue
         in_f = node.attrs["in_features"]
         local = in_f // tp_size
-        if local % group_size or (bits == 4 and local % 2):
+        if bits == 4 and local % 2:  # two 4-bit codes a byte: no group size helps
+            raise _fail(f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns per "
+                        f"rank, an odd number: packed 4-bit codes ({key}) hold two columns per byte; pick a tp_size "
+                        f"that leaves it even")
+        if group_size != -1 and local % group_size:
             fits = ", ".join(str(g) for g in (256, 128, 64, 32, 16, 8) if local % g == 0) or "none of the usual sizes"
             raise _fail(f"tp_size {tp_size} splits the input of {node.source} ({in_f}) into {local} columns per "
                         f"rank, which cuts the quantization groups of {group_size} that {key} asks for; set "

@@ -2,7 +2,7 @@
 
 One server process's event loop does the HTTP work of every stream: parsing, JSON, server-sent-event framing, the
 socket writes. Past ~15k streamed tokens a second that loop is the limit (docs/BENCHMARKS.md, session 30:
-``serve_overhead_pct_fp8`` 15.6% on an H200). Here the parent binds the sockets (``runtime.serve.bind_sockets``: every
+``serve_overhead_pct_fp8`` 15.6% on an H200). Here the parent binds the sockets (``runtime.net.bind_sockets``: every
 address the host resolves to), starts the engine process with N channels
 (``runtime.engine_process.start_engine_process``), then N server processes that each listen and accept on the shared
 sockets (the kernel spreads the connections) and talk to the engine over their own channel:
@@ -66,7 +66,7 @@ def serve(artifact: str, device: Any, config: Any, *, num_servers: int, host: st
     bound. ``loader``: the engine process's (``start_engine_process``'s; benchmarks simulate the device)."""
     from runtime.artifact import open_artifact
     from runtime.engine_process import start_engine_process, stop_process
-    from runtime.serve import bind_sockets, close_sockets
+    from runtime.net import bind_sockets, close_sockets
 
     opened = open_artifact(artifact, check_hashes=False)  # the engine process checks the hashes
     model_name = model_name or opened.manifest["name"]

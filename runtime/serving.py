@@ -854,7 +854,7 @@ class ServingEngine:
             track = self._tracks.get(request.request_id)
             draft = track.draft if track is not None else None
             if draft is not None and self.spec_policy.num_draft(draft, self.num_steps) > 0 \
-                    and self.proposer.may_propose(request.token_ids):
+                    and self.proposer.may_propose(request.token_ids, request.request_id):
                 return True
         return False
 

@@ -253,11 +253,12 @@ class Proposer(abc.ABC):
         (``PendingDrafts``); the caller resolves them before it proposes again. By default: ``propose``."""
         return self.propose(requests)
 
-    def may_propose(self, token_ids: Sequence[int]) -> bool:
+    def may_propose(self, token_ids: Sequence[int], request_id: str | None = None) -> bool:
         """Whether proposing for a request whose known tokens are ``token_ids`` would likely give drafts. The engine
         asks before a step leaves the overlapped pipeline for the synchronous one (where the tokens are one step
         behind): a proposer that often has nothing to offer would otherwise cost every step its overlap. Cheap and
-        without side effects; True by default (a draft model always drafts)."""
+        without side effects beyond the proposer's own bookkeeping of ``request_id``; True by default (a draft
+        model always drafts)."""
         return True
 
     def release(self, request_id: str) -> None:
@@ -290,33 +291,30 @@ class NgramProposer(Proposer):
             raise SpeculativeConfigError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram, got min_ngram "
                                          f"{min_ngram} and max_ngram {max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
-        # per token list (a request's, which only grows): where each min_ngram-gram ended, kept up as it grows, so a
+        # per request (its token list, which only grows): where each min_ngram-gram ended, kept up as it grows, so a
         # step looks up its suffix's earlier occurrences instead of scanning every position (50-150 us of Python a
-        # call at 400-2,000 tokens on the 2-core CPU, twice a step: may_propose, then propose); most recent last
-        self._indexes: OrderedDict[int, _NgramIndex] = OrderedDict()
-        self._request_lists: dict[str, int] = {}  # request id -> id() of its token list (release)
+        # call at 400-2,000 tokens on the 2-core CPU, twice a step: may_propose, then propose); released with the
+        # request, most recent last
+        self._indexes: OrderedDict[str, _NgramIndex] = OrderedDict()
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        for r in requests:
-            self._request_lists[r.request_id] = id(r.token_ids)
-        return [self.propose_one(r.token_ids, r.max_tokens) for r in requests]
+        return [self.propose_one(r.token_ids, r.max_tokens, r.request_id) for r in requests]
 
     def release(self, request_id: str) -> None:
-        key = self._request_lists.pop(request_id, None)
-        if key is not None:
-            self._indexes.pop(key, None)
+        self._indexes.pop(request_id, None)
 
-    def may_propose(self, token_ids: Sequence[int]) -> bool:
+    def may_propose(self, token_ids: Sequence[int], request_id: str | None = None) -> bool:
         """Whether the tokens' suffix recurs (one step behind, the next suffix usually does too, and does not
         where the text has no repeats: random prompts measured 0.87-0.91x throughput on an H100 when every step
         left the pipeline to find no draft)."""
-        return self._match(token_ids) is not None
+        return self._match(token_ids, request_id) is not None
 
-    def propose_one(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` drafts following ``token_ids`` (none when no n-gram of the allowed sizes recurs)."""
+    def propose_one(self, token_ids: Sequence[int], max_tokens: int, request_id: str | None = None) -> list[int]:
+        """Up to ``max_tokens`` drafts following ``token_ids`` (none when no n-gram of the allowed sizes recurs);
+        ``request_id``: the request whose tokens they are, looked up in its index (else scanned)."""
         if max_tokens < 1:
             raise SpeculativeConfigError(f"max_tokens must be >= 1 to draft, got {max_tokens}")
-        start = self._match(token_ids)
+        start = self._match(token_ids, request_id)
         if start is None:
             return []
         num_tokens, drafts = len(token_ids), []
@@ -324,17 +322,17 @@ class NgramProposer(Proposer):
             drafts.append(token_ids[i] if i < num_tokens else drafts[i - num_tokens])
         return drafts
 
-    def _match(self, token_ids: Sequence[int]) -> int | None:
+    def _match(self, token_ids: Sequence[int], request_id: str | None = None) -> int | None:
         """Where the continuation starts: the position after the most recent earlier occurrence of the longest
-        suffix of ``max_ngram`` .. ``min_ngram`` tokens, or None. A list (a request's tokens) is looked up in its
-        index: the earlier occurrences of its last ``min_ngram`` tokens, most recent first, each extended backwards;
-        any other sequence is scanned (``_scan``, the same answer)."""
+        suffix of ``max_ngram`` .. ``min_ngram`` tokens, or None. A request's token list is looked up in its index:
+        the earlier occurrences of its last ``min_ngram`` tokens, most recent first, each extended backwards; any
+        other sequence, or one without a request id, is scanned (``_scan``, the same answer)."""
         num_tokens = len(token_ids)
         if num_tokens <= self.min_ngram:
             return None
-        if not isinstance(token_ids, list):
+        if request_id is None or not isinstance(token_ids, list):
             return self._scan(token_ids)
-        index = self._index(token_ids)
+        index = self._index(request_id, token_ids)
         index.extend(num_tokens - 1, self.min_ngram)  # occurrences ending before the last token
         ends = index.ends.get(tuple(token_ids[num_tokens - self.min_ngram:]))
         if not ends:
@@ -351,13 +349,12 @@ class NgramProposer(Proposer):
                     break
         return best_start
 
-    def _index(self, token_ids: list[int]) -> _NgramIndex:
-        key = id(token_ids)
-        index = self._indexes.get(key)
+    def _index(self, request_id: str, token_ids: list[int]) -> _NgramIndex:
+        index = self._indexes.get(request_id)
         if index is None or index.tokens is not token_ids or index.count > len(token_ids):
-            index = self._indexes[key] = _NgramIndex(token_ids)
-        self._indexes.move_to_end(key)
-        while len(self._indexes) > _MAX_NGRAM_INDEXES:  # lists of requests that finished without a release
+            index = self._indexes[request_id] = _NgramIndex(token_ids)
+        self._indexes.move_to_end(request_id)
+        while len(self._indexes) > _MAX_NGRAM_INDEXES:  # requests that finished without a release
             self._indexes.popitem(last=False)
         return index
 
@@ -381,13 +378,15 @@ class NgramProposer(Proposer):
         return best_start if best_len >= self.min_ngram else None
 
 
-# token lists an n-gram proposer keeps an index of (the requests decoding with speculation, far fewer)
-_MAX_NGRAM_INDEXES = 64
+# requests an n-gram proposer keeps an index of at most (each is released when its request finishes; the requests
+# that speculate at once are max_running, 8 by default)
+_MAX_NGRAM_INDEXES = 4096
 
 
 class _NgramIndex:
     """Where each n-gram of one token list ended (its end positions, ascending), for the n-grams ending before
-    position ``count``; the list only grows (a request's tokens), and is indexed again if it is replaced."""
+    position ``count``; the list only grows (a request's tokens), and is indexed again if it is replaced or
+    shortened."""
 
     __slots__ = ("tokens", "ends", "count")
 

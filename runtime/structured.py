@@ -380,13 +380,15 @@ def mask_threads() -> int:
 # tokens a compile walks past the first mask (GrammarCompiler._compile)
 PROBE_TOKENS = 4
 # how llguidance words a limit of its own that a request's grammar ran into (its lexer's or parser's size or fuel)
-_LIMIT_ERRORS = ("too many", "fuel", "limit", "too large", "too complex", "max_")
+_LIMIT_ERRORS = ("too many expressions", "too many states", "too many items", "fuel", "too large", "too complex")
 
 
 def is_limit_error(error: str | None) -> bool:
-    """Whether a matcher's error is a limit its grammar ran into (the grammar's size, not a token outside it)."""
-    first = (error or "").split("\n")[0].lower()
-    return any(word in first for word in _LIMIT_ERRORS)
+    """Whether a matcher's error is a limit its grammar ran into (the grammar's size), not a token outside it. The
+    words are looked for outside quotes: a refused token's text is quoted in llguidance's message ("token \" limit\"
+    doesn't satisfy the grammar")."""
+    first = re.sub(r'"(?:[^"\\]|\\.)*"', '""', (error or "").split("\n")[0]).lower()
+    return "doesn't satisfy" not in first and any(words in first for words in _LIMIT_ERRORS)
 
 
 def first_allowed(row: torch.Tensor) -> int | None:

@@ -40,8 +40,8 @@ def test_sharded_checkpoint_reads_all_shards(tmp_path):
 
 def test_a_tensor_stored_twice_is_refused_naming_both_files(tmp_path):
     """Which copy a loader reads depends on the loader (transformers: the last shard it reads, whatever the index
-    says), so a tensor in two files is refused: two shards with an index that names one, and a stale file beside an
-    unsharded checkpoint."""
+    says), so a tensor in two files with different values is refused: two shards with an index that names one, and
+    a stale file beside an unsharded checkpoint; identical copies are read from the first file."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
@@ -54,12 +54,17 @@ def test_a_tensor_stored_twice_is_refused_naming_both_files(tmp_path):
     tensors[name] = torch.zeros(load_file(tmp_path / "sharded" / index[name])[name].shape)
     save_file(tensors, tmp_path / "sharded" / other, metadata={"format": "pt"})
     first, second = sorted([index[name], other])
-    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored in both {first} and {second} "
-                                              rf"\(model\.safetensors\.index\.json names {index[name]}\)"):
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored in both {first} and {second} with "
+                                              rf"different values \(model\.safetensors\.index\.json names "
+                                              rf"{index[name]}\); which copy a loader reads depends on the loader"):
         open_checkpoint(tmp_path / "sharded")
-    shutil.copy(src / "model.safetensors", src / "zz-old.safetensors")
-    with pytest.raises(CheckpointError, match=r"is stored in both model\.safetensors and zz-old\.safetensors \(no "
-                                              r"model\.safetensors\.index\.json\); a checkpoint stores each tensor"):
+    shutil.copy(src / "model.safetensors", src / "zz-old.safetensors")  # the same values: either copy will do
+    assert open_checkpoint(src).weight_map[name].name == "model.safetensors"
+    stale = load_file(src / "zz-old.safetensors")
+    stale[name] = stale[name] + 1
+    save_file(stale, src / "zz-old.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"is stored in both model\.safetensors and zz-old\.safetensors with "
+                                              r"different values \(no model\.safetensors\.index\.json\)"):
         open_checkpoint(src)
 
 
@@ -94,8 +99,10 @@ def test_a_tied_weight_stored_twice_with_different_values_is_refused(tmp_path):
     ckpt = open_checkpoint(src)
     graph, meta = trace(ckpt.hf_config())
     with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' and 'lm_head\.weight' are one weight of "
-                                              r"the llama model .* tie_word_embeddings is true\) but the files store "
-                                              r"different values; .* set tie_word_embeddings to false"):
+                                              r"the llama model as config\.json builds it \(tied\) but the files "
+                                              r"store different values \(config\.json sets tie_word_embeddings: "
+                                              r"true\); if the model has its own lm_head, set tie_word_embeddings to "
+                                              r"false"):
         weight_sources(graph, ckpt, meta)
 
 

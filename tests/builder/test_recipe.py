@@ -208,12 +208,15 @@ def test_gate_lengths_past_the_context_are_refused(tmp_path, key, value):
 
 def test_default_gate_lengths_shrink_to_a_short_context_and_the_needle_check_turns_off_with_0(tmp_path):
     """A recipe serving 64 tokens, gates left at their defaults: the windows are 64 tokens, the greedy check 16
-    (both fit); at 12 tokens the greedy check takes 11. needle_context_len 0 or null turns the needle check off, as
-    its description says; 1-31 is refused."""
+    (both fit); at 12 tokens the greedy check takes 11; at 4, under the window's least, the window is left as it is
+    (such a recipe loaded before). needle_context_len 0 or null turns the needle check off, as its description says;
+    1-31 is refused."""
     gates = _load(tmp_path, BASE + "runtime:\n  max_seq_len: 64\n").gates
     assert (gates.window, gates.greedy_tokens) == (64, 16)
     gates = _load(tmp_path, BASE + "runtime:\n  max_seq_len: 12\n").gates
-    assert (gates.window, gates.greedy_tokens) == (12, 11)
+    assert (gates.window, gates.greedy_tokens) == (12, 11) and not gates.model_fields_set  # still the defaults
+    gates = _load(tmp_path, BASE + "runtime:\n  max_seq_len: 4\n").gates  # under the window's least (8): loads
+    assert (gates.window, gates.greedy_tokens) == (256, 3)
     assert (_load(tmp_path, BASE).gates.window, _load(tmp_path, BASE).gates.greedy_tokens) == (256, 16)
     for off in ("0", "null"):
         assert _load(tmp_path, BASE + f"gates:\n  needle_context_len: {off}\n").gates.needle_context_len is None

@@ -450,7 +450,7 @@ def test_decode_by_heads_writes_new_kv_whose_heads_are_strided(monkeypatch):
 @pytest.mark.skipif(DEVICE != "cuda", reason="the default config counts the GPU's SMs")
 def test_decode_by_heads_is_the_default_for_wide_fp8_launches(monkeypatch):
     """On a GPU a wide decode over an FP8 cache takes the by-heads path by default (as many kv heads per program as
-    leave 4 programs per SM) and agrees with the reference; a narrow one does not."""
+    leave 3 programs of 2 warps per SM) and agrees with the reference; a narrow one does not."""
     calls = _by_heads_spy(monkeypatch)
     monkeypatch.setattr(pa, "_DECODE_CONFIG_OVERRIDE", None)  # an A/B run's KERNELS_DECODE_CONFIG would decide
     gen = torch.Generator().manual_seed(14)
@@ -713,12 +713,15 @@ def test_decode_config_by_launch_width():
         wide = pa._decode_config(FP8, 128, pairs)
         assert (wide.block_n, wide.num_stages, wide.f16, wide.min_keys) == (64, 3, True, 0)
         assert wide.num_warps == (2 if pairs >= pa._TWO_WARP_DECODE_PAIRS else 4)
+        assert pa._decode_config(INT8, 128, pairs).num_warps == 4  # not measured on 2 warps
     assert pa._decode_config(FP8, 128, pa._SMALL_DECODE_PAIRS).num_stages == 2
     # wide launches over a quantized cache: as many kv heads per program (dividing the model's) as leave >= 3
-    # programs per SM; 16-bit caches, an unknown GPU (sms 0) and narrow launches a program per pair
+    # programs per SM of 2 warps (FP8 from 512 pairs), >= 4 of 4 warps (INT8; FP8 below 512 pairs); 16-bit caches, an
+    # unknown GPU (sms 0) and narrow launches a program per pair
     assert [pa._decode_config(FP8, 128, pairs, 8, 132).heads for pairs in (4096, 3168, 3167, 2048, 1024, 792, 791,
                                                                            16)] == [8, 8, 4, 4, 2, 2, 1, 1]
-    assert pa._decode_config(INT8, 128, 8448, 8, 132).heads == 8
+    assert [pa._decode_config(FP8, 128, pairs, 8, 58).heads for pairs in (511, 464, 463)] == [2, 2, 1]  # 4 warps
+    assert [pa._decode_config(INT8, 128, pairs, 8, 132).heads for pairs in (8448, 4224, 4223)] == [8, 8, 4]
     assert pa._decode_config(FP8, 128, 4096, 2, 132).heads == 2  # at most the model's kv heads
     assert pa._decode_config(FP8, 128, 4096, 3, 132).heads == 1  # none of 8, 4, 2 divides 3
     assert pa._decode_config(FP8, 128, 4096, 8, 0).heads == 1

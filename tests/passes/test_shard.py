@@ -258,7 +258,8 @@ def test_a_split_that_cuts_a_quantization_group_is_an_error(checkpoints):
         _shard(graph, 2)
 
 
-def test_a_recipe_whose_groups_the_split_would_cut_fails_before_calibration(checkpoints, tmp_path, monkeypatch):
+def test_a_recipe_whose_groups_the_split_would_cut_fails_before_calibration(checkpoints, one_kv_head, tmp_path,
+                                                                             monkeypatch):
     """The same groups asked for by a recipe at tp_size 2 stop the build right after tracing, naming the recipe's
     key and the sizes that fit, before any calibration text is read (the shard pass alone would refuse them only
     after calibration, quantization and the gates)."""
@@ -276,6 +277,11 @@ def test_a_recipe_whose_groups_the_split_would_cut_fails_before_calibration(chec
     assert not (tmp_path / "cut").exists()
     graph = _graph(checkpoints["llama"])
     check_tp_groups(graph, 2, list(range(len(graph.nodes))), 8, 4, "quantization")  # groups of 8 fit 56 columns
+    odd = _graph(one_kv_head)  # intermediate 102: 51 columns per rank, an odd number for 4-bit codes, any group size
+    with pytest.raises(PassError, match=r"down_proj \(102\) into 51 columns per rank, an odd number: packed 4-bit "
+                                        r"codes \(quantization\) hold two columns per byte"):
+        check_tp_groups(odd, 2, list(range(len(odd.nodes))), -1, 4, "quantization")
+    check_tp_groups(odd, 2, list(range(len(odd.nodes))), -1, 8, "quantization")  # 8-bit codes per channel: fine
 
 
 def test_tp_sizes_that_do_not_fit_the_model(checkpoints, one_kv_head):

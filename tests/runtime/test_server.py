@@ -325,7 +325,7 @@ def test_a_port_it_cannot_listen_on_stops_the_start_up_before_the_engine_loads(b
     assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and not loads
     assert runtime.serve.main([str(bundled_artifact), "--host", "no..such..host", "--device", "cpu"]) == 1
     assert "error: cannot listen on no..such..host" in capsys.readouterr().err and not loads
-    # several server processes: the same binding (runtime.serve.bind_sockets), the same refusal, no engine started
+    # several server processes: the same binding (runtime.net.bind_sockets), the same refusal, no engine started
     starts = []
     monkeypatch.setattr("runtime.engine_process.start_engine_process", lambda *a, **k: starts.append(1))
     with socket.socket() as taken:

@@ -165,32 +165,35 @@ def test_ngram_caps_at_k_and_continues_a_repeating_stretch():
 
 
 def test_ngram_index_of_a_growing_token_list_finds_what_a_full_scan_finds():
-    """A request's token list is indexed as it grows (n-gram end positions): every lookup equals the backward scan
-    over all positions, on random sequences of small vocabularies (many repeats) and every n-gram range; a list
-    replaced, shortened or released is indexed again; tuples are scanned."""
+    """A request's token list is indexed as it grows (n-gram end positions, per request id): every lookup equals the
+    backward scan over all positions, on random sequences of small vocabularies (many repeats) and every n-gram
+    range; a list replaced or shortened is indexed again, a released request's index dropped; without a request id,
+    or for a tuple, the tokens are scanned."""
     import random
 
     rng = random.Random(0)
-    for _ in range(400):
+    for trial in range(400):
         low = rng.randint(1, 4)
         proposer = NgramProposer(low, rng.randint(low, 7))
         vocab, tokens = rng.choice([2, 3, 5, 20]), []
         for _ in range(rng.randint(1, 50)):
             tokens.append(rng.randrange(vocab))
             expected = proposer._scan(tokens) if len(tokens) > low else None
-            assert proposer._match(tokens) == expected, (proposer.min_ngram, proposer.max_ngram, tokens)
-            assert proposer._match(tuple(tokens)) == expected
+            assert proposer._match(tokens, f"r{trial}") == expected, (proposer.min_ngram, proposer.max_ngram, tokens)
+            assert proposer._match(tuple(tokens), f"r{trial}") == proposer._match(tokens) == expected
     proposer = NgramProposer(2, 3)
     tokens = [1, 2, 3, 1, 2]
-    assert proposer.propose([DraftRequest("r", tokens, 2)]) == [[3, 1]] and len(proposer._indexes) == 1
-    first = proposer._indexes[id(tokens)]
+    assert proposer.propose([DraftRequest("r", tokens, 2)]) == [[3, 1]] and list(proposer._indexes) == ["r"]
+    first = proposer._indexes["r"]
     del tokens[3:]  # shorter than what was indexed (no request's list shrinks): indexed again
-    assert proposer._match(tokens) is None is proposer._scan(tokens) and proposer._indexes[id(tokens)] is not first
+    assert proposer._match(tokens, "r") is None is proposer._scan(tokens) and proposer._indexes["r"] is not first
     tokens += [5, 1, 2]
-    assert proposer._match(tokens) == proposer._scan(tokens) == 2
-    assert proposer.propose([DraftRequest("r", list(tokens), 2)]) == [[3, 5]]  # another list: its own index
+    assert proposer._match(tokens, "r") == proposer._scan(tokens) == 2
+    assert proposer.propose([DraftRequest("r", list(tokens), 2)]) == [[3, 5]]  # another list: indexed again
+    assert proposer.may_propose(tokens, "s") and list(proposer._indexes) == ["r", "s"]
     proposer.release("r")
-    assert len(proposer._indexes) == 1 and not proposer._request_lists  # the released request's index is gone
+    proposer.release("s")
+    assert not proposer._indexes
 
 
 def test_ngram_refuses_bad_sizes():
@@ -714,7 +717,7 @@ def test_the_pipeline_keeps_its_overlap_where_the_proposer_has_nothing(engine):
             Never.calls += 1
             return [[] for _ in requests]
 
-        def may_propose(self, token_ids):
+        def may_propose(self, token_ids, request_id=None):
             return False
 
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]

@@ -540,6 +540,9 @@ def test_a_limit_reached_mid_request_is_the_grammars_error_anything_else_the_eng
     assert limit.startswith(GRAMMAR_ERROR_PREFIX) and "too complex to follow at token 7" in limit, limit
     other = _outside_grammar(7, Dead("token 7 is not allowed"))
     assert not other.startswith(GRAMMAR_ERROR_PREFIX) and "sampled outside the request's grammar" in other
+    # a refused token whose own text reads like a limit is still the engine's fault
+    quoted = _outside_grammar(7, Dead('Parser Error: token " limit" doesn\'t satisfy the grammar; too many items'))
+    assert not quoted.startswith(GRAMMAR_ERROR_PREFIX), quoted
 
 
 def test_a_grammar_that_does_not_compile_fails_its_request_alone(engine):
@@ -612,7 +615,7 @@ class _ScriptedDrafts:
         return PendingDrafts(torch.tensor(flat, dtype=torch.long),
                              [list(range(a, a + len(d))) for a, d in zip(starts, out)])
 
-    def may_propose(self, token_ids) -> bool:
+    def may_propose(self, token_ids, request_id=None) -> bool:
         return True
 
     def release(self, request_id: str) -> None:
