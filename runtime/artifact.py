@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -135,8 +136,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise ArtifactError(f"{path} has no {MANIFEST}; it is not an engine artifact (or its build did not finish)")
     try:
         manifest = json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{file} is not valid JSON ({e}); the artifact is corrupt, rebuild it") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, integers past 4,300 digits
+        raise ArtifactError(f"{file} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); the artifact is corrupt, "
+                            f"rebuild it") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise ArtifactError(f"{file} is not a manifest of format {FORMAT_NAME!r}")
     version = manifest.get("format_version")
@@ -152,9 +154,17 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def verify_files(path: Path, manifest: dict[str, Any], check_hashes: bool = True,
                  skip_hashes: frozenset[str] = frozenset()) -> None:
-    """Every file the manifest lists exists with its recorded size (and sha256, except ``skip_hashes``)."""
+    """Every file the manifest lists exists with its recorded size (and sha256, except ``skip_hashes``), inside the
+    artifact: a listed file or a directory on its way reached through a symbolic link is refused (it could name any
+    file of the host)."""
     for rel, info in manifest["files"].items():
         file = path / rel
+        inside = path
+        for part in Path(rel).parts:  # the artifact directory itself may be a link (artifacts/latest): not its files
+            inside = inside / part
+            if inside.is_symlink():
+                raise ArtifactError(f"{inside} is a symbolic link (to {os.readlink(inside)}); an artifact's files are "
+                                    f"its own, not links to others: copy the files in, or rebuild the artifact")
         if not file.is_file():
             raise ArtifactError(f"{file} is missing (listed in the manifest); rebuild or re-copy the artifact")
         size = file.stat().st_size
@@ -188,8 +198,9 @@ def open_artifact(path: str | Path, check_hashes: bool = True, rank: int | None 
     graph_file = path / manifest["graph"]["file"]
     try:
         graph = json.loads(graph_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{graph_file} is not valid JSON ({e}); rebuild the artifact") from e
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, integers past 4,300 digits
+        raise ArtifactError(f"{graph_file} is not valid JSON ({type(e).__name__}: {str(e)[:200]}); rebuild the "
+                            f"artifact") from None
     _checked(path / MANIFEST, check_graph, manifest, graph)
     _checked(path, _check_weight_headers, path, manifest, graph)
     return Artifact(path, manifest, graph)
@@ -200,9 +211,16 @@ def _check_weight_headers(path: Path, manifest: dict[str, Any], graph: dict[str,
     (tp_size > 1), else the files together."""
     files, sharded = manifest["weights"]["files"], manifest["tensor_parallel"]["tp_size"] > 1
     union: dict[str, tuple[str, list[int]]] = {}
+    owner: dict[str, str] = {}
     for name in files:
         header = _weight_header(path / name)
         check_weight_header(name, header, graph["params"], complete=sharded)
+        if not sharded:  # one set of weights over several files: each tensor in one of them (else the last read wins)
+            twice = next((t for t in header if t in owner), None)
+            if twice is not None:
+                raise ArtifactError(f"{path}: tensor {twice!r} is in both {owner[twice]} and {name}; an artifact's "
+                                    f"weight files hold each tensor once: rebuild it")
+            owner.update(dict.fromkeys(header, name))
         union.update(header)
     check_weight_header(" + ".join(files), union, graph["params"], complete=True)
 

@@ -85,6 +85,55 @@ def test_missing_file_and_not_an_artifact(artifact_copy, tmp_path):
         Engine.load(tmp_path / "bad")
 
 
+def test_listed_files_reached_through_symbolic_links_are_refused(artifact_copy, tmp_path):
+    """A listed file, or a directory on its way, that is a link to elsewhere is refused before anything is read (its
+    hash could be made to match any file of the host); the artifact directory itself may be a link."""
+    outside = tmp_path / "outside"
+    shutil.copytree(artifact_copy / "tokenizer", outside)
+    shutil.rmtree(artifact_copy / "tokenizer")
+    (artifact_copy / "tokenizer").symlink_to(outside)
+    with pytest.raises(ArtifactError, match=r"tokenizer is a symbolic link \(to .*outside\); an artifact's files are "
+                                            r"its own"):
+        Engine.load(artifact_copy)
+    (artifact_copy / "tokenizer").unlink()
+    shutil.copytree(outside, artifact_copy / "tokenizer")
+    (tmp_path / "graph.json").write_bytes((artifact_copy / "graph.json").read_bytes())
+    (artifact_copy / "graph.json").unlink()
+    (artifact_copy / "graph.json").symlink_to(tmp_path / "graph.json")
+    with pytest.raises(ArtifactError, match=r"graph\.json is a symbolic link"):
+        Engine.load(artifact_copy)
+    (artifact_copy / "graph.json").unlink()
+    shutil.copy(tmp_path / "graph.json", artifact_copy / "graph.json")
+    (tmp_path / "latest").symlink_to(artifact_copy)
+    Engine.load(tmp_path / "latest").close()
+
+
+def test_json_that_parses_to_nothing_usable_and_a_tensor_in_two_weight_files_are_refused(artifact_copy):
+    """graph.json nested past Python's recursion limit or holding an integer of 5,000 digits (ValueError and
+    RecursionError, not JSONDecodeError), and a second weight file repeating a tensor (the last file read would
+    win), each a one-line ArtifactError naming the file."""
+    graph = (artifact_copy / "graph.json").read_text()
+    for text in ("[" * 100_000 + "]" * 100_000, '{"x": ' + "9" * 5000 + "}"):
+        _rewrite(artifact_copy, "graph.json", text)
+        with pytest.raises(ArtifactError, match=r"graph\.json is not valid JSON \((RecursionError|ValueError)"):
+            Engine.load(artifact_copy)
+    _rewrite(artifact_copy, "graph.json", graph)
+    import hashlib
+
+    weights = load_file(artifact_copy / "weights.safetensors")
+    name = sorted(weights)[0]
+    data = save({name: weights[name] * 0})  # listed and hashed: a second weight file with the tensor zeroed
+    (artifact_copy / "weights-extra.safetensors").write_bytes(data)
+    m = json.loads((artifact_copy / MANIFEST).read_text())
+    m["files"]["weights-extra.safetensors"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    m["weights"]["files"].append("weights-extra.safetensors")
+    m["manifest_sha256"] = manifest_digest(m)
+    (artifact_copy / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=rf"tensor '{name}' is in both weights\.safetensors and "
+                                            rf"weights-extra\.safetensors"):
+        Engine.load(artifact_copy)
+
+
 def _scaled_weights(path):
     """The artifact's weights times 3: read in place of (or over) the real ones, they change every token."""
     return save({k: v * 3 for k, v in load_file(path / "weights.safetensors").items()})
