@@ -140,8 +140,17 @@ class Engine:
 
             executor = tensor_parallel.start(artifact, device, use_kernels, check_hashes)
         else:
-            executor = Executor(artifact.graph, artifact.load_weights(device), use_kernels=use_kernels,
-                                fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
+            weights = artifact.load_weights(device)
+            try:
+                executor = Executor(artifact.graph, weights, use_kernels=use_kernels,
+                                    fp8_accumulation=artifact.manifest["runtime"].get("fp8_accumulation"))
+            except torch.OutOfMemoryError:
+                raise
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError, RuntimeError) as e:
+                # attrs or weights that do not fit each other in a way check_graph does not see: named, one line
+                raise ArtifactError(f"{path}: its graph and weights do not fit together ({type(e).__name__}: "
+                                    f"{str(e)[:300]}); the artifact was edited after the build or written by a "
+                                    f"faulty toolchain: rebuild it") from e
         tokenizer = artifact.load_tokenizer()  # only the files the manifest lists
         log.info("loaded %s in %.2fs", path, time.perf_counter() - start)
         return cls(artifact, executor, tokenizer, device)
@@ -186,7 +195,8 @@ class Engine:
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """RequestError unless every id has an embedding row (the offline and the serving engines' check)."""
-        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size", 0))
+        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size")
+                    or self.artifact.manifest.get("model", {}).get("vocab_size") or 0)
         if vocab and any(not 0 <= t < vocab for t in token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
 

@@ -10,6 +10,7 @@ attention op is the only one that sees sequence boundaries, through ``StepInput.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -372,6 +373,7 @@ def check_graph(graph: dict[str, Any]) -> None:
     if graph.get("ir_version") != GRAPH_IR_VERSION:
         raise GraphFormatError(f"graph IR version {graph.get('ir_version')!r} is not supported by this runtime (it "
                                f"runs version {GRAPH_IR_VERSION}); rebuild the artifact")
+    _check_node_fields(graph)
     unknown = next((n for n in graph["nodes"] if n["op"] not in _COMPILERS), None)
     if unknown is not None:
         raise GraphFormatError(f"op {unknown['op']!r} (from {unknown.get('source') or 'unknown'}) is not implemented "
@@ -386,6 +388,90 @@ def check_graph(graph: dict[str, Any]) -> None:
     missing = next((name for name in graph["outputs"] if name not in known), None)
     if missing is not None:
         raise GraphFormatError(f"the graph's output {missing!r} is written by no node")
+    _check_attrs(graph)
+
+
+def _node_name(i: int, node: dict) -> str:
+    return f"node {i} ({node.get('op')}, from {node.get('source') or 'unknown'})"
+
+
+def _check_node_fields(graph: dict[str, Any]) -> None:
+    """The graph's fields have the types the engines read: lists of names, nodes with a string op, lists of input
+    and output names, attrs and weights objects (a KeyError or TypeError deep in the compiler otherwise)."""
+    for key in ("inputs", "outputs", "nodes"):
+        if not isinstance(graph.get(key), list):
+            raise GraphFormatError(f"the graph's {key} is {type(graph.get(key)).__name__}, not a list")
+    if not isinstance(graph.get("params", {}), dict) or not isinstance(graph.get("meta", {}), dict):
+        raise GraphFormatError("the graph's params and meta must be objects")
+    for i, node in enumerate(graph["nodes"]):
+        if not isinstance(node, dict) or not isinstance(node.get("op"), str):
+            raise GraphFormatError(f"node {i} is not an object with a string op")
+        for key in ("inputs", "outputs"):
+            names = node.get(key)
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names) \
+                    or (key == "outputs" and not names):
+                raise GraphFormatError(f"{_node_name(i, node)}: {key} must be a list of value names"
+                                       f"{' (at least one)' if key == 'outputs' else ''}")
+        for key in ("attrs", "weights"):
+            if not isinstance(node.get(key, {}), dict):
+                raise GraphFormatError(f"{_node_name(i, node)}: {key} must be an object")
+        params = graph.get("params", {})
+        unknown = next((w for w in node.get("weights", {}).values() if not isinstance(w, str) or w not in params),
+                       None)
+        if unknown is not None:
+            raise GraphFormatError(f"{_node_name(i, node)} reads weight {unknown!r}, which the graph's params do not "
+                                   f"list")
+
+
+# attrs the engines read as whole numbers, and the least each may be (group_size: -1 is one group a row)
+_INT_ATTRS = {"num_heads": 1, "num_kv_heads": 1, "head_dim": 1, "layer": 0, "in_features": 1, "out_features": 1,
+              "num_experts": 1, "top_k": 1, "intermediate_size": 1, "rotary_dim": 1}
+_MAX_DIM = 1 << 24  # any size past this is a corrupt graph, not a model
+
+
+def _check_attrs(graph: dict[str, Any]) -> None:
+    """Attr values the kernels trust: whole numbers in range, finite positive eps, a window of at least one key,
+    attention layers 0..n-1 each once (two attention nodes on one KV cache layer compute garbage silently), and
+    unquantized linear / lm_head / embedding weights of the shapes their attrs give."""
+    layers = []
+    params = graph.get("params", {})
+    for i, node in enumerate(graph["nodes"]):
+        attrs, where = node.get("attrs", {}), _node_name(i, node)
+        for key, least in _INT_ATTRS.items():
+            value = attrs.get(key)
+            if key in attrs and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                       or not least <= value <= _MAX_DIM):
+                raise GraphFormatError(f"{where}: attr {key} is {value!r}; expected a whole number in "
+                                       f"{least}..{_MAX_DIM}")
+        for key in ("eps", "scale"):
+            value = attrs.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or (key == "eps" and value <= 0)):
+                raise GraphFormatError(f"{where}: attr {key} is {value!r}; expected a finite number"
+                                       f"{' > 0' if key == 'eps' else ''}")
+        window = attrs.get("sliding_window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise GraphFormatError(f"{where}: attr sliding_window is {window!r}; expected a whole number >= 1 or null")
+        if node["op"] == "attention":
+            if "layer" not in attrs:
+                raise GraphFormatError(f"{where}: attention has no layer attr (its KV cache layer)")
+            layers.append(attrs["layer"])
+        weight = params.get(node.get("weights", {}).get("weight", ""))
+        shape = list(weight["shape"]) if isinstance(weight, dict) and isinstance(weight.get("shape"), list) else None
+        if shape is None or "quant" in attrs or "tensor_parallel" in graph.get("meta", {}):  # a rank's shapes
+            continue
+        if node["op"] == "linear" and "in_features" in attrs and "out_features" in attrs:
+            want = [attrs["out_features"], attrs["in_features"]]
+        elif node["op"] == "lm_head" or (node["op"] == "embedding" and "input_ids" in node["inputs"]):
+            want = [graph.get("meta", {}).get("vocab_size"), shape[-1]]  # a row per token
+        else:
+            want = None
+        if want is not None and None not in want and shape != want:
+            raise GraphFormatError(f"{where}: its weight is {shape}; the graph gives {want} (a row per token of "
+                                   f"its vocab_size, or out_features x in_features)")
+    if sorted(layers) != list(range(len(layers))):
+        raise GraphFormatError(f"the attention nodes' layer attrs are {sorted(layers)[:8]}; expected 0..{len(layers) - 1}"
+                               f", each once (one KV cache layer each)")
 
 
 class Executor:

@@ -202,15 +202,32 @@ def _rewrite(path, rel, text: str, graph: dict | None = None) -> None:
     m["files"][rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     if graph is not None:
         m["graph"].update(ir_version=graph["ir_version"], num_nodes=len(graph["nodes"]),
-                          ops=dict(collections.Counter(n["op"] for n in graph["nodes"])))
+                          ops=dict(collections.Counter(str(n.get("op")) for n in graph["nodes"])))
     m["manifest_sha256"] = manifest_digest(m)
     (path / MANIFEST).write_text(json.dumps(m))
+
+
+def _attention(g, i=1):
+    return [n for n in g["nodes"] if n["op"] == "attention"][i]
 
 
 @pytest.mark.parametrize("change, says", [
     (lambda g: g.update(ir_version=g["ir_version"] + 1), "IR version"),  # a graph a newer toolchain wrote
     (lambda g: g["nodes"][1].update(op="frobnicate"), "frobnicate"),
     (lambda g: g["nodes"].pop(1), "which no earlier node writes"),  # a node missing: its readers cannot run
+    # consistent with their hashes, these ran (and some computed garbage silently, exit 0) or raised tracebacks
+    (lambda g: _attention(g)["attrs"].update(layer=0), r"layer attrs are \[0, 0\]; expected 0\.\.1, each once"),
+    (lambda g: _attention(g)["attrs"].update(sliding_window=-5), r"attr sliding_window is -5; expected a whole"),
+    (lambda g: next(n for n in g["nodes"] if n["op"] == "rope")["attrs"].update(num_heads=10 ** 9),
+     r"attr num_heads is 1000000000; expected a whole number in 1\.\.16777216"),
+    (lambda g: next(n for n in g["nodes"] if "eps" in n.get("attrs", {}))["attrs"].update(eps=float("inf")),
+     r"attr eps is inf; expected a finite number > 0"),
+    (lambda g: next(n for n in g["nodes"] if n["op"] == "lm_head").update(
+        weights={"weight": next(n for n in g["nodes"] if n["op"] == "linear")["weights"]["weight"]}),
+     r"lm_head, .*its weight is \[\d+, \d+\]; the graph gives \[\d+, \d+\]"),
+    (lambda g: g["nodes"][1].pop("op"), r"node 1 is not an object with a string op"),
+    (lambda g: g["nodes"][1].update(outputs=[]), r"outputs must be a list of value names \(at least one\)"),
+    (lambda g: g["nodes"][1].update(weights={"weight": "no.such.weight"}), r"reads weight 'no\.such\.weight', which"),
 ])
 def test_a_graph_this_runtime_cannot_run_is_an_artifact_error(artifact_copy, change, says):
     graph = json.loads((artifact_copy / "graph.json").read_text())
