@@ -161,10 +161,49 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+# What one render of an (untrusted) chat template may spend: iterations of range() loops, over all its loops
+# (nested ones multiply), and characters or items a * or ** may build. A template that loops 99,999 x 99,999 times
+# froze the server; 'x' * 10**11 asked for 100 GB.
+TEMPLATE_MAX_ITERATIONS = 1_000_000
+TEMPLATE_MAX_SIZE = 10_000_000
+_render_budget = threading.local()
+
+
+class _TemplateBudgetError(Exception):
+    """A render ran past TEMPLATE_MAX_ITERATIONS or TEMPLATE_MAX_SIZE."""
+
+
+def _budget_range(*args: Any) -> Any:
+    """range() for templates, each of its items taken from the render's iteration budget."""
+    items = range(*args)
+    if len(items) > getattr(_render_budget, "left", TEMPLATE_MAX_ITERATIONS):
+        raise _TemplateBudgetError(f"its loops run past {TEMPLATE_MAX_ITERATIONS:,} iterations")
+    _render_budget.left = getattr(_render_budget, "left", TEMPLATE_MAX_ITERATIONS) - len(items)
+    return items
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox with a bounded range() and bounded * / ** results (see TEMPLATE_MAX_ITERATIONS)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**":
+            if isinstance(right, (int, float)) and abs(right) > 64:
+                raise _TemplateBudgetError(f"it raises a number to the power {right}")
+        elif isinstance(left, (str, list, tuple)) or isinstance(right, (str, list, tuple)):
+            seq, times = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if isinstance(times, int) and len(seq) * times > TEMPLATE_MAX_SIZE:
+                raise _TemplateBudgetError(f"it builds a sequence of {len(seq) * times:,} items "
+                                           f"(at most {TEMPLATE_MAX_SIZE:,})")
+        return super().call_binop(context, operator, left, right)
+
+
 def _compile_chat_template(source: str) -> jinja2.Template:
     """Compile an (untrusted) chat template in a sandbox with the globals and filters templates expect."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                          extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.globals["range"] = _budget_range
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -374,10 +413,20 @@ class Tokenizer:
             self._template = _compile_chat_template(self.chat_template)
         variables = {**self.special_tokens, "tools": None, "documents": None, **extra,
                      "messages": clean, "add_generation_prompt": add_generation_prompt}
+        _render_budget.left = TEMPLATE_MAX_ITERATIONS
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the chat template failed to render: {e}") from e
+        except _TemplateBudgetError as e:
+            raise TokenizerError(f"the chat template failed to render: {e}; the artifact's template is not one "
+                                 f"a model ships (rebuild from the checkpoint's own)") from None
+        except (RecursionError, OverflowError, MemoryError, ValueError) as e:  # a macro that calls itself, ...
+            raise TokenizerError(f"the chat template failed to render ({type(e).__name__}: {str(e)[:200]})") from None
+        if len(text) > TEMPLATE_MAX_SIZE:
+            raise TokenizerError(f"the chat template rendered {len(text):,} characters (at most "
+                                 f"{TEMPLATE_MAX_SIZE:,})")
+        return text
 
 
 # --- streaming ----------------------------------------------------------------------------------------

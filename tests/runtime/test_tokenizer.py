@@ -233,6 +233,29 @@ def test_template_cannot_escape_sandbox(tmp_path):
         Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}])
 
 
+@pytest.mark.parametrize("template, says", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}",  # froze a server
+     r"its loops run past 1,000,000 iterations"),
+    ("{% for i in range(10**9) %}{% endfor %}", r"its loops run past 1,000,000 iterations"),
+    ("{{ 'x' * 100000000000 }}", r"it builds a sequence of 100,000,000,000 items \(at most 10,000,000\)"),
+    ("{{ 2 ** 1000000 }}", r"it raises a number to the power 1000000"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", r"RecursionError"),
+])
+def test_a_template_that_would_run_for_ever_or_fill_memory_fails_its_render(tmp_path, template, says):
+    """A crafted chat template fails its render at once, as a TokenizerError (the request's 400), instead of
+    holding the server's event loop or allocating without bound; ordinary loops and repeats still render."""
+    import time
+
+    path = write_tokenizer(tmp_path / "t", chat_template=template)
+    start = time.perf_counter()
+    with pytest.raises(TokenizerError, match=says):
+        Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}])
+    assert time.perf_counter() - start < 10
+    fine = write_tokenizer(tmp_path / "u", chat_template="{% for i in range(3) %}{{ messages[0]['content'] * 2 }}"
+                                                         "{% endfor %}{{ 2 ** 10 }}")
+    assert Tokenizer.from_dir(fine).apply_chat_template([{"role": "user", "content": "ab"}]) == "abababababab1024"
+
+
 # --- incremental detokenization ---------------------------------------------------------------------
 def stream(tok: Tokenizer, ids: list[int], prompt_ids: list[int] | None = None,
            skip_special_tokens: bool = True) -> tuple[list[str], str]:
