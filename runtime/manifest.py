@@ -298,6 +298,12 @@ def _check_layers(manifest: dict[str, Any], nodes: list[dict[str, Any]]) -> None
         if attrs.get("kv_cache_dtype", "auto") != kv_dtype:
             raise _fail("runtime.kv_cache_dtype", kv_dtype,
                         f"graph.json's attention layer {i} KV cache dtype ({attrs.get('kv_cache_dtype', 'auto')!r})")
+    if kv_dtype in ("fp8", "int8"):  # a quantized cache: every layer's scales (the kernels read them)
+        for i, node in enumerate(n for n in nodes if n.get("op") == "attention"):
+            missing = [w for w in ("k_scale", "v_scale") if w not in node.get("weights", {})]
+            if missing:
+                raise ManifestError(f"graph.json's attention layer {i} has no {' / '.join(missing)} weight; "
+                                    f"runtime.kv_cache_dtype {kv_dtype} needs each layer's k_scale and v_scale")
 
 
 def _check_embedding(manifest: dict[str, Any], graph: dict[str, Any]) -> None:

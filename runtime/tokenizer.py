@@ -310,6 +310,11 @@ class Tokenizer:
                 raise
             raise TokenizerError(f"the text is not valid Unicode: a lone surrogate at character {at} (input bytes "
                                  f"that are not UTF-8?)") from None
+        except BaseException as e:  # tokenizers' Rust panics are BaseExceptions (pyo3's PanicException)
+            if type(e).__name__ != "PanicException":
+                raise
+            raise TokenizerError(f"the tokenizer failed on this text ({str(e).splitlines()[0][:200]}); its "
+                                 f"pre-tokenizer's pattern gave up on it") from None
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids

@@ -313,3 +313,19 @@ def test_moe_experts_carry_exactly_their_schemes_scales():
         with pytest.raises(ManifestError, match="graph.json moe model.layers.3.mlp: " + needle):
             _check_quantized({}, [{"op": "moe", "source": "model.layers.3.mlp", "weights": node_weights,
                                    "attrs": attrs}])
+
+
+def test_a_quantized_kv_cache_without_its_scales_is_refused(built):
+    """kv_cache_dtype fp8 / int8 recorded, but an attention layer without its k_scale / v_scale weights: the kernels
+    would read None (an AttributeError at the first token); refused naming the layer."""
+    from runtime.manifest import ManifestError, check_graph
+
+    manifest = json.loads((built[1] / MANIFEST).read_text())
+    graph = json.loads((built[1] / "graph.json").read_text())
+    check_graph(manifest, graph)
+    manifest["runtime"]["kv_cache_dtype"] = manifest["quantization"]["kv_cache_dtype"] = "int8"
+    for node in (n for n in graph["nodes"] if n["op"] == "attention"):
+        node["attrs"]["kv_cache_dtype"] = "int8"
+    with pytest.raises(ManifestError, match=r"attention layer 0 has no k_scale / v_scale weight; "
+                                            r"runtime\.kv_cache_dtype int8 needs each layer's k_scale and v_scale"):
+        check_graph(manifest, graph)

@@ -256,6 +256,26 @@ def test_a_template_that_would_run_for_ever_or_fill_memory_fails_its_render(tmp_
     assert Tokenizer.from_dir(fine).apply_chat_template([{"role": "user", "content": "ab"}]) == "abababababab1024"
 
 
+def test_a_panic_in_the_tokenizer_backend_is_a_tokenizer_error(tok, monkeypatch):
+    """tokenizers raises pyo3's PanicException, a BaseException, when a crafted pre-tokenizer pattern gives up
+    (Onig's retry limit): a TokenizerError (the request's 400), not a traceback; other BaseExceptions pass."""
+    class PanicException(BaseException):
+        pass
+
+    class Backend:
+        def encode(self, text, add_special_tokens=True):
+            raise PanicException("Onig: Regex search error: retry-limit-in-match over\nmore")
+
+    monkeypatch.setattr(tok, "_backend", Backend())
+    with pytest.raises(TokenizerError, match=r"the tokenizer failed on this text \(Onig: Regex search error: "
+                                             r"retry-limit-in-match over\)"):
+        tok.encode("a" * 40 + "b")
+    monkeypatch.setattr(Backend, "encode", lambda self, text, add_special_tokens=True: (_ for _ in ()).throw(
+        KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        tok.encode("x")
+
+
 # --- incremental detokenization ---------------------------------------------------------------------
 def stream(tok: Tokenizer, ids: list[int], prompt_ids: list[int] | None = None,
            skip_special_tokens: bool = True) -> tuple[list[str], str]:
