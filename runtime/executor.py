@@ -472,6 +472,13 @@ def _check_attrs(graph: dict[str, Any]) -> None:
     if sorted(layers) != list(range(len(layers))):
         raise GraphFormatError(f"the attention nodes' layer attrs are {sorted(layers)[:8]}; expected 0..{len(layers) - 1}"
                                f", each once (one KV cache layer each)")
+    head_dims = {n["attrs"].get("head_dim") for n in graph["nodes"] if n["op"] == "attention"}
+    rope = next((i for i, n in enumerate(graph["nodes"]) if n["op"] == "rope"
+                 and n.get("attrs", {}).get("head_dim") not in head_dims), None)
+    if rope is not None:
+        raise GraphFormatError(f"{_node_name(rope, graph['nodes'][rope])}: attr head_dim "
+                               f"{graph['nodes'][rope]['attrs'].get('head_dim')!r} is no attention layer's "
+                               f"({sorted(d for d in head_dims if d is not None)})")
 
 
 class Executor:
