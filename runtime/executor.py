@@ -470,8 +470,8 @@ def _check_attrs(graph: dict[str, Any]) -> None:
             raise GraphFormatError(f"{where}: its weight is {shape}; the graph gives {want} (a row per token of "
                                    f"its vocab_size, or out_features x in_features)")
     if sorted(layers) != list(range(len(layers))):
-        raise GraphFormatError(f"the attention nodes' layer attrs are {sorted(layers)[:8]}; expected 0..{len(layers) - 1}"
-                               f", each once (one KV cache layer each)")
+        raise GraphFormatError(f"the attention nodes' layer attrs are {sorted(layers)[:8]}; expected "
+                               f"0..{len(layers) - 1}, each once (one KV cache layer each)")
     head_dims = {n["attrs"].get("head_dim") for n in graph["nodes"] if n["op"] == "attention"}
     rope = next((i for i, n in enumerate(graph["nodes"]) if n["op"] == "rope"
                  and n.get("attrs", {}).get("head_dim") not in head_dims), None)
