@@ -1,8 +1,11 @@
 """Where a speculative decoding step's time goes at batch 1: wall time per step of the serving engine, split by
 the engine's phases (proposal, scheduling, the target's step launch, sampling, recording), plus a cProfile table.
 
-    python -m builder.devtools.spec_profile ARTIFACT --draft DRAFT_ARTIFACT [--num-draft 4] [--text FILE]
+    python -m builder.devtools.spec_profile ARTIFACT [--draft DRAFT_ARTIFACT] [--num-draft K] [--text FILE]
         [--prompts 4] [--output-len 128] [--device cuda] [--top 25]
+
+With ``--draft``: the draft model's drafts, on ``--prompts`` stretches of held-out text (``--text``). Without: n-gram
+drafts (the runtime's defaults unless ``--num-draft``) on the code-editing prompts of ``builder.bench.speculative``.
 
 Each phase's figure is host wall time inside that call, synchronisations included (a draft model's proposal queues
 its chain and returns; the verify step's tokens and the drafts are read back together in ``_verify``), so the phases
@@ -20,7 +23,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from builder.bench.speculative import _close, _generate, _load, text_prompts
+from builder.bench.speculative import _close, _generate, _load, code_edit_prompts, text_prompts
 from runtime.artifact import open_artifact
 from runtime.speculative import SpeculativeConfig
 
@@ -43,8 +46,8 @@ def _timed(obj, name: str, totals: dict[str, float], counts: dict[str, int]) -> 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
-    parser.add_argument("--draft", required=True)
-    parser.add_argument("--num-draft", type=int, default=4)
+    parser.add_argument("--draft", default=None, help="a draft artifact; without it, n-gram drafts")
+    parser.add_argument("--num-draft", type=int, default=None, help="drafts per step (default: the method's)")
     parser.add_argument("--text", type=Path, default=Path("models/pystdlib-llama/eval.txt"))
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--input-len", type=int, default=128)
@@ -53,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
     tokenizer = open_artifact(args.artifact, check_hashes=False).load_tokenizer()
-    prompts = text_prompts(tokenizer, args.prompts, args.input_len, args.text)
+    prompts = text_prompts(tokenizer, args.prompts, args.input_len, args.text) if args.draft else \
+        code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
 
     plain = _load(args.artifact, args.device, None)
     _generate(plain, prompts[0], 8)
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     plain_steps = plain.num_steps
     _close(plain)
 
-    engine = _load(args.artifact, args.device, SpeculativeConfig(method="draft", draft_model=args.draft, min_gain=0.0,
+    method = {"method": "draft", "draft_model": args.draft} if args.draft else {"method": "ngram"}
+    engine = _load(args.artifact, args.device, SpeculativeConfig(**method, min_gain=0.0,
                                                                  num_speculative_tokens=args.num_draft))
     _generate(engine, prompts[0], 8)
     totals: dict[str, float] = defaultdict(float)
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(engine.proposer, "paged", None) is not None:
         _timed(engine.proposer.paged, "feed", totals, counts)
     _timed(engine.scheduler, "schedule", totals, counts)
-    for name in ("_run", "_sample", "_logprobs", "_record", "_verify", "step"):
+    for name in ("_run", "_sample", "_logprobs", "_record", "_verify", "_wants_drafts", "step"):
         _timed(engine, name, totals, counts)
     steps0 = engine.num_steps
     profile = cProfile.Profile()
@@ -83,11 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     spec_s = time.perf_counter() - start
     steps = engine.num_steps - steps0
     stats = engine.stats()
+    k = engine.config.speculative.num_speculative_tokens
     _close(engine)
 
     print(f"plain: {plain_tokens} tokens in {plain_s * 1e3:.1f} ms ({plain_s / plain_tokens * 1e3:.3f} ms a token, "
           f"{plain_steps} steps)")
-    print(f"speculative (k={args.num_draft}): {tokens} tokens in {spec_s * 1e3:.1f} ms "
+    print(f"speculative ({method['method']}, k={k}): {tokens} tokens in {spec_s * 1e3:.1f} ms "
           f"({spec_s / tokens * 1e3:.3f} ms a token), {steps} steps ({spec_s / max(steps, 1) * 1e3:.3f} ms a step); "
           f"acceptance {stats.spec_acceptance_rate:.2f}, accepted per verify {stats.spec_mean_accepted_tokens:.2f}")
     print("phase (host wall time inside the call)      calls   ms a call   ms a step")

@@ -1025,6 +1025,16 @@ def test_speculative_bench_with_a_draft_model_on_text(bundled_artifact, tmp_path
     assert figures["spec_acceptance_draft_b1"] > 0.9
 
 
+def test_spec_profile_times_ngram_speculation_without_a_draft(bundled_artifact, capsys):
+    """``builder.devtools.spec_profile`` without ``--draft``: n-gram drafts on the code-editing prompts, the phases
+    of the speculative engine's steps timed beside the plain engine's."""
+    from builder.devtools.spec_profile import main
+
+    assert main([str(bundled_artifact), "--device", "cpu", "--prompts", "1", "--output-len", "16", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "speculative (ngram, k=12): 16 tokens" in out and "phase (host wall time" in out and "_run" in out
+
+
 def test_ngram_sweep_counts_steps_and_estimates_the_speedup(bundled_artifact):
     """--ngram-sweep: each setting's steps against a plain pass, tokens equal, and the estimate from the counts (plain
     steps over speculative steps with each verify step weighed at the cost)."""
