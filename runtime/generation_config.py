@@ -29,8 +29,9 @@ def sampling_defaults(path: Path | None) -> dict[str, float | int]:
         return {}
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise GenerationConfigError(f"{path}: cannot read it as JSON ({e}); fix or remove the file") from None
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, 5,000-digit ints
+        raise GenerationConfigError(f"{path}: cannot read it as JSON ({type(e).__name__}: {str(e)[:200]}); fix or "
+                                    f"remove the file") from None
     if not isinstance(config, dict):
         raise GenerationConfigError(f"{path}: a JSON object is expected, got {type(config).__name__}; "
                                     f"fix or remove the file")

@@ -70,8 +70,8 @@ def _read_json(path: Path | None) -> dict[str, Any] | None:
         return None
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{path}: cannot read it as JSON ({e})") from e
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError, 5,000-digit ints
+        raise TokenizerError(f"{path}: cannot read it as JSON ({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -278,7 +278,10 @@ class Tokenizer:
             if token is not None:
                 special[name] = token
         if (template_file := find(CHAT_TEMPLATE_FILE)) is not None:
-            chat_template = template_file.read_text(encoding="utf-8")
+            try:
+                chat_template = template_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{template_file}: cannot read the chat template ({e})") from None
         else:
             chat_template = _pick_chat_template(config.get("chat_template"))
         return cls(backend, special_tokens=special, chat_template=chat_template,

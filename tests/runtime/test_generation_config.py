@@ -50,7 +50,9 @@ def test_a_bad_value_names_the_file_the_field_and_what_is_allowed(tmp_path, fiel
 
 
 @pytest.mark.parametrize("text, what", [("{not json", "cannot read it as JSON"), ("[0.7]", "a JSON object is expected"),
-                                        (b"\xff\xfe", "cannot read it as JSON")])
+                                        (b"\xff\xfe", "cannot read it as JSON"),
+                                        ("[" * 100_000 + "]" * 100_000, r"cannot read it as JSON \(RecursionError"),
+                                        ('{"x": ' + "9" * 5000 + "}", r"cannot read it as JSON \(ValueError")])
 def test_an_unreadable_file_is_an_error(tmp_path, text, what):
     path = tmp_path / "generation_config.json"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())

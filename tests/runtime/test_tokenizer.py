@@ -188,6 +188,19 @@ def test_chat_template_file_takes_priority(tmp_path):
     assert Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
 
 
+def test_unreadable_tokenizer_files_are_named(tmp_path):
+    """A chat template that is not UTF-8, and a tokenizer_config.json nested past the recursion limit: errors
+    naming the file (a bare codec error, or a RecursionError traceback, before)."""
+    path = write_tokenizer(tmp_path / "t")
+    (path / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(TokenizerError, match=r"chat_template\.jinja: cannot read the chat template \('utf-8' codec"):
+        Tokenizer.from_dir(path)
+    (path / "chat_template.jinja").unlink()
+    (path / "tokenizer_config.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: cannot read it as JSON \(RecursionError"):
+        Tokenizer.from_dir(path)
+
+
 def test_only_the_allowed_files_are_read(tmp_path):
     """From an artifact, files not in ``files`` (its manifest's list) are ignored as if absent."""
     path = write_tokenizer(tmp_path / "t")
