@@ -403,6 +403,7 @@ def _check_node_fields(graph: dict[str, Any]) -> None:
             raise GraphFormatError(f"the graph's {key} is {type(graph.get(key)).__name__}, not a list")
     if not isinstance(graph.get("params", {}), dict) or not isinstance(graph.get("meta", {}), dict):
         raise GraphFormatError("the graph's params and meta must be objects")
+    params = graph.get("params", {})
     for i, node in enumerate(graph["nodes"]):
         if not isinstance(node, dict) or not isinstance(node.get("op"), str):
             raise GraphFormatError(f"node {i} is not an object with a string op")
@@ -415,7 +416,6 @@ def _check_node_fields(graph: dict[str, Any]) -> None:
         for key in ("attrs", "weights"):
             if not isinstance(node.get(key, {}), dict):
                 raise GraphFormatError(f"{_node_name(i, node)}: {key} must be an object")
-        params = graph.get("params", {})
         unknown = next((w for w in node.get("weights", {}).values() if not isinstance(w, str) or w not in params),
                        None)
         if unknown is not None:

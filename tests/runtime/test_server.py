@@ -312,28 +312,32 @@ sys.exit(main([{str(bundled_artifact)!r}, '--num-blocks', '40']))
     assert "Traceback" not in res.stderr
 
 
+def _serve_on_a_taken_port(artifact, *flags: str) -> tuple[int, int]:
+    """``builder serve`` on a port another socket listens on: (its exit code, the port)."""
+    import runtime.serve
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        return runtime.serve.main([str(artifact), "--port", str(port), "--device", "cpu", *flags]), port
+
+
 def test_a_port_it_cannot_listen_on_stops_the_start_up_before_the_engine_loads(bundled_artifact, capsys, monkeypatch):
     import runtime.serve
 
     loads = []
     monkeypatch.setattr("runtime.engine_process.EngineProcess.__init__", lambda *a, **k: loads.append(1))
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        assert runtime.serve.main([str(bundled_artifact), "--port", str(port), "--device", "cpu"]) == 1
+    code, port = _serve_on_a_taken_port(bundled_artifact)
+    assert code == 1
     assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and not loads
     assert runtime.serve.main([str(bundled_artifact), "--host", "no..such..host", "--device", "cpu"]) == 1
     assert "error: cannot listen on no..such..host" in capsys.readouterr().err and not loads
     # several server processes: the same binding (runtime.net.bind_sockets), the same refusal, no engine started
     starts = []
     monkeypatch.setattr("runtime.engine_process.start_engine_process", lambda *a, **k: starts.append(1))
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        assert runtime.serve.main([str(bundled_artifact), "--port", str(port), "--device", "cpu",
-                                   "--api-servers", "2"]) == 1
+    code, port = _serve_on_a_taken_port(bundled_artifact, "--api-servers", "2")
+    assert code == 1
     assert f"error: cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err and not starts
     with pytest.raises(SystemExit) as exited:  # argparse's usage error
         runtime.serve.main([str(bundled_artifact), "--port", "70000"])
