@@ -1148,9 +1148,13 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
                                         step.decode_rows, k_scale=k_scale, v_scale=v_scale, sliding_window=window,
                                         contiguous_kv=(k, v) if own_kv else None, **extra)
         else:
+            # no decode beside a prompt here when the split applies (md.mixed is then exact, step graphs included):
+            # the prompts' tiling (kernels.paged_attention._prefill_config)
+            prompts_only = not md.mixed and mixed_decode_split(kc.dtype)
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=window,
-                                          contiguous_kv=(k, v) if own_kv else None, **extra)
+                                          contiguous_kv=(k, v) if own_kv else None, prompts_only=prompts_only,
+                                          **extra)
         return (out.view(-1, num_heads * head_dim),)
 
     return run

@@ -364,9 +364,13 @@ def prefill_sweep(gen, args, failures) -> int:
             shape = f"{len(q_lens)}x{q_lens[0]} new, ctx {ctx_lens[0]}"
             default = _prefill_config(torch.bfloat16, HEAD_DIM)
             best = None
-            own = _own_kv(p, q_lens) if args.sweep_own_kv and kv_name == "bf16" and not any(ctx_lens) else None
+            # the new tokens over the step's own rows, as the runtime runs them: a quantized cache's codes at every
+            # shape (prefill_own_codes), a bf16 cache's K/V for fresh prompts (RUNTIME_PREFILL_OWN_KV)
+            quantized = kv_name != "bf16"
+            own = (_own_kv(p, q_lens, ctx_lens) if args.sweep_own_kv and (quantized or not any(ctx_lens))
+                   else None)
             if own is not None:
-                shape += ", own K/V"
+                shape += ", own codes" if quantized else ", own K/V"
             for cfg in configs:
                 def run(cfg=cfg):
                     return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
@@ -499,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-kv", nargs="+", default=["fp8", "bf16"], choices=sorted(KV_DTYPES),
                         help="cache dtypes of --decode-sweep")
     parser.add_argument("--sweep-own-kv", action="store_true",
-                        help="--prefill-sweep: fresh bf16 prompts over the step's own K/V (contiguous_kv)")
+                        help="--prefill-sweep: the new tokens over the step's own rows (contiguous_kv): a quantized "
+                             "cache's codes at every shape, a bf16 cache's K/V for fresh prompts")
     parser.add_argument("--sweep-fp16-only", action="store_true",
                         help="quantized caches: only the tilings on fp16 operands (the serving default), not bf16")
     parser.add_argument("--sweep-block-n", nargs="+", type=int, default=[32, 64, 128, 256])

@@ -1097,6 +1097,40 @@ def test_prefill_over_the_steps_own_keys_after_a_cached_context(dtype, kv_dtype,
     assert not torch.allclose(got.float(), cached.float(), atol=0.05)
 
 
+def test_prompts_over_an_fp8_caches_own_codes_take_the_prompt_tiling(monkeypatch):
+    """The prompts' tiling (``_FP8_PROMPT_CONFIG``) only where it was measured: a launch the caller says holds no
+    one-token sequence, over an FP8 cache's own codes, 16-bit operands, head_dim up to 128; every other launch the
+    default; KERNELS_PREFILL_CONFIG above both."""
+    monkeypatch.setattr(pa, "_PREFILL_CONFIG_OVERRIDE", None)
+    default = pa._prefill_config(torch.bfloat16, 128)
+    assert default != pa._FP8_PROMPT_CONFIG
+    assert pa._prefill_config(torch.bfloat16, 128, FP8, True) == pa._FP8_PROMPT_CONFIG
+    assert pa._prefill_config(torch.float16, 64, FP8, True) == pa._FP8_PROMPT_CONFIG
+    assert pa._prefill_config(torch.bfloat16, 128, FP8, False) == default
+    assert pa._prefill_config(torch.bfloat16, 128, INT8, True) == default
+    assert pa._prefill_config(torch.bfloat16, 128, torch.bfloat16, True) == default
+    assert pa._prefill_config(torch.bfloat16, 256, FP8, True) == pa._prefill_config(torch.bfloat16, 256)
+    assert pa._prefill_config(torch.float32, 128, FP8, True) == pa._prefill_config(torch.float32, 128)
+    monkeypatch.setattr(pa, "_PREFILL_CONFIG_OVERRIDE", (64, 32, 4, 2))
+    assert pa._prefill_config(torch.bfloat16, 128, FP8, True) == (64, 32, 4, 2)
+
+
+def test_prompts_over_an_fp8_caches_own_codes_on_the_prompt_tiling_match_the_reference(monkeypatch):
+    """The launch ``prompts_only`` picks (128 rows of (token, head) pairs: 32 tokens of a GQA group of 4, 64 keys)
+    over own codes after cached contexts, fresh prompts and a sequence without new tokens: the reference's output,
+    and the default tiling's up to fp32 summation order."""
+    monkeypatch.setattr(pa, "_PREFILL_CONFIG_OVERRIDE", None)
+    gen = torch.Generator().manual_seed(31)
+    q_lens, ctx_lens = [70, 33, 0, 9], [0, 100, 5, 64]
+    args, kw, _ = _prefill_case(q_lens, ctx_lens, 64, torch.bfloat16, FP8, gen)
+    kv = (torch.randn(sum(q_lens), 2, 2, 32, generator=gen) * 60).to(FP8).to(torch.bfloat16).to(DEVICE)
+    own = (kv[:, 0], kv[:, 1])
+    expected = pa.ref_paged_prefill_attention(*args, **kw, contiguous_kv=own)
+    prompt_tiling = pa.paged_prefill_attention(*args, **kw, contiguous_kv=own, prompts_only=True)
+    _assert_close(prompt_tiling, expected)
+    _assert_close(prompt_tiling, pa.paged_prefill_attention(*args, **kw, contiguous_kv=own))
+
+
 @pytest.mark.parametrize("kv_dtype, rotary_dim", [(FP8, None), (INT8, 16)])
 def test_rope_writes_a_quantized_caches_codes_for_the_steps_own_keys(kv_dtype, rotary_dim):
     """rope_write_kv_cache(k_in_place=True) over a quantized cache leaves in k and v the codes it wrote to the cache
