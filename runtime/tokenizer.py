@@ -11,6 +11,11 @@ The files read are the ones a checkpoint ships with:
 
 From an artifact, only the files its manifest lists are read (``from_dir(..., files=...)``); any other
 file in the directory is ignored, as if absent.
+
+The chat template is compiled when the tokenizer is loaded: one that does not compile (a Jinja syntax error, an
+unknown filter) stops the load with a TokenizerError naming its file and the Jinja error's line, instead of failing
+every chat request later. A build refuses such a checkpoint the same way; to serve plain completions only, remove
+the template (chat_template.jinja, or tokenizer_config.json's chat_template) and rebuild.
 """
 
 from __future__ import annotations
@@ -199,8 +204,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile an (untrusted) chat template in a sandbox with the globals and filters templates expect."""
+def _compile_chat_template(source: str, origin: str = "the chat template") -> jinja2.Template:
+    """Compile an (untrusted) chat template in a sandbox with the globals and filters templates expect; a template
+    that does not compile raises TokenizerError naming ``origin`` (the file it came from) and the Jinja error's line."""
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
                           extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.globals["range"] = _budget_range
@@ -210,8 +216,16 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:  # also TemplateAssertionError: an unknown filter or test
+        raise TokenizerError(f"{origin}: the chat template does not compile (Jinja error at line {e.lineno}: "
+                             f"{e.message}); fix the template, or remove it to serve plain completions only") from None
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"the chat template does not compile: {e}") from e
+        raise TokenizerError(f"{origin}: the chat template does not compile ({e}); fix the template, or remove it "
+                             f"to serve plain completions only") from None
+    except (RecursionError, MemoryError) as e:  # brackets or blocks nested past the parser's recursion limit
+        raise TokenizerError(f"{origin}: the chat template does not compile ({type(e).__name__}: its expressions "
+                             f"or blocks are nested too deeply); fix the template, or remove it to serve plain "
+                             f"completions only") from None
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -282,11 +296,16 @@ class Tokenizer:
                 chat_template = template_file.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise TokenizerError(f"{template_file}: cannot read the chat template ({e})") from None
+            origin = str(template_file)
         else:
             chat_template = _pick_chat_template(config.get("chat_template"))
-        return cls(backend, special_tokens=special, chat_template=chat_template,
-                   add_bos_token=config.get("add_bos_token") is True,
-                   extra_eos_token_ids=_eos_ids_from_generation_config(find(GENERATION_CONFIG_FILE)))
+            origin = f"{path / CONFIG_FILE} (its chat_template)"
+        tokenizer = cls(backend, special_tokens=special, chat_template=chat_template,
+                        add_bos_token=config.get("add_bos_token") is True,
+                        extra_eos_token_ids=_eos_ids_from_generation_config(find(GENERATION_CONFIG_FILE)))
+        if chat_template is not None:  # compiled now: a template that does not compile stops the load, not a request
+            tokenizer._template = _compile_chat_template(chat_template, origin)
+        return tokenizer
 
     @staticmethod
     def _load_backend(file: Path) -> _Backend:

@@ -237,6 +237,17 @@ def test_a_graph_this_runtime_cannot_run_is_an_artifact_error(artifact_copy, cha
         Engine.load(artifact_copy)
 
 
+def test_a_chat_template_that_does_not_compile_stops_the_engine_load(artifact_copy):
+    """An artifact whose (listed, re-hashed) chat template has a Jinja syntax error is refused at load, naming the
+    file and the error's line; it loaded before and failed each chat request."""
+    from runtime.tokenizer import TokenizerError
+
+    _rewrite(artifact_copy, "tokenizer/chat_template.jinja", "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(TokenizerError, match=r"tokenizer/chat_template\.jinja: the chat template does not compile "
+                                             r"\(Jinja error at line 2: unexpected '}'"):
+        Engine.load(artifact_copy)
+
+
 def test_prompts_the_model_cannot_read_are_request_errors(artifacts):
     from runtime import RequestError
     from runtime.tokenizer import TokenizerError

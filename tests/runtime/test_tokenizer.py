@@ -188,6 +188,28 @@ def test_chat_template_file_takes_priority(tmp_path):
     assert Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
 
 
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+@pytest.mark.parametrize("template, says", [
+    ("{% for m in messages %}\n{{ m['content'] }}\n{% endfro %}", r"Jinja error at line 3: Encountered unknown tag "
+                                                                   r"'endfro'"),
+    ("{{ bos_token }}\n{{ messages[0]['content'] | no_such_filter }}", r"Jinja error at line 2: No filter named "
+                                                                       r"'no_such_filter'"),
+    ("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", r"RecursionError: its expressions or blocks are nested"),
+], ids=["unknown-tag", "unknown-filter", "nested-100000-deep"])
+def test_a_chat_template_that_does_not_compile_stops_the_load(tmp_path, where, template, says):
+    """A chat template with a Jinja syntax error is refused when the tokenizer loads, naming the file it came from
+    and the error's line; it loaded before, and every chat request then failed."""
+    path = write_tokenizer(tmp_path / "t", chat_template=template if where == "tokenizer_config.json" else None)
+    if where == "chat_template.jinja":
+        (path / where).write_text(template)
+    named = {"chat_template.jinja": r"chat_template\.jinja",
+             "tokenizer_config.json": r"tokenizer_config\.json \(its chat_template\)"}[where]
+    with pytest.raises(TokenizerError, match=rf"{named}: the chat template does not compile \(.*{says}"):
+        Tokenizer.from_dir(path)
+    bare = Tokenizer.from_dir(path, files={"tokenizer.json"})  # without the template: plain completions only
+    assert bare.chat_template is None and bare.decode(bare.encode("hello")) == "hello"
+
+
 def test_unreadable_tokenizer_files_are_named(tmp_path):
     """A chat template that is not UTF-8, and a tokenizer_config.json nested past the recursion limit: errors
     naming the file (a bare codec error, or a RecursionError traceback, before)."""
