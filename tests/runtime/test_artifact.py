@@ -248,6 +248,23 @@ def test_a_chat_template_that_does_not_compile_stops_the_engine_load(artifact_co
         Engine.load(artifact_copy)
 
 
+@pytest.mark.parametrize("value, key", [(10**12, "eos_token_id"), (-1, "eos_token_id"), ("vocab", "eos_token_id"),
+                                        ([1, "vocab"], r"eos_token_id\[1\]")])
+def test_eos_ids_outside_the_model_vocabulary_stop_the_engine_load(artifact_copy, value, key):
+    """An artifact whose (listed, re-hashed) generation_config.json names an EOS id past the model's vocab_size, or a
+    negative one, is refused at load, naming the file, the field and the range; it loaded, and never stopped."""
+    from runtime.tokenizer import TokenizerError
+
+    vocab = json.loads((artifact_copy / MANIFEST).read_text())["model"]["vocab_size"]
+    value = [vocab if v == "vocab" else v for v in value] if isinstance(value, list) else \
+        vocab if value == "vocab" else value
+    bad = value[-1] if isinstance(value, list) else value
+    _rewrite(artifact_copy, "tokenizer/generation_config.json", json.dumps({"eos_token_id": value}))
+    with pytest.raises(TokenizerError, match=rf"tokenizer/generation_config\.json: {key} is {bad}; allowed: token ids "
+                                             rf"0\.\.{vocab - 1} \(the model's vocab_size\)"):
+        Engine.load(artifact_copy)
+
+
 def test_prompts_the_model_cannot_read_are_request_errors(artifacts):
     from runtime import RequestError
     from runtime.tokenizer import TokenizerError

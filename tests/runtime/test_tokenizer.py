@@ -135,6 +135,34 @@ def test_generation_config_extends_eos_ids(tmp_path):
     assert Tokenizer.from_dir(path).eos_token_ids == [1, 4]
 
 
+def test_eos_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
+    """An eos_token_id past the vocabulary (or negative), alone or in a list, is refused when the tokenizer loads,
+    naming the file, the field (the list's index) and the allowed range: it was accepted, and generation never
+    stopped at it. With the model's vocab_size given, that is the range, and the tokenizer's eos_token is held to it."""
+    path = write_tokenizer(tmp_path / "t")
+    vocab = Tokenizer.from_dir(path).vocab_size
+    for value, key, bad in ((10**12, "eos_token_id", 10**12), (-1, "eos_token_id", -1),
+                            ([1, 5, vocab], r"eos_token_id\[2\]", vocab), ([1, -3], r"eos_token_id\[1\]", -3)):
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        with pytest.raises(TokenizerError, match=rf"generation_config\.json: {key} is {bad}; allowed: token ids "
+                                                 rf"0\.\.{vocab - 1} \(the tokenizer's vocabulary\)"):
+            Tokenizer.from_dir(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab - 1]}))
+    assert Tokenizer.from_dir(path).eos_token_ids == [1, vocab - 1]  # the last id is a token
+    assert Tokenizer.from_dir(path, vocab_size=vocab + 8).eos_token_ids == [1, vocab - 1]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab + 8}))
+    with pytest.raises(TokenizerError, match=rf"eos_token_id is {vocab + 8}; allowed: token ids 0\.\.{vocab + 7} "
+                                             r"\(the model's vocab_size\)"):
+        Tokenizer.from_dir(path, vocab_size=vocab + 8)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": True}))
+    with pytest.raises(TokenizerError, match=r"eos_token_id must be a token id \(an int\) or a list of them, got True"):
+        Tokenizer.from_dir(path)
+    (path / "generation_config.json").unlink()
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: eos_token '<\|eos\|>' is token id 1; allowed: "
+                                             r"token ids 0\.\.0 \(the model's vocab_size\)"):
+        Tokenizer.from_dir(path, vocab_size=1)
+
+
 def test_missing_or_corrupt_files_are_named(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         Tokenizer.from_dir(tmp_path)
