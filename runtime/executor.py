@@ -389,6 +389,7 @@ def check_graph(graph: dict[str, Any]) -> None:
     if missing is not None:
         raise GraphFormatError(f"the graph's output {missing!r} is written by no node")
     _check_attrs(graph)
+    _check_logits_output(graph)
 
 
 def _node_name(i: int, node: dict) -> str:
@@ -421,6 +422,47 @@ def _check_node_fields(graph: dict[str, Any]) -> None:
         if unknown is not None:
             raise GraphFormatError(f"{_node_name(i, node)} reads weight {unknown!r}, which the graph's params do not "
                                    f"list")
+
+
+def _check_logits_output(graph: dict[str, Any]) -> None:
+    """The graph's first output, what ``Executor.forward`` returns and the samplers read as logits, is the lm_head's
+    (passes/lift.py makes the final linear the lm_head and its output the graph's), or with a vocab-parallel lm_head
+    the all_gather of its rows: [tokens, vocab_size], the lm_head's weight having a row per token (per rank when
+    split). A graph whose output is a hidden state loaded, and failed at the first request with a message about
+    sampling."""
+    outputs, nodes = graph["outputs"], graph["nodes"]
+    if not outputs:
+        raise GraphFormatError("the graph has no outputs; its first output must be the lm_head's logits")
+    producer = {name: i for i, node in enumerate(nodes) for name in node["outputs"]}
+    name = outputs[0]
+    if name not in producer:
+        raise GraphFormatError(f"the graph's output {name!r} is one of its inputs, not the lm_head's logits")
+    i = producer[name]
+    gathered = nodes[i]["op"] == "all_gather" and len(nodes[i]["inputs"]) == 1 and nodes[i]["inputs"][0] in producer
+    if gathered:  # vocab-parallel: each rank's rows of the logits, concatenated
+        i = producer[nodes[i]["inputs"][0]]
+    if nodes[i]["op"] != "lm_head":
+        raise GraphFormatError(f"the graph's output {name!r} is written by {_node_name(i, nodes[i])}, not by the "
+                               f"lm_head{' (through an all_gather)' if gathered else ''}; the engines sample its "
+                               f"rows as logits [tokens, vocab_size]: rebuild the artifact")
+    meta = graph.get("meta", {})
+    vocab, tp = meta.get("vocab_size"), meta.get("tensor_parallel") or {}
+    weights = nodes[i].get("weights", {})
+    info = graph.get("params", {}).get(weights.get("weight", weights.get("qweight", "")))
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not _is_whole(vocab) or not isinstance(shape, list) or not shape or not _is_whole(shape[0]):
+        return  # no vocab_size to hold it to, or no weight (check_graph's other checks name that)
+    split = tp.get("vocab_parallel") and _is_whole(tp.get("tp_size")) and tp["tp_size"] > 1
+    rows = vocab // tp["tp_size"] if split else vocab
+    if shape[0] != rows:
+        per_rank = f" over tp_size {tp['tp_size']}" if split else ""
+        raise GraphFormatError(f"{_node_name(i, nodes[i])} writes the graph's output {name!r} with {shape[0]} "
+                               f"logits a token (its weight's rows); expected the vocabulary's {rows} (meta "
+                               f"vocab_size {vocab}{per_rank}): rebuild the artifact")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # attrs the engines read as whole numbers, and the least each may be (group_size: -1 is one group a row)

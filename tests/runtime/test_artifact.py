@@ -228,6 +228,14 @@ def _attention(g, i=1):
     (lambda g: g["nodes"][1].pop("op"), r"node 1 is not an object with a string op"),
     (lambda g: g["nodes"][1].update(outputs=[]), r"outputs must be a list of value names \(at least one\)"),
     (lambda g: g["nodes"][1].update(weights={"weight": "no.such.weight"}), r"reads weight 'no\.such\.weight', which"),
+    # the output a hidden state (the final norm's), not the logits: loaded, then failed the first request's sampling
+    (lambda g: g.update(outputs=[next(n for n in g["nodes"] if n["op"] == "lm_head")["inputs"][0]]),
+     r"the graph's output '[^']+' is written by node \d+ \(fused_add_rms_norm, from model\.norm\), not by the "
+     r"lm_head; the engines sample its rows as logits \[tokens, vocab_size\]"),
+    (lambda g: g.update(outputs=["positions"]),
+     r"the graph's output 'positions' is one of its inputs, not the lm_head"),
+    (lambda g: next(n for n in g["nodes"] if n["op"] == "lm_head").update(op="linear"),
+     r"is written by node \d+ \(linear, .*not by the lm_head"),
 ])
 def test_a_graph_this_runtime_cannot_run_is_an_artifact_error(artifact_copy, change, says):
     graph = json.loads((artifact_copy / "graph.json").read_text())
