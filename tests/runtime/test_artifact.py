@@ -273,6 +273,39 @@ def test_eos_ids_outside_the_model_vocabulary_stop_the_engine_load(artifact_copy
         Engine.load(artifact_copy)
 
 
+@pytest.fixture(scope="module")
+def int8_wo_artifact(checkpoints, tmp_path_factory):
+    """The tiny Llama with int8 weight-only linears (w8a16, one group a row: scales and zeros [out, 1])."""
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    out = tmp_path_factory.mktemp("int8_wo") / "a"
+    return build(validate_recipe({
+        "name": "a", "model": {"checkpoint": str(checkpoints["llama"]), "dtype": "float32"}, "output_dir": str(out),
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": {"algo": "int8_wo"},
+        "gates": {"enabled": False}})).output_dir
+
+
+@pytest.mark.parametrize("quant, says", [
+    ({"group_size": 16}, r"its scales are \[128, 1\] \(scales \[128, 1\], zeros \[128, 1\]\); quant bits 8 and "
+                         r"group_size 16 over qweight \[128, 64\] \(64 input features\) give \[128, 4\]"),
+    ({"group_size": 48}, r"quant group_size 48 does not divide its 64 input features \(qweight \[128, 64\]"),
+    ({"bits": 4}, r"quant bits is 4; a w8a16 linear stores 8-bit codes \(allowed: 8\)"),
+])
+def test_weight_only_quant_attrs_that_disagree_with_the_stored_tensors_are_named(int8_wo_artifact, tmp_path, quant,
+                                                                                  says):
+    """A (re-hashed) graph.json whose weight-only linear's bits or group_size disagree with its scales and zeros: a
+    load-time error naming the node, the attr and the shapes, where it met only the engine's catch-all before."""
+    path = shutil.copytree(int8_wo_artifact, tmp_path / "a")
+    graph = json.loads((path / "graph.json").read_text())
+    node = next(n for n in graph["nodes"] if n["op"] == "linear")  # layer 0's merged q, k, v: [128, 64]
+    node["attrs"]["quant"].update(quant)
+    _rewrite(path, "graph.json", json.dumps(graph), graph)
+    with pytest.raises(ArtifactError, match=rf"cannot run the artifact's graph: node \d+ \(linear, from "
+                                            rf"model\.layers\.0\.self_attn\): {says}"):
+        Engine.load(path)
+
+
 def test_prompts_the_model_cannot_read_are_request_errors(artifacts):
     from runtime import RequestError
     from runtime.tokenizer import TokenizerError

@@ -59,3 +59,66 @@ def test_an_output_that_is_not_the_lm_heads_is_refused():
     empty["outputs"] = []
     with pytest.raises(GraphFormatError, match=r"the graph has no outputs; its first output must be the lm_head's"):
         check_graph(empty)
+
+
+def _quantized(scheme: str = "w4a16", group_size: int = 4, **quant) -> dict:
+    """_graph() with a weight-only linear [HIDDEN -> HIDDEN] between the embedding and the lm_head, its tensors in
+    kernels/torch_quant.py's layout: qweight [out, in * bits / 8] uint8, scales and zeros [out, in / group_size]."""
+    graph = _graph()
+    bits = {"w4a16": 4, "w8a16": 8}[scheme]
+    groups = 1 if group_size == -1 else HIDDEN // group_size
+    graph["params"].update({"q.qweight": {"shape": [HIDDEN, HIDDEN * bits // 8], "dtype": "uint8"},
+                            "q.scales": {"shape": [HIDDEN, groups], "dtype": "float32"},
+                            "q.zeros": {"shape": [HIDDEN, groups], "dtype": "uint8"}})
+    graph["nodes"].insert(1, {"op": "linear", "inputs": ["h"], "outputs": ["hq"], "source": "model.q",
+                              "weights": {"qweight": "q.qweight", "scales": "q.scales", "zeros": "q.zeros"},
+                              "attrs": {"in_features": HIDDEN, "out_features": HIDDEN, "quant": {
+                                  "scheme": scheme, "bits": bits, "group_size": group_size, **quant}}})
+    graph["nodes"][2]["inputs"] = ["hq"]
+    return graph
+
+
+def test_the_crafted_weight_only_graphs_pass():
+    for scheme in ("w4a16", "w8a16"):
+        for group_size in (-1, 2, 4, 8):
+            check_graph(_quantized(scheme, group_size))
+
+
+def _set(path: str, value):
+    """Set a quant attr (``quant.bits``), a node attr (``attrs.in_features``) or a param's shape (``q.scales``)."""
+    def change(graph: dict) -> None:
+        node = graph["nodes"][1]
+        kind, key = path.split(".", 1)
+        if kind == "quant":
+            node["attrs"]["quant"][key] = value
+        elif kind == "attrs":
+            node["attrs"][key] = value
+        else:
+            graph["params"][path]["shape"] = value
+    return change
+
+
+@pytest.mark.parametrize("change, says", [
+    (_set("quant.bits", 3), r"quant bits is 3; a w4a16 linear stores 4-bit codes \(allowed: 4\)"),
+    (_set("quant.bits", 8), r"quant bits is 8; a w4a16 linear stores 4-bit codes \(allowed: 4\)"),
+    (_set("quant.bits", "4"), r"quant bits is '4'; a w4a16 linear stores 4-bit codes"),
+    (_set("quant.group_size", 0), r"quant group_size is 0; allowed: -1 \(one group a row\) or a whole number in "
+                                  r"1\.\.16777216 dividing the input features"),
+    (_set("quant.group_size", 3), r"quant group_size 3 does not divide its 8 input features \(qweight \[8, 4\], "
+                                  r"4-bit codes\)"),
+    # the attr says groups of 4 (2 a row); the scales hold 4 a row: dequantized over the wrong groups, or a reshape's
+    # RuntimeError caught by the engine's catch-all
+    (_set("q.scales", [8, 4]), r"its scales are \[8, 4\] \(scales \[8, 4\], zeros \[8, 2\]\); quant bits 4 and "
+                               r"group_size 4 over qweight \[8, 4\] \(8 input features\) give \[8, 2\]"),
+    (_set("q.zeros", [2, 8]), r"its zeros are \[2, 8\] \(scales \[8, 2\], zeros \[2, 8\]\); quant bits 4 and "
+                              r"group_size 4"),
+    (_set("q.zeros", [8]), r"its zeros is \[8\] in the graph's params; a w4a16 linear's zeros is 2-D"),
+    (_set("attrs.in_features", 16), r"its qweight \[8, 4\] holds 8 x 8 4-bit codes; attrs out_features x "
+                                    r"in_features are 8 x 16"),
+])
+def test_weight_only_quant_attrs_that_disagree_with_their_tensors_are_refused(change, says):
+    """Each message names the node (node 1, the linear from model.q), the attr and the tensors' shapes."""
+    graph = _quantized()
+    change(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        check_graph(graph)
