@@ -407,7 +407,8 @@ def build(recipe: Recipe, progress: Progress | None = None) -> BuildResult:
             raise BuildError(f"{problem}; nothing was built (target.fail_if_not_fit is true)")
         log.warning("%s", problem)
     try:
-        tokenizer = Tokenizer.from_dir(ckpt.path)
+        vocab = ckpt.config_dict.get("vocab_size")  # the model's: EOS ids must be rows of its logits
+        tokenizer = Tokenizer.from_dir(ckpt.path, vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None)
     except TokenizerError as e:
         where = "" if str(ckpt.path) in str(e) else f"{ckpt.path}: "
         raise CheckpointError(f"{where}{e}; an artifact must carry its tokenizer") from e

@@ -77,7 +77,9 @@ keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no 
 mixed-precision export (no FP4 scheme; an export of either alone is decoded to float weights as it is read,
 ``builder.checkpoint._nvfp4_weights``), a W4A16_AWQ with zero points or without its group_size, and experts that
 carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations, ue8m0 scales or
-per-tensor scales (weight_block_size null).
+per-tensor scales (weight_block_size null). Refused, naming the tensor: a linear's weight scales (any format) with a
+negative value, or all zero (the whole linear would dequantize to zeros); a few zero scales (pruned channels or
+groups) import.
 """
 
 from __future__ import annotations
@@ -147,6 +149,23 @@ def _check(name: str, t: Tensor, dtypes: tuple[torch.dtype, ...], shape: tuple[i
 
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_scales(name: str, scales: Tensor) -> None:
+    """A linear's weight scales (of its groups, channels or blocks): none negative, and not every one zero, which
+    would dequantize the whole linear to zeros (an export that lost its scales). A few zeros stay allowed: a pruned
+    channel or group, whose weights are all zero. NaN and infinity are check_finite's."""
+    values = scales.float()
+    negative = values < 0
+    if bool(negative.any()):
+        at = [int(i) for i in negative.nonzero()[0]]
+        raise PrequantizedError(f"tensor {name!r} holds {values[tuple(at)].item()} at {at} ({int(negative.sum())} of "
+                                f"{values.numel()} scales are negative); expected scales >= 0: the checkpoint is "
+                                f"corrupt, or not of the format its config names")
+    if values.numel() and not bool(values.ne(0).any()):
+        raise PrequantizedError(f"tensor {name!r}: every one of its {values.numel()} scales is 0, which dequantizes "
+                                f"every weight of the linear to 0; expected positive scales (a few zeros, pruned "
+                                f"channels, are allowed): the checkpoint is corrupt, download it again")
 
 
 def _groups(in_f: int, group_size: int, where: str) -> int:
@@ -292,6 +311,7 @@ class GPTQ(QuantFormat):
         _check(names["qzeros"], qzeros, (torch.int32,), (num_groups, out_f // per_word),
                f"{bits}-bit zero points of {num_groups} groups packed along out_features {out_f}")
         _check(names["scales"], scales, FLOATS, (num_groups, out_f), f"{num_groups} groups of {out_f} scales")
+        _check_scales(names["scales"], scales)
         g_idx = tensors.get(names["g_idx"])
         if g_idx is None:
             g_idx = torch.arange(in_f, dtype=torch.int32) // (in_f if self.group_size == -1 else self.group_size)
@@ -337,6 +357,7 @@ class AWQ(QuantFormat):
         _check(names["qzeros"], qzeros, (torch.int32,), (num_groups, out_f // 8),
                f"4-bit zero points of {num_groups} groups packed along out_features")
         _check(names["scales"], scales, FLOATS, (num_groups, out_f), f"{num_groups} groups of {out_f} scales")
+        _check_scales(names["scales"], scales)
         order = torch.tensor(AWQ_ORDER).argsort()  # output column 8 * word + j sits in nibble order[j]
         codes = _unpack(qweight, 4, 1).view(in_f, out_f // 8, 8)[:, :, order].reshape(in_f, out_f)  # [K, N]
         zeros = _unpack(qzeros, 4, 1).view(num_groups, out_f // 8, 8)[:, :, order].reshape(num_groups, out_f)
@@ -463,6 +484,7 @@ class CompressedTensors(QuantFormat):
         _check(names["weight_packed"], packed, (torch.int32,), (out_f, words), f"{bits}-bit codes packed along "
                f"in_features {in_f}")
         _check(names["weight_scale"], scale, FLOATS, (out_f, num_groups), f"{num_groups} scales per output row")
+        _check_scales(names["weight_scale"], scale)
         shape = tensors.get(names["weight_shape"])
         if shape is not None and [int(v) for v in shape.reshape(-1)] != [out_f, in_f]:
             raise PrequantizedError(f"tensor {names['weight_shape']!r} is {shape.tolist()}; expected [{out_f}, {in_f}] "
@@ -526,6 +548,7 @@ def _read_8bit(module: str, tensors: dict[str, Tensor], in_f: int, out_f: int, i
         raise PrequantizedError(f"tensor {names['weight_scale']!r} is {str(scale.dtype).removeprefix('torch.')} "
                               f"{tuple(scale.shape)}; expected a float tensor of shape {shapes[0]} (one scale "
                               f"{'per output channel' if per_channel else 'for the whole tensor'})")
+    _check_scales(names["weight_scale"], scale)
     w_scale = scale.float().reshape(-1)
     reference = weight.float() * w_scale.reshape(-1, 1)  # the format's dequantization: q * scale
     input_scale = tensors.get(names["input_scale"])
@@ -658,6 +681,7 @@ class FineGrainedFP8(QuantFormat):
         blocks = (-(-out_f // bn), -(-in_f // bk))
         _check(names["weight_scale_inv"], scale, FLOATS, blocks,
                f"one scale per {bn} x {bk} block of the {out_f} x {in_f} weight, partial blocks included")
+        _check_scales(names["weight_scale_inv"], scale)
         # the format's dequantization: w[n, k] = q[n, k] * weight_scale_inv[n // bn, k // bk]
         rows, cols = torch.arange(out_f) // bn, torch.arange(in_f) // bk
         reference = weight.float() * scale.float()[rows][:, cols]
@@ -837,6 +861,7 @@ class ModelOpt(QuantFormat):
                f"4-bit codes of the {out_f} x {in_f} weight, two output rows a byte")
         _check(names["weight_scale"], scale, FLOATS, (out_f, num_groups),
                f"one scale per output row and group of {group} of the {in_f} input features")
+        _check_scales(names["weight_scale"], scale)
         packed = weight.view(torch.uint8).to(torch.int32)
         nibbles = torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(out_f, in_f)  # row 2i low, 2i + 1 high
         codes = nibbles - 16 * (nibbles >= 8).to(torch.int32)  # two's complement: -8..7

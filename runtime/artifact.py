@@ -97,8 +97,9 @@ class Artifact:
         return frozenset(rel.removeprefix(prefix) for rel in self.manifest["files"] if rel.startswith(prefix))
 
     def load_tokenizer(self) -> Tokenizer:
-        """The tokenizer, from the listed files of ``tokenizer/`` only."""
-        return Tokenizer.from_dir(self.tokenizer_dir, files=self.listed_in(TOKENIZER_DIR))
+        """The tokenizer, from the listed files of ``tokenizer/`` only; its EOS ids within the model's vocab_size."""
+        return Tokenizer.from_dir(self.tokenizer_dir, files=self.listed_in(TOKENIZER_DIR),
+                                  vocab_size=self.manifest["model"]["vocab_size"])
 
     @property
     def tp_size(self) -> int:

@@ -389,6 +389,8 @@ def check_graph(graph: dict[str, Any]) -> None:
     if missing is not None:
         raise GraphFormatError(f"the graph's output {missing!r} is written by no node")
     _check_attrs(graph)
+    _check_weight_only_quant(graph)
+    _check_logits_output(graph)
 
 
 def _node_name(i: int, node: dict) -> str:
@@ -421,6 +423,98 @@ def _check_node_fields(graph: dict[str, Any]) -> None:
         if unknown is not None:
             raise GraphFormatError(f"{_node_name(i, node)} reads weight {unknown!r}, which the graph's params do not "
                                    f"list")
+
+
+def _check_logits_output(graph: dict[str, Any]) -> None:
+    """The graph's first output, what ``Executor.forward`` returns and the samplers read as logits, is the lm_head's
+    (passes/lift.py makes the final linear the lm_head and its output the graph's), or with a vocab-parallel lm_head
+    the all_gather of its rows: [tokens, vocab_size], the lm_head's weight having a row per token (per rank when
+    split). A graph whose output is a hidden state loaded, and failed at the first request with a message about
+    sampling."""
+    outputs, nodes = graph["outputs"], graph["nodes"]
+    if not outputs:
+        raise GraphFormatError("the graph has no outputs; its first output must be the lm_head's logits")
+    producer = {name: i for i, node in enumerate(nodes) for name in node["outputs"]}
+    name = outputs[0]
+    if name not in producer:
+        raise GraphFormatError(f"the graph's output {name!r} is one of its inputs, not the lm_head's logits")
+    i = producer[name]
+    gathered = nodes[i]["op"] == "all_gather" and len(nodes[i]["inputs"]) == 1 and nodes[i]["inputs"][0] in producer
+    if gathered:  # vocab-parallel: each rank's rows of the logits, concatenated
+        i = producer[nodes[i]["inputs"][0]]
+    if nodes[i]["op"] != "lm_head":
+        raise GraphFormatError(f"the graph's output {name!r} is written by {_node_name(i, nodes[i])}, not by the "
+                               f"lm_head{' (through an all_gather)' if gathered else ''}; the engines sample its "
+                               f"rows as logits [tokens, vocab_size]: rebuild the artifact")
+    meta = graph.get("meta", {})
+    vocab, tp = meta.get("vocab_size"), meta.get("tensor_parallel") or {}
+    weights = nodes[i].get("weights", {})
+    info = graph.get("params", {}).get(weights.get("weight", weights.get("qweight", "")))
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if not _is_whole(vocab) or not isinstance(shape, list) or not shape or not _is_whole(shape[0]):
+        return  # no vocab_size to hold it to, or no weight (check_graph's other checks name that)
+    split = tp.get("vocab_parallel") and _is_whole(tp.get("tp_size")) and tp["tp_size"] > 1
+    rows = vocab // tp["tp_size"] if split else vocab
+    if shape[0] != rows:
+        per_rank = f" over tp_size {tp['tp_size']}" if split else ""
+        raise GraphFormatError(f"{_node_name(i, nodes[i])} writes the graph's output {name!r} with {shape[0]} "
+                               f"logits a token (its weight's rows); expected the vocabulary's {rows} (meta "
+                               f"vocab_size {vocab}{per_rank}): rebuild the artifact")
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+WEIGHT_ONLY_BITS = {"w4a16": 4, "w8a16": 8}  # a weight-only scheme's code width (kernels/torch_quant.py's layout)
+
+
+def _check_weight_only_quant(graph: dict[str, Any]) -> None:
+    """Each weight-only linear / lm_head (w4a16, w8a16) against its stored tensors, in kernels/torch_quant.py's layout:
+    quant bits the scheme's (4 or 8), group_size -1 (one group a row) or a whole number dividing the input features,
+    qweight [out, in * bits / 8] (of the linear's in_features x out_features where the graph is not sharded: a rank's
+    shapes are its own), scales and zeros [out, in / group_size] each. Before, such a linear loaded through the
+    compiler's catch-all (a reshape's RuntimeError) or computed over the wrong groups."""
+    params = graph.get("params", {})
+    sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
+    for i, node in enumerate(graph["nodes"]):
+        attrs = node.get("attrs", {})
+        quant = attrs.get("quant")
+        scheme = quant.get("scheme") if isinstance(quant, dict) else None
+        if node["op"] not in ("linear", "lm_head") or scheme not in WEIGHT_ONLY_BITS:
+            continue
+        where, want = _node_name(i, node), WEIGHT_ONLY_BITS[scheme]
+        bits, group = quant.get("bits"), quant.get("group_size")
+        if not _is_whole(bits) or bits != want:
+            raise GraphFormatError(f"{where}: quant bits is {bits!r}; a {scheme} linear stores {want}-bit codes "
+                                   f"(allowed: {want})")
+        if not _is_whole(group) or not (group == -1 or 1 <= group <= _MAX_DIM):
+            raise GraphFormatError(f"{where}: quant group_size is {group!r}; allowed: -1 (one group a row) or a whole "
+                                   f"number in 1..{_MAX_DIM} dividing the input features")
+        shapes = {}
+        for role in ("qweight", "scales", "zeros"):
+            info = params.get(node.get("weights", {}).get(role, ""))
+            shape = info.get("shape") if isinstance(info, dict) else None
+            if not isinstance(shape, list) or len(shape) != 2 or not all(_is_whole(d) for d in shape):
+                raise GraphFormatError(f"{where}: its {role} is {shape!r} in the graph's params; a {scheme} linear's "
+                                       f"{role} is 2-D")
+            shapes[role] = shape
+        out_features, in_features = shapes["qweight"][0], shapes["qweight"][1] * 8 // bits
+        if not sharded and (attrs.get("out_features", out_features), attrs.get("in_features", in_features)) != (
+                out_features, in_features):
+            raise GraphFormatError(f"{where}: its qweight {shapes['qweight']} holds {out_features} x {in_features} "
+                                   f"{bits}-bit codes; attrs out_features x in_features are "
+                                   f"{attrs.get('out_features')} x {attrs.get('in_features')}")
+        if group != -1 and in_features % group:
+            raise GraphFormatError(f"{where}: quant group_size {group} does not divide its {in_features} input "
+                                   f"features (qweight {shapes['qweight']}, {bits}-bit codes)")
+        groups = 1 if group == -1 else in_features // group
+        bad = next((r for r in ("scales", "zeros") if shapes[r] != [out_features, groups]), None)
+        if bad is not None:
+            raise GraphFormatError(f"{where}: its {bad} are {shapes[bad]} (scales {shapes['scales']}, zeros "
+                                   f"{shapes['zeros']}); quant bits {bits} and group_size {group} over qweight "
+                                   f"{shapes['qweight']} ({in_features} input features) give [{out_features}, "
+                                   f"{groups}]: one per output row and group")
 
 
 # attrs the engines read as whole numbers, and the least each may be (group_size: -1 is one group a row)

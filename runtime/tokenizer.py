@@ -11,6 +11,11 @@ The files read are the ones a checkpoint ships with:
 
 From an artifact, only the files its manifest lists are read (``from_dir(..., files=...)``); any other
 file in the directory is ignored, as if absent.
+
+The chat template is compiled when the tokenizer is loaded: one that does not compile (a Jinja syntax error, an
+unknown filter) stops the load with a TokenizerError naming its file and the Jinja error's line, instead of failing
+every chat request later. A build refuses such a checkpoint the same way; to serve plain completions only, remove
+the template (chat_template.jinja, or tokenizer_config.json's chat_template) and rebuild.
 """
 
 from __future__ import annotations
@@ -97,15 +102,22 @@ def _pick_chat_template(value: Any) -> str | None:
     return None
 
 
-def _eos_ids_from_generation_config(path: Path | None) -> list[int]:
-    """generation_config.json's eos_token_id (an int or a list of ints); [] when absent."""
+def _eos_ids_from_generation_config(path: Path | None, vocab_size: int, vocab_of: str) -> list[int]:
+    """generation_config.json's eos_token_id (an int or a list of ints); [] when absent. Each must be a token id,
+    0..vocab_size - 1 (``vocab_of`` says whose vocabulary): an id past it is never sampled, so generation would never
+    stop at it (and grammar masks index by it)."""
     config = _read_json(path)
     if not config or config.get("eos_token_id") is None:
         return []
     value = config["eos_token_id"]
     ids = value if isinstance(value, list) else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise TokenizerError(f"{path}: eos_token_id must be a non-negative int or a list of them, got {value!r}")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise TokenizerError(f"{path}: eos_token_id must be a token id (an int) or a list of them, got {shown}")
+    for j, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            key = f"eos_token_id[{j}]" if isinstance(value, list) else "eos_token_id"
+            raise TokenizerError(f"{path}: {key} is {token_id}; allowed: token ids 0..{vocab_size - 1} ({vocab_of})")
     return list(ids)
 
 
@@ -199,8 +211,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile an (untrusted) chat template in a sandbox with the globals and filters templates expect."""
+def _compile_chat_template(source: str, origin: str = "the chat template") -> jinja2.Template:
+    """Compile an (untrusted) chat template in a sandbox with the globals and filters templates expect; a template
+    that does not compile raises TokenizerError naming ``origin`` (the file it came from) and the Jinja error's line."""
     env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
                           extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.globals["range"] = _budget_range
@@ -210,8 +223,16 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:  # also TemplateAssertionError: an unknown filter or test
+        raise TokenizerError(f"{origin}: the chat template does not compile (Jinja error at line {e.lineno}: "
+                             f"{e.message}); fix the template, or remove it to serve plain completions only") from None
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"the chat template does not compile: {e}") from e
+        raise TokenizerError(f"{origin}: the chat template does not compile ({e}); fix the template, or remove it "
+                             f"to serve plain completions only") from None
+    except (RecursionError, MemoryError) as e:  # brackets or blocks nested past the parser's recursion limit
+        raise TokenizerError(f"{origin}: the chat template does not compile ({type(e).__name__}: its expressions "
+                             f"or blocks are nested too deeply); fix the template, or remove it to serve plain "
+                             f"completions only") from None
 
 
 def _validate_messages(messages: Any) -> list[dict[str, Any]]:
@@ -256,9 +277,12 @@ class Tokenizer:
         self._table_lock = threading.Lock()
 
     @classmethod
-    def from_dir(cls, path: str | Path, files: Collection[str] | None = None) -> "Tokenizer":
+    def from_dir(cls, path: str | Path, files: Collection[str] | None = None,
+                 vocab_size: int | None = None) -> "Tokenizer":
         """Load the tokenizer files of a directory; see the module docstring. ``files``: the names in it that
-        may be read (an artifact's listed files), others count as absent; None: any (a checkpoint)."""
+        may be read (an artifact's listed files), others count as absent; None: any (a checkpoint). ``vocab_size``:
+        the model's vocabulary (its logits' width), which every EOS id must fall in (None: the tokenizer's own,
+        added tokens included)."""
         path = Path(path)
 
         def find(name: str) -> Path | None:
@@ -270,6 +294,9 @@ class Tokenizer:
             raise TokenizerError(f"{path / TOKENIZER_FILE}: no such file{listed}; a tokenizer directory needs "
                                  f"{TOKENIZER_FILE}")
         backend = cls._load_backend(tokenizer_file)
+        vocab_of = "the model's vocab_size" if vocab_size is not None else "the tokenizer's vocabulary"
+        if vocab_size is None:
+            vocab_size = backend.get_vocab_size(with_added_tokens=True)
         config = _read_json(find(CONFIG_FILE)) or {}
         special_map = _read_json(find(SPECIAL_TOKENS_MAP_FILE)) or {}
         special = {}
@@ -282,11 +309,21 @@ class Tokenizer:
                 chat_template = template_file.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise TokenizerError(f"{template_file}: cannot read the chat template ({e})") from None
+            origin = str(template_file)
         else:
             chat_template = _pick_chat_template(config.get("chat_template"))
-        return cls(backend, special_tokens=special, chat_template=chat_template,
-                   add_bos_token=config.get("add_bos_token") is True,
-                   extra_eos_token_ids=_eos_ids_from_generation_config(find(GENERATION_CONFIG_FILE)))
+            origin = f"{path / CONFIG_FILE} (its chat_template)"
+        extra_eos = _eos_ids_from_generation_config(find(GENERATION_CONFIG_FILE), vocab_size, vocab_of)
+        tokenizer = cls(backend, special_tokens=special, chat_template=chat_template,
+                        add_bos_token=config.get("add_bos_token") is True, extra_eos_token_ids=extra_eos)
+        eos = tokenizer._id_of(tokenizer.eos_token)
+        if eos is not None and not 0 <= eos < vocab_size:  # a tokenizer larger than the model's embedding
+            where = CONFIG_FILE if _token_content(config.get("eos_token")) is not None else SPECIAL_TOKENS_MAP_FILE
+            raise TokenizerError(f"{path / where}: eos_token {tokenizer.eos_token!r} is token id {eos}; allowed: "
+                                 f"token ids 0..{vocab_size - 1} ({vocab_of})")
+        if chat_template is not None:  # compiled now: a template that does not compile stops the load, not a request
+            tokenizer._template = _compile_chat_template(chat_template, origin)
+        return tokenizer
 
     @staticmethod
     def _load_backend(file: Path) -> _Backend:

@@ -826,6 +826,66 @@ def test_malformed_checkpoint_fails_naming_the_tensor(traced, base, tmp_path, co
     assert "\n" not in str(info.value)
 
 
+def _set_scales(path: Path, name: str, change) -> None:
+    """Replace checkpoint tensor ``name`` with ``change`` of it."""
+    tensors = load_file(path / "model.safetensors")
+    tensors[name] = change(tensors[name].clone())
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _negative_at(row: int, col: int):
+    return lambda s: s.index_put_((torch.tensor([row]), torch.tensor([col])), torch.tensor(-0.5, dtype=s.dtype))
+
+
+CT_L0 = Q  # CT_MIXED: pack-quantized W4A16, weight_scale [64, 2]
+CT_FP8 = "model.layers.1.self_attn.q_proj"  # float-quantized, one weight_scale for the tensor
+CT_INT8 = "model.layers.1.mlp.down_proj"  # int-quantized, weight_scale per output channel [64, 1]
+
+
+@pytest.mark.parametrize("config, writer, name, change, message", [
+    (GPTQ_V1, _gptq_plain, f"{Q}.scales", _negative_at(1, 3),
+     rf"tensor '{Q}\.scales' holds -0\.5 at \[1, 3\] \(1 of 128 scales are negative\); expected scales >= 0"),
+    (GPTQ_V1, _gptq_plain, f"{Q}.scales", torch.zeros_like,
+     rf"tensor '{Q}\.scales': every one of its 128 scales is 0, which dequantizes every weight of the linear to 0"),
+    (GPTQ_V1, _gptq_plain, f"{Q}.scales", torch.neg,
+     rf"tensor '{Q}\.scales' holds -[\d.e-]+ at \[0, 0\] \(128 of 128 scales are negative\)"),
+    (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale", _negative_at(5, 1),
+     rf"tensor '{CT_L0}\.weight_scale' holds -0\.5 at \[5, 1\] \(1 of 128 scales are negative\)"),
+    (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale", torch.zeros_like,
+     rf"tensor '{CT_L0}\.weight_scale': every one of its 128 scales is 0"),
+    (CT_MIXED, _ct_mixed, f"{CT_FP8}.weight_scale", torch.zeros_like,
+     rf"tensor '{CT_FP8}\.weight_scale': every one of its 1 scales is 0"),
+    (CT_MIXED, _ct_mixed, f"{CT_INT8}.weight_scale", _negative_at(7, 0),
+     rf"tensor '{CT_INT8}\.weight_scale' holds -0\.5 at \[7, 0\] \(1 of 64 scales are negative\)"),
+], ids=["gptq-one-negative", "gptq-all-zero", "gptq-all-negative", "ct-packed-negative", "ct-packed-all-zero",
+        "ct-fp8-tensor-zero", "ct-int8-channel-negative"])
+def test_negative_or_all_zero_scales_are_refused_naming_the_tensor(traced, base, tmp_path, config, writer, name,
+                                                                   change, message):
+    """A GPTQ or compressed-tensors linear whose weight scales are negative, or all zero (every weight 0), imported
+    without a word before; refused now, naming the tensor."""
+    from builder.checkpoint import CheckpointError
+
+    write_quantized(base, tmp_path / "ckpt", config, writer)
+    _set_scales(tmp_path / "ckpt", name, change)
+    with pytest.raises(CheckpointError, match=message) as info:
+        attach(traced, tmp_path / "ckpt")
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("config, writer, name, channels", [(GPTQ_V1, _gptq_plain, f"{Q}.scales", 1),  # [G, N]
+                                                            (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale", 0),
+                                                            (CT_MIXED, _ct_mixed, f"{CT_INT8}.weight_scale", 0)],
+                         ids=["gptq", "ct-packed", "ct-int8"])
+def test_a_few_zero_scales_pruned_channels_still_import(traced, base, tmp_path, config, writer, name, channels):
+    """Zero scales on some output channels (pruned: their weights dequantize to 0) are not refused."""
+    write_quantized(base, tmp_path / "ckpt", config, writer)
+    _set_scales(tmp_path / "ckpt", name, lambda s: s.index_fill_(channels, torch.tensor([0, 2]), 0.0))
+    graph = attach(traced, tmp_path / "ckpt")
+    node = next(n for n in graph.nodes if n.source == name.rsplit(".", 1)[0])
+    scales = graph.params[node.weights["scales" if "scales" in node.weights else "weight_scale"]]
+    assert (scales.reshape(scales.shape[0], -1)[[0, 2]] == 0).all() and (scales != 0).any()
+
+
 QK = "model.layers.0.self_attn.k_proj"
 FINE_32 = {**FINE_GRAINED, "weight_block_size": [32, 32]}
 

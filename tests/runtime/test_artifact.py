@@ -228,6 +228,14 @@ def _attention(g, i=1):
     (lambda g: g["nodes"][1].pop("op"), r"node 1 is not an object with a string op"),
     (lambda g: g["nodes"][1].update(outputs=[]), r"outputs must be a list of value names \(at least one\)"),
     (lambda g: g["nodes"][1].update(weights={"weight": "no.such.weight"}), r"reads weight 'no\.such\.weight', which"),
+    # the output a hidden state (the final norm's), not the logits: loaded, then failed the first request's sampling
+    (lambda g: g.update(outputs=[next(n for n in g["nodes"] if n["op"] == "lm_head")["inputs"][0]]),
+     r"the graph's output '[^']+' is written by node \d+ \(fused_add_rms_norm, from model\.norm\), not by the "
+     r"lm_head; the engines sample its rows as logits \[tokens, vocab_size\]"),
+    (lambda g: g.update(outputs=["positions"]),
+     r"the graph's output 'positions' is one of its inputs, not the lm_head"),
+    (lambda g: next(n for n in g["nodes"] if n["op"] == "lm_head").update(op="linear"),
+     r"is written by node \d+ \(linear, .*not by the lm_head"),
 ])
 def test_a_graph_this_runtime_cannot_run_is_an_artifact_error(artifact_copy, change, says):
     graph = json.loads((artifact_copy / "graph.json").read_text())
@@ -235,6 +243,67 @@ def test_a_graph_this_runtime_cannot_run_is_an_artifact_error(artifact_copy, cha
     _rewrite(artifact_copy, "graph.json", json.dumps(graph), graph)
     with pytest.raises(ArtifactError, match=f"cannot run the artifact's graph.*{says}"):
         Engine.load(artifact_copy)
+
+
+def test_a_chat_template_that_does_not_compile_stops_the_engine_load(artifact_copy):
+    """An artifact whose (listed, re-hashed) chat template has a Jinja syntax error is refused at load, naming the
+    file and the error's line; it loaded before and failed each chat request."""
+    from runtime.tokenizer import TokenizerError
+
+    _rewrite(artifact_copy, "tokenizer/chat_template.jinja", "{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(TokenizerError, match=r"tokenizer/chat_template\.jinja: the chat template does not compile "
+                                             r"\(Jinja error at line 2: unexpected '}'"):
+        Engine.load(artifact_copy)
+
+
+@pytest.mark.parametrize("value, key", [(10**12, "eos_token_id"), (-1, "eos_token_id"), ("vocab", "eos_token_id"),
+                                        ([1, "vocab"], r"eos_token_id\[1\]")])
+def test_eos_ids_outside_the_model_vocabulary_stop_the_engine_load(artifact_copy, value, key):
+    """An artifact whose (listed, re-hashed) generation_config.json names an EOS id past the model's vocab_size, or a
+    negative one, is refused at load, naming the file, the field and the range; it loaded, and never stopped."""
+    from runtime.tokenizer import TokenizerError
+
+    vocab = json.loads((artifact_copy / MANIFEST).read_text())["model"]["vocab_size"]
+    value = [vocab if v == "vocab" else v for v in value] if isinstance(value, list) else \
+        vocab if value == "vocab" else value
+    bad = value[-1] if isinstance(value, list) else value
+    _rewrite(artifact_copy, "tokenizer/generation_config.json", json.dumps({"eos_token_id": value}))
+    with pytest.raises(TokenizerError, match=rf"tokenizer/generation_config\.json: {key} is {bad}; allowed: token ids "
+                                             rf"0\.\.{vocab - 1} \(the model's vocab_size\)"):
+        Engine.load(artifact_copy)
+
+
+@pytest.fixture(scope="module")
+def int8_wo_artifact(checkpoints, tmp_path_factory):
+    """The tiny Llama with int8 weight-only linears (w8a16, one group a row: scales and zeros [out, 1])."""
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    out = tmp_path_factory.mktemp("int8_wo") / "a"
+    return build(validate_recipe({
+        "name": "a", "model": {"checkpoint": str(checkpoints["llama"]), "dtype": "float32"}, "output_dir": str(out),
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32}, "quantization": {"algo": "int8_wo"},
+        "gates": {"enabled": False}})).output_dir
+
+
+@pytest.mark.parametrize("quant, says", [
+    ({"group_size": 16}, r"its scales are \[128, 1\] \(scales \[128, 1\], zeros \[128, 1\]\); quant bits 8 and "
+                         r"group_size 16 over qweight \[128, 64\] \(64 input features\) give \[128, 4\]"),
+    ({"group_size": 48}, r"quant group_size 48 does not divide its 64 input features \(qweight \[128, 64\]"),
+    ({"bits": 4}, r"quant bits is 4; a w8a16 linear stores 8-bit codes \(allowed: 8\)"),
+])
+def test_weight_only_quant_attrs_that_disagree_with_the_stored_tensors_are_named(int8_wo_artifact, tmp_path, quant,
+                                                                                  says):
+    """A (re-hashed) graph.json whose weight-only linear's bits or group_size disagree with its scales and zeros: a
+    load-time error naming the node, the attr and the shapes, where it met only the engine's catch-all before."""
+    path = shutil.copytree(int8_wo_artifact, tmp_path / "a")
+    graph = json.loads((path / "graph.json").read_text())
+    node = next(n for n in graph["nodes"] if n["op"] == "linear")  # layer 0's merged q, k, v: [128, 64]
+    node["attrs"]["quant"].update(quant)
+    _rewrite(path, "graph.json", json.dumps(graph), graph)
+    with pytest.raises(ArtifactError, match=rf"cannot run the artifact's graph: node \d+ \(linear, from "
+                                            rf"model\.layers\.0\.self_attn\): {says}"):
+        Engine.load(path)
 
 
 def test_prompts_the_model_cannot_read_are_request_errors(artifacts):

@@ -135,6 +135,34 @@ def test_generation_config_extends_eos_ids(tmp_path):
     assert Tokenizer.from_dir(path).eos_token_ids == [1, 4]
 
 
+def test_eos_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
+    """An eos_token_id past the vocabulary (or negative), alone or in a list, is refused when the tokenizer loads,
+    naming the file, the field (the list's index) and the allowed range: it was accepted, and generation never
+    stopped at it. With the model's vocab_size given, that is the range, and the tokenizer's eos_token is held to it."""
+    path = write_tokenizer(tmp_path / "t")
+    vocab = Tokenizer.from_dir(path).vocab_size
+    for value, key, bad in ((10**12, "eos_token_id", 10**12), (-1, "eos_token_id", -1),
+                            ([1, 5, vocab], r"eos_token_id\[2\]", vocab), ([1, -3], r"eos_token_id\[1\]", -3)):
+        (path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
+        with pytest.raises(TokenizerError, match=rf"generation_config\.json: {key} is {bad}; allowed: token ids "
+                                                 rf"0\.\.{vocab - 1} \(the tokenizer's vocabulary\)"):
+            Tokenizer.from_dir(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab - 1]}))
+    assert Tokenizer.from_dir(path).eos_token_ids == [1, vocab - 1]  # the last id is a token
+    assert Tokenizer.from_dir(path, vocab_size=vocab + 8).eos_token_ids == [1, vocab - 1]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab + 8}))
+    with pytest.raises(TokenizerError, match=rf"eos_token_id is {vocab + 8}; allowed: token ids 0\.\.{vocab + 7} "
+                                             r"\(the model's vocab_size\)"):
+        Tokenizer.from_dir(path, vocab_size=vocab + 8)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": True}))
+    with pytest.raises(TokenizerError, match=r"eos_token_id must be a token id \(an int\) or a list of them, got True"):
+        Tokenizer.from_dir(path)
+    (path / "generation_config.json").unlink()
+    with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: eos_token '<\|eos\|>' is token id 1; allowed: "
+                                             r"token ids 0\.\.0 \(the model's vocab_size\)"):
+        Tokenizer.from_dir(path, vocab_size=1)
+
+
 def test_missing_or_corrupt_files_are_named(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer\.json"):
         Tokenizer.from_dir(tmp_path)
@@ -186,6 +214,28 @@ def test_chat_template_file_takes_priority(tmp_path):
     path = write_tokenizer(tmp_path / "t")
     (path / "chat_template.jinja").write_text("{{ messages[0]['content'] }}!")
     assert Tokenizer.from_dir(path).apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+
+
+@pytest.mark.parametrize("where", ["chat_template.jinja", "tokenizer_config.json"])
+@pytest.mark.parametrize("template, says", [
+    ("{% for m in messages %}\n{{ m['content'] }}\n{% endfro %}", r"Jinja error at line 3: Encountered unknown tag "
+                                                                   r"'endfro'"),
+    ("{{ bos_token }}\n{{ messages[0]['content'] | no_such_filter }}", r"Jinja error at line 2: No filter named "
+                                                                       r"'no_such_filter'"),
+    ("{{ " + "(" * 100_000 + "1" + ")" * 100_000 + " }}", r"RecursionError: its expressions or blocks are nested"),
+], ids=["unknown-tag", "unknown-filter", "nested-100000-deep"])
+def test_a_chat_template_that_does_not_compile_stops_the_load(tmp_path, where, template, says):
+    """A chat template with a Jinja syntax error is refused when the tokenizer loads, naming the file it came from
+    and the error's line; it loaded before, and every chat request then failed."""
+    path = write_tokenizer(tmp_path / "t", chat_template=template if where == "tokenizer_config.json" else None)
+    if where == "chat_template.jinja":
+        (path / where).write_text(template)
+    named = {"chat_template.jinja": r"chat_template\.jinja",
+             "tokenizer_config.json": r"tokenizer_config\.json \(its chat_template\)"}[where]
+    with pytest.raises(TokenizerError, match=rf"{named}: the chat template does not compile \(.*{says}"):
+        Tokenizer.from_dir(path)
+    bare = Tokenizer.from_dir(path, files={"tokenizer.json"})  # without the template: plain completions only
+    assert bare.chat_template is None and bare.decode(bare.encode("hello")) == "hello"
 
 
 def test_unreadable_tokenizer_files_are_named(tmp_path):
