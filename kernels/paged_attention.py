@@ -60,6 +60,13 @@ _MAX_SPLITS = 32
 _MERGE_UNROLL = 4  # a decode merge's partials loaded per iteration, in flight together
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
+# The prefill kernel's inner loop and program order, for A/B runs (kernels.bench.attention --prefill-only in one
+# process per setting): KERNELS_PREFILL_ACC_DOT=1 folds the score scale into the exponent's multiply-add and lets
+# the P @ V product accumulate into the rescaled accumulator inside the MMA (one fp32 [rows, head_dim] tile live
+# instead of two); KERNELS_PREFILL_LPT=1 runs each kv head's query tiles last first (a causal prompt's last tiles
+# see the most keys: the longest programs start first, the launch ends on short ones).
+PREFILL_ACC_DOT = os.environ.get("KERNELS_PREFILL_ACC_DOT", "0") == "1"
+PREFILL_LPT = os.environ.get("KERNELS_PREFILL_LPT", "0") == "1"
 # KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]]" replaces _decode_config's tiling for 16-bit and
 # quantized caches (fp16 operands) at head_dim <= 128, HEADS kv heads per program past _SMALL_DECODE_PAIRS pairs
 # (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons, since
@@ -116,6 +123,14 @@ def _mma(a, b, FP32: tl.constexpr):
     if FP32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b)
+
+
+@triton.jit
+def _mma_acc(a, b, acc, FP32: tl.constexpr):
+    """acc + a @ b, the products accumulated into acc by the MMA itself (as _mma otherwise)."""
+    if FP32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -180,6 +195,19 @@ def _online_softmax_step(s, v, m_i, l_i, acc, FP32: tl.constexpr):
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, FP32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _online_softmax_step_folded(s, scale, v, m_i, l_i, acc, FP32: tl.constexpr):
+    """_online_softmax_step of the log2-domain scores ``s * scale`` (scale > 0, s: raw scores, -inf where masked):
+    the scale taken in the exponent's argument (one multiply-add an element), the tile's P @ V accumulated into the
+    rescaled acc by the MMA."""
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _mma_acc(p.to(v.dtype), v, acc * alpha[:, None], FP32)
     return m_new, l_i, acc
 
 
@@ -1087,7 +1115,8 @@ def _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T: tl.constexpr):
 def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr, kv_head, kv_len, window,
                       qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, FP32: tl.constexpr,
-                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, own0=0):
+                      SOFTCAP: tl.constexpr, CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, own0=0,
+                      ACC_DOT: tl.constexpr = False):
     """Fold keys [start, start + BLOCK_N) into the running softmax of a query tile (start: a multiple of BLOCK_N
     in the cache; any position in the step's own rows). MASKED: the tile may hold keys past kv_len, after a query
     (causal) or before its window; else all are visible. CONTIG: the keys are the step's own K/V rows, position
@@ -1130,12 +1159,20 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
             v = _e4m3_to(tl.load(v_ptrs), q.dtype, F16)
         else:
             v = tl.load(v_ptrs).to(q.dtype)
+    if ACC_DOT and not SOFTCAP:  # the scale folded into the exponent (_online_softmax_step_folded)
+        s = _mma(q, k.to(q.dtype), FP32)
+        if MASKED:
+            visible = in_seq[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(visible, s, float("-inf"))
+        return _online_softmax_step_folded(s, qk_scale, v, m_i, l_i, acc, FP32)
     s = _mma(q, k.to(q.dtype), FP32) * qk_scale
     if SOFTCAP:
         s = _softcap(s, softcap)
     if MASKED:
         visible = in_seq[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
+    if ACC_DOT:
+        return _online_softmax_step_folded(s, 1.0, v, m_i, l_i, acc, FP32)
     return _online_softmax_step(s, v, m_i, l_i, acc, FP32)
 
 
@@ -1143,22 +1180,25 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
 def _prefill_key_runs(a, b, c, end, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len, window, qk_scale,
                       softcap, stride_cb, stride_ct, stride_ch, stride_vt, HEAD_DIM: tl.constexpr,
                       BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, FP32: tl.constexpr, SOFTCAP: tl.constexpr,
-                      CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, own0):
+                      CONTIG: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr, own0,
+                      ACC_DOT: tl.constexpr = False):
     """Keys [a, end) in tiles of BLOCK_N from a (_prefill_key_tile's arguments): [a, b) and [c, end) masked, [b, c)
     visible to every row."""
     for start in range(a, b, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len,
                                           window, qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, CONTIG, QUANT, F16, own0)
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, CONTIG, QUANT, F16, own0,
+                                          ACC_DOT)
     for start in range(b, c, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len,
                                           window, qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt,
                                           HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, FP32, SOFTCAP, CONTIG, QUANT, F16,
-                                          own0)
+                                          own0, ACC_DOT)
     for start in range(c, end, BLOCK_N):
         m_i, l_i, acc = _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_ptr, v_ptr, kv_head, kv_len,
                                           window, qk_scale, softcap, stride_cb, stride_ct, stride_ch, stride_vt,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, CONTIG, QUANT, F16, own0)
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, FP32, SOFTCAP, CONTIG, QUANT, F16, own0,
+                                          ACC_DOT)
     return m_i, l_i, acc
 
 
@@ -1171,7 +1211,7 @@ def _paged_prefill_kernel(
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False,
-        SKIP_SINGLE: tl.constexpr = False):
+        SKIP_SINGLE: tl.constexpr = False, ACC_DOT: tl.constexpr = False, LPT: tl.constexpr = False):
     # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: a sequence's new tokens
     # attend over the step's own K/V [num_tokens, kv heads, head_dim] in q's dtype (k_own_ptr: stride_kt per token,
     # stride_kh per head; v_own_ptr: stride_vt, stride_vh), its context over the cache (none for fresh prompts: the
@@ -1187,6 +1227,8 @@ def _paged_prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P2
     wait_prior(PDL)  # before reading what the previous kernel wrote (kernels/pdl.py)
     tile = tl.program_id(0)
+    if LPT:  # the query tiles last first (PREFILL_LPT)
+        tile = tl.num_programs(0) - 1 - tile
     seq = _find_seq(cu_seqlens_q_ptr, tile, num_seqs, BLOCK_T)
     if seq < 0:  # only when cu_seqlens_q[0] > 0: rows before it belong to no sequence
         return
@@ -1236,7 +1278,7 @@ def _paged_prefill_kernel(
         m_i, l_i, acc = _prefill_key_runs(a, cb, cc, context, q, q_pos, m_i, l_i, acc, table, k_cache_ptr,
                                           v_cache_ptr, kv_head, context, window, qk_cache, softcap, stride_cb,
                                           stride_ct, stride_ch, stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32,
-                                          SOFTCAP, False, QUANT, F16, 0)
+                                          SOFTCAP, False, QUANT, F16, 0, ACC_DOT)
         # the step's own keys [context, hi) (the sequence's first row of k_own / v_own at this kv head), in tiles
         # from context: the same three runs, counted from there
         k_src = k_own_ptr + q_start.to(tl.int64) * stride_kt + kv_head * stride_kh
@@ -1251,12 +1293,13 @@ def _paged_prefill_kernel(
         oc = tl.maximum(tl.minimum(context + ((first_pos + 1 - context) // BLOCK_N) * BLOCK_N, hi), ob)
         m_i, l_i, acc = _prefill_key_runs(oa, ob, oc, hi, q, q_pos, m_i, l_i, acc, table, k_src, v_src, kv_head,
                                           kv_len, window, qk_cache, softcap, stride_cb, stride_kt, stride_kh, stride_vt,
-                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32, SOFTCAP, True, 0, False, context)
+                                          HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32, SOFTCAP, True, 0, False, context,
+                                          ACC_DOT)
     else:
         m_i, l_i, acc = _prefill_key_runs(a, b, c, hi, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cache_ptr,
                                           kv_head, kv_len, window, qk_cache, softcap, stride_cb, stride_ct, stride_ch,
                                           stride_ct, HEAD_DIM, BLOCK_SIZE, BLOCK_N, FP32, SOFTCAP, False, QUANT, F16,
-                                          0)
+                                          0, ACC_DOT)
     if QUANT != 0:
         acc = acc * tl.load(v_scale_ptr)
     if SINKS:
@@ -1342,8 +1385,8 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *own_strides, GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single, num_warps=num_warps,
-        num_stages=num_stages, **pdl_args(q))
+        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single, ACC_DOT=PREFILL_ACC_DOT, LPT=PREFILL_LPT,
+        num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 
 

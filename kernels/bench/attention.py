@@ -330,9 +330,9 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     # over the cache: RUNTIME_PREFILL_OWN_KV (fresh prompts, bf16) and RUNTIME_PREFILL_OWN_CODES
     own = _own_kv(p, q_lens, ctx_lens)
 
-    def run_own():
+    def run_own():  # prompts only (no one-token sequence): the runtime's tiling for them
         return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, k_scale=p.k_scale,
-                                       v_scale=p.v_scale, contiguous_kv=own)
+                                       v_scale=p.v_scale, contiguous_kv=own, prompts_only=True)
 
     ok, err = close(run_own(), expected)
     if not ok:

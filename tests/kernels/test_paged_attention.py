@@ -1097,6 +1097,31 @@ def test_prefill_over_the_steps_own_keys_after_a_cached_context(dtype, kv_dtype,
     assert not torch.allclose(got.float(), cached.float(), atol=0.05)
 
 
+@pytest.mark.parametrize("acc_dot, lpt", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("dtype, kv_dtype, window, softcap, sinks, own", [
+    (torch.bfloat16, FP8, None, 0.0, False, True), (torch.bfloat16, torch.bfloat16, 13, 0.0, True, False),
+    (torch.float32, INT8, None, 1.5, False, False)])
+def test_prefill_loop_and_order_variants_match_the_reference(monkeypatch, acc_dot, lpt, dtype, kv_dtype, window,
+                                                            softcap, sinks, own):
+    """KERNELS_PREFILL_ACC_DOT (the scale in the exponent's fma, P @ V accumulated in the MMA) and KERNELS_PREFILL_LPT
+    (query tiles last first) on chunks after cached contexts, fresh prompts, a decode and a sequence without new
+    tokens, with windows, soft-capping, sinks and own rows: the reference's output, and the plain loop's."""
+    gen = torch.Generator().manual_seed(41)
+    q_lens, ctx_lens = [37, 1, 20, 0, 9, 70], [21, 50, 0, 4, 64, 3]
+    args, kw, _ = _prefill_case(q_lens, ctx_lens, 16, dtype, kv_dtype, gen)
+    kw.update(sliding_window=window, **_extra(8, softcap, sinks, gen))
+    if own:
+        kv = (torch.randn(sum(q_lens), 2, 2, 32, generator=gen) * 60).to(kv_dtype).to(dtype).to(DEVICE)
+        kw["contiguous_kv"] = (kv[:, 0], kv[:, 1])
+    plain = pa.paged_prefill_attention(*args, **kw, config=(32, 16, 4, 2))
+    monkeypatch.setattr(pa, "PREFILL_ACC_DOT", acc_dot)
+    monkeypatch.setattr(pa, "PREFILL_LPT", lpt)
+    got = pa.paged_prefill_attention(*args, **kw, config=(32, 16, 4, 2))
+    tol = 2e-4 if softcap and dtype == torch.float32 else None
+    _assert_close(got, pa.ref_paged_prefill_attention(*args, **kw), tol)
+    _assert_close(got, plain, tol)
+
+
 def test_prompts_over_an_fp8_caches_own_codes_take_the_prompt_tiling(monkeypatch):
     """The prompts' tiling (``_FP8_PROMPT_CONFIG``) only where it was measured: a launch the caller says holds no
     one-token sequence, over an FP8 cache's own codes, 16-bit operands, head_dim up to 128; every other launch the
