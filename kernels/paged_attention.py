@@ -60,13 +60,16 @@ _MAX_SPLITS = 32
 _MERGE_UNROLL = 4  # a decode merge's partials loaded per iteration, in flight together
 # KERNELS_PREFILL_F16=0: prefill over a quantized cache converts it to the query's dtype (bf16) instead of fp16
 PREFILL_F16 = os.environ.get("KERNELS_PREFILL_F16", "1") != "0"
-# The prefill kernel's inner loop and program order, for A/B runs (kernels.bench.attention --prefill-only in one
-# process per setting): KERNELS_PREFILL_ACC_DOT=1 folds the score scale into the exponent's multiply-add and lets
-# the P @ V product accumulate into the rescaled accumulator inside the MMA (one fp32 [rows, head_dim] tile live
-# instead of two); KERNELS_PREFILL_LPT=1 runs each kv head's query tiles last first (a causal prompt's last tiles
-# see the most keys: the longest programs start first, the launch ends on short ones).
-PREFILL_ACC_DOT = os.environ.get("KERNELS_PREFILL_ACC_DOT", "0") == "1"
-PREFILL_LPT = os.environ.get("KERNELS_PREFILL_LPT", "0") == "1"
+# The prefill kernel's inner loop and program order (=0 turns each off, for A/B runs): KERNELS_PREFILL_ACC_DOT folds
+# the score scale into the exponent's multiply-add and lets the P @ V product accumulate into the rescaled
+# accumulator inside the MMA (one fp32 [rows, head_dim] tile live instead of two); KERNELS_PREFILL_LPT runs each kv
+# head's query tiles last first (a causal prompt's last tiles see the most keys: the longest programs start first,
+# the launch ends on short ones). Measured together on an H200 (docs/BENCHMARKS.md, session 48; `python -m
+# kernels.bench.attention --prefill-only --block-size 64`, one process per setting): an FP8 cache's own codes on the
+# prompts' tiling 135.1 -> 128.1 us for a fresh 2,048-token prompt, 922.6 -> 881.3 after 6,144 cached, 63.6 -> 63.5
+# for four of 512; bf16 124.3 -> 124.2, 651.2 -> 631.0, 51.8 -> 52.5. Each alone gained less.
+PREFILL_ACC_DOT = os.environ.get("KERNELS_PREFILL_ACC_DOT", "1") != "0"
+PREFILL_LPT = os.environ.get("KERNELS_PREFILL_LPT", "1") != "0"
 # KERNELS_DECODE_CONFIG="BLOCK_N:WARPS:STAGES[:HEADS_FIRST[:HEADS]]" replaces _decode_config's tiling for 16-bit and
 # quantized caches (fp16 operands) at head_dim <= 128, HEADS kv heads per program past _SMALL_DECODE_PAIRS pairs
 # (A/B runs against `python -m kernels.bench.attention --decode-sweep`'s best-config lines; colons, since

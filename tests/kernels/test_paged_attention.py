@@ -1104,8 +1104,9 @@ def test_prefill_over_the_steps_own_keys_after_a_cached_context(dtype, kv_dtype,
 def test_prefill_loop_and_order_variants_match_the_reference(monkeypatch, acc_dot, lpt, dtype, kv_dtype, window,
                                                             softcap, sinks, own):
     """KERNELS_PREFILL_ACC_DOT (the scale in the exponent's fma, P @ V accumulated in the MMA) and KERNELS_PREFILL_LPT
-    (query tiles last first) on chunks after cached contexts, fresh prompts, a decode and a sequence without new
-    tokens, with windows, soft-capping, sinks and own rows: the reference's output, and the plain loop's."""
+    (query tiles last first; both on by default) against the loop without either, on chunks after cached contexts,
+    fresh prompts, a decode and a sequence without new tokens, with windows, soft-capping, sinks and own rows: the
+    reference's output, and the plain loop's."""
     gen = torch.Generator().manual_seed(41)
     q_lens, ctx_lens = [37, 1, 20, 0, 9, 70], [21, 50, 0, 4, 64, 3]
     args, kw, _ = _prefill_case(q_lens, ctx_lens, 16, dtype, kv_dtype, gen)
@@ -1113,6 +1114,8 @@ def test_prefill_loop_and_order_variants_match_the_reference(monkeypatch, acc_do
     if own:
         kv = (torch.randn(sum(q_lens), 2, 2, 32, generator=gen) * 60).to(kv_dtype).to(dtype).to(DEVICE)
         kw["contiguous_kv"] = (kv[:, 0], kv[:, 1])
+    monkeypatch.setattr(pa, "PREFILL_ACC_DOT", False)
+    monkeypatch.setattr(pa, "PREFILL_LPT", False)
     plain = pa.paged_prefill_attention(*args, **kw, config=(32, 16, 4, 2))
     monkeypatch.setattr(pa, "PREFILL_ACC_DOT", acc_dot)
     monkeypatch.setattr(pa, "PREFILL_LPT", lpt)
