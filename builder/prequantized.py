@@ -77,9 +77,9 @@ keeps them in the model dtype), W4A8_AWQ (int4 weights with fp8 activations: no 
 mixed-precision export (no FP4 scheme; an export of either alone is decoded to float weights as it is read,
 ``builder.checkpoint._nvfp4_weights``), a W4A16_AWQ with zero points or without its group_size, and experts that
 carry a pre_quant_scale (the moe op has no input scale); fine-grained FP8 with static activations, ue8m0 scales or
-per-tensor scales (weight_block_size null). Refused, naming the tensor: a linear's weight scales (any format) with a
-negative value, or all zero (the whole linear would dequantize to zeros); a few zero scales (pruned channels or
-groups) import.
+per-tensor scales (weight_block_size null). Refused, naming the tensor: a linear's weight scales (any format) that
+are all zero (the whole linear would dequantize to zeros); a few zero scales (pruned channels or groups) and negative
+scales (AutoRound's signed symmetric groups) import.
 """
 
 from __future__ import annotations
@@ -152,16 +152,12 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_scales(name: str, scales: Tensor) -> None:
-    """A linear's weight scales (of its groups, channels or blocks): none negative, and not every one zero, which
-    would dequantize the whole linear to zeros (an export that lost its scales). A few zeros stay allowed: a pruned
-    channel or group, whose weights are all zero. NaN and infinity are check_finite's."""
+    """A linear's weight scales (of its groups, channels or blocks): not every one zero, which would dequantize the
+    whole linear to zeros (an export that lost its scales). A few zeros stay allowed: a pruned channel or group,
+    whose weights are all zero. Negative scales are allowed: dequantization is ``scale * (q - zero)`` whatever the
+    sign, and some exporters sign them on purpose (AutoRound's full-range symmetric groups, written as GPTQ or
+    compressed-tensors checkpoints, carry about half their scales negative). NaN and infinity are check_finite's."""
     values = scales.float()
-    negative = values < 0
-    if bool(negative.any()):
-        at = [int(i) for i in negative.nonzero()[0]]
-        raise PrequantizedError(f"tensor {name!r} holds {values[tuple(at)].item()} at {at} ({int(negative.sum())} of "
-                                f"{values.numel()} scales are negative); expected scales >= 0: the checkpoint is "
-                                f"corrupt, or not of the format its config names")
     if values.numel() and not bool(values.ne(0).any()):
         raise PrequantizedError(f"tensor {name!r}: every one of its {values.numel()} scales is 0, which dequantizes "
                                 f"every weight of the linear to 0; expected positive scales (a few zeros, pruned "

@@ -1342,9 +1342,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     order of the fp32 sums (the key tiles start at the context's end) and, over a quantized cache with fp16 operands
     (``PREFILL_F16``), the own rows' products, whose operands are q's dtype (bf16 probabilities, not fp16).
     ``out``: where to write (like q; a new tensor by default). ``skip_single``: leave the rows of sequences with
-    exactly one new token unwritten (``paged_mixed_attention``). ``prompts_only``: the caller knows no sequence of
-    the launch has exactly one new token (as with ``skip_single``), which picks the tiling for prompts
-    (``_prefill_config``); a hint, any launch runs correctly either way.
+    exactly one new token unwritten (``paged_mixed_attention``). ``prompts_only``: the caller expects no sequence
+    of the launch to have exactly one new token (as with ``skip_single``), which picks the tiling for prompts
+    (``_prefill_config``); a hint for speed only, any launch runs correctly either way.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -1388,7 +1388,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *own_strides, GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single, ACC_DOT=PREFILL_ACC_DOT, LPT=PREFILL_LPT,
+        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single,
+        ACC_DOT=PREFILL_ACC_DOT and scale > 0, LPT=PREFILL_LPT,  # the fold assumes a positive scale (k_scale: the
+        # executor refuses one <= 0 at load)
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q))
     return out
 

@@ -540,9 +540,11 @@ def _check_attrs(graph: dict[str, Any]) -> None:
         for key in ("eps", "scale"):
             value = attrs.get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or (key == "eps" and value <= 0)):
+                                      or not math.isfinite(value) or (value <= 0 and (
+                                          key == "eps" or node["op"] == "attention"))):
+                positive = key == "eps" or node["op"] == "attention"  # a softmax scale <= 0 inverts or flattens it
                 raise GraphFormatError(f"{where}: attr {key} is {value!r}; expected a finite number"
-                                       f"{' > 0' if key == 'eps' else ''}")
+                                       f"{' > 0' if positive else ''}")
         window = attrs.get("sliding_window")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise GraphFormatError(f"{where}: attr sliding_window is {window!r}; expected a whole number >= 1 or null")
@@ -1130,10 +1132,23 @@ def _rope(w, attrs, ex) -> Kernel:
     return kernel
 
 
+def _check_kv_scales(w, attrs) -> None:
+    """A quantized KV cache's k_scale / v_scale: finite and > 0 (the codes are the values divided by them; the kernels
+    fold k_scale into the softmax's scale, which must stay positive)."""
+    for name in ("k_scale", "v_scale"):
+        if name in w:
+            values = w[name].float()
+            if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+                raise GraphFormatError(f"attention layer {attrs.get('layer')}: its {name} holds "
+                                       f"{values.flatten()[:4].tolist()}; expected finite values > 0 (a quantized KV "
+                                       f"cache's scale): rebuild the artifact")
+
+
 def _attention(w, attrs, ex) -> Kernel:
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
     softcap, sinks = attrs.get("softcap", 0.0), w.get("sinks")  # Gemma 2's score soft-cap, gpt-oss's sinks
+    _check_kv_scales(w, attrs)
     store, load = _kv_codec(attrs.get("kv_cache_dtype"), w.get("k_scale"), w.get("v_scale"), ex.dtype)
     # RoPE of q and k done here (plan_fusions): the node reads them unrotated, and the positions after v
     rope = _fused_rope(ex, ex._fusions.rope[ex._index]) if ex._index in ex._fusions.rope else None
@@ -1206,6 +1221,7 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return None
+    _check_kv_scales(w, attrs)
     k_scale = w["k_scale"].float().reshape(1) if "k_scale" in w else None
     v_scale = w["v_scale"].float().reshape(1) if "v_scale" in w else None
     extra = {"softcap": attrs.get("softcap", 0.0),  # made once: the step passes the same tensors (CUDA graphs)
@@ -1242,8 +1258,9 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
                                         step.decode_rows, k_scale=k_scale, v_scale=v_scale, sliding_window=window,
                                         contiguous_kv=(k, v) if own_kv else None, **extra)
         else:
-            # no decode beside a prompt here when the split applies (md.mixed is then exact, step graphs included):
-            # the prompts' tiling (kernels.paged_attention._prefill_config)
+            # no decode beside a prompt here when the split applies (step graphs set md.mixed from the split too):
+            # the prompts' tiling (kernels.paged_attention._prefill_config). A step graph of one-token sequences only
+            # (a draft model's catch-up feed) can reach it too: 128-row tiles then, as correct, slower
             prompts_only = not md.mixed and mixed_decode_split(kc.dtype)
             out = paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale,
                                           k_scale=k_scale, v_scale=v_scale, sliding_window=window,

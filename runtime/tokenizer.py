@@ -103,9 +103,10 @@ def _pick_chat_template(value: Any) -> str | None:
 
 
 def _eos_ids_from_generation_config(path: Path | None, vocab_size: int, vocab_of: str) -> list[int]:
-    """generation_config.json's eos_token_id (an int or a list of ints); [] when absent. Each must be a token id,
+    """generation_config.json's eos_token_id (an int or a list of ints); [] when absent. A token id must fall in
     0..vocab_size - 1 (``vocab_of`` says whose vocabulary): an id past it is never sampled, so generation would never
-    stop at it (and grammar masks index by it)."""
+    stop at it (and grammar masks index by it). Refused when none does; in a list where others do, such ids are left
+    out with a warning."""
     config = _read_json(path)
     if not config or config.get("eos_token_id") is None:
         return []
@@ -114,11 +115,15 @@ def _eos_ids_from_generation_config(path: Path | None, vocab_size: int, vocab_of
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise TokenizerError(f"{path}: eos_token_id must be a token id (an int) or a list of them, got {shown}")
-    for j, token_id in enumerate(ids):
-        if not 0 <= token_id < vocab_size:
-            key = f"eos_token_id[{j}]" if isinstance(value, list) else "eos_token_id"
-            raise TokenizerError(f"{path}: {key} is {token_id}; allowed: token ids 0..{vocab_size - 1} ({vocab_of})")
-    return list(ids)
+    outside = [(j, token_id) for j, token_id in enumerate(ids) if not 0 <= token_id < vocab_size]
+    if outside and len(outside) == len(ids):  # no stop the model can sample: refused
+        j, token_id = outside[0]
+        key = f"eos_token_id[{j}]" if isinstance(value, list) else "eos_token_id"
+        raise TokenizerError(f"{path}: {key} is {token_id}; allowed: token ids 0..{vocab_size - 1} ({vocab_of})")
+    if outside:  # a list with others the model can sample: those stop generation, these never could
+        log.warning("%s: eos_token_id %s outside token ids 0..%d (%s) left out; the others stop generation", path,
+                    ", ".join(f"[{j}] = {token_id}" for j, token_id in outside), vocab_size - 1, vocab_of)
+    return [token_id for token_id in ids if 0 <= token_id < vocab_size]
 
 
 # --- chat template environment ----------------------------------------------------------------------
@@ -295,8 +300,8 @@ class Tokenizer:
                                  f"{TOKENIZER_FILE}")
         backend = cls._load_backend(tokenizer_file)
         vocab_of = "the model's vocab_size" if vocab_size is not None else "the tokenizer's vocabulary"
-        if vocab_size is None:
-            vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        if vocab_size is None:  # one past the largest id (ids may have gaps: the count can be smaller)
+            vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
         config = _read_json(find(CONFIG_FILE)) or {}
         special_map = _read_json(find(SPECIAL_TOKENS_MAP_FILE)) or {}
         special = {}

@@ -362,7 +362,6 @@ def prefill_sweep(gen, args, failures) -> int:
             expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,
                                                    k_scale=p.k_scale, v_scale=p.v_scale)
             shape = f"{len(q_lens)}x{q_lens[0]} new, ctx {ctx_lens[0]}"
-            default = _prefill_config(torch.bfloat16, HEAD_DIM)
             best = None
             # the new tokens over the step's own rows, as the runtime runs them: a quantized cache's codes at every
             # shape (prefill_own_codes), a bf16 cache's K/V for fresh prompts (RUNTIME_PREFILL_OWN_KV)
@@ -371,6 +370,8 @@ def prefill_sweep(gen, args, failures) -> int:
                    else None)
             if own is not None:
                 shape += ", own codes" if quantized else ", own K/V"
+            # the runtime's tiling for this launch (prompts only: the sweep's shapes hold no one-token sequence)
+            default = _prefill_config(torch.bfloat16, HEAD_DIM, kv_dtype, own is not None)
             for cfg in configs:
                 def run(cfg=cfg):
                     return paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale,

@@ -812,7 +812,8 @@ Q = "model.layers.0.self_attn.q_proj"
     ({"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": [1]}, {},
      r"quantization_config\.exclude_modules\[0\] is 1; expected a module name or pattern"),
 ], ids=["missing-qzeros", "qweight-shape", "scales-groups", "g_idx-uneven", "bits-3", "gptq-marlin", "hqq",
-        "fp8-per-tensor", "fp8-huge-blocks", "fp8-static", "fp8-activations-false", "modelopt-unknown", "modelopt-nvfp4", "modelopt-fp8-pb-wo",
+        "fp8-per-tensor", "fp8-huge-blocks", "fp8-static", "fp8-activations-false", "modelopt-unknown",
+        "modelopt-nvfp4", "modelopt-fp8-pb-wo",
         "modelopt-awq-no-group-size", "modelopt-smoothquant", "modelopt-kv-int8", "awq-gemv", "ct-not-packed",
         "scales-nan", "g_idx-past-the-groups", "ct-ignore-a-string", "ct-ignore-not-a-string", "ct-ignore-bad-regex",
         "fp8-not-converted-a-string", "modelopt-exclude-not-a-string"])
@@ -842,34 +843,40 @@ CT_FP8 = "model.layers.1.self_attn.q_proj"  # float-quantized, one weight_scale 
 CT_INT8 = "model.layers.1.mlp.down_proj"  # int-quantized, weight_scale per output channel [64, 1]
 
 
-@pytest.mark.parametrize("config, writer, name, change, message", [
-    (GPTQ_V1, _gptq_plain, f"{Q}.scales", _negative_at(1, 3),
-     rf"tensor '{Q}\.scales' holds -0\.5 at \[1, 3\] \(1 of 128 scales are negative\); expected scales >= 0"),
-    (GPTQ_V1, _gptq_plain, f"{Q}.scales", torch.zeros_like,
+@pytest.mark.parametrize("config, writer, name, message", [
+    (GPTQ_V1, _gptq_plain, f"{Q}.scales",
      rf"tensor '{Q}\.scales': every one of its 128 scales is 0, which dequantizes every weight of the linear to 0"),
-    (GPTQ_V1, _gptq_plain, f"{Q}.scales", torch.neg,
-     rf"tensor '{Q}\.scales' holds -[\d.e-]+ at \[0, 0\] \(128 of 128 scales are negative\)"),
-    (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale", _negative_at(5, 1),
-     rf"tensor '{CT_L0}\.weight_scale' holds -0\.5 at \[5, 1\] \(1 of 128 scales are negative\)"),
-    (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale", torch.zeros_like,
+    (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale",
      rf"tensor '{CT_L0}\.weight_scale': every one of its 128 scales is 0"),
-    (CT_MIXED, _ct_mixed, f"{CT_FP8}.weight_scale", torch.zeros_like,
+    (CT_MIXED, _ct_mixed, f"{CT_FP8}.weight_scale",
      rf"tensor '{CT_FP8}\.weight_scale': every one of its 1 scales is 0"),
-    (CT_MIXED, _ct_mixed, f"{CT_INT8}.weight_scale", _negative_at(7, 0),
-     rf"tensor '{CT_INT8}\.weight_scale' holds -0\.5 at \[7, 0\] \(1 of 64 scales are negative\)"),
-], ids=["gptq-one-negative", "gptq-all-zero", "gptq-all-negative", "ct-packed-negative", "ct-packed-all-zero",
-        "ct-fp8-tensor-zero", "ct-int8-channel-negative"])
-def test_negative_or_all_zero_scales_are_refused_naming_the_tensor(traced, base, tmp_path, config, writer, name,
-                                                                   change, message):
-    """A GPTQ or compressed-tensors linear whose weight scales are negative, or all zero (every weight 0), imported
-    without a word before; refused now, naming the tensor."""
+], ids=["gptq-all-zero", "ct-packed-all-zero", "ct-fp8-tensor-zero"])
+def test_all_zero_scales_are_refused_naming_the_tensor(traced, base, tmp_path, config, writer, name, message):
+    """A GPTQ or compressed-tensors linear whose weight scales are all zero (every weight 0: an export that lost its
+    scales), imported without a word before; refused now, naming the tensor."""
     from builder.checkpoint import CheckpointError
 
     write_quantized(base, tmp_path / "ckpt", config, writer)
-    _set_scales(tmp_path / "ckpt", name, change)
+    _set_scales(tmp_path / "ckpt", name, torch.zeros_like)
     with pytest.raises(CheckpointError, match=message) as info:
         attach(traced, tmp_path / "ckpt")
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("config, writer, name, change", [
+    (GPTQ_V1, _gptq_plain, f"{Q}.scales", _negative_at(1, 3)), (GPTQ_V1, _gptq_plain, f"{Q}.scales", torch.neg),
+    (CT_MIXED, _ct_mixed, f"{CT_L0}.weight_scale", _negative_at(5, 1)),
+    (CT_MIXED, _ct_mixed, f"{CT_INT8}.weight_scale", _negative_at(7, 0))],
+    ids=["gptq-one-negative", "gptq-all-negative", "ct-packed-negative", "ct-int8-channel-negative"])
+def test_negative_scales_import_with_their_sign(traced, base, tmp_path, config, writer, name, change):
+    """Negative scales are a valid encoding (dequantization is scale * (q - zero) whatever the sign; AutoRound's
+    full-range symmetric groups carry about half their scales negative): they import, their signs kept."""
+    write_quantized(base, tmp_path / "ckpt", config, writer)
+    _set_scales(tmp_path / "ckpt", name, change)
+    graph = attach(traced, tmp_path / "ckpt")
+    node = next(n for n in graph.nodes if n.source == name.rsplit(".", 1)[0])
+    scales = graph.params[node.weights["scales" if "scales" in node.weights else "weight_scale"]]
+    assert (scales < 0).any()
 
 
 @pytest.mark.parametrize("config, writer, name, channels", [(GPTQ_V1, _gptq_plain, f"{Q}.scales", 1),  # [G, N]

@@ -1125,6 +1125,18 @@ def test_prefill_loop_and_order_variants_match_the_reference(monkeypatch, acc_do
     _assert_close(got, plain, tol)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.2])
+def test_prefill_with_a_scale_that_is_not_positive_matches_the_reference(scale):
+    """The folded loop assumes a positive scale (masked scores are -inf before it multiplies them): a scale <= 0 takes
+    the plain loop, whose output is the reference's (uniform attention at 0), not NaN."""
+    gen = torch.Generator().manual_seed(43)
+    args, kw, _ = _prefill_case([37, 1, 20], [21, 50, 0], 16, torch.bfloat16, torch.bfloat16, gen)
+    args = (*args[:6], scale)
+    got = pa.paged_prefill_attention(*args, **kw, config=(32, 16, 4, 2))
+    assert torch.isfinite(got.float()).all()
+    _assert_close(got, pa.ref_paged_prefill_attention(*args, **kw))
+
+
 def test_prompts_over_an_fp8_caches_own_codes_take_the_prompt_tiling(monkeypatch):
     """The prompts' tiling (``_FP8_PROMPT_CONFIG``) only where it was measured: a launch the caller says holds no
     one-token sequence, over an FP8 cache's own codes, 16-bit operands, head_dim up to 128; every other launch the

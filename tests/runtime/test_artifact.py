@@ -222,6 +222,10 @@ def _attention(g, i=1):
      r"attr num_heads is 1000000000; expected a whole number in 1\.\.16777216"),
     (lambda g: next(n for n in g["nodes"] if "eps" in n.get("attrs", {}))["attrs"].update(eps=float("inf")),
      r"attr eps is inf; expected a finite number > 0"),
+    # a softmax scale <= 0 (the prefill kernel folds it into the exponent: NaN; else inverted or flat attention)
+    (lambda g: _attention(g)["attrs"].update(scale=0.0),
+     r"attention.*attr scale is 0\.0; expected a finite number > 0"),
+    (lambda g: _attention(g)["attrs"].update(scale=-0.125), r"attr scale is -0\.125; expected a finite number > 0"),
     (lambda g: next(n for n in g["nodes"] if n["op"] == "lm_head").update(
         weights={"weight": next(n for n in g["nodes"] if n["op"] == "linear")["weights"]["weight"]}),
      r"lm_head, .*its weight is \[\d+, \d+\]; the graph gives \[\d+, \d+\]"),
@@ -257,16 +261,17 @@ def test_a_chat_template_that_does_not_compile_stops_the_engine_load(artifact_co
 
 
 @pytest.mark.parametrize("value, key", [(10**12, "eos_token_id"), (-1, "eos_token_id"), ("vocab", "eos_token_id"),
-                                        ([1, "vocab"], r"eos_token_id\[1\]")])
+                                        (["vocab", -1], r"eos_token_id\[0\]")])
 def test_eos_ids_outside_the_model_vocabulary_stop_the_engine_load(artifact_copy, value, key):
-    """An artifact whose (listed, re-hashed) generation_config.json names an EOS id past the model's vocab_size, or a
-    negative one, is refused at load, naming the file, the field and the range; it loaded, and never stopped."""
+    """An artifact whose (listed, re-hashed) generation_config.json names EOS ids past the model's vocab_size, or
+    negative ones, and no other, is refused at load, naming the file, the field and the range; it loaded, and never
+    stopped."""
     from runtime.tokenizer import TokenizerError
 
     vocab = json.loads((artifact_copy / MANIFEST).read_text())["model"]["vocab_size"]
     value = [vocab if v == "vocab" else v for v in value] if isinstance(value, list) else \
         vocab if value == "vocab" else value
-    bad = value[-1] if isinstance(value, list) else value
+    bad = value[0] if isinstance(value, list) else value
     _rewrite(artifact_copy, "tokenizer/generation_config.json", json.dumps({"eos_token_id": value}))
     with pytest.raises(TokenizerError, match=rf"tokenizer/generation_config\.json: {key} is {bad}; allowed: token ids "
                                              rf"0\.\.{vocab - 1} \(the model's vocab_size\)"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import torch
 
 from runtime.executor import GraphFormatError, check_graph
 
@@ -122,3 +123,18 @@ def test_weight_only_quant_attrs_that_disagree_with_their_tensors_are_refused(ch
     change(graph)
     with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
         check_graph(graph)
+
+
+@pytest.mark.parametrize("k_scale, v_scale, bad", [(0.0, 1.0, "k_scale"), (1.0, -2.0, "v_scale"),
+                                                   (float("nan"), 1.0, "k_scale"), (1.0, float("inf"), "v_scale")])
+def test_a_quantized_kv_caches_scales_must_be_finite_and_positive(k_scale, v_scale, bad):
+    """k_scale / v_scale of a quantized KV cache (the kernels fold k_scale into the softmax's scale): 0, negative or
+    not finite is refused when the attention is built, naming the layer and the tensor; positive ones pass."""
+    from runtime.executor import _check_kv_scales
+
+    attrs = {"layer": 3}
+    _check_kv_scales({"k_scale": torch.tensor([0.02]), "v_scale": torch.tensor(0.5)}, attrs)
+    _check_kv_scales({}, attrs)  # a 16-bit cache has none
+    w = {"k_scale": torch.tensor([k_scale]), "v_scale": torch.tensor([v_scale])}
+    with pytest.raises(GraphFormatError, match=rf"attention layer 3: its {bad} holds .*; expected finite values > 0"):
+        _check_kv_scales(w, attrs)

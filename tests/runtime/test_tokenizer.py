@@ -135,18 +135,23 @@ def test_generation_config_extends_eos_ids(tmp_path):
     assert Tokenizer.from_dir(path).eos_token_ids == [1, 4]
 
 
-def test_eos_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
-    """An eos_token_id past the vocabulary (or negative), alone or in a list, is refused when the tokenizer loads,
-    naming the file, the field (the list's index) and the allowed range: it was accepted, and generation never
-    stopped at it. With the model's vocab_size given, that is the range, and the tokenizer's eos_token is held to it."""
+def test_eos_ids_outside_the_vocabulary_are_refused_at_load(tmp_path, caplog):
+    """An eos_token_id past the vocabulary (or negative), alone or in a list of such ids only, is refused when the
+    tokenizer loads, naming the file, the field (the list's index) and the allowed range: it was accepted, and
+    generation never stopped at it. In a list beside ids the model can sample it is left out with a warning naming
+    it. With the model's vocab_size given, that is the range, and the tokenizer's eos_token is held to it."""
     path = write_tokenizer(tmp_path / "t")
     vocab = Tokenizer.from_dir(path).vocab_size
     for value, key, bad in ((10**12, "eos_token_id", 10**12), (-1, "eos_token_id", -1),
-                            ([1, 5, vocab], r"eos_token_id\[2\]", vocab), ([1, -3], r"eos_token_id\[1\]", -3)):
+                            ([vocab, -3], r"eos_token_id\[0\]", vocab)):
         (path / "generation_config.json").write_text(json.dumps({"eos_token_id": value}))
         with pytest.raises(TokenizerError, match=rf"generation_config\.json: {key} is {bad}; allowed: token ids "
                                                  rf"0\.\.{vocab - 1} \(the tokenizer's vocabulary\)"):
             Tokenizer.from_dir(path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5, vocab, -3]}))
+    with caplog.at_level("WARNING", logger="runtime.tokenizer"):
+        assert Tokenizer.from_dir(path).eos_token_ids == [1, 5]
+    assert f"eos_token_id [2] = {vocab}, [3] = -3 outside token ids 0..{vocab - 1}" in caplog.text
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, vocab - 1]}))
     assert Tokenizer.from_dir(path).eos_token_ids == [1, vocab - 1]  # the last id is a token
     assert Tokenizer.from_dir(path, vocab_size=vocab + 8).eos_token_ids == [1, vocab - 1]
@@ -161,6 +166,22 @@ def test_eos_ids_outside_the_vocabulary_are_refused_at_load(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: eos_token '<\|eos\|>' is token id 1; allowed: "
                                              r"token ids 0\.\.0 \(the model's vocab_size\)"):
         Tokenizer.from_dir(path, vocab_size=1)
+
+
+def test_eos_ids_are_held_to_one_past_the_largest_id_of_a_vocabulary_with_gaps(tmp_path):
+    """Without the model's vocab_size, the range is one past the tokenizer's largest id, not its count of tokens:
+    ids may skip numbers (a converted vocabulary), and its own eos_token at id 10 of 4 tokens is a token."""
+    backend = Backend(models.WordLevel({"a": 0, "b": 1, "<unk>": 2, "<|eos|>": 10}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "gaps"
+    path.mkdir()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|eos|>"}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [10]}))
+    assert Tokenizer.from_dir(path).eos_token_ids == [10]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 11}))
+    with pytest.raises(TokenizerError, match=r"eos_token_id is 11; allowed: token ids 0\.\.10"):
+        Tokenizer.from_dir(path)
 
 
 def test_missing_or_corrupt_files_are_named(tmp_path):
