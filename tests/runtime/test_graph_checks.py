@@ -122,3 +122,153 @@ def test_weight_only_quant_attrs_that_disagree_with_their_tensors_are_refused(ch
     change(graph)
     with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
         check_graph(graph)
+
+
+def _w8a8(scheme: str = "fp8", granularity: str | None = "channel", static: bool = False,
+          block: list[int] | None = None, out_features: int = HIDDEN, tp_size: int = 1) -> dict:
+    """_graph() with a W8A8 linear [HIDDEN -> out_features] between the embedding and the lm_head, its tensors in
+    kernels/torch_quant.py's layout: qweight [out, in] (int8 for w8a8_int8, e4m3 for fp8 / fp8_block), weight_scale
+    [out] (per channel), [1] (per tensor) or [ceil(out / bn), ceil(in / bk)] (fp8_block), input_scale [1] where
+    static."""
+    graph = _graph()
+    if tp_size > 1:  # per-rank shapes; the lm_head replicated
+        graph["meta"]["tensor_parallel"] = {"tp_size": tp_size, "vocab_parallel": False}
+    quant = {"scheme": scheme, "activations": "static" if static else "dynamic"}
+    if block is not None:
+        quant["block_size"] = block
+        scale = [-(-out_features // block[0]), -(-HIDDEN // block[1])]
+    else:
+        scale = [out_features] if granularity != "tensor" else [1]
+    if granularity is not None and scheme == "fp8":
+        quant["weight_granularity"] = granularity
+    graph["params"].update({"q.qweight": {"shape": [out_features, HIDDEN],
+                                          "dtype": "int8" if scheme == "w8a8_int8" else "float8_e4m3fn"},
+                            "q.weight_scale": {"shape": scale, "dtype": "float32"}})
+    weights = {"qweight": "q.qweight", "weight_scale": "q.weight_scale"}
+    if static:
+        graph["params"]["q.input_scale"] = {"shape": [1], "dtype": "float32"}
+        weights["input_scale"] = "q.input_scale"
+    graph["nodes"].insert(1, {"op": "linear", "inputs": ["h"], "outputs": ["hq"], "source": "model.q",
+                              "weights": weights, "attrs": {"in_features": HIDDEN, "out_features": out_features,
+                                                            "quant": quant}})
+    graph["nodes"][2]["inputs"] = ["hq"]
+    graph["nodes"][2]["weights"]["weight"] = "head"
+    graph["params"]["head"]["shape"] = [VOCAB, out_features]
+    return graph
+
+
+def test_the_crafted_w8a8_graphs_pass():
+    for static in (False, True):
+        check_graph(_w8a8("w8a8_int8", None, static))
+        check_graph(_w8a8("w8a8_int8", None, static, tp_size=2))
+        for granularity in ("tensor", "channel", None):
+            check_graph(_w8a8("fp8", granularity, static))
+            check_graph(_w8a8("fp8", granularity, static, tp_size=2))
+    for block in ([4, 4], [3, 8], [128, 128], [1, 1]):  # partial last blocks have scales of their own
+        check_graph(_w8a8("fp8_block", block=block))
+        check_graph(_w8a8("fp8_block", block=block, out_features=12))
+    check_graph(_w8a8("fp8_block", block=[4, 4], tp_size=2))
+
+
+def _drop(role: str):
+    def change(graph: dict) -> None:
+        graph["nodes"][1]["weights"].pop(role)
+    return change
+
+
+def _add_input_scale(graph: dict) -> None:
+    graph["params"]["q.input_scale"] = {"shape": [1], "dtype": "float32"}
+    graph["nodes"][1]["weights"]["input_scale"] = "q.input_scale"
+
+
+@pytest.mark.parametrize("make, change, says", [
+    # a per-channel weight scale that is not one per output row: a broadcast error at the first request, or (one
+    # scale) every row scaled by the first's
+    (lambda: _w8a8("w8a8_int8"), _set("q.weight_scale", [4]),
+     r"its weight_scale is \[4\]; quant scheme w8a8_int8 scales weights per output channel: over qweight "
+     r"\[8, 8\], \[8\]"),
+    (lambda: _w8a8("w8a8_int8"), _set("q.weight_scale", [1]), r"its weight_scale is \[1\]; quant scheme w8a8_int8 "
+                                                                r"scales weights per output channel"),
+    (lambda: _w8a8("fp8", "channel"), _set("q.weight_scale", [1]),
+     r"its weight_scale is \[1\]; quant scheme fp8 with quant weight_granularity channel scales weights per "
+     r"output channel: over qweight \[8, 8\], \[8\]"),
+    (lambda: _w8a8("fp8", "tensor"), _set("q.weight_scale", [8]),
+     r"its weight_scale is \[8\]; quant scheme fp8 with quant weight_granularity tensor scales weights per "
+     r"tensor: over qweight \[8, 8\], \[1\]"),
+    (lambda: _w8a8("fp8", None), _set("q.weight_scale", [3]),
+     r"its weight_scale is \[3\]; quant scheme fp8 scales weights per tensor or per output channel: over "
+     r"qweight \[8, 8\], \[1\] or \[8\]"),
+    (lambda: _w8a8("fp8"), _set("quant.weight_granularity", "block"),
+     r"quant weight_granularity is 'block'; allowed: tensor, channel"),
+    # codes of another type: int8 bytes read as e4m3 (or the reverse) compute garbage
+    (lambda: _w8a8("fp8"), lambda g: g["params"]["q.qweight"].update(dtype="int8"),
+     r"its qweight is int8; quant scheme fp8 stores float8_e4m3fn codes \(allowed: float8_e4m3fn\)"),
+    (lambda: _w8a8("w8a8_int8"), lambda g: g["params"]["q.qweight"].update(dtype="uint8"),
+     r"its qweight is uint8; quant scheme w8a8_int8 stores int8 codes"),
+    (lambda: _w8a8("fp8"), _set("q.qweight", [8, 8, 1]),
+     r"its qweight is \[8, 8, 1\] in the graph's params; quant scheme fp8 stores 2-D codes \[out_features, "
+     r"in_features\]"),
+    (lambda: _w8a8("fp8"), _set("attrs.in_features", 16),
+     r"its qweight is \[8, 8\]; attrs out_features x in_features are 8 x 16"),
+    (lambda: _w8a8("w8a8_int8"), _drop("weight_scale"), r"it has no weight_scale; quant scheme w8a8_int8 reads "
+                                                         r"qweight and weight_scale"),
+    # static activations without their scale ran per token; a scale beside dynamic ones was never read
+    (lambda: _w8a8("w8a8_int8", static=True), _drop("input_scale"),
+     r"quant activations is 'static' but it has no input_scale; static activations are quantized with one "
+     r"calibrated input_scale \[1\]"),
+    (lambda: _w8a8("fp8", static=False), _add_input_scale,
+     r"quant activations is 'dynamic' but it has an input_scale \[1\]; dynamic activations take none"),
+    (lambda: _w8a8("fp8", static=True), _set("q.input_scale", [8]),
+     r"its input_scale is \[8\]; static activations are quantized with one calibrated input_scale \[1\]"),
+    (lambda: _w8a8("fp8"), _set("quant.activations", "per_token"),
+     r"quant activations is 'per_token' \(allowed: static, dynamic\)"),
+    # block scales that do not tile the codes: a RuntimeError at the first request, or (too many) silently cut
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("q.weight_scale", [2, 4]),
+     r"its weight_scale is \[2, 4\]; quant block_size \[4, 4\] over qweight \[8, 8\] gives \[2, 2\]: one scale per "
+     r"\[4, 4\] block \(a partial last block has its own\)"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.block_size", [2, 4]),
+     r"its weight_scale is \[2, 2\]; quant block_size \[2, 4\] over qweight \[8, 8\] gives \[4, 2\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.block_size", [4, 0]),
+     r"quant block_size is \[4, 0\]; allowed: \[rows, columns\], whole numbers in 1\.\.65536"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.block_size", 128),
+     r"quant block_size is 128; allowed: \[rows, columns\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _add_input_scale,
+     r"quant activations is 'dynamic' but it has an input_scale \[1\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.activations", "static"),
+     r"quant activations is 'static'; quant scheme fp8_block quantizes its activations per token and block "
+     r"\(allowed: dynamic\)"),
+    # sharded: a rank's shapes are its own, but the scales still answer to its codes
+    (lambda: _w8a8("fp8", "channel", tp_size=2), _set("q.weight_scale", [4]), r"its weight_scale is \[4\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4], tp_size=2), _set("q.weight_scale", [1, 2]),
+     r"its weight_scale is \[1, 2\]; quant block_size \[4, 4\] over qweight \[8, 8\] gives \[2, 2\]"),
+])
+def test_w8a8_quant_attrs_that_disagree_with_their_tensors_are_refused(make, change, says):
+    """W8A8 INT8 (SmoothQuant), FP8 and block-FP8 linears: each message names the node, the attr and the shapes."""
+    graph = make()
+    change(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        check_graph(graph)
+
+
+def test_a_quantized_lm_heads_scales_are_checked_as_a_linears():
+    graph = _w8a8("fp8", "channel")
+    head = graph["nodes"][2]
+    head["attrs"] = {"in_features": HIDDEN, "out_features": VOCAB, "quant": {"scheme": "fp8", "activations": "dynamic",
+                                                                              "weight_granularity": "channel"}}
+    graph["params"].update({"h.qweight": {"shape": [VOCAB, HIDDEN], "dtype": "float8_e4m3fn"},
+                            "h.weight_scale": {"shape": [VOCAB], "dtype": "float32"}})
+    head["weights"] = {"qweight": "h.qweight", "weight_scale": "h.weight_scale"}
+    check_graph(graph)
+    graph["params"]["h.weight_scale"]["shape"] = [HIDDEN]
+    with pytest.raises(GraphFormatError, match=r"^node 2 \(lm_head, from lm_head\): its weight_scale is \[8\]; quant "
+                                               r"scheme fp8 with quant weight_granularity channel scales weights per "
+                                               r"output channel: over qweight \[16, 8\], \[16\]"):
+        check_graph(graph)
+
+
+def test_an_unknown_quant_scheme_on_a_linear_is_refused():
+    graph = _w8a8("fp8")
+    graph["nodes"][1]["attrs"]["quant"]["scheme"] = "nvfp4"
+    with pytest.raises(GraphFormatError, match=r"^node 1 \(linear, from model\.q\): quant scheme is 'nvfp4'; allowed: "
+                                               r"w4a16, w8a16, w8a8_int8, fp8, fp8_block"):
+        check_graph(graph)
