@@ -391,6 +391,7 @@ def check_graph(graph: dict[str, Any]) -> None:
     _check_attrs(graph)
     _check_weight_only_quant(graph)
     _check_w8a8_quant(graph)
+    _check_moe_experts(graph)
     _check_logits_output(graph)
 
 
@@ -617,6 +618,116 @@ def _check_w8a8_quant(graph: dict[str, Any]) -> None:
             raise GraphFormatError(f"{where}: its weight_scale is {scale}; quant scheme {scheme}{declared} scales "
                                    f"weights {per}: over qweight {shape}, "
                                    f"{' or '.join(str(w) for w in wants if w)}")
+
+
+
+# a moe node's quant scheme -> the weight roles it adds (passes/ir.py's MOE_QUANT_SCHEMES); None: float experts
+MOE_SCHEMES: dict[str | None, tuple[str, ...]] = {
+    None: (), "fp8": ("w_gate_up_scale", "w_down_scale"), "fp8_block": ("w_gate_up_scale", "w_down_scale"),
+    "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
+MOE_CODES = {"fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn", "w4a16": "uint8"}  # the experts' codes' dtype
+
+
+def _check_moe_experts(graph: dict[str, Any]) -> None:
+    """Each moe node's stacked experts against its router, its attrs and each other (passes/ir.py's moe op): the
+    router gate_weight [E, hidden] with E the attr num_experts, w_gate_up [E, 2 * I, hidden] and w_down [E, hidden,
+    I] (I the attr intermediate_size where the graph is not sharded: a rank's share is its own), and by quant scheme:
+    fp8, e4m3 codes with w_gate_up_scale [E, 2 * I] and w_down_scale [E, hidden] (per channel, inputs per token);
+    fp8_block, e4m3 codes with one scale per expert and block_size [bn, bk] block, [E, ceil(out / bn), ceil(in /
+    bk)]; w4a16, uint8 codes two a byte along the input ([E, 2 * I, hidden / 2], [E, hidden, I / 2]) with scales and
+    zeros [E, out, in / group_size]; no scale roles of another scheme. Before, the moe op met these at the first
+    request (a matmul's RuntimeError), or computed garbage (scales of another scheme never applied)."""
+    sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
+    every = sorted({r for roles in MOE_SCHEMES.values() for r in roles}, key=lambda r: (r.startswith("w_down"), r))
+    for i, node in enumerate(graph["nodes"]):
+        if node["op"] != "moe":
+            continue
+        attrs, where, weights = node.get("attrs", {}), _node_name(i, node), node.get("weights", {})
+        quant = attrs.get("quant")
+        scheme = quant.get("scheme") if isinstance(quant, dict) else None
+        if quant is not None and (scheme is None or scheme not in MOE_SCHEMES):
+            raise GraphFormatError(f"{where}: quant scheme is {scheme!r}; allowed for a moe's experts: "
+                                   f"{', '.join(s for s in MOE_SCHEMES if s)}")
+        quant, roles = quant or {}, MOE_SCHEMES[scheme]
+        extra = next((r for r in every if r in weights and r not in roles), None)
+        if extra is not None:
+            which = f"quant scheme {scheme} experts do" if scheme else "unquantized experts do"
+            raise GraphFormatError(f"{where}: it carries {extra}, which {which} not read (allowed: "
+                                   f"{', '.join(roles) or 'none'})")
+        shapes = {}
+        for role in ("gate_weight", "w_gate_up", "w_down") + roles:
+            param = _param(graph, node, role)
+            if param is None:
+                raise GraphFormatError(f"{where}: it has no {role}; quant scheme {scheme} experts read "
+                                       f"{', '.join(roles)}" if role in roles else f"{where}: it has no {role}")
+            dims = 2 if role == "gate_weight" or (scheme == "fp8" and role in roles) else 3  # fp8: [E, out]
+            if param[0] is None or len(param[0]) != dims:
+                raise GraphFormatError(f"{where}: its {role} is {param[0]!r} in the graph's params; a moe's {role} "
+                                       f"is {dims}-D")
+            if role in ("w_gate_up", "w_down") and scheme in MOE_CODES and param[1] not in (None, MOE_CODES[scheme]):
+                raise GraphFormatError(f"{where}: its {role} is {param[1]}; quant scheme {scheme} experts store "
+                                       f"{MOE_CODES[scheme]} codes (allowed: {MOE_CODES[scheme]})")
+            shapes[role] = param[0]
+        (experts, hidden), packed = shapes["gate_weight"], 2 if scheme == "w4a16" else 1
+        if attrs.get("num_experts", experts) != experts:
+            raise GraphFormatError(f"{where}: its gate_weight {shapes['gate_weight']} routes to {experts} experts; "
+                                   f"attr num_experts is {attrs.get('num_experts')}")
+        inter = shapes["w_down"][2] * packed
+        router = f"with gate_weight {shapes['gate_weight']} ({experts} experts, hidden {hidden})"
+        down = [experts, hidden, shapes["w_down"][2]]
+        if shapes["w_down"] != down:
+            raise GraphFormatError(f"{where}: its w_down is {shapes['w_down']}; {router}, the experts' down "
+                                   f"projections are {down}")
+        gate_up = [experts, 2 * inter, hidden // packed]
+        if shapes["w_gate_up"] != gate_up or hidden % packed:
+            raise GraphFormatError(f"{where}: its w_gate_up is {shapes['w_gate_up']}; {router} and w_down "
+                                   f"{shapes['w_down']} (intermediate {inter}), the experts' gate and up rows are "
+                                   f"{gate_up}")
+        if not sharded and attrs.get("intermediate_size", inter) != inter:
+            raise GraphFormatError(f"{where}: its w_down {shapes['w_down']} holds {inter} intermediate features an "
+                                   f"expert; attr intermediate_size is {attrs.get('intermediate_size')}")
+        # each projection: (codes role, output rows, input features)
+        projections = (("w_gate_up", 2 * inter, hidden), ("w_down", hidden, inter))
+        if scheme == "fp8":
+            for key, allowed, why in (("weight_granularity", "channel", "scale each output row"),
+                                      ("activations", "dynamic", "quantize their inputs per token")):
+                if quant.get(key, allowed) != allowed:
+                    raise GraphFormatError(f"{where}: quant {key} is {quant[key]!r}; fp8 experts {why} (allowed: "
+                                           f"{allowed})")
+            for role, rows, _ in projections:
+                if shapes[f"{role}_scale"] != [experts, rows]:
+                    raise GraphFormatError(f"{where}: its {role}_scale is {shapes[role + '_scale']}; quant scheme fp8 "
+                                           f"over {role} {shapes[role]} gives {[experts, rows]}: one scale per expert "
+                                           f"and output row")
+        elif scheme == "fp8_block":
+            block = quant.get("block_size")
+            if not (isinstance(block, list) and len(block) == 2
+                    and all(_is_whole(b) and 1 <= b <= MAX_SCALE_BLOCK for b in block)):
+                raise GraphFormatError(f"{where}: quant block_size is {block!r}; allowed: [rows, columns], whole "
+                                       f"numbers in 1..{MAX_SCALE_BLOCK}")
+            for role, rows, cols in projections:
+                want = [experts, -(-rows // block[0]), -(-cols // block[1])]
+                if shapes[f"{role}_scale"] != want:
+                    raise GraphFormatError(f"{where}: its {role}_scale is {shapes[role + '_scale']}; quant block_size "
+                                           f"{block} over {role} {shapes[role]} gives {want}: one scale per expert and "
+                                           f"{block} block (a partial last block has its own)")
+        elif scheme == "w4a16":
+            bits, group = quant.get("bits", 4), quant.get("group_size")
+            if bits != 4 or not _is_whole(bits):
+                raise GraphFormatError(f"{where}: quant bits is {bits!r}; w4a16 experts store 4-bit codes (allowed: 4)")
+            if not _is_whole(group) or not (group == -1 or 1 <= group <= _MAX_DIM):
+                raise GraphFormatError(f"{where}: quant group_size is {group!r}; allowed: -1 (one group a row) or a "
+                                       f"whole number in 1..{_MAX_DIM} dividing the experts' input features")
+            for role, rows, cols in projections:
+                if group != -1 and cols % group:
+                    raise GraphFormatError(f"{where}: quant group_size {group} does not divide the experts' {cols} "
+                                           f"input features of {role} {shapes[role]} (4-bit codes)")
+                want = [experts, rows, 1 if group == -1 else cols // group]
+                bad = next((r for r in (f"{role}_scales", f"{role}_zeros") if shapes[r] != want), None)
+                if bad is not None:
+                    raise GraphFormatError(f"{where}: its {bad} is {shapes[bad]}; quant group_size {group} over {role} "
+                                           f"{shapes[role]} ({cols} input features) gives {want}: one per expert, "
+                                           f"output row and group")
 
 
 # attrs the engines read as whole numbers, and the least each may be (group_size: -1 is one group a row)

@@ -272,3 +272,149 @@ def test_an_unknown_quant_scheme_on_a_linear_is_refused():
     with pytest.raises(GraphFormatError, match=r"^node 1 \(linear, from model\.q\): quant scheme is 'nvfp4'; allowed: "
                                                r"w4a16, w8a16, w8a8_int8, fp8, fp8_block"):
         check_graph(graph)
+
+
+EXPERTS, INTER = 4, 4
+
+
+def _moe(scheme: str | None = None, group_size: int = 4, block: list[int] | None = None, tp_size: int = 1) -> dict:
+    """_graph() with a moe node [HIDDEN -> HIDDEN] of EXPERTS experts between the embedding and the lm_head, its
+    tensors as the passes stack them (passes/ir.py, passes/fp8.py, passes/moe_int4.py): the router [E, hidden],
+    w_gate_up [E, 2 * I, hidden] and w_down [E, hidden, I] (w4a16: 4-bit codes two a byte, scales and zeros [E, out,
+    in / group_size]; fp8: e4m3 codes, scales [E, out]; fp8_block: scales [E, ceil(out / bn), ceil(in / bk)])."""
+    graph = _graph()
+    if tp_size > 1:
+        graph["meta"]["tensor_parallel"] = {"tp_size": tp_size, "vocab_parallel": False}
+    inter = INTER // tp_size
+    codes = {None: "float32", "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn", "w4a16": "uint8"}[scheme]
+    packed = 2 if scheme == "w4a16" else 1
+    params = {"router": [EXPERTS, HIDDEN], "gate_up": [EXPERTS, 2 * inter, HIDDEN // packed],
+              "down": [EXPERTS, HIDDEN, inter // packed]}
+    weights = {"gate_weight": "router", "w_gate_up": "gate_up", "w_down": "down"}
+    attrs = {"num_experts": EXPERTS, "top_k": 2, "scoring": "softmax", "norm_topk_prob": True, "activation": "silu",
+             "intermediate_size": inter}
+    if scheme == "fp8":
+        params.update({"gate_up.scale": [EXPERTS, 2 * inter], "down.scale": [EXPERTS, HIDDEN]})
+        weights.update(w_gate_up_scale="gate_up.scale", w_down_scale="down.scale")
+        attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}
+    if scheme == "fp8_block":
+        bn, bk = block
+        params.update({"gate_up.scale": [EXPERTS, -(-2 * inter // bn), -(-HIDDEN // bk)],
+                       "down.scale": [EXPERTS, -(-HIDDEN // bn), -(-inter // bk)]})
+        weights.update(w_gate_up_scale="gate_up.scale", w_down_scale="down.scale")
+        attrs["quant"] = {"scheme": "fp8_block", "block_size": block}
+    if scheme == "w4a16":
+        groups = {"gate_up": 1 if group_size == -1 else HIDDEN // group_size,
+                  "down": 1 if group_size == -1 else inter // group_size}
+        for role, rows in (("gate_up", 2 * inter), ("down", HIDDEN)):
+            params.update({f"{role}.scales": [EXPERTS, rows, groups[role]], f"{role}.zeros": [EXPERTS, rows,
+                                                                                             groups[role]]})
+            weights.update({f"w_{role}_scales": f"{role}.scales", f"w_{role}_zeros": f"{role}.zeros"})
+        attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": group_size, "symmetric": False}
+    for name, shape in params.items():
+        graph["params"][name] = {"shape": shape, "dtype": codes if name in ("gate_up", "down") else "float32"}
+    graph["nodes"].insert(1, {"op": "moe", "inputs": ["h"], "outputs": ["hm"], "source": "model.layers.0.mlp",
+                              "weights": weights, "attrs": attrs})
+    graph["nodes"][2]["inputs"] = ["hm"]
+    return graph
+
+
+def test_the_crafted_moe_graphs_pass():
+    for tp_size in (1, 2):
+        check_graph(_moe(None, tp_size=tp_size))
+        check_graph(_moe("fp8", tp_size=tp_size))
+        check_graph(_moe("w4a16", -1, tp_size=tp_size))
+        check_graph(_moe("w4a16", 2, tp_size=tp_size))
+        check_graph(_moe("fp8_block", block=[2, 2], tp_size=tp_size))
+    check_graph(_moe("w4a16", 4))
+    for block in ([4, 4], [3, 8], [128, 128]):  # partial last blocks have scales of their own
+        check_graph(_moe("fp8_block", block=block))
+
+
+def _moe_set(path: str, value):
+    """Set a quant attr (``quant.group_size``), a node attr (``attrs.intermediate_size``), a param's shape
+    (``down.scale``) or its dtype (``down:dtype``)."""
+    def change(graph: dict) -> None:
+        node = graph["nodes"][1]
+        kind, key = path.split(".", 1) if "." in path else (path, "")
+        if kind == "quant":
+            node["attrs"]["quant"][key] = value
+        elif kind == "attrs":
+            node["attrs"][key] = value
+        elif path.endswith(":dtype"):
+            graph["params"][path.removesuffix(":dtype")]["dtype"] = value
+        else:
+            graph["params"][path]["shape"] = value
+    return change
+
+
+@pytest.mark.parametrize("make, change, says", [
+    # the stacked experts against each other and the router: a matmul's RuntimeError at the first request
+    (lambda: _moe(None), _moe_set("gate_up", [4, 6, 8]),
+     r"its w_gate_up is \[4, 6, 8\]; with gate_weight \[4, 8\] \(4 experts, hidden 8\) and w_down \[4, 8, 4\] "
+     r"\(intermediate 4\), the experts' gate and up rows are \[4, 8, 8\]"),
+    (lambda: _moe(None), _moe_set("down", [4, 6, 4]),
+     r"its w_down is \[4, 6, 4\]; with gate_weight \[4, 8\] \(4 experts, hidden 8\), the experts' down "
+     r"projections are \[4, 8, 4\]"),
+    (lambda: _moe(None), _moe_set("down", [3, 8, 4]), r"its w_down is \[3, 8, 4\]; .* are \[4, 8, 4\]"),
+    (lambda: _moe(None), _moe_set("attrs.num_experts", 8),
+     r"its gate_weight \[4, 8\] routes to 4 experts; attr num_experts is 8"),
+    (lambda: _moe(None), _moe_set("attrs.intermediate_size", 6),
+     r"its w_down \[4, 8, 4\] holds 4 intermediate features an expert; attr intermediate_size is 6"),
+    (lambda: _moe(None), _moe_set("down", [4, 8]), r"its w_down is \[4, 8\] in the graph's params; a moe's w_down "
+                                                   r"is 3-D"),
+    # scales where no scheme reads them, or of another scheme: never applied (garbage) or a KeyError
+    (lambda: _moe(None), lambda g: g["nodes"][1]["weights"].update(w_down_scale="router"),
+     r"it carries w_down_scale, which unquantized experts do not read \(allowed: none\)"),
+    (lambda: _moe("w4a16"), lambda g: g["nodes"][1]["weights"].update(w_down_scale="router"),
+     r"it carries w_down_scale, which quant scheme w4a16 experts do not read \(allowed: w_gate_up_scales, "
+     r"w_gate_up_zeros, w_down_scales, w_down_zeros\)"),
+    (lambda: _moe("fp8"), lambda g: g["nodes"][1]["weights"].pop("w_down_scale"),
+     r"it has no w_down_scale; quant scheme fp8 experts read w_gate_up_scale, w_down_scale"),
+    (lambda: _moe("fp8"), _moe_set("quant.scheme", "w8a8_int8"),
+     r"quant scheme is 'w8a8_int8'; allowed for a moe's experts: fp8, fp8_block, w4a16"),
+    # FP8 experts: e4m3 codes, one scale per expert and output row, inputs per token
+    (lambda: _moe("fp8"), _moe_set("down:dtype", "bfloat16"),
+     r"its w_down is bfloat16; quant scheme fp8 experts store float8_e4m3fn codes \(allowed: float8_e4m3fn\)"),
+    (lambda: _moe("fp8"), _moe_set("down.scale", [4, 1]),
+     r"its w_down_scale is \[4, 1\]; quant scheme fp8 over w_down \[4, 8, 4\] gives \[4, 8\]: one scale per expert "
+     r"and output row"),
+    (lambda: _moe("fp8"), _moe_set("gate_up.scale", [4, 4]), r"its w_gate_up_scale is \[4, 4\]; .* gives \[4, 8\]"),
+    (lambda: _moe("fp8"), _moe_set("quant.weight_granularity", "tensor"),
+     r"quant weight_granularity is 'tensor'; fp8 experts scale each output row \(allowed: channel\)"),
+    (lambda: _moe("fp8"), _moe_set("quant.activations", "static"),
+     r"quant activations is 'static'; fp8 experts quantize their inputs per token \(allowed: dynamic\)"),
+    # block-FP8 experts: one scale per block of each expert's codes
+    (lambda: _moe("fp8_block", block=[2, 2]), _moe_set("down.scale", [4, 4, 4]),
+     r"its w_down_scale is \[4, 4, 4\]; quant block_size \[2, 2\] over w_down \[4, 8, 4\] gives \[4, 4, 2\]: one "
+     r"scale per expert and \[2, 2\] block"),
+    (lambda: _moe("fp8_block", block=[2, 2]), _moe_set("quant.block_size", [4, 2]),
+     r"its w_gate_up_scale is \[4, 4, 4\]; quant block_size \[4, 2\] over w_gate_up \[4, 8, 8\] gives \[4, 2, 4\]"),
+    (lambda: _moe("fp8_block", block=[2, 2]), _moe_set("quant.block_size", [2]),
+     r"quant block_size is \[2\]; allowed: \[rows, columns\], whole numbers in 1\.\.65536"),
+    # W4A16 experts: packed codes, group scales and zero points
+    (lambda: _moe("w4a16"), _moe_set("down:dtype", "int8"),
+     r"its w_down is int8; quant scheme w4a16 experts store uint8 codes"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 2),
+     r"its w_gate_up_scales is \[4, 8, 2\]; quant group_size 2 over w_gate_up \[4, 8, 4\] \(8 input features\) "
+     r"gives \[4, 8, 4\]: one per expert, output row and group"),
+    (lambda: _moe("w4a16", 4), _moe_set("down.zeros", [4, 8, 2]),
+     r"its w_down_zeros is \[4, 8, 2\]; quant group_size 4 over w_down \[4, 8, 2\] \(4 input features\) gives "
+     r"\[4, 8, 1\]"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 3),
+     r"quant group_size 3 does not divide the experts' 8 input features of w_gate_up"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 0),
+     r"quant group_size is 0; allowed: -1 \(one group a row\) or a whole number in 1\.\.16777216"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.bits", 8), r"quant bits is 8; w4a16 experts store 4-bit codes "
+                                                          r"\(allowed: 4\)"),
+    # sharded: a rank's share of the intermediate features; the scales still answer to its codes
+    (lambda: _moe("fp8", tp_size=2), _moe_set("gate_up.scale", [4, 8]), r"its w_gate_up_scale is \[4, 8\]; .* "
+                                                                        r"gives \[4, 4\]"),
+])
+def test_moe_quant_attrs_that_disagree_with_their_tensors_are_refused(make, change, says):
+    """Stacked experts (float, FP8, block-FP8, W4A16): each message names the node, the attr and the shapes. Before,
+    each of these loaded; the moe op met them at the first request (a RuntimeError) or computed garbage."""
+    graph = make()
+    change(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(moe, from model\.layers\.0\.mlp\): {says}"):
+        check_graph(graph)
