@@ -390,6 +390,8 @@ def check_graph(graph: dict[str, Any]) -> None:
         raise GraphFormatError(f"the graph's output {missing!r} is written by no node")
     _check_attrs(graph)
     _check_weight_only_quant(graph)
+    _check_w8a8_quant(graph)
+    _check_moe_experts(graph)
     _check_logits_output(graph)
 
 
@@ -515,6 +517,217 @@ def _check_weight_only_quant(graph: dict[str, Any]) -> None:
                                    f"{shapes['zeros']}); quant bits {bits} and group_size {group} over qweight "
                                    f"{shapes['qweight']} ({in_features} input features) give [{out_features}, "
                                    f"{groups}]: one per output row and group")
+
+
+
+LINEAR_SCHEMES = ("w4a16", "w8a16", "w8a8_int8", "fp8", "fp8_block")  # a quantized linear's (passes/ir.py's)
+W8A8_CODES = {"w8a8_int8": "int8", "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn"}  # qweight's dtype
+MAX_SCALE_BLOCK = 65536  # rows or columns of one fp8_block weight scale, at most (passes/ir.py's)
+
+
+def _param(graph: dict[str, Any], node: dict, role: str) -> tuple[list[int] | None, str | None] | None:
+    """(shape, dtype) of the param a node reads as ``role`` (None for either that is not well formed), or None where
+    the node has no such role."""
+    name = node.get("weights", {}).get(role)
+    if name is None:
+        return None
+    info = graph.get("params", {}).get(name)
+    info = info if isinstance(info, dict) else {}
+    shape, dtype = info.get("shape"), info.get("dtype")
+    ok = isinstance(shape, list) and all(_is_whole(d) and d >= 0 for d in shape)
+    return (shape if ok else None), (dtype if isinstance(dtype, str) else None)
+
+
+def _check_w8a8_quant(graph: dict[str, Any]) -> None:
+    """Each W8A8 linear / lm_head (w8a8_int8: SmoothQuant's or an imported INT8; fp8; fp8_block) against its stored
+    tensors, in kernels/torch_quant.py's layout: qweight 2-D codes of the scheme's dtype (int8, e4m3) [out, in] (of
+    the linear's out_features x in_features where the graph is not sharded: a rank's shapes are its own);
+    weight_scale [out] per output channel (w8a8_int8; fp8 with weight_granularity channel), [1] per tensor (fp8 with
+    weight_granularity tensor), or one per block of the quant's block_size [bn, bk], [ceil(out / bn), ceil(in / bk)]
+    (fp8_block); an input_scale of one element where activations are static, none where dynamic (fp8_block: dynamic
+    only). Before, a scale of another shape loaded and failed the first request (a broadcast's RuntimeError), or
+    computed garbage (a per-channel linear with one scale, block scales past the codes cut off, a static linear
+    without its scale quantizing per token). Also refuses a linear's quant scheme this runtime does not run."""
+    sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
+    for i, node in enumerate(graph["nodes"]):
+        attrs = node.get("attrs", {})
+        if node["op"] not in ("linear", "lm_head") or "quant" not in attrs:
+            continue
+        where, quant = _node_name(i, node), attrs["quant"]
+        scheme = quant.get("scheme") if isinstance(quant, dict) else None
+        if not isinstance(quant, dict) or scheme not in LINEAR_SCHEMES:
+            raise GraphFormatError(f"{where}: quant scheme is {scheme!r}; allowed: {', '.join(LINEAR_SCHEMES)}")
+        if scheme not in W8A8_CODES:
+            continue
+        for role in ("qweight", "weight_scale"):
+            if _param(graph, node, role) is None:
+                raise GraphFormatError(f"{where}: it has no {role}; quant scheme {scheme} reads qweight and "
+                                       f"weight_scale")
+        (shape, dtype), want = _param(graph, node, "qweight"), W8A8_CODES[scheme]
+        if shape is None or len(shape) != 2:
+            raise GraphFormatError(f"{where}: its qweight is {shape!r} in the graph's params; quant scheme {scheme} "
+                                   f"stores 2-D codes [out_features, in_features]")
+        if dtype is not None and dtype != want:
+            raise GraphFormatError(f"{where}: its qweight is {dtype}; quant scheme {scheme} stores {want} codes "
+                                   f"(allowed: {want})")
+        out_features, in_features = shape
+        if not sharded and (attrs.get("out_features", out_features), attrs.get("in_features", in_features)) != (
+                out_features, in_features):
+            raise GraphFormatError(f"{where}: its qweight is {shape}; attrs out_features x in_features are "
+                                   f"{attrs.get('out_features')} x {attrs.get('in_features')}")
+        activations = quant.get("activations")
+        allowed = ("dynamic",) if scheme == "fp8_block" else ("static", "dynamic")
+        if activations is not None and activations not in allowed:
+            per_block = f"; quant scheme {scheme} quantizes its activations per token and block" \
+                if scheme == "fp8_block" and activations == "static" else ""
+            raise GraphFormatError(f"{where}: quant activations is {activations!r}{per_block} (allowed: "
+                                   f"{', '.join(allowed)})")
+        input_scale = _param(graph, node, "input_scale")
+        if activations == "static" and input_scale is None:
+            raise GraphFormatError(f"{where}: quant activations is 'static' but it has no input_scale; static "
+                                   f"activations are quantized with one calibrated input_scale [1]")
+        if input_scale is not None and (activations == "dynamic" or scheme == "fp8_block"):
+            raise GraphFormatError(f"{where}: quant activations is {activations or 'dynamic'!r} but it has an "
+                                   f"input_scale {input_scale[0]}; dynamic activations take none")
+        if input_scale is not None and input_scale[0] not in ([1], []):
+            raise GraphFormatError(f"{where}: its input_scale is {input_scale[0]}; static activations are quantized "
+                                   f"with one calibrated input_scale [1]")
+        scale = _param(graph, node, "weight_scale")[0]
+        if scheme == "fp8_block":
+            block = quant.get("block_size")
+            if not (isinstance(block, list) and len(block) == 2
+                    and all(_is_whole(b) and 1 <= b <= MAX_SCALE_BLOCK for b in block)):
+                raise GraphFormatError(f"{where}: quant block_size is {block!r}; allowed: [rows, columns], whole "
+                                       f"numbers in 1..{MAX_SCALE_BLOCK}")
+            blocks = [-(-out_features // block[0]), -(-in_features // block[1])]
+            if scale != blocks:
+                raise GraphFormatError(f"{where}: its weight_scale is {scale}; quant block_size {block} over qweight "
+                                       f"{shape} gives {blocks}: one scale per {block} block (a partial last block "
+                                       f"has its own)")
+            continue
+        granularity = quant.get("weight_granularity")
+        if granularity is not None and granularity not in ("tensor", "channel"):
+            raise GraphFormatError(f"{where}: quant weight_granularity is {granularity!r}; allowed: tensor, channel")
+        if scheme == "w8a8_int8" and granularity is None:
+            granularity = "channel"  # SmoothQuant's and the imports' (kernels/torch_quant.py)
+        wants = {"tensor": [[1], []], "channel": [[out_features]], None: [[1], [], [out_features]]}[granularity]
+        if scale not in wants:
+            per = {"tensor": "per tensor", "channel": "per output channel",
+                   None: "per tensor or per output channel"}[granularity]
+            declared = f" with quant weight_granularity {granularity}" if "weight_granularity" in quant else ""
+            raise GraphFormatError(f"{where}: its weight_scale is {scale}; quant scheme {scheme}{declared} scales "
+                                   f"weights {per}: over qweight {shape}, "
+                                   f"{' or '.join(str(w) for w in wants if w)}")
+
+
+
+# a moe node's quant scheme -> the weight roles it adds (passes/ir.py's MOE_QUANT_SCHEMES); None: float experts
+MOE_SCHEMES: dict[str | None, tuple[str, ...]] = {
+    None: (), "fp8": ("w_gate_up_scale", "w_down_scale"), "fp8_block": ("w_gate_up_scale", "w_down_scale"),
+    "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
+MOE_CODES = {"fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn", "w4a16": "uint8"}  # the experts' codes' dtype
+
+
+def _check_moe_experts(graph: dict[str, Any]) -> None:
+    """Each moe node's stacked experts against its router, its attrs and each other (passes/ir.py's moe op): the
+    router gate_weight [E, hidden] with E the attr num_experts, w_gate_up [E, 2 * I, hidden] and w_down [E, hidden,
+    I] (I the attr intermediate_size where the graph is not sharded: a rank's share is its own), and by quant scheme:
+    fp8, e4m3 codes with w_gate_up_scale [E, 2 * I] and w_down_scale [E, hidden] (per channel, inputs per token);
+    fp8_block, e4m3 codes with one scale per expert and block_size [bn, bk] block, [E, ceil(out / bn), ceil(in /
+    bk)]; w4a16, uint8 codes two a byte along the input ([E, 2 * I, hidden / 2], [E, hidden, I / 2]) with scales and
+    zeros [E, out, in / group_size]; no scale roles of another scheme. Before, the moe op met these at the first
+    request (a matmul's RuntimeError), or computed garbage (scales of another scheme never applied)."""
+    sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
+    every = sorted({r for roles in MOE_SCHEMES.values() for r in roles}, key=lambda r: (r.startswith("w_down"), r))
+    for i, node in enumerate(graph["nodes"]):
+        if node["op"] != "moe":
+            continue
+        attrs, where, weights = node.get("attrs", {}), _node_name(i, node), node.get("weights", {})
+        quant = attrs.get("quant")
+        scheme = quant.get("scheme") if isinstance(quant, dict) else None
+        if quant is not None and (scheme is None or scheme not in MOE_SCHEMES):
+            raise GraphFormatError(f"{where}: quant scheme is {scheme!r}; allowed for a moe's experts: "
+                                   f"{', '.join(s for s in MOE_SCHEMES if s)}")
+        quant, roles = quant or {}, MOE_SCHEMES[scheme]
+        extra = next((r for r in every if r in weights and r not in roles), None)
+        if extra is not None:
+            which = f"quant scheme {scheme} experts do" if scheme else "unquantized experts do"
+            raise GraphFormatError(f"{where}: it carries {extra}, which {which} not read (allowed: "
+                                   f"{', '.join(roles) or 'none'})")
+        shapes = {}
+        for role in ("gate_weight", "w_gate_up", "w_down") + roles:
+            param = _param(graph, node, role)
+            if param is None:
+                raise GraphFormatError(f"{where}: it has no {role}; quant scheme {scheme} experts read "
+                                       f"{', '.join(roles)}" if role in roles else f"{where}: it has no {role}")
+            dims = 2 if role == "gate_weight" or (scheme == "fp8" and role in roles) else 3  # fp8: [E, out]
+            if param[0] is None or len(param[0]) != dims:
+                raise GraphFormatError(f"{where}: its {role} is {param[0]!r} in the graph's params; a moe's {role} "
+                                       f"is {dims}-D")
+            if role in ("w_gate_up", "w_down") and scheme in MOE_CODES and param[1] not in (None, MOE_CODES[scheme]):
+                raise GraphFormatError(f"{where}: its {role} is {param[1]}; quant scheme {scheme} experts store "
+                                       f"{MOE_CODES[scheme]} codes (allowed: {MOE_CODES[scheme]})")
+            shapes[role] = param[0]
+        (experts, hidden), packed = shapes["gate_weight"], 2 if scheme == "w4a16" else 1
+        if attrs.get("num_experts", experts) != experts:
+            raise GraphFormatError(f"{where}: its gate_weight {shapes['gate_weight']} routes to {experts} experts; "
+                                   f"attr num_experts is {attrs.get('num_experts')}")
+        inter = shapes["w_down"][2] * packed
+        router = f"with gate_weight {shapes['gate_weight']} ({experts} experts, hidden {hidden})"
+        down = [experts, hidden, shapes["w_down"][2]]
+        if shapes["w_down"] != down:
+            raise GraphFormatError(f"{where}: its w_down is {shapes['w_down']}; {router}, the experts' down "
+                                   f"projections are {down}")
+        gate_up = [experts, 2 * inter, hidden // packed]
+        if shapes["w_gate_up"] != gate_up or hidden % packed:
+            raise GraphFormatError(f"{where}: its w_gate_up is {shapes['w_gate_up']}; {router} and w_down "
+                                   f"{shapes['w_down']} (intermediate {inter}), the experts' gate and up rows are "
+                                   f"{gate_up}")
+        if not sharded and attrs.get("intermediate_size", inter) != inter:
+            raise GraphFormatError(f"{where}: its w_down {shapes['w_down']} holds {inter} intermediate features an "
+                                   f"expert; attr intermediate_size is {attrs.get('intermediate_size')}")
+        # each projection: (codes role, output rows, input features)
+        projections = (("w_gate_up", 2 * inter, hidden), ("w_down", hidden, inter))
+        if scheme == "fp8":
+            for key, allowed, why in (("weight_granularity", "channel", "scale each output row"),
+                                      ("activations", "dynamic", "quantize their inputs per token")):
+                if quant.get(key, allowed) != allowed:
+                    raise GraphFormatError(f"{where}: quant {key} is {quant[key]!r}; fp8 experts {why} (allowed: "
+                                           f"{allowed})")
+            for role, rows, _ in projections:
+                if shapes[f"{role}_scale"] != [experts, rows]:
+                    raise GraphFormatError(f"{where}: its {role}_scale is {shapes[role + '_scale']}; quant scheme fp8 "
+                                           f"over {role} {shapes[role]} gives {[experts, rows]}: one scale per expert "
+                                           f"and output row")
+        elif scheme == "fp8_block":
+            block = quant.get("block_size")
+            if not (isinstance(block, list) and len(block) == 2
+                    and all(_is_whole(b) and 1 <= b <= MAX_SCALE_BLOCK for b in block)):
+                raise GraphFormatError(f"{where}: quant block_size is {block!r}; allowed: [rows, columns], whole "
+                                       f"numbers in 1..{MAX_SCALE_BLOCK}")
+            for role, rows, cols in projections:
+                want = [experts, -(-rows // block[0]), -(-cols // block[1])]
+                if shapes[f"{role}_scale"] != want:
+                    raise GraphFormatError(f"{where}: its {role}_scale is {shapes[role + '_scale']}; quant block_size "
+                                           f"{block} over {role} {shapes[role]} gives {want}: one scale per expert and "
+                                           f"{block} block (a partial last block has its own)")
+        elif scheme == "w4a16":
+            bits, group = quant.get("bits", 4), quant.get("group_size")
+            if bits != 4 or not _is_whole(bits):
+                raise GraphFormatError(f"{where}: quant bits is {bits!r}; w4a16 experts store 4-bit codes (allowed: 4)")
+            if not _is_whole(group) or not (group == -1 or 1 <= group <= _MAX_DIM):
+                raise GraphFormatError(f"{where}: quant group_size is {group!r}; allowed: -1 (one group a row) or a "
+                                       f"whole number in 1..{_MAX_DIM} dividing the experts' input features")
+            for role, rows, cols in projections:
+                if group != -1 and cols % group:
+                    raise GraphFormatError(f"{where}: quant group_size {group} does not divide the experts' {cols} "
+                                           f"input features of {role} {shapes[role]} (4-bit codes)")
+                want = [experts, rows, 1 if group == -1 else cols // group]
+                bad = next((r for r in (f"{role}_scales", f"{role}_zeros") if shapes[r] != want), None)
+                if bad is not None:
+                    raise GraphFormatError(f"{where}: its {bad} is {shapes[bad]}; quant group_size {group} over {role} "
+                                           f"{shapes[role]} ({cols} input features) gives {want}: one per expert, "
+                                           f"output row and group")
 
 
 # attrs the engines read as whole numbers, and the least each may be (group_size: -1 is one group a row)

@@ -322,3 +322,53 @@ def test_prompts_the_model_cannot_read_are_request_errors(artifacts):
             engine.generate(ids, SamplingParams(max_tokens=2))
     with pytest.raises(TokenizerError, match="lone surrogate at character 3"):
         engine.generate("caf\udce9", SamplingParams(max_tokens=2))  # a byte that was not UTF-8, as argv keeps it
+
+
+@pytest.fixture(scope="module")
+def fp8_artifact(checkpoints, tmp_path_factory):
+    """The tiny Llama with FP8 linears: one e4m3 scale per tensor, static activations (an input_scale [1] each)."""
+    from builder.pipeline import build
+    from builder.recipe import validate_recipe
+
+    out = tmp_path_factory.mktemp("fp8") / "a"
+    return build(validate_recipe({
+        "name": "a", "model": {"checkpoint": str(checkpoints["llama"]), "dtype": "float32"}, "output_dir": str(out),
+        "runtime": {"max_seq_len": 128, "max_num_tokens": 32},
+        "quantization": {"algo": "fp8", "activations": "static", "weight_granularity": "tensor"},
+        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"},
+        "gates": {"enabled": False}})).output_dir
+
+
+def _fp8_tamper(graph: dict, quant: dict | None = None, drop: str | None = None) -> None:
+    node = next(n for n in graph["nodes"] if n["op"] == "linear")  # layer 0's merged q, k, v: [128, 64]
+    node["attrs"]["quant"].update(quant or {})
+    if drop:
+        node["weights"].pop(drop)
+
+
+@pytest.mark.parametrize("change, says", [
+    # one scale for the merged q, k, v, read as one per output row: a broadcast of [1] (every row the same scale)
+    ({"quant": {"weight_granularity": "channel"}},
+     r"its weight_scale is \[1\]; quant scheme fp8 with quant weight_granularity channel scales weights per "
+     r"output channel: over qweight \[128, 64\], \[128\]"),
+    ({"quant": {"activations": "dynamic"}},
+     r"quant activations is 'dynamic' but it has an input_scale \[1\]; dynamic activations take none"),
+    ({"drop": "input_scale"}, r"quant activations is 'static' but it has no input_scale"),
+    ({"quant": {"scheme": "fp8_block", "block_size": [64, 64]}},
+     r"quant activations is 'static'; quant scheme fp8_block quantizes its activations per token and block "
+     r"\(allowed: dynamic\)"),
+    ({"quant": {"scheme": "fp8_block", "block_size": [64, 64], "activations": "dynamic"}, "drop": "input_scale"},
+     r"its weight_scale is \[1\]; quant block_size \[64, 64\] over qweight \[128, 64\] gives \[2, 1\]"),
+])
+def test_w8a8_quant_attrs_that_disagree_with_the_stored_tensors_are_named(fp8_artifact, tmp_path, change, says):
+    """A (re-hashed) graph.json whose FP8 linear's weight granularity, activations or scheme disagree with its stored
+    scales: a load-time error naming the node, the attr and the shapes. Before, three loaded and ran other than their
+    attrs say (one scale declared per channel, an input_scale beside dynamic activations, a static linear without
+    its input_scale quantized per token), and block scales of the wrong shape met the engine's catch-all."""
+    path = shutil.copytree(fp8_artifact, tmp_path / "a")
+    graph = json.loads((path / "graph.json").read_text())
+    _fp8_tamper(graph, **change)
+    _rewrite(path, "graph.json", json.dumps(graph), graph)
+    with pytest.raises(ArtifactError, match=rf"cannot run the artifact's graph: node \d+ \(linear, from "
+                                            rf"model\.layers\.0\.self_attn\): {says}"):
+        Engine.load(path)

@@ -125,6 +125,302 @@ def test_weight_only_quant_attrs_that_disagree_with_their_tensors_are_refused(ch
         check_graph(graph)
 
 
+def _w8a8(scheme: str = "fp8", granularity: str | None = "channel", static: bool = False,
+          block: list[int] | None = None, out_features: int = HIDDEN, tp_size: int = 1) -> dict:
+    """_graph() with a W8A8 linear [HIDDEN -> out_features] between the embedding and the lm_head, its tensors in
+    kernels/torch_quant.py's layout: qweight [out, in] (int8 for w8a8_int8, e4m3 for fp8 / fp8_block), weight_scale
+    [out] (per channel), [1] (per tensor) or [ceil(out / bn), ceil(in / bk)] (fp8_block), input_scale [1] where
+    static."""
+    graph = _graph()
+    if tp_size > 1:  # per-rank shapes; the lm_head replicated
+        graph["meta"]["tensor_parallel"] = {"tp_size": tp_size, "vocab_parallel": False}
+    quant = {"scheme": scheme, "activations": "static" if static else "dynamic"}
+    if block is not None:
+        quant["block_size"] = block
+        scale = [-(-out_features // block[0]), -(-HIDDEN // block[1])]
+    else:
+        scale = [out_features] if granularity != "tensor" else [1]
+    if granularity is not None and scheme == "fp8":
+        quant["weight_granularity"] = granularity
+    graph["params"].update({"q.qweight": {"shape": [out_features, HIDDEN],
+                                          "dtype": "int8" if scheme == "w8a8_int8" else "float8_e4m3fn"},
+                            "q.weight_scale": {"shape": scale, "dtype": "float32"}})
+    weights = {"qweight": "q.qweight", "weight_scale": "q.weight_scale"}
+    if static:
+        graph["params"]["q.input_scale"] = {"shape": [1], "dtype": "float32"}
+        weights["input_scale"] = "q.input_scale"
+    graph["nodes"].insert(1, {"op": "linear", "inputs": ["h"], "outputs": ["hq"], "source": "model.q",
+                              "weights": weights, "attrs": {"in_features": HIDDEN, "out_features": out_features,
+                                                            "quant": quant}})
+    graph["nodes"][2]["inputs"] = ["hq"]
+    graph["nodes"][2]["weights"]["weight"] = "head"
+    graph["params"]["head"]["shape"] = [VOCAB, out_features]
+    return graph
+
+
+def test_the_crafted_w8a8_graphs_pass():
+    for static in (False, True):
+        check_graph(_w8a8("w8a8_int8", None, static))
+        check_graph(_w8a8("w8a8_int8", None, static, tp_size=2))
+        for granularity in ("tensor", "channel", None):
+            check_graph(_w8a8("fp8", granularity, static))
+            check_graph(_w8a8("fp8", granularity, static, tp_size=2))
+    for block in ([4, 4], [3, 8], [128, 128], [1, 1]):  # partial last blocks have scales of their own
+        check_graph(_w8a8("fp8_block", block=block))
+        check_graph(_w8a8("fp8_block", block=block, out_features=12))
+    check_graph(_w8a8("fp8_block", block=[4, 4], tp_size=2))
+
+
+def _drop(role: str):
+    def change(graph: dict) -> None:
+        graph["nodes"][1]["weights"].pop(role)
+    return change
+
+
+def _add_input_scale(graph: dict) -> None:
+    graph["params"]["q.input_scale"] = {"shape": [1], "dtype": "float32"}
+    graph["nodes"][1]["weights"]["input_scale"] = "q.input_scale"
+
+
+@pytest.mark.parametrize("make, change, says", [
+    # a per-channel weight scale that is not one per output row: a broadcast error at the first request, or (one
+    # scale) every row scaled by the first's
+    (lambda: _w8a8("w8a8_int8"), _set("q.weight_scale", [4]),
+     r"its weight_scale is \[4\]; quant scheme w8a8_int8 scales weights per output channel: over qweight "
+     r"\[8, 8\], \[8\]"),
+    (lambda: _w8a8("w8a8_int8"), _set("q.weight_scale", [1]), r"its weight_scale is \[1\]; quant scheme w8a8_int8 "
+                                                                r"scales weights per output channel"),
+    (lambda: _w8a8("fp8", "channel"), _set("q.weight_scale", [1]),
+     r"its weight_scale is \[1\]; quant scheme fp8 with quant weight_granularity channel scales weights per "
+     r"output channel: over qweight \[8, 8\], \[8\]"),
+    (lambda: _w8a8("fp8", "tensor"), _set("q.weight_scale", [8]),
+     r"its weight_scale is \[8\]; quant scheme fp8 with quant weight_granularity tensor scales weights per "
+     r"tensor: over qweight \[8, 8\], \[1\]"),
+    (lambda: _w8a8("fp8", None), _set("q.weight_scale", [3]),
+     r"its weight_scale is \[3\]; quant scheme fp8 scales weights per tensor or per output channel: over "
+     r"qweight \[8, 8\], \[1\] or \[8\]"),
+    (lambda: _w8a8("fp8"), _set("quant.weight_granularity", "block"),
+     r"quant weight_granularity is 'block'; allowed: tensor, channel"),
+    # codes of another type: int8 bytes read as e4m3 (or the reverse) compute garbage
+    (lambda: _w8a8("fp8"), lambda g: g["params"]["q.qweight"].update(dtype="int8"),
+     r"its qweight is int8; quant scheme fp8 stores float8_e4m3fn codes \(allowed: float8_e4m3fn\)"),
+    (lambda: _w8a8("w8a8_int8"), lambda g: g["params"]["q.qweight"].update(dtype="uint8"),
+     r"its qweight is uint8; quant scheme w8a8_int8 stores int8 codes"),
+    (lambda: _w8a8("fp8"), _set("q.qweight", [8, 8, 1]),
+     r"its qweight is \[8, 8, 1\] in the graph's params; quant scheme fp8 stores 2-D codes \[out_features, "
+     r"in_features\]"),
+    (lambda: _w8a8("fp8"), _set("attrs.in_features", 16),
+     r"its qweight is \[8, 8\]; attrs out_features x in_features are 8 x 16"),
+    (lambda: _w8a8("w8a8_int8"), _drop("weight_scale"), r"it has no weight_scale; quant scheme w8a8_int8 reads "
+                                                         r"qweight and weight_scale"),
+    # static activations without their scale ran per token; a scale beside dynamic ones was never read
+    (lambda: _w8a8("w8a8_int8", static=True), _drop("input_scale"),
+     r"quant activations is 'static' but it has no input_scale; static activations are quantized with one "
+     r"calibrated input_scale \[1\]"),
+    (lambda: _w8a8("fp8", static=False), _add_input_scale,
+     r"quant activations is 'dynamic' but it has an input_scale \[1\]; dynamic activations take none"),
+    (lambda: _w8a8("fp8", static=True), _set("q.input_scale", [8]),
+     r"its input_scale is \[8\]; static activations are quantized with one calibrated input_scale \[1\]"),
+    (lambda: _w8a8("fp8"), _set("quant.activations", "per_token"),
+     r"quant activations is 'per_token' \(allowed: static, dynamic\)"),
+    # block scales that do not tile the codes: a RuntimeError at the first request, or (too many) silently cut
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("q.weight_scale", [2, 4]),
+     r"its weight_scale is \[2, 4\]; quant block_size \[4, 4\] over qweight \[8, 8\] gives \[2, 2\]: one scale per "
+     r"\[4, 4\] block \(a partial last block has its own\)"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.block_size", [2, 4]),
+     r"its weight_scale is \[2, 2\]; quant block_size \[2, 4\] over qweight \[8, 8\] gives \[4, 2\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.block_size", [4, 0]),
+     r"quant block_size is \[4, 0\]; allowed: \[rows, columns\], whole numbers in 1\.\.65536"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.block_size", 128),
+     r"quant block_size is 128; allowed: \[rows, columns\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _add_input_scale,
+     r"quant activations is 'dynamic' but it has an input_scale \[1\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4]), _set("quant.activations", "static"),
+     r"quant activations is 'static'; quant scheme fp8_block quantizes its activations per token and block "
+     r"\(allowed: dynamic\)"),
+    # sharded: a rank's shapes are its own, but the scales still answer to its codes
+    (lambda: _w8a8("fp8", "channel", tp_size=2), _set("q.weight_scale", [4]), r"its weight_scale is \[4\]"),
+    (lambda: _w8a8("fp8_block", block=[4, 4], tp_size=2), _set("q.weight_scale", [1, 2]),
+     r"its weight_scale is \[1, 2\]; quant block_size \[4, 4\] over qweight \[8, 8\] gives \[2, 2\]"),
+])
+def test_w8a8_quant_attrs_that_disagree_with_their_tensors_are_refused(make, change, says):
+    """W8A8 INT8 (SmoothQuant), FP8 and block-FP8 linears: each message names the node, the attr and the shapes."""
+    graph = make()
+    change(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        check_graph(graph)
+
+
+def test_a_quantized_lm_heads_scales_are_checked_as_a_linears():
+    graph = _w8a8("fp8", "channel")
+    head = graph["nodes"][2]
+    head["attrs"] = {"in_features": HIDDEN, "out_features": VOCAB, "quant": {"scheme": "fp8", "activations": "dynamic",
+                                                                              "weight_granularity": "channel"}}
+    graph["params"].update({"h.qweight": {"shape": [VOCAB, HIDDEN], "dtype": "float8_e4m3fn"},
+                            "h.weight_scale": {"shape": [VOCAB], "dtype": "float32"}})
+    head["weights"] = {"qweight": "h.qweight", "weight_scale": "h.weight_scale"}
+    check_graph(graph)
+    graph["params"]["h.weight_scale"]["shape"] = [HIDDEN]
+    with pytest.raises(GraphFormatError, match=r"^node 2 \(lm_head, from lm_head\): its weight_scale is \[8\]; quant "
+                                               r"scheme fp8 with quant weight_granularity channel scales weights per "
+                                               r"output channel: over qweight \[16, 8\], \[16\]"):
+        check_graph(graph)
+
+
+def test_an_unknown_quant_scheme_on_a_linear_is_refused():
+    graph = _w8a8("fp8")
+    graph["nodes"][1]["attrs"]["quant"]["scheme"] = "nvfp4"
+    with pytest.raises(GraphFormatError, match=r"^node 1 \(linear, from model\.q\): quant scheme is 'nvfp4'; allowed: "
+                                               r"w4a16, w8a16, w8a8_int8, fp8, fp8_block"):
+        check_graph(graph)
+
+
+EXPERTS, INTER = 4, 4
+
+
+def _moe(scheme: str | None = None, group_size: int = 4, block: list[int] | None = None, tp_size: int = 1) -> dict:
+    """_graph() with a moe node [HIDDEN -> HIDDEN] of EXPERTS experts between the embedding and the lm_head, its
+    tensors as the passes stack them (passes/ir.py, passes/fp8.py, passes/moe_int4.py): the router [E, hidden],
+    w_gate_up [E, 2 * I, hidden] and w_down [E, hidden, I] (w4a16: 4-bit codes two a byte, scales and zeros [E, out,
+    in / group_size]; fp8: e4m3 codes, scales [E, out]; fp8_block: scales [E, ceil(out / bn), ceil(in / bk)])."""
+    graph = _graph()
+    if tp_size > 1:
+        graph["meta"]["tensor_parallel"] = {"tp_size": tp_size, "vocab_parallel": False}
+    inter = INTER // tp_size
+    codes = {None: "float32", "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn", "w4a16": "uint8"}[scheme]
+    packed = 2 if scheme == "w4a16" else 1
+    params = {"router": [EXPERTS, HIDDEN], "gate_up": [EXPERTS, 2 * inter, HIDDEN // packed],
+              "down": [EXPERTS, HIDDEN, inter // packed]}
+    weights = {"gate_weight": "router", "w_gate_up": "gate_up", "w_down": "down"}
+    attrs = {"num_experts": EXPERTS, "top_k": 2, "scoring": "softmax", "norm_topk_prob": True, "activation": "silu",
+             "intermediate_size": inter}
+    if scheme == "fp8":
+        params.update({"gate_up.scale": [EXPERTS, 2 * inter], "down.scale": [EXPERTS, HIDDEN]})
+        weights.update(w_gate_up_scale="gate_up.scale", w_down_scale="down.scale")
+        attrs["quant"] = {"scheme": "fp8", "activations": "dynamic", "weight_granularity": "channel"}
+    if scheme == "fp8_block":
+        bn, bk = block
+        params.update({"gate_up.scale": [EXPERTS, -(-2 * inter // bn), -(-HIDDEN // bk)],
+                       "down.scale": [EXPERTS, -(-HIDDEN // bn), -(-inter // bk)]})
+        weights.update(w_gate_up_scale="gate_up.scale", w_down_scale="down.scale")
+        attrs["quant"] = {"scheme": "fp8_block", "block_size": block}
+    if scheme == "w4a16":
+        groups = {"gate_up": 1 if group_size == -1 else HIDDEN // group_size,
+                  "down": 1 if group_size == -1 else inter // group_size}
+        for role, rows in (("gate_up", 2 * inter), ("down", HIDDEN)):
+            params.update({f"{role}.scales": [EXPERTS, rows, groups[role]], f"{role}.zeros": [EXPERTS, rows,
+                                                                                             groups[role]]})
+            weights.update({f"w_{role}_scales": f"{role}.scales", f"w_{role}_zeros": f"{role}.zeros"})
+        attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": group_size, "symmetric": False}
+    for name, shape in params.items():
+        graph["params"][name] = {"shape": shape, "dtype": codes if name in ("gate_up", "down") else "float32"}
+    graph["nodes"].insert(1, {"op": "moe", "inputs": ["h"], "outputs": ["hm"], "source": "model.layers.0.mlp",
+                              "weights": weights, "attrs": attrs})
+    graph["nodes"][2]["inputs"] = ["hm"]
+    return graph
+
+
+def test_the_crafted_moe_graphs_pass():
+    for tp_size in (1, 2):
+        check_graph(_moe(None, tp_size=tp_size))
+        check_graph(_moe("fp8", tp_size=tp_size))
+        check_graph(_moe("w4a16", -1, tp_size=tp_size))
+        check_graph(_moe("w4a16", 2, tp_size=tp_size))
+        check_graph(_moe("fp8_block", block=[2, 2], tp_size=tp_size))
+    check_graph(_moe("w4a16", 4))
+    for block in ([4, 4], [3, 8], [128, 128]):  # partial last blocks have scales of their own
+        check_graph(_moe("fp8_block", block=block))
+
+
+def _moe_set(path: str, value):
+    """Set a quant attr (``quant.group_size``), a node attr (``attrs.intermediate_size``), a param's shape
+    (``down.scale``) or its dtype (``down:dtype``)."""
+    def change(graph: dict) -> None:
+        node = graph["nodes"][1]
+        kind, key = path.split(".", 1) if "." in path else (path, "")
+        if kind == "quant":
+            node["attrs"]["quant"][key] = value
+        elif kind == "attrs":
+            node["attrs"][key] = value
+        elif path.endswith(":dtype"):
+            graph["params"][path.removesuffix(":dtype")]["dtype"] = value
+        else:
+            graph["params"][path]["shape"] = value
+    return change
+
+
+@pytest.mark.parametrize("make, change, says", [
+    # the stacked experts against each other and the router: a matmul's RuntimeError at the first request
+    (lambda: _moe(None), _moe_set("gate_up", [4, 6, 8]),
+     r"its w_gate_up is \[4, 6, 8\]; with gate_weight \[4, 8\] \(4 experts, hidden 8\) and w_down \[4, 8, 4\] "
+     r"\(intermediate 4\), the experts' gate and up rows are \[4, 8, 8\]"),
+    (lambda: _moe(None), _moe_set("down", [4, 6, 4]),
+     r"its w_down is \[4, 6, 4\]; with gate_weight \[4, 8\] \(4 experts, hidden 8\), the experts' down "
+     r"projections are \[4, 8, 4\]"),
+    (lambda: _moe(None), _moe_set("down", [3, 8, 4]), r"its w_down is \[3, 8, 4\]; .* are \[4, 8, 4\]"),
+    (lambda: _moe(None), _moe_set("attrs.num_experts", 8),
+     r"its gate_weight \[4, 8\] routes to 4 experts; attr num_experts is 8"),
+    (lambda: _moe(None), _moe_set("attrs.intermediate_size", 6),
+     r"its w_down \[4, 8, 4\] holds 4 intermediate features an expert; attr intermediate_size is 6"),
+    (lambda: _moe(None), _moe_set("down", [4, 8]), r"its w_down is \[4, 8\] in the graph's params; a moe's w_down "
+                                                   r"is 3-D"),
+    # scales where no scheme reads them, or of another scheme: never applied (garbage) or a KeyError
+    (lambda: _moe(None), lambda g: g["nodes"][1]["weights"].update(w_down_scale="router"),
+     r"it carries w_down_scale, which unquantized experts do not read \(allowed: none\)"),
+    (lambda: _moe("w4a16"), lambda g: g["nodes"][1]["weights"].update(w_down_scale="router"),
+     r"it carries w_down_scale, which quant scheme w4a16 experts do not read \(allowed: w_gate_up_scales, "
+     r"w_gate_up_zeros, w_down_scales, w_down_zeros\)"),
+    (lambda: _moe("fp8"), lambda g: g["nodes"][1]["weights"].pop("w_down_scale"),
+     r"it has no w_down_scale; quant scheme fp8 experts read w_gate_up_scale, w_down_scale"),
+    (lambda: _moe("fp8"), _moe_set("quant.scheme", "w8a8_int8"),
+     r"quant scheme is 'w8a8_int8'; allowed for a moe's experts: fp8, fp8_block, w4a16"),
+    # FP8 experts: e4m3 codes, one scale per expert and output row, inputs per token
+    (lambda: _moe("fp8"), _moe_set("down:dtype", "bfloat16"),
+     r"its w_down is bfloat16; quant scheme fp8 experts store float8_e4m3fn codes \(allowed: float8_e4m3fn\)"),
+    (lambda: _moe("fp8"), _moe_set("down.scale", [4, 1]),
+     r"its w_down_scale is \[4, 1\]; quant scheme fp8 over w_down \[4, 8, 4\] gives \[4, 8\]: one scale per expert "
+     r"and output row"),
+    (lambda: _moe("fp8"), _moe_set("gate_up.scale", [4, 4]), r"its w_gate_up_scale is \[4, 4\]; .* gives \[4, 8\]"),
+    (lambda: _moe("fp8"), _moe_set("quant.weight_granularity", "tensor"),
+     r"quant weight_granularity is 'tensor'; fp8 experts scale each output row \(allowed: channel\)"),
+    (lambda: _moe("fp8"), _moe_set("quant.activations", "static"),
+     r"quant activations is 'static'; fp8 experts quantize their inputs per token \(allowed: dynamic\)"),
+    # block-FP8 experts: one scale per block of each expert's codes
+    (lambda: _moe("fp8_block", block=[2, 2]), _moe_set("down.scale", [4, 4, 4]),
+     r"its w_down_scale is \[4, 4, 4\]; quant block_size \[2, 2\] over w_down \[4, 8, 4\] gives \[4, 4, 2\]: one "
+     r"scale per expert and \[2, 2\] block"),
+    (lambda: _moe("fp8_block", block=[2, 2]), _moe_set("quant.block_size", [4, 2]),
+     r"its w_gate_up_scale is \[4, 4, 4\]; quant block_size \[4, 2\] over w_gate_up \[4, 8, 8\] gives \[4, 2, 4\]"),
+    (lambda: _moe("fp8_block", block=[2, 2]), _moe_set("quant.block_size", [2]),
+     r"quant block_size is \[2\]; allowed: \[rows, columns\], whole numbers in 1\.\.65536"),
+    # W4A16 experts: packed codes, group scales and zero points
+    (lambda: _moe("w4a16"), _moe_set("down:dtype", "int8"),
+     r"its w_down is int8; quant scheme w4a16 experts store uint8 codes"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 2),
+     r"its w_gate_up_scales is \[4, 8, 2\]; quant group_size 2 over w_gate_up \[4, 8, 4\] \(8 input features\) "
+     r"gives \[4, 8, 4\]: one per expert, output row and group"),
+    (lambda: _moe("w4a16", 4), _moe_set("down.zeros", [4, 8, 2]),
+     r"its w_down_zeros is \[4, 8, 2\]; quant group_size 4 over w_down \[4, 8, 2\] \(4 input features\) gives "
+     r"\[4, 8, 1\]"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 3),
+     r"quant group_size 3 does not divide the experts' 8 input features of w_gate_up"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 0),
+     r"quant group_size is 0; allowed: -1 \(one group a row\) or a whole number in 1\.\.16777216"),
+    (lambda: _moe("w4a16", 4), _moe_set("quant.bits", 8), r"quant bits is 8; w4a16 experts store 4-bit codes "
+                                                          r"\(allowed: 4\)"),
+    # sharded: a rank's share of the intermediate features; the scales still answer to its codes
+    (lambda: _moe("fp8", tp_size=2), _moe_set("gate_up.scale", [4, 8]), r"its w_gate_up_scale is \[4, 8\]; .* "
+                                                                        r"gives \[4, 4\]"),
+])
+def test_moe_quant_attrs_that_disagree_with_their_tensors_are_refused(make, change, says):
+    """Stacked experts (float, FP8, block-FP8, W4A16): each message names the node, the attr and the shapes. Before,
+    each of these loaded; the moe op met them at the first request (a RuntimeError) or computed garbage."""
+    graph = make()
+    change(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(moe, from model\.layers\.0\.mlp\): {says}"):
+        check_graph(graph)
+
+
 @pytest.mark.parametrize("k_scale, v_scale, bad", [(0.0, 1.0, "k_scale"), (1.0, -2.0, "v_scale"),
                                                    (float("nan"), 1.0, "k_scale"), (1.0, float("inf"), "v_scale")])
 def test_a_quantized_kv_caches_scales_must_be_finite_and_positive(k_scale, v_scale, bad):
