@@ -519,7 +519,6 @@ def _check_weight_only_quant(graph: dict[str, Any]) -> None:
                                    f"{groups}]: one per output row and group")
 
 
-
 LINEAR_SCHEMES = ("w4a16", "w8a16", "w8a8_int8", "fp8", "fp8_block")  # a quantized linear's (passes/ir.py's)
 W8A8_CODES = {"w8a8_int8": "int8", "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn"}  # qweight's dtype
 MAX_SCALE_BLOCK = 65536  # rows or columns of one fp8_block weight scale, at most (passes/ir.py's)
@@ -618,7 +617,6 @@ def _check_w8a8_quant(graph: dict[str, Any]) -> None:
             raise GraphFormatError(f"{where}: its weight_scale is {scale}; quant scheme {scheme}{declared} scales "
                                    f"weights {per}: over qweight {shape}, "
                                    f"{' or '.join(str(w) for w in wants if w)}")
-
 
 
 # a moe node's quant scheme -> the weight roles it adds (passes/ir.py's MOE_QUANT_SCHEMES); None: float experts
