@@ -183,7 +183,7 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
         "runtime": {"max_seq_len": 128, "max_num_tokens": 32, "kv_cache_dtype": "fp8"},
         "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
     path = build(recipe).output_dir
-    calls, own, real_mixed, real_prefill = [], [], paged_attention.paged_mixed_attention, \
+    calls, own, only, real_mixed, real_prefill = [], [], [], paged_attention.paged_mixed_attention, \
         paged_attention.paged_prefill_attention
 
     def spy(*args, **kwargs):
@@ -192,6 +192,7 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
 
     def spy_prefill(*args, contiguous_kv=None, **kwargs):
         own.append(contiguous_kv is not None)
+        only.append(kwargs.get("prompts_only", False))
         return real_prefill(*args, contiguous_kv=contiguous_kv, **kwargs)
 
     monkeypatch.setattr(paged_attention, "paged_mixed_attention", spy)
@@ -212,9 +213,13 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
         assert graphs.split_mixed is (mode is None) and ((32, 4, True) in graphs.keys()) is (mode is None)
         calls.clear()
         own.clear()
+        only.clear()
         outs[mode, own_codes] = fused.run(prompts, params)
         assert bool(calls) is (mode is None), calls  # the default split the mixed steps; "0" none
         assert own and all(o is (own_codes is None) for o in own), own  # every prefill step over its own codes, or none
+        # the prompts' tiling where no one-token sequence reaches the prefill kernel: with the split, every launch
+        # (the split steps' and the prompt-only ones'); without it, none (the mixed steps' decodes are in them)
+        assert all(o is (mode is None) for o in only), only
     for prompt, *runs in zip(prompts, *outs.values()):
         plain = runs[1]
         assert plain.token_ids == ref.generate(prompt, params).token_ids
