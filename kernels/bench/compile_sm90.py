@@ -161,7 +161,7 @@ def _rope_write_kv() -> list[tuple[str, object]]:
 
 
 def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
-    from kernels.paged_attention import _paged_prefill_kernel
+    from kernels.paged_attention import PREFILL_ACC_DOT, PREFILL_LPT, _paged_prefill_kernel
 
     types = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "k_own_ptr": "*bf16",
              "v_own_ptr": "*bf16", "block_tables_ptr": "*i32",
@@ -171,7 +171,8 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
                                                        "stride_ct", "stride_ch", "stride_bt", "stride_kt",
                                                        "stride_kh", "stride_vt", "stride_vh")}}
     base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
-                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False, SKIP_SINGLE=False)
+                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False, SKIP_SINGLE=False,
+                ACC_DOT=PREFILL_ACC_DOT, LPT=PREFILL_LPT)  # the loop and order the runtime launches
     variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8),
                 ("bf16 cache, 64-token blocks", {"BLOCK_SIZE": 64}, {}),
                 ("fp8 cache, 64-token blocks", {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64}, fp8),

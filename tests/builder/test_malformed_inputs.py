@@ -302,9 +302,9 @@ CASES = [
          checkpoint=_write("model.safetensors.index.json", json.dumps({"metadata": {}}))),
     Case("generation-config-out-of-range", "temperature: -5 is not in",
          checkpoint=_write("generation_config.json", json.dumps({"temperature": -5}))),
-    Case("eos-id-past-vocab", "generation_config.json: eos_token_id[1] is 1000000000000; allowed: token ids 0..319 "
+    Case("eos-id-past-vocab", "generation_config.json: eos_token_id[0] is 1000000000000; allowed: token ids 0..319 "
          "(the model's vocab_size)",
-         checkpoint=_write("generation_config.json", json.dumps({"eos_token_id": [1, 10**12]}))),
+         checkpoint=_write("generation_config.json", json.dumps({"eos_token_id": [10**12, -1]}))),
     Case("chat-template-syntax-error", "chat_template.jinja: the chat template does not compile (Jinja error at line "
          "2: Encountered unknown tag 'endfro'", checkpoint=_write("chat_template.jinja", "{% for m in messages %}\n"
                                                                                          "{% endfro %}")),
