@@ -418,8 +418,8 @@ def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: O
         return load_for_bench(str(artifact), device, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                               max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs,
                               speculative=speculative, tokens_per_block=tokens_per_block)
-    except (ArtifactError, MemoryPlanError, ValueError) as e:
-        _fail(f"cannot load {artifact}: {e}")
+    except (ArtifactError, MemoryPlanError, ValueError, RuntimeError, MemoryError) as e:  # RuntimeError, MemoryError:
+        _fail(f"cannot load {artifact}: {e or type(e).__name__}")  # out of memory (e.g. --concurrency 1000000000)
 
 
 def _block_size_args(tokens_per_block: Optional[int]) -> tuple[list[str], str]:
@@ -443,16 +443,21 @@ def _batch_size(value: str) -> int:
     return size
 
 
-def _check_record(record: Path | None) -> None:
-    """--record's file must be writable before minutes of measuring are spent."""
+def _check_record(record: Path | str | None, artifact: Path | None = None, option: str = "--record") -> None:
+    """--record's (or --json's) file must be writable before minutes of measuring are spent, and outside the
+    artifact being measured (appending to its manifest.json would corrupt it)."""
     if record is None:
         return
+    record = Path(record)
+    if artifact is not None and record.resolve().is_relative_to(Path(artifact).resolve()):
+        _fail(f"{option} {record} is inside the artifact {artifact} being measured; an artifact's files are fixed "
+              f"by its manifest: write the figures elsewhere")
     if record.exists():  # appended to: the file itself must be writable
         ok = not record.is_dir() and os.access(record, os.W_OK)
     else:  # created: in a directory that exists and takes new files
         ok = record.parent.is_dir() and os.access(record.parent, os.W_OK)
     if not ok:
-        _fail(f"--record {record}: not a file that can be appended to (an existing writable file, or a new one in a "
+        _fail(f"{option} {record}: not a file that can be appended to (an existing writable file, or a new one in a "
               f"writable directory)")
 
 
@@ -461,7 +466,8 @@ def bench_latency(
     artifact: Path = typer.Argument(..., help="artifact directory"),
     device: str = typer.Option("cuda", help="cuda | cpu"),
     input_len: list[int] = typer.Option([128], min=1, help="prompt lengths (repeat the option for several)"),
-    output_len: int = typer.Option(128, min=1, help="tokens generated per repeat"),
+    output_len: int = typer.Option(128, min=2, help="tokens generated per repeat (at least 2: the decode rate "
+                                   "leaves out the first, the prefill's)"),
     repeats: int = typer.Option(3, min=1, help="median over this many runs"),
     max_seq_len: Optional[int] = typer.Option(None, help="lower the artifact's max_seq_len (smaller KV tables)"),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="prefill chunk (default: the artifact's)"),
@@ -479,14 +485,15 @@ def bench_latency(
 ) -> None:
     """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline;
     with --batch-size, the decode step time at each batch size too."""
-    from builder.bench.offline import decode_steps, latency, report, step_table
+    from builder.bench.offline import check_lengths, decode_steps, latency, report, step_table
     from builder.bench.record import STOCK_QUANT, append_figures, figure_tag, precision_of
     from builder.bench.stock_torch import QUANT_MODES, StockModelError, run_stock_baseline
     from runtime.engine import RequestError
     from runtime.sampling import SamplingError
 
     _setup_logging(False)
-    _check_record(record)
+    _check_record(record, artifact)
+    _check_record(json_out, artifact, "--json")
     if baseline_quant is not None and baseline_quant not in QUANT_MODES:
         _fail(f"--baseline-quant {baseline_quant!r} is not one of {', '.join(QUANT_MODES)}")
     batch_size = sorted(set(batch_size))
@@ -496,6 +503,8 @@ def bench_latency(
     engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs,
                            tokens_per_block=tokens_per_block)
     try:
+        for n in input_len:  # every length before any is measured
+            check_lengths(engine, n, output_len)
         results = [latency(engine, n, output_len, repeats) for n in input_len]
         precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
         tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)  # the figures' precision part
@@ -613,7 +622,8 @@ def bench_throughput(
     from runtime.sampling import SamplingError
 
     _setup_logging(False)
-    _check_record(record)
+    _check_record(record, artifact)
+    _check_record(json_out, artifact, "--json")
     results, spec_results, tag = [], [], None
     specs = [None] if speculative_ngram is None else [None, {"method": "ngram",
                                                             "num_speculative_tokens": speculative_ngram}]

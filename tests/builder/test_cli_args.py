@@ -1,0 +1,88 @@
+"""The CLI's own arguments and options, given carelessly or hostilely: each is refused with a one-line error and the
+documented exit code (1 an error, 2 a usage error), never a traceback, a corrupted artifact or a recorded figure that
+does not measure what its name says."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from builder.cli import app
+
+ROOT = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("cli_args") / "quickstart"
+    res = runner.invoke(app, ["build", str(ROOT / "recipes/quickstart.yaml"), "--quiet",
+                              "--set", f"output_dir={out}",
+                              "--set", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"])
+    assert res.exit_code == 0, res.output
+    return out
+
+
+def _text(res) -> str:
+    return " ".join(res.output.replace("│", " ").split())  # rich's error box wraps lines
+
+
+def _refused(res, code: int = 1) -> str:
+    assert res.exit_code == code, res.output
+    assert isinstance(res.exception, SystemExit), res.exception  # a message, no traceback
+    return _text(res)
+
+
+@pytest.mark.parametrize("command", ["latency", "throughput"])
+def test_bench_refuses_outputs_past_max_seq_len_before_measuring(quickstart, tmp_path, command):
+    """8 prompt tokens + 12 to generate under --max-seq-len 16: the requests would stop after 8 tokens while the
+    figures are named and reported as 12-token outputs."""
+    record = tmp_path / "benchmarks.jsonl"
+    extra = ["--repeats", "1"] if command == "latency" else ["--concurrency", "1", "--num-prompts", "1"]
+    res = runner.invoke(app, ["bench", command, str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "12", "--max-seq-len", "16", "--record", str(record), *extra])
+    text = _refused(res)
+    assert "the prompt has 8 tokens and 12 are to be generated: 20 is past max_seq_len 16" in text
+    assert not record.exists()
+
+
+def test_bench_latency_refuses_a_single_output_token(quickstart, tmp_path):
+    """One output token is the prefill's: no decode step is timed, and the decode rate came out 0 tok/s."""
+    record = tmp_path / "benchmarks.jsonl"
+    res = runner.invoke(app, ["bench", "latency", str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "1", "--repeats", "1", "--record", str(record)])
+    assert "Invalid value for '--output-len'" in _refused(res, 2)
+    assert not record.exists()
+
+
+@pytest.mark.parametrize("option, name", [("--record", "manifest.json"), ("--json", "results.jsonl")])
+def test_bench_refuses_to_write_figures_into_the_artifact_it_measures(quickstart, option, name):
+    manifest = (quickstart / "manifest.json").read_bytes()
+    res = runner.invoke(app, ["bench", "latency", str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--repeats", "1", option, str(quickstart / name)])
+    assert f"{option} {quickstart / name} is inside the artifact" in _refused(res)
+    assert (quickstart / "manifest.json").read_bytes() == manifest
+    assert sorted(p.name for p in quickstart.iterdir()) == ["graph.json", "manifest.json", "report.html",
+                                                            "report.md", "tokenizer", "weights.safetensors"]
+
+
+@pytest.mark.parametrize("command", ["latency", "throughput"])
+@pytest.mark.parametrize("where", ["missing directory", "a directory"])
+def test_bench_json_that_cannot_be_written_is_refused_before_measuring(quickstart, tmp_path, command, where):
+    path = tmp_path / "missing" / "results.jsonl" if where == "missing directory" else tmp_path
+    extra = ["--repeats", "1"] if command == "latency" else ["--concurrency", "1", "--num-prompts", "1"]
+    res = runner.invoke(app, ["bench", command, str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--json", str(path), *extra])
+    assert f"--json {path}: not a file that can be appended to" in _refused(res)
+    assert "input_len" not in res.output  # nothing was measured
+
+
+def test_bench_throughput_refuses_a_concurrency_the_kv_pool_cannot_hold(quickstart):
+    """--concurrency 10**12 built a warm-up wave of 10**12 prompts: a RuntimeError traceback (out of memory)."""
+    res = runner.invoke(app, ["bench", "throughput", str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--concurrency", str(10**12), "--num-prompts", "1"])
+    assert f"concurrency {10**12}: the KV pool's" in _refused(res)
+    assert "give a concurrency of at most" in _text(res)
