@@ -443,7 +443,8 @@ def _batch_size(value: str) -> int:
     return size
 
 
-def _check_record(record: Path | str | None, artifact: Path | None = None, option: str = "--record") -> None:
+def _check_record(record: Path | str | None, artifact: Path | None = None, option: str = "--record",
+                  action: str = "appended to") -> None:
     """--record's (or --json's) file must be writable before minutes of measuring are spent, and outside the
     artifact being measured (appending to its manifest.json would corrupt it)."""
     if record is None:
@@ -457,7 +458,7 @@ def _check_record(record: Path | str | None, artifact: Path | None = None, optio
     else:  # created: in a directory that exists and takes new files
         ok = record.parent.is_dir() and os.access(record.parent, os.W_OK)
     if not ok:
-        _fail(f"{option} {record}: not a file that can be appended to (an existing writable file, or a new one in a "
+        _fail(f"{option} {record}: not a file that can be {action} (an existing writable file, or a new one in a "
               f"writable directory)")
 
 
@@ -714,6 +715,7 @@ def bench_serve(
     from builder.bench.serve import (BenchError, ServeBenchConfig, print_report, print_sweep_report, run, run_sweep,
                                      sweep_rates, write_json)
 
+    _check_record(json_out, None, "--json", "written")  # before the run, not after it
     try:
         rates = sweep_rates(list(request_rate))
         config = ServeBenchConfig(

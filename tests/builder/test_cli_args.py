@@ -86,3 +86,20 @@ def test_bench_throughput_refuses_a_concurrency_the_kv_pool_cannot_hold(quicksta
                               "--output-len", "4", "--concurrency", str(10**12), "--num-prompts", "1"])
     assert f"concurrency {10**12}: the KV pool's" in _refused(res)
     assert "give a concurrency of at most" in _text(res)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:abc", "http://127.0.0.1:8000\n",
+                                 "http://[::1", "http://127.0.0.1:8000/v1?key=1"])
+def test_bench_serve_refuses_a_malformed_url(url):
+    """A port past 65535 (OverflowError), not a number or a newline (httpx InvalidURL), an unclosed IPv6 bracket
+    (ValueError) were tracebacks; a query string was glued before /v1/models."""
+    res = runner.invoke(app, ["bench", "serve", "--url", url, "--quiet"])
+    assert f"--url {url!r} is not an http(s) base URL" in _refused(res)
+
+
+@pytest.mark.parametrize("where", ["missing directory", "a directory"])
+def test_bench_serve_json_that_cannot_be_written_is_refused_before_the_run(tmp_path, where):
+    """Checked before any request is sent (the server here is not even up), not after the run's minutes."""
+    path = tmp_path / "missing" / "serve.json" if where == "missing directory" else tmp_path
+    res = runner.invoke(app, ["bench", "serve", "--url", "http://127.0.0.1:9", "--json", str(path), "--quiet"])
+    assert f"--json {path}: not a file that can be written" in _refused(res)
