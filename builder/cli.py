@@ -498,6 +498,7 @@ def bench_latency(
     if baseline_quant is not None and baseline_quant not in QUANT_MODES:
         _fail(f"--baseline-quant {baseline_quant!r} is not one of {', '.join(QUANT_MODES)}")
     batch_size = sorted(set(batch_size))
+    input_len = list(dict.fromkeys(input_len))  # a length given twice would record its figures twice, differing
     if batch_size and output_len < 4:
         _fail(f"--output-len {output_len}: --batch-size needs at least 4 (the decode step figure leaves out the "
               f"prefill, the first decode step and the last)")
@@ -626,6 +627,7 @@ def bench_throughput(
     _check_record(record, artifact)
     _check_record(json_out, artifact, "--json")
     results, spec_results, tag = [], [], None
+    concurrency = list(dict.fromkeys(concurrency))  # a point given twice would record its figures twice, differing
     specs = [None] if speculative_ngram is None else [None, {"method": "ngram",
                                                             "num_speculative_tokens": speculative_ngram}]
     for c in concurrency:

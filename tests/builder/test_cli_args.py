@@ -103,3 +103,19 @@ def test_bench_serve_json_that_cannot_be_written_is_refused_before_the_run(tmp_p
     path = tmp_path / "missing" / "serve.json" if where == "missing directory" else tmp_path
     res = runner.invoke(app, ["bench", "serve", "--url", "http://127.0.0.1:9", "--json", str(path), "--quiet"])
     assert f"--json {path}: not a file that can be written" in _refused(res)
+
+
+@pytest.mark.parametrize("command", ["latency", "throughput"])
+def test_bench_records_each_point_once_when_an_option_repeats_it(quickstart, tmp_path, command):
+    """--input-len 8 --input-len 8 (or --concurrency 1 twice) measured and recorded each figure twice, with two
+    different values under one name in one run."""
+    record = tmp_path / "benchmarks.jsonl"
+    twice = (["--input-len", "8", "--input-len", "8", "--repeats", "1"] if command == "latency"
+             else ["--input-len", "8", "--concurrency", "1", "--concurrency", "1", "--num-prompts", "1"])
+    res = runner.invoke(app, ["bench", command, str(quickstart), "--device", "cpu", "--output-len", "4",
+                              "--record", str(record), *twice])
+    assert res.exit_code == 0, res.output
+    figures = [json.loads(line)["figure"] for line in record.read_text().splitlines()]
+    assert len(figures) == len(set(figures)) > 0, figures
+    flag = "--input-len" if command == "latency" else "--concurrency"
+    assert json.loads(record.read_text().splitlines()[0])["command"].count(flag) == 1
