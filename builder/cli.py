@@ -168,7 +168,7 @@ def gate(
     """Run the quality gates of an artifact against its source model; exit 3 if a gate fails, 1 on an error
     (including a baseline whose config or weights are not the artifact's source, unless --any-baseline)."""
     _setup_logging(quiet)
-    from builder.calibration import DataError
+    from builder.calibration import BUNDLED, DataError, read_texts
     from builder.checkpoint import CheckpointError
     from builder.gates import GateError
     from builder.quality import gate_artifact
@@ -184,6 +184,11 @@ def gate(
         if options:  # validated as the recipe's section is: a bad value is named with what is allowed
             section = gates_section({**section.model_dump(exclude_unset=True), **options},
                                     "the command's options (--eval-dataset, --num-positions)")
+        if eval_dataset is not None and str(eval_dataset) != BUNDLED:  # before the baseline is traced
+            try:
+                read_texts(eval_dataset)
+            except DataError as e:
+                raise DataError(f"--eval-dataset: {e}") from None
         report = gate_artifact(artifact, baseline, section, any_baseline=any_baseline)
     except (ArtifactError, CheckpointError, DataError, GateError, RecipeError) as e:
         _fail(str(e))

@@ -119,3 +119,21 @@ def test_bench_records_each_point_once_when_an_option_repeats_it(quickstart, tmp
     assert len(figures) == len(set(figures)) > 0, figures
     flag = "--input-len" if command == "latency" else "--concurrency"
     assert json.loads(record.read_text().splitlines()[0])["command"].count(flag) == 1
+
+
+@pytest.mark.parametrize("kind", ["a directory", "not a regular file", "missing"])
+def test_gate_checks_the_eval_dataset_before_tracing_the_baseline(quickstart, tmp_path, monkeypatch, kind):
+    """--eval-dataset DIR said 'does not exist', and only after the baseline was traced; it is now named for
+    what it is, before any model is loaded."""
+    import builder.quality
+
+    def traced(*args, **kwargs):
+        raise AssertionError("the baseline was traced before --eval-dataset was checked")
+
+    monkeypatch.setattr(builder.quality, "gate_artifact", traced)
+    path = {"a directory": tmp_path, "not a regular file": Path("/dev/null"), "missing": tmp_path / "x.txt"}[kind]
+    what = {"a directory": "is a directory", "not a regular file": "is not a regular file",
+            "missing": "does not exist"}[kind]
+    res = runner.invoke(app, ["gate", str(quickstart), "--baseline", str(ROOT / "models/pystdlib-llama"),
+                              "--eval-dataset", str(path)])
+    assert f"--eval-dataset: data file '{path}' {what}; give a .txt or .jsonl file" in _refused(res)
