@@ -69,7 +69,8 @@ def resolve_text(value: str | None, default: Path, checkpoint: str | Path, key: 
 def read_texts(path: Path, text_field: str = "text") -> tuple[list[str], str]:
     """Texts of a .txt file (one text) or .jsonl file (one per line), and the file's sha256."""
     if not path.is_file():
-        raise DataError(f"data file {str(path)!r} does not exist")
+        what = ("is a directory" if path.is_dir() else "is not a regular file" if path.exists() else "does not exist")
+        raise DataError(f"data file {str(path)!r} {what}; give a .txt or .jsonl file")
     try:
         raw = path.read_bytes()
         content = raw.decode("utf-8")

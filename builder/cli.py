@@ -168,7 +168,7 @@ def gate(
     """Run the quality gates of an artifact against its source model; exit 3 if a gate fails, 1 on an error
     (including a baseline whose config or weights are not the artifact's source, unless --any-baseline)."""
     _setup_logging(quiet)
-    from builder.calibration import DataError
+    from builder.calibration import BUNDLED, DataError, read_texts
     from builder.checkpoint import CheckpointError
     from builder.gates import GateError
     from builder.quality import gate_artifact
@@ -184,6 +184,11 @@ def gate(
         if options:  # validated as the recipe's section is: a bad value is named with what is allowed
             section = gates_section({**section.model_dump(exclude_unset=True), **options},
                                     "the command's options (--eval-dataset, --num-positions)")
+        if eval_dataset is not None and str(eval_dataset) != BUNDLED:  # before the baseline is traced
+            try:
+                read_texts(eval_dataset)
+            except DataError as e:
+                raise DataError(f"--eval-dataset: {e}") from None
         report = gate_artifact(artifact, baseline, section, any_baseline=any_baseline)
     except (ArtifactError, CheckpointError, DataError, GateError, RecipeError) as e:
         _fail(str(e))
@@ -418,8 +423,8 @@ def _bench_engine(artifact: Path, device: str, max_num_seqs: int, max_seq_len: O
         return load_for_bench(str(artifact), device, max_num_seqs=max_num_seqs, max_seq_len=max_seq_len,
                               max_num_batched_tokens=max_num_batched_tokens, cuda_graphs=not no_cuda_graphs,
                               speculative=speculative, tokens_per_block=tokens_per_block)
-    except (ArtifactError, MemoryPlanError, ValueError) as e:
-        _fail(f"cannot load {artifact}: {e}")
+    except (ArtifactError, MemoryPlanError, ValueError, RuntimeError, MemoryError) as e:  # RuntimeError, MemoryError:
+        _fail(f"cannot load {artifact}: {e or type(e).__name__}")  # out of memory (e.g. --concurrency 1000000000)
 
 
 def _block_size_args(tokens_per_block: Optional[int]) -> tuple[list[str], str]:
@@ -443,16 +448,22 @@ def _batch_size(value: str) -> int:
     return size
 
 
-def _check_record(record: Path | None) -> None:
-    """--record's file must be writable before minutes of measuring are spent."""
+def _check_record(record: Path | str | None, artifact: Path | None = None, option: str = "--record",
+                  action: str = "appended to") -> None:
+    """--record's (or --json's) file must be writable before minutes of measuring are spent, and outside the
+    artifact being measured (appending to its manifest.json would corrupt it)."""
     if record is None:
         return
+    record = Path(record)
+    if artifact is not None and record.resolve().is_relative_to(Path(artifact).resolve()):
+        _fail(f"{option} {record} is inside the artifact {artifact} being measured; an artifact's files are fixed "
+              f"by its manifest: write the figures elsewhere")
     if record.exists():  # appended to: the file itself must be writable
         ok = not record.is_dir() and os.access(record, os.W_OK)
     else:  # created: in a directory that exists and takes new files
         ok = record.parent.is_dir() and os.access(record.parent, os.W_OK)
     if not ok:
-        _fail(f"--record {record}: not a file that can be appended to (an existing writable file, or a new one in a "
+        _fail(f"{option} {record}: not a file that can be {action} (an existing writable file, or a new one in a "
               f"writable directory)")
 
 
@@ -461,7 +472,8 @@ def bench_latency(
     artifact: Path = typer.Argument(..., help="artifact directory"),
     device: str = typer.Option("cuda", help="cuda | cpu"),
     input_len: list[int] = typer.Option([128], min=1, help="prompt lengths (repeat the option for several)"),
-    output_len: int = typer.Option(128, min=1, help="tokens generated per repeat"),
+    output_len: int = typer.Option(128, min=2, help="tokens generated per repeat (at least 2: the decode rate "
+                                   "leaves out the first, the prefill's)"),
     repeats: int = typer.Option(3, min=1, help="median over this many runs"),
     max_seq_len: Optional[int] = typer.Option(None, help="lower the artifact's max_seq_len (smaller KV tables)"),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="prefill chunk (default: the artifact's)"),
@@ -479,23 +491,27 @@ def bench_latency(
 ) -> None:
     """Batch-1 time to first token and decode tokens/s, with the decode's share of the bandwidth roofline;
     with --batch-size, the decode step time at each batch size too."""
-    from builder.bench.offline import decode_steps, latency, report, step_table
+    from builder.bench.offline import check_lengths, decode_steps, latency, report, step_table
     from builder.bench.record import STOCK_QUANT, append_figures, figure_tag, precision_of
     from builder.bench.stock_torch import QUANT_MODES, StockModelError, run_stock_baseline
     from runtime.engine import RequestError
     from runtime.sampling import SamplingError
 
     _setup_logging(False)
-    _check_record(record)
+    _check_record(record, artifact)
+    _check_record(json_out, artifact, "--json")
     if baseline_quant is not None and baseline_quant not in QUANT_MODES:
         _fail(f"--baseline-quant {baseline_quant!r} is not one of {', '.join(QUANT_MODES)}")
     batch_size = sorted(set(batch_size))
+    input_len = list(dict.fromkeys(input_len))  # a length given twice would record its figures twice, differing
     if batch_size and output_len < 4:
         _fail(f"--output-len {output_len}: --batch-size needs at least 4 (the decode step figure leaves out the "
               f"prefill, the first decode step and the last)")
     engine = _bench_engine(artifact, device, 1, max_seq_len, max_num_batched_tokens, no_cuda_graphs,
                            tokens_per_block=tokens_per_block)
     try:
+        for n in input_len:  # every length before any is measured
+            check_lengths(engine, n, output_len)
         results = [latency(engine, n, output_len, repeats) for n in input_len]
         precision = precision_of(engine.executor.graph, engine.engine.artifact.manifest)
         tag = figure_tag(engine.executor.graph, engine.engine.artifact.manifest)  # the figures' precision part
@@ -613,8 +629,10 @@ def bench_throughput(
     from runtime.sampling import SamplingError
 
     _setup_logging(False)
-    _check_record(record)
+    _check_record(record, artifact)
+    _check_record(json_out, artifact, "--json")
     results, spec_results, tag = [], [], None
+    concurrency = list(dict.fromkeys(concurrency))  # a point given twice would record its figures twice, differing
     specs = [None] if speculative_ngram is None else [None, {"method": "ngram",
                                                             "num_speculative_tokens": speculative_ngram}]
     for c in concurrency:
@@ -704,6 +722,7 @@ def bench_serve(
     from builder.bench.serve import (BenchError, ServeBenchConfig, print_report, print_sweep_report, run, run_sweep,
                                      sweep_rates, write_json)
 
+    _check_record(json_out, None, "--json", "written")  # before the run, not after it
     try:
         rates = sweep_rates(list(request_rate))
         config = ServeBenchConfig(

@@ -179,8 +179,23 @@ def decode_weight_bytes(graph: dict[str, Any], params: dict[str, torch.Tensor]) 
     return total
 
 
+def check_lengths(engine: ServingEngine, input_len: int, output_len: int) -> None:
+    """Refuse (RequestError) prompts and outputs that do not fit the engine's max_seq_len together: the requests
+    would stop early at the context's end, and the figures, named after ``output_len``, would be of fewer tokens."""
+    from runtime.engine import RequestError
+
+    limit = engine.scheduler_config.max_seq_len
+    if input_len + output_len > limit:
+        raise RequestError(f"the prompt has {input_len} tokens and {output_len} are to be generated: "
+                           f"{input_len + output_len} is past max_seq_len {limit}; the requests would stop early, "
+                           f"so lower --input-len or --output-len (or raise --max-seq-len up to the artifact's)")
+
+
 def latency(engine: ServingEngine, input_len: int = 128, output_len: int = 128, repeats: int = 3,
             seed: int = 0) -> LatencyResult:
+    check_lengths(engine, input_len, output_len)
+    if output_len < 2:
+        raise ValueError(f"output_len {output_len}: a decode rate needs at least 2 tokens (the first is the prefill's)")
     device = engine.device
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
     prompt = _random_prompts(1, input_len, vocab, seed)[0]
@@ -259,6 +274,7 @@ def decode_steps(engine: ServingEngine, batch_size: int, input_len: int = 128, o
     if output_len < 4:
         raise ValueError(f"output_len {output_len}: a decode step figure needs at least 4 tokens (the prefill's, "
                          f"the first decode step's, a steady-state step's and the last, which is not timed)")
+    check_lengths(engine, input_len, output_len)
     device = engine.device
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
     prompts = _random_prompts(batch_size, input_len, vocab, seed)
@@ -308,12 +324,20 @@ def step_table(results: list[DecodeStepResult], baseline_ms: dict[tuple[int, int
 
 def throughput(engine: ServingEngine, input_len: int, output_len: int, num_prompts: int,
                seed: int = 0) -> ThroughputResult:
+    check_lengths(engine, input_len, output_len)
+    concurrency, pool, block = engine.scheduler_config.max_num_seqs, engine.kv.pool.num_blocks, engine.kv.block_size
+    reachable = pool // -(-(input_len + 1) // block)  # sequences the pool holds at their smallest (prompt + 1 token)
+    if concurrency > reachable:
+        from runtime.engine import RequestError
+
+        raise RequestError(f"concurrency {concurrency}: the KV pool's {pool} blocks of {block} tokens hold at most "
+                           f"{reachable} sequences of {input_len} + 1 tokens at once, so the point would not run "
+                           f"{concurrency} together; give a concurrency of at most {reachable}")
     device = engine.device
     vocab = int(engine.executor.graph["meta"]["vocab_size"])
     prompts = _random_prompts(num_prompts, input_len, vocab, seed)
     # warm up with a full wave of other prompts: Triton compiles a kernel once per specialisation (argument
     # divisibility), and the prefill chunks of a wave reach shapes a single prompt does not
-    concurrency = engine.scheduler_config.max_num_seqs
     engine.run(_random_prompts(concurrency, input_len, vocab, seed + 1), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.kv.pool.reset_prefix_cache()
     if device.type == "cuda":

@@ -176,9 +176,17 @@ class ServeBenchConfig:
                              f"process needs at least one request in flight")
         if not 0 <= self.range_ratio < 1:
             raise BenchError(f"--range-ratio must be in [0, 1), got {self.range_ratio}")
-        parsed = urlparse(self.url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise BenchError(f"--url {self.url!r} is not an http(s) base URL such as http://127.0.0.1:8000")
+        try:  # a bad port, host or character: httpx and the socket raised their own errors (tracebacks) later
+            parsed = urlparse(self.url)
+            _ = parsed.port  # ValueError: not a number, or past 65535
+            httpx.URL(self.url)  # InvalidURL: a non-printable character
+            ok = (parsed.scheme in ("http", "https") and bool(parsed.hostname) and not parsed.query
+                  and not parsed.fragment)
+        except (ValueError, httpx.InvalidURL):
+            ok = False
+        if not ok:
+            raise BenchError(f"--url {self.url!r} is not an http(s) base URL such as http://127.0.0.1:8000 (a host, "
+                             f"an optional port in 0..65535 and path; no query or fragment)")
         parse_slos(self.slos)
 
     @property
