@@ -537,6 +537,16 @@ def _param(graph: dict[str, Any], node: dict, role: str) -> tuple[list[int] | No
     return (shape if ok else None), (dtype if isinstance(dtype, str) else None)
 
 
+def _block_size(quant: dict, where: str) -> list[int]:
+    """An fp8_block quant's block_size: [rows, columns] of one weight scale, whole numbers in 1..MAX_SCALE_BLOCK."""
+    block = quant.get("block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(_is_whole(b) and 1 <= b <= MAX_SCALE_BLOCK for b in block)):
+        raise GraphFormatError(f"{where}: quant block_size is {block!r}; allowed: [rows, columns], whole numbers in "
+                               f"1..{MAX_SCALE_BLOCK}")
+    return block
+
+
 def _check_w8a8_quant(graph: dict[str, Any]) -> None:
     """Each W8A8 linear / lm_head (w8a8_int8: SmoothQuant's or an imported INT8; fp8; fp8_block) against its stored
     tensors, in kernels/torch_quant.py's layout: qweight 2-D codes of the scheme's dtype (int8, e4m3) [out, in] (of
@@ -593,11 +603,7 @@ def _check_w8a8_quant(graph: dict[str, Any]) -> None:
                                    f"with one calibrated input_scale [1]")
         scale = _param(graph, node, "weight_scale")[0]
         if scheme == "fp8_block":
-            block = quant.get("block_size")
-            if not (isinstance(block, list) and len(block) == 2
-                    and all(_is_whole(b) and 1 <= b <= MAX_SCALE_BLOCK for b in block)):
-                raise GraphFormatError(f"{where}: quant block_size is {block!r}; allowed: [rows, columns], whole "
-                                       f"numbers in 1..{MAX_SCALE_BLOCK}")
+            block = _block_size(quant, where)
             blocks = [-(-out_features // block[0]), -(-in_features // block[1])]
             if scale != blocks:
                 raise GraphFormatError(f"{where}: its weight_scale is {scale}; quant block_size {block} over qweight "
@@ -698,11 +704,7 @@ def _check_moe_experts(graph: dict[str, Any]) -> None:
                                            f"over {role} {shapes[role]} gives {[experts, rows]}: one scale per expert "
                                            f"and output row")
         elif scheme == "fp8_block":
-            block = quant.get("block_size")
-            if not (isinstance(block, list) and len(block) == 2
-                    and all(_is_whole(b) and 1 <= b <= MAX_SCALE_BLOCK for b in block)):
-                raise GraphFormatError(f"{where}: quant block_size is {block!r}; allowed: [rows, columns], whole "
-                                       f"numbers in 1..{MAX_SCALE_BLOCK}")
+            block = _block_size(quant, where)
             for role, rows, cols in projections:
                 want = [experts, -(-rows // block[0]), -(-cols // block[1])]
                 if shapes[f"{role}_scale"] != want:

@@ -5,6 +5,7 @@ does not measure what its name says."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,13 +18,11 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def quickstart(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("cli_args") / "quickstart"
-    res = runner.invoke(app, ["build", str(ROOT / "recipes/quickstart.yaml"), "--quiet",
-                              "--set", f"output_dir={out}",
-                              "--set", f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"])
+def quickstart(shared_build) -> Path:
+    """The quickstart recipe built once per test run (``shared_build``): read it, copy it to change it."""
+    res = shared_build("quickstart.yaml", [f"model.checkpoint={ROOT / 'models/pystdlib-llama'}"])
     assert res.exit_code == 0, res.output
-    return out
+    return res.path
 
 
 def _text(res) -> str:
@@ -59,7 +58,8 @@ def test_bench_latency_refuses_a_single_output_token(quickstart, tmp_path):
 
 
 @pytest.mark.parametrize("option, name", [("--record", "manifest.json"), ("--json", "results.jsonl")])
-def test_bench_refuses_to_write_figures_into_the_artifact_it_measures(quickstart, option, name):
+def test_bench_refuses_to_write_figures_into_the_artifact_it_measures(quickstart, tmp_path, option, name):
+    quickstart = shutil.copytree(quickstart, tmp_path / "quickstart")  # a copy: the shared build is read only
     manifest = (quickstart / "manifest.json").read_bytes()
     res = runner.invoke(app, ["bench", "latency", str(quickstart), "--device", "cpu", "--input-len", "8",
                               "--output-len", "4", "--repeats", "1", option, str(quickstart / name)])
