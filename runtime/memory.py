@@ -19,6 +19,7 @@ its own device, weights, workspace and KV layout) and every rank's pool gets the
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,7 @@ def parse_bytes(text: str) -> int:
 
 
 MiB = 1 << 20
+GiB = 1 << 30
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # 1 GiB: the CPU path has no device total to take a fraction of
 
 
@@ -123,6 +125,14 @@ def plan_kv_blocks(*, device: str, budget_bytes: int, weights_bytes: int, worksp
     """Give what is left of ``budget_bytes`` after weights, workspace and other to KV blocks; raises
     MemoryPlanError if that is less than one max_seq_len request needs."""
     bytes_per_block = layout.bytes_per_token() * block_size
+    ram = host_memory_bytes()
+    if device == "cpu" and ram and budget_bytes > ram:  # a CPU plan is what it asks for: it must fit the machine
+        raise MemoryPlanError(
+            f"the CPU memory plan needs {budget_bytes / GiB:.1f} GiB (weights {weights_bytes / GiB:.2f} GiB, workspace "
+            f"{workspace_bytes / GiB:.2f} GiB for max_num_seqs and max_num_batched_tokens, KV cache "
+            f"{(budget_bytes - weights_bytes - workspace_bytes - other_bytes) / GiB:.2f} GiB): more than this "
+            f"machine's {ram / GiB:.1f} GiB of memory. Lower max_num_seqs, max_num_batched_tokens or the KV budget "
+            f"(--kv-cache-memory)")
     kv_bytes = budget_bytes - weights_bytes - workspace_bytes - other_bytes
     num_blocks = fit_kv_blocks(kv_bytes, bytes_per_block)
     plan = MemoryPlan(device, int(budget_bytes), int(weights_bytes), int(workspace_bytes), int(other_bytes),
@@ -154,6 +164,14 @@ def least_kv_blocks(plan: MemoryPlan, rank_num_blocks: list[int]) -> MemoryPlan:
         log.info("tensor-parallel rank %d has room for %d KV blocks (rank 0: %d): every rank's pool gets %d",
                  least, rank_num_blocks[least], plan.num_blocks, num_blocks)
     return out
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes (0 where the system does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return 0
 
 
 def estimate_workspace_bytes(graph: dict, max_num_batched_tokens: int, max_num_seqs: int,

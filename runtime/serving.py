@@ -79,6 +79,9 @@ MAX_TOKENS_PER_BLOCK = 1024  # ServingConfig.tokens_per_block's bound
 COMPILE_POLL_S = 0.05  # with nothing to run but grammars compiling, how long a step waits for one
 
 
+MAX_PREFILL_HOLD_MS = 60_000.0  # a new prompt's hold past a minute would only read as a hang (TTFT)
+
+
 @dataclass
 class ServingConfig:
     """Serving settings. None means the artifact's value (its recipe's runtime section)."""
@@ -107,7 +110,7 @@ class ServingConfig:
     # the decode graph instead of running eagerly (SchedulerConfig.prefill_hold_s); 0 admits at once. Default
     # from RUNTIME_PREFILL_HOLD_MS, else 0: on the H100 50 ms let Poisson load at 60 req/s meet p99 TTFT <= 500 ms
     # and TPOT <= 50 ms where no hold did not, but cost 12% in a closed loop of 256 clients (docs/BENCHMARKS.md)
-    prefill_hold_ms: float = field(default_factory=lambda: float(env_number("RUNTIME_PREFILL_HOLD_MS", 0)))
+    prefill_hold_ms: float = field(default_factory=lambda: float(env_number("RUNTIME_PREFILL_HOLD_MS", 0)))  # <= 60 s
     # with the overlapped pipeline: the masks of a structured step in flight are filled on a worker thread while the
     # step before is recorded (``ServingEngine._start_masks``); off fills them after (RUNTIME_MASK_OVERLAP=0: an A/B)
     mask_overlap: bool = field(default_factory=lambda: bool(env_number("RUNTIME_MASK_OVERLAP", 1)))
@@ -126,8 +129,8 @@ class ServingConfig:
             raise ValueError(f"gpu_memory_utilization {self.gpu_memory_utilization} is not in (0, 1]")
         if self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be >= 0, got {self.prefill_graph_tokens}")
-        if not self.prefill_hold_ms >= 0:
-            raise ValueError(f"prefill_hold_ms must be >= 0, got {self.prefill_hold_ms}")
+        if not 0 <= self.prefill_hold_ms <= MAX_PREFILL_HOLD_MS:  # NaN too; inf held new prompts while any decoded
+            raise ValueError(f"prefill_hold_ms must be in 0..{MAX_PREFILL_HOLD_MS:g} ms, got {self.prefill_hold_ms}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_seq_len", "kv_cache_bytes", "num_blocks",
                      "max_waiting"):
             value = getattr(self, name)

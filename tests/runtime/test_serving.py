@@ -184,6 +184,22 @@ def test_memory_plan(engine):
         _serving(engine, max_seq_len=1024)
 
 
+def test_a_cpu_plan_past_the_machines_memory_is_refused(engine, monkeypatch):
+    """On CPU the plan is what it asks for (weights, a workspace sized by max_num_seqs and max_num_batched_tokens,
+    the KV budget): one past this machine's memory is refused, naming the parts, instead of logging a plan it cannot
+    hold (max_num_seqs 10**12 planned a 15 TB workspace)."""
+    from runtime import memory
+
+    assert _serving(engine).kv.pool.num_blocks > 0  # the default plan fits
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 64 << 20)  # a 64 MiB machine
+    with pytest.raises(MemoryPlanError, match=r"the CPU memory plan needs [\d.]+ GiB \(weights .* workspace .* KV "
+                                              r"cache 1\.00 GiB\): more than this machine's 0\.1 GiB of memory\. "
+                                              r"Lower max_num_seqs"):
+        _serving(engine)
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 0)  # unknown: not refused
+    assert _serving(engine).kv.pool.num_blocks > 0
+
+
 def test_the_engine_builds_the_streaming_table_when_it_loads(engine):
     """The bundled (byte-level) tokenizer's byte table for streaming is built with the engine, not in its first
     request."""
@@ -226,6 +242,10 @@ def test_tokens_per_block_overrides_the_artifacts(engine, monkeypatch):
     ("max_num_seqs", 2.5, "max_num_seqs must be a whole number >= 1, got 2.5"),
     ("max_seq_len", True, "max_seq_len must be a whole number >= 1, got True"),
     ("request_timeout_s", float("nan"), "request_timeout_s must be > 0 seconds"),  # never timed out
+    # inf held every new prompt for as long as any request decoded (`serve --prefill-hold-ms inf` was accepted)
+    ("prefill_hold_ms", float("inf"), "prefill_hold_ms must be in 0..60000 ms, got inf"),
+    ("prefill_hold_ms", float("nan"), "prefill_hold_ms must be in 0..60000 ms, got nan"),
+    ("prefill_hold_ms", -1.0, "prefill_hold_ms must be in 0..60000 ms, got -1.0"),
 ])
 def test_serving_config_refuses_values_that_would_serve_wrongly(field, value, says):
     from runtime.serving import ServingConfig
