@@ -596,6 +596,9 @@ def bench_latency(
         _fail(failure)
 
 
+MAX_BENCH_PROMPTS = 1_000_000  # requests per `bench throughput` point (each made up front)
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     artifact: Path = typer.Argument(..., help="artifact directory"),
@@ -633,6 +636,10 @@ def bench_throughput(
     _check_record(json_out, artifact, "--json")
     results, spec_results, tag = [], [], None
     concurrency = list(dict.fromkeys(concurrency))  # a point given twice would record its figures twice, differing
+    for c in concurrency:  # the prompts are made up front: a count past memory was an allocator's traceback
+        if (num_prompts or waves * c) > MAX_BENCH_PROMPTS:
+            given = f"--num-prompts {num_prompts}" if num_prompts else f"--waves {waves} x --concurrency {c}"
+            _fail(f"{given} asks for {num_prompts or waves * c} requests at one point; at most {MAX_BENCH_PROMPTS:,}")
     specs = [None] if speculative_ngram is None else [None, {"method": "ngram",
                                                             "num_speculative_tokens": speculative_ngram}]
     for c in concurrency:

@@ -88,6 +88,17 @@ def test_bench_throughput_refuses_a_concurrency_the_kv_pool_cannot_hold(quicksta
     assert "give a concurrency of at most" in _text(res)
 
 
+@pytest.mark.parametrize("args, given", [(["--num-prompts", str(10**12)], f"--num-prompts {10**12}"),
+                                         (["--waves", str(10**9)], f"--waves {10**9} x --concurrency 2")])
+def test_bench_throughput_refuses_more_prompts_than_it_can_make(quickstart, args, given):
+    """--num-prompts 10**12 (or --waves x --concurrency past it) made every prompt up front: an allocator's
+    traceback. Refused before the engine loads, naming the options and the bound."""
+    res = runner.invoke(app, ["bench", "throughput", str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--concurrency", "2", *args])
+    assert f"{given} asks for" in _refused(res)
+    assert "requests at one point; at most 1,000,000" in _text(res)
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:abc", "http://127.0.0.1:8000\n",
                                  "http://[::1", "http://127.0.0.1:8000/v1?key=1"])
 def test_bench_serve_refuses_a_malformed_url(url):
