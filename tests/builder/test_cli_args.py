@@ -81,10 +81,15 @@ def test_bench_json_that_cannot_be_written_is_refused_before_measuring(quickstar
 
 
 def test_bench_throughput_refuses_a_concurrency_the_kv_pool_cannot_hold(quickstart):
-    """--concurrency 10**12 built a warm-up wave of 10**12 prompts: a RuntimeError traceback (out of memory)."""
+    """--concurrency 10**12 built a warm-up wave of 10**12 prompts: a RuntimeError traceback (out of memory). Now
+    its memory plan is refused at load (the workspace for 10**12 sequences' logits), and a concurrency the plan fits
+    but the KV pool cannot hold (10**5 sequences, 16,384 blocks) is refused before the warm-up wave."""
     res = runner.invoke(app, ["bench", "throughput", str(quickstart), "--device", "cpu", "--input-len", "8",
                               "--output-len", "4", "--concurrency", str(10**12), "--num-prompts", "1"])
-    assert f"concurrency {10**12}: the KV pool's" in _refused(res)
+    assert "the CPU memory plan needs" in _refused(res) and "Lower max_num_seqs" in _text(res)
+    res = runner.invoke(app, ["bench", "throughput", str(quickstart), "--device", "cpu", "--input-len", "8",
+                              "--output-len", "4", "--concurrency", str(10**5), "--num-prompts", "1"])
+    assert f"concurrency {10**5}: the KV pool's" in _refused(res)
     assert "give a concurrency of at most" in _text(res)
 
 
