@@ -1361,7 +1361,7 @@ def _attention(w, attrs, ex) -> Kernel:
     layer, num_heads, num_kv = attrs["layer"], attrs["num_heads"], attrs["num_kv_heads"]
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
     softcap, sinks = attrs.get("softcap", 0.0), w.get("sinks")  # Gemma 2's score soft-cap, gpt-oss's sinks
-    _check_kv_scales(w, attrs)
+    _check_kv_scales(w, attrs)  # before either path is built (_paged_attention's scales too)
     store, load = _kv_codec(attrs.get("kv_cache_dtype"), w.get("k_scale"), w.get("v_scale"), ex.dtype)
     # RoPE of q and k done here (plan_fusions): the node reads them unrotated, and the positions after v
     rope = _fused_rope(ex, ex._fusions.rope[ex._index]) if ex._index in ex._fusions.rope else None
@@ -1434,7 +1434,6 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
     head_dim, scale, window = attrs["head_dim"], attrs["scale"], attrs.get("sliding_window")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         return None
-    _check_kv_scales(w, attrs)
     k_scale = w["k_scale"].float().reshape(1) if "k_scale" in w else None
     v_scale = w["v_scale"].float().reshape(1) if "v_scale" in w else None
     extra = {"softcap": attrs.get("softcap", 0.0),  # made once: the step passes the same tensors (CUDA graphs)
