@@ -114,6 +114,22 @@ def prefill_config_override(setting: str) -> tuple[int, int, int, int] | None:
 
 
 _PREFILL_CONFIG_OVERRIDE = prefill_config_override(_PREFILL_CONFIG_SETTING)
+# How an fp32 model's attention matmuls run on the GPU (KERNELS_FP32_DOT): "tf32x3", the default, splits each fp32
+# operand into a TF32 high part and a TF32 remainder and takes three tensor-core products (high x high, high x low,
+# low x high; the dropped low x low term is ~2^-22 of the product), "ieee" takes IEEE fp32 products on the FMA
+# units, 5-10x slower at the bundled model's shapes. The interpreter computes in fp32 either way.
+_FP32_DOT_PRECISIONS = ("tf32x3", "ieee")
+
+
+def fp32_dot_precision(setting: str) -> str:
+    """``KERNELS_FP32_DOT``'s input precision for fp32 matmuls ("tf32x3" when unset)."""
+    setting = setting.strip() or "tf32x3"
+    if setting not in _FP32_DOT_PRECISIONS:
+        raise ValueError(f"KERNELS_FP32_DOT={setting!r}: expected one of {', '.join(_FP32_DOT_PRECISIONS)}")
+    return setting
+
+
+_FP32_DOT = tl.constexpr(fp32_dot_precision(os.environ.get("KERNELS_FP32_DOT", "")))
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: larger than any position
 
@@ -121,10 +137,10 @@ _NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: large
 # --- device helpers ---------------------------------------------------------------------------------
 @triton.jit
 def _mma(a, b, FP32: tl.constexpr):
-    """a @ b accumulated in fp32. FP32: fp32 operands at IEEE precision (fp32 models, and the CPU
-    interpreter, whose bf16/fp16 dot is wrong); otherwise tensor cores on the operands' dtype."""
+    """a @ b accumulated in fp32. FP32: fp32 operands (fp32 models, and the CPU interpreter, whose bf16/fp16 dot
+    is wrong) at _FP32_DOT's precision; otherwise tensor cores on the operands' dtype."""
     if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=_FP32_DOT)
     return tl.dot(a, b)
 
 
@@ -132,7 +148,7 @@ def _mma(a, b, FP32: tl.constexpr):
 def _mma_acc(a, b, acc, FP32: tl.constexpr):
     """acc + a @ b, the products accumulated into acc by the MMA itself (as _mma otherwise)."""
     if FP32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=_FP32_DOT)
     return tl.dot(a, b, acc)
 
 

@@ -1,7 +1,7 @@
 """How fast many requests' grammar masks fill at once, by how their grammar states were made.
 
     python -m builder.bench.grammar_masks TOKENIZER_DIR [--rows 64] [--steps 24] [--templates 1 4 13]
-        [--threads N] [--vocab-size V]
+        [--vocab-size V] [--threads-sweep 1 2 4 8 13 [--sweep-templates 0 13]]
 
 Every row holds RECORDS_SCHEMA (builder.bench.structured) and walks its own seeded random path of allowed tokens;
 each step fills all rows' masks at once (``runtime.structured.fill_bitmasks``: llguidance's thread pool) and the
@@ -14,6 +14,12 @@ a served grammar is warm after its first requests); independent matchers start c
 - ``as served``: ``GrammarCompiler``'s grammar, once it has its ``spread`` matchers (``CompiledGrammar``);
 - ``independent``: every row a matcher compiled on its own (and the compile time per matcher).
 
+``--threads-sweep N...`` measures instead how the fill scales with llguidance's threads: every step fills the same
+states once per thread count (each from its own copies, in a rotating order, so no count reuses another's masks)
+and the median time and the median ratio to one-by-one filling on the calling thread are printed, for rows that are
+independent matchers (``--sweep-templates 0``) and copies of T templates (the served layout). Row costs are
+heavy-tailed (a state that builds new lexer states), so unpaired medians of different steps mislead.
+
 Nothing here needs a model or a GPU; the device's many cores are what it is for.
 """
 
@@ -23,6 +29,7 @@ import argparse
 import statistics
 import time
 
+import llguidance
 import torch
 
 from builder.bench.structured import RECORDS_SCHEMA
@@ -47,6 +54,53 @@ def fill_us(states: list[GrammarState], num_words: int, vocab: int, steps: int, 
     return statistics.median(times[1:])  # the first fill builds the lexers' first states
 
 
+def _advance(states: list, bitmask: torch.Tensor, vocab: int, gen: torch.Generator, restart) -> None:
+    """Each matcher advanced by a random token its mask allows; a stopped one replaced by ``restart(i)``."""
+    allowed = ((bitmask[:, :, None] & _BITS) != 0).flatten(1)[:, :vocab].float()
+    for i, m in enumerate(states):
+        if m.is_stopped() or m.is_error():
+            states[i] = restart(i)
+        else:
+            assert m.consume_token(int(torch.multinomial(allowed[i], 1, generator=gen))), m.get_error()
+
+
+def threads_sweep(compiler: GrammarCompiler, text: str, vocab: int, rows: int, steps: int, threads: list[int],
+                  templates: int, warm: int = 8) -> dict[str, tuple[float, float]]:
+    """{method: (median us per fill, median ratio to "serial")} over ``steps`` steps after ``warm`` (see the module
+    docstring); methods "serial" (one by one on this thread) and "threads N" (an LLExecutor of N threads)."""
+    num_words = compiler.num_words
+    if templates:
+        bases = [new_matcher(compiler.tokenizer(), text) for _ in range(templates)]
+        restart = lambda i: bases[i % templates].deep_copy()  # noqa: E731
+    else:
+        restart = lambda i: new_matcher(compiler.tokenizer(), text)  # noqa: E731
+    states = [restart(i) for i in range(rows)]
+    executors = {n: llguidance.LLExecutor(num_threads=n) for n in threads}
+    methods = ["serial"] + [f"threads {n}" for n in threads]
+    bitmask = torch.empty((rows, num_words), dtype=torch.int32)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    ratios: dict[str, list[float]] = {m: [] for m in methods}
+    gen = torch.Generator().manual_seed(0)
+    for step in range(warm + steps):
+        took = {}
+        for name in methods[step % len(methods):] + methods[:step % len(methods)]:
+            copies = [m.deep_copy() for m in states]  # the current state, no mask cached for it
+            start = time.perf_counter()
+            if name == "serial":
+                for i, m in enumerate(copies):
+                    m.unsafe_compute_mask_ptr(bitmask[i].data_ptr(), num_words * 4)
+            else:
+                executors[int(name.split()[1])].unsafe_compute_mask_ptr(
+                    [(m, i) for i, m in enumerate(copies)], bitmask.data_ptr(), num_words * 4, rows)
+            took[name] = (time.perf_counter() - start) * 1e6
+        if step >= warm:
+            for name, us in took.items():
+                times[name].append(us)
+                ratios[name].append(us / took["serial"])
+        _advance(states, bitmask, vocab, gen, restart)
+    return {m: (statistics.median(times[m]), statistics.median(ratios[m])) for m in methods}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("tokenizer")
@@ -54,12 +108,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--templates", type=int, nargs="+", default=[1, 4, 13])
     parser.add_argument("--vocab-size", type=int, default=None, help="mask width (default: the tokenizer's)")
+    parser.add_argument("--threads-sweep", type=int, nargs="+", default=None, metavar="N",
+                        help="instead: the fill's scaling with llguidance's threads, paired on the same states")
+    parser.add_argument("--sweep-templates", type=int, nargs="+", default=[0, 13],
+                        help="row layouts of the sweep: 0 = every row its own matcher, T = copies of T templates")
     args = parser.parse_args(argv)
     tokenizer = Tokenizer.from_dir(args.tokenizer)
     vocab = args.vocab_size or tokenizer.vocab_size
     compiler = GrammarCompiler(tokenizer, vocab)
     spec = StructuredOutput.json_schema(RECORDS_SCHEMA)
     text = grammar_text(spec)
+    if args.threads_sweep:
+        for t in args.sweep_templates:
+            layout = "independent matchers" if t == 0 else f"copies of {t} templates"
+            print(f"{args.rows} rows of RECORDS_SCHEMA, {vocab}-token vocabulary, {layout}; {args.steps} fills per "
+                  f"method on the same states")
+            for name, (us, ratio) in threads_sweep(compiler, text, vocab, args.rows, args.steps, args.threads_sweep,
+                                                   t).items():
+                print(f"  {name:>10}: {us:8.0f} us per fill (median), {us / args.rows:6.1f} per row, "
+                      f"{ratio:5.2f}x the serial fill's time (median of the steps' ratios)")
+        compiler.close()
+        return 0
     print(f"{args.rows} rows of RECORDS_SCHEMA, {vocab}-token vocabulary, {mask_threads()} mask threads; median "
           f"fill of all rows over {args.steps} steps")
     for t in args.templates:

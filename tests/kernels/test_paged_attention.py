@@ -1004,6 +1004,16 @@ def test_decode_config_setting_is_parsed_or_refused():
             pa._decode_config_override(bad)
 
 
+def test_fp32_dot_setting_is_parsed_or_refused():
+    """KERNELS_FP32_DOT: fp32 models' attention matmuls as tf32x3 (the default) or IEEE fp32; anything else refused."""
+    assert pa.fp32_dot_precision("") == "tf32x3"
+    assert pa.fp32_dot_precision("ieee") == "ieee"
+    assert pa.fp32_dot_precision(" tf32x3 ") == "tf32x3"
+    for bad in ("tf32", "fp32", "IEEE", "bf16x3"):
+        with pytest.raises(ValueError, match="KERNELS_FP32_DOT.*tf32x3, ieee"):
+            pa.fp32_dot_precision(bad)
+
+
 def test_prefill_config_setting_is_parsed_or_refused():
     """KERNELS_PREFILL_CONFIG (A/B runs of --prefill-sweep's best tilings): BLOCK_M:BLOCK_N:WARPS:STAGES."""
     assert pa.prefill_config_override("") is None
