@@ -130,6 +130,9 @@ def fp32_dot_precision(setting: str) -> str:
 
 
 _FP32_DOT = tl.constexpr(fp32_dot_precision(os.environ.get("KERNELS_FP32_DOT", "")))
+# INT8 caches' keys and values into fp16 operands by byte arithmetic (_s8_to); KERNELS_INT8_PTX=0: the compiler's
+# per-value conversion (A/B runs)
+_INT8_PTX = tl.constexpr(os.environ.get("KERNELS_INT8_PTX", "1") != "0")
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30  # "window" passed to the kernels when there is none: larger than any position
 
@@ -486,6 +489,34 @@ def _e4m3_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
+def _s8_to(x, dtype: tl.constexpr, PTX: tl.constexpr):
+    """int8 values as ``dtype``. PTX (fp16): four values per five instructions, in x's own layout: each byte's sign
+    bit flipped (x + 128 as an unsigned byte), two bytes set under 0x64 as the low bytes of two fp16 halves (prmt:
+    1024 + x + 128, exact), then 1152 taken off both halves at once (exact: x). A plain conversion is one I2F per
+    value at a fraction of the FMA rate, and it may be moved past the tile's layout change (see _e4m3_to)."""
+    if PTX:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 u, lo, hi, c, m;\n xor.b32 u, $2, 0x80808080;\n mov.b32 c, 0x64646464;\n"
+            " prmt.b32 lo, u, c, 0x4140;\n prmt.b32 hi, u, c, 0x4342;\n mov.b32 m, 0x64806480;\n"
+            " sub.f16x2 $0, lo, m;\n sub.f16x2 $1, hi, m; }", "=r,=r,r", [x], dtype=tl.float16, is_pure=True,
+            pack=4)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _kv_operand(x, dtype: tl.constexpr, QUANT: tl.constexpr, F16: tl.constexpr):
+    """A loaded key or value tile as the matmul's operand dtype: INT8 codes on fp16 operands by _s8_to's byte
+    arithmetic (with _INT8_PTX), anything else by a plain conversion (FP8 keys: the compiler's two-at-a-time cvt)."""
+    if QUANT == 2 and F16 and _INT8_PTX:
+        y = _s8_to(x, dtype, True)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
 def _tile_blocks(table, tile, pos, valid, any_valid, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The cache blocks of key tile ``tile`` (keys ``pos``): [BLOCK_N] ids, one per key, or where a block holds
     whole tiles (BLOCK_SIZE a multiple of BLOCK_N) the tile's one id, a scalar; 0 where nothing is to be read."""
@@ -519,10 +550,10 @@ def _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs
     """Fold one key tile of a decode query's rows q into the running (max, sum, acc): keys [HEAD_DIM, BLOCK_N] at
     k_cache_ptr + k_rows + k_offs and values [BLOCK_N, HEAD_DIM] at v_cache_ptr + v_rows + v_offs (_tile_rows), the
     keys ``valid`` [BLOCK_N] visible. The keys' masked lanes are left unloaded (garbage), masked out of s; the
-    values' are zero-filled by their load (16-bit and FP8 caches: no select; FP8 converted two at a time, _e4m3_to),
-    or zeroed after it (INT8, whose conversion is left to the compiler)."""
+    values' are zero-filled by their load (16-bit and FP8 caches: no select; FP8 converted two at a time, _e4m3_to,
+    INT8 on fp16 operands four at a time, _s8_to), or zeroed after it (INT8 otherwise: the compiler's conversion)."""
     k = tl.load(k_cache_ptr + k_rows + k_offs, mask=valid[None, :])  # [HEAD_DIM, BLOCK_N]
-    s = _mma(q, k.to(q.dtype), FP32) * qk_scale
+    s = _mma(q, _kv_operand(k, q.dtype, QUANT, F16), FP32) * qk_scale
     if SOFTCAP:
         s = _softcap(s, softcap)
     s = tl.where(valid[None, :], s, float("-inf"))
@@ -530,6 +561,8 @@ def _decode_key_tile(q, k_cache_ptr, k_rows, k_offs, v_cache_ptr, v_rows, v_offs
         v = _e4m3_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0), q.dtype, F16)
     elif QUANT == 0:
         v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0.0).to(q.dtype)
+    elif F16 and _INT8_PTX:  # zero-filled by the load (a zero code converts to 0.0), four at a time
+        v = _s8_to(tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None], other=0), q.dtype, True)
     else:
         v = tl.load(v_cache_ptr + v_rows + v_offs, mask=valid[:, None])  # [BLOCK_N, HEAD_DIM]
         v = tl.where(valid[:, None], v.to(q.dtype), 0.0)
@@ -1170,6 +1203,8 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
             v = _e4m3_to(tl.load(v_ptrs, mask=in_seq[:, None], other=0.0), q.dtype, F16)
         elif QUANT == 0:
             v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0).to(q.dtype)
+        elif F16 and _INT8_PTX:  # zero-filled by the load, four at a time
+            v = _s8_to(tl.load(v_ptrs, mask=in_seq[:, None], other=0), q.dtype, True)
         else:
             v = tl.where(in_seq[:, None], tl.load(v_ptrs, mask=in_seq[:, None]).to(q.dtype), 0.0)
     else:
@@ -1177,7 +1212,8 @@ def _prefill_key_tile(start, q, q_pos, m_i, l_i, acc, table, k_cache_ptr, v_cach
         if QUANT == 1 and (F16 or FP32):
             v = _e4m3_to(tl.load(v_ptrs), q.dtype, F16)
         else:
-            v = tl.load(v_ptrs).to(q.dtype)
+            v = _kv_operand(tl.load(v_ptrs), q.dtype, QUANT, F16)
+    k = _kv_operand(k, q.dtype, QUANT, F16)
     if ACC_DOT and not SOFTCAP:  # the scale folded into the exponent (_online_softmax_step_folded)
         s = _mma(q, k.to(q.dtype), FP32)
         if MASKED:
