@@ -238,6 +238,13 @@ def powers(base: int, limit: int) -> tuple[int, ...]:
     return tuple(sorted(set(out) | {limit}))
 
 
+def decode_graph_batch(max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """The largest batch DecodeGraphs captures: a decode step feeds one token a sequence within the step's token
+    budget, so no step runs more than ``max_num_batched_tokens`` sequences, whatever ``max_num_seqs`` allows to
+    run (a serve --max-num-seqs of 10**12 had sized the graphs' buffers and their largest capture by it)."""
+    return min(max_num_seqs, max_num_batched_tokens)
+
+
 def step_buckets(max_tokens: int, max_num_seqs: int, token_buckets: tuple[int, ...] = DEFAULT_STEP_TOKEN_BUCKETS,
                  seq_buckets: tuple[int, ...] | None = None) -> tuple[list[int], list[int]]:
     """StepGraphs' (token buckets, sequence buckets): those given below the largest step, and the largest. Given the

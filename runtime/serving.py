@@ -349,14 +349,16 @@ class ServingEngine:
         self.graphs = None
         self.step_graphs = None  # StepGraphs: steps carrying prefill, of up to prefill_graph_tokens tokens
         if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
-            from runtime.cuda_graphs import DecodeGraphs, StepGraphs
+            from runtime.cuda_graphs import DecodeGraphs, StepGraphs, decode_graph_batch
 
             graphs, step_graphs = DecodeGraphs, StepGraphs
             if getattr(self.executor, "tp_size", 1) > 1:  # every rank captures and replays its shard's steps
                 from runtime.tensor_parallel import TPDecodeGraphs as graphs
                 from runtime.tensor_parallel import TPStepGraphs as step_graphs
-            self.graphs = graphs(self.executor, self.storage, self.scheduler_config.max_num_seqs,
-                                 self.scheduler_config.max_seq_len)
+            sc = self.scheduler_config
+            self.graphs = graphs(self.executor, self.storage, decode_graph_batch(sc.max_num_seqs,
+                                                                                 sc.max_num_batched_tokens),
+                                 sc.max_seq_len)
             max_tokens = min(config.prefill_graph_tokens, self.scheduler_config.max_num_batched_tokens)
             if max_tokens > 1:
                 max_rows = self.scheduler_config.max_num_seqs

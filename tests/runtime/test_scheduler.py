@@ -72,6 +72,27 @@ def test_max_num_seqs_bounds_the_running_batch():
     _finish_all(s)
 
 
+def test_no_step_runs_more_sequences_than_the_token_budget():
+    """A step feeds at least one token a sequence within max_num_batched_tokens, so a running batch larger than the
+    budget decodes in turns and no step holds more sequences than the budget: what sizes the largest decode CUDA
+    graph (runtime.cuda_graphs.decode_graph_batch), whatever max_num_seqs allows to run."""
+    from runtime.cuda_graphs import decode_graph_batch
+
+    s = _scheduler(64, max_num_batched_tokens=5, max_num_seqs=10**12, max_waiting=16)
+    for i in range(12):
+        _add(s, f"r{i}", [1, 2], max_tokens=6)
+    widths, ran = [], set()
+    while s.running or s.waiting:
+        pack = _step(s)
+        widths.append(len(pack))
+        ran |= {rid for rid, _, _ in pack}
+        for r in [r for r in s.running if r.num_output_tokens >= 6]:
+            s.finish_request(r.request_id)
+    assert max(widths) == 5 and len(ran) == 12  # every request ran, at most 5 a step
+    assert decode_graph_batch(10**12, 5) == 5 and decode_graph_batch(3, 8192) == 3
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
 def test_preempts_the_newest_request_and_recomputes_it_from_the_prefix_cache():
     s = _scheduler(5)
     _add(s, "a", list(range(10, 18)))  # 8 tokens: blocks 0, 1
