@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from kernels import torch_ops as ops
 from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.manifest import MAX_SCALE_BLOCK
 from kernels.torch_quant import (fp8_fast_accum, int8_act_qmin, make_fp8_scaled_mm_linear, make_quant_linear,
                                   permute_input, scale_input)
 
@@ -521,7 +522,6 @@ def _check_weight_only_quant(graph: dict[str, Any]) -> None:
 
 LINEAR_SCHEMES = ("w4a16", "w8a16", "w8a8_int8", "fp8", "fp8_block")  # a quantized linear's (passes/ir.py's)
 W8A8_CODES = {"w8a8_int8": "int8", "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn"}  # qweight's dtype
-MAX_SCALE_BLOCK = 65536  # rows or columns of one fp8_block weight scale, at most (passes/ir.py's)
 
 
 def _param(graph: dict[str, Any], node: dict, role: str) -> tuple[list[int] | None, str | None] | None:
