@@ -470,14 +470,21 @@ def _is_whole(value: Any) -> bool:
 
 
 WEIGHT_ONLY_BITS = {"w4a16": 4, "w8a16": 8}  # a weight-only scheme's code width (kernels/torch_quant.py's layout)
+# a weight-only linear's tensors: role -> (the dtype the project writes, what it holds). The passes (quant_math, gptq,
+# awq, int8_wo) and builder/prequantized.py's imports all store uint8 codes (4-bit ones two a byte), fp32 scales and
+# uint8 zero points; the runtime reads the codes and zeros as unsigned bytes (int8 ones are off by 128, wider ones
+# are not a layout it has) and the kernels take the scales as fp32
+WEIGHT_ONLY_DTYPES = {"qweight": ("uint8", "codes"), "scales": ("float32", "scales"), "zeros": ("uint8", "zero points")}
 
 
 def _check_weight_only_quant(graph: dict[str, Any]) -> None:
     """Each weight-only linear / lm_head (w4a16, w8a16) against its stored tensors, in kernels/torch_quant.py's layout:
     quant bits the scheme's (4 or 8), group_size -1 (one group a row) or a whole number dividing the input features,
     qweight [out, in * bits / 8] (of the linear's in_features x out_features where the graph is not sharded: a rank's
-    shapes are its own), scales and zeros [out, in / group_size] each. Before, such a linear loaded through the
-    compiler's catch-all (a reshape's RuntimeError) or computed over the wrong groups."""
+    shapes are its own), scales and zeros [out, in / group_size] each; qweight and zeros uint8, scales float32
+    (WEIGHT_ONLY_DTYPES, what the passes and the imports write). Before, such a linear loaded through the compiler's
+    catch-all (a reshape's RuntimeError) or computed over the wrong groups, or (int8 or int32 zeros, fp16 scales)
+    dequantized its weights from bytes of another type."""
     params = graph.get("params", {})
     sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
     for i, node in enumerate(graph["nodes"]):
@@ -501,6 +508,10 @@ def _check_weight_only_quant(graph: dict[str, Any]) -> None:
             if not isinstance(shape, list) or len(shape) != 2 or not all(_is_whole(d) for d in shape):
                 raise GraphFormatError(f"{where}: its {role} is {shape!r} in the graph's params; a {scheme} linear's "
                                        f"{role} is 2-D")
+            dtype, (allowed, what) = info.get("dtype"), WEIGHT_ONLY_DTYPES[role]
+            if dtype is not None and dtype != allowed:
+                raise GraphFormatError(f"{where}: its {role} is {dtype}; a {scheme} linear stores {allowed} {what} "
+                                       f"(allowed: {allowed})")
             shapes[role] = shape
         out_features, in_features = shapes["qweight"][0], shapes["qweight"][1] * 8 // bits
         if not sharded and (attrs.get("out_features", out_features), attrs.get("in_features", in_features)) != (

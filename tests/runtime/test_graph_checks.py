@@ -99,6 +99,13 @@ def _set(path: str, value):
     return change
 
 
+def _dtype(name: str, dtype: str):
+    """Set a param's stored dtype (``q.zeros`` -> ``int32``)."""
+    def change(graph: dict) -> None:
+        graph["params"][name]["dtype"] = dtype
+    return change
+
+
 @pytest.mark.parametrize("change, says", [
     (_set("quant.bits", 3), r"quant bits is 3; a w4a16 linear stores 4-bit codes \(allowed: 4\)"),
     (_set("quant.bits", 8), r"quant bits is 8; a w4a16 linear stores 4-bit codes \(allowed: 4\)"),
@@ -116,12 +123,32 @@ def _set(path: str, value):
     (_set("q.zeros", [8]), r"its zeros is \[8\] in the graph's params; a w4a16 linear's zeros is 2-D"),
     (_set("attrs.in_features", 16), r"its qweight \[8, 4\] holds 8 x 8 4-bit codes; attrs out_features x "
                                     r"in_features are 8 x 16"),
+    # stored types the project never writes (uint8 codes and zero points, fp32 scales): the zero points' or codes'
+    # bytes read as another type (int8 ones off by 128, int32 ones four a value), fp16 scales not the kernels' fp32
+    (_dtype("q.zeros", "int32"), r"its zeros is int32; a w4a16 linear stores uint8 zero points \(allowed: uint8\)"),
+    (_dtype("q.zeros", "int8"), r"its zeros is int8; a w4a16 linear stores uint8 zero points \(allowed: uint8\)"),
+    (_dtype("q.zeros", "float32"), r"its zeros is float32; a w4a16 linear stores uint8 zero points"),
+    (_dtype("q.scales", "float16"), r"its scales is float16; a w4a16 linear stores float32 scales \(allowed: "
+                                    r"float32\)"),
+    (_dtype("q.scales", "bfloat16"), r"its scales is bfloat16; a w4a16 linear stores float32 scales"),
+    (_dtype("q.qweight", "int8"), r"its qweight is int8; a w4a16 linear stores uint8 codes \(allowed: uint8\)"),
 ])
 def test_weight_only_quant_attrs_that_disagree_with_their_tensors_are_refused(change, says):
     """Each message names the node (node 1, the linear from model.q), the attr and the tensors' shapes."""
     graph = _quantized()
     change(graph)
     with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        check_graph(graph)
+
+
+@pytest.mark.parametrize("role, dtype, allowed", [("zeros", "int8", "uint8"), ("zeros", "int64", "uint8"),
+                                                  ("scales", "float16", "float32"), ("qweight", "int8", "uint8")])
+def test_w8a16_tensors_of_another_dtype_are_refused(role, dtype, allowed):
+    """w8a16 as w4a16: uint8 codes and zero points (zero point 128 for the INT8 imports), fp32 scales."""
+    graph = _quantized("w8a16", -1)
+    _dtype(f"q.{role}", dtype)(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): its {role} is {dtype}; a w8a16 "
+                                               rf"linear stores {allowed} .*\(allowed: {allowed}\)$"):
         check_graph(graph)
 
 
