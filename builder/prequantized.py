@@ -95,8 +95,10 @@ import torch
 from torch import Tensor
 
 from kernels.torch_quant import dequantize_weight, dequantize_weight_fp8_blocks
-from passes.ir import MAX_SCALE_BLOCK, block_size_ok
+from passes.ir import block_size_ok
 from passes.quant_math import pack_int4
+from runtime.manifest import MAX_SCALE_BLOCK
+
 
 class PrequantizedError(ValueError):
     """A quantization config or tensor the import cannot read; ``builder/checkpoint.py`` raises it as a

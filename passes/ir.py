@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from runtime.manifest import MAX_SCALE_BLOCK  # one fp8_block scale's rows or columns, at most
+
 IR_VERSION = 1
 
 
@@ -182,9 +184,6 @@ MOE_QUANT_SCHEMES: dict[str, tuple[str, ...]] = {
     "fp8_block": ("w_gate_up_scale", "w_down_scale"),  # one scale per [bn, bk] block of each expert (quant block_size)
 }
 ELEMENTWISE = ("add", "mul", "scale")
-
-
-MAX_SCALE_BLOCK = 65536  # rows or columns of one fp8_block weight scale, at most (checkpoints use 128)
 
 
 def block_size_ok(block: Any) -> bool:

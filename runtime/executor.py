@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from kernels import torch_ops as ops
 from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
+from runtime.manifest import MAX_SCALE_BLOCK
 from kernels.torch_quant import (fp8_fast_accum, int8_act_qmin, make_fp8_scaled_mm_linear, make_quant_linear,
                                   permute_input, scale_input)
 
@@ -391,6 +392,7 @@ def check_graph(graph: dict[str, Any]) -> None:
     _check_attrs(graph)
     _check_weight_only_quant(graph)
     _check_w8a8_quant(graph)
+    _check_input_roles(graph)
     _check_moe_experts(graph)
     _check_logits_output(graph)
 
@@ -469,14 +471,21 @@ def _is_whole(value: Any) -> bool:
 
 
 WEIGHT_ONLY_BITS = {"w4a16": 4, "w8a16": 8}  # a weight-only scheme's code width (kernels/torch_quant.py's layout)
+# a weight-only linear's tensors: role -> (the dtype the project writes, what it holds). The passes (quant_math, gptq,
+# awq, int8_wo) and builder/prequantized.py's imports all store uint8 codes (4-bit ones two a byte), fp32 scales and
+# uint8 zero points; the runtime reads the codes and zeros as unsigned bytes (int8 ones are off by 128, wider ones
+# are not a layout it has) and the kernels take the scales as fp32
+WEIGHT_ONLY_DTYPES = {"qweight": ("uint8", "codes"), "scales": ("float32", "scales"), "zeros": ("uint8", "zero points")}
 
 
 def _check_weight_only_quant(graph: dict[str, Any]) -> None:
     """Each weight-only linear / lm_head (w4a16, w8a16) against its stored tensors, in kernels/torch_quant.py's layout:
     quant bits the scheme's (4 or 8), group_size -1 (one group a row) or a whole number dividing the input features,
     qweight [out, in * bits / 8] (of the linear's in_features x out_features where the graph is not sharded: a rank's
-    shapes are its own), scales and zeros [out, in / group_size] each. Before, such a linear loaded through the
-    compiler's catch-all (a reshape's RuntimeError) or computed over the wrong groups."""
+    shapes are its own), scales and zeros [out, in / group_size] each; qweight and zeros uint8, scales float32
+    (WEIGHT_ONLY_DTYPES, what the passes and the imports write). Before, such a linear loaded through the compiler's
+    catch-all (a reshape's RuntimeError) or computed over the wrong groups, or (int8 or int32 zeros, fp16 scales)
+    dequantized its weights from bytes of another type."""
     params = graph.get("params", {})
     sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
     for i, node in enumerate(graph["nodes"]):
@@ -500,6 +509,10 @@ def _check_weight_only_quant(graph: dict[str, Any]) -> None:
             if not isinstance(shape, list) or len(shape) != 2 or not all(_is_whole(d) for d in shape):
                 raise GraphFormatError(f"{where}: its {role} is {shape!r} in the graph's params; a {scheme} linear's "
                                        f"{role} is 2-D")
+            dtype, (allowed, what) = info.get("dtype"), WEIGHT_ONLY_DTYPES[role]
+            if dtype is not None and dtype != allowed:
+                raise GraphFormatError(f"{where}: its {role} is {dtype}; a {scheme} linear stores {allowed} {what} "
+                                       f"(allowed: {allowed})")
             shapes[role] = shape
         out_features, in_features = shapes["qweight"][0], shapes["qweight"][1] * 8 // bits
         if not sharded and (attrs.get("out_features", out_features), attrs.get("in_features", in_features)) != (
@@ -521,7 +534,6 @@ def _check_weight_only_quant(graph: dict[str, Any]) -> None:
 
 LINEAR_SCHEMES = ("w4a16", "w8a16", "w8a8_int8", "fp8", "fp8_block")  # a quantized linear's (passes/ir.py's)
 W8A8_CODES = {"w8a8_int8": "int8", "fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn"}  # qweight's dtype
-MAX_SCALE_BLOCK = 65536  # rows or columns of one fp8_block weight scale, at most (passes/ir.py's)
 
 
 def _param(graph: dict[str, Any], node: dict, role: str) -> tuple[list[int] | None, str | None] | None:
@@ -623,6 +635,82 @@ def _check_w8a8_quant(graph: dict[str, Any]) -> None:
             raise GraphFormatError(f"{where}: its weight_scale is {scale}; quant scheme {scheme}{declared} scales "
                                    f"weights {per}: over qweight {shape}, "
                                    f"{' or '.join(str(w) for w in wants if w)}")
+
+
+# INPUT_ROLES' dtypes: role -> (the dtypes allowed, what it holds). The imports write int32 perms and fp32
+# pre_quant_scales (builder/prequantized.py, passes/ir.py QUANT_ROLES); the kernels read a perm as int64 indices and
+# a scale in fp32 (kernels/torch_quant.py permute_input, scale_input), so the other whole / 16-bit types run the same
+INPUT_DTYPES = {"perm": (("int32", "int64"), "input feature indices"),
+                "pre_quant_scale": (("float32", "bfloat16", "float16"), "input feature scales")}
+
+
+def _check_input_roles(graph: dict[str, Any]) -> None:
+    """Each linear / lm_head's INPUT_ROLES against its codes: a perm (an imported act-order gather, x[:, perm]) and a
+    pre_quant_scale (an exporter's per-input-channel scale, x * s) are 1-D, one entry per input feature of its qweight
+    (a rank's own where the graph is sharded: a row-parallel linear's scale is cut with its input columns), of the
+    dtypes INPUT_DTYPES allows, and only on a quantized linear (an unquantized one never applies them). Their values
+    are checked when the linear is built (``_check_input_tensors``). Before, a perm or scale of another length loaded
+    and failed the first request (an index_select's or a broadcast's RuntimeError), a float perm gathered truncated
+    indices, and an unquantized linear ran without them."""
+    sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
+    for i, node in enumerate(graph["nodes"]):
+        roles = [r for r in INPUT_ROLES if r in node.get("weights", {})]
+        if node["op"] not in ("linear", "lm_head") or not roles:
+            continue
+        where, quant = _node_name(i, node), node.get("attrs", {}).get("quant")
+        if not quant:
+            raise GraphFormatError(f"{where}: it carries {roles[0]} but has no quant attr; only a quantized linear "
+                                   f"reads its input through a perm or a pre_quant_scale (an unquantized one would "
+                                   f"run without it)")
+        scheme, qweight = quant.get("scheme"), _param(graph, node, "qweight")
+        if qweight is None or qweight[0] is None or len(qweight[0]) != 2:
+            continue  # the scheme's own checks name a missing or malformed qweight
+        in_features = qweight[0][1] * 8 // WEIGHT_ONLY_BITS[scheme] if scheme in WEIGHT_ONLY_BITS else qweight[0][1]
+        own = " (this rank's own)" if sharded else ""
+        for role in roles:
+            (shape, dtype), (allowed, what) = _param(graph, node, role), INPUT_DTYPES[role]
+            if shape != [in_features]:
+                raise GraphFormatError(f"{where}: its {role} is {shape!r} in the graph's params; qweight "
+                                       f"{qweight[0]} ({scheme}) reads {in_features} input features{own}, and a "
+                                       f"{role} holds one per input feature: [{in_features}]")
+            if dtype is not None and dtype not in allowed:
+                raise GraphFormatError(f"{where}: its {role} is {dtype}; a {role} holds {what} (allowed: "
+                                       f"{', '.join(allowed)})")
+
+
+def _check_input_tensors(w: dict[str, torch.Tensor], where: str) -> None:
+    """A linear's perm and pre_quant_scale as loaded (their shapes and dtypes are ``_check_input_roles``'): the perm
+    a permutation of 0..in - 1, every input feature once (x[:, perm] with an index out of range reads past the row,
+    with one twice it reads a column twice and drops another: wrong outputs, silently); the pre_quant_scale finite
+    (one inf or nan makes every output of the linear inf or nan) and not all 0 (the linear's whole input zeroed). A
+    few zeros stay allowed, as in a weight's scales (a dropped input channel), and negative scales too: x * s with
+    the columns made for s is exact whatever its sign."""
+    perm = w.get("perm")
+    if perm is not None:
+        index, n = perm.reshape(-1).long(), perm.numel()
+        low, high = (int(index.min()), int(index.max())) if n else (0, -1)
+        if low < 0 or high >= n:
+            raise GraphFormatError(f"{where}: its perm holds indices {low}..{high}; a perm of {n} input features is "
+                                   f"a permutation of 0..{n - 1}, each index once: rebuild the artifact")
+        counts = torch.bincount(index, minlength=n)
+        if not bool(counts.eq(1).all()):
+            twice, never = int(torch.nonzero(counts > 1)[0, 0]), int(torch.nonzero(counts == 0)[0, 0])
+            raise GraphFormatError(f"{where}: its perm holds index {twice} {int(counts[twice])} times and never "
+                                   f"{never}; a perm of {n} input features is a permutation of 0..{n - 1}, each index "
+                                   f"once: rebuild the artifact")
+    scale = w.get("pre_quant_scale")
+    if scale is not None:
+        values = scale.float().reshape(-1)
+        finite = torch.isfinite(values)
+        if not bool(finite.all()):
+            at = int(torch.nonzero(~finite)[0, 0])
+            raise GraphFormatError(f"{where}: its pre_quant_scale holds {float(values[at])} (input feature {at}); "
+                                   f"expected finite scales (the linear reads x * pre_quant_scale): rebuild the "
+                                   f"artifact")
+        if values.numel() and not bool(values.ne(0).any()):
+            raise GraphFormatError(f"{where}: every one of its {values.numel()} pre_quant_scale values is 0, which "
+                                   f"zeroes the linear's whole input; expected nonzero scales (a few zeros, dropped "
+                                   f"input channels, are allowed): rebuild the artifact")
 
 
 # a moe node's quant scheme -> the weight roles it adds (passes/ir.py's MOE_QUANT_SCHEMES); None: float experts
@@ -1060,6 +1148,12 @@ def _linear(w, attrs, ex) -> Kernel:
         except ValueError as e:
             raise GraphFormatError(f"{ex._node.get('op', 'linear')} {ex._node.get('source') or ''}: {e}; update the "
                                    f"runtime or rebuild the artifact") from None
+    if set(INPUT_ROLES) & set(w):  # what the linear does to its input, from the loaded tensors (before any path)
+        where = _node_name(ex._index, ex._node)
+        if not quant:
+            raise GraphFormatError(f"{where}: it carries {', '.join(r for r in INPUT_ROLES if r in w)} but has no "
+                                   f"quant attr; only a quantized linear reads its input through them")
+        _check_input_tensors(w, where)
     if quant and "pre_quant_scale" in w and ex.use_kernels:  # an exporter's input scale: x * s, then any kernel path
         rest = {role: t for role, t in w.items() if role != "pre_quant_scale"}
         inner = _linear(rest, {k: v for k, v in attrs.items() if k != "split_sizes"}, ex)

@@ -51,6 +51,9 @@ MOE_QUANT_WEIGHTS = {"fp8": ("w_gate_up_scale", "w_down_scale"),
                      "fp8_block": ("w_gate_up_scale", "w_down_scale")}
 # the quant attrs a scheme's runtime reads
 SCHEME_ATTRS = {"w4a16": ("bits", "group_size"), "w8a16": ("bits", "group_size"), "fp8_block": ("block_size",)}
+# rows or columns of one fp8_block weight scale, at most (checkpoints use 128): the one bound on a quant's block_size,
+# held by passes/ir.py (block_size_ok), builder/prequantized.py and runtime/executor.py (_block_size)
+MAX_SCALE_BLOCK = 65536
 # optional quant attrs that change what a linear computes: attr -> (the scheme that may carry it, the values this
 # runtime runs); another value, or the attr on another scheme, is refused (kernels/torch_quant.py int8_act_qmin)
 SCHEME_OPTIONAL_ATTRS = {"act_qmin": ("w8a8_int8", (-127, -128))}  # kernels/torch_quant.py INT8_ACT_QMINS

@@ -99,6 +99,13 @@ def _set(path: str, value):
     return change
 
 
+def _dtype(name: str, dtype: str):
+    """Set a param's stored dtype (``q.zeros`` -> ``int32``)."""
+    def change(graph: dict) -> None:
+        graph["params"][name]["dtype"] = dtype
+    return change
+
+
 @pytest.mark.parametrize("change, says", [
     (_set("quant.bits", 3), r"quant bits is 3; a w4a16 linear stores 4-bit codes \(allowed: 4\)"),
     (_set("quant.bits", 8), r"quant bits is 8; a w4a16 linear stores 4-bit codes \(allowed: 4\)"),
@@ -116,12 +123,32 @@ def _set(path: str, value):
     (_set("q.zeros", [8]), r"its zeros is \[8\] in the graph's params; a w4a16 linear's zeros is 2-D"),
     (_set("attrs.in_features", 16), r"its qweight \[8, 4\] holds 8 x 8 4-bit codes; attrs out_features x "
                                     r"in_features are 8 x 16"),
+    # stored types the project never writes (uint8 codes and zero points, fp32 scales): the zero points' or codes'
+    # bytes read as another type (int8 ones off by 128, int32 ones four a value), fp16 scales not the kernels' fp32
+    (_dtype("q.zeros", "int32"), r"its zeros is int32; a w4a16 linear stores uint8 zero points \(allowed: uint8\)"),
+    (_dtype("q.zeros", "int8"), r"its zeros is int8; a w4a16 linear stores uint8 zero points \(allowed: uint8\)"),
+    (_dtype("q.zeros", "float32"), r"its zeros is float32; a w4a16 linear stores uint8 zero points"),
+    (_dtype("q.scales", "float16"), r"its scales is float16; a w4a16 linear stores float32 scales \(allowed: "
+                                    r"float32\)"),
+    (_dtype("q.scales", "bfloat16"), r"its scales is bfloat16; a w4a16 linear stores float32 scales"),
+    (_dtype("q.qweight", "int8"), r"its qweight is int8; a w4a16 linear stores uint8 codes \(allowed: uint8\)"),
 ])
 def test_weight_only_quant_attrs_that_disagree_with_their_tensors_are_refused(change, says):
     """Each message names the node (node 1, the linear from model.q), the attr and the tensors' shapes."""
     graph = _quantized()
     change(graph)
     with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        check_graph(graph)
+
+
+@pytest.mark.parametrize("role, dtype, allowed", [("zeros", "int8", "uint8"), ("zeros", "int64", "uint8"),
+                                                  ("scales", "float16", "float32"), ("qweight", "int8", "uint8")])
+def test_w8a16_tensors_of_another_dtype_are_refused(role, dtype, allowed):
+    """w8a16 as w4a16: uint8 codes and zero points (zero point 128 for the INT8 imports), fp32 scales."""
+    graph = _quantized("w8a16", -1)
+    _dtype(f"q.{role}", dtype)(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): its {role} is {dtype}; a w8a16 "
+                                               rf"linear stores {allowed} .*\(allowed: {allowed}\)$"):
         check_graph(graph)
 
 
@@ -273,6 +300,127 @@ def test_an_unknown_quant_scheme_on_a_linear_is_refused():
     with pytest.raises(GraphFormatError, match=r"^node 1 \(linear, from model\.q\): quant scheme is 'nvfp4'; allowed: "
                                                r"w4a16, w8a16, w8a8_int8, fp8, fp8_block"):
         check_graph(graph)
+
+
+def _input_role(graph: dict, role: str, shape: list[int] | None = None, dtype: str | None = None,
+                node: int = 1) -> dict:
+    """Give a linear (node 1: model.q) an input role, ``perm`` (int32) or ``pre_quant_scale`` (float32), of one entry
+    per input feature of its qweight unless ``shape`` / ``dtype`` say otherwise."""
+    qweight = graph["params"].get(graph["nodes"][node]["weights"].get("qweight", ""), {}).get("shape", [0, HIDDEN])
+    in_features = qweight[1] * 8 // graph["nodes"][node]["attrs"].get("quant", {}).get("bits", 8)  # 4-bit: 2 a byte
+    graph["params"][f"n{node}.{role}"] = {"shape": shape if shape is not None else [in_features],
+                                         "dtype": dtype or ("int32" if role == "perm" else "float32")}
+    graph["nodes"][node]["weights"][role] = f"n{node}.{role}"
+    return graph
+
+
+def _row_parallel(graph: dict) -> dict:
+    """A sharded W8A8 linear's rank share cut along its input (row-parallel): qweight [8, 4] of in_features 8."""
+    graph["params"]["q.qweight"]["shape"] = [HIDDEN, HIDDEN // 2]
+    return graph
+
+
+def test_the_crafted_input_role_graphs_pass():
+    """The imports' layouts: an act-order perm int32 [in] (GPTQ, compressed-tensors: w4a16 / w8a16), a
+    pre_quant_scale float32 [in] (ModelOpt AWQ: w4a16; SmoothQuant: w8a8_int8), both together; sharded, a
+    row-parallel linear's scale is its rank's columns."""
+    for scheme, group_size in (("w4a16", 4), ("w4a16", -1), ("w8a16", 2)):
+        check_graph(_input_role(_quantized(scheme, group_size), "perm"))
+        check_graph(_input_role(_quantized(scheme, group_size), "perm", dtype="int64"))
+        check_graph(_input_role(_input_role(_quantized(scheme, group_size), "perm"), "pre_quant_scale"))
+    check_graph(_input_role(_w8a8("w8a8_int8", None, static=True), "pre_quant_scale"))
+    check_graph(_input_role(_w8a8("fp8", "channel"), "pre_quant_scale", dtype="bfloat16"))
+    check_graph(_input_role(_row_parallel(_w8a8("w8a8_int8", None, tp_size=2)), "pre_quant_scale", [HIDDEN // 2]))
+
+
+@pytest.mark.parametrize("make, says", [
+    # another length: an index_select's or a broadcast's RuntimeError at the first request
+    (lambda: _input_role(_quantized(), "perm", [4]),
+     r"its perm is \[4\] in the graph's params; qweight \[8, 4\] \(w4a16\) reads 8 input features, and a perm "
+     r"holds one per input feature: \[8\]$"),
+    (lambda: _input_role(_quantized(), "perm", [8, 1]), r"its perm is \[8, 1\] in the graph's params; .*: \[8\]$"),
+    (lambda: _input_role(_quantized("w8a16"), "pre_quant_scale", [4]),
+     r"its pre_quant_scale is \[4\] in the graph's params; qweight \[8, 8\] \(w8a16\) reads 8 input features"),
+    (lambda: _input_role(_w8a8("fp8"), "pre_quant_scale", [16]),
+     r"its pre_quant_scale is \[16\] in the graph's params; qweight \[8, 8\] \(fp8\) reads 8 input features"),
+    # sharded: the rank's own columns (a row-parallel linear's scale is cut with them), not attrs in_features
+    (lambda: _input_role(_row_parallel(_w8a8("w8a8_int8", None, tp_size=2)), "pre_quant_scale", [HIDDEN]),
+     r"its pre_quant_scale is \[8\] in the graph's params; qweight \[8, 4\] \(w8a8_int8\) reads 4 input features "
+     r"\(this rank's own\), and a pre_quant_scale holds one per input feature: \[4\]$"),
+    # another type: a float perm gathers truncated indices; an integer scale is no exporter's
+    (lambda: _input_role(_quantized(), "perm", dtype="float32"),
+     r"its perm is float32; a perm holds input feature indices \(allowed: int32, int64\)$"),
+    (lambda: _input_role(_quantized(), "perm", dtype="uint8"), r"its perm is uint8; .*\(allowed: int32, int64\)$"),
+    (lambda: _input_role(_quantized(), "pre_quant_scale", dtype="int32"),
+     r"its pre_quant_scale is int32; a pre_quant_scale holds input feature scales \(allowed: float32, bfloat16, "
+     r"float16\)$"),
+])
+def test_input_roles_that_disagree_with_their_linear_are_refused(make, says):
+    """A linear's perm / pre_quant_scale: 1-D, one per input feature of its codes, of an integer / floating dtype;
+    each message names the node, the role, what it holds and what is allowed."""
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        check_graph(make())
+
+
+def test_input_roles_on_an_unquantized_linear_are_refused():
+    """An unquantized linear never applies a perm or a pre_quant_scale: it would run as if they were not there."""
+    graph = _input_role(_w8a8("fp8"), "perm", node=2)  # the lm_head, unquantized
+    with pytest.raises(GraphFormatError, match=r"^node 2 \(lm_head, from lm_head\): it carries perm but has no quant "
+                                               r"attr; only a quantized linear reads its input through"):
+        check_graph(graph)
+
+
+def _weight_only_tensors(graph: dict, perm: torch.Tensor | None = None,
+                         scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Tensors for _quantized()'s graph (w4a16, groups of 4) with ``perm`` / ``scale`` as its input roles."""
+    params = {"embed": torch.randn(VOCAB, HIDDEN), "head": torch.randn(VOCAB, HIDDEN),
+              "q.qweight": torch.randint(0, 256, (HIDDEN, HIDDEN // 2), dtype=torch.uint8),
+              "q.scales": torch.rand(HIDDEN, 2) + 0.5, "q.zeros": torch.full((HIDDEN, 2), 8, dtype=torch.uint8)}
+    for role, t in (("perm", perm), ("pre_quant_scale", scale)):
+        if t is not None:
+            _input_role(graph, role)
+            params[f"n1.{role}"] = t
+    return params
+
+
+@pytest.mark.parametrize("perm, says", [
+    ([0, 1, 2, 3, 4, 5, 6, 6], r"its perm holds index 6 2 times and never 7; a perm of 8 input features is a "
+                               r"permutation of 0\.\.7, each index once"),
+    ([7, 6, 5, 4, 3, 2, 1, 8], r"its perm holds indices 1\.\.8; a perm of 8 input features is a permutation of 0\.\.7"),
+    ([0, 1, 2, 3, 4, 5, 6, -1], r"its perm holds indices -1\.\.6; a perm of 8 input features"),
+])
+def test_a_perm_that_is_not_a_permutation_is_refused_when_the_linear_is_built(perm, says):
+    """x[:, perm] over a perm with an index twice reads one input column twice and drops another (wrong outputs,
+    silently); one out of range fails the first request deep in a gather. The values are the loaded tensor's, checked
+    when the Executor is built (Engine.load), the message naming the node."""
+    from runtime.executor import Executor
+
+    graph = _quantized()
+    Executor(graph, _weight_only_tensors(graph, perm=torch.randperm(HIDDEN).to(torch.int32)))  # a permutation
+    graph = _quantized()
+    params = _weight_only_tensors(graph, perm=torch.tensor(perm, dtype=torch.int32))
+    check_graph(graph)  # its shape and dtype are right
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        Executor(graph, params)
+
+
+@pytest.mark.parametrize("scale, says", [
+    ([1.0] * 7 + [float("nan")], r"its pre_quant_scale holds nan \(input feature 7\); expected finite scales"),
+    ([float("inf")] + [1.0] * 7, r"its pre_quant_scale holds inf \(input feature 0\); expected finite scales"),
+    ([0.0] * 8, r"every one of its 8 pre_quant_scale values is 0, which zeroes the linear's whole input"),
+])
+def test_a_pre_quant_scale_that_is_not_finite_or_all_zero_is_refused_when_the_linear_is_built(scale, says):
+    """x * s with an inf or nan in s makes every output of the linear inf or nan; all zeros zero its input. A few
+    zeros (a dropped input channel) and negative scales (x * s with the columns made for it is exact) still load."""
+    from runtime.executor import Executor
+
+    graph = _quantized()
+    Executor(graph, _weight_only_tensors(graph, scale=torch.tensor([0.5, -2.0, 0.0, 1.0, 3.0, 1.0, 1.0, 0.25])))
+    graph = _quantized()
+    params = _weight_only_tensors(graph, scale=torch.tensor(scale))
+    check_graph(graph)
+    with pytest.raises(GraphFormatError, match=rf"^node 1 \(linear, from model\.q\): {says}"):
+        Executor(graph, params)
 
 
 EXPERTS, INTER = 4, 4
