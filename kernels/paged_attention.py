@@ -117,7 +117,8 @@ _PREFILL_CONFIG_OVERRIDE = prefill_config_override(_PREFILL_CONFIG_SETTING)
 # How an fp32 model's attention matmuls run on the GPU (KERNELS_FP32_DOT): "tf32x3", the default, splits each fp32
 # operand into a TF32 high part and a TF32 remainder and takes three tensor-core products (high x high, high x low,
 # low x high; the dropped low x low term is ~2^-22 of the product), "ieee" takes IEEE fp32 products on the FMA
-# units, 5-10x slower at the bundled model's shapes. The interpreter computes in fp32 either way.
+# units (the bundled fp32 model's decode step: 0.233 against 0.179 ms of GPU time on an H200, docs/BENCHMARKS.md
+# session 49). The interpreter computes in fp32 either way.
 _FP32_DOT_PRECISIONS = ("tf32x3", "ieee")
 
 

@@ -135,8 +135,9 @@ def _traced(engine, prompts: list, output_len: int, top: int) -> tuple[str, str]
     gpu_us = sum(e.device_time_total for e in kernels)
     steps = max(engine.num_steps - steps0, 1)
     summary = (f"{tokens} tokens, {steps} steps: wall {wall / tokens * 1e3:.3f} ms a token, GPU kernels and copies "
-               f"{gpu_us / tokens / 1e3:.3f} ms a token ({gpu_us / steps / 1e3:.3f} ms a step, {len(kernels) / steps:.1f} "
-               f"launches a step), GPU busy {gpu_us / 1e6 / wall:.0%} of the wall time (under the profiler)")
+               f"{gpu_us / tokens / 1e3:.3f} ms a token ({gpu_us / steps / 1e3:.3f} ms a step, "
+               f"{len(kernels) / steps:.1f} launches a step), GPU busy {gpu_us / 1e6 / wall:.0%} of the wall time "
+               f"(under the profiler)")
     table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=top)
     return summary, table
 
