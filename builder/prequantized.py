@@ -577,15 +577,26 @@ def _read_8bit(module: str, tensors: dict[str, Tensor], in_f: int, out_f: int, i
 def _read_pre_quant_scale(name: str, tensors: dict[str, Tensor], in_f: int, ir: dict[str, Tensor],
                           why: str) -> None:
     """A ModelOpt linear's ``pre_quant_scale`` [in] (its input quantizer's per-input-channel scale s, the model's
-    dtype; ``why`` whose), where the export kept one: the IR's pre_quant_scale role, in fp32 (exact)."""
+    dtype; ``why`` whose), where the export kept one: the IR's pre_quant_scale role, in fp32 (exact). Its values as
+    the runtime allows them at load (runtime/executor.py ``_check_input_tensors``): finite (one inf or nan makes every
+    output of the linear inf or nan) and not all 0 (the linear's whole input zeroed), so that a build fails here
+    instead of writing an artifact the runtime refuses. A few zeros (dropped input channels) and negative values stay
+    allowed: W (x * s) with the codes made for s is exact whatever its sign (signed exports, AutoRound-style)."""
     pqs = tensors.get(name)
     if pqs is None:
         return
     _check(name, pqs, FLOATS, (in_f,), f"one scale per input feature of the {in_f}: the linear computes "
                                        f"W (x * pre_quant_scale)")
-    if not bool(torch.isfinite(pqs).all()):
-        raise PrequantizedError(f"tensor {name!r} holds inf or nan; expected finite scales ({why}, positive)")
-    ir["pre_quant_scale"] = pqs.float().contiguous()
+    values = pqs.float()
+    allowed = f"expected finite scales, not all 0 ({why}; a few zeros and negative values are allowed)"
+    finite = torch.isfinite(values)
+    if not bool(finite.all()):
+        at = int(torch.nonzero(~finite)[0, 0])
+        raise PrequantizedError(f"tensor {name!r} holds {float(values[at])} (input feature {at}); {allowed}")
+    if values.numel() and not bool(values.ne(0).any()):
+        raise PrequantizedError(f"tensor {name!r} is 0 in all {values.numel()} values, which zeroes the linear's "
+                                f"whole input; {allowed}")
+    ir["pre_quant_scale"] = values.contiguous()
 
 
 def _fp8_inputs(a: dict | None) -> bool:

@@ -718,6 +718,10 @@ MOE_SCHEMES: dict[str | None, tuple[str, ...]] = {
     None: (), "fp8": ("w_gate_up_scale", "w_down_scale"), "fp8_block": ("w_gate_up_scale", "w_down_scale"),
     "w4a16": ("w_gate_up_scales", "w_gate_up_zeros", "w_down_scales", "w_down_zeros")}
 MOE_CODES = {"fp8": "float8_e4m3fn", "fp8_block": "float8_e4m3fn", "w4a16": "uint8"}  # the experts' codes' dtype
+# a weight-only moe's scale and zero-point roles -> WEIGHT_ONLY_DTYPES' key: its experts are stacked w4a16 linears
+# (passes/moe_int4.py; builder/prequantized.py import_experts stacks the imported linears' fp32 scales, uint8 zeros)
+MOE_WEIGHT_ONLY_ROLES = {"w_gate_up_scales": "scales", "w_gate_up_zeros": "zeros", "w_down_scales": "scales",
+                         "w_down_zeros": "zeros"}
 
 
 def _check_moe_experts(graph: dict[str, Any]) -> None:
@@ -726,9 +730,11 @@ def _check_moe_experts(graph: dict[str, Any]) -> None:
     I] (I the attr intermediate_size where the graph is not sharded: a rank's share is its own), and by quant scheme:
     fp8, e4m3 codes with w_gate_up_scale [E, 2 * I] and w_down_scale [E, hidden] (per channel, inputs per token);
     fp8_block, e4m3 codes with one scale per expert and block_size [bn, bk] block, [E, ceil(out / bn), ceil(in /
-    bk)]; w4a16, uint8 codes two a byte along the input ([E, 2 * I, hidden / 2], [E, hidden, I / 2]) with scales and
-    zeros [E, out, in / group_size]; no scale roles of another scheme. Before, the moe op met these at the first
-    request (a matmul's RuntimeError), or computed garbage (scales of another scheme never applied)."""
+    bk)]; w4a16, uint8 codes two a byte along the input ([E, 2 * I, hidden / 2], [E, hidden, I / 2]) with float32
+    scales and uint8 zeros [E, out, in / group_size] (a w4a16 linear's WEIGHT_ONLY_DTYPES, stacked); no scale roles
+    of another scheme. Before, the moe op met these at the first request (a matmul's RuntimeError), or computed
+    garbage (scales of another scheme never applied; int8 or int32 zeros, fp16 scales dequantized from bytes of
+    another type)."""
     sharded = (graph.get("meta", {}).get("tensor_parallel") or {}).get("tp_size", 1) != 1
     every = sorted({r for roles in MOE_SCHEMES.values() for r in roles}, key=lambda r: (r.startswith("w_down"), r))
     for i, node in enumerate(graph["nodes"]):
@@ -759,6 +765,11 @@ def _check_moe_experts(graph: dict[str, Any]) -> None:
             if role in ("w_gate_up", "w_down") and scheme in MOE_CODES and param[1] not in (None, MOE_CODES[scheme]):
                 raise GraphFormatError(f"{where}: its {role} is {param[1]}; quant scheme {scheme} experts store "
                                        f"{MOE_CODES[scheme]} codes (allowed: {MOE_CODES[scheme]})")
+            if scheme in WEIGHT_ONLY_BITS and role in MOE_WEIGHT_ONLY_ROLES and param[1] is not None:
+                allowed, what = WEIGHT_ONLY_DTYPES[MOE_WEIGHT_ONLY_ROLES[role]]
+                if param[1] != allowed:
+                    raise GraphFormatError(f"{where}: its {role} is {param[1]}; quant scheme {scheme} experts store "
+                                           f"{allowed} {what} (allowed: {allowed})")
             shapes[role] = param[0]
         (experts, hidden), packed = shapes["gate_weight"], 2 if scheme == "w4a16" else 1
         if attrs.get("num_experts", experts) != experts:

@@ -391,6 +391,9 @@ def _edit(path: Path, drop: str = "", replace: dict | None = None) -> None:
     (None, None, dict(replace={f"{O}.pre_quant_scale": torch.full((64,), float("inf"))}),
      rf"tensor '{O}\.pre_quant_scale' holds inf at \[0\] \(64 of 64 values are not finite\); the checkpoint is "
      rf"corrupt"),
+    (None, None, dict(replace={f"{O}.pre_quant_scale": torch.zeros(64, dtype=torch.bfloat16)}),
+     rf"tensor '{O}\.pre_quant_scale' is 0 in all 64 values, which zeroes the linear's whole input; expected finite "
+     rf"scales, not all 0 \(AWQ's; a few zeros and negative values are allowed\)"),
     (None, None, dict(drop=f"{Q}.weight_scale"),
      rf"tensor '{Q}\.weight_scale' is missing; a modelopt quantized linear stores weight, weight_scale \(found "
      rf"weight\)"),
@@ -416,8 +419,8 @@ def _edit(path: Path, drop: str = "", replace: dict | None = None) -> None:
                                                                                                "W4A16_AWQ"}}}}},
      {**FLAT, "quant_algo": "MIXED_PRECISION"}, {},
      rf"quantization\.quantized_layers\.{re.escape(O)}\.group_size is null; W4A16_AWQ needs"),
-], ids=["scale-shape", "scale-inf", "missing-weight-scale", "packed-along-k", "scale-groups", "group-48", "group-0",
-        "flat-config-no-group", "zero-points", "mixed-no-group"])
+], ids=["scale-shape", "scale-inf", "scale-all-zero", "missing-weight-scale", "packed-along-k", "scale-groups",
+        "group-48", "group-0", "flat-config-no-group", "zero-points", "mixed-no-group"])
 def test_malformed_awq_export_fails_naming_the_tensor_or_field(bases, tmp_path, files, config, edit, message):
     from builder.checkpoint import CheckpointError, open_checkpoint
     from passes.trace import trace
@@ -427,6 +430,32 @@ def test_malformed_awq_export_fails_naming_the_tensor_or_field(bases, tmp_path, 
     with pytest.raises(CheckpointError, match=message) as info:
         attach(trace(open_checkpoint(bases["llama"]).hf_config()), exp.checkpoint)
     assert "\n" not in str(info.value)
+
+
+def test_a_pre_quant_scale_is_read_as_the_runtime_loads_it():
+    """_read_pre_quant_scale allows what runtime/executor.py ``_check_input_tensors`` allows at load: finite scales,
+    not all 0; a few zeros and negative values (signed exports) import as stored, in fp32. All 0 (the linear's whole
+    input zeroed) or a nan / inf is refused at import, naming the tensor, what it found and what is allowed: before,
+    an all-0 scale imported and the built artifact was refused by the runtime at load."""
+    from builder.prequantized import PrequantizedError, _read_pre_quant_scale
+    from runtime.executor import GraphFormatError, _check_input_tensors
+
+    name = f"{O}.pre_quant_scale"
+    signed = torch.tensor([0.5, -2.0, 0.0, 1.25], dtype=torch.bfloat16)
+    ir: dict[str, torch.Tensor] = {}
+    _read_pre_quant_scale(name, {name: signed}, 4, ir, "AWQ's")
+    assert ir["pre_quant_scale"].dtype == torch.float32 and torch.equal(ir["pre_quant_scale"], signed.float())
+    _check_input_tensors(ir, "o_proj")  # the runtime loads what the import writes
+    allowed = r"expected finite scales, not all 0 \(AWQ's; a few zeros and negative values are allowed\)"
+    for values, found in ((torch.zeros(4), r"is 0 in all 4 values, which zeroes the linear's whole input"),
+                          (torch.tensor([1.0, float("nan"), 1.0, 1.0]), r"holds nan \(input feature 1\)"),
+                          (torch.tensor([1.0, 1.0, 1.0, float("-inf")]), r"holds -inf \(input feature 3\)")):
+        ir = {}
+        with pytest.raises(PrequantizedError, match=rf"^tensor '{re.escape(name)}' {found}; {allowed}$"):
+            _read_pre_quant_scale(name, {name: values}, 4, ir, "AWQ's")
+        assert not ir
+        with pytest.raises(GraphFormatError):  # the runtime refuses each of them at load too
+            _check_input_tensors({"pre_quant_scale": values}, "o_proj")
 
 
 @pytest.mark.parametrize("algo, message", [

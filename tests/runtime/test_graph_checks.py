@@ -429,8 +429,9 @@ EXPERTS, INTER = 4, 4
 def _moe(scheme: str | None = None, group_size: int = 4, block: list[int] | None = None, tp_size: int = 1) -> dict:
     """_graph() with a moe node [HIDDEN -> HIDDEN] of EXPERTS experts between the embedding and the lm_head, its
     tensors as the passes stack them (passes/ir.py, passes/fp8.py, passes/moe_int4.py): the router [E, hidden],
-    w_gate_up [E, 2 * I, hidden] and w_down [E, hidden, I] (w4a16: 4-bit codes two a byte, scales and zeros [E, out,
-    in / group_size]; fp8: e4m3 codes, scales [E, out]; fp8_block: scales [E, ceil(out / bn), ceil(in / bk)])."""
+    w_gate_up [E, 2 * I, hidden] and w_down [E, hidden, I] (w4a16: 4-bit codes two a byte, fp32 scales and uint8
+    zeros [E, out, in / group_size]; fp8: e4m3 codes, scales [E, out]; fp8_block: scales [E, ceil(out / bn), ceil(in
+    / bk)])."""
     graph = _graph()
     if tp_size > 1:
         graph["meta"]["tensor_parallel"] = {"tp_size": tp_size, "vocab_parallel": False}
@@ -461,7 +462,8 @@ def _moe(scheme: str | None = None, group_size: int = 4, block: list[int] | None
             weights.update({f"w_{role}_scales": f"{role}.scales", f"w_{role}_zeros": f"{role}.zeros"})
         attrs["quant"] = {"scheme": "w4a16", "bits": 4, "group_size": group_size, "symmetric": False}
     for name, shape in params.items():
-        graph["params"][name] = {"shape": shape, "dtype": codes if name in ("gate_up", "down") else "float32"}
+        dtype = codes if name in ("gate_up", "down") else "uint8" if name.endswith(".zeros") else "float32"
+        graph["params"][name] = {"shape": shape, "dtype": dtype}
     graph["nodes"].insert(1, {"op": "moe", "inputs": ["h"], "outputs": ["hm"], "source": "model.layers.0.mlp",
                               "weights": weights, "attrs": attrs})
     graph["nodes"][2]["inputs"] = ["hm"]
@@ -544,6 +546,16 @@ def _moe_set(path: str, value):
     # W4A16 experts: packed codes, group scales and zero points
     (lambda: _moe("w4a16"), _moe_set("down:dtype", "int8"),
      r"its w_down is int8; quant scheme w4a16 experts store uint8 codes"),
+    (lambda: _moe("w4a16"), _moe_set("gate_up.scales:dtype", "float16"),
+     r"its w_gate_up_scales is float16; quant scheme w4a16 experts store float32 scales \(allowed: float32\)"),
+    (lambda: _moe("w4a16"), _moe_set("down.scales:dtype", "bfloat16"),
+     r"its w_down_scales is bfloat16; quant scheme w4a16 experts store float32 scales \(allowed: float32\)"),
+    (lambda: _moe("w4a16"), _moe_set("gate_up.zeros:dtype", "int8"),
+     r"its w_gate_up_zeros is int8; quant scheme w4a16 experts store uint8 zero points \(allowed: uint8\)"),
+    (lambda: _moe("w4a16"), _moe_set("down.zeros:dtype", "int32"),
+     r"its w_down_zeros is int32; quant scheme w4a16 experts store uint8 zero points \(allowed: uint8\)"),
+    (lambda: _moe("w4a16"), _moe_set("down.zeros:dtype", "float32"),
+     r"its w_down_zeros is float32; quant scheme w4a16 experts store uint8 zero points \(allowed: uint8\)"),
     (lambda: _moe("w4a16", 4), _moe_set("quant.group_size", 2),
      r"its w_gate_up_scales is \[4, 8, 2\]; quant group_size 2 over w_gate_up \[4, 8, 4\] \(8 input features\) "
      r"gives \[4, 8, 4\]: one per expert, output row and group"),
