@@ -1035,6 +1035,16 @@ def test_spec_profile_times_ngram_speculation_without_a_draft(bundled_artifact, 
     assert "speculative (ngram, k=12): 16 tokens" in out and "phase (host wall time" in out and "_run" in out
 
 
+def test_spec_profile_trace_needs_cuda(bundled_artifact, capsys):
+    """``--trace`` times GPU kernels under torch.profiler: on another device it is refused by name before any engine
+    loads."""
+    from builder.devtools.spec_profile import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([str(bundled_artifact), "--device", "cpu", "--trace"])
+    assert exc.value.code == 2 and "--trace times GPU kernels: it needs --device cuda" in capsys.readouterr().err
+
+
 def test_ngram_sweep_counts_steps_and_estimates_the_speedup(bundled_artifact):
     """--ngram-sweep: each setting's steps against a plain pass, tokens equal, and the estimate from the counts (plain
     steps over speculative steps with each verify step weighed at the cost)."""

@@ -43,3 +43,24 @@ def test_the_mask_fill_advances_the_states_between_fills(bundled_artifact, monke
     finally:
         engine.close()
     assert len(advanced) == 2 * (prefix + 5)
+
+
+def test_the_threads_sweep_pairs_every_thread_count_on_the_same_states():
+    """builder.bench.grammar_masks --threads-sweep: one entry per method, the serial fill's ratio to itself 1, every
+    time positive, for independent matchers and for copies of templates (the bundled model's vocabulary)."""
+    from builder.bench.grammar_masks import threads_sweep
+    from builder.bench.structured import RECORDS_SCHEMA
+    from runtime.structured import GrammarCompiler, StructuredOutput, grammar_text
+    from runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir("models/pystdlib-llama")
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, spread=1)
+    text = grammar_text(StructuredOutput.json_schema(RECORDS_SCHEMA))
+    try:
+        for templates in (0, 2):
+            out = threads_sweep(compiler, text, tokenizer.vocab_size, rows=6, steps=3, threads=[1, 2],
+                                templates=templates, warm=1)
+            assert list(out) == ["serial", "threads 1", "threads 2"]
+            assert out["serial"][1] == 1.0 and all(us > 0 and ratio > 0 for us, ratio in out.values())
+    finally:
+        compiler.close()
