@@ -199,6 +199,16 @@ def decode_nvfp4(codes: torch.Tensor, scales: torch.Tensor, scale_2: torch.Tenso
     if pre_quant_scale is not None and tuple(pre_quant_scale.shape) != (2 * codes.shape[1],):
         raise ValueError(f"pre_quant_scale {tuple(pre_quant_scale.shape)} is not [K] = [{2 * codes.shape[1]}]")
     columns = pre_quant_scale.to(torch.float32) if pre_quant_scale is not None else None
+    if columns is not None:  # as the AWQ imports take one (builder/prequantized.py _read_pre_quant_scale)
+        allowed = "expected finite scales, not all 0 (a few zeros and negative values are allowed)"
+        finite = torch.isfinite(columns)
+        if not bool(finite.all()):
+            at = int(torch.nonzero(~finite)[0, 0])
+            raise ValueError(f"pre_quant_scale holds {float(columns[at])} (input feature {at}), which the folded "
+                             f"column would carry into every output; {allowed}")
+        if columns.numel() and not bool(columns.ne(0).any()):
+            raise ValueError(f"pre_quant_scale is 0 in all {columns.numel()} values, which would fold the weight to "
+                             f"zeros; {allowed}")
     lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
     rows, half = codes.shape
     out = torch.empty(rows, 2 * half, dtype=dtype)

@@ -265,3 +265,26 @@ def test_an_nvfp4_awq_export_folds_its_pre_quant_scales(tmp_path):
     with torch.no_grad():
         expected = model(torch.tensor([ids]), use_cache=False).logits[0]
     assert (engine.logits(ids) - expected).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("zeros", r"pre_quant_scale is 0 in all 32 values, which would fold the weight to zeros; expected finite scales, "
+              r"not all 0 \(a few zeros and negative values are allowed\)"),
+    ("nan", r"pre_quant_scale holds nan \(input feature 3\), which the folded column would carry into every output; "
+            r"expected finite scales, not all 0"),
+    ("inf", r"pre_quant_scale holds -inf \(input feature 3\)")])
+def test_an_nvfp4_awq_scale_that_is_not_finite_or_all_zero_is_refused(bad, message):
+    """NVFP4_AWQ folds its pre_quant_scale into the decoded columns (W diag(s)): an all-0 scale would fold the whole
+    weight to zeros and an inf or nan would reach every output, silently; both are refused as the AWQ imports refuse
+    them. A signed scale with a zero in it decodes as the product it is."""
+    from builder.checkpoint import decode_nvfp4
+
+    gen = torch.Generator().manual_seed(5)
+    codes, scales, scale_2, dequant = quantize_nvfp4(torch.randn(8, 32, generator=gen))
+    s = torch.randn(32, generator=gen)
+    s[5] = 0.0
+    assert torch.equal(decode_nvfp4(codes, scales, scale_2, torch.float32, s), dequant * s)
+    s = {"zeros": torch.zeros(32), "nan": s.clone().index_fill_(0, torch.tensor([3]), float("nan")),
+         "inf": s.clone().index_fill_(0, torch.tensor([3]), float("-inf"))}[bad]
+    with pytest.raises(ValueError, match=message):
+        decode_nvfp4(codes, scales, scale_2, torch.float32, s)
