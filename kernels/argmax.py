@@ -4,6 +4,8 @@ Semantics are ``torch.argmax(logits, dim=-1)`` (the first maximal index of each 
 holds a NaN, which ``runtime.sampling.sample`` turns into its invalid-token marker (torch's argmax picks a NaN
 there, which ``sample`` then finds by a gather). For ``logits`` [num_seqs, vocab] in any float dtype.
 
+A vocabulary of at most ``_BLOCK`` entries (a small model's) takes one program per row and one launch.
+
 Why a kernel: at batch 1 on an H100 torch's argmax over a 128,256-entry row ran as one reduction of 27.8 us
 (``builder.bench.profile_step``, Llama-3-8B shape), 1% of a decode step, plus the gather and the NaN check as
 their own launches. Here each program reduces ``_BLOCK`` entries of one row to (max, first index of it, has NaN),
@@ -55,6 +57,20 @@ def _row_argmax_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, num_chunks, invalid, 
     tl.store(out_ptr + row, tl.where(nan != 0, invalid, best).to(tl.int64))
 
 
+@triton.jit
+def _one_chunk_argmax_kernel(logits_ptr, out_ptr, vocab, stride, invalid, BLOCK: tl.constexpr):
+    # grid (num_seqs,), a vocabulary of at most BLOCK entries: each row's first maximal index, or invalid for a NaN
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < vocab
+    x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
+    is_nan = x != x
+    x = tl.where(is_nan, float("-inf"), x)
+    m = tl.max(x, 0)
+    first = tl.min(tl.where((x == m) & inside, offs, _INT_MAX), 0)
+    tl.store(out_ptr + row, tl.where(tl.max(is_nan.to(tl.int32), 0) != 0, invalid, first).to(tl.int64))
+
+
 def greedy_argmax(logits: torch.Tensor, invalid: int) -> torch.Tensor:
     """[num_seqs] int64: each row's first maximal index, or ``invalid`` for a row holding a NaN. ``logits``:
     [num_seqs, vocab] on CUDA (or under TRITON_INTERPRET=1), any float dtype, rows may be strided."""
@@ -70,6 +86,10 @@ def greedy_argmax(logits: torch.Tensor, invalid: int) -> torch.Tensor:
     if num_seqs == 0:
         return out
     num_chunks = triton.cdiv(vocab, _BLOCK)
+    if num_chunks == 1:  # a small vocabulary: one launch, no partials (the step's host time is a small model's cost)
+        _one_chunk_argmax_kernel[(num_seqs,)](logits, out, vocab, logits.stride(0), invalid,
+                                              BLOCK=max(triton.next_power_of_2(vocab), 16), num_warps=8)
+        return out
     vals = torch.empty((num_seqs, num_chunks), dtype=torch.float32, device=logits.device)
     idxs = torch.empty((num_seqs, num_chunks), dtype=torch.int32, device=logits.device)
     nans = torch.empty((num_seqs, num_chunks), dtype=torch.int32, device=logits.device)

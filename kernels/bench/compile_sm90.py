@@ -316,9 +316,12 @@ def _fp8_block() -> list[tuple[str, object]]:
 
 
 def _argmax() -> list[tuple[str, object]]:
-    from kernels.argmax import _chunk_argmax_kernel, _row_argmax_kernel
+    from kernels.argmax import _chunk_argmax_kernel, _one_chunk_argmax_kernel, _row_argmax_kernel
 
-    return [("argmax, chunks", lambda: compile_kernel(
+    return [("argmax, one chunk (a small vocabulary)", lambda: compile_kernel(
+                _one_chunk_argmax_kernel, {"logits_ptr": "*fp32", "out_ptr": "*i64", "vocab": "i32", "stride": "i32",
+                                           "invalid": "i32"}, {"BLOCK": 4096}, 8)),
+            ("argmax, chunks", lambda: compile_kernel(
                 _chunk_argmax_kernel, {"logits_ptr": "*fp32", "val_ptr": "*fp32", "idx_ptr": "*i32", "nan_ptr": "*i32",
                                        "vocab": "i32", "stride": "i32", "num_chunks": "i32"}, {"BLOCK": 4096}, 8)),
             ("argmax, rows", lambda: compile_kernel(

@@ -47,6 +47,12 @@ def test_nan_rows_are_invalid_and_inf_rows_pick_the_first():
     got = greedy_argmax(logits.to(DEVICE), INVALID).cpu()
     assert got.tolist() == [int(torch.argmax(logits[0])), INVALID, 0, 7]
     assert torch.equal(got, ref_greedy_argmax(logits, INVALID))
+    small = logits[:, :_BLOCK // 2 + 9].clone()  # one chunk: the one-launch kernel, the same rules
+    small[1, _BLOCK // 2 + 1] = float("nan")
+    small[3, _BLOCK // 2 + 1] = float("inf")
+    got = greedy_argmax(small.to(DEVICE), INVALID).cpu()
+    assert got.tolist() == [int(torch.argmax(small[0])), INVALID, 0, 7]
+    assert torch.equal(got, ref_greedy_argmax(small, INVALID))
 
 
 @pytest.mark.skipif(INTERPRETING, reason="sample() takes the kernel on CUDA logits only")
