@@ -25,11 +25,8 @@ _INT_MAX = tl.constexpr(_INT32_MAX)  # a global the kernels read must be a const
 
 
 @triton.jit
-def _chunk_argmax_kernel(logits_ptr, val_ptr, idx_ptr, nan_ptr, vocab, stride, num_chunks, BLOCK: tl.constexpr):
-    # grid (num_seqs, num_chunks): this chunk's maximum, its first index, and whether the chunk holds a NaN
-    row = tl.program_id(0)
-    chunk = tl.program_id(1)
-    offs = chunk * BLOCK + tl.arange(0, BLOCK)
+def _block_argmax(logits_ptr, row, offs, vocab, stride):
+    """Over row ``row``'s entries ``offs`` (those < vocab): (the maximum, its first index, 1 if a NaN is among them)."""
     inside = offs < vocab
     x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
     is_nan = x != x
@@ -37,10 +34,19 @@ def _chunk_argmax_kernel(logits_ptr, val_ptr, idx_ptr, nan_ptr, vocab, stride, n
     m = tl.max(x, 0)
     # the first index at the maximum (a row of -inf everywhere: its first index, as torch's)
     first = tl.min(tl.where((x == m) & inside, offs, _INT_MAX), 0)
+    return m, first, tl.max(is_nan.to(tl.int32), 0)
+
+
+@triton.jit
+def _chunk_argmax_kernel(logits_ptr, val_ptr, idx_ptr, nan_ptr, vocab, stride, num_chunks, BLOCK: tl.constexpr):
+    # grid (num_seqs, num_chunks): this chunk's maximum, its first index, and whether the chunk holds a NaN
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    m, first, nan = _block_argmax(logits_ptr, row, chunk * BLOCK + tl.arange(0, BLOCK), vocab, stride)
     out = row * num_chunks + chunk
     tl.store(val_ptr + out, m)
     tl.store(idx_ptr + out, first)
-    tl.store(nan_ptr + out, tl.max(is_nan.to(tl.int32), 0))
+    tl.store(nan_ptr + out, nan)
 
 
 @triton.jit
@@ -61,14 +67,8 @@ def _row_argmax_kernel(val_ptr, idx_ptr, nan_ptr, out_ptr, num_chunks, invalid, 
 def _one_chunk_argmax_kernel(logits_ptr, out_ptr, vocab, stride, invalid, BLOCK: tl.constexpr):
     # grid (num_seqs,), a vocabulary of at most BLOCK entries: each row's first maximal index, or invalid for a NaN
     row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    inside = offs < vocab
-    x = tl.load(logits_ptr + row.to(tl.int64) * stride + offs, mask=inside, other=float("-inf")).to(tl.float32)
-    is_nan = x != x
-    x = tl.where(is_nan, float("-inf"), x)
-    m = tl.max(x, 0)
-    first = tl.min(tl.where((x == m) & inside, offs, _INT_MAX), 0)
-    tl.store(out_ptr + row, tl.where(tl.max(is_nan.to(tl.int32), 0) != 0, invalid, first).to(tl.int64))
+    _, first, nan = _block_argmax(logits_ptr, row, tl.arange(0, BLOCK), vocab, stride)
+    tl.store(out_ptr + row, tl.where(nan != 0, invalid, first).to(tl.int64))
 
 
 def greedy_argmax(logits: torch.Tensor, invalid: int) -> torch.Tensor:
