@@ -4,7 +4,7 @@
 
 The Triton interpreter (the CPU tests) accepts code that compiled Triton refuses, e.g. a kernel reading a plain
 module-level int instead of a ``tl.constexpr``; such a kernel then fails at its first launch on the GPU. This
-compiles the attention, frag GEMV, MoE, fp8_block GEMM, argmax, LayerNorm and RoPE kernels named below with
+compiles the attention, frag GEMV and GEMM, MoE, fp8_block GEMM, argmax, LayerNorm and RoPE kernels named below with
 ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (no device needed) in the variants the runtime launches, and
 prints for each whether it compiled and how many PDL waits its PTX holds. Run it with TRITON_INTERPRET unset.
 
@@ -214,6 +214,24 @@ def _frag() -> list[tuple[str, object]]:
     return [(f"frag W4A16 GEMV, {name}", lambda kw=kw: compile_kernel(
         _w4a16_frag_kernel, types, dict(base, **kw), num_warps=dict(base, **kw)["WARPS"], divisible=divisible))
         for name, kw in variants]
+
+
+def _frag_mm() -> list[tuple[str, object]]:
+    from kernels.frag_mm import _frag_mm_kernel
+
+    types = {"x_ptr": "*bf16", "qw_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+             "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
+             "iters_per_split": "i32"}
+    base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, BITS=4, SWAP=False, X_GATHER=False,
+                FP32_DOT=False, X_BF16=True)
+    variants = [("4-bit groups, 128 x 128", {}, 8), ("4-bit groups, swapped", {"SWAP": True}, 8),
+                ("4-bit groups, x by column indices", {"X_GATHER": True}, 8),
+                ("4-bit groups, 64 x 128, split", {"BLOCK_M": 64, "SPLIT": 4}, 4),
+                ("4-bit per channel, bias", {"ONE_GROUP": True, "HAS_BIAS": True}, 8),
+                ("8-bit per channel", {"BITS": 8, "ONE_GROUP": True}, 8)]
+    divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_ym")
+    return [(f"frag_mm GEMM, {name}", lambda kw=kw, w=w: compile_kernel(
+        _frag_mm_kernel, types, dict(base, **kw), num_warps=w, divisible=divisible)) for name, kw, w in variants]
 
 
 def _moe() -> list[tuple[str, object]]:
@@ -473,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
-    for name, build in (_decode_attention() + _frag() + _moe() + _fp8_block() + _argmax() + _norms_and_rope()
+    for name, build in (_decode_attention() + _frag() + _frag_mm() + _moe() + _fp8_block() + _argmax() + _norms_and_rope()
                         + _silu_quant() + _w8a8_rows()):
         if args.only and not any(text.lower() in name.lower() for text in args.only):
             continue

@@ -7,6 +7,8 @@
     python -m kernels.bench.gemm --mma-sweep  # that table with candidate MmaConfigs per shape at M = 1 ... 128
     python -m kernels.bench.gemm --frag       # the fragment-order W4A16 kernel (kernels.w4a16_frag), configs swept
     python -m kernels.bench.gemm --frag-gemm  # frag_gemm (tl.dot on the same layout) vs dequantize + cuBLAS, M 65-4096
+    python -m kernels.bench.gemm --frag-mm    # frag_mm (kernels.frag_mm, one chained accumulator) vs frag_gemm,
+                                              # dequantize + cuBLAS and bf16 cuBLAS, M 65-4096, configs swept
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -48,6 +50,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 import kernels.w4a16_frag as frag_module
+from kernels.frag_mm import MmConfig, frag_mm
 from kernels.activation import ref_silu_mul, silu_mul
 from kernels.fused_norm import (
     fused_add_rms_norm,
@@ -567,6 +570,57 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
     return failures
 
 
+FRAG_MM_ROWS = [128, 256, 512, 1024, 2048]
+
+
+def frag_mm_candidates() -> list[MmConfig]:
+    """block_m, tiles_n, warps, stages, split_k (0: auto), swapped operands, x by column indices."""
+    return [MmConfig(*c) for c in (
+        (128, 8, 8, 3, 0, True, False), (128, 8, 8, 3, 0, False, True), (128, 8, 8, 4, 0, False, False),
+        (128, 16, 8, 3, 0, False, False), (64, 8, 4, 3, 0, False, False), (64, 16, 8, 3, 0, False, False),
+        (128, 4, 4, 3, 0, False, False), (256, 8, 8, 3, 0, False, False), (128, 8, 4, 3, 0, False, False),
+        (64, 8, 4, 4, 0, True, False), (128, 8, 8, 3, 1, False, False), (64, 4, 4, 3, 0, False, False))]
+
+
+def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,
+                  bits: int = 4) -> list[str]:
+    """frag_mm (its default config and the fastest candidate) against frag_gemm's default, dequantize_frag +
+    F.linear (the runtime's path past frag_gemm's rows) and bf16 F.linear alone, per linear of the 8B shape, each
+    checked against the fp32 reference first. 4 bits: group 128; 8 bits: per channel."""
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    print(f"\nW{bits}A16 frag_mm vs frag_gemm vs dequantize_frag + F.linear vs bf16 F.linear, {DTYPE}; us (CUDA "
+          "graphs, weights rotated past L2); TFLOP/s of frag_mm's best and of bf16 F.linear")
+    print(f"{'shape':>8} {'M':>5} | {'mm':>8} {'mm best':>8} {'gemm':>8} {'deq+mm':>8} {'bf16 mm':>8} | "
+          f"{'TFLOP/s':>7} {'bf16':>7} | rel.err  best config")
+    for name, k, n in SHAPES:
+        if shapes and name not in shapes:
+            continue
+        rot = _rotated_weights(n, k, bits, gen)
+        bf16, passes = rot.bf16, rot.passes()
+        frag = [repack_frag(q, s_, z, rot.group, bits) for q, s_, z in rot.triples]
+        for m in rows or FRAG_MM_ROWS:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
+            ref = ref_w4a16_linear(x, **passes)
+            ok, err = _close(frag_mm(x, **frag[0]), ref)
+            if not ok:
+                failures.append(f"frag_mm {name} M={m}: max rel err {err:.2e}")
+            t_mm = time_us([lambda p=p: frag_mm(x, **p) for p in frag])
+            best, best_cfg = _fastest(
+                f"frag_mm {name} M={m}", t_mm, frag_mm_candidates() if sweep else [], failures,
+                lambda cand: _close(frag_mm(x, **frag[0], config=cand), ref),
+                lambda cand: [lambda p=p: frag_mm(x, **p, config=cand) for p in frag])
+            t_gemm = time_us([lambda p=p: frag_gemm(x, **p) for p in frag])
+            t_deq = time_us([lambda p=p: F.linear(x, dequantize_frag(**p, dtype=DTYPE)) for p in frag[:4]])
+            t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
+            print(f"{name:>8} {m:5d} | {t_mm:8.1f} {best:8.1f} {t_gemm:8.1f} {t_deq:8.1f} {t_bf16:8.1f} | "
+                  f"{2 * m * n * k / best / 1e6:7.1f} {2 * m * n * k / t_bf16 / 1e6:7.1f} | {err:.1e}  {best_cfg}",
+                  flush=True)
+        del frag, bf16, rot
+        torch.cuda.empty_cache()
+    return failures
+
+
 def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
     failures = []
     hidden, num_heads, head_dim = 4096, 32, 128
@@ -616,7 +670,9 @@ def main() -> int:
                         help="only the fragment-order W4A16 table (kernels.w4a16_frag), with candidate FragConfigs")
     parser.add_argument("--frag-gemm", action="store_true",
                         help="only frag_gemm (kernels.w4a16_frag, M >= 65) vs dequantize + cuBLAS, with candidate configs")
-    parser.add_argument("--no-sweep", action="store_true", help="--frag / --frag-gemm: the default config only")
+    parser.add_argument("--frag-mm", action="store_true",
+                        help="only frag_mm (kernels.frag_mm) vs frag_gemm, dequantize + cuBLAS and bf16 cuBLAS")
+    parser.add_argument("--no-sweep", action="store_true", help="--frag / --frag-gemm / --frag-mm: the default config only")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -624,7 +680,10 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.frag_gemm:
+    if args.frag_mm:
+        failures = [f for b in (args.bits or [4]) for f in
+                    bench_frag_mm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep, bits=b)]
+    elif args.frag_gemm:
         failures = [f for b in (args.bits or [4]) for f in
                     bench_frag_gemm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep, bits=b)]
     elif args.frag:

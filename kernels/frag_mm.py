@@ -1,0 +1,235 @@
+"""A tensor-core GEMM on the "frag" weight layout (``kernels.w4a16_frag``) for many rows of x: prefill chunks and
+decode batches past the GEMV's rows.
+
+``y = x @ ((q - zero) * scale).T + bias`` for bf16 / fp16 x on :func:`kernels.w4a16_frag.repack_frag`'s 4-bit
+(groups of 128 or one per channel) or 8-bit (one group per channel) weights, read as stored: no dequantized copy of
+the weight is written (the runtime's path before it dequantized the whole weight into a bf16 temporary for cuBLAS at
+every call: a write and a re-read of 4x the packed bytes, 8 bits 2x).
+
+How it differs from ``w4a16_frag.frag_gemm`` (the first GEMM on this layout, which stays for comparison):
+- **One running accumulator.** Each weight is dequantized in registers to x's dtype, ``((q - z) * s)`` rounded once
+  from fp32 (4 bits in groups; what ``dequantize_frag`` + cuBLAS computed), or ``q - z`` exactly (per-channel
+  codes, -255 .. 255, exact in bf16) with the scale applied once after the loop. So every K step is
+  ``acc = tl.dot(x, w, acc)``: the MMAs of successive steps chain on one accumulator (wgmma's asynchronous form on
+  Hopper) instead of each group's sums being waited on, scaled and added (frag_gemm's per-group epilogue).
+- **The codes unpacked in the order the words hold them.** A 4-bit word's nibbles are taken at shifts 0, 8, 4, 12 of
+  each half-word, which makes four consecutive input features, and the half-words (``h``) stay next to their row
+  (``g``): the [rows, 128] tile is a reshape of the shifted words, with no permutation of registers. Its rows are
+  output features ``16 t + 8 h + g`` in the order ``16 t + 2 g + h`` (the stores and the scales' loads follow that
+  order), and its columns the group's input features in the order :func:`x_order` gives; x is read in that order
+  (``X_GATHER``: column indices in the kernel) or permuted once per call before the launch (the default: a plain
+  contiguous tile load). 8-bit words already hold their features in natural order.
+
+Numerics: fp32 accumulation, one rounding of y; 4-bit groups round each dequantized weight to x's dtype once (as the
+dequantize + cuBLAS path did); per-channel codes are exact in the MMA. Split-K (for shapes whose output tiles do not
+fill the SMs) writes fp32 partials that are added in split order: deterministic. Under TRITON_INTERPRET the dots run
+in fp32 on the same values (the interpreter's bf16 dot is unreliable), which the CPU tests check against
+``dequantize_frag`` in fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gemv import _num_sms
+from kernels.w4a16_frag import ITER_K, LAYOUT, TILE_N, _frag_weights, _word_ptrs
+from kernels.w4a16_gemm import _check_device, _interpreting
+
+PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many programs per SM
+# The runtime runs frag_mm for frag linears of more than w4a16_frag.FRAG_RUNTIME_MAX_ROWS rows up to this many
+# (KERNELS_FRAG_MM_MAX_ROWS; 0: never, the paths before it: frag_gemm where gemm_preferred, else the weight
+# dequantized for cuBLAS)
+MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "0"))
+
+
+@dataclass(frozen=True)
+class MmConfig:
+    """One launch configuration of :func:`frag_mm`."""
+
+    block_m: int = 128  # rows of x per program
+    tiles_n: int = 8  # 16-feature tiles per program (block_n = 16 tiles_n; halved until it divides N / 16)
+    num_warps: int = 8
+    num_stages: int = 3
+    split_k: int = 0  # programs sharing one output tile's K range; 0: enough programs for PROGRAMS_PER_SM
+    swap: bool = False  # the weights as the MMA's first operand (y.T = w @ x.T), x as the second
+    x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
+
+
+def default_config(num_rows: int, out_features: int, bits: int = 4) -> MmConfig:
+    """Until the device sweep (``python -m kernels.bench.gemm --frag-mm``) picks per shape: 128 x 128 tiles on 8
+    warps, 64-row tiles for fewer than 128 rows."""
+    if num_rows < 128:
+        return MmConfig(block_m=64, tiles_n=8, num_warps=4)
+    return MmConfig()
+
+
+@functools.cache
+def x_order(bits: int) -> tuple[int, ...]:
+    """Entry ``c`` is the input feature (within one K iteration: 128 features for 4 bits, 64 for 8) of column ``c``
+    of the kernel's unpacked code tile. 4 bits: column ``64 chunk + 16 c + 4 j + v`` (word ``(chunk, c, j)`` of
+    ``_word_ptrs``, nibble ``v`` at shift ``8 (v % 2) + 4 (v // 2)`` of its half-word) holds MMA-order position
+    ``64 chunk + 16 j + 8 (v // 2) + 2 c + v % 2`` (module docstring of ``kernels.w4a16_frag``), that is feature
+    ``64 chunk + 32 (j // 2) + 8 c + 4 (j % 2) + v``. 8 bits: the natural order."""
+    if bits == 8:
+        return tuple(range(64))
+    order = []
+    for col in range(128):
+        chunk, c, j, v = col // 64, (col // 16) % 4, (col // 4) % 4, col % 4
+        order.append(64 * chunk + 32 * (j // 2) + 8 * c + 4 * (j % 2) + v)
+    return tuple(order)
+
+
+@triton.jit
+def _codes(words, TILES: tl.constexpr, BITS: tl.constexpr):
+    """One K iteration's words (``_word_ptrs``: [(t, g), (chunk, c, j)]) -> int32 codes [16 TILES, IT_K]: row
+    ``16 t + 2 g + h`` (feature ``16 t + 8 h + g``), column as :func:`x_order`; a reshape of the shifted words."""
+    hh = tl.arange(0, 2)[:, None]
+    if BITS == 4:
+        vv = tl.arange(0, 4)[None, :]
+        shifts = 16 * hh + 8 * (vv % 2) + 4 * (vv // 2)  # [h, v]
+        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xF  # [(t, g), h, (chunk, c, j), v]
+        return tl.reshape(q, (16 * TILES, 128))
+    else:
+        shifts = 16 * hh + 8 * tl.arange(0, 2)[None, :]  # [h, e]
+        q = (words[:, None, :, None] >> shifts[None, :, None, :]) & 0xFF  # [(t, g), h, (chunk, c, s, half), e]
+        return tl.reshape(q, (16 * TILES, 64))
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the nearest bf16 (ties to even), as fp32: the interpreter's own cast truncates."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
+                    iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TILES_N: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, SWAP: tl.constexpr,
+                    X_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, X_BF16: tl.constexpr):
+    # program (m, n, k): rows [BLOCK_M m, +BLOCK_M) x the features of tiles [TILES_N n, +TILES_N) over K iterations
+    # [iters_per_split k, +iters_per_split); with SPLIT > 1 its fp32 sums go to part[k]
+    BLOCK_N: tl.constexpr = 16 * TILES_N
+    IT_K: tl.constexpr = 128 if BITS == 4 else 64
+    G = K // IT_K
+    pid_m = tl.program_id(0)  # fastest: the programs on one weight tile run together and share it through L2
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    w_ptrs = _word_ptrs(qw_ptr, pid_n * TILES_N, K, TILES_N, BITS)
+    r = tl.arange(0, BLOCK_N)  # the tile's row 16 t + 2 g + h holds feature 16 t + 8 h + g
+    n = pid_n * BLOCK_N + (r // 16) * 16 + (r % 2) * 8 + (r % 16) // 2
+    c = tl.arange(0, IT_K)
+    if X_GATHER and BITS == 4:  # x_order, computed
+        cols = (c // 64) * 64 + ((c // 4) % 4) // 2 * 32 + ((c // 16) % 4) * 8 + ((c // 4) % 2) * 4 + c % 4
+    else:
+        cols = c
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
+    if ONE_GROUP:
+        z1 = tl.load(z_ptr + n).to(tl.int32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    it0 = pid_k * iters_per_split
+    it1 = tl.minimum(it0 + iters_per_split, G)
+    for it in range(it0, it1):
+        q = _codes(tl.load(w_ptrs + it * 256), TILES_N, BITS)
+        if ONE_GROUP:  # exact small integers; the scale after the loop
+            w = (q - z1[:, None]).to(tl.float32)
+        else:
+            z = tl.load(z_ptr + it * N + n).to(tl.int32)
+            s = tl.load(s_ptr + it * N + n)
+            w = (q - z[:, None]).to(tl.float32) * s[:, None]
+        x = tl.load(x_ptrs + it * IT_K, mask=row_ok[:, None], other=0.0)
+        if FP32_DOT:  # the interpreter: the values x's dtype holds, dotted in fp32
+            if X_BF16:
+                w = _round_bf16(w)
+            else:
+                w = w.to(x_ptr.dtype.element_ty).to(tl.float32)
+            x = x.to(tl.float32)
+        else:
+            w = w.to(x_ptr.dtype.element_ty)
+        if SWAP:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    if ONE_GROUP:
+        acc = acc * tl.load(s_ptr + n)[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        p_ptrs = part_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(p_ptrs, acc, mask=row_ok[:, None])
+
+
+@functools.cache
+def _order_tensor(bits: int, device: torch.device) -> torch.Tensor:
+    """:func:`x_order` on ``device``, made once (a copy from the host cannot run inside a CUDA-graph capture)."""
+    return torch.tensor(x_order(bits), device=device)
+
+
+def _permuted_x(x2: torch.Tensor, bits: int) -> torch.Tensor:
+    """x's columns in the kernel's code order (:func:`x_order`), per K iteration: one gather before the launch."""
+    if bits == 8:
+        return x2
+    m, k = x2.shape
+    return x2.reshape(m, k // ITER_K, ITER_K).index_select(2, _order_tensor(bits, x2.device)).reshape(m, k)
+
+
+def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
+            config: MmConfig | None = None) -> torch.Tensor:
+    """``x @ ((q - zero) * scale).T + bias`` for any number of rows of bf16/fp16 x on :func:`repack_frag`'s 4-bit or
+    8-bit weights (module docstring). x: [..., K] -> y: [..., N] in x's dtype."""
+    _check_device(x)
+    w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
+        raise ValueError(f"frag_mm takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    x2 = x.reshape(-1, w.in_features)
+    m, n = x2.shape[0], w.out_features
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits))
+    x2 = x2.contiguous() if cfg.x_gather else _permuted_x(x2.contiguous(), bits)
+    tiles_n = cfg.tiles_n
+    while (n // TILE_N) % tiles_n:
+        tiles_n //= 2
+    it_k = ITER_K if bits == 4 else ITER_K // 2  # input features per K iteration (1 KB of codes per tile)
+    grid_m, grid_n, total_iters = triton.cdiv(m, cfg.block_m), n // (TILE_N * tiles_n), w.in_features // it_k
+    split = cfg.split_k
+    if not split:
+        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        split = min(triton.cdiv(PROGRAMS_PER_SM * _num_sms(device_index), grid_m * grid_n),
+                    max(total_iters // 4, 1))
+    iters_per_split = triton.cdiv(total_iters, max(1, min(split, total_iters)))
+    split = triton.cdiv(total_iters, iters_per_split)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
+    _frag_mm_kernel[(grid_m, grid_n, split)](
+        x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
+        x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, SWAP=cfg.swap, X_GATHER=cfg.x_gather,
+        FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:  # the partial sums in split order, rounded once
+        total = part.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
+    return y.reshape(*x.shape[:-1], n)

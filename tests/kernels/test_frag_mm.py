@@ -1,0 +1,95 @@
+"""``kernels.frag_mm`` (the chained-accumulator GEMM on the frag layout) under the interpreter against x @ the
+dequantized weights: 4-bit groups of 128 (each weight rounded to x's dtype once, as the kernel does), 4-bit and
+8-bit per channel (exact codes, the scale after the loop), rows that do not fill a tile, N that does not fill a
+program's tiles, a bias, split-K, the swapped operands and x read by column indices. The GPU test at real shapes
+is skipped here and runs on the device (``kernels.bench.gemm --frag-mm`` prints its own check too)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are imported
+
+import pytest
+import torch
+
+from kernels.frag_mm import MmConfig, frag_mm, x_order
+from kernels.w4a16_frag import dequantize_frag, mma_order, repack_frag
+from kernels.w4a16_gemm import ref_w4a16_linear
+from passes.quant_math import QuantConfig, pack_int4, quantize_groups
+
+CONFIGS = [None, MmConfig(block_m=16, tiles_n=1, num_warps=4, num_stages=1, split_k=3),
+           MmConfig(block_m=32, tiles_n=4, num_warps=4, num_stages=2, split_k=1, swap=True),
+           MmConfig(block_m=16, tiles_n=2, num_warps=4, num_stages=1, split_k=2, x_gather=True)]
+
+
+def _weights(n: int, k: int, group_size: int, seed: int, bits: int = 4) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[:, : k // 4] += 0.03  # groups off-centre: zero points vary
+    codes, scales, zeros = quantize_groups(w, QuantConfig(bits=bits, group_size=group_size, symmetric=False))
+    return {"qweight": pack_int4(codes) if bits == 4 else codes, "scales": scales, "zeros": zeros,
+            "group_size": group_size, "bits": bits, "layout": "passes"}
+
+
+def test_x_order_is_a_permutation_the_mma_order_predicts():
+    """The 4-bit column order, derived independently: column 64 chunk + 16 c + 4 j + v is MMA-order position
+    64 chunk + 16 j + 8 (v // 2) + 2 c + v % 2, whose feature is mma_order's entry there."""
+    order = x_order(4)
+    assert sorted(order) == list(range(128)) and x_order(8) == tuple(range(64))
+    mma = mma_order(128)
+    for col in range(128):
+        chunk, c, j, v = col // 64, (col // 16) % 4, (col // 4) % 4, col % 4
+        assert order[col] == int(mma[64 * chunk + 16 * j + 8 * (v // 2) + 2 * c + v % 2])
+
+
+@pytest.mark.parametrize("m,n,k,group_size,bits", [(37, 64, 256, 128, 4), (16, 96, 384, -1, 4),
+                                                   (5, 32, 128, 128, 4), (20, 160, 256, 128, 4),
+                                                   (37, 64, 192, -1, 8), (9, 160, 128, -1, 8)])
+def test_frag_mm_matches_the_dequantized_weights(m, n, k, group_size, bits):
+    passes = _weights(n, k, group_size, seed=m * n + k + bits, bits=bits)
+    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    g = torch.Generator().manual_seed(m + 11)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+    w = dequantize_frag(**packed, dtype=torch.float32)
+    if group_size not in (-1, k):  # groups: each weight rounded to x's dtype once, as the kernel's operand
+        w = w.to(torch.bfloat16).float()
+    ref = x.float() @ w.T + bias.float()
+    for cfg in CONFIGS:
+        y = frag_mm(x, **packed, bias=bias, config=cfg)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3)  # one bf16 rounding of the fp32 sum
+    y = frag_mm(x.reshape(1, m, k), **packed)  # leading dims kept, no bias
+    torch.testing.assert_close(y.float(), (x.float() @ w.T).reshape(1, m, n), rtol=2**-7, atol=1e-3)
+
+
+def test_frag_mm_refuses_what_it_cannot_take():
+    passes = _weights(32, 128, 128, seed=1)
+    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], 128, 4)
+    with pytest.raises(ValueError, match="input features"):
+        frag_mm(torch.randn(3, 64).to(torch.bfloat16), **packed)
+    with pytest.raises(ValueError, match="bf16/fp16"):
+        frag_mm(torch.randn(3, 128), **packed)
+    with pytest.raises(ValueError, match="bias"):
+        frag_mm(torch.randn(3, 128).to(torch.bfloat16), **packed, bias=torch.zeros(16, dtype=torch.bfloat16))
+    assert frag_mm(torch.randn(0, 128).to(torch.bfloat16), **packed).shape == (0, 32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="bf16 tensor cores: CUDA only (kernels.bench.gemm --frag-mm runs it on the device)")
+@pytest.mark.parametrize("m", [65, 128, 300, 1024])
+@pytest.mark.parametrize("n,k,group_size,bits", [(6144, 4096, 128, 4), (4096, 14336, 128, 4), (512, 4096, -1, 4),
+                                                 (160, 256, 128, 4), (6144, 4096, -1, 8), (4096, 14336, -1, 8)])
+def test_frag_mm_on_cuda(m, n, k, group_size, bits):
+    passes = {key: v.cuda() if isinstance(v, torch.Tensor) else v for key, v in
+              _weights(n, k, group_size, seed=m + n, bits=bits).items()}
+    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], group_size, bits)
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
+    ref = ref_w4a16_linear(x, **passes, bias=bias).float()
+    for cfg in (None, MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, split_k=1, swap=True),
+                MmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=2, split_k=5, x_gather=True)):
+        y = frag_mm(x, **packed, bias=bias, config=cfg).float()
+        torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
