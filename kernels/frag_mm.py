@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import _num_sms
-from kernels.w4a16_frag import ITER_K, LAYOUT, TILE_N, _frag_weights, _word_ptrs
+from kernels.w4a16_frag import ITER_K, LAYOUT, TILE_N, _frag_weights, _word_ptrs, mma_order
 from kernels.w4a16_gemm import _check_device, _interpreting
 
 PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many programs per SM
@@ -59,14 +59,15 @@ class MmConfig:
     split_k: int = 0  # programs sharing one output tile's K range; 0: enough programs for PROGRAMS_PER_SM
     swap: bool = False  # the weights as the MMA's first operand (y.T = w @ x.T), x as the second
     x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
+    mma_order: bool = False  # 4 bits: the code tile in the MMA's order (_codes_mma; x read in mma_order)
 
 
 def default_config(num_rows: int, out_features: int, bits: int = 4) -> MmConfig:
-    """Until the device sweep (``python -m kernels.bench.gemm --frag-mm``) picks per shape: 128 x 128 tiles on 8
-    warps, 64-row tiles for fewer than 128 rows."""
-    if num_rows < 128:
+    """Until the device sweep (``python -m kernels.bench.gemm --frag-mm``) picks per shape: 4 bits, the code tile
+    in the MMA's order as the first operand (registers), 128 x 128 tiles on 8 warps; 8 bits, 64 x 128 on 4 warps."""
+    if bits == 8:
         return MmConfig(block_m=64, tiles_n=8, num_warps=4)
-    return MmConfig()
+    return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
 
 
 @functools.cache
@@ -102,6 +103,22 @@ def _codes(words, TILES: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _codes_mma(words, TILES: tl.constexpr):
+    """4-bit words (``_word_ptrs``: [(t, g), (chunk, c, j)]) -> int32 codes [16 TILES, 128] in the MMA's own order:
+    row ``16 t + 8 h + g`` (natural), column the MMA-order position ``64 chunk + 16 j + 8 half + 2 c + e`` (x read
+    in ``mma_order``). Nibble (h, half, e) of a word is at shift ``16 h + 8 e + 4 half``. Built by joins, whose new
+    dimensions are a thread's own registers, and a permutation: each lane's word already holds the eight values
+    the MMA's A fragment takes from it, so the tile can be formed where the word was loaded."""
+    lo = words & 0xFFFF
+    hi = (words >> 16) & 0xFFFF
+    q = tl.join(tl.join(tl.join(lo & 0xF, (lo >> 8) & 0xF), tl.join((lo >> 4) & 0xF, (lo >> 12) & 0xF)),
+                tl.join(tl.join(hi & 0xF, (hi >> 8) & 0xF), tl.join((hi >> 4) & 0xF, (hi >> 12) & 0xF)))
+    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))  # t, g, chunk, c, j, e, half, h (each join's dimension last)
+    q = tl.permute(q, (0, 7, 1, 2, 4, 6, 3, 5))  # t, h, g, chunk, j, half, c, e
+    return tl.reshape(q, (16 * TILES, 128))
+
+
+@triton.jit
 def _round_bf16(v):
     """fp32 -> the nearest bf16 (ties to even), as fp32: the interpreter's own cast truncates."""
     bits = v.to(tl.int32, bitcast=True)
@@ -113,7 +130,8 @@ def _round_bf16(v):
 def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
                     iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                     TILES_N: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, SWAP: tl.constexpr,
-                    X_GATHER: tl.constexpr, FP32_DOT: tl.constexpr, X_BF16: tl.constexpr):
+                    X_GATHER: tl.constexpr, MMA_ORDER: tl.constexpr, FP32_DOT: tl.constexpr,
+                    X_BF16: tl.constexpr):
     # program (m, n, k): rows [BLOCK_M m, +BLOCK_M) x the features of tiles [TILES_N n, +TILES_N) over K iterations
     # [iters_per_split k, +iters_per_split); with SPLIT > 1 its fp32 sums go to part[k]
     BLOCK_N: tl.constexpr = 16 * TILES_N
@@ -125,16 +143,19 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
     w_ptrs = _word_ptrs(qw_ptr, pid_n * TILES_N, K, TILES_N, BITS)
-    r = tl.arange(0, BLOCK_N)  # the tile's row 16 t + 2 g + h holds feature 16 t + 8 h + g
-    n = pid_n * BLOCK_N + (r // 16) * 16 + (r % 2) * 8 + (r % 16) // 2
+    r = tl.arange(0, BLOCK_N)
+    if MMA_ORDER:  # natural rows
+        n = pid_n * BLOCK_N + r
+    else:  # the tile's row 16 t + 2 g + h holds feature 16 t + 8 h + g
+        n = pid_n * BLOCK_N + (r // 16) * 16 + (r % 2) * 8 + (r % 16) // 2
     c = tl.arange(0, IT_K)
-    if X_GATHER and BITS == 4:  # x_order, computed
+    if X_GATHER and BITS == 4 and not MMA_ORDER:  # x_order, computed
         cols = (c // 64) * 64 + ((c // 4) % 4) // 2 * 32 + ((c // 16) % 4) * 8 + ((c // 4) % 2) * 4 + c % 4
     else:
         cols = c
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
-    if ONE_GROUP:
-        z1 = tl.load(z_ptr + n).to(tl.int32)
+    if ONE_GROUP:  # codes as floats: 2^23 + q, exact; minus (2^23 + z), exact
+        z1 = tl.load(z_ptr + n).to(tl.float32) + 8388608.0
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -142,13 +163,17 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
     it0 = pid_k * iters_per_split
     it1 = tl.minimum(it0 + iters_per_split, G)
     for it in range(it0, it1):
-        q = _codes(tl.load(w_ptrs + it * 256), TILES_N, BITS)
-        if ONE_GROUP:  # exact small integers; the scale after the loop
-            w = (q - z1[:, None]).to(tl.float32)
+        if MMA_ORDER:
+            q = _codes_mma(tl.load(w_ptrs + it * 256), TILES_N)
         else:
-            z = tl.load(z_ptr + it * N + n).to(tl.int32)
+            q = _codes(tl.load(w_ptrs + it * 256), TILES_N, BITS)
+        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q: no int -> float conversion
+        if ONE_GROUP:  # exact small integers; the scale after the loop
+            w = qf - z1[:, None]
+        else:  # (q - z) exact, times the scale: one rounding, as the fp32 reference
+            z = tl.load(z_ptr + it * N + n).to(tl.float32) + 8388608.0
             s = tl.load(s_ptr + it * N + n)
-            w = (q - z[:, None]).to(tl.float32) * s[:, None]
+            w = (qf - z[:, None]) * s[:, None]
         x = tl.load(x_ptrs + it * IT_K, mask=row_ok[:, None], other=0.0)
         if FP32_DOT:  # the interpreter: the values x's dtype holds, dotted in fp32
             if X_BF16:
@@ -177,17 +202,18 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
 
 
 @functools.cache
-def _order_tensor(bits: int, device: torch.device) -> torch.Tensor:
-    """:func:`x_order` on ``device``, made once (a copy from the host cannot run inside a CUDA-graph capture)."""
-    return torch.tensor(x_order(bits), device=device)
+def _order_tensor(mma: bool, device: torch.device) -> torch.Tensor:
+    """The 4-bit code tile's column order (``mma_order`` or :func:`x_order`) on ``device``, made once (a copy from
+    the host cannot run inside a CUDA-graph capture)."""
+    return mma_order(ITER_K).to(device) if mma else torch.tensor(x_order(4), device=device)
 
 
-def _permuted_x(x2: torch.Tensor, bits: int) -> torch.Tensor:
-    """x's columns in the kernel's code order (:func:`x_order`), per K iteration: one gather before the launch."""
+def _permuted_x(x2: torch.Tensor, bits: int, mma: bool) -> torch.Tensor:
+    """x's columns in the kernel's code order, per K iteration: one gather before the launch."""
     if bits == 8:
         return x2
     m, k = x2.shape
-    return x2.reshape(m, k // ITER_K, ITER_K).index_select(2, _order_tensor(bits, x2.device)).reshape(m, k)
+    return x2.reshape(m, k // ITER_K, ITER_K).index_select(2, _order_tensor(mma, x2.device)).reshape(m, k)
 
 
 def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -208,7 +234,8 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
     cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits))
-    x2 = x2.contiguous() if cfg.x_gather else _permuted_x(x2.contiguous(), bits)
+    mma = cfg.mma_order and bits == 4
+    x2 = x2.contiguous() if cfg.x_gather and not mma else _permuted_x(x2.contiguous(), bits, mma)
     tiles_n = cfg.tiles_n
     while (n // TILE_N) % tiles_n:
         tiles_n //= 2
@@ -226,6 +253,7 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
         x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, SWAP=cfg.swap, X_GATHER=cfg.x_gather,
+        MMA_ORDER=mma,
         FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:  # the partial sums in split order, rounded once
         total = part.sum(0)

@@ -223,8 +223,10 @@ def _frag_mm() -> list[tuple[str, object]]:
              "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
              "iters_per_split": "i32"}
     base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, BITS=4, SWAP=False, X_GATHER=False,
-                FP32_DOT=False, X_BF16=True)
-    variants = [("4-bit groups, 128 x 128", {}, 8), ("4-bit groups, swapped", {"SWAP": True}, 8),
+                MMA_ORDER=False, FP32_DOT=False, X_BF16=True)
+    variants = [("4-bit groups, MMA order, swapped", {"SWAP": True, "MMA_ORDER": True}, 8),
+                ("4-bit groups, MMA order", {"MMA_ORDER": True}, 8),
+                ("4-bit groups, 128 x 128", {}, 8), ("4-bit groups, swapped", {"SWAP": True}, 8),
                 ("4-bit groups, x by column indices", {"X_GATHER": True}, 8),
                 ("4-bit groups, 64 x 128, split", {"BLOCK_M": 64, "SPLIT": 4}, 4),
                 ("4-bit per channel, bias", {"ONE_GROUP": True, "HAS_BIAS": True}, 8),

@@ -570,16 +570,18 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
     return failures
 
 
-FRAG_MM_ROWS = [128, 256, 512, 1024, 2048]
+FRAG_MM_ROWS = [65, 128, 256, 512, 1024, 2048]
 
 
-def frag_mm_candidates() -> list[MmConfig]:
-    """block_m, tiles_n, warps, stages, split_k (0: auto), swapped operands, x by column indices."""
-    return [MmConfig(*c) for c in (
-        (128, 8, 8, 3, 0, True, False), (128, 8, 8, 3, 0, False, True), (128, 8, 8, 4, 0, False, False),
-        (128, 16, 8, 3, 0, False, False), (64, 8, 4, 3, 0, False, False), (64, 16, 8, 3, 0, False, False),
-        (128, 4, 4, 3, 0, False, False), (256, 8, 8, 3, 0, False, False), (128, 8, 4, 3, 0, False, False),
-        (64, 8, 4, 4, 0, True, False), (128, 8, 8, 3, 1, False, False), (64, 4, 4, 3, 0, False, False))]
+def frag_mm_candidates(bits: int = 4) -> list[MmConfig]:
+    """block_m, tiles_n, warps, stages, split_k (0: auto), swapped operands, x by column indices, MMA order."""
+    if bits == 8:
+        return [MmConfig(*c) for c in ((128, 8, 8, 3, 0), (64, 8, 4, 4, 0), (128, 8, 8, 3, 0, True),
+                                       (64, 16, 8, 3, 0), (128, 4, 4, 3, 0))]
+    return [MmConfig(*c, swap=True, mma_order=True) for c in (
+        (64, 8, 8, 3, 0), (256, 8, 8, 3, 0), (128, 16, 8, 3, 0), (128, 4, 4, 3, 0), (64, 4, 4, 3, 0),
+        (128, 8, 8, 4, 0), (128, 8, 8, 2, 0), (128, 8, 4, 3, 0), (256, 4, 4, 3, 0), (128, 8, 8, 3, 1),
+        (64, 8, 4, 4, 0))] + [MmConfig(64, 8, 4, 3, 0, mma_order=True), MmConfig(64, 8, 4, 3, 0)]
 
 
 def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True,
@@ -607,7 +609,7 @@ def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None
                 failures.append(f"frag_mm {name} M={m}: max rel err {err:.2e}")
             t_mm = time_us([lambda p=p: frag_mm(x, **p) for p in frag])
             best, best_cfg = _fastest(
-                f"frag_mm {name} M={m}", t_mm, frag_mm_candidates() if sweep else [], failures,
+                f"frag_mm {name} M={m}", t_mm, frag_mm_candidates(bits) if sweep else [], failures,
                 lambda cand: _close(frag_mm(x, **frag[0], config=cand), ref),
                 lambda cand: [lambda p=p: frag_mm(x, **p, config=cand) for p in frag])
             t_gemm = time_us([lambda p=p: frag_gemm(x, **p) for p in frag])

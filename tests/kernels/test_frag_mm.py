@@ -18,9 +18,12 @@ from kernels.w4a16_frag import dequantize_frag, mma_order, repack_frag
 from kernels.w4a16_gemm import ref_w4a16_linear
 from passes.quant_math import QuantConfig, pack_int4, quantize_groups
 
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the interpreter's tests (test_frag_mm_on_cuda runs the kernel on a GPU)")
 CONFIGS = [None, MmConfig(block_m=16, tiles_n=1, num_warps=4, num_stages=1, split_k=3),
            MmConfig(block_m=32, tiles_n=4, num_warps=4, num_stages=2, split_k=1, swap=True),
-           MmConfig(block_m=16, tiles_n=2, num_warps=4, num_stages=1, split_k=2, x_gather=True)]
+           MmConfig(block_m=16, tiles_n=2, num_warps=4, num_stages=1, split_k=2, x_gather=True),
+           MmConfig(block_m=16, tiles_n=2, num_warps=4, num_stages=1, split_k=2, swap=True, mma_order=True)]
 
 
 def _weights(n: int, k: int, group_size: int, seed: int, bits: int = 4) -> dict:
@@ -43,6 +46,7 @@ def test_x_order_is_a_permutation_the_mma_order_predicts():
         assert order[col] == int(mma[64 * chunk + 16 * j + 8 * (v // 2) + 2 * c + v % 2])
 
 
+@interpreter
 @pytest.mark.parametrize("m,n,k,group_size,bits", [(37, 64, 256, 128, 4), (16, 96, 384, -1, 4),
                                                    (5, 32, 128, 128, 4), (20, 160, 256, 128, 4),
                                                    (37, 64, 192, -1, 8), (9, 160, 128, -1, 8)])
@@ -64,6 +68,7 @@ def test_frag_mm_matches_the_dequantized_weights(m, n, k, group_size, bits):
     torch.testing.assert_close(y.float(), (x.float() @ w.T).reshape(1, m, n), rtol=2**-7, atol=1e-3)
 
 
+@interpreter
 def test_frag_mm_refuses_what_it_cannot_take():
     passes = _weights(32, 128, 128, seed=1)
     packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], 128, 4)
@@ -90,6 +95,7 @@ def test_frag_mm_on_cuda(m, n, k, group_size, bits):
     bias = (torch.randn(n, generator=gen, device="cuda") * 0.1).to(torch.bfloat16)
     ref = ref_w4a16_linear(x, **passes, bias=bias).float()
     for cfg in (None, MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, split_k=1, swap=True),
-                MmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=2, split_k=5, x_gather=True)):
+                MmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=2, split_k=5, x_gather=True),
+                MmConfig(block_m=64, tiles_n=8, num_warps=4, num_stages=3, split_k=3, mma_order=True)):
         y = frag_mm(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
