@@ -42,10 +42,17 @@ from kernels.w4a16_frag import ITER_K, LAYOUT, TILE_N, _frag_weights, _word_ptrs
 from kernels.w4a16_gemm import _check_device, _interpreting
 
 PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many programs per SM
-# The runtime runs frag_mm for frag linears of more than w4a16_frag.FRAG_RUNTIME_MAX_ROWS rows up to this many
-# (KERNELS_FRAG_MM_MAX_ROWS; 0: never, the paths before it: frag_gemm where gemm_preferred, else the weight
-# dequantized for cuBLAS)
-MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "0"))
+# The runtime runs frag_mm for frag linears of more than w4a16_frag.FRAG_RUNTIME_MAX_ROWS rows up to this many, on
+# weights of at least MM_MIN_WEIGHTS (KERNELS_FRAG_MM_MAX_ROWS; 0: never): where it beat the weight dequantized for
+# cuBLAS on the H200 (docs/BENCHMARKS.md, session 50): the 8B shape's gate_up and down up to 128-256 rows, not qkv /
+# o_proj (the dequantization is cheaper there), nor prefill-sized steps (cuBLAS's bf16 GEMM is ~2x its MMA rate)
+MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "256"))
+MM_MIN_WEIGHTS = 1 << 25
+
+
+def preferred(num_rows: int, out_features: int, in_features: int) -> bool:
+    """Whether the runtime runs :func:`frag_mm` for a frag linear of this shape past the GEMV's rows (shapes only)."""
+    return num_rows <= MM_RUNTIME_MAX_ROWS and out_features * in_features >= MM_MIN_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,14 @@ class MmConfig:
 
 
 def default_config(num_rows: int, out_features: int, bits: int = 4) -> MmConfig:
-    """Until the device sweep (``python -m kernels.bench.gemm --frag-mm``) picks per shape: 4 bits, the code tile
-    in the MMA's order as the first operand (registers), 128 x 128 tiles on 8 warps; 8 bits, 64 x 128 on 4 warps."""
+    """The H200 sweep's best (``python -m kernels.bench.gemm --frag-mm``, session 50): 4 bits, the code tile in the
+    MMA's order as its register operand; past 128 rows on wide weights 128 features x 256 rows on 8 warps, else 64
+    features x 128 rows on 4 warps. 8 bits: 64 x 128 on 4 warps (not swept)."""
     if bits == 8:
         return MmConfig(block_m=64, tiles_n=8, num_warps=4)
-    return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
+    if num_rows > 128 and out_features >= 16384:
+        return MmConfig(block_m=256, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
+    return MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True)
 
 
 @functools.cache
@@ -103,16 +113,28 @@ def _codes(words, TILES: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _codes_mma(words, TILES: tl.constexpr):
-    """4-bit words (``_word_ptrs``: [(t, g), (chunk, c, j)]) -> int32 codes [16 TILES, 128] in the MMA's own order:
-    row ``16 t + 8 h + g`` (natural), column the MMA-order position ``64 chunk + 16 j + 8 half + 2 c + e`` (x read
-    in ``mma_order``). Nibble (h, half, e) of a word is at shift ``16 h + 8 e + 4 half``. Built by joins, whose new
+def _nibbles(x, z, s, SH: tl.constexpr):
+    """``(q - z) * s`` in fp32 for the nibble at bits SH .. SH + 3 of each (half-)word ``x`` (rows' zero points ``z``
+    and scales ``s``): the nibble is ORed in place into the mantissa of 2^23 (``2^23 + q 2^SH``, exact for SH <= 12),
+    less ``2^23 + z 2^SH`` (exact), times ``s 2^-SH`` (exact): one rounding, as the fp32 reference; no shift, no
+    int -> float conversion."""
+    v = ((x & (0xF << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return (v - (8388608.0 + z * (1 << SH))[:, None]) * (s * (1.0 / (1 << SH)))[:, None]
+
+
+@triton.jit
+def _dequant_mma(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
+    """4-bit words (``_word_ptrs``: [(t, g), (chunk, c, j)]) -> the dequantized weights, fp32 [16 TILES, 128], in
+    the MMA's own order: row ``16 t + 8 h + g`` (natural; ``z_lo`` / ``s_lo`` are rows ``16 t + g``, ``z_hi`` /
+    ``s_hi`` rows ``16 t + 8 + g``), column the MMA-order position ``64 chunk + 16 j + 8 half + 2 c + e`` (x read in
+    ``mma_order``). Nibble (h, half, e) of a word is at shift ``16 h + 8 e + 4 half``. Built by joins, whose new
     dimensions are a thread's own registers, and a permutation: each lane's word already holds the eight values
-    the MMA's A fragment takes from it, so the tile can be formed where the word was loaded."""
-    lo = words & 0xFFFF
-    hi = (words >> 16) & 0xFFFF
-    q = tl.join(tl.join(tl.join(lo & 0xF, (lo >> 8) & 0xF), tl.join((lo >> 4) & 0xF, (lo >> 12) & 0xF)),
-                tl.join(tl.join(hi & 0xF, (hi >> 8) & 0xF), tl.join((hi >> 4) & 0xF, (hi >> 12) & 0xF)))
+    the MMA's A fragment takes from it, so the tile is formed where the word was loaded."""
+    hi = words >> 16
+    q = tl.join(tl.join(tl.join(_nibbles(words, z_lo, s_lo, 0), _nibbles(words, z_lo, s_lo, 8)),
+                        tl.join(_nibbles(words, z_lo, s_lo, 4), _nibbles(words, z_lo, s_lo, 12))),
+                tl.join(tl.join(_nibbles(hi, z_hi, s_hi, 0), _nibbles(hi, z_hi, s_hi, 8)),
+                        tl.join(_nibbles(hi, z_hi, s_hi, 4), _nibbles(hi, z_hi, s_hi, 12))))
     q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))  # t, g, chunk, c, j, e, half, h (each join's dimension last)
     q = tl.permute(q, (0, 7, 1, 2, 4, 6, 3, 5))  # t, h, g, chunk, j, half, c, e
     return tl.reshape(q, (16 * TILES, 128))
@@ -154,7 +176,15 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
     else:
         cols = c
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
-    if ONE_GROUP:  # codes as floats: 2^23 + q, exact; minus (2^23 + z), exact
+    if MMA_ORDER:  # the words' rows (t, g): features 16 t + g (h = 0) and 16 t + 8 + g (h = 1)
+        rw = tl.arange(0, 8 * TILES_N)
+        n_lo = pid_n * BLOCK_N + (rw // 8) * 16 + rw % 8
+        if ONE_GROUP:
+            z_lo = tl.load(z_ptr + n_lo).to(tl.float32)
+            z_hi = tl.load(z_ptr + n_lo + 8).to(tl.float32)
+            s_lo = tl.full([8 * TILES_N], 1.0, tl.float32)
+            s_hi = s_lo
+    elif ONE_GROUP:  # codes as floats: 2^23 + q, exact; minus (2^23 + z), exact
         z1 = tl.load(z_ptr + n).to(tl.float32) + 8388608.0
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -164,16 +194,20 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
     it1 = tl.minimum(it0 + iters_per_split, G)
     for it in range(it0, it1):
         if MMA_ORDER:
-            q = _codes_mma(tl.load(w_ptrs + it * 256), TILES_N)
+            if not ONE_GROUP:
+                z_lo = tl.load(z_ptr + it * N + n_lo).to(tl.float32)
+                z_hi = tl.load(z_ptr + it * N + n_lo + 8).to(tl.float32)
+                s_lo = tl.load(s_ptr + it * N + n_lo)
+                s_hi = tl.load(s_ptr + it * N + n_lo + 8)
+            w = _dequant_mma(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
         else:
-            q = _codes(tl.load(w_ptrs + it * 256), TILES_N, BITS)
-        qf = (q | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + q: no int -> float conversion
-        if ONE_GROUP:  # exact small integers; the scale after the loop
-            w = qf - z1[:, None]
-        else:  # (q - z) exact, times the scale: one rounding, as the fp32 reference
-            z = tl.load(z_ptr + it * N + n).to(tl.float32) + 8388608.0
-            s = tl.load(s_ptr + it * N + n)
-            w = (qf - z[:, None]) * s[:, None]
+            qf = (_codes(tl.load(w_ptrs + it * 256), TILES_N, BITS) | 0x4B000000).to(tl.float32, bitcast=True)
+            if ONE_GROUP:  # 2^23 + q less 2^23 + z: exact small integers; the scale after the loop
+                w = qf - z1[:, None]
+            else:  # (q - z) exact, times the scale: one rounding, as the fp32 reference
+                z = tl.load(z_ptr + it * N + n).to(tl.float32) + 8388608.0
+                s = tl.load(s_ptr + it * N + n)
+                w = (qf - z[:, None]) * s[:, None]
         x = tl.load(x_ptrs + it * IT_K, mask=row_ok[:, None], other=0.0)
         if FP32_DOT:  # the interpreter: the values x's dtype holds, dotted in fp32
             if X_BF16:

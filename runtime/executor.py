@@ -1323,8 +1323,8 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                                dtype: torch.dtype = torch.bfloat16,
                                swiglu_out: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """W4A16/W8A16 through the Triton kernels that read the packed weights (they stay packed in memory). On the frag
-    layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then ``kernels.frag_mm`` up to
-    its MM_RUNTIME_MAX_ROWS, then ``frag_gemm`` where
+    layout (``kernels.w4a16_frag``, bf16): its kernel up to FRAG_RUNTIME_MAX_ROWS rows, then ``kernels.frag_mm`` where
+    it is ``preferred`` (large weights up to MM_RUNTIME_MAX_ROWS rows), then ``frag_gemm`` where
     ``gemm_preferred`` (large weights up to GEMM_RUNTIME_MAX_ROWS rows; an lm_head at any size), else the weight
     dequantized for cuBLAS. Else, where ``kernels.w4a16_mma`` takes the group size (``MMA_ENABLED``), its layout: its
     tensor-core kernel where it is the faster (``prefers_kernel``: decode-sized steps), else the weight dequantized into
@@ -1369,7 +1369,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
 
         def frag_any(x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1]
-            if rows <= frag_mm.MM_RUNTIME_MAX_ROWS:  # one chained tensor-core accumulator, no temporary
+            if frag_mm.preferred(rows, out_features, in_features):  # tensor cores on the codes, no temporary
                 return frag_mm.frag_mm(x, bias=bias, **packed)
             if lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features):
                 return w4a16_frag.frag_gemm(x, bias=bias, **packed)  # tensor-core tiles, no dequantized temporary

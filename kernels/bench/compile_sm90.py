@@ -225,6 +225,9 @@ def _frag_mm() -> list[tuple[str, object]]:
     base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, BITS=4, SWAP=False, X_GATHER=False,
                 MMA_ORDER=False, FP32_DOT=False, X_BF16=True)
     variants = [("4-bit groups, MMA order, swapped", {"SWAP": True, "MMA_ORDER": True}, 8),
+                ("4-bit groups, MMA order, swapped, 64 features on 4 warps", {"SWAP": True, "MMA_ORDER": True,
+                                                                             "TILES_N": 4}, 4),
+                ("4-bit groups, MMA order, swapped, 256 rows", {"SWAP": True, "MMA_ORDER": True, "BLOCK_M": 256}, 8),
                 ("4-bit groups, MMA order", {"MMA_ORDER": True}, 8),
                 ("4-bit groups, 128 x 128", {}, 8), ("4-bit groups, swapped", {"SWAP": True}, 8),
                 ("4-bit groups, x by column indices", {"X_GATHER": True}, 8),

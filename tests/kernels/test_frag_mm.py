@@ -99,3 +99,15 @@ def test_frag_mm_on_cuda(m, n, k, group_size, bits):
                 MmConfig(block_m=64, tiles_n=8, num_warps=4, num_stages=3, split_k=3, mma_order=True)):
         y = frag_mm(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_the_runtime_takes_it_for_large_weights_at_decode_sized_steps():
+    """Shapes only: the 8B shape's gate_up and down up to MM_RUNTIME_MAX_ROWS rows; qkv / o_proj and prefill-sized
+    steps keep the dequantized weight on cuBLAS (session 50's H200 table)."""
+    from kernels import frag_mm as module
+
+    limit = module.MM_RUNTIME_MAX_ROWS
+    assert module.preferred(min(limit, 128), 28672, 4096) == (limit >= 1)
+    assert module.preferred(min(limit, 128), 4096, 14336) == (limit >= 1)
+    assert not module.preferred(128, 6144, 4096) and not module.preferred(128, 4096, 4096)
+    assert not module.preferred(limit + 1, 28672, 4096)
