@@ -42,17 +42,21 @@ from kernels.w4a16_frag import ITER_K, LAYOUT, TILE_N, _frag_weights, _word_ptrs
 from kernels.w4a16_gemm import _check_device, _interpreting
 
 PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many programs per SM
-# The runtime runs frag_mm for frag linears of more than w4a16_frag.FRAG_RUNTIME_MAX_ROWS rows up to this many, on
-# weights of at least MM_MIN_WEIGHTS (KERNELS_FRAG_MM_MAX_ROWS; 0: never): where it beat the weight dequantized for
-# cuBLAS on the H200 (docs/BENCHMARKS.md, session 50): the 8B shape's gate_up and down up to 128-256 rows, not qkv /
-# o_proj (the dequantization is cheaper there), nor prefill-sized steps (cuBLAS's bf16 GEMM is ~2x its MMA rate)
+# The runtime runs frag_mm for 4-bit frag linears of more than w4a16_frag.FRAG_RUNTIME_MAX_ROWS rows on weights of
+# at least MM_MIN_WEIGHTS: up to MM_RUNTIME_MAX_ROWS rows on wide ones (at least MM_WIDE output features), up to 128
+# on the others (KERNELS_FRAG_MM_MAX_ROWS; 0: never). That is where it beat the weight dequantized for cuBLAS on the
+# H200 (docs/BENCHMARKS.md, session 50; 8B shape): gate_up 109 vs 156 us at 128 rows and 152 vs 178 at 256, down 80
+# vs 85 at 128 (but 122 vs 93 at 256), not qkv / o_proj (the dequantization is cheaper there) nor prefill-sized
+# steps (cuBLAS's bf16 GEMM runs at ~2x its MMA rate). 8-bit codes were not measured: they keep the paths before.
 MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "256"))
 MM_MIN_WEIGHTS = 1 << 25
+MM_WIDE = 16384
 
 
-def preferred(num_rows: int, out_features: int, in_features: int) -> bool:
+def preferred(num_rows: int, out_features: int, in_features: int, bits: int = 4) -> bool:
     """Whether the runtime runs :func:`frag_mm` for a frag linear of this shape past the GEMV's rows (shapes only)."""
-    return num_rows <= MM_RUNTIME_MAX_ROWS and out_features * in_features >= MM_MIN_WEIGHTS
+    limit = MM_RUNTIME_MAX_ROWS if out_features >= MM_WIDE else min(MM_RUNTIME_MAX_ROWS, 128)
+    return bits == 4 and num_rows <= limit and out_features * in_features >= MM_MIN_WEIGHTS
 
 
 @dataclass(frozen=True)

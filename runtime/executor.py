@@ -1369,7 +1369,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
 
         def frag_any(x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1]
-            if frag_mm.preferred(rows, out_features, in_features):  # tensor cores on the codes, no temporary
+            if frag_mm.preferred(rows, out_features, in_features, bits):  # tensor cores on the codes, no temporary
                 return frag_mm.frag_mm(x, bias=bias, **packed)
             if lm_head or w4a16_frag.gemm_preferred(rows, out_features, in_features):
                 return w4a16_frag.frag_gemm(x, bias=bias, **packed)  # tensor-core tiles, no dequantized temporary
