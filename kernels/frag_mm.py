@@ -70,7 +70,8 @@ class MmConfig:
     split_k: int = 0  # programs sharing one output tile's K range; 0: enough programs for PROGRAMS_PER_SM
     swap: bool = False  # the weights as the MMA's first operand (y.T = w @ x.T), x as the second
     x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
-    mma_order: bool = False  # 4 bits: the code tile in the MMA's order (_codes_mma; x read in mma_order)
+    mma_order: bool = False  # 4 bits: the code tile in the MMA's order (_dequant_mma; x read in mma_order)
+    packed: bool = False  # with mma_order, bf16 x on CUDA: the dequantization in bf16x2 arithmetic (_PACKED_ASM)
 
 
 def default_config(num_rows: int, out_features: int, bits: int = 4) -> MmConfig:
@@ -144,6 +145,49 @@ def _dequant_mma(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
     return tl.reshape(q, (16 * TILES, 128))
 
 
+# One word -> its eight weights as four bf16x2 registers (A-fragment pairs: features e = 0, 1 of one row):
+# bytes 0, 1 (h = 0) and 2, 3 (h = 1) spread to the two halves of a register by one byte permute each, the two
+# nibbles of a pair masked in place and ORed into the mantissa of bf16 128.0 (0x4300 | q = 128 + q, exact), then
+# less 128 + z (exact) and times the scale, two weights per instruction.
+_PACKED_ASM = tl.constexpr("""{
+.reg .b32 t0, t1, u0, u1, p0, p1, p2, p3;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+shr.b32 u0, t0, 4;
+shr.b32 u1, t1, 4;
+lop3.b32 p0, t0, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 p1, u0, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 p2, t1, 0x000F000F, 0x43004300, 0xea;
+lop3.b32 p3, u1, 0x000F000F, 0x43004300, 0xea;
+sub.rn.bf16x2 p0, p0, $6;
+sub.rn.bf16x2 p1, p1, $6;
+sub.rn.bf16x2 p2, p2, $8;
+sub.rn.bf16x2 p3, p3, $8;
+mul.rn.bf16x2 $0, p0, $7;
+mul.rn.bf16x2 $1, p1, $7;
+mul.rn.bf16x2 $2, p2, $9;
+mul.rn.bf16x2 $3, p3, $9;
+}""")
+
+
+@triton.jit
+def _dequant_mma_packed(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
+    """:func:`_dequant_mma` in packed bf16 arithmetic (_PACKED_ASM; CUDA only): the same tile, as bf16, with the
+    scale rounded to bf16 before its product (two roundings a weight instead of one)."""
+    c_lo = tl.broadcast_to((z_lo + 128.0).to(tl.bfloat16)[:, None], words.shape)
+    c_hi = tl.broadcast_to((z_hi + 128.0).to(tl.bfloat16)[:, None], words.shape)
+    b_lo = tl.broadcast_to(s_lo.to(tl.bfloat16)[:, None], words.shape)
+    b_hi = tl.broadcast_to(s_hi.to(tl.bfloat16)[:, None], words.shape)
+    p0, p1, p2, p3 = tl.inline_asm_elementwise(
+        _PACKED_ASM, "=r,=r,=r,=r,r,r,r,r,r,r",
+        [tl.join(words, words), tl.join(c_lo, c_lo), tl.join(b_lo, b_lo), tl.join(c_hi, c_hi), tl.join(b_hi, b_hi)],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+    q = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [(t, g), (chunk, c, j), e, half, h]
+    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))
+    q = tl.permute(q, (0, 7, 1, 2, 4, 6, 3, 5))  # t, h, g, chunk, j, half, c, e
+    return tl.reshape(q, (16 * TILES, 128))
+
+
 @triton.jit
 def _round_bf16(v):
     """fp32 -> the nearest bf16 (ties to even), as fp32: the interpreter's own cast truncates."""
@@ -156,7 +200,7 @@ def _round_bf16(v):
 def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
                     iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                     TILES_N: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, SWAP: tl.constexpr,
-                    X_GATHER: tl.constexpr, MMA_ORDER: tl.constexpr, FP32_DOT: tl.constexpr,
+                    X_GATHER: tl.constexpr, MMA_ORDER: tl.constexpr, PACKED: tl.constexpr, FP32_DOT: tl.constexpr,
                     X_BF16: tl.constexpr):
     # program (m, n, k): rows [BLOCK_M m, +BLOCK_M) x the features of tiles [TILES_N n, +TILES_N) over K iterations
     # [iters_per_split k, +iters_per_split); with SPLIT > 1 its fp32 sums go to part[k]
@@ -203,7 +247,10 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
                 z_hi = tl.load(z_ptr + it * N + n_lo + 8).to(tl.float32)
                 s_lo = tl.load(s_ptr + it * N + n_lo)
                 s_hi = tl.load(s_ptr + it * N + n_lo + 8)
-            w = _dequant_mma(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
+            if PACKED:
+                w = _dequant_mma_packed(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
+            else:
+                w = _dequant_mma(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
         else:
             qf = (_codes(tl.load(w_ptrs + it * 256), TILES_N, BITS) | 0x4B000000).to(tl.float32, bitcast=True)
             if ONE_GROUP:  # 2^23 + q less 2^23 + z: exact small integers; the scale after the loop
@@ -291,7 +338,7 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
         x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, SWAP=cfg.swap, X_GATHER=cfg.x_gather,
-        MMA_ORDER=mma,
+        MMA_ORDER=mma, PACKED=mma and cfg.packed and x.dtype == torch.bfloat16 and not _interpreting(),
         FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:  # the partial sums in split order, rounded once
         total = part.sum(0)

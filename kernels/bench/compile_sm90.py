@@ -223,8 +223,13 @@ def _frag_mm() -> list[tuple[str, object]]:
              "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_ym": "i32",
              "iters_per_split": "i32"}
     base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, BITS=4, SWAP=False, X_GATHER=False,
-                MMA_ORDER=False, FP32_DOT=False, X_BF16=True)
+                MMA_ORDER=False, PACKED=False, FP32_DOT=False, X_BF16=True)
     variants = [("4-bit groups, MMA order, swapped", {"SWAP": True, "MMA_ORDER": True}, 8),
+                ("4-bit groups, MMA order, swapped, packed", {"SWAP": True, "MMA_ORDER": True, "PACKED": True}, 8),
+                ("4-bit groups, MMA order, swapped, packed, 64 features on 4 warps",
+                 {"SWAP": True, "MMA_ORDER": True, "PACKED": True, "TILES_N": 4}, 4),
+                ("4-bit per channel, MMA order, swapped, packed",
+                 {"SWAP": True, "MMA_ORDER": True, "PACKED": True, "ONE_GROUP": True}, 8),
                 ("4-bit groups, MMA order, swapped, 64 features on 4 warps", {"SWAP": True, "MMA_ORDER": True,
                                                                              "TILES_N": 4}, 4),
                 ("4-bit groups, MMA order, swapped, 256 rows", {"SWAP": True, "MMA_ORDER": True, "BLOCK_M": 256}, 8),

@@ -96,7 +96,8 @@ def test_frag_mm_on_cuda(m, n, k, group_size, bits):
     ref = ref_w4a16_linear(x, **passes, bias=bias).float()
     for cfg in (None, MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, split_k=1, swap=True),
                 MmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=2, split_k=5, x_gather=True),
-                MmConfig(block_m=64, tiles_n=8, num_warps=4, num_stages=3, split_k=3, mma_order=True)):
+                MmConfig(block_m=64, tiles_n=8, num_warps=4, num_stages=3, split_k=3, mma_order=True),
+                MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True, packed=True)):
         y = frag_mm(x, **packed, bias=bias, config=cfg).float()
         torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
