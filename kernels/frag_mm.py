@@ -12,19 +12,24 @@ How it differs from ``w4a16_frag.frag_gemm`` (the first GEMM on this layout, whi
   codes, -255 .. 255, exact in bf16) with the scale applied once after the loop. So every K step is
   ``acc = tl.dot(x, w, acc)``: the MMAs of successive steps chain on one accumulator (wgmma's asynchronous form on
   Hopper) instead of each group's sums being waited on, scaled and added (frag_gemm's per-group epilogue).
-- **The codes unpacked in the order the words hold them.** A 4-bit word's nibbles are taken at shifts 0, 8, 4, 12 of
-  each half-word, which makes four consecutive input features, and the half-words (``h``) stay next to their row
-  (``g``): the [rows, 128] tile is a reshape of the shifted words, with no permutation of registers. Its rows are
-  output features ``16 t + 8 h + g`` in the order ``16 t + 2 g + h`` (the stores and the scales' loads follow that
-  order), and its columns the group's input features in the order :func:`x_order` gives; x is read in that order
-  (``X_GATHER``: column indices in the kernel) or permuted once per call before the launch (the default: a plain
-  contiguous tile load). 8-bit words already hold their features in natural order.
+- **The weights as the MMA's register operand, formed where they are loaded** (``mma_order``, the runtime's
+  4-bit default): the frag layout already stores each lane's codes for one A fragment in one 32-bit word, so
+  :func:`_dequant_mma` forms the [features, 128] tile in the MMA's own order (rows natural, columns MMA-order
+  positions) from the words by ``tl.join`` (new dimensions are a thread's registers), ``tl.permute`` and
+  ``tl.reshape``, and the weights are the first operand (``swap``: y.T = w @ x.T, wgmma's register-A form, no
+  shared-memory round trip); x is permuted once per call into ``mma_order``. Each nibble is ORed in place into the
+  mantissa of 2^23 (:func:`_nibbles`): no shifts, no int-to-float conversions. ``packed`` (sm_90, off by default,
+  not yet measured) does the same in bf16x2 arithmetic by inline PTX.
+- **The first version, kept for comparison** (``mma_order`` off): the nibbles at shifts 0, 8, 4, 12 of each
+  half-word (four consecutive input features), rows in the order ``16 t + 2 g + h``, columns as :func:`x_order`, x
+  read in that order (``X_GATHER``: column indices in the kernel) or permuted before the launch; the tile goes
+  through shared memory as the MMA's second operand. 8-bit words already hold their features in natural order.
 
 Numerics: fp32 accumulation, one rounding of y; 4-bit groups round each dequantized weight to x's dtype once (as the
-dequantize + cuBLAS path did); per-channel codes are exact in the MMA. Split-K (for shapes whose output tiles do not
-fill the SMs) writes fp32 partials that are added in split order: deterministic. Under TRITON_INTERPRET the dots run
-in fp32 on the same values (the interpreter's bf16 dot is unreliable), which the CPU tests check against
-``dequantize_frag`` in fp32.
+dequantize + cuBLAS path did; ``packed`` rounds the scale to bf16 first); per-channel codes are exact in the MMA.
+Split-K (for shapes whose output tiles do not fill the SMs) writes fp32 partials that are added in split order:
+deterministic. Under TRITON_INTERPRET the dots run in fp32 on the same values (the interpreter's bf16 dot is
+unreliable), which the CPU tests check against ``dequantize_frag`` in fp32.
 """
 
 from __future__ import annotations
@@ -44,10 +49,12 @@ from kernels.w4a16_gemm import _check_device, _interpreting
 PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many programs per SM
 # The runtime runs frag_mm for 4-bit frag linears of more than w4a16_frag.FRAG_RUNTIME_MAX_ROWS rows on weights of
 # at least MM_MIN_WEIGHTS: up to MM_RUNTIME_MAX_ROWS rows on wide ones (at least MM_WIDE output features), up to 128
-# on the others (KERNELS_FRAG_MM_MAX_ROWS; 0: never). That is where it beat the weight dequantized for cuBLAS on the
-# H200 (docs/BENCHMARKS.md, session 50; 8B shape): gate_up 109 vs 156 us at 128 rows and 152 vs 178 at 256, down 80
-# vs 85 at 128 (but 122 vs 93 at 256), not qkv / o_proj (the dequantization is cheaper there) nor prefill-sized
-# steps (cuBLAS's bf16 GEMM runs at ~2x its MMA rate). 8-bit codes were not measured: they keep the paths before.
+# on the others (KERNELS_FRAG_MM_MAX_ROWS; 0: never). That is where it beat both paths before it (frag_gemm at 65-128
+# rows, the weight dequantized for cuBLAS) on the H200 (docs/BENCHMARKS.md, session 50; 8B shape): gate_up 109 us at
+# 128 rows (frag_gemm 168, dequantized 156) and 152 at 256 (dequantized 178), down 80 at 128 (98, 85; but 122 vs 93
+# at 256), not the 8B shape's qkv / o_proj (under 2^25 weights: the dequantization is cheaper there) nor
+# prefill-sized steps (cuBLAS's bf16 GEMM runs at ~2x its MMA rate). Not measured: larger models' qkv / o_proj (70B:
+# over 2^25 weights, so up to 128 rows here), the lm_head, 8-bit codes (they keep the paths before), GPUs before sm_90.
 MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "256"))
 MM_MIN_WEIGHTS = 1 << 25
 MM_WIDE = 16384
@@ -71,16 +78,19 @@ class MmConfig:
     swap: bool = False  # the weights as the MMA's first operand (y.T = w @ x.T), x as the second
     x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
     mma_order: bool = False  # 4 bits: the code tile in the MMA's order (_dequant_mma; x read in mma_order)
-    packed: bool = False  # with mma_order, bf16 x on CUDA: the dequantization in bf16x2 arithmetic (_PACKED_ASM)
+    packed: bool = False  # with mma_order, bf16 x on sm_90+: the dequantization in bf16x2 arithmetic (_PACKED_ASM;
+    # sub / mul .bf16x2 are sm_90 PTX: ignored below it)
 
 
-def default_config(num_rows: int, out_features: int, bits: int = 4) -> MmConfig:
+def default_config(num_rows: int, out_features: int, bits: int = 4,
+                   capability: tuple[int, int] = (9, 0)) -> MmConfig:
     """The H200 sweep's best (``python -m kernels.bench.gemm --frag-mm``, session 50): 4 bits, the code tile in the
     MMA's order as its register operand; past 128 rows on wide weights 128 features x 256 rows on 8 warps, else 64
-    features x 128 rows on 4 warps. 8 bits: 64 x 128 on 4 warps (not swept)."""
+    features x 128 rows on 4 warps. 8 bits: 64 x 128 on 4 warps (not swept). Below sm_90 the 256-row tile is not
+    used: its three stages of x need ~181 KB of shared memory there (more than an A100's 163 KB, an sm_86/89's 99)."""
     if bits == 8:
         return MmConfig(block_m=64, tiles_n=8, num_warps=4)
-    if num_rows > 128 and out_features >= 16384:
+    if num_rows > 128 and out_features >= 16384 and tuple(capability) >= (9, 0):
         return MmConfig(block_m=256, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
     return MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True)
 
@@ -121,7 +131,8 @@ def _codes(words, TILES: tl.constexpr, BITS: tl.constexpr):
 def _nibbles(x, z, s, SH: tl.constexpr):
     """``(q - z) * s`` in fp32 for the nibble at bits SH .. SH + 3 of each (half-)word ``x`` (rows' zero points ``z``
     and scales ``s``): the nibble is ORed in place into the mantissa of 2^23 (``2^23 + q 2^SH``, exact for SH <= 12),
-    less ``2^23 + z 2^SH`` (exact), times ``s 2^-SH`` (exact): one rounding, as the fp32 reference; no shift, no
+    less ``2^23 + z 2^SH`` (exact), times ``s 2^-SH`` (exact while s 2^-SH is a normal float, |s| >= 2^-114): one
+    rounding, as the fp32 reference; no shift, no
     int -> float conversion."""
     v = ((x & (0xF << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
     return (v - (8388608.0 + z * (1 << SH))[:, None]) * (s * (1.0 / (1 << SH)))[:, None]
@@ -318,7 +329,8 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits))
+    capability = (0, 0) if _interpreting() else torch.cuda.get_device_capability(x.device)
+    cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits, capability))
     mma = cfg.mma_order and bits == 4
     x2 = x2.contiguous() if cfg.x_gather and not mma else _permuted_x(x2.contiguous(), bits, mma)
     tiles_n = cfg.tiles_n
@@ -338,7 +350,7 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
         x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, SWAP=cfg.swap, X_GATHER=cfg.x_gather,
-        MMA_ORDER=mma, PACKED=mma and cfg.packed and x.dtype == torch.bfloat16 and not _interpreting(),
+        MMA_ORDER=mma, PACKED=mma and cfg.packed and x.dtype == torch.bfloat16 and capability >= (9, 0),
         FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:  # the partial sums in split order, rounded once
         total = part.sum(0)

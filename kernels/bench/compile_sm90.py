@@ -501,8 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
-    for name, build in (_decode_attention() + _frag() + _frag_mm() + _moe() + _fp8_block() + _argmax() + _norms_and_rope()
-                        + _silu_quant() + _w8a8_rows()):
+    for name, build in (_decode_attention() + _frag() + _frag_mm() + _moe() + _fp8_block() + _argmax()
+                        + _norms_and_rope() + _silu_quant() + _w8a8_rows()):
         if args.only and not any(text.lower() in name.lower() for text in args.only):
             continue
         try:

@@ -676,7 +676,8 @@ def main() -> int:
                         help="only frag_gemm (kernels.w4a16_frag, M >= 65) vs dequantize + cuBLAS, with candidate configs")
     parser.add_argument("--frag-mm", action="store_true",
                         help="only frag_mm (kernels.frag_mm) vs frag_gemm, dequantize + cuBLAS and bf16 cuBLAS")
-    parser.add_argument("--no-sweep", action="store_true", help="--frag / --frag-gemm / --frag-mm: the default config only")
+    parser.add_argument("--no-sweep", action="store_true",
+                        help="--frag / --frag-gemm / --frag-mm: the default config only")
     parser.add_argument("--skip-elementwise", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():

@@ -12,8 +12,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton / kernels are im
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from kernels.frag_mm import MmConfig, frag_mm, x_order
+from kernels.frag_mm import MmConfig, _dequant_mma, frag_mm, x_order
 from kernels.w4a16_frag import dequantize_frag, mma_order, repack_frag
 from kernels.w4a16_gemm import ref_w4a16_linear
 from passes.quant_math import QuantConfig, pack_int4, quantize_groups
@@ -115,3 +117,71 @@ def test_the_runtime_takes_it_for_large_weights_at_decode_sized_steps():
     assert not module.preferred(128, 6144, 4096) and not module.preferred(128, 4096, 4096)
     assert not module.preferred(limit + 1, 28672, 4096)
     assert not module.preferred(128, 28672, 4096, bits=8)
+
+
+@triton.jit
+def _dequant_mma_probe(w_ptr, zl_ptr, zh_ptr, sl_ptr, sh_ptr, out_ptr, T: tl.constexpr):
+    r = tl.arange(0, 8 * T)
+    words = tl.load(w_ptr + r[:, None] * 32 + tl.arange(0, 32)[None, :])
+    w = _dequant_mma(words, tl.load(zl_ptr + r).to(tl.float32), tl.load(zh_ptr + r).to(tl.float32),
+                     tl.load(sl_ptr + r), tl.load(sh_ptr + r), T)
+    tl.store(out_ptr + tl.arange(0, 16 * T)[:, None] * 128 + tl.arange(0, 128)[None, :], w)
+
+
+@interpreter
+@pytest.mark.parametrize("scales", ["mixed sign", "large", "zero"])
+def test_dequant_mma_is_the_fp32_product_bit_for_bit(scales):
+    """_dequant_mma against (q - z) * s in fp32, bit for bit, from the layout's own definition (nibble (h, half, e)
+    of word (chunk, c, j) of row (t, g) at shift 16 h + 8 e + 4 half is weight row 16 t + 8 h + g, MMA-order column
+    64 chunk + 16 j + 8 half + 2 c + e): every shift, zero points 0 and 15, words with the top bit set (sign
+    extension of words >> 16), negative scales. Exact for normal s 2^-12, that is |s| >= 2^-114."""
+    T = 2
+    g = torch.Generator().manual_seed(5)
+    words = torch.randint(-2**31, 2**31, (8 * T, 32), generator=g, dtype=torch.int64)
+    words[0] = -1  # every nibble 15, top bit set
+    words[1] = 0
+    words = words.to(torch.int32)
+    zl, zh = (torch.randint(0, 16, (8 * T,), generator=g).to(torch.uint8) for _ in range(2))
+    zl[0], zh[0], zl[1], zh[1] = 0, 15, 15, 0
+    if scales == "mixed sign":
+        sl, sh = ((torch.rand(8 * T, generator=g) - 0.5) * 0.1 for _ in range(2))
+    elif scales == "large":
+        sl, sh = (torch.full((8 * T,), 3.0e38) * torch.where(torch.rand(8 * T, generator=g) < 0.5, -1.0, 1.0)
+                  for _ in range(2))
+    else:
+        sl, sh = torch.zeros(8 * T), torch.zeros(8 * T)
+    out = torch.empty(16 * T, 128)
+    _dequant_mma_probe[(1,)](words, zl, zh, sl, sh, out, T)
+    ref = torch.empty(T, 2, 8, 2, 4, 2, 4, 2)  # t, h, g, chunk, j, half, c, e
+    wu = words.to(torch.int64) & 0xFFFFFFFF
+    for h in range(2):
+        z, s = (zh, sh) if h else (zl, sl)
+        for half in range(2):
+            for e in range(2):
+                q = ((wu >> (16 * h + 8 * e + 4 * half)) & 0xF).reshape(T, 8, 2, 4, 4)  # t, g, chunk, c, j
+                w = (q.float() - z.float().reshape(T, 8, 1, 1, 1)) * s.reshape(T, 8, 1, 1, 1)
+                ref[:, h, :, :, :, half, :, e] = w.permute(0, 1, 2, 4, 3)
+    ref = ref.reshape(16 * T, 128)
+    assert bool(((out == ref) | (out.isnan() & ref.isnan())).all())
+
+
+@interpreter
+@pytest.mark.parametrize("group_size", [128, -1])
+def test_frag_mm_fp16_in_mma_order(group_size):
+    """fp16 x on the runtime's 4-bit configuration (MMA order, swapped), N that halves tiles_n (96 features: 6 tiles
+    for 4), split-K, a bias in fp32."""
+    m, n, k = 21, 96, 256
+    passes = _weights(n, k, group_size, seed=3)
+    packed = repack_frag(passes["qweight"], passes["scales"], passes["zeros"], group_size, 4)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(m, k, generator=g).to(torch.float16)
+    bias = torch.randn(n, generator=g) * 0.1
+    w = dequantize_frag(**packed, dtype=torch.float32)
+    if group_size != -1:
+        w = w.to(torch.float16).float()
+    ref = x.float() @ w.T + bias
+    for split in (1, 3):
+        cfg = MmConfig(block_m=16, tiles_n=4, num_warps=4, num_stages=1, split_k=split, swap=True, mma_order=True)
+        y = frag_mm(x, **packed, bias=bias, config=cfg)
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y.float(), ref, rtol=2**-9, atol=1e-3)
