@@ -42,8 +42,17 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gemv import _num_sms
-from kernels.w4a16_frag import ITER_K, LAYOUT, TILE_N, _frag_weights, _word_ptrs, mma_order
+from kernels.w4a16_frag import (
+    ITER_K,
+    LAYOUT,
+    _frag_weights,
+    _gemm_finish,
+    _gemm_partials,
+    _gemm_plan,
+    _gemm_rows,
+    _word_ptrs,
+    mma_order,
+)
 from kernels.w4a16_gemm import _check_device, _interpreting
 
 PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many programs per SM
@@ -319,12 +328,7 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     8-bit weights (module docstring). x: [..., K] -> y: [..., N] in x's dtype."""
     _check_device(x)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
-        raise ValueError(f"frag_mm takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if bias is not None and tuple(bias.shape) != (w.out_features,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
-    x2 = x.reshape(-1, w.in_features)
+    x2 = _gemm_rows(x, bias, w, "frag_mm")
     m, n = x2.shape[0], w.out_features
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -332,29 +336,15 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     capability = (0, 0) if _interpreting() else torch.cuda.get_device_capability(x.device)
     cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits, capability))
     mma = cfg.mma_order and bits == 4
-    x2 = x2.contiguous() if cfg.x_gather and not mma else _permuted_x(x2.contiguous(), bits, mma)
-    tiles_n = cfg.tiles_n
-    while (n // TILE_N) % tiles_n:
-        tiles_n //= 2
-    it_k = ITER_K if bits == 4 else ITER_K // 2  # input features per K iteration (1 KB of codes per tile)
-    grid_m, grid_n, total_iters = triton.cdiv(m, cfg.block_m), n // (TILE_N * tiles_n), w.in_features // it_k
-    split = cfg.split_k
-    if not split:
-        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        split = min(triton.cdiv(PROGRAMS_PER_SM * _num_sms(device_index), grid_m * grid_n),
-                    max(total_iters // 4, 1))
-    iters_per_split = triton.cdiv(total_iters, max(1, min(split, total_iters)))
-    split = triton.cdiv(total_iters, iters_per_split)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    _frag_mm_kernel[(grid_m, grid_n, split)](
+    x2 = x2 if cfg.x_gather and not mma else _permuted_x(x2, bits, mma)
+    plan = _gemm_plan(m, w, cfg.block_m, cfg.tiles_n, cfg.split_k, PROGRAMS_PER_SM, x.device)
+    part = _gemm_partials(plan, m, n, y)
+    _frag_mm_kernel[plan.grid](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
-        x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, SWAP=cfg.swap, X_GATHER=cfg.x_gather,
-        MMA_ORDER=mma, PACKED=mma and cfg.packed and x.dtype == torch.bfloat16 and capability >= (9, 0),
+        x2.stride(0), y.stride(0), plan.iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, TILES_N=plan.tiles_n, SPLIT=plan.grid[2], BITS=bits, SWAP=cfg.swap,
+        X_GATHER=cfg.x_gather, MMA_ORDER=mma,
+        PACKED=mma and cfg.packed and x.dtype == torch.bfloat16 and capability >= (9, 0),
         FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:  # the partial sums in split order, rounded once
-        total = part.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y.copy_(total)
+    _gemm_finish(plan, part, bias, y)
     return y.reshape(*x.shape[:-1], n)

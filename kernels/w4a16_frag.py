@@ -1309,6 +1309,61 @@ def default_gemm_config(num_rows: int, out_features: int, bits: int = 4) -> Gemm
     return GemmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=3, split_k=0)
 
 
+@dataclass(frozen=True)
+class _GemmPlan:
+    """A tl.dot GEMM's launch on the frag layout (frag_gemm, kernels.frag_mm): its grid and K split."""
+
+    tiles_n: int  # 16-feature tiles per program (the config's, halved until it divides N / 16)
+    it_k: int  # input features per K iteration (1 KB of codes per tile)
+    total_iters: int
+    grid: tuple[int, int, int]  # (row blocks, feature blocks, K splits)
+    iters_per_split: int
+
+
+def _gemm_rows(x: torch.Tensor, bias: torch.Tensor | None, w: _FragWeights, name: str) -> torch.Tensor:
+    """x as [rows, K] (last dimension contiguous), after the checks both GEMMs make (user-facing errors)."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
+        raise ValueError(f"{name} takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (w.out_features,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
+    x2 = x.reshape(-1, w.in_features)
+    return x2.contiguous() if x2.stride(-1) != 1 else x2
+
+
+def _gemm_plan(m: int, w: _FragWeights, block_m: int, tiles_n: int, split_k: int, programs_per_sm: int,
+               device: torch.device) -> _GemmPlan:
+    """The grid for ``m`` rows: ``split_k`` 0 splits K until the grid holds about ``programs_per_sm`` programs per SM
+    (at least 4 K iterations a split)."""
+    n = w.out_features
+    while (n // TILE_N) % tiles_n:
+        tiles_n //= 2
+    it_k = ITER_K if w.bits == 4 else ITER_K // 2
+    grid_m, grid_n, total_iters = triton.cdiv(m, block_m), n // (TILE_N * tiles_n), w.in_features // it_k
+    split = split_k
+    if not split:
+        device_index = device.index if device.index is not None else torch.cuda.current_device()
+        split = min(triton.cdiv(programs_per_sm * _num_sms(device_index), grid_m * grid_n), max(total_iters // 4, 1))
+    iters_per_split = triton.cdiv(total_iters, max(1, min(split, total_iters)))
+    split = triton.cdiv(total_iters, iters_per_split)
+    return _GemmPlan(tiles_n, it_k, total_iters, (grid_m, grid_n, split), iters_per_split)
+
+
+def _gemm_partials(plan: _GemmPlan, m: int, n: int, y: torch.Tensor) -> torch.Tensor:
+    """Where the programs write: fp32 partials [splits, m, n] when K is split, else y itself."""
+    splits = plan.grid[2]
+    return torch.empty((splits, m, n), dtype=torch.float32, device=y.device) if splits > 1 else y
+
+
+def _gemm_finish(plan: _GemmPlan, part: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor) -> None:
+    """With a split K: the partial sums added in split order (deterministic), the bias, rounded once into y."""
+    if plan.grid[2] > 1:
+        total = part.sum(0)
+        if bias is not None:
+            total += bias.float()
+        y.copy_(total)
+
+
 def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
               config: GemmConfig | None = None) -> torch.Tensor:
@@ -1318,18 +1373,22 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     sums; with split-K, the splits' fp32 partial sums added in split order: deterministic)."""
     _check_device(x)
     w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
-    if x.dtype not in (torch.bfloat16, torch.float16) or x.shape[-1] != w.in_features:
-        raise ValueError(f"frag_gemm takes bf16/fp16 x with {w.in_features} input features, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if bias is not None and tuple(bias.shape) != (w.out_features,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not match {w.out_features} output features")
-    x2 = x.reshape(-1, w.in_features)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _gemm_rows(x, bias, w, "frag_gemm")
     m, n = x2.shape[0], w.out_features
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
+    cfg = config or (GemmConfig(16, 2, 4, 1, 1) if _interpreting() else default_gemm_config(m, n, bits))
+    plan = _gemm_plan(m, w, cfg.block_m, cfg.tiles_n, cfg.split_k, GEMM_PROGRAMS_PER_SM, x.device)
+    part = _gemm_partials(plan, m, n, y)
+    xs = x2.unflatten(-1, (plan.total_iters, plan.it_k)).sum(-1, dtype=torch.float32)  # [M, iterations]: x's sums
+    _frag_gemm_kernel[plan.grid](
+        x2, xs, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
+        x2.stride(0), y.stride(0), plan.iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, TILES_N=plan.tiles_n, SPLIT=plan.grid[2], BITS=bits, FP32_DOT=_interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gemm_finish(plan, part, bias, y)
+    return y.reshape(*x.shape[:-1], n)
     cfg = config or (GemmConfig(16, 2, 4, 1, 1) if _interpreting() else default_gemm_config(m, n, bits))
     tiles_n = cfg.tiles_n
     while (n // TILE_N) % tiles_n:
