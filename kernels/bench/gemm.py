@@ -517,6 +517,20 @@ def bench_frag(shapes: list[str] | None = None, rows: list[int] | None = None, s
     return failures
 
 
+def _checked_sweep(label: str, fn: Callable, x: torch.Tensor, ref: torch.Tensor, packs: list[dict],
+                   candidates: list, failures: list[str]) -> tuple[float, float, float, str]:
+    """``fn(x, **pack)`` with its default config checked against ``ref`` (a mismatch goes to ``failures``) and timed
+    over the rotated ``packs``, then the candidates (``_fastest``): (max rel err, default us, best us, best config)."""
+    ok, err = _close(fn(x, **packs[0]), ref)
+    if not ok:
+        failures.append(f"{label}: max rel err {err:.2e}")
+    t_default = time_us([lambda p=p: fn(x, **p) for p in packs])
+    best, best_cfg = _fastest(label, t_default, candidates, failures,
+                              lambda cand: _close(fn(x, **packs[0], config=cand), ref),
+                              lambda cand: [lambda p=p: fn(x, **p, config=cand) for p in packs])
+    return err, t_default, best, best_cfg
+
+
 FRAG_GEMM_ROWS = [65, 128, 256, 512, 1024, 2048, 4096]
 
 
@@ -546,14 +560,8 @@ def bench_frag_gemm(shapes: list[str] | None = None, rows: list[int] | None = No
         for m in rows or FRAG_GEMM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
             ref = ref_w4a16_linear(x, **passes)
-            ok, err = _close(frag_gemm(x, **frag[0]), ref)
-            if not ok:
-                failures.append(f"frag_gemm {name} M={m}: max rel err {err:.2e}")
-            t_gemm = time_us([lambda p=p: frag_gemm(x, **p) for p in frag])
-            best, best_cfg = _fastest(
-                f"frag_gemm {name} M={m}", t_gemm, frag_gemm_candidates() if sweep else [], failures,
-                lambda cand: _close(frag_gemm(x, **frag[0], config=cand), ref),
-                lambda cand: [lambda p=p: frag_gemm(x, **p, config=cand) for p in frag])
+            err, t_gemm, best, best_cfg = _checked_sweep(f"frag_gemm {name} M={m}", frag_gemm, x, ref, frag,
+                                                         frag_gemm_candidates() if sweep else [], failures)
             t_deq = time_us([lambda p=p: F.linear(x, dequantize_frag(**p, dtype=DTYPE)) for p in frag[:4]])
             if m == (rows or FRAG_GEMM_ROWS)[0]:  # the dequantization alone, both kernels
                 t_new = time_us([lambda p=p: dequantize_frag(**p, dtype=DTYPE) for p in frag[:4]])
@@ -606,14 +614,8 @@ def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None
         for m in rows or FRAG_MM_ROWS:
             x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
             ref = ref_w4a16_linear(x, **passes)
-            ok, err = _close(frag_mm(x, **frag[0]), ref)
-            if not ok:
-                failures.append(f"frag_mm {name} M={m}: max rel err {err:.2e}")
-            t_mm = time_us([lambda p=p: frag_mm(x, **p) for p in frag])
-            best, best_cfg = _fastest(
-                f"frag_mm {name} M={m}", t_mm, frag_mm_candidates(bits) if sweep else [], failures,
-                lambda cand: _close(frag_mm(x, **frag[0], config=cand), ref),
-                lambda cand: [lambda p=p: frag_mm(x, **p, config=cand) for p in frag])
+            err, t_mm, best, best_cfg = _checked_sweep(f"frag_mm {name} M={m}", frag_mm, x, ref, frag,
+                                                       frag_mm_candidates(bits) if sweep else [], failures)
             t_gemm = time_us([lambda p=p: frag_gemm(x, **p) for p in frag])
             t_deq = time_us([lambda p=p: F.linear(x, dequantize_frag(**p, dtype=DTYPE)) for p in frag[:4]])
             t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
