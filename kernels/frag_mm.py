@@ -86,8 +86,8 @@ class MmConfig:
     split_k: int = 0  # programs sharing one output tile's K range; 0: enough programs for PROGRAMS_PER_SM
     swap: bool = False  # the weights as the MMA's first operand (y.T = w @ x.T), x as the second
     x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
-    mma_order: bool = False  # 4 bits: the code tile in the MMA's order (_dequant_mma; x read in mma_order)
-    packed: bool = False  # with mma_order, bf16 x on sm_90+: the dequantization in bf16x2 arithmetic (_PACKED_ASM;
+    mma_order: bool = False  # the code tile in the MMA's order (_dequant_mma / _dequant_mma8; x read in mma_order)
+    packed: bool = False  # with mma_order, 4 bits, bf16 x on sm_90+: the dequantization in bf16x2 arithmetic (_PACKED_ASM;
     # sub / mul .bf16x2 are sm_90 PTX: ignored below it)
 
 
@@ -191,6 +191,27 @@ mul.rn.bf16x2 $3, p3, $9;
 
 
 @triton.jit
+def _bytes(x, z, s, SH: tl.constexpr):
+    """:func:`_nibbles` for the byte at bits SH .. SH + 7 (SH <= 8): ``2^23 + q 2^SH`` less ``2^23 + z 2^SH``, times
+    ``s 2^-SH`` (per-channel codes: s is 1, the scale comes after the loop)."""
+    v = ((x & (0xFF << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return (v - (8388608.0 + z * (1 << SH))[:, None]) * (s * (1.0 / (1 << SH)))[:, None]
+
+
+@triton.jit
+def _dequant_mma8(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
+    """8-bit words (``_word_ptrs``: [(t, g), (chunk, c, s, half)]) -> fp32 [16 TILES, 64] in the MMA's order: row
+    ``16 t + 8 h + g``, column the MMA-order position ``32 chunk + 16 s + 8 half + 2 c + e`` (x read in
+    ``mma_order(64)``). Byte (h, e) of a word is at shift ``16 h + 8 e`` (module docstring of kernels.w4a16_frag)."""
+    hi = words >> 16
+    q = tl.join(tl.join(_bytes(words, z_lo, s_lo, 0), _bytes(words, z_lo, s_lo, 8)),
+                tl.join(_bytes(hi, z_hi, s_hi, 0), _bytes(hi, z_hi, s_hi, 8)))
+    q = tl.reshape(q, (TILES, 8, 2, 4, 2, 2, 2, 2))  # t, g, chunk, c, s, half, e, h
+    q = tl.permute(q, (0, 7, 1, 2, 4, 5, 3, 6))  # t, h, g, chunk, s, half, c, e
+    return tl.reshape(q, (16 * TILES, 64))
+
+
+@triton.jit
 def _dequant_mma_packed(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
     """:func:`_dequant_mma` in packed bf16 arithmetic (_PACKED_ASM; CUDA only): the same tile, as bf16, with the
     scale rounded to bf16 before its product (two roundings a weight instead of one)."""
@@ -269,6 +290,8 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
                 s_hi = tl.load(s_ptr + it * N + n_lo + 8)
             if PACKED:
                 w = _dequant_mma_packed(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
+            elif BITS == 8:
+                w = _dequant_mma8(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
             else:
                 w = _dequant_mma(tl.load(w_ptrs + it * 256), z_lo, z_hi, s_lo, s_hi, TILES_N)
         else:
@@ -307,18 +330,20 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
 
 
 @functools.cache
-def _order_tensor(mma: bool, device: torch.device) -> torch.Tensor:
-    """The 4-bit code tile's column order (``mma_order`` or :func:`x_order`) on ``device``, made once (a copy from
-    the host cannot run inside a CUDA-graph capture)."""
-    return mma_order(ITER_K).to(device) if mma else torch.tensor(x_order(4), device=device)
+def _order_tensor(bits: int, mma: bool, device: torch.device) -> torch.Tensor:
+    """The code tile's column order per K iteration (``mma_order``, or 4 bits' :func:`x_order`) on ``device``, made
+    once (a copy from the host cannot run inside a CUDA-graph capture)."""
+    return mma_order(512 // bits).to(device) if mma else torch.tensor(x_order(4), device=device)
 
 
 def _permuted_x(x2: torch.Tensor, bits: int, mma: bool) -> torch.Tensor:
-    """x's columns in the kernel's code order, per K iteration: one gather before the launch."""
-    if bits == 8:
+    """x's columns in the kernel's code order, per K iteration: one gather before the launch (8-bit codes outside the
+    MMA order are in natural order already)."""
+    if bits == 8 and not mma:
         return x2
     m, k = x2.shape
-    return x2.reshape(m, k // ITER_K, ITER_K).index_select(2, _order_tensor(mma, x2.device)).reshape(m, k)
+    block = 512 // bits
+    return x2.reshape(m, k // block, block).index_select(2, _order_tensor(bits, mma, x2.device)).reshape(m, k)
 
 
 def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -335,7 +360,7 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         return y.reshape(*x.shape[:-1], n)
     capability = (0, 0) if _interpreting() else torch.cuda.get_device_capability(x.device)
     cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits, capability))
-    mma = cfg.mma_order and bits == 4
+    mma = cfg.mma_order
     x2 = x2 if cfg.x_gather and not mma else _permuted_x(x2, bits, mma)
     plan = _gemm_plan(m, w, cfg.block_m, cfg.tiles_n, cfg.split_k, PROGRAMS_PER_SM, x.device)
     part = _gemm_partials(plan, m, n, y)
@@ -344,7 +369,7 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         x2.stride(0), y.stride(0), plan.iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, TILES_N=plan.tiles_n, SPLIT=plan.grid[2], BITS=bits, SWAP=cfg.swap,
         X_GATHER=cfg.x_gather, MMA_ORDER=mma,
-        PACKED=mma and cfg.packed and x.dtype == torch.bfloat16 and capability >= (9, 0),
+        PACKED=mma and bits == 4 and cfg.packed and x.dtype == torch.bfloat16 and capability >= (9, 0),
         FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gemm_finish(plan, part, bias, y)
     return y.reshape(*x.shape[:-1], n)

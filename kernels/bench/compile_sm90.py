@@ -238,7 +238,9 @@ def _frag_mm() -> list[tuple[str, object]]:
                 ("4-bit groups, x by column indices", {"X_GATHER": True}, 8),
                 ("4-bit groups, 64 x 128, split", {"BLOCK_M": 64, "SPLIT": 4}, 4),
                 ("4-bit per channel, bias", {"ONE_GROUP": True, "HAS_BIAS": True}, 8),
-                ("8-bit per channel", {"BITS": 8, "ONE_GROUP": True}, 8)]
+                ("8-bit per channel", {"BITS": 8, "ONE_GROUP": True}, 8),
+                ("8-bit per channel, MMA order, swapped", {"BITS": 8, "ONE_GROUP": True, "SWAP": True,
+                                                           "MMA_ORDER": True, "TILES_N": 4}, 4)]
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_ym")
     return [(f"frag_mm GEMM, {name}", lambda kw=kw, w=w: compile_kernel(
         _frag_mm_kernel, types, dict(base, **kw), num_warps=w, divisible=divisible)) for name, kw, w in variants]

@@ -585,7 +585,8 @@ def frag_mm_candidates(bits: int = 4) -> list[MmConfig]:
     """block_m, tiles_n, warps, stages, split_k (0: auto), swapped operands, x by column indices, MMA order."""
     if bits == 8:
         return [MmConfig(*c) for c in ((128, 8, 8, 3, 0), (64, 8, 4, 4, 0), (128, 8, 8, 3, 0, True),
-                                       (64, 16, 8, 3, 0), (128, 4, 4, 3, 0))]
+                                       (64, 16, 8, 3, 0), (128, 4, 4, 3, 0))] + [
+            MmConfig(*c, swap=True, mma_order=True) for c in ((128, 4, 4, 3, 0), (256, 8, 8, 3, 0), (128, 8, 8, 3, 0))]
     if os.environ.get("FRAG_MM_PACKED_SWEEP", "0") != "0":  # the packed dequantization against the fp32 one
         return [MmConfig(*c, swap=True, mma_order=True, packed=p) for c in (
             (256, 8, 8, 3, 0), (128, 4, 4, 3, 0), (128, 8, 8, 3, 0)) for p in (False, True)]
