@@ -43,7 +43,6 @@ import triton
 import triton.language as tl
 
 from kernels.w4a16_frag import (
-    ITER_K,
     LAYOUT,
     _frag_weights,
     _gemm_finish,

@@ -1389,29 +1389,3 @@ def frag_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gemm_finish(plan, part, bias, y)
     return y.reshape(*x.shape[:-1], n)
-    cfg = config or (GemmConfig(16, 2, 4, 1, 1) if _interpreting() else default_gemm_config(m, n, bits))
-    tiles_n = cfg.tiles_n
-    while (n // TILE_N) % tiles_n:
-        tiles_n //= 2
-    it_k = ITER_K if bits == 4 else ITER_K // 2  # input features per K iteration (1 KB of codes per tile)
-    grid_m, grid_n, total_iters = triton.cdiv(m, cfg.block_m), n // (TILE_N * tiles_n), w.in_features // it_k
-    split = cfg.split_k
-    if not split:
-        device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        split = min(triton.cdiv(GEMM_PROGRAMS_PER_SM * _num_sms(device_index), grid_m * grid_n),
-                    max(total_iters // 4, 1))
-    iters_per_split = triton.cdiv(total_iters, max(1, min(split, total_iters)))
-    split = triton.cdiv(total_iters, iters_per_split)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    xs = x2.unflatten(-1, (total_iters, it_k)).sum(-1, dtype=torch.float32)  # [M, iterations]: x's sums
-    _frag_gemm_kernel[(grid_m, grid_n, split)](
-        x2, xs, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
-        x2.stride(0), y.stride(0), iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, TILES_N=tiles_n, SPLIT=split, BITS=bits, FP32_DOT=_interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if split > 1:  # the partial sums in split order, rounded once
-        total = part.sum(0)
-        if bias is not None:
-            total += bias.float()
-        y.copy_(total)
-    return y.reshape(*x.shape[:-1], n)
