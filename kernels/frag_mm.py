@@ -86,8 +86,9 @@ class MmConfig:
     swap: bool = False  # the weights as the MMA's first operand (y.T = w @ x.T), x as the second
     x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
     mma_order: bool = False  # the code tile in the MMA's order (_dequant_mma / _dequant_mma8; x read in mma_order)
-    packed: bool = False  # with mma_order, 4 bits, bf16 x on sm_90+: the dequantization in bf16x2 arithmetic (_PACKED_ASM;
-    # sub / mul .bf16x2 are sm_90 PTX: ignored below it)
+    # with mma_order, 4 bits, bf16 x on sm_90+: the dequantization in bf16x2 arithmetic (_PACKED_ASM; sub / mul
+    # .bf16x2 are sm_90 PTX: ignored below it)
+    packed: bool = False
 
 
 def default_config(num_rows: int, out_features: int, bits: int = 4,
