@@ -185,3 +185,69 @@ def test_frag_mm_fp16_in_mma_order(group_size):
         y = frag_mm(x, **packed, bias=bias, config=cfg)
         assert y.dtype == torch.float16
         torch.testing.assert_close(y.float(), ref, rtol=2**-9, atol=1e-3)
+
+
+def _routed_linear(n: int, k: int, group_size: int, swiglu: bool, seed: int, device: str):
+    """The executor's weight-only linear (runtime.executor._kernel_weight_only_linear) on random 4-bit weights, with
+    its fp32 reference: x @ dequantized weights + bias (each weight rounded to bf16 in groups), SwiGLU'd for a merged
+    gate/up."""
+    from passes.quant_math import pack_int4
+    from runtime.executor import _kernel_weight_only_linear
+
+    g = torch.Generator().manual_seed(seed)
+    groups = 1 if group_size == -1 else k // group_size
+    codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
+    zeros = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) - 0.5) * 0.04
+    bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+    w = {"qweight": pack_int4(codes).to(device), "scales": scales.to(device), "zeros": zeros.to(device),
+         "bias": bias.to(device)}
+    linear = _kernel_weight_only_linear(w, {"bits": 4, "group_size": group_size}, swiglu_out=swiglu)
+    wd = ((codes.float().reshape(n, groups, -1) - zeros.float()[:, :, None]) * scales[:, :, None]).reshape(n, k)
+    if group_size != -1:
+        wd = wd.to(torch.bfloat16).float()
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        y = x.float().cpu() @ wd.T + bias.float()
+        return torch.nn.functional.silu(y[:, : n // 2]) * y[:, n // 2:] if swiglu else y
+
+    return linear, reference
+
+
+@interpreter
+@pytest.mark.parametrize("swiglu,group_size", [(False, 128), (True, 128), (False, -1)])
+def test_the_executor_routes_frag_linears_to_it(monkeypatch, swiglu, group_size):
+    """The executor's frag path past the GEMV's rows, under the interpreter with the frag layout forced on and the
+    size threshold lowered: frag_mm runs (a spy counts it) and gives the reference, a merged gate/up in its gate_up
+    order included; past the row limit the dequantized path runs instead, with the same result."""
+    from kernels import frag_mm as module
+    from kernels import w4a16_frag
+
+    monkeypatch.setattr(w4a16_frag, "runtime_layout", lambda *args: True)
+    monkeypatch.setattr(module, "MM_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(module, "MM_RUNTIME_MAX_ROWS", 80)
+    calls = []
+    real = module.frag_mm
+    monkeypatch.setattr(module, "frag_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    linear, reference = _routed_linear(64, 256, group_size, swiglu, seed=7, device="cpu")
+    g = torch.Generator().manual_seed(8)
+    for rows, routed in ((70, True), (90, False)):
+        calls.clear()
+        x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
+        ref = reference(x)
+        torch.testing.assert_close(linear(x).float(), ref, rtol=2**-6, atol=2e-3 * ref.abs().max().item())
+        assert bool(calls) == routed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="CUDA only (the interpreter's routing test above forces the layout)")
+@pytest.mark.parametrize("rows", [65, 128, 256, 300])
+@pytest.mark.parametrize("n,k,swiglu", [(28672, 4096, True), (4096, 14336, False), (6144, 4096, False)])
+def test_the_executor_on_cuda_at_the_8b_shapes(rows, n, k, swiglu):
+    """The runtime's choice at the 8B shape's gate_up (SwiGLU out), down and qkv around its row limits (frag_mm,
+    or the dequantized weight on cuBLAS), against the fp32 reference."""
+    linear, reference = _routed_linear(n, k, 128, swiglu, seed=rows + n, device="cuda")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+    ref = reference(x)
+    y = linear(x.cuda()).float().cpu()
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
