@@ -148,6 +148,16 @@ def _nibbles(x, z, s, SH: tl.constexpr):
 
 
 @triton.jit
+def _mma_tile4(q, TILES: tl.constexpr):
+    """A 4-bit iteration's eight joined values per word, [(t, g), (chunk, c, j), e, half, h] (each join's dimension
+    last), as the [16 TILES, 128] tile in the MMA's order: rows 16 t + 8 h + g, columns 64 chunk + 16 j + 8 half +
+    2 c + e. A reshape and a permutation: no value leaves its thread."""
+    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))  # t, g, chunk, c, j, e, half, h
+    q = tl.permute(q, (0, 7, 1, 2, 4, 6, 3, 5))  # t, h, g, chunk, j, half, c, e
+    return tl.reshape(q, (16 * TILES, 128))
+
+
+@triton.jit
 def _dequant_mma(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
     """4-bit words (``_word_ptrs``: [(t, g), (chunk, c, j)]) -> the dequantized weights, fp32 [16 TILES, 128], in
     the MMA's own order: row ``16 t + 8 h + g`` (natural; ``z_lo`` / ``s_lo`` are rows ``16 t + g``, ``z_hi`` /
@@ -160,9 +170,7 @@ def _dequant_mma(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
                         tl.join(_nibbles(words, z_lo, s_lo, 4), _nibbles(words, z_lo, s_lo, 12))),
                 tl.join(tl.join(_nibbles(hi, z_hi, s_hi, 0), _nibbles(hi, z_hi, s_hi, 8)),
                         tl.join(_nibbles(hi, z_hi, s_hi, 4), _nibbles(hi, z_hi, s_hi, 12))))
-    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))  # t, g, chunk, c, j, e, half, h (each join's dimension last)
-    q = tl.permute(q, (0, 7, 1, 2, 4, 6, 3, 5))  # t, h, g, chunk, j, half, c, e
-    return tl.reshape(q, (16 * TILES, 128))
+    return _mma_tile4(q, TILES)
 
 
 # One word -> its eight weights as four bf16x2 registers (A-fragment pairs: features e = 0, 1 of one row):
@@ -224,9 +232,7 @@ def _dequant_mma_packed(words, z_lo, z_hi, s_lo, s_hi, TILES: tl.constexpr):
         [tl.join(words, words), tl.join(c_lo, c_lo), tl.join(b_lo, b_lo), tl.join(c_hi, c_hi), tl.join(b_hi, b_hi)],
         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
     q = tl.join(tl.join(p0, p1), tl.join(p2, p3))  # [(t, g), (chunk, c, j), e, half, h]
-    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))
-    q = tl.permute(q, (0, 7, 1, 2, 4, 6, 3, 5))  # t, h, g, chunk, j, half, c, e
-    return tl.reshape(q, (16 * TILES, 128))
+    return _mma_tile4(q, TILES)
 
 
 @triton.jit
@@ -346,6 +352,12 @@ def _permuted_x(x2: torch.Tensor, bits: int, mma: bool) -> torch.Tensor:
     return x2.reshape(m, k // block, block).index_select(2, _order_tensor(bits, mma, x2.device)).reshape(m, k)
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    """The device's compute capability, asked once (frag_mm runs on every eager prefill step)."""
+    return torch.cuda.get_device_capability(device_index)
+
+
 def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
             config: MmConfig | None = None) -> torch.Tensor:
@@ -358,7 +370,8 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    capability = (0, 0) if _interpreting() else torch.cuda.get_device_capability(x.device)
+    capability = (0, 0) if _interpreting() else _capability(x.device.index if x.device.index is not None
+                                                            else torch.cuda.current_device())
     cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_config(m, n, bits, capability))
     mma = cfg.mma_order
     x2 = x2 if cfg.x_gather and not mma else _permuted_x(x2, bits, mma)
