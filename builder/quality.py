@@ -245,8 +245,9 @@ def _round_to_nearest(w: torch.Tensor, quant: dict[str, Any], candidate: Graph, 
         symmetric = quant.get("symmetric", scheme == "w8a16" and PER_CHANNEL_INT8.symmetric)
         cfg = QuantConfig(bits=int(quant["bits"]), group_size=int(quant["group_size"]), symmetric=bool(symmetric))
         codes, scales, zeros = quantize_groups(w, cfg)
+        acts = {"activation_quant": "fp8"} if quant.get("activation_quant") == "fp8" else {}  # W4A8: the same inputs
         return scheme, {"qweight": codes, "scales": scales, "zeros": zeros}, {}, {
-            "bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric}
+            "bits": cfg.bits, "group_size": cfg.group_size, "symmetric": cfg.symmetric, **acts}
     if scheme == "fp8":
         per_channel = quant.get("weight_granularity", "tensor") == "channel"
         q, scale = quantize_weight_fp8(w, per_channel)
@@ -267,10 +268,10 @@ def _round_to_nearest(w: torch.Tensor, quant: dict[str, Any], candidate: Graph, 
 
 def rtn_counterpart(baseline: Graph, candidate: Graph) -> tuple[Graph | None, str]:
     """The baseline with every linear (and lm_head) the candidate quantizes rounded to nearest instead, by the
-    same scheme's plain rule: the same bits, group size and symmetry (W4A16, W8A16), the same granularity and
-    activations (FP8; static input scales are the build's), per-channel INT8 without smoothing (SmoothQuant's
-    W8A8 INT8, dynamic only). A calibrated method must beat it; a scheme that only rounds must match it. Returns
-    (graph, "") or (None, why not).
+    same scheme's plain rule: the same bits, group size and symmetry (W4A16, W8A16; W4A8's fp8 inputs), the same
+    granularity and activations (FP8; static input scales are the build's), per-channel INT8 without smoothing
+    (SmoothQuant's W8A8 INT8, dynamic only). A calibrated method must beat it; a scheme that only rounds must match
+    it. Returns (graph, "") or (None, why not).
 
     NOTE: the candidate is matched by member (q_proj, k_proj, ...), so either graph may hold merged linears. The
     rounding covers a candidate linear's rows together (a per-tensor FP8 scale spans a merged q/k/v), then each

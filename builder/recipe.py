@@ -126,9 +126,9 @@ ALGO_OPTIONS: dict[str, set[str]] = {
     "fp8": {"activations", "weight_granularity", "experts"},
     "smoothquant": {"activations", "alpha", "smoothing", "static_scale", "smooth_output"},
     "gptq": {"bits", "group_size", "symmetric", "act_order", "damp", "block_size", "refit_scales", "true_sequential",
-             "experts"},
+             "experts", "activation_quant"},
     "awq": {"group_size", "symmetric", "n_grid", "duo_scaling", "rounding", "damp", "block_size", "clip",
-            "scale_output", "joint_clip", "refit_scales", "experts"},
+            "scale_output", "joint_clip", "refit_scales", "experts", "activation_quant"},
 }
 COMMON_OPTIONS = {"algo", "targets", "ignore", "lm_head"}
 
@@ -182,6 +182,11 @@ class QuantizationSection(_Strict):
     # The router stays in the model dtype. awq / gptq (bits 4): the same option, W4A16 experts (4-bit codes in the
     # section's groups, each expert calibrated on the tokens routed to it: passes/moe_int4.py)
     experts: Optional[bool] = None
+    # awq / gptq with 4 bits: "fp8" also rounds each quantized linear's input per token to fp8 e4m3 at run time
+    # (dynamic scales, amax / 448): W4A8, whose tensor-core path runs the fp8 MMA on the 4-bit codes (twice bf16's
+    # rate on Hopper) past 64 rows of a step. The lm_head and mixture-of-experts experts stay W4A16. Default: none
+    # (W4A16). The quality gates measure the artifact as it runs, activations rounded.
+    activation_quant: Optional[Literal["fp8"]] = None
     # Also quantize the lm_head ([vocab, hidden]) with this method and scheme; targets/ignore do not reach it.
     # A tied lm_head is untied: the embedding stays in the model dtype, the lm_head gets a quantized copy.
     lm_head: bool = False
@@ -198,6 +203,8 @@ class QuantizationSection(_Strict):
             if key not in allowed:
                 raise ValueError(f"{key}: does not apply to algo {self.algo!r}; "
                                  f"{self.algo} reads: {', '.join(sorted(allowed | COMMON_OPTIONS)) }")
+        if self.activation_quant and self.algo == "gptq" and (self.bits or 4) != 4:
+            raise ValueError(f"activation_quant: fp8 (W4A8) takes 4-bit weights; bits is {self.bits}")
         if self.group_size is not None and self.group_size != -1 and self.group_size < 1:
             raise ValueError(f"group_size: {self.group_size} must be -1 (per channel) or >= 1")
         return self

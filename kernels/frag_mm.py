@@ -25,6 +25,11 @@ How it differs from ``w4a16_frag.frag_gemm`` (the first GEMM on this layout, whi
   read in that order (``X_GATHER``: column indices in the kernel) or permuted before the launch; the tile goes
   through shared memory as the MMA's second operand. 8-bit words already hold their features in natural order.
 
+W4A8 (:func:`frag_mm_fp8`, the runtime's path for linears built with ``activation_quant: fp8``): the same words
+against x quantized per token to e4m3, on the fp8 MMA (twice the bf16 rate on Hopper): ``q - z`` is exact in e4m3,
+so the codes go to the MMA unrounded, formed in the fp8 fragment's order (:func:`fp8_order`), and each group's
+fp32 sums are scaled once (section "W4A8" below).
+
 Numerics: fp32 accumulation, one rounding of y; 4-bit groups round each dequantized weight to x's dtype once (as the
 dequantize + cuBLAS path did; ``packed`` rounds the scale to bf16 first); per-channel codes are exact in the MMA.
 Split-K (for shapes whose output tiles do not fill the SMs) writes fp32 partials that are added in split order:
@@ -386,3 +391,240 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
         FP32_DOT=_interpreting(), X_BF16=x.dtype == torch.bfloat16, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gemm_finish(plan, part, bias, y)
     return y.reshape(*x.shape[:-1], n)
+
+
+# --- W4A8: the same 4-bit codes against fp8 activations (Hopper's e4m3 MMA, twice the bf16 rate) ----------------
+# y = xs * sum_g s_g * sum_{k in g} (q - z) xq, with xq / xs x's per-token e4m3 codes and fp32 scales (the dynamic
+# per-token quantization of the W8A8 path, kernels.w8a8_gemm.quantize_rows): q - z (-15 .. 15) is exact in e4m3, so
+# the codes go to the MMA unrounded; each group's exact fp32 sums are scaled by its s and added (one FMA per
+# accumulator element per 128 input features). Numerics: those of x rounded per token to e4m3 (x's own rounding,
+# the W4A8 scheme's), then the fp32 products and sums of W4A16 with the weights unrounded.
+#
+# The register operand's order: wgmma's 8-bit A fragment gives lane (g, c) rows g and g + 8 at k 4c .. 4c + 3 of each
+# 16 (kWidth 4), where the bf16 MMA's gave it 2c, 2c + 1, 2c + 8, 2c + 9; a frag word holds exactly those four of
+# each row, so the same words make the fp8 fragment once their nibbles are read in the other order (_tile_e4m3), and
+# x's codes are written in that order (fp8_order) by the quantization.
+W4A8_RUNTIME_MIN_ROWS = int(os.environ.get("KERNELS_W4A8_MIN_ROWS", "65"))
+
+
+@functools.cache
+def fp8_order() -> tuple[int, ...]:
+    """Entry ``p`` is the input feature (of a K iteration's 128) at column ``p`` of :func:`_frag_mm_fp8_kernel`'s
+    code tile: ``p = 64 chunk + 16 j + 4 c + 2 half + e`` takes nibble (half, e) of word (chunk, c, j), whose
+    feature is ``mma_order(128)`` at the bf16 MMA position ``64 chunk + 16 j + 8 half + 2 c + e``."""
+    mma = mma_order(128).tolist()
+    order = []
+    for p in range(128):
+        chunk, j, c, half, e = p // 64, (p // 16) % 4, (p // 4) % 4, (p // 2) % 2, p % 2
+        order.append(mma[64 * chunk + 16 * j + 8 * half + 2 * c + e])
+    return tuple(order)
+
+
+@triton.jit
+def _code_minus_zero(x, z, SH: tl.constexpr):
+    """``q - z`` in fp32, exact, for the nibble at bits SH .. SH + 3 of each (half-)word ``x``: ``2^23 + q 2^SH``
+    (ORed in place) times 2^-SH, less ``2^(23 - SH) + z``: one FMA whose exact result is representable."""
+    v = ((x & (0xF << SH)) | 0x4B000000).to(tl.float32, bitcast=True)
+    return v * (1.0 / (1 << SH)) - ((8388608.0 / (1 << SH)) + z)[:, None]
+
+
+@triton.jit
+def _tile_e4m3(words, z_lo, z_hi, TILES: tl.constexpr):
+    """4-bit words (``_word_ptrs``) -> ``q - z`` (fp32, exact) [16 TILES, 128] in the fp8 MMA's order: row
+    ``16 t + 8 h + g``, column ``64 chunk + 16 j + 4 c + 2 half + e`` (:func:`fp8_order`) for nibble (h, half, e)
+    of word (chunk, c, j) at shift ``16 h + 8 e + 4 half``. Joins and a permutation, as :func:`_dequant_mma`."""
+    hi = words >> 16
+    q = tl.join(tl.join(tl.join(_code_minus_zero(words, z_lo, 0), _code_minus_zero(words, z_lo, 8)),
+                        tl.join(_code_minus_zero(words, z_lo, 4), _code_minus_zero(words, z_lo, 12))),
+                tl.join(tl.join(_code_minus_zero(hi, z_hi, 0), _code_minus_zero(hi, z_hi, 8)),
+                        tl.join(_code_minus_zero(hi, z_hi, 4), _code_minus_zero(hi, z_hi, 12))))
+    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))  # t, g, chunk, c, j, e, half, h
+    q = tl.permute(q, (0, 7, 1, 2, 4, 3, 6, 5))  # t, h, g, chunk, j, c, half, e
+    return tl.reshape(q, (16 * TILES, 128))
+
+
+# One word -> its eight codes less their zero points as e4m3, in the two registers of wgmma's 8-bit A fragment that
+# it feeds (rows g and g + 8, k 4c .. 4c + 3: bytes (half, e) = nibbles at shifts 8 e + 4 half): each pair of
+# nibbles (h = 0, 1) at one shift is ORed into the mantissas of fp16 1024 (bits 0 .. 3) or of 1024 with the nibble
+# times 16 (bits 4 .. 7; the shifts 8 and 12 after one shift of the word by 8), less 1024 + z or, times 1/16, less
+# 64 + z: q - z exactly, two per instruction; then two per conversion to e4m3 (exact: |q - z| <= 15) and two byte
+# permutes. $2 the word, $6 (1024 + z_lo, 1024 + z_hi) as fp16x2, $10 -(64 + z_lo, 64 + z_hi) (copies of each fill
+# the rest of the four inputs a pack of four takes).
+_E4M3_ASM = tl.constexpr("""{
+.reg .b32 t, m0, m1, m2, m3, r16;
+.reg .b16 e0, e1, e2, e3;
+shr.b32 t, $2, 8;
+lop3.b32 m0, $2, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 m1, $2, 0x00F000F0, 0x64006400, 0xea;
+lop3.b32 m2, t, 0x000F000F, 0x64006400, 0xea;
+lop3.b32 m3, t, 0x00F000F0, 0x64006400, 0xea;
+mov.b32 r16, 0x2C002C00;
+sub.rn.f16x2 m0, m0, $6;
+fma.rn.f16x2 m1, m1, r16, $10;
+sub.rn.f16x2 m2, m2, $6;
+fma.rn.f16x2 m3, m3, r16, $10;
+cvt.rn.satfinite.e4m3x2.f16x2 e0, m0;
+cvt.rn.satfinite.e4m3x2.f16x2 e1, m1;
+cvt.rn.satfinite.e4m3x2.f16x2 e2, m2;
+cvt.rn.satfinite.e4m3x2.f16x2 e3, m3;
+mov.b32 m0, {e0, e2};
+mov.b32 m1, {e1, e3};
+prmt.b32 $0, m0, m1, 0x6420;
+prmt.b32 $1, m0, m1, 0x7531;
+}""")
+
+
+@triton.jit
+def _tile_e4m3_asm(words, z_lo, z_hi, TILES: tl.constexpr):
+    """:func:`_tile_e4m3` as e4m3 by inline PTX (_E4M3_ASM; CUDA sm_89+): the same values, in the same order."""
+    zl = z_lo.to(tl.int32)[:, None]
+    zh = z_hi.to(tl.int32)[:, None]
+    c0 = tl.broadcast_to((0x6400 + zl) | ((0x6400 + zh) << 16), words.shape)
+    c4 = tl.broadcast_to(((0x5400 + 16 * zl) | ((0x5400 + 16 * zh) << 16)) | -2147450880, words.shape)  # signs set
+    w4 = tl.join(tl.join(words, words), tl.join(words, words))
+    lo, hi = tl.inline_asm_elementwise(
+        _E4M3_ASM, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+        [w4, tl.join(tl.join(c0, c0), tl.join(c0, c0)), tl.join(tl.join(c4, c4), tl.join(c4, c4))],
+        dtype=(tl.float8e4nv, tl.float8e4nv), is_pure=True, pack=4)
+    q = tl.join(lo, hi)  # [(t, g), (chunk, c, j), half, e, h]
+    q = tl.reshape(q, (TILES, 8, 2, 4, 4, 2, 2, 2))  # t, g, chunk, c, j, half, e, h
+    q = tl.permute(q, (0, 7, 1, 2, 4, 3, 5, 6))  # t, h, g, chunk, j, c, half, e
+    return tl.reshape(q, (16 * TILES, 128))
+
+
+@triton.jit
+def _frag_mm_fp8_kernel(xq_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm,
+                        stride_ym, iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, TILES_N: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr,
+                        ASM: tl.constexpr):
+    # program (m, n, k) as _frag_mm_kernel's (swapped operands: acc is [features, rows]); xq: e4m3 codes [M, K] in
+    # fp8_order per K iteration, xs: fp32 [M]
+    BLOCK_N: tl.constexpr = 16 * TILES_N
+    G = K // 128
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < M
+    w_ptrs = _word_ptrs(qw_ptr, pid_n * TILES_N, K, TILES_N, 4)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rw = tl.arange(0, 8 * TILES_N)
+    n_lo = pid_n * BLOCK_N + (rw // 8) * 16 + rw % 8  # the words' rows (t, g): features 16 t + g and 16 t + 8 + g
+    x_ptrs = xq_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 128)[None, :]
+    if ONE_GROUP:
+        z_lo = tl.load(z_ptr + n_lo).to(tl.float32)
+        z_hi = tl.load(z_ptr + n_lo + 8).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    it0 = pid_k * iters_per_split
+    it1 = tl.minimum(it0 + iters_per_split, G)
+    for it in range(it0, it1):
+        if not ONE_GROUP:
+            z_lo = tl.load(z_ptr + it * N + n_lo).to(tl.float32)
+            z_hi = tl.load(z_ptr + it * N + n_lo + 8).to(tl.float32)
+        x = tl.load(x_ptrs + it * 128, mask=row_ok[:, None], other=0.0)
+        if EMULATE:  # the interpreter: the same exact values, dotted in fp32
+            w = _tile_e4m3(tl.load(w_ptrs + it * 256), z_lo, z_hi, TILES_N)
+            part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:  # one group: 128 products summed by the MMA (promoted to fp32 once per group)
+            if ASM:
+                w = _tile_e4m3_asm(tl.load(w_ptrs + it * 256), z_lo, z_hi, TILES_N)
+            else:
+                w = _tile_e4m3(tl.load(w_ptrs + it * 256), z_lo, z_hi, TILES_N).to(tl.float8e4nv)
+            part = tl.dot(w, tl.trans(x), max_num_imprecise_acc=128)
+        if ONE_GROUP:
+            acc += part
+        else:
+            acc += part * tl.load(s_ptr + it * N + n)[:, None]
+    acc = tl.trans(acc) * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    if ONE_GROUP:
+        acc = acc * tl.load(s_ptr + n)[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        p_ptrs = part_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(p_ptrs, acc, mask=row_ok[:, None])
+
+
+@functools.cache
+def _fp8_order_tensor(device: torch.device) -> torch.Tensor:
+    return torch.tensor(fp8_order(), device=device)
+
+
+def quantize_rows_fp8_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128) -> (e4m3 codes [M, K] with each K iteration's columns in :func:`fp8_order`,
+    fp32 scales [M]): ``kernels.w8a8_gemm.quantize_rows``'s per-token codes (amax / 448; the reference's
+    ``quantize_activation_fp8``), permuted for :func:`frag_mm_fp8`."""
+    from kernels.w8a8_gemm import quantize_rows
+
+    m, k = x.shape
+    if k % 128:
+        raise ValueError(f"quantize_rows_fp8_order: {k} input features is not a multiple of 128")
+    xp = x.reshape(m, k // 128, 128).index_select(2, _fp8_order_tensor(x.device)).reshape(m, k)
+    codes, scales = quantize_rows(xp, torch.float8_e4m3fn)
+    return codes, scales.reshape(m)
+
+
+def fp8_preferred(num_rows: int, x: torch.Tensor) -> bool:
+    """Whether the runtime runs :func:`frag_mm_fp8` for a W4A8 linear's ``num_rows`` rows of ``x``: from
+    W4A8_RUNTIME_MIN_ROWS rows (fewer: the W4A16 GEMV on x rounded to e4m3, bound by the weights' bytes) on a GPU
+    with e4m3 MMAs (sm_89+; under the interpreter, always)."""
+    if num_rows < W4A8_RUNTIME_MIN_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if _interpreting():
+        return True
+    return x.is_cuda and _capability(x.device.index if x.device.index is not None
+                                     else torch.cuda.current_device()) >= (8, 9)
+
+
+def default_fp8_config(num_rows: int, out_features: int) -> MmConfig:
+    """W4A8's tile (not yet swept on a GPU): 128 features x 128 rows on 8 warps (two warpgroups of 64 features),
+    the codes made by inline PTX (``packed``: _E4M3_ASM, 275 SASS instructions a thread per K step against 401
+    for the plain Triton form, compiled for sm_90 by Triton 3.6; 283 / 406 by 3.9)."""
+    return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True, packed=True)
+
+
+def frag_mm_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                group_size: int, bias: torch.Tensor | None = None, *, bits: int = 4, layout: str = LAYOUT,
+                config: MmConfig | None = None) -> torch.Tensor:
+    """W4A8: ``fp8(x) @ ((q - zero) * scale).T + bias`` for bf16 / fp16 x on :func:`repack_frag`'s 4-bit weights,
+    x quantized per token to e4m3 first (:func:`quantize_rows_fp8_order`). x: [..., K] -> y: [..., N] in x's dtype.
+    Tensor cores at the e4m3 rate (sm_89+); the reference is :func:`ref_w4a8_linear`."""
+    _check_device(x)
+    if bits != 4:
+        raise ValueError(f"frag_mm_fp8 takes 4-bit codes (q - z is exact in e4m3), not {bits}-bit")
+    w = _frag_weights(qweight, scales, zeros, group_size, bits, layout)
+    x2 = _gemm_rows(x, bias, w, "frag_mm_fp8")
+    m, n = x2.shape[0], w.out_features
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_fp8_config(m, n))
+    xq, xs = quantize_rows_fp8_order(x2)
+    plan = _gemm_plan(m, w, cfg.block_m, cfg.tiles_n, cfg.split_k, PROGRAMS_PER_SM, x.device)
+    part = _gemm_partials(plan, m, n, y)
+    _frag_mm_fp8_kernel[plan.grid](
+        xq, xs, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
+        xq.stride(0), y.stride(0), plan.iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
+        BLOCK_M=cfg.block_m, TILES_N=plan.tiles_n, SPLIT=plan.grid[2], EMULATE=_interpreting(), ASM=cfg.packed,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _gemm_finish(plan, part, bias, y)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def ref_w4a8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, bias: torch.Tensor | None = None, *, bits: int = 4,
+                    layout: str = LAYOUT) -> torch.Tensor:
+    """The torch reference of :func:`frag_mm_fp8`: x's per-token e4m3 codes times their scales, in fp32, against
+    the fp32 dequantized weights; rounded once to x's dtype."""
+    from kernels.torch_quant import quantize_activation_fp8
+    from kernels.w4a16_frag import dequantize_frag
+
+    xq, xs = quantize_activation_fp8(x.reshape(-1, x.shape[-1]), None)
+    w = dequantize_frag(qweight, scales, zeros, group_size, torch.float32, bits=bits, layout=layout)
+    y = (xq.float() * xs) @ w.T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

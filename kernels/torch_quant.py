@@ -152,6 +152,13 @@ def quantize_activation_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -
     return q, scale
 
 
+def round_activation_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per token to e4m3 at its dynamic scale and back, in x's dtype: the activations of a W4A8 linear
+    (4-bit weights with ``activation_quant: fp8``), ``(codes * scale).to(x.dtype)``."""
+    q, scale = quantize_activation_fp8(x, None)
+    return (q.float() * scale).to(x.dtype)
+
+
 def expand_blocks(scales: torch.Tensor, block: int, size: int, dim: int) -> torch.Tensor:
     """Each scale repeated ``block`` times along ``dim``, cut to ``size`` (a partial last block); a block past
     ``size`` is one scale, repeated ``size`` times."""
@@ -301,6 +308,8 @@ def make_quant_linear(scheme: str, w: dict[str, torch.Tensor], quant: dict, dtyp
     bias = w.get("bias")
     if scheme in ("w4a16", "w8a16"):
         weight = dequantize_weight(w["qweight"], w["scales"], w["zeros"], quant["bits"], quant["group_size"], dtype)
+        if quant.get("activation_quant") == "fp8":  # W4A8: x rounded per token to e4m3 first
+            return lambda x: F.linear(round_activation_fp8(x), weight, bias)
         return lambda x: F.linear(x, weight, bias)
     input_scale = w.get("input_scale")
     w_scale = w["weight_scale"].float().reshape(1, -1)

@@ -396,6 +396,44 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     return q, scales
 
 
+@triton.jit
+def _round_rows_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, EMULATE_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per row: _quantize_rows_kernel's scale and e4m3 codes, stored as code * scale in y's dtype
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    qmax, eps = _qrange(False)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
+    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), qmax)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32), scale)
+        v = tl.minimum(tl.maximum(v, -qmax), qmax)
+        if EMULATE_FP8:
+            code = _round_e4m3(v)
+        else:
+            code = v.to(tl.float8e4nv).to(tl.float32)
+        tl.store(y_ptr + row * stride_ym + offs, (code * scale).to(y_ptr.dtype.element_ty), mask=offs < K)
+
+
+def round_rows_fp8(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] rounded per token to e4m3 and back, in one kernel: ``(codes * scales).to(x.dtype)`` for
+    :func:`quantize_rows`' codes and scales (the reference's ``quantize_activation_fp8(x, None)``). What a W4A8
+    linear (4-bit weights, fp8 activations) feeds the W4A16 kernels at the rows where no fp8 MMA runs
+    (``runtime.executor``), so that its activations are rounded the same way at every batch size."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    num_rows, k = x2.shape
+    y = torch.empty((num_rows, k), dtype=x.dtype, device=x.device)
+    if num_rows:
+        block = 32 if _interpreting() else 1024
+        _round_rows_kernel[(num_rows,)](x2, y, k, x2.stride(0), y.stride(0), EMULATE_FP8=_interpreting(),
+                                        BLOCK_K=block, num_warps=4)
+    return y.reshape(x.shape)
+
+
 def ref_w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
                     input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                     act_qmin: int = -127) -> torch.Tensor:

@@ -263,7 +263,13 @@ class QuantMethod(Pass):
         opts = dict(options)
         self.settings = QuantSettings(opts.pop("targets", []), opts.pop("ignore", []), opts,
                                       bool(opts.pop("lm_head", False)))
+        self.activation_quant = opts.pop("activation_quant", None)
+        if self.activation_quant not in (None, "fp8"):
+            raise PassError(f"{self.name}: activation_quant {self.activation_quant!r} is not 'fp8'")
         self.configure(opts)
+        if self.activation_quant and self.scheme != "w4a16":
+            raise PassError(f"{self.name}: activation_quant: fp8 (W4A8) takes 4-bit weights (the w4a16 scheme), "
+                            f"not {self.scheme}")
         targets = self.select(graph, section or f"the {self.name} quantization section", warn)
         for i in targets:
             self.validate_node(graph, graph.nodes[i])
@@ -333,6 +339,8 @@ class QuantMethod(Pass):
         """Swap a linear's weight for quantized tensors; ``reference`` is the float weight they stand
         for on the node's (possibly rescaled) input, for the per-layer error report."""
         self.references[id(node)] = reference if reference is not None else graph.params[node.weights["weight"]]
+        if getattr(self, "activation_quant", None) == "fp8" and scheme == "w4a16" and node.op == "linear":
+            quant = {**quant, "activation_quant": "fp8"}  # W4A8: each input rounded per token to e4m3 at run time
         replace_weight(graph, node, scheme, tensors, quant)
 
     def _error_observer(self, graph: Graph, seg_targets: list[int]) -> Observer:

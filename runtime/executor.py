@@ -263,6 +263,7 @@ def plan_fusions(nodes: list[dict[str, Any]], num_consumers: dict[str, int],
                 fusions.absorbed |= {producer[q], producer[k]}
                 fusions.rope[i] = (rq, rq["inputs"][1])
         elif (node["op"] == "linear" and FUSE_SWIGLU and (attrs.get("quant") or {}).get("scheme") in ("w4a16", "w8a16")
+              and (attrs.get("quant") or {}).get("activation_quant") != "fp8"  # W4A8: x is rounded before the kernel
               and not attrs.get("split_sizes") and node["inputs"][0] in producer
               and not set(INPUT_ROLES) & set(node.get("weights", {}))):  # x gathered / scaled first: no SwiGLU
             j = producer[node["inputs"][0]]
@@ -1339,14 +1340,23 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
     from kernels.activation import silu_mul, silu_mul_tiles
     from kernels.w4a16_gemm import repack_w4a16, w4a16_linear
 
+    from kernels.w8a8_gemm import round_rows_fp8
+
     qweight, bias, bits = w["qweight"], w.get("bias"), quant["bits"]
     in_features = qweight.shape[1] * (2 if bits == 4 else 1)
     group = in_features if quant["group_size"] == -1 else quant["group_size"]
     frag = w4a16_frag.runtime_layout(bits, group, in_features, qweight.shape[0], dtype)
+    # W4A8 (activation_quant fp8): x rounded per token to e4m3; past the frag kernel's rows frag_mm_fp8 runs the
+    # fp8 MMA on the codes (sm_89+), elsewhere the W4A16 kernels read the rounded x
+    fp8_acts = quant.get("activation_quant") == "fp8"
     if swiglu_out and not (frag and qweight.shape[0] % (2 * w4a16_frag.TILE_N) == 0):
         # planned from the graph's shapes, and these weights (a shard) do not fit: the SwiGLU after the linear
         inner = _kernel_weight_only_linear(w, quant, lm_head, gated, dtype)
         return lambda x: silu_mul(inner(x))
+    if fp8_acts and not (frag and bits == 4):  # no fp8 MMA on these layouts: the rounded x into the W4A16 paths
+        assert not gated, "plan_fusions gates no W4A8 linear"
+        inner = _kernel_weight_only_linear(w, {**quant, "activation_quant": None}, lm_head, gated, dtype, swiglu_out)
+        return lambda x: inner(round_rows_fp8(x.materialize() if isinstance(x, w4a16_frag.PendingNorm) else x))
     if frag:
         assert not gated, "plan_fusions gates no linear on the frag layout"
         scales, zeros = w["scales"], w["zeros"]
@@ -1359,6 +1369,13 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
                         residual: torch.Tensor | None = None) -> torch.Tensor | w4a16_frag.ResidualSum:
             xt = x.total if isinstance(x, w4a16_frag.PendingNorm) else x
             rows = xt.numel() // xt.shape[-1]
+            if fp8_acts:
+                if isinstance(x, w4a16_frag.PendingNorm):
+                    x = xt = x.materialize()
+                if frag_mm.fp8_preferred(rows, xt):  # the fp8 MMA on the codes; it rounds x itself
+                    y = frag_mm.frag_mm_fp8(x, bias=bias, **packed)  # y, not a ResidualSum: the norm adds it
+                    return silu_mul_tiles(y, w4a16_frag.TILE_N) if swiglu_out else y
+                x = xt = round_rows_fp8(x)
             if rows <= w4a16_frag.FRAG_RUNTIME_MAX_ROWS and w4a16_frag.frag_applies(xt, rows):  # shapes and dtype
                 return w4a16_frag.w4a16_frag(x, bias=bias, gated=swiglu_out, residual=residual, **packed)
             if isinstance(x, w4a16_frag.PendingNorm):  # plan_fusions: the norm's readers are all frag linears

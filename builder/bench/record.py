@@ -32,15 +32,18 @@ from kernels.torch_quant import fp8_fast_accum
 SCHEME_PRECISION = {"w4a16": "int4", "w8a16": "int8wo", "w8a8_int8": "int8", "fp8": "fp8"}
 DTYPE_PRECISION = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 # The stock-PyTorch mode a precision is compared with (no stock FP8 or W8A8 path: 8-bit weights, bf16 math).
-STOCK_QUANT = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "int4": "int4", "int8wo": "int8wo",
+STOCK_QUANT = {"bf16": "bf16", "fp16": "bf16", "fp32": "bf16", "int4": "int4", "w4a8": "int4", "int8wo": "int8wo",
                "int8": "int8wo", "fp8": "int8wo"}
 
 
 def precision_of(graph: dict[str, Any], manifest: dict[str, Any]) -> str:
-    """bf16, fp8, int4, int8wo, int8 (W8A8): what most of the artifact's linears run in."""
-    schemes = Counter((n.get("attrs", {}).get("quant") or {}).get("scheme", "none")
-                      for n in graph["nodes"] if n["op"] == "linear")
+    """bf16, fp8, int4, w4a8 (int4 weights, fp8 inputs), int8wo, int8 (W8A8): what most of the artifact's linears
+    run in."""
+    quants = [(n.get("attrs", {}).get("quant") or {}) for n in graph["nodes"] if n["op"] == "linear"]
+    schemes = Counter(q.get("scheme", "none") + ("+fp8" if q.get("activation_quant") == "fp8" else "") for q in quants)
     scheme = schemes.most_common(1)[0][0] if schemes else "none"
+    if scheme == "w4a16+fp8":  # W4A8: 4-bit weights, inputs rounded to fp8 (quantization.activation_quant)
+        return "w4a8"
     if scheme == "none":
         return DTYPE_PRECISION.get(manifest["model"]["dtype"], manifest["model"]["dtype"])
     return SCHEME_PRECISION.get(scheme, scheme)

@@ -242,8 +242,27 @@ def _frag_mm() -> list[tuple[str, object]]:
                 ("8-bit per channel, MMA order, swapped", {"BITS": 8, "ONE_GROUP": True, "SWAP": True,
                                                            "MMA_ORDER": True, "TILES_N": 4}, 4)]
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_ym")
-    return [(f"frag_mm GEMM, {name}", lambda kw=kw, w=w: compile_kernel(
+    out = [(f"frag_mm GEMM, {name}", lambda kw=kw, w=w: compile_kernel(
         _frag_mm_kernel, types, dict(base, **kw), num_warps=w, divisible=divisible)) for name, kw, w in variants]
+    return out + _frag_mm_fp8()
+
+
+def _frag_mm_fp8() -> list[tuple[str, object]]:
+    from kernels.frag_mm import _frag_mm_fp8_kernel
+
+    types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "qw_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8",
+             "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+             "stride_xm": "i32", "stride_ym": "i32", "iters_per_split": "i32"}
+    base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, EMULATE=False, ASM=False)
+    variants = [("groups, 128 x 128, 8 warps", {}, 8), ("groups, 128 x 128, 8 warps, asm", {"ASM": True}, 8),
+                ("groups, 128 x 256, 8 warps, asm", {"ASM": True, "BLOCK_M": 256}, 8),
+                ("groups, 64 x 128, 4 warps, asm", {"ASM": True, "TILES_N": 4}, 4),
+                ("groups, 128 x 256, 8 warps", {"BLOCK_M": 256}, 8),
+                ("groups, 64 x 128, 4 warps", {"TILES_N": 4}, 4), ("per channel, bias, split",
+                                                                  {"ONE_GROUP": True, "HAS_BIAS": True, "SPLIT": 2}, 8)]
+    divisible = ("xq_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm", "stride_ym")
+    return [(f"frag_mm_fp8 W4A8 GEMM, {name}", lambda kw=kw, w=w: compile_kernel(
+        _frag_mm_fp8_kernel, types, dict(base, **kw), num_warps=w, divisible=divisible)) for name, kw, w in variants]
 
 
 def _moe() -> list[tuple[str, object]]:

@@ -9,6 +9,7 @@
     python -m kernels.bench.gemm --frag-gemm  # frag_gemm (tl.dot on the same layout) vs dequantize + cuBLAS, M 65-4096
     python -m kernels.bench.gemm --frag-mm    # frag_mm (kernels.frag_mm, one chained accumulator) vs frag_gemm,
                                               # dequantize + cuBLAS and bf16 cuBLAS, M 65-4096, configs swept
+    python -m kernels.bench.gemm --w4a8       # W4A8 frag_mm_fp8 vs W4A16 frag_mm, FP8 W8A8 cuBLAS, bf16 cuBLAS
 
 GEMM: fresh random w4a16 weights (group_size 128) at Llama-3-8B's linear shapes, M in 1..2048 rows.
 Each is checked against ``ref_w4a16_linear``, then ``w4a16_linear`` is timed on the repacked
@@ -628,6 +629,57 @@ def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None
     return failures
 
 
+def frag_mm_fp8_candidates() -> list[MmConfig]:
+    """block_m, tiles_n, warps, stages, split_k (0: auto); ``packed``: the inline-PTX e4m3 codes (_E4M3_ASM)."""
+    return [MmConfig(*c, swap=True, mma_order=True, packed=p) for c in (
+        (128, 8, 8, 3, 0), (128, 4, 4, 3, 0), (64, 8, 8, 3, 0), (128, 8, 8, 4, 0), (64, 4, 4, 4, 0),
+        (256, 8, 8, 3, 0), (128, 16, 8, 3, 0)) for p in (True, False)]
+
+
+def bench_w4a8(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
+    """W4A8 (kernels.frag_mm.frag_mm_fp8: x quantized per token to e4m3, the 4-bit codes as e4m3 on the fp8 MMA)
+    against W4A16 frag_mm, the FP8 W8A8 path (quantize_rows + cuBLAS's row-wise ``_scaled_mm`` on an e4m3 copy of
+    the weight) and bf16 F.linear, per linear of the 8B shape; each W4A8 config checked against the fp32 reference
+    of the same arithmetic (``ref_w4a8_linear``) first. Times include the activation quantization of both FP8
+    paths."""
+    from kernels.frag_mm import frag_mm_fp8, ref_w4a8_linear
+    from kernels.torch_quant import make_fp8_scaled_mm_linear, quantize_weight_fp8
+    from kernels.w8a8_gemm import quantize_rows
+
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    print(f"\nW4A8 frag_mm_fp8 vs W4A16 frag_mm vs FP8 W8A8 (quantize_rows + _scaled_mm) vs bf16 F.linear, {DTYPE} "
+          "x; us (CUDA graphs, weights rotated past L2); TFLOP/s of W4A8's best, FP8's and bf16's")
+    print(f"{'shape':>8} {'M':>5} | {'w4a8':>8} {'best':>8} {'w4a16':>8} {'fp8':>8} {'bf16 mm':>8} | "
+          f"{'TFLOP/s':>7} {'fp8':>7} {'bf16':>7} | rel.err  best config")
+
+    def qrows(x2):
+        return quantize_rows(x2, torch.float8_e4m3fn)
+
+    for name, k, n in SHAPES:
+        if shapes and name not in shapes:
+            continue
+        rot = _rotated_weights(n, k, 4, gen)
+        bf16 = rot.bf16
+        frag = [repack_frag(q, s_, z, rot.group, 4) for q, s_, z in rot.triples]
+        fp8 = [make_fp8_scaled_mm_linear(dict(zip(("qweight", "weight_scale"), quantize_weight_fp8(wt, True))), qrows)
+               for wt in bf16]
+        for m in rows or FRAG_MM_ROWS:
+            x = torch.randn(m, k, generator=gen, device="cuda").to(DTYPE)
+            ref = ref_w4a8_linear(x, **frag[0])
+            err, t_mm, best, best_cfg = _checked_sweep(f"frag_mm_fp8 {name} M={m}", frag_mm_fp8, x, ref, frag,
+                                                       frag_mm_fp8_candidates() if sweep else [], failures)
+            t_w4a16 = time_us([lambda p=p: frag_mm(x, **p) for p in frag])
+            t_fp8 = time_us([lambda f=f: f(x) for f in fp8])
+            t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
+            flop = 2 * m * n * k / 1e6
+            print(f"{name:>8} {m:5d} | {t_mm:8.1f} {best:8.1f} {t_w4a16:8.1f} {t_fp8:8.1f} {t_bf16:8.1f} | "
+                  f"{flop / best:7.1f} {flop / t_fp8:7.1f} {flop / t_bf16:7.1f} | {err:.1e}  {best_cfg}", flush=True)
+        del frag, bf16, fp8, rot
+        torch.cuda.empty_cache()
+    return failures
+
+
 def _bench_elementwise_rows(t: int, gen: torch.Generator) -> list[str]:
     failures = []
     hidden, num_heads, head_dim = 4096, 32, 128
@@ -679,6 +731,8 @@ def main() -> int:
                         help="only frag_gemm (kernels.w4a16_frag, M >= 65) vs dequantize + cuBLAS, with candidate configs")
     parser.add_argument("--frag-mm", action="store_true",
                         help="only frag_mm (kernels.frag_mm) vs frag_gemm, dequantize + cuBLAS and bf16 cuBLAS")
+    parser.add_argument("--w4a8", action="store_true",
+                        help="only W4A8 frag_mm_fp8 vs W4A16 frag_mm, FP8 W8A8 cuBLAS and bf16 cuBLAS")
     parser.add_argument("--no-sweep", action="store_true",
                         help="--frag / --frag-gemm / --frag-mm: the default config only")
     parser.add_argument("--skip-elementwise", action="store_true")
@@ -688,7 +742,9 @@ def main() -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference matmul at full precision
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
-    if args.frag_mm:
+    if args.w4a8:
+        failures = bench_w4a8(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep)
+    elif args.frag_mm:
         failures = [f for b in (args.bits or [4]) for f in
                     bench_frag_mm(shapes=args.shapes, rows=args.rows, sweep=not args.no_sweep, bits=b)]
     elif args.frag_gemm:

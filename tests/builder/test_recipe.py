@@ -223,3 +223,18 @@ def test_default_gate_lengths_shrink_to_a_short_context_and_the_needle_check_tur
     with pytest.raises(RecipeError, match=r"gates.needle_context_len: 31 is too short for a needle check: at least "
                                           r"32 tokens, or 0 / null for none"):
         _load(tmp_path, BASE + "gates:\n  needle_context_len: 31\n")
+
+
+def test_activation_quant_option(tmp_path):
+    """quantization.activation_quant: fp8 (W4A8) on awq and gptq with 4 bits; refused elsewhere, naming why."""
+    r = _load(tmp_path, BASE + "quantization:\n  algo: awq\n  activation_quant: fp8\n")
+    assert r.quantization.method_options()["activation_quant"] == "fp8"
+    plain = _load(tmp_path, BASE + "quantization:\n  algo: awq\n")
+    assert "activation_quant" not in plain.quantization.method_options()
+    _load(tmp_path, BASE + "quantization:\n  algo: gptq\n  activation_quant: fp8\n")
+    with pytest.raises(RecipeError, match="activation_quant: fp8 .W4A8. takes 4-bit weights; bits is 8"):
+        _load(tmp_path, BASE + "quantization:\n  algo: gptq\n  bits: 8\n  activation_quant: fp8\n")
+    with pytest.raises(RecipeError, match="activation_quant: does not apply to algo 'smoothquant'"):
+        _load(tmp_path, BASE + "quantization:\n  algo: smoothquant\n  activation_quant: fp8\n")
+    with pytest.raises(RecipeError, match="quantization.activation_quant: 'int8'"):
+        _load(tmp_path, BASE + "quantization:\n  algo: awq\n  activation_quant: int8\n")

@@ -201,3 +201,30 @@ def test_gptq_true_sequential_calibrates_each_linear_through_the_quantized_ones_
     codes = [[g.params[n.weights["qweight"]] for n in g.nodes if n.op == "linear"] for g in (seq, flat)]
     assert torch.equal(codes[0][0], codes[1][0])
     assert any(not torch.equal(a, b) for a, b in zip(codes[0][1:], codes[1][1:]))
+
+
+def test_awq_w4a8_rounds_each_linear_input_and_beats_its_round_to_nearest(setup, kl, awq_build):
+    """activation_quant: fp8 (W4A8): every linear AWQ quantizes carries it (the lm_head, unquantized here, does
+    not), the reference executor rounds their inputs per token to e4m3 (the KL moves off W4A16's), and AWQ still
+    closes the share of round-to-nearest's KL the W4A16 test asks for against round-to-nearest W4A8 (the gate's
+    counterpart, builder.quality.rtn_counterpart, which keeps the fp8 inputs)."""
+    from builder.quality import rtn_counterpart
+
+    graph = setup[0]
+    quantized, _ = _build(setup, "awq", n_grid=5, activation_quant="fp8")
+    linears = [n for n in quantized.nodes if n.op == "linear"]
+    assert linears and all(n.attrs["quant"]["activation_quant"] == "fp8" for n in linears)
+    assert all("activation_quant" not in n.attrs.get("quant", {}) for n in quantized.nodes if n.op == "lm_head")
+    rtn, why = rtn_counterpart(graph, quantized)
+    assert rtn is not None, why
+    assert all(n.attrs["quant"]["activation_quant"] == "fp8" for n in rtn.nodes if n.attrs.get("quant"))
+    w4a8_kl, rtn_kl, w4a16_kl = kl(quantized), kl(rtn), awq_build[2]
+    assert w4a8_kl != w4a16_kl
+    assert w4a8_kl < MAX_KL_VS_RTN * rtn_kl, (w4a8_kl, rtn_kl, w4a16_kl)
+
+
+def test_activation_quant_takes_4_bit_weights_only(setup):
+    with pytest.raises(Exception, match="4-bit"):
+        _build(setup, "gptq", bits=8, activation_quant="fp8")
+    with pytest.raises(Exception, match="'fp8'"):
+        _build(setup, "awq", activation_quant="int8")
