@@ -4,6 +4,9 @@
 # parts:
 #   kernels        attention, W4A16 and W8A8 GEMM, elementwise kernels vs their references at real shapes, timed
 #   w8a8-sweep     W8A8 FP8 config sweep (tuning _CUDA_CONFIGS)
+#   w4a8           W4A8 (kernels.frag_mm.frag_mm_fp8): kernels.bench.gemm --w4a8 (against W4A16 frag_mm, FP8 W8A8 on
+#                  cuBLAS and bf16 cuBLAS at the 8B shapes, configs swept; rows $W4A8_ROWS, default 128 256 512) into
+#                  $OUT/bench_w4a8.txt, then tests/kernels/test_w4a8.py and test_frag_mm.py on the GPU
 #   prefill-sweep  the prefill attention kernel's tilings (kernels.bench.attention --prefill-sweep: BLOCK_M x BLOCK_N
 #                  x warps x stages over 2,048-token prompts, bf16 and fp8 caches; best-config lines for
 #                  KERNELS_PREFILL_CONFIG) into $OUT/prefill_sweep.txt
@@ -239,6 +242,11 @@ for part in "$@"; do
         | tee "$OUT/bench_silu_quant.txt" ;;
     w8a8-sweep)
       python3 -m kernels.bench.w8a8 --kind fp8 --sweep 2>&1 | tee "$OUT/bench_w8a8_sweep.txt" ;;
+    w4a8)
+      python3 -m kernels.bench.gemm --w4a8 --rows ${W4A8_ROWS:-128 256 512} ${W4A8_ARGS:-} 2>&1 \
+        | tee "$OUT/bench_w4a8.txt" | grep -vE "^ +(cand|sweep)" | tail -n 40
+      TRITON_INTERPRET=0 timeout ${W4A8_TEST_TIMEOUT:-300} python3 -m pytest -o addopts= -q -p no:cacheprovider \
+        tests/kernels/test_w4a8.py tests/kernels/test_frag_mm.py 2>&1 | tee "$OUT/w4a8_tests.txt" | tail -n 15 ;;
     moe)
       TRITON_INTERPRET=0 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_moe_kernel.py \
         tests/runtime/test_executor_moe.py 2>&1 | tee "$OUT/moe_tests.txt" | tail -n 15

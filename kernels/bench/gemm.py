@@ -631,9 +631,10 @@ def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None
 
 def frag_mm_fp8_candidates() -> list[MmConfig]:
     """block_m, tiles_n, warps, stages, split_k (0: auto); ``packed``: the inline-PTX e4m3 codes (_E4M3_ASM)."""
-    return [MmConfig(*c, swap=True, mma_order=True, packed=p) for c in (
-        (128, 8, 8, 3, 0), (128, 4, 4, 3, 0), (64, 8, 8, 3, 0), (128, 8, 8, 4, 0), (64, 4, 4, 4, 0),
-        (256, 8, 8, 3, 0), (128, 16, 8, 3, 0)) for p in (True, False)]
+    return [MmConfig(*c, swap=True, mma_order=True, packed=p) for c in ((128, 8, 8, 3, 0), (128, 4, 4, 3, 0))
+            for p in (True, False)] + [MmConfig(*c, swap=True, mma_order=True, packed=True) for c in (
+                (64, 8, 8, 3, 0), (128, 8, 8, 4, 0), (64, 4, 4, 4, 0), (256, 8, 8, 3, 0), (128, 16, 8, 3, 0),
+                (128, 8, 8, 2, 0))]
 
 
 def bench_w4a8(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
