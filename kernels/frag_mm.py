@@ -92,8 +92,11 @@ class MmConfig:
     x_gather: bool = False  # x read in the codes' order by column indices in the kernel, not permuted before
     mma_order: bool = False  # the code tile in the MMA's order (_dequant_mma / _dequant_mma8; x read in mma_order)
     # with mma_order, 4 bits, bf16 x on sm_90+: the dequantization in bf16x2 arithmetic (_PACKED_ASM; sub / mul
-    # .bf16x2 are sm_90 PTX: ignored below it)
+    # .bf16x2 are sm_90 PTX: ignored below it); frag_mm_fp8: the e4m3 codes by inline PTX (_E4M3_ASM)
     packed: bool = False
+    # frag_mm_fp8: two K iterations a loop step, both MMAs issued before either's sums are used (the second tile's
+    # codes formed while the first MMA runs), at the cost of a second fp32 tile of sums
+    pair: bool = False
 
 
 def default_config(num_rows: int, out_features: int, bits: int = 4,
@@ -405,6 +408,9 @@ def frag_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros:
 # each row, so the same words make the fp8 fragment once their nibbles are read in the other order (_tile_e4m3), and
 # x's codes are written in that order (fp8_order) by the quantization.
 W4A8_RUNTIME_MIN_ROWS = int(os.environ.get("KERNELS_W4A8_MIN_ROWS", "65"))
+# past it the weight dequantized for cuBLAS's bf16 GEMM on the rounded x (H200, session 51: gate_up 245 us at 512
+# rows against 239 for the dequantized path; cuBLAS pulls ahead at prefill sizes)
+W4A8_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_W4A8_MAX_ROWS", "512"))
 
 
 @functools.cache
@@ -493,12 +499,41 @@ def _tile_e4m3_asm(words, z_lo, z_hi, TILES: tl.constexpr):
 
 
 @triton.jit
+def _group_sums(w_ptrs, x_ptrs, z_ptr, it, N, n_lo, z_lo, z_hi, row_ok, end, ONE_GROUP: tl.constexpr,
+                TILES_N: tl.constexpr, EMULATE: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):
+    """K iteration ``it``'s fp32 sums [features, rows] of (q - z) x (``MASKED`` and ``it >= end``: zeros, nothing
+    read)."""
+    if MASKED:  # end: the split's last iteration + 1; it < end as vectors (the interpreter takes no scalar mask)
+        ok = (n_lo * 0 + it) < end
+        if not ONE_GROUP:
+            z_lo = tl.load(z_ptr + it * N + n_lo, mask=ok, other=0).to(tl.float32)
+            z_hi = tl.load(z_ptr + it * N + n_lo + 8, mask=ok, other=0).to(tl.float32)
+        x = tl.load(x_ptrs + it * 128, mask=(row_ok & ((row_ok.to(tl.int32) * 0 + it) < end))[:, None], other=0.0)
+        words = tl.load(w_ptrs + it * 256, mask=ok[:, None], other=0)
+    else:
+        if not ONE_GROUP:
+            z_lo = tl.load(z_ptr + it * N + n_lo).to(tl.float32)
+            z_hi = tl.load(z_ptr + it * N + n_lo + 8).to(tl.float32)
+        x = tl.load(x_ptrs + it * 128, mask=row_ok[:, None], other=0.0)
+        words = tl.load(w_ptrs + it * 256)
+    if EMULATE:  # the interpreter: the same exact values, dotted in fp32
+        return tl.dot(_tile_e4m3(words, z_lo, z_hi, TILES_N), tl.trans(x.to(tl.float32)), input_precision="ieee")
+    else:  # one group: 128 products summed by the MMA (promoted to fp32 once per group)
+        if ASM:
+            w = _tile_e4m3_asm(words, z_lo, z_hi, TILES_N)
+        else:
+            w = _tile_e4m3(words, z_lo, z_hi, TILES_N).to(tl.float8e4nv)
+        return tl.dot(w, tl.trans(x), max_num_imprecise_acc=128)
+
+
+@triton.jit
 def _frag_mm_fp8_kernel(xq_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm,
                         stride_ym, iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, TILES_N: tl.constexpr, SPLIT: tl.constexpr, EMULATE: tl.constexpr,
-                        ASM: tl.constexpr):
+                        ASM: tl.constexpr, PAIR: tl.constexpr):
     # program (m, n, k) as _frag_mm_kernel's (swapped operands: acc is [features, rows]); xq: e4m3 codes [M, K] in
-    # fp8_order per K iteration, xs: fp32 [M]
+    # fp8_order per K iteration, xs: fp32 [M]. PAIR: two groups per loop step, both MMAs issued before either's
+    # sums are scaled (the second group's codes are formed while the first's MMA runs)
     BLOCK_N: tl.constexpr = 16 * TILES_N
     G = K // 128
     pid_m = tl.program_id(0)
@@ -511,27 +546,24 @@ def _frag_mm_fp8_kernel(xq_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, p
     rw = tl.arange(0, 8 * TILES_N)
     n_lo = pid_n * BLOCK_N + (rw // 8) * 16 + rw % 8  # the words' rows (t, g): features 16 t + g and 16 t + 8 + g
     x_ptrs = xq_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 128)[None, :]
-    if ONE_GROUP:
-        z_lo = tl.load(z_ptr + n_lo).to(tl.float32)
-        z_hi = tl.load(z_ptr + n_lo + 8).to(tl.float32)
+    z_lo = tl.load(z_ptr + n_lo).to(tl.float32)  # one group: the zero points, once; else reloaded per group
+    z_hi = tl.load(z_ptr + n_lo + 8).to(tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     it0 = pid_k * iters_per_split
     it1 = tl.minimum(it0 + iters_per_split, G)
-    for it in range(it0, it1):
-        if not ONE_GROUP:
-            z_lo = tl.load(z_ptr + it * N + n_lo).to(tl.float32)
-            z_hi = tl.load(z_ptr + it * N + n_lo + 8).to(tl.float32)
-        x = tl.load(x_ptrs + it * 128, mask=row_ok[:, None], other=0.0)
-        if EMULATE:  # the interpreter: the same exact values, dotted in fp32
-            w = _tile_e4m3(tl.load(w_ptrs + it * 256), z_lo, z_hi, TILES_N)
-            part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
-        else:  # one group: 128 products summed by the MMA (promoted to fp32 once per group)
-            if ASM:
-                w = _tile_e4m3_asm(tl.load(w_ptrs + it * 256), z_lo, z_hi, TILES_N)
+    STEP: tl.constexpr = 2 if PAIR else 1
+    for it in range(it0, it1, STEP):
+        part = _group_sums(w_ptrs, x_ptrs, z_ptr, it, N, n_lo, z_lo, z_hi, row_ok, it1, ONE_GROUP, TILES_N,
+                           EMULATE, ASM, False)
+        if PAIR:  # the second group may be past the split's end (an odd count): zeros
+            part2 = _group_sums(w_ptrs, x_ptrs, z_ptr, it + 1, N, n_lo, z_lo, z_hi, row_ok, it1, ONE_GROUP, TILES_N,
+                                EMULATE, ASM, True)
+            if ONE_GROUP:
+                acc += part + part2
             else:
-                w = _tile_e4m3(tl.load(w_ptrs + it * 256), z_lo, z_hi, TILES_N).to(tl.float8e4nv)
-            part = tl.dot(w, tl.trans(x), max_num_imprecise_acc=128)
-        if ONE_GROUP:
+                acc += part * tl.load(s_ptr + it * N + n)[:, None] \
+                    + part2 * tl.load(s_ptr + (it + 1) * N + n, mask=(n * 0 + it + 1) < it1, other=0.0)[:, None]
+        elif ONE_GROUP:
             acc += part
         else:
             acc += part * tl.load(s_ptr + it * N + n)[:, None]
@@ -569,9 +601,11 @@ def quantize_rows_fp8_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def fp8_preferred(num_rows: int, x: torch.Tensor) -> bool:
     """Whether the runtime runs :func:`frag_mm_fp8` for a W4A8 linear's ``num_rows`` rows of ``x``: from
-    W4A8_RUNTIME_MIN_ROWS rows (fewer: the W4A16 GEMV on x rounded to e4m3, bound by the weights' bytes) on a GPU
-    with e4m3 MMAs (sm_89+; under the interpreter, always)."""
-    if num_rows < W4A8_RUNTIME_MIN_ROWS or x.dtype not in (torch.bfloat16, torch.float16):
+    W4A8_RUNTIME_MIN_ROWS rows (fewer: the W4A16 GEMV on x rounded to e4m3, bound by the weights' bytes) up to
+    W4A8_RUNTIME_MAX_ROWS (more: the W4A16 paths on the rounded x) on a GPU with e4m3 MMAs (sm_89+; under the
+    interpreter, always)."""
+    if not W4A8_RUNTIME_MIN_ROWS <= num_rows <= W4A8_RUNTIME_MAX_ROWS or x.dtype not in (torch.bfloat16,
+                                                                                         torch.float16):
         return False
     if _interpreting():
         return True
@@ -579,11 +613,14 @@ def fp8_preferred(num_rows: int, x: torch.Tensor) -> bool:
                                      else torch.cuda.current_device()) >= (8, 9)
 
 
-def default_fp8_config(num_rows: int, out_features: int) -> MmConfig:
-    """W4A8's tile (not yet swept on a GPU): 128 features x 128 rows on 8 warps (two warpgroups of 64 features),
-    the codes made by inline PTX (``packed``: _E4M3_ASM, 275 SASS instructions a thread per K step against 401
-    for the plain Triton form, compiled for sm_90 by Triton 3.6; 283 / 406 by 3.9)."""
-    return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True, packed=True)
+def default_fp8_config(num_rows: int, out_features: int, in_features: int = 0) -> MmConfig:
+    """W4A8's tile, from the first H200 sweep (session 51, ``kernels.bench.gemm --w4a8``): 64 features x 64 rows
+    on 4 warps, 4 stages; past 128 rows on a long K (the down projection) 64 x 128 on 4 warps. The codes made by
+    inline PTX (``packed``: _E4M3_ASM, 275 SASS instructions a thread per K step against 401 for the plain Triton
+    form at 128 x 128, compiled for sm_90 by Triton 3.6; 283 / 406 by 3.9; 1.05-1.1x faster measured)."""
+    if num_rows > 128 and in_features >= 8192:
+        return MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True, packed=True)
+    return MmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=4, swap=True, mma_order=True, packed=True)
 
 
 def frag_mm_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -601,7 +638,7 @@ def frag_mm_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
-    cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_fp8_config(m, n))
+    cfg = config or (MmConfig(16, 2, 4, 1, 1) if _interpreting() else default_fp8_config(m, n, w.in_features))
     xq, xs = quantize_rows_fp8_order(x2)
     plan = _gemm_plan(m, w, cfg.block_m, cfg.tiles_n, cfg.split_k, PROGRAMS_PER_SM, x.device)
     part = _gemm_partials(plan, m, n, y)
@@ -609,7 +646,7 @@ def frag_mm_fp8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         xq, xs, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, m, n, w.in_features,
         xq.stride(0), y.stride(0), plan.iters_per_split, ONE_GROUP=w.one_group, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, TILES_N=plan.tiles_n, SPLIT=plan.grid[2], EMULATE=_interpreting(), ASM=cfg.packed,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PAIR=cfg.pair, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _gemm_finish(plan, part, bias, y)
     return y.reshape(*x.shape[:-1], n)
 

@@ -253,8 +253,16 @@ def _frag_mm_fp8() -> list[tuple[str, object]]:
     types = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "qw_ptr": "*u8", "s_ptr": "*fp32", "z_ptr": "*u8",
              "bias_ptr": "*bf16", "y_ptr": "*bf16", "part_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
              "stride_xm": "i32", "stride_ym": "i32", "iters_per_split": "i32"}
-    base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, EMULATE=False, ASM=False)
+    base = dict(ONE_GROUP=False, HAS_BIAS=False, BLOCK_M=128, TILES_N=8, SPLIT=1, EMULATE=False, ASM=False,
+                PAIR=False)
     variants = [("groups, 128 x 128, 8 warps", {}, 8), ("groups, 128 x 128, 8 warps, asm", {"ASM": True}, 8),
+                ("groups, 64 x 128, 4 warps, asm, paired", {"ASM": True, "TILES_N": 4, "PAIR": True}, 4),
+                ("groups, 128 x 64, 8 warps, asm, paired", {"ASM": True, "BLOCK_M": 64, "PAIR": True}, 8),
+                ("groups, 128 x 128, 8 warps, asm, paired", {"ASM": True, "PAIR": True}, 8),
+                ("groups, 256 x 64, 8 warps, asm", {"ASM": True, "BLOCK_M": 64, "TILES_N": 16}, 8),
+                ("groups, 256 x 64, 8 warps, asm, paired", {"ASM": True, "BLOCK_M": 64, "TILES_N": 16, "PAIR": True}, 8),
+                ("groups, 128 x 64, 4 warps, asm", {"ASM": True, "BLOCK_M": 64}, 4),
+                ("groups, 256 x 32, 8 warps, asm", {"ASM": True, "BLOCK_M": 32, "TILES_N": 16}, 8),
                 ("groups, 128 x 256, 8 warps, asm", {"ASM": True, "BLOCK_M": 256}, 8),
                 ("groups, 64 x 128, 4 warps, asm", {"ASM": True, "TILES_N": 4}, 4),
                 ("groups, 128 x 256, 8 warps", {"BLOCK_M": 256}, 8),

@@ -630,11 +630,14 @@ def bench_frag_mm(shapes: list[str] | None = None, rows: list[int] | None = None
 
 
 def frag_mm_fp8_candidates() -> list[MmConfig]:
-    """block_m, tiles_n, warps, stages, split_k (0: auto); ``packed``: the inline-PTX e4m3 codes (_E4M3_ASM)."""
-    return [MmConfig(*c, swap=True, mma_order=True, packed=p) for c in ((128, 8, 8, 3, 0), (128, 4, 4, 3, 0))
-            for p in (True, False)] + [MmConfig(*c, swap=True, mma_order=True, packed=True) for c in (
-                (64, 8, 8, 3, 0), (128, 8, 8, 4, 0), (64, 4, 4, 4, 0), (256, 8, 8, 3, 0), (128, 16, 8, 3, 0),
-                (128, 8, 8, 2, 0))]
+    """block_m, tiles_n, warps, stages, split_k (0: auto); ``packed``: the inline-PTX e4m3 codes (_E4M3_ASM);
+    ``pair``: two groups a loop step. Wide feature tiles: each program reads its rows of x from L2 (session 51: at
+    64 x 64 tiles x's e4m3 codes are 4x the weights' bytes through L2 at 128 rows)."""
+    return [MmConfig(*c, swap=True, mma_order=True, packed=True, pair=p) for c in (
+        (64, 16, 8, 3, 0), (64, 16, 8, 4, 0), (32, 16, 8, 4, 0), (64, 8, 4, 3, 0), (64, 8, 8, 3, 0), (64, 4, 4, 4, 0),
+        (128, 4, 4, 3, 0), (128, 8, 8, 3, 0)) for p in (False, True)] + [
+        MmConfig(64, 4, 4, 4, 0, swap=True, mma_order=True), MmConfig(32, 16, 8, 4, 1, swap=True, mma_order=True,
+                                                                       packed=True)]
 
 
 def bench_w4a8(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:

@@ -87,7 +87,9 @@ def test_frag_mm_fp8_matches_the_w4a8_reference(m, n, k, group_size):
     bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
     ref = _ref(x, w["w"], bias)
     for cfg in (None, MmConfig(block_m=16, tiles_n=1, num_warps=4, num_stages=1, split_k=3),
-                MmConfig(block_m=32, tiles_n=4, num_warps=4, num_stages=1, split_k=1)):
+                MmConfig(block_m=32, tiles_n=4, num_warps=4, num_stages=1, split_k=1),
+                MmConfig(block_m=16, tiles_n=2, num_warps=4, num_stages=1, split_k=1, pair=True),
+                MmConfig(block_m=16, tiles_n=2, num_warps=4, num_stages=1, split_k=2, pair=True)):
         y = frag_mm_fp8(x, **packed, bias=bias, config=cfg)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         torch.testing.assert_close(y.float(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
@@ -172,8 +174,9 @@ def _routed(n: int, k: int, group_size: int, swiglu: bool, seed: int, device: st
 @interpreter
 @pytest.mark.parametrize("swiglu,group_size", [(False, 128), (True, 128), (False, -1)])
 def test_the_executor_runs_w4a8_linears_on_it(monkeypatch, swiglu, group_size):
-    """Past W4A8_RUNTIME_MIN_ROWS rows the executor's frag path runs frag_mm_fp8 (a spy counts it); below, x is
-    rounded by round_rows_fp8 and the W4A16 paths run; both give the W4A8 reference, a merged gate/up included."""
+    """From W4A8_RUNTIME_MIN_ROWS to W4A8_RUNTIME_MAX_ROWS rows the executor's frag path runs frag_mm_fp8 (a spy
+    counts it); outside, x is rounded by round_rows_fp8 and the W4A16 paths run; all give the W4A8 reference, a
+    merged gate/up included."""
     from kernels import frag_mm as module
     from kernels import w4a16_frag
 
@@ -183,7 +186,9 @@ def test_the_executor_runs_w4a8_linears_on_it(monkeypatch, swiglu, group_size):
     monkeypatch.setattr(module, "frag_mm_fp8", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     linear, reference = _routed(64, 256, group_size, swiglu, seed=7, device="cpu")
     g = torch.Generator().manual_seed(8)
-    for rows, routed in ((module.W4A8_RUNTIME_MIN_ROWS, True), (3, False)):
+    low = module.W4A8_RUNTIME_MIN_ROWS
+    monkeypatch.setattr(module, "W4A8_RUNTIME_MAX_ROWS", low + 10)
+    for rows, routed in ((low, True), (3, False), (low + 20, False)):
         calls.clear()
         x = torch.randn(rows, 256, generator=g).to(torch.bfloat16)
         ref = reference(x, bf16_weights=not routed)
@@ -210,7 +215,9 @@ def test_frag_mm_fp8_on_cuda(m, n, k, group_size):
     ref = _ref(x, w["w"], bias)
     for cfg in (None, MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, packed=False),
                 MmConfig(block_m=64, tiles_n=4, num_warps=4, num_stages=3, split_k=3, packed=True),
-                MmConfig(block_m=256, tiles_n=8, num_warps=8, num_stages=3, packed=True)):
+                MmConfig(block_m=256, tiles_n=8, num_warps=8, num_stages=3, packed=True),
+                MmConfig(block_m=64, tiles_n=16, num_warps=8, num_stages=3, packed=True, pair=True),
+                MmConfig(block_m=32, tiles_n=16, num_warps=8, num_stages=4, split_k=3, packed=True, pair=True)):
         y = frag_mm_fp8(x, **packed, bias=bias, config=cfg).float()
         # fp32 sums of exact products, rounded once to bf16 (and the GPU's quantize_rows divides as torch does)
         torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
