@@ -411,6 +411,8 @@ W4A8_RUNTIME_MIN_ROWS = int(os.environ.get("KERNELS_W4A8_MIN_ROWS", "65"))
 # past it the weight dequantized for cuBLAS's bf16 GEMM on the rounded x (H200, session 51: gate_up 245 us at 512
 # rows against 239 for the dequantized path; cuBLAS pulls ahead at prefill sizes)
 W4A8_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_W4A8_MAX_ROWS", "512"))
+# and only on weights of at least this many codes (KERNELS_W4A8_MIN_WEIGHTS; 2^25: gate_up and down of the 8B shape)
+W4A8_MIN_WEIGHTS = int(os.environ.get("KERNELS_W4A8_MIN_WEIGHTS", "0"))
 
 
 @functools.cache
@@ -599,13 +601,15 @@ def quantize_rows_fp8_order(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return codes, scales.reshape(m)
 
 
-def fp8_preferred(num_rows: int, x: torch.Tensor) -> bool:
+def fp8_preferred(num_rows: int, x: torch.Tensor, out_features: int = 0, in_features: int = 0) -> bool:
     """Whether the runtime runs :func:`frag_mm_fp8` for a W4A8 linear's ``num_rows`` rows of ``x``: from
     W4A8_RUNTIME_MIN_ROWS rows (fewer: the W4A16 GEMV on x rounded to e4m3, bound by the weights' bytes) up to
-    W4A8_RUNTIME_MAX_ROWS (more: the W4A16 paths on the rounded x) on a GPU with e4m3 MMAs (sm_89+; under the
-    interpreter, always)."""
+    W4A8_RUNTIME_MAX_ROWS (more: the W4A16 paths on the rounded x), on weights of at least W4A8_MIN_WEIGHTS codes,
+    on a GPU with e4m3 MMAs (sm_89+; under the interpreter, always)."""
     if not W4A8_RUNTIME_MIN_ROWS <= num_rows <= W4A8_RUNTIME_MAX_ROWS or x.dtype not in (torch.bfloat16,
                                                                                          torch.float16):
+        return False
+    if out_features * in_features < W4A8_MIN_WEIGHTS:
         return False
     if _interpreting():
         return True

@@ -1372,7 +1372,7 @@ def _kernel_weight_only_linear(w, quant, lm_head: bool = False, gated: bool = Fa
             if fp8_acts:
                 if isinstance(x, w4a16_frag.PendingNorm):
                     x = xt = x.materialize()
-                if frag_mm.fp8_preferred(rows, xt):  # the fp8 MMA on the codes; it rounds x itself
+                if frag_mm.fp8_preferred(rows, xt, out_features, in_features):  # the fp8 MMA; it rounds x itself
                     y = frag_mm.frag_mm_fp8(x, bias=bias, **packed)  # y, not a ResidualSum: the norm adds it
                     return silu_mul_tiles(y, w4a16_frag.TILE_N) if swiglu_out else y
                 x = xt = round_rows_fp8(x)

@@ -633,11 +633,12 @@ def frag_mm_fp8_candidates() -> list[MmConfig]:
     """block_m, tiles_n, warps, stages, split_k (0: auto); ``packed``: the inline-PTX e4m3 codes (_E4M3_ASM);
     ``pair``: two groups a loop step. Wide feature tiles: each program reads its rows of x from L2 (session 51: at
     64 x 64 tiles x's e4m3 codes are 4x the weights' bytes through L2 at 128 rows)."""
-    return [MmConfig(*c, swap=True, mma_order=True, packed=True, pair=p) for c in (
-        (64, 16, 8, 3, 0), (64, 16, 8, 4, 0), (32, 16, 8, 4, 0), (64, 8, 4, 3, 0), (64, 8, 8, 3, 0), (64, 4, 4, 4, 0),
-        (128, 4, 4, 3, 0), (128, 8, 8, 3, 0)) for p in (False, True)] + [
-        MmConfig(64, 4, 4, 4, 0, swap=True, mma_order=True), MmConfig(32, 16, 8, 4, 1, swap=True, mma_order=True,
-                                                                       packed=True)]
+    if os.environ.get("W4A8_WIDE_SWEEP", "0") != "0":  # session 51's second sweep: none of these won
+        return [MmConfig(*c, swap=True, mma_order=True, packed=True, pair=p) for c in (
+            (64, 16, 8, 3, 0), (64, 16, 8, 4, 0), (32, 16, 8, 4, 0), (64, 8, 4, 3, 0), (64, 8, 8, 3, 0),
+            (128, 8, 8, 3, 0)) for p in (False, True)]
+    return [MmConfig(*c, swap=True, mma_order=True, packed=True) for c in (
+        (64, 4, 4, 4, 0), (128, 4, 4, 3, 0), (64, 8, 8, 3, 0), (64, 4, 4, 3, 0), (32, 4, 4, 4, 0))]
 
 
 def bench_w4a8(shapes: list[str] | None = None, rows: list[int] | None = None, sweep: bool = True) -> list[str]:
@@ -648,13 +649,13 @@ def bench_w4a8(shapes: list[str] | None = None, rows: list[int] | None = None, s
     paths."""
     from kernels.frag_mm import frag_mm_fp8, ref_w4a8_linear
     from kernels.torch_quant import make_fp8_scaled_mm_linear, quantize_weight_fp8
-    from kernels.w8a8_gemm import quantize_rows
+    from kernels.w8a8_gemm import quantize_rows, round_rows_fp8
 
     failures = []
     gen = torch.Generator(device="cuda").manual_seed(8)
     print(f"\nW4A8 frag_mm_fp8 vs W4A16 frag_mm vs FP8 W8A8 (quantize_rows + _scaled_mm) vs bf16 F.linear, {DTYPE} "
           "x; us (CUDA graphs, weights rotated past L2); TFLOP/s of W4A8's best, FP8's and bf16's")
-    print(f"{'shape':>8} {'M':>5} | {'w4a8':>8} {'best':>8} {'w4a16':>8} {'fp8':>8} {'bf16 mm':>8} | "
+    print(f"{'shape':>8} {'M':>5} | {'w4a8':>8} {'best':>8} {'w4a16':>8} {'deq+mm':>8} {'fp8':>8} {'bf16 mm':>8} | "
           f"{'TFLOP/s':>7} {'fp8':>7} {'bf16':>7} | rel.err  best config")
 
     def qrows(x2):
@@ -674,10 +675,13 @@ def bench_w4a8(shapes: list[str] | None = None, rows: list[int] | None = None, s
             err, t_mm, best, best_cfg = _checked_sweep(f"frag_mm_fp8 {name} M={m}", frag_mm_fp8, x, ref, frag,
                                                        frag_mm_fp8_candidates() if sweep else [], failures)
             t_w4a16 = time_us([lambda p=p: frag_mm(x, **p) for p in frag])
+            # the W4A16 paths past frag_mm's rows: x rounded to e4m3, the weight dequantized for cuBLAS
+            t_deq = time_us([lambda p=p: F.linear(round_rows_fp8(x), dequantize_frag(**p, dtype=DTYPE))
+                             for p in frag[:4]])
             t_fp8 = time_us([lambda f=f: f(x) for f in fp8])
             t_bf16 = time_us([lambda wt=wt: F.linear(x, wt) for wt in bf16])
             flop = 2 * m * n * k / 1e6
-            print(f"{name:>8} {m:5d} | {t_mm:8.1f} {best:8.1f} {t_w4a16:8.1f} {t_fp8:8.1f} {t_bf16:8.1f} | "
+            print(f"{name:>8} {m:5d} | {t_mm:8.1f} {best:8.1f} {t_w4a16:8.1f} {t_deq:8.1f} {t_fp8:8.1f} {t_bf16:8.1f} | "
                   f"{flop / best:7.1f} {flop / t_fp8:7.1f} {flop / t_bf16:7.1f} | {err:.1e}  {best_cfg}", flush=True)
         del frag, bf16, fp8, rot
         torch.cuda.empty_cache()
