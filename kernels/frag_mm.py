@@ -252,6 +252,20 @@ def _round_bf16(v):
 
 
 @triton.jit
+def _store_rows(acc, y_ptr, part_ptr, bias_ptr, rows, row_ok, n, M, N, pid_k, stride_ym, SPLIT: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """A program's fp32 tile [rows, n]: plus the bias and rounded into y, or (SPLIT > 1) its K split's partials."""
+    if SPLIT == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + n[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        p_ptrs = part_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * N + n[None, :]
+        tl.store(p_ptrs, acc, mask=row_ok[:, None])
+
+
+@triton.jit
 def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N, K, stride_xm, stride_ym,
                     iters_per_split, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                     TILES_N: tl.constexpr, SPLIT: tl.constexpr, BITS: tl.constexpr, SWAP: tl.constexpr,
@@ -333,14 +347,7 @@ def _frag_mm_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr, M, N
         acc = tl.trans(acc)
     if ONE_GROUP:
         acc = acc * tl.load(s_ptr + n)[None, :]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        p_ptrs = part_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * N + n[None, :]
-        tl.store(p_ptrs, acc, mask=row_ok[:, None])
+    _store_rows(acc, y_ptr, part_ptr, bias_ptr, rows, row_ok, n, M, N, pid_k, stride_ym, SPLIT, HAS_BIAS)
 
 
 @functools.cache
@@ -572,14 +579,7 @@ def _frag_mm_fp8_kernel(xq_ptr, xs_ptr, qw_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, p
     acc = tl.trans(acc) * tl.load(xs_ptr + rows, mask=row_ok, other=0.0)[:, None]
     if ONE_GROUP:
         acc = acc * tl.load(s_ptr + n)[None, :]
-    if SPLIT == 1:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + n).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None])
-    else:
-        p_ptrs = part_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * N + n[None, :]
-        tl.store(p_ptrs, acc, mask=row_ok[:, None])
+    _store_rows(acc, y_ptr, part_ptr, bias_ptr, rows, row_ok, n, M, N, pid_k, stride_ym, SPLIT, HAS_BIAS)
 
 
 @functools.cache

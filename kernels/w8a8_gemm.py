@@ -256,17 +256,24 @@ def w8a8_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tens
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl.constexpr,
-                          EMULATE_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one program per row: the row's max over K, then its codes; x: [M, K] -> q: [M, K], s: [M] fp32
-    row = tl.program_id(0)
-    x_row = x_ptr + row * stride_xm
+def _row_scale(x_row, K, INT8: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A row's per-token scale, max(amax, floor) / qmax, as the reference's (an IEEE division)."""
     qmax, eps = _qrange(INT8)
     amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), qmax)  # IEEE division, as the reference's
+    return tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), qmax)
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, INT8: tl.constexpr,
+                          EMULATE_FP8: tl.constexpr, BLOCK_K: tl.constexpr):
+    # one program per row: the row's max over K, then its codes; x: [M, K] -> q: [M, K], s: [M] fp32
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_xm
+    qmax, _ = _qrange(INT8)
+    scale = _row_scale(x_row, K, INT8, BLOCK_K)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -401,12 +408,8 @@ def _round_rows_kernel(x_ptr, y_ptr, K, stride_xm, stride_ym, EMULATE_FP8: tl.co
     # one program per row: _quantize_rows_kernel's scale and e4m3 codes, stored as code * scale in y's dtype
     row = tl.program_id(0)
     x_row = x_ptr + row * stride_xm
-    qmax, eps = _qrange(False)
-    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        amax = tl.maximum(amax, tl.abs(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32)))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), eps), qmax)
+    qmax, _ = _qrange(False)
+    scale = _row_scale(x_row, K, False, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         v = tl.math.div_rn(tl.load(x_row + offs, mask=offs < K, other=0.0).to(tl.float32), scale)
