@@ -9,7 +9,8 @@
    and Triton launch overhead). Decode at batch 1/8/64 x context 128/2048/8192 with bf16 and fp8
    caches, reported as achieved bandwidth (bytes of K/V, queries, outputs and block-table entries
    per second); prefill of 2048 tokens as attention TFLOP/s (4 * head_dim flops per visible
-   (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors.
+   (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors and, for fresh
+   prompts, ``kernels.flash_prefill`` (FlashAttention-2) over the step's own rows as the runtime calls it.
 
 3. Steps that mix decodes with a prompt through the prefill kernel (``--mixed-only``: these alone).
 4. ``--decode-sweep``: the decode kernel's tilings (keys per iteration, warps, stages; fp16 operands for
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.flash_prefill import flash_prefill, flash_supported, plan_flash
 from kernels.paged_attention import (
     KV_QMAX,
     DecodeConfig,
@@ -341,6 +343,8 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     what = "K/V" if kv_name == "bf16" else "codes"
     rows.append(f"| prefill, the step's own {what} | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
                 f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
+    if not any(ctx_lens) and flash_supported(q):
+        rows.append(_flash_row(p, q_lens, ctx_lens, q, own, scale, flops, expected, shape, kv_name, args, failures))
     if kv_name == "bf16" and len(set(ctx_lens)) == 1 and len(set(q_lens)) == 1:
         rows.append(_sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args))
     return rows
@@ -447,6 +451,30 @@ def bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures) -> s
     return (f"| {num_decodes} decodes x ctx {context} + {prompt}-token prompt | {kv_name} | {ms * 1e3:8.1f} | "
             f"{kv_bytes / ms / 1e6:7.0f} GB/s | {decode_ms * 1e3:8.1f} | {decode_bytes / decode_ms / 1e6:7.0f} GB/s | "
             f"{split_ms * 1e3:8.1f} | {kv_bytes / split_ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
+
+
+def _flash_row(p, q_lens, ctx_lens, q, own, scale, flops, expected, shape, kv_name, args, failures) -> str:
+    """Fresh prompts on kernels.flash_prefill (torch's FlashAttention-2 varlen) over the step's own rows, as the
+    runtime runs them (RUNTIME_PREFILL_FLASH): a quantized cache's codes, the key scale folded into the score scale,
+    the values times their scale (that multiply timed too)."""
+    plan = plan_flash(q_lens, ctx_lens, lambda values, dtype: torch.tensor(values, dtype=dtype, device="cuda"))
+    ks = float(p.k_scale) if p.k_scale is not None else 1.0
+    vs = float(p.v_scale) if p.v_scale is not None else None
+
+    def run():
+        return flash_prefill(q, own[0], own[1] if vs is None else own[1] * vs, plan, scale * ks)
+
+    ok, err = close(run(), expected)
+    if not ok:
+        failures.append(f"flash_prefill {shape} kv={kv_name}: max err {err:.3g}")
+    try:
+        ms, eager_ms = timings(run, args)
+    except RuntimeError as e:  # not capturable on this torch: eager only
+        print(f"flash_prefill {shape}: no CUDA graph ({str(e).splitlines()[0]}); eager time", file=sys.stderr)
+        ms = eager_ms = time_ms(run, args.warmup, args.iters)
+    what = "K/V" if kv_name == "bf16" else "codes"
+    return (f"| flash_prefill (FlashAttention-2), the step's own {what} | {kv_name} | {shape} | {ms * 1e3:8.1f} | "
+            f"{eager_ms * 1e3:8.1f} | {flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
 
 def _sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args) -> str:
@@ -569,7 +597,7 @@ def _prefill_table(gen, args, failures) -> None:
     print("\n| kernel | kv | shape | graph us | eager us | throughput (graph) | check |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in ("bf16", "fp8"):
-        for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4)):
+        for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4), ([2000] * 4, [0] * 4)):
             for row in bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures):
                 print(row, flush=True)
 

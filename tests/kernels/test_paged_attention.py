@@ -1237,3 +1237,99 @@ def test_attention_bench_sweeps_kv_heads_per_program():
     assert _sweep_configs(args, (True,)) == [(32, 4, 3, True, False, 1), (32, 4, 3, True, True, 1),
                                              (32, 4, 3, True, False, 8), (64, 4, 3, True, False, 1),
                                              (64, 4, 3, True, True, 1), (64, 4, 3, True, False, 8)]
+
+
+# --- fresh prompts on FlashAttention (kernels.flash_prefill) beside the paged kernels ---------------------------
+def _on_device(values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
+
+
+def test_flash_plan_cuts_the_step_into_segments():
+    """plan_flash: each fresh prompt of two or more tokens is a segment; the rows between them (decodes, a one-token
+    fresh prompt, a chunk after its context, sequences without new tokens) are cut into segments of at most 128 rows
+    and at most the longest fresh prompt; the one-token sequences' rows and indices are listed for the decode kernel;
+    no fresh prompt: no plan."""
+    from kernels.flash_prefill import plan_flash
+
+    q_lens, ctx_lens = [1, 33, 1, 17, 300, 0, 2, 1], [60, 0, 0, 23, 0, 4, 0, 9]
+    plan = plan_flash(q_lens, ctx_lens, _on_device)
+    assert plan.cu_seqlens.dtype == torch.int32 and plan.cu_seqlens.tolist() == [0, 1, 34, 52, 352, 354, 355]
+    assert plan.max_len == 300 and plan.others == 1 and plan.fresh_rows == 335
+    assert plan.decode_rows.tolist() == [0, 34, 354] and plan.decode_seqs.tolist() == [0, 2, 7]
+    long = plan_flash([3, 200, 100, 5], [0, 40, 9, 0], _on_device)  # 300 other rows, segments of at most 5
+    assert long.cu_seqlens.tolist() == [0, 3, *range(8, 303, 5), 303, 308] and long.others == 2
+    assert long.decode_rows.numel() == 0
+    wide = plan_flash([200, 300], [5, 0], _on_device)
+    assert wide.cu_seqlens.tolist() == [0, 128, 200, 500]
+    assert plan_flash([1, 1, 40], [3, 0, 8], _on_device) is None and plan_flash([], [], _on_device) is None
+
+
+def _gather_new(cache: torch.Tensor, tables: torch.Tensor, q_lens: list[int], ctx_lens: list[int]) -> torch.Tensor:
+    """The new tokens' rows of a paged cache, packed as the step's (codes as stored)."""
+    rows = []
+    bs = cache.shape[1]
+    for table, n, c in zip(tables.tolist(), q_lens, ctx_lens):
+        for p in range(c, c + n):
+            rows.append(cache[table[p // bs], p % bs])
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype, kv_dtype, block_size, window", [
+    (torch.bfloat16, torch.bfloat16, 8, None), (torch.bfloat16, FP8, 16, None), (torch.float16, FP8, 8, 11),
+    (torch.bfloat16, torch.bfloat16, 16, 9)])
+def test_flash_step_equals_the_paged_attention(monkeypatch, dtype, kv_dtype, block_size, window):
+    """runtime.executor._flash_step: the fresh prompts on FlashAttention (here its torch reference) over the step's
+    own rows (a 16-bit cache's values, an FP8 cache's codes with the key scale in the score scale and the value scale
+    in the values), the one-token sequences on the decode kernel (FP8: mixed_decode_split) or the prefill kernel
+    (16-bit), chunks after a context on the prefill kernel: the paged reference's result, every row written by the
+    right path (a row left with FlashAttention's segment output would differ)."""
+    from kernels import flash_prefill
+    from runtime import executor
+
+    calls = []
+
+    def fake_flash(q, k, v, plan, scale, window=None):
+        calls.append((plan.cu_seqlens.tolist(), scale, window))
+        return flash_prefill.ref_flash_prefill(q, k, v, plan, scale, window)
+
+    monkeypatch.setattr(flash_prefill, "flash_prefill", fake_flash)
+    gen = torch.Generator().manual_seed(31)
+    q_lens, ctx_lens = [1, 33, 1, 17, 0, 40, 2, 1], [60, 0, 0, 23, 4, 0, 0, 9]
+    args, kw, lens = _prefill_case(q_lens, ctx_lens, block_size, dtype, kv_dtype, gen, q_mul=2.0)
+    q, k_cache, v_cache, tables, cu, ctx, scale = args
+    own_k = _gather_new(k_cache, tables, q_lens, ctx_lens).to(dtype)  # the step's own rows, as the rope kernel leaves
+    own_v = _gather_new(v_cache, tables, q_lens, ctx_lens).to(dtype)
+    kw.update(sliding_window=window)
+    expected = pa.ref_paged_prefill_attention(*args, **kw)
+    plan = flash_prefill.plan_flash(q_lens, ctx_lens, _on_device)
+    md = executor.PagedAttentionMetadata([k_cache], [v_cache], None, tables, _int32(lens), ctx, cu, False,
+                                         mixed=True, flash=plan)
+    ks = float(kw["k_scale"]) if kw["k_scale"] is not None else 1.0
+    vs = kw["v_scale"] if kw["v_scale"] is not None else 1.0
+    out = executor._flash_step(q, own_k, own_v, k_cache, v_cache, md, plan, scale, (ks, vs), kw["k_scale"],
+                               kw["v_scale"], window, {"softcap": 0.0, "sinks": None})
+    _assert_close(out, expected)
+    assert calls == [(plan.cu_seqlens.tolist(), scale * ks, window)]
+    fresh = [r for a, n, c in zip(cu.tolist(), q_lens, ctx_lens) if c == 0 and n > 1 for r in range(a, a + n)]
+    ref_fresh = flash_prefill.ref_flash_prefill(q, own_k, own_v * vs if kv_dtype == FP8 else own_v, plan,
+                                                scale * ks, window)
+    torch.testing.assert_close(out[fresh], ref_fresh[fresh], atol=0, rtol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="torch's FlashAttention-2 runs on CUDA only")
+@pytest.mark.parametrize("window", [None, 700])
+def test_flash_prefill_at_real_shapes(window):
+    """kernels.flash_prefill on torch's FlashAttention-2 against its torch reference at the Llama-3-8B shape (32
+    heads over 8 kv heads of 128): a fresh 2,048-token prompt, two shorter ones and other rows cut into segments, with
+    strided rows (q, k, v views of one QKV projection, as the executor passes them)."""
+    from kernels.flash_prefill import flash_prefill, flash_supported, plan_flash, ref_flash_prefill
+
+    gen = torch.Generator().manual_seed(41)
+    q_lens, ctx_lens = [1, 2048, 300, 1, 129, 700], [900, 0, 40, 0, 0, 0]
+    plan = plan_flash(q_lens, ctx_lens, _on_device)
+    qkv = torch.randn(sum(q_lens), 48, 128, generator=gen).to(torch.bfloat16).to(DEVICE)
+    q, k, v = qkv[:, :32], qkv[:, 32:40], qkv[:, 40:]
+    assert flash_supported(q, window)
+    got = flash_prefill(q, k, v, plan, 128 ** -0.5, window)
+    want = ref_flash_prefill(q, k, v, plan, 128 ** -0.5, window)
+    _assert_close(got, want)
