@@ -1267,8 +1267,7 @@ def _paged_prefill_kernel(
         GROUP: tl.constexpr, GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, FP32: tl.constexpr, F16: tl.constexpr,
         SOFTCAP: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr, CONTIG: tl.constexpr = False,
-        SKIP_SINGLE: tl.constexpr = False, ACC_DOT: tl.constexpr = False, LPT: tl.constexpr = False,
-        SKIP_FRESH: tl.constexpr = False):
+        SKIP_SINGLE: tl.constexpr = False, ACC_DOT: tl.constexpr = False, LPT: tl.constexpr = False):
     # F16: fp16 matmul operands for a quantized cache, as in _paged_decode_kernel. CONTIG: a sequence's new tokens
     # attend over the step's own K/V [num_tokens, kv heads, head_dim] in q's dtype (k_own_ptr: stride_kt per token,
     # stride_kh per head; v_own_ptr: stride_vt, stride_vh), its context over the cache (none for fresh prompts: the
@@ -1276,8 +1275,7 @@ def _paged_prefill_kernel(
     # as the cache's are: the same values, without a conversion per key tile (with F16 the context's codes take fp16
     # operands, the own rows q as loaded).
     # SKIP_SINGLE: sequences of exactly one new token are left alone (their rows unwritten: paged_mixed_attention
-    # gives them to the decode kernel). SKIP_FRESH: so are prompts of two or more tokens with no cached context
-    # (kernels.flash_prefill attends them).
+    # gives them to the decode kernel).
     # grid: (num_tokens // BLOCK_T + num_seqs, num_kv_heads). Program (t, g): flat query tile t (BLOCK_T tokens
     # of one sequence, ``_find_seq``) for the GROUP query heads of kv head g, over every key its rows can see.
     # The tile's BLOCK_M = BLOCK_T * GROUP_P2 rows are (token, head) pairs, token-major: each key tile is read
@@ -1299,8 +1297,6 @@ def _paged_prefill_kernel(
         return
     kv_head = tl.program_id(1)
     context = tl.load(context_lens_ptr + seq)
-    if SKIP_FRESH and context == 0 and q_len > 1:
-        return
     kv_len = context + q_len
 
     rows = tl.arange(0, BLOCK_M)
@@ -1378,7 +1374,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             config: tuple[int, int, int, int] | None = None,
                             contiguous_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
                             out: torch.Tensor | None = None, skip_single: bool = False,
-                            prompts_only: bool = False, skip_fresh: bool = False) -> torch.Tensor:
+                            prompts_only: bool = False) -> torch.Tensor:
     """Causal attention of packed new tokens over their paged caches; returns ``out`` like ``q``.
 
     q: [num_tokens, num_heads, head_dim]; sequence i's new tokens are rows cu_seqlens_q[i]:cu_seqlens_q[i+1]
@@ -1401,8 +1397,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     ``out``: where to write (like q; a new tensor by default). ``skip_single``: leave the rows of sequences with
     exactly one new token unwritten (``paged_mixed_attention``). ``prompts_only``: the caller expects no sequence
     of the launch to have exactly one new token (as with ``skip_single``), which picks the tiling for prompts
-    (``_prefill_config``); a hint for speed only, any launch runs correctly either way. ``skip_fresh``: leave the
-    rows of prompts of two or more tokens with no cached context unwritten (``kernels.flash_prefill`` attends them).
+    (``_prefill_config``); a hint for speed only, any launch runs correctly either way.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = context_lens.shape[0]
@@ -1446,7 +1441,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         *own_strides, GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_T=block_t, BLOCK_N=block_n, QUANT=_QUANT.get(k_cache.dtype, 0), FP32=_fp32_dot(q.dtype),
         F16=PREFILL_F16 and k_cache.dtype in _QUANT and not _fp32_dot(q.dtype), SOFTCAP=softcap > 0,
-        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single, SKIP_FRESH=skip_fresh,
+        SINKS=sinks is not None, CONTIG=own, SKIP_SINGLE=skip_single,
         ACC_DOT=PREFILL_ACC_DOT and scale > 0, LPT=PREFILL_LPT,  # the fold assumes a positive scale (k_scale: the
         # executor refuses one <= 0 at load)
         num_warps=num_warps, num_stages=num_stages, **pdl_args(q))

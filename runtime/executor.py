@@ -20,7 +20,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import torch_ops as ops
-from kernels.flash_prefill import FlashPlan, flash_supported
 from runtime.collectives import all_reduce_for
 from runtime.kv_cache import KVLayout, SequenceKV
 from runtime.manifest import MAX_SCALE_BLOCK
@@ -78,18 +77,6 @@ PREFILL_OWN_CODES: bool | None = _auto_setting("RUNTIME_PREFILL_OWN_CODES")
 # sequences, 2,900 -> 2,990 output tok/s in one call; a bf16 cache 560.0 -> 584.9 us (its prefill kernel reads
 # decodes within 1.1x of the decode kernel, and the split adds three launches a layer). INT8 caches: not timed.
 MIXED_DECODE_SPLIT: bool | None = _auto_setting("RUNTIME_MIXED_DECODE_SPLIT")
-# RUNTIME_PREFILL_FLASH: in an eager step (larger than the captured prefill buckets), prompts of two or more tokens
-# with no cached context attend on torch's FlashAttention-2 (``kernels.flash_prefill``) over the step's own rows
-# (a 16-bit cache's rotated keys and values, an FP8 cache's codes), the other sequences on the paged kernels, which
-# leave those rows alone. "auto" (the default) and "1": where ``flash_supported`` (CUDA, 16-bit activations, no
-# softcap or sinks) and the layer's own rows hold the cache's values; "0": never.
-PREFILL_FLASH: bool | None = _auto_setting("RUNTIME_PREFILL_FLASH")
-
-
-def prefill_flash_wanted(device: torch.device) -> bool:
-    """Whether an eager step on ``device`` is planned for ``kernels.flash_prefill`` (``PREFILL_FLASH``; the layers
-    decide whether they take it)."""
-    return PREFILL_FLASH is not False and device.type == "cuda"
 
 
 def mixed_decode_split(kv_dtype: torch.dtype) -> bool:
@@ -165,8 +152,6 @@ class PagedAttentionMetadata:
     # some sequences have exactly one new token and some more (the steps of mixed_decode_split); set by the host, which
     # knows it: the eager paths from their sequences, StepGraphs by a graph of its own for such steps
     mixed: bool = False
-    # the eager step's fresh prompts for kernels.flash_prefill (prefill_flash_wanted; None: none, or a captured step)
-    flash: FlashPlan | None = None
 
 
 def mixed_step(num_new: Sequence[int]) -> bool:
@@ -1578,10 +1563,6 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
     v_scale = w["v_scale"].float().reshape(1) if "v_scale" in w else None
     extra = {"softcap": attrs.get("softcap", 0.0),  # made once: the step passes the same tensors (CUDA graphs)
              "sinks": w["sinks"].float().contiguous() if "sinks" in w else None}
-    # kernels.flash_prefill takes its scales as host numbers: read once here, not per step
-    flash_scales: tuple[float, float] | None = None
-    if PREFILL_FLASH is not False:
-        flash_scales = (float(k_scale) if k_scale is not None else 1.0, float(v_scale) if v_scale is not None else 1.0)
 
     def run(xs, md: PagedAttentionMetadata, step: _Step):
         q, k, v = xs[:3]  # q: [num_tokens, num_heads * head_dim]; k, v: [num_tokens, num_kv * head_dim]
@@ -1589,16 +1570,10 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         kc, vc = md.k_caches[layer], md.v_caches[layer]
         k, v = k.view(-1, num_kv, head_dim), v.view(-1, num_kv, head_dim)
         new_kv = None
-        # fresh prompts on FlashAttention over the step's own rows, where they hold the cache's values: a 16-bit
-        # cache of q's dtype (rotated in place), or a quantized cache's codes (prefill_own_codes)
-        flash = md.flash if md.flash is not None and not md.decode_only and flash_supported(
-            q, window, extra["softcap"], extra["sinks"]) and (
-            kc.dtype == q.dtype or (rope is not None and prefill_own_codes(kc.dtype))) else None
         # attention over the step's own rows: a step of fresh prompts over a 16-bit cache, its rotated keys
-        # (PREFILL_OWN_KV, or flash); a step carrying prefill over a quantized cache, the codes (prefill_own_codes)
+        # (PREFILL_OWN_KV); a step carrying prefill over a quantized cache, the codes (prefill_own_codes)
         own_kv = not md.decode_only and (
-            ((PREFILL_OWN_KV and md.fresh or flash is not None) and kc.dtype == q.dtype)
-            or (rope is not None and prefill_own_codes(kc.dtype)))
+            (PREFILL_OWN_KV and md.fresh and kc.dtype == q.dtype) or (rope is not None and prefill_own_codes(kc.dtype)))
         if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
             rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved, rope.long_from) \
                 if rope is not None else ()
@@ -1613,8 +1588,6 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         if md.decode_only:
             out = paged_decode_attention(q, kc, vc, md.block_tables, md.seq_lens, scale, k_scale=k_scale,
                                          v_scale=v_scale, sliding_window=window, new_kv=new_kv, **extra)
-        elif flash is not None:
-            out = _flash_step(q, k, v, kc, vc, md, flash, scale, flash_scales, k_scale, v_scale, window, extra)
         elif md.mixed and mixed_decode_split(kc.dtype):
             if step.decode_rows is None:  # once per step, on the device (captured with a step graph)
                 step.decode_rows = decode_rows(md.cu_seqlens_q, md.seq_lens, q.shape[0])
@@ -1633,33 +1606,6 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         return (out.view(-1, num_heads * head_dim),)
 
     return run
-
-
-def _flash_step(q, k, v, kc, vc, md: PagedAttentionMetadata, flash: FlashPlan, scale: float,
-                host_scales: tuple[float, float], k_scale, v_scale, window, extra) -> torch.Tensor:
-    """An eager step's attention with its fresh prompts on ``kernels.flash_prefill`` over the step's own rows
-    (``k`` / ``v``: the cache's values, or an FP8 cache's codes, whose key scale goes into the score scale and whose
-    value scale into a scaled copy of the values), then the other sequences into the same output: one-token ones on
-    the decode kernel where ``mixed_decode_split`` applies (gathered by the plan's rows, scattered back), the rest on
-    the prefill kernel, which leaves the fresh prompts' rows alone."""
-    from kernels.flash_prefill import flash_prefill
-    from kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-
-    ks, vs = host_scales
-    v_in = v if kc.dtype == q.dtype else v * vs  # codes times their scale, rounded once to q's dtype
-    out = flash_prefill(q, k, v_in, flash, scale * ks, window)
-    split = mixed_decode_split(kc.dtype)
-    if split and flash.decode_rows.numel():  # PDL: ordinary launches (the index_selects) before the decode kernel
-        seqs = flash.decode_seqs
-        dec = paged_decode_attention(q.index_select(0, flash.decode_rows), kc, vc, md.block_tables.index_select(0, seqs),
-                                     md.seq_lens.index_select(0, seqs), scale, k_scale=k_scale, v_scale=v_scale,
-                                     sliding_window=window, **extra)
-        out.index_copy_(0, flash.decode_rows, dec)
-    if flash.others or (not split and flash.decode_rows.numel()):
-        paged_prefill_attention(q, kc, vc, md.block_tables, md.cu_seqlens_q, md.context_lens, scale, k_scale=k_scale,
-                                v_scale=v_scale, sliding_window=window, contiguous_kv=(k, v), out=out,
-                                skip_single=split, skip_fresh=True, prompts_only=split, **extra)
-    return out
 
 
 def _kv_codec(kind: str | None, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, dtype: torch.dtype):

@@ -53,12 +53,11 @@ from pathlib import Path
 
 import torch
 
-from kernels.flash_prefill import plan_flash
 from runtime.block_pool import BlockPool
 from runtime.engine import Engine, RequestError
 from runtime.env import env_number
 from runtime.cuda_graphs import PackedStep, TableStaging
-from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput, mixed_step, prefill_flash_wanted
+from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput, mixed_step
 from runtime.kv_manager import KVCacheManager
 from runtime.memory import MemoryPlan, estimate_workspace_bytes, plan_budget, plan_kv_blocks, tensor_bytes
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
@@ -1124,9 +1123,6 @@ class ServingEngine:
                 tensor(step.cu_seqlens_q, torch.int32),
                 all(q.num_new == 1 for q in sched.seqs), fresh=all(q.num_context == 0 for q in sched.seqs),
                 mixed=mixed_step([q.num_new for q in sched.seqs]))
-            if prefill_flash_wanted(device):  # its fresh prompts on FlashAttention (the layers that can take it)
-                inp.paged.flash = plan_flash([q.num_new for q in sched.seqs], [q.num_context for q in sched.seqs],
-                                             lambda values, dtype: tensor(values, dtype))
         return inp
 
     def _replay(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> torch.Tensor:

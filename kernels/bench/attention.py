@@ -9,8 +9,7 @@
    and Triton launch overhead). Decode at batch 1/8/64 x context 128/2048/8192 with bf16 and fp8
    caches, reported as achieved bandwidth (bytes of K/V, queries, outputs and block-table entries
    per second); prefill of 2048 tokens as attention TFLOP/s (4 * head_dim flops per visible
-   (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors and, for fresh
-   prompts, ``kernels.flash_prefill`` (FlashAttention-2) over the step's own rows as the runtime calls it.
+   (query, key) pair per head), beside torch SDPA on the same keys gathered to contiguous tensors.
 
 3. Steps that mix decodes with a prompt through the prefill kernel (``--mixed-only``: these alone).
 4. ``--decode-sweep``: the decode kernel's tilings (keys per iteration, warps, stages; fp16 operands for
@@ -18,6 +17,8 @@
 5. ``--prefill-sweep``: the prefill kernel's tilings (rows of (token, head) pairs, keys per tile, warps, stages)
    over a 2,048-token prompt, the same after 6,144 cached tokens, and four 2,000-token prompts in one step, with
    bf16 and fp8 caches; ``best-config`` lines in ``KERNELS_PREFILL_CONFIG``'s form for an end-to-end A/B.
+6. ``--fresh-backends``: fresh prompts on torch's attention backends (FlashAttention-2 varlen, cuDNN ragged,
+   SDPA over a padded batch) beside the paged prefill kernel (``fresh_backends``).
 
 Exits 1 when any correctness check fails (the timing still prints), 2 without a CUDA device.
 """
@@ -32,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.flash_prefill import flash_prefill, flash_supported, plan_flash
 from kernels.paged_attention import (
     KV_QMAX,
     DecodeConfig,
@@ -343,8 +343,6 @@ def bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures) -> list[str]:
     what = "K/V" if kv_name == "bf16" else "codes"
     rows.append(f"| prefill, the step's own {what} | {kv_name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | "
                 f"{flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
-    if not any(ctx_lens) and flash_supported(q):
-        rows.append(_flash_row(p, q_lens, ctx_lens, q, own, scale, flops, expected, shape, kv_name, args, failures))
     if kv_name == "bf16" and len(set(ctx_lens)) == 1 and len(set(q_lens)) == 1:
         rows.append(_sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args))
     return rows
@@ -453,28 +451,86 @@ def bench_mixed(num_decodes, context, prompt, kv_name, gen, args, failures) -> s
             f"{split_ms * 1e3:8.1f} | {kv_bytes / split_ms / 1e6:7.0f} GB/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
 
 
-def _flash_row(p, q_lens, ctx_lens, q, own, scale, flops, expected, shape, kv_name, args, failures) -> str:
-    """Fresh prompts on kernels.flash_prefill (torch's FlashAttention-2 varlen) over the step's own rows, as the
-    runtime runs them (RUNTIME_PREFILL_FLASH): a quantized cache's codes, the key scale folded into the score scale,
-    the values times their scale (that multiply timed too)."""
-    plan = plan_flash(q_lens, ctx_lens, lambda values, dtype: torch.tensor(values, dtype=dtype, device="cuda"))
-    ks = float(p.k_scale) if p.k_scale is not None else 1.0
-    vs = float(p.v_scale) if p.v_scale is not None else None
+def fresh_backends(gen, args, failures) -> int:
+    """Fresh prompts (no context) on each attention backend torch offers beside the paged prefill kernel, over the
+    step's own rows as views of one QKV projection (as the executor holds them): the paged prefill kernel (own
+    K/V, RUNTIME_PREFILL_OWN_KV's path), torch's FlashAttention-2 varlen (``aten._flash_attention_forward``), cuDNN's
+    fused attention over ragged rows (``aten._cudnn_attention_forward`` with sequence offsets), and for prompts of
+    one length SDPA over a padded batch per backend; each checked against the paged reference, with the eager wall
+    time of its first call (a cuDNN graph is built per new shape). Then cuDNN's ragged path at steps of changing
+    shape: the wall time of three calls each."""
+    import time
 
-    def run():
-        return flash_prefill(q, own[0], own[1] if vs is None else own[1] * vs, plan, scale * ks)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    ok, err = close(run(), expected)
-    if not ok:
-        failures.append(f"flash_prefill {shape} kv={kv_name}: max err {err:.3g}")
-    try:
-        ms, eager_ms = timings(run, args)
-    except RuntimeError as e:  # not capturable on this torch: eager only
-        print(f"flash_prefill {shape}: no CUDA graph ({str(e).splitlines()[0]}); eager time", file=sys.stderr)
-        ms = eager_ms = time_ms(run, args.warmup, args.iters)
-    what = "K/V" if kv_name == "bf16" else "codes"
-    return (f"| flash_prefill (FlashAttention-2), the step's own {what} | {kv_name} | {shape} | {ms * 1e3:8.1f} | "
-            f"{eager_ms * 1e3:8.1f} | {flops / ms / 1e9:6.1f} TFLOP/s | {'ok' if ok else 'FAIL'} {err:.1e} |")
+    print("\n| backend | prompts | graph us | eager us | TFLOP/s (graph) | check |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for q_lens in ([2048], [2000] * 4, [512] * 4, [2048, 1000, 700, 300], [8192]):
+        ctx_lens = [0] * len(q_lens)
+        p, q, cu, ctx, scale, flops = _prefill_inputs(q_lens, ctx_lens, torch.bfloat16, gen)
+        k_own, v_own = _own_kv(p, q_lens)
+        t = q.shape[0]
+        qkv = torch.empty(t, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        qs, ks, vs = qkv.split([NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS], dim=1)
+        qs.copy_(q), ks.copy_(k_own), vs.copy_(v_own)
+        expected = ref_paged_prefill_attention(q, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale)
+        max_len = max(q_lens)
+        shape = "+".join(map(str, q_lens)) if len(set(q_lens)) > 1 else f"{len(q_lens)}x{q_lens[0]}"
+        runs = {
+            "paged prefill, own K/V": lambda: paged_prefill_attention(
+                qs, p.k_cache, p.v_cache, p.block_tables, cu, ctx, scale, contiguous_kv=(ks, vs), prompts_only=True),
+            "FlashAttention-2 varlen": lambda: torch.ops.aten._flash_attention_forward(
+                qs, ks, vs, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)[0],
+            "cuDNN ragged": lambda: _cudnn_ragged(qs, ks, vs, cu, max_len, scale),
+        }
+        if len(set(q_lens)) == 1:
+            n = q_lens[0]
+            qb, kb, vb = (x.reshape(len(q_lens), n, *x.shape[1:]).transpose(1, 2) for x in (qs, ks, vs))
+            for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                                  ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+                def sdpa(backend=backend):
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(
+                            qb, kb, vb, scale=scale, is_causal=True, enable_gqa=True).transpose(1, 2).reshape(
+                            t, NUM_HEADS, HEAD_DIM)
+                runs[f"SDPA {name}, padded batch"] = sdpa
+        for name, fn in runs.items():
+            try:
+                first = time.perf_counter()
+                got = fn()
+                torch.cuda.synchronize()
+                first = (time.perf_counter() - first) * 1e3
+                ok, err = close(got, expected)
+                if not ok:
+                    failures.append(f"{name} {shape}: max err {err:.3g}")
+                try:
+                    ms, eager_ms = timings(fn, args)
+                except RuntimeError:
+                    ms = float("nan")
+                    eager_ms = time_ms(fn, args.warmup, args.iters)
+                print(f"| {name} | {shape} | {ms * 1e3:8.1f} | {eager_ms * 1e3:8.1f} | {flops / ms / 1e9:6.1f} | "
+                      f"{'ok' if ok else 'FAIL'} {err:.1e}; first call {first:.1f} ms |", flush=True)
+            except Exception as e:  # noqa: BLE001 (a backend this torch / GPU lacks)
+                print(f"| {name} | {shape} | - | - | - | {type(e).__name__}: {str(e).splitlines()[0][:120]} |")
+        torch.cuda.empty_cache()
+    # cuDNN at steps of changing shape: a new prompt count / longest prompt each call (a serving engine's steps)
+    for lens in ([1500, 600], [1501, 600], [1500, 601], [1500, 600, 7], [900, 900, 900, 900, 900]):
+        p_, q, cu, *_ = _prefill_inputs(lens, [0] * len(lens), torch.bfloat16, gen)
+        k_own, v_own = _own_kv(p_, lens)
+        walls = []
+        for _ in range(3):
+            start = time.perf_counter()
+            _cudnn_ragged(q, k_own, v_own, cu, max(lens), HEAD_DIM ** -0.5)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - start) * 1e3)
+        print(f"cuDNN ragged {lens}: wall ms of three calls {', '.join(f'{w:.2f}' for w in walls)}")
+    return 1 if failures else 0
+
+
+def _cudnn_ragged(q, k, v, cu, max_len, scale):
+    """Causal attention within each sequence of packed rows (bounds ``cu``) on cuDNN's ragged fused attention."""
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, False, 0.0, True, False,
+                                                   scale=scale)[0]
 
 
 def _sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args) -> str:
@@ -524,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the steps that mix decodes with a prompt (prefill kernel vs decode kernel)")
     parser.add_argument("--decode-sweep", action="store_true", help="only the decode kernel's tilings (see above)")
     parser.add_argument("--prefill-only", action="store_true", help="only the prefill table (no sweep)")
+    parser.add_argument("--fresh-backends", action="store_true",
+                        help="fresh prompts on torch's attention backends beside the paged kernel (see above)")
     parser.add_argument("--prefill-sweep", action="store_true",
                         help="only the prefill kernel's tilings (--sweep-block-m/-n, --sweep-warps, --sweep-stages)")
     parser.add_argument("--sweep-block-m", nargs="+", type=int, default=[64, 128])
@@ -563,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
         return decode_sweep(gen, args, failures)
     if args.prefill_sweep:
         return prefill_sweep(gen, args, failures)
+    if args.fresh_backends:
+        status = fresh_backends(gen, args, failures)
+        for f in failures:
+            print("FAIL", f)
+        return status
     if args.prefill_only:
         _prefill_table(gen, args, failures)
         for f in failures:
@@ -597,7 +660,7 @@ def _prefill_table(gen, args, failures) -> None:
     print("\n| kernel | kv | shape | graph us | eager us | throughput (graph) | check |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for kv_name in ("bf16", "fp8"):
-        for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4), ([2000] * 4, [0] * 4)):
+        for q_lens, ctx_lens in (([2048], [0]), ([2048], [6144]), ([512] * 4, [0] * 4)):
             for row in bench_prefill(q_lens, ctx_lens, kv_name, gen, args, failures):
                 print(row, flush=True)
 

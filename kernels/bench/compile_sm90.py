@@ -171,7 +171,7 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
                                                        "stride_ct", "stride_ch", "stride_bt", "stride_kt",
                                                        "stride_kh", "stride_vt", "stride_vh")}}
     base = dict(GROUP=4, GROUP_P2=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_T=16, BLOCK_N=64, QUANT=0, FP32=False,
-                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False, SKIP_SINGLE=False, SKIP_FRESH=False,
+                F16=False, SOFTCAP=False, SINKS=False, PDL=True, CONTIG=False, SKIP_SINGLE=False,
                 ACC_DOT=PREFILL_ACC_DOT, LPT=PREFILL_LPT)  # the loop and order the runtime launches
     variants = [("bf16 cache", {}, {}), ("fp8 cache", {"QUANT": 1, "F16": True}, fp8),
                 ("bf16 cache, 64-token blocks", {"BLOCK_SIZE": 64}, {}),
@@ -184,11 +184,7 @@ def _prefill_attention(fp8: dict[str, str]) -> list[tuple[str, object]]:
                 ("fp8 cache, 64-token blocks, the new tokens over their own codes",
                  {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "CONTIG": True}, fp8),
                 ("fp8 cache, 64-token blocks, own codes, one-token sequences skipped",
-                 {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "CONTIG": True, "SKIP_SINGLE": True}, fp8),
-                ("fp8 cache, 64-token blocks, own codes, one-token sequences and fresh prompts skipped (beside "
-                 "flash_prefill)", {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "CONTIG": True, "SKIP_SINGLE": True,
-                                    "SKIP_FRESH": True}, fp8),
-                ("the new tokens over their own K/V, fresh prompts skipped", {"CONTIG": True, "SKIP_FRESH": True}, {})]
+                 {"QUANT": 1, "F16": True, "BLOCK_SIZE": 64, "CONTIG": True, "SKIP_SINGLE": True}, fp8)]
     # pointers and strides as a launch at real shapes specialises them (multiples of 16), as for the decode kernel
     divisible = tuple(n for n, t in types.items() if t.startswith("*") or n.startswith("stride_") and n != "stride_bt")
     return [(f"paged prefill attention, {name}", lambda kw=kw, t=t: compile_kernel(

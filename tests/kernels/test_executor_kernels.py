@@ -229,56 +229,6 @@ def test_mixed_decode_split_by_default_over_quantized_caches(tmp_path, monkeypat
                                   torch.tensor([lp.logprob for lp in plain.logprobs]), atol=1e-4)
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp8"])
-def test_fresh_prompts_on_flash_attention(tmp_path, monkeypatch, kv):
-    """RUNTIME_PREFILL_FLASH: an eager step's fresh prompts attend on kernels.flash_prefill (here its torch
-    reference: FlashAttention-2 is CUDA-only) over the step's own rows, the other sequences (a chunk after its
-    context, decodes) on the paged kernels into the same output; tokens and logprobs equal the run without it (fp32:
-    the reference does not round its probabilities to 16 bits as the kernels do). Over a 16-bit-like cache (fp32 here) the decodes stay on the prefill kernel; over an FP8 cache (its codes, the
-    key scale in the score scale, the value scale in the values) they go to the decode kernel (the mixed split)."""
-    from builder.pipeline import build
-    from builder.recipe import validate_recipe
-    from kernels import flash_prefill as fp
-    from runtime import executor, serving
-
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama", num_hidden_layers=2, **SHAPES["llama"])
-    runtime = {"max_seq_len": 128, "max_num_tokens": 32}
-    if kv == "fp8":
-        runtime["kv_cache_dtype"] = "fp8"
-    recipe = validate_recipe({
-        "model": {"checkpoint": str(ckpt), "dtype": "float32"}, "output_dir": str(tmp_path / "art"), "runtime": runtime,
-        "calibration": {"num_samples": 4, "seq_len": 32, "dataset": "bundled"}, "gates": {"enabled": False}})
-    path = build(recipe).output_dir
-    plans = []
-
-    def spy(q, k, v, plan, scale, window=None):
-        plans.append((plan.fresh_rows, plan.others, plan.decode_rows.numel()))
-        return fp.ref_flash_prefill(q, k, v, plan, scale, window)
-
-    monkeypatch.setattr(fp, "flash_prefill", spy)
-    monkeypatch.setattr(executor, "flash_supported", lambda q, window=None, softcap=0.0, sinks=None: True)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 300, (n,), generator=g).tolist() for n in (5, 40, 13, 3, 26, 1)]
-    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)
-    runs = {}
-    for wanted in (False, True):
-        monkeypatch.setattr(serving, "prefill_flash_wanted", lambda device, wanted=wanted: wanted)
-        plans.clear()
-        fused = ServingEngine(Engine.load(path, use_kernels=True),
-                              ServingConfig(num_blocks=48, max_num_batched_tokens=32, max_seq_len=128, max_num_seqs=8))
-        runs[wanted] = fused.run(prompts, params)
-        assert bool(plans) is wanted
-        assert fused.kv.pool.num_free == fused.kv.pool.num_blocks
-    layers = fused.executor.num_layers
-    assert len(plans) >= 2 * layers and len(plans) % layers == 0, plans
-    assert any(others for _, others, _ in plans), plans  # a chunk after its context beside a fresh prompt
-    assert any(decodes for _, _, decodes in plans), plans  # decodes beside a fresh prompt
-    for plain, flash in zip(*runs.values()):
-        assert flash.token_ids == plain.token_ids
-        assert torch.allclose(torch.tensor([lp.logprob for lp in flash.logprobs]),
-                              torch.tensor([lp.logprob for lp in plain.logprobs]), atol=1e-4)
-
-
 def test_steps_carrying_prefill_padded_to_their_buckets(tmp_path):
     """StepGraphs' padded step (tokens past the step: slot -1, position 0, past cu_seqlens_q's end; sequences past
     it: no new tokens; logits rows past the sampling ones: row 0, dropped), run eagerly through the kernels here
