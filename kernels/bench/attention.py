@@ -534,7 +534,8 @@ def _cudnn_ragged(q, k, v, cu, max_len, scale):
 
 
 def _sdpa_row(p, q_lens, ctx_lens, q, scale, flops, shape, args) -> str:
-    """torch SDPA (flash) on the same keys gathered to contiguous tensors: a baseline, not a check."""
+    """torch SDPA (its default backend: cuDNN on the H200 with torch 2.11) on the same keys gathered to contiguous
+    tensors: a baseline, not a check."""
     n, c = q_lens[0], ctx_lens[0]
     pos = torch.arange(c + n, device="cuda")
     ks = torch.stack([p.k_cache[t.long()[pos // BLOCK_SIZE], pos % BLOCK_SIZE] for t in p.block_tables])
