@@ -526,13 +526,15 @@ def main(argv: list[str] | None = None) -> int:
                         "registers and loop opcodes")
     parser.add_argument("--only", metavar="TEXT", nargs="+",
                         help="only the variants whose name contains one of the TEXTs (any case)")
+    parser.add_argument("--exact", action="store_true", help="--only's TEXTs are whole names (any case)")
     args = parser.parse_args(argv)
     if args.sass:
         os.makedirs(args.sass, exist_ok=True)
     failures = 0
     for name, build in (_decode_attention() + _frag() + _frag_mm() + _moe() + _fp8_block() + _argmax()
                         + _norms_and_rope() + _silu_quant() + _w8a8_rows()):
-        if args.only and not any(text.lower() in name.lower() for text in args.only):
+        if args.only and not any(text.lower() == name.lower() if args.exact else text.lower() in name.lower()
+                                 for text in args.only):
             continue
         try:
             kernel = build()

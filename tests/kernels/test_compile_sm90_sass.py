@@ -41,9 +41,9 @@ def test_counts_the_opcodes_of_each_backward_branch_only():
     assert loops[0] == {"LDG": 1, "HMMA": 2, "LOP3": 1, "BRA": 1}
 
 
-def _sass_dir(tmp_path_factory, only: str) -> str:
-    """``compile_sm90 --sass DIR --only ONLY`` in a process of its own (in this one a test module that set
-    TRITON_INTERPRET=1 before importing the kernels made them the interpreter's functions); returns DIR."""
+def _sass_dir(tmp_path_factory, *only: str, exact: bool = False) -> str:
+    """``compile_sm90 --sass DIR --only ONLY... [--exact]`` in a process of its own (in this one a test module that
+    set TRITON_INTERPRET=1 before importing the kernels made them the interpreter's functions); returns DIR."""
     from kernels.bench.compile_sm90 import _binary
 
     if not os.path.exists(_binary("nvdisasm")):
@@ -51,7 +51,8 @@ def _sass_dir(tmp_path_factory, only: str) -> str:
     out = str(tmp_path_factory.mktemp("sass"))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only", only],
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.compile_sm90", "--sass", out, "--only", *only,
+                           *(["--exact"] if exact else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
@@ -144,8 +145,9 @@ def test_fp8_decode_attention_key_loop(decode_sass):
 
 @pytest.fixture(scope="module")
 def prefill_sass(tmp_path_factory) -> str:
-    """The FP8-cache prefill attention variants of ``compile_sm90 --sass``."""
-    return _sass_dir(tmp_path_factory, "paged prefill attention, fp8 cache")
+    """The two FP8-cache prefill attention variants the test reads, of ``compile_sm90 --sass``."""
+    return _sass_dir(tmp_path_factory, "paged prefill attention, fp8 cache",
+                     "paged prefill attention, fp8 cache, 64-token blocks", exact=True)
 
 
 def test_fp8_prefill_attention_key_loops(prefill_sass):
