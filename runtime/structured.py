@@ -47,6 +47,21 @@ ANY_JSON_OBJECT = '{"type": "object"}'  # response_format json_object
 MAX_CACHED_GRAMMARS = 512  # compiled grammars kept per engine (least recently used dropped first)
 COMPILE_WORKERS = 2  # threads compiling grammars (llguidance releases the GIL while it compiles)
 
+# The vocabulary's "slices" (llguidance's mask optimization): each token belongs to the first of these regexes it
+# matches, and a slice whose every token the lexer allows at a step is added to the mask whole instead of walked
+# token by token. llguidance's default JSON slices bin string-safe tokens by length 1-10, 11-30 and 31+, so inside a
+# string bounded by maxLength (name: max 16, tag: max 8) a bin applies only while at least 10 characters are left and
+# the trie walk takes ~2-3 ms a mask at a 128k vocabulary. Bins of each length up to 10, then 11-12, 13-14, 15-16,
+# 17-20, 21-30 and 31+, let a mask skip every length that still fits: the same masks (bit for bit on the grammars
+# checked: tests/runtime/test_structured.py), 15-25% less time a mask on one thread for JSON schemas on a 128k
+# byte-level BPE vocabulary (2-core CPU), level for regexes and Lark grammars (whose lexemes contain no slice). On the
+# H200's host, 64 rows on 13 threads, the fill is bound by the threads slowing each other and moved within the spread
+# (docs/BENCHMARKS.md, session 53). RUNTIME_GRAMMAR_SLICES=default restores llguidance's own (A/B runs).
+_STRING_CHAR = r'[^"\\\x00-\x1F\x7F]'  # a character a JSON string holds unescaped (the regex's text)
+_SLICE_LENGTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 20, 30)
+VOCAB_SLICES = ([r"[\x20\x0A\x0D\x09]+"] + [f"{_STRING_CHAR}{{1,{n}}}" for n in _SLICE_LENGTHS]
+                + [f"{_STRING_CHAR}+"])
+
 
 class StructuredOutputError(ValueError):
     """A grammar, schema, regex or choice list that is malformed or uses what llguidance does not support."""
@@ -291,8 +306,9 @@ class GrammarCompiler:
         with self._tokenizer_lock:
             if self._tokenizer is None:
                 try:
+                    slices = None if os.environ.get("RUNTIME_GRAMMAR_SLICES") == "default" else VOCAB_SLICES
                     self._tokenizer = LLTokenizer(self._source.to_json(), n_vocab=self.vocab_size,
-                                                  eos_token=self._source.eos_token_ids)
+                                                  eos_token=self._source.eos_token_ids, slices=slices)
                 except ValueError as e:  # a pre-tokenizer or decoder llguidance cannot map to bytes
                     raise StructuredOutputError(f"this model's tokenizer is not supported (llguidance: {e})") from None
             return self._tokenizer

@@ -16,6 +16,7 @@ import time
 import jsonschema
 import pytest
 import torch
+from llguidance import LLTokenizer
 
 from runtime import Engine, SamplingParams
 from runtime.sampling import SamplingError, TokenBitmask, apply_token_bitmask, sample
@@ -23,7 +24,7 @@ from runtime.scheduler import RequestStatus
 from runtime.serving import ServingConfig, ServingEngine
 from runtime.structured import (GRAMMAR_ERROR_PREFIX, CompiledGrammar, GrammarCompiler, GrammarState,
                                 StructuredOutput, StructuredOutputError, check, fill_bitmasks, first_allowed,
-                                locate_error, mask_threads)
+                                grammar_text, locate_error, mask_threads, new_matcher)
 from runtime.tool_calls import (CALL_OPEN, ToolCallParser, ToolError, format_call, parse_tools, resolve_tool_choice,
                                 tool_grammar)
 
@@ -155,6 +156,35 @@ def test_compiles_are_cached_by_hash(compiler):
     assert compiler.submit(StructuredOutput.json_schema(SCHEMAS["boolean"])) is not a
     with pytest.raises(StructuredOutputError):
         compiler.compile(StructuredOutput("regex", "a(b"))
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput.json_schema(SCHEMAS["flat_object"]),  # a string of at most 10 characters
+    StructuredOutput.json_schema(_obj({"tags": {"type": "array", "items": _str(3), "maxItems": 4}, "note": _str(40),
+                                       "free": {"type": "string"}})),
+    StructuredOutput.json_schema({"type": "object"}),
+    StructuredOutput("regex", "[A-Za-z0-9 ,.]{0,40}"),
+    StructuredOutput("grammar", 'start: item+\nitem: /[a-z_]+/ "(" /[0-9]+/ ")" " "'),
+], ids=["bounded string", "short and long strings", "any object", "regex", "lark"])
+def test_the_runtime_vocabulary_slices_mask_as_llguidance_defaults_do(compiler, spec):
+    """The runtime's length-binned slices (structured.VOCAB_SLICES) only let whole slices skip the trie walk: along
+    random paths of allowed tokens every mask equals the one llguidance's default slices give."""
+    vocab = compiler.vocab_size
+    ours = compiler.tokenizer()
+    default = ours.with_slices(LLTokenizer.general_slices())
+    text = grammar_text(spec)
+    words = compiler.num_words
+    gen = random.Random(7)
+    for _ in range(6):
+        a, b = new_matcher(ours, text), new_matcher(default, text)
+        for _ in range(40):
+            if a.is_stopped():
+                break
+            mask_a, mask_b = fill_bitmasks([GrammarState(a)], words), fill_bitmasks([GrammarState(b)], words)
+            assert torch.equal(mask_a, mask_b)
+            allowed = [t for t in range(vocab) if (int(mask_a[0, t // 32]) >> (t % 32)) & 1]
+            token = gen.choice(allowed)
+            assert a.consume_token(token) and b.consume_token(token)
 
 
 def test_a_grammar_spreads_its_requests_over_several_matchers(engine):
