@@ -18,8 +18,8 @@ How it differs from ``w4a16_frag.frag_gemm`` (the first GEMM on this layout, whi
   positions) from the words by ``tl.join`` (new dimensions are a thread's registers), ``tl.permute`` and
   ``tl.reshape``, and the weights are the first operand (``swap``: y.T = w @ x.T, wgmma's register-A form, no
   shared-memory round trip); x is permuted once per call into ``mma_order``. Each nibble is ORed in place into the
-  mantissa of 2^23 (:func:`_nibbles`): no shifts, no int-to-float conversions. ``packed`` (sm_90 with bf16 x, the runtime's
-  default there: 9-15% faster on the H200) does the same in bf16x2 arithmetic by inline PTX.
+  mantissa of 2^23 (:func:`_nibbles`): no shifts, no int-to-float conversions. ``packed`` (sm_90 with bf16 x, the
+  runtime's default there: 9-15% faster on the H200) does the same in bf16x2 arithmetic by inline PTX.
 - **The first version, kept for comparison** (``mma_order`` off): the nibbles at shifts 0, 8, 4, 12 of each
   half-word (four consecutive input features), rows in the order ``16 t + 2 g + h``, columns as :func:`x_order`, x
   read in that order (``X_GATHER``: column indices in the kernel) or permuted before the launch; the tile goes
