@@ -67,7 +67,7 @@ PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many 
 # 128 rows (frag_gemm 168, dequantized 156) and 152 at 256 (dequantized 178), down 80 at 128 (98, 85; but 122 vs 93
 # at 256), not the 8B shape's qkv / o_proj (under 2^25 weights: the dequantization is cheaper there) nor
 # prefill-sized steps (cuBLAS's bf16 GEMM runs at ~2x its MMA rate). Not measured: larger models' qkv / o_proj (70B:
-# over 2^25 weights, so up to 128 rows here), the lm_head, 8-bit codes (they keep the paths before), GPUs before sm_90.
+# over 2^25 weights, so up to 128 rows here), the lm_head, GPUs before sm_90. 8-bit codes: MM_BITS8 below.
 MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "256"))
 MM_MIN_WEIGHTS = 1 << 25
 MM_WIDE = 16384
@@ -77,10 +77,17 @@ MM_WIDE = 16384
 MM_PACKED = os.environ.get("KERNELS_FRAG_MM_PACKED", "1") != "0"
 
 
+# 8-bit codes (int8 weight-only) take the same rule: in the MMA's order they beat the dequantized weight on cuBLAS for
+# the 8B shape's gate_up at 65-256 rows (85.1 / 88.1 / 148.0 us against 172.8 / 175.9 / 196.5) and down at 65-128
+# (70.2 / 76.3 against 90.7 / 94.5), not qkv (H200, session 53). KERNELS_FRAG_MM_BITS8=0: the paths before (A/B runs).
+MM_BITS8 = os.environ.get("KERNELS_FRAG_MM_BITS8", "1") != "0"
+
+
 def preferred(num_rows: int, out_features: int, in_features: int, bits: int = 4) -> bool:
     """Whether the runtime runs :func:`frag_mm` for a frag linear of this shape past the GEMV's rows (shapes only)."""
     limit = MM_RUNTIME_MAX_ROWS if out_features >= MM_WIDE else min(MM_RUNTIME_MAX_ROWS, 128)
-    return bits == 4 and num_rows <= limit and out_features * in_features >= MM_MIN_WEIGHTS
+    return ((bits == 4 or (bits == 8 and MM_BITS8)) and num_rows <= limit
+            and out_features * in_features >= MM_MIN_WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -105,12 +112,15 @@ class MmConfig:
 
 def default_config(num_rows: int, out_features: int, bits: int = 4,
                    capability: tuple[int, int] = (9, 0)) -> MmConfig:
-    """The H200 sweep's best (``python -m kernels.bench.gemm --frag-mm``, session 50): 4 bits, the code tile in the
-    MMA's order as its register operand; past 128 rows on wide weights 128 features x 256 rows on 8 warps, else 64
-    features x 128 rows on 4 warps. 8 bits: 64 x 128 on 4 warps (not swept). Below sm_90 the 256-row tile is not
+    """The H200 sweeps' best (``python -m kernels.bench.gemm --frag-mm [--bits 8]``, sessions 50 and 53), the code
+    tile in the MMA's order as its register operand. 4 bits: past 128 rows on wide weights 128 features x 256 rows on
+    8 warps, else 64 features x 128 rows on 4 warps. 8 bits: the same past 128 rows on wide weights, 128 features x
+    128 rows on 8 warps up to 128 rows on them, 64 x 128 on 4 warps on the others. Below sm_90 the 256-row tile is not
     used: its three stages of x need ~181 KB of shared memory there (more than an A100's 163 KB, an sm_86/89's 99)."""
-    if bits == 8:
-        return MmConfig(block_m=64, tiles_n=8, num_warps=4)
+    if bits == 8 and not (num_rows > 128 and out_features >= 16384 and tuple(capability) >= (9, 0)):
+        if out_features >= 16384:
+            return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
+        return MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True)
     if num_rows > 128 and out_features >= 16384 and tuple(capability) >= (9, 0):
         return MmConfig(block_m=256, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True,
                         packed=MM_PACKED)

@@ -105,8 +105,8 @@ def test_frag_mm_on_cuda(m, n, k, group_size, bits):
 
 
 def test_the_runtime_takes_it_for_large_weights_at_decode_sized_steps():
-    """Shapes only: the 8B shape's gate_up up to MM_RUNTIME_MAX_ROWS rows and down up to 128; qkv / o_proj,
-    prefill-sized steps and 8-bit codes keep the paths before (session 50's H200 table)."""
+    """Shapes only: the 8B shape's gate_up up to MM_RUNTIME_MAX_ROWS rows and down up to 128, 4-bit and 8-bit codes
+    alike; qkv / o_proj and prefill-sized steps keep the paths before (sessions 50 and 53's H200 tables)."""
     from kernels import frag_mm as module
 
     limit = module.MM_RUNTIME_MAX_ROWS
@@ -116,7 +116,10 @@ def test_the_runtime_takes_it_for_large_weights_at_decode_sized_steps():
     assert module.preferred(128, 4096, 14336) and not module.preferred(129, 4096, 14336)
     assert not module.preferred(128, 6144, 4096) and not module.preferred(128, 4096, 4096)
     assert not module.preferred(limit + 1, 28672, 4096)
-    assert not module.preferred(128, 28672, 4096, bits=8)
+    if module.MM_BITS8:
+        assert module.preferred(128, 28672, 4096, bits=8) and module.preferred(128, 4096, 14336, bits=8)
+        assert not module.preferred(129, 4096, 14336, bits=8) and not module.preferred(128, 6144, 4096, bits=8)
+    assert not module.preferred(128, 28672, 4096, bits=3)
 
 
 @triton.jit
@@ -187,22 +190,23 @@ def test_frag_mm_fp16_in_mma_order(group_size):
         torch.testing.assert_close(y.float(), ref, rtol=2**-9, atol=1e-3)
 
 
-def _routed_linear(n: int, k: int, group_size: int, swiglu: bool, seed: int, device: str):
-    """The executor's weight-only linear (runtime.executor._kernel_weight_only_linear) on random 4-bit weights, with
-    its fp32 reference: x @ dequantized weights + bias (each weight rounded to bf16 in groups), SwiGLU'd for a merged
-    gate/up."""
+def _routed_linear(n: int, k: int, group_size: int, swiglu: bool, seed: int, device: str, bits: int = 4):
+    """The executor's weight-only linear (runtime.executor._kernel_weight_only_linear) on random 4- or 8-bit weights,
+    with its fp32 reference: x @ dequantized weights + bias (each weight rounded to bf16 in groups), SwiGLU'd for a
+    merged gate/up."""
     from passes.quant_math import pack_int4
     from runtime.executor import _kernel_weight_only_linear
 
     g = torch.Generator().manual_seed(seed)
     groups = 1 if group_size == -1 else k // group_size
-    codes = torch.randint(0, 16, (n, k), generator=g).to(torch.uint8)
-    zeros = torch.randint(0, 16, (n, groups), generator=g).to(torch.uint8)
-    scales = (torch.rand(n, groups, generator=g) - 0.5) * 0.04
+    levels = 1 << bits
+    codes = torch.randint(0, levels, (n, k), generator=g).to(torch.uint8)
+    zeros = torch.randint(0, levels, (n, groups), generator=g).to(torch.uint8)
+    scales = (torch.rand(n, groups, generator=g) - 0.5) * 0.04 * 16 / levels
     bias = (torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
-    w = {"qweight": pack_int4(codes).to(device), "scales": scales.to(device), "zeros": zeros.to(device),
-         "bias": bias.to(device)}
-    linear = _kernel_weight_only_linear(w, {"bits": 4, "group_size": group_size}, swiglu_out=swiglu)
+    w = {"qweight": (pack_int4(codes) if bits == 4 else codes).to(device), "scales": scales.to(device),
+         "zeros": zeros.to(device), "bias": bias.to(device)}
+    linear = _kernel_weight_only_linear(w, {"bits": bits, "group_size": group_size}, swiglu_out=swiglu)
     wd = ((codes.float().reshape(n, groups, -1) - zeros.float()[:, :, None]) * scales[:, :, None]).reshape(n, k)
     if group_size != -1:
         wd = wd.to(torch.bfloat16).float()
@@ -215,8 +219,8 @@ def _routed_linear(n: int, k: int, group_size: int, swiglu: bool, seed: int, dev
 
 
 @interpreter
-@pytest.mark.parametrize("swiglu,group_size", [(False, 128), (True, 128), (False, -1)])
-def test_the_executor_routes_frag_linears_to_it(monkeypatch, swiglu, group_size):
+@pytest.mark.parametrize("swiglu,group_size,bits", [(False, 128, 4), (True, 128, 4), (False, -1, 4), (True, -1, 8)])
+def test_the_executor_routes_frag_linears_to_it(monkeypatch, swiglu, group_size, bits):
     """The executor's frag path past the GEMV's rows, under the interpreter with the frag layout forced on and the
     size threshold lowered: frag_mm runs (a spy counts it) and gives the reference, a merged gate/up in its gate_up
     order included; past the row limit the dequantized path runs instead, with the same result."""
@@ -225,11 +229,12 @@ def test_the_executor_routes_frag_linears_to_it(monkeypatch, swiglu, group_size)
 
     monkeypatch.setattr(w4a16_frag, "runtime_layout", lambda *args: True)
     monkeypatch.setattr(module, "MM_MIN_WEIGHTS", 0)
+    monkeypatch.setattr(module, "MM_BITS8", True)
     monkeypatch.setattr(module, "MM_RUNTIME_MAX_ROWS", 80)
     calls = []
     real = module.frag_mm
     monkeypatch.setattr(module, "frag_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    linear, reference = _routed_linear(64, 256, group_size, swiglu, seed=7, device="cpu")
+    linear, reference = _routed_linear(64, 256, group_size, swiglu, seed=7, device="cpu", bits=bits)
     g = torch.Generator().manual_seed(8)
     for rows, routed in ((70, True), (90, False)):
         calls.clear()
