@@ -19,7 +19,7 @@ How it differs from ``w4a16_frag.frag_gemm`` (the first GEMM on this layout, whi
   ``tl.reshape``, and the weights are the first operand (``swap``: y.T = w @ x.T, wgmma's register-A form, no
   shared-memory round trip); x is permuted once per call into ``mma_order``. Each nibble is ORed in place into the
   mantissa of 2^23 (:func:`_nibbles`): no shifts, no int-to-float conversions. ``packed`` (sm_90 with bf16 x, the
-  runtime's default there: 9-15% faster on the H200) does the same in bf16x2 arithmetic by inline PTX.
+  runtime's default there: 7-17% less time per call on the H200) does the same in bf16x2 arithmetic by inline PTX.
 - **The first version, kept for comparison** (``mma_order`` off): the nibbles at shifts 0, 8, 4, 12 of each
   half-word (four consecutive input features), rows in the order ``16 t + 2 g + h``, columns as :func:`x_order`, x
   read in that order (``X_GATHER``: column indices in the kernel) or permuted before the launch; the tile goes
@@ -72,7 +72,7 @@ MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "256"))
 MM_MIN_WEIGHTS = 1 << 25
 MM_WIDE = 16384
 # The runtime's 4-bit configurations take MmConfig.packed (the dequantization in bf16x2 arithmetic; sm_90, bf16 x):
-# 9-15% faster at every 8B shape and tiling swept at 128 and 256 rows on the H200 (session 53: gate_up at 128 rows
+# 7-17% less time at every 8B shape and tiling swept at 128 and 256 rows on the H200 (session 53: gate_up at 128 rows
 # 108.8 -> 96.1 us, down 80.0 -> 69.5). KERNELS_FRAG_MM_PACKED=0 restores the fp32 dequantization (A/B runs).
 MM_PACKED = os.environ.get("KERNELS_FRAG_MM_PACKED", "1") != "0"
 
