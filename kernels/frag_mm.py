@@ -75,8 +75,6 @@ MM_WIDE = 16384
 # 7-17% less time at every 8B shape and tiling swept at 128 and 256 rows on the H200 (session 53: gate_up at 128 rows
 # 108.8 -> 96.1 us, down 80.0 -> 69.5). KERNELS_FRAG_MM_PACKED=0 restores the fp32 dequantization (A/B runs).
 MM_PACKED = os.environ.get("KERNELS_FRAG_MM_PACKED", "1") != "0"
-
-
 # 8-bit codes (int8 weight-only) take the same rule: in the MMA's order they beat the dequantized weight on cuBLAS for
 # the 8B shape's gate_up at 65-256 rows (85.1 / 88.1 / 148.0 us against 172.8 / 175.9 / 196.5) and down at 65-128
 # (70.2 / 76.3 against 90.7 / 94.5), not qkv (H200, session 53). KERNELS_FRAG_MM_BITS8=0: the paths before (A/B runs).
@@ -117,13 +115,12 @@ def default_config(num_rows: int, out_features: int, bits: int = 4,
     8 warps, else 64 features x 128 rows on 4 warps. 8 bits: the same past 128 rows on wide weights, 128 features x
     128 rows on 8 warps up to 128 rows on them, 64 x 128 on 4 warps on the others. Below sm_90 the 256-row tile is not
     used: its three stages of x need ~181 KB of shared memory there (more than an A100's 163 KB, an sm_86/89's 99)."""
-    if bits == 8 and not (num_rows > 128 and out_features >= 16384 and tuple(capability) >= (9, 0)):
-        if out_features >= 16384:
-            return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
-        return MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True)
-    if num_rows > 128 and out_features >= 16384 and tuple(capability) >= (9, 0):
+    wide = out_features >= MM_WIDE
+    if num_rows > 128 and wide and tuple(capability) >= (9, 0):
         return MmConfig(block_m=256, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True,
                         packed=MM_PACKED)
+    if bits == 8 and wide:
+        return MmConfig(block_m=128, tiles_n=8, num_warps=8, num_stages=3, swap=True, mma_order=True)
     return MmConfig(block_m=128, tiles_n=4, num_warps=4, num_stages=3, swap=True, mma_order=True, packed=MM_PACKED)
 
 
