@@ -547,6 +547,7 @@ class TPExecutor:
         self._workers = workers or []  # spawned processes (ranks 1..); empty under torchrun
         self._store = store  # the rendezvous store the process group uses: kept alive with it
         self._lock = threading.Lock()  # one step (or heartbeat) on the group at a time
+        self._fail_lock = threading.Lock()  # the first failure is logged before any thread can see it
         self._cache_ids = itertools.count()
         self._caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # SequenceKV -> id on the workers
         self._freed: deque[int] = deque()
@@ -633,10 +634,12 @@ class TPExecutor:
 
     # --- failure and shutdown --------------------------------------------------------------------
     def _fail(self, reason: str) -> WorkerFailure:
-        if self.failure is None:
-            self.failure = WorkerFailure(f"tensor-parallel engine failed: {reason}; restart it")
-            log.error("%s", self.failure)
-        return self.failure
+        with self._fail_lock:
+            if self.failure is None:
+                failure = WorkerFailure(f"tensor-parallel engine failed: {reason}; restart it")
+                log.error("%s", failure)
+                self.failure = failure
+            return self.failure
 
     def _dead_workers(self) -> str:
         """Which spawned workers have exited, and how ('' if none): the cause behind a failed collective."""
