@@ -1,5 +1,5 @@
-"""Integer weight quantization: the project's one convention, shared by GPTQ and AWQ (int8_wo rounds on amax / 127.5
-instead: ``passes.int8_wo.int8_channels``).
+"""Integer weight quantization: the project's one convention, shared by GPTQ and AWQ (int8_wo's symmetric rule is the
+same, in ``passes.int8_wo.int8_channels``, which also reads older artifacts' per-channel choice of divisors).
 
 Weights are ``[out, in]``; they are quantized per (output row, group of ``group_size`` consecutive
 input columns). ``group_size = -1`` means one group over the whole input dimension (per output
@@ -17,8 +17,8 @@ Symmetric b-bit (``symmetric=True``), over each group (amax = max|w|):
 
     INT4: scale = amax / 7.5         the whole code range -8 .. 7 (GPTQ's reference and compressed-tensors' grid):
                                      -amax is exactly -8, +amax rounds to 8 and is clamped to 7
-    INT8: scale = amax / 127         (NOT amax / 127.5: +-amax are exactly representable; int8_wo takes amax /
-                                     127.5: docs/QUANTIZATION_COMPARISON.md, session 30)
+    INT8: scale = amax / 127.5       the whole code range -128 .. 127 likewise (int8_wo's rule and compressed-tensors'
+                                     grid): -amax is exactly -128, +amax rounds to 128 and is clamped to 127
     zero  = 2^(b-1)                  fixed: 8 for INT4, 128 for INT8 (codes are stored unsigned)
     q     = clamp(round(w / scale) + zero, 0, 2^b - 1)
     w_hat = (q - zero) * scale
@@ -28,6 +28,9 @@ INT4 was amax / 7 (codes -7 .. 7) until session 26. amax / 7.5 rounds worse on i
 gains from the finer grid: GPTQ with act-order 7.36e-5 -> 6.44e-5 and 9.66e-3 -> 8.44e-3, GPTQ without it
 6.26e-5 -> 6.07e-5 and 1.01e-2 -> 8.57e-3, AWQ 1.90e-4 -> 1.63e-4 (pydoc-qwen3, then the bundled model; g64,
 ``builder.bench.quantizers``; docs/QUANTIZATION_COMPARISON.md).
+INT8 was amax / 127 until session 54: GPTQ at 8 bits per channel on the finer grid, mean KL 2.890e-7 -> 2.460e-7 on
+pydoc-qwen3 and 4.584e-5 -> 4.544e-5 on the bundled model (docs/QUANTIZATION_COMPARISON.md, session 54), as
+round to nearest alone had shown for int8_wo (session 30).
 
 Both store the w4a16 / w8a16 layout of ``passes/README.md``: codes uint8 ``[out, in]`` (INT4 packed
 two per byte by :func:`pack_int4`, low nibble = even input index), ``scales`` fp32
@@ -96,7 +99,7 @@ def compute_qparams(w: Tensor, cfg: QuantConfig) -> tuple[Tensor, Tensor]:
     maxq = 2 ** cfg.bits - 1
     if cfg.symmetric:
         amax = w.abs().amax(dim=1, keepdim=True)
-        scale = amax / (7.5 if cfg.bits == 4 else 2 ** (cfg.bits - 1) - 1)  # module docstring
+        scale = amax / (2 ** (cfg.bits - 1) - 0.5)  # 7.5 or 127.5: the module docstring
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         zero = torch.full_like(scale, float(2 ** (cfg.bits - 1)))
     else:
