@@ -4,7 +4,8 @@ Codes are stored unsigned with the fixed zero point 128 (the w8a16 layout shared
 w = (q - 128) * scale, q - 128 in [-128, 127]. Each channel's scale is amax / 127.5 (``SCALE_DIVISORS``): the whole
 code range, -amax exactly -128, +amax rounding to 128 and clamped to 127; a 0.4% finer grid than amax / 127 (+-amax
 exact over [-127, 127]). It is also llm-compressor's rule, and since session 54 the project's symmetric 8-bit
-convention for GPTQ too (``passes.quant_math``). Measured on both trained fixtures (docs/QUANTIZATION_COMPARISON.md, session 30): level with that peer on both,
+convention for GPTQ too (``passes.quant_math``). Measured on both trained fixtures (docs/QUANTIZATION_COMPARISON.md,
+session 30): level with that peer on both,
 1.03x ModelOpt's amax / 127 on the bundled model (which amax / 127 loses on pydoc-qwen3 by 1.48x); each channel
 taking the better of the two by weight error (the default of sessions 23-29, still read from older artifacts'
 ``scale_divisors``) was 1.19x the best peer on pydoc-qwen3.
