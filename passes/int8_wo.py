@@ -5,10 +5,10 @@ w = (q - 128) * scale, q - 128 in [-128, 127]. Each channel's scale is amax / 12
 code range, -amax exactly -128, +amax rounding to 128 and clamped to 127; a 0.4% finer grid than amax / 127 (+-amax
 exact over [-127, 127]). It is also llm-compressor's rule, and since session 54 the project's symmetric 8-bit
 convention for GPTQ too (``passes.quant_math``). Measured on both trained fixtures (docs/QUANTIZATION_COMPARISON.md,
-session 30): level with that peer on both,
-1.03x ModelOpt's amax / 127 on the bundled model (which amax / 127 loses on pydoc-qwen3 by 1.48x); each channel
-taking the better of the two by weight error (the default of sessions 23-29, still read from older artifacts'
-``scale_divisors``) was 1.19x the best peer on pydoc-qwen3.
+session 30): level with that peer on both, 1.03x ModelOpt's amax / 127 on the bundled model (which amax / 127 loses
+on pydoc-qwen3 by 1.48x); each channel taking the better of the two by weight error (the default of sessions 23-29,
+still read from older artifacts' ``scale_divisors``) was 1.19x the best peer on pydoc-qwen3, and the finest grid that
+clips nothing, max(-min / 128, max / 127), lost on pydoc-qwen3 too (session 54).
 Activations stay in the model dtype; no calibration is needed: the build reads no calibration text and the
 per-layer output error is measured on random inputs (``QuantMethod._probe_errors``).
 
