@@ -18,7 +18,8 @@ Symmetric b-bit (``symmetric=True``), over each group (amax = max|w|):
     INT4: scale = amax / 7.5         the whole code range -8 .. 7 (GPTQ's reference and compressed-tensors' grid):
                                      -amax is exactly -8, +amax rounds to 8 and is clamped to 7
     INT8: scale = amax / 127.5       the whole code range -128 .. 127 likewise (int8_wo's rule and compressed-tensors'
-                                     grid): -amax is exactly -128, +amax rounds to 128 and is clamped to 127
+                                     grid): +-amax / scale is +-127.5 up to fp32 rounding, so -amax takes -128 or
+                                     -127 and +amax 127 (clamped from 128, or rounded there)
     zero  = 2^(b-1)                  fixed: 8 for INT4, 128 for INT8 (codes are stored unsigned)
     q     = clamp(round(w / scale) + zero, 0, 2^b - 1)
     w_hat = (q - zero) * scale
