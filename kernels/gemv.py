@@ -85,6 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import pdl
 from kernels.activation import silu_mul_values
 from kernels.pdl import LINE, pdl_args, prefetch_l2_rows, prefetch_rows_plan, wait_prior
 from kernels.w4a16_gemm import (
@@ -948,7 +949,8 @@ def w8a8_gemv(x: torch.Tensor | QuantizedRows, qweight: torch.Tensor, weight_sca
     # the per-token max's K step: up to 32 elements per thread and row of x
     amax_block = min(triton.next_power_of_2(k),
                      max(cfg.block_k, 1024 * cfg.num_warps // triton.next_power_of_2(num_rows)))
-    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, cfg.block_k)
+    span = plan.steps_per_split * cfg.block_k if pdl.range_applies(qweight.numel()) else 0
+    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, cfg.block_k, span)
     _w8a8_gemv_kernel[plan.grid](
         x2, qweight, ws, xs, bias if bias is not None else y, y, plan.part, plan.counters,
         n, k, plan.steps_per_split, x2.stride(0), qweight.stride(0),
@@ -1009,7 +1011,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     vec = min(cfg.block_k, 16 // elem)  # one 16-byte vector load per thread and row
     plan = _split_plan(y, triton.cdiv(k, cfg.block_k), cfg, torch.float32)
     elems_per_line = LINE // elem
-    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, cfg.block_k * elem)
+    span = plan.steps_per_split * cfg.block_k * elem if pdl.range_applies(weight.numel() * elem) else 0
+    prefetch_rows, lines_per_row = prefetch_rows_plan(cfg.block_n, cfg.block_k * elem, span)
     _dense_gemv_kernel[plan.grid](
         x2, weight, bias if bias is not None else y, y, plan.part, plan.counters,
         n, k, plan.steps_per_split, x2.stride(0), weight.stride(0),

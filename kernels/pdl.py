@@ -45,6 +45,33 @@ _KB = os.environ.get("KERNELS_PREFETCH_KB", "32")
 if not _KB.isdigit():
     raise ValueError(f"KERNELS_PREFETCH_KB={_KB!r} is not a whole number of kilobytes (e.g. 32)")
 MAX_PREFETCH_LINES = 1 << (max(int(_KB) * 1024 // LINE, 1).bit_length() - 1)
+# Range prefetch: a GEMV program asks the L2 before the wait for its whole K range (every step's weights, up to a
+# budget per program, rounded down to a power of 2 of lines per row), not only its first step's tile, so that a
+# linear behind a kernel that leaves the HBM idle (the attention) streams its weights during it. Measured on the
+# H200 at batch 1 (docs/BENCHMARKS.md, session 55): the int4 o_proj (8.4 MB, behind the attention) gains (AWQ decode
+# 452.4 -> 458.5 / 459.3 tok/s), but every larger linear loses (int4 with every linear: 399; bf16 with o_proj,
+# 33.5 MB: 243.9 -> 241.0; with qkv too: 234.3; int8 weight-only's o_proj, 16.8 MB: 353.9 -> 351.9). Likely (not
+# measured apart) its programs stay in the prefetch's issue loop while the bytes arrive at the HBM's rate, and a
+# linear behind another one only adds requests to that one's stream. So a shape table entry turns it on
+# (``kernels.w4a16_frag``: FragConfig.prefetch_range), at RANGE_DEFAULT_KB per program.
+RANGE_DEFAULT_KB = 128
+# KERNELS_PREFETCH_RANGE_KB (A/B runs; default 0): every GEMV (frag, dense, W8A8) prefetches its range, with this
+# budget per program (also the budget of the table's entries when set); KERNELS_PREFETCH_RANGE_MAX_MB (default 0: no
+# limit) keeps that to linears of at most this many MB of weights
+_RANGE_KB = os.environ.get("KERNELS_PREFETCH_RANGE_KB", "0")
+if not _RANGE_KB.isdigit():
+    raise ValueError(f"KERNELS_PREFETCH_RANGE_KB={_RANGE_KB!r} is not a whole number of kilobytes (e.g. 256)")
+RANGE_LINES = int(_RANGE_KB) * 1024 // LINE if PREFETCH else 0
+_RANGE_MAX_MB = os.environ.get("KERNELS_PREFETCH_RANGE_MAX_MB", "0")
+if not _RANGE_MAX_MB.isdigit():
+    raise ValueError(f"KERNELS_PREFETCH_RANGE_MAX_MB={_RANGE_MAX_MB!r} is not a whole number of megabytes (e.g. 16)")
+RANGE_MAX_BYTES = int(_RANGE_MAX_MB) << 20
+
+
+def range_applies(weight_bytes: int) -> bool:
+    """Whether KERNELS_PREFETCH_RANGE_KB asks a linear of ``weight_bytes`` bytes of weights to prefetch its programs'
+    whole ranges."""
+    return bool(RANGE_LINES) and (not RANGE_MAX_BYTES or weight_bytes <= RANGE_MAX_BYTES)
 
 
 @functools.cache
@@ -113,8 +140,30 @@ def prefetch_l2_rows(base, row_stride, num_rows, row_elems, ROWS: tl.constexpr, 
     _prefetch(base + rows[:, None] * row_stride + cols[None, :])
 
 
-def prefetch_rows_plan(block_rows: int, row_bytes: int) -> tuple[int, int]:
+def prefetch_rows_plan(block_rows: int, row_bytes: int, range_bytes: int = 0) -> tuple[int, int]:
     """(ROWS, LINES_PER_ROW) for :func:`prefetch_l2_rows` over a program's first [block_rows, row_bytes] tile: whole
-    rows' lines, at most MAX_PREFETCH_LINES in all; ROWS 0 (nothing asked) when KERNELS_PREFETCH=0."""
+    rows' lines, at most MAX_PREFETCH_LINES in all; ROWS 0 (nothing asked) when KERNELS_PREFETCH=0. With
+    KERNELS_PREFETCH_RANGE_KB and ``range_bytes`` (the bytes of each row the program reads over all its K steps):
+    all ``block_rows`` rows, as many lines of each as that budget allows (at least the first tile's)."""
     lines_per_row = max(1, min(triton.next_power_of_2(max(row_bytes // LINE, 1)), MAX_PREFETCH_LINES))
-    return (min(block_rows, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0), lines_per_row
+    rows = (min(block_rows, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0)
+    if RANGE_LINES and range_bytes > row_bytes and rows:
+        budget = _floor_pow2(max(RANGE_LINES // block_rows, 1))
+        wide = min(triton.next_power_of_2(triton.cdiv(range_bytes, LINE)), budget)
+        if block_rows * wide > rows * lines_per_row:
+            return block_rows, wide
+    return rows, lines_per_row
+
+
+def range_lines(row_bytes: int, rows: int, asked: bool = False) -> int:
+    """LINES_PER_ROW for :func:`prefetch_l2_rows` over ``rows`` rows of ``row_bytes`` bytes a program reads: the
+    power of 2 that covers them, within the budget over all rows (KERNELS_PREFETCH_RANGE_KB, else RANGE_DEFAULT_KB
+    where a shape table's entry ``asked`` for it); 0 when neither asks or KERNELS_PREFETCH=0."""
+    budget = RANGE_LINES or (RANGE_DEFAULT_KB * 1024 // LINE if asked and PREFETCH else 0)
+    if not budget or row_bytes <= 0:
+        return 0
+    return min(triton.next_power_of_2(triton.cdiv(row_bytes, LINE)), _floor_pow2(max(budget // rows, 1)))
+
+
+def _floor_pow2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)

@@ -63,7 +63,7 @@ import triton.language as tl
 from kernels import pdl
 from kernels.activation import silu_mul_values
 from kernels.gemv import _num_sms, _tile_counters, shape_config
-from kernels.pdl import wait_prior
+from kernels.pdl import prefetch_l2_rows, wait_prior
 from kernels.torch_quant import unpack_int4
 from kernels.w4a16_gemm import _check_device, _interpreting
 
@@ -102,6 +102,9 @@ class FragConfig:
     warps: int = 4  # warps (32 output features each) per program
     split_k: int = 0  # programs sharing a tile's K range; 0 = about _PROGRAMS_PER_SM programs per SM
     depth: int = 2  # K iterations (1 KB of weights per warp each) loaded ahead of the MMAs: 1 to 4
+    # with PDL: the program's whole range of codes, scales and zeros asked of the L2 before the wait (kernels.pdl,
+    # "Range prefetch"), not only the first ``depth`` iterations loaded into registers
+    prefetch_range: bool = False
 
 
 def supports(bits: int, group_size: int, in_features: int, out_features: int) -> bool:
@@ -877,7 +880,7 @@ def _w4a16_frag_kernel(
     SPLIT_K: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, WARPS: tl.constexpr,
     BATCH_TILES: tl.constexpr, DEPTH: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr,
     NORM: tl.constexpr, NBX: tl.constexpr, RESIDUAL: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-    LOADS_ONLY: tl.constexpr,
+    LOADS_ONLY: tl.constexpr, RANGE_LINES: tl.constexpr, S_ROWS: tl.constexpr,
 ):
     # grid (N / (32 WARPS), SPLIT_K); warp w of program p works on tiles 2 (p WARPS + w) and the next. A K
     # iteration is 1 KB of codes per warp: 128 input features of 4-bit codes, 64 of 8-bit ones. GATED: the
@@ -896,6 +899,12 @@ def _w4a16_frag_kernel(
     last = first + num_iters - 1
     tile_bytes = lanes + 2 * BITS * K  # 16 rows of K BITS / 8 bytes
     w_base = qw_ptr + col0 * (K * BITS // 8)
+    if PDL and RANGE_LINES > 0:  # constants: the program's whole range of codes (and its groups) asked of the L2
+        prefetch_l2_rows(w_base + first * 1024, 2 * BITS * K, 2 * WARPS, num_iters * 1024, 2 * WARPS, RANGE_LINES,
+                         128)
+        if not ONE_GROUP:
+            prefetch_l2_rows(s_ptr + first * N + col0, N, num_iters, 32 * WARPS, S_ROWS, WARPS, 32)
+            prefetch_l2_rows(z_ptr + first * N + col0, N, num_iters, 32 * WARPS, S_ROWS, (WARPS + 3) // 4, 128)
     # the codes of the first DEPTH iterations, and (groups of 128) their scales and zeros: constants, loaded before
     # the wait, and in the loop DEPTH iterations ahead alike (groups one ahead would chain each iteration to an HBM
     # round trip whatever the codes' depth)
@@ -1044,6 +1053,8 @@ if _LATE_TRIGGER not in ("0", "all", "residual", "norm"):
 # 22.1 -> 19.6 us (split 4) and the other shapes within 0.5 us; with gate_up's entry the AWQ batch-1 decode measured
 # 454.2 against 455.3 without it, so 4-bit has none (the sweep timed the plain launch; the runtime's gate_up forms the
 # SwiGLU and reads a pending norm, not swept).
+# 4-bit o_proj: the rows' table's configuration with its range prefetched during the attention before it (session 55:
+# AWQ batch 1 452.4 / 452.4 -> 458.5 / 459.3 tok/s, two rounds, same artifact and call; qkv too: 457.6 / 457.5).
 # At 16 rows the auto split is as fast or faster for most shapes; shapes not listed take the rows' table.
 # KERNELS_SHAPE_CONFIGS=0 leaves the table out (A/B runs; ``kernels.gemv.SHAPE_CONFIGS``).
 SHAPE_CONFIG_MAX_ROWS = 8
@@ -1053,6 +1064,7 @@ _SHAPE_CONFIGS: dict[str, dict[tuple[int, int, int], FragConfig]] = {
         (8, 4096, 4096): FragConfig(warps=8, split_k=16, depth=1),
         (8, 28672, 4096): FragConfig(warps=4, split_k=4, depth=1),
         (8, 4096, 14336): FragConfig(warps=8, split_k=16, depth=1),
+        (4, 4096, 4096): FragConfig(warps=4, split_k=0, depth=1, prefetch_range=True),
     },
 }
 
@@ -1193,6 +1205,10 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
     res, ss = residual if residual is not None else (y, part)
     if residual is not None and ss.shape[1] != num_programs:
         raise ValueError(f"row_ss has {ss.shape[1]} parts, this launch {num_programs} programs")
+    launch = pdl.pdl_args(x2)
+    # KERNELS_PREFETCH_RANGE_KB: each of the program's 2 x warps tiles reads iters_per_split KB of codes
+    range_lines = (pdl.range_lines(iters_per_split * 1024, 2 * warps, cfg.prefetch_range)
+                   if launch["PDL"] and (cfg.prefetch_range or pdl.range_applies(w.qweight.numel())) else 0)
     _w4a16_frag_kernel[(num_programs, split_k)](
         x2, w.qweight, w.scales, w.zeros, bias if bias is not None else y, y, part, counters, gain, xss, res, ss,
         num_rows, n, w.in_features, x2.stride(0), iters_per_split, eps,
@@ -1202,7 +1218,7 @@ def _launch(x2: torch.Tensor, w: _FragWeights, bias: torch.Tensor | None, y: tor
         LATE_TRIGGER=_LATE_TRIGGER == "all" or (_LATE_TRIGGER == "residual" and residual is not None)
         or (_LATE_TRIGGER == "norm" and norm is not None),
         LOADS_ONLY=_BENCH_LOADS_ONLY and w.bits == 4 and batch_tiles == 1, num_warps=warps,
-        **pdl.pdl_args(x2))
+        RANGE_LINES=range_lines, S_ROWS=triton.next_power_of_2(iters_per_split) if range_lines else 1, **launch)
 
 
 # --- a tensor-core GEMM on the same layout (more rows of x: prefill, batched decode) -------------------------

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemv import _num_sms, _tile_counters
-from kernels.pdl import pdl_args, prefetch_l2_rows, prefetch_rows_plan, wait_prior
+from kernels.pdl import pdl_args, prefetch_l2_rows, prefetch_rows_plan, range_applies, wait_prior
 from kernels.w4a16_gemm import _interpreting
 
 W_DTYPES = (torch.int8, torch.float8_e4m3fn)
@@ -260,7 +260,8 @@ def w8a8_rows_linear(codes: torch.Tensor, x_scale: torch.Tensor, qweight: torch.
     else:
         part = counters = y
     pdl = pdl_args(y)
-    rows, lines = prefetch_rows_plan(cfg.block_n, cfg.block_k) if pdl["PDL"] else (0, 1)
+    span = steps_per_split * cfg.block_k if range_applies(qweight.numel()) else 0
+    rows, lines = prefetch_rows_plan(cfg.block_n, cfg.block_k, span) if pdl["PDL"] else (0, 1)
     _w8a8_rows_kernel[(tiles_n, tiles_m, split)](
         x2, xs, qweight, ws, bias if bias is not None else y, y, part, counters,
         num_rows, n, k, steps_per_split, x2.stride(0), qweight.stride(0), y.stride(0),

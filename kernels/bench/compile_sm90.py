@@ -199,7 +199,8 @@ def _frag() -> list[tuple[str, object]]:
              "ss_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "iters_per_split": "i32",
              "eps": "fp32"}
     base = dict(SPLIT_K=8, ONE_GROUP=False, HAS_BIAS=False, WARPS=4, BATCH_TILES=1, DEPTH=1, BITS=4, PDL=True,
-                GATED=False, NORM=False, NBX=1, RESIDUAL=False, LATE_TRIGGER=False, LOADS_ONLY=False)
+                GATED=False, NORM=False, NBX=1, RESIDUAL=False, LATE_TRIGGER=False, LOADS_ONLY=False, RANGE_LINES=0,
+                S_ROWS=1)
     variants = [("4-bit", {}), ("4-bit, loads only (bench)", {"LOADS_ONLY": True}),
                 ("4-bit, SwiGLU out", {"GATED": True}),
                 ("4-bit, 16 rows, SwiGLU out, bias", {"GATED": True, "BATCH_TILES": 2, "HAS_BIAS": True}),
@@ -209,7 +210,9 @@ def _frag() -> list[tuple[str, object]]:
                 ("4-bit, residual out", {"RESIDUAL": True}), ("4-bit, late trigger", {"LATE_TRIGGER": True}),
                 ("8-bit, 16 rows, norm in, residual out", {"BITS": 8, "ONE_GROUP": True, "NORM": True, "NBX": 32,
                                                            "RESIDUAL": True, "BATCH_TILES": 2}),
-                ("4-bit, one group per channel", {"ONE_GROUP": True})]
+                ("4-bit, one group per channel", {"ONE_GROUP": True}),
+                ("4-bit, range prefetch", {"RANGE_LINES": 64, "S_ROWS": 8}),
+                ("8-bit, range prefetch", {"BITS": 8, "ONE_GROUP": True, "RANGE_LINES": 32})]
     divisible = ("x_ptr", "qw_ptr", "s_ptr", "z_ptr", "y_ptr", "part_ptr", "N", "K", "stride_xm")
     return [(f"frag W4A16 GEMV, {name}", lambda kw=kw: compile_kernel(
         _w4a16_frag_kernel, types, dict(base, **kw), num_warps=dict(base, **kw)["WARPS"], divisible=divisible))

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from kernels.bench.gemm import SHAPES
 
-LINE = re.compile(r"\s+frag (\w+) M=(\d+) FragConfig\(warps=(\d+), split_k=(\d+), depth=(\d+)\): ([\d.]+) us")
+LINE = re.compile(r"\s+frag (\w+) M=(\d+) FragConfig\(warps=(\d+), split_k=(\d+), depth=(\d+)"
+                  r"(?:, prefetch_range=\w+)?\): ([\d.]+) us")
 AUTO = (4, 0, 1)  # warps, split_k (0: auto), depth: the rows' table for every shape
 
 
