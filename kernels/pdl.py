@@ -52,8 +52,9 @@ MAX_PREFETCH_LINES = 1 << (max(int(_KB) * 1024 // LINE, 1).bit_length() - 1)
 # 452.4 -> 458.5 / 459.3 tok/s), but every larger linear loses (int4 with every linear: 399; bf16 with o_proj,
 # 33.5 MB: 243.9 -> 241.0; with qkv too: 234.3; int8 weight-only's o_proj, 16.8 MB: 353.9 -> 351.9), and so did the
 # bf16 o_proj's first 32 MB asked for by the attention's idle splits instead (241.3 -> 235.7, not kept). Why was not
-# measured apart (perhaps the issue loop at the HBM's rate delaying the asking kernel, or lines evicted before use). So a shape table entry turns it on
-# (``kernels.w4a16_frag``: FragConfig.prefetch_range), at RANGE_DEFAULT_KB per program.
+# measured apart (perhaps the issue loop at the HBM's rate delaying the asking kernel, or lines evicted before use).
+# So a shape table entry turns it on (``kernels.w4a16_frag``: FragConfig.prefetch_range), at RANGE_DEFAULT_KB a
+# program.
 RANGE_DEFAULT_KB = 128
 # KERNELS_PREFETCH_RANGE_KB (A/B runs; default 0): every GEMV (frag, dense, W8A8) prefetches its range, with this
 # budget per program (also the budget of the table's entries when set); KERNELS_PREFETCH_RANGE_MAX_MB (default 0: no
