@@ -69,7 +69,12 @@ PROGRAMS_PER_SM = 1  # auto split-K: split until the grid holds about this many 
 # prefill-sized steps (cuBLAS's bf16 GEMM runs at ~2x its MMA rate). Not measured: larger models' qkv / o_proj (70B:
 # over 2^25 weights, so up to 128 rows here), the lm_head, GPUs before sm_90. 8-bit codes: MM_BITS8 below.
 MM_RUNTIME_MAX_ROWS = int(os.environ.get("KERNELS_FRAG_MM_MAX_ROWS", "256"))
-MM_MIN_WEIGHTS = 1 << 25
+# KERNELS_FRAG_MM_MIN_WEIGHTS (A/B runs): another floor, e.g. 0 to route the 8B shape's qkv and o_proj here too
+_MIN_WEIGHTS = os.environ.get("KERNELS_FRAG_MM_MIN_WEIGHTS", str(1 << 25))
+if not _MIN_WEIGHTS.isdigit():
+    raise ValueError(f"KERNELS_FRAG_MM_MIN_WEIGHTS={_MIN_WEIGHTS!r} is not a whole number of weights "
+                     "(default 33554432)")
+MM_MIN_WEIGHTS = int(_MIN_WEIGHTS)
 MM_WIDE = 16384
 # The runtime's 4-bit configurations take MmConfig.packed (the dequantization in bf16x2 arithmetic; sm_90, bf16 x):
 # 7-17% less time at every 8B shape and tiling swept at 128 and 256 rows on the H200 (session 53: gate_up at 128 rows

@@ -588,6 +588,9 @@ def frag_mm_candidates(bits: int = 4) -> list[MmConfig]:
         return [MmConfig(*c) for c in ((128, 8, 8, 3, 0), (64, 8, 4, 4, 0), (128, 8, 8, 3, 0, True),
                                        (64, 16, 8, 3, 0), (128, 4, 4, 3, 0))] + [
             MmConfig(*c, swap=True, mma_order=True) for c in ((128, 4, 4, 3, 0), (256, 8, 8, 3, 0), (128, 8, 8, 3, 0))]
+    if os.environ.get("FRAG_MM_SPLIT_SWEEP", "0") != "0":  # explicit K splits against the auto one (packed)
+        return [MmConfig(*c, swap=True, mma_order=True, packed=True) for c in (
+            [(128, 4, 4, 3, s) for s in (0, 1, 2, 3, 4, 6)] + [(256, 8, 8, 3, s) for s in (0, 1, 2, 3)])]
     if os.environ.get("FRAG_MM_PACKED_SWEEP", "0") != "0":  # the packed dequantization against the fp32 one
         return [MmConfig(*c, swap=True, mma_order=True, packed=p) for c in (
             (256, 8, 8, 3, 0), (128, 4, 4, 3, 0), (128, 8, 8, 3, 0)) for p in (False, True)]
