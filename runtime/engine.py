@@ -32,6 +32,15 @@ class RequestError(ValueError):
     """A request the engine cannot serve as asked (prompt too long, empty prompt...)."""
 
 
+def check_vocab_params(params: SamplingParams, vocab: int) -> None:
+    """RequestError for sampling parameters that name tokens past a vocabulary of ``vocab`` (0: unknown, no check):
+    ``logit_bias`` ids (a bias past the logits' width would index out of bounds on the device). The message starts
+    with the field's name (the server's 400 names it as its param)."""
+    if vocab and params.logit_bias and max(params.logit_bias) >= vocab:
+        raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is outside this model's vocabulary; ids "
+                           f"must be in [0, {vocab})")
+
+
 class DeviceError(ValueError):
     """A device name that is unknown, or names a device this machine does not have."""
 
@@ -193,10 +202,15 @@ class Engine:
         switch = self.executor.long_rope_from
         return switch is not None and num_tokens > switch
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding (and the logits' width) as the artifact records them; 0 where it does not."""
+        return int(self.executor.graph.get("meta", {}).get("vocab_size")
+                   or self.artifact.manifest.get("model", {}).get("vocab_size") or 0)
+
     def check_token_ids(self, token_ids: list[int]) -> None:
         """RequestError unless every id has an embedding row (the offline and the serving engines' check)."""
-        vocab = int(self.executor.graph.get("meta", {}).get("vocab_size")
-                    or self.artifact.manifest.get("model", {}).get("vocab_size") or 0)
+        vocab = self.vocab_size
         if vocab and any(not 0 <= t < vocab for t in token_ids):
             raise RequestError(f"prompt token ids must be in [0, {vocab}) for this model")
 
@@ -214,6 +228,7 @@ class Engine:
         params = params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(prompt_ids)
+        check_vocab_params(params, self.vocab_size)
         total = min(self.limits.max_seq_len, len(prompt_ids) + params.max_tokens)
         kv = self._new_cache(total)
         generator = make_generator(params.seed, self.device)

@@ -64,7 +64,7 @@ import torch
 
 from runtime.artifact import open_artifact
 from runtime.async_engine import EngineFront, EngineNotRunning, RequestStream, deliver
-from runtime.engine import RequestError
+from runtime.engine import RequestError, check_vocab_params
 from runtime.outputs import EngineStats, RequestOutput, TokenLogprob
 from runtime.sampling import SamplingParams
 from runtime.scheduler import QueueFullError
@@ -401,6 +401,7 @@ class EngineClient(EngineFront):
         from the limits it reported: ``ServingEngine.check_request``)."""
         if self._vocab and any(not 0 <= t < self._vocab for t in prompt_token_ids):
             raise RequestError(f"prompt token ids must be in [0, {self._vocab}) for this model")
+        check_vocab_params(params, self._vocab)
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestError("the prompt is empty")

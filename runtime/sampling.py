@@ -1,9 +1,10 @@
 """Choosing the next token from logits, and reporting its log-probability.
 
 Per row, in order: penalties (repetition over the prompt and the output so far; presence and frequency
-over the output), the structured-output mask (tokens the request's grammar forbids get -inf; see
-runtime.structured), then greedy argmax, or temperature / top-k / top-p / min-p and a draw. Logprobs are
-reported separately, of the model's raw logits (before penalties and temperature), as OpenAI does.
+over the output), the logit bias (OpenAI's ``logit_bias``: a number added to given tokens' logits), the
+structured-output mask (tokens the request's grammar forbids get -inf; see runtime.structured), then greedy
+argmax, or temperature / top-k / top-p / min-p and a draw. Logprobs are reported separately, of the model's raw
+logits (before penalties, bias and temperature), as OpenAI does.
 
 Penalties and filtering are vectorized over the batch (per-row penalties, k, p and min-p are tensors);
 only the final draw of seeded rows loops over rows, because each draws with its own generator (unseeded
@@ -51,6 +52,8 @@ MAX_ABS_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI
 # list cannot slow the others (OpenAI takes 4)
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias: OpenAI's limits (at most 300 tokens, each biased by a number in [-100, 100])
+MAX_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS = 300, 100.0
 
 
 class SamplingError(ValueError):
@@ -83,6 +86,15 @@ def _shown(value: Any) -> Any:
     return _Shown(value) if isinstance(value, (list, tuple, str, dict)) else value
 
 
+def _token_key(key: object) -> int | None:
+    """A logit_bias key as a token id: an int >= 0, or its decimal string (JSON object keys are strings)."""
+    if _is_int(key):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:
+        return int(key)
+    return None
+
+
 @dataclass
 class SamplingParams:
     """How one request picks its tokens and when it stops."""
@@ -105,6 +117,11 @@ class SamplingParams:
     # None -> free text; else the grammar the output must match (a dict of its fields is taken too: that is how it
     # crosses the engine process boundary). Needs the serving engine, which compiles it and masks every step
     structured: StructuredOutput | None = None
+    # None -> off; else token id -> a number in [-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS] added to that token's logit
+    # before sampling (OpenAI's logit_bias: -100 all but excludes the token, 100 all but forces it), at most
+    # MAX_LOGIT_BIAS tokens. Keys may come as decimal strings (JSON); they are kept as ints. Ids past the model's
+    # vocabulary are the engine's to refuse (Engine.check_params)
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with a message naming the field, the value and what is allowed."""
@@ -145,6 +162,17 @@ class SamplingParams:
         self._require("logprobs", self.logprobs is None
                       or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
                       f"None or an int in [0, {MAX_LOGPROBS}]")
+        self._require("logit_bias", self.logit_bias is None or (
+            isinstance(self.logit_bias, dict) and len(self.logit_bias) <= MAX_LOGIT_BIAS
+            and all(_token_key(k) is not None and _is_number(v) and abs(v) <= MAX_ABS_LOGIT_BIAS
+                    for k, v in self.logit_bias.items())),
+            f"None or a map of at most {MAX_LOGIT_BIAS} token ids (ints >= 0, or their decimal strings) to numbers "
+            f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+        if self.logit_bias is not None:
+            bias: dict[int, float] = {}
+            for k, v in self.logit_bias.items():  # "5" and 5 both given: their biases add up, as one entry
+                bias[_token_key(k)] = bias.get(_token_key(k), 0.0) + float(v)
+            self.logit_bias = bias or None
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
 
     def _require(self, name: str, ok: bool, allowed: str) -> None:
@@ -158,6 +186,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Whether this request takes the argmax (no randomness, no generator needed)."""
         return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits need more than a mask before this request's choice (penalties or a logit bias)."""
+        return self.has_penalties or self.logit_bias is not None
 
     @property
     def has_penalties(self) -> bool:
@@ -239,7 +272,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     any row has a penalty, ignored otherwise.
     token_bitmask: the allowed tokens of the rows with structured output; required when any row has it (the
     caller owns the grammars: the serving engine), and a masked row must allow at least one token.
-    Penalties first (see ``apply_penalties``), on greedy rows too, then the mask. Greedy rows then take the argmax.
+    Penalties first (see ``apply_penalties``), on greedy rows too, then the logit bias (``apply_logit_bias``), then
+    the mask. Greedy rows then take the argmax.
     Sampled rows: fp32 logits / temperature, then top-k, then top-p (smallest set whose cumulative
     probability >= top_p, always keeping the top token), then min-p, then one draw with that row's
     generator. A row's token depends only on its own logits, params, history and generator, never on
@@ -261,7 +295,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
                          f"and {len(generators)} generators")
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if (not rows and token_bitmask is None and use_kernels and logits.is_cuda and _triton_installed()
-            and not any(p.has_penalties or p.structured is not None for p in params)):
+            and not any(p.adjusts_logits or p.structured is not None for p in params)):
         # all greedy, nothing to add to the logits: two small kernels on them as they are (a bf16 row's argmax is
         # its fp32 copy's; the copy was an elementwise pass over the whole [num_seqs, vocab], 0.2 ms a step at 512
         # rows of a 128k vocabulary on the H200)
@@ -277,6 +311,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             raise ValueError(f"sample: rows {rows} have penalties, which need each sequence's token history; "
                              f"pass {' and '.join(missing)}")
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if any(p.logit_bias is not None for p in params):
+        logits = apply_logit_bias(logits, params)
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     elif any(p.structured is not None for p in params):
@@ -373,6 +409,29 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
     frequency = torch.tensor([p.frequency_penalty for p in chosen], device=device)[:, None]
     penalized = penalized - presence * (output_counts > 0) - frequency * output_counts
     return logits.index_copy(0, row_index, penalized.clamp(-LOGIT_LIMIT, LOGIT_LIMIT))
+
+
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """fp32 logits ([num_seqs, vocab]) plus each row's ``logit_bias`` at its tokens; a new tensor (the input, the
+    model's raw logits, stays as it was: logprobs report them). Rows without a bias come back bit-identical; -inf
+    (a masked or penalized-out token) stays -inf and NaN stays NaN. One scatter-add on the device, no host sync
+    (the indices go through pinned memory). Token ids must be inside the vocabulary: the engines check them when
+    a request arrives (``runtime.engine.Engine.check_params``)."""
+    rows, cols, values = [], [], []
+    for i, p in enumerate(params):
+        if p.logit_bias:
+            rows += [i] * len(p.logit_bias)
+            cols += list(p.logit_bias)
+            values += list(p.logit_bias.values())
+    logits = logits.float()
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    if max(cols) >= vocab:
+        raise ValueError(f"apply_logit_bias: token id {max(cols)} is outside the logits' vocabulary of {vocab}")
+    device = logits.device
+    index = (to_device(rows, device), to_device(cols, device))
+    return logits.index_put(index, to_device(values, device).float(), accumulate=True)
 
 
 def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -22,8 +22,11 @@ Policies:
   where a number belongs is an error, not converted.
 - Unknown request fields are ignored, as other OpenAI-compatible servers do, so clients that send newer
   OpenAI fields keep working. OpenAI fields this server knows but does not implement (``n``,
-  ``best_of``, ``echo``, ``suffix``, ``logit_bias``) are rejected with 400 naming the field when they ask for
-  anything but the default.
+  ``best_of``, ``echo``, ``suffix``) are rejected with 400 naming the field when they ask for anything but the
+  default.
+- ``logit_bias`` (both routes): token ids (decimal-string keys) to numbers in [-100, 100] added to those tokens'
+  logits before sampling (after the penalties, before a structured-output mask; runtime.sampling), at most 300,
+  ids inside the model's vocabulary, else 400 naming ``logit_bias``. Logprobs still report the model's own logits.
 - Structured output (runtime.structured): ``response_format`` ``json_object`` or ``json_schema`` (both routes), vLLM's
   ``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar`` (Lark or GBNF), one of them per
   request; chat ``tools`` with ``tool_choice`` (runtime.tool_calls), answered as ``tool_calls`` (streamed as
@@ -174,12 +177,13 @@ class _GenerationBody(_Body):
     guided_regex: str | None = None  # vLLM: a regular expression (Rust regex syntax)
     guided_choice: list[str] | None = None  # vLLM: the output is one of these strings
     guided_grammar: str | None = None  # vLLM: a Lark or GBNF grammar
+    # token id (as JSON keys are: a decimal string) -> a number in [-100, 100] added to its logit before sampling
+    logit_bias: dict[str, Any] | None = None
     # OpenAI fields that are not implemented: only their defaults are accepted
     n: int | None = None
-    logit_bias: dict[str, float] | None = None
 
     # field -> the values that mean "not asked for"; anything else is refused
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"n": (None, 1), "logit_bias": (None, {})}
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"n": (None, 1)}
 
     def check_supported(self) -> None:
         for name, allowed in self.UNSUPPORTED.items():
@@ -193,7 +197,7 @@ class _GenerationBody(_Body):
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens and logprobs are resolved apart)."""
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty")
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
         fields = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
@@ -1162,7 +1166,8 @@ def _refusal(e: QueueFullError | RequestError, chat: bool) -> APIError:
     if isinstance(e, QueueFullError):
         return APIError(429, f"the server is busy ({e}); retry shortly", type="rate_limit_error", code="queue_full",
                         headers={"Retry-After": str(RETRY_AFTER_S)})
-    return _invalid(str(e), param="messages" if chat else "prompt")
+    field = str(e).partition(":")[0]  # a sampling field the engine checks against its model (check_vocab_params)
+    return _invalid(str(e), param=field if field == "logit_bias" else "messages" if chat else "prompt")
 
 
 def create_app(engine: AsyncEngine | EngineClient, model_name: str, api_key: str | None = None, *,

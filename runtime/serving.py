@@ -54,7 +54,7 @@ from pathlib import Path
 import torch
 
 from runtime.block_pool import BlockPool
-from runtime.engine import Engine, RequestError
+from runtime.engine import Engine, RequestError, check_vocab_params
 from runtime.env import env_number
 from runtime.cuda_graphs import PackedStep, TableStaging
 from runtime.executor import PagedAttentionMetadata, SeqSlice, StepInput, mixed_step
@@ -515,6 +515,7 @@ class ServingEngine:
         """Raise RequestError if the request could never run here (empty, too long, token ids outside the
         vocabulary, larger than the KV pool). Reads only fixed state: safe from any thread."""
         self.engine.check_token_ids(prompt_token_ids)
+        check_vocab_params(params, self.engine.vocab_size)
         try:
             self.scheduler.check(len(prompt_token_ids), params.max_tokens)
         except ValueError as e:

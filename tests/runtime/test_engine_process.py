@@ -66,7 +66,8 @@ def test_concurrent_streams_equal_offline_generation(engine, offline):
               SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=10, logprobs=3, ignore_eos=True),
               SamplingParams(max_tokens=20, stop=["\n"]),
-              SamplingParams(max_tokens=8, repetition_penalty=1.3, ignore_eos=True)]
+              SamplingParams(max_tokens=8, repetition_penalty=1.3, ignore_eos=True,
+                             logit_bias={prompts[4][0]: 4.0, prompts[0][0]: -100})]  # int keys: JSON strings between
 
     async def main():  # three requests at a time on two sequence slots: one waits, all stream at once
         first = await asyncio.gather(*(_collect(engine, p, q) for p, q in zip(prompts[:3], params[:3])))
@@ -89,6 +90,8 @@ def test_refusals_are_raised_at_submit(engine, offline):
             engine.submit([], SamplingParams())
         with pytest.raises(RequestError, match="max_seq_len"):
             engine.submit([1] * engine.max_seq_len, SamplingParams())
+        with pytest.raises(RequestError, match="^logit_bias: token id 1000000000 is outside"):
+            engine.submit([1, 2], SamplingParams(logit_bias={10**9: 1.0}))
 
     asyncio.run(main())
 

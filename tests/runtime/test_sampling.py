@@ -444,6 +444,13 @@ def test_unseeded_rows_drawn_together_follow_the_filtered_distribution_beside_se
     ("logprobs", MAX_LOGPROBS + 1, "None or an int in [0, 20]"),
     ("logprobs", 2.0, "None or an int in [0, 20]"),
     ("logprobs", True, "None or an int in [0, 20]"),
+    ("logit_bias", {"abc": 1.0}, "token ids (ints >= 0, or their decimal strings)"),
+    ("logit_bias", {-3: 1.0}, "token ids (ints >= 0"),
+    ("logit_bias", {"5": 101}, "numbers in [-100, 100]"),
+    ("logit_bias", {5: float("nan")}, "numbers in [-100, 100]"),
+    ("logit_bias", {5: "1"}, "numbers in [-100, 100]"),
+    ("logit_bias", {i: 1.0 for i in range(301)}, "a map of at most 300 token ids"),
+    ("logit_bias", [5, 1.0], "None or a map"),
 ])
 def test_invalid_params_name_the_field(field, value, allowed):
     with pytest.raises(SamplingError) as info:
@@ -559,3 +566,67 @@ def test_a_greedy_row_with_nan_logits_is_invalid(bad):
     BAD_ROWS[bad](logits[1])
     out = sample(logits, [SamplingParams()] * 3, [None] * 3)
     assert out.tolist() == [int(logits[0].argmax()), INVALID_TOKEN, int(logits[2].argmax())]
+
+
+# --- logit bias -------------------------------------------------------------------------------------
+def test_logit_bias_keys_arrive_as_strings_and_are_kept_as_ints():
+    p = SamplingParams(logit_bias={"7": 2.5, 3: -1, "07": 0.5})
+    assert p.logit_bias == {7: 3.0, 3: -1.0}  # "7" and "07" name one token: their biases add up
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    # the engine process carries params as a dict (dataclasses.asdict over a pipe): the same params come back
+    import dataclasses
+    assert SamplingParams(**dataclasses.asdict(p)).logit_bias == p.logit_bias
+
+
+def test_logit_bias_adds_to_the_given_tokens_only():
+    logits = random_logits(3)
+    params = [SamplingParams(), SamplingParams(logit_bias={5: 10.0, 9: -3.25}), SamplingParams(logit_bias={0: 1.0})]
+    from runtime.sampling import apply_logit_bias
+
+    out = apply_logit_bias(logits, params)
+    expected = logits.clone()
+    expected[1, 5] += 10.0
+    expected[1, 9] -= 3.25
+    expected[2, 0] += 1.0
+    assert torch.equal(out, expected)
+    assert torch.equal(out[0], logits[0])  # a row without a bias is bit-identical
+    assert not torch.equal(logits, out)  # the input (the raw logits logprobs report) is left as it was
+
+
+def test_logit_bias_moves_the_greedy_choice_and_excludes_tokens():
+    logits = random_logits(2, seed=3)
+    top = int(logits[0].argmax())
+    low = int(logits[0].argmin())
+    tokens = sample(logits, [SamplingParams(logit_bias={low: 100.0}), SamplingParams(logit_bias={top: -100.0})],
+                    [None, None])
+    assert int(tokens[0]) == low  # +100 lifts the least likely token over a spread of a few units
+    row1 = logits[1].clone()
+    row1[top] -= 100.0
+    assert int(tokens[1]) == int(row1.argmax())  # each row its own bias
+    excluded = sample(logits[:1], [SamplingParams(logit_bias={top: -100.0})], [None])
+    assert int(excluded[0]) == int(logits[0].topk(2).indices[1])
+
+
+def test_logit_bias_shapes_the_sampled_distribution():
+    logits = random_logits(1, seed=5)[0]
+    bias = {1: 2.0, 2: -2.0}
+    p = SamplingParams(temperature=1.0, logit_bias=bias, seed=0)
+    counts = torch.bincount(draw(logits, p, 20000), minlength=VOCAB).double() / 20000
+    biased = logits.clone()
+    for t, b in bias.items():
+        biased[t] += b
+    expected = torch.softmax(biased.double(), dim=-1)
+    assert (counts - expected).abs().max() < 0.02
+
+
+def test_logit_bias_past_the_vocabulary_is_an_error_not_an_index_fault():
+    from runtime.sampling import apply_logit_bias
+
+    with pytest.raises(ValueError, match="token id 64 is outside the logits' vocabulary of 64"):
+        apply_logit_bias(random_logits(1), [SamplingParams(logit_bias={64: 1.0})])
+    from runtime.engine import RequestError, check_vocab_params
+
+    with pytest.raises(RequestError, match=r"^logit_bias: token id 64 is outside this model's vocabulary; ids must "
+                                           r"be in \[0, 64\)"):
+        check_vocab_params(SamplingParams(logit_bias={3: 1.0, 64: 1.0}), 64)
+    check_vocab_params(SamplingParams(logit_bias={63: 1.0}), 64)

@@ -368,6 +368,35 @@ def test_completion_logprobs(server, offline):
     server.wait_idle()
 
 
+def test_logit_bias_steers_the_tokens_as_the_offline_engine_does(server, offline):
+    """OpenAI's logit_bias: -100 keeps a token out, +100 all but forces it; streamed or not, chat or not, the same
+    tokens as the offline engine with the same bias, and logprobs still of the model's own logits."""
+    prompt = "def fibonacci(n):"
+    plain = offline.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    banned = sorted(set(plain.token_ids))[:3]  # tokens the unbiased answer uses
+    forced = plain.token_ids[0]
+    cases = [({str(t): -100 for t in banned}, {t: -100.0 for t in banned}),
+             ({str(forced): 100}, {forced: 100.0})]
+    with server.client() as client:
+        for sent, bias in cases:
+            ref = offline.generate(prompt, SamplingParams(max_tokens=12, ignore_eos=True, logit_bias=bias, logprobs=0))
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logit_bias": sent,
+                    "logprobs": 0}
+            whole = client.post("/v1/completions", json=body).json()["choices"][0]
+            chunks, done = streamed(client, "/v1/completions", body)
+            assert whole["text"] == ref.text == joined_text(chunks, chat=False) and done
+            assert whole["logprobs"]["token_logprobs"] == pytest.approx(ref.logprobs, abs=1e-4)
+            if bias == {forced: 100.0}:
+                assert set(ref.token_ids) == {forced}
+            else:
+                assert not set(ref.token_ids) & set(banned) and ref.text != plain.text
+        chat = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 6, "temperature": 0,
+                                                         "logit_bias": {str(forced): 100}}).json()
+        assert chat["usage"]["completion_tokens"] == 6
+        assert chat["choices"][0]["message"]["content"] == offline.tokenizer.decode([forced] * 6)
+    server.wait_idle()
+
+
 def test_chat_logprobs(server, offline):
     body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2, "temperature": 0,
             "ignore_eos": True}
@@ -484,6 +513,12 @@ BAD_REQUESTS = [
      "top_logprobs"),
     ("stream_options without stream", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}},
      400, "stream_options"),
+    ("logit_bias key not a token id", "/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("logit_bias 101", "/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("logit_bias string value", "/v1/completions", {"prompt": "x", "logit_bias": {"5": "1"}}, 400, "logit_bias"),
+    ("logit_bias past the vocabulary", "/v1/completions", {"prompt": "x", "logit_bias": {"1000000": 5}}, 400,
+     "logit_bias"),
+    ("logit_bias list", "/v1/completions", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias"),
     ("n 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("best_of 2", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
@@ -505,7 +540,7 @@ def test_bad_request_gets_an_openai_error(server, path, body, status, param):
         if status == 400:
             assert error["type"] == "invalid_request_error"
         if param in ("temperature", "top_p", "logprobs", "presence_penalty", "repetition_penalty", "top_logprobs",
-                     "max_completion_tokens", "stop") and isinstance(body, dict):
+                     "max_completion_tokens", "stop", "logit_bias") and isinstance(body, dict):
             assert error["message"].startswith(param)  # SamplingError's message, naming the request's field
     server.wait_idle()
 

@@ -448,6 +448,8 @@ def test_greedy_output_is_token_for_token_the_same(engine):
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (48, 40, 33, 17, 45)]
     params[3] = SamplingParams(max_tokens=40)  # EOS allowed
+    # a logit bias (history-free: such a request speculates) applies at every verified position too
+    params[2] = SamplingParams(max_tokens=33, ignore_eos=True, logit_bias={prompts[2][-1]: 3.0, prompts[2][0]: -5.0})
     plain = _serving(engine)
     want = plain.run(prompts, params)
     s = _serving(engine, NGRAM)
