@@ -21,9 +21,12 @@ Policies:
 - Request bodies are JSON objects, whatever the Content-Type header says, validated strictly: a string
   where a number belongs is an error, not converted.
 - Unknown request fields are ignored, as other OpenAI-compatible servers do, so clients that send newer
-  OpenAI fields keep working. OpenAI fields this server knows but does not implement (``n``,
-  ``best_of``, ``echo``, ``suffix``) are rejected with 400 naming the field when they ask for anything but the
-  default.
+  OpenAI fields keep working. OpenAI fields this server knows but does not implement (completions' ``best_of``,
+  ``echo``, ``suffix``) are rejected with 400 naming the field when they ask for anything but the default.
+- ``n`` (both routes, 1 to MAX_CHOICES = 16): n choices, each a request of its own in the engine (a seeded request's
+  choice i takes seed + i, so seeded choices differ and each is reproducible alone), answered as one response with
+  the choices' indexes (streamed: each choice's chunks as they come, the usage chunk once all have finished), usage
+  counting the prompt once. A refusal of any choice (queue full) refuses the request and aborts the others.
 - ``logit_bias`` (both routes): token ids (decimal-string keys) to numbers in [-100, 100] added to those tokens'
   logits before sampling (after the penalties, before a structured-output mask; runtime.sampling), at most 300,
   ids inside the model's vocabulary, else 400 naming ``logit_bias``. Logprobs still report the model's own logits.
@@ -74,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -99,7 +103,7 @@ from runtime.engine import RequestError
 from runtime.generation_config import sampling_defaults
 from runtime.metrics import RequestTracker, ServerMetrics
 from runtime.outputs import RequestOutput, TokenLogprob, merge_deltas
-from runtime.sampling import SamplingError, SamplingParams
+from runtime.sampling import MAX_SEED, SamplingError, SamplingParams
 from runtime.scheduler import QueueFullError
 from runtime.structured import (ANY_JSON_OBJECT, GRAMMAR_ERROR_PREFIX, GrammarCompiler, StructuredOutput,
                                 StructuredOutputError, check, locate_error)
@@ -110,6 +114,9 @@ from runtime.tool_calls import (Tool, ToolCallParser, ToolError, message_for_tem
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256  # max_tokens when a request leaves it out (and the context has room)
+# choices one request may ask for (``n``): each is a request of its own in the engine (the prompt's blocks shared
+# through the prefix cache), so n is bounded like a batch a client could send anyway
+MAX_CHOICES = 16
 # sampling fields a request leaves out, where the checkpoint's generation_config.json does not set them
 OPENAI_SAMPLING_DEFAULTS: dict[str, float] = {"temperature": 1.0, "top_p": 1.0}
 MAX_BODY_BYTES = 16 << 20  # larger request bodies are refused (413) before any parsing or tokenizing
@@ -179,13 +186,15 @@ class _GenerationBody(_Body):
     guided_grammar: str | None = None  # vLLM: a Lark or GBNF grammar
     # token id (as JSON keys are: a decimal string) -> a number in [-100, 100] added to its logit before sampling
     logit_bias: dict[str, Any] | None = None
-    # OpenAI fields that are not implemented: only their defaults are accepted
-    n: int | None = None
+    n: int | None = None  # choices to generate, 1..MAX_CHOICES (seeded: choice i takes seed + i)
 
-    # field -> the values that mean "not asked for"; anything else is refused
-    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"n": (None, 1)}
+    # OpenAI fields that are not implemented: field -> the values that mean "not asked for"; others are refused
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
 
     def check_supported(self) -> None:
+        if self.n is not None and not 1 <= self.n <= MAX_CHOICES:
+            raise _invalid(f"n: {self.n} is not in [1, {MAX_CHOICES}] (choices to generate for the prompt)", param="n",
+                           code="invalid_value")
         for name, allowed in self.UNSUPPORTED.items():
             if getattr(self, name) not in allowed:
                 raise _invalid(f"{name}: {getattr(self, name)!r} is not supported by this server "
@@ -740,9 +749,12 @@ def _chat_logprobs(entries: list[TokenLogprob], token_text: TokenText) -> dict:
 
 
 # --- responses -------------------------------------------------------------------------------------------
-def _usage(out: RequestOutput) -> dict:
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+def _usage(out: RequestOutput, *more: RequestOutput) -> dict:
+    """Usage of a request's last delta; with ``more`` (the other choices of an ``n`` request) the prompt counted
+    once and the completion tokens summed."""
+    completion = out.num_output_tokens + sum(o.num_output_tokens for o in more)
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": completion,
+            "total_tokens": out.num_prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
 
 
@@ -764,6 +776,7 @@ class _Call:
     tracker: RequestTracker
     text_offset: int = 0  # completions logprobs: characters of text so far
     tools: ToolCallParser | None = None  # chat with tools: splits the text into content and tool calls
+    index: int = 0  # the choice's index (a request asking for n choices has a _Call per choice)
     _text_event: tuple[str, str] | None = None  # text_event's frame around the text, made on first use
 
     def text_event(self, out: RequestOutput, done: bool) -> str | None:
@@ -796,7 +809,7 @@ class _Call:
         last = outs[-1]
         text = "".join(o.text for o in outs)
         entries = [e for o in outs for e in (o.logprobs or [])]
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         finish = last.finish_reason
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -836,7 +849,7 @@ class _Call:
 
     def chunk(self, text: str | None, entries: list[TokenLogprob] | None, finish_reason: str | None,
               role: bool = False) -> dict:
-        choice: dict[str, Any] = {"index": 0}
+        choice: dict[str, Any] = {"index": self.index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -1062,48 +1075,111 @@ class _Handlers:
     async def _serve(self, http_request: Request, chat: bool, ids: list[int], params: SamplingParams,
                      body: _GenerationBody, arrival: float, tool_calls: bool = False) -> Response:
         """Submit the request (a refusal is decided here, so it is still a plain HTTP error); then answer
-        with the whole result, or start the stream at once. ``tool_calls``: the output may hold tool calls."""
-        call = _Call(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time()),
-                     self.model_name, params.logprobs is not None, body.include_usage, self.token_text,
-                     self.metrics.track(arrival), tools=ToolCallParser() if tool_calls else None)
+        with the whole result, or start the stream at once. ``tool_calls``: the output may hold tool calls.
+        ``n`` choices are n requests in the engine (ids ``<id>-<i>``; seeded, choice i takes seed + i), answered
+        as one response whose choices carry their index; a refusal of any of them refuses all."""
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        n = body.n or 1
+        calls = [_Call(chat, response_id, int(time.time()), self.model_name, params.logprobs is not None,
+                       body.include_usage, self.token_text, self.metrics.track(arrival),
+                       tools=ToolCallParser() if tool_calls else None, index=i) for i in range(n)]
+        streams: list[RequestStream] = []
         try:
-            stream = self.engine.submit(ids, params, request_id=call.request_id)
-        except (QueueFullError, RequestError) as e:
+            for i in range(n):
+                choice = params if n == 1 or params.seed is None else \
+                    dataclasses.replace(params, seed=(params.seed + i) % (MAX_SEED + 1))
+                streams.append(self.engine.submit(ids, choice, request_id=response_id if n == 1
+                                                  else f"{response_id}-{i}"))
+        except (QueueFullError, RequestError, EngineNotRunning) as e:
+            for call, stream in zip(calls, streams):  # the choices queued before the refusal are aborted
+                await stream.aclose()
+                call.tracker.finish("abort")
+            if isinstance(e, EngineNotRunning):  # starting, shut down, or its step loop died
+                raise _unavailable(e) from None
             raise _refusal(e, chat) from None
-        except EngineNotRunning as e:  # starting, shut down, or its step loop died
-            raise _unavailable(e) from None
         if body.stream:
-            return _EventStream(self._events(call, stream))
-        return await self._complete(http_request, call, stream)
+            return _EventStream(self._events(calls, streams))
+        return await self._complete(http_request, calls, streams)
 
-    async def _complete(self, http_request: Request, call: _Call, stream: RequestStream) -> Response:
+    async def _complete(self, http_request: Request, calls: list[_Call], streams: list[RequestStream]) -> Response:
+        async def drain_all() -> list[list[RequestOutput]]:
+            return list(await asyncio.gather(*(_drain(s, c.tracker) for c, s in zip(calls, streams))))
+
         try:
-            outs = await _until_disconnect(http_request, _drain(stream, call.tracker))
+            results = await _until_disconnect(http_request, drain_all())
         except _ClientGone:
-            call.tracker.finish("abort")
+            for call in calls:
+                call.tracker.finish("abort")
             return Response(status_code=499)
         except (QueueFullError, RequestError) as e:  # refused by the engine thread after all (a race)
-            raise _refusal(e, call.chat) from None
+            raise _refusal(e, calls[0].chat) from None
         except EngineNotRunning as e:  # the engine shut down under the request
-            call.tracker.finish("error")
+            for call in calls:
+                call.tracker.finish("error")
             raise _unavailable(e) from None
         finally:
-            await stream.aclose()  # a no-op once finished; else it aborts the request
-        last = outs[-1]
-        call.tracker.finish(last.finish_reason)
-        if last.finish_reason not in ("stop", "length"):
-            raise _finish_error(last)
-        return JSONResponse(call.response(outs))
+            for stream in streams:
+                await stream.aclose()  # a no-op once finished; else it aborts the request
+        for call, outs in zip(calls, results):
+            call.tracker.finish(outs[-1].finish_reason)
+        failed = next((outs[-1] for outs in results if outs[-1].finish_reason not in ("stop", "length")), None)
+        if failed is not None:
+            raise _finish_error(failed)
+        answers = [call.response(outs) for call, outs in zip(calls, results)]
+        if len(answers) > 1:
+            answers[0]["choices"] = [a["choices"][0] for a in answers]
+            answers[0]["usage"] = _usage(*(outs[-1] for outs in results))
+        return JSONResponse(answers[0])
 
-    async def _events(self, call: _Call, stream: RequestStream) -> AsyncIterator[str]:
+    async def _events(self, calls: list[_Call], streams: list[RequestStream]) -> AsyncIterator[str]:
         """The SSE body: a keep-alive comment while no delta comes (queued, prefilling), a chunk per delta
         with text (or logprobs), the finish reason on the last one, usage if asked; an error event if the
-        request ended otherwise; then [DONE]."""
+        request ended otherwise; then [DONE]. Several choices: each choice's chunks as they come (each with its
+        index), usage once all have finished (completion tokens summed); a choice that fails ends the stream with
+        its error (the others are aborted)."""
+        if not calls[0].chat:
+            yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
+        lasts: list[RequestOutput | None] = [None] * len(calls)
+        if len(calls) == 1:
+            async for event in self._choice_events(calls[0], streams[0], lasts, 0):
+                yield event
+        else:
+            queue: asyncio.Queue[str | None] = asyncio.Queue()
+
+            async def pump(i: int) -> None:
+                try:
+                    async for event in self._choice_events(calls[i], streams[i], lasts, i):
+                        await queue.put(event)
+                finally:
+                    await queue.put(None)
+
+            tasks = [asyncio.ensure_future(pump(i)) for i in range(len(calls))]
+            try:
+                running = len(tasks)
+                while running:
+                    event = await queue.get()
+                    if event is None:
+                        running -= 1
+                        continue
+                    yield event
+                    if event.startswith('data: {"error"'):  # a failed choice ends the response
+                        break
+            finally:
+                for task in tasks:
+                    task.cancel()  # a finished one ignores it; a running one closes its stream (an abort)
+                await asyncio.gather(*tasks, return_exceptions=True)
+        if all(last is not None and last.finish_reason in ("stop", "length") for last in lasts) \
+                and calls[0].include_usage:
+            yield _sse({**calls[0].envelope(True), "choices": [], "usage": _usage(*lasts)})
+        yield _sse("[DONE]")
+
+    async def _choice_events(self, call: _Call, stream: RequestStream, lasts: list[RequestOutput | None],
+                             i: int) -> AsyncIterator[str]:
+        """One choice's events of ``_events`` (its role chunk first on chat; no [DONE], no usage); ``lasts[i]``
+        becomes its last delta when it finished normally."""
         try:
             if call.chat:
                 yield _sse(call.chunk("", None, None, role=True))
-            else:
-                yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
             self.keep_alive.watch(stream)
             sent = 0  # tokens sent so far
             while True:
@@ -1127,9 +1203,9 @@ class _Handlers:
                 if out.finished:
                     break
             call.tracker.finish(out.finish_reason)
-            if done and call.include_usage:
-                yield _sse(call.usage_chunk(out))
-            elif not done:
+            if done:
+                lasts[i] = out
+            else:
                 yield _sse(_finish_error(out).body())
         except (QueueFullError, RequestError) as e:  # refused by the engine thread after all (a race)
             call.tracker.finish("rejected" if isinstance(e, QueueFullError) else "invalid")
@@ -1141,7 +1217,6 @@ class _Handlers:
             self.keep_alive.forget(stream)
             await stream.aclose()  # a no-op once finished; else it aborts the request (client gone)
             call.tracker.finish("abort")  # a no-op once finished
-        yield _sse("[DONE]")
 
 
 async def _gather_tokens(stream: RequestStream, out: RequestOutput, interval: int) -> RequestOutput:

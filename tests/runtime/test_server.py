@@ -397,6 +397,44 @@ def test_logit_bias_steers_the_tokens_as_the_offline_engine_does(server, offline
     server.wait_idle()
 
 
+def test_n_choices_are_requests_of_their_own_with_consecutive_seeds(server, offline):
+    """n > 1: one response whose choice i is what a request with seed + i gives (whole and streamed, completions and
+    chat), usage counting the prompt once and every choice's tokens; unseeded greedy choices are all the same."""
+    prompt = "import os\n"
+    body = {"prompt": prompt, "max_tokens": 10, "temperature": 0.9, "seed": 41, "ignore_eos": True, "n": 3,
+            "logprobs": 1}
+    refs = [offline.generate(prompt, SamplingParams(max_tokens=10, temperature=0.9, seed=41 + i, ignore_eos=True,
+                                                    logprobs=1)) for i in range(3)]
+    assert len({r.text for r in refs}) > 1, "the seeds drew the same text: the test would not see a mix-up"
+    with server.client() as client:
+        whole = client.post("/v1/completions", json=body).json()
+        assert [c["index"] for c in whole["choices"]] == [0, 1, 2]
+        assert [c["text"] for c in whole["choices"]] == [r.text for r in refs]
+        for c, r in zip(whole["choices"], refs):
+            assert c["logprobs"]["token_logprobs"] == pytest.approx(r.logprobs, abs=1e-4)
+            assert c["logprobs"]["text_offset"][0] == 0  # each choice's offsets count its own text
+        n_prompt = len(refs[0].prompt_token_ids)
+        assert whole["usage"]["prompt_tokens"] == n_prompt and whole["usage"]["completion_tokens"] == 30
+        assert whole["usage"]["total_tokens"] == n_prompt + 30
+        chunks, done = streamed(client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+        assert done and chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 30
+        assert {e["id"] for e in chunks} == {chunks[0]["id"]}  # one response
+        texts = {i: "".join(c["text"] for e in chunks for c in e["choices"] if c["index"] == i) for i in range(3)}
+        assert texts == {i: r.text for i, r in enumerate(refs)}
+        assert sorted(c["index"] for e in chunks for c in e["choices"] if c["finish_reason"]) == [0, 1, 2]
+        chat = {"messages": CHAT, "max_tokens": 6, "temperature": 0, "n": 2}
+        answer = client.post("/v1/chat/completions", json=chat).json()
+        assert [c["index"] for c in answer["choices"]] == [0, 1]
+        assert answer["choices"][0]["message"] == answer["choices"][1]["message"]  # greedy: the same answer
+        chunks, done = streamed(client, "/v1/chat/completions", chat)
+        roles = [c["index"] for e in chunks for c in e["choices"] if c["delta"].get("role")]
+        assert done and sorted(roles) == [0, 1]  # each choice opens with its role
+        for i in (0, 1):
+            text = "".join(c["delta"].get("content") or "" for e in chunks for c in e["choices"] if c["index"] == i)
+            assert text == answer["choices"][i]["message"]["content"]
+    server.wait_idle()
+
+
 def test_chat_logprobs(server, offline):
     body = {"messages": CHAT, "max_tokens": 8, "logprobs": True, "top_logprobs": 2, "temperature": 0,
             "ignore_eos": True}
@@ -519,7 +557,9 @@ BAD_REQUESTS = [
     ("logit_bias past the vocabulary", "/v1/completions", {"prompt": "x", "logit_bias": {"1000000": 5}}, 400,
      "logit_bias"),
     ("logit_bias list", "/v1/completions", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias"),
-    ("n 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("n 0", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("n 17", "/v1/chat/completions", {"messages": CHAT, "n": 17}, 400, "n"),
+    ("n string", "/v1/completions", {"prompt": "x", "n": "2"}, 400, "n"),
     ("best_of 2", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
@@ -865,6 +905,22 @@ def test_burst_gets_429_not_a_hang(bundled_artifact):
             assert client.post("/v1/completions", json={"prompt": "def", "max_tokens": 4}).status_code == 200
             samples = metric_samples(client)
         assert samples[("llm_requests_total", (("outcome", "rejected"),))] == len(refused)
+        s.wait_idle()
+
+
+def test_n_choices_refused_together_when_the_queue_cannot_take_them_all(bundled_artifact):
+    """n choices are n requests: where the engine holds fewer (one running, two waiting), the request gets 429 and
+    the choices already queued are aborted, leaving no blocks behind; n = 2 then fits the waiting queue."""
+    config = ServingConfig(num_blocks=64, max_num_seqs=1, max_waiting=2)
+    with run_server(bundled_artifact, config) as s:
+        with s.client() as client:
+            for stream in (False, True):
+                r = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 8, "n": 4,
+                                                         "stream": stream})
+                assert_error(r, 429)
+            s.wait_idle()
+            ok = client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 4, "n": 2})
+            assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
         s.wait_idle()
 
 
