@@ -58,6 +58,27 @@ def test_openai_client_parses_into_a_pydantic_model(server, client):
     server.wait_idle()
 
 
+def test_n_sampled_choices_each_follow_the_schema(server, client):
+    """n > 1 with a schema: every choice (sampled, seed + i) is a complete, valid document of its own grammar state,
+    parsed by the openai client; and a tool-call request's choices each hold a valid call."""
+    completion = client.chat.completions.parse(model=MODEL, messages=USER, response_format=Point, n=4, seed=3,
+                                               temperature=1.0, max_tokens=48)
+    assert [c.index for c in completion.choices] == [0, 1, 2, 3]
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Point)
+    assert len({c.message.content for c in completion.choices}) > 1, "four seeds drew one document"
+    tools = [WEATHER, ADD]
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 + 3?"}],
+                                       tools=tools, tool_choice="required", parallel_tool_calls=False, n=2,
+                                       temperature=0.7, seed=9, max_tokens=128)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        for call in choice.message.tool_calls:
+            _check_call(call, tools)
+    server.wait_idle()
+
+
 def test_streamed_documents_validate_beside_free_requests(server):
     """Every schema of the table streamed at once (greedy and sampled alternately), two free streams beside them:
     every joined document is complete and valid."""
