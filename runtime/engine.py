@@ -247,8 +247,9 @@ class Engine:
         num_top = 0 if params.logprobs is None else params.logprobs
         text, emitted, finish = "", 0, "length"
         while True:
+            banned = [stop_ids] if len(out_ids) < params.min_tokens else None  # min_tokens: no end yet
             tokens = sample(logits, [params], [generator], [prompt_ids], [out_ids],  # tokens: [1]
-                            use_kernels=self.executor.use_kernels)
+                            use_kernels=self.executor.use_kernels, banned=banned)
             if int(tokens[0]) == INVALID_TOKEN:
                 raise RuntimeError(f"sampling failed after {len(out_ids)} tokens: the model's logits gave no valid "
                                    f"token distribution (NaN or inf after penalties and temperature)")

@@ -1,10 +1,11 @@
 """Choosing the next token from logits, and reporting its log-probability.
 
 Per row, in order: penalties (repetition over the prompt and the output so far; presence and frequency
-over the output), the logit bias (OpenAI's ``logit_bias``: a number added to given tokens' logits), the
-structured-output mask (tokens the request's grammar forbids get -inf; see runtime.structured), then greedy
-argmax, or temperature / top-k / top-p / min-p and a draw. Logprobs are reported separately, of the model's raw
-logits (before penalties, bias and temperature), as OpenAI does.
+over the output), the logit bias (OpenAI's ``logit_bias``: a number added to given tokens' logits), tokens a
+request may not take yet (EOS and stop ids before its ``min_tokens``, from the engines), the structured-output
+mask (tokens the request's grammar forbids get -inf; see runtime.structured), then greedy argmax, or temperature /
+top-k / top-p / min-p and a draw. Logprobs are reported separately, of the model's raw logits (before penalties,
+bias and temperature), as OpenAI does.
 
 Penalties and filtering are vectorized over the batch (per-row penalties, k, p and min-p are tensors);
 only the final draw of seeded rows loops over rows, because each draws with its own generator (unseeded
@@ -122,6 +123,9 @@ class SamplingParams:
     # MAX_LOGIT_BIAS tokens. Keys may come as decimal strings (JSON); they are kept as ints. Ids past the model's
     # vocabulary are the engine's to refuse (Engine.check_params)
     logit_bias: dict[int, float] | None = None
+    # vLLM's min_tokens: until this many tokens are out, EOS and stop_token_ids are kept from being sampled (the
+    # engines pass them as ``sample``'s ``banned``; stop strings still apply); at most max_tokens
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         """Reject out-of-range values with a message naming the field, the value and what is allowed."""
@@ -173,6 +177,8 @@ class SamplingParams:
             for k, v in self.logit_bias.items():  # "5" and 5 both given: their biases add up, as one entry
                 bias[_token_key(k)] = bias.get(_token_key(k), 0.0) + float(v)
             self.logit_bias = bias or None
+        self._require("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+                      f"an int in [0, max_tokens] (max_tokens is {_shown(self.max_tokens)!r})")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
 
     def _require(self, name: str, ok: bool, allowed: str) -> None:
@@ -264,7 +270,8 @@ def apply_token_bitmask(logits: torch.Tensor, mask: TokenBitmask) -> torch.Tenso
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            prompt_ids: list[Sequence[int]] | None = None,
            output_ids: list[Sequence[int]] | None = None, token_bitmask: TokenBitmask | None = None,
-           generator_states: list[torch.Tensor | None] | None = None, use_kernels: bool = False) -> torch.Tensor:
+           generator_states: list[torch.Tensor | None] | None = None, use_kernels: bool = False,
+           banned: list[Sequence[int] | None] | None = None) -> torch.Tensor:
     """Pick the next token of each sequence.
 
     logits: [num_seqs, vocab] (any float dtype); returns ids [num_seqs] (int64, same device).
@@ -273,6 +280,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     token_bitmask: the allowed tokens of the rows with structured output; required when any row has it (the
     caller owns the grammars: the serving engine), and a masked row must allow at least one token.
     Penalties first (see ``apply_penalties``), on greedy rows too, then the logit bias (``apply_logit_bias``), then
+    ``banned`` (per row, token ids that may not come now, e.g. EOS before a request's min_tokens: -inf), then
     the mask. Greedy rows then take the argmax.
     Sampled rows: fp32 logits / temperature, then top-k, then top-p (smallest set whose cumulative
     probability >= top_p, always keeping the top token), then min-p, then one draw with that row's
@@ -294,8 +302,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         raise ValueError(f"sample: {num_seqs} rows of logits but {len(params)} params "
                          f"and {len(generators)} generators")
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if (not rows and token_bitmask is None and use_kernels and logits.is_cuda and _triton_installed()
-            and not any(p.adjusts_logits or p.structured is not None for p in params)):
+    if banned is not None and not any(banned):
+        banned = None
+    if (not rows and token_bitmask is None and banned is None and use_kernels and logits.is_cuda
+            and _triton_installed() and not any(p.adjusts_logits or p.structured is not None for p in params)):
         # all greedy, nothing to add to the logits: two small kernels on them as they are (a bf16 row's argmax is
         # its fp32 copy's; the copy was an elementwise pass over the whole [num_seqs, vocab], 0.2 ms a step at 512
         # rows of a 128k vocabulary on the H200)
@@ -313,6 +323,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if any(p.logit_bias is not None for p in params):
         logits = apply_logit_bias(logits, params)
+    if banned is not None:
+        logits = ban_tokens(logits, banned)
     if token_bitmask is not None:
         logits = apply_token_bitmask(logits, token_bitmask)
     elif any(p.structured is not None for p in params):
@@ -432,6 +444,21 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     device = logits.device
     index = (to_device(rows, device), to_device(cols, device))
     return logits.index_put(index, to_device(values, device).float(), accumulate=True)
+
+
+def ban_tokens(logits: torch.Tensor, banned: list[Sequence[int] | None]) -> torch.Tensor:
+    """fp32 logits with each row's ``banned`` token ids at -inf (ids past the vocabulary skipped: no such token can
+    come anyway); a new tensor. One scatter on the device, no host sync."""
+    if len(banned) != logits.shape[0]:
+        raise ValueError(f"ban_tokens: {logits.shape[0]} rows of logits but {len(banned)} lists of banned tokens")
+    vocab = logits.shape[-1]
+    rows = [i for i, ids in enumerate(banned) if ids for t in ids if 0 <= t < vocab]
+    cols = [t for ids in banned if ids for t in ids if 0 <= t < vocab]
+    logits = logits.float()
+    if not rows:
+        return logits
+    index = (to_device(rows, logits.device), to_device(cols, logits.device))
+    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
 
 def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

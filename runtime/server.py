@@ -23,6 +23,8 @@ Policies:
 - Unknown request fields are ignored, as other OpenAI-compatible servers do, so clients that send newer
   OpenAI fields keep working. OpenAI fields this server knows but does not implement (completions' ``best_of``,
   ``echo``, ``suffix``) are rejected with 400 naming the field when they ask for anything but the default.
+- vLLM's ``min_tokens`` (both routes): no EOS or ``stop_token_ids`` token before that many tokens (stop strings and
+  a structured output's grammar still end a request), at most ``max_tokens``.
 - ``n`` (both routes, 1 to MAX_CHOICES = 16): n choices, each a request of its own in the engine (a seeded request's
   choice i takes seed + i, so seeded choices differ and each is reproducible alone), answered as one response with
   the choices' indexes (streamed: each choice's chunks as they come, the usage chunk once all have finished), usage
@@ -187,6 +189,7 @@ class _GenerationBody(_Body):
     # token id (as JSON keys are: a decimal string) -> a number in [-100, 100] added to its logit before sampling
     logit_bias: dict[str, Any] | None = None
     n: int | None = None  # choices to generate, 1..MAX_CHOICES (seeded: choice i takes seed + i)
+    min_tokens: int | None = None  # vLLM: no EOS or stop_token_ids before this many tokens (stop strings still apply)
 
     # OpenAI fields that are not implemented: field -> the values that mean "not asked for"; others are refused
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
@@ -206,7 +209,7 @@ class _GenerationBody(_Body):
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields this request sets (max_tokens and logprobs are resolved apart)."""
         names = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")
+                 "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias", "min_tokens")
         fields = {k: getattr(self, k) for k in names if getattr(self, k) is not None}
         if self.stop is not None:
             fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop

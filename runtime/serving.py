@@ -688,9 +688,14 @@ class ServingEngine:
         elif filled is None:
             filled = self._fill_masks(sampling, tracks)
         mask, errors = self._token_bitmask(sampling, filled)
+        # min_tokens: EOS and stop ids kept out until the request has that many tokens (not for structured output,
+        # whose grammar decides where it ends); such a request runs on the synchronous path (_overlappable), so its
+        # output count is exact here
+        banned = [t.stop_ids if t is not None and r.params.structured is None
+                  and r.num_output_tokens < r.params.min_tokens else None for r, t in zip(sampling, tracks)]
         try:
             return self._sample_rows(logits, sampling, generators, mask, draw_states,
-                                     self.executor.use_kernels), errors
+                                     self.executor.use_kernels, banned), errors
         except Exception as e:  # one request's parameters or history, or the device: find out row by row
             log.warning("sampling a batch of %d failed (%s: %s); retrying row by row", len(sampling),
                         type(e).__name__, e)
@@ -703,7 +708,8 @@ class ServingEngine:
             row_states = [None] if draw_states is not None else None
             try:
                 rows.append(self._sample_rows(logits[i:i + 1], [request], [generator],
-                                              mask.select(i) if mask is not None else None, row_states))
+                                              mask.select(i) if mask is not None else None, row_states,
+                                              banned=banned[i:i + 1]))
                 if draw_states is not None:
                     draw_states[i] = row_states[0]
             except Exception as e:
@@ -752,16 +758,16 @@ class ServingEngine:
     @staticmethod
     def _sample_rows(logits: torch.Tensor, sampling: list[Request], generators: list[torch.Generator | None],
                      mask: TokenBitmask | None, draw_states: list | None = None,
-                     use_kernels: bool = False) -> torch.Tensor:
+                     use_kernels: bool = False, banned: list | None = None) -> torch.Tensor:
         """``sample`` over these requests' rows. Token histories (a copy of each request's output so far) are
         built only when a penalty needs them."""
         params = [r.params for r in sampling]
         if not any(p.has_penalties for p in params):
             return sample(logits, params, generators, token_bitmask=mask, generator_states=draw_states,
-                          use_kernels=use_kernels)
+                          use_kernels=use_kernels, banned=banned)
         return sample(logits, params, generators, prompt_ids=[r.prompt_token_ids for r in sampling],
                       output_ids=[r.output_token_ids for r in sampling], token_bitmask=mask,
-                      generator_states=draw_states, use_kernels=use_kernels)
+                      generator_states=draw_states, use_kernels=use_kernels, banned=banned)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, wanted: list[int | None], sampling: list[Request],
@@ -837,7 +843,8 @@ class ServingEngine:
     @staticmethod
     def _overlappable(requests: list[Request]) -> bool:
         """Whether a step of these requests may run ahead of the host (see ``step``)."""
-        return not any(r.params.has_penalties or r.params.logprobs is not None for r in requests)
+        return not any(r.params.has_penalties or r.params.logprobs is not None
+                       or r.num_output_tokens < r.params.min_tokens for r in requests)
 
     # --- speculative decoding (runtime.speculative) ----------------------------------------------------------------
     @staticmethod
@@ -847,7 +854,7 @@ class ServingEngine:
         Structured requests do: their drafts are cut to what the grammar accepts (``_propose``), each verified row
         is masked by the grammar after the drafts before it (``_verify_masks``), and the grammar takes the emitted
         tokens in turn (``_record_verified``)."""
-        return params.logprobs is None and not params.has_penalties
+        return params.logprobs is None and not params.has_penalties and not params.min_tokens
 
     def _wants_drafts(self, requests: list[Request]) -> bool:
         """Whether the next step of these decoding requests would speculate: then it runs on the synchronous path

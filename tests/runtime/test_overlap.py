@@ -157,6 +157,24 @@ def test_logprobs_and_penalties_run_synchronously(engine):
     _assert_no_leaks(overlapped)
 
 
+def test_min_tokens_runs_synchronously_until_it_is_met(engine):
+    """A request with min_tokens keeps EOS and its stop ids out only while it has fewer tokens, which needs an exact
+    count at sampling: the pipeline runs it synchronously until then, and overlaps after. The tokens equal the
+    synchronous engine's, and no stop id comes before min_tokens."""
+    sync, overlapped, graphs = _pair(engine, num_blocks=64, max_num_seqs=4, max_seq_len=128)
+    prompts = _prompts(engine, 3, seed=6)
+    firsts = [o.token_ids[0] for o in sync.run(prompts, SamplingParams(max_tokens=1))]
+    params = [SamplingParams(max_tokens=30, stop_token_ids=[t], min_tokens=m) for t, m in zip(firsts, (6, 0, 20))]
+    want = sync.run(prompts, params)
+    got = overlapped.run(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert len(want[1].token_ids) == 1 and want[1].finish_reason == "stop"  # no min_tokens: its first token stops it
+    for o, p, t in zip(want, params, firsts):
+        assert t not in o.token_ids[:p.min_tokens] and len(o.token_ids) >= p.min_tokens
+    assert graphs.num_device_inputs > 0, "the pipeline never ran ahead once min_tokens was met"
+    _assert_no_leaks(overlapped)
+
+
 def _in_flight(engine: Engine, seed: int) -> tuple[ServingEngine, EagerGraphs]:
     """An overlapped engine five steps into two 50-token requests, a decode step in flight."""
     _, s, graphs = _pair(engine, num_blocks=64, max_num_seqs=4, max_seq_len=128)

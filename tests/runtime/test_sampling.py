@@ -451,6 +451,9 @@ def test_unseeded_rows_drawn_together_follow_the_filtered_distribution_beside_se
     ("logit_bias", {5: "1"}, "numbers in [-100, 100]"),
     ("logit_bias", {i: 1.0 for i in range(301)}, "a map of at most 300 token ids"),
     ("logit_bias", [5, 1.0], "None or a map"),
+    ("min_tokens", -1, "an int in [0, max_tokens]"),
+    ("min_tokens", 2.0, "an int in [0, max_tokens]"),
+    ("min_tokens", 65, "an int in [0, max_tokens] (max_tokens is 64)"),
 ])
 def test_invalid_params_name_the_field(field, value, allowed):
     with pytest.raises(SamplingError) as info:
@@ -630,3 +633,23 @@ def test_logit_bias_past_the_vocabulary_is_an_error_not_an_index_fault():
                                            r"be in \[0, 64\)"):
         check_vocab_params(SamplingParams(logit_bias={3: 1.0, 64: 1.0}), 64)
     check_vocab_params(SamplingParams(logit_bias={63: 1.0}), 64)
+
+
+# --- banned tokens (min_tokens) -------------------------------------------------------------------------------
+def test_banned_tokens_are_never_chosen_and_other_rows_are_untouched():
+    from runtime.sampling import ban_tokens
+
+    logits = random_logits(3, seed=11)
+    top = [int(t) for t in logits.argmax(-1)]
+    out = ban_tokens(logits, [[top[0], 10**6], None, []])  # an id past the vocabulary is skipped
+    assert out[0, top[0]] == float("-inf") and torch.isfinite(out[0]).sum() == VOCAB - 1
+    assert torch.equal(out[1:], logits[1:]) and not torch.equal(out, logits)
+    greedy = sample(logits, [SamplingParams()] * 3, [None] * 3, banned=[[top[0]], None, [top[2]]])
+    second = [int(logits[i].topk(2).indices[1]) for i in range(3)]
+    assert greedy.tolist() == [second[0], top[1], second[2]]
+    g = make_generator(3, "cpu")
+    many = sample(logits[:1].expand(2000, -1), [SamplingParams(temperature=2.0)] * 2000, [g] * 2000,
+                  banned=[[top[0], second[0]]] * 2000)
+    assert not set(many.tolist()) & {top[0], second[0]}
+    with pytest.raises(ValueError, match="3 rows of logits but 2 lists"):
+        ban_tokens(logits, [None, None])

@@ -397,6 +397,26 @@ def test_logit_bias_steers_the_tokens_as_the_offline_engine_does(server, offline
     server.wait_idle()
 
 
+def test_min_tokens_keeps_the_end_off_until_then(server, offline):
+    """vLLM's min_tokens: the greedy first token made a stop token ends the request at once; with min_tokens 4 that
+    token cannot come before the fourth, the same tokens on the server (whole, streamed, chat) as offline."""
+    prompt = "def fibonacci(n):"
+    first = offline.generate(prompt, SamplingParams(max_tokens=1)).token_ids[0]
+    stopped = offline.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[first]))
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) == 1
+    ref = offline.generate(prompt, SamplingParams(max_tokens=12, stop_token_ids=[first], min_tokens=4))
+    assert len(ref.token_ids) >= 4 and first not in ref.token_ids[:3]
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop_token_ids": [first], "min_tokens": 4}
+    with server.client() as client:
+        whole = client.post("/v1/completions", json=body).json()
+        chunks, done = streamed(client, "/v1/completions", body)
+        assert whole["choices"][0]["text"] == ref.text == joined_text(chunks, chat=False) and done
+        assert whole["usage"]["completion_tokens"] == len(ref.token_ids)
+        assert whole["choices"][0]["finish_reason"] == ref.finish_reason
+        assert_error(client.post("/v1/completions", json={**body, "min_tokens": 13}), 400, "min_tokens")
+    server.wait_idle()
+
+
 def test_n_choices_are_requests_of_their_own_with_consecutive_seeds(server, offline):
     """n > 1: one response whose choice i is what a request with seed + i gives (whole and streamed, completions and
     chat), usage counting the prompt once and every choice's tokens; unseeded greedy choices are all the same."""
