@@ -28,7 +28,8 @@ Policies:
 - ``n`` (both routes, 1 to MAX_CHOICES = 16): n choices, each a request of its own in the engine (a seeded request's
   choice i takes seed + i, so seeded choices differ and each is reproducible alone), answered as one response with
   the choices' indexes (streamed: each choice's chunks as they come, the usage chunk once all have finished), usage
-  counting the prompt once. A refusal of any choice (queue full) refuses the request and aborts the others.
+  counting the prompt once. A refusal of any choice (queue full) refuses the request and aborts the others. In
+  /metrics each choice counts as a request (its own latencies and tokens).
 - ``logit_bias`` (both routes): token ids (decimal-string keys) to numbers in [-100, 100] added to those tokens'
   logits before sampling (after the penalties, before a structured-output mask; runtime.sampling), at most 300,
   ids inside the model's vocabulary, else 400 naming ``logit_bias``. Logprobs still report the model's own logits.
