@@ -1141,21 +1141,30 @@ class _Handlers:
         request ended otherwise; then [DONE]. Several choices: each choice's chunks as they come (each with its
         index), usage once all have finished (completion tokens summed); a choice that fails ends the stream with
         its error (the others are aborted)."""
-        if not calls[0].chat:
-            yield SSE_KEEPALIVE  # the first bytes: the headers are out, and the client sees the stream alive
         lasts: list[RequestOutput | None] = [None] * len(calls)
-        if len(calls) == 1:
-            async for event in self._choice_events(calls[0], streams[0], lasts, 0):
-                yield event
+        if len(calls) == 1:  # (closed explicitly: a client gone mid-stream aborts the request at once)
+            async with contextlib.aclosing(self._choice_events(calls[0], streams[0], lasts, 0,
+                                                               first_bytes=True)) as events:
+                async for event in events:
+                    yield event
         else:
+            if not calls[0].chat:
+                try:
+                    yield SSE_KEEPALIVE  # the first bytes (see _choice_events)
+                except BaseException:  # the client left before any choice started: abort them all
+                    for call, stream in zip(calls, streams):
+                        await stream.aclose()
+                        call.tracker.finish("abort")
+                    raise
             queue: asyncio.Queue[str | None] = asyncio.Queue()
 
             async def pump(i: int) -> None:
                 try:
-                    async for event in self._choice_events(calls[i], streams[i], lasts, i):
-                        await queue.put(event)
+                    async with contextlib.aclosing(self._choice_events(calls[i], streams[i], lasts, i)) as events:
+                        async for event in events:
+                            await queue.put(event)
                 finally:
-                    await queue.put(None)
+                    queue.put_nowait(None)
 
             tasks = [asyncio.ensure_future(pump(i)) for i in range(len(calls))]
             try:
@@ -1178,12 +1187,15 @@ class _Handlers:
         yield _sse("[DONE]")
 
     async def _choice_events(self, call: _Call, stream: RequestStream, lasts: list[RequestOutput | None],
-                             i: int) -> AsyncIterator[str]:
+                             i: int, first_bytes: bool = False) -> AsyncIterator[str]:
         """One choice's events of ``_events`` (its role chunk first on chat; no [DONE], no usage); ``lasts[i]``
-        becomes its last delta when it finished normally."""
+        becomes its last delta when it finished normally. ``first_bytes``: a completion's stream opens with a
+        keep-alive comment (the headers are out, and the client sees the stream alive)."""
         try:
             if call.chat:
                 yield _sse(call.chunk("", None, None, role=True))
+            elif first_bytes:
+                yield SSE_KEEPALIVE
             self.keep_alive.watch(stream)
             sent = 0  # tokens sent so far
             while True:

@@ -799,9 +799,10 @@ def test_metrics_count_what_was_served(server):
 
 
 # --- 8. client disconnects ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-def test_client_disconnect_aborts_and_frees_blocks(server, stream):
-    body = {"prompt": "def main():", "max_tokens": 480, "ignore_eos": True, "stream": stream}
+@pytest.mark.parametrize("stream, n", [(True, 1), (False, 1), (True, 3), (False, 3)],
+                         ids=["streamed", "whole", "streamed-3-choices", "whole-3-choices"])
+def test_client_disconnect_aborts_and_frees_blocks(server, stream, n):
+    body = {"prompt": "def main():", "max_tokens": 480, "ignore_eos": True, "stream": stream, "n": n}
     scheduler = server.serving.scheduler
     with server.client() as client:
         aborted_before = metric_samples(client)[("llm_requests_total", (("outcome", "abort"),))]
@@ -810,13 +811,13 @@ def test_client_disconnect_aborts_and_frees_blocks(server, stream):
             events = (line for line in r.iter_lines() if line and not line.startswith(":"))
             for _ in range(3):
                 assert next(events).startswith("data: {")
-            assert scheduler.num_unfinished == 1  # still generating when the client goes away
+            assert scheduler.num_unfinished == n  # still generating when the client goes away
     else:
         with server.client(timeout=0.3) as client, pytest.raises(httpx.ReadTimeout):
             client.post("/v1/completions", json=body)
     server.wait_idle(timeout=3.0)  # long before the 480 tokens would have been generated
-    with server.client() as client:
-        assert metric_samples(client)[("llm_requests_total", (("outcome", "abort"),))] == aborted_before + 1
+    with server.client() as client:  # every choice counts as a request (aborted)
+        assert metric_samples(client)[("llm_requests_total", (("outcome", "abort"),))] == aborted_before + n
 
 
 # --- timeouts ----------------------------------------------------------------------------------------------------
