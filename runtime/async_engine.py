@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineNotRunning", "KEEP_ALIVE", "QueueFullError", "RequestError", "RequestStream"]
 
 KEEP_ALIVE = object()  # what __anext__ returns to a consumer woken by RequestStream.nudge, instead of a delta
+# a tensor-parallel engine: how often a thread of its own looks for a dead rank (see AsyncEngine._watch_failure)
+FAILURE_POLL_S = 0.05
 
 
 class EngineNotRunning(RuntimeError):
@@ -180,6 +182,8 @@ class AsyncEngine(EngineFront):
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="engine-step", daemon=True)
             self._thread.start()
+            if hasattr(self.engine.executor, "failure"):  # tensor parallel: a rank can die under a step
+                threading.Thread(target=self._watch_failure, name="engine-failure", daemon=True).start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -240,6 +244,7 @@ class AsyncEngine(EngineFront):
                 self.errored = engine.failure
                 self._dispatch(engine.finish_all("error", str(engine.failure)))
                 self._fail_all(EngineNotRunning(str(engine.failure)))
+                self._fail_inbox(EngineNotRunning(str(engine.failure)))
                 return
             self._take_inbox()
             if not engine.has_unfinished:
@@ -256,6 +261,32 @@ class AsyncEngine(EngineFront):
             self._dispatch(outputs)
         self._dispatch(engine.finish_all("abort", "the server is shutting down"))
         self._fail_all(EngineNotRunning("the engine shut down"))
+
+    def _watch_failure(self) -> None:
+        """Tensor parallel: fail the requests in flight as soon as a rank's death is seen (the executor's sentinel
+        thread sets the engine's failure), not when the engine thread comes back: that thread may be inside a
+        collective waiting for the dead rank, for up to its timeout (runtime.tensor_parallel.COLLECTIVE_TIMEOUT_S).
+        Touches only the streams' queues (each put from its own event loop) and the inbox; the engine's own state
+        stays the engine thread's, which finishes the requests when it returns."""
+        while not self._stop.wait(FAILURE_POLL_S):
+            failure = self.engine.failure
+            if failure is not None:
+                error = EngineNotRunning(str(failure))
+                for sub in list(self._streams.values()):  # a snapshot: the engine thread may still change it
+                    _put_error(sub, error)
+                self._fail_inbox(error)
+                return
+
+    def _fail_inbox(self, error: BaseException) -> None:
+        """Submissions the engine thread never took: each stream gets ``error``."""
+        while True:
+            try:
+                sub = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            _put_error(sub, error)
+            with self._admit:
+                self._num_inbox -= 1
 
     def _take_inbox(self) -> None:
         while True:
@@ -294,8 +325,13 @@ class AsyncEngine(EngineFront):
 
     def _fail_all(self, error: BaseException) -> None:
         for sub in self._streams.values():
-            try:
-                sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, error)
-            except RuntimeError:
-                pass
+            _put_error(sub, error)
         self._streams.clear()
+
+
+def _put_error(sub: _Submission, error: BaseException) -> None:
+    """``error`` into a request's stream, from any thread (its event loop puts it; a closed loop is skipped)."""
+    try:
+        sub.loop.call_soon_threadsafe(sub.outputs.put_nowait, error)
+    except RuntimeError:
+        pass

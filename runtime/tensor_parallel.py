@@ -97,6 +97,7 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("LLM_BUILDER_TP_TIMEOUT_S", "120")) 
 # debugging a hang: every rank prints all its threads' Python stacks to stderr every this many seconds
 STACKS_ENV = "LLM_BUILDER_TP_STACKS_S"
 HEARTBEAT_S = 5.0  # idle rank 0 pings the workers this often (well under the timeout)
+LOCK_POLL_S = 0.05  # a thread waiting for the group looks at the engine's failure this often
 # graph captures with NCCL kernels: other threads (ProcessGroupNCCL's watchdog) may query CUDA meanwhile
 CAPTURE_MODE = os.environ.get("LLM_BUILDER_TP_CAPTURE_MODE", "thread_local")
 START_TIMEOUT_S = float(os.environ.get("LLM_BUILDER_TP_START_TIMEOUT_S", "900"))  # workers' start and weight load
@@ -596,8 +597,12 @@ class TPExecutor:
 
     def locked(self, fn, what: str):
         """Run ``fn`` (which talks to the workers) holding the group; any failure fails the engine, since
-        the ranks' collectives no longer line up after it."""
-        with self._lock:
+        the ranks' collectives no longer line up after it. A failure seen while waiting for the group is raised at
+        once: the thread holding it may be inside a collective that waits for a dead rank until its timeout."""
+        while not self._lock.acquire(timeout=LOCK_POLL_S):
+            if self.failure is not None:
+                raise self.failure
+        try:
             if self.failure is not None:
                 raise self.failure
             try:
@@ -606,6 +611,8 @@ class TPExecutor:
                 raise self._fail(self._dead_workers() or f"{what} failed on rank 0 ({type(e).__name__}: {e})") from e
             finally:
                 self._last_sent = time.monotonic()
+        finally:
+            self._lock.release()
 
     def _message(self, inp: StepInput) -> tuple[StepMessage, list[torch.Tensor]]:
         msg = StepMessage("step")

@@ -132,3 +132,62 @@ def test_a_nudged_stream_wakes_with_keep_alive_and_loses_no_delta():
             await stream.__anext__()
 
     asyncio.run(run())
+
+
+def test_a_rank_dying_under_a_stuck_step_fails_its_requests_at_once(offline):
+    """Tensor parallel: the engine thread can be inside a collective that waits for a dead rank until its timeout.
+    The requests in flight (and those not yet taken) must fail as soon as the engine's failure is set, not then;
+    /health's readiness turns false at once. A stand-in executor attribute and a step that blocks play the parts."""
+    import threading
+
+    from runtime.async_engine import EngineNotRunning
+
+    serving = ServingEngine(offline, ServingConfig(num_blocks=48, max_num_seqs=4))
+    serving.executor.failure = None  # what a tensor-parallel executor has (the failure watcher starts for it)
+    stuck, release = threading.Event(), threading.Event()
+    step = serving.step
+
+    def stuck_step():
+        outputs = step()
+        if serving.num_steps >= 2:
+            stuck.set()
+            release.wait(30)  # a collective waiting for a rank that is gone
+        return outputs
+
+    serving.step = stuck_step
+    engine = AsyncEngine(serving)
+    engine.start()
+    prompt = offline.tokenizer.encode("def main():")
+
+    async def main():
+        first = engine.generate(prompt, SamplingParams(max_tokens=200, ignore_eos=True))
+        got = []
+
+        async def read(stream):
+            try:
+                async for out in stream:
+                    got.append(out)
+            except EngineNotRunning as e:
+                return e
+            return None
+
+        reader = asyncio.ensure_future(read(first))
+        while not stuck.is_set():
+            await asyncio.sleep(0.01)
+        late = engine.generate(prompt, SamplingParams(max_tokens=4))  # queued, never taken by the stuck thread
+        late_reader = asyncio.ensure_future(read(late))
+        start = time.monotonic()
+        serving.executor.failure = RuntimeError("worker rank 1 (pid 123) exited with signal SIGKILL")
+        errors = await asyncio.wait_for(asyncio.gather(reader, late_reader), 5)
+        return errors, time.monotonic() - start
+
+    try:
+        (first_error, late_error), waited = asyncio.run(main())
+        assert isinstance(first_error, EngineNotRunning) and "rank 1" in str(first_error)
+        assert isinstance(late_error, EngineNotRunning)
+        assert waited < 2, f"the requests waited {waited:.1f} s for the stuck step"
+        assert not engine.ready
+    finally:
+        release.set()
+        engine.shutdown()
+        del serving.executor.failure  # the executor is the module's offline engine's: leave it as it was
