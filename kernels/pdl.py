@@ -149,8 +149,7 @@ def prefetch_rows_plan(block_rows: int, row_bytes: int, range_bytes: int = 0) ->
     lines_per_row = max(1, min(triton.next_power_of_2(max(row_bytes // LINE, 1)), MAX_PREFETCH_LINES))
     rows = (min(block_rows, max(1, MAX_PREFETCH_LINES // lines_per_row)) if PREFETCH else 0)
     if RANGE_LINES and range_bytes > row_bytes and rows:
-        budget = _floor_pow2(max(RANGE_LINES // block_rows, 1))
-        wide = min(triton.next_power_of_2(triton.cdiv(range_bytes, LINE)), budget)
+        wide = range_lines(range_bytes, block_rows)
         if block_rows * wide > rows * lines_per_row:
             return block_rows, wide
     return rows, lines_per_row

@@ -121,7 +121,7 @@ class SamplingParams:
     # None -> off; else token id -> a number in [-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS] added to that token's logit
     # before sampling (OpenAI's logit_bias: -100 all but excludes the token, 100 all but forces it), at most
     # MAX_LOGIT_BIAS tokens. Keys may come as decimal strings (JSON); they are kept as ints. Ids past the model's
-    # vocabulary are the engine's to refuse (Engine.check_params)
+    # vocabulary are the engines' to refuse (runtime.engine.check_vocab_params)
     logit_bias: dict[int, float] | None = None
     # vLLM's min_tokens: until this many tokens are out, EOS and stop_token_ids are kept from being sampled (the
     # engines pass them as ``sample``'s ``banned``; stop strings still apply); at most max_tokens
@@ -426,39 +426,40 @@ def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], prompt_i
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """fp32 logits ([num_seqs, vocab]) plus each row's ``logit_bias`` at its tokens; a new tensor (the input, the
     model's raw logits, stays as it was: logprobs report them). Rows without a bias come back bit-identical; -inf
-    (a masked or penalized-out token) stays -inf and NaN stays NaN. One scatter-add on the device, no host sync
-    (the indices go through pinned memory). Token ids must be inside the vocabulary: the engines check them when
-    a request arrives (``runtime.engine.Engine.check_params``)."""
+    (a masked or penalized-out token) stays -inf and NaN stays NaN. Token ids must be inside the vocabulary: the
+    engines check them when a request arrives (``runtime.engine.check_vocab_params``)."""
     rows, cols, values = [], [], []
     for i, p in enumerate(params):
         if p.logit_bias:
             rows += [i] * len(p.logit_bias)
             cols += list(p.logit_bias)
             values += list(p.logit_bias.values())
-    logits = logits.float()
-    if not rows:
-        return logits
-    vocab = logits.shape[-1]
-    if max(cols) >= vocab:
-        raise ValueError(f"apply_logit_bias: token id {max(cols)} is outside the logits' vocabulary of {vocab}")
-    device = logits.device
-    index = (to_device(rows, device), to_device(cols, device))
-    return logits.index_put(index, to_device(values, device).float(), accumulate=True)
+    if cols and max(cols) >= logits.shape[-1]:
+        raise ValueError(f"apply_logit_bias: token id {max(cols)} is outside the logits' vocabulary of "
+                         f"{logits.shape[-1]}")
+    return _scatter(logits, rows, cols, values, accumulate=True)
 
 
 def ban_tokens(logits: torch.Tensor, banned: list[Sequence[int] | None]) -> torch.Tensor:
     """fp32 logits with each row's ``banned`` token ids at -inf (ids past the vocabulary skipped: no such token can
-    come anyway); a new tensor. One scatter on the device, no host sync."""
+    come anyway); a new tensor."""
     if len(banned) != logits.shape[0]:
         raise ValueError(f"ban_tokens: {logits.shape[0]} rows of logits but {len(banned)} lists of banned tokens")
     vocab = logits.shape[-1]
-    rows = [i for i, ids in enumerate(banned) if ids for t in ids if 0 <= t < vocab]
-    cols = [t for ids in banned if ids for t in ids if 0 <= t < vocab]
+    pairs = [(i, t) for i, ids in enumerate(banned) if ids for t in ids if 0 <= t < vocab]
+    return _scatter(logits, [i for i, _ in pairs], [t for _, t in pairs], float("-inf"), accumulate=False)
+
+
+def _scatter(logits: torch.Tensor, rows: list[int], cols: list[int], values: list[float] | float,
+             accumulate: bool) -> torch.Tensor:
+    """fp32 ``logits`` with ``values`` put (or added) at (rows[j], cols[j]): a new tensor, one scatter on the device,
+    no host sync (the indices go through pinned memory)."""
     logits = logits.float()
     if not rows:
         return logits
-    index = (to_device(rows, logits.device), to_device(cols, logits.device))
-    return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
+    device = logits.device
+    values = to_device(values, device) if isinstance(values, list) else torch.tensor(values, device=device)
+    return logits.index_put((to_device(rows, device), to_device(cols, device)), values, accumulate=accumulate)
 
 
 def _token_counts(token_ids: list[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
