@@ -157,6 +157,10 @@ class DecodeGraphs:
         self._tables = [TableStaging(top, self.max_blocks, pin=True) for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # per bucket, the graph's final hidden states (where the executor keeps them: an EAGLE head reads them);
+        # ``hidden`` after ``run``: those of the step just replayed, valid until the next replay
+        self._hidden: dict[int, torch.Tensor] = {}
+        self.hidden: torch.Tensor | None = None
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
@@ -172,7 +176,10 @@ class DecodeGraphs:
 
     def _capture(self, b: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         log.debug("capturing the decode step for batch size %d", b)
-        return capture_step(self.executor, self._step_input(b), pool, self.capture_error_mode)
+        captured = capture_step(self.executor, self._step_input(b), pool, self.capture_error_mode)
+        if self.executor.keep_hidden:  # made inside the capture: the replays write it in place
+            self._hidden[b] = self.executor.hidden
+        return captured
 
     def close(self) -> None:
         """Destroy the graphs now (idempotent). Graphs that recorded NCCL collectives (tensor parallelism)
@@ -222,6 +229,8 @@ class DecodeGraphs:
             self.block_tables[:b, :tables.shape[1]].copy_(tables, non_blocking=True)
         graph, logits = self._graphs[b]
         graph.replay()
+        if b in self._hidden:
+            self.hidden = self._hidden[b][:n]
         return logits[:n]
 
 
@@ -321,6 +330,10 @@ class StepGraphs:
         self.seq_lens, self.context_lens, self.cu_seqlens_q = seqs[0, :top_s], seqs[1, :top_s], seqs[2]
         self.block_tables = torch.zeros(top_s, self.max_blocks, dtype=torch.int32, device=device)
         self.logits: torch.Tensor | None = None  # [top_s, vocab] ([0, vocab] without logits), at the first capture
+        # where the executor keeps its final hidden states (runtime.eagle): every graph copies them into one static
+        # buffer [top_t, hidden], as the logits; ``hidden`` after ``run``: the step's rows, valid until the next run
+        self._hidden_buf: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
         # per host set: the block tables, and [fed rows | their targets] (a feed's index, see run)
         self._staging = [(TableStaging(top_s, self.max_blocks, pin),
                           torch.zeros(2 * top_t, dtype=torch.long, pin_memory=pin)) for _ in range(2)]
@@ -370,10 +383,16 @@ class StepGraphs:
         if self.logits is None:
             rows = self.seq_buckets[-1] if self.wants_logits else 0
             self.logits = torch.empty(rows, out.shape[1], dtype=out.dtype, device=out.device)
+        keep = self.executor.keep_hidden
+        if keep and self._hidden_buf is None:
+            hidden = self.executor.hidden
+            self._hidden_buf = hidden.new_empty(self.token_buckets[-1], hidden.shape[1])
         del out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode=capture_error_mode):
             self.logits[:s].copy_(self.executor.forward(inp))
+            if keep:
+                self._hidden_buf[:t].copy_(self.executor.hidden)
         return graph
 
     def close(self) -> None:
@@ -438,6 +457,11 @@ class StepGraphs:
             self._copied[turn].record()
         graph = self._graphs.get((t, s, mixed))
         if graph is None:  # not captured: the same padded step, eagerly
-            return self.executor.forward(self._step_input(t, s, mixed))[:rows]
+            logits = self.executor.forward(self._step_input(t, s, mixed))[:rows]
+            if self.executor.keep_hidden:
+                self.hidden = self.executor.hidden[:n]
+            return logits
         graph.replay()
+        if self._hidden_buf is not None:
+            self.hidden = self._hidden_buf[:n]
         return self.logits[:rows]

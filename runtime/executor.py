@@ -948,6 +948,12 @@ class Executor:
                   + ([self._fusions.residual_out[i]] if i in self._fusions.residual_out else [])
                   for i, node in enumerate(nodes)]
         last_use: dict[str, int] = {name: i for i, names in enumerate(inputs) for name in names}
+        # the lm_head's input (the final hidden states, after the final norm): kept in the step's environment and
+        # left in ``hidden`` by ``forward`` where ``keep_hidden`` is set (an EAGLE head reads it, runtime.eagle)
+        heads = [n for n in nodes if n["op"] == "lm_head"]
+        self.hidden_name: str | None = heads[0]["inputs"][0] if len(heads) == 1 else None
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
         for i, node in enumerate(nodes):
             compile_fn = _COMPILERS.get(node["op"])
             if compile_fn is None:
@@ -964,7 +970,8 @@ class Executor:
                 outputs = outputs + norm["outputs"]
             elif i in self._fusions.add_layer_norms.values():
                 kernel = _done_before  # its output came with the add's
-            dead = [n for n in inputs[i] if last_use.get(n) == i and n not in self.outputs]
+            dead = [n for n in inputs[i]
+                    if last_use.get(n) == i and n not in self.outputs and n != self.hidden_name]
             self._program.append((kernel, inputs[i], outputs, sorted(set(dead))))
         self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
 
@@ -977,7 +984,18 @@ class Executor:
         """Run one step; returns logits [num_selected, vocab] in fp32."""
         env = self.start(inp)
         self.run_nodes(env, 0, len(self._program))
+        if self.keep_hidden:
+            self.hidden = env.get(self.hidden_name)  # [num_tokens, hidden], every row (not only the logits rows)
         return env[self.outputs[0]]
+
+    def node_kernel(self, index: int) -> Kernel:
+        """Node ``index``'s compiled kernel: ``kernel(inputs, step)`` -> outputs (see ``scratch_step``)."""
+        return self._program[index][0]
+
+    @staticmethod
+    def scratch_step(inp: StepInput) -> _Step:
+        """The per-step scratch a kernel run outside ``forward`` is given (``node_kernel``)."""
+        return _Step(inp, {})
 
     def start(self, inp: StepInput) -> dict[str, Any]:
         """A fresh environment for running nodes over ``inp`` (see ``run_nodes``)."""

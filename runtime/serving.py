@@ -173,6 +173,19 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, c
                         "target reads as many bytes per token as the target saves; speculation will not pay",
                         config.draft_model, draft_bytes / 2**20, target_bytes / 2**20)
         return proposer
+    if config.method == "eagle":
+        from runtime.eagle import EagleProposer
+
+        where = "" if Path(config.draft_model).is_absolute() else \
+            f" (a relative path, read from the working directory {Path.cwd()})"
+        try:
+            proposer = EagleProposer.load(config.draft_model, target, max_seq_len,
+                                          max_seqs=min(config.max_running, max_num_seqs or config.max_running),
+                                          max_draft_tokens=config.num_speculative_tokens)
+        except SpeculativeConfigError as e:
+            raise SpeculativeConfigError(f"speculative draft_model{where}: {e}") from None
+        target.executor.keep_hidden = True  # before any CUDA graph is captured: they keep them too
+        return proposer
     raise SpeculativeConfigError(f"no proposer for speculative method {config.method!r}; use one of "
                                  f"{', '.join(METHODS)}")
 
@@ -646,7 +659,10 @@ class ServingEngine:
                 ids = _feed(to_device([0 if r is not None else q.request.token_ids[q.num_context]
                                        for q, r in zip(seqs, rows)], self.device),
                             (tokens, [rows[i] for i in dst], dst))
-            return self._replay(sched, ids), [q.request for q in seqs]  # a one-token step always samples
+            logits = self._replay(sched, ids)
+            if self._hidden_wanted(sched):
+                self._record_hidden(sched, self.graphs.hidden, list(range(len(seqs) + 1)))
+            return logits, [q.request for q in seqs]  # a one-token step always samples
         packed, sampling = self._pack(sched)
         moved = [(i, q.in_flight_row) for i, q in enumerate(seqs) if q.in_flight_row is not None]
         # (rows of the step in flight, packed rows they feed): a seq with an in-flight token has one new token
@@ -661,11 +677,32 @@ class ServingEngine:
         num_rows = len(packed.logits_rows)
         if self.step_graphs is not None \
                 and self.step_graphs.bucket_for(sched.num_batched_tokens, len(seqs), num_rows) is not None:
-            return self.step_graphs.run(packed, feed), sampling
+            logits = self.step_graphs.run(packed, feed)
+            if self._hidden_wanted(sched):
+                self._record_hidden(sched, self.step_graphs.hidden, packed.cu_seqlens_q)
+            return logits, sampling
         inp = self._prepare(sched, packed)
         if feed is not None:
             _feed(inp.input_ids, feed)
-        return self.executor.forward(inp), sampling  # logits: [num_sampling, vocab] fp32
+        logits = self.executor.forward(inp)  # [num_sampling, vocab] fp32
+        if self._hidden_wanted(sched):
+            self._record_hidden(sched, self.executor.hidden, packed.cu_seqlens_q)
+        return logits, sampling
+
+    def _hidden_wanted(self, sched: SchedulerOutput) -> bool:
+        """Whether this step's final hidden states go to the proposer (an EAGLE head's, ``needs_hidden``): at a
+        load where steps may speculate (at most ``max_running`` requests running)."""
+        return (getattr(self.proposer, "needs_hidden", False)
+                and len(self.scheduler.running) <= self.spec_policy.config.max_running)
+
+    def _record_hidden(self, sched: SchedulerOutput, hidden: torch.Tensor, starts: list[int]) -> None:
+        """Hand the proposer each speculating request's rows of ``hidden`` (rows starts[i] .. starts[i + 1] are
+        seq i's, at positions from its num_context on): copied on the stream, so a graph's buffer may be reused."""
+        for i, q in enumerate(sched.seqs):
+            track = self._tracks.get(q.request.request_id)
+            if track is None or track.draft is None:
+                continue
+            self.proposer.record_hidden(q.request.request_id, q.num_context, hidden[starts[i]:starts[i + 1]])
 
     def _sample(self, logits: torch.Tensor, sampling: list[Request],
                 draw_states: list[torch.Tensor | None] | None = None, masks: Future | None = None,

@@ -35,9 +35,9 @@ with its tokens, so a speculative step waits for the device once.
 Proposers (``Proposer``): ``NgramProposer`` (prompt lookup over the request's own prompt and output) and
 ``runtime.draft_model.DraftModelProposer`` (a second artifact of the same vocabulary with its own engine and KV
 cache, k greedy tokens: one-hot q, so the verification above applies as is; ``release`` frees its per-request
-state). Where head-based proposers go (EAGLE, MTP heads shipped with a checkpoint): they are ``Proposer``s too, but
-need the target's hidden states at the accepted positions, which the executor does not return yet; such a proposer
-would declare that need and receive them after each verified step. Not implemented.
+state). ``runtime.eagle.EagleProposer`` (an EAGLE-1 head: one or a few decoder layers over the target's own final hidden
+states and the next token, the target's embedding and lm_head; ``needs_hidden``: the serving engine hands it
+every step's hidden states of the requests that may speculate, ``record_hidden``). MTP heads are not implemented.
 
 Adaptivity (``SpeculationPolicy``): no speculation in a step with more than ``max_running`` decoding requests
 (the target step stops being bandwidth-bound and drafts cost real compute); per request, the number of drafts
@@ -67,7 +67,9 @@ from runtime.env import env_number
 if TYPE_CHECKING:  # the config is read by the server's command line before torch is imported
     import torch
 
-METHODS = ("ngram", "draft")  # proposers implemented ("draft": a draft-model artifact); EAGLE / MTP heads are not yet
+# proposers implemented ("draft": a draft-model artifact; "eagle": an EAGLE-1 head over the target's hidden states,
+# runtime.eagle); MTP heads are not yet
+METHODS = ("ngram", "draft", "eagle")
 MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
 # num_speculative_tokens when a section leaves it out. n-gram drafts cost nothing to make and a verify step costs
 # about the same for k = 1-8 (Llama-3-8B shape and the bundled model, H100, session 24): bundled model, code-editing
@@ -75,7 +77,7 @@ MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
 # tokens (the n-gram defaults below), k = 12 (session 45, CPU counts of verify steps and tokens under the bundled
 # model's measured verify cost of ~2 plain steps: 1.54x -> 1.71x estimated on the code-editing prompts, 1.93x -> 2.08x
 # on held-out text; not yet measured on a GPU). A draft model pays one forward per draft: 4
-DEFAULT_SPECULATIVE_TOKENS = {"ngram": 12, "draft": 4}
+DEFAULT_SPECULATIVE_TOKENS = {"ngram": 12, "draft": 4, "eagle": 4}
 ACCEPTANCE_EWMA_WEIGHT = 0.3  # weight of the newest verified step in a request's acceptance rate
 # engine steps a request runs without drafts once its acceptance fell below min_acceptance; 8 (was 32): a copy
 # workload's acceptance dips where the model stops copying and recovers a few tokens later (the bundled model on
@@ -116,7 +118,8 @@ class SpeculativeConfig:
     # than a plain one
     min_ngram: int = 3
     max_ngram: int = 6
-    # draft: the draft model's artifact directory (same tokenizer as the target, built by the same toolchain)
+    # draft: the draft model's artifact directory (same tokenizer as the target, built by the same toolchain);
+    # eagle: the EAGLE head's checkpoint directory (config.json and model.safetensors, runtime.eagle)
     draft_model: str | None = None
     # no speculation in a step with more decoding requests than this; default from RUNTIME_SPEC_MAX_RUNNING, else 8
     max_running: int = field(default_factory=lambda: _env("RUNTIME_SPEC_MAX_RUNNING", 8, int, 1))
@@ -133,7 +136,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         """Reject out-of-range values with a message naming the field, the value and what is allowed."""
         if self.method is not None and self.method not in METHODS:
-            planned = " (EAGLE / MTP head proposers are not implemented yet)" if self.method in ("eagle", "mtp") else ""
+            planned = " (MTP head proposers are not implemented yet)" if self.method == "mtp" else ""
             raise SpeculativeConfigError(f"speculative method {self.method!r} is not available{planned}; use one of "
                                          f"{', '.join(METHODS)}, or leave method unset (None) for no speculation")
         if self.num_speculative_tokens is None and self.method is not None:
@@ -146,10 +149,11 @@ class SpeculativeConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
                 allowed = f"in [{low}, {high}]" if high else f">= {low}"
                 raise SpeculativeConfigError(f"speculative {name}: {value!r} is not an int {allowed}")
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise SpeculativeConfigError("speculative method 'draft' needs draft_model (the draft artifact's "
-                                         "directory), and draft_model needs method 'draft'; got method "
-                                         f"{self.method!r} and draft_model {self.draft_model!r}")
+        if (self.method in ("draft", "eagle")) != (self.draft_model is not None):
+            raise SpeculativeConfigError("speculative methods 'draft' and 'eagle' need draft_model (the draft "
+                                         "artifact's directory, or the EAGLE head checkpoint's), and draft_model "
+                                         f"needs one of them; got method {self.method!r} and draft_model "
+                                         f"{self.draft_model!r}")
         if self.draft_model is not None and not isinstance(self.draft_model, str):
             raise SpeculativeConfigError(f"speculative draft_model: {self.draft_model!r} is not a path (a string)")
         if self.min_ngram > self.max_ngram:

@@ -210,9 +210,10 @@ def test_ngram_refuses_bad_sizes():
     ({"method": "ngram", "min_ngram": 7}, "min_ngram 7 is above max_ngram 6"),
     ({"method": "ngram", "max_running": 0}, "max_running: 0 is not an int >= 1"),
     ({"method": "ngram", "min_acceptance": 1.5}, r"min_acceptance: 1.5 is not a number in \[0, 1\]"),
-    ({"method": "eagle"}, "'eagle' is not available .*not implemented yet.*use one of ngram, draft"),
-    ({"method": "draft"}, "method 'draft' needs draft_model"),
-    ({"method": "ngram", "draft_model": "artifacts/draft"}, "draft_model needs method 'draft'"),
+    ({"method": "mtp"}, "'mtp' is not available .*not implemented yet.*use one of ngram, draft, eagle"),
+    ({"method": "draft"}, "methods 'draft' and 'eagle' need draft_model"),
+    ({"method": "eagle"}, "methods 'draft' and 'eagle' need draft_model"),
+    ({"method": "ngram", "draft_model": "artifacts/draft"}, "draft_model needs one of them"),
     ({"method": "ngram", "k": 3}, "unknown speculative setting.*'k'; known: adaptive, draft_model, max_ngram"),
 ])
 def test_bad_settings_are_refused_with_what_is_allowed(section, message):
@@ -226,7 +227,7 @@ def test_the_number_of_drafts_defaults_by_method(tmp_path):
     """num_speculative_tokens left out: 12 n-gram drafts (free to make), 4 from a draft model (a forward each); an
     explicit value wins; with no method there is nothing to draft. A resolved section crosses the process boundary
     as it is."""
-    assert DEFAULT_SPECULATIVE_TOKENS == {"ngram": 12, "draft": 4}
+    assert DEFAULT_SPECULATIVE_TOKENS == {"ngram": 12, "draft": 4, "eagle": 4}
     assert SpeculativeConfig(method="ngram").num_speculative_tokens == 12
     assert SpeculativeConfig(method="draft", draft_model=str(tmp_path)).num_speculative_tokens == 4
     assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": None}).num_speculative_tokens == 12

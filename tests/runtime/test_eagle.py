@@ -1,0 +1,226 @@
+"""EAGLE heads (runtime.eagle): the head's forward against a reference built from transformers' Llama decoder layer,
+the proposer's incremental cache against a from-scratch recomputation (growing tokens, accepted and rejected drafts,
+a repeated proposal, a gap in the recorded hidden states), the checkpoint checks, and the serving engine with an
+EAGLE head: greedy and seeded output equal to non-speculative decoding, drafts verified, nothing leaked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from runtime import Engine, SamplingParams
+from runtime.eagle import EagleCheckpointError, EagleConfig, EagleProposer, load_head
+from runtime.serving import ServingConfig, ServingEngine
+from runtime.speculative import DraftRequest, SpeculativeConfig, SpeculativeConfigError
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n",
+           "    def read(self, path):\n        with open(path) as f:\n            return f.read()\n" * 2]
+
+
+def write_head(path: Path, hidden: int, vocab: int | None = None, layers: int = 1, heads: int = 4,
+               kv_heads: int = 2, intermediate: int = 96, seed: int = 0, fc_bias: bool = True,
+               scale: float = 0.05, **config) -> Path:
+    """A random EAGLE-1 head checkpoint (config.json, model.safetensors) for a target of ``hidden`` features."""
+    g = torch.Generator().manual_seed(seed)
+    d = hidden // heads
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * scale
+
+    w = {"fc.weight": rnd(hidden, 2 * hidden)}
+    if fc_bias:
+        w["fc.bias"] = rnd(hidden)
+    for i in range(layers):
+        p = f"layers.{i}."
+        w.update({p + "self_attn.q_proj.weight": rnd(heads * d, hidden),
+                  p + "self_attn.k_proj.weight": rnd(kv_heads * d, hidden),
+                  p + "self_attn.v_proj.weight": rnd(kv_heads * d, hidden),
+                  p + "self_attn.o_proj.weight": rnd(hidden, heads * d),
+                  p + "mlp.gate_proj.weight": rnd(intermediate, hidden),
+                  p + "mlp.up_proj.weight": rnd(intermediate, hidden),
+                  p + "mlp.down_proj.weight": rnd(hidden, intermediate),
+                  p + "post_attention_layernorm.weight": 1 + rnd(hidden)})
+        if i > 0:
+            w[p + "input_layernorm.weight"] = 1 + rnd(hidden)
+    if vocab is not None:
+        w["lm_head.weight"] = rnd(vocab, hidden) * 20
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    cfg = {"architectures": ["LlamaForCausalLMEagle"], "hidden_size": hidden, "num_attention_heads": heads,
+           "num_key_value_heads": kv_heads, "head_dim": d, "intermediate_size": intermediate,
+           "num_hidden_layers": layers, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", **config}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(bundled_artifact) -> Engine:
+    return Engine.load(bundled_artifact)
+
+
+@pytest.fixture(scope="module")
+def head_dir(engine, tmp_path_factory) -> Path:
+    hidden = engine.executor.params[next(n["weights"]["weight"] for n in engine.executor.graph["nodes"]
+                                         if n["op"] == "embedding")].shape[1]
+    return write_head(tmp_path_factory.mktemp("eagle") / "head", hidden, layers=2)
+
+
+def _reference_outputs(head, token_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+    """The head over pairs (hidden[i], token_ids[i]) at positions 0..n-1 from scratch, by transformers' Llama
+    decoder layers (the first without its input norm) and rotary embedding."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = head.config
+    config = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads,
+                         num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                         intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                         rms_norm_eps=cfg.rms_norm_eps, rope_theta=10000.0, attn_implementation="eager")
+    n = len(token_ids)
+    x = torch.cat([head.embed[torch.tensor(token_ids)].float(), hidden.float()], dim=-1)
+    x = torch.nn.functional.linear(x, head.w["fc.weight"].float(), head.w["fc.bias"].float())[None]
+    positions = torch.arange(n)[None]
+    emb = LlamaRotaryEmbedding(config)(x, positions)
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    for i in range(cfg.num_layers):
+        layer = LlamaDecoderLayer(config, i)
+        state = {k[len(f"layers.{i}."):]: v.float() for k, v in head.w.items() if k.startswith(f"layers.{i}.")}
+        if i == 0:
+            layer.input_layernorm = torch.nn.Identity()
+        layer.load_state_dict(state, strict=True)
+        out = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=emb)
+        x = out[0] if isinstance(out, tuple) else out
+    return x[0]
+
+
+def _reference_drafts(head, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+    """Drafts from scratch: the head over every known pair, then k - 1 chain steps, each recomputed whole."""
+    ids, feats = list(tokens[1:]), hidden[:len(tokens) - 1]
+    drafts = []
+    for _ in range(k):
+        out = _reference_outputs(head, ids, feats)
+        token = int(torch.argmax(head.lm_head(out[-1:].to(head.dtype)), dim=-1)[0])
+        drafts.append(token)
+        ids, feats = ids + [token], torch.cat([feats, out[-1:]])
+    return drafts
+
+
+def test_the_head_is_a_llama_decoder_over_fc_of_embedding_and_hidden(engine, head_dir):
+    """Our forward (one step over new pairs, then one more pair on the cache) against transformers' layers."""
+    head = load_head(head_dir, engine)
+    g = torch.Generator().manual_seed(1)
+    n = 11
+    ids = torch.randint(0, head.embed.shape[0], (n,), generator=g)
+    hidden = torch.randn(n, head.config.hidden_size, generator=g)
+    ref = _reference_outputs(head, ids.tolist(), hidden)
+    proposer = EagleProposer(head, 64)
+    cache = proposer._seq("r").cache
+    ours = torch.cat([head.forward(cache, ids[:7], hidden[:7], 0), head.forward(cache, ids[7:], hidden[7:], 7)])
+    torch.testing.assert_close(ours.float(), ref, atol=2e-5, rtol=1e-4)
+
+
+def test_incremental_drafts_equal_drafts_from_scratch(engine, head_dir):
+    """The proposer feeds only what its cache lacks and writes its chain over later: after growing tokens (drafts
+    accepted, one rejected), a repeated proposal and a gap in the recorded hidden states, every proposal equals the
+    drafts recomputed from scratch over the known pairs."""
+    head = load_head(head_dir, engine)
+    g = torch.Generator().manual_seed(2)
+    vocab, h = head.embed.shape[0], head.config.hidden_size
+    tokens = torch.randint(0, vocab, (40,), generator=g).tolist()
+    truth = torch.randn(60, h, generator=g)  # the "target's" hidden state at each position
+    proposer = EagleProposer(head, 128, max_draft_tokens=4)
+    proposer.record_hidden("r", 0, truth[:12])  # a prompt of 12 tokens, then its first sampled token
+    known = tokens[:13]
+    for grow in (0, 3, 0, 1, 2):  # tokens accepted since the last proposal (0: proposed again as it stood)
+        if grow:
+            proposer.record_hidden("r", len(known) - 1, truth[len(known) - 1:len(known) - 1 + grow])
+            known = tokens[:len(known) + grow]
+        drafts = proposer.propose([DraftRequest("r", known, 4)])[0]
+        assert drafts == _reference_drafts(head, known, truth, 4)
+    # a verify step's rows past the accepted ones are recorded too; they are written over before they are used
+    proposer.record_hidden("r", len(known) - 1, torch.randn(5, h, generator=g))
+    proposer.record_hidden("r", len(known) - 1, truth[len(known) - 1:len(known)])
+    known = tokens[:len(known) + 1]
+    assert proposer.propose([DraftRequest("r", known, 3)])[0] == _reference_drafts(head, known, truth, 3)
+    # a gap (hidden states of positions 20..24 never recorded): the cache restarts after it
+    proposer.record_hidden("r", 25, truth[25:30])
+    known = tokens[:31]
+    # (the rotary makes attention depend on relative positions only: the reference may start at 0)
+    assert proposer.propose([DraftRequest("r", known, 2)])[0] == _reference_drafts(head, known[25:], truth[25:], 2)
+    assert proposer._seqs["r"].cache.start == 25
+    assert not proposer.may_propose(tokens[:33], "r")  # position 31's hidden state is not known yet
+    assert proposer.propose([DraftRequest("r", tokens[:33], 2)]) == [[]]
+    proposer.release("r")
+    assert proposer._seqs == {}
+
+
+def test_bad_checkpoints_are_refused_with_what_is_wrong(engine, head_dir, tmp_path):
+    hidden = load_head(head_dir, engine).config.hidden_size
+    with pytest.raises(EagleCheckpointError, match="is not a directory"):
+        load_head(tmp_path / "missing", engine)
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04 not loaded")
+    with pytest.raises(EagleCheckpointError, match="pytorch_model.bin, pickled weights this runtime never loads"):
+        load_head(pickled, engine)
+    with pytest.raises(EagleCheckpointError, match="hidden_size 64 is not the target's"):
+        load_head(write_head(tmp_path / "narrow", 64), engine)
+    corrupt = write_head(tmp_path / "corrupt", hidden)
+    (corrupt / "model.safetensors").write_bytes((corrupt / "model.safetensors").read_bytes()[:100])
+    with pytest.raises(EagleCheckpointError, match="cannot be read"):
+        load_head(corrupt, engine)
+    lacking = write_head(tmp_path / "lacking", hidden)
+    cfg = json.loads((lacking / "config.json").read_text())
+    (lacking / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2}))
+    with pytest.raises(EagleCheckpointError, match="lacks layers.1"):
+        load_head(lacking, engine)
+    with pytest.raises(EagleCheckpointError, match="rope scaling 'yarn' is not supported"):
+        load_head(write_head(tmp_path / "yarn", hidden, rope_scaling={"rope_type": "yarn", "factor": 4.0}), engine)
+    with pytest.raises(EagleCheckpointError, match="lm_head.weight is"):
+        load_head(write_head(tmp_path / "vocab", hidden, vocab=7), engine)
+    (lacking / "config.json").write_text("{not json")
+    with pytest.raises(EagleCheckpointError, match="config.json is not valid JSON"):
+        load_head(lacking, engine)
+    with pytest.raises(SpeculativeConfigError, match="methods 'draft' and 'eagle' need draft_model"):
+        SpeculativeConfig(method="eagle")
+
+
+def test_llama3_rope_scaling_is_read():
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 32, "num_hidden_layers": 1,
+           "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    ours = torch.tensor(EagleConfig.from_dict(cfg, "t").inv_freq, dtype=torch.float32)
+    hf = LlamaConfig(hidden_size=64, num_attention_heads=4, intermediate_size=32, num_hidden_layers=1,
+                     rope_theta=500000.0, rope_scaling=dict(cfg["rope_scaling"], rope_theta=500000.0))
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    torch.testing.assert_close(ours, theirs.float(), rtol=1e-6, atol=0)
+
+
+def _run(engine, prompts, params, speculative=None):
+    s = ServingEngine(engine, ServingConfig(speculative=speculative, num_blocks=64))
+    outs = [o.token_ids for o in s.run(prompts, params)]
+    return s, outs
+
+
+def test_serving_with_an_eagle_head_emits_the_targets_tokens(engine, head_dir):
+    """Greedy and seeded output with an EAGLE head (random: its drafts are mostly rejected) equal the output without
+    speculation; the head drafted and the target verified; every request's head state and KV blocks released."""
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    spec = {"method": "eagle", "draft_model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    s, outs = _run(engine, prompts, greedy, spec)
+    assert outs == _run(engine, prompts, greedy)[1]
+    stats = s.stats()
+    assert stats.spec_num_draft_tokens >= 24 and stats.spec_num_steps > 0
+    seeded = [SamplingParams(max_tokens=16, temperature=0.8, seed=i, ignore_eos=True) for i in range(3)]
+    assert [o.token_ids for o in s.run(prompts, seeded)] == _run(engine, prompts, seeded)[1]
+    assert s.scheduler.num_unfinished == 0 and s.kv.num_requests == 0
+    assert s.proposer._seqs == {}
+    assert s.memory_plan.weights_bytes > sum(t.numel() * t.element_size() for t in engine.executor.params.values())
