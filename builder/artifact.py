@@ -35,8 +35,8 @@ from builder.recipe import Recipe
 from builder.report import render_reports
 from passes import PassRecord
 from passes.ir import Graph
-from runtime.artifact import (DRAFT_DIR, FORMAT_NAME, FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR, WEIGHTS,
-                              file_sha256, manifest_digest, rank_weights_file)
+from runtime.artifact import (DRAFT_DIR, EAGLE_DIR, FORMAT_NAME, FORMAT_VERSION, GRAPH, MANIFEST, TOKENIZER_DIR,
+                              WEIGHTS, file_sha256, manifest_digest, rank_weights_file)
 
 TEMP_MARKER = ".llm-builder-temporary"  # in a directory this module made and may delete
 
@@ -230,6 +230,11 @@ def _write_contents(tmp: Path, recipe: Recipe, ckpt: Checkpoint, graph: Graph, r
     if recipe.runtime.speculative.method == "draft":  # the draft artifact travels inside (checked by the pipeline)
         _copy_artifact(Path(recipe.runtime.speculative.draft_model), tmp / DRAFT_DIR)
         runtime_section["speculative"]["draft_model"] = DRAFT_DIR  # relative to the artifact
+    if recipe.runtime.speculative.method == "eagle":  # the EAGLE head's two files travel inside (checked likewise)
+        (tmp / EAGLE_DIR).mkdir()
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(Path(recipe.runtime.speculative.draft_model) / name, tmp / EAGLE_DIR / name)
+        runtime_section["speculative"]["draft_model"] = EAGLE_DIR
 
     verify = next((r.details for r in records if r.name == "verify"), None)
     manifest: dict[str, Any] = {

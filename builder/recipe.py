@@ -76,25 +76,33 @@ class VerifySection(_Strict):
 class SpeculativeSection(_Strict):
     """Speculative decoding the artifact serves with unless the server is told otherwise (``runtime.speculative``;
     see runtime.speculative): n-gram lookup, or a draft model, another artifact built by this toolchain with the
-    same tokenizer, which the build copies into the artifact (``draft/``: the artifact still needs nothing else)."""
+    same tokenizer, which the build copies into the artifact (``draft/``: the artifact still needs nothing else), or
+    an EAGLE-1 head over the model's own hidden states (runtime.eagle: a checkpoint directory of config.json and
+    model.safetensors, copied into ``eagle/``)."""
 
-    method: Optional[Literal["ngram", "draft"]] = None  # None: no speculation
+    method: Optional[Literal["ngram", "draft", "eagle"]] = None  # None: no speculation
     num_speculative_tokens: Optional[int] = Field(default=None, ge=1, le=16,
                                                   description="most draft tokens per request and step (default: 12 "
                                                               "for ngram, 4 for draft)")
     min_ngram: int = Field(default=3, ge=1)
     max_ngram: int = Field(default=6, ge=1)
-    draft_model: Optional[str] = Field(default=None, description="method draft: the draft artifact's directory")
+    draft_model: Optional[str] = Field(default=None, description="method draft: the draft artifact's directory; "
+                                                                  "method eagle: the EAGLE head's checkpoint directory")
 
     @model_validator(mode="after")
     def _ngram_range(self) -> SpeculativeSection:
         if self.min_ngram > self.max_ngram:
             raise ValueError(f"min_ngram {self.min_ngram} is above max_ngram {self.max_ngram}")
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise ValueError(f"method 'draft' needs draft_model (a draft artifact's directory, copied into the "
-                             f"artifact), and draft_model needs method 'draft'; got method {self.method!r} and "
-                             f"draft_model {self.draft_model!r}")
-        if self.draft_model is not None and not (Path(self.draft_model) / "manifest.json").is_file():
+        if (self.method in ("draft", "eagle")) != (self.draft_model is not None):
+            raise ValueError(f"methods 'draft' and 'eagle' need draft_model (a draft artifact's directory, or an "
+                             f"EAGLE head's checkpoint directory, copied into the artifact), and draft_model needs "
+                             f"one of them; got method {self.method!r} and draft_model {self.draft_model!r}")
+        if self.method == "eagle":
+            missing = [f for f in ("config.json", "model.safetensors") if not (Path(self.draft_model) / f).is_file()]
+            if missing:
+                raise ValueError(f"draft_model {self.draft_model!r} is not an EAGLE head checkpoint (no "
+                                 f"{' or '.join(missing)}); method eagle reads config.json and model.safetensors")
+        elif self.draft_model is not None and not (Path(self.draft_model) / "manifest.json").is_file():
             raise ValueError(f"draft_model {self.draft_model!r} is not an artifact directory (no manifest.json); "
                              f"build the draft model first (builder build) and name its output_dir")
         return self

@@ -41,6 +41,7 @@ GRAPH = "graph.json"
 WEIGHTS = "weights.safetensors"
 TOKENIZER_DIR = "tokenizer"
 DRAFT_DIR = "draft"  # a draft model's artifact, bundled (runtime.speculative method draft)
+EAGLE_DIR = "eagle"  # an EAGLE head's config.json and model.safetensors, bundled (method eagle, runtime.eagle)
 
 
 def rank_weights_file(rank: int) -> str:

@@ -366,8 +366,11 @@ class EagleProposer(Proposer):
         return drafts
 
 
-def load_head(path: str | Path, target) -> EagleHead:
-    """Read and check the head at ``path`` against ``target`` (an ``Engine``): hidden size, vocabulary, shapes."""
+def read_head(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
+    """Read and check the head at ``path`` for a target of ``hidden_size`` features and ``vocab_size`` tokens: its
+    config and its tensors (names without a ``model.`` prefix; ``embed_tokens.weight`` left out), every one of the
+    shape config.json and the target give. Used by the runtime (``load_head``) and by the builder, which bundles a
+    head into an artifact."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -390,13 +393,9 @@ def load_head(path: str | Path, target) -> EagleHead:
     if not isinstance(cfg, dict):
         raise EagleCheckpointError(f"{where}: config.json must hold an object")
     config = EagleConfig.from_dict(cfg, where)
-    executor = target.executor
-    if getattr(executor, "tp_size", 1) > 1:
-        raise EagleCheckpointError(f"{where}: EAGLE heads run beside a target on one GPU; this target is sharded")
-    embed, lm_head, target_hidden = target_head_parts(executor)
-    if config.hidden_size != target_hidden:
+    if config.hidden_size != hidden_size:
         raise EagleCheckpointError(f"{where}: hidden_size {config.hidden_size} is not the target's "
-                                   f"{target_hidden}; an EAGLE head reads the target's hidden states")
+                                   f"{hidden_size}; an EAGLE head reads the target's hidden states")
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             weights = {k[len("model."):] if k.startswith("model.") else k: f.get_tensor(k) for k in f.keys()}
@@ -419,9 +418,8 @@ def load_head(path: str | Path, target) -> EagleHead:
             shapes[f"layers.{i}.input_layernorm.weight"] = (h,)
     if "fc.bias" in weights:
         shapes["fc.bias"] = (h,)
-    vocab = embed.shape[0]
     if "lm_head.weight" in weights:
-        shapes["lm_head.weight"] = (vocab, h)
+        shapes["lm_head.weight"] = (vocab_size, h)
     missing = sorted(set(shapes) - set(weights))
     if missing:
         raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} lacks {', '.join(missing[:4])}"
@@ -437,13 +435,24 @@ def load_head(path: str | Path, target) -> EagleHead:
     if unused:
         raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} has tensors an EAGLE-1 head does not have: "
                                    f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
+    return config, {k: v for k, v in weights.items() if k in shapes}
+
+
+def load_head(path: str | Path, target) -> EagleHead:
+    """The head at ``path`` for ``target`` (an ``Engine``), checked by ``read_head``, on the target's device and in
+    its dtype, sharing its embedding and lm_head (or the head's own lm_head where it has one)."""
+    executor = target.executor
+    if getattr(executor, "tp_size", 1) > 1:
+        raise EagleCheckpointError(f"EAGLE head {path}: EAGLE heads run beside a target on one GPU; this target is "
+                                   f"sharded")
+    embed, lm_head, target_hidden = target_head_parts(executor)
+    config, weights = read_head(path, target_hidden, embed.shape[0])
     dtype = executor.dtype
     if "lm_head.weight" in weights:
         own = weights.pop("lm_head.weight").to(device=target.device, dtype=dtype)
 
         def lm_head(x: torch.Tensor) -> torch.Tensor:
             return F.linear(x, own).float()
-    weights = {k: v for k, v in weights.items() if k in shapes and k != "lm_head.weight"}
     return EagleHead(config, weights, embed, lm_head, dtype, target.device)
 
 

@@ -201,12 +201,16 @@ def check_manifest(manifest: dict[str, Any], required: dict[str, str]) -> None:
                     f"the same as runtime.kv_cache_dtype ({runtime['kv_cache_dtype']!r})")
     spec = runtime.get("speculative")
     draft = spec.get("draft_model") if isinstance(spec, dict) else None
-    if draft is not None:  # a bundled draft artifact: always at DRAFT_DIR, every file of it listed
-        if draft != "draft":
-            raise _fail("runtime.speculative.draft_model", draft, "'draft' (the bundled draft artifact) or null")
-        if "draft/manifest.json" not in manifest["files"]:
-            raise ManifestError("files does not list 'draft/manifest.json' (runtime.speculative.draft_model); every "
-                                "file the runtime reads must be listed with its sha256")
+    if draft is not None:  # a bundled draft artifact (DRAFT_DIR) or EAGLE head (EAGLE_DIR), every file of it listed
+        eagle = spec.get("method") == "eagle"
+        if draft != ("eagle" if eagle else "draft"):
+            raise _fail("runtime.speculative.draft_model", draft,
+                        "'eagle' (the bundled EAGLE head) or null" if eagle else
+                        "'draft' (the bundled draft artifact) or null")
+        for rel in (("eagle/config.json", "eagle/model.safetensors") if eagle else ("draft/manifest.json",)):
+            if rel not in manifest["files"]:
+                raise ManifestError(f"files does not list {rel!r} (runtime.speculative.draft_model); every file the "
+                                    f"runtime reads must be listed with its sha256")
 
 
 def _check_files(manifest: dict[str, Any], required: dict[str, str]) -> None:

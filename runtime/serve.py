@@ -135,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                         '"min_acceptance": 0.2}\' (num_speculative_tokens: 12 for ngram, 4 for draft if left out; '
                         'max_running: no drafts in a step with more decoding requests; '
                         'min_acceptance: a request whose acceptance rate falls below it pauses), or {"method": '
-                        '"draft", "draft_model": DIR} to draft with a second artifact of the same tokenizer, or {"method": null} '
+                        '"draft", "draft_model": DIR} to draft with a second artifact of the same tokenizer, or '
+                        '{"method": "eagle", "draft_model": DIR} with an EAGLE-1 head (config.json and '
+                        'model.safetensors) over the target\'s hidden states, or {"method": null} '
                         'for none whatever the artifact says; --speculative-ngram K sets method and '
                         'num_speculative_tokens')
     p.add_argument("--no-cuda-graphs", action="store_true",

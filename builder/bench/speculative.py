@@ -2,7 +2,7 @@
 
     python -m builder.bench.speculative ARTIFACT [--device auto|cpu|cuda] [--num-draft K] [--output-len 128]
         [--prompts 4] [--rounds 3] [--min-gain G] [--verify-cost 1 2 4 8] [--input-len 128] [--record FILE] [--tag NAME]
-        [--draft DRAFT_ARTIFACT [--text FILE]] [--ngram-sweep MIN:MAX:K ... [--cost C]]
+        [--draft DRAFT_ARTIFACT | --eagle EAGLE_HEAD_DIR] [--text FILE] [--ngram-sweep MIN:MAX:K ... [--cost C]]
 
 Speedup (n-gram, the request's own tokens as the draft source): a code-editing workload, each prompt a stretch
 of this project's own Python source followed by an instruction to write it out again and the stretch's first
@@ -20,9 +20,9 @@ verified drafts is printed). The token ids of both runs are compared (greedy: th
 differing prompt is reported, as bf16 near-ties can differ with the batch shape) and the acceptance printed.
 
 Draft model (``--draft``): the same comparison with ``--num-draft`` tokens from a draft artifact (same tokenizer)
-in place of n-gram lookup. Either runs on the code-editing prompts or, with ``--text``, on ``--prompts`` stretches
-of ``--input-len`` tokens taken evenly from a text file (held-out text: what a draft distilled from the model is
-for).
+in place of n-gram lookup; EAGLE head (``--eagle``): the same with an EAGLE-1 head's checkpoint (runtime.eagle).
+Either runs on the code-editing prompts or, with ``--text``, on ``--prompts`` stretches of ``--input-len`` tokens
+taken evenly from a text file (held-out text: what a draft distilled from the model is for).
 
 Verify cost (``--verify-cost K...``): random prompts of --input-len tokens, batch 1; the median step time with K
 draft tokens fed at every step (a proposer that always proposes K copies of the last token, nearly all
@@ -40,7 +40,7 @@ Figures (``--record``): spec_speedup_ngram_b1{tag} (x), spec_decode_tok_s_plain_
 spec_decode_tok_s_ngram_b1{tag} (tok/s), spec_acceptance_ngram_b1{tag} (accepted / proposed drafts),
 spec_verify_cost_k{K}{tag} (x) with spec_step_ms_k{K}{tag} and spec_step_ms_k0{tag} (ms); with ``--draft``,
 spec_speedup_draft_b1{tag} (x), spec_decode_tok_s_draft_b1{tag} (tok/s), spec_acceptance_draft_b1{tag} (ratio) and
-spec_accepted_per_verify_draft_b1{tag} (tokens).
+spec_accepted_per_verify_draft_b1{tag} (tokens); with ``--eagle`` the same names with ``eagle`` for ``draft``.
 """
 
 from __future__ import annotations
@@ -119,11 +119,12 @@ def _load(path: str, device: str, speculative: SpeculativeConfig | None) -> Serv
 
 
 def speedup(path: str, device: str, num_draft: int | None, prompts: list[list[int]], output_len: int,
-            draft: str | None = None, rounds: int = 3, min_gain: float = 0.0) -> dict:
+            draft: str | None = None, rounds: int = 3, min_gain: float = 0.0, method: str = "draft") -> dict:
     """Plain and speculative runs of every prompt, taking turns (see the module docstring): n-gram drafts, or the
-    ``draft`` artifact's (the result's keys keep the n-gram names). ``min_gain``: the speculative engine's rate
-    check (0, the default here: off, so that the figure is what the drafts do, not what the policy chose)."""
-    method = {"method": "ngram"} if draft is None else {"method": "draft", "draft_model": draft}
+    ``draft`` artifact's, or with ``method`` "eagle" the EAGLE head's at ``draft`` (the result's keys keep the n-gram
+    names). ``min_gain``: the speculative engine's rate check (0, the default here: off, so that the figure is what
+    the drafts do, not what the policy chose)."""
+    method = {"method": "ngram"} if draft is None else {"method": method, "draft_model": draft}
     spec = SpeculativeConfig(**method, num_speculative_tokens=num_draft, min_gain=min_gain)  # None: the default
     engines = {"plain": _load(path, device, None), "ngram": _load(path, device, spec)}
     try:
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--record")
     parser.add_argument("--tag", default="", help="suffix of the recorded figures' names (e.g. _bundled)")
     parser.add_argument("--draft", help="a draft model's artifact: its speedup instead of n-gram lookup's")
+    parser.add_argument("--eagle", help="an EAGLE head's checkpoint directory (runtime.eagle): its speedup instead")
     parser.add_argument("--text", help="prompts cut from this text file (default: the code-editing ones)")
     parser.add_argument("--ngram-sweep", nargs="+", metavar="MIN:MAX:K",
                         help="count the steps of these n-gram settings instead (module docstring)")
@@ -276,11 +278,14 @@ def main(argv: list[str] | None = None) -> int:
             prompts = text_prompts(tokenizer, args.prompts, args.input_len, Path(args.text))
         else:
             prompts = code_edit_prompts(tokenizer, args.prompts, Path(__file__).resolve().parents[2])
-        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft, args.rounds,
-                      args.min_gain)
+        if args.draft and args.eagle:
+            parser.error("--draft and --eagle are two proposers: give one")
+        res = speedup(args.artifact, device, args.num_draft, prompts, args.output_len, args.draft or args.eagle,
+                      args.rounds, args.min_gain, method="eagle" if args.eagle else "draft")
         workload = "text" if args.text else "code-editing"
-        name, label = ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram")
-        k = args.num_draft or DEFAULT_SPECULATIVE_TOKENS["draft" if args.draft else "ngram"]
+        name, label = (("eagle", f"EAGLE head {args.eagle}") if args.eagle else
+                       ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram"))
+        k = args.num_draft or DEFAULT_SPECULATIVE_TOKENS[name]
         print(f"{label} k={k}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
               f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
               f"{res['speedup']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in res['speedup_rounds'])}; "
@@ -291,8 +296,8 @@ def main(argv: list[str] | None = None) -> int:
                     (f"spec_decode_tok_s_plain_b1{args.tag}", res["plain_tok_s"], "tok/s"),
                     (f"spec_decode_tok_s_{name}_b1{args.tag}", res["ngram_tok_s"], "tok/s"),
                     (f"spec_acceptance_{name}_b1{args.tag}", res["acceptance"], "ratio")]
-        if args.draft:
-            figures.append((f"spec_accepted_per_verify_draft_b1{args.tag}", res["accepted_per_verify"], "tokens"))
+        if args.draft or args.eagle:
+            figures.append((f"spec_accepted_per_verify_{name}_b1{args.tag}", res["accepted_per_verify"], "tokens"))
     if args.verify_cost:
         vocab = read_manifest(Path(args.artifact))["model"]["vocab_size"]
         prompt = _random_prompts(1, args.input_len, vocab, seed=0)[0]

@@ -224,3 +224,37 @@ def test_serving_with_an_eagle_head_emits_the_targets_tokens(engine, head_dir):
     assert s.scheduler.num_unfinished == 0 and s.kv.num_requests == 0
     assert s.proposer._seqs == {}
     assert s.memory_plan.weights_bytes > sum(t.numel() * t.element_size() for t in engine.executor.params.values())
+
+
+def test_an_eagle_head_in_the_recipe_travels_inside_the_artifact(checkpoints, tmp_path):
+    """runtime.speculative method eagle: the build checks the head against the checkpoint and copies its two files
+    into the artifact (listed, hashed); the artifact serves with it by default, tokens equal to decoding without;
+    a head that does not fit is refused at build time and a tampered one at load."""
+    from builder.pipeline import BuildError
+    from conftest import build_artifact
+    from runtime.artifact import ArtifactError
+
+    config = json.loads((checkpoints["llama"] / "config.json").read_text())
+    head = write_head(tmp_path / "head", config["hidden_size"], heads=2, kv_heads=1, intermediate=48)
+    path = build_artifact(checkpoints["llama"], tmp_path / "art",
+                          speculative={"method": "eagle", "draft_model": str(head), "num_speculative_tokens": 2})
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["runtime"]["speculative"]["draft_model"] == "eagle"
+    assert {"eagle/config.json", "eagle/model.safetensors"} <= set(manifest["files"])
+    engine = Engine.load(path)
+    served = ServingEngine(engine, ServingConfig(num_blocks=64))
+    assert isinstance(served.proposer, EagleProposer)
+    prompt = list(range(3, 15))
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = ServingEngine(engine, ServingConfig(num_blocks=64, speculative=SpeculativeConfig()))
+    assert served.run([prompt], params)[0].token_ids == plain.run([prompt], params)[0].token_ids
+    assert served.spec_num_draft_tokens > 0
+    wide = 2 * config["hidden_size"]
+    with pytest.raises(BuildError, match=f"hidden_size {wide} is not the target's"):
+        build_artifact(checkpoints["llama"], tmp_path / "wide",
+                       speculative={"method": "eagle", "draft_model": str(write_head(tmp_path / "hw", wide))})
+    data = bytearray((path / "eagle" / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (path / "eagle" / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="model.safetensors was modified after the build"):
+        Engine.load(path)

@@ -287,7 +287,7 @@ def test_the_recipe_section_is_the_artifacts_default(checkpoints, tmp_path):
     assert json.loads((bare / "manifest.json").read_text())["runtime"]["speculative"]["num_speculative_tokens"] == 12
     served = ServingEngine(Engine.load(bare), ServingConfig(num_blocks=64))
     assert served.config.speculative.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS["ngram"]
-    for section, message in (({"method": "draft"}, "method 'draft' needs draft_model"),
+    for section, message in (({"method": "draft"}, "methods 'draft' and 'eagle' need draft_model"),
                              ({"method": "draft", "draft_model": str(tmp_path)}, "is not an artifact directory"),
                              ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens"),
                              ({"method": "ngram", "min_ngram": 7}, "min_ngram 7 is above max_ngram 6"),

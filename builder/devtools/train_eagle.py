@@ -1,0 +1,394 @@
+"""Train an EAGLE-1 head for the bundled model: a draft made from the target's own hidden states.
+
+    python -m builder.devtools.train_eagle --target models/pystdlib-llama --out models/pystdlib-llama-eagle
+
+The head is the layout ``runtime/eagle.py`` loads (its module docstring gives the math): for position i, with f_i
+the target's final hidden state (after its final norm: the lm_head's input) and t_{i+1} the next token,
+``g_i = layers(fc(cat(embed(t_{i+1}), f_i)))`` is trained to be f_{i+1}, so that the target's own lm_head over g_i
+drafts t_{i+2}. The embedding table and the lm_head are the target's, frozen, and not stored with the head.
+
+Corpus, split, packing and seeds are ``builder.devtools.train_draft``'s (the target's train split of the Python
+standard library; ``train_bundled``'s files and windows). The target runs frozen beside the head and gives, per
+batch, the features f and its logits. The loss, per chained step, is SmoothL1(g, f) (the feature regression of
+EAGLE) plus ``cls_weight`` times KL(target || lm_head(g)) over the vocabulary (the token the draft proposes is what
+speculation needs). At inference the head is chained: after the first draft it is fed (g_i, draft) in place of
+(f_{i+1}, t_{i+2}), so it must read its own features. Training unrolls the chain the same way (``--unroll``
+steps): step s feeds step s - 1's outputs with the text's tokens, at the positions and under the attention the
+runtime's cache gives it (the true pairs up to the chain's start, then the chain's own entries); later steps weigh
+``STEP_DECAY`` less. Uniform noise on the true features (``--noise``, relative to their RMS; EAGLE-1's
+augmentation) is optional.
+
+The report, on windows of the held-out eval split, per chain step s (1 to ``EVAL_STEPS``): ``top1_agreement``,
+the share of positions where the head's draft is the target's top token there (step 1 from the true features,
+later steps from the head's own, fed the text's tokens), and ``acceptance``, the same share over only the
+positions where the chain was fed what greedy speculation would feed it (the text's tokens were the target's top
+tokens and the earlier drafts were accepted): the chance a greedy draft at that step is accepted after the earlier
+ones were. ``expected_accepted`` sums their running products: the drafts accepted per proposal of that many. The
+weights are stored in bf16 and measured as stored.
+
+The default run is reproducible: fixed seed, fixed file order and split, fixed batches and number of steps; on a
+2-core CPU it takes about a quarter of an hour (``--device cuda`` runs the same under bf16 autocast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from builder.devtools.train_bundled import (SPLIT_EVAL, SPLIT_TRAIN, TrainSpec, autocast, batch_order,
+                                            collect_stdlib_files, encode_documents, lr_factor, make_optimizer,
+                                            pack_windows, split_files, stdlib_root)
+from builder.devtools.train_draft import EVAL_WINDOWS, distill_loss
+
+EVAL_STEPS = 3  # chain steps reported on the held-out windows
+STEP_DECAY = 0.8  # weight of chain step s in the loss: STEP_DECAY ** (s - 1)
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class EagleSpec:
+    """The head's shape. hidden_size, rms_norm_eps and rope_theta are the target's; the defaults keep the bf16
+    weights near 3 MB for the bundled model."""
+
+    hidden_size: int
+    num_attention_heads: int = 6
+    num_key_value_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 768
+    num_hidden_layers: int = 1
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def config(self, vocab_size: int) -> dict:
+        """config.json as ``runtime.eagle.load_head`` (and vLLM / SGLang's EAGLE-1 loaders) read it."""
+        return {"architectures": ["LlamaForCausalLMEagle"], "model_type": "llama",
+                "hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.intermediate_size, "num_hidden_layers": self.num_hidden_layers,
+                "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "hidden_act": "silu",
+                "vocab_size": vocab_size, "torch_dtype": "bfloat16"}
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm (statistics in fp32, the gain applied in the input's dtype), as the runtime computes it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary positions over the chain's keys (see :meth:`forward`)."""
+
+    def __init__(self, spec: EagleSpec) -> None:
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = spec.num_attention_heads, spec.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """``x`` [B, n, h]: entry i of chain step s = len(past) + 1, which attends the step-1 entries 0..i (the
+        true pairs up to the chain's start) and entry i of every later step up to itself (the chain so far), as
+        the runtime's cache holds them. ``past`` gets this step's keys and values appended."""
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        past.append((k, v))
+        keys = torch.cat([pk[:, :, :n] for pk, _ in past], dim=2)
+        values = torch.cat([pv[:, :, :n] for _, pv in past], dim=2)
+        rep = self.heads // self.kv_heads
+        if rep > 1:
+            keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        if len(past) == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        else:
+            idx = torch.arange(n, device=x.device)
+            causal = idx[None, :] <= idx[:, None]
+            diagonal = (idx[None, :] == idx[:, None]).repeat(1, len(past) - 1)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=torch.cat([causal, diagonal], dim=1))
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """Llama's SwiGLU feed-forward."""
+
+    def __init__(self, spec: EagleSpec) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    """A Llama decoder layer; the head's first has no input norm (fc's output goes in as it is)."""
+
+    def __init__(self, spec: EagleSpec, index: int) -> None:
+        super().__init__()
+        if index > 0:
+            self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                past: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        norm = getattr(self, "input_layernorm", None)
+        x = x + self.self_attn(x if norm is None else norm(x), cos, sin, past)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary over each head's two halves (Llama's rotate_half); x [B, heads, n, d], cos / sin [n, d] fp32."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class EagleHead(nn.Module):
+    """The head being trained; its ``state_dict`` has the checkpoint's names and shapes (no embed, no lm_head:
+    those are the target's, passed in)."""
+
+    def __init__(self, spec: EagleSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.fc = nn.Linear(2 * spec.hidden_size, spec.hidden_size, bias=True)
+        self.layers = nn.ModuleList(Layer(spec, i) for i in range(spec.num_hidden_layers))
+        d = spec.head_dim
+        inv_freq = torch.tensor([1.0 / spec.rope_theta ** (i / d) for i in range(0, d, 2)], dtype=torch.float32)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        for m in self.modules():  # Llama's initialisation: N(0, 0.02) matrices, zero bias, unit norm gains
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def chain(self, embed: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+              noise: float = 0.0) -> list[torch.Tensor]:
+        """The head's outputs over windows ``tokens`` [B, T] with the target's ``features`` [B, T, h], for chain
+        steps 1..``steps``: step s has T - s entries; entry i is fed (the step s - 1 output i, or f_i at step 1,
+        and t_{i+s}) at position i + s - 1 and is trained towards f_{i+s}. ``embed``: the target's table."""
+        t = tokens.shape[1]
+        past: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]
+        outs: list[torch.Tensor] = []
+        feats = features
+        if noise:
+            feats = feats + (torch.rand_like(feats) - 0.5) * (2 * noise * feats.pow(2).mean().sqrt())
+        for s in range(1, steps + 1):
+            n = t - s
+            pos = torch.arange(s - 1, s - 1 + n, device=tokens.device, dtype=torch.float32)
+            angles = pos[:, None] * self.inv_freq[None, :]
+            cos, sin = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+            inp = feats[:, :n] if s == 1 else outs[-1][:, :n]
+            x = self.fc(torch.cat([F.embedding(tokens[:, s:], embed).to(inp.dtype), inp], dim=-1)).float()
+            for layer, layer_past in zip(self.layers, past):
+                x = layer(x, cos, sin, layer_past)
+            outs.append(x)
+        return outs
+
+    def forward(self, embed: torch.Tensor, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """Step 1 alone: the outputs over pairs (features[:, i], tokens[:, i]) at positions 0.. (as
+        ``runtime.eagle.EagleHead.forward`` computes them from an empty cache), [B, n, h]."""
+        return self.chain(embed, torch.cat([tokens[:, :1], tokens], dim=1), F.pad(features, (0, 0, 0, 1)), 1)[0]
+
+
+@torch.no_grad()
+def target_outputs(target: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's final hidden states (after its final norm) and its logits over windows ``x``, fp32."""
+    f = target.model(input_ids=x).last_hidden_state
+    return f.float(), target.lm_head(f).float()
+
+
+def chain_loss(head: EagleHead, target: nn.Module, x: torch.Tensor, steps: int, cls_weight: float,
+               noise: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """The training loss over windows ``x`` (see the module docstring) and its parts per step."""
+    with autocast(x.device):
+        f, logits = target_outputs(target, x)
+        embed = target.get_input_embeddings().weight
+        outs = head.chain(embed, x, f, steps, noise)
+        total, parts = 0.0, {}
+        for s, g in enumerate(outs, start=1):
+            feat = F.smooth_l1_loss(g.float(), f[:, s:])
+            kl = distill_loss(target.lm_head(g), logits[:, s:])
+            total = total + STEP_DECAY ** (s - 1) * (feat + cls_weight * kl)
+            parts[f"feat{s}"], parts[f"kl{s}"] = feat.item(), kl.item()
+    return total, parts
+
+
+@torch.no_grad()
+def agreement(head: EagleHead, target: nn.Module, windows: torch.Tensor, steps: int = EVAL_STEPS,
+              batch_size: int = 16) -> dict:
+    """On ``windows``, per chain step: top-1 agreement with the target, acceptance along greedy paths, the mean
+    KL(target || head) (see the module docstring); and the drafts accepted per proposal of ``steps``."""
+    device = next(head.parameters()).device
+    same, accepted, greedy_n, kl, n = ([0.0] * steps for _ in range(5))
+    for i in range(0, windows.size(0), batch_size):
+        x = windows[i:i + batch_size].to(device)
+        with autocast(device):
+            f, logits = target_outputs(target, x)
+            outs = head.chain(target.get_input_embeddings().weight, x, f, steps)
+            drafts = [target.lm_head(g).float() for g in outs]
+        top = logits.argmax(-1)  # [B, T]
+        on_path = top[:, :-1] == x[:, 1:]  # [B, T - 1]: the target's top token at p is the text's at p + 1
+        ok = torch.ones_like(x[:, :-1], dtype=torch.bool)  # chain from base i fed as greedy speculation would
+        for s, d in enumerate(drafts):
+            m = x.size(1) - s - 1
+            hit = d.argmax(-1) == top[:, s + 1:]
+            ok = ok[:, :m]
+            same[s] += hit.sum().item()
+            n[s] += hit.numel()
+            accepted[s] += (hit & ok).sum().item()
+            greedy_n[s] += ok.sum().item()
+            kl[s] += distill_loss(d, logits[:, s + 1:]).item() * hit.numel()
+            ok = ok[:, :m - 1] & hit[:, :m - 1] & on_path[:, s + 1:s + m]
+    report = {"steps": {}}
+    expected, run = 0.0, 1.0
+    for s in range(steps):
+        rate = accepted[s] / max(greedy_n[s], 1)
+        run *= rate
+        expected += run
+        report["steps"][str(s + 1)] = {"top1_agreement": round(same[s] / n[s], 4), "acceptance": round(rate, 4),
+                                       "kl_target_head": round(kl[s] / n[s], 4), "positions": int(n[s]),
+                                       "greedy_positions": int(greedy_n[s])}
+    report[f"expected_accepted_of_{steps}"] = round(expected, 4)
+    return report
+
+
+def train(head: EagleHead, target: nn.Module, windows: torch.Tensor, spec: TrainSpec, steps: int,
+          cls_weight: float, noise: float) -> list:
+    """AdamW on :func:`chain_loss` over seeded batches of ``windows`` (warmup, then cosine decay; bf16 autocast on
+    CUDA); the loss curve."""
+    device = next(head.parameters()).device
+    optimizer = make_optimizer(head, spec)
+    batches = batch_order(windows.size(0), spec.batch_size, spec.max_steps, spec.seed)
+    head.train()
+    curve, recent, start = [], [], time.perf_counter()
+    for step, idx in enumerate(batches, start=1):
+        progress = (step - spec.warmup_steps) / max(spec.max_steps - spec.warmup_steps, 1)
+        for group in optimizer.param_groups:
+            group["lr"] = spec.peak_lr * lr_factor(step, spec.warmup_steps, progress, spec.min_lr_ratio)
+        loss, parts = chain_loss(head, target, windows[idx].to(device), steps, cls_weight, noise)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), spec.grad_clip)
+        optimizer.step()
+        recent = (recent + [loss.item()])[-spec.log_every:]
+        if step % spec.log_every == 0 or step in (1, len(batches)):
+            curve.append((step, round(sum(recent) / len(recent), 4)))
+            detail = "  ".join(f"{k} {v:.3f}" for k, v in parts.items())
+            print(f"step {step:5d}/{spec.max_steps}  loss {loss.item():.4f}  avg{len(recent)} {curve[-1][1]:.4f}  "
+                  f"{detail}  {(time.perf_counter() - start) / step:.2f}s/step", flush=True)
+    head.eval()
+    return curve
+
+
+def save_head(head: EagleHead, vocab_size: int, out: Path) -> int:
+    """config.json and model.safetensors (bf16) in ``out``; returns the weights file's size in bytes."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
+    save_file(weights, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(head.spec.config(vocab_size), indent=2) + "\n")
+    return (out / WEIGHTS_FILE).stat().st_size
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", type=Path, default=Path("models/pystdlib-llama"), help="the bundled checkpoint")
+    p.add_argument("--out", type=Path, default=Path("models/pystdlib-llama-eagle"))
+    p.add_argument("--max-steps", type=int, default=300)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--stdlib", type=Path, default=None, help="stdlib directory (default: this interpreter's)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (CUDA: bf16 autocast, fp32 weights)")
+    p.add_argument("--unroll", type=int, default=3, help="chain steps trained (1: the true features alone)")
+    p.add_argument("--cls-weight", type=float, default=0.5, help="weight of the KL term beside the features'")
+    p.add_argument("--noise", type=float, default=0.0, help="uniform noise on the true features, times their RMS")
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--intermediate-size", type=int, default=768)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval().to(device)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    files, _ = collect_stdlib_files(args.stdlib or stdlib_root())
+    splits = split_files(files)
+    train_windows = pack_windows(encode_documents(tokenizer, [f.text for f in splits[SPLIT_TRAIN]]), args.seq_len)
+    held_out = pack_windows(encode_documents(tokenizer, [f.text for f in splits[SPLIT_EVAL]]), args.seq_len)
+    held_out = held_out[torch.randperm(held_out.size(0), generator=torch.Generator().manual_seed(args.seed))]
+    held_out = held_out[:EVAL_WINDOWS]
+    print(f"{train_windows.size(0)} train windows, {held_out.size(0)} eval windows of {args.seq_len} tokens "
+          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    cfg = target.config
+    rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
+    spec = EagleSpec(hidden_size=cfg.hidden_size, intermediate_size=args.intermediate_size,
+                     num_hidden_layers=args.layers, rms_norm_eps=cfg.rms_norm_eps,
+                     rope_theta=float(rope_theta or 10000.0))
+    train_spec = TrainSpec(seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size,
+                           seq_len=args.seq_len, peak_lr=args.lr, threads=args.threads)
+    head = EagleHead(spec).to(device)
+    before = agreement(head, target, held_out)
+    t1 = time.perf_counter()
+    curve = train(head, target, train_windows, train_spec, args.unroll, args.cls_weight, args.noise)
+    train_s = time.perf_counter() - t1
+    head.to(torch.bfloat16).to(torch.float32)  # the values stored (bf16): measure those
+    after = agreement(head, target, held_out)
+    print(json.dumps({"before": before, "after": after}), flush=True)
+    weights_bytes = save_head(head, cfg.vocab_size, args.out)
+    params = sum(p.numel() for p in head.parameters())
+    metrics = {"target": str(args.target), "head": asdict(spec), "parameters": params,
+               "train": {**asdict(train_spec), "device": str(device), "unroll": args.unroll,
+                         "cls_weight": args.cls_weight, "noise": args.noise, "step_decay": STEP_DECAY,
+                         **({"device_name": torch.cuda.get_device_name(device)} if device.type == "cuda" else {})},
+               "train_windows": train_windows.size(0), "train_seconds": round(train_s, 1),
+               "loss": f"sum over chain steps s of {STEP_DECAY}^(s-1) * (SmoothL1(g, f) + cls_weight * "
+                       f"KL(target || lm_head(g)))", "loss_curve": curve,
+               "held_out": {"windows": held_out.size(0), "seq_len": args.seq_len, "untrained": before,
+                            "trained": after},
+               "weights_bytes": weights_bytes,
+               "command": "python -m builder.devtools.train_eagle " + " ".join(sys.argv[1:] if argv is None else argv)}
+    (args.out / "training_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    print(f"wrote {args.out} ({params} parameters, {weights_bytes} bytes of weights) in "
+          f"{time.perf_counter() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
