@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from runtime.speculative import DraftRequest, Proposer, SpeculativeConfigError
+from runtime.speculative import DraftRequest, PendingDrafts, Proposer, SpeculativeConfigError
 
 log = logging.getLogger(__name__)
 
@@ -323,10 +323,24 @@ class EagleProposer(Proposer):
         return seq
 
     # -- drafting --------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
-        return [self._propose_one(r) for r in requests]
+        drafts = self.propose_pending(requests)
+        return drafts.resolve() if isinstance(drafts, PendingDrafts) else drafts
 
+    @torch.inference_mode()
+    def propose_pending(self, requests: Sequence[DraftRequest]) -> list[list[int]] | PendingDrafts:
+        """As ``propose``, the drafts left on the device (``PendingDrafts``): each chain step's token feeds the next
+        on the device, so the host waits for none of them (the serving engine reads them with the verify step's)."""
+        chains = [self._propose_one(r) for r in requests]
+        if not any(c is not None for c in chains):
+            return [[] for _ in requests]
+        flat = torch.cat([c for c in chains if c is not None])
+        sources, at = [], 0
+        for c in chains:
+            n = 0 if c is None else c.numel()
+            sources.append(list(range(at, at + n)))
+            at += n
+        return PendingDrafts(flat, sources)
     def may_propose(self, token_ids: Sequence[int], request_id: str | None = None) -> bool:
         """Whether the target's hidden state before the last token is known (else there is nothing to start from)."""
         seq = self._seqs.get(request_id) if request_id is not None else None
@@ -335,18 +349,19 @@ class EagleProposer(Proposer):
         last = len(token_ids) - 2  # the pair (f_last, t_{last + 1}) starts the drafts
         return seq.hidden.known_from <= last < seq.hidden.known_to
 
-    def _propose_one(self, request: DraftRequest) -> list[int]:
+    def _propose_one(self, request: DraftRequest) -> torch.Tensor | None:
+        """The request's drafts as a device tensor [k] (queued, not waited for), or None where it has none."""
         k = min(request.max_tokens, self.max_draft_tokens)
         tokens = request.token_ids
         num = len(tokens)
         seq = self._seqs.get(request.request_id)
         if seq is None or k < 1 or num < 2 or num + k > self.max_seq_len:
-            return []
+            return None
         self._seqs.move_to_end(request.request_id)
         hidden, cache = seq.hidden, seq.cache
         last = num - 2  # pairs (f_i, t_{i+1}) for positions up to last are known
         if not hidden.known_from <= last < hidden.known_to:
-            return []
+            return None
         # the cache holds known pairs below cache.length; the last pair is fed again where it holds it too (its
         # output starts the chain)
         first = min(cache.length, last)
@@ -356,14 +371,13 @@ class EagleProposer(Proposer):
         out = self.head.forward(cache, ids, hidden.rows[first:last + 1], first)
         cache.length = last + 1
         g = out[-1:]
-        drafts: list[int] = []
+        drafts = []
         for j in range(k):
-            token = int(torch.argmax(self.head.lm_head(g), dim=-1)[0])
+            token = torch.argmax(self.head.lm_head(g), dim=-1)  # [1], on the device
             drafts.append(token)
             if j + 1 < k:
-                g = self.head.forward(cache, torch.tensor([token], dtype=torch.long, device=self.head.device), g,
-                                      last + 1 + j)
-        return drafts
+                g = self.head.forward(cache, token, g, last + 1 + j)
+        return torch.cat(drafts)
 
 
 def read_head(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[EagleConfig, dict[str, torch.Tensor]]:

@@ -258,3 +258,52 @@ def test_an_eagle_head_in_the_recipe_travels_inside_the_artifact(checkpoints, tm
     (path / "eagle" / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="model.safetensors was modified after the build"):
         Engine.load(path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs' hidden states need a GPU")
+def test_on_cuda_the_graphs_hand_over_the_targets_hidden_states(bundled_artifact, head_dir):
+    """On CUDA (kernels, decode and step graphs) the hidden states the proposer is handed are the target's: the last
+    row recorded at each position equals an eager forward over the final tokens; output equals decoding without."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels run compiled on the GPU")
+    engine = Engine.load(bundled_artifact, "cuda")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    spec = {"method": "eagle", "draft_model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+    s = ServingEngine(engine, ServingConfig(speculative=spec, num_blocks=64))
+    assert s.graphs is not None and s.step_graphs is not None
+    records: dict[str, dict[int, torch.Tensor]] = {}
+    record = s.proposer.record_hidden
+
+    def spy(request_id, start, hidden):
+        rows = records.setdefault(request_id, {})
+        for j in range(hidden.shape[0]):
+            rows[start + j] = hidden[j].float().cpu()
+        record(request_id, start, hidden)
+
+    s.proposer.record_hidden = spy
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    outs = s.run(prompts, params)
+    plain = ServingEngine(engine, ServingConfig(speculative=SpeculativeConfig(), num_blocks=64))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.run(prompts, params)]
+    assert s.stats().spec_num_draft_tokens > 0
+    from runtime.executor import SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+
+    engine.executor.keep_hidden = True
+    step = engine.limits.max_num_tokens
+    for prompt, out in zip(prompts, outs):
+        tokens = prompt + out.token_ids
+        rows = records[out.request_id]
+        n = len(tokens) - 1  # the last token was never fed
+        kv, eager = SequenceKV(engine.kv_layout, n, engine.device), []
+        for lo in range(0, n, step):  # the offline engine's eager steps, chunk by chunk
+            chunk = tokens[lo:min(n, lo + step)]
+            engine.executor.forward(StepInput(torch.tensor(chunk, device="cuda"),
+                                              torch.arange(lo, lo + len(chunk), device="cuda"),
+                                              [SeqSlice(kv, lo, len(chunk))], None))
+            kv.num_tokens = lo + len(chunk)
+            eager.append(engine.executor.hidden.float().cpu())
+        assert sorted(rows) == list(range(n))
+        torch.testing.assert_close(torch.stack([rows[i] for i in range(n)]), torch.cat(eager), atol=2e-3, rtol=2e-3)
