@@ -141,7 +141,7 @@ def _layer_names(i: int) -> list[str]:
 
 
 class EagleHead:
-    """The head's weights and its forward over one sequence's new pairs (see the module docstring)."""
+    """The head's weights and its forward over new pairs of one request slot (see the module docstring)."""
 
     def __init__(self, config: EagleConfig, weights: dict[str, torch.Tensor], embed: torch.Tensor,
                  lm_head, dtype: torch.dtype, device: torch.device) -> None:
@@ -151,15 +151,19 @@ class EagleHead:
         self.dtype, self.device = dtype, device
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         self.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weights_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotary over each head's two halves (Llama's rotate_half), at ``positions``; x [n, heads, d]."""
-        angles = positions.float()[:, None] * self.inv_freq[None, :]  # [n, d / 2]
-        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[:, None, :]
-        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[:, None, :]
+    def rope_tables(self, capacity: int) -> None:
+        """cos / sin of every position below ``capacity`` [capacity, head_dim], made once (a step gathers rows)."""
+        angles = torch.arange(capacity, dtype=torch.float32, device=self.device)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat([angles, angles], dim=-1)
+        self._tables = (angles.cos(), angles.sin())
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary over each head's two halves (Llama's rotate_half); x [n, heads, d], cos / sin [n, 1, d]."""
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
@@ -169,33 +173,34 @@ class EagleHead:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
-    def forward(self, cache: _HeadCache, token_ids: torch.Tensor, hidden: torch.Tensor, start: int) -> torch.Tensor:
-        """Feed pairs (hidden[j], token_ids[j]) at positions start + j into ``cache`` (written there; keys from
-        ``cache.start`` on are attended); returns the head's output hidden states [n, h]."""
+    def forward(self, cache: _SlotCache, slot: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
+                first: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Feed pairs (hidden[j], token_ids[j]) at positions first + j into request slot ``slot`` of ``cache``
+        (written there; its keys from position ``start`` on are attended, causally); returns the head's output
+        hidden states [n, h]. ``slot``, ``first`` and ``start`` are one-element device tensors, so that a step is
+        the same kernels whatever the request and position (``EagleProposer`` captures it in CUDA graphs)."""
         cfg, w = self.config, self.w
-        n = token_ids.shape[0]
-        positions = torch.arange(start, start + n, device=self.device)
+        n, cap = token_ids.shape[0], cache.capacity
+        positions = first + torch.arange(n, device=self.device)  # [n]
+        cos, sin = (t.index_select(0, positions)[:, None, :] for t in self._tables)
         x = torch.cat([F.embedding(token_ids, self.embed).to(self.dtype), hidden.to(self.dtype)], dim=-1)
         x = F.linear(x, w["fc.weight"], w.get("fc.bias"))
-        end = start + n
-        cache.reserve(end)
-        key_pos = torch.arange(cache.start, end, device=self.device)
-        mask = key_pos[None, :] <= positions[:, None]  # [n, keys]: causal over the cached keys and these
+        key_pos = torch.arange(cap, device=self.device)
+        mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] >= start)  # [n, cap]
+        rows = slot * cap + positions  # the slot's rows of the flat cache
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             h = x if i == 0 else self._norm(x, w[p + "input_layernorm.weight"])
             q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(n, cfg.num_heads, cfg.head_dim)
             k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(n, cfg.num_kv_heads, cfg.head_dim)
             v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self._rope(q, positions), self._rope(k, positions)
-            cache.k[i][start:end] = k
-            cache.v[i][start:end] = v
-            keys, values = cache.k[i][cache.start:end], cache.v[i][cache.start:end]
-            rep = cfg.num_heads // cfg.num_kv_heads
-            if rep > 1:
-                keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            cache.k[i].index_copy_(0, rows, k)
+            cache.v[i].index_copy_(0, rows, v)
+            keys = cache.k[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
+            values = cache.v[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                                  attn_mask=mask)  # [heads, n, d]
+                                                  attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
             x = x + F.linear(attn.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim),
                              w[p + "self_attn.o_proj.weight"])
             h = self._norm(x, w[p + "post_attention_layernorm.weight"])
@@ -204,38 +209,19 @@ class EagleHead:
         return x
 
 
-@dataclass
-class _HeadCache:
-    """One request's head cache: keys and values per layer by absolute position (positions [start, length) hold
-    pairs of known tokens; the chain writes past them), grown by doubling up to ``limit`` positions."""
+class _SlotCache:
+    """The head's KV caches for ``slots`` requests at once: per layer one tensor [slots * capacity, kv heads, d],
+    request slot i owning rows [i * capacity, (i + 1) * capacity) by position."""
 
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    limit: int
-    start: int = 0
-    length: int = 0
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
+    def __init__(self, config: EagleConfig, slots: int, capacity: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.capacity = capacity
+        shape = (slots * capacity, config.num_kv_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
-    def reserve(self, end: int) -> None:
-        cap = self.k[0].shape[0] if self.k else 0
-        if end <= cap:
-            return
-        if end > self.limit:
-            raise EagleCheckpointError(f"the EAGLE head's cache holds {self.limit} positions; {end} asked")
-        new_cap = min(self.limit, max(end, 2 * cap, 64))
-        shape = (new_cap, self.num_kv_heads, self.head_dim)
-        for lst in (self.k, self.v):
-            old = list(lst)
-            lst.clear()
-            for i in range(self.num_layers):
-                t = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if old:
-                    t[:cap] = old[i]
-                lst.append(t)
+    def bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
 @dataclass
@@ -266,30 +252,53 @@ class _Hidden:
 
 @dataclass
 class _EagleSeq:
-    cache: _HeadCache
+    slot: int  # its rows of the slot cache
+    start: int = 0  # the first position its cache holds (after a gap)
+    length: int = 0  # positions [start, length) hold pairs of known tokens; the chain writes past them
     hidden: _Hidden = field(default_factory=_Hidden)
 
 
 class EagleProposer(Proposer):
-    """Greedy drafts from an EAGLE head over the target's hidden states (see the module docstring)."""
+    """Greedy drafts from an EAGLE head over the target's hidden states (see the module docstring).
+
+    A proposal for a request whose cache lacks at most ``max_draft_tokens + 1`` pairs (the usual case after a verify
+    step: its accepted drafts and the target's own token) is one step feeding them and k - 1 one-token chain steps;
+    on CUDA (``cuda_graphs``) that is one CUDA-graph replay, a graph per number of pairs fed. More pairs (a prompt)
+    are fed first in eager steps of at most ``max_draft_tokens + 1``."""
 
     method = "eagle"
     needs_hidden = True  # the serving engine records the target's hidden states (record_hidden)
 
-    def __init__(self, head: EagleHead, max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4) -> None:
+    def __init__(self, head: EagleHead, max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4,
+                 cuda_graphs: bool = True) -> None:
         if max_seqs < 1:
             raise SpeculativeConfigError(f"an EAGLE head needs room for at least one request, got {max_seqs}")
         if max_draft_tokens < 1:
             raise SpeculativeConfigError(f"max_draft_tokens must be >= 1, got {max_draft_tokens}")
         self.head, self.max_seq_len = head, max_seq_len
         self.max_seqs, self.max_draft_tokens = max_seqs, max_draft_tokens
+        self.max_feed = max_draft_tokens + 1  # pairs a proposal's first step feeds at most
         self._seqs: OrderedDict[str, _EagleSeq] = OrderedDict()  # least recently used first
+        self._free = list(range(max_seqs - 1, -1, -1))  # request slots; pop() takes the lowest
+        head.rope_tables(max_seq_len)
+        self.cache = _SlotCache(head.config, max_seqs, max_seq_len, head.dtype, head.device)
+        dev = head.device
+        # a proposal's static inputs: [slot, first position, cache start, ids of the pairs fed...], their hidden
+        # states, and the drafts it leaves
+        self._longs = torch.zeros(3 + self.max_feed, dtype=torch.long, device=dev)
+        self._feed_hidden = torch.zeros(self.max_feed, head.config.hidden_size, dtype=head.dtype, device=dev)
+        self._out = torch.zeros(max_draft_tokens, dtype=torch.long, device=dev)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # number of pairs fed -> the proposal's graph
+        if cuda_graphs and dev.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()
+            for n in range(self.max_feed, 0, -1):  # the largest first: the smaller ones reuse its memory
+                self._graphs[n] = self._capture(n, pool)
 
     @classmethod
-    def load(cls, path: str | Path, target, max_seq_len: int, max_seqs: int = 8,
-             max_draft_tokens: int = 4) -> EagleProposer:
+    def load(cls, path: str | Path, target, max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4,
+             cuda_graphs: bool = True) -> EagleProposer:
         """The head at ``path`` for ``target`` (an ``Engine``), on the target's device and in its dtype."""
-        return cls(load_head(path, target), max_seq_len, max_seqs, max_draft_tokens)
+        return cls(load_head(path, target), max_seq_len, max_seqs, max_draft_tokens, cuda_graphs)
 
     # -- what the serving engine tells it --------------------------------------------------------------------
     def record_hidden(self, request_id: str, start: int, hidden: torch.Tensor) -> None:
@@ -299,26 +308,30 @@ class EagleProposer(Proposer):
         seq.hidden.record(start, hidden)
 
     def release(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._free.append(seq.slot)
+
+    def close(self) -> None:
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
 
     def weights_bytes(self) -> int:
         return self.head.weights_bytes()
 
     def kv_bytes(self) -> int:
-        """The most the caches and the recorded hidden states take: max_seqs requests of max_seq_len positions."""
-        cfg = self.head.config
+        """The caches (max_seqs slots of max_seq_len positions) and the most hidden states recorded at once."""
         size = torch.empty((), dtype=self.head.dtype).element_size()
-        per_position = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim + cfg.hidden_size) * size
-        return self.max_seqs * self.max_seq_len * per_position
+        return self.cache.bytes() + self.max_seqs * self.max_seq_len * self.head.config.hidden_size * size
 
     def _seq(self, request_id: str) -> _EagleSeq:
         seq = self._seqs.get(request_id)
         if seq is None:
             while len(self._seqs) >= self.max_seqs:
-                self._seqs.popitem(last=False)
-            cfg, head = self.head.config, self.head
-            seq = self._seqs[request_id] = _EagleSeq(_HeadCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                                                head.dtype, head.device, self.max_seq_len))
+                _, old = self._seqs.popitem(last=False)
+                self._free.append(old.slot)
+            seq = self._seqs[request_id] = _EagleSeq(self._free.pop())
         self._seqs.move_to_end(request_id)
         return seq
 
@@ -336,11 +349,12 @@ class EagleProposer(Proposer):
             return [[] for _ in requests]
         flat = torch.cat([c for c in chains if c is not None])
         sources, at = [], 0
-        for c in chains:
-            n = 0 if c is None else c.numel()
+        for c, r in zip(chains, requests):
+            n = 0 if c is None else min(c.numel(), r.max_tokens)
             sources.append(list(range(at, at + n)))
-            at += n
+            at += 0 if c is None else c.numel()
         return PendingDrafts(flat, sources)
+
     def may_propose(self, token_ids: Sequence[int], request_id: str | None = None) -> bool:
         """Whether the target's hidden state before the last token is known (else there is nothing to start from)."""
         seq = self._seqs.get(request_id) if request_id is not None else None
@@ -350,34 +364,76 @@ class EagleProposer(Proposer):
         return seq.hidden.known_from <= last < seq.hidden.known_to
 
     def _propose_one(self, request: DraftRequest) -> torch.Tensor | None:
-        """The request's drafts as a device tensor [k] (queued, not waited for), or None where it has none."""
-        k = min(request.max_tokens, self.max_draft_tokens)
+        """The request's max_draft_tokens drafts as a device tensor (queued, not waited for; the caller keeps as
+        many as it asked for), or None where it has none."""
         tokens = request.token_ids
         num = len(tokens)
         seq = self._seqs.get(request.request_id)
-        if seq is None or k < 1 or num < 2 or num + k > self.max_seq_len:
+        if seq is None or request.max_tokens < 1 or num < 2 or num + self.max_draft_tokens > self.max_seq_len:
             return None
         self._seqs.move_to_end(request.request_id)
-        hidden, cache = seq.hidden, seq.cache
+        hidden = seq.hidden
         last = num - 2  # pairs (f_i, t_{i+1}) for positions up to last are known
         if not hidden.known_from <= last < hidden.known_to:
             return None
-        # the cache holds known pairs below cache.length; the last pair is fed again where it holds it too (its
-        # output starts the chain)
-        first = min(cache.length, last)
+        # the cache holds known pairs below seq.length; the last pair is fed again where it holds it too (its output
+        # starts the chain)
+        first = min(seq.length, last)
         if first < hidden.known_from:  # a gap: the cache restarts after it
-            cache.start = first = hidden.known_from
-        ids = torch.tensor(list(tokens[first + 1:num]), dtype=torch.long, device=self.head.device)
-        out = self.head.forward(cache, ids, hidden.rows[first:last + 1], first)
-        cache.length = last + 1
-        g = out[-1:]
-        drafts = []
-        for j in range(k):
-            token = torch.argmax(self.head.lm_head(g), dim=-1)  # [1], on the device
-            drafts.append(token)
-            if j + 1 < k:
-                g = self.head.forward(cache, token, g, last + 1 + j)
-        return torch.cat(drafts)
+            seq.start = first = hidden.known_from
+        while last + 1 - first > self.max_feed:  # a long catch-up (a prompt): eager steps first
+            n = self.max_feed
+            self._stage(seq, tokens[first + 1:first + 1 + n], hidden.rows[first:first + n], first)
+            self._feed(n)
+            first += n
+        n = last + 1 - first
+        self._stage(seq, tokens[first + 1:num], hidden.rows[first:last + 1], first)
+        graph = self._graphs.get(n)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._proposal(n)
+        seq.length = last + 1
+        return self._out.clone()  # the buffer is the next replay's
+
+    def _stage(self, seq: _EagleSeq, ids: Sequence[int], rows: torch.Tensor, first: int) -> None:
+        """The static inputs of a step feeding pairs (rows[j], ids[j]) from position ``first``."""
+        n = len(ids)
+        host = torch.tensor([seq.slot, first, seq.start, *ids], dtype=torch.long)
+        self._longs[:3 + n].copy_(host, non_blocking=False)
+        self._feed_hidden[:n].copy_(rows)
+
+    def _feed(self, n: int) -> torch.Tensor:
+        """The step over the staged n pairs; its output hidden states [n, h]."""
+        longs = self._longs
+        return self.head.forward(self.cache, longs[0:1], longs[3:3 + n], self._feed_hidden[:n], longs[1:2],
+                                 longs[2:3])
+
+    def _proposal(self, n: int) -> None:
+        """Feed the staged n pairs, then draft max_draft_tokens tokens into ``_out``, each fed to the next step on
+        the device (what a proposal's CUDA graph holds)."""
+        g = self._feed(n)[-1:]
+        longs = self._longs
+        pos = longs[1:2] + n  # the chain's first pair sits after the fed ones
+        for j in range(self.max_draft_tokens):
+            token = torch.argmax(self.head.lm_head(g), dim=-1)  # [1]
+            self._out[j:j + 1].copy_(token)
+            if j + 1 < self.max_draft_tokens:
+                g = self.head.forward(self.cache, longs[0:1], token, g, pos + j, longs[2:3])
+
+    def _capture(self, n: int, pool) -> torch.cuda.CUDAGraph:
+        self._longs.zero_()  # warm-up and capture: slot 0, position 0 (whatever they write is written over)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):
+                self._proposal(n)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
+            self._proposal(n)
+        return graph
 
 
 def read_head(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[EagleConfig, dict[str, torch.Tensor]]:

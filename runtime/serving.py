@@ -181,7 +181,7 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, c
         try:
             proposer = EagleProposer.load(config.draft_model, target, max_seq_len,
                                           max_seqs=min(config.max_running, max_num_seqs or config.max_running),
-                                          max_draft_tokens=config.num_speculative_tokens)
+                                          max_draft_tokens=config.num_speculative_tokens, cuda_graphs=cuda_graphs)
         except SpeculativeConfigError as e:
             raise SpeculativeConfigError(f"speculative draft_model{where}: {e}") from None
         target.executor.keep_hidden = True  # before any CUDA graph is captured: they keep them too

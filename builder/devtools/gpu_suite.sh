@@ -47,6 +47,10 @@
 #                  and the executor's kernel path on the LayerNorm / partial-rotary / soft-cap / sinks families
 #                  (tests/runtime/test_executor_families.py: tiny models served on CUDA from CUDA graphs against the
 #                  CPU reference), compiled for the GPU; the pytest tails in $OUT/families_tests.txt
+#   spec-eagle     the bundled model with an EAGLE head ($EAGLE_HEAD, default models/pystdlib-llama-eagle; with
+#                  $EAGLE_TRAIN_ARGS, one trained here first by builder.devtools.train_eagle --device cuda into
+#                  $OUT/eagle-head): tests/runtime/test_eagle.py's CUDA test, then builder.bench.speculative --eagle at
+#                  each k of $SPEC_K (default 4) on held-out text, recorded (spec_speedup_eagle_b1[_kK], ...)
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -314,6 +318,22 @@ PY
     moe-e2e|moe-e2e-*)
       prec=${part#moe-e2e}; prec=${prec#-}; moe_e2e "${prec:-bf16}"
       ;;
+    spec-eagle)
+      [ -d artifacts/quickstart ] || python3 -m builder.cli build recipes/quickstart.yaml --quiet 2>&1 | tail -2
+      head=${EAGLE_HEAD:-models/pystdlib-llama-eagle}
+      if [ -n "${EAGLE_TRAIN_ARGS:-}" ]; then  # a head trained here first (on this GPU), into $OUT/eagle-head
+        python3 -m builder.devtools.train_eagle --device cuda --out "$OUT/eagle-head" $EAGLE_TRAIN_ARGS 2>&1 \
+          | tee "$OUT/train_eagle.log" | tail -4
+        head="$OUT/eagle-head"
+      fi
+      TRITON_INTERPRET=0 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/runtime/test_eagle.py -k cuda \
+        2>&1 | tail -3 | tee "$OUT/eagle_tests.txt"
+      for k in ${SPEC_K:-4}; do
+        python3 -m builder.bench.speculative artifacts/quickstart --device cuda --eagle "$head" \
+          --text models/pystdlib-llama/eval.txt --prompts ${SPEC_PROMPTS:-8} --num-draft $k --output-len 128 \
+          --record "$OUT/benchmarks.jsonl" $( [ $k = 4 ] || echo --tag _k$k ) 2>&1 | tee -a "$OUT/spec_eagle.log" \
+          | grep -E '^\{|speedup|accept'
+      done ;;
     quickstart)
       for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do
         [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2

@@ -117,9 +117,16 @@ def test_the_head_is_a_llama_decoder_over_fc_of_embedding_and_hidden(engine, hea
     ids = torch.randint(0, head.embed.shape[0], (n,), generator=g)
     hidden = torch.randn(n, head.config.hidden_size, generator=g)
     ref = _reference_outputs(head, ids.tolist(), hidden)
-    proposer = EagleProposer(head, 64)
-    cache = proposer._seq("r").cache
-    ours = torch.cat([head.forward(cache, ids[:7], hidden[:7], 0), head.forward(cache, ids[7:], hidden[7:], 7)])
+    proposer = EagleProposer(head, 64, max_seqs=3)
+    proposer._seq("a"), proposer._seq("b")
+    slot = torch.tensor([proposer._seq("r").slot])  # the third slot: its rows of the cache are the last ones
+    assert slot.item() == 2
+
+    def at(p: int) -> torch.Tensor:
+        return torch.tensor([p])
+
+    ours = torch.cat([head.forward(proposer.cache, slot, ids[:7], hidden[:7], at(0), at(0)),
+                      head.forward(proposer.cache, slot, ids[7:], hidden[7:], at(7), at(0))])
     torch.testing.assert_close(ours.float(), ref, atol=2e-5, rtol=1e-4)
 
 
@@ -151,7 +158,7 @@ def test_incremental_drafts_equal_drafts_from_scratch(engine, head_dir):
     known = tokens[:31]
     # (the rotary makes attention depend on relative positions only: the reference may start at 0)
     assert proposer.propose([DraftRequest("r", known, 2)])[0] == _reference_drafts(head, known[25:], truth[25:], 2)
-    assert proposer._seqs["r"].cache.start == 25
+    assert proposer._seqs["r"].start == 25
     assert not proposer.may_propose(tokens[:33], "r")  # position 31's hidden state is not known yet
     assert proposer.propose([DraftRequest("r", tokens[:33], 2)]) == [[]]
     proposer.release("r")
