@@ -314,3 +314,15 @@ def test_on_cuda_the_graphs_hand_over_the_targets_hidden_states(bundled_artifact
             eager.append(engine.executor.hidden.float().cpu())
         assert sorted(rows) == list(range(n))
         torch.testing.assert_close(torch.stack([rows[i] for i in range(n)]), torch.cat(eager), atol=2e-3, rtol=2e-3)
+
+
+def test_the_proposal_cost_bench_runs_a_random_head_shaped_like_the_target(bundled_artifact, tmp_path, capsys):
+    from builder.bench import eagle_cost
+    from conftest import BUNDLED
+
+    record = tmp_path / "figures.jsonl"
+    assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",
+                            "--num-draft", "2", "--iters", "2", "--context", "16", "--record", str(record)]) == 0
+    assert "EAGLE proposal, k = 2, 16-token context, head random" in capsys.readouterr().out
+    line = json.loads(record.read_text().splitlines()[0])
+    assert line["figure"] == "eagle_proposal_ms_k2" and line["value"] > 0
