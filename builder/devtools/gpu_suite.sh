@@ -51,6 +51,10 @@
 #                  $EAGLE_TRAIN_ARGS, one trained here first by builder.devtools.train_eagle --device cuda into
 #                  $OUT/eagle-head): tests/runtime/test_eagle.py's CUDA test, then builder.bench.speculative --eagle at
 #                  each k of $SPEC_K (default 4) on held-out text, recorded (spec_speedup_eagle_b1[_kK], ...)
+#   eagle-cost-PREC  Llama-3-8B shape (PREC as for 8b-PREC): the verify step's cost at k = 1, 2, 4
+#                  (builder.bench.speculative --verify-cost, tagged _8b_PREC) and an EAGLE proposal's time at each k of
+#                  $SPEC_K (default "2 4") for a random one-layer head shaped like the model's layers
+#                  (builder.bench.eagle_cost), recorded
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -334,6 +338,13 @@ PY
           --record "$OUT/benchmarks.jsonl" $( [ $k = 4 ] || echo --tag _k$k ) 2>&1 | tee -a "$OUT/spec_eagle.log" \
           | grep -E '^\{|speedup|accept'
       done ;;
+    eagle-cost-*)
+      prec=${part#eagle-cost-}
+      artifact "$prec"
+      python3 -m builder.bench.speculative artifacts/llama3-8b-$prec --device cuda --no-speedup --verify-cost 1 2 4 \
+        --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'verify|K ='
+      python3 -m builder.bench.eagle_cost artifacts/llama3-8b-$prec --config $CKPT/config.json \
+        --num-draft ${SPEC_K:-2 4} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'EAGLE|Error' ;;
     quickstart)
       for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do
         [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2
