@@ -28,8 +28,12 @@ at the next proposal, which starts from the known pairs. Positions whose hidden 
 prefix-cache hit; steps run at a load past the policy's ``max_running``) leave a gap, and the head's cache restarts
 after it: the drafts lose that context, never exactness (the target verifies every draft, greedy drafts: one-hot).
 
-The head runs eagerly in torch, one sequence at a time (a handful speculate at once: ``max_running``); it is not
-captured in CUDA graphs yet.
+The head's steps are torch ops over one request slot at a time (a handful speculate at once: ``max_running``), each
+reading its slot, positions and cache start from device tensors; on CUDA a proposal is one CUDA-graph replay
+(``EagleProposer``), its drafts left on the device. Measured in docs/BENCHMARKS.md (session 56): on the bundled model
+the head is accepted at 0.78 but its proposal (five head steps of a few dozen small kernels each, counted from
+the code, not profiled) costs more than the steps it saves; at the
+Llama-3-8B shape a draft costs ~0.6 ms, about 0.15 of a target step.
 """
 
 from __future__ import annotations
@@ -150,6 +154,10 @@ class EagleHead:
         self.config, self.embed, self.lm_head = config, embed, lm_head
         self.dtype, self.device = dtype, device
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+        for i in range(config.num_layers):  # one GEMM for q, k and v, one for gate and up (fewer launches a step)
+            p = f"layers.{i}."
+            self.w[p + "qkv"] = torch.cat([self.w.pop(p + f"self_attn.{x}_proj.weight") for x in "qkv"])
+            self.w[p + "gate_up"] = torch.cat([self.w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
         self.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -169,9 +177,8 @@ class EagleHead:
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
+        """Llama's RMSNorm: over fp32, the gain applied in the model's dtype."""
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
 
     def forward(self, cache: _SlotCache, slot: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
                 first: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
@@ -185,16 +192,15 @@ class EagleHead:
         cos, sin = (t.index_select(0, positions)[:, None, :] for t in self._tables)
         x = torch.cat([F.embedding(token_ids, self.embed).to(self.dtype), hidden.to(self.dtype)], dim=-1)
         x = F.linear(x, w["fc.weight"], w.get("fc.bias"))
-        key_pos = torch.arange(cap, device=self.device)
+        key_pos = cache.positions
         mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] >= start)  # [n, cap]
         rows = slot * cap + positions  # the slot's rows of the flat cache
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
             h = x if i == 0 else self._norm(x, w[p + "input_layernorm.weight"])
-            q = F.linear(h, w[p + "self_attn.q_proj.weight"]).view(n, cfg.num_heads, cfg.head_dim)
-            k = F.linear(h, w[p + "self_attn.k_proj.weight"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            v = F.linear(h, w[p + "self_attn.v_proj.weight"]).view(n, cfg.num_kv_heads, cfg.head_dim)
-            q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            qkv = F.linear(h, w[p + "qkv"]).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+            qk = self._rope(qkv[:, :cfg.num_heads + cfg.num_kv_heads], cos, sin)  # q's and k's heads at once
+            q, k, v = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], qkv[:, cfg.num_heads + cfg.num_kv_heads:]
             cache.k[i].index_copy_(0, rows, k)
             cache.v[i].index_copy_(0, rows, v)
             keys = cache.k[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
@@ -204,8 +210,8 @@ class EagleHead:
             x = x + F.linear(attn.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim),
                              w[p + "self_attn.o_proj.weight"])
             h = self._norm(x, w[p + "post_attention_layernorm.weight"])
-            gated = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
-            x = x + F.linear(gated, w[p + "mlp.down_proj.weight"])
+            gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
         return x
 
 
@@ -216,6 +222,7 @@ class _SlotCache:
     def __init__(self, config: EagleConfig, slots: int, capacity: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.capacity = capacity
+        self.positions = torch.arange(capacity, device=device)  # of a slot's rows (the attention's causal mask)
         shape = (slots * capacity, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]

@@ -89,6 +89,11 @@ def _reference_outputs(head, token_ids: list[int], hidden: torch.Tensor) -> torc
     for i in range(cfg.num_layers):
         layer = LlamaDecoderLayer(config, i)
         state = {k[len(f"layers.{i}."):]: v.float() for k, v in head.w.items() if k.startswith(f"layers.{i}.")}
+        q, k, v = state.pop("qkv").split([cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim,
+                                          cfg.num_kv_heads * cfg.head_dim])  # merged at load (one GEMM a step)
+        gate, up = state.pop("gate_up").chunk(2)
+        state.update({"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+                      "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up})
         if i == 0:
             layer.input_layernorm = torch.nn.Identity()
         layer.load_state_dict(state, strict=True)
@@ -326,3 +331,21 @@ def test_the_proposal_cost_bench_runs_a_random_head_shaped_like_the_target(bundl
     assert "EAGLE proposal, k = 2, 16-token context, head random" in capsys.readouterr().out
     line = json.loads(record.read_text().splitlines()[0])
     assert line["figure"] == "eagle_proposal_ms_k2" and line["value"] > 0
+
+
+def test_a_prefix_cache_hit_leaves_a_gap_the_head_restarts_after(engine, head_dir):
+    """The second request of a shared prompt is served from the prefix cache: the target computes only its last
+    block's positions, so the head has no hidden states for the cached ones and restarts its cache after them. The
+    output is still the target's."""
+    prompt = engine.tokenizer.encode(PROMPTS[2])
+    spec = {"method": "eagle", "draft_model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+    s = ServingEngine(engine, ServingConfig(speculative=spec, num_blocks=64, enable_prefix_caching=True))
+    starts = []
+    record = s.proposer.record_hidden
+    s.proposer.record_hidden = lambda rid, start, hidden: (starts.append((rid, start)), record(rid, start, hidden))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    first = s.run([prompt], params)[0]
+    second = s.run([prompt], params)[0]
+    assert first.token_ids == second.token_ids == _run(engine, [prompt], params)[1][0]
+    assert min(start for rid, start in starts if rid == second.request_id) > 0  # its cached prefix was not recorded
+    assert s.stats().spec_num_draft_tokens > 0
