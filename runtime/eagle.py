@@ -478,6 +478,9 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[Eagl
             weights = {k[len("model."):] if k.startswith("model.") else k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a truncated or corrupt file
         raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} cannot be read ({e})") from None
+    if {"d2t", "t2d"} & set(weights) or any(k.startswith("midlayer.") for k in weights):
+        raise EagleCheckpointError(f"{where} is an EAGLE-3 head (midlayer, a draft vocabulary d2t / t2d): not "
+                                   f"supported yet; heads in the EAGLE-1 / EAGLE-2 layout are (fc, layers.N)")
     h, d = config.hidden_size, config.head_dim
     shapes = {"fc.weight": (h, 2 * h)}
     for i in range(config.num_layers):

@@ -194,6 +194,11 @@ def test_bad_checkpoints_are_refused_with_what_is_wrong(engine, head_dir, tmp_pa
         load_head(write_head(tmp_path / "yarn", hidden, rope_scaling={"rope_type": "yarn", "factor": 4.0}), engine)
     with pytest.raises(EagleCheckpointError, match="lm_head.weight is"):
         load_head(write_head(tmp_path / "vocab", hidden, vocab=7), engine)
+    eagle3 = write_head(tmp_path / "eagle3", hidden)
+    save_file({"midlayer.hidden_norm.weight": torch.ones(hidden), "d2t": torch.zeros(8, dtype=torch.long)},
+              str(eagle3 / "model.safetensors"))
+    with pytest.raises(EagleCheckpointError, match="is an EAGLE-3 head .*not supported yet"):
+        load_head(eagle3, engine)
     (lacking / "config.json").write_text("{not json")
     with pytest.raises(EagleCheckpointError, match="config.json is not valid JSON"):
         load_head(lacking, engine)
