@@ -112,14 +112,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def frozen_target_and_windows(args: argparse.Namespace, device: torch.device
+                              ) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The target checkpoint ``args.target``, frozen, on ``device``; the train split's windows of ``args.seq_len``
+    tokens and EVAL_WINDOWS seeded windows of the eval split (``args.stdlib``, else this interpreter's library): what a
+    model trained to match the target (this draft, ``train_eagle``'s head) learns from and is scored on."""
     from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
     t0 = time.perf_counter()
     tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval().to(device)
@@ -133,6 +133,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     held_out = held_out[:EVAL_WINDOWS]
     print(f"{train.size(0)} train windows, {held_out.size(0)} eval windows of {args.seq_len} tokens "
           f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    return target, train, held_out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    t0 = time.perf_counter()
+    target, train, held_out = frozen_target_and_windows(args, device)
     spec = TrainSpec(seed=args.seed, max_steps=args.max_steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      peak_lr=args.lr, threads=args.threads)
     draft = build_model(DRAFT_SPEC, target.config.vocab_size).to(device)

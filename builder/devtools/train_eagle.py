@@ -49,10 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from builder.devtools.train_bundled import (SPLIT_EVAL, SPLIT_TRAIN, TrainSpec, autocast, batch_order,
-                                            collect_stdlib_files, encode_documents, lr_factor, make_optimizer,
-                                            pack_windows, split_files, stdlib_root)
-from builder.devtools.train_draft import EVAL_WINDOWS, distill_loss
+from builder.devtools.train_bundled import TrainSpec, autocast, batch_order, lr_factor, make_optimizer
+from builder.devtools.train_draft import distill_loss, frozen_target_and_windows
 
 EVAL_STEPS = 3  # chain steps reported on the held-out windows
 STEP_DECAY = 0.8  # weight of chain step s in the loss: STEP_DECAY ** (s - 1)
@@ -343,26 +341,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     t0 = time.perf_counter()
-    tokenizer = Tokenizer.from_file(str(args.target / "tokenizer.json"))
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval().to(device)
-    for p in target.parameters():
-        p.requires_grad_(False)
-    files, _ = collect_stdlib_files(args.stdlib or stdlib_root())
-    splits = split_files(files)
-    train_windows = pack_windows(encode_documents(tokenizer, [f.text for f in splits[SPLIT_TRAIN]]), args.seq_len)
-    held_out = pack_windows(encode_documents(tokenizer, [f.text for f in splits[SPLIT_EVAL]]), args.seq_len)
-    held_out = held_out[torch.randperm(held_out.size(0), generator=torch.Generator().manual_seed(args.seed))]
-    held_out = held_out[:EVAL_WINDOWS]
-    print(f"{train_windows.size(0)} train windows, {held_out.size(0)} eval windows of {args.seq_len} tokens "
-          f"({time.perf_counter() - t0:.0f}s)", flush=True)
+    target, train_windows, held_out = frozen_target_and_windows(args, device)
     cfg = target.config
     rope_theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", None))
     spec = EagleSpec(hidden_size=cfg.hidden_size, intermediate_size=args.intermediate_size,
