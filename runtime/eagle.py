@@ -135,15 +135,6 @@ def _inv_freq(cfg: dict, head_dim: int, where: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _layer_names(i: int) -> list[str]:
-    names = [f"layers.{i}.self_attn.{p}_proj.weight" for p in "qkvo"]
-    names += [f"layers.{i}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
-    names.append(f"layers.{i}.post_attention_layernorm.weight")
-    if i > 0:
-        names.append(f"layers.{i}.input_layernorm.weight")
-    return names
-
-
 class EagleHead:
     """The head's weights and its forward over new pairs of one request slot (see the module docstring)."""
 
@@ -547,14 +538,14 @@ def target_head_parts(executor):
     if emb[0].get("attrs", {}).get("scale") is not None or emb[0].get("attrs", {}).get("vocab_parallel"):
         raise EagleCheckpointError("the target scales or shards its token embedding; EAGLE heads are supported on "
                                    "targets that look tokens up as they are (Llama-style)")
+    from runtime.executor import StepInput
+
     table = executor.params[emb[0]["weights"]["weight"]]
     kernel = executor.node_kernel(heads[0])
+    none = table.new_zeros(0, dtype=torch.long)  # the node reads no ids or positions; every row gets logits
+    step = executor.scratch_step(StepInput(none, none, []))
 
     def lm_head(x: torch.Tensor) -> torch.Tensor:
-        from runtime.executor import StepInput
-
-        step = executor.scratch_step(StepInput(x.new_zeros(0, dtype=torch.long), x.new_zeros(0, dtype=torch.long),
-                                               []))
         return kernel([x.to(executor.dtype)], step)[0]
 
     return table, lm_head, table.shape[1]

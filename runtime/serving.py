@@ -153,6 +153,8 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, c
     caches are planned for no more of them than that and ``max_running``)."""
     if config.method == "ngram":
         return NgramProposer(config.min_ngram, config.max_ngram)
+    where = "" if config.draft_model is None or Path(config.draft_model).is_absolute() else \
+        f" (a relative path, read from the working directory {Path.cwd()})"  # for the draft's errors
     if config.method == "draft":
         from runtime.artifact import ArtifactError
         from runtime.draft_model import DraftModelProposer
@@ -164,8 +166,6 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, c
                 max_seqs=min(config.max_running, max_num_seqs or config.max_running),  # speculating at once, at most
                 max_draft_tokens=config.num_speculative_tokens, cuda_graphs=cuda_graphs)
         except ArtifactError as e:
-            where = "" if Path(config.draft_model).is_absolute() else \
-                f" (a relative path, read from the working directory {Path.cwd()})"
             raise ArtifactError(f"speculative draft_model{where}: {e}") from None
         draft_bytes, target_bytes = proposer.weights_bytes(), tensor_bytes(target.executor.params.values())
         if draft_bytes >= target_bytes:
@@ -176,8 +176,6 @@ def make_proposer(config: SpeculativeConfig, target: Engine, max_seq_len: int, c
     if config.method == "eagle":
         from runtime.eagle import EagleProposer
 
-        where = "" if Path(config.draft_model).is_absolute() else \
-            f" (a relative path, read from the working directory {Path.cwd()})"
         try:
             proposer = EagleProposer.load(config.draft_model, target, max_seq_len,
                                           max_seqs=min(config.max_running, max_num_seqs or config.max_running),
@@ -660,7 +658,7 @@ class ServingEngine:
                                        for q, r in zip(seqs, rows)], self.device),
                             (tokens, [rows[i] for i in dst], dst))
             logits = self._replay(sched, ids)
-            if self._hidden_wanted(sched):
+            if self._hidden_wanted():
                 self._record_hidden(sched, self.graphs.hidden, list(range(len(seqs) + 1)))
             return logits, [q.request for q in seqs]  # a one-token step always samples
         packed, sampling = self._pack(sched)
@@ -678,18 +676,18 @@ class ServingEngine:
         if self.step_graphs is not None \
                 and self.step_graphs.bucket_for(sched.num_batched_tokens, len(seqs), num_rows) is not None:
             logits = self.step_graphs.run(packed, feed)
-            if self._hidden_wanted(sched):
+            if self._hidden_wanted():
                 self._record_hidden(sched, self.step_graphs.hidden, packed.cu_seqlens_q)
             return logits, sampling
         inp = self._prepare(sched, packed)
         if feed is not None:
             _feed(inp.input_ids, feed)
         logits = self.executor.forward(inp)  # [num_sampling, vocab] fp32
-        if self._hidden_wanted(sched):
+        if self._hidden_wanted():
             self._record_hidden(sched, self.executor.hidden, packed.cu_seqlens_q)
         return logits, sampling
 
-    def _hidden_wanted(self, sched: SchedulerOutput) -> bool:
+    def _hidden_wanted(self) -> bool:
         """Whether this step's final hidden states go to the proposer (an EAGLE head's, ``needs_hidden``): at a
         load where steps may speculate (at most ``max_running`` requests running)."""
         return (getattr(self.proposer, "needs_hidden", False)

@@ -9,7 +9,8 @@ hold does not change the cost), then the proposal a verify step is followed by, 
 and k - 1 chain steps (a CUDA-graph replay on CUDA) through ``EagleProposer.propose``, which reads the drafts back.
 The median over ``--iters`` proposals is printed in ms for each k. Without ``--head``, a random EAGLE-1 head of
 ``--layers`` layers shaped like the target's layers (hidden size, heads, kv heads, intermediate size, from the
-target checkpoint's ``--config``) is written to a temporary directory: the cost of a head of that size, not its acceptance.
+target checkpoint's ``--config``) is written to a temporary directory: the cost of a head of that size, not its
+acceptance.
 Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms).
 """
 
