@@ -177,14 +177,15 @@ def check_fp8_accumulation(recipe: Recipe, prequantized: bool) -> None:
 def check_draft_model(recipe: Recipe, ckpt: Checkpoint) -> None:
     """``runtime.speculative`` method draft: the draft must be an intact artifact of this toolchain, for one GPU,
     whose tokenizer is the checkpoint's (its tokens are the target's); it is copied into the artifact when written.
-    Method eagle: the head's config and tensors must fit the checkpoint (hidden size, vocabulary; runtime.eagle's
-    ``read_head``). Checked before anything is built."""
+    Method eagle: the head's config and tensors must fit the checkpoint (hidden size, vocabulary, an EAGLE-3 head's
+    target layers; runtime.eagle's ``read_head``). Checked before anything is built."""
     spec = recipe.runtime.speculative
     if spec.method == "eagle":
         from runtime.eagle import EagleCheckpointError, read_head
 
         try:
-            read_head(spec.draft_model, ckpt.config_dict.get("hidden_size"), ckpt.config_dict.get("vocab_size"))
+            read_head(spec.draft_model, ckpt.config_dict.get("hidden_size"), ckpt.config_dict.get("vocab_size"),
+                      ckpt.config_dict.get("num_hidden_layers"))
         except EagleCheckpointError as e:
             raise BuildError(f"runtime.speculative.draft_model: {e}") from None
         return

@@ -73,9 +73,14 @@ class EagleConfig:
     num_layers: int
     rms_norm_eps: float
     inv_freq: tuple[float, ...]  # the rotary's frequencies, one per pair of a head's features
+    version: int = 1  # 1: EAGLE-1 / EAGLE-2 layout; 3: EAGLE-3 (the target's layers side by side, a draft vocabulary)
+    target_hidden_size: int = 0  # EAGLE-3: the target's hidden size (0: hidden_size)
+    draft_vocab_size: int = 0  # EAGLE-3: the head's lm_head rows (0: the target's vocabulary)
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose input streams it reads (): the default
+    norm_before_residual: bool = False  # EAGLE-3: the first layer's residual is the normed hidden state
 
     @classmethod
-    def from_dict(cls, cfg: dict, where: str) -> EagleConfig:
+    def from_dict(cls, cfg: dict, where: str, version: int = 1) -> EagleConfig:
         def need(name: str, kind=int):
             value = cfg.get(name)
             if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -98,8 +103,34 @@ class EagleConfig:
         eps = cfg.get("rms_norm_eps", 1e-6)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0:
             raise EagleCheckpointError(f"{where}: rms_norm_eps must be a positive number, got {eps!r}")
-        return cls(hidden, heads, kv_heads, head_dim, need("intermediate_size"), need("num_hidden_layers"),
-                   float(eps), _inv_freq(cfg, head_dim, where))
+        base = (hidden, heads, kv_heads, head_dim, need("intermediate_size"), need("num_hidden_layers"), float(eps),
+                _inv_freq(cfg, head_dim, where))
+        if version == 1:
+            return cls(*base)
+        target_hidden = cfg.get("target_hidden_size") or hidden
+        draft_vocab = cfg.get("draft_vocab_size") or 0
+        for name, value in (("target_hidden_size", target_hidden), ("draft_vocab_size", draft_vocab or 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EagleCheckpointError(f"{where}: {name} must be a positive integer, got {value!r}")
+        nested = cfg.get("eagle_config") if isinstance(cfg.get("eagle_config"), dict) else {}
+        aux = cfg.get("eagle_aux_hidden_state_layer_ids", nested.get("eagle_aux_hidden_state_layer_ids")) or ()
+        if (not isinstance(aux, (list, tuple))
+                or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in aux)):
+            raise EagleCheckpointError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer indices "
+                                       f"(0 or more), got {aux!r}")
+        return cls(*base, version=3, target_hidden_size=target_hidden, draft_vocab_size=draft_vocab,
+                   aux_layers=tuple(aux), norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+
+    def target_layers(self, num_layers: int) -> tuple[int, ...]:
+        """EAGLE-3: the target layers (of ``num_layers``) whose input residual streams the head reads, ascending,
+        as vLLM indexes them (layer j's input is layer j - 1's output; 0 is the embeddings, ``num_layers`` the
+        stream the final norm reads): the config's ``eagle_aux_hidden_state_layer_ids``, else (2, L // 2, L - 3)."""
+        ids = self.aux_layers or (2, num_layers // 2, num_layers - 3)
+        bad = [i for i in ids if not 0 <= i <= num_layers]
+        if bad:
+            raise EagleCheckpointError(f"EAGLE-3 head: target layers {bad} are outside the target's 0..{num_layers} "
+                                       f"(eagle_aux_hidden_state_layer_ids)")
+        return tuple(sorted(set(ids)))
 
 
 def _inv_freq(cfg: dict, head_dim: int, where: str) -> tuple[float, ...]:
@@ -139,11 +170,14 @@ class EagleHead:
     """The head's weights and its forward over new pairs of one request slot (see the module docstring)."""
 
     def __init__(self, config: EagleConfig, weights: dict[str, torch.Tensor], embed: torch.Tensor,
-                 lm_head, dtype: torch.dtype, device: torch.device) -> None:
-        """``weights``: the checkpoint's tensors, names without a ``model.`` prefix; ``embed``: the target's
-        embedding table [vocab, h]; ``lm_head``: hidden [n, h] -> logits [n, vocab] fp32."""
+                 lm_head, dtype: torch.dtype, device: torch.device, draft_ids: torch.Tensor | None = None) -> None:
+        """``weights``: the checkpoint's tensors, names without a ``model.`` prefix (an EAGLE-3 head's ``midlayer.``
+        as ``layers.0.``); ``embed``: the embedding table [vocab, h] (the target's, or an EAGLE-3 head's own);
+        ``lm_head``: hidden [n, h] -> logits [n, vocab] fp32; ``draft_ids``: the target id of each lm_head row (an
+        EAGLE-3 head's draft vocabulary; None: rows are target ids)."""
         self.config, self.embed, self.lm_head = config, embed, lm_head
         self.dtype, self.device = dtype, device
+        self.draft_ids = None if draft_ids is None else draft_ids.to(device=device, dtype=torch.long)
         self.w = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
         for i in range(config.num_layers):  # one GEMM for q, k and v, one for gate and up (fewer launches a step)
             p = f"layers.{i}."
@@ -151,6 +185,10 @@ class EagleHead:
             self.w[p + "gate_up"] = torch.cat([self.w.pop(p + f"mlp.{x}_proj.weight") for x in ("gate", "up")])
         self.inv_freq = torch.tensor(config.inv_freq, dtype=torch.float32, device=device)
         self._tables: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the width of the target's hidden states a step is fed: its final ones (EAGLE-1), or its streams side by
+        # side (EAGLE-3, fc's input)
+        fc_in = self.w["fc.weight"].shape[1]
+        self.input_width = fc_in - config.hidden_size if config.version == 1 else fc_in
 
     def weights_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -171,39 +209,76 @@ class EagleHead:
         """Llama's RMSNorm: over fp32, the gain applied in the model's dtype."""
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.config.rms_norm_eps).to(x.dtype)
 
+    def draft(self, out: torch.Tensor) -> torch.Tensor:
+        """Greedy drafts (target token ids) [n] from the head's outputs [n, h] (``forward``'s first)."""
+        token = torch.argmax(self.lm_head(out), dim=-1)
+        return token if self.draft_ids is None else self.draft_ids.index_select(0, token)
+
     def forward(self, cache: _SlotCache, slot: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
-                first: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+                first: torch.Tensor, start: torch.Tensor, fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed pairs (hidden[j], token_ids[j]) at positions first + j into request slot ``slot`` of ``cache``
-        (written there; its keys from position ``start`` on are attended, causally); returns the head's output
-        hidden states [n, h]. ``slot``, ``first`` and ``start`` are one-element device tensors, so that a step is
-        the same kernels whatever the request and position (``EagleProposer`` captures it in CUDA graphs)."""
+        (written there; its keys from position ``start`` on are attended, causally). ``hidden`` is the target's
+        (``fresh``: as recorded) or the head's own (the second output of the step before, in a chain). Returns the
+        head's outputs [n, h] for its lm_head and the hidden states a chain step feeds on. ``slot``, ``first`` and
+        ``start`` are one-element device tensors, so that a step is the same kernels whatever the request and
+        position (``EagleProposer`` captures it in CUDA graphs).
+
+        EAGLE-1: x = fc(cat(embed, hidden)), then Llama layers (the first without its input norm, no final norm);
+        both outputs are x. EAGLE-3: the target's streams side by side go through fc (``fresh`` only); the first
+        layer attends over cat(input_norm(embed), hidden_norm(h)) with h as its residual (or hidden_norm(h):
+        ``norm_before_residual``), later layers are Llama layers; the final norm's input is the chain's hidden state
+        and its output the lm_head's."""
         cfg, w = self.config, self.w
         n, cap = token_ids.shape[0], cache.capacity
         positions = first + torch.arange(n, device=self.device)  # [n]
         cos, sin = (t.index_select(0, positions)[:, None, :] for t in self._tables)
-        x = torch.cat([F.embedding(token_ids, self.embed).to(self.dtype), hidden.to(self.dtype)], dim=-1)
-        x = F.linear(x, w["fc.weight"], w.get("fc.bias"))
         key_pos = cache.positions
         mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] >= start)  # [n, cap]
         rows = slot * cap + positions  # the slot's rows of the flat cache
+        embeds = F.embedding(token_ids, self.embed).to(self.dtype)
+        if cfg.version == 1:
+            x = F.linear(torch.cat([embeds, hidden.to(self.dtype)], dim=-1), w["fc.weight"], w.get("fc.bias"))
+            for i in range(cfg.num_layers):
+                h = x if i == 0 else self._norm(x, w[f"layers.{i}.input_layernorm.weight"])
+                x = x + self._attend(i, h, cache, slot, rows, cos, sin, mask)
+                x = x + self._mlp(i, self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"]))
+            return x, x
+        h = F.linear(hidden.to(self.dtype), w["fc.weight"], w.get("fc.bias")) if fresh else hidden.to(self.dtype)
+        x = residual = None
         for i in range(cfg.num_layers):
             p = f"layers.{i}."
-            h = x if i == 0 else self._norm(x, w[p + "input_layernorm.weight"])
-            qkv = F.linear(h, w[p + "qkv"]).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-            qk = self._rope(qkv[:, :cfg.num_heads + cfg.num_kv_heads], cos, sin)  # q's and k's heads at once
-            q, k, v = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], qkv[:, cfg.num_heads + cfg.num_kv_heads:]
-            cache.k[i].index_copy_(0, rows, k)
-            cache.v[i].index_copy_(0, rows, v)
-            keys = cache.k[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
-            values = cache.v[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
-            attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                                  attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-            x = x + F.linear(attn.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim),
-                             w[p + "self_attn.o_proj.weight"])
-            h = self._norm(x, w[p + "post_attention_layernorm.weight"])
-            gate, up = F.linear(h, w[p + "gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
-        return x
+            if i == 0:
+                normed = self._norm(h, w[p + "hidden_norm.weight"])
+                residual = normed if cfg.norm_before_residual else h
+                a = torch.cat([self._norm(embeds, w[p + "input_layernorm.weight"]), normed], dim=-1)
+            else:
+                residual = x + residual
+                a = self._norm(residual, w[p + "input_layernorm.weight"])
+            residual = residual + self._attend(i, a, cache, slot, rows, cos, sin, mask)
+            x = self._mlp(i, self._norm(residual, w[p + "post_attention_layernorm.weight"]))
+        stream = x + residual
+        return self._norm(stream, w["norm.weight"]), stream
+
+    def _attend(self, i: int, h: torch.Tensor, cache: _SlotCache, slot: torch.Tensor, rows: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Layer i's attention block over its input h [n, in]: q/k/v, rotary, the new keys and values written to the
+        slot's rows, attention over the slot's cache, the output projection."""
+        cfg, w, cap, n = self.config, self.w, cache.capacity, h.shape[0]
+        p = f"layers.{i}."
+        qkv = F.linear(h, w[p + "qkv"]).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk = self._rope(qkv[:, :cfg.num_heads + cfg.num_kv_heads], cos, sin)  # q's and k's heads at once
+        q, k, v = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], qkv[:, cfg.num_heads + cfg.num_kv_heads:]
+        cache.k[i].index_copy_(0, rows, k)
+        cache.v[i].index_copy_(0, rows, v)
+        keys = cache.k[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
+        values = cache.v[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
+        attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                              attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        return F.linear(attn.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim), w[p + "self_attn.o_proj.weight"])
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(h, self.w[f"layers.{i}.gate_up"]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.w[f"layers.{i}.mlp.down_proj.weight"])
 
 
 class _SlotCache:
@@ -284,7 +359,7 @@ class EagleProposer(Proposer):
         # a proposal's static inputs: [slot, first position, cache start, ids of the pairs fed...], their hidden
         # states, and the drafts it leaves
         self._longs = torch.zeros(3 + self.max_feed, dtype=torch.long, device=dev)
-        self._feed_hidden = torch.zeros(self.max_feed, head.config.hidden_size, dtype=head.dtype, device=dev)
+        self._feed_hidden = torch.zeros(self.max_feed, head.input_width, dtype=head.dtype, device=dev)
         self._out = torch.zeros(max_draft_tokens, dtype=torch.long, device=dev)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # number of pairs fed -> the proposal's graph
         if cuda_graphs and dev.type == "cuda":
@@ -321,7 +396,7 @@ class EagleProposer(Proposer):
     def kv_bytes(self) -> int:
         """The caches (max_seqs slots of max_seq_len positions) and the most hidden states recorded at once."""
         size = torch.empty((), dtype=self.head.dtype).element_size()
-        return self.cache.bytes() + self.max_seqs * self.max_seq_len * self.head.config.hidden_size * size
+        return self.cache.bytes() + self.max_seqs * self.max_seq_len * self.head.input_width * size
 
     def _seq(self, request_id: str) -> _EagleSeq:
         seq = self._seqs.get(request_id)
@@ -401,8 +476,8 @@ class EagleProposer(Proposer):
         self._longs[:3 + n].copy_(host, non_blocking=False)
         self._feed_hidden[:n].copy_(rows)
 
-    def _feed(self, n: int) -> torch.Tensor:
-        """The step over the staged n pairs; its output hidden states [n, h]."""
+    def _feed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step over the staged n pairs; its outputs (``EagleHead.forward``)."""
         longs = self._longs
         return self.head.forward(self.cache, longs[0:1], longs[3:3 + n], self._feed_hidden[:n], longs[1:2],
                                  longs[2:3])
@@ -410,14 +485,14 @@ class EagleProposer(Proposer):
     def _proposal(self, n: int) -> None:
         """Feed the staged n pairs, then draft max_draft_tokens tokens into ``_out``, each fed to the next step on
         the device (what a proposal's CUDA graph holds)."""
-        g = self._feed(n)[-1:]
+        out, g = (t[-1:] for t in self._feed(n))
         longs = self._longs
         pos = longs[1:2] + n  # the chain's first pair sits after the fed ones
         for j in range(self.max_draft_tokens):
-            token = torch.argmax(self.head.lm_head(g), dim=-1)  # [1]
+            token = self.head.draft(out)  # [1]
             self._out[j:j + 1].copy_(token)
             if j + 1 < self.max_draft_tokens:
-                g = self.head.forward(self.cache, longs[0:1], token, g, pos + j, longs[2:3])
+                out, g = self.head.forward(self.cache, longs[0:1], token, g, pos + j, longs[2:3], fresh=False)
 
     def _capture(self, n: int, pool) -> torch.cuda.CUDAGraph:
         self._longs.zero_()  # warm-up and capture: slot 0, position 0 (whatever they write is written over)
@@ -434,11 +509,13 @@ class EagleProposer(Proposer):
         return graph
 
 
-def read_head(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
-    """Read and check the head at ``path`` for a target of ``hidden_size`` features and ``vocab_size`` tokens: its
-    config and its tensors (names without a ``model.`` prefix; ``embed_tokens.weight`` left out), every one of the
-    shape config.json and the target give. Used by the runtime (``load_head``) and by the builder, which bundles a
-    head into an artifact."""
+def read_head(path: str | Path, hidden_size: int, vocab_size: int, num_layers: int | None = None
+              ) -> tuple[EagleConfig, dict[str, torch.Tensor]]:
+    """Read and check the head at ``path`` for a target of ``hidden_size`` features, ``vocab_size`` tokens and
+    ``num_layers`` decoder layers (None: the EAGLE-3 target layers are not checked): its config and its tensors
+    (names without a ``model.`` prefix, an EAGLE-3 head's ``midlayer.`` as ``layers.0.``), every one of the shape
+    config.json and the target give. Used by the runtime (``load_head``) and by the builder, which bundles a head
+    into an artifact."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -460,71 +537,144 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int) -> tuple[Eagl
         raise EagleCheckpointError(f"{where}: config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise EagleCheckpointError(f"{where}: config.json must hold an object")
-    config = EagleConfig.from_dict(cfg, where)
-    if config.hidden_size != hidden_size:
-        raise EagleCheckpointError(f"{where}: hidden_size {config.hidden_size} is not the target's "
-                                   f"{hidden_size}; an EAGLE head reads the target's hidden states")
     try:
         with safe_open(str(weights_path), framework="pt") as f:
-            weights = {k[len("model."):] if k.startswith("model.") else k: f.get_tensor(k) for k in f.keys()}
+            weights = {_tensor_name(k): f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a truncated or corrupt file
         raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} cannot be read ({e})") from None
-    if {"d2t", "t2d"} & set(weights) or any(k.startswith("midlayer.") for k in weights):
-        raise EagleCheckpointError(f"{where} is an EAGLE-3 head (midlayer, a draft vocabulary d2t / t2d): not "
-                                   f"supported yet; heads in the EAGLE-1 / EAGLE-2 layout are (fc, layers.N)")
+    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    version = 3 if ({"d2t", "t2d", "layers.0.hidden_norm.weight"} & set(weights)
+                    or any("eagle3" in str(a).lower() for a in archs)) else 1
+    config = EagleConfig.from_dict(cfg, where, version)
+    target_hidden = config.target_hidden_size if version == 3 else config.hidden_size
+    if target_hidden != hidden_size:
+        name = "target_hidden_size" if version == 3 and "target_hidden_size" in cfg else "hidden_size"
+        raise EagleCheckpointError(f"{where}: {name} {target_hidden} is not the target's {hidden_size}; an "
+                                   f"EAGLE head reads the target's hidden states")
+    shapes = _expected_shapes(config, weights, vocab_size, where)
+    if version == 3 and num_layers is not None:
+        layers = config.target_layers(num_layers)
+        if shapes["fc.weight"][1] != len(layers) * hidden_size:
+            raise EagleCheckpointError(f"{where}: fc.weight reads {shapes['fc.weight'][1] // hidden_size} of the "
+                                       f"target's hidden states side by side, but the head names {len(layers)} "
+                                       f"target layers {list(layers)} (eagle_aux_hidden_state_layer_ids, or the "
+                                       f"default 2, L // 2, L - 3 for this {num_layers}-layer target)")
+    missing = sorted(set(shapes) - set(weights))
+    kind = "an EAGLE-3" if version == 3 else "an EAGLE-1"
+    if missing:
+        raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} lacks {', '.join(missing[:4])}"
+                                   f"{' ...' if len(missing) > 4 else ''} ({kind} head of "
+                                   f"{config.num_layers} layer(s))")
+    for name, shape in shapes.items():
+        if tuple(weights[name].shape) != shape:
+            raise EagleCheckpointError(f"{where}: {name} is {list(weights[name].shape)}, expected {list(shape)} "
+                                       f"from config.json and the target")
+        if name in ("d2t", "t2d"):
+            continue
+        if not weights[name].is_floating_point() or not torch.isfinite(weights[name]).all():
+            raise EagleCheckpointError(f"{where}: {name} is not a finite floating-point tensor")
+    if "d2t" in shapes:  # offsets: draft row r drafts target token r + d2t[r]
+        d2t = weights["d2t"]
+        if d2t.is_floating_point() or d2t.dtype == torch.bool:
+            raise EagleCheckpointError(f"{where}: d2t must hold integer offsets, got {d2t.dtype}")
+        ids = torch.arange(d2t.numel()) + d2t.long()
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+            raise EagleCheckpointError(f"{where}: d2t maps draft tokens outside the target's vocabulary of "
+                                       f"{vocab_size}")
+    if "t2d" in shapes and weights["t2d"].dtype != torch.bool:
+        raise EagleCheckpointError(f"{where}: t2d must be a boolean mask over the target's vocabulary")
+    ignored = {"embed_tokens.weight"} if version == 1 else set()
+    unused = sorted(set(weights) - set(shapes) - ignored)
+    if unused:
+        raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} has tensors {kind} head does not have: "
+                                   f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
+    return config, {k: v for k, v in weights.items() if k in shapes}
+
+
+def _tensor_name(name: str) -> str:
+    """A checkpoint's tensor name as the head reads it: no ``model.`` prefix, EAGLE-3's ``midlayer.`` as the first
+    layer."""
+    name = name[len("model."):] if name.startswith("model.") else name
+    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+
+
+def _expected_shapes(config: EagleConfig, weights: dict[str, torch.Tensor], vocab_size: int,
+                     where: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor the head must (or, where the checkpoint has it, may) hold, with its shape."""
     h, d = config.hidden_size, config.head_dim
-    shapes = {"fc.weight": (h, 2 * h)}
+    v3 = config.version == 3
+    if v3:
+        fc = weights.get("fc.weight")
+        width = fc.shape[1] if fc is not None and fc.dim() == 2 else 3 * config.target_hidden_size
+        if width % config.target_hidden_size:
+            raise EagleCheckpointError(f"{where}: fc.weight's {width} inputs are not a whole number of the "
+                                       f"target's hidden states ({config.target_hidden_size})")
+        shapes: dict[str, tuple[int, ...]] = {"fc.weight": (h, width), "norm.weight": (h,),
+                                              "lm_head.weight": (config.draft_vocab_size or vocab_size, h)}
+    else:
+        shapes = {"fc.weight": (h, 2 * h)}
     for i in range(config.num_layers):
+        attn_in = 2 * h if v3 and i == 0 else h
         shapes.update({
-            f"layers.{i}.self_attn.q_proj.weight": (config.num_heads * d, h),
-            f"layers.{i}.self_attn.k_proj.weight": (config.num_kv_heads * d, h),
-            f"layers.{i}.self_attn.v_proj.weight": (config.num_kv_heads * d, h),
+            f"layers.{i}.self_attn.q_proj.weight": (config.num_heads * d, attn_in),
+            f"layers.{i}.self_attn.k_proj.weight": (config.num_kv_heads * d, attn_in),
+            f"layers.{i}.self_attn.v_proj.weight": (config.num_kv_heads * d, attn_in),
             f"layers.{i}.self_attn.o_proj.weight": (h, config.num_heads * d),
             f"layers.{i}.mlp.gate_proj.weight": (config.intermediate_size, h),
             f"layers.{i}.mlp.up_proj.weight": (config.intermediate_size, h),
             f"layers.{i}.mlp.down_proj.weight": (h, config.intermediate_size),
             f"layers.{i}.post_attention_layernorm.weight": (h,),
         })
-        if i > 0:
+        if i > 0 or v3:
             shapes[f"layers.{i}.input_layernorm.weight"] = (h,)
+    if v3:
+        shapes["layers.0.hidden_norm.weight"] = (h,)
+        draft_vocab = shapes["lm_head.weight"][0]
+        if draft_vocab != vocab_size or "d2t" in weights:
+            shapes["d2t"] = (draft_vocab,)
+        if "t2d" in weights:
+            shapes["t2d"] = (vocab_size,)
+        if "embed_tokens.weight" in weights or h != config.target_hidden_size:
+            shapes["embed_tokens.weight"] = (vocab_size, h)  # its own embedding (needed where its width differs)
     if "fc.bias" in weights:
         shapes["fc.bias"] = (h,)
-    if "lm_head.weight" in weights:
+    if "lm_head.weight" in weights and not v3:
         shapes["lm_head.weight"] = (vocab_size, h)
-    missing = sorted(set(shapes) - set(weights))
-    if missing:
-        raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} lacks {', '.join(missing[:4])}"
-                                   f"{' ...' if len(missing) > 4 else ''} (an EAGLE-1 head of "
-                                   f"{config.num_layers} layer(s))")
-    for name, shape in shapes.items():
-        if tuple(weights[name].shape) != shape:
-            raise EagleCheckpointError(f"{where}: {name} is {list(weights[name].shape)}, expected {list(shape)} "
-                                       f"from config.json and the target")
-        if not weights[name].is_floating_point() or not torch.isfinite(weights[name]).all():
-            raise EagleCheckpointError(f"{where}: {name} is not a finite floating-point tensor")
-    unused = sorted(set(weights) - set(shapes) - {"embed_tokens.weight"})
-    if unused:
-        raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} has tensors an EAGLE-1 head does not have: "
-                                   f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
-    return config, {k: v for k, v in weights.items() if k in shapes}
+    return shapes
 
 
 def load_head(path: str | Path, target) -> EagleHead:
     """The head at ``path`` for ``target`` (an ``Engine``), checked by ``read_head``, on the target's device and in
-    its dtype, sharing its embedding and lm_head (or the head's own lm_head where it has one)."""
+    its dtype, sharing its embedding and lm_head (or the head's own lm_head where it has one). An EAGLE-3 head also
+    sets the target's executor to keep the residual streams it reads (``keep_hidden_states``)."""
     executor = target.executor
     if getattr(executor, "tp_size", 1) > 1:
         raise EagleCheckpointError(f"EAGLE head {path}: EAGLE heads run beside a target on one GPU; this target is "
                                    f"sharded")
     embed, lm_head, target_hidden = target_head_parts(executor)
-    config, weights = read_head(path, target_hidden, embed.shape[0])
+    config, weights = read_head(path, target_hidden, embed.shape[0], executor.num_layers)
     dtype = executor.dtype
     if "lm_head.weight" in weights:
         own = weights.pop("lm_head.weight").to(device=target.device, dtype=dtype)
 
         def lm_head(x: torch.Tensor) -> torch.Tensor:
             return F.linear(x, own).float()
-    return EagleHead(config, weights, embed, lm_head, dtype, target.device)
+    draft_ids = None
+    if "d2t" in weights:
+        offsets = weights.pop("d2t").long()
+        draft_ids = torch.arange(offsets.numel()) + offsets
+    weights.pop("t2d", None)
+    if "embed_tokens.weight" in weights:
+        embed = weights.pop("embed_tokens.weight").to(device=target.device, dtype=dtype)
+    if config.version == 3:
+        try:
+            names = [executor.residual_stream(j) for j in config.target_layers(executor.num_layers)]
+        except ValueError as e:
+            raise EagleCheckpointError(f"EAGLE head {path}: {e}") from None
+        executor.keep_hidden_states(names)
+    elif executor.hidden_name:
+        executor.keep_hidden_states([executor.hidden_name])
+    return EagleHead(config, weights, embed, lm_head, dtype, target.device, draft_ids)
 
 
 def target_head_parts(executor):

@@ -949,9 +949,11 @@ class Executor:
                   for i, node in enumerate(nodes)]
         last_use: dict[str, int] = {name: i for i, names in enumerate(inputs) for name in names}
         # the lm_head's input (the final hidden states, after the final norm): kept in the step's environment and
-        # left in ``hidden`` by ``forward`` where ``keep_hidden`` is set (an EAGLE head reads it, runtime.eagle)
+        # left in ``hidden`` by ``forward`` where ``keep_hidden`` is set (an EAGLE head reads it, runtime.eagle);
+        # ``keep_hidden_states`` names other values instead (an EAGLE-3 head's layers of the residual stream)
         heads = [n for n in nodes if n["op"] == "lm_head"]
         self.hidden_name: str | None = heads[0]["inputs"][0] if len(heads) == 1 else None
+        self.hidden_names: list[str] = [self.hidden_name] if self.hidden_name else []
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         for i, node in enumerate(nodes):
@@ -971,7 +973,7 @@ class Executor:
             elif i in self._fusions.add_layer_norms.values():
                 kernel = _done_before  # its output came with the add's
             dead = [n for n in inputs[i]
-                    if last_use.get(n) == i and n not in self.outputs and n != self.hidden_name]
+                    if last_use.get(n) == i and n not in self.outputs and n not in self.hidden_names]
             self._program.append((kernel, inputs[i], outputs, sorted(set(dead))))
         self.num_layers = sum(1 for n in nodes if n["op"] == "attention")
 
@@ -984,9 +986,49 @@ class Executor:
         """Run one step; returns logits [num_selected, vocab] in fp32."""
         env = self.start(inp)
         self.run_nodes(env, 0, len(self._program))
-        if self.keep_hidden:
-            self.hidden = env.get(self.hidden_name)  # [num_tokens, hidden], every row (not only the logits rows)
+        if self.keep_hidden:  # [num_tokens, width], every row (not only the logits rows)
+            names = self.hidden_names
+            self.hidden = env.get(names[0]) if len(names) == 1 else torch.cat([env[n] for n in names], dim=-1)
         return env[self.outputs[0]]
+
+    def keep_hidden_states(self, names: list[str]) -> None:
+        """Keep ``names`` (values of the graph, each [num_tokens, hidden]) through every step and leave them in
+        ``hidden``, side by side in that order, where ``keep_hidden`` is set; before any CUDA graph is captured."""
+        produced = {o for node in self.graph["nodes"] for o in node["outputs"]} | {"input_ids"}
+        unknown = [n for n in names if n not in produced]
+        if not names or unknown:
+            raise ValueError(f"no values {unknown or names} in this graph to keep as hidden states")
+        self.hidden_names = list(names)
+        self._program = [(kernel, ins, outs, [n for n in dead if n not in names])
+                         for kernel, ins, outs, dead in self._program]
+
+    def residual_stream(self, layer: int) -> str:
+        """The name of the residual stream's value entering decoder layer ``layer`` (0: the token embeddings;
+        ``num_layers``: the stream the final norm reads), as EAGLE-3 heads index the target's layers: the sum a
+        residual-add + RMSNorm writes beside its norm, found from each layer's attention back through its q input to
+        the norm before it. Graphs where that norm is not there (post-norm or parallel blocks) are refused."""
+        nodes = self.graph["nodes"]
+        producer = {o: i for i, node in enumerate(nodes) for o in node["outputs"]}
+        attentions = [i for i, node in enumerate(nodes) if node["op"] == "attention"]
+        if not 0 <= layer <= len(attentions):
+            raise ValueError(f"layer {layer} is outside this graph's 0..{len(attentions)}")
+        if layer == len(attentions):
+            if not self.hidden_name:
+                raise ValueError("this graph has no single lm_head whose final norm marks the last layer's output")
+            at = producer.get(self.hidden_name)
+        else:
+            at = attentions[layer]
+            for _ in range(4):  # attention <- rope <- q/k/v linear <- norm
+                at = producer.get(nodes[at]["inputs"][0]) if at is not None else None
+                if at is None or nodes[at]["op"] in ("rms_norm", "fused_add_rms_norm"):
+                    break
+        node = nodes[at] if at is not None else None
+        if node is not None and node["op"] == "fused_add_rms_norm" and len(node["outputs"]) == 2:
+            return node["outputs"][1]
+        if node is not None and node["op"] == "rms_norm" and layer == 0:
+            return node["inputs"][0]  # the embeddings, which the first norm reads as they are
+        raise ValueError(f"the residual stream entering layer {layer} is not a residual-add + RMSNorm's sum in this "
+                         f"graph (EAGLE-3 heads read pre-norm Llama-style blocks)")
 
     def node_kernel(self, index: int) -> Kernel:
         """Node ``index``'s compiled kernel: ``kernel(inputs, step)`` -> outputs (see ``scratch_step``)."""

@@ -23,7 +23,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass Config:\n",
 
 def write_head(path: Path, hidden: int, vocab: int | None = None, layers: int = 1, heads: int = 4,
                kv_heads: int = 2, intermediate: int = 96, seed: int = 0, fc_bias: bool = True,
-               scale: float = 0.05, **config) -> Path:
+               scale: float = 0.05, extra: dict | None = None, **config) -> Path:
     """A random EAGLE-1 head checkpoint (config.json, model.safetensors) for a target of ``hidden`` features."""
     g = torch.Generator().manual_seed(seed)
     d = hidden // heads
@@ -48,6 +48,7 @@ def write_head(path: Path, hidden: int, vocab: int | None = None, layers: int = 
             w[p + "input_layernorm.weight"] = 1 + rnd(hidden)
     if vocab is not None:
         w["lm_head.weight"] = rnd(vocab, hidden) * 20
+    w.update(extra or {})
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
     cfg = {"architectures": ["LlamaForCausalLMEagle"], "hidden_size": hidden, "num_attention_heads": heads,
@@ -130,8 +131,8 @@ def test_the_head_is_a_llama_decoder_over_fc_of_embedding_and_hidden(engine, hea
     def at(p: int) -> torch.Tensor:
         return torch.tensor([p])
 
-    ours = torch.cat([head.forward(proposer.cache, slot, ids[:7], hidden[:7], at(0), at(0)),
-                      head.forward(proposer.cache, slot, ids[7:], hidden[7:], at(7), at(0))])
+    ours = torch.cat([head.forward(proposer.cache, slot, ids[:7], hidden[:7], at(0), at(0))[0],
+                      head.forward(proposer.cache, slot, ids[7:], hidden[7:], at(7), at(0))[0]])
     torch.testing.assert_close(ours.float(), ref, atol=2e-5, rtol=1e-4)
 
 
@@ -194,11 +195,8 @@ def test_bad_checkpoints_are_refused_with_what_is_wrong(engine, head_dir, tmp_pa
         load_head(write_head(tmp_path / "yarn", hidden, rope_scaling={"rope_type": "yarn", "factor": 4.0}), engine)
     with pytest.raises(EagleCheckpointError, match="lm_head.weight is"):
         load_head(write_head(tmp_path / "vocab", hidden, vocab=7), engine)
-    eagle3 = write_head(tmp_path / "eagle3", hidden)
-    save_file({"midlayer.hidden_norm.weight": torch.ones(hidden), "d2t": torch.zeros(8, dtype=torch.long)},
-              str(eagle3 / "model.safetensors"))
-    with pytest.raises(EagleCheckpointError, match="is an EAGLE-3 head .*not supported yet"):
-        load_head(eagle3, engine)
+    with pytest.raises(EagleCheckpointError, match="has tensors an EAGLE-1 head does not have: norm.weight"):
+        load_head(write_head(tmp_path / "extra", hidden, extra={"norm.weight": torch.ones(hidden)}), engine)
     (lacking / "config.json").write_text("{not json")
     with pytest.raises(EagleCheckpointError, match="config.json is not valid JSON"):
         load_head(lacking, engine)
