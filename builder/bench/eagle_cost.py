@@ -1,7 +1,7 @@
 """What an EAGLE head's proposal costs beside its target, on the device the target runs on.
 
-    python -m builder.bench.eagle_cost ARTIFACT [--head DIR | --config CHECKPOINT/config.json [--layers 1]]
-        [--num-draft 4 ...] [--context 128]
+    python -m builder.bench.eagle_cost ARTIFACT [--head DIR | --config CHECKPOINT/config.json [--layers 1]
+        [--eagle3 [--draft-vocab 32000]]] [--num-draft 4 ...] [--context 128]
         [--iters 50] [--device cuda] [--record FILE] [--tag NAME]
 
 One request of ``--context`` tokens: its target hidden states recorded (random rows, the head's input; what they
@@ -10,8 +10,9 @@ and k - 1 chain steps (a CUDA-graph replay on CUDA) through ``EagleProposer.prop
 The median over ``--iters`` proposals is printed in ms for each k. Without ``--head``, a random EAGLE-1 head of
 ``--layers`` layers shaped like the target's layers (hidden size, heads, kv heads, intermediate size, from the
 target checkpoint's ``--config``) is written to a temporary directory: the cost of a head of that size, not its
-acceptance.
-Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms).
+acceptance. ``--eagle3``: a random EAGLE-3 head instead (the target's streams at its default layers 2, L // 2,
+L - 3, or 1, L // 2, L for a target too small for three of those, through fc, an lm_head over ``--draft-vocab`` tokens, as the published Llama-3.1-8B heads have 32,000).
+Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms), eagle3_proposal_ms_k{K}{tag} with ``--eagle3``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from pathlib import Path
 import torch
 
 
-def random_head(out: Path, cfg: dict, layers: int, seed: int = 0) -> Path:
-    """A random EAGLE-1 head for a target of the Hugging Face config ``cfg`` (its layers' shape), in ``out``."""
+def random_head(out: Path, cfg: dict, layers: int, seed: int = 0, eagle3: bool = False,
+                draft_vocab: int = 32000) -> Path:
+    """A random EAGLE-1 head (or, ``eagle3``, an EAGLE-3 head over ``draft_vocab`` draft tokens) for a target of the
+    Hugging Face config ``cfg`` (its layers' shape), in ``out``."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
@@ -38,21 +41,34 @@ def random_head(out: Path, cfg: dict, layers: int, seed: int = 0) -> Path:
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    w = {"fc.weight": rnd(h, 2 * h)}
+    w = {"fc.weight": rnd(h, (3 if eagle3 else 2) * h)}
     for i in range(layers):
         p = f"layers.{i}."
-        w.update({p + "self_attn.q_proj.weight": rnd(heads * d, h), p + "self_attn.k_proj.weight": rnd(kv * d, h),
-                  p + "self_attn.v_proj.weight": rnd(kv * d, h), p + "self_attn.o_proj.weight": rnd(h, heads * d),
+        a = 2 * h if eagle3 and i == 0 else h  # an EAGLE-3 head's first layer attends over embedding and state
+        w.update({p + "self_attn.q_proj.weight": rnd(heads * d, a), p + "self_attn.k_proj.weight": rnd(kv * d, a),
+                  p + "self_attn.v_proj.weight": rnd(kv * d, a), p + "self_attn.o_proj.weight": rnd(h, heads * d),
                   p + "mlp.gate_proj.weight": rnd(inter, h), p + "mlp.up_proj.weight": rnd(inter, h),
                   p + "mlp.down_proj.weight": rnd(h, inter), p + "post_attention_layernorm.weight": rnd(h) + 1})
-        if i:
+        if i or eagle3:
             w[p + "input_layernorm.weight"] = rnd(h) + 1
+    config = {"hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
+              "intermediate_size": inter, "num_hidden_layers": layers, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
+              "rope_theta": cfg.get("rope_theta", 10000.0), "hidden_act": "silu"}
+    if eagle3:
+        vocab = cfg["vocab_size"]
+        draft_vocab = min(draft_vocab, vocab)
+        ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
+        w.update({"layers.0.hidden_norm.weight": rnd(h) + 1, "norm.weight": rnd(h) + 1,
+                  "lm_head.weight": rnd(draft_vocab, h), "d2t": ids - torch.arange(draft_vocab)})
+        n = cfg["num_hidden_layers"]
+        layers_read = sorted({2, n // 2, n - 3})
+        if len(layers_read) < 3 or layers_read[0] < 1:  # a small target: three layers of its own
+            layers_read = [1, max(2, n // 2), n]
+        config.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
+                       "target_hidden_size": h, "vocab_size": vocab, "eagle_aux_hidden_state_layer_ids": layers_read})
     out.mkdir(parents=True, exist_ok=True)
     save_file(w, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({
-        "hidden_size": h, "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": d,
-        "intermediate_size": inter, "num_hidden_layers": layers, "rms_norm_eps": cfg.get("rms_norm_eps", 1e-5),
-        "rope_theta": cfg.get("rope_theta", 10000.0), "hidden_act": "silu"}))
+    (out / "config.json").write_text(json.dumps(config))
     return out
 
 
@@ -67,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head", help="an EAGLE head's checkpoint directory (default: a random one, --layers)")
     p.add_argument("--config", help="the target checkpoint's config.json: the random head's shape")
     p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--eagle3", action="store_true", help="a random EAGLE-3 head (with --config)")
+    p.add_argument("--draft-vocab", type=int, default=32000, help="the random EAGLE-3 head's draft vocabulary")
     p.add_argument("--num-draft", type=int, nargs="+", default=[4])
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--iters", type=int, default=50)
@@ -80,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         if head is None:
             if args.config is None:
                 p.error("give --head (a trained head) or --config (the target's config.json, for a random head)")
-            head = str(random_head(Path(tmp) / "head", json.loads(Path(args.config).read_text()), args.layers))
+            head = str(random_head(Path(tmp) / "head", json.loads(Path(args.config).read_text()), args.layers,
+                                   eagle3=args.eagle3, draft_vocab=args.draft_vocab))
         figures = []
         for k in args.num_draft:
             proposer = EagleProposer.load(head, engine, max_seq_len=args.context + k + 8, max_seqs=1,
                                           max_draft_tokens=k)
-            hidden = torch.randn(args.context, proposer.head.config.hidden_size, device=engine.device,
+            hidden = torch.randn(args.context, proposer.head.input_width, device=engine.device,
                                  dtype=proposer.head.dtype)
             tokens = torch.randint(0, proposer.head.embed.shape[0], (args.context + 1,)).tolist()
             proposer.record_hidden("r", 0, hidden)
@@ -98,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
                 proposer.propose([DraftRequest("r", tokens, k)])
                 times.append((time.perf_counter() - t0) * 1000)
             ms = statistics.median(times)
-            print(f"EAGLE proposal, k = {k}, {args.context}-token context, head {head if args.head else 'random'}: "
+            kind = "EAGLE-3" if proposer.head.config.version == 3 else "EAGLE"
+            print(f"{kind} proposal, k = {k}, {args.context}-token context, head {head if args.head else 'random'}: "
                   f"{ms:.3f} ms (median of {args.iters})")
-            figures.append((f"eagle_proposal_ms_k{k}{args.tag}", ms, "ms"))
+            prefix = "eagle3" if proposer.head.config.version == 3 else "eagle"
+            figures.append((f"{prefix}_proposal_ms_k{k}{args.tag}", ms, "ms"))
             proposer.close()
     if args.record:
         append_figures(args.record, figures, args.device,

@@ -49,12 +49,14 @@
 #                  CPU reference), compiled for the GPU; the pytest tails in $OUT/families_tests.txt
 #   spec-eagle     the bundled model with an EAGLE head ($EAGLE_HEAD, default models/pystdlib-llama-eagle; with
 #                  $EAGLE_TRAIN_ARGS, one trained here first by builder.devtools.train_eagle --device cuda into
-#                  $OUT/eagle-head): tests/runtime/test_eagle.py's CUDA test, then builder.bench.speculative --eagle at
-#                  each k of $SPEC_K (default 4) on held-out text, recorded (spec_speedup_eagle_b1[_kK], ...)
+#                  $OUT/eagle-head): tests/runtime/test_eagle.py's and test_eagle3.py's CUDA tests, then
+#                  builder.bench.speculative --eagle at each k of $SPEC_K (default 4) on held-out text, recorded
+#                  (spec_speedup_eagle_b1[_kK], ...)
 #   eagle-cost-PREC  Llama-3-8B shape (PREC as for 8b-PREC): the verify step's cost at k = 1, 2, 4
-#                  (builder.bench.speculative --verify-cost, tagged _8b_PREC) and an EAGLE proposal's time at each k of
-#                  $SPEC_K (default "2 4") for a random one-layer head shaped like the model's layers
-#                  (builder.bench.eagle_cost), recorded
+#                  (builder.bench.speculative --verify-cost, tagged _8b_PREC), then an EAGLE-3 and an EAGLE-1
+#                  proposal's time at each k of $SPEC_K (default "2 4") for random one-layer heads shaped like the
+#                  model's layers (the EAGLE-3 one over a 32,000-token draft vocabulary; builder.bench.eagle_cost),
+#                  recorded
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -330,7 +332,8 @@ PY
           | tee "$OUT/train_eagle.log" | tail -4
         head="$OUT/eagle-head"
       fi
-      TRITON_INTERPRET=0 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/runtime/test_eagle.py -k cuda \
+      TRITON_INTERPRET=0 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/runtime/test_eagle.py \
+        tests/runtime/test_eagle3.py -k cuda \
         2>&1 | tail -3 | tee "$OUT/eagle_tests.txt"
       for k in ${SPEC_K:-4}; do
         python3 -m builder.bench.speculative artifacts/quickstart --device cuda --eagle "$head" \
@@ -343,8 +346,10 @@ PY
       artifact "$prec"
       python3 -m builder.bench.speculative artifacts/llama3-8b-$prec --device cuda --no-speedup --verify-cost 1 2 4 \
         --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'verify|K ='
-      python3 -m builder.bench.eagle_cost artifacts/llama3-8b-$prec --config $CKPT/config.json \
-        --num-draft ${SPEC_K:-2 4} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'EAGLE|Error' ;;
+      for variant in --eagle3 ""; do
+        python3 -m builder.bench.eagle_cost artifacts/llama3-8b-$prec --config $CKPT/config.json $variant \
+          --num-draft ${SPEC_K:-2 4} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'EAGLE|Error'
+      done ;;
     quickstart)
       for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do
         [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2

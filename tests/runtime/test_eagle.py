@@ -334,6 +334,11 @@ def test_the_proposal_cost_bench_runs_a_random_head_shaped_like_the_target(bundl
     assert "EAGLE proposal, k = 2, 16-token context, head random" in capsys.readouterr().out
     line = json.loads(record.read_text().splitlines()[0])
     assert line["figure"] == "eagle_proposal_ms_k2" and line["value"] > 0
+    assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",
+                            "--eagle3", "--draft-vocab", "256", "--num-draft", "1", "--iters", "1", "--context", "8",
+                            "--record", str(record)]) == 0
+    assert "EAGLE-3 proposal, k = 1, 8-token context" in capsys.readouterr().out
+    assert json.loads(record.read_text().splitlines()[1])["figure"] == "eagle3_proposal_ms_k1"
 
 
 def test_a_prefix_cache_hit_leaves_a_gap_the_head_restarts_after(engine, head_dir):

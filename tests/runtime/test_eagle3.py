@@ -307,3 +307,46 @@ def test_an_eagle3_head_in_the_recipe_is_checked_against_the_checkpoints_layers(
     with pytest.raises(BuildError, match=rf"target layers \[{layers + 1}\] are outside"):
         build_artifact(checkpoints["llama"], tmp_path / "far-art",
                        speculative={"method": "eagle", "draft_model": str(far)})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs' hidden states need a GPU")
+def test_on_cuda_the_graphs_hand_over_the_targets_streams(bundled_artifact, head_dir):
+    """On CUDA (kernels, decode and step graphs) the streams the proposer is handed are the target's: the last row
+    recorded at each position equals an eager forward's over the final tokens; output equals decoding without."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels run compiled on the GPU")
+    from runtime.executor import SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+
+    engine = Engine.load(bundled_artifact, "cuda")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    spec = {"method": "eagle", "draft_model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
+    s = ServingEngine(engine, ServingConfig(speculative=spec, num_blocks=64))
+    assert s.graphs is not None and s.step_graphs is not None
+    records: dict[str, dict[int, torch.Tensor]] = {}
+    record = s.proposer.record_hidden
+
+    def spy(request_id, start, hidden):
+        rows = records.setdefault(request_id, {})
+        for j in range(hidden.shape[0]):
+            rows[start + j] = hidden[j].float().cpu()
+        record(request_id, start, hidden)
+
+    s.proposer.record_hidden = spy
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    outs = s.run(prompts, params)
+    assert s.stats().spec_num_draft_tokens > 0
+    for prompt, out in zip(prompts, outs):
+        tokens = prompt + out.token_ids
+        n = len(tokens) - 1
+        kv = SequenceKV(engine.kv_layout, n, engine.device)
+        engine.executor.forward(StepInput(torch.tensor(tokens[:n], device="cuda"), torch.arange(n, device="cuda"),
+                                          [SeqSlice(kv, 0, n)], None))
+        eager = engine.executor.hidden.float().cpu()
+        rows = records[out.request_id]
+        assert sorted(rows) == list(range(n)) and eager.shape[1] == 3 * _dims(engine)[0]
+        torch.testing.assert_close(torch.stack([rows[i] for i in range(n)]), eager, atol=2e-3, rtol=2e-3)
+    plain = ServingEngine(Engine.load(bundled_artifact, "cuda"), ServingConfig(num_blocks=64))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain.run(prompts, params)]
