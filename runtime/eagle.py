@@ -1,24 +1,40 @@
 """EAGLE heads: drafts made from the target's own hidden states (speculative method ``eagle``).
 
-An EAGLE head (the EAGLE-1 / EAGLE-2 layout, as vLLM and SGLang load it) is one or a few decoder layers that
-predict the target's next hidden state from its current one. For position i, with f_i the target's final hidden
-state there (the lm_head's input, after the final norm) and t_{i+1} the token that follows it::
+An EAGLE head is one or a few decoder layers that predict the target's next token from its hidden states. Two
+layouts are read, as vLLM and SGLang load them:
 
-    g_i = layers(fc(cat(embed(t_{i+1}), f_i)))        the first layer without its input norm, no final norm
-    draft for t_{i+2} = argmax lm_head(g_i)
+- **EAGLE-1 / EAGLE-2.** For position i, with f_i the target's final hidden state there (the lm_head's input,
+  after the final norm) and t_{i+1} the token that follows it::
 
-and the chain goes on from (g_i, that draft) in place of (f_{i+1}, t_{i+2}). The pair of position i sits at
-position i of the head's own KV cache (its rotary at i). The embedding table and the lm_head are the target's (the
-lm_head through the target's own compiled node, so a quantized or soft-capped one is read as the target reads it);
-the checkpoint brings fc and the layers (an ``lm_head.weight`` of its own is used where it has one).
+      g_i = layers(fc(cat(embed(t_{i+1}), f_i)))        the first layer without its input norm, no final norm
+      draft for t_{i+2} = argmax lm_head(g_i)
+
+  and the chain goes on from (g_i, that draft) in place of (f_{i+1}, t_{i+2}). The lm_head is the target's (run
+  through the target's own compiled node, so a quantized or soft-capped one is read as the target reads it) unless
+  the checkpoint has its own.
+- **EAGLE-3.** The target's residual streams entering a few of its layers (``eagle_aux_hidden_state_layer_ids``,
+  vLLM's indexing: layer j's input is layer j - 1's output, 0 the embeddings; default 2, L // 2, L - 3) side by side
+  go through fc to the head's width h; the first layer attends over cat(input_norm(embed(t_{i+1})),
+  hidden_norm(h)) (q, k and v from 2h features) with h as its residual (``norm_before_residual``: hidden_norm(h)),
+  later layers are Llama layers, and a final norm feeds the head's own lm_head over a draft vocabulary whose rows
+  map to target ids through ``d2t`` (target id = row + d2t[row]). A chain step feeds the final norm's input in
+  place of fc's output. The executor keeps those streams through every step (``keep_hidden_states``).
+
+The pair of position i sits at position i of the head's own KV cache (its rotary at i). The embedding table is the
+target's (an EAGLE-3 head's own ``embed_tokens`` where it ships one, as it must where its width differs).
 
 Checkpoint: a directory with ``config.json`` (Llama fields: hidden_size, num_attention_heads, num_key_value_heads,
 head_dim, intermediate_size, num_hidden_layers, rms_norm_eps, rope_theta or rope_parameters / rope_scaling of type
-default or llama3, hidden_act silu) and ``model.safetensors``: ``fc.weight`` [h, 2h] (``fc.bias`` optional),
+default or llama3, hidden_act silu; EAGLE-3 also target_hidden_size, draft_vocab_size, the layer ids at the top
+level or in ``eagle_config``) and ``model.safetensors``. EAGLE-1: ``fc.weight`` [h, 2h] (``fc.bias`` optional),
 ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
 ``layers.N.post_attention_layernorm.weight`` and, past the first layer, ``layers.N.input_layernorm.weight``
-(a ``model.`` prefix is accepted; ``embed_tokens.weight`` is not read). Pickled weights (``pytorch_model.bin``) are
-refused: convert them with safetensors first. ``builder/devtools/train_eagle.py`` trains one for a target.
+(``embed_tokens.weight`` is not read). EAGLE-3: ``fc.weight`` [h, streams x target hidden], ``midlayer.*`` (or
+``layers.0.*``) with ``hidden_norm`` and ``input_layernorm``, ``layers.N.*`` past it, ``norm.weight``,
+``lm_head.weight`` [draft vocabulary, h], ``d2t`` (``t2d`` is accepted and not read). A ``model.`` prefix is
+accepted. It is recognised as EAGLE-3 by ``d2t`` / ``t2d`` / a hidden_norm or an ``Eagle3`` architecture name.
+Pickled weights (``pytorch_model.bin``) are refused: convert them with safetensors first.
+``builder/devtools/train_eagle.py`` trains an EAGLE-1 head for a target.
 
 The proposer (:class:`EagleProposer`): the serving engine hands it the target's hidden states of every step of a
 request that may speculate (``record_hidden``: the rows and the position of the first). Before it drafts, the pairs

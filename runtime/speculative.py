@@ -35,9 +35,10 @@ with its tokens, so a speculative step waits for the device once.
 Proposers (``Proposer``): ``NgramProposer`` (prompt lookup over the request's own prompt and output) and
 ``runtime.draft_model.DraftModelProposer`` (a second artifact of the same vocabulary with its own engine and KV
 cache, k greedy tokens: one-hot q, so the verification above applies as is; ``release`` frees its per-request
-state). ``runtime.eagle.EagleProposer`` (an EAGLE-1 head: one or a few decoder layers over the target's own final hidden
-states and the next token, the target's embedding and lm_head; ``needs_hidden``: the serving engine hands it
-every step's hidden states of the requests that may speculate, ``record_hidden``). MTP heads are not implemented.
+state). ``runtime.eagle.EagleProposer`` (an EAGLE-1/2 head: one or a few decoder layers over the target's own final
+hidden states and the next token, the target's embedding and lm_head; or an EAGLE-3 head over the target's residual
+streams at a few layers, with its own draft vocabulary; ``needs_hidden``: the serving engine hands it every step's
+hidden states of the requests that may speculate, ``record_hidden``). MTP heads are not implemented.
 
 Adaptivity (``SpeculationPolicy``): no speculation in a step with more than ``max_running`` decoding requests
 (the target step stops being bandwidth-bound and drafts cost real compute); per request, the number of drafts
@@ -67,8 +68,8 @@ from runtime.env import env_number
 if TYPE_CHECKING:  # the config is read by the server's command line before torch is imported
     import torch
 
-# proposers implemented ("draft": a draft-model artifact; "eagle": an EAGLE-1 head over the target's hidden states,
-# runtime.eagle); MTP heads are not yet
+# proposers implemented ("draft": a draft-model artifact; "eagle": an EAGLE-1/2/3 head over the target's hidden
+# states, runtime.eagle); MTP heads are not yet
 METHODS = ("ngram", "draft", "eagle")
 MAX_SPECULATIVE_TOKENS = 16  # most draft tokens per request and step
 # num_speculative_tokens when a section leaves it out. n-gram drafts cost nothing to make and a verify step costs
