@@ -1159,3 +1159,17 @@ def test_drafts_that_do_not_pay_are_turned_off_by_measurement(engine, pays):
     else:  # a few verify steps to measure, then plain decoding to the end
         assert stats.spec_num_steps <= RATE_MIN_SAMPLES + 2 and plain_steps > RATE_PROBE_STEPS + 10
     _assert_no_leaks(s)
+
+
+def test_the_verify_profile_times_each_stage(bundled_artifact, capsys):
+    """builder.bench.verify_profile on the CPU: every step's host stages timed; a step with drafts passes through the
+    verification, a plain one does not."""
+    from builder.bench import verify_profile
+
+    plain = verify_profile.profile(str(bundled_artifact), "cpu", 0, list(range(3, 27)), 12, 5)
+    drafted = verify_profile.profile(str(bundled_artifact), "cpu", 2, list(range(3, 27)), 12, 5)
+    assert "_verify" not in plain["host_ms"] and drafted["host_ms"]["_verify"] > 0
+    assert plain["wall_ms"] > 0 and drafted["steps"] >= 4 and plain["steps"] == 12
+    assert verify_profile.main([str(bundled_artifact), "--device", "cpu", "--num-draft", "1", "--input-len", "8",
+                                "--output-len", "8"]) == 0
+    assert "K = 1: wall" in capsys.readouterr().out
