@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import time
 from array import array
 from dataclasses import dataclass
@@ -237,6 +238,32 @@ class DecodeGraphs:
 # Token buckets of steps carrying prefill: past 64 each at most 1.5x the one before (padding costs compute there);
 # sequence buckets: powers of 4 (a padded sequence costs an lm_head row and attention tiles that exit at once)
 DEFAULT_STEP_TOKEN_BUCKETS = (16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+# Where speculation is on, verify steps of a few decodes (k + 1 tokens and logits rows each) also get these buckets,
+# as token and as sequence buckets, so that batch 1 with k drafts pads to the next of them instead of 16 tokens over
+# 16 sequences (16 lm_head rows); a sequence bucket that is no power of 4 pairs only with token buckets up to
+# SMALL_STEP_TOKENS. RUNTIME_VERIFY_BUCKETS="2,4,8" (the default; "0": none, as before, for A/B runs).
+SMALL_STEP_TOKENS = 16
+
+
+def verify_buckets() -> tuple[int, ...]:
+    """RUNTIME_VERIFY_BUCKETS as sizes (see SMALL_STEP_TOKENS)."""
+    raw = os.environ.get("RUNTIME_VERIFY_BUCKETS", "2,4,8").replace(" ", "")
+    try:
+        sizes = tuple(sorted({int(v) for v in raw.split(",") if v} - {0}))
+    except ValueError:
+        sizes = (-1,)
+    if any(not 1 <= v < SMALL_STEP_TOKENS for v in sizes):
+        raise ValueError(f"RUNTIME_VERIFY_BUCKETS={raw!r}: give sizes from 1 to {SMALL_STEP_TOKENS - 1} separated by "
+                         f"commas (e.g. 2,4,8), or 0 for none")
+    return sizes
+
+
+def pairs_with(token_bucket: int, seq_bucket: int, top_seqs: int) -> bool:
+    """Whether a step graph of ``token_bucket`` tokens over ``seq_bucket`` sequences is captured: at most one
+    sequence a token, and a sequence bucket that is not a power of 4 (a verify step's, see SMALL_STEP_TOKENS) only
+    with small token buckets."""
+    regular = seq_bucket == top_seqs or seq_bucket & (seq_bucket - 1) == 0 and seq_bucket.bit_length() % 2 == 1
+    return seq_bucket <= token_bucket and (regular or token_bucket <= SMALL_STEP_TOKENS)
 
 
 def powers(base: int, limit: int) -> tuple[int, ...]:
@@ -353,7 +380,8 @@ class StepGraphs:
 
     def keys(self) -> list[tuple[int, int, bool]]:
         """(token bucket, sequence bucket, mixed) of every graph (mixed: see the class docstring)."""
-        return [(t, s, mixed) for t in self.token_buckets for s in self.seq_buckets if s <= t
+        top = self.seq_buckets[-1]
+        return [(t, s, mixed) for t in self.token_buckets for s in self.seq_buckets if pairs_with(t, s, top)
                 for mixed in ((False, True) if self.split_mixed and s > 1 else (False,))]
 
     def _step_input(self, t: int, s: int, mixed: bool = False) -> StepInput:
@@ -412,8 +440,11 @@ class StepGraphs:
         bucket also bounds the logits rows (``num_rows``): a speculative verify step selects k + 1 rows of a
         decode, and is padded to a sequence bucket that holds all of them."""
         t = next((b for b in self.token_buckets if b >= num_tokens), None)
-        s = next((b for b in self.seq_buckets if b >= max(num_seqs, num_rows)), None)
-        return None if t is None or s is None or s > t else (t, s)
+        if t is None:
+            return None
+        top = self.seq_buckets[-1]
+        s = next((b for b in self.seq_buckets if b >= max(num_seqs, num_rows) and pairs_with(t, b, top)), None)
+        return None if s is None or s > t else (t, s)
 
     def run(self, step: PackedStep,
             feed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> torch.Tensor:

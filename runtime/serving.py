@@ -360,7 +360,8 @@ class ServingEngine:
         self.graphs = None
         self.step_graphs = None  # StepGraphs: steps carrying prefill, of up to prefill_graph_tokens tokens
         if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
-            from runtime.cuda_graphs import DecodeGraphs, StepGraphs, decode_graph_batch
+            from runtime.cuda_graphs import (DEFAULT_STEP_TOKEN_BUCKETS, DecodeGraphs, StepGraphs, decode_graph_batch,
+                                             powers, verify_buckets)
 
             graphs, step_graphs = DecodeGraphs, StepGraphs
             if getattr(self.executor, "tp_size", 1) > 1:  # every rank captures and replays its shard's steps
@@ -374,10 +375,14 @@ class ServingEngine:
             if max_tokens > 1:
                 max_rows = self.scheduler_config.max_num_seqs
                 spec = config.speculative
+                buckets: dict[str, tuple[int, ...]] = {}
                 if spec.enabled:  # verify steps replay them too: k + 1 logits rows per speculating decode
                     max_rows = max(max_rows, min(max_rows, spec.max_running) * (spec.num_speculative_tokens + 1))
+                    small = verify_buckets()  # a few decodes' verify steps: small token and sequence buckets
+                    buckets = {"token_buckets": tuple(sorted(set(DEFAULT_STEP_TOKEN_BUCKETS) | set(small))),
+                               "seq_buckets": tuple(sorted(set(powers(4, min(max_rows, max_tokens))) | set(small)))}
                 self.step_graphs = step_graphs(self.executor, self.storage, max_tokens, max_rows,
-                                               self.scheduler_config.max_seq_len)
+                                               self.scheduler_config.max_seq_len, **buckets)
             # decode-only steps are graph replays and much cheaper than eager ones that carry a prompt
             self.scheduler_config.prefill_hold_s = config.prefill_hold_ms / 1000
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4

@@ -791,6 +791,35 @@ def test_verify_steps_replay_the_step_graphs_padded_step(tiny_artifact):
     _assert_no_leaks(fused)
 
 
+def test_verify_buckets_pad_a_few_decodes_to_small_steps(monkeypatch):
+    """With speculation on, a batch-1 verify step of k drafts pads to the next of the small buckets (2, 4, 8 tokens
+    and sequences) instead of 16 tokens over 16 sequences; a small sequence bucket never pairs with a large token
+    bucket (no graph of 32 tokens over 2 sequences is captured), and the regular buckets are as before."""
+    from types import SimpleNamespace
+
+    from runtime.cuda_graphs import DEFAULT_STEP_TOKEN_BUCKETS, StepGraphs, pairs_with, powers, step_buckets, \
+        verify_buckets
+
+    assert verify_buckets() == (2, 4, 8)
+    small = verify_buckets()
+    tokens, seqs = step_buckets(2048, 20, tuple(sorted(set(DEFAULT_STEP_TOKEN_BUCKETS) | set(small))),
+                                tuple(sorted(set(powers(4, 20)) | set(small))))
+    graphs = SimpleNamespace(token_buckets=tokens, seq_buckets=seqs)
+    pick = StepGraphs.bucket_for.__get__(graphs)
+    assert [pick(k + 1, 1, k + 1) for k in (1, 2, 3, 4, 7)] == [(2, 2), (4, 4), (4, 4), (8, 8), (8, 8)]
+    assert pick(10, 2, 10) == (16, 16) and pick(20, 4, 20) == (32, 20)  # two or four decodes with k drafts
+    assert pick(40, 2) == (64, 4) and pick(300, 16) == (384, 16)  # prompts: the regular pairs
+    top = seqs[-1]
+    keys = [(t, s) for t in tokens for s in seqs if pairs_with(t, s, top)]
+    assert (32, 2) not in keys and (32, 8) not in keys and (8, 8) in keys and (2048, 20) in keys
+    assert all(s in (1, 4, 16, 20) for t, s in keys if t > 16)
+    monkeypatch.setenv("RUNTIME_VERIFY_BUCKETS", "0")
+    assert verify_buckets() == ()
+    monkeypatch.setenv("RUNTIME_VERIFY_BUCKETS", "2,32")
+    with pytest.raises(ValueError, match="RUNTIME_VERIFY_BUCKETS='2,32': give sizes from 1 to 15"):
+        verify_buckets()
+
+
 # --- the draft-model proposer ---------------------------------------------------------------------------------------
 def test_draft_model_drafts_as_a_fresh_one_would_after_any_acceptance(engine):
     """The draft keeps its KV cache across proposals and cuts it back to what the request kept: after any mix of
