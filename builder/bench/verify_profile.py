@@ -9,8 +9,9 @@ with K drafts a step that the target rejects (the request's last token repeated:
 time between two steps' tokens (median); the host time of each stage of ``ServingEngine`` (proposal, scheduling,
 the launch with its packing and input copies, the verification, which waits for the step and holds the sampling and
 the recording, timed again on their own); and the GPU's
-kernel time (``torch.profiler``: the sum of kernel durations, and the busy time, their union, which PDL's overlap
-makes shorter than the sum), with the kernels that take the most. Wall minus busy is what the host adds.
+kernel time (a second run of the request under ``torch.profiler``, CUDA activity only: the sum of kernel durations,
+and the busy time, their union, which PDL's overlap makes shorter than the sum), with the kernels that take the most.
+Wall minus busy is what the host adds.
 """
 
 from __future__ import annotations
@@ -72,18 +73,24 @@ def profile(path: str, device: str, k: int, prompt: list[int], output_len: int, 
     engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # warm up
     while engine.has_unfinished:
         engine.step()
+    # pass 1: the host's stages timed, no profiler (its tracing of every op would slow the host down)
     totals = _instrument(engine)
-    cuda = torch.device(device).type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     ends = []
-    with torch.profiler.profile(activities=activities) as prof:
-        engine.add_request(prompt, params)
-        while engine.has_unfinished:
-            if engine.step():
-                ends.append(time.perf_counter())
+    engine.add_request(prompt, params)
+    while engine.has_unfinished:
+        if engine.step():
+            ends.append(time.perf_counter())
     steps = max(len(ends), 1)
     gaps = [b - a for a, b in zip(ends, ends[1:])][3:-1]
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA] if cuda else []
+    # pass 2: the same request under the profiler, for the GPU's kernels only
+    cuda = torch.device(device).type == "cuda"
+    kernels = []
+    if cuda:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            engine.add_request(prompt, params)
+            while engine.has_unfinished:
+                engine.step()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     by_name: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_name[e.name] += e.device_time_total
