@@ -558,9 +558,7 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int, num_layers: i
             weights = {_tensor_name(k): f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # a truncated or corrupt file
         raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} cannot be read ({e})") from None
-    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
-    version = 3 if ({"d2t", "t2d", "layers.0.hidden_norm.weight"} & set(weights)
-                    or any("eagle3" in str(a).lower() for a in archs)) else 1
+    version = _version(cfg, weights)
     config = EagleConfig.from_dict(cfg, where, version)
     target_hidden = config.target_hidden_size if version == 3 else config.hidden_size
     if target_hidden != hidden_size:
@@ -605,6 +603,27 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int, num_layers: i
         raise EagleCheckpointError(f"{where}: {WEIGHTS_FILE} has tensors {kind} head does not have: "
                                    f"{', '.join(unused[:4])}{' ...' if len(unused) > 4 else ''}")
     return config, {k: v for k, v in weights.items() if k in shapes}
+
+
+def _version(cfg: dict, names) -> int:
+    """3 for an EAGLE-3 head (``d2t`` / ``t2d``, a first layer's hidden_norm, or an Eagle3 architecture), else 1."""
+    archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
+    return 3 if ({"d2t", "t2d", "layers.0.hidden_norm.weight"} & set(names)
+                 or any("eagle3" in str(a).lower() for a in archs)) else 1
+
+
+def head_version(path: str | Path) -> int:
+    """The layout of the head at ``path`` (1 or 3), from its config.json and its tensors' names only (unchecked)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            names = [_tensor_name(k) for k in f.keys()]
+    except Exception as e:
+        raise EagleCheckpointError(f"EAGLE head {path} cannot be read ({e})") from None
+    return _version(cfg if isinstance(cfg, dict) else {}, names)
 
 
 def _tensor_name(name: str) -> str:

@@ -40,7 +40,8 @@ Figures (``--record``): spec_speedup_ngram_b1{tag} (x), spec_decode_tok_s_plain_
 spec_decode_tok_s_ngram_b1{tag} (tok/s), spec_acceptance_ngram_b1{tag} (accepted / proposed drafts),
 spec_verify_cost_k{K}{tag} (x) with spec_step_ms_k{K}{tag} and spec_step_ms_k0{tag} (ms); with ``--draft``,
 spec_speedup_draft_b1{tag} (x), spec_decode_tok_s_draft_b1{tag} (tok/s), spec_acceptance_draft_b1{tag} (ratio) and
-spec_accepted_per_verify_draft_b1{tag} (tokens); with ``--eagle`` the same names with ``eagle`` for ``draft``.
+spec_accepted_per_verify_draft_b1{tag} (tokens); with ``--eagle`` the same names with ``eagle`` for ``draft``
+(``eagle3`` for an EAGLE-3 head).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ import torch
 from builder.bench.offline import _random_prompts
 from builder.bench.record import append_figures
 from runtime.artifact import open_artifact, read_manifest
+from runtime.eagle import head_version
 from runtime.engine import resolve_device
 from runtime.sampling import SamplingParams
 from runtime.serving import ServingConfig, ServingEngine
@@ -286,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         name, label = (("eagle", f"EAGLE head {args.eagle}") if args.eagle else
                        ("draft", f"draft model {args.draft}") if args.draft else ("ngram", "n-gram"))
         k = args.num_draft or DEFAULT_SPECULATIVE_TOKENS[name]
+        if args.eagle and head_version(args.eagle) == 3:  # its figures apart from an EAGLE-1 head's
+            name, label = "eagle3", f"EAGLE-3 head {args.eagle}"
         print(f"{label} k={k}, batch 1, {len(prompts)} {workload} prompts, {args.output_len} tokens: "
               f"plain {res['plain_tok_s']:.1f} tok/s, speculative {res['ngram_tok_s']:.1f} tok/s, speedup "
               f"{res['speedup']:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in res['speedup_rounds'])}; "

@@ -350,3 +350,14 @@ def test_on_cuda_the_graphs_hand_over_the_targets_streams(bundled_artifact, head
         torch.testing.assert_close(torch.stack([rows[i] for i in range(n)]), eager, atol=2e-3, rtol=2e-3)
     plain = ServingEngine(Engine.load(bundled_artifact, "cuda"), ServingConfig(num_blocks=64))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.run(prompts, params)]
+
+
+def test_head_version_reads_the_layout_without_loading(engine, head_dir, tmp_path):
+    from runtime.eagle import head_version
+
+    from test_eagle import write_head
+
+    assert head_version(head_dir) == 3
+    assert head_version(write_head(tmp_path / "one", _dims(engine)[0])) == 1
+    with pytest.raises(EagleCheckpointError, match="cannot be read"):
+        head_version(tmp_path / "missing")
