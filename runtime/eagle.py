@@ -34,7 +34,7 @@ level or in ``eagle_config``) and ``model.safetensors``. EAGLE-1: ``fc.weight`` 
 ``lm_head.weight`` [draft vocabulary, h], ``d2t`` (``t2d`` is accepted and not read). A ``model.`` prefix is
 accepted. It is recognised as EAGLE-3 by ``d2t`` / ``t2d`` / a hidden_norm or an ``Eagle3`` architecture name.
 Pickled weights (``pytorch_model.bin``) are refused: convert them with safetensors first.
-``builder/devtools/train_eagle.py`` trains an EAGLE-1 head for a target.
+``builder/devtools/train_eagle.py`` trains an EAGLE-1 head (``--eagle3``: an EAGLE-3 head) for the bundled model.
 
 The proposer (:class:`EagleProposer`): the serving engine hands it the target's hidden states of every step of a
 request that may speculate (``record_hidden``: the rows and the position of the first). Before it drafts, the pairs
