@@ -6,12 +6,12 @@
 For each K (0: plain decoding), one request of ``--input-len`` random tokens decodes ``--output-len`` tokens greedily
 with K drafts a step that the target rejects (the request's last token repeated: a verify step of fixed size, as
 ``builder.bench.speculative --verify-cost`` measures its cost). Printed per step, over the steady steps: the wall
-time between two steps' tokens (median); the host time of each stage of ``ServingEngine`` (proposal, scheduling,
-the launch with its packing and input copies, the verification, which waits for the step and holds the sampling and
-the recording, timed again on their own); and the GPU's
-kernel time (a second run of the request under ``torch.profiler``, CUDA activity only: the sum of kernel durations,
-and the busy time, their union, which PDL's overlap makes shorter than the sum), with the kernels that take the most.
-Wall minus busy is what the host adds.
+time between two steps' tokens (median); the host time of each stage of ``ServingEngine``, waits for the device
+included (proposal, scheduling, the launch with its packing and input copies, the verification, which waits for the
+step and holds the sampling and the recording, timed again on their own); and the GPU's kernel time (a second run of
+the request under ``torch.profiler``, CUDA activity only: the sum of kernel durations, and the busy time, their
+union, which PDL's overlap makes shorter than the sum), with the kernels that take the most. Wall minus busy is what
+the host adds.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def profile(path: str, device: str, k: int, prompt: list[int], output_len: int, 
             ends.append(time.perf_counter())
     steps = max(len(ends), 1)
     gaps = [b - a for a, b in zip(ends, ends[1:])][3:-1]
+    host = {name: 1e3 * sum(v) / steps for name, v in totals.items()}  # (the timers run on in pass 2)
     # pass 2: the same request under the profiler, for the GPU's kernels only
     cuda = torch.device(device).type == "cuda"
     kernels = []
@@ -97,7 +98,7 @@ def profile(path: str, device: str, k: int, prompt: list[int], output_len: int, 
     out = {
         "k": k, "steps": steps,
         "wall_ms": 1e3 * statistics.median(gaps) if gaps else float("nan"),
-        "host_ms": {name: 1e3 * sum(v) / steps for name, v in totals.items()},
+        "host_ms": host,
         "kernel_ms": sum(by_name.values()) / 1e3 / steps,
         "busy_ms": _busy([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps,
         "kernels_per_step": len(kernels) / steps,
