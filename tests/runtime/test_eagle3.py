@@ -361,3 +361,25 @@ def test_head_version_reads_the_layout_without_loading(engine, head_dir, tmp_pat
     assert head_version(write_head(tmp_path / "one", _dims(engine)[0])) == 1
     with pytest.raises(EagleCheckpointError, match="cannot be read"):
         head_version(tmp_path / "missing")
+
+
+def test_norm_before_residual_heads_take_the_normed_state_as_residual(engine, tmp_path):
+    """``norm_before_residual``: the first layer's residual is hidden_norm(h) (the reference reads the flag too), which
+    changes the outputs against the same weights without it."""
+    hidden, vocab = _dims(engine)
+    before = load_head(write_head3(tmp_path / "before", hidden, vocab, norm_before_residual=True), engine)
+    after = load_head(write_head3(tmp_path / "after", hidden, vocab), engine)
+    assert before.config.norm_before_residual and not after.config.norm_before_residual
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, vocab, (6,), generator=g)
+    streams = torch.randn(6, before.input_width, generator=g)
+    outs = []
+    for head in (before, after):
+        proposer = EagleProposer(head, 32, max_seqs=1)
+        slot, zero = torch.tensor([proposer._seq("r").slot]), torch.tensor([0])
+        out, stream = head.forward(proposer.cache, slot, ids, streams, zero, zero)
+        ref_out, ref_stream = _reference(head, ids.tolist(), streams, fresh=6)
+        torch.testing.assert_close(out.float(), ref_out, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(stream.float(), ref_stream, atol=2e-5, rtol=1e-4)
+        outs.append(stream)
+    assert not torch.allclose(outs[0], outs[1], atol=1e-3)
