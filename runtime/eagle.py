@@ -26,8 +26,9 @@ target's (an EAGLE-3 head's own ``embed_tokens`` where it ships one, as it must 
 Checkpoint: a directory with ``config.json`` (Llama fields: hidden_size, num_attention_heads, num_key_value_heads,
 head_dim, intermediate_size, num_hidden_layers, rms_norm_eps, rope_theta or rope_parameters / rope_scaling of type
 default or llama3, hidden_act silu; EAGLE-3 also target_hidden_size, draft_vocab_size, the layer ids at the top
-level or in ``eagle_config``) and ``model.safetensors``. EAGLE-1: ``fc.weight`` [h, 2h] (``fc.bias`` optional),
-``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
+level or in ``eagle_config``; or a ``speculators`` eagle3 config, its Llama fields in ``transformer_layer_config``
+and ``norm_before_residual`` true by default) and ``model.safetensors``. EAGLE-1: ``fc.weight`` [h, 2h]
+(``fc.bias`` optional), ``layers.N.self_attn.{q,k,v,o}_proj.weight``, ``layers.N.mlp.{gate,up,down}_proj.weight``,
 ``layers.N.post_attention_layernorm.weight`` and, past the first layer, ``layers.N.input_layernorm.weight``
 (``embed_tokens.weight`` is not read). EAGLE-3: ``fc.weight`` [h, streams x target hidden], ``midlayer.*`` (or
 ``layers.0.*``) with ``hidden_norm`` and ``input_layernorm``, ``layers.N.*`` past it, ``norm.weight``,
@@ -553,6 +554,7 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int, num_layers: i
         raise EagleCheckpointError(f"{where}: config.json is not valid JSON ({e})") from None
     if not isinstance(cfg, dict):
         raise EagleCheckpointError(f"{where}: config.json must hold an object")
+    cfg = _from_speculators(cfg, where)
     try:
         with safe_open(str(weights_path), framework="pt") as f:
             weights = {_tensor_name(k): f.get_tensor(k) for k in f.keys()}
@@ -605,6 +607,28 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int, num_layers: i
     return config, {k: v for k, v in weights.items() if k in shapes}
 
 
+def _from_speculators(cfg: dict, where: str) -> dict:
+    """A config in the ``speculators`` format (``speculators_model_type`` eagle3: the Llama fields in
+    ``transformer_layer_config``, the EAGLE-3 fields at the top level, ``norm_before_residual`` true unless it says
+    otherwise, as vLLM reads it) as the flat config the rest reads; other configs as they are."""
+    kind = cfg.get("speculators_model_type")
+    if kind is None:
+        return cfg
+    if kind != "eagle3":
+        raise EagleCheckpointError(f"{where}: a speculators {kind!r} checkpoint is not supported (its eagle3 heads "
+                                   f"are, and EAGLE-1 heads in the fc / layers.N layout)")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise EagleCheckpointError(f"{where}: a speculators eagle3 config needs transformer_layer_config (an object "
+                                   f"of the Llama layer's fields)")
+    flat = dict(layer, architectures=["LlamaForCausalLMEagle3"],
+                norm_before_residual=cfg.get("norm_before_residual", True))
+    for name in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if cfg.get(name) is not None:
+            flat[name] = cfg[name]
+    return flat
+
+
 def _version(cfg: dict, names) -> int:
     """3 for an EAGLE-3 head (``d2t`` / ``t2d``, a first layer's hidden_norm, or an Eagle3 architecture), else 1."""
     archs = cfg.get("architectures") if isinstance(cfg.get("architectures"), list) else []
@@ -623,6 +647,8 @@ def head_version(path: str | Path) -> int:
             names = [_tensor_name(k) for k in f.keys()]
     except Exception as e:
         raise EagleCheckpointError(f"EAGLE head {path} cannot be read ({e})") from None
+    if isinstance(cfg, dict) and cfg.get("speculators_model_type") == "eagle3":
+        return 3
     return _version(cfg if isinstance(cfg, dict) else {}, names)
 
 

@@ -383,3 +383,43 @@ def test_norm_before_residual_heads_take_the_normed_state_as_residual(engine, tm
         torch.testing.assert_close(stream.float(), ref_stream, atol=2e-5, rtol=1e-4)
         outs.append(stream)
     assert not torch.allclose(outs[0], outs[1], atol=1e-3)
+
+
+def test_a_speculators_format_head_reads_as_the_flat_layout(engine, tmp_path):
+    """A ``speculators`` eagle3 config (the Llama fields in transformer_layer_config, norm_before_residual true unless
+    it says otherwise, layers.N names) gives the head the flat config with the same weights gives; other speculators
+    kinds and a config without the layer fields are refused by name."""
+    from runtime.eagle import head_version
+
+    hidden, vocab = _dims(engine)
+    flat = write_head3(tmp_path / "flat", hidden, vocab, draft_vocab=256, midlayer=False, norm_before_residual=True)
+    spec = tmp_path / "spec"
+    spec.mkdir()
+    (spec / "model.safetensors").write_bytes((flat / "model.safetensors").read_bytes())
+    cfg = json.loads((flat / "config.json").read_text())
+    layer = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "intermediate_size", "num_hidden_layers", "rms_norm_eps", "rope_theta", "hidden_act",
+                                 "vocab_size")}
+    (spec / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "transformer_layer_config": layer,
+        "draft_vocab_size": 256, "target_hidden_size": hidden, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}]}}))
+    assert head_version(spec) == 3
+    a, b = load_head(flat, engine), load_head(spec, engine)
+    assert a.config == b.config and b.config.norm_before_residual
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, vocab, (5,), generator=g)
+    streams = torch.randn(5, a.input_width, generator=g)
+    outs = []
+    for head in (a, b):
+        proposer = EagleProposer(head, 16, max_seqs=1)
+        slot, zero = torch.tensor([proposer._seq("r").slot]), torch.tensor([0])
+        outs.append(head.forward(proposer.cache, slot, ids, streams, zero, zero)[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle",
+                                                  "transformer_layer_config": layer}))
+    with pytest.raises(EagleCheckpointError, match="a speculators 'eagle' checkpoint is not supported"):
+        load_head(spec, engine)
+    (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
+    with pytest.raises(EagleCheckpointError, match="needs transformer_layer_config"):
+        load_head(spec, engine)
