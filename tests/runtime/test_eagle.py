@@ -275,16 +275,10 @@ def test_an_eagle_head_in_the_recipe_travels_inside_the_artifact(checkpoints, tm
         Engine.load(path)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs' hidden states need a GPU")
-def test_on_cuda_the_graphs_hand_over_the_targets_hidden_states(bundled_artifact, head_dir):
-    """On CUDA (kernels, decode and step graphs) the hidden states the proposer is handed are the target's: the last
-    row recorded at each position equals an eager forward over the final tokens; output equals decoding without."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("the kernels run compiled on the GPU")
-    engine = Engine.load(bundled_artifact, "cuda")
-    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+def serve_recording_hidden(engine, head_dir, prompts, params):
+    """Serve ``prompts`` with the head at ``head_dir`` (3 drafts, always on), recording every row of hidden states the
+    proposer is handed; returns the serving engine, the outputs and {request id: {position: row (fp32, CPU)}}, the
+    last row handed over at each position."""
     spec = {"method": "eagle", "draft_model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
     s = ServingEngine(engine, ServingConfig(speculative=spec, num_blocks=64))
     assert s.graphs is not None and s.step_graphs is not None
@@ -298,8 +292,21 @@ def test_on_cuda_the_graphs_hand_over_the_targets_hidden_states(bundled_artifact
         record(request_id, start, hidden)
 
     s.proposer.record_hidden = spy
+    return s, s.run(prompts, params), records
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA graphs' hidden states need a GPU")
+def test_on_cuda_the_graphs_hand_over_the_targets_hidden_states(bundled_artifact, head_dir):
+    """On CUDA (kernels, decode and step graphs) the hidden states the proposer is handed are the target's: the last
+    row recorded at each position equals an eager forward over the final tokens; output equals decoding without."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the kernels run compiled on the GPU")
+    engine = Engine.load(bundled_artifact, "cuda")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    outs = s.run(prompts, params)
+    s, outs, records = serve_recording_hidden(engine, head_dir, prompts, params)
     plain = ServingEngine(engine, ServingConfig(speculative=SpeculativeConfig(), num_blocks=64))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain.run(prompts, params)]
     assert s.stats().spec_num_draft_tokens > 0

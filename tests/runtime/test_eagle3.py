@@ -320,23 +320,12 @@ def test_on_cuda_the_graphs_hand_over_the_targets_streams(bundled_artifact, head
     from runtime.executor import SeqSlice, StepInput
     from runtime.kv_cache import SequenceKV
 
+    from test_eagle import serve_recording_hidden
+
     engine = Engine.load(bundled_artifact, "cuda")
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
-    spec = {"method": "eagle", "draft_model": str(head_dir), "num_speculative_tokens": 3, "adaptive": False}
-    s = ServingEngine(engine, ServingConfig(speculative=spec, num_blocks=64))
-    assert s.graphs is not None and s.step_graphs is not None
-    records: dict[str, dict[int, torch.Tensor]] = {}
-    record = s.proposer.record_hidden
-
-    def spy(request_id, start, hidden):
-        rows = records.setdefault(request_id, {})
-        for j in range(hidden.shape[0]):
-            rows[start + j] = hidden[j].float().cpu()
-        record(request_id, start, hidden)
-
-    s.proposer.record_hidden = spy
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    outs = s.run(prompts, params)
+    s, outs, records = serve_recording_hidden(engine, head_dir, prompts, params)
     assert s.stats().spec_num_draft_tokens > 0
     for prompt, out in zip(prompts, outs):
         tokens = prompt + out.token_ids
