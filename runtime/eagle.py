@@ -45,12 +45,14 @@ at the next proposal, which starts from the known pairs. Positions whose hidden 
 prefix-cache hit; steps run at a load past the policy's ``max_running``) leave a gap, and the head's cache restarts
 after it: the drafts lose that context, never exactness (the target verifies every draft, greedy drafts: one-hot).
 
-The head's steps are torch ops over one request slot at a time (a handful speculate at once: ``max_running``), each
-reading its slot, positions and cache start from device tensors; on CUDA a proposal is one CUDA-graph replay
-(``EagleProposer``), its drafts left on the device. Measured in docs/BENCHMARKS.md (session 56): on the bundled model
-the head is accepted at 0.78 but its proposal (five head steps of a few dozen small kernels each, counted from
-the code, not profiled) costs more than the steps it saves; at the
-Llama-3-8B shape a draft costs ~0.6 ms, about 0.15 of a target step.
+The head's steps are torch ops over the requests drafting in a step at once (at most ``max_running``; each its own
+slot of the head's cache), reading their slots, positions and cache starts from device tensors; on CUDA a proposal
+is one CUDA-graph replay (``EagleProposer``: a graph per number of pairs fed for one request, and per number of
+requests for several), its drafts left on the device. Measured in docs/BENCHMARKS.md (sessions 56, 57): on the
+bundled model the heads are accepted at 0.74-0.78 but a proposal (head steps of a few dozen small kernels each)
+costs more than the steps it saves; at the Llama-3-8B shape an EAGLE-1 draft costs ~0.5 ms and an EAGLE-3 one
+(32,000-token draft vocabulary) ~0.36 ms, against a 4.1 ms bf16 step. Proposals over several requests were checked
+on the CPU only (drafts equal to each request's alone); their cost on a GPU is not measured yet.
 """
 
 from __future__ import annotations
@@ -233,12 +235,23 @@ class EagleHead:
 
     def forward(self, cache: _SlotCache, slot: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
                 first: torch.Tensor, start: torch.Tensor, fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Feed pairs (hidden[j], token_ids[j]) at positions first + j into request slot ``slot`` of ``cache``
-        (written there; its keys from position ``start`` on are attended, causally). ``hidden`` is the target's
+        """Feed pairs (hidden[j], token_ids[j]) of one request at positions first + j: ``forward_batch`` over one
+        request (``first`` and ``start`` one-element device tensors); outputs [n, h]."""
+        positions = first + torch.arange(token_ids.shape[0], device=self.device)
+        out, stream = self.forward_batch(cache, slot, token_ids[None], hidden[None], positions[None], start, fresh)
+        return out[0], stream[0]
+
+    def forward_batch(self, cache: _SlotCache, slots: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
+                      positions: torch.Tensor, starts: torch.Tensor, fresh: bool = True
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed pairs (hidden[r, j], token_ids[r, j]) at positions[r, j] into request slot slots[r] of ``cache``
+        (written there; that slot's keys from position starts[r] on are attended, causally), for R requests at once:
+        token_ids and positions [R, n], hidden [R, n, width], slots and starts [R]. ``hidden`` is the target's
         (``fresh``: as recorded) or the head's own (the second output of the step before, in a chain). Returns the
-        head's outputs [n, h] for its lm_head and the hidden states a chain step feeds on. ``slot``, ``first`` and
-        ``start`` are one-element device tensors, so that a step is the same kernels whatever the request and
-        position (``EagleProposer`` captures it in CUDA graphs).
+        head's outputs [R, n, h] for its lm_head and the hidden states a chain step feeds on. Everything is a device
+        tensor, so that a step is the same kernels whatever the requests and positions (``EagleProposer`` captures
+        it in CUDA graphs). A pair may repeat an earlier one of its row (same token, state and position: the same
+        keys written twice), which is how rows of fewer pairs are padded.
 
         EAGLE-1: x = fc(cat(embed, hidden)), then Llama layers (the first without its input norm, no final norm);
         both outputs are x. EAGLE-3: the target's streams side by side go through fc (``fresh`` only); the first
@@ -246,18 +259,17 @@ class EagleHead:
         ``norm_before_residual``), later layers are Llama layers; the final norm's input is the chain's hidden state
         and its output the lm_head's."""
         cfg, w = self.config, self.w
-        n, cap = token_ids.shape[0], cache.capacity
-        positions = first + torch.arange(n, device=self.device)  # [n]
-        cos, sin = (t.index_select(0, positions)[:, None, :] for t in self._tables)
-        key_pos = cache.positions
-        mask = (key_pos[None, :] <= positions[:, None]) & (key_pos[None, :] >= start)  # [n, cap]
-        rows = slot * cap + positions  # the slot's rows of the flat cache
+        (num, n), cap = token_ids.shape, cache.capacity
+        cos, sin = (t.index_select(0, positions.reshape(-1)).view(num, n, 1, -1) for t in self._tables)
+        key_pos = cache.positions[None, None, :]
+        mask = (key_pos <= positions[:, :, None]) & (key_pos >= starts[:, None, None])  # [R, n, cap]
+        rows = (slots[:, None] * cap + positions).reshape(-1)  # the slots' rows of the flat cache
         embeds = F.embedding(token_ids, self.embed).to(self.dtype)
         if cfg.version == 1:
             x = F.linear(torch.cat([embeds, hidden.to(self.dtype)], dim=-1), w["fc.weight"], w.get("fc.bias"))
             for i in range(cfg.num_layers):
                 h = x if i == 0 else self._norm(x, w[f"layers.{i}.input_layernorm.weight"])
-                x = x + self._attend(i, h, cache, slot, rows, cos, sin, mask)
+                x = x + self._attend(i, h, cache, slots, rows, cos, sin, mask)
                 x = x + self._mlp(i, self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"]))
             return x, x
         h = F.linear(hidden.to(self.dtype), w["fc.weight"], w.get("fc.bias")) if fresh else hidden.to(self.dtype)
@@ -271,27 +283,29 @@ class EagleHead:
             else:
                 residual = x + residual
                 a = self._norm(residual, w[p + "input_layernorm.weight"])
-            residual = residual + self._attend(i, a, cache, slot, rows, cos, sin, mask)
+            residual = residual + self._attend(i, a, cache, slots, rows, cos, sin, mask)
             x = self._mlp(i, self._norm(residual, w[p + "post_attention_layernorm.weight"]))
         stream = x + residual
         return self._norm(stream, w["norm.weight"]), stream
 
-    def _attend(self, i: int, h: torch.Tensor, cache: _SlotCache, slot: torch.Tensor, rows: torch.Tensor,
+    def _attend(self, i: int, h: torch.Tensor, cache: _SlotCache, slots: torch.Tensor, rows: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Layer i's attention block over its input h [n, in]: q/k/v, rotary, the new keys and values written to the
-        slot's rows, attention over the slot's cache, the output projection."""
-        cfg, w, cap, n = self.config, self.w, cache.capacity, h.shape[0]
+        """Layer i's attention block over its input h [R, n, in]: q/k/v, rotary, the new keys and values written to
+        the slots' rows, attention over each request's slot of the cache, the output projection."""
+        cfg, w, cap = self.config, self.w, cache.capacity
+        num, n = h.shape[:2]
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         p = f"layers.{i}."
-        qkv = F.linear(h, w[p + "qkv"]).view(n, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
-        qk = self._rope(qkv[:, :cfg.num_heads + cfg.num_kv_heads], cos, sin)  # q's and k's heads at once
-        q, k, v = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], qkv[:, cfg.num_heads + cfg.num_kv_heads:]
-        cache.k[i].index_copy_(0, rows, k)
-        cache.v[i].index_copy_(0, rows, v)
-        keys = cache.k[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
-        values = cache.v[i].view(-1, cap, cfg.num_kv_heads, cfg.head_dim).index_select(0, slot)[0]
-        attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                              attn_mask=mask, enable_gqa=cfg.num_heads != cfg.num_kv_heads)
-        return F.linear(attn.transpose(0, 1).reshape(n, cfg.num_heads * cfg.head_dim), w[p + "self_attn.o_proj.weight"])
+        qkv = F.linear(h, w[p + "qkv"]).view(num, n, hq + 2 * hkv, d)
+        qk = self._rope(qkv[:, :, :hq + hkv], cos, sin)  # q's and k's heads at once
+        q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
+        cache.k[i].index_copy_(0, rows, k.reshape(num * n, hkv, d))
+        cache.v[i].index_copy_(0, rows, v.reshape(num * n, hkv, d))
+        keys = cache.k[i].view(-1, cap, hkv, d).index_select(0, slots)  # [R, cap, kv heads, d]
+        values = cache.v[i].view(-1, cap, hkv, d).index_select(0, slots)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                              attn_mask=mask[:, None], enable_gqa=hq != hkv)  # [R, heads, n, d]
+        return F.linear(attn.transpose(1, 2).reshape(num, n, hq * d), w[p + "self_attn.o_proj.weight"])
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(h, self.w[f"layers.{i}.gate_up"]).chunk(2, dim=-1)
@@ -353,8 +367,11 @@ class EagleProposer(Proposer):
 
     A proposal for a request whose cache lacks at most ``max_draft_tokens + 1`` pairs (the usual case after a verify
     step: its accepted drafts and the target's own token) is one step feeding them and k - 1 one-token chain steps;
-    on CUDA (``cuda_graphs``) that is one CUDA-graph replay, a graph per number of pairs fed. More pairs (a prompt)
-    are fed first in eager steps of at most ``max_draft_tokens + 1``."""
+    on CUDA (``cuda_graphs``) that is one CUDA-graph replay, a graph per number of pairs fed. Several requests
+    drafting in one step are one proposal over all of them (a graph per number of requests): each feeds its last
+    ``max_draft_tokens + 1`` known pairs, those its cache holds already written again with the same keys, and a row
+    of fewer known pairs (after a gap) repeats its first. More pairs (a prompt) are fed first, per request, in eager
+    steps of at most ``max_draft_tokens + 1``."""
 
     method = "eagle"
     needs_hidden = True  # the serving engine records the target's hidden states (record_hidden)
@@ -373,16 +390,19 @@ class EagleProposer(Proposer):
         head.rope_tables(max_seq_len)
         self.cache = _SlotCache(head.config, max_seqs, max_seq_len, head.dtype, head.device)
         dev = head.device
-        # a proposal's static inputs: [slot, first position, cache start, ids of the pairs fed...], their hidden
-        # states, and the drafts it leaves
-        self._longs = torch.zeros(3 + self.max_feed, dtype=torch.long, device=dev)
-        self._feed_hidden = torch.zeros(self.max_feed, head.input_width, dtype=head.dtype, device=dev)
-        self._out = torch.zeros(max_draft_tokens, dtype=torch.long, device=dev)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # number of pairs fed -> the proposal's graph
+        # a proposal's static inputs, a row per request: [slot, cache start, ids of the pairs fed..., their
+        # positions...], their hidden states; and the drafts it leaves
+        self._longs = torch.zeros(max_seqs, 2 + 2 * self.max_feed, dtype=torch.long, device=dev)
+        self._feed_hidden = torch.zeros(max_seqs, self.max_feed, head.input_width, dtype=head.dtype, device=dev)
+        self._out = torch.zeros(max_seqs, max_draft_tokens, dtype=torch.long, device=dev)
+        # (requests, pairs fed each) -> the proposal's graph: one request and any number of pairs, or several
+        # requests and max_feed pairs each
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if cuda_graphs and dev.type == "cuda":
             pool = torch.cuda.graph_pool_handle()
-            for n in range(self.max_feed, 0, -1):  # the largest first: the smaller ones reuse its memory
-                self._graphs[n] = self._capture(n, pool)
+            keys = [(r, self.max_feed) for r in range(max_seqs, 1, -1)] + [(1, n) for n in range(self.max_feed, 0, -1)]
+            for num, n in keys:  # the largest first: the smaller ones reuse its memory
+                self._graphs[(num, n)] = self._capture(num, n, pool)
 
     @classmethod
     def load(cls, path: str | Path, target, max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4,
@@ -433,16 +453,28 @@ class EagleProposer(Proposer):
     @torch.inference_mode()
     def propose_pending(self, requests: Sequence[DraftRequest]) -> list[list[int]] | PendingDrafts:
         """As ``propose``, the drafts left on the device (``PendingDrafts``): each chain step's token feeds the next
-        on the device, so the host waits for none of them (the serving engine reads them with the verify step's)."""
-        chains = [self._propose_one(r) for r in requests]
-        if not any(c is not None for c in chains):
+        on the device, so the host waits for none of them (the serving engine reads them with the verify step's).
+        Every request that drafts is in one proposal (see the class docstring)."""
+        plans = [self._plan(r) for r in requests]
+        drafting = [p for p in plans if p is not None]
+        if not drafting:
             return [[] for _ in requests]
-        flat = torch.cat([c for c in chains if c is not None])
-        sources, at = [], 0
-        for c, r in zip(chains, requests):
-            n = 0 if c is None else min(c.numel(), r.max_tokens)
-            sources.append(list(range(at, at + n)))
-            at += 0 if c is None else c.numel()
+        num = len(drafting)
+        n = drafting[0][3] if num == 1 else self.max_feed
+        self._stage(drafting, n)
+        graph = self._graphs.get((num, n))
+        if graph is not None:
+            graph.replay()
+        else:
+            self._proposal(num, n)
+        flat = self._out[:num].reshape(-1).clone()  # the buffer is the next replay's
+        k, sources, row = self.max_draft_tokens, [], 0
+        for plan, request in zip(plans, requests):
+            if plan is None:
+                sources.append([])
+                continue
+            sources.append(list(range(row * k, row * k + min(k, request.max_tokens))))
+            row += 1
         return PendingDrafts(flat, sources)
 
     def may_propose(self, token_ids: Sequence[int], request_id: str | None = None) -> bool:
@@ -453,9 +485,9 @@ class EagleProposer(Proposer):
         last = len(token_ids) - 2  # the pair (f_last, t_{last + 1}) starts the drafts
         return seq.hidden.known_from <= last < seq.hidden.known_to
 
-    def _propose_one(self, request: DraftRequest) -> torch.Tensor | None:
-        """The request's max_draft_tokens drafts as a device tensor (queued, not waited for; the caller keeps as
-        many as it asked for), or None where it has none."""
+    def _plan(self, request: DraftRequest) -> tuple[_EagleSeq, Sequence[int], int, int] | None:
+        """A request's part of a proposal: (its state, its tokens, the first position to feed, the number of pairs
+        its cache lacks), after feeding a long catch-up (a prompt) in eager steps; None where it has no drafts."""
         tokens = request.token_ids
         num = len(tokens)
         seq = self._seqs.get(request.request_id)
@@ -473,56 +505,59 @@ class EagleProposer(Proposer):
             seq.start = first = hidden.known_from
         while last + 1 - first > self.max_feed:  # a long catch-up (a prompt): eager steps first
             n = self.max_feed
-            self._stage(seq, tokens[first + 1:first + 1 + n], hidden.rows[first:first + n], first)
-            self._feed(n)
+            self._stage([(seq, tokens, first, n)], n)
+            self._feed(1, n)
             first += n
-        n = last + 1 - first
-        self._stage(seq, tokens[first + 1:num], hidden.rows[first:last + 1], first)
-        graph = self._graphs.get(n)
-        if graph is not None:
-            graph.replay()
-        else:
-            self._proposal(n)
         seq.length = last + 1
-        return self._out.clone()  # the buffer is the next replay's
+        return seq, tokens, first, last + 1 - first
 
-    def _stage(self, seq: _EagleSeq, ids: Sequence[int], rows: torch.Tensor, first: int) -> None:
-        """The static inputs of a step feeding pairs (rows[j], ids[j]) from position ``first``."""
-        n = len(ids)
-        host = torch.tensor([seq.slot, first, seq.start, *ids], dtype=torch.long)
-        self._longs[:3 + n].copy_(host, non_blocking=False)
-        self._feed_hidden[:n].copy_(rows)
+    def _stage(self, plans: list[tuple[_EagleSeq, Sequence[int], int, int]], n: int) -> None:
+        """The static inputs of a step feeding n pairs a request: each plan's pairs from its first position on,
+        the pairs before them its cache already holds (down to its start) written again, then (after a gap) its
+        first pair repeated, up to n."""
+        longs, hidden = [], []
+        for seq, tokens, first, count in plans:
+            end = first + count  # positions [first, end) are the plan's own; n - count more before them
+            lo = max(seq.start, end - n)
+            positions = [lo] * (n - (end - lo)) + list(range(lo, end))
+            pad = [0] * (self.max_feed - n)
+            longs.append([seq.slot, seq.start, *(tokens[i + 1] for i in positions), *pad, *positions, *pad])
+            hidden.append(seq.hidden.rows[positions[0]:end] if end - lo == n
+                          else seq.hidden.rows[torch.tensor(positions, device=seq.hidden.rows.device)])
+        self._longs[:len(plans)].copy_(torch.tensor(longs, dtype=torch.long), non_blocking=False)
+        self._feed_hidden[:len(plans), :n].copy_(torch.stack(hidden))
 
-    def _feed(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step over the staged n pairs; its outputs (``EagleHead.forward``)."""
-        longs = self._longs
-        return self.head.forward(self.cache, longs[0:1], longs[3:3 + n], self._feed_hidden[:n], longs[1:2],
-                                 longs[2:3])
+    def _feed(self, num: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step over the staged pairs (num requests, n each); its outputs (``EagleHead.forward_batch``)."""
+        longs = self._longs[:num]
+        return self.head.forward_batch(self.cache, longs[:, 0], longs[:, 2:2 + n], self._feed_hidden[:num, :n],
+                                       longs[:, 2 + self.max_feed:2 + self.max_feed + n], longs[:, 1])
 
-    def _proposal(self, n: int) -> None:
-        """Feed the staged n pairs, then draft max_draft_tokens tokens into ``_out``, each fed to the next step on
-        the device (what a proposal's CUDA graph holds)."""
-        out, g = (t[-1:] for t in self._feed(n))
-        longs = self._longs
-        pos = longs[1:2] + n  # the chain's first pair sits after the fed ones
+    def _proposal(self, num: int, n: int) -> None:
+        """Feed the staged pairs, then draft max_draft_tokens tokens a request into ``_out``, each fed to the next
+        step on the device (what a proposal's CUDA graph holds)."""
+        out, g = (t[:, -1:] for t in self._feed(num, n))
+        longs = self._longs[:num]
+        pos = longs[:, 1 + self.max_feed + n:2 + self.max_feed + n]  # [R, 1]: the last pair fed; the chain follows
         for j in range(self.max_draft_tokens):
-            token = self.head.draft(out)  # [1]
-            self._out[j:j + 1].copy_(token)
+            token = self.head.draft(out[:, 0])  # [R]
+            self._out[:num, j].copy_(token)
             if j + 1 < self.max_draft_tokens:
-                out, g = self.head.forward(self.cache, longs[0:1], token, g, pos + j, longs[2:3], fresh=False)
+                out, g = self.head.forward_batch(self.cache, longs[:, 0], token[:, None], g, pos + 1 + j, longs[:, 1],
+                                                 fresh=False)
 
-    def _capture(self, n: int, pool) -> torch.cuda.CUDAGraph:
+    def _capture(self, num: int, n: int, pool) -> torch.cuda.CUDAGraph:
         self._longs.zero_()  # warm-up and capture: slot 0, position 0 (whatever they write is written over)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), torch.inference_mode():
             for _ in range(2):
-                self._proposal(n)
+                self._proposal(num, n)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool), torch.inference_mode():
-            self._proposal(n)
+            self._proposal(num, n)
         return graph
 
 

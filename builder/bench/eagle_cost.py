@@ -1,7 +1,7 @@
 """What an EAGLE head's proposal costs beside its target, on the device the target runs on.
 
     python -m builder.bench.eagle_cost ARTIFACT [--head DIR | --config CHECKPOINT/config.json [--layers 1]
-        [--eagle3 [--draft-vocab 32000]]] [--num-draft 4 ...] [--context 128]
+        [--eagle3 [--draft-vocab 32000]]] [--num-draft 4 ...] [--requests 1 ...] [--context 128]
         [--iters 50] [--device cuda] [--record FILE] [--tag NAME]
 
 One request of ``--context`` tokens: its target hidden states recorded (random rows, the head's input; what they
@@ -11,8 +11,11 @@ The median over ``--iters`` proposals is printed in ms for each k. Without ``--h
 ``--layers`` layers shaped like the target's layers (hidden size, heads, kv heads, intermediate size, from the
 target checkpoint's ``--config``) is written to a temporary directory: the cost of a head of that size, not its
 acceptance. ``--eagle3``: a random EAGLE-3 head instead (the target's streams at its default layers 2, L // 2,
-L - 3, or 1, L // 2, L for a target too small for three of those, through fc, an lm_head over ``--draft-vocab`` tokens, as the published Llama-3.1-8B heads have 32,000).
-Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms), eagle3_proposal_ms_k{K}{tag} with ``--eagle3``.
+L - 3, or 1, L // 2, L for a target too small for three of those, through fc, an lm_head over ``--draft-vocab``
+tokens, as the published Llama-3.1-8B heads have 32,000). ``--requests N``: N requests of that context draft
+together, one proposal over all of them.
+Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms), eagle3_proposal_ms_k{K}{tag} with ``--eagle3``; with N
+requests, ..._k{K}_r{N}{tag}.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eagle3", action="store_true", help="a random EAGLE-3 head (with --config)")
     p.add_argument("--draft-vocab", type=int, default=32000, help="the random EAGLE-3 head's draft vocabulary")
     p.add_argument("--num-draft", type=int, nargs="+", default=[4])
+    p.add_argument("--requests", type=int, nargs="+", default=[1], help="requests drafting together")
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", default="cuda")
@@ -102,27 +106,31 @@ def main(argv: list[str] | None = None) -> int:
                                    eagle3=args.eagle3, draft_vocab=args.draft_vocab))
         figures = []
         for k in args.num_draft:
-            proposer = EagleProposer.load(head, engine, max_seq_len=args.context + k + 8, max_seqs=1,
-                                          max_draft_tokens=k)
-            hidden = torch.randn(args.context, proposer.head.input_width, device=engine.device,
-                                 dtype=proposer.head.dtype)
-            tokens = torch.randint(0, proposer.head.embed.shape[0], (args.context + 1,)).tolist()
-            proposer.record_hidden("r", 0, hidden)
-            proposer.propose([DraftRequest("r", tokens, k)])  # the prompt's catch-up, then the one-pair proposals
-            times = []
-            for _ in range(args.iters):
-                if engine.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                proposer.propose([DraftRequest("r", tokens, k)])
-                times.append((time.perf_counter() - t0) * 1000)
-            ms = statistics.median(times)
-            kind = "EAGLE-3" if proposer.head.config.version == 3 else "EAGLE"
-            print(f"{kind} proposal, k = {k}, {args.context}-token context, head {head if args.head else 'random'}: "
-                  f"{ms:.3f} ms (median of {args.iters})")
-            prefix = "eagle3" if proposer.head.config.version == 3 else "eagle"
-            figures.append((f"{prefix}_proposal_ms_k{k}{args.tag}", ms, "ms"))
-            proposer.close()
+            for num in args.requests:
+                proposer = EagleProposer.load(head, engine, max_seq_len=args.context + k + 8, max_seqs=num,
+                                              max_draft_tokens=k)
+                requests = []
+                for i in range(num):
+                    hidden = torch.randn(args.context, proposer.head.input_width, device=engine.device,
+                                         dtype=proposer.head.dtype)
+                    tokens = torch.randint(0, proposer.head.embed.shape[0], (args.context + 1,)).tolist()
+                    proposer.record_hidden(f"r{i}", 0, hidden)
+                    requests.append(DraftRequest(f"r{i}", tokens, k))
+                proposer.propose(requests)  # the prompts' catch-up, then the proposals after one accepted pair
+                times = []
+                for _ in range(args.iters):
+                    if engine.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    proposer.propose(requests)
+                    times.append((time.perf_counter() - t0) * 1000)
+                ms = statistics.median(times)
+                kind = "EAGLE-3" if proposer.head.config.version == 3 else "EAGLE"
+                print(f"{kind} proposal, k = {k}, {num} request(s) of {args.context}-token context, head "
+                      f"{head if args.head else 'random'}: {ms:.3f} ms (median of {args.iters})")
+                prefix = "eagle3" if proposer.head.config.version == 3 else "eagle"
+                figures.append((f"{prefix}_proposal_ms_k{k}{'' if num == 1 else f'_r{num}'}{args.tag}", ms, "ms"))
+                proposer.close()
     if args.record:
         append_figures(args.record, figures, args.device,
                        "python -m builder.bench.eagle_cost " + " ".join(argv or sys.argv[1:]))

@@ -56,7 +56,7 @@
 #                  (builder.bench.speculative --verify-cost, tagged _8b_PREC), then an EAGLE-3 and an EAGLE-1
 #                  proposal's time at each k of $SPEC_K (default "2 4") for random one-layer heads shaped like the
 #                  model's layers (the EAGLE-3 one over a 32,000-token draft vocabulary; builder.bench.eagle_cost),
-#                  recorded
+#                  recorded; $EAGLE_REQUESTS (default 1; e.g. "1 4 8"): requests drafting together in one proposal
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -348,7 +348,8 @@ PY
         --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'verify|K ='
       for variant in --eagle3 ""; do
         python3 -m builder.bench.eagle_cost artifacts/llama3-8b-$prec --config $CKPT/config.json $variant \
-          --num-draft ${SPEC_K:-2 4} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'EAGLE|Error'
+          --num-draft ${SPEC_K:-2 4} --requests ${EAGLE_REQUESTS:-1} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" \
+          2>&1 | grep -E 'EAGLE|Error'
       done ;;
     quickstart)
       for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do

@@ -171,6 +171,34 @@ def test_incremental_drafts_equal_drafts_from_scratch(engine, head_dir):
     assert proposer._seqs == {}
 
 
+def test_one_proposal_drafts_for_several_requests_as_for_each_alone(engine, head_dir):
+    """Requests drafting in the same step share one proposal (each feeds its last k + 1 known pairs, those already
+    cached written again; a request after a gap repeats its first pair): every request's drafts equal the drafts
+    recomputed from scratch for it alone, through prompts of different lengths, growth and a gap."""
+    head = load_head(head_dir, engine)
+    g = torch.Generator().manual_seed(5)
+    vocab, h = head.embed.shape[0], head.config.hidden_size
+    tokens = {r: torch.randint(0, vocab, (48,), generator=g).tolist() for r in "abc"}
+    truth = {r: torch.randn(48, h, generator=g) for r in "abc"}
+    proposer = EagleProposer(head, 96, max_seqs=4, max_draft_tokens=3)
+    known = {"a": 13, "b": 3, "c": 22}  # prompts (one shorter than k + 1 pairs, one a long catch-up) and a token
+    for r, n in known.items():
+        proposer.record_hidden(r, 0, truth[r][:n - 1])
+    for grow in ({}, {"a": 2, "c": 1}, {"b": 4}, {"a": 1, "b": 1, "c": 3}):
+        for r, more in grow.items():
+            proposer.record_hidden(r, known[r] - 1, truth[r][known[r] - 1:known[r] - 1 + more])
+            known[r] += more
+        requests = [DraftRequest(r, tokens[r][:known[r]], 3) for r in "abc"]
+        assert proposer.propose(requests) == [_reference_drafts(head, tokens[r][:known[r]], truth[r], 3)
+                                              for r in "abc"]
+    proposer.record_hidden("b", 20, truth["b"][20:23])  # a gap: b's cache restarts at 20, with 2 pairs known
+    known["b"] = 23
+    requests = [DraftRequest(r, tokens[r][:known[r]], 2) for r in "abc"]
+    want = [_reference_drafts(head, tokens[r][:known[r]], truth[r], 2) for r in "ac"]
+    want.insert(1, _reference_drafts(head, tokens["b"][20:23], truth["b"][20:], 2))
+    assert proposer.propose(requests) == want
+
+
 def test_bad_checkpoints_are_refused_with_what_is_wrong(engine, head_dir, tmp_path):
     hidden = load_head(head_dir, engine).config.hidden_size
     with pytest.raises(EagleCheckpointError, match="is not a directory"):
@@ -338,14 +366,19 @@ def test_the_proposal_cost_bench_runs_a_random_head_shaped_like_the_target(bundl
     record = tmp_path / "figures.jsonl"
     assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",
                             "--num-draft", "2", "--iters", "2", "--context", "16", "--record", str(record)]) == 0
-    assert "EAGLE proposal, k = 2, 16-token context, head random" in capsys.readouterr().out
+    assert "EAGLE proposal, k = 2, 1 request(s) of 16-token context, head random" in capsys.readouterr().out
     line = json.loads(record.read_text().splitlines()[0])
     assert line["figure"] == "eagle_proposal_ms_k2" and line["value"] > 0
     assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",
                             "--eagle3", "--draft-vocab", "256", "--num-draft", "1", "--iters", "1", "--context", "8",
                             "--record", str(record)]) == 0
-    assert "EAGLE-3 proposal, k = 1, 8-token context" in capsys.readouterr().out
+    assert "EAGLE-3 proposal, k = 1, 1 request(s) of 8-token context" in capsys.readouterr().out
     assert json.loads(record.read_text().splitlines()[1])["figure"] == "eagle3_proposal_ms_k1"
+    assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",
+                            "--requests", "2", "--num-draft", "1", "--iters", "1", "--context", "8",
+                            "--record", str(record), "--tag", "_t"]) == 0
+    assert "EAGLE proposal, k = 1, 2 request(s) of 8-token context" in capsys.readouterr().out
+    assert json.loads(record.read_text().splitlines()[2])["figure"] == "eagle_proposal_ms_k1_r2_t"
 
 
 def test_a_prefix_cache_hit_leaves_a_gap_the_head_restarts_after(engine, head_dir):

@@ -204,6 +204,23 @@ def test_incremental_eagle3_drafts_equal_drafts_from_scratch(engine, head_dir):
         assert proposer.propose([DraftRequest("r", known, 3)])[0] == _reference_drafts(head, known, truth, 3)
 
 
+def test_one_eagle3_proposal_drafts_for_several_requests_as_for_each_alone(engine, head_dir):
+    head = load_head(head_dir, engine)
+    g = torch.Generator().manual_seed(6)
+    tokens = {r: torch.randint(0, head.embed.shape[0], (30,), generator=g).tolist() for r in "ab"}
+    truth = {r: torch.randn(30, head.input_width, generator=g) for r in "ab"}
+    proposer = EagleProposer(head, 64, max_seqs=3, max_draft_tokens=3)
+    known = {"a": 9, "b": 3}
+    for r, n in known.items():
+        proposer.record_hidden(r, 0, truth[r][:n - 1])
+    for grow in ({}, {"a": 2}, {"a": 1, "b": 3}):
+        for r, more in grow.items():
+            proposer.record_hidden(r, known[r] - 1, truth[r][known[r] - 1:known[r] - 1 + more])
+            known[r] += more
+        got = proposer.propose([DraftRequest(r, tokens[r][:known[r]], 3) for r in "ab"])
+        assert got == [_reference_drafts(head, tokens[r][:known[r]], truth[r], 3) for r in "ab"]
+
+
 def test_the_executor_hands_over_the_residual_streams_the_head_names(engine, head_dir):
     """With an EAGLE-3 head loaded, a forward leaves the streams entering target layers 1, 2 and 3 side by side:
     Hugging Face's ``hidden_states[j]`` of the bundled checkpoint (the input of layer j), in fp32."""
