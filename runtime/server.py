@@ -536,6 +536,10 @@ async def _encode_prompt(tokenizer: Tokenizer, text: str, add_special_tokens: bo
 
 
 def _message_dict(i: int, message: ChatMessage) -> dict[str, Any]:
+    if message.role == "tool" and not message.tool_call_id:
+        raise _invalid(f"messages[{i}].tool_call_id: a message of role tool answers one of the assistant's tool "
+                       f"calls; give that call's id (tool_calls[].id of the assistant message before it)",
+                       param=f"messages[{i}].tool_call_id", code="missing_required_parameter")
     content = message.content
     if isinstance(content, list):
         bad = [p.type for p in content if p.type != "text"]

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import BUNDLED, serve_app
 from runtime.engine_process import EngineProcess
-from runtime.server import ChatMessage, _chat_prompt_ids, create_app
+from runtime.server import APIError, ChatMessage, _chat_prompt_ids, create_app
 from runtime.serving import ServingConfig
 from runtime.tokenizer import Tokenizer
 from runtime.tool_calls import format_call, parse_tools
@@ -172,6 +172,11 @@ def test_a_conversation_with_tool_results_is_rendered_for_the_template():
     text = tok.decode(_chat_prompt_ids(messages, tok, parse_tools([ADD])), skip_special_tokens=False)
     assert text.startswith("<|system|>\nYou may call these functions") and '"name": "add"' in text
     assert format_call("add", '{"a": 2, "b": 3}') in text and "<|tool|>\n5<|end|>" in text
+    anonymous = messages[:2] + [ChatMessage.model_validate({"role": "tool", "content": "5"})]
+    with pytest.raises(APIError) as refused:  # the route answers 400 with this message (as OpenAI does)
+        _chat_prompt_ids(anonymous, tok, parse_tools([ADD]))
+    assert refused.value.status == 400 and refused.value.param == "messages[2].tool_call_id"
+    assert "a message of role tool answers one of the assistant's tool calls" in refused.value.message
 
 
 def test_auto_tool_choice_answers_text_or_valid_calls(server, client):
