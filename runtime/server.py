@@ -22,7 +22,9 @@ Policies:
   where a number belongs is an error, not converted.
 - Unknown request fields are ignored, as other OpenAI-compatible servers do, so clients that send newer
   OpenAI fields keep working. OpenAI fields this server knows but does not implement (completions' ``best_of``,
-  ``echo``, ``suffix``) are rejected with 400 naming the field when they ask for anything but the default.
+  ``suffix``, and ``echo`` together with ``logprobs``: the prompt's logprobs are not computed) are rejected with 400
+  naming the field when they ask for anything but the default. ``echo: true`` alone returns the prompt's text
+  before each choice's completion (streamed as the choice's first chunk).
 - vLLM's ``min_tokens`` (both routes): no EOS or ``stop_token_ids`` token before that many tokens (stop strings and
   a structured output's grammar still end a request), at most ``max_tokens``.
 - ``n`` (both routes, 1 to MAX_CHOICES = 16): n choices, each a request of its own in the engine (a seeded request's
@@ -249,7 +251,14 @@ class CompletionBody(_GenerationBody):
     suffix: str | None = None
 
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {**_GenerationBody.UNSUPPORTED, "best_of": (None, 1),
-                                               "echo": (None, False), "suffix": (None, "")}
+                                               "suffix": (None, "")}
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise _invalid("echo with logprobs is not supported by this server: it would need the prompt tokens' "
+                           "logprobs, which it does not compute (send echo or logprobs, not both)", param="echo",
+                           code="unsupported_parameter")
 
 
 class ContentPart(_Body):
@@ -785,6 +794,7 @@ class _Call:
     text_offset: int = 0  # completions logprobs: characters of text so far
     tools: ToolCallParser | None = None  # chat with tools: splits the text into content and tool calls
     index: int = 0  # the choice's index (a request asking for n choices has a _Call per choice)
+    echo: str = ""  # completions with echo: the prompt's text, before the completion's
     _text_event: tuple[str, str] | None = None  # text_event's frame around the text, made on first use
 
     def text_event(self, out: RequestOutput, done: bool) -> str | None:
@@ -830,7 +840,7 @@ class _Call:
                         "name": c.name, "arguments": c.arguments}} for c in self.tools.calls]
                     finish = "tool_calls" if finish == "stop" else finish
         else:
-            choice["text"] = text
+            choice["text"] = self.echo + text
         choice["logprobs"] = self.logprobs(entries)
         choice["finish_reason"] = finish
         return {**self.envelope(False), "choices": [choice], "usage": _usage(last)}
@@ -1038,7 +1048,8 @@ class _Handlers:
             fields["structured"] = await _checked_grammar(self.engine.grammars, *asked)
         params = _sampling_params(fields, body.max_tokens, body.logprobs, len(ids),
                                   self.max_seq_len, {}, self.sampling_defaults)
-        return await self._serve(request, False, ids, params, body, arrival)
+        echo = (prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)) if body.echo else ""
+        return await self._serve(request, False, ids, params, body, arrival, echo=echo)
 
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic()
@@ -1081,16 +1092,17 @@ class _Handlers:
 
     # --- one generation request ---
     async def _serve(self, http_request: Request, chat: bool, ids: list[int], params: SamplingParams,
-                     body: _GenerationBody, arrival: float, tool_calls: bool = False) -> Response:
+                     body: _GenerationBody, arrival: float, tool_calls: bool = False, echo: str = "") -> Response:
         """Submit the request (a refusal is decided here, so it is still a plain HTTP error); then answer
-        with the whole result, or start the stream at once. ``tool_calls``: the output may hold tool calls.
+        with the whole result, or start the stream at once. ``tool_calls``: the output may hold tool calls;
+        ``echo``: a completion's text starts with it (the prompt's, for echo: true).
         ``n`` choices are n requests in the engine (ids ``<id>-<i>``; seeded, choice i takes seed + i), answered
         as one response whose choices carry their index; a refusal of any of them refuses all."""
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         n = body.n or 1
         calls = [_Call(chat, response_id, int(time.time()), self.model_name, params.logprobs is not None,
                        body.include_usage, self.token_text, self.metrics.track(arrival),
-                       tools=ToolCallParser() if tool_calls else None, index=i) for i in range(n)]
+                       tools=ToolCallParser() if tool_calls else None, index=i, echo=echo) for i in range(n)]
         streams: list[RequestStream] = []
         try:
             for i in range(n):
@@ -1198,6 +1210,8 @@ class _Handlers:
         try:
             if call.chat:
                 yield _sse(call.chunk("", None, None, role=True))
+            elif call.echo:  # the prompt's text first (also the stream's first bytes)
+                yield _sse(call.chunk(call.echo, None, None))
             elif first_bytes:
                 yield SSE_KEEPALIVE
             self.keep_alive.watch(stream)

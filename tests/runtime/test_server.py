@@ -581,7 +581,7 @@ BAD_REQUESTS = [
     ("n 17", "/v1/chat/completions", {"messages": CHAT, "n": 17}, 400, "n"),
     ("n string", "/v1/completions", {"prompt": "x", "n": "2"}, 400, "n"),
     ("best_of 2", "/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ("echo", "/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("echo with logprobs", "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
     ("suffix", "/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("unknown model", "/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
@@ -637,6 +637,24 @@ def test_unknown_routes_methods_and_fields(server):
         r = client.post("/v1/completions", content=b'{"prompt": "def", "max_tokens": 2}',
                         headers={"Content-Type": "application/x-www-form-urlencoded"})
         assert r.status_code == 200
+    server.wait_idle()
+
+
+def test_echo_returns_the_prompt_before_each_completion(server, offline):
+    """completions echo: true: each choice's text is the prompt's, then its completion, whole and streamed (the
+    prompt's text as each choice's first chunk); a prompt of token ids echoes their text."""
+    prompt = "def fibonacci(n):"
+    ref = offline.generate(prompt, SamplingParams(max_tokens=6, ignore_eos=True)).text
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "echo": True}
+    with server.client() as client:
+        r = client.post("/v1/completions", json={**body, "n": 2})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == [prompt + ref] * 2
+        events, done = streamed(client, "/v1/completions", body)
+        assert done and events[0]["choices"][0]["text"] == prompt and joined_text(events, False) == prompt + ref
+        ids = offline.tokenizer.encode(prompt)
+        r = client.post("/v1/completions", json={**body, "prompt": ids})
+        assert r.json()["choices"][0]["text"] == offline.tokenizer.decode(ids) + ref
     server.wait_idle()
 
 
