@@ -13,7 +13,9 @@ layouts are read, as vLLM and SGLang load them:
   through the target's own compiled node, so a quantized or soft-capped one is read as the target reads it) unless
   the checkpoint has its own.
 - **EAGLE-3.** The target's residual streams entering a few of its layers (``eagle_aux_hidden_state_layer_ids``,
-  vLLM's indexing: layer j's input is layer j - 1's output, 0 the embeddings; default 2, L // 2, L - 3) side by side
+  vLLM's indexing: layer j's input is layer j - 1's output, 0 the embeddings; default 2, L // 2, L - 3; SGLang reads
+  explicit ids as layer outputs, one layer later, so a head whose config was written for it is read one layer early
+  here: its ids need 1 added) side by side
   go through fc to the head's width h; the first layer attends over cat(input_norm(embed(t_{i+1})),
   hidden_norm(h)) (q, k and v from 2h features) with h as its residual (``norm_before_residual``: hidden_norm(h)),
   later layers are Llama layers, and a final norm feeds the head's own lm_head over a draft vocabulary whose rows
@@ -186,7 +188,7 @@ def _inv_freq(cfg: dict, head_dim: int, where: str) -> tuple[float, ...]:
 
 
 class EagleHead:
-    """The head's weights and its forward over new pairs of one request slot (see the module docstring)."""
+    """The head's weights and its forward over new pairs of one or several requests' slots (module docstring)."""
 
     def __init__(self, config: EagleConfig, weights: dict[str, torch.Tensor], embed: torch.Tensor,
                  lm_head, dtype: torch.dtype, device: torch.device, draft_ids: torch.Tensor | None = None) -> None:
@@ -236,7 +238,7 @@ class EagleHead:
     def forward(self, cache: _SlotCache, slot: torch.Tensor, token_ids: torch.Tensor, hidden: torch.Tensor,
                 first: torch.Tensor, start: torch.Tensor, fresh: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed pairs (hidden[j], token_ids[j]) of one request at positions first + j: ``forward_batch`` over one
-        request (``first`` and ``start`` one-element device tensors); outputs [n, h]."""
+        request (``first`` and ``start`` one-element device tensors); its two outputs, [n, h] each."""
         positions = first + torch.arange(token_ids.shape[0], device=self.device)
         out, stream = self.forward_batch(cache, slot, token_ids[None], hidden[None], positions[None], start, fresh)
         return out[0], stream[0]
@@ -618,8 +620,10 @@ def read_head(path: str | Path, hidden_size: int, vocab_size: int, num_layers: i
                                    f"{config.num_layers} layer(s))")
     for name, shape in shapes.items():
         if tuple(weights[name].shape) != shape:
+            hint = (" (an EAGLE-3 head over a draft vocabulary names its size in draft_vocab_size)"
+                    if version == 3 and name == "lm_head.weight" else "")
             raise EagleCheckpointError(f"{where}: {name} is {list(weights[name].shape)}, expected {list(shape)} "
-                                       f"from config.json and the target")
+                                       f"from config.json and the target{hint}")
         if name in ("d2t", "t2d"):
             continue
         if not weights[name].is_floating_point() or not torch.isfinite(weights[name]).all():

@@ -994,7 +994,7 @@ class Executor:
     def keep_hidden_states(self, names: list[str]) -> None:
         """Keep ``names`` (values of the graph, each [num_tokens, hidden]) through every step and leave them in
         ``hidden``, side by side in that order, where ``keep_hidden`` is set; before any CUDA graph is captured."""
-        produced = {o for node in self.graph["nodes"] for o in node["outputs"]} | {"input_ids"}
+        produced = {o for node in self.graph["nodes"] for o in node["outputs"]}
         unknown = [n for n in names if n not in produced]
         if not names or unknown:
             raise ValueError(f"no values {unknown or names} in this graph to keep as hidden states")
@@ -1018,14 +1018,16 @@ class Executor:
             at = producer.get(self.hidden_name)
         else:
             at = attentions[layer]
-            for _ in range(4):  # attention <- rope <- q/k/v linear <- norm
+            for _ in range(6):  # attention <- rope <- a per-head q norm (Qwen3) <- q/k/v linear <- the layer's norm
                 at = producer.get(nodes[at]["inputs"][0]) if at is not None else None
-                if at is None or nodes[at]["op"] in ("rms_norm", "fused_add_rms_norm"):
+                if at is None or (nodes[at]["op"] in ("rms_norm", "fused_add_rms_norm")
+                                  and not nodes[at].get("attrs", {}).get("head_dim")):
                     break
         node = nodes[at] if at is not None else None
         if node is not None and node["op"] == "fused_add_rms_norm" and len(node["outputs"]) == 2:
             return node["outputs"][1]
-        if node is not None and node["op"] == "rms_norm" and layer == 0:
+        embedding = producer.get(node["inputs"][0]) if node is not None and node["op"] == "rms_norm" else None
+        if layer == 0 and embedding is not None and nodes[embedding]["op"] == "embedding":
             return node["inputs"][0]  # the embeddings, which the first norm reads as they are
         raise ValueError(f"the residual stream entering layer {layer} is not a residual-add + RMSNorm's sum in this "
                          f"graph (EAGLE-3 heads read pre-norm Llama-style blocks)")

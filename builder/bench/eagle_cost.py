@@ -13,7 +13,10 @@ target checkpoint's ``--config``) is written to a temporary directory: the cost 
 acceptance. ``--eagle3``: a random EAGLE-3 head instead (the target's streams at its default layers 2, L // 2,
 L - 3, or 1, L // 2, L for a target too small for three of those, through fc, an lm_head over ``--draft-vocab``
 tokens, as the published Llama-3.1-8B heads have 32,000). ``--requests N``: N requests of that context draft
-together, one proposal over all of them.
+together, one proposal over all of them. The head's cache holds ``--max-seq-len`` positions a request (default:
+the artifact's max_seq_len, as the serving engine sizes it); a head step attends over all of them (masked), so its
+cost grows with that length, not with the context (sessions 56 and 57 measured at the context + k + 8 positions, a
+best case).
 Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms), eagle3_proposal_ms_k{K}{tag} with ``--eagle3``; with N
 requests, ..._k{K}_r{N}{tag}.
 """
@@ -44,7 +47,11 @@ def random_head(out: Path, cfg: dict, layers: int, seed: int = 0, eagle3: bool =
     def rnd(*shape):
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
-    w = {"fc.weight": rnd(h, (3 if eagle3 else 2) * h)}
+    n = cfg["num_hidden_layers"]
+    layers_read = sorted({2, n // 2, n - 3})  # an EAGLE-3 head's target layers (vLLM's default)
+    if len(layers_read) < 3 or layers_read[0] < 1:  # a small target: layers of its own, as many as it has
+        layers_read = sorted({min(1, n), max(1, n // 2), n})
+    w = {"fc.weight": rnd(h, (len(layers_read) if eagle3 else 2) * h)}
     for i in range(layers):
         p = f"layers.{i}."
         a = 2 * h if eagle3 and i == 0 else h  # an EAGLE-3 head's first layer attends over embedding and state
@@ -63,10 +70,6 @@ def random_head(out: Path, cfg: dict, layers: int, seed: int = 0, eagle3: bool =
         ids = torch.randperm(vocab, generator=g)[:draft_vocab].sort().values
         w.update({"layers.0.hidden_norm.weight": rnd(h) + 1, "norm.weight": rnd(h) + 1,
                   "lm_head.weight": rnd(draft_vocab, h), "d2t": ids - torch.arange(draft_vocab)})
-        n = cfg["num_hidden_layers"]
-        layers_read = sorted({2, n // 2, n - 3})
-        if len(layers_read) < 3 or layers_read[0] < 1:  # a small target: three layers of its own
-            layers_read = [1, max(2, n // 2), n]
         config.update({"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab,
                        "target_hidden_size": h, "vocab_size": vocab, "eagle_aux_hidden_state_layer_ids": layers_read})
     out.mkdir(parents=True, exist_ok=True)
@@ -91,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-draft", type=int, nargs="+", default=[4])
     p.add_argument("--requests", type=int, nargs="+", default=[1], help="requests drafting together")
     p.add_argument("--context", type=int, default=128)
+    p.add_argument("--max-seq-len", type=int, default=None,
+                   help="the head cache's positions a request (default: the artifact's max_seq_len, as served)")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", default="cuda")
     p.add_argument("--record")
@@ -107,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
         figures = []
         for k in args.num_draft:
             for num in args.requests:
-                proposer = EagleProposer.load(head, engine, max_seq_len=args.context + k + 8, max_seqs=num,
-                                              max_draft_tokens=k)
+                cap = args.max_seq_len or engine.limits.max_seq_len
+                if cap < args.context + k + 2:
+                    p.error(f"--max-seq-len {cap} leaves no room for a {args.context}-token context and {k} drafts")
+                proposer = EagleProposer.load(head, engine, max_seq_len=cap, max_seqs=num, max_draft_tokens=k)
                 requests = []
                 for i in range(num):
                     hidden = torch.randn(args.context, proposer.head.input_width, device=engine.device,
@@ -126,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                     times.append((time.perf_counter() - t0) * 1000)
                 ms = statistics.median(times)
                 kind = "EAGLE-3" if proposer.head.config.version == 3 else "EAGLE"
-                print(f"{kind} proposal, k = {k}, {num} request(s) of {args.context}-token context, head "
-                      f"{head if args.head else 'random'}: {ms:.3f} ms (median of {args.iters})")
+                print(f"{kind} proposal, k = {k}, {num} request(s) of {args.context}-token context, {cap}-position "
+                      f"head cache, head {head if args.head else 'random'}: {ms:.3f} ms (median of {args.iters})")
                 prefix = "eagle3" if proposer.head.config.version == 3 else "eagle"
                 figures.append((f"{prefix}_proposal_ms_k{k}{'' if num == 1 else f'_r{num}'}{args.tag}", ms, "ms"))
                 proposer.close()

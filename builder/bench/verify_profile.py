@@ -5,8 +5,9 @@
 
 For each K (0: plain decoding), one request of ``--input-len`` random tokens decodes ``--output-len`` tokens greedily
 with K drafts a step that the target rejects (the request's last token repeated: a verify step of fixed size, as
-``builder.bench.speculative --verify-cost`` measures its cost). Printed per step, over the steady steps: the wall
-time between two steps' tokens (median); the host time of each stage of ``ServingEngine``, waits for the device
+``builder.bench.speculative --verify-cost`` measures its cost). Printed per step, over the steady steps (from the
+fifth token to the one before the last; the prompt's step and the first ones left out): the wall time between two
+steps' tokens (median); the mean host time of each stage of ``ServingEngine``, waits for the device
 included (proposal, scheduling, the launch with its packing and input copies, the verification, which waits for the
 step and holds the sampling and the recording, timed again on their own); and the GPU's kernel time (a second run of
 the request under ``torch.profiler``, CUDA activity only: the sum of kernel durations, and the busy time, their
@@ -73,25 +74,42 @@ def profile(path: str, device: str, k: int, prompt: list[int], output_len: int, 
     engine.add_request(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))  # warm up
     while engine.has_unfinished:
         engine.step()
-    # pass 1: the host's stages timed, no profiler (its tracing of every op would slow the host down)
+    # pass 1: the host's stages timed, no profiler (its tracing of every op would slow the host down); each stage's
+    # time summed at every step that produced tokens, so that the steady steps' share can be taken apart
     totals = _instrument(engine)
-    ends = []
+    ends, marks = [], []
     engine.add_request(prompt, params)
     while engine.has_unfinished:
         if engine.step():
             ends.append(time.perf_counter())
+            marks.append({name: sum(v) for name, v in totals.items()})
     steps = max(len(ends), 1)
     gaps = [b - a for a, b in zip(ends, ends[1:])][3:-1]
-    host = {name: 1e3 * sum(v) / steps for name, v in totals.items()}  # (the timers run on in pass 2)
-    # pass 2: the same request under the profiler, for the GPU's kernels only
+    steady = max(len(gaps), 1)  # the steps between token 4 and the last (the prompt's and the first ones left out)
+    first, last = (marks[3], marks[-2]) if len(marks) > 4 else ({}, marks[-1] if marks else {})
+    host = {name: 1e3 * (last.get(name, 0.0) - first.get(name, 0.0)) / steady for name in last}
+    # pass 2: the same request under the profiler (CUDA activity only), over the same steady steps
     cuda = torch.device(device).type == "cuda"
-    kernels = []
+    kernels, profiled = [], 0
     if cuda:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            engine.add_request(prompt, params)
-            while engine.has_unfinished:
-                engine.step()
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+        engine.add_request(prompt, params)
+        produced, on = 0, False
+        while engine.has_unfinished:
+            if not on and produced == 4 and produced < len(ends) - 1:
+                prof.start()
+                on = True
+            if engine.step():
+                produced += 1
+                profiled += on
+                if on and produced == len(ends) - 1:
+                    torch.cuda.synchronize()
+                    prof.stop()
+                    on = False
+        if on:
+            prof.stop()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA] if profiled else []
+    per_step = max(profiled, 1)
     by_name: dict[str, float] = defaultdict(float)
     for e in kernels:
         by_name[e.name] += e.device_time_total
@@ -99,10 +117,10 @@ def profile(path: str, device: str, k: int, prompt: list[int], output_len: int, 
         "k": k, "steps": steps,
         "wall_ms": 1e3 * statistics.median(gaps) if gaps else float("nan"),
         "host_ms": host,
-        "kernel_ms": sum(by_name.values()) / 1e3 / steps,
-        "busy_ms": _busy([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / steps,
-        "kernels_per_step": len(kernels) / steps,
-        "top": sorted(((v / 1e3 / steps, n) for n, v in by_name.items()), reverse=True)[:top],
+        "kernel_ms": sum(by_name.values()) / 1e3 / per_step,
+        "busy_ms": _busy([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / per_step,
+        "kernels_per_step": len(kernels) / per_step,
+        "top": sorted(((v / 1e3 / per_step, n) for n, v in by_name.items()), reverse=True)[:top],
     }
     _close(engine)
     return out

@@ -365,8 +365,9 @@ def test_the_proposal_cost_bench_runs_a_random_head_shaped_like_the_target(bundl
 
     record = tmp_path / "figures.jsonl"
     assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",
-                            "--num-draft", "2", "--iters", "2", "--context", "16", "--record", str(record)]) == 0
-    assert "EAGLE proposal, k = 2, 1 request(s) of 16-token context, head random" in capsys.readouterr().out
+                            "--num-draft", "2", "--iters", "2", "--context", "16", "--max-seq-len", "64",
+                            "--record", str(record)]) == 0
+    assert "EAGLE proposal, k = 2, 1 request(s) of 16-token context, 64-position head cache" in capsys.readouterr().out
     line = json.loads(record.read_text().splitlines()[0])
     assert line["figure"] == "eagle_proposal_ms_k2" and line["value"] > 0
     assert eagle_cost.main([str(bundled_artifact), "--config", str(BUNDLED / "config.json"), "--device", "cpu",

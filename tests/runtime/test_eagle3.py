@@ -429,3 +429,27 @@ def test_a_speculators_format_head_reads_as_the_flat_layout(engine, tmp_path):
     (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle3"}))
     with pytest.raises(EagleCheckpointError, match="needs transformer_layer_config"):
         load_head(spec, engine)
+
+
+def test_residual_streams_of_a_qwen3_target_pass_its_per_head_norms(checkpoints, tmp_path):
+    """Qwen3's q / k norms (one per head) sit between a layer's norm and its attention: the stream entering each layer
+    is still found, and equals Hugging Face's hidden_states[j] (0: the embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import build_artifact
+    from runtime.executor import SeqSlice, StepInput
+    from runtime.kv_cache import SequenceKV
+
+    engine = Engine.load(build_artifact(checkpoints["qwen3"], tmp_path / "art"))
+    ex = engine.executor
+    layers = [0, 1, ex.num_layers - 1]
+    ex.keep_hidden_states([ex.residual_stream(j) for j in layers])
+    ex.keep_hidden = True
+    tokens = list(range(3, 20))
+    kv = SequenceKV(engine.kv_layout, len(tokens), engine.device)
+    ex.forward(StepInput(torch.tensor(tokens), torch.arange(len(tokens)), [SeqSlice(kv, 0, len(tokens))], None))
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints["qwen3"], dtype=torch.float32)
+    with torch.no_grad():
+        states = hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(ex.hidden.float(), torch.cat([states[j][0] for j in layers], dim=-1),
+                               atol=1e-4, rtol=1e-4)
