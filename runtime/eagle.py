@@ -48,7 +48,9 @@ prefix-cache hit; steps run at a load past the policy's ``max_running``) leave a
 after it: the drafts lose that context, never exactness (the target verifies every draft, greedy drafts: one-hot).
 
 The head's steps are torch ops over the requests drafting in a step at once (at most ``max_running``; each its own
-slot of the head's cache), reading their slots, positions and cache starts from device tensors; on CUDA a proposal
+slot of the head's cache), reading their slots, positions and cache starts from device tensors; a position attends
+to at most ``RUNTIME_EAGLE_WINDOW`` (``DEFAULT_WINDOW``, 2,048) positions up to its own, so a step's cost follows that
+window, not the slot's ``max_seq_len``; on CUDA a proposal
 is one CUDA-graph replay (``EagleProposer``: a graph per number of pairs fed for one request, and per number of
 requests for several), its drafts left on the device. Measured in docs/BENCHMARKS.md (sessions 56, 57): on the
 bundled model the heads are accepted at 0.74-0.78 but a proposal (head steps of a few dozen small kernels each)
@@ -70,11 +72,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from runtime.env import env_number
 from runtime.speculative import DraftRequest, PendingDrafts, Proposer, SpeculativeConfigError
 
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+# the positions a head step attends to, up to its own (RUNTIME_EAGLE_WINDOW): its cost follows this, not the
+# request cache's max_seq_len; longer contexts lose their oldest positions to the drafts, never exactness
+DEFAULT_WINDOW = 2048
 PICKLED_FILES = ("pytorch_model.bin", "model.bin", "model.pt", "pytorch_model.pt")
 
 
@@ -263,15 +269,20 @@ class EagleHead:
         cfg, w = self.config, self.w
         (num, n), cap = token_ids.shape, cache.capacity
         cos, sin = (t.index_select(0, positions.reshape(-1)).view(num, n, 1, -1) for t in self._tables)
-        key_pos = cache.positions[None, None, :]
-        mask = (key_pos <= positions[:, :, None]) & (key_pos >= starts[:, None, None])  # [R, n, cap]
-        rows = (slots[:, None] * cap + positions).reshape(-1)  # the slots' rows of the flat cache
+        # the keys a step reads: the window before its first pair's position, through its last (the pairs of a row
+        # are in ascending order), each query masked to its own window and causally, and to the row's cache start
+        win = cache.window
+        key_pos = positions[:, :1] - (win - 1) + torch.arange(win + n - 1, device=self.device)  # [R, span]
+        mask = ((key_pos[:, None, :] <= positions[:, :, None]) & (key_pos[:, None, :] > positions[:, :, None] - win)
+                & (key_pos[:, None, :] >= starts[:, None, None]) & (key_pos[:, None, :] >= 0))  # [R, n, span]
+        keys_at = (slots[:, None] * cap + key_pos.clamp(0, cap - 1)).reshape(-1)  # their rows of the flat cache
+        rows = (slots[:, None] * cap + positions).reshape(-1)  # the slots' rows the new pairs write
         embeds = F.embedding(token_ids, self.embed).to(self.dtype)
         if cfg.version == 1:
             x = F.linear(torch.cat([embeds, hidden.to(self.dtype)], dim=-1), w["fc.weight"], w.get("fc.bias"))
             for i in range(cfg.num_layers):
                 h = x if i == 0 else self._norm(x, w[f"layers.{i}.input_layernorm.weight"])
-                x = x + self._attend(i, h, cache, slots, rows, cos, sin, mask)
+                x = x + self._attend(i, h, cache, keys_at, rows, cos, sin, mask)
                 x = x + self._mlp(i, self._norm(x, w[f"layers.{i}.post_attention_layernorm.weight"]))
             return x, x
         h = F.linear(hidden.to(self.dtype), w["fc.weight"], w.get("fc.bias")) if fresh else hidden.to(self.dtype)
@@ -285,16 +296,17 @@ class EagleHead:
             else:
                 residual = x + residual
                 a = self._norm(residual, w[p + "input_layernorm.weight"])
-            residual = residual + self._attend(i, a, cache, slots, rows, cos, sin, mask)
+            residual = residual + self._attend(i, a, cache, keys_at, rows, cos, sin, mask)
             x = self._mlp(i, self._norm(residual, w[p + "post_attention_layernorm.weight"]))
         stream = x + residual
         return self._norm(stream, w["norm.weight"]), stream
 
-    def _attend(self, i: int, h: torch.Tensor, cache: _SlotCache, slots: torch.Tensor, rows: torch.Tensor,
+    def _attend(self, i: int, h: torch.Tensor, cache: _SlotCache, keys_at: torch.Tensor, rows: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Layer i's attention block over its input h [R, n, in]: q/k/v, rotary, the new keys and values written to
-        the slots' rows, attention over each request's slot of the cache, the output projection."""
-        cfg, w, cap = self.config, self.w, cache.capacity
+        the slots' rows, attention over the cache rows ``keys_at`` (each request's window, ``forward_batch``), the
+        output projection."""
+        cfg, w = self.config, self.w
         num, n = h.shape[:2]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         p = f"layers.{i}."
@@ -303,8 +315,9 @@ class EagleHead:
         q, k, v = qk[:, :, :hq], qk[:, :, hq:], qkv[:, :, hq + hkv:]
         cache.k[i].index_copy_(0, rows, k.reshape(num * n, hkv, d))
         cache.v[i].index_copy_(0, rows, v.reshape(num * n, hkv, d))
-        keys = cache.k[i].view(-1, cap, hkv, d).index_select(0, slots)  # [R, cap, kv heads, d]
-        values = cache.v[i].view(-1, cap, hkv, d).index_select(0, slots)
+        span = keys_at.numel() // num
+        keys = cache.k[i].index_select(0, keys_at).view(num, span, hkv, d)  # [R, span, kv heads, d]
+        values = cache.v[i].index_select(0, keys_at).view(num, span, hkv, d)
         attn = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
                                               attn_mask=mask[:, None], enable_gqa=hq != hkv)  # [R, heads, n, d]
         return F.linear(attn.transpose(1, 2).reshape(num, n, hq * d), w[p + "self_attn.o_proj.weight"])
@@ -319,9 +332,11 @@ class _SlotCache:
     request slot i owning rows [i * capacity, (i + 1) * capacity) by position."""
 
     def __init__(self, config: EagleConfig, slots: int, capacity: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, window: int | None = None) -> None:
         self.capacity = capacity
-        self.positions = torch.arange(capacity, device=device)  # of a slot's rows (the attention's causal mask)
+        # a query attends to the keys of at most this many positions up to its own (a head step's cost follows the
+        # window, not the slot's capacity; past it the drafts lose context, never exactness)
+        self.window = min(capacity, window or capacity)
         shape = (slots * capacity, config.num_kv_heads, config.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
@@ -379,7 +394,7 @@ class EagleProposer(Proposer):
     needs_hidden = True  # the serving engine records the target's hidden states (record_hidden)
 
     def __init__(self, head: EagleHead, max_seq_len: int, max_seqs: int = 8, max_draft_tokens: int = 4,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, window: int | None = None) -> None:
         if max_seqs < 1:
             raise SpeculativeConfigError(f"an EAGLE head needs room for at least one request, got {max_seqs}")
         if max_draft_tokens < 1:
@@ -390,7 +405,10 @@ class EagleProposer(Proposer):
         self._seqs: OrderedDict[str, _EagleSeq] = OrderedDict()  # least recently used first
         self._free = list(range(max_seqs - 1, -1, -1))  # request slots; pop() takes the lowest
         head.rope_tables(max_seq_len)
-        self.cache = _SlotCache(head.config, max_seqs, max_seq_len, head.dtype, head.device)
+        window = window or env_number("RUNTIME_EAGLE_WINDOW", DEFAULT_WINDOW, error=SpeculativeConfigError)
+        if window < 1:
+            raise SpeculativeConfigError(f"an EAGLE head's attention window must be at least 1 position, got {window}")
+        self.cache = _SlotCache(head.config, max_seqs, max_seq_len, head.dtype, head.device, window)
         dev = head.device
         # a proposal's static inputs, a row per request: [slot, cache start, ids of the pairs fed..., their
         # positions...], their hidden states; and the drafts it leaves

@@ -14,9 +14,9 @@ acceptance. ``--eagle3``: a random EAGLE-3 head instead (the target's streams at
 L - 3, or 1, L // 2, L for a target too small for three of those, through fc, an lm_head over ``--draft-vocab``
 tokens, as the published Llama-3.1-8B heads have 32,000). ``--requests N``: N requests of that context draft
 together, one proposal over all of them. The head's cache holds ``--max-seq-len`` positions a request (default:
-the artifact's max_seq_len, as the serving engine sizes it); a head step attends over all of them (masked), so its
-cost grows with that length, not with the context (sessions 56 and 57 measured at the context + k + 8 positions, a
-best case).
+the artifact's max_seq_len, as the serving engine sizes it); a head step attends over at most
+``RUNTIME_EAGLE_WINDOW`` of them (2,048 by default; sessions 56 and 57 measured a slot of the context + k + 8
+positions, over all of which the head attended then).
 Figures (``--record``): eagle_proposal_ms_k{K}{tag} (ms), eagle3_proposal_ms_k{K}{tag} with ``--eagle3``; with N
 requests, ..._k{K}_r{N}{tag}.
 """

@@ -70,9 +70,10 @@ def head_dir(engine, tmp_path_factory) -> Path:
     return write_head(tmp_path_factory.mktemp("eagle") / "head", hidden, layers=2)
 
 
-def _reference_outputs(head, token_ids: list[int], hidden: torch.Tensor) -> torch.Tensor:
+def _reference_outputs(head, token_ids: list[int], hidden: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """The head over pairs (hidden[i], token_ids[i]) at positions 0..n-1 from scratch, by transformers' Llama
-    decoder layers (the first without its input norm) and rotary embedding."""
+    decoder layers (the first without its input norm) and rotary embedding; ``window``: each position attends to at
+    most that many positions up to its own."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -86,7 +87,10 @@ def _reference_outputs(head, token_ids: list[int], hidden: torch.Tensor) -> torc
     x = torch.nn.functional.linear(x, head.w["fc.weight"].float(), head.w["fc.bias"].float())[None]
     positions = torch.arange(n)[None]
     emb = LlamaRotaryEmbedding(config)(x, positions)
-    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    mask = torch.full((n, n), float("-inf")).triu(1)
+    if window is not None:
+        mask = mask + torch.full((n, n), float("-inf")).tril(-window)
+    mask = mask[None, None]
     for i in range(cfg.num_layers):
         layer = LlamaDecoderLayer(config, i)
         state = {k[len(f"layers.{i}."):]: v.float() for k, v in head.w.items() if k.startswith(f"layers.{i}.")}
@@ -103,12 +107,12 @@ def _reference_outputs(head, token_ids: list[int], hidden: torch.Tensor) -> torc
     return x[0]
 
 
-def _reference_drafts(head, tokens: list[int], hidden: torch.Tensor, k: int) -> list[int]:
+def _reference_drafts(head, tokens: list[int], hidden: torch.Tensor, k: int, window: int | None = None) -> list[int]:
     """Drafts from scratch: the head over every known pair, then k - 1 chain steps, each recomputed whole."""
     ids, feats = list(tokens[1:]), hidden[:len(tokens) - 1]
     drafts = []
     for _ in range(k):
-        out = _reference_outputs(head, ids, feats)
+        out = _reference_outputs(head, ids, feats, window)
         token = int(torch.argmax(head.lm_head(out[-1:].to(head.dtype)), dim=-1)[0])
         drafts.append(token)
         ids, feats = ids + [token], torch.cat([feats, out[-1:]])
@@ -197,6 +201,34 @@ def test_one_proposal_drafts_for_several_requests_as_for_each_alone(engine, head
     want = [_reference_drafts(head, tokens[r][:known[r]], truth[r], 2) for r in "ac"]
     want.insert(1, _reference_drafts(head, tokens["b"][20:23], truth["b"][20:], 2))
     assert proposer.propose(requests) == want
+
+
+def test_a_head_step_attends_within_its_window(engine, head_dir, monkeypatch):
+    """RUNTIME_EAGLE_WINDOW: each position attends to at most that many positions up to its own, whatever the slot's
+    capacity (a step's cost follows the window); drafts equal a from-scratch reference with that sliding window, for
+    one request and for several at once, and differ from the unwindowed ones on this context."""
+    head = load_head(head_dir, engine)
+    g = torch.Generator().manual_seed(7)
+    vocab, h = head.embed.shape[0], head.config.hidden_size
+    tokens = {r: torch.randint(0, vocab, (40,), generator=g).tolist() for r in "ab"}
+    truth = {r: torch.randn(40, h, generator=g) for r in "ab"}
+    monkeypatch.setenv("RUNTIME_EAGLE_WINDOW", "5")
+    proposer = EagleProposer(head, 64, max_seqs=2, max_draft_tokens=3)
+    assert proposer.cache.window == 5
+    known = {"a": 21, "b": 14}
+    for r, n in known.items():
+        proposer.record_hidden(r, 0, truth[r][:n - 1])
+    assert proposer.propose([DraftRequest("a", tokens["a"][:21], 3)]) == [
+        _reference_drafts(head, tokens["a"][:21], truth["a"], 3, window=5)]
+    proposer.record_hidden("a", 20, truth["a"][20:22])
+    known["a"] = 23
+    both = proposer.propose([DraftRequest(r, tokens[r][:known[r]], 3) for r in "ab"])
+    assert both == [_reference_drafts(head, tokens[r][:known[r]], truth[r], 3, window=5) for r in "ab"]
+    wide = [_reference_drafts(head, tokens[r][:known[r]], truth[r], 3) for r in "ab"]
+    assert both != wide  # the window changed what the head saw
+    monkeypatch.setenv("RUNTIME_EAGLE_WINDOW", "x")
+    with pytest.raises(SpeculativeConfigError, match="RUNTIME_EAGLE_WINDOW='x' is not a whole number"):
+        EagleProposer(head, 64)
 
 
 def test_bad_checkpoints_are_refused_with_what_is_wrong(engine, head_dir, tmp_path):
