@@ -369,6 +369,13 @@ def test_head_version_reads_the_layout_without_loading(engine, head_dir, tmp_pat
         head_version(tmp_path / "missing")
 
 
+def _fed_once(head, ids: torch.Tensor, streams: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's outputs over target pairs at positions 0.. in a fresh proposer's cache of ``capacity`` positions."""
+    proposer = EagleProposer(head, capacity, max_seqs=1)
+    slot, zero = torch.tensor([proposer._seq("r").slot]), torch.tensor([0])
+    return head.forward(proposer.cache, slot, ids, streams, zero, zero)
+
+
 def test_norm_before_residual_heads_take_the_normed_state_as_residual(engine, tmp_path):
     """``norm_before_residual``: the first layer's residual is hidden_norm(h) (the reference reads the flag too), which
     changes the outputs against the same weights without it."""
@@ -381,9 +388,7 @@ def test_norm_before_residual_heads_take_the_normed_state_as_residual(engine, tm
     streams = torch.randn(6, before.input_width, generator=g)
     outs = []
     for head in (before, after):
-        proposer = EagleProposer(head, 32, max_seqs=1)
-        slot, zero = torch.tensor([proposer._seq("r").slot]), torch.tensor([0])
-        out, stream = head.forward(proposer.cache, slot, ids, streams, zero, zero)
+        out, stream = _fed_once(head, ids, streams, 32)
         ref_out, ref_stream = _reference(head, ids.tolist(), streams, fresh=6)
         torch.testing.assert_close(out.float(), ref_out, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(stream.float(), ref_stream, atol=2e-5, rtol=1e-4)
@@ -416,11 +421,7 @@ def test_a_speculators_format_head_reads_as_the_flat_layout(engine, tmp_path):
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(0, vocab, (5,), generator=g)
     streams = torch.randn(5, a.input_width, generator=g)
-    outs = []
-    for head in (a, b):
-        proposer = EagleProposer(head, 16, max_seqs=1)
-        slot, zero = torch.tensor([proposer._seq("r").slot]), torch.tensor([0])
-        outs.append(head.forward(proposer.cache, slot, ids, streams, zero, zero)[0])
+    outs = [_fed_once(head, ids, streams, 16)[0] for head in (a, b)]
     torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
     (spec / "config.json").write_text(json.dumps({"speculators_model_type": "eagle",
                                                   "transformer_layer_config": layer}))
