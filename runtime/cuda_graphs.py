@@ -23,7 +23,8 @@ tile reads them; sequences S..bucket-1 have no new tokens (cu_seqlens_q stays at
 tiles exit at once; the logits rows past the step's sampling rows read row 0 and are dropped. Steps larger
 than the largest buckets run eagerly. A speculative verify step (decodes fed their draft tokens too: k + 1 new
 tokens and k + 1 logits rows each, runtime.speculative) replays them as well, in a sequence bucket that holds
-its logits rows.
+its logits rows, unless its rows fit the verify-step decode graphs (``DecodeGraphs(chained=True)``: each token a
+row of its own, at consecutive positions of its request; ``verify_decode_buckets``).
 
 NOTE: nothing in the captured step may synchronise with the host or allocate from Python values; the
 executor's kernel path and ``kernels.paged_attention`` are written for that (grid sizes from shapes).
@@ -130,22 +131,30 @@ class StagedInputs:
 
 
 class DecodeGraphs:
-    """CUDA graphs of the decode step for every bucket up to ``max_num_seqs``."""
+    """CUDA graphs of the decode step for every bucket up to ``max_num_seqs``.
+
+    ``chained=True``: the graphs of a speculative verify step laid out as decodes (``ServingEngine._run``): a
+    request's last token and its k drafts are k + 1 rows at consecutive positions over the same block table, row j
+    attending to the cache up to its own position, so the drafts are scored by the decode step's kernels (GEMV-class
+    linears, the decode attention) instead of a prompt's. The K/V are then written before the attention reads them
+    (``PagedAttentionMetadata.chained``). ``capture=False`` runs the same padded step eagerly (tests on the CPU)."""
 
     def __init__(self, executor: Executor, storage: PagedKVStorage, max_num_seqs: int, max_seq_len: int,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS, capture_error_mode: str = "global",
-                 logits: bool = True) -> None:
+                 logits: bool = True, chained: bool = False, capture: bool = True) -> None:
         self.executor = executor
         self.capture_error_mode = capture_error_mode
         self.logits = logits  # False: no logits rows (a tensor-parallel worker's replicated lm_head is not run)
+        self.chained = chained
         device = storage.device
+        pin = device.type == "cuda"
         self.buckets = sorted({b for b in buckets if b < max_num_seqs} | {max_num_seqs})
         top = self.buckets[-1]
         self.max_blocks = -(-max_seq_len // storage.block_size)
         # static inputs: sized for the largest bucket; each graph reads a prefix. [positions, slots, ids] and
         # [seq_lens, context_lens] in one buffer, staged in two pinned sets used in turn (see run)
         self._inputs = StagedInputs({"longs": (torch.long, (3, top)), "ints": (torch.int32, (2, top))}, device,
-                                    pin=True)
+                                    pin=pin)
         longs, ints = self._inputs.device["longs"], self._inputs.device["ints"]
         self.positions, self.slot_mapping, self.input_ids = longs[0], longs[1], longs[2]
         self.seq_lens, self.context_lens = ints[0], ints[1]
@@ -155,24 +164,26 @@ class DecodeGraphs:
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(top, dtype=torch.long, device=device)
         self.storage = storage
-        self._tables = [TableStaging(top, self.max_blocks, pin=True) for _ in range(2)]
+        self._tables = [TableStaging(top, self.max_blocks, pin=pin) for _ in range(2)]
         self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # per bucket, the graph's final hidden states (where the executor keeps them: an EAGLE head reads them);
         # ``hidden`` after ``run``: those of the step just replayed, valid until the next replay
         self._hidden: dict[int, torch.Tensor] = {}
         self.hidden: torch.Tensor | None = None
+        if not capture:
+            return
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
             self._graphs[b] = self._capture(b, pool)
-        log.info("captured decode CUDA graphs for batch sizes %s in %.1fs", self.buckets,
-                 time.perf_counter() - start)
+        log.info("captured %s CUDA graphs for batch sizes %s in %.1fs",
+                 "verify-step (chained decode)" if chained else "decode", self.buckets, time.perf_counter() - start)
 
     def _step_input(self, b: int) -> StepInput:
         md = PagedAttentionMetadata(self.storage.k, self.storage.v, self.slot_mapping[:b], self.block_tables[:b],
                                     self.seq_lens[:b], self.context_lens[:b], self.cu_seqlens_q[:b + 1],
-                                    decode_only=True)
+                                    decode_only=True, chained=self.chained)
         return StepInput(self.input_ids[:b], self.positions[:b], [], self.rows[:b if self.logits else 0], paged=md)
 
     def _capture(self, b: int, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -227,7 +238,12 @@ class DecodeGraphs:
         # kernel)
         tables = self._tables[turn].fill(tables, b)
         if tables.shape[1]:
-            self.block_tables[:b, :tables.shape[1]].copy_(tables, non_blocking=True)
+            self.block_tables[:b, :tables.shape[1]].copy_(tables, non_blocking=self._inputs.pin)
+        if b not in self._graphs:  # not captured (capture=False): the same padded step, eagerly
+            logits = self.executor.forward(self._step_input(b))
+            if self.executor.keep_hidden:
+                self.hidden = self.executor.hidden[:n]
+            return logits[:n]
         graph, logits = self._graphs[b]
         graph.replay()
         if b in self._hidden:
@@ -255,6 +271,28 @@ def verify_buckets() -> tuple[int, ...]:
     if any(not 1 <= v < SMALL_STEP_TOKENS for v in sizes):
         raise ValueError(f"RUNTIME_VERIFY_BUCKETS={raw!r}: give sizes from 1 to {SMALL_STEP_TOKENS - 1} separated by "
                          f"commas (e.g. 2,4,8), or 0 for none")
+    return sizes
+
+
+# A verify step of a few decodes runs on DecodeGraphs(chained=True) instead, one row per token (the last known token
+# and each draft), where its rows fit one of these buckets: the decode step's kernels then score the drafts, and a
+# batch-1 step of k drafts pads to k + 1 rows or the next bucket. RUNTIME_VERIFY_DECODE_BUCKETS (sizes separated by
+# commas; "0": none, verify steps on the step graphs as before, for A/B runs).
+DEFAULT_VERIFY_DECODE_BUCKETS = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48)
+MAX_VERIFY_DECODE_ROWS = 256
+
+
+def verify_decode_buckets() -> tuple[int, ...]:
+    """RUNTIME_VERIFY_DECODE_BUCKETS as sizes (see DEFAULT_VERIFY_DECODE_BUCKETS); () for none."""
+    raw = os.environ.get("RUNTIME_VERIFY_DECODE_BUCKETS", ",".join(map(str, DEFAULT_VERIFY_DECODE_BUCKETS)))
+    raw = raw.replace(" ", "")
+    try:
+        sizes = tuple(sorted({int(v) for v in raw.split(",") if v} - {0}))
+    except ValueError:
+        sizes = (-1,)
+    if any(not 2 <= v <= MAX_VERIFY_DECODE_ROWS for v in sizes):
+        raise ValueError(f"RUNTIME_VERIFY_DECODE_BUCKETS={raw!r}: give row counts from 2 to {MAX_VERIFY_DECODE_ROWS} "
+                         f"separated by commas (e.g. 2,3,5,8), or 0 for none")
     return sizes
 
 

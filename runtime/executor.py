@@ -152,6 +152,10 @@ class PagedAttentionMetadata:
     # some sequences have exactly one new token and some more (the steps of mixed_decode_split); set by the host, which
     # knows it: the eager paths from their sequences, StepGraphs by a graph of its own for such steps
     mixed: bool = False
+    # decode rows that may be one sequence's consecutive positions (a speculative verify step laid out as decodes,
+    # ``runtime.cuda_graphs.DecodeGraphs(chained=True)``): a row attends to keys other rows of the step write, so the
+    # K/V are written by their own kernel before the attention reads the cache (not inside the decode kernel)
+    chained: bool = False
 
 
 def mixed_step(num_new: Sequence[int]) -> bool:
@@ -1612,7 +1616,8 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
     """Attention through the Triton kernels: write the step's K/V into the paged cache (quantizing for
     FP8/INT8 caches), then decode (one query per sequence) or varlen prefill over the block tables. With
     ``rope``, q and k arrive unrotated and one kernel rotates q in place and writes the rotated k and v. A
-    decode-only step does all of it in the decode kernel (``FUSE_KV_WRITE``)."""
+    decode-only step does all of it in the decode kernel (``FUSE_KV_WRITE``), unless its rows are chained
+    (``PagedAttentionMetadata.chained``)."""
     from kernels.paged_attention import (SUPPORTED_HEAD_DIMS, NewKV, decode_rows, paged_decode_attention,
                                          paged_mixed_attention, paged_prefill_attention, rope_write_kv_cache,
                                          write_kv_cache)
@@ -1636,7 +1641,7 @@ def _paged_attention(w, attrs, rope: _FusedRope | None = None
         # (PREFILL_OWN_KV); a step carrying prefill over a quantized cache, the codes (prefill_own_codes)
         own_kv = not md.decode_only and (
             (PREFILL_OWN_KV and md.fresh and kc.dtype == q.dtype) or (rope is not None and prefill_own_codes(kc.dtype)))
-        if md.decode_only and FUSE_KV_WRITE:  # one token per sequence: the decode kernel writes its K/V itself
+        if md.decode_only and FUSE_KV_WRITE and not md.chained:  # the decode kernel writes its row's K/V itself
             rotary = (xs[3], rope.inv_freq, rope.scaling, rope.rotary_dim, rope.interleaved, rope.long_from) \
                 if rope is not None else ()
             new_kv = NewKV(k, v, md.slot_mapping, *rotary)

@@ -359,6 +359,7 @@ class ServingEngine:
         self.scheduler = Scheduler(self.scheduler_config, self.kv)
         self.graphs = None
         self.step_graphs = None  # StepGraphs: steps carrying prefill, of up to prefill_graph_tokens tokens
+        self.verify_graphs = None  # DecodeGraphs(chained=True): verify steps of a few decodes, a row per token
         if config.cuda_graphs and self.device.type == "cuda" and self.executor.use_kernels:
             from runtime.cuda_graphs import (DEFAULT_STEP_TOKEN_BUCKETS, DecodeGraphs, StepGraphs, decode_graph_batch,
                                              powers, verify_buckets)
@@ -383,6 +384,8 @@ class ServingEngine:
                                "seq_buckets": tuple(sorted(set(powers(4, min(max_rows, max_tokens))) | set(small)))}
                 self.step_graphs = step_graphs(self.executor, self.storage, max_tokens, max_rows,
                                                self.scheduler_config.max_seq_len, **buckets)
+            if config.speculative.enabled and graphs is DecodeGraphs:  # (one GPU: a TP worker has none of them)
+                self.verify_graphs = self._verify_decode_graphs(config.speculative)
             # decode-only steps are graph replays and much cheaper than eager ones that carry a prompt
             self.scheduler_config.prefill_hold_s = config.prefill_hold_ms / 1000
             self.scheduler_config.prefill_hold_tokens = self.scheduler_config.max_num_batched_tokens // 4
@@ -434,6 +437,9 @@ class ServingEngine:
         if self.step_graphs is not None:
             self.step_graphs.close()  # likewise (tensor parallelism: every rank's step graphs record collectives)
             self.step_graphs = None
+        if self.verify_graphs is not None:
+            self.verify_graphs.close()
+            self.verify_graphs = None
         if self._grammars is not None:
             self._grammars.close()
         if self._mask_filler is not None:
@@ -443,6 +449,20 @@ class ServingEngine:
         self.engine.close()
 
     # --- memory --------------------------------------------------------------------------------
+    def _verify_decode_graphs(self, spec: SpeculativeConfig, capture: bool = True):
+        """The verify-step decode graphs (``DecodeGraphs(chained=True)``) for up to the rows a verify step may have
+        (``max_running`` decodes of k + 1 rows each), in the buckets of ``verify_decode_buckets``; None where none
+        applies."""
+        from runtime.cuda_graphs import DecodeGraphs, verify_decode_buckets
+
+        sizes = verify_decode_buckets()
+        sc = self.scheduler_config
+        top = min(sc.max_num_seqs, spec.max_running) * (spec.num_speculative_tokens + 1)
+        if not sizes or top < 2:
+            return None
+        return DecodeGraphs(self.executor, self.storage, min(top, sizes[-1]), sc.max_seq_len, buckets=sizes,
+                            chained=True, capture=capture)
+
     def _plan_memory(self) -> MemoryPlan:
         cfg, sc = self.config, self.scheduler_config
         layout = self.engine.kv_layout
@@ -666,6 +686,8 @@ class ServingEngine:
             if self._hidden_wanted():
                 self._record_hidden(sched, self.graphs.hidden, list(range(len(seqs) + 1)))
             return logits, [q.request for q in seqs]  # a one-token step always samples
+        if self.verify_graphs is not None and self._chains(seqs):
+            return self._replay_verify(sched, drafts)
         packed, sampling = self._pack(sched)
         moved = [(i, q.in_flight_row) for i, q in enumerate(seqs) if q.in_flight_row is not None]
         # (rows of the step in flight, packed rows they feed): a seq with an in-flight token has one new token
@@ -1188,6 +1210,34 @@ class ServingEngine:
             slots.append(table[p // bs] * bs + p % bs)
             tables.append(table)
         return self.graphs.run(ids if input_ids is None else input_ids, positions, slots, tables)
+
+    def _chains(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether a step is a verify step the verify-step decode graphs take: decodes only (one known token each,
+        then its drafts, every row sampled, none in flight), some with drafts, within their largest bucket."""
+        return (any(q.num_draft for q in seqs)
+                and all(q.samples and q.in_flight_row is None and q.num_new == q.num_draft + 1 for q in seqs)
+                and self.verify_graphs.bucket_for(sum(q.num_new for q in seqs)) is not None)
+
+    def _replay_verify(self, sched: SchedulerOutput, drafts: _DeviceDrafts | None) -> tuple[torch.Tensor, list]:
+        """A verify step (``_chains``) on the verify-step decode graphs: each request's last token and its drafts
+        as rows at consecutive positions over its block table; returns the logits of every row (k + 1 a request, in
+        order, as the step graphs' verify rows) and the requests."""
+        bs = self.block_size
+        long_rope = self.scheduler_config.long_rope_from is not None
+        ids, positions, slots, tables, starts = [], [], [], [], [0]
+        for q in sched.seqs:
+            p, table = q.num_context, self.kv.block_table(q.request.request_id)
+            offset = q.request.rope_offset if long_rope else 0
+            ids += [q.request.token_ids[p], *q.draft_token_ids]  # (placeholders for drafts still on the device)
+            positions.extend(range(p + offset, p + q.num_new + offset))
+            slots.extend(table[j // bs] * bs + j % bs for j in range(p, p + q.num_new))
+            tables += [table] * q.num_new
+            starts.append(starts[-1] + q.num_new)
+        input_ids = ids if drafts is None else _feed(to_device(ids, self.device), drafts.feed(sched.seqs, starts))
+        logits = self.verify_graphs.run(input_ids, positions, slots, tables)
+        if self._hidden_wanted():
+            self._record_hidden(sched, self.verify_graphs.hidden, starts)
+        return logits, [q.request for q in sched.seqs]
 
     def _emit(self, request: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         """Detokenize the new token (its grammar has taken it, see ``_record``), check stop conditions, and finish

@@ -52,8 +52,9 @@
 #                  $OUT/eagle-head): tests/runtime/test_eagle.py's and test_eagle3.py's CUDA tests, then
 #                  builder.bench.speculative --eagle at each k of $SPEC_K (default 4) on held-out text, recorded
 #                  (spec_speedup_eagle_b1[_kK], ...)
-#   eagle-cost-PREC  Llama-3-8B shape (PREC as for 8b-PREC): the verify step's cost at k = 1, 2, 4
-#                  (builder.bench.speculative --verify-cost, tagged _8b_PREC), then an EAGLE-3 and an EAGLE-1
+#   eagle-cost-PREC  Llama-3-8B shape (PREC as for 8b-PREC): the verify step's cost at each k of $VERIFY_K
+#                  (default "1 2 4"; builder.bench.speculative --verify-cost, tagged _8b_PREC; with $VERIFY_AB_K, also
+#                  at those k with the verify-step decode graphs off, tagged _8b_PREC_step_graphs), then an EAGLE-3 and an EAGLE-1
 #                  proposal's time at each k of $SPEC_K (default "2 4") for random one-layer heads shaped like the
 #                  model's layers (the EAGLE-3 one over a 32,000-token draft vocabulary; builder.bench.eagle_cost),
 #                  recorded; $EAGLE_REQUESTS (default 1; e.g. "1 4 8"): requests drafting together in one proposal
@@ -344,8 +345,13 @@ PY
     eagle-cost-*)
       prec=${part#eagle-cost-}
       artifact "$prec"
-      python3 -m builder.bench.speculative artifacts/llama3-8b-$prec --device cuda --no-speedup --verify-cost 1 2 4 \
-        --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'verify|K ='
+      python3 -m builder.bench.speculative artifacts/llama3-8b-$prec --device cuda --no-speedup \
+        --verify-cost ${VERIFY_K:-1 2 4} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" 2>&1 | grep -E 'verify|K ='
+      if [ -n "${VERIFY_AB_K:-}" ]; then  # the same on the step graphs (verify steps as prompts), tagged _step_graphs
+        RUNTIME_VERIFY_DECODE_BUCKETS=0 python3 -m builder.bench.speculative artifacts/llama3-8b-$prec --device cuda \
+          --no-speedup --verify-cost $VERIFY_AB_K --tag _8b_${prec}_step_graphs --record "$OUT/benchmarks.jsonl" 2>&1 \
+          | grep -E 'verify|K ='
+      fi
       for variant in --eagle3 ""; do
         python3 -m builder.bench.eagle_cost artifacts/llama3-8b-$prec --config $CKPT/config.json $variant \
           --num-draft ${SPEC_K:-2 4} --requests ${EAGLE_REQUESTS:-1} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" \

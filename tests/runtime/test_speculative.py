@@ -791,6 +791,83 @@ def test_verify_steps_replay_the_step_graphs_padded_step(tiny_artifact):
     _assert_no_leaks(fused)
 
 
+@pytest.mark.parametrize("on_device", [False, True])
+def test_verify_steps_run_as_chained_decodes(tiny_artifact, monkeypatch, on_device):
+    """A verify step of a few decodes runs on the verify-step decode graphs (DecodeGraphs(chained=True); here eagerly
+    through the kernels, under the Triton interpreter): each request's last token and its drafts as rows at
+    consecutive positions, padded to the next row bucket; a step with more rows than the largest bucket takes the
+    other path. Drafts on the host and drafts left on the device; greedy and seeded requests: the tokens are the
+    non-speculative reference's."""
+    monkeypatch.setenv("RUNTIME_VERIFY_DECODE_BUCKETS", "2,3,5")
+    path = tiny_artifact
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [20, 21, 22]]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True),
+              SamplingParams(max_tokens=17, temperature=0.9, seed=3, ignore_eos=True)]
+    want = ServingEngine(Engine.load(path, use_kernels=False), ServingConfig(num_blocks=16)).run(prompts, params)
+    fused = ServingEngine(Engine.load(path, use_kernels=True),
+                          ServingConfig(num_blocks=16, max_num_batched_tokens=32, max_seq_len=64, max_num_seqs=2,
+                                        speculative={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "min_acceptance": 0.0}))
+    fused.verify_graphs = graphs = fused._verify_decode_graphs(fused.spec_policy.config, capture=False)
+    assert graphs.buckets == [2, 3, 5] and graphs.chained
+    vocab = int(fused.executor.graph["meta"]["vocab_size"])
+    scripted = DeviceScriptedProposer if on_device else ScriptedProposer
+    fused.proposer = scripted([p + w.token_ids for p, w in zip(prompts, want)], vocab, wrong_at=lambda k: k - 1)
+    runs, eager, real_run, real_forward = [], [], graphs.run, fused.executor.forward
+
+    def spy(ids, positions, slots, tables):
+        runs.append(positions)
+        return real_run(ids, positions, slots, tables)
+
+    def forward(inp):
+        if inp.paged is not None and not inp.paged.chained:
+            eager.append(inp.paged.cu_seqlens_q.tolist())
+        return real_forward(inp)
+
+    graphs.run, fused.executor.forward = spy, forward
+    got = fused.run(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+    assert runs and all(len(r) <= 5 for r in runs)
+    # one request alone with 3 drafts: 4 rows at consecutive positions (its last token's, then the drafts')
+    assert any(len(r) == 4 and r == list(range(r[0], r[0] + 4)) for r in runs)
+    assert [0, 4, 8] in eager  # both requests with 3 drafts: 8 rows, past the largest bucket (5)
+    assert fused.stats().spec_num_accepted_tokens > 0
+    _assert_no_leaks(fused)
+
+
+def test_on_cuda_verify_steps_replay_the_chained_decode_graphs(bundled_artifact):
+    """On CUDA (captured graphs), verify steps of one to three decodes replay the verify-step decode graphs, whose
+    rows of one request attend to keys other rows of the same launch write: greedy and seeded tokens equal decoding
+    without speculation."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs CUDA, the kernels compiled")
+    engine = Engine.load(bundled_artifact, "cuda")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    params = [SamplingParams(max_tokens=40 + 12 * i, temperature=0.8 * (i % 2), seed=i, ignore_eos=True)
+              for i in range(3)]
+    want = _serving(engine).run(prompts, params)
+    s = _serving(engine, {"method": "ngram", "num_speculative_tokens": 4, "min_acceptance": 0.0, "adaptive": False})
+    assert s.verify_graphs is not None and s.verify_graphs._graphs
+    vocab = int(engine.executor.graph["meta"]["vocab_size"])
+    s.proposer = ScriptedProposer([p + w.token_ids for p, w in zip(prompts, want)], vocab, wrong_at=lambda k: k - 2)
+    rows, real_run = [], s.verify_graphs.run
+    s.verify_graphs.run = lambda *a: rows.append(len(a[1])) or real_run(*a)
+    assert [o.token_ids for o in s.run(prompts, params)] == [w.token_ids for w in want]
+    assert {5, 10, 15} & set(rows) and s.stats().spec_num_accepted_tokens > 0
+    _assert_no_leaks(s)
+
+
+def test_verify_decode_buckets(monkeypatch):
+    from runtime.cuda_graphs import DEFAULT_VERIFY_DECODE_BUCKETS, verify_decode_buckets
+
+    assert verify_decode_buckets() == DEFAULT_VERIFY_DECODE_BUCKETS
+    monkeypatch.setenv("RUNTIME_VERIFY_DECODE_BUCKETS", "0")
+    assert verify_decode_buckets() == ()
+    monkeypatch.setenv("RUNTIME_VERIFY_DECODE_BUCKETS", "8, 3,1")
+    with pytest.raises(ValueError, match="RUNTIME_VERIFY_DECODE_BUCKETS='8,3,1': give row counts from 2 to 256"):
+        verify_decode_buckets()
+
+
 def test_verify_buckets_pad_a_few_decodes_to_small_steps(monkeypatch):
     """With speculation on, a batch-1 verify step of k drafts pads to the next of the small buckets (2, 4, 8 tokens
     and sequences) instead of 16 tokens over 16 sequences; a small sequence bucket never pairs with a large token
