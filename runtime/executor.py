@@ -1348,15 +1348,19 @@ def _kernel_fp8_block_linear(w, quant, dtype: torch.dtype) -> Callable[[torch.Te
 def _kernel_dense_linear(weight: torch.Tensor, bias: torch.Tensor | None,
                          gated: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """An unquantized linear: ``kernels.gemv.dense_gemv`` up to ``DENSE_RUNTIME_MAX_ROWS`` rows (a decode step at
-    batch 1-2: PDL and the L2 prefetch overlap it with the kernel before it; cuBLAS's GEMV takes neither), cuBLAS
-    beyond. ``gated`` (``plan_fusions``): x is a merged [gate | up] and the input silu(gate) * up, formed in the
+    batch 1-2: PDL and the L2 prefetch overlap it with the kernel before it; cuBLAS's GEMV takes neither),
+    ``kernels.dense_rows`` from 3 to its ``RUNTIME_MAX_ROWS`` rows (a verify step, a decode of a few sequences: the
+    same, on the tensor cores), cuBLAS beyond. ``gated`` (``plan_fusions``): x is a merged [gate | up] and the input silu(gate) * up, formed in the
     GEMV's x loads or by ``silu_mul`` before cuBLAS."""
-    from kernels import gemv
+    from kernels import dense_rows, gemv
     from kernels.activation import silu_mul
 
     def linear(x: torch.Tensor) -> torch.Tensor:
-        if x.numel() <= gemv.DENSE_RUNTIME_MAX_ROWS * x.shape[-1] and gemv.dense_applies(x, weight):  # shapes only
+        rows = x.numel() // x.shape[-1]  # shapes only
+        if rows <= gemv.DENSE_RUNTIME_MAX_ROWS and gemv.dense_applies(x, weight):
             return gemv.dense_gemv(x, weight, bias, gated=gated)
+        if dense_rows.MIN_ROWS <= rows <= dense_rows.RUNTIME_MAX_ROWS and dense_rows.applies(x, weight):
+            return dense_rows.dense_rows(x, weight, bias, gated=gated)
         if gated:
             x = silu_mul(x)
         return ops.linear(x, weight, bias)

@@ -58,6 +58,10 @@
 #                  proposal's time at each k of $SPEC_K (default "2 4") for random one-layer heads shaped like the
 #                  model's layers (the EAGLE-3 one over a 32,000-token draft vocabulary; builder.bench.eagle_cost),
 #                  recorded; $EAGLE_REQUESTS (default 1; e.g. "1 4 8"): requests drafting together in one proposal
+#   dense-rows     kernels.dense_rows (unquantized linears at 3-16 rows): its CUDA tests, its table against cuBLAS at
+#                  $DENSE_ROWS rows (default 3 5 8 16), then the 8B bf16 verify cost ($VERIFY_K) and decode steps at
+#                  batch 4, 8, 16 with it and with those rows on cuBLAS (KERNELS_DENSE_ROWS_MAX=0, tagged
+#                  _cublas_rows); with $ROWS_SWEEP (rows), a config sweep last
 #   quickstart     build the bundled model's artifacts the smoke part runs (fp32, GPTQ, AWQ, FP8, SmoothQuant,
 #                  INT8 weight-only)
 #   smoke          the bundled model's artifacts on the CUDA serving path vs CPU (greedy tokens)
@@ -357,6 +361,22 @@ PY
           --num-draft ${SPEC_K:-2 4} --requests ${EAGLE_REQUESTS:-1} --tag _8b_$prec --record "$OUT/benchmarks.jsonl" \
           2>&1 | grep -E 'EAGLE|Error'
       done ;;
+    dense-rows)  # kernels.dense_rows: GPU tests, kernel table vs cuBLAS, then end to end on the 8B bf16 (A/B)
+      python3 -m pytest -q -o addopts= -p no:cacheprovider tests/kernels/test_dense_rows.py -k cuda 2>&1 | tail -2
+      python3 -m kernels.bench.dense --dense-rows ${DENSE_ROWS:-3 5 8 16} 2>&1 | tee "$OUT/dense_rows.txt" \
+        | grep -E '^ *(qkv|o_proj|gate_up|down|lm_head|step) |FAIL|checks'
+      artifact bf16
+      for setting in "" 0; do  # "": the default (dense_rows at 3-16 rows); 0: those rows on cuBLAS
+        tag=_8b_bf16$( [ -z "$setting" ] || echo _cublas_rows )
+        KERNELS_DENSE_ROWS_MAX=${setting:-16} python3 -m builder.bench.speculative artifacts/llama3-8b-bf16 \
+          --device cuda --no-speedup --verify-cost ${VERIFY_K:-1 2 4 8} --tag $tag --record "$OUT/benchmarks.jsonl" \
+          2>&1 | grep -E 'verify|K ='
+        KERNELS_DENSE_ROWS_MAX=${setting:-16} python3 -m builder.cli bench latency artifacts/llama3-8b-bf16 \
+          --input-len 128 --output-len 128 --batch-size 4 --batch-size 8 --batch-size 16 2>&1 \
+          | grep -E '^decode step|^batch|^ +[0-9]' | sed "s/^/[$tag] /"
+      done
+      [ -n "${ROWS_SWEEP:-}" ] && python3 -m kernels.bench.dense --dense-rows $ROWS_SWEEP --rows-sweep 2>&1 \
+        | tee "$OUT/dense_rows_sweep.txt" | grep -E 'M=|^ +[0-9]|us ' | head -60 ;;
     quickstart)
       for r in "" -gptq -awq -fp8 -smoothquant -int8_wo; do
         [ -d artifacts/quickstart$r ] || python3 -m builder.cli build recipes/quickstart$r.yaml --quiet 2>&1 | tail -2

@@ -2,6 +2,7 @@
 
     python -m kernels.bench.dense            # Llama-3-8B shapes and its lm_head at 1, 2, 4 rows; a layer's chain
     python -m kernels.bench.dense --sweep    # also time candidate GemvConfigs per shape (to tune _DENSE_CUDA_CONFIGS)
+    python -m kernels.bench.dense --dense-rows 3 5 8 16 [--rows-sweep]   # kernels.dense_rows vs cuBLAS (and configs)
 
 Each shape's fresh random bf16 weight (and x) is checked against the fp32 reference (``F.linear`` in fp32, rounded
 to bf16), then ``dense_gemv`` and ``F.linear`` (cuBLAS) are timed over CUDA-graph replays of back-to-back calls,
@@ -24,6 +25,8 @@ import torch.nn.functional as F
 
 from kernels.activation import silu_mul
 from kernels.bench.gemm import SHAPES, report, sweep_configs, time_us
+from kernels.dense_rows import DEFAULT_CONFIG as ROWS_DEFAULT
+from kernels.dense_rows import dense_rows
 from kernels.gemv import GEMV_MAX_ROWS, GemvConfig, default_gemv_config, dense_gemv
 
 DTYPE = torch.bfloat16
@@ -97,6 +100,53 @@ def bench_shapes(sweep: bool, rows_list: list[int]) -> list[str]:
     return failures
 
 
+def rows_candidates() -> list[GemvConfig]:
+    """Configs ``--rows-sweep`` tries for ``kernels.dense_rows``: tensor-core tiles, auto split-K."""
+    tiles = [(bn, bk, w, st) for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for w in (4, 8) for st in (3, 5)
+             if 2048 <= bn * bk <= 16384 and (w == 4 or bn * bk == 16384)]
+    return [GemvConfig(bn, bk, num_warps=w, num_stages=st) for bn, bk, w, st in tiles]
+
+
+def bench_rows(sweep: bool, rows_list: list[int]) -> list[str]:
+    """``kernels.dense_rows`` at 3-16 rows against cuBLAS on the Llama-3-8B shapes (the down projection gated, as the
+    runtime runs it: silu_mul + cuBLAS on the other side)."""
+    failures = []
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    print(f"\ndense rows (kernels.dense_rows, tensor cores) vs cuBLAS, {DTYPE}; us per call (CUDA graphs, weights "
+          "rotated past L2), TB/s of weight bytes")
+    shapes = [(name, k, n, name == "down") for name, k, n in ALL_SHAPES]
+    total = {m: [0.0, 0.0] for m in rows_list}
+    for name, k, n, gated in shapes:
+        nbytes = n * k * 2
+        copies = max(2, -(-ROTATE_BYTES // nbytes))
+        weights = [torch.randn(n, k, generator=gen, device="cuda").mul_(0.02).to(DTYPE) for _ in range(copies)]
+        for m in rows_list:
+            x = torch.randn(m, 2 * k if gated else k, generator=gen, device="cuda").to(DTYPE)
+            ref = F.linear((silu_mul(x) if gated else x).float(), weights[0].float()).to(DTYPE)
+            ok, err = _close(dense_rows(x, weights[0], gated=gated), ref)
+            if not ok:
+                failures.append(f"dense_rows {name} M={m}: max rel err {err:.2e}")
+            t_rows = time_us([lambda w=w: dense_rows(x, w, gated=gated) for w in weights])
+            t_cublas = time_us([lambda w=w: F.linear(silu_mul(x) if gated else x, w) for w in weights])
+            total[m][0] += t_rows * (32 if name != "lm_head" else 1)
+            total[m][1] += t_cublas * (32 if name != "lm_head" else 1)
+            print(f"{name:>8} {m:2d} {k:6d} {n:6d} | {t_rows:7.1f} {t_cublas:7.1f} | {nbytes / t_rows / 1e6:5.2f} "
+                  f"{nbytes / t_cublas / 1e6:6.2f} | {t_cublas / t_rows:5.2f} | {err:.1e}  {ROWS_DEFAULT}")
+            if sweep:
+                failures += sweep_configs(f"dense_rows {name} M={m}", rows_candidates(),
+                                          lambda cand: _close(dense_rows(x, weights[0], gated=gated, config=cand),
+                                                              ref),
+                                          lambda cand: [lambda w=w: dense_rows(x, w, gated=gated, config=cand)
+                                                        for w in weights],
+                                          weight_bytes=nbytes, reps=10, top=4)
+        del weights
+        torch.cuda.empty_cache()
+    for m, (r, c) in total.items():
+        print(f"{'step':>8} {m:2d}  32 layers + lm_head: dense_rows {r / 1e3:.3f} ms, cuBLAS {c / 1e3:.3f} ms "
+              f"(each linear timed alone)")
+    return failures
+
+
 def bench_gated(rows_list: list[int]) -> list[str]:
     """The down projection on a merged [gate | up]: dense_gemv(gated) vs silu_mul + cuBLAS."""
     failures = []
@@ -149,12 +199,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time candidate configs per shape and M")
     parser.add_argument("--rows", nargs="*", type=int, default=ROWS, help=f"rows of x (at most {GEMV_MAX_ROWS})")
+    parser.add_argument("--dense-rows", nargs="*", type=int, metavar="M",
+                        help="only kernels.dense_rows against cuBLAS at these rows (3-16)")
+    parser.add_argument("--rows-sweep", action="store_true", help="with --dense-rows: also sweep its configs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("kernels.bench.dense needs a CUDA GPU", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"bandwidth: copy {bandwidth_tbs():.2f} TB/s (read + write)")
+    if args.dense_rows:
+        return report(bench_rows(args.rows_sweep, args.dense_rows))
     failures = bench_shapes(args.sweep, args.rows) + bench_gated(args.rows)
     bench_chain()
     return report(failures)
